@@ -1,0 +1,1 @@
+"""Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime."""

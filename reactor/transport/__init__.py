@@ -1,0 +1,1 @@
+"""How bytes move between processes and hosts. Knows nothing of RL."""

@@ -1,0 +1,44 @@
+"""reactor: a runtime for distributed reinforcement learning.
+
+Layer map (imports point only downwards; tests/test_layers.py enforces it):
+
+    apps/*.py              user app files: build(config) -> Graph, nothing else
+    reactor/cli.py         `reactor run | graph | trace`
+    reactor/nodes/         ready-made reactors (Replay, EnvActor, Learner, ...)
+    reactor/algos/         RL algorithms as plain functions over tensors
+    launch                 _runtime, _coordinator, _worker: placement and processes
+    reactor/replay/        replay engine, no networking, no runtime
+    reactor/transport/     how bytes move (codec, ZeroMQ endpoint, bulk regions); knows no RL
+    core                   _errors, _tag, _reactor, _graph, _scheduler, _trace
+
+This module is the public API: every public name is re-exported here exactly once.
+"""
+
+from __future__ import annotations
+
+from ._errors import FrameTooLargeError as FrameTooLargeError
+from ._errors import GraphError as GraphError
+from ._errors import MalformedFrameError as MalformedFrameError
+from ._errors import PeerLostError as PeerLostError
+from ._errors import PortClosedError as PortClosedError
+from ._errors import PortError as PortError
+from ._errors import ReactorError as ReactorError
+from ._errors import ReactorInternalError as ReactorInternalError
+from ._errors import TraceMismatchError as TraceMismatchError
+from ._errors import WouldBlock as WouldBlock
+from ._graph import Graph as Graph
+from ._graph import Node as Node
+from ._reactor import Action as Action
+from ._reactor import Input as Input
+from ._reactor import Output as Output
+from ._reactor import Reactor as Reactor
+from ._reactor import Timer as Timer
+from ._reactor import reaction as reaction
+from ._reactor import shutdown as shutdown
+from ._reactor import startup as startup
+from ._runtime import RunResult as RunResult
+from ._runtime import run as run
+from ._runtime import run_async as run_async
+from ._tag import Tag as Tag
+
+__version__ = "0.1.0"

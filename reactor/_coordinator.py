@@ -1,0 +1,232 @@
+"""The coordinator of a multi-process run: starts workers, wires them, ends the run, reaps them.
+
+It owns the run's lifecycle and nothing else: messages between reactors never pass through it.
+It ends the run when every worker has finished (stop time reached), when one asks to stop, on
+SIGINT/SIGTERM, or on quiescence, detected by counting: when every worker reports idle and the
+messages sent and received add up, it probes all of them once more, and stops only if the
+counts are unchanged (a message in flight would show as a difference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ._errors import PeerLostError, ReactorError
+from ._graph import Graph
+from ._placement import resolve
+from ._runtime import RunResult
+
+log = logging.getLogger("reactor.coordinator")
+START_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 20.0
+
+
+class WorkerFailedError(ReactorError):
+    """A worker process raised or died; its message or exit status is included."""
+
+
+async def run_processes(
+    graph: Graph,
+    *,
+    placement: str,
+    deterministic: bool,
+    seed: int,
+    stop_ns: int | None,
+    record: Any,
+    replay: Any,
+    digest: bool,
+    app: str | None,
+    config: Mapping[str, Any],
+) -> RunResult:
+    from .transport import Endpoint
+
+    if app is None:
+        raise ValueError(
+            f"placement {placement!r} needs the app file: workers rebuild the graph from it "
+            "(use `reactor run APP --placement ...` or run(graph, app=PATH, config=...))"
+        )
+    groups = resolve(graph, placement)
+    owner_of = {n: g.name for g in groups for n in g.reactors}
+    sockdir = tempfile.mkdtemp(prefix="reactor-")
+    ep = await Endpoint.open("coordinator", f"ipc://{sockdir}/coordinator")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, signalled.set)
+            installed.append(sig)
+    try:
+        for g in groups:
+            spec = {
+                "group": g.name,
+                "app": str(Path(app).resolve()),
+                "config": dict(config),
+                "owner_of": owner_of,
+                "bind": g.bind or f"ipc://{sockdir}/{g.name}",
+                "coordinator": ep.address,
+                "deterministic": deterministic,
+                "seed": seed,
+                "stop_ns": stop_ns,
+                "record": record is not None,
+                "replay": str(replay) if replay is not None else None,
+                "digest": digest,
+                "max_message_nbytes": 64 * 2**20,
+                "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            }
+            p = subprocess.Popen([sys.executable, "-m", "reactor._worker"], stdin=subprocess.PIPE)
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(spec).encode())
+            p.stdin.close()
+            procs[g.name] = p
+        session = _Session(ep, procs, signalled)
+        addresses = await session.gather("hello", START_TIMEOUT_S)
+        for g in groups:
+            await ep.connect(g.name, addresses[g.name][0])
+        for g in groups:
+            ep.send_nowait(g.name, ("peers", {k: v[0] for k, v in addresses.items()}))
+        await session.gather("ready", START_TIMEOUT_S)
+        for g in groups:
+            ep.send_nowait(g.name, ("start",))
+        stopped_by, results = await session.supervise()
+        for g in groups:
+            with contextlib.suppress(Exception):
+                ep.send_nowait(g.name, ("exit",))
+        events: dict[str, int] = {}
+        digests: dict[str, str] = {}
+        traces: list[dict[str, Any]] = []
+        for res in results.values():
+            events.update(res["events"])
+            digests.update(res["digests"])
+            traces.append(res["trace"])
+        if record is not None:
+            from ._trace import merge_events, write_trace
+
+            write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
+        await _reap(procs, EXIT_TIMEOUT_S)
+        return RunResult(digests=digests, events=events, placement=placement, stopped_by=stopped_by)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await _reap(procs, 0.0)
+        await ep.aclose()
+        with contextlib.suppress(OSError):
+            for f in os.listdir(sockdir):
+                os.unlink(os.path.join(sockdir, f))
+            os.rmdir(sockdir)
+
+
+class _Session:
+    def __init__(self, ep: Any, procs: dict[str, subprocess.Popen[bytes]], signalled: asyncio.Event) -> None:
+        self.ep = ep
+        self.procs = procs
+        self.signalled = signalled
+        self.status: dict[str, tuple[int, bool, int, int]] = {}
+        self.results: dict[str, Any] = {}
+        self.epoch = 0
+        self.probe_snapshot: tuple[int, int] | None = None
+
+    def _check_children(self) -> None:
+        for name, p in self.procs.items():
+            rc = p.poll()
+            if rc is not None and name not in self.results:
+                raise WorkerFailedError(f"worker {name!r} exited with status {rc} before the run ended")
+
+    async def _batch(self) -> list[tuple[str, Any]]:
+        batch = await self.ep.recv_batch(timeout_s=0.2)
+        for peer, msg in batch:
+            if msg[0] == "error":
+                raise WorkerFailedError(f"worker {peer!r} failed:\n{msg[1]}")
+        return batch
+
+    async def gather(self, what: str, timeout_s: float) -> dict[str, Any]:
+        got: dict[str, Any] = {}
+        async with asyncio.timeout(timeout_s):
+            while len(got) < len(self.procs):
+                if self.signalled.is_set():
+                    raise KeyboardInterrupt
+                self._check_children()
+                for peer, msg in await self._batch():
+                    if msg[0] == what:
+                        got[peer] = msg[1:]
+        return got
+
+    async def supervise(self) -> tuple[str, dict[str, Any]]:
+        stopped_by: str | None = None
+        while len(self.results) < len(self.procs):
+            if self.signalled.is_set() and stopped_by is None:
+                stopped_by = "signal"
+                self._broadcast(("stop",))
+            self._check_children()
+            for peer, msg in await self._batch():
+                kind = msg[0]
+                if kind == "done":
+                    self.results[peer] = msg[1]
+                elif kind == "status":
+                    self.status[peer] = (msg[1], msg[2], msg[3], msg[4])
+                elif kind == "stop_request" and stopped_by is None:
+                    stopped_by = "request"
+                    self._broadcast(("stop",))
+            if stopped_by is None and self._quiescent():
+                stopped_by = "quiescence"
+                self._broadcast(("stop",))
+        return stopped_by or "stop_time", self.results
+
+    def _quiescent(self) -> bool:
+        live = [n for n in self.procs if n not in self.results]
+        if self.results and len(self.results) == len(self.procs):
+            return False
+        st = self.status
+        if len(st) < len(self.procs) or not all(st[n][1] for n in live):
+            self.probe_snapshot = None
+            return False
+        sent = sum(s[2] for s in st.values())
+        received = sum(s[3] for s in st.values())
+        if sent != received:
+            self.probe_snapshot = None
+            return False
+        if self.probe_snapshot is None or not all(st[n][0] == self.epoch for n in live):
+            if self.probe_snapshot is None:
+                self.epoch += 1
+                self.probe_snapshot = (sent, received)
+                for n in live:
+                    self.ep.send_nowait(n, ("probe", self.epoch))
+            return False
+        return self.probe_snapshot == (sent, received)
+
+    def _broadcast(self, msg: Any) -> None:
+        for n in self.procs:
+            if n not in self.results:
+                with contextlib.suppress(Exception):
+                    self.ep.send_nowait(n, msg)
+
+
+async def _reap(procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Wait for every worker; SIGTERM then SIGKILL the ones that outlive ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while any(p.poll() is None for p in procs.values()) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+__all__ = ["PeerLostError", "WorkerFailedError", "run_processes"]

@@ -1,0 +1,92 @@
+"""Placement: which process runs which reactor instance. Data chosen at launch, never in the app.
+
+* ``single``: every reactor in one process (``_runtime.drive_single``).
+* ``processes``: one process per reactor instance, linked by ZeroMQ over ipc.
+* a TOML placement file naming groups::
+
+      [groups.learner]
+      reactors = ["learner", "replay*"]     # node names, instance names or fnmatch patterns
+
+      [groups.actors]
+      reactors = ["actor*"]
+      bind = "tcp://127.0.0.1:*"            # optional: tcp (with CURVE) instead of local ipc
+
+  Every reactor instance must fall in exactly one group.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from ._errors import GraphError
+from ._graph import Graph
+
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]+$")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process of a multi-process run."""
+
+    name: str
+    reactors: tuple[str, ...]
+    bind: str | None = None  # None: ipc in a private directory
+
+
+def resolve(graph: Graph, placement: str) -> list[Group]:
+    """The process groups ``placement`` asks for.
+
+    Raises:
+        GraphError: unknown placement, unreadable file, a pattern that matches nothing, or a reactor
+            placed twice or not at all.
+    """
+    instances = [name for _, _, name in graph.instances()]
+    if placement == "processes":
+        return [Group(_group_name(n), (n,)) for n in instances]
+    path = Path(placement)
+    if not path.is_file():
+        raise GraphError(f"unknown placement {placement!r}: use 'single', 'processes' or the path of a placement file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise GraphError(f"placement file {placement}: {e}") from e
+    groups_raw = data.get("groups")
+    if not isinstance(groups_raw, dict) or not groups_raw:
+        raise GraphError(f"placement file {placement} has no [groups.NAME] tables")
+    node_of = {name: node.name for node, _, name in graph.instances()}
+    owner: dict[str, str] = {}
+    groups = []
+    for gname, spec in groups_raw.items():
+        if not _GROUP_RE.match(gname):
+            raise GraphError(f"placement file {placement}: group name {gname!r} must match {_GROUP_RE.pattern}")
+        pats = spec.get("reactors") if isinstance(spec, dict) else None
+        if not isinstance(pats, list) or not all(isinstance(p, str) for p in pats):
+            raise GraphError(f"placement file {placement}: group {gname!r} needs reactors = [\"name\", ...]")
+        bind = spec.get("bind")
+        if bind is not None and not (isinstance(bind, str) and bind.startswith(("tcp://", "ipc://"))):
+            raise GraphError(f"placement file {placement}: group {gname!r} bind must be a tcp:// or ipc:// address")
+        members = []
+        for pat in pats:
+            hit = [n for n in instances if fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(node_of[n], pat)]
+            if not hit:
+                raise GraphError(f"placement file {placement}: pattern {pat!r} of group {gname!r} matches no reactor")
+            for n in hit:
+                if n in owner and owner[n] != gname:
+                    raise GraphError(f"placement file {placement}: reactor {n!r} is in groups {owner[n]!r} and {gname!r}")
+                if n not in owner:
+                    owner[n] = gname
+                    members.append(n)
+        groups.append(Group(gname, tuple(members), bind))
+    missing = [n for n in instances if n not in owner]
+    if missing:
+        raise GraphError(f"placement file {placement}: no group holds {', '.join(missing)}")
+    return [g for g in groups if g.reactors]
+
+
+def _group_name(instance: str) -> str:
+    return instance.replace("[", "-").replace("]", "")

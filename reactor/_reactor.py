@@ -1,0 +1,356 @@
+"""Reactors, their ports, timers, actions and reactions.
+
+A reactor declares its interface as class attributes (``Input``, ``Output``, ``Timer``, ``Action``)
+and its behaviour as methods decorated with ``@reaction``. The decorator is a contract: a reaction
+may only write the outputs and schedule the actions it names in ``effects``; anything else raises
+``PortError`` naming the reactor, the reaction and the port.
+
+Reactors never call each other and never share memory: the scheduler delivers messages between
+their ports. State lives in the instance. ``__init__`` runs wherever the app is built (every
+process of a multi-process run builds the graph), so keep it cheap and acquire resources (files,
+environments, models) in a ``startup`` reaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from ._errors import PortError
+from ._tag import Tag, seconds_to_ns
+
+if TYPE_CHECKING:
+    from ._scheduler import ReactorHost
+
+T = TypeVar("T")
+
+
+class PortSpec:
+    """Base of every class-level declaration (ports, timers, actions, lifecycle triggers)."""
+
+    name: str = "?"
+    owner: type | None = None
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        owner = self.owner.__name__ if self.owner else "?"
+        return f"{type(self).__name__}({owner}.{self.name})"
+
+
+class Input(PortSpec, Generic[T]):
+    """An input port carrying values of type ``T``.
+
+    Args:
+        type_: the payload type; checked against the connected output's type when the graph is
+            validated. ``object`` (the default) accepts anything.
+        required: a required input must be connected, or ``Graph.validate`` raises ``GraphError``.
+    """
+
+    def __init__(self, type_: Any = object, *, required: bool = False) -> None:
+        self.type = type_
+        self.required = required
+
+    def __get__(self, instance: Reactor | None, owner: type) -> Any:
+        if instance is None:
+            return self
+        return instance._inputs[self.name]
+
+
+class Output(PortSpec, Generic[T]):
+    """An output port sending values of type ``T``. Write it with ``self.port.send(value)``."""
+
+    def __init__(self, type_: Any = object) -> None:
+        self.type = type_
+
+    def __get__(self, instance: Reactor | None, owner: type) -> Any:
+        if instance is None:
+            return self
+        return instance._outputs[self.name]
+
+
+class Timer(PortSpec):
+    """A periodic trigger firing at logical times ``offset_s + k * period_s`` (k = 0, 1, ...).
+
+    ``period_s == 0`` fires once, at ``offset_s``. In deterministic mode the timer fires in logical
+    time (as fast as the run can go); in async mode it follows the wall clock.
+    """
+
+    def __init__(self, period_s: float, offset_s: float = 0.0) -> None:
+        self.period_ns = seconds_to_ns(period_s, "Timer period_s")
+        self.offset_ns = seconds_to_ns(offset_s, "Timer offset_s")
+
+
+class Action(PortSpec, Generic[T]):
+    """A logical action: a reactor schedules its own future event with ``self.act.schedule(v, delay_s)``.
+
+    Args:
+        min_delay_s: a lower bound added to every scheduled delay.
+    """
+
+    def __init__(self, type_: Any = object, *, min_delay_s: float = 0.0) -> None:
+        self.type = type_
+        self.min_delay_ns = seconds_to_ns(min_delay_s, "Action min_delay_s")
+
+    def __get__(self, instance: Reactor | None, owner: type) -> Any:
+        if instance is None:
+            return self
+        return instance._actions[self.name]
+
+
+class _Lifecycle(PortSpec):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:  # shared singletons; never owned
+        pass
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+startup = _Lifecycle("startup")
+"""Trigger: fires once, at the start tag, before any other event of the reactor."""
+shutdown = _Lifecycle("shutdown")
+"""Trigger: fires once when the run ends. Outputs written by shutdown reactions are not delivered."""
+
+
+@dataclass(frozen=True)
+class ReactionSpec:
+    """A reaction as declared in the class body."""
+
+    name: str
+    func: Callable[..., Any]
+    triggers: tuple[PortSpec, ...]
+    effects: tuple[PortSpec, ...]
+    sources: tuple[PortSpec, ...]
+    params: tuple[str, ...]
+    is_async: bool
+    index: int = 0
+
+
+def reaction(
+    *,
+    triggers: Sequence[PortSpec],
+    effects: Sequence[PortSpec] = (),
+    sources: Sequence[PortSpec] = (),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare a reaction: what triggers it, what it may read and what it may write.
+
+    The decorated method's parameters (after ``self``) must each name one of its ``Input`` or
+    ``Action`` triggers or sources; the scheduler passes the present value, or ``None`` when that
+    port has no value at this event. ``async def`` reactions are awaited to completion before the
+    reactor handles its next event.
+
+    Raises:
+        TypeError: a trigger, effect or source is not a port of the right kind, or a parameter
+            names no trigger or source.
+    """
+    for t in triggers:
+        if not isinstance(t, (Input, Timer, Action, _Lifecycle)):
+            raise TypeError(f"reaction trigger {t!r} is not an Input, Timer, Action, startup or shutdown")
+    for e in effects:
+        if not isinstance(e, (Output, Action)):
+            raise TypeError(f"reaction effect {e!r} is not an Output or Action")
+    for s in sources:
+        if not isinstance(s, (Input, Action)):
+            raise TypeError(f"reaction source {s!r} is not an Input or Action")
+    if not triggers:
+        raise TypeError("a reaction needs at least one trigger")
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(func)
+        params = tuple(list(sig.parameters)[1:])
+        func.__reaction_spec__ = (tuple(triggers), tuple(effects), tuple(sources), params)  # type: ignore[attr-defined]
+        return func
+
+    return decorate
+
+
+class _OutputPort:
+    """The per-instance side of an ``Output``."""
+
+    __slots__ = ("reactor", "spec")
+
+    def __init__(self, reactor: Reactor, spec: Output[Any]) -> None:
+        self.reactor = reactor
+        self.spec = spec
+
+    def send(self, value: Any) -> None:
+        """Send ``value`` at the current tag (plus the connection's delay). Never blocks.
+
+        Raises:
+            PortError: called outside a reaction, or from a reaction that does not declare this
+                output among its effects.
+        """
+        r = self.reactor
+        current = r._current
+        if current is None or self.spec not in current.effects:
+            r._effect_error(self.spec, current)
+        r._host.emit(r, self.spec.name, value)
+
+    def __repr__(self) -> str:
+        return f"<output {self.reactor.name}.{self.spec.name}>"
+
+
+class _InputPort:
+    """The per-instance side of an ``Input``: its value at the current event."""
+
+    __slots__ = ("value", "is_present", "spec")
+
+    def __init__(self, spec: Input[Any]) -> None:
+        self.spec = spec
+        self.value: Any = None
+        self.is_present = False
+
+
+class _ActionHandle:
+    """The per-instance side of an ``Action``."""
+
+    __slots__ = ("reactor", "spec", "value", "is_present")
+
+    def __init__(self, reactor: Reactor, spec: Action[Any]) -> None:
+        self.reactor = reactor
+        self.spec = spec
+        self.value: Any = None
+        self.is_present = False
+
+    def schedule(self, value: Any = None, delay_s: float = 0.0) -> None:
+        """Schedule this action at ``now + min_delay + delay_s`` (a zero delay means the next microstep).
+
+        Raises:
+            PortError: called outside a reaction that declares this action among its effects.
+            ValueError: ``delay_s`` is negative or not finite.
+        """
+        r = self.reactor
+        current = r._current
+        if current is None or self.spec not in current.effects:
+            r._effect_error(self.spec, current)
+        delay_ns = self.spec.min_delay_ns + seconds_to_ns(delay_s, f"{r.name}.{self.spec.name} delay_s")
+        r._host.schedule_action(r, self.spec.name, value, delay_ns)
+
+
+class Reactor:
+    """Base class of every reactor. See the module docstring for the model.
+
+    Attributes available inside reactions:
+        name: the instance's full name in the graph (``"actor[3]"`` for replica 3 of bank ``actor``).
+        bank_index, bank_size: position in its bank (0 and 1 for a plain reactor).
+        rng: a ``numpy.random.Generator`` seeded from the run seed and ``name``.
+        torch_rng: a ``torch.Generator`` seeded the same way (created on first use).
+        tag: the logical tag of the event being handled.
+    """
+
+    _reaction_specs: tuple[ReactionSpec, ...] = ()
+    _port_specs: dict[str, PortSpec] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ports: dict[str, PortSpec] = {}
+        for klass in reversed(cls.__mro__):
+            for attr, value in vars(klass).items():
+                if isinstance(value, (Input, Output, Timer, Action)):
+                    ports[attr] = value
+        cls._port_specs = ports
+        specs: list[ReactionSpec] = []
+        seen: set[str] = set()
+        for klass in reversed(cls.__mro__):
+            for attr, value in vars(klass).items():
+                raw = getattr(value, "__reaction_spec__", None)
+                if raw is None or attr in seen:
+                    continue
+                seen.add(attr)
+                triggers, effects, sources, params = raw
+                readable = {p.name: p for p in (*triggers, *sources) if isinstance(p, (Input, Action))}
+                for p in params:
+                    if p not in readable:
+                        raise TypeError(
+                            f"{cls.__name__}.{attr} has parameter {p!r}, which names none of its Input or "
+                            f"Action triggers or sources ({', '.join(sorted(readable)) or 'none'})"
+                        )
+                for p in (*triggers, *effects, *sources):
+                    if isinstance(p, _Lifecycle):
+                        continue
+                    if ports.get(p.name) is not p:
+                        raise TypeError(f"{cls.__name__}.{attr} uses {p!r}, which is not a port of {cls.__name__}")
+                specs.append(
+                    ReactionSpec(
+                        name=attr,
+                        func=value,
+                        triggers=triggers,
+                        effects=effects,
+                        sources=sources,
+                        params=params,
+                        is_async=inspect.iscoroutinefunction(value),
+                        index=len(specs),
+                    )
+                )
+        cls._reaction_specs = tuple(specs)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Reactor:
+        self = super().__new__(cls)
+        # Banks rebuild replicas from the constructor arguments, in the process that owns them.
+        self._init_args = (args, kwargs)
+        self._bind_ports()
+        return self
+
+    def _bind_ports(self) -> None:
+        self._inputs = {n: _InputPort(s) for n, s in self._port_specs.items() if isinstance(s, Input)}
+        self._outputs = {n: _OutputPort(self, s) for n, s in self._port_specs.items() if isinstance(s, Output)}
+        self._actions = {n: _ActionHandle(self, s) for n, s in self._port_specs.items() if isinstance(s, Action)}
+        self._current: ReactionSpec | None = None
+        self._host: ReactorHost | None = None
+        self.name = type(self).__name__
+        self.bank_index = 0
+        self.bank_size = 1
+        self.tag = Tag(0, 0)
+        self._seed = 0
+        self._torch_rng: Any = None
+        self.rng = np.random.default_rng(0)
+
+    def _attach(self, host: ReactorHost, name: str, bank_index: int, bank_size: int, seed: int) -> None:
+        self._host = host
+        self.name = name
+        self.bank_index = bank_index
+        self.bank_size = bank_size
+        self._seed = derive_seed(seed, name)
+        self.rng = np.random.default_rng(self._seed)
+
+    @property
+    def torch_rng(self) -> Any:
+        if self._torch_rng is None:
+            import torch
+
+            self._torch_rng = torch.Generator().manual_seed(self._seed)
+        return self._torch_rng
+
+    def request_stop(self) -> None:
+        """Ask the runtime to end the run after the current tag (see docs/architecture.md for semantics)."""
+        if self._host is None:
+            raise PortError(f"{self.name}.request_stop() called before the reactor was started")
+        self._host.request_stop(self)
+
+    def _effect_error(self, spec: PortSpec, current: ReactionSpec | None) -> None:
+        kind = "output" if isinstance(spec, Output) else "action"
+        if current is None:
+            raise PortError(
+                f"{self.name}.{spec.name}: {kind} written outside a reaction; write ports only from a "
+                f"reaction that declares them in effects=[...]"
+            )
+        raise PortError(
+            f"{self.name}.{current.name} wrote {kind} {spec.name!r}, which is not among its declared effects "
+            f"({', '.join(e.name for e in current.effects) or 'none'}); add it to effects=[...]"
+        )
+
+
+def derive_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from the run seed and a reactor's full name: the same in every process."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)

@@ -1,0 +1,206 @@
+"""Running a graph: ``run(graph, placement=...)``.
+
+This is the launch layer: it sits above the scheduler and the transport. ``single`` runs every
+reactor on this event loop; ``processes`` and placement files start one worker process per group
+(``reactor/_worker.py``) and coordinate them (``reactor/_coordinator.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._graph import Graph
+from ._scheduler import ReactorHost, Recorder, Replayer
+from ._tag import seconds_to_ns
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run reports when it ends.
+
+    Attributes:
+        digests: per reactor instance, a sha256 of every message it received (with ``digest=True``).
+        events: per reactor instance, how many events it handled.
+        placement: the placement the run used.
+        stopped_by: ``"stop_time"``, ``"quiescence"``, ``"request"``, ``"signal"`` or ``"replay"``.
+    """
+
+    digests: Mapping[str, str] = field(default_factory=dict)
+    events: Mapping[str, int] = field(default_factory=dict)
+    placement: str = "single"
+    stopped_by: str = "quiescence"
+
+
+def payload_digest(value: Any) -> bytes:
+    """The bytes a message contributes to its receiver's digest: its codec frames, concatenated."""
+    from .transport.codec import encode
+
+    return b"".join(bytes(f) for f in encode(value))
+
+
+async def run_async(
+    graph: Graph,
+    *,
+    placement: str = "single",
+    deterministic: bool = True,
+    seed: int = 0,
+    stop_s: float | None = None,
+    record: str | Path | None = None,
+    replay: str | Path | None = None,
+    digest: bool = False,
+    app: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> RunResult:
+    """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
+    graph.validate()
+    if record is not None and replay is not None:
+        raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
+    if (record is not None or replay is not None) and deterministic:
+        raise ValueError("record/replay apply to async mode; deterministic runs are reproducible by construction")
+    stop_ns = seconds_to_ns(stop_s, "stop_s") if stop_s is not None else graph.stop_ns
+    if placement != "single":
+        from ._coordinator import run_processes
+
+        return await run_processes(
+            graph,
+            placement=placement,
+            deterministic=deterministic,
+            seed=seed,
+            stop_ns=stop_ns,
+            record=record,
+            replay=replay,
+            digest=digest,
+            app=app,
+            config=config or {},
+        )
+    from ._trace import read_trace, write_trace
+
+    recorder = Recorder() if record is not None else None
+    replayer = Replayer(read_trace(replay)["events"]) if replay is not None else None
+    names = [n for _, _, n in graph.instances()]
+    host = ReactorHost(
+        graph,
+        names,
+        dict.fromkeys(names, "main"),
+        seed=seed,
+        deterministic=deterministic,
+        digest=payload_digest if digest else None,
+        stop_ns=stop_ns,
+        recorder=recorder,
+        replayer=replayer,
+    )
+    stopped_by = await drive_single(host, stop_ns)
+    if recorder is not None:
+        write_trace(record, {"seed": seed, "placement": placement, "events": recorder.events})  # type: ignore[arg-type]
+    return RunResult(
+        digests=host.digests() if digest else {},
+        events={n: s.events for n, s in host.stats.items()},
+        placement=placement,
+        stopped_by=stopped_by,
+    )
+
+
+async def drive_single(host: ReactorHost, stop_ns: int | None) -> str:
+    """Run every reactor of ``host`` in this process until the run ends; return why it ended."""
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, signalled.set)
+            installed.append(sig)
+    try:
+        if host.deterministic:
+            host._seed_events()
+            while not host.stop_requested and not signalled.is_set():
+                ran = await host.run_ready()
+                if ran == 0:
+                    break
+                await asyncio.sleep(0)
+            why = "signal" if signalled.is_set() else "request" if host.stop_requested else (
+                "stop_time" if stop_ns is not None and host.heap else "quiescence")
+        else:
+            why = await _drive_async(host, stop_ns, signalled)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await host.run_shutdown()
+    return why
+
+
+async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:
+    host._seed_events()
+    host.start_async_timers()
+    done = asyncio.Event()
+    reason = ["quiescence"]
+    replayer = host.replayer
+
+    def idle() -> None:
+        if replayer is not None:
+            if all(n in replayer.done for n in host.reactors):
+                reason[0] = "replay"
+                done.set()
+            return
+        if host.quiescent():
+            done.set()
+
+    if replayer is not None:
+        replayer.on_done = idle
+    tasks = [asyncio.ensure_future(host.serve_reactor(n, idle)) for n in host.reactors]
+    waiters = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(signalled.wait())]
+    try:
+        timeout = None if stop_ns is None or replayer is not None else stop_ns / 1e9
+        finished, _ = await asyncio.wait(tasks + waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for t in finished:
+            if t in tasks and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        if not finished:
+            reason[0] = "stop_time"
+        elif signalled.is_set():
+            reason[0] = "signal"
+        elif host.stop_requested:
+            reason[0] = "request"
+        # Let the idle check settle: an idle callback can fire between a message and its wake-up.
+    finally:
+        host.stop_requested = True
+        for t in tasks + waiters:
+            t.cancel()
+        await asyncio.gather(*tasks, *waiters, return_exceptions=True)
+    return reason[0]
+
+
+def run(graph: Graph, **kwargs: Any) -> RunResult:
+    """Run ``graph`` to completion, on a fresh event loop (uvloop when installed).
+
+    Args:
+        placement: ``"single"`` (one process, the default), ``"processes"`` (one process per reactor
+            instance) or the path of a placement file (groups of reactors per process/host).
+        deterministic: deterministic mode (default) or async mode (``False``).
+        seed: the run seed; every reactor's generators derive from it and its name.
+        stop_s: end the run at this logical time (deterministic) or after this many wall-clock
+            seconds (async). None: when nothing is left to do.
+        record: async mode: write the delivery schedule to this trace file.
+        replay: async mode: enforce the schedule recorded in this trace file.
+        digest: hash every message each reactor receives (``RunResult.digests``).
+
+    Returns:
+        RunResult.
+
+    Raises:
+        GraphError: the graph is invalid (raised before anything starts).
+    """
+    return asyncio_run(run_async(graph, **kwargs))
+
+
+def asyncio_run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -1,0 +1,509 @@
+"""The scheduler of one process: delivers events to the reactors this process hosts.
+
+Two modes (docs/architecture.md has the full semantics):
+
+* **deterministic**: one heap of events ordered by ``(tag, destination, kind, rank, seq)``; an event
+  runs only when every upstream process has promised nothing earlier (conservative
+  synchronization: each inbound peer's *horizon* advances with its messages and its promises).
+* **async**: each reactor has an inbox served by its own task, in arrival order; timers follow the
+  wall clock. A ``Recorder`` can write what each reactor processed; a ``Replayer`` makes each
+  reactor process exactly that sequence again.
+
+Remote delivery is injected (``RemoteSink``): this module knows nothing of sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ._errors import ReactorInternalError, TraceMismatchError
+from ._graph import Graph, Link
+from ._reactor import Action, Input, ReactionSpec, Reactor, Timer
+from ._tag import NEVER, Tag
+
+log = logging.getLogger("reactor.scheduler")
+
+# Event kinds, in the order simultaneous events of one reactor are handled.
+STARTUP, TIMER, ACTION, INPUT = 0, 1, 2, 3
+KIND_NAMES = {STARTUP: "startup", TIMER: "timer", ACTION: "action", INPUT: "input"}
+
+
+class RemoteSink(Protocol):
+    """Where messages for reactors of other processes go (implemented by the runtime)."""
+
+    def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None: ...
+
+
+@dataclass
+class _Route:
+    """The links one output port feeds through one declared connection."""
+
+    links: list[Link]
+    mode: str
+    key: Callable[[Any], int] | None
+    src_index: int
+    counter: int = 0
+
+
+@dataclass
+class ReactorStats:
+    events: int = 0
+    inputs: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)
+
+
+class ReactorHost:
+    """Runs the reactors of one process. Created by the runtime; users never touch it.
+
+    Args:
+        graph: the validated graph (every process builds the same one).
+        local: full names of the reactor instances hosted here.
+        owner_of: full reactor name -> process name, for every instance of the graph.
+        seed: the run seed.
+        deterministic: the mode (see module docstring).
+        remote: delivery for links whose destination lives in another process.
+        digest: when given, each reactor's received messages are hashed with it (for tests and
+            ``reactor run --digest``): a function from a payload to bytes.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        local: list[str],
+        owner_of: dict[str, str],
+        *,
+        seed: int = 0,
+        deterministic: bool = True,
+        remote: RemoteSink | None = None,
+        digest: Callable[[Any], bytes] | None = None,
+        stop_ns: int | None = None,
+        recorder: Recorder | None = None,
+        replayer: Replayer | None = None,
+        process: str = "main",
+    ) -> None:
+        self.graph = graph
+        self.deterministic = deterministic
+        self.remote = remote
+        self.digest_fn = digest
+        self.stop_ns = stop_ns if stop_ns is not None else graph.stop_ns
+        self.owner_of = owner_of
+        self.process = process
+        self.recorder = recorder
+        self.replayer = replayer
+        self.stop_requested = False
+        self.failure: BaseException | None = None
+        links = graph.links()
+        self.links = links
+        local_set = set(local)
+        self.reactors: dict[str, Reactor] = {}
+        self.rank: dict[str, int] = {}
+        for node, i, name in graph.instances():
+            if name in local_set:
+                r = node.make_instance(i)
+                r._attach(self, name, i, node.replicas, seed)
+                self.reactors[name] = r
+                self.rank[name] = len(self.rank)
+        missing = local_set - set(self.reactors)
+        if missing:
+            raise ReactorInternalError(f"placement names reactors not in the graph: {sorted(missing)}")
+        self.stats = {n: ReactorStats() for n in self.reactors}
+        # Routing: (src instance, src port) -> routes, one per declared connection.
+        by_conn: dict[tuple[str, str, int], list[Link]] = {}
+        for lk in links:
+            by_conn.setdefault((lk.src, lk.src_port, lk.connection), []).append(lk)
+        self.routes: dict[tuple[str, str], list[_Route]] = {}
+        for (src, port, ci), lks in sorted(by_conn.items(), key=lambda kv: kv[0][2]):
+            if src not in local_set:
+                continue
+            c = graph.connections[ci]
+            lks.sort(key=lambda lk: _replica_of(lk.dst))
+            r = self.reactors[src]
+            self.routes.setdefault((src, port), []).append(_Route(lks, c.mode, c.key, r.bank_index))
+        self.link_seq = [0] * len(links)
+        # Reactions by trigger, per reactor type.
+        self._by_trigger: dict[tuple[type, str], list[ReactionSpec]] = {}
+        for t in {type(r) for r in self.reactors.values()}:
+            for spec in t._reaction_specs:
+                for trig in spec.triggers:
+                    self._by_trigger.setdefault((t, trig.name), []).append(spec)
+        self._timers: dict[str, list[Timer]] = {
+            n: [s for s in type(r)._port_specs.values() if isinstance(s, Timer)] for n, r in self.reactors.items()
+        }
+        self._action_rank: dict[tuple[type, str], int] = {}
+        for r in self.reactors.values():
+            acts = [s for s in type(r)._port_specs.values() if isinstance(s, Action)]
+            for i, a in enumerate(acts):
+                self._action_rank[(type(r), a.name)] = i
+        self._action_seq: dict[tuple[str, str], int] = {}
+        # Deterministic state.
+        self.heap: list[tuple[Any, ...]] = []
+        self.now = Tag(0, 0)
+        self.horizons: dict[str, Tag] = {}
+        # Async state.
+        self._inbox: dict[str, deque[tuple[Any, ...]]] = {n: deque() for n in self.reactors}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._t0 = time.monotonic_ns()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[object, asyncio.TimerHandle] = {}
+        self.busy = 0
+        self.sent_count = 0
+        self.received_count = 0
+        self._in_shutdown = False
+
+    # ------------------------------------------------------------------------------------------
+    # called by reactors (through ports)
+
+    def emit(self, reactor: Reactor, port: str, value: Any) -> None:
+        if self._in_shutdown:
+            return
+        routes = self.routes.get((reactor.name, port))
+        if not routes:
+            return
+        tag = reactor.tag
+        for route in routes:
+            lks = route.links
+            if route.mode in ("broadcast", "one_to_one") or len(lks) == 1:
+                chosen = lks
+            elif route.mode == "round_robin":
+                chosen = [lks[(route.src_index + route.counter) % len(lks)]]
+                route.counter += 1
+            else:
+                k = route.key(value)  # type: ignore[misc]
+                if isinstance(k, bool) or not isinstance(k, int):
+                    raise TypeError(f"key function of {reactor.name}.{port} returned {k!r}; it must return an int")
+                chosen = [lks[k % len(lks)]]
+            for lk in chosen:
+                seq = self.link_seq[lk.index]
+                self.link_seq[lk.index] = seq + 1
+                at = tag.delayed(lk.delay_ns)
+                if lk.dst in self.reactors:
+                    self._push(lk.dst, at, INPUT, lk.index, seq, (lk.dst_port, value))
+                else:
+                    if self.remote is None:
+                        raise ReactorInternalError(f"{lk.dst} is not local and no remote sink is configured")
+                    self.sent_count += 1
+                    self.remote.send_message(self.owner_of[lk.dst], lk.index, seq, at, value)
+
+    def schedule_action(self, reactor: Reactor, action: str, value: Any, delay_ns: int) -> None:
+        if self._in_shutdown:
+            return
+        key = (reactor.name, action)
+        seq = self._action_seq.get(key, 0)
+        self._action_seq[key] = seq + 1
+        rank = self._action_rank[(type(reactor), action)]
+        at = reactor.tag.delayed(delay_ns)
+        if self.deterministic or self.replayer is not None:
+            self._push(reactor.name, at, ACTION, rank, seq, (action, value))
+        else:
+            self._call_later(delay_ns, self._push, reactor.name, at, ACTION, rank, seq, (action, value))
+
+    def request_stop(self, reactor: Reactor) -> None:
+        self.stop_requested = True
+        if self.deterministic and self.stop_ns is None:
+            self.stop_ns = reactor.tag.time_ns
+        self._kick()
+
+    # ------------------------------------------------------------------------------------------
+    # inbound from other processes
+
+    def deliver_remote(self, link: int, seq: int, tag: Tag, value: Any) -> None:
+        lk = self.links[link]
+        self.received_count += 1
+        self._push(lk.dst, tag, INPUT, link, seq, (lk.dst_port, value))
+
+    def advance_horizon(self, process: str, tag: Tag) -> None:
+        if tag > self.horizons.get(process, Tag(0, 0)):
+            self.horizons[process] = tag
+
+    # ------------------------------------------------------------------------------------------
+    # events
+
+    def _push(self, dst: str, tag: Tag, kind: int, rank: int, seq: int, payload: Any) -> None:
+        if self.deterministic:
+            heapq.heappush(self.heap, (tag.time_ns, tag.microstep, self.rank[dst], kind, rank, seq, dst, payload))
+        else:
+            self._inbox[dst].append((tag, kind, rank, seq, payload))
+            ev = self._wake.get(dst)
+            if ev is not None:
+                ev.set()
+
+    def _seed_events(self) -> None:
+        for name in self.reactors:
+            self._push(name, Tag(0, 0), STARTUP, 0, 0, None)
+            if self.deterministic:
+                for i, t in enumerate(self._timers[name]):
+                    self._push(name, Tag(t.offset_ns, 0), TIMER, i, 0, t)
+
+    async def _handle(self, name: str, tag: Tag, kind: int, rank: int, seq: int, payload: Any) -> None:
+        r = self.reactors[name]
+        r.tag = tag
+        st = self.stats[name]
+        st.events += 1
+        if self.recorder is not None:
+            self.recorder.record(name, kind, rank, seq)
+        t = type(r)
+        if kind == INPUT:
+            port, value = payload
+            st.inputs += 1
+            if self.digest_fn is not None:
+                st.digest.update(b"%d:%d:%d:%d:" % (tag.time_ns, tag.microstep, rank, seq) if self.deterministic else b"%d:%d:" % (rank, seq))
+                st.digest.update(self.digest_fn(value))
+            slot = r._inputs[port]
+            slot.value, slot.is_present = value, True
+            try:
+                for spec in self._by_trigger.get((t, port), ()):
+                    await self._fire(r, spec)
+            finally:
+                slot.value, slot.is_present = None, False
+        elif kind == TIMER:
+            timer: Timer = payload
+            if self.deterministic and timer.period_ns > 0:
+                self._push(name, Tag(tag.time_ns + timer.period_ns, 0), TIMER, rank, seq + 1, timer)
+            for spec in self._by_trigger.get((t, timer.name), ()):
+                await self._fire(r, spec)
+        elif kind == ACTION:
+            action, value = payload
+            h = r._actions[action]
+            h.value, h.is_present = value, True
+            try:
+                for spec in self._by_trigger.get((t, action), ()):
+                    await self._fire(r, spec)
+            finally:
+                h.value, h.is_present = None, False
+        elif kind == STARTUP:
+            for spec in self._by_trigger.get((t, "startup"), ()):
+                await self._fire(r, spec)
+
+    async def _fire(self, r: Reactor, spec: ReactionSpec) -> None:
+        kwargs = {}
+        for p in spec.params:
+            port = type(r)._port_specs[p]
+            if isinstance(port, Input):
+                slot = r._inputs[p]
+            else:
+                slot = r._actions[p]
+            kwargs[p] = slot.value if slot.is_present else None
+        r._current = spec
+        try:
+            if spec.is_async:
+                await spec.func(r, **kwargs)
+            else:
+                spec.func(r, **kwargs)
+        finally:
+            r._current = None
+
+    async def run_shutdown(self) -> None:
+        """Fire every shutdown reaction once (their outputs are not delivered)."""
+        self._in_shutdown = True
+        for name, r in self.reactors.items():
+            for spec in self._by_trigger.get((type(r), "shutdown"), ()):
+                try:
+                    await self._fire(r, spec)
+                except Exception:
+                    log.exception("shutdown reaction %s.%s failed", name, spec.name)
+        for h in self._pending.values():
+            h.cancel()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # deterministic mode
+
+    def next_tag(self) -> Tag:
+        """Tag of the earliest pending local event (NEVER if none)."""
+        if not self.heap:
+            return NEVER
+        return Tag(self.heap[0][0], self.heap[0][1])
+
+    def safe_bound(self) -> Tag:
+        """Events strictly earlier than this tag may run: every upstream process is past them."""
+        return min(self.horizons.values(), default=NEVER)
+
+    def lower_bound(self) -> Tag:
+        """No future output of this process is caused by an event earlier than this tag."""
+        return min(self.next_tag(), self.safe_bound())
+
+    def runnable(self) -> bool:
+        if not self.heap:
+            return False
+        head = self.next_tag()
+        if self.stop_ns is not None and head.time_ns > self.stop_ns:
+            return False
+        return head < self.safe_bound()
+
+    def finished(self) -> bool:
+        """Deterministic mode: nothing at or before the stop time can still happen here."""
+        if self.stop_ns is None:
+            return not self.heap and self.safe_bound() == NEVER
+        if self.heap and self.next_tag().time_ns <= self.stop_ns:
+            return False
+        return self.safe_bound().time_ns > self.stop_ns
+
+    async def run_ready(self, budget: int = 4096) -> int:
+        """Run up to ``budget`` events that are safe to run; return how many ran."""
+        n = 0
+        heap = self.heap
+        while n < budget and self.runnable():
+            t, m, _, kind, rank, seq, dst, payload = heapq.heappop(heap)
+            tag = Tag(t, m)
+            self.now = tag
+            await self._handle(dst, tag, kind, rank, seq, payload)
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------------------------------
+    # async mode
+
+    def start_async_timers(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        if self.replayer is not None:
+            return
+        for name in self.reactors:
+            for i, t in enumerate(self._timers[name]):
+                self._arm_timer(name, i, t, 0)
+
+    def _arm_timer(self, name: str, idx: int, t: Timer, k: int) -> None:
+        assert self._loop is not None
+        due_ns = t.offset_ns + k * t.period_ns
+        delay = max(0.0, (self._t0 + due_ns - time.monotonic_ns()) / 1e9)
+
+        def fire() -> None:
+            self._push(name, Tag(due_ns, 0), TIMER, idx, k, t)
+            if t.period_ns > 0 and not self.stop_requested:
+                self._arm_timer(name, idx, t, k + 1)
+
+        self._call_later(round(delay * 1e9), fire)
+
+    def _call_later(self, delay_ns: int, fn: Callable[..., None], *args: Any) -> None:
+        """Async mode: run ``fn`` after ``delay_ns`` of wall time; pending calls keep the run alive."""
+        assert self._loop is not None
+        token = object()
+
+        def call() -> None:
+            del self._pending[token]
+            fn(*args)
+
+        self._pending[token] = self._loop.call_later(delay_ns / 1e9, call)
+
+    def quiescent(self) -> bool:
+        """Async mode: no reactor busy, no message queued, no timer or delayed action pending."""
+        return self.busy == 0 and not self._pending and self.inboxes_empty()
+
+    def wall_tag(self) -> Tag:
+        return Tag(time.monotonic_ns() - self._t0, 0)
+
+    async def serve_reactor(self, name: str, idle: Callable[[], None]) -> None:
+        """Async mode: handle ``name``'s inbox in arrival order (or in recorded order when replaying)."""
+        inbox = self._inbox[name]
+        wake = self._wake.setdefault(name, asyncio.Event())
+        replay = self.replayer
+        pending: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        timers = self._timers[name]
+        while not self.stop_requested:
+            if replay is not None:
+                expected = replay.next_expected(name)
+                if expected is None:
+                    replay.mark_done(name)
+                    idle()
+                    return
+                while inbox:
+                    ev = inbox.popleft()
+                    pending[(ev[1], ev[2], ev[3])] = ev
+                if expected[0] == TIMER and expected not in pending:
+                    t = timers[expected[1]]
+                    pending[expected] = (Tag(t.offset_ns + expected[2] * t.period_ns, 0), TIMER, expected[1], expected[2], t)
+                ev = pending.pop(expected, None)
+                if ev is None:
+                    if _later_than(expected, pending):
+                        raise TraceMismatchError(
+                            f"{name} expected {KIND_NAMES[expected[0]]} #{expected[1]} seq {expected[2]} "
+                            f"but the run produced other events only"
+                        )
+                    wake.clear()
+                    idle()
+                    await wake.wait()
+                    continue
+                replay.advance(name)
+                self.busy += 1
+                try:
+                    await self._handle(name, ev[0], ev[1], ev[2], ev[3], ev[4])
+                finally:
+                    self.busy -= 1
+                continue
+            if not inbox:
+                wake.clear()
+                idle()
+                await wake.wait()
+                continue
+            tag, kind, rank, seq, payload = inbox.popleft()
+            self.busy += 1
+            try:
+                await self._handle(name, tag, kind, rank, seq, payload)
+            finally:
+                self.busy -= 1
+
+    def inboxes_empty(self) -> bool:
+        return not any(self._inbox.values())
+
+    def _kick(self) -> None:
+        for ev in self._wake.values():
+            ev.set()
+
+    def digests(self) -> dict[str, str]:
+        return {n: s.digest.hexdigest() for n, s in self.stats.items()}
+
+
+def _later_than(expected: tuple[int, int, int], pending: dict[tuple[int, int, int], Any]) -> bool:
+    # Input events of a link arrive in seq order; if a later seq of the expected link is already
+    # here while the expected one is not, the schedule cannot be honoured.
+    if expected[0] != INPUT:
+        return False
+    return any(k[0] == INPUT and k[1] == expected[1] and k[2] > expected[2] for k in pending)
+
+
+def _replica_of(name: str) -> int:
+    if name.endswith("]"):
+        return int(name[name.rindex("[") + 1 : -1])
+    return 0
+
+
+class Recorder:
+    """Collects, per reactor, the sequence of events it processed: ``(kind, rank, seq)``."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[int, int, int]]] = {}
+
+    def record(self, name: str, kind: int, rank: int, seq: int) -> None:
+        self.events.setdefault(name, []).append((kind, rank, seq))
+
+
+class Replayer:
+    """Hands each reactor the next event its recorded schedule allows."""
+
+    def __init__(self, events: dict[str, list[tuple[int, int, int]]]) -> None:
+        self.events = {k: [tuple(e) for e in v] for k, v in events.items()}
+        self.pos = dict.fromkeys(self.events, 0)
+        self.done: set[str] = set()
+        self.on_done: Callable[[], None] | None = None
+
+    def next_expected(self, name: str) -> tuple[int, int, int] | None:
+        seq = self.events.get(name, [])
+        i = self.pos.get(name, 0)
+        return seq[i] if i < len(seq) else None  # type: ignore[return-value]
+
+    def advance(self, name: str) -> None:
+        self.pos[name] = self.pos.get(name, 0) + 1
+
+    def mark_done(self, name: str) -> None:
+        self.done.add(name)
+        if self.on_done is not None:
+            self.on_done()
+

@@ -1,0 +1,116 @@
+"""Trace files: the delivery schedule of an async run, per reactor.
+
+A trace records, for every reactor instance, the sequence of events it processed, each as
+``(kind, rank, seq)``: the kind (startup, timer, action, input), the timer/action index or the
+link index the message came through, and the message's sequence number on that link. Payloads are
+not stored: a replay run regenerates them, because every reactor's behaviour is a function of the
+events it saw and its seeded generators. The file is msgpack (never pickle), written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from ._errors import MalformedFrameError
+from ._scheduler import KIND_NAMES
+
+FORMAT = "reactor-trace"
+VERSION = 1
+MAX_TRACE_NBYTES = 2**31
+
+
+def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
+    """Write ``trace`` (keys: seed, placement, events) to ``path`` atomically."""
+    path = Path(path)
+    body = {
+        "format": FORMAT,
+        "version": VERSION,
+        "seed": trace.get("seed", 0),
+        "placement": trace.get("placement", "single"),
+        "events": {k: [list(e) for e in v] for k, v in sorted(trace["events"].items())},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(body, use_bin_type=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_trace(path: str | Path) -> dict[str, Any]:
+    """Read a trace file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        MalformedFrameError: the file is not a reactor trace, or is damaged.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_TRACE_NBYTES)
+    except Exception as e:
+        raise MalformedFrameError(f"{path} is not a readable trace file ({e})") from e
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise MalformedFrameError(f"{path} is not a reactor trace file (no '{FORMAT}' header)")
+    if body.get("version") != VERSION:
+        raise MalformedFrameError(f"{path} has trace version {body.get('version')!r}; this reactor reads {VERSION}")
+    events = body.get("events")
+    if not isinstance(events, dict) or not all(
+        isinstance(v, list) and all(isinstance(e, list) and len(e) == 3 for e in v) for v in events.values()
+    ):
+        raise MalformedFrameError(f"{path}: the events table is damaged")
+    body["events"] = {k: [tuple(e) for e in v] for k, v in events.items()}
+    return body
+
+
+def merge_events(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    """Merge per-process event tables (each reactor lives in exactly one process)."""
+    out: dict[str, list[Any]] = {}
+    for p in parts:
+        for k, v in p.items():
+            if k in out:
+                raise ValueError(f"reactor {k!r} appears in two processes' traces")
+            out[k] = v
+    return out
+
+
+def describe(trace: dict[str, Any], *, limit: int = 20) -> str:
+    """A human summary: per reactor, the number of events by kind and the first ``limit`` events."""
+    lines = [f"trace seed={trace['seed']} placement={trace['placement']} reactors={len(trace['events'])}"]
+    for name, evs in trace["events"].items():
+        counts: dict[str, int] = {}
+        for kind, _, _ in evs:
+            counts[KIND_NAMES[kind]] = counts.get(KIND_NAMES[kind], 0) + 1
+        summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        lines.append(f"  {name}: {len(evs)} events ({summary})")
+        for kind, rank, seq in evs[:limit]:
+            lines.append(f"    {KIND_NAMES[kind]:<7} #{rank} seq {seq}")
+        if len(evs) > limit:
+            lines.append(f"    ... {len(evs) - limit} more")
+    return "\n".join(lines)
+
+
+def diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Differences between two traces: per reactor, the first position where they diverge."""
+    out = []
+    for name in sorted(set(a["events"]) | set(b["events"])):
+        ea, eb = a["events"].get(name), b["events"].get(name)
+        if ea is None or eb is None:
+            out.append(f"{name}: only in {'first' if eb is None else 'second'} trace")
+            continue
+        for i, (x, y) in enumerate(zip(ea, eb)):
+            if x != y:
+                out.append(f"{name}: event {i} differs: {_ev(x)} vs {_ev(y)}")
+                break
+        else:
+            if len(ea) != len(eb):
+                out.append(f"{name}: same first {min(len(ea), len(eb))} events, then {len(ea)} vs {len(eb)} in all")
+    return out
+
+
+def _ev(e: tuple[int, int, int]) -> str:
+    return f"{KIND_NAMES.get(e[0], '?')} #{e[1]} seq {e[2]}"

@@ -1,0 +1,344 @@
+"""A worker process of a multi-process run: hosts one placement group's reactors.
+
+Started by the coordinator as ``python -m reactor._worker`` with its spec as JSON on stdin. It
+rebuilds the graph from the app file (the same ``build(config)`` in every process), opens its
+endpoint, reports its address, connects to the processes it sends to, and runs its reactors until
+the run ends. It dies with its parent (``PR_SET_PDEATHSIG``), and stops cleanly on SIGTERM.
+
+Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
+    ("m", link, seq, time_ns, microstep, value)   a message for a reactor of the receiver
+    ("p", time_ns, microstep)                      a promise: nothing earlier will follow
+worker -> coordinator: ("hello", address), ("status", epoch, idle, sent, received), ("stop_request",),
+    ("done", result), ("error", text)
+coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections import deque
+from typing import Any
+
+from ._app import build_graph
+from ._errors import PeerLostError, WouldBlock
+from ._scheduler import ReactorHost, Recorder, Replayer
+from ._tag import NEVER, Tag
+
+log = logging.getLogger("reactor.worker")
+COORDINATOR = "coordinator"
+BACKLOG_LIMIT = 4096  # messages queued for one peer before this process stops running reactions
+INBOX_LIMIT = 4096  # async mode: queued events before this process stops taking messages
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+
+
+class Outbox:
+    """Sends to peers in order; a peer out of credit queues here and the scheduler pauses."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self.ep = endpoint
+        self.queues: dict[str, deque[Any]] = {}
+        self.wake = asyncio.Event()
+        self.drained = asyncio.Event()
+        self.drained.set()
+        self.backlog = 0
+        self.failure: BaseException | None = None
+
+    def send(self, peer: str, msg: Any) -> None:
+        q = self.queues.setdefault(peer, deque())
+        if not q:
+            try:
+                self.ep.send_nowait(peer, msg)
+                return
+            except WouldBlock:
+                pass
+        q.append(msg)
+        self.backlog += 1
+        self.drained.clear()
+        self.wake.set()
+
+    def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None:
+        self.send(process, ("m", link, seq, tag.time_ns, tag.microstep, value))
+
+    @property
+    def congested(self) -> bool:
+        return self.backlog >= BACKLOG_LIMIT
+
+    async def flush_forever(self) -> None:
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                for peer, q in list(self.queues.items()):
+                    while q:
+                        await self.ep.send(peer, q[0])
+                        q.popleft()
+                        self.backlog -= 1
+                if self.backlog == 0:
+                    self.drained.set()
+        except BaseException as e:  # noqa: BLE001 - reported to the main loop, which owns the error
+            self.failure = e
+            self.drained.set()
+            raise
+
+
+class Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.group: str = spec["group"]
+        self.stop = asyncio.Event()
+        self.epoch = -1
+        self.last_status: tuple[Any, ...] | None = None
+
+    async def main(self) -> None:
+        from .transport import Endpoint
+
+        spec = self.spec
+        graph = build_graph(spec["app"], spec["config"])
+        graph.validate()
+        owner_of: dict[str, str] = spec["owner_of"]
+        local = [n for n, g in owner_of.items() if g == self.group]
+        links = graph.links()
+        out_peers = sorted({owner_of[lk.dst] for lk in links if lk.src in local and owner_of[lk.dst] != self.group})
+        in_peers = sorted({owner_of[lk.src] for lk in links if lk.dst in local and owner_of[lk.src] != self.group})
+        min_delay = {p: min(lk.delay_ns for lk in links if lk.src in local and owner_of[lk.dst] == p) for p in out_peers}
+
+        self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"])
+        try:
+            await ep.connect(COORDINATOR, spec["coordinator"])
+            self.outbox = outbox = Outbox(ep)
+            outbox.send(COORDINATOR, ("hello", ep.address))
+            peers = await self._wait_control("peers")
+            for p in out_peers:
+                await ep.connect(p, peers[p])
+            recorder = Recorder() if spec["record"] else None
+            replayer = None
+            if spec["replay"]:
+                from ._trace import read_trace
+
+                events = read_trace(spec["replay"])["events"]
+                replayer = Replayer({k: v for k, v in events.items() if k in local})
+            deterministic = spec["deterministic"]
+            stop_ns = spec["stop_ns"]
+            self.host = host = ReactorHost(
+                graph, local, owner_of, seed=spec["seed"], deterministic=deterministic, remote=outbox,
+                digest=_digest if spec["digest"] else None, stop_ns=stop_ns, recorder=recorder,
+                replayer=replayer, process=self.group,
+            )
+            for p in in_peers:
+                host.horizons[p] = Tag(0, 0)
+            outbox.send(COORDINATOR, ("ready",))
+            await self._wait_control("start")
+            flusher = asyncio.ensure_future(outbox.flush_forever())
+            try:
+                if deterministic:
+                    await self._run_deterministic(out_peers, min_delay)
+                else:
+                    await self._run_async()
+            finally:
+                await host.run_shutdown()
+            result = {
+                "events": {n: s.events for n, s in host.stats.items()},
+                "digests": host.digests() if spec["digest"] else {},
+                "trace": {k: [list(e) for e in v] for k, v in recorder.events.items()} if recorder else {},
+            }
+            outbox.send(COORDINATOR, ("done", result))
+            await asyncio.wait_for(outbox.drained.wait(), timeout=30)
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            # Stay until the coordinator says so: peers may still need our credit grants.
+            await self._wait_control("exit", timeout_s=60)
+        finally:
+            await ep.aclose()
+
+    # -- control ---------------------------------------------------------------------------------
+
+    async def _wait_control(self, what: str, timeout_s: float = 120) -> Any:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for peer, msg in await self.ep.recv_batch():
+                    if peer == COORDINATOR and msg[0] == what:
+                        return msg[1] if len(msg) > 1 else None
+                    if peer == COORDINATOR and msg[0] == "stop" and what == "exit":
+                        continue
+                    log.warning("%s: unexpected %r from %s while waiting for %s", self.group, msg[:1], peer, what)
+
+    def _on_control(self, msg: Any) -> None:
+        kind = msg[0]
+        if kind == "stop":
+            self.stop.set()
+            self.host.stop_requested = True
+            self.host._kick()
+        elif kind == "probe":
+            self.epoch = msg[1]
+            self._report(force=True)
+        else:
+            log.warning("%s: unknown control message %r", self.group, kind)
+
+    def _idle(self) -> bool:
+        h = self.host
+        if h.deterministic:
+            return not h.heap
+        return h.quiescent()
+
+    def _report(self, force: bool = False) -> None:
+        h = self.host
+        status = (self.epoch, self._idle(), h.sent_count, h.received_count)
+        if force or status != self.last_status:
+            self.last_status = status
+            self.outbox.send(COORDINATOR, ("status", *status))
+
+    def _take(self, batch: list[tuple[str, Any]]) -> None:
+        h = self.host
+        for peer, msg in batch:
+            kind = msg[0]
+            if kind == "m":
+                h.deliver_remote(msg[1], msg[2], Tag(msg[3], msg[4]), msg[5])
+            elif kind == "p":
+                h.advance_horizon(peer, Tag(msg[1], msg[2]))
+            elif peer == COORDINATOR:
+                self._on_control(msg)
+            else:
+                log.error("%s: dropped unknown message kind %r from %s", self.group, kind, peer)
+
+    # -- deterministic mode ------------------------------------------------------------------------
+
+    async def _run_deterministic(self, out_peers: list[str], min_delay: dict[str, int]) -> None:
+        h, outbox = self.host, self.outbox
+        h._seed_events()
+        promised = dict.fromkeys(out_peers, Tag(0, 0))
+        if h.stop_requested:
+            return
+        while not self.stop.is_set():
+            await h.run_ready(budget=1024)
+            if outbox.failure is not None:
+                raise outbox.failure
+            finished = h.finished()
+            bound = NEVER if finished else h.lower_bound()
+            for p in out_peers:
+                promise = NEVER if bound == NEVER else bound.delayed(min_delay[p])
+                if promise > promised[p]:
+                    promised[p] = promise
+                    outbox.send(p, ("p", promise.time_ns, promise.microstep))
+            if h.stop_requested and not self.stop.is_set():
+                outbox.send(COORDINATOR, ("stop_request",))
+                return
+            if finished:
+                return
+            if outbox.congested:
+                await outbox.drained.wait()
+            if h.runnable():
+                batch = await self.ep.recv_batch(timeout_s=0) if self._ready() else []
+            else:
+                self._report()
+                batch = await self.ep.recv_batch()
+            self._take(batch)
+
+    def _ready(self) -> bool:
+        poll = getattr(self.ep, "poll_ready", None)
+        return bool(poll()) if poll is not None else True
+
+    # -- async mode --------------------------------------------------------------------------------
+
+    async def _run_async(self) -> None:
+        h = self.host
+        h._seed_events()
+        h.start_async_timers()
+        changed = asyncio.Event()
+        done = asyncio.Event()
+        if h.replayer is not None:
+            h.replayer.on_done = lambda: (done.set() if all(n in h.replayer.done for n in h.reactors) else None)  # type: ignore[union-attr]
+        tasks = [asyncio.ensure_future(h.serve_reactor(n, changed.set)) for n in h.reactors]
+        try:
+            while not self.stop.is_set():
+                if self.outbox.failure is not None:
+                    raise self.outbox.failure
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+                if h.stop_requested:
+                    self.outbox.send(COORDINATOR, ("stop_request",))
+                    await self.stop.wait()
+                    break
+                if done.is_set():
+                    self.outbox.send(COORDINATOR, ("stop_request",))
+                    await self.stop.wait()
+                    break
+                self._report()
+                if sum(len(q) for q in h._inbox.values()) >= INBOX_LIMIT:
+                    # Backpressure: stop taking messages (credit is not returned) until reactors catch up.
+                    changed.clear()
+                    await changed.wait()
+                    continue
+                changed.clear()
+                recv = asyncio.ensure_future(self.ep.recv_batch(max_n=256))
+                waker = asyncio.ensure_future(changed.wait())
+                await asyncio.wait([recv, waker], return_when=asyncio.FIRST_COMPLETED)
+                waker.cancel()
+                if recv.done():
+                    self._take(recv.result())
+                else:
+                    recv.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        self._take(await recv)
+        finally:
+            h.stop_requested = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _digest(value: Any) -> bytes:
+    from ._runtime import payload_digest
+
+    return payload_digest(value)
+
+
+def main() -> int:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator owns Ctrl-C and tells us to stop
+    spec = json.loads(sys.stdin.read())
+    logging.basicConfig(level=spec.get("log_level", "WARNING"),
+                        format=f"%(asctime)s {spec['group']} %(name)s %(levelname)s %(message)s")
+    worker = Worker(spec)
+
+    async def amain() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        await worker.main()
+
+    from ._runtime import asyncio_run
+
+    try:
+        asyncio_run(amain())
+    except asyncio.CancelledError:
+        return 143
+    except PeerLostError as e:
+        print(f"reactor worker {spec['group']}: {e}", file=sys.stderr)
+        return 3
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Reactors: the reaction contract, timers, actions, lifecycle, banks and seeded generators."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reactor import Action, Graph, Input, Output, PortError, Reactor, Timer, reaction, run, shutdown, startup
+from reactor._tag import Tag
+
+LOG: list = []
+
+
+class Ticker(Reactor):
+    tick = Timer(period_s=0.1, offset_s=0.05)
+    out = Output(int)
+
+    def __init__(self) -> None:
+        self.k = 0
+
+    @reaction(triggers=[tick], effects=[out])
+    def emit(self) -> None:
+        self.k += 1
+        self.out.send(self.k)
+
+
+class Recorder(Reactor):
+    inp = Input(int)
+
+    @reaction(triggers=[startup])
+    def hello(self) -> None:
+        LOG.append((self.name, "startup", self.tag))
+
+    @reaction(triggers=[inp])
+    def got(self, inp: int) -> None:
+        LOG.append((self.name, inp, self.tag))
+
+    @reaction(triggers=[shutdown])
+    def bye(self) -> None:
+        LOG.append((self.name, "shutdown"))
+
+
+@pytest.fixture(autouse=True)
+def _clear_log():
+    LOG.clear()
+    yield
+    LOG.clear()
+
+
+def test_timer_fires_at_offset_plus_k_periods_and_zero_delay_lands_one_microstep_later():
+    g = Graph(stop_s=0.3)
+    t = g.add(Ticker(), name="t")
+    r = g.add(Recorder(), name="r")
+    g.connect(t.out, r.inp)
+    run(g)
+    assert LOG == [
+        ("r", "startup", Tag(0, 0)),
+        ("r", 1, Tag(50_000_000, 1)),
+        ("r", 2, Tag(150_000_000, 1)),
+        ("r", 3, Tag(250_000_000, 1)),
+        ("r", "shutdown"),
+    ]
+
+
+def test_connection_delay_shifts_the_tag_and_resets_the_microstep():
+    g = Graph(stop_s=0.1)
+    t = g.add(Ticker(), name="t")
+    r = g.add(Recorder(), name="r")
+    g.connect(t.out, r.inp, delay_s=0.01)
+    run(g)
+    assert LOG[1] == ("r", 1, Tag(60_000_000, 0))
+
+
+class Sneaky(Reactor):
+    inp = Input(int)
+    declared = Output(int)
+    undeclared = Output(int)
+
+    @reaction(triggers=[inp], effects=[declared])
+    def handle(self, inp: int) -> None:
+        self.undeclared.send(inp)
+
+
+class Once(Reactor):
+    out = Output(int)
+
+    @reaction(triggers=[startup], effects=[out])
+    def go(self) -> None:
+        self.out.send(7)
+
+
+def test_writing_an_undeclared_output_raises_naming_reactor_reaction_and_port():
+    g = Graph()
+    o = g.add(Once(), name="once")
+    s = g.add(Sneaky(), name="sneaky")
+    g.connect(o.out, s.inp)
+    with pytest.raises(
+        PortError,
+        match=r"^sneaky\.handle wrote output 'undeclared', which is not among its declared effects \(declared\); "
+        r"add it to effects=\[\.\.\.\]$",
+    ):
+        run(g)
+
+
+def test_writing_a_port_outside_any_reaction_raises():
+    s = Sneaky()
+    with pytest.raises(PortError, match=r"written outside a reaction"):
+        s.declared.send(1)
+
+
+def test_reaction_parameter_must_name_a_trigger_or_source():
+    with pytest.raises(TypeError, match=r"has parameter 'nope', which names none of its Input or Action"):
+
+        class Bad(Reactor):
+            inp = Input(int)
+
+            @reaction(triggers=[inp])
+            def handle(self, nope: int) -> None:  # pragma: no cover - never runs
+                pass
+
+
+def test_reaction_trigger_from_another_reactor_class_is_rejected():
+    with pytest.raises(TypeError, match=r"is not a port of Thief"):
+
+        class Thief(Reactor):
+            @reaction(triggers=[Recorder.inp])
+            def handle(self) -> None:  # pragma: no cover - never runs
+                pass
+
+
+class Chain(Reactor):
+    """An action re-schedules itself three times; an async reaction awaits between steps."""
+
+    again = Action(int, min_delay_s=0.001)
+    out = Output(int)
+
+    @reaction(triggers=[startup], effects=[again])
+    def start(self) -> None:
+        self.again.schedule(1, delay_s=0.009)
+
+    @reaction(triggers=[again], effects=[again, out])
+    async def step(self, again: int) -> None:
+        import asyncio
+
+        await asyncio.sleep(0)
+        self.out.send(again)
+        if again < 3:
+            self.again.schedule(again + 1)
+
+
+def test_actions_and_async_reactions_deliver_at_scheduled_tags():
+    g = Graph()
+    c = g.add(Chain(), name="c")
+    r = g.add(Recorder(), name="r")
+    g.connect(c.out, r.inp)
+    res = run(g)
+    assert [x for x in LOG if isinstance(x[1], int)] == [
+        ("r", 1, Tag(10_000_000, 1)),
+        ("r", 2, Tag(11_000_000, 1)),
+        ("r", 3, Tag(12_000_000, 1)),
+    ]
+    assert res.stopped_by == "quiescence"
+
+
+class Dice(Reactor):
+    out = Output(int)
+
+    @reaction(triggers=[startup], effects=[out])
+    def roll(self) -> None:
+        self.out.send(int(self.rng.integers(0, 2**31)))
+
+
+def _rolls(seed: int, replicas: int = 3) -> list:
+    g = Graph()
+    d = g.add(Dice(), name="dice", replicas=replicas)
+    r = g.add(Recorder(), name="r")
+    g.connect(d.out, r.inp)
+    run(g, seed=seed)
+    return [x[1] for x in LOG if isinstance(x[1], int)]
+
+
+def test_bank_replicas_get_distinct_seeded_streams_that_depend_on_seed_and_name():
+    a = _rolls(1)
+    LOG.clear()
+    b = _rolls(1)
+    LOG.clear()
+    c = _rolls(2)
+    assert a == b
+    assert len(set(a)) == 3
+    assert a != c
+
+
+def test_replica_names_and_indices():
+    seen = []
+
+    class Namer(Reactor):
+        @reaction(triggers=[startup])
+        def hello(self) -> None:
+            seen.append((self.name, self.bank_index, self.bank_size))
+
+    g = Graph()
+    g.add(Namer(), name="n", replicas=3)
+    run(g)
+    assert sorted(seen) == [("n[0]", 0, 3), ("n[1]", 1, 3), ("n[2]", 2, 3)]
+
+
+def test_each_run_gets_fresh_reactor_instances():
+    g = Graph(stop_s=0.3)
+    t = g.add(Ticker(), name="t")
+    r = g.add(Recorder(), name="r")
+    g.connect(t.out, r.inp)
+    run(g)
+    first = list(LOG)
+    LOG.clear()
+    run(g)
+    assert LOG == first
+
+
+def test_torch_generator_is_seeded_per_reactor():
+    import torch
+
+    vals = []
+
+    class T(Reactor):
+        @reaction(triggers=[startup])
+        def draw(self) -> None:
+            vals.append(torch.rand(2, generator=self.torch_rng).tolist())
+
+    g = Graph()
+    g.add(T(), name="a")
+    run(g, seed=5)
+    run(g, seed=5)
+    assert vals[0] == vals[1]
+    assert np.all(np.array(vals[0]) >= 0)

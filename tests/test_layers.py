@@ -1,0 +1,95 @@
+"""Imports point only downwards (docs/architecture.md, "Layers"): a test fails on any upward import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "reactor"
+CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace"}
+LAUNCH = {"_runtime", "_coordinator", "_worker", "_placement", "_app"}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    head = parts[1]
+    if head in ("replay", "transport", "nodes", "algos"):
+        return head
+    if head in CORE:
+        return "core"
+    if head in LAUNCH:
+        return "launch"
+    if head == "cli":
+        return "cli"
+    return "other:" + head
+
+
+# What each layer may import from reactor.* (besides itself).
+ALLOWED = {
+    "core": {"core"},
+    "transport": {"core"},
+    "replay": {"core"},
+    "launch": {"core", "transport", "launch"},
+    "algos": set(),
+    "nodes": {"core", "transport", "replay", "launch", "algos", "api"},
+    "cli": {"core", "launch", "transport"},
+    "api": {"core", "launch"},
+}
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def _imports(module: str, path: Path):
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if node.module is None:
+                    for a in node.names:
+                        yield f"{target}.{a.name}", node.lineno
+                    continue
+            else:
+                target = node.module or ""
+            yield target, node.lineno
+
+
+@pytest.mark.parametrize("module,path", list(_modules()), ids=lambda x: str(x))
+def test_module_imports_only_downwards(module, path):
+    me = _layer(module)
+    if me.startswith("other:"):
+        pytest.fail(f"{module} is in no layer; add it to tests/test_layers.py and docs/architecture.md")
+    for target, line in _imports(module, path):
+        if not (target == "reactor" or target.startswith("reactor.")):
+            continue
+        if target == "reactor":
+            other = "api"
+        else:
+            other = _layer(target)
+        if other == me:
+            continue
+        assert other in ALLOWED[me], f"{path.relative_to(ROOT.parent)}:{line} imports {target} ({other}) from layer {me}"
+
+
+def test_algorithms_import_nothing_from_reactor():
+    """Algorithms are plain functions: they may use torch and numpy but nothing of reactor."""
+    for path in (ROOT / "algos").rglob("*.py"):
+        for target, line in _imports("reactor.algos." + path.stem, path):
+            assert not target.startswith("reactor"), f"{path}:{line} imports {target}"

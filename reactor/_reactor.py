@@ -260,38 +260,37 @@ class Reactor:
                     ports[attr] = value
         cls._port_specs = ports
         specs: list[ReactionSpec] = []
-        seen: set[str] = set()
-        for klass in reversed(cls.__mro__):
+        order: list[str] = []
+        for klass in reversed(cls.__mro__):  # declaration order, base classes first
             for attr, value in vars(klass).items():
-                raw = getattr(value, "__reaction_spec__", None)
-                if raw is None or attr in seen:
-                    continue
-                seen.add(attr)
-                triggers, effects, sources, params = raw
-                readable = {p.name: p for p in (*triggers, *sources) if isinstance(p, (Input, Action))}
-                for p in params:
-                    if p not in readable:
-                        raise TypeError(
-                            f"{cls.__name__}.{attr} has parameter {p!r}, which names none of its Input or "
-                            f"Action triggers or sources ({', '.join(sorted(readable)) or 'none'})"
-                        )
-                for p in (*triggers, *effects, *sources):
-                    if isinstance(p, _Lifecycle):
-                        continue
-                    if ports.get(p.name) is not p:
-                        raise TypeError(f"{cls.__name__}.{attr} uses {p!r}, which is not a port of {cls.__name__}")
-                specs.append(
-                    ReactionSpec(
-                        name=attr,
-                        func=value,
-                        triggers=triggers,
-                        effects=effects,
-                        sources=sources,
-                        params=params,
-                        is_async=inspect.iscoroutinefunction(value),
-                        index=len(specs),
+                if hasattr(value, "__reaction_spec__") and attr not in order:
+                    order.append(attr)
+        for attr in order:
+            value = next(vars(k)[attr] for k in cls.__mro__ if attr in vars(k))  # the most derived
+            raw = getattr(value, "__reaction_spec__", None)
+            if raw is None:  # overridden by a plain method
+                continue
+            triggers, effects, sources = (tuple(_rebind(p, ports, cls, attr) for p in group) for group in raw[:3])
+            params = raw[3]
+            readable = {p.name: p for p in (*triggers, *sources) if isinstance(p, (Input, Action))}
+            for p in params:
+                if p not in readable:
+                    raise TypeError(
+                        f"{cls.__name__}.{attr} has parameter {p!r}, which names none of its Input or "
+                        f"Action triggers or sources ({', '.join(sorted(readable)) or 'none'})"
                     )
+            specs.append(
+                ReactionSpec(
+                    name=attr,
+                    func=value,
+                    triggers=triggers,
+                    effects=effects,
+                    sources=sources,
+                    params=params,
+                    is_async=inspect.iscoroutinefunction(value),
+                    index=len(specs),
                 )
+            )
         cls._reaction_specs = tuple(specs)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Reactor:
@@ -348,6 +347,20 @@ class Reactor:
             f"{self.name}.{current.name} wrote {kind} {spec.name!r}, which is not among its declared effects "
             f"({', '.join(e.name for e in current.effects) or 'none'}); add it to effects=[...]"
         )
+
+
+def _rebind(p: PortSpec, ports: dict[str, PortSpec], cls: type, attr: str) -> PortSpec:
+    """Resolve a port used by a reaction to this class's port of the same name.
+
+    A subclass may override a port (say, a Timer with another period): inherited reactions then use
+    the subclass's port.
+    """
+    if isinstance(p, _Lifecycle):
+        return p
+    mine = ports.get(p.name)
+    if mine is None or type(mine) is not type(p) or not isinstance(p.owner, type) or not issubclass(cls, p.owner):
+        raise TypeError(f"{cls.__name__}.{attr} uses {p!r}, which is not a port of {cls.__name__}")
+    return mine
 
 
 def derive_seed(seed: int, name: str) -> int:

@@ -141,10 +141,15 @@ async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asynci
     reason = ["quiescence"]
     replayer = host.replayer
 
+    stuck: list[BaseException] = []
+
     def idle() -> None:
         if replayer is not None:
             if all(n in replayer.done for n in host.reactors):
                 reason[0] = "replay"
+                done.set()
+            elif host.quiescent():
+                stuck.append(replayer.stuck_error(list(host.reactors)))
                 done.set()
             return
         if host.quiescent():
@@ -160,6 +165,8 @@ async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asynci
         for t in finished:
             if t in tasks and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
+        if stuck:
+            raise stuck[0]
         if not finished:
             reason[0] = "stop_time"
         elif signalled.is_set():

@@ -422,11 +422,6 @@ class ReactorHost:
                     pending[expected] = (Tag(t.offset_ns + expected[2] * t.period_ns, 0), TIMER, expected[1], expected[2], t)
                 ev = pending.pop(expected, None)
                 if ev is None:
-                    if _later_than(expected, pending):
-                        raise TraceMismatchError(
-                            f"{name} expected {KIND_NAMES[expected[0]]} #{expected[1]} seq {expected[2]} "
-                            f"but the run produced other events only"
-                        )
                     wake.clear()
                     idle()
                     await wake.wait()
@@ -461,14 +456,6 @@ class ReactorHost:
         return {n: s.digest.hexdigest() for n, s in self.stats.items()}
 
 
-def _later_than(expected: tuple[int, int, int], pending: dict[tuple[int, int, int], Any]) -> bool:
-    # Input events of a link arrive in seq order; if a later seq of the expected link is already
-    # here while the expected one is not, the schedule cannot be honoured.
-    if expected[0] != INPUT:
-        return False
-    return any(k[0] == INPUT and k[1] == expected[1] and k[2] > expected[2] for k in pending)
-
-
 def _replica_of(name: str) -> int:
     if name.endswith("]"):
         return int(name[name.rindex("[") + 1 : -1])
@@ -486,24 +473,55 @@ class Recorder:
 
 
 class Replayer:
-    """Hands each reactor the next event its recorded schedule allows."""
+    """Hands each reactor the next event its recorded schedule allows.
+
+    Raises ``TraceMismatchError`` when the schedule is impossible: a message expected out of its
+    link's order (links are FIFO), or a run that has gone quiet with reactors still waiting for
+    events that will never come (a trace from another graph, config or seed).
+    """
 
     def __init__(self, events: dict[str, list[tuple[int, int, int]]]) -> None:
         self.events = {k: [tuple(e) for e in v] for k, v in events.items()}
         self.pos = dict.fromkeys(self.events, 0)
         self.done: set[str] = set()
         self.on_done: Callable[[], None] | None = None
+        self._link_next: dict[tuple[str, int], int] = {}
 
     def next_expected(self, name: str) -> tuple[int, int, int] | None:
         seq = self.events.get(name, [])
         i = self.pos.get(name, 0)
-        return seq[i] if i < len(seq) else None  # type: ignore[return-value]
+        if i >= len(seq):
+            return None
+        e = seq[i]
+        if e[0] == INPUT:
+            want = self._link_next.get((name, e[1]), 0)
+            if e[2] != want:
+                raise TraceMismatchError(
+                    f"{name} expected input #{e[1]} seq {e[2]} at event {i}, but seq {want} of that link comes "
+                    f"first (links are FIFO): the trace is damaged"
+                )
+        return e  # type: ignore[return-value]
 
     def advance(self, name: str) -> None:
-        self.pos[name] = self.pos.get(name, 0) + 1
+        i = self.pos.get(name, 0)
+        e = self.events[name][i]
+        if e[0] == INPUT:
+            self._link_next[(name, e[1])] = e[2] + 1
+        self.pos[name] = i + 1
 
     def mark_done(self, name: str) -> None:
         self.done.add(name)
         if self.on_done is not None:
             self.on_done()
 
+    def stuck_error(self, names: list[str]) -> TraceMismatchError:
+        waiting = []
+        for n in names:
+            if n in self.done:
+                continue
+            e = self.events[n][self.pos[n]]
+            waiting.append(f"{n} waits for {KIND_NAMES[e[0]]} #{e[1]} seq {e[2]} (event {self.pos[n]})")
+        return TraceMismatchError(
+            "the run went quiet before the recorded schedule was complete (a trace from another graph, "
+            "config or seed?): " + "; ".join(waiting)
+        )

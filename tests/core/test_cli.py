@@ -1,0 +1,94 @@
+"""The `reactor` command: real subprocesses, one-line errors for user mistakes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "apps" / "demo_pipeline.py")
+
+
+def reactor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "reactor.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_graph_prints_text_and_mermaid():
+    p = reactor("graph", DEMO, "--set", "workers=3")
+    assert p.returncode == 0, p.stderr
+    assert "squarer x3 (Squarer)" in p.stdout
+    assert "flowchart LR" in p.stdout
+
+
+def test_run_prints_a_summary_and_digests():
+    p = reactor("run", DEMO, "--digest", "--set", "stop_s=0.1")
+    assert p.returncode == 0, p.stderr
+    assert "run ended (stop_time)" in p.stdout
+    assert "collector: " in p.stdout
+
+
+def test_wrong_app_path_is_a_one_line_error():
+    p = reactor("run", "no/such/app.py")
+    assert p.returncode == 2
+    assert p.stderr == "reactor: no app file at 'no/such/app.py'\n"
+
+
+def test_app_without_build_is_a_one_line_error(tmp_path):
+    app = tmp_path / "app.py"
+    app.write_text("x = 1\n")
+    p = reactor("graph", str(app))
+    assert p.returncode == 2
+    assert p.stderr == f"reactor: {app} defines no build(config) function; an app file must define build(config) -> Graph\n"
+
+
+def test_bad_set_values_are_one_line_errors():
+    p = reactor("run", DEMO, "--set", "nokey")
+    assert (p.returncode, p.stderr) == (2, "reactor: --set expects key=value, got 'nokey'\n")
+    p = reactor("run", DEMO, "--set", "speed=3")
+    assert p.returncode == 2
+    assert p.stderr.startswith("reactor: unknown config key 'speed'; Config has: producers, stop_s, workers")
+    p = reactor("run", DEMO, "--set", "workers=many")
+    assert (p.returncode, p.stderr) == (2, "reactor: config key 'workers' expects int, got 'many'\n")
+
+
+def test_invalid_graph_reports_every_problem_without_a_traceback(tmp_path):
+    app = tmp_path / "bad.py"
+    app.write_text(
+        "from reactor import Graph, Input, Reactor\n"
+        "class Need(Reactor):\n"
+        "    inp = Input(int, required=True)\n"
+        "def build(config):\n"
+        "    g = Graph()\n"
+        "    g.add(Need(), name='need')\n"
+        "    return g\n"
+    )
+    p = reactor("run", str(app))
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert f"need.inp is a required input of Need but nothing is connected to it ({app}:6)" in p.stderr
+
+
+def test_help_for_each_command():
+    for cmd in (["--help"], ["run", "--help"], ["graph", "--help"], ["trace", "--help"], ["trace", "diff", "--help"]):
+        p = reactor(*cmd)
+        assert p.returncode == 0 and "usage: reactor" in p.stdout
+
+
+def test_trace_show_and_diff(tmp_path):
+    racing = str(ROOT / "tests" / "apps" / "racing.py")
+    a, b = tmp_path / "a.trace", tmp_path / "b.trace"
+    for t in (a, b):
+        p = reactor("run", racing, "--async", "--record", str(t), "--stop-s", "0.4")
+        assert p.returncode == 0, p.stderr
+    p = reactor("trace", "show", str(a), "--limit", "2")
+    assert p.returncode == 0
+    assert "folder: " in p.stdout and "input" in p.stdout
+    p = reactor("trace", "diff", str(a), str(a))
+    assert (p.returncode, p.stdout) == (0, "traces are identical\n")
+    junk = tmp_path / "junk.trace"
+    junk.write_bytes(b"\x00garbage")
+    p = reactor("trace", "show", str(junk))
+    assert p.returncode == 2 and p.stderr.startswith(f"reactor: {junk} is not a")

@@ -1,0 +1,658 @@
+"""Columnar step storage: a ring of steps that evicts whole oldest episodes (the GEAR layout).
+
+The storage keeps one preallocated tensor per field, ``[capacity, *shape]``, and an episode index.
+Steps are addressed by their *global step number* ``g`` (0, 1, 2, ... over the storage's whole life,
+never reused, not reset by :meth:`Storage.reset`); step ``g`` lives in ring position ``g % capacity``.
+An episode is a contiguous run of global steps, so it occupies at most two contiguous ring slices and
+needs no padding: a 3-step episode takes 3 rows, a 3000-step episode 3000.
+
+When an append needs room, the oldest *whole* episodes are evicted until it fits; a step is never
+evicted on its own, so every stored episode is complete from its first step on. An episode still
+being written (``episode_end=False``) that would have to evict itself raises instead.
+
+All reads take an array of global steps and gather with one index tensor per field (no Python loop
+per item): single steps, transitions with n-step returns, fixed-length windows with a validity mask,
+and whole episodes.
+
+Memory is ``capacity * step_nbytes`` for the data (exactly the raw bytes of the stored steps when
+full, nothing per episode) plus a fixed index of 24 bytes per step of capacity: see
+:meth:`Storage.memory`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory"]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One column of the storage: every step holds a tensor of ``shape`` and ``dtype`` under ``name``.
+
+    Args:
+        name: a Python identifier, unique within a storage.
+        shape: per-step shape, ``()`` for a scalar.
+        dtype: a ``torch.dtype``.
+
+    Example:
+        >>> FieldSpec("obs", (8,), torch.float32)
+    """
+
+    name: str
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"FieldSpec name must be a Python identifier, got {self.name!r}")
+        shape = tuple(self.shape) if isinstance(self.shape, Iterable) else self.shape
+        if not isinstance(shape, tuple) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(
+                f"FieldSpec {self.name!r}: shape must be a tuple of non-negative ints, got {self.shape!r}"
+            )
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(
+                f"FieldSpec {self.name!r}: dtype must be a torch.dtype (e.g. torch.float32), got {self.dtype!r}"
+            )
+
+    @property
+    def step_nbytes(self) -> int:
+        """Bytes one step of this field takes."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class StorageMemory:
+    """What a storage's memory holds.
+
+    Attributes:
+        data_nbytes: bytes of the preallocated field tensors (``capacity * step_nbytes``).
+        index_nbytes: bytes of the episode index (fixed, 24 bytes per step of capacity).
+        stored_nbytes: raw bytes of the steps stored now (``num_steps * step_nbytes``).
+    """
+
+    data_nbytes: int
+    index_nbytes: int
+    stored_nbytes: int
+
+    @property
+    def total_nbytes(self) -> int:
+        """``data_nbytes + index_nbytes``."""
+        return self.data_nbytes + self.index_nbytes
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What :meth:`Storage.append` did.
+
+    Attributes:
+        first_step: global step number of the first appended step (the rest follow contiguously).
+        num_steps: how many steps were appended.
+        evicted_steps: half-open range ``(lo, hi)`` of global steps evicted to make room (empty: lo == hi).
+        evicted_episodes: half-open range of episode ids evicted.
+    """
+
+    first_step: int
+    num_steps: int
+    evicted_steps: tuple[int, int]
+    evicted_episodes: tuple[int, int]
+
+
+def _check_device(device: str | torch.device, pin_memory: bool) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"Storage device {str(dev)!r} needs CUDA, but torch.cuda.is_available() is False here; "
+            "use device='cpu'"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"Storage device must be 'cpu' or 'cuda[:N]', got {str(dev)!r}")
+    if pin_memory:
+        if dev.type != "cpu":
+            raise ValueError(f"pin_memory=True applies to host storage only, got device {str(dev)!r}")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "pin_memory=True needs CUDA (pinned host memory is for fast host-to-GPU copies), but "
+                "torch.cuda.is_available() is False here; use pin_memory=False"
+            )
+    return dev
+
+
+class Storage:
+    """Preallocated columnar ring of steps with an episode index.
+
+    Ownership and concurrency: a storage is owned by one writer (normally a :class:`~reactor.replay.Table`,
+    which serialises access under its lock); it does no locking of its own.
+
+    Args:
+        specs: the fields, one :class:`FieldSpec` each (unique names).
+        capacity: number of steps the ring holds.
+        device: ``"cpu"`` or a CUDA device (raises ``RuntimeError`` if CUDA is not available).
+        pin_memory: allocate host memory pinned (page-locked); only with CUDA present.
+
+    Raises:
+        ValueError: empty or duplicate specs, capacity < 1, a bad device string.
+        RuntimeError: CUDA or pinned memory asked for on a machine without CUDA.
+
+    Example:
+        >>> s = Storage([FieldSpec("obs", (8,)), FieldSpec("reward")], capacity=1024)
+        >>> s.append({"obs": torch.zeros(3, 8), "reward": torch.ones(3)}).first_step
+        0
+    """
+
+    # Per step of capacity: episode id of the step (8), and the episode ring's start and length (8 + 8).
+    INDEX_BYTES_PER_STEP = 24
+
+    def __init__(
+        self,
+        specs: Sequence[FieldSpec],
+        capacity: int,
+        *,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        specs = tuple(specs)
+        if not specs:
+            raise ValueError("Storage needs at least one FieldSpec")
+        for spec in specs:
+            if not isinstance(spec, FieldSpec):
+                raise TypeError(f"Storage specs must be FieldSpec instances, got {spec!r}")
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"Storage field names must be unique; duplicated: {dupes}")
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+            raise ValueError(f"Storage capacity must be an int >= 1 (steps), got {capacity!r}")
+        self._device = _check_device(device, pin_memory)
+        self._pin_memory = bool(pin_memory)
+        self._specs = {s.name: s for s in specs}
+        self._capacity = int(capacity)
+        self._fields: dict[str, torch.Tensor] = {
+            s.name: torch.empty(
+                (self._capacity, *s.shape), dtype=s.dtype, device=self._device, pin_memory=self._pin_memory
+            )
+            for s in specs
+        }
+        cap = self._capacity
+        self._step_ep = np.zeros(cap, dtype=np.int64)  # episode id of ring position
+        self._ep_start = np.zeros(cap, dtype=np.int64)  # indexed by episode id % capacity
+        self._ep_len = np.zeros(cap, dtype=np.int64)
+        self._first_step = 0
+        self._next_step = 0
+        self._first_ep = 0
+        self._next_ep = 0
+        self._open = False  # episode next_ep - 1 still takes appends
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def specs(self) -> tuple[FieldSpec, ...]:
+        """The field specs, in construction order."""
+        return tuple(self._specs.values())
+
+    @property
+    def capacity(self) -> int:
+        """Number of steps the ring holds."""
+        return self._capacity
+
+    @property
+    def device(self) -> torch.device:
+        """Where the field tensors live."""
+        return self._device
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host memory is pinned."""
+        return self._pin_memory
+
+    @property
+    def step_nbytes(self) -> int:
+        """Raw bytes of one step over all fields."""
+        return sum(s.step_nbytes for s in self._specs.values())
+
+    @property
+    def num_steps(self) -> int:
+        """Steps stored now."""
+        return self._next_step - self._first_step
+
+    @property
+    def num_episodes(self) -> int:
+        """Episodes stored now, the open one included."""
+        return self._next_ep - self._first_ep
+
+    @property
+    def step_range(self) -> tuple[int, int]:
+        """Half-open range of global step numbers stored now."""
+        return (self._first_step, self._next_step)
+
+    @property
+    def episode_range(self) -> tuple[int, int]:
+        """Half-open range of episode ids stored now."""
+        return (self._first_ep, self._next_ep)
+
+    @property
+    def open_episode(self) -> int | None:
+        """Id of the episode still taking appends, or None."""
+        return self._next_ep - 1 if self._open else None
+
+    def memory(self) -> StorageMemory:
+        """Report the bytes held: data, index, and the raw bytes of the stored steps."""
+        return StorageMemory(
+            data_nbytes=sum(t.numel() * t.element_size() for t in self._fields.values()),
+            index_nbytes=self._step_ep.nbytes + self._ep_start.nbytes + self._ep_len.nbytes,
+            stored_nbytes=self.num_steps * self.step_nbytes,
+        )
+
+    # ------------------------------------------------------------------ writing
+
+    def validate_steps(self, steps: Mapping[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
+        """Check a batch of steps against the specs without storing anything.
+
+        Args:
+            steps: field name -> tensor or numpy array of shape ``[L, *spec.shape]`` and the spec's dtype.
+
+        Returns:
+            ``(L, tensors)`` with every value as a torch tensor.
+
+        Raises:
+            KeyError: a field is missing or unknown.
+            ValueError: a wrong shape, mismatched lengths L between fields, or L == 0.
+            TypeError: a wrong dtype, or a value that is not a tensor/array.
+        """
+        if not isinstance(steps, Mapping):
+            raise TypeError(f"steps must be a mapping of field name -> tensor, got {type(steps).__name__}")
+        unknown = sorted(set(steps) - set(self._specs))
+        if unknown:
+            raise KeyError(
+                f"unknown field(s) {unknown}; this storage has fields {sorted(self._specs)}"
+            )
+        missing = sorted(set(self._specs) - set(steps))
+        if missing:
+            raise KeyError(f"missing field(s) {missing}; every append must carry all of {sorted(self._specs)}")
+        out: dict[str, torch.Tensor] = {}
+        length: int | None = None
+        first_name = ""
+        for name, spec in self._specs.items():
+            value = steps[name]
+            if isinstance(value, np.ndarray):
+                try:
+                    value = torch.from_numpy(value)
+                except TypeError as e:
+                    raise TypeError(f"field {name!r}: numpy dtype {value.dtype} has no torch equivalent") from e
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"field {name!r} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+            if value.dtype != spec.dtype:
+                raise TypeError(f"field {name!r} has dtype {value.dtype}, expected {spec.dtype}; cast it first")
+            if value.dim() != 1 + len(spec.shape) or tuple(value.shape[1:]) != spec.shape:
+                raise ValueError(
+                    f"field {name!r} has shape {tuple(value.shape)}, expected [L, *{spec.shape}] "
+                    f"(a leading step dimension, then the spec shape)"
+                )
+            n = int(value.shape[0])
+            if length is None:
+                length, first_name = n, name
+            elif n != length:
+                raise ValueError(
+                    f"field {name!r} has {n} steps but field {first_name!r} has {length}; "
+                    "all fields of one append need the same number of steps"
+                )
+            out[name] = value
+        assert length is not None
+        if length == 0:
+            raise ValueError("append of 0 steps: every field has an empty leading dimension")
+        if length > self._capacity:
+            raise ValueError(f"append of {length} steps exceeds the storage capacity {self._capacity}")
+        return length, out
+
+    def _episode_ends(self, length: int, episode_end: bool | np.ndarray | Sequence[bool]) -> np.ndarray:
+        if isinstance(episode_end, (bool, np.bool_)):
+            ends = np.zeros(length, dtype=bool)
+            ends[-1] = bool(episode_end)
+            return ends
+        ends = np.asarray(episode_end)
+        if ends.dtype != np.bool_ or ends.shape != (length,):
+            raise ValueError(
+                f"episode_end must be a bool or a bool array of shape ({length},), got "
+                f"dtype {ends.dtype} shape {ends.shape}"
+            )
+        return ends
+
+    def plan_append(
+        self, length: int, episode_end: bool | np.ndarray | Sequence[bool] = True
+    ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Work out where an append of ``length`` steps goes, without changing anything.
+
+        Returns:
+            ``(episode_ids, ends, new_first_step, new_first_ep)``: the episode of each new step, the
+            episode-end flags, and the storage's first step and first episode after evictions.
+
+        Raises:
+            ValueError: ``episode_end`` malformed, or the open episode would have to evict itself.
+        """
+        ends = self._episode_ends(length, episode_end)
+        starts_new = np.empty(length, dtype=np.int64)
+        starts_new[0] = 0 if self._open else 1
+        starts_new[1:] = ends[:-1]
+        eids = (self._next_ep - 1) + np.cumsum(starts_new)
+        cap = self._capacity
+        needed = self._next_step + length - cap  # lowest global step that may remain
+        new_first_step, new_first_ep = self._first_step, self._first_ep
+        if needed > self._first_step:
+            if needed < self._next_step:
+                e = int(self._step_ep[needed % cap])
+                new_first_ep = e if self._ep_start[e % cap] == needed else e + 1
+            else:
+                new_first_ep = self._next_ep
+            if self._open and new_first_ep > self._next_ep - 1:
+                o = self._next_ep - 1
+                raise ValueError(
+                    f"open episode {o} ({self._ep_len[o % cap]} steps + {length} appended) would no longer fit "
+                    f"in the storage capacity {cap}: end episodes sooner (episode_end=True) or raise capacity"
+                )
+            new_first_step = int(self._ep_start[new_first_ep % cap]) if new_first_ep < self._next_ep else (
+                self._next_step
+            )
+        return eids, ends, new_first_step, new_first_ep
+
+    def append(
+        self,
+        steps: Mapping[str, Any],
+        episode_end: bool | np.ndarray | Sequence[bool] = True,
+        *,
+        _validated: tuple[int, dict[str, torch.Tensor]] | None = None,
+        _plan: tuple[np.ndarray, np.ndarray, int, int] | None = None,
+    ) -> AppendResult:
+        """Append ``L`` steps, evicting whole oldest episodes if the ring is full.
+
+        The first step continues the open episode if there is one, else starts a new episode.
+
+        Args:
+            steps: field name -> ``[L, *shape]`` tensor/array for every field.
+            episode_end: ``True`` (the default) ends the episode at the last step, ``False`` leaves it
+                open for the next append; a bool array of shape ``[L]`` marks each step that ends one.
+
+        Returns:
+            An :class:`AppendResult` with the new steps' first global step and what was evicted.
+
+        Raises:
+            KeyError, TypeError, ValueError: as :meth:`validate_steps` and :meth:`plan_append`; the
+                storage is unchanged when they do.
+        """
+        length, tensors = _validated if _validated is not None else self.validate_steps(steps)
+        eids, ends, new_first_step, new_first_ep = (
+            _plan if _plan is not None else self.plan_append(length, episode_end)
+        )
+        cap = self._capacity
+        evicted_steps = (self._first_step, new_first_step)
+        evicted_eps = (self._first_ep, new_first_ep)
+        first = self._next_step
+        # Data: at most two contiguous slices of the ring.
+        pos0 = first % cap
+        n1 = min(length, cap - pos0)
+        for name, src in tensors.items():
+            dst = self._fields[name]
+            dst[pos0 : pos0 + n1].copy_(src[:n1])
+            if n1 < length:
+                dst[: length - n1].copy_(src[n1:])
+        self._step_ep[pos0 : pos0 + n1] = eids[:n1]
+        if n1 < length:
+            self._step_ep[: length - n1] = eids[n1:]
+        # Episode index: one segment per distinct episode id in the batch.
+        seg = np.flatnonzero(np.r_[True, eids[1:] != eids[:-1]])
+        seg_ids = eids[seg]
+        seg_lens = np.diff(np.r_[seg, length])
+        if self._open:
+            o = seg_ids[0] % cap
+            self._ep_len[o] += seg_lens[0]
+            seg, seg_ids, seg_lens = seg[1:], seg_ids[1:], seg_lens[1:]
+        self._ep_start[seg_ids % cap] = first + seg
+        self._ep_len[seg_ids % cap] = seg_lens
+        self._next_step = first + length
+        self._next_ep = int(eids[-1]) + 1
+        self._open = not bool(ends[-1])
+        self._first_step, self._first_ep = new_first_step, new_first_ep
+        return AppendResult(first, length, evicted_steps, evicted_eps)
+
+    def reset(self) -> None:
+        """Drop every stored step and episode. Global step numbers and episode ids keep counting up."""
+        self._first_step = self._next_step
+        self._first_ep = self._next_ep
+        self._open = False
+
+    # ------------------------------------------------------------------ reading
+
+    def _check_stored(self, steps: np.ndarray) -> None:
+        bad = (steps < self._first_step) | (steps >= self._next_step)
+        if bad.any():
+            s = int(steps[np.argmax(bad)])
+            raise KeyError(f"global step {s} is not stored (stored range {self.step_range})")
+
+    def _index(self, flat_steps: np.ndarray) -> torch.Tensor:
+        idx = torch.from_numpy(np.ascontiguousarray(flat_steps % self._capacity))
+        return idx if self._device.type == "cpu" else idx.to(self._device, non_blocking=True)
+
+    def _gather(self, flat_steps: np.ndarray, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        idx = self._index(flat_steps)
+        return {n: self._fields[n].index_select(0, idx) for n in (names if names is not None else self._fields)}
+
+    def episode_bounds(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Episode id, first global step and end (exclusive, as written so far) of each given step.
+
+        Raises:
+            KeyError: a step is not stored.
+        """
+        steps = np.asarray(steps, dtype=np.int64)
+        self._check_stored(steps)
+        cap = self._capacity
+        eps = self._step_ep[steps % cap]
+        start = self._ep_start[eps % cap]
+        return eps, start, start + self._ep_len[eps % cap]
+
+    def read_steps(self, steps: np.ndarray) -> dict[str, torch.Tensor]:
+        """Gather the given global steps: field -> ``[B, *shape]``.
+
+        Raises:
+            KeyError: a step is not stored.
+        """
+        steps = np.asarray(steps, dtype=np.int64)
+        self._check_stored(steps)
+        return self._gather(steps)
+
+    def read_transitions(
+        self,
+        steps: np.ndarray,
+        *,
+        n: int = 1,
+        gamma: float = 0.99,
+        reward_field: str = "reward",
+        next_fields: Sequence[str] = ("obs",),
+    ) -> dict[str, torch.Tensor]:
+        """Gather n-step transitions starting at the given steps.
+
+        Convention: step ``t`` holds ``o_t`` and the ``a_t``, ``r_t`` taken from it; an episode's last
+        stored step holds its final observation (its action and reward are not read). For a step ``s``
+        whose episode has stored steps up to ``last``, ``m = min(n, last - s)`` and::
+
+            reward   = sum_{k<m} gamma^k r_{s+k}        (the n-step return)
+            discount = gamma^m
+            next_<f> = f[s + m]                          for f in next_fields
+            valid    = m >= 1                            (False only for an item on an episode's last step)
+
+        Every other field is read at ``s``.
+
+        Returns:
+            field -> ``[B, ...]`` with ``reward`` replaced by the n-step return, plus ``discount``
+            (reward dtype), ``valid`` (bool) and ``next_<f>``.
+
+        Raises:
+            KeyError: a step is not stored, or a field name is unknown.
+        """
+        for f in (reward_field, *next_fields):
+            if f not in self._specs:
+                raise KeyError(f"transition field {f!r} is not a storage field; fields: {sorted(self._specs)}")
+        steps = np.asarray(steps, dtype=np.int64)
+        _, _, end = self.episode_bounds(steps)
+        m = np.minimum(n, end - 1 - steps)
+        out = self._gather(steps)
+        k = np.arange(n, dtype=np.int64)
+        win = steps[:, None] + np.minimum(k[None, :], np.maximum(m[:, None] - 1, 0))
+        rewards = self._gather(win.ravel(), [reward_field])[reward_field]
+        rewards = rewards.reshape(len(steps), n, *rewards.shape[1:])
+        rdtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
+        gpow = torch.as_tensor(gamma ** k.astype(np.float64), dtype=rdtype, device=self._device)
+        live = torch.from_numpy(k[None, :] < m[:, None]).to(self._device)
+        coef = gpow[None, :] * live
+        coef = coef.reshape(*coef.shape, *([1] * (rewards.dim() - 2)))
+        out[reward_field] = (rewards.to(rdtype) * coef).sum(dim=1)
+        out["discount"] = torch.as_tensor(gamma ** m.astype(np.float64), dtype=rdtype, device=self._device)
+        out["valid"] = torch.from_numpy(m >= 1).to(self._device)
+        nxt = self._gather(steps + m, next_fields)
+        for f in next_fields:
+            out[f"next_{f}"] = nxt[f]
+        return out
+
+    def read_windows(
+        self, steps: np.ndarray, length: int, pad: Literal["head", "tail"] = "tail"
+    ) -> dict[str, torch.Tensor]:
+        """Gather fixed-length windows ``[B, length, ...]`` with a validity mask.
+
+        ``pad="tail"``: the window starts at the step and runs forward; positions past the episode's
+        stored end are padding, at the tail. ``pad="head"``: the window ends at the step; positions
+        before the episode's first step are padding, at the head. Windows never cross episodes.
+        Padding positions hold zeros and ``mask`` is False there.
+
+        Returns:
+            field -> ``[B, length, *shape]``, plus ``mask``: bool ``[B, length]``.
+
+        Raises:
+            KeyError: a step is not stored.
+            ValueError: ``length < 1`` or ``pad`` not "head"/"tail".
+        """
+        if length < 1:
+            raise ValueError(f"window length must be >= 1, got {length}")
+        if pad not in ("head", "tail"):
+            raise ValueError(f"pad must be 'head' or 'tail', got {pad!r}")
+        steps = np.asarray(steps, dtype=np.int64)
+        _, start, end = self.episode_bounds(steps)
+        offs = np.arange(length, dtype=np.int64)
+        base = steps if pad == "tail" else steps - (length - 1)
+        idx = base[:, None] + offs[None, :]
+        mask = (idx >= start[:, None]) & (idx < end[:, None])
+        all_valid = bool(mask.all())
+        if not all_valid:
+            idx = np.clip(idx, start[:, None], end[:, None] - 1)
+        out = self._gather(idx.ravel())
+        b = len(steps)
+        mask_t = torch.from_numpy(mask).to(self._device)
+        for name, t in out.items():
+            t = t.view(b, length, *t.shape[1:])
+            if not all_valid:
+                t.masked_fill_(~mask_t.view(b, length, *([1] * (t.dim() - 2))), 0)
+            out[name] = t
+        out["mask"] = mask_t
+        return out
+
+    def read_episodes(self, episode_ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """Gather whole episodes, concatenated without padding.
+
+        Returns:
+            field -> ``[sum(lengths), *shape]`` (episode after episode), plus ``lengths``: int64 ``[B]``.
+
+        Raises:
+            KeyError: an episode id is not stored.
+        """
+        eids = np.asarray(episode_ids, dtype=np.int64)
+        bad = (eids < self._first_ep) | (eids >= self._next_ep)
+        if bad.any():
+            e = int(eids[np.argmax(bad)])
+            raise KeyError(f"episode {e} is not stored (stored episodes {self.episode_range})")
+        cap = self._capacity
+        start = self._ep_start[eids % cap]
+        lens = self._ep_len[eids % cap]
+        total = int(lens.sum())
+        offsets = np.cumsum(lens) - lens
+        flat = np.repeat(start - offsets, lens) + np.arange(total, dtype=np.int64)
+        out = self._gather(flat)
+        out["lengths"] = torch.from_numpy(lens.copy()).to(self._device)
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the stored steps (in global order, live region only) and the episode index.
+
+        The copy is taken at call time, so the caller may write it out while the storage moves on.
+
+        Returns:
+            ``{"fields": {name: tensor [num_steps, ...] on CPU}, "ep_start", "ep_len": int64 arrays of the
+            live episodes, "first_step", "next_step", "first_ep", "next_ep": int, "open": bool}``.
+        """
+        cap = self._capacity
+        lo, hi = self._first_step, self._next_step
+        p0, n = lo % cap, hi - lo
+        n1 = min(n, cap - p0)
+        fields = {}
+        for name, t in self._fields.items():
+            part = t[p0 : p0 + n1] if n1 == n else torch.cat([t[p0 : p0 + n1], t[: n - n1]])
+            fields[name] = part.to("cpu", copy=True) if n1 == n else part.cpu()
+        ep_ids = np.arange(self._first_ep, self._next_ep, dtype=np.int64) % cap
+        return {
+            "fields": fields,
+            "ep_start": self._ep_start[ep_ids].copy(),
+            "ep_len": self._ep_len[ep_ids].copy(),
+            "first_step": self._first_step,
+            "next_step": self._next_step,
+            "first_ep": self._first_ep,
+            "next_ep": self._next_ep,
+            "open": self._open,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (same specs and a capacity large enough).
+
+        Raises:
+            ValueError: the state does not fit this storage (fields, shapes, dtypes, capacity).
+        """
+        cap = self._capacity
+        lo, hi = int(state["first_step"]), int(state["next_step"])
+        first_ep, next_ep = int(state["first_ep"]), int(state["next_ep"])
+        n = hi - lo
+        if n > cap or next_ep - first_ep > cap:
+            raise ValueError(f"state holds {n} steps, more than this storage's capacity {cap}")
+        fields = state["fields"]
+        if set(fields) != set(self._specs):
+            raise ValueError(f"state fields {sorted(fields)} differ from storage fields {sorted(self._specs)}")
+        for name, t in fields.items():
+            spec = self._specs[name]
+            if t.dtype != spec.dtype or tuple(t.shape) != (n, *spec.shape):
+                raise ValueError(
+                    f"state field {name!r} has dtype {t.dtype} shape {tuple(t.shape)}, expected "
+                    f"{spec.dtype} {(n, *spec.shape)}"
+                )
+        ep_start = np.asarray(state["ep_start"], dtype=np.int64)
+        ep_len = np.asarray(state["ep_len"], dtype=np.int64)
+        p0 = lo % cap
+        n1 = min(n, cap - p0)
+        for name, t in fields.items():
+            dst = self._fields[name]
+            dst[p0 : p0 + n1].copy_(t[:n1])
+            if n1 < n:
+                dst[: n - n1].copy_(t[n1:])
+        ids = np.arange(first_ep, next_ep, dtype=np.int64)
+        self._ep_start[ids % cap] = ep_start
+        self._ep_len[ids % cap] = ep_len
+        steps = np.arange(lo, hi, dtype=np.int64)
+        self._step_ep[steps % cap] = np.repeat(ids, ep_len)
+        self._first_step, self._next_step = lo, hi
+        self._first_ep, self._next_ep = first_ep, next_ep
+        self._open = bool(state["open"])

@@ -1,0 +1,302 @@
+"""Storage: columnar ring of steps, whole-episode eviction, vectorized reads (issue 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from reactor.replay.storage import FieldSpec, Storage
+
+SPECS = [
+    FieldSpec("obs", (3,), torch.float32),
+    FieldSpec("action", (), torch.int64),
+    FieldSpec("reward", (), torch.float32),
+    FieldSpec("flag", (), torch.bool),
+]
+
+
+def steps(start: int, n: int) -> dict[str, torch.Tensor]:
+    """n steps whose values encode their insertion number (start, start+1, ...)."""
+    v = torch.arange(start, start + n)
+    return {
+        "obs": v.float()[:, None].repeat(1, 3) + torch.tensor([0.0, 0.25, 0.5]),
+        "action": v.long(),
+        "reward": v.float(),
+        "flag": (v % 2 == 0),
+    }
+
+
+def snapshot(s: Storage) -> dict:
+    st_ = s.state_dict()
+    return {
+        "fields": {k: v.clone() for k, v in st_["fields"].items()},
+        **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in st_.items() if k != "fields"},
+    }
+
+
+def same(a: dict, b: dict) -> bool:
+    if set(a) != set(b):
+        return False
+    for k in a:
+        if k == "fields":
+            if any(not torch.equal(a[k][f], b[k][f]) for f in a[k]):
+                return False
+        elif a[k] != b[k]:
+            return False
+    return True
+
+
+def test_append_assigns_contiguous_global_steps_and_reads_them_back():
+    s = Storage(SPECS, 16)
+    assert s.append(steps(0, 5)).first_step == 0
+    assert s.append(steps(5, 3)).first_step == 5
+    out = s.read_steps(np.array([0, 7, 3]))
+    assert out["action"].tolist() == [0, 7, 3]
+    assert out["obs"][1].tolist() == [7.0, 7.25, 7.5]
+    assert out["flag"].tolist() == [True, False, False]
+    assert s.num_steps == 8 and s.num_episodes == 2
+
+
+def test_variable_length_episodes_take_exactly_their_steps():
+    s = Storage(SPECS, 100)
+    s.append(steps(0, 3))
+    s.append(steps(3, 40))
+    s.append(steps(43, 1))
+    assert s.num_steps == 44
+    ep = s.read_episodes(np.array([0, 1, 2]))
+    assert ep["lengths"].tolist() == [3, 40, 1]
+    assert ep["action"].tolist() == list(range(44))
+
+
+def test_ring_evicts_whole_oldest_episodes_only():
+    s = Storage(SPECS, 10)
+    s.append(steps(0, 4))
+    s.append(steps(4, 4))
+    res = s.append(steps(8, 3))  # needs 1 more step: the whole first episode goes
+    assert res.evicted_steps == (0, 4) and res.evicted_episodes == (0, 1)
+    assert s.step_range == (4, 11) and s.episode_range == (1, 3)
+    assert s.read_episodes(np.array([1, 2]))["action"].tolist() == list(range(4, 11))
+    with pytest.raises(KeyError, match=r"^'global step 3 is not stored \(stored range \(4, 11\)\)'$"):
+        s.read_steps(np.array([3]))
+
+
+def test_ring_wraps_around_with_correct_data():
+    s = Storage(SPECS, 7)
+    for i in range(0, 30, 3):
+        s.append(steps(i, 3))
+    lo, hi = s.step_range
+    assert (lo, hi) == (24, 30)
+    assert s.read_steps(np.arange(lo, hi))["action"].tolist() == list(range(24, 30))
+    w = s.read_windows(np.array([27]), 3, "tail")
+    assert w["action"][0].tolist() == [27, 28, 29]
+
+
+def test_open_episode_continues_across_appends():
+    s = Storage(SPECS, 20)
+    s.append(steps(0, 3), episode_end=False)
+    s.append(steps(3, 2), episode_end=False)
+    assert s.open_episode == 0
+    s.append(steps(5, 1), episode_end=True)
+    assert s.open_episode is None and s.num_episodes == 1
+    assert s.read_episodes(np.array([0]))["lengths"].tolist() == [6]
+
+
+def test_episode_end_array_splits_one_append_into_episodes():
+    s = Storage(SPECS, 20)
+    s.append(steps(0, 6), episode_end=np.array([0, 1, 0, 0, 1, 0], dtype=bool))
+    assert s.num_episodes == 3 and s.open_episode == 2
+    assert s.read_episodes(np.array([0, 1, 2]))["lengths"].tolist() == [2, 3, 1]
+
+
+def test_open_episode_outgrowing_capacity_raises_and_changes_nothing():
+    s = Storage(SPECS, 8)
+    s.append(steps(0, 5), episode_end=False)
+    before = snapshot(s)
+    with pytest.raises(ValueError, match=r"^open episode 0 \(5 steps \+ 4 appended\) would no longer fit"):
+        s.append(steps(5, 4))
+    assert same(before, snapshot(s))
+
+
+@pytest.mark.parametrize(
+    "mutate,error,match",
+    [
+        (lambda b: b.update(extra=torch.zeros(5)), KeyError, r"unknown field\(s\) \['extra'\]"),
+        (lambda b: b.pop("reward"), KeyError, r"missing field\(s\) \['reward'\]"),
+        (lambda b: b.update(obs=torch.zeros(5, 4)), ValueError, r"field 'obs' has shape \(5, 4\), expected"),
+        (lambda b: b.update(action=torch.zeros(5, dtype=torch.int32)), TypeError,
+         r"field 'action' has dtype torch.int32, expected torch.int64"),
+        (lambda b: b.update(reward=torch.zeros(4)), ValueError, r"field 'reward' has 4 steps but field 'obs' has 5"),
+        (lambda b: b.update(flag=[True] * 5), TypeError, r"field 'flag' must be a torch.Tensor or numpy array"),
+    ],
+    ids=["unknown", "missing", "shape", "dtype", "lengths", "type"],
+)
+def test_bad_append_names_the_field_and_changes_nothing(mutate, error, match):
+    s = Storage(SPECS, 8)
+    s.append(steps(0, 3))
+    before = snapshot(s)
+    bad = steps(3, 5)
+    mutate(bad)
+    with pytest.raises(error, match=match):
+        s.append(bad)
+    assert same(before, snapshot(s))
+
+
+def test_append_longer_than_capacity_raises():
+    s = Storage(SPECS, 4)
+    with pytest.raises(ValueError, match=r"^append of 5 steps exceeds the storage capacity 4$"):
+        s.append(steps(0, 5))
+    assert s.num_steps == 0
+
+
+def test_numpy_arrays_are_accepted_with_matching_dtype():
+    s = Storage([FieldSpec("x", (2,), torch.float64)], 4)
+    s.append({"x": np.ones((2, 2))})
+    assert s.read_steps(np.array([1]))["x"].tolist() == [[1.0, 1.0]]
+
+
+def test_tail_windows_pad_past_the_episode_end_with_zeros_and_mask():
+    s = Storage(SPECS, 32)
+    s.append(steps(0, 5))
+    s.append(steps(5, 5))
+    w = s.read_windows(np.array([1, 3, 5]), 4, "tail")
+    assert w["action"].tolist() == [[1, 2, 3, 4], [3, 4, 0, 0], [5, 6, 7, 8]]
+    assert w["mask"].tolist() == [[True] * 4, [True, True, False, False], [True] * 4]
+    assert w["obs"].shape == (3, 4, 3)
+    assert torch.all(w["obs"][1, 2:] == 0)
+
+
+def test_head_windows_pad_before_the_episode_start_and_never_cross_episodes():
+    s = Storage(SPECS, 32)
+    s.append(steps(0, 5))
+    s.append(steps(5, 5))
+    w = s.read_windows(np.array([6, 4]), 3, "head")
+    assert w["action"].tolist() == [[0, 5, 6], [2, 3, 4]]
+    assert w["mask"].tolist() == [[False, True, True], [True, True, True]]
+    assert w["flag"][0, 0].item() is False
+
+
+def test_n_step_transitions_sum_discounted_rewards_within_the_episode():
+    s = Storage(SPECS, 32)
+    s.append(steps(0, 6))  # rewards 0..5; the last step (5) holds the final observation
+    g = 0.5
+    out = s.read_transitions(np.array([0, 3, 4, 5]), n=3, gamma=g, next_fields=("obs",))
+    expect_r = [0 + g * 1 + g * g * 2, 3 + g * 4, 4.0, 0.0]
+    assert out["reward"].tolist() == pytest.approx(expect_r)
+    assert out["discount"].tolist() == pytest.approx([g**3, g**2, g, 1.0])
+    assert out["next_obs"][:, 0].tolist() == [3.0, 5.0, 5.0, 5.0]
+    assert out["valid"].tolist() == [True, True, True, False]
+    assert out["action"].tolist() == [0, 3, 4, 5]
+
+
+def test_memory_is_raw_bytes_of_steps_plus_a_fixed_index_when_full():
+    s = Storage(SPECS, 1000)
+    for i in range(0, 1000, 10):
+        s.append(steps(i, 10))
+    m = s.memory()
+    assert m.stored_nbytes == 1000 * (12 + 8 + 4 + 1)
+    assert m.data_nbytes <= 1.1 * m.stored_nbytes
+    assert m.index_nbytes == 1000 * Storage.INDEX_BYTES_PER_STEP
+    assert m.total_nbytes == m.data_nbytes + m.index_nbytes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_and_pinned_memory_without_cuda_raise_clearly():
+    with pytest.raises(RuntimeError, match=r"^Storage device 'cuda' needs CUDA, but torch.cuda.is_available\(\)"):
+        Storage(SPECS, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"^pin_memory=True needs CUDA"):
+        Storage(SPECS, 8, pin_memory=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("placement", ["pinned", "cuda"])
+def test_storage_on_pinned_host_or_cuda_reads_back(placement):
+    kw = {"pin_memory": True} if placement == "pinned" else {"device": "cuda"}
+    s = Storage(SPECS, 16, **kw)
+    s.append(steps(0, 6))
+    w = s.read_windows(np.array([4]), 3, "tail")
+    assert w["action"].cpu().tolist() == [[4, 5, 0]]
+    if placement == "pinned":
+        assert s.read_steps(np.array([0]))["obs"].device.type == "cpu"
+        assert s._fields["obs"].is_pinned()
+
+
+def test_state_dict_round_trip_restores_reads_and_the_next_append():
+    a = Storage(SPECS, 10)
+    for i in range(0, 17, 3):
+        a.append(steps(i, 3), episode_end=bool(i % 2))
+    b = Storage(SPECS, 10)
+    b.load_state_dict(a.state_dict())
+    assert same(snapshot(a), snapshot(b))
+    ra, rb = a.append(steps(18, 2)), b.append(steps(18, 2))
+    assert ra == rb
+    lo, hi = a.step_range
+    assert torch.equal(a.read_steps(np.arange(lo, hi))["obs"], b.read_steps(np.arange(lo, hi))["obs"])
+
+
+def test_reset_drops_everything_but_keeps_counting_steps():
+    s = Storage(SPECS, 10)
+    s.append(steps(0, 4))
+    s.reset()
+    assert s.num_steps == 0 and s.num_episodes == 0
+    assert s.append(steps(0, 2)).first_step == 4
+
+
+class StorageModel(RuleBasedStateMachine):
+    """Storage against a list of episodes (each a list of step values), evicting whole oldest ones."""
+
+    CAP = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Storage([FieldSpec("v", (), torch.int64)], self.CAP)
+        self.episodes: list[list[int]] = []  # (values) oldest first
+        self.open = False
+        self.next = 0
+
+    @rule(n=st.integers(1, 6), end=st.booleans())
+    def append(self, n, end):
+        vals = list(range(self.next, self.next + n))
+        cur = (self.episodes[-1] if self.open else []) + vals
+        older = self.episodes[:-1] if self.open else self.episodes
+        stored = sum(len(e) for e in older)
+        kept = list(older)
+        while kept and stored + len(cur) > self.CAP:
+            stored -= len(kept.pop(0))
+        if len(cur) > self.CAP:
+            with pytest.raises(ValueError, match="would no longer fit"):
+                self.s.append({"v": torch.tensor(vals)}, episode_end=end)
+            return
+        self.s.append({"v": torch.tensor(vals)}, episode_end=end)
+        self.episodes = kept + [cur]
+        self.open = not end
+        self.next += n
+
+    @precondition(lambda self: self.episodes)
+    @rule(data=st.data(), length=st.integers(1, 5), pad=st.sampled_from(["head", "tail"]))
+    def windows(self, data, length, pad):
+        flat = [v for e in self.episodes for v in e]
+        step = data.draw(st.sampled_from(flat))
+        ep = next(e for e in self.episodes if step in e)
+        w = self.s.read_windows(np.array([step]), length, pad)
+        base = step if pad == "tail" else step - length + 1
+        want = [v if v in ep else 0 for v in range(base, base + length)]
+        assert w["v"][0].tolist() == want
+        assert w["mask"][0].tolist() == [v in ep for v in range(base, base + length)]
+
+    @invariant()
+    def episodes_match(self):
+        lo, hi = self.s.episode_range
+        assert hi - lo == len(self.episodes)
+        if self.episodes:
+            out = self.s.read_episodes(np.arange(lo, hi))
+            assert out["lengths"].tolist() == [len(e) for e in self.episodes]
+            assert out["v"].tolist() == [v for e in self.episodes for v in e]
+        assert self.s.num_steps == sum(len(e) for e in self.episodes)
+
+
+TestStorageModel = StorageModel.TestCase
+TestStorageModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

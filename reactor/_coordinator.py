@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._errors import PeerLostError, ReactorError
+from ._errors import PeerLostError, ReactorError, TraceMismatchError
 from ._graph import Graph
 from ._placement import resolve
 from ._runtime import RunResult
@@ -48,6 +48,7 @@ async def run_processes(
     digest: bool,
     app: str | None,
     config: Mapping[str, Any],
+    flow_limit: int = 4096,
 ) -> RunResult:
     from .transport import Endpoint
 
@@ -57,6 +58,10 @@ async def run_processes(
             "(use `reactor run APP --placement ...` or run(graph, app=PATH, config=...))"
         )
     groups = resolve(graph, placement)
+    if replay is not None:
+        from ._trace import read_trace
+
+        read_trace(replay)  # fail here, in one line, rather than in every worker
     owner_of = {n: g.name for g in groups for n in g.reactors}
     sockdir = tempfile.mkdtemp(prefix="reactor-")
     ep = await Endpoint.open("coordinator", f"ipc://{sockdir}/coordinator")
@@ -84,6 +89,7 @@ async def run_processes(
                 "replay": str(replay) if replay is not None else None,
                 "digest": digest,
                 "max_message_nbytes": 64 * 2**20,
+                "flow_limit": flow_limit,
                 "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             }
             p = subprocess.Popen([sys.executable, "-m", "reactor._worker"], stdin=subprocess.PIPE)
@@ -100,13 +106,17 @@ async def run_processes(
         await session.gather("ready", START_TIMEOUT_S)
         for g in groups:
             ep.send_nowait(g.name, ("start",))
-        stopped_by, results = await session.supervise()
+        deadline = None if deterministic or stop_ns is None or replay is not None else loop.time() + stop_ns / 1e9
+        stopped_by, results = await session.supervise(deadline)
         for g in groups:
             with contextlib.suppress(Exception):
                 ep.send_nowait(g.name, ("exit",))
         events: dict[str, int] = {}
         digests: dict[str, str] = {}
         traces: list[dict[str, Any]] = []
+        incomplete = [r["replay_incomplete"] for r in results.values() if r.get("replay_incomplete")]
+        if incomplete:
+            raise TraceMismatchError("; ".join(incomplete))
         for res in results.values():
             events.update(res["events"])
             digests.update(res["digests"])
@@ -116,7 +126,13 @@ async def run_processes(
 
             write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
         await _reap(procs, EXIT_TIMEOUT_S)
-        return RunResult(digests=digests, events=events, placement=placement, stopped_by=stopped_by)
+        return RunResult(
+            digests=digests,
+            events=events,
+            placement=placement,
+            stopped_by=stopped_by,
+            processes={name: res["stats"] for name, res in results.items()},
+        )
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
@@ -137,6 +153,7 @@ class _Session:
         self.results: dict[str, Any] = {}
         self.epoch = 0
         self.probe_snapshot: tuple[int, int] | None = None
+        self.replay_done: set[str] = set()
 
     def _check_children(self) -> None:
         for name, p in self.procs.items():
@@ -163,11 +180,15 @@ class _Session:
                         got[peer] = msg[1:]
         return got
 
-    async def supervise(self) -> tuple[str, dict[str, Any]]:
+    async def supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
         stopped_by: str | None = None
+        loop = asyncio.get_running_loop()
         while len(self.results) < len(self.procs):
             if self.signalled.is_set() and stopped_by is None:
                 stopped_by = "signal"
+                self._broadcast(("stop",))
+            if deadline is not None and stopped_by is None and loop.time() >= deadline:
+                stopped_by = "stop_time"
                 self._broadcast(("stop",))
             self._check_children()
             for peer, msg in await self._batch():
@@ -179,6 +200,11 @@ class _Session:
                 elif kind == "stop_request" and stopped_by is None:
                     stopped_by = "request"
                     self._broadcast(("stop",))
+                elif kind == "replay_done":
+                    self.replay_done.add(peer)
+                    if len(self.replay_done) == len(self.procs) and stopped_by is None:
+                        stopped_by = "replay"
+                        self._broadcast(("stop",))
             if stopped_by is None and self._quiescent():
                 stopped_by = "quiescence"
                 self._broadcast(("stop",))

@@ -29,12 +29,16 @@ class RunResult:
         events: per reactor instance, how many events it handled.
         placement: the placement the run used.
         stopped_by: ``"stop_time"``, ``"quiescence"``, ``"request"``, ``"signal"`` or ``"replay"``.
+        processes: multi-process runs: per worker process, flow statistics (``peak_inbox``,
+            ``peak_backlog``: the most messages queued in and out; ``peak_rss_bytes``; ``sent``,
+            ``received``: messages to and from other processes).
     """
 
     digests: Mapping[str, str] = field(default_factory=dict)
     events: Mapping[str, int] = field(default_factory=dict)
     placement: str = "single"
     stopped_by: str = "quiescence"
+    processes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 def payload_digest(value: Any) -> bytes:
@@ -56,6 +60,7 @@ async def run_async(
     digest: bool = False,
     app: str | None = None,
     config: Mapping[str, Any] | None = None,
+    flow_limit: int = 4096,
 ) -> RunResult:
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
     graph.validate()
@@ -78,6 +83,7 @@ async def run_async(
             digest=digest,
             app=app,
             config=config or {},
+            flow_limit=flow_limit,
         )
     from ._trace import read_trace, write_trace
 
@@ -195,6 +201,10 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
         record: async mode: write the delivery schedule to this trace file.
         replay: async mode: enforce the schedule recorded in this trace file.
         digest: hash every message each reactor receives (``RunResult.digests``).
+        app, config: multi-process placements: the app file and config every worker rebuilds the
+            graph from (the CLI passes them).
+        flow_limit: multi-process placements: messages a process may queue towards its peers, and
+            (async mode) events it may hold undelivered, before it pushes back.
 
     Returns:
         RunResult.

@@ -41,6 +41,13 @@ class RemoteSink(Protocol):
 
     def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None: ...
 
+    @property
+    def congested(self) -> bool:
+        """True while so much is queued for other processes that reactors must pause."""
+        ...
+
+    async def wait_drained(self) -> None: ...
+
 
 @dataclass
 class _Route:
@@ -437,6 +444,10 @@ class ReactorHost:
                 wake.clear()
                 idle()
                 await wake.wait()
+                continue
+            remote = self.remote
+            if remote is not None and remote.congested:
+                await remote.wait_drained()
                 continue
             tag, kind, rank, seq, payload = inbox.popleft()
             self.busy += 1

@@ -21,6 +21,7 @@ import ctypes
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -34,8 +35,9 @@ from ._tag import NEVER, Tag
 
 log = logging.getLogger("reactor.worker")
 COORDINATOR = "coordinator"
-BACKLOG_LIMIT = 4096  # messages queued for one peer before this process stops running reactions
-INBOX_LIMIT = 4096  # async mode: queued events before this process stops taking messages
+FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
+# Outbox: messages queued (out of credit) before this process stops running reactions.
+# Async inboxes: queued events before this process stops taking messages from its endpoint.
 
 
 def _die_with_parent() -> None:
@@ -50,8 +52,10 @@ def _die_with_parent() -> None:
 class Outbox:
     """Sends to peers in order; a peer out of credit queues here and the scheduler pauses."""
 
-    def __init__(self, endpoint: Any) -> None:
+    def __init__(self, endpoint: Any, limit: int = FLOW_LIMIT) -> None:
         self.ep = endpoint
+        self.limit = limit
+        self.peak_backlog = 0
         self.queues: dict[str, deque[Any]] = {}
         self.wake = asyncio.Event()
         self.drained = asyncio.Event()
@@ -69,6 +73,7 @@ class Outbox:
                 pass
         q.append(msg)
         self.backlog += 1
+        self.peak_backlog = max(self.peak_backlog, self.backlog)
         self.drained.clear()
         self.wake.set()
 
@@ -77,7 +82,14 @@ class Outbox:
 
     @property
     def congested(self) -> bool:
-        return self.backlog >= BACKLOG_LIMIT
+        return self.backlog >= self.limit
+
+    async def wait_drained(self) -> None:
+        """Wait until the backlog is below half the limit (hysteresis: no flapping)."""
+        while self.backlog > self.limit // 2 and self.failure is None:
+            self.drained.clear()
+            self.wake.set()
+            await self.drained.wait()
 
     async def flush_forever(self) -> None:
         try:
@@ -89,6 +101,8 @@ class Outbox:
                         await self.ep.send(peer, q[0])
                         q.popleft()
                         self.backlog -= 1
+                        if self.backlog <= self.limit // 2:
+                            self.drained.set()
                 if self.backlog == 0:
                     self.drained.set()
         except BaseException as e:  # noqa: BLE001 - reported to the main loop, which owns the error
@@ -104,6 +118,7 @@ class Worker:
         self.stop = asyncio.Event()
         self.epoch = -1
         self.last_status: tuple[Any, ...] | None = None
+        self.early: list[tuple[str, Any]] = []
 
     async def main(self) -> None:
         from .transport import Endpoint
@@ -121,7 +136,9 @@ class Worker:
         self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"])
         try:
             await ep.connect(COORDINATOR, spec["coordinator"])
-            self.outbox = outbox = Outbox(ep)
+            self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))
+            self.peak_inbox = 0
+            self.outbox = outbox = Outbox(ep, self.flow_limit)
             outbox.send(COORDINATOR, ("hello", ep.address))
             peers = await self._wait_control("peers")
             for p in out_peers:
@@ -150,9 +167,26 @@ class Worker:
                     await self._run_deterministic(out_peers, min_delay)
                 else:
                     await self._run_async()
+            except Exception as e:
+                outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5):
+                        await outbox.drained.wait()
+                raise
             finally:
                 await host.run_shutdown()
+            incomplete = None
+            if replayer is not None and not all(n in replayer.done for n in local):
+                incomplete = str(replayer.stuck_error(local))
             result = {
+                "replay_incomplete": incomplete,
+                "stats": {
+                    "peak_inbox": self.peak_inbox,
+                    "peak_backlog": outbox.peak_backlog,
+                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "sent": host.sent_count,
+                    "received": host.received_count,
+                },
                 "events": {n: s.events for n, s in host.stats.items()},
                 "digests": host.digests() if spec["digest"] else {},
                 "trace": {k: [list(e) for e in v] for k, v in recorder.events.items()} if recorder else {},
@@ -170,14 +204,16 @@ class Worker:
     # -- control ---------------------------------------------------------------------------------
 
     async def _wait_control(self, what: str, timeout_s: float = 120) -> Any:
+        """Wait for control message ``what``; keep every other message (peers may start first)."""
         async with asyncio.timeout(timeout_s):
             while True:
-                for peer, msg in await self.ep.recv_batch():
+                batch = await self.ep.recv_batch()
+                for i, (peer, msg) in enumerate(batch):
                     if peer == COORDINATOR and msg[0] == what:
+                        self.early.extend(batch[i + 1 :])
                         return msg[1] if len(msg) > 1 else None
-                    if peer == COORDINATOR and msg[0] == "stop" and what == "exit":
-                        continue
-                    log.warning("%s: unexpected %r from %s while waiting for %s", self.group, msg[:1], peer, what)
+                    if not (peer == COORDINATOR and msg[0] == "stop" and what == "exit"):
+                        self.early.append((peer, msg))
 
     def _on_control(self, msg: Any) -> None:
         kind = msg[0]
@@ -185,6 +221,9 @@ class Worker:
             self.stop.set()
             self.host.stop_requested = True
             self.host._kick()
+            changed = getattr(self, "changed", None)
+            if changed is not None:
+                changed.set()
         elif kind == "probe":
             self.epoch = msg[1]
             self._report(force=True)
@@ -204,6 +243,11 @@ class Worker:
             self.last_status = status
             self.outbox.send(COORDINATOR, ("status", *status))
 
+    def _take_early(self) -> None:
+        """Deliver what peers sent before our "start" (after our startup events, which come first)."""
+        early, self.early = self.early, []
+        self._take(early)
+
     def _take(self, batch: list[tuple[str, Any]]) -> None:
         h = self.host
         for peer, msg in batch:
@@ -222,6 +266,7 @@ class Worker:
     async def _run_deterministic(self, out_peers: list[str], min_delay: dict[str, int]) -> None:
         h, outbox = self.host, self.outbox
         h._seed_events()
+        self._take_early()
         promised = dict.fromkeys(out_peers, Tag(0, 0))
         if h.stop_requested:
             return
@@ -242,7 +287,7 @@ class Worker:
             if finished:
                 return
             if outbox.congested:
-                await outbox.drained.wait()
+                await outbox.wait_drained()
             if h.runnable():
                 batch = await self.ep.recv_batch(timeout_s=0) if self._ready() else []
             else:
@@ -259,50 +304,61 @@ class Worker:
     async def _run_async(self) -> None:
         h = self.host
         h._seed_events()
+        self._take_early()
         h.start_async_timers()
-        changed = asyncio.Event()
-        done = asyncio.Event()
-        if h.replayer is not None:
-            h.replayer.on_done = lambda: (done.set() if all(n in h.replayer.done for n in h.reactors) else None)  # type: ignore[union-attr]
-        tasks = [asyncio.ensure_future(h.serve_reactor(n, changed.set)) for n in h.reactors]
+        self.changed = changed = asyncio.Event()
+        room = asyncio.Event()
+        replay_done = asyncio.Event()
+        replayer = h.replayer
+        if replayer is not None:
+            replayer.on_done = lambda: replay_done.set() if all(n in replayer.done for n in h.reactors) else None
+
+        def idle() -> None:
+            changed.set()
+            room.set()
+
+        tasks = [asyncio.ensure_future(h.serve_reactor(n, idle)) for n in h.reactors]
+        pump = asyncio.ensure_future(self._pump(room))
+        asked = reported_done = False
         try:
             while not self.stop.is_set():
+                for t in (*tasks, pump):
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
                 if self.outbox.failure is not None:
                     raise self.outbox.failure
-                for t in tasks:
-                    if t.done() and t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
-                if h.stop_requested:
+                if h.stop_requested and not asked:
+                    asked = True
                     self.outbox.send(COORDINATOR, ("stop_request",))
-                    await self.stop.wait()
-                    break
-                if done.is_set():
-                    self.outbox.send(COORDINATOR, ("stop_request",))
-                    await self.stop.wait()
-                    break
+                if replay_done.is_set() and not reported_done:
+                    # The run ends when every process has replayed its whole schedule.
+                    reported_done = True
+                    self.outbox.send(COORDINATOR, ("replay_done",))
                 self._report()
-                if sum(len(q) for q in h._inbox.values()) >= INBOX_LIMIT:
-                    # Backpressure: stop taking messages (credit is not returned) until reactors catch up.
-                    changed.clear()
-                    await changed.wait()
-                    continue
                 changed.clear()
-                recv = asyncio.ensure_future(self.ep.recv_batch(max_n=256))
-                waker = asyncio.ensure_future(changed.wait())
-                await asyncio.wait([recv, waker], return_when=asyncio.FIRST_COMPLETED)
-                waker.cancel()
-                if recv.done():
-                    self._take(recv.result())
-                else:
-                    recv.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        self._take(await recv)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.1):
+                        await changed.wait()
         finally:
             h.stop_requested = True
-            for t in tasks:
+            for t in (*tasks, pump):
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, pump, return_exceptions=True)
 
+    async def _pump(self, room: asyncio.Event) -> None:
+        """Async mode: move messages from the endpoint to inboxes, pausing while inboxes are full.
+
+        While paused, credit is not returned to senders: that is the backpressure.
+        """
+        h = self.host
+        while True:
+            while (queued := sum(len(q) for q in h._inbox.values())) >= self.flow_limit:
+                room.clear()
+                await room.wait()
+            batch = await self.ep.recv_batch(max_n=max(1, min(256, self.flow_limit - queued)))
+            self._take(batch)
+            self.peak_inbox = max(self.peak_inbox, sum(len(q) for q in h._inbox.values()))
+            self.changed.set()
 
 def _digest(value: Any) -> bytes:
     from ._runtime import payload_digest

@@ -32,7 +32,7 @@ import dataclasses
 import math
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -42,6 +42,7 @@ from reactor._errors import FrameTooLargeError, MalformedFrameError
 
 __all__ = [
     "INLINE_MAX_NBYTES",
+    "MAX_EXT_DEPTH",
     "MAX_NDIM",
     "decode",
     "encode",
@@ -60,6 +61,8 @@ EXT_NPSCALAR = 5
 INLINE_MAX_NBYTES = 1024
 #: The most dimensions a decoded array may have (numpy's own limit is 64).
 MAX_NDIM = 32
+#: The deepest nesting of extension types (tuples, messages) encoded or decoded.
+MAX_EXT_DEPTH = 100
 
 # dtype allow-list, by wire name. Only fixed-size numeric types: no object, string, void or datetime.
 _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
@@ -221,8 +224,8 @@ class _Encoder:
         depth = self.depth
         packers = self.packers
         if depth >= len(packers):
-            if depth > 512:
-                raise ValueError("cannot encode: nesting deeper than 512 levels")
+            if depth > MAX_EXT_DEPTH:
+                raise ValueError(f"cannot encode: tuples/messages nested deeper than {MAX_EXT_DEPTH} levels")
             packers.append(msgpack.Packer(default=self.default, use_bin_type=True, strict_types=True))
         self.depth = depth + 1
         try:
@@ -271,7 +274,8 @@ class _Encoder:
                     f"cannot encode a numpy array of dtype {arr.dtype!s}: allowed dtypes are "
                     f"{', '.join(_NUMPY_DTYPES)}"
                 )
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (np.ascontiguousarray would turn a 0-d array into 1-d)
         flat = arr.reshape(-1).view(np.uint8)
         return msgpack.ExtType(EXT_NDARRAY, self.pack(_array_payload(name, arr.shape, flat, self.frames)))
 
@@ -376,11 +380,12 @@ def _unpack_payload(data: bytes, where: str) -> Any:
 class _Decoder:
     """State of one decode call: the frames, which ones were used, and the ext hook."""
 
-    __slots__ = ("frames", "used")
+    __slots__ = ("depth", "frames", "used")
 
     def __init__(self, frames: Sequence[Any]) -> None:
         self.frames = frames
-        self.used = 0  # bitmask would be fine too; we require strictly increasing indices
+        self.used = 0  # the last frame index used; indices must be 1, 2, 3, ... in order
+        self.depth = 0
 
     def _array_bytes(self, payload: Any, kind: str) -> tuple[str, tuple[int, ...], Any, bool]:
         if type(payload) is not list or len(payload) != 3:
@@ -501,7 +506,14 @@ class _Decoder:
         raise MalformedFrameError(f"unknown msgpack extension type {code}")
 
     def unpack(self, data: Any) -> Any:
-        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
+        # Each nested extension re-enters the C unpacker; bound it before the C stack overflows.
+        if self.depth >= MAX_EXT_DEPTH:
+            raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
+        self.depth += 1
+        try:
+            return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
+        finally:
+            self.depth -= 1
 
 
 def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:
@@ -535,17 +547,9 @@ def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:
     total = frames_nbytes(frames)
     if total > max_nbytes:
         raise FrameTooLargeError(f"message of {total} bytes in {n} frames exceeds the limit of {max_nbytes} bytes")
-    head = frames[0]
-    if n == 1 and type(head) is bytes:
-        try:
-            return msgpack.unpackb(head, ext_hook=_ext_hook_no_frames, raw=False, strict_map_key=False)
-        except (MalformedFrameError, FrameTooLargeError):
-            raise
-        except Exception as exc:
-            raise MalformedFrameError(f"frame 0 is not valid msgpack ({type(exc).__name__}: {exc})") from None
     dec = _Decoder(frames)
     try:
-        obj = dec.unpack(head)
+        obj = dec.unpack(frames[0])
     except (MalformedFrameError, FrameTooLargeError):
         raise
     except Exception as exc:
@@ -554,6 +558,3 @@ def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:
         raise MalformedFrameError(f"message has {n} frames but its header uses only {dec.used + 1}")
     return obj
 
-
-_NO_FRAMES = _Decoder((b"",))
-_ext_hook_no_frames = _NO_FRAMES.ext_hook

@@ -1,0 +1,1069 @@
+"""The ZeroMQ adapter: one message endpoint per process, credit-based flow control, CURVE, liveness.
+
+Wire protocol (all framing of payloads is :mod:`reactor.transport.codec`'s):
+
+- Each :class:`Endpoint` binds one ROUTER socket and connects one DEALER per peer it sends to. A
+  DEALER's routing id is its endpoint's name, so the receiving ROUTER knows who sent each message.
+- Data flows DEALER -> ROUTER only: ``[codec frame 0 (msgpack, never empty), array frames...]``.
+- Control messages start with an empty frame: ``[b"", msgpack([kind, ...])]``. The DEALER opens
+  with ``HELLO(proto, name)``; the ROUTER answers ``WELCOME(proto, name, window, window_nbytes,
+  max_message_nbytes)`` and, as the application consumes that sender's messages, ``CREDIT(n,
+  nbytes)``.
+- Credit: a sender may send while it holds at least one message of credit and a positive byte
+  credit; each message costs one message and its size in bytes. The receiver returns credit when its
+  application takes messages out of :meth:`Endpoint.recv_batch`, in grants of at least half a window
+  (so credit costs one small message per half window, not one per message). A sender therefore
+  never has more than ``credit_window`` messages, nor more than ``credit_window_nbytes +
+  max_message_nbytes`` bytes, anywhere between its ``send`` and the receiver's application: a slow
+  consumer bounds the memory of both sides. A sender that exceeds its credit is dropped (logged).
+
+Readiness is handled with ``loop.add_reader`` on the sockets' ``FD`` (as ``zmq.asyncio`` does
+internally, but registered once instead of per wait), and every wake-up drains all ready messages:
+one wake-up per batch, not per message. Works on the default asyncio loop and on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+import zmq.auth.asyncio
+
+from reactor._errors import (
+    FrameTooLargeError,
+    MalformedFrameError,
+    PeerLostError,
+    PortClosedError,
+    WouldBlock,
+)
+
+from .codec import decode, encode, frames_nbytes
+
+__all__ = ["CurveKeys", "Endpoint", "EndpointStatistics"]
+
+log = logging.getLogger("reactor.transport")
+
+PROTOCOL_VERSION = 1
+_HELLO, _WELCOME, _CREDIT = 1, 2, 3
+_CONTROL_MAX_NBYTES = 4096
+_DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
+_MONITOR_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+# ------------------------------------------------------------------------------------------ CURVE
+
+
+@dataclass(frozen=True, repr=False)
+class CurveKeys:
+    """A CURVE key pair, both halves as 40-byte Z85 text.
+
+    One pair per process (or one per job, shared by its processes): an endpoint uses it as server
+    key pair on its ROUTER and as client key pair on its DEALERs.
+
+    Example::
+
+        keys = CurveKeys.generate()
+        keys.save("job.key")                # public and secret, mode 0600
+        keys.save_public("job.key.pub")     # what peers need
+        ep = await Endpoint.open("learner", "tcp://0.0.0.0:*", curve=keys)
+    """
+
+    public: bytes
+    secret: bytes
+
+    def __post_init__(self) -> None:
+        for field in ("public", "secret"):
+            value = getattr(self, field)
+            if not isinstance(value, bytes) or len(value) != 40:
+                raise ValueError(
+                    f"CurveKeys.{field} must be 40 bytes of Z85 text, got "
+                    f"{type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}"
+                )
+        try:
+            derived = zmq.curve_public(self.secret)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise ValueError(f"CurveKeys.secret is not a valid Z85 CURVE secret key: {exc}") from None
+        if derived != self.public:
+            raise ValueError("CurveKeys.public does not belong to CurveKeys.secret; load both from one file")
+
+    def __repr__(self) -> str:
+        return f"CurveKeys(public={self.public.decode()!r}, secret=<hidden>)"
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """Return a fresh key pair (``zmq.curve_keypair``)."""
+        public, secret = zmq.curve_keypair()
+        return cls(public=public, secret=secret)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write both keys to ``path`` as Z85 text (``public = ...``, ``secret = ...``), mode 0600.
+
+        Raises:
+            FileExistsError: ``path`` exists (a secret is never overwritten silently).
+        """
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"public = {self.public.decode()}\nsecret = {self.secret.decode()}\n")
+
+    def save_public(self, path: str | os.PathLike[str]) -> None:
+        """Write only the public key to ``path`` (``public = ...``); this is what peers are given."""
+        Path(path).write_text(f"public = {self.public.decode()}\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CurveKeys:
+        """Read a key pair written by :meth:`save`.
+
+        Raises:
+            ValueError: the file lacks a ``public`` or ``secret`` line, or the keys are invalid.
+        """
+        fields = _read_key_file(path)
+        if "public" not in fields or "secret" not in fields:
+            raise ValueError(f"{path}: a key pair file needs 'public = ...' and 'secret = ...' lines")
+        return cls(public=fields["public"], secret=fields["secret"])
+
+    @staticmethod
+    def load_public(path: str | os.PathLike[str]) -> bytes:
+        """Read the public key from a file written by :meth:`save_public` or :meth:`save`.
+
+        Raises:
+            ValueError: the file lacks a valid ``public = ...`` line.
+        """
+        key = _read_key_file(path).get("public")
+        if key is None or len(key) != 40:
+            raise ValueError(f"{path}: expected a line 'public = <40 characters of Z85>'")
+        return key
+
+
+def _read_key_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    fields: dict[str, bytes] = {}
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ValueError(f"{path}:{lineno}: expected 'name = value', got {line!r:.60}")
+        fields[key.strip()] = value.strip().encode()
+    return fields
+
+
+class _AllowedKeys:
+    """ZAP credentials provider: admits exactly the given client public keys (Z85)."""
+
+    def __init__(self, keys: Collection[bytes]) -> None:
+        self.keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True)
+class EndpointStatistics:
+    """A snapshot of one endpoint's counters (see :meth:`Endpoint.statistics`)."""
+
+    #: Data messages this endpoint sent, and their total size in bytes.
+    messages_sent: int
+    bytes_sent: int
+    #: Data messages accepted from peers (queued or already handed to the application).
+    messages_received: int
+    bytes_received: int
+    #: Messages handed to the application by ``recv_batch``.
+    messages_delivered: int
+    #: Received messages dropped: undecodable, over ``max_message_nbytes``, from a peer that never
+    #: said hello, or beyond the credit the sender held (a protocol violation).
+    dropped_malformed: int
+    dropped_too_large: int
+    dropped_unknown_peer: int
+    dropped_over_credit: int
+    #: Sends that found no credit (``send_nowait`` raising WouldBlock, or ``send`` having to wait).
+    credit_stalls: int
+    #: Credit grants sent back to senders.
+    credit_grants_sent: int
+    #: Messages (and bytes) received but not yet taken by ``recv_batch``, now and at most so far.
+    queued_messages: int
+    queued_nbytes: int
+    max_queued_messages: int
+    max_queued_nbytes: int
+    #: Peers this endpoint is connected to (sends to), and those lost since.
+    peers: tuple[str, ...]
+    lost_peers: tuple[str, ...]
+
+
+class _Sender:
+    """What a ROUTER knows of one peer sending to it."""
+
+    __slots__ = ("ident", "name", "queued_msgs", "queued_nbytes", "ungranted_msgs", "ungranted_nbytes")
+
+    def __init__(self, ident: bytes, name: str) -> None:
+        self.ident = ident
+        self.name = name
+        self.queued_msgs = 0
+        self.queued_nbytes = 0
+        self.ungranted_msgs = 0
+        self.ungranted_nbytes = 0
+
+
+class _Link:
+    """One outgoing connection: a DEALER to a peer's ROUTER, its monitor, and the credit it holds."""
+
+    __slots__ = (
+        "address",
+        "credit_msgs",
+        "credit_nbytes",
+        "fd",
+        "lost_reason",
+        "max_message_nbytes",
+        "mon",
+        "mon_fd",
+        "name",
+        "sock",
+        "waiters",
+        "welcomed",
+    )
+
+    def __init__(self, name: str, address: str, sock: zmq.Socket[Any], mon: zmq.Socket[Any], welcomed: Any) -> None:
+        self.name = name
+        self.address = address
+        self.sock = sock
+        self.mon = mon
+        self.fd: int = sock.FD
+        self.mon_fd: int = mon.FD
+        self.credit_msgs = 0
+        self.credit_nbytes = 0
+        self.max_message_nbytes = 0
+        self.lost_reason: str | None = None
+        self.waiters: list[asyncio.Future[None]] = []
+        self.welcomed: asyncio.Future[None] = welcomed
+
+
+def _wake(fut: asyncio.Future[Any] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+# ------------------------------------------------------------------------------------------ endpoint
+
+
+class Endpoint:
+    """One process's message endpoint: a ROUTER it receives on, and a DEALER per peer it sends to.
+
+    Messages are anything :func:`reactor.transport.codec.encode` carries. Delivery is reliable and
+    in order per (sender, receiver) pair while both live; messages in flight when a peer dies are
+    lost. Peers are named; names must be unique among the endpoints that talk to one endpoint.
+
+    All methods must be called from the event loop the endpoint was opened on. ``send`` and
+    ``recv_batch`` may run in different tasks; at most one task may wait in ``recv_batch`` at a time.
+
+    A peer that dies (process killed, host gone: detected by the connection closing or by ZMQ
+    heartbeats within ``heartbeat_timeout_s``) is reported by :attr:`lost_peers`,
+    :meth:`wait_peer_lost`, and ``PeerLostError`` from ``send``/``send_nowait`` to it. An endpoint
+    learns of the loss of the peers it is *connected to*: to watch a peer, connect to it.
+
+    Example::
+
+        a = await Endpoint.open("a", "ipc:///tmp/a.sock")
+        await a.connect("b", b_address)
+        await a.send("b", {"tag": (0, 0), "x": np.ones(3)})
+        batch = await b.recv_batch()        # [("a", {...})]
+        await a.aclose()
+    """
+
+    def __init__(self, *, _token: object = None) -> None:
+        if _token is not _OPEN_TOKEN:
+            raise TypeError("use `await Endpoint.open(name, bind, ...)` to create an Endpoint")
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    @classmethod
+    async def open(
+        cls,
+        name: str,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        curve: CurveKeys | None = None,
+        curve_clients: Collection[bytes] | None = None,
+        max_message_nbytes: int = 64 * 2**20,
+        credit_window: int = 64,
+        credit_window_nbytes: int | None = None,
+        heartbeat_ivl_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+    ) -> Endpoint:
+        """Bind an endpoint's ROUTER and start serving it on the running loop.
+
+        Args:
+            name: this endpoint's identity, as peers see it (1..255 bytes of UTF-8).
+            bind: where to listen: ``tcp://HOST:PORT`` (``*`` for an OS-picked port) or
+                ``ipc://PATH``. :attr:`address` gives the resolved address to hand to peers.
+            curve: this endpoint's key pair. When given, the ROUTER accepts CURVE clients only,
+                and ``connect(..., server_public_key=...)`` uses it as client key pair.
+            curve_clients: client public keys (Z85) the ROUTER admits; default: only
+                ``curve.public`` (every process of a job shares one key pair).
+            max_message_nbytes: the largest message (all frames) accepted or sent; zmq's
+                ``MAXMSGSIZE`` is set too, so a larger frame never reaches Python.
+            credit_window: messages a sender may have outstanding to this endpoint.
+            credit_window_nbytes: bytes a sender may have outstanding (it may overshoot by one
+                message); default ``4 * max_message_nbytes``.
+            heartbeat_ivl_s: ZMQ heartbeat period on every connection.
+            heartbeat_timeout_s: a connection silent this long is closed and its peer lost.
+
+        Returns:
+            The open endpoint.
+
+        Raises:
+            ValueError: a bad argument (named), or ``curve_clients`` without ``curve``.
+            OSError: the address cannot be bound (in use, bad path, bad interface).
+        """
+        name_b = name.encode() if isinstance(name, str) else None
+        if name_b is None or not 0 < len(name_b) <= 255 or name_b[0] == 0:
+            raise ValueError(f"Endpoint name must be a str of 1..255 UTF-8 bytes not starting with NUL, got {name!r}")
+        for arg, value, low in (
+            ("max_message_nbytes", max_message_nbytes, 1),
+            ("credit_window", credit_window, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Endpoint.open: {arg} must be an int >= {low}, got {value!r}")
+        if credit_window_nbytes is None:
+            credit_window_nbytes = 4 * max_message_nbytes
+        if isinstance(credit_window_nbytes, bool) or not isinstance(credit_window_nbytes, int) or credit_window_nbytes < 1:
+            raise ValueError(f"Endpoint.open: credit_window_nbytes must be an int >= 1, got {credit_window_nbytes!r}")
+        if not (0 < heartbeat_ivl_s <= heartbeat_timeout_s):
+            raise ValueError(
+                f"Endpoint.open: need 0 < heartbeat_ivl_s <= heartbeat_timeout_s, got "
+                f"{heartbeat_ivl_s!r} and {heartbeat_timeout_s!r}"
+            )
+        if curve_clients is not None and curve is None:
+            raise ValueError("Endpoint.open: curve_clients needs curve= (this endpoint's own key pair)")
+
+        self = cls(_token=_OPEN_TOKEN)
+        self._loop = asyncio.get_running_loop()
+        self._name = name
+        self._name_b = name_b
+        self._curve = curve
+        self._max_nbytes = max_message_nbytes
+        self._window = credit_window
+        self._window_nbytes = credit_window_nbytes
+        self._grant_msgs = max(1, credit_window // 2)
+        self._grant_nbytes = max(1, credit_window_nbytes // 2)
+        self._hb = (int(heartbeat_ivl_s * 1000), int(heartbeat_timeout_s * 1000))
+        self._closed = False
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._qmeta: deque[tuple[_Sender, int]] = deque()
+        self._queued_nbytes = 0
+        self._max_queued = 0
+        self._max_queued_nbytes = 0
+        self._queued_senders: set[_Sender] = set()
+        self._recv_waiter: asyncio.Future[None] | None = None
+        self._senders: dict[bytes, _Sender] = {}
+        self._links: dict[str, _Link] = {}
+        self._lost: dict[str, str] = {}  # peer -> reason
+        self._unreported_lost: deque[str] = deque()
+        self._lost_waiter: asyncio.Future[None] | None = None
+        self._drain_scheduled = False
+        self._n = dict.fromkeys(
+            (
+                "messages_sent",
+                "bytes_sent",
+                "messages_received",
+                "bytes_received",
+                "messages_delivered",
+                "dropped_malformed",
+                "dropped_too_large",
+                "dropped_unknown_peer",
+                "dropped_over_credit",
+                "credit_stalls",
+                "credit_grants_sent",
+            ),
+            0,
+        )
+
+        self._ctx = zmq.asyncio.Context()
+        self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
+        router: zmq.Socket[Any] | None = None
+        try:
+            if curve is not None:
+                self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._ctx)
+                self._auth.start()
+                allowed = [curve.public] if curve_clients is None else list(curve_clients)
+                for key in allowed:
+                    if not isinstance(key, bytes) or len(key) != 40:
+                        raise ValueError(f"Endpoint.open: curve_clients must hold 40-byte Z85 public keys, got {key!r:.60}")
+                self._auth.configure_curve_callback("*", credentials_provider=_AllowedKeys(allowed))
+            router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
+            self._configure(router, max_message_nbytes)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its name back
+            if curve is not None:
+                router.curve_server = True
+                router.curve_secretkey = curve.secret
+                router.curve_publickey = curve.public
+            try:
+                router.bind(bind)
+            except zmq.ZMQError as exc:
+                raise OSError(exc.errno, f"Endpoint {name!r} cannot bind {bind!r}: {exc.strerror}") from None
+            self._address = router.get(zmq.LAST_ENDPOINT).decode()
+        except BaseException:
+            if router is not None:
+                router.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.destroy(linger=0)
+            raise
+        self._router = router
+        self._router_fd: int = router.FD
+        self._loop.add_reader(self._router_fd, self._drain_router)
+        self._drain_router()
+        return self
+
+    def _configure(self, sock: zmq.Socket[Any], max_msgsize: int) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msgsize)
+        hwm = max(1000, 4 * self._window)  # credit keeps queues below this; it only stops a flood
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        ivl, timeout = self._hb
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, timeout)
+
+    async def aclose(self) -> None:
+        """Close every socket (linger 0: unsent messages are dropped) and the zmq context.
+
+        Tasks waiting in ``recv_batch``, ``send`` or ``wait_peer_lost`` get ``PortClosedError``.
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        loop = self._loop
+        loop.remove_reader(self._router_fd)
+        for link in list(self._links.values()):
+            self._close_link(link)
+        self._links.clear()
+        self._router.close(linger=0)
+        _wake(self._recv_waiter)
+        _wake(self._lost_waiter)
+        if self._auth is not None:
+            self._auth.stop()
+            # stop() cancels the authenticator's task; let it finish so no task outlives us.
+            for _ in range(3):
+                await asyncio.sleep(0)
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> Endpoint:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---------------------------------------------------------------------------- properties
+
+    @property
+    def name(self) -> str:
+        """This endpoint's identity."""
+        return self._name
+
+    @property
+    def address(self) -> str:
+        """The resolved address peers connect to (with the OS-picked port, if ``*`` was bound)."""
+        return self._address
+
+    @property
+    def public_key(self) -> bytes | None:
+        """This endpoint's CURVE public key (what a client passes as ``server_public_key``)."""
+        return None if self._curve is None else self._curve.public
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    @property
+    def peers(self) -> frozenset[str]:
+        """The peers this endpoint is connected to and has not lost."""
+        return frozenset(self._links)
+
+    @property
+    def lost_peers(self) -> frozenset[str]:
+        """The peers lost since they were connected (cleared for one by a new ``connect``)."""
+        return frozenset(self._lost)
+
+    def statistics(self) -> EndpointStatistics:
+        """Return a snapshot of the counters (see :class:`EndpointStatistics`)."""
+        return EndpointStatistics(
+            **self._n,
+            queued_messages=len(self._queue),
+            queued_nbytes=self._queued_nbytes,
+            max_queued_messages=self._max_queued,
+            max_queued_nbytes=self._max_queued_nbytes,
+            peers=tuple(sorted(self._links)),
+            lost_peers=tuple(sorted(self._lost)),
+        )
+
+    def credit(self, peer: str) -> tuple[int, int]:
+        """The credit held for sending to ``peer``: ``(messages, nbytes)``.
+
+        Raises:
+            ValueError: not connected to ``peer``.
+        """
+        link = self._link(peer)
+        return link.credit_msgs, link.credit_nbytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PortClosedError(f"Endpoint {self._name!r} is closed")
+
+    # ---------------------------------------------------------------------------- connecting
+
+    async def connect(
+        self,
+        peer: str,
+        address: str,
+        *,
+        server_public_key: bytes | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """Connect a DEALER to ``peer``'s endpoint at ``address`` and wait for its welcome.
+
+        On return the link holds the peer's initial credit. Connecting again to a lost peer (for
+        example a restarted one) replaces the old link and clears it from :attr:`lost_peers`.
+
+        Args:
+            peer: the name the peer's endpoint was opened with; checked against its welcome.
+            address: the peer's :attr:`address`.
+            server_public_key: the peer's CURVE public key (Z85); when given, the link is
+                encrypted and authenticated with this endpoint's ``curve`` key pair.
+            timeout_s: how long to wait for the welcome.
+
+        Raises:
+            PortClosedError: this endpoint is closed.
+            ValueError: already connected to ``peer``; ``server_public_key`` without ``curve`` on
+                this endpoint; a malformed address; or the endpoint at ``address`` is not ``peer``.
+            PeerLostError: the peer did not answer within ``timeout_s`` or rejected our CURVE key.
+        """
+        self._check_open()
+        old = self._links.get(peer)
+        if old is not None:
+            raise ValueError(f"Endpoint {self._name!r} is already connected to peer {peer!r} at {old.address}")
+        if server_public_key is not None and self._curve is None:
+            raise ValueError(
+                f"connect({peer!r}): server_public_key needs this endpoint's own key pair; "
+                f"open it with Endpoint.open(..., curve=CurveKeys...)"
+            )
+        sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
+        self._configure(sock, _CONTROL_MAX_NBYTES)  # a DEALER only ever receives control messages
+        sock.setsockopt(zmq.ROUTING_ID, self._name_b)
+        if server_public_key is not None:
+            assert self._curve is not None
+            sock.curve_secretkey = self._curve.secret
+            sock.curve_publickey = self._curve.public
+            sock.curve_serverkey = server_public_key
+        mon_addr = f"inproc://reactor-monitor-{id(self):x}-{id(sock):x}"
+        sock.monitor(mon_addr, _MONITOR_EVENTS)
+        mon = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(mon_addr)
+        link = _Link(peer, address, sock, mon, self._loop.create_future())
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._close_link(link)
+            raise ValueError(f"connect({peer!r}): bad address {address!r}: {exc.strerror}") from None
+        self._links[peer] = link
+        self._lost.pop(peer, None)
+        self._loop.add_reader(link.fd, self._drain_link, link)
+        self._loop.add_reader(link.mon_fd, self._drain_monitor, link)
+        sock.send_multipart([b"", msgpack.packb([_HELLO, PROTOCOL_VERSION, self._name])], zmq.NOBLOCK)
+        # A zmq FD only signals after a read found the socket empty: read both once to arm them.
+        self._drain_link(link)
+        self._drain_monitor(link)
+        try:
+            await asyncio.wait_for(asyncio.shield(link.welcomed), timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._forget_link(link)
+            raise PeerLostError(
+                f"peer {peer!r} at {address} did not answer within {timeout_s} s: check that it is "
+                f"running at that address{' and that it admits our CURVE key' if server_public_key else ''}"
+            ) from None
+        except BaseException:
+            self._forget_link(link)
+            raise
+
+    def _forget_link(self, link: _Link) -> None:
+        if self._links.get(link.name) is link:
+            del self._links[link.name]
+        self._close_link(link)
+
+    def _close_link(self, link: _Link) -> None:
+        if link.sock.closed:
+            return
+        self._loop.remove_reader(link.fd)
+        self._loop.remove_reader(link.mon_fd)
+        try:
+            link.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        link.sock.close(linger=0)
+        link.mon.close(linger=0)
+        for w in link.waiters:
+            _wake(w)
+        link.waiters.clear()
+        if not link.welcomed.done():
+            link.welcomed.cancel()
+
+    def _lose(self, link: _Link, reason: str) -> None:
+        """Mark ``link``'s peer lost: close the link, fail its waiters, report it once."""
+        if link.lost_reason is not None:
+            return
+        link.lost_reason = reason
+        log.warning("endpoint %r lost peer %r at %s: %s", self._name, link.name, link.address, reason)
+        if self._links.get(link.name) is link:
+            del self._links[link.name]
+            self._lost[link.name] = reason
+            self._unreported_lost.append(link.name)
+            _wake(self._lost_waiter)
+        self._close_link(link)
+
+    async def wait_peer_lost(self, *, timeout_s: float | None = None) -> str:
+        """Wait until a connected peer is lost; return its name. Each loss is returned once.
+
+        Raises:
+            TimeoutError: no peer was lost within ``timeout_s``.
+            PortClosedError: the endpoint is (or gets) closed.
+        """
+        self._check_open()
+        while not self._unreported_lost:
+            if self._lost_waiter is not None:
+                raise RuntimeError("another task is already waiting in wait_peer_lost")
+            self._lost_waiter = fut = self._loop.create_future()
+            try:
+                await asyncio.wait_for(fut, timeout_s)
+            finally:
+                self._lost_waiter = None
+            self._check_open()
+        return self._unreported_lost.popleft()
+
+    # ---------------------------------------------------------------------------- sending
+
+    def _link(self, peer: str) -> _Link:
+        link = self._links.get(peer)
+        if link is None:
+            self._check_open()
+            if peer in self._lost:
+                raise PeerLostError(f"peer {peer!r} was lost: {self._lost[peer]}")
+            raise ValueError(
+                f"Endpoint {self._name!r} is not connected to peer {peer!r}; call connect({peer!r}, address) first"
+            )
+        return link
+
+    def send_nowait(self, peer: str, obj: Any) -> None:
+        """Send ``obj`` to ``peer`` now, or raise ``WouldBlock`` if that link has no credit.
+
+        The message is queued in zmq and written by its I/O thread; arrays are sent zero-copy
+        (see :func:`~reactor.transport.codec.encode`: do not modify them afterwards).
+
+        Raises:
+            ValueError: not connected to ``peer``.
+            PeerLostError: ``peer`` was lost.
+            PortClosedError: this endpoint is closed.
+            WouldBlock: the link has no credit: the peer has not consumed enough yet.
+            FrameTooLargeError: the encoded message exceeds the peer's ``max_message_nbytes``.
+            TypeError: ``obj`` holds something the codec does not carry.
+        """
+        link = self._link(peer)
+        if link.credit_msgs <= 0 or link.credit_nbytes <= 0:
+            self._drain_link(link)  # a grant may be waiting unread
+            if link.lost_reason is not None:
+                raise PeerLostError(f"peer {peer!r} was lost: {link.lost_reason}")
+            if link.credit_msgs <= 0 or link.credit_nbytes <= 0:
+                self._n["credit_stalls"] += 1
+                raise WouldBlock(
+                    f"no credit to send to peer {peer!r}: it has not yet consumed the messages already sent; "
+                    f"await send() to wait for credit"
+                )
+        self._send_frames(link, encode(obj))
+
+    async def send(self, peer: str, obj: Any, *, timeout_s: float | None = None) -> None:
+        """Send ``obj`` to ``peer``, waiting for credit if the link has none.
+
+        Cancelling the wait sends nothing. Messages sent by one task arrive in order.
+
+        Raises:
+            TimeoutError: no credit arrived within ``timeout_s``.
+            ValueError, PeerLostError, PortClosedError, FrameTooLargeError, TypeError: as
+                :meth:`send_nowait`.
+        """
+        link = self._link(peer)
+        if link.credit_msgs <= 0 or link.credit_nbytes <= 0:
+            await self._wait_credit(link, timeout_s)
+        self._send_frames(link, encode(obj))
+
+    async def _wait_credit(self, link: _Link, timeout_s: float | None) -> None:
+        self._drain_link(link)
+        if link.credit_msgs > 0 and link.credit_nbytes > 0:
+            return
+        self._n["credit_stalls"] += 1
+        deadline = None if timeout_s is None else self._loop.time() + timeout_s
+        while link.credit_msgs <= 0 or link.credit_nbytes <= 0:
+            if link.lost_reason is not None:
+                raise PeerLostError(f"peer {link.name!r} was lost: {link.lost_reason}")
+            self._check_open()
+            fut: asyncio.Future[None] = self._loop.create_future()
+            link.waiters.append(fut)
+            try:
+                if deadline is None:
+                    await fut
+                else:
+                    remaining = deadline - self._loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"no credit from peer {link.name!r} within {timeout_s} s: it is not consuming"
+                        )
+                    await asyncio.wait_for(fut, remaining)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise TimeoutError(
+                    f"no credit from peer {link.name!r} within {timeout_s} s: it is not consuming"
+                ) from None
+            finally:
+                if fut in link.waiters:
+                    link.waiters.remove(fut)
+        if link.lost_reason is not None:
+            raise PeerLostError(f"peer {link.name!r} was lost: {link.lost_reason}")
+
+    def _send_frames(self, link: _Link, frames: list[Any]) -> None:
+        if len(frames) == 1:
+            nbytes = len(frames[0])
+        else:
+            nbytes = frames_nbytes(frames)
+        if nbytes > link.max_message_nbytes:
+            raise FrameTooLargeError(
+                f"message of {nbytes} bytes exceeds peer {link.name!r}'s limit of "
+                f"{link.max_message_nbytes} bytes (its max_message_nbytes)"
+            )
+        try:
+            if len(frames) == 1:
+                link.sock.send(frames[0], zmq.NOBLOCK)
+            else:
+                link.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the zmq queue is full; credit makes this all but impossible
+            self._n["credit_stalls"] += 1
+            raise WouldBlock(f"zmq send queue to peer {link.name!r} is full") from None
+        link.credit_msgs -= 1
+        link.credit_nbytes -= nbytes
+        n = self._n
+        n["messages_sent"] += 1
+        n["bytes_sent"] += nbytes
+
+    def _drain_link(self, link: _Link) -> None:
+        """Read the control messages a peer's ROUTER sent back on ``link`` (welcome, credit)."""
+        sock = link.sock
+        woke = False
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:  # closed under us
+                return
+            msg = _parse_control(frames)
+            if msg is None:
+                log.warning("endpoint %r: dropped a malformed control message from peer %r", self._name, link.name)
+                self._n["dropped_malformed"] += 1
+                continue
+            kind = msg[0]
+            if kind == _CREDIT and len(msg) == 3 and _nonneg_ints(msg[1:]):
+                link.credit_msgs += msg[1]
+                link.credit_nbytes += msg[2]
+                woke = True
+            elif kind == _WELCOME and len(msg) == 6 and msg[1] == PROTOCOL_VERSION and _nonneg_ints(msg[3:]):
+                if link.welcomed.done():
+                    continue
+                if msg[2] != link.name:
+                    link.welcomed.set_exception(
+                        ValueError(
+                            f"connect({link.name!r}): the endpoint at {link.address} is {msg[2]!r:.100}, "
+                            f"not {link.name!r}"
+                        )
+                    )
+                    continue
+                link.credit_msgs, link.credit_nbytes, link.max_message_nbytes = msg[3], msg[4], msg[5]
+                link.welcomed.set_result(None)
+                woke = True
+            else:
+                log.warning("endpoint %r: dropped an unexpected control message %r from peer %r", self._name, msg, link.name)
+                self._n["dropped_malformed"] += 1
+        if woke and link.waiters:
+            for w in link.waiters:
+                _wake(w)
+
+    def _drain_monitor(self, link: _Link) -> None:
+        mon = link.mon
+        while not mon.closed:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            if len(frames) != 2 or len(frames[0]) != 6:
+                continue
+            event, value = struct.unpack("=Hi", frames[0])
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = f"it rejected our CURVE key (ZAP status {value})"
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                reason = (
+                    f"the security handshake failed (zmq event {event:#x}, code {value:#x}); check that both "
+                    f"sides use CURVE (server_public_key given) or neither does"
+                )
+            elif event == zmq.EVENT_DISCONNECTED:
+                if not link.welcomed.done():
+                    continue  # still connecting: zmq retries
+                reason = "the connection closed (process exited, or heartbeats timed out)"
+            else:
+                continue
+            if not link.welcomed.done():
+                link.welcomed.set_exception(PeerLostError(f"peer {link.name!r} at {link.address}: {reason}"))
+                return
+            self._lose(link, reason)
+            return
+
+    # ---------------------------------------------------------------------------- receiving
+
+    async def recv_batch(self, *, max_n: int = 1024, timeout_s: float | None = None) -> list[tuple[str, Any]]:
+        """Return every message ready now (up to ``max_n``), waiting for at least one.
+
+        Messages from one sender come in the order it sent them. Taking messages here is what
+        returns credit to their senders.
+
+        Args:
+            max_n: the most messages to return.
+            timeout_s: how long to wait when none is ready; ``0`` polls.
+
+        Returns:
+            ``[(sender name, message), ...]``; empty only when ``timeout_s`` passed.
+
+        Raises:
+            PortClosedError: the endpoint is (or gets) closed.
+            RuntimeError: another task is already waiting in ``recv_batch``.
+            ValueError: ``max_n < 1``.
+        """
+        if not self._queue:
+            self._check_open()
+            if self._router.get(zmq.EVENTS) & zmq.POLLIN:
+                self._drain_router()
+            if not self._queue:
+                if timeout_s is not None and timeout_s <= 0:
+                    return []
+                if self._recv_waiter is not None:
+                    raise RuntimeError("another task is already waiting in recv_batch on this endpoint")
+                self._recv_waiter = fut = self._loop.create_future()
+                timer = None if timeout_s is None else self._loop.call_later(timeout_s, _wake, fut)
+                try:
+                    await fut
+                finally:
+                    self._recv_waiter = None
+                    if timer is not None:
+                        timer.cancel()
+                self._check_open()
+                if not self._queue:
+                    return []
+        if max_n < 1:
+            raise ValueError(f"recv_batch: max_n must be >= 1, got {max_n!r}")
+        return self._take(max_n)
+
+    def _take(self, max_n: int) -> list[tuple[str, Any]]:
+        queue, meta = self._queue, self._qmeta
+        grant = self._maybe_grant
+        if len(queue) <= max_n:
+            out = list(queue)
+            queue.clear()
+            meta.clear()
+            self._queued_nbytes = 0
+            senders = self._queued_senders
+            self._queued_senders = set()
+            for s in senders:
+                s.ungranted_msgs += s.queued_msgs
+                s.ungranted_nbytes += s.queued_nbytes
+                s.queued_msgs = s.queued_nbytes = 0
+                grant(s)
+        else:
+            out = [queue.popleft() for _ in range(max_n)]
+            touched = set()
+            taken = 0
+            for _ in range(max_n):
+                s, nb = meta.popleft()
+                s.queued_msgs -= 1
+                s.queued_nbytes -= nb
+                s.ungranted_msgs += 1
+                s.ungranted_nbytes += nb
+                taken += nb
+                touched.add(s)
+            self._queued_nbytes -= taken
+            for s in touched:
+                if s.queued_msgs == 0:
+                    self._queued_senders.discard(s)
+                grant(s)
+        self._n["messages_delivered"] += len(out)
+        if self._router.get(zmq.EVENTS) & zmq.POLLIN and not self._drain_scheduled:
+            # Our sends on the ROUTER may have consumed the FD's edge: drain on the next tick.
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain_router)
+        return out
+
+    def _maybe_grant(self, s: _Sender) -> None:
+        if s.ungranted_msgs < self._grant_msgs and s.ungranted_nbytes < self._grant_nbytes:
+            return
+        if self._senders.get(s.ident) is not s:  # that sender reconnected since: its credit was reset
+            s.ungranted_msgs = s.ungranted_nbytes = 0
+            return
+        try:
+            self._router.send_multipart(
+                [s.ident, b"", msgpack.packb([_CREDIT, s.ungranted_msgs, s.ungranted_nbytes])], zmq.NOBLOCK
+            )
+        except zmq.ZMQError as exc:  # gone (EHOSTUNREACH) or flooded: it will not miss this credit
+            log.info("endpoint %r: could not return credit to %r: %s", self._name, s.name, exc)
+        s.ungranted_msgs = s.ungranted_nbytes = 0
+        self._n["credit_grants_sent"] += 1
+
+    def _drain_router(self) -> None:
+        """Read every ready message from the ROUTER into the queue (the add_reader callback)."""
+        self._drain_scheduled = False
+        if self._closed:
+            return
+        sock = self._router
+        queue, meta = self._queue, self._qmeta
+        senders = self._senders
+        queued_senders = self._queued_senders
+        max_nbytes = self._max_nbytes
+        window = self._window
+        window_nbytes = self._window_nbytes + max_nbytes
+        n = self._n
+        before = len(queue)
+        added_nbytes = 0
+        budget = _DRAIN_BUDGET
+        while budget:
+            try:
+                ident = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            budget -= 1
+            if not sock.get(zmq.RCVMORE):
+                continue
+            head = sock.recv()
+            rest = sock.recv_multipart(copy=False) if sock.get(zmq.RCVMORE) else None
+            sender = senders.get(ident)
+            if not head:
+                self._on_control(ident, sender, rest)
+                continue
+            if sender is None:
+                n["dropped_unknown_peer"] += 1
+                log.warning(
+                    "endpoint %r: dropped a message from %r, which did not say hello first", self._name, ident[:64]
+                )
+                continue
+            if rest is None:
+                frames: list[Any] = [head]
+                nbytes = len(head)
+            else:
+                frames = [head, *rest]
+                nbytes = frames_nbytes(frames)
+            if (
+                sender.queued_msgs + sender.ungranted_msgs >= window
+                or sender.queued_nbytes + sender.ungranted_nbytes >= window_nbytes
+            ):
+                n["dropped_over_credit"] += 1
+                log.warning("endpoint %r: dropped a message from %r, which sent beyond its credit", self._name, sender.name)
+                continue
+            try:
+                obj = decode(frames, max_nbytes=max_nbytes)
+            except (MalformedFrameError, FrameTooLargeError) as exc:
+                n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += 1
+                log.warning("endpoint %r: dropped a message from peer %r: %s", self._name, sender.name, exc)
+                sender.ungranted_msgs += 1  # consumed, as far as credit goes
+                sender.ungranted_nbytes += nbytes
+                self._maybe_grant(sender)
+                continue
+            queue.append((sender.name, obj))
+            meta.append((sender, nbytes))
+            sender.queued_msgs += 1
+            sender.queued_nbytes += nbytes
+            queued_senders.add(sender)
+            added_nbytes += nbytes
+        added = len(queue) - before
+        if added:
+            n["messages_received"] += added
+            n["bytes_received"] += added_nbytes
+            self._queued_nbytes += added_nbytes
+            if len(queue) > self._max_queued:
+                self._max_queued = len(queue)
+            if self._queued_nbytes > self._max_queued_nbytes:
+                self._max_queued_nbytes = self._queued_nbytes
+            _wake(self._recv_waiter)
+        if not budget and not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain_router)
+
+    def _on_control(self, ident: bytes, sender: _Sender | None, rest: list[Any] | None) -> None:
+        msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)
+        if (
+            msg is None
+            or msg[0] != _HELLO
+            or len(msg) != 3
+            or msg[1] != PROTOCOL_VERSION
+            or not isinstance(msg[2], str)
+            or msg[2].encode() != ident
+        ):
+            self._n["dropped_malformed"] += 1
+            log.warning("endpoint %r: dropped a malformed control message from %r", self._name, ident[:64])
+            return
+        # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
+        self._senders[ident] = _Sender(ident, msg[2])
+        try:
+            self._router.send_multipart(
+                [
+                    ident,
+                    b"",
+                    msgpack.packb(
+                        [_WELCOME, PROTOCOL_VERSION, self._name, self._window, self._window_nbytes, self._max_nbytes]
+                    ),
+                ],
+                zmq.NOBLOCK,
+            )
+        except zmq.ZMQError as exc:
+            log.info("endpoint %r: could not welcome %r: %s", self._name, msg[2], exc)
+
+
+def _parse_control(frames: list[bytes] | None) -> list[Any] | None:
+    if frames is None or len(frames) != 2 or frames[0] != b"" or len(frames[1]) > _CONTROL_MAX_NBYTES:
+        return None
+    try:
+        msg = msgpack.unpackb(frames[1], raw=False)
+    except Exception:
+        return None
+    if type(msg) is not list or not msg or type(msg[0]) is not int:
+        return None
+    return msg
+
+
+def _nonneg_ints(values: list[Any]) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+_OPEN_TOKEN = object()

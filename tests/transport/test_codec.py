@@ -1,0 +1,327 @@
+"""The framing core: round-trips of every carried type, and rejection of everything malformed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from reactor._errors import FrameTooLargeError, MalformedFrameError
+from reactor.transport import codec
+from reactor.transport.codec import INLINE_MAX_NBYTES, decode, encode, register_message
+
+MAX = 1 << 30
+
+
+@register_message
+@dataclasses.dataclass(frozen=True)
+class Step:
+    tag: tuple[int, int]
+    obs: Any
+    reward: float
+
+
+@register_message
+class Point(NamedTuple):
+    x: int
+    y: int
+
+
+def roundtrip(obj: Any, *, as_bytes: bool = False) -> Any:
+    frames = encode(obj)
+    if as_bytes:
+        frames = [bytes(f) for f in frames]
+    return decode(frames, max_nbytes=MAX)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Deep equality that also requires identical types (a tuple must come back a tuple)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b)
+    elif dataclasses.is_dataclass(a) or hasattr(a, "_fields"):
+        for f in (a._fields if hasattr(a, "_fields") else [f.name for f in dataclasses.fields(a)]):
+            assert_same(getattr(a, f), getattr(b, f))
+    else:
+        assert a == b
+
+
+# ------------------------------------------------------------------------------------ round-trips
+
+NUMPY_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                "float16", "float32", "float64", "complex64", "complex128"]
+TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 4), (64, 33)])
+def test_numpy_arrays_of_every_allowed_dtype_and_shape_round_trip(dtype, shape):
+    arr = (np.arange(math.prod(shape)) % 7).astype(dtype).reshape(shape)
+    assert_same(arr, roundtrip(arr))
+    assert_same(arr, roundtrip(arr, as_bytes=True))
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (40, 17)])
+def test_torch_tensors_of_every_allowed_dtype_and_shape_round_trip(dtype, shape):
+    t = (torch.arange(math.prod(shape)) % 5).to(dtype).reshape(shape)
+    assert_same(t, roundtrip(t))
+    assert_same(t, roundtrip(t, as_bytes=True))
+
+
+def test_non_contiguous_and_byte_swapped_arrays_arrive_as_equal_contiguous_arrays():
+    base = np.arange(4000, dtype=np.float64).reshape(40, 100)
+    for arr in (base[:, ::3], base.T, base.astype(">f8"), base[::-1]):
+        out = roundtrip(arr)
+        np.testing.assert_array_equal(out, arr)
+        assert out.flags.c_contiguous and out.dtype == np.float64
+    t = torch.arange(4000.0).reshape(40, 100).T
+    assert torch.equal(roundtrip(t), t)
+    assert torch.equal(roundtrip(torch.ones(3, requires_grad=True) * 2), torch.full((3,), 2.0))
+
+
+def test_large_contiguous_array_travels_as_a_zero_copy_view_of_its_buffer():
+    arr = np.arange(10_000, dtype=np.int64)
+    frames = encode(arr)
+    assert len(frames) == 2 and isinstance(frames[1], memoryview)
+    assert np.shares_memory(np.frombuffer(frames[1], np.int64), arr)
+    t = torch.arange(10_000)
+    frames = encode(t)
+    assert np.shares_memory(np.frombuffer(frames[1], np.int64), t.numpy())
+
+
+def test_small_arrays_travel_inline_in_frame_zero():
+    frames = encode({"a": np.zeros(INLINE_MAX_NBYTES // 8 - 1), "b": torch.zeros(3)})
+    assert len(frames) == 1
+
+
+def test_decoded_arrays_alias_writable_frames_and_do_not_alias_read_only_ones():
+    arr = np.arange(10_000, dtype=np.int32)
+    frames = encode([arr, torch.from_numpy(arr.copy())])
+    writable = [frames[0], bytearray(frames[1]), bytearray(frames[2])]
+    out = decode(writable, max_nbytes=MAX)
+    assert out[0].flags.writeable and np.shares_memory(out[0], np.frombuffer(writable[1], np.uint8))
+    out[1][0] = 7  # a writable tensor that aliases the frame
+    assert np.frombuffer(writable[2], np.int32)[0] == 7
+    ro = decode([bytes(f) for f in frames], max_nbytes=MAX)
+    assert not ro[0].flags.writeable
+    ro[1][0] = 1  # a copy: writable
+
+
+def test_tuples_stay_tuples_and_lists_stay_lists():
+    obj = {"tag": (10, 0), "nested": [(1, [2, (3,)]), ()], (1, 2): "tuple key"}
+    assert_same(obj, roundtrip(obj))
+
+
+def test_registered_dataclass_and_namedtuple_round_trip_as_themselves():
+    step = Step(tag=(5, 1), obs=np.arange(500, dtype=np.float32), reward=-1.5)
+    out = roundtrip([step, Point(1, 2)])
+    assert_same([step, Point(1, 2)], out)
+
+
+def test_unregistered_namedtuple_travels_as_a_plain_tuple():
+    class Plain(NamedTuple):
+        a: int
+
+    assert_same((1,), roundtrip(Plain(1)))
+
+
+def test_numpy_scalars_keep_their_dtype():
+    for v in (np.float32(1.5), np.int8(-3), np.bool_(True), np.complex64(1 + 2j)):
+        out = roundtrip(v)
+        assert type(out) is type(v) and out == v
+
+
+def test_subclasses_of_native_types_encode_as_their_base_type():
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    assert_same({"c": 1, "b": b"xy"}, roundtrip({"c": Color.RED, "b": bytearray(b"xy")}))
+
+
+def test_frames_of_one_message_are_independent_of_later_encodes():
+    first = encode({"a": np.ones(1000)})
+    second = encode({"b": np.zeros(2000)})
+    assert len(first) == 2 and len(second) == 2
+    np.testing.assert_array_equal(decode(first, max_nbytes=MAX)["a"], np.ones(1000))
+
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
+arrays = hnp.arrays(
+    dtype=st.sampled_from([np.dtype(d) for d in ("bool", "int8", "uint16", "int64", "float32", "float64")]),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=40),
+)
+tensors = st.builds(
+    lambda shape, dtype: (torch.arange(math.prod(shape)) % 3).to(dtype).reshape(shape),
+    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=50),
+    st.sampled_from([torch.bfloat16, torch.bool, torch.float32, torch.int64]),
+)
+nested = st.recursive(
+    scalars | arrays | tensors,
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.lists(children, max_size=5).map(tuple)
+        | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), children, max_size=5)
+        | st.builds(Step, tag=st.tuples(st.integers(0, 2**40), st.integers(0, 9)), obs=children, reward=st.floats(-1, 1))
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(nested)
+def test_any_nesting_of_carried_types_round_trips(obj):
+    assert_same(obj, roundtrip(obj))
+    assert_same(obj, roundtrip(obj, as_bytes=True))
+
+
+# ------------------------------------------------------------------------------------ encode errors
+
+
+def test_encoding_an_unsupported_object_names_its_type():
+    with pytest.raises(TypeError, match=r"^cannot encode an object of type builtins\.object: the codec carries"):
+        encode({"x": object()})
+
+
+def test_encoding_an_object_array_is_refused():
+    with pytest.raises(TypeError, match=r"^cannot encode a numpy array of dtype object: allowed dtypes are bool, "):
+        encode(np.array([None]))
+
+
+def test_register_message_refuses_a_mutable_dataclass():
+    @dataclasses.dataclass
+    class Mutable:
+        x: int
+
+    with pytest.raises(TypeError, match=r"^register_message\(.*Mutable\): the dataclass must be frozen"):
+        register_message(Mutable)
+
+
+def test_encode_failure_leaves_the_encoder_usable():
+    with pytest.raises(TypeError):
+        encode([(1, (2, object()))])
+    assert_same({"t": (1, 2)}, roundtrip({"t": (1, 2)}))
+
+
+# ------------------------------------------------------------------------------------ decode errors
+
+
+def ext(code: int, payload: Any) -> msgpack.ExtType:
+    return msgpack.ExtType(code, msgpack.packb(payload, use_bin_type=True))
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([], r"^empty message"),
+        ([b"\xc1"], r"^frame 0 is not valid msgpack"),
+        ([pack([1, 2, 3])[:-1]], r"^frame 0 is not valid msgpack"),
+        ([pack(1) + b"\x00"], r"^frame 0 is not valid msgpack \(ExtraData"),
+        ([pack(ext(99, 0))], r"^unknown msgpack extension type 99$"),
+        ([pack(ext(1, ["object", [1], b"12345678"]))], r"^ndarray header: dtype 'object' is not allowed"),
+        ([pack(ext(1, ["float32", [3], b"1234"]))], r"^ndarray of dtype float32 and shape \[3\] needs 12 bytes, its data has 4$"),
+        ([pack(ext(1, ["float32", [-1], b""]))], r"^ndarray header: shape entries must be ints >= 0"),
+        ([pack(ext(1, ["float32", [1] * 40, b"1234"]))], r"^ndarray header: shape must be a list of at most 32 ints"),
+        ([pack(ext(1, ["float32", [2]]))], r"^ndarray header must be \[dtype, shape, data\]"),
+        ([pack(ext(1, ["uint8", [4], 1]))], r"^ndarray header refers to frame 1, expected frame 1 of 1"),
+        ([pack(ext(1, ["uint8", [4], 2])), b"1234", b"1234"], r"^ndarray header refers to frame 2, expected frame 1 of 3"),
+        ([pack(ext(1, ["uint8", [4], 1])), b"1234", b"extra"], r"^message has 3 frames but its header uses only 2$"),
+        ([pack(ext(1, ["uint8", [5], 1])), b"1234"], r"^ndarray of dtype uint8 and shape \[5\] needs 5 bytes, its data has 4$"),
+        ([pack(ext(2, ["half", [1], b"12"]))], r"^tensor header: dtype 'half' is not allowed"),
+        ([pack(ext(2, ["bfloat16", [3], b"12"]))], r"^tensor of dtype bfloat16 and shape \[3\] needs 6 bytes, its data has 2$"),
+        ([pack(ext(3, 7))], r"^tuple payload must be an array, got int$"),
+        ([pack(ext(4, ["os.system", ["rm"]]))], r"^message type 'os.system' is not registered in this process"),
+        ([pack(ext(4, [f"{__name__}.Point", [1]]))], r"^message .*Point has fields \['x', 'y'\], the frame carries 1 values$"),
+        ([pack(ext(5, ["float32", b"12"]))], r"^numpy scalar of dtype float32 needs 4 bytes, got 2$"),
+        ([pack({"k": ext(1, "garbage")})], r"^ndarray header must be \[dtype, shape, data\]"),
+    ],
+)
+def test_malformed_frames_are_rejected_with_a_message_naming_the_fault(frames, message):
+    with pytest.raises(MalformedFrameError, match=message):
+        decode(frames, max_nbytes=MAX)
+
+
+def test_a_message_over_the_size_limit_is_rejected_before_parsing():
+    frames = encode(np.zeros(1000))
+    with pytest.raises(FrameTooLargeError, match=r"^message of \d+ bytes in 2 frames exceeds the limit of 100 bytes$"):
+        decode(frames, max_nbytes=100)
+
+
+def test_a_message_whose_fields_fail_validation_is_malformed():
+    @register_message
+    @dataclasses.dataclass(frozen=True)
+    class Positive:
+        x: int
+
+        def __post_init__(self) -> None:
+            if self.x <= 0:
+                raise ValueError(f"x must be > 0, got {self.x}")
+
+    frames = [pack(ext(4, [f"{Positive.__module__}.{Positive.__qualname__}", [-1]]))]
+    with pytest.raises(MalformedFrameError, match=r"rejected its fields: ValueError: x must be > 0, got -1$"):
+        decode(frames, max_nbytes=MAX)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64), st.lists(st.binary(max_size=16), max_size=3))
+def test_random_bytes_decode_or_raise_malformed_never_anything_else(head, rest):
+    try:
+        decode([head, *rest], max_nbytes=MAX)
+    except MalformedFrameError:
+        pass
+
+
+def test_deeply_nested_tuples_are_rejected_not_crashing():
+    payload = pack(0)
+    for _ in range(5000):
+        payload = msgpack.packb(msgpack.ExtType(3, msgpack.packb([msgpack.ExtType(3, payload)])))
+    with pytest.raises(MalformedFrameError, match=r"^extension types nested deeper than 100 levels$"):
+        decode([payload], max_nbytes=MAX)
+
+
+def test_encoding_deeply_nested_tuples_raises_value_error():
+    obj: Any = 0
+    for _ in range(200):
+        obj = (obj,)
+    with pytest.raises(ValueError, match=r"^cannot encode: tuples/messages nested deeper than 100 levels$"):
+        encode(obj)
+
+
+def test_registry_lists_registered_classes():
+    assert codec.registered_messages()[f"{__name__}.Step"] is Step

@@ -1,0 +1,449 @@
+"""The ZeroMQ endpoint: real sockets, real peer processes, OS-picked ports, bounded waits.
+
+Every async test here runs on both asyncio and uvloop (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+import zmq
+import zmq.asyncio
+
+from reactor._errors import FrameTooLargeError, PeerLostError, PortClosedError, WouldBlock
+from reactor.transport import CurveKeys, Endpoint
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 30  # bound on every wait for another process
+
+
+def _open_fds() -> dict[int, str]:
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+    return fds
+
+
+@pytest_asyncio.fixture
+async def open_endpoint() -> AsyncIterator[Any]:
+    """Open endpoints for a test; at teardown close them and check nothing leaked.
+
+    Leaks checked: tasks still pending on the loop, sockets or zmq contexts left open, zmq file
+    descriptors not released.
+    """
+    await (await asyncio.create_subprocess_exec("true")).wait()
+    # pyzmq's first zero-copy send starts a process-wide garbage-collector context (and a socket per
+    # sending thread); make one now so that the baseline includes their descriptors.
+    warm = zmq.Context()
+    a, b = warm.socket(zmq.PAIR), warm.socket(zmq.PAIR)
+    a.bind("inproc://warm-up")
+    b.connect("inproc://warm-up")
+    a.send(np.zeros(1 << 17, np.uint8), copy=False)
+    b.recv()
+    warm.destroy(linger=0)
+    fds_before = _open_fds()
+    opened: list[Endpoint] = []
+
+    async def factory(name: str, bind: str = "tcp://127.0.0.1:*", **kwargs: Any) -> Endpoint:
+        ep = await Endpoint.open(name, bind, **kwargs)
+        opened.append(ep)
+        return ep
+
+    yield factory
+    for ep in opened:
+        await ep.aclose()
+    await asyncio.sleep(0.05)
+    assert asyncio.all_tasks() == {asyncio.current_task()}, "tasks left pending"
+    for ep in opened:
+        assert ep._router.closed and ep._ctx.closed
+    # zmq gives every context and socket an eventfd (its mailbox); count those. (Other kinds are not
+    # compared: uvloop keeps a socketpair and /dev/null from each subprocess it spawned.)
+    leaked = {fd: what for fd, what in _open_fds().items() if fds_before.get(fd) != what and "eventfd" in what}
+    assert not leaked, f"zmq file descriptors leaked: {leaked}"
+
+
+class Peer:
+    """A child process running tests/transport/_peer.py."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, info: dict[str, Any]) -> None:
+        self.proc = proc
+        self.address: str = info["address"]
+
+    async def result(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), WAIT_S)
+        assert line, f"peer exited without a result (rc={await self.proc.wait()})"
+        return json.loads(line)
+
+    async def exit_code(self) -> int:
+        return await asyncio.wait_for(self.proc.wait(), WAIT_S)
+
+
+@contextlib.asynccontextmanager
+async def peer_process(role: str, **cfg: Any) -> AsyncIterator[Peer]:
+    """Run a peer process; it is always killed (if still running) and reaped on exit."""
+    loop = asyncio.get_running_loop()
+    cfg.setdefault("loop", "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.transport._peer", role, json.dumps(cfg),
+        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), WAIT_S)
+        assert line, f"peer {role} failed to start (rc={await proc.wait()})"
+        yield Peer(proc, json.loads(line))
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await asyncio.wait_for(proc.communicate(), WAIT_S)  # reap, and read to EOF so the pipe closes
+
+
+def bind_address(transport: str, tmp_path: Path, name: str) -> str:
+    return "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp_path}/{name}.sock"
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def sample_message(i: int) -> Any:
+    kinds = [
+        {"i": i, "tag": (i, 0), "port": "obs"},
+        {"i": i, "obs": np.full((84, 84), i % 256, np.uint8)},
+        {"i": i, "w": torch.full((300,), float(i), dtype=torch.bfloat16), "mask": torch.ones(5, dtype=torch.bool)},
+        {"i": i, "nested": [(1, 2.5, "x"), {"b": b"bytes", "n": None}], "small": np.arange(3, dtype=np.float32)},
+    ]
+    return kinds[i % len(kinds)]
+
+
+# ------------------------------------------------------------------------------------ across processes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_messages_of_every_kind_cross_processes_intact_and_in_order(open_endpoint, tmp_path, transport):
+    ep = await open_endpoint("parent", bind_address(transport, tmp_path, "parent"))
+    n = 600
+    async with peer_process(
+        "echo", name="echo", bind=bind_address(transport, tmp_path, "echo"),
+        parent_name="parent", parent_address=ep.address,
+    ) as peer:
+        await ep.connect("echo", peer.address, timeout_s=WAIT_S)
+
+        async def produce() -> None:
+            for i in range(n):
+                await ep.send("echo", sample_message(i), timeout_s=WAIT_S)
+
+        producer = asyncio.create_task(produce())
+        received: list[Any] = []
+        while len(received) < n:
+            batch = await ep.recv_batch(timeout_s=WAIT_S)
+            assert batch, "timed out waiting for echoes"
+            assert {sender for sender, _ in batch} == {"echo"}
+            received.extend(msg for _, msg in batch)
+        await producer
+        for i, msg in enumerate(received):
+            assert_same(sample_message(i), msg)
+        await ep.send("echo", "stop")
+        assert await peer.exit_code() == 0
+    stats = ep.statistics()
+    assert stats.messages_sent == n + 1 and stats.messages_delivered == n
+    assert stats.dropped_malformed == stats.dropped_too_large == stats.dropped_over_credit == 0
+
+
+@pytest.mark.asyncio
+async def test_a_producer_far_faster_than_its_consumer_is_held_to_the_credit_window(open_endpoint):
+    """Backpressure (issue 2): the consumer's queue never exceeds its credit window, its memory stays
+    bounded while 100x the window's worth of data passes, and nothing is lost or reordered."""
+    window, n, payload_nbytes = 8, 320, 256 * 1024
+    async with peer_process("slow_sink", name="sink", credit_window=window, n=n, delay_s=0.002, max_n=4) as peer:
+        ep = await open_endpoint("producer")
+        await ep.connect("sink", peer.address, timeout_s=WAIT_S)
+        payload = np.ones(payload_nbytes, np.uint8)
+        max_outstanding = 0
+        for i in range(n):
+            await ep.send("sink", {"i": i, "data": payload}, timeout_s=WAIT_S)
+            credit_msgs, _ = ep.credit("sink")
+            max_outstanding = max(max_outstanding, window - credit_msgs)
+        result = await peer.result()
+        assert await peer.exit_code() == 0
+    assert result["received"] == n and result["in_order"] and result["dropped"] == 0
+    assert result["max_queued_messages"] <= window
+    assert result["max_queued_nbytes"] <= window * (payload_nbytes + 1024)
+    # 80 MiB went through; the consumer's resident memory grew by far less.
+    assert result["rss_growth"] < 16 * 2**20, result
+    assert max_outstanding == window  # the producer did run out of credit ...
+    assert ep.statistics().credit_stalls > 0  # ... and waited for it
+
+
+@pytest.mark.asyncio
+async def test_a_killed_peer_surfaces_as_peer_lost_on_send_and_wait(open_endpoint):
+    ep = await open_endpoint("watcher")
+    async with peer_process("idle", name="victim", credit_window=2) as peer:
+        await ep.connect("victim", peer.address, timeout_s=WAIT_S)
+        ep.send_nowait("victim", 1)
+        ep.send_nowait("victim", 2)  # credit now exhausted: the idle peer never reads
+        blocked_send = asyncio.create_task(ep.send("victim", 3))
+        await asyncio.sleep(0)
+        assert not blocked_send.done()
+        peer.proc.send_signal(signal.SIGKILL)
+        assert await asyncio.wait_for(ep.wait_peer_lost(), WAIT_S) == "victim"
+        with pytest.raises(PeerLostError, match=r"^peer 'victim' was lost: the connection closed"):
+            await asyncio.wait_for(blocked_send, WAIT_S)
+        assert await peer.exit_code() == -signal.SIGKILL
+    assert ep.lost_peers == {"victim"} and ep.peers == frozenset()
+    with pytest.raises(PeerLostError, match=r"^peer 'victim' was lost: "):
+        ep.send_nowait("victim", 4)
+
+
+@pytest.mark.asyncio
+async def test_curve_link_across_processes_with_a_shared_job_key_pair(open_endpoint, tmp_path):
+    keys = CurveKeys.generate()
+    keys.save(tmp_path / "job.key")
+    ep = await open_endpoint("parent", curve=CurveKeys.load(tmp_path / "job.key"))
+    async with peer_process(
+        "echo", name="echo", keys=str(tmp_path / "job.key"), parent_name="parent", parent_address=ep.address
+    ) as peer:
+        await ep.connect("echo", peer.address, server_public_key=keys.public, timeout_s=WAIT_S)
+        await ep.send("echo", {"secret": np.arange(5000)})
+        [(sender, msg)] = await ep.recv_batch(timeout_s=WAIT_S)
+        assert sender == "echo" and np.array_equal(msg["secret"], np.arange(5000))
+        await ep.send("echo", "stop")
+        assert await peer.exit_code() == 0
+
+
+# ------------------------------------------------------------------------------------ hostile input
+
+
+@pytest.mark.asyncio
+async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoint_keeps_serving(open_endpoint, caplog):
+    limit = 64 * 1024
+    server = await open_endpoint("server", max_message_nbytes=limit)
+    ctx = zmq.asyncio.Context()
+
+    def raw_dealer(identity: bytes) -> zmq.asyncio.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, identity)
+        s.connect(server.address)
+        return s
+
+    async def say_hello(s: zmq.asyncio.Socket, name: str) -> None:
+        await s.send_multipart([b"", msgpack.packb([1, 1, name])])
+        reply = await asyncio.wait_for(s.recv_multipart(), WAIT_S)
+        assert reply[0] == b"" and msgpack.unpackb(reply[1])[0] == 2
+
+    def ext(code: int, payload: Any) -> msgpack.ExtType:
+        return msgpack.ExtType(code, msgpack.packb(payload))
+
+    caplog.set_level(logging.WARNING, logger="reactor.transport")
+    stranger, raw, huge = raw_dealer(b"stranger"), raw_dealer(b"raw"), raw_dealer(b"huge")
+    try:
+        await stranger.send_multipart([b"no hello"])
+        await say_hello(raw, "raw")
+        await say_hello(huge, "huge")
+        garbage = [
+            [b"\xc1\xc1\xc1"],  # not msgpack
+            [msgpack.packb({"a": [1, 2, 3]})[:-2]],  # truncated
+            [msgpack.packb(ext(1, ["uint8", [100], 1]))],  # refers to a missing frame
+            [msgpack.packb(ext(1, ["float64", [100], 1])), b"x" * 10],  # wrong length
+            [msgpack.packb(ext(1, ["object", [1], b"12345678"]))],  # dtype not allowed
+            [msgpack.packb(ext(4, ["builtins.eval", ["1"]]))],  # unregistered type
+            [msgpack.packb(ext(1, ["uint8", [40000], 1])), b"x" * 40000, b"y" * 40000],  # over the limit
+            [b""],  # empty control frame with nothing after it
+        ]
+        for frames in garbage:
+            await raw.send_multipart(frames)
+        await huge.send_multipart([msgpack.packb(ext(1, ["uint8", [limit + 1], 1])), b"z" * (limit + 1)])
+        await raw.send_multipart([msgpack.packb({"still": "served"})])
+        got = await server.recv_batch(timeout_s=WAIT_S)
+        assert got == [("raw", {"still": "served"})]
+        # And a well-behaved endpoint is served as before.
+        client = await open_endpoint("client")
+        await client.connect("server", server.address, timeout_s=WAIT_S)
+        await client.send("server", {"x": (1, 2)})
+        assert await server.recv_batch(timeout_s=WAIT_S) == [("client", {"x": (1, 2)})]
+    finally:
+        ctx.destroy(linger=0)
+    stats = server.statistics()
+    assert stats.dropped_unknown_peer == 1
+    assert stats.dropped_malformed == 7
+    assert stats.dropped_too_large == 1  # the frame over MAXMSGSIZE never reached Python
+    assert stats.messages_delivered == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("'raw'" in m and "not valid msgpack" in m for m in messages)
+    assert any("b'stranger'" in m and "did not say hello" in m for m in messages)
+
+
+# ------------------------------------------------------------------------------------ credit, limits, errors
+
+
+@pytest.mark.asyncio
+async def test_send_nowait_raises_would_block_when_credit_runs_out_and_recovers_after_consumption(open_endpoint):
+    rx = await open_endpoint("rx", credit_window=4)
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    assert tx.credit("rx")[0] == 4
+    for i in range(4):
+        tx.send_nowait("rx", i)
+    with pytest.raises(WouldBlock, match=r"^no credit to send to peer 'rx': it has not yet consumed"):
+        tx.send_nowait("rx", 4)
+    got: list[Any] = []
+    while len(got) < 4:
+        got += [m for _, m in await rx.recv_batch(max_n=3, timeout_s=WAIT_S)]
+    assert got == [0, 1, 2, 3]
+    await asyncio.wait_for(tx.send("rx", 4), WAIT_S)  # credit came back
+    assert [m for _, m in await rx.recv_batch(timeout_s=WAIT_S)] == [4]
+    assert rx.statistics().max_queued_messages <= 4
+    assert tx.statistics().credit_stalls >= 1
+
+
+@pytest.mark.asyncio
+async def test_send_waiting_for_credit_times_out_with_a_clear_error(open_endpoint):
+    rx = await open_endpoint("rx", credit_window=1)
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    await tx.send("rx", "fills the window")
+    with pytest.raises(TimeoutError, match=r"^no credit from peer 'rx' within 0.05 s: it is not consuming$"):
+        await tx.send("rx", "waits", timeout_s=0.05)
+
+
+@pytest.mark.asyncio
+async def test_a_message_over_the_peers_limit_is_refused_by_the_sender(open_endpoint):
+    rx = await open_endpoint("rx", max_message_nbytes=1000)
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    with pytest.raises(FrameTooLargeError, match=r"^message of \d+ bytes exceeds peer 'rx'\'s limit of 1000 bytes"):
+        tx.send_nowait("rx", np.zeros(1000))
+    assert tx.credit("rx")[0] == 64  # nothing was spent
+
+
+@pytest.mark.asyncio
+async def test_connecting_to_an_address_where_nobody_answers_raises_peer_lost(open_endpoint, tmp_path):
+    ep = await open_endpoint("lonely")
+    with pytest.raises(PeerLostError, match=r"^peer 'ghost' at ipc://.* did not answer within 0.2 s"):
+        await ep.connect("ghost", f"ipc://{tmp_path}/nobody.sock", timeout_s=0.2)
+    assert ep.peers == frozenset()
+
+
+@pytest.mark.asyncio
+async def test_connecting_under_the_wrong_peer_name_is_refused(open_endpoint):
+    b = await open_endpoint("b")
+    a = await open_endpoint("a")
+    with pytest.raises(ValueError, match=r"^connect\('c'\): the endpoint at tcp://127.0.0.1:\d+ is 'b', not 'c'$"):
+        await a.connect("c", b.address)
+    with pytest.raises(ValueError, match=r"^Endpoint 'a' is not connected to peer 'c'; call connect"):
+        a.send_nowait("c", 1)
+
+
+@pytest.mark.asyncio
+async def test_curve_admits_an_allowed_client_key_and_rejects_another(open_endpoint):
+    server_keys, good, bad = CurveKeys.generate(), CurveKeys.generate(), CurveKeys.generate()
+    server = await open_endpoint("server", curve=server_keys, curve_clients=[good.public])
+    ok = await open_endpoint("ok", curve=good)
+    await ok.connect("server", server.address, server_public_key=server_keys.public, timeout_s=WAIT_S)
+    await ok.send("server", "hello")
+    assert await server.recv_batch(timeout_s=WAIT_S) == [("ok", "hello")]
+    intruder = await open_endpoint("intruder", curve=bad)
+    with pytest.raises(PeerLostError, match=r"^peer 'server' at .*: it rejected our CURVE key \(ZAP status 400\)$"):
+        await intruder.connect("server", server.address, server_public_key=server_keys.public, timeout_s=WAIT_S)
+    plain = await open_endpoint("plain")
+    with pytest.raises(PeerLostError, match=r"^peer 'server' at .*: the security handshake failed .* check that both sides use CURVE"):
+        await plain.connect("server", server.address, timeout_s=WAIT_S)
+    assert server.statistics().messages_delivered == 1
+
+
+@pytest.mark.asyncio
+async def test_recv_batch_returns_empty_after_its_timeout(open_endpoint):
+    ep = await open_endpoint("ep")
+    assert await ep.recv_batch(timeout_s=0.01) == []
+    assert await ep.recv_batch(timeout_s=0) == []
+
+
+@pytest.mark.asyncio
+async def test_aclose_wakes_a_waiting_receiver_with_port_closed(open_endpoint):
+    ep = await open_endpoint("ep")
+    waiting = asyncio.create_task(ep.recv_batch())
+    await asyncio.sleep(0)
+    await ep.aclose()
+    with pytest.raises(PortClosedError, match=r"^Endpoint 'ep' is closed$"):
+        await asyncio.wait_for(waiting, WAIT_S)
+    with pytest.raises(PortClosedError):
+        await ep.connect("x", "tcp://127.0.0.1:1")
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_peer_can_be_connected_again_under_the_same_name(open_endpoint):
+    tx = await open_endpoint("tx")
+    first = await open_endpoint("rx")
+    await tx.connect("rx", first.address)
+    await first.aclose()
+    assert await asyncio.wait_for(tx.wait_peer_lost(), WAIT_S) == "rx"
+    second = await open_endpoint("rx")
+    await tx.connect("rx", second.address)
+    assert tx.lost_peers == frozenset() and tx.peers == {"rx"}
+    await tx.send("rx", "again")
+    assert await second.recv_batch(timeout_s=WAIT_S) == [("tx", "again")]
+
+
+@pytest.mark.asyncio
+async def test_open_rejects_bad_arguments_and_unbindable_addresses(open_endpoint):
+    with pytest.raises(ValueError, match=r"^Endpoint name must be a str of 1..255 UTF-8 bytes"):
+        await Endpoint.open("")
+    with pytest.raises(ValueError, match=r"^Endpoint.open: credit_window must be an int >= 1, got 0$"):
+        await Endpoint.open("x", credit_window=0)
+    with pytest.raises(ValueError, match=r"^Endpoint.open: curve_clients needs curve="):
+        await Endpoint.open("x", curve_clients=[b"k" * 40])
+    taken = await open_endpoint("taken")
+    with pytest.raises(OSError, match=r"cannot bind 'tcp://127.0.0.1:\d+': Address already in use"):
+        await Endpoint.open("x", taken.address)
+
+
+# ------------------------------------------------------------------------------------ keys
+
+
+def test_curve_keys_round_trip_through_files_and_refuse_mismatched_halves(tmp_path):
+    keys = CurveKeys.generate()
+    keys.save(tmp_path / "k")
+    keys.save_public(tmp_path / "k.pub")
+    assert CurveKeys.load(tmp_path / "k") == keys
+    assert CurveKeys.load_public(tmp_path / "k.pub") == keys.public
+    assert oct((tmp_path / "k").stat().st_mode & 0o777) == "0o600"
+    assert "secret=<hidden>" in repr(keys) and keys.secret.decode() not in repr(keys)
+    with pytest.raises(FileExistsError):
+        keys.save(tmp_path / "k")
+    with pytest.raises(ValueError, match=r"a key pair file needs 'public = \.\.\.' and 'secret = \.\.\.' lines$"):
+        CurveKeys.load(tmp_path / "k.pub")
+    with pytest.raises(ValueError, match=r"^CurveKeys.public does not belong to CurveKeys.secret"):
+        CurveKeys(public=CurveKeys.generate().public, secret=keys.secret)

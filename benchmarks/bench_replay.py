@@ -1,0 +1,424 @@
+"""Replay engine benchmarks (issue 3): prioritized transitions against cpprb and TorchRL, sum-tree arity, drift.
+
+Sections (each a function; ``main`` runs the ones asked for, all by default):
+
+- ``transitions``: capacity 2^20 transitions (obs float32[8], action int64, reward float32,
+  next_obs float32[8], done bool), alpha 0.6, beta 0.4. Insert batches of 256; sample 256 and 1024
+  with importance weights (indices + weights + every field gathered); priority update 256 and 1024;
+  learner step = sample 256 + update 256 of the sampled keys. Every call gets fresh random indices
+  and priorities (cpprb skips propagation of unchanged values). Medians over repetitions, ours and
+  the peers interleaved in the same run.
+- ``arity``: SumTree sample/update cost for K in {2, 4, 8, 16, 32, 64}, numba and torch backends.
+- ``drift``: 10^8 random updates on a 2^20-leaf tree, then an exact recompute (the issue's bar).
+
+Run: ``python benchmarks/bench_replay.py [--only transitions,arity,drift] [--reps 7]``
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from reactor.replay.selectors import Prioritized  # noqa: E402
+from reactor.replay.sumtree import SumTree  # noqa: E402
+
+CAPACITY = 1 << 20
+ALPHA = 0.6
+BETA = 0.4
+OBS_DIM = 8
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def time_per_call(fn: Callable[[int], Any], calls: int) -> float:
+    """Seconds per call of ``fn(i)`` over ``calls`` consecutive calls."""
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter() - t0) / calls
+
+
+def interleaved_medians(fns: dict[str, Callable[[int], Any]], calls: int, reps: int) -> dict[str, float]:
+    """Median seconds per call for each function; repetitions alternate between the functions."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    counters = dict.fromkeys(fns, 0)
+    for fn in fns.values():  # warm up (jit, caches)
+        fn(0)
+    for _ in range(reps):
+        for name, fn in fns.items():
+            base = counters[name]
+            samples[name].append(time_per_call(lambda i, fn=fn, base=base: fn(base + i), calls))
+            counters[name] += calls
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+class FreshData:
+    """Pregenerated random batches, cycled with a period longer than any timed run (never reused)."""
+
+    def __init__(self, rng: np.random.Generator, period: int, batch: int) -> None:
+        self.period = period
+        self.indices = rng.integers(0, CAPACITY, size=(period, batch))
+        self.priorities = rng.random((period, batch)) + 1e-3
+        self.obs = rng.standard_normal((period, batch, OBS_DIM)).astype(np.float32)
+        self.action = rng.integers(0, 4, size=(period, batch))
+        self.reward = rng.standard_normal((period, batch)).astype(np.float32)
+        self.done = rng.random((period, batch)) < 0.01
+
+    def __getitem__(self, i: int) -> int:
+        return i % self.period
+
+
+# ------------------------------------------------------------------------------------------ ours
+
+
+class OursTransitions:
+    """Our side without the Table: Prioritized selector + SumTree + a numpy columnar ring.
+
+    An honest full sample: slots, importance weights and every field gathered.
+    """
+
+    label = "reactor (Prioritized + SumTree + numpy columns)"
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        self.capacity = capacity
+        self.sel = Prioritized(alpha=ALPHA)
+        self.sel.bind(capacity)
+        self.rng = np.random.default_rng(seed)
+        self.obs = np.zeros((capacity, OBS_DIM), np.float32)
+        self.action = np.zeros(capacity, np.int64)
+        self.reward = np.zeros(capacity, np.float32)
+        self.next_obs = np.zeros((capacity, OBS_DIM), np.float32)
+        self.done = np.zeros(capacity, np.bool_)
+        self.cursor = 0
+        self.size = 0
+
+    def insert(
+        self,
+        obs: np.ndarray,
+        action: np.ndarray,
+        reward: np.ndarray,
+        next_obs: np.ndarray,
+        done: np.ndarray,
+        priorities: np.ndarray,
+    ) -> None:
+        n = obs.shape[0]
+        slots = (self.cursor + np.arange(n)) % self.capacity
+        self.obs[slots] = obs
+        self.action[slots] = action
+        self.reward[slots] = reward
+        self.next_obs[slots] = next_obs
+        self.done[slots] = done
+        self.sel.insert(slots, priorities)  # overwriting a slot replaces its priority
+        self.cursor = (self.cursor + n) % self.capacity
+        self.size = min(self.size + n, self.capacity)
+
+    def sample(self, n: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        slots, probs = self.sel.select(n, self.rng)
+        # w_i = (N P(i))^-beta / max_j w_j  with  max_j w_j = (N min P)^-beta  =>  (P(i) / min P)^-beta
+        weights = np.power(probs / self.sel.min_probability(), -BETA)
+        # take(): numpy's fancy indexing of 2-D rows is ~6x slower than take along axis 0 (measured).
+        batch = {
+            "obs": self.obs.take(slots, axis=0),
+            "action": self.action.take(slots),
+            "reward": self.reward.take(slots),
+            "next_obs": self.next_obs.take(slots, axis=0),
+            "done": self.done.take(slots),
+        }
+        return batch, slots, weights
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.sel.update(slots, priorities)
+
+
+# ------------------------------------------------------------------------------------------ peers
+
+
+def make_cpprb(capacity: int) -> Any:
+    import cpprb
+
+    env = {
+        "obs": {"shape": OBS_DIM, "dtype": np.float32},
+        "action": {"dtype": np.int64},
+        "reward": {"dtype": np.float32},
+        "next_obs": {"shape": OBS_DIM, "dtype": np.float32},
+        "done": {"dtype": np.bool_},
+    }
+    return cpprb.PrioritizedReplayBuffer(capacity, env, alpha=ALPHA)
+
+
+def make_torchrl(capacity: int) -> tuple[Any, str]:
+    """TorchRL's PrioritizedReplayBuffer, or (None, why it failed)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from tensordict import TensorDict
+            from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer
+
+            rb = PrioritizedReplayBuffer(
+                alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(capacity), batch_size=256
+            )
+            rb.extend(TensorDict({"obs": torch.zeros(4, OBS_DIM)}, batch_size=[4]))
+        return rb, ""
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        notes = "; ".join(sorted({str(w.message).splitlines()[0][:160] for w in caught}))
+        return None, f"{type(exc).__name__}: {exc}" + (f" (warnings: {notes})" if notes else "")
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
+def section_transitions(args: argparse.Namespace) -> None:
+    print(
+        f"\n## transitions: capacity 2^20, alpha {ALPHA}, beta {BETA}, fields obs f32[8], action i64, "
+        f"reward f32, next_obs f32[8], done bool; medians of {args.reps} reps x {args.calls} calls"
+    )
+    rng = np.random.default_rng(0)
+    ours = OursTransitions(CAPACITY)
+    peers: dict[str, Any] = {}
+    try:
+        peers["cpprb"] = make_cpprb(CAPACITY)
+    except Exception as exc:  # noqa: BLE001
+        print(f"cpprb: failed to load: {type(exc).__name__}: {exc}")
+    torchrl_rb, why = make_torchrl(CAPACITY)
+    if torchrl_rb is None:
+        print(f"torchrl: PrioritizedReplayBuffer failed to load, not compared: {why}")
+    else:
+        peers["torchrl"] = torchrl_rb
+    print(f"ours: {ours.label}")
+
+    # Fill every buffer to capacity with random priorities.
+    fill = FreshData(rng, 64, 4096)
+    for start in range(0, CAPACITY, 4096):
+        k = fill[start // 4096]
+        args_ = (fill.obs[k], fill.action[k], fill.reward[k], fill.obs[k], fill.done[k], fill.priorities[k])
+        ours.insert(*args_)
+        if "cpprb" in peers:
+            peers["cpprb"].add(
+                obs=args_[0],
+                action=args_[1],
+                reward=args_[2],
+                next_obs=args_[3],
+                done=args_[4],
+                priorities=args_[5],
+            )
+        if "torchrl" in peers:
+            _torchrl_insert(peers["torchrl"], *args_)
+
+    period = args.calls * (args.reps + 1) + 8
+    results: list[tuple[str, dict[str, float]]] = []
+
+    d256 = FreshData(rng, period, 256)
+
+    def ours_insert(i: int) -> None:
+        k = d256[i]
+        ours.insert(
+            d256.obs[k], d256.action[k], d256.reward[k], d256.obs[k], d256.done[k], d256.priorities[k]
+        )
+
+    def cpprb_insert(i: int) -> None:
+        k = d256[i]
+        peers["cpprb"].add(
+            obs=d256.obs[k],
+            action=d256.action[k],
+            reward=d256.reward[k],
+            next_obs=d256.obs[k],
+            done=d256.done[k],
+            priorities=d256.priorities[k],
+        )
+
+    fns = {"ours": ours_insert}
+    if "cpprb" in peers:
+        fns["cpprb"] = cpprb_insert
+    if "torchrl" in peers:
+        fns["torchrl"] = lambda i: _torchrl_insert(
+            peers["torchrl"],
+            d256.obs[d256[i]],
+            d256.action[d256[i]],
+            d256.reward[d256[i]],
+            d256.obs[d256[i]],
+            d256.done[d256[i]],
+            d256.priorities[d256[i]],
+        )
+    results.append(("insert 256", interleaved_medians(fns, args.calls, args.reps)))
+
+    for n in (256, 1024):
+        dn = FreshData(rng, period, n) if n != 256 else d256
+        fns = {"ours": lambda i, n=n: ours.sample(n)}
+        if "cpprb" in peers:
+            fns["cpprb"] = lambda i, n=n: peers["cpprb"].sample(n, beta=BETA)
+        if "torchrl" in peers:
+            fns["torchrl"] = lambda i, n=n: peers["torchrl"].sample(n, return_info=True)
+        results.append((f"sample {n}", interleaved_medians(fns, args.calls, args.reps)))
+
+        fns = {"ours": lambda i, dn=dn: ours.update(dn.indices[dn[i]], dn.priorities[dn[i]])}
+        if "cpprb" in peers:
+            fns["cpprb"] = lambda i, dn=dn: peers["cpprb"].update_priorities(
+                dn.indices[dn[i]], dn.priorities[dn[i]]
+            )
+        if "torchrl" in peers:
+            fns["torchrl"] = lambda i, dn=dn: peers["torchrl"].update_priority(
+                torch.from_numpy(dn.indices[dn[i]]), torch.from_numpy(dn.priorities[dn[i]])
+            )
+        results.append((f"update {n}", interleaved_medians(fns, args.calls, args.reps)))
+
+    def ours_learner(i: int) -> None:
+        _, slots, _ = ours.sample(256)
+        ours.update(slots, d256.priorities[d256[i]])
+
+    def cpprb_learner(i: int) -> None:
+        batch = peers["cpprb"].sample(256, beta=BETA)
+        peers["cpprb"].update_priorities(batch["indexes"], d256.priorities[d256[i]])
+
+    fns = {"ours": ours_learner}
+    if "cpprb" in peers:
+        fns["cpprb"] = cpprb_learner
+    results.append(("learner step 256", interleaved_medians(fns, args.calls, args.reps)))
+
+    targets = {"insert": 0.5, "sample": 1.5, "update": 1.5, "learner": 2.0}
+    print(
+        f"{'operation':<18}{'ours us':>10}"
+        + "".join(f"{p + ' us':>12}" for p in peers)
+        + f"{'ratio vs best peer':>20}{'target':>8}"
+    )
+    for op, med in results:
+        best = min((med[p] for p in peers if p in med), default=math.nan)
+        ratio = best / med["ours"]
+        line = f"{op:<18}{med['ours'] * 1e6:>10.1f}" + "".join(
+            f"{med[p] * 1e6:>12.1f}" if p in med else f"{'-':>12}" for p in peers
+        )
+        target = targets[op.split()[0]]
+        ok = "ok" if ratio >= target else "MISS"
+        print(line + f"{ratio:>19.2f}x{target:>7.1f}x {ok}")
+
+
+def _torchrl_insert(
+    rb: Any,
+    obs: np.ndarray,
+    action: np.ndarray,
+    reward: np.ndarray,
+    next_obs: np.ndarray,
+    done: np.ndarray,
+    priorities: np.ndarray,
+) -> None:  # pragma: no cover - torchrl does not load here
+    from tensordict import TensorDict
+
+    td = TensorDict(
+        {
+            "obs": torch.from_numpy(obs),
+            "action": torch.from_numpy(action),
+            "reward": torch.from_numpy(reward),
+            "next_obs": torch.from_numpy(next_obs),
+            "done": torch.from_numpy(done),
+        },
+        batch_size=[obs.shape[0]],
+    )
+    idx = rb.extend(td)
+    rb.update_priority(idx, torch.from_numpy(priorities))
+
+
+def section_arity(args: argparse.Namespace) -> None:
+    print(f"\n## SumTree arity, 2^20 leaves: us per call (medians of {args.reps} reps), fresh random indices")
+    rng = np.random.default_rng(1)
+    leaves = rng.random(CAPACITY)
+    calls = max(20, args.calls // 2)
+    period = calls * (args.reps + 1) + 8
+    d256 = FreshData(rng, period, 256)
+    d1024 = FreshData(rng, period, 1024)
+    print(
+        f"{'backend':<8}{'K':>4}{'depth':>7}{'sample256':>11}{'sample1024':>12}{'update256':>11}{'update1024':>12}"
+    )
+    for backend in ("numba", "torch"):
+        for arity in (2, 4, 8, 16, 32, 64):
+            tree = SumTree(CAPACITY, arity, backend=backend)
+            tree.update(np.arange(CAPACITY), leaves)
+            srng = np.random.default_rng(2)
+            reps = args.reps if backend == "numba" else max(3, args.reps // 2)
+            c = calls if backend == "numba" else max(5, calls // 10)
+            med = interleaved_medians(
+                {
+                    "s256": lambda i, t=tree, r=srng: t.sample(256, r),
+                    "s1024": lambda i, t=tree, r=srng: t.sample(1024, r),
+                    "u256": lambda i, t=tree: t.update(d256.indices[d256[i]], d256.priorities[d256[i]]),
+                    "u1024": lambda i, t=tree: t.update(d1024.indices[d1024[i]], d1024.priorities[d1024[i]]),
+                },
+                c,
+                reps,
+            )
+            print(
+                f"{backend:<8}{arity:>4}{tree.depth:>7}"
+                + "".join(
+                    f"{med[k] * 1e6:>{w}.1f}"
+                    for k, w in (("s256", 11), ("s1024", 12), ("u256", 11), ("u1024", 12))
+                )
+            )
+
+
+def section_drift(args: argparse.Namespace) -> None:
+    updates = args.drift_updates
+    print(f"\n## drift: {updates:.3g} random updates on a 2^20-leaf tree (K=16), then an exact recompute")
+    rng = np.random.default_rng(3)
+    tree = SumTree(CAPACITY, 16)
+    batch = 1 << 20
+    t0 = time.perf_counter()
+    for _ in range(-(-updates // batch)):
+        idx = rng.integers(0, CAPACITY, batch)
+        tree.update(idx, rng.random(batch) * 10.0 ** rng.integers(-6, 7, batch))
+    elapsed = time.perf_counter() - t0
+    tree.check_invariants()  # every internal node bit-identical to a rebuild from the leaves
+    leaves = tree.state_dict()["leaves"]
+    exact = math.fsum(leaves.tolist())
+    err = abs(tree.total - exact) / exact
+    bound = tree.depth * (tree.arity - 1) * 2.0**-52
+    print(
+        f"{elapsed:.1f} s; every node equals a fresh rebuild; |total - fsum| / fsum = {err:.3e} "
+        f"(bound {bound:.3e}) -> {'ok' if err <= bound else 'FAIL'}"
+    )
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "transitions": section_transitions,
+    "arity": section_arity,
+    "drift": section_drift,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}"
+    )
+    parser.add_argument("--reps", type=int, default=7, help="repetitions (median taken)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per repetition")
+    parser.add_argument("--drift-updates", type=int, default=100_000_000)
+    args = parser.parse_args(argv)
+    print(
+        f"python {sys.version.split()[0]}, numpy {np.__version__}, torch {torch.__version__} "
+        f"(1 thread), {os.cpu_count()} cpus"
+    )
+    for name in args.only.split(","):
+        SECTIONS[name.strip()](args)
+
+
+if __name__ == "__main__":
+    main()

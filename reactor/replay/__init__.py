@@ -1,1 +1,31 @@
-"""Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime."""
+"""Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime.
+
+Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_limiters, checkpoint}.
+``from reactor.replay import Table`` needs nothing of the reactor runtime.
+"""
+
+from .rate_limiters import MinSize as MinSize
+from .rate_limiters import Queue as Queue
+from .rate_limiters import RateLimiter as RateLimiter
+from .rate_limiters import RateLimiterStatistics as RateLimiterStatistics
+from .rate_limiters import SampleToInsertRatio as SampleToInsertRatio
+from .rate_limiters import Stack as Stack
+from .selectors import Fifo as Fifo
+from .selectors import Lifo as Lifo
+from .selectors import MaxHeap as MaxHeap
+from .selectors import MinHeap as MinHeap
+from .selectors import Prioritized as Prioritized
+from .selectors import Selector as Selector
+from .selectors import Uniform as Uniform
+from .storage import AppendResult as AppendResult
+from .storage import FieldSpec as FieldSpec
+from .storage import Storage as Storage
+from .storage import StorageMemory as StorageMemory
+from .sumtree import SumTree as SumTree
+from .table import EpisodeRead as EpisodeRead
+from .table import SampleInfo as SampleInfo
+from .table import StepRead as StepRead
+from .table import Table as Table
+from .table import TableStatistics as TableStatistics
+from .table import TransitionRead as TransitionRead
+from .table import WindowRead as WindowRead

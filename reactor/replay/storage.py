@@ -192,6 +192,15 @@ class Storage:
         self._first_ep = 0
         self._next_ep = 0
         self._open = False  # episode next_ep - 1 still takes appends
+        self._row_views: dict[str, np.ndarray] = {}
+        self._win_views: dict[tuple[str, int], np.ndarray] = {}  # (field, T) -> overlapping window view
+        self._row_nbytes = {s.name: s.step_nbytes for s in specs}
+        self._np_dtypes: dict[str, np.dtype[Any] | None] = {}
+        for s in specs:
+            try:
+                self._np_dtypes[s.name] = torch.empty(0, dtype=s.dtype).numpy().dtype
+            except TypeError:  # e.g. bfloat16: no numpy twin
+                self._np_dtypes[s.name] = None
 
     # ------------------------------------------------------------------ properties
 
@@ -218,7 +227,7 @@ class Storage:
     @property
     def step_nbytes(self) -> int:
         """Raw bytes of one step over all fields."""
-        return sum(s.step_nbytes for s in self._specs.values())
+        return sum(self._row_nbytes.values())
 
     @property
     def num_steps(self) -> int:
@@ -432,18 +441,90 @@ class Storage:
     # ------------------------------------------------------------------ reading
 
     def _check_stored(self, steps: np.ndarray) -> None:
+        if len(steps) == 0 or (steps.min() >= self._first_step and steps.max() < self._next_step):
+            return
         bad = (steps < self._first_step) | (steps >= self._next_step)
         if bad.any():
             s = int(steps[np.argmax(bad)])
             raise KeyError(f"global step {s} is not stored (stored range {self.step_range})")
 
-    def _index(self, flat_steps: np.ndarray) -> torch.Tensor:
-        idx = torch.from_numpy(np.ascontiguousarray(flat_steps % self._capacity))
-        return idx if self._device.type == "cpu" else idx.to(self._device, non_blocking=True)
+    def _rows(self, name: str) -> np.ndarray | None:
+        """A zero-copy ``uint8 [capacity, row_nbytes]`` numpy view of a host field (None on CUDA)."""
+        rows = self._row_views.get(name)
+        if rows is None and self._device.type == "cpu":
+            t = self._fields[name]
+            nb = self._row_nbytes[name]
+            rows = t.view(self._capacity, -1).view(torch.uint8).numpy() if nb else np.empty((self._capacity, 0), np.uint8)
+            self._row_views[name] = rows
+        return rows
+
+    def _from_rows(self, name: str, out: np.ndarray, lead: tuple[int, ...]) -> torch.Tensor:
+        spec = self._specs[name]
+        npdt = self._np_dtypes[name]
+        if self._row_nbytes[name] == 0:
+            return torch.empty((*lead, *spec.shape), dtype=spec.dtype)
+        if npdt is not None:  # reinterpret on the numpy side: one torch call instead of three
+            return torch.from_numpy(out.view(npdt).reshape(*lead, *spec.shape))
+        return torch.from_numpy(out).view(spec.dtype).view(*lead, *spec.shape)
 
     def _gather(self, flat_steps: np.ndarray, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        idx = self._index(flat_steps)
-        return {n: self._fields[n].index_select(0, idx) for n in (names if names is not None else self._fields)}
+        # Host: np.take of byte rows (one memcpy per row, no per-element dtype dispatch); CUDA: index_select.
+        pos = flat_steps % self._capacity
+        names = list(names) if names is not None else list(self._fields)
+        if self._device.type == "cpu":
+            return {n: self._from_rows(n, np.take(self._rows(n), pos, axis=0), (len(pos),)) for n in names}
+        idx = torch.from_numpy(pos).to(self._device, non_blocking=True)
+        return {n: self._fields[n].index_select(0, idx) for n in names}
+
+    def _gather_windows(
+        self, base: np.ndarray, length: int, zero_rows: np.ndarray | None
+    ) -> dict[str, torch.Tensor]:
+        """Windows of ``length`` steps from global steps ``base``; rows listed in ``zero_rows`` zeroed.
+
+        On the host each window that does not wrap around the ring end is one contiguous run of
+        ``length * row_nbytes`` bytes: a strided byte view makes every window a row, and one fancy
+        index copies a whole window per anchor. The few windows that wrap use a per-step gather.
+        """
+        cap, b = self._capacity, len(base)
+        pos = base % cap
+        wrap = pos + length > cap
+        n_wrap = int(wrap.sum())
+        out: dict[str, torch.Tensor] = {}
+        if self._device.type != "cpu":
+            flat = (pos[:, None] + np.arange(length, dtype=np.int64)[None, :]).ravel() % cap
+            idx = torch.from_numpy(flat).to(self._device, non_blocking=True)
+            zr = None if zero_rows is None else torch.from_numpy(zero_rows).to(self._device)
+            for n, t in self._fields.items():
+                g = t.index_select(0, idx)
+                if zr is not None:
+                    g.index_fill_(0, zr, 0)
+                out[n] = g.view(b, length, *t.shape[1:])
+            return out
+        for n in self._fields:
+            rows = self._rows(n)
+            rb = rows.shape[1]
+            if rb == 0:
+                out[n] = self._from_rows(n, rows[:0], (b, length))
+                continue
+            # Fancy indexing, not np.take: take would first copy the whole overlapping view.
+            win = self._win_views.get((n, length))
+            if win is None:
+                win = np.lib.stride_tricks.as_strided(
+                    rows, shape=(max(cap - length + 1, 0), length * rb), strides=(rb, 1), writeable=False
+                )
+                self._win_views[(n, length)] = win
+            if n_wrap == 0:
+                res = win[pos]
+            else:
+                res = np.empty((b, length * rb), dtype=np.uint8)
+                res[~wrap] = win[pos[~wrap]]
+            if n_wrap:
+                flat = (pos[wrap, None] + np.arange(length, dtype=np.int64)[None, :]) % cap
+                res[wrap] = np.take(rows, flat.ravel(), axis=0).reshape(n_wrap, length * rb)
+            if zero_rows is not None:
+                res.reshape(b * length, rb)[zero_rows] = 0
+            out[n] = self._from_rows(n, res, (b, length))
+        return out
 
     def episode_bounds(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Episode id, first global step and end (exclusive, as written so far) of each given step.
@@ -545,21 +626,15 @@ class Storage:
         steps = np.asarray(steps, dtype=np.int64)
         _, start, end = self.episode_bounds(steps)
         offs = np.arange(length, dtype=np.int64)
-        base = steps if pad == "tail" else steps - (length - 1)
-        idx = base[:, None] + offs[None, :]
-        mask = (idx >= start[:, None]) & (idx < end[:, None])
-        all_valid = bool(mask.all())
-        if not all_valid:
-            idx = np.clip(idx, start[:, None], end[:, None] - 1)
-        out = self._gather(idx.ravel())
-        b = len(steps)
-        mask_t = torch.from_numpy(mask).to(self._device)
-        for name, t in out.items():
-            t = t.view(b, length, *t.shape[1:])
-            if not all_valid:
-                t.masked_fill_(~mask_t.view(b, length, *([1] * (t.dim() - 2))), 0)
-            out[name] = t
-        out["mask"] = mask_t
+        if pad == "tail":
+            base = steps
+            mask = offs[None, :] < (end - steps)[:, None]
+        else:
+            base = steps - (length - 1)
+            mask = offs[None, :] >= (start - base)[:, None]
+        zero_rows = None if mask.all() else np.flatnonzero(~mask.ravel())
+        out = self._gather_windows(base, length, zero_rows)
+        out["mask"] = torch.from_numpy(mask).to(self._device)
         return out
 
     def read_episodes(self, episode_ids: np.ndarray) -> dict[str, torch.Tensor]:

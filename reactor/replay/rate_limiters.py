@@ -1,0 +1,395 @@
+"""Rate limiters: when a table lets inserts and samples proceed (Reverb's semantics, on asyncio).
+
+A limiter counts the items inserted and sampled since the last reset and keeps the *diff*
+``inserts * samples_per_insert - samples`` inside ``[min_diff, max_diff]``:
+
+- an insert of ``n`` items may proceed if the table will hold no more than ``min_size_to_sample``
+  items after it (inserts are free until sampling may start), or if
+  ``(inserts + n) * samples_per_insert - samples <= max_diff``;
+- a sample of ``n`` items may proceed if the table holds at least ``min_size_to_sample`` items and
+  ``inserts * samples_per_insert - (samples + n) >= min_diff``.
+
+The concrete limiters fix the four numbers:
+
+=======================================================  =====  ============  ========================  ========================
+limiter                                                  spi    min size      min_diff                  max_diff
+=======================================================  =====  ============  ========================  ========================
+``MinSize(m)``                                           1      m             -inf                      +inf
+``SampleToInsertRatio(spi, m, error_buffer=e)``          spi    m             spi*m - e                 spi*m + e
+``Queue(size)`` / ``Stack(size)``                        1      1             0                         size
+=======================================================  =====  ============  ========================  ========================
+
+So ``SampleToInsertRatio`` lets samples run ahead of or behind ``spi`` samples per insert by at most
+``e`` samples, and ``Queue`` lets each insert be sampled exactly once, with at most ``size`` waiting.
+
+Waiting: :meth:`RateLimiter.wait` parks the caller on the event loop until the condition holds; every
+change of the counters (insert, sample, delete, reset) wakes every waiter, which re-checks. ``close()``
+wakes them with :class:`~reactor._errors.PortClosedError`. The owner (a :class:`~reactor.replay.Table`)
+checks and acts with no ``await`` in between, so a woken caller never acts on a stale check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import PortClosedError
+
+__all__ = [
+    "MinSize",
+    "Queue",
+    "RateLimiter",
+    "RateLimiterStatistics",
+    "SampleToInsertRatio",
+    "Stack",
+]
+
+
+@dataclass(frozen=True)
+class RateLimiterStatistics:
+    """Counters of a rate limiter since its last reset.
+
+    Attributes:
+        inserts: items inserted.
+        samples: items sampled.
+        waiting_inserts: callers now waiting to insert.
+        waiting_samples: callers now waiting to sample.
+        closed: whether :meth:`RateLimiter.close` was called.
+    """
+
+    inserts: int
+    samples: int
+    waiting_inserts: int
+    waiting_samples: int
+    closed: bool
+
+
+class RateLimiter:
+    """Keeps ``inserts * samples_per_insert - samples`` within ``[min_diff, max_diff]``.
+
+    Prefer the named subclasses; this class takes the four numbers directly.
+
+    Args:
+        samples_per_insert: target samples per inserted item (> 0).
+        min_size_to_sample: the table must hold this many items before any sample (>= 1).
+        min_diff: lower bound of the diff a sample may leave.
+        max_diff: upper bound of the diff an insert may leave (>= min_diff).
+
+    Raises:
+        ValueError: a bound out of range (message names it and the value).
+    """
+
+    def __init__(
+        self, *, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float
+    ) -> None:
+        if not (math.isfinite(samples_per_insert) and samples_per_insert > 0):
+            raise ValueError(f"samples_per_insert must be finite and > 0, got {samples_per_insert!r}")
+        if isinstance(min_size_to_sample, bool) or not isinstance(min_size_to_sample, int) or min_size_to_sample < 1:
+            raise ValueError(f"min_size_to_sample must be an int >= 1, got {min_size_to_sample!r}")
+        if math.isnan(min_diff) or math.isnan(max_diff) or min_diff > max_diff:
+            raise ValueError(f"need min_diff <= max_diff, got min_diff={min_diff!r} max_diff={max_diff!r}")
+        self.samples_per_insert = float(samples_per_insert)
+        self.min_size_to_sample = int(min_size_to_sample)
+        self.min_diff = float(min_diff)
+        self.max_diff = float(max_diff)
+        self._inserts = 0
+        self._samples = 0
+        self._closed = False
+        self._waiters: list[asyncio.Future[None]] = []
+        self._waiting = {"insert": 0, "sample": 0}
+        self._bound = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ config
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able constructor arguments, with ``"type"`` naming the class (used by checkpoints)."""
+        return {
+            "type": "RateLimiter",
+            "samples_per_insert": self.samples_per_insert,
+            "min_size_to_sample": self.min_size_to_sample,
+            "min_diff": self.min_diff,
+            "max_diff": self.max_diff,
+        }
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
+        return f"{type(self).__name__}({args})"
+
+    def bind(self) -> None:
+        """Claim this limiter for one table.
+
+        Raises:
+            ValueError: it already belongs to a table.
+        """
+        if self._bound:
+            raise ValueError(f"{self!r} already belongs to a table; create one rate limiter per table")
+        self._bound = True
+
+    # ------------------------------------------------------------------ conditions
+
+    def can_insert(self, n: int, size: int) -> bool:
+        """Whether inserting ``n`` items into a table of ``size`` items may proceed now."""
+        if size + n <= self.min_size_to_sample:
+            return True
+        return (self._inserts + n) * self.samples_per_insert - self._samples <= self.max_diff
+
+    def can_sample(self, n: int, size: int) -> bool:
+        """Whether sampling ``n`` items from a table of ``size`` items may proceed now."""
+        if size < self.min_size_to_sample:
+            return False
+        return self._inserts * self.samples_per_insert - (self._samples + n) >= self.min_diff
+
+    def explain(self, op: str, n: int, size: int) -> str:
+        """Why ``op`` of ``n`` items would block, in words (for WouldBlock and timeouts)."""
+        diff = self._inserts * self.samples_per_insert - self._samples
+        if op == "sample" and size < self.min_size_to_sample:
+            why = f"the table holds {size} items, fewer than min_size_to_sample={self.min_size_to_sample}"
+        elif op == "sample":
+            why = f"it would take the diff {diff:g} - {n} below min_diff={self.min_diff:g}"
+        else:
+            why = f"it would take the diff {diff:g} + {n}*{self.samples_per_insert:g} above max_diff={self.max_diff:g}"
+        return (
+            f"{op} of {n} items would block under {self!r}: {why} "
+            f"(inserts={self._inserts}, samples={self._samples}, size={size})"
+        )
+
+    # ------------------------------------------------------------------ counters
+
+    def on_insert(self, n: int) -> None:
+        """Count ``n`` inserted items and wake waiters."""
+        self._inserts += n
+        self.notify()
+
+    def on_sample(self, n: int) -> None:
+        """Count ``n`` sampled items and wake waiters."""
+        self._samples += n
+        self.notify()
+
+    def reset(self) -> None:
+        """Zero the counters (the table was emptied) and wake waiters to re-check."""
+        self._inserts = 0
+        self._samples = 0
+        self.notify()
+
+    def statistics(self) -> RateLimiterStatistics:
+        """Counters now."""
+        return RateLimiterStatistics(
+            inserts=self._inserts,
+            samples=self._samples,
+            waiting_inserts=self._waiting["insert"],
+            waiting_samples=self._waiting["sample"],
+            closed=self._closed,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, for checkpoints."""
+        return {"inserts": self._inserts, "samples": self._samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters from :meth:`state_dict`."""
+        self._inserts = int(state["inserts"])
+        self._samples = int(state["samples"])
+        self.notify()
+
+    # ------------------------------------------------------------------ waiting
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Refuse every later wait and release every pending one with PortClosedError."""
+        self._closed = True
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake every waiter so it re-checks its condition (safe from any thread)."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            loop = fut.get_loop()
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                if not fut.done():
+                    fut.set_result(None)
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(_set_if_pending, fut)
+
+    async def wait(self, op: str, cond: Callable[[], bool], describe: Callable[[], str], timeout_s: float | None) -> None:
+        """Wait on the running loop until ``cond()`` holds.
+
+        Args:
+            op: "insert" or "sample" (for statistics and messages).
+            cond: re-checked after every counter change; no ``await`` separates its True from return.
+            describe: the reason it blocks, for the timeout message.
+            timeout_s: give up after this many seconds; ``None`` waits forever.
+
+        Raises:
+            PortClosedError: the limiter is or becomes closed.
+            TimeoutError: ``timeout_s`` passed first.
+        """
+        if timeout_s is not None and not (timeout_s >= 0):
+            raise ValueError(f"timeout_s must be >= 0 or None, got {timeout_s!r}")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        self._waiting[op] += 1
+        try:
+            while True:
+                if self._closed:
+                    raise PortClosedError(f"{op} on a closed table: it was closed by close()")
+                if cond():
+                    return
+                fut: asyncio.Future[None] = loop.create_future()
+                with self._lock:
+                    self._waiters.append(fut)
+                if deadline is None:
+                    await fut
+                    continue
+                remaining = deadline - loop.time()
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(fut, remaining)
+                except TimeoutError:
+                    if self._closed:
+                        raise PortClosedError(f"{op} on a closed table: it was closed by close()") from None
+                    if cond():
+                        return
+                    raise TimeoutError(f"timed out after {timeout_s}s: {describe()}") from None
+        finally:
+            self._waiting[op] -= 1
+
+
+def _set_if_pending(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class MinSize(RateLimiter):
+    """Block samples until the table holds ``min_size`` items; never block inserts.
+
+    Args:
+        min_size: items needed before sampling (>= 1).
+
+    Example:
+        >>> MinSize(1000)
+    """
+
+    def __init__(self, min_size: int = 1) -> None:
+        super().__init__(
+            samples_per_insert=1.0, min_size_to_sample=min_size, min_diff=-math.inf, max_diff=math.inf
+        )
+        self.min_size = min_size
+
+    def config(self) -> dict[str, Any]:
+        return {"type": "MinSize", "min_size": self.min_size}
+
+
+class SampleToInsertRatio(RateLimiter):
+    """Hold the samples-per-insert ratio near ``samples_per_insert``, within ``error_buffer`` samples.
+
+    With ``offset = samples_per_insert * min_size``: ``min_diff = offset - error_buffer`` and
+    ``max_diff = offset + error_buffer``. Inserts are free until ``min_size`` items are stored.
+
+    Args:
+        samples_per_insert: target samples per inserted item (> 0).
+        min_size: items needed before sampling (>= 1).
+        error_buffer: allowed deviation in samples; at least ``max(1, samples_per_insert)``, since a
+            narrower window can leave neither side able to proceed. A ``(min_diff, max_diff)`` pair
+            sets the bounds directly.
+
+    Raises:
+        ValueError: a value out of range (named in the message).
+
+    Example:
+        >>> SampleToInsertRatio(samples_per_insert=4.0, min_size=1000, error_buffer=100.0)
+    """
+
+    def __init__(
+        self, samples_per_insert: float, min_size: int, error_buffer: float | tuple[float, float]
+    ) -> None:
+        if isinstance(error_buffer, tuple):
+            min_diff, max_diff = float(error_buffer[0]), float(error_buffer[1])
+        else:
+            need = max(1.0, float(samples_per_insert))
+            if not (error_buffer >= need):
+                raise ValueError(
+                    f"error_buffer must be >= max(1, samples_per_insert) = {need:g}, got {error_buffer!r}; "
+                    "a narrower window can deadlock inserts and samples"
+                )
+            offset = float(samples_per_insert) * min_size
+            min_diff, max_diff = offset - float(error_buffer), offset + float(error_buffer)
+        super().__init__(
+            samples_per_insert=samples_per_insert, min_size_to_sample=min_size, min_diff=min_diff, max_diff=max_diff
+        )
+        self.min_size = min_size
+        self.error_buffer = error_buffer
+
+    def config(self) -> dict[str, Any]:
+        eb = list(self.error_buffer) if isinstance(self.error_buffer, tuple) else self.error_buffer
+        return {
+            "type": "SampleToInsertRatio",
+            "samples_per_insert": self.samples_per_insert,
+            "min_size": self.min_size,
+            "error_buffer": eb,
+        }
+
+
+class Queue(RateLimiter):
+    """Each item may be sampled once, and at most ``size`` items wait: FIFO-queue pacing.
+
+    Use with a Fifo sampler and remover and ``max_times_sampled=1`` (see :meth:`Table.queue`).
+
+    Args:
+        size: most items waiting to be sampled (>= 1).
+    """
+
+    def __init__(self, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{type(self).__name__} size must be an int >= 1, got {size!r}")
+        super().__init__(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0, max_diff=float(size))
+        self.size = size
+
+    def config(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "size": self.size}
+
+
+class Stack(Queue):
+    """The :class:`Queue` limiter, for LIFO tables (see :meth:`Table.stack`).
+
+    Args:
+        size: most items waiting to be sampled (>= 1).
+    """
+
+
+_LIMITERS: dict[str, type[RateLimiter]] = {
+    "RateLimiter": RateLimiter,
+    "MinSize": MinSize,
+    "SampleToInsertRatio": SampleToInsertRatio,
+    "Queue": Queue,
+    "Stack": Stack,
+}
+
+
+def limiter_from_config(config: dict[str, Any]) -> RateLimiter:
+    """Build a limiter from :meth:`RateLimiter.config` output.
+
+    Raises:
+        ValueError: an unknown ``"type"``.
+    """
+    cfg = dict(config)
+    kind = cfg.pop("type", None)
+    if kind not in _LIMITERS:
+        raise ValueError(f"unknown rate limiter type {kind!r}; known: {sorted(_LIMITERS)}")
+    if kind == "SampleToInsertRatio" and isinstance(cfg.get("error_buffer"), list):
+        cfg["error_buffer"] = tuple(cfg["error_buffer"])
+    return _LIMITERS[kind](**cfg)

@@ -1,0 +1,897 @@
+"""Table: storage + sampler selector + remover selector + rate limiter + max_times_sampled.
+
+**What an item is.** An item is a reference to one stored step, the *anchor*, with a priority. Its
+key is the anchor's global step number (an int64, unique, never reused, increasing with insertion),
+so a key also names the storage ring slot ``key % capacity`` where the item's bookkeeping lives.
+Each insert appends ``L`` steps to the storage and creates an item on each step (or on the steps
+``item_mask`` selects). What a sample *returns* for an item is the table's read kind:
+
+- :class:`StepRead`: the anchor step's fields (a cpprb-style transition buffer stores ``next_obs``
+  as a field and reads steps);
+- :class:`TransitionRead`: the transition from the anchor with ``next_<f>`` and an n-step return;
+- :class:`WindowRead`: a ``[T]`` window that starts (tail padding) or ends (head padding) at the
+  anchor, with a validity mask;
+- :class:`EpisodeRead`: the anchor's whole episode.
+
+**Items and storage.** The storage keeps steps in a ring and evicts whole oldest episodes; an
+evicted step takes its item with it (counted as ``evicted``). The remover bounds the number of
+*items* (``max_size``) independently: removing an item frees its priority slot, while its steps
+stay readable by the windows/episodes of other items until the ring overwrites them.
+
+**PER maths.** The sampler draws slot ``i`` with probability ``P(i)`` (Prioritized:
+``p_i^alpha / sum_j p_j^alpha``). With ``N`` items, the importance weight is
+``w_i = (N P(i))^-beta / max_j (N P(j))^-beta = (P(i) / min_j P(j))^-beta``, in ``(0, 1]``.
+
+**Concurrency.** All methods take one lock (so a checkpoint snapshot is consistent and short);
+``insert`` and ``sample`` wait for the rate limiter on the caller's asyncio loop, and between the
+limiter allowing an operation and the operation there is no ``await``. Bad input raises before
+anything changes: the table is then exactly as before the call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from .._errors import PortClosedError, WouldBlock
+from . import checkpoint as _ckpt
+from .rate_limiters import Queue, RateLimiter, RateLimiterStatistics, Stack, limiter_from_config
+from .storage import FieldSpec, Storage, StorageMemory
+
+if TYPE_CHECKING:
+    from .selectors import Selector
+
+__all__ = [
+    "EpisodeRead",
+    "SampleInfo",
+    "StepRead",
+    "Table",
+    "TableStatistics",
+    "TransitionRead",
+    "WindowRead",
+]
+
+
+# ---------------------------------------------------------------------------- read kinds
+
+
+@dataclass(frozen=True)
+class StepRead:
+    """Sample the anchor step: field -> ``[B, *shape]``."""
+
+
+@dataclass(frozen=True)
+class TransitionRead:
+    """Sample n-step transitions from the anchor (see :meth:`Storage.read_transitions`).
+
+    Attributes:
+        n: steps summed into the return (>= 1).
+        gamma: discount in [0, 1].
+        reward_field: the field holding per-step rewards.
+        next_fields: fields also read at the bootstrap step, returned as ``next_<f>``.
+    """
+
+    n: int = 1
+    gamma: float = 0.99
+    reward_field: str = "reward"
+    next_fields: tuple[str, ...] = ("obs",)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"TransitionRead n must be an int >= 1, got {self.n!r}")
+        if not (0.0 <= self.gamma <= 1.0):
+            raise ValueError(f"TransitionRead gamma must be in [0, 1], got {self.gamma!r}")
+        object.__setattr__(self, "next_fields", tuple(self.next_fields))
+
+
+@dataclass(frozen=True)
+class WindowRead:
+    """Sample fixed-length windows ``[B, length, ...]`` plus ``mask`` (see :meth:`Storage.read_windows`).
+
+    Attributes:
+        length: window length T (>= 1).
+        pad: "tail" (window starts at the anchor) or "head" (window ends at the anchor).
+    """
+
+    length: int
+    pad: Literal["head", "tail"] = "tail"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+            raise ValueError(f"WindowRead length must be an int >= 1, got {self.length!r}")
+        if self.pad not in ("head", "tail"):
+            raise ValueError(f"WindowRead pad must be 'head' or 'tail', got {self.pad!r}")
+
+
+@dataclass(frozen=True)
+class EpisodeRead:
+    """Sample the anchor's whole episode: fields concatenated ``[sum(lengths), ...]`` plus ``lengths``."""
+
+
+ReadSpec = StepRead | TransitionRead | WindowRead | EpisodeRead
+_READS: dict[str, type[Any]] = {c.__name__: c for c in (StepRead, TransitionRead, WindowRead, EpisodeRead)}
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """What a sample drew, item by item (same order as the batch).
+
+    Attributes:
+        keys: int64 ``[B]``, for :meth:`Table.update_priorities` and :meth:`Table.delete`.
+        probabilities: float64 ``[B]``, the sampler's probability of each draw (1.0 for deterministic
+            samplers).
+        weights: float32 ``[B]``, importance weights ``(P(i)/min_j P(j))^-beta`` in (0, 1].
+        table_size: items in the table when the sample was drawn.
+        times_sampled: int64 ``[B]``, how often each item has been sampled, this draw included.
+    """
+
+    keys: torch.Tensor
+    probabilities: torch.Tensor
+    weights: torch.Tensor
+    table_size: int
+    times_sampled: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TableStatistics:
+    """A table's state and counters (items unless named otherwise).
+
+    Attributes:
+        name: the table's name.
+        size: items now.
+        max_size: most items held; the remover makes room beyond it.
+        num_steps: steps in storage now.
+        num_episodes: episodes in storage now.
+        inserted: items inserted since construction or reset.
+        sampled: items sampled (draws) since construction or reset.
+        evicted: items dropped because the storage evicted their step.
+        removed: items dropped by the remover.
+        expired: items dropped after ``max_times_sampled`` samples.
+        deleted: items dropped by :meth:`Table.delete`.
+        rate_limiter: the limiter's counters.
+        memory: the storage's memory.
+    """
+
+    name: str
+    size: int
+    max_size: int
+    num_steps: int
+    num_episodes: int
+    inserted: int
+    sampled: int
+    evicted: int
+    removed: int
+    expired: int
+    deleted: int
+    rate_limiter: RateLimiterStatistics
+    memory: StorageMemory = field(repr=False)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _as_int64(name: str, values: Any) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1 or not (arr.dtype.kind in "iu" or arr.size == 0):
+        raise TypeError(f"{name} must be a 1-D array of integers, got dtype {arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _as_priorities(values: Any, n: int, mask: np.ndarray | None = None) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.shape != (n,):
+        raise ValueError(f"priorities must have shape ({n},), got {arr.shape}")
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if mask is not None:
+        bad &= mask
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"priority {float(arr[i])!r} at position {i} is invalid: priorities must be finite and >= 0"
+        )
+    return arr if mask is None else arr[mask]
+
+
+def _selector_config(sel: Any) -> dict[str, Any]:
+    args = {}
+    for p in inspect.signature(type(sel).__init__).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if hasattr(sel, p.name):
+            v = getattr(sel, p.name)
+            if v is None or isinstance(v, (bool, int, float, str)):
+                args[p.name] = v
+    return {"type": type(sel).__name__, "args": args}
+
+
+def _selector_from_config(cfg: Mapping[str, Any]) -> Selector:
+    from . import selectors
+
+    cls = getattr(selectors, str(cfg["type"]), None)
+    if not (isinstance(cls, type) and issubclass(cls, selectors.Selector)):
+        raise ValueError(f"checkpoint names an unknown selector {cfg['type']!r}")
+    return cls(**cfg["args"])
+
+
+def _split_state(prefix: str, state: Mapping[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Move numpy arrays of a selector state into ``arrays``; return the JSON-able rest."""
+    scalars: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, np.ndarray):
+            arrays[f"{prefix}.{k}"] = v
+        elif isinstance(v, (np.integer, np.floating, np.bool_)):
+            scalars[k] = v.item()
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            scalars[k] = v
+        else:
+            raise TypeError(f"{prefix} state entry {k!r} has unsupported type {type(v).__name__}")
+    return scalars
+
+
+def _join_state(prefix: str, scalars: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    out = dict(scalars)
+    for k, v in arrays.items():
+        if k.startswith(prefix + "."):
+            out[k[len(prefix) + 1 :]] = v
+    return out
+
+
+def _tensor_to_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"checkpoint names an unknown torch dtype {name!r}")
+    return dt
+
+
+# ---------------------------------------------------------------------------- table
+
+
+class Table:
+    """A replay table: items over a step storage, chosen by selectors, paced by a rate limiter.
+
+    Args:
+        storage: the step storage (owned by this table from now on).
+        sampler: selector that picks items to sample.
+        remover: selector that picks items to drop when more than ``max_size`` would be held.
+        rate_limiter: when inserts and samples may proceed.
+        max_size: most items held (default and upper bound: ``storage.capacity``).
+        max_times_sampled: drop an item after it was sampled this many times (0: never).
+        read: what a sample returns per item (default :class:`StepRead`).
+        beta: importance-weight exponent (>= 0).
+        seed: seed of the generator the sampler and remover draw from (part of the state).
+        name: for messages and statistics.
+
+    Raises:
+        ValueError: a value out of range, the same selector as sampler and remover, a selector or
+            limiter that already belongs to a table, a read kind that names missing fields.
+        TypeError: a component of the wrong type.
+
+    Example:
+        >>> t = Table(Storage([FieldSpec("obs", (4,))], 1000), sampler=Prioritized(0.6), remover=Fifo(),
+        ...           rate_limiter=MinSize(1))
+        >>> keys = t.insert_nowait({"obs": torch.zeros(8, 4)}, priorities=np.ones(8))
+        >>> batch, info = t.sample_nowait(4)
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        sampler: Selector,
+        remover: Selector,
+        rate_limiter: RateLimiter,
+        max_size: int | None = None,
+        max_times_sampled: int = 0,
+        read: ReadSpec = StepRead(),
+        beta: float = 0.4,
+        seed: int = 0,
+        name: str = "table",
+    ) -> None:
+        from .selectors import Selector
+
+        if not isinstance(storage, Storage):
+            raise TypeError(f"storage must be a Storage, got {type(storage).__name__}")
+        for what, sel in (("sampler", sampler), ("remover", remover)):
+            if not isinstance(sel, Selector):
+                raise TypeError(f"{what} must be a Selector (Uniform, Prioritized, ...), got {type(sel).__name__}")
+        if sampler is remover:
+            raise ValueError("sampler and remover must be two selector instances (e.g. Fifo() and Fifo())")
+        if not isinstance(rate_limiter, RateLimiter):
+            raise TypeError(f"rate_limiter must be a RateLimiter, got {type(rate_limiter).__name__}")
+        cap = storage.capacity
+        if max_size is None:
+            max_size = cap
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or not 1 <= max_size <= cap:
+            raise ValueError(f"max_size must be an int in [1, storage.capacity={cap}], got {max_size!r}")
+        if isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) or max_times_sampled < 0:
+            raise ValueError(f"max_times_sampled must be an int >= 0 (0: unlimited), got {max_times_sampled!r}")
+        if not isinstance(read, (StepRead, TransitionRead, WindowRead, EpisodeRead)):
+            raise TypeError(f"read must be StepRead, TransitionRead, WindowRead or EpisodeRead, got {read!r}")
+        fields = {s.name for s in storage.specs}
+        if isinstance(read, TransitionRead):
+            for f in (read.reward_field, *read.next_fields):
+                if f not in fields:
+                    raise ValueError(f"TransitionRead names field {f!r}, not in the storage fields {sorted(fields)}")
+            clash = sorted(fields & {f"next_{f}" for f in read.next_fields} | (fields & {"discount", "valid"}))
+            if clash:
+                raise ValueError(f"TransitionRead output would overwrite stored field(s) {clash}; rename them")
+        if isinstance(read, WindowRead) and "mask" in fields:
+            raise ValueError("WindowRead adds a 'mask' output, which clashes with a stored field 'mask'")
+        if isinstance(read, EpisodeRead) and "lengths" in fields:
+            raise ValueError("EpisodeRead adds a 'lengths' output, which clashes with a stored field 'lengths'")
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
+        # Claim the components last, so a failed construction leaves them reusable.
+        rate_limiter.bind()
+        sampler.bind(cap)
+        remover.bind(cap)
+        self._name = name
+        self._storage = storage
+        self._sampler = sampler
+        self._remover = remover
+        self._limiter = rate_limiter
+        self._max_size = max_size
+        self._max_times_sampled = max_times_sampled
+        self._read = read
+        self._beta = float(beta)
+        self._seed = int(seed)
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._keys = np.full(cap, -1, dtype=np.int64)  # slot -> key, -1 when empty
+        self._times = np.zeros(cap, dtype=np.int64)  # slot -> times sampled
+        self._size = 0
+        self._counts = dict.fromkeys(("inserted", "sampled", "evicted", "removed", "expired", "deleted"), 0)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def queue(cls, storage: Storage, size: int, *, read: ReadSpec = StepRead(), name: str = "queue") -> Table:
+        """A FIFO queue: each item sampled once, oldest first, inserts wait when ``size`` are pending."""
+        from .selectors import Fifo
+
+        return cls(storage, sampler=Fifo(), remover=Fifo(), rate_limiter=Queue(size), max_size=size,
+                   max_times_sampled=1, read=read, name=name)
+
+    @classmethod
+    def stack(cls, storage: Storage, size: int, *, read: ReadSpec = StepRead(), name: str = "stack") -> Table:
+        """A LIFO stack: each item sampled once, newest first, inserts wait when ``size`` are pending."""
+        from .selectors import Lifo
+
+        return cls(storage, sampler=Lifo(), remover=Lifo(), rate_limiter=Stack(size), max_size=size,
+                   max_times_sampled=1, read=read, name=name)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def name(self) -> str:
+        """The table's name."""
+        return self._name
+
+    @property
+    def storage(self) -> Storage:
+        """The step storage."""
+        return self._storage
+
+    @property
+    def max_size(self) -> int:
+        """Most items held."""
+        return self._max_size
+
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        """The rate limiter."""
+        return self._limiter
+
+    def __len__(self) -> int:
+        return self._size
+
+    # ------------------------------------------------------------------ insert
+
+    def _prepare_insert(
+        self, steps: Mapping[str, Any], priorities: Any, item_mask: Any
+    ) -> tuple[tuple[int, dict[str, torch.Tensor]], np.ndarray, np.ndarray | None, int]:
+        validated = self._storage.validate_steps(steps)
+        length = validated[0]
+        mask = None
+        if item_mask is not None:
+            if isinstance(item_mask, torch.Tensor):
+                item_mask = item_mask.detach().cpu().numpy()
+            mask = np.asarray(item_mask)
+            if mask.dtype != np.bool_ or mask.shape != (length,):
+                raise ValueError(f"item_mask must be a bool array of shape ({length},), got {mask.dtype} {mask.shape}")
+        n = length if mask is None else int(mask.sum())
+        if priorities is None:
+            prio = np.ones(n, dtype=np.float64)
+        else:
+            prio = _as_priorities(priorities, length, mask)
+        if n > self._max_size:
+            raise ValueError(f"insert of {n} items exceeds the table's max_size {self._max_size}; split it")
+        return validated, prio, mask, n
+
+    def insert_nowait(
+        self,
+        steps: Mapping[str, Any],
+        priorities: Any = None,
+        *,
+        episode_end: bool | np.ndarray | Sequence[bool] = True,
+        item_mask: Any = None,
+    ) -> torch.Tensor:
+        """Append steps and create their items now, or raise WouldBlock.
+
+        Args:
+            steps: field name -> ``[L, *shape]`` tensor/array of the spec's dtype, for every field.
+            priorities: ``[L]`` priorities, finite and >= 0 (default 1.0); entries where ``item_mask``
+                is False are ignored.
+            episode_end: True ends the episode at the last step (default), False keeps it open for the
+                next insert, or a bool ``[L]`` array marks the steps that end an episode.
+            item_mask: bool ``[L]``: create items only on these steps (default: on every step).
+
+        Returns:
+            int64 ``[n]`` keys of the new items.
+
+        Raises:
+            KeyError: unknown or missing field. TypeError: wrong dtype. ValueError: wrong shape, bad
+                priority (the message gives the value and position), too many items for ``max_size``,
+                an open episode that would outgrow the storage.
+            WouldBlock: the rate limiter does not allow it now.
+            PortClosedError: the table was closed.
+        """
+        with self._lock:
+            if self._limiter.closed:
+                raise PortClosedError(f"insert into table {self._name!r}, which was closed by close()")
+            validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+            plan = self._storage.plan_append(validated[0], episode_end)
+            if not self._limiter.can_insert(n, self._size):
+                raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
+            return self._apply_insert(validated, plan, prio, mask, n)
+
+    async def insert(
+        self,
+        steps: Mapping[str, Any],
+        priorities: Any = None,
+        *,
+        episode_end: bool | np.ndarray | Sequence[bool] = True,
+        item_mask: Any = None,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        """Like :meth:`insert_nowait`, but wait on the running loop while the rate limiter blocks.
+
+        Input is validated before waiting. Cancelling the wait inserts nothing.
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed while blocked (nothing inserted).
+            PortClosedError: the table is or gets closed while waiting.
+            Others: as :meth:`insert_nowait`.
+        """
+        with self._lock:
+            if self._limiter.closed:
+                raise PortClosedError(f"insert into table {self._name!r}, which was closed by close()")
+            validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+        await self._limiter.wait(
+            "insert",
+            lambda: self._limiter.can_insert(n, self._size),
+            lambda: f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size),
+            timeout_s,
+        )
+        with self._lock:
+            plan = self._storage.plan_append(validated[0], episode_end)
+            return self._apply_insert(validated, plan, prio, mask, n)
+
+    def _drop(self, slots: np.ndarray, counter: str) -> None:
+        if len(slots) == 0:
+            return
+        self._sampler.delete(slots)
+        self._remover.delete(slots)
+        self._keys[slots] = -1
+        self._size -= len(slots)
+        self._counts[counter] += len(slots)
+
+    def _apply_insert(
+        self,
+        validated: tuple[int, dict[str, torch.Tensor]],
+        plan: tuple[np.ndarray, np.ndarray, int, int],
+        prio: np.ndarray,
+        mask: np.ndarray | None,
+        n: int,
+    ) -> torch.Tensor:
+        st = self._storage
+        cap = st.capacity
+        res = st.append({}, _validated=validated, _plan=plan)
+        lo, hi = res.evicted_steps
+        if hi > lo:
+            old = np.arange(lo, hi, dtype=np.int64)
+            slots = old % cap
+            self._drop(slots[self._keys[slots] == old], "evicted")
+        excess = self._size + n - self._max_size
+        if excess > 0:
+            self._drop(self._select_distinct(self._remover, excess), "removed")
+        offs = np.arange(res.num_steps, dtype=np.int64)
+        keys = res.first_step + (offs if mask is None else offs[mask])
+        slots = keys % cap
+        self._keys[slots] = keys
+        self._times[slots] = 0
+        if n:
+            self._sampler.insert(slots, prio)
+            self._remover.insert(slots, prio)
+        self._size += n
+        self._counts["inserted"] += n
+        self._limiter.on_insert(n)
+        return torch.from_numpy(keys)
+
+    def _select_distinct(self, selector: Selector, k: int) -> np.ndarray:
+        """k distinct slots from ``selector`` (stochastic selectors draw with replacement: redraw)."""
+        slots, _ = selector.select(k, self._rng)
+        if selector.is_deterministic:
+            return np.asarray(slots[:k], dtype=np.int64)
+        chosen = np.asarray(slots, dtype=np.int64)
+        for _ in range(1000):
+            _, first = np.unique(chosen, return_index=True)
+            chosen = chosen[np.sort(first)]
+            if len(chosen) >= k:
+                return chosen[:k]
+            more, _ = selector.select(k - len(chosen), self._rng)
+            chosen = np.concatenate([chosen, np.asarray(more, dtype=np.int64)])
+        raise RuntimeError(
+            f"table {self._name!r}: remover {type(selector).__name__} could not draw {k} distinct items "
+            "(are most priorities 0?)"
+        )
+
+    # ------------------------------------------------------------------ sample
+
+    def _check_n(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
+
+    def sample_nowait(self, n: int) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+        """Draw ``n`` items now, or raise WouldBlock.
+
+        Stochastic samplers draw ``n`` times with replacement; deterministic ones return the first
+        ``min(n, size)`` items in their order. Items reaching ``max_times_sampled`` are dropped after
+        being read.
+
+        Returns:
+            ``(batch, info)``: the batch as the table's read kind defines it, and a :class:`SampleInfo`.
+
+        Raises:
+            ValueError: ``n < 1``.
+            WouldBlock: the rate limiter does not allow it now (an empty table never allows it).
+            PortClosedError: the table was closed.
+        """
+        self._check_n(n)
+        with self._lock:
+            if self._limiter.closed:
+                raise PortClosedError(f"sample from table {self._name!r}, which was closed by close()")
+            if not self._limiter.can_sample(n, self._size):
+                raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("sample", n, self._size))
+            return self._sample_now(int(n))
+
+    async def sample(self, n: int, *, timeout_s: float | None = None) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+        """Like :meth:`sample_nowait`, but wait on the running loop while the rate limiter blocks.
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed while blocked (nothing sampled).
+            PortClosedError: the table is or gets closed while waiting.
+            ValueError: ``n < 1``.
+        """
+        self._check_n(n)
+        await self._limiter.wait(
+            "sample",
+            lambda: self._limiter.can_sample(n, self._size),
+            lambda: f"table {self._name!r}: " + self._limiter.explain("sample", n, self._size),
+            timeout_s,
+        )
+        with self._lock:
+            return self._sample_now(int(n))
+
+    def _read_batch(self, keys: np.ndarray) -> dict[str, torch.Tensor]:
+        st, r = self._storage, self._read
+        if isinstance(r, StepRead):
+            return st.read_steps(keys)
+        if isinstance(r, WindowRead):
+            return st.read_windows(keys, r.length, r.pad)
+        if isinstance(r, TransitionRead):
+            return st.read_transitions(
+                keys, n=r.n, gamma=r.gamma, reward_field=r.reward_field, next_fields=r.next_fields
+            )
+        eps = st.episode_bounds(keys)[0]
+        return st.read_episodes(eps)
+
+    def _sample_now(self, n: int) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+        size = self._size
+        slots, probs = self._sampler.select(n, self._rng)
+        slots = np.asarray(slots, dtype=np.int64)
+        probs = np.asarray(probs, dtype=np.float64)
+        keys = self._keys[slots]
+        np.add.at(self._times, slots, 1)
+        times = self._times[slots]
+        if self._beta == 0.0:
+            weights = np.ones(len(slots), dtype=np.float32)
+        else:
+            min_p = float(self._sampler.min_probability())
+            if not min_p > 0.0:  # every present priority is 0 but one was drawn: use the draws' own minimum
+                min_p = float(probs.min())
+            weights = np.minimum((probs / min_p) ** (-self._beta), 1.0).astype(np.float32)
+        batch = self._read_batch(keys)
+        if self._max_times_sampled:
+            done = np.unique(slots[times >= self._max_times_sampled])
+            self._drop(done, "expired")
+        self._counts["sampled"] += len(slots)
+        self._limiter.on_sample(len(slots))
+        info = SampleInfo(
+            keys=torch.from_numpy(keys),
+            probabilities=torch.from_numpy(probs),
+            weights=torch.from_numpy(weights),
+            table_size=size,
+            times_sampled=torch.from_numpy(times),
+        )
+        return batch, info
+
+    # ------------------------------------------------------------------ update / delete / reset
+
+    def _slots_of(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
+        k = _as_int64("keys", keys)
+        slots = k % self._storage.capacity
+        bad = (k < 0) | (self._keys[slots] != k)
+        if bad.any():
+            missing = k[bad]
+            raise KeyError(
+                f"unknown key {int(missing[0])} in table {self._name!r} ({len(missing)} of {len(k)} keys "
+                "unknown): never inserted, or already evicted, removed, expired or deleted"
+            )
+        return k, slots
+
+    def update_priorities(self, keys: Any, priorities: Any) -> None:
+        """Set the priority of existing items (duplicated keys: the last priority wins).
+
+        Raises:
+            KeyError: a key is not in the table (the message names it); nothing is updated.
+            ValueError: a priority is NaN, infinite or negative, or the lengths differ; nothing is updated.
+        """
+        with self._lock:
+            k, slots = self._slots_of(keys)
+            p = _as_priorities(priorities, len(k))
+            if len(k):
+                self._sampler.update(slots, p)
+                self._remover.update(slots, p)
+
+    def delete(self, keys: Any) -> None:
+        """Drop items by key (their steps stay in storage until the ring overwrites them).
+
+        Raises:
+            KeyError: a key is not in the table; nothing is deleted.
+        """
+        with self._lock:
+            _, slots = self._slots_of(keys)
+            self._drop(np.unique(slots), "deleted")
+            self._limiter.notify()
+
+    def reset(self) -> None:
+        """Drop every item and step, zero the counters and the rate limiter; keys keep counting up.
+
+        Pending inserts re-check (and may proceed); pending samples keep waiting for new items.
+        """
+        with self._lock:
+            self._storage.reset()
+            self._sampler.clear()
+            self._remover.clear()
+            self._keys.fill(-1)
+            self._times.fill(0)
+            self._size = 0
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._limiter.reset()
+
+    def close(self) -> None:
+        """Refuse further inserts and samples; pending ones raise PortClosedError. Idempotent."""
+        self._limiter.close()
+
+    def statistics(self) -> TableStatistics:
+        """A snapshot of sizes and counters."""
+        with self._lock:
+            return TableStatistics(
+                name=self._name,
+                size=self._size,
+                max_size=self._max_size,
+                num_steps=self._storage.num_steps,
+                num_episodes=self._storage.num_episodes,
+                rate_limiter=self._limiter.statistics(),
+                memory=self._storage.memory(),
+                **self._counts,
+            )
+
+    # ------------------------------------------------------------------ state and checkpoints
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able description of the table's construction (what :meth:`load` rebuilds from)."""
+        st = self._storage
+        return {
+            "name": self._name,
+            "capacity": st.capacity,
+            "specs": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype)} for s in st.specs],
+            "sampler": _selector_config(self._sampler),
+            "remover": _selector_config(self._remover),
+            "rate_limiter": self._limiter.config(),
+            "max_size": self._max_size,
+            "max_times_sampled": self._max_times_sampled,
+            "read": {"type": type(self._read).__name__, **asdict(self._read)},
+            "beta": self._beta,
+            "seed": self._seed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: storage, items, selectors, limiter, generator.
+
+        The storage part is a copy, so the result stays valid while the table moves on.
+        """
+        with self._lock:
+            live = np.flatnonzero(self._keys >= 0)
+            order = np.argsort(self._keys[live], kind="stable")
+            live = live[order]
+            return {
+                "config": self.config(),
+                "storage": self._storage.state_dict(),
+                "keys": self._keys[live].copy(),
+                "times_sampled": self._times[live].copy(),
+                "counts": dict(self._counts),
+                "sampler": self._sampler.state_dict(),
+                "remover": self._remover.state_dict(),
+                "rate_limiter": self._limiter.state_dict(),
+                "rng": self._rng.bit_generator.state,
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output into a table built with the same configuration.
+
+        Raises:
+            ValueError: the state does not fit (storage fields or capacity).
+        """
+        with self._lock:
+            self._storage.load_state_dict(state["storage"])
+            cap = self._storage.capacity
+            keys = np.asarray(state["keys"], dtype=np.int64)
+            self._keys.fill(-1)
+            self._times.fill(0)
+            self._keys[keys % cap] = keys
+            self._times[keys % cap] = np.asarray(state["times_sampled"], dtype=np.int64)
+            self._size = len(keys)
+            self._counts = {k: int(v) for k, v in state["counts"].items()}
+            self._sampler.load_state_dict(dict(state["sampler"]))
+            self._remover.load_state_dict(dict(state["remover"]))
+            self._rng.bit_generator.state = state["rng"]
+            self._limiter.load_state_dict(dict(state["rate_limiter"]))
+
+    @staticmethod
+    def _pack(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        arrays: dict[str, np.ndarray] = {}
+        st = dict(state["storage"])
+        for name, t in st.pop("fields").items():
+            arrays[f"field.{name}"] = _tensor_to_bytes(t)
+        arrays["storage.ep_start"] = st.pop("ep_start")
+        arrays["storage.ep_len"] = st.pop("ep_len")
+        arrays["table.keys"] = state["keys"]
+        arrays["table.times_sampled"] = state["times_sampled"]
+        manifest = {
+            "format": "reactor.replay.Table/1",
+            "config": state["config"],
+            "storage": st,
+            "counts": state["counts"],
+            "sampler": _split_state("sampler", state["sampler"], arrays),
+            "remover": _split_state("remover", state["remover"], arrays),
+            "rate_limiter": state["rate_limiter"],
+            "rng": state["rng"],
+        }
+        return manifest, arrays
+
+    def save(self, directory: str | os.PathLike[str], *, keep: int = 3) -> Path:
+        """Checkpoint the table into ``directory`` atomically; keep the latest ``keep`` checkpoints.
+
+        The table's lock is held only while :meth:`state_dict` copies the live steps and the index
+        (a memory copy); converting and writing the files (with fsync) happens after the lock is
+        released, so other threads keep inserting and sampling during the write. See
+        :mod:`reactor.replay.checkpoint` for the atomicity protocol.
+
+        Returns:
+            The new checkpoint directory.
+        """
+        return self._write(self.state_dict(), directory, keep)
+
+    def save_in_background(
+        self, directory: str | os.PathLike[str], *, keep: int = 3
+    ) -> concurrent.futures.Future[Path]:
+        """Snapshot now (short, under the lock), write in a background thread.
+
+        Returns:
+            A future resolving to the checkpoint directory (or raising the write's error).
+        """
+        state = self.state_dict()
+        fut: concurrent.futures.Future[Path] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._write(state, directory, keep))
+            except BaseException as e:  # delivered to the owner through the future
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name=f"save-{self._name}", daemon=True).start()
+        return fut
+
+    def _write(self, state: Mapping[str, Any], directory: str | os.PathLike[str], keep: int) -> Path:
+        manifest, arrays = self._pack(state)
+        return _ckpt.write_checkpoint(directory, manifest, arrays, keep=keep)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Table:
+        """Rebuild a table from its newest complete checkpoint under ``directory`` (or a ``ckpt-N`` dir).
+
+        The restored table continues the identical sample sequence: same items, priorities, times
+        sampled, selector state and generator state.
+
+        Raises:
+            FileNotFoundError: no complete checkpoint.
+            ValueError: a malformed or foreign checkpoint.
+        """
+        manifest, arrays = _ckpt.read_checkpoint(directory)
+        if manifest.get("format") != "reactor.replay.Table/1":
+            raise ValueError(f"{str(directory)!r} holds no reactor.replay.Table checkpoint")
+        cfg = manifest["config"]
+        specs = [FieldSpec(s["name"], tuple(s["shape"]), _dtype_from_name(s["dtype"])) for s in cfg["specs"]]
+        storage = Storage(specs, int(cfg["capacity"]), device=device)
+        rd = dict(cfg["read"])
+        read_cls = _READS.get(rd.pop("type"))
+        if read_cls is None:
+            raise ValueError(f"checkpoint names an unknown read kind {cfg['read']!r}")
+        if "next_fields" in rd:
+            rd["next_fields"] = tuple(rd["next_fields"])
+        table = cls(
+            storage,
+            sampler=_selector_from_config(cfg["sampler"]),
+            remover=_selector_from_config(cfg["remover"]),
+            rate_limiter=limiter_from_config(cfg["rate_limiter"]),
+            max_size=int(cfg["max_size"]),
+            max_times_sampled=int(cfg["max_times_sampled"]),
+            read=read_cls(**rd),
+            beta=float(cfg["beta"]),
+            seed=int(cfg["seed"]),
+            name=str(cfg["name"]),
+        )
+        st = dict(manifest["storage"])
+        n = int(st["next_step"]) - int(st["first_step"])
+        fields = {}
+        for s in specs:
+            raw = torch.from_numpy(arrays[f"field.{s.name}"])
+            fields[s.name] = raw.view(s.dtype).reshape(n, *s.shape)
+        st["fields"] = fields
+        st["ep_start"] = arrays["storage.ep_start"]
+        st["ep_len"] = arrays["storage.ep_len"]
+        table.load_state_dict(
+            {
+                "storage": st,
+                "keys": arrays["table.keys"],
+                "times_sampled": arrays["table.times_sampled"],
+                "counts": manifest["counts"],
+                "sampler": _join_state("sampler", manifest["sampler"], arrays),
+                "remover": _join_state("remover", manifest["remover"], arrays),
+                "rate_limiter": manifest["rate_limiter"],
+                "rng": manifest["rng"],
+            }
+        )
+        return table
+

@@ -1,0 +1,162 @@
+"""Checkpoints: atomic saves, keep-latest-N, exact continuation, survival of a SIGKILL mid-save (issue 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reactor.replay import (
+    FieldSpec,
+    Fifo,
+    MinSize,
+    Prioritized,
+    SampleToInsertRatio,
+    Storage,
+    Table,
+    Uniform,
+    WindowRead,
+)
+from reactor.replay.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
+
+SPECS = [FieldSpec("obs", (3,), torch.float32), FieldSpec("done", (), torch.bool),
+         FieldSpec("half", (2,), torch.bfloat16)]
+
+
+def make(sampler=None, **kw) -> Table:
+    return Table(Storage(SPECS, 64), sampler=Prioritized(0.6) if sampler is None else sampler, remover=Fifo(),
+                 rate_limiter=kw.pop("limiter", MinSize(1)), **kw)
+
+
+def fill(t: Table, n: int = 50, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for i in range(0, n, 5):
+        t.insert_nowait({"obs": torch.from_numpy(rng.normal(size=(5, 3)).astype(np.float32)),
+                         "done": torch.from_numpy(rng.random(5) < 0.5),
+                         "half": torch.from_numpy(rng.normal(size=(5, 2))).to(torch.bfloat16)},
+                        rng.uniform(0.1, 3.0, 5), episode_end=bool(i % 10))
+
+
+def draws(t: Table, rounds: int = 5):
+    out = []
+    for r in range(rounds):
+        batch, info = t.sample_nowait(8)
+        t.update_priorities(info.keys, np.linspace(0.5, 2.0, len(info.keys)) + r)
+        out.append((info.keys.tolist(), info.weights.tolist(), info.times_sampled.tolist(),
+                    {k: v.float().tolist() for k, v in batch.items()}))
+    return out
+
+
+@pytest.mark.parametrize("sampler", [lambda: Prioritized(0.7), Uniform], ids=["prioritized", "uniform"])
+def test_restored_table_continues_the_identical_sample_sequence(tmp_path, sampler):
+    t = make(sampler(), read=WindowRead(4, "tail"), beta=0.6, seed=7,
+             limiter=SampleToInsertRatio(2.0, 10, (-1e9, 1e9)))
+    fill(t)
+    draws(t, 2)
+    t.save(tmp_path)
+    u = Table.load(tmp_path)
+    assert draws(t) == draws(u)
+    assert t.statistics().size == u.statistics().size
+    assert t.rate_limiter.statistics() == u.rate_limiter.statistics()
+
+
+def test_save_keeps_only_the_latest_n_complete_checkpoints(tmp_path):
+    t = make()
+    fill(t)
+    paths = [t.save(tmp_path, keep=2) for _ in range(4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [paths[2].name, paths[3].name]
+    assert latest_checkpoint(tmp_path) == paths[3]
+
+
+def test_checkpoint_without_completion_marker_is_ignored(tmp_path):
+    t = make()
+    fill(t)
+    good = t.save(tmp_path)
+    fill(t, 10, seed=1)
+    newer = t.save(tmp_path)
+    (newer / "COMPLETE").unlink()  # as if the saver died just before the marker
+    assert latest_checkpoint(tmp_path) == good
+    assert len(Table.load(tmp_path)) == 50
+
+
+def test_load_from_a_directory_without_checkpoints_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^no complete checkpoint in '.*' \(looked for ckpt-\*/COMPLETE\)$"):
+        Table.load(tmp_path)
+
+
+def test_checkpoint_files_are_npy_and_json_loadable_without_pickle(tmp_path):
+    t = make()
+    fill(t)
+    path = t.save(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "reactor.replay.Table/1"
+    for f in path.glob("*.npy"):
+        np.load(f, allow_pickle=False)
+    manifest2, arrays = read_checkpoint(path)
+    assert set(arrays) == set(manifest["arrays"])
+
+
+def test_checkpoint_writer_rejects_object_arrays(tmp_path):
+    with pytest.raises(ValueError, match=r"^checkpoint array 'x' has dtype object"):
+        write_checkpoint(tmp_path, {}, {"x": np.array([object()])})
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_background_save_snapshots_before_later_inserts(tmp_path):
+    t = make()
+    fill(t, 20)
+    fut = t.save_in_background(tmp_path)
+    fill(t, 10, seed=3)  # after the snapshot: not in the checkpoint
+    path = fut.result(timeout=60)
+    assert len(Table.load(path)) == 20 and len(t) == 30
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, numpy as np, torch
+    from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table
+    root = sys.argv[1]
+    t = Table(Storage([FieldSpec("obs", (1024,), torch.float32)], 4096), sampler=Prioritized(0.6),
+              remover=Fifo(), rate_limiter=MinSize(1))
+    t.insert_nowait({"obs": torch.ones(100, 1024)}, np.ones(100))
+    t.save(root, keep=100)
+    print("SAVED", flush=True)
+    t.insert_nowait({"obs": torch.full((4000, 1024), 2.0)}, np.ones(4000))
+    while True:  # keep saving until killed
+        t.save(root, keep=100)
+    """
+)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root)], stdout=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == b"SAVED"
+        # Wait (bounded) until a second save is under way: its temporary directory exists.
+        for _ in range(200000):
+            if any(p.name.startswith(".tmp-ckpt-") for p in root.iterdir()):
+                break
+        else:
+            pytest.fail("the child never started its second save")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    t = Table.load(root)
+    assert len(t) in (100, 4100)  # the first checkpoint, or a later complete one; never a torn one
+    first = Table.load(Path(root) / "ckpt-00000001")
+    assert len(first) == 100
+    assert first.sample_nowait(1)[0]["obs"].eq(1.0).all()

@@ -1,0 +1,408 @@
+"""Table: items over storage, selectors, removal, validation that leaves state untouched (issue 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from reactor._errors import WouldBlock
+from reactor.replay import (
+    EpisodeRead,
+    FieldSpec,
+    Fifo,
+    Lifo,
+    MaxHeap,
+    MinHeap,
+    MinSize,
+    Prioritized,
+    StepRead,
+    Storage,
+    Table,
+    TransitionRead,
+    Uniform,
+    WindowRead,
+)
+
+SPECS = [FieldSpec("obs", (2,), torch.float32), FieldSpec("reward", (), torch.float32),
+         FieldSpec("step", (), torch.int64)]
+SELECTORS = {"uniform": Uniform, "prioritized": lambda: Prioritized(0.6), "fifo": Fifo, "lifo": Lifo,
+             "maxheap": MaxHeap, "minheap": MinHeap}
+READS = {"step": StepRead(), "transition": TransitionRead(n=2, gamma=0.9), "window": WindowRead(4, "head"),
+         "episode": EpisodeRead()}
+
+
+def steps(start: int, n: int) -> dict[str, torch.Tensor]:
+    v = torch.arange(start, start + n)
+    return {"obs": torch.stack([v.float(), -v.float()], 1), "reward": v.float(), "step": v}
+
+
+def make(sampler="fifo", remover="fifo", *, cap=64, limiter=None, read=StepRead(), **kw) -> Table:
+    return Table(Storage(SPECS, cap), sampler=SELECTORS[sampler](), remover=SELECTORS[remover](),
+                 rate_limiter=limiter or MinSize(1), read=read, **kw)
+
+
+def fill(t: Table, n_eps: int = 4, length: int = 5, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    start = t.storage.step_range[1]
+    for i in range(n_eps):
+        t.insert_nowait(steps(start + i * length, length), rng.uniform(0.1, 2.0, length))
+
+
+def state_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(state_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_insert_returns_keys_that_are_global_steps():
+    t = make()
+    assert t.insert_nowait(steps(0, 3)).tolist() == [0, 1, 2]
+    assert t.insert_nowait(steps(3, 2)).tolist() == [3, 4]
+    assert len(t) == 5
+
+
+def test_item_mask_creates_items_only_on_chosen_steps():
+    t = make()
+    keys = t.insert_nowait(steps(0, 4), np.array([1.0, np.nan, 2.0, 3.0]),
+                           item_mask=np.array([True, False, True, False]))
+    assert keys.tolist() == [0, 2] and len(t) == 2 and t.storage.num_steps == 4
+
+
+def test_sample_returns_batch_and_info_with_keys_probabilities_weights_times():
+    t = make("fifo", "fifo")
+    t.insert_nowait(steps(0, 4))
+    batch, info = t.sample_nowait(3)
+    assert batch["step"].tolist() == info.keys.tolist() == [0, 1, 2]
+    assert info.probabilities.tolist() == [1.0] * 3 and info.weights.tolist() == [1.0] * 3
+    assert info.table_size == 4 and info.times_sampled.tolist() == [1, 1, 1]
+    _, info = t.sample_nowait(1)
+    assert info.times_sampled.tolist() == [2]
+
+
+def test_importance_weights_follow_per_maths():
+    t = Table(Storage(SPECS, 8), sampler=Prioritized(alpha=1.0), remover=Fifo(), rate_limiter=MinSize(1), beta=0.5)
+    t.insert_nowait(steps(0, 2), np.array([1.0, 4.0]))
+    _, info = t.sample_nowait(200)
+    p = info.probabilities.numpy()
+    assert set(np.round(p, 6)) == {0.2, 0.8}
+    expect = np.where(np.isclose(p, 0.8), (0.8 / 0.2) ** -0.5, 1.0)
+    assert info.weights.numpy() == pytest.approx(expect.astype(np.float32))
+
+
+def test_max_times_sampled_drops_items_after_that_many_samples():
+    t = make("fifo", "fifo", max_times_sampled=2)
+    keys = t.insert_nowait(steps(0, 3))
+    t.sample_nowait(2)
+    _, info = t.sample_nowait(2)
+    assert info.times_sampled.tolist() == [2, 2]
+    assert len(t) == 1 and t.statistics().expired == 2
+    with pytest.raises(KeyError, match=rf"unknown key {int(keys[0])} "):
+        t.update_priorities(keys[:1], [1.0])
+
+
+def test_storage_eviction_removes_the_items_of_evicted_episodes():
+    t = make(cap=10)
+    t.insert_nowait(steps(0, 4))
+    t.insert_nowait(steps(4, 4))
+    t.insert_nowait(steps(8, 3))  # evicts episode 0 (steps 0..3) and its items
+    assert len(t) == 7 and t.statistics().evicted == 4
+    batch, info = t.sample_nowait(7)
+    assert info.keys.tolist() == list(range(4, 11))
+    with pytest.raises(KeyError, match=r"unknown key 0 in table 'table'"):
+        t.delete([0])
+
+
+def test_remover_bounds_items_while_steps_stay_for_windows():
+    t = make("fifo", "fifo", max_size=3, read=WindowRead(3, "head"))
+    t.insert_nowait(steps(0, 3), episode_end=False)
+    t.insert_nowait(steps(3, 2))
+    assert len(t) == 3 and t.statistics().removed == 2
+    batch, info = t.sample_nowait(3)
+    assert info.keys.tolist() == [2, 3, 4]
+    assert batch["step"][0].tolist() == [0, 1, 2]  # removed items' steps are still read
+
+
+def test_maxheap_remover_keeps_the_highest_priorities():
+    t = make("fifo", "minheap", max_size=2)
+    t.insert_nowait(steps(0, 2), np.array([5.0, 1.0]))
+    t.insert_nowait(steps(2, 1), np.array([3.0]))
+    _, info = t.sample_nowait(5)
+    assert info.keys.tolist() == [0, 2]
+
+
+def test_update_priorities_reorders_a_heap_sampler_and_last_duplicate_wins():
+    t = make("maxheap", "fifo")
+    t.insert_nowait(steps(0, 3), np.array([1.0, 2.0, 3.0]))
+    t.update_priorities([0, 0], [9.0, 0.5])
+    _, info = t.sample_nowait(1)
+    assert info.keys.tolist() == [2]
+    t.update_priorities(torch.tensor([0]), torch.tensor([10.0]))
+    _, info = t.sample_nowait(1)
+    assert info.keys.tolist() == [0]
+
+
+def test_delete_drops_items_and_reset_empties_the_table_keeping_keys_unique():
+    t = make()
+    t.insert_nowait(steps(0, 4))
+    t.delete([1, 2])
+    assert len(t) == 2 and t.statistics().deleted == 2
+    t.reset()
+    assert len(t) == 0 and t.storage.num_steps == 0
+    assert t.insert_nowait(steps(0, 1)).tolist() == [4]
+
+
+def test_queue_and_stack_tables_sample_each_item_once_in_order():
+    q = Table.queue(Storage(SPECS, 16), 3)
+    s = Table.stack(Storage(SPECS, 16), 3)
+    for tbl in (q, s):
+        tbl.insert_nowait(steps(0, 3))
+        with pytest.raises(WouldBlock, match=r"insert of 1 items would block under Queue|Stack"):
+            tbl.insert_nowait(steps(3, 1))
+    assert q.sample_nowait(2)[1].keys.tolist() == [0, 1]
+    assert s.sample_nowait(2)[1].keys.tolist() == [2, 1]
+    assert len(q) == 1 and len(s) == 1
+
+
+def test_statistics_is_a_frozen_snapshot():
+    t = make()
+    t.insert_nowait(steps(0, 3))
+    stats = t.statistics()
+    with pytest.raises(AttributeError):
+        stats.size = 0  # type: ignore[misc]
+    assert (stats.size, stats.inserted, stats.num_steps, stats.num_episodes) == (3, 3, 3, 1)
+
+
+def test_bad_construction_is_named():
+    with pytest.raises(ValueError, match=r"^sampler and remover must be two selector instances"):
+        f = Fifo()
+        Table(Storage(SPECS, 4), sampler=f, remover=f, rate_limiter=MinSize(1))
+    with pytest.raises(ValueError, match=r"^max_size must be an int in \[1, storage.capacity=4\], got 5$"):
+        make(cap=4, max_size=5)
+    with pytest.raises(ValueError, match=r"^TransitionRead names field 'rew'"):
+        make(read=TransitionRead(reward_field="rew"))
+
+
+# ---------------------------------------------------------------------------- bad input leaves the table as it was
+
+
+BAD_KINDS = ["unknown-field", "missing-field", "shape", "dtype", "nan-priority", "negative-priority",
+             "inf-priority", "unknown-key-update", "unknown-key-delete", "priorities-length", "sample-zero"]
+
+
+def _bad(kind):
+    def field_unknown(t):
+        b = steps(100, 2)
+        b["extra"] = torch.zeros(2)
+        t.insert_nowait(b)
+
+    def field_missing(t):
+        b = steps(100, 2)
+        del b["reward"]
+        t.insert_nowait(b)
+
+    def shape(t):
+        b = steps(100, 2)
+        b["obs"] = torch.zeros(2, 3)
+        t.insert_nowait(b)
+
+    def dtype(t):
+        b = steps(100, 2)
+        b["step"] = b["step"].int()
+        t.insert_nowait(b)
+
+    return {
+        "unknown-field": (field_unknown, KeyError, r"unknown field\(s\) \['extra'\]"),
+        "missing-field": (field_missing, KeyError, r"missing field\(s\) \['reward'\]"),
+        "shape": (shape, ValueError, r"field 'obs' has shape \(2, 3\)"),
+        "dtype": (dtype, TypeError, r"field 'step' has dtype torch.int32, expected torch.int64"),
+        "nan-priority": (lambda t: t.insert_nowait(steps(100, 2), [1.0, float("nan")]), ValueError,
+                         r"priority nan at position 1 is invalid"),
+        "negative-priority": (lambda t: t.update_priorities([3, 4], [1.0, -2.0]), ValueError,
+                              r"priority -2.0 at position 1 is invalid"),
+        "inf-priority": (lambda t: t.update_priorities([3], [float("inf")]), ValueError,
+                         r"priority inf at position 0 is invalid"),
+        "unknown-key-update": (lambda t: t.update_priorities([3, 999], [1.0, 1.0]), KeyError, r"unknown key 999"),
+        "unknown-key-delete": (lambda t: t.delete([2, -5]), KeyError, r"unknown key -5"),
+        "priorities-length": (lambda t: t.update_priorities([3, 4], [1.0]), ValueError,
+                              r"priorities must have shape \(2,\), got \(1,\)"),
+        "sample-zero": (lambda t: t.sample_nowait(0), ValueError, r"sample size n must be an int >= 1, got 0"),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+@pytest.mark.parametrize("sampler", ["prioritized", "fifo"])
+def test_bad_input_raises_a_named_error_and_leaves_the_table_unchanged(kind, sampler):
+    t = make(sampler, "fifo")
+    fill(t, 2, 4)
+    before = t.state_dict()
+    call, error, match = _bad(kind)
+    with pytest.raises(error, match=match):
+        call(t)
+    assert state_equal(before, t.state_dict())
+
+
+def test_sampling_an_empty_table_without_waiting_says_so_and_changes_nothing():
+    t = make("prioritized", "fifo")
+    before = t.state_dict()
+    with pytest.raises(WouldBlock, match=r"^table 'table': sample of 2 items would block under MinSize\(min_size=1\): "
+                       r"the table holds 0 items, fewer than min_size_to_sample=1"):
+        t.sample_nowait(2)
+    assert state_equal(before, t.state_dict())
+
+
+# ---------------------------------------------------------------------------- matrix
+
+
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("remover", list(SELECTORS))
+@pytest.mark.parametrize("sampler", list(SELECTORS))
+def test_matrix_read_kind_by_sampler_by_remover(read, sampler, remover):
+    t = make(sampler, remover, cap=32, max_size=12, read=READS[read])
+    fill(t, n_eps=9, length=5)  # 45 steps: evictions by storage, removals by the remover
+    s = t.statistics()
+    assert s.size == 12 and s.num_steps <= 32 and s.evicted + s.removed == 45 - 12
+    batch, info = t.sample_nowait(6)
+    keys = info.keys
+    n = len(keys)
+    assert n == 6
+    if read == "step":
+        assert batch["step"].tolist() == keys.tolist()
+    elif read == "transition":
+        assert batch["step"].tolist() == keys.tolist()
+        assert batch["next_obs"].shape == (n, 2)
+    elif read == "window":
+        assert batch["step"].shape == (n, 4)
+        assert batch["step"][:, -1].tolist() == keys.tolist()
+        assert batch["mask"][:, -1].all()
+    else:
+        lens = batch["lengths"].tolist()
+        assert lens == [5] * n
+        starts = batch["step"].view(n, 5)[:, 0]
+        assert ((keys - starts) < 5).all() and ((keys - starts) >= 0).all()
+    # The round trip through state_dict gives the same next sample.
+    u = make(sampler, remover, cap=32, max_size=12, read=READS[read])
+    u.load_state_dict(t.state_dict())
+    b1, i1 = t.sample_nowait(5)
+    b2, i2 = u.sample_nowait(5)
+    assert torch.equal(i1.keys, i2.keys) and torch.equal(i1.weights, i2.weights)
+    assert all(torch.equal(b1[k], b2[k]) for k in b1)
+
+
+# ---------------------------------------------------------------------------- model-based
+
+
+ORDER = {
+    "fifo": lambda items: sorted(items, key=lambda k: k),
+    "lifo": lambda items: sorted(items, key=lambda k: -k),
+    "maxheap": lambda items: sorted(items, key=lambda k: (-items[k][0], k)),
+    "minheap": lambda items: sorted(items, key=lambda k: (items[k][0], k)),
+}
+
+
+class TableModel(RuleBasedStateMachine):
+    """A Table with deterministic selectors against a dict of items and a list of episodes."""
+
+    CAP, MAX_SIZE, MAX_TIMES = 16, 10, 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind: str | None = None
+        self.t: Table | None = None
+
+    def _init(self, kind: str) -> None:
+        self.kind = kind
+        self.t = Table(Storage([FieldSpec("step", (), torch.int64)], self.CAP), sampler=SELECTORS[kind](),
+                       remover=Fifo(), rate_limiter=MinSize(1), max_size=self.MAX_SIZE,
+                       max_times_sampled=self.MAX_TIMES)
+        self.items: dict[int, list] = {}  # key -> [priority, times]
+        self.episodes: list[list[int]] = []
+        self.next = 0
+
+    @precondition(lambda self: self.t is None)
+    @rule(kind=st.sampled_from(sorted(ORDER)))
+    def start(self, kind):
+        self._init(kind)
+
+    @precondition(lambda self: self.t is not None)
+    @rule(n=st.integers(1, 5), prios=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.5]), min_size=5, max_size=5))
+    def insert(self, n, prios):
+        vals = list(range(self.next, self.next + n))
+        keys = self.t.insert_nowait({"step": torch.tensor(vals)}, prios[:n]).tolist()
+        assert keys == vals
+        self.next += n
+        # storage: evict whole oldest episodes
+        while sum(len(e) for e in self.episodes) + n > self.CAP:
+            for k in self.episodes.pop(0):
+                self.items.pop(k, None)
+        self.episodes.append(vals)
+        # remover (Fifo): oldest items beyond max_size
+        for k in sorted(self.items)[: max(0, len(self.items) + n - self.MAX_SIZE)]:
+            del self.items[k]
+        for k, p in zip(vals, prios):
+            self.items[k] = [p, 0]
+
+    @precondition(lambda self: self.t is not None and self.items)
+    @rule(n=st.integers(1, 6))
+    def sample(self, n):
+        batch, info = self.t.sample_nowait(n)
+        want = ORDER[self.kind](self.items)[:n]
+        assert info.keys.tolist() == want
+        assert batch["step"].tolist() == want
+        for k in want:
+            self.items[k][1] += 1
+        assert info.times_sampled.tolist() == [self.items[k][1] for k in want]
+        for k in want:
+            if self.items[k][1] >= self.MAX_TIMES:
+                del self.items[k]
+
+    @precondition(lambda self: self.t is not None and self.items)
+    @rule(data=st.data(), p=st.sampled_from([0.0, 0.5, 2.0, 7.0]))
+    def update(self, data, p):
+        k = data.draw(st.sampled_from(sorted(self.items)))
+        self.t.update_priorities([k], [p])
+        self.items[k][0] = p
+
+    @precondition(lambda self: self.t is not None and self.items)
+    @rule(data=st.data())
+    def delete(self, data):
+        k = data.draw(st.sampled_from(sorted(self.items)))
+        self.t.delete([k])
+        del self.items[k]
+
+    @precondition(lambda self: self.t is not None)
+    @rule()
+    def unknown_key_is_refused(self):
+        before = self.t.state_dict()
+        with pytest.raises(KeyError):
+            self.t.update_priorities([self.next + 100], [1.0])
+        assert state_equal(before, self.t.state_dict())
+
+    @precondition(lambda self: self.t is not None)
+    @rule()
+    def reset(self):
+        self.t.reset()
+        self.items.clear()
+        self.episodes.clear()
+
+    @invariant()
+    def sizes_match(self):
+        if self.t is not None:
+            assert len(self.t) == len(self.items)
+            assert self.t.storage.num_steps == sum(len(e) for e in self.episodes)
+
+
+TestTableModel = TableModel.TestCase
+TestTableModel.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

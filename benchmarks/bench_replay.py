@@ -149,6 +149,83 @@ class OursTransitions:
         self.sel.update(slots, priorities)
 
 
+class TableTransitions:
+    """Our side through the real ``reactor.replay.Table`` (Storage + Prioritized sampler + Fifo remover).
+
+    Sample returns the gathered batch and ``SampleInfo`` (keys, probabilities, weights, times sampled).
+    """
+
+    label = "reactor.replay.Table (Storage + Prioritized + Fifo remover + MinSize)"
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table
+
+        storage = Storage(
+            [
+                FieldSpec("obs", (OBS_DIM,), torch.float32),
+                FieldSpec("action", (), torch.int64),
+                FieldSpec("reward", (), torch.float32),
+                FieldSpec("next_obs", (OBS_DIM,), torch.float32),
+                FieldSpec("done", (), torch.bool),
+            ],
+            capacity,
+        )
+        self.table = Table(
+            storage,
+            sampler=Prioritized(alpha=ALPHA),
+            remover=Fifo(),
+            rate_limiter=MinSize(1),
+            beta=BETA,
+            seed=seed,
+        )
+
+    def insert(
+        self,
+        obs: np.ndarray,
+        action: np.ndarray,
+        reward: np.ndarray,
+        next_obs: np.ndarray,
+        done: np.ndarray,
+        priorities: np.ndarray,
+    ) -> None:
+        steps = {
+            "obs": torch.from_numpy(obs),
+            "action": torch.from_numpy(action),
+            "reward": torch.from_numpy(reward),
+            "next_obs": torch.from_numpy(next_obs),
+            "done": torch.from_numpy(done),
+        }
+        self.table.insert_nowait(steps, priorities)
+
+    def sample(self, n: int) -> tuple[dict[str, Any], Any, Any]:
+        batch, info = self.table.sample_nowait(n)
+        return batch, info.keys, info.weights
+
+    def update(self, keys: Any, priorities: np.ndarray) -> None:
+        self.table.update_priorities(keys, priorities)
+
+    def random_keys(self, rng: np.random.Generator, period: int, n: int) -> np.ndarray:
+        """Fresh random keys of present items (keys are not slots in a table)."""
+        keys = self.table._keys  # noqa: SLF001 - the benchmark needs the live key set to draw from
+        live = keys[keys >= 0]
+        return live[rng.integers(0, live.size, size=(period, n))]
+
+
+def make_ours(kind: str) -> Any:
+    """The "ours" side: the real Table when asked (or "auto" and it works), else the selector path."""
+    if kind in ("table", "auto"):
+        try:
+            ours = TableTransitions(CAPACITY)
+            return ours
+        except Exception as exc:  # noqa: BLE001
+            if kind == "table":
+                raise
+            print(
+                f"reactor.replay.Table not usable ({type(exc).__name__}: {exc}); measuring the selector path"
+            )
+    return OursTransitions(CAPACITY)
+
+
 # ------------------------------------------------------------------------------------------ peers
 
 
@@ -194,7 +271,7 @@ def section_transitions(args: argparse.Namespace) -> None:
         f"reward f32, next_obs f32[8], done bool; medians of {args.reps} reps x {args.calls} calls"
     )
     rng = np.random.default_rng(0)
-    ours = OursTransitions(CAPACITY)
+    ours = make_ours(args.ours)
     peers: dict[str, Any] = {}
     try:
         peers["cpprb"] = make_cpprb(CAPACITY)
@@ -271,7 +348,8 @@ def section_transitions(args: argparse.Namespace) -> None:
             fns["torchrl"] = lambda i, n=n: peers["torchrl"].sample(n, return_info=True)
         results.append((f"sample {n}", interleaved_medians(fns, args.calls, args.reps)))
 
-        fns = {"ours": lambda i, dn=dn: ours.update(dn.indices[dn[i]], dn.priorities[dn[i]])}
+        ours_idx = ours.random_keys(rng, period, n) if isinstance(ours, TableTransitions) else dn.indices
+        fns = {"ours": lambda i, dn=dn, oi=ours_idx: ours.update(oi[dn[i]], dn.priorities[dn[i]])}
         if "cpprb" in peers:
             fns["cpprb"] = lambda i, dn=dn: peers["cpprb"].update_priorities(
                 dn.indices[dn[i]], dn.priorities[dn[i]]
@@ -411,6 +489,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7, help="repetitions (median taken)")
     parser.add_argument("--calls", type=int, default=200, help="calls per repetition")
     parser.add_argument("--drift-updates", type=int, default=100_000_000)
+    parser.add_argument(
+        "--ours",
+        choices=("auto", "table", "selector"),
+        default="auto",
+        help="our side: the real Table (auto: when it works) or Prioritized + numpy columns",
+    )
     args = parser.parse_args(argv)
     print(
         f"python {sys.version.split()[0]}, numpy {np.__version__}, torch {torch.__version__} "

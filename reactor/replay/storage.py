@@ -417,9 +417,13 @@ class Storage:
         if n1 < length:
             self._step_ep[: length - n1] = eids[n1:]
         # Episode index: one segment per distinct episode id in the batch.
-        seg = np.flatnonzero(np.r_[True, eids[1:] != eids[:-1]])
+        if eids[0] == eids[-1]:  # the common case: the whole append belongs to one episode
+            seg = np.zeros(1, dtype=np.int64)
+            seg_lens = np.array([length], dtype=np.int64)
+        else:
+            seg = np.concatenate(([0], np.flatnonzero(eids[1:] != eids[:-1]) + 1))
+            seg_lens = np.diff(np.append(seg, length))
         seg_ids = eids[seg]
-        seg_lens = np.diff(np.r_[seg, length])
         if self._open:
             o = seg_ids[0] % cap
             self._ep_len[o] += seg_lens[0]

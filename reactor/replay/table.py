@@ -350,6 +350,9 @@ class Table:
         self._storage = storage
         self._sampler = sampler
         self._remover = remover
+        # Items sit on stored steps, so with max_size == capacity the storage's eviction always makes
+        # room first and the remover can never be asked: the table then skips feeding it.
+        self._feed_remover = max_size < cap
         self._limiter = rate_limiter
         self._max_size = max_size
         self._max_times_sampled = max_times_sampled
@@ -500,7 +503,8 @@ class Table:
         if len(slots) == 0:
             return
         self._sampler.delete(slots)
-        self._remover.delete(slots)
+        if self._feed_remover:
+            self._remover.delete(slots)
         self._keys[slots] = -1
         self._size -= len(slots)
         self._counts[counter] += len(slots)
@@ -531,7 +535,8 @@ class Table:
         self._times[slots] = 0
         if n:
             self._sampler.insert(slots, prio)
-            self._remover.insert(slots, prio)
+            if self._feed_remover:
+                self._remover.insert(slots, prio)
         self._size += n
         self._counts["inserted"] += n
         self._limiter.on_insert(n)
@@ -620,7 +625,11 @@ class Table:
         slots, probs = self._sampler.select(n, self._rng)
         slots = np.asarray(slots, dtype=np.int64)
         probs = np.asarray(probs, dtype=np.float64)
-        keys = self._keys[slots]
+        # An item's key is the one stored global step in its slot's residue class: no lookup needed.
+        first = self._storage.step_range[0]
+        f0 = first % self._storage.capacity
+        keys = slots + (first - f0)
+        keys[slots < f0] += self._storage.capacity
         np.add.at(self._times, slots, 1)
         times = self._times[slots]
         if self._beta == 0.0:
@@ -671,7 +680,8 @@ class Table:
             p = _as_priorities(priorities, len(k))
             if len(k):
                 self._sampler.update(slots, p)
-                self._remover.update(slots, p)
+                if self._feed_remover:
+                    self._remover.update(slots, p)
 
     def delete(self, keys: Any) -> None:
         """Drop items by key (their steps stay in storage until the ring overwrites them).

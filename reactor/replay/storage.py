@@ -486,8 +486,8 @@ class Storage:
         """Windows of ``length`` steps from global steps ``base``; rows listed in ``zero_rows`` zeroed.
 
         On the host each window that does not wrap around the ring end is one contiguous run of
-        ``length * row_nbytes`` bytes: a strided byte view makes every window a row, and one fancy
-        index copies a whole window per anchor. The few windows that wrap use a per-step gather.
+        ``length * row_nbytes`` bytes: a strided view makes every window one row of words, and one
+        fancy index copies a whole window per anchor (a compiled per-window copy loop measured slower). The few windows that wrap use a per-step gather.
         """
         cap, b = self._capacity, len(base)
         pos = base % cap
@@ -510,18 +510,22 @@ class Storage:
             if rb == 0:
                 out[n] = self._from_rows(n, rows[:0], (b, length))
                 continue
-            # Fancy indexing, not np.take: take would first copy the whole overlapping view.
+            # Fancy indexing, not np.take (take would first copy the whole overlapping view), on the
+            # widest unsigned word dividing the row so each window copies in 8-byte (or 4, 2) units.
+            unit = 8 if rb % 8 == 0 else 4 if rb % 4 == 0 else 2 if rb % 2 == 0 else 1
             win = self._win_views.get((n, length))
             if win is None:
+                words = rows.view(f"u{unit}")
                 win = np.lib.stride_tricks.as_strided(
-                    rows, shape=(max(cap - length + 1, 0), length * rb), strides=(rb, 1), writeable=False
+                    words, shape=(max(cap - length + 1, 0), length * rb // unit), strides=(rb, unit),
+                    writeable=False,
                 )
                 self._win_views[(n, length)] = win
             if n_wrap == 0:
-                res = win[pos]
+                res = win[pos].view(np.uint8)
             else:
                 res = np.empty((b, length * rb), dtype=np.uint8)
-                res[~wrap] = win[pos[~wrap]]
+                res[~wrap] = win[pos[~wrap]].view(np.uint8)
             if n_wrap:
                 flat = (pos[wrap, None] + np.arange(length, dtype=np.int64)[None, :]) % cap
                 res[wrap] = np.take(rows, flat.ravel(), axis=0).reshape(n_wrap, length * rb)

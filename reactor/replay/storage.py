@@ -671,10 +671,24 @@ class Storage:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def snapshot_buffers(self) -> dict[str, torch.Tensor]:
+        """Host buffers, already paged in, that :meth:`state_dict` can copy the live steps into.
+
+        Allocating and touching fresh memory costs several times the copy itself (page faults: ~1.5 s
+        vs ~0.2 s per GB here), so a checkpoint allocates these *before* taking the table's lock and
+        holds the lock only for the copy. Sized for the current steps plus room for a quarter of the
+        capacity of growth; :meth:`state_dict` falls back to fresh memory if more arrived since.
+        """
+        n = min(self._capacity, self.num_steps + self._capacity // 4 + 1)
+        return {name: torch.zeros((n, *t.shape[1:]), dtype=t.dtype) for name, t in self._fields.items()}
+
+    def state_dict(self, buffers: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """A copy of the stored steps (in global order, live region only) and the episode index.
 
         The copy is taken at call time, so the caller may write it out while the storage moves on.
+
+        Args:
+            buffers: optional :meth:`snapshot_buffers` to copy into (views of them are returned).
 
         Returns:
             ``{"fields": {name: tensor [num_steps, ...] on CPU}, "ep_start", "ep_len": int64 arrays of the
@@ -686,8 +700,14 @@ class Storage:
         n1 = min(n, cap - p0)
         fields = {}
         for name, t in self._fields.items():
-            part = t[p0 : p0 + n1] if n1 == n else torch.cat([t[p0 : p0 + n1], t[: n - n1]])
-            fields[name] = part.to("cpu", copy=True) if n1 == n else part.cpu()
+            buf = None if buffers is None else buffers.get(name)
+            if buf is None or buf.shape[0] < n:
+                buf = torch.empty((n, *t.shape[1:]), dtype=t.dtype)
+            dst = buf[:n]
+            dst[:n1].copy_(t[p0 : p0 + n1])
+            if n1 < n:
+                dst[n1:].copy_(t[: n - n1])
+            fields[name] = dst
         ep_ids = np.arange(self._first_ep, self._next_ep, dtype=np.int64) % cap
         return {
             "fields": fields,

@@ -746,7 +746,7 @@ class Table:
             "seed": self._seed,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, _buffers: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Everything needed to continue exactly: storage, items, selectors, limiter, generator.
 
         The storage part is a copy, so the result stays valid while the table moves on.
@@ -757,7 +757,7 @@ class Table:
             live = live[order]
             return {
                 "config": self.config(),
-                "storage": self._storage.state_dict(),
+                "storage": self._storage.state_dict(_buffers),
                 "keys": self._keys[live].copy(),
                 "times_sampled": self._times[live].copy(),
                 "counts": dict(self._counts),
@@ -813,15 +813,19 @@ class Table:
     def save(self, directory: str | os.PathLike[str], *, keep: int = 3) -> Path:
         """Checkpoint the table into ``directory`` atomically; keep the latest ``keep`` checkpoints.
 
-        The table's lock is held only while :meth:`state_dict` copies the live steps and the index
-        (a memory copy); converting and writing the files (with fsync) happens after the lock is
-        released, so other threads keep inserting and sampling during the write. See
-        :mod:`reactor.replay.checkpoint` for the atomicity protocol.
+        How it avoids stopping the world: snapshot buffers are allocated and paged in first, without
+        the lock (:meth:`Storage.snapshot_buffers`); the lock is then held only while the live steps,
+        the index and the selector states are copied into them (a memory copy, ~0.2 s per GB here);
+        writing the files, fsync and renames happen after the lock is released, so other threads keep
+        inserting and sampling during the write. See :mod:`reactor.replay.checkpoint` for the
+        atomicity protocol. ``save`` itself returns when the checkpoint is complete; use
+        :meth:`save_in_background` to return right after the snapshot.
 
         Returns:
             The new checkpoint directory.
         """
-        return self._write(self.state_dict(), directory, keep)
+        buffers = self._storage.snapshot_buffers()
+        return self._write(self.state_dict(_buffers=buffers), directory, keep)
 
     def save_in_background(
         self, directory: str | os.PathLike[str], *, keep: int = 3
@@ -831,7 +835,7 @@ class Table:
         Returns:
             A future resolving to the checkpoint directory (or raising the write's error).
         """
-        state = self.state_dict()
+        state = self.state_dict(_buffers=self._storage.snapshot_buffers())
         fut: concurrent.futures.Future[Path] = concurrent.futures.Future()
 
         def run() -> None:

@@ -300,3 +300,17 @@ class StorageModel(RuleBasedStateMachine):
 
 TestStorageModel = StorageModel.TestCase
 TestStorageModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_state_dict_into_snapshot_buffers_matches_and_survives_growth():
+    s = Storage(SPECS, 40)
+    s.append(steps(0, 4))
+    buffers = s.snapshot_buffers()  # sized for 4 + 40 // 4 + 1 = 15 steps
+    for i in range(4, 34, 6):
+        s.append(steps(i, 6))  # 34 steps now: more than the buffers hold
+    a, b = s.state_dict(), s.state_dict(buffers)
+    assert all(torch.equal(a["fields"][k], b["fields"][k]) for k in a["fields"])
+    small = s.snapshot_buffers()
+    s2 = Storage(SPECS, 40)
+    s2.load_state_dict(s.state_dict(small))
+    assert same(snapshot(s), snapshot(s2))

@@ -489,15 +489,17 @@ class Table:
             if self._limiter.closed:
                 raise PortClosedError(f"insert into table {self._name!r}, which was closed by close()")
             validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
-        await self._limiter.wait(
-            "insert",
-            lambda: self._limiter.can_insert(n, self._size),
-            lambda: f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size),
-            timeout_s,
-        )
-        with self._lock:
-            plan = self._storage.plan_append(validated[0], episode_end)
-            return self._apply_insert(validated, plan, prio, mask, n)
+        while True:
+            await self._limiter.wait(
+                "insert",
+                lambda: self._limiter.can_insert(n, self._size),
+                lambda: f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size),
+                timeout_s,
+            )
+            with self._lock:  # re-check under the lock: another thread may have acted in between
+                if self._limiter.can_insert(n, self._size):
+                    plan = self._storage.plan_append(validated[0], episode_end)
+                    return self._apply_insert(validated, plan, prio, mask, n)
 
     def _drop(self, slots: np.ndarray, counter: str) -> None:
         if len(slots) == 0:
@@ -598,14 +600,16 @@ class Table:
             ValueError: ``n < 1``.
         """
         self._check_n(n)
-        await self._limiter.wait(
-            "sample",
-            lambda: self._limiter.can_sample(n, self._size),
-            lambda: f"table {self._name!r}: " + self._limiter.explain("sample", n, self._size),
-            timeout_s,
-        )
-        with self._lock:
-            return self._sample_now(int(n))
+        while True:
+            await self._limiter.wait(
+                "sample",
+                lambda: self._limiter.can_sample(n, self._size),
+                lambda: f"table {self._name!r}: " + self._limiter.explain("sample", n, self._size),
+                timeout_s,
+            )
+            with self._lock:  # re-check under the lock: another thread may have acted in between
+                if self._limiter.can_sample(n, self._size):
+                    return self._sample_now(int(n))
 
     def _read_batch(self, keys: np.ndarray) -> dict[str, torch.Tensor]:
         st, r = self._storage, self._read

@@ -406,3 +406,42 @@ class TableModel(RuleBasedStateMachine):
 
 TestTableModel = TableModel.TestCase
 TestTableModel.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_threads_inserting_sampling_and_updating_keep_the_table_consistent():
+    import threading
+
+    t = make("prioritized", "fifo", cap=256, max_size=100)
+    fill(t, 2, 5)
+    errors: list[BaseException] = []
+
+    def insert(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for i in range(150):
+                t.insert_nowait(steps(10_000 * seed + 5 * i, 5), rng.uniform(0.1, 2.0, 5))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def sample_and_update(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                with t._lock:  # sample + update as one learner step (keys may be evicted in between otherwise)
+                    _, info = t.sample_nowait(8)
+                    t.update_priorities(info.keys, rng.uniform(0.1, 2.0, len(info.keys)))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([insert, insert, sample_and_update])]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors, errors
+    s = t.statistics()
+    assert s.size == 100 == int((t._keys >= 0).sum())
+    assert s.inserted - s.evicted - s.removed - s.expired - s.deleted == s.size
+    u = make("prioritized", "fifo", cap=256, max_size=100)
+    u.load_state_dict(t.state_dict())
+    assert torch.equal(t.sample_nowait(16)[1].keys, u.sample_nowait(16)[1].keys)

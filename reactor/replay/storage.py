@@ -349,10 +349,14 @@ class Storage:
             ValueError: ``episode_end`` malformed, or the open episode would have to evict itself.
         """
         ends = self._episode_ends(length, episode_end)
-        starts_new = np.empty(length, dtype=np.int64)
-        starts_new[0] = 0 if self._open else 1
-        starts_new[1:] = ends[:-1]
-        eids = (self._next_ep - 1) + np.cumsum(starts_new)
+        first_eid = self._next_ep - 1 if self._open else self._next_ep
+        if isinstance(episode_end, (bool, np.bool_)):  # one episode: no per-step episode arithmetic
+            eids = np.full(length, first_eid, dtype=np.int64)
+        else:
+            starts_new = np.empty(length, dtype=np.int64)
+            starts_new[0] = 0
+            starts_new[1:] = ends[:-1]
+            eids = first_eid + np.cumsum(starts_new)
         cap = self._capacity
         needed = self._next_step + length - cap  # lowest global step that may remain
         new_first_step, new_first_ep = self._first_step, self._first_ep

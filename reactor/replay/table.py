@@ -532,9 +532,15 @@ class Table:
             self._drop(self._select_distinct(self._remover, excess), "removed")
         offs = np.arange(res.num_steps, dtype=np.int64)
         keys = res.first_step + (offs if mask is None else offs[mask])
-        slots = keys % cap
-        self._keys[slots] = keys
-        self._times[slots] = 0
+        p0 = res.first_step % cap
+        if mask is None and p0 + n <= cap:  # contiguous slots: slice writes
+            slots = offs + p0
+            self._keys[p0 : p0 + n] = keys
+            self._times[p0 : p0 + n] = 0
+        else:
+            slots = keys % cap
+            self._keys[slots] = keys
+            self._times[slots] = 0
         if n:
             self._sampler.insert(slots, prio)
             if self._feed_remover:

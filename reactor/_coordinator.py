@@ -111,6 +111,7 @@ async def run_processes(
         for g in groups:
             with contextlib.suppress(Exception):
                 ep.send_nowait(g.name, ("exit",))
+            ep.disconnect(g.name)  # workers exit now: that is not a lost peer
         events: dict[str, int] = {}
         digests: dict[str, str] = {}
         traces: list[dict[str, Any]] = []

@@ -58,8 +58,10 @@ class Outbox:
         self.peak_backlog = 0
         self.queues: dict[str, deque[Any]] = {}
         self.wake = asyncio.Event()
-        self.drained = asyncio.Event()
+        self.drained = asyncio.Event()  # the backlog fell to half the limit
         self.drained.set()
+        self.empty = asyncio.Event()  # nothing is queued at all
+        self.empty.set()
         self.backlog = 0
         self.failure: BaseException | None = None
 
@@ -75,6 +77,7 @@ class Outbox:
         self.backlog += 1
         self.peak_backlog = max(self.peak_backlog, self.backlog)
         self.drained.clear()
+        self.empty.clear()
         self.wake.set()
 
     def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None:
@@ -105,9 +108,11 @@ class Outbox:
                             self.drained.set()
                 if self.backlog == 0:
                     self.drained.set()
+                    self.empty.set()
         except BaseException as e:  # noqa: BLE001 - reported to the main loop, which owns the error
             self.failure = e
             self.drained.set()
+            self.empty.set()
             raise
 
 
@@ -161,7 +166,7 @@ class Worker:
                 host.horizons[p] = Tag(0, 0)
             outbox.send(COORDINATOR, ("ready",))
             await self._wait_control("start")
-            flusher = asyncio.ensure_future(outbox.flush_forever())
+            self.flusher = flusher = asyncio.ensure_future(outbox.flush_forever())
             try:
                 if deterministic:
                     await self._run_deterministic(out_peers, min_delay)
@@ -171,7 +176,7 @@ class Worker:
                 outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5):
-                        await outbox.drained.wait()
+                        await outbox.empty.wait()
                 raise
             finally:
                 await host.run_shutdown()
@@ -192,7 +197,9 @@ class Worker:
                 "trace": {k: [list(e) for e in v] for k, v in recorder.events.items()} if recorder else {},
             }
             outbox.send(COORDINATOR, ("done", result))
-            await asyncio.wait_for(outbox.drained.wait(), timeout=30)
+            # Everything queued must leave before the flusher stops (the last messages to peers
+            # may be waiting for their credit).
+            await asyncio.wait_for(outbox.empty.wait(), timeout=30)
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
@@ -200,6 +207,38 @@ class Worker:
             await self._wait_control("exit", timeout_s=60)
         finally:
             await ep.aclose()
+
+    def dump_state(self) -> None:
+        """SIGUSR1: write this worker's scheduling state and task stacks to stderr (debugging)."""
+        import io
+
+        buf = io.StringIO()
+        h = getattr(self, "host", None)
+        buf.write(f"--- reactor worker {self.group} state ---\n")
+        if h is not None:
+            buf.write(f"heap: {len(h.heap)} events, next {h.heap[0][:2] if h.heap else None}\n")
+            buf.write(f"horizons: {dict(h.horizons)}\n")
+            buf.write(f"sent {h.sent_count} received {h.received_count} stop_requested {h.stop_requested}\n")
+        ob = getattr(self, "outbox", None)
+        if ob is not None:
+            buf.write(f"outbox backlog {ob.backlog} per peer {[(p, len(q)) for p, q in ob.queues.items()]}\n")
+        ep = getattr(self, "ep", None)
+        if ep is not None:
+            buf.write(f"endpoint {ep.statistics()}\n")
+        fl = getattr(self, "flusher", None)
+        if fl is not None and fl.done():
+            buf.write(f"outbox flusher ended: {fl.exception() if not fl.cancelled() else 'cancelled'}\n")
+        for t in asyncio.all_tasks():
+            coro = t.get_coro()
+            frames = []
+            while coro is not None:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    frames.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            buf.write(f"task {t.get_name()}: {' -> '.join(frames)}\n")
+        sys.stderr.write(buf.getvalue())
+        sys.stderr.flush()
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -379,6 +418,7 @@ def main() -> int:
         task = asyncio.current_task()
         assert task is not None
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        loop.add_signal_handler(signal.SIGUSR1, worker.dump_state)
         await worker.main()
 
     from ._runtime import asyncio_run

@@ -606,12 +606,24 @@ class Endpoint:
             self._forget_link(link)
             raise
 
+    def disconnect(self, peer: str, *, linger_s: float = 1.0) -> None:
+        """Close the link to ``peer`` on purpose: it is not reported as lost.
+
+        Messages already sent are still delivered for up to ``linger_s`` seconds. Sending to
+        ``peer`` afterwards raises ``ValueError`` until :meth:`connect` is called again.
+        """
+        link = self._links.pop(peer, None)
+        if link is None:
+            return
+        link.lost_reason = "disconnected"
+        self._close_link(link, linger_ms=int(linger_s * 1000))
+
     def _forget_link(self, link: _Link) -> None:
         if self._links.get(link.name) is link:
             del self._links[link.name]
         self._close_link(link)
 
-    def _close_link(self, link: _Link) -> None:
+    def _close_link(self, link: _Link, linger_ms: int = 0) -> None:
         if link.sock.closed:
             return
         self._loop.remove_reader(link.fd)
@@ -620,7 +632,7 @@ class Endpoint:
             link.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        link.sock.close(linger=0)
+        link.sock.close(linger=linger_ms)
         link.mon.close(linger=0)
         for w in link.waiters:
             _wake(w)

@@ -78,6 +78,13 @@ def test_a_fast_producer_is_held_back_and_nothing_is_lost_or_reordered():
     assert res.processes["flooder"]["peak_backlog"] <= 64 + 10  # one burst past the limit at most
 
 
+def test_a_deterministic_producer_that_finishes_with_messages_still_queued_delivers_them_all():
+    """The producer ends while the last messages wait for credit: they must still arrive."""
+    flood = str(APPS / "flood.py")
+    res = _run(flood, {"count": 700, "delay_s": 0.0}, placement="processes", deterministic=True, flow_limit=64)
+    assert res.events["consumer"] == 1 + 700
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in os.listdir("/proc"):

@@ -330,6 +330,28 @@ async def test_send_nowait_raises_would_block_when_credit_runs_out_and_recovers_
 
 
 @pytest.mark.asyncio
+async def test_disconnect_delivers_what_was_sent_and_is_not_reported_as_a_loss(open_endpoint):
+    rx = await open_endpoint("rx")
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    for i in range(5):
+        tx.send_nowait("rx", i)
+    tx.disconnect("rx")
+    got: list[Any] = []
+    while len(got) < 5:
+        got += [m for _, m in await rx.recv_batch(timeout_s=WAIT_S)]
+    assert got == [0, 1, 2, 3, 4]
+    assert tx.lost_peers == frozenset()
+    with pytest.raises(TimeoutError):
+        await tx.wait_peer_lost(timeout_s=0.3)
+    with pytest.raises(ValueError, match="not connected to peer 'rx'"):
+        tx.send_nowait("rx", 5)
+    await tx.connect("rx", rx.address)  # and it can connect again
+    tx.send_nowait("rx", 6)
+    assert [m for _, m in await rx.recv_batch(timeout_s=WAIT_S)] == [6]
+
+
+@pytest.mark.asyncio
 async def test_send_waiting_for_credit_times_out_with_a_clear_error(open_endpoint):
     rx = await open_endpoint("rx", credit_window=1)
     tx = await open_endpoint("tx")

@@ -22,7 +22,7 @@ full, nothing per episode) plus a fixed index of 24 bytes per step of capacity: 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -139,6 +139,9 @@ class Storage:
         capacity: number of steps the ring holds.
         device: ``"cpu"`` or a CUDA device (raises ``RuntimeError`` if CUDA is not available).
         pin_memory: allocate host memory pinned (page-locked); only with CUDA present.
+        allocator: ``allocator(field, shape, dtype) -> tensor`` provides each field's memory
+            instead of ``torch.empty`` (e.g. shared memory that readers in other processes map);
+            the tensor must have exactly that shape and dtype, on ``device``, and be contiguous.
 
     Raises:
         ValueError: empty or duplicate specs, capacity < 1, a bad device string.
@@ -160,6 +163,7 @@ class Storage:
         *,
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
+        allocator: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         specs = tuple(specs)
         if not specs:
@@ -177,12 +181,27 @@ class Storage:
         self._pin_memory = bool(pin_memory)
         self._specs = {s.name: s for s in specs}
         self._capacity = int(capacity)
-        self._fields: dict[str, torch.Tensor] = {
-            s.name: torch.empty(
-                (self._capacity, *s.shape), dtype=s.dtype, device=self._device, pin_memory=self._pin_memory
-            )
-            for s in specs
-        }
+        if allocator is None:
+            self._fields: dict[str, torch.Tensor] = {
+                s.name: torch.empty(
+                    (self._capacity, *s.shape), dtype=s.dtype, device=self._device, pin_memory=self._pin_memory
+                )
+                for s in specs
+            }
+        else:
+            self._fields = {}
+            for s in specs:
+                shape = (self._capacity, *s.shape)
+                t = allocator(s.name, shape, s.dtype)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != s.dtype:
+                    got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"Storage allocator gave field {s.name!r} {got}; expected {shape} {s.dtype}")
+                if t.device != self._device or not t.is_contiguous():
+                    raise ValueError(
+                        f"Storage allocator gave field {s.name!r} a tensor on {t.device} "
+                        f"(contiguous={t.is_contiguous()}); expected a contiguous tensor on {self._device}"
+                    )
+                self._fields[s.name] = t
         cap = self._capacity
         self._step_ep = np.zeros(cap, dtype=np.int64)  # episode id of ring position
         self._ep_start = np.zeros(cap, dtype=np.int64)  # indexed by episode id % capacity

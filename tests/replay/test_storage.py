@@ -314,3 +314,18 @@ def test_state_dict_into_snapshot_buffers_matches_and_survives_growth():
     s2 = Storage(SPECS, 40)
     s2.load_state_dict(s.state_dict(small))
     assert same(snapshot(s), snapshot(s2))
+
+
+def test_an_allocator_provides_field_memory_and_a_wrong_tensor_is_refused():
+    made = {}
+
+    def alloc(name, shape, dtype):
+        made[name] = torch.zeros(shape, dtype=dtype)
+        return made[name]
+
+    s = Storage([FieldSpec("obs", (3,)), FieldSpec("reward")], capacity=8, allocator=alloc)
+    s.append({"obs": torch.ones(2, 3), "reward": torch.full((2,), 5.0)})
+    assert made["obs"][:2].sum().item() == 6.0  # the rows landed in the allocator's memory
+    assert made["reward"][1].item() == 5.0
+    with pytest.raises(ValueError, match=r"field 'obs' .*expected \(8, 3\) torch.float32"):
+        Storage([FieldSpec("obs", (3,))], capacity=8, allocator=lambda n, shape, dt: torch.zeros(8, 4))

@@ -2,6 +2,7 @@
 
 * ``single``: every reactor in one process (``_runtime.drive_single``).
 * ``processes``: one process per reactor instance, linked by ZeroMQ over ipc.
+* a distribution policy (``actors``, ``colocated``, ``dp-learners``; see ``_policies.py``);
 * a TOML placement file naming groups::
 
       [groups.learner]
@@ -47,10 +48,17 @@ def resolve(graph: Graph, placement: str) -> list[Group]:
     """
     instances = [name for _, _, name in graph.instances()]
     if placement == "processes":
-        return [Group(_group_name(n), (n,)) for n in instances]
+        return [Group(group_name(n), (n,)) for n in instances]
+    from ._policies import POLICIES
+
+    if placement in POLICIES:
+        return [g for g in POLICIES[placement](graph) if g.reactors]
     path = Path(placement)
     if not path.is_file():
-        raise GraphError(f"unknown placement {placement!r}: use 'single', 'processes' or the path of a placement file")
+        raise GraphError(
+            f"unknown placement {placement!r}: use 'single', 'processes', a distribution policy "
+            f"({', '.join(sorted(POLICIES))}) or the path of a placement file"
+        )
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -88,5 +96,6 @@ def resolve(graph: Graph, placement: str) -> list[Group]:
     return [g for g in groups if g.reactors]
 
 
-def _group_name(instance: str) -> str:
+def group_name(instance: str) -> str:
+    """A process group name for one reactor instance (``actor[3]`` -> ``actor-3``)."""
     return instance.replace("[", "-").replace("]", "")

@@ -17,7 +17,7 @@ import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -246,8 +246,13 @@ class Reactor:
         rng: a ``numpy.random.Generator`` seeded from the run seed and ``name``.
         torch_rng: a ``torch.Generator`` seeded the same way (created on first use).
         tag: the logical tag of the event being handled.
+
+    Class attribute ``placement_role`` (``"actor"``, ``"replay"``, ``"learner"`` or None) tells the
+    named distribution policies (``--placement actors`` etc.) where a reactor belongs; it never
+    changes what the reactor does.
     """
 
+    placement_role: ClassVar[str | None] = None
     _reaction_specs: tuple[ReactionSpec, ...] = ()
     _port_specs: dict[str, PortSpec] = {}
 

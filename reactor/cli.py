@@ -1,4 +1,4 @@
-"""The ``reactor`` command: ``run``, ``graph`` and ``trace``.
+"""The ``reactor`` command: ``run``, ``graph``, ``trace`` and ``plot``.
 
 Mistakes a user can make at the command line (a wrong path, an app without ``build``, a bad
 ``--set``, an invalid graph) end with a one-line ``reactor: ...`` message and exit status 2, not a
@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--placement",
         default="single",
-        help="single (one process, default), processes (one process per reactor), or a placement file (TOML)",
+        help="single (one process, default), processes (one process per reactor), a distribution policy "
+        "(actors, colocated, dp-learners) or a placement file (TOML)",
     )
     mode = r.add_mutually_exclusive_group()
     mode.add_argument("--deterministic", dest="deterministic", action="store_true", default=True,
@@ -58,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     td = tsub.add_parser("diff", help="first divergence per reactor between two traces")
     td.add_argument("a")
     td.add_argument("b")
+
+    pl = sub.add_parser("plot", help="plot a run's learning curves",
+                        description="Write a PNG of the learning curves in a run directory.")
+    pl.add_argument("run_dir", help="a run directory written by a training app (holds metrics.csv)")
+    pl.add_argument("-o", "--out", default=None, help="the PNG's path (default RUN_DIR/curves.png)")
     return p
 
 
@@ -86,6 +92,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             print()
         if args.format in ("mermaid", "both"):
             print(graph.mermaid())
+        return 0
+    if args.command == "plot":
+        from .nodes.plot import plot_run
+
+        print(plot_run(args.run_dir, args.out))
         return 0
     if args.command == "trace":
         from ._trace import describe, diff, read_trace

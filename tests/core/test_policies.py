@@ -1,0 +1,76 @@
+"""Distribution policies map any graph's instances to processes by placement_role."""
+
+from __future__ import annotations
+
+import pytest
+
+from reactor import Graph, GraphError, Input, Output, Reactor, reaction
+from reactor._placement import resolve
+
+
+class Actor(Reactor):
+    placement_role = "actor"
+    out = Output(int)
+
+
+class Shard(Reactor):
+    placement_role = "replay"
+    inp = Input(int)
+    out = Output(int)
+
+    @reaction(triggers=[inp], effects=[out])
+    def serve(self, inp: int) -> None:
+        self.out.send(inp)
+
+
+class Learner(Reactor):
+    placement_role = "learner"
+    inp = Input(int)
+
+
+class Metrics(Reactor):
+    inp = Input(int)
+
+
+def _graph(actors: int, shards: int, learners: int = 1) -> Graph:
+    g = Graph()
+    a = g.add(Actor(), name="actor", replicas=actors)
+    s = g.add(Shard(), name="replay", replicas=shards)
+    learner = g.add(Learner(), name="learner", replicas=learners)
+    m = g.add(Metrics(), name="metrics")
+    g.connect(a.out, s.inp, mode="round_robin")
+    g.connect(s.out, learner.inp)
+    g.connect(a.out, m.inp)
+    return g
+
+
+def _groups(graph: Graph, policy: str) -> dict[str, tuple[str, ...]]:
+    return {g.name: g.reactors for g in resolve(graph, policy)}
+
+
+def test_actors_policy_gives_each_actor_and_shard_a_process_and_keeps_the_rest_with_the_learner():
+    assert _groups(_graph(3, 2), "actors") == {
+        "learner": ("learner", "metrics"),
+        "actor-0": ("actor[0]",), "actor-1": ("actor[1]",), "actor-2": ("actor[2]",),
+        "replay-0": ("replay[0]",), "replay-1": ("replay[1]",),
+    }
+
+
+def test_colocated_policy_pairs_actor_i_with_shard_i_and_leftovers_stand_alone():
+    assert _groups(_graph(3, 2), "colocated") == {
+        "learner": ("learner", "metrics"),
+        "actor-0": ("actor[0]", "replay[0]"), "actor-1": ("actor[1]", "replay[1]"), "actor-2": ("actor[2]",),
+    }
+    assert _groups(_graph(1, 2), "colocated")["replay-1"] == ("replay[1]",)
+
+
+def test_dp_learners_policy_gives_every_learner_replica_its_own_process():
+    groups = _groups(_graph(2, 2, learners=3), "dp-learners")
+    assert groups["learner-0"] == ("learner[0]",) and groups["learner-2"] == ("learner[2]",)
+    assert groups["driver"] == ("metrics",)
+    assert sum(len(v) for v in groups.values()) == 2 + 2 + 3 + 1
+
+
+def test_an_unknown_placement_names_the_policies():
+    with pytest.raises(GraphError, match=r"unknown placement 'actorz'.*actors, colocated, dp-learners"):
+        resolve(_graph(1, 1), "actorz")

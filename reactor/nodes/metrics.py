@@ -1,0 +1,202 @@
+"""Metrics: progress of a training run — live display, CSV and TensorBoard logs, stop conditions.
+
+Every node sends :class:`Report` messages (cumulative counters such as ``env_steps``, ``updates``,
+and latest values such as ``loss`` or ``eval_return``). Metrics keeps the latest report of each
+source, sums counters over sources, and
+
+* appends one CSV row per reported value to ``RUN_DIR/metrics.csv``
+  (``wall_s, env_steps, source, name, value``) and the same to TensorBoard (``RUN_DIR/tb``);
+* shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
+* asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
+  reach ``max_env_steps``;
+* at shutdown writes ``RUN_DIR/summary.json`` and the learning-curve plot ``RUN_DIR/curves.png``.
+
+Wall-clock figures (``wall_s``, rates) are for people: no other node sees them, so deterministic
+runs stay deterministic.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .._reactor import Input, Reactor, reaction, shutdown, startup
+from .train_messages import Report
+
+__all__ = ["Metrics"]
+
+#: Values that are cumulative per source and summed over sources.
+COUNTERS = ("env_steps", "episodes", "updates", "samples", "inserts")
+
+
+class Metrics(Reactor):
+    """Collects :class:`Report` messages; logs, displays and stops the run on its targets.
+
+    Args:
+        run_dir: directory for ``metrics.csv``, ``tb/``, ``summary.json`` and ``curves.png``.
+        target_return: stop when a report carries ``eval_return >= target_return`` (None: never).
+        max_env_steps: stop when the actors' total env steps reach this (None: never).
+        live: show progress on stdout.
+        title: shown above the live table.
+    """
+
+    reports = Input(Report, required=True)
+
+    def __init__(
+        self,
+        run_dir: str,
+        target_return: float | None = None,
+        max_env_steps: int | None = None,
+        live: bool = True,
+        title: str = "",
+    ) -> None:
+        self.run_dir = run_dir
+        self.target_return = target_return
+        self.max_env_steps = max_env_steps
+        self.live = live
+        self.title = title
+        self.latest: dict[str, dict[str, float]] = {}
+        self.totals: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.best_eval: float | None = None
+        self.last_eval: float | None = None
+        self.evals: list[tuple[float, float, float]] = []  # (wall_s, env_steps, eval_return)
+        self.stop_reason = ""
+
+    @reaction(triggers=[startup])
+    def open_logs(self) -> None:
+        self.dir = Path(self.run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.csv_file = open(self.dir / "metrics.csv", "w", newline="")  # noqa: SIM115 - closed at shutdown
+        self.csv = csv.writer(self.csv_file)
+        self.csv.writerow(["wall_s", "env_steps", "source", "name", "value"])
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.dir / "tb"))
+        self.display = _Display(self.title or str(self.dir), enabled=self.live)
+        self.last_shown = 0.0
+
+    @reaction(triggers=[reports])
+    def record(self, reports: Report) -> None:
+        src, values = reports.source, reports.values
+        before = self.latest.get(src, {})
+        for k in COUNTERS:
+            if k in values:
+                self.totals[k] += float(values[k]) - float(before.get(k, 0.0))
+        self.latest[src] = {**before, **values}
+        wall = time.monotonic() - self.t0
+        steps = self.totals["env_steps"]
+        for name, value in values.items():
+            self.csv.writerow([f"{wall:.3f}", int(steps), src, name, value])
+            self.tb.add_scalar(f"{src.split('[')[0]}/{name}", float(value), int(steps))
+        if "eval_return" in values:
+            ret = float(values["eval_return"])
+            self.last_eval = ret
+            self.best_eval = ret if self.best_eval is None else max(self.best_eval, ret)
+            self.evals.append((wall, steps, ret))
+            if self.target_return is not None and ret >= self.target_return and not self.stop_reason:
+                self.stop_reason = f"evaluation return {ret:.1f} >= target {self.target_return:g}"
+                self.request_stop()
+        if self.max_env_steps is not None and steps >= self.max_env_steps and not self.stop_reason:
+            self.stop_reason = f"{int(steps)} env steps >= max_env_steps {self.max_env_steps}"
+            self.request_stop()
+        now = time.monotonic()
+        if now - self.last_shown >= 0.5:
+            self.last_shown = now
+            self.display.show(self._rows(now - self.t0))
+
+    def _rows(self, wall: float) -> list[tuple[str, str]]:
+        t = self.totals
+        rate = (lambda k: f"{t[k] / wall:,.0f}/s") if wall > 0 else (lambda k: "-")
+        ep_returns = [v["episode_return"] for v in self.latest.values() if "episode_return" in v]
+        rows = [
+            ("wall", f"{wall:,.1f} s"),
+            ("env steps", f"{int(t['env_steps']):,} ({rate('env_steps')})"),
+            ("episodes", f"{int(t['episodes']):,}"),
+            ("updates", f"{int(t['updates']):,} ({rate('updates')})"),
+            ("samples", f"{int(t['samples']):,} ({rate('samples')})"),
+        ]
+        if ep_returns:
+            rows.append(("train return", f"{sum(ep_returns) / len(ep_returns):.1f}"))
+        if self.last_eval is not None:
+            rows.append(("eval return", f"{self.last_eval:.1f} (best {self.best_eval:.1f})"))
+        return rows
+
+    @reaction(triggers=[shutdown])
+    def close_logs(self) -> None:
+        wall = time.monotonic() - self.t0
+        self.display.close(self._rows(wall))
+        self.csv_file.close()
+        self.tb.close()
+        summary = {
+            "wall_s": wall,
+            "env_steps": int(self.totals["env_steps"]),
+            "updates": int(self.totals["updates"]),
+            "episodes": int(self.totals["episodes"]),
+            "last_eval_return": self.last_eval,
+            "best_eval_return": self.best_eval,
+            "target_return": self.target_return,
+            "reached_target": self.best_eval is not None
+            and self.target_return is not None
+            and self.best_eval >= self.target_return,
+            "stop_reason": self.stop_reason or "run ended",
+            "evaluations": [{"wall_s": w, "env_steps": s, "eval_return": r} for w, s, r in self.evals],
+        }
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot = None
+        try:
+            from .plot import plot_run
+
+            plot = plot_run(self.dir)
+        except ValueError:  # nothing to plot yet (a very short run)
+            pass
+        if self.live:
+            ev = "-" if self.last_eval is None else f"{self.last_eval:.1f}"
+            print(f"evaluation return {ev}; stopped: {summary['stop_reason']}", flush=True)
+            print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
+
+
+class _Display:
+    """A rich live table on a terminal; a plain progress line every few seconds otherwise."""
+
+    def __init__(self, title: str, enabled: bool) -> None:
+        self.enabled = enabled
+        self.title = title
+        self.live: Any = None
+        self.last_plain = -math.inf
+        if enabled and sys.stdout.isatty():
+            from rich.live import Live
+
+            self.live = Live(self._table([]), refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def _table(self, rows: list[tuple[str, str]]) -> Any:
+        from rich.table import Table
+
+        t = Table(title=self.title, show_header=False)
+        for k, v in rows:
+            t.add_row(k, v)
+        return t
+
+    def show(self, rows: list[tuple[str, str]]) -> None:
+        if not self.enabled:
+            return
+        if self.live is not None:
+            self.live.update(self._table(rows))
+            return
+        now = time.monotonic()
+        if now - self.last_plain >= 5.0:
+            self.last_plain = now
+            print("  ".join(f"{k}: {v}" for k, v in rows), flush=True)
+
+    def close(self, rows: list[tuple[str, str]]) -> None:
+        if self.live is not None:
+            self.live.update(self._table(rows))
+            self.live.stop()
+        elif self.enabled:
+            print("  ".join(f"{k}: {v}" for k, v in rows), flush=True)

@@ -1,0 +1,55 @@
+"""Messages of the training nodes (weights and progress reports); msgpack-registered, never pickled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..transport.codec import register_message
+
+__all__ = ["Report", "Rollout", "Weights"]
+
+
+@register_message
+@dataclass(frozen=True)
+class Weights:
+    """A policy snapshot from a learner.
+
+    Attributes:
+        version: learner updates done when the snapshot was taken (actors report what they act with).
+        tensors: parameter name -> CPU tensor (sent as zero-copy frames between processes).
+    """
+
+    version: int
+    tensors: dict[str, Any]
+
+
+@register_message
+@dataclass(frozen=True)
+class Report:
+    """Progress from one node: cumulative counters and latest values (e.g. ``env_steps``, ``loss``).
+
+    Attributes:
+        source: the reporting instance's name.
+        values: name -> number. Counters are cumulative per source; Metrics sums them over sources.
+    """
+
+    source: str
+    values: dict[str, float]
+
+
+@register_message
+@dataclass(frozen=True)
+class Rollout:
+    """On-policy data from one actor: ``[T, N, ...]`` tensors plus bootstrap values.
+
+    Attributes:
+        actor: the actor's bank index.
+        version: the weights version the rollout was collected with.
+        data: field -> tensor (``obs``, ``action``, ``reward``, ``terminated``, ``truncated``, the
+            algorithm's extras, ``last_obs``).
+    """
+
+    actor: int
+    version: int
+    data: dict[str, Any]

@@ -1,0 +1,76 @@
+"""Metrics: CSV/TensorBoard logs, summary, stop on target, and the plot (real files, real runs)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+from reactor import Action, Graph, Output, Reactor, reaction, run, startup
+from reactor.nodes.metrics import Metrics
+from reactor.nodes.train_messages import Report
+
+
+class FakeTrainer(Reactor):
+    """Reports env steps, episode returns and an evaluation climbing by 100 per round."""
+
+    report = Output(Report)
+    again = Action()
+
+    def __init__(self, rounds: int = 10) -> None:
+        self.rounds = rounds
+        self.k = 0
+
+    @reaction(triggers=[startup, again], effects=[report, again])
+    def tick(self) -> None:
+        self.k += 1
+        self.report.send(Report(self.name, {"env_steps": 1000 * self.k, "episodes": 10 * self.k,
+                                            "episode_return": 20.0 * self.k}))
+        self.report.send(Report("evaluator", {"eval_return": 100.0 * self.k}))
+        if self.k < self.rounds:
+            self.again.schedule(delay_s=0.001)
+
+
+def _graph(run_dir, target=None, max_steps=None, actors=2):
+    g = Graph()
+    t = g.add(FakeTrainer(), name="actor", replicas=actors)
+    m = g.add(Metrics(str(run_dir), target_return=target, max_env_steps=max_steps, live=False), name="metrics")
+    g.connect(t.report, m.reports)
+    return g
+
+
+def test_metrics_logs_every_value_sums_counters_and_stops_at_the_target(tmp_path):
+    res = run(_graph(tmp_path, target=450.0))
+    assert res.stopped_by == "request"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["reached_target"] is True
+    assert summary["best_eval_return"] == 500.0  # the first evaluation >= 450
+    assert summary["env_steps"] == 2 * 5000  # two actors' cumulative counters summed
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["name"] for r in rows} == {"env_steps", "episodes", "episode_return", "eval_return"}
+    assert max(int(r["env_steps"]) for r in rows) == 10000
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path):
+    run(_graph(tmp_path, max_steps=6000, actors=1))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["reached_target"] is False
+    assert summary["env_steps"] == 6000
+    assert "max_env_steps" in summary["stop_reason"]
+
+
+def test_reactor_plot_writes_a_png_and_refuses_a_directory_without_metrics(tmp_path):
+    run(_graph(tmp_path / "run", actors=1))
+    out = tmp_path / "c.png"
+    ok = subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path / "run"), "-o", str(out)],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("reactor: ") and "has no metrics.csv" in bad.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -334,6 +335,14 @@ class Reactor:
 
             self._torch_rng = torch.Generator().manual_seed(self._seed)
         return self._torch_rng
+
+    @property
+    def run_id(self) -> str:
+        """The id of the current run: the same in every process of it, different for every run.
+
+        Nodes use it to name run directories and rendezvous files.
+        """
+        return os.environ.get("REACTOR_RUN_ID", "local")
 
     def request_stop(self) -> None:
         """Ask the runtime to end the run after the current tag (see docs/architecture.md for semantics)."""

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +44,16 @@ class RunResult:
     processes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
+_RUN_COUNTER = itertools.count()
+
+
+def new_run_id() -> str:
+    """Give this run a fresh id (``Reactor.run_id``), inherited by the worker processes it starts."""
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUN_COUNTER)}"
+    os.environ["REACTOR_RUN_ID"] = run_id
+    return run_id
+
+
 def payload_digest(value: Any) -> bytes:
     """The bytes a message contributes to its receiver's digest: its codec frames, concatenated."""
     from .transport.codec import encode
@@ -64,6 +77,7 @@ async def run_async(
 ) -> RunResult:
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
     graph.validate()
+    new_run_id()
     if record is not None and replay is not None:
         raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
     if (record is not None or replay is not None) and deterministic:

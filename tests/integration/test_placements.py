@@ -85,6 +85,19 @@ def test_a_deterministic_producer_that_finishes_with_messages_still_queued_deliv
     assert res.events["consumer"] == 1 + 700
 
 
+def test_every_process_of_a_run_sees_one_run_id_and_each_run_a_new_one(tmp_path):
+    app = str(APPS / "runid.py")
+    ids = []
+    for k in range(2):
+        out = tmp_path / str(k)
+        out.mkdir()
+        _run(app, {"out_dir": str(out)}, placement="processes")
+        seen = {p.read_text() for p in out.iterdir()}
+        assert len(list(out.iterdir())) == 2 and len(seen) == 1
+        ids.append(seen.pop())
+    assert ids[0] != ids[1]
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in os.listdir("/proc"):

@@ -21,6 +21,7 @@ from .storage import AppendResult as AppendResult
 from .storage import FieldSpec as FieldSpec
 from .storage import Storage as Storage
 from .storage import StorageMemory as StorageMemory
+from .storage import TransitionPlan as TransitionPlan
 from .sumtree import SumTree as SumTree
 from .table import EpisodeRead as EpisodeRead
 from .table import SampleInfo as SampleInfo

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory"]
+__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,27 @@ class StorageMemory:
     def total_nbytes(self) -> int:
         """``data_nbytes + index_nbytes``."""
         return self.data_nbytes + self.index_nbytes
+
+
+@dataclass(frozen=True)
+class TransitionPlan:
+    """Where :meth:`Storage.read_transitions` reads from, as ring slots (see :meth:`Storage.plan_transitions`).
+
+    Attributes:
+        rows: int64 ``[B]``, slot of each item's step (every field except rewards and next_*).
+        next_rows: int64 ``[B]``, slot of the step whose fields become ``next_<f>``.
+        reward_rows: int64 ``[B, n]``, slots of the rewards summed into the n-step return.
+        reward_coef: float64 ``[B, n]``, ``gamma^k`` for live reward steps, 0 past the episode's end.
+        discount: float64 ``[B]``, ``gamma^m``.
+        valid: bool ``[B]``, False for an item on its episode's last step.
+    """
+
+    rows: np.ndarray
+    next_rows: np.ndarray
+    reward_rows: np.ndarray
+    reward_coef: np.ndarray
+    discount: np.ndarray
+    valid: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -633,6 +654,116 @@ class Storage:
             out[f"next_{f}"] = nxt[f]
         return out
 
+    def plan_transitions(
+        self, steps: np.ndarray, *, n: int = 1, gamma: float = 0.99
+    ) -> TransitionPlan:
+        """Plan :meth:`read_transitions` without gathering: the ring slots and coefficients it uses.
+
+        A reader that maps the field memory (e.g. another process over shared memory) gathers the
+        rows itself. For a field ``f`` of tensor ``F`` (``[capacity, *shape]``) and
+        ``rdt = reward dtype if floating else float32``, :meth:`read_transitions` equals::
+
+            f           = F[plan.rows]
+            reward      = (R[plan.reward_rows].to(rdt) * plan.reward_coef.to(rdt)[..., None...]).sum(1)
+            discount    = plan.discount.to(rdt)
+            valid       = plan.valid
+            next_<f>    = F[plan.next_rows]
+
+        Every slot in the plan holds a stored step of the item's own episode (rewards past the
+        n-step horizon point at a real step and get coefficient 0), so a reader that checks the
+        rows were not overwritten (a version column) need check nothing else.
+
+        Args:
+            steps: global step numbers (the item keys), shape ``[B]``.
+            n: the number of reward steps (n-step return), ``>= 1``.
+            gamma: the discount.
+
+        Returns:
+            A :class:`TransitionPlan`.
+
+        Raises:
+            KeyError: a step is not stored.
+            ValueError: ``n < 1``.
+
+        Example:
+            >>> plan = storage.plan_transitions(np.array([3, 7]), n=3, gamma=0.99)
+            >>> obs = storage_obs_tensor[torch.from_numpy(plan.rows)]
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n (n-step return) must be an int >= 1, got {n!r}")
+        steps = np.asarray(steps, dtype=np.int64)
+        _, _, end = self.episode_bounds(steps)
+        m = np.minimum(n, end - 1 - steps)
+        k = np.arange(n, dtype=np.int64)
+        cap = self._capacity
+        reward_steps = steps[:, None] + np.minimum(k[None, :], np.maximum(m[:, None] - 1, 0))
+        coef = (gamma ** k.astype(np.float64))[None, :] * (k[None, :] < m[:, None])
+        return TransitionPlan(
+            rows=steps % cap,
+            next_rows=(steps + m) % cap,
+            reward_rows=reward_steps % cap,
+            reward_coef=coef,
+            discount=gamma ** m.astype(np.float64),
+            valid=m >= 1,
+        )
+
+    def _window_bounds(
+        self, steps: np.ndarray, length: int, pad: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(base, start, end, mask)`` of windows: first global step of each window, episode bounds."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
+            raise ValueError(f"window length must be an int >= 1, got {length!r}")
+        if pad not in ("head", "tail"):
+            raise ValueError(f"pad must be 'head' or 'tail', got {pad!r}")
+        steps = np.asarray(steps, dtype=np.int64)
+        _, start, end = self.episode_bounds(steps)
+        offs = np.arange(length, dtype=np.int64)
+        if pad == "tail":
+            base = steps
+            mask = offs[None, :] < (end - steps)[:, None]
+        else:
+            base = steps - (length - 1)
+            mask = offs[None, :] >= (start - base)[:, None]
+        return base, start, end, mask
+
+    def plan_windows(
+        self, steps: np.ndarray, length: int, pad: Literal["head", "tail"] = "tail"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Plan :meth:`read_windows` without gathering: the ring slot of every window position.
+
+        A reader that maps the field memory (e.g. another process over shared memory) gathers the
+        windows itself: for every field tensor ``F`` (``[capacity, *shape]``)::
+
+            w = F[rows]            # [B, length, *shape]
+            w[~mask] = 0           # equals read_windows(steps, length, pad)[field]
+
+        Padding positions point at a stored step of the window's own episode (the nearest one), never
+        at another episode's or a free slot, so a reader that checks the rows were not overwritten
+        (a version column) need check nothing else.
+
+        Args:
+            steps: global step numbers (the item keys), shape ``[B]``.
+            length: window length ``T >= 1``.
+            pad: ``"tail"`` (window starts at the step) or ``"head"`` (window ends at the step).
+
+        Returns:
+            ``(rows, mask)``: ``rows`` int64 ``[B, T]`` ring slots in ``[0, capacity)``, ``mask``
+            bool ``[B, T]`` (False at padding positions).
+
+        Raises:
+            KeyError: a step is not stored.
+            ValueError: ``length < 1`` or ``pad`` not "head"/"tail".
+
+        Example:
+            >>> rows, mask = storage.plan_windows(np.array([5, 40]), 8, "tail")
+            >>> obs = obs_tensor[torch.from_numpy(rows)] * torch.from_numpy(mask)[..., None]
+        """
+        base, start, end, mask = self._window_bounds(steps, length, pad)
+        g = base[:, None] + np.arange(length, dtype=np.int64)[None, :]
+        np.clip(g, start[:, None], (end - 1)[:, None], out=g)
+        g %= self._capacity
+        return g, mask
+
     def read_windows(
         self, steps: np.ndarray, length: int, pad: Literal["head", "tail"] = "tail"
     ) -> dict[str, torch.Tensor]:
@@ -650,19 +781,7 @@ class Storage:
             KeyError: a step is not stored.
             ValueError: ``length < 1`` or ``pad`` not "head"/"tail".
         """
-        if length < 1:
-            raise ValueError(f"window length must be >= 1, got {length}")
-        if pad not in ("head", "tail"):
-            raise ValueError(f"pad must be 'head' or 'tail', got {pad!r}")
-        steps = np.asarray(steps, dtype=np.int64)
-        _, start, end = self.episode_bounds(steps)
-        offs = np.arange(length, dtype=np.int64)
-        if pad == "tail":
-            base = steps
-            mask = offs[None, :] < (end - steps)[:, None]
-        else:
-            base = steps - (length - 1)
-            mask = offs[None, :] >= (start - base)[:, None]
+        base, _, _, mask = self._window_bounds(steps, length, pad)
         zero_rows = None if mask.all() else np.flatnonzero(~mask.ravel())
         out = self._gather_windows(base, length, zero_rows)
         out["mask"] = torch.from_numpy(mask).to(self._device)

@@ -286,6 +286,9 @@ class StorageModel(RuleBasedStateMachine):
         want = [v if v in ep else 0 for v in range(base, base + length)]
         assert w["v"][0].tolist() == want
         assert w["mask"][0].tolist() == [v in ep for v in range(base, base + length)]
+        rows, mask = self.s.plan_windows(np.array([step]), length, pad)
+        planned = self.s._fields["v"][torch.from_numpy(rows)] * torch.from_numpy(mask)
+        assert torch.equal(planned, w["v"]) and torch.equal(torch.from_numpy(mask), w["mask"])
 
     @invariant()
     def episodes_match(self):
@@ -329,3 +332,78 @@ def test_an_allocator_provides_field_memory_and_a_wrong_tensor_is_refused():
     assert made["reward"][1].item() == 5.0
     with pytest.raises(ValueError, match=r"field 'obs' .*expected \(8, 3\) torch.float32"):
         Storage([FieldSpec("obs", (3,))], capacity=8, allocator=lambda n, shape, dt: torch.zeros(8, 4))
+
+
+def _ring_with_wrapped_episodes() -> Storage:
+    """A 64-step ring, written past its end several times, with episodes of 1..9 steps."""
+    s = Storage(SPECS, 64)
+    rng = np.random.default_rng(0)
+    i = 0
+    while i < 300:
+        n = int(rng.integers(1, 10))
+        s.append(steps(i, n), episode_end=bool(rng.integers(0, 4)))
+        i += n
+    return s
+
+
+@pytest.mark.parametrize("pad", ["tail", "head"])
+def test_plan_windows_gathered_and_masked_equals_read_windows(pad):
+    """Regression (issue 3): a reader that maps the field memory gathers F[rows], zeroes ~mask, and
+    gets exactly read_windows, including windows that wrap around the ring end."""
+    s = _ring_with_wrapped_episodes()
+    lo, hi = s.step_range
+    keys = np.arange(lo, hi, dtype=np.int64)
+    rows, mask = s.plan_windows(keys, 7, pad)
+    assert rows.dtype == np.int64 and rows.shape == (len(keys), 7) and mask.dtype == np.bool_
+    assert rows.min() >= 0 and rows.max() < s.capacity
+    assert ((keys + 6) % 64 < keys % 64).any()  # some windows do cross the ring end
+    want = s.read_windows(keys, 7, pad)
+    assert torch.equal(torch.from_numpy(mask), want["mask"])
+    for name, field in s._fields.items():
+        got = field[torch.from_numpy(rows)]
+        got[~torch.from_numpy(mask)] = 0
+        assert torch.equal(got, want[name]), name
+
+
+def test_plan_windows_padding_rows_point_into_the_window_s_own_episode():
+    s = _ring_with_wrapped_episodes()
+    lo, hi = s.step_range
+    keys = np.arange(lo, hi, dtype=np.int64)
+    eps = s.episode_bounds(keys)[0]
+    for pad in ("tail", "head"):
+        rows, _ = s.plan_windows(keys, 9, pad)
+        assert (s._step_ep[rows] == eps[:, None]).all()
+
+
+def test_plan_windows_rejects_bad_arguments_like_read_windows():
+    s = Storage(SPECS, 16)
+    s.append(steps(0, 5))
+    with pytest.raises(KeyError, match=r"^'global step 5 is not stored \(stored range \(0, 5\)\)'$"):
+        s.plan_windows(np.array([1, 5]), 3)
+    with pytest.raises(ValueError, match=r"^window length must be an int >= 1, got 0$"):
+        s.plan_windows(np.array([1]), 0)
+    with pytest.raises(ValueError, match=r"^pad must be 'head' or 'tail', got 'middle'$"):
+        s.plan_windows(np.array([1]), 2, "middle")
+
+
+def test_plan_transitions_reconstructs_read_transitions_exactly():
+    s = _ring_with_wrapped_episodes()
+    lo, hi = s.step_range
+    keys = np.arange(lo, hi, dtype=np.int64)
+    plan = s.plan_transitions(keys, n=3, gamma=0.9)
+    want = s.read_transitions(keys, n=3, gamma=0.9, next_fields=("obs", "flag"))
+    for name, field in s._fields.items():
+        if name != "reward":
+            assert torch.equal(field[torch.from_numpy(plan.rows)], want[name]), name
+    for name in ("obs", "flag"):
+        assert torch.equal(s._fields[name][torch.from_numpy(plan.next_rows)], want[f"next_{name}"])
+    r = s._fields["reward"][torch.from_numpy(plan.reward_rows)]
+    reward = (r * torch.from_numpy(plan.reward_coef).float()).sum(1)
+    assert torch.equal(reward, want["reward"])
+    assert torch.equal(torch.from_numpy(plan.discount).float(), want["discount"])
+    assert torch.equal(torch.from_numpy(plan.valid), want["valid"])
+    eps = s.episode_bounds(keys)[0]  # every slot read is a stored step of the item's own episode
+    assert (s._step_ep[plan.reward_rows] == eps[:, None]).all()
+    assert (s._step_ep[plan.next_rows] == eps).all()
+    with pytest.raises(ValueError, match=r"^n \(n-step return\) must be an int >= 1, got 0$"):
+        s.plan_transitions(keys, n=0)

@@ -37,6 +37,7 @@ from ._reactor import reaction as reaction
 from ._reactor import shutdown as shutdown
 from ._reactor import startup as startup
 from ._runtime import RunResult as RunResult
+from ._runtime import current_run_id as current_run_id
 from ._runtime import run as run
 from ._runtime import run_async as run_async
 from ._tag import Tag as Tag

@@ -45,12 +45,31 @@ class RunResult:
 
 
 _RUN_COUNTER = itertools.count()
+_CLAIMED: set[str] = set()
 
 
 def new_run_id() -> str:
-    """Give this run a fresh id (``Reactor.run_id``), inherited by the worker processes it starts."""
+    """Set a fresh id for the next run (``Reactor.run_id``); worker processes inherit it.
+
+    The CLI calls this before it builds the app's graph, so an app may name its run directory
+    after the id (:func:`current_run_id`).
+    """
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUN_COUNTER)}"
     os.environ["REACTOR_RUN_ID"] = run_id
+    return run_id
+
+
+def current_run_id() -> str:
+    """The id of the run being built or running (a fresh one if none was set)."""
+    return os.environ.get("REACTOR_RUN_ID") or new_run_id()
+
+
+def claim_run_id() -> str:
+    """A run starts: keep the id set for it, or make a new one if an earlier run used it."""
+    run_id = os.environ.get("REACTOR_RUN_ID")
+    if not run_id or run_id in _CLAIMED:
+        run_id = new_run_id()
+    _CLAIMED.add(run_id)
     return run_id
 
 
@@ -77,7 +96,7 @@ async def run_async(
 ) -> RunResult:
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
     graph.validate()
-    new_run_id()
+    claim_run_id()
     if record is not None and replay is not None:
         raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
     if (record is not None or replay is not None) and deterministic:

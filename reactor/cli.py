@@ -108,11 +108,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("\n".join(lines) if lines else "traces are identical")
         return 1 if lines else 0
     # run
-    from ._runtime import run
+    from ._runtime import new_run_id, run
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = parse_overrides(args.overrides)
+    new_run_id()  # before build: an app may name its run directory after it
     graph = build_graph(args.app, overrides)
     result = run(
         graph,

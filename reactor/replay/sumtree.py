@@ -178,6 +178,10 @@ def _nb_rebuild(
             _nb_recompute(sums, mins, base + node, cbase + node * arity, arity, level == depth - 1)
 
 
+#: Queries descended together by ``_nb_sample`` (see there); measured 64 ~ 32 < 16 < 8 (us per draw).
+_SAMPLE_GROUP = 64
+
+
 @numba.njit(cache=True, nogil=True)
 def _nb_sample(
     sums: np.ndarray,
@@ -187,35 +191,61 @@ def _nb_sample(
     stratified: bool,
     out_idx: np.ndarray,
     out_prob: np.ndarray,
-) -> None:  # pragma: no cover - jit
-    """Prefix-sum descent for each query; query j targets ``(j + u_j) / n * total`` when stratified."""
+) -> float:  # pragma: no cover - jit
+    """Prefix-sum descent for each query; query j targets ``(j + u_j) / n * total`` when stratified.
+
+    Memory-level parallelism: one query's descent is a chain of dependent loads, and below the top
+    levels each load misses the caches (a 2^20-leaf tree is 9 MB). Descending a group of queries one
+    level at a time, with a branch-free pass that first *touches* every query's child block, puts the
+    whole group's misses in flight at once before the branchy scans (whose mispredictions would
+    otherwise squash the speculative loads). Measured 2.2-3x faster than one query at a time for
+    256-1024 draws from 2^20 leaves; the arithmetic per query is unchanged, so the draws are
+    identical. Returns a value of the touched words (unused: it keeps the touch loads alive).
+    """
     depth = offsets.shape[0] - 2
     n = uniforms.shape[0]
     total = sums[0]
-    for j in range(n):
-        if stratified:
-            u = (j + uniforms[j]) * (total / n)
-        else:
-            u = uniforms[j] * total
-        node = 0
+    group = _SAMPLE_GROUP
+    node = np.zeros(group, dtype=np.int64)
+    us = np.empty(group, dtype=np.float64)
+    sink = 0.0
+    for g0 in range(0, n, group):
+        gn = min(group, n - g0)
+        for q in range(gn):
+            j = g0 + q
+            if stratified:
+                us[q] = (j + uniforms[j]) * (total / n)
+            else:
+                us[q] = uniforms[j] * total
+            node[q] = 0
         for level in range(1, depth + 1):
-            c0 = offsets[level] + node * arity
-            chosen = -1
-            last = -1
-            for c in range(arity):
-                v = sums[c0 + c]
-                if v > 0.0:
-                    if u < v:
-                        chosen = c
-                        break
-                    u -= v
-                    last = c
-            if chosen < 0:  # rounding pushed u past the block: take its last positive child
-                chosen = last
-                u = sums[c0 + last]
-            node = node * arity + chosen
-        out_idx[j] = node
-        out_prob[j] = sums[offsets[depth] + node] / total
+            base = offsets[level]
+            if level >= 3:  # levels 1-2 are a few lines, always cached
+                for q in range(gn):
+                    sink += sums[base + node[q] * arity]
+            for q in range(gn):
+                u = us[q]
+                c0 = base + node[q] * arity
+                chosen = -1
+                last = -1
+                for c in range(arity):
+                    v = sums[c0 + c]
+                    if v > 0.0:
+                        if u < v:
+                            chosen = c
+                            break
+                        u -= v
+                        last = c
+                if chosen < 0:  # rounding pushed u past the block: take its last positive child
+                    chosen = last
+                    u = sums[c0 + last]
+                us[q] = u
+                node[q] = node[q] * arity + chosen
+        leaf0 = offsets[depth]
+        for q in range(gn):
+            out_idx[g0 + q] = node[q]
+            out_prob[g0 + q] = sums[leaf0 + node[q]] / total
+    return sink
 
 
 # --------------------------------------------------------------------------------------------------

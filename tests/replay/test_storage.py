@@ -407,3 +407,34 @@ def test_plan_transitions_reconstructs_read_transitions_exactly():
     assert (s._step_ep[plan.next_rows] == eps).all()
     with pytest.raises(ValueError, match=r"^n \(n-step return\) must be an int >= 1, got 0$"):
         s.plan_transitions(keys, n=0)
+
+
+@pytest.mark.parametrize("pad", ["tail", "head"])
+def test_windows_of_odd_widths_match_a_step_by_step_reference_across_the_ring_end(pad):
+    """Regression (issue 3): the compiled window copy (one run per field and window, two at the ring
+    end) equals gathering each position's step, for rows of 3, 2, 0 and 12 bytes and bfloat16."""
+    specs = [FieldSpec("b3", (3,), torch.uint8), FieldSpec("h", (), torch.bfloat16),
+             FieldSpec("empty", (0,), torch.float32), FieldSpec("v", (3,), torch.float32)]
+    s = Storage(specs, 50)
+    rng = np.random.default_rng(1)
+    i = 0
+    while i < 230:
+        n = int(rng.integers(1, 12))
+        v = torch.arange(i, i + n)
+        s.append({"b3": (v[:, None] * torch.tensor([1, 3, 7])).to(torch.uint8), "h": v.to(torch.bfloat16),
+                  "empty": torch.zeros(n, 0), "v": v[:, None].float().repeat(1, 3)}, episode_end=bool(rng.integers(0, 3)))
+        i += n
+    lo, hi = s.step_range
+    keys = np.arange(lo, hi, dtype=np.int64)
+    assert (((keys - (9 if pad == "head" else 0)) % 50) + 10 > 50).any()  # windows that cross the ring end
+    w = s.read_windows(keys, 10, pad)
+    _, start, end = s.episode_bounds(keys)
+    base = keys if pad == "tail" else keys - 9
+    g = base[:, None] + np.arange(10)[None, :]
+    valid = (g >= start[:, None]) & (g < end[:, None])
+    assert torch.equal(w["mask"], torch.from_numpy(valid))
+    ref = s.read_steps(np.where(valid, g, keys[:, None]).ravel())
+    for name in ("b3", "h", "empty", "v"):
+        want = ref[name].view(len(keys), 10, *ref[name].shape[1:]).clone()
+        want[torch.from_numpy(~valid)] = 0
+        assert w[name].dtype == want.dtype and torch.equal(w[name], want), name

@@ -1,0 +1,84 @@
+"""Compiled memory primitives shared by the replay kernels: software prefetch, raw copy and zero.
+
+These are numba intrinsics, usable only inside ``@numba.njit`` code. They take *addresses*
+(``arr.ctypes.data + offset``, int64) rather than arrays, because the kernels that use them copy
+whole contiguous byte runs between arrays of different widths (one storage field after another)
+and issue prefetches for rows they will read later.
+
+- ``prefetch(addr)``: a hint to start loading the cache line at ``addr`` (``llvm.prefetch``, read,
+  high locality). It never faults, so an address past the end of an array is harmless; it retires
+  at once, unlike a plain load, so many can be in flight while the core keeps copying.
+- ``copy_bytes(dst, src, nbytes)``: ``memcpy`` (``llvm.memcpy``: libc's vectorized copy for large
+  runs). The ranges must not overlap.
+- ``zero_bytes(dst, nbytes)``: ``memset(dst, 0, nbytes)``.
+
+The caller is responsible for every address and length being inside live arrays (the kernels that
+use these compute them from validated ring positions and keep the arrays alive for the call).
+
+Example (inside a kernel)::
+
+    @numba.njit
+    def first_row_copy(src, dst):
+        copy_bytes(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llvmlite.ir as ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["copy_bytes", "prefetch", "zero_bytes"]
+
+_I32 = ir.IntType(32)
+
+
+def _as_ptr(builder: Any, addr: Any) -> Any:
+    return builder.inttoptr(addr, cgutils.voidptr_t)
+
+
+@intrinsic
+def prefetch(typingctx: Any, addr: Any) -> Any:
+    """Prefetch the cache line holding address ``addr`` for reading (no fault on bad addresses)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, _I32, _I32, _I32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [cgutils.voidptr_t], fnty)
+        # rw = 0 (read), locality = 3 (keep in all cache levels), cache type = 1 (data)
+        builder.call(fn, [_as_ptr(builder, args[0]), _I32(0), _I32(3), _I32(1)])
+        return context.get_dummy_value()
+
+    return types.void(addr), codegen
+
+
+@intrinsic
+def copy_bytes(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:
+    """``memcpy(dst, src, nbytes)`` on integer addresses (non-overlapping)."""
+    if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, s, n = args
+        cgutils.raw_memcpy(builder, _as_ptr(builder, d), _as_ptr(builder, s), n, 1)
+        return context.get_dummy_value()
+
+    return types.void(dst, src, nbytes), codegen
+
+
+@intrinsic
+def zero_bytes(typingctx: Any, dst: Any, nbytes: Any) -> Any:
+    """``memset(dst, 0, nbytes)`` on an integer address."""
+    if not all(isinstance(a, types.Integer) for a in (dst, nbytes)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, n = args
+        cgutils.memset(builder, _as_ptr(builder, d), n, 0)
+        return context.get_dummy_value()
+
+    return types.void(dst, nbytes), codegen

@@ -1,0 +1,434 @@
+"""The ZeroMQ backend of the bulk transport: a read server thread in the owner, a client in readers.
+
+Why a thread and not a task on the owner's event loop: a read is a gather of up to hundreds of MB
+done by a GIL-free kernel; on the owner's loop it would stall the owner's reactions for its whole
+duration, and the owner's reactions would delay reads. The server thread has its own zmq context
+and ROUTER socket, never touches the owner's loop, and reads the owner's field memory directly
+(the owner's reactor code is not involved in serving reads at all). It is stopped through an
+inproc socket, so ``aclose()`` returns as soon as the current request is answered.
+
+Wire protocol (every message is :mod:`reactor.transport.codec` frames, nothing pickled):
+
+- request ``{"op": "hello", "id", "region", "generation"}`` -> ``{"id", "ok": True, "rows",
+  "fields"}``: checks the reader's descriptor still matches the owner (attach).
+- request ``{"op": "read", "id", "region", "generation", "fields": [names], "starts": int64[R],
+  "lengths": int64[R], "check": bool, "expected": int64[K] | None}`` -> ``{"id", "ok": True,
+  "data": [uint8[K * row_nbytes] per field], "valid": bool[K] | None}``: rows are given as runs
+  (``starts``, ``lengths``); the reply's data arrays travel as zero-copy frames.
+- any error -> ``{"id", "ok": False, "error": class name, "message": text}``; the reader raises
+  that class (from an allow-list) with that text. A malformed request is answered the same way
+  when it carries an id, else logged and dropped; the server keeps serving.
+
+Sizes are bounded both ways: zmq's ``MAXMSGSIZE`` on the server refuses requests over
+``max_request_nbytes`` before they reach Python, and a read whose reply would exceed
+``max_reply_nbytes`` is refused with ``FrameTooLargeError`` (readers check first, without a round
+trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
+
+from . import _gather
+from .codec import decode, encode
+
+__all__ = ["ZmqClient", "ZmqServer"]
+
+log = logging.getLogger("reactor.transport.bulk")
+
+PROTOCOL = 1
+#: Bytes of a reply beyond its data (msgpack header, valid mask): the reply bound allows for it.
+REPLY_OVERHEAD_NBYTES = 64 * 1024
+#: Bytes of a request besides its runs and expected versions.
+REQUEST_OVERHEAD_NBYTES = 4096
+
+_ERRORS: dict[str, type[Exception]] = {
+    "KeyError": KeyError,
+    "ValueError": ValueError,
+    "IndexError": IndexError,
+    "TypeError": TypeError,
+    "FrameTooLargeError": FrameTooLargeError,
+    "MalformedFrameError": MalformedFrameError,
+    "PeerLostError": PeerLostError,
+}
+
+
+class ServedRegion:
+    """What the server needs of one region: its rows, generation and per-field byte views."""
+
+    __slots__ = ("fields", "generation", "name", "rows", "version_field")
+
+    def __init__(self, name: str, rows: int, generation: int) -> None:
+        self.name = name
+        self.rows = rows
+        self.generation = generation
+        #: field -> (row_nbytes, word view [rows, words] or None, torch tensor); replaced, never mutated
+        self.fields: dict[str, tuple[int, np.ndarray | None, Any]] = {}
+        self.version_field: str | None = None
+
+
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Rows of runs ``[starts[i], starts[i] + lengths[i])``, concatenated (vectorized)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _gather_field(entry: tuple[int, np.ndarray | None, Any], rows: np.ndarray) -> np.ndarray:
+    """Gather ``rows`` of one field into a fresh uint8 array ``[K * row_nbytes]``."""
+    rb, wv, tensor = entry
+    if wv is None:  # a device (CUDA) field: gather there, stage through host memory
+        import torch
+
+        idx = torch.from_numpy(rows).to(tensor.device)
+        got = tensor.index_select(0, idx).contiguous().cpu()
+        return got.reshape(-1).view(torch.uint8).numpy() if got.numel() else np.empty(0, np.uint8)
+    out = np.empty(rows.shape[0] * rb, dtype=np.uint8)
+    if rb:
+        _gather.gather_rows(wv, rows, _gather.words(out, rb))
+    return out
+
+
+class ZmqServer:
+    """Serves reads of an owner's regions from a thread with its own zmq socket.
+
+    Args:
+        lookup: ``region name -> ServedRegion | None`` (called from the server thread).
+        bind: zmq address to bind (``tcp://HOST:*`` or ``ipc://PATH``).
+        max_request_nbytes / max_reply_nbytes: the bounds described in the module docstring.
+        heartbeat_ivl_s / heartbeat_timeout_s: zmq heartbeats on reader connections.
+    """
+
+    def __init__(
+        self,
+        lookup: Callable[[str], ServedRegion | None],
+        bind: str,
+        *,
+        max_request_nbytes: int,
+        max_reply_nbytes: int,
+        heartbeat_ivl_s: float,
+        heartbeat_timeout_s: float,
+        name: str,
+    ) -> None:
+        self._lookup = lookup
+        self._max_request = max_request_nbytes
+        self._max_reply = max_reply_nbytes
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_request_nbytes)
+        self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_ivl_s * 1000))
+        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
+        self._router.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            self._router.bind(bind)
+        except zmq.ZMQError as exc:
+            self._router.close(0)
+            self._ctx.term()
+            raise OSError(f"bulk zmq server cannot bind {bind!r}: {exc}") from None
+        self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop_addr = f"inproc://bulk-stop-{id(self)}"
+        self._stop_rx = self._ctx.socket(zmq.PAIR)
+        self._stop_rx.bind(self._stop_addr)
+        self._stop_tx = self._ctx.socket(zmq.PAIR)
+        self._stop_tx.setsockopt(zmq.LINGER, 0)
+        self._stop_tx.connect(self._stop_addr)
+        self.served = 0
+        self.refused = 0
+        #: further ops (e.g. the rdma key exchange): name -> handler(request, region) -> reply fields
+        self.extra_ops: dict[str, Callable[[dict[str, Any], ServedRegion], dict[str, Any]]] = {}
+        self._thread = threading.Thread(target=self._run, name=f"bulk-server-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Stop the thread (after the request in hand) and release the sockets. Idempotent."""
+        if self._ctx.closed:
+            return
+        if self._thread.is_alive():
+            self._stop_tx.send(b"stop")
+            self._thread.join()
+        self._stop_tx.close(0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._stop_rx, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._stop_rx in ready:
+                    return
+                for _ in range(64):  # drain what is ready, then look at the stop socket again
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        except Exception:  # pragma: no cover - a bug; readers then see PeerLostError
+            log.exception("bulk zmq server thread failed")
+        finally:
+            self._router.close(0)
+            self._stop_rx.close(0)
+
+    # ------------------------------------------------------------------ requests
+
+    def _handle(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            return
+        ident = frames[0].bytes
+        req_id: Any = None
+        try:
+            req = decode(frames[1:], max_nbytes=self._max_request)
+            if type(req) is not dict:
+                raise MalformedFrameError(f"a bulk request must be a dict, got {type(req).__name__}")
+            req_id = req.get("id")
+            reply = self._serve(req)
+            self.served += 1
+        except (KeyError, ValueError, IndexError, TypeError, FrameTooLargeError, MalformedFrameError) as exc:
+            self.refused += 1
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            if req_id is None:
+                log.warning("bulk server: dropped a request without an id from %r: %s", ident[:32], msg)
+                return
+            reply = {"id": req_id, "ok": False, "error": type(exc).__name__, "message": str(msg)}
+        try:
+            out = encode(reply)
+        except (TypeError, ValueError) as exc:  # an id of a type we cannot echo
+            log.warning("bulk server: could not encode a reply to %r: %s", ident[:32], exc)
+            return
+        try:
+            self._router.send_multipart([ident, *out], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # the reader is gone or flooded: it will time out or see the loss
+            log.info("bulk server: could not reply to %r: %s", ident[:32], exc)
+
+    def _serve(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        region = self._lookup(req.get("region"))  # type: ignore[arg-type]
+        if region is None:
+            raise KeyError(f"bulk owner has no region {req.get('region')!r:.100}")
+        if req.get("generation") != region.generation:
+            raise PeerLostErrorReply(
+                f"bulk region {region.name!r} is generation {region.generation}, the reader's descriptor "
+                f"has {req.get('generation')!r:.40} (the owner restarted); get a fresh descriptor"
+            )
+        if op == "hello":
+            return {"id": req["id"], "ok": True, "rows": region.rows, "fields": sorted(region.fields)}
+        if op != "read":
+            handler = self.extra_ops.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise ValueError(f"unknown bulk request op {op!r:.40}")
+            return {**handler(req, region), "id": req["id"], "ok": True}
+        names = req.get("fields")
+        if type(names) is not list or not all(type(n) is str for n in names):
+            raise ValueError("bulk read: 'fields' must be a list of field names")
+        fields = region.fields
+        for n in names:
+            if n not in fields:
+                raise KeyError(f"bulk region {region.name!r} has no field {n!r:.100}; it has {sorted(fields)}")
+        starts, lengths = req.get("starts"), req.get("lengths")
+        if not (
+            isinstance(starts, np.ndarray)
+            and isinstance(lengths, np.ndarray)
+            and starts.dtype == np.int64
+            and lengths.dtype == np.int64
+            and starts.shape == lengths.shape
+            and starts.ndim == 1
+        ):
+            raise ValueError("bulk read: 'starts' and 'lengths' must be int64 arrays of one shape [R]")
+        check_runs(starts, lengths, region.rows, region.name)
+        total = int(lengths.sum())
+        nbytes = total * sum(fields[n][0] for n in names)
+        if nbytes + REPLY_OVERHEAD_NBYTES > self._max_reply:
+            raise FrameTooLargeError(
+                f"bulk read of {total} rows ({nbytes} bytes) from region {region.name!r} exceeds the owner's "
+                f"max_reply_nbytes of {self._max_reply}; read fewer rows per call"
+            )
+        rows = expand_runs(starts, lengths)
+        check = bool(req.get("check"))
+        expected = req.get("expected")
+        if expected is not None and not (
+            isinstance(expected, np.ndarray) and expected.dtype == np.int64 and expected.shape == (total,)
+        ):
+            raise ValueError(f"bulk read: 'expected' must be an int64 array of {total} versions")
+        if not check:
+            return {"id": req["id"], "ok": True, "data": [_gather_field(fields[n], rows) for n in names], "valid": None}
+        vf = region.version_field
+        if vf is None:
+            raise ValueError(f"bulk region {region.name!r} has no version column (owner: allocate_versions)")
+        vwords = fields[vf][1]
+        assert vwords is not None
+        versions = vwords.reshape(-1).view(np.int64)
+        v1 = _gather.load_versions_fence(versions, rows)
+        data = [_gather_field(fields[n], rows) for n in names]
+        v2 = _gather.fence_load_versions(versions, rows)
+        return {"id": req["id"], "ok": True, "data": data, "valid": seqlock_mask(v1, v2, expected)}
+
+
+class PeerLostErrorReply(ValueError):
+    """Raised in the server for a stale generation; travels to the reader as ``PeerLostError``."""
+
+
+_ERRORS["PeerLostErrorReply"] = PeerLostError
+
+
+def seqlock_mask(v1: np.ndarray, v2: np.ndarray, expected: np.ndarray | None) -> np.ndarray:
+    """Rows whose version was stable across the gather, not mid-write, and as expected."""
+    valid = (v1 == v2) & (v1 >= 0)
+    if expected is not None:
+        valid &= v1 == expected
+    return valid
+
+
+def check_runs(starts: np.ndarray, lengths: np.ndarray, rows: int, region: str) -> None:
+    """Raise ``IndexError``/``ValueError`` naming the first bad run (vectorized checks)."""
+    if starts.shape[0] == 0:
+        return
+    bad = (lengths < 0) | (starts < 0) | (starts > rows - lengths)
+    if bad.any():
+        i = int(np.argmax(bad))
+        if lengths[i] < 0:
+            raise ValueError(f"bulk run {i} of region {region!r} has length {int(lengths[i])} < 0")
+        raise IndexError(
+            f"bulk run {i} of region {region!r}: rows [{int(starts[i])}, {int(starts[i]) + int(lengths[i])}) "
+            f"are out of range [0, {rows})"
+        )
+
+
+# ---------------------------------------------------------------------------------------- client
+
+
+class ZmqClient:
+    """A reader's connection to one owner's server: a DEALER, its monitor, one request at a time.
+
+    Requests on one client are serialised (a lock); a reader reading from several owners at once
+    (one client each) overlaps them. A connection that closes (the owner's process died, or
+    heartbeats timed out) marks the client lost for good: every waiting and later request raises
+    ``PeerLostError``, and the reader must attach a fresh descriptor.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        *,
+        max_reply_nbytes: int,
+        heartbeat_ivl_s: float,
+        heartbeat_timeout_s: float,
+    ) -> None:
+        self.address = address
+        self.max_reply_nbytes = max_reply_nbytes
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_ivl_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
+        self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.sock.connect(address)
+        self.lock = asyncio.Lock()
+        self.lost: str | None = None
+        self.connected = False
+        self.next_id = 1
+        self.users = 0  # attached regions using this client
+
+    def close(self) -> None:
+        if self.sock.closed:
+            return
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:  # pragma: no cover
+            pass
+        self.mon.close(0)
+        self.sock.close(0)
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                frames = self.mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # pragma: no cover - closed
+                return
+            if hasattr(frames, "result"):  # zmq.asyncio returns a done future for NOBLOCK
+                try:
+                    frames = frames.result()
+                except zmq.Again:
+                    return
+            self._on_event(frames)
+
+    def _on_event(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or len(frames[0]) != 6:
+            return
+        event, _value = struct.unpack("=Hi", frames[0])
+        if event == zmq.EVENT_CONNECTED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self.lost is None:
+            self.lost = "the connection closed (its process exited, or heartbeats timed out)"
+
+    def _lost_error(self) -> PeerLostError:
+        return PeerLostError(f"bulk owner at {self.address} was lost: {self.lost}")
+
+    async def call(self, request: dict[str, Any], *, timeout_s: float, what: str) -> dict[str, Any]:
+        """Send one request and return its decoded reply (errors in the reply are raised).
+
+        Raises:
+            PeerLostError: the connection closed, or no reply came within ``timeout_s``.
+            (and any allow-listed error class the server answered with)
+        """
+        loop = asyncio.get_running_loop()
+        async with self.lock:
+            self._drain_monitor()
+            if self.lost is not None:
+                raise self._lost_error()
+            req_id = self.next_id
+            self.next_id += 1
+            request["id"] = req_id
+            await self.sock.send_multipart(encode(request), copy=False)
+            deadline = loop.time() + timeout_s
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise PeerLostError(
+                        f"bulk owner at {self.address} did not answer {what} within {timeout_s} s "
+                        f"(it is gone or stuck)"
+                    )
+                recv = self.sock.recv_multipart(copy=False)
+                mon = self.mon.recv_multipart()
+                done, _ = await asyncio.wait({recv, mon}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if mon.done():
+                    self._on_event(mon.result())
+                else:
+                    mon.cancel()
+                if not recv.done():
+                    recv.cancel()
+                    if self.lost is not None:
+                        raise self._lost_error()
+                    continue
+                frames = recv.result()
+                try:
+                    reply = decode(frames, max_nbytes=self.max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
+                except (MalformedFrameError, FrameTooLargeError) as exc:
+                    raise MalformedFrameError(f"bulk owner at {self.address} sent a bad reply: {exc}") from None
+                if type(reply) is not dict or reply.get("id") != req_id:
+                    continue  # the late reply to a request that timed out earlier
+                if reply.get("ok") is True:
+                    return reply
+                cls = _ERRORS.get(str(reply.get("error")), MalformedFrameError)
+                raise cls(str(reply.get("message")))

@@ -1,0 +1,367 @@
+"""POSIX shared-memory segments of the bulk transport: naming, header, liveness, stale cleanup.
+
+One segment holds one field of one region: ``/rxb.<run id>.<region>.<field>``, so every process
+of a run derives the same name from the same three strings. A segment starts with a 4096-byte
+header (the data after it is page-aligned) of little-endian uint64 words:
+
+====  ==================  =========================================================================
+word  name                meaning
+====  ==================  =========================================================================
+0     magic               ``b"RXBULK\\x00\\x01"`` (layout version 1)
+1     state               1 live, 2 closed by its owner, 3 owner lost (marked by a later cleanup)
+2     generation          the owner's generation (a fresh number per :class:`BulkOwner` opened)
+3     owner pid
+4     owner start time    the pid's start time (``/proc/PID/stat`` field 22): tells a reused pid
+5     owner pid ns        inode of the owner's pid namespace (pids compare only inside one)
+6     rows                rows in the segment
+7     row nbytes          bytes per row (the data is ``rows * row_nbytes`` bytes)
+====  ==================  =========================================================================
+
+Life cycle: the owner creates a segment with ``O_EXCL`` and writes the header (state last); it
+sets state 2 and unlinks on ``aclose()`` and at interpreter exit. If the owner dies (``kill -9``),
+the next owner of the same name, or :func:`cleanup_stale`, finds the dead pid, sets state 3 and
+unlinks. A reader still mapping that memory sees state != 1 (or the dead pid) at its next read and
+raises instead of returning data of a dead generation.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+try:  # CPython's own binding of shm_open/shm_unlink (what multiprocessing.shared_memory uses)
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+__all__ = [
+    "HEADER_NBYTES",
+    "STATE_CLOSED",
+    "STATE_LIVE",
+    "STATE_LOST",
+    "Segment",
+    "check_name_part",
+    "cleanup_stale",
+    "owner_alive",
+    "process_identity",
+    "segment_name",
+]
+
+PREFIX = "rxb."
+MAGIC = b"RXBULK\x00\x01"
+HEADER_NBYTES = 4096
+STATE_LIVE, STATE_CLOSED, STATE_LOST = 1, 2, 3
+_HEADER = struct.Struct("<8s7Q")
+_SHM_DIR = "/dev/shm"
+_NAME_PART = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: A segment whose header was never completed is left alone this long (its creator may be mid-way).
+_UNFINISHED_GRACE_S = 10.0
+
+
+def check_name_part(kind: str, value: object) -> str:
+    """Validate a run id, region or field name used in segment names; return it.
+
+    Raises:
+        ValueError: not 1..64 characters of ``[A-Za-z0-9_-]``.
+    """
+    if not isinstance(value, str) or not _NAME_PART.match(value):
+        raise ValueError(
+            f"bulk {kind} must be 1..64 characters of letters, digits, '_' or '-' (it names shared "
+            f"memory segments), got {value!r}"
+        )
+    return value
+
+
+def segment_name(run_id: str, region: str, field: str) -> str:
+    """The POSIX shm name (leading ``/``) of one field of one region of a run."""
+    return f"/{PREFIX}{run_id}.{region}.{field}"
+
+
+def _pid_start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot; None if there is no such live process.
+
+    A zombie (killed, not yet reaped by its parent) counts as no process: it will never write again.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 2 (comm) may hold spaces and parentheses: split after its closing parenthesis.
+    try:
+        rest = stat[stat.rindex(b")") + 2 :].split()
+        if rest[0] in (b"Z", b"X"):
+            return None
+        return int(rest[19])
+    except (ValueError, IndexError):  # pragma: no cover - malformed /proc
+        return None
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # pragma: no cover - no procfs
+        return 0
+
+
+def process_identity() -> tuple[int, int, int]:
+    """``(pid, start time, pid namespace)`` of this process, as written in segment headers."""
+    pid = os.getpid()
+    return pid, _pid_start_time(pid) or 0, _pid_namespace()
+
+
+def owner_alive(pid: int, start_time: int, pid_ns: int, *, check_start: bool = True) -> bool:
+    """Whether the process that wrote a header still runs.
+
+    A pid in another pid namespace cannot be checked from here: it counts as alive (the header's
+    state word then carries the news of its death, set by whoever cleans up).
+    """
+    if pid <= 0:
+        return False
+    if pid_ns and pid_ns != _pid_namespace():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    if check_start and os.path.isdir("/proc/self"):
+        now = _pid_start_time(pid)
+        if now is None or (start_time and now != start_time):
+            return False  # a zombie, or the pid was reused by another process
+    return True
+
+
+def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
+    if _posixshmem is not None:
+        return int(_posixshmem.shm_open(name, flags, mode))
+    return os.open(_SHM_DIR + name, flags, mode)  # pragma: no cover
+
+
+def _shm_unlink(name: str) -> bool:
+    """Unlink; False if it was already gone."""
+    try:
+        if _posixshmem is not None:
+            _posixshmem.shm_unlink(name)
+        else:  # pragma: no cover
+            os.unlink(_SHM_DIR + name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+class Segment:
+    """One mapped segment: its header words and its data bytes.
+
+    The owner maps read-write; a reader maps read-only (it can never corrupt the owner's memory).
+    """
+
+    __slots__ = ("data", "header", "mm", "name", "row_nbytes", "rows", "writable")
+
+    def __init__(self, name: str, mm: mmap.mmap, writable: bool) -> None:
+        self.name = name
+        self.mm = mm
+        self.writable = writable
+        # uint64 words of the header; index 1 (state) is read on every read, as one aligned load.
+        self.header: np.ndarray = np.frombuffer(mm, dtype=np.uint64, count=8)
+        self.rows = int(self.header[6])
+        self.row_nbytes = int(self.header[7])
+        nbytes = self.rows * self.row_nbytes
+        self.data: np.ndarray = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=HEADER_NBYTES)
+
+    # ------------------------------------------------------------------ owner side
+
+    @classmethod
+    def create(cls, name: str, rows: int, row_nbytes: int, generation: int) -> Segment:
+        """Create ``name`` (removing a stale one left by a dead owner) and write its header.
+
+        Raises:
+            FileExistsError: a live process owns a segment of that name.
+        """
+        size = HEADER_NBYTES + rows * row_nbytes
+        for _attempt in range(3):
+            try:
+                fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+            except FileExistsError:
+                holder = _stale_reason(name, grace_s=0.0)
+                if holder is None:
+                    info = read_header(name)
+                    pid = info["pid"] if info else "?"
+                    raise FileExistsError(
+                        f"shared memory segment {name!r} is owned by live process {pid}: two owners "
+                        f"in one run registered the same region; give each region a unique name"
+                    ) from None
+                _mark_lost_and_unlink(name)
+                continue
+            try:
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                _shm_unlink(name)
+                raise
+            os.close(fd)
+            pid, start, ns = process_identity()
+            mm[: _HEADER.size] = _HEADER.pack(MAGIC, 0, generation, pid, start, ns, rows, row_nbytes)
+            seg = cls(name, mm, writable=True)
+            seg.header[1] = STATE_LIVE  # last: a header with state 0 is "being created"
+            return seg
+        raise FileExistsError(f"could not create shared memory segment {name!r}: it keeps reappearing")
+
+    def close_owner(self, state: int = STATE_CLOSED) -> None:
+        """Mark the segment closed (readers stop), unlink its name, and unmap it if nothing uses it."""
+        if self.mm.closed:
+            return
+        self.header[1] = state
+        _shm_unlink(self.name)
+        self._unmap()
+
+    # ------------------------------------------------------------------ reader side
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment read-only.
+
+        Raises:
+            FileNotFoundError: no segment of that name.
+            ValueError: not a bulk segment (bad magic or size).
+        """
+        fd = _shm_open(name, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_NBYTES:
+                raise ValueError(f"shared memory segment {name!r} is {size} bytes, smaller than a header")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if mm[:8] != MAGIC:
+            mm.close()
+            raise ValueError(f"shared memory segment {name!r} is not a reactor bulk segment (bad magic)")
+        seg = cls(name, mm, writable=False)
+        if HEADER_NBYTES + seg.rows * seg.row_nbytes > size:
+            seg.close_reader()
+            raise ValueError(f"shared memory segment {name!r} is shorter than its header says")
+        return seg
+
+    def close_reader(self) -> None:
+        """Unmap (if no array still views the memory; otherwise the mapping goes with the last view)."""
+        self._unmap()
+
+    def _unmap(self) -> None:
+        self.header = self.header[:0]
+        self.data = self.data[:0]
+        try:
+            self.mm.close()
+        except BufferError:  # tensors handed out still view it; it is unmapped when they die
+            pass
+
+    # ------------------------------------------------------------------ header fields
+
+    @property
+    def state(self) -> int:
+        return int(self.header[1])
+
+    @property
+    def generation(self) -> int:
+        return int(self.header[2])
+
+    @property
+    def owner(self) -> tuple[int, int, int]:
+        h = self.header
+        return int(h[3]), int(h[4]), int(h[5])
+
+
+def read_header(name: str) -> dict[str, Any] | None:
+    """The header of segment ``name`` as a dict, or None if absent, unfinished or not ours."""
+    try:
+        fd = _shm_open(name, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, _HEADER.size, 0)
+        mtime = os.fstat(fd).st_mtime
+    except OSError:  # pragma: no cover
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) < _HEADER.size:
+        return {"magic": False, "mtime": mtime}
+    magic, state, gen, pid, start, ns, rows, row_nbytes = _HEADER.unpack(raw)
+    return {
+        "magic": magic == MAGIC,
+        "state": state,
+        "generation": gen,
+        "pid": pid,
+        "start": start,
+        "ns": ns,
+        "rows": rows,
+        "row_nbytes": row_nbytes,
+        "mtime": mtime,
+    }
+
+
+def _stale_reason(name: str, grace_s: float) -> str | None:
+    """Why segment ``name`` is stale (dead owner, unfinished, closed), or None if a live owner holds it."""
+    info = read_header(name)
+    if info is None:
+        return "gone"
+    if not info["magic"] or info["state"] == 0:
+        # Being created (the header is written right after the segment): leave it for a while.
+        if time.time() - info["mtime"] < grace_s:
+            return None
+        return "never finished"
+    if info["state"] != STATE_LIVE:
+        return "closed"
+    if not owner_alive(info["pid"], info["start"], info["ns"]):
+        return f"owner pid {info['pid']} is dead"
+    return None
+
+
+def _mark_lost_and_unlink(name: str) -> None:
+    """Tell readers still mapping ``name`` that its owner is gone (state 3), then unlink it."""
+    try:
+        fd = _shm_open(name, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        if os.fstat(fd).st_size >= HEADER_NBYTES:
+            mm = mmap.mmap(fd, HEADER_NBYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                if mm[:8] == MAGIC:
+                    mm[8:16] = struct.pack("<Q", STATE_LOST)
+            finally:
+                mm.close()
+    finally:
+        os.close(fd)
+    _shm_unlink(name)
+
+
+def list_segments(run_id: str | None = None) -> list[str]:
+    """Names (with leading ``/``) of this package's segments, of one run or of all runs (Linux)."""
+    prefix = PREFIX if run_id is None else f"{PREFIX}{run_id}."
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except OSError:  # pragma: no cover - no /dev/shm (not Linux)
+        return []
+    return sorted("/" + e for e in entries if e.startswith(prefix))
+
+
+def cleanup_stale(run_id: str | None = None, *, grace_s: float = _UNFINISHED_GRACE_S) -> list[str]:
+    """Unlink segments whose owner is dead (or that were closed or never finished); return their names.
+
+    Segments of live owners are left alone. Each stale segment is marked "owner lost" before it is
+    unlinked, so a reader still mapping it fails at its next read instead of reading on.
+    """
+    removed = []
+    for name in list_segments(run_id):
+        if _stale_reason(name, grace_s) is not None:
+            _mark_lost_and_unlink(name)
+            removed.append(name)
+    return removed

@@ -1,0 +1,540 @@
+"""The bulk transport: owners in real processes, readers over shared memory and ZeroMQ.
+
+Every async test runs on asyncio and uvloop (tests/conftest.py). Owner processes are always killed
+(if still running) and reaped; every test checks that no shared-memory segment of its run is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+import zmq
+import zmq.asyncio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reactor._errors import FrameTooLargeError, PeerLostError, PortClosedError
+from reactor.replay.storage import FieldSpec, Storage
+from reactor.transport import _shm
+from reactor.transport.bulk import (
+    VERSION_FIELD,
+    BulkOwner,
+    BulkReader,
+    capabilities,
+    choose_backend,
+    cleanup_stale_segments,
+    coalesce_runs,
+    seqlock_begin,
+    seqlock_end,
+)
+from reactor.transport.codec import decode, encode
+from tests.transport._bulk_peer import FIELDS, expected_rows
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 30  # bound on every wait for another process
+
+
+def assert_rows(got: dict[str, Any], rows: np.ndarray, fields: list[str] | None = None) -> None:
+    want = expected_rows(rows)
+    for name in fields or list(FIELDS):
+        g = got[name]
+        g = torch.from_numpy(g) if isinstance(g, np.ndarray) else g
+        assert g.dtype == want[name].dtype and g.shape == want[name].shape, name
+        assert torch.equal(g, want[name]), name
+
+
+@pytest.fixture
+def run_id() -> Any:
+    """A fresh run id; at teardown, no segment of it may be left in /dev/shm."""
+    rid = f"t{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    yield rid
+    left = _shm.list_segments(rid)
+    for name in left:  # do not leak into other tests even when failing
+        _shm._shm_unlink(name)
+    assert not left, f"leaked shared memory segments: {left}"
+
+
+@pytest_asyncio.fixture
+async def reader() -> AsyncIterator[BulkReader]:
+    r = await BulkReader.open(timeout_s=WAIT_S)
+    yield r
+    await r.aclose()
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}, "tasks left pending"
+
+
+class OwnerProcess:
+    def __init__(self, proc: asyncio.subprocess.Process, info: dict[str, Any]) -> None:
+        self.proc = proc
+        self.descriptor: dict[str, Any] = info["descriptor"]
+
+    async def command(self, cmd: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd.encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), WAIT_S)
+        assert line, f"owner exited without output (rc={await self.proc.wait()})"
+        return json.loads(line)
+
+    async def exit_code(self) -> int:
+        return await asyncio.wait_for(self.proc.wait(), WAIT_S)
+
+    async def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        assert await self.exit_code() == -signal.SIGKILL
+
+
+@contextlib.asynccontextmanager
+async def owner_process(role: str, **cfg: Any) -> AsyncIterator[OwnerProcess]:
+    """Run tests/transport/_bulk_peer.py; always killed (if still running) and reaped."""
+    loop = asyncio.get_running_loop()
+    cfg.setdefault("loop", "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio")
+    cfg.setdefault("region", "shard0")
+    cfg.setdefault("rows", 1000)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.transport._bulk_peer", role, json.dumps(cfg),
+        cwd=REPO, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), WAIT_S)
+        assert line, f"owner {role} failed to start (rc={await proc.wait()})"
+        yield OwnerProcess(proc, json.loads(line))
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await asyncio.wait_for(proc.communicate(), WAIT_S)
+
+
+# ------------------------------------------------------------------------------------ reads across processes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["shm", "zmq"])
+async def test_a_reader_gathers_window_batches_of_every_dtype_from_an_owner_process(run_id, reader, backend):
+    async with owner_process("serve", run_id=run_id, backends=[backend], rows=5000) as owner:
+        assert await reader.attach(owner.descriptor) == "shard0"
+        assert reader.backend("shard0") == backend
+        rng = np.random.default_rng(1)
+        # [B, T] windows of consecutive slots, some wrapping around the ring's end, some repeated.
+        starts = np.concatenate([rng.integers(0, 5000, 30), [4990, 4990, 0]])
+        rows = (starts[:, None] + np.arange(16)) % 5000
+        got = await reader.read("shard0", rows)
+        assert sorted(got) == sorted(FIELDS)
+        assert_rows(got, rows)
+        # A subset of fields, int32 rows, a single row, and no row at all.
+        got = await reader.read("shard0", np.array([7, 3], np.int32), fields=["odd", "step"])
+        assert sorted(got) == ["odd", "step"]
+        assert_rows(got, np.array([7, 3]), ["odd", "step"])
+        assert_rows(await reader.read("shard0", np.array(4999)), np.array(4999))
+        empty = await reader.read("shard0", np.zeros((0, 16), np.int64))
+        assert empty["obs"].shape == (0, 16, 8) and empty["half"].dtype == torch.bfloat16
+        await owner.command("close")
+        assert await owner.line() == {"closed": True}
+        assert await owner.exit_code() == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["shm", "zmq"])
+async def test_reads_land_in_caller_buffers_and_runs_read_the_same_rows(run_id, reader, backend):
+    async with owner_process("serve", run_id=run_id, backends=[backend]) as owner:
+        await reader.attach(owner.descriptor)
+        starts, lengths = np.array([10, 500, 998, 0]), np.array([5, 1, 2, 0])
+        rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        out: dict[str, Any] = {
+            "obs": torch.full((8, 8), -1.0),
+            "step": np.full(8, -1, np.int64),
+            "half": torch.zeros((8, 3), dtype=torch.bfloat16),
+        }
+        got = await reader.read_runs("shard0", starts, lengths, fields=["obs", "step", "half"], out=out)
+        assert all(got[n] is out[n] for n in out)
+        assert_rows(got, rows, ["obs", "step", "half"])
+        assert_rows(await reader.read_runs("shard0", starts, lengths), rows)
+        await owner.command("close")
+        assert await owner.exit_code() == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["shm", "zmq"])
+async def test_bad_reads_raise_errors_naming_the_value_and_the_reader_keeps_working(run_id, reader, backend):
+    async with owner_process("serve", run_id=run_id, backends=[backend], rows=100) as owner:
+        await reader.attach(owner.descriptor)
+        with pytest.raises(KeyError, match=r"bulk region 'nope' is not attached; attached: \['shard0'\]"):
+            await reader.read("nope", [1])
+        with pytest.raises(KeyError, match=r"bulk region 'shard0' has no field 'rgb'; it has \["):
+            await reader.read("shard0", [1], fields=["rgb"])
+        with pytest.raises(IndexError, match=r"^read\('shard0'\): row 100 at position 2 is out of range \[0, 100\)$"):
+            await reader.read("shard0", [1, 2, 100])
+        with pytest.raises(IndexError, match=r"row -1 at position 0 is out of range"):
+            await reader.read("shard0", np.array([[-1, 3]]))
+        with pytest.raises(TypeError, match=r"rows must be integers \(int64 ring slots\), got dtype float64"):
+            await reader.read("shard0", [1.0, 2.0])
+        with pytest.raises(IndexError, match=r"^bulk run 1 of region 'shard0': rows \[95, 105\) are out of range \[0, 100\)$"):
+            await reader.read_runs("shard0", [0, 95], [3, 10])
+        with pytest.raises(ValueError, match=r"bulk run 0 of region 'shard0' has length -1 < 0"):
+            await reader.read_runs("shard0", [0], [-1])
+        with pytest.raises(
+            ValueError,
+            match=r"^read: out\['obs'\] is a tensor of \(2, 8\) torch.float64 \(contiguous=True\); "
+            r"expected a contiguous \(2, 8\) torch.float32$",
+        ):
+            await reader.read("shard0", [1, 2], fields=["obs"], out={"obs": torch.zeros(2, 8, dtype=torch.float64)})
+        with pytest.raises(ValueError, match=r"expected a contiguous \(2, 8\) torch.float32"):
+            await reader.read("shard0", [1, 2], fields=["obs"], out={"obs": torch.zeros(8, 2).t()})
+        with pytest.raises(ValueError, match=r"out\['step'\] is an array of \(3,\) int64; expected a writable C-contiguous \(2,\) int64"):
+            await reader.read("shard0", [1, 2], fields=["step"], out={"step": np.zeros(3, np.int64)})
+        with pytest.raises(ValueError, match=r"out must hold exactly the fields read \(\['obs'\]\); missing \[\], not read \['step'\]"):
+            await reader.read("shard0", [1], fields=["obs"], out={"obs": torch.zeros(1, 8), "step": torch.zeros(1)})
+        with pytest.raises(ValueError, match=r"has no version column; the owner must call allocate_versions"):
+            await reader.read_checked("shard0", [1])
+        assert_rows(await reader.read("shard0", [5, 6]), np.array([5, 6]))  # still serving
+        await owner.command("close")
+        assert await owner.exit_code() == 0
+
+
+# ------------------------------------------------------------------------------------ owner failure
+
+
+@pytest.mark.asyncio
+async def test_kill9_owner_then_restart_leaves_no_segments_and_old_readers_get_peer_lost(run_id, reader):
+    """Issue 4: shm segments are unlinked on crash of the owner (by the next owner of the run), and a
+    reader still attached to the dead generation gets PeerLostError, never stale data."""
+    async with owner_process("serve", run_id=run_id, backends=["shm"]) as first:
+        old = first.descriptor
+        await reader.attach(old)
+        assert_rows(await reader.read("shard0", [3]), np.array([3]))
+        names = _shm.list_segments(run_id)
+        assert len(names) == len(FIELDS)
+        await first.kill9()
+        assert _shm.list_segments(run_id) == names  # a kill -9 leaves them behind ...
+        with pytest.raises(PeerLostError, match=r"^bulk region 'shard0': its owner \(pid \d+\) died$"):
+            await reader.read("shard0", [3])
+    async with owner_process("serve", run_id=run_id, backends=["shm"]) as second:
+        # ... the next owner of the run unlinks them (marking them lost) and makes its own.
+        assert _shm.list_segments(run_id) == names
+        assert second.descriptor["generation"] != old["generation"]
+        with pytest.raises(PeerLostError, match=r"its owner \(pid \d+\) died \(its segments were cleaned up\)"):
+            await reader.read("shard0", [3])
+        other = await BulkReader.open()
+        try:
+            with pytest.raises(PeerLostError, match=r"is generation \d+, the descriptor's is \d+ \(the owner restarted\)"):
+                await other.attach(old)
+            await other.attach(second.descriptor)
+            assert_rows(await other.read("shard0", [3, 4]), np.array([3, 4]))
+        finally:
+            await other.aclose()
+        await reader.attach(second.descriptor)  # re-attaching replaces the dead generation
+        assert_rows(await reader.read("shard0", [9]), np.array([9]))
+        await second.command("close")
+        assert await second.exit_code() == 0
+    assert _shm.list_segments(run_id) == []
+    with pytest.raises(PeerLostError, match=r"its owner \(pid \d+\) closed it"):
+        await reader.read("shard0", [3])
+
+
+@pytest.mark.asyncio
+async def test_cleanup_stale_segments_removes_a_dead_owners_segments_only(run_id, reader):
+    async with owner_process("serve", run_id=run_id, backends=["shm"]) as dead:
+        await dead.kill9()
+    owner = await BulkOwner.open(run_id + "-live", backends=["shm"])
+    try:
+        owner.allocate("r", "x", (4, 2), torch.float32)
+        removed = cleanup_stale_segments(run_id)
+        assert sorted(removed) == sorted(_shm.segment_name(run_id, "shard0", f) for f in FIELDS)
+        assert _shm.list_segments(run_id) == []
+        assert cleanup_stale_segments() == [] or all(run_id + "-live" not in n for n in cleanup_stale_segments())
+        assert _shm.list_segments(run_id + "-live") == [_shm.segment_name(run_id + "-live", "r", "x")]
+    finally:
+        await owner.aclose()
+    assert _shm.list_segments(run_id + "-live") == []
+
+
+@pytest.mark.asyncio
+async def test_an_owner_exiting_without_aclose_unlinks_its_segments_at_exit(run_id):
+    async with owner_process("serve", run_id=run_id, backends=["shm", "zmq"]) as owner:
+        assert len(_shm.list_segments(run_id)) == len(FIELDS)
+        await owner.command("exit")
+        assert await owner.exit_code() == 0
+    assert _shm.list_segments(run_id) == []
+
+
+@pytest.mark.asyncio
+async def test_a_second_live_owner_of_the_same_region_is_refused(run_id):
+    async with owner_process("serve", run_id=run_id, backends=["shm"]) as first:
+        owner = await BulkOwner.open(run_id, backends=["shm"])
+        try:
+            with pytest.raises(FileExistsError, match=r"is owned by live process \d+: two owners in one run"):
+                owner.allocate("shard0", "obs", (10, 8), torch.float32)
+        finally:
+            await owner.aclose()
+        assert len(_shm.list_segments(run_id)) == len(FIELDS)  # the live owner's are untouched
+        await first.command("close")
+        assert await first.exit_code() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_killed_zmq_owner_fails_waiting_and_later_reads_with_peer_lost(run_id, reader):
+    async with owner_process("serve", run_id=run_id, backends=["zmq"]) as owner:
+        await reader.attach(owner.descriptor)
+        assert_rows(await reader.read("shard0", [1]), np.array([1]))
+        owner.proc.send_signal(signal.SIGSTOP)  # it cannot answer now
+        pending = asyncio.create_task(reader.read("shard0", [2]))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        t0 = time.monotonic()
+        owner.proc.send_signal(signal.SIGKILL)
+        with pytest.raises(PeerLostError, match=r"^bulk owner at tcp://127.0.0.1:\d+ was lost: the connection closed"):
+            await asyncio.wait_for(pending, WAIT_S)
+        assert time.monotonic() - t0 < 5.0  # the connection closing is seen at once, not at a timeout
+        with pytest.raises(PeerLostError, match=r"was lost"):
+            await reader.read("shard0", [1])
+        await owner.exit_code()
+
+
+@pytest.mark.asyncio
+async def test_a_silent_zmq_owner_is_lost_after_the_heartbeat_timeout(run_id):
+    r = await BulkReader.open(timeout_s=WAIT_S, heartbeat_ivl_s=0.2, heartbeat_timeout_s=0.8)
+    try:
+        async with owner_process(
+            "serve", run_id=run_id, backends=["zmq"], heartbeat_ivl_s=0.2, heartbeat_timeout_s=0.8
+        ) as owner:
+            await r.attach(owner.descriptor)
+            owner.proc.send_signal(signal.SIGSTOP)  # alive but silent: no FIN, no RST
+            t0 = time.monotonic()
+            with pytest.raises(PeerLostError, match=r"was lost: the connection closed \(its process exited, or heartbeats"):
+                await asyncio.wait_for(r.read("shard0", [2]), WAIT_S)
+            assert time.monotonic() - t0 < WAIT_S / 2
+            owner.proc.send_signal(signal.SIGKILL)
+            await owner.exit_code()
+    finally:
+        await r.aclose()
+
+
+# ------------------------------------------------------------------------------------ bounds and hostile input
+
+
+@pytest.mark.asyncio
+async def test_a_read_over_the_reply_bound_is_refused_by_the_reader_and_by_the_owner(run_id, reader):
+    limit = 256 * 1024
+    async with owner_process("serve", run_id=run_id, backends=["zmq"], rows=20000, max_reply_nbytes=limit) as owner:
+        await reader.attach(owner.descriptor)
+        with pytest.raises(
+            FrameTooLargeError,
+            match=r"^read: 8000 rows \(256000 bytes\) from bulk region 'shard0' exceed the owner's max_reply_nbytes "
+            r"of 262144; read fewer rows per call$",
+        ):
+            await reader.read("shard0", np.arange(8000), fields=["obs"])
+        # A client that skips the reader's check is refused by the owner, which keeps serving.
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(owner.descriptor["zmq"]["address"])
+        try:
+            async def call(req: Any) -> Any:
+                await sock.send_multipart(encode(req) if not isinstance(req, list) else req)
+                return decode(await asyncio.wait_for(sock.recv_multipart(), WAIT_S), max_nbytes=2**30)
+
+            gen = owner.descriptor["generation"]
+            reply = await call({
+                "op": "read", "id": 1, "region": "shard0", "generation": gen, "fields": ["obs"],
+                "starts": np.array([0]), "lengths": np.array([8000]), "check": False, "expected": None,
+            })
+            assert reply["ok"] is False and reply["error"] == "FrameTooLargeError"
+            assert "exceeds the owner's max_reply_nbytes of 262144" in reply["message"]
+            reply = await call({"op": "read", "id": 2, "region": "shard0", "generation": gen, "fields": ["obs"],
+                                "starts": np.array([0]), "lengths": np.array([25000]), "check": False, "expected": None})
+            assert reply["error"] == "IndexError" and "out of range [0, 20000)" in reply["message"]
+            reply = await call({"op": "read", "id": 3, "region": "shard0", "generation": gen + 1})
+            assert reply["error"] == "PeerLostErrorReply" and "the owner restarted" in reply["message"]
+            reply = await call({"op": "frobnicate", "id": 4, "region": "shard0", "generation": gen})
+            assert reply["error"] == "ValueError" and "unknown bulk request op 'frobnicate'" in reply["message"]
+            await sock.send_multipart([b"\xc1garbage"])  # no id: dropped, logged
+            await sock.send_multipart([msgpack.packb({"op": "read"})])  # no id either
+            reply = await call({"op": "hello", "id": 5, "region": "shard0", "generation": gen})
+            assert reply == {"id": 5, "ok": True, "rows": 20000, "fields": sorted(FIELDS)}
+        finally:
+            ctx.destroy(linger=0)
+        assert_rows(await reader.read("shard0", np.arange(100)), np.arange(100))
+        await owner.command("close")
+        assert await owner.exit_code() == 0
+
+
+# ------------------------------------------------------------------------------------ consistency
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["shm", "zmq"])
+async def test_no_torn_row_is_ever_reported_valid_while_a_writer_process_overwrites_rows(run_id, reader, backend):
+    """The sequence lock (issue 4): a writer process keeps overwriting rows (each element written
+    separately); every row a checked read reports valid is whole and of the expected version."""
+    rows, width = 256, 512
+    async with owner_process("writer", run_id=run_id, backends=[backend], rows=rows, width=width, batch=32) as owner:
+        await reader.attach(owner.descriptor)
+        rng = np.random.default_rng(2)
+        valid_n = invalid_n = torn_unchecked = 0
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            sel = rng.integers(0, rows, 128)
+            expected = (await reader.read("shard0", sel, fields=[VERSION_FIELD]))[VERSION_FIELD].numpy()
+            got, valid = await reader.read_checked("shard0", sel, expected, fields=["data"])
+            data = got["data"].numpy()
+            whole = (data == expected[:, None]).all(axis=1)
+            assert whole[valid].all(), f"torn or stale rows reported valid: {np.flatnonzero(valid & ~whole)}"
+            valid_n += int(valid.sum())
+            invalid_n += int((~valid).sum())
+            plain = (await reader.read("shard0", sel, fields=["data"]))["data"].numpy()
+            torn_unchecked += int((plain != plain[:, :1]).any(axis=1).sum())
+        await owner.command("close")
+        assert (await owner.line())["writes"] > 10
+        assert await owner.line() == {"closed": True}
+        assert await owner.exit_code() == 0
+    assert valid_n > 0, "no read was ever valid"
+    assert invalid_n > 0, "the writer never overwrote a row during a read: the test did not race"
+    print(f"{backend}: valid {valid_n}, invalid {invalid_n}, torn rows seen by unchecked reads {torn_unchecked}")
+
+
+def test_seqlock_writer_helpers_validate_their_arguments():
+    v = torch.full((10,), -1, dtype=torch.int64)
+    seqlock_begin(v, [1, 2])
+    seqlock_end(v, [1, 2], [5, 6])
+    assert v.tolist() == [-1, 5, 6] + [-1] * 7
+    seqlock_end(v, np.array([3]), 9)
+    assert v[3] == 9
+    with pytest.raises(ValueError, match=r"seqlock_end: versions must be >= 0 \(-1 means 'being written'\), got -1"):
+        seqlock_end(v, [1], [-1])
+    with pytest.raises(IndexError, match=r"seqlock_begin: row 10 at position 0 is out of range \[0, 10\)"):
+        seqlock_begin(v, [10])
+    with pytest.raises(ValueError, match=r"versions must be a contiguous 1-D int64 CPU tensor"):
+        seqlock_begin(torch.zeros(10, dtype=torch.int32), [1])
+
+
+# ------------------------------------------------------------------------------------ in-process pieces
+
+
+@pytest.mark.asyncio
+async def test_a_replay_storage_on_an_owners_allocator_is_read_by_windows_plans(run_id, reader):
+    owner = await BulkOwner.open(run_id, backends=["shm"])
+    try:
+        storage = Storage(
+            [FieldSpec("obs", (4,), torch.float32), FieldSpec("action", (), torch.int64), FieldSpec("done", (), torch.bool)],
+            capacity=64,
+            allocator=owner.allocator("shard3"),
+        )
+        for ep in range(10):  # 10 episodes of 13 steps: the ring wraps and evicts
+            n = 13
+            storage.append(
+                {
+                    "obs": torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) + 1000 * ep,
+                    "action": torch.arange(n) + 100 * ep,
+                    "done": torch.arange(n) == n - 1,
+                },
+                episode_end=True,
+            )
+        await reader.attach(owner.descriptor("shard3"))
+        lo, hi = storage.step_range
+        steps = np.arange(lo, hi, 3)
+        rows, mask = storage.plan_windows(steps, 8, "tail")
+        got = await reader.read("shard3", rows)
+        want = storage.read_windows(steps, 8, "tail")
+        for f in ("obs", "action", "done"):
+            g = got[f].clone()
+            g[torch.from_numpy(~mask)] = 0
+            assert torch.equal(g, want[f]), f
+    finally:
+        await owner.aclose()
+
+
+@pytest.mark.asyncio
+async def test_descriptors_cross_the_codec_and_name_what_a_reader_needs(run_id):
+    owner = await BulkOwner.open(run_id, backends=["shm", "zmq"])
+    try:
+        owner.allocate("r0", "obs", (16, 2, 3), torch.float16)
+        owner.allocate_versions("r0")
+        desc = owner.descriptor("r0")
+        assert decode(encode(desc), max_nbytes=2**16) == desc
+        assert desc["fields"]["obs"] == {"dtype": "float16", "shape": [2, 3], "row_nbytes": 12, "device": "cpu"}
+        assert desc["version_field"] == VERSION_FIELD and desc["rows"] == 16
+        assert desc["shm"]["segments"]["obs"] == f"/rxb.{run_id}.r0.obs"
+        assert desc["zmq"]["address"].startswith("tcp://127.0.0.1:")
+        assert "rdma" not in desc  # no device here
+        with pytest.raises(ValueError, match=r"bulk field r0.x has 8 rows, region 'r0' has 16"):
+            owner.allocate("r0", "x", (8,), torch.int64)
+        with pytest.raises(ValueError, match=r"bulk region 'r0' already has a field 'obs'"):
+            owner.allocate("r0", "obs", (16,), torch.int64)
+        with pytest.raises(ValueError, match=r"bulk region must be 1..64 characters"):
+            owner.allocate("r/0", "x", (8,), torch.int64)
+        with pytest.raises(ValueError, match=r"field name '_version' is reserved"):
+            owner.allocate("r0", VERSION_FIELD, (16,), torch.int64)
+        with pytest.raises(KeyError, match=r"bulk owner has no region 'zz'"):
+            owner.descriptor("zz")
+    finally:
+        await owner.aclose()
+    with pytest.raises(PortClosedError, match=r"this BulkOwner is closed"):
+        owner.allocate("r1", "x", (8,), torch.int64)
+
+
+@pytest.mark.asyncio
+async def test_attach_refuses_malformed_descriptors_and_unoffered_backends(run_id, reader):
+    owner = await BulkOwner.open(run_id, backends=["shm"])
+    try:
+        owner.allocate("r0", "obs", (16, 2), torch.float32)
+        desc = owner.descriptor("r0")
+        with pytest.raises(ValueError, match=r"not a bulk region descriptor"):
+            await reader.attach({"region": "r0"})
+        with pytest.raises(ValueError, match=r"field 'obs' has unknown dtype 'object'"):
+            await reader.attach({**desc, "fields": {"obs": {**desc["fields"]["obs"], "dtype": "object"}}})
+        with pytest.raises(ValueError, match=r"region 'r0' is not offered over 'zmq' \(offered: \['shm'\]\)"):
+            await reader.attach(desc, backend="zmq")
+        with pytest.raises(ValueError, match=r"offers \['shm'\], none usable from this host"):
+            await reader.attach({**desc, "host": "elsewhere"})
+        assert reader.regions == ()
+    finally:
+        await owner.aclose()
+
+
+def test_choose_backend_prefers_shared_memory_then_rdma_then_zmq():
+    assert choose_backend("a", "a") == "shm"
+    assert choose_backend("a", "a", owner_rdma=True, reader_rdma=True) == "shm"
+    assert choose_backend("a", "b", owner_rdma=True, reader_rdma=True) == "rdma"
+    assert choose_backend("a", "b", owner_rdma=True) == "zmq"
+    assert choose_backend("a", "b", reader_rdma=True) == "zmq"
+    assert choose_backend("a", "b") == "zmq"
+
+
+@given(st.lists(st.integers(0, 50), max_size=60))
+def test_coalesced_runs_concatenate_back_to_the_rows(rows):
+    rows = np.array(rows, dtype=np.int64)
+    starts, lengths = coalesce_runs(rows)
+    back = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)] or [np.empty(0, np.int64)])
+    assert np.array_equal(back, rows)
+    assert (lengths >= 1).all()
+    # maximal: no run continues where the previous one ended
+    assert not ((starts[1:] == starts[:-1] + lengths[:-1]).any())
+
+
+def test_rdma_is_detected_by_trying_and_says_why_it_is_missing():
+    caps = capabilities()
+    if caps.rdma:  # pragma: no cover - needs an RDMA device
+        pytest.skip(f"an RDMA device exists here ({caps.rdma_reason}); this test covers its absence")
+    assert caps.rdma_reason  # e.g. "pyverbs is not installed (...)" or "no RDMA device ..."
+    assert caps.shm

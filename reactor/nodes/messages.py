@@ -1,0 +1,317 @@
+"""Messages of the distributed replay service (writers, shards, samplers); msgpack-registered, never pickled.
+
+Who sends what (see :mod:`reactor.nodes.replay` for the protocol):
+
+* a :class:`~reactor.nodes.writer.Writer` (inside an actor) sends :class:`Steps` to one shard;
+* a :class:`~reactor.nodes.replay.ReplayClient` (inside a learner) sends :class:`MassRequest` and
+  :class:`SampleRequest` (both :class:`ReplayRequest`) and gets :class:`ShardMass` and
+  :class:`ShardSample` (both :class:`ReplayReply`) back; it sends :class:`PriorityUpdate` and
+  :class:`Delete` (both :class:`ItemUpdate`) to the shards owning the keys;
+* anyone may send :class:`CheckpointRequest` or :class:`StatisticsRequest` (both
+  :class:`ReplayControl`); a shard publishes :class:`ShardStatistics`.
+
+Every message that goes to a shard carries ``shard`` (route it with :func:`shard_key` on a keyed
+connection); every reply carries ``requester`` (route it back with :func:`requester_key`).
+Arrays travel as numpy arrays or CPU tensors (zero-copy frames between processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..transport.codec import register_message
+
+__all__ = [
+    "CheckpointRequest",
+    "Delete",
+    "ItemUpdate",
+    "MassRequest",
+    "PriorityUpdate",
+    "ReplayControl",
+    "ReplayReply",
+    "ReplayRequest",
+    "SampleRequest",
+    "SampledBatch",
+    "ShardMass",
+    "ShardSample",
+    "ShardStatistics",
+    "StatisticsRequest",
+    "Steps",
+    "requester_key",
+    "shard_key",
+]
+
+
+def shard_key(message: Any) -> int:
+    """Key function of keyed connections *to* a replay bank: the shard a message is for.
+
+    Example:
+        >>> graph.connect(learner.requests, replay.requests, key=shard_key)
+    """
+    return int(message.shard)
+
+
+def requester_key(message: Any) -> int:
+    """Key function of keyed connections *from* a replay bank back to a bank of requesters.
+
+    Example:
+        >>> graph.connect(replay.replies, learner.replies, key=requester_key)
+    """
+    return int(message.requester)
+
+
+# ---------------------------------------------------------------------------------- writers
+
+
+@register_message
+@dataclass(frozen=True)
+class Steps:
+    """Whole episodes or episode chunks for one shard: one message per writer flush.
+
+    Attributes:
+        shard: destination shard (bank index of the Replay reactor).
+        writer: the sending writer's id (for logs and statistics).
+        seq: the writer's flush counter (0, 1, ...), for logs.
+        fields: field name -> ``[L, *shape]`` array of the shard's dtype, every field of the table.
+        episode_end: bool ``[L]``: True on the last stored step of each episode or chunk; the last
+            entry must be True (a shard takes steps from many writers, so no episode stays open
+            between messages).
+        item_mask: bool ``[L]`` or None: which steps become items (None: every step).
+        priorities: float64 ``[L]`` or None: initial priorities (None: 1.0); ignored where
+            ``item_mask`` is False.
+    """
+
+    shard: int
+    writer: int
+    seq: int
+    fields: dict[str, Any]
+    episode_end: Any
+    item_mask: Any = None
+    priorities: Any = None
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """Base of the requests a shard answers on its ``replies`` port.
+
+    Attributes:
+        shard: the shard asked.
+        requester: the asking reactor's bank index (replies are routed back by it).
+        request: the requester's id for this sample (ties replies together).
+    """
+
+    shard: int
+    requester: int
+    request: int
+
+
+@register_message
+@dataclass(frozen=True)
+class MassRequest(ReplayRequest):
+    """Stage 1 of a sharded sample: "what is your priority mass?"
+
+    The shard answers with :class:`ShardMass` as soon as it can sample at least one item (its rate
+    limiter allows it); until then the request is parked (no polling).
+    """
+
+
+@register_message
+@dataclass(frozen=True)
+class SampleRequest(ReplayRequest):
+    """Stage 2 (or the only stage with one shard): draw ``n`` items.
+
+    The shard answers with :class:`ShardSample` when its rate limiter allows a sample of ``n``
+    items; until then the request is parked, and served when inserts arrive.
+
+    Attributes:
+        n: items to draw (>= 1).
+    """
+
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class ReplayReply:
+    """Base of what a shard sends on its ``replies`` port.
+
+    Attributes:
+        shard: the answering shard.
+        requester: the requester's bank index (routing key back).
+        request: the request id being answered.
+        error: empty, or why the request was refused (the client raises it).
+    """
+
+    shard: int
+    requester: int
+    request: int
+    error: str = ""
+
+
+@register_message
+@dataclass(frozen=True)
+class ShardMass(ReplayReply):
+    """A shard's sampling mass, for drawing per-shard counts in proportion to it.
+
+    Attributes:
+        mass: sum over items of the sampler's weight (``p_i^alpha`` for Prioritized, 1 per item for
+            Uniform and the deterministic selectors).
+        min_mass: smallest positive item weight (for importance weights), ``inf`` if none.
+        size: items in the shard.
+        beta: the shard table's importance-weight exponent.
+    """
+
+    mass: float = 0.0
+    min_mass: float = float("inf")
+    size: int = 0
+    beta: float = 0.0
+
+
+@register_message
+@dataclass(frozen=True)
+class ShardSample(ReplayReply):
+    """Items drawn by one shard.
+
+    Attributes:
+        data: field -> ``[n, ...]`` tensors as the table's read kind gives them.
+        keys: int64 ``[n]`` item keys, tagged with the shard (see :func:`reactor.nodes.replay.make_keys`).
+        probabilities: float64 ``[n]``, each item's probability *within the shard*.
+        times_sampled: int64 ``[n]``.
+        mass, min_mass, size, beta: as :class:`ShardMass`, at the time of this draw.
+    """
+
+    data: dict[str, Any] | None = None
+    keys: Any = None
+    probabilities: Any = None
+    times_sampled: Any = None
+    mass: float = 0.0
+    min_mass: float = float("inf")
+    size: int = 0
+    beta: float = 0.0
+
+
+# ---------------------------------------------------------------------------------- updates
+
+
+@dataclass(frozen=True)
+class ItemUpdate:
+    """Base of the messages that change existing items of one shard.
+
+    Attributes:
+        shard: the shard owning every key of the message.
+        keys: int64 ``[k]`` item keys (shard-tagged, as sampled).
+    """
+
+    shard: int
+    keys: Any
+
+
+@register_message
+@dataclass(frozen=True)
+class PriorityUpdate(ItemUpdate):
+    """Set the priorities of items. Keys no longer in the shard (evicted since sampled) are skipped.
+
+    Attributes:
+        priorities: float ``[k]``, finite and >= 0.
+    """
+
+    priorities: Any = None
+
+
+@register_message
+@dataclass(frozen=True)
+class Delete(ItemUpdate):
+    """Delete items. Keys no longer in the shard are skipped."""
+
+
+# ---------------------------------------------------------------------------------- control
+
+
+@dataclass(frozen=True)
+class ReplayControl:
+    """Base of the on-demand commands a shard takes on its ``control`` port.
+
+    Attributes:
+        shard: the shard meant, or -1 for every shard that receives it (broadcast connections).
+    """
+
+    shard: int = -1
+
+
+@register_message
+@dataclass(frozen=True)
+class CheckpointRequest(ReplayControl):
+    """Checkpoint now (in the background) into the shard's run directory."""
+
+
+@register_message
+@dataclass(frozen=True)
+class StatisticsRequest(ReplayControl):
+    """Publish :class:`ShardStatistics` now."""
+
+
+@register_message
+@dataclass(frozen=True)
+class ShardStatistics:
+    """A shard's state and counters (items unless named otherwise).
+
+    Attributes:
+        shard: the shard's bank index.
+        size: items now.
+        num_steps: steps stored now.
+        num_episodes: episodes (and chunks) stored now.
+        inserted, sampled, evicted, removed, expired, deleted: the table's counters.
+        rejected_steps: steps refused because their message was malformed (logged with the writer).
+        parked_requests: sample requests waiting for the rate limiter now.
+        parked_steps: steps waiting for the rate limiter to allow their insert now.
+        checkpoints: checkpoints completed by this shard since it started.
+        restored_from: the checkpoint directory the shard restored from at start, or "".
+    """
+
+    shard: int
+    size: int
+    num_steps: int
+    num_episodes: int
+    inserted: int
+    sampled: int
+    evicted: int
+    removed: int
+    expired: int
+    deleted: int
+    rejected_steps: int
+    parked_requests: int
+    parked_steps: int
+    checkpoints: int
+    restored_from: str
+
+
+# ---------------------------------------------------------------------------------- learner side
+
+
+@register_message
+@dataclass(frozen=True)
+class SampledBatch:
+    """What a learner gets from :class:`~reactor.nodes.replay.ReplayClient`: one batch over all shards.
+
+    Items are grouped by shard (shard 0's first). Importance weights use the global total and
+    size: ``w_i = (P(i) / min_j P(j))^-beta`` with ``P`` over all shards (PER eq. 2, normalized by
+    the largest weight).
+
+    Attributes:
+        data: field -> ``[B, ...]`` tensor (the table's read kind).
+        keys: int64 ``[B]`` shard-tagged keys, for :meth:`ReplayClient.update_priorities`.
+        weights: float32 ``[B]`` importance weights in (0, 1].
+        probabilities: float64 ``[B]`` global sampling probabilities.
+        table_size: items over all shards asked, when the batch was drawn.
+        times_sampled: int64 ``[B]``.
+    """
+
+    data: dict[str, Any]
+    keys: Any
+    weights: Any
+    probabilities: Any
+    table_size: int
+    times_sampled: Any

@@ -1,0 +1,956 @@
+"""The distributed replay service: ``Replay`` shards behind ports, and the ``ReplayClient`` of learners.
+
+**Shards.** A :class:`Replay` reactor owns one :class:`~reactor.replay.Table` (its shard index is its
+bank index). Writers (:class:`~reactor.nodes.writer.Writer`, inside actors) send it whole episodes
+or chunks (:class:`~reactor.nodes.messages.Steps`); learners send sample requests and priority
+updates; it answers on ``replies``. The table configuration is constructor data (every process
+rebuilds the graph from the app), the table itself is built in ``startup``.
+
+**Rate limiting across ports.** A request the table's rate limiter does not allow yet is *parked*
+and served, in arrival order, as soon as an insert (or a delete) makes it possible; an insert the
+limiter holds back (``SampleToInsertRatio``, ``Queue``) is parked the same way until samples make
+room. Nothing polls: parked work is retried only when the table changed.
+
+**Sharded sampling (exact two-stage).** N shards behave as one table. For a batch of ``B``:
+
+1. the client asks every shard for its *mass* ``M_s`` (the sum of its items' sampler weights:
+   ``p_i^alpha`` for Prioritized, one per item for Uniform); a shard answers once it can sample;
+2. the client draws per-shard counts ``(c_s) ~ Multinomial(B, M_s / sum_t M_t)`` with its own
+   seeded generator and asks each shard for ``c_s`` items; shard ``s`` draws item ``i`` with
+   probability ``q_i = w_i / M_s``.
+
+So an item is drawn with probability ``P(i) = (M_s / M) * (w_i / M_s) = w_i / M``: exactly the
+single-table distribution over the union of the shards. Importance weights use the global
+quantities: ``w_i^IS = (N * P(i))^-beta / max_j (N * P(j))^-beta = (w_i / min_j w_j)^-beta``, with
+``min_j w_j`` the smallest positive weight over all shards. With one shard the client skips stage 1.
+
+**Keys** carry their shard in the top bits (:func:`make_keys`, :func:`key_shard`), so priority
+updates route to the owner (:meth:`ReplayClient.update_priorities`).
+
+**Determinism.** A shard's answers are a function of the events it handled (in tag order in
+deterministic mode) and of its table generator, seeded from the reactor's seeded generator; the
+client draws counts from the generator it is given (the learner's ``self.rng``). So the same run
+under ``single`` and ``processes`` gives identical samples.
+
+**Checkpoints.** With ``run_dir``, a shard checkpoints its table into ``run_dir/<name>`` (e.g.
+``replay-2``) every ``checkpoint_period_s`` of logical time and on a :class:`CheckpointRequest`,
+writing in a background thread (``Table.save_in_background``: the lock is held only for the
+memory copy). On start it restores from the newest complete checkpoint there, if any.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import PeerLostError, WouldBlock
+from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
+from ..replay import (
+    EpisodeRead,
+    FieldSpec,
+    Fifo,
+    Lifo,
+    MaxHeap,
+    MinHeap,
+    MinSize,
+    Prioritized,
+    Queue,
+    RateLimiter,
+    SampleToInsertRatio,
+    Selector,
+    Stack,
+    StepRead,
+    Storage,
+    Table,
+    TransitionRead,
+    Uniform,
+    WindowRead,
+)
+from ..replay.checkpoint import latest_checkpoint
+from .messages import (
+    CheckpointRequest,
+    Delete,
+    ItemUpdate,
+    MassRequest,
+    PriorityUpdate,
+    ReplayControl,
+    ReplayReply,
+    ReplayRequest,
+    SampledBatch,
+    SampleRequest,
+    ShardMass,
+    ShardSample,
+    ShardStatistics,
+    StatisticsRequest,
+    Steps,
+)
+
+__all__ = [
+    "KEY_SHARD_BITS",
+    "Replay",
+    "ReplayClient",
+    "key_local",
+    "key_shard",
+    "make_keys",
+    "parse_fields",
+    "parse_read",
+]
+
+log = logging.getLogger("reactor.replay")
+
+#: Keys are ``shard << KEY_SHARD_BITS | local key``: 2^48 local keys (steps) per shard.
+KEY_SHARD_BITS = 48
+_LOCAL_MASK = (1 << KEY_SHARD_BITS) - 1
+
+
+def make_keys(shard: int, local: Any) -> np.ndarray:
+    """Shard-tagged keys from a shard index and the shard table's own keys (int64 arrays)."""
+    return (np.int64(shard) << KEY_SHARD_BITS) | np.asarray(local, dtype=np.int64)
+
+
+def key_shard(keys: Any) -> np.ndarray:
+    """The shard of each shard-tagged key."""
+    return _int64_keys(keys) >> KEY_SHARD_BITS
+
+
+def key_local(keys: Any) -> np.ndarray:
+    """The shard table's own key of each shard-tagged key."""
+    return _int64_keys(keys) & _LOCAL_MASK
+
+
+def _int64_keys(keys: Any) -> np.ndarray:
+    if isinstance(keys, torch.Tensor):
+        keys = keys.detach().cpu().numpy()
+    arr = np.asarray(keys)
+    if arr.ndim != 1 or not (arr.dtype.kind in "iu" or arr.size == 0):
+        raise TypeError(f"keys must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+# ------------------------------------------------------------------------------------ configuration
+
+_SELECTORS: dict[str, type[Selector]] = {
+    c.__name__.lower(): c for c in (Uniform, Prioritized, Fifo, Lifo, MaxHeap, MinHeap)
+}
+_LIMITERS: dict[str, type[RateLimiter]] = {
+    c.__name__.lower(): c for c in (MinSize, SampleToInsertRatio, Queue, Stack)
+}
+_READS: dict[str, type[Any]] = {c.__name__.lower(): c for c in (StepRead, TransitionRead, WindowRead, EpisodeRead)}
+
+
+def _split_config(what: str, config: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(config, str):
+        return config.lower(), {}
+    if isinstance(config, Mapping) and isinstance(config.get("type"), str):
+        args = {k: v for k, v in config.items() if k != "type"}
+        return config["type"].lower(), args
+    raise TypeError(
+        f"Replay {what} must be a name like 'prioritized' or a dict like {{'type': 'Prioritized', 'alpha': 0.6}}, "
+        f"got {config!r}"
+    )
+
+
+def _make_selector(what: str, config: Any) -> Selector:
+    kind, args = _split_config(what, config)
+    cls = _SELECTORS.get(kind)
+    if cls is None:
+        raise ValueError(f"Replay {what}: unknown selector {kind!r}; use one of {sorted(_SELECTORS)}")
+    try:
+        return cls(**args)
+    except TypeError as e:
+        raise TypeError(f"Replay {what} {config!r}: {e}") from None
+
+
+def _make_limiter(config: Any) -> RateLimiter:
+    kind, args = _split_config("rate_limiter", config)
+    cls = _LIMITERS.get(kind)
+    if cls is None:
+        raise ValueError(f"Replay rate_limiter: unknown limiter {kind!r}; use one of {sorted(_LIMITERS)}")
+    if isinstance(args.get("error_buffer"), list):
+        args["error_buffer"] = tuple(args["error_buffer"])
+    try:
+        return cls(**args)
+    except TypeError as e:
+        raise TypeError(f"Replay rate_limiter {config!r}: {e}") from None
+
+
+def parse_fields(fields: Sequence[Any]) -> list[FieldSpec]:
+    """Field specs from ``FieldSpec``s, ``(name, shape, dtype)`` tuples or ``{"name", "shape", "dtype"}`` dicts.
+
+    ``dtype`` may be a ``torch.dtype`` or its name (``"float32"``, ``"torch.int64"``).
+
+    Raises:
+        ValueError: an entry of another form, or an unknown dtype name.
+    """
+    out = []
+    for f in fields:
+        if isinstance(f, FieldSpec):
+            out.append(f)
+            continue
+        if isinstance(f, Mapping):
+            name, shape, dtype = f.get("name"), f.get("shape", ()), f.get("dtype", torch.float32)
+        elif isinstance(f, (tuple, list)) and 1 <= len(f) <= 3:
+            name, shape, dtype = (*f, (), torch.float32)[:3] if len(f) == 1 else (*f, torch.float32)[:3]
+        else:
+            raise ValueError(f"Replay field {f!r}: give a FieldSpec, (name, shape, dtype) or a dict")
+        if isinstance(dtype, str):
+            resolved = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(resolved, torch.dtype):
+                raise ValueError(f"Replay field {name!r}: unknown dtype {dtype!r}; use a torch dtype name like 'float32'")
+            dtype = resolved
+        out.append(FieldSpec(name, tuple(shape), dtype))
+    return out
+
+
+def parse_read(read: Any) -> StepRead | TransitionRead | WindowRead | EpisodeRead:
+    """A read kind from an instance or a dict like ``{"type": "WindowRead", "length": 32}``."""
+    if isinstance(read, (StepRead, TransitionRead, WindowRead, EpisodeRead)):
+        return read
+    kind, args = _split_config("read", read)
+    cls = _READS.get(kind)
+    if cls is None:
+        raise ValueError(f"Replay read: unknown read kind {kind!r}; use one of {sorted(_READS)}")
+    if "next_fields" in args:
+        args["next_fields"] = tuple(args["next_fields"])
+    return cls(**args)  # type: ignore[no-any-return]
+
+
+def _sampler_mass(sampler: Selector) -> tuple[float, float]:
+    """(sum of item weights, smallest positive item weight) of a table's sampler."""
+    if isinstance(sampler, Prioritized):
+        tree = sampler.tree
+        return tree.total, tree.min
+    n = len(sampler)
+    return float(n), (1.0 if n else math.inf)
+
+
+def _known(table: Table, local: np.ndarray) -> np.ndarray:
+    """Which keys are still items of ``table`` (bool mask).
+
+    Uses the table's slot->key index (``Table`` has no public membership test yet; keys are
+    ``slot = key % capacity``, so this is one gather).
+    """
+    cap = table.storage.capacity
+    index = table._keys  # noqa: SLF001 - see docstring
+    return (local >= 0) & (index[local % cap] == local)
+
+
+# ------------------------------------------------------------------------------------ the shard
+
+
+class Replay(Reactor):
+    """One replay shard: a Table behind ports (insert, sample, priority update/delete, statistics).
+
+    Ports:
+        steps: :class:`Steps` from writers (whole episodes or chunks; one message per flush).
+        requests: :class:`MassRequest` / :class:`SampleRequest` from clients; answered on ``replies``.
+        updates: :class:`PriorityUpdate` / :class:`Delete` for keys this shard owns.
+        control: :class:`CheckpointRequest`, :class:`StatisticsRequest`.
+        replies: :class:`ShardMass` / :class:`ShardSample`, routed back by ``requester``.
+        statistics: :class:`ShardStatistics`, every ``statistics_period_s`` and on request.
+
+    Semantics: see the module docstring (parking, two-stage sampling, determinism, checkpoints).
+    A malformed :class:`Steps` (unknown or missing field, wrong dtype or shape, an open episode at
+    its end) is refused whole with a logged error naming the writer and the problem, and counted in
+    ``rejected_steps``; the shard keeps serving. A bad request gets a reply carrying ``error``.
+
+    Args:
+        fields: the step fields: FieldSpecs, ``(name, shape, dtype)`` or dicts (dtype names allowed).
+        capacity: steps the shard's storage ring holds.
+        read: what a sample returns per item (StepRead, TransitionRead, WindowRead, EpisodeRead, or a
+            dict like ``{"type": "WindowRead", "length": 32}``).
+        sampler: selector config: ``"uniform"``, ``{"type": "prioritized", "alpha": 0.6}``, ...
+        remover: selector config of the remover (default ``"fifo"``).
+        rate_limiter: limiter config: ``{"type": "MinSize", "min_size": 1000}`` (default min size 1),
+            ``{"type": "SampleToInsertRatio", "samples_per_insert": 4, "min_size": 1000, "error_buffer": 100}``.
+        max_size: most items (default: capacity).
+        max_times_sampled: drop an item after this many samples (0: never).
+        beta: importance-weight exponent reported to clients.
+        run_dir: directory for checkpoints (``run_dir/<name>``); None disables them.
+        checkpoint_period_s: checkpoint every this many seconds of logical time (needs ``run_dir``;
+            keeps the run alive: use with a stop time).
+        statistics_period_s: publish statistics this often (None: only on request).
+        keep_checkpoints: complete checkpoints kept per shard.
+        restore: on start, restore from the newest complete checkpoint in ``run_dir/<name>``.
+        checkpoint_on_shutdown: write a last checkpoint (synchronously) when the run ends.
+
+    Raises:
+        ValueError, TypeError: a malformed configuration (at graph build time).
+
+    Example:
+        >>> shards = graph.add(Replay([("obs", (4,), "float32"), ("action", (), "int64"),
+        ...                            ("reward", (), "float32"), ("terminated", (), "bool")],
+        ...                           capacity=100_000, read=TransitionRead(3, 0.99, next_fields=("obs", "terminated")),
+        ...                           sampler={"type": "prioritized", "alpha": 0.6},
+        ...                           rate_limiter={"type": "MinSize", "min_size": 1000}),
+        ...                    name="replay", replicas=2)
+        >>> graph.connect(actors.steps, shards.steps, key=shard_key)
+        >>> graph.connect(learner.requests, shards.requests, key=shard_key)
+        >>> graph.connect(shards.replies, learner.replies, key=requester_key)
+    """
+
+    placement_role = "replay"
+
+    steps = Input(Steps)
+    requests = Input(ReplayRequest)
+    updates = Input(ItemUpdate)
+    control = Input(ReplayControl)
+    replies = Output(ReplayReply)
+    statistics = Output(ShardStatistics)
+    tick = Action()
+
+    def __init__(
+        self,
+        fields: Sequence[Any],
+        capacity: int,
+        *,
+        read: Any = StepRead(),
+        sampler: Any = "uniform",
+        remover: Any = "fifo",
+        rate_limiter: Any = None,
+        max_size: int | None = None,
+        max_times_sampled: int = 0,
+        beta: float = 0.4,
+        run_dir: str | None = None,
+        checkpoint_period_s: float | None = None,
+        statistics_period_s: float | None = None,
+        keep_checkpoints: int = 3,
+        restore: bool = True,
+        checkpoint_on_shutdown: bool = False,
+    ) -> None:
+        self.specs = parse_fields(fields)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"Replay capacity must be an int >= 1 (steps), got {capacity!r}")
+        self.capacity = capacity
+        self.read = parse_read(read)
+        self.sampler_config = sampler
+        self.remover_config = remover
+        self.limiter_config = rate_limiter if rate_limiter is not None else {"type": "MinSize", "min_size": 1}
+        _make_selector("sampler", sampler)  # fail at build time, not in startup
+        _make_selector("remover", remover)
+        _make_limiter(self.limiter_config)
+        self.max_size = max_size
+        self.max_times_sampled = max_times_sampled
+        self.beta = float(beta)
+        for what, period in (("checkpoint_period_s", checkpoint_period_s), ("statistics_period_s", statistics_period_s)):
+            if period is not None and not (isinstance(period, (int, float)) and period > 0):
+                raise ValueError(f"Replay {what} must be > 0 or None, got {period!r}")
+        if checkpoint_period_s is not None and run_dir is None:
+            raise ValueError("Replay checkpoint_period_s needs run_dir (where checkpoints go)")
+        self.run_dir = run_dir
+        self.checkpoint_period_s = checkpoint_period_s
+        self.statistics_period_s = statistics_period_s
+        self.keep_checkpoints = keep_checkpoints
+        self.restore = restore
+        self.checkpoint_on_shutdown = checkpoint_on_shutdown
+        self.table: Table | None = None
+
+    # ---------------------------------------------------------------- startup
+
+    @reaction(triggers=[startup], effects=[tick])
+    def open_table(self) -> None:
+        storage = Storage(self.specs, self.capacity)
+        self._sampler = _make_selector("sampler", self.sampler_config)
+        self.table = Table(
+            storage,
+            sampler=self._sampler,
+            remover=_make_selector("remover", self.remover_config),
+            rate_limiter=_make_limiter(self.limiter_config),
+            max_size=self.max_size,
+            max_times_sampled=self.max_times_sampled,
+            read=self.read,
+            beta=self.beta,
+            seed=int(self.rng.integers(2**63 - 1)),
+            name=self.name,
+        )
+        self._parked_requests: deque[ReplayRequest] = deque()
+        self._parked_steps: deque[Steps] = deque()
+        self._counts = {"rejected_steps": 0, "checkpoints": 0}
+        self._saving: concurrent.futures.Future[Path] | None = None
+        self._restored_from = ""
+        self.checkpoint_dir = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
+        if self.checkpoint_dir is not None and self.restore:
+            latest = latest_checkpoint(self.checkpoint_dir)
+            if latest is not None:
+                loaded = Table.load(latest)
+                self.table.load_state_dict(loaded.state_dict())
+                self._restored_from = str(latest)
+                log.info("%s restored %d items from %s", self.name, len(self.table), latest)
+        periods = [p for p in (self.checkpoint_period_s, self.statistics_period_s) if p is not None]
+        if periods:
+            self._tick_s = min(periods)
+            self._next_ckpt = self.checkpoint_period_s
+            self._next_stats = self.statistics_period_s
+            self._now_s = 0.0
+            self.tick.schedule(delay_s=self._tick_s)
+
+    # ---------------------------------------------------------------- inserts
+
+    @reaction(triggers=[steps], effects=[replies])
+    def insert_steps(self, steps: Steps) -> None:
+        if not isinstance(steps, Steps):
+            self._reject(steps, f"expected a Steps message, got {type(steps).__name__}")
+            return
+        if self._parked_steps:  # keep writers' order: nothing overtakes a parked insert
+            self._parked_steps.append(steps)
+            return
+        if self._insert(steps):
+            self._progress()
+        else:
+            self._parked_steps.append(steps)
+
+    def _reject(self, steps: Any, why: str) -> None:
+        n = 0
+        fields = getattr(steps, "fields", None)
+        if isinstance(fields, Mapping) and fields:
+            first = next(iter(fields.values()))
+            n = int(getattr(first, "shape", (0,))[0] if getattr(first, "shape", ()) else 0)
+        self._counts["rejected_steps"] += n
+        log.error(
+            "%s refused steps from writer %s (flush %s): %s; the message was dropped, the shard keeps serving",
+            self.name, getattr(steps, "writer", "?"), getattr(steps, "seq", "?"), why,
+        )
+
+    def _insert(self, steps: Steps) -> bool:
+        """Insert a Steps message; False if the rate limiter holds it back (then nothing changed)."""
+        assert self.table is not None
+        if steps.shard != self.bank_index:
+            self._reject(steps, f"it names shard {steps.shard}, but this is shard {self.bank_index} (a routing bug)")
+            return True
+        try:
+            ends = np.asarray(steps.episode_end)
+            if ends.dtype != np.bool_ or ends.ndim != 1 or len(ends) == 0 or not bool(ends[-1]):
+                raise ValueError(
+                    "episode_end must be a non-empty bool [L] array whose last entry is True (a shard interleaves "
+                    f"writers, so episodes may not stay open between messages); got {ends.dtype} {ends.shape}"
+                    + (f" ending in {bool(ends[-1])}" if ends.ndim == 1 and len(ends) else "")
+                )
+            self.table.insert_nowait(
+                steps.fields, steps.priorities, episode_end=ends, item_mask=steps.item_mask
+            )
+        except WouldBlock:
+            return False
+        except (KeyError, TypeError, ValueError) as e:
+            self._reject(steps, str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+        return True
+
+    # ---------------------------------------------------------------- requests
+
+    @reaction(triggers=[requests], effects=[replies])
+    def serve_request(self, requests: ReplayRequest) -> None:
+        if not self._serve(requests):
+            self._parked_requests.append(requests)
+
+    def _serve(self, req: ReplayRequest) -> bool:
+        """Answer ``req`` now if the rate limiter allows; False to park it."""
+        table = self.table
+        assert table is not None
+        if req.shard != self.bank_index:
+            self._refuse(req, f"it names shard {req.shard}, but this is shard {self.bank_index} (a routing bug)")
+            return True
+        limiter = table.rate_limiter
+        if isinstance(req, MassRequest):
+            if not limiter.can_sample(1, len(table)):
+                return False
+            mass, min_mass = _sampler_mass(self._sampler)
+            self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass, len(table), self.beta))
+            return True
+        if isinstance(req, SampleRequest):
+            n = req.n
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                self._refuse(req, f"SampleRequest.n must be an int >= 1, got {n!r}")
+                return True
+            if not limiter.can_sample(n, len(table)):
+                return False
+            mass, min_mass = _sampler_mass(self._sampler)
+            size = len(table)
+            batch, info = table.sample_nowait(n)
+            self.replies.send(
+                ShardSample(
+                    self.bank_index, req.requester, req.request, "",
+                    data=batch,
+                    keys=make_keys(self.bank_index, info.keys.numpy()),
+                    probabilities=info.probabilities.numpy(),
+                    times_sampled=info.times_sampled.numpy(),
+                    mass=mass, min_mass=min_mass, size=size, beta=self.beta,
+                )
+            )
+            self._progress_inserts()
+            return True
+        self._refuse(req, f"unknown request type {type(req).__name__}")
+        return True
+
+    def _refuse(self, req: Any, why: str) -> None:
+        log.error("%s refused %s from requester %s: %s", self.name, type(req).__name__, getattr(req, "requester", "?"), why)
+        reply_cls = ShardMass if isinstance(req, MassRequest) else ShardSample
+        self.replies.send(reply_cls(self.bank_index, int(getattr(req, "requester", 0)), int(getattr(req, "request", -1)),
+                                    f"{self.name}: {why}"))
+
+    def _progress_inserts(self) -> None:
+        while self._parked_steps and self._insert(self._parked_steps[0]):
+            self._parked_steps.popleft()
+
+    def _progress(self) -> None:
+        """Serve parked work until nothing more can proceed (each pass follows a table change)."""
+        while True:
+            before = (len(self._parked_steps), len(self._parked_requests))
+            self._progress_inserts()
+            if self._parked_requests:
+                waiting, self._parked_requests = self._parked_requests, deque()
+                for req in waiting:
+                    if not self._serve(req):
+                        self._parked_requests.append(req)
+            if (len(self._parked_steps), len(self._parked_requests)) == before:
+                return
+
+    # ---------------------------------------------------------------- updates
+
+    @reaction(triggers=[updates], effects=[replies])
+    def update_items(self, updates: ItemUpdate) -> None:
+        table = self.table
+        assert table is not None
+        try:
+            if updates.shard != self.bank_index:
+                raise ValueError(f"it names shard {updates.shard}, but this is shard {self.bank_index}")
+            keys = _int64_keys(updates.keys)
+            shards = keys >> KEY_SHARD_BITS
+            if len(keys) and (shards != self.bank_index).any():
+                bad = int(shards[np.argmax(shards != self.bank_index)])
+                raise ValueError(f"a key of shard {bad} was sent to shard {self.bank_index}; route by key_shard(keys)")
+            local = keys & _LOCAL_MASK
+            known = _known(table, local)
+            if isinstance(updates, PriorityUpdate):
+                p = updates.priorities
+                if isinstance(p, torch.Tensor):
+                    p = p.detach().cpu().numpy()
+                p = np.asarray(p, dtype=np.float64)
+                if p.shape != keys.shape:
+                    raise ValueError(f"priorities have shape {p.shape}, keys {keys.shape}")
+                table.update_priorities(local[known], p[known])
+            elif isinstance(updates, Delete):
+                if known.any():
+                    table.delete(np.unique(local[known]))
+                self._progress()
+            else:
+                raise TypeError(f"unknown update type {type(updates).__name__}")
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("%s refused %s: %s; nothing was changed", self.name, type(updates).__name__, e)
+
+    # ---------------------------------------------------------------- control, checkpoints, statistics
+
+    @reaction(triggers=[control], effects=[statistics])
+    def on_control(self, control: ReplayControl) -> None:
+        if control.shard not in (-1, self.bank_index):
+            return
+        if isinstance(control, CheckpointRequest):
+            self.checkpoint()
+        elif isinstance(control, StatisticsRequest):
+            self.statistics.send(self.shard_statistics())
+
+    @reaction(triggers=[tick], effects=[statistics, tick])
+    def periodic(self) -> None:
+        self._now_s += self._tick_s
+        eps = 1e-9
+        if self._next_ckpt is not None and self._now_s + eps >= self._next_ckpt:
+            self._next_ckpt += self.checkpoint_period_s
+            self.checkpoint()
+        if self._next_stats is not None and self._now_s + eps >= self._next_stats:
+            self._next_stats += self.statistics_period_s
+            self.statistics.send(self.shard_statistics())
+        self.tick.schedule(delay_s=self._tick_s)
+
+    def checkpoint(self) -> concurrent.futures.Future[Path] | None:
+        """Start a background checkpoint now; None if one is still being written or there is no run_dir.
+
+        The snapshot is taken before this returns (short, under the table lock); the files are
+        written by a thread, atomically (see ``reactor.replay.checkpoint``).
+        """
+        if self.checkpoint_dir is None or self.table is None:
+            return None
+        if self._saving is not None and not self._saving.done():
+            log.warning("%s: checkpoint skipped, the previous one is still being written", self.name)
+            return None
+        self._collect_save()
+        self._saving = self.table.save_in_background(self.checkpoint_dir, keep=self.keep_checkpoints)
+        return self._saving
+
+    def _collect_save(self, timeout_s: float | None = 0.0) -> None:
+        fut = self._saving
+        if fut is None:
+            return
+        try:
+            fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            return
+        except Exception:
+            log.exception("%s: checkpoint failed", self.name)
+        else:
+            self._counts["checkpoints"] += 1
+        self._saving = None
+
+    def shard_statistics(self) -> ShardStatistics:
+        """The shard's :class:`ShardStatistics` now."""
+        assert self.table is not None
+        self._collect_save()
+        st = self.table.statistics()
+        return ShardStatistics(
+            shard=self.bank_index,
+            size=st.size,
+            num_steps=st.num_steps,
+            num_episodes=st.num_episodes,
+            inserted=st.inserted,
+            sampled=st.sampled,
+            evicted=st.evicted,
+            removed=st.removed,
+            expired=st.expired,
+            deleted=st.deleted,
+            rejected_steps=self._counts["rejected_steps"],
+            parked_requests=len(self._parked_requests),
+            parked_steps=sum(_steps_len(s) for s in self._parked_steps),
+            checkpoints=self._counts["checkpoints"],
+            restored_from=self._restored_from,
+        )
+
+    @reaction(triggers=[shutdown])
+    def close(self) -> None:
+        if self.table is None:
+            return
+        self._collect_save(timeout_s=120.0)
+        if self.checkpoint_on_shutdown and self.checkpoint_dir is not None:
+            self.table.save(self.checkpoint_dir, keep=self.keep_checkpoints)
+            self._counts["checkpoints"] += 1
+        if self._parked_steps:
+            log.warning("%s: the run ended with %d parked Steps messages not inserted (rate limiter)",
+                        self.name, len(self._parked_steps))
+
+
+def _steps_len(s: Steps) -> int:
+    try:
+        return len(s.episode_end)
+    except TypeError:
+        return 0
+
+
+def _dir_name(name: str) -> str:
+    return name.replace("[", "-").replace("]", "")
+
+
+# ------------------------------------------------------------------------------------ the client
+
+
+@dataclass
+class _Sample:
+    """One batch being assembled from several shards."""
+
+    n: int
+    stage: int  # 1: waiting for masses, 2: waiting for items
+    want: int  # items the next stage 2 draws
+    masses: dict[int, ShardMass] = field(default_factory=dict)
+    parts: list[ShardSample] = field(default_factory=list)
+    outstanding: dict[int, tuple[int, int]] = field(default_factory=dict)  # wire id -> (shard, items asked)
+    total: float = 0.0
+    size: int = 0
+    min_mass: float = math.inf
+    beta: float = 0.0
+    deadline: float = math.inf
+
+
+class ReplayClient:
+    """A learner's view of N replay shards as one table (pure logic: it never sends anything itself).
+
+    The owner (a learner reactor) sends the messages its methods return on ports connected to the
+    shards' ``requests``/``updates`` with ``key=shard_key``, and feeds every reply it receives from
+    their ``replies`` (connected back with ``key=requester_key``) to :meth:`receive`.
+
+    Semantics: exact two-stage sampling (module docstring); several samples may be in flight;
+    batches come out in the order their last reply arrives; items of a batch are grouped by shard.
+    A shard that has not answered a request within ``timeout_s`` (checked by :meth:`check_timeouts`,
+    which the owner calls from a timer, and by :meth:`receive`) raises :class:`PeerLostError`; with
+    ``skip_lost_shards=True`` the shard is dropped instead and sampling continues from the live
+    shards: the lost shard's share of a batch in flight is redrawn from the others in proportion to
+    their masses, which keeps the batch exact over the live shards.
+
+    Args:
+        num_shards: the replay bank's size.
+        requester: the owner's bank index (replies are routed back by it).
+        rng: numpy Generator for the per-shard counts (use the reactor's ``self.rng``: deterministic).
+        beta: importance-weight exponent; None: the shards' own ``beta``.
+        timeout_s: how long a shard may take to answer (None: forever). A shard parks a request
+            while its rate limiter blocks (e.g. below min size): keep this above that wait.
+        skip_lost_shards: continue without a shard that timed out, instead of raising.
+        clock: time source for timeouts (seconds).
+
+    Example:
+        >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
+        >>> for m in client.request(256): self.requests.send(m)
+        >>> # in the reaction on replies:
+        >>> msgs, batch = client.receive(reply)
+    """
+
+    def __init__(
+        self,
+        num_shards: int,
+        *,
+        requester: int = 0,
+        rng: np.random.Generator | None = None,
+        beta: float | None = None,
+        timeout_s: float | None = 60.0,
+        skip_lost_shards: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"ReplayClient num_shards must be an int >= 1, got {num_shards!r}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"ReplayClient timeout_s must be > 0 or None, got {timeout_s!r}")
+        self.num_shards = num_shards
+        self.requester = requester
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.beta = beta
+        self.timeout_s = timeout_s
+        self.skip_lost_shards = skip_lost_shards
+        self.clock = clock
+        self.lost: dict[int, str] = {}
+        self._next_id = 0
+        self._samples: dict[int, _Sample] = {}  # wire request id -> the sample it belongs to
+
+    @property
+    def live_shards(self) -> list[int]:
+        """Shards not given up on."""
+        return [s for s in range(self.num_shards) if s not in self.lost]
+
+    @property
+    def in_flight(self) -> int:
+        """Samples requested and not yet delivered."""
+        return len({id(s) for s in self._samples.values()})
+
+    def request(self, n: int) -> list[ReplayRequest]:
+        """Start a sample of ``n`` items; returns the messages to send.
+
+        Raises:
+            ValueError: ``n < 1``.
+            PeerLostError: every shard was lost.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
+        live = self._require_live()
+        s = _Sample(int(n), stage=1, want=int(n))
+        if self.num_shards == 1:  # one shard: its own draw is the exact one
+            s.stage = 2
+            s.deadline = self._deadline()
+            return [self._ask(s, 0, int(n))]
+        return self._ask_masses(s, live)
+
+    def _deadline(self) -> float:
+        return math.inf if self.timeout_s is None else self.clock() + self.timeout_s
+
+    def _ask(self, s: _Sample, shard: int, n: int) -> ReplayRequest:
+        self._next_id += 1
+        rid = self._next_id
+        s.outstanding[rid] = (shard, n)
+        self._samples[rid] = s
+        if s.stage == 1:
+            return MassRequest(shard, self.requester, rid)
+        return SampleRequest(shard, self.requester, rid, n)
+
+    def _ask_masses(self, s: _Sample, shards: list[int]) -> list[ReplayRequest]:
+        s.stage = 1
+        s.deadline = self._deadline()
+        return [self._ask(s, k, 0) for k in shards]
+
+    def _require_live(self) -> list[int]:
+        live = self.live_shards
+        if not live:
+            raise PeerLostError(f"every replay shard was lost: {self.lost}")
+        return live
+
+    def receive(self, reply: ReplayReply) -> tuple[list[ReplayRequest], SampledBatch | None]:
+        """Take one reply; returns (messages to send, a finished batch or None).
+
+        Replies to unknown requests (e.g. from a shard given up on) are ignored.
+
+        Raises:
+            RuntimeError: the shard refused the request (its ``error`` text); the sample is dropped.
+            PeerLostError: another shard has timed out (see :meth:`check_timeouts`).
+        """
+        s = self._samples.pop(reply.request, None)
+        if s is None or s.outstanding.pop(reply.request, None) is None:
+            return self.check_timeouts(), None
+        if reply.error:
+            self._drop(s)
+            raise RuntimeError(f"replay shard {reply.shard} refused a request: {reply.error}")
+        out: list[ReplayRequest] = []
+        batch = None
+        if isinstance(reply, ShardMass):
+            s.masses[reply.shard] = reply
+            if not s.outstanding:
+                out.extend(self._draw_counts(s))
+        elif isinstance(reply, ShardSample):
+            s.parts.append(reply)
+            if not s.outstanding:
+                batch = self._assemble(s)
+        out.extend(self.check_timeouts())
+        return out, batch
+
+    def _draw_counts(self, s: _Sample) -> list[ReplayRequest]:
+        """Stage 2: counts ~ Multinomial(want, M_s / M) over the shards that answered stage 1."""
+        shards = sorted(s.masses)
+        masses = np.array([s.masses[k].mass for k in shards], dtype=np.float64)
+        sizes = np.array([s.masses[k].size for k in shards], dtype=np.float64)
+        s.total = float(masses.sum())
+        s.size = int(sizes.sum())
+        s.min_mass = min(s.masses[k].min_mass for k in shards)
+        s.beta = self.beta if self.beta is not None else max(s.masses[k].beta for k in shards)
+        share = masses if s.total > 0 else sizes  # every priority 0: fall back to sizes
+        counts = self.rng.multinomial(s.want, share / share.sum())
+        s.stage = 2
+        s.deadline = self._deadline()
+        return [self._ask(s, k, int(c)) for k, c in zip(shards, counts) if c > 0]
+
+    def _assemble(self, s: _Sample) -> SampledBatch:
+        parts = sorted(s.parts, key=lambda p: p.shard)  # stable: a shard's redraws stay in order
+        if not s.masses:  # one shard, one stage: the shard's own figures at draw time
+            p = parts[0]
+            s.total, s.size, s.min_mass = p.mass, p.size, p.min_mass
+            s.beta = self.beta if self.beta is not None else p.beta
+        data: dict[str, torch.Tensor] = {}
+        for name in parts[0].data or {}:
+            cols = [_tensor(p.data[name]) for p in parts]  # type: ignore[index]
+            data[name] = cols[0] if len(cols) == 1 else torch.cat(cols)
+        local_p = [np.asarray(p.probabilities, dtype=np.float64) for p in parts]
+        # An item's weight is w_i = q_i * M_s (within-shard probability times its shard's mass at draw
+        # time); globally P(i) = w_i / M and the IS weight is (w_i / min_j w_j)^-beta.
+        item_w = np.concatenate([lp * p.mass for lp, p in zip(local_p, parts)])
+        if s.total > 0:
+            probs = item_w / s.total
+        else:
+            probs = np.concatenate([lp * (p.size / max(s.size, 1)) for lp, p in zip(local_p, parts)])
+        min_w = min([s.min_mass] + [p.min_mass for p in parts])
+        if s.beta == 0.0 or not (0 < min_w < math.inf):
+            weights = np.ones(len(probs), dtype=np.float32)
+        else:
+            with np.errstate(divide="ignore"):
+                weights = np.minimum((item_w / min_w) ** (-s.beta), 1.0).astype(np.float32)
+        keys = np.concatenate([np.asarray(p.keys, dtype=np.int64) for p in parts])
+        times = np.concatenate([np.asarray(p.times_sampled, dtype=np.int64) for p in parts])
+        return SampledBatch(
+            data=data,
+            keys=torch.from_numpy(keys),
+            weights=torch.from_numpy(weights),
+            probabilities=torch.from_numpy(probs),
+            table_size=s.size,
+            times_sampled=torch.from_numpy(times),
+        )
+
+    def _drop(self, s: _Sample) -> None:
+        for rid in list(s.outstanding):
+            self._samples.pop(rid, None)
+        s.outstanding.clear()
+
+    def check_timeouts(self) -> list[ReplayRequest]:
+        """Give up on shards that did not answer in time; returns messages to send (redraws).
+
+        Raises:
+            PeerLostError: a shard did not answer within ``timeout_s`` (and ``skip_lost_shards`` is
+                False), or every shard is lost. The message names the shard and the request.
+        """
+        if self.timeout_s is None or not self._samples:
+            return []
+        now = self.clock()
+        late: dict[int, int] = {}
+        for rid, s in self._samples.items():
+            if now > s.deadline:
+                late.setdefault(s.outstanding[rid][0], rid)
+        if not late:
+            return []
+        if not self.skip_lost_shards:
+            shard, rid = min(late.items())
+            raise PeerLostError(
+                f"replay shard {shard} did not answer request {rid} within {self.timeout_s}s (dead, hung, or "
+                f"parked below its rate limiter for that long); pass skip_lost_shards=True to sample from the "
+                f"live shards instead"
+            )
+        for shard in late:
+            self.lost[shard] = f"no answer within {self.timeout_s}s"
+            log.warning("replay client %s: shard %d lost (no answer within %ss); sampling from the others",
+                        self.requester, shard, self.timeout_s)
+        live = self._require_live()
+        out: list[ReplayRequest] = []
+        for s in {id(s): s for s in self._samples.values()}.values():
+            missing = [(rid, n) for rid, (k, n) in s.outstanding.items() if k in self.lost]
+            for rid, _ in missing:
+                del s.outstanding[rid]
+                del self._samples[rid]
+            for k in [k for k in s.masses if k in self.lost]:
+                del s.masses[k]
+            if not missing:
+                continue
+            if s.stage == 2:
+                s.want = sum(n for _, n in missing)
+            if s.outstanding:  # stage 1 still waits for others; stage 2 redraws after them
+                if s.stage == 2:
+                    out.extend(self._redraw_later(s))
+                continue
+            out.extend(self._draw_counts(s) if s.masses else self._ask_masses(s, live))
+        return out
+
+    def _redraw_later(self, s: _Sample) -> list[ReplayRequest]:
+        # Other shards still owe items: ask the live shards of stage 1 for the lost share right away.
+        if not s.masses:
+            return []
+        asked = s.outstanding.copy()
+        out = self._draw_counts(s)
+        s.outstanding.update(asked)
+        return out
+
+    def update_priorities(self, keys: Any, priorities: Any) -> list[PriorityUpdate]:
+        """Messages setting ``priorities`` of ``keys`` (shard-tagged), one per owning shard.
+
+        Keys of lost shards are skipped.
+
+        Raises:
+            ValueError: lengths differ, or a key names a shard outside ``[0, num_shards)``.
+        """
+        keys = _int64_keys(keys)
+        if isinstance(priorities, torch.Tensor):
+            priorities = priorities.detach().cpu().numpy()
+        p = np.asarray(priorities, dtype=np.float64)
+        if p.shape != keys.shape:
+            raise ValueError(f"update_priorities: {len(keys)} keys but priorities of shape {p.shape}")
+        return [PriorityUpdate(k, keys[idx], p[idx]) for k, idx in self._by_shard(keys)]
+
+    def delete(self, keys: Any) -> list[Delete]:
+        """Messages deleting ``keys`` (shard-tagged), one per owning shard (lost shards skipped)."""
+        keys = _int64_keys(keys)
+        return [Delete(k, keys[idx]) for k, idx in self._by_shard(keys)]
+
+    def _by_shard(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        shards = keys >> KEY_SHARD_BITS
+        if len(keys) and (shards.min() < 0 or shards.max() >= self.num_shards):
+            bad = int(shards[np.argmax((shards < 0) | (shards >= self.num_shards))])
+            raise ValueError(f"a key names shard {bad}, outside [0, {self.num_shards}): not a key this client sampled")
+        if len(keys) == 0:
+            return []
+        order = np.argsort(shards, kind="stable")
+        bounds = np.flatnonzero(np.diff(shards[order])) + 1
+        out = []
+        for idx in np.split(order, bounds):
+            k = int(shards[idx[0]])
+            if k not in self.lost:
+                out.append((k, idx))
+        return out
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.from_numpy(np.asarray(x))

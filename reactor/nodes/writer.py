@@ -1,0 +1,356 @@
+"""Writer: an actor's client of the replay shards (pure logic: no ports, used inside a reaction).
+
+An actor steps ``N`` environments side by side (a vector env) and hands the writer each step as a
+dict of ``[N, ...]`` arrays. The writer keeps one row buffer per env stream, cuts the streams into
+stored segments by a declared :class:`TransitionPattern` or :class:`WindowPattern`, and flushes
+segments in batches: one :class:`~reactor.nodes.messages.Steps` message per flush, never one per
+step, to the shard chosen for it.
+
+**Storage convention** (``reactor.replay.Storage.read_transitions``). Row ``t`` of a segment holds
+``o_t`` and the ``a_t``, ``r_t`` taken from it. The last row of an episode holds the final
+observation (its other fields zero). The ``terminated`` field (if the table has one) is True only
+on that final row, and only if the episode terminated: n-step targets then stop bootstrapping at
+true terminals and do bootstrap at truncations.
+
+**Chunks.** A shard keeps one open episode at a time and takes steps from many writers, so the
+writer never leaves an episode open: long episodes go out as *chunks*. A chunk boundary is a
+truncation whose next chunk starts with the same observation: the chunk's last row is the next
+chunk's first anchor (stored twice), with ``terminated`` False. Consecutive chunks overlap by the
+pattern's context so that every item (anchor) is read in full from one chunk:
+
+* :class:`TransitionPattern` ``(n)``: ``n`` rows after each anchor (the n-step rewards and the
+  bootstrap observation);
+* :class:`WindowPattern` ``(length T, pad)``: ``T - 1`` rows after (``pad="tail"``: windows start
+  at their anchor) or before (``pad="head"``: windows end at their anchor).
+
+Each step becomes an item exactly once (in the chunk where it is an anchor); context rows and the
+final-observation row are not items (``item_mask``).
+
+Cost: one vectorized write per field per step; Python work per finished episode or chunk, never per
+stream per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from .messages import Steps
+from .replay import parse_fields
+
+__all__ = ["TransitionPattern", "WindowPattern", "Writer"]
+
+
+@dataclass(frozen=True)
+class TransitionPattern:
+    """Cut streams for n-step transition items.
+
+    Attributes:
+        n: the n of the table's ``TransitionRead`` (rows of context after each anchor).
+        chunk_length: anchors per chunk of a long episode (shorter episodes go out whole).
+    """
+
+    n: int = 1
+    chunk_length: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("TransitionPattern n", self.n, 1)
+        _check_int("TransitionPattern chunk_length", self.chunk_length, 1)
+
+    def context(self) -> tuple[int, int]:
+        """Rows kept before and after the anchors of a chunk."""
+        return 0, self.n
+
+
+@dataclass(frozen=True)
+class WindowPattern:
+    """Cut streams for sequence-window items (the table reads ``WindowRead(length, pad)``).
+
+    Attributes:
+        length: the window length T.
+        pad: ``"tail"`` (a window starts at its anchor) or ``"head"`` (it ends at its anchor).
+        chunk_length: anchors per chunk of a long episode.
+    """
+
+    length: int
+    pad: Literal["head", "tail"] = "tail"
+    chunk_length: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("WindowPattern length", self.length, 1)
+        _check_int("WindowPattern chunk_length", self.chunk_length, 1)
+        if self.pad not in ("head", "tail"):
+            raise ValueError(f"WindowPattern pad must be 'head' or 'tail', got {self.pad!r}")
+
+    def context(self) -> tuple[int, int]:
+        """Rows kept before and after the anchors of a chunk."""
+        return (self.length - 1, 0) if self.pad == "head" else (0, self.length - 1)
+
+
+def _check_int(what: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
+
+
+def _numpy(name: str, value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    try:
+        return np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - reported with the field name
+        raise TypeError(f"Writer: field {name!r} must be an array or tensor, got {type(value).__name__}") from e
+
+
+class Writer:
+    """Appends steps of ``num_streams`` parallel env streams and flushes them to replay shards.
+
+    Args:
+        fields: the shard table's fields (FieldSpecs, ``(name, shape, dtype)`` tuples or dicts, as
+            :class:`~reactor.nodes.replay.Replay` takes them).
+        num_streams: N, the envs stepped side by side.
+        pattern: :class:`TransitionPattern` or :class:`WindowPattern` (how items are cut).
+        num_shards: the replay bank's size.
+        writer_id: this writer's id (e.g. the actor's bank index), in messages and for the shard choice.
+        shard: send every flush to this shard (e.g. the co-located one); None: round-robin over the
+            shards, starting at ``writer_id % num_shards``.
+        flush_steps: flush when at least this many rows are ready (one message per flush).
+        obs_fields: fields that take the final observation on an episode's last row.
+        terminated_field: the per-step terminal flag the writer fills (skipped if not a field).
+
+    Raises:
+        ValueError: a bad argument, or ``obs_fields`` not among the fields.
+
+    Example:
+        >>> w = Writer([("obs", (4,), "float32"), ("action", (), "int64"), ("reward", (), "float32"),
+        ...             ("terminated", (), "bool")], num_streams=8, pattern=TransitionPattern(n=3),
+        ...            num_shards=2, writer_id=self.bank_index)
+        >>> obs2, reward, term, trunc, _ = env.step(action)
+        >>> msgs = w.append({"obs": obs, "action": action, "reward": reward}, terminated=term,
+        ...                 truncated=trunc, final={"obs": obs2})   # gymnasium NEXT_STEP autoreset
+        >>> for m in msgs: self.steps.send(m)
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[Any],
+        num_streams: int,
+        pattern: TransitionPattern | WindowPattern,
+        *,
+        num_shards: int = 1,
+        writer_id: int = 0,
+        shard: int | None = None,
+        flush_steps: int = 1024,
+        obs_fields: Sequence[str] = ("obs",),
+        terminated_field: str = "terminated",
+    ) -> None:
+        self.specs = parse_fields(fields)
+        _check_int("Writer num_streams", num_streams, 1)
+        _check_int("Writer num_shards", num_shards, 1)
+        _check_int("Writer flush_steps", flush_steps, 1)
+        if not isinstance(pattern, (TransitionPattern, WindowPattern)):
+            raise TypeError(f"Writer pattern must be a TransitionPattern or WindowPattern, got {pattern!r}")
+        if shard is not None and not (isinstance(shard, int) and 0 <= shard < num_shards):
+            raise ValueError(f"Writer shard must be None or in [0, {num_shards}), got {shard!r}")
+        names = [s.name for s in self.specs]
+        missing = [f for f in obs_fields if f not in names]
+        if missing:
+            raise ValueError(f"Writer obs_fields {missing} are not fields of the table {names}")
+        self.num_streams = num_streams
+        self.pattern = pattern
+        self.num_shards = num_shards
+        self.writer_id = writer_id
+        self.fixed_shard = shard
+        self._next_shard = writer_id % num_shards
+        self.flush_steps = flush_steps
+        self.obs_fields = tuple(obs_fields)
+        self.terminated_field = terminated_field if terminated_field in names else None
+        # The fields an actor gives per step: all but the terminal flag, which the writer fills.
+        self.step_fields = [s.name for s in self.specs if s.name != self.terminated_field]
+        self.before, self.after = pattern.context()
+        self.chunk = pattern.chunk_length
+        rows = self.before + self.chunk + self.after + 1
+        self._np_dtypes = {s.name: torch.empty(0, dtype=s.dtype).numpy().dtype for s in self.specs}
+        self._shapes = {s.name: s.shape for s in self.specs}
+        self._buf = {
+            n: np.zeros((num_streams, rows, *self._shapes[n]), dtype=self._np_dtypes[n]) for n in self.step_fields
+        }
+        self._prio = np.ones((num_streams, rows), dtype=np.float64)
+        self._has_prio = False
+        self._len = np.zeros(num_streams, dtype=np.int64)  # rows buffered per stream
+        self._a0 = np.zeros(num_streams, dtype=np.int64)  # first row not yet made an item
+        self._streams = np.arange(num_streams)
+        self._pending: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, bool]] = []
+        self._pending_rows = 0
+        self.seq = 0
+        self.steps_appended = 0
+        self.items_sent = 0
+        self.steps_sent = 0
+
+    # ---------------------------------------------------------------- appending
+
+    def append(
+        self,
+        step: Mapping[str, Any],
+        *,
+        terminated: Any,
+        truncated: Any,
+        final: Mapping[str, Any] | None = None,
+        priorities: Any = None,
+        active: Any = None,
+    ) -> list[Steps]:
+        """Append one step of every stream; returns the messages ready to send (usually none).
+
+        Args:
+            step: field -> ``[N, *shape]`` (every table field but the terminal flag): ``o_t`` and
+                what was done from it (``a_t``, ``r_t``, extras).
+            terminated, truncated: bool ``[N]``: the episode ended after this step (true terminal
+                / time limit).
+            final: field -> ``[N, *shape]`` final observations (``obs_fields``), read only for
+                streams whose episode ended (with gymnasium's default autoreset, the observation
+                ``env.step`` returned).
+            priorities: ``[N]`` initial priorities of this step's items (None: the shard's default).
+            active: bool ``[N]`` or None (all): streams whose step is real. With gymnasium's default
+                (NEXT_STEP) autoreset, the step after an episode ended only resets that env: pass
+                ``active=~ended_last_step`` so it is not stored.
+
+        Returns:
+            :class:`Steps` messages for the shards (one per flush).
+
+        Raises:
+            KeyError: a field is missing or unknown. ValueError: a wrong shape, or ``final`` missing
+                for a stream that ended. Nothing is appended when these raise.
+        """
+        n = self.num_streams
+        unknown = sorted(set(step) - set(self.step_fields))
+        if unknown:
+            raise KeyError(f"Writer.append: unknown field(s) {unknown}; the table's step fields are {self.step_fields}")
+        missing = sorted(set(self.step_fields) - set(step))
+        if missing:
+            raise KeyError(f"Writer.append: missing field(s) {missing}; every step needs {self.step_fields}")
+        values = {}
+        for name in self.step_fields:
+            v = _numpy(name, step[name])
+            want = (n, *self._shapes[name])
+            if v.shape != want:
+                raise ValueError(f"Writer.append: field {name!r} has shape {v.shape}, expected {want} ([N, *shape])")
+            values[name] = v
+        term = np.asarray(terminated, dtype=bool).reshape(-1)
+        trunc = np.asarray(truncated, dtype=bool).reshape(-1)
+        if term.shape != (n,) or trunc.shape != (n,):
+            raise ValueError(f"Writer.append: terminated and truncated must be bool [{n}], got {term.shape} {trunc.shape}")
+        if active is None:
+            idx = self._streams
+            ended = term | trunc
+        else:
+            act = np.asarray(active, dtype=bool).reshape(-1)
+            if act.shape != (n,):
+                raise ValueError(f"Writer.append: active must be bool [{n}], got {act.shape}")
+            idx = np.flatnonzero(act)
+            ended = (term | trunc) & act
+        finals: dict[str, np.ndarray] = {}
+        if ended.any():
+            if final is None:
+                raise ValueError("Writer.append: an episode ended but final=None; pass the final observations")
+            for name in self.obs_fields:
+                if name not in final:
+                    raise KeyError(f"Writer.append: final lacks {name!r} (obs_fields={list(self.obs_fields)})")
+                v = _numpy(name, final[name])
+                if v.shape != (n, *self._shapes[name]):
+                    raise ValueError(f"Writer.append: final {name!r} has shape {v.shape}, expected {(n, *self._shapes[name])}")
+                finals[name] = v
+        if priorities is not None:
+            prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
+            if prio.shape != (n,):
+                raise ValueError(f"Writer.append: priorities must have shape ({n},), got {prio.shape}")
+            self._prio[idx, self._len[idx]] = prio[idx]
+            self._has_prio = True
+        # One vectorized write per field for all streams (numpy casts to the field's dtype).
+        pos = self._len[idx]
+        for name, v in values.items():
+            self._buf[name][idx, pos] = v if active is None else v[idx]
+        self._len[idx] += 1
+        self.steps_appended += len(idx)
+        for i in np.flatnonzero(ended):  # per finished episode
+            self._end_episode(int(i), bool(term[i]), finals)
+        full = np.flatnonzero(self._len - self._a0 >= self.chunk + self.after)
+        for i in full:  # per chunk
+            self._cut_chunk(int(i))
+        if self._pending_rows >= self.flush_steps:
+            return self.flush()
+        return []
+
+    def _segment(self, i: int, lo: int, hi: int, a_lo: int, a_hi: int, *, terminated: bool = False,
+                 final_row: bool = False) -> None:
+        """Queue rows [lo, hi) of stream i as one stored segment; rows [a_lo, a_hi) are its items."""
+        rows = hi - lo
+        data = {name: buf[i, lo:hi].copy() for name, buf in self._buf.items()}
+        if self.terminated_field is not None:
+            t = np.zeros(rows, dtype=self._np_dtypes[self.terminated_field])
+            if final_row and terminated:
+                t[-1] = True
+            data[self.terminated_field] = t
+        mask = np.zeros(rows, dtype=bool)
+        mask[a_lo - lo : a_hi - lo] = True
+        prio = self._prio[i, lo:hi].copy()
+        self._pending.append((data, mask, prio, True))
+        self._pending_rows += rows
+
+    def _end_episode(self, i: int, terminated: bool, finals: Mapping[str, np.ndarray]) -> None:
+        last = int(self._len[i])  # the final-observation row goes here
+        for name, buf in self._buf.items():
+            buf[i, last] = finals[name][i] if name in finals else 0
+        self._prio[i, last] = 1.0
+        hi = last + 1
+        a0 = int(self._a0[i])
+        if last > a0:  # anchors [a0, last): every step not yet an item (the final row is not one)
+            self._segment(i, max(0, a0 - self.before), hi, a0, last, terminated=terminated, final_row=True)
+        self._len[i] = 0
+        self._a0[i] = 0
+
+    def _cut_chunk(self, i: int) -> None:
+        a0 = int(self._a0[i])
+        a_hi = a0 + self.chunk
+        lo = max(0, a0 - self.before)
+        self._segment(i, lo, a_hi + self.after, a0, a_hi)
+        keep = max(0, a_hi - self.before)  # rows before this are no longer needed (next chunk's context)
+        n_keep = int(self._len[i]) - keep
+        if keep:
+            for buf in self._buf.values():
+                buf[i, :n_keep] = buf[i, keep : keep + n_keep]
+            self._prio[i, :n_keep] = self._prio[i, keep : keep + n_keep]
+        self._len[i] = n_keep
+        self._a0[i] = a_hi - keep
+
+    # ---------------------------------------------------------------- flushing
+
+    @property
+    def pending_steps(self) -> int:
+        """Rows in segments ready to flush."""
+        return self._pending_rows
+
+    def flush(self) -> list[Steps]:
+        """One message with every ready segment (none if nothing is ready). Open episodes stay buffered."""
+        if not self._pending:
+            return []
+        segs, self._pending = self._pending, []
+        self._pending_rows = 0
+        names = list(segs[0][0])
+        fields = {n: np.concatenate([s[0][n] for s in segs]) if len(segs) > 1 else segs[0][0][n] for n in names}
+        mask = np.concatenate([s[1] for s in segs])
+        ends = np.zeros(len(mask), dtype=bool)
+        ends[np.cumsum([len(s[1]) for s in segs]) - 1] = True
+        prio = np.concatenate([s[2] for s in segs]) if self._has_prio else None
+        shard = self.fixed_shard if self.fixed_shard is not None else self._next_shard
+        if self.fixed_shard is None:
+            self._next_shard = (self._next_shard + 1) % self.num_shards
+        msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio)
+        self.seq += 1
+        self.items_sent += int(mask.sum())
+        self.steps_sent += len(mask)
+        return [msg]

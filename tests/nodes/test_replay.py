@@ -1,0 +1,200 @@
+"""Replay shards behind ports: parking under the rate limiter, bad input, checkpoints, the client.
+
+The graphs come from ``tests/apps/replay_service.py`` (real gymnasium CartPole actors writing through
+the Writer, Replay shards, a learner sampling through the ReplayClient).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reactor import PeerLostError, run
+from reactor._app import build_graph
+from reactor.nodes import (
+    PriorityUpdate,
+    ReplayClient,
+    SampleRequest,
+    ShardMass,
+    ShardSample,
+    key_local,
+    key_shard,
+    make_keys,
+)
+from reactor.nodes.messages import MassRequest
+
+APP = str(Path(__file__).resolve().parents[1] / "apps" / "replay_service.py")
+
+
+def _run(config: dict, **kw):
+    return run(build_graph(APP, config), app=APP, config=config, **kw)
+
+
+def test_a_sampler_blocked_below_min_size_is_released_by_inserts(tmp_path):
+    """Issue 4: the learner asks at t=0; each shard parks the request until it holds min_size items."""
+    out = tmp_path / "learner.npz"
+    _run({"shards": 2, "actors": 2, "min_size": 120, "batches": 5, "out": str(out)})
+    rec = np.load(out)
+    assert len(rec["lens"]) == 5
+    assert rec["sizes"][0] >= 2 * 120  # the first batch came only once both shards were ready
+    assert rec["t_ns"][0] > 0  # ... which took the actors some steps (1 ms of logical time each)
+
+
+def test_bad_steps_are_refused_logged_and_counted_and_the_shard_keeps_serving(tmp_path, caplog):
+    out, stats = tmp_path / "learner.npz", tmp_path / "stats.npz"
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        _run({"source": "bad", "shards": 2, "actors": 2, "batches": 3, "batch_size": 8, "out": str(out),
+              "stats_out": str(stats)})
+    s = np.load(stats)
+    assert s["size"].tolist() == [16, 16]  # the good message of each of the 2 writers, per shard
+    assert s["rejected_steps"].tolist() == [2 * 28, 2 * 28]  # 8 + 8 + 8 + 4 rows refused per writer
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("refused steps from writer 9 (flush 0): field 'id' has dtype torch.float64, expected torch.int64" in m
+               for m in msgs)
+    assert any("unknown field(s) ['extra']" in m for m in msgs)
+    assert any("episode_end must be a non-empty bool [L] array whose last entry is True" in m for m in msgs)
+    rec = np.load(out)
+    assert len(rec["lens"]) == 3 and rec["sizes"][0] == 32
+
+
+def test_priority_updates_reach_the_shard_that_owns_each_key(tmp_path):
+    """After the first batch its keys get priority 1000 (alpha=1): later batches are mostly those keys."""
+    out = tmp_path / "learner.npz"
+    _run({"source": "items", "items": 400, "shards": 4, "actors": 1, "min_size": 100, "batches": 6,
+          "batch_size": 32, "update": "boost", "out": str(out)})
+    rec = np.load(out)
+    boosted = set(rec["boosted"].tolist())
+    assert len({int(k) for k in key_shard(rec["boosted"])}) > 1  # the boosted keys live on several shards
+    later = rec["keys"][rec["lens"][0]:]
+    frac = np.isin(later, list(boosted)).mean()
+    base = sum(1000.0 for _ in boosted)
+    assert frac > 0.9, f"only {frac:.2f} of later draws were boosted keys (expected ~{base / (base + 400 * 5):.2f})"
+
+
+def test_checkpoints_restore_the_shards_on_the_next_start(tmp_path):
+    run_dir = tmp_path / "run"
+    stats = tmp_path / "stats.npz"
+    cfg = {"shards": 2, "actors": 1, "batches": 2, "run_dir": str(run_dir), "checkpoint_on_shutdown": True,
+           "stats_out": str(stats)}
+    _run(cfg)
+    first = np.load(stats)
+    assert first["restored_from"].tolist() == ["", ""]
+    for shard in (0, 1):
+        assert (run_dir / f"replay-{shard}" / "ckpt-00000001" / "COMPLETE").is_file()
+    _run({**cfg, "env_steps": 10})
+    second = np.load(stats)
+    assert [Path(p).parent.name for p in second["restored_from"]] == ["replay-0", "replay-1"]
+    # Restored items plus the second run's own inserts.
+    assert (second["inserted"] > first["inserted"]).all()
+    assert (second["size"] >= first["size"]).all()
+
+
+def test_periodic_checkpoints_are_written_in_the_background(tmp_path):
+    run_dir = tmp_path / "run"
+    _run({"shards": 1, "actors": 1, "batches": 2, "run_dir": str(run_dir), "checkpoint_period_s": 0.05},
+         stop_s=0.3)
+    done = sorted(p.name for p in (run_dir / "replay").iterdir() if (p / "COMPLETE").is_file())
+    assert 1 <= len(done) <= 3  # keep_checkpoints=3 prunes older ones
+
+
+# ------------------------------------------------------------------------------------ client logic
+
+
+def test_keys_carry_their_shard():
+    keys = make_keys(3, np.array([0, 5, 2**40]))
+    assert key_shard(keys).tolist() == [3, 3, 3]
+    assert key_local(keys).tolist() == [0, 5, 2**40]
+
+
+def _mass(shard, rid, mass, size, min_mass=1.0):
+    return ShardMass(shard, 0, rid, "", mass, min_mass, size, 0.5)
+
+
+def test_client_draws_shard_counts_in_proportion_to_mass_and_computes_global_weights():
+    client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
+    reqs = client.request(1000)
+    assert [type(r) for r in reqs] == [MassRequest, MassRequest]
+    out, batch = client.receive(_mass(0, reqs[0].request, 100.0, 50, min_mass=0.5))
+    assert out == [] and batch is None
+    out, batch = client.receive(_mass(1, reqs[1].request, 300.0, 50, min_mass=2.0))
+    assert all(isinstance(r, SampleRequest) for r in out)
+    counts = {r.shard: r.n for r in out}
+    assert sum(counts.values()) == 1000 and 180 < counts[0] < 320  # Multinomial(1000, [0.25, 0.75])
+    parts = []
+    for r in out:
+        q = np.full(r.n, 0.01)  # each drawn item: within-shard probability 1%
+        parts.append(ShardSample(r.shard, 0, r.request, "", {"x": np.arange(r.n)}, make_keys(r.shard, np.arange(r.n)),
+                                 q, np.ones(r.n, np.int64), 100.0 if r.shard == 0 else 300.0, 0.5 if r.shard == 0 else 2.0,
+                                 50, 0.5))
+    _, batch = client.receive(parts[0])
+    assert batch is None
+    _, batch = client.receive(parts[1])
+    assert batch is not None and len(batch.keys) == 1000 and batch.table_size == 100
+    probs = batch.probabilities.numpy()
+    # P(i) = w_i / M with w_i = q_i * M_s: 1.0 / 400 on shard 0 and 3.0 / 400 on shard 1.
+    np.testing.assert_allclose(probs[: counts[0]], 1.0 / 400)
+    np.testing.assert_allclose(probs[counts[0]:], 3.0 / 400)
+    # IS weights (w_i / min_j w_j)^-beta with the global min 0.5.
+    np.testing.assert_allclose(batch.weights.numpy()[: counts[0]], (1.0 / 0.5) ** -0.5, rtol=1e-6)
+    np.testing.assert_allclose(batch.weights.numpy()[counts[0]:], (3.0 / 0.5) ** -0.5, rtol=1e-6)
+    assert batch.data["x"].shape == (1000,)
+
+
+def test_client_routes_priority_updates_by_key_shard():
+    client = ReplayClient(3, timeout_s=None)
+    keys = np.concatenate([make_keys(2, [7, 8]), make_keys(0, [1]), make_keys(2, [9])])
+    msgs = client.update_priorities(keys, np.array([1.0, 2.0, 3.0, 4.0]))
+    assert [type(m) for m in msgs] == [PriorityUpdate, PriorityUpdate]
+    by = {m.shard: (key_local(m.keys).tolist(), m.priorities.tolist()) for m in msgs}
+    assert by == {0: ([1], [3.0]), 2: ([7, 8, 9], [1.0, 2.0, 4.0])}
+    with pytest.raises(ValueError, match=r"^a key names shard 5, outside \[0, 3\): not a key this client sampled$"):
+        client.update_priorities(make_keys(5, [1]), [1.0])
+
+
+def test_client_raises_peer_lost_when_a_shard_does_not_answer_in_time():
+    now = [0.0]
+    client = ReplayClient(2, timeout_s=5.0, clock=lambda: now[0])
+    reqs = client.request(8)
+    client.receive(_mass(0, reqs[0].request, 1.0, 1))
+    now[0] = 4.0
+    assert client.check_timeouts() == []
+    now[0] = 6.0
+    with pytest.raises(PeerLostError, match=r"^replay shard 1 did not answer request 2 within 5.0s"):
+        client.check_timeouts()
+
+
+def test_client_skipping_lost_shards_redraws_their_share_from_the_live_ones():
+    now = [0.0]
+    client = ReplayClient(3, timeout_s=5.0, skip_lost_shards=True, clock=lambda: now[0], rng=np.random.default_rng(1))
+    reqs = client.request(100)
+    client.receive(_mass(0, reqs[0].request, 1.0, 10))
+    out, _ = client.receive(_mass(1, reqs[1].request, 1.0, 10))
+    assert out == []  # shard 2 has not answered stage 1
+    now[0] = 10.0
+    out = client.check_timeouts()
+    assert client.lost.keys() == {2} and client.live_shards == [0, 1]
+    assert {r.shard for r in out} == {0, 1} and sum(r.n for r in out) == 100
+    # Stage 2: shard 1 dies too; its items are redrawn from shard 0.
+    by = {r.shard: r for r in out}
+    now[0] = 11.0
+    r0 = by[0]
+    client.receive(ShardSample(0, 0, r0.request, "", {"x": np.zeros(r0.n)}, make_keys(0, np.arange(r0.n)),
+                               np.full(r0.n, 0.1), np.ones(r0.n, np.int64), 1.0, 1.0, 10, 0.0))
+    now[0] = 20.0
+    out = client.check_timeouts()
+    assert [(r.shard, r.n) for r in out] == [(0, by[1].n)]
+    _, batch = client.receive(ShardSample(0, 0, out[0].request, "", {"x": np.zeros(out[0].n)},
+                                          make_keys(0, np.arange(out[0].n)), np.full(out[0].n, 0.1),
+                                          np.ones(out[0].n, np.int64), 1.0, 1.0, 10, 0.0))
+    assert batch is not None and len(batch.keys) == 100 and set(key_shard(batch.keys).tolist()) == {0}
+
+
+def test_a_refused_request_raises_with_the_shards_reason():
+    client = ReplayClient(1, timeout_s=None)
+    (req,) = client.request(4)
+    with pytest.raises(RuntimeError, match=r"^replay shard 0 refused a request: replay\[0\]: boom$"):
+        client.receive(ShardSample(0, 0, req.request, "replay[0]: boom"))
+    assert client.in_flight == 0

@@ -1,0 +1,171 @@
+"""Writer: streams cut into episodes and chunks, read back through a real Table, match the ground truth.
+
+Each test drives N streams with random episode lengths (terminations and truncations), feeds every
+flushed Steps message to a real Table with the read kind the pattern is for, samples every item
+(Fifo, n = size), and compares each item with what the raw episode says it must be.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reactor.nodes.writer import TransitionPattern, WindowPattern, Writer
+from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table, TransitionRead, WindowRead
+
+FIELDS = [
+    FieldSpec("id", (), torch.int64),
+    FieldSpec("obs", (3,), torch.float32),
+    FieldSpec("action", (), torch.int64),
+    FieldSpec("reward", (), torch.float32),
+    FieldSpec("terminated", (), torch.bool),
+]
+
+
+def _drive(writer: Writer, n_streams: int, steps: int, seed: int, p_end: float = 0.08):
+    """Step N fake streams; return (messages, episodes). Every episode is closed at the end."""
+    rng = np.random.default_rng(seed)
+    t = np.zeros(n_streams, dtype=np.int64)
+    eps = [[] for _ in range(n_streams)]  # current episode rows per stream
+    episodes = []  # (rows list of (id, obs, action, reward), final_obs, terminated)
+    msgs = []
+    for k in range(steps):
+        ids = np.arange(n_streams) * 1_000_000 + k + 1
+        obs = rng.normal(size=(n_streams, 3)).astype(np.float32)
+        act = rng.integers(0, 5, size=n_streams)
+        rew = rng.normal(size=n_streams).astype(np.float32)
+        last = k == steps - 1
+        term = (rng.random(n_streams) < p_end) & ~last
+        trunc = (rng.random(n_streams) < p_end / 2) & ~term
+        if last:
+            trunc[:] = True
+        final = rng.normal(size=(n_streams, 3)).astype(np.float32)
+        msgs += writer.append({"id": ids, "obs": obs, "action": act, "reward": rew},
+                              terminated=term, truncated=trunc, final={"obs": final})
+        for i in range(n_streams):
+            eps[i].append((int(ids[i]), obs[i], int(act[i]), float(rew[i])))
+            if term[i] or trunc[i]:
+                episodes.append((eps[i], final[i], bool(term[i])))
+                eps[i] = []
+        t += 1
+    msgs += writer.flush()
+    return msgs, episodes
+
+
+def _table(read, capacity=100_000) -> Table:
+    return Table(Storage(FIELDS, capacity), sampler=Fifo(), remover=Fifo(), rate_limiter=MinSize(1), read=read)
+
+
+def _insert_all(table: Table, msgs) -> None:
+    for m in msgs:
+        assert bool(m.episode_end[-1])
+        table.insert_nowait(m.fields, m.priorities, episode_end=m.episode_end, item_mask=m.item_mask)
+
+
+@pytest.mark.parametrize("n,chunk", [(1, 4), (3, 5), (3, 1000), (1, 1)])
+def test_transition_items_match_the_episodes_across_chunks_truncations_and_terminals(n, chunk):
+    gamma = 0.9
+    w = Writer(FIELDS, num_streams=4, pattern=TransitionPattern(n=n, chunk_length=chunk), flush_steps=64)
+    msgs, episodes = _drive(w, 4, 300, seed=n * 7 + chunk)
+    table = _table(TransitionRead(n, gamma, next_fields=("obs", "terminated")))
+    _insert_all(table, msgs)
+    expected = {}
+    for rows, final, terminated in episodes:
+        L = len(rows)
+        for t, (rid, obs, act, _) in enumerate(rows):
+            m = min(n, L - t)
+            ret = sum(gamma**j * rows[t + j][3] for j in range(m))
+            nxt = final if t + m == L else rows[t + m][1]
+            expected[rid] = (obs, act, ret, gamma**m, nxt, terminated and t + m == L)
+    assert len(table) == len(expected)  # every step is an item exactly once
+    batch, _ = table.sample_nowait(len(table))
+    got_ids = batch["id"].numpy()
+    assert sorted(got_ids) == sorted(expected)
+    for j, rid in enumerate(got_ids):
+        obs, act, ret, disc, nxt, nterm = expected[int(rid)]
+        np.testing.assert_array_equal(batch["obs"][j].numpy(), obs)
+        assert int(batch["action"][j]) == act
+        assert float(batch["reward"][j]) == pytest.approx(ret, rel=1e-5, abs=1e-5)
+        assert float(batch["discount"][j]) == pytest.approx(disc, rel=1e-6)
+        np.testing.assert_array_equal(batch["next_obs"][j].numpy(), nxt)
+        assert bool(batch["next_terminated"][j]) == nterm
+        assert bool(batch["valid"][j])
+
+
+@pytest.mark.parametrize("pad", ["tail", "head"])
+@pytest.mark.parametrize("T,chunk", [(4, 3), (6, 20), (1, 2)])
+def test_window_items_match_the_episodes(pad, T, chunk):
+    w = Writer(FIELDS, num_streams=3, pattern=WindowPattern(T, pad=pad, chunk_length=chunk), flush_steps=50)
+    msgs, episodes = _drive(w, 3, 200, seed=T * 11 + chunk)
+    table = _table(WindowRead(T, pad))
+    _insert_all(table, msgs)
+    expected = {}
+    for rows, final, _ in episodes:
+        # The stored episode: its steps, then the final-observation row (other fields zero).
+        ids = [r[0] for r in rows] + [0]
+        obs = [r[1] for r in rows] + [final]
+        L = len(ids)
+        for t in range(L - 1):
+            pos = range(t, t + T) if pad == "tail" else range(t - T + 1, t + 1)
+            mask = [0 <= p < L for p in pos]
+            wid = [ids[p] if ok else 0 for p, ok in zip(pos, mask)]
+            wobs = np.stack([obs[p] if ok else np.zeros(3, np.float32) for p, ok in zip(pos, mask)])
+            expected[ids[t]] = (wid, wobs, mask)
+    assert len(table) == len(expected)
+    batch, _ = table.sample_nowait(len(table))
+    anchor = 0 if pad == "tail" else T - 1
+    got = batch["id"][:, anchor].numpy()
+    assert sorted(got) == sorted(expected)
+    for j, rid in enumerate(got):
+        wid, wobs, mask = expected[int(rid)]
+        assert batch["id"][j].tolist() == wid
+        np.testing.assert_array_equal(batch["obs"][j].numpy(), wobs)
+        assert batch["mask"][j].tolist() == mask
+
+
+def test_one_message_per_flush_and_round_robin_over_shards():
+    w = Writer(FIELDS, num_streams=8, pattern=TransitionPattern(n=1, chunk_length=16), num_shards=3,
+               writer_id=4, flush_steps=100)
+    msgs, _ = _drive(w, 8, 400, seed=1)
+    assert len(msgs) == w.seq
+    assert all(m.writer == 4 for m in msgs)
+    assert [m.shard for m in msgs] == [(1 + k) % 3 for k in range(len(msgs))]
+    sizes = [len(m.episode_end) for m in msgs[:-1]]
+    assert min(sizes) >= 100  # a flush carries at least flush_steps rows (the last may be smaller)
+    assert len(msgs) < 400 * 8 / 100 + 2  # never one message per step
+    assert w.steps_sent == sum(len(m.episode_end) for m in msgs)
+
+
+def test_fixed_shard_and_inactive_streams_are_not_stored():
+    w = Writer(FIELDS, num_streams=2, pattern=TransitionPattern(), num_shards=4, shard=2, flush_steps=1)
+    step = {"id": np.array([1, 2]), "obs": np.zeros((2, 3)), "action": np.zeros(2, np.int64), "reward": np.ones(2)}
+    no = np.zeros(2, bool)
+    w.append(step, terminated=no, truncated=no)
+    w.append({**step, "id": np.array([3, 4])}, terminated=no, truncated=no, active=np.array([True, False]))
+    msgs = w.append({**step, "id": np.array([5, 6])}, terminated=np.array([True, True]), truncated=no,
+                    final={"obs": np.ones((2, 3))})
+    assert [m.shard for m in msgs] == [2]
+    ids = msgs[0].fields["id"].tolist()
+    assert ids == [1, 3, 5, 0, 2, 6, 0]  # stream 1 skipped its inactive step; final rows hold id 0
+    assert msgs[0].fields["terminated"].tolist() == [False, False, False, True, False, False, True]
+    assert msgs[0].item_mask.tolist() == [True, True, True, False, True, True, False]
+
+
+def test_bad_steps_raise_clear_errors_and_append_nothing():
+    w = Writer(FIELDS, num_streams=2, pattern=TransitionPattern())
+    no = np.zeros(2, bool)
+    good = {"id": np.array([1, 2]), "obs": np.zeros((2, 3)), "action": np.zeros(2, np.int64), "reward": np.ones(2)}
+    with pytest.raises(KeyError, match=r"missing field\(s\) \['reward'\]"):
+        w.append({k: v for k, v in good.items() if k != "reward"}, terminated=no, truncated=no)
+    with pytest.raises(KeyError, match=r"unknown field\(s\) \['rew'\]"):
+        w.append({**good, "rew": np.ones(2)}, terminated=no, truncated=no)
+    with pytest.raises(ValueError, match=r"field 'obs' has shape \(2, 4\), expected \(2, 3\)"):
+        w.append({**good, "obs": np.zeros((2, 4))}, terminated=no, truncated=no)
+    with pytest.raises(ValueError, match=r"an episode ended but final=None"):
+        w.append(good, terminated=np.array([True, False]), truncated=no)
+    assert w.steps_appended == 0 and w.pending_steps == 0
+    with pytest.raises(ValueError, match=r"obs_fields \['pixels'\] are not fields"):
+        Writer(FIELDS, num_streams=2, pattern=TransitionPattern(), obs_fields=("pixels",))
+    with pytest.raises(ValueError, match=r"WindowPattern pad must be 'head' or 'tail'"):
+        WindowPattern(4, pad="middle")  # type: ignore[arg-type]

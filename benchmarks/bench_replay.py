@@ -259,7 +259,12 @@ def make_torchrl(capacity: int) -> tuple[Any, str]:
         return rb, ""
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         notes = "; ".join(sorted({str(w.message).splitlines()[0][:160] for w in caught}))
-        return None, f"{type(exc).__name__}: {exc}" + (f" (warnings: {notes})" if notes else "")
+        why = f"{type(exc).__name__}: {exc}" + (f" (warnings: {notes})" if notes else "")
+        try:  # the root cause: TorchRL's compiled extension (its C++ sum trees) failing to load
+            import torchrl._torchrl  # noqa: F401
+        except Exception as root:  # noqa: BLE001 - reported
+            why += f"; its compiled extension does not load: {type(root).__name__}: {str(root)[:160]}"
+        return None, why
 
 
 # ------------------------------------------------------------------------------------------ sections

@@ -56,6 +56,29 @@ def median_time(fn, reps: int, inner: int) -> float:
     return statistics.median(out)
 
 
+def interleaved_medians(fns: dict, reps: int, inner: int) -> dict:
+    """Median seconds per call of each function; repetitions alternate between them (same load)."""
+    samples: dict = {k: [] for k in fns}
+    for fn in fns.values():  # warm up (jit compilation, first-touch of buffers)
+        fn()
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[k].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def torchrl_failure() -> str:
+    """Why TorchRL's compiled part does not load, if it does not (the root cause behind its errors)."""
+    try:
+        import torchrl._torchrl  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - reported
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return ""
+
+
 def build_table(capacity: int, rng: np.random.Generator) -> Table:
     t = Table(Storage(SPECS, capacity), sampler=Prioritized(0.6), remover=Fifo(), rate_limiter=MinSize(1),
               read=WindowRead(32, "tail"), beta=0.4)
@@ -95,34 +118,48 @@ def bench_windows(quick: bool) -> None:
         keys = rng.integers(*table.storage.step_range, B)
         table.update_priorities(keys, rng.uniform(0.01, 10.0, B))
 
-    # Gather alone (same kind of anchors, drawn fresh each call).
+    # Gather alone: uniform anchors, a fresh set for every call of a run (4096 sets of 256 windows,
+    # 1.5 GB of windows: never served from the caches by an earlier call).
     lo, hi = table.storage.step_range
-    anchors = [rng.integers(lo, hi, B) for _ in range(64)]
+    anchors = [rng.integers(lo, hi, B) for _ in range(4096)]
     it = iter(range(10**9))
 
     def gather() -> None:
-        table.storage.read_windows(anchors[next(it) % 64], T, "tail")
+        table.storage.read_windows(anchors[next(it) % 4096], T, "tail")
 
+    # memcpy of the same number of bytes, single core: from a hot source (368 KiB, stays in L2: the
+    # machine's best case) and from a cold one (successive slices of a 1 GiB buffer: DRAM to cache).
     src = torch.empty(out_bytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
+    big = torch.empty(1 << 30, dtype=torch.uint8).random_()
+    n_slices = big.numel() // out_bytes
+    ic = iter(range(10**9))
 
     def memcpy() -> None:
         dst.copy_(src)
 
-    s_sample = median_time(sample, reps, inner)
-    s_gather = median_time(gather, reps, inner)
-    s_memcpy = median_time(memcpy, reps, inner)
+    def memcpy_cold() -> None:
+        k = next(ic) % n_slices
+        dst.copy_(big[k * out_bytes : (k + 1) * out_bytes])
+
+    med = interleaved_medians(
+        {"sample": sample, "gather": gather, "memcpy": memcpy, "memcpy_cold": memcpy_cold,
+         "learner": lambda: (sample(), update())},
+        reps, inner,
+    )
+    s_sample, s_gather, s_memcpy, s_cold = med["sample"], med["gather"], med["memcpy"], med["memcpy_cold"]
     gbps = out_bytes / s_sample / 1e9
     mem_gbps = out_bytes / s_memcpy / 1e9
+    cold_gbps = out_bytes / s_cold / 1e9
+    g_gbps = out_bytes / s_gather / 1e9
     print(f"# gathered output per batch: {out_bytes} B ({B} x {T} steps x {table.storage.step_nbytes} B + mask)")
     print(f"reactor Table.sample_nowait({B}) windows T={T}: {1 / s_sample:10.0f} batches/s  {gbps:6.2f} GB/s")
-    print(f"reactor Storage.read_windows gather only     : {1 / s_gather:10.0f} batches/s  "
-          f"{out_bytes / s_gather / 1e9:6.2f} GB/s")
-    print(f"memcpy (torch copy_, 1 thread) same bytes     : {1 / s_memcpy:10.0f} copies/s   {mem_gbps:6.2f} GB/s")
-    print(f"ratio sample / memcpy = {gbps / mem_gbps:.2f}   gather / memcpy = {s_memcpy / s_gather:.2f}  "
-          "(target >= 0.30)")
-    s_learn = median_time(lambda: (sample(), update()), reps, inner)
-    print(f"reactor learner step (sample {B} windows + update {B}): {1 / s_learn:10.0f} steps/s")
+    print(f"reactor Storage.read_windows gather only     : {1 / s_gather:10.0f} batches/s  {g_gbps:6.2f} GB/s")
+    print(f"memcpy hot source (torch copy_, 1 thread)     : {1 / s_memcpy:10.0f} copies/s   {mem_gbps:6.2f} GB/s")
+    print(f"memcpy cold source (1 GiB buffer, 1 thread)   : {1 / s_cold:10.0f} copies/s   {cold_gbps:6.2f} GB/s")
+    print(f"ratio vs hot memcpy:  sample {gbps / mem_gbps:.2f}   gather {g_gbps / mem_gbps:.2f}   (target >= 0.30)")
+    print(f"ratio vs cold memcpy: sample {gbps / cold_gbps:.2f}   gather {g_gbps / cold_gbps:.2f}")
+    print(f"reactor learner step (sample {B} windows + update {B}): {1 / med['learner']:10.0f} steps/s")
     bench_torchrl(B, T, reps, inner, s_sample)
 
 
@@ -134,6 +171,9 @@ def bench_torchrl(B: int, T: int, reps: int, inner: int, ours_s: float) -> None:
     except Exception as e:  # report and go on: the peer is optional
         print(f"peer TorchRL PrioritizedSliceSampler: did not load: {type(e).__name__}: {str(e)[:300]}")
         return
+    why = torchrl_failure()
+    if why:
+        print(f"peer TorchRL: its compiled extension does not load ({why})")
     try:
         n = 1 << 20
         rng = np.random.default_rng(1)

@@ -92,6 +92,18 @@ def test_sample_returns_batch_and_info_with_keys_probabilities_weights_times():
     assert info.times_sampled.tolist() == [2]
 
 
+def test_a_slot_drawn_several_times_in_one_sample_counts_every_draw():
+    """Regression (issue 3): the compiled sample bookkeeping counts each draw (with replacement) and
+    reports the count after the whole draw for every copy; keys come from slots across the ring wrap."""
+    t = Table(Storage(SPECS, 4), sampler=Prioritized(alpha=1.0), remover=Fifo(), rate_limiter=MinSize(1))
+    t.insert_nowait(steps(0, 3))
+    t.insert_nowait(steps(3, 2))  # evicts episode 0: keys 3, 4 live in slots 3, 0
+    t.update_priorities([3], [0.0])
+    _, info = t.sample_nowait(6)
+    assert info.keys.tolist() == [4] * 6 and info.times_sampled.tolist() == [6] * 6
+    assert info.weights.tolist() == [1.0] * 6 and t.statistics().sampled == 6
+
+
 def test_importance_weights_follow_per_maths():
     t = Table(Storage(SPECS, 8), sampler=Prioritized(alpha=1.0), remover=Fifo(), rate_limiter=MinSize(1), beta=0.5)
     t.insert_nowait(steps(0, 2), np.array([1.0, 4.0]))

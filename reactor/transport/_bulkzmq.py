@@ -67,15 +67,17 @@ _ERRORS: dict[str, type[Exception]] = {
 class ServedRegion:
     """What the server needs of one region: its rows, generation and per-field byte views."""
 
-    __slots__ = ("fields", "generation", "name", "rows", "version_field")
+    __slots__ = ("fields", "generation", "name", "rows", "version_field", "versions")
 
     def __init__(self, name: str, rows: int, generation: int) -> None:
         self.name = name
         self.rows = rows
         self.generation = generation
-        #: field -> (row_nbytes, word view [rows, words] or None, torch tensor); replaced, never mutated
-        self.fields: dict[str, tuple[int, np.ndarray | None, Any]] = {}
+        #: field -> (row_nbytes, address of the rows or None for a CUDA field, tensor); the dict is
+        #: replaced whole, never mutated (the server thread reads it without a lock)
+        self.fields: dict[str, tuple[int, int | None, Any]] = {}
         self.version_field: str | None = None
+        self.versions: np.ndarray | None = None
 
 
 def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -87,19 +89,29 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
 
 
-def _gather_field(entry: tuple[int, np.ndarray | None, Any], rows: np.ndarray) -> np.ndarray:
-    """Gather ``rows`` of one field into a fresh uint8 array ``[K * row_nbytes]``."""
-    rb, wv, tensor = entry
-    if wv is None:  # a device (CUDA) field: gather there, stage through host memory
-        import torch
+def _gather_fields(
+    entries: list[tuple[int, int | None, Any]], rows: int, starts: np.ndarray, lengths: np.ndarray, total: int
+) -> list[np.ndarray]:
+    """Gather runs of rows of several fields into fresh uint8 arrays ``[total * row_nbytes]``."""
+    outs = [np.empty(total * rb, dtype=np.uint8) for rb, _a, _t in entries]
+    host = [i for i, (rb, addr, _t) in enumerate(entries) if addr is not None and rb]
+    _gather.copy_runs(
+        np.array([entries[i][1] for i in host], dtype=np.int64),
+        rows,
+        np.array([outs[i].ctypes.data for i in host], dtype=np.int64),
+        total,
+        np.array([entries[i][0] for i in host], dtype=np.int64),
+        starts,
+        lengths,
+    )
+    for i, (_rb, addr, tensor) in enumerate(entries):
+        if addr is None:  # a device (CUDA) field: gather there, stage through host memory
+            import torch
 
-        idx = torch.from_numpy(rows).to(tensor.device)
-        got = tensor.index_select(0, idx).contiguous().cpu()
-        return got.reshape(-1).view(torch.uint8).numpy() if got.numel() else np.empty(0, np.uint8)
-    out = np.empty(rows.shape[0] * rb, dtype=np.uint8)
-    if rb:
-        _gather.gather_rows(wv, rows, _gather.words(out, rb))
-    return out
+            idx = torch.from_numpy(expand_runs(starts, lengths)).to(tensor.device)
+            got = tensor.index_select(0, idx).contiguous().cpu()
+            outs[i] = got.reshape(-1).view(torch.uint8).numpy() if got.numel() else np.empty(0, np.uint8)
+    return outs
 
 
 class ZmqServer:
@@ -260,23 +272,23 @@ class ZmqServer:
                 f"bulk read of {total} rows ({nbytes} bytes) from region {region.name!r} exceeds the owner's "
                 f"max_reply_nbytes of {self._max_reply}; read fewer rows per call"
             )
-        rows = expand_runs(starts, lengths)
         check = bool(req.get("check"))
         expected = req.get("expected")
         if expected is not None and not (
             isinstance(expected, np.ndarray) and expected.dtype == np.int64 and expected.shape == (total,)
         ):
             raise ValueError(f"bulk read: 'expected' must be an int64 array of {total} versions")
+        entries = [fields[n] for n in names]
         if not check:
-            return {"id": req["id"], "ok": True, "data": [_gather_field(fields[n], rows) for n in names], "valid": None}
-        vf = region.version_field
-        if vf is None:
+            return {
+                "id": req["id"], "ok": True, "data": _gather_fields(entries, region.rows, starts, lengths, total), "valid": None
+            }
+        versions = region.versions
+        if versions is None:
             raise ValueError(f"bulk region {region.name!r} has no version column (owner: allocate_versions)")
-        vwords = fields[vf][1]
-        assert vwords is not None
-        versions = vwords.reshape(-1).view(np.int64)
+        rows = expand_runs(starts, lengths)
         v1 = _gather.load_versions_fence(versions, rows)
-        data = [_gather_field(fields[n], rows) for n in names]
+        data = _gather_fields(entries, region.rows, starts, lengths, total)
         v2 = _gather.fence_load_versions(versions, rows)
         return {"id": req["id"], "ok": True, "data": data, "valid": seqlock_mask(v1, v2, expected)}
 
@@ -343,12 +355,28 @@ class ZmqClient:
         self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self.lock = asyncio.Lock()
+        self._mon: asyncio.Future[Any] | None = None
         self.lost: str | None = None
         self.connected = False
         self.next_id = 1
         self.users = 0  # attached regions using this client
 
+    def _mon_future(self) -> asyncio.Future[Any]:
+        """The pending wait for the next monitor event (one, kept across calls); a finished one is
+        handled first and replaced."""
+        fut = self._mon
+        if fut is not None and fut.done():
+            if not fut.cancelled() and fut.exception() is None:
+                self._on_event(fut.result())
+            fut = None
+        if fut is None:
+            fut = self._mon = self.mon.recv_multipart()
+        return fut
+
     def close(self) -> None:
+        if self._mon is not None:
+            self._mon.cancel()
+            self._mon = None
         if self.sock.closed:
             return
         try:
@@ -357,21 +385,6 @@ class ZmqClient:
             pass
         self.mon.close(0)
         self.sock.close(0)
-
-    def _drain_monitor(self) -> None:
-        while True:
-            try:
-                frames = self.mon.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # pragma: no cover - closed
-                return
-            if hasattr(frames, "result"):  # zmq.asyncio returns a done future for NOBLOCK
-                try:
-                    frames = frames.result()
-                except zmq.Again:
-                    return
-            self._on_event(frames)
 
     def _on_event(self, frames: list[bytes]) -> None:
         if len(frames) != 2 or len(frames[0]) != 6:
@@ -394,7 +407,7 @@ class ZmqClient:
         """
         loop = asyncio.get_running_loop()
         async with self.lock:
-            self._drain_monitor()
+            self._mon_future()
             if self.lost is not None:
                 raise self._lost_error()
             req_id = self.next_id
@@ -410,12 +423,10 @@ class ZmqClient:
                         f"(it is gone or stuck)"
                     )
                 recv = self.sock.recv_multipart(copy=False)
-                mon = self.mon.recv_multipart()
-                done, _ = await asyncio.wait({recv, mon}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                mon = self._mon_future()
+                await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
                 if mon.done():
-                    self._on_event(mon.result())
-                else:
-                    mon.cancel()
+                    self._mon_future()  # handles the event, arms the next wait
                 if not recv.done():
                     recv.cancel()
                     if self.lost is not None:

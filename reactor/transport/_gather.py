@@ -1,9 +1,12 @@
 """Row gathers and the sequence-lock version checks of the bulk transport (numba kernels).
 
-Rows are fixed-size byte strings. A field's memory is seen as a 2-D array of unsigned words
-``[rows, row_nbytes / unit]`` with the widest unit (8, 4, 2 or 1 bytes) that divides the row, and
-a gather copies whole rows word by word inside one compiled loop (no Python loop per row). The
-kernels release the GIL, so the zmq server thread gathers while the owner's loop runs.
+Rows are fixed-size byte strings. A read's rows are first cut into *runs* of consecutive rows
+(:func:`runs_of`, which also checks them, in one pass), and every run of every field is copied
+with one ``memcpy`` (:func:`copy_runs`) while the first lines of the runs a few places ahead are
+prefetched. A window batch ``[B, T]`` is then ``B`` copies per field rather than ``B * T``. The
+kernels take addresses, so a caller passes any buffer (a mapped segment, a tensor, a zmq reply)
+without building array views, and they release the GIL, so the zmq server thread gathers while the
+owner's loop runs.
 
 Memory ordering (the sequence lock, see :func:`reactor.transport.bulk.seqlock_begin`): the
 kernels that load or store versions carry explicit LLVM fences, emitted with a numba intrinsic:
@@ -24,18 +27,21 @@ never torn.
 
 from __future__ import annotations
 
+from typing import Any
+
+import llvmlite.ir as ir
 import numba
 import numpy as np
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
+    "copy_runs",
     "fence_load_versions",
-    "gather_rows",
     "load_versions_fence",
+    "runs_of",
     "store_versions",
-    "word_unit",
-    "words",
 ]
 
 
@@ -57,14 +63,114 @@ def _release_fence(typingctx):  # type: ignore[no-untyped-def]  # pragma: no cov
     return types.void(), codegen
 
 
+@intrinsic
+def _memcpy(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:  # pragma: no cover - jit
+    """``memcpy`` between integer addresses (``llvm.memcpy``: libc's vectorized copy)."""
+    if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, s_, n = (builder.inttoptr(a, cgutils.voidptr_t) if i < 2 else a for i, a in enumerate(args))
+        cgutils.raw_memcpy(builder, d, s_, n, 1)
+        return context.get_dummy_value()
+
+    return types.void(dst, src, nbytes), codegen
+
+
+@intrinsic
+def _prefetch(typingctx: Any, addr: Any) -> Any:  # pragma: no cover - jit
+    """Start loading the cache line at ``addr`` (``llvm.prefetch``; never faults)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [cgutils.voidptr_t], fnty)
+        builder.call(fn, [builder.inttoptr(args[0], cgutils.voidptr_t), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(addr), codegen
+
+
+#: Runs ahead of the one being copied whose source lines are prefetched.
+PREFETCH_AHEAD = 8
+#: Bytes prefetched at the start of each run: the hardware prefetcher follows a long run by itself
+#: (measured on 256 windows x 32 rows of a 1M-row region: 64..128 B ahead of 8 runs was as fast as
+#: any larger setting, and 2-5x faster than no prefetch).
+_PREFETCH_NBYTES = 128
+
+
 @numba.njit(cache=True, nogil=True)
-def _gather_rows(src: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover - jit
-    """``dst[i] = src[rows[i]]`` for 2-D word arrays (rows already checked in range)."""
-    w = src.shape[1]
+def _copy_runs(
+    src_addrs: np.ndarray,
+    src_rows: int,
+    dst_addrs: np.ndarray,
+    dst_rows: int,
+    row_nbytes: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    ahead: int,
+) -> int:  # pragma: no cover - jit
+    """For every run j and field f: copy rows ``[starts[j], starts[j] + lengths[j])`` of field f to
+    the next rows of its destination, one ``memcpy`` per (run, field). Returns the rows copied, or
+    -1 (copying nothing) if a run leaves ``[0, src_rows)`` or the runs exceed ``dst_rows``.
+
+    Runs start at random places of regions much larger than the caches; a copy that waits on its
+    first lines before the next one starts leaves the memory system idle. So while copying run j
+    the kernel prefetches the first lines of run ``j + ahead`` of every field: the misses of several
+    runs are in flight at once.
+    """
+    nf = src_addrs.shape[0]
+    r = starts.shape[0]
+    total = 0
+    for j in range(r):
+        if lengths[j] < 0 or starts[j] < 0 or starts[j] > src_rows - lengths[j]:
+            return -1
+        total += lengths[j]
+    if total > dst_rows:
+        return -1
+    out_row = 0
+    for j in range(-ahead, r):
+        k = j + ahead
+        if k < r:
+            for f in range(nf):
+                rb = row_nbytes[f]
+                first = src_addrs[f] + starts[k] * rb
+                end = first + min(lengths[k] * rb, _PREFETCH_NBYTES)
+                line = first & ~63
+                while line < end:
+                    _prefetch(line)
+                    line += 64
+        if j < 0:
+            continue
+        n = lengths[j]
+        for f in range(nf):
+            rb = row_nbytes[f]
+            if rb:
+                _memcpy(dst_addrs[f] + out_row * rb, src_addrs[f] + starts[j] * rb, n * rb)
+        out_row += n
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def _runs_of(rows: np.ndarray, n_rows: int, starts: np.ndarray, lengths: np.ndarray) -> int:  # pragma: no cover
+    """Cut ``rows`` into maximal runs of consecutive rows; return their count, or ``-(i + 1)`` if
+    ``rows[i]`` is the first row outside ``[0, n_rows)``."""
+    r = -1
+    prev = -2
     for i in range(rows.shape[0]):
-        r = rows[i]
-        for j in range(w):
-            dst[i, j] = src[r, j]
+        x = rows[i]
+        if x < 0 or x >= n_rows:
+            return -(i + 1)
+        if x == prev + 1:
+            lengths[r] += 1
+        else:
+            r += 1
+            starts[r] = x
+            lengths[r] = 1
+        prev = x
+    return r + 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -99,25 +205,41 @@ def _fence_then_store_versions(versions: np.ndarray, rows: np.ndarray, values: n
         versions[rows[i]] = values[i]
 
 
-def word_unit(row_nbytes: int) -> int:
-    """The widest word (8, 4, 2 or 1 bytes) dividing ``row_nbytes``."""
-    return 8 if row_nbytes % 8 == 0 else 4 if row_nbytes % 4 == 0 else 2 if row_nbytes % 2 == 0 else 1
+def runs_of(rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(starts, lengths, bad)``: the runs of int64 ``rows`` (C-contiguous, 1-D), or ``bad >= 0``:
+    the position of the first row outside ``[0, n_rows)`` (then the runs are meaningless)."""
+    k = rows.shape[0]
+    starts = np.empty(k, dtype=np.int64)
+    lengths = np.empty(k, dtype=np.int64)
+    n = _runs_of(rows, n_rows, starts, lengths)
+    if n < 0:
+        return starts[:0], lengths[:0], -n - 1
+    return starts[:n], lengths[:n], -1
 
 
-_WORD_DTYPES = {8: np.dtype(np.uint64), 4: np.dtype(np.uint32), 2: np.dtype(np.uint16), 1: np.dtype(np.uint8)}
+def copy_runs(
+    src_addrs: np.ndarray,
+    src_rows: int,
+    dst_addrs: np.ndarray,
+    dst_rows: int,
+    row_nbytes: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+) -> None:
+    """Gather runs of rows of several fields (int64 arrays of addresses and row sizes, one entry a
+    field): every source holds ``src_rows`` rows, every destination ``dst_rows``.
 
+    The caller keeps every buffer alive for the call. The runs are checked against both bounds in
+    the kernel before anything is copied.
 
-def words(flat_bytes: np.ndarray, row_nbytes: int) -> np.ndarray:
-    """View a C-contiguous uint8 buffer of whole rows as ``[rows, row_nbytes / unit]`` words."""
-    unit = word_unit(row_nbytes)
-    n = flat_bytes.shape[0] // row_nbytes if row_nbytes else 0
-    return flat_bytes.view(_WORD_DTYPES[unit]).reshape(n, row_nbytes // unit)
-
-
-def gather_rows(src: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
-    """Copy ``src[rows]`` into ``dst`` (word arrays from :func:`words`; ``rows`` int64, in range)."""
-    if rows.shape[0] and src.shape[1]:
-        _gather_rows(src, rows, dst)
+    Raises:
+        IndexError: a run outside the sources, or more rows than the destinations hold (a bug in
+            the caller: readers validate rows before).
+    """
+    if starts.shape[0] == 0 or src_addrs.shape[0] == 0:
+        return
+    if _copy_runs(src_addrs, src_rows, dst_addrs, dst_rows, row_nbytes, starts, lengths, PREFETCH_AHEAD) < 0:
+        raise IndexError(f"copy_runs: runs outside [0, {src_rows}) or over {dst_rows} destination rows")
 
 
 def load_versions_fence(versions: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -255,8 +255,8 @@ class Segment:
         self._unmap()
 
     def _unmap(self) -> None:
-        self.header = self.header[:0]
-        self.data = self.data[:0]
+        self.header = np.zeros(8, dtype=np.uint64)  # not views: the mapping can close now
+        self.data = np.empty(0, dtype=np.uint8)
         try:
             self.mm.close()
         except BufferError:  # tensors handed out still view it; it is unmapped when they die

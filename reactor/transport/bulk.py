@@ -237,13 +237,20 @@ def _version_array(versions: torch.Tensor | np.ndarray, what: str) -> np.ndarray
     return arr
 
 
-def _rows_array(rows: Any, n_rows: int, what: str) -> np.ndarray:
+def _int64_rows(rows: Any, what: str) -> np.ndarray:
+    """``rows`` (numpy, a CPU tensor or a list of ints) as a C-contiguous 1-D int64 array."""
     if isinstance(rows, torch.Tensor):
         rows = rows.detach().cpu().numpy()
     arr = np.asarray(rows)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what}: rows must be integers (int64 ring slots), got dtype {arr.dtype}")
-    flat = np.ascontiguousarray(arr, dtype=np.int64).ravel()
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise IndexError(f"{what}: row {int(arr.max())} is out of range")
+    return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
+
+
+def _rows_array(rows: Any, n_rows: int, what: str) -> np.ndarray:
+    flat = _int64_rows(rows, what)
     if flat.shape[0]:
         bad = (flat < 0) | (flat >= n_rows)
         if bad.any():
@@ -606,15 +613,8 @@ class BulkOwner:
         if reg is None:
             reg = self._regions[region] = _Region(region, rows, self._generation)
         reg.fields[field] = _Field(tensor, row_shape, row_nbytes, segment, pinned=pin_memory and segment is not None)
-        if dev.type == "cpu":
-            flat = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
-            wv: np.ndarray | None = _gather.words(flat, row_nbytes) if row_nbytes else None
-            if wv is None:
-                wv = np.empty((rows, 0), np.uint8)
-        else:
-            wv = None
         served = dict(reg.served.fields)
-        served[field] = (row_nbytes, wv, tensor)
+        served[field] = (row_nbytes, tensor.data_ptr() if dev.type == "cpu" else None, tensor)
         reg.served.fields = served  # replaced whole: the server thread reads it without a lock
         if self._rdma is not None and dev.type == "cpu" and rows * row_nbytes:
             self._rdma.register(region, field, tensor)
@@ -652,6 +652,7 @@ class BulkOwner:
             raise ValueError(f"bulk region {region!r} already has a version column")
         t = self._allocate(region, VERSION_FIELD, (reg.served.rows,), torch.int64, device="cpu", pin_memory=False)
         t.fill_(-1)
+        reg.served.versions = t.numpy()
         reg.served.version_field = VERSION_FIELD
         return t
 
@@ -777,7 +778,7 @@ class _Attached:
 
     __slots__ = (
         "backend", "client", "fields", "generation", "last_start_check", "name", "owner", "rdma",
-        "rows", "run_id", "segments", "version_field", "words", "zmq_limits",
+        "rows", "run_id", "segments", "version_field", "addrs", "versions", "zmq_limits",
     )
 
     def __init__(self, desc: dict[str, Any], fields: dict[str, _FieldInfo]) -> None:
@@ -789,7 +790,8 @@ class _Attached:
         self.fields = fields
         self.backend: str = ""
         self.segments: dict[str, _shm.Segment] = {}
-        self.words: dict[str, np.ndarray] = {}
+        self.addrs: dict[str, int] = {}  # shm: field -> address of its mapped rows
+        self.versions: np.ndarray | None = None  # shm: the mapped version column
         self.owner: tuple[int, int, int] = (0, 0, 0)
         self.last_start_check = 0.0
         self.client: ZmqClient | None = None
@@ -1000,9 +1002,9 @@ class BulkReader:
                         f"bulk region {att.name!r}: segment {seg_name} holds {seg.rows} rows of "
                         f"{seg.row_nbytes} bytes, the descriptor says {att.rows} of {info.row_nbytes}"
                     )
-                att.words[name] = (
-                    _gather.words(seg.data, info.row_nbytes) if info.row_nbytes else np.empty((att.rows, 0), np.uint8)
-                )
+                att.addrs[name] = seg.data.ctypes.data
+                if name == att.version_field:
+                    att.versions = seg.data.view(np.int64)
                 att.owner = seg.owner
             self._check_shm_live(att, att.segments, force_start_check=True)
         except BaseException:
@@ -1058,10 +1060,11 @@ class BulkReader:
         self._release(self._regions.pop(self._get(region).name))
 
     def _release(self, att: _Attached) -> None:
+        att.addrs = {}
+        att.versions = None
         for seg in att.segments.values():
             seg.close_reader()
         att.segments = {}
-        att.words = {}
         if att.rdma is not None:
             att.rdma.close()
             att.rdma = None
@@ -1206,7 +1209,12 @@ class BulkReader:
     ) -> tuple[dict[str, Any], np.ndarray]:
         att = self._get(region)
         lead = tuple(rows.shape) if hasattr(rows, "shape") else np.shape(rows)
-        flat = _rows_array(rows, att.rows, f"{what}({region!r})")
+        flat = _int64_rows(rows, f"{what}({region!r})")
+        starts, lengths, bad = _gather.runs_of(flat, att.rows)
+        if bad >= 0:
+            raise IndexError(
+                f"{what}({region!r}): row {int(flat[bad])} at position {bad} is out of range [0, {att.rows})"
+            )
         names = self._field_names(att, fields, out, what)
         exp: np.ndarray | None = None
         if check:
@@ -1225,11 +1233,11 @@ class BulkReader:
                 exp = np.ascontiguousarray(e, dtype=np.int64).ravel()
         results, dsts = self._prepare_out(att, names, tuple(lead), flat.shape[0], out, what)
         if att.backend == "shm":
-            valid = self._gather_shm(att, flat, names, dsts, check, exp)
+            valid = self._gather_shm(att, flat, starts, lengths, names, dsts, check, exp)
         elif att.backend == "zmq":
-            valid = await self._gather_zmq(att, flat, names, dsts, results, tuple(lead), check, exp, what)
+            valid = await self._gather_zmq(att, flat, starts, lengths, names, results, tuple(lead), check, exp, what)
         else:
-            valid = await att.rdma.gather(flat, names, dsts, check, exp)
+            valid = await att.rdma.gather(att, flat, starts, lengths, names, dsts, check, exp)
         for res, staging in results.values():
             if staging is not None:  # a CUDA out buffer: filled from host
                 res.copy_(staging)
@@ -1258,21 +1266,22 @@ class BulkReader:
 
     def _prepare_out(
         self, att: _Attached, names: list[str], lead: tuple[int, ...], k: int, out: Mapping[str, Any] | None, what: str
-    ) -> tuple[dict[str, tuple[Any, Any]], dict[str, np.ndarray | None]]:
-        """Result objects and the word views to gather into (None: let the backend allocate)."""
+    ) -> tuple[dict[str, tuple[Any, Any]], dict[str, int]]:
+        """Result objects (with a host staging tensor for CUDA buffers) and the address to gather
+        each field into. The shape, dtype and contiguity checks here are what makes the raw copies
+        into these addresses safe."""
         results: dict[str, tuple[Any, Any]] = {}
-        dsts: dict[str, np.ndarray | None] = {}
+        dsts: dict[str, int] = {}
         for n in names:
             info = att.fields[n]
             shape = (*lead, *info.shape)
             if out is None:
-                if att.backend == "zmq":
+                if att.backend == "zmq":  # the reply's own buffers become the result
                     results[n] = (None, None)
-                    dsts[n] = None
                     continue
                 t = torch.empty(shape, dtype=info.dtype)
                 results[n] = (t, None)
-                dsts[n] = _words_of_tensor(t, info.row_nbytes, k)
+                dsts[n] = t.data_ptr()
                 continue
             buf = out[n]
             if isinstance(buf, torch.Tensor):
@@ -1283,11 +1292,11 @@ class BulkReader:
                     )
                 if buf.device.type == "cpu":
                     results[n] = (buf, None)
-                    dsts[n] = _words_of_tensor(buf, info.row_nbytes, k)
+                    dsts[n] = buf.data_ptr()
                 else:
                     staging = torch.empty(shape, dtype=info.dtype, pin_memory=torch.cuda.is_available())
                     results[n] = (buf, staging)
-                    dsts[n] = _words_of_tensor(staging, info.row_nbytes, k)
+                    dsts[n] = staging.data_ptr()
             elif isinstance(buf, np.ndarray):
                 want = _numpy_twin(info.dtype)
                 if want is None or buf.dtype != want or buf.shape != shape or not buf.flags.c_contiguous or not buf.flags.writeable:
@@ -1296,8 +1305,7 @@ class BulkReader:
                         f"C-contiguous {shape} {want if want is not None else info.dtype}"
                     )
                 results[n] = (buf, None)
-                flat_b = buf.reshape(-1).view(np.uint8)
-                dsts[n] = _gather.words(flat_b, info.row_nbytes) if info.row_nbytes else np.empty((k, 0), np.uint8)
+                dsts[n] = buf.ctypes.data
             else:
                 raise ValueError(f"{what}: out[{n!r}] must be a torch.Tensor or numpy array, got {type(buf).__name__}")
         return results, dsts
@@ -1319,23 +1327,23 @@ class BulkReader:
             raise PeerLostError(f"bulk region {att.name!r}: its owner (pid {pid}) died")
 
     def _gather_shm(
-        self, att: _Attached, flat: np.ndarray, names: list[str], dsts: dict[str, np.ndarray | None],
-        check: bool, exp: np.ndarray | None,
+        self, att: _Attached, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, names: list[str],
+        dsts: dict[str, int], check: bool, exp: np.ndarray | None,
     ) -> np.ndarray | None:
-        v1 = None
-        if check:
-            assert att.version_field is not None
-            versions = att.words[att.version_field].reshape(-1).view(np.int64)
-            v1 = _gather.load_versions_fence(versions, flat)
-        for n in names:
-            dst = dsts[n]
-            assert dst is not None
-            _gather.gather_rows(att.words[n], flat, dst)
+        live = [n for n in names if att.fields[n].row_nbytes]
+        src = np.array([att.addrs[n] for n in live], dtype=np.int64)
+        dst = np.array([dsts[n] for n in live], dtype=np.int64)
+        rbs = np.array([att.fields[n].row_nbytes for n in live], dtype=np.int64)
         valid = None
         if check:
+            versions = att.versions
+            assert versions is not None
+            v1 = _gather.load_versions_fence(versions, flat)
+            _gather.copy_runs(src, att.rows, dst, flat.shape[0], rbs, starts, lengths)
             v2 = _gather.fence_load_versions(versions, flat)
-            assert v1 is not None
             valid = seqlock_mask(v1, v2, exp)
+        else:
+            _gather.copy_runs(src, att.rows, dst, flat.shape[0], rbs, starts, lengths)
         # After the gather: data gathered from a dead owner's memory is never returned.
         used = {n: att.segments[n] for n in names}
         if check:
@@ -1346,7 +1354,7 @@ class BulkReader:
     # ------------------------------------------------------------------ zmq
 
     async def _gather_zmq(
-        self, att: _Attached, flat: np.ndarray, names: list[str], dsts: dict[str, np.ndarray | None],
+        self, att: _Attached, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, names: list[str],
         results: dict[str, tuple[Any, Any]], lead: tuple[int, ...], check: bool, exp: np.ndarray | None, what: str,
     ) -> np.ndarray | None:
         client = att.client
@@ -1360,7 +1368,6 @@ class BulkReader:
                 f"{what}: {k} rows ({nbytes} bytes) from bulk region {att.name!r} exceed the owner's "
                 f"max_reply_nbytes of {max_rep}; read fewer rows per call"
             )
-        starts, lengths = coalesce_runs(flat)
         req_nbytes = 16 * starts.shape[0] + (8 * k if exp is not None else 0) + REQUEST_OVERHEAD_NBYTES
         if req_nbytes > max_req:
             raise FrameTooLargeError(
@@ -1393,12 +1400,11 @@ class BulkReader:
                 raise MalformedFrameError(f"bulk owner of region {att.name!r} sent a reply of the wrong shape")
         for n, d in zip(names, data):
             info = att.fields[n]
-            dst = dsts[n]
-            if dst is not None:
-                if info.row_nbytes:
-                    np.copyto(dst.reshape(-1).view(np.uint8), d)
-            else:
+            res, staging = results[n]
+            if res is None:
                 results[n] = (_tensor_from_bytes(d, info.dtype, (*lead, *info.shape)), None)
+            elif info.row_nbytes and k:
+                np.copyto(_byte_view(staging if staging is not None else res), d)
         return valid
 
 
@@ -1409,10 +1415,11 @@ def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
         return None
 
 
-def _words_of_tensor(t: torch.Tensor, row_nbytes: int, k: int) -> np.ndarray:
-    if not row_nbytes or not t.numel():
-        return np.empty((k, 0), np.uint8)
-    return _gather.words(t.reshape(-1).view(torch.uint8).numpy(), row_nbytes)
+def _byte_view(buf: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor or array."""
+    if isinstance(buf, torch.Tensor):
+        return buf.reshape(-1).view(torch.uint8).numpy()
+    return buf.reshape(-1).view(np.uint8)
 
 
 def _tensor_from_bytes(d: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -344,6 +344,15 @@ class Reactor:
         """
         return os.environ.get("REACTOR_RUN_ID", "local")
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether this run is in deterministic mode (events in tag order); False in async mode.
+
+        Nodes use it to keep timing-dependent shortcuts (e.g. replay's shared-memory reads) out of
+        deterministic runs.
+        """
+        return bool(getattr(self._host, "deterministic", True))
+
     def request_stop(self) -> None:
         """Ask the runtime to end the run after the current tag (see docs/architecture.md for semantics)."""
         if self._host is None:

@@ -129,9 +129,15 @@ class SampleRequest(ReplayRequest):
 
     Attributes:
         n: items to draw (>= 1).
+        host: the requester's host id (``reactor.transport.bulk.host_id``) if it can gather rows
+            from a shard's shared memory itself, else "" (the reply then carries the data).
+        generation: the bulk generation of the shard's region the requester has attached (0: none;
+            the reply then carries the region's descriptor).
     """
 
     n: int = 1
+    host: str = ""
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,12 +181,21 @@ class ShardMass(ReplayReply):
 class ShardSample(ReplayReply):
     """Items drawn by one shard.
 
+    Either ``data`` carries the items, or (a requester on the shard's host, asynchronous runs)
+    ``rows`` tells the requester which rows of the shard's shared-memory storage to gather itself:
+    the GEAR path, where the shard never copies the windows.
+
     Attributes:
-        data: field -> ``[n, ...]`` tensors as the table's read kind gives them.
+        data: field -> ``[n, ...]`` tensors as the table's read kind gives them (None with ``rows``).
         keys: int64 ``[n]`` item keys, tagged with the shard (see :func:`reactor.nodes.replay.make_keys`).
         probabilities: float64 ``[n]``, each item's probability *within the shard*.
         times_sampled: int64 ``[n]``.
         mass, min_mass, size, beta: as :class:`ShardMass`, at the time of this draw.
+        rows: int64 ``[n, T]`` (windows) or ``[n]`` (steps) ring slots to gather, or None.
+        mask: bool ``[n, T]`` window validity (False: padding, to be zeroed), or None.
+        versions: int64, shaped like ``rows``: the global step each row must hold (a row the ring
+            overwrote since has another version: the reader drops its item).
+        descriptor: the shard region's bulk descriptor, when the requester lacks it.
     """
 
     data: dict[str, Any] | None = None
@@ -191,6 +206,10 @@ class ShardSample(ReplayReply):
     min_mass: float = float("inf")
     size: int = 0
     beta: float = 0.0
+    rows: Any = None
+    mask: Any = None
+    versions: Any = None
+    descriptor: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------- updates

@@ -77,6 +77,7 @@ from ..replay import (
     WindowRead,
 )
 from ..replay.checkpoint import latest_checkpoint
+from ..transport import bulk as _bulk
 from .messages import (
     CheckpointRequest,
     Delete,
@@ -283,6 +284,11 @@ class Replay(Reactor):
         keep_checkpoints: complete checkpoints kept per shard.
         restore: on start, restore from the newest complete checkpoint in ``run_dir/<name>``.
         checkpoint_on_shutdown: write a last checkpoint (synchronously) when the run ends.
+        bulk: keep the storage in shared memory and answer requesters on this host with the rows
+            to gather themselves (WindowRead and StepRead tables): the shard never copies the
+            windows. None (default): on in async runs where shared memory works, off in
+            deterministic runs (a reader's gather races the ring, so a dropped overwritten item
+            would depend on timing). True forces it on.
 
     Raises:
         ValueError, TypeError: a malformed configuration (at graph build time).
@@ -327,12 +333,21 @@ class Replay(Reactor):
         keep_checkpoints: int = 3,
         restore: bool = True,
         checkpoint_on_shutdown: bool = False,
+        bulk: bool | None = None,
     ) -> None:
         self.specs = parse_fields(fields)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"Replay capacity must be an int >= 1 (steps), got {capacity!r}")
         self.capacity = capacity
         self.read = parse_read(read)
+        names = {s.name for s in self.specs}
+        if isinstance(self.read, TransitionRead):
+            for f in (self.read.reward_field, *self.read.next_fields):
+                if f not in names:
+                    raise ValueError(f"Replay read {self.read!r} names field {f!r}, not among the fields {sorted(names)}")
+        if bulk not in (None, True, False):
+            raise ValueError(f"Replay bulk must be None (auto), True or False, got {bulk!r}")
+        self.bulk = bulk
         self.sampler_config = sampler
         self.remover_config = remover
         self.limiter_config = rate_limiter if rate_limiter is not None else {"type": "MinSize", "min_size": 1}
@@ -358,9 +373,22 @@ class Replay(Reactor):
     # ---------------------------------------------------------------- startup
 
     @reaction(triggers=[startup], effects=[tick])
-    def open_table(self) -> None:
-        storage = Storage(self.specs, self.capacity)
+    async def open_table(self) -> None:
+        self._owner: _bulk.BulkOwner | None = None
+        self._versions: torch.Tensor | None = None
+        use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
+        if use_bulk and isinstance(self.read, (WindowRead, StepRead)):
+            self._owner = await _bulk.BulkOwner.open(self.run_id, backends=["shm"])
+            self._region = _dir_name(self.name)
+            storage = Storage(self.specs, self.capacity, allocator=self._owner.allocator(self._region))
+            self._versions = self._owner.allocate_versions(self._region)
+            self._descriptor = self._owner.descriptor(self._region)
+            self._host_id = _bulk.host_id()
+        else:
+            storage = Storage(self.specs, self.capacity)
         self._sampler = _make_selector("sampler", self.sampler_config)
+        # The table reads only the anchor steps (cheap); the shard applies the read kind itself,
+        # or, for a requester that maps the storage, only plans the rows it will gather.
         self.table = Table(
             storage,
             sampler=self._sampler,
@@ -368,7 +396,7 @@ class Replay(Reactor):
             rate_limiter=_make_limiter(self.limiter_config),
             max_size=self.max_size,
             max_times_sampled=self.max_times_sampled,
-            read=self.read,
+            read=StepRead(),
             beta=self.beta,
             seed=int(self.rng.integers(2**63 - 1)),
             name=self.name,
@@ -384,7 +412,12 @@ class Replay(Reactor):
             if latest is not None:
                 loaded = Table.load(latest)
                 self.table.load_state_dict(loaded.state_dict())
+                del loaded
                 self._restored_from = str(latest)
+                if self._versions is not None:
+                    lo, hi = storage.step_range
+                    steps = np.arange(lo, hi, dtype=np.int64)
+                    _bulk.seqlock_end(self._versions, steps % storage.capacity, steps)
                 log.info("%s restored %d items from %s", self.name, len(self.table), latest)
         periods = [p for p in (self.checkpoint_period_s, self.statistics_period_s) if p is not None]
         if periods:
@@ -435,14 +468,34 @@ class Replay(Reactor):
                     f"writers, so episodes may not stay open between messages); got {ends.dtype} {ends.shape}"
                     + (f" ending in {bool(ends[-1])}" if ends.ndim == 1 and len(ends) else "")
                 )
-            self.table.insert_nowait(
-                steps.fields, steps.priorities, episode_end=ends, item_mask=steps.item_mask
-            )
+            self._insert_versioned(steps, ends)
         except WouldBlock:
             return False
         except (KeyError, TypeError, ValueError) as e:
             self._reject(steps, str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
         return True
+
+    def _insert_versioned(self, steps: Steps, ends: np.ndarray) -> None:
+        """Insert; with shared-memory readers, under the rows' sequence lock (version = global step)."""
+        table = self.table
+        assert table is not None
+        versions = self._versions
+        cap = table.storage.capacity
+        if versions is None or len(ends) > cap:  # (too long: the insert raises before writing)
+            table.insert_nowait(steps.fields, steps.priorities, episode_end=ends, item_mask=steps.item_mask)
+            return
+        first = table.storage.step_range[1]
+        new = np.arange(first, first + len(ends), dtype=np.int64)
+        slots = new % cap
+        old = versions.numpy()[slots].copy()
+        _bulk.seqlock_begin(versions, slots)
+        try:
+            table.insert_nowait(steps.fields, steps.priorities, episode_end=ends, item_mask=steps.item_mask)
+        except BaseException:
+            keep = old >= 0  # nothing was written: put the old versions back
+            _bulk.seqlock_end(versions, slots[keep], old[keep])
+            raise
+        _bulk.seqlock_end(versions, slots, new)
 
     # ---------------------------------------------------------------- requests
 
@@ -474,21 +527,55 @@ class Replay(Reactor):
                 return False
             mass, min_mass = _sampler_mass(self._sampler)
             size = len(table)
-            batch, info = table.sample_nowait(n)
-            self.replies.send(
-                ShardSample(
-                    self.bank_index, req.requester, req.request, "",
-                    data=batch,
-                    keys=make_keys(self.bank_index, info.keys.numpy()),
-                    probabilities=info.probabilities.numpy(),
-                    times_sampled=info.times_sampled.numpy(),
-                    mass=mass, min_mass=min_mass, size=size, beta=self.beta,
-                )
-            )
+            anchors, info = table.sample_nowait(n)
+            keys = info.keys.numpy()
+            common = {
+                "keys": make_keys(self.bank_index, keys),
+                "probabilities": info.probabilities.numpy(),
+                "times_sampled": info.times_sampled.numpy(),
+                "mass": mass, "min_mass": min_mass, "size": size, "beta": self.beta,
+            }
+            if self._owner is not None and req.host == self._host_id:
+                rows, mask, versions = self._plan_rows(keys)
+                desc = None if req.generation == self._owner.generation else self._descriptor
+                reply = ShardSample(self.bank_index, req.requester, req.request, "", None, rows=rows, mask=mask,
+                                    versions=versions, descriptor=desc, **common)
+            else:
+                reply = ShardSample(self.bank_index, req.requester, req.request, "", self._read_items(keys, anchors),
+                                    **common)
+            self.replies.send(reply)
             self._progress_inserts()
             return True
         self._refuse(req, f"unknown request type {type(req).__name__}")
         return True
+
+    def _read_items(self, keys: np.ndarray, anchors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the read kind returns for ``keys`` (the anchor steps are already read)."""
+        st, r = self.table.storage, self.read  # type: ignore[union-attr]
+        if isinstance(r, StepRead):
+            return anchors
+        if isinstance(r, WindowRead):
+            return st.read_windows(keys, r.length, r.pad)
+        if isinstance(r, TransitionRead):
+            return st.read_transitions(keys, n=r.n, gamma=r.gamma, reward_field=r.reward_field,
+                                       next_fields=r.next_fields)
+        return st.read_episodes(st.episode_bounds(keys)[0])
+
+    def _plan_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Ring slots a reader gathers for ``keys``, the window mask, and each row's expected version."""
+        st = self.table.storage  # type: ignore[union-attr]
+        cap = st.capacity
+        if isinstance(self.read, WindowRead):
+            rows, mask = st.plan_windows(keys, self.read.length, self.read.pad)
+        else:
+            rows, mask = keys % cap, None
+        # Every planned row holds a stored step g in [first, next), next - first <= capacity: g is
+        # the one number of its residue class in that range.
+        first = st.step_range[0]
+        f0 = first % cap
+        versions = rows + (first - f0)
+        versions[rows < f0] += cap
+        return rows, mask, versions
 
     def _refuse(self, req: Any, why: str) -> None:
         log.error("%s refused %s from requester %s: %s", self.name, type(req).__name__, getattr(req, "requester", "?"), why)
@@ -622,9 +709,10 @@ class Replay(Reactor):
         )
 
     @reaction(triggers=[shutdown])
-    def close(self) -> None:
+    async def close(self) -> None:
         if self.table is None:
             return
+        owner, self._owner = self._owner, None
         self._collect_save(timeout_s=120.0)
         if self.checkpoint_on_shutdown and self.checkpoint_dir is not None:
             self.table.save(self.checkpoint_dir, keep=self.keep_checkpoints)
@@ -632,6 +720,8 @@ class Replay(Reactor):
         if self._parked_steps:
             log.warning("%s: the run ended with %d parked Steps messages not inserted (rate limiter)",
                         self.name, len(self._parked_steps))
+        if owner is not None:
+            await owner.aclose()  # unlinks the shared-memory segments
 
 
 def _steps_len(s: Steps) -> int:
@@ -689,6 +779,10 @@ class ReplayClient:
             while its rate limiter blocks (e.g. below min size): keep this above that wait.
         skip_lost_shards: continue without a shard that timed out, instead of raising.
         clock: time source for timeouts (seconds).
+        bulk: offer to gather rows from shards on this host through shared memory (they decide;
+            see ``Replay(bulk=...)``). Items whose rows the ring overwrote before the gather are
+            dropped from the batch (counted in ``dropped_items``), never returned torn;
+            ``gathered_items`` counts the items read that way.
 
     Example:
         >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
@@ -707,6 +801,7 @@ class ReplayClient:
         timeout_s: float | None = 60.0,
         skip_lost_shards: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        bulk: bool = True,
     ) -> None:
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"ReplayClient num_shards must be an int >= 1, got {num_shards!r}")
@@ -722,6 +817,12 @@ class ReplayClient:
         self.lost: dict[int, str] = {}
         self._next_id = 0
         self._samples: dict[int, _Sample] = {}  # wire request id -> the sample it belongs to
+        self._host = _bulk.host_id() if bulk and _bulk.capabilities().shm else ""
+        self._reader: _bulk.BulkReader | None = None
+        self._regions: dict[int, tuple[str, int]] = {}  # shard -> (attached region, generation)
+        self._layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # region -> fields
+        self.dropped_items = 0
+        self.gathered_items = 0
 
     @property
     def live_shards(self) -> list[int]:
@@ -760,7 +861,7 @@ class ReplayClient:
         self._samples[rid] = s
         if s.stage == 1:
             return MassRequest(shard, self.requester, rid)
-        return SampleRequest(shard, self.requester, rid, n)
+        return SampleRequest(shard, self.requester, rid, n, self._host, self._regions.get(shard, ("", 0))[1])
 
     def _ask_masses(self, s: _Sample, shards: list[int]) -> list[ReplayRequest]:
         s.stage = 1
@@ -795,6 +896,8 @@ class ReplayClient:
             if not s.outstanding:
                 out.extend(self._draw_counts(s))
         elif isinstance(reply, ShardSample):
+            if reply.descriptor is not None:
+                self._attach(reply.shard, reply.descriptor)
             s.parts.append(reply)
             if not s.outstanding:
                 batch = self._assemble(s)
@@ -822,10 +925,7 @@ class ReplayClient:
             p = parts[0]
             s.total, s.size, s.min_mass = p.mass, p.size, p.min_mass
             s.beta = self.beta if self.beta is not None else p.beta
-        data: dict[str, torch.Tensor] = {}
-        for name in parts[0].data or {}:
-            cols = [_tensor(p.data[name]) for p in parts]  # type: ignore[index]
-            data[name] = cols[0] if len(cols) == 1 else torch.cat(cols)
+        data, keep = self._gather(parts)
         local_p = [np.asarray(p.probabilities, dtype=np.float64) for p in parts]
         # An item's weight is w_i = q_i * M_s (within-shard probability times its shard's mass at draw
         # time); globally P(i) = w_i / M and the IS weight is (w_i / min_j w_j)^-beta.
@@ -842,6 +942,11 @@ class ReplayClient:
                 weights = np.minimum((item_w / min_w) ** (-s.beta), 1.0).astype(np.float32)
         keys = np.concatenate([np.asarray(p.keys, dtype=np.int64) for p in parts])
         times = np.concatenate([np.asarray(p.times_sampled, dtype=np.int64) for p in parts])
+        if keep is not None:  # items whose rows were overwritten before the gather
+            self.dropped_items += int((~keep).sum())
+            idx = np.flatnonzero(keep)
+            data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
+            keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
         return SampledBatch(
             data=data,
             keys=torch.from_numpy(keys),
@@ -850,6 +955,83 @@ class ReplayClient:
             table_size=s.size,
             times_sampled=torch.from_numpy(times),
         )
+
+    # ---------------------------------------------------------------- bulk (shared-memory) gathers
+
+    def _attach(self, shard: int, descriptor: dict[str, Any]) -> None:
+        if self._reader is None:
+            self._reader = _run_now(_bulk.BulkReader.open())
+        region = _run_now(self._reader.attach(descriptor, backend="shm"))
+        self._regions[shard] = (region, int(descriptor["generation"]))
+        vf = descriptor.get("version_field")
+        self._layouts[region] = {
+            name: (getattr(torch, f["dtype"]), tuple(f["shape"]))
+            for name, f in descriptor["fields"].items() if name != vf
+        }
+
+    def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+        """The batch's fields over all parts; bulk parts are gathered straight into the output.
+
+        Returns the data and, if any part was gathered, which items are intact (None: all).
+        """
+        if all(p.rows is None for p in parts):
+            data: dict[str, torch.Tensor] = {}
+            for name in parts[0].data or {}:
+                cols = [_tensor(p.data[name]) for p in parts]  # type: ignore[index]
+                data[name] = cols[0] if len(cols) == 1 else torch.cat(cols)
+            return data, None
+        assert self._reader is not None
+        lens = [len(p.keys) for p in parts]
+        total = sum(lens)
+        # Output layout from the first part: a data dict, or the region's fields (+ the window mask).
+        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for p in parts:
+            if p.rows is None:
+                for name, t in p.data.items():  # type: ignore[union-attr]
+                    tt = _tensor(t)
+                    layout.setdefault(name, (tt.dtype, tuple(tt.shape[1:])))
+            else:
+                region = self._regions[p.shard][0]
+                lead = tuple(np.shape(p.rows)[1:])
+                for name, (dtype, shape) in self._layouts[region].items():
+                    layout.setdefault(name, (dtype, (*lead, *shape)))
+                if p.mask is not None:
+                    layout.setdefault("mask", (torch.bool, lead))
+        out = {name: torch.empty((total, *shape), dtype=dtype) for name, (dtype, shape) in layout.items()}
+        keep = np.ones(total, dtype=bool)
+        a = 0
+        for p, n in zip(parts, lens):
+            b = a + n
+            if p.rows is None:
+                for name, t in p.data.items():  # type: ignore[union-attr]
+                    out[name][a:b].copy_(_tensor(t))
+            else:
+                region = self._regions[p.shard][0]
+                names = [f for f in self._layouts[region] if f in out]
+                try:
+                    _, valid = _run_now(self._reader.read_checked(
+                        region, p.rows, p.versions, fields=names, out={f: out[f][a:b] for f in names}))
+                except PeerLostError as e:
+                    raise PeerLostError(f"replay shard {p.shard}: its shared memory is gone ({e})") from e
+                if p.mask is not None:
+                    mask = np.asarray(p.mask, dtype=bool)
+                    out["mask"][a:b] = torch.from_numpy(mask)
+                    if not mask.all():
+                        pad = torch.from_numpy(~mask)
+                        for f in names:
+                            out[f][a:b][pad] = 0
+                    valid = valid | ~mask
+                keep[a:b] = valid.reshape(n, -1).all(axis=1)
+                self.gathered_items += n
+            a = b
+        return out, (None if keep.all() else keep)
+
+    def close(self) -> None:
+        """Release shared-memory mappings (call from the owner's shutdown). Idempotent."""
+        reader, self._reader = self._reader, None
+        self._regions.clear()
+        if reader is not None:
+            _run_now(reader.aclose())
 
     def _drop(self, s: _Sample) -> None:
         for rid in list(s.outstanding):
@@ -948,6 +1130,20 @@ class ReplayClient:
             if k not in self.lost:
                 out.append((k, idx))
         return out
+
+
+def _run_now(coro: Any) -> Any:
+    """Run a coroutine that completes without suspending (bulk shm operations never wait).
+
+    The client is pure logic called from synchronous reactions, and the shm paths of
+    ``BulkReader`` are ``async`` only for the interface they share with the network backends.
+    """
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a bulk operation tried to wait; the replay client gathers over shared memory only")
 
 
 def _tensor(x: Any) -> torch.Tensor:

@@ -11,6 +11,7 @@ config keys (all optional):
     out: npz path for the learner's record; stats_out: npz path for the shards' statistics
     run_dir, checkpoint_on_shutdown, checkpoint_period_s: replay checkpoints
     timeout_s, skip_lost: the client's shard timeout; die_shard, die_after: a shard that exits
+    bulk: Replay(bulk=...) (None: auto)
 """
 
 from __future__ import annotations
@@ -220,12 +221,14 @@ class Sampler(Reactor):
 
     @reaction(triggers=[shutdown])
     def save(self) -> None:
+        self.client.close()
         if not self.out:
             return
         r = self.record
         cat = {k: np.concatenate(v) if v and isinstance(v[0], np.ndarray) else np.asarray(v) for k, v in r.items()}
         lens = np.array([len(k) for k in r["keys"]], dtype=np.int64)
         np.savez(self.out, lens=lens, digest=np.frombuffer(self.digest.digest(), np.uint8),
+                 gathered=np.array(self.client.gathered_items), dropped=np.array(self.client.dropped_items),
                  boosted=np.array(sorted(self.boosted), dtype=np.int64), error=np.array(self.error), **cat)
 
 
@@ -301,7 +304,7 @@ def build(config: dict) -> Graph:
             fields, int(c.get("capacity", 10_000)), sampler=sampler, beta=float(c.get("beta", 0.5)),
             rate_limiter={"type": "MinSize", "min_size": int(c.get("min_size", 1))},
             run_dir=c.get("run_dir"), checkpoint_on_shutdown=bool(c.get("checkpoint_on_shutdown", False)),
-            checkpoint_period_s=c.get("checkpoint_period_s"), **kwargs, **extra,
+            checkpoint_period_s=c.get("checkpoint_period_s"), bulk=c.get("bulk"), **kwargs, **extra,
         ),
         name="replay", replicas=shards,
     )

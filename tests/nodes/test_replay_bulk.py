@@ -1,0 +1,124 @@
+"""Replay shards over shared memory: readers gather the windows themselves (the GEAR path).
+
+The shard keeps its storage in POSIX shared memory (``reactor.transport.bulk``) and answers a
+requester on its host with ring slots, a window mask and the version (global step) each row must
+hold; the requester's ReplayClient gathers straight into the batch and drops items whose rows the
+ring overwrote in between.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reactor import Graph, Input, Output, Reactor, reaction, run, startup
+from reactor._app import build_graph
+from reactor.nodes import Replay, ReplayClient, Steps, requester_key, shard_key
+from reactor.nodes.messages import (
+    ReplayControl,
+    ReplayReply,
+    ReplayRequest,
+    ShardStatistics,
+    StatisticsRequest,
+)
+from reactor.replay import WindowRead
+
+APP = str(Path(__file__).resolve().parents[1] / "apps" / "replay_service.py")
+
+
+def _run(config: dict, **kw):
+    return run(build_graph(APP, config), app=APP, config=config, **kw)
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("rxb.")}
+
+
+def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
+    """Deterministic single-process runs, windows read by the shard vs gathered by the learner."""
+    before = _segments()
+    cfg = {"source": "gym", "read": "window", "shards": 2, "actors": 2, "min_size": 40, "batches": 8,
+           "update": "random"}
+    a, b = tmp_path / "message.npz", tmp_path / "shm.npz"
+    _run({**cfg, "bulk": False, "out": str(a)}, stop_s=0.2)
+    _run({**cfg, "bulk": True, "out": str(b)}, stop_s=0.2)
+    ka, kb = np.load(a), np.load(b)
+    assert int(ka["gathered"]) == 0 and int(kb["gathered"]) == 8 * 64 and int(kb["dropped"]) == 0
+    for name in ("keys", "probs", "weights", "sizes", "digest"):
+        np.testing.assert_array_equal(ka[name], kb[name], err_msg=name)
+    assert _segments() == before  # every shard unlinked its segments at shutdown
+    c = tmp_path / "auto.npz"
+    _run({**cfg, "out": str(c)}, stop_s=0.2)
+    assert int(np.load(c)["gathered"]) == 0  # auto: off in deterministic runs (Reactor.deterministic)
+
+
+@pytest.mark.slow
+def test_learner_in_another_process_gathers_from_the_shards_shared_memory(tmp_path):
+    """Async run, shards and learner in separate processes: windows come through shared memory."""
+    before = _segments()
+    out = tmp_path / "learner.npz"
+    _run({"source": "gym", "read": "window", "shards": 2, "actors": 1, "min_size": 50, "batches": 10,
+          "out": str(out)}, placement="processes", deterministic=False)
+    rec = np.load(out)
+    assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
+    assert int(rec["gathered"]) == 10 * 64  # auto: on in async runs
+    assert _segments() == before
+
+
+class Prober(Reactor):
+    """Asks one shard for windows, then overwrites its whole ring before gathering the reply."""
+
+    steps = Output(Steps)
+    requests = Output(ReplayRequest)
+    control = Output(ReplayControl)
+    replies = Input(ReplayReply)
+    statistics = Input(ShardStatistics)
+
+    def __init__(self, out: list) -> None:
+        self.out = out
+        self.held = None
+        self.seq = 0
+
+    def _fill(self, first: int) -> None:
+        for e in range(8):  # 8 episodes of 8 steps = the whole 64-step ring
+            ids = np.arange(first + 8 * e, first + 8 * e + 8, dtype=np.int64)
+            self.steps.send(Steps(0, 0, self.seq, {"id": ids}, np.arange(8) == 7))
+            self.seq += 1
+
+    @reaction(triggers=[startup], effects=[steps, requests])
+    def begin(self) -> None:
+        self.client = ReplayClient(1, rng=self.rng, timeout_s=None)
+        self._fill(0)
+        for m in self.client.request(16):
+            self.requests.send(m)
+
+    @reaction(triggers=[replies], effects=[steps, control])
+    def hold(self, replies: ReplayReply) -> None:
+        self.held = replies
+        self._fill(1000)  # overwrites every row the reply points at
+        self.control.send(StatisticsRequest())  # answered after those inserts
+
+    @reaction(triggers=[statistics])
+    def gather(self, statistics: ShardStatistics) -> None:
+        _, batch = self.client.receive(self.held)
+        self.out.append((batch, self.client.dropped_items, self.client.gathered_items, statistics.inserted))
+        self.client.close()
+
+
+def test_items_whose_rows_the_ring_overwrote_are_dropped_never_returned_torn():
+    out: list = []
+    g = Graph()
+    p = g.add(Prober(out), name="prober")
+    r = g.add(Replay([("id", (), "int64")], 64, read=WindowRead(4), bulk=True), name="replay")
+    g.connect(p.steps, r.steps, key=shard_key)
+    g.connect(p.requests, r.requests, key=shard_key)
+    g.connect(p.control, r.control, delay_s=0.0005)  # after the overwriting steps (same tag: link order)
+    g.connect(r.replies, p.replies, key=requester_key, delay_s=0.001)
+    g.connect(r.statistics, p.statistics, delay_s=0.001)
+    run(g)
+    batch, dropped, gathered, inserted = out[0]
+    assert inserted == 128 and gathered == 16
+    assert dropped == 16 and len(batch.keys) == 0  # every row was overwritten: nothing torn comes back

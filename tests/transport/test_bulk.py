@@ -126,6 +126,22 @@ async def owner_process(role: str, **cfg: Any) -> AsyncIterator[OwnerProcess]:
             await asyncio.wait_for(proc.communicate(), WAIT_S)
 
 
+async def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+                states.append(stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3])
+        if states and all(s in (b"T", b"t") for s in states):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {WAIT_S} s")
+
+
 # ------------------------------------------------------------------------------------ reads across processes
 
 
@@ -305,7 +321,7 @@ async def test_a_killed_zmq_owner_fails_waiting_and_later_reads_with_peer_lost(r
     async with owner_process("serve", run_id=run_id, backends=["zmq"]) as owner:
         await reader.attach(owner.descriptor)
         assert_rows(await reader.read("shard0", [1]), np.array([1]))
-        owner.proc.send_signal(signal.SIGSTOP)  # it cannot answer now
+        await stop_process(owner.proc.pid)  # it cannot answer now
         pending = asyncio.create_task(reader.read("shard0", [2]))
         await asyncio.sleep(0.2)
         assert not pending.done()
@@ -327,7 +343,7 @@ async def test_a_silent_zmq_owner_is_lost_after_the_heartbeat_timeout(run_id):
             "serve", run_id=run_id, backends=["zmq"], heartbeat_ivl_s=0.2, heartbeat_timeout_s=0.8
         ) as owner:
             await r.attach(owner.descriptor)
-            owner.proc.send_signal(signal.SIGSTOP)  # alive but silent: no FIN, no RST
+            await stop_process(owner.proc.pid)  # alive but silent: no FIN, no RST
             t0 = time.monotonic()
             with pytest.raises(PeerLostError, match=r"was lost: the connection closed \(its process exited, or heartbeats"):
                 await asyncio.wait_for(r.read("shard0", [2]), WAIT_S)

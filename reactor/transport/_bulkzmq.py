@@ -424,11 +424,14 @@ class ZmqClient:
                     )
                 recv = self.sock.recv_multipart(copy=False)
                 mon = self._mon_future()
-                await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not recv.done():  # cancelled or timed out: a stale recv must not eat a later reply
+                        recv.cancel()
                 if mon.done():
                     self._mon_future()  # handles the event, arms the next wait
-                if not recv.done():
-                    recv.cancel()
+                if recv.cancelled() or not recv.done():
                     if self.lost is not None:
                         raise self._lost_error()
                     continue

@@ -709,7 +709,14 @@ class BulkOwner:
                 "max_reply_nbytes": self._max_reply,
             }
         if self._rdma is not None and on_host and self._server is not None:
-            desc["rdma"] = self._rdma.describe(region, self._server.address)
+            desc["rdma"] = self._rdma.describe(
+                region,
+                {
+                    "address": self._server.address,
+                    "max_request_nbytes": self._max_request,
+                    "max_reply_nbytes": self._max_reply,
+                },
+            )
         return desc
 
     # ------------------------------------------------------------------ closing
@@ -1048,8 +1055,16 @@ class BulkReader:
         caps = capabilities()
         if not caps.rdma:
             raise RuntimeError(f"rdma not usable here: {caps.rdma_reason}")
-        await self._attach_zmq(att, desc["zmq"]) if isinstance(desc.get("zmq"), Mapping) else None
-        att.rdma = await _rdma.RdmaReader.connect(desc["rdma"], att, timeout_s=self._timeout_s)
+        spec = desc["rdma"]
+        connect = spec.get("connect") if isinstance(spec, Mapping) else None
+        if not isinstance(connect, Mapping):
+            raise ValueError("bulk descriptor: rdma entry needs 'connect' (the owner's zmq control address)")
+        await self._attach_zmq(att, connect)  # the control connection: hello, then the QP exchange
+        try:
+            att.rdma = await _rdma.RdmaReader.connect(dict(spec), att, att.client, timeout_s=self._timeout_s)
+        except BaseException:
+            self._release(att)
+            raise
 
     def detach(self, region: str) -> None:
         """Forget ``region`` (unmap its segments, drop its connection when no region uses it).

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -69,13 +70,29 @@ def run_id() -> Any:
     assert not left, f"leaked shared memory segments: {left}"
 
 
+def _eventfds() -> set[str]:
+    """This process's open eventfds (zmq gives each context and socket one)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if "eventfd" in os.readlink(f"/proc/self/fd/{fd}"):
+                fds.add(fd)
+    return fds
+
+
 @pytest_asyncio.fixture
 async def reader() -> AsyncIterator[BulkReader]:
+    """A reader; at teardown it is closed and nothing may be left: tasks, zmq sockets, mappings."""
+    before = _eventfds()
     r = await BulkReader.open(timeout_s=WAIT_S)
     yield r
     await r.aclose()
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}, "tasks left pending"
+    assert _eventfds() <= before, "zmq sockets or contexts left open"
+    # Readers map segments read-only ("r--s"); owners map them read-write.
+    left = [line for line in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/rxb." in line and " r--s " in line]
+    assert not left, f"segments still mapped by the closed reader: {left}"
 
 
 class OwnerProcess:
@@ -336,6 +353,23 @@ async def test_a_killed_zmq_owner_fails_waiting_and_later_reads_with_peer_lost(r
 
 
 @pytest.mark.asyncio
+async def test_a_cancelled_zmq_read_leaves_the_connection_to_the_next_read(run_id, reader):
+    async with owner_process("serve", run_id=run_id, backends=["zmq"]) as owner:
+        await reader.attach(owner.descriptor)
+        await stop_process(owner.proc.pid)
+        stale = asyncio.create_task(reader.read("shard0", [7]))
+        await asyncio.sleep(0.2)
+        stale.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stale
+        os.kill(owner.proc.pid, signal.SIGCONT)  # the owner now answers the cancelled read too
+        for rows in ([1, 2], [999], [5, 6, 7]):  # each read gets its own reply, not the stale one
+            assert_rows(await reader.read("shard0", rows), np.array(rows))
+        await owner.command("close")
+        assert await owner.exit_code() == 0
+
+
+@pytest.mark.asyncio
 async def test_a_silent_zmq_owner_is_lost_after_the_heartbeat_timeout(run_id):
     r = await BulkReader.open(timeout_s=WAIT_S, heartbeat_ivl_s=0.2, heartbeat_timeout_s=0.8)
     try:
@@ -563,3 +597,63 @@ def test_rdma_is_detected_by_trying_and_says_why_it_is_missing():
         pytest.skip(f"an RDMA device exists here ({caps.rdma_reason}); this test covers its absence")
     assert caps.rdma_reason  # e.g. "pyverbs is not installed (...)" or "no RDMA device ..."
     assert caps.shm
+
+
+DEBIAN_PYVERBS = Path("/usr/lib/python3/dist-packages/pyverbs")
+
+_PYVERBS_CHECK = r"""
+import json
+import pyverbs.enums as e
+from pyverbs.addr import GID, AHAttr, GlobalRoute
+from pyverbs.cq import CQ
+from pyverbs.device import Context, PortAttr
+from pyverbs.mr import MR
+from pyverbs.pd import PD
+from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.wr import SGE, SendWR
+
+from reactor.transport import _rdma
+from reactor.transport.bulk import BulkOwner
+
+missing = [n for n in (
+    "IBV_WR_RDMA_READ", "IBV_SEND_FENCE", "IBV_SEND_SIGNALED", "IBV_ACCESS_REMOTE_READ", "IBV_ACCESS_LOCAL_WRITE",
+    "IBV_QPT_RC", "IBV_QPS_INIT", "IBV_QPS_RESET", "IBV_QPS_RTR", "IBV_WC_SUCCESS", "IBV_LINK_LAYER_ETHERNET",
+) if not hasattr(e, n)]
+attr = QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
+missing += [f"QPAttr.{f}" for f in (
+    "port_num", "qp_access_flags", "path_mtu", "dest_qp_num", "rq_psn", "sq_psn", "max_dest_rd_atomic",
+    "max_rd_atomic", "min_rnr_timer", "timeout", "retry_cnt", "rnr_retry", "ah_attr",
+) if not hasattr(attr, f)]
+missing += [f"PortAttr.{f}" for f in ("lid", "link_layer", "active_mtu") if not hasattr(PortAttr, f)]
+missing += [n for n, ok in (
+    ("SendWR.set_wr_rdma", hasattr(SendWR, "set_wr_rdma")), ("GID.gid", hasattr(GID, "gid")),
+    ("QP.to_rts", hasattr(QP, "to_rts")), ("QP.post_send", hasattr(QP, "post_send")), ("CQ.poll", hasattr(CQ, "poll")),
+    ("MR address=", "address" in (MR.__init__.__doc__ or "")),
+) if not ok]
+ok, reason = _rdma.probe()
+import asyncio
+async def open_rdma():
+    try:
+        await BulkOwner.open("pyverbs-probe", backends=["rdma"])
+    except RuntimeError as exc:
+        return str(exc)
+    return "opened"
+print(json.dumps({"missing": missing, "ok": ok, "reason": reason, "open": asyncio.run(open_rdma())}))
+"""
+
+
+@pytest.mark.skipif(not DEBIAN_PYVERBS.is_dir(), reason="Debian's python3-pyverbs is not installed (apt install python3-pyverbs)")
+def test_real_pyverbs_imports_has_every_name_the_rdma_backend_uses_and_finds_no_device(tmp_path):
+    """Detection by trying, against the real pyverbs of rdma-core (Debian's build imports without a device)."""
+    (tmp_path / "pyverbs").symlink_to(DEBIAN_PYVERBS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PYVERBS_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["missing"] == []
+    if got["ok"]:  # pragma: no cover - an RDMA device is present
+        pytest.skip(f"an RDMA device exists here ({got['reason']})")
+    assert "get_device_list() failed" in got["reason"] or "no RDMA device" in got["reason"]
+    assert got["open"].startswith("BulkOwner.open: the rdma backend is not usable here: ")

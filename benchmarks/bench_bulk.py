@@ -237,9 +237,15 @@ def main() -> None:
         f"({args.rows * ROW_NBYTES / 2**20:.0f} MiB) in another process; medians of {args.reps} reps x {args.calls} calls"
     )
     base = rows[0][1]
-    print(f"{'case':32s} {'GB/s':>8s} {'vs memcpy':>10s} {'ms/call':>9s}")
+    by_case = dict(rows)
+    # Each bulk case also against its natural peer: shm against the in-process gather (the issue's
+    # target), zmq against a bare pyzmq round trip of the same bytes.
+    peers = {"shm": "in-process Storage.read_windows", "zmq": "raw pyzmq tcp (same bytes)"}
+    print(f"{'case':32s} {'GB/s':>8s} {'vs memcpy':>10s} {'ms/call':>9s}  vs peer")
     for case, gbs in rows:
-        print(f"{case:32s} {gbs:8.2f} {gbs / base:9.2f}x {b * t * ROW_NBYTES / gbs / 1e6:9.3f}")
+        peer = peers.get(case.split()[0])
+        vs_peer = f"{gbs / by_case[peer]:.2f}x {peer}" if peer else ""
+        print(f"{case:32s} {gbs:8.2f} {gbs / base:9.2f}x {b * t * ROW_NBYTES / gbs / 1e6:9.3f}  {vs_peer}")
 
 
 if __name__ == "__main__":

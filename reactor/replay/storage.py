@@ -10,9 +10,12 @@ When an append needs room, the oldest *whole* episodes are evicted until it fits
 evicted on its own, so every stored episode is complete from its first step on. An episode still
 being written (``episode_end=False``) that would have to evict itself raises instead.
 
-All reads take an array of global steps and gather with one index tensor per field (no Python loop
-per item): single steps, transitions with n-step returns, fixed-length windows with a validity mask,
-and whole episodes.
+All reads take an array of global steps and gather with no Python loop per item: single steps,
+transitions with n-step returns and whole episodes with one row gather per field (``ndarray.take``
+on byte rows on the host, ``index_select`` on CUDA); fixed-length windows with a validity mask by a
+compiled kernel that copies each window's rows of a field as one contiguous run (host) or one
+``index_select`` per field (CUDA). :meth:`Storage.plan_windows` and :meth:`Storage.plan_transitions`
+give the same reads as ring slots, for readers that map the field memory from another process.
 
 Memory is ``capacity * step_nbytes`` for the data (exactly the raw bytes of the stored steps when
 full, nothing per episode) plus a fixed index of 24 bytes per step of capacity: see

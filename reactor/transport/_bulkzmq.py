@@ -172,6 +172,9 @@ class ZmqServer:
         """Stop the thread (after the request in hand) and release the sockets. Idempotent."""
         if self._ctx.closed:
             return
+        if threading.current_thread() is self._thread:  # (a finalizer run by GC in this thread)
+            self._stop_tx.send(b"stop")
+            return
         if self._thread.is_alive():
             self._stop_tx.send(b"stop")
             self._thread.join()

@@ -52,7 +52,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import math
 import os
@@ -365,10 +364,46 @@ class _Region:
         self.served = ServedRegion(name, rows, generation)
 
 
-def _owners_at_exit(ref: weakref.ref[BulkOwner]) -> None:
-    owner = ref()
-    if owner is not None:
-        owner._close_now()
+def _region_lookup(regions: dict[str, _Region]) -> Callable[[str], ServedRegion | None]:
+    """The zmq server's view of an owner's regions (called from the server thread)."""
+
+    def lookup(region: str) -> ServedRegion | None:
+        r = regions.get(region) if isinstance(region, str) else None
+        return None if r is None else r.served
+
+    return lookup
+
+
+class _OwnerState:
+    """What releasing an owner needs, apart from the owner (so a finalizer can hold it)."""
+
+    __slots__ = ("closed", "pid", "rdma", "regions", "server")
+
+    def __init__(self, regions: dict[str, _Region]) -> None:
+        self.closed = False
+        self.pid = os.getpid()
+        self.server: ZmqServer | None = None
+        self.rdma: Any = None
+        self.regions = regions
+
+
+def _release_owner(state: _OwnerState) -> None:
+    """Stop serving, mark every segment closed and unlink it. Runs from ``aclose()``, or when the
+    owner is collected, or at interpreter exit (``weakref.finalize``); never in a forked child,
+    whose exit must not unlink its parent's segments."""
+    if state.closed or os.getpid() != state.pid:
+        return
+    state.closed = True
+    if state.server is not None:
+        state.server.stop()
+    if state.rdma is not None:
+        state.rdma.close()
+    for reg in state.regions.values():
+        for f in reg.fields.values():
+            if f.segment is not None:
+                if f.pinned:
+                    _cuda_host_unregister(f.tensor)
+                f.segment.close_owner()
 
 
 class BulkOwner:
@@ -469,31 +504,31 @@ class BulkOwner:
         self._rdma: Any = None
         if "shm" in chosen:
             _shm.cleanup_stale(run_id)
-        if "zmq" in chosen or "rdma" in chosen:
-            self._server = ZmqServer(
-                self._lookup,
-                zmq_bind,
-                max_request_nbytes=max_request_nbytes,
-                max_reply_nbytes=max_reply_nbytes,
-                heartbeat_ivl_s=heartbeat_ivl_s,
-                heartbeat_timeout_s=heartbeat_timeout_s,
-                name=run_id,
-            )
-        if "rdma" in chosen:
-            from . import _rdma
+        state = _OwnerState(self._regions)
+        # The finalizer holds what releasing needs, never the owner: an owner dropped without
+        # aclose() is released when collected, and any still open at interpreter exit then.
+        self._finalizer = weakref.finalize(self, _release_owner, state)
+        try:
+            if "zmq" in chosen or "rdma" in chosen:
+                self._server = state.server = ZmqServer(
+                    _region_lookup(self._regions),  # not a bound method: the thread must not keep the owner
+                    zmq_bind,
+                    max_request_nbytes=max_request_nbytes,
+                    max_reply_nbytes=max_reply_nbytes,
+                    heartbeat_ivl_s=heartbeat_ivl_s,
+                    heartbeat_timeout_s=heartbeat_timeout_s,
+                    name=run_id,
+                )
+            if "rdma" in chosen:
+                from . import _rdma
 
-            self._rdma = _rdma.RdmaOwner()
-            self._server_ops_rdma()
-        atexit.register(_owners_at_exit, weakref.ref(self))
+                self._rdma = state.rdma = _rdma.RdmaOwner()
+                assert self._server is not None
+                self._server.extra_ops["rdma_connect"] = self._rdma.serve_connect
+        except BaseException:
+            self._close_now()
+            raise
         return self
-
-    def _server_ops_rdma(self) -> None:
-        assert self._server is not None
-        self._server.extra_ops["rdma_connect"] = self._rdma.serve_connect
-
-    def _lookup(self, region: str) -> ServedRegion | None:
-        r = self._regions.get(region) if isinstance(region, str) else None
-        return None if r is None else r.served
 
     # ------------------------------------------------------------------ properties
 
@@ -740,19 +775,8 @@ class BulkOwner:
         self._close_now()
 
     def _close_now(self) -> None:
-        if self._closed:
-            return
         self._closed = True
-        if self._server is not None:
-            self._server.stop()
-        if self._rdma is not None:
-            self._rdma.close()
-        for reg in self._regions.values():
-            for f in reg.fields.values():
-                if f.segment is not None:
-                    if f.pinned:
-                        _cuda_host_unregister(f.tensor)
-                    f.segment.close_owner()
+        self._finalizer()
 
 
 def _cuda_host_register(tensor: torch.Tensor) -> None:  # pragma: no cover - needs CUDA

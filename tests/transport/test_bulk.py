@@ -657,3 +657,47 @@ def test_real_pyverbs_imports_has_every_name_the_rdma_backend_uses_and_finds_no_
         pytest.skip(f"an RDMA device exists here ({got['reason']})")
     assert "get_device_list() failed" in got["reason"] or "no RDMA device" in got["reason"]
     assert got["open"].startswith("BulkOwner.open: the rdma backend is not usable here: ")
+
+
+@pytest.mark.asyncio
+async def test_an_owner_dropped_without_aclose_is_released_when_collected(run_id):
+    import gc
+
+    owner = await BulkOwner.open(run_id, backends=["shm", "zmq"])
+    owner.allocate("r", "x", (8, 2), torch.float32)
+    assert len(_shm.list_segments(run_id)) == 1
+    server_thread = owner._server._thread
+    del owner
+    gc.collect()
+    assert _shm.list_segments(run_id) == []
+    server_thread.join(WAIT_S)
+    assert not server_thread.is_alive()
+
+
+_FORK_CHILD = r"""
+import asyncio, os, sys, torch
+from reactor.transport import _shm
+from reactor.transport.bulk import BulkOwner
+
+async def main():
+    owner = await BulkOwner.open(sys.argv[1], backends=["shm"])
+    owner.allocate("r", "x", (8, 2), torch.float32)
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a normal exit: atexit and finalizers run in the child
+    _, status = os.waitpid(pid, 0)
+    print(len(_shm.list_segments(sys.argv[1])), os.waitstatus_to_exitcode(status))
+    await owner.aclose()
+    print(len(_shm.list_segments(sys.argv[1])))
+
+asyncio.run(main())
+"""
+
+
+def test_a_forked_child_exiting_does_not_unlink_its_parents_segments(run_id):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD, run_id], env=env, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "0", "0"]

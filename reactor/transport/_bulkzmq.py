@@ -269,13 +269,13 @@ class ZmqServer:
             raise ValueError("bulk read: 'starts' and 'lengths' must be int64 arrays of one shape [R]")
         check_runs(starts, lengths, region.rows, region.name)
         total = int(lengths.sum())
-        nbytes = total * sum(fields[n][0] for n in names)
+        check = bool(req.get("check"))
+        nbytes = total * (sum(fields[n][0] for n in names) + check)  # (+ the valid mask)
         if nbytes + REPLY_OVERHEAD_NBYTES > self._max_reply:
             raise FrameTooLargeError(
                 f"bulk read of {total} rows ({nbytes} bytes) from region {region.name!r} exceeds the owner's "
                 f"max_reply_nbytes of {self._max_reply}; read fewer rows per call"
             )
-        check = bool(req.get("check"))
         expected = req.get("expected")
         if expected is not None and not (
             isinstance(expected, np.ndarray) and expected.dtype == np.int64 and expected.shape == (total,)

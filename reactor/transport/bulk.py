@@ -1401,7 +1401,7 @@ class BulkReader:
             raise PeerLostError(f"bulk region {att.name!r}: its zmq connection is closed")
         max_req, max_rep = att.zmq_limits
         k = flat.shape[0]
-        nbytes = k * sum(att.fields[n].row_nbytes for n in names)
+        nbytes = k * (sum(att.fields[n].row_nbytes for n in names) + check)  # (+ the valid mask)
         if nbytes + REPLY_OVERHEAD_NBYTES > max_rep:
             raise FrameTooLargeError(
                 f"{what}: {k} rows ({nbytes} bytes) from bulk region {att.name!r} exceed the owner's "

@@ -701,3 +701,32 @@ def test_a_forked_child_exiting_does_not_unlink_its_parents_segments(run_id):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "0", "0"]
+
+
+@pytest.mark.asyncio
+async def test_a_request_over_the_owners_request_bound_is_refused_and_the_owner_keeps_serving(run_id, reader):
+    owner = await BulkOwner.open(run_id, backends=["zmq"], max_request_nbytes=8192)
+    ctx = zmq.asyncio.Context()
+    try:
+        x = owner.allocate("r", "x", (1000,), torch.int64)
+        x.copy_(torch.arange(1000))
+        await reader.attach(owner.descriptor("r"))
+        scattered = np.arange(0, 1000, 3)  # 334 runs of one row: 16 B each on the wire
+        with pytest.raises(
+            FrameTooLargeError,
+            match=r"^read: the request for 334 rows in 334 runs \(9440 bytes\) exceeds the owner's "
+            r"max_request_nbytes of 8192; read fewer rows per call$",
+        ):
+            await reader.read("r", scattered)
+        # A client that skips that check sends a message over zmq's MAXMSGSIZE: its connection is
+        # dropped before any byte reaches Python, and others are served as before.
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(owner.descriptor("r")["zmq"]["address"])
+        await rogue.send(b"x" * 10000)
+        await asyncio.sleep(0.1)
+        assert torch.equal((await reader.read("r", scattered[:100]))["x"], torch.from_numpy(scattered[:100]))
+        assert owner._server.served >= 2 and owner._server.refused == 0
+    finally:
+        ctx.destroy(linger=0)
+        await owner.aclose()

@@ -24,7 +24,7 @@ from typing import Any
 
 from ._errors import PeerLostError, ReactorError, TraceMismatchError
 from ._graph import Graph
-from ._placement import resolve
+from ._placement import check_lookahead, resolve
 from ._runtime import RunResult
 
 log = logging.getLogger("reactor.coordinator")
@@ -58,6 +58,8 @@ async def run_processes(
             "(use `reactor run APP --placement ...` or run(graph, app=PATH, config=...))"
         )
     groups = resolve(graph, placement)
+    if deterministic:
+        check_lookahead(graph, groups, placement)
     if replay is not None:
         from ._trace import read_trace
 

@@ -96,6 +96,47 @@ def resolve(graph: Graph, placement: str) -> list[Group]:
     return [g for g in groups if g.reactors]
 
 
+def check_lookahead(graph: Graph, groups: list[Group], placement: str) -> None:
+    """Deterministic mode across processes: every cycle between processes needs a link with a delay.
+
+    A process may run tag t only once its upstream processes promised nothing earlier will come;
+    around a cycle of zero-delay links between processes each waits for the other's promise, and
+    none can advance (conservative synchronization has no lookahead there).
+
+    Raises:
+        GraphError: naming the processes and the zero-delay links of one such cycle.
+    """
+    owner = {n: g.name for g in groups for n in g.reactors}
+    edges: dict[str, dict[str, str]] = {}
+    for lk in graph.links():
+        a, b = owner[lk.src], owner[lk.dst]
+        if a != b and lk.delay_ns == 0:
+            edges.setdefault(a, {}).setdefault(b, f"{lk.src}.{lk.src_port} -> {lk.dst}.{lk.dst_port}")
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(edges.get(v, {})):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state and (cycle := visit(w)) is not None:
+                return cycle
+        stack.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(edges):
+        if v not in state and (cycle := visit(v)) is not None:
+            hops = "; ".join(edges[a][b] for a, b in zip(cycle, cycle[1:]))
+            raise GraphError(
+                f"placement {placement!r}: processes {' -> '.join(cycle)} form a cycle of zero-delay links "
+                f"({hops}); deterministic mode cannot advance around it. Give one of these connections "
+                f"delay_s > 0, place those reactors in one process, or run with --async"
+            )
+
+
 def group_name(instance: str) -> str:
     """A process group name for one reactor instance (``actor[3]`` -> ``actor-3``)."""
     return instance.replace("[", "-").replace("]", "")

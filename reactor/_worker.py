@@ -196,9 +196,13 @@ class Worker:
                 "digests": host.digests() if spec["digest"] else {},
                 "trace": {k: [list(e) for e in v] for k, v in recorder.events.items()} if recorder else {},
             }
+            # Everything queued for peers must leave first (the last messages, e.g. a final promise,
+            # may be waiting for credit); then we send peers nothing more and close those links, so
+            # that peers exiting after the coordinator's "exit" are not reported as lost.
+            await asyncio.wait_for(outbox.empty.wait(), timeout=30)
+            for p in out_peers:
+                ep.disconnect(p)
             outbox.send(COORDINATOR, ("done", result))
-            # Everything queued must leave before the flusher stops (the last messages to peers
-            # may be waiting for their credit).
             await asyncio.wait_for(outbox.empty.wait(), timeout=30)
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -1,0 +1,229 @@
+"""EnvActor: steps gymnasium environments with the newest weights and streams what it saw.
+
+One actor steps ``num_envs`` environments side by side (a gymnasium vector env) and acts for all of
+them with one batched call of the algorithm's ``act`` fragment. Off-policy algorithms: every step
+goes to a :class:`~reactor.nodes.writer.Writer`, which cuts items by the algorithm's read kind and
+flushes whole episodes or chunks to a replay shard (one message per flush). On-policy algorithms
+(PPO): the actor collects ``rollout_length`` steps, sends them to the learner as one
+:class:`Rollout`, and waits for the weights that learned from it (synchronous, as PPO wants).
+
+**Logical time.** Each vector step is one event, ``step_s`` of logical time after the previous one
+(a self-scheduled action). In deterministic mode this is what orders an actor's steps against the
+learner's weight broadcasts, so a run is identical under every placement; in async mode the actor
+steps as fast as the CPU allows. Weights apply from the first step after they arrive.
+
+**Exploration** comes from the algorithm's ``act(policy, obs, step, generator)``: ``step`` is this
+actor's env-step count and ``generator`` its own seeded ``torch.Generator``. Actors may explore
+differently: ``explore_scale`` multiplies the step count the schedule sees (an actor with scale
+0.5 anneals its exploration twice as slowly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._reactor import Action, Input, Output, Reactor, reaction, startup
+from .messages import Steps
+from .train_messages import Report, Rollout, Weights
+from .writer import TransitionPattern, WindowPattern, Writer
+
+__all__ = ["EnvActor"]
+
+
+class EnvActor(Reactor):
+    """Steps ``num_envs`` gymnasium environments with an algorithm's ``act`` fragment.
+
+    Ports:
+        weights: newest policy weights (from the learner); applied from the next step.
+        steps: :class:`Steps` for the replay shards (off-policy), keyed by shard.
+        rollouts: :class:`Rollout` for the learner (on-policy).
+        report: :class:`Report` (``env_steps``, ``episodes``, ``episode_return``, ``version``).
+
+    Args:
+        algo: algorithm name (``reactor.algos``).
+        env: environment name (``reactor.algos.envs``).
+        algo_config: overrides of the algorithm's Config.
+        num_envs: environments stepped side by side.
+        num_shards: the replay bank's size (off-policy).
+        colocated_shard: send every flush to this shard (the actor's own, under ``colocated``); None:
+            round-robin over the shards.
+        step_s: logical time between two vector steps.
+        flush_steps: rows per writer flush (one message each).
+        report_every: vector steps between two reports.
+        max_env_steps: this actor stops stepping after this many env steps (None: never).
+        explore_scale: factor on the step count the exploration schedule sees.
+    """
+
+    placement_role = "actor"
+
+    weights = Input(Weights)
+    steps = Output(Steps)
+    rollouts = Output(Rollout)
+    report = Output(Report)
+    tick = Action()
+
+    def __init__(
+        self,
+        algo: str,
+        env: str,
+        algo_config: dict[str, Any] | None = None,
+        *,
+        num_envs: int = 1,
+        num_shards: int = 1,
+        colocated_shard: bool = False,
+        step_s: float = 1e-6,
+        flush_steps: int = 256,
+        report_every: int = 250,
+        max_env_steps: int | None = None,
+        explore_scale: float = 1.0,
+    ) -> None:
+        for what, v in (("num_envs", num_envs), ("num_shards", num_shards), ("flush_steps", flush_steps),
+                        ("report_every", report_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"EnvActor {what} must be an int >= 1, got {v!r}")
+        if not step_s > 0:
+            raise ValueError(f"EnvActor step_s must be > 0, got {step_s!r}")
+        self.algo_name = algo
+        self.env_name = env
+        self.algo_config = dict(algo_config or {})
+        self.num_envs = num_envs
+        self.num_shards = num_shards
+        self.colocated_shard = colocated_shard
+        self.step_s = step_s
+        self.flush_steps = flush_steps
+        self.report_every = report_every
+        self.max_env_steps = max_env_steps
+        self.explore_scale = explore_scale
+        self.env_steps = 0
+        self.episodes = 0
+        self.version = -1
+        self.waiting_for: int | None = None  # on-policy: the weights version we wait for
+
+    # ---------------------------------------------------------------- startup
+
+    @reaction(triggers=[startup], effects=[tick])
+    def open_envs(self) -> None:
+        import torch
+
+        from ._registry import load_algorithm, make_vector_env
+
+        torch.set_num_threads(1)
+        self.algo = algo = load_algorithm(self.algo_name)
+        self.config = algo.Config.from_dict(self.algo_config)
+        self.env = make_vector_env(self.env_name, self.num_envs)
+        obs_space, act_space = self.env.single_observation_space, self.env.single_action_space
+        with torch.random.fork_rng():  # the policy's initial weights: seeded, and no one else's stream moves
+            torch.manual_seed(int(self.rng.integers(2**63 - 1)))
+            self.policy = algo.make_policy(obs_space, act_space, self.config)
+        self.obs, _ = self.env.reset(seed=int(self.rng.integers(2**31)))
+        self.ep_return = np.zeros(self.num_envs)
+        self.recent_returns: list[float] = []
+        self.on_policy = algo.KIND == "on_policy"
+        if self.on_policy:
+            self.rollout_length = int(self.config.rollout_length)
+            self.buf: dict[str, list[Any]] = {}
+        else:
+            spec = algo.store(obs_space, act_space, self.config)
+            read = spec.read
+            if type(read).__name__ == "WindowRead":
+                pattern: Any = WindowPattern(read.length, read.pad)
+            else:
+                pattern = TransitionPattern(getattr(read, "n", 1))
+            self.writer = Writer(
+                [(n, tuple(shape), dtype) for n, shape, dtype in spec.fields],
+                self.num_envs,
+                pattern,
+                num_shards=self.num_shards,
+                writer_id=self.bank_index,
+                shard=self.bank_index % self.num_shards if self.colocated_shard else None,
+                flush_steps=self.flush_steps,
+            )
+        self.tick.schedule(delay_s=self.step_s)
+
+    # ---------------------------------------------------------------- weights
+
+    @reaction(triggers=[weights], effects=[tick])
+    def take_weights(self, weights: Weights) -> None:
+        if weights.version <= self.version:
+            return
+        self.algo.load_weights(self.policy, weights.tensors)
+        self.version = weights.version
+        if self.waiting_for is not None and weights.version >= self.waiting_for:
+            self.waiting_for = None
+            self.tick.schedule(delay_s=self.step_s)
+
+    # ---------------------------------------------------------------- stepping
+
+    @reaction(triggers=[tick], effects=[tick, steps, rollouts, report])
+    def step(self) -> None:
+        import torch
+
+        if self.waiting_for is not None:
+            return
+        if self.max_env_steps is not None and self.env_steps >= self.max_env_steps:
+            if not self.on_policy:  # what is buffered goes out (open episodes stay incomplete)
+                for m in self.writer.flush():
+                    self.steps.send(m)
+            self._report()
+            return
+        obs = self.obs
+        explore_step = int(self.env_steps * self.explore_scale)
+        with torch.no_grad():
+            action, extras = self.algo.act(self.policy, torch.as_tensor(obs), explore_step, self.torch_rng)
+        act_np = action.numpy()
+        next_obs, reward, terminated, truncated, info = self.env.step(act_np)
+        ended = terminated | truncated
+        self.env_steps += self.num_envs
+        self.ep_return += reward
+        if self.on_policy:
+            self._collect(obs, act_np, reward, terminated, truncated, extras, next_obs)
+        else:
+            final = None
+            if ended.any():
+                final_obs = next_obs.copy()
+                final_obs[ended] = np.stack(info["final_obs"][ended])
+                final = {"obs": final_obs}
+            step = {"obs": obs, "action": act_np, "reward": reward}
+            for k, v in extras.items():
+                step[k] = v.numpy()
+            for m in self.writer.append(step, terminated=terminated, truncated=truncated, final=final):
+                self.steps.send(m)
+        if ended.any():
+            done = np.flatnonzero(ended)
+            self.episodes += len(done)
+            self.recent_returns.extend(self.ep_return[done].tolist())
+            self.recent_returns = self.recent_returns[-20:]
+            self.ep_return[done] = 0.0
+            if hasattr(self.algo, "reset"):
+                self.algo.reset(self.policy, ended)
+        self.obs = next_obs
+        if (self.env_steps // self.num_envs) % self.report_every == 0:
+            self._report()
+        if self.waiting_for is None:
+            self.tick.schedule(delay_s=self.step_s)
+
+    def _report(self) -> None:
+        values = {"env_steps": float(self.env_steps), "episodes": float(self.episodes),
+                  "version": float(self.version)}
+        if self.recent_returns:
+            values["episode_return"] = float(np.mean(self.recent_returns))
+        self.report.send(Report(self.name, values))
+
+    def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
+                 truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray) -> None:
+        import torch
+
+        row = {"obs": obs, "action": action, "reward": reward.astype(np.float32),
+               "terminated": terminated, "truncated": truncated}
+        row.update({k: v.numpy() for k, v in extras.items()})
+        for k, v in row.items():
+            self.buf.setdefault(k, []).append(np.asarray(v))
+        if len(self.buf["obs"]) < self.rollout_length:
+            return
+        data = {k: torch.as_tensor(np.stack(v)) for k, v in self.buf.items()}
+        data["last_obs"] = torch.as_tensor(next_obs)
+        self.buf = {}
+        self.rollouts.send(Rollout(self.bank_index, self.version, data))
+        self.waiting_for = self.version + 1

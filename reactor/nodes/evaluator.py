@@ -1,0 +1,90 @@
+"""Evaluator: greedy evaluation episodes with the newest weights, every so many learner updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._reactor import Input, Output, Reactor, reaction, startup
+from .train_messages import Report, Weights
+
+__all__ = ["Evaluator", "evaluate"]
+
+
+def evaluate(algo: Any, policy: Any, env: Any, episodes: int, seed: int) -> np.ndarray:
+    """Run one greedy episode in each of ``episodes`` vectorized envs; return their returns.
+
+    ``env`` is a gymnasium vector env with ``episodes`` sub-envs; each runs exactly one episode
+    (steps after an env's episode ended are not counted).
+    """
+    import torch
+
+    obs, _ = env.reset(seed=seed)
+    if hasattr(algo, "reset"):  # agents with memory (the transformer) start every episode afresh
+        algo.reset(policy, np.ones(episodes, dtype=bool))
+    returns = np.zeros(episodes, dtype=np.float64)
+    running = np.ones(episodes, dtype=bool)
+    gen = torch.Generator().manual_seed(seed)
+    while running.any():
+        with torch.no_grad():
+            action, _ = algo.act(policy, torch.as_tensor(obs), 0, gen, greedy=True)
+        obs, reward, terminated, truncated, _ = env.step(action.numpy())
+        returns += np.where(running, reward, 0.0)
+        running &= ~(terminated | truncated)
+    return returns
+
+
+class Evaluator(Reactor):
+    """Evaluates the policy greedily every ``every_updates`` learner updates; reports ``eval_return``.
+
+    Args:
+        algo: algorithm name (``reactor.algos``).
+        env: environment name (``reactor.algos.envs``).
+        algo_config: overrides of the algorithm's Config.
+        every_updates: evaluate the first weights whose version reaches each multiple of this.
+        episodes: episodes per evaluation (run side by side in a vector env).
+    """
+
+    weights = Input(Weights, required=True)
+    report = Output(Report)
+
+    def __init__(self, algo: str, env: str, algo_config: dict[str, Any] | None = None,
+                 every_updates: int = 1000, episodes: int = 10) -> None:
+        if every_updates < 1 or episodes < 1:
+            raise ValueError(f"Evaluator: every_updates and episodes must be >= 1, got {every_updates}, {episodes}")
+        self.algo_name = algo
+        self.env_name = env
+        self.algo_config = dict(algo_config or {})
+        self.every_updates = every_updates
+        self.episodes = episodes
+        self.next_version = 0
+        self.evaluations = 0
+
+    @reaction(triggers=[startup])
+    def open_env(self) -> None:
+        from ._registry import load_algorithm, make_vector_env
+
+        self.algo = load_algorithm(self.algo_name)
+        self.config = self.algo.Config.from_dict(self.algo_config)
+        self.env = make_vector_env(self.env_name, self.episodes)
+        import torch
+
+        with torch.random.fork_rng():  # the policy's initial weights: seeded, and no one else's stream moves
+            torch.manual_seed(int(self.rng.integers(2**63 - 1)))
+            self.policy = self.algo.make_policy(
+                self.env.single_observation_space, self.env.single_action_space, self.config
+            )
+
+    @reaction(triggers=[weights], effects=[report])
+    def maybe_evaluate(self, weights: Weights) -> None:
+        if weights.version < self.next_version:
+            return
+        self.next_version = (weights.version // self.every_updates + 1) * self.every_updates
+        self.algo.load_weights(self.policy, weights.tensors)
+        seed = int(self.rng.integers(2**31))
+        returns = evaluate(self.algo, self.policy, self.env, self.episodes, seed)
+        self.evaluations += 1
+        self.report.send(Report(self.name, {"eval_return": float(returns.mean()),
+                                            "eval_return_min": float(returns.min()),
+                                            "version": float(weights.version)}))

@@ -1,0 +1,317 @@
+"""Learners: run an algorithm's ``learn`` fragment on replay samples or on-policy rollouts.
+
+:class:`Learner` (off-policy) keeps ``prefetch`` samples in flight from the replay shards through a
+:class:`~reactor.nodes.replay.ReplayClient` (N shards behave as one table), learns on each batch as
+it arrives, sends the new priorities to the shards that own the keys, and broadcasts the policy
+weights every ``weights_every`` updates. How many updates happen per env step is the replay rate
+limiter's business (``SampleToInsertRatio``), so the learner never polls.
+
+:class:`RolloutLearner` (on-policy, PPO) waits for one rollout from each of ``num_actors`` actors,
+learns on them together, and broadcasts the weights that the actors wait for.
+
+**Data-parallel learners** (the ``dp-learners`` policy): a bank of N learners, each sampling its
+own batches, all-reduce (average) their gradients through ``torch.distributed`` (gloo; NCCL where
+GPUs exist) before every optimizer step, so all replicas hold the same weights; replica 0 speaks for
+them (weights, checkpoints). The rendezvous is a file in the run directory named by the run id.
+
+**Checkpoints**: every ``checkpoint_every`` updates the learner writes the algorithm's
+``state_dict`` (networks, optimizers, counters) atomically to ``run_dir/learner.pt``; with
+``resume=True`` it starts from that file when it exists.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._reactor import Input, Output, Reactor, reaction, shutdown, startup
+from .messages import ItemUpdate, ReplayReply, ReplayRequest
+from .replay import ReplayClient
+from .train_messages import Report, Rollout, Weights
+
+__all__ = ["Learner", "RolloutLearner"]
+
+
+class _LearnerBase(Reactor):
+    placement_role = "learner"
+
+    def _setup(self, algo: str, env: str, algo_config: dict[str, Any] | None) -> None:
+        import torch
+
+        from ._registry import load_algorithm, make_env
+
+        torch.set_num_threads(1)
+        self.algo = load_algorithm(algo)
+        self.config = self.algo.Config.from_dict(dict(algo_config or {}))
+        probe = make_env(env)
+        self.obs_space, self.act_space = probe.observation_space, probe.action_space
+        probe.close()
+        seed = int(np.random.default_rng(self.seed).integers(2**31))  # every replica starts alike
+        with torch.random.fork_rng():  # seeded, and no other stream in this process moves
+            torch.manual_seed(seed)
+            self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
+        self.updates = 0
+        self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
+        if self.resume and self.ckpt is not None and self.ckpt.is_file():
+            saved = torch.load(self.ckpt, weights_only=True)
+            self.algo.load_state_dict(self.state, saved["algo"])
+            self.updates = int(saved["updates"])
+        if self.bank_size > 1:
+            self._join_data_parallel()
+
+    def _join_data_parallel(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not self.run_dir:
+            raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
+        store = Path(self.run_dir) / f".dist-{self.run_id}"
+        store.parent.mkdir(parents=True, exist_ok=True)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
+                                world_size=self.bank_size)
+        world = float(self.bank_size)
+        params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
+        with torch.no_grad():  # replica 0's initial weights for all
+            for p in params:
+                dist.broadcast(p.data, src=0)
+        for opt in _optimizers(self.state):
+            step = opt.step
+
+            def averaged_step(*args: Any, _opt: Any = opt, _step: Any = step, **kwargs: Any) -> Any:
+                grads = [p.grad for g in _opt.param_groups for p in g["params"] if p.grad is not None]
+                if grads:
+                    flat = torch.cat([t.reshape(-1) for t in grads])
+                    dist.all_reduce(flat)
+                    flat /= world
+                    offset = 0
+                    for t in grads:
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
+                return _step(*args, **kwargs)
+
+            opt.step = averaged_step  # type: ignore[method-assign]
+
+    def _maybe_checkpoint(self, force: bool = False) -> None:
+        import torch
+
+        if self.ckpt is None or self.bank_index != 0:
+            return
+        if not force and (self.checkpoint_every <= 0 or self.updates % self.checkpoint_every):
+            return
+        tmp = self.ckpt.with_suffix(".tmp")
+        self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save({"algo": self.algo.state_dict(self.state), "updates": self.updates}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.ckpt)
+
+    def _finish(self) -> None:
+        """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir)."""
+        import hashlib
+
+        if self.bank_index != 0 or not hasattr(self, "state"):
+            return
+        self._maybe_checkpoint(force=True)
+        h = hashlib.sha256()
+        for name, t in sorted(self.algo.policy_weights(self.state).items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        self.weights_sha256 = h.hexdigest()
+        if self.run_dir:
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")
+        print(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}", flush=True)
+
+    def _weights(self) -> Weights:
+        return Weights(self.updates, {k: v.detach().cpu().contiguous() for k, v in
+                                      self.algo.policy_weights(self.state).items()})
+
+
+def _optimizers(state: Any) -> list[Any]:
+    import torch
+
+    values = state.values() if isinstance(state, dict) else vars(state).values()
+    return [v for v in values if isinstance(v, torch.optim.Optimizer)]
+
+
+class Learner(_LearnerBase):
+    """Off-policy learner over N replay shards.
+
+    Ports:
+        replies: :class:`ReplayReply` from the shards (connected back with ``key=requester_key``).
+        requests: sample requests to the shards (``key=shard_key``).
+        updates: priority updates to the shards owning the keys (``key=shard_key``).
+        weights: :class:`Weights` every ``weights_every`` updates (and at start).
+        report: :class:`Report` (``updates``, ``samples``, the algorithm's metrics).
+
+    Args:
+        algo, env, algo_config: the algorithm, the environment (for its spaces) and Config overrides.
+        num_shards: the replay bank's size.
+        batch_size: items per sample.
+        prefetch: samples kept in flight (sampling overlaps learning).
+        weights_every: updates between weight broadcasts.
+        report_every: updates between reports.
+        max_updates: stop learning after this many updates (None: never).
+        seed: seed of the networks' initialisation (the same in every replica).
+        run_dir: where checkpoints go (None: no checkpoints).
+        checkpoint_every: updates between checkpoints (0: only at the end).
+        resume: start from ``run_dir/learner.pt`` when it exists.
+        sample_timeout_s: a shard that has not answered for this long is lost (``PeerLostError``).
+    """
+
+    replies = Input(ReplayReply, required=True)
+    requests = Output(ReplayRequest)
+    priorities = Output(ItemUpdate)
+    weights = Output(Weights)
+    report = Output(Report)
+
+    def __init__(
+        self,
+        algo: str,
+        env: str,
+        algo_config: dict[str, Any] | None = None,
+        *,
+        num_shards: int = 1,
+        batch_size: int = 128,
+        prefetch: int = 1,
+        weights_every: int = 10,
+        report_every: int = 100,
+        max_updates: int | None = None,
+        seed: int = 0,
+        run_dir: str | None = None,
+        checkpoint_every: int = 0,
+        resume: bool = False,
+        sample_timeout_s: float | None = 300.0,
+    ) -> None:
+        for what, v in (("num_shards", num_shards), ("batch_size", batch_size), ("prefetch", prefetch),
+                        ("weights_every", weights_every), ("report_every", report_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Learner {what} must be an int >= 1, got {v!r}")
+        self.algo_name, self.env_name, self.algo_config = algo, env, dict(algo_config or {})
+        self.num_shards = num_shards
+        self.batch_size = batch_size
+        self.prefetch = prefetch
+        self.weights_every = weights_every
+        self.report_every = report_every
+        self.max_updates = max_updates
+        self.seed = seed
+        self.run_dir = run_dir
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.sample_timeout_s = sample_timeout_s
+        self.samples = 0
+
+    @reaction(triggers=[startup], effects=[requests, weights])
+    def start(self) -> None:
+        self._setup(self.algo_name, self.env_name, self.algo_config)
+        self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
+                                   timeout_s=self.sample_timeout_s)
+        if self.bank_index == 0:
+            self.weights.send(self._weights())
+        for _ in range(self.prefetch):
+            for m in self.client.request(self.batch_size):
+                self.requests.send(m)
+
+    @reaction(triggers=[replies], effects=[requests, priorities, weights, report])
+    def learn(self, replies: ReplayReply) -> None:
+        msgs, batch = self.client.receive(replies)
+        for m in msgs:
+            self.requests.send(m)
+        if batch is None:
+            return
+        if self.max_updates is None or self.updates + self.client.in_flight < self.max_updates:
+            for m in self.client.request(self.batch_size):  # the next sample overlaps this update
+                self.requests.send(m)
+        import torch
+
+        data = dict(batch.data)
+        data["weights"] = torch.as_tensor(batch.weights)
+        for m in self.client.check_timeouts():  # a shard that stopped answering is lost
+            self.requests.send(m)
+        metrics, priorities = self.algo.learn(self.state, data)
+        self.updates += 1
+        self.samples += len(batch.keys)
+        if priorities is not None:
+            for m in self.client.update_priorities(batch.keys, priorities.detach().cpu().numpy()):
+                self.priorities.send(m)
+        if self.bank_index != 0:
+            return
+        if self.updates % self.weights_every == 0:
+            self.weights.send(self._weights())
+        if self.updates % self.report_every == 0:
+            self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
+                                                **{k: float(v) for k, v in metrics.items()}}))
+        self._maybe_checkpoint()
+        if self.max_updates is not None and self.updates >= self.max_updates:
+            self._maybe_checkpoint(force=True)
+
+    @reaction(triggers=[shutdown])
+    def finish(self) -> None:
+        self._finish()
+
+
+class RolloutLearner(_LearnerBase):
+    """On-policy learner: one rollout from each of ``num_actors`` actors per update (synchronous PPO).
+
+    Ports:
+        rollouts: :class:`Rollout` from the actors.
+        weights: :class:`Weights` after every update (the actors wait for them) and at start.
+        report: :class:`Report` (``updates``, ``samples``, the algorithm's metrics).
+    """
+
+    rollouts = Input(Rollout, required=True)
+    weights = Output(Weights)
+    report = Output(Report)
+
+    def __init__(self, algo: str, env: str, algo_config: dict[str, Any] | None = None, *, num_actors: int = 1,
+                 seed: int = 0, run_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+                 max_updates: int | None = None) -> None:
+        if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+            raise ValueError(f"RolloutLearner num_actors must be an int >= 1, got {num_actors!r}")
+        self.algo_name, self.env_name, self.algo_config = algo, env, dict(algo_config or {})
+        self.num_actors = num_actors
+        self.seed = seed
+        self.run_dir = run_dir
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.max_updates = max_updates
+        self.pending: dict[int, Rollout] = {}
+        self.samples = 0
+
+    @reaction(triggers=[startup], effects=[weights])
+    def start(self) -> None:
+        self._setup(self.algo_name, self.env_name, self.algo_config)
+        self.weights.send(self._weights())
+
+    @reaction(triggers=[rollouts], effects=[weights, report])
+    def learn(self, rollouts: Rollout) -> None:
+        import torch
+
+        if rollouts.version != self.updates:
+            raise ValueError(f"{self.name}: rollout from actor {rollouts.actor} was collected with weights "
+                             f"{rollouts.version}, expected {self.updates} (synchronous on-policy learning)")
+        self.pending[rollouts.actor] = rollouts
+        if len(self.pending) < self.num_actors:
+            return
+        parts = [self.pending[i].data for i in sorted(self.pending)]
+        self.pending = {}
+        dims = {k: (0 if k == "last_obs" else 1) for k in parts[0]}
+        batch = {k: torch.cat([p[k] for p in parts], dim=dims[k]) for k in parts[0]}
+        metrics, _ = self.algo.learn(self.state, batch)
+        self.updates += 1
+        self.samples += int(batch["reward"].numel())
+        if self.max_updates is not None and self.updates > self.max_updates:
+            return
+        self.weights.send(self._weights())
+        self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
+                                            **{k: float(v) for k, v in metrics.items()}}))
+        self._maybe_checkpoint(force=self.max_updates is not None and self.updates >= self.max_updates)
+
+    @reaction(triggers=[shutdown])
+    def finish(self) -> None:
+        self._finish()

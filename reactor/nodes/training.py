@@ -1,0 +1,166 @@
+"""The standard training graphs: the wiring every RL app shares, written once.
+
+``off_policy_graph`` (DQN, SAC, TD3, DDPG, the transformer agent)::
+
+    actor[i] --steps--> replay[j] --replies--> learner[k] --weights--> actor[i], evaluator
+        ^                   ^------requests/priorities----'                        |
+        '---------------------------------- reports --------> metrics <------------'
+
+``on_policy_graph`` (PPO): actors send rollouts straight to the learner; no replay.
+
+The graph is the same under every distribution policy (``--placement single|actors|colocated|
+dp-learners``); only the placement moves instances between processes. Logical delays: weights
+reach actors ``weights_delay_s`` after the update that made them (actors never wait for the
+learner within that window); replies reach the learner one ``step_s`` after the request (a cycle
+needs a delay, and this is the smallest).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._graph import Graph
+from .env_actor import EnvActor
+from .evaluator import Evaluator
+from .learner import Learner, RolloutLearner
+from .messages import requester_key, shard_key
+from .metrics import Metrics
+from .replay import Replay
+
+__all__ = ["off_policy_graph", "on_policy_graph"]
+
+
+def off_policy_graph(
+    *,
+    algo: str,
+    env: str,
+    run_dir: str,
+    algo_config: dict[str, Any] | None = None,
+    actors: int = 2,
+    envs_per_actor: int = 1,
+    shards: int = 2,
+    learners: int = 1,
+    colocated: bool = False,
+    capacity: int = 100_000,
+    prioritized: bool = True,
+    alpha: float = 0.6,
+    beta: float = 0.4,
+    min_size: int = 1000,
+    samples_per_insert: float = 8.0,
+    batch_size: int = 128,
+    weights_every: int = 10,
+    eval_every_updates: int = 1000,
+    eval_episodes: int = 10,
+    target_return: float | None = None,
+    max_env_steps: int | None = None,
+    seed: int = 0,
+    step_s: float = 1e-6,
+    weights_delay_s: float = 1e-3,
+    flush_steps: int = 64,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    live: bool = True,
+    title: str = "",
+) -> Graph:
+    """Actors, replay shards, learner(s), evaluator and metrics for an off-policy algorithm.
+
+    The replay is a prioritized (``alpha``, ``beta``) or uniform table sharded over ``shards``
+    processes, with ``capacity`` steps in all. Its rate limiter holds the learners to
+    ``samples_per_insert`` sampled items per inserted step once ``min_size`` steps are stored: that
+    ratio, not the speed of any process, fixes updates per env step (so results do not depend on
+    the placement).
+
+    Ending: the run stops when an evaluation reaches ``target_return`` (Metrics asks for the stop),
+    or when every actor has taken its share of ``max_env_steps`` and the learner has drained what
+    the rate limiter allows (the run is then quiescent). Only the second is a deterministic end
+    point across processes: the process that asks for a stop cannot hold back the others, which
+    may be past that logical time already. Bit-identical runs use a step budget, no target.
+    """
+    from ._registry import load_algorithm, make_env
+
+    algo_mod = load_algorithm(algo)
+    config = algo_mod.Config.from_dict(dict(algo_config or {}))
+    probe = make_env(env)
+    spec = algo_mod.store(probe.observation_space, probe.action_space, config)
+    probe.close()
+    fields = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in spec.fields]
+    per_shard_min = max(1, min_size // shards)
+    # One Steps message carries up to flush_steps rows plus one episode chunk: the limiter's window
+    # must admit a whole message at once, or the first insert past min_size would wait forever.
+    max_message_rows = flush_steps + 256 + 64
+    limiter = {"type": "SampleToInsertRatio", "samples_per_insert": float(samples_per_insert),
+               "min_size": per_shard_min,
+               "error_buffer": float(samples_per_insert * 2 * max_message_rows + 2 * batch_size)}
+    sampler: Any = {"type": "prioritized", "alpha": alpha} if prioritized else "uniform"
+
+    g = Graph()
+    actor = g.add(
+        EnvActor(algo, env, algo_config, num_envs=envs_per_actor, num_shards=shards, colocated_shard=colocated,
+                 step_s=step_s, flush_steps=flush_steps, max_env_steps=_per_actor(max_env_steps, actors)),
+        name="actor", replicas=actors,
+    )
+    replay = g.add(
+        Replay(fields, capacity=max(1, capacity // shards), read=spec.read, sampler=sampler, rate_limiter=limiter,
+               beta=beta),
+        name="replay", replicas=shards,
+    )
+    learner = g.add(
+        Learner(algo, env, algo_config, num_shards=shards, batch_size=batch_size, weights_every=weights_every,
+                seed=seed, run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume),
+        name="learner", replicas=learners,
+    )
+    evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
+                      name="evaluator")
+    metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
+                            title=title), name="metrics")
+    g.connect(actor.steps, replay.steps, key=shard_key, delay_s=step_s)
+    g.connect(learner.requests, replay.requests, key=shard_key)
+    g.connect(learner.priorities, replay.updates, key=shard_key)
+    g.connect(replay.replies, learner.replies, key=requester_key, delay_s=step_s)
+    g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)
+    g.connect(learner.weights, evaluator.weights)
+    for src in (actor.report, learner.report, evaluator.report):
+        g.connect(src, metrics.reports, delay_s=step_s)
+    return g
+
+
+def _per_actor(max_env_steps: int | None, actors: int) -> int | None:
+    return None if max_env_steps is None else -(-max_env_steps // actors)
+
+
+def on_policy_graph(
+    *,
+    algo: str,
+    env: str,
+    run_dir: str,
+    algo_config: dict[str, Any] | None = None,
+    actors: int = 2,
+    envs_per_actor: int = 4,
+    eval_every_updates: int = 5,
+    eval_episodes: int = 10,
+    target_return: float | None = None,
+    max_env_steps: int | None = None,
+    seed: int = 0,
+    step_s: float = 1e-6,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    live: bool = True,
+    title: str = "",
+) -> Graph:
+    """Actors send rollouts straight to one learner (synchronous on-policy training, e.g. PPO)."""
+    g = Graph()
+    actor = g.add(EnvActor(algo, env, algo_config, num_envs=envs_per_actor, step_s=step_s,
+                           max_env_steps=_per_actor(max_env_steps, actors)),
+                  name="actor", replicas=actors)
+    learner = g.add(RolloutLearner(algo, env, algo_config, num_actors=actors, seed=seed, run_dir=run_dir,
+                                   checkpoint_every=checkpoint_every, resume=resume), name="learner")
+    evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
+                      name="evaluator")
+    metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
+                            title=title), name="metrics")
+    g.connect(actor.rollouts, learner.rollouts)
+    g.connect(learner.weights, actor.weights, delay_s=step_s)
+    g.connect(learner.weights, evaluator.weights)
+    for src in (actor.report, learner.report, evaluator.report):
+        g.connect(src, metrics.reports, delay_s=step_s)
+    return g

@@ -37,14 +37,19 @@ class Config:
     """Replay capacity in steps, over all shards."""
     eval_every_updates: int = 250
     """Learner updates between greedy evaluations."""
-    target_return: float = 475.0
-    """Stop when an evaluation (10 episodes) reaches this mean return."""
+    target_return: float | None = 475.0
+    """Stop when an evaluation (10 episodes) reaches this mean return (None: run to max_env_steps;
+    only a step budget ends a run at the same point under every placement)."""
     max_env_steps: int = 200_000
     """Stop after this many env steps in all."""
     algo_config: dict = field(default_factory=dict)
     """Overrides of reactor.algos.dqn.Config, e.g. --set "algo_config={'lr': 5e-4}"."""
     run_dir: str = ""
     """Where logs, checkpoints and the plot go (default runs/dqn_cartpole-RUN_ID)."""
+    checkpoint_every: int = 0
+    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
+    resume: bool = False
+    """Start the learner from run_dir/learner.pt when it exists (give the old run's run_dir)."""
     live: bool = True
     """Show live progress."""
 
@@ -57,5 +62,6 @@ def build(config: Config) -> Graph:
         learners=config.learners, capacity=config.capacity, min_size=config.min_size,
         samples_per_insert=config.samples_per_insert, batch_size=config.batch_size,
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
-        max_env_steps=config.max_env_steps, live=config.live, title="DQN CartPole-v1",
+        max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every, resume=config.resume,
+        live=config.live, title="DQN CartPole-v1",
     )

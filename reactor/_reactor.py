@@ -317,6 +317,7 @@ class Reactor:
         self.bank_size = 1
         self.tag = Tag(0, 0)
         self._seed = 0
+        self._run_seed = 0
         self._torch_rng: Any = None
         self.rng = np.random.default_rng(0)
 
@@ -326,6 +327,7 @@ class Reactor:
         self.bank_index = bank_index
         self.bank_size = bank_size
         self._seed = derive_seed(seed, name)
+        self._run_seed = seed
         self.rng = np.random.default_rng(self._seed)
 
     @property
@@ -335,6 +337,13 @@ class Reactor:
 
             self._torch_rng = torch.Generator().manual_seed(self._seed)
         return self._torch_rng
+
+    @property
+    def bank_seed(self) -> int:
+        """A seed shared by every replica of this reactor's bank: derived from the run seed and the bank's
+        name (``learner`` for ``learner[1]``), so it changes with ``--seed`` but not with the replica or
+        the placement. Data-parallel replicas use it to start from the same weights."""
+        return derive_seed(self._run_seed, self.name.split("[", 1)[0])
 
     @property
     def run_id(self) -> str:

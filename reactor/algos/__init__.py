@@ -24,7 +24,10 @@ The fragment contract (every name is required unless marked optional)::
         stored with the step (off-policy) or sent in the rollout (on-policy: log-probs, values)
     learn(state, batch) -> (metrics {name: float}, priorities tensor[B] | None)
         off-policy batch: the read's fields plus "weights" (importance weights, float32[B]);
-        on-policy batch: [T, N, ...] tensors from the actors (N = all actors' envs) + "last_obs"
+        on-policy batch: [T, N, ...] tensors from the actors (N = all actors' envs): "obs",
+        "action", "reward", "terminated", "truncated", act()'s extras, "final_obs" (the obs an
+        episode ended on where it ended, zeros elsewhere: truncations bootstrap from it), plus
+        "last_obs" [N, ...] (the obs after the last step)
     state_dict(state) -> dict;  load_state_dict(state, dict)  (networks, optimizers, counters)
     reset(policy, ended: bool ndarray[N])      optional: agents with memory forget ended episodes
     Config.rollout_length                      on_policy: steps per actor per update
@@ -55,11 +58,13 @@ class StoreSpec(NamedTuple):
 
 
 def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
-    """``cls(**d)`` for a frozen Config dataclass, with each value coerced to its field's default's type.
+    """``cls(**d)`` for a frozen Config dataclass, each value checked against its default's type.
+
+    An int is accepted where a float is expected; nothing else is converted (``"False"`` is not a bool).
 
     Raises:
-        ValueError: a key that is not a field of ``cls`` (naming it and the fields), or a value that
-            does not convert.
+        ValueError: a key that is not a field of ``cls`` (naming it and the fields), or a value of
+            the wrong type (naming the field, the expected type and the value).
     """
     names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(d) - set(names))
@@ -68,13 +73,12 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
     out: dict[str, Any] = {}
     for k, v in d.items():
         default = names[k].default
-        if default is dataclasses.MISSING or default is None or isinstance(v, type(default)):
-            out[k] = v
-            continue
-        try:
-            out[k] = type(default)(v)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{cls.__qualname__}.{k} expects {type(default).__name__}, got {v!r}") from e
+        want = type(default) if default is not dataclasses.MISSING and default is not None else None
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        elif want is not None and not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}")  # type: ignore[union-attr]
+        out[k] = v
     return cls(**out)
 
 

@@ -2,6 +2,7 @@
 
 from .messages import CheckpointRequest as CheckpointRequest
 from .messages import Delete as Delete
+from .messages import InsertAck as InsertAck
 from .messages import MassRequest as MassRequest
 from .messages import PriorityUpdate as PriorityUpdate
 from .messages import SampledBatch as SampledBatch
@@ -13,6 +14,7 @@ from .messages import StatisticsRequest as StatisticsRequest
 from .messages import Steps as Steps
 from .messages import requester_key as requester_key
 from .messages import shard_key as shard_key
+from .messages import writer_key as writer_key
 from .replay import Replay as Replay
 from .replay import ReplayClient as ReplayClient
 from .replay import key_local as key_local

@@ -5,7 +5,9 @@ them with one batched call of the algorithm's ``act`` fragment. Off-policy algor
 goes to a :class:`~reactor.nodes.writer.Writer`, which cuts items by the algorithm's read kind and
 flushes whole episodes or chunks to a replay shard (one message per flush). On-policy algorithms
 (PPO): the actor collects ``rollout_length`` steps, sends them to the learner as one
-:class:`Rollout`, and waits for the weights that learned from it (synchronous, as PPO wants).
+:class:`Rollout`, and waits for the weights that learned from it (synchronous, as PPO wants; the
+first rollout waits for the learner's first weights). A rollout carries ``final_obs``: the
+observation an episode ended on, where it ended (a truncated episode bootstraps from its value).
 
 **Logical time.** Each vector step is one event, ``step_s`` of logical time after the previous one
 (a self-scheduled action). In deterministic mode this is what orders an actor's steps against the
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._reactor import Action, Input, Output, Reactor, reaction, startup
-from .messages import Steps
+from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
 from .writer import TransitionPattern, WindowPattern, Writer
 
@@ -37,6 +39,8 @@ class EnvActor(Reactor):
 
     Ports:
         weights: newest policy weights (from the learner); applied from the next step.
+        acks: :class:`InsertAck` from the shards (connected back with ``key=writer_key``), counted
+            against ``max_unacked``.
         steps: :class:`Steps` for the replay shards (off-policy), keyed by shard.
         rollouts: :class:`Rollout` for the learner (on-policy).
         report: :class:`Report` (``env_steps``, ``episodes``, ``episode_return``, ``version``).
@@ -54,11 +58,16 @@ class EnvActor(Reactor):
         report_every: vector steps between two reports.
         max_env_steps: this actor stops stepping after this many env steps (None: never).
         explore_scale: factor on the step count the exploration schedule sees.
+        max_unacked: off-policy flow control: stop stepping while this many Steps messages are not
+            yet acknowledged by the shards (connect ``acks``), so a rate limiter holding inserts back
+            holds this actor back instead of letting the shards park its steps without bound.
+            None: no flow control (``acks`` need not be connected).
     """
 
     placement_role = "actor"
 
     weights = Input(Weights)
+    acks = Input(InsertAck)
     steps = Output(Steps)
     rollouts = Output(Rollout)
     report = Output(Report)
@@ -78,6 +87,7 @@ class EnvActor(Reactor):
         report_every: int = 250,
         max_env_steps: int | None = None,
         explore_scale: float = 1.0,
+        max_unacked: int | None = None,
     ) -> None:
         for what, v in (("num_envs", num_envs), ("num_shards", num_shards), ("flush_steps", flush_steps),
                         ("report_every", report_every)):
@@ -85,6 +95,9 @@ class EnvActor(Reactor):
                 raise ValueError(f"EnvActor {what} must be an int >= 1, got {v!r}")
         if not step_s > 0:
             raise ValueError(f"EnvActor step_s must be > 0, got {step_s!r}")
+        if max_unacked is not None and (isinstance(max_unacked, bool) or not isinstance(max_unacked, int)
+                                        or max_unacked < 1):
+            raise ValueError(f"EnvActor max_unacked must be None or an int >= 1, got {max_unacked!r}")
         self.algo_name = algo
         self.env_name = env
         self.algo_config = dict(algo_config or {})
@@ -96,6 +109,9 @@ class EnvActor(Reactor):
         self.report_every = report_every
         self.max_env_steps = max_env_steps
         self.explore_scale = explore_scale
+        self.max_unacked = max_unacked
+        self.unacked = 0  # Steps messages sent and not yet acknowledged
+        self.held = False  # stepping paused by flow control
         self.env_steps = 0
         self.episodes = 0
         self.version = -1
@@ -124,6 +140,7 @@ class EnvActor(Reactor):
         if self.on_policy:
             self.rollout_length = int(self.config.rollout_length)
             self.buf: dict[str, list[Any]] = {}
+            self.waiting_for = 0  # the first rollout is collected with the learner's first weights
         else:
             spec = algo.store(obs_space, act_space, self.config)
             read = spec.read
@@ -140,7 +157,8 @@ class EnvActor(Reactor):
                 shard=self.bank_index % self.num_shards if self.colocated_shard else None,
                 flush_steps=self.flush_steps,
             )
-        self.tick.schedule(delay_s=self.step_s)
+        if self.waiting_for is None:
+            self.tick.schedule(delay_s=self.step_s)
 
     # ---------------------------------------------------------------- weights
 
@@ -153,6 +171,16 @@ class EnvActor(Reactor):
         if self.waiting_for is not None and weights.version >= self.waiting_for:
             self.waiting_for = None
             self.tick.schedule(delay_s=self.step_s)
+
+    @reaction(triggers=[acks], effects=[tick])
+    def take_ack(self, acks: InsertAck) -> None:
+        self.unacked -= 1
+        if self.held and not self._over_limit():
+            self.held = False
+            self.tick.schedule(delay_s=self.step_s)
+
+    def _over_limit(self) -> bool:
+        return self.max_unacked is not None and self.unacked >= self.max_unacked
 
     # ---------------------------------------------------------------- stepping
 
@@ -178,7 +206,10 @@ class EnvActor(Reactor):
         self.env_steps += self.num_envs
         self.ep_return += reward
         if self.on_policy:
-            self._collect(obs, act_np, reward, terminated, truncated, extras, next_obs)
+            final_obs = np.zeros_like(next_obs)  # the obs an episode ended on (truncations bootstrap from it)
+            if ended.any():
+                final_obs[ended] = np.stack(info["final_obs"][ended])
+            self._collect(obs, act_np, reward, terminated, truncated, extras, next_obs, final_obs)
         else:
             final = None
             if ended.any():
@@ -190,6 +221,7 @@ class EnvActor(Reactor):
                 step[k] = v.numpy()
             for m in self.writer.append(step, terminated=terminated, truncated=truncated, final=final):
                 self.steps.send(m)
+                self.unacked += 1
         if ended.any():
             done = np.flatnonzero(ended)
             self.episodes += len(done)
@@ -201,7 +233,9 @@ class EnvActor(Reactor):
         self.obs = next_obs
         if (self.env_steps // self.num_envs) % self.report_every == 0:
             self._report()
-        if self.waiting_for is None:
+        if self._over_limit():
+            self.held = True  # take_ack resumes
+        elif self.waiting_for is None:
             self.tick.schedule(delay_s=self.step_s)
 
     def _report(self) -> None:
@@ -212,11 +246,12 @@ class EnvActor(Reactor):
         self.report.send(Report(self.name, values))
 
     def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
-                 truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray) -> None:
+                 truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray,
+                 final_obs: np.ndarray) -> None:
         import torch
 
         row = {"obs": obs, "action": action, "reward": reward.astype(np.float32),
-               "terminated": terminated, "truncated": truncated}
+               "terminated": terminated, "truncated": truncated, "final_obs": final_obs}
         row.update({k: v.numpy() for k, v in extras.items()})
         for k, v in row.items():
             self.buf.setdefault(k, []).append(np.asarray(v))
@@ -227,3 +262,4 @@ class EnvActor(Reactor):
         self.buf = {}
         self.rollouts.send(Rollout(self.bank_index, self.version, data))
         self.waiting_for = self.version + 1
+        self._report()  # exact env-step counts at each update (Metrics logs evaluations against them)

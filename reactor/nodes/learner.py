@@ -49,7 +49,8 @@ class _LearnerBase(Reactor):
         probe = make_env(env)
         self.obs_space, self.act_space = probe.observation_space, probe.action_space
         probe.close()
-        seed = int(np.random.default_rng(self.seed).integers(2**31))  # every replica starts alike
+        # Every replica starts alike (the bank's seed), and --seed changes the initialisation.
+        seed = int(np.random.default_rng([self.bank_seed, self.seed]).integers(2**31))
         with torch.random.fork_rng():  # seeded, and no other stream in this process moves
             torch.manual_seed(seed)
             self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
@@ -114,21 +115,23 @@ class _LearnerBase(Reactor):
         """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir)."""
         import hashlib
 
-        if self.bank_index != 0 or not hasattr(self, "state"):
+        if not hasattr(self, "state"):
             return
-        self._maybe_checkpoint(force=True)
+        self._maybe_checkpoint(force=True)  # replica 0 only
         h = hashlib.sha256()
         for name, t in sorted(self.algo.policy_weights(self.state).items()):
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         self.weights_sha256 = h.hexdigest()
-        if self.run_dir:
+        if self.run_dir and self.bank_index == 0:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")
         print(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}", flush=True)
 
     def _weights(self) -> Weights:
-        return Weights(self.updates, {k: v.detach().cpu().contiguous() for k, v in
+        # A copy, always: in one process the message is handed over as is, and the optimizer changes
+        # the live parameters in place; receivers must see the weights of version `updates`.
+        return Weights(self.updates, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in
                                       self.algo.policy_weights(self.state).items()})
 
 
@@ -157,7 +160,7 @@ class Learner(_LearnerBase):
         weights_every: updates between weight broadcasts.
         report_every: updates between reports.
         max_updates: stop learning after this many updates (None: never).
-        seed: seed of the networks' initialisation (the same in every replica).
+        seed: mixed with the run seed into the networks' initialisation (the same in every replica).
         run_dir: where checkpoints go (None: no checkpoints).
         checkpoint_every: updates between checkpoints (0: only at the end).
         resume: start from ``run_dir/learner.pt`` when it exists.

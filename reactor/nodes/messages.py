@@ -25,6 +25,7 @@ from ..transport.codec import register_message
 __all__ = [
     "CheckpointRequest",
     "Delete",
+    "InsertAck",
     "ItemUpdate",
     "MassRequest",
     "PriorityUpdate",
@@ -61,6 +62,15 @@ def requester_key(message: Any) -> int:
     return int(message.requester)
 
 
+def writer_key(message: Any) -> int:
+    """Key function of keyed connections from a replay bank back to a bank of writers (actors).
+
+    Example:
+        >>> graph.connect(replay.acks, actors.acks, key=writer_key)
+    """
+    return int(message.writer)
+
+
 # ---------------------------------------------------------------------------------- writers
 
 
@@ -89,6 +99,24 @@ class Steps:
     episode_end: Any
     item_mask: Any = None
     priorities: Any = None
+
+
+@register_message
+@dataclass(frozen=True)
+class InsertAck:
+    """A shard is done with one :class:`Steps` message of a writer: inserted, or refused as malformed
+    (then logged by the shard). Writers bound their unacknowledged messages with it, so a rate
+    limiter that holds inserts back holds the actors back too, instead of parking their steps.
+
+    Attributes:
+        writer: the writer's id (its actor's bank index).
+        shard: the shard that took it.
+        seq: the message's flush counter.
+    """
+
+    writer: int
+    shard: int
+    seq: int
 
 
 # ---------------------------------------------------------------------------------- requests

@@ -81,6 +81,7 @@ from ..transport import bulk as _bulk
 from .messages import (
     CheckpointRequest,
     Delete,
+    InsertAck,
     ItemUpdate,
     MassRequest,
     PriorityUpdate,
@@ -258,6 +259,8 @@ class Replay(Reactor):
         updates: :class:`PriorityUpdate` / :class:`Delete` for keys this shard owns.
         control: :class:`CheckpointRequest`, :class:`StatisticsRequest`.
         replies: :class:`ShardMass` / :class:`ShardSample`, routed back by ``requester``.
+        acks: :class:`InsertAck` for every Steps message done with (inserted or refused), routed back
+            to its writer (``key=writer_key``): writers' flow control.
         statistics: :class:`ShardStatistics`, every ``statistics_period_s`` and on request.
 
     Semantics: see the module docstring (parking, two-stage sampling, determinism, checkpoints).
@@ -312,6 +315,7 @@ class Replay(Reactor):
     updates = Input(ItemUpdate)
     control = Input(ReplayControl)
     replies = Output(ReplayReply)
+    acks = Output(InsertAck)
     statistics = Output(ShardStatistics)
     tick = Action()
 
@@ -429,7 +433,7 @@ class Replay(Reactor):
 
     # ---------------------------------------------------------------- inserts
 
-    @reaction(triggers=[steps], effects=[replies])
+    @reaction(triggers=[steps], effects=[replies, acks])
     def insert_steps(self, steps: Steps) -> None:
         if not isinstance(steps, Steps):
             self._reject(steps, f"expected a Steps message, got {type(steps).__name__}")
@@ -455,7 +459,17 @@ class Replay(Reactor):
         )
 
     def _insert(self, steps: Steps) -> bool:
-        """Insert a Steps message; False if the rate limiter holds it back (then nothing changed)."""
+        """Insert a Steps message; False if the rate limiter holds it back (then nothing changed).
+
+        When the message is done with (inserted, or refused as malformed), its writer gets an
+        :class:`InsertAck`."""
+        if not self._try_insert(steps):
+            return False
+        if isinstance(steps.writer, int) and not isinstance(steps.writer, bool) and steps.writer >= 0:
+            self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1))
+        return True
+
+    def _try_insert(self, steps: Steps) -> bool:
         assert self.table is not None
         if steps.shard != self.bank_index:
             self._reject(steps, f"it names shard {steps.shard}, but this is shard {self.bank_index} (a routing bug)")
@@ -499,7 +513,7 @@ class Replay(Reactor):
 
     # ---------------------------------------------------------------- requests
 
-    @reaction(triggers=[requests], effects=[replies])
+    @reaction(triggers=[requests], effects=[replies, acks])
     def serve_request(self, requests: ReplayRequest) -> None:
         if not self._serve(requests):
             self._parked_requests.append(requests)
@@ -602,7 +616,7 @@ class Replay(Reactor):
 
     # ---------------------------------------------------------------- updates
 
-    @reaction(triggers=[updates], effects=[replies])
+    @reaction(triggers=[updates], effects=[replies, acks])
     def update_items(self, updates: ItemUpdate) -> None:
         table = self.table
         assert table is not None

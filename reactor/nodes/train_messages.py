@@ -47,7 +47,8 @@ class Rollout:
         actor: the actor's bank index.
         version: the weights version the rollout was collected with.
         data: field -> tensor (``obs``, ``action``, ``reward``, ``terminated``, ``truncated``, the
-            algorithm's extras, ``last_obs``).
+            algorithm's extras, ``final_obs``: the observation an episode ended on where it ended,
+            zeros elsewhere; ``last_obs``).
     """
 
     actor: int

@@ -23,7 +23,7 @@ from .._graph import Graph
 from .env_actor import EnvActor
 from .evaluator import Evaluator
 from .learner import Learner, RolloutLearner
-from .messages import requester_key, shard_key
+from .messages import requester_key, shard_key, writer_key
 from .metrics import Metrics
 from .replay import Replay
 
@@ -55,8 +55,9 @@ def off_policy_graph(
     max_env_steps: int | None = None,
     seed: int = 0,
     step_s: float = 1e-6,
-    weights_delay_s: float = 1e-3,
+    weights_delay_s: float = 64e-6,
     flush_steps: int = 64,
+    max_unacked: int = 8,
     checkpoint_every: int = 0,
     resume: bool = False,
     live: bool = True,
@@ -68,7 +69,8 @@ def off_policy_graph(
     processes, with ``capacity`` steps in all. Its rate limiter holds the learners to
     ``samples_per_insert`` sampled items per inserted step once ``min_size`` steps are stored: that
     ratio, not the speed of any process, fixes updates per env step (so results do not depend on
-    the placement).
+    the placement). Inserts the limiter holds back hold the actors back in turn: each actor stops
+    stepping while ``max_unacked`` of its Steps messages are not yet acknowledged by the shards.
 
     Ending: the run stops when an evaluation reaches ``target_return`` (Metrics asks for the stop),
     or when every actor has taken its share of ``max_env_steps`` and the learner has drained what
@@ -96,7 +98,8 @@ def off_policy_graph(
     g = Graph()
     actor = g.add(
         EnvActor(algo, env, algo_config, num_envs=envs_per_actor, num_shards=shards, colocated_shard=colocated,
-                 step_s=step_s, flush_steps=flush_steps, max_env_steps=_per_actor(max_env_steps, actors)),
+                 step_s=step_s, flush_steps=flush_steps, max_env_steps=_per_actor(max_env_steps, actors),
+                 max_unacked=max_unacked),
         name="actor", replicas=actors,
     )
     replay = g.add(
@@ -114,6 +117,9 @@ def off_policy_graph(
     metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
                             title=title), name="metrics")
     g.connect(actor.steps, replay.steps, key=shard_key, delay_s=step_s)
+    # Writers' flow control. The delay is the actors' lookahead on the shards' processes (as
+    # weights_delay_s is on the learner's): a shorter one would make them wait for a promise each step.
+    g.connect(replay.acks, actor.acks, key=writer_key, delay_s=weights_delay_s)
     g.connect(learner.requests, replay.requests, key=shard_key)
     g.connect(learner.priorities, replay.updates, key=shard_key)
     g.connect(replay.replies, learner.replies, key=requester_key, delay_s=step_s)
@@ -142,12 +148,30 @@ def on_policy_graph(
     max_env_steps: int | None = None,
     seed: int = 0,
     step_s: float = 1e-6,
+    weights_delay_s: float = 64e-6,
     checkpoint_every: int = 0,
     resume: bool = False,
     live: bool = True,
     title: str = "",
 ) -> Graph:
-    """Actors send rollouts straight to one learner (synchronous on-policy training, e.g. PPO)."""
+    """Actors send rollouts straight to one learner (synchronous on-policy training, e.g. PPO).
+
+    The actors wait for the weights that learned from their rollout, so ``weights_delay_s`` changes
+    no result; it is the logical lookahead an actor in another process gets: with it longer than a
+    rollout (``rollout_length * step_s``), an actor steps a whole rollout on one promise from the
+    learner's process instead of waiting for one every step.
+
+    Raises:
+        ValueError: ``algo`` is not an on-policy algorithm, or ``algo_config`` does not fit its
+            Config (checked here, before anything starts).
+    """
+    from ._registry import load_algorithm
+
+    algo_mod = load_algorithm(algo)
+    if algo_mod.KIND != "on_policy":
+        raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "
+                         f"(use off_policy_graph)")
+    algo_mod.Config.from_dict(dict(algo_config or {}))
     g = Graph()
     actor = g.add(EnvActor(algo, env, algo_config, num_envs=envs_per_actor, step_s=step_s,
                            max_env_steps=_per_actor(max_env_steps, actors)),
@@ -159,7 +183,7 @@ def on_policy_graph(
     metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
                             title=title), name="metrics")
     g.connect(actor.rollouts, learner.rollouts)
-    g.connect(learner.weights, actor.weights, delay_s=step_s)
+    g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)
     g.connect(learner.weights, evaluator.weights)
     for src in (actor.report, learner.report, evaluator.report):
         g.connect(src, metrics.reports, delay_s=step_s)

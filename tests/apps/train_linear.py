@@ -16,12 +16,14 @@ class Config:
     learners: int = 1
     max_env_steps: int = 2000
     colocated: bool = False
+    samples_per_insert: float = 8.0
+    max_unacked: int = 8
 
 
 def build(config: Config) -> Graph:
     return off_policy_graph(
         algo="tests.nodes.linear_q", env="CartPole-v1", run_dir=config.run_dir, actors=config.actors,
         shards=config.shards, learners=config.learners, colocated=config.colocated, min_size=200,
-        samples_per_insert=8.0, batch_size=32, eval_every_updates=50, max_env_steps=config.max_env_steps,
-        capacity=10_000, live=False,
+        samples_per_insert=config.samples_per_insert, batch_size=32, eval_every_updates=50,
+        max_env_steps=config.max_env_steps, capacity=10_000, max_unacked=config.max_unacked, live=False,
     )

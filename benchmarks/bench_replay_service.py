@@ -1,0 +1,214 @@
+"""Distributed replay service benchmark: 4 Replay shards in 4 processes, sampled and filled by real reactors.
+
+Run: ``nice -n 10 python benchmarks/bench_replay_service.py [--quick] [--reps 7] [--calls 20] [--inflight 4]``
+
+One run of ``benchmarks/apps/replay_service.py`` under a placement of one process per reactor
+instance (a placement file written by this script): 4 :class:`~reactor.nodes.Replay` shards
+(``WindowRead(32)``, ``Prioritized(0.6)``, ``capacity / 4`` steps each), 4 actor-side writers
+(:class:`~reactor.nodes.Writer`, 64 synthetic env streams each, one ``Steps`` message per flush)
+and two learners: ``bench[0]`` (same host: it gathers the windows from the shards' shared memory)
+and ``bench[1]``, a learner "on another host" (``ReplayClient(bulk=False)``, its process listening
+on tcp: the shards read the windows and send them in their replies, as they do for any requester
+whose host id differs from theirs). A step is obs float32[64] + action int64 + reward float32 +
+terminated bool = 269 B; a batch is 256 windows of 32 steps plus the window mask = 2.21 MB.
+
+Everything is measured from the requesting side, in one run, in repetitions that alternate
+between the cases (medians printed), each next to its peer measured in the same repetitions:
+
+- ``sample shm``: batches/s of ``ReplayClient.request(256)`` -> batch (exact two-stage sampling:
+  4 mass requests, then 4 sample requests; the client gathers), with one batch in flight and with
+  ``--inflight`` (a learner's ``prefetch``), against ``reactor.replay.Table.sample_nowait(256)`` on
+  an in-process table of the same capacity, sampler and read (the issue's target: >= 50% of it);
+  and GB/s against a single-core memcpy of the batch's bytes from a random place of a buffer as
+  large as the stored data;
+- ``sample tcp``: the same from ``bench[1]`` (the windows travel in the replies, over tcp);
+- ``insert``: rounds of ``round_rows`` stored rows per writer (after a first fill of the whole
+  capacity, reported apart: first touch of the shared memory), timed from the bench's ``go`` to
+  the moment the shards' statistics count every item sent; steps/s (env steps appended by the
+  actors) and GB/s (stored rows sent, 269 B each), against one in-process ``Writer`` feeding an
+  in-process ``Table`` the same workload (no messages).
+
+Also printed: per batch (one in flight), the time to the last stage-1 reply, to the last stage-2
+reply and in assembly (the shm gather included), and the requester's CPU time and context switches.
+Start-up of the 11 processes dominates the wall time of ``--quick``. torch and numpy are pinned to
+one thread in every process.
+"""
+
+# ruff: noqa: E402  (thread counts are pinned in the environment before numpy is imported)
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reactor._app import build_graph
+from reactor._runtime import run
+
+APP = str(Path(__file__).resolve().parent / "apps" / "replay_service.py")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: our figure, the peer's, and ours/peer."""
+
+    section: str
+    case: str
+    ours: float
+    peer: float
+    peer_name: str
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.peer if self.peer else float("nan")
+
+
+def placement_file(directory: str, shards: int, writers: int) -> str:
+    """One process per reactor instance; bench[1]'s process listens on tcp (a learner on another host)."""
+
+    def pattern(node: str, i: int) -> str:
+        return f"{node}[[]{i}]"  # fnmatch: "[[]" is a literal "["
+
+    lines = ['[groups.bench-0]\nreactors = ["' + pattern("bench", 0) + '"]\n',
+             '[groups.bench-1]\nreactors = ["' + pattern("bench", 1) + '"]\nbind = "tcp://127.0.0.1:*"\n']
+    for node, n in (("replay", shards), ("writer", writers)):
+        lines += [f'[groups.{node}-{i}]\nreactors = ["{pattern(node, i)}"]\n' for i in range(n)]
+    path = os.path.join(directory, "placement.toml")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def run_once(config: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-replay-service-") as tmp:
+        cfg = {**config, "report": os.path.join(tmp, "report.json")}
+        limit_s = cfg.pop("limit_s")  # a bound on the run, in case something hangs
+        placement = placement_file(tmp, cfg["shards"], cfg["writers"])
+        t0, began = time.perf_counter(), time.time()
+        result = run(build_graph(APP, cfg), placement=placement, app=APP, config=cfg, deterministic=False,
+                     stop_s=limit_s)
+        wall = time.perf_counter() - t0
+        if not os.path.exists(cfg["report"]):
+            raise SystemExit(f"the benchmark run ended ({result.stopped_by}) without a report; see the log above")
+        with open(cfg["report"]) as f:
+            rep = json.load(f)
+    if "error" in rep:
+        raise SystemExit(f"benchmark run failed: {rep['error']}")
+    rep["run_wall_s"] = wall
+    rep["startup_s"] = rep["began_at"] - began
+    rep["shutdown_s"] = began + wall - rep["finished_at"]
+    return rep
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def sample_cases(cfg: dict) -> list[tuple[str, str]]:
+    """(report key, section label) of the sampling cases, in print order."""
+    depths = sorted({1, cfg["inflight"]})
+    return [(name if d == 1 else f"{name}_x{d}", label) for name, label in (("shm", "sample shm"), ("msg", "sample tcp"))
+            for d in depths]
+
+
+def case_of(key: str, cfg: dict) -> str:
+    depth = key.split("_x")[1] if "_x" in key else "1"
+    return f"{depth} in flight"
+
+
+def rows_of(rep: dict, cfg: dict) -> list[Row]:
+    nbytes = rep["out_nbytes"]
+    inproc, memcpy = med(rep["inproc"]), med(rep["memcpy"])
+    out = []
+    for key, label in sample_cases(cfg):
+        s = med(rep[key])
+        out.append(Row(label, case_of(key, cfg), 1 / s, 1 / inproc, "in-process Table.sample_nowait", "batch/s"))
+        out.append(Row(label, case_of(key, cfg), nbytes / s / 1e9, nbytes / memcpy / 1e9, "memcpy 1 core, same bytes",
+                       "GB/s"))
+    for key, peer_key, label in (("insert", "local_insert", "insert"), ("insert_cold", "local_insert_cold", "first fill")):
+        if not rep.get(key):
+            continue
+        ours, peer = rep[key], rep[peer_key]
+        steps = med([r["appended"] / r["s"] for r in ours])
+        peer_steps = med([r["appended"] / r["s"] for r in peer])
+        gbs = med([r["rows"] * 269 / r["s"] / 1e9 for r in ours])
+        peer_gbs = med([r["rows"] * 269 / r["s"] / 1e9 for r in peer])
+        case = f"{cfg['writers']} writers"
+        out.append(Row(label, case, steps, peer_steps, "in-process Writer -> Table", "step/s"))
+        out.append(Row(label, case, gbs, peer_gbs, "in-process Writer -> Table", "GB/s"))
+    return out
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'section':<12} {'case':<10} {'ours':>12} {'peer':>12} {'unit':<8} {'ours/peer':>9}  peer"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r.section:<12} {r.case:<10} {r.ours:>12,.2f} {r.peer:>12,.2f} {r.unit:<8} {r.ratio:>9.2f}  {r.peer_name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 256K-step table and fewer repetitions (well under a minute)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (median reported; default 7, quick 3)")
+    ap.add_argument("--calls", type=int, default=None, help="batches per case per repetition (default 20, quick 10)")
+    ap.add_argument("--capacity", type=int, default=None, help="steps held over all shards (default 1M, quick 256K)")
+    ap.add_argument("--inflight", type=int, default=4,
+                    help="also measure with this many batches requested at once (a learner's prefetch); 1: only 1")
+    ap.add_argument("--round-rows", type=int, default=None,
+                    help="rows per writer per insert repetition (default 64K, quick 16K; 0: no insert repetitions)")
+    ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
+    args = ap.parse_args()
+    q = args.quick
+    cfg = {
+        "shards": 4, "writers": 4, "envs": 64, "window": 32, "batch": 256,
+        "capacity": args.capacity or (1 << 18 if q else 1 << 20),
+        "reps": args.reps or (3 if q else 7),
+        "calls": args.calls or (10 if q else 20),
+        "round_rows": args.round_rows if args.round_rows is not None else (1 << 14 if q else 1 << 16),
+        "inflight": args.inflight,
+        "limit_s": 120.0 if q else 600.0,
+    }
+    load = os.getloadavg()
+    rep = run_once(dict(cfg))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    size = [s["size"] for s in rep["shards_after_fill"]]
+    steps = [s["num_steps"] for s in rep["shards_after_fill"]]
+    lat = {k: med(rep[k]) * 1e3 for k in ("shm", "msg", "inproc", "memcpy")}
+    print(f"replay service: {cfg['shards']} shards x {cfg['capacity'] // cfg['shards']} steps in {cfg['shards']} processes "
+          f"(stored steps {sum(steps)}, items {sum(size)}); batch {cfg['batch']} windows x {cfg['window']} steps "
+          f"x 269 B + mask = {rep['out_nbytes'] / 1e6:.2f} MB; "
+          f"medians of {cfg['reps']} reps x {cfg['calls']} batches; cpus={os.cpu_count()}, load average before "
+          f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f}; run {rep['run_wall_s']:.0f} s (start-up {rep['startup_s']:.0f} s, "
+          f"measuring {rep['wall_s']:.0f} s, shutdown {rep['shutdown_s']:.0f} s)")
+    print(f"ms/batch, 1 in flight: shm {lat['shm']:.2f}  tcp {lat['msg']:.2f}  in-process {lat['inproc']:.2f}  "
+          f"memcpy {lat['memcpy']:.3f}; items/batch shm {med(rep['shm_items']):.1f} tcp {med(rep['msg_items']):.1f} "
+          f"(dropped, rows overwritten: {rep['client']['dropped_items']})")
+    for key, label in sample_cases(cfg):
+        p = [med([x[i] for x in rep[f"{key}_parts"]]) for i in range(6)]
+        stages = (f"stage 1 (masses) {p[0] * 1e3:.2f} ms, stage 2 (samples) {p[1] * 1e3:.2f} ms, "
+                  f"assembly{' + gather' if 'shm' in key else ''} {p[2] * 1e3:.2f} ms; " if "_x" not in key else "")
+        print(f"  {label}, {case_of(key, cfg)}: {med(rep[key]) * 1e3:.2f} ms/batch: {stages}requester CPU "
+              f"{p[3] * 1e3:.2f} ms, context switches {p[4]:.1f} voluntary + {p[5]:.1f} forced")
+    print_table(rows_of(rep, cfg))
+    for key, _ in sample_cases(cfg)[: len({1, cfg["inflight"]})]:
+        r = med(rep["inproc"]) / med(rep[key])
+        print(f"target: sample shm ({case_of(key, cfg)}) >= 50% of in-process: {r:.0%} -> {'met' if r >= 0.5 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -66,7 +66,16 @@ async def run_processes(
         read_trace(replay)  # fail here, in one line, rather than in every worker
     owner_of = {n: g.name for g in groups for n in g.reactors}
     sockdir = tempfile.mkdtemp(prefix="reactor-")
-    ep = await Endpoint.open("coordinator", f"ipc://{sockdir}/coordinator")
+    # Links that leave the host (any tcp bind) are encrypted and authenticated with CURVE: one key
+    # pair per run, handed to each worker on its stdin (never over a socket); every endpoint of the
+    # run, the coordinator's too, then admits only peers holding it.
+    curve = keys = None
+    if any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
+        from .transport import CurveKeys
+
+        keys = CurveKeys.generate()
+        curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
+    ep = await Endpoint.open("coordinator", f"ipc://{sockdir}/coordinator", curve=keys)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
@@ -91,6 +100,7 @@ async def run_processes(
                 "replay": str(replay) if replay is not None else None,
                 "digest": digest,
                 "max_message_nbytes": 64 * 2**20,
+                "curve": curve,
                 "flow_limit": flow_limit,
                 "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             }
@@ -102,7 +112,7 @@ async def run_processes(
         session = _Session(ep, procs, signalled)
         addresses = await session.gather("hello", START_TIMEOUT_S)
         for g in groups:
-            await ep.connect(g.name, addresses[g.name][0])
+            await ep.connect(g.name, addresses[g.name][0], server_public_key=keys.public if keys else None)
         for g in groups:
             ep.send_nowait(g.name, ("peers", {k: v[0] for k, v in addresses.items()}))
         await session.gather("ready", START_TIMEOUT_S)

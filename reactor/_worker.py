@@ -126,7 +126,7 @@ class Worker:
         self.early: list[tuple[str, Any]] = []
 
     async def main(self) -> None:
-        from .transport import Endpoint
+        from .transport import CurveKeys, Endpoint
 
         spec = self.spec
         graph = build_graph(spec["app"], spec["config"])
@@ -138,16 +138,19 @@ class Worker:
         in_peers = sorted({owner_of[lk.src] for lk in links if lk.dst in local and owner_of[lk.src] != self.group})
         min_delay = {p: min(lk.delay_ns for lk in links if lk.src in local and owner_of[lk.dst] == p) for p in out_peers}
 
-        self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"])
+        curve = spec.get("curve")
+        keys = CurveKeys(curve["public"].encode(), curve["secret"].encode()) if curve else None
+        self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"],
+                                           curve=keys)
         try:
-            await ep.connect(COORDINATOR, spec["coordinator"])
+            await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=keys.public if keys else None)
             self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))
             self.peak_inbox = 0
             self.outbox = outbox = Outbox(ep, self.flow_limit)
             outbox.send(COORDINATOR, ("hello", ep.address))
             peers = await self._wait_control("peers")
             for p in out_peers:
-                await ep.connect(p, peers[p])
+                await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
             recorder = Recorder() if spec["record"] else None
             replayer = None
             if spec["replay"]:
@@ -189,6 +192,7 @@ class Worker:
                     "peak_inbox": self.peak_inbox,
                     "peak_backlog": outbox.peak_backlog,
                     "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "curve": keys is not None,
                     "sent": host.sent_count,
                     "received": host.received_count,
                 },

@@ -51,6 +51,11 @@ def test_deterministic_racing_app_is_identical_under_a_placement_file(tmp_path):
     b = _run(RACING, digest=True, seed=9, placement=str(placement))
     assert a.digests == b.digests
     assert set(b.processes) == {"producers", "middle", "tail"}
+    # A tcp bind means links that may leave the host: every worker endpoint is CURVE-encrypted and
+    # admits only peers holding the run's key pair (the run completing shows the peers had it).
+    assert all(p["curve"] for p in b.processes.values())
+    c = _run(RACING, seed=9, placement="processes")
+    assert not any(p["curve"] for p in c.processes.values())  # ipc only: local, not encrypted
 
 
 def test_async_run_across_processes_replays_exactly_three_times(tmp_path):

@@ -4,7 +4,9 @@ Wire protocol (all framing of payloads is :mod:`reactor.transport.codec`'s):
 
 - Each :class:`Endpoint` binds one ROUTER socket and connects one DEALER per peer it sends to. A
   DEALER's routing id is its endpoint's name, so the receiving ROUTER knows who sent each message.
-- Data flows DEALER -> ROUTER only: ``[codec frame 0 (msgpack, never empty), array frames...]``.
+- Data flows DEALER -> ROUTER only: ``[codec frame 0 (msgpack, never empty), array frames...]``,
+  or a batch of frame-less messages in one frame (``codec.encode_batch``: ``0xc1``, then a msgpack
+  array of the messages' frame-0 bytes).
 - Control messages start with an empty frame: ``[b"", msgpack([kind, ...])]``. The DEALER opens
   with ``HELLO(proto, name)``; the ROUTER answers ``WELCOME(proto, name, window, window_nbytes,
   max_message_nbytes)`` and, as the application consumes that sender's messages, ``CREDIT(n,
@@ -16,6 +18,15 @@ Wire protocol (all framing of payloads is :mod:`reactor.transport.codec`'s):
   never has more than ``credit_window`` messages, nor more than ``credit_window_nbytes +
   max_message_nbytes`` bytes, anywhere between its ``send`` and the receiver's application: a slow
   consumer bounds the memory of both sides. A sender that exceeds its credit is dropped (logged).
+  Credit counts messages, never batches: a batch of ``k`` messages costs ``k`` messages and the
+  sum of their frame-0 sizes (what they would have cost one by one; the batch header is free).
+- Coalescing: the first message to a peer in a loop tick is sent at once; the frame-less messages
+  (at most ``_BATCH_ITEM_MAX_NBYTES`` each) sent to that peer later in the same tick are held and
+  sent as one batch when the tick's callbacks run (``loop.call_soon``), or earlier when the batch
+  reaches ``_BATCH_MAX_NBYTES`` (or the peer's ``max_message_nbytes``) or a message with array
+  frames must follow it. So a burst pays zmq's per-message cost and the receiver's wake-up once per
+  batch, a lone message waits for nothing, and order per peer is kept. Messages with array frames
+  are never batched (their frames stay zero-copy).
 
 Readiness is handled with ``loop.add_reader`` on the sockets' ``FD`` (as ``zmq.asyncio`` does
 internally, but registered once instead of per wait), and every wake-up drains all ready messages:
@@ -47,16 +58,23 @@ from reactor._errors import (
     WouldBlock,
 )
 
-from .codec import decode, encode, frames_nbytes
+from .codec import BATCH_MARKER, batch_header, decode, decode_batch, encode, encode_batch, frames_nbytes
 
 __all__ = ["CurveKeys", "Endpoint", "EndpointStatistics"]
 
 log = logging.getLogger("reactor.transport")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: batches of frame-less messages
 _HELLO, _WELCOME, _CREDIT = 1, 2, 3
 _CONTROL_MAX_NBYTES = 4096
+_POLLIN = int(zmq.POLLIN)  # a plain int: `events & zmq.POLLIN` goes through enum.Flag, ~0.5 us a test
 _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
+# Coalescing (see the module docstring). Only small messages are worth batching: above a few KiB the
+# per-message cost is the bytes, and joining them into a batch would copy them once more.
+_BATCH_ITEM_MAX_NBYTES = 16 * 1024
+_BATCH_MAX_NBYTES = 256 * 1024
+_BATCH_HEADER_MAX_NBYTES = 6  # marker + msgpack array 32 header
+_FLUSH_RETRY_S = 0.001  # a batch that found zmq's queue full (all but impossible) is retried after this
 _MONITOR_EVENTS = (
     zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -179,16 +197,22 @@ class _AllowedKeys:
 class EndpointStatistics:
     """A snapshot of one endpoint's counters (see :meth:`Endpoint.statistics`)."""
 
-    #: Data messages this endpoint sent, and their total size in bytes.
+    #: Data messages this endpoint sent, and their total size in bytes (each message's own frames:
+    #: batch headers are not counted). Sent includes messages held for the tick's batch.
     messages_sent: int
     bytes_sent: int
+    #: Batches sent (each carrying two or more of ``messages_sent``).
+    batches_sent: int
     #: Data messages accepted from peers (queued or already handed to the application).
     messages_received: int
     bytes_received: int
+    #: Batches accepted from peers (each carrying several of ``messages_received``).
+    batches_received: int
     #: Messages handed to the application by ``recv_batch``.
     messages_delivered: int
     #: Received messages dropped: undecodable, over ``max_message_nbytes``, from a peer that never
-    #: said hello, or beyond the credit the sender held (a protocol violation).
+    #: said hello, or beyond the credit the sender held (a protocol violation). A dropped batch
+    #: counts the messages its header announces (one if even its header is unreadable).
     dropped_malformed: int
     dropped_too_large: int
     dropped_unknown_peer: int
@@ -226,9 +250,13 @@ class _Link:
 
     __slots__ = (
         "address",
+        "batch",
+        "batch_limit",
+        "batch_nbytes",
         "credit_msgs",
         "credit_nbytes",
         "fd",
+        "flush_handle",
         "lost_reason",
         "max_message_nbytes",
         "mon",
@@ -252,6 +280,12 @@ class _Link:
         self.lost_reason: str | None = None
         self.waiters: list[asyncio.Future[None]] = []
         self.welcomed: asyncio.Future[None] = welcomed
+        # Coalescing: frame 0 of the messages held for this tick's batch, their size, the most a
+        # batch may hold, and the pending end-of-tick flush (set once a message went out this tick).
+        self.batch: list[bytes] = []
+        self.batch_nbytes = 0
+        self.batch_limit = 0
+        self.flush_handle: asyncio.Handle | None = None
 
 
 def _wake(fut: asyncio.Future[Any] | None) -> None:
@@ -381,8 +415,10 @@ class Endpoint:
             (
                 "messages_sent",
                 "bytes_sent",
+                "batches_sent",
                 "messages_received",
                 "bytes_received",
+                "batches_received",
                 "messages_delivered",
                 "dropped_malformed",
                 "dropped_too_large",
@@ -446,6 +482,8 @@ class Endpoint:
     async def aclose(self) -> None:
         """Close every socket (linger 0: unsent messages are dropped) and the zmq context.
 
+        Messages held for a batch are handed to zmq first.
+
         Tasks waiting in ``recv_batch``, ``send`` or ``wait_peer_lost`` get ``PortClosedError``.
         Idempotent.
         """
@@ -455,6 +493,7 @@ class Endpoint:
         loop = self._loop
         loop.remove_reader(self._router_fd)
         for link in list(self._links.values()):
+            self._flush_before_close(link)
             self._close_link(link)
         self._links.clear()
         self._router.close(linger=0)
@@ -609,12 +648,14 @@ class Endpoint:
     def disconnect(self, peer: str, *, linger_s: float = 1.0) -> None:
         """Close the link to ``peer`` on purpose: it is not reported as lost.
 
-        Messages already sent are still delivered for up to ``linger_s`` seconds. Sending to
-        ``peer`` afterwards raises ``ValueError`` until :meth:`connect` is called again.
+        Messages already sent (held ones included) are still delivered for up to ``linger_s``
+        seconds. Sending to ``peer`` afterwards raises ``ValueError`` until :meth:`connect` is
+        called again.
         """
         link = self._links.pop(peer, None)
         if link is None:
             return
+        self._flush_before_close(link)
         link.lost_reason = "disconnected"
         self._close_link(link, linger_ms=int(linger_s * 1000))
 
@@ -623,7 +664,23 @@ class Endpoint:
             del self._links[link.name]
         self._close_link(link)
 
+    def _flush_before_close(self, link: _Link) -> None:
+        """Send what ``link`` holds for its batch before it closes (sent means handed to zmq)."""
+        if link.batch and not link.sock.closed:
+            try:
+                self._flush(link)
+            except WouldBlock:
+                log.warning(
+                    "endpoint %r: dropped %d messages to peer %r at close: zmq's queue to it is full",
+                    self._name, len(link.batch), link.name,
+                )
+
     def _close_link(self, link: _Link, linger_ms: int = 0) -> None:
+        if link.flush_handle is not None:
+            link.flush_handle.cancel()
+            link.flush_handle = None
+        link.batch = []
+        link.batch_nbytes = 0
         if link.sock.closed:
             return
         self._loop.remove_reader(link.fd)
@@ -689,7 +746,11 @@ class Endpoint:
         """Send ``obj`` to ``peer`` now, or raise ``WouldBlock`` if that link has no credit.
 
         The message is queued in zmq and written by its I/O thread; arrays are sent zero-copy
-        (see :func:`~reactor.transport.codec.encode`: do not modify them afterwards).
+        (see :func:`~reactor.transport.codec.encode`: do not modify them afterwards). The first
+        message to ``peer`` in a loop tick goes to zmq at once; small frame-less messages sent to
+        it later in the same tick are held and go as one batch when the loop next runs its
+        callbacks, that is when the sending task awaits: a task that sends and then computes
+        without awaiting holds them that long. Their credit is spent at once either way.
 
         Raises:
             ValueError: not connected to ``peer``.
@@ -699,7 +760,9 @@ class Endpoint:
             FrameTooLargeError: the encoded message exceeds the peer's ``max_message_nbytes``.
             TypeError: ``obj`` holds something the codec does not carry.
         """
-        link = self._link(peer)
+        link = self._links.get(peer)
+        if link is None:
+            link = self._link(peer)  # raises the right error
         if link.credit_msgs <= 0 or link.credit_nbytes <= 0:
             self._drain_link(link)  # a grant may be waiting unread
             if link.lost_reason is not None:
@@ -722,7 +785,9 @@ class Endpoint:
             ValueError, PeerLostError, PortClosedError, FrameTooLargeError, TypeError: as
                 :meth:`send_nowait`.
         """
-        link = self._link(peer)
+        link = self._links.get(peer)
+        if link is None:
+            link = self._link(peer)  # raises the right error
         if link.credit_msgs <= 0 or link.credit_nbytes <= 0:
             await self._wait_credit(link, timeout_s)
         self._send_frames(link, encode(obj))
@@ -760,28 +825,78 @@ class Endpoint:
             raise PeerLostError(f"peer {link.name!r} was lost: {link.lost_reason}")
 
     def _send_frames(self, link: _Link, frames: list[Any]) -> None:
-        if len(frames) == 1:
-            nbytes = len(frames[0])
-        else:
-            nbytes = frames_nbytes(frames)
+        """Send one encoded message now, or hold it for this tick's batch; spend its credit."""
+        single = len(frames) == 1
+        nbytes = len(frames[0]) if single else frames_nbytes(frames)
         if nbytes > link.max_message_nbytes:
             raise FrameTooLargeError(
                 f"message of {nbytes} bytes exceeds peer {link.name!r}'s limit of "
                 f"{link.max_message_nbytes} bytes (its max_message_nbytes)"
             )
-        try:
-            if len(frames) == 1:
-                link.sock.send(frames[0], zmq.NOBLOCK)
-            else:
-                link.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # the zmq queue is full; credit makes this all but impossible
-            self._n["credit_stalls"] += 1
-            raise WouldBlock(f"zmq send queue to peer {link.name!r} is full") from None
+        if single and link.flush_handle is not None and nbytes <= _BATCH_ITEM_MAX_NBYTES:
+            # Not the first message to this peer this tick: hold it for the end-of-tick batch.
+            if link.batch_nbytes + nbytes > link.batch_limit and link.batch:
+                self._flush(link)  # full: send what is held now, start a new batch
+            link.batch.append(frames[0])
+            link.batch_nbytes += nbytes
+        else:
+            if link.batch:
+                self._flush(link)  # order: what is held goes first
+            try:
+                if single:
+                    link.sock.send(frames[0], zmq.NOBLOCK)
+                else:
+                    link.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # the zmq queue is full; credit makes this all but impossible
+                self._n["credit_stalls"] += 1
+                raise WouldBlock(f"zmq send queue to peer {link.name!r} is full") from None
+            if link.waiters:
+                self._recheck_link(link)
+            if link.flush_handle is None:
+                link.flush_handle = self._loop.call_soon(self._flush_soon, link)
         link.credit_msgs -= 1
         link.credit_nbytes -= nbytes
         n = self._n
         n["messages_sent"] += 1
         n["bytes_sent"] += nbytes
+
+    def _flush(self, link: _Link) -> None:
+        """Send the messages held on ``link`` as one zmq message (a lone one as itself).
+
+        Raises:
+            WouldBlock: zmq's queue to the peer is full; the messages stay held.
+        """
+        batch = link.batch
+        try:
+            link.sock.send(batch[0] if len(batch) == 1 else encode_batch(batch), zmq.NOBLOCK)
+        except zmq.Again:
+            self._n["credit_stalls"] += 1
+            raise WouldBlock(f"zmq send queue to peer {link.name!r} is full") from None
+        if len(batch) > 1:
+            self._n["batches_sent"] += 1
+        link.batch = []
+        link.batch_nbytes = 0
+        if link.waiters:  # typically: the sender ran out of credit, and this is the end-of-tick flush
+            self._recheck_link(link)
+
+    def _recheck_link(self, link: _Link) -> None:
+        """Read a grant that came in while we sent on ``link``'s socket.
+
+        zmq's FD is edge-triggered and a send may consume its edge (zmq_getsockopt(3), ZMQ_FD), so a
+        grant that arrived meanwhile would not wake the loop, nor the tasks waiting for it.
+        """
+        if link.sock.get(zmq.EVENTS) & _POLLIN:
+            self._drain_link(link)
+
+    def _flush_soon(self, link: _Link) -> None:
+        """End of the tick for ``link`` (a ``call_soon`` callback): send what it holds."""
+        link.flush_handle = None
+        if not link.batch or link.sock.closed:
+            return
+        try:
+            self._flush(link)
+        except WouldBlock:  # keep holding (order) and try again shortly
+            link.flush_handle = self._loop.call_later(_FLUSH_RETRY_S, self._flush_soon, link)
 
     def _drain_link(self, link: _Link) -> None:
         """Read the control messages a peer's ROUTER sent back on ``link`` (welcome, credit)."""
@@ -816,6 +931,7 @@ class Endpoint:
                     )
                     continue
                 link.credit_msgs, link.credit_nbytes, link.max_message_nbytes = msg[3], msg[4], msg[5]
+                link.batch_limit = min(msg[5], _BATCH_MAX_NBYTES) - _BATCH_HEADER_MAX_NBYTES
                 link.welcomed.set_result(None)
                 woke = True
             else:
@@ -878,7 +994,7 @@ class Endpoint:
         """
         if not self._queue:
             self._check_open()
-            if self._router.get(zmq.EVENTS) & zmq.POLLIN:
+            if self._router.get(zmq.EVENTS) & _POLLIN:
                 self._drain_router()
             if not self._queue:
                 if timeout_s is not None and timeout_s <= 0:
@@ -933,7 +1049,7 @@ class Endpoint:
                     self._queued_senders.discard(s)
                 grant(s)
         self._n["messages_delivered"] += len(out)
-        if self._router.get(zmq.EVENTS) & zmq.POLLIN and not self._drain_scheduled:
+        if self._router.get(zmq.EVENTS) & _POLLIN and not self._drain_scheduled:
             # Our sends on the ROUTER may have consumed the FD's edge: drain on the next tick.
             self._drain_scheduled = True
             self._loop.call_soon(self._drain_router)
@@ -991,6 +1107,9 @@ class Endpoint:
                 )
                 continue
             if rest is None:
+                if head[0] == BATCH_MARKER:
+                    added_nbytes += self._on_batch(sender, head)
+                    continue
                 frames: list[Any] = [head]
                 nbytes = len(head)
             else:
@@ -1031,6 +1150,52 @@ class Endpoint:
         if not budget and not self._drain_scheduled:
             self._drain_scheduled = True
             self._loop.call_soon(self._drain_router)
+
+    def _on_batch(self, sender: _Sender, frame: bytes) -> int:
+        """Queue the messages of a batch from ``sender`` (or drop it all, logged); return their bytes."""
+        n = self._n
+        try:
+            count, offset = batch_header(frame)
+        except MalformedFrameError as exc:
+            n["dropped_malformed"] += 1
+            log.warning("endpoint %r: dropped a batch from peer %r: %s", self._name, sender.name, exc)
+            return 0  # its credit cannot be returned: its size in messages is unknown
+        nbytes = len(frame) - offset  # the messages' own bytes: what the sender spent
+        if (
+            sender.queued_msgs + sender.ungranted_msgs + count > self._window
+            or sender.queued_nbytes + sender.ungranted_nbytes + nbytes >= self._window_nbytes + self._max_nbytes
+        ):
+            n["dropped_over_credit"] += count
+            log.warning(
+                "endpoint %r: dropped a batch of %d messages from %r, which sent beyond its credit",
+                self._name, count, sender.name,
+            )
+            return 0
+        try:
+            objs = decode_batch(frame, max_nbytes=self._max_nbytes)
+        except (MalformedFrameError, FrameTooLargeError) as exc:
+            n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += count
+            log.warning(
+                "endpoint %r: dropped a batch of %d messages from peer %r: %s", self._name, count, sender.name, exc
+            )
+            sender.ungranted_msgs += count  # consumed, as far as credit goes
+            sender.ungranted_nbytes += nbytes
+            self._maybe_grant(sender)
+            return 0
+        name = sender.name
+        self._queue.extend([(name, obj) for obj in objs])
+        # Credit is per message; a batch does not say how its bytes split among its messages, so each
+        # gets an equal share (the last the remainder): once the batch is taken, exactly its bytes
+        # have been returned.
+        share = nbytes // count
+        meta = self._qmeta
+        meta.extend([(sender, share)] * (count - 1))
+        meta.append((sender, nbytes - share * (count - 1)))
+        sender.queued_msgs += count
+        sender.queued_nbytes += nbytes
+        self._queued_senders.add(sender)
+        n["batches_received"] += 1
+        return nbytes
 
     def _on_control(self, ident: bytes, sender: _Sender | None, rest: list[Any] | None) -> None:
         msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)

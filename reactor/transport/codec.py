@@ -20,6 +20,13 @@ Arrays are little-endian C-contiguous on the wire; non-contiguous or byte-swappe
 (one copy), contiguous ones travel as a ``memoryview`` of their own buffer (no copy). Nothing is ever
 pickled: decoding builds only the types above and classes registered with :func:`register_message`.
 
+A *batch* carries several frame-less messages (messages that encoded to frame 0 alone) in one frame:
+the byte :data:`BATCH_MARKER` (``0xc1``, the one byte msgpack never uses, so no single message starts
+with it), then a msgpack array whose items are the messages' frame-0 bytes, verbatim (an array header
+followed by complete msgpack objects is itself one msgpack array). :func:`encode_batch` builds one
+from frame-0 payloads without re-encoding them; :func:`decode_batch` decodes all of it in one
+``unpackb``. Messages with array frames are never batched: their frames stay zero-copy.
+
 Example::
 
     frames = encode({"tag": (10, 0), "obs": np.zeros((4, 84), np.uint8)})
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -41,11 +49,15 @@ import numpy as np
 from reactor._errors import FrameTooLargeError, MalformedFrameError
 
 __all__ = [
+    "BATCH_MARKER",
     "INLINE_MAX_NBYTES",
     "MAX_EXT_DEPTH",
     "MAX_NDIM",
+    "batch_header",
     "decode",
+    "decode_batch",
     "encode",
+    "encode_batch",
     "frames_nbytes",
     "register_message",
     "registered_messages",
@@ -63,6 +75,8 @@ INLINE_MAX_NBYTES = 1024
 MAX_NDIM = 32
 #: The deepest nesting of extension types (tuples, messages) encoded or decoded.
 MAX_EXT_DEPTH = 100
+#: First byte of a batch frame (see the module docstring): msgpack's one never-used byte.
+BATCH_MARKER = 0xC1
 
 # dtype allow-list, by wire name. Only fixed-size numeric types: no object, string, void or datetime.
 _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
@@ -198,6 +212,12 @@ def _array_payload(
     return [dtype_name, list(shape), len(frames) - 1]
 
 
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    """``msgpack.ExtType(code, data)`` without its argument checks, which are Python code costing
+    about as much as packing a small message (ours are always an int code and bytes)."""
+    return tuple.__new__(msgpack.ExtType, (code, data))
+
+
 _ENCODABLE = (
     "None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays and scalars, CPU torch "
     "tensors, and classes decorated with @register_message"
@@ -217,7 +237,7 @@ class _Encoder:
         self.frames: list[bytes | memoryview] = []
         self.depth = 0
         self.busy = False
-        self.packers: list[msgpack.Packer] = []
+        self.packers: list[msgpack.Packer] = [msgpack.Packer(default=self.default, use_bin_type=True, strict_types=True)]
 
     def pack(self, obj: Any) -> bytes:
         """Pack ``obj`` with the packer of the current depth."""
@@ -236,11 +256,11 @@ class _Encoder:
     def default(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is tuple:
-            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+            return _ext(EXT_TUPLE, self.pack(list(obj)))
         entry = _MESSAGES_BY_TYPE.get(cls)
         if entry is not None:
             name, fields = entry
-            return msgpack.ExtType(EXT_MESSAGE, self.pack([name, [getattr(obj, f) for f in fields]]))
+            return _ext(EXT_MESSAGE, self.pack([name, [getattr(obj, f) for f in fields]]))
         if isinstance(obj, np.ndarray):
             return self.ndarray(obj)
         torch = sys.modules.get("torch")
@@ -250,9 +270,7 @@ class _Encoder:
             arr = np.asarray(obj)
             if arr.dtype.name not in _NUMPY_DTYPES:
                 raise TypeError(f"cannot encode a numpy scalar of dtype {arr.dtype!s}: the codec carries {_ENCODABLE}")
-            return msgpack.ExtType(
-                EXT_NPSCALAR, self.pack([arr.dtype.name, arr.astype(arr.dtype.newbyteorder("<")).tobytes()])
-            )
+            return _ext(EXT_NPSCALAR, self.pack([arr.dtype.name, arr.astype(arr.dtype.newbyteorder("<")).tobytes()]))
         # Subclasses of the native types (strict_types sends them here) encode as their base type.
         for base in (bool, int, float, str, dict, list):
             if isinstance(obj, base):
@@ -260,7 +278,7 @@ class _Encoder:
         if isinstance(obj, (bytes, bytearray, memoryview)):
             return bytes(obj)
         if isinstance(obj, tuple):  # a NamedTuple that was not registered travels as a plain tuple
-            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+            return _ext(EXT_TUPLE, self.pack(list(obj)))
         raise TypeError(f"cannot encode an object of type {cls.__module__}.{cls.__qualname__}: the codec carries {_ENCODABLE}")
 
     def ndarray(self, arr: np.ndarray) -> msgpack.ExtType:
@@ -277,7 +295,7 @@ class _Encoder:
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # (np.ascontiguousarray would turn a 0-d array into 1-d)
         flat = arr.reshape(-1).view(np.uint8)
-        return msgpack.ExtType(EXT_NDARRAY, self.pack(_array_payload(name, arr.shape, flat, self.frames)))
+        return _ext(EXT_NDARRAY, self.pack(_array_payload(name, arr.shape, flat, self.frames)))
 
     def tensor(self, t: Any) -> msgpack.ExtType:
         torch = _torch_tables()
@@ -300,7 +318,7 @@ class _Encoder:
             t = t.resolve_neg()
         t = t.contiguous()
         flat = t.reshape(-1).view(torch.uint8).numpy()
-        return msgpack.ExtType(EXT_TENSOR, self.pack(_array_payload(name, tuple(t.shape), flat, self.frames)))
+        return _ext(EXT_TENSOR, self.pack(_array_payload(name, tuple(t.shape), flat, self.frames)))
 
 
 _local = threading.local()
@@ -333,8 +351,9 @@ def encode(obj: Any) -> list[bytes | memoryview]:
     frames: list[bytes | memoryview] = [b""]
     enc.frames = frames
     enc.busy = True
+    enc.depth = 1  # what pack() does, inlined: the top level is packed by packers[0]
     try:
-        frames[0] = enc.pack(obj)
+        frames[0] = enc.packers[0].pack(obj)
     except OverflowError as exc:
         raise ValueError(f"cannot encode an int outside the 64-bit range: {exc}") from None
     except RecursionError:
@@ -348,6 +367,37 @@ def encode(obj: Any) -> list[bytes | memoryview]:
         enc.frames = []
         enc.depth = 0
     return frames
+
+
+def encode_batch(payloads: Sequence[bytes]) -> bytes:
+    """Join the frame-0 bytes of frame-less messages into one batch frame (no re-encoding).
+
+    Args:
+        payloads: ``encode(obj)[0]`` of each message, in order; each message must have encoded to
+            that one frame (a batch cannot carry array frames).
+
+    Returns:
+        ``BATCH_MARKER``, a msgpack array header for ``len(payloads)`` items, then the payloads
+        verbatim: at most 6 bytes more than the payloads together.
+
+    Raises:
+        ValueError: ``payloads`` is empty.
+
+    Example::
+
+        frame = encode_batch([encode(m)[0] for m in ("a", {"b": 1})])
+        assert decode_batch(frame, max_nbytes=2**20) == ["a", {"b": 1}]
+    """
+    n = len(payloads)
+    if n < 16:
+        if n == 0:
+            raise ValueError("encode_batch: a batch holds at least one message, got none")
+        head = bytes((BATCH_MARKER, 0x90 | n))  # fixarray
+    elif n < 1 << 16:
+        head = struct.pack(">BBH", BATCH_MARKER, 0xDC, n)  # array 16
+    else:
+        head = struct.pack(">BBI", BATCH_MARKER, 0xDD, n)  # array 32
+    return b"".join((head, *payloads))
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:
@@ -490,8 +540,14 @@ class _Decoder:
             raise MalformedFrameError(f"message {name} rejected its fields: {type(exc).__name__}: {exc}") from None
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_TUPLE:
-            items = self.unpack(data)
+        if code == EXT_TUPLE:  # the common one (every tag): unpack() inlined, a call less per tuple
+            if self.depth >= MAX_EXT_DEPTH:
+                raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
+            self.depth += 1
+            try:
+                items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
+            finally:
+                self.depth -= 1
             if type(items) is not list:
                 raise MalformedFrameError(f"tuple payload must be an array, got {type(items).__name__}")
             return tuple(items)
@@ -558,3 +614,66 @@ def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:
         raise MalformedFrameError(f"message has {n} frames but its header uses only {dec.used + 1}")
     return obj
 
+
+def batch_header(frame: bytes) -> tuple[int, int]:
+    """Read a batch frame's header without decoding its messages.
+
+    Args:
+        frame: a frame starting with :data:`BATCH_MARKER`.
+
+    Returns:
+        ``(count, offset)``: how many messages the batch holds (at least one), and where the first
+        one starts; the messages' own bytes total ``len(frame) - offset``.
+
+    Raises:
+        MalformedFrameError: no marker, or no msgpack array header of at least one item after it.
+    """
+    n = len(frame)
+    kind = frame[1] if n > 1 and frame[0] == BATCH_MARKER else -1
+    if 0x91 <= kind <= 0x9F:
+        return kind & 0x0F, 2
+    if kind == 0xDC and n >= 4:
+        count, offset = struct.unpack_from(">H", frame, 2)[0], 4
+    elif kind == 0xDD and n >= 6:
+        count, offset = struct.unpack_from(">I", frame, 2)[0], 6
+    else:
+        raise MalformedFrameError(
+            f"batch header must be 0x{BATCH_MARKER:02x} and a msgpack array header of at least one item, "
+            f"got {bytes(frame[:6])!r}"
+        )
+    if count == 0:
+        raise MalformedFrameError("batch header announces no messages")
+    return count, offset
+
+
+def decode_batch(frame: bytes, *, max_nbytes: int) -> list[Any]:
+    """Decode every message of a batch frame made by :func:`encode_batch`, in one pass.
+
+    Validates as :func:`decode` does, for each message; a batch is all or nothing: one bad message
+    rejects the whole batch.
+
+    Args:
+        frame: the batch frame.
+        max_nbytes: the largest frame accepted.
+
+    Returns:
+        The messages, in order; as many as :func:`batch_header` announces.
+
+    Raises:
+        FrameTooLargeError: the frame is over ``max_nbytes`` bytes.
+        MalformedFrameError: a bad header, a bad message (named), trailing bytes, or a message that
+            refers to an array frame (a batch has none).
+    """
+    if len(frame) > max_nbytes:
+        raise FrameTooLargeError(f"batch of {len(frame)} bytes exceeds the limit of {max_nbytes} bytes")
+    count, _ = batch_header(frame)
+    dec = _Decoder((frame,))  # no array frames: a reference to one fails as out of range
+    try:
+        objs = dec.unpack(memoryview(frame)[1:])
+    except (MalformedFrameError, FrameTooLargeError):
+        raise
+    except Exception as exc:
+        raise MalformedFrameError(f"batch is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if type(objs) is not list or len(objs) != count:  # cannot happen: unpackb read the same header
+        raise MalformedFrameError(f"batch announces {count} messages but does not decode to as many")
+    return objs

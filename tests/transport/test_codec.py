@@ -325,3 +325,78 @@ def test_encoding_deeply_nested_tuples_raises_value_error():
 
 def test_registry_lists_registered_classes():
     assert codec.registered_messages()[f"{__name__}.Step"] is Step
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 65535, 65536])
+def test_a_batch_of_frame_less_messages_round_trips_in_order_with_every_array_header_size(n):
+    """Batches of 1..15 use a fixarray header, up to 65535 an array 16 and beyond an array 32."""
+    messages = [{"tag": (i, 0), "v": i * 0.5} if i % 3 else Point(i, -i) for i in range(n)]
+    payloads = [encode(m) for m in messages]
+    assert all(len(p) == 1 for p in payloads)
+    frame = codec.encode_batch([p[0] for p in payloads])
+    count, offset = codec.batch_header(frame)
+    assert frame[0] == codec.BATCH_MARKER and count == n
+    assert len(frame) - offset == sum(len(p[0]) for p in payloads)  # the messages' bytes, verbatim
+    got = codec.decode_batch(frame, max_nbytes=MAX)
+    assert len(got) == n
+    for a, b in zip(messages, got):
+        assert_same(a, b)
+
+
+def test_a_batch_carries_small_arrays_inline_and_registered_messages():
+    messages = [Step((1, 0), np.arange(4, dtype=np.float32), 0.5), {"mask": torch.ones(3, dtype=torch.bool)}, None]
+    frame = codec.encode_batch([encode(m)[0] for m in messages])
+    for a, b in zip(messages, codec.decode_batch(frame, max_nbytes=MAX)):
+        assert_same(a, b)
+
+
+def test_a_single_message_never_starts_with_the_batch_marker():
+    """The marker is msgpack's never-used byte: decode() refuses it, so a batch is never mistaken
+    for a message nor a message for a batch."""
+    with pytest.raises(MalformedFrameError, match=r"^frame 0 is not valid msgpack"):
+        decode([codec.encode_batch([pack(1)])], max_nbytes=MAX)
+
+
+def test_encode_batch_refuses_an_empty_batch():
+    with pytest.raises(ValueError, match=r"^encode_batch: a batch holds at least one message, got none$"):
+        codec.encode_batch([])
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b"\xc1", r"^batch header must be 0xc1 and a msgpack array header of at least one item, got b'\\xc1'$"),
+        (pack([1, 2]), r"^batch header must be 0xc1 and a msgpack array header"),  # no marker
+        (b"\xc1" + pack(1), r"^batch header must be 0xc1 and a msgpack array header"),  # not an array
+        (b"\xc1\xdc\x00", r"^batch header must be 0xc1 and a msgpack array header"),  # truncated array 16 header
+        (b"\xc1\x90", r"^batch header must be 0xc1 and a msgpack array header"),  # fixarray of nothing
+        (b"\xc1\xdc\x00\x00", r"^batch header announces no messages$"),
+        (b"\xc1\x92" + pack(1), r"^batch is not valid msgpack"),  # announces 2, holds 1
+        (b"\xc1\x91" + pack(1) + pack(2), r"^batch is not valid msgpack \(ExtraData"),  # trailing bytes
+        (b"\xc1\x92" + pack(1) + b"\xc1", r"^batch is not valid msgpack"),  # a bad message
+        (b"\xc1\x91" + pack(ext(1, ["uint8", [4], 1])), r"^ndarray header refers to frame 1, expected frame 1 of 1"),
+        (b"\xc1\x91" + pack(ext(4, ["os.system", ["rm"]])), r"^message type 'os.system' is not registered"),
+        (b"\xc1\x91" + pack(ext(99, 0)), r"^unknown msgpack extension type 99$"),
+    ],
+)
+def test_malformed_batches_are_rejected_whole_with_a_message_naming_the_fault(frame, message):
+    with pytest.raises(MalformedFrameError, match=message):
+        codec.decode_batch(frame, max_nbytes=MAX)
+
+
+def test_a_batch_over_the_size_limit_is_rejected_before_parsing():
+    frame = codec.encode_batch([pack(b"x" * 100)] * 3)
+    with pytest.raises(FrameTooLargeError, match=rf"^batch of {len(frame)} bytes exceeds the limit of 200 bytes$"):
+        codec.decode_batch(frame, max_nbytes=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_after_the_batch_marker_decode_or_raise_malformed_never_anything_else(body):
+    try:
+        codec.decode_batch(b"\xc1" + body, max_nbytes=MAX)
+    except MalformedFrameError:
+        pass

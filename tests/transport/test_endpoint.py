@@ -25,7 +25,8 @@ import zmq
 import zmq.asyncio
 
 from reactor._errors import FrameTooLargeError, PeerLostError, PortClosedError, WouldBlock
-from reactor.transport import CurveKeys, Endpoint
+from reactor.transport import CurveKeys, Endpoint, codec, encode
+from reactor.transport._zmq import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30  # bound on every wait for another process
@@ -260,7 +261,7 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
         return s
 
     async def say_hello(s: zmq.asyncio.Socket, name: str) -> None:
-        await s.send_multipart([b"", msgpack.packb([1, 1, name])])
+        await s.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, name])])
         reply = await asyncio.wait_for(s.recv_multipart(), WAIT_S)
         assert reply[0] == b"" and msgpack.unpackb(reply[1])[0] == 2
 
@@ -306,6 +307,70 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
     assert any("b'stranger'" in m and "did not say hello" in m for m in messages)
 
 
+@pytest.mark.asyncio
+async def test_a_garbage_batch_is_dropped_and_logged_with_its_peer_and_the_endpoint_keeps_serving(open_endpoint, caplog):
+    """A batch is all or nothing: one bad message drops the whole batch (logged with the peer), its
+    messages' credit goes back to the sender (one message of credit per message it announced), and
+    a batch announcing more messages than the sender's credit is dropped as over credit."""
+    server = await open_endpoint("server", credit_window=8)
+    ctx = zmq.asyncio.Context()
+    caplog.set_level(logging.WARNING, logger="reactor.transport")
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.ROUTING_ID, b"raw")
+    raw.connect(server.address)
+
+    def pack(obj: Any) -> bytes:
+        return msgpack.packb(obj, use_bin_type=True)
+
+    def ext(code: int, payload: Any) -> msgpack.ExtType:
+        return msgpack.ExtType(code, pack(payload))
+
+    truncated = b"\xc1\x92" + pack(1)  # announces 2 messages, holds 1
+    array_ref = b"\xc1\x91" + pack(ext(1, ["uint8", [4], 1]))  # refers to an array frame: a batch has none
+    unregistered = b"\xc1\x91" + pack(ext(4, ["builtins.eval", ["1"]]))
+    try:
+        await raw.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, "raw"])])
+        reply = await asyncio.wait_for(raw.recv_multipart(), WAIT_S)
+        assert msgpack.unpackb(reply[1])[0] == 2  # welcome
+        for frames in (
+            [b"\xc1"],  # no header: its size in messages is unknown
+            [truncated],
+            [array_ref],
+            [unregistered],
+            [codec.encode_batch([pack(i) for i in range(9)])],  # 9 messages, the window is 8
+            [codec.encode_batch([pack(1), pack(2)]), b"an array frame"],  # a batch with frames is no message
+        ):
+            await raw.send_multipart(frames)
+        await raw.send_multipart([codec.encode_batch([encode({"still": "served"})[0], encode((1, 2))[0]])])
+        assert await server.recv_batch(timeout_s=WAIT_S) == [("raw", {"still": "served"}), ("raw", (1, 2))]
+        # The 4 messages of the three decodable-header garbage batches were credited back (half a window).
+        grant = await asyncio.wait_for(raw.recv_multipart(), WAIT_S)
+        assert msgpack.unpackb(grant[1]) == [3, 4, len(truncated) + len(array_ref) + len(unregistered) - 3 * 2]
+        # And a well-behaved endpoint is served as before, its burst batched.
+        client = await open_endpoint("client")
+        await client.connect("server", server.address, timeout_s=WAIT_S)
+        for i in range(5):
+            client.send_nowait("server", {"i": (i, 0)})
+        got: list[Any] = []
+        while len(got) < 5:
+            batch = await server.recv_batch(timeout_s=WAIT_S)
+            assert batch, "timed out waiting for the client's messages"
+            got += batch
+        assert got == [("client", {"i": (i, 0)}) for i in range(5)]
+    finally:
+        ctx.destroy(linger=0)
+    stats = server.statistics()
+    assert stats.dropped_malformed == 1 + 2 + 1 + 1 + 1
+    assert stats.dropped_over_credit == 9
+    assert stats.batches_received == 2 and stats.messages_delivered == 7
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("'raw'" in m and "dropped a batch from peer" in m and "batch header" in m for m in messages)
+    assert any("'raw'" in m and "dropped a batch of 2 messages" in m and "not valid msgpack" in m for m in messages)
+    assert any("'raw'" in m and "refers to frame 1" in m for m in messages)
+    assert any("'raw'" in m and "batch of 9 messages" in m and "beyond its credit" in m for m in messages)
+
+
 # ------------------------------------------------------------------------------------ credit, limits, errors
 
 
@@ -327,6 +392,74 @@ async def test_send_nowait_raises_would_block_when_credit_runs_out_and_recovers_
     assert [m for _, m in await rx.recv_batch(timeout_s=WAIT_S)] == [4]
     assert rx.statistics().max_queued_messages <= 4
     assert tx.statistics().credit_stalls >= 1
+
+
+@pytest.mark.asyncio
+async def test_small_messages_sent_in_one_tick_travel_batched_in_order_around_messages_with_frames(open_endpoint):
+    """Coalescing keeps per-peer order, sends array frames apart (zero-copy), and keeps credit per
+    message: once all is consumed the sender holds exactly its initial credit again, bytes included."""
+    rx = await open_endpoint("rx")
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    initial = tx.credit("rx")
+    n = initial[0]
+
+    def message(i: int) -> Any:
+        if i == 10:
+            return {"i": i, "big": b"b" * 20_000}  # frame-less, but too big to be worth batching
+        if i == 25:
+            return {"i": i, "x": np.arange(50_000)}  # an array frame: never batched
+        return {"i": i, "tag": (i, 0)}
+
+    for i in range(n):  # one tick: no await in between
+        tx.send_nowait("rx", message(i))
+    assert tx.credit("rx")[0] == 0
+    got: list[Any] = []
+    while len(got) < n:
+        batch = await rx.recv_batch(max_n=8, timeout_s=WAIT_S)  # partial takes of batches
+        assert batch, f"timed out after {len(got)} messages"
+        got += [m for _, m in batch]
+    for i, msg in enumerate(got):
+        assert_same(message(i), msg)
+    assert got[25]["x"].flags.writeable  # a view of the received frame, not a copy of read-only bytes
+    # [0] first of the tick, alone; [1..9] batch; [10] alone; [11..24] batch; [25] frames; [26..] batch.
+    assert tx.statistics().batches_sent == rx.statistics().batches_received == 3
+    assert rx.statistics().messages_received == n and rx.statistics().bytes_received == tx.statistics().bytes_sent
+
+    # Credit returns in grants of half a window: what the sender lacks is exactly what the receiver
+    # has taken but not granted yet, in messages and in bytes (batches split among their messages).
+    ungranted = rx._senders[b"tx"]
+    assert ungranted.queued_msgs == ungranted.queued_nbytes == rx.statistics().queued_nbytes == 0
+    expected = (initial[0] - ungranted.ungranted_msgs, initial[1] - ungranted.ungranted_nbytes)
+    assert ungranted.ungranted_msgs < n // 2  # (more would have been granted)
+
+    async def credit_settled() -> None:
+        while tx.credit("rx") != expected:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(credit_settled(), WAIT_S)
+
+
+@pytest.mark.asyncio
+async def test_batches_are_split_to_stay_within_the_peers_message_limit(open_endpoint):
+    limit = 2048
+    rx = await open_endpoint("rx", max_message_nbytes=limit, credit_window=1000, credit_window_nbytes=2**20)
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    n = 300
+    for i in range(n):
+        tx.send_nowait("rx", {"i": i, "pad": b"p" * 80})
+    nbytes = tx.statistics().bytes_sent
+    got: list[Any] = []
+    while len(got) < n:
+        batch = await rx.recv_batch(timeout_s=WAIT_S)
+        assert batch, f"timed out after {len(got)} messages"
+        got += [m["i"] for _, m in batch]
+    assert got == list(range(n))
+    stats = rx.statistics()
+    # A batch over the limit would have been refused by zmq (MAXMSGSIZE) and the link dropped.
+    assert stats.batches_received == tx.statistics().batches_sent >= nbytes // limit
+    assert stats.dropped_malformed == stats.dropped_too_large == stats.dropped_over_credit == 0
 
 
 @pytest.mark.asyncio

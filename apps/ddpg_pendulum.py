@@ -18,8 +18,8 @@ from reactor.nodes.training import off_policy_graph
 
 PENDULUM = {"hidden": (64, 64), "actor_lr": 1e-3, "critic_lr": 1e-3, "n_step": 3, "learning_starts": 500}
 """Pendulum tuning over reactor.algos.ddpg.Config's defaults (algo_config overrides these).
-Measured (3 seeds, updates to an evaluation of -200): about 3,600 with 1-step returns, 2,400 with
-3-step returns."""
+Measured as learner updates to a -200 evaluation (3 seeds, evaluations every 250): about 3,600
+with 1-step returns, 2,400 with 3-step returns, 1,700 with 3-step returns and prioritized replay."""
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,13 @@ class Config:
     max_env_steps: int = 30_000
     """Stop after this many env steps in all."""
     algo_config: dict = field(default_factory=dict)
-    """Overrides of reactor.algos.ddpg.Config on top of PENDULUM, e.g. --set "algo_config={'tau': 0.01}"."""
+    """Overrides of reactor.algos.ddpg.Config on top of PENDULUM, e.g. --set "algo_config={'n_step': 1}"."""
     run_dir: str = ""
     """Where logs, checkpoints and the plot go (default runs/ddpg_pendulum-RUN_ID)."""
+    checkpoint_every: int = 0
+    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
+    resume: bool = False
+    """Start the learner from run_dir/learner.pt when it exists (give the old run's run_dir)."""
     live: bool = True
     """Show live progress."""
 
@@ -73,5 +77,6 @@ def build(config: Config) -> Graph:
         prioritized=config.prioritized, samples_per_insert=config.samples_per_insert,
         batch_size=config.batch_size, weights_every=config.weights_every, weights_delay_s=config.weights_delay_s,
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
-        max_env_steps=config.max_env_steps, live=config.live, title="DDPG Pendulum-v1",
+        max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
+        resume=config.resume, live=config.live, title="DDPG Pendulum-v1",
     )

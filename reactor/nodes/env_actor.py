@@ -58,9 +58,10 @@ class EnvActor(Reactor):
         report_every: vector steps between two reports.
         max_env_steps: this actor stops stepping after this many env steps (None: never).
         explore_scale: factor on the step count the exploration schedule sees.
-        max_unacked: off-policy flow control: stop stepping while this many Steps messages are not
-            yet acknowledged by the shards (connect ``acks``), so a rate limiter holding inserts back
-            holds this actor back instead of letting the shards park its steps without bound.
+        max_unacked: off-policy flow control: stop stepping while every shard it may write to holds
+            this many of its Steps messages unacknowledged (connect ``acks``; the writer sends each
+            flush to the least loaded shard), so a rate limiter holding inserts back holds this actor
+            back instead of letting the shards park its steps without bound.
             None: no flow control (``acks`` need not be connected).
     """
 
@@ -110,7 +111,6 @@ class EnvActor(Reactor):
         self.max_env_steps = max_env_steps
         self.explore_scale = explore_scale
         self.max_unacked = max_unacked
-        self.unacked = 0  # Steps messages sent and not yet acknowledged
         self.held = False  # stepping paused by flow control
         self.env_steps = 0
         self.episodes = 0
@@ -174,13 +174,16 @@ class EnvActor(Reactor):
 
     @reaction(triggers=[acks], effects=[tick])
     def take_ack(self, acks: InsertAck) -> None:
-        self.unacked -= 1
+        if not hasattr(self, "writer"):  # on-policy actors have no writer: nothing to count
+            return
+        self.writer.acknowledged(acks.shard)
         if self.held and not self._over_limit():
             self.held = False
             self.tick.schedule(delay_s=self.step_s)
 
     def _over_limit(self) -> bool:
-        return self.max_unacked is not None and self.unacked >= self.max_unacked
+        """Every shard this actor may write to holds max_unacked of its messages unacknowledged."""
+        return self.max_unacked is not None and self.writer.least_unacked() >= self.max_unacked
 
     # ---------------------------------------------------------------- stepping
 
@@ -221,7 +224,6 @@ class EnvActor(Reactor):
                 step[k] = v.numpy()
             for m in self.writer.append(step, terminated=terminated, truncated=truncated, final=final):
                 self.steps.send(m)
-                self.unacked += 1
         if ended.any():
             done = np.flatnonzero(ended)
             self.episodes += len(done)

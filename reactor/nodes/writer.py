@@ -117,8 +117,11 @@ class Writer:
         pattern: :class:`TransitionPattern` or :class:`WindowPattern` (how items are cut).
         num_shards: the replay bank's size.
         writer_id: this writer's id (e.g. the actor's bank index), in messages and for the shard choice.
-        shard: send every flush to this shard (e.g. the co-located one); None: round-robin over the
-            shards, starting at ``writer_id % num_shards``.
+        shard: send every flush to this shard (e.g. the co-located one); None: to the shard with the
+            fewest unacknowledged messages (:meth:`acknowledged`), round-robin among equals, starting at
+            ``writer_id % num_shards``. With acknowledgements flowing evenly this is plain round-robin;
+            a shard whose rate limiter parks inserts gets no more until it catches up, so a writer held
+            back by flow control is never stuck waiting on one shard while another needs its steps.
         flush_steps: flush when at least this many rows are ready (one message per flush).
         obs_fields: fields that take the final observation on an episode's last row.
         terminated_field: the per-step terminal flag the writer fills (skipped if not a field).
@@ -167,6 +170,7 @@ class Writer:
         self.writer_id = writer_id
         self.fixed_shard = shard
         self._next_shard = writer_id % num_shards
+        self.unacked = np.zeros(num_shards, dtype=np.int64)  # messages sent per shard, not yet acknowledged
         self.flush_steps = flush_steps
         self.obs_fields = tuple(obs_fields)
         self.terminated_field = terminated_field if terminated_field in names else None
@@ -334,6 +338,18 @@ class Writer:
         """Rows in segments ready to flush."""
         return self._pending_rows
 
+    def acknowledged(self, shard: int) -> None:
+        """A shard acknowledged one of this writer's messages (an ``InsertAck``)."""
+        if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
+            raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
+        self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
+
+    def least_unacked(self) -> int:
+        """Unacknowledged messages of the shard the next flush would go to at best."""
+        if self.fixed_shard is not None:
+            return int(self.unacked[self.fixed_shard])
+        return int(self.unacked.min())
+
     def flush(self) -> list[Steps]:
         """One message with every ready segment (none if nothing is ready). Open episodes stay buffered."""
         if not self._pending:
@@ -346,9 +362,13 @@ class Writer:
         ends = np.zeros(len(mask), dtype=bool)
         ends[np.cumsum([len(s[1]) for s in segs]) - 1] = True
         prio = np.concatenate([s[2] for s in segs]) if self._has_prio else None
-        shard = self.fixed_shard if self.fixed_shard is not None else self._next_shard
-        if self.fixed_shard is None:
-            self._next_shard = (self._next_shard + 1) % self.num_shards
+        if self.fixed_shard is not None:
+            shard = self.fixed_shard
+        else:
+            order = (self._next_shard + np.arange(self.num_shards)) % self.num_shards
+            shard = int(order[np.argmin(self.unacked[order])])  # first of the least loaded, in turn
+            self._next_shard = (shard + 1) % self.num_shards
+        self.unacked[shard] += 1
         msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio)
         self.seq += 1
         self.items_sent += int(mask.sum())

@@ -59,8 +59,8 @@ class EnvActor(Reactor):
         max_env_steps: this actor stops stepping after this many env steps (None: never).
         explore_scale: factor on the step count the exploration schedule sees.
         max_unacked: off-policy flow control: stop stepping while every shard it may write to holds
-            this many of its Steps messages unacknowledged (connect ``acks``; the writer sends each
-            flush to the least loaded shard), so a rate limiter holding inserts back holds this actor
+            this many of its Steps messages unacknowledged (connect ``acks``; the writer skips full
+            shards), so a rate limiter holding inserts back holds this actor
             back instead of letting the shards park its steps without bound.
             None: no flow control (``acks`` need not be connected).
     """
@@ -155,6 +155,7 @@ class EnvActor(Reactor):
                 num_shards=self.num_shards,
                 writer_id=self.bank_index,
                 shard=self.bank_index % self.num_shards if self.colocated_shard else None,
+                max_unacked=self.max_unacked,
                 flush_steps=self.flush_steps,
             )
         if self.waiting_for is None:
@@ -183,7 +184,7 @@ class EnvActor(Reactor):
 
     def _over_limit(self) -> bool:
         """Every shard this actor may write to holds max_unacked of its messages unacknowledged."""
-        return self.max_unacked is not None and self.writer.least_unacked() >= self.max_unacked
+        return not self.on_policy and self.writer.full()
 
     # ---------------------------------------------------------------- stepping
 

@@ -117,11 +117,12 @@ class Writer:
         pattern: :class:`TransitionPattern` or :class:`WindowPattern` (how items are cut).
         num_shards: the replay bank's size.
         writer_id: this writer's id (e.g. the actor's bank index), in messages and for the shard choice.
-        shard: send every flush to this shard (e.g. the co-located one); None: to the shard with the
-            fewest unacknowledged messages (:meth:`acknowledged`), round-robin among equals, starting at
-            ``writer_id % num_shards``. With acknowledgements flowing evenly this is plain round-robin;
-            a shard whose rate limiter parks inserts gets no more until it catches up, so a writer held
-            back by flow control is never stuck waiting on one shard while another needs its steps.
+        shard: send every flush to this shard (e.g. the co-located one); None: round-robin over the
+            shards, starting at ``writer_id % num_shards``, skipping shards that hold ``max_unacked``
+            unacknowledged messages (:meth:`acknowledged`): a shard whose rate limiter parks inserts
+            gets no more until it catches up, so a writer held back by flow control is never stuck on
+            one shard while another waits for its steps.
+        max_unacked: the flow-control limit per shard (None: no limit, plain round-robin).
         flush_steps: flush when at least this many rows are ready (one message per flush).
         obs_fields: fields that take the final observation on an episode's last row.
         terminated_field: the per-step terminal flag the writer fills (skipped if not a field).
@@ -148,6 +149,7 @@ class Writer:
         num_shards: int = 1,
         writer_id: int = 0,
         shard: int | None = None,
+        max_unacked: int | None = None,
         flush_steps: int = 1024,
         obs_fields: Sequence[str] = ("obs",),
         terminated_field: str = "terminated",
@@ -171,6 +173,7 @@ class Writer:
         self.fixed_shard = shard
         self._next_shard = writer_id % num_shards
         self.unacked = np.zeros(num_shards, dtype=np.int64)  # messages sent per shard, not yet acknowledged
+        self.max_unacked = max_unacked
         self.flush_steps = flush_steps
         self.obs_fields = tuple(obs_fields)
         self.terminated_field = terminated_field if terminated_field in names else None
@@ -344,11 +347,13 @@ class Writer:
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
 
-    def least_unacked(self) -> int:
-        """Unacknowledged messages of the shard the next flush would go to at best."""
+    def full(self) -> bool:
+        """Every shard this writer may send to holds ``max_unacked`` unacknowledged messages."""
+        if self.max_unacked is None:
+            return False
         if self.fixed_shard is not None:
-            return int(self.unacked[self.fixed_shard])
-        return int(self.unacked.min())
+            return int(self.unacked[self.fixed_shard]) >= self.max_unacked
+        return int(self.unacked.min()) >= self.max_unacked
 
     def flush(self) -> list[Steps]:
         """One message with every ready segment (none if nothing is ready). Open episodes stay buffered."""
@@ -365,8 +370,10 @@ class Writer:
         if self.fixed_shard is not None:
             shard = self.fixed_shard
         else:
-            order = (self._next_shard + np.arange(self.num_shards)) % self.num_shards
-            shard = int(order[np.argmin(self.unacked[order])])  # first of the least loaded, in turn
+            shard = self._next_shard
+            if self.max_unacked is not None and self.unacked[shard] >= self.max_unacked:
+                order = (shard + np.arange(self.num_shards)) % self.num_shards
+                shard = int(order[np.argmin(self.unacked[order])])  # skip full shards: the least loaded
             self._next_shard = (shard + 1) % self.num_shards
         self.unacked[shard] += 1
         msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio)

@@ -174,9 +174,9 @@ def test_bad_steps_raise_clear_errors_and_append_nothing():
 def test_flushes_go_to_the_least_loaded_shard_so_one_parking_shard_cannot_hold_the_writer():
     """Regression (flow-control stall): with plain round-robin, an actor held at max_unacked by a shard
     that parks its inserts never fed the other shard, whose sample request waited for exactly those
-    inserts. The writer now skips shards with more unacknowledged messages."""
+    inserts. The writer now skips full shards (and is plain round-robin while none is full)."""
     w = Writer([("obs", (2,), "float32"), ("action", (), "int64"), ("reward", (), "float32")], 1,
-               WindowPattern(2), num_shards=2, writer_id=0, flush_steps=1)
+               WindowPattern(2), num_shards=2, writer_id=0, max_unacked=2, flush_steps=1)
     shards = []
     for _ in range(6):
         for m in w.append({"obs": np.zeros((1, 2), np.float32), "action": np.zeros(1, np.int64),
@@ -185,8 +185,10 @@ def test_flushes_go_to_the_least_loaded_shard_so_one_parking_shard_cannot_hold_t
             shards.append(m.shard)
             if m.shard == 1:
                 w.acknowledged(1)  # shard 1 keeps up; shard 0 acknowledges nothing
-    assert shards[:2] == [0, 1]  # round-robin while loads are equal
-    assert shards[2:] == [1] * (len(shards) - 2)  # then only the shard that keeps up
-    assert w.least_unacked() == 0 and int(w.unacked[0]) == 1
+    assert shards[:4] == [0, 1, 0, 1]  # round-robin while shard 0 has room
+    assert shards[4:] == [1] * (len(shards) - 4)  # then only the shard that keeps up
+    assert not w.full() and int(w.unacked[0]) == 2
+    w.unacked[1] = 2
+    assert w.full()
     with pytest.raises(ValueError, match=r"^Writer\.acknowledged: shard must be in \[0, 2\), got 5$"):
         w.acknowledged(5)

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from ._errors import GraphError
 from ._graph import Graph

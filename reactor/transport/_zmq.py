@@ -635,7 +635,7 @@ class Endpoint:
         self._drain_monitor(link)
         try:
             await asyncio.wait_for(asyncio.shield(link.welcomed), timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             self._forget_link(link)
             raise PeerLostError(
                 f"peer {peer!r} at {address} did not answer within {timeout_s} s: check that it is "
@@ -814,7 +814,7 @@ class Endpoint:
                             f"no credit from peer {link.name!r} within {timeout_s} s: it is not consuming"
                         )
                     await asyncio.wait_for(fut, remaining)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 raise TimeoutError(
                     f"no credit from peer {link.name!r} within {timeout_s} s: it is not consuming"
                 ) from None

@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 from reactor import Graph, current_run_id
 from reactor.nodes.training import off_policy_graph
 
+CARTPOLE = {"hidden": 256, "lr": 3e-3, "n_step": 5, "target_every": 25}
+"""CartPole tuning over reactor.algos.dqn.Config (algo_config overrides these). Measured (seeds 0-4, 40k-step
+budget): with these, every seed reaches 475, four of them in 15k-22k env steps (9-17 s); with the Config
+defaults (128 units, lr 1e-3, 3-step, target copy every 100 updates) evaluations plateaued at 250-400 and
+only 2 of 4 seeds reached 475 within 40k."""
+
 
 @dataclass(frozen=True)
 class Config:
@@ -43,7 +49,7 @@ class Config:
     max_env_steps: int = 200_000
     """Stop after this many env steps in all."""
     algo_config: dict = field(default_factory=dict)
-    """Overrides of reactor.algos.dqn.Config, e.g. --set "algo_config={'lr': 5e-4}"."""
+    """Overrides of reactor.algos.dqn.Config on top of CARTPOLE, e.g. --set "algo_config={'lr': 5e-4}"."""
     run_dir: str = ""
     """Where logs, checkpoints and the plot go (default runs/dqn_cartpole-RUN_ID)."""
     checkpoint_every: int = 0
@@ -56,7 +62,7 @@ class Config:
 
 def build(config: Config) -> Graph:
     return off_policy_graph(
-        algo="dqn", env="CartPole-v1", algo_config=config.algo_config,
+        algo="dqn", env="CartPole-v1", algo_config={**CARTPOLE, **config.algo_config},
         run_dir=config.run_dir or f"runs/dqn_cartpole-{current_run_id()}",
         actors=config.actors, envs_per_actor=config.envs_per_actor, shards=config.shards,
         learners=config.learners, capacity=config.capacity, min_size=config.min_size,

@@ -58,11 +58,12 @@ def test_another_seed_gives_other_weights(tmp_path):
     assert (tmp_path / "a" / "weights.sha256").read_text() != (tmp_path / "b" / "weights.sha256").read_text()
 
 
-def test_dqn_learns_cartpole_quickly(tmp_path):
-    """Seeded DQN on CartPole-v1 (one process): a greedy evaluation of 200 within 10k env steps (a random
-    policy scores ~20). The issue's 475 bar is not reliably reached yet (see docs/benchmarks.md)."""
-    _run(DQN, {"run_dir": str(tmp_path), "live": False, "max_env_steps": 10_000, "target_return": 200.0}, seed=0)
+def test_dqn_solves_cartpole(tmp_path):
+    """Issue 5 bar: seeded DQN on CartPole-v1 (one process) reaches a mean greedy evaluation return of 475
+    within 25k env steps (seed 0 gets there at 17k: ~11 s here)."""
+    _run(DQN, {"run_dir": str(tmp_path), "live": False, "max_env_steps": 25_000}, seed=0)
     s = _summary(tmp_path)
+    assert s["best_eval_return"] >= 475
     assert s["reached_target"], s["evaluations"]
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert (tmp_path / "metrics.csv").read_text().count(",evaluator,eval_return,") == len(s["evaluations"])

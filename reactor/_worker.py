@@ -24,6 +24,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 from collections import deque
 from typing import Any
@@ -35,6 +36,10 @@ from ._tag import NEVER, Tag
 
 log = logging.getLogger("reactor.worker")
 COORDINATOR = "coordinator"
+#: Async mode: a worker's status reports to the coordinator (idle, sent, received: quiescence
+#: detection) go out at most this often. Reporting after every message cost a coordinator wake-up
+#: per message on every worker; the delay only postpones the end of a quiet run by as much.
+STATUS_INTERVAL_S = 0.02
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
 # Async inboxes: queued events before this process stops taking messages from its endpoint.
@@ -123,6 +128,7 @@ class Worker:
         self.stop = asyncio.Event()
         self.epoch = -1
         self.last_status: tuple[Any, ...] | None = None
+        self.last_report_t = -float("inf")
         self.early: list[tuple[str, Any]] = []
 
     async def main(self) -> None:
@@ -283,12 +289,20 @@ class Worker:
             return not h.heap
         return h.quiescent()
 
-    def _report(self, force: bool = False) -> None:
+    def _report(self, force: bool = False, min_interval_s: float = 0.0) -> float | None:
+        """Send our status to the coordinator if it changed (or ``force``), at most once per
+        ``min_interval_s``; returns the seconds until a postponed report is due, else None."""
         h = self.host
         status = (self.epoch, self._idle(), h.sent_count, h.received_count)
-        if force or status != self.last_status:
-            self.last_status = status
-            self.outbox.send(COORDINATOR, ("status", *status))
+        if not force and status == self.last_status:
+            return None
+        now = time.monotonic()
+        if not force and now - self.last_report_t < min_interval_s:
+            return self.last_report_t + min_interval_s - now
+        self.last_status = status
+        self.last_report_t = now
+        self.outbox.send(COORDINATOR, ("status", *status))
+        return None
 
     def _take_early(self) -> None:
         """Deliver what peers sent before our "start" (after our startup events, which come first)."""
@@ -381,10 +395,10 @@ class Worker:
                     # The run ends when every process has replayed its whole schedule.
                     reported_done = True
                     self.outbox.send(COORDINATOR, ("replay_done",))
-                self._report()
+                due = self._report(min_interval_s=STATUS_INTERVAL_S)
                 changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.1):
+                    async with asyncio.timeout(0.1 if due is None else min(0.1, due)):
                         await changed.wait()
         finally:
             h.stop_requested = True

@@ -150,13 +150,15 @@ class MassRequest(ReplayRequest):
 @register_message
 @dataclass(frozen=True)
 class SampleRequest(ReplayRequest):
-    """Stage 2 (or the only stage with one shard): draw ``n`` items.
+    """Stage 2 (or the only stage: one shard, or a one-round sample from cached masses): draw ``n`` items.
 
     The shard answers with :class:`ShardSample` when its rate limiter allows a sample of ``n``
-    items; until then the request is parked, and served when inserts arrive.
+    items; until then the request is parked, and served when inserts arrive. ``n == 0`` (a
+    one-round sample that drew nothing from this shard) is answered at once with :class:`ShardMass`:
+    the shard's current figures, which the requester needs for the batch's weights.
 
     Attributes:
-        n: items to draw (>= 1).
+        n: items to draw (>= 0).
         host: the requester's host id (``reactor.transport.bulk.host_id``) if it can gather rows
             from a shard's shared memory itself, else "" (the reply then carries the data).
         generation: the bulk generation of the shard's region the requester has attached (0: none;
@@ -219,10 +221,16 @@ class ShardSample(ReplayReply):
         probabilities: float64 ``[n]``, each item's probability *within the shard*.
         times_sampled: int64 ``[n]``.
         mass, min_mass, size, beta: as :class:`ShardMass`, at the time of this draw.
-        rows: int64 ``[n, T]`` (windows) or ``[n]`` (steps) ring slots to gather, or None.
-        mask: bool ``[n, T]`` window validity (False: padding, to be zeroed), or None.
+        rows: int64 ``[n]`` (steps) or ``[n, T]`` (windows, full form) ring slots to gather, or None.
+        mask: bool ``[n, T]`` window validity of the full form (False: padding, to be zeroed), or None.
         versions: int64, shaped like ``rows``: the global step each row must hold (a row the ring
             overwrote since has another version: the reader drops its item).
+        windows: int64 ``[n, 3]``, the compact form of windows that shards send (``rows``, ``mask``
+            and ``versions`` are then None): per window ``(base, lo, hi)`` as
+            :meth:`reactor.replay.Storage.window_spans` gives them, which the reader expands
+            (:func:`reactor.replay.expand_window_spans`): 24 B a window on the wire instead of
+            17 B a window position.
+        window_length: ``T`` of the compact form.
         descriptor: the shard region's bulk descriptor, when the requester lacks it.
     """
 
@@ -238,6 +246,8 @@ class ShardSample(ReplayReply):
     mask: Any = None
     versions: Any = None
     descriptor: dict[str, Any] | None = None
+    windows: Any = None
+    window_length: int = 0
 
 
 # ---------------------------------------------------------------------------------- updates

@@ -12,7 +12,10 @@ source, sums counters over sources, and
 * at shutdown writes ``RUN_DIR/summary.json`` and the learning-curve plot ``RUN_DIR/curves.png``.
 
 Wall-clock figures (``wall_s``, rates) are for people: no other node sees them, so deterministic
-runs stay deterministic.
+runs stay deterministic. ``wall_s`` counts from the end of this process's startup (every reactor's
+startup reaction ran: networks and optimizers built, environments made, logs opened), which is
+where a training loop such as Stable-Baselines3's ``learn`` starts its clock; ``startup_s`` in the
+summary is what startup took.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._reactor import Input, Reactor, reaction, shutdown, startup
+from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
 from .train_messages import Report
 
 __all__ = ["Metrics"]
@@ -46,6 +49,7 @@ class Metrics(Reactor):
     """
 
     reports = Input(Report, required=True)
+    started = Action()
 
     def __init__(
         self,
@@ -67,11 +71,12 @@ class Metrics(Reactor):
         self.evals: list[tuple[float, float, float]] = []  # (wall_s, env_steps, eval_return)
         self.stop_reason = ""
 
-    @reaction(triggers=[startup])
+    @reaction(triggers=[startup], effects=[started])
     def open_logs(self) -> None:
         self.dir = Path(self.run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.t0 = time.monotonic()
+        self.t_start = self.t0 = time.monotonic()
+        self.started.schedule()  # fires after every startup reaction of this tag (a later microstep)
         self.csv_file = open(self.dir / "metrics.csv", "w", newline="")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
         self.csv.writerow(["wall_s", "env_steps", "source", "name", "value"])
@@ -80,6 +85,10 @@ class Metrics(Reactor):
         self.tb = SummaryWriter(str(self.dir / "tb"))
         self.display = _Display(self.title or str(self.dir), enabled=self.live)
         self.last_shown = 0.0
+
+    @reaction(triggers=[started])
+    def start_clock(self) -> None:
+        self.t0 = time.monotonic()
 
     @reaction(triggers=[reports])
     def record(self, reports: Report) -> None:
@@ -135,6 +144,7 @@ class Metrics(Reactor):
         self.tb.close()
         summary = {
             "wall_s": wall,
+            "startup_s": self.t0 - self.t_start,
             "env_steps": int(self.totals["env_steps"]),
             "updates": int(self.totals["updates"]),
             "episodes": int(self.totals["episodes"]),

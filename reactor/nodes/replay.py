@@ -75,6 +75,7 @@ from ..replay import (
     TransitionRead,
     Uniform,
     WindowRead,
+    expand_window_spans,
 )
 from ..replay.checkpoint import latest_checkpoint
 from ..transport import bulk as _bulk
@@ -534,14 +535,22 @@ class Replay(Reactor):
             return True
         if isinstance(req, SampleRequest):
             n = req.n
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                self._refuse(req, f"SampleRequest.n must be an int >= 1, got {n!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                self._refuse(req, f"SampleRequest.n must be an int >= 0, got {n!r}")
+                return True
+            if n == 0:  # a one-round sample that drew no item here: just the current figures, now
+                mass, min_mass = _sampler_mass(self._sampler)
+                self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass,
+                                            len(table), self.beta))
                 return True
             if not limiter.can_sample(n, len(table)):
                 return False
             mass, min_mass = _sampler_mass(self._sampler)
             size = len(table)
-            anchors, info = table.sample_nowait(n)
+            bulk = self._owner is not None and req.host == self._host_id
+            # The anchor steps are the items only for StepRead; the other reads and the bulk plan
+            # start from the keys alone.
+            anchors, info = table.sample_nowait(n, read=not bulk and isinstance(self.read, StepRead))
             keys = info.keys.numpy()
             common = {
                 "keys": make_keys(self.bank_index, keys),
@@ -549,11 +558,10 @@ class Replay(Reactor):
                 "times_sampled": info.times_sampled.numpy(),
                 "mass": mass, "min_mass": min_mass, "size": size, "beta": self.beta,
             }
-            if self._owner is not None and req.host == self._host_id:
-                rows, mask, versions = self._plan_rows(keys)
+            if bulk:
                 desc = None if req.generation == self._owner.generation else self._descriptor
-                reply = ShardSample(self.bank_index, req.requester, req.request, "", None, rows=rows, mask=mask,
-                                    versions=versions, descriptor=desc, **common)
+                reply = ShardSample(self.bank_index, req.requester, req.request, "", None, descriptor=desc,
+                                    **self._bulk_plan(keys), **common)
             else:
                 reply = ShardSample(self.bank_index, req.requester, req.request, "", self._read_items(keys, anchors),
                                     **common)
@@ -575,21 +583,14 @@ class Replay(Reactor):
                                        next_fields=r.next_fields)
         return st.read_episodes(st.episode_bounds(keys)[0])
 
-    def _plan_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """Ring slots a reader gathers for ``keys``, the window mask, and each row's expected version."""
+    def _bulk_plan(self, keys: np.ndarray) -> dict[str, Any]:
+        """What a reader on this host needs to gather ``keys`` itself: window spans (WindowRead), or
+        the steps' ring slots and the version (global step) each must hold (StepRead)."""
         st = self.table.storage  # type: ignore[union-attr]
-        cap = st.capacity
         if isinstance(self.read, WindowRead):
-            rows, mask = st.plan_windows(keys, self.read.length, self.read.pad)
-        else:
-            rows, mask = keys % cap, None
-        # Every planned row holds a stored step g in [first, next), next - first <= capacity: g is
-        # the one number of its residue class in that range.
-        first = st.step_range[0]
-        f0 = first % cap
-        versions = rows + (first - f0)
-        versions[rows < f0] += cap
-        return rows, mask, versions
+            return {"windows": st.window_spans(keys, self.read.length, self.read.pad),
+                    "window_length": self.read.length}
+        return {"rows": keys % st.capacity, "versions": keys.copy()}  # a StepRead key is its global step
 
     def _refuse(self, req: Any, why: str) -> None:
         log.error("%s refused %s from requester %s: %s", self.name, type(req).__name__, getattr(req, "requester", "?"), why)
@@ -767,6 +768,7 @@ class _Sample:
     min_mass: float = math.inf
     beta: float = 0.0
     deadline: float = math.inf
+    shares: dict[int, float] | None = None  # one-round sample: each shard's share of the counts
 
 
 class ReplayClient:
@@ -776,8 +778,18 @@ class ReplayClient:
     shards' ``requests``/``updates`` with ``key=shard_key``, and feeds every reply it receives from
     their ``replies`` (connected back with ``key=requester_key``) to :meth:`receive`.
 
-    Semantics: exact two-stage sampling (module docstring); several samples may be in flight;
-    batches come out in the order their last reply arrives; items of a batch are grouped by shard.
+    Semantics: two-stage sampling (module docstring); several samples may be in flight; batches
+    come out in the order their last reply arrives; items of a batch are grouped by shard.
+
+    ``masses="cached"`` (default) makes a sample one round of messages instead of two: the counts are
+    drawn from the masses, sizes and minima the shards reported in their latest replies (every reply
+    carries them, and every live shard gets a request per sample, ``n=0`` if it drew nothing), so
+    only the first sample asks for masses first. Each item's reported probability is the one it was
+    actually drawn with, ``P(i) = (C_s / C) * q_i`` (``C_s``: the cached mass its count was drawn
+    from; ``q_i``: its probability within the shard now), and the importance weights use those
+    probabilities, so they stay exact while priorities change between samples. On data that did not
+    change since the last reply this is the single-table distribution. ``masses="fresh"`` asks every
+    shard for its mass before each sample (the counts then follow the masses of that moment).
     A shard that has not answered a request within ``timeout_s`` (checked by :meth:`check_timeouts`,
     which the owner calls from a timer, and by :meth:`receive`) raises :class:`PeerLostError`; with
     ``skip_lost_shards=True`` the shard is dropped instead and sampling continues from the live
@@ -793,6 +805,7 @@ class ReplayClient:
             while its rate limiter blocks (e.g. below min size): keep this above that wait.
         skip_lost_shards: continue without a shard that timed out, instead of raising.
         clock: time source for timeouts (seconds).
+        masses: ``"cached"`` (one round per sample) or ``"fresh"`` (two rounds), see above.
         bulk: offer to gather rows from shards on this host through shared memory (they decide;
             see ``Replay(bulk=...)``). Items whose rows the ring overwrote before the gather are
             dropped from the batch (counted in ``dropped_items``), never returned torn;
@@ -816,7 +829,10 @@ class ReplayClient:
         skip_lost_shards: bool = False,
         clock: Callable[[], float] = time.monotonic,
         bulk: bool = True,
+        masses: str = "cached",
     ) -> None:
+        if masses not in ("cached", "fresh"):
+            raise ValueError(f"ReplayClient masses must be 'cached' or 'fresh', got {masses!r}")
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"ReplayClient num_shards must be an int >= 1, got {num_shards!r}")
         if timeout_s is not None and not timeout_s > 0:
@@ -829,12 +845,15 @@ class ReplayClient:
         self.skip_lost_shards = skip_lost_shards
         self.clock = clock
         self.lost: dict[int, str] = {}
+        self.masses = masses
+        self._figures: dict[int, ReplayReply] = {}  # shard -> its latest ShardMass or ShardSample
         self._next_id = 0
         self._samples: dict[int, _Sample] = {}  # wire request id -> the sample it belongs to
         self._host = _bulk.host_id() if bulk and _bulk.capabilities().shm else ""
         self._reader: _bulk.BulkReader | None = None
         self._regions: dict[int, tuple[str, int]] = {}  # shard -> (attached region, generation)
         self._layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # region -> fields
+        self._capacity: dict[str, int] = {}  # region -> rows
         self.dropped_items = 0
         self.gathered_items = 0
 
@@ -863,7 +882,24 @@ class ReplayClient:
             s.stage = 2
             s.deadline = self._deadline()
             return [self._ask(s, 0, int(n))]
+        if self.masses == "cached" and all(k in self._figures for k in live):
+            return self._one_round(s, live)
         return self._ask_masses(s, live)
+
+    def _one_round(self, s: _Sample, live: list[int]) -> list[ReplayRequest]:
+        """Counts from the shards' latest reported masses; every live shard gets a request (maybe n=0)."""
+        figs = [self._figures[k] for k in live]
+        masses = np.array([f.mass for f in figs], dtype=np.float64)  # type: ignore[attr-defined]
+        sizes = np.array([f.size for f in figs], dtype=np.float64)  # type: ignore[attr-defined]
+        share = masses if masses.sum() > 0 else sizes
+        if not share.sum() > 0:  # nothing anywhere as far as we know: ask for fresh masses (they park)
+            return self._ask_masses(s, live)
+        share = share / share.sum()
+        counts = self.rng.multinomial(s.want, share)
+        s.stage = 2
+        s.shares = dict(zip(live, share.tolist()))
+        s.deadline = self._deadline()
+        return [self._ask(s, k, int(c)) for k, c in zip(live, counts)]
 
     def _deadline(self) -> float:
         return math.inf if self.timeout_s is None else self.clock() + self.timeout_s
@@ -905,10 +941,14 @@ class ReplayClient:
             raise RuntimeError(f"replay shard {reply.shard} refused a request: {reply.error}")
         out: list[ReplayRequest] = []
         batch = None
+        self._figures[reply.shard] = reply
         if isinstance(reply, ShardMass):
             s.masses[reply.shard] = reply
             if not s.outstanding:
-                out.extend(self._draw_counts(s))
+                if s.shares is not None:
+                    batch = self._assemble(s)
+                else:
+                    out.extend(self._draw_counts(s))
         elif isinstance(reply, ShardSample):
             if reply.descriptor is not None:
                 self._attach(reply.shard, reply.descriptor)
@@ -935,25 +975,11 @@ class ReplayClient:
 
     def _assemble(self, s: _Sample) -> SampledBatch:
         parts = sorted(s.parts, key=lambda p: p.shard)  # stable: a shard's redraws stay in order
-        if not s.masses:  # one shard, one stage: the shard's own figures at draw time
-            p = parts[0]
-            s.total, s.size, s.min_mass = p.mass, p.size, p.min_mass
-            s.beta = self.beta if self.beta is not None else p.beta
+        if s.shares is not None:
+            probs, weights = self._one_round_weights(s, parts)
+        else:
+            probs, weights = self._two_stage_weights(s, parts)
         data, keep = self._gather(parts)
-        local_p = [np.asarray(p.probabilities, dtype=np.float64) for p in parts]
-        # An item's weight is w_i = q_i * M_s (within-shard probability times its shard's mass at draw
-        # time); globally P(i) = w_i / M and the IS weight is (w_i / min_j w_j)^-beta.
-        item_w = np.concatenate([lp * p.mass for lp, p in zip(local_p, parts)])
-        if s.total > 0:
-            probs = item_w / s.total
-        else:
-            probs = np.concatenate([lp * (p.size / max(s.size, 1)) for lp, p in zip(local_p, parts)])
-        min_w = min([s.min_mass] + [p.min_mass for p in parts])
-        if s.beta == 0.0 or not (0 < min_w < math.inf):
-            weights = np.ones(len(probs), dtype=np.float32)
-        else:
-            with np.errstate(divide="ignore"):
-                weights = np.minimum((item_w / min_w) ** (-s.beta), 1.0).astype(np.float32)
         keys = np.concatenate([np.asarray(p.keys, dtype=np.int64) for p in parts])
         times = np.concatenate([np.asarray(p.times_sampled, dtype=np.int64) for p in parts])
         if keep is not None:  # items whose rows were overwritten before the gather
@@ -970,6 +996,44 @@ class ReplayClient:
             times_sampled=torch.from_numpy(times),
         )
 
+    def _two_stage_weights(self, s: _Sample, parts: list[ShardSample]) -> tuple[np.ndarray, np.ndarray]:
+        if not s.masses:  # one shard, one stage: the shard's own figures at draw time
+            p = parts[0]
+            s.total, s.size, s.min_mass = p.mass, p.size, p.min_mass
+            s.beta = self.beta if self.beta is not None else p.beta
+        local_p = [np.asarray(p.probabilities, dtype=np.float64) for p in parts]
+        # An item's weight is w_i = q_i * M_s (within-shard probability times its shard's mass at draw
+        # time); globally P(i) = w_i / M and the IS weight is (w_i / min_j w_j)^-beta.
+        item_w = np.concatenate([lp * p.mass for lp, p in zip(local_p, parts)])
+        if s.total > 0:
+            probs = item_w / s.total
+        else:
+            probs = np.concatenate([lp * (p.size / max(s.size, 1)) for lp, p in zip(local_p, parts)])
+        min_w = min([s.min_mass] + [p.min_mass for p in parts])
+        if s.beta == 0.0 or not (0 < min_w < math.inf):
+            weights = np.ones(len(probs), dtype=np.float32)
+        else:
+            with np.errstate(divide="ignore"):
+                weights = np.minimum((item_w / min_w) ** (-s.beta), 1.0).astype(np.float32)
+        return probs, weights
+
+    def _one_round_weights(self, s: _Sample, parts: list[ShardSample]) -> tuple[np.ndarray, np.ndarray]:
+        """P(i) = share_s * q_i (what each item was drawn with); IS weights against the smallest such P."""
+        assert s.shares is not None
+        figs: dict[int, Any] = {**s.masses, **{p.shard: p for p in parts}}  # every shard's figures now
+        probs = np.concatenate([s.shares[p.shard] * np.asarray(p.probabilities, dtype=np.float64) for p in parts])
+        s.size = int(sum(f.size for f in figs.values()))
+        beta = self.beta if self.beta is not None else max(f.beta for f in figs.values())
+        # The least likely item anywhere: share_s * (its weight / M_s) over shards that can be drawn from.
+        lows = [s.shares[k] * f.min_mass / f.mass for k, f in figs.items()
+                if s.shares[k] > 0 and f.mass > 0 and 0 < f.min_mass < math.inf]
+        min_p = min(lows, default=math.inf)
+        if beta == 0.0 or not (0 < min_p < math.inf):
+            weights = np.ones(len(probs), dtype=np.float32)
+        else:
+            weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
+        return probs, weights
+
     # ---------------------------------------------------------------- bulk (shared-memory) gathers
 
     def _attach(self, shard: int, descriptor: dict[str, Any]) -> None:
@@ -977,6 +1041,7 @@ class ReplayClient:
             self._reader = _run_now(_bulk.BulkReader.open())
         region = _run_now(self._reader.attach(descriptor, backend="shm"))
         self._regions[shard] = (region, int(descriptor["generation"]))
+        self._capacity[region] = int(descriptor["rows"])
         vf = descriptor.get("version_field")
         self._layouts[region] = {
             name: (getattr(torch, f["dtype"]), tuple(f["shape"]))
@@ -988,7 +1053,7 @@ class ReplayClient:
 
         Returns the data and, if any part was gathered, which items are intact (None: all).
         """
-        if all(p.rows is None for p in parts):
+        if not any(_bulk_part(p) for p in parts):
             data: dict[str, torch.Tensor] = {}
             for name in parts[0].data or {}:
                 cols = [_tensor(p.data[name]) for p in parts]  # type: ignore[index]
@@ -999,43 +1064,52 @@ class ReplayClient:
         total = sum(lens)
         # Output layout from the first part: a data dict, or the region's fields (+ the window mask).
         layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        plans: list[tuple[np.ndarray, np.ndarray | None, np.ndarray] | None] = []
         for p in parts:
-            if p.rows is None:
+            if not _bulk_part(p):
+                plans.append(None)
                 for name, t in p.data.items():  # type: ignore[union-attr]
                     tt = _tensor(t)
                     layout.setdefault(name, (tt.dtype, tuple(tt.shape[1:])))
             else:
                 region = self._regions[p.shard][0]
-                lead = tuple(np.shape(p.rows)[1:])
+                if p.windows is not None:
+                    plan = expand_window_spans(p.windows, int(p.window_length), self._capacity[region])
+                else:
+                    plan = (p.rows, p.mask, p.versions)
+                plans.append(plan)
+                lead = tuple(np.shape(plan[0])[1:])
                 for name, (dtype, shape) in self._layouts[region].items():
                     layout.setdefault(name, (dtype, (*lead, *shape)))
-                if p.mask is not None:
+                if plan[1] is not None:
                     layout.setdefault("mask", (torch.bool, lead))
         out = {name: torch.empty((total, *shape), dtype=dtype) for name, (dtype, shape) in layout.items()}
         keep = np.ones(total, dtype=bool)
         a = 0
-        for p, n in zip(parts, lens):
+        for p, n, plan in zip(parts, lens, plans):
             b = a + n
-            if p.rows is None:
+            if plan is None:
                 for name, t in p.data.items():  # type: ignore[union-attr]
                     out[name][a:b].copy_(_tensor(t))
             else:
+                rows, mask, versions = plan
                 region = self._regions[p.shard][0]
                 names = [f for f in self._layouts[region] if f in out]
                 try:
                     _, valid = _run_now(self._reader.read_checked(
-                        region, p.rows, p.versions, fields=names, out={f: out[f][a:b] for f in names}))
+                        region, rows, versions, fields=names, out={f: out[f][a:b] for f in names}))
                 except PeerLostError as e:
                     raise PeerLostError(f"replay shard {p.shard}: its shared memory is gone ({e})") from e
-                if p.mask is not None:
-                    mask = np.asarray(p.mask, dtype=bool)
-                    out["mask"][a:b] = torch.from_numpy(mask)
+                if mask is not None:
+                    mask = np.asarray(mask, dtype=bool)
+                    out["mask"][a:b].numpy()[...] = mask  # numpy: ~10x cheaper than a torch setitem
                     if not mask.all():
-                        # Integer indices into numpy views: 5x cheaper than a torch bool-mask
-                        # assignment per field (measured 38 vs 188 us for 64 windows x 4 fields).
-                        pad = np.nonzero(~mask)
+                        # Flat integer indices into numpy views of [n * T, row] (a torch bool-mask
+                        # assignment per field was 5x slower: 188 vs 38 us for 64 windows x 4 fields).
+                        pad = np.flatnonzero(~mask)
                         for f in names:
-                            out[f][a:b].numpy()[pad] = 0
+                            o = out[f][a:b].numpy()
+                            o.reshape(mask.size, -1)[pad] = 0
                     valid = valid | ~mask
                 keep[a:b] = valid.reshape(n, -1).all(axis=1)
                 self.gathered_items += n
@@ -1079,6 +1153,7 @@ class ReplayClient:
             )
         for shard in late:
             self.lost[shard] = f"no answer within {self.timeout_s}s"
+            self._figures.pop(shard, None)
             log.warning("replay client %s: shard %d lost (no answer within %ss); sampling from the others",
                         self.requester, shard, self.timeout_s)
         live = self._require_live()
@@ -1091,6 +1166,12 @@ class ReplayClient:
             for k in [k for k in s.masses if k in self.lost]:
                 del s.masses[k]
             if not missing:
+                continue
+            if s.shares is not None:  # one round: start the sample again over the live shards
+                self._drop(s)
+                again = _Sample(s.n, stage=1, want=s.n)
+                known = all(k in self._figures for k in live)
+                out.extend(self._one_round(again, live) if known else self._ask_masses(again, live))
                 continue
             if s.stage == 2:
                 s.want = sum(n for _, n in missing)
@@ -1160,6 +1241,11 @@ def _run_now(coro: Any) -> Any:
         return stop.value
     coro.close()
     raise RuntimeError("a bulk operation tried to wait; the replay client gathers over shared memory only")
+
+
+def _bulk_part(p: ShardSample) -> bool:
+    """Whether the reader gathers this part's rows itself (else its data came in the reply)."""
+    return p.rows is not None or p.windows is not None
 
 
 def _tensor(x: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ from .storage import FieldSpec as FieldSpec
 from .storage import Storage as Storage
 from .storage import StorageMemory as StorageMemory
 from .storage import TransitionPlan as TransitionPlan
+from .storage import expand_window_spans as expand_window_spans
 from .sumtree import SumTree as SumTree
 from .table import EpisodeRead as EpisodeRead
 from .table import SampleInfo as SampleInfo

@@ -35,7 +35,7 @@ import torch
 
 from ._native import copy_bytes, prefetch, zero_bytes
 
-__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan"]
+__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans"]
 
 #: Windows whose source rows ``_nb_copy_windows`` prefetches ahead of the one it copies: measured
 #: (256 x 32-step windows of 45 B/step from 2^20 steps) 0: 55 us, 1-4: 46-48 us, 6-32: 48-50 us.
@@ -91,6 +91,28 @@ def _nb_window_ranges(
             hi[j] = min(length, start + ep_len[e] - s)
         pos[j] = base % cap  # Python semantics: in [0, cap) for a negative base too
     return -1
+
+
+def expand_window_spans(spans: np.ndarray, length: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows, mask, versions)``, each ``[B, length]``, from :meth:`Storage.window_spans`.
+
+    ``versions`` are the global steps the positions hold, ``rows`` their ring slots
+    (``versions % capacity``), ``mask`` False at padding. Equal to :meth:`Storage.plan_windows`
+    (plus the versions a sequence-locked reader checks).
+
+    Raises:
+        ValueError: ``spans`` is not int64-convertible ``[B, 3]`` with ``0 <= lo < hi <= length``.
+    """
+    spans = np.asarray(spans)
+    if spans.ndim != 2 or spans.shape[1] != 3 or spans.dtype.kind not in "iu":
+        raise ValueError(f"window spans must be an integer [B, 3] array, got dtype {spans.dtype} shape {spans.shape}")
+    base, lo, hi = spans[:, 0:1].astype(np.int64), spans[:, 1:2], spans[:, 2:3]
+    if len(spans) and ((lo < 0).any() or (hi <= lo).any() or (hi > length).any()):
+        raise ValueError(f"window spans need 0 <= lo < hi <= {length} for every window")
+    offs = np.arange(length, dtype=np.int64)[None, :]
+    mask = (offs >= lo) & (offs < hi)
+    versions = base + np.clip(offs, lo, hi - 1)
+    return versions % capacity, mask, versions
 
 
 @numba.njit(cache=True, nogil=True)
@@ -862,6 +884,22 @@ class Storage:
             discount=gamma ** m.astype(np.float64),
             valid=m >= 1,
         )
+
+    def window_spans(self, steps: np.ndarray, length: int, pad: Literal["head", "tail"] = "tail") -> np.ndarray:
+        """The compact form of :meth:`plan_windows`: int64 ``[B, 3]``, per window ``(base, lo, hi)``.
+
+        ``base`` is the global step at window position 0 (``step`` for tail padding, ``step - T + 1``
+        for head padding), ``[lo, hi)`` the valid positions. Position ``j`` holds global step
+        ``base + clip(j, lo, hi - 1)`` (padding repeats the nearest valid step) in ring slot
+        ``that % capacity``; :func:`expand_window_spans` gives the full plan. Three numbers a window
+        instead of ``3 * T`` are what a shard sends a reader that gathers the rows itself.
+
+        Raises:
+            KeyError, ValueError: as :meth:`plan_windows`.
+        """
+        steps, _, lo, hi = self._window_ranges(steps, length, pad)
+        base = steps - (int(length) - 1) if pad == "head" else steps
+        return np.stack([base, lo, hi], axis=1)
 
     def plan_windows(
         self, steps: np.ndarray, length: int, pad: Literal["head", "tail"] = "tail"

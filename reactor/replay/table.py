@@ -642,12 +642,19 @@ class Table:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
 
-    def sample_nowait(self, n: int) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+    def sample_nowait(self, n: int, *, read: bool = True) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         """Draw ``n`` items now, or raise WouldBlock.
 
         Stochastic samplers draw ``n`` times with replacement; deterministic ones return the first
         ``min(n, size)`` items in their order. Items reaching ``max_times_sampled`` are dropped after
         being read.
+
+        Args:
+            n: items to draw (>= 1).
+            read: False to skip reading the items (the batch is then ``{}``): for a caller that reads
+                them itself from ``info.keys`` before the table changes (the replay shard's
+                shared-memory path, whose readers gather the rows). Everything else (selection,
+                times sampled, expiry, the rate limiter) is the same.
 
         Returns:
             ``(batch, info)``: the batch as the table's read kind defines it, and a :class:`SampleInfo`.
@@ -663,7 +670,7 @@ class Table:
                 raise PortClosedError(f"sample from table {self._name!r}, which was closed by close()")
             if not self._limiter.can_sample(n, self._size):
                 raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("sample", n, self._size))
-            return self._sample_now(int(n))
+            return self._sample_now(int(n), read=read)
 
     async def sample(self, n: int, *, timeout_s: float | None = None) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         """Like :meth:`sample_nowait`, but wait on the running loop while the rate limiter blocks.
@@ -698,7 +705,7 @@ class Table:
         eps = st.episode_bounds(keys)[0]
         return st.read_episodes(eps)
 
-    def _sample_now(self, n: int) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+    def _sample_now(self, n: int, read: bool = True) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         size = self._size
         slots, probs = self._sampler.select(n, self._rng)
         slots = np.asarray(slots, dtype=np.int64)
@@ -708,7 +715,7 @@ class Table:
         keys, times, weights = _nb_sample_info(
             slots, probs, self._times, self._storage.step_range[0], self._storage.capacity, min_p, self._beta
         )
-        batch = self._read_batch(keys)
+        batch = self._read_batch(keys) if read else {}
         if self._max_times_sampled:
             done = np.unique(slots[times >= self._max_times_sampled])
             self._drop(done, "expired")

@@ -155,8 +155,9 @@ class Sampler(Reactor):
     check = Action()
 
     def __init__(self, num_shards: int, batch_size: int, batches: int, update: str = "none", out: str = "",
-                 timeout_s: float | None = None, skip_lost: bool = False) -> None:
+                 timeout_s: float | None = None, skip_lost: bool = False, masses: str = "cached") -> None:
         self.num_shards = num_shards
+        self.masses = masses
         self.batch_size = batch_size
         self.batches = batches
         self.update = update
@@ -171,7 +172,7 @@ class Sampler(Reactor):
     @reaction(triggers=[startup], effects=[requests, check])
     def begin(self) -> None:
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
-                                   timeout_s=self.timeout_s, skip_lost_shards=self.skip_lost)
+                                   timeout_s=self.timeout_s, skip_lost_shards=self.skip_lost, masses=self.masses)
         for m in self.client.request(self.batch_size):
             self.requests.send(m)
         if self.timeout_s is not None:
@@ -309,7 +310,8 @@ def build(config: dict) -> Graph:
         name="replay", replicas=shards,
     )
     learner = g.add(Sampler(shards, int(c.get("batch_size", 64)), int(c.get("batches", 20)), c.get("update", "none"),
-                            c.get("out", ""), c.get("timeout_s"), bool(c.get("skip_lost", False))), name="learner")
+                            c.get("out", ""), c.get("timeout_s"), bool(c.get("skip_lost", False)),
+                            c.get("masses", "cached")), name="learner")
     stats = g.add(StatsSink(c.get("stats_out", "")), name="stats")
     g.connect(writers.steps, replay.steps, key=shard_key)
     g.connect(learner.requests, replay.requests, key=shard_key)

@@ -6,6 +6,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 
 from reactor import Action, Graph, Output, Reactor, reaction, run, startup
 from reactor.nodes.metrics import Metrics
@@ -61,6 +62,24 @@ def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path):
     assert summary["reached_target"] is False
     assert summary["env_steps"] == 6000
     assert "max_env_steps" in summary["stop_reason"]
+
+
+class SlowStart(Reactor):
+    """A reactor whose startup takes a while (as building networks and optimizers does)."""
+
+    @reaction(triggers=[startup])
+    def build(self) -> None:
+        time.sleep(0.4)
+
+
+def test_the_clock_starts_after_every_startup_reaction(tmp_path):
+    """wall_s counts training time, as SB3's learn() does: startup work is reported apart."""
+    g = _graph(tmp_path, target=450.0, actors=1)
+    g.add(SlowStart(), name="zz_slow")  # its startup runs after Metrics' own
+    run(g)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["startup_s"] >= 0.4
+    assert summary["evaluations"] and all(e["wall_s"] < 0.4 for e in summary["evaluations"])
 
 
 def test_reactor_plot_writes_a_png_and_refuses_a_directory_without_metrics(tmp_path):

@@ -61,14 +61,18 @@ def test_bad_steps_are_refused_logged_and_counted_and_the_shard_keeps_serving(tm
 
 
 def test_priority_updates_reach_the_shard_that_owns_each_key(tmp_path):
-    """After the first batch its keys get priority 1000 (alpha=1): later batches are mostly those keys."""
+    """After the first batch its keys get priority 1000 (alpha=1): later batches are mostly those keys.
+
+    The second batch is requested with the masses of the first batch's replies (one-round sampling),
+    so its shard shares predate the boost; from the third on they follow it.
+    """
     out = tmp_path / "learner.npz"
-    _run({"source": "items", "items": 400, "shards": 4, "actors": 1, "min_size": 100, "batches": 6,
+    _run({"source": "items", "items": 400, "shards": 4, "actors": 1, "min_size": 100, "batches": 7,
           "batch_size": 32, "update": "boost", "out": str(out)})
     rec = np.load(out)
     boosted = set(rec["boosted"].tolist())
     assert len({int(k) for k in key_shard(rec["boosted"])}) > 1  # the boosted keys live on several shards
-    later = rec["keys"][rec["lens"][0]:]
+    later = rec["keys"][rec["lens"][:2].sum():]
     frac = np.isin(later, list(boosted)).mean()
     base = sum(1000.0 for _ in boosted)
     assert frac > 0.9, f"only {frac:.2f} of later draws were boosted keys (expected ~{base / (base + 400 * 5):.2f})"
@@ -141,6 +145,84 @@ def test_client_draws_shard_counts_in_proportion_to_mass_and_computes_global_wei
     np.testing.assert_allclose(batch.weights.numpy()[: counts[0]], (1.0 / 0.5) ** -0.5, rtol=1e-6)
     np.testing.assert_allclose(batch.weights.numpy()[counts[0]:], (3.0 / 0.5) ** -0.5, rtol=1e-6)
     assert batch.data["x"].shape == (1000,)
+
+
+def _part(r, q, mass, min_mass, size=50):
+    return ShardSample(r.shard, 0, r.request, "", {"x": np.arange(r.n)}, make_keys(r.shard, np.arange(r.n)),
+                       np.full(r.n, q), np.ones(r.n, np.int64), mass, min_mass, size, 0.5)
+
+
+def test_client_samples_in_one_round_from_the_masses_of_the_last_replies():
+    """After the first sample, counts come from the masses the shards last reported; each item's
+    probability is the one it was drawn with, (C_s / C) * q_i, even when the masses moved since."""
+    client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
+    first = client.request(100)
+    assert [type(r) for r in first] == [MassRequest, MassRequest]  # nothing cached yet
+    client.receive(_mass(0, first[0].request, 100.0, 50, min_mass=0.5))
+    out, _ = client.receive(_mass(1, first[1].request, 300.0, 50, min_mass=2.0))
+    for r in out:
+        _, batch = client.receive(_part(r, 0.01, 100.0 if r.shard == 0 else 300.0, 0.5 if r.shard == 0 else 2.0))
+    assert batch is not None
+    # Second sample: one round, counts ~ Multinomial(1000, [0.25, 0.75]) from the cached masses.
+    reqs = client.request(1000)
+    assert [type(r) for r in reqs] == [SampleRequest, SampleRequest]
+    counts = {r.shard: r.n for r in reqs}
+    assert sum(counts.values()) == 1000 and 180 < counts[0] < 320
+    # Shard 0's mass doubled meanwhile (priority updates): its items were still drawn with share 0.25.
+    by = {r.shard: r for r in reqs}
+    assert client.receive(_part(by[0], 0.01, 200.0, 0.5))[1] is None
+    _, batch = client.receive(_part(by[1], 0.02, 300.0, 2.0, size=60))
+    assert batch is not None and len(batch.keys) == 1000 and batch.table_size == 110
+    probs = batch.probabilities.numpy()
+    np.testing.assert_allclose(probs[: counts[0]], 0.25 * 0.01)
+    np.testing.assert_allclose(probs[counts[0]:], 0.75 * 0.02)
+    # Weights against the least likely item anywhere: min(0.25 * 0.5 / 200, 0.75 * 2.0 / 300).
+    min_p = min(0.25 * 0.5 / 200, 0.75 * 2.0 / 300)
+    np.testing.assert_allclose(batch.weights.numpy()[: counts[0]], (0.25 * 0.01 / min_p) ** -0.5, rtol=1e-6)
+    np.testing.assert_allclose(batch.weights.numpy()[counts[0]:], (0.75 * 0.02 / min_p) ** -0.5, rtol=1e-6)
+    # Third sample: the reported masses are now 200 / 300, so the share of shard 0 is 0.4.
+    reqs = client.request(1)
+    assert [type(r) for r in reqs] == [SampleRequest, SampleRequest] and sum(r.n for r in reqs) == 1
+    empty = next(r for r in reqs if r.n == 0)  # the shard that drew nothing still answers (figures)
+    full = next(r for r in reqs if r.n == 1)
+    assert client.receive(_mass(empty.shard, empty.request, 999.0, 7))[1] is None
+    _, batch = client.receive(_part(full, 0.5, 200.0 if full.shard == 0 else 300.0, 1.0))
+    assert batch is not None and len(batch.keys) == 1
+    share = 0.4 if full.shard == 0 else 0.6
+    np.testing.assert_allclose(batch.probabilities.numpy(), share * 0.5)
+
+
+def test_fresh_masses_ask_every_sample_first_and_bad_modes_are_refused():
+    client = ReplayClient(2, timeout_s=None, masses="fresh")
+    reqs = client.request(4)
+    client.receive(_mass(0, reqs[0].request, 1.0, 5))
+    out, _ = client.receive(_mass(1, reqs[1].request, 1.0, 5))
+    for r in out:
+        client.receive(_part(r, 0.2, 1.0, 1.0))
+    assert [type(r) for r in client.request(4)] == [MassRequest, MassRequest]
+    with pytest.raises(ValueError, match=r"^ReplayClient masses must be 'cached' or 'fresh', got 'stale'$"):
+        ReplayClient(2, masses="stale")
+
+
+def test_a_one_round_sample_whose_shard_is_lost_starts_again_over_the_live_shards():
+    now = [0.0]
+    client = ReplayClient(3, timeout_s=5.0, skip_lost_shards=True, clock=lambda: now[0], rng=np.random.default_rng(3))
+    out = []
+    for r in client.request(30):
+        out += client.receive(_mass(r.shard, r.request, 1.0, 10))[0]
+    for r in out:  # the first sample's stage 2
+        client.receive(_part(r, 0.1, 1.0, 1.0, size=10))
+    reqs = client.request(30)  # one round from the cached masses
+    assert sorted((r.shard, type(r)) for r in reqs) == [(k, SampleRequest) for k in range(3)]
+    client.receive(_part(next(r for r in reqs if r.shard == 0), 0.1, 1.0, 1.0, size=10))
+    now[0] = 10.0  # shards 1 and 2 never answer: lost; the sample starts again from shard 0 alone
+    again = client.check_timeouts()
+    assert client.lost.keys() == {1, 2}
+    assert [(r.shard, type(r), r.n) for r in again] == [(0, SampleRequest, 30)]
+    _, batch = client.receive(_part(again[0], 0.1, 1.0, 1.0, size=10))
+    assert batch is not None and len(batch.keys) == 30 and set(key_shard(batch.keys).tolist()) == {0}
+    np.testing.assert_allclose(batch.probabilities.numpy(), 0.1)  # shard 0 is now the whole table
+    assert batch.table_size == 10
 
 
 def test_client_routes_priority_updates_by_key_shard():

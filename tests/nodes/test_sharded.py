@@ -41,16 +41,18 @@ def _single_table(items: int, alpha: float, beta: float, seed: int = 0) -> Table
 
 
 @pytest.mark.slow
-def test_four_shards_in_four_processes_sample_like_one_table(tmp_path):
+@pytest.mark.parametrize("masses", ["cached", "fresh"])
+def test_four_shards_in_four_processes_sample_like_one_table(tmp_path, masses):
     """Issue 4: frequencies over 4 shards in 4 processes match one table holding the same data (chi-square).
 
     Also exact: each draw's reported probability and importance weight equal what the single table
-    reports for that item (global total, global min).
+    reports for that item (global total, global min). Both protocols: one round per sample from the
+    masses of the shards' last replies ("cached"), and a mass round before each sample ("fresh").
     """
     items, batches, bs = 400, 100, 256
     out = tmp_path / "learner.npz"
     res = _run({"source": "items", "items": items, "shards": 4, "actors": 1, "min_size": items // 4,
-                "batches": batches, "batch_size": bs, "alpha": 1.0, "beta": 0.5, "out": str(out)},
+                "batches": batches, "batch_size": bs, "alpha": 1.0, "beta": 0.5, "out": str(out), "masses": masses},
                placement="processes", stop_s=0.3)
     assert {f"replay-{i}" for i in range(4)} <= set(res.processes)
     rec = np.load(out)
@@ -81,6 +83,29 @@ def test_four_shards_in_four_processes_sample_like_one_table(tmp_path):
     e1, e2 = both * counts.sum() / (2 * counts.sum()), both * c2.sum() / (2 * c2.sum())
     stat2 = float(((counts - e1) ** 2 / e1 + (c2 - e2) ** 2 / e2).sum())
     assert _chi2_sf(stat2, items - 1) > 1e-3, f"homogeneity chi-square {stat2:.1f} on {items - 1} dof"
+
+
+def test_one_item_samples_leave_a_shard_out_and_still_report_exact_probabilities(tmp_path):
+    """Batches of 1 from 2 shards in 2 processes: every one-round sample sends one shard n=0, which
+    must answer at once with its figures; the reported probabilities and weights stay the single
+    table's, and the draws follow its distribution."""
+    items, batches = 40, 200
+    out = tmp_path / "learner.npz"
+    _run({"source": "items", "items": items, "shards": 2, "actors": 1, "min_size": items // 2,
+          "batches": batches, "batch_size": 1, "alpha": 1.0, "beta": 0.5, "out": str(out)},
+         placement="processes", stop_s=0.3)
+    rec = np.load(out)
+    assert rec["lens"].tolist() == [1] * batches
+    single = _single_table(items, alpha=1.0, beta=0.5)
+    draws, info = single.sample_nowait(4000)
+    p_single = np.zeros(items)
+    w_single = np.zeros(items)
+    p_single[draws["id"].numpy()] = info.probabilities.numpy()
+    w_single[draws["id"].numpy()] = info.weights.numpy()
+    ids = rec["ids"]
+    np.testing.assert_allclose(rec["probs"], p_single[ids], rtol=1e-9)
+    np.testing.assert_allclose(rec["weights"], w_single[ids], rtol=1e-6)
+    assert len(set((ids % 2).tolist())) == 2  # both shards were drawn from
 
 
 @pytest.mark.slow

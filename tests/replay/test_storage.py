@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from reactor.replay.storage import FieldSpec, Storage
+from reactor.replay.storage import FieldSpec, Storage, expand_window_spans
 
 SPECS = [
     FieldSpec("obs", (3,), torch.float32),
@@ -363,6 +363,29 @@ def test_plan_windows_gathered_and_masked_equals_read_windows(pad):
         got = field[torch.from_numpy(rows)]
         got[~torch.from_numpy(mask)] = 0
         assert torch.equal(got, want[name]), name
+
+
+@pytest.mark.parametrize("pad", ["tail", "head"])
+def test_window_spans_expand_to_plan_windows_with_each_row_s_global_step(pad):
+    """The compact plan a shard sends (3 numbers a window) expands to exactly plan_windows, and the
+    versions are the global steps the rows hold (what a sequence-locked reader checks)."""
+    s = _ring_with_wrapped_episodes()
+    lo, hi = s.step_range
+    keys = np.arange(lo, hi, dtype=np.int64)
+    spans = s.window_spans(keys, 7, pad)
+    assert spans.shape == (len(keys), 3) and spans.dtype == np.int64
+    rows, mask, versions = expand_window_spans(spans, 7, s.capacity)
+    want_rows, want_mask = s.plan_windows(keys, 7, pad)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(mask, want_mask)
+    assert (versions >= lo).all() and (versions < hi).all()  # stored steps, padding included
+    np.testing.assert_array_equal(versions % s.capacity, rows)
+    anchor = 0 if pad == "tail" else 6
+    np.testing.assert_array_equal(versions[:, anchor], keys)  # the item's own step sits at its anchor
+    with pytest.raises(ValueError, match=r"^window spans need 0 <= lo < hi <= 7 for every window$"):
+        expand_window_spans(np.array([[5, 0, 8]]), 7, 64)
+    with pytest.raises(ValueError, match=r"^window spans must be an integer \[B, 3\] array, got dtype float64"):
+        expand_window_spans(np.zeros((2, 3)), 7, 64)
 
 
 def test_plan_windows_padding_rows_point_into_the_window_s_own_episode():

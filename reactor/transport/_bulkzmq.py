@@ -31,16 +31,18 @@ import asyncio
 import logging
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
 
 from . import _gather
+from ._zmq import CurveKeys, _AllowedKeys
 from .codec import decode, encode
 
 __all__ = ["ZmqClient", "ZmqServer"]
@@ -122,6 +124,9 @@ class ZmqServer:
         bind: zmq address to bind (``tcp://HOST:*`` or ``ipc://PATH``).
         max_request_nbytes / max_reply_nbytes: the bounds described in the module docstring.
         heartbeat_ivl_s / heartbeat_timeout_s: zmq heartbeats on reader connections.
+        curve: the server's CURVE key pair: connections are then encrypted, and only clients whose
+            public key is in ``curve_clients`` (default: ``curve.public``, one key pair per job)
+            get through the handshake (ZAP, in a thread of this server's context).
     """
 
     def __init__(
@@ -134,6 +139,8 @@ class ZmqServer:
         heartbeat_ivl_s: float,
         heartbeat_timeout_s: float,
         name: str,
+        curve: CurveKeys | None = None,
+        curve_clients: Collection[bytes] | None = None,
     ) -> None:
         self._lookup = lookup
         self._max_request = max_request_nbytes
@@ -146,10 +153,24 @@ class ZmqServer:
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         self._router.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._auth: ThreadAuthenticator | None = None
+        self.curve_public: bytes | None = None
+        if curve is not None:
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback(
+                "*", credentials_provider=_AllowedKeys([curve.public] if curve_clients is None else curve_clients)
+            )
+            self._router.curve_server = True
+            self._router.curve_secretkey = curve.secret
+            self._router.curve_publickey = curve.public
+            self.curve_public = curve.public
         try:
             self._router.bind(bind)
         except zmq.ZMQError as exc:
             self._router.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
             raise OSError(f"bulk zmq server cannot bind {bind!r}: {exc}") from None
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -179,6 +200,8 @@ class ZmqServer:
             self._stop_tx.send(b"stop")
             self._thread.join()
         self._stop_tx.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _run(self) -> None:
@@ -346,10 +369,21 @@ class ZmqClient:
         max_reply_nbytes: int,
         heartbeat_ivl_s: float,
         heartbeat_timeout_s: float,
+        curve: CurveKeys | None = None,
+        server_key: bytes | None = None,
     ) -> None:
+        if server_key is not None and curve is None:  # (checked before any socket exists)
+            raise ValueError(
+                f"bulk owner at {address} requires CURVE: open the reader with curve=CurveKeys(...) "
+                f"(the job's key pair)"
+            )
         self.address = address
         self.max_reply_nbytes = max_reply_nbytes
         self.sock = ctx.socket(zmq.DEALER)
+        if server_key is not None and curve is not None:  # the server speaks CURVE: encrypt, show our pair
+            self.sock.curve_secretkey = curve.secret
+            self.sock.curve_publickey = curve.public
+            self.sock.curve_serverkey = server_key
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_ivl_s * 1000))

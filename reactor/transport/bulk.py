@@ -80,6 +80,7 @@ from ._bulkzmq import (
     expand_runs,
     seqlock_mask,
 )
+from ._zmq import CurveKeys
 
 __all__ = [
     "BACKENDS",
@@ -406,6 +407,14 @@ def _release_owner(state: _OwnerState) -> None:
                 f.segment.close_owner()
 
 
+def _local_only(bind: str) -> bool:
+    """Whether a zmq bind address is reachable from this host only (ipc, inproc, tcp loopback)."""
+    if not bind.startswith("tcp://"):
+        return True
+    host = bind[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 class BulkOwner:
     """Owns bulk regions in one process and serves them to readers.
 
@@ -444,6 +453,7 @@ class BulkOwner:
         max_reply_nbytes: int = 256 * 2**20,
         heartbeat_ivl_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
+        curve: CurveKeys | None = None,
     ) -> BulkOwner:
         """Open an owner for ``run_id``: clean the run's stale segments, start the zmq server.
 
@@ -458,12 +468,17 @@ class BulkOwner:
             max_reply_nbytes: the largest reply: a read of more rows is refused with
                 ``FrameTooLargeError`` (readers split reads).
             heartbeat_ivl_s / heartbeat_timeout_s: zmq heartbeats with readers.
+            curve: the job's CURVE key pair: the read server then encrypts its connections and
+                admits only readers holding that pair (descriptors carry the server's public
+                key). Required when ``zmq_bind`` is reachable from other hosts (a tcp address
+                other than loopback): cluster links are never plaintext.
 
         Returns:
             The owner.
 
         Raises:
-            ValueError: a bad run id, an unknown backend, bad bounds.
+            ValueError: a bad run id, an unknown backend, bad bounds, a routable ``zmq_bind``
+                without ``curve``.
             RuntimeError: ``rdma`` asked for with no usable device (reason given).
             OSError: the zmq address cannot be bound.
         """
@@ -489,6 +504,12 @@ class BulkOwner:
             raise ValueError(
                 f"BulkOwner.open: need 0 < heartbeat_ivl_s <= heartbeat_timeout_s, got "
                 f"{heartbeat_ivl_s!r} and {heartbeat_timeout_s!r}"
+            )
+        if curve is None and ("zmq" in chosen or "rdma" in chosen) and not _local_only(zmq_bind):
+            raise ValueError(
+                f"BulkOwner.open: the read server would listen on {zmq_bind!r}, reachable from other hosts, "
+                f"without encryption; pass curve=CurveKeys(...) (the job's key pair), or bind a loopback or "
+                f"ipc address"
             )
         self = cls(_token=_OPEN_TOKEN)
         self._run_id = run_id
@@ -518,6 +539,7 @@ class BulkOwner:
                     heartbeat_ivl_s=heartbeat_ivl_s,
                     heartbeat_timeout_s=heartbeat_timeout_s,
                     name=run_id,
+                    curve=curve,
                 )
             if "rdma" in chosen:
                 from . import _rdma
@@ -737,21 +759,19 @@ class BulkOwner:
                 "segments": {name: f.segment.name for name, f in reg.fields.items() if f.segment is not None},
                 "pid": pid,
             }
-        if self._server is not None and "zmq" in self._backends:
-            desc["zmq"] = {
+        connect: dict[str, Any] = {}
+        if self._server is not None:
+            connect = {
                 "address": self._server.address,
                 "max_request_nbytes": self._max_request,
                 "max_reply_nbytes": self._max_reply,
             }
+            if self._server.curve_public is not None:
+                connect["server_key"] = self._server.curve_public.decode()
+        if self._server is not None and "zmq" in self._backends:
+            desc["zmq"] = dict(connect)
         if self._rdma is not None and on_host and self._server is not None:
-            desc["rdma"] = self._rdma.describe(
-                region,
-                {
-                    "address": self._server.address,
-                    "max_request_nbytes": self._max_request,
-                    "max_reply_nbytes": self._max_reply,
-                },
-            )
+            desc["rdma"] = self._rdma.describe(region, dict(connect))
         return desc
 
     # ------------------------------------------------------------------ closing
@@ -894,11 +914,14 @@ class BulkReader:
         timeout_s: float = 30.0,
         heartbeat_ivl_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
+        curve: CurveKeys | None = None,
     ) -> BulkReader:
         """Open a reader.
 
         Args:
             host: this host's identity (default :func:`host_id`); compared with descriptors'.
+            curve: the job's CURVE key pair, for owners whose read server requires it (their
+                descriptors carry ``server_key``); attaching one without it raises ValueError.
             timeout_s: the longest wait for an owner's reply (zmq); past it the owner counts as lost.
             heartbeat_ivl_s / heartbeat_timeout_s: zmq heartbeats with owners (a silent host is
                 detected within ``heartbeat_timeout_s``).
@@ -915,6 +938,7 @@ class BulkReader:
         self._host = host if host is not None else host_id()
         self._timeout_s = float(timeout_s)
         self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
+        self._curve = curve
         self._regions: dict[str, _Attached] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._clients: dict[str, ZmqClient] = {}
@@ -1047,14 +1071,22 @@ class BulkReader:
         max_req, max_rep = spec.get("max_request_nbytes"), spec.get("max_reply_nbytes")
         if not isinstance(address, str) or not isinstance(max_req, int) or not isinstance(max_rep, int):
             raise ValueError("bulk descriptor: zmq entry needs address, max_request_nbytes, max_reply_nbytes")
+        server_key = spec.get("server_key")
+        if server_key is not None and (not isinstance(server_key, str) or len(server_key) != 40):
+            raise ValueError("bulk descriptor: zmq server_key must be a 40-character Z85 public key")
         client = self._clients.get(address)
         if client is None or client.lost is not None:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            client = ZmqClient(
-                self._ctx, address, max_reply_nbytes=max_rep,
-                heartbeat_ivl_s=self._heartbeat[0], heartbeat_timeout_s=self._heartbeat[1],
-            )
+            try:
+                client = ZmqClient(
+                    self._ctx, address, max_reply_nbytes=max_rep,
+                    heartbeat_ivl_s=self._heartbeat[0], heartbeat_timeout_s=self._heartbeat[1],
+                    curve=self._curve, server_key=None if server_key is None else server_key.encode(),
+                )
+            except BaseException:
+                self._release(att)
+                raise
             old = self._clients.get(address)
             if old is not None and old.users == 0:
                 old.close()

@@ -92,6 +92,22 @@ def test_sample_returns_batch_and_info_with_keys_probabilities_weights_times():
     assert info.times_sampled.tolist() == [2]
 
 
+def test_sampling_without_reading_draws_and_books_the_same_items():
+    """read=False (a caller that reads the items itself) returns no batch but the same draw, counts
+    and expiry as a reading sample from an identical table."""
+    a = make("prioritized", "fifo", read=WindowRead(4, "head"), max_times_sampled=3, seed=7)
+    b = make("prioritized", "fifo", read=WindowRead(4, "head"), max_times_sampled=3, seed=7)
+    fill(a)
+    fill(b)
+    for _ in range(4):
+        batch_a, info_a = a.sample_nowait(8)
+        batch_b, info_b = b.sample_nowait(8, read=False)
+        assert batch_b == {} and set(batch_a) == {"obs", "reward", "step", "mask"}
+        for f in ("keys", "probabilities", "weights", "times_sampled"):
+            assert torch.equal(getattr(info_a, f), getattr(info_b, f)), f
+    assert state_equal(a.statistics(), b.statistics()) and len(a) == len(b) < 20  # items expired alike
+
+
 def test_a_slot_drawn_several_times_in_one_sample_counts_every_draw():
     """Regression (issue 3): the compiled sample bookkeeping counts each draw (with replacement) and
     reports the count after the whole draw for every copy; keys come from slots across the ring wrap."""

@@ -17,10 +17,10 @@ from reactor import Graph, current_run_id
 from reactor.nodes.training import off_policy_graph
 
 CARTPOLE = {"hidden": 256, "lr": 3e-3, "n_step": 5, "target_every": 25}
-"""CartPole tuning over reactor.algos.dqn.Config (algo_config overrides these). Measured (seeds 0-4, 40k-step
-budget): with these, every seed reaches 475, four of them in 15k-22k env steps (9-17 s); with the Config
-defaults (128 units, lr 1e-3, 3-step, target copy every 100 updates) evaluations plateaued at 250-400 and
-only 2 of 4 seeds reached 475 within 40k."""
+"""CartPole tuning over reactor.algos.dqn.Config (algo_config overrides these). Measured (seeds 0-9, 40k-step
+budget): with these, every seed reaches 475, at 5k-17k env steps (median 9.5k; docs/benchmarks.md); with
+the Config defaults (128 units, lr 1e-3, 3-step, target copy every 100 updates) evaluations plateaued at
+250-400 and only 2 of 4 seeds reached 475 within 40k."""
 
 
 @dataclass(frozen=True)

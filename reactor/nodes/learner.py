@@ -13,6 +13,9 @@ learns on them together, and broadcasts the weights that the actors wait for.
 own batches, all-reduce (average) their gradients through ``torch.distributed`` (gloo; NCCL where
 GPUs exist) before every optimizer step, so all replicas hold the same weights; replica 0 speaks for
 them (weights, checkpoints). The rendezvous is a file in the run directory named by the run id.
+A replica that does not join an all-reduce within ``DP_TIMEOUT_S`` (it died, stopped, or got fewer
+batches) makes the others raise :class:`~reactor.PeerLostError` naming the step, instead of waiting
+on gloo's default of 30 minutes.
 
 **Checkpoints**: every ``checkpoint_every`` updates the learner writes the algorithm's
 ``state_dict`` (networks, optimizers, counters) atomically to ``run_dir/learner.pt``; with
@@ -21,18 +24,23 @@ them (weights, checkpoints). The rendezvous is a file in the run directory named
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .._errors import PeerLostError
 from .._reactor import Input, Output, Reactor, reaction, shutdown, startup
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
 from .train_messages import Report, Rollout, Weights
 
-__all__ = ["Learner", "RolloutLearner"]
+__all__ = ["DP_TIMEOUT_S", "Learner", "RolloutLearner"]
+
+#: Seconds a data-parallel learner waits for the other replicas in one all-reduce.
+DP_TIMEOUT_S = 60.0
 
 
 class _LearnerBase(Reactor):
@@ -73,7 +81,7 @@ class _LearnerBase(Reactor):
         store.parent.mkdir(parents=True, exist_ok=True)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
-                                world_size=self.bank_size)
+                                world_size=self.bank_size, timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         world = float(self.bank_size)
         params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
         with torch.no_grad():  # replica 0's initial weights for all
@@ -86,7 +94,14 @@ class _LearnerBase(Reactor):
                 grads = [p.grad for g in _opt.param_groups for p in g["params"] if p.grad is not None]
                 if grads:
                     flat = torch.cat([t.reshape(-1) for t in grads])
-                    dist.all_reduce(flat)
+                    try:
+                        dist.all_reduce(flat)
+                    except RuntimeError as e:  # gloo's timeout, or a peer's closed connection
+                        raise PeerLostError(
+                            f"{self.name}: the other data-parallel learners did not join the gradient all-reduce "
+                            f"of update {self.updates + 1} within {DP_TIMEOUT_S:.0f}s (a replica died, stopped, or "
+                            f"got fewer batches): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        ) from e
                     flat /= world
                     offset = 0
                     for t in grads:

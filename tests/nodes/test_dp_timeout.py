@@ -1,0 +1,61 @@
+"""Data-parallel learners: a replica that never joins an all-reduce is reported, not waited on for 30 min.
+
+Two real processes rendezvous through torch.distributed (gloo, file store) exactly as the learners of
+``--placement dp-learners`` do (``_LearnerBase._join_data_parallel``); replica 1 then stops taking
+part, as one that stopped or got fewer batches does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+REPLICA = r"""
+import sys, time, types
+import torch
+import reactor.nodes.learner as L
+
+L.DP_TIMEOUT_S = 3.0
+rank, run_dir = int(sys.argv[1]), sys.argv[2]
+torch.manual_seed(rank)
+net = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2,
+                           state={"net": net, "opt": opt}, name=f"learner[{rank}]", updates=0)
+L._LearnerBase._join_data_parallel(me)
+print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
+if rank == 0:
+    net(torch.ones(1, 2)).sum().backward()
+    t0 = time.monotonic()
+    try:
+        opt.step()
+        print("stepped", flush=True)
+    except L.PeerLostError as e:
+        print(f"lost after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+else:
+    time.sleep(10)  # joined, but takes no further part
+"""
+
+
+def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_timeout(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", REPLICA, str(rank), str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              text=True) for rank in (0, 1)]
+    try:
+        out0, _ = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=30)
+    lines = out0.strip().splitlines()
+    joined = [line for line in lines if line.startswith("joined")]
+    assert joined, out0
+    lost = [line for line in lines if line.startswith("lost after")]
+    assert lost, out0
+    seconds = float(lost[0].split()[2].rstrip("s:"))
+    assert 2.5 <= seconds < 30, lost[0]
+    assert ("learner[0]: the other data-parallel learners did not join the gradient all-reduce of update 1 "
+            "within 3s (a replica died, stopped, or got fewer batches)") in lost[0]

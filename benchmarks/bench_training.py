@@ -481,6 +481,8 @@ def main() -> None:
                    help="actor-scaling runs: learner idle (acting, default), learning on (training), or none")
     p.add_argument("--scaling-algo", default="dqn", help="off-policy algorithm whose app the scaling runs use")
     p.add_argument("--scaling-steps", type=int, default=30_000, help="env steps per actor in a scaling run")
+    p.add_argument("--scaling-reps", type=int, default=3,
+                   help="scaling repetitions, 1 and 2 actors alternating; medians and the median ratio reported")
     p.add_argument("--no-sb3", action="store_true", help="skip the Stable-Baselines3 runs")
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     p.add_argument("--sb3-child", nargs=5, metavar=("ALGO", "SEED", "STEPS", "BUDGET_S", "EVAL_EVERY"),
@@ -553,17 +555,31 @@ def main() -> None:
             sa = ALGOS[args.scaling_algo]
             print(f"\nactor scaling: {sa.app} --placement actors, {scaling_steps} env steps per actor, "
                   f"learner {'idle' if args.scaling == 'acting' else 'learning'}", flush=True)
-            rates: dict[int, float | None] = {}
-            for actors in (1, 2):
-                rates[actors] = actor_rate(sa, seeds[0], actors, scaling_steps, args.scaling,
-                                           Path(tmp) / f"scaling-{actors}", budget_s)
-                print(f"  {actors} actor process{'es' if actors > 1 else ''}: "
-                      f"{'-' if rates[actors] is None else f'{rates[actors]:,.0f}'} env steps/s", flush=True)
-            r1, r2 = rates[1], rates[2]
-            ratio = None if r1 is None or r2 is None else r2 / r1
-            print(f"  ratio 2 / 1 actors: {'-' if ratio is None else f'{ratio:.2f}x'} (target >= 1.6x)")
+            reps = 1 if args.quick else max(1, args.scaling_reps)
+            runs: dict[int, list[float]] = {1: [], 2: []}
+            ratios: list[float] = []
+            for rep in range(reps):
+                # Alternate the order every repetition, so a load change hits both sides alike.
+                rep_rates: dict[int, float | None] = {}
+                for actors in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                    rep_rates[actors] = actor_rate(sa, seeds[0], actors, scaling_steps, args.scaling,
+                                                   Path(tmp) / f"scaling-{actors}-{rep}", budget_s)
+                    if rep_rates[actors] is not None:
+                        runs[actors].append(rep_rates[actors])  # type: ignore[arg-type]
+                a, b = rep_rates[1], rep_rates[2]
+                if a and b:
+                    ratios.append(b / a)
+                print(f"  rep {rep + 1}: 1 actor {'-' if a is None else f'{a:,.0f}'}, 2 actors "
+                      f"{'-' if b is None else f'{b:,.0f}'} env steps/s"
+                      f"{f', ratio {b / a:.2f}x' if a and b else ''}", flush=True)
+            r1 = statistics.median(runs[1]) if runs[1] else None
+            r2 = statistics.median(runs[2]) if runs[2] else None
+            ratio = statistics.median(ratios) if ratios else None
+            print(f"  median: 1 actor {'-' if r1 is None else f'{r1:,.0f}'}, 2 actors {'-' if r2 is None else f'{r2:,.0f}'} "
+                  f"env steps/s; median ratio 2 / 1 actors: {'-' if ratio is None else f'{ratio:.2f}x'} "
+                  f"(target >= 1.6x; ratios {', '.join(f'{x:.2f}' for x in ratios)})")
             scaling = {"algo": args.scaling_algo, "mode": args.scaling, "steps_per_actor": scaling_steps,
-                       "rate_1": r1, "rate_2": r2, "ratio": ratio}
+                       "rate_1": r1, "rate_2": r2, "ratio": ratio, "ratios": ratios, "reps": reps}
 
     print_summary(results)
     if args.json:

@@ -424,7 +424,7 @@ def print_algo(name: str, seeds: list[int], rows: dict[str, list[Result | None]]
     for side in SIDES:
         rs = rows[side]
         if not rs or any(r is None for r in rs):
-            print(f"  {side:12s}  n/a (stable-baselines3 not installed)")
+            print(f"  {side:12s}  n/a (--no-sb3, or stable-baselines3 not installed)")
             continue
         cells = ["fail" if r.failed else f"{_fmt_s(r.wall_s)} / {_fmt_steps(r.env_steps)}" for r in rs
                  if r is not None]
@@ -516,7 +516,7 @@ def main() -> None:
 
     import reactor
 
-    sb3_version = "not installed"
+    sb3_version = "skipped (--no-sb3)" if args.no_sb3 else "not installed"
     if not args.no_sb3:
         try:
             from importlib.metadata import version
@@ -600,7 +600,7 @@ def _guard(run: Callable[..., Result | None], *args: Any) -> Result | None:
 
 def _print_run(side: str, seed: int, r: Result | None) -> None:
     if r is None:
-        print(f"  {side:12s} seed {seed}: n/a (stable-baselines3 not installed)", flush=True)
+        print(f"  {side:12s} seed {seed}: n/a (--no-sb3, or stable-baselines3 not installed)", flush=True)
         return
     if r.failed:
         print(f"  {side:12s} seed {seed}: FAILED", flush=True)

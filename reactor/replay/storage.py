@@ -106,13 +106,34 @@ def expand_window_spans(spans: np.ndarray, length: int, capacity: int) -> tuple[
     spans = np.asarray(spans)
     if spans.ndim != 2 or spans.shape[1] != 3 or spans.dtype.kind not in "iu":
         raise ValueError(f"window spans must be an integer [B, 3] array, got dtype {spans.dtype} shape {spans.shape}")
-    base, lo, hi = spans[:, 0:1].astype(np.int64), spans[:, 1:2], spans[:, 2:3]
-    if len(spans) and ((lo < 0).any() or (hi <= lo).any() or (hi > length).any()):
+    b = spans.shape[0]
+    rows = np.empty((b, length), dtype=np.int64)
+    versions = np.empty((b, length), dtype=np.int64)
+    mask = np.empty((b, length), dtype=np.bool_)
+    if _nb_expand_spans(np.ascontiguousarray(spans, dtype=np.int64), int(length), int(capacity), rows, versions, mask) < 0:
         raise ValueError(f"window spans need 0 <= lo < hi <= {length} for every window")
-    offs = np.arange(length, dtype=np.int64)[None, :]
-    mask = (offs >= lo) & (offs < hi)
-    versions = base + np.clip(offs, lo, hi - 1)
-    return versions % capacity, mask, versions
+    return rows, mask, versions
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_expand_spans(
+    spans: np.ndarray, length: int, capacity: int, rows: np.ndarray, versions: np.ndarray, mask: np.ndarray
+) -> int:  # pragma: no cover - jit
+    """:func:`expand_window_spans` in one pass (numpy's version was ~37 us for 64 windows x 32); -1 on a bad span."""
+    b = spans.shape[0]
+    for i in range(b):
+        lo, hi = spans[i, 1], spans[i, 2]
+        if lo < 0 or hi <= lo or hi > length:
+            return -1
+    for i in range(b):
+        base, lo, hi = spans[i, 0], spans[i, 1], spans[i, 2]
+        for j in range(length):
+            k = min(max(j, lo), hi - 1)
+            v = base + k
+            versions[i, j] = v
+            rows[i, j] = v % capacity
+            mask[i, j] = lo <= j < hi
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)

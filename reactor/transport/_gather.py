@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 
 __all__ = [
     "copy_runs",
+    "zero_rows",
     "fence_load_versions",
     "load_versions_fence",
     "runs_of",
@@ -75,6 +76,19 @@ def _memcpy(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:  # pragma: 
         return context.get_dummy_value()
 
     return types.void(dst, src, nbytes), codegen
+
+
+@intrinsic
+def _memzero(typingctx: Any, dst: Any, nbytes: Any) -> Any:  # pragma: no cover - jit
+    """``memset(dst, 0, nbytes)`` at an integer address (``llvm.memset``)."""
+    if not all(isinstance(a, types.Integer) for a in (dst, nbytes)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        cgutils.memset(builder, builder.inttoptr(args[0], cgutils.voidptr_t), args[1], 0)
+        return context.get_dummy_value()
+
+    return types.void(dst, nbytes), codegen
 
 
 @intrinsic
@@ -266,3 +280,31 @@ def store_versions(versions: np.ndarray, rows: np.ndarray, values: np.ndarray | 
         _fence_then_store_versions(versions, rows, values)
     else:
         _store_versions_then_fence(versions, rows, int(values))
+
+
+@numba.njit(cache=True, nogil=True)
+def _zero_rows(dst_addrs: np.ndarray, dst_rows: int, row_nbytes: np.ndarray, positions: np.ndarray) -> int:  # pragma: no cover
+    """``memset`` row ``positions[i]`` of every destination field to zero; -1 if a position is out of range."""
+    for i in range(positions.shape[0]):
+        if positions[i] < 0 or positions[i] >= dst_rows:
+            return -1
+    for f in range(dst_addrs.shape[0]):
+        rb = row_nbytes[f]
+        for i in range(positions.shape[0]):
+            _memzero(dst_addrs[f] + positions[i] * rb, rb)
+    return 0
+
+
+def zero_rows(dst_addrs: np.ndarray, dst_rows: int, row_nbytes: np.ndarray, positions: np.ndarray) -> None:
+    """Zero rows ``positions`` (int64) of several destination fields (int64 addresses and row sizes,
+    each holding ``dst_rows`` rows): a window batch's padding, in one compiled pass.
+
+    The caller keeps the buffers alive for the call.
+
+    Raises:
+        IndexError: a position outside ``[0, dst_rows)`` (checked before anything is written).
+    """
+    if positions.shape[0] == 0 or dst_addrs.shape[0] == 0:
+        return
+    if _zero_rows(dst_addrs, dst_rows, row_nbytes, np.ascontiguousarray(positions, dtype=np.int64)) < 0:
+        raise IndexError(f"zero_rows: a position outside [0, {dst_rows})")

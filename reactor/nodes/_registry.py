@@ -6,7 +6,23 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-__all__ = ["load_algorithm", "make_env", "make_vector_env"]
+__all__ = ["configure_torch", "load_algorithm", "make_env", "make_vector_env"]
+
+
+def configure_torch() -> None:
+    """How every node that runs an algorithm's tensors sets up torch in its process (the same
+    everywhere, so a run's numbers do not depend on placement):
+
+    * one CPU thread: processes are the parallelism, and two threads collapse on a shared 2-core box;
+    * denormals flushed to zero (``torch.set_flush_denormal``): Adam's second moments of small
+      gradients go subnormal, which x86 computes ~100x slower. Measured in a DQN CartPole run: fused
+      Adam 0.42 -> 0.17 ms a step, a learner update 2.04 -> 1.75 ms. Values below ~1e-38 become 0,
+      which no RL loss here depends on.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
 
 
 def load_algorithm(name: str) -> ModuleType:

@@ -123,9 +123,9 @@ class EnvActor(Reactor):
     def open_envs(self) -> None:
         import torch
 
-        from ._registry import load_algorithm, make_vector_env
+        from ._registry import configure_torch, load_algorithm, make_vector_env
 
-        torch.set_num_threads(1)
+        configure_torch()
         self.algo = algo = load_algorithm(self.algo_name)
         self.config = algo.Config.from_dict(self.algo_config)
         self.env = make_vector_env(self.env_name, self.num_envs)

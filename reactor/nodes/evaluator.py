@@ -63,8 +63,9 @@ class Evaluator(Reactor):
 
     @reaction(triggers=[startup])
     def open_env(self) -> None:
-        from ._registry import load_algorithm, make_vector_env
+        from ._registry import configure_torch, load_algorithm, make_vector_env
 
+        configure_torch()
         self.algo = load_algorithm(self.algo_name)
         self.config = self.algo.Config.from_dict(self.algo_config)
         self.env = make_vector_env(self.env_name, self.episodes)

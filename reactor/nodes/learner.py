@@ -49,9 +49,9 @@ class _LearnerBase(Reactor):
     def _setup(self, algo: str, env: str, algo_config: dict[str, Any] | None) -> None:
         import torch
 
-        from ._registry import load_algorithm, make_env
+        from ._registry import configure_torch, load_algorithm, make_env
 
-        torch.set_num_threads(1)
+        configure_torch()
         self.algo = load_algorithm(algo)
         self.config = self.algo.Config.from_dict(dict(algo_config or {}))
         probe = make_env(env)

@@ -37,10 +37,13 @@ from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
 from .train_messages import Report, Rollout, Weights
 
-__all__ = ["DP_TIMEOUT_S", "Learner", "RolloutLearner"]
+__all__ = ["DP_JOIN_TIMEOUT_S", "DP_TIMEOUT_S", "Learner", "RolloutLearner"]
 
-#: Seconds a data-parallel learner waits for the other replicas in one all-reduce.
+#: Seconds a data-parallel learner waits for the other replicas in one gradient all-reduce (gloo;
+#: with NCCL its watchdog enforces it by aborting the process).
 DP_TIMEOUT_S = 60.0
+#: Seconds the replicas may start apart (rendezvous and the initial weight broadcast).
+DP_JOIN_TIMEOUT_S = 600.0
 
 
 class _LearnerBase(Reactor):
@@ -81,7 +84,9 @@ class _LearnerBase(Reactor):
         store.parent.mkdir(parents=True, exist_ok=True)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
-                                world_size=self.bank_size, timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
+                                world_size=self.bank_size, timeout=datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S))
+        # The updates' all-reduces get their own group with the short timeout.
+        group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         world = float(self.bank_size)
         params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
         with torch.no_grad():  # replica 0's initial weights for all
@@ -95,7 +100,7 @@ class _LearnerBase(Reactor):
                 if grads:
                     flat = torch.cat([t.reshape(-1) for t in grads])
                     try:
-                        dist.all_reduce(flat)
+                        dist.all_reduce(flat, group=group)
                     except RuntimeError as e:  # gloo's timeout, or a peer's closed connection
                         raise PeerLostError(
                             f"{self.name}: the other data-parallel learners did not join the gradient all-reduce "

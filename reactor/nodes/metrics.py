@@ -15,7 +15,8 @@ Wall-clock figures (``wall_s``, rates) are for people: no other node sees them, 
 runs stay deterministic. ``wall_s`` counts from the end of this process's startup (every reactor's
 startup reaction ran: networks and optimizers built, environments made, logs opened), which is
 where a training loop such as Stable-Baselines3's ``learn`` starts its clock; ``startup_s`` in the
-summary is what startup took.
+summary is what startup took. (In async mode a startup reaction that awaits may still be running
+then: the clock follows the ones that do not suspend.)
 """
 
 from __future__ import annotations

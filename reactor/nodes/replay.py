@@ -548,6 +548,10 @@ class Replay(Reactor):
                 return False
             mass, min_mass = _sampler_mass(self._sampler)
             size = len(table)
+            if not mass > 0:  # every priority is 0: nothing to draw; the figures tell the client so
+                self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass, size,
+                                            self.beta))
+                return True
             bulk = self._owner is not None and req.host == self._host_id
             # The anchor steps are the items only for StepRead; the other reads and the bulk plan
             # start from the keys alone.
@@ -770,6 +774,7 @@ class _Sample:
     beta: float = 0.0
     deadline: float = math.inf
     shares: dict[int, float] | None = None  # one-round sample: each shard's share of the counts
+    empty: bool = False  # a shard asked for items had none to draw (zero mass): start again
 
 
 class ReplayClient:
@@ -935,18 +940,25 @@ class ReplayClient:
             PeerLostError: another shard has timed out (see :meth:`check_timeouts`).
         """
         s = self._samples.pop(reply.request, None)
-        if s is None or s.outstanding.pop(reply.request, None) is None:
+        asked = None if s is None else s.outstanding.pop(reply.request, None)
+        if s is None or asked is None:
             return self.check_timeouts(), None
         if reply.error:
             self._drop(s)
             raise RuntimeError(f"replay shard {reply.shard} refused a request: {reply.error}")
         out: list[ReplayRequest] = []
         batch = None
-        self._figures[reply.shard] = reply
+        # The figures only (a reply may carry a batch of data: keep none of it alive).
+        self._figures[reply.shard] = ShardMass(reply.shard, 0, 0, "", reply.mass, reply.min_mass, reply.size,
+                                               reply.beta)
         if isinstance(reply, ShardMass):
+            if s.stage == 2 and asked[1] > 0:  # asked for items, but its priorities are all 0 by now
+                s.empty = True
             s.masses[reply.shard] = reply
             if not s.outstanding:
-                if s.shares is not None:
+                if s.empty:
+                    out.extend(self._start_again(s))
+                elif s.shares is not None:
                     batch = self._assemble(s)
                 else:
                     out.extend(self._draw_counts(s))
@@ -955,9 +967,33 @@ class ReplayClient:
                 self._attach(reply.shard, reply.descriptor)
             s.parts.append(reply)
             if not s.outstanding:
-                batch = self._assemble(s)
+                if s.empty:
+                    out.extend(self._start_again(s))
+                else:
+                    batch = self._assemble(s)
         out.extend(self.check_timeouts())
         return out, batch
+
+    def _start_again(self, s: _Sample) -> list[ReplayRequest]:
+        """A shard had no mass for the items it was asked for: draw the whole sample again from the
+        figures just reported (its share is now 0). The items other shards drew are dropped (they
+        count as sampled there).
+
+        Raises:
+            RuntimeError: no live shard has positive mass (every priority is 0): as a single table,
+                nothing can be sampled.
+        """
+        self._drop(s)
+        live = self._require_live()
+        if not any(self._figures[k].mass > 0 for k in live if k in self._figures):  # type: ignore[attr-defined]
+            raise RuntimeError(
+                f"every live replay shard ({live}) holds only zero priorities: nothing can be sampled until "
+                f"priorities are updated or items inserted"
+            )
+        again = _Sample(s.n, stage=1, want=s.n)
+        if self.masses == "cached" and all(k in self._figures for k in live):
+            return self._one_round(again, live)
+        return self._ask_masses(again, live)
 
     def _draw_counts(self, s: _Sample) -> list[ReplayRequest]:
         """Stage 2: counts ~ Multinomial(want, M_s / M) over the shards that answered stage 1."""

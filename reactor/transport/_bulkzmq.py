@@ -155,24 +155,24 @@ class ZmqServer:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._auth: ThreadAuthenticator | None = None
         self.curve_public: bytes | None = None
-        if curve is not None:
-            self._auth = ThreadAuthenticator(self._ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback(
-                "*", credentials_provider=_AllowedKeys([curve.public] if curve_clients is None else curve_clients)
-            )
-            self._router.curve_server = True
-            self._router.curve_secretkey = curve.secret
-            self._router.curve_publickey = curve.public
-            self.curve_public = curve.public
         try:
+            if curve is not None:
+                self._auth = ThreadAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback(
+                    "*", credentials_provider=_AllowedKeys([curve.public] if curve_clients is None else curve_clients)
+                )
+                self._router.curve_server = True
+                self._router.curve_secretkey = curve.secret
+                self._router.curve_publickey = curve.public
+                self.curve_public = curve.public
             self._router.bind(bind)
-        except zmq.ZMQError as exc:
+        except zmq.ZMQError as exc:  # a bad address, or CURVE not built into libzmq: release everything
             self._router.close(0)
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.term()
-            raise OSError(f"bulk zmq server cannot bind {bind!r}: {exc}") from None
+            raise OSError(f"bulk zmq server cannot start on {bind!r}: {exc}") from None
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop_addr = f"inproc://bulk-stop-{id(self)}"
         self._stop_rx = self._ctx.socket(zmq.PAIR)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import math
 import os
 import socket
@@ -408,11 +409,20 @@ def _release_owner(state: _OwnerState) -> None:
 
 
 def _local_only(bind: str) -> bool:
-    """Whether a zmq bind address is reachable from this host only (ipc, inproc, tcp loopback)."""
-    if not bind.startswith("tcp://"):
+    """Whether a zmq bind address is reachable from this host only: ipc, inproc, or tcp on a
+    loopback IP literal or ``localhost``. Anything else (a wildcard, an interface, a host name,
+    ws/wss/tipc/vmci transports) counts as reachable from other hosts."""
+    if bind.startswith(("ipc://", "inproc://")):
         return True
+    if not bind.startswith("tcp://"):
+        return False
     host = bind[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host.startswith("127.") or host == "::1"
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface or a host name
+        return False
 
 
 class BulkOwner:

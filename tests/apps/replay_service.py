@@ -7,7 +7,8 @@ config keys (all optional):
     read: "transition" | "window"          what the table reads (gym source)
     items: number of fixed items (400)     alpha, beta: Prioritized exponents (1.0, 0.5)
     min_size: per-shard MinSize            batches, batch_size: what the learner draws (20, 64)
-    update: "none" | "random" | "boost"    priority updates after each batch
+    update: "none" | "random" | "boost" | "zero"   priority updates after each batch (zero: the first
+                                           batch's items get priority 0)
     out: npz path for the learner's record; stats_out: npz path for the shards' statistics
     run_dir, checkpoint_on_shutdown, checkpoint_period_s: replay checkpoints
     timeout_s, skip_lost: the client's shard timeout; die_shard, die_after: a shard that exits
@@ -209,6 +210,9 @@ class Sampler(Reactor):
         if self.update == "random":
             p = self.rng.random(len(batch.keys)) + 0.01
             for m in self.client.update_priorities(batch.keys, p):
+                self.updates.send(m)
+        elif self.update == "zero" and len(r["keys"]) == 1:  # every sampled item's priority to 0
+            for m in self.client.update_priorities(batch.keys, np.zeros(len(batch.keys))):
                 self.updates.send(m)
         elif self.update == "boost" and len(r["keys"]) == 1:
             self.boosted = set(batch.keys.tolist())

@@ -225,6 +225,35 @@ def test_a_one_round_sample_whose_shard_is_lost_starts_again_over_the_live_shard
     assert batch.table_size == 10
 
 
+def test_a_shard_without_mass_for_its_count_makes_the_sample_start_again_from_the_others():
+    client = ReplayClient(2, rng=np.random.default_rng(5), timeout_s=None)
+    out = []
+    for r in client.request(10):
+        out += client.receive(_mass(r.shard, r.request, 1.0, 5))[0]
+    for r in out:
+        client.receive(_part(r, 0.2, 1.0, 1.0, size=5))
+    reqs = client.request(50)  # one round: both shards asked for items
+    by = {r.shard: r for r in reqs}
+    assert by[0].n > 0 and by[1].n > 0
+    assert client.receive(_mass(0, by[0].request, 0.0, 5, min_mass=float("inf")))[1] is None  # all 0 by now
+    again, batch = client.receive(_part(by[1], 0.2, 1.0, 1.0, size=5))
+    assert batch is None and {(r.shard, r.n) for r in again} == {(0, 0), (1, 50)}  # shard 0's share is 0 now
+    by = {r.shard: r for r in again}
+    client.receive(_mass(0, by[0].request, 0.0, 5, min_mass=float("inf")))
+    _, batch = client.receive(_part(by[1], 0.2, 1.0, 1.0, size=5))
+    assert batch is not None and set(key_shard(batch.keys).tolist()) == {1}
+    np.testing.assert_allclose(batch.probabilities.numpy(), 0.2)
+    assert batch.table_size == 10
+
+
+def test_sampling_shards_whose_priorities_are_all_zero_is_a_clear_error(tmp_path):
+    """Real shards: after the first batch every item's priority is 0; the next sample fails with a
+    message saying so (a single table raises too), instead of a shard crashing or a loop."""
+    with pytest.raises(Exception, match=r"holds only zero priorities: nothing can be sampled"):
+        _run({"source": "items", "items": 8, "shards": 2, "actors": 1, "min_size": 4, "batches": 3,
+              "batch_size": 200, "update": "zero", "out": str(tmp_path / "x.npz")})
+
+
 def test_client_routes_priority_updates_by_key_shard():
     client = ReplayClient(3, timeout_s=None)
     keys = np.concatenate([make_keys(2, [7, 8]), make_keys(0, [1]), make_keys(2, [9])])

@@ -80,3 +80,15 @@ async def test_a_read_server_reachable_from_other_hosts_needs_curve():
             await reader.aclose()
     finally:
         await owner.aclose()
+
+
+@pytest.mark.parametrize(("bind", "local"), [
+    ("ipc:///tmp/x.sock", True), ("inproc://x", True), ("tcp://127.0.0.1:*", True), ("tcp://127.3.4.5:9", True),
+    ("tcp://localhost:*", True), ("tcp://[::1]:5555", True), ("tcp://*:5555", False), ("tcp://0.0.0.0:*", False),
+    ("tcp://10.1.2.3:*", False), ("tcp://eth0:*", False), ("tcp://127.evil.example:1", False),
+    ("ws://127.0.0.1:1", False), ("tipc://{15560,0,0}", False),
+])
+def test_only_loopback_ipc_and_inproc_binds_count_as_local(bind, local):
+    from reactor.transport.bulk import _local_only
+
+    assert _local_only(bind) is local

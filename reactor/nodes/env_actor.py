@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._reactor import Action, Input, Output, Reactor, reaction, startup
+from ._registry import denormals_flushed
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
 from .writer import TransitionPattern, WindowPattern, Writer
@@ -202,7 +203,7 @@ class EnvActor(Reactor):
             return
         obs = self.obs
         explore_step = int(self.env_steps * self.explore_scale)
-        with torch.no_grad():
+        with torch.no_grad(), denormals_flushed():
             action, extras = self.algo.act(self.policy, torch.as_tensor(obs), explore_step, self.torch_rng)
         act_np = action.numpy()
         next_obs, reward, terminated, truncated, info = self.env.step(act_np)

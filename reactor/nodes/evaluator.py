@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .._reactor import Input, Output, Reactor, reaction, startup
+from ._registry import denormals_flushed
 from .train_messages import Report, Weights
 
 __all__ = ["Evaluator", "evaluate"]
@@ -27,7 +28,7 @@ def evaluate(algo: Any, policy: Any, env: Any, episodes: int, seed: int) -> np.n
     running = np.ones(episodes, dtype=bool)
     gen = torch.Generator().manual_seed(seed)
     while running.any():
-        with torch.no_grad():
+        with torch.no_grad(), denormals_flushed():
             action, _ = algo.act(policy, torch.as_tensor(obs), 0, gen, greedy=True)
         obs, reward, terminated, truncated, _ = env.step(action.numpy())
         returns += np.where(running, reward, 0.0)

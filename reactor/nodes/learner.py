@@ -33,6 +33,7 @@ import numpy as np
 
 from .._errors import PeerLostError
 from .._reactor import Input, Output, Reactor, reaction, shutdown, startup
+from ._registry import denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
 from .train_messages import Report, Rollout, Weights
@@ -64,7 +65,8 @@ class _LearnerBase(Reactor):
         seed = int(np.random.default_rng([self.bank_seed, self.seed]).integers(2**31))
         with torch.random.fork_rng():  # seeded, and no other stream in this process moves
             torch.manual_seed(seed)
-            self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
+            with denormals_flushed():
+                self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
         if self.resume and self.ckpt is not None and self.ckpt.is_file():
@@ -256,7 +258,8 @@ class Learner(_LearnerBase):
         data["weights"] = torch.as_tensor(batch.weights)
         for m in self.client.check_timeouts():  # a shard that stopped answering is lost
             self.requests.send(m)
-        metrics, priorities = self.algo.learn(self.state, data)
+        with denormals_flushed():
+            metrics, priorities = self.algo.learn(self.state, data)
         self.updates += 1
         self.samples += len(batch.keys)
         if priorities is not None:
@@ -325,7 +328,8 @@ class RolloutLearner(_LearnerBase):
         self.pending = {}
         dims = {k: (0 if k == "last_obs" else 1) for k in parts[0]}
         batch = {k: torch.cat([p[k] for p in parts], dim=dims[k]) for k in parts[0]}
-        metrics, _ = self.algo.learn(self.state, batch)
+        with denormals_flushed():
+            metrics, _ = self.algo.learn(self.state, batch)
         self.updates += 1
         self.samples += int(batch["reward"].numel())
         if self.max_updates is not None and self.updates > self.max_updates:

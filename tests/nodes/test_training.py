@@ -56,6 +56,9 @@ def test_another_seed_gives_other_weights(tmp_path):
     _run(DQN, {**base, "run_dir": str(tmp_path / "a")}, seed=1)
     _run(DQN, {**base, "run_dir": str(tmp_path / "b")}, seed=2)
     assert (tmp_path / "a" / "weights.sha256").read_text() != (tmp_path / "b" / "weights.sha256").read_text()
+    from reactor.nodes._registry import _flushing  # noqa: PLC0415
+
+    assert not _flushing()  # the fragments ran with denormals flushed; this process's setting is back
 
 
 def test_dqn_solves_cartpole(tmp_path):

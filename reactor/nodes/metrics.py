@@ -166,10 +166,10 @@ class Metrics(Reactor):
             plot = plot_run(self.dir)
         except ValueError:  # nothing to plot yet (a very short run)
             pass
-        if self.live:
-            ev = "-" if self.last_eval is None else f"{self.last_eval:.1f}"
-            print(f"evaluation return {ev}; stopped: {summary['stop_reason']}", flush=True)
-            print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
+        # The result, also without live progress: a run that ends silently leaves its user guessing.
+        ev = "-" if self.last_eval is None else f"{self.last_eval:.1f}"
+        print(f"evaluation return {ev}; stopped: {summary['stop_reason']}", flush=True)
+        print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
 
 
 class _Display:

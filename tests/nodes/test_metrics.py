@@ -56,8 +56,10 @@ def test_metrics_logs_every_value_sums_counters_and_stops_at_the_target(tmp_path
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
-def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path):
+def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
     run(_graph(tmp_path, max_steps=6000, actors=1))
+    out = capsys.readouterr().out  # live=False still ends with the result and where it is
+    assert "evaluation return " in out and "stopped: " in out and f"run directory {tmp_path}" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["reached_target"] is False
     assert summary["env_steps"] == 6000

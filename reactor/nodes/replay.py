@@ -531,8 +531,7 @@ class Replay(Reactor):
         if isinstance(req, MassRequest):
             if not limiter.can_sample(1, len(table)):
                 return False
-            mass, min_mass = _sampler_mass(self._sampler)
-            self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass, len(table), self.beta))
+            self._send_figures(req)
             return True
         if isinstance(req, SampleRequest):
             n = req.n
@@ -540,17 +539,14 @@ class Replay(Reactor):
                 self._refuse(req, f"SampleRequest.n must be an int >= 0, got {n!r}")
                 return True
             if n == 0:  # a one-round sample that drew no item here: just the current figures, now
-                mass, min_mass = _sampler_mass(self._sampler)
-                self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass,
-                                            len(table), self.beta))
+                self._send_figures(req)
                 return True
             if not limiter.can_sample(n, len(table)):
                 return False
             mass, min_mass = _sampler_mass(self._sampler)
             size = len(table)
             if not mass > 0:  # every priority is 0: nothing to draw; the figures tell the client so
-                self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass, size,
-                                            self.beta))
+                self._send_figures(req)
                 return True
             bulk = self._owner is not None and req.host == self._host_id
             # The anchor steps are the items only for StepRead; the other reads and the bulk plan
@@ -575,6 +571,12 @@ class Replay(Reactor):
             return True
         self._refuse(req, f"unknown request type {type(req).__name__}")
         return True
+
+    def _send_figures(self, req: ReplayRequest) -> None:
+        """Answer ``req`` with this shard's mass, minimum, size and beta (:class:`ShardMass`)."""
+        mass, min_mass = _sampler_mass(self._sampler)
+        self.replies.send(ShardMass(self.bank_index, req.requester, req.request, "", mass, min_mass,
+                                    len(self.table), self.beta))  # type: ignore[arg-type]
 
     def _read_items(self, keys: np.ndarray, anchors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the read kind returns for ``keys`` (the anchor steps are already read)."""
@@ -882,12 +884,16 @@ class ReplayClient:
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
-        live = self._require_live()
-        s = _Sample(int(n), stage=1, want=int(n))
+        return self._begin(int(n), self._require_live())
+
+    def _begin(self, n: int, live: list[int]) -> list[ReplayRequest]:
+        """A new sample of ``n`` over the ``live`` shards: one shard's own draw, one round from
+        cached masses, or a mass round first."""
+        s = _Sample(n, stage=1, want=n)
         if self.num_shards == 1:  # one shard: its own draw is the exact one
             s.stage = 2
             s.deadline = self._deadline()
-            return [self._ask(s, 0, int(n))]
+            return [self._ask(s, 0, n)]
         if self.masses == "cached" and all(k in self._figures for k in live):
             return self._one_round(s, live)
         return self._ask_masses(s, live)
@@ -990,10 +996,7 @@ class ReplayClient:
                 f"every live replay shard ({live}) holds only zero priorities: nothing can be sampled until "
                 f"priorities are updated or items inserted"
             )
-        again = _Sample(s.n, stage=1, want=s.n)
-        if self.masses == "cached" and all(k in self._figures for k in live):
-            return self._one_round(again, live)
-        return self._ask_masses(again, live)
+        return self._begin(s.n, live)
 
     def _draw_counts(self, s: _Sample) -> list[ReplayRequest]:
         """Stage 2: counts ~ Multinomial(want, M_s / M) over the shards that answered stage 1."""
@@ -1206,9 +1209,7 @@ class ReplayClient:
                 continue
             if s.shares is not None:  # one round: start the sample again over the live shards
                 self._drop(s)
-                again = _Sample(s.n, stage=1, want=s.n)
-                known = all(k in self._figures for k in live)
-                out.extend(self._one_round(again, live) if known else self._ask_masses(again, live))
+                out.extend(self._begin(s.n, live))
                 continue
             if s.stage == 2:
                 s.want = sum(n for _, n in missing)

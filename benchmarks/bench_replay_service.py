@@ -119,7 +119,8 @@ def med(xs: list[float]) -> float:
 def sample_cases(cfg: dict) -> list[tuple[str, str]]:
     """(report key, section label) of the sampling cases, in print order."""
     depths = sorted({1, cfg["inflight"]})
-    return [(name if d == 1 else f"{name}_x{d}", label) for name, label in (("shm", "sample shm"), ("msg", "sample tcp"))
+    return [(name if d == 1 else f"{name}_x{d}", label) for name, label in (("shm", "sample shm"), ("msg", "sample tcp"),
+                                                                      ("onesided", "1-sided zmq"))
             for d in depths]
 
 
@@ -188,20 +189,21 @@ def main() -> None:
             json.dump(rep, f, indent=1)
     size = [s["size"] for s in rep["shards_after_fill"]]
     steps = [s["num_steps"] for s in rep["shards_after_fill"]]
-    lat = {k: med(rep[k]) * 1e3 for k in ("shm", "msg", "inproc", "memcpy")}
+    lat = {k: med(rep[k]) * 1e3 for k in ("shm", "msg", "onesided", "inproc", "memcpy")}
     print(f"replay service: {cfg['shards']} shards x {cfg['capacity'] // cfg['shards']} steps in {cfg['shards']} processes "
           f"(stored steps {sum(steps)}, items {sum(size)}); batch {cfg['batch']} windows x {cfg['window']} steps "
           f"x 269 B + mask = {rep['out_nbytes'] / 1e6:.2f} MB; "
           f"medians of {cfg['reps']} reps x {cfg['calls']} batches; cpus={os.cpu_count()}, load average before "
           f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f}; run {rep['run_wall_s']:.0f} s (start-up {rep['startup_s']:.0f} s, "
           f"measuring {rep['wall_s']:.0f} s, shutdown {rep['shutdown_s']:.0f} s)")
-    print(f"ms/batch, 1 in flight: shm {lat['shm']:.2f}  tcp {lat['msg']:.2f}  in-process {lat['inproc']:.2f}  "
+    print(f"ms/batch, 1 in flight: shm {lat['shm']:.2f}  tcp {lat['msg']:.2f}  1-sided zmq {lat['onesided']:.2f}  "
+          f"in-process {lat['inproc']:.2f}  "
           f"memcpy {lat['memcpy']:.3f}; items/batch shm {med(rep['shm_items']):.1f} tcp {med(rep['msg_items']):.1f} "
           f"(dropped, rows overwritten: {rep['client']['dropped_items']})")
     for key, label in sample_cases(cfg):
         p = [med([x[i] for x in rep[f"{key}_parts"]]) for i in range(6)]
         stages = (f"stage 1 (masses) {p[0] * 1e3:.2f} ms, stage 2 (samples) {p[1] * 1e3:.2f} ms, "
-                  f"assembly{' + gather' if 'shm' in key else ''} {p[2] * 1e3:.2f} ms; " if "_x" not in key else "")
+                  f"assembly{' + gather' if 'msg' not in key else ''} {p[2] * 1e3:.2f} ms; " if "_x" not in key else "")
         print(f"  {label}, {case_of(key, cfg)}: {med(rep[key]) * 1e3:.2f} ms/batch: {stages}requester CPU "
               f"{p[3] * 1e3:.2f} ms, context switches {p[4]:.1f} voluntary + {p[5]:.1f} forced")
     print_table(rows_of(rep, cfg))

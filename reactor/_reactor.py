@@ -362,6 +362,15 @@ class Reactor:
         """
         return bool(getattr(self._host, "deterministic", True))
 
+    @property
+    def process_link(self) -> Any:
+        """How this reactor's process is reached (:class:`reactor._scheduler.ProcessLink`): its
+        endpoint's address and the run's CURVE keys. A node that opens a server of its own binds
+        to ``process_link.server_bind`` and secures it with ``process_link.curve``."""
+        from ._scheduler import ProcessLink
+
+        return getattr(self._host, "link", None) or ProcessLink()
+
     def request_stop(self) -> None:
         """Ask the runtime to end the run after the current tag (see docs/architecture.md for semantics)."""
         if self._host is None:

@@ -49,6 +49,31 @@ class RemoteSink(Protocol):
     async def wait_drained(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ProcessLink:
+    """How this process is reached: what a node opening its own server (e.g. a replay shard's bulk
+    read server) binds to and secures it with.
+
+    Attributes:
+        bind: the address this process's endpoint listens on (``ipc://...`` or ``tcp://HOST:PORT``;
+            ``""`` in a single-process run).
+        curve: the run's CURVE key pair (``reactor.transport.CurveKeys``) when links leave the
+            host, else None.
+    """
+
+    bind: str = ""
+    curve: Any = None
+
+    @property
+    def server_bind(self) -> str:
+        """Where a side server of this process should listen: the endpoint's interface with an
+        OS-picked port when the endpoint is on tcp, else loopback."""
+        if self.bind.startswith("tcp://"):
+            host = self.bind[len("tcp://"):].rsplit(":", 1)[0]
+            return f"tcp://{host}:*"
+        return "tcp://127.0.0.1:*"
+
+
 @dataclass
 class _Route:
     """The links one output port feeds through one declared connection."""
@@ -95,8 +120,10 @@ class ReactorHost:
         recorder: Recorder | None = None,
         replayer: Replayer | None = None,
         process: str = "main",
+        link: ProcessLink | None = None,
     ) -> None:
         self.graph = graph
+        self.link = link if link is not None else ProcessLink()
         self.deterministic = deterministic
         self.remote = remote
         self.digest_fn = digest

@@ -31,7 +31,7 @@ from typing import Any
 
 from ._app import build_graph
 from ._errors import PeerLostError, WouldBlock
-from ._scheduler import ReactorHost, Recorder, Replayer
+from ._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from ._tag import NEVER, Tag
 
 log = logging.getLogger("reactor.worker")
@@ -169,7 +169,7 @@ class Worker:
             self.host = host = ReactorHost(
                 graph, local, owner_of, seed=spec["seed"], deterministic=deterministic, remote=outbox,
                 digest=_digest if spec["digest"] else None, stop_ns=stop_ns, recorder=recorder,
-                replayer=replayer, process=self.group,
+                replayer=replayer, process=self.group, link=ProcessLink(ep.address, keys),
             )
             for p in in_peers:
                 host.horizons[p] = Tag(0, 0)

@@ -13,11 +13,12 @@ samples when ``bench[0]`` asks and reports its timings back:
   when every writer is done and the shards' statistics count every item the writers sent. The
   first round fills the whole capacity (``insert_cold``).
 * ``local_insert``: the same Writer workload into an in-process ``reactor.replay.Table`` (the peer).
-* ``shm`` / ``msg``: ``calls`` batches of ``batch`` windows through a
+* ``shm`` / ``msg`` / ``onesided``: ``calls`` batches of ``batch`` windows through a
   :class:`~reactor.nodes.ReplayClient` (exact two-stage sampling), with 1 and ``inflight`` batches
   requested at once (``*_x<inflight>``): ``shm`` (bench[0]) gathers the rows from the shards' shared
   memory itself; ``msg`` (bench[1], ``bulk=False``) gets the windows in the shards' replies, as a
-  learner on another host does. Per batch also: time to the last stage-1 reply, to the last stage-2
+  learner on another host does; ``onesided`` (bench[1], ``remote_reads="zmq"``) gets plans and reads
+  the windows from the shards' bulk zmq read servers (the RDMA path's shape). Per batch also: time to the last stage-1 reply, to the last stage-2
   reply, in assembly; the requester's CPU time and context switches.
 * ``inproc``: ``Table.sample_nowait(batch)`` of the same windows from the in-process table.
 * ``memcpy``: one contiguous single-core copy of a batch's bytes from a random place of a buffer as
@@ -30,6 +31,7 @@ inflight (1), chunk_length (256), flush_steps (1024), report (the JSON file benc
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import time
@@ -37,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from reactor import Action, Graph, Input, Output, Reactor, reaction, startup
+from reactor import Action, Graph, Input, Output, Reactor, reaction, shutdown, startup
 from reactor.nodes import (
     Replay,
     ReplayClient,
@@ -167,8 +169,13 @@ class Bench(Reactor):
         self.shards, self.writers, self.batch = c["shards"], c["writers"], c["batch"]
         self.capacity, self.window, self.envs = c["capacity"], c["window"], c["envs"]
         self.calls, self.inflight = c["calls"], c["inflight"]
-        self.client = ReplayClient(self.shards, requester=self.bank_index, rng=self.rng, timeout_s=120.0,
-                                   bulk=self.bank_index == 0)
+        # Replica 0 gathers from the shards' shared memory; replica 1 ("another host") gets the windows
+        # in the replies (msg) or reads them one-sidedly from the shards' bulk read servers (onesided).
+        mk = functools.partial(ReplayClient, self.shards, requester=self.bank_index, rng=self.rng, timeout_s=120.0,
+                               curve=self.process_link.curve)
+        self.clients = ({"shm": mk(bulk=True, remote_reads="off")} if self.bank_index == 0 else
+                        {"msg": mk(bulk=False, remote_reads="off"), "onesided": mk(bulk=False, remote_reads="zmq")})
+        self.client = next(iter(self.clients.values()))
         self.block: dict = {}
         if self.bank_index != 0:
             return
@@ -183,7 +190,7 @@ class Bench(Reactor):
         fill = -(-self.capacity // self.writers)  # rows per writer for the first (cold) fill
         plan: list[tuple] = [("insert", 0, fill), ("local_insert", 0, fill * self.writers), ("stats", "after_fill")]
         depths = sorted({1, self.inflight})
-        samples = [(name, d) for name in ("shm", "msg") for d in depths]
+        samples = [(name, d) for name in ("shm", "msg", "onesided") for d in depths]
         plan += [("sample", name, d, 3, False) for name, d in samples] + [("inproc", 3, False), ("memcpy", 3, False)]
         for r in range(1, c["reps"] + 1):
             rows = c["round_rows"]
@@ -308,6 +315,7 @@ class Bench(Reactor):
     # ------------------------------------------------------------------ samples (either replica)
 
     def _start_block(self, key: str, depth: int, calls: int, keep: bool) -> None:
+        self.client = self.clients[key.split("_x")[0]]  # one client per case: its request ids are its own
         ru = resource.getrusage(resource.RUSAGE_SELF)
         self.block = {"key": key, "depth": depth, "calls": calls, "keep": keep, "issued": 0, "done": 0, "items": 0,
                       "parts": [0.0, 0.0, 0.0], "ru0": (time.process_time(), ru.ru_nvcsw, ru.ru_nivcsw),
@@ -331,13 +339,14 @@ class Bench(Reactor):
                 self._keep(cmd_in["key"], cmd_in["s"], cmd_in["items"], cmd_in["parts"])
             self._advance()
         elif op == "close":  # replica 1
-            self.client.close()
+            for c in self.clients.values():
+                c.close()
 
     @reaction(triggers=[replies], effects=[go, control, requests, cmd, poll])
-    def take(self, replies: ReplayReply) -> None:
+    async def take(self, replies: ReplayReply) -> None:
         b = self.block
         t0 = time.perf_counter()
-        msgs, batch = self.client.receive(replies)
+        msgs, batch = await self.client.areceive(replies)
         t1 = time.perf_counter()
         # Where a batch's time goes (one batch in flight): stage 1 (masses), stage 2 (samples), assembly.
         if isinstance(replies, ShardMass):
@@ -372,6 +381,11 @@ class Bench(Reactor):
         self.results.setdefault("batch_fields_nbytes",
                                 {k: v.numel() * v.element_size() for k, v in batch.data.items()})
         self._advance()
+
+    @reaction(triggers=[shutdown])
+    def close_clients(self) -> None:  # the run may end before replica 1 sees "close"
+        for c in getattr(self, "clients", {}).values():
+            c.close()
 
     def _keep(self, key: str, s: float, items: float, parts: list[float]) -> None:
         self._record(key, s)
@@ -417,7 +431,7 @@ def build(config: dict) -> Graph:
                     name="writer", replicas=c["writers"])
     replay = g.add(Replay(FIELDS, c["capacity"] // c["shards"], read=WindowRead(c["window"], "tail"),
                           sampler={"type": "Prioritized", "alpha": ALPHA}, beta=BETA,
-                          rate_limiter={"type": "MinSize", "min_size": 1}),
+                          rate_limiter={"type": "MinSize", "min_size": 1}, remote_reads="zmq"),
                    name="replay", replicas=c["shards"])
     bench = g.add(Bench(c), name="bench", replicas=2)
     g.connect(bench.go, writers.go)

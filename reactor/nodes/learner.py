@@ -235,7 +235,7 @@ class Learner(_LearnerBase):
     def start(self) -> None:
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
-                                   timeout_s=self.sample_timeout_s)
+                                   timeout_s=self.sample_timeout_s, curve=self.process_link.curve)
         if self.bank_index == 0:
             self.weights.send(self._weights())
         for _ in range(self.prefetch):
@@ -243,8 +243,8 @@ class Learner(_LearnerBase):
                 self.requests.send(m)
 
     @reaction(triggers=[replies], effects=[requests, priorities, weights, report])
-    def learn(self, replies: ReplayReply) -> None:
-        msgs, batch = self.client.receive(replies)
+    async def learn(self, replies: ReplayReply) -> None:
+        msgs, batch = await self.client.areceive(replies)  # awaits only one-sided reads of other hosts' shards
         for m in msgs:
             self.requests.send(m)
         if batch is None:
@@ -279,6 +279,8 @@ class Learner(_LearnerBase):
     @reaction(triggers=[shutdown])
     def finish(self) -> None:
         self._finish()
+        if hasattr(self, "client"):
+            self.client.close()  # shared-memory mappings and read connections
 
 
 class RolloutLearner(_LearnerBase):

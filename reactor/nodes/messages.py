@@ -163,11 +163,14 @@ class SampleRequest(ReplayRequest):
             from a shard's shared memory itself, else "" (the reply then carries the data).
         generation: the bulk generation of the shard's region the requester has attached (0: none;
             the reply then carries the region's descriptor).
+        remote: the one-sided read backend (``"rdma"`` or ``"zmq"``) the requester can use on a
+            shard of another host, else "". A shard that offers it answers with a plan, not data.
     """
 
     n: int = 1
     host: str = ""
     generation: int = 0
+    remote: str = ""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ memory copy). On start it restores from the newest complete checkpoint there, if
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import math
@@ -114,6 +115,8 @@ log = logging.getLogger("reactor.replay")
 
 #: Keys are ``shard << KEY_SHARD_BITS | local key``: 2^48 local keys (steps) per shard.
 KEY_SHARD_BITS = 48
+#: The ``remote_reads`` settings of :class:`Replay` and :class:`ReplayClient`.
+REMOTE_READS = ("auto", "zmq", "off")
 _LOCAL_MASK = (1 << KEY_SHARD_BITS) - 1
 
 
@@ -294,6 +297,13 @@ class Replay(Reactor):
             windows. None (default): on in async runs where shared memory works, off in
             deterministic runs (a reader's gather races the ring, so a dropped overwritten item
             would depend on timing). True forces it on.
+        remote_reads: one-sided reads by requesters on *other* hosts, when ``bulk`` is on.
+            ``"auto"`` (default): offered over RDMA when an RDMA device works here (the reader
+            then pulls the rows with RDMA READs; this shard's CPU is not involved), otherwise
+            such requesters get the data in the replies. ``"zmq"``: also offered through the
+            bulk layer's zmq read server (a thread of this process, on this process's
+            interface, CURVE when the run's links are): the copy leaves the shard's loop, for one
+            more round trip. ``"off"``: data in the replies for every other host.
 
     Raises:
         ValueError, TypeError: a malformed configuration (at graph build time).
@@ -340,6 +350,7 @@ class Replay(Reactor):
         restore: bool = True,
         checkpoint_on_shutdown: bool = False,
         bulk: bool | None = None,
+        remote_reads: str = "auto",
     ) -> None:
         self.specs = parse_fields(fields)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -354,6 +365,9 @@ class Replay(Reactor):
         if bulk not in (None, True, False):
             raise ValueError(f"Replay bulk must be None (auto), True or False, got {bulk!r}")
         self.bulk = bulk
+        if remote_reads not in REMOTE_READS:
+            raise ValueError(f"Replay remote_reads must be one of {list(REMOTE_READS)}, got {remote_reads!r}")
+        self.remote_reads = remote_reads
         self.sampler_config = sampler
         self.remover_config = remover
         self.limiter_config = rate_limiter if rate_limiter is not None else {"type": "MinSize", "min_size": 1}
@@ -384,7 +398,12 @@ class Replay(Reactor):
         self._versions: torch.Tensor | None = None
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
         if use_bulk and isinstance(self.read, (WindowRead, StepRead)):
-            self._owner = await _bulk.BulkOwner.open(self.run_id, backends=["shm"])
+            caps = _bulk.capabilities()
+            backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
+            backends += ["zmq"] if self.remote_reads == "zmq" else []
+            link = self.process_link
+            self._owner = await _bulk.BulkOwner.open(
+                self.run_id, backends=backends, zmq_bind=link.server_bind, curve=link.curve)
             self._region = _dir_name(self.name)
             storage = Storage(self.specs, self.capacity, allocator=self._owner.allocator(self._region))
             self._versions = self._owner.allocate_versions(self._region)
@@ -548,7 +567,8 @@ class Replay(Reactor):
             if not mass > 0:  # every priority is 0: nothing to draw; the figures tell the client so
                 self._send_figures(req)
                 return True
-            bulk = self._owner is not None and req.host == self._host_id
+            bulk = self._owner is not None and (
+                req.host == self._host_id or (req.remote in ("rdma", "zmq") and req.remote in self._owner.backends))
             # The anchor steps are the items only for StepRead; the other reads and the bulk plan
             # start from the keys alone.
             anchors, info = table.sample_nowait(n, read=not bulk and isinstance(self.read, StepRead))
@@ -818,6 +838,14 @@ class ReplayClient:
             see ``Replay(bulk=...)``). Items whose rows the ring overwrote before the gather are
             dropped from the batch (counted in ``dropped_items``), never returned torn;
             ``gathered_items`` counts the items read that way.
+        remote_reads: how rows of shards on *other* hosts arrive. ``"auto"`` (default): by RDMA
+            READs when an RDMA device works here and the shard offers it (see
+            ``Replay(remote_reads=...)``), else inside the replies. ``"zmq"``: from the shards'
+            bulk zmq read servers (shards started with ``remote_reads="zmq"``). ``"off"``: always
+            inside the replies. One-sided reads wait on the network: a client that may do them
+            is driven with ``await areceive(reply)`` (``receive`` refuses).
+        curve: the run's CURVE key pair (``self.process_link.curve`` in a reactor), for shards whose
+            read servers require it.
 
     Example:
         >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
@@ -838,9 +866,13 @@ class ReplayClient:
         clock: Callable[[], float] = time.monotonic,
         bulk: bool = True,
         masses: str = "cached",
+        remote_reads: str = "auto",
+        curve: Any = None,
     ) -> None:
         if masses not in ("cached", "fresh"):
             raise ValueError(f"ReplayClient masses must be 'cached' or 'fresh', got {masses!r}")
+        if remote_reads not in REMOTE_READS:
+            raise ValueError(f"ReplayClient remote_reads must be one of {list(REMOTE_READS)}, got {remote_reads!r}")
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"ReplayClient num_shards must be an int >= 1, got {num_shards!r}")
         if timeout_s is not None and not timeout_s > 0:
@@ -858,6 +890,9 @@ class ReplayClient:
         self._next_id = 0
         self._samples: dict[int, _Sample] = {}  # wire request id -> the sample it belongs to
         self._host = _bulk.host_id() if bulk and _bulk.capabilities().shm else ""
+        # The one-sided backend asked of shards on other hosts ("": data in the replies).
+        self._remote = {"zmq": "zmq", "off": ""}.get(remote_reads, "rdma" if _bulk.capabilities().rdma else "")
+        self._curve = curve
         self._reader: _bulk.BulkReader | None = None
         self._regions: dict[int, tuple[str, int]] = {}  # shard -> (attached region, generation)
         self._layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # region -> fields
@@ -923,7 +958,8 @@ class ReplayClient:
         self._samples[rid] = s
         if s.stage == 1:
             return MassRequest(shard, self.requester, rid)
-        return SampleRequest(shard, self.requester, rid, n, self._host, self._regions.get(shard, ("", 0))[1])
+        return SampleRequest(shard, self.requester, rid, n, self._host, self._regions.get(shard, ("", 0))[1],
+                             self._remote)
 
     def _ask_masses(self, s: _Sample, shards: list[int]) -> list[ReplayRequest]:
         s.stage = 1
@@ -939,12 +975,26 @@ class ReplayClient:
     def receive(self, reply: ReplayReply) -> tuple[list[ReplayRequest], SampledBatch | None]:
         """Take one reply; returns (messages to send, a finished batch or None).
 
-        Replies to unknown requests (e.g. from a shard given up on) are ignored.
+        Replies to unknown requests (e.g. from a shard given up on) are ignored. Gathers from
+        shards on this host (shared memory) run here, without waiting.
 
         Raises:
             RuntimeError: the shard refused the request (its ``error`` text); the sample is dropped.
+                Or this client may read other hosts' shards one-sidedly (``remote_reads``): use
+                :meth:`areceive`.
             PeerLostError: another shard has timed out (see :meth:`check_timeouts`).
         """
+        if self._remote:
+            raise RuntimeError(
+                f"ReplayClient.receive: this client reads shards of other hosts over {self._remote!r}, which "
+                f"waits on the network; call `await client.areceive(reply)` from an async reaction, or pass "
+                f"remote_reads='off'"
+            )
+        return _run_now(self.areceive(reply))
+
+    async def areceive(self, reply: ReplayReply) -> tuple[list[ReplayRequest], SampledBatch | None]:
+        """:meth:`receive` for clients that may read other hosts' shards one-sidedly (RDMA, zmq):
+        awaits those reads. Same results and errors."""
         s = self._samples.pop(reply.request, None)
         asked = None if s is None else s.outstanding.pop(reply.request, None)
         if s is None or asked is None:
@@ -965,18 +1015,18 @@ class ReplayClient:
                 if s.empty:
                     out.extend(self._start_again(s))
                 elif s.shares is not None:
-                    batch = self._assemble(s)
+                    batch = await self._assemble(s)
                 else:
                     out.extend(self._draw_counts(s))
         elif isinstance(reply, ShardSample):
             if reply.descriptor is not None:
-                self._attach(reply.shard, reply.descriptor)
+                await self._attach(reply.shard, reply.descriptor)
             s.parts.append(reply)
             if not s.outstanding:
                 if s.empty:
                     out.extend(self._start_again(s))
                 else:
-                    batch = self._assemble(s)
+                    batch = await self._assemble(s)
         out.extend(self.check_timeouts())
         return out, batch
 
@@ -1013,13 +1063,13 @@ class ReplayClient:
         s.deadline = self._deadline()
         return [self._ask(s, k, int(c)) for k, c in zip(shards, counts) if c > 0]
 
-    def _assemble(self, s: _Sample) -> SampledBatch:
+    async def _assemble(self, s: _Sample) -> SampledBatch:
         parts = sorted(s.parts, key=lambda p: p.shard)  # stable: a shard's redraws stay in order
         if s.shares is not None:
             probs, weights = self._one_round_weights(s, parts)
         else:
             probs, weights = self._two_stage_weights(s, parts)
-        data, keep = self._gather(parts)
+        data, keep = await self._gather(parts)
         keys = np.concatenate([np.asarray(p.keys, dtype=np.int64) for p in parts])
         times = np.concatenate([np.asarray(p.times_sampled, dtype=np.int64) for p in parts])
         if keep is not None:  # items whose rows were overwritten before the gather
@@ -1074,12 +1124,15 @@ class ReplayClient:
             weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
         return probs, weights
 
-    # ---------------------------------------------------------------- bulk (shared-memory) gathers
+    # ---------------------------------------------------------------- bulk gathers (shm, one-sided reads)
 
-    def _attach(self, shard: int, descriptor: dict[str, Any]) -> None:
+    async def _attach(self, shard: int, descriptor: dict[str, Any]) -> None:
         if self._reader is None:
-            self._reader = _run_now(_bulk.BulkReader.open())
-        region = _run_now(self._reader.attach(descriptor, backend="shm"))
+            self._reader = await _bulk.BulkReader.open(curve=self._curve)
+        # Same host: its shared memory. Another host: the one-sided backend this client asked for
+        # (the shard sent a plan only because it offers that one).
+        same_host = bool(self._host) and descriptor.get("host") == self._host
+        region = await self._reader.attach(descriptor, backend="shm" if same_host else self._remote or "shm")
         self._regions[shard] = (region, int(descriptor["generation"]))
         self._capacity[region] = int(descriptor["rows"])
         vf = descriptor.get("version_field")
@@ -1088,8 +1141,9 @@ class ReplayClient:
             for name, f in descriptor["fields"].items() if name != vf
         }
 
-    def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
-        """The batch's fields over all parts; bulk parts are gathered straight into the output.
+    async def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+        """The batch's fields over all parts; bulk parts are gathered straight into the output
+        (from shared memory here, or by one-sided reads of another host's shard).
 
         Returns the data and, if any part was gathered, which items are intact (None: all).
         """
@@ -1125,35 +1179,51 @@ class ReplayClient:
                     layout.setdefault("mask", (torch.bool, lead))
         out = {name: torch.empty((total, *shape), dtype=dtype) for name, (dtype, shape) in layout.items()}
         keep = np.ones(total, dtype=bool)
-        a = 0
-        for p, n, plan in zip(parts, lens, plans):
-            b = a + n
+        reader = self._reader
+        bounds = np.cumsum([0, *lens]).tolist()
+        bulk: list[tuple[ShardSample, int, int, tuple[Any, ...], str, list[str]]] = []
+        for p, a, b, plan in zip(parts, bounds[:-1], bounds[1:], plans):
             if plan is None:
                 for name, t in p.data.items():  # type: ignore[union-attr]
                     out[name][a:b].copy_(_tensor(t))
             else:
-                rows, mask, versions = plan
                 region = self._regions[p.shard][0]
-                names = [f for f in self._layouts[region] if f in out]
-                try:
-                    _, valid = _run_now(self._reader.read_checked(
-                        region, rows, versions, fields=names, out={f: out[f][a:b] for f in names}))
-                except PeerLostError as e:
-                    raise PeerLostError(f"replay shard {p.shard}: its shared memory is gone ({e})") from e
-                if mask is not None:
-                    mask = np.asarray(mask, dtype=bool)
-                    out["mask"][a:b].numpy()[...] = mask  # numpy: ~10x cheaper than a torch setitem
-                    pad = np.flatnonzero(~mask)
-                    if pad.size:  # one compiled pass of memsets over every field (numpy's fancy
-                        # assignment, field by field, was ~40 us a shard part; a torch bool mask 190)
-                        parts_out = [out[f][a:b] for f in names]
-                        _gatherk.zero_rows(np.array([t.data_ptr() for t in parts_out], dtype=np.int64), mask.size,
-                                           np.array([t.element_size() * (t[0, 0].numel() if t.dim() > 1 else 1)
-                                                     for t in parts_out], dtype=np.int64), pad)
-                    valid = valid | ~mask
-                keep[a:b] = valid.reshape(n, -1).all(axis=1)
-                self.gathered_items += n
-            a = b
+                bulk.append((p, a, b, plan, region, [f for f in self._layouts[region] if f in out]))
+
+        async def read(p: ShardSample, a: int, b: int, plan: tuple[Any, ...], region: str, names: list[str]) -> Any:
+            try:
+                return (await reader.read_checked(region, plan[0], plan[2], fields=names,
+                                                  out={f: out[f][a:b] for f in names}))[1]
+            except PeerLostError as e:
+                via = reader.backend(region) if region in reader.regions else "bulk"
+                raise PeerLostError(f"replay shard {p.shard}: its {via} region is gone ({e})") from e
+
+        # Shared-memory gathers run here and now; one-sided reads of other hosts' shards all at once.
+        valids: list[Any] = [None] * len(bulk)
+        remote = []
+        for i, job in enumerate(bulk):
+            if reader.backend(job[4]) == "shm":
+                valids[i] = await read(*job)
+            else:
+                remote.append(i)
+        if remote:
+            for i, v in zip(remote, await asyncio.gather(*(read(*bulk[i]) for i in remote))):
+                valids[i] = v
+        for (_p, a, b, plan, _region, names), valid in zip(bulk, valids):
+            mask = plan[1]
+            if mask is not None:
+                mask = np.asarray(mask, dtype=bool)
+                out["mask"][a:b].numpy()[...] = mask  # numpy: ~10x cheaper than a torch setitem
+                pad = np.flatnonzero(~mask)
+                if pad.size:  # one compiled pass of memsets over every field (numpy's fancy
+                    # assignment, field by field, was ~40 us a shard part; a torch bool mask 190)
+                    parts_out = [out[f][a:b] for f in names]
+                    _gatherk.zero_rows(np.array([t.data_ptr() for t in parts_out], dtype=np.int64), mask.size,
+                                       np.array([t.element_size() * (t[0, 0].numel() if t.dim() > 1 else 1)
+                                                 for t in parts_out], dtype=np.int64), pad)
+                valid = valid | ~mask
+            keep[a:b] = valid.reshape(b - a, -1).all(axis=1)
+            self.gathered_items += b - a
         return out, (None if keep.all() else keep)
 
     def close(self) -> None:
@@ -1278,7 +1348,7 @@ def _run_now(coro: Any) -> Any:
     except StopIteration as stop:
         return stop.value
     coro.close()
-    raise RuntimeError("a bulk operation tried to wait; the replay client gathers over shared memory only")
+    raise RuntimeError("a bulk operation tried to wait; ReplayClient.receive gathers over shared memory only")
 
 
 def _bulk_part(p: ShardSample) -> bool:

@@ -13,6 +13,8 @@ config keys (all optional):
     run_dir, checkpoint_on_shutdown, checkpoint_period_s: replay checkpoints
     timeout_s, skip_lost: the client's shard timeout; die_shard, die_after: a shard that exits
     bulk: Replay(bulk=...) (None: auto)
+    remote: "" or "zmq": the learner acts as if on another host (no shared memory) and reads the
+                                           windows one-sidedly from the shards' bulk zmq read servers
 """
 
 from __future__ import annotations
@@ -156,8 +158,10 @@ class Sampler(Reactor):
     check = Action()
 
     def __init__(self, num_shards: int, batch_size: int, batches: int, update: str = "none", out: str = "",
-                 timeout_s: float | None = None, skip_lost: bool = False, masses: str = "cached") -> None:
+                 timeout_s: float | None = None, skip_lost: bool = False, masses: str = "cached",
+                 remote: str = "") -> None:
         self.num_shards = num_shards
+        self.remote = remote
         self.masses = masses
         self.batch_size = batch_size
         self.batches = batches
@@ -173,7 +177,9 @@ class Sampler(Reactor):
     @reaction(triggers=[startup], effects=[requests, check])
     def begin(self) -> None:
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
-                                   timeout_s=self.timeout_s, skip_lost_shards=self.skip_lost, masses=self.masses)
+                                   timeout_s=self.timeout_s, skip_lost_shards=self.skip_lost, masses=self.masses,
+                                   bulk=not self.remote, remote_reads=self.remote or "auto",
+                                   curve=self.process_link.curve)
         for m in self.client.request(self.batch_size):
             self.requests.send(m)
         if self.timeout_s is not None:
@@ -192,8 +198,8 @@ class Sampler(Reactor):
             self.check.schedule(delay_s=0.2)
 
     @reaction(triggers=[replies], effects=[requests, updates, control])
-    def take(self, replies: ReplayReply) -> None:
-        msgs, batch = self.client.receive(replies)
+    async def take(self, replies: ReplayReply) -> None:
+        msgs, batch = await self.client.areceive(replies)
         for m in msgs:
             self.requests.send(m)
         if batch is None:
@@ -309,13 +315,14 @@ def build(config: dict) -> Graph:
             fields, int(c.get("capacity", 10_000)), sampler=sampler, beta=float(c.get("beta", 0.5)),
             rate_limiter={"type": "MinSize", "min_size": int(c.get("min_size", 1))},
             run_dir=c.get("run_dir"), checkpoint_on_shutdown=bool(c.get("checkpoint_on_shutdown", False)),
-            checkpoint_period_s=c.get("checkpoint_period_s"), bulk=c.get("bulk"), **kwargs, **extra,
+            checkpoint_period_s=c.get("checkpoint_period_s"), bulk=c.get("bulk"),
+            remote_reads=c.get("remote") or "auto", **kwargs, **extra,
         ),
         name="replay", replicas=shards,
     )
     learner = g.add(Sampler(shards, int(c.get("batch_size", 64)), int(c.get("batches", 20)), c.get("update", "none"),
                             c.get("out", ""), c.get("timeout_s"), bool(c.get("skip_lost", False)),
-                            c.get("masses", "cached")), name="learner")
+                            c.get("masses", "cached"), c.get("remote", "")), name="learner")
     stats = g.add(StatsSink(c.get("stats_out", "")), name="stats")
     g.connect(writers.steps, replay.steps, key=shard_key)
     g.connect(learner.requests, replay.requests, key=shard_key)

@@ -232,3 +232,27 @@ def test_torch_generator_is_seeded_per_reactor():
     run(g, seed=5)
     assert vals[0] == vals[1]
     assert np.all(np.array(vals[0]) >= 0)
+
+
+def test_process_link_names_where_a_side_server_binds():
+    from reactor._scheduler import ProcessLink
+
+    assert ProcessLink("tcp://10.1.2.3:5555", None).server_bind == "tcp://10.1.2.3:*"
+    assert ProcessLink("tcp://[::1]:5555", None).server_bind == "tcp://[::1]:*"
+    assert ProcessLink("ipc:///tmp/x/learner", None).server_bind == "tcp://127.0.0.1:*"  # stays on the host
+    assert ProcessLink().server_bind == "tcp://127.0.0.1:*"
+    # a reactor outside any run, and one in a single-process run, get the empty link
+    from reactor import Graph, Reactor, reaction, run, startup
+
+    seen = []
+
+    class Probe(Reactor):
+        @reaction(triggers=[startup])
+        def look(self) -> None:
+            seen.append(self.process_link)
+
+    assert Probe().process_link == ProcessLink()
+    g = Graph()
+    g.add(Probe(), name="p")
+    run(g)
+    assert seen == [ProcessLink()]

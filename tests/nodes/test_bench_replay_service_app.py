@@ -2,7 +2,8 @@
 
 One async single-process run of ``benchmarks/apps/replay_service.py`` with a small table: the
 writers' inserts complete (the shards count every item sent), the same-host learner gathers its
-windows from the shards' shared memory, the other one gets them in the replies, and every batch
+windows from the shards' shared memory, the other one gets them in the replies or reads them from
+the shards' bulk read servers, and every batch
 is whole. No timing is asserted (the figures are the benchmark's business).
 """
 
@@ -29,7 +30,7 @@ def test_benchmark_app_fills_the_shards_and_samples_through_both_paths(tmp_path)
     assert all(s["rejected_steps"] == 0 and s["parked_steps"] == 0 for s in full)
     assert sum(s["num_steps"] for s in full) > 0.9 * (1 << 16)  # the first fill filled the shards
     assert len(rep["insert"]) == 2 and len(rep["local_insert"]) == 2
-    for key in ("shm", "shm_x2", "msg", "msg_x2"):
+    for key in ("shm", "shm_x2", "msg", "msg_x2", "onesided", "onesided_x2"):
         assert len(rep[key]) == 2 and rep[f"{key}_items"] == [256.0, 256.0], key  # whole batches
     # bench[0]: 2 reps x 2 depths x 3 batches + warm-up 2 x 3, all gathered from shared memory
     assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3) * 256, "dropped_items": 0}

@@ -16,6 +16,7 @@ from reactor import PeerLostError, run
 from reactor._app import build_graph
 from reactor.nodes import (
     PriorityUpdate,
+    Replay,
     ReplayClient,
     SampleRequest,
     ShardMass,
@@ -202,6 +203,27 @@ def test_fresh_masses_ask_every_sample_first_and_bad_modes_are_refused():
     assert [type(r) for r in client.request(4)] == [MassRequest, MassRequest]
     with pytest.raises(ValueError, match=r"^ReplayClient masses must be 'cached' or 'fresh', got 'stale'$"):
         ReplayClient(2, masses="stale")
+
+
+def test_remote_reads_settings_reach_the_requests_and_bad_ones_are_refused():
+    from reactor.transport.bulk import capabilities
+
+    def asked(**kw):  # one shard: the first request is already a SampleRequest
+        (req,) = ReplayClient(1, timeout_s=None, **kw).request(4)
+        return req.remote
+
+    assert asked(remote_reads="zmq") == "zmq" and asked(remote_reads="off") == ""
+    # auto: RDMA only where a device works (never here, so the replies carry the data)
+    assert asked() == ("rdma" if capabilities().rdma else "")
+    with pytest.raises(ValueError, match=r"^ReplayClient remote_reads must be one of \['auto', 'zmq', 'off'\], got 'ib'$"):
+        ReplayClient(2, remote_reads="ib")
+    with pytest.raises(ValueError, match=r"^Replay remote_reads must be one of .* got 'rdma'$"):
+        Replay([("id", (), "int64")], 8, remote_reads="rdma")
+    client = ReplayClient(2, timeout_s=None, remote_reads="zmq")
+    reqs = client.request(4)
+    with pytest.raises(RuntimeError, match=r"await client.areceive\(reply\)"):
+        client.receive(_mass(0, reqs[0].request, 1.0, 5))
+    assert client.in_flight == 1  # refused before touching the sample
 
 
 def test_a_one_round_sample_whose_shard_is_lost_starts_again_over_the_live_shards():

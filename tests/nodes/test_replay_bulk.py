@@ -50,6 +50,14 @@ def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
     for name in ("keys", "probs", "weights", "sizes", "digest"):
         np.testing.assert_array_equal(ka[name], kb[name], err_msg=name)
     assert _segments() == before  # every shard unlinked its segments at shutdown
+    # A learner "on another host" (no shared memory) reading one-sidedly through the shards' bulk
+    # read servers: the path an RDMA reader takes, with zmq standing in for the verbs.
+    r = tmp_path / "remote.npz"
+    _run({**cfg, "bulk": True, "remote": "zmq", "out": str(r)}, stop_s=0.2)
+    kr = np.load(r)
+    assert int(kr["gathered"]) == 8 * 64 and int(kr["dropped"]) == 0
+    for name in ("keys", "probs", "weights", "sizes", "digest"):
+        np.testing.assert_array_equal(ka[name], kr[name], err_msg=name)
     c = tmp_path / "auto.npz"
     _run({**cfg, "out": str(c)}, stop_s=0.2)
     assert int(np.load(c)["gathered"]) == 0  # auto: off in deterministic runs (Reactor.deterministic)
@@ -65,6 +73,27 @@ def test_learner_in_another_process_gathers_from_the_shards_shared_memory(tmp_pa
     rec = np.load(out)
     assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
     assert int(rec["gathered"]) == 10 * 64  # auto: on in async runs
+    assert _segments() == before
+
+
+@pytest.mark.slow
+def test_learner_of_another_host_reads_windows_one_sidedly_over_curve(tmp_path):
+    """Async run, every process on tcp (so the run's links, and the shards' read servers, use
+    CURVE): a learner without shared memory gets plans and reads the windows from the shards'
+    bulk read servers itself, in another process (the RDMA path's shape, zmq standing in)."""
+    placement = tmp_path / "placement.toml"
+    placement.write_text("\n".join(
+        f'[groups.{name}]\nreactors = ["{pattern}"]\nbind = "tcp://127.0.0.1:*"\n'
+        for name, pattern in (("learner", "learner"), ("stats", "stats"), ("actors", "actor*"),
+                              ("shard0", "replay[[]0]"), ("shard1", "replay[[]1]"))))
+    out = tmp_path / "learner.npz"
+    before = _segments()
+    res = _run({"source": "gym", "read": "window", "shards": 2, "actors": 1, "min_size": 50, "batches": 10,
+                "remote": "zmq", "out": str(out)}, placement=str(placement), deterministic=False)
+    rec = np.load(out)
+    assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
+    assert int(rec["gathered"]) == 10 * 64  # every item through a one-sided read, none in a reply
+    assert len(res.processes) == 5 and all(s["curve"] for s in res.processes.values())
     assert _segments() == before
 
 

@@ -5,7 +5,8 @@
     python benchmarks/bench_training.py --quick                  # one seed, small budgets: plumbing check
 
 **What is measured.** For each algorithm, seed and side (ours under ``--placement single``, ours
-under ``--placement actors``, SB3), one fresh process trains until the first greedy evaluation
+under ``--placement actors`` in deterministic mode (the default) and in async mode (``--async``:
+the actor processes and the learner run free, side by side on the cores), SB3), one fresh run trains until the first greedy evaluation
 (10 episodes side by side, deterministic actions) whose mean return reaches the threshold
 (CartPole-v1 475, Pendulum-v1 -200). The figure is the wall clock from the start of training to
 that evaluation, and the env steps taken by then. Both sides evaluate at the same cadence in env
@@ -52,7 +53,7 @@ sets only ``n_timesteps 20000`` and ``learning_rate 1e-3``; everything else is S
 (``learning_starts 100``, batch 256, buffer 1e6, tau 0.005, net [256, 256], auto entropy).
 
 Every process runs torch on one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). Seeds
-run side after side (ours single, ours actors, SB3) so that the three see the same machine load.
+run side after side (ours single, ours actors, ours async, SB3) so that all see the same machine load.
 Stable-Baselines3 is the ``bench`` extra: ``pip install 'stable-baselines3>=2.3'``; without it the
 SB3 columns read ``n/a``.
 """
@@ -242,14 +243,16 @@ def _run_process(cmd: list[str], timeout_s: float) -> tuple[int | None, str, flo
     return code, (out or "")[-3000:], time.perf_counter() - t0
 
 
-def run_ours(algo: Algo, seed: int, placement: str, run_dir: Path, max_env_steps: int, budget_s: float) -> Result:
-    """One ``reactor run`` of the app in a fresh process; reads ``RUN_DIR/summary.json``.
+def run_ours(algo: Algo, seed: int, placement: str, run_dir: Path, max_env_steps: int, budget_s: float,
+             asynchronous: bool = False) -> Result:
+    """One ``reactor run`` of the app in a fresh process (``--async`` if asked); reads ``RUN_DIR/summary.json``.
 
     Raises:
         RuntimeError: the run failed (exit status not 0), with its output's tail.
     """
     sets = {"live": False, "run_dir": str(run_dir), "target_return": algo.threshold, "max_env_steps": max_env_steps}
     cmd = [sys.executable, "-m", "reactor.cli", "run", algo.app, "--seed", str(seed), "--placement", placement]
+    cmd += ["--async"] if asynchronous else []
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v!r}"]
     code, out, process_s = _run_process(cmd, budget_s + PROCESS_GRACE_S)
@@ -420,7 +423,9 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-SIDES = ("ours single", "ours actors", "sb3")
+SIDES = ("ours single", "ours actors", "ours async", "sb3")
+#: How each of our sides runs: (placement, async mode).
+OUR_SIDES = {"ours single": ("single", False), "ours actors": ("actors", False), "ours async": ("actors", True)}
 TARGETS = {"dqn": 0.5, "ppo": 1.0, "sac": 0.5}
 
 
@@ -456,8 +461,8 @@ def print_algo(name: str, seeds: list[int], rows: dict[str, list[Result | None]]
 def print_summary(results: dict[str, dict[str, list[Result | None]]]) -> None:
     """The issue-5 table: medians and ratios ours/SB3 of the wall clock to threshold."""
     print("\nSummary: median wall clock to threshold, s (env steps); ratio = ours / SB3, lower is better")
-    print(f"  {'algo':5s} {'env':12s} {'ours single':>16s} {'ours actors':>16s} {'SB3':>16s} "
-          f"{'single/SB3':>10s} {'actors/SB3':>10s}  target")
+    print(f"  {'algo':5s} {'env':12s} {'ours single':>16s} {'ours actors':>16s} {'ours async':>16s} {'SB3':>16s} "
+          f"{'single/SB3':>10s} {'actors/SB3':>10s} {'async/SB3':>10s}  target")
     for name, rows in results.items():
         med: dict[str, tuple[float | None, float | None]] = {}
         for side in SIDES:
@@ -468,8 +473,9 @@ def print_summary(results: dict[str, dict[str, list[Result | None]]]) -> None:
                 ((s, med.get(s, (None, None))) for s in SIDES)}
         sb3_s = med.get("sb3", (None, None))[0]
         print(f"  {name:5s} {ALGOS[name].env:12s} {cell['ours single']:>16s} {cell['ours actors']:>16s} "
-              f"{cell['sb3']:>16s} {_ratio(med.get('ours single', (None,))[0], sb3_s):>10s} "
-              f"{_ratio(med.get('ours actors', (None,))[0], sb3_s):>10s}  <= {TARGETS[name]:g}x")
+              f"{cell['ours async']:>16s} {cell['sb3']:>16s} {_ratio(med.get('ours single', (None,))[0], sb3_s):>10s} "
+              f"{_ratio(med.get('ours actors', (None,))[0], sb3_s):>10s} "
+              f"{_ratio(med.get('ours async', (None,))[0], sb3_s):>10s}  <= {TARGETS[name]:g}x")
 
 
 # ------------------------------------------------------------------------------ main
@@ -551,11 +557,11 @@ def main() -> None:
                   f"evaluation every {every} env steps", flush=True)
             rows: dict[str, list[Result | None]] = {s: [] for s in SIDES}
             for seed in seeds:
-                for placement in ("single", "actors"):
-                    run_dir = Path(tmp) / f"{name}-{placement}-{seed}"
-                    r: Result | None = _guard(run_ours, algo, seed, placement, run_dir, steps, budget_s)
-                    rows[f"ours {placement}"].append(r)
-                    _print_run(f"ours {placement}", seed, r)
+                for side, (placement, asynchronous) in OUR_SIDES.items():
+                    run_dir = Path(tmp) / f"{name}-{side.replace(' ', '-')}-{seed}"
+                    r: Result | None = _guard(run_ours, algo, seed, placement, run_dir, steps, budget_s, asynchronous)
+                    rows[side].append(r)
+                    _print_run(side, seed, r)
                 r = None if args.no_sb3 else _guard(run_sb3, name, seed, steps, budget_s, every)
                 rows["sb3"].append(r)
                 _print_run("sb3", seed, r)

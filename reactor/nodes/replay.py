@@ -44,6 +44,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -297,6 +298,12 @@ class Replay(Reactor):
             windows. None (default): on in async runs where shared memory works, off in
             deterministic runs (a reader's gather races the ring, so a dropped overwritten item
             would depend on timing). True forces it on.
+        memory: where the shard's trajectory memory lives: ``"host"`` (default), ``"pinned"``
+            (page-locked host memory, for fast copies to a GPU learner; with ``bulk`` the shared
+            segments themselves are registered with CUDA), or ``"cuda"`` / ``"cuda:N"`` (the ring
+            on a GPU: items are gathered there, and replies carry a host copy of each batch; no
+            shared-memory path). Pinned and CUDA memory need CUDA on the shard's host: asked for
+            without it, the shard fails at start with a message naming the option.
         remote_reads: one-sided reads by requesters on *other* hosts, when ``bulk`` is on.
             ``"auto"`` (default): offered over RDMA when an RDMA device works here (the reader
             then pulls the rows with RDMA READs; this shard's CPU is not involved), otherwise
@@ -350,6 +357,7 @@ class Replay(Reactor):
         restore: bool = True,
         checkpoint_on_shutdown: bool = False,
         bulk: bool | None = None,
+        memory: str = "host",
         remote_reads: str = "auto",
     ) -> None:
         self.specs = parse_fields(fields)
@@ -368,6 +376,11 @@ class Replay(Reactor):
         if remote_reads not in REMOTE_READS:
             raise ValueError(f"Replay remote_reads must be one of {list(REMOTE_READS)}, got {remote_reads!r}")
         self.remote_reads = remote_reads
+        if not isinstance(memory, str) or not re.fullmatch(r"host|pinned|cuda(:\d+)?", memory):
+            raise ValueError(f"Replay memory must be 'host', 'pinned', 'cuda' or 'cuda:N', got {memory!r}")
+        if memory.startswith("cuda") and bulk:
+            raise ValueError(f"Replay bulk=True needs host memory (shared segments), got memory={memory!r}")
+        self.memory = memory
         self.sampler_config = sampler
         self.remover_config = remover
         self.limiter_config = rate_limiter if rate_limiter is not None else {"type": "MinSize", "min_size": 1}
@@ -396,8 +409,14 @@ class Replay(Reactor):
     async def open_table(self) -> None:
         self._owner: _bulk.BulkOwner | None = None
         self._versions: torch.Tensor | None = None
+        on_gpu = self.memory.startswith("cuda")
+        if self.memory != "host" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"Replay {self.name!r}: memory={self.memory!r} needs CUDA, and torch.cuda.is_available() is False "
+                f"on this host; use memory='host'"
+            )
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
-        if use_bulk and isinstance(self.read, (WindowRead, StepRead)):
+        if use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead)):
             caps = _bulk.capabilities()
             backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
             backends += ["zmq"] if self.remote_reads == "zmq" else []
@@ -405,12 +424,14 @@ class Replay(Reactor):
             self._owner = await _bulk.BulkOwner.open(
                 self.run_id, backends=backends, zmq_bind=link.server_bind, curve=link.curve)
             self._region = _dir_name(self.name)
-            storage = Storage(self.specs, self.capacity, allocator=self._owner.allocator(self._region))
+            storage = Storage(self.specs, self.capacity, pin_memory=self.memory == "pinned",
+                              allocator=self._owner.allocator(self._region, pin_memory=self.memory == "pinned"))
             self._versions = self._owner.allocate_versions(self._region)
             self._descriptor = self._owner.descriptor(self._region)
             self._host_id = _bulk.host_id()
         else:
-            storage = Storage(self.specs, self.capacity)
+            storage = Storage(self.specs, self.capacity, device=self.memory if on_gpu else "cpu",
+                              pin_memory=self.memory == "pinned")
         self._sampler = _make_selector("sampler", self.sampler_config)
         # The table reads only the anchor steps (cheap); the shard applies the read kind itself,
         # or, for a requester that maps the storage, only plans the rows it will gather.
@@ -599,16 +620,20 @@ class Replay(Reactor):
                                     len(self.table), self.beta))  # type: ignore[arg-type]
 
     def _read_items(self, keys: np.ndarray, anchors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What the read kind returns for ``keys`` (the anchor steps are already read)."""
+        """What the read kind returns for ``keys`` (the anchor steps are already read), on the host."""
         st, r = self.table.storage, self.read  # type: ignore[union-attr]
         if isinstance(r, StepRead):
-            return anchors
-        if isinstance(r, WindowRead):
-            return st.read_windows(keys, r.length, r.pad)
-        if isinstance(r, TransitionRead):
-            return st.read_transitions(keys, n=r.n, gamma=r.gamma, reward_field=r.reward_field,
-                                       next_fields=r.next_fields)
-        return st.read_episodes(st.episode_bounds(keys)[0])
+            out = anchors
+        elif isinstance(r, WindowRead):
+            out = st.read_windows(keys, r.length, r.pad)
+        elif isinstance(r, TransitionRead):
+            out = st.read_transitions(keys, n=r.n, gamma=r.gamma, reward_field=r.reward_field,
+                                      next_fields=r.next_fields)
+        else:
+            out = st.read_episodes(st.episode_bounds(keys)[0])
+        if st.device.type != "cpu":  # gathered on the GPU; messages carry host tensors
+            out = {k: v.to("cpu") for k, v in out.items()}
+        return out
 
     def _bulk_plan(self, keys: np.ndarray) -> dict[str, Any]:
         """What a reader on this host needs to gather ``keys`` itself: window spans (WindowRead), or

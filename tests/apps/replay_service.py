@@ -13,6 +13,7 @@ config keys (all optional):
     run_dir, checkpoint_on_shutdown, checkpoint_period_s: replay checkpoints
     timeout_s, skip_lost: the client's shard timeout; die_shard, die_after: a shard that exits
     bulk: Replay(bulk=...) (None: auto)
+    memory: Replay(memory=...) ("host")
     remote: "" or "zmq": the learner acts as if on another host (no shared memory) and reads the
                                            windows one-sidedly from the shards' bulk zmq read servers
 """
@@ -316,7 +317,7 @@ def build(config: dict) -> Graph:
             rate_limiter={"type": "MinSize", "min_size": int(c.get("min_size", 1))},
             run_dir=c.get("run_dir"), checkpoint_on_shutdown=bool(c.get("checkpoint_on_shutdown", False)),
             checkpoint_period_s=c.get("checkpoint_period_s"), bulk=c.get("bulk"),
-            remote_reads=c.get("remote") or "auto", **kwargs, **extra,
+            remote_reads=c.get("remote") or "auto", memory=c.get("memory", "host"), **kwargs, **extra,
         ),
         name="replay", replicas=shards,
     )

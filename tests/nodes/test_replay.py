@@ -331,3 +331,37 @@ def test_a_refused_request_raises_with_the_shards_reason():
     with pytest.raises(RuntimeError, match=r"^replay shard 0 refused a request: replay\[0\]: boom$"):
         client.receive(ShardSample(0, 0, req.request, "replay[0]: boom"))
     assert client.in_flight == 0
+
+
+def test_memory_placement_is_checked_at_build_and_gpu_memory_without_cuda_fails_at_start_naming_it():
+    import torch
+
+    from reactor import Graph
+
+    with pytest.raises(ValueError, match=r"^Replay memory must be 'host', 'pinned', 'cuda' or 'cuda:N', got 'gpu'$"):
+        Replay([("id", (), "int64")], 8, memory="gpu")
+    with pytest.raises(ValueError, match=r"bulk=True needs host memory .* got memory='cuda:1'"):
+        Replay([("id", (), "int64")], 8, memory="cuda:1", bulk=True)
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the no-CUDA error cannot happen here")
+    for memory in ("pinned", "cuda"):
+        g = Graph()
+        g.add(Replay([("id", (), "int64")], 8, memory=memory), name="replay")
+        with pytest.raises(RuntimeError, match=rf"Replay 'replay': memory='{memory}' needs CUDA, and "
+                                               r"torch.cuda.is_available\(\) is False on this host"):
+            run(g)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (shard memory on a GPU, pinned)")
+def test_shards_in_gpu_or_pinned_memory_sample_exactly_what_host_memory_shards_do(tmp_path):
+    cfg = {"source": "gym", "read": "transition", "shards": 2, "actors": 2, "min_size": 40, "batches": 6,
+           "update": "random"}
+    outs = {}
+    for memory in ("host", "pinned", "cuda"):
+        out = tmp_path / f"{memory}.npz"
+        _run({**cfg, "memory": memory, "out": str(out)}, stop_s=0.2)
+        outs[memory] = np.load(out)
+    for memory in ("pinned", "cuda"):
+        # the same draws; the same bytes from pinned memory (a GPU's n-step sums may round differently)
+        for name in ("keys", "probs", "weights") + (("digest",) if memory == "pinned" else ()):
+            np.testing.assert_array_equal(outs["host"][name], outs[memory][name], err_msg=f"{memory} {name}")

@@ -25,9 +25,7 @@ KIND = "off_policy"
 @dataclass(frozen=True)
 class Config:
     hidden: int = 128
-    """Units in each hidden layer."""
-    layers: int = 2
-    """Hidden layers of the torso (>= 1)."""
+    """Units in each of the two hidden layers."""
     dueling: bool = True
     """Q = V + A - mean(A) (Wang et al. 2016)."""
     double: bool = True
@@ -65,12 +63,9 @@ class Config:
 class QNetwork(nn.Module):
     """MLP torso with a dueling (or plain) Q head."""
 
-    def __init__(self, obs_dim: int, n_actions: int, hidden: int, dueling: bool, layers: int = 2) -> None:
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int, dueling: bool) -> None:
         super().__init__()
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"dqn layers must be an int >= 1, got {layers!r}")
-        widths = [obs_dim] + [hidden] * layers
-        self.torso = nn.Sequential(*(m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU())))
+        self.torso = nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
         self.dueling = dueling
         self.advantage = nn.Linear(hidden, n_actions)
         self.value = nn.Linear(hidden, 1) if dueling else None
@@ -86,7 +81,7 @@ class QNetwork(nn.Module):
 def _network(obs_space: Any, act_space: Any, config: Config) -> QNetwork:
     if getattr(act_space, "n", None) is None:
         raise ValueError(f"dqn needs a discrete action space, got {act_space}")
-    return QNetwork(int(obs_space.shape[0]), int(act_space.n), config.hidden, config.dueling, config.layers)
+    return QNetwork(int(obs_space.shape[0]), int(act_space.n), config.hidden, config.dueling)
 
 
 # ------------------------------------------------------------------------------------------ fragments

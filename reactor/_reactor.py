@@ -366,7 +366,7 @@ class Reactor:
     def process_link(self) -> Any:
         """How this reactor's process is reached (:class:`reactor._scheduler.ProcessLink`): its
         endpoint's address and the run's CURVE keys. A node that opens a server of its own binds
-        to ``process_link.server_bind`` and secures it with ``process_link.curve``."""
+        to ``process_link.side_bind(name)`` and secures it with ``process_link.curve``."""
         from ._scheduler import ProcessLink
 
         return getattr(self._host, "link", None) or ProcessLink()

@@ -15,9 +15,15 @@ Remote delivery is injected (``RemoteSink``): this module knows nothing of socke
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import hashlib
 import heapq
 import logging
+import re
+import secrets
+import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,14 +70,35 @@ class ProcessLink:
     bind: str = ""
     curve: Any = None
 
-    @property
-    def server_bind(self) -> str:
-        """Where a side server of this process should listen: the endpoint's interface with an
-        OS-picked port when the endpoint is on tcp, else loopback."""
+    def side_bind(self, name: str) -> str:
+        """Where a side server of this process named ``name`` should listen.
+
+        On tcp: the endpoint's interface with an OS-picked port (secure it with ``curve``; a
+        wildcard bind such as ``tcp://0.0.0.0:*`` advertises an address other hosts cannot dial, as
+        for the endpoint itself). On ipc: a socket next to the endpoint's, in the run's private
+        directory; in a single-process run: in a private directory of this process (mode 0700 both:
+        no other user connects, where CURVE is off).
+
+        Raises:
+            ValueError: ``name`` is not 1..64 of ``[A-Za-z0-9_.-]``.
+        """
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ValueError(f"side server name must be 1..64 of [A-Za-z0-9_.-], got {name!r}")
+        tag = f"{name}-{secrets.token_hex(4)}"  # two owners of one name never share a socket
         if self.bind.startswith("tcp://"):
             host = self.bind[len("tcp://"):].rsplit(":", 1)[0]
             return f"tcp://{host}:*"
-        return "tcp://127.0.0.1:*"
+        if self.bind.startswith("ipc://"):
+            return f"{self.bind}-{tag}"
+        return f"ipc://{_private_dir()}/{tag}"
+
+
+@functools.lru_cache(maxsize=1)
+def _private_dir() -> str:
+    """A directory only this process's user can enter, removed at exit (single-process side servers)."""
+    path = tempfile.mkdtemp(prefix="reactor-side-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @dataclass

@@ -235,7 +235,8 @@ class Learner(_LearnerBase):
     def start(self) -> None:
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
-                                   timeout_s=self.sample_timeout_s, curve=self.process_link.curve)
+                                   timeout_s=self.sample_timeout_s, remote_reads="auto",
+                                   curve=self.process_link.curve)
         if self.bank_index == 0:
             self.weights.send(self._weights())
         for _ in range(self.prefetch):
@@ -278,9 +279,11 @@ class Learner(_LearnerBase):
 
     @reaction(triggers=[shutdown])
     def finish(self) -> None:
-        self._finish()
-        if hasattr(self, "client"):
-            self.client.close()  # shared-memory mappings and read connections
+        try:
+            self._finish()
+        finally:
+            if hasattr(self, "client"):
+                self.client.close()  # shared-memory mappings and read connections
 
 
 class RolloutLearner(_LearnerBase):

@@ -415,6 +415,11 @@ class Replay(Reactor):
                 f"Replay {self.name!r}: memory={self.memory!r} needs CUDA, and torch.cuda.is_available() is False "
                 f"on this host; use memory='host'"
             )
+        if on_gpu and ":" in self.memory and int(self.memory.split(":")[1]) >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"Replay {self.name!r}: memory={self.memory!r} names a GPU this host does not have "
+                f"({torch.cuda.device_count()} visible)"
+            )
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
         if use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead)):
             caps = _bulk.capabilities()
@@ -422,7 +427,7 @@ class Replay(Reactor):
             backends += ["zmq"] if self.remote_reads == "zmq" else []
             link = self.process_link
             self._owner = await _bulk.BulkOwner.open(
-                self.run_id, backends=backends, zmq_bind=link.server_bind, curve=link.curve)
+                self.run_id, backends=backends, zmq_bind=link.side_bind(_dir_name(self.name)), curve=link.curve)
             self._region = _dir_name(self.name)
             storage = Storage(self.specs, self.capacity, pin_memory=self.memory == "pinned",
                               allocator=self._owner.allocator(self._region, pin_memory=self.memory == "pinned"))
@@ -863,12 +868,14 @@ class ReplayClient:
             see ``Replay(bulk=...)``). Items whose rows the ring overwrote before the gather are
             dropped from the batch (counted in ``dropped_items``), never returned torn;
             ``gathered_items`` counts the items read that way.
-        remote_reads: how rows of shards on *other* hosts arrive. ``"auto"`` (default): by RDMA
-            READs when an RDMA device works here and the shard offers it (see
-            ``Replay(remote_reads=...)``), else inside the replies. ``"zmq"``: from the shards'
-            bulk zmq read servers (shards started with ``remote_reads="zmq"``). ``"off"``: always
-            inside the replies. One-sided reads wait on the network: a client that may do them
-            is driven with ``await areceive(reply)`` (``receive`` refuses).
+        remote_reads: how rows of shards on *other* hosts arrive. ``"off"`` (default): inside the
+            replies. ``"auto"`` (what the ``Learner`` uses): by RDMA READs when an RDMA device works
+            here and the shard offers it (see ``Replay(remote_reads=...)``), else inside the
+            replies. ``"zmq"``: from the shards' bulk zmq read servers (shards started with
+            ``remote_reads="zmq"``). One-sided reads wait on the network: a client that may do
+            them is driven with ``await areceive(reply)`` (``receive`` refuses). A shard whose
+            one-sided region cannot be attached from here (e.g. RDMA devices on fabrics that do
+            not meet) answers this client with data from then on.
         curve: the run's CURVE key pair (``self.process_link.curve`` in a reactor), for shards whose
             read servers require it.
 
@@ -891,7 +898,7 @@ class ReplayClient:
         clock: Callable[[], float] = time.monotonic,
         bulk: bool = True,
         masses: str = "cached",
-        remote_reads: str = "auto",
+        remote_reads: str = "off",
         curve: Any = None,
     ) -> None:
         if masses not in ("cached", "fresh"):
@@ -918,6 +925,7 @@ class ReplayClient:
         # The one-sided backend asked of shards on other hosts ("": data in the replies).
         self._remote = {"zmq": "zmq", "off": ""}.get(remote_reads, "rdma" if _bulk.capabilities().rdma else "")
         self._curve = curve
+        self._inline: set[int] = set()  # shards whose one-sided region could not be attached from here
         self._reader: _bulk.BulkReader | None = None
         self._regions: dict[int, tuple[str, int]] = {}  # shard -> (attached region, generation)
         self._layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # region -> fields
@@ -984,7 +992,7 @@ class ReplayClient:
         if s.stage == 1:
             return MassRequest(shard, self.requester, rid)
         return SampleRequest(shard, self.requester, rid, n, self._host, self._regions.get(shard, ("", 0))[1],
-                             self._remote)
+                             "" if shard in self._inline else self._remote)
 
     def _ask_masses(self, s: _Sample, shards: list[int]) -> list[ReplayRequest]:
         s.stage = 1
@@ -1032,6 +1040,32 @@ class ReplayClient:
         # The figures only (a reply may carry a batch of data: keep none of it alive).
         self._figures[reply.shard] = ShardMass(reply.shard, 0, 0, "", reply.mass, reply.min_mass, reply.size,
                                                reply.beta)
+        try:
+            batch = await self._take(s, asked, reply, out)
+        except _RemoteUnusable as e:  # this shard answers with data from now on; draw the sample again
+            self._drop(s)
+            self._inline.add(e.shard)
+            log.warning("replay client %s: %s; shard %d will send data in its replies", self.requester, e, e.shard)
+            out.extend(self._begin(s.n, self._require_live()))
+        except PeerLostError as e:
+            self._drop(s)  # never a part-filled batch: the sample is dropped whole
+            shard = getattr(e, "shard", None)
+            if not self.skip_lost_shards or shard is None:
+                raise
+            self.lost[shard] = str(e)
+            self._figures.pop(shard, None)
+            log.warning("replay client %s: shard %d lost (%s); sampling from the others", self.requester, shard, e)
+            out.extend(self._begin(s.n, self._require_live()))
+        except BaseException:
+            self._drop(s)
+            raise
+        out.extend(self.check_timeouts())
+        return out, batch
+
+    async def _take(self, s: _Sample, asked: tuple[int, int], reply: ReplayReply,
+                    out: list[ReplayRequest]) -> SampledBatch | None:
+        """Fold ``reply`` into its sample ``s``; the finished batch, or None (messages go to ``out``)."""
+        batch = None
         if isinstance(reply, ShardMass):
             if s.stage == 2 and asked[1] > 0:  # asked for items, but its priorities are all 0 by now
                 s.empty = True
@@ -1052,8 +1086,7 @@ class ReplayClient:
                     out.extend(self._start_again(s))
                 else:
                     batch = await self._assemble(s)
-        out.extend(self.check_timeouts())
-        return out, batch
+        return batch
 
     def _start_again(self, s: _Sample) -> list[ReplayRequest]:
         """A shard had no mass for the items it was asked for: draw the whole sample again from the
@@ -1157,7 +1190,13 @@ class ReplayClient:
         # Same host: its shared memory. Another host: the one-sided backend this client asked for
         # (the shard sent a plan only because it offers that one).
         same_host = bool(self._host) and descriptor.get("host") == self._host
-        region = await self._reader.attach(descriptor, backend="shm" if same_host else self._remote or "shm")
+        backend = "shm" if same_host else self._remote or "shm"
+        try:
+            region = await self._reader.attach(descriptor, backend=backend)
+        except (ValueError, RuntimeError, OSError, ImportError, PeerLostError) as e:
+            if backend == "shm":
+                raise
+            raise _RemoteUnusable(shard, f"shard {shard}'s region cannot be read over {backend} from here: {e}") from e
         self._regions[shard] = (region, int(descriptor["generation"]))
         self._capacity[region] = int(descriptor["rows"])
         vf = descriptor.get("version_field")
@@ -1215,25 +1254,37 @@ class ReplayClient:
                 region = self._regions[p.shard][0]
                 bulk.append((p, a, b, plan, region, [f for f in self._layouts[region] if f in out]))
 
-        async def read(p: ShardSample, a: int, b: int, plan: tuple[Any, ...], region: str, names: list[str]) -> Any:
-            try:
-                return (await reader.read_checked(region, plan[0], plan[2], fields=names,
-                                                  out={f: out[f][a:b] for f in names}))[1]
-            except PeerLostError as e:
-                via = reader.backend(region) if region in reader.regions else "bulk"
-                raise PeerLostError(f"replay shard {p.shard}: its {via} region is gone ({e})") from e
-
-        # Shared-memory gathers run here and now; one-sided reads of other hosts' shards all at once.
         valids: list[Any] = [None] * len(bulk)
-        remote = []
+
+        async def read_region(jobs: list[int]) -> None:  # one region's parts in turn: a region's reads never overlap
+            for i in jobs:
+                p, a, b, plan, region, names = bulk[i]
+                try:
+                    valids[i] = (await reader.read_checked(region, plan[0], plan[2], fields=names,
+                                                           out={f: out[f][a:b] for f in names}))[1]
+                except PeerLostError as e:
+                    via = reader.backend(region) if region in reader.regions else "bulk"
+                    lost = PeerLostError(f"replay shard {p.shard}: its {via} region is gone ({e})")
+                    lost.shard = p.shard  # type: ignore[attr-defined]
+                    raise lost from e
+
+        by_region: dict[str, list[int]] = {}
         for i, job in enumerate(bulk):
-            if reader.backend(job[4]) == "shm":
-                valids[i] = await read(*job)
-            else:
-                remote.append(i)
-        if remote:
-            for i, v in zip(remote, await asyncio.gather(*(read(*bulk[i]) for i in remote))):
-                valids[i] = v
+            by_region.setdefault(job[4], []).append(i)
+        # Shared-memory gathers run here and now; one-sided reads of other hosts' shards at once.
+        remote = [jobs for region, jobs in by_region.items() if reader.backend(region) != "shm"]
+        for region, jobs in by_region.items():
+            if reader.backend(region) == "shm":
+                await read_region(jobs)
+        if len(remote) == 1:
+            await read_region(remote[0])
+        elif remote:
+            try:
+                async with asyncio.TaskGroup() as tg:  # one failing read cancels the others
+                    for jobs in remote:
+                        tg.create_task(read_region(jobs))
+            except BaseExceptionGroup as eg:
+                raise eg.exceptions[0] from None
         for (_p, a, b, plan, _region, names), valid in zip(bulk, valids):
             mask = plan[1]
             if mask is not None:
@@ -1360,6 +1411,14 @@ class ReplayClient:
             if k not in self.lost:
                 out.append((k, idx))
         return out
+
+
+class _RemoteUnusable(Exception):
+    """A shard's one-sided region could not be attached from here (the client falls back to data)."""
+
+    def __init__(self, shard: int, message: str) -> None:
+        super().__init__(message)
+        self.shard = shard
 
 
 def _run_now(coro: Any) -> Any:

@@ -170,7 +170,8 @@ class Sampler(Reactor):
         self.out = out
         self.timeout_s = timeout_s
         self.skip_lost = skip_lost
-        self.record: dict[str, list] = {k: [] for k in ("keys", "ids", "probs", "weights", "sizes", "t_ns")}
+        self.record: dict[str, list] = {k: [] for k in ("keys", "ids", "probs", "weights", "sizes", "t_ns",
+                                                        "curve_keys")}
         self.digest = hashlib.sha256()
         self.boosted: set[int] = set()
         self.error = ""
@@ -200,6 +201,9 @@ class Sampler(Reactor):
 
     @reaction(triggers=[replies], effects=[requests, updates, control])
     async def take(self, replies: ReplayReply) -> None:
+        desc = getattr(replies, "descriptor", None)
+        if desc is not None and self.remote:  # which read servers this client reached, and whether over CURVE
+            self.record["curve_keys"].append(bool(desc.get(self.remote, {}).get("server_key")))
         msgs, batch = await self.client.areceive(replies)
         for m in msgs:
             self.requests.send(m)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -235,12 +237,20 @@ def test_torch_generator_is_seeded_per_reactor():
 
 
 def test_process_link_names_where_a_side_server_binds():
+    import os
+    import stat
+
     from reactor._scheduler import ProcessLink
 
-    assert ProcessLink("tcp://10.1.2.3:5555", None).server_bind == "tcp://10.1.2.3:*"
-    assert ProcessLink("tcp://[::1]:5555", None).server_bind == "tcp://[::1]:*"
-    assert ProcessLink("ipc:///tmp/x/learner", None).server_bind == "tcp://127.0.0.1:*"  # stays on the host
-    assert ProcessLink().server_bind == "tcp://127.0.0.1:*"
+    assert ProcessLink("tcp://10.1.2.3:5555", None).side_bind("replay-0") == "tcp://10.1.2.3:*"
+    ipc = ProcessLink("ipc:///tmp/reactor-x/learner", None).side_bind("replay-0")
+    assert re.fullmatch(r"ipc:///tmp/reactor-x/learner-replay-0-[0-9a-f]{8}", ipc)  # the run's private directory
+    single = ProcessLink().side_bind("replay-0")  # single process: a private directory of this process
+    path = single.removeprefix("ipc://")
+    assert single.startswith("ipc://") and stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert ProcessLink().side_bind("replay-0") != single  # two owners of one name never share a socket
+    with pytest.raises(ValueError, match=r"side server name must be 1..64 of \[A-Za-z0-9_.-\], got 'a/b'"):
+        ProcessLink().side_bind("a/b")
     # a reactor outside any run, and one in a single-process run, get the empty link
     from reactor import Graph, Reactor, reaction, run, startup
 

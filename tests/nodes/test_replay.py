@@ -212,9 +212,9 @@ def test_remote_reads_settings_reach_the_requests_and_bad_ones_are_refused():
         (req,) = ReplayClient(1, timeout_s=None, **kw).request(4)
         return req.remote
 
-    assert asked(remote_reads="zmq") == "zmq" and asked(remote_reads="off") == ""
-    # auto: RDMA only where a device works (never here, so the replies carry the data)
-    assert asked() == ("rdma" if capabilities().rdma else "")
+    assert asked(remote_reads="zmq") == "zmq" and asked() == ""  # default "off": data in the replies
+    # auto (the Learner's): RDMA only where a device works (never here, so the replies carry the data)
+    assert asked(remote_reads="auto") == ("rdma" if capabilities().rdma else "")
     with pytest.raises(ValueError, match=r"^ReplayClient remote_reads must be one of \['auto', 'zmq', 'off'\], got 'ib'$"):
         ReplayClient(2, remote_reads="ib")
     with pytest.raises(ValueError, match=r"^Replay remote_reads must be one of .* got 'rdma'$"):
@@ -365,3 +365,48 @@ def test_shards_in_gpu_or_pinned_memory_sample_exactly_what_host_memory_shards_d
         # the same draws; the same bytes from pinned memory (a GPU's n-step sums may round differently)
         for name in ("keys", "probs", "weights") + (("digest",) if memory == "pinned" else ()):
             np.testing.assert_array_equal(outs["host"][name], outs[memory][name], err_msg=f"{memory} {name}")
+
+
+def _windows_part(r, descriptor):
+    """A shard's plan reply (three numbers a window) with the given region descriptor."""
+    spans = np.tile(np.array([[0, 0, 4]], dtype=np.int64), (r.n, 1))
+    return ShardSample(r.shard, 0, r.request, "", None, make_keys(r.shard, np.arange(r.n)), np.full(r.n, 0.01),
+                       np.ones(r.n, np.int64), 1.0, 1.0, 50, 0.5, windows=spans, window_length=4,
+                       descriptor=descriptor)
+
+
+def test_a_failed_attach_drops_the_whole_sample_and_a_remote_one_falls_back_to_data():
+    import asyncio
+
+    from reactor.transport.bulk import host_id
+
+    async def main():
+        # Same host (shared memory): a bad region fails the sample loudly, and the sample is gone whole;
+        # the other shard's late reply must not complete it with half the items.
+        client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
+        first = client.request(100)
+        await client.areceive(_mass(0, first[0].request, 1.0, 50))
+        reqs, _ = await client.areceive(_mass(1, first[1].request, 1.0, 50))
+        by = {r.shard: r for r in reqs}
+        with pytest.raises(ValueError, match="descriptor"):
+            await client.areceive(_windows_part(by[0], {"kind": "junk", "host": host_id()}))
+        assert client.in_flight == 0
+        assert await client.areceive(_part(by[1], 0.01, 1.0, 1.0)) == ([], None)  # ignored, no short batch
+
+        # Another host, one-sided reads asked for: the shard's region cannot be attached from here, so the
+        # sample is drawn again and that shard sends data from now on; the batch is whole.
+        client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None, bulk=False, remote_reads="zmq")
+        first = client.request(100)
+        await client.areceive(_mass(0, first[0].request, 1.0, 50))
+        reqs, _ = await client.areceive(_mass(1, first[1].request, 1.0, 50))
+        assert {r.remote for r in reqs} == {"zmq"}
+        by = {r.shard: r for r in reqs}
+        again, batch = await client.areceive(_windows_part(by[0], {"kind": "junk", "host": "elsewhere"}))
+        assert batch is None and {r.shard: r.remote for r in again} == {0: "", 1: "zmq"}
+        assert await client.areceive(_part(by[1], 0.01, 1.0, 1.0)) == ([], None)  # the dropped sample's
+        parts = [await client.areceive(_part(r, 0.01, 1.0, 1.0)) for r in again]
+        batch = next(b for _, b in parts if b is not None)
+        assert len(batch.keys) == 100
+        client.close()
+
+    asyncio.run(main())

@@ -94,6 +94,7 @@ def test_learner_of_another_host_reads_windows_one_sidedly_over_curve(tmp_path):
     assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
     assert int(rec["gathered"]) == 10 * 64  # every item through a one-sided read, none in a reply
     assert len(res.processes) == 5 and all(s["curve"] for s in res.processes.values())
+    assert rec["curve_keys"].tolist() == [True, True]  # both shards' read servers speak CURVE
     assert _segments() == before
 
 

@@ -39,6 +39,23 @@ log = logging.getLogger("reactor.scheduler")
 
 # Event kinds, in the order simultaneous events of one reactor are handled.
 STARTUP, TIMER, ACTION, INPUT = 0, 1, 2, 3
+#: Pending events scanned one by one for promises; past this, the earliest one stands for all.
+_PROMISE_SCAN_MAX = 256
+
+_Dist = tuple[int, int]
+"""A delay in logical time: ``(ns, 0)`` with ns > 0, or ``(0, microsteps)``; ordered as tuples."""
+
+
+def _hop(d: _Dist, delay_ns: int) -> _Dist:
+    """``d`` followed by one connection or action of ``delay_ns`` (a lower bound: a zero-delay hop
+    after a positive delay adds a microstep that the bound leaves out)."""
+    if delay_ns > 0:
+        return (d[0] + delay_ns, 0)
+    return (0, d[1] + 1) if d[0] == 0 else d
+
+
+def _after(tag: Tag, d: _Dist) -> Tag:
+    return Tag(tag.time_ns, tag.microstep + d[1]) if d[0] == 0 else Tag(tag.time_ns + d[0], 0)
 KIND_NAMES = {STARTUP: "startup", TIMER: "timer", ACTION: "action", INPUT: "input"}
 
 
@@ -218,6 +235,101 @@ class ReactorHost:
         self.sent_count = 0
         self.received_count = 0
         self._in_shutdown = False
+        self._reach, self._entry = self._reachability() if remote is not None else ({}, {})
+
+    # ------------------------------------------------------------------------------------------
+    # promises (deterministic mode, across processes)
+
+    def _reachability(self) -> tuple[dict[tuple[str, str], dict[str, _Dist]], dict[str, dict[str, _Dist]]]:
+        """How soon what starts at each local trigger can reach each other process.
+
+        The graph is: trigger -> the reactions it starts -> their declared effects (an output port:
+        its links, local ones lead on to the destination's trigger; an action: the same reactor's
+        trigger, after at least its ``min_delay``). Returns ``reach[(reactor, trigger)][process]``,
+        the least delay from an event at that trigger to a message arriving in that process, and
+        ``entry[upstream process][process]``, the same from the triggers the upstream process's
+        links enter. Effects are enforced at run time (``PortError``), so nothing reaches a process
+        faster than this says.
+        """
+        links_from: dict[tuple[str, str], list[Link]] = {}
+        for lk in self.links:
+            if lk.src in self.reactors:
+                links_from.setdefault((lk.src, lk.src_port), []).append(lk)
+        edges: dict[tuple[str, str], list[tuple[tuple[str, str] | str, int]]] = {}
+        for name, r in self.reactors.items():
+            for spec in type(r)._reaction_specs:
+                outs: list[tuple[tuple[str, str] | str, int]] = []
+                for eff in spec.effects:
+                    if isinstance(eff, Action):
+                        outs.append(((name, eff.name), eff.min_delay_ns))
+                        continue
+                    for lk in links_from.get((name, eff.name), ()):
+                        dst = (lk.dst, lk.dst_port) if lk.dst in self.reactors else self.owner_of[lk.dst]
+                        outs.append((dst, lk.delay_ns))
+                for trig in spec.triggers:
+                    if trig.name != "shutdown":  # shutdown outputs are dropped
+                        edges.setdefault((name, trig.name), []).extend(outs)
+        reach: dict[tuple[str, str], dict[str, _Dist]] = {}
+        for start in edges:
+            best: dict[tuple[str, str], _Dist] = {start: (0, 0)}
+            todo: list[tuple[_Dist, tuple[str, str]]] = [((0, 0), start)]
+            got: dict[str, _Dist] = {}
+            while todo:
+                d, node = heapq.heappop(todo)
+                if best[node] < d:
+                    continue
+                for dst, delay in edges.get(node, ()):
+                    nd = _hop(d, delay)
+                    if isinstance(dst, str):
+                        if dst not in got or nd < got[dst]:
+                            got[dst] = nd
+                    elif dst not in best or nd < best[dst]:
+                        best[dst] = nd
+                        heapq.heappush(todo, (nd, dst))
+            reach[start] = got
+        entry: dict[str, dict[str, _Dist]] = {}
+        for lk in self.links:
+            if lk.dst in self.reactors and lk.src not in self.reactors:
+                e = entry.setdefault(self.owner_of[lk.src], {})
+                for p, d in reach.get((lk.dst, lk.dst_port), {}).items():
+                    if p not in e or d < e[p]:
+                        e[p] = d
+        return reach, entry
+
+    def promises(self, peers: list[str]) -> dict[str, Tag]:
+        """Deterministic mode: per downstream process, the earliest tag a message from this process
+        can still arrive there with (NEVER: none can).
+
+        From the pending events and the upstream horizons, each through what its trigger can
+        reach (:meth:`_reachability`): an event whose reactions cannot send to a process does not
+        hold that process back. At least ``lower_bound().delayed(min link delay)``.
+        """
+        best = dict.fromkeys(peers, NEVER)
+        for q, h in self.horizons.items():
+            if h == NEVER:
+                continue
+            for p, d in self._entry.get(q, {}).items():
+                c = _after(h, d)
+                if c < best.get(p, c):
+                    best[p] = c
+        heap = self.heap
+        if len(heap) <= _PROMISE_SCAN_MAX:
+            reach = self._reach
+            for ev in heap:
+                kind, payload = ev[3], ev[7]
+                trig = payload[0] if kind >= ACTION else payload.name if kind == TIMER else "startup"
+                r = reach.get((ev[6], trig))
+                if r:
+                    tag = Tag(ev[0], ev[1])
+                    for p, d in r.items():
+                        c = _after(tag, d)
+                        if c < best.get(p, c):
+                            best[p] = c
+        elif heap:
+            head = self.next_tag()
+            for p in peers:
+                best[p] = min(best[p], min((_after(head, r[p]) for r in self._reach.values() if p in r), default=NEVER))
+        return best
 
     # ------------------------------------------------------------------------------------------
     # called by reactors (through ports)
@@ -277,6 +389,12 @@ class ReactorHost:
 
     def deliver_remote(self, link: int, seq: int, tag: Tag, value: Any) -> None:
         lk = self.links[link]
+        if self.deterministic:
+            src = self.owner_of[lk.src]
+            if tag < self.horizons.get(src, tag):  # promises and messages share one FIFO pipe
+                raise ReactorInternalError(
+                    f"process {src!r} sent {lk.src}.{lk.src_port} -> {lk.dst}.{lk.dst_port} at {tag} after promising "
+                    f"nothing before {self.horizons[src]} (a promise computed too high)")
         self.received_count += 1
         self._push(lk.dst, tag, INPUT, link, seq, (lk.dst_port, value))
 
@@ -408,15 +526,24 @@ class ReactorHost:
         return self.safe_bound().time_ns > self.stop_ns
 
     async def run_ready(self, budget: int = 4096) -> int:
-        """Run up to ``budget`` events that are safe to run; return how many ran."""
+        """Run up to ``budget`` events that are safe to run; return how many ran.
+
+        Returns early after an event that sent messages to other processes, so that the caller
+        promises them the new lower bound before the next event runs: a peer waiting on what was
+        just sent need not wait for a long reaction that comes after it (the learner's update
+        after the sample request it sent).
+        """
         n = 0
         heap = self.heap
         while n < budget and self.runnable():
             t, m, _, kind, rank, seq, dst, payload = heapq.heappop(heap)
             tag = Tag(t, m)
             self.now = tag
+            sent = self.sent_count
             await self._handle(dst, tag, kind, rank, seq, payload)
             n += 1
+            if self.sent_count != sent:
+                break
         return n
 
     # ------------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 :class:`Learner` (off-policy) keeps ``prefetch`` samples in flight from the replay shards through a
 :class:`~reactor.nodes.replay.ReplayClient` (N shards behave as one table), learns on each batch as
 it arrives, sends the new priorities to the shards that own the keys, and broadcasts the policy
-weights every ``weights_every`` updates. How many updates happen per env step is the replay rate
+weights every ``weights_every`` updates. A sample's arrival (``take``) sends the next request at
+once; the update runs one microstep later (``learn``, on the ``update_due`` action), so a shard in
+another process can draw the next sample while this one is learned on (data-parallel replicas
+update inside ``take``: see below). How many updates happen per env step is the replay rate
 limiter's business (``SampleToInsertRatio``), so the learner never polls.
 
 :class:`RolloutLearner` (on-policy, PPO) waits for one rollout from each of ``num_actors`` actors,
@@ -12,7 +15,9 @@ learns on them together, and broadcasts the weights that the actors wait for.
 **Data-parallel learners** (the ``dp-learners`` policy): a bank of N learners, each sampling its
 own batches, all-reduce (average) their gradients through ``torch.distributed`` (gloo; NCCL where
 GPUs exist) before every optimizer step, so all replicas hold the same weights; replica 0 speaks for
-them (weights, checkpoints). The rendezvous is a file in the run directory named by the run id.
+them (weights, checkpoints). An update blocks its process in the all-reduce until every replica
+reaches it, so replicas update when their sample arrives, at its own tag, with no logical gap in
+which one would wait for a promise another can only send after its update. The rendezvous is a file in the run directory named by the run id.
 A replica that does not join an all-reduce within ``DP_TIMEOUT_S`` (it died, stopped, or got fewer
 batches) makes the others raise :class:`~reactor.PeerLostError` naming the step, instead of waiting
 on gloo's default of 30 minutes.
@@ -32,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PeerLostError
-from .._reactor import Input, Output, Reactor, reaction, shutdown, startup
+from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
 from ._registry import denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
@@ -191,6 +196,10 @@ class Learner(_LearnerBase):
 
     replies = Input(ReplayReply, required=True)
     requests = Output(ReplayRequest)
+    update_due = Action()
+    """A sample to learn on, one microstep after it arrived: the requests the arrival sends (the
+    next sample) go out, and are promised complete to the shards' processes, before the update
+    starts, so a shard in another process draws the next sample while this one is learned on."""
     priorities = Output(ItemUpdate)
     weights = Output(Weights)
     report = Output(Report)
@@ -243,8 +252,8 @@ class Learner(_LearnerBase):
             for m in self.client.request(self.batch_size):
                 self.requests.send(m)
 
-    @reaction(triggers=[replies], effects=[requests, priorities, weights, report])
-    async def learn(self, replies: ReplayReply) -> None:
+    @reaction(triggers=[replies], effects=[requests, update_due, priorities, weights, report])
+    async def take(self, replies: ReplayReply) -> None:
         msgs, batch = await self.client.areceive(replies)  # awaits only one-sided reads of other hosts' shards
         for m in msgs:
             self.requests.send(m)
@@ -253,12 +262,25 @@ class Learner(_LearnerBase):
         if self.max_updates is None or self.updates + self.client.in_flight < self.max_updates:
             for m in self.client.request(self.batch_size):  # the next sample overlaps this update
                 self.requests.send(m)
+        for m in self.client.check_timeouts():  # a shard that stopped answering is lost
+            self.requests.send(m)
+        if self.bank_size > 1:
+            # Data-parallel replicas update here, at the sample's own tag: an update blocks its
+            # process in the gradient all-reduce until every replica reaches the same update, so
+            # no replica may need a promise that another can only send after its update.
+            self._update(batch)
+        else:
+            self.update_due.schedule(batch)
+
+    @reaction(triggers=[update_due], effects=[priorities, weights, report])
+    def learn(self, update_due: Any) -> None:
+        self._update(update_due)
+
+    def _update(self, batch: Any) -> None:
         import torch
 
         data = dict(batch.data)
         data["weights"] = torch.as_tensor(batch.weights)
-        for m in self.client.check_timeouts():  # a shard that stopped answering is lost
-            self.requests.send(m)
         with denormals_flushed():
             metrics, priorities = self.algo.learn(self.state, data)
         self.updates += 1

@@ -11,8 +11,13 @@
 The graph is the same under every distribution policy (``--placement single|actors|colocated|
 dp-learners``); only the placement moves instances between processes. Logical delays: weights
 reach actors ``weights_delay_s`` after the update that made them (actors never wait for the
-learner within that window); replies reach the learner one ``step_s`` after the request (a cycle
-needs a delay, and this is the smallest).
+learner within that window); a sample request reaches its shard half a ``step_s`` after the
+sample before it arrived, its reply the learner half a step later (a cycle needs a delay), and an
+update's priorities reach the shards a whole step after it. So a shard draws the next sample
+before it applies the priorities of the update running meanwhile (priorities one update stale, as
+in Ape-X), and in another process it draws it *while* the learner updates: the learner promises
+the shards' processes, before it starts the update, that the update sends nothing sooner than a
+step (``ReactorHost.promises`` reads that from the reactions' declared effects).
 """
 
 from __future__ import annotations
@@ -121,9 +126,13 @@ def off_policy_graph(
     # Writers' flow control. The delay is the actors' lookahead on the shards' processes (as
     # weights_delay_s is on the learner's): a shorter one would make them wait for a promise each step.
     g.connect(replay.acks, actor.acks, key=writer_key, delay_s=weights_delay_s)
-    g.connect(learner.requests, replay.requests, key=shard_key)
-    g.connect(learner.priorities, replay.updates, key=shard_key)
-    g.connect(replay.replies, learner.replies, key=requester_key, delay_s=step_s)
+    # Sampling overlaps the learner's update across processes (module docstring): the priorities'
+    # delay must exceed the requests'. Data-parallel learners update when the sample arrives
+    # (Learner.take) and keep the plain cycle: requests and priorities at once, replies a step later.
+    overlap = learners == 1
+    g.connect(learner.requests, replay.requests, key=shard_key, delay_s=step_s / 2 if overlap else 0.0)
+    g.connect(learner.priorities, replay.updates, key=shard_key, delay_s=step_s if overlap else 0.0)
+    g.connect(replay.replies, learner.replies, key=requester_key, delay_s=step_s / 2 if overlap else step_s)
     g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)
     g.connect(learner.weights, evaluator.weights)
     for src in (actor.report, learner.report, evaluator.report):

@@ -556,6 +556,20 @@ class Endpoint:
             lost_peers=tuple(sorted(self._lost)),
         )
 
+    def flush(self) -> None:
+        """Send now the messages held for this tick's batches (see the module notes on coalescing).
+
+        For a sender about to compute without awaiting: what it sent so far leaves at once instead
+        of when the loop next runs its callbacks. A link whose zmq queue is full keeps its messages
+        held (in order), and the end-of-tick callback retries them.
+        """
+        for link in self._links.values():
+            if link.batch and not link.sock.closed:
+                try:
+                    self._flush(link)
+                except WouldBlock:
+                    pass
+
     def credit(self, peer: str) -> tuple[int, int]:
         """The credit held for sending to ``peer``: ``(messages, nbytes)``.
 

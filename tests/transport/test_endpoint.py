@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -438,6 +439,27 @@ async def test_small_messages_sent_in_one_tick_travel_batched_in_order_around_me
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(credit_settled(), WAIT_S)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("flush", [True, False])
+async def test_flush_sends_what_the_tick_holds_before_the_sender_yields(open_endpoint, flush):
+    """A sender about to compute without awaiting flushes: what it held for the end-of-tick batch
+    reaches the peer meanwhile. Without flush, only the tick's first message has left."""
+    rx = await open_endpoint("rx")
+    tx = await open_endpoint("tx")
+    await tx.connect("rx", rx.address)
+    for i in range(3):  # one tick: [0] goes at once, [1] and [2] are held
+        tx.send_nowait("rx", {"i": i})
+    if flush:
+        tx.flush()
+    time.sleep(0.3)  # "computing": the loop does not run, zmq's I/O threads do
+    got = [m["i"] for _, m in await rx.recv_batch(timeout_s=WAIT_S)]
+    assert got == ([0, 1, 2] if flush else [0])
+    tx.flush()  # nothing held: a no-op
+    while len(got) < 3:
+        got += [m["i"] for _, m in await rx.recv_batch(timeout_s=WAIT_S)]
+    assert got == [0, 1, 2]
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,84 @@
+"""Test app: the learner/replay cycle in miniature, for deterministic runs across processes.
+
+A producer ticks items into a server; a client asks the server for a sample, and on each reply
+asks for the next one at once and then "learns" one microstep later (an action), sending a
+priority-like update back. The update's link is slower than the request's, so the server can
+serve the next request before that update arrives: the pattern whose promises
+``ReactorHost.promises`` computes from the reactions' effects.
+"""
+
+from __future__ import annotations
+
+from reactor import Action, Graph, Input, Output, Reactor, Timer, reaction, startup
+
+M = (1 << 31) - 1
+
+
+class Producer(Reactor):
+    tick = Timer(period_s=1e-6)
+    out = Output(int)
+
+    @reaction(triggers=[tick], effects=[out])
+    def step(self) -> None:
+        self.out.send(int(self.rng.integers(0, 1 << 20)))
+
+
+class Server(Reactor):
+    items = Input(int)
+    requests = Input(int)
+    updates = Input(int)
+    replies = Output(int)
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.bias = 1
+
+    @reaction(triggers=[items])
+    def add(self, items: int) -> None:
+        self.total = (self.total * 31 + items) % M
+
+    @reaction(triggers=[requests], effects=[replies])
+    def serve(self, requests: int) -> None:
+        self.replies.send((requests * 1_000_003 + self.total * 7 + self.bias) % M)
+
+    @reaction(triggers=[updates])
+    def absorb(self, updates: int) -> None:
+        self.bias = (self.bias * 17 + updates) % M
+
+
+class Client(Reactor):
+    replies = Input(int)
+    requests = Output(int)
+    updates = Output(int)
+    due = Action(int)
+
+    def __init__(self, samples: int = 150) -> None:
+        self.samples = samples
+        self.n = 0
+
+    @reaction(triggers=[startup], effects=[requests])
+    def start(self) -> None:
+        self.requests.send(0)
+
+    @reaction(triggers=[replies], effects=[requests, due])
+    def take(self, replies: int) -> None:
+        self.n += 1
+        if self.n < self.samples:
+            self.requests.send(self.n)
+        self.due.schedule(replies)
+
+    @reaction(triggers=[due], effects=[updates])
+    def learn(self, due: int) -> None:
+        self.updates.send((due * 5 + self.n) % M)
+
+
+def build(config: dict) -> Graph:
+    g = Graph(stop_s=float(config.get("stop_s", 3e-4)))
+    producer = g.add(Producer(), name="producer", replicas=int(config.get("producers", 2)))
+    server = g.add(Server(), name="server")
+    client = g.add(Client(int(config.get("samples", 150))), name="client")
+    g.connect(producer.out, server.items, delay_s=1e-6)
+    g.connect(client.requests, server.requests, delay_s=0.5e-6)
+    g.connect(client.updates, server.updates, delay_s=1e-6)
+    g.connect(server.replies, client.replies, delay_s=0.5e-6)
+    return g

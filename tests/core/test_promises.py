@@ -1,0 +1,82 @@
+"""Promises across processes read from the reactions' declared effects (deterministic mode)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reactor import ReactorError, run
+from reactor._app import build_graph
+from reactor._scheduler import ACTION, INPUT, ReactorHost
+from reactor._tag import NEVER, Tag
+
+APP = str(Path(__file__).resolve().parents[1] / "apps" / "sample_loop.py")
+OWNERS = {"producer[0]": "p0", "producer[1]": "p1", "server": "s", "client": "c"}
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, Tag]] = []
+
+    def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None:
+        self.sent.append((process, link, tag))
+
+
+def _host(local: str) -> ReactorHost:
+    return ReactorHost(build_graph(APP, {}), [local], OWNERS, remote=_Sink(), process=OWNERS[local])
+
+
+def test_a_pending_update_holds_the_server_back_only_by_the_updates_delay():
+    h = _host("client")
+    h.horizons["s"] = Tag(3000, 0)
+    # Nothing pending: the next request follows the next reply (>= 3000) through the 500 ns link.
+    assert h.promises(["s"]) == {"s": Tag(3500, 0)}
+    # The update action pending at (1000, 1) can only send on the 1000 ns updates link...
+    h._push("client", Tag(1000, 1), ACTION, 0, 0, ("due", 7))
+    assert h.promises(["s"]) == {"s": Tag(2000, 0)}
+    # ... where the bound from the earliest event alone would be (1000, 1) + 500 ns.
+    assert h.lower_bound().delayed(500) == Tag(1500, 0)
+    # A reply pending at (1000, 0) can send a request through the 500 ns link.
+    h._push("client", Tag(1000, 0), INPUT, 4, 0, ("replies", 1))
+    assert h.promises(["s"]) == {"s": Tag(1500, 0)}
+
+
+def test_inputs_without_effects_do_not_hold_back_the_server_promise():
+    h = _host("server")
+    h.horizons.update({"c": Tag(100, 0), "p0": Tag(5000, 0), "p1": Tag(5000, 0)})
+    # Only a request from the client can make a reply: its horizon + the 500 ns replies link.
+    assert h.promises(["c"]) == {"c": Tag(600, 0)}
+    # An update (no effects) or an item (no effects) pending earlier changes nothing.
+    h._push("server", Tag(50, 0), INPUT, 1, 0, ("updates", 3))
+    h._push("server", Tag(60, 0), INPUT, 2, 0, ("items", 3))
+    assert h.promises(["c"]) == {"c": Tag(600, 0)}
+    # A pending request does.
+    h._push("server", Tag(70, 1), INPUT, 0, 0, ("requests", 3))
+    assert h.promises(["c"]) == {"c": Tag(570, 0)}
+
+
+def test_a_process_that_can_never_send_again_promises_never():
+    h = _host("server")
+    h.horizons.update({"c": NEVER, "p0": Tag(10, 0), "p1": Tag(10, 0)})
+    assert h.promises(["c"]) == {"c": NEVER}  # items cannot make replies; the client is done
+
+
+def test_a_message_behind_its_senders_promise_is_refused_loudly():
+    h = _host("client")
+    h.advance_horizon("s", Tag(2000, 0))
+    with pytest.raises(ReactorError, match="after promising nothing before"):
+        h.deliver_remote(4, 0, Tag(1500, 0), 1)
+
+
+@pytest.mark.parametrize("placement", ["processes"])
+def test_the_sampling_loop_gives_the_same_digests_in_one_process_and_across_processes(placement):
+    config = {"samples": 150}
+    single = run(build_graph(APP, config), seed=3, digest=True)
+    multi = run(build_graph(APP, config), seed=3, digest=True, placement=placement, app=APP, config=config)
+    assert single.digests == multi.digests
+    assert single.events == multi.events
+    assert single.events["client"] > 2 * 100  # replies and updates of the whole loop ran
+    stats = multi.processes
+    assert {"rounds", "promises", "waits", "cpu_ms"} <= set(stats["client"])

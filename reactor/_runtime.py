@@ -34,7 +34,10 @@ class RunResult:
         stopped_by: ``"stop_time"``, ``"quiescence"``, ``"request"``, ``"signal"`` or ``"replay"``.
         processes: multi-process runs: per worker process, flow statistics (``peak_inbox``,
             ``peak_backlog``: the most messages queued in and out; ``peak_rss_bytes``; ``sent``,
-            ``received``: messages to and from other processes).
+            ``received``: messages to and from other processes; deterministic mode: ``rounds`` of
+            work, ``promises`` sent, ``waits`` for peers, ``coarse_promises`` computed from the
+            earliest of a long queue) and, from the start of the run, ``cpu_ms`` (all threads) and
+            ``voluntary_switches`` / ``involuntary_switches``. ``reactor run --json`` prints them.
     """
 
     digests: Mapping[str, str] = field(default_factory=dict)

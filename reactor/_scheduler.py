@@ -236,6 +236,12 @@ class ReactorHost:
         self.received_count = 0
         self._in_shutdown = False
         self._reach, self._entry = self._reachability() if remote is not None else ({}, {})
+        self._reach_min: dict[str, _Dist] = {}
+        for r in self._reach.values():
+            for p, d in r.items():
+                if p not in self._reach_min or d < self._reach_min[p]:
+                    self._reach_min[p] = d
+        self.coarse_promises = 0
 
     # ------------------------------------------------------------------------------------------
     # promises (deterministic mode, across processes)
@@ -314,21 +320,24 @@ class ReactorHost:
                     best[p] = c
         heap = self.heap
         if len(heap) <= _PROMISE_SCAN_MAX:
-            reach = self._reach
+            first: dict[tuple[str, str], tuple[int, int]] = {}  # earliest pending tag per trigger
             for ev in heap:
                 kind, payload = ev[3], ev[7]
-                trig = payload[0] if kind >= ACTION else payload.name if kind == TIMER else "startup"
-                r = reach.get((ev[6], trig))
-                if r:
-                    tag = Tag(ev[0], ev[1])
-                    for p, d in r.items():
-                        c = _after(tag, d)
-                        if c < best.get(p, c):
-                            best[p] = c
-        elif heap:
+                key = (ev[6], payload[0] if kind >= ACTION else payload.name if kind == TIMER else "startup")
+                tag = (ev[0], ev[1])
+                if key not in first or tag < first[key]:
+                    first[key] = tag
+            reach = self._reach
+            for key, tag in first.items():
+                for p, d in reach.get(key, {}).items():
+                    c = _after(Tag(*tag), d)
+                    if c < best.get(p, c):
+                        best[p] = c
+        elif heap:  # a long queue: its earliest event stands for all (a lower bound; counted)
+            self.coarse_promises += 1
             head = self.next_tag()
             for p in peers:
-                best[p] = min(best[p], min((_after(head, r[p]) for r in self._reach.values() if p in r), default=NEVER))
+                best[p] = min(best[p], _after(head, self._reach_min[p])) if p in self._reach_min else best[p]
         return best
 
     # ------------------------------------------------------------------------------------------

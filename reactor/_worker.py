@@ -206,6 +206,7 @@ class Worker:
                     "sent": host.sent_count,
                     "received": host.received_count,
                     **self.loop_stats,
+                    "coarse_promises": host.coarse_promises,
                     **{k: v - started[k] for k, v in _cpu_stats().items()},
                 },
                 "events": {n: s.events for n, s in host.stats.items()},

@@ -239,6 +239,7 @@ class Learner(_LearnerBase):
         self.resume = resume
         self.sample_timeout_s = sample_timeout_s
         self.samples = 0
+        self._due = 0  # samples taken whose update is still to run (update_due scheduled)
 
     @reaction(triggers=[startup], effects=[requests, weights])
     def start(self) -> None:
@@ -259,21 +260,27 @@ class Learner(_LearnerBase):
             self.requests.send(m)
         if batch is None:
             return
-        if self.max_updates is None or self.updates + self.client.in_flight < self.max_updates:
+        inline = self.bank_size > 1 or not self.deterministic
+        # Updates done, to do (this batch, batches waiting on update_due) and samples in flight.
+        due = self.updates + 1 + self._due + self.client.in_flight
+        if self.max_updates is None or due < self.max_updates:
             for m in self.client.request(self.batch_size):  # the next sample overlaps this update
                 self.requests.send(m)
         for m in self.client.check_timeouts():  # a shard that stopped answering is lost
             self.requests.send(m)
-        if self.bank_size > 1:
+        if inline:
             # Data-parallel replicas update here, at the sample's own tag: an update blocks its
             # process in the gradient all-reduce until every replica reaches the same update, so
-            # no replica may need a promise that another can only send after its update.
+            # no replica may need a promise that another can only send after its update. In async
+            # mode there are no promises to gain, and queued replies would run ahead of the updates.
             self._update(batch)
         else:
+            self._due += 1
             self.update_due.schedule(batch)
 
     @reaction(triggers=[update_due], effects=[priorities, weights, report])
     def learn(self, update_due: Any) -> None:
+        self._due -= 1
         self._update(update_due)
 
     def _update(self, batch: Any) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._graph import Graph
+from .._tag import NS_PER_S, seconds_to_ns
 from .env_actor import EnvActor
 from .evaluator import Evaluator
 from .learner import Learner, RolloutLearner
@@ -130,9 +131,13 @@ def off_policy_graph(
     # delay must exceed the requests'. Data-parallel learners update when the sample arrives
     # (Learner.take) and keep the plain cycle: requests and priorities at once, replies a step later.
     overlap = learners == 1
-    g.connect(learner.requests, replay.requests, key=shard_key, delay_s=step_s / 2 if overlap else 0.0)
+    step_ns = seconds_to_ns(step_s, "step_s")
+    if overlap and step_ns < 2:
+        raise ValueError(f"step_s must be at least 2 ns (requests and replies take half a step each), got {step_s!r}")
+    req_ns = step_ns // 2 if overlap else 0
+    g.connect(learner.requests, replay.requests, key=shard_key, delay_s=req_ns / NS_PER_S)
     g.connect(learner.priorities, replay.updates, key=shard_key, delay_s=step_s if overlap else 0.0)
-    g.connect(replay.replies, learner.replies, key=requester_key, delay_s=step_s / 2 if overlap else step_s)
+    g.connect(replay.replies, learner.replies, key=requester_key, delay_s=(step_ns - req_ns) / NS_PER_S)
     g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)
     g.connect(learner.weights, evaluator.weights)
     for src in (actor.report, learner.report, evaluator.report):

@@ -9,11 +9,13 @@ import pytest
 
 from reactor import ReactorError, run
 from reactor._app import build_graph
-from reactor._scheduler import ACTION, INPUT, ReactorHost
+from reactor._scheduler import _PROMISE_SCAN_MAX, ACTION, INPUT, STARTUP, TIMER, ReactorHost
 from reactor._tag import NEVER, Tag
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "sample_loop.py")
+MIX = str(Path(__file__).resolve().parents[1] / "apps" / "promise_mix.py")
 OWNERS = {"producer[0]": "p0", "producer[1]": "p1", "server": "s", "client": "c"}
+MIX_OWNERS = {"head": "h", "relay": "r", "tail": "t"}
 
 
 class _Sink:
@@ -26,6 +28,10 @@ class _Sink:
 
 def _host(local: str) -> ReactorHost:
     return ReactorHost(build_graph(APP, {}), [local], OWNERS, remote=_Sink(), process=OWNERS[local])
+
+
+def _mix_host(local: str) -> ReactorHost:
+    return ReactorHost(build_graph(MIX, {}), [local], MIX_OWNERS, remote=_Sink(), process=MIX_OWNERS[local])
 
 
 def test_a_pending_update_holds_the_server_back_only_by_the_updates_delay():
@@ -68,6 +74,56 @@ def test_a_message_behind_its_senders_promise_is_refused_loudly():
     h.advance_horizon("s", Tag(2000, 0))
     with pytest.raises(ReactorError, match="after promising nothing before"):
         h.deliver_remote(4, 0, Tag(1500, 0), 1)
+
+
+def test_an_action_with_a_min_delay_counts_on_the_path_to_a_peer():
+    h = _mix_host("head")
+    h.horizons["t"] = NEVER
+    # back -> got -> later (min_delay 300 ns) -> fire -> far (100 ns link) -> tail
+    h._push("head", Tag(1000, 0), INPUT, 0, 0, ("back", 3))
+    assert h.promises(["r", "t"]) == {"r": NEVER, "t": Tag(1400, 0)}
+    # the timer: step -> out (zero delay) -> relay; step -> later -> fire -> far -> tail
+    h._push("head", Tag(2000, 0), TIMER, 0, 0, type(h.reactors["head"]).tick)
+    assert h.promises(["r", "t"]) == {"r": Tag(2000, 1), "t": Tag(1400, 0)}
+    # startup sends on both ports at once
+    h._push("head", Tag(0, 0), STARTUP, 0, 0, None)
+    assert h.promises(["r", "t"]) == {"r": Tag(0, 1), "t": Tag(100, 0)}
+
+
+def test_a_zero_delay_chain_adds_a_microstep_per_link():
+    h = _mix_host("relay")
+    h.horizons.update({"h": NEVER, "t": NEVER})
+    h._push("relay", Tag(500, 2), INPUT, 0, 0, ("inp", 1))
+    assert h.promises(["t"]) == {"t": Tag(500, 3)}
+    h._push("relay", Tag(400, 0), INPUT, 1, 0, ("fb", 1))  # absorb has no effects
+    assert h.promises(["t"]) == {"t": Tag(500, 3)}
+    # upstream: head's horizon (300, 4) -> inp -> relay -> tail
+    h.horizons["h"] = Tag(300, 4)
+    assert h.promises(["t"]) == {"t": Tag(300, 5)}
+
+
+def test_past_the_scan_limit_the_earliest_event_stands_for_all_and_the_bound_stays_below():
+    h = _host("server")
+    h.horizons.update({"c": NEVER, "p0": NEVER, "p1": NEVER})
+    for i in range(_PROMISE_SCAN_MAX - 1):  # items: no effects, cannot hold the client back
+        h._push("server", Tag(10 + i, 0), INPUT, 2, i, ("items", i))
+    h._push("server", Tag(5000, 0), INPUT, 0, 0, ("requests", 1))
+    exact = h.promises(["c"])["c"]
+    assert exact == Tag(5500, 0)
+    h._push("server", Tag(20000, 0), INPUT, 2, 999, ("items", 0))  # one more: the coarse bound
+    coarse = h.promises(["c"])["c"]
+    assert coarse == Tag(10 + 500, 0)  # the earliest event + the least delay to the client
+    assert coarse <= exact
+    assert h.coarse_promises == 1
+
+
+@pytest.mark.parametrize("app,config", [(APP, {"samples": 150}), (MIX, {})], ids=["sample_loop", "promise_mix"])
+def test_every_way_to_send_gives_the_same_digests_in_one_process_and_across_processes(app, config):
+    single = run(build_graph(app, config), seed=3, digest=True)
+    multi = run(build_graph(app, config), seed=3, digest=True, placement="processes", app=app, config=config)
+    assert single.digests == multi.digests
+    assert single.events == multi.events
+    assert sum(single.events.values()) > 200  # the loops ran, not just startup
 
 
 @pytest.mark.parametrize("placement", ["processes"])

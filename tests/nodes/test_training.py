@@ -126,6 +126,18 @@ def test_bad_algorithm_config_is_a_one_line_error(override, message):
     assert "Traceback" not in out.stderr
 
 
+def test_a_step_too_short_to_halve_is_refused_and_an_odd_one_is_split_exactly(tmp_path):
+    from reactor.nodes.training import off_policy_graph
+
+    kw = {"algo": "dqn", "env": "CartPole-v1", "run_dir": str(tmp_path), "live": False}
+    with pytest.raises(ValueError, match=r"step_s must be at least 2 ns"):
+        off_policy_graph(step_s=1e-9, **kw)
+    g = off_policy_graph(step_s=3e-9, **kw)
+    delays = {(lk.src_port, lk.dst_port): lk.delay_ns for lk in g.links() if "learner" in (lk.src, lk.dst)}
+    assert delays[("requests", "requests")] + delays[("replies", "replies")] == 3  # the cycle is one step
+    assert delays[("priorities", "updates")] == 3 > delays[("requests", "requests")]
+
+
 def test_unknown_algorithm_names_the_known_ones():
     from reactor.nodes._registry import load_algorithm
 

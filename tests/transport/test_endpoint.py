@@ -456,7 +456,7 @@ async def test_flush_sends_what_the_tick_holds_before_the_sender_yields(open_end
     time.sleep(0.3)  # "computing": the loop does not run, zmq's I/O threads do
     got = [m["i"] for _, m in await rx.recv_batch(timeout_s=WAIT_S)]
     assert got == ([0, 1, 2] if flush else [0])
-    tx.flush()  # nothing held: a no-op
+    tx.flush()  # sends [1] and [2] if they are still held (no-op after the first flush)
     while len(got) < 3:
         got += [m["i"] for _, m in await rx.recv_batch(timeout_s=WAIT_S)]
     assert got == [0, 1, 2]

@@ -39,6 +39,7 @@ log = logging.getLogger("reactor.scheduler")
 
 # Event kinds, in the order simultaneous events of one reactor are handled.
 STARTUP, TIMER, ACTION, INPUT = 0, 1, 2, 3
+KIND_NAMES = {STARTUP: "startup", TIMER: "timer", ACTION: "action", INPUT: "input"}
 #: Pending events scanned one by one for promises; past this, the earliest one stands for all.
 _PROMISE_SCAN_MAX = 256
 
@@ -56,7 +57,6 @@ def _hop(d: _Dist, delay_ns: int) -> _Dist:
 
 def _after(tag: Tag, d: _Dist) -> Tag:
     return Tag(tag.time_ns, tag.microstep + d[1]) if d[0] == 0 else Tag(tag.time_ns + d[0], 0)
-KIND_NAMES = {STARTUP: "startup", TIMER: "timer", ACTION: "action", INPUT: "input"}
 
 
 class RemoteSink(Protocol):
@@ -337,7 +337,8 @@ class ReactorHost:
             self.coarse_promises += 1
             head = self.next_tag()
             for p in peers:
-                best[p] = min(best[p], _after(head, self._reach_min[p])) if p in self._reach_min else best[p]
+                if p in self._reach_min:
+                    best[p] = min(best[p], _after(head, self._reach_min[p]))
         return best
 
     # ------------------------------------------------------------------------------------------

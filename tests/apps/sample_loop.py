@@ -9,6 +9,10 @@ serve the next request before that update arrives: the pattern whose promises
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 from reactor import Action, Graph, Input, Output, Reactor, Timer, reaction, startup
 
 M = (1 << 31) - 1
@@ -23,15 +27,22 @@ class Producer(Reactor):
         self.out.send(int(self.rng.integers(0, 1 << 20)))
 
 
+def _log(log_dir: str, name: str, record: list) -> None:
+    if log_dir:
+        with open(os.path.join(log_dir, f"{name}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 class Server(Reactor):
     items = Input(int)
     requests = Input(int)
     updates = Input(int)
     replies = Output(int)
 
-    def __init__(self) -> None:
+    def __init__(self, log_dir: str = "") -> None:
         self.total = 0
         self.bias = 1
+        self.log_dir = log_dir
 
     @reaction(triggers=[items])
     def add(self, items: int) -> None:
@@ -39,6 +50,7 @@ class Server(Reactor):
 
     @reaction(triggers=[requests], effects=[replies])
     def serve(self, requests: int) -> None:
+        _log(self.log_dir, "serve", [requests, time.monotonic()])
         self.replies.send((requests * 1_000_003 + self.total * 7 + self.bias) % M)
 
     @reaction(triggers=[updates])
@@ -52,9 +64,11 @@ class Client(Reactor):
     updates = Output(int)
     due = Action(int)
 
-    def __init__(self, samples: int = 150) -> None:
+    def __init__(self, samples: int = 150, learn_s: float = 0.0, log_dir: str = "") -> None:
         self.samples = samples
         self.n = 0
+        self.learn_s = learn_s
+        self.log_dir = log_dir
 
     @reaction(triggers=[startup], effects=[requests])
     def start(self) -> None:
@@ -69,14 +83,20 @@ class Client(Reactor):
 
     @reaction(triggers=[due], effects=[updates])
     def learn(self, due: int) -> None:
+        t0 = time.monotonic()
+        if self.learn_s:
+            time.sleep(self.learn_s)  # a long update: the server may serve the next request meanwhile
+        _log(self.log_dir, "learn", [self.n, t0, time.monotonic()])
         self.updates.send((due * 5 + self.n) % M)
 
 
 def build(config: dict) -> Graph:
     g = Graph(stop_s=float(config.get("stop_s", 3e-4)))
     producer = g.add(Producer(), name="producer", replicas=int(config.get("producers", 2)))
-    server = g.add(Server(), name="server")
-    client = g.add(Client(int(config.get("samples", 150))), name="client")
+    log_dir = str(config.get("log_dir", ""))
+    server = g.add(Server(log_dir), name="server")
+    client = g.add(Client(int(config.get("samples", 150)), float(config.get("learn_s", 0.0)), log_dir),
+                   name="client")
     g.connect(producer.out, server.items, delay_s=1e-6)
     g.connect(client.requests, server.requests, delay_s=0.5e-6)
     g.connect(client.updates, server.updates, delay_s=1e-6)

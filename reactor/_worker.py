@@ -40,6 +40,7 @@ COORDINATOR = "coordinator"
 #: out at most this often. Reporting after every message cost a coordinator wake-up
 #: per message on every worker; the delay only postpones the end of a quiet run by as much.
 STATUS_INTERVAL_S = 0.02
+#: Deterministic mode: a promise on links with delay D > 0 goes out once grown by D / this.
 _PROMISE_QUANTUM_DIV = 4
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
@@ -442,6 +443,7 @@ class Worker:
             self._take(batch)
             self.peak_inbox = max(self.peak_inbox, sum(len(q) for q in h._inbox.values()))
             self.changed.set()
+
 
 def _cpu_stats() -> dict[str, int]:
     """This process's CPU time (all threads, ms) and context switches (voluntary: it waited), so far."""

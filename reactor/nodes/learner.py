@@ -17,7 +17,8 @@ own batches, all-reduce (average) their gradients through ``torch.distributed`` 
 GPUs exist) before every optimizer step, so all replicas hold the same weights; replica 0 speaks for
 them (weights, checkpoints). An update blocks its process in the all-reduce until every replica
 reaches it, so replicas update when their sample arrives, at its own tag, with no logical gap in
-which one would wait for a promise another can only send after its update. The rendezvous is a file in the run directory named by the run id.
+which one would wait for a promise another can only send after its update. The rendezvous is a
+file in the run directory named by the run id.
 A replica that does not join an all-reduce within ``DP_TIMEOUT_S`` (it died, stopped, or got fewer
 batches) makes the others raise :class:`~reactor.PeerLostError` naming the step, instead of waiting
 on gloo's default of 30 minutes.

@@ -127,9 +127,9 @@ def test_every_way_to_send_gives_the_same_digests_in_one_process_and_across_proc
     assert sum(single.events.values()) > 200  # the loops ran, not just startup
 
 
-def test_across_processes_the_server_serves_the_next_request_while_the_client_learns(tmp_path):
-    """The point of the promises: the client's request sent before its long update is served during
-    the update, not after it (without them the server waits for the update's promise)."""
+def test_across_processes_the_server_serves_the_next_request_before_the_clients_update_ends(tmp_path):
+    """The point of the promises: the client's request sent before its long update is served before
+    the update ends, not after it (without them the server waits for the update's promise)."""
     config = {"samples": 6, "learn_s": 0.2, "log_dir": str(tmp_path)}
     run(build_graph(APP, config), seed=1, placement="processes", app=APP, config=config)
 
@@ -139,9 +139,10 @@ def test_across_processes_the_server_serves_the_next_request_while_the_client_le
     served = {int(n): t for n, t in rows("serve")}
     learns = rows("learn")
     assert len(learns) == 6
-    # learn k runs after take k sent request k (its n); that request is served within the update
-    during = [t0 < served[int(n)] < t1 for n, t0, t1 in learns if int(n) in served]
-    assert len(during) == 5 and all(during), (learns, served)
+    # learn k runs after take k sent request k (its n); that request is served before the update
+    # ends (often before it starts), not after it
+    before_end = [served[int(n)] < t1 for n, _, t1 in learns if int(n) in served]
+    assert len(before_end) == 5 and all(before_end), (learns, served)
 
 
 @pytest.mark.parametrize("placement", ["processes"])

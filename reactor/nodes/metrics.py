@@ -139,6 +139,11 @@ class Metrics(Reactor):
 
     @reaction(triggers=[shutdown])
     def close_logs(self) -> None:
+        if not hasattr(self, "display"):  # the run failed before our startup finished: nothing to report
+            for f in (getattr(self, "csv_file", None), getattr(self, "tb", None)):
+                if f is not None:
+                    f.close()
+            return
         wall = time.monotonic() - self.t0
         self.display.close(self._rows(wall))
         self.csv_file.close()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from reactor import Action, Graph, Output, Reactor, reaction, run, startup
 from reactor.nodes.metrics import Metrics
 from reactor.nodes.train_messages import Report
@@ -72,6 +74,25 @@ class SlowStart(Reactor):
     @reaction(triggers=[startup])
     def build(self) -> None:
         time.sleep(0.4)
+
+
+class FailsAtStartup(Reactor):
+    report = Output(Report)
+
+    @reaction(triggers=[startup], effects=[report])
+    def boom(self) -> None:
+        raise RuntimeError("boom at startup")
+
+
+def test_a_run_that_fails_before_metrics_started_reports_only_its_own_error(tmp_path, caplog):
+    g = Graph()
+    a = g.add(FailsAtStartup(), name="a")  # starts before metrics (declaration order)
+    m = g.add(Metrics(str(tmp_path), live=False), name="metrics")
+    g.connect(a.report, m.reports)
+    with pytest.raises(RuntimeError, match="boom at startup"):
+        run(g)
+    assert not [r for r in caplog.records if "close_logs" in r.getMessage()], caplog.text
+    assert not (tmp_path / "summary.json").exists()  # no summary of a run that never started
 
 
 def test_the_clock_starts_after_every_startup_reaction(tmp_path):

@@ -82,6 +82,10 @@ class FreshData:
         self.action = rng.integers(0, 4, size=(period, batch))
         self.reward = rng.standard_normal((period, batch)).astype(np.float32)
         self.done = rng.random((period, batch)) < 0.01
+        # TorchRL takes tensors and keeps float32 trees: its inputs are made ahead too, so no
+        # conversion is timed against it.
+        self.t_indices = torch.from_numpy(self.indices)
+        self.t_priorities32 = torch.from_numpy(self.priorities.astype(np.float32))
 
     def __getitem__(self, i: int) -> int:
         return i % self.period
@@ -252,10 +256,12 @@ def make_torchrl(capacity: int) -> tuple[Any, str]:
             from tensordict import TensorDict
             from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer
 
-            rb = PrioritizedReplayBuffer(
-                alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(capacity), batch_size=256
-            )
-            rb.extend(TensorDict({"obs": torch.zeros(4, OBS_DIM)}, batch_size=[4]))
+            # Probe on a small buffer first: TorchRL builds its C++ sum trees lazily, so a broken
+            # compiled extension shows only when a buffer is filled and sampled.
+            probe = PrioritizedReplayBuffer(alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(8), batch_size=2)
+            probe.extend(TensorDict({"obs": torch.zeros(4, OBS_DIM)}, batch_size=[4]))
+            probe.sample(2, return_info=True)
+            rb = PrioritizedReplayBuffer(alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(capacity))
         return rb, ""
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         notes = "; ".join(sorted({str(w.message).splitlines()[0][:160] for w in caught}))
@@ -359,9 +365,9 @@ def section_transitions(args: argparse.Namespace) -> None:
             fns["cpprb"] = lambda i, dn=dn: peers["cpprb"].update_priorities(
                 dn.indices[dn[i]], dn.priorities[dn[i]]
             )
-        if "torchrl" in peers:
+        if "torchrl" in peers:  # TorchRL's trees are float32
             fns["torchrl"] = lambda i, dn=dn: peers["torchrl"].update_priority(
-                torch.from_numpy(dn.indices[dn[i]]), torch.from_numpy(dn.priorities[dn[i]])
+                dn.t_indices[dn[i]], dn.t_priorities32[dn[i]]
             )
         results.append((f"update {n}", interleaved_medians(fns, args.calls, args.reps)))
 
@@ -373,9 +379,15 @@ def section_transitions(args: argparse.Namespace) -> None:
         batch = peers["cpprb"].sample(256, beta=BETA)
         peers["cpprb"].update_priorities(batch["indexes"], d256.priorities[d256[i]])
 
+    def torchrl_learner(i: int) -> None:
+        _, info = peers["torchrl"].sample(256, return_info=True)
+        peers["torchrl"].update_priority(info["index"], d256.t_priorities32[d256[i]])
+
     fns = {"ours": ours_learner}
     if "cpprb" in peers:
         fns["cpprb"] = cpprb_learner
+    if "torchrl" in peers:
+        fns["torchrl"] = torchrl_learner
     results.append(("learner step 256", interleaved_medians(fns, args.calls, args.reps)))
 
     targets = {"insert": 0.5, "sample": 1.5, "update": 1.5, "learner": 2.0}
@@ -403,7 +415,7 @@ def _torchrl_insert(
     next_obs: np.ndarray,
     done: np.ndarray,
     priorities: np.ndarray,
-) -> None:  # pragma: no cover - torchrl does not load here
+) -> None:
     from tensordict import TensorDict
 
     td = TensorDict(
@@ -417,7 +429,7 @@ def _torchrl_insert(
         batch_size=[obs.shape[0]],
     )
     idx = rb.extend(td)
-    rb.update_priority(idx, torch.from_numpy(priorities))
+    rb.update_priority(idx, torch.from_numpy(priorities).float())
 
 
 def section_arity(args: argparse.Namespace) -> None:

@@ -196,6 +196,39 @@ def _nb_copy_windows(
                 zero_bytes(dst + z * rb, (length - z) * rb)
 
 
+@numba.njit(cache=True, nogil=True)
+def _nb_read_windows(
+    steps: np.ndarray,
+    length: int,
+    head: bool,
+    step_ep: np.ndarray,
+    ep_start: np.ndarray,
+    ep_len: np.ndarray,
+    first_step: int,
+    next_step: int,
+    src_addrs: np.ndarray,
+    row_nbytes: np.ndarray,
+    dst_addrs: np.ndarray,
+    mask: np.ndarray,
+    ahead: int,
+) -> int:  # pragma: no cover - jit
+    """``_nb_window_ranges`` then ``_nb_copy_windows`` in one compiled call (host ``read_windows``).
+
+    One call instead of two, and the ranges' scratch arrays allocated here rather than by numpy,
+    saves ~4 us of a ~55 us read of 256 x 32 steps. Returns -1, or the position of the first step
+    that is not stored (nothing is copied then).
+    """
+    b = steps.shape[0]
+    pos = np.empty(b, dtype=np.int64)
+    lo = np.empty(b, dtype=np.int64)
+    hi = np.empty(b, dtype=np.int64)
+    bad = _nb_window_ranges(steps, length, head, step_ep, ep_start, ep_len, first_step, next_step, pos, lo, hi)
+    if bad >= 0:
+        return bad
+    _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, length, mask, ahead)
+    return -1
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """One column of the storage: every step holds a tensor of ``shape`` and ``dtype`` under ``name``.
@@ -734,11 +767,9 @@ class Storage:
         idx = torch.from_numpy(pos).to(self._device, non_blocking=True)
         return {n: self._fields[n].index_select(0, idx) for n in (names if names is not None else self._fields)}
 
-    def _window_ranges(
-        self, steps: np.ndarray, length: int, pad: str
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Validate a window read; ``(steps, pos, lo, hi)``: ring position of each window's first
-        step and the valid range ``[lo, hi)`` of its positions (see ``_nb_window_ranges``)."""
+    @staticmethod
+    def _window_args(steps: np.ndarray, length: int, pad: str) -> np.ndarray:
+        """Validate a window read's length and pad; the steps as a contiguous int64 1-D array."""
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
             raise ValueError(f"window length must be an int >= 1, got {length!r}")
         if pad not in ("head", "tail"):
@@ -746,6 +777,14 @@ class Storage:
         steps = np.ascontiguousarray(steps, dtype=np.int64)
         if steps.ndim != 1:
             raise ValueError(f"steps must be a 1-D array of global steps, got shape {steps.shape}")
+        return steps
+
+    def _window_ranges(
+        self, steps: np.ndarray, length: int, pad: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Validate a window read; ``(steps, pos, lo, hi)``: ring position of each window's first
+        step and the valid range ``[lo, hi)`` of its positions (see ``_nb_window_ranges``)."""
+        steps = self._window_args(steps, length, pad)
         b = steps.shape[0]
         pos = np.empty(b, dtype=np.int64)
         lo = np.empty(b, dtype=np.int64)
@@ -758,22 +797,22 @@ class Storage:
             raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")
         return steps, pos, lo, hi
 
-    def _copy_windows(
-        self, pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, length: int
-    ) -> dict[str, torch.Tensor]:
-        """Host windows: one compiled pass over all fields, each into its own fresh tensor."""
+    def _read_windows_host(self, steps: np.ndarray, length: int, head: bool) -> dict[str, torch.Tensor]:
+        """Host windows: one compiled call (ranges, then every field into its own fresh tensor)."""
         plan = self._host_gather_plan()
         if self._src_addrs is None:
             self._src_addrs = np.array([rows.ctypes.data for _, rows, *_ in plan], dtype=np.int64)
             self._row_nbytes_arr = np.array([rows.shape[1] for _, rows, *_ in plan], dtype=np.int64)
-        b = pos.shape[0]
+        b = steps.shape[0]
         out: dict[str, torch.Tensor] = {n: torch.empty((b, length, *shape), dtype=dtype) for n, _, _, shape, dtype in plan}
         dst_addrs = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
         mask = torch.empty((b, length), dtype=torch.bool)
-        _nb_copy_windows(
-            self._src_addrs, self._row_nbytes_arr, dst_addrs, self._capacity, pos, lo, hi, int(length),
-            mask.numpy(), _PREFETCH_WINDOWS,
+        bad = _nb_read_windows(
+            steps, int(length), head, self._step_ep, self._ep_start, self._ep_len, self._first_step,
+            self._next_step, self._src_addrs, self._row_nbytes_arr, dst_addrs, mask.numpy(), _PREFETCH_WINDOWS,
         )
+        if bad >= 0:
+            raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")
         out["mask"] = mask
         return out
 
@@ -978,9 +1017,9 @@ class Storage:
             KeyError: a step is not stored.
             ValueError: ``length < 1`` or ``pad`` not "head"/"tail".
         """
-        _, pos, lo, hi = self._window_ranges(steps, length, pad)
         if self._device.type == "cpu":
-            return self._copy_windows(pos, lo, hi, length)
+            return self._read_windows_host(self._window_args(steps, length, pad), int(length), pad == "head")
+        _, pos, lo, hi = self._window_ranges(steps, length, pad)
         offs = np.arange(length, dtype=np.int64)[None, :]
         mask = (offs >= lo[:, None]) & (offs < hi[:, None])
         idx = torch.from_numpy(((pos[:, None] + offs) % self._capacity).ravel()).to(self._device)

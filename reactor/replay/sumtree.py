@@ -53,6 +53,8 @@ import numba
 import numpy as np
 import torch
 
+from ._native import prefetch
+
 __all__ = ["DEFAULT_ARITY", "SumTree"]
 
 #: Default fan-in, chosen by ``benchmarks/bench_replay.py --arity`` (see docs/benchmarks.md).
@@ -115,10 +117,26 @@ def _nb_write(
     stamp: np.ndarray,
     gen: int,
 ) -> int:  # pragma: no cover - jit
-    """Set leaves in order (last write wins), then recompute each touched parent once per level."""
+    """Set leaves in order (last write wins), then recompute each touched parent once per level.
+
+    A first pass prefetches, for every index, the lines a write will miss on: the leaf's block of
+    ``K`` siblings and its parent's entries in the bottom internal level (sum, min, stamp). Those are
+    the levels too large to stay cached (8 MB and 1 MB each for 2^20 leaves); the levels above are a
+    few hundred KB and were just touched by this pass's parents. With the misses of the whole batch
+    in flight together instead of one item's at a time, an update of 256 random leaves took
+    ~30% less (33 -> 23 us, caches flushed between calls); prefetching one more level, or only the
+    leaves, measured slower (26 us, 37 us).
+    """
     depth = offsets.shape[0] - 2
     leaf0 = offsets[depth]
     m = indices.shape[0]
+    pbase = offsets[depth - 1]
+    for i in range(m):
+        parent = indices[i] // arity
+        prefetch(sums.ctypes.data + (leaf0 + parent * arity) * 8)
+        prefetch(sums.ctypes.data + (pbase + parent) * 8)
+        prefetch(mins.ctypes.data + (pbase + parent) * 8)
+        prefetch(stamp.ctypes.data + (pbase + parent) * 8)
     cur = np.empty(m, dtype=np.int64)
     for i in range(m):
         j = indices[i]

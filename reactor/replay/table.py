@@ -46,6 +46,7 @@ import torch
 
 from .._errors import PortClosedError, ReactorInternalError, WouldBlock
 from . import checkpoint as _ckpt
+from ._native import prefetch
 from .rate_limiters import Queue, RateLimiter, RateLimiterStatistics, Stack, limiter_from_config
 from .storage import FieldSpec, Storage, StorageMemory
 
@@ -233,6 +234,8 @@ def _nb_sample_info(
     draws' own minimum.
     """
     n = slots.shape[0]
+    for j in range(n):  # times is 8 B per slot of capacity: the draws' misses in flight together
+        prefetch(times.ctypes.data + slots[j] * 8)
     keys = np.empty(n, dtype=np.int64)
     out_times = np.empty(n, dtype=np.int64)
     weights = np.empty(n, dtype=np.float32)
@@ -262,6 +265,8 @@ def _nb_check_update(
     """Slots of ``keys`` into ``slots``; -1 if every key is present and every priority finite and
     >= 0, else the position of the first unknown key, or ``len(keys) + i`` for a bad priority ``i``."""
     n = keys.shape[0]
+    for i in range(n):  # the key column is 8 B per slot of capacity: put every lookup's miss in flight
+        prefetch(table_keys.ctypes.data + (keys[i] % capacity) * 8)
     for i in range(n):
         k = keys[i]
         if k < 0:

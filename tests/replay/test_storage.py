@@ -398,15 +398,24 @@ def test_plan_windows_padding_rows_point_into_the_window_s_own_episode():
         assert (s._step_ep[rows] == eps[:, None]).all()
 
 
-def test_plan_windows_rejects_bad_arguments_like_read_windows():
+@pytest.mark.parametrize("read", ["plan_windows", "read_windows", "window_spans"])
+def test_window_reads_reject_bad_arguments_alike(read):
     s = Storage(SPECS, 16)
     s.append(steps(0, 5))
+    before = {n: t.clone() for n, t in s._fields.items()}
+    fn = getattr(s, read)
     with pytest.raises(KeyError, match=r"^'global step 5 is not stored \(stored range \(0, 5\)\)'$"):
-        s.plan_windows(np.array([1, 5]), 3)
+        fn(np.array([1, 5]), 3)
+    with pytest.raises(KeyError, match=r"^'global step -1 is not stored \(stored range \(0, 5\)\)'$"):
+        fn(np.array([-1]), 3)
     with pytest.raises(ValueError, match=r"^window length must be an int >= 1, got 0$"):
-        s.plan_windows(np.array([1]), 0)
+        fn(np.array([1]), 0)
     with pytest.raises(ValueError, match=r"^pad must be 'head' or 'tail', got 'middle'$"):
-        s.plan_windows(np.array([1]), 2, "middle")
+        fn(np.array([1]), 2, "middle")
+    with pytest.raises(ValueError, match=r"^steps must be a 1-D array of global steps, got shape \(1, 1\)$"):
+        fn(np.array([[1]]), 2)
+    assert all(torch.equal(before[n], t) for n, t in s._fields.items())
+    assert s.step_range == (0, 5)
 
 
 def test_plan_transitions_reconstructs_read_transitions_exactly():

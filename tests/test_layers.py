@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "reactor"
-CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace"}
+CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace", "_native"}
 LAUNCH = {"_runtime", "_coordinator", "_worker", "_placement", "_policies", "_app"}
 
 

@@ -33,7 +33,7 @@ import numba
 import numpy as np
 import torch
 
-from ._native import copy_bytes, prefetch, zero_bytes
+from .._native import copy_bytes, prefetch, zero_bytes
 
 __all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans"]
 

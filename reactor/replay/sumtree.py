@@ -53,7 +53,7 @@ import numba
 import numpy as np
 import torch
 
-from ._native import prefetch
+from .._native import prefetch
 
 __all__ = ["DEFAULT_ARITY", "SumTree"]
 

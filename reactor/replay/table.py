@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from .._errors import PortClosedError, ReactorInternalError, WouldBlock
+from .._native import prefetch
 from . import checkpoint as _ckpt
-from ._native import prefetch
 from .rate_limiters import Queue, RateLimiter, RateLimiterStatistics, Stack, limiter_from_config
 from .storage import FieldSpec, Storage, StorageMemory
 

@@ -27,14 +27,10 @@ never torn.
 
 from __future__ import annotations
 
-from typing import Any
-
-import llvmlite.ir as ir
 import numba
 import numpy as np
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from .._native import acquire_fence, copy_bytes, prefetch, release_fence, zero_bytes
 
 __all__ = [
     "copy_runs",
@@ -44,67 +40,6 @@ __all__ = [
     "runs_of",
     "store_versions",
 ]
-
-
-@intrinsic
-def _acquire_fence(typingctx):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        builder.fence("acquire")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _release_fence(typingctx):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        builder.fence("release")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _memcpy(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:  # pragma: no cover - jit
-    """``memcpy`` between integer addresses (``llvm.memcpy``: libc's vectorized copy)."""
-    if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        d, s_, n = (builder.inttoptr(a, cgutils.voidptr_t) if i < 2 else a for i, a in enumerate(args))
-        cgutils.raw_memcpy(builder, d, s_, n, 1)
-        return context.get_dummy_value()
-
-    return types.void(dst, src, nbytes), codegen
-
-
-@intrinsic
-def _memzero(typingctx: Any, dst: Any, nbytes: Any) -> Any:  # pragma: no cover - jit
-    """``memset(dst, 0, nbytes)`` at an integer address (``llvm.memset``)."""
-    if not all(isinstance(a, types.Integer) for a in (dst, nbytes)):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        cgutils.memset(builder, builder.inttoptr(args[0], cgutils.voidptr_t), args[1], 0)
-        return context.get_dummy_value()
-
-    return types.void(dst, nbytes), codegen
-
-
-@intrinsic
-def _prefetch(typingctx: Any, addr: Any) -> Any:  # pragma: no cover - jit
-    """Start loading the cache line at ``addr`` (``llvm.prefetch``; never faults)."""
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [cgutils.voidptr_t], fnty)
-        builder.call(fn, [builder.inttoptr(args[0], cgutils.voidptr_t), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(addr), codegen
 
 
 #: Runs ahead of the one being copied whose source lines are prefetched.
@@ -154,7 +89,7 @@ def _copy_runs(
                 end = first + min(lengths[k] * rb, _PREFETCH_NBYTES)
                 line = first & ~63
                 while line < end:
-                    _prefetch(line)
+                    prefetch(line)
                     line += 64
         if j < 0:
             continue
@@ -162,7 +97,7 @@ def _copy_runs(
         for f in range(nf):
             rb = row_nbytes[f]
             if rb:
-                _memcpy(dst_addrs[f] + out_row * rb, src_addrs[f] + starts[j] * rb, n * rb)
+                copy_bytes(dst_addrs[f] + out_row * rb, src_addrs[f] + starts[j] * rb, n * rb)
         out_row += n
     return total
 
@@ -192,13 +127,13 @@ def _load_versions_fence(versions: np.ndarray, rows: np.ndarray, out: np.ndarray
     """``out[i] = versions[rows[i]]``, then an acquire fence (later loads stay after these)."""
     for i in range(rows.shape[0]):
         out[i] = versions[rows[i]]
-    _acquire_fence()
+    acquire_fence()
 
 
 @numba.njit(cache=True, nogil=True)
 def _fence_load_versions(versions: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """An acquire fence (earlier loads stay before), then ``out[i] = versions[rows[i]]``."""
-    _acquire_fence()
+    acquire_fence()
     for i in range(rows.shape[0]):
         out[i] = versions[rows[i]]
 
@@ -208,13 +143,13 @@ def _store_versions_then_fence(versions: np.ndarray, rows: np.ndarray, value: in
     """``versions[rows] = value``, then a release fence (later stores stay after these)."""
     for i in range(rows.shape[0]):
         versions[rows[i]] = value
-    _release_fence()
+    release_fence()
 
 
 @numba.njit(cache=True, nogil=True)
 def _fence_then_store_versions(versions: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:  # pragma: no cover
     """A release fence (earlier stores become visible first), then ``versions[rows[i]] = values[i]``."""
-    _release_fence()
+    release_fence()
     for i in range(rows.shape[0]):
         versions[rows[i]] = values[i]
 
@@ -291,7 +226,7 @@ def _zero_rows(dst_addrs: np.ndarray, dst_rows: int, row_nbytes: np.ndarray, pos
     for f in range(dst_addrs.shape[0]):
         rb = row_nbytes[f]
         for i in range(positions.shape[0]):
-            _memzero(dst_addrs[f] + positions[i] * rb, rb)
+            zero_bytes(dst_addrs[f] + positions[i] * rb, rb)
     return 0
 
 

@@ -1,9 +1,12 @@
-"""Compiled memory primitives shared by the replay kernels: software prefetch, raw copy and zero.
+"""Compiled memory primitives shared by the replay and bulk-transport kernels: software prefetch,
+raw copy and zero, and memory fences.
 
 These are numba intrinsics, usable only inside ``@numba.njit`` code. They take *addresses*
 (``arr.ctypes.data + offset``, int64) rather than arrays, because the kernels that use them copy
-whole contiguous byte runs between arrays of different widths (one storage field after another)
-and issue prefetches for rows they will read later.
+whole contiguous byte runs between buffers of different widths (one storage field after another, a
+mapped segment into a tensor) and issue prefetches for rows they will read later. They live in the
+core so that ``reactor.replay`` and ``reactor.transport``, which may not import each other, share one
+copy.
 
 - ``prefetch(addr)``: a hint to start loading the cache line at ``addr`` (``llvm.prefetch``, read,
   high locality). It never faults, so an address past the end of an array is harmless; it retires
@@ -11,6 +14,8 @@ and issue prefetches for rows they will read later.
 - ``copy_bytes(dst, src, nbytes)``: ``memcpy`` (``llvm.memcpy``: libc's vectorized copy for large
   runs). The ranges must not overlap.
 - ``zero_bytes(dst, nbytes)``: ``memset(dst, 0, nbytes)``.
+- ``acquire_fence()`` / ``release_fence()``: LLVM ``fence acquire`` / ``fence release`` (the bulk
+  transport's sequence lock; a compiler barrier only on x86-64, a ``dmb``-class barrier on AArch64).
 
 The caller is responsible for every address and length being inside live arrays (the kernels that
 use these compute them from validated ring positions and keep the arrays alive for the call).
@@ -31,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["copy_bytes", "prefetch", "zero_bytes"]
+__all__ = ["acquire_fence", "copy_bytes", "prefetch", "release_fence", "zero_bytes"]
 
 _I32 = ir.IntType(32)
 
@@ -82,3 +87,25 @@ def zero_bytes(typingctx: Any, dst: Any, nbytes: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(dst, nbytes), codegen
+
+
+@intrinsic
+def acquire_fence(typingctx: Any) -> Any:
+    """An acquire fence: earlier loads are ordered before every later load and store."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("acquire")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def release_fence(typingctx: Any) -> Any:
+    """A release fence: every earlier load and store is ordered before every later store."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("release")
+        return context.get_dummy_value()
+
+    return types.void(), codegen

@@ -414,7 +414,8 @@ def test_window_reads_reject_bad_arguments_alike(read):
         fn(np.array([1]), 2, "middle")
     with pytest.raises(ValueError, match=r"^steps must be a 1-D array of global steps, got shape \(1, 1\)$"):
         fn(np.array([[1]]), 2)
-    assert all(torch.equal(before[n], t) for n, t in s._fields.items())
+    # the stored rows only: the others are uninitialized memory (NaN patterns, bools that are not 0/1)
+    assert all(torch.equal(before[n][:5], t[:5]) for n, t in s._fields.items())
     assert s.step_range == (0, 5)
 
 

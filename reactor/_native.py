@@ -17,6 +17,15 @@ copy.
 - ``acquire_fence()`` / ``release_fence()``: LLVM ``fence acquire`` / ``fence release`` (the bulk
   transport's sequence lock; a compiler barrier only on x86-64, a ``dmb``-class barrier on AArch64).
 
+One plain-Python helper sits with them, for the buffers those kernels fill:
+
+- ``host_empty(shape, dtype)``: an uninitialized CPU tensor whose memory comes from ``malloc``
+  (through numpy) instead of ``torch.empty``'s 64-byte ``posix_memalign``. A reader that returns a
+  fresh batch per call (window reads, bulk reads) then gets the same addresses back call after call
+  while the caller drops the previous batch, so the kernel writes into lines still in L2; torch's
+  aligned allocations of a few hundred KB cycle through ~9 places here, and every batch's first
+  writes miss. Dtypes without a numpy twin (bfloat16, ...) fall back to ``torch.empty``.
+
 The caller is responsible for every address and length being inside live arrays (the kernels that
 use these compute them from validated ring positions and keep the arrays alive for the call).
 
@@ -32,11 +41,13 @@ from __future__ import annotations
 from typing import Any
 
 import llvmlite.ir as ir
+import numpy as np
+import torch
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["acquire_fence", "copy_bytes", "prefetch", "release_fence", "zero_bytes"]
+__all__ = ["acquire_fence", "copy_bytes", "host_empty", "prefetch", "release_fence", "zero_bytes"]
 
 _I32 = ir.IntType(32)
 
@@ -109,3 +120,23 @@ def release_fence(typingctx: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+_NUMPY_TWINS: dict[torch.dtype, Any] = {}
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor of ``shape`` and ``dtype`` over ``malloc``'d memory (see above).
+
+    The tensor owns its numpy buffer (it cannot be ``resize_``d, like any ``torch.from_numpy`` tensor).
+    """
+    twin = _NUMPY_TWINS.get(dtype, False)
+    if twin is False:
+        try:
+            twin = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:  # no numpy equivalent
+            twin = None
+        _NUMPY_TWINS[dtype] = twin
+    if twin is None:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.empty(shape, twin))

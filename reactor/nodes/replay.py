@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from .._errors import PeerLostError, WouldBlock
+from .._native import host_empty
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
 from ..replay import (
     EpisodeRead,
@@ -1241,7 +1242,7 @@ class ReplayClient:
                     layout.setdefault(name, (dtype, (*lead, *shape)))
                 if plan[1] is not None:
                     layout.setdefault("mask", (torch.bool, lead))
-        out = {name: torch.empty((total, *shape), dtype=dtype) for name, (dtype, shape) in layout.items()}
+        out = {name: host_empty((total, *shape), dtype) for name, (dtype, shape) in layout.items()}
         keep = np.ones(total, dtype=bool)
         reader = self._reader
         bounds = np.cumsum([0, *lens]).tolist()

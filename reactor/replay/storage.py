@@ -33,7 +33,7 @@ import numba
 import numpy as np
 import torch
 
-from .._native import copy_bytes, prefetch, zero_bytes
+from .._native import copy_bytes, host_empty, prefetch, zero_bytes
 
 __all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans"]
 
@@ -805,16 +805,18 @@ class Storage:
             self._src_addrs = np.array([rows.ctypes.data for _, rows, *_ in plan], dtype=np.int64)
             self._row_nbytes_arr = np.array([rows.shape[1] for _, rows, *_ in plan], dtype=np.int64)
         b = steps.shape[0]
-        out: dict[str, torch.Tensor] = {n: torch.empty((b, length, *shape), dtype=dtype) for n, _, _, shape, dtype in plan}
+        # Fresh outputs from host_empty (malloc): the same addresses as the batch the caller just
+        # dropped, so the copy writes into lines still in L2 (reactor/_native.py; docs/benchmarks.md).
+        out: dict[str, torch.Tensor] = {n: host_empty((b, length, *shape), dtype) for n, _, _, shape, dtype in plan}
         dst_addrs = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
-        mask = torch.empty((b, length), dtype=torch.bool)
+        mask = np.empty((b, length), dtype=np.bool_)
         bad = _nb_read_windows(
             steps, int(length), head, self._step_ep, self._ep_start, self._ep_len, self._first_step,
-            self._next_step, self._src_addrs, self._row_nbytes_arr, dst_addrs, mask.numpy(), _PREFETCH_WINDOWS,
+            self._next_step, self._src_addrs, self._row_nbytes_arr, dst_addrs, mask, _PREFETCH_WINDOWS,
         )
         if bad >= 0:
             raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")
-        out["mask"] = mask
+        out["mask"] = torch.from_numpy(mask)
         return out
 
     def episode_bounds(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -69,6 +69,7 @@ import zmq
 import zmq.asyncio
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError, PortClosedError
+from reactor._native import host_empty
 
 from . import _gather, _shm
 from ._bulkzmq import (
@@ -1360,7 +1361,7 @@ class BulkReader:
                 if att.backend == "zmq":  # the reply's own buffers become the result
                     results[n] = (None, None)
                     continue
-                t = torch.empty(shape, dtype=info.dtype)
+                t = host_empty(shape, info.dtype)  # malloc'd: the caller's last batch's lines, still cached
                 results[n] = (t, None)
                 dsts[n] = t.data_ptr()
                 continue

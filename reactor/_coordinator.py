@@ -221,7 +221,10 @@ class _Session:
             if stopped_by is None and self._quiescent():
                 stopped_by = "quiescence"
                 self._broadcast(("stop",))
-        return stopped_by or "stop_time", self.results
+        if stopped_by is None:  # every worker finished by itself: at the stop time, or with nothing left
+            ended = {r.get("ended", "stop_time") for r in self.results.values()}
+            stopped_by = "stop_time" if "stop_time" in ended else "quiescence"
+        return stopped_by, self.results
 
     def _quiescent(self) -> bool:
         live = [n for n in self.procs if n not in self.results]

@@ -235,6 +235,21 @@ class ReactorHost:
         self.sent_count = 0
         self.received_count = 0
         self._in_shutdown = False
+        # Conditional promises (deterministic mode across processes, see refresh()): per upstream
+        # process its latest promise (U, D, n); messages received from each process; arrival tags of
+        # messages sent to each downstream process that it had not yet received when it last promised.
+        self._cond: dict[str, tuple[Tag, _Dist | None, int]] = {}
+        self._recv_from: dict[str, int] = {}
+        self._recv_min: dict[str, Tag] = {}  # per upstream: earliest tag received since our last promise to it
+        self._inflight: dict[str, deque[Tag]] = {}
+        self._inflight_base: dict[str, int] = {}
+        # In-flight tags are kept only for processes that promise to us (they send to us) and whose
+        # promises can be conditional: a peer without a link back never acknowledges, and one whose
+        # promise came without a D part never will (D is a property of the graph).
+        self._upstream = {owner_of[lk.src] for lk in links if lk.dst in self.reactors and lk.src not in self.reactors}
+        self._uncond: set[str] = set()
+        self.cond_dirty = False
+        self.sent_past_stop = False  # a message tagged after the stop time left this process
         self._reach, self._entry = self._reachability() if remote is not None else ({}, {})
         self._reach_min: dict[str, _Dist] = {}
         for r in self._reach.values():
@@ -310,7 +325,7 @@ class ReactorHost:
         reach (:meth:`_reachability`): an event whose reactions cannot send to a process does not
         hold that process back. At least ``lower_bound().delayed(min link delay)``.
         """
-        best = dict.fromkeys(peers, NEVER)
+        best = self._event_bounds(peers)
         for q, h in self.horizons.items():
             if h == NEVER:
                 continue
@@ -318,6 +333,11 @@ class ReactorHost:
                 c = _after(h, d)
                 if c < best.get(p, c):
                     best[p] = c
+        return best
+
+    def _event_bounds(self, peers: list[str]) -> dict[str, Tag]:
+        """Per process, the earliest tag a message caused by a pending local event can arrive there."""
+        best = dict.fromkeys(peers, NEVER)
         heap = self.heap
         if len(heap) <= _PROMISE_SCAN_MAX:
             first: dict[tuple[str, str], tuple[int, int]] = {}  # earliest pending tag per trigger
@@ -340,6 +360,105 @@ class ReactorHost:
                 if p in self._reach_min:
                     best[p] = min(best[p], _after(head, self._reach_min[p]))
         return best
+
+    def receive_promise(self, process: str, bound: Tag, dist: _Dist | None, seen: int) -> None:
+        """A conditional promise from upstream ``process`` (see :meth:`refresh`): no message from it
+        arrives here before ``min(bound, a + dist)``, where ``a`` is the arrival tag there of any of
+        our messages after the first ``seen`` (``dist`` None: ``bound`` alone)."""
+        self._cond[process] = (bound, dist, seen)
+        if dist is None:
+            self._uncond.add(process)
+            self._inflight.pop(process, None)
+        q = self._inflight.get(process)
+        if q is not None:
+            base = self._inflight_base.get(process, 0)
+            while q and base < seen:
+                q.popleft()
+                base += 1
+            self._inflight_base[process] = max(base, seen)
+        self.cond_dirty = True
+
+    def refresh(self, peers: list[str]) -> dict[str, tuple[Tag, _Dist | None, int]]:
+        """Deterministic mode: raise the upstream horizons as far as the latest promises allow, and
+        compute the promise for each downstream process in ``peers``.
+
+        A promise to process ``p`` is *conditional*: ``(U, D, n)`` says no message from here arrives
+        at ``p`` before ``min(U, a + D)``, ``a`` being the arrival tag here of any message from ``p``
+        after the first ``n`` (those already received are pending events, inside ``U``). ``D`` is the
+        least delay from ``p``'s messages entering here to a message arriving back at ``p`` (through
+        this process's reactions and links), ``U`` bounds everything else: pending events and every
+        other upstream horizon. A process that only answers ``p`` (a replay shard holding a parked
+        sample request, a learner waiting for its sample) then holds ``p`` back only as far as ``p``'s
+        own next message does, and the two need no exchange of promises per step of logical time.
+
+        Here, for each upstream ``q`` that promised ``(U_q, D_q, n_q)``: its horizon is
+        ``min(U_q, a_q + D_q, P_q + D_q)``, with ``a_q`` the earliest arrival tag of our messages it
+        had not received and ``P_q`` our own bound on our next message to it, which itself depends
+        on the horizons. This is a system of min-plus inequalities whose every cycle adds a positive
+        delay; its greatest solution below the constants is a lower bound on the true arrival times
+        and is found by relaxing to a fixed point (a few passes). Horizons never move back.
+
+        Returns:
+            ``{p: (U, D, n)}`` for each process in ``peers`` (D None: no message from ``p`` can lead
+            to one back to ``p``).
+        """
+        self.cond_dirty = False
+        events = self._event_bounds(peers)
+        entry = self._entry
+        h = dict(self.horizons)
+        conds = []
+        for q, (bound, dist, _) in self._cond.items():
+            c = bound
+            if dist is not None:
+                fl = self._inflight.get(q)
+                if fl:
+                    c = min(c, _after(min(fl), dist))
+                if q in events:
+                    conds.append((q, dist))
+            if c > h.get(q, Tag(0, 0)):
+                h[q] = c
+        full: dict[str, Tag] = {}
+        # Without a promise conditional on our own messages the horizons are the promises' bounds:
+        # nothing to relax.
+        for _ in range(len(h) + len(peers) + 2 if conds else 0):
+            full = dict(events)
+            for q, hq in h.items():
+                if hq == NEVER:
+                    continue
+                for p, d in entry.get(q, {}).items():
+                    if p in full:
+                        c = _after(hq, d)
+                        if c < full[p]:
+                            full[p] = c
+            changed = False
+            for q, dist in conds:
+                if full[q] != NEVER:
+                    c = _after(full[q], dist)
+                    if c < h[q]:
+                        h[q] = c
+                        changed = True
+            if not changed:
+                break
+        else:
+            if conds:
+                raise ReactorInternalError(f"{self.process}: horizons did not settle: {h}")
+        hz = self.horizons
+        for q, hq in h.items():
+            if hq > hz.get(q, Tag(0, 0)):
+                hz[q] = hq
+        out: dict[str, tuple[Tag, _Dist | None, int]] = {}
+        for p in peers:
+            u = events[p]
+            for q, hq in hz.items():
+                if q == p or hq == NEVER:
+                    continue
+                d = entry.get(q, {}).get(p)
+                if d is not None:
+                    c = _after(hq, d)
+                    if c < u:
+                        u = c
+            out[p] = (u, entry.get(p, {}).get(p), self._recv_from.get(p, 0))
+        return out
 
     # ------------------------------------------------------------------------------------------
     # called by reactors (through ports)
@@ -373,7 +492,16 @@ class ReactorHost:
                     if self.remote is None:
                         raise ReactorInternalError(f"{lk.dst} is not local and no remote sink is configured")
                     self.sent_count += 1
-                    self.remote.send_message(self.owner_of[lk.dst], lk.index, seq, at, value)
+                    proc = self.owner_of[lk.dst]
+                    if self.deterministic:
+                        if proc in self._upstream and proc not in self._uncond:
+                            fl = self._inflight.get(proc)
+                            if fl is None:
+                                fl = self._inflight[proc] = deque()
+                            fl.append(at)
+                        if self.stop_ns is not None and at.time_ns > self.stop_ns:
+                            self.sent_past_stop = True
+                    self.remote.send_message(proc, lk.index, seq, at, value)
 
     def schedule_action(self, reactor: Reactor, action: str, value: Any, delay_ns: int) -> None:
         if self._in_shutdown:
@@ -406,11 +534,31 @@ class ReactorHost:
                     f"process {src!r} sent {lk.src}.{lk.src_port} -> {lk.dst}.{lk.dst_port} at {tag} after promising "
                     f"nothing before {self.horizons[src]} (a promise computed too high)")
         self.received_count += 1
+        src = self.owner_of[lk.src]
+        self._recv_from[src] = self._recv_from.get(src, 0) + 1
+        m = self._recv_min.get(src)
+        if m is None or tag < m:
+            self._recv_min[src] = tag
         self._push(lk.dst, tag, INPUT, link, seq, (lk.dst_port, value))
 
+    def peer_view(self, process: str, bound: Tag, dist: _Dist | None) -> Tag:
+        """What ``process`` makes of our last promise ``(bound, dist, n)`` to it, at most: the
+        messages we received from it since (see :meth:`promise_sent`) are still in flight for it,
+        so it also counts ``their earliest tag + dist``."""
+        got = self._recv_min.get(process)
+        if dist is None or got is None:
+            return bound
+        return min(bound, _after(got, dist))
+
+    def promise_sent(self, process: str) -> None:
+        """The worker sent ``process`` a promise counting every message received from it so far."""
+        self._recv_min.pop(process, None)
+
     def advance_horizon(self, process: str, tag: Tag) -> None:
+        """An unconditional promise from ``process``: nothing from it arrives before ``tag``."""
         if tag > self.horizons.get(process, Tag(0, 0)):
             self.horizons[process] = tag
+            self.cond_dirty = True
 
     # ------------------------------------------------------------------------------------------
     # events

@@ -7,7 +7,10 @@ the run ends. It dies with its parent (``PR_SET_PDEATHSIG``), and stops cleanly 
 
 Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
     ("m", link, seq, time_ns, microstep, value)   a message for a reactor of the receiver
-    ("p", time_ns, microstep)                      a promise: nothing earlier will follow
+    ("p", time_ns, microstep, d_ns, d_micro, n)   a promise: nothing arrives before min(U, a + D), a
+                                                   the arrival there of any of the receiver's messages
+                                                   after the first n (d_ns -1: U alone); see
+                                                   ReactorHost.refresh
 worker -> coordinator: ("hello", address), ("status", epoch, idle, sent, received), ("stop_request",),
     ("done", result), ("error", text)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",)
@@ -199,6 +202,11 @@ class Worker:
                 incomplete = str(replayer.stuck_error(local))
             result = {
                 "replay_incomplete": incomplete,
+                # Why this worker's loop ended on its own (the coordinator's "stop" overrides it):
+                # events left past the stop time, or nothing left that can ever happen. A message
+                # tagged past the stop time counts at its sender, whether or not it has arrived, so
+                # the union over the workers is the same in every run (and as in one process).
+                "ended": "stop_time" if deterministic and _stop_pending(host) else "quiescence",
                 "stats": {
                     "peak_inbox": self.peak_inbox,
                     "peak_backlog": outbox.peak_backlog,
@@ -324,7 +332,7 @@ class Worker:
             if kind == "m":
                 h.deliver_remote(msg[1], msg[2], Tag(msg[3], msg[4]), msg[5])
             elif kind == "p":
-                h.advance_horizon(peer, Tag(msg[1], msg[2]))
+                h.receive_promise(peer, Tag(msg[1], msg[2]), None if msg[3] < 0 else (msg[3], msg[4]), msg[5])
             elif peer == COORDINATOR:
                 self._on_control(msg)
             else:
@@ -337,6 +345,7 @@ class Worker:
         h._seed_events()
         self._take_early()
         promised = dict.fromkeys(out_peers, Tag(0, 0))
+        dists: dict[str, Any] = dict.fromkeys(out_peers)  # the D part of our last promise to each peer
         # A promise on links with delay D > 0 goes out only once it has grown by D / 4 (or is
         # NEVER): a peer that waits on us then wakes once per D / 4 of logical time, not once per
         # event of ours (an actor stepping on the learner's promises: ~10x fewer wake-ups). What is
@@ -349,16 +358,44 @@ class Worker:
             return
         while not self.stop.is_set():
             stats["rounds"] += 1
-            await h.run_ready(budget=1024)
+            early = None
+            if h.cond_dirty:  # promises came in: raise the horizons before running
+                early = h.refresh(out_peers)
+            received = h.received_count
+            ran = await h.run_ready(budget=1024)
             if outbox.failure is not None:
                 raise outbox.failure
             finished = h.finished()
-            bounds = None if finished else h.promises(out_peers)
+            if finished:
+                bounds = None
+            elif early is not None and ran == 0 and not h.cond_dirty and h.received_count == received:
+                bounds = early  # nothing changed since: one refresh this round
+            else:
+                bounds = h.refresh(out_peers)
             for p in out_peers:
-                promise = NEVER if bounds is None else bounds[p]
-                if promise > promised[p] and (promise == NEVER or promise.time_ns >= promised[p].time_ns + quantum[p]):
+                # A conditional promise (U, D, n) (ReactorHost.refresh). What the peer makes of our
+                # last one is min(U, a + D), a being the earliest of its messages it counts as in
+                # flight: those we received since are among them. The new promise goes out when it
+                # beats that by the quantum, so a peer never waits on our answer to a message we
+                # have already handled (its new count n drops them), and otherwise no more often
+                # than plain promises.
+                if bounds is None:
+                    promise, dist, n = NEVER, None, 0
+                else:
+                    promise, dist, n = bounds[p]
+                old = h.peer_view(p, promised[p], dists[p])
+                grew = promise > old and (promise == NEVER or promise.time_ns >= old.time_ns + quantum[p])
+                # Finished: a last NEVER without the D part, even when U was NEVER already. The rule
+                # above already sends one whenever the peer could still be waiting on our answer (a
+                # message of its we received since), so this is a guard: the peer can then drop
+                # what it keeps in flight for us, and no corner of the rule can leave it waiting.
+                final = bounds is None and dists[p] is not None
+                if grew or final:
                     promised[p] = promise
-                    outbox.send(p, ("p", promise.time_ns, promise.microstep))
+                    dists[p] = dist
+                    h.promise_sent(p)
+                    d_ns, d_micro = dist if dist is not None else (-1, 0)
+                    outbox.send(p, ("p", promise.time_ns, promise.microstep, d_ns, d_micro, n))
                     stats["promises"] += 1
             if flush is not None:
                 flush()  # what the events and promises sent leaves before the next event runs
@@ -443,6 +480,11 @@ class Worker:
             self._take(batch)
             self.peak_inbox = max(self.peak_inbox, sum(len(q) for q in h._inbox.values()))
             self.changed.set()
+
+
+def _stop_pending(host: ReactorHost) -> bool:
+    """Events remain queued past the logical stop time (the run ended at its stop time)."""
+    return host.stop_ns is not None and (host.sent_past_stop or bool(host.heap))
 
 
 def _cpu_stats() -> dict[str, int]:

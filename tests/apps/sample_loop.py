@@ -91,13 +91,16 @@ class Client(Reactor):
 
 
 def build(config: dict) -> Graph:
-    g = Graph(stop_s=float(config.get("stop_s", 3e-4)))
-    producer = g.add(Producer(), name="producer", replicas=int(config.get("producers", 2)))
+    stop_s = config.get("stop_s", 3e-4)  # None: no stop time (with producers=0 the run ends when idle)
+    g = Graph(stop_s=None if stop_s is None else float(stop_s))
+    producers = int(config.get("producers", 2))
+    producer = g.add(Producer(), name="producer", replicas=producers) if producers else None
     log_dir = str(config.get("log_dir", ""))
     server = g.add(Server(log_dir), name="server")
     client = g.add(Client(int(config.get("samples", 150)), float(config.get("learn_s", 0.0)), log_dir),
                    name="client")
-    g.connect(producer.out, server.items, delay_s=1e-6)
+    if producer is not None:
+        g.connect(producer.out, server.items, delay_s=1e-6)
     g.connect(client.requests, server.requests, delay_s=0.5e-6)
     g.connect(client.updates, server.updates, delay_s=1e-6)
     g.connect(server.replies, client.replies, delay_s=0.5e-6)

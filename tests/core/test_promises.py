@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +157,167 @@ def test_the_sampling_loop_gives_the_same_digests_in_one_process_and_across_proc
     assert single.events["client"] > 2 * 100  # replies and updates of the whole loop ran
     stats = multi.processes
     assert {"rounds", "promises", "waits", "cpu_ms"} <= set(stats["client"])
+
+
+# ---------------------------------------------------------------------------------- conditional promises
+
+
+def _exchange(client: ReactorHost, server: ReactorHost, conditional: bool) -> None:
+    """One round: each host computes its promise to the other, which the other receives."""
+    if conditional:
+        u, d, n = client.refresh(["s"])["s"]
+        server.receive_promise("c", u, d, n)
+        u, d, n = server.refresh(["c"])["c"]
+        client.receive_promise("s", u, d, n)
+        client.refresh(["s"])
+    else:
+        client.advance_horizon("s", server.promises(["c"])["c"])
+        server.advance_horizon("c", client.promises(["s"])["s"])
+
+
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional", "plain"])
+def test_an_idle_client_and_its_server_need_no_promise_per_step_of_logical_time(conditional):
+    """The learner/shard cycle with nothing to exchange: the client waits for a reply, the server
+    has no request. Plain promises creep forward by the cycle's 1000 ns per exchange; a conditional
+    promise ("nothing from me before your next message arrives + 500 ns") settles at once."""
+    client, server = _host("client"), _host("server")
+    client.horizons["s"] = server.horizons["c"] = Tag(0, 0)  # as a worker starts
+    server.horizons.update({"p0": Tag(10**6, 0), "p1": Tag(10**6, 0)})  # items: no replies
+    exchanges = 0
+    while server.horizons.get("c", Tag(0, 0)) < Tag(10**6, 0) and exchanges < 5000:
+        _exchange(client, server, conditional)
+        exchanges += 1
+    if conditional:
+        assert exchanges == 1
+        assert server.horizons["c"] == client.horizons["s"] == NEVER  # neither can ever send again
+    else:
+        assert exchanges >= 900  # 10^6 ns of logical time at ~1000 ns per exchange
+
+
+def test_a_conditional_horizon_follows_this_process_own_next_message():
+    server = _host("server")
+    server.horizons.update({"p0": Tag(10**6, 0), "p1": Tag(10**6, 0)})
+    server.receive_promise("c", NEVER, (500, 0), 0)  # the client answers a reply 500 ns later
+    # A request pending at 1000: the reply arrives at 1500, so the next request at 2000 at the earliest.
+    server._push("server", Tag(1000, 0), INPUT, 0, 0, ("requests", 1))
+    promise = server.refresh(["c"])["c"]
+    assert server.horizons["c"] == Tag(2000, 0)
+    # Our promise to the client: the pending request's reply (1500); a request from the client is
+    # answered 500 ns after it arrives here; no message from it received yet.
+    assert promise == (Tag(1500, 0), (500, 0), 0)
+    # Serving it sends the reply: in flight until the client says it has received it.
+    assert asyncio.run(server.run_ready()) == 1
+    assert server._inflight["c"] == deque([Tag(1500, 0)])
+    server.refresh(["c"])
+    assert server.horizons["c"] == Tag(2000, 0)
+    with pytest.raises(ReactorError, match=r"at Tag\(1800ns, 0\) after promising nothing before Tag\(2000ns, 0\)"):
+        server.deliver_remote(_link(server, "client", "server"), 0, Tag(1800, 0), 1)
+    # The client got the reply, handled it and is done: the in-flight reply no longer counts.
+    server.receive_promise("c", NEVER, (500, 0), 1)
+    assert not server._inflight["c"]
+    server.refresh(["c"])
+    assert server.horizons["c"] == NEVER
+
+
+def test_a_conditional_promise_leaves_out_only_the_receivers_own_cycle():
+    """The client's promise to the server: the bound from a pending reply is kept (it came from
+    the server, but it is already here); what the server's next reply can cause is the D part."""
+    client = _host("client")
+    client.receive_promise("s", Tag(3000, 0), (500, 0), 0)
+    u, d, n = client.refresh(["s"])["s"]
+    assert (u, d, n) == (NEVER, (500, 0), 0)  # nothing pending; a reply is answered 500 ns later
+    assert client.horizons["s"] == Tag(3000, 0)  # the server's own bound (it has no message of ours)
+    client.deliver_remote(_link(client, "server", "client"), 0, Tag(3000, 0), 7)
+    u, d, n = client.refresh(["s"])["s"]
+    assert (u, d, n) == (Tag(3500, 0), (500, 0), 1)  # the received reply is now a pending event
+
+
+def _link(h: ReactorHost, src: str, dst: str) -> int:
+    return next(lk.index for lk in h.links if lk.src == src and lk.dst == dst)
+
+
+def test_a_run_without_stop_time_ends_when_the_cycle_goes_idle_across_processes():
+    """The client stops asking after 40 samples; nothing else can happen. Each process must learn
+    that the other can never send again: the last promises of a finished process are unconditional
+    (a conditional one would leave its peer waiting on the answer to a reply it already handled)."""
+    config = {"samples": 40, "producers": 0, "stop_s": None}
+    single = run(build_graph(APP, config), seed=5, digest=True)
+    multi = run(build_graph(APP, config), seed=5, digest=True, placement="processes", app=APP, config=config)
+    assert single.digests == multi.digests and single.events == multi.events
+    assert single.events["client"] >= 2 * 40  # every reply and update ran
+    assert single.stopped_by == multi.stopped_by == "quiescence"
+
+
+def test_across_processes_the_run_reports_why_it_stopped_as_one_process_does():
+    """The client/server loop cut by the stop time, no timers: what is left past the stop time is
+    messages only. One process finds them in its queue ("stop_time"); across processes a message
+    tagged past the stop time counts at its sender, arrived or not, so the answer does not depend on
+    which messages were still in flight when the workers ended."""
+    config = {"samples": 10**6, "producers": 0, "stop_s": 1e-4}
+    single = run(build_graph(APP, config), seed=2)
+    assert single.stopped_by == "stop_time"
+    for _ in range(3):
+        multi = run(build_graph(APP, config), seed=2, placement="processes", app=APP, config=config)
+        assert multi.stopped_by == "stop_time"
+
+
+def _mix_hr() -> ReactorHost:
+    owners = {"head": "hr", "relay": "hr", "tail": "t"}
+    return ReactorHost(build_graph(MIX, {}), ["head", "relay"], owners, remote=_Sink(), process="hr")
+
+
+def test_the_in_flight_bound_is_the_earliest_arrival_not_the_first_sent():
+    """Head sends to tail through a 100 ns link, then relay (same process) through a zero-delay one:
+    the second message arrives first. Tail's conditional promise holds us to its answer to the
+    earliest of them."""
+    h = _mix_hr()
+    h._seed_events()
+    while h.heap and h.heap[0][0] == 0:  # startup, then the relay's zero-delay hop
+        asyncio.run(h.run_ready(budget=1))
+    sent = list(h._inflight["t"])
+    assert sent[0] == Tag(100, 0) and min(sent) < sent[0]  # out of order
+    h.receive_promise("t", NEVER, (200, 0), 0)  # tail answers 200 ns after a message arrives
+    h.refresh(["t"])
+    assert h.horizons["t"] == _after_tag(min(sent), 200)
+
+
+def _after_tag(t: Tag, ns: int) -> Tag:
+    return Tag(t.time_ns + ns, 0)
+
+
+def test_in_flight_tags_are_kept_only_for_peers_that_can_acknowledge_them():
+    # A producer's items go to the server, which never sends back: nothing to remember.
+    p = _host("producer[0]")
+    p._seed_events()
+    asyncio.run(p.run_ready(budget=4))
+    assert p.sent_count > 0 and "s" not in p._inflight
+    # The server's replies go to the client, which promises back; once a promise without a D part
+    # arrives (the client can never answer), the list goes and stays gone.
+    s = _host("server")
+    s.horizons.update({"p0": NEVER, "p1": NEVER, "c": Tag(0, 0)})
+    s.deliver_remote(_link(s, "client", "server"), 0, Tag(1000, 0), 1)
+    s.advance_horizon("c", Tag(1000, 1))
+    s.refresh(["c"])
+    asyncio.run(s.run_ready())
+    assert list(s._inflight["c"]) == [Tag(1500, 0)]
+    s.receive_promise("c", Tag(10**6, 0), None, 0)
+    assert "c" not in s._inflight
+    s.deliver_remote(_link(s, "client", "server"), 1, Tag(2000, 0), 2)
+    s.refresh(["c"])
+    asyncio.run(s.run_ready())
+    assert "c" not in s._inflight
+
+
+def test_a_peer_counts_what_we_received_since_our_last_promise_as_in_flight():
+    """peer_view: the bound a peer holds us to after our last promise (U, D, n) is lowered by the
+    messages of its we received since, which is what decides whether a new promise is worth sending."""
+    s = _host("server")
+    s.horizons.update({"p0": NEVER, "p1": NEVER})
+    assert s.peer_view("c", NEVER, (500, 0)) == NEVER
+    s.deliver_remote(_link(s, "client", "server"), 0, Tag(1000, 0), 1)
+    s.deliver_remote(_link(s, "client", "server"), 1, Tag(900, 0), 2)
+    assert s.peer_view("c", NEVER, (500, 0)) == Tag(1400, 0)
+    assert s.peer_view("c", Tag(1200, 0), (500, 0)) == Tag(1200, 0)
+    assert s.peer_view("c", NEVER, None) == NEVER  # an unconditional promise ignores them
+    s.promise_sent("c")
+    assert s.peer_view("c", NEVER, (500, 0)) == NEVER

@@ -324,6 +324,10 @@ class ReactorHost:
         From the pending events and the upstream horizons, each through what its trigger can
         reach (:meth:`_reachability`): an event whose reactions cannot send to a process does not
         hold that process back. At least ``lower_bound().delayed(min link delay)``.
+
+        This is the plain (unconditional) bound. The worker sends :meth:`refresh`'s conditional
+        ``(U, D, n)`` instead, which this equals with its condition spelled out:
+        ``promises()[p] == min(U, horizons[p] + D)``.
         """
         best = self._event_bounds(peers)
         for q, h in self.horizons.items():
@@ -533,12 +537,11 @@ class ReactorHost:
                 raise ReactorInternalError(
                     f"process {src!r} sent {lk.src}.{lk.src_port} -> {lk.dst}.{lk.dst_port} at {tag} after promising "
                     f"nothing before {self.horizons[src]} (a promise computed too high)")
+            self._recv_from[src] = self._recv_from.get(src, 0) + 1  # the n and a of our next promise to it
+            m = self._recv_min.get(src)
+            if m is None or tag < m:
+                self._recv_min[src] = tag
         self.received_count += 1
-        src = self.owner_of[lk.src]
-        self._recv_from[src] = self._recv_from.get(src, 0) + 1
-        m = self._recv_min.get(src)
-        if m is None or tag < m:
-            self._recv_min[src] = tag
         self._push(lk.dst, tag, INPUT, link, seq, (lk.dst_port, value))
 
     def peer_view(self, process: str, bound: Tag, dist: _Dist | None) -> Tag:

@@ -321,3 +321,13 @@ def test_a_peer_counts_what_we_received_since_our_last_promise_as_in_flight():
     assert s.peer_view("c", NEVER, None) == NEVER  # an unconditional promise ignores them
     s.promise_sent("c")
     assert s.peer_view("c", NEVER, (500, 0)) == NEVER
+
+
+def test_the_plain_promise_is_the_conditional_one_with_its_condition_spelled_out():
+    s = _host("server")
+    s.horizons.update({"p0": Tag(9000, 0), "p1": Tag(8000, 0)})
+    s.receive_promise("c", Tag(5000, 0), (500, 0), 0)
+    s._push("server", Tag(7000, 0), INPUT, 0, 0, ("requests", 1))
+    u, d, _ = s.refresh(["c"])["c"]
+    assert d == (500, 0)
+    assert s.promises(["c"])["c"] == min(u, Tag(s.horizons["c"].time_ns + d[0], 0)) == Tag(5500, 0)

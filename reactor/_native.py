@@ -17,7 +17,9 @@ copy.
 - ``acquire_fence()`` / ``release_fence()``: LLVM ``fence acquire`` / ``fence release`` (the bulk
   transport's sequence lock; a compiler barrier only on x86-64, a ``dmb``-class barrier on AArch64).
 
-One plain-Python helper sits with them, for the buffers those kernels fill:
+Two plain-Python helpers sit with them, for the buffers those kernels fill:
+
+- ``numpy_twin(dtype)``: the numpy dtype of a torch dtype, or None (cached).
 
 - ``host_empty(shape, dtype)``: an uninitialized CPU tensor whose memory comes from ``malloc``
   (through numpy) instead of ``torch.empty``'s 64-byte ``posix_memalign``. A reader that returns a
@@ -47,7 +49,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["acquire_fence", "copy_bytes", "host_empty", "prefetch", "release_fence", "zero_bytes"]
+__all__ = ["acquire_fence", "copy_bytes", "host_empty", "numpy_twin", "prefetch", "release_fence", "zero_bytes"]
 
 _I32 = ir.IntType(32)
 
@@ -125,11 +127,8 @@ def release_fence(typingctx: Any) -> Any:
 _NUMPY_TWINS: dict[torch.dtype, Any] = {}
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor of ``shape`` and ``dtype`` over ``malloc``'d memory (see above).
-
-    The tensor owns its numpy buffer (it cannot be ``resize_``d, like any ``torch.from_numpy`` tensor).
-    """
+def numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """The numpy dtype of torch ``dtype`` (None when numpy has none: bfloat16, ...). Cached."""
     twin = _NUMPY_TWINS.get(dtype, False)
     if twin is False:
         try:
@@ -137,6 +136,15 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         except TypeError:  # no numpy equivalent
             twin = None
         _NUMPY_TWINS[dtype] = twin
+    return twin
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor of ``shape`` and ``dtype`` over ``malloc``'d memory (see above).
+
+    The tensor owns its numpy buffer (it cannot be ``resize_``d, like any ``torch.from_numpy`` tensor).
+    """
+    twin = numpy_twin(dtype)
     if twin is None:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.empty(shape, twin))

@@ -33,7 +33,7 @@ import numba
 import numpy as np
 import torch
 
-from .._native import copy_bytes, host_empty, prefetch, zero_bytes
+from .._native import copy_bytes, host_empty, numpy_twin, prefetch, zero_bytes
 
 __all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans"]
 
@@ -438,12 +438,7 @@ class Storage:
         self._src_addrs: np.ndarray | None = None  # host field addresses, for the window kernel
         self._row_nbytes_arr = np.zeros(0, dtype=np.int64)
         self._row_nbytes = {s.name: s.step_nbytes for s in specs}
-        self._np_dtypes: dict[str, np.dtype[Any] | None] = {}
-        for s in specs:
-            try:
-                self._np_dtypes[s.name] = torch.empty(0, dtype=s.dtype).numpy().dtype
-            except TypeError:  # e.g. bfloat16: no numpy twin
-                self._np_dtypes[s.name] = None
+        self._np_dtypes: dict[str, np.dtype[Any] | None] = {s.name: numpy_twin(s.dtype) for s in specs}
 
     # ------------------------------------------------------------------ properties
 

@@ -69,7 +69,7 @@ import zmq
 import zmq.asyncio
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError, PortClosedError
-from reactor._native import host_empty
+from reactor._native import host_empty, numpy_twin
 
 from . import _gather, _shm
 from ._bulkzmq import (
@@ -1380,7 +1380,7 @@ class BulkReader:
                     results[n] = (buf, staging)
                     dsts[n] = staging.data_ptr()
             elif isinstance(buf, np.ndarray):
-                want = _numpy_twin(info.dtype)
+                want = numpy_twin(info.dtype)
                 if want is None or buf.dtype != want or buf.shape != shape or not buf.flags.c_contiguous or not buf.flags.writeable:
                     raise ValueError(
                         f"{what}: out[{n!r}] is an array of {buf.shape} {buf.dtype}; expected a writable "
@@ -1488,13 +1488,6 @@ class BulkReader:
             elif info.row_nbytes and k:
                 np.copyto(_byte_view(staging if staging is not None else res), d)
         return valid
-
-
-def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:  # bfloat16
-        return None
 
 
 def _byte_view(buf: torch.Tensor | np.ndarray) -> np.ndarray:

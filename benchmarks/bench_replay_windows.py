@@ -29,6 +29,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from reactor._native import host_huge_zeros  # noqa: E402
 from reactor.replay import (  # noqa: E402
     FieldSpec,
     Fifo,
@@ -137,7 +138,8 @@ def bench_windows(quick: bool) -> None:
 
     # A third source: successive slices of a buffer as large as the stored fields (45 MiB). It lives
     # where the ring lives: in DRAM on a host whose L3 is smaller than that, in L3 on a larger one.
-    ring = torch.empty(m.data_nbytes, dtype=torch.uint8).random_()
+    # Allocated like the ring's fields (host_huge_zeros: transparent huge pages where offered).
+    ring = host_huge_zeros((m.data_nbytes,), torch.uint8).random_()
     n_ring = ring.numel() // out_bytes
     ir = iter(range(10**9))
 

@@ -28,6 +28,16 @@ Two plain-Python helpers sit with them, for the buffers those kernels fill:
   aligned allocations of a few hundred KB cycle through ~9 places here, and every batch's first
   writes miss. Dtypes without a numpy twin (bfloat16, ...) fall back to ``torch.empty``.
 
+- ``host_huge_zeros(shape, dtype)``: a zeroed CPU tensor for large, long-lived memory read at random
+  (a replay ring's fields): an anonymous mapping advised for transparent huge pages
+  (``MADV_HUGEPAGE``) before it is touched, its start on a 2 MiB boundary. Random gathers from
+  4 KiB pages miss the TLB on nearly every row (tens of MB of ring, a few thousand TLB entries;
+  under virtualization every miss is a two-dimensional page walk); with 2 MiB pages the whole ring
+  needs a few dozen entries. The alignment costs address space only: the slack before the aligned
+  start is never touched, so it is never backed. Below 2 MiB, or where the kernel has no THP (the
+  advice is refused, or the platform lacks it), it is a plain ``torch.zeros``; the kernel's THP
+  setting ``never`` leaves ordinary pages, with the same contents.
+
 The caller is responsible for every address and length being inside live arrays (the kernels that
 use these compute them from validated ring positions and keep the arrays alive for the call).
 
@@ -40,6 +50,8 @@ Example (inside a kernel)::
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any
 
 import llvmlite.ir as ir
@@ -49,7 +61,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["acquire_fence", "copy_bytes", "host_empty", "numpy_twin", "prefetch", "release_fence", "zero_bytes"]
+__all__ = [
+    "acquire_fence",
+    "copy_bytes",
+    "host_empty",
+    "host_huge_zeros",
+    "numpy_twin", "prefetch", "release_fence", "zero_bytes"]
 
 _I32 = ir.IntType(32)
 
@@ -148,3 +165,28 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if twin is None:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.empty(shape, twin))
+
+
+HUGE_PAGE_NBYTES = 1 << 21  # x86-64 and AArch64 (4 KiB base pages) transparent huge page size
+
+
+def host_huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``shape`` and ``dtype`` on transparent huge pages where the kernel
+    offers them (see above); a plain ``torch.zeros`` below 2 MiB or without ``MADV_HUGEPAGE``.
+
+    The tensor is a view into an anonymous mapping that lives as long as the tensor (or any view of
+    it) does. Like any tensor over foreign memory, it cannot be ``resize_``d.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_PAGE_NBYTES or advice is None:
+        return torch.zeros(shape, dtype=dtype)
+    # Private (MAP_SHARED, the default, would make it shmem, whose THP setting is separate)
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE)  # anonymous, zero-filled
+    try:
+        mm.madvise(advice)  # before the first touch: faults then map whole 2 MiB pages
+    except OSError:  # a kernel built without THP refuses the advice: ordinary pages
+        pass
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to the mapping
+    start = -whole.data_ptr() % HUGE_PAGE_NBYTES
+    return whole[start : start + nbytes].view(dtype).view(shape)

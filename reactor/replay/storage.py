@@ -33,7 +33,7 @@ import numba
 import numpy as np
 import torch
 
-from .._native import copy_bytes, host_empty, numpy_twin, prefetch, zero_bytes
+from .._native import copy_bytes, host_empty, host_huge_zeros, numpy_twin, prefetch, zero_bytes
 
 __all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans"]
 
@@ -401,8 +401,14 @@ class Storage:
         self._specs = {s.name: s for s in specs}
         self._capacity = int(capacity)
         if allocator is None:
+            # Host rings on transparent huge pages: a window gather touches every field of a few
+            # hundred random episodes, and with 4 KiB pages nearly every row missed the TLB
+            # (reactor/_native.py: host_huge_zeros; docs/benchmarks.md).
+            plain_host = self._device.type == "cpu" and not self._pin_memory
             self._fields: dict[str, torch.Tensor] = {
-                s.name: torch.empty(
+                s.name: host_huge_zeros((self._capacity, *s.shape), s.dtype)
+                if plain_host
+                else torch.empty(
                     (self._capacity, *s.shape), dtype=s.dtype, device=self._device, pin_memory=self._pin_memory
                 )
                 for s in specs

@@ -53,7 +53,7 @@ import numba
 import numpy as np
 import torch
 
-from .._native import prefetch
+from .._native import host_huge_zeros, prefetch
 
 __all__ = ["DEFAULT_ARITY", "SumTree"]
 
@@ -82,10 +82,12 @@ def _layout(capacity: int, arity: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _aligned_full(size: int, value: float) -> np.ndarray:
-    """A float64 array of ``size`` whose data starts on a 64-byte (cache line) boundary."""
-    raw = np.full(size + 8, value, dtype=np.float64)
-    skip = (-raw.ctypes.data % 64) // 8
-    return raw[skip : skip + size]
+    """A float64 array of ``size`` filled with ``value``, its data on a 64-byte (cache line)
+    boundary; from 2 MiB up, on transparent huge pages (``host_huge_zeros``: a descent's misses at
+    the wide lower levels then skip the TLB misses too)."""
+    raw = host_huge_zeros((size,), torch.float64).numpy()
+    raw.fill(value)
+    return raw
 
 
 # --------------------------------------------------------------------------------------------------

@@ -116,6 +116,42 @@ def test_numba_and_torch_backends_draw_the_same_indices_from_the_same_rng() -> N
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("arity", [3, 8])
+def test_numba_and_torch_backends_agree_for_the_unrolled_and_the_generic_descent(arity: int) -> None:
+    """Arity 8 runs the unrolled kernel, others the generic one; both match the torch arithmetic,
+    zero leaves included."""
+    rng = np.random.default_rng(5)
+    prio = rng.random(3000) * (rng.random(3000) < 0.5)
+    trees = [SumTree(3000, arity, backend=b) for b in BACKENDS]
+    for t in trees:
+        t.update(np.arange(3000), prio)
+    for stratified in (True, False):
+        a, b = (as_np(t.sample(4096, np.random.default_rng(6), stratified=stratified)[0]) for t in trees)
+        np.testing.assert_array_equal(a, b)
+        assert (prio[a] > 0).all()
+
+
+@pytest.mark.parametrize("arity", [3, 8])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_query_rounded_past_a_block_takes_its_last_positive_child(backend: str, arity: int) -> None:
+    """A target at (or by rounding past) the total counts every child of each block: the descent
+    then takes the last child with positive priority, never a zero leaf or the padding."""
+    from reactor.replay import sumtree as stm
+
+    prio = np.zeros(50)
+    prio[[3, 17, 20]] = [1.0, 2.0, 0.5]  # leaf 20 is the last positive one; 21..49 and padding are 0
+    tree = SumTree(50, arity, backend=backend)
+    tree.update(np.arange(50), prio)
+    if backend == "numba":  # the kernels themselves, with a uniform of exactly 1 (u == total)
+        kernel = stm._nb_sample_k8 if arity == 8 else stm._nb_sample
+        idx, prob = np.empty(1, np.int64), np.empty(1)
+        kernel(tree._sums, tree._offsets, arity, np.array([1.0]), False, idx, prob)
+        assert idx[0] == 20 and prob[0] == 0.5 / 3.5
+    # Through the public API: the last stratum's draws never land past the last positive leaf.
+    draws = as_np(tree.sample(10_000, np.random.default_rng(7))[0])
+    assert set(np.unique(draws)) <= {3, 17, 20} and draws[-1] == 20
+
+
 @pytest.mark.parametrize("stratified", [True, False])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sampled_frequencies_match_priorities_chi_square(backend: str, stratified: bool) -> None:

@@ -42,6 +42,19 @@ __all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionP
 _PREFETCH_WINDOWS = 3
 
 
+@numba.njit(inline="always")
+def _ring_slot(x: int, base: int, base_slot: int, cap: int) -> int:  # pragma: no cover - jit
+    """``x % cap`` (Python semantics) given ``base_slot == base % cap``, without a division when
+    ``|x - base| < cap`` (every stored step against the first stored one; every window offset): a
+    64-bit ``%`` costs ~15-40 cycles, and a window read took six per window. Falls back to ``%``."""
+    d = x - base
+    if d >= cap or d <= -cap:
+        return x % cap
+    r = base_slot + d
+    r = r - cap if r >= cap else r
+    return r + cap if r < 0 else r
+
+
 @numba.njit(cache=True, nogil=True)
 def _nb_window_ranges(
     steps: np.ndarray,
@@ -52,6 +65,7 @@ def _nb_window_ranges(
     ep_len: np.ndarray,
     first_step: int,
     next_step: int,
+    first_ep: int,
     pos: np.ndarray,
     lo: np.ndarray,
     hi: np.ndarray,
@@ -67,13 +81,17 @@ def _nb_window_ranges(
     """
     cap = step_ep.shape[0]
     b = steps.shape[0]
+    f0 = first_step % cap
+    e0 = first_ep % cap
     for j in range(b):
         s = steps[j]
         if s < first_step or s >= next_step:
             return j
-        prefetch(step_ep.ctypes.data + (s % cap) * 8)
+        r = _ring_slot(s, first_step, f0, cap)
+        pos[j] = r  # the step's ring slot, until the last pass
+        prefetch(step_ep.ctypes.data + r * 8)
     for j in range(b):
-        e = step_ep[steps[j] % cap] % cap
+        e = _ring_slot(step_ep[pos[j]], first_ep, e0, cap)
         lo[j] = e  # the episode's index slot, until the last pass
         prefetch(ep_start.ctypes.data + e * 8)
         prefetch(ep_len.ctypes.data + e * 8)
@@ -89,7 +107,7 @@ def _nb_window_ranges(
             base = s
             lo[j] = 0
             hi[j] = min(length, start + ep_len[e] - s)
-        pos[j] = base % cap  # Python semantics: in [0, cap) for a negative base too
+        pos[j] = _ring_slot(base, first_step, f0, cap)  # in [0, cap) for a negative base too
     return -1
 
 
@@ -164,7 +182,7 @@ def _nb_copy_windows(
     for j in range(-ahead, b):
         k = j + ahead
         if k < b:
-            s = (pos[k] + lo[k]) % capacity
+            s = _ring_slot(pos[k] + lo[k], 0, 0, capacity)
             n1 = min(hi[k] - lo[k], capacity - s)
             for f in range(nf):
                 rb = row_nbytes[f]
@@ -179,7 +197,7 @@ def _nb_copy_windows(
         z = hi[j]
         for t in range(length):
             mask[j, t] = a <= t < z
-        s = (pos[j] + a) % capacity
+        s = _ring_slot(pos[j] + a, 0, 0, capacity)
         n = z - a
         n1 = min(n, capacity - s)
         for f in range(nf):
@@ -206,6 +224,7 @@ def _nb_read_windows(
     ep_len: np.ndarray,
     first_step: int,
     next_step: int,
+    first_ep: int,
     src_addrs: np.ndarray,
     row_nbytes: np.ndarray,
     dst_addrs: np.ndarray,
@@ -223,7 +242,9 @@ def _nb_read_windows(
     pos = np.empty(b, dtype=np.int64)
     lo = np.empty(b, dtype=np.int64)
     hi = np.empty(b, dtype=np.int64)
-    bad = _nb_window_ranges(steps, length, head, step_ep, ep_start, ep_len, first_step, next_step, pos, lo, hi)
+    bad = _nb_window_ranges(
+        steps, length, head, step_ep, ep_start, ep_len, first_step, next_step, first_ep, pos, lo, hi
+    )
     if bad >= 0:
         return bad
     _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, length, mask, ahead)
@@ -793,7 +814,7 @@ class Storage:
         hi = np.empty(b, dtype=np.int64)
         bad = _nb_window_ranges(
             steps, int(length), pad == "head", self._step_ep, self._ep_start, self._ep_len,
-            self._first_step, self._next_step, pos, lo, hi,
+            self._first_step, self._next_step, self._first_ep, pos, lo, hi,
         )
         if bad >= 0:
             raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")
@@ -813,7 +834,7 @@ class Storage:
         mask = np.empty((b, length), dtype=np.bool_)
         bad = _nb_read_windows(
             steps, int(length), head, self._step_ep, self._ep_start, self._ep_len, self._first_step,
-            self._next_step, self._src_addrs, self._row_nbytes_arr, dst_addrs, mask, _PREFETCH_WINDOWS,
+            self._next_step, self._first_ep, self._src_addrs, self._row_nbytes_arr, dst_addrs, mask, _PREFETCH_WINDOWS,
         )
         if bad >= 0:
             raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")

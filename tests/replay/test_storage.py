@@ -471,3 +471,29 @@ def test_windows_of_odd_widths_match_a_step_by_step_reference_across_the_ring_en
         want = ref[name].view(len(keys), 10, *ref[name].shape[1:]).clone()
         want[torch.from_numpy(~valid)] = 0
         assert w[name].dtype == want.dtype and torch.equal(w[name], want), name
+
+
+@pytest.mark.parametrize("length", [1, 4, 9, 10, 23])
+@pytest.mark.parametrize("pad", ["tail", "head"])
+def test_window_ranges_give_every_window_its_ring_slot_in_range(pad, length):
+    """The window kernels' ring slots (computed from the first stored step without a division)
+    are ``base % capacity`` in ``[0, capacity)``: for bases before the first stored step or the
+    ring's start (head padding), across the ring end, and for windows longer than the ring."""
+    s = Storage(SPECS, 10)
+    i = 0
+    for n in (3, 4, 2, 5, 3, 4, 6):  # 27 steps: the ring wrapped twice, first_step 17 (slot 7)
+        s.append(steps(i, n), episode_end=True)
+        i += n
+    lo, hi = s.step_range
+    assert (lo, hi) == (17, 27)
+    keys = np.arange(lo, hi, dtype=np.int64)
+    _, pos, wlo, whi = s._window_ranges(keys, length, pad)
+    base = keys - (length - 1) if pad == "head" else keys
+    np.testing.assert_array_equal(pos, base % 10)
+    w = s.read_windows(keys, length, pad)  # and the copy that starts from them
+    g = base[:, None] + np.arange(length)[None, :]
+    _, start, end = s.episode_bounds(keys)
+    valid = (g >= start[:, None]) & (g < end[:, None])
+    want = np.where(valid, g, 0).astype(np.float32)
+    np.testing.assert_array_equal(w["reward"].numpy(), want)
+    np.testing.assert_array_equal(w["mask"].numpy(), valid)

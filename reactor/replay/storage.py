@@ -822,24 +822,36 @@ class Storage:
 
     def _read_windows_host(self, steps: np.ndarray, length: int, head: bool) -> dict[str, torch.Tensor]:
         """Host windows: one compiled call (ranges, then every field into its own fresh tensor)."""
-        plan = self._host_gather_plan()
-        if self._src_addrs is None:
-            self._src_addrs = np.array([rows.ctypes.data for _, rows, *_ in plan], dtype=np.int64)
-            self._row_nbytes_arr = np.array([rows.shape[1] for _, rows, *_ in plan], dtype=np.int64)
-        b = steps.shape[0]
-        # Fresh outputs from host_empty (malloc): the same addresses as the batch the caller just
-        # dropped, so the copy writes into lines still in L2 (reactor/_native.py; docs/benchmarks.md).
-        out: dict[str, torch.Tensor] = {n: host_empty((b, length, *shape), dtype) for n, _, _, shape, dtype in plan}
-        dst_addrs = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
-        mask = np.empty((b, length), dtype=np.bool_)
-        bad = _nb_read_windows(
-            steps, int(length), head, self._step_ep, self._ep_start, self._ep_len, self._first_step,
-            self._next_step, self._first_ep, self._src_addrs, self._row_nbytes_arr, dst_addrs, mask, _PREFETCH_WINDOWS,
-        )
+        out, dst_addrs, mask = self._window_outputs(steps.shape[0], length)
+        bad = _nb_read_windows(steps, int(length), head, *self._window_kernel_args(), dst_addrs, mask, _PREFETCH_WINDOWS)
         if bad >= 0:
             raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")
         out["mask"] = torch.from_numpy(mask)
         return out
+
+    def _window_outputs(self, b: int, length: int) -> tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray]:
+        """Fresh host outputs for ``b`` windows: field -> ``[b, length, ...]``, their addresses, and
+        the ``[b, length]`` mask array (not yet in the dict).
+
+        From ``host_empty`` (malloc): the same addresses as the batch the caller just dropped, so the
+        copy writes into lines still in L2 (reactor/_native.py; docs/benchmarks.md).
+        """
+        plan = self._host_gather_plan()
+        out: dict[str, torch.Tensor] = {n: host_empty((b, length, *shape), dtype) for n, _, _, shape, dtype in plan}
+        dst_addrs = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
+        return out, dst_addrs, np.empty((b, length), dtype=np.bool_)
+
+    def _window_kernel_args(self) -> tuple[Any, ...]:
+        """The host storage's part of ``_nb_read_windows``' arguments, from ``step_ep`` through
+        ``row_nbytes`` (for the table's compiled sample, which reads windows in the same call)."""
+        if self._src_addrs is None:
+            plan = self._host_gather_plan()
+            self._src_addrs = np.array([rows.ctypes.data for _, rows, *_ in plan], dtype=np.int64)
+            self._row_nbytes_arr = np.array([rows.shape[1] for _, rows, *_ in plan], dtype=np.int64)
+        return (
+            self._step_ep, self._ep_start, self._ep_len, self._first_step, self._next_step, self._first_ep,
+            self._src_addrs, self._row_nbytes_arr,
+        )
 
     def episode_bounds(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Episode id, first global step and end (exclusive, as written so far) of each given step.

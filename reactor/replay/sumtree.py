@@ -297,6 +297,23 @@ def _nb_sample_k8(
     _descend(sums, offsets, 8, uniforms, stratified, out_idx, out_prob)
 
 
+@numba.njit(cache=True, nogil=True)
+def _nb_descend(
+    sums: np.ndarray,
+    offsets: np.ndarray,
+    arity: int,
+    uniforms: np.ndarray,
+    stratified: bool,
+    out_idx: np.ndarray,
+    out_prob: np.ndarray,
+) -> None:  # pragma: no cover - jit
+    """The sample kernel for ``arity`` (unrolled at 8), for compiled callers (see ``SumTree.kernel_arrays``)."""
+    if arity == 8:
+        _nb_sample_k8(sums, offsets, 8, uniforms, stratified, out_idx, out_prob)
+    else:
+        _nb_sample(sums, offsets, arity, uniforms, stratified, out_idx, out_prob)
+
+
 # --------------------------------------------------------------------------------------------------
 # The public class
 
@@ -552,6 +569,24 @@ class SumTree:
                 bad = [int(i) for i in idx.tolist() if not 0 <= i < self._capacity][0]
                 raise ValueError(f"SumTree.get: index {bad} is out of range [0, {self._capacity})")
             return leaves[self._leaf0 + idx]
+
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(sums, mins, offsets, arity)`` with buffered writes applied, for an owner that descends
+        the tree in its own compiled code (the ``Table``'s one-call window sample, through
+        ``_nb_descend``).
+
+        The layout is the module docstring's: ``sums[0]`` is the total and ``mins[0]`` the smallest
+        positive leaf. The arrays are the tree's own: the caller reads them only, and only while it
+        keeps every writer out (a ``Table`` holds its lock; its selector's tree has no other writer).
+
+        Raises:
+            ValueError: the tree has the torch backend (its nodes are a tensor).
+        """
+        if self._backend != "numba":
+            raise ValueError("SumTree.kernel_arrays: the torch backend keeps its nodes in a tensor; use sample()")
+        with self._lock:
+            self._flush()
+        return self._sums, self._mins, self._offsets, self._arity
 
     def sample(self, n: int, rng: Any, *, stratified: bool = True) -> tuple[Any, Any]:
         """Draw ``n`` leaves with probability proportional to their priority.

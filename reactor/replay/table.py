@@ -48,7 +48,9 @@ from .._errors import PortClosedError, ReactorInternalError, WouldBlock
 from .._native import prefetch
 from . import checkpoint as _ckpt
 from .rate_limiters import Queue, RateLimiter, RateLimiterStatistics, Stack, limiter_from_config
-from .storage import FieldSpec, Storage, StorageMemory
+from .selectors import Prioritized
+from .storage import _PREFETCH_WINDOWS, FieldSpec, Storage, StorageMemory, _nb_read_windows
+from .sumtree import _nb_descend
 
 if TYPE_CHECKING:
     from .selectors import Selector
@@ -260,6 +262,49 @@ def _nb_sample_info(
 
 
 @numba.njit(cache=True, nogil=True)
+def _nb_sample_windows(
+    sums: np.ndarray,
+    mins: np.ndarray,
+    offsets: np.ndarray,
+    arity: int,
+    uniforms: np.ndarray,
+    slots: np.ndarray,
+    probs: np.ndarray,
+    times: np.ndarray,
+    beta: float,
+    keys: np.ndarray,
+    out_times: np.ndarray,
+    weights: np.ndarray,
+    length: int,
+    head: bool,
+    step_ep: np.ndarray,
+    ep_start: np.ndarray,
+    ep_len: np.ndarray,
+    first_step: int,
+    next_step: int,
+    first_ep: int,
+    src_addrs: np.ndarray,
+    row_nbytes: np.ndarray,
+    dst_addrs: np.ndarray,
+    mask: np.ndarray,
+    ahead: int,
+) -> int:  # pragma: no cover - jit
+    """A prioritized window sample from host memory in one compiled call: the stratified descent
+    (``SumTree.sample``'s kernel), keys, times sampled and weights (``_nb_sample_info``, with the
+    selector's ``min_probability``: the min tree's root over the total), then the windows
+    (``Storage.read_windows``' kernel). The same draws and bytes as the three calls it replaces;
+    returns ``_nb_read_windows``' result (-1, or the first key that is not stored).
+    """
+    _nb_descend(sums, offsets, arity, uniforms, True, slots, probs)
+    min_p = mins[0] / sums[0] if beta != 0.0 else 1.0
+    _nb_sample_info(slots, probs, times, first_step, step_ep.shape[0], min_p, beta, keys, out_times, weights)
+    return _nb_read_windows(
+        keys, length, head, step_ep, ep_start, ep_len, first_step, next_step, first_ep, src_addrs, row_nbytes,
+        dst_addrs, mask, ahead,
+    )
+
+
+@numba.njit(cache=True, nogil=True)
 def _nb_check_update(
     keys: np.ndarray, table_keys: np.ndarray, capacity: int, priorities: np.ndarray, slots: np.ndarray
 ) -> int:  # pragma: no cover - jit
@@ -431,6 +476,12 @@ class Table:
         self._max_size = max_size
         self._max_times_sampled = max_times_sampled
         self._read = read
+        # Prioritized windows from host memory take one compiled call per sample instead of three
+        # (draw, bookkeeping, window copy): ~10 us of the ~87 us of a 256 x 32 sample was spent
+        # between the calls (docs/benchmarks.md). Same draws, bytes and bookkeeping.
+        self._one_call_windows = (
+            type(sampler) is Prioritized and isinstance(read, WindowRead) and storage.device.type == "cpu"
+        )
         self._beta = float(beta)
         self._seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(seed))
@@ -712,6 +763,10 @@ class Table:
         return st.read_episodes(eps)
 
     def _sample_now(self, n: int, read: bool = True) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+        if read and self._one_call_windows:
+            drawn = self._sample_windows_now(n)
+            if drawn is not None:
+                return drawn
         size = self._size
         slots, probs = self._sampler.select(n, self._rng)
         slots = np.asarray(slots, dtype=np.int64)
@@ -725,6 +780,44 @@ class Table:
             keys, times, weights,
         )
         batch = self._read_batch(keys) if read else {}
+        return self._finish_sample(batch, slots, probs, keys, times, weights, size)
+
+    def _sample_windows_now(self, n: int) -> tuple[dict[str, torch.Tensor], SampleInfo] | None:
+        """:meth:`_sample_now` for a Prioritized sampler reading host windows, in one compiled call;
+        None (nothing drawn) when every priority is 0, for the selector to raise its error."""
+        sums, mins, offsets, arity = self._sampler.tree.kernel_arrays()  # type: ignore[attr-defined]
+        if not sums[0] > 0.0:
+            return None
+        size = self._size
+        st, r = self._storage, self._read
+        length = r.length  # type: ignore[union-attr]
+        uniforms = self._rng.random(n)  # what the selector's select(n) would draw
+        slots, probs = np.empty(n, np.int64), np.empty(n, np.float64)
+        keys, times, weights = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.float32)
+        batch, dst_addrs, mask = st._window_outputs(n, length)
+        bad = _nb_sample_windows(
+            sums, mins, offsets, arity, uniforms, slots, probs, self._times, self._beta, keys, times, weights,
+            length, r.pad == "head", *st._window_kernel_args(), dst_addrs, mask, _PREFETCH_WINDOWS,  # type: ignore[union-attr]
+        )
+        if bad >= 0:
+            raise ReactorInternalError(
+                f"table {self._name!r} drew key {int(keys[bad])}, which the storage does not hold "
+                f"(stored steps {st.step_range})"
+            )
+        batch["mask"] = torch.from_numpy(mask)
+        return self._finish_sample(batch, slots, probs, keys, times, weights, size)
+
+    def _finish_sample(
+        self,
+        batch: dict[str, torch.Tensor],
+        slots: np.ndarray,
+        probs: np.ndarray,
+        keys: np.ndarray,
+        times: np.ndarray,
+        weights: np.ndarray,
+        size: int,
+    ) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+        """Expire items at ``max_times_sampled``, count the draws, and wrap the info as tensors."""
         if self._max_times_sampled:
             done = np.unique(slots[times >= self._max_times_sampled])
             self._drop(done, "expired")

@@ -473,3 +473,54 @@ def test_threads_inserting_sampling_and_updating_keep_the_table_consistent():
     u = make("prioritized", "fifo", cap=256, max_size=100)
     u.load_state_dict(t.state_dict())
     assert torch.equal(t.sample_nowait(16)[1].keys, u.sample_nowait(16)[1].keys)
+
+
+# ---------------------------------------------------------------------------- one-call windows
+
+
+@pytest.mark.parametrize(("arity", "pad", "beta", "max_times"), [(8, "tail", 0.4, 0), (8, "head", 0.0, 3),
+                                                                  (3, "head", 0.7, 0), (3, "tail", 0.4, 2)])
+def test_one_call_window_sample_equals_the_three_call_path(arity, pad, beta, max_times):
+    """Prioritized windows from host memory are drawn, counted and copied in one compiled call
+    (``_nb_sample_windows``). It must give what select + bookkeeping + read_windows give: the same
+    batches and infos, sample after sample, across updates, expiry and eviction (ring of 64)."""
+    def build(one_call: bool) -> Table:
+        t = Table(Storage(SPECS, 64), sampler=Prioritized(0.6, arity=arity), remover=Fifo(), rate_limiter=MinSize(1),
+                  read=WindowRead(5, pad), beta=beta, max_times_sampled=max_times, seed=11)
+        assert t._one_call_windows
+        t._one_call_windows = one_call
+        return t
+
+    fast, slow = build(True), build(False)
+    rng = np.random.default_rng(3)
+    for rnd in range(30):
+        n_new = int(rng.integers(1, 9))
+        for t in (fast, slow):
+            start = t.storage.step_range[1]
+            t.insert_nowait(steps(start, n_new), np.random.default_rng(rnd).uniform(0.0, 2.0, n_new),
+                            episode_end=bool(rnd % 3 == 0))
+        n = int(rng.integers(1, 40))
+        (b1, i1), (b2, i2) = fast.sample_nowait(n), slow.sample_nowait(n)
+        assert state_equal(b1, b2) and set(b1) == {"obs", "reward", "step", "mask"}
+        for f in ("keys", "probabilities", "weights", "times_sampled"):
+            assert torch.equal(getattr(i1, f), getattr(i2, f)), f
+        assert i1.table_size == i2.table_size
+        if rnd % 4 == 1 and len(fast) > 0:
+            keys = i1.keys[: n // 2].unique()
+            live = keys[torch.from_numpy(np.isin(keys.numpy(), fast.state_dict()["keys"]))] if max_times else keys
+            p = np.random.default_rng(rnd).uniform(0.1, 3.0, len(live))
+            fast.update_priorities(live, p)
+            slow.update_priorities(live, p)
+    assert fast.statistics() == slow.statistics()
+    assert state_equal(fast.state_dict(), slow.state_dict())
+
+
+def test_one_call_window_sample_only_for_prioritized_host_windows_and_zero_priorities_raise_alike():
+    assert not make("uniform", read=WindowRead(4))._one_call_windows
+    assert not make("prioritized", read=StepRead())._one_call_windows
+    t = make("prioritized", read=WindowRead(4))
+    assert t._one_call_windows
+    t.insert_nowait(steps(0, 4), np.zeros(4))  # items whose priorities are all 0 cannot be drawn
+    with pytest.raises(ValueError, match=r"every priority is 0"):
+        t.sample_nowait(2)
+    assert t.statistics().sampled == 0

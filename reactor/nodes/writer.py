@@ -39,6 +39,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .._native import numpy_twin
 from .messages import Steps
 from .replay import parse_fields
 
@@ -182,7 +183,14 @@ class Writer:
         self.before, self.after = pattern.context()
         self.chunk = pattern.chunk_length
         rows = self.before + self.chunk + self.after + 1
-        self._np_dtypes = {s.name: torch.empty(0, dtype=s.dtype).numpy().dtype for s in self.specs}
+        twins = {s.name: numpy_twin(s.dtype) for s in self.specs}
+        for spec in self.specs:
+            if twins[spec.name] is None:  # numpy would otherwise make float64 buffers, or fail obscurely
+                raise ValueError(
+                    f"Writer field {spec.name!r} has dtype {spec.dtype}, which numpy (the writer's step buffers) "
+                    "cannot hold; give the writer float16 or float32 for it"
+                )
+        self._np_dtypes: dict[str, np.dtype[Any]] = twins  # type: ignore[assignment]
         self._shapes = {s.name: s.shape for s in self.specs}
         self._buf = {
             n: np.zeros((num_streams, rows, *self._shapes[n]), dtype=self._np_dtypes[n]) for n in self.step_fields

@@ -169,6 +169,9 @@ def test_bad_steps_raise_clear_errors_and_append_nothing():
         Writer(FIELDS, num_streams=2, pattern=TransitionPattern(), obs_fields=("pixels",))
     with pytest.raises(ValueError, match=r"WindowPattern pad must be 'head' or 'tail'"):
         WindowPattern(4, pad="middle")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^Writer field 'obs' has dtype torch.bfloat16, which numpy \(the writer's "
+                       r"step buffers\) cannot hold; give the writer float16 or float32 for it$"):
+        Writer([("obs", (3,), "bfloat16"), ("reward", (), "float32")], num_streams=2, pattern=TransitionPattern())
 
 
 def test_flushes_go_to_the_least_loaded_shard_so_one_parking_shard_cannot_hold_the_writer():

@@ -374,13 +374,17 @@ class Storage:
     Ownership and concurrency: a storage is owned by one writer (normally a :class:`~reactor.replay.Table`,
     which serialises access under its lock); it does no locking of its own.
 
+    Memory: plain host fields (no ``pin_memory``, no ``allocator``) of 2 MiB and more sit on
+    transparent huge pages where the kernel offers them (``reactor._native.host_huge_zeros``): random
+    window and step gathers then rarely miss the TLB. Pinned and CUDA fields come from torch.
+
     Args:
         specs: the fields, one :class:`FieldSpec` each (unique names).
         capacity: number of steps the ring holds.
         device: ``"cpu"`` or a CUDA device (raises ``RuntimeError`` if CUDA is not available).
         pin_memory: allocate host memory pinned (page-locked); only with CUDA present.
         allocator: ``allocator(field, shape, dtype) -> tensor`` provides each field's memory
-            instead of ``torch.empty`` (e.g. shared memory that readers in other processes map);
+            instead of the default (e.g. shared memory that readers in other processes map);
             the tensor must have exactly that shape and dtype, on ``device``, and be contiguous.
 
     Raises:

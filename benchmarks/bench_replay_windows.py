@@ -171,9 +171,11 @@ def bench_windows(quick: bool) -> None:
     print(f"memcpy hot source (torch copy_, 1 thread)     : {1 / s_memcpy:10.0f} copies/s   {mem_gbps:6.2f} GB/s")
     print(f"memcpy cold source (1 GiB buffer, 1 thread)   : {1 / s_cold:10.0f} copies/s   {cold_gbps:6.2f} GB/s")
     print(f"memcpy ring-size source ({m.data_nbytes / 2**20:.0f} MiB, 1 thread)  : {1 / med['memcpy_ring']:10.0f} copies/s   {ring_gbps:6.2f} GB/s")
+    # The target (>= 0.30 of a single-core memcpy of the same bytes) beside each reading of "memcpy":
+    # the source in L2 (the machine's best case), in a 1 GiB buffer, or where the ring lives.
     print(f"ratio vs hot memcpy:  sample {gbps / mem_gbps:.2f}   gather {g_gbps / mem_gbps:.2f}   (target >= 0.30)")
-    print(f"ratio vs cold memcpy: sample {gbps / cold_gbps:.2f}   gather {g_gbps / cold_gbps:.2f}")
-    print(f"ratio vs ring-size memcpy: sample {gbps / ring_gbps:.2f}   gather {g_gbps / ring_gbps:.2f}")
+    print(f"ratio vs cold memcpy: sample {gbps / cold_gbps:.2f}   gather {g_gbps / cold_gbps:.2f}   (target >= 0.30)")
+    print(f"ratio vs ring-size memcpy: sample {gbps / ring_gbps:.2f}   gather {g_gbps / ring_gbps:.2f}   (target >= 0.30)")
     print(f"reactor learner step (sample {B} windows + update {B}): {1 / med['learner']:10.0f} steps/s")
     bench_torchrl(B, T, reps, inner, s_sample)
 

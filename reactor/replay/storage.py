@@ -219,25 +219,20 @@ def _nb_read_windows(
     steps: np.ndarray,
     length: int,
     head: bool,
-    step_ep: np.ndarray,
-    ep_start: np.ndarray,
-    ep_len: np.ndarray,
-    first_step: int,
-    next_step: int,
-    first_ep: int,
-    src_addrs: np.ndarray,
-    row_nbytes: np.ndarray,
+    ring: tuple[Any, ...],
     dst_addrs: np.ndarray,
     mask: np.ndarray,
     ahead: int,
 ) -> int:  # pragma: no cover - jit
     """``_nb_window_ranges`` then ``_nb_copy_windows`` in one compiled call (host ``read_windows``).
 
-    One call instead of two, with the ranges' scratch arrays allocated here rather than by numpy
-    (an interleaved A/B could not separate the gain from noise: a few percent of a ~55 us read of
-    256 x 32 steps at most). Returns -1, or the position of the first step that is not stored
-    (nothing is copied then).
+    ``ring`` is ``Storage._window_kernel_args()``: ``(step_ep, ep_start, ep_len, first_step,
+    next_step, first_ep, src_addrs, row_nbytes)``. One call instead of two, with the ranges' scratch
+    arrays allocated here rather than by numpy (an interleaved A/B could not separate the gain from
+    noise: a few percent of a ~55 us read of 256 x 32 steps at most). Returns -1, or the position of
+    the first step that is not stored (nothing is copied then).
     """
+    step_ep, ep_start, ep_len, first_step, next_step, first_ep, src_addrs, row_nbytes = ring
     b = steps.shape[0]
     pos = np.empty(b, dtype=np.int64)
     lo = np.empty(b, dtype=np.int64)
@@ -827,7 +822,7 @@ class Storage:
     def _read_windows_host(self, steps: np.ndarray, length: int, head: bool) -> dict[str, torch.Tensor]:
         """Host windows: one compiled call (ranges, then every field into its own fresh tensor)."""
         out, dst_addrs, mask = self._window_outputs(steps.shape[0], length)
-        bad = _nb_read_windows(steps, int(length), head, *self._window_kernel_args(), dst_addrs, mask, _PREFETCH_WINDOWS)
+        bad = _nb_read_windows(steps, int(length), head, self._window_kernel_args(), dst_addrs, mask, _PREFETCH_WINDOWS)
         if bad >= 0:
             raise KeyError(f"global step {int(steps[bad])} is not stored (stored range {self.step_range})")
         out["mask"] = torch.from_numpy(mask)
@@ -846,8 +841,8 @@ class Storage:
         return out, dst_addrs, np.empty((b, length), dtype=np.bool_)
 
     def _window_kernel_args(self) -> tuple[Any, ...]:
-        """The host storage's part of ``_nb_read_windows``' arguments, from ``step_ep`` through
-        ``row_nbytes`` (for the table's compiled sample, which reads windows in the same call)."""
+        """The host ring as ``_nb_read_windows`` takes it (one tuple argument; the table's compiled
+        sample passes it on, as it reads windows in the same call)."""
         if self._src_addrs is None:
             plan = self._host_gather_plan()
             self._src_addrs = np.array([rows.ctypes.data for _, rows, *_ in plan], dtype=np.int64)

@@ -224,7 +224,7 @@ def _descend(
     Memory: queries descend in groups, one level at a time, and every query's child block is
     prefetched before the group scans that level, so below the cached top levels the group's misses
     are in flight together. Inlined into its callers so that a constant ``arity`` unrolls the scan
-    (``_nb_sample_k8``: about 2x the generic kernel's speed at the default arity).
+    (``_nb_descend``: about 2x the generic scan's speed at the default arity).
     """
     depth = offsets.shape[0] - 2
     n = uniforms.shape[0]
@@ -270,34 +270,6 @@ def _descend(
 
 
 @numba.njit(cache=True, nogil=True)
-def _nb_sample(
-    sums: np.ndarray,
-    offsets: np.ndarray,
-    arity: int,
-    uniforms: np.ndarray,
-    stratified: bool,
-    out_idx: np.ndarray,
-    out_prob: np.ndarray,
-) -> None:  # pragma: no cover - jit
-    """Stratified or i.i.d. draws by prefix-sum descent, any arity (see ``_descend``)."""
-    _descend(sums, offsets, arity, uniforms, stratified, out_idx, out_prob)
-
-
-@numba.njit(cache=True, nogil=True)
-def _nb_sample_k8(
-    sums: np.ndarray,
-    offsets: np.ndarray,
-    arity: int,
-    uniforms: np.ndarray,
-    stratified: bool,
-    out_idx: np.ndarray,
-    out_prob: np.ndarray,
-) -> None:  # pragma: no cover - jit
-    """``_nb_sample`` for arity 8 (the default), the scan unrolled; ``arity`` must be 8."""
-    _descend(sums, offsets, 8, uniforms, stratified, out_idx, out_prob)
-
-
-@numba.njit(cache=True, nogil=True)
 def _nb_descend(
     sums: np.ndarray,
     offsets: np.ndarray,
@@ -307,11 +279,13 @@ def _nb_descend(
     out_idx: np.ndarray,
     out_prob: np.ndarray,
 ) -> None:  # pragma: no cover - jit
-    """The sample kernel for ``arity`` (unrolled at 8), for compiled callers (see ``SumTree.kernel_arrays``)."""
+    """Stratified or i.i.d. draws by prefix-sum descent (``_descend``), its scan unrolled at the
+    default arity 8 (a compile-time constant there: about 2x the generic scan's speed). Called by
+    ``SumTree.sample`` and by compiled owners (see ``SumTree.kernel_arrays``)."""
     if arity == 8:
-        _nb_sample_k8(sums, offsets, 8, uniforms, stratified, out_idx, out_prob)
+        _descend(sums, offsets, 8, uniforms, stratified, out_idx, out_prob)
     else:
-        _nb_sample(sums, offsets, arity, uniforms, stratified, out_idx, out_prob)
+        _descend(sums, offsets, arity, uniforms, stratified, out_idx, out_prob)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -619,8 +593,7 @@ class SumTree:
                 uniforms = rng.random(n)
                 out_idx = np.empty(n, dtype=np.int64)
                 out_prob = np.empty(n, dtype=np.float64)
-                kernel = _nb_sample_k8 if self._arity == 8 else _nb_sample
-                kernel(self._sums, self._offsets, self._arity, uniforms, stratified, out_idx, out_prob)
+                _nb_descend(self._sums, self._offsets, self._arity, uniforms, stratified, out_idx, out_prob)
                 return out_idx, out_prob
             return self._torch_sample(n, rng, stratified, total)
 

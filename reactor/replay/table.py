@@ -277,14 +277,7 @@ def _nb_sample_windows(
     weights: np.ndarray,
     length: int,
     head: bool,
-    step_ep: np.ndarray,
-    ep_start: np.ndarray,
-    ep_len: np.ndarray,
-    first_step: int,
-    next_step: int,
-    first_ep: int,
-    src_addrs: np.ndarray,
-    row_nbytes: np.ndarray,
+    ring: tuple[Any, ...],
     dst_addrs: np.ndarray,
     mask: np.ndarray,
     ahead: int,
@@ -292,16 +285,15 @@ def _nb_sample_windows(
     """A prioritized window sample from host memory in one compiled call: the stratified descent
     (``SumTree.sample``'s kernel), keys, times sampled and weights (``_nb_sample_info``, with the
     selector's ``min_probability``: the min tree's root over the total), then the windows
-    (``Storage.read_windows``' kernel). The same draws and bytes as the three calls it replaces;
-    returns ``_nb_read_windows``' result (-1, or the first key that is not stored).
+    (``Storage.read_windows``' kernel, on the ring tuple of ``Storage._window_kernel_args``). The
+    same draws and bytes as the three calls it replaces; returns ``_nb_read_windows``' result (-1, or
+    the first key that is not stored).
     """
     _nb_descend(sums, offsets, arity, uniforms, True, slots, probs)
     min_p = mins[0] / sums[0] if beta != 0.0 else 1.0
+    step_ep, first_step = ring[0], ring[3]  # (see Storage._window_kernel_args)
     _nb_sample_info(slots, probs, times, first_step, step_ep.shape[0], min_p, beta, keys, out_times, weights)
-    return _nb_read_windows(
-        keys, length, head, step_ep, ep_start, ep_len, first_step, next_step, first_ep, src_addrs, row_nbytes,
-        dst_addrs, mask, ahead,
-    )
+    return _nb_read_windows(keys, length, head, ring, dst_addrs, mask, ahead)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -797,7 +789,7 @@ class Table:
         batch, dst_addrs, mask = st._window_outputs(n, length)
         bad = _nb_sample_windows(
             sums, mins, offsets, arity, uniforms, slots, probs, self._times, self._beta, keys, times, weights,
-            length, r.pad == "head", *st._window_kernel_args(), dst_addrs, mask, _PREFETCH_WINDOWS,  # type: ignore[union-attr]
+            length, r.pad == "head", st._window_kernel_args(), dst_addrs, mask, _PREFETCH_WINDOWS,  # type: ignore[union-attr]
         )
         if bad >= 0:
             raise ReactorInternalError(

@@ -118,7 +118,7 @@ def test_numba_and_torch_backends_draw_the_same_indices_from_the_same_rng() -> N
 
 @pytest.mark.parametrize("arity", [3, 8])
 def test_numba_and_torch_backends_agree_for_the_unrolled_and_the_generic_descent(arity: int) -> None:
-    """Arity 8 runs the unrolled kernel, others the generic one; both match the torch arithmetic,
+    """Arity 8 runs the unrolled scan, others the generic one; both match the torch arithmetic,
     zero leaves included."""
     rng = np.random.default_rng(5)
     prio = rng.random(3000) * (rng.random(3000) < 0.5)
@@ -143,9 +143,8 @@ def test_a_query_rounded_past_a_block_takes_its_last_positive_child(backend: str
     tree = SumTree(50, arity, backend=backend)
     tree.update(np.arange(50), prio)
     if backend == "numba":  # the kernels themselves, with a uniform of exactly 1 (u == total)
-        kernel = stm._nb_sample_k8 if arity == 8 else stm._nb_sample
         idx, prob = np.empty(1, np.int64), np.empty(1)
-        kernel(tree._sums, tree._offsets, arity, np.array([1.0]), False, idx, prob)
+        stm._nb_descend(tree._sums, tree._offsets, arity, np.array([1.0]), False, idx, prob)
         assert idx[0] == 20 and prob[0] == 0.5 / 3.5
     # Through the public API: the last stratum's draws never land past the last positive leaf.
     draws = as_np(tree.sample(10_000, np.random.default_rng(7))[0])

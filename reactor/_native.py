@@ -33,10 +33,16 @@ Two plain-Python helpers sit with them, for the buffers those kernels fill:
   (``MADV_HUGEPAGE``) before it is touched, its start on a 2 MiB boundary. Random gathers from
   4 KiB pages miss the TLB on nearly every row (tens of MB of ring, a few thousand TLB entries;
   under virtualization every miss is a two-dimensional page walk); with 2 MiB pages the whole ring
-  needs a few dozen entries. The alignment costs address space only: the slack before the aligned
-  start is never touched, so it is never backed. Below 2 MiB, or where the kernel has no THP (the
+  needs a few dozen entries. The alignment costs address space only: only the data's whole 2 MiB
+  pages are advised, so the slack around the data is never touched and never backed (the data's
+  last partial huge page is ordinary pages). Below 2 MiB, or where the kernel has no THP (the
   advice is refused, or the platform lacks it), it is a plain ``torch.zeros``; the kernel's THP
   setting ``never`` leaves ordinary pages, with the same contents.
+
+numba's on-disk cache of a kernel notices edits to the kernel's own file only: after changing an
+intrinsic here, delete the ``__pycache__`` folders of ``reactor/replay`` and ``reactor/transport``
+(or their kernels keep the old code). For the same reason the table's one-call window sample, which
+compiles in kernels of two other files, is not cached at all (``reactor/replay/table.py``).
 
 The caller is responsible for every address and length being inside live arrays (the kernels that
 use these compute them from validated ring positions and keep the arrays alive for the call).
@@ -183,10 +189,12 @@ def host_huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
     # Private (MAP_SHARED, the default, would make it shmem, whose THP setting is separate)
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE)  # anonymous, zero-filled
-    try:
-        mm.madvise(advice)  # before the first touch: faults then map whole 2 MiB pages
-    except OSError:  # a kernel built without THP refuses the advice: ordinary pages
-        pass
     whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to the mapping
     start = -whole.data_ptr() % HUGE_PAGE_NBYTES
+    # Advise only the whole huge pages of the data, before the first touch (faults then map whole
+    # 2 MiB pages): a huge page over the data's tail would also back the slack after it.
+    try:
+        mm.madvise(advice, start, nbytes // HUGE_PAGE_NBYTES * HUGE_PAGE_NBYTES)
+    except OSError:  # a kernel built without THP refuses the advice: ordinary pages
+        pass
     return whole[start : start + nbytes].view(dtype).view(shape)

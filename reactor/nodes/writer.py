@@ -185,10 +185,10 @@ class Writer:
         rows = self.before + self.chunk + self.after + 1
         twins = {s.name: numpy_twin(s.dtype) for s in self.specs}
         for spec in self.specs:
-            if twins[spec.name] is None:  # numpy would otherwise make float64 buffers, or fail obscurely
+            if twins[spec.name] is None:  # numpy's own error here names neither the field nor the fix
                 raise ValueError(
                     f"Writer field {spec.name!r} has dtype {spec.dtype}, which numpy (the writer's step buffers) "
-                    "cannot hold; give the writer float16 or float32 for it"
+                    "cannot hold; declare the field float16 or float32, in the table and in the writer alike"
                 )
         self._np_dtypes: dict[str, np.dtype[Any]] = twins  # type: ignore[assignment]
         self._shapes = {s.name: s.shape for s in self.specs}

@@ -215,9 +215,10 @@ def _descend(
     """Prefix-sum descent for each query; query j targets ``(j + u_j) / n * total`` when stratified.
 
     The scan of a block is branch-free: it takes the running sums of the ``K`` children and counts
-    those ``<= u`` (the torch backend's arithmetic, so both draw the same leaves). The old scan broke
-    out of its loop at the chosen child, and with fresh uniforms that exit mispredicts about once
-    per level: ~10 ns per level per query, measured the same on a 4 KB tree as on a 9 MB one, so
+    those ``<= u`` (the torch backend's arithmetic: both draw the same leaves wherever their node
+    sums agree bit for bit; torch's ``block.sum`` may round differently for very wide-ranging
+    priorities). The old scan broke out of its loop at the chosen child, and with fresh uniforms
+    that exit mispredicts about once per level: ~10 ns per level per query, measured the same on a 4 KB tree as on a 9 MB one, so
     the descent was bound by branches, not by memory. A block whose sum rounds below ``u`` (nothing
     counted short of ``K``) takes its last positive child, a rare branch.
 

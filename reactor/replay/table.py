@@ -261,7 +261,11 @@ def _nb_sample_info(
             weights[j] = w if w < 1.0 else 1.0
 
 
-@numba.njit(cache=True, nogil=True)
+# Not cached on disk: it compiles in kernels from sumtree.py and storage.py, and numba's cache only
+# notices edits to this file, so a cached copy would silently keep running an old descent or copy
+# after either changed (found in review: the one-call path diverged from the three-call one). The
+# price is ~0.4 s of compilation at a process's first one-call sample.
+@numba.njit(nogil=True)
 def _nb_sample_windows(
     sums: np.ndarray,
     mins: np.ndarray,
@@ -472,7 +476,10 @@ class Table:
         # (draw, bookkeeping, window copy): ~10 us of the ~87 us of a 256 x 32 sample was spent
         # between the calls (docs/benchmarks.md). Same draws, bytes and bookkeeping.
         self._one_call_windows = (
-            type(sampler) is Prioritized and isinstance(read, WindowRead) and storage.device.type == "cpu"
+            type(sampler) is Prioritized
+            and isinstance(read, WindowRead)
+            and type(storage) is Storage  # a subclass may read windows its own way
+            and storage.device.type == "cpu"
         )
         self._beta = float(beta)
         self._seed = int(seed)

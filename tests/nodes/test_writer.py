@@ -170,7 +170,8 @@ def test_bad_steps_raise_clear_errors_and_append_nothing():
     with pytest.raises(ValueError, match=r"WindowPattern pad must be 'head' or 'tail'"):
         WindowPattern(4, pad="middle")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^Writer field 'obs' has dtype torch.bfloat16, which numpy \(the writer's "
-                       r"step buffers\) cannot hold; give the writer float16 or float32 for it$"):
+                       r"step buffers\) cannot hold; declare the field float16 or float32, in the table and "
+                       r"in the writer alike$"):
         Writer([("obs", (3,), "bfloat16"), ("reward", (), "float32")], num_streams=2, pattern=TransitionPattern())
 
 

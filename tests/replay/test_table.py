@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -524,3 +529,43 @@ def test_one_call_window_sample_only_for_prioritized_host_windows_and_zero_prior
     with pytest.raises(ValueError, match=r"every priority is 0"):
         t.sample_nowait(2)
     assert t.statistics().sampled == 0
+
+
+_ONE_CALL_PROBE = """
+import numpy as np, torch
+from reactor.replay import Fifo, FieldSpec, MinSize, Prioritized, Storage, Table, WindowRead
+t = Table(Storage([FieldSpec("x", (), torch.float32)], 64), sampler=Prioritized(0.6), remover=Fifo(),
+          rate_limiter=MinSize(1), read=WindowRead(4), seed=1)
+t.insert_nowait({"x": torch.arange(40, dtype=torch.float32)}, np.ones(40), episode_end=True)
+a = t.sample_nowait(8)[0]["mask"]
+u = Table(Storage([FieldSpec("x", (), torch.float32)], 64), sampler=Prioritized(0.6), remover=Fifo(),
+          rate_limiter=MinSize(1), read=WindowRead(4), seed=1)
+u.insert_nowait({"x": torch.arange(40, dtype=torch.float32)}, np.ones(40), episode_end=True)
+u._one_call_windows = False
+b = u.sample_nowait(8)[0]["mask"]
+print(int(a.sum()), int(b.sum()))
+"""
+
+
+def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
+    """Regression (issue 3, review): the one-call kernel compiles in storage.py's and sumtree.py's
+    kernels, and numba's disk cache only notices edits to the cached function's own file. A cached
+    one-call kernel kept running the old window copy after storage.py changed. Edit a copy of the
+    package between two processes and check both paths see the edit."""
+    pkg = tmp_path / "reactor"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+    def run() -> list[int]:
+        out = subprocess.run([sys.executable, "-c", _ONE_CALL_PROBE], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=240, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        return [int(v) for v in out.stdout.split()]
+
+    first = run()
+    assert first[0] == first[1] > 0  # the mask marks valid window positions
+    storage_py = pkg / "replay" / "storage.py"
+    src = storage_py.read_text()
+    assert "mask[j, t] = a <= t < z" in src
+    storage_py.write_text(src.replace("mask[j, t] = a <= t < z", "mask[j, t] = False"))
+    assert run() == [0, 0]  # both paths run the edited copy kernel

@@ -72,7 +72,11 @@ __all__ = [
     "copy_bytes",
     "host_empty",
     "host_huge_zeros",
-    "numpy_twin", "prefetch", "release_fence", "zero_bytes"]
+    "numpy_twin",
+    "prefetch",
+    "release_fence",
+    "zero_bytes",
+]
 
 _I32 = ir.IntType(32)
 

@@ -218,9 +218,10 @@ def _descend(
     those ``<= u`` (the torch backend's arithmetic: both draw the same leaves wherever their node
     sums agree bit for bit; torch's ``block.sum`` may round differently for very wide-ranging
     priorities). The old scan broke out of its loop at the chosen child, and with fresh uniforms
-    that exit mispredicts about once per level: ~10 ns per level per query, measured the same on a 4 KB tree as on a 9 MB one, so
-    the descent was bound by branches, not by memory. A block whose sum rounds below ``u`` (nothing
-    counted short of ``K``) takes its last positive child, a rare branch.
+    that exit mispredicts about once per level: ~10 ns per level per query, measured the same on a
+    4 KB tree as on a 9 MB one, so the descent was bound by branches, not by memory. A block whose
+    sum rounds below ``u`` (nothing counted short of ``K``) takes its last positive child, a rare
+    branch.
 
     Memory: queries descend in groups, one level at a time, and every query's child block is
     prefetched before the group scans that level, so below the cached top levels the group's misses

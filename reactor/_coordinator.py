@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ from typing import Any
 from ._errors import PeerLostError, ReactorError, TraceMismatchError
 from ._graph import Graph
 from ._placement import check_lookahead, resolve
+from ._protocol import COORDINATOR, CoordinatorProtocol
+from ._rundir import open_run_dir, remove_run_dir, sweep_stale
 from ._runtime import RunResult
 
 log = logging.getLogger("reactor.coordinator")
@@ -65,7 +66,10 @@ async def run_processes(
 
         read_trace(replay)  # fail here, in one line, rather than in every worker
     owner_of = {n: g.name for g in groups for n in g.reactors}
-    sockdir = tempfile.mkdtemp(prefix="reactor-")
+    # Run directories and shared-memory segments left by runs whose coordinator was killed go first.
+    sweep_stale()
+    run_id = os.environ.get("REACTOR_RUN_ID") or "run"
+    sockdir = open_run_dir(run_id)
     # Links that leave the host (any tcp bind) are encrypted and authenticated with CURVE: one key
     # pair per run, handed to each worker on its stdin (never over a socket); every endpoint of the
     # run, the coordinator's too, then admits only peers holding it.
@@ -75,7 +79,8 @@ async def run_processes(
 
         keys = CurveKeys.generate()
         curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
-    ep = await Endpoint.open("coordinator", f"ipc://{sockdir}/coordinator", curve=keys)
+    ep = await Endpoint.open(COORDINATOR, f"ipc://{sockdir}/coordinator", curve=keys,
+                             accept=CoordinatorProtocol(g.name for g in groups))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
@@ -145,16 +150,18 @@ async def run_processes(
             placement=placement,
             stopped_by=stopped_by,
             processes={name: res["stats"] for name, res in results.items()},
+            dropped={COORDINATOR: _dropped(ep.statistics()),
+                     **{name: int(res["stats"].get("dropped_invalid", 0)) + _dropped_transport(res["stats"])
+                        for name, res in results.items()}},
         )
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
         await _reap(procs, 0.0)
         await ep.aclose()
-        with contextlib.suppress(OSError):
-            for f in os.listdir(sockdir):
-                os.unlink(os.path.join(sockdir, f))
-            os.rmdir(sockdir)
+        remove_run_dir(sockdir)
+        if procs:
+            _cleanup_segments(run_id)
 
 
 class _Session:
@@ -169,10 +176,9 @@ class _Session:
         self.replay_done: set[str] = set()
 
     def _check_children(self) -> None:
-        for name, p in self.procs.items():
-            rc = p.poll()
-            if rc is not None and name not in self.results:
-                raise WorkerFailedError(f"worker {name!r} exited with status {rc} before the run ended")
+        dead = {name: rc for name, p in self.procs.items() if (rc := p.poll()) is not None and name not in self.results}
+        if dead:
+            raise WorkerFailedError(_describe_exits(dead))
 
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
@@ -258,6 +264,44 @@ class _Session:
             if n not in self.results:
                 with contextlib.suppress(Exception):
                     self.ep.send_nowait(n, msg)
+
+
+def _describe_exits(dead: dict[str, int]) -> str:
+    """Say which workers ended early and how, the first cause first: a worker killed by a signal
+    (its peers then exit because they lost it) before one that exited with a status of its own."""
+    def how(rc: int) -> str:
+        if rc < 0:
+            try:
+                return f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"was killed by signal {-rc}"
+        if rc == 3:
+            return "exited with status 3 (it lost a peer; its stderr names which)"
+        return f"exited with status {rc}"
+
+    order = sorted(dead, key=lambda n: (dead[n] >= 0, dead[n] == 3, n))
+    first, rest = order[0], order[1:]
+    text = f"worker {first!r} {how(dead[first])} before the run ended"
+    if rest:
+        text += "; then " + ", ".join(f"worker {n!r} {how(dead[n])}" for n in rest)
+    return text
+
+
+def _dropped(st: Any) -> int:
+    return st.dropped_malformed + st.dropped_too_large + st.dropped_over_credit + st.dropped_unknown_peer + st.dropped_invalid
+
+
+def _dropped_transport(stats: Mapping[str, Any]) -> int:
+    return sum(int(stats.get(k, 0)) for k in ("dropped_malformed", "dropped_too_large", "dropped_over_credit",
+                                              "dropped_unknown_peer"))
+
+
+def _cleanup_segments(run_id: str) -> None:
+    """Unlink the shared-memory segments of this run that a killed worker left behind."""
+    from .transport._shm import cleanup_stale
+
+    for name in cleanup_stale(run_id):
+        log.warning("removed the shared-memory segment %s of a worker that did not close it", name)
 
 
 async def _reap(procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:

@@ -38,6 +38,9 @@ class RunResult:
             work, ``promises`` sent, ``waits`` for peers, ``coarse_promises`` computed from the
             earliest of a long queue) and, from the start of the run, ``cpu_ms`` (all threads) and
             ``voluntary_switches`` / ``involuntary_switches``. ``reactor run --json`` prints them.
+        dropped: multi-process runs: per process (the workers and ``coordinator``), the messages
+            from peers it dropped (undecodable, too large, over credit, from an unknown sender, or
+            refused by the protocol's schemas: reactor/_protocol.py). A correct run drops none.
     """
 
     digests: Mapping[str, str] = field(default_factory=dict)
@@ -45,6 +48,7 @@ class RunResult:
     placement: str = "single"
     stopped_by: str = "quiescence"
     processes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    dropped: Mapping[str, int] = field(default_factory=dict)
 
 
 _RUN_COUNTER = itertools.count()

@@ -34,11 +34,11 @@ from typing import Any
 
 from ._app import build_graph
 from ._errors import PeerLostError, WouldBlock
+from ._protocol import COORDINATOR, WorkerProtocol
 from ._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from ._tag import NEVER, Tag
 
 log = logging.getLogger("reactor.worker")
-COORDINATOR = "coordinator"
 #: A worker's status reports to the coordinator (idle, sent, received: quiescence detection) go
 #: out at most this often. Reporting after every message cost a coordinator wake-up
 #: per message on every worker; the delay only postpones the end of a quiet run by as much.
@@ -135,6 +135,8 @@ class Worker:
         self.last_status: tuple[Any, ...] | None = None
         self.last_report_t = -float("inf")
         self.early: list[tuple[str, Any]] = []
+        # Messages refused after the endpoint's schema check: a tag behind its sender's promise.
+        self.refused_behind_promise = 0
         # Deterministic loop: rounds of work, promises sent, rounds that blocked waiting for peers.
         self.loop_stats = {"rounds": 0, "promises": 0, "waits": 0}
 
@@ -153,8 +155,13 @@ class Worker:
 
         curve = spec.get("curve")
         keys = CurveKeys(curve["public"].encode(), curve["secret"].encode()) if curve else None
+        # Every message is checked against its kind's schema, its sender's right to send it and
+        # its port's type where it enters this process (reactor/_protocol.py); a bad one is dropped.
+        port_types = {n: node.reactor_type._port_specs for node, _, n in graph.instances()}
+        in_links = {lk.index: (owner_of[lk.src], port_types[lk.dst][lk.dst_port].type)
+                    for lk in links if lk.dst in local and owner_of[lk.src] != self.group}
         self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"],
-                                           curve=keys)
+                                           curve=keys, accept=WorkerProtocol(in_links))
         try:
             await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=keys.public if keys else None)
             self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))
@@ -162,6 +169,9 @@ class Worker:
             self.outbox = outbox = Outbox(ep, self.flow_limit)
             outbox.send(COORDINATOR, ("hello", ep.address))
             peers = await self._wait_control("peers")
+            missing = [p for p in out_peers if p not in peers]
+            if missing:
+                raise PeerLostError(f"{self.group}: the coordinator's address book lacks {missing}")
             for p in out_peers:
                 await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
             recorder = Recorder() if spec["record"] else None
@@ -190,7 +200,7 @@ class Worker:
                 else:
                     await self._run_async()
             except Exception as e:
-                outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-(1 << 20):]))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5):
                         await outbox.empty.wait()
@@ -216,6 +226,7 @@ class Worker:
                     "received": host.received_count,
                     **self.loop_stats,
                     "coarse_promises": host.coarse_promises,
+                    **_refusals(ep.statistics(), self.refused_behind_promise),
                     **{k: v - started[k] for k, v in _cpu_stats().items()},
                 },
                 "events": {n: s.events for n, s in host.stats.items()},
@@ -326,11 +337,20 @@ class Worker:
         self._take(early)
 
     def _take(self, batch: list[tuple[str, Any]]) -> None:
+        """Deliver checked messages (the endpoint applied the schemas: reactor/_protocol.py)."""
         h = self.host
+        horizons = h.horizons if h.deterministic else None
         for peer, msg in batch:
             kind = msg[0]
             if kind == "m":
-                h.deliver_remote(msg[1], msg[2], Tag(msg[3], msg[4]), msg[5])
+                tag = Tag(msg[3], msg[4])
+                if horizons is not None and tag < horizons.get(peer, tag):
+                    # Promises and messages share one FIFO pipe, so a correct peer never sends this.
+                    self.refused_behind_promise += 1
+                    log.warning("%s: refused a message from %r on link %d at %s, behind its promise %s",
+                                self.group, peer, msg[1], tag, horizons[peer])
+                    continue
+                h.deliver_remote(msg[1], msg[2], tag, msg[5])
             elif kind == "p":
                 h.receive_promise(peer, Tag(msg[1], msg[2]), None if msg[3] < 0 else (msg[3], msg[4]), msg[5])
             elif peer == COORDINATOR:
@@ -480,6 +500,14 @@ class Worker:
             self._take(batch)
             self.peak_inbox = max(self.peak_inbox, sum(len(q) for q in h._inbox.values()))
             self.changed.set()
+
+
+def _refusals(st: Any, behind_promise: int) -> dict[str, int]:
+    """What this worker dropped from its peers: undecodable, too large, over credit, refused by the
+    protocol's schemas, or behind its sender's promise (the run's statistics show them)."""
+    return {"dropped_malformed": st.dropped_malformed, "dropped_too_large": st.dropped_too_large,
+            "dropped_over_credit": st.dropped_over_credit, "dropped_unknown_peer": st.dropped_unknown_peer,
+            "dropped_invalid": st.dropped_invalid + behind_promise}
 
 
 def _stop_pending(host: ReactorHost) -> bool:

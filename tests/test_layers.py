@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "reactor"
 CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace", "_native"}
-LAUNCH = {"_runtime", "_coordinator", "_worker", "_placement", "_policies", "_app"}
+LAUNCH = {"_runtime", "_coordinator", "_worker", "_placement", "_policies", "_app", "_protocol", "_rundir"}
 
 
 def _layer(module: str) -> str:

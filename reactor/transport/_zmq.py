@@ -36,11 +36,12 @@ one wake-up per batch, not per message. Works on the default asyncio loop and on
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import struct
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,16 @@ _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a floo
 _BATCH_ITEM_MAX_NBYTES = 16 * 1024
 _BATCH_MAX_NBYTES = 256 * 1024
 _BATCH_HEADER_MAX_NBYTES = 6  # marker + msgpack array 32 header
-_FLUSH_RETRY_S = 0.001  # a batch that found zmq's queue full (all but impossible) is retried after this
+_FLUSH_RETRY_S = 0.001
+# Senders that said hello and went away: the table is swept (each sender probed through the
+# ROUTER, which refuses to route to a closed connection) once it has doubled since the last sweep,
+# so it stays within twice the live connections at O(1) amortized cost per hello.
+_SENDER_SWEEP_MIN = 64
+# Refused messages logged per sender in full; after that one line per _REFUSAL_LOG_EVERY (a flood of
+# bad frames must not become a flood of log lines).
+_REFUSAL_LOG_FULL = 20
+_REFUSAL_LOG_EVERY = 1000  # a batch that found zmq's queue full (all but impossible) is retried after this
+_VANISHED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNREFUSED, errno.ENOENT, errno.ECONNABORTED})
 _MONITOR_EVENTS = (
     zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -217,6 +227,10 @@ class EndpointStatistics:
     dropped_too_large: int
     dropped_unknown_peer: int
     dropped_over_credit: int
+    #: Decoded messages the application protocol refused (``Endpoint.open(accept=...)``).
+    dropped_invalid: int
+    #: Senders forgotten because their connection had gone (they said hello, then closed).
+    senders_forgotten: int
     #: Sends that found no credit (``send_nowait`` raising WouldBlock, or ``send`` having to wait).
     credit_stalls: int
     #: Credit grants sent back to senders.
@@ -229,6 +243,8 @@ class EndpointStatistics:
     #: Peers this endpoint is connected to (sends to), and those lost since.
     peers: tuple[str, ...]
     lost_peers: tuple[str, ...]
+    #: Senders this endpoint's ROUTER knows now (said hello, not yet found gone).
+    senders: int
 
 
 class _Sender:
@@ -254,6 +270,7 @@ class _Link:
         "batch_limit",
         "batch_nbytes",
         "credit_msgs",
+        "curve",
         "credit_nbytes",
         "fd",
         "flush_handle",
@@ -278,6 +295,7 @@ class _Link:
         self.credit_nbytes = 0
         self.max_message_nbytes = 0
         self.lost_reason: str | None = None
+        self.curve = False  # the link is CURVE-encrypted (server_public_key given)
         self.waiters: list[asyncio.Future[None]] = []
         self.welcomed: asyncio.Future[None] = welcomed
         # Coalescing: frame 0 of the messages held for this tick's batch, their size, the most a
@@ -339,6 +357,7 @@ class Endpoint:
         credit_window_nbytes: int | None = None,
         heartbeat_ivl_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
+        accept: Callable[[str, Any], str | None] | None = None,
     ) -> Endpoint:
         """Bind an endpoint's ROUTER and start serving it on the running loop.
 
@@ -357,6 +376,11 @@ class Endpoint:
                 message); default ``4 * max_message_nbytes``.
             heartbeat_ivl_s: ZMQ heartbeat period on every connection.
             heartbeat_timeout_s: a connection silent this long is closed and its peer lost.
+            accept: the application protocol's check, called with ``(sender name, message)`` for
+                every decoded message before it is queued; it returns None to accept, else the
+                reason to refuse. A refused message is dropped (its credit returned), counted in
+                ``dropped_invalid`` and logged with the sender and the reason; the endpoint goes
+                on serving. It must not raise (an exception counts as a refusal, logged).
 
         Returns:
             The open endpoint.
@@ -386,8 +410,14 @@ class Endpoint:
         if curve_clients is not None and curve is None:
             raise ValueError("Endpoint.open: curve_clients needs curve= (this endpoint's own key pair)")
 
+        if accept is not None and not callable(accept):
+            raise ValueError(f"Endpoint.open: accept must be callable or None, got {accept!r:.60}")
+
         self = cls(_token=_OPEN_TOKEN)
         self._loop = asyncio.get_running_loop()
+        self._accept = accept
+        self._refusals_logged: dict[str, int] = {}
+        self._sweep_at = _SENDER_SWEEP_MIN
         self._name = name
         self._name_b = name_b
         self._curve = curve
@@ -424,6 +454,8 @@ class Endpoint:
                 "dropped_too_large",
                 "dropped_unknown_peer",
                 "dropped_over_credit",
+                "dropped_invalid",
+                "senders_forgotten",
                 "credit_stalls",
                 "credit_grants_sent",
             ),
@@ -445,7 +477,11 @@ class Endpoint:
             router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
             self._configure(router, max_message_nbytes)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
-            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its name back
+            # No handover: a second connection under a name already connected here is refused by
+            # zmq, so no one can take over a live peer's identity (its messages, its credit). A
+            # restarted peer gets its name back once its old connection is gone (closed at once
+            # when a process dies; within heartbeat_timeout_s when a host vanishes).
+            router.setsockopt(zmq.ROUTER_HANDOVER, 0)
             if curve is not None:
                 router.curve_server = True
                 router.curve_secretkey = curve.secret
@@ -554,6 +590,7 @@ class Endpoint:
             max_queued_nbytes=self._max_queued_nbytes,
             peers=tuple(sorted(self._links)),
             lost_peers=tuple(sorted(self._lost)),
+            senders=len(self._senders),
         )
 
     def flush(self) -> None:
@@ -634,6 +671,7 @@ class Endpoint:
         mon.setsockopt(zmq.LINGER, 0)
         mon.connect(mon_addr)
         link = _Link(peer, address, sock, mon, self._loop.create_future())
+        link.curve = server_public_key is not None
         try:
             sock.connect(address)
         except zmq.ZMQError as exc:
@@ -969,10 +1007,26 @@ class Endpoint:
             event, value = struct.unpack("=Hi", frames[0])
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 reason = f"it rejected our CURVE key (ZAP status {value})"
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _VANISHED_ERRNOS:
+                # The connection broke during the handshake. On a link that was up, that is zmq
+                # reconnecting to a peer whose process went away: a plain loss, whatever the
+                # security settings. On a new link it may also be a security mismatch (a server
+                # drops a client whose mechanism it does not take the same way).
+                why = f"its connection was closed during the handshake ({errno.errorcode.get(value, value)})"
+                if link.welcomed.done():
+                    reason = f"the peer vanished: {why}; its process was killed or exited"
+                else:
+                    reason = (
+                        f"{why}: the peer's process exited or was killed, or "
+                        + ("it does not admit this run's CURVE key" if link.curve
+                           else "it requires CURVE (this link has none; check that both sides use CURVE or neither does)")
+                    )
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                detail = errno.errorcode.get(value, f"code {value:#x}")
                 reason = (
-                    f"the security handshake failed (zmq event {event:#x}, code {value:#x}); check that both "
-                    f"sides use CURVE (server_public_key given) or neither does"
+                    f"the security handshake failed (zmq event {event:#x}, {detail}): "
+                    + ("check that the peer uses this run's CURVE keys" if link.curve
+                       else "the peer may require CURVE (this link has none; check that both sides use CURVE or neither does)")
                 )
             elif event == zmq.EVENT_DISCONNECTED:
                 if not link.welcomed.done():
@@ -1145,6 +1199,11 @@ class Endpoint:
                 sender.ungranted_nbytes += nbytes
                 self._maybe_grant(sender)
                 continue
+            if self._accept is not None and not self._accepted(sender.name, obj):
+                sender.ungranted_msgs += 1  # consumed, as far as credit goes
+                sender.ungranted_nbytes += nbytes
+                self._maybe_grant(sender)
+                continue
             queue.append((sender.name, obj))
             meta.append((sender, nbytes))
             sender.queued_msgs += 1
@@ -1197,6 +1256,17 @@ class Endpoint:
             self._maybe_grant(sender)
             return 0
         name = sender.name
+        if self._accept is not None:
+            kept = [obj for obj in objs if self._accepted(name, obj)]
+            if len(kept) < count:
+                refused = count - len(kept)  # their credit goes back as consumed; equal shares of the bytes
+                refused_nbytes = nbytes * refused // count
+                sender.ungranted_msgs += refused
+                sender.ungranted_nbytes += refused_nbytes
+                self._maybe_grant(sender)
+                objs, count, nbytes = kept, len(kept), nbytes - refused_nbytes
+                if not count:
+                    return 0
         self._queue.extend([(name, obj) for obj in objs])
         # Credit is per message; a batch does not say how its bytes split among its messages, so each
         # gets an equal share (the last the remainder): once the batch is taken, exactly its bytes
@@ -1210,6 +1280,47 @@ class Endpoint:
         self._queued_senders.add(sender)
         n["batches_received"] += 1
         return nbytes
+
+    def _accepted(self, sender: str, obj: Any) -> bool:
+        """Run the application protocol's check on one decoded message; count and log a refusal."""
+        try:
+            reason = self._accept(sender, obj)  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - a checker's bug must not take the endpoint down
+            reason = f"the protocol check raised {type(exc).__name__}: {exc}"
+        if reason is None:
+            return True
+        self._n["dropped_invalid"] += 1
+        seen = self._refusals_logged.get(sender, 0) + 1
+        if len(self._refusals_logged) < 4096 or sender in self._refusals_logged:
+            self._refusals_logged[sender] = seen
+        if seen <= _REFUSAL_LOG_FULL or seen % _REFUSAL_LOG_EVERY == 0:
+            log.warning(
+                "endpoint %r: refused a message from peer %r (%d so far): %s",
+                self._name, sender, seen, str(reason)[:500],
+            )
+        return False
+
+    def _sweep_senders(self) -> None:
+        """Forget senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
+        once (``EHOSTUNREACH``) to route to an identity with no live connection, so each idle sender
+        is sent an empty credit grant (``CREDIT(0, 0)``, a no-op for a live peer). A sender with
+        messages still queued here is kept until they are taken."""
+        gone = []
+        for ident, s in self._senders.items():
+            if s.queued_msgs:
+                continue
+            try:
+                self._router.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    gone.append(ident)
+        for ident in gone:
+            s = self._senders.pop(ident)
+            self._refusals_logged.pop(s.name, None)
+        self._n["senders_forgotten"] += len(gone)
+        if gone:
+            log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))
+        self._sweep_at = max(_SENDER_SWEEP_MIN, 2 * len(self._senders))
 
     def _on_control(self, ident: bytes, sender: _Sender | None, rest: list[Any] | None) -> None:
         msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)
@@ -1226,6 +1337,8 @@ class Endpoint:
             return
         # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
         self._senders[ident] = _Sender(ident, msg[2])
+        if len(self._senders) >= self._sweep_at:
+            self._sweep_senders()
         try:
             self._router.send_multipart(
                 [

@@ -1,0 +1,241 @@
+"""The launch protocol's messages, one schema per kind, checked where they enter a process.
+
+Every message between the processes of a multi-process run is a msgpack array whose first item
+names its kind. This module is the one place that says, for each kind, which fields it has, their
+types and ranges, and who may send it; :class:`WorkerProtocol` and :class:`CoordinatorProtocol`
+give the transport's ``Endpoint.open(accept=...)`` check for the two sides. A message that fails
+is dropped by the endpoint (counted in ``dropped_invalid``, logged with the sender and the reason)
+and the process goes on: one bad frame from a peer never ends a run.
+
+Kinds (see ``reactor/_worker.py`` for what each does):
+
+worker <- worker (only from a process that owns the link's source):
+    ("m", link, seq, time_ns, microstep, value)    a reactor message on link ``link``
+    ("p", time_ns, microstep, d_ns, d_micro, n)    a promise (d_ns -1: unconditional)
+worker <- coordinator (only from the coordinator):
+    ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",), ("exit",)
+coordinator <- worker (only from the run's worker groups):
+    ("hello", address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
+    ("replay_done",), ("done", result), ("error", text)
+
+Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
+worker, when it delivers (``Worker._take``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+__all__ = ["COORDINATOR", "CoordinatorProtocol", "WorkerProtocol", "check_message"]
+
+COORDINATOR = "coordinator"
+_I64_MAX = 2**63 - 1
+_TEXT_MAX = 1 << 20  # an error report's traceback
+_ADDRESS_MAX = 1024
+_NAME_MAX = 255
+
+Check = Callable[[Any], str | None]  # None: fine; else what is wrong
+
+
+def _count(v: Any) -> str | None:
+    if type(v) is not int or not 0 <= v <= _I64_MAX:
+        return f"an int in [0, 2**63) expected, got {_show(v)}"
+    return None
+
+
+def _dist(v: Any) -> str | None:
+    if type(v) is not int or not -1 <= v <= _I64_MAX:
+        return f"an int in [-1, 2**63) expected, got {_show(v)}"
+    return None
+
+
+def _epoch(v: Any) -> str | None:
+    return _dist(v)  # -1 before the first probe
+
+
+def _bool(v: Any) -> str | None:
+    return None if type(v) is bool else f"a bool expected, got {_show(v)}"
+
+
+def _any(v: Any) -> str | None:
+    return None
+
+
+def _text(v: Any) -> str | None:
+    if type(v) is not str or len(v) > _TEXT_MAX:
+        return f"a str of at most {_TEXT_MAX} characters expected, got {_show(v)}"
+    return None
+
+
+def _address(v: Any) -> str | None:
+    if type(v) is not str or len(v) > _ADDRESS_MAX or not v.startswith(("tcp://", "ipc://")):
+        return f"a tcp:// or ipc:// address expected, got {_show(v)}"
+    return None
+
+
+def _address_book(v: Any) -> str | None:
+    if type(v) is not dict or len(v) > 65536:
+        return f"a dict of group -> address expected, got {_show(v)}"
+    for k, a in v.items():
+        if type(k) is not str or not 0 < len(k) <= _NAME_MAX:
+            return f"a group name expected as key, got {_show(k)}"
+        if (why := _address(a)) is not None:
+            return f"peers[{k!r}]: {why}"
+    return None
+
+
+def _str_int_map(v: Any) -> str | None:
+    if type(v) is not dict or not all(type(k) is str and type(x) is int for k, x in v.items()):
+        return f"a dict of str -> int expected, got {_show(v)}"
+    return None
+
+
+def _str_str_map(v: Any) -> str | None:
+    if type(v) is not dict or not all(type(k) is str and type(x) is str for k, x in v.items()):
+        return f"a dict of str -> str expected, got {_show(v)}"
+    return None
+
+
+def _trace(v: Any) -> str | None:
+    if type(v) is not dict or not all(type(k) is str and type(x) is list for k, x in v.items()):
+        return f"a dict of reactor -> event list expected, got {_show(v)}"
+    for events in v.values():
+        for e in events:
+            if type(e) is not list or len(e) != 3 or not all(type(x) is int for x in e):
+                return f"trace events must be [kind, rank, seq] ints, got {_show(e)}"
+    return None
+
+
+def _stats(v: Any) -> str | None:
+    if type(v) is not dict or not all(type(k) is str and type(x) in (int, float, bool) for k, x in v.items()):
+        return f"a dict of str -> number expected, got {_show(v)}"
+    return None
+
+
+# A worker's final report: the fields the coordinator reads, each with its type.
+_RESULT_FIELDS: dict[str, Check] = {
+    "replay_incomplete": lambda v: None if v is None or type(v) is str else f"None or a str expected, got {_show(v)}",
+    "ended": lambda v: None if v in ("stop_time", "quiescence") else f"'stop_time' or 'quiescence' expected, got {_show(v)}",
+    "stats": _stats,
+    "events": _str_int_map,
+    "digests": _str_str_map,
+    "trace": _trace,
+}
+
+
+def _result(v: Any) -> str | None:
+    if type(v) is not dict or set(v) != set(_RESULT_FIELDS):
+        return f"a dict with exactly the fields {sorted(_RESULT_FIELDS)} expected, got {_show(v)}"
+    for name, check in _RESULT_FIELDS.items():
+        if (why := check(v[name])) is not None:
+            return f"result[{name!r}]: {why}"
+    return None
+
+
+#: kind -> the checks of the fields after the kind, in order.
+PEER_KINDS: dict[str, tuple[Check, ...]] = {
+    "m": (_count, _count, _count, _count, _any),
+    "p": (_count, _count, _dist, _count, _count),
+}
+COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
+    "peers": (_address_book,),
+    "start": (),
+    "probe": (_count,),
+    "stop": (),
+    "exit": (),
+}
+WORKER_KINDS: dict[str, tuple[Check, ...]] = {
+    "hello": (_address,),
+    "ready": (),
+    "status": (_epoch, _bool, _count, _count),
+    "stop_request": (),
+    "replay_done": (),
+    "done": (_result,),
+    "error": (_text,),
+}
+
+
+def check_message(kinds: Mapping[str, tuple[Check, ...]], msg: Any) -> str | None:
+    """Check ``msg`` against the schema of its kind in ``kinds``; None if it conforms, else why not."""
+    if type(msg) not in (list, tuple) or not msg:
+        return f"a message is a non-empty array [kind, ...], got {_show(msg)}"
+    kind = msg[0]
+    checks = kinds.get(kind) if type(kind) is str else None
+    if checks is None:
+        return f"unknown message kind {_show(kind)} (expected one of {sorted(kinds)})"
+    if len(msg) != 1 + len(checks):
+        return f"{kind!r} has {len(checks)} fields, got {len(msg) - 1}"
+    for i, check in enumerate(checks, 1):
+        if (why := check(msg[i])) is not None:
+            return f"{kind!r} field {i}: {why}"
+    return None
+
+
+class WorkerProtocol:
+    """What a worker accepts: peer kinds from the processes that own each link's source, control
+    kinds from the coordinator, each conforming to its schema, and on each link only values of the
+    type its destination port declares.
+
+    Args:
+        in_links: link index -> (the group that owns the link's source, the destination port's
+            declared type) for every link into this worker from another process.
+        coordinator: the coordinator's endpoint name.
+    """
+
+    def __init__(self, in_links: Mapping[int, tuple[str, Any]], coordinator: str = COORDINATOR) -> None:
+        self.in_links = dict(in_links)
+        self.senders = frozenset(g for g, _ in self.in_links.values())
+        self.coordinator = coordinator
+
+    def __call__(self, sender: str, msg: Any) -> str | None:
+        if sender == self.coordinator:
+            return check_message(COORDINATOR_KINDS, msg)
+        if sender not in self.senders:
+            return f"{sender!r} sends on no link into this process"
+        if (why := check_message(PEER_KINDS, msg)) is not None:
+            return why
+        if msg[0] == "m":
+            entry = self.in_links.get(msg[1])
+            if entry is None:
+                return f"link {msg[1]} does not lead into this process"
+            owner, port_type = entry
+            if owner != sender:
+                return f"link {msg[1]} belongs to {owner!r}, not to the sender"
+            if (why := _check_value(port_type, msg[5])) is not None:
+                return f"link {msg[1]}: {why}"
+        return None
+
+
+class CoordinatorProtocol:
+    """What the coordinator accepts: worker kinds from the run's worker groups only."""
+
+    def __init__(self, groups: Collection[str]) -> None:
+        self.groups = frozenset(groups)
+
+    def __call__(self, sender: str, msg: Any) -> str | None:
+        if sender not in self.groups:
+            return f"{sender!r} is not a worker of this run"
+        return check_message(WORKER_KINDS, msg)
+
+
+def _check_value(port_type: Any, value: Any) -> str | None:
+    """A value must be of its port's declared type where that is a class or a union of classes
+    (``object`` takes anything; an int is a float; generic aliases are not checked here)."""
+    if port_type is object or not isinstance(port_type, (type, types.UnionType)):
+        return None
+    if type(value) is int and (port_type is float or (isinstance(port_type, types.UnionType) and float in port_type.__args__)):
+        return None
+    try:
+        if isinstance(value, port_type):
+            return None
+    except TypeError:  # a union holding a generic alias
+        return None
+    name = getattr(port_type, "__name__", None) or repr(port_type)
+    return f"the port takes {name}, got {_show(value)}"
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"

@@ -1,0 +1,256 @@
+"""Hostile peers on real endpoints: protocol messages that decode but are wrong, senders that say
+hello and leave, identities taken over, peers that vanish mid-handshake.
+
+Each test is a regression for the hardening issue: before the fix, a decodable but invalid message
+reached the worker's or coordinator's handling and killed the process; hello-and-go peers grew the
+sender table without bound; a connection under a live peer's name took its identity over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import pytest_asyncio
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reactor._protocol import (
+    COORDINATOR_KINDS,
+    PEER_KINDS,
+    WORKER_KINDS,
+    CoordinatorProtocol,
+    WorkerProtocol,
+    check_message,
+)
+from reactor.transport import Endpoint
+from reactor.transport.codec import encode
+
+WAIT_S = 5.0
+ROOT = Path(__file__).resolve().parents[2]
+
+# ------------------------------------------------------------------------------ fuzzed messages
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(allow_nan=True),
+    st.text(max_size=12), st.binary(max_size=12),
+)
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                       max_leaves=12)
+ALL_KINDS = sorted({*PEER_KINDS, *COORDINATOR_KINDS, *WORKER_KINDS})
+
+
+@st.composite
+def protocol_messages(draw):
+    """Any kind of the launch protocol (or a stranger one) with fuzzed fields and field counts."""
+    kind = draw(st.one_of(st.sampled_from(ALL_KINDS), _scalars))
+    n = draw(st.integers(0, 7))
+    fields = draw(st.lists(_values, min_size=n, max_size=n))
+    shape = draw(st.sampled_from(["list", "tuple", "bare"]))
+    if shape == "bare":
+        return draw(_values)
+    msg = [kind, *fields]
+    return tuple(msg) if shape == "tuple" else msg
+
+
+def _conforms(kinds, msg) -> bool:
+    """An independent reading of the schemas: kind known, field count right, ints in range."""
+    if type(msg) not in (list, tuple) or not msg or type(msg[0]) is not str or msg[0] not in kinds:
+        return False
+    return len(msg) == 1 + len(kinds[msg[0]])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(msg=protocol_messages(), sender=st.sampled_from(["coordinator", "actor-0", "learner", "intruder"]))
+def test_the_schemas_never_raise_and_refuse_every_message_that_does_not_fit_its_kind(msg, sender):
+    worker = WorkerProtocol({0: ("actor-0", int), 1: ("learner", object)})
+    coordinator = CoordinatorProtocol(["actor-0", "learner"])
+    for check, kinds in ((worker, COORDINATOR_KINDS if sender == "coordinator" else PEER_KINDS),
+                         (coordinator, WORKER_KINDS)):
+        why = check(sender, msg)  # never raises
+        assert why is None or isinstance(why, str)
+        if why is None:
+            assert _conforms(kinds, msg), msg
+            assert check_message(kinds, msg) is None
+    if sender == "intruder":
+        assert worker(sender, msg) is not None and coordinator(sender, msg) is not None
+
+
+def test_each_kind_accepts_its_well_formed_message_and_names_what_is_wrong_otherwise():
+    w = WorkerProtocol({3: ("actor-0", int), 4: ("actor-1", float)})
+    assert w("actor-0", ("m", 3, 0, 10, 0, 7)) is None
+    assert w("actor-1", ("m", 4, 0, 10, 0, 7)) is None  # an int is a float
+    assert w("actor-0", ("p", 5, 0, -1, 0, 2)) is None
+    assert w("coordinator", ("peers", {"learner": "ipc:///x/learner"})) is None
+    assert w("coordinator", ("probe", 3)) is None
+    assert w("actor-0", ("m", 4, 0, 10, 0, 7.0)) == "link 4 belongs to 'actor-1', not to the sender"
+    assert w("actor-0", ("m", 9, 0, 10, 0, 7)) == "link 9 does not lead into this process"
+    assert w("actor-0", ("m", 3, 0, 10, 0, "x")) == "link 3: the port takes int, got str 'x'"
+    assert w("actor-0", ("m", -1, 0, 10, 0, 7)) == "'m' field 1: an int in [0, 2**63) expected, got int -1"
+    assert w("actor-0", ("m", 3, 0)) == "'m' has 5 fields, got 2"
+    assert w("actor-0", 5) == "a message is a non-empty array [kind, ...], got int 5"
+    assert w("actor-0", [None] * 6).startswith("unknown message kind NoneType None")
+    assert w("learner", ("m", 3, 0, 10, 0, 7)) == "'learner' sends on no link into this process"
+    assert w("actor-0", ("stop",)).startswith("unknown message kind str 'stop'")  # control only from the coordinator
+    c = CoordinatorProtocol(["actor-0"])
+    assert c("actor-0", ("status", -1, True, 0, 0)) is None
+    assert c("actor-0", ("hello", "ftp://x")) == "'hello' field 1: a tcp:// or ipc:// address expected, got str 'ftp://x'"
+    assert c("actor-0", ("done", {})).startswith("'done' field 1: a dict with exactly the fields")
+    assert c("mallory", ("stop_request",)) == "'mallory' is not a worker of this run"
+
+
+# ------------------------------------------------------------------------------ on real endpoints
+
+
+async def _readable(sock: zmq.Socket) -> None:
+    """Wait (without blocking the loop the endpoints run on) until a raw socket has a message."""
+    async with asyncio.timeout(WAIT_S):
+        while not sock.poll(0):
+            await asyncio.sleep(0.002)
+
+
+@pytest_asyncio.fixture
+async def endpoints():
+    opened = []
+
+    async def open_(name, **kw):
+        ep = await Endpoint.open(name, "tcp://127.0.0.1:*", **kw)
+        opened.append(ep)
+        return ep
+
+    yield open_
+    for ep in opened:
+        await ep.aclose()
+
+
+@pytest.mark.asyncio
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=st.lists(protocol_messages(), min_size=1, max_size=40))
+async def test_a_live_endpoint_drops_what_its_protocol_refuses_and_keeps_serving(bad):
+    """Fuzzed messages from a legitimate peer name (one batch per tick, and one by one) interleaved
+    with good ones: only the good ones arrive, in order; credit is returned for the dropped ones,
+    so a sender can go on past its window; the refusals are counted."""
+    proto = WorkerProtocol({0: ("actor-0", int)})
+    rx = await Endpoint.open("rx", "tcp://127.0.0.1:*", accept=proto, credit_window=8)
+    tx = await Endpoint.open("actor-0", "tcp://127.0.0.1:*")
+    try:
+        await tx.connect("rx", rx.address)
+        good = [("m", 0, i, i, 0, i) for i in range(3)]
+        expected_bad = sum(proto("actor-0", m) is not None for m in bad)
+        for i, m in enumerate(bad):
+            await tx.send("rx", m)
+            if i % 7 == 0:
+                await tx.send("rx", good[0])
+        for m in good[1:]:
+            await tx.send("rx", m)
+        got = []
+        want = sum(proto("actor-0", m) is None for m in bad) + len(bad[::7]) + 2
+        async with asyncio.timeout(WAIT_S):
+            while len(got) < want:
+                got += await rx.recv_batch()
+        assert [m for _, m in got][-2:] == [good[1], good[2]]
+        assert all(proto("actor-0", m) is None for _, m in got)
+        assert rx.statistics().dropped_invalid == expected_bad
+    finally:
+        await tx.aclose()
+        await rx.aclose()
+
+
+@pytest.mark.asyncio
+async def test_senders_that_say_hello_and_leave_are_forgotten(endpoints):
+    """300 connections each say hello under a new name and close: the sender table stays within
+    twice the live connections (it grew by one entry per name, forever, before)."""
+    server = await endpoints("server")
+    live = await endpoints("live")
+    await live.connect("server", server.address)
+    ctx = zmq.Context()
+    try:
+        for i in range(300):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.ROUTING_ID, f"ghost-{i}".encode())
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(server.address)
+            s.send_multipart([b"", msgpack.packb([1, 2, f"ghost-{i}"])])
+            await _readable(s)  # welcomed: the server has its entry
+            s.recv_multipart()
+            s.close()
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, b"last")
+        s.connect(server.address)
+        for _ in range(3):  # a few more hellos: the sweep runs when the table has doubled
+            s.send_multipart([b"", msgpack.packb([1, 2, "last"])])
+            await asyncio.sleep(0.05)
+        st_ = server.statistics()
+        assert st_.senders <= 2 * 2 + 64, st_
+        assert st_.senders_forgotten >= 300 - 64
+        s.close(linger=0)
+        await live.send("server", "still here")  # the live sender was kept
+        assert await server.recv_batch(timeout_s=WAIT_S) == [("live", "still here")]
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_second_connection_under_a_live_peers_name_cannot_take_it_over(endpoints):
+    server = await endpoints("server")
+    victim = await endpoints("victim")
+    await victim.connect("server", server.address)
+    ctx = zmq.Context()
+    try:
+        thief = ctx.socket(zmq.DEALER)
+        thief.setsockopt(zmq.ROUTING_ID, b"victim")
+        thief.connect(server.address)
+        thief.send_multipart([b"", msgpack.packb([1, 2, "victim"])])
+        thief.send_multipart(encode("forged"))
+        await asyncio.sleep(0.3)
+        assert not thief.poll(0)  # no welcome for the thief
+        async def send_all():  # past the window: the victim's credit and link are intact
+            for i in range(100):
+                await victim.send("server", i)
+
+        got = []
+        async with asyncio.timeout(WAIT_S):
+            sending = asyncio.ensure_future(send_all())
+            while len(got) < 100:
+                got += await server.recv_batch()
+            await sending
+        assert got == [("victim", i) for i in range(100)]
+        assert victim.lost_peers == frozenset()
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_killed_while_connected_is_reported_as_gone_not_as_a_security_failure(endpoints, tmp_path):
+    """Regression: a killed peer was reported as a CURVE handshake failure on a link without CURVE."""
+    bind = f"ipc://{tmp_path}/peer.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.transport._peer", "idle", json.dumps({"name": "peer", "bind": bind})],
+        cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        address = json.loads(proc.stdout.readline())["address"]
+        ep = await endpoints("watcher")
+        await ep.connect("peer", address)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert await ep.wait_peer_lost(timeout_s=WAIT_S) == "peer"
+        with pytest.raises(Exception) as info:
+            ep.send_nowait("peer", 1)
+        text = str(info.value)
+        assert "CURVE" not in text and "security" not in text, text
+        assert "closed" in text or "vanished" in text, text
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

@@ -109,7 +109,9 @@ async def run_processes(
                 "flow_limit": flow_limit,
                 "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             }
-            p = subprocess.Popen([sys.executable, "-m", "reactor._worker"], stdin=subprocess.PIPE)
+            # The group in the environment: `ps e`, and tests, tell the workers apart by it.
+            p = subprocess.Popen([sys.executable, "-m", "reactor._worker"], stdin=subprocess.PIPE,
+                                 env={**os.environ, "REACTOR_WORKER_GROUP": g.name})
             assert p.stdin is not None
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()

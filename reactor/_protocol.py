@@ -28,6 +28,8 @@ import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from ._tag import FOREVER_NS
+
 __all__ = ["COORDINATOR", "CoordinatorProtocol", "WorkerProtocol", "check_message"]
 
 COORDINATOR = "coordinator"
@@ -42,6 +44,20 @@ Check = Callable[[Any], str | None]  # None: fine; else what is wrong
 def _count(v: Any) -> str | None:
     if type(v) is not int or not 0 <= v <= _I64_MAX:
         return f"an int in [0, 2**63) expected, got {_show(v)}"
+    return None
+
+
+def _time(v: Any) -> str | None:
+    """A message's logical time: before NEVER (a message at or past it could never be delivered)."""
+    if type(v) is not int or not 0 <= v < FOREVER_NS:
+        return f"an int in [0, 2**62) expected, got {_show(v)}"
+    return None
+
+
+def _bound(v: Any) -> str | None:
+    """A promise's time: at most NEVER."""
+    if type(v) is not int or not 0 <= v <= FOREVER_NS:
+        return f"an int in [0, 2**62] expected, got {_show(v)}"
     return None
 
 
@@ -136,8 +152,8 @@ def _result(v: Any) -> str | None:
 
 #: kind -> the checks of the fields after the kind, in order.
 PEER_KINDS: dict[str, tuple[Check, ...]] = {
-    "m": (_count, _count, _count, _count, _any),
-    "p": (_count, _count, _dist, _count, _count),
+    "m": (_count, _count, _time, _count, _any),
+    "p": (_bound, _count, _dist, _count, _count),
 }
 COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
     "peers": (_address_book,),

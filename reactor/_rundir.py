@@ -2,7 +2,7 @@
 
 A coordinator keeps its run's ipc sockets (its own, each worker's, the shards' read servers) in one
 directory of mode 0700 under ``$REACTOR_RUNTIME_DIR`` (default: the system's temporary directory),
-named ``reactor-<run id>-<random>``. It writes ``owner.json`` there first: its pid, the pid's start
+named ``reactor-<random>``. It writes ``owner.json`` there first: its pid, the pid's start
 time and its pid namespace, so a later process can tell a live run's directory from one whose
 coordinator was killed (SIGKILL runs no cleanup). Every coordinator sweeps at start: directories of
 dead owners are removed, with the shared-memory segments whose owners are dead.
@@ -40,8 +40,8 @@ def open_run_dir(run_id: str) -> Path:
     """
     base = runtime_base()
     base.mkdir(parents=True, exist_ok=True)
-    # ipc paths are limited to ~107 bytes: keep the name short (the run id's tail is its counter).
-    path = base / f"{PREFIX}{run_id[-24:]}-{secrets.token_hex(3)}"
+    # ipc paths are limited to 107 bytes: the name stays short (the run id is in the owner record).
+    path = base / f"{PREFIX}{secrets.token_hex(4)}"
     path.mkdir(mode=0o700)
     pid, start, ns = process_identity()
     tmp = path / f".{OWNER_FILE}.tmp"

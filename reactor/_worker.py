@@ -137,6 +137,9 @@ class Worker:
         self.early: list[tuple[str, Any]] = []
         # Messages refused after the endpoint's schema check: a tag behind its sender's promise.
         self.refused_behind_promise = 0
+        # Deterministic mode: the latest unconditional promise of each peer, as soon as it is taken
+        # (the horizons catch up only at the next refresh, after the rest of the batch).
+        self.promised_by: dict[str, Tag] = {}
         # Deterministic loop: rounds of work, promises sent, rounds that blocked waiting for peers.
         self.loop_stats = {"rounds": 0, "promises": 0, "waits": 0}
 
@@ -340,19 +343,25 @@ class Worker:
         """Deliver checked messages (the endpoint applied the schemas: reactor/_protocol.py)."""
         h = self.host
         horizons = h.horizons if h.deterministic else None
+        promised_by = self.promised_by
         for peer, msg in batch:
             kind = msg[0]
             if kind == "m":
                 tag = Tag(msg[3], msg[4])
-                if horizons is not None and tag < horizons.get(peer, tag):
-                    # Promises and messages share one FIFO pipe, so a correct peer never sends this.
-                    self.refused_behind_promise += 1
-                    log.warning("%s: refused a message from %r on link %d at %s, behind its promise %s",
-                                self.group, peer, msg[1], tag, horizons[peer])
-                    continue
+                if horizons is not None:
+                    bound = max(horizons.get(peer, tag), promised_by.get(peer, tag))
+                    if tag < bound:
+                        # Promises and messages share one FIFO pipe: a correct peer never sends this.
+                        self.refused_behind_promise += 1
+                        log.warning("%s: refused a message from %r on link %d at %s, behind its promise %s",
+                                    self.group, peer, msg[1], tag, bound)
+                        continue
                 h.deliver_remote(msg[1], msg[2], tag, msg[5])
             elif kind == "p":
-                h.receive_promise(peer, Tag(msg[1], msg[2]), None if msg[3] < 0 else (msg[3], msg[4]), msg[5])
+                bound = Tag(msg[1], msg[2])
+                if msg[3] < 0:  # unconditional: nothing from this peer before `bound`, ever
+                    promised_by[peer] = max(bound, promised_by.get(peer, bound))
+                h.receive_promise(peer, bound, None if msg[3] < 0 else (msg[3], msg[4]), msg[5])
             elif peer == COORDINATOR:
                 self._on_control(msg)
             else:

@@ -130,7 +130,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"placement": result.placement, "stopped_by": result.stopped_by,
                           "events": dict(result.events), "digests": dict(result.digests),
-                          "processes": {k: dict(v) for k, v in result.processes.items()}}, indent=2))
+                          "processes": {k: dict(v) for k, v in result.processes.items()},
+                          "dropped": dict(result.dropped)}, indent=2))
     else:
         total = sum(result.events.values())
         print(f"run ended ({result.stopped_by}): {total} events in {len(result.events)} reactors, "

@@ -1,0 +1,292 @@
+"""Hostile frames into live multi-process runs, and processes killed in them.
+
+Real runs (``reactor run`` in a subprocess), real ipc sockets found in the run's private directory
+(``REACTOR_RUNTIME_DIR`` points it into the test's tmp_path), raw ZeroMQ attackers, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reactor._tag import FOREVER_NS
+from reactor.transport.codec import encode
+
+from .test_wire import protocol_messages
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = ROOT / "tests" / "apps"
+
+
+def _hello(name: str) -> bytes:
+    return msgpack.packb([1, 2, name])
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "REACTOR_RUNTIME_DIR": str(_rt(tmp_path)), "PYTHONPATH": str(ROOT)}
+
+
+def _rt(tmp_path: Path) -> Path:
+    """A short runtime directory for the test (ipc paths are limited to 107 bytes; pytest's tmp_path
+    is long): a symlink-free directory under /tmp, named after tmp_path, removed with it."""
+    link = tmp_path / "rt"
+    if not link.exists():
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        link.write_text(tempfile.mkdtemp(prefix="rxt-", dir="/tmp"))
+    return Path(link.read_text())
+
+
+@pytest.fixture(autouse=True)
+def _remove_runtime_dirs(tmp_path):
+    yield
+    for link in tmp_path.rglob("rt"):
+        shutil.rmtree(link.read_text(), ignore_errors=True)
+
+
+def _run(args: list[str], tmp_path: Path, **kw) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", *args], cwd=ROOT, env=_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    return _wait_for(lambda: next((p for p in _rt(tmp_path).glob("reactor-*") if (p / "coordinator").exists()), None),
+                     60, "the run directory")
+
+
+def _dealer(ctx: zmq.Context, address: str, name: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, name.encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 1000)
+    s.connect(address)
+    s.send_multipart([b"", _hello(name)])
+    return s
+
+
+def _welcomed(s: zmq.Socket, timeout_ms: int) -> bool:
+    if not s.poll(timeout_ms):
+        return False
+    frames = s.recv_multipart()
+    return len(frames) == 2 and msgpack.unpackb(frames[1])[0] == 2
+
+
+def _garbage(rng: random.Random) -> list[list[bytes]]:
+    """Frames that are not messages, messages that are not protocol, and frames too large."""
+    return [
+        [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64)))],
+        [b"\xc1" + bytes(rng.getrandbits(8) for _ in range(16))],  # a batch marker over garbage
+        [b"\xc1\x93\xc0\xc0\xc0"],  # a batch of three nils
+        *[encode(m) for m in (None, 5, [], ["m"], ["m", -1, 0, 0, 0, 0], ("p", 0, 0, 0, 0, 0),
+                              ("stop_request",), ("error", "forged"), ("done", {}), ("status", 0, True, 0, 0))],
+        [b"", b"\x00" * 5000],  # a control frame too large
+        [b"", msgpack.packb([3, -5, 2**40])],  # a credit grant into a ROUTER
+    ]
+
+
+def _digests(out: str) -> dict[str, str]:
+    return json.loads(out)["digests"]
+
+
+def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_from_a_finished_peer(tmp_path):
+    """The gated app under `processes`: while its gate holds the run, attackers hit every worker's
+    and the coordinator's socket (garbage, non-protocol messages, frames past the size bound,
+    identities taken from live peers), then a finished source's name is taken over and
+    hypothesis-fuzzed messages of every kind are sent under it (the link-ownership, schema and
+    promise checks are the only guard then). The run ends as an undisturbed run does: same
+    digests of every reactor, exit 0; the refusals are counted."""
+    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"), "--placement",
+                          "processes", "--digest", "--json"], cwd=ROOT, env=_env(tmp_path / "ref"),
+                         capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    expected = _digests(ref.stdout)
+
+    gate, ready = tmp_path / "open", tmp_path / "ready"
+    proc = _run([str(APPS / "gated.py"), "--placement", "processes", "--digest", "--json",
+                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path)
+    ctx = zmq.Context()
+    try:
+        _wait_for(ready.exists, 60, "the gate to start waiting")
+        run_dir = _run_dir(tmp_path)
+        sockets = {p.name: f"ipc://{p}" for p in run_dir.iterdir() if p.is_socket()}
+        assert {"coordinator", "gate", "sink", "source-0", "source-1"} <= set(sockets)
+        rng = random.Random(7)
+        live_names = {"coordinator": "gate", "gate": "coordinator", "sink": "gate", "source-0": "coordinator",
+                      "source-1": "coordinator"}
+        for target, address in sockets.items():
+            for name in ("intruder", live_names.get(target, "intruder")):
+                s = _dealer(ctx, address, name)
+                for frames in _garbage(rng):
+                    s.send_multipart(frames)
+                s.close(linger=2000)  # deliver them before closing
+        big = _dealer(ctx, sockets["gate"], "big")  # past max_message_nbytes: zmq drops the connection
+        big.send(b"\x00" * (64 * 2**20 + 1024))
+        big.close(linger=2000)
+
+        # Once source-1 is done it closes its link to the gate: its name is free there.
+        def take_over():
+            s = _dealer(ctx, sockets["gate"], "source-1")
+            if _welcomed(s, 200):
+                return s
+            s.close()
+            return None
+
+        thief = _wait_for(take_over, 30, "source-1 to finish and free its name at the gate")
+        forged = [("m", 0, 999, 5, 0, 1), ("m", 1, 999, 5, 0, 1), ("m", 2, 999, FOREVER_NS - 1, 0, 123),
+                  ("p", 0, 0, -1, 0, 0), ("m", 9999, 0, 0, 0, 0)]
+        for m in forged:
+            thief.send_multipart(encode(m))
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(msgs=st.lists(protocol_messages(), min_size=1, max_size=3))
+        def fuzz(msgs):
+            for m in msgs:
+                thief.send_multipart(encode(m))
+
+        fuzz()
+        thief.close(linger=2000)
+        time.sleep(0.3)
+        gate.touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ctx.destroy(linger=0)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["digests"] == expected
+    assert result["dropped"]["gate"] >= len(forged) + 300 // 2, result["dropped"]
+    assert result["dropped"]["coordinator"] > 0 and result["dropped"]["sink"] > 0, result["dropped"]
+    assert "refused a message from 'source-1'" in err or "refused a message from peer 'source-1'" in err
+    assert not list(_rt(tmp_path).glob("reactor-*")), "the run directory was left behind"
+
+
+def _children(pid: int) -> dict[str, int]:
+    """The worker processes of a coordinator: group -> pid (from REACTOR_WORKER_GROUP)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"REACTOR_WORKER_GROUP="):
+                    out[item.split(b"=", 1)[1].decode()] = int(child)
+    return out
+
+
+def _run_id(pid: int) -> str:
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(b"REACTOR_RUN_ID="):
+            return item.split(b"=", 1)[1].decode()
+    raise AssertionError("no REACTOR_RUN_ID in the worker's environment")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("app", "victim"), [
+    ("dqn_cartpole.py", "actor-1"),
+    ("dqn_cartpole.py", "learner"),
+    ("transformer_dqn_pocartpole.py", "replay-0"),  # windows: the shards' rings in shared memory
+])
+def test_a_worker_killed_at_a_random_moment_ends_the_run_with_its_name_and_leaves_nothing_behind(tmp_path, app,
+                                                                                              victim):
+    """A training app under `actors`, async: SIGKILL one worker at a seeded random moment of its
+    training. The run ends at once with an error that names the killed worker and the signal
+    first; no worker process, shared-memory segment of the run (a killed shard cannot unlink its
+    own) or run directory is left."""
+    rng = random.Random(sum(map(ord, victim)))
+    proc = _run([f"apps/{app}", "--placement", "actors", "--async", "--set", "live=False",
+                 "--set", f"run_dir={str(tmp_path / 'run')!r}", "--set", "max_env_steps=10_000_000",
+                 "--set", "target_return=1e9"], tmp_path)
+    try:
+        workers = _wait_for(lambda: (c := _children(proc.pid)) and len(c) == 5 and c, 240, "five workers")
+        run_id = _run_id(workers[victim])
+        _wait_for(lambda: (tmp_path / "run" / "metrics.csv").exists(), 240, "training to start")
+        time.sleep(rng.uniform(0.2, 3.0))
+        segments_before = [p.name for p in Path("/dev/shm").glob(f"rxb.{run_id}.*")]
+        os.kill(workers[victim], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert f"worker {victim!r} was killed by SIGKILL before the run ended" in err, err[-3000:]
+    assert "CURVE" not in err
+    _wait_for(lambda: not any(_alive(p) for p in workers.values()), 20, "every worker to be gone")
+    if victim.startswith("replay"):
+        assert segments_before, "the shards of a windows app keep their rings in shared memory"
+    assert not list(Path("/dev/shm").glob(f"rxb.{run_id}.*"))
+    assert not list(_rt(tmp_path).glob("reactor-*"))
+
+
+@pytest.mark.timeout(300)
+def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_path):
+    """SIGKILL of the coordinator runs no cleanup: its workers die with it (PR_SET_PDEATHSIG) but
+    its private ipc directory stays. The next multi-process run removes it (its owner is dead) and
+    leaves a live run's directory alone."""
+    ready = tmp_path / "ready"
+    first = _run([str(APPS / "forever.py"), "--placement", "processes", "--set", f"ready_file={str(ready)!r}"],
+                 tmp_path)
+    live = _run([str(APPS / "forever.py"), "--placement", "processes", "--set",
+                 f"ready_file={str(tmp_path / 'ready2')!r}"], tmp_path)
+    try:
+        _wait_for(lambda: ready.exists() and (tmp_path / "ready2").exists(), 60, "both runs to start")
+        dirs = _wait_for(lambda: (d := sorted(_rt(tmp_path).glob("reactor-*"))) and len(d) == 2 and d, 30,
+                         "two run directories")
+        owner = {json.loads((d / "owner.json").read_text())["pid"]: d for d in dirs}
+        os.kill(first.pid, signal.SIGKILL)
+        first.communicate(timeout=30)
+        stale = owner[first.pid]
+        assert stale.exists()
+        done = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"),
+                               "--placement", "processes"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert not stale.exists()
+        assert owner[live.pid].exists()  # a live run's directory is left alone
+        assert f"removed the run directory {stale} of a dead coordinator" in done.stderr
+    finally:
+        for p in (first, live):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.communicate()

@@ -587,6 +587,9 @@ class Replay(Reactor):
             if n == 0:  # a one-round sample that drew no item here: just the current figures, now
                 self._send_figures(req)
                 return True
+            if n > table.max_sample:
+                self._refuse(req, f"SampleRequest.n={n} is out of range: at most {table.max_sample}")
+                return True
             if not limiter.can_sample(n, len(table)):
                 return False
             mass, min_mass = _sampler_mass(self._sampler)

@@ -4,6 +4,7 @@ Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_l
 ``from reactor.replay import Table`` needs nothing of the reactor runtime.
 """
 
+from .checkpoint import CheckpointCorruptError as CheckpointCorruptError
 from .rate_limiters import MinSize as MinSize
 from .rate_limiters import Queue as Queue
 from .rate_limiters import RateLimiter as RateLimiter

@@ -32,3 +32,5 @@ from .table import Table as Table
 from .table import TableStatistics as TableStatistics
 from .table import TransitionRead as TransitionRead
 from .table import WindowRead as WindowRead
+from .wal import WriteAheadLog as WriteAheadLog
+from .wal import read_wal as read_wal

@@ -658,6 +658,26 @@ class Table:
                 raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
             return self._apply_insert(validated, plan, prio, mask, n, prepared)
 
+    def redo_insert(
+        self,
+        steps: Mapping[str, Any],
+        priorities: Any = None,
+        *,
+        episode_end: bool | np.ndarray | Sequence[bool] = True,
+        item_mask: Any = None,
+    ) -> torch.Tensor:
+        """Insert as :meth:`insert_nowait` does, but without asking the rate limiter (it admitted the
+        original insert): for redoing a write-ahead log after a restore. The limiter still counts it.
+
+        Raises:
+            As :meth:`insert_nowait`, except WouldBlock.
+        """
+        with self._lock:
+            validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+            prepared = self._prepare_priorities(prio, self._insert_keys(mask))
+            plan = self._storage.plan_append(validated[0], episode_end)
+            return self._apply_insert(validated, plan, prio, mask, n, prepared)
+
     async def insert(
         self,
         steps: Mapping[str, Any],

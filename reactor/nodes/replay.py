@@ -97,7 +97,7 @@ from ..replay import (
     expand_window_spans,
 )
 from ..replay.checkpoint import CheckpointCancelled
-from ..replay.wal import WriteAheadLog, read_wal
+from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from .messages import (
@@ -527,18 +527,8 @@ class Replay(Reactor):
             log.info("%s restored %d items from %s", self.name, len(table), path)
         elif refusals:
             log.error("%s: no checkpoint in %s verifies; the shard starts empty", self.name, root)
-        redone = steps_redone = 0
         if self.wal:
-            for rec in read_wal(root / "wal", storage.step_range[1]):
-                try:
-                    table.redo_insert(rec.fields, rec.priorities, episode_end=rec.episode_end,
-                                      item_mask=rec.item_mask)
-                except (KeyError, TypeError, ValueError) as e:
-                    log.error("%s: write-ahead log record at step %d does not fit the table (%s); it and the "
-                              "records after it are not redone", self.name, rec.first_step, e)
-                    break
-                redone += 1
-                steps_redone += rec.num_steps
+            redone, steps_redone = redo_wal(table, root / "wal")
             if redone:
                 self._restored_from = self._restored_from or str(root / "wal")
                 log.info("%s redid %d logged inserts (%d steps) past the checkpoint", self.name, redone,
@@ -901,9 +891,11 @@ class Replay(Reactor):
         if self._saving is not None and not self._saving.done():
             if final and self._saving_at[0] != self.table.generation:
                 self._cancel_save.set()  # stale: the final checkpoint replaces it (stops within a chunk)
-            self._collect_save(timeout_s=None)  # a current one is the final checkpoint: let it finish
+            self._collect_save(timeout_s=120.0)  # a current one is the final checkpoint: let it finish
         self._collect_save()
-        if final and self.table.generation != self._saved_generation:
+        if self._saving is not None:  # a disk stalled for minutes: a second saver would race the first
+            log.error("%s: a checkpoint is still being written after 120 s; no final checkpoint", self.name)
+        elif final and self.table.generation != self._saved_generation:
             self.table.save(self.checkpoint_dir, keep=self.keep_checkpoints)  # type: ignore[arg-type]
             self._counts["checkpoints"] += 1
             self._saved_generation = self.table.generation

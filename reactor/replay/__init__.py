@@ -34,3 +34,4 @@ from .table import TransitionRead as TransitionRead
 from .table import WindowRead as WindowRead
 from .wal import WriteAheadLog as WriteAheadLog
 from .wal import read_wal as read_wal
+from .wal import redo_wal as redo_wal

@@ -41,7 +41,7 @@ import msgpack
 import numpy as np
 import torch
 
-__all__ = ["WalRecord", "WriteAheadLog", "read_wal"]
+__all__ = ["WalRecord", "WriteAheadLog", "read_wal", "redo_wal"]
 
 log = logging.getLogger("reactor.replay")
 
@@ -285,3 +285,25 @@ def read_wal(path: str | os.PathLike[str], from_step: int) -> Iterator[WalRecord
                 return
             yield rec
             expected = rec.first_step + rec.num_steps
+
+
+def redo_wal(table: Any, path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Redo the logged inserts ``table`` does not hold (those from its storage's next step on), in order.
+
+    Each goes through ``Table.redo_insert`` (the rate limiter admitted the original). A record the
+    table refuses (a log from another configuration) stops the redo, logged.
+
+    Returns:
+        ``(records, steps)`` redone.
+    """
+    records = steps = 0
+    for rec in read_wal(path, table.storage.step_range[1]):
+        try:
+            table.redo_insert(rec.fields, rec.priorities, episode_end=rec.episode_end, item_mask=rec.item_mask)
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("write-ahead log %s: the record at step %d does not fit table %r (%s); it and the records "
+                      "after it are not redone", path, rec.first_step, table.name, e)
+            break
+        records += 1
+        steps += rec.num_steps
+    return records, steps

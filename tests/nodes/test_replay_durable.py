@@ -46,11 +46,11 @@ class Driver(Reactor):
         pass
 
 
-def _graph(run_dir, late_ms: int) -> Graph:
+def _graph(run_dir, late_ms: int, **replay) -> Graph:
     g = Graph()
     d = g.add(Driver(late_ms), name="driver")
-    r = g.add(Replay([("x", (), "int64")], 64, run_dir=str(run_dir), checkpoint_period_s=5e-3,
-                     checkpoint_on_shutdown=True, keep_checkpoints=100), name="replay", replicas=1)
+    kw = {"checkpoint_period_s": 5e-3, "checkpoint_on_shutdown": True, "keep_checkpoints": 100, **replay}
+    r = g.add(Replay([("x", (), "int64")], 64, run_dir=str(run_dir), **kw), name="replay", replicas=1)
     g.connect(d.steps, r.steps, key=shard_key)
     g.connect(d.requests, r.requests, key=shard_key)
     g.connect(r.replies, d.replies, key=requester_key, delay_s=1e-6)
@@ -106,3 +106,15 @@ def test_table_generation_moves_with_every_change_of_the_checkpointed_state(tmp_
     assert moved()
     t.reset()
     assert moved()
+
+
+def test_a_shard_with_a_write_ahead_log_redoes_its_acknowledged_inserts_on_restore(tmp_path):
+    """No checkpoint at all (as if the process died before its first): the second run's shard starts
+    with the first run's 12 logged steps, redone from the log, then adds its own."""
+    run(_graph(tmp_path, -1, checkpoint_period_s=None, checkpoint_on_shutdown=False, wal=True))
+    assert complete_checkpoints(tmp_path / "replay") == []
+    assert [p.name for p in (tmp_path / "replay" / "wal").iterdir()] == ["wal-0000000000000000.log"]
+    run(_graph(tmp_path, -1, checkpoint_period_s=None, wal=True))
+    t = Table.load(tmp_path / "replay")
+    x = t.state_dict()["storage"]["fields"]["x"]
+    assert x.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4 + [1] * 4 + [2] * 4

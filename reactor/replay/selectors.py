@@ -326,29 +326,35 @@ class Prioritized(Selector):
         return np.power(p, self.alpha)
 
     def prepare(self, priorities: np.ndarray) -> Any:
-        """``p**alpha`` of ``priorities``, checked: each finite, and their sum on top of the tree's
-        total finite (a tree whose total is ``inf`` can never be sampled again)."""
+        """``(p**alpha, its sum)`` of ``priorities``, checked: each finite, and their sum on top of the
+        tree's total finite (a tree whose total is ``inf`` can never be sampled again)."""
         self._bound()
         scaled = self._scaled(priorities)
         try:
-            self._tree.check_total(scaled)
+            psum = self._tree.check_total(scaled)
         except PriorityOverflowError as e:
             i = e.position
             why = (f"{float(priorities[i])!r} ** alpha={self.alpha} overflows float64"
                    if not np.isfinite(scaled[i]) else f"priorities ** alpha={self.alpha}: {e.why}")
             raise PriorityOverflowError(f"Prioritized: priority at position {i}: {why}", i, why) from None
-        return scaled
+        return scaled, psum
 
     def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
-        self._tree.update(slots, self._scaled(priorities) if prepared is None else prepared, lazy=True)
+        if prepared is None:
+            self._tree.update(slots, self._scaled(priorities), lazy=True)
+        else:
+            self._tree.update_checked(slots, prepared[0], prepared[1], lazy=True)
         self._size += slots.shape[0] - int(np.count_nonzero(self._present[slots]))
         self._present[slots] = True
 
     def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
-        self._tree.update(slots, self._scaled(priorities) if prepared is None else prepared)
+        if prepared is None:
+            self._tree.update(slots, self._scaled(priorities))
+        else:
+            self._tree.update_checked(slots, prepared[0], prepared[1])
 
     def delete(self, slots: np.ndarray) -> None:
         self._bound()

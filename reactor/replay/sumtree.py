@@ -61,6 +61,8 @@ __all__ = ["DEFAULT_ARITY", "PriorityOverflowError", "SumTree"]
 DEFAULT_ARITY = 8
 
 _INF = math.inf
+_NO_INDICES = np.empty(0, dtype=np.int64)
+_NO_PRIORITIES = np.empty(0, dtype=np.float64)
 
 
 class PriorityOverflowError(ValueError):
@@ -505,7 +507,35 @@ class SumTree:
             "the total must stay finite (float64)", k, why,
         )
 
-    def check_total(self, priorities: Any) -> None:
+    def update_checked(self, indices: np.ndarray, priorities: np.ndarray, psum: float, *, lazy: bool = False) -> None:
+        """:meth:`update` for priorities that :meth:`check_total` accepted (numba backend): ``priorities``
+        is the float64 array it checked, unchanged, and ``psum`` what it returned. Skips the second
+        pass over the priorities; the indices are still checked, and the total's bound still applied.
+
+        Raises:
+            ValueError: as :meth:`update`; the tree is left unchanged.
+        """
+        if self._backend != "numba":
+            self.update(indices, priorities, lazy=lazy)
+            return
+        with self._lock:
+            idx = indices
+            if not (type(idx) is np.ndarray and idx.dtype == np.int64 and idx.flags.c_contiguous):
+                idx = _as_numpy(indices, np.int64, "indices")
+            if idx.ndim != 1 or idx.shape != priorities.shape:
+                raise ValueError(
+                    f"SumTree.update_checked: {idx.shape} indices but {priorities.shape} priorities; pass one per index"
+                )
+            bad = int(_nb_check(idx, _NO_PRIORITIES, self._capacity, self._sum_out))
+            if bad >= 0:
+                self._raise_index(int(idx[bad]), bad)
+            self._bound = self._headroom(psum, priorities)
+            self._pending_idx.append(idx.copy() if lazy else idx)
+            self._pending_prio.append(priorities.copy() if lazy else priorities)
+            if not lazy:
+                self._flush()
+
+    def check_total(self, priorities: Any) -> float:
         """Raise :class:`PriorityOverflowError` if :meth:`update` with ``priorities`` would be refused
         for a value that is not finite (or negative) or for making the total overflow; otherwise
         change nothing.
@@ -516,8 +546,10 @@ class SumTree:
         """
         with self._lock:
             if self._backend == "numba":
-                prio = _as_numpy(priorities, np.float64, "priorities")
-                bad = int(_nb_check(np.empty(0, np.int64), prio, self._capacity, self._sum_out))
+                prio = priorities
+                if not (type(prio) is np.ndarray and prio.dtype == np.float64 and prio.flags.c_contiguous):
+                    prio = _as_numpy(priorities, np.float64, "priorities")
+                bad = int(_nb_check(_NO_INDICES, prio, self._capacity, self._sum_out))
                 psum = float(self._sum_out[0])
             else:
                 prio = _as_tensor(priorities, torch.float64, self._device, "priorities")
@@ -528,6 +560,7 @@ class SumTree:
                 why = f"{float(prio[bad])!r} is not a finite priority >= 0"
                 raise PriorityOverflowError(f"SumTree priority at position {bad}: {why}", bad, why)
             self._headroom(psum, prio)
+            return psum
 
     def _raise_index(self, value: int, position: int) -> None:
         raise ValueError(

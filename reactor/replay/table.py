@@ -614,9 +614,8 @@ class Table:
             ) from None
 
     def _insert_keys(self, mask: np.ndarray | None) -> Any:
-        """The key the ``i``-th item of the next insert will get (for messages)."""
-        first = self._storage.step_range[1]
-        return lambda i: first + (i if mask is None else int(np.flatnonzero(mask)[i]))
+        """The key the ``i``-th item of the next insert will get (for messages; read only on error)."""
+        return lambda i: self._storage.step_range[1] + (i if mask is None else int(np.flatnonzero(mask)[i]))
 
     def insert_nowait(
         self,

@@ -11,7 +11,7 @@ For each: the median time of ``Table.insert_nowait`` alone; of the insert plus `
 O_APPEND file on the same filesystem. Reported as inserted steps/s and the ratio with/without log.
 Batches are interleaved (without, with, raw) so drift hits all three alike.
 
-Run:  OMP_NUM_THREADS=1 python benchmarks/bench_wal.py [--dir DIR] [--reps 9] [--batches 50]
+Run:  OMP_NUM_THREADS=1 python benchmarks/bench_wal.py [--dir DIR] [--reps 5] [--batches 200]
 (``--dir``: where the log goes; default a temporary directory under $TMPDIR. fsync cost is the disk's.)
 """
 
@@ -109,8 +109,8 @@ def bench(kind: str, directory: Path, reps: int, batches: int) -> dict[str, floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory for the log (default: a temporary one)")
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--batches", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=200)
     args = ap.parse_args()
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_wal-"))
     directory.mkdir(parents=True, exist_ok=True)

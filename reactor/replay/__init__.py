@@ -1,6 +1,7 @@
 """Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime.
 
-Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_limiters, checkpoint}.
+Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_limiters, checkpoint}; wal
+(the insert log a shard keeps beside its checkpoints) stands apart.
 ``from reactor.replay import Table`` needs nothing of the reactor runtime.
 """
 

@@ -56,7 +56,14 @@ class Config:
     checkpoint_every: int = 0
     """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
     resume: bool = False
-    """Start the learner from run_dir/learner.pt when it exists (give the old run's run_dir)."""
+    """Start the learner from run_dir/learner.pt and the replay shards from their checkpoints when they
+    exist (give the old run's run_dir)."""
+    replay_checkpoint_period_s: float | None = 0.1
+    """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
+    100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
+    replay_wal: bool = False
+    """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
+    (the default loses the inserts since its last checkpoint)."""
     live: bool = True
     """Show live progress."""
 
@@ -70,5 +77,6 @@ def build(config: Config) -> Graph:
         samples_per_insert=config.samples_per_insert, batch_size=config.batch_size,
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
         max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every, resume=config.resume,
+        replay_checkpoint_period_s=config.replay_checkpoint_period_s, replay_wal=config.replay_wal,
         live=config.live, title="DQN CartPole-v1",
     )

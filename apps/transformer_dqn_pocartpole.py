@@ -47,6 +47,12 @@ class Config:
     """Overrides of reactor.algos.transformer_dqn.Config, e.g. --set "algo_config={'window': 4}"."""
     run_dir: str = ""
     """Where logs, checkpoints and the plot go (default runs/transformer_dqn_pocartpole-RUN_ID)."""
+    replay_checkpoint_period_s: float | None = 0.1
+    """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
+    100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
+    replay_wal: bool = False
+    """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
+    (the default loses the inserts since its last checkpoint)."""
     live: bool = True
     """Show live progress."""
 
@@ -59,5 +65,6 @@ def build(config: Config) -> Graph:
         learners=config.learners, capacity=config.capacity, min_size=config.min_size,
         samples_per_insert=config.samples_per_insert, batch_size=config.batch_size,
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
-        max_env_steps=config.max_env_steps, live=config.live, title="Transformer DQN CartPoleNoVel-v1",
+        max_env_steps=config.max_env_steps, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
+        replay_wal=config.replay_wal, live=config.live, title="Transformer DQN CartPoleNoVel-v1",
     )

@@ -33,9 +33,24 @@ client draws counts from the generator it is given (the learner's ``self.rng``).
 under ``single`` and ``processes`` gives identical samples.
 
 **Checkpoints.** With ``run_dir``, a shard checkpoints its table into ``run_dir/<name>`` (e.g.
-``replay-2``) every ``checkpoint_period_s`` of logical time and on a :class:`CheckpointRequest`,
-writing in a background thread (``Table.save_in_background``: the lock is held only for the
-memory copy). On start it restores from the newest complete checkpoint there, if any.
+``replay-2``), writing in a background thread (``Table.save_in_background``: the lock is held only
+for the memory copy): on a :class:`CheckpointRequest`; periodically, at the first change of the
+table at or after each multiple of ``checkpoint_period_s`` of logical time (checked in the reactions
+that change it, so nothing is scheduled and a period never keeps a run alive; a table that has not
+changed since its last checkpoint, by ``Table.generation``, is not written again); and, with
+``checkpoint_on_shutdown``, once more when the run ends if it changed since. One save at a time: a
+due checkpoint waits while the previous one is written. At shutdown a save in progress that does
+not hold the latest state is cancelled (it stops within one 16 MiB chunk) and the final one is
+written instead. On start (``restore``) the shard loads the newest checkpoint that verifies
+(checksums and invariants, ``Table.restore``), falling back to older ones, or starts empty; every
+refused checkpoint is logged.
+
+**What survives a crash.** Without a write-ahead log, inserts (and samples, priority updates,
+deletes) since the last complete checkpoint are lost when the shard's process dies. With ``wal``,
+each Steps message is appended to ``run_dir/<name>/wal/`` and fsynced before its ``InsertAck`` is
+sent, and a restore redoes the logged inserts the checkpoint does not hold
+(:mod:`reactor.replay.wal`): no acknowledged insert is lost on kill -9; samples, priority updates
+and deletes since the checkpoint still are (redone items carry their insert-time priorities).
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ import concurrent.futures
 import logging
 import math
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -80,7 +96,8 @@ from ..replay import (
     WindowRead,
     expand_window_spans,
 )
-from ..replay.checkpoint import latest_checkpoint
+from ..replay.checkpoint import CheckpointCancelled
+from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from .messages import (
@@ -288,12 +305,19 @@ class Replay(Reactor):
         max_times_sampled: drop an item after this many samples (0: never).
         beta: importance-weight exponent reported to clients.
         run_dir: directory for checkpoints (``run_dir/<name>``); None disables them.
-        checkpoint_period_s: checkpoint every this many seconds of logical time (needs ``run_dir``;
-            keeps the run alive: use with a stop time).
-        statistics_period_s: publish statistics this often (None: only on request).
+        checkpoint_period_s: checkpoint at the first table change at or after every multiple of this
+            many seconds of logical time (needs ``run_dir``; unchanged tables are not rewritten;
+            nothing is scheduled, so it never keeps a run alive).
+        statistics_period_s: publish statistics this often (None: only on request; keeps the run
+            alive: use with a stop time).
         keep_checkpoints: complete checkpoints kept per shard.
-        restore: on start, restore from the newest complete checkpoint in ``run_dir/<name>``.
-        checkpoint_on_shutdown: write a last checkpoint (synchronously) when the run ends.
+        restore: on start, restore from the newest checkpoint in ``run_dir/<name>`` that verifies
+            (older ones if it does not; empty if none does), then redo the write-ahead log.
+        checkpoint_on_shutdown: when the run ends, write a last checkpoint (synchronously) if the
+            table changed since the last one.
+        wal: log every Steps message in ``run_dir/<name>/wal/`` (fsynced) before acknowledging it, so
+            a restore loses no acknowledged insert (needs ``run_dir``; costs an fsync per message:
+            docs/benchmarks.md).
         bulk: keep the storage in shared memory and answer requesters on this host with the rows
             to gather themselves (WindowRead and StepRead tables): the shard never copies the
             windows. None (default): on in async runs where shared memory works, off in
@@ -357,6 +381,7 @@ class Replay(Reactor):
         keep_checkpoints: int = 3,
         restore: bool = True,
         checkpoint_on_shutdown: bool = False,
+        wal: bool = False,
         bulk: bool | None = None,
         memory: str = "host",
         remote_reads: str = "auto",
@@ -396,6 +421,11 @@ class Replay(Reactor):
                 raise ValueError(f"Replay {what} must be > 0 or None, got {period!r}")
         if checkpoint_period_s is not None and run_dir is None:
             raise ValueError("Replay checkpoint_period_s needs run_dir (where checkpoints go)")
+        if wal not in (True, False):
+            raise ValueError(f"Replay wal must be True or False, got {wal!r}")
+        if wal and run_dir is None:
+            raise ValueError("Replay wal=True needs run_dir (where the log goes)")
+        self.wal = wal
         self.run_dir = run_dir
         self.checkpoint_period_s = checkpoint_period_s
         self.statistics_period_s = statistics_period_s
@@ -457,27 +487,56 @@ class Replay(Reactor):
         self._parked_steps: deque[Steps] = deque()
         self._counts = {"rejected_steps": 0, "checkpoints": 0}
         self._saving: concurrent.futures.Future[Path] | None = None
+        self._saving_at = (0, 0)  # (table generation, storage next step) of the save in progress
+        self._cancel_save = threading.Event()
+        self._saved_generation: int | None = None  # the table generation the newest checkpoint holds
+        self._wal: WriteAheadLog | None = None
+        self._wal_marks: deque[int] = deque(maxlen=self.keep_checkpoints)  # next steps of kept checkpoints
         self._restored_from = ""
         self.checkpoint_dir = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
         if self.checkpoint_dir is not None and self.restore:
-            latest = latest_checkpoint(self.checkpoint_dir)
-            if latest is not None:
-                loaded = Table.load(latest)
-                self.table.load_state_dict(loaded.state_dict())
-                del loaded
-                self._restored_from = str(latest)
-                if self._versions is not None:
-                    lo, hi = storage.step_range
-                    steps = np.arange(lo, hi, dtype=np.int64)
-                    _bulk.seqlock_end(self._versions, steps % storage.capacity, steps)
-                log.info("%s restored %d items from %s", self.name, len(self.table), latest)
-        periods = [p for p in (self.checkpoint_period_s, self.statistics_period_s) if p is not None]
-        if periods:
-            self._tick_s = min(periods)
-            self._next_ckpt = self.checkpoint_period_s
+            self._restore(storage)
+        if self.wal and self.checkpoint_dir is not None:
+            wal_dir = self.checkpoint_dir / "wal"
+            if not self.restore and wal_dir.is_dir():  # a fresh table: an old log is not its history
+                for seg in wal_dir.glob("wal-*.log"):
+                    seg.unlink()
+            self._wal = WriteAheadLog(wal_dir, storage.step_range[1])
+        self._period_ns = None if self.checkpoint_period_s is None else max(1, round(self.checkpoint_period_s * 1e9))
+        self._next_ckpt_ns = self._period_ns
+        if self.statistics_period_s is not None:
+            self._tick_s = self.statistics_period_s
             self._next_stats = self.statistics_period_s
             self._now_s = 0.0
             self.tick.schedule(delay_s=self._tick_s)
+
+    def _restore(self, storage: Storage) -> None:
+        """Load the newest checkpoint that verifies (older ones if it does not), then redo the
+        write-ahead log past it."""
+        table, root = self.table, self.checkpoint_dir
+        assert table is not None and root is not None
+        loaded, path, refusals = Table.restore(root)
+        for why in refusals:
+            log.error("%s: %s; trying an older checkpoint", self.name, why)
+        if loaded is not None:
+            table.load_state_dict(loaded.state_dict())
+            del loaded
+            self._restored_from = str(path)
+            self._saved_generation = table.generation
+            self._wal_marks.append(storage.step_range[1])
+            log.info("%s restored %d items from %s", self.name, len(table), path)
+        elif refusals:
+            log.error("%s: no checkpoint in %s verifies; the shard starts empty", self.name, root)
+        if self.wal:
+            redone, steps_redone = redo_wal(table, root / "wal")
+            if redone:
+                self._restored_from = self._restored_from or str(root / "wal")
+                log.info("%s redid %d logged inserts (%d steps) past the checkpoint", self.name, redone,
+                         steps_redone)
+        if self._versions is not None:
+            lo, hi = storage.step_range
+            steps = np.arange(lo, hi, dtype=np.int64)
+            _bulk.seqlock_end(self._versions, steps % storage.capacity, steps)
 
     # ---------------------------------------------------------------- inserts
 
@@ -491,6 +550,7 @@ class Replay(Reactor):
             return
         if self._insert(steps):
             self._progress()
+            self._checkpoint_if_due()
         else:
             self._parked_steps.append(steps)
 
@@ -530,11 +590,15 @@ class Replay(Reactor):
                     f"writers, so episodes may not stay open between messages); got {ends.dtype} {ends.shape}"
                     + (f" ending in {bool(ends[-1])}" if ends.ndim == 1 and len(ends) else "")
                 )
+            first = self.table.storage.step_range[1]
             self._insert_versioned(steps, ends)
         except WouldBlock:
             return False
         except (KeyError, TypeError, ValueError) as e:
             self._reject(steps, str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+            return True
+        if self._wal is not None:  # on stable storage before the InsertAck (an OSError fails the shard)
+            self._wal.append(first, steps.fields, steps.priorities, ends, steps.item_mask)
         return True
 
     def _insert_versioned(self, steps: Steps, ends: np.ndarray) -> None:
@@ -565,6 +629,7 @@ class Replay(Reactor):
     def serve_request(self, requests: ReplayRequest) -> None:
         if not self._serve(requests):
             self._parked_requests.append(requests)
+        self._checkpoint_if_due()
 
     def _serve(self, req: ReplayRequest) -> bool:
         """Answer ``req`` now if the rate limiter allows; False to park it."""
@@ -586,6 +651,9 @@ class Replay(Reactor):
                 return True
             if n == 0:  # a one-round sample that drew no item here: just the current figures, now
                 self._send_figures(req)
+                return True
+            if n > table.max_sample:
+                self._refuse(req, f"SampleRequest.n={n} is out of range: at most {table.max_sample}")
                 return True
             if not limiter.can_sample(n, len(table)):
                 return False
@@ -705,6 +773,7 @@ class Replay(Reactor):
                 raise TypeError(f"unknown update type {type(updates).__name__}")
         except (KeyError, TypeError, ValueError) as e:
             log.error("%s refused %s: %s; nothing was changed", self.name, type(updates).__name__, e)
+        self._checkpoint_if_due()
 
     # ---------------------------------------------------------------- control, checkpoints, statistics
 
@@ -721,27 +790,53 @@ class Replay(Reactor):
     def periodic(self) -> None:
         self._now_s += self._tick_s
         eps = 1e-9
-        if self._next_ckpt is not None and self._now_s + eps >= self._next_ckpt:
-            self._next_ckpt += self.checkpoint_period_s
-            self.checkpoint()
-        if self._next_stats is not None and self._now_s + eps >= self._next_stats:
+        if self._now_s + eps >= self._next_stats:
             self._next_stats += self.statistics_period_s
             self.statistics.send(self.shard_statistics())
         self.tick.schedule(delay_s=self._tick_s)
 
-    def checkpoint(self) -> concurrent.futures.Future[Path] | None:
-        """Start a background checkpoint now; None if one is still being written or there is no run_dir.
+    def _checkpoint_if_due(self) -> None:
+        """The periodic checkpoint: at the first change at or after each multiple of the period.
+
+        Called at the end of the reactions that change the table, so nothing is scheduled for it
+        (a pending timer would keep a finished run alive). Skipped while the previous save is
+        still being written (the next change asks again) and when the table has not changed.
+        """
+        due = self._next_ckpt_ns
+        if due is None or self.tag.time_ns < due:
+            return
+        self._collect_save()
+        if self._saving is not None:
+            return
+        assert self._period_ns is not None
+        self._next_ckpt_ns = (self.tag.time_ns // self._period_ns + 1) * self._period_ns
+        self.checkpoint(only_if_changed=True)
+
+    def checkpoint(self, *, only_if_changed: bool = False) -> concurrent.futures.Future[Path] | None:
+        """Start a background checkpoint now; None if one is still being written, if there is no
+        run_dir, or (``only_if_changed``) if the table has not changed since the newest checkpoint.
 
         The snapshot is taken before this returns (short, under the table lock); the files are
-        written by a thread, atomically (see ``reactor.replay.checkpoint``).
+        written by a thread, atomically (see ``reactor.replay.checkpoint``). With a write-ahead log,
+        appends go to a new segment from the snapshot on; older segments are dropped once every
+        kept checkpoint holds them.
         """
         if self.checkpoint_dir is None or self.table is None:
             return None
-        if self._saving is not None and not self._saving.done():
+        self._collect_save()
+        if self._saving is not None:
             log.warning("%s: checkpoint skipped, the previous one is still being written", self.name)
             return None
-        self._collect_save()
-        self._saving = self.table.save_in_background(self.checkpoint_dir, keep=self.keep_checkpoints)
+        generation = self.table.generation
+        if only_if_changed and generation == self._saved_generation:
+            return None
+        next_step = self.table.storage.step_range[1]
+        if self._wal is not None:
+            self._wal.rotate(next_step)
+        self._cancel_save = threading.Event()
+        self._saving_at = (generation, next_step)
+        self._saving = self.table.save_in_background(self.checkpoint_dir, keep=self.keep_checkpoints,
+                                                     cancel=self._cancel_save)
         return self._saving
 
     def _collect_save(self, timeout_s: float | None = 0.0) -> None:
@@ -752,10 +847,16 @@ class Replay(Reactor):
             fut.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             return
+        except CheckpointCancelled:
+            log.info("%s: a checkpoint in progress was cancelled at shutdown", self.name)
         except Exception:
             log.exception("%s: checkpoint failed", self.name)
         else:
             self._counts["checkpoints"] += 1
+            self._saved_generation, next_step = self._saving_at
+            self._wal_marks.append(next_step)
+            if self._wal is not None and len(self._wal_marks) == self._wal_marks.maxlen:
+                self._wal.drop_before(self._wal_marks[0])  # the oldest kept checkpoint holds the rest
         self._saving = None
 
     def shard_statistics(self) -> ShardStatistics:
@@ -786,10 +887,20 @@ class Replay(Reactor):
         if self.table is None:
             return
         owner, self._owner = self._owner, None
-        self._collect_save(timeout_s=120.0)
-        if self.checkpoint_on_shutdown and self.checkpoint_dir is not None:
-            self.table.save(self.checkpoint_dir, keep=self.keep_checkpoints)
+        final = self.checkpoint_on_shutdown and self.checkpoint_dir is not None
+        if self._saving is not None and not self._saving.done():
+            if final and self._saving_at[0] != self.table.generation:
+                self._cancel_save.set()  # stale: the final checkpoint replaces it (stops within a chunk)
+            self._collect_save(timeout_s=120.0)  # a current one is the final checkpoint: let it finish
+        self._collect_save()
+        if self._saving is not None:  # a disk stalled for minutes: a second saver would race the first
+            log.error("%s: a checkpoint is still being written after 120 s; no final checkpoint", self.name)
+        elif final and self.table.generation != self._saved_generation:
+            self.table.save(self.checkpoint_dir, keep=self.keep_checkpoints)  # type: ignore[arg-type]
             self._counts["checkpoints"] += 1
+            self._saved_generation = self.table.generation
+        if self._wal is not None:
+            self._wal.close()
         if self._parked_steps:
             log.warning("%s: the run ended with %d parked Steps messages not inserted (rate limiter)",
                         self.name, len(self._parked_steps))

@@ -67,6 +67,8 @@ def off_policy_graph(
     max_unacked: int = 8,
     checkpoint_every: int = 0,
     resume: bool = False,
+    replay_checkpoint_period_s: float | None = 0.1,
+    replay_wal: bool = False,
     live: bool = True,
     title: str = "",
 ) -> Graph:
@@ -84,6 +86,13 @@ def off_policy_graph(
     the rate limiter allows (the run is then quiescent). Only the second is a deterministic end
     point across processes: the process that asks for a stop cannot hold back the others, which
     may be past that logical time already. Bit-identical runs use a step budget, no target.
+
+    Replay survives: each shard checkpoints into ``run_dir/replay-<i>`` in the background every
+    ``replay_checkpoint_period_s`` of logical time (an actor's env step is ``step_s``: the default
+    0.1 s is every 100,000 env steps of each actor; None: only at the end; a shard whose table did
+    not change is not rewritten) and once more at the end of the run, and ``resume=True`` restores
+    the shards from them (with the learner). Inserts since a shard's last checkpoint are lost if its
+    process dies, unless ``replay_wal`` logs each one (fsynced) before acknowledging it.
     """
     from ._registry import load_algorithm, make_env
 
@@ -111,7 +120,8 @@ def off_policy_graph(
     )
     replay = g.add(
         Replay(fields, capacity=max(1, capacity // shards), read=spec.read, sampler=sampler, rate_limiter=limiter,
-               beta=beta),
+               beta=beta, run_dir=run_dir, checkpoint_period_s=replay_checkpoint_period_s,
+               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal),
         name="replay", replicas=shards,
     )
     learner = g.add(
@@ -251,7 +261,14 @@ class ControlAppConfig:
     checkpoint_every: int = 0
     """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
     resume: bool = False
-    """Start the learner from run_dir/learner.pt when it exists (give the old run's run_dir)."""
+    """Start the learner from run_dir/learner.pt and the replay shards from their checkpoints when they
+    exist (give the old run's run_dir)."""
+    replay_checkpoint_period_s: float | None = 0.1
+    """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
+    100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
+    replay_wal: bool = False
+    """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
+    (the default loses the inserts since its last checkpoint)."""
     live: bool = True
     """Show live progress."""
 
@@ -280,5 +297,6 @@ def control_app_graph(config: ControlAppConfig, *, algo: str, env: str, tuning: 
         batch_size=config.batch_size, weights_every=config.weights_every, weights_delay_s=config.weights_delay_s,
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
         max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
-        resume=config.resume, live=config.live, title=title,
+        resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
+        replay_wal=config.replay_wal, live=config.live, title=title,
     )

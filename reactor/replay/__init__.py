@@ -1,9 +1,11 @@
 """Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime.
 
-Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_limiters, checkpoint}.
+Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_limiters, checkpoint}; wal
+(the insert log a shard keeps beside its checkpoints) stands apart.
 ``from reactor.replay import Table`` needs nothing of the reactor runtime.
 """
 
+from .checkpoint import CheckpointCorruptError as CheckpointCorruptError
 from .rate_limiters import MinSize as MinSize
 from .rate_limiters import Queue as Queue
 from .rate_limiters import RateLimiter as RateLimiter
@@ -31,3 +33,6 @@ from .table import Table as Table
 from .table import TableStatistics as TableStatistics
 from .table import TransitionRead as TransitionRead
 from .table import WindowRead as WindowRead
+from .wal import WriteAheadLog as WriteAheadLog
+from .wal import read_wal as read_wal
+from .wal import redo_wal as redo_wal

@@ -1,12 +1,12 @@
-"""Atomic checkpoint directories: temporary files, fsync, rename, then a completion marker.
+"""Atomic, checksummed checkpoint directories: temporary files, fsync, rename, then a completion marker.
 
 Layout under a checkpoint root::
 
     root/
       ckpt-00000007/           one complete checkpoint
-        manifest.json          JSON: the owner's config and scalars, and the list of arrays
-        <array>.npy            one .npy per array (loaded with allow_pickle=False)
-        COMPLETE               written last; a directory without it is ignored and later removed
+        manifest.json          JSON: the owner's config and scalars, the arrays and a checksum per file
+        <array>.npy            one .npy per array (a plain dtype; never an object array)
+        COMPLETE               written last: the format and the checksum of manifest.json
       .tmp-ckpt-00000008-...   a save in progress (or one killed midway); never read
 
 A save writes every file into a fresh hidden temporary directory, fsyncs each file and the
@@ -16,16 +16,27 @@ every earlier complete checkpoint untouched and loadable, and at most a director
 ignores. After a successful save, all but the latest ``keep`` complete checkpoints, and leftovers of
 older saves, are removed.
 
-Nothing here pickles: arrays go through ``np.save``/``np.load(allow_pickle=False)`` and everything
-else through JSON. One saver per root at a time.
+**Checksums.** Every ``.npy`` file's BLAKE2b-256 digest (of the whole file, header included) is in
+the manifest, the manifest's digest is in ``COMPLETE``, and the manifest names its own directory
+(``ckpt-N``). :func:`read_checkpoint` verifies the chain before it returns anything, so a flipped
+bit, a truncated or extended file, a file copied from another checkpoint, a manifest edited by
+hand or a directory renamed to another number raises :class:`CheckpointCorruptError` naming the
+file and the directory; it never returns data that differs from what was saved. (BLAKE2b from
+``hashlib``: ~1 GB/s on one core here, in the saver's thread; no new dependency.)
+
+Nothing here pickles: arrays are ``.npy`` files read by their header (plain dtypes only) and
+everything else is JSON. One saver per root at a time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,12 +44,36 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["latest_checkpoint", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "CheckpointCancelled",
+    "CheckpointCorruptError",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "read_checkpoint",
+    "write_checkpoint",
+]
 
 _NAME = re.compile(r"^ckpt-(\d{8})$")
 _TMP = re.compile(r"^\.tmp-ckpt-(\d{8})-")
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+#: The first line of ``COMPLETE``; the second is ``manifest.json <digest>``.
+FORMAT = "reactor-checkpoint/2"
+_DIGEST = "blake2b-256"
+_CHUNK = 16 << 20  # bytes hashed and written per call: a cancelled save stops within one chunk
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint that fails verification: a checksum mismatch, a truncated, missing or foreign file,
+    or content whose invariants do not hold. Its message names the file and the directory."""
+
+
+class CheckpointCancelled(Exception):
+    """:func:`write_checkpoint` stopped because its ``cancel`` event was set (nothing was published)."""
+
+
+def _hasher() -> Any:
+    return hashlib.blake2b(digest_size=32)
 
 
 def _fsync_path(path: Path) -> None:
@@ -56,6 +91,37 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _npy_header(arr: np.ndarray) -> bytes:
+    bio = io.BytesIO()
+    d = np.lib.format.header_data_from_array_1_0(arr)
+    try:
+        np.lib.format.write_array_header_1_0(bio, d)
+    except ValueError:  # a header too large for format 1.0
+        bio = io.BytesIO()
+        np.lib.format.write_array_header_2_0(bio, d)
+    return bio.getvalue()
+
+
+def _write_npy(path: Path, arr: np.ndarray, cancel: threading.Event | None) -> str:
+    """Write ``arr`` as a ``.npy`` file, fsync it, and return its digest (hashed from memory as written)."""
+    arr = np.ascontiguousarray(arr)
+    h = _hasher()
+    header = _npy_header(arr)
+    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+    with open(path, "wb") as f:
+        f.write(header)
+        h.update(header)
+        for i in range(0, len(data), _CHUNK):
+            if cancel is not None and cancel.is_set():
+                raise CheckpointCancelled(f"checkpoint save into {str(path.parent)!r} cancelled")
+            chunk = data[i : i + _CHUNK]
+            h.update(chunk)
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return f"{_DIGEST}:{h.hexdigest()}"
+
+
 def _numbers(root: Path) -> list[tuple[int, Path, bool]]:
     out = []
     for p in root.iterdir() if root.is_dir() else ():
@@ -65,28 +131,42 @@ def _numbers(root: Path) -> list[tuple[int, Path, bool]]:
     return sorted(out)
 
 
+def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """The complete checkpoint directories under ``root``, newest first (not yet verified)."""
+    return [p for _, p, ok in reversed(_numbers(Path(root))) if ok]
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint directory under ``root``, or None."""
-    complete = [p for _, p, ok in _numbers(Path(root)) if ok]
-    return complete[-1] if complete else None
+    """The newest complete checkpoint directory under ``root``, or None (not yet verified)."""
+    complete = complete_checkpoints(root)
+    return complete[0] if complete else None
 
 
 def write_checkpoint(
-    root: str | os.PathLike[str], manifest: Mapping[str, Any], arrays: Mapping[str, np.ndarray], *, keep: int = 3
+    root: str | os.PathLike[str],
+    manifest: Mapping[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    *,
+    keep: int = 3,
+    cancel: threading.Event | None = None,
 ) -> Path:
     """Write one checkpoint atomically and prune old ones.
 
     Args:
         root: checkpoint root directory (created if missing).
-        manifest: JSON-able mapping; stored as ``manifest.json`` with an ``"arrays"`` entry added.
+        manifest: JSON-able mapping; stored as ``manifest.json`` with ``"arrays"`` (name -> file),
+            ``"checksums"`` (file -> digest) and ``"checkpoint"`` (the directory's name) added.
         arrays: name -> numpy array (names are identifiers, plain dtypes; no object arrays).
         keep: how many complete checkpoints to keep (>= 1).
+        cancel: when set (by another thread), the save stops at the next chunk, removes its
+            temporary directory and raises :class:`CheckpointCancelled`; nothing is published.
 
     Returns:
         The new checkpoint's directory.
 
     Raises:
         ValueError: ``keep < 1``, a bad array name, or an object array.
+        CheckpointCancelled: ``cancel`` was set before the checkpoint was published.
         OSError: the filesystem refused a write (the previous checkpoints stay as they were).
     """
     if keep < 1:
@@ -104,21 +184,29 @@ def write_checkpoint(
     final = root / f"ckpt-{number:08d}"
     tmp = root / f".tmp-ckpt-{number:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    listing = {}
-    for name, arr in arrays.items():
-        fname = f"{name}.npy"
-        with open(tmp / fname, "wb") as f:
-            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        listing[name] = fname
-    doc = dict(manifest)
-    doc["arrays"] = listing
-    _write_file(tmp / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
-    _fsync_path(tmp)
+    try:
+        listing, checksums = {}, {}
+        for name, arr in arrays.items():
+            fname = f"{name}.npy"
+            checksums[fname] = _write_npy(tmp / fname, arr, cancel)
+            listing[name] = fname
+        doc = dict(manifest)
+        doc["arrays"] = listing
+        doc["checksums"] = checksums
+        doc["checkpoint"] = final.name
+        body = json.dumps(doc, indent=1, sort_keys=True).encode()
+        _write_file(tmp / MANIFEST, body)
+        _fsync_path(tmp)
+        if cancel is not None and cancel.is_set():
+            raise CheckpointCancelled(f"checkpoint save into {str(root)!r} cancelled")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.rename(tmp, final)
     _fsync_path(root)
-    _write_file(final / (MARKER + ".tmp"), b"ok\n")
+    digest = _hasher()
+    digest.update(body)
+    _write_file(final / (MARKER + ".tmp"), f"{FORMAT}\n{MANIFEST} {_DIGEST}:{digest.hexdigest()}\n".encode())
     os.rename(final / (MARKER + ".tmp"), final / MARKER)
     _fsync_path(final)
     _prune(root, keep, number)
@@ -138,15 +226,58 @@ def _prune(root: Path, keep: int, newest: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _corrupt(path: Path, fname: str, why: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"checkpoint {str(path)!r}: {fname} {why}; the checkpoint is refused")
+
+
+def _read_npy(path: Path, fname: str, expected: str) -> np.ndarray:
+    """Read and verify one ``.npy`` file: its digest, a plain dtype, and exactly the bytes its header
+    promises (no pickle, no object arrays)."""
+    file = path / fname
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise _corrupt(path, fname, f"cannot be read ({e.strerror or e})") from e
+    h = _hasher()
+    h.update(raw)
+    got = f"{_DIGEST}:{h.hexdigest()}"
+    if got != expected:
+        raise _corrupt(path, fname, f"has checksum {got}, the manifest says {expected}")
+    bio = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(bio)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(bio)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(bio)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as e:
+        raise _corrupt(path, fname, f"has a malformed .npy header ({e})") from e
+    if dtype.hasobject:
+        raise _corrupt(path, fname, "holds an object array (never written by reactor)")
+    start = bio.tell()
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - start != count * dtype.itemsize:
+        raise _corrupt(path, fname, f"holds {len(raw) - start} data bytes, its header promises {count * dtype.itemsize}")
+    arr = np.frombuffer(bytearray(raw[start:]), dtype=dtype, count=count)  # writable copy
+    return arr.reshape(shape, order="F" if fortran else "C")
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a checkpoint: a complete ``ckpt-N`` directory, or a root (its newest complete one).
+    """Read and verify a checkpoint: a complete ``ckpt-N`` directory, or a root (its newest complete one).
+
+    Verification (before anything is returned): ``COMPLETE`` names this format and the manifest's
+    digest; the manifest matches it, names this directory, and lists a digest for every array file;
+    every array file matches its digest and holds exactly what its header says.
 
     Returns:
         ``(manifest, arrays)``.
 
     Raises:
         FileNotFoundError: no complete checkpoint there.
-        ValueError: the manifest is malformed or lists a file outside the checkpoint.
+        CheckpointCorruptError: verification failed (the message names the file and the directory).
     """
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -155,13 +286,34 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
             raise FileNotFoundError(f"no complete checkpoint in {str(path)!r} (looked for ckpt-*/{MARKER})")
         path = latest
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        marker = (path / MARKER).read_bytes().decode("ascii").split("\n")
+        body = (path / MANIFEST).read_bytes()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _corrupt(path, MARKER, f"or {MANIFEST} cannot be read ({e})") from e
+    if len(marker) != 3 or marker[0] != FORMAT or marker[2] != "" or not marker[1].startswith(MANIFEST + " "):
+        raise _corrupt(path, MARKER, f"is not a {FORMAT} marker (a checkpoint without checksums, or a damaged marker)")
+    h = _hasher()
+    h.update(body)
+    got, expected = f"{_DIGEST}:{h.hexdigest()}", marker[1][len(MANIFEST) + 1 :]
+    if got != expected:
+        raise _corrupt(path, MANIFEST, f"has checksum {got}, {MARKER} says {expected}")
+    try:
+        manifest = json.loads(body)
         listing = manifest.pop("arrays")
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"malformed checkpoint manifest in {str(path)!r}: {e}") from e
+        checksums = manifest.pop("checksums")
+        own = manifest.pop("checkpoint")
+        if not (isinstance(listing, dict) and isinstance(checksums, dict) and isinstance(own, str)):
+            raise ValueError("'arrays' and 'checksums' must be objects, 'checkpoint' a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _corrupt(path, MANIFEST, f"is malformed ({type(e).__name__}: {e})") from e
+    if _NAME.match(path.name) and own != path.name:
+        raise _corrupt(path, MANIFEST, f"belongs to {own!r}, not to this directory (files moved between checkpoints?)")
+    files = set(listing.values())
+    if files != set(checksums) or len(files) != len(listing):
+        raise _corrupt(path, MANIFEST, f"lists array files {sorted(files)} but checksums for {sorted(checksums)}")
     arrays = {}
     for name, fname in listing.items():
-        if "/" in fname or fname.startswith("."):
-            raise ValueError(f"checkpoint manifest in {str(path)!r} lists a bad file name {fname!r}")
-        arrays[name] = np.load(path / fname, allow_pickle=False)
+        if not isinstance(fname, str) or "/" in fname or fname.startswith(".") or not fname.endswith(".npy"):
+            raise _corrupt(path, MANIFEST, f"lists a bad file name {fname!r}")
+        arrays[name] = _read_npy(path, fname, str(checksums[fname]))
     return manifest, arrays

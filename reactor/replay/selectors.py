@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from .sumtree import DEFAULT_ARITY, SumTree
+from .sumtree import DEFAULT_ARITY, PriorityOverflowError, SumTree
 
 __all__ = ["Fifo", "Lifo", "MaxHeap", "MinHeap", "Prioritized", "Selector", "Uniform"]
 
@@ -93,16 +93,29 @@ class Selector:
 
     # ---------------------------------------------------------------- operations (overridden)
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def prepare(self, priorities: np.ndarray) -> Any:
+        """Check that ``priorities`` (finite, >= 0) can be written, before the owner changes anything.
+
+        Returns:
+            What :meth:`insert` / :meth:`update` take as ``prepared`` (None: nothing).
+
+        Raises:
+            PriorityOverflowError: the priorities cannot be held (:class:`Prioritized`: a
+                ``p**alpha`` or the sum of the tree would overflow float64). Nothing changed.
+        """
+        return None
+
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         """Add new slots with their priorities; array order is insertion order.
 
         Args:
             slots: int64[m], distinct slots not present yet.
             priorities: float64[m], finite and >= 0 (validated by the table).
+            prepared: :meth:`prepare`'s result for these priorities, if the owner called it.
         """
         raise NotImplementedError
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         """Change priorities of present slots; a repeated slot keeps its last priority."""
         raise NotImplementedError
 
@@ -131,6 +144,10 @@ class Selector:
         raise NotImplementedError
 
     def __len__(self) -> int:
+        raise NotImplementedError
+
+    def present_slots(self) -> np.ndarray:
+        """The slots present now, sorted (int64): for consistency checks of a loaded state."""
         raise NotImplementedError
 
     def clear(self) -> None:
@@ -209,7 +226,7 @@ class Uniform(Selector):
         self._where = np.full(capacity, -1, dtype=np.int64)
         self._size = 0
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
         m = slots.shape[0]
@@ -217,7 +234,7 @@ class Uniform(Selector):
         self._where[slots] = np.arange(self._size, self._size + m, dtype=np.int64)
         self._size += m
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
 
     def delete(self, slots: np.ndarray) -> None:
@@ -237,6 +254,9 @@ class Uniform(Selector):
     def __len__(self) -> int:
         return self._size if self._capacity is not None else 0
 
+    def present_slots(self) -> np.ndarray:
+        return np.sort(self._dense[: self._size])
+
     def state_dict(self) -> dict[str, Any]:
         capacity = self._bound()
         return {"kind": self._kind, "capacity": capacity, "dense": self._dense[: self._size].copy()}
@@ -250,6 +270,8 @@ class Uniform(Selector):
             or dense.size > capacity
             or (dense.size and (dense.min() < 0 or dense.max() >= capacity))
         ):
+            raise ValueError("Uniform.load_state_dict: 'dense' must be distinct slots in [0, capacity)")
+        if np.unique(dense).size != dense.size:
             raise ValueError("Uniform.load_state_dict: 'dense' must be distinct slots in [0, capacity)")
         self._allocate(capacity)
         self._dense[: dense.size] = dense
@@ -298,18 +320,41 @@ class Prioritized(Selector):
         p = np.asarray(priorities, dtype=np.float64)
         if self.alpha == 1.0:
             return p
+        if self.alpha > 1.0:  # only then can a finite p**alpha overflow (prepare refuses the inf)
+            with np.errstate(over="ignore"):
+                return np.power(p, self.alpha)
         return np.power(p, self.alpha)
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def prepare(self, priorities: np.ndarray) -> Any:
+        """``(p**alpha, its sum)`` of ``priorities``, checked: each finite, and their sum on top of the
+        tree's total finite (a tree whose total is ``inf`` can never be sampled again)."""
+        self._bound()
+        scaled = self._scaled(priorities)
+        try:
+            psum = self._tree.check_total(scaled)
+        except PriorityOverflowError as e:
+            i = e.position
+            why = (f"{float(priorities[i])!r} ** alpha={self.alpha} overflows float64"
+                   if not np.isfinite(scaled[i]) else f"priorities ** alpha={self.alpha}: {e.why}")
+            raise PriorityOverflowError(f"Prioritized: priority at position {i}: {why}", i, why) from None
+        return scaled, psum
+
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
-        self._tree.update(slots, self._scaled(priorities), lazy=True)
+        if prepared is None:
+            self._tree.update(slots, self._scaled(priorities), lazy=True)
+        else:
+            self._tree.update_checked(slots, prepared[0], prepared[1], lazy=True)
         self._size += slots.shape[0] - int(np.count_nonzero(self._present[slots]))
         self._present[slots] = True
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
-        self._tree.update(slots, self._scaled(priorities))
+        if prepared is None:
+            self._tree.update(slots, self._scaled(priorities))
+        else:
+            self._tree.update_checked(slots, prepared[0], prepared[1])
 
     def delete(self, slots: np.ndarray) -> None:
         self._bound()
@@ -330,6 +375,9 @@ class Prioritized(Selector):
 
     def __len__(self) -> int:
         return self._size if self._capacity is not None else 0
+
+    def present_slots(self) -> np.ndarray:
+        return np.flatnonzero(self._present)
 
     @property
     def tree(self) -> SumTree:
@@ -359,6 +407,12 @@ class Prioritized(Selector):
         present = np.asarray(state["present"], dtype=np.bool_)
         if present.shape != (self._bound(),):
             raise ValueError("Prioritized.load_state_dict: 'present' must be a bool array of length capacity")
+        leaves = np.asarray(state["leaves"])
+        if leaves.shape == present.shape and bool(np.any(leaves[~present] != 0.0)):
+            raise ValueError(
+                f"Prioritized.load_state_dict: slot {int(np.flatnonzero((leaves != 0.0) & ~present)[0])} has a "
+                "priority but is not present (an absent slot's leaf is always 0)"
+            )
         self._tree.load_state_dict(
             {"capacity": state["capacity"], "arity": state["arity"], "leaves": state["leaves"]}
         )
@@ -546,7 +600,7 @@ class _HeapSelector(Selector):
 
     _uses_priority: ClassVar[bool] = True
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
         m = slots.shape[0]
@@ -560,7 +614,7 @@ class _HeapSelector(Selector):
         )
         self._next_seq += m
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         if not self._uses_priority:
             return
@@ -586,6 +640,9 @@ class _HeapSelector(Selector):
 
     def __len__(self) -> int:
         return self._size if self._capacity is not None else 0
+
+    def present_slots(self) -> np.ndarray:
+        return np.sort(self._heap[: self._size])
 
     def state_dict(self) -> dict[str, Any]:
         capacity = self._bound()
@@ -614,6 +671,12 @@ class _HeapSelector(Selector):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: 'heap' must hold slots in [0, {capacity}) and "
                 f"'key'/'seq' must have length {capacity}"
+            )
+        next_seq = int(state["next_seq"])
+        if np.unique(heap).size != heap.size or (heap.size and int(seq[heap].max()) >= next_seq):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: 'heap' must hold distinct slots whose sequence numbers "
+                f"are below next_seq={next_seq}"
             )
         self._allocate(capacity)
         self._heap[: heap.size] = heap
@@ -689,7 +752,7 @@ class _LogSelector(Selector):
         self._log_seq[:m] = log_seq[live]
         self._head, self._tail = 0, m
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
         m = slots.shape[0]
@@ -703,7 +766,7 @@ class _LogSelector(Selector):
         self._tail += m
         self._next_seq += m
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()  # order is by insertion only
 
     def delete(self, slots: np.ndarray) -> None:
@@ -731,6 +794,9 @@ class _LogSelector(Selector):
     def __len__(self) -> int:
         return self._size if self._capacity is not None else 0
 
+    def present_slots(self) -> np.ndarray:
+        return np.flatnonzero(self._seq >= 0)
+
     def state_dict(self) -> dict[str, Any]:
         capacity = self._bound()
         self._compact()
@@ -756,6 +822,18 @@ class _LogSelector(Selector):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: 'order' must hold slots in [0, {capacity}) and "
                 f"'seq' must have length {capacity}"
+            )
+        next_seq = int(state["next_seq"])
+        live = seq[order]
+        if (
+            int(np.count_nonzero(seq >= 0)) != order.size
+            or bool(np.any(live < 0))
+            or bool(np.any(np.diff(live) <= 0))
+            or (order.size and int(live[-1]) >= next_seq)
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: 'order' must list every slot with a sequence number "
+                f"once, in increasing sequence below next_seq={next_seq}"
             )
         self._allocate(capacity)
         self._log_slot[: order.size] = order

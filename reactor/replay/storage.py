@@ -1148,12 +1148,16 @@ class Storage:
         """Restore what :meth:`state_dict` returned (same specs and a capacity large enough).
 
         Raises:
-            ValueError: the state does not fit this storage (fields, shapes, dtypes, capacity).
+            ValueError: the state does not fit this storage (fields, shapes, dtypes, capacity), or its
+                episode index is inconsistent (see ``_check_episode_index``). The storage is unchanged.
         """
         cap = self._capacity
         lo, hi = int(state["first_step"]), int(state["next_step"])
         first_ep, next_ep = int(state["first_ep"]), int(state["next_ep"])
         n = hi - lo
+        if not (0 <= lo <= hi and 0 <= first_ep <= next_ep):
+            raise ValueError(f"state has step range [{lo}, {hi}) and episode range [{first_ep}, {next_ep}); "
+                             "each must be a range of numbers >= 0")
         if n > cap or next_ep - first_ep > cap:
             raise ValueError(f"state holds {n} steps, more than this storage's capacity {cap}")
         fields = state["fields"]
@@ -1168,6 +1172,7 @@ class Storage:
                 )
         ep_start = np.asarray(state["ep_start"], dtype=np.int64)
         ep_len = np.asarray(state["ep_len"], dtype=np.int64)
+        _check_episode_index(lo, hi, first_ep, next_ep, ep_start, ep_len, bool(state["open"]))
         p0 = lo % cap
         n1 = min(n, cap - p0)
         for name, t in fields.items():
@@ -1183,3 +1188,28 @@ class Storage:
         self._first_step, self._next_step = lo, hi
         self._first_ep, self._next_ep = first_ep, next_ep
         self._open = bool(state["open"])
+
+
+def _check_episode_index(
+    lo: int, hi: int, first_ep: int, next_ep: int, ep_start: np.ndarray, ep_len: np.ndarray, open_: bool
+) -> None:
+    """Raise ValueError unless the episodes ``[first_ep, next_ep)`` tile the stored steps ``[lo, hi)``
+    exactly: contiguous, in order, each at least one step, the last one open only if ``open_``."""
+    m = next_ep - first_ep
+    if ep_start.shape != (m,) or ep_len.shape != (m,):
+        raise ValueError(f"state's episode index has shapes {ep_start.shape} and {ep_len.shape}, expected ({m},)")
+    if m == 0:
+        if hi != lo or open_:
+            raise ValueError(f"state holds steps [{lo}, {hi}) but no episode")
+        return
+    ends = ep_start + ep_len
+    if (
+        int(ep_start[0]) != lo
+        or int(ends[-1]) != hi
+        or bool(np.any(ep_len < 1))
+        or bool(np.any(ep_start[1:] != ends[:-1]))
+    ):
+        raise ValueError(
+            f"state's episode index does not tile the stored steps [{lo}, {hi}): episodes must be contiguous, "
+            "in order, at least one step each"
+        )

@@ -55,12 +55,25 @@ import torch
 
 from .._native import host_huge_zeros, prefetch
 
-__all__ = ["DEFAULT_ARITY", "SumTree"]
+__all__ = ["DEFAULT_ARITY", "PriorityOverflowError", "SumTree"]
 
 #: Default fan-in, chosen by ``benchmarks/bench_replay.py --arity`` (see docs/benchmarks.md).
 DEFAULT_ARITY = 8
 
 _INF = math.inf
+_NO_INDICES = np.empty(0, dtype=np.int64)
+_NO_PRIORITIES = np.empty(0, dtype=np.float64)
+
+
+class PriorityOverflowError(ValueError):
+    """Finite priorities that would make a sum tree's total overflow float64 (``inf``: every later
+    sample would divide by it). ``position`` is the batch position named (the largest priority, or
+    the first that is not finite), ``why`` the arithmetic."""
+
+    def __init__(self, message: str, position: int, why: str) -> None:
+        super().__init__(message)
+        self.position = position
+        self.why = why
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,16 +108,22 @@ def _aligned_full(size: int, value: float) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _nb_check(indices: np.ndarray, priorities: np.ndarray, capacity: int) -> int:  # pragma: no cover - jit
-    """Return -1 if every index is in range and every priority finite and >= 0, else the bad position."""
+def _nb_check(
+    indices: np.ndarray, priorities: np.ndarray, capacity: int, out_sum: np.ndarray
+) -> int:  # pragma: no cover - jit
+    """Return -1 if every index is in range and every priority finite and >= 0, else the bad position;
+    ``out_sum[0]`` gets the priorities' left-to-right sum (``inf`` when it overflows)."""
     for i in range(indices.shape[0]):
         j = indices[i]
         if j < 0 or j >= capacity:
             return i
+    s = 0.0
     for i in range(priorities.shape[0]):
         p = priorities[i]
         if not (p >= 0.0 and p < _INF):  # also rejects NaN
             return indices.shape[0] + i
+        s += p
+    out_sum[0] = s
     return -1
 
 
@@ -348,6 +367,11 @@ class SumTree:
         self._lock = threading.Lock()
         self._pending_idx: list[np.ndarray | torch.Tensor] = []
         self._pending_prio: list[np.ndarray | torch.Tensor] = []
+        # An upper bound of the total once the buffered writes are applied: the total at the last
+        # flush plus every priority written since (a write replaces a leaf >= 0, so it adds at most
+        # its value). A write is refused when even the exact total plus its sum is not finite.
+        self._bound = 0.0
+        self._sum_out = np.zeros(1)
         if backend == "numba":
             self._sums = _aligned_full(size, 0.0)
             self._mins = _aligned_full(self._leaf0, _INF)  # internal nodes only (see _nb_recompute)
@@ -407,8 +431,10 @@ class SumTree:
             lazy: buffer the batch and apply it before the next read (insert-time priorities).
 
         Raises:
-            ValueError: not 1-D, lengths differ, an index out of range, or a priority negative,
-                NaN or infinite. The tree (and its buffer) is left unchanged.
+            ValueError: not 1-D, lengths differ, an index out of range, a priority negative, NaN or
+                infinite, or priorities whose sum on top of the total overflows float64 (the total
+                would be ``inf`` and every later sample would fail). The tree (and its buffer) is
+                left unchanged.
         """
         with self._lock:
             idx, prio = self._validate(indices, priorities, copy=lazy)
@@ -434,12 +460,13 @@ class SumTree:
                 f"SumTree.update: {idx.shape[0]} indices but {prio.shape[0]} priorities; pass one priority per index"
             )
         if self._backend == "numba":
-            bad = int(_nb_check(idx, prio, self._capacity))
+            bad = int(_nb_check(idx, prio, self._capacity, self._sum_out))
             if bad >= 0:
                 if bad < idx.shape[0]:
                     self._raise_index(int(idx[bad]), bad)
                 k = bad - idx.shape[0]
                 self._raise_priority(float(prio[k]), k)
+            self._bound = self._headroom(float(self._sum_out[0]), prio)
             if copy:  # a lazy batch outlives the call: the caller may reuse its arrays meanwhile
                 idx, prio = idx.copy(), prio.copy()
         else:
@@ -452,9 +479,88 @@ class SumTree:
                 if bool(bad_p.any()):
                     k = int(torch.nonzero(bad_p)[0, 0])
                     self._raise_priority(float(prio[k]), k)
+                self._bound = self._headroom(self._torch_sum(prio), prio)
             if copy:
                 idx, prio = idx.clone(), prio.clone()
         return idx, prio
+
+    def _torch_sum(self, prio: torch.Tensor) -> float:
+        # Left to right, as the numba check sums (and as check_total predicts).
+        return float(torch.cumsum(prio, 0)[-1].item()) if prio.numel() else 0.0
+
+    def _headroom(self, psum: float, prio: Any) -> float:
+        """The bound after writing priorities summing to ``psum``; raises ValueError (changing
+        nothing the caller can observe: at most the buffered writes get applied) if it overflows
+        even on top of the exact total. Caller holds the lock."""
+        bound = self._bound + psum
+        if bound < _INF:
+            return bound
+        self._flush()  # the bound may be loose: apply the buffer, then ask again with the exact total
+        total = self._bound
+        bound = total + psum
+        if bound < _INF:
+            return bound
+        k = int(np.argmax(prio)) if self._backend == "numba" else int(torch.argmax(prio).item())
+        why = f"the batch sums to {psum!r} on top of a total of {total!r}: the total would be inf"
+        raise PriorityOverflowError(
+            f"SumTree priority {float(prio[k])!r} at position {k} would overflow the tree ({why}); "
+            "the total must stay finite (float64)", k, why,
+        )
+
+    def update_checked(self, indices: np.ndarray, priorities: np.ndarray, psum: float, *, lazy: bool = False) -> None:
+        """:meth:`update` for priorities that :meth:`check_total` accepted (numba backend): ``priorities``
+        is the float64 array it checked, unchanged, and ``psum`` what it returned. Skips the second
+        pass over the priorities; the indices are still checked, and the total's bound still applied.
+
+        Raises:
+            ValueError: as :meth:`update`; the tree is left unchanged.
+        """
+        if self._backend != "numba":
+            self.update(indices, priorities, lazy=lazy)
+            return
+        with self._lock:
+            idx = indices
+            if not (type(idx) is np.ndarray and idx.dtype == np.int64 and idx.flags.c_contiguous):
+                idx = _as_numpy(indices, np.int64, "indices")
+            if idx.ndim != 1 or idx.shape != priorities.shape:
+                raise ValueError(
+                    f"SumTree.update_checked: {idx.shape} indices but {priorities.shape} priorities; pass one per index"
+                )
+            bad = int(_nb_check(idx, _NO_PRIORITIES, self._capacity, self._sum_out))
+            if bad >= 0:
+                self._raise_index(int(idx[bad]), bad)
+            self._bound = self._headroom(psum, priorities)
+            self._pending_idx.append(idx.copy() if lazy else idx)
+            self._pending_prio.append(priorities.copy() if lazy else priorities)
+            if not lazy:
+                self._flush()
+
+    def check_total(self, priorities: Any) -> float:
+        """Raise :class:`PriorityOverflowError` if :meth:`update` with ``priorities`` would be refused
+        for a value that is not finite (or negative) or for making the total overflow; otherwise
+        change nothing.
+
+        For owners that must refuse a write before they change anything of their own (a ``Table``
+        checks, then appends its steps, then writes the tree): with the same writes in between
+        (deletes write zeros), the later :meth:`update` with these priorities then succeeds.
+        """
+        with self._lock:
+            if self._backend == "numba":
+                prio = priorities
+                if not (type(prio) is np.ndarray and prio.dtype == np.float64 and prio.flags.c_contiguous):
+                    prio = _as_numpy(priorities, np.float64, "priorities")
+                bad = int(_nb_check(_NO_INDICES, prio, self._capacity, self._sum_out))
+                psum = float(self._sum_out[0])
+            else:
+                prio = _as_tensor(priorities, torch.float64, self._device, "priorities")
+                finite = (prio >= 0) & (prio < _INF)
+                bad = -1 if bool(finite.all()) else int(torch.nonzero(~finite)[0, 0])
+                psum = self._torch_sum(prio)
+            if bad >= 0:
+                why = f"{float(prio[bad])!r} is not a finite priority >= 0"
+                raise PriorityOverflowError(f"SumTree priority at position {bad}: {why}", bad, why)
+            self._headroom(psum, prio)
+            return psum
 
     def _raise_index(self, value: int, position: int) -> None:
         raise ValueError(
@@ -468,8 +574,9 @@ class SumTree:
         )
 
     def _flush(self) -> None:
-        """Apply buffered writes in one pass (caller holds the lock)."""
+        """Apply buffered writes in one pass (caller holds the lock); the bound becomes the total."""
         if not self._pending_idx:
+            self._bound = self._root()
             return
         if len(self._pending_idx) == 1:
             idx, prio = self._pending_idx[0], self._pending_prio[0]
@@ -480,13 +587,16 @@ class SumTree:
         self._pending_idx.clear()
         self._pending_prio.clear()
         if idx.shape[0] == 0:
+            self._bound = self._root()
             return
         if self._backend == "numba":
             self._gen = _nb_write(
                 self._sums, self._mins, self._offsets, self._arity, idx, prio, self._stamp, self._gen
             )
+            self._bound = float(self._sums[0])
         else:
             self._torch_write(idx, prio)  # type: ignore[arg-type]
+            self._bound = float(self._tsums[0].item())
 
     def _torch_write(self, idx: torch.Tensor, prio: torch.Tensor) -> None:
         # Last write wins: keep the last occurrence of each index (a stable sort keeps call order).
@@ -509,11 +619,15 @@ class SumTree:
                 block = self._tmins[children]
             self._tmins[self._toffsets[level] + nodes] = block.amin(dim=1)
 
+    def _root(self) -> float:
+        return float(self._sums[0]) if self._backend == "numba" else float(self._tsums[0].item())
+
     def clear(self) -> None:
         """Set every leaf to 0 and drop buffered writes."""
         with self._lock:
             self._pending_idx.clear()
             self._pending_prio.clear()
+            self._bound = 0.0
             if self._backend == "numba":
                 self._sums.fill(0.0)
                 self._mins.fill(_INF)
@@ -665,6 +779,13 @@ class SumTree:
                 f"SumTree.load_state_dict: leaves must be {self._capacity} finite values >= 0, "
                 f"got shape {leaves.shape}"
             )
+        with np.errstate(over="ignore"):
+            total = float(np.sum(leaves))
+        if not total * (1.0 + 1e-12) < _INF:  # the tree's own summation order may round up
+            raise ValueError(
+                f"SumTree.load_state_dict: the leaves sum to {total!r}; the total must stay "
+                "well inside float64 (a state no tree could have reached)"
+            )
         with self._lock:
             self._pending_idx.clear()
             self._pending_prio.clear()
@@ -680,6 +801,7 @@ class SumTree:
                     torch.arange(self._capacity, device=self._device),
                     torch.from_numpy(leaves).to(self._device),
                 )
+            self._bound = self._root()
 
     def check_invariants(self) -> None:
         """Verify every internal node equals a fresh recompute from the leaves, bit for bit.

@@ -50,7 +50,7 @@ from . import checkpoint as _ckpt
 from .rate_limiters import Queue, RateLimiter, RateLimiterStatistics, Stack, limiter_from_config
 from .selectors import Prioritized
 from .storage import _PREFETCH_WINDOWS, FieldSpec, Storage, StorageMemory, _nb_read_windows
-from .sumtree import _nb_descend
+from .sumtree import PriorityOverflowError, _nb_descend
 
 if TYPE_CHECKING:
     from .selectors import Selector
@@ -211,6 +211,32 @@ def _as_priorities(values: Any, n: int, mask: np.ndarray | None = None) -> np.nd
             f"priority {float(arr[i])!r} at position {i} is invalid: priorities must be finite and >= 0"
         )
     return arr if mask is None else arr[mask]
+
+
+#: ``sample_nowait(n)`` refuses ``n`` above ``max(_SAMPLE_PER_SLOT * capacity, _MIN_SAMPLE_LIMIT)``.
+_SAMPLE_PER_SLOT = 64
+_MIN_SAMPLE_LIMIT = 1 << 16
+
+
+def _item_nbytes(storage: Storage, read: Any) -> int:
+    """Bytes one sampled item takes in a batch (a lower bound for episodes), plus its info."""
+    row = {s.name: int(math.prod(s.shape)) * s.dtype.itemsize for s in storage.specs}
+    total = sum(row.values())
+    if isinstance(read, WindowRead):
+        total = total * read.length + read.length
+    elif isinstance(read, TransitionRead):
+        total += sum(row[f] for f in read.next_fields) + 9
+    return total + 28  # key, probability, weight, times sampled
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 46
+
+
+_PHYSICAL_MEMORY = _physical_memory()
 
 
 # Compiled bookkeeping for the hot paths. Each replaces 4-8 numpy calls of a few microseconds each
@@ -488,6 +514,14 @@ class Table:
         self._times = np.zeros(cap, dtype=np.int64)  # slot -> times sampled
         self._size = 0
         self._counts = dict.fromkeys(("inserted", "sampled", "evicted", "removed", "expired", "deleted"), 0)
+        # Bumped by every change of the state a checkpoint holds (insert, sample: times sampled and
+        # the generator move, update, delete, reset, load): an owner compares it to skip rewriting
+        # an unchanged table. One integer add per call; never part of the state.
+        self._generation = 0
+        # The largest sample a call may ask for: beyond it the request is a bug, not a batch, and
+        # must not surface as a MemoryError from the output allocation (see _check_n).
+        self._max_sample = max(_SAMPLE_PER_SLOT * cap, _MIN_SAMPLE_LIMIT)
+        self._item_nbytes = _item_nbytes(storage, read)
         self._lock = threading.RLock()
 
     @classmethod
@@ -531,6 +565,18 @@ class Table:
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def generation(self) -> int:
+        """A counter bumped by every change of the checkpointed state (insert, sample, priority update,
+        delete, reset, load). Equal values mean an unchanged table: an owner that checkpoints
+        periodically skips a table whose generation is the one it saved last. Not part of the state."""
+        return self._generation
+
+    @property
+    def max_sample(self) -> int:
+        """The largest ``n`` :meth:`sample_nowait` accepts (``max(64 * capacity, 65536)``)."""
+        return self._max_sample
+
     # ------------------------------------------------------------------ insert
 
     def _prepare_insert(
@@ -553,6 +599,23 @@ class Table:
         if n > self._max_size:
             raise ValueError(f"insert of {n} items exceeds the table's max_size {self._max_size}; split it")
         return validated, prio, mask, n
+
+    def _prepare_priorities(self, prio: np.ndarray, keys: Any) -> tuple[Any, Any]:
+        """The selectors' :meth:`Selector.prepare` of ``prio``, before anything changes: finite
+        priorities whose ``p**alpha`` or sum would overflow are refused with a ValueError naming the
+        key (``keys(i)``) and the value."""
+        try:
+            return (self._sampler.prepare(prio), self._remover.prepare(prio) if self._feed_remover else None)
+        except PriorityOverflowError as e:
+            i = e.position
+            raise ValueError(
+                f"priority {float(prio[i])!r} for key {keys(i)} (position {i}) is refused by table {self._name!r}: "
+                f"{e.why}; nothing was changed (scale the priorities down)"
+            ) from None
+
+    def _insert_keys(self, mask: np.ndarray | None) -> Any:
+        """The key the ``i``-th item of the next insert will get (for messages; read only on error)."""
+        return lambda i: self._storage.step_range[1] + (i if mask is None else int(np.flatnonzero(mask)[i]))
 
     def insert_nowait(
         self,
@@ -577,8 +640,10 @@ class Table:
 
         Raises:
             KeyError: unknown or missing field. TypeError: wrong dtype. ValueError: wrong shape, bad
-                priority (the message gives the value and position), too many items for ``max_size``,
-                an open episode that would outgrow the storage.
+                priority (the message gives the value and position), a finite priority that would
+                overflow the sampler (``p**alpha`` or the sum tree's total past float64; the message
+                names the key and the value), too many items for ``max_size``, an open episode that
+                would outgrow the storage.
             WouldBlock: the rate limiter does not allow it now.
             PortClosedError: the table was closed.
         """
@@ -586,10 +651,31 @@ class Table:
             if self._limiter.closed:
                 raise PortClosedError(f"insert into table {self._name!r}, which was closed by close()")
             validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+            prepared = self._prepare_priorities(prio, self._insert_keys(mask))
             plan = self._storage.plan_append(validated[0], episode_end)
             if not self._limiter.can_insert(n, self._size):
                 raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
-            return self._apply_insert(validated, plan, prio, mask, n)
+            return self._apply_insert(validated, plan, prio, mask, n, prepared)
+
+    def redo_insert(
+        self,
+        steps: Mapping[str, Any],
+        priorities: Any = None,
+        *,
+        episode_end: bool | np.ndarray | Sequence[bool] = True,
+        item_mask: Any = None,
+    ) -> torch.Tensor:
+        """Insert as :meth:`insert_nowait` does, but without asking the rate limiter (it admitted the
+        original insert): for redoing a write-ahead log after a restore. The limiter still counts it.
+
+        Raises:
+            As :meth:`insert_nowait`, except WouldBlock.
+        """
+        with self._lock:
+            validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+            prepared = self._prepare_priorities(prio, self._insert_keys(mask))
+            plan = self._storage.plan_append(validated[0], episode_end)
+            return self._apply_insert(validated, plan, prio, mask, n, prepared)
 
     async def insert(
         self,
@@ -613,6 +699,7 @@ class Table:
             if self._limiter.closed:
                 raise PortClosedError(f"insert into table {self._name!r}, which was closed by close()")
             validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+            self._prepare_priorities(prio, self._insert_keys(mask))
         while True:
             await self._limiter.wait(
                 "insert",
@@ -622,8 +709,10 @@ class Table:
             )
             with self._lock:  # re-check under the lock: another thread may have acted in between
                 if self._limiter.can_insert(n, self._size):
+                    # Again: inserts while this one waited may have used the tree's headroom.
+                    prepared = self._prepare_priorities(prio, self._insert_keys(mask))
                     plan = self._storage.plan_append(validated[0], episode_end)
-                    return self._apply_insert(validated, plan, prio, mask, n)
+                    return self._apply_insert(validated, plan, prio, mask, n, prepared)
 
     def _drop(self, slots: np.ndarray, counter: str) -> None:
         if len(slots) == 0:
@@ -642,6 +731,7 @@ class Table:
         prio: np.ndarray,
         mask: np.ndarray | None,
         n: int,
+        prepared: tuple[Any, Any] = (None, None),
     ) -> torch.Tensor:
         st = self._storage
         cap = st.capacity
@@ -666,11 +756,12 @@ class Table:
             self._keys[slots] = keys
             self._times[slots] = 0
         if n:
-            self._sampler.insert(slots, prio)
+            self._sampler.insert(slots, prio, prepared[0])
             if self._feed_remover:
-                self._remover.insert(slots, prio)
+                self._remover.insert(slots, prio, prepared[1])
         self._size += n
         self._counts["inserted"] += n
+        self._generation += 1
         self._limiter.on_insert(n)
         return torch.from_numpy(keys)
 
@@ -697,6 +788,18 @@ class Table:
     def _check_n(self, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
+        if n > self._max_sample:
+            raise ValueError(
+                f"sample size n={int(n)} is out of range for table {self._name!r}: at most max_sample="
+                f"{self._max_sample} (64 draws per slot of capacity {self._storage.capacity}); ask for a batch"
+            )
+        nbytes = int(n) * self._item_nbytes
+        if nbytes > _PHYSICAL_MEMORY:
+            raise ValueError(
+                f"sample size n={int(n)} is out of range for table {self._name!r}: its batch would take "
+                f"{nbytes} bytes, more than this host's {_PHYSICAL_MEMORY} bytes of memory "
+                f"(at most n={_PHYSICAL_MEMORY // self._item_nbytes} here)"
+            )
 
     def sample_nowait(self, n: int, *, read: bool = True) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         """Draw ``n`` items now, or raise WouldBlock.
@@ -716,7 +819,8 @@ class Table:
             ``(batch, info)``: the batch as the table's read kind defines it, and a :class:`SampleInfo`.
 
         Raises:
-            ValueError: ``n < 1``.
+            ValueError: ``n < 1``, or ``n`` out of range: above :attr:`max_sample`, or a batch larger
+                than the host's memory (the message names ``n`` and the limit).
             WouldBlock: the rate limiter does not allow it now (an empty table never allows it).
             PortClosedError: the table was closed.
         """
@@ -734,7 +838,7 @@ class Table:
         Raises:
             TimeoutError: ``timeout_s`` passed while blocked (nothing sampled).
             PortClosedError: the table is or gets closed while waiting.
-            ValueError: ``n < 1``.
+            ValueError: ``n < 1`` or out of range (as :meth:`sample_nowait`).
         """
         self._check_n(n)
         while True:
@@ -821,6 +925,7 @@ class Table:
             done = np.unique(slots[times >= self._max_times_sampled])
             self._drop(done, "expired")
         self._counts["sampled"] += len(slots)
+        self._generation += 1
         self._limiter.on_sample(len(slots))
         info = SampleInfo(
             keys=torch.from_numpy(keys),
@@ -850,7 +955,9 @@ class Table:
 
         Raises:
             KeyError: a key is not in the table (the message names it); nothing is updated.
-            ValueError: a priority is NaN, infinite or negative, or the lengths differ; nothing is updated.
+            ValueError: a priority is NaN, infinite or negative, or the lengths differ, or finite
+                priorities would overflow the sampler (``p**alpha``, or the sum tree's total, past
+                float64: the message names the key and the value); nothing is updated.
         """
         with self._lock:
             k = _as_int64("keys", keys)
@@ -868,9 +975,11 @@ class Table:
                 _as_priorities(p, len(k))  # raises ValueError naming the bad priority
                 raise ReactorInternalError("Table.update_priorities: the compiled and numpy checks disagree")
             if len(k):
-                self._sampler.update(slots, p)
+                prepared = self._prepare_priorities(p, lambda i: int(k[i]))
+                self._sampler.update(slots, p, prepared[0])
                 if self._feed_remover:
-                    self._remover.update(slots, p)
+                    self._remover.update(slots, p, prepared[1])
+                self._generation += 1
 
     def delete(self, keys: Any) -> None:
         """Drop items by key (their steps stay in storage until the ring overwrites them).
@@ -881,6 +990,7 @@ class Table:
         with self._lock:
             _, slots = self._slots_of(keys)
             self._drop(np.unique(slots), "deleted")
+            self._generation += 1
             self._limiter.notify()
 
     def reset(self) -> None:
@@ -896,6 +1006,7 @@ class Table:
             self._times.fill(0)
             self._size = 0
             self._counts = dict.fromkeys(self._counts, 0)
+            self._generation += 1
             self._limiter.reset()
 
     def close(self) -> None:
@@ -956,13 +1067,60 @@ class Table:
                 "rng": self._rng.bit_generator.state,
             }
 
+    def _check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError unless ``state`` is one this table could have reached: the items are
+        distinct stored steps in key order, the counters add up to the item count, and every
+        selector holds exactly the items' slots (checked on scratch selectors). Changes nothing."""
+        st = state["storage"]
+        lo, hi = int(st["first_step"]), int(st["next_step"])
+        keys, times = np.asarray(state["keys"]), np.asarray(state["times_sampled"])
+        if keys.ndim != 1 or keys.dtype.kind not in "iu" or times.shape != keys.shape or times.dtype.kind not in "iu":
+            raise ValueError(f"state keys and times_sampled must be integer arrays of one length, got "
+                             f"{keys.dtype} {keys.shape} and {times.dtype} {times.shape}")
+        keys = keys.astype(np.int64)
+        if len(keys) and (keys[0] < lo or keys[-1] >= hi or bool(np.any(np.diff(keys) <= 0))):
+            raise ValueError(f"state keys must be distinct stored steps in [{lo}, {hi}), in increasing order")
+        if len(keys) > self._max_size:
+            raise ValueError(f"state holds {len(keys)} items, more than max_size {self._max_size}")
+        if len(times) and (int(times.min()) < 0 or (self._max_times_sampled and int(times.max()) >= self._max_times_sampled)):
+            raise ValueError(f"state times_sampled must be in [0, max_times_sampled={self._max_times_sampled}) "
+                             "(0: unbounded)")
+        counts = state["counts"]
+        if set(counts) != set(self._counts) or any(
+            isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in counts.values()
+        ):
+            raise ValueError(f"state counts must be ints >= 0 for {sorted(self._counts)}, got {dict(counts)!r}")
+        gone = sum(int(counts[k]) for k in ("evicted", "removed", "expired", "deleted"))
+        if int(counts["inserted"]) - gone != len(keys):
+            raise ValueError(f"state counts say {int(counts['inserted'])} inserted and {gone} gone, but it holds "
+                             f"{len(keys)} items")
+        slots = np.sort(keys % self._storage.capacity)
+        for what, sel, fed in (("sampler", self._sampler, True), ("remover", self._remover, self._feed_remover)):
+            scratch = _selector_from_config(_selector_config(sel))
+            scratch.bind(self._storage.capacity)
+            scratch.load_state_dict(dict(state[what]))
+            want = slots if fed else slots[:0]
+            if not np.array_equal(scratch.present_slots(), want):
+                raise ValueError(f"state's {what} holds {len(scratch)} items, not exactly the table's {len(want)}")
+        limiter = limiter_from_config(self._limiter.config())
+        limiter.load_state_dict(dict(state["rate_limiter"]))
+        np.random.Generator(np.random.PCG64()).bit_generator.state = state["rng"]
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output into a table built with the same configuration.
 
+        The state is checked before anything changes (its episode index, items, counters and
+        selectors must agree: see ``_check_state``), so a state no table could have reached is
+        refused and the table stays as it was.
+
         Raises:
-            ValueError: the state does not fit (storage fields or capacity).
+            ValueError: the state does not fit (storage fields or capacity) or is inconsistent.
         """
         with self._lock:
+            try:
+                self._check_state(state)
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"table {self._name!r}: malformed state ({type(e).__name__}: {e})") from e
             self._storage.load_state_dict(state["storage"])
             cap = self._storage.capacity
             keys = np.asarray(state["keys"], dtype=np.int64)
@@ -976,6 +1134,7 @@ class Table:
             self._remover.load_state_dict(dict(state["remover"]))
             self._rng.bit_generator.state = state["rng"]
             self._limiter.load_state_dict(dict(state["rate_limiter"]))
+            self._generation += 1
 
     @staticmethod
     def _pack(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -1017,9 +1176,13 @@ class Table:
         return self._write(self.state_dict(_buffers=buffers), directory, keep)
 
     def save_in_background(
-        self, directory: str | os.PathLike[str], *, keep: int = 3
+        self, directory: str | os.PathLike[str], *, keep: int = 3, cancel: threading.Event | None = None
     ) -> concurrent.futures.Future[Path]:
         """Snapshot now (short, under the lock), write in a background thread.
+
+        Args:
+            cancel: setting it stops the write within one chunk (16 MiB); the future then raises
+                :class:`~reactor.replay.checkpoint.CheckpointCancelled` and nothing is published.
 
         Returns:
             A future resolving to the checkpoint directory (or raising the write's error).
@@ -1029,16 +1192,19 @@ class Table:
 
         def run() -> None:
             try:
-                fut.set_result(self._write(state, directory, keep))
+                fut.set_result(self._write(state, directory, keep, cancel))
             except BaseException as e:  # delivered to the owner through the future
                 fut.set_exception(e)
 
         threading.Thread(target=run, name=f"save-{self._name}", daemon=True).start()
         return fut
 
-    def _write(self, state: Mapping[str, Any], directory: str | os.PathLike[str], keep: int) -> Path:
+    def _write(
+        self, state: Mapping[str, Any], directory: str | os.PathLike[str], keep: int,
+        cancel: threading.Event | None = None,
+    ) -> Path:
         manifest, arrays = self._pack(state)
-        return _ckpt.write_checkpoint(directory, manifest, arrays, keep=keep)
+        return _ckpt.write_checkpoint(directory, manifest, arrays, keep=keep, cancel=cancel)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Table:
@@ -1047,13 +1213,54 @@ class Table:
         The restored table continues the identical sample sequence: same items, priorities, times
         sampled, selector state and generator state.
 
+        Everything is verified before the table is returned: every file's checksum
+        (:func:`~reactor.replay.checkpoint.read_checkpoint`), then the arrays' shapes and the state's
+        invariants (:meth:`load_state_dict`). It returns the saved state or raises; never a
+        different state.
+
         Raises:
             FileNotFoundError: no complete checkpoint.
-            ValueError: a malformed or foreign checkpoint.
+            CheckpointCorruptError: a checksum mismatch, a missing, truncated or foreign file, or
+                content that is inconsistent (the message names the checkpoint directory and what).
+            ValueError: a foreign checkpoint (not a table's).
         """
         manifest, arrays = _ckpt.read_checkpoint(directory)
         if manifest.get("format") != "reactor.replay.Table/1":
             raise ValueError(f"{str(directory)!r} holds no reactor.replay.Table checkpoint")
+        where = _ckpt.latest_checkpoint(directory) if not (Path(directory) / _ckpt.MARKER).is_file() else directory
+        try:
+            return cls._from_checkpoint(manifest, arrays, device)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise _ckpt.CheckpointCorruptError(
+                f"checkpoint {str(where)!r}: its content is inconsistent ({type(e).__name__}: {e}); the checkpoint "
+                "is refused"
+            ) from e
+
+    @classmethod
+    def restore(
+        cls, root: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+    ) -> tuple[Table | None, Path | None, list[str]]:
+        """Load the newest complete checkpoint under ``root`` that verifies, falling back to older ones.
+
+        A checkpoint that fails verification (:meth:`load`) is skipped, never half-loaded; the
+        caller logs the refusals.
+
+        Returns:
+            ``(table, its checkpoint directory, refusals)``: ``(None, None, refusals)`` when no
+            checkpoint verifies (or there is none), so the caller starts empty.
+        """
+        refusals = []
+        for path in _ckpt.complete_checkpoints(root):
+            try:
+                return cls.load(path, device=device), path, refusals
+            except (OSError, ValueError) as e:  # CheckpointCorruptError is a ValueError
+                refusals.append(str(e))
+        return None, None, refusals
+
+    @classmethod
+    def _from_checkpoint(
+        cls, manifest: dict[str, Any], arrays: dict[str, np.ndarray], device: str | torch.device
+    ) -> Table:
         cfg = manifest["config"]
         specs = [FieldSpec(s["name"], tuple(s["shape"]), _dtype_from_name(s["dtype"])) for s in cfg["specs"]]
         storage = Storage(specs, int(cfg["capacity"]), device=device)
@@ -1079,8 +1286,11 @@ class Table:
         n = int(st["next_step"]) - int(st["first_step"])
         fields = {}
         for s in specs:
-            raw = torch.from_numpy(arrays[f"field.{s.name}"])
-            fields[s.name] = raw.view(s.dtype).reshape(n, *s.shape)
+            raw = arrays[f"field.{s.name}"]
+            want = n * int(math.prod(s.shape)) * s.dtype.itemsize
+            if raw.dtype != np.uint8 or raw.shape != (want,):
+                raise ValueError(f"array field.{s.name} has {raw.dtype} {raw.shape}, expected uint8 ({want},)")
+            fields[s.name] = torch.from_numpy(raw).view(s.dtype).reshape(n, *s.shape)
         st["fields"] = fields
         st["ep_start"] = arrays["storage.ep_start"]
         st["ep_len"] = arrays["storage.ep_len"]

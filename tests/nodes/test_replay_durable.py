@@ -1,0 +1,120 @@
+"""Replay shards' durability in a real run: periodic checkpoints skip an unchanged table and never keep a
+run alive; the final checkpoint is written only if something changed; cancelled saves publish nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from reactor import Action, Graph, Input, Output, Reactor, reaction, run, startup
+from reactor.nodes import Replay, Steps, requester_key, shard_key
+from reactor.nodes.messages import MassRequest, ReplayReply, ReplayRequest
+from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table, Uniform
+from reactor.replay.checkpoint import CheckpointCancelled, complete_checkpoints
+
+
+class Driver(Reactor):
+    """Inserts at 0, 1, 2 ms and at ``late_ms``; otherwise asks the shard for its mass every ms (a
+    request that changes nothing) until 40 ms."""
+
+    steps = Output(Steps)
+    requests = Output(ReplayRequest)
+    replies = Input(ReplayReply)
+    go = Action()
+
+    def __init__(self, late_ms: int) -> None:
+        self.late_ms = late_ms
+
+    @reaction(triggers=[startup], effects=[go])
+    def begin(self) -> None:
+        self.go.schedule(0)
+
+    @reaction(triggers=[go], effects=[steps, requests, go])
+    def step(self, go: int) -> None:
+        if go in (0, 1, 2, self.late_ms):
+            self.steps.send(Steps(0, 0, go, {"x": np.full(4, go, dtype=np.int64)}, np.ones(4, dtype=bool)))
+        else:
+            self.requests.send(MassRequest(0, 0, go))
+        if go < 40:
+            self.go.schedule(go + 1, delay_s=1e-3)
+
+    @reaction(triggers=[replies])
+    def take(self, replies: ReplayReply) -> None:
+        pass
+
+
+def _graph(run_dir, late_ms: int, **replay) -> Graph:
+    g = Graph()
+    d = g.add(Driver(late_ms), name="driver")
+    kw = {"checkpoint_period_s": 5e-3, "checkpoint_on_shutdown": True, "keep_checkpoints": 100, **replay}
+    r = g.add(Replay([("x", (), "int64")], 64, run_dir=str(run_dir), **kw), name="replay", replicas=1)
+    g.connect(d.steps, r.steps, key=shard_key)
+    g.connect(d.requests, r.requests, key=shard_key)
+    g.connect(r.replies, d.replies, key=requester_key, delay_s=1e-6)
+    return g
+
+
+@pytest.mark.parametrize("late_ms", [None, 30], ids=["idle-after-start", "one-late-insert"])
+def test_periodic_checkpoints_skip_an_unchanged_shard_and_the_final_one_is_not_a_rewrite(tmp_path, late_ms):
+    """Regression: an idle shard rewrote the same state every period (8 times here) and once more at the
+    end. Now a checkpoint is written only for a change: one after the inserts at 0-2 ms (at the first
+    event past 5 ms), at most one more for a late insert (periodic, or the final one when the periodic
+    save of the older state was still being written and was cancelled), none for the idle periods; the
+    newest holds every insert, and the run ends by itself."""
+    r = run(_graph(tmp_path, -1 if late_ms is None else late_ms))
+    assert r.stopped_by == "quiescence"
+    done = complete_checkpoints(tmp_path / "replay")
+    assert 1 <= len(done) <= (1 if late_ms is None else 2), [p.name for p in done]
+    newest = Table.load(done[0])
+    assert newest.statistics().inserted == (12 if late_ms is None else 16)
+
+
+def test_a_cancelled_background_save_publishes_nothing(tmp_path):
+    t = Table(Storage([FieldSpec("x", (8,))], 64), sampler=Uniform(), remover=Fifo(), rate_limiter=MinSize(1))
+    t.insert_nowait({"x": torch.ones(10, 8)})
+    cancel = threading.Event()
+    cancel.set()
+    fut = t.save_in_background(tmp_path, cancel=cancel)
+    with pytest.raises(CheckpointCancelled):
+        fut.result(timeout=60)
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no temporary directory left
+
+
+def test_table_generation_moves_with_every_change_of_the_checkpointed_state(tmp_path):
+    t = Table(Storage([FieldSpec("x", (2,))], 16), sampler=Uniform(), remover=Fifo(), rate_limiter=MinSize(1))
+    seen = [t.generation]
+
+    def moved() -> bool:
+        seen.append(t.generation)
+        return seen[-1] != seen[-2]
+
+    keys = t.insert_nowait({"x": torch.zeros(4, 2)})
+    assert moved()
+    t.statistics(), t.state_dict(), len(t)
+    t.save(tmp_path)
+    assert not moved()  # reading and saving change nothing
+    t.sample_nowait(2)
+    assert moved()  # times sampled and the generator moved
+    t.update_priorities(keys[:2], [2.0, 3.0])
+    assert moved()
+    t.update_priorities(keys[:0], [])
+    assert not moved()
+    t.delete(keys[:1])
+    assert moved()
+    t.reset()
+    assert moved()
+
+
+def test_a_shard_with_a_write_ahead_log_redoes_its_acknowledged_inserts_on_restore(tmp_path):
+    """No checkpoint at all (as if the process died before its first): the second run's shard starts
+    with the first run's 12 logged steps, redone from the log, then adds its own."""
+    run(_graph(tmp_path, -1, checkpoint_period_s=None, checkpoint_on_shutdown=False, wal=True))
+    assert complete_checkpoints(tmp_path / "replay") == []
+    assert [p.name for p in (tmp_path / "replay" / "wal").iterdir()] == ["wal-0000000000000000.log"]
+    run(_graph(tmp_path, -1, checkpoint_period_s=None, wal=True))
+    t = Table.load(tmp_path / "replay")
+    x = t.state_dict()["storage"]["fields"]["x"]
+    assert x.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4 + [1] * 4 + [2] * 4

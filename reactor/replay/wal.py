@@ -41,6 +41,8 @@ import msgpack
 import numpy as np
 import torch
 
+from .checkpoint import _fsync_path as _fsync_dir  # the directory's entry, as a checkpoint's
+
 __all__ = ["WalRecord", "WriteAheadLog", "read_wal", "redo_wal"]
 
 log = logging.getLogger("reactor.replay")
@@ -182,14 +184,6 @@ class WriteAheadLog:
             os.close(self._fd)
             self._fd = -1
             self._segment = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _segments(path: Path) -> list[tuple[int, Path]]:

@@ -6,6 +6,7 @@ Real runs (``reactor run`` in a subprocess), real ipc sockets found in the run's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -290,3 +291,45 @@ def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_dqn_run_under_actors_under_hostile_frames_on_every_socket_ends_with_the_undisturbed_weights(tmp_path):
+    """The main job's shape (learner, 2 actor and 2 shard processes), deterministic with a step
+    budget: while it trains, every worker's and the coordinator's socket gets garbage, forged
+    control and data messages and takeover attempts. It ends with the same weights, bit for bit, as
+    the same run undisturbed, and every process counted what it dropped."""
+    args = ["apps/dqn_cartpole.py", "--placement", "actors", "--seed", "3", "--json", "--set", "live=False",
+            "--set", "max_env_steps=4000", "--set", "target_return=None"]
+    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", *args, "--set",
+                          f"run_dir={str(tmp_path / 'ref')!r}"], cwd=ROOT, env=_env(tmp_path / "r"),
+                         capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    proc = _run([*args, "--set", f"run_dir={str(tmp_path / 'hit')!r}"], tmp_path)
+    ctx = zmq.Context()
+    rng = random.Random(11)
+    try:
+        run_dir = _run_dir(tmp_path)
+        names = {"coordinator", "learner", "actor-0", "actor-1", "replay-0", "replay-1"}
+        sockets = _wait_for(lambda: (s := {p.name: f"ipc://{p}" for p in run_dir.iterdir() if p.name in names})
+                            and len(s) == len(names) and s, 240, "every worker's socket")
+        for _ in range(3):
+            for target, address in sockets.items():
+                for name in ("intruder", "coordinator" if target != "coordinator" else "learner", "replay-0"):
+                    s = _dealer(ctx, address, name)
+                    with contextlib.suppress(zmq.Again):  # the run may be ending: its sockets go
+                        for frames in [*_garbage(rng), encode(("m", 0, 0, 0, 0, None))]:
+                            s.send_multipart(frames)
+                    s.close(linger=2000)
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ctx.destroy(linger=0)
+    assert proc.returncode == 0, err[-3000:]
+    dropped = json.loads(out)["dropped"]
+    assert all(dropped[p] > 0 for p in names), dropped
+    assert (tmp_path / "hit" / "weights.sha256").read_text() == (tmp_path / "ref" / "weights.sha256").read_text()

@@ -310,8 +310,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
         listing = manifest.pop("arrays")
         checksums = manifest.pop("checksums")
         own = manifest.pop("checkpoint")
-        if not (isinstance(listing, dict) and isinstance(checksums, dict) and isinstance(own, str)):
-            raise ValueError("'arrays' and 'checksums' must be objects, 'checkpoint' a string")
+        if not (isinstance(listing, dict) and isinstance(checksums, dict) and isinstance(own, str)
+                and all(isinstance(v, str) for v in [*listing.values(), *checksums.values()])):
+            raise ValueError("'arrays' and 'checksums' must map names to strings, 'checkpoint' must be a string")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(path, MANIFEST, f"is malformed ({type(e).__name__}: {e})") from e
     if _NAME.match(path.name) and own != path.name:

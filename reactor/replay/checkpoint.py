@@ -232,36 +232,44 @@ def _corrupt(path: Path, fname: str, why: str) -> CheckpointCorruptError:
 
 def _read_npy(path: Path, fname: str, expected: str) -> np.ndarray:
     """Read and verify one ``.npy`` file: its digest, a plain dtype, and exactly the bytes its header
-    promises (no pickle, no object arrays)."""
+    promises (no pickle, no object arrays). The data are read once, straight into the array."""
     file = path / fname
     try:
-        with open(file, "rb") as f:
-            raw = f.read()
+        f = open(file, "rb")
     except OSError as e:
         raise _corrupt(path, fname, f"cannot be read ({e.strerror or e})") from e
+    with f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
+        except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError...
+            raise _corrupt(path, fname, f"has a malformed .npy header ({type(e).__name__}: {e})") from e
+        if dtype.hasobject:
+            raise _corrupt(path, fname, "holds an object array (never written by reactor)")
+        start = f.tell()
+        count = int(np.prod(shape, dtype=np.int64))
+        size = os.fstat(f.fileno()).st_size
+        if count < 0 or size - start != count * dtype.itemsize:
+            raise _corrupt(path, fname, f"holds {size - start} data bytes, its header promises {count * dtype.itemsize}")
+        f.seek(0)
+        header = f.read(start)
+        arr = np.empty(count, dtype=dtype)
+        data = memoryview(arr.reshape(-1).view(np.uint8)) if count else memoryview(bytearray())
+        got_bytes = f.readinto(data) if count else 0
+        if got_bytes != len(data):
+            raise _corrupt(path, fname, f"ended after {got_bytes} of {len(data)} data bytes")
     h = _hasher()
-    h.update(raw)
+    h.update(header)
+    for i in range(0, len(data), _CHUNK):
+        h.update(data[i : i + _CHUNK])
     got = f"{_DIGEST}:{h.hexdigest()}"
     if got != expected:
         raise _corrupt(path, fname, f"has checksum {got}, the manifest says {expected}")
-    bio = io.BytesIO(raw)
-    try:
-        version = np.lib.format.read_magic(bio)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(bio)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(bio)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
-    except ValueError as e:
-        raise _corrupt(path, fname, f"has a malformed .npy header ({e})") from e
-    if dtype.hasobject:
-        raise _corrupt(path, fname, "holds an object array (never written by reactor)")
-    start = bio.tell()
-    count = int(np.prod(shape, dtype=np.int64))
-    if len(raw) - start != count * dtype.itemsize:
-        raise _corrupt(path, fname, f"holds {len(raw) - start} data bytes, its header promises {count * dtype.itemsize}")
-    arr = np.frombuffer(bytearray(raw[start:]), dtype=dtype, count=count)  # writable copy
     return arr.reshape(shape, order="F" if fortran else "C")
 
 
@@ -302,8 +310,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
         listing = manifest.pop("arrays")
         checksums = manifest.pop("checksums")
         own = manifest.pop("checkpoint")
-        if not (isinstance(listing, dict) and isinstance(checksums, dict) and isinstance(own, str)):
-            raise ValueError("'arrays' and 'checksums' must be objects, 'checkpoint' a string")
+        if not (isinstance(listing, dict) and isinstance(checksums, dict) and isinstance(own, str)
+                and all(isinstance(v, str) for v in [*listing.values(), *checksums.values()])):
+            raise ValueError("'arrays' and 'checksums' must map names to strings, 'checkpoint' must be a string")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise _corrupt(path, MANIFEST, f"is malformed ({type(e).__name__}: {e})") from e
     if _NAME.match(path.name) and own != path.name:

@@ -104,6 +104,8 @@ def _end_worker(item: pytest.Item, timeout_s: float, dump: Path) -> None:
             if ident == threading.get_ident():
                 continue
             frames = [f for f in traceback.extract_stack(frame) if not _HARNESS.search(f.filename)]
+            if not frames:  # a thread of the harness alone (execnet's receiver)
+                continue
             parts.append(f"--- stack of thread {names.get(ident, '?')} ({ident}), harness frames left out\n")
             parts.append("".join(traceback.format_list(frames)))
         dump.write_text("".join(parts))

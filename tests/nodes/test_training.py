@@ -36,6 +36,7 @@ def _hashes(out: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # ~25-40 s on a loaded 2-core machine
 def test_dqn_weights_are_bit_identical_under_single_and_actors(tmp_path):
     """Issue 5: two seeded DQN runs of 5,000 env steps, `single` and `actors` (2 actor processes,
     2 replay-shard processes), end with bit-identical network weights."""
@@ -160,6 +161,7 @@ def test_unknown_algorithm_names_the_known_ones():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # ~25-40 s on a loaded 2-core machine
 def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound(capfd):
     """Writers' flow control: when the learner cannot keep up (2 updates per env step), the shards'
     rate limiter holds inserts back; with max_unacked the actors stop stepping instead of having

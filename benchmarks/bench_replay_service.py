@@ -53,8 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reactor._app import build_graph
-from reactor._runtime import run
+from reactor.launch._app import build_graph
+from reactor.launch._runtime import run
 
 APP = str(Path(__file__).resolve().parent / "apps" / "replay_service.py")
 

@@ -6,7 +6,7 @@ Layer map (imports point only downwards; tests/test_layers.py enforces it):
     reactor/cli.py         `reactor run | graph | trace`
     reactor/nodes/         ready-made reactors (Replay, EnvActor, Learner, ...)
     reactor/algos/         RL algorithms as plain functions over tensors
-    launch                 _runtime, _coordinator, _worker: placement and processes
+    reactor/launch/        placement, policies, run(), coordinator, workers, their protocol
     reactor/replay/        replay engine, no networking, no runtime
     reactor/transport/     how bytes move (codec, ZeroMQ endpoint, bulk regions); knows no RL
     core                   _errors, _tag, _reactor, _graph, _scheduler, _trace
@@ -36,10 +36,10 @@ from ._reactor import Timer as Timer
 from ._reactor import reaction as reaction
 from ._reactor import shutdown as shutdown
 from ._reactor import startup as startup
-from ._runtime import RunResult as RunResult
-from ._runtime import current_run_id as current_run_id
-from ._runtime import run as run
-from ._runtime import run_async as run_async
 from ._tag import Tag as Tag
+from .launch._result import RunResult as RunResult
+from .launch._runtime import current_run_id as current_run_id
+from .launch._runtime import run as run
+from .launch._runtime import run_async as run_async
 
 __version__ = "0.1.0"

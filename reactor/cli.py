@@ -13,8 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ._app import AppError, build_graph, parse_overrides
 from ._errors import GraphError, MalformedFrameError, ReactorError
+from .launch._app import AppError, build_graph, parse_overrides
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("\n".join(lines) if lines else "traces are identical")
         return 1 if lines else 0
     # run
-    from ._runtime import new_run_id, run
+    from .launch._runtime import new_run_id, run
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -9,7 +9,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "reactor"
 CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace", "_native"}
-LAUNCH = {"_runtime", "_coordinator", "_worker", "_placement", "_policies", "_app", "_protocol", "_rundir"}
 
 
 def _layer(module: str) -> str:
@@ -17,12 +16,10 @@ def _layer(module: str) -> str:
     if len(parts) == 1:
         return "api"
     head = parts[1]
-    if head in ("replay", "transport", "nodes", "algos"):
+    if head in ("replay", "transport", "nodes", "algos", "launch"):
         return head
     if head in CORE:
         return "core"
-    if head in LAUNCH:
-        return "launch"
     if head == "cli":
         return "cli"
     return "other:" + head
@@ -97,3 +94,24 @@ def test_algorithms_import_nothing_of_the_runtime():
         for target, line in _imports(module, path):
             if target.startswith("reactor"):
                 assert target.startswith(("reactor.algos", "reactor.replay")), f"{path}:{line} imports {target}"
+
+
+def test_launch_modules_import_no_circle():
+    """Within reactor/launch/ no module imports (at any depth, lazily or not) one that imports it back."""
+    launch = ROOT / "launch"
+    edges: dict[str, set[str]] = {}
+    for path in launch.glob("*.py"):
+        module = "reactor.launch" if path.stem == "__init__" else f"reactor.launch.{path.stem}"
+        edges[module] = {t for t, _ in _imports(module, path) if t.startswith("reactor.launch.")}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for t in edges.get(todo.pop(), ()):
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return seen
+
+    circles = sorted(m for m in edges if m in reach(m))
+    assert not circles, f"import circles through {circles}"

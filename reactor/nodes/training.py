@@ -285,7 +285,7 @@ def control_app_graph(config: ControlAppConfig, *, algo: str, env: str, tuning: 
         name: the app's name, for the default run directory ``runs/<name>-RUN_ID``.
         title: the live display's title.
     """
-    from .._runtime import current_run_id
+    from ..launch._runtime import current_run_id
 
     algo_config = {**tuning, "priorities": config.prioritized, **config.algo_config}
     return off_policy_graph(

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from reactor import run
-from reactor._app import build_graph
 from reactor.algos import ddpg, sac, td3
 from reactor.algos.envs import make_env
+from reactor.launch._app import build_graph
 from tests.learning import first_seed_passing
 
 APPS = Path(__file__).resolve().parents[2] / "apps"

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from reactor import run
-from reactor._app import build_graph
 from reactor.algos import ppo
+from reactor.launch._app import build_graph
 from tests.learning import first_seed_passing
 
 APP = str(Path(__file__).resolve().parents[2] / "apps" / "ppo_cartpole.py")

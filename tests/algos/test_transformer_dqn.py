@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from reactor import run
-from reactor._app import build_graph
 from reactor.algos import transformer_dqn as tdqn
 from reactor.algos.envs import make_env
+from reactor.launch._app import build_graph
 from reactor.nodes.writer import WindowPattern, Writer
 from reactor.replay import FieldSpec, Storage, WindowRead
 from tests.learning import every_seed_stays_below_target, first_seed_passing

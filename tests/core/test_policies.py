@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reactor import Graph, GraphError, Input, Output, Reactor, reaction
-from reactor._placement import resolve
+from reactor.launch._placement import resolve
 
 
 class Actor(Reactor):

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from reactor import ReactorError, run
-from reactor._app import build_graph
 from reactor._scheduler import _PROMISE_SCAN_MAX, ACTION, INPUT, STARTUP, TIMER, ReactorHost
 from reactor._tag import NEVER, Tag
+from reactor.launch._app import build_graph
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "sample_loop.py")
 MIX = str(Path(__file__).resolve().parents[1] / "apps" / "promise_mix.py")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from reactor import TraceMismatchError, run
-from reactor._app import build_graph
 from reactor._trace import diff, read_trace, write_trace
+from reactor.launch._app import build_graph
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "racing.py")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from reactor import run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = ROOT / "tests" / "apps"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from reactor._coordinator import _Session
+from reactor.launch._coordinator import _Session
 
 
 class _Probes:

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reactor import run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 
 DAG = str(Path(__file__).resolve().parents[1] / "apps" / "dag.py")
 

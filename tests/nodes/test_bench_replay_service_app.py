@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from reactor import run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 
 APP = str(Path(__file__).resolve().parents[2] / "benchmarks" / "apps" / "replay_service.py")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from reactor import PeerLostError, run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 from reactor.nodes import (
     PriorityUpdate,
     Replay,

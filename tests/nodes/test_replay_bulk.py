@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from reactor import Graph, Input, Output, Reactor, reaction, run, startup
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 from reactor.nodes import Replay, ReplayClient, Steps, requester_key, shard_key
 from reactor.nodes.messages import (
     ReplayControl,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from reactor import run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "train_rollouts.py")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from reactor import run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 from reactor.replay import FieldSpec, MinSize, Prioritized, StepRead, Storage, Table, Uniform
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "replay_service.py")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from reactor import run
-from reactor._app import build_graph
+from reactor.launch._app import build_graph
 from tests.learning import first_seed_passing
 
 ROOT = Path(__file__).resolve().parents[2]

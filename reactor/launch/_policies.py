@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._graph import Graph
-from ._placement import Group, group_name
+from .._graph import Graph
+from ._groups import Group, group_name
 
 POLICIES: dict[str, Callable[[Graph], list[Group]]] = {}
 

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .transport._shm import cleanup_stale, owner_alive, process_identity
+from ..transport._shm import cleanup_stale, owner_alive, process_identity
 
 __all__ = ["open_run_dir", "remove_run_dir", "runtime_base", "sweep_stale"]
 

@@ -2,7 +2,7 @@
 
 * ``single``: every reactor in one process (``_runtime.drive_single``).
 * ``processes``: one process per reactor instance, linked by ZeroMQ over ipc.
-* a distribution policy (``actors``, ``colocated``, ``dp-learners``; see ``_policies.py``);
+* a distribution policy (``actors``, ``colocated``, ``dp-learners``; see ``reactor/launch/_policies.py``);
 * a TOML placement file naming groups::
 
       [groups.learner]
@@ -20,22 +20,14 @@ from __future__ import annotations
 import fnmatch
 import re
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import GraphError
-from ._graph import Graph
+from .._errors import GraphError
+from .._graph import Graph
+from ._groups import Group, group_name
+from ._policies import POLICIES
 
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]+$")
-
-
-@dataclass(frozen=True)
-class Group:
-    """One process of a multi-process run."""
-
-    name: str
-    reactors: tuple[str, ...]
-    bind: str | None = None  # None: ipc in a private directory
 
 
 def resolve(graph: Graph, placement: str) -> list[Group]:
@@ -48,8 +40,6 @@ def resolve(graph: Graph, placement: str) -> list[Group]:
     instances = [name for _, _, name in graph.instances()]
     if placement == "processes":
         return [Group(group_name(n), (n,)) for n in instances]
-    from ._policies import POLICIES
-
     if placement in POLICIES:
         return [g for g in POLICIES[placement](graph) if g.reactors]
     path = Path(placement)
@@ -134,8 +124,3 @@ def check_lookahead(graph: Graph, groups: list[Group], placement: str) -> None:
                 f"({hops}); deterministic mode cannot advance around it. Give one of these connections "
                 f"delay_s > 0, place those reactors in one process, or run with --async"
             )
-
-
-def group_name(instance: str) -> str:
-    """A process group name for one reactor instance (``actor[3]`` -> ``actor-3``)."""
-    return instance.replace("[", "-").replace("]", "")

@@ -17,8 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ._errors import ReactorError
-from ._graph import Graph
+from .._errors import ReactorError
+from .._graph import Graph
 
 
 class AppError(ReactorError):

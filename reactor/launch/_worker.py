@@ -1,6 +1,6 @@
 """A worker process of a multi-process run: hosts one placement group's reactors.
 
-Started by the coordinator as ``python -m reactor._worker`` with its spec as JSON on stdin. It
+Started by the coordinator as ``python -m reactor.launch._worker`` with its spec as JSON on stdin. It
 rebuilds the graph from the app file (the same ``build(config)`` in every process), opens its
 endpoint, reports its address, connects to the processes it sends to, and runs its reactors until
 the run ends. It dies with its parent (``PR_SET_PDEATHSIG``), and stops cleanly on SIGTERM.
@@ -32,11 +32,11 @@ import traceback
 from collections import deque
 from typing import Any
 
+from .._errors import PeerLostError, WouldBlock
+from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
+from .._tag import NEVER, Tag
 from ._app import build_graph
-from ._errors import PeerLostError, WouldBlock
 from ._protocol import COORDINATOR, WorkerProtocol
-from ._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
-from ._tag import NEVER, Tag
 
 log = logging.getLogger("reactor.worker")
 #: A worker's status reports to the coordinator (idle, sent, received: quiescence detection) go
@@ -144,7 +144,7 @@ class Worker:
         self.loop_stats = {"rounds": 0, "promises": 0, "waits": 0}
 
     async def main(self) -> None:
-        from .transport import CurveKeys, Endpoint
+        from ..transport import CurveKeys, Endpoint
 
         spec = self.spec
         graph = build_graph(spec["app"], spec["config"])
@@ -159,7 +159,7 @@ class Worker:
         curve = spec.get("curve")
         keys = CurveKeys(curve["public"].encode(), curve["secret"].encode()) if curve else None
         # Every message is checked against its kind's schema, its sender's right to send it and
-        # its port's type where it enters this process (reactor/_protocol.py); a bad one is dropped.
+        # its port's type where it enters this process (reactor/launch/_protocol.py); a bad one is dropped.
         port_types = {n: node.reactor_type._port_specs for node, _, n in graph.instances()}
         in_links = {lk.index: (owner_of[lk.src], port_types[lk.dst][lk.dst_port].type)
                     for lk in links if lk.dst in local and owner_of[lk.src] != self.group}
@@ -180,7 +180,7 @@ class Worker:
             recorder = Recorder() if spec["record"] else None
             replayer = None
             if spec["replay"]:
-                from ._trace import read_trace
+                from .._trace import read_trace
 
                 events = read_trace(spec["replay"])["events"]
                 replayer = Replayer({k: v for k, v in events.items() if k in local})
@@ -340,7 +340,7 @@ class Worker:
         self._take(early)
 
     def _take(self, batch: list[tuple[str, Any]]) -> None:
-        """Deliver checked messages (the endpoint applied the schemas: reactor/_protocol.py)."""
+        """Deliver checked messages (the endpoint applied the schemas: reactor/launch/_protocol.py)."""
         h = self.host
         horizons = h.horizons if h.deterministic else None
         promised_by = self.promised_by

@@ -2,7 +2,7 @@
 
 This is the launch layer: it sits above the scheduler and the transport. ``single`` runs every
 reactor on this event loop; ``processes`` and placement files start one worker process per group
-(``reactor/_worker.py``) and coordinate them (``reactor/_coordinator.py``).
+(``reactor/launch/_worker.py``) and coordinate them (``reactor/launch/_coordinator.py``).
 """
 
 from __future__ import annotations
@@ -14,42 +14,13 @@ import os
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._graph import Graph
-from ._scheduler import ReactorHost, Recorder, Replayer
-from ._tag import seconds_to_ns
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What a run reports when it ends.
-
-    Attributes:
-        digests: per reactor instance, a sha256 of every message it received (with ``digest=True``).
-        events: per reactor instance, how many events it handled.
-        placement: the placement the run used.
-        stopped_by: ``"stop_time"``, ``"quiescence"``, ``"request"``, ``"signal"`` or ``"replay"``.
-        processes: multi-process runs: per worker process, flow statistics (``peak_inbox``,
-            ``peak_backlog``: the most messages queued in and out; ``peak_rss_bytes``; ``sent``,
-            ``received``: messages to and from other processes; deterministic mode: ``rounds`` of
-            work, ``promises`` sent, ``waits`` for peers, ``coarse_promises`` computed from the
-            earliest of a long queue) and, from the start of the run, ``cpu_ms`` (all threads) and
-            ``voluntary_switches`` / ``involuntary_switches``. ``reactor run --json`` prints them.
-        dropped: multi-process runs: per process (the workers and ``coordinator``), the messages
-            from peers it dropped (undecodable, too large, over credit, from an unknown sender, or
-            refused by the protocol's schemas: reactor/_protocol.py). A correct run drops none.
-    """
-
-    digests: Mapping[str, str] = field(default_factory=dict)
-    events: Mapping[str, int] = field(default_factory=dict)
-    placement: str = "single"
-    stopped_by: str = "quiescence"
-    processes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    dropped: Mapping[str, int] = field(default_factory=dict)
-
+from .._graph import Graph
+from .._scheduler import ReactorHost, Recorder, Replayer
+from .._tag import seconds_to_ns
+from ._result import RunResult
 
 _RUN_COUNTER = itertools.count()
 _CLAIMED: set[str] = set()
@@ -82,7 +53,7 @@ def claim_run_id() -> str:
 
 def payload_digest(value: Any) -> bytes:
     """The bytes a message contributes to its receiver's digest: its codec frames, concatenated."""
-    from .transport.codec import encode
+    from ..transport.codec import encode
 
     return b"".join(bytes(f) for f in encode(value))
 
@@ -125,7 +96,7 @@ async def run_async(
             config=config or {},
             flow_limit=flow_limit,
         )
-    from ._trace import read_trace, write_trace
+    from .._trace import read_trace, write_trace
 
     recorder = Recorder() if record is not None else None
     replayer = Replayer(read_trace(replay)["events"]) if replay is not None else None

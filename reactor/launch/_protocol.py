@@ -7,7 +7,7 @@ give the transport's ``Endpoint.open(accept=...)`` check for the two sides. A me
 is dropped by the endpoint (counted in ``dropped_invalid``, logged with the sender and the reason)
 and the process goes on: one bad frame from a peer never ends a run.
 
-Kinds (see ``reactor/_worker.py`` for what each does):
+Kinds (see ``reactor/launch/_worker.py`` for what each does):
 
 worker <- worker (only from a process that owns the link's source):
     ("m", link, seq, time_ns, microstep, value)    a reactor message on link ``link``
@@ -28,7 +28,7 @@ import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ._tag import FOREVER_NS
+from .._tag import FOREVER_NS
 
 __all__ = ["COORDINATOR", "CoordinatorProtocol", "WorkerProtocol", "check_message"]
 

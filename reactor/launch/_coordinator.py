@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._errors import PeerLostError, ReactorError, TraceMismatchError
-from ._graph import Graph
+from .._errors import PeerLostError, ReactorError, TraceMismatchError
+from .._graph import Graph
 from ._placement import check_lookahead, resolve
 from ._protocol import COORDINATOR, CoordinatorProtocol
+from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, sweep_stale
-from ._runtime import RunResult
 
 log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
@@ -51,7 +51,7 @@ async def run_processes(
     config: Mapping[str, Any],
     flow_limit: int = 4096,
 ) -> RunResult:
-    from .transport import Endpoint
+    from ..transport import Endpoint
 
     if app is None:
         raise ValueError(
@@ -62,7 +62,7 @@ async def run_processes(
     if deterministic:
         check_lookahead(graph, groups, placement)
     if replay is not None:
-        from ._trace import read_trace
+        from .._trace import read_trace
 
         read_trace(replay)  # fail here, in one line, rather than in every worker
     owner_of = {n: g.name for g in groups for n in g.reactors}
@@ -75,7 +75,7 @@ async def run_processes(
     # run, the coordinator's too, then admits only peers holding it.
     curve = keys = None
     if any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
-        from .transport import CurveKeys
+        from ..transport import CurveKeys
 
         keys = CurveKeys.generate()
         curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
@@ -110,7 +110,7 @@ async def run_processes(
                 "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             }
             # The group in the environment: `ps e`, and tests, tell the workers apart by it.
-            p = subprocess.Popen([sys.executable, "-m", "reactor._worker"], stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], stdin=subprocess.PIPE,
                                  env={**os.environ, "REACTOR_WORKER_GROUP": g.name})
             assert p.stdin is not None
             p.stdin.write(json.dumps(spec).encode())
@@ -142,7 +142,7 @@ async def run_processes(
             digests.update(res["digests"])
             traces.append(res["trace"])
         if record is not None:
-            from ._trace import merge_events, write_trace
+            from .._trace import merge_events, write_trace
 
             write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
         await _reap(procs, EXIT_TIMEOUT_S)
@@ -300,7 +300,7 @@ def _dropped_transport(stats: Mapping[str, Any]) -> int:
 
 def _cleanup_segments(run_id: str) -> None:
     """Unlink the shared-memory segments of this run that a killed worker left behind."""
-    from .transport._shm import cleanup_stale
+    from ..transport._shm import cleanup_stale
 
     for name in cleanup_stale(run_id):
         log.warning("removed the shared-memory segment %s of a worker that did not close it", name)

@@ -1,0 +1,12 @@
+"""The launch layer: how a graph becomes processes (and, with the daemons, processes on hosts).
+
+- ``_app``: load an app file and build its graph from a config.
+- ``_groups``, ``_placement``, ``_policies``: which process runs which reactor instance.
+- ``_runtime``: ``run(graph, placement=...)``, the single-process driver, run ids; ``_result``: ``RunResult``.
+- ``_coordinator``, ``_worker``: a multi-process run's lifecycle and its worker processes
+  (``python -m reactor.launch._worker``); ``_protocol``: the schemas of their messages;
+  ``_rundir``: the run's private directory and the sweep of dead runs' leftovers.
+
+It sits above the core, the transport and the replay engine, below the nodes and the CLI. The
+public names are re-exported by ``reactor`` itself (``reactor.run``, ``reactor.RunResult``).
+"""

@@ -146,17 +146,22 @@ async def test_a_live_endpoint_drops_what_its_protocol_refuses_and_keeps_serving
         await tx.connect("rx", rx.address)
         good = [("m", 0, i, i, 0, i) for i in range(3)]
         expected_bad = sum(proto("actor-0", m) is not None for m in bad)
-        for i, m in enumerate(bad):
-            await tx.send("rx", m)
-            if i % 7 == 0:
-                await tx.send("rx", good[0])
-        for m in good[1:]:
-            await tx.send("rx", m)
+
+        async def send_all():  # beside the receiver: past the window, sends wait for its credit
+            for i, m in enumerate(bad):
+                await tx.send("rx", m)
+                if i % 7 == 0:
+                    await tx.send("rx", good[0])
+            for m in good[1:]:
+                await tx.send("rx", m)
+
         got = []
         want = sum(proto("actor-0", m) is None for m in bad) + len(bad[::7]) + 2
         async with asyncio.timeout(WAIT_S):
+            sending = asyncio.ensure_future(send_all())
             while len(got) < want:
                 got += await rx.recv_batch()
+            await sending
         assert [m for _, m in got][-2:] == [good[1], good[2]]
         assert all(proto("actor-0", m) is None for _, m in got)
         assert rx.statistics().dropped_invalid == expected_bad

@@ -23,7 +23,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reactor._protocol import (
+from reactor.launch._protocol import (
     COORDINATOR_KINDS,
     PEER_KINDS,
     WORKER_KINDS,

@@ -1,4 +1,5 @@
-"""The ``reactor`` command: ``run``, ``graph``, ``trace`` and ``plot``.
+"""The ``reactor`` command: ``run``, ``graph``, ``trace``, ``plot``; ``keys``, ``daemon``, ``submit``,
+``status``, ``logs`` and ``stop`` for jobs on daemons.
 
 Mistakes a user can make at the command line (a wrong path, an app without ``build``, a bad
 ``--set``, an invalid graph) end with a one-line ``reactor: ...`` message and exit status 2, not a
@@ -11,7 +12,9 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from ._errors import GraphError, MalformedFrameError, ReactorError
 from .launch._app import AppError, build_graph, parse_overrides
@@ -64,6 +67,44 @@ def _parser() -> argparse.ArgumentParser:
                         description="Write a PNG of the learning curves in a run directory.")
     pl.add_argument("run_dir", help="a run directory written by a training app (holds metrics.csv)")
     pl.add_argument("-o", "--out", default=None, help="the PNG's path (default RUN_DIR/curves.png)")
+
+    k = sub.add_parser("keys", help="CURVE keys for daemons and clients")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    ki = ksub.add_parser("init", help="make a key directory: key, key.pub, authorized/")
+    ki.add_argument("dir", nargs="?", default=None, help="default: $REACTOR_KEYS or ~/.reactor/keys")
+
+    d = sub.add_parser("daemon", help="host jobs on this machine", description="A long-lived daemon hosting jobs.")
+    d.add_argument("--listen", required=True, help="tcp://ADDR:PORT (PORT * for any)")
+    d.add_argument("--name", required=True, help="this daemon's name (a host name in placements)")
+    d.add_argument("--state-dir", required=True, help="where it keeps its jobs, their logs and its own log")
+    d.add_argument("--keys", default=None, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
+
+    def client(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--daemon", required=True, help="the daemon's tcp://HOST:PORT")
+        parser.add_argument("--daemon-key", required=True, help="the daemon's key.pub")
+        parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
+        parser.add_argument("--timeout-s", type=float, default=10.0, help="how long to wait for each answer")
+
+    su = sub.add_parser("submit", help="run an app as a job on a daemon; prints the job id")
+    su.add_argument("app")
+    su.add_argument("--placement", default="single", help="as for run; a placement file travels with the job")
+    su.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    su.add_argument("--seed", type=int, default=0)
+    su.add_argument("--async", dest="async_", action="store_true")
+    su.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
+                    help="a file the app needs beside it (repeatable)")
+    client(su)
+    st = sub.add_parser("status", help="a daemon's jobs, or one job")
+    st.add_argument("job", nargs="?", default=None)
+    st.add_argument("--json", action="store_true")
+    client(st)
+    lg = sub.add_parser("logs", help="a job's output")
+    lg.add_argument("job")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    client(lg)
+    sp = sub.add_parser("stop", help="stop a job (SIGTERM to its run, SIGKILL after a grace period)")
+    sp.add_argument("job")
+    client(sp)
     return p
 
 
@@ -82,7 +123,74 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _jobs(args: argparse.Namespace) -> int:
+    """keys, daemon, submit, status, logs, stop."""
+    from .launch._daemon import Daemon, DaemonClient, DaemonError, job_spec
+    from .launch._keys import default_keys_dir, init_keys, load_keys
+    from .transport import CurveKeys
+
+    keys_dir = getattr(args, "keys", None) or default_keys_dir()
+    if args.command == "keys":
+        directory = args.dir or default_keys_dir()
+        keys = init_keys(directory)
+        print(f"made {directory}/key and key.pub ({keys.public.decode()}); add clients' key.pub files to "
+              f"{directory}/authorized/")
+        return 0
+    if args.command == "daemon":
+        from .launch._runtime import asyncio_run
+
+        state = Path(args.state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                            handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
+        daemon = Daemon(args.listen, args.name, state, keys_dir)
+
+        def ready(address: str) -> None:
+            print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),
+                  flush=True)
+
+        asyncio_run(daemon.serve(ready))
+        return 0
+    try:
+        with DaemonClient(args.daemon, CurveKeys.load_public(args.daemon_key), load_keys(keys_dir),
+                          timeout_s=args.timeout_s) as c:
+            if args.command == "submit":
+                spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
+                                seed=args.seed, async_=args.async_, files=args.files)
+                print(c.request("submit", spec))
+            elif args.command == "status":
+                got = c.request("status", args.job)
+                rows = got if isinstance(got, list) else [got]
+                if args.json:
+                    print(json.dumps(got, indent=2))
+                else:
+                    for j in rows:
+                        rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
+                        print(f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  "
+                              f"pid {j['pid']}  up {j['uptime_s']:.1f}s  on {j['daemon']}  | {j['last_line']}")
+            elif args.command == "logs":
+                offset = 0
+                while True:
+                    got = c.request("logs", args.job, offset)
+                    sys.stdout.buffer.write(got["data"])
+                    sys.stdout.flush()
+                    offset = got["offset"]
+                    if not args.follow or (got["done"] and not got["data"]):
+                        break
+                    if not got["data"]:
+                        time.sleep(0.2)
+            else:
+                j = c.request("stop", args.job)
+                print(f"{j['id']}  {j['state']}")
+    except DaemonError as e:
+        print(f"reactor: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in ("keys", "daemon", "submit", "status", "logs", "stop"):
+        return _jobs(args)
     if args.command == "graph":
         graph = build_graph(args.app, parse_overrides(args.overrides))
         graph.validate()

@@ -24,13 +24,14 @@ worker, when it delivers (``Worker._take``).
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .._tag import FOREVER_NS
 
-__all__ = ["COORDINATOR", "CoordinatorProtocol", "WorkerProtocol", "check_message"]
+__all__ = ["COORDINATOR", "DAEMON_KINDS", "CoordinatorProtocol", "WorkerProtocol", "check_message", "check_request"]
 
 COORDINATOR = "coordinator"
 _I64_MAX = 2**63 - 1
@@ -171,6 +172,86 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "done": (_result,),
     "error": (_text,),
 }
+
+
+# ------------------------------------------------------------------------------ daemon requests
+
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+_FILES_MAX = 64
+_FILES_MAX_NBYTES = 32 * 2**20
+_JOB_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """A config value a `--set` can carry: None, bool, int, float, str, lists and str-keyed dicts."""
+    if depth > 16:
+        return False
+    if v is None or type(v) in (bool, int, float, str):
+        return True
+    if type(v) in (list, tuple):
+        return all(_plain(x, depth + 1) for x in v)
+    if type(v) is dict:
+        return all(type(k) is str and _plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+_SPEC_FIELDS = ("app", "files", "sha256", "config", "placement", "seed", "async")
+
+
+def _job_spec(v: Any) -> str | None:
+    if type(v) is not dict or set(v) != set(_SPEC_FIELDS):
+        return f"a job spec is a dict with exactly the fields {list(_SPEC_FIELDS)}, got {_show(v)}"
+    files, sums = v["files"], v["sha256"]
+    if type(files) is not dict or not 0 < len(files) <= _FILES_MAX:
+        return f"files: a dict of 1..{_FILES_MAX} path -> bytes expected, got {_show(files)}"
+    total = 0
+    for name, data in files.items():
+        if type(name) is not str or len(name) > 255 or not _FILE_RE.match(name) or ".." in name.split("/"):
+            return f"files: {_show(name)} is not a relative path of [A-Za-z0-9_.-] parts"
+        if type(data) is not bytes:
+            return f"files[{name!r}]: bytes expected, got {_show(data)}"
+        total += len(data)
+    if total > _FILES_MAX_NBYTES:
+        return f"files: {total} bytes in all, more than {_FILES_MAX_NBYTES}"
+    if type(sums) is not dict or set(sums) != set(files) or not all(
+            type(h) is str and re.fullmatch(r"[0-9a-f]{64}", h) for h in sums.values()):
+        return "sha256: one hex sha256 per file expected"
+    if type(v["app"]) is not str or v["app"] not in files:
+        return f"app: the name of one of the files expected, got {_show(v['app'])}"
+    if type(v["config"]) is not dict or not _plain(v["config"]):
+        return f"config: a dict of plain values (None, bool, int, float, str, lists, dicts) expected, got {_show(v['config'])}"
+    if type(v["placement"]) is not str or not 0 < len(v["placement"]) <= 255:
+        return f"placement: a policy name or the name of one of the files expected, got {_show(v['placement'])}"
+    if type(v["seed"]) is not int or not 0 <= v["seed"] < 2**63:
+        return f"seed: an int in [0, 2**63) expected, got {_show(v['seed'])}"
+    if type(v["async"]) is not bool:
+        return f"async: a bool expected, got {_show(v['async'])}"
+    return None
+
+
+def _job_id(v: Any) -> str | None:
+    return None if type(v) is str and _JOB_RE.match(v) else f"a job id (16 hex digits) expected, got {_show(v)}"
+
+
+def _job_or_none(v: Any) -> str | None:
+    return None if v is None else _job_id(v)
+
+
+#: A client's requests to a daemon (``reactor/launch/_daemon.py``), after the request id.
+DAEMON_KINDS: dict[str, tuple[Check, ...]] = {
+    "ping": (),
+    "submit": (_job_spec,),
+    "status": (_job_or_none,),
+    "logs": (_job_id, _count),
+    "stop": (_job_id,),
+}
+
+
+def check_request(msg: Any) -> str | None:
+    """A daemon request is ``[request id, kind, ...fields]``; None if it conforms, else why not."""
+    if type(msg) is not list or len(msg) < 2 or type(msg[0]) is not int or not 0 <= msg[0] < 2**63:
+        return f"a request is [id, kind, ...] with an int id, got {_show(msg)}"
+    return check_message(DAEMON_KINDS, msg[1:])
 
 
 def check_message(kinds: Mapping[str, tuple[Check, ...]], msg: Any) -> str | None:

@@ -1,0 +1,430 @@
+"""The daemon: one long-lived process per machine that hosts the jobs submitted to it.
+
+``reactor daemon --listen tcp://ADDR:PORT --name NAME --state-dir DIR [--keys KEYDIR]`` serves
+clients over ZeroMQ with CURVE: it admits only clients whose public key is in ``KEYDIR/authorized``
+(``reactor/launch/_keys.py``). Requests and replies are msgpack arrays, ``[id, kind, ...]`` and
+``[id, ok, payload]``; every request is checked against its kind's schema
+(``_protocol.DAEMON_KINDS``) and a bad one is answered with an error, or dropped and logged when it
+has no usable id. Nothing a client sends is unpickled, and no request or job takes the daemon down.
+
+A job is a ``reactor run`` of the submitted app on this machine, in a process session of its own,
+its output in ``STATE/jobs/ID/output.log``, its record in ``STATE/jobs/ID/job.json``. The app's files
+travel in the request, each with its sha256 (checked, and recorded: the job id is a hash of the
+whole spec). ``stop`` sends SIGTERM to the job's coordinator (it stops its run cleanly and reaps its
+workers), then SIGKILL to the job's whole process group after ``STOP_GRACE_S``. The daemon outlives every job; a
+daemon restarted on its state directory lists its past jobs, and a job it finds running from an
+earlier life it keeps watching; one that died meanwhile is marked ``lost``. SIGTERM (or SIGINT) to
+the daemon stops its running jobs first.
+
+This version hosts whole jobs, every group of a run on the daemon's own machine; spreading one
+job's groups over several daemons is the next step of the daemons work (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+import zmq.auth.asyncio
+
+from ..transport import CurveKeys
+from ..transport._shm import owner_alive
+from ._keys import AuthorizedKeys
+from ._protocol import check_request
+
+__all__ = ["Daemon", "DaemonClient", "DaemonError", "job_spec"]
+
+log = logging.getLogger("reactor.daemon")
+MAX_REQUEST_NBYTES = 64 * 2**20
+LOG_CHUNK_NBYTES = 1 << 20
+STOP_GRACE_S = 20.0
+WATCH_PERIOD_S = 0.2
+
+
+class DaemonError(Exception):
+    """A daemon refused a request, or did not answer; the message says which and why."""
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+class _Job:
+    def __init__(self, record: dict[str, Any], directory: Path) -> None:
+        self.record = record
+        self.dir = directory
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stop_deadline: float | None = None
+
+    @property
+    def id(self) -> str:
+        return str(self.record["id"])
+
+    def save(self) -> None:
+        _atomic_json(self.dir / "job.json", self.record)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        pid, start = self.record.get("pid"), self.record.get("pid_start")
+        return bool(pid) and owner_alive(int(pid), int(start or 0), 0)
+
+
+class Daemon:
+    """The daemon's state and its serving loop (``await Daemon(...).serve()``)."""
+
+    def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str]):
+        from ._keys import load_keys
+
+        self.name = name
+        self.listen = listen
+        self.state = Path(state_dir)
+        self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
+        self.keys = load_keys(keys_dir)
+        self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
+        self.jobs: dict[str, _Job] = {}
+        self.refused = 0
+        self._load_jobs()
+
+    # -------------------------------------------------------------------------- jobs on disk
+
+    def _load_jobs(self) -> None:
+        """A restarted daemon: its past jobs, as they ended; a running one is watched again, or
+        marked lost if it died while no daemon watched it."""
+        for path in sorted((self.state / "jobs").glob("*/job.json")):
+            try:
+                record = json.loads(path.read_text())
+                job = _Job(record, path.parent)
+                job.id  # noqa: B018 - a record without an id is not a job
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("%s: ignored the unreadable job record %s: %s", self.name, path, exc)
+                continue
+            if record.get("state") == "running" and not job.alive():
+                record["state"] = "lost"
+                record["detail"] = "it ended while no daemon watched it (the daemon was down)"
+                record.setdefault("ended_at", time.time())
+                job.save()
+            self.jobs[job.id] = job
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        """Start a job from a checked spec; return its id (a hash of the whole spec and the time)."""
+        for name, data in spec["files"].items():
+            if hashlib.sha256(data).hexdigest() != spec["sha256"][name]:
+                raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way; submit again")
+        digest = hashlib.sha256(msgpack.packb([spec["app"], sorted(spec["sha256"].items()), spec["config"],
+                                               spec["placement"], spec["seed"], spec["async"]])).hexdigest()
+        job_id = hashlib.sha256(f"{digest}:{time.time_ns()}:{len(self.jobs)}".encode()).hexdigest()[:16]
+        jdir = self.state / "jobs" / job_id
+        (jdir / "app").mkdir(mode=0o700, parents=True)
+        for name, data in spec["files"].items():
+            target = jdir / "app" / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        placement = spec["placement"]
+        if placement in spec["files"]:
+            placement = str(jdir / "app" / placement)
+        cmd = [sys.executable, "-m", "reactor.cli", "run", str(jdir / "app" / spec["app"]), "--placement", placement,
+               "--seed", str(spec["seed"])]
+        if spec["async"]:
+            cmd.append("--async")
+        for k, v in spec["config"].items():
+            cmd += ["--set", f"{k}={v!r}"]
+        out = open(jdir / "output.log", "wb")  # noqa: SIM115 - the child holds it; closed below
+        try:
+            proc = subprocess.Popen(cmd, cwd=jdir / "app", stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)
+        finally:
+            out.close()
+        pid, start = proc.pid, _start_time(proc.pid)
+        job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
+                    "sha256": spec["sha256"], "spec_sha256": digest, "state": "running", "pid": pid,
+                    "pid_start": start, "submitted_at": time.time(), "ended_at": None, "returncode": None,
+                    "daemon": self.name}, jdir)
+        job.proc = proc
+        job.save()
+        self.jobs[job_id] = job
+        log.info("%s: job %s started (pid %d): %s", self.name, job_id, pid, " ".join(cmd[3:]))
+        return job_id
+
+    def stop(self, job_id: str) -> dict[str, Any]:
+        job = self._job(job_id)
+        if job.record["state"] != "running":
+            return self.describe(job)
+        job.record["stop_requested"] = True
+        job.save()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The run's coordinator only: it stops its workers cleanly and reaps them (SIGTERM to
+            # the whole group would make it report their deaths as a failure).
+            os.kill(int(job.record["pid"]), signal.SIGTERM)
+        job.stop_deadline = time.monotonic() + STOP_GRACE_S
+        return self.describe(job)
+
+    def watch(self) -> None:
+        """Note jobs that ended; SIGKILL the process group of a stopped job past its grace."""
+        for job in self.jobs.values():
+            if job.record["state"] != "running":
+                continue
+            if job.alive():
+                if job.stop_deadline is not None and time.monotonic() > job.stop_deadline:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(int(job.record["pid"]), signal.SIGKILL)
+                continue
+            rc = job.proc.returncode if job.proc is not None else None
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(job.record["pid"]), signal.SIGKILL)  # nothing of the job outlives it
+            job.record["returncode"] = rc
+            job.record["ended_at"] = time.time()
+            if job.record.get("stop_requested"):
+                job.record["state"] = "stopped"
+            elif rc == 0:
+                job.record["state"] = "finished"
+            else:
+                job.record["state"] = "failed" if rc is not None else "lost"
+            job.save()
+            log.info("%s: job %s %s (exit status %s)", self.name, job.id, job.record["state"], rc)
+
+    def describe(self, job: _Job) -> dict[str, Any]:
+        r = job.record
+        ended = r.get("ended_at") or time.time()
+        return {"id": job.id, "app": r["app"], "placement": r["placement"], "state": r["state"], "pid": r["pid"],
+                "uptime_s": round(ended - r["submitted_at"], 3), "returncode": r.get("returncode"),
+                "detail": r.get("detail", ""), "last_line": _last_line(job.dir / "output.log"),
+                "daemon": r.get("daemon", self.name)}
+
+    def logs(self, job_id: str, offset: int) -> dict[str, Any]:
+        job = self._job(job_id)
+        with open(job.dir / "output.log", "rb") as f:
+            f.seek(offset)
+            data = f.read(LOG_CHUNK_NBYTES)
+        return {"data": data, "offset": offset + len(data), "done": job.record["state"] != "running"}
+
+    def _job(self, job_id: str) -> _Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise DaemonError(f"daemon {self.name!r} has no job {job_id!r} (reactor status lists its jobs)")
+        return job
+
+    def stop_all(self) -> None:
+        for job in self.jobs.values():
+            if job.record["state"] == "running":
+                self.stop(job.id)
+
+    # -------------------------------------------------------------------------- serving
+
+    def handle(self, msg: Any) -> tuple[bool, Any]:
+        kind = msg[1]
+        if kind == "ping":
+            return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid()}
+        if kind == "submit":
+            return True, self.submit(msg[2])
+        if kind == "status":
+            if msg[2] is None:
+                return True, [self.describe(j) for j in self.jobs.values()]
+            return True, self.describe(self._job(msg[2]))
+        if kind == "logs":
+            return True, self.logs(msg[2], msg[3])
+        if kind == "stop":
+            return True, self.stop(msg[2])
+        raise AssertionError(kind)  # the schema admits no other kind
+
+    async def serve(self, ready: Any = None) -> None:
+        """Serve until SIGTERM or SIGINT; then stop the running jobs and wait for them."""
+        ctx = zmq.asyncio.Context()
+        auth = zmq.auth.asyncio.AsyncioAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve_callback("*", credentials_provider=self.authorized)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_NBYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        sock.curve_server = True
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        try:
+            sock.bind(self.listen)
+            address = sock.get(zmq.LAST_ENDPOINT).decode()
+            _atomic_json(self.state / "daemon.json", {"name": self.name, "address": address, "pid": os.getpid(),
+                                                      "public_key": self.keys.public.decode()})
+            if ready is not None:
+                ready(address)
+            log.info("%s: serving on %s, state in %s", self.name, address, self.state)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            watcher = asyncio.ensure_future(self._watch_forever())
+            try:
+                while not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.5):
+                            frames = await sock.recv_multipart()
+                            reply = self._answer(frames)
+                            if reply is not None:
+                                with contextlib.suppress(zmq.ZMQError):  # the client left
+                                    await sock.send_multipart(reply)
+            finally:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            self.stop_all()
+            deadline = time.monotonic() + STOP_GRACE_S + 5
+            while any(j.record["state"] == "running" for j in self.jobs.values()) and time.monotonic() < deadline:
+                self.watch()
+                await asyncio.sleep(WATCH_PERIOD_S)
+            self.watch()
+            log.info("%s: stopped", self.name)
+        finally:
+            sock.close(linger=0)
+            auth.stop()
+            ctx.destroy(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+        """One request's reply frames, or None for a frame not worth an answer (logged)."""
+        if len(frames) != 3 or frames[1] != b"":
+            return self._refuse(frames[0] if frames else b"?", f"{len(frames)} frames, expected [id, b'', request]")
+        ident, _, body = frames
+        try:
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True)  # MAXMSGSIZE bounds it
+        except Exception as exc:  # noqa: BLE001 - any undecodable body is the peer's problem
+            return self._refuse(ident, f"not msgpack ({type(exc).__name__})")
+        why = check_request(msg)
+        if why is not None:
+            if type(msg) is list and msg and type(msg[0]) is int and 0 <= msg[0] < 2**63:
+                self.refused += 1
+                log.warning("%s: refused a request: %s", self.name, why)
+                return [ident, b"", msgpack.packb([msg[0], False, f"bad request: {why}"])]
+            return self._refuse(ident, why)
+        try:
+            ok, payload = self.handle(msg)
+        except DaemonError as exc:
+            ok, payload = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a failing request must not take the daemon down
+            log.exception("%s: request %s failed", self.name, msg[1])
+            ok, payload = False, f"the daemon failed to {msg[1]}: {type(exc).__name__}: {exc}"
+        return [ident, b"", msgpack.packb([msg[0], ok, payload], use_bin_type=True)]
+
+    def _refuse(self, ident: bytes, why: str) -> None:
+        self.refused += 1
+        log.warning("%s: dropped a frame from %r: %s", self.name, ident[:32], why)
+        return None
+
+    async def _watch_forever(self) -> None:
+        while True:
+            self.watch()
+            await asyncio.sleep(WATCH_PERIOD_S)
+
+
+def _start_time(pid: int) -> int:
+    from ..transport._shm import _pid_start_time
+
+    return _pid_start_time(pid) or 0
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+# ------------------------------------------------------------------------------ the client side
+
+
+def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: dict[str, Any] | None = None,
+             seed: int = 0, async_: bool = False, files: list[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+    """What ``reactor submit`` sends: the app file and the files it names (``--with``), by content and
+    sha256, and the run's settings. A placement that names a file here travels with it.
+
+    Raises:
+        FileNotFoundError: a file is missing.
+    """
+    app = Path(app)
+    names = {app.name: app.read_bytes()}
+    for f in files:
+        names[Path(f).name] = Path(f).read_bytes()
+    if Path(placement).is_file():
+        names[Path(placement).name] = Path(placement).read_bytes()
+        placement = Path(placement).name
+    return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
+            "config": dict(config or {}), "placement": placement, "seed": seed, "async": async_}
+
+
+class DaemonClient:
+    """Requests to one daemon: ``DaemonClient(address, daemon_key, keys).request("status", None)``.
+
+    Args:
+        address: the daemon's ``tcp://HOST:PORT``.
+        daemon_key: the daemon's public key (its ``key.pub``), Z85.
+        keys: this client's key pair; the daemon must list its public half in ``authorized/``.
+        timeout_s: how long to wait for each answer.
+    """
+
+    def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.curve_secretkey = keys.secret
+        self.sock.curve_publickey = keys.public
+        self.sock.curve_serverkey = daemon_key
+        self.sock.connect(address)
+        self.next_id = 1
+
+    def request(self, kind: str, *fields: Any) -> Any:
+        """Send one request and return its payload.
+
+        Raises:
+            DaemonError: the daemon refused it (its reason), or did not answer in time.
+        """
+        rid = self.next_id
+        self.next_id += 1
+        self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)])
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000)):
+                break
+            frames = self.sock.recv_multipart()
+            reply = msgpack.unpackb(frames[-1], raw=False)
+            if reply[0] != rid:
+                continue  # a late answer to an earlier request
+            if not reply[1]:
+                raise DaemonError(reply[2])
+            return reply[2]
+        raise DaemonError(
+            f"the daemon at {self.address} did not answer within {self.timeout_s} s: check the address, that it "
+            f"runs, that you have its key.pub, and that its authorized/ directory holds your key.pub"
+        )
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.destroy(linger=0)
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,255 @@
+"""The daemon, for real: a `reactor daemon` process on loopback with CURVE, real jobs, real clients,
+hostile frames, SIGTERM and SIGKILL."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from reactor.launch._daemon import DaemonClient, DaemonError, job_spec
+from reactor.launch._keys import init_keys, load_keys
+from reactor.transport import CurveKeys
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = ROOT / "tests" / "apps"
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := pred():
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Daemon:
+    """A daemon process with its key directory, and a client key directory it authorizes."""
+
+    def __init__(self, tmp: Path, name: str = "h1") -> None:
+        self.tmp, self.name = tmp, name
+        self.keys_dir, self.client_dir, self.state = tmp / "dk", tmp / "ck", tmp / "state"
+        if not (self.keys_dir / "key").exists():
+            init_keys(self.keys_dir)
+            init_keys(self.client_dir)
+            (self.keys_dir / "authorized" / "alice.pub").write_bytes((self.client_dir / "key.pub").read_bytes())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", name,
+             "--state-dir", str(self.state), "--keys", str(self.keys_dir)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.address = json.loads(self.proc.stdout.readline())["address"]
+        self.public = CurveKeys.load_public(self.keys_dir / "key.pub")
+
+    def client(self, keys_dir: Path | None = None, timeout_s: float = 10.0) -> DaemonClient:
+        return DaemonClient(self.address, self.public, load_keys(keys_dir or self.client_dir), timeout_s=timeout_s)
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=60)
+        return err
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+    for job in (d.state / "jobs").glob("*/job.json"):  # nothing of any job outlives the daemon
+        pid = json.loads(job.read_text())["pid"]
+        assert not _group_alive(pid), f"job {job.parent.name}'s processes outlived the daemon"
+
+
+def _group_alive(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_bytes()
+        except OSError:
+            continue
+        fields = text[text.rindex(b")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _state(client: DaemonClient, job: str, states: tuple[str, ...], timeout_s: float = 60) -> dict:
+    return _wait_for(lambda: (j := client.request("status", job))["state"] in states and j, timeout_s,
+                     f"job {job} to reach {states}")
+
+
+def test_a_submitted_job_runs_on_the_daemon_with_its_files_pinned_by_hash(daemon):
+    with daemon.client() as c:
+        assert c.request("ping")["name"] == "h1"
+        job = c.request("submit", job_spec(APPS / "gated.py", placement="processes"))
+        done = _state(c, job, ("finished", "failed"))
+        assert done["state"] == "finished" and done["returncode"] == 0, done
+        assert "run ended (stop_time)" in done["last_line"]
+        out = c.request("logs", job, 0)
+        assert b"placement processes" in out["data"] and out["done"]
+        assert c.request("logs", job, out["offset"])["data"] == b""
+        assert [j["id"] for j in c.request("status", None)] == [job]
+    record = json.loads((daemon.state / "jobs" / job / "job.json").read_text())
+    assert record["sha256"] == {"gated.py": hashlib.sha256((APPS / "gated.py").read_bytes()).hexdigest()}
+
+
+def test_stop_ends_a_running_job_cleanly_and_leaves_none_of_its_processes(daemon, tmp_path):
+    ready = tmp_path / "ready"
+    with daemon.client() as c:
+        job = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                           config={"ready_file": str(ready)}))
+        _wait_for(ready.exists, 60, "the job to run")
+        pid = c.request("status", job)["pid"]
+        assert _group_alive(pid)
+        c.request("stop", job)
+        done = _state(c, job, ("stopped",))
+        assert done["returncode"] == 0 and "run ended (signal)" in done["last_line"], done
+        _wait_for(lambda: not _group_alive(pid), 10, "the job's processes to be gone")
+
+
+def test_a_failing_job_fails_alone_and_the_daemon_serves_on(daemon, tmp_path):
+    bad = tmp_path / "broken_app.py"
+    bad.write_text("def build(config):\n    raise RuntimeError('this app is broken')\n")
+    with daemon.client() as c:
+        job = c.request("submit", job_spec(bad))
+        done = _state(c, job, ("failed", "finished"))
+        assert done["state"] == "failed" and done["returncode"] != 0
+        assert b"this app is broken" in c.request("logs", job, 0)["data"]
+        assert c.request("ping")["jobs"] == 1
+
+
+def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
+    stranger = daemon.tmp / "stranger"
+    init_keys(stranger)
+    with daemon.client(stranger, timeout_s=2) as c, pytest.raises(DaemonError, match=r"did not answer within 2"):
+        c.request("ping")
+    (daemon.keys_dir / "authorized" / "stranger.pub").write_bytes((stranger / "key.pub").read_bytes())
+    with daemon.client(stranger) as c:  # read at each handshake: no restart
+        assert c.request("ping")["name"] == "h1"
+    err = daemon.stop()
+    assert "rejected a client whose key" in err and str(daemon.keys_dir / "authorized") in err
+
+
+def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daemon):
+    ctx = zmq.Context()
+    keys = load_keys(daemon.client_dir)
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.curve_secretkey, s.curve_publickey, s.curve_serverkey = keys.secret, keys.public, daemon.public
+        s.connect(daemon.address)
+        good = job_spec(APPS / "gated.py")
+        bad_specs = {
+            "traversal": {**good, "files": {"../evil.py": b"x"}, "sha256": {"../evil.py": "0" * 64}, "app": "../evil.py"},
+            "hash": {**good, "sha256": {"gated.py": "0" * 64}},
+            "placement": {**good, "placement": 5},
+            "config": {**good, "config": {"x": b"bytes"}},
+            "extra": {**good, "pickle": b"\x80\x04"},
+        }
+        for frames in ([b"garbage"], [b"", b"\xc1\xc1"], [b"", msgpack.packb(None)], [b"", msgpack.packb([])],
+                       [b"", msgpack.packb(["ping"])], [b"", b"x", b"y"]):
+            s.send_multipart(frames)
+        for i, (_, spec) in enumerate(bad_specs.items(), 100):
+            s.send_multipart([b"", msgpack.packb([i, "submit", spec])])
+        for i, req in enumerate((["status", "nothex"], ["logs", "0" * 16, -1], ["stop"], ["fly"]), 200):
+            s.send_multipart([b"", msgpack.packb([i, *req])])
+        s.send_multipart([b"", msgpack.packb([300, "status", "0123456789abcdef"])])
+        replies = {}
+        while len(replies) < len(bad_specs) + 5:
+            assert s.poll(10_000), f"only {len(replies)} replies"
+            rid, ok, why = msgpack.unpackb(s.recv_multipart()[-1])
+            replies[rid] = (ok, why)
+        assert not any(ok for ok, _ in replies.values())
+        assert "not a relative path" in replies[100][1]
+        assert "does not match its sha256" in replies[101][1]
+        assert "has no job '0123456789abcdef'" in replies[300][1]
+        plain = ctx.socket(zmq.DEALER)  # no CURVE at all: the handshake fails, nothing reaches it
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(daemon.address)
+        plain.send_multipart([b"", msgpack.packb([1, "ping"])])
+        assert not plain.poll(1000)
+        big = ctx.socket(zmq.DEALER)  # past the size bound: zmq drops the connection
+        big.setsockopt(zmq.LINGER, 0)
+        big.curve_secretkey, big.curve_publickey, big.curve_serverkey = keys.secret, keys.public, daemon.public
+        big.connect(daemon.address)
+        big.send_multipart([b"", b"\x00" * (65 * 2**20)])
+        with daemon.client() as c:
+            assert c.request("ping")["jobs"] == 0  # nothing was started; it still serves
+    finally:
+        ctx.destroy(linger=0)
+    assert daemon.proc.poll() is None
+
+
+def test_a_restarted_daemon_lists_its_past_jobs_and_watches_one_that_outlived_it(tmp_path):
+    ready = tmp_path / "ready"
+    d = Daemon(tmp_path)
+    try:
+        with d.client() as c:
+            done = c.request("submit", job_spec(APPS / "gated.py"))
+            _state(c, done, ("finished",))
+            running = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                                   config={"ready_file": str(ready)}))
+            _wait_for(ready.exists, 60, "the job to run")
+        d.stop(signal.SIGKILL)  # no cleanup: the job runs on in its own session
+        d = Daemon(tmp_path)
+        with d.client() as c:
+            states = {j["id"]: j["state"] for j in c.request("status", None)}
+            assert states == {done: "finished", running: "running"}
+            pid = c.request("status", running)["pid"]
+            c.request("stop", running)
+            assert _state(c, running, ("stopped",))["state"] == "stopped"
+            _wait_for(lambda: not _group_alive(pid), 10, "the adopted job's processes to be gone")
+            ready.unlink()
+            orphan = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                                  config={"ready_file": str(ready)}))
+            _wait_for(ready.exists, 60, "the job to run")
+            pid = c.request("status", orphan)["pid"]
+        d.stop(signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)  # it dies while no daemon watches it
+        _wait_for(lambda: not _group_alive(pid), 10, "the orphan to die")
+        d = Daemon(tmp_path)
+        with d.client() as c:
+            lost = c.request("status", orphan)
+            assert lost["state"] == "lost" and "no daemon watched it" in lost["detail"], lost
+            assert c.request("status", running)["state"] == "stopped"
+    finally:
+        d.stop()
+
+
+def test_sigterm_to_the_daemon_stops_its_running_jobs(tmp_path):
+    ready = tmp_path / "ready"
+    d = Daemon(tmp_path)
+    with d.client() as c:
+        job = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                           config={"ready_file": str(ready)}))
+        _wait_for(ready.exists, 60, "the job to run")
+        pid = c.request("status", job)["pid"]
+    d.stop(signal.SIGTERM)
+    assert not _group_alive(pid)
+    assert json.loads((d.state / "jobs" / job / "job.json").read_text())["state"] == "stopped"
+
+
+def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
+    base = [sys.executable, "-m", "reactor.cli"]
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    run = lambda *a: subprocess.run([*base, *a, *conn], cwd=ROOT, capture_output=True, text=True, timeout=120)  # noqa: E731
+    sub = run("submit", str(APPS / "gated.py"), "--placement", "processes")
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip()
+    logs = run("logs", job, "-f")
+    assert "run ended (stop_time)" in logs.stdout
+    status = run("status", job)
+    assert status.stdout.startswith(f"{job}  finished exit 0  gated.py --placement processes")
+    bad = run("stop", "0123456789abcdef")
+    assert bad.returncode == 1 and "has no job '0123456789abcdef'" in bad.stderr

@@ -164,6 +164,7 @@ class Daemon:
 
     def stop(self, job_id: str) -> dict[str, Any]:
         job = self._job(job_id)
+        self.watch()  # a job that has just ended is not signalled (its pid may be reused)
         if job.record["state"] != "running":
             return self.describe(job)
         job.record["stop_requested"] = True
@@ -194,8 +195,11 @@ class Daemon:
                 job.record["state"] = "stopped"
             elif rc == 0:
                 job.record["state"] = "finished"
-            else:
-                job.record["state"] = "failed" if rc is not None else "lost"
+            elif rc is not None:
+                job.record["state"] = "failed"
+            else:  # adopted from an earlier life of the daemon: not our child, no exit status
+                job.record["state"] = "ended"
+                job.record["detail"] = "it was started by an earlier daemon; its exit status is unknown"
             job.save()
             log.info("%s: job %s %s (exit status %s)", self.name, job.id, job.record["state"], rc)
 

@@ -202,6 +202,21 @@ class _Session:
         return got
 
     async def supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
+        """Run the run to its end (see the module docstring); a worker lost meanwhile ends it with
+        ``WorkerFailedError`` naming the worker and how it ended."""
+        try:
+            return await self._supervise(deadline)
+        except PeerLostError as e:
+            # Our link to a worker went down (a probe or a stop found it gone): its process has
+            # died or is dying. Name it by its exit, the first to die first, not by the link.
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 5.0
+            while loop.time() < end:
+                self._check_children()
+                await asyncio.sleep(0.02)
+            raise WorkerFailedError(f"lost a worker: {e}") from e
+
+    async def _supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
         stopped_by: str | None = None
         loop = asyncio.get_running_loop()
         while len(self.results) < len(self.procs):

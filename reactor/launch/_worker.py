@@ -359,8 +359,17 @@ class Worker:
                 h.deliver_remote(msg[1], msg[2], tag, msg[5])
             elif kind == "p":
                 bound = Tag(msg[1], msg[2])
+                floor = promised_by.get(peer)
+                if floor is not None and bound < floor:
+                    # Below what this peer promised unconditionally before: a correct peer's promises
+                    # only grow. Taken, it would replace the earlier one before the horizons are
+                    # raised (a finished peer's NEVER lost, and this process waiting for it forever).
+                    self.refused_behind_promise += 1
+                    log.warning("%s: refused a promise from %r of %s, below its earlier promise %s",
+                                self.group, peer, bound, floor)
+                    continue
                 if msg[3] < 0:  # unconditional: nothing from this peer before `bound`, ever
-                    promised_by[peer] = max(bound, promised_by.get(peer, bound))
+                    promised_by[peer] = bound
                 h.receive_promise(peer, bound, None if msg[3] < 0 else (msg[3], msg[4]), msg[5])
             elif peer == COORDINATOR:
                 self._on_control(msg)

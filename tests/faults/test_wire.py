@@ -259,3 +259,42 @@ async def test_a_peer_killed_while_connected_is_reported_as_gone_not_as_a_securi
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+# ------------------------------------------------------------------------------ promises, in the worker
+
+
+def _gate_worker():
+    """A real Worker for the gate of tests/apps/gated.py (one process per reactor), with its host."""
+    from reactor._scheduler import ReactorHost
+    from reactor._tag import Tag
+    from reactor.launch._app import build_graph
+    from reactor.launch._worker import Worker
+
+    graph = build_graph(str(ROOT / "tests" / "apps" / "gated.py"), {})
+    owner_of = {"source[0]": "source-0", "source[1]": "source-1", "gate": "gate", "sink": "sink"}
+    w = Worker({"group": "gate"})
+    w.host = ReactorHost(graph, ["gate"], owner_of, deterministic=True, stop_ns=10**8, process="gate",
+                         remote=object())
+    for p in ("source-0", "source-1"):
+        w.host.horizons[p] = Tag(0, 0)
+    link = next(lk.index for lk in graph.links() if lk.src == "source[1]")
+    return w, link
+
+
+def test_a_promise_below_a_peers_earlier_unconditional_promise_is_refused():
+    """Regression: a forged promise taken after a finished peer's NEVER, in the same batch, replaced
+    it before the horizons were raised, and the process waited for that peer forever (a live run
+    under attack hung)."""
+    from reactor._tag import FOREVER_NS, NEVER
+
+    w, link = _gate_worker()
+    w._take([("source-1", ("p", FOREVER_NS, 0, -1, 0, 0)), ("source-1", ("p", 5, 0, -1, 0, 0)),
+             ("source-1", ("p", 7, 0, 3, 0, 0)), ("source-1", ("m", link, 0, 10, 0, 1))])
+    w.host.refresh([])
+    assert w.host.horizons["source-1"] == NEVER
+    assert w.refused_behind_promise == 3  # two promises below NEVER, and a message behind it
+    assert w.host.received_count == 0
+    w._take([("source-0", ("p", 50, 0, -1, 0, 0)), ("source-0", ("m", link - 1, 0, 60, 0, 1)),
+             ("source-0", ("m", link - 1, 1, 40, 0, 1))])  # the second is behind the promise of 50
+    assert w.host.received_count == 1 and w.refused_behind_promise == 4

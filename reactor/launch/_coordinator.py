@@ -152,9 +152,7 @@ async def run_processes(
             placement=placement,
             stopped_by=stopped_by,
             processes={name: res["stats"] for name, res in results.items()},
-            dropped={COORDINATOR: _dropped(ep.statistics()),
-                     **{name: int(res["stats"].get("dropped_invalid", 0)) + _dropped_transport(res["stats"])
-                        for name, res in results.items()}},
+            dropped={COORDINATOR: ep.statistics().dropped, **{n: res["stats"]["dropped"] for n, res in results.items()}},
         )
     finally:
         for sig in installed:
@@ -302,15 +300,6 @@ def _describe_exits(dead: dict[str, int]) -> str:
     if rest:
         text += "; then " + ", ".join(f"worker {n!r} {how(dead[n])}" for n in rest)
     return text
-
-
-def _dropped(st: Any) -> int:
-    return st.dropped_malformed + st.dropped_too_large + st.dropped_over_credit + st.dropped_unknown_peer + st.dropped_invalid
-
-
-def _dropped_transport(stats: Mapping[str, Any]) -> int:
-    return sum(int(stats.get(k, 0)) for k in ("dropped_malformed", "dropped_too_large", "dropped_over_credit",
-                                              "dropped_unknown_peer"))
 
 
 def _cleanup_segments(run_id: str) -> None:

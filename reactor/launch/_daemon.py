@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ import zmq.asyncio
 import zmq.auth.asyncio
 
 from ..transport import CurveKeys
-from ..transport._shm import owner_alive
+from ..transport._shm import _pid_start_time, owner_alive
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 
@@ -110,9 +111,10 @@ class Daemon:
         for path in sorted((self.state / "jobs").glob("*/job.json")):
             try:
                 record = json.loads(path.read_text())
+                if type(record) is not dict or record.get("id") != path.parent.name:
+                    raise ValueError("its id is not its directory's name")
                 job = _Job(record, path.parent)
-                job.id  # noqa: B018 - a record without an id is not a job
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError) as exc:
                 log.warning("%s: ignored the unreadable job record %s: %s", self.name, path, exc)
                 continue
             if record.get("state") == "running" and not job.alive():
@@ -151,7 +153,7 @@ class Daemon:
                                     start_new_session=True)
         finally:
             out.close()
-        pid, start = proc.pid, _start_time(proc.pid)
+        pid, start = proc.pid, _pid_start_time(proc.pid) or 0
         job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
                     "sha256": spec["sha256"], "spec_sha256": digest, "state": "running", "pid": pid,
                     "pid_start": start, "submitted_at": time.time(), "ended_at": None, "returncode": None,
@@ -336,12 +338,6 @@ class Daemon:
             await asyncio.sleep(WATCH_PERIOD_S)
 
 
-def _start_time(pid: int) -> int:
-    from ..transport._shm import _pid_start_time
-
-    return _pid_start_time(pid) or 0
-
-
 def _last_line(path: Path) -> str:
     try:
         with open(path, "rb") as f:
@@ -358,7 +354,7 @@ def _last_line(path: Path) -> str:
 
 
 def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: dict[str, Any] | None = None,
-             seed: int = 0, async_: bool = False, files: list[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+             seed: int = 0, async_: bool = False, files: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
     """What ``reactor submit`` sends: the app file and the files it names (``--with``), by content and
     sha256, and the run's settings. A placement that names a file here travels with it.
 

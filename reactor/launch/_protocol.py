@@ -128,6 +128,8 @@ def _trace(v: Any) -> str | None:
 def _stats(v: Any) -> str | None:
     if type(v) is not dict or not all(type(k) is str and type(x) in (int, float, bool) for k, x in v.items()):
         return f"a dict of str -> number expected, got {_show(v)}"
+    if type(v.get("dropped")) is not int:
+        return "the count 'dropped' (an int) is missing"
     return None
 
 

@@ -521,11 +521,11 @@ class Worker:
 
 
 def _refusals(st: Any, behind_promise: int) -> dict[str, int]:
-    """What this worker dropped from its peers: undecodable, too large, over credit, refused by the
-    protocol's schemas, or behind its sender's promise (the run's statistics show them)."""
-    return {"dropped_malformed": st.dropped_malformed, "dropped_too_large": st.dropped_too_large,
-            "dropped_over_credit": st.dropped_over_credit, "dropped_unknown_peer": st.dropped_unknown_peer,
-            "dropped_invalid": st.dropped_invalid + behind_promise}
+    """What this worker dropped from its peers (the run's statistics show them): in all, and
+    undecodable, too large, over credit, refused by the protocol's schemas or behind a promise."""
+    return {"dropped": st.dropped + behind_promise, "dropped_malformed": st.dropped_malformed,
+            "dropped_too_large": st.dropped_too_large, "dropped_over_credit": st.dropped_over_credit,
+            "dropped_unknown_peer": st.dropped_unknown_peer, "dropped_invalid": st.dropped_invalid + behind_promise}
 
 
 def _stop_pending(host: ReactorHost) -> bool:

@@ -652,8 +652,10 @@ class Replay(Reactor):
             if n == 0:  # a one-round sample that drew no item here: just the current figures, now
                 self._send_figures(req)
                 return True
-            if n > table.max_sample:
-                self._refuse(req, f"SampleRequest.n={n} is out of range: at most {table.max_sample}")
+            try:
+                table.check_sample_size(n)
+            except ValueError as e:
+                self._refuse(req, f"SampleRequest: {e}")
                 return True
             if not limiter.can_sample(n, len(table)):
                 return False

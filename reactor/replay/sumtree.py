@@ -61,6 +61,13 @@ __all__ = ["DEFAULT_ARITY", "PriorityOverflowError", "SumTree"]
 DEFAULT_ARITY = 8
 
 _INF = math.inf
+
+
+def _fits(total: float) -> bool:
+    """The one test of a tree's total, at every write and at load: finite with a margin, since the
+    tree's own summation order (and numpy's, at load) may round a total this close to the float64
+    limit up to inf."""
+    return total * (1.0 + 1e-12) < _INF
 _NO_INDICES = np.empty(0, dtype=np.int64)
 _NO_PRIORITIES = np.empty(0, dtype=np.float64)
 
@@ -493,12 +500,12 @@ class SumTree:
         nothing the caller can observe: at most the buffered writes get applied) if it overflows
         even on top of the exact total. Caller holds the lock."""
         bound = self._bound + psum
-        if bound < _INF:
+        if _fits(bound):
             return bound
         self._flush()  # the bound may be loose: apply the buffer, then ask again with the exact total
         total = self._bound
         bound = total + psum
-        if bound < _INF:
+        if _fits(bound):
             return bound
         k = int(np.argmax(prio)) if self._backend == "numba" else int(torch.argmax(prio).item())
         why = f"the batch sums to {psum!r} on top of a total of {total!r}: the total would be inf"
@@ -781,7 +788,7 @@ class SumTree:
             )
         with np.errstate(over="ignore"):
             total = float(np.sum(leaves))
-        if not total * (1.0 + 1e-12) < _INF:  # the tree's own summation order may round up
+        if not _fits(total):
             raise ValueError(
                 f"SumTree.load_state_dict: the leaves sum to {total!r}; the total must stay "
                 "well inside float64 (a state no tree could have reached)"

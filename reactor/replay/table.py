@@ -519,7 +519,7 @@ class Table:
         # an unchanged table. One integer add per call; never part of the state.
         self._generation = 0
         # The largest sample a call may ask for: beyond it the request is a bug, not a batch, and
-        # must not surface as a MemoryError from the output allocation (see _check_n).
+        # must not surface as a MemoryError from the output allocation (see check_sample_size).
         self._max_sample = max(_SAMPLE_PER_SLOT * cap, _MIN_SAMPLE_LIMIT)
         self._item_nbytes = _item_nbytes(storage, read)
         self._lock = threading.RLock()
@@ -650,12 +650,7 @@ class Table:
         with self._lock:
             if self._limiter.closed:
                 raise PortClosedError(f"insert into table {self._name!r}, which was closed by close()")
-            validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
-            prepared = self._prepare_priorities(prio, self._insert_keys(mask))
-            plan = self._storage.plan_append(validated[0], episode_end)
-            if not self._limiter.can_insert(n, self._size):
-                raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
-            return self._apply_insert(validated, plan, prio, mask, n, prepared)
+            return self._insert_locked(steps, priorities, episode_end, item_mask, admit=True)
 
     def redo_insert(
         self,
@@ -672,10 +667,18 @@ class Table:
             As :meth:`insert_nowait`, except WouldBlock.
         """
         with self._lock:
-            validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
-            prepared = self._prepare_priorities(prio, self._insert_keys(mask))
-            plan = self._storage.plan_append(validated[0], episode_end)
-            return self._apply_insert(validated, plan, prio, mask, n, prepared)
+            return self._insert_locked(steps, priorities, episode_end, item_mask, admit=False)
+
+    def _insert_locked(self, steps: Mapping[str, Any], priorities: Any, episode_end: Any, item_mask: Any, *,
+                       admit: bool) -> torch.Tensor:
+        """Validate, plan and apply one insert (the lock held); ``admit``: ask the rate limiter first."""
+        validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
+        plan = self._storage.plan_append(validated[0], episode_end)
+        if admit and not self._limiter.can_insert(n, self._size):
+            # Before the priorities' pass: a shard retries a parked insert after every change.
+            raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
+        prepared = self._prepare_priorities(prio, self._insert_keys(mask))
+        return self._apply_insert(validated, plan, prio, mask, n, prepared)
 
     async def insert(
         self,
@@ -785,7 +788,9 @@ class Table:
 
     # ------------------------------------------------------------------ sample
 
-    def _check_n(self, n: int) -> None:
+    def check_sample_size(self, n: int) -> None:
+        """Raise ValueError (naming ``n`` and the limit) unless ``n`` is a sample size this table can
+        ever serve: an int from 1 to ``max_sample`` whose batch fits in this host's memory."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
         if n > self._max_sample:
@@ -824,7 +829,7 @@ class Table:
             WouldBlock: the rate limiter does not allow it now (an empty table never allows it).
             PortClosedError: the table was closed.
         """
-        self._check_n(n)
+        self.check_sample_size(n)
         with self._lock:
             if self._limiter.closed:
                 raise PortClosedError(f"sample from table {self._name!r}, which was closed by close()")
@@ -840,7 +845,7 @@ class Table:
             PortClosedError: the table is or gets closed while waiting.
             ValueError: ``n < 1`` or out of range (as :meth:`sample_nowait`).
         """
-        self._check_n(n)
+        self.check_sample_size(n)
         while True:
             await self._limiter.wait(
                 "sample",

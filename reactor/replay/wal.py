@@ -300,4 +300,32 @@ def redo_wal(table: Any, path: str | os.PathLike[str]) -> tuple[int, int]:
             break
         records += 1
         steps += rec.num_steps
+    _set_aside_beyond(Path(path), table.storage.step_range[1])
     return records, steps
+
+
+def _set_aside_beyond(path: Path, next_step: int) -> None:
+    """Move the records past ``next_step`` (those a redo did not take: after a gap or a refused
+    record) out of the log, into ``<segment>.stale`` (logged). Left in place, the log the shard
+    appends to next, from ``next_step``, would follow them, and the next restart's redo would stop
+    at them again and lose every later, valid record. The records up to ``next_step`` stay: no
+    checkpoint may hold them yet."""
+    for _, seg in _segments(path):
+        cut = None
+        prev_end = 0
+        for end, rec in _frames(seg, quiet=True):
+            if rec.first_step + rec.num_steps > next_step:
+                cut = prev_end
+                break
+            prev_end = end
+        if cut is None:
+            continue
+        with open(seg, "r+b") as f:
+            f.seek(cut)
+            Path(f"{seg}.stale").write_bytes(f.read())
+            f.truncate(cut)
+            os.fsync(f.fileno())
+        if cut == 0:
+            seg.unlink()
+        log.error("write-ahead log %s: the records from byte %d on (past step %d, not redone) were moved to %s",
+                  seg, cut, next_step, f"{seg.name}.stale")

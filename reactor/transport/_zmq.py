@@ -246,6 +246,12 @@ class EndpointStatistics:
     #: Senders this endpoint's ROUTER knows now (said hello, not yet found gone).
     senders: int
 
+    @property
+    def dropped(self) -> int:
+        """Every received message dropped, whatever the reason (a correct peer causes none)."""
+        return (self.dropped_malformed + self.dropped_too_large + self.dropped_unknown_peer
+                + self.dropped_over_credit + self.dropped_invalid)
+
 
 class _Sender:
     """What a ROUTER knows of one peer sending to it."""

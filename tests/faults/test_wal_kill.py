@@ -175,3 +175,23 @@ def test_records_a_checkpoint_holds_are_skipped_and_a_gap_stops_the_redo(tmp_pat
     with caplog.at_level(logging.ERROR, logger="reactor.replay"):
         assert list(read_wal(tmp_path, firsts[1] + 1)) == []  # no record starts there: lost, logged
     assert f"expected a record starting at step {firsts[1] + 1}" in caplog.text
+
+
+def test_records_a_redo_did_not_take_are_moved_aside_so_later_appends_are_redone(tmp_path, caplog):
+    """Regression: after a redo stopped at a gap, the records past it stayed in the log; the shard's
+    next appends followed them, and the next restart's redo stopped at the same gap and lost them."""
+    wal = WriteAheadLog(tmp_path, 0)
+    wal.append(0, *batch(0)[:3], None)  # one step
+    wal.append(10, *batch(1)[:3], None)  # a gap: steps 1..9 were never logged
+    wal.close()
+    t = make()
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        assert redo_wal(t, tmp_path) == (1, 1)
+    assert "were moved to wal-0000000000000000.log.stale" in caplog.text
+    wal = WriteAheadLog(tmp_path, t.storage.step_range[1])  # the shard logs on from step 1
+    fields, prio, ends = batch(2)
+    wal.append(1, fields, prio, ends, None)
+    wal.close()
+    again = make()
+    assert redo_wal(again, tmp_path) == (2, 1 + len(ends))  # the first record and the new one
+    assert again.storage.step_range == (0, 1 + len(ends))

@@ -42,11 +42,16 @@ class TraceMismatchError(ReactorError):
     """A replayed run tried to deliver a message the recorded schedule does not allow."""
 
 
+class DaemonError(ReactorError):
+    """A daemon refused a request, or did not answer; the message says which and why."""
+
+
 class ReactorInternalError(ReactorError):
     """A bug in reactor itself: please report it with the traceback."""
 
 
 __all__ = [
+    "DaemonError",
     "FrameTooLargeError",
     "GraphError",
     "MalformedFrameError",

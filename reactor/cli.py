@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     rec = r.add_mutually_exclusive_group()
     rec.add_argument("--record", metavar="TRACE", help="async mode: write the delivery schedule to TRACE")
     rec.add_argument("--replay", metavar="TRACE", help="async mode: enforce the schedule recorded in TRACE")
+    r.add_argument("--hosts", default=None, metavar="FILE",
+                   help="a hosts file ([hosts]: daemon addresses) to spread a distribution policy's groups over")
+    r.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
+                   help="runs over hosts: a file the app needs beside it, shipped to every host (repeatable)")
     r.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
                    help="end at this logical time (deterministic) or after this many seconds (async)")
@@ -78,16 +82,21 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--name", required=True, help="this daemon's name (a host name in placements)")
     d.add_argument("--state-dir", required=True, help="where it keeps its jobs, their logs and its own log")
     d.add_argument("--keys", default=None, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
+    d.add_argument("--advertise", default=None,
+                   help="the address other hosts reach this one at (needed when --listen is a wildcard)")
 
     def client(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--daemon", required=True, help="the daemon's tcp://HOST:PORT")
-        parser.add_argument("--daemon-key", required=True, help="the daemon's key.pub")
+        parser.add_argument("--daemon", default=None,
+                            help="the daemon's tcp://HOST:PORT (default: the head host of --placement/--hosts)")
+        parser.add_argument("--daemon-key", default=None,
+                            help="the daemon's key.pub (default: as the hosts file says, else your own key: a cluster key)")
         parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
         parser.add_argument("--timeout-s", type=float, default=10.0, help="how long to wait for each answer")
 
     su = sub.add_parser("submit", help="run an app as a job on a daemon; prints the job id")
     su.add_argument("app")
     su.add_argument("--placement", default="single", help="as for run; a placement file travels with the job")
+    su.add_argument("--hosts", default=None, metavar="FILE", help="as for run; travels with the job")
     su.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--async", dest="async_", action="store_true")
@@ -143,7 +152,7 @@ def _jobs(args: argparse.Namespace) -> int:
         state.mkdir(parents=True, exist_ok=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
-        daemon = Daemon(args.listen, args.name, state, keys_dir)
+        daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise)
 
         def ready(address: str) -> None:
             print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),
@@ -151,23 +160,32 @@ def _jobs(args: argparse.Namespace) -> int:
 
         asyncio_run(daemon.serve(ready))
         return 0
+    address, daemon_key = _daemon_of(args, load_keys(keys_dir).public)
     try:
-        with DaemonClient(args.daemon, CurveKeys.load_public(args.daemon_key), load_keys(keys_dir),
+        with DaemonClient(address, daemon_key, load_keys(keys_dir),
                           timeout_s=args.timeout_s) as c:
             if args.command == "submit":
                 spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
-                                seed=args.seed, async_=args.async_, files=args.files)
-                print(c.request("submit", spec))
+                                seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts)
+                job = c.request("submit", spec)
+                print(job)
+                if not args.daemon:
+                    print(f"on {address}: reactor status {job} --daemon {address}", file=sys.stderr)
             elif args.command == "status":
                 got = c.request("status", args.job)
                 rows = got if isinstance(got, list) else [got]
+                hosted = c.request("hosted") if args.job is None else []
                 if args.json:
-                    print(json.dumps(got, indent=2))
+                    print(json.dumps(got if args.job is not None else {"jobs": got, "hosted": hosted}, indent=2))
                 else:
                     for j in rows:
                         rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
                         print(f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  "
                               f"pid {j['pid']}  up {j['uptime_s']:.1f}s  on {j['daemon']}  | {j['last_line']}")
+                    for w in hosted:
+                        rc = "" if w["returncode"] is None else f" exit {w['returncode']}"
+                        print(f"run {w['run']}  group {w['group']}  {w['state']}{rc}  pid {w['pid']}  "
+                              f"up {w['uptime_s']:.1f}s  on {w['daemon']}")
             elif args.command == "logs":
                 offset = 0
                 while True:
@@ -186,6 +204,22 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:
+    """The daemon a job command talks to: ``--daemon``, else the head host of the placement file
+    or hosts file (its first group's first host, else the first host listed)."""
+    from .launch._cluster import head_host
+    from .transport import CurveKeys
+
+    if args.daemon:
+        return args.daemon, CurveKeys.load_public(args.daemon_key) if args.daemon_key else own_key
+    source = getattr(args, "hosts", None) or getattr(args, "placement", None)
+    if not source or not Path(source).is_file():
+        raise ValueError("which daemon? give --daemon tcp://HOST:PORT (or, to submit, a placement or --hosts file "
+                         "naming [hosts])")
+    host = head_host(source)
+    return host.address, host.key or own_key
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -234,12 +268,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         digest=args.digest,
         app=args.app,
         config=overrides,
+        hosts=args.hosts,
+        with_files=args.files,
     )
     if args.json:
         print(json.dumps({"placement": result.placement, "stopped_by": result.stopped_by,
                           "events": dict(result.events), "digests": dict(result.digests),
                           "processes": {k: dict(v) for k, v in result.processes.items()},
-                          "dropped": dict(result.dropped)}, indent=2))
+                          "dropped": dict(result.dropped), "hosts": dict(result.hosts)}, indent=2))
     else:
         total = sum(result.events.values())
         print(f"run ended ({result.stopped_by}): {total} events in {len(result.events)} reactors, "

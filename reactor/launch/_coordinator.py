@@ -17,13 +17,15 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .._errors import PeerLostError, ReactorError, TraceMismatchError
 from .._graph import Graph
-from ._placement import check_lookahead, resolve
+from ._cluster import RemoteWorkers, address_towards
+from ._groups import Group
+from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
 from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, sweep_stale
@@ -50,6 +52,8 @@ async def run_processes(
     app: str | None,
     config: Mapping[str, Any],
     flow_limit: int = 4096,
+    hosts: str | None = None,
+    with_files: Sequence[str] = (),
 ) -> RunResult:
     from ..transport import Endpoint
 
@@ -58,7 +62,8 @@ async def run_processes(
             f"placement {placement!r} needs the app file: workers rebuild the graph from it "
             "(use `reactor run APP --placement ...` or run(graph, app=PATH, config=...))"
         )
-    groups = resolve(graph, placement)
+    plan = resolve_placement(graph, placement, hosts)
+    groups = plan.groups
     if deterministic:
         check_lookahead(graph, groups, placement)
     if replay is not None:
@@ -70,18 +75,28 @@ async def run_processes(
     sweep_stale()
     run_id = os.environ.get("REACTOR_RUN_ID") or "run"
     sockdir = open_run_dir(run_id)
-    # Links that leave the host (any tcp bind) are encrypted and authenticated with CURVE: one key
-    # pair per run, handed to each worker on its stdin (never over a socket); every endpoint of the
-    # run, the coordinator's too, then admits only peers holding it.
+    # Links that leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
+    # with CURVE: one key pair per run, handed to each worker on its stdin, or through its daemon over
+    # that daemon's CURVE link (never in the clear); every endpoint of the run, the coordinator's
+    # too, then admits only peers holding it.
     curve = keys = None
-    if any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
+    if plan.hosts or any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
         from ..transport import CurveKeys
 
         keys = CurveKeys.generate()
         curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
-    ep = await Endpoint.open(COORDINATOR, f"ipc://{sockdir}/coordinator", curve=keys,
-                             accept=CoordinatorProtocol(g.name for g in groups))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    workers: _LocalWorkers | RemoteWorkers
+    if plan.hosts:
+        from ._keys import default_keys_dir, load_keys
+
+        workers = RemoteWorkers(run_id, plan.hosts, load_keys(default_keys_dir()), plan.settings["heartbeat_timeout_s"])
+        app_name = workers.ship(app, [*with_files, *([replay] if replay is not None else [])])
+        head = plan.hosts[groups[0].hosts[0]]
+        bind = f"tcp://{address_towards(head.address)}:*"
+    else:
+        workers = _LocalWorkers()
+        bind = f"ipc://{sockdir}/coordinator"
+    ep = await Endpoint.open(COORDINATOR, bind, curve=keys, accept=CoordinatorProtocol(g.name for g in groups))
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
     installed = []
@@ -109,14 +124,15 @@ async def run_processes(
                 "flow_limit": flow_limit,
                 "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             }
-            # The group in the environment: `ps e`, and tests, tell the workers apart by it.
-            p = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], stdin=subprocess.PIPE,
-                                 env={**os.environ, "REACTOR_WORKER_GROUP": g.name})
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(spec).encode())
-            p.stdin.close()
-            procs[g.name] = p
-        session = _Session(ep, procs, signalled)
+            if isinstance(workers, RemoteWorkers):
+                if replay is not None:  # shipped beside the app; the worker runs in the app's parent
+                    spec["replay"] = f"app/{Path(replay).name}"
+                await workers.start(g, spec, app_name)
+            else:
+                workers.start(g, spec)
+        if isinstance(workers, RemoteWorkers):
+            workers.start_heartbeat()
+        session = _Session(ep, workers, [g.name for g in groups], signalled)
         addresses = await session.gather("hello", START_TIMEOUT_S)
         for g in groups:
             await ep.connect(g.name, addresses[g.name][0], server_public_key=keys.public if keys else None)
@@ -145,7 +161,7 @@ async def run_processes(
             from .._trace import merge_events, write_trace
 
             write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
-        await _reap(procs, EXIT_TIMEOUT_S)
+        await workers.reap(EXIT_TIMEOUT_S)
         return RunResult(
             digests=digests,
             events=events,
@@ -153,21 +169,52 @@ async def run_processes(
             stopped_by=stopped_by,
             processes={name: res["stats"] for name, res in results.items()},
             dropped={COORDINATOR: ep.statistics().dropped, **{n: res["stats"]["dropped"] for n, res in results.items()}},
+            hosts={g: h for g, h in getattr(workers, "host_of", {}).items()},
         )
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
-        await _reap(procs, 0.0)
+        await workers.reap(0.0)
+        await workers.close()
         await ep.aclose()
         remove_run_dir(sockdir)
-        if procs:
+        if isinstance(workers, _LocalWorkers) and workers.procs:
             _cleanup_segments(run_id)
 
 
+class _LocalWorkers:
+    """The workers of a run on this host: children of the coordinator."""
+
+    settle_s = 0.5  # how long a worker's death may take to show in dead()
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, group: Group, spec: dict[str, Any]) -> None:
+        # The group in the environment: `ps e`, and tests, tell the workers apart by it.
+        p = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], stdin=subprocess.PIPE,
+                             env={**os.environ, "REACTOR_WORKER_GROUP": group.name})
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(spec).encode())
+        p.stdin.close()
+        self.procs[group.name] = p
+
+    def dead(self) -> dict[str, tuple[int | None, str]]:
+        return {name: (rc, "") for name, p in self.procs.items() if (rc := p.poll()) is not None}
+
+    async def reap(self, timeout_s: float) -> None:
+        await _reap(self.procs, timeout_s)
+
+    async def close(self) -> None:
+        pass
+
+
 class _Session:
-    def __init__(self, ep: Any, procs: dict[str, subprocess.Popen[bytes]], signalled: asyncio.Event) -> None:
+    def __init__(self, ep: Any, workers: _LocalWorkers | RemoteWorkers, names: list[str],
+                 signalled: asyncio.Event) -> None:
         self.ep = ep
-        self.procs = procs
+        self.workers = workers
+        self.procs = names
         self.signalled = signalled
         self.status: dict[str, tuple[int, bool, int, int]] = {}
         self.results: dict[str, Any] = {}
@@ -176,7 +223,7 @@ class _Session:
         self.replay_done: set[str] = set()
 
     def _check_children(self) -> None:
-        dead = {name: rc for name, p in self.procs.items() if (rc := p.poll()) is not None and name not in self.results}
+        dead = {name: how for name, how in self.workers.dead().items() if name not in self.results}
         if dead:
             raise WorkerFailedError(_describe_exits(dead))
 
@@ -184,6 +231,16 @@ class _Session:
         batch = await self.ep.recv_batch(timeout_s=0.2)
         for peer, msg in batch:
             if msg[0] == "error":
+                if msg[1].startswith("PeerLostError"):
+                    # It lost a peer: name the peer's end first when it shows within the time
+                    # its death takes to be seen (a remote one's, a heartbeat or two).
+                    end = asyncio.get_running_loop().time() + self.workers.settle_s
+                    while asyncio.get_running_loop().time() < end:
+                        dead = {n: how for n, how in self.workers.dead().items() if n not in self.results and n != peer}
+                        if dead:
+                            first = msg[1].splitlines()[0]
+                            raise WorkerFailedError(f"{_describe_exits(dead)}; then worker {peer!r} failed: {first}")
+                        await asyncio.sleep(0.02)
                 raise WorkerFailedError(f"worker {peer!r} failed:\n{msg[1]}")
         return batch
 
@@ -281,10 +338,16 @@ class _Session:
                     self.ep.send_nowait(n, msg)
 
 
-def _describe_exits(dead: dict[str, int]) -> str:
-    """Say which workers ended early and how, the first cause first: a worker killed by a signal
-    (its peers then exit because they lost it) before one that exited with a status of its own."""
-    def how(rc: int) -> str:
+def _describe_exits(dead: dict[str, tuple[int | None, str]]) -> str:
+    """Say which workers ended early and how, the first cause first: a worker lost with its host,
+    then one killed by a signal (its peers then exit because they lost it), before one that exited
+    with a status of its own. Each ``(exit status or None, where)``; a lost one's ``where`` says how."""
+    def how(rc: int | None, where: str) -> str:
+        if rc is None:
+            return where
+        return f"{said(rc)} {where}" if where else said(rc)
+
+    def said(rc: int) -> str:
         if rc < 0:
             try:
                 return f"was killed by {signal.Signals(-rc).name}"
@@ -294,11 +357,15 @@ def _describe_exits(dead: dict[str, int]) -> str:
             return "exited with status 3 (it lost a peer; its stderr names which)"
         return f"exited with status {rc}"
 
-    order = sorted(dead, key=lambda n: (dead[n] >= 0, dead[n] == 3, n))
+    def rank(n: str) -> tuple[bool, bool, bool, str]:
+        rc = dead[n][0]
+        return (rc is not None, rc is not None and rc >= 0, rc == 3, n)
+
+    order = sorted(dead, key=rank)
     first, rest = order[0], order[1:]
-    text = f"worker {first!r} {how(dead[first])} before the run ended"
+    text = f"worker {first!r} {how(*dead[first])} before the run ended"
     if rest:
-        text += "; then " + ", ".join(f"worker {n!r} {how(dead[n])}" for n in rest)
+        text += "; then " + ", ".join(f"worker {n!r} {how(*dead[n])}" for n in rest)
     return text
 
 

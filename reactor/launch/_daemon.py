@@ -16,8 +16,9 @@ daemon restarted on its state directory lists its past jobs, and a job it finds 
 earlier life it keeps watching; one that died meanwhile is marked ``lost``. SIGTERM (or SIGINT) to
 the daemon stops its running jobs first.
 
-This version hosts whole jobs, every group of a run on the daemon's own machine; spreading one
-job's groups over several daemons is the next step of the daemons work (docs/architecture.md).
+A job whose placement names hosts runs its coordinator here and its groups' workers on the daemons
+of those hosts, this one among them: the daemon's side of that (``spawn``, ``workers``, ``end``) is
+``reactor/launch/_hosting.py``.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ import zmq
 import zmq.asyncio
 import zmq.auth.asyncio
 
+from .._errors import DaemonError
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
+from ._hosting import HostedRuns
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 
-__all__ = ["Daemon", "DaemonClient", "DaemonError", "job_spec"]
+__all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_spec"]
 
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
@@ -55,8 +58,8 @@ STOP_GRACE_S = 20.0
 WATCH_PERIOD_S = 0.2
 
 
-class DaemonError(Exception):
-    """A daemon refused a request, or did not answer; the message says which and why."""
+class DaemonSilentError(DaemonError):
+    """A daemon did not answer in time (it is down, unreachable, or does not admit our key)."""
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -89,7 +92,8 @@ class _Job:
 class Daemon:
     """The daemon's state and its serving loop (``await Daemon(...).serve()``)."""
 
-    def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str]):
+    def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
+                 advertise: str | None = None):
         from ._keys import load_keys
 
         self.name = name
@@ -97,7 +101,9 @@ class Daemon:
         self.state = Path(state_dir)
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
+        self.keys_dir = Path(keys_dir).resolve()
         self.keys = load_keys(keys_dir)
+        self.hosted = HostedRuns(name, advertise or _advertised(listen), self.state)
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
         self.refused = 0
@@ -143,14 +149,20 @@ class Daemon:
             placement = str(jdir / "app" / placement)
         cmd = [sys.executable, "-m", "reactor.cli", "run", str(jdir / "app" / spec["app"]), "--placement", placement,
                "--seed", str(spec["seed"])]
+        if spec["hosts"] is not None:
+            cmd += ["--hosts", str(jdir / "app" / spec["hosts"])]
+        for name in spec["files"]:
+            if name not in (spec["app"], spec["placement"], spec["hosts"]):
+                cmd += ["--with", str(jdir / "app" / name)]
         if spec["async"]:
             cmd.append("--async")
         for k, v in spec["config"].items():
             cmd += ["--set", f"{k}={v!r}"]
         out = open(jdir / "output.log", "wb")  # noqa: SIM115 - the child holds it; closed below
         try:
+            # A job over several hosts reaches their daemons with this daemon's key pair.
             proc = subprocess.Popen(cmd, cwd=jdir / "app", stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    start_new_session=True)
+                                    start_new_session=True, env={**os.environ, "REACTOR_KEYS": str(self.keys_dir)})
         finally:
             out.close()
         pid, start = proc.pid, _pid_start_time(proc.pid) or 0
@@ -247,6 +259,14 @@ class Daemon:
             return True, self.logs(msg[2], msg[3])
         if kind == "stop":
             return True, self.stop(msg[2])
+        if kind == "hosted":
+            return True, self.hosted.describe()
+        if kind == "spawn":
+            return True, self.hosted.spawn(msg[2])
+        if kind == "workers":
+            return True, self.hosted.workers(msg[2])
+        if kind == "end":
+            return True, self.hosted.end(msg[2])
         raise AssertionError(kind)  # the schema admits no other kind
 
     async def serve(self, ready: Any = None) -> None:
@@ -277,25 +297,36 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             watcher = asyncio.ensure_future(self._watch_forever())
+            # Wait by polling, then read without blocking: a recv cancelled by a timeout could lose
+            # the request it was taking (one heartbeat in a few was lost that way, in phase with
+            # the timeout); a cancelled poll loses nothing.
+            plain = zmq.Socket.shadow(sock.underlying)
             try:
                 while not stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(0.5):
-                            frames = await sock.recv_multipart()
-                            reply = self._answer(frames)
-                            if reply is not None:
-                                with contextlib.suppress(zmq.ZMQError):  # the client left
-                                    await sock.send_multipart(reply)
+                    await sock.poll(500, zmq.POLLIN)
+                    while True:
+                        try:
+                            frames = plain.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        reply = self._answer(frames)
+                        if reply is not None:
+                            with contextlib.suppress(zmq.ZMQError):  # the client left
+                                plain.send_multipart(reply, zmq.NOBLOCK)
             finally:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
             self.stop_all()
+            self.hosted.end_all()
             deadline = time.monotonic() + STOP_GRACE_S + 5
-            while any(j.record["state"] == "running" for j in self.jobs.values()) and time.monotonic() < deadline:
+            while (any(j.record["state"] == "running" for j in self.jobs.values()) or self.hosted.live()) \
+                    and time.monotonic() < deadline:
                 self.watch()
+                self.hosted.watch()
                 await asyncio.sleep(WATCH_PERIOD_S)
             self.watch()
+            self.hosted.watch()
             log.info("%s: stopped", self.name)
         finally:
             sock.close(linger=0)
@@ -335,7 +366,21 @@ class Daemon:
     async def _watch_forever(self) -> None:
         while True:
             self.watch()
+            self.hosted.watch()
             await asyncio.sleep(WATCH_PERIOD_S)
+
+
+def _advertised(listen: str) -> str:
+    """The interface a daemon's workers bind to: its listen address's host.
+
+    Raises:
+        ValueError: a wildcard listen address (other hosts cannot dial it): give ``--advertise``.
+    """
+    host = listen[len("tcp://"):].rsplit(":", 1)[0] if listen.startswith("tcp://") else ""
+    if host in ("", "*", "0.0.0.0", "[::]", "::"):
+        raise ValueError(f"--listen {listen}: a wildcard address; give --advertise ADDR, the address other hosts "
+                         f"reach this one at")
+    return host
 
 
 def _last_line(path: Path) -> str:
@@ -354,9 +399,11 @@ def _last_line(path: Path) -> str:
 
 
 def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: dict[str, Any] | None = None,
-             seed: int = 0, async_: bool = False, files: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+             seed: int = 0, async_: bool = False, files: Sequence[str | os.PathLike[str]] = (),
+             hosts: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """What ``reactor submit`` sends: the app file and the files it names (``--with``), by content and
-    sha256, and the run's settings. A placement that names a file here travels with it.
+    sha256, and the run's settings. A placement that names a file here travels with it, and so does
+    a hosts file (``--hosts``).
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -368,8 +415,12 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
     if Path(placement).is_file():
         names[Path(placement).name] = Path(placement).read_bytes()
         placement = Path(placement).name
+    hosts_name = None
+    if hosts is not None:
+        names[Path(hosts).name] = Path(hosts).read_bytes()
+        hosts_name = Path(hosts).name
     return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
-            "config": dict(config or {}), "placement": placement, "seed": seed, "async": async_}
+            "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_}
 
 
 class DaemonClient:
@@ -394,28 +445,36 @@ class DaemonClient:
         self.sock.connect(address)
         self.next_id = 1
 
-    def request(self, kind: str, *fields: Any) -> Any:
-        """Send one request and return its payload.
+    def request(self, kind: str, *fields: Any, timeout_s: float | None = None) -> Any:
+        """Send one request and return its payload (waiting ``timeout_s``, default the client's).
 
         Raises:
-            DaemonError: the daemon refused it (its reason), or did not answer in time.
+            DaemonError: the daemon refused it (its reason), or did not answer in time
+                (``DaemonSilentError``).
         """
         rid = self.next_id
         self.next_id += 1
-        self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)])
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)], flags=zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise DaemonSilentError(f"the daemon at {self.address} takes no more requests (not reachable)") from e
+        deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not self.sock.poll(int(left * 1000)):
                 break
             frames = self.sock.recv_multipart()
-            reply = msgpack.unpackb(frames[-1], raw=False)
-            if reply[0] != rid:
+            try:
+                reply = msgpack.unpackb(frames[-1], raw=False)
+            except Exception:  # noqa: BLE001 - junk is no answer
+                continue
+            if type(reply) is not list or len(reply) != 3 or reply[0] != rid:
                 continue  # a late answer to an earlier request
             if not reply[1]:
                 raise DaemonError(reply[2])
             return reply[2]
-        raise DaemonError(
-            f"the daemon at {self.address} did not answer within {self.timeout_s} s: check the address, that it "
+        raise DaemonSilentError(
+            f"the daemon at {self.address} did not answer within {timeout_s} s: check the address, that it "
             f"runs, that you have its key.pub, and that its authorized/ directory holds your key.pub"
         )
 

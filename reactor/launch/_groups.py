@@ -15,6 +15,7 @@ class Group:
     name: str
     reactors: tuple[str, ...]
     bind: str | None = None  # None: ipc in a private directory
+    hosts: tuple[str, ...] = ()  # candidate hosts (a placement's [hosts] names), in order; () local
 
 
 def group_name(instance: str) -> str:

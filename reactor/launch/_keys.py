@@ -4,7 +4,8 @@
 
     DIR/key           this side's key pair (public and secret, mode 0600)
     DIR/key.pub       its public half: what the other side is given
-    DIR/authorized/   public keys (``*.pub``) of the clients a daemon using DIR admits
+    DIR/authorized/   public keys (``*.pub``) of the clients a daemon using DIR admits; ``self.pub``
+                      first (one directory shared by a cluster's daemons and clients admits them all)
 
 A daemon admits a client only if the client's public key is in its ``authorized/`` directory, read
 at each handshake (adding or removing a file takes effect for the next connection, no restart). A
@@ -43,6 +44,9 @@ def init_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     keys.save(d / "key")
     keys.save_public(d / "key.pub")
     (d / "authorized").mkdir(mode=0o700, exist_ok=True)
+    # The pair admits itself: daemons and clients sharing one key directory (a cluster key) trust
+    # each other, and a job's coordinator on a daemon reaches the daemons of its hosts with it.
+    keys.save_public(d / "authorized" / "self.pub")
     return keys
 
 

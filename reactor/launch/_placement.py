@@ -12,7 +12,9 @@
       reactors = ["actor*"]
       bind = "tcp://127.0.0.1:*"            # optional: tcp (with CURVE) instead of local ipc
 
-  Every reactor instance must fall in exactly one group.
+  Every reactor instance must fall in exactly one group. A file with ``[hosts]`` (daemon
+  addresses) places its groups on those hosts (``host = "NAME"`` or a list of candidates per group;
+  see ``reactor/launch/_cluster.py``); so does a distribution policy given a hosts file.
 """
 
 from __future__ import annotations
@@ -20,23 +22,67 @@ from __future__ import annotations
 import fnmatch
 import re
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .._errors import GraphError
 from .._graph import Graph
+from ._cluster import Host, assign_hosts, cluster_settings, load_hosts_file, parse_hosts
 from ._groups import Group, group_name
 from ._policies import POLICIES
 
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]+$")
 
 
-def resolve(graph: Graph, placement: str) -> list[Group]:
-    """The process groups ``placement`` asks for.
+@dataclass
+class Placement:
+    """What a placement resolves to: its process groups and, for a run over several hosts, the
+    hosts (daemons) they go to and the ``[cluster]`` settings."""
+
+    groups: list[Group]
+    hosts: dict[str, Host] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve(graph: Graph, placement: str, hosts: str | None = None) -> list[Group]:
+    """The process groups ``placement`` asks for (see :func:`resolve_placement`)."""
+    return resolve_placement(graph, placement, hosts).groups
+
+
+def resolve_placement(graph: Graph, placement: str, hosts: str | None = None) -> Placement:
+    """The process groups ``placement`` asks for, on the hosts it (or the ``hosts`` file) names.
 
     Raises:
-        GraphError: unknown placement, unreadable file, a pattern that matches nothing, or a reactor
-            placed twice or not at all.
+        GraphError: unknown placement, unreadable file, a pattern that matches nothing, a reactor
+            placed twice or not at all, a malformed ``[hosts]``, or a group naming an unknown host.
     """
+    if placement in POLICIES or placement == "processes":
+        groups = _groups(graph, placement)
+        if hosts is None:
+            return Placement(groups)
+        table, settings = load_hosts_file(hosts)
+        return Placement(assign_hosts(groups, table, f"hosts file {hosts}", spread=True), table, settings)
+    groups = _groups(graph, placement)
+    data = tomllib.loads(Path(placement).read_text())  # _groups read it already
+    where = f"placement file {placement}"
+    if hosts is not None:
+        if "hosts" in data:
+            raise GraphError(f"{where} has its own [hosts]: give either it or --hosts {hosts}, not both")
+        table, settings = load_hosts_file(hosts)
+    elif "hosts" in data:
+        table = parse_hosts(data["hosts"], where, Path(placement).parent)
+        settings = cluster_settings(data, where)
+    else:
+        named = [g.name for g in groups if g.hosts]
+        if named:
+            raise GraphError(f"{where}: group {named[0]!r} names a host, but there is no [hosts] table "
+                             f"(or --hosts file) saying where the hosts' daemons are")
+        return Placement(groups)
+    return Placement(assign_hosts(groups, table, where, spread=False), table, settings)
+
+
+def _groups(graph: Graph, placement: str) -> list[Group]:
     instances = [name for _, _, name in graph.instances()]
     if placement == "processes":
         return [Group(group_name(n), (n,)) for n in instances]
@@ -67,6 +113,17 @@ def resolve(graph: Graph, placement: str) -> list[Group]:
         bind = spec.get("bind")
         if bind is not None and not (isinstance(bind, str) and bind.startswith(("tcp://", "ipc://"))):
             raise GraphError(f"placement file {placement}: group {gname!r} bind must be a tcp:// or ipc:// address")
+        unknown = set(spec) - {"reactors", "bind", "host"}
+        if unknown:
+            raise GraphError(f"placement file {placement}: group {gname!r} has unknown fields {sorted(unknown)} "
+                             f"(reactors, bind, host)")
+        host = spec.get("host", [])
+        host = [host] if isinstance(host, str) else host
+        if not isinstance(host, list) or not all(isinstance(h, str) for h in host):
+            raise GraphError(f"placement file {placement}: group {gname!r} host must be a host name or a list of them")
+        if host and bind is not None:
+            raise GraphError(f"placement file {placement}: group {gname!r} has both host and bind: on a host, "
+                             f"its daemon picks the address")
         members = []
         for pat in pats:
             hit = [n for n in instances if fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(node_of[n], pat)]
@@ -78,7 +135,7 @@ def resolve(graph: Graph, placement: str) -> list[Group]:
                 if n not in owner:
                     owner[n] = gname
                     members.append(n)
-        groups.append(Group(gname, tuple(members), bind))
+        groups.append(Group(gname, tuple(members), bind, tuple(host)))
     missing = [n for n in instances if n not in owner]
     if missing:
         raise GraphError(f"placement file {placement}: no group holds {', '.join(missing)}")

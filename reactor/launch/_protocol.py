@@ -197,13 +197,11 @@ def _plain(v: Any, depth: int = 0) -> bool:
     return False
 
 
-_SPEC_FIELDS = ("app", "files", "sha256", "config", "placement", "seed", "async")
+_SPEC_FIELDS = ("app", "files", "sha256", "config", "placement", "hosts", "seed", "async")
 
 
-def _job_spec(v: Any) -> str | None:
-    if type(v) is not dict or set(v) != set(_SPEC_FIELDS):
-        return f"a job spec is a dict with exactly the fields {list(_SPEC_FIELDS)}, got {_show(v)}"
-    files, sums = v["files"], v["sha256"]
+def _files(files: Any, sums: Any, app: Any) -> str | None:
+    """Shipped files: relative paths -> bytes, bounded in count and size, one sha256 each, the app among them."""
     if type(files) is not dict or not 0 < len(files) <= _FILES_MAX:
         return f"files: a dict of 1..{_FILES_MAX} path -> bytes expected, got {_show(files)}"
     total = 0
@@ -218,12 +216,22 @@ def _job_spec(v: Any) -> str | None:
     if type(sums) is not dict or set(sums) != set(files) or not all(
             type(h) is str and re.fullmatch(r"[0-9a-f]{64}", h) for h in sums.values()):
         return "sha256: one hex sha256 per file expected"
-    if type(v["app"]) is not str or v["app"] not in files:
-        return f"app: the name of one of the files expected, got {_show(v['app'])}"
+    if type(app) is not str or app not in files:
+        return f"app: the name of one of the files expected, got {_show(app)}"
+    return None
+
+
+def _job_spec(v: Any) -> str | None:
+    if type(v) is not dict or set(v) != set(_SPEC_FIELDS):
+        return f"a job spec is a dict with exactly the fields {list(_SPEC_FIELDS)}, got {_show(v)}"
+    if (why := _files(v["files"], v["sha256"], v["app"])) is not None:
+        return why
     if type(v["config"]) is not dict or not _plain(v["config"]):
         return f"config: a dict of plain values (None, bool, int, float, str, lists, dicts) expected, got {_show(v['config'])}"
     if type(v["placement"]) is not str or not 0 < len(v["placement"]) <= 255:
         return f"placement: a policy name or the name of one of the files expected, got {_show(v['placement'])}"
+    if v["hosts"] is not None and (type(v["hosts"]) is not str or v["hosts"] not in v["files"]):
+        return f"hosts: None or the name of one of the files expected, got {_show(v['hosts'])}"
     if type(v["seed"]) is not int or not 0 <= v["seed"] < 2**63:
         return f"seed: an int in [0, 2**63) expected, got {_show(v['seed'])}"
     if type(v["async"]) is not bool:
@@ -239,6 +247,32 @@ def _job_or_none(v: Any) -> str | None:
     return None if v is None else _job_id(v)
 
 
+_RUN_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_GROUP_NAME_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]{1,128}$")
+_SPAWN_FIELDS = ("run", "group", "app", "files", "sha256", "worker", "lease_s")
+
+
+def _run_id(v: Any) -> str | None:
+    return None if type(v) is str and _RUN_RE.match(v) else f"a run id ([A-Za-z0-9_.-], 1..64) expected, got {_show(v)}"
+
+
+def _spawn(v: Any) -> str | None:
+    """A coordinator's request to start one group's worker here (``reactor/launch/_hosting.py``)."""
+    if type(v) is not dict or set(v) != set(_SPAWN_FIELDS):
+        return f"a spawn request is a dict with exactly the fields {list(_SPAWN_FIELDS)}, got {_show(v)}"
+    if (why := _run_id(v["run"])) is not None:
+        return f"run: {why}"
+    if type(v["group"]) is not str or not _GROUP_NAME_RE.match(v["group"]):
+        return f"group: a group name ([A-Za-z0-9_-[]], 1..128) expected, got {_show(v['group'])}"
+    if (why := _files(v["files"], v["sha256"], v["app"])) is not None:
+        return why
+    if type(v["worker"]) is not dict or not _plain(v["worker"]):
+        return f"worker: a worker spec (a dict of plain values) expected, got {_show(v['worker'])}"
+    if type(v["lease_s"]) not in (int, float) or not 0 < v["lease_s"] <= 3600:
+        return f"lease_s: seconds in (0, 3600] expected, got {_show(v['lease_s'])}"
+    return None
+
+
 #: A client's requests to a daemon (``reactor/launch/_daemon.py``), after the request id.
 DAEMON_KINDS: dict[str, tuple[Check, ...]] = {
     "ping": (),
@@ -246,6 +280,10 @@ DAEMON_KINDS: dict[str, tuple[Check, ...]] = {
     "status": (_job_or_none,),
     "logs": (_job_id, _count),
     "stop": (_job_id,),
+    "hosted": (),
+    "spawn": (_spawn,),
+    "workers": (_run_id,),
+    "end": (_run_id,),
 }
 
 

@@ -26,6 +26,7 @@ class RunResult:
         dropped: multi-process runs: per process (the workers and ``coordinator``), the messages
             from peers it dropped (undecodable, too large, over credit, from an unknown sender, or
             refused by the protocol's schemas: reactor/launch/_protocol.py). A correct run drops none.
+        hosts: runs over hosts: per worker process, the host (daemon) it ran on.
     """
 
     digests: Mapping[str, str] = field(default_factory=dict)
@@ -34,3 +35,4 @@ class RunResult:
     stopped_by: str = "quiescence"
     processes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     dropped: Mapping[str, int] = field(default_factory=dict)
+    hosts: Mapping[str, str] = field(default_factory=dict)

@@ -13,7 +13,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,8 @@ async def run_async(
     app: str | None = None,
     config: Mapping[str, Any] | None = None,
     flow_limit: int = 4096,
+    hosts: str | None = None,
+    with_files: Sequence[str] = (),
 ) -> RunResult:
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
     graph.validate()
@@ -95,7 +97,12 @@ async def run_async(
             app=app,
             config=config or {},
             flow_limit=flow_limit,
+            hosts=hosts,
+            with_files=with_files,
         )
+    if hosts is not None:
+        raise ValueError("hosts (a hosts file) places the groups of a multi-process placement; "
+                         "placement 'single' has none")
     from .._trace import read_trace, write_trace
 
     recorder = Recorder() if record is not None else None
@@ -216,6 +223,9 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
             graph from (the CLI passes them).
         flow_limit: multi-process placements: messages a process may queue towards its peers, and
             (async mode) events it may hold undelivered, before it pushes back.
+        hosts: a hosts file (``[hosts]``: daemon addresses) to spread a distribution policy's
+            groups over; a placement file may name its hosts itself (``reactor/launch/_cluster.py``).
+        with_files: runs over hosts: files the app needs beside it, shipped with it to every host.
 
     Returns:
         RunResult.

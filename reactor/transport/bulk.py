@@ -171,8 +171,11 @@ def host_id() -> str:
     """This host's identity for :func:`choose_backend`: ``hostname/boot id``.
 
     Two processes with the same id run under one kernel (so may share memory); the boot id tells
-    apart machines that share a hostname.
+    apart machines that share a hostname. A worker started by a daemon has the daemon's name for it
+    (``REACTOR_HOST_ID``): the daemons of a placement are its hosts.
     """
+    if given := os.environ.get("REACTOR_HOST_ID"):
+        return given
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

@@ -1,0 +1,376 @@
+"""Runs over several hosts: the hosts a placement names, and the coordinator's side of the daemons
+that start its workers there.
+
+A placement file (or a ``--hosts`` file beside a distribution policy) names the daemons::
+
+    [hosts]
+    h1 = "tcp://10.0.0.1:7000"                              # its key: the cluster key (below)
+    h2 = { address = "tcp://10.0.0.2:7000", key = "h2.pub" } # a key file beside this file, or Z85 text
+
+    [cluster]
+    heartbeat_timeout_s = 3.0                               # a host silent this long is lost
+
+    [groups.learner]
+    reactors = ["learner", "evaluator", "metrics"]
+    host = "h1"                                             # or ["h1", "h2"]: candidates, in order
+
+A host without a ``key`` runs with the same key pair as the client (one key directory shared by a
+cluster, as ``reactor slurm`` makes per job). Groups without ``host`` go to the first host listed.
+
+The coordinator asks each group's daemon to start its worker (``spawn``: the worker's spec and the
+app's files by content and sha256, over the CURVE link to the daemon), then polls every daemon of
+the run each ``HEARTBEAT_S`` (``workers``): the answer carries the exit status of each of the run's
+workers there, and a daemon that does not answer for ``heartbeat_timeout_s`` is a lost host. A
+daemon that hears nothing from a run's coordinator for its lease kills the run's workers there, so
+a lost coordinator leaves nothing behind. At the end the coordinator sends ``end``: the daemon
+stops what is left of the run on its host and removes its shared-memory segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import re
+import socket
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .._errors import DaemonError, GraphError
+from ._groups import Group
+
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "RemoteWorkers", "assign_hosts", "parse_hosts"]
+
+log = logging.getLogger("reactor.cluster")
+HEARTBEAT_S = 0.5
+HEARTBEAT_TIMEOUT_S = 3.0
+_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+_Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """A daemon a run may place groups on.
+
+    Attributes:
+        name: its name in the placement (and the daemon's ``--name``).
+        address: its ``tcp://HOST:PORT``.
+        key: its public key (Z85); None: the client's own public key (a cluster key).
+    """
+
+    name: str
+    address: str
+    key: bytes | None = None
+
+
+def parse_hosts(data: Any, where: str, base: Path) -> dict[str, Host]:
+    """The ``[hosts]`` table of a placement or hosts file (``where`` names it in errors; key files
+    are relative to ``base``).
+
+    Raises:
+        GraphError: a malformed entry, naming it.
+    """
+    if not isinstance(data, dict) or not data:
+        raise GraphError(f"{where}: [hosts] must map host names to daemon addresses")
+    hosts = {}
+    for name, entry in data.items():
+        if not _HOST_RE.match(name):
+            raise GraphError(f"{where}: host name {name!r} must match {_HOST_RE.pattern}")
+        key: bytes | None = None
+        if isinstance(entry, dict):
+            unknown = set(entry) - {"address", "key"}
+            if unknown:
+                raise GraphError(f"{where}: host {name!r} has unknown fields {sorted(unknown)} (address, key)")
+            address, key_text = entry.get("address"), entry.get("key")
+            if key_text is not None:
+                key = _read_key(key_text, where, name, base)
+        else:
+            address = entry
+        if not isinstance(address, str) or not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", address):
+            raise GraphError(f"{where}: host {name!r} needs a daemon address tcp://HOST:PORT, got {address!r}")
+        hosts[name] = Host(name, address, key)
+    return hosts
+
+
+def _read_key(text: Any, where: str, name: str, base: Path) -> bytes:
+    if not isinstance(text, str):
+        raise GraphError(f"{where}: host {name!r}: key must be a key file's path or a Z85 public key")
+    if _Z85_KEY_RE.match(text) and not (base / text).is_file():
+        return text.encode()
+    from ..transport import CurveKeys
+
+    path = base / text
+    try:
+        return CurveKeys.load_public(path)
+    except (OSError, ValueError) as e:
+        raise GraphError(f"{where}: host {name!r}: cannot read its key {path}: {e}") from e
+
+
+def load_hosts_file(path: str | Path) -> tuple[dict[str, Host], dict[str, Any]]:
+    """A ``--hosts`` file: its hosts and its ``[cluster]`` settings.
+
+    Raises:
+        GraphError: unreadable, or without a valid ``[hosts]``.
+    """
+    import tomllib
+
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise GraphError(f"hosts file {path}: {e}") from e
+    return parse_hosts(data.get("hosts"), f"hosts file {path}", p.parent), cluster_settings(data, f"hosts file {path}")
+
+
+def head_host(path: str | Path) -> Host:
+    """The host a job over hosts is submitted to (its coordinator runs there): in a placement file,
+    its first group's first ``host``, else the first host listed; in a hosts file, the first host
+    (where a distribution policy puts its first group).
+
+    Raises:
+        GraphError: the file names no hosts.
+    """
+    import tomllib
+
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise GraphError(f"{path}: {e}") from e
+    hosts = parse_hosts(data.get("hosts"), str(path), p.parent)
+    groups = data.get("groups")
+    first = next(iter(groups.values()), None) if isinstance(groups, dict) else None
+    name = first.get("host") if isinstance(first, dict) else None
+    name = name[0] if isinstance(name, list) and name else name
+    return hosts[name] if isinstance(name, str) and name in hosts else next(iter(hosts.values()))
+
+
+def cluster_settings(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``[cluster]`` table, checked: ``heartbeat_timeout_s`` (seconds, > HEARTBEAT_S)."""
+    raw = data.get("cluster", {})
+    if not isinstance(raw, dict) or set(raw) - {"heartbeat_timeout_s"}:
+        raise GraphError(f"{where}: [cluster] takes heartbeat_timeout_s only")
+    t = raw.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)
+    if type(t) not in (int, float) or not 2 * HEARTBEAT_S <= t <= 3600:
+        raise GraphError(f"{where}: heartbeat_timeout_s must be a number of seconds in [{2 * HEARTBEAT_S}, 3600]")
+    return {"heartbeat_timeout_s": float(t)}
+
+
+def assign_hosts(groups: list[Group], hosts: dict[str, Host], where: str, *, spread: bool) -> list[Group]:
+    """Give each group its candidate hosts: its own ``host`` (checked against ``hosts``), else the
+    groups of a distribution policy spread round-robin over the hosts in order (the first group,
+    the learner's, on the first host); a group of a placement file without ``host`` on the first.
+
+    Raises:
+        GraphError: a group names a host that ``[hosts]`` lacks.
+    """
+    names = list(hosts)
+    out = []
+    turn = itertools.cycle(names)
+    for g in groups:
+        if g.hosts:
+            unknown = [h for h in g.hosts if h not in hosts]
+            if unknown:
+                raise GraphError(f"{where}: group {g.name!r} names host {unknown[0]!r}, which [hosts] lacks "
+                                 f"(it has {', '.join(names)})")
+            out.append(g)
+        elif spread:
+            out.append(replace(g, hosts=(next(turn),)))
+        else:
+            out.append(replace(g, hosts=(names[0],)))
+    return out
+
+
+def address_towards(address: str) -> str:
+    """The local interface address this host reaches ``tcp://HOST:PORT`` from (what a daemon there
+    can dial back): the source address the kernel routes a datagram to it from (nothing is sent)."""
+    hostport = address[len("tcp://"):]
+    host, port = hostport.rsplit(":", 1)
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        local = s.getsockname()[0]
+    return f"[{local}]" if ":" in local else local
+
+
+class DaemonLink:
+    """Requests to one daemon from the event loop: a blocking ``DaemonClient`` driven in a worker
+    thread, one request at a time (a zmq.asyncio socket beside the run's endpoint missed answers
+    under load: zmq's edge-triggered FD)."""
+
+    def __init__(self, host: Host, keys: Any) -> None:
+        from ._daemon import DaemonClient
+
+        self.host = host
+        self.client = DaemonClient(host.address, host.key or keys.public, keys)
+        self.lock = asyncio.Lock()
+
+    async def request(self, kind: str, *fields: Any, timeout_s: float) -> Any:
+        """The answer's payload.
+
+        Raises:
+            DaemonError: the daemon refused (its reason, naming the host);
+                DaemonSilentError: it did not answer within ``timeout_s``.
+        """
+        from ._daemon import DaemonSilentError
+
+        async with self.lock:
+            try:
+                return await asyncio.to_thread(self.client.request, kind, *fields, timeout_s=timeout_s)
+            except DaemonSilentError as e:
+                raise DaemonSilentError(f"host {self.host.name!r} ({self.host.address}) did not answer {kind!r} "
+                                        f"within {timeout_s:.1f} s") from e
+            except DaemonError as e:
+                raise DaemonError(f"host {self.host.name!r} refused {kind!r}: {e}") from e
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RemoteWorkers:
+    """The workers of one run, each started by its group's daemon; watched by heartbeat.
+
+    Args:
+        run_id: the run's id (names its files and shared memory on every host).
+        hosts: the placement's hosts.
+        keys: this side's key pair (each daemon must authorize its public half).
+        heartbeat_timeout_s: a daemon silent this long is a lost host, its workers lost with it.
+    """
+
+    def __init__(self, run_id: str, hosts: dict[str, Host], keys: Any,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+        self.run_id = run_id
+        self.hosts = hosts
+        self.timeout_s = heartbeat_timeout_s
+        self.links = {name: DaemonLink(h, keys) for name, h in hosts.items()}
+        self.host_of: dict[str, str] = {}  # group -> host
+        self.pid: dict[str, int] = {}
+        self.ended: dict[str, tuple[int | None, str]] = {}  # group -> (exit status or None, where)
+        self.last_ok: dict[str, float] = {}
+        self.lost_hosts: dict[str, str] = {}
+        self.files: dict[str, bytes] = {}
+        self.settle_s = heartbeat_timeout_s + 2 * HEARTBEAT_S  # how long a worker's death may take to show in dead()
+        self._beat: asyncio.Task[None] | None = None
+
+    # -- starting
+
+    def ship(self, app: str | Path, extra: list[str | Path]) -> str:
+        """Take the app file and the files it needs along; return the app's name among them."""
+        app = Path(app)
+        for f in [app, *map(Path, extra)]:
+            self.files[f.name] = f.read_bytes()
+        return app.name
+
+    async def choose(self, group: Group) -> str:
+        """The first of the group's candidate hosts whose daemon answers.
+
+        Raises:
+            DaemonError: none answers, naming each and why.
+        """
+        why = []
+        for h in group.hosts:
+            if h in self.lost_hosts:
+                why.append(f"{h}: {self.lost_hosts[h]}")
+                continue
+            try:
+                await self.links[h].request("ping", timeout_s=self.timeout_s)
+                self.last_ok[h] = time.monotonic()
+                return h
+            except DaemonError as e:
+                self.lost_hosts[h] = str(e)
+                why.append(str(e))
+        raise DaemonError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}")
+
+    async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
+        """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and
+        ``bind`` are set by the daemon: its copy of the app, its own interface)."""
+        host = await self.choose(group)
+        files = self.files
+        request = {"run": self.run_id, "group": group.name, "app": app_name, "files": files,
+                   "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()},
+                   "worker": spec, "lease_s": 2 * self.timeout_s}
+        got = await self.links[host].request("spawn", request, timeout_s=max(30.0, self.timeout_s))
+        self.host_of[group.name] = host
+        self.pid[group.name] = int(got["pid"])
+        log.info("group %s started on host %s (pid %d)", group.name, host, got["pid"])
+
+    def start_heartbeat(self) -> None:
+        now = time.monotonic()
+        for h in set(self.host_of.values()):
+            self.last_ok.setdefault(h, now)
+        self._beat = asyncio.ensure_future(self._heartbeat_forever())
+
+    # -- watching
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._beat_one(h) for h in sorted(set(self.host_of.values()))))
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _beat_one(self, host: str) -> None:
+        if host in self.lost_hosts:
+            return
+        from ._daemon import DaemonSilentError
+
+        try:
+            got = await self.links[host].request("workers", self.run_id, timeout_s=HEARTBEAT_S * 2)
+        except DaemonSilentError:
+            silent = time.monotonic() - self.last_ok[host]
+            if silent > self.timeout_s:
+                self._lose(host, f"its daemon at {self.hosts[host].address} has not answered for {silent:.1f} s")
+            return
+        except DaemonError as e:  # it answers, but no longer knows the run (a restarted daemon)
+            self._lose(host, str(e))
+            return
+        self.last_ok[host] = time.monotonic()
+        for g, w in got.items():
+            if self.host_of.get(g) == host and g not in self.ended and w["returncode"] is not None:
+                self.ended[g] = (int(w["returncode"]), f"on host {host!r}")
+
+    def _lose(self, host: str, why: str) -> None:
+        self.lost_hosts[host] = why
+        for g, h in self.host_of.items():
+            if h == host and g not in self.ended:
+                self.ended[g] = (None, f"was lost with host {host!r}: {why}")
+        log.warning("host %s is lost: %s", host, why)
+
+    def dead(self) -> dict[str, tuple[int | None, str]]:
+        """The groups whose workers have ended (exit status, or None for a lost host; and where)."""
+        return dict(self.ended)
+
+    def alive(self) -> list[str]:
+        return [g for g in self.host_of if g not in self.ended]
+
+    # -- ending
+
+    async def reap(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the workers to exit; then every daemon of the run stops what
+        is left of it (SIGTERM, SIGKILL after a grace) and removes its shared memory; wait for that."""
+        loop = asyncio.get_running_loop()
+        if self._beat is None and self.host_of:
+            self.start_heartbeat()
+        deadline = loop.time() + timeout_s
+        while self.alive() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        hosts = sorted({h for h in self.host_of.values()} - set(self.lost_hosts))
+        for h in hosts:
+            with contextlib.suppress(DaemonError):
+                await self.links[h].request("end", self.run_id, timeout_s=5.0)
+        deadline = loop.time() + 15.0
+        while self.alive() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.alive()
+        if left:
+            log.warning("workers %s did not confirm their end; their daemons kill them at the lease's end", left)
+
+    async def close(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._beat
+        for link in self.links.values():
+            link.close()

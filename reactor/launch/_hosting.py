@@ -1,0 +1,171 @@
+"""The daemon's side of runs spread over hosts: the worker processes it starts for coordinators
+elsewhere (or on this host), and their end.
+
+``spawn`` starts one group's worker (``python -m reactor.launch._worker``, its spec on stdin) in
+``STATE/runs/RUN/`` (its working directory: an app's relative run directory lands there), the app's
+files in ``STATE/runs/RUN/app/`` (checked against their sha256), its output in
+``STATE/runs/RUN/GROUP.log``, in a process session of its own. The worker's host identity is the
+daemon's name (``REACTOR_HOST_ID``): workers of two daemons never try shared memory with each other,
+workers of one daemon do. It binds its endpoint on the daemon's advertised interface.
+
+``workers`` is the coordinator's heartbeat: it renews the run's lease and answers each worker's
+pid and exit status. A run whose lease runs out (its coordinator or its host is gone) is ended
+here: ``end`` (or the lease) sends SIGTERM to the run's live workers, SIGKILL to their sessions after
+``END_GRACE_S``, and once none is left removes the run's shared-memory segments on this host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .._errors import DaemonError
+
+log = logging.getLogger("reactor.daemon")
+END_GRACE_S = 5.0
+
+__all__ = ["HostedRuns"]
+
+
+class _Run:
+    def __init__(self, run_id: str, directory: Path, lease_s: float) -> None:
+        self.id = run_id
+        self.dir = directory
+        self.lease_s = lease_s
+        self.seen = time.monotonic()
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.started: dict[str, float] = {}
+        self.end_deadline: float | None = None
+        self.why_ended = ""
+        self.cleaned = False
+
+
+class HostedRuns:
+    """The runs' workers this daemon hosts. ``name`` is the daemon's (the workers' host identity);
+    ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
+
+    def __init__(self, name: str, advertise: str, state: Path) -> None:
+        self.name = name
+        self.advertise = advertise
+        self.root = state / "runs"
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        self.runs: dict[str, _Run] = {}
+
+    def spawn(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Start one group's worker of a run (a checked ``spawn`` request); return its pid."""
+        for name, data in req["files"].items():
+            if hashlib.sha256(data).hexdigest() != req["sha256"][name]:
+                raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way")
+        run = self.runs.get(req["run"])
+        if run is None:
+            run = self.runs[req["run"]] = _Run(req["run"], self.root / req["run"], float(req["lease_s"]))
+            (run.dir / "app").mkdir(mode=0o700, parents=True, exist_ok=True)
+        if run.end_deadline is not None or run.why_ended:
+            raise DaemonError(f"run {run.id} has ended on {self.name!r}; it takes no new workers")
+        group = req["group"]
+        old = run.workers.get(group)
+        if old is not None and old.poll() is None:
+            raise DaemonError(f"run {run.id} already has a live worker for group {group!r} here (pid {old.pid})")
+        for name, data in req["files"].items():
+            target = run.dir / "app" / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # A file of the same name from an earlier spawn of this run holds what its hash says.
+            if not target.exists() or hashlib.sha256(target.read_bytes()).hexdigest() != req["sha256"][name]:
+                tmp = target.with_name(f".{target.name}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, target)
+        spec = dict(req["worker"])
+        spec["app"] = str(run.dir / "app" / req["app"])
+        spec["bind"] = f"tcp://{self.advertise}:*"
+        env = {**os.environ, "REACTOR_WORKER_GROUP": group, "REACTOR_RUN_ID": run.id,
+               "REACTOR_HOST_ID": f"daemon:{self.name}"}
+        with open(run.dir / f"{group}.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], cwd=run.dir,
+                                    stdin=subprocess.PIPE, stdout=out, stderr=out, env=env, start_new_session=True)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(spec).encode())
+        finally:
+            proc.stdin.close()
+        run.workers[group] = proc
+        run.started[group] = time.time()
+        run.seen = time.monotonic()
+        log.info("%s: run %s: started group %s (pid %d)", self.name, run.id, group, proc.pid)
+        return {"pid": proc.pid, "host": self.name}
+
+    def workers(self, run_id: str) -> dict[str, Any]:
+        """A coordinator's heartbeat: renew the run's lease; each worker's pid and exit status."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise DaemonError(f"daemon {self.name!r} hosts no run {run_id!r}")
+        run.seen = time.monotonic()
+        return {g: {"pid": p.pid, "returncode": p.poll()} for g, p in run.workers.items()}
+
+    def end(self, run_id: str, why: str = "its coordinator ended it") -> dict[str, Any]:
+        """Stop what is left of a run here: SIGTERM now, SIGKILL after ``END_GRACE_S``."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return {}
+        if run.end_deadline is None:
+            run.end_deadline = time.monotonic() + END_GRACE_S
+            run.why_ended = why
+            for p in run.workers.values():
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.send_signal(signal.SIGTERM)
+        return {g: {"pid": p.pid, "returncode": p.poll()} for g, p in run.workers.items()}
+
+    def watch(self) -> None:
+        """Leases, grace periods and cleanup of ended runs."""
+        now = time.monotonic()
+        for run in self.runs.values():
+            live = [p for p in run.workers.values() if p.poll() is None]
+            if run.end_deadline is None and live and now - run.seen > run.lease_s:
+                log.warning("%s: run %s: no word from its coordinator for %.1f s: ending its workers here",
+                            self.name, run.id, now - run.seen)
+                self.end(run.id, f"its coordinator was silent for more than {run.lease_s:.1f} s")
+            if run.end_deadline is not None and live and now > run.end_deadline:
+                for p in live:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, signal.SIGKILL)
+            if run.end_deadline is not None and not live and not run.cleaned:
+                run.cleaned = True
+                for p in run.workers.values():  # nothing a worker started outlives it
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                self._cleanup_segments(run.id)
+                log.info("%s: run %s ended here (%s)", self.name, run.id, run.why_ended)
+
+    def _cleanup_segments(self, run_id: str) -> None:
+        from ..transport._shm import cleanup_stale
+
+        for seg in cleanup_stale(run_id):
+            log.warning("%s: removed the shared-memory segment %s of run %s", self.name, seg, run_id)
+
+    def end_all(self) -> None:
+        for run_id in list(self.runs):
+            self.end(run_id, "the daemon stopped")
+
+    def live(self) -> bool:
+        return any(p.poll() is None for r in self.runs.values() for p in r.workers.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each hosted run's workers: group, pid, state, uptime (``reactor status``)."""
+        out = []
+        now = time.time()
+        for run in self.runs.values():
+            for g, p in run.workers.items():
+                rc = p.poll()
+                out.append({"run": run.id, "group": g, "pid": p.pid, "returncode": rc,
+                            "state": "running" if rc is None else "ended",
+                            "uptime_s": round(now - run.started[g], 3), "daemon": self.name})
+        return out

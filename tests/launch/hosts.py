@@ -1,0 +1,192 @@
+"""Three "hosts" on this machine for the multi-host tests: network namespaces joined by veth pairs
+and a bridge, one subnet, a `reactor daemon` in each. Where namespaces cannot be made (not root, no
+`ip`), three daemons on loopback with distinct names stand in, and the fixture says so (a warning in
+the test output). Everything is torn down even when the test fails: daemons stopped, any process
+left in a namespace killed, the namespaces and the bridge deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from reactor.launch._keys import init_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def namespaces_available() -> str | None:
+    """None if network namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("ip") is None:
+        return "no `ip` command"
+    name = f"rxq{secrets.token_hex(3)}"
+    try:
+        _ip("netns", "add", name)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        return f"`ip netns add` failed: {getattr(e, 'stderr', e)}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+class Cluster:
+    """Daemons on three hosts sharing one cluster key directory (``keys``: also the client's)."""
+
+    def __init__(self, tmp: Path, n: int = 3, heartbeat_timeout_s: float | None = None) -> None:
+        self.tmp = tmp
+        self.keys = tmp / "keys"
+        init_keys(self.keys)
+        self.tag = secrets.token_hex(2)
+        self.netns: list[str] = []
+        self.bridge: str | None = None
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.addresses: dict[str, str] = {}
+        self.ips: dict[str, str] = {}
+        self.names = [f"h{i + 1}" for i in range(n)]
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        why = namespaces_available()
+        try:
+            if why is None:
+                self._make_namespaces()
+            else:
+                warnings.warn(f"multi-host test on loopback daemons, not network namespaces: {why}", stacklevel=2)
+                self.ips = dict.fromkeys(self.names, "127.0.0.1")
+            for h in self.names:
+                self.start_daemon(h)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- making it
+
+    def _make_namespaces(self) -> None:
+        t = self.tag
+        octet = 100 + int(t, 16) % 150
+        subnet = f"10.{octet}.{int(t[:2], 16) % 250}"
+        self.bridge = f"rx{t}b"
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{subnet}.254/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i, h in enumerate(self.names, 1):
+            ns, veth, peer = f"rx{t}{h}", f"rx{t}v{i}", f"rx{t}p{i}"
+            _ip("netns", "add", ns)
+            self.netns.append(ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", peer, "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge)
+            _ip("link", "set", veth, "up")
+            _ip("-n", ns, "addr", "add", f"{subnet}.{i}/24", "dev", peer)
+            _ip("-n", ns, "link", "set", peer, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            self.ips[h] = f"{subnet}.{i}"
+
+    def ns(self, host: str) -> str | None:
+        return f"rx{self.tag}{host}" if self.netns else None
+
+    def start_daemon(self, host: str) -> None:
+        cmd = [sys.executable, "-m", "reactor.cli", "daemon", "--listen", f"tcp://{self.ips[host]}:*", "--name", host,
+               "--state-dir", str(self.tmp / host), "--keys", str(self.keys)]
+        if self.ns(host):
+            cmd = ["ip", "netns", "exec", self.ns(host), *cmd]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.procs[host] = p
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"daemon {host} did not start: {p.stderr.read()[-2000:]}")
+        self.addresses[host] = json.loads(line)["address"]
+
+    def hosts_toml(self, addresses: dict[str, str] | None = None) -> str:
+        text = "[hosts]\n" + "".join(f'{h} = "{a}"\n' for h, a in (addresses or self.addresses).items())
+        if self.heartbeat_timeout_s is not None:
+            text += f"\n[cluster]\nheartbeat_timeout_s = {self.heartbeat_timeout_s}\n"
+        return text
+
+    def write_hosts(self, name: str = "hosts.toml") -> Path:
+        path = self.tmp / name
+        path.write_text(self.hosts_toml())
+        return path
+
+    def env(self) -> dict[str, str]:
+        """A client's environment: the cluster key."""
+        return {**os.environ, "REACTOR_KEYS": str(self.keys), "PYTHONPATH": str(ROOT)}
+
+    # -- looking at it
+
+    def worker_pids(self, host: str | None = None) -> dict[int, str]:
+        """pid -> group of every live reactor worker (in ``host``'s namespace, or anywhere)."""
+        out = {}
+        for env in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                items = env.read_bytes().split(b"\0")
+                cmd = (env.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"reactor.launch._worker" not in cmd:
+                continue
+            vals = dict(i.split(b"=", 1) for i in items if b"=" in i)
+            if vals.get(b"REACTOR_HOST_ID", b"").decode() not in ((f"daemon:{host}",) if host else
+                                                                   tuple(f"daemon:{h}" for h in self.names)):
+                continue
+            if not str(self.tmp) in os.readlink(env.parent / "cwd"):
+                continue
+            out[int(env.parent.name)] = vals.get(b"REACTOR_WORKER_GROUP", b"?").decode()
+        return out
+
+    def wait_no_workers(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.worker_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = self.worker_pids()
+        assert not left, f"workers left on the hosts: {left}"
+
+    def cut(self, host: str) -> None:
+        """Unplug ``host`` from the network (its veth down): its daemon and workers run on, unreachable."""
+        assert self.netns, "cutting a host needs namespaces"
+        _ip("link", "set", f"rx{self.tag}v{self.names.index(host) + 1}", "down")
+
+    def plug(self, host: str) -> None:
+        _ip("link", "set", f"rx{self.tag}v{self.names.index(host) + 1}", "up")
+
+    # -- ending it
+
+    def stop_daemon(self, host: str, sig: int = signal.SIGTERM) -> str:
+        p = self.procs[host]
+        if p.poll() is None:
+            p.send_signal(sig)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        return err
+
+    def close(self) -> None:
+        for h in list(self.procs):
+            with contextlib.suppress(Exception):
+                self.stop_daemon(h)
+        for pid in self.worker_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for ns in self.netns:
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
+        if self.bridge:
+            _ip("link", "del", self.bridge, check=False)

@@ -92,10 +92,13 @@ async def run_processes(
         workers = RemoteWorkers(run_id, plan.hosts, load_keys(default_keys_dir()), plan.settings["heartbeat_timeout_s"])
         app_name = workers.ship(app, [*with_files, *([replay] if replay is not None else [])])
         head = plan.hosts[groups[0].hosts[0]]
-        bind = f"tcp://{address_towards(head.address)}:*"
+        here = address_towards(head.address)
+        bind = f"tcp://{here}:*"
+        dist_store = _dist_store(graph, here)
     else:
         workers = _LocalWorkers()
         bind = f"ipc://{sockdir}/coordinator"
+        dist_store = None
     ep = await Endpoint.open(COORDINATOR, bind, curve=keys, accept=CoordinatorProtocol(g.name for g in groups))
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
@@ -123,6 +126,7 @@ async def run_processes(
                 "curve": curve,
                 "flow_limit": flow_limit,
                 "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                "dist_store": f"{here}:{dist_store.port}" if dist_store is not None else None,
             }
             if isinstance(workers, RemoteWorkers):
                 if replay is not None:  # shipped beside the app; the worker runs in the app's parent
@@ -180,6 +184,21 @@ async def run_processes(
         remove_run_dir(sockdir)
         if isinstance(workers, _LocalWorkers) and workers.procs:
             _cleanup_segments(run_id)
+
+
+def _dist_store(graph: Graph, here: str) -> Any:
+    """Data-parallel learners over hosts rendezvous through a ``torch.distributed`` TCP store that
+    the coordinator serves on its interface for the run (on one host: a file in the run directory).
+    None when the graph has fewer than two learners."""
+    learners = sum(getattr(node.reactor_type, "placement_role", None) == "learner" for node, _, _ in graph.instances())
+    if learners < 2:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(here.strip("[]"), 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
 
 
 class _LocalWorkers:

@@ -36,6 +36,27 @@ END_GRACE_S = 5.0
 __all__ = ["HostedRuns"]
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the network interface holding IPv4 ``address`` (None if none, or not IPv4)."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        packed = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if got[20:24] == packed:
+                return name
+    return None
+
+
 class _Run:
     def __init__(self, run_id: str, directory: Path, lease_s: float) -> None:
         self.id = run_id
@@ -88,6 +109,10 @@ class HostedRuns:
         spec["bind"] = f"tcp://{self.advertise}:*"
         env = {**os.environ, "REACTOR_WORKER_GROUP": group, "REACTOR_RUN_ID": run.id,
                "REACTOR_HOST_ID": f"daemon:{self.name}"}
+        if (ifname := interface_of(self.advertise)) is not None:
+            # torch.distributed's gloo picks its interface from the host name, which may not be
+            # the one other hosts reach this one at: name it.
+            env["GLOO_SOCKET_IFNAME"] = ifname
         with open(run.dir / f"{group}.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], cwd=run.dir,
                                     stdin=subprocess.PIPE, stdout=out, stderr=out, env=env, start_new_session=True)

@@ -147,6 +147,8 @@ class Worker:
         from ..transport import CurveKeys, Endpoint
 
         spec = self.spec
+        if spec.get("dist_store"):  # data-parallel learners over hosts: the run's rendezvous
+            os.environ["REACTOR_DIST_STORE"] = spec["dist_store"]
         graph = build_graph(spec["app"], spec["config"])
         graph.validate()
         owner_of: dict[str, str] = spec["owner_of"]

@@ -86,13 +86,21 @@ class _LearnerBase(Reactor):
         import torch
         import torch.distributed as dist
 
-        if not self.run_dir:
-            raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
-        store = Path(self.run_dir) / f".dist-{self.run_id}"
-        store.parent.mkdir(parents=True, exist_ok=True)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
-                                world_size=self.bank_size, timeout=datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S))
+        join = datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S)
+        served = os.environ.get("REACTOR_DIST_STORE")
+        if served:  # over hosts: the TCP store the run's coordinator serves
+            host, port = served.rsplit(":", 1)
+            tcp = dist.TCPStore(host, int(port), is_master=False, timeout=join)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", tcp),
+                                    rank=self.bank_index, world_size=self.bank_size, timeout=join)
+        else:  # one host: a file in the run directory
+            if not self.run_dir:
+                raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
+            store = Path(self.run_dir) / f".dist-{self.run_id}"
+            store.parent.mkdir(parents=True, exist_ok=True)
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
+                                    world_size=self.bank_size, timeout=join)
         # The updates' all-reduces get their own group with the short timeout.
         group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         world = float(self.bank_size)

@@ -259,3 +259,27 @@ def test_a_spawn_from_an_unauthorized_key_is_refused_and_garbage_is_dropped(clus
             c.request("spawn", {**good, "sha256": {"a.py": "0" * 64}})
         assert c.request("ping")["name"] == "h1"
         assert c.request("hosted") == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_data_parallel_learners_on_two_hosts_rendezvous_over_tcp_and_match_one_host(cluster, tmp_path, capfd):
+    """dp-learners over hosts: the replicas join through the coordinator's TCP store (no shared file:
+    each host has its own run directory) and end with the weights of the same run on one host."""
+    cfg = {"max_env_steps": 2500, "target_return": None, "live": False, "learners": 2}
+    local = {**cfg, "run_dir": str(tmp_path / "local")}
+    run(build_graph(DQN, local), app=DQN, config=local, placement="dp-learners")
+    here = re.findall(r"^learner\[(\d)\]: \d+ updates; final weights sha256 ([0-9a-f]{64})$", capfd.readouterr().out,
+                      re.M)
+    far = {**cfg, "run_dir": "dp"}  # relative: each host's own run directory
+    r = run(build_graph(DQN, far), app=DQN, config=far, placement="dp-learners",
+            hosts=str(cluster.write_hosts()))
+    assert r.hosts["learner-0"] != r.hosts["learner-1"]
+    there = []
+    for i in (0, 1):
+        (log,) = (tmp_path / r.hosts[f"learner-{i}"] / "runs").glob(f"*/learner-{i}.log")
+        there += re.findall(r"^learner\[(\d)\]: \d+ updates; final weights sha256 ([0-9a-f]{64})$", log.read_text(),
+                            re.M)
+    assert len(here) == 2 and sorted(there) == sorted(here)
+    assert here[0][1] == here[1][1]
+    cluster.wait_no_workers()

@@ -370,17 +370,11 @@ class Daemon:
             await asyncio.sleep(WATCH_PERIOD_S)
 
 
-def _advertised(listen: str) -> str:
-    """The interface a daemon's workers bind to: its listen address's host.
-
-    Raises:
-        ValueError: a wildcard listen address (other hosts cannot dial it): give ``--advertise``.
-    """
+def _advertised(listen: str) -> str | None:
+    """The interface a daemon's workers bind to: its listen address's host; None for a wildcard
+    (other hosts cannot dial it: such a daemon hosts no groups of runs over hosts without ``--advertise``)."""
     host = listen[len("tcp://"):].rsplit(":", 1)[0] if listen.startswith("tcp://") else ""
-    if host in ("", "*", "0.0.0.0", "[::]", "::"):
-        raise ValueError(f"--listen {listen}: a wildcard address; give --advertise ADDR, the address other hosts "
-                         f"reach this one at")
-    return host
+    return None if host in ("", "*", "0.0.0.0", "[::]", "::") else host
 
 
 def _last_line(path: Path) -> str:

@@ -74,7 +74,7 @@ class HostedRuns:
     """The runs' workers this daemon hosts. ``name`` is the daemon's (the workers' host identity);
     ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
 
-    def __init__(self, name: str, advertise: str, state: Path) -> None:
+    def __init__(self, name: str, advertise: str | None, state: Path) -> None:
         self.name = name
         self.advertise = advertise
         self.root = state / "runs"
@@ -83,6 +83,9 @@ class HostedRuns:
 
     def spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         """Start one group's worker of a run (a checked ``spawn`` request); return its pid."""
+        if self.advertise is None:
+            raise DaemonError(f"daemon {self.name!r} listens on a wildcard address and so cannot tell its workers "
+                              f"where other hosts reach them: restart it with --advertise ADDR")
         for name, data in req["files"].items():
             if hashlib.sha256(data).hexdigest() != req["sha256"][name]:
                 raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way")

@@ -136,7 +136,6 @@ def _jobs(args: argparse.Namespace) -> int:
     """keys, daemon, submit, status, logs, stop."""
     from .launch._daemon import Daemon, DaemonClient, DaemonError, job_spec
     from .launch._keys import default_keys_dir, init_keys, load_keys
-    from .transport import CurveKeys
 
     keys_dir = getattr(args, "keys", None) or default_keys_dir()
     if args.command == "keys":

@@ -134,7 +134,8 @@ class Cluster:
             try:
                 items = env.read_bytes().split(b"\0")
                 cmd = (env.parent / "cmdline").read_bytes()
-            except OSError:
+                cwd = os.readlink(env.parent / "cwd")
+            except OSError:  # it exited meanwhile
                 continue
             if b"reactor.launch._worker" not in cmd:
                 continue
@@ -142,7 +143,7 @@ class Cluster:
             if vals.get(b"REACTOR_HOST_ID", b"").decode() not in ((f"daemon:{host}",) if host else
                                                                    tuple(f"daemon:{h}" for h in self.names)):
                 continue
-            if not str(self.tmp) in os.readlink(env.parent / "cwd"):
+            if str(self.tmp) not in cwd:
                 continue
             out[int(env.parent.name)] = vals.get(b"REACTOR_WORKER_GROUP", b"?").decode()
         return out

@@ -4,7 +4,6 @@ a host unplugged from the network."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -25,6 +24,7 @@ from reactor.launch._placement import resolve_placement
 from reactor.transport._shm import list_segments
 
 from .hosts import Cluster
+from .test_daemon import _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn_cartpole.py")
@@ -107,7 +107,7 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
         (run_dir,) = (tmp_path / h / "runs").iterdir()
         assert {p.stem for p in run_dir.glob("*.log")} == groups
         log = tmp_path / h / "daemon.log"
-        _wait_for(lambda: "ended here (its coordinator ended it)" in log.read_text(), 10, f"{h} to end the run")
+        _wait_for(lambda log=log: "ended here (its coordinator ended it)" in log.read_text(), 10, f"{h} to end the run")
 
 
 def _async_dqn(cluster: Cluster, tmp_path: Path, placement: str = "actors", **kw):
@@ -130,15 +130,6 @@ def _in_thread(fn):
     return t, box
 
 
-def _wait_for(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := pred():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_remote_worker_ends_the_run_naming_it_and_its_host_and_nothing_is_left(cluster, tmp_path):
@@ -154,7 +145,7 @@ def test_a_killed_remote_worker_ends_the_run_naming_it_and_its_host_and_nothing_
     assert str(err).startswith("worker 'actor-1' was killed by SIGKILL on host 'h3' before the run ended"), err
     cluster.wait_no_workers()
     for h in cluster.names:
-        _wait_for(lambda: "ended here" in (tmp_path / h / "daemon.log").read_text(), 10, f"{h} to end the run")
+        _wait_for(lambda h=h: "ended here" in (tmp_path / h / "daemon.log").read_text(), 10, f"{h} to end the run")
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ class _Probes:
 
 def _session() -> tuple[_Session, _Probes]:
     probes = _Probes()
-    return _Session(probes, {"a": None, "b": None}, asyncio.Event()), probes  # type: ignore[arg-type, dict-item]
+    return _Session(probes, None, ["a", "b"], asyncio.Event()), probes  # type: ignore[arg-type]
 
 
 def test_quiet_and_balanced_workers_are_probed_then_the_run_is_quiescent():

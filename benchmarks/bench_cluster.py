@@ -1,0 +1,326 @@
+"""Runs over several hosts: DQN env steps/s over three hosts against one, and the time to detect a killed worker and a lost host.
+
+Run (as root, for the network namespaces): ``python benchmarks/bench_cluster.py [--steps 5000] [--reps 2] [--seed 0] [--solve]``
+
+The three "hosts" are network namespaces on this machine (``tests/launch/hosts.py``: a veth pair per
+host on one bridge, a ``reactor daemon`` in each, one cluster key directory, CURVE on every link).
+They share this machine's cores, so the cross-host figure measures what the hosts protocol costs
+(tcp + CURVE instead of ipc and shared memory, the daemons, the heartbeats), not added capacity.
+Without root or ``ip`` the Cluster falls back to three daemons on loopback (a warning says so) and
+the lost-host case is skipped.
+
+- ``throughput``: ``apps/dqn_cartpole.py`` under ``placement="actors"`` (learner + evaluator +
+  metrics, 2 actor processes, 2 replay shards), deterministic mode, one seed, a step budget
+  (``max_env_steps``, ``target_return=None``: the same run to the same end in both cases, learning
+  on), once over the three hosts (``hosts=`` a hosts file: learner and replay-0 on h1, actor-0 and
+  replay-1 on h2, actor-1 on h3; the coordinator in this process) and once on this host (no hosts
+  file: ipc and shared memory). Repetitions alternate the two; medians are printed. The figure is
+  ``env_steps / wall_s`` of the run's ``summary.json`` (the Metrics node's clock: from its startup,
+  after every process is spawned and connected, to the end of the run, the learner's drain
+  included); also printed: the slope of the actors' ``env_steps`` reports in ``metrics.csv`` (first
+  to last report), the whole ``run()`` call (spawn and teardown included), and every worker's CPU
+  time (``RunResult.processes``), which shows where the time goes. Both runs of a repetition must end
+  with the same weights hash (printed). Target of the issue: hosts >= 0.8x one host.
+- ``kill``: an async DQN run over the hosts with an unreachable step budget, in a thread; once its 5
+  workers are up and it has trained ``--settle-s`` seconds, ``kill -9`` of actor-1's process (on
+  h3); the figure is the time from the kill to ``run()`` raising ``WorkerFailedError`` (the other
+  workers ended by then), beside the cluster's heartbeat timeout.
+- ``lost host``: the same run, then h3 unplugged (its veth down: daemon and worker run on,
+  unreachable); the time from the cut to ``run()`` raising, beside the heartbeat timeout (the
+  default, 3.0 s, unless ``--heartbeat-timeout-s``), and to the coordinator's ``host h3 is lost``
+  warning. The timeout counts from the daemon's last answer (heartbeats every 0.5 s, each waiting
+  up to 1 s), which comes before the cut, so the host can be declared lost less than the timeout
+  after the cut.
+- ``--solve``: also the wall clock to the first greedy evaluation >= 475 in async mode, over the
+  hosts and on one host (one seed each; summary.json's evaluations; ``--solve-budget-s`` each).
+
+Everything is torn down at the end, also on an error or Ctrl-C: daemons stopped, processes left in
+the namespaces killed, namespaces and bridge deleted (``ip netns list`` shows none of ours).
+torch is pinned to one thread in every process.
+"""
+
+# ruff: noqa: E402  (thread counts are pinned in the environment before torch is imported)
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse
+import csv
+import json
+import logging
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from reactor import run
+from reactor.launch._app import build_graph
+from reactor.launch._coordinator import WorkerFailedError
+from tests.launch.hosts import Cluster
+
+DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DEFAULT_HEARTBEAT_S = 3.0  # reactor.launch._placement's default heartbeat_timeout_s
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------ throughput
+
+
+def throughput_run(run_dir: Path, steps: int, seed: int, hosts: str | None) -> dict[str, Any]:
+    """One deterministic DQN run to a step budget; its figures from summary.json and metrics.csv."""
+    cfg = {"max_env_steps": steps, "target_return": None, "live": False, "run_dir": str(run_dir)}
+    t0 = time.monotonic()
+    r = run(build_graph(DQN, cfg), app=DQN, config=cfg, placement="actors", deterministic=True, seed=seed, hosts=hosts)
+    call_s = time.monotonic() - t0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    with open(run_dir / "metrics.csv", newline="") as f:
+        points = [(float(x["wall_s"]), float(x["env_steps"])) for x in csv.DictReader(f) if x["name"] == "env_steps"]
+    slope = float("nan")
+    if len(points) >= 2 and points[-1][0] > points[0][0]:
+        slope = (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+    return {
+        "env_steps": summary["env_steps"], "updates": summary["updates"], "wall_s": summary["wall_s"],
+        "startup_s": summary["startup_s"], "rate": summary["env_steps"] / summary["wall_s"], "slope": slope,
+        "call_s": call_s, "stopped_by": r.stopped_by, "hosts": dict(r.hosts),
+        "cpu_ms": {p: s.get("cpu_ms", 0) for p, s in r.processes.items()},
+        "dropped": sum(r.dropped.values()), "weights": (run_dir / "weights.sha256").read_text().strip(),
+    }
+
+
+# ------------------------------------------------------------------------------ detection
+
+
+def _in_thread(fn):
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            box["error"] = e
+        box["ended_at"] = time.monotonic()
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := pred():
+            return got
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def detection_run(cluster: Cluster, run_dir: Path, how: str, settle_s: float) -> dict[str, Any]:
+    """An async DQN run over the hosts; kill -9 actor-1 (``how="kill"``) or unplug h3 (``"cut"``);
+    the seconds from then until run() raises."""
+    cfg = {"max_env_steps": 10**7, "target_return": None, "live": False, "run_dir": str(run_dir)}
+    hosts = str(cluster.write_hosts())
+    t, box = _in_thread(lambda: run(build_graph(DQN, cfg), app=DQN, config=cfg, placement="actors",
+                                    deterministic=False, hosts=hosts))
+    t_start = time.monotonic()
+    pids = _wait_for(lambda: len(p := cluster.worker_pids()) == 5 and p, 120, "five workers on the hosts")
+    up_s = time.monotonic() - t_start
+    time.sleep(settle_s)  # training
+    if "error" in box or "result" in box:
+        raise RuntimeError(f"the run ended before the {how}: {box}")
+    lost = _Timeline()
+    logging.getLogger("reactor").addHandler(lost)
+    try:
+        if how == "kill":
+            (victim,) = [pid for pid, g in pids.items() if g == "actor-1"]
+            os.kill(victim, signal.SIGKILL)
+        else:
+            cluster.cut("h3")
+        at = time.monotonic()
+        t.join(120)
+    finally:
+        logging.getLogger("reactor").removeHandler(lost)
+    if t.is_alive():
+        raise RuntimeError(f"run() did not end within 120 s of the {how}")
+    err = box.get("error")
+    return {"s": box["ended_at"] - at, "up_s": up_s, "error_type": type(err).__name__,
+            "lost_s": next((t - at for t, m in lost.records if "is lost" in m), None),
+            "error": str(err).splitlines()[0] if err else repr(box.get("result")),
+            "ok": isinstance(err, WorkerFailedError)}
+
+
+class _Timeline(logging.Handler):
+    """The coordinator's warnings under ``reactor`` in this process, timed (for the ``host ... is lost`` one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((time.monotonic(), record.getMessage()))
+
+
+# ------------------------------------------------------------------------------ time to 475 (optional)
+
+
+def solve_run(run_dir: Path, seed: int, hosts: str | None, budget_s: float) -> dict[str, Any]:
+    """Async DQN to the app's target (475), stopped at ``budget_s`` (``stop_s``); the wall clock of the first
+    evaluation reaching it (None: not reached)."""
+    cfg = {"max_env_steps": 10**7, "target_return": 475.0, "live": False, "run_dir": str(run_dir)}
+    t, box = _in_thread(lambda: run(build_graph(DQN, cfg), app=DQN, config=cfg, placement="actors",
+                                    deterministic=False, seed=seed, hosts=hosts, stop_s=budget_s))
+    t.join(budget_s + 60)
+    if t.is_alive():
+        raise RuntimeError(f"run() did not end within {budget_s + 60:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    hit = next((e for e in summary["evaluations"] if e["eval_return"] >= 475.0), None)
+    return {"wall_s": hit and hit["wall_s"], "env_steps": hit and hit["env_steps"], "total_wall_s": summary["wall_s"]}
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5000, help="env-step budget of a throughput run (default 5000)")
+    ap.add_argument("--reps", type=int, default=2, help="throughput repetitions, alternating hosts / one host (medians)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle-s", type=float, default=3.0, help="training before the kill / the cut (default 3 s)")
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=None,
+                    help=f"the hosts file's [cluster] heartbeat_timeout_s (default: unset, i.e. {DEFAULT_HEARTBEAT_S})")
+    ap.add_argument("--solve", action="store_true", help="also the wall clock to eval return 475 in async mode")
+    ap.add_argument("--solve-budget-s", type=float, default=90.0)
+    ap.add_argument("--only", default="throughput,kill,cut", help="comma-separated, from throughput,kill,cut")
+    ap.add_argument("--json", default="", help="also write every figure here")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    hb = args.heartbeat_timeout_s or DEFAULT_HEARTBEAT_S
+    # A SIGTERM ends the benchmark through the finally below (the cluster torn down), like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    import torch
+
+    import reactor
+
+    load0 = os.getloadavg()
+    t_all = time.monotonic()
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__} (1 thread), reactor {reactor.__version__}, "
+          f"cpus={os.cpu_count()}, load average before {load0[0]:.1f}", flush=True)
+    out: dict[str, Any] = {"args": vars(args)}
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp_s:
+        tmp = Path(tmp_s)
+        cluster = Cluster(tmp, heartbeat_timeout_s=args.heartbeat_timeout_s)
+        try:
+            os.environ["REACTOR_KEYS"] = str(cluster.keys)
+            kind = "network namespaces" if cluster.netns else "loopback daemons (no namespaces)"
+            print(f"cluster: {len(cluster.names)} hosts as {kind}: "
+                  + ", ".join(f"{h} {a}" for h, a in cluster.addresses.items()), flush=True)
+            hosts = str(cluster.write_hosts())
+            if "throughput" in only:
+                reps: dict[str, list[dict[str, Any]]] = {"hosts": [], "one host": []}
+                print(f"\nthroughput: {DQN} --placement actors, deterministic, seed {args.seed}, "
+                      f"max_env_steps {args.steps}, target_return None", flush=True)
+                for i in range(args.reps):
+                    order = ("hosts", "one host") if i % 2 == 0 else ("one host", "hosts")
+                    for side in order:
+                        r = throughput_run(tmp / f"tp-{side.replace(' ', '')}-{i}", args.steps, args.seed,
+                                           hosts if side == "hosts" else None)
+                        reps[side].append(r)
+                        cpu = ", ".join(f"{p} {ms / 1000:.1f}" for p, ms in sorted(r["cpu_ms"].items()))
+                        print(f"  rep {i + 1} {side:8s}: {r['rate']:7,.0f} env steps/s ({r['env_steps']} steps, "
+                              f"{r['updates']} updates in {r['wall_s']:.1f} s; csv slope {r['slope']:,.0f}/s; "
+                              f"run() {r['call_s']:.1f} s, startup {r['startup_s']:.1f} s; {r['stopped_by']}, "
+                              f"dropped {r['dropped']}); CPU s: {cpu}", flush=True)
+                    a, b = reps["hosts"][-1], reps["one host"][-1]
+                    print(f"    same weights: {'yes' if a['weights'] == b['weights'] else 'NO'}; hosts "
+                          f"{json.dumps(a['hosts'])}", flush=True)
+                out["throughput"] = reps
+            if "kill" in only:
+                print(f"\nkill: async DQN over the hosts, kill -9 of actor-1 (h3) after {args.settle_s:g} s of training",
+                      flush=True)
+                r = detection_run(cluster, tmp / "kill", "kill", args.settle_s)
+                print(f"  kill -> run() raised: {r['s']:.2f} s (5 worker processes seen {r['up_s']:.1f} s after run() began); "
+                      f"{r['error_type']}: {r['error']}", flush=True)
+                cluster.wait_no_workers()
+                out["kill"] = r
+            if "cut" in only:
+                if not cluster.netns:
+                    print("\nlost host: skipped (unplugging a host needs network namespaces)")
+                else:
+                    print(f"\nlost host: async DQN over the hosts, h3 unplugged after {args.settle_s:g} s of training; "
+                          f"heartbeat timeout {hb:g} s", flush=True)
+                    r = detection_run(cluster, tmp / "cut", "cut", args.settle_s)
+                    lost = "-" if r["lost_s"] is None else f"{r['lost_s']:.2f} s"
+                    print(f"  cut -> host declared lost (the coordinator's warning): {lost}; -> run() raised: "
+                          f"{r['s']:.2f} s (5 worker processes seen {r['up_s']:.1f} s after run() began); "
+                          f"{r['error_type']}: {r['error']}", flush=True)
+                    out["cut"] = r
+                    # h3's daemon ends its orphaned worker when the coordinator's lease runs out.
+                    t0 = time.monotonic()
+                    try:
+                        _wait_for(lambda: not cluster.worker_pids("h3"), 30, "h3's daemon to end its orphan")
+                        print(f"  h3's daemon ended its orphaned worker {time.monotonic() - t0:.1f} s after run() "
+                              f"raised", flush=True)
+                    except RuntimeError as e:
+                        print(f"  {e}", flush=True)
+                    cluster.plug("h3")
+            if args.solve:
+                print(f"\ntime to eval return 475: async, seed {args.seed}", flush=True)
+                out["solve"] = {}
+                for side in ("hosts", "one host"):
+                    r = solve_run(tmp / f"solve-{side.replace(' ', '')}", args.seed,
+                                  hosts if side == "hosts" else None, args.solve_budget_s)
+                    out["solve"][side] = r
+                    print(f"  {side:8s}: {r['wall_s'] if r['wall_s'] is None else round(r['wall_s'], 1)} s, "
+                          f"{r['env_steps']} env steps", flush=True)
+        finally:
+            cluster.close()
+    left = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if ns.startswith(f"rx{cluster.tag}")]
+    out["load_after"] = os.getloadavg()[0]
+    out["total_s"] = time.monotonic() - t_all
+
+    print(f"\nsummary (load average before {load0[0]:.1f}, after {out['load_after']:.1f}; {out['total_s']:.0f} s in all; "
+          f"our namespaces left: {left or 'none'})")
+    header = f"{'figure':<34} {'ours':>10} {'peer':>10} {'ours/peer':>9}  peer"
+    print(header)
+    print("-" * len(header))
+    if "throughput" in out:
+        tp = out["throughput"]
+        h, o = med([r["rate"] for r in tp["hosts"]]), med([r["rate"] for r in tp["one host"]])
+        hs, os_ = med([r["slope"] for r in tp["hosts"]]), med([r["slope"] for r in tp["one host"]])
+        print(f"{'env steps/s, 3 hosts (summary)':<34} {h:>10,.0f} {o:>10,.0f} {h / o:>9.2f}  one host, same run")
+        print(f"{'env steps/s, 3 hosts (csv slope)':<34} {hs:>10,.0f} {os_:>10,.0f} {hs / os_:>9.2f}  one host, same run")
+    for key, label in (("kill", "kill -9 -> run() raised, s"), ("cut", "host cut -> run() raised, s")):
+        if key in out:
+            print(f"{label:<34} {out[key]['s']:>10.2f} {hb:>10.2f} {out[key]['s'] / hb:>9.2f}  heartbeat timeout")
+    if "solve" in out and all(r["wall_s"] for r in out["solve"].values()):
+        a, b = out["solve"]["hosts"]["wall_s"], out["solve"]["one host"]["wall_s"]
+        print(f"{'s to eval 475 (async), 3 hosts':<34} {a:>10.1f} {b:>10.1f} {a / b:>9.2f}  one host")
+    if "throughput" in out:
+        print(f"target: 3 hosts >= 0.8x one host: {h / o:.2f}x -> {'met' if h / o >= 0.8 else 'NOT met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

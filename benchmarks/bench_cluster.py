@@ -56,7 +56,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,8 @@ from reactor import run
 from reactor.launch._app import build_graph
 from reactor.launch._coordinator import WorkerFailedError
 from tests.launch.hosts import Cluster
+from tests.launch.hosts import in_thread as _in_thread
+from tests.launch.hosts import wait_for as _wait_for
 
 DQN = str(ROOT / "apps" / "dqn_cartpole.py")
 DEFAULT_HEARTBEAT_S = 3.0  # reactor.launch._placement's default heartbeat_timeout_s
@@ -102,30 +103,6 @@ def throughput_run(run_dir: Path, steps: int, seed: int, hosts: str | None) -> d
 
 
 # ------------------------------------------------------------------------------ detection
-
-
-def _in_thread(fn):
-    box: dict[str, Any] = {}
-
-    def target():
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
-            box["error"] = e
-        box["ended_at"] = time.monotonic()
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
-
-
-def _wait_for(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := pred():
-            return got
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def detection_run(cluster: Cluster, run_dir: Path, how: str, settle_s: float) -> dict[str, Any]:
@@ -280,7 +257,7 @@ def main() -> None:
                         _wait_for(lambda: not cluster.worker_pids("h3"), 30, "h3's daemon to end its orphan")
                         print(f"  h3's daemon ended its orphaned worker {time.monotonic() - t0:.1f} s after run() "
                               f"raised", flush=True)
-                    except RuntimeError as e:
+                    except AssertionError as e:
                         print(f"  {e}", flush=True)
                     cluster.plug("h3")
             if args.solve:

@@ -198,9 +198,8 @@ def address_towards(address: str) -> str:
 
 
 class DaemonLink:
-    """Requests to one daemon from the event loop: a blocking ``DaemonClient`` driven in a worker
-    thread, one request at a time (a zmq.asyncio socket beside the run's endpoint missed answers
-    under load: zmq's edge-triggered FD)."""
+    """Requests to one daemon from the event loop: the command line's blocking ``DaemonClient``,
+    driven in a worker thread, one request at a time (a request never ties up the loop)."""
 
     def __init__(self, host: Host, keys: Any) -> None:
         from ._daemon import DaemonClient

@@ -29,6 +29,7 @@ from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
 from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, sweep_stale
+from ._signals import stop_signals
 
 log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
@@ -101,89 +102,82 @@ async def run_processes(
         dist_store = None
     ep = await Endpoint.open(COORDINATOR, bind, curve=keys, accept=CoordinatorProtocol(g.name for g in groups))
     loop = asyncio.get_running_loop()
-    signalled = asyncio.Event()
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, signalled.set)
-            installed.append(sig)
-    try:
-        for g in groups:
-            spec = {
-                "group": g.name,
-                "app": str(Path(app).resolve()),
-                "config": dict(config),
-                "owner_of": owner_of,
-                "bind": g.bind or f"ipc://{sockdir}/{g.name}",
-                "coordinator": ep.address,
-                "deterministic": deterministic,
-                "seed": seed,
-                "stop_ns": stop_ns,
-                "record": record is not None,
-                "replay": str(replay) if replay is not None else None,
-                "digest": digest,
-                "max_message_nbytes": 64 * 2**20,
-                "curve": curve,
-                "flow_limit": flow_limit,
-                "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                "dist_store": f"{here}:{dist_store.port}" if dist_store is not None else None,
-            }
+    with stop_signals() as signalled:
+        try:
+            for g in groups:
+                spec = {
+                    "group": g.name,
+                    "app": str(Path(app).resolve()),
+                    "config": dict(config),
+                    "owner_of": owner_of,
+                    "bind": g.bind or f"ipc://{sockdir}/{g.name}",
+                    "coordinator": ep.address,
+                    "deterministic": deterministic,
+                    "seed": seed,
+                    "stop_ns": stop_ns,
+                    "record": record is not None,
+                    "replay": str(replay) if replay is not None else None,
+                    "digest": digest,
+                    "max_message_nbytes": 64 * 2**20,
+                    "curve": curve,
+                    "flow_limit": flow_limit,
+                    "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                    "dist_store": f"{here}:{dist_store.port}" if dist_store is not None else None,
+                }
+                if isinstance(workers, RemoteWorkers):
+                    if replay is not None:  # shipped beside the app; the worker runs in the app's parent
+                        spec["replay"] = f"app/{Path(replay).name}"
+                    await workers.start(g, spec, app_name)
+                else:
+                    workers.start(g, spec)
             if isinstance(workers, RemoteWorkers):
-                if replay is not None:  # shipped beside the app; the worker runs in the app's parent
-                    spec["replay"] = f"app/{Path(replay).name}"
-                await workers.start(g, spec, app_name)
-            else:
-                workers.start(g, spec)
-        if isinstance(workers, RemoteWorkers):
-            workers.start_heartbeat()
-        session = _Session(ep, workers, [g.name for g in groups], signalled)
-        addresses = await session.gather("hello", START_TIMEOUT_S)
-        for g in groups:
-            await ep.connect(g.name, addresses[g.name][0], server_public_key=keys.public if keys else None)
-        for g in groups:
-            ep.send_nowait(g.name, ("peers", {k: v[0] for k, v in addresses.items()}))
-        await session.gather("ready", START_TIMEOUT_S)
-        for g in groups:
-            ep.send_nowait(g.name, ("start",))
-        deadline = None if deterministic or stop_ns is None or replay is not None else loop.time() + stop_ns / 1e9
-        stopped_by, results = await session.supervise(deadline)
-        for g in groups:
-            with contextlib.suppress(Exception):
-                ep.send_nowait(g.name, ("exit",))
-            ep.disconnect(g.name)  # workers exit now: that is not a lost peer
-        events: dict[str, int] = {}
-        digests: dict[str, str] = {}
-        traces: list[dict[str, Any]] = []
-        incomplete = [r["replay_incomplete"] for r in results.values() if r.get("replay_incomplete")]
-        if incomplete:
-            raise TraceMismatchError("; ".join(incomplete))
-        for res in results.values():
-            events.update(res["events"])
-            digests.update(res["digests"])
-            traces.append(res["trace"])
-        if record is not None:
-            from .._trace import merge_events, write_trace
+                workers.start_heartbeat()
+            session = _Session(ep, workers, [g.name for g in groups], signalled)
+            addresses = await session.gather("hello", START_TIMEOUT_S)
+            for g in groups:
+                await ep.connect(g.name, addresses[g.name][0], server_public_key=keys.public if keys else None)
+            for g in groups:
+                ep.send_nowait(g.name, ("peers", {k: v[0] for k, v in addresses.items()}))
+            await session.gather("ready", START_TIMEOUT_S)
+            for g in groups:
+                ep.send_nowait(g.name, ("start",))
+            deadline = None if deterministic or stop_ns is None or replay is not None else loop.time() + stop_ns / 1e9
+            stopped_by, results = await session.supervise(deadline)
+            for g in groups:
+                with contextlib.suppress(Exception):
+                    ep.send_nowait(g.name, ("exit",))
+                ep.disconnect(g.name)  # workers exit now: that is not a lost peer
+            events: dict[str, int] = {}
+            digests: dict[str, str] = {}
+            traces: list[dict[str, Any]] = []
+            incomplete = [r["replay_incomplete"] for r in results.values() if r.get("replay_incomplete")]
+            if incomplete:
+                raise TraceMismatchError("; ".join(incomplete))
+            for res in results.values():
+                events.update(res["events"])
+                digests.update(res["digests"])
+                traces.append(res["trace"])
+            if record is not None:
+                from .._trace import merge_events, write_trace
 
-            write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
-        await workers.reap(EXIT_TIMEOUT_S)
-        return RunResult(
-            digests=digests,
-            events=events,
-            placement=placement,
-            stopped_by=stopped_by,
-            processes={name: res["stats"] for name, res in results.items()},
-            dropped={COORDINATOR: ep.statistics().dropped, **{n: res["stats"]["dropped"] for n, res in results.items()}},
-            hosts={g: h for g, h in getattr(workers, "host_of", {}).items()},
-        )
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        await workers.reap(0.0)
-        await workers.close()
-        await ep.aclose()
-        remove_run_dir(sockdir)
-        if isinstance(workers, _LocalWorkers) and workers.procs:
-            _cleanup_segments(run_id)
+                write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
+            await workers.reap(EXIT_TIMEOUT_S)
+            return RunResult(
+                digests=digests,
+                events=events,
+                placement=placement,
+                stopped_by=stopped_by,
+                processes={name: res["stats"] for name, res in results.items()},
+                dropped={COORDINATOR: ep.statistics().dropped, **{n: res["stats"]["dropped"] for n, res in results.items()}},
+                hosts=dict(getattr(workers, "host_of", {})),
+            )
+        finally:
+            await workers.reap(0.0)
+            await workers.close()
+            await ep.aclose()
+            remove_run_dir(sockdir)
+            if isinstance(workers, _LocalWorkers) and workers.procs:
+                _cleanup_segments(run_id)
 
 
 def _dist_store(graph: Graph, here: str) -> Any:

@@ -65,6 +65,7 @@ class _Run:
         self.seen = time.monotonic()
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.started: dict[str, float] = {}
+        self.ended: dict[str, float] = {}  # when the daemon saw each worker's end
         self.end_deadline: float | None = None
         self.why_ended = ""
         self.cleaned = False
@@ -126,6 +127,7 @@ class HostedRuns:
             proc.stdin.close()
         run.workers[group] = proc
         run.started[group] = time.time()
+        run.ended.pop(group, None)
         run.seen = time.monotonic()
         log.info("%s: run %s: started group %s (pid %d)", self.name, run.id, group, proc.pid)
         return {"pid": proc.pid, "host": self.name}
@@ -156,6 +158,9 @@ class HostedRuns:
         """Leases, grace periods and cleanup of ended runs."""
         now = time.monotonic()
         for run in self.runs.values():
+            for g, p in run.workers.items():
+                if p.poll() is not None:
+                    run.ended.setdefault(g, time.time())
             live = [p for p in run.workers.values() if p.poll() is None]
             if run.end_deadline is None and live and now - run.seen > run.lease_s:
                 log.warning("%s: run %s: no word from its coordinator for %.1f s: ending its workers here",
@@ -195,5 +200,5 @@ class HostedRuns:
                 rc = p.poll()
                 out.append({"run": run.id, "group": g, "pid": p.pid, "returncode": rc,
                             "state": "running" if rc is None else "ended",
-                            "uptime_s": round(now - run.started[g], 3), "daemon": self.name})
+                            "uptime_s": round(run.ended.get(g, now) - run.started[g], 3), "daemon": self.name})
         return out

@@ -8,10 +8,8 @@ reactor on this event loop; ``processes`` and placement files start one worker p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
-import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +19,7 @@ from .._graph import Graph
 from .._scheduler import ReactorHost, Recorder, Replayer
 from .._tag import seconds_to_ns
 from ._result import RunResult
+from ._signals import stop_signals
 
 _RUN_COUNTER = itertools.count()
 _CLAIMED: set[str] = set()
@@ -132,13 +131,11 @@ async def run_async(
 
 async def drive_single(host: ReactorHost, stop_ns: int | None) -> str:
     """Run every reactor of ``host`` in this process until the run ends; return why it ended."""
-    loop = asyncio.get_running_loop()
-    signalled = asyncio.Event()
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, signalled.set)
-            installed.append(sig)
+    with stop_signals() as signalled:
+        return await _drive(host, stop_ns, signalled)
+
+
+async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:
     try:
         if host.deterministic:
             host._seed_events()
@@ -152,8 +149,6 @@ async def drive_single(host: ReactorHost, stop_ns: int | None) -> str:
         else:
             why = await _drive_async(host, stop_ns, signalled)
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
         await host.run_shutdown()
     return why
 

@@ -15,13 +15,46 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from reactor.launch._keys import init_keys
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(pred: Any, timeout_s: float, what: str) -> Any:
+    """``pred()``'s first truthy value, polled for up to ``timeout_s``.
+
+    Raises:
+        AssertionError: it stayed falsy, naming ``what``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := pred():
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` (a blocking ``run(...)``) in a daemon thread; its ``result`` or ``error`` and the
+    monotonic time it ``ended_at`` land in the returned dict."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        box["ended_at"] = time.monotonic()
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
@@ -20,17 +19,10 @@ from reactor.launch._daemon import DaemonClient, DaemonError, job_spec
 from reactor.launch._keys import init_keys, load_keys
 from reactor.transport import CurveKeys
 
+from .hosts import wait_for as _wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
 APPS = ROOT / "tests" / "apps"
-
-
-def _wait_for(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := pred():
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 class Daemon:

@@ -31,8 +31,11 @@ from ._graph import Node as Node
 from ._reactor import Action as Action
 from ._reactor import Input as Input
 from ._reactor import Output as Output
+from ._reactor import PeerChange as PeerChange
 from ._reactor import Reactor as Reactor
 from ._reactor import Timer as Timer
+from ._reactor import peer_lost as peer_lost
+from ._reactor import peer_restarted as peer_restarted
 from ._reactor import reaction as reaction
 from ._reactor import shutdown as shutdown
 from ._reactor import startup as startup

@@ -121,6 +121,35 @@ startup = _Lifecycle("startup")
 """Trigger: fires once, at the start tag, before any other event of the reactor."""
 shutdown = _Lifecycle("shutdown")
 """Trigger: fires once when the run ends. Outputs written by shutdown reactions are not delivered."""
+peer_lost = _Lifecycle("peer_lost")
+"""Trigger (async runs with a restart policy): the process of other reactors died and is being
+started again. ``self.peer_change`` says which reactors and why; messages sent to them meanwhile are
+dropped (counted in the run's statistics)."""
+peer_restarted = _Lifecycle("peer_restarted")
+"""Trigger (async runs with a restart policy): the process of other reactors was started again and
+takes messages. ``self.peer_change`` says which reactors; they start fresh (``restarts`` > 0)."""
+
+
+@dataclass(frozen=True)
+class PeerChange:
+    """What a ``peer_lost`` or ``peer_restarted`` reaction is about.
+
+    Attributes:
+        event: ``"peer_lost"`` or ``"peer_restarted"``.
+        reactors: the full names of the reactor instances of the process that died or came back.
+        reason: how it ended (``peer_lost``), or how many times it has been restarted.
+        links: this reactor's links to them: ``(its own port's name, the bank index of the reactor at
+            the other end)``, sorted; e.g. ``("steps", 1)`` for an actor writing to shard 1.
+    """
+
+    event: str
+    reactors: tuple[str, ...]
+    reason: str
+    links: tuple[tuple[str, int], ...] = ()
+
+    def indices(self, port: str) -> list[int]:
+        """The bank indices of the changed reactors at the other end of ``port``'s links."""
+        return sorted({i for p, i in self.links if p == port})
 
 
 @dataclass(frozen=True)
@@ -156,7 +185,8 @@ def reaction(
     """
     for t in triggers:
         if not isinstance(t, (Input, Timer, Action, _Lifecycle)):
-            raise TypeError(f"reaction trigger {t!r} is not an Input, Timer, Action, startup or shutdown")
+            raise TypeError(f"reaction trigger {t!r} is not an Input, Timer, Action, startup, shutdown, "
+                            f"peer_lost or peer_restarted")
     for e in effects:
         if not isinstance(e, (Output, Action)):
             raise TypeError(f"reaction effect {e!r} is not an Output or Action")
@@ -247,6 +277,9 @@ class Reactor:
         rng: a ``numpy.random.Generator`` seeded from the run seed and ``name``.
         torch_rng: a ``torch.Generator`` seeded the same way (created on first use).
         tag: the logical tag of the event being handled.
+        restarts: how many times this instance's process was started again after it died (restart
+            policies, async runs): 0 in its first life. A reactor restores its state when > 0.
+        peer_change: in a ``peer_lost`` / ``peer_restarted`` reaction, the :class:`PeerChange`.
 
     Class attribute ``placement_role`` (``"actor"``, ``"replay"``, ``"learner"`` or None) tells the
     named distribution policies (``--placement actors`` etc.) where a reactor belongs; it never
@@ -316,6 +349,8 @@ class Reactor:
         self.bank_index = 0
         self.bank_size = 1
         self.tag = Tag(0, 0)
+        self.restarts = 0
+        self.peer_change: PeerChange | None = None
         self._seed = 0
         self._run_seed = 0
         self._torch_rng: Any = None

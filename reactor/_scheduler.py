@@ -32,14 +32,14 @@ from typing import Any, Protocol
 
 from ._errors import ReactorInternalError, TraceMismatchError
 from ._graph import Graph, Link
-from ._reactor import Action, Input, ReactionSpec, Reactor, Timer
+from ._reactor import Action, Input, PeerChange, ReactionSpec, Reactor, Timer
 from ._tag import NEVER, Tag
 
 log = logging.getLogger("reactor.scheduler")
 
 # Event kinds, in the order simultaneous events of one reactor are handled.
-STARTUP, TIMER, ACTION, INPUT = 0, 1, 2, 3
-KIND_NAMES = {STARTUP: "startup", TIMER: "timer", ACTION: "action", INPUT: "input"}
+STARTUP, TIMER, ACTION, INPUT, PEER = 0, 1, 2, 3, 4
+KIND_NAMES = {STARTUP: "startup", TIMER: "timer", ACTION: "action", INPUT: "input", PEER: "peer"}
 #: Pending events scanned one by one for promises; past this, the earliest one stands for all.
 _PROMISE_SCAN_MAX = 256
 
@@ -165,6 +165,7 @@ class ReactorHost:
         replayer: Replayer | None = None,
         process: str = "main",
         link: ProcessLink | None = None,
+        restarts: int = 0,
     ) -> None:
         self.graph = graph
         self.link = link if link is not None else ProcessLink()
@@ -187,6 +188,7 @@ class ReactorHost:
             if name in local_set:
                 r = node.make_instance(i)
                 r._attach(self, name, i, node.replicas, seed)
+                r.restarts = restarts
                 self.reactors[name] = r
                 self.rank[name] = len(self.rank)
         missing = local_set - set(self.reactors)
@@ -575,6 +577,19 @@ class ReactorHost:
             if ev is not None:
                 ev.set()
 
+    def peer_event(self, trigger: str, process: str, reason: str) -> None:
+        """Async mode: tell the local reactors with ``peer_lost`` / ``peer_restarted`` reactions
+        (``trigger``) that ``process`` died or came back; each handles it in its inbox's order."""
+        changed = {n for n, p in self.owner_of.items() if p == process}
+        for name, r in self.reactors.items():
+            if not self._by_trigger.get((type(r), trigger)):
+                continue
+            links = sorted({(lk.src_port, _replica_of(lk.dst)) for lk in self.links if lk.src == name and lk.dst in changed}
+                           | {(lk.dst_port, _replica_of(lk.src)) for lk in self.links if lk.dst == name and lk.src in changed})
+            if links:  # only reactors linked to the changed ones hear of it
+                self._push(name, self.wall_tag(), PEER, 0, 0, (trigger, PeerChange(trigger, tuple(sorted(changed)), reason,
+                                                                                 tuple(links))))
+
     def _seed_events(self) -> None:
         for name in self.reactors:
             self._push(name, Tag(0, 0), STARTUP, 0, 0, None)
@@ -621,6 +636,13 @@ class ReactorHost:
         elif kind == STARTUP:
             for spec in self._by_trigger.get((t, "startup"), ()):
                 await self._fire(r, spec)
+        elif kind == PEER:
+            trigger, r.peer_change = payload
+            try:
+                for spec in self._by_trigger.get((t, trigger), ()):
+                    await self._fire(r, spec)
+            finally:
+                r.peer_change = None
 
     async def _fire(self, r: Reactor, spec: ReactionSpec) -> None:
         kwargs = {}

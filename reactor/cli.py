@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a hosts file ([hosts]: daemon addresses) to spread a distribution policy's groups over")
     r.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                    help="runs over hosts: a file the app needs beside it, shipped to every host (repeatable)")
+    r.add_argument("--restart", default=None, metavar="POLICY",
+                   help="async multi-process runs: never | on-failure | on-failure:N (at most N restarts per "
+                        "process), for every group (replaces the placement file's restart fields)")
     r.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
                    help="end at this logical time (deterministic) or after this many seconds (async)")
@@ -269,12 +272,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         config=overrides,
         hosts=args.hosts,
         with_files=args.files,
+        restart=args.restart,
     )
     if args.json:
         print(json.dumps({"placement": result.placement, "stopped_by": result.stopped_by,
                           "events": dict(result.events), "digests": dict(result.digests),
                           "processes": {k: dict(v) for k, v in result.processes.items()},
-                          "dropped": dict(result.dropped), "hosts": dict(result.hosts)}, indent=2))
+                          "dropped": dict(result.dropped), "hosts": dict(result.hosts),
+                          "restarts": dict(result.restarts)}, indent=2))
     else:
         total = sum(result.events.values())
         print(f"run ended ({result.stopped_by}): {total} events in {len(result.events)} reactors, "

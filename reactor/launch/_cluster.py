@@ -295,6 +295,7 @@ class RemoteWorkers:
         got = await self.links[host].request("spawn", request, timeout_s=max(30.0, self.timeout_s))
         self.host_of[group.name] = host
         self.pid[group.name] = int(got["pid"])
+        self.ended.pop(group.name, None)  # a restart: the group lives again
         log.info("group %s started on host %s (pid %d)", group.name, host, got["pid"])
 
     def start_heartbeat(self) -> None:
@@ -327,7 +328,8 @@ class RemoteWorkers:
             return
         self.last_ok[host] = time.monotonic()
         for g, w in got.items():
-            if self.host_of.get(g) == host and g not in self.ended and w["returncode"] is not None:
+            if (self.host_of.get(g) == host and g not in self.ended and w["returncode"] is not None
+                    and w["pid"] == self.pid.get(g)):  # not a previous life's end
                 self.ended[g] = (int(w["returncode"]), f"on host {host!r}")
 
     def _lose(self, host: str, why: str) -> None:

@@ -17,14 +17,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import PeerLostError, ReactorError, TraceMismatchError
+from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError
 from .._graph import Graph
 from ._cluster import RemoteWorkers, address_towards
-from ._groups import Group
+from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
 from ._result import RunResult
@@ -33,6 +33,7 @@ from ._signals import stop_signals
 
 log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
+RECONNECT_TIMEOUT_S = 10.0  # a restarted worker starts at the latest this long after it is ready
 EXIT_TIMEOUT_S = 20.0
 
 
@@ -55,6 +56,7 @@ async def run_processes(
     flow_limit: int = 4096,
     hosts: str | None = None,
     with_files: Sequence[str] = (),
+    restart: Restart | None = None,
 ) -> RunResult:
     from ..transport import Endpoint
 
@@ -63,8 +65,12 @@ async def run_processes(
             f"placement {placement!r} needs the app file: workers rebuild the graph from it "
             "(use `reactor run APP --placement ...` or run(graph, app=PATH, config=...))"
         )
-    plan = resolve_placement(graph, placement, hosts)
+    plan = resolve_placement(graph, placement, hosts, restart)
     groups = plan.groups
+    # Restart policies hold in async runs (not replays): a deterministic run's schedule cannot
+    # take a process that starts over; there a failure ends the run, as with "never".
+    restartable = sorted(g.name for g in groups if g.restart.policy == "on-failure") \
+        if not deterministic and replay is None else []
     if deterministic:
         check_lookahead(graph, groups, placement)
     if replay is not None:
@@ -102,6 +108,14 @@ async def run_processes(
         dist_store = None
     ep = await Endpoint.open(COORDINATOR, bind, curve=keys, accept=CoordinatorProtocol(g.name for g in groups))
     loop = asyncio.get_running_loop()
+    specs: dict[str, dict[str, Any]] = {}
+
+    async def start(g: Group, spec: dict[str, Any]) -> None:
+        if isinstance(workers, RemoteWorkers):
+            await workers.start(g, spec, app_name)
+        else:
+            workers.start(g, spec)
+
     with stop_signals() as signalled:
         try:
             for g in groups:
@@ -123,21 +137,23 @@ async def run_processes(
                     "flow_limit": flow_limit,
                     "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                     "dist_store": f"{here}:{dist_store.port}" if dist_store is not None else None,
+                    "restartable": restartable,
+                    "restarts": 0,
                 }
-                if isinstance(workers, RemoteWorkers):
-                    if replay is not None:  # shipped beside the app; the worker runs in the app's parent
-                        spec["replay"] = f"app/{Path(replay).name}"
-                    await workers.start(g, spec, app_name)
-                else:
-                    workers.start(g, spec)
+                specs[g.name] = spec
+                if isinstance(workers, RemoteWorkers) and replay is not None:
+                    spec["replay"] = f"app/{Path(replay).name}"  # shipped beside the app; the worker runs in its parent
+                await start(g, spec)
             if isinstance(workers, RemoteWorkers):
                 workers.start_heartbeat()
-            session = _Session(ep, workers, [g.name for g in groups], signalled)
+            session = _Session(ep, workers, [g.name for g in groups], signalled,
+                               _Restarts({g.name: g for g in groups}, restartable, specs, start, keys))
             addresses = await session.gather("hello", START_TIMEOUT_S)
             for g in groups:
                 await ep.connect(g.name, addresses[g.name][0], server_public_key=keys.public if keys else None)
+            session.restarts.book = {k: v[0] for k, v in addresses.items()}
             for g in groups:
-                ep.send_nowait(g.name, ("peers", {k: v[0] for k, v in addresses.items()}))
+                ep.send_nowait(g.name, ("peers", session.restarts.book))
             await session.gather("ready", START_TIMEOUT_S)
             for g in groups:
                 ep.send_nowait(g.name, ("start",))
@@ -170,6 +186,7 @@ async def run_processes(
                 processes={name: res["stats"] for name, res in results.items()},
                 dropped={COORDINATOR: ep.statistics().dropped, **{n: res["stats"]["dropped"] for n, res in results.items()}},
                 hosts=dict(getattr(workers, "host_of", {})),
+                restarts={g: list(ends) for g, ends in session.restarts.ends.items()},
             )
         finally:
             await workers.reap(0.0)
@@ -222,28 +239,182 @@ class _LocalWorkers:
         pass
 
 
+class _Restarts:
+    """The restart policies of a run's groups and the restarts under way (async runs).
+
+    A group restarts in three steps: its end is seen (``due``: when to start it again, after its
+    backoff), it is started (``starting``: ``"spawned"``, then ``"hello"`` once it said where it
+    listens and was sent the address book), and its ``ready`` is answered with ``start`` while the
+    other workers hear ``restarted`` with its new address."""
+
+    def __init__(self, groups: dict[str, Group], restartable: Sequence[str], specs: dict[str, dict[str, Any]],
+                 start: Callable[[Group, dict[str, Any]], Awaitable[None]], keys: Any) -> None:
+        self.groups = groups
+        self.restartable = set(restartable)
+        self.specs = specs
+        self.start = start
+        self.keys = keys
+        self.book: dict[str, str] = {}  # group -> its endpoint's address (the latest)
+        self.count: dict[str, int] = {}  # restarts begun, per group
+        self.ends: dict[str, list[str]] = {}  # how each of a group's lives ended
+        self.due: dict[str, float] = {}
+        self.starting: dict[str, str] = {}
+        # group -> (the live workers still to link to its new life, when to start it regardless)
+        self.awaiting: dict[str, tuple[set[str], float]] = {}
+
+    @property
+    def pending(self) -> set[str]:
+        return set(self.due) | set(self.starting)
+
+    def can_restart(self, group: str) -> bool:
+        return group in self.restartable and self.count.get(group, 0) < self.groups[group].restart.max_restarts
+
+    def why_not(self, group: str) -> str:
+        """Why a group with a restart policy was not started again (empty for "never")."""
+        policy = self.groups[group].restart
+        if policy.policy != "on-failure":
+            return ""
+        if group not in self.restartable:
+            return f"; group {group!r} was not restarted: restart policies hold in async runs only"
+        return (f"; group {group!r} had used its {self.count.get(group, 0)} restarts "
+                f"(max_restarts = {policy.max_restarts}): earlier ends: {'; '.join(self.ends.get(group, []))}")
+
+
+_ABANDONED = {"replay_incomplete": None, "ended": "quiescence", "stats": {"dropped": 0}, "events": {},
+              "digests": {}, "trace": {}}  # a restart the run's end overtook
+
+
 class _Session:
     def __init__(self, ep: Any, workers: _LocalWorkers | RemoteWorkers, names: list[str],
-                 signalled: asyncio.Event) -> None:
+                 signalled: asyncio.Event, restarts: _Restarts | None = None) -> None:
         self.ep = ep
         self.workers = workers
         self.procs = names
         self.signalled = signalled
+        self.restarts = restarts if restarts is not None else _Restarts({}, (), {}, _no_start, None)
         self.status: dict[str, tuple[int, bool, int, int]] = {}
         self.results: dict[str, Any] = {}
         self.epoch = 0
         self.probe_snapshot: tuple[int, int] | None = None
         self.replay_done: set[str] = set()
+        self.stopped_by: str | None = None
 
     def _check_children(self) -> None:
-        dead = {name: how for name, how in self.workers.dead().items() if name not in self.results}
-        if dead:
-            raise WorkerFailedError(_describe_exits(dead))
+        r = self.restarts
+        # A restart not started yet is still dead; one started and dead again has ended once more.
+        dead = {name: how for name, how in self.workers.dead().items()
+                if name not in self.results and name not in r.due}
+        if not dead:
+            return
+        for name in dead:
+            r.starting.pop(name, None)
+            r.awaiting.pop(name, None)
+        fatal = {n: how for n, how in dead.items() if self.stopped_by is not None or not r.can_restart(n)}
+        if fatal:
+            notes = "".join(r.why_not(n) for n in sorted(fatal))
+            raise WorkerFailedError(_describe_exits(fatal) + notes)
+        for name, how in sorted(dead.items()):
+            self._begin_restart(name, how)
+
+    def _begin_restart(self, name: str, how: tuple[int | None, str]) -> None:
+        """``name`` ended and its policy allows another life: tell the others, start it after its backoff."""
+        r = self.restarts
+        k = r.count.get(name, 0)
+        ended = _how_ended(*how)
+        r.ends.setdefault(name, []).append(ended)
+        r.count[name] = k + 1
+        delay = r.groups[name].restart.delay_s(k)
+        r.due[name] = asyncio.get_running_loop().time() + delay
+        self.status.pop(name, None)
+        self.probe_snapshot = None
+        log.warning("worker %r %s; starting it again in %.1f s (restart %d of at most %d)", name, ended, delay,
+                    k + 1, r.groups[name].restart.max_restarts)
+        self.ep.disconnect(name, linger_s=0)
+        self._broadcast(("lost", name, f"worker {name!r} {ended}"))
+
+    async def _advance_restarts(self) -> None:
+        r = self.restarts
+        now = asyncio.get_running_loop().time()
+        for name, t in sorted(r.due.items()):
+            if self.stopped_by is not None:  # the run ends: this life is not needed
+                del r.due[name]
+                self.results[name] = _ABANDONED
+            elif now >= t:
+                del r.due[name]
+                try:
+                    await r.start(r.groups[name], dict(r.specs[name], restarts=r.count[name]))
+                except ReactorError as e:
+                    raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
+                                            f"ends: {'; '.join(r.ends[name])}") from e
+                r.starting[name] = "spawned"
+
+    def _check_awaiting(self) -> None:
+        for group in list(self.restarts.awaiting):
+            self._release_if_linked(group)
+
+    async def _restart_message(self, peer: str, msg: Any) -> bool:
+        """A restarting worker's ``hello`` or ``ready``; True when ``msg`` was one."""
+        r = self.restarts
+        step = r.starting.get(peer)
+        if step == "spawned" and msg[0] == "hello":
+            keys = r.keys
+            await self.ep.connect(peer, msg[1], server_public_key=keys.public if keys else None)
+            r.book[peer] = msg[1]
+            # Groups being restarted themselves are left out: it treats them as down until they
+            # are back (it hears "restarted" then).
+            self.ep.send_nowait(peer, ("peers", {g: a for g, a in r.book.items()
+                                                 if g == peer or g not in r.due and r.starting.get(g) != "spawned"}))
+            r.starting[peer] = "hello"
+            return True
+        if step == "hello" and msg[0] == "ready":
+            if self.stopped_by is not None:
+                self._release(peer)
+                return True
+            # The others link to it first: what it sends at its start must not find them still
+            # treating it as down (a restarted learner's first sample requests were answered into
+            # the void that way, and the run stalled).
+            r.starting[peer] = "reconnecting"
+            r.awaiting[peer] = ({n for n in self.procs if n not in self.results and n not in r.pending},
+                                asyncio.get_running_loop().time() + RECONNECT_TIMEOUT_S)
+            self._broadcast(("restarted", peer, r.book[peer], r.count[peer]), skip=peer, starting=True)
+            self._release_if_linked(peer)
+            return True
+        return False
+
+    def _reconnected(self, peer: str, group: str) -> None:
+        waiting = self.restarts.awaiting.get(group)
+        if waiting is not None:
+            waiting[0].discard(peer)
+            self._release_if_linked(group)
+
+    def _release_if_linked(self, group: str) -> None:
+        waiting, deadline = self.restarts.awaiting[group]
+        waiting &= {n for n in self.procs if n not in self.results and n not in self.restarts.pending}
+        if not waiting:
+            self._release(group)
+        elif asyncio.get_running_loop().time() > deadline:
+            log.warning("workers %s did not link to restarted %r within %.0f s; starting it anyway",
+                        sorted(waiting), group, RECONNECT_TIMEOUT_S)
+            self._release(group)
+
+    def _release(self, group: str) -> None:
+        """A restarted worker runs: ``start`` (and ``stop`` when the run is ending)."""
+        r = self.restarts
+        r.starting.pop(group, None)
+        r.awaiting.pop(group, None)
+        self.ep.send_nowait(group, ("start",))
+        if self.stopped_by is not None:
+            self.ep.send_nowait(group, ("stop",))
+        else:
+            log.warning("worker %r is running again (restart %d)", group, r.count[group])
 
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
         for peer, msg in batch:
             if msg[0] == "error":
+                if self.stopped_by is None and self.restarts.can_restart(peer):
+                    log.warning("worker %r failed (it will be started again):\n%s", peer, msg[1])
+                    continue
                 if msg[1].startswith("PeerLostError"):
                     # It lost a peer: name the peer's end first when it shows within the time
                     # its death takes to be seen (a remote one's, a heartbeat or two).
@@ -264,6 +435,10 @@ class _Session:
                 if self.signalled.is_set():
                     raise KeyboardInterrupt
                 self._check_children()
+                if self.restarts.pending:  # a worker died before the run started: no restart then
+                    name = sorted(self.restarts.pending)[0]
+                    raise WorkerFailedError(f"worker {name!r} {self.restarts.ends[name][-1]} before the run "
+                                            f"started (restart policies start again only what had started)")
                 for peer, msg in await self._batch():
                     if msg[0] == what:
                         got[peer] = msg[1:]
@@ -271,7 +446,8 @@ class _Session:
 
     async def supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
         """Run the run to its end (see the module docstring); a worker lost meanwhile ends it with
-        ``WorkerFailedError`` naming the worker and how it ended."""
+        ``WorkerFailedError`` naming the worker and how it ended, unless its restart policy starts
+        it again."""
         try:
             return await self._supervise(deadline)
         except PeerLostError as e:
@@ -284,40 +460,48 @@ class _Session:
                 await asyncio.sleep(0.02)
             raise WorkerFailedError(f"lost a worker: {e}") from e
 
+    def _stop(self, why: str) -> None:
+        self.stopped_by = why
+        self._broadcast(("stop",))
+
     async def _supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
-        stopped_by: str | None = None
         loop = asyncio.get_running_loop()
         while len(self.results) < len(self.procs):
-            if self.signalled.is_set() and stopped_by is None:
-                stopped_by = "signal"
-                self._broadcast(("stop",))
-            if deadline is not None and stopped_by is None and loop.time() >= deadline:
-                stopped_by = "stop_time"
-                self._broadcast(("stop",))
+            if self.signalled.is_set() and self.stopped_by is None:
+                self._stop("signal")
+            if deadline is not None and self.stopped_by is None and loop.time() >= deadline:
+                self._stop("stop_time")
             self._check_children()
+            await self._advance_restarts()
+            self._check_awaiting()
             for peer, msg in await self._batch():
                 kind = msg[0]
-                if kind == "done":
+                if peer in self.restarts.starting and await self._restart_message(peer, msg):
+                    continue
+                if kind == "reconnected":
+                    self._reconnected(peer, msg[1])
+                elif kind == "done":
                     self.results[peer] = msg[1]
                 elif kind == "status":
-                    self.status[peer] = (msg[1], msg[2], msg[3], msg[4])
-                elif kind == "stop_request" and stopped_by is None:
-                    stopped_by = "request"
-                    self._broadcast(("stop",))
+                    if peer not in self.restarts.pending:
+                        self.status[peer] = (msg[1], msg[2], msg[3], msg[4])
+                elif kind == "stop_request" and self.stopped_by is None:
+                    self._stop("request")
                 elif kind == "replay_done":
                     self.replay_done.add(peer)
-                    if len(self.replay_done) == len(self.procs) and stopped_by is None:
-                        stopped_by = "replay"
-                        self._broadcast(("stop",))
-            if stopped_by is None and self._quiescent():
-                stopped_by = "quiescence"
-                self._broadcast(("stop",))
+                    if len(self.replay_done) == len(self.procs) and self.stopped_by is None:
+                        self._stop("replay")
+            if self.stopped_by is None and self._quiescent():
+                self._stop("quiescence")
+        stopped_by = self.stopped_by
         if stopped_by is None:  # every worker finished by itself: at the stop time, or with nothing left
             ended = {r.get("ended", "stop_time") for r in self.results.values()}
             stopped_by = "stop_time" if "stop_time" in ended else "quiescence"
         return stopped_by, self.results
 
     def _quiescent(self) -> bool:
+        if self.restarts.pending:
+            return False
         live = [n for n in self.procs if n not in self.results]
         if self.results and len(self.results) == len(self.procs):
             return False
@@ -327,7 +511,10 @@ class _Session:
             return False
         sent = sum(s[2] for s in st.values())
         received = sum(s[3] for s in st.values())
-        if sent != received:
+        # After a restart the sums need not meet again (messages to or from a process that died
+        # were lost with it): then every worker idle and the counts unchanged over a probe round
+        # is quiescence.
+        if sent != received and not self.restarts.count:
             self.probe_snapshot = None
             return False
         if self.probe_snapshot is None or not all(st[n][0] == self.epoch for n in live):
@@ -335,50 +522,63 @@ class _Session:
                 self.epoch += 1
                 self.probe_snapshot = (sent, received)
                 for n in live:
-                    self.ep.send_nowait(n, ("probe", self.epoch))
+                    with contextlib.suppress(PeerLostError):  # it died: _check_children says how
+                        self.ep.send_nowait(n, ("probe", self.epoch))
             return False
         if self.probe_snapshot == (sent, received):
+            if sent != received:
+                log.warning("the run went quiet with %d messages sent and never received: lost with the "
+                            "processes that were restarted (or a peer waits on one of them)", sent - received)
             return True
         # Messages moved between the probe and its answers (sums equal again, but not the ones
         # probed): probe again. Keeping the stale snapshot here hung the run forever.
         self.probe_snapshot = None
         return False
 
-    def _broadcast(self, msg: Any) -> None:
+    def _broadcast(self, msg: Any, skip: str | None = None, starting: bool = False) -> None:
+        """Send ``msg`` to every live worker but ``skip``; with ``starting``, also to restarting
+        ones that have their address book (they take it once started)."""
+        r = self.restarts
+        pending = set(r.due) | {g for g, step in r.starting.items() if not starting or step == "spawned"}
         for n in self.procs:
-            if n not in self.results:
+            if n not in self.results and n not in pending and n != skip:
                 with contextlib.suppress(Exception):
                     self.ep.send_nowait(n, msg)
+
+
+async def _no_start(group: Group, spec: dict[str, Any]) -> None:
+    raise ReactorInternalError(f"no way to start group {group.name!r} again")
+
+
+def _how_ended(rc: int | None, where: str) -> str:
+    """How a worker ended: its exit status or signal, and where (a lost one's ``where`` says how)."""
+    if rc is None:
+        return where
+    if rc < 0:
+        try:
+            said = f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            said = f"was killed by signal {-rc}"
+    elif rc == 3:
+        said = "exited with status 3 (it lost a peer; its stderr names which)"
+    else:
+        said = f"exited with status {rc}"
+    return f"{said} {where}" if where else said
 
 
 def _describe_exits(dead: dict[str, tuple[int | None, str]]) -> str:
     """Say which workers ended early and how, the first cause first: a worker lost with its host,
     then one killed by a signal (its peers then exit because they lost it), before one that exited
     with a status of its own. Each ``(exit status or None, where)``; a lost one's ``where`` says how."""
-    def how(rc: int | None, where: str) -> str:
-        if rc is None:
-            return where
-        return f"{said(rc)} {where}" if where else said(rc)
-
-    def said(rc: int) -> str:
-        if rc < 0:
-            try:
-                return f"was killed by {signal.Signals(-rc).name}"
-            except ValueError:
-                return f"was killed by signal {-rc}"
-        if rc == 3:
-            return "exited with status 3 (it lost a peer; its stderr names which)"
-        return f"exited with status {rc}"
-
     def rank(n: str) -> tuple[bool, bool, bool, str]:
         rc = dead[n][0]
         return (rc is not None, rc is not None and rc >= 0, rc == 3, n)
 
     order = sorted(dead, key=rank)
     first, rest = order[0], order[1:]
-    text = f"worker {first!r} {how(*dead[first])} before the run ended"
+    text = f"worker {first!r} {_how_ended(*dead[first])} before the run ended"
     if rest:
-        text += "; then " + ", ".join(f"worker {n!r} {how(*dead[n])}" for n in rest)
+        text += "; then " + ", ".join(f"worker {n!r} {_how_ended(*dead[n])}" for n in rest)
     return text
 
 

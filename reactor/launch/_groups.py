@@ -4,8 +4,37 @@ parser and the distribution policies, so neither imports the other's module for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Group", "group_name"]
+from .._errors import GraphError
+
+__all__ = ["RESTART_FIELDS", "Group", "Restart", "group_name", "parse_restart", "restart_from_text"]
+
+#: The fields of a restart policy, in a group's table or a placement's ``[restart]`` defaults.
+RESTART_FIELDS = ("restart", "max_restarts", "backoff_s")
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What the coordinator does when a group's process ends before the run does.
+
+    Attributes:
+        policy: ``"never"`` (the run ends, naming the group) or ``"on-failure"`` (start it again,
+            async runs only: a deterministic run ends with the error either way).
+        max_restarts: restarts allowed over the run; one more failure ends the run.
+        backoff_s: the wait before the first restart, doubled for each later one (at most 30 s).
+    """
+
+    policy: str = "never"
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+
+    def delay_s(self, restarts_so_far: int) -> float:
+        """The wait before restart number ``restarts_so_far + 1``."""
+        return min(30.0, self.backoff_s * 2.0**restarts_so_far)
+
+
+NEVER_RESTART = Restart()
 
 
 @dataclass(frozen=True)
@@ -16,8 +45,40 @@ class Group:
     reactors: tuple[str, ...]
     bind: str | None = None  # None: ipc in a private directory
     hosts: tuple[str, ...] = ()  # candidate hosts (a placement's [hosts] names), in order; () local
+    restart: Restart = NEVER_RESTART
 
 
 def group_name(instance: str) -> str:
     """A process group name for one reactor instance (``actor[3]`` -> ``actor-3``)."""
     return instance.replace("[", "-").replace("]", "")
+
+
+def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART) -> Restart:
+    """The restart policy a table's ``restart``, ``max_restarts`` and ``backoff_s`` give, each
+    missing field taken from ``base``.
+
+    Raises:
+        GraphError: a field of the wrong type or out of range, naming ``where`` and the field.
+    """
+    policy = raw.get("restart", base.policy)
+    if policy not in ("never", "on-failure"):
+        raise GraphError(f"{where}: restart must be \"never\" or \"on-failure\", got {policy!r}")
+    n = raw.get("max_restarts", base.max_restarts)
+    if type(n) is not int or not 0 <= n <= 1000:
+        raise GraphError(f"{where}: max_restarts must be an integer in [0, 1000], got {n!r}")
+    b = raw.get("backoff_s", base.backoff_s)
+    if type(b) not in (int, float) or not 0 <= b <= 3600:
+        raise GraphError(f"{where}: backoff_s must be a number of seconds in [0, 3600], got {b!r}")
+    return Restart(policy, n, float(b))
+
+
+def restart_from_text(text: str) -> Restart:
+    """``reactor run --restart``: ``never``, ``on-failure`` or ``on-failure:N`` (N: max_restarts).
+
+    Raises:
+        GraphError: anything else, naming it.
+    """
+    policy, _, n = text.partition(":")
+    if policy not in ("never", "on-failure") or (n and (not n.isdigit() or policy == "never")):
+        raise GraphError(f"restart {text!r}: use never, on-failure or on-failure:N (N: the most restarts per group)")
+    return parse_restart({"restart": policy, **({"max_restarts": int(n)} if n else {})}, f"restart {text!r}")

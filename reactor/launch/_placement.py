@@ -11,6 +11,12 @@
       [groups.actors]
       reactors = ["actor*"]
       bind = "tcp://127.0.0.1:*"            # optional: tcp (with CURVE) instead of local ipc
+      restart = "on-failure"                # optional (async runs): start it again if it dies,
+      max_restarts = 3                      #   at most this often over the run,
+      backoff_s = 1.0                       #   after this wait, doubled each time
+
+      [restart]                             # optional: the defaults of every group's policy
+      restart = "never"
 
   Every reactor instance must fall in exactly one group. A file with ``[hosts]`` (daemon
   addresses) places its groups on those hosts (``host = "NAME"`` or a list of candidates per group;
@@ -22,14 +28,14 @@ from __future__ import annotations
 import fnmatch
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .._errors import GraphError
 from .._graph import Graph
 from ._cluster import Host, assign_hosts, cluster_settings, load_hosts_file, parse_hosts
-from ._groups import Group, group_name
+from ._groups import NEVER_RESTART, RESTART_FIELDS, Group, Restart, group_name, parse_restart
 from ._policies import POLICIES
 
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]+$")
@@ -50,18 +56,33 @@ def resolve(graph: Graph, placement: str, hosts: str | None = None) -> list[Grou
     return resolve_placement(graph, placement, hosts).groups
 
 
-def resolve_placement(graph: Graph, placement: str, hosts: str | None = None) -> Placement:
+def resolve_placement(graph: Graph, placement: str, hosts: str | None = None,
+                      restart: Restart | None = None) -> Placement:
     """The process groups ``placement`` asks for, on the hosts it (or the ``hosts`` file) names.
+
+    ``restart`` (``reactor run --restart``) replaces every group's restart policy; otherwise a
+    group's own fields apply over its file's ``[restart]`` table (a placement file's, or the hosts
+    file's for a distribution policy), over ``restart = "never"``.
 
     Raises:
         GraphError: unknown placement, unreadable file, a pattern that matches nothing, a reactor
-            placed twice or not at all, a malformed ``[hosts]``, or a group naming an unknown host.
+            placed twice or not at all, a malformed ``[hosts]`` or restart policy, or a group naming
+            an unknown host.
     """
+    plan = _resolve(graph, placement, hosts)
+    if restart is not None:
+        plan.groups = [replace(g, restart=restart) for g in plan.groups]
+    return plan
+
+
+def _resolve(graph: Graph, placement: str, hosts: str | None) -> Placement:
     if placement in POLICIES or placement == "processes":
         groups = _groups(graph, placement)
         if hosts is None:
             return Placement(groups)
         table, settings = load_hosts_file(hosts)
+        defaults = _restart_defaults(_read_toml(hosts, "hosts file"), f"hosts file {hosts}")
+        groups = [replace(g, restart=defaults) for g in groups]
         return Placement(assign_hosts(groups, table, f"hosts file {hosts}", spread=True), table, settings)
     groups = _groups(graph, placement)
     data = tomllib.loads(Path(placement).read_text())  # _groups read it already
@@ -98,6 +119,7 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"placement file {placement}: {e}") from e
+    defaults = _restart_defaults(data, f"placement file {placement}")
     groups_raw = data.get("groups")
     if not isinstance(groups_raw, dict) or not groups_raw:
         raise GraphError(f"placement file {placement} has no [groups.NAME] tables")
@@ -113,10 +135,11 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
         bind = spec.get("bind")
         if bind is not None and not (isinstance(bind, str) and bind.startswith(("tcp://", "ipc://"))):
             raise GraphError(f"placement file {placement}: group {gname!r} bind must be a tcp:// or ipc:// address")
-        unknown = set(spec) - {"reactors", "bind", "host"}
+        unknown = set(spec) - {"reactors", "bind", "host", *RESTART_FIELDS}
         if unknown:
             raise GraphError(f"placement file {placement}: group {gname!r} has unknown fields {sorted(unknown)} "
-                             f"(reactors, bind, host)")
+                             f"(reactors, bind, host, {', '.join(RESTART_FIELDS)})")
+        restart = parse_restart(spec, f"placement file {placement}: group {gname!r}", defaults)
         host = spec.get("host", [])
         host = [host] if isinstance(host, str) else host
         if not isinstance(host, list) or not all(isinstance(h, str) for h in host):
@@ -135,11 +158,26 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
                 if n not in owner:
                     owner[n] = gname
                     members.append(n)
-        groups.append(Group(gname, tuple(members), bind, tuple(host)))
+        groups.append(Group(gname, tuple(members), bind, tuple(host), restart))
     missing = [n for n in instances if n not in owner]
     if missing:
         raise GraphError(f"placement file {placement}: no group holds {', '.join(missing)}")
     return [g for g in groups if g.reactors]
+
+
+def _read_toml(path: str, what: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise GraphError(f"{what} {path}: {e}") from e
+
+
+def _restart_defaults(data: dict[str, Any], where: str) -> Restart:
+    """A file's ``[restart]`` table: the restart policy of its groups that set none."""
+    raw = data.get("restart", {})
+    if not isinstance(raw, dict) or set(raw) - set(RESTART_FIELDS):
+        raise GraphError(f"{where}: [restart] takes {', '.join(RESTART_FIELDS)} only")
+    return parse_restart(raw, f"{where}: [restart]", NEVER_RESTART)
 
 
 def check_lookahead(graph: Graph, groups: list[Group], placement: str) -> None:

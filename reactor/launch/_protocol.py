@@ -13,10 +13,11 @@ worker <- worker (only from a process that owns the link's source):
     ("m", link, seq, time_ns, microstep, value)    a reactor message on link ``link``
     ("p", time_ns, microstep, d_ns, d_micro, n)    a promise (d_ns -1: unconditional)
 worker <- coordinator (only from the coordinator):
-    ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",), ("exit",)
+    ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",), ("exit",),
+    ("lost", group, reason), ("restarted", group, address, restarts)   restart policies (async runs)
 coordinator <- worker (only from the run's worker groups):
     ("hello", address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
-    ("replay_done",), ("done", result), ("error", text)
+    ("replay_done",), ("done", result), ("error", text), ("reconnected", group)  (it links to a restarted group)
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
 worker, when it delivers (``Worker._take``).
@@ -92,6 +93,12 @@ def _address(v: Any) -> str | None:
     return None
 
 
+def _group(v: Any) -> str | None:
+    if type(v) is not str or not 0 < len(v) <= _NAME_MAX:
+        return f"a group name expected, got {_show(v)}"
+    return None
+
+
 def _address_book(v: Any) -> str | None:
     if type(v) is not dict or len(v) > 65536:
         return f"a dict of group -> address expected, got {_show(v)}"
@@ -164,6 +171,8 @@ COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
     "probe": (_count,),
     "stop": (),
     "exit": (),
+    "lost": (_group, _text),
+    "restarted": (_group, _address, _count),
 }
 WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "hello": (_address,),
@@ -173,6 +182,7 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "replay_done": (),
     "done": (_result,),
     "error": (_text,),
+    "reconnected": (_group,),
 }
 
 

@@ -26,7 +26,10 @@ class RunResult:
         dropped: multi-process runs: per process (the workers and ``coordinator``), the messages
             from peers it dropped (undecodable, too large, over credit, from an unknown sender, or
             refused by the protocol's schemas: reactor/launch/_protocol.py). A correct run drops none.
-        hosts: runs over hosts: per worker process, the host (daemon) it ran on.
+        hosts: runs over hosts: per worker process, the host (daemon) it ran on (its last).
+        restarts: async runs with restart policies: per worker process started again, each end it
+            had, in order (how it ended, and where). Messages its peers dropped while it was down
+            are in ``processes[...]['dropped_to_lost']``.
     """
 
     digests: Mapping[str, str] = field(default_factory=dict)
@@ -36,3 +39,4 @@ class RunResult:
     processes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     dropped: Mapping[str, int] = field(default_factory=dict)
     hosts: Mapping[str, str] = field(default_factory=dict)
+    restarts: Mapping[str, list[str]] = field(default_factory=dict)

@@ -18,6 +18,7 @@ from typing import Any
 from .._graph import Graph
 from .._scheduler import ReactorHost, Recorder, Replayer
 from .._tag import seconds_to_ns
+from ._groups import restart_from_text
 from ._result import RunResult
 from ._signals import stop_signals
 
@@ -72,6 +73,7 @@ async def run_async(
     flow_limit: int = 4096,
     hosts: str | None = None,
     with_files: Sequence[str] = (),
+    restart: str | None = None,
 ) -> RunResult:
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
     graph.validate()
@@ -98,7 +100,10 @@ async def run_async(
             flow_limit=flow_limit,
             hosts=hosts,
             with_files=with_files,
+            restart=restart_from_text(restart) if restart is not None else None,
         )
+    if restart is not None:
+        raise ValueError("restart applies to the processes of a multi-process placement; placement 'single' has none")
     if hosts is not None:
         raise ValueError("hosts (a hosts file) places the groups of a multi-process placement; "
                          "placement 'single' has none")
@@ -221,6 +226,9 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
         hosts: a hosts file (``[hosts]``: daemon addresses) to spread a distribution policy's
             groups over; a placement file may name its hosts itself (``reactor/launch/_cluster.py``).
         with_files: runs over hosts: files the app needs beside it, shipped with it to every host.
+        restart: async multi-process runs: every group's restart policy, ``"never"``,
+            ``"on-failure"`` or ``"on-failure:N"`` (at most N restarts per group), replacing the
+            placement's own (a placement file's ``restart`` fields, its ``[restart]`` table).
 
     Returns:
         RunResult.

@@ -12,8 +12,9 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
                                                    after the first n (d_ns -1: U alone); see
                                                    ReactorHost.refresh
 worker -> coordinator: ("hello", address), ("status", epoch, idle, sent, received), ("stop_request",),
-    ("done", result), ("error", text)
-coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",)
+    ("done", result), ("error", text), ("reconnected", group)
+coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",),
+    ("lost", group, reason), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ def _die_with_parent() -> None:
 class Outbox:
     """Sends to peers in order; a peer out of credit queues here and the scheduler pauses."""
 
-    def __init__(self, endpoint: Any, limit: int = FLOW_LIMIT) -> None:
+    def __init__(self, endpoint: Any, limit: int = FLOW_LIMIT, restartable: frozenset[str] = frozenset()) -> None:
         self.ep = endpoint
         self.limit = limit
+        # Restart policies (async runs): the peers whose loss does not end this process. While one
+        # is down (lost, not yet back), what is sent to it is dropped and counted.
+        self.restartable = restartable
+        self.down: set[str] = set()
+        self.dropped_to_lost: dict[str, int] = {}
         self.peak_backlog = 0
         self.queues: dict[str, deque[Any]] = {}
         self.wake = asyncio.Event()
@@ -76,6 +82,9 @@ class Outbox:
         self.failure: BaseException | None = None
 
     def send(self, peer: str, msg: Any) -> None:
+        if peer in self.down:
+            self.dropped_to_lost[peer] = self.dropped_to_lost.get(peer, 0) + 1
+            return
         q = self.queues.setdefault(peer, deque())
         if not q:
             try:
@@ -83,6 +92,12 @@ class Outbox:
                 return
             except WouldBlock:
                 pass
+            except PeerLostError:
+                if peer not in self.restartable:
+                    raise
+                self.mark_down(peer)
+                self.dropped_to_lost[peer] = self.dropped_to_lost.get(peer, 0) + 1
+                return
         q.append(msg)
         self.backlog += 1
         self.peak_backlog = max(self.peak_backlog, self.backlog)
@@ -92,6 +107,22 @@ class Outbox:
 
     def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None:
         self.send(process, ("m", link, seq, tag.time_ns, tag.microstep, value))
+
+    def mark_down(self, peer: str) -> None:
+        """``peer`` died (a restartable one): drop what is queued for it and what is sent to it
+        until :meth:`mark_up`."""
+        self.down.add(peer)
+        q = self.queues.pop(peer, None)
+        if q:
+            self.dropped_to_lost[peer] = self.dropped_to_lost.get(peer, 0) + len(q)
+            self.backlog -= len(q)
+            if self.backlog <= self.limit // 2:
+                self.drained.set()
+            if self.backlog == 0:
+                self.empty.set()
+
+    def mark_up(self, peer: str) -> None:
+        self.down.discard(peer)
 
     @property
     def congested(self) -> bool:
@@ -111,7 +142,13 @@ class Outbox:
                 self.wake.clear()
                 for peer, q in list(self.queues.items()):
                     while q:
-                        await self.ep.send(peer, q[0])
+                        try:
+                            await self.ep.send(peer, q[0])
+                        except PeerLostError:
+                            if peer not in self.restartable:
+                                raise
+                            self.mark_down(peer)  # drops its queue
+                            break
                         q.popleft()
                         self.backlog -= 1
                         if self.backlog <= self.limit // 2:
@@ -142,6 +179,8 @@ class Worker:
         self.promised_by: dict[str, Tag] = {}
         # Deterministic loop: rounds of work, promises sent, rounds that blocked waiting for peers.
         self.loop_stats = {"rounds": 0, "promises": 0, "waits": 0}
+        self.reconnects: set[asyncio.Task[None]] = set()
+        self.down_at_start: list[str] = []
 
     async def main(self) -> None:
         from ..transport import CurveKeys, Endpoint
@@ -171,14 +210,22 @@ class Worker:
             await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=keys.public if keys else None)
             self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))
             self.peak_inbox = 0
-            self.outbox = outbox = Outbox(ep, self.flow_limit)
+            restartable = frozenset(spec.get("restartable", ())) if not spec["deterministic"] else frozenset()
+            self.outbox = outbox = Outbox(ep, self.flow_limit, restartable)
+            self.keys, self.out_peers = keys, out_peers
             outbox.send(COORDINATOR, ("hello", ep.address))
             peers = await self._wait_control("peers")
-            missing = [p for p in out_peers if p not in peers]
+            # A peer being restarted as this one starts (restart policies) is not in the book yet:
+            # it is down here until the coordinator says "restarted".
+            self.down_at_start = [p for p in out_peers if p not in peers and p in restartable]
+            missing = [p for p in out_peers if p not in peers and p not in restartable]
             if missing:
                 raise PeerLostError(f"{self.group}: the coordinator's address book lacks {missing}")
             for p in out_peers:
-                await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
+                if p in self.down_at_start:
+                    outbox.mark_down(p)
+                else:
+                    await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
             recorder = Recorder() if spec["record"] else None
             replayer = None
             if spec["replay"]:
@@ -192,6 +239,7 @@ class Worker:
                 graph, local, owner_of, seed=spec["seed"], deterministic=deterministic, remote=outbox,
                 digest=_digest if spec["digest"] else None, stop_ns=stop_ns, recorder=recorder,
                 replayer=replayer, process=self.group, link=ProcessLink(ep.address, keys),
+                restarts=int(spec.get("restarts", 0)),
             )
             for p in in_peers:
                 host.horizons[p] = Tag(0, 0)
@@ -231,6 +279,7 @@ class Worker:
                     "received": host.received_count,
                     **self.loop_stats,
                     "coarse_promises": host.coarse_promises,
+                    "dropped_to_lost": sum(outbox.dropped_to_lost.values()),
                     **_refusals(ep.statistics(), self.refused_behind_promise),
                     **{k: v - started[k] for k, v in _cpu_stats().items()},
                 },
@@ -312,8 +361,52 @@ class Worker:
         elif kind == "probe":
             self.epoch = msg[1]
             self._report(force=True)
+        elif kind == "lost":
+            self._peer_lost(msg[1], msg[2])
+        elif kind == "restarted":
+            task = asyncio.ensure_future(self._peer_restarted(msg[1], msg[2], msg[3]))
+            self.reconnects.add(task)
+            task.add_done_callback(self.reconnects.discard)
         else:
             log.warning("%s: unknown control message %r", self.group, kind)
+
+    def _peer_lost(self, group: str, reason: str) -> None:
+        """The coordinator says ``group``'s process died and will be started again (its restart
+        policy): drop what goes to it meanwhile, and tell the reactors that care."""
+        if group not in self.outbox.restartable or self.host.deterministic:
+            log.warning("%s: ignored 'lost' for %r, which has no restart policy here", self.group, group)
+            return
+        self.outbox.mark_down(group)
+        if group in self.out_peers:
+            self.ep.disconnect(group, linger_s=0)  # its old address is dead; the new one comes with "restarted"
+        self.host.peer_event("peer_lost", group, reason)
+
+    async def _peer_restarted(self, group: str, address: str, restarts: int) -> None:
+        """``group``'s new process listens at ``address``: connect to it (if we send to it), then
+        send to it again and tell the reactors that care."""
+        try:
+            await self._reconnect(group, address, restarts)
+        finally:  # the restarted worker starts once every live worker has linked to it (or failed to)
+            self.outbox.send(COORDINATOR, ("reconnected", group))
+
+    async def _reconnect(self, group: str, address: str, restarts: int) -> None:
+        if group not in self.outbox.restartable or self.host.deterministic:
+            log.warning("%s: ignored 'restarted' for %r, which has no restart policy here", self.group, group)
+            return
+        self.outbox.mark_down(group)
+        if group in self.out_peers:
+            self.ep.disconnect(group, linger_s=0)
+            try:
+                await self.ep.connect(group, address, server_public_key=self.keys.public if self.keys else None)
+            except PeerLostError as e:  # it died again: the coordinator says so next
+                log.warning("%s: could not reach restarted %r at %s: %s", self.group, group, address, e)
+                return
+            except Exception:  # noqa: BLE001 - a task of its own: say it here, the run goes on without it
+                log.exception("%s: connecting to restarted %r at %s failed; it stays down for this process",
+                              self.group, group, address)
+                return
+        self.outbox.mark_up(group)
+        self.host.peer_event("peer_restarted", group, f"restarted ({restarts} so far)")
 
     def _idle(self) -> bool:
         h = self.host
@@ -465,6 +558,8 @@ class Worker:
     async def _run_async(self) -> None:
         h = self.host
         h._seed_events()
+        for p in self.down_at_start:  # after the startup events: reactors learn of it once started
+            h.peer_event("peer_lost", p, f"worker {p!r} is being started again")
         self._take_early()
         h.start_async_timers()
         self.changed = changed = asyncio.Event()

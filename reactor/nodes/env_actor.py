@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._reactor import Action, Input, Output, Reactor, reaction, startup
+from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, startup
 from ._registry import denormals_flushed
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
@@ -179,6 +179,28 @@ class EnvActor(Reactor):
         if not hasattr(self, "writer"):  # on-policy actors have no writer: nothing to count
             return
         self.writer.acknowledged(acks.shard)
+        if self.held and not self._over_limit():
+            self.held = False
+            self.tick.schedule(delay_s=self.step_s)
+
+    @reaction(triggers=[peer_lost, peer_restarted], effects=[tick])
+    def peers_changed(self) -> None:
+        """A shard's or the learner's process died or came back (restart policies, async runs).
+        Shards: write to the others meanwhile; resume stepping if that was all that held this
+        actor. The learner: take its weights again whatever their version (it resumed from its
+        checkpoint, which may be older than the weights this actor holds)."""
+        change = self.peer_change
+        if change is None:
+            return
+        if change.event == "peer_restarted" and change.indices("weights"):
+            self.version = -1
+        if not hasattr(self, "writer"):
+            return
+        for shard in change.indices("steps"):
+            if change.event == "peer_restarted":
+                self.writer.shard_restarted(shard)
+            else:
+                self.writer.shard_lost(shard)
         if self.held and not self._over_limit():
             self.held = False
             self.tick.schedule(delay_s=self.step_s)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PeerLostError
-from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
+from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._registry import denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
@@ -75,7 +75,8 @@ class _LearnerBase(Reactor):
                 self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
-        if self.resume and self.ckpt is not None and self.ckpt.is_file():
+        # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
+        if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
             saved = torch.load(self.ckpt, weights_only=True)
             self.algo.load_state_dict(self.state, saved["algo"])
             self.updates = int(saved["updates"])
@@ -286,6 +287,27 @@ class Learner(_LearnerBase):
         else:
             self._due += 1
             self.update_due.schedule(batch)
+
+    @reaction(triggers=[peer_lost, peer_restarted], effects=[requests])
+    def shards_changed(self) -> None:
+        """A shard's process died or came back (restart policies, async runs): sample from the
+        live shards meanwhile; once one is back and nothing is in flight, sample again."""
+        change = self.peer_change
+        if change is None or not hasattr(self, "client"):
+            return
+        for shard in change.indices("requests"):
+            if change.event == "peer_lost":
+                msgs = self.client.shard_lost(shard, change.reason)
+            else:
+                self.client.shard_restarted(shard)
+                msgs = []
+            for m in msgs:
+                self.requests.send(m)
+        if self.client.live_shards and self.client.in_flight == 0 and (
+                self.max_updates is None or self.updates + self._due < self.max_updates):
+            for _ in range(self.prefetch):
+                for m in self.client.request(self.batch_size):
+                    self.requests.send(m)
 
     @reaction(triggers=[update_due], effects=[priorities, weights, report])
     def learn(self, update_due: Any) -> None:

@@ -329,6 +329,9 @@ class ShardStatistics:
         parked_steps: steps waiting for the rate limiter to allow their insert now.
         checkpoints: checkpoints completed by this shard since it started.
         restored_from: the checkpoint directory the shard restored from at start, or "".
+        lost_steps: after a restart (restart policies): steps its previous life had inserted that
+            the restore did not bring back (inserted after its last checkpoint); -1 when that is
+            unknown (no run directory, or the shard moved to another host); 0 otherwise.
     """
 
     shard: int
@@ -346,6 +349,7 @@ class ShardStatistics:
     parked_steps: int
     checkpoints: int
     restored_from: str
+    lost_steps: int = 0
 
 
 # ---------------------------------------------------------------------------------- learner side

@@ -493,12 +493,24 @@ class Replay(Reactor):
         self._wal: WriteAheadLog | None = None
         self._wal_marks: deque[int] = deque(maxlen=self.keep_checkpoints)  # next steps of kept checkpoints
         self._restored_from = ""
+        self.lost_steps = 0  # restarted: steps the shard's previous life had inserted that its restore lacks (-1: unknown)
         self.checkpoint_dir = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
-        if self.checkpoint_dir is not None and self.restore:
+        restore = self.restore or self.restarts > 0  # a restarted shard starts from its latest checkpoint
+        inserted_before = _read_inserted_mark(self.checkpoint_dir) if restore else None
+        if self.checkpoint_dir is not None and restore:
             self._restore(storage)
+        self._inserted_mark = _inserted_mark(self.checkpoint_dir, storage.step_range[1])
+        if self.restarts > 0:
+            now = storage.step_range[1]
+            self.lost_steps = -1 if inserted_before is None else max(0, inserted_before - now)
+            log.warning("%s restarted (restart %d): %s", self.name, self.restarts,
+                        f"restored {now} of the {inserted_before} steps its last life had inserted: "
+                        f"{self.lost_steps} lost" if inserted_before is not None else
+                        f"restored {now} steps; the steps its last life inserted are unknown "
+                        f"(no run_dir, or another host's)")
         if self.wal and self.checkpoint_dir is not None:
             wal_dir = self.checkpoint_dir / "wal"
-            if not self.restore and wal_dir.is_dir():  # a fresh table: an old log is not its history
+            if not restore and wal_dir.is_dir():  # a fresh table: an old log is not its history
                 for seg in wal_dir.glob("wal-*.log"):
                     seg.unlink()
             self._wal = WriteAheadLog(wal_dir, storage.step_range[1])
@@ -599,6 +611,8 @@ class Replay(Reactor):
             return True
         if self._wal is not None:  # on stable storage before the InsertAck (an OSError fails the shard)
             self._wal.append(first, steps.fields, steps.priorities, ends, steps.item_mask)
+        if self._inserted_mark is not None:
+            self._inserted_mark[0] = self.table.storage.step_range[1]
         return True
 
     def _insert_versioned(self, steps: Steps, ends: np.ndarray) -> None:
@@ -882,6 +896,7 @@ class Replay(Reactor):
             parked_steps=sum(_steps_len(s) for s in self._parked_steps),
             checkpoints=self._counts["checkpoints"],
             restored_from=self._restored_from,
+            lost_steps=self.lost_steps,
         )
 
     @reaction(triggers=[shutdown])
@@ -1456,7 +1471,45 @@ class ReplayClient:
             self._figures.pop(shard, None)
             log.warning("replay client %s: shard %d lost (no answer within %ss); sampling from the others",
                         self.requester, shard, self.timeout_s)
-        live = self._require_live()
+        return self._redraw_without_lost(self._require_live())
+
+    def shard_lost(self, shard: int, why: str) -> list[ReplayRequest]:
+        """``shard``'s process died and is being started again (restart policies, async runs):
+        sample from the other shards until :meth:`shard_restarted`; samples in flight redraw its
+        share from them. With no shard left, samples in flight are dropped (``in_flight`` falls to
+        0) and the owner requests again once one is back. Returns messages to send.
+
+        Raises:
+            ValueError: ``shard`` outside ``[0, num_shards)``.
+        """
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard_lost: shard must be in [0, {self.num_shards}), got {shard!r}")
+        self.lost[shard] = why
+        self._figures.pop(shard, None)
+        self._regions.pop(shard, None)  # its successor owns regions of another generation
+        self._inline.discard(shard)
+        log.warning("replay client %s: shard %d is down (%s); sampling from the others", self.requester, shard, why)
+        live = self.live_shards
+        if not live:
+            for smp in {id(x): x for x in self._samples.values()}.values():
+                self._drop(smp)
+            return []
+        return self._redraw_without_lost(live)
+
+    def shard_restarted(self, shard: int) -> None:
+        """``shard`` is back (restored from its checkpoint, if it had one): sample from it again.
+
+        Raises:
+            ValueError: ``shard`` outside ``[0, num_shards)``.
+        """
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard_restarted: shard must be in [0, {self.num_shards}), got {shard!r}")
+        self.lost.pop(shard, None)
+        self._figures.pop(shard, None)  # the cached masses are a past life's: one mass round first
+        self._regions.pop(shard, None)
+
+    def _redraw_without_lost(self, live: list[int]) -> list[ReplayRequest]:
+        """Samples in flight drop what they asked of lost shards and draw it again from ``live``."""
         out: list[ReplayRequest] = []
         for s in {id(s): s for s in self._samples.values()}.values():
             missing = [(rid, n) for rid, (k, n) in s.outstanding.items() if k in self.lost]
@@ -1558,3 +1611,28 @@ def _tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     return torch.from_numpy(np.asarray(x))
+
+
+_MARK_FILE = "inserted"  # the storage's next global step after the latest insert, in the shard's directory
+
+
+def _inserted_mark(directory: Path | None, now: int) -> np.ndarray | None:
+    """A file-backed counter of the steps this shard has inserted, updated after every insert: it
+    is in the page cache, so it survives the shard's process being killed (not its host's crash),
+    and a restarted shard compares it with what its checkpoint restored (``lost_steps``)."""
+    if directory is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    mark = np.lib.format.open_memmap(directory / _MARK_FILE, mode="w+", dtype=np.int64, shape=(1,))
+    mark[0] = now
+    return mark
+
+
+def _read_inserted_mark(directory: Path | None) -> int | None:
+    if directory is None:
+        return None
+    try:
+        mark = np.load(directory / _MARK_FILE, mmap_mode="r", allow_pickle=False)
+        return int(mark[0]) if mark.shape == (1,) and mark.dtype == np.int64 else None
+    except (OSError, ValueError, IndexError):
+        return None

@@ -174,6 +174,8 @@ class Writer:
         self.fixed_shard = shard
         self._next_shard = writer_id % num_shards
         self.unacked = np.zeros(num_shards, dtype=np.int64)  # messages sent per shard, not yet acknowledged
+        self.down = np.zeros(num_shards, dtype=bool)  # shards whose process died and is being restarted
+        self.lost_messages = 0  # sent to a shard that died before acknowledging them
         self.max_unacked = max_unacked
         self.flush_steps = flush_steps
         self.obs_fields = tuple(obs_fields)
@@ -355,13 +357,28 @@ class Writer:
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
 
+    def shard_lost(self, shard: int) -> None:
+        """``shard``'s process died (restart policies): send nothing to it until
+        :meth:`shard_restarted`; what it had not acknowledged is lost (``lost_messages``)."""
+        self.down[shard] = True
+        self.lost_messages += int(self.unacked[shard])
+        self.unacked[shard] = 0
+
+    def shard_restarted(self, shard: int) -> None:
+        """``shard`` takes messages again (restored from its checkpoint, if it has one)."""
+        self.down[shard] = False
+
     def full(self) -> bool:
-        """Every shard this writer may send to holds ``max_unacked`` unacknowledged messages."""
+        """Every shard this writer may send to holds ``max_unacked`` unacknowledged messages, or is down."""
+        if self.fixed_shard is not None:
+            s = self.fixed_shard
+            return bool(self.down[s]) or (self.max_unacked is not None and int(self.unacked[s]) >= self.max_unacked)
+        live = ~self.down
+        if not live.any():
+            return True
         if self.max_unacked is None:
             return False
-        if self.fixed_shard is not None:
-            return int(self.unacked[self.fixed_shard]) >= self.max_unacked
-        return int(self.unacked.min()) >= self.max_unacked
+        return int(self.unacked[live].min()) >= self.max_unacked
 
     def flush(self) -> list[Steps]:
         """One message with every ready segment (none if nothing is ready). Open episodes stay buffered."""
@@ -379,9 +396,10 @@ class Writer:
             shard = self.fixed_shard
         else:
             shard = self._next_shard
-            if self.max_unacked is not None and self.unacked[shard] >= self.max_unacked:
+            if self.down[shard] or (self.max_unacked is not None and self.unacked[shard] >= self.max_unacked):
                 order = (shard + np.arange(self.num_shards)) % self.num_shards
-                shard = int(order[np.argmin(self.unacked[order])])  # skip full shards: the least loaded
+                load = np.where(self.down[order], np.iinfo(np.int64).max, self.unacked[order])
+                shard = int(order[np.argmin(load)])  # skip full and down shards: the least loaded
             self._next_shard = (shard + 1) % self.num_shards
         self.unacked[shard] += 1
         msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import os
 import struct
@@ -310,6 +311,9 @@ class _Link:
         self.batch_nbytes = 0
         self.batch_limit = 0
         self.flush_handle: asyncio.Handle | None = None
+
+
+_MONITOR_SEQ = itertools.count()
 
 
 def _wake(fut: asyncio.Future[Any] | None) -> None:
@@ -671,7 +675,10 @@ class Endpoint:
             sock.curve_secretkey = self._curve.secret
             sock.curve_publickey = self._curve.public
             sock.curve_serverkey = server_public_key
-        mon_addr = f"inproc://reactor-monitor-{id(self):x}-{id(sock):x}"
+        # A name never used before in this process: a closed link's monitor address may stay bound
+        # for a while, and a new socket can get the closed one's id() (reconnecting to a restarted
+        # peer failed with EADDRINUSE that way).
+        mon_addr = f"inproc://reactor-monitor-{id(self):x}-{next(_MONITOR_SEQ)}"
         sock.monitor(mon_addr, _MONITOR_EVENTS)
         mon = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
         mon.setsockopt(zmq.LINGER, 0)

@@ -69,7 +69,7 @@ def test_placement_hosts_are_checked_and_policies_spread_over_them(tmp_path):
             "heartbeat_timeout_s must be a number of seconds",
         '[hosts]\na = "tcp://h:1"\n[groups.x]\nreactors = ["*"]\nhost = "a"\nbind = "tcp://1.2.3.4:*"\n':
             "has both host and bind",
-        '[hosts]\na = "tcp://h:1"\n[groups.x]\nreactors = ["*"]\nrestart = "never"\n': "unknown fields ['restart']",
+        '[hosts]\na = "tcp://h:1"\n[groups.x]\nreactors = ["*"]\nretries = 3\n': "unknown fields ['retries']",
     }
     for text, message in bad.items():
         with pytest.raises(GraphError, match=re.escape(message)):

@@ -1,0 +1,306 @@
+"""Restart policies (async runs): a group's process that dies is started again, its peers drop what
+they send it meanwhile and link to its new life, shards restore from their checkpoints and count
+what they lost, and a group out of restarts ends the run naming every end it had. Real processes,
+real sockets, kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reactor import GraphError, run
+from reactor.launch._app import build_graph
+from reactor.launch._groups import Restart, restart_from_text
+from reactor.launch._placement import resolve_placement
+from reactor.nodes.messages import MassRequest
+from reactor.nodes.replay import KEY_SHARD_BITS, ReplayClient
+from reactor.nodes.writer import TransitionPattern, Writer
+from reactor.replay import FieldSpec
+from reactor.transport._shm import list_segments
+
+from ..faults.test_live_runs import _alive, _children, _env, _rt, _run_id
+from .hosts import Cluster, in_thread, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+FOREVER = str(ROOT / "tests" / "apps" / "forever.py")
+
+
+def _write(tmp_path: Path, text: str, name: str = "p.toml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# ------------------------------------------------------------------------------ the placement side
+
+
+def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from_the_command_line(tmp_path):
+    graph = build_graph(FOREVER, {})
+    text = ('[restart]\nrestart = "on-failure"\nmax_restarts = 5\n'
+            '[groups.sink]\nreactors = ["sink"]\nbackoff_s = 0.25\n'
+            '[groups.tickers]\nreactors = ["ticker*"]\nrestart = "never"\n')
+    groups = {g.name: g.restart for g in resolve_placement(graph, _write(tmp_path, text)).groups}
+    assert groups == {"sink": Restart("on-failure", 5, 0.25), "tickers": Restart("never", 5, 1.0)}
+    # A distribution policy takes its defaults from the hosts file; --restart replaces them all.
+    hosts = _write(tmp_path, '[hosts]\na = "tcp://10.0.0.1:7000"\n[restart]\nrestart = "on-failure"\n', "hosts.toml")
+    dqn = build_graph(DQN, {"actors": 2, "shards": 2})
+    assert {g.restart for g in resolve_placement(dqn, "actors", hosts).groups} == {Restart("on-failure")}
+    assert {g.restart for g in resolve_placement(dqn, "actors", hosts, Restart("never")).groups} == {Restart()}
+    assert {g.restart for g in resolve_placement(dqn, "processes").groups} == {Restart()}
+    assert restart_from_text("on-failure:7") == Restart("on-failure", 7)
+    assert Restart("on-failure", 3, 0.5).delay_s(2) == 2.0 and Restart("on-failure", 9, 10.0).delay_s(5) == 30.0
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[groups.all]\nreactors = ["*"]\nrestart = "always"\n',
+     "group 'all': restart must be \"never\" or \"on-failure\", got 'always'"),
+    ('[groups.all]\nreactors = ["*"]\nmax_restarts = -1\n', "group 'all': max_restarts must be an integer in [0, 1000]"),
+    ('[groups.all]\nreactors = ["*"]\nbackoff_s = "1s"\n', "group 'all': backoff_s must be a number of seconds"),
+    ('[restart]\nretries = 3\n[groups.all]\nreactors = ["*"]\n', "[restart] takes restart, max_restarts, backoff_s only"),
+    ('[restart]\nmax_restarts = 1.5\n[groups.all]\nreactors = ["*"]\n', "[restart]: max_restarts must be an integer"),
+])
+def test_a_bad_restart_policy_is_refused_naming_the_field_and_the_value(tmp_path, text, message):
+    with pytest.raises(GraphError, match=re.escape(message)):
+        resolve_placement(build_graph(FOREVER, {}), _write(tmp_path, text))
+
+
+@pytest.mark.parametrize("text", ["always", "on-failure:x", "never:2", "on-failure:-1", ""])
+def test_a_bad_restart_option_is_refused(text):
+    with pytest.raises(GraphError, match=r"use never, on-failure or on-failure:N"):
+        restart_from_text(text)
+
+
+# ------------------------------------------------------------------------------ the nodes' side
+
+
+def _steps(n_envs: int) -> dict[str, np.ndarray]:
+    return {"obs": np.zeros((n_envs, 2), np.float32), "action": np.zeros(n_envs, np.int64),
+            "reward": np.zeros(n_envs, np.float32)}
+
+
+def test_a_writer_sends_nothing_to_a_shard_that_is_down_and_counts_what_it_lost():
+    fields = [FieldSpec("obs", (2,), torch.float32), FieldSpec("action", (), torch.int64),
+              FieldSpec("reward", (), torch.float32), FieldSpec("terminated", (), torch.bool)]
+    w = Writer(fields, 1, TransitionPattern(), num_shards=3, max_unacked=2, flush_steps=1)
+    ended = np.ones(1, dtype=bool)
+
+    def flush_one() -> int:
+        (m,) = w.append(_steps(1), terminated=ended, truncated=~ended, final={"obs": np.zeros((1, 2), np.float32)})
+        return m.shard
+
+    assert [flush_one() for _ in range(3)] == [0, 1, 2]
+    w.shard_lost(1)
+    assert w.lost_messages == 1 and int(w.unacked[1]) == 0
+    assert [flush_one() for _ in range(3)] == [0, 2, 0]  # never shard 1, least loaded first
+    assert w.full()  # the live shards hold max_unacked: the down one does not count as room
+    w.acknowledged(2)
+    assert not w.full() and flush_one() == 2
+    w.shard_lost(0)
+    w.shard_lost(2)
+    assert w.full()  # every shard down: the actor holds
+    w.shard_restarted(1)
+    assert not w.full() and flush_one() == 1
+
+
+def test_a_replay_client_samples_from_the_live_shards_and_takes_a_restarted_one_back():
+    c = ReplayClient(3, rng=np.random.default_rng(0))
+    first = c.request(8)
+    assert [(type(m), m.shard) for m in first] == [(MassRequest, 0), (MassRequest, 1), (MassRequest, 2)]
+    assert c.shard_lost(1, "killed") == [] and c.in_flight == 1  # the sample waits on shards 0 and 2 only
+    assert sorted(m.shard for m in c.request(8)) == [0, 2]
+    keys = np.array([1 << KEY_SHARD_BITS, 2 << KEY_SHARD_BITS | 5], dtype=np.int64)
+    assert [u.shard for u in c.update_priorities(keys, np.ones(2))] == [2]  # none for the shard that is down
+    c.shard_lost(0, "killed")
+    c.shard_lost(2, "killed")
+    assert c.live_shards == [] and c.in_flight == 0  # nothing can answer: the owner asks again later
+    c.shard_restarted(2)
+    assert c.live_shards == [2] and [m.shard for m in c.request(8)] == [2]
+    with pytest.raises(ValueError, match=r"shard_lost: shard must be in \[0, 3\), got 3"):
+        c.shard_lost(3, "x")
+
+
+# ------------------------------------------------------------------------------ real runs
+
+
+def _pid_changed(coordinator: int, group: str, old: int, timeout_s: float, errfile: Path | None = None) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pid = _children(coordinator).get(group)
+        if pid is not None and pid != old and _alive(pid):
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"{group} was not started again within {timeout_s} s"
+                         + (f": {errfile.read_text()[-3000:]}" if errfile is not None else ""))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_and_reaches_475(tmp_path):
+    """DQN under `actors`, async, restart on-failure: SIGKILL actor-1, then replay-0, then the
+    learner (each at a seeded moment after the one before is back). Each is started again (the shard
+    from its checkpoint, counting the steps its last life had inserted past it; the learner from
+    its checkpoint), sampling goes on from the live shards meanwhile, and the run still reaches 475;
+    nothing of it is left afterwards."""
+    rng = np.random.default_rng(16)
+    run = tmp_path / "run"
+    errfile = tmp_path / "stderr.log"
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--async", "--json",
+             "--restart", "on-failure:2", "--set", "live=False", "--set", f"run_dir={str(run)!r}",
+             "--set", "replay_checkpoint_period_s=0.0005", "--set", "checkpoint_every=100",
+             "--set", "max_env_steps=400_000"],
+            cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = _children(proc.pid)
+        assert len(workers) == 5, workers
+        run_id = _run_id(workers["actor-0"])
+        for victim in ("actor-1", "replay-0", "learner"):
+            time.sleep(float(rng.uniform(1.0, 3.0)))
+            old = _children(proc.pid)[victim]
+            os.kill(old, signal.SIGKILL)
+            _pid_changed(proc.pid, victim, old, 120, errfile)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = errfile.read_text()
+    assert proc.returncode == 0, err[-4000:]
+    result = json.loads(out[out.index("{\n"):])
+    assert result["restarts"] == {v: ["was killed by SIGKILL"] for v in ("actor-1", "replay-0", "learner")}
+    (ret,) = re.findall(r"^evaluation return ([0-9.]+); stopped", out, re.M)
+    assert float(ret) >= 475.0
+    lost = re.search(r"replay\[0\] restarted \(restart 1\): restored (\d+) of the (\d+) steps its last life had "
+                     r"inserted: (\d+) lost", err)
+    assert lost is not None, err[-4000:]
+    restored, before, n_lost = map(int, lost.groups())
+    assert restored > 0 and before > 0 and n_lost == before - restored  # from a checkpoint, not from scratch
+    assert "worker 'learner' is running again (restart 1)" in err
+    assert not [p for p in workers.values() if _alive(p)]
+    assert not list_segments(run_id)
+    assert not list(_rt(tmp_path).glob("reactor-*"))
+
+
+def _forever(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    errfile = tmp_path / "stderr.log"
+    ready = tmp_path / "ready"
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", FOREVER, "--placement", "processes",
+                                 "--set", f"ready_file={str(ready)!r}", *args], cwd=ROOT, env=_env(tmp_path),
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+    return proc, errfile
+
+
+def _workers(proc: subprocess.Popen[str], ready: Path, n: int = 3) -> dict[str, int]:
+    """The workers once the run has started (the sink's startup touched ``ready``)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        c = _children(proc.pid)
+        if len(c) == n and ready.exists():
+            return c
+        time.sleep(0.05)
+    raise AssertionError(f"{n} workers did not start")
+
+
+@pytest.mark.timeout(300)
+def test_a_group_out_of_restarts_ends_the_run_naming_it_and_each_end_it_had(tmp_path):
+    proc, errfile = _forever(tmp_path, "--async", "--restart", "on-failure:1")
+    try:
+        first = _workers(proc, tmp_path / "ready")
+        os.kill(first["sink"], signal.SIGKILL)
+        second = _pid_changed(proc.pid, "sink", first["sink"], 60, errfile)
+        (tmp_path / "ready").unlink()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:  # its new life started
+            time.sleep(0.05)
+        assert proc.poll() is None and all(_alive(first[t]) for t in ("ticker-0", "ticker-1"))  # the run went on
+        os.kill(second, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = errfile.read_text()
+    assert proc.returncode != 0
+    assert ("reactor: WorkerFailedError: worker 'sink' was killed by SIGKILL before the run ended; group 'sink' had used its 1 "
+            "restarts (max_restarts = 1): earlier ends: was killed by SIGKILL") in err, err[-3000:]
+    assert "worker 'sink' is running again (restart 1)" in err
+    assert not any(_alive(p) for p in (*first.values(), second))
+
+
+@pytest.mark.timeout(300)
+def test_a_deterministic_run_ends_at_a_failure_and_says_restarts_are_for_async_runs(tmp_path):
+    proc, errfile = _forever(tmp_path, "--restart", "on-failure")
+    try:
+        workers = _workers(proc, tmp_path / "ready")
+        os.kill(workers["ticker-1"], signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = errfile.read_text()
+    assert proc.returncode != 0
+    assert "worker 'ticker-1' was killed by SIGKILL before the run ended" in err, err[-3000:]
+    assert "group 'ticker-1' was not restarted: restart policies hold in async runs only" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_over_hosts_a_killed_worker_restarts_in_place_and_a_lost_hosts_group_moves_to_its_next_candidate(tmp_path,
+                                                                                                          monkeypatch):
+    """Three namespace hosts, DQN async with a step budget, restart on-failure. kill -9 of actor-0
+    on h2: started again on h2. h3 unplugged: actor-1, lost with it, is started on its next
+    candidate, h2. The run ends by itself; nothing is left on any host."""
+    c = Cluster(tmp_path, heartbeat_timeout_s=2.0)
+    monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
+    try:
+        if not c.netns:
+            pytest.skip("unplugging a host needs network namespaces")
+        placement = tmp_path / "p.toml"
+        placement.write_text(c.hosts_toml() + '[restart]\nrestart = "on-failure"\nbackoff_s = 0.5\n'
+                             '[groups.learner]\nreactors = ["learner", "evaluator", "metrics"]\nhost = "h1"\n'
+                             '[groups.replay]\nreactors = ["replay*"]\nhost = "h1"\n'
+                             '[groups.actor-0]\nreactors = ["actor[[]0]"]\nhost = "h2"\n'
+                             '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n')
+        cfg = {"max_env_steps": 12_000, "target_return": None, "live": False, "run_dir": str(tmp_path / "run")}
+        t, box = in_thread(lambda: run(build_graph(DQN, cfg), app=DQN, config=cfg, placement=str(placement),
+                                       deterministic=False))
+        def started() -> dict[int, str] | None:
+            assert "error" not in box, box
+            return (tmp_path / "run" / "metrics.csv").exists() and len(p := c.worker_pids()) == 4 and p or None
+
+        pids = wait_for(started, 180, "four workers on the hosts, training")
+        (a0,) = [pid for pid, g in pids.items() if g == "actor-0"]
+        os.kill(a0, signal.SIGKILL)
+        wait_for(lambda: "actor-0" in c.worker_pids("h2").values() and a0 not in c.worker_pids("h2"), 60,
+                 "actor-0's new life on h2")
+        c.cut("h3")
+        wait_for(lambda: list(c.worker_pids("h2").values()).count("actor-1") == 1, 60, "actor-1 on h2")
+        t.join(300)
+        assert not t.is_alive()
+        assert "error" not in box, box
+        r = box["result"]
+        assert r.hosts["actor-1"] == "h2" and r.hosts["actor-0"] == "h2"
+        assert r.restarts["actor-0"] == ["was killed by SIGKILL on host 'h2'"]
+        (lost,) = r.restarts["actor-1"]
+        assert lost.startswith("was lost with host 'h3'"), r.restarts
+        c.plug("h3")
+        c.wait_no_workers()
+    finally:
+        c.close()

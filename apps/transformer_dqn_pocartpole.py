@@ -39,8 +39,8 @@ class Config:
     """Replay capacity in steps, over all shards."""
     eval_every_updates: int = 250
     """Learner updates between greedy evaluations."""
-    target_return: float = 400.0
-    """Stop when an evaluation (10 episodes) reaches this mean return."""
+    target_return: float | None = 400.0
+    """Stop when an evaluation (10 episodes) reaches this mean return (None: run to max_env_steps)."""
     max_env_steps: int = 200_000
     """Stop after this many env steps in all."""
     algo_config: dict = field(default_factory=dict)

@@ -15,7 +15,8 @@ from typing import Any
 
 import msgpack
 
-from ._errors import MalformedFrameError
+from ._errors import MalformedFrameError, TraceMismatchError
+from ._graph import Graph
 from ._scheduler import KIND_NAMES
 
 FORMAT = "reactor-trace"
@@ -23,8 +24,54 @@ VERSION = 1
 MAX_TRACE_NBYTES = 2**31
 
 
+def graph_shape(graph: Graph) -> dict[str, list[Any]]:
+    """What a trace's events refer to: the graph's reactor instances and its links, in the order
+    that numbers them (an event's rank is a link index)."""
+    return {"reactors": sorted(n for _, _, n in graph.instances()),
+            "links": [[lk.src, lk.src_port, lk.dst, lk.dst_port, lk.delay_ns] for lk in graph.links()]}
+
+
+def check_graph(trace: dict[str, Any], graph: Graph, path: str | Path) -> None:
+    """Refuse to replay ``trace`` on a graph other than the one it was recorded from.
+
+    Raises:
+        TraceMismatchError: the reactors or links differ, naming what differs.
+    """
+    recorded = trace.get("graph")
+    if recorded is None:  # written before traces recorded their graph: nothing to compare
+        return
+    now = graph_shape(graph)
+    if recorded == now:
+        return
+    diffs = []
+    for what, key in (("reactors", "reactors"), ("links", "links")):
+        old = {tuple(x) if isinstance(x, list) else x for x in recorded[key]}
+        new = {tuple(x) if isinstance(x, list) else x for x in now[key]}
+        if old - new:
+            diffs.append(f"{what} only in the trace: {_few(old - new)}")
+        if new - old:
+            diffs.append(f"{what} only in this graph: {_few(new - old)}")
+    if not diffs:
+        diffs.append("the links are numbered in another order")
+    raise TraceMismatchError(f"trace {path} was recorded from another graph ({'; '.join(diffs)}): a replay "
+                             f"needs the graph it was recorded from (same app and --set values)")
+
+
+def _few(items: set[Any], n: int = 5) -> str:
+    shown = sorted(items, key=str)[:n]
+    text = ", ".join(_show(x) for x in shown)
+    return text + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _show(x: Any) -> str:
+    if isinstance(x, tuple):
+        return f"{x[0]}.{x[1]} -> {x[2]}.{x[3]} (delay {x[4]} ns)"
+    return str(x)
+
+
 def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
-    """Write ``trace`` (keys: seed, placement, events) to ``path`` atomically."""
+    """Write ``trace`` (keys: seed, placement, events, and graph: :func:`graph_shape`) to ``path``
+    atomically."""
     path = Path(path)
     body = {
         "format": FORMAT,
@@ -33,6 +80,8 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
         "placement": trace.get("placement", "single"),
         "events": {k: [list(e) for e in v] for k, v in sorted(trace["events"].items())},
     }
+    if trace.get("graph") is not None:
+        body["graph"] = trace["graph"]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(msgpack.packb(body, use_bin_type=True))
@@ -64,6 +113,14 @@ def read_trace(path: str | Path) -> dict[str, Any]:
     ):
         raise MalformedFrameError(f"{path}: the events table is damaged")
     body["events"] = {k: [tuple(e) for e in v] for k, v in events.items()}
+    shape = body.get("graph")
+    if shape is not None and not (
+        isinstance(shape, dict) and isinstance(shape.get("reactors"), list)
+        and all(isinstance(r, str) for r in shape["reactors"]) and isinstance(shape.get("links"), list)
+        and all(isinstance(lk, list) and len(lk) == 5 and all(isinstance(x, str) for x in lk[:4])
+                and isinstance(lk[4], int) for lk in shape["links"])
+    ):
+        raise MalformedFrameError(f"{path}: the graph table is damaged")
     return body
 
 

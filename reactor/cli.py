@@ -9,11 +9,13 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ._errors import GraphError, MalformedFrameError, ReactorError
@@ -259,21 +261,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.overrides)
     new_run_id()  # before build: an app may name its run directory after it
     graph = build_graph(args.app, overrides)
-    result = run(
-        graph,
-        placement=args.placement,
-        deterministic=args.deterministic,
-        seed=args.seed,
-        stop_s=args.stop_s,
-        record=args.record,
-        replay=args.replay,
-        digest=args.digest,
-        app=args.app,
-        config=overrides,
-        hosts=args.hosts,
-        with_files=args.files,
-        restart=args.restart,
-    )
+    with _stdout_for_json_only(args.json):
+        result = run(
+            graph,
+            placement=args.placement,
+            deterministic=args.deterministic,
+            seed=args.seed,
+            stop_s=args.stop_s,
+            record=args.record,
+            replay=args.replay,
+            digest=args.digest,
+            app=args.app,
+            config=overrides,
+            hosts=args.hosts,
+            with_files=args.files,
+            restart=args.restart,
+        )
     if args.json:
         print(json.dumps({"placement": result.placement, "stopped_by": result.stopped_by,
                           "events": dict(result.events), "digests": dict(result.digests),
@@ -287,6 +290,24 @@ def _dispatch(args: argparse.Namespace) -> int:
         for name, d in sorted(result.digests.items()):
             print(f"  {name}: {d}")
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_for_json_only(json_only: bool) -> Iterator[None]:
+    """``run --json``: stdout carries the JSON only. While the run runs, file descriptor 1 is the
+    stderr's (the app's prints, the live display, and the workers, which inherit it, write there)."""
+    if not json_only:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 if __name__ == "__main__":  # pragma: no cover

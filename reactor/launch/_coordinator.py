@@ -74,9 +74,9 @@ async def run_processes(
     if deterministic:
         check_lookahead(graph, groups, placement)
     if replay is not None:
-        from .._trace import read_trace
+        from .._trace import check_graph, read_trace
 
-        read_trace(replay)  # fail here, in one line, rather than in every worker
+        check_graph(read_trace(replay), graph, replay)  # fail here, in one line, rather than in every worker
     owner_of = {n: g.name for g in groups for n in g.reactors}
     # Run directories and shared-memory segments left by runs whose coordinator was killed go first.
     sweep_stale()
@@ -174,9 +174,10 @@ async def run_processes(
                 digests.update(res["digests"])
                 traces.append(res["trace"])
             if record is not None:
-                from .._trace import merge_events, write_trace
+                from .._trace import graph_shape, merge_events, write_trace
 
-                write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces)})
+                write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces),
+                                     "graph": graph_shape(graph)})
             await workers.reap(EXIT_TIMEOUT_S)
             return RunResult(
                 digests=digests,

@@ -107,10 +107,14 @@ async def run_async(
     if hosts is not None:
         raise ValueError("hosts (a hosts file) places the groups of a multi-process placement; "
                          "placement 'single' has none")
-    from .._trace import read_trace, write_trace
+    from .._trace import check_graph, graph_shape, read_trace, write_trace
 
     recorder = Recorder() if record is not None else None
-    replayer = Replayer(read_trace(replay)["events"]) if replay is not None else None
+    replayer = None
+    if replay is not None:
+        trace = read_trace(replay)
+        check_graph(trace, graph, replay)
+        replayer = Replayer(trace["events"])
     names = [n for _, _, n in graph.instances()]
     host = ReactorHost(
         graph,
@@ -125,7 +129,8 @@ async def run_async(
     )
     stopped_by = await drive_single(host, stop_ns)
     if recorder is not None:
-        write_trace(record, {"seed": seed, "placement": placement, "events": recorder.events})  # type: ignore[arg-type]
+        write_trace(record, {"seed": seed, "placement": placement, "events": recorder.events,  # type: ignore[arg-type]
+                             "graph": graph_shape(graph)})
     return RunResult(
         digests=host.digests() if digest else {},
         events={n: s.events for n, s in host.stats.items()},

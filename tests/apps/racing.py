@@ -77,7 +77,7 @@ def build(config: dict) -> Graph:
     folder = g.add(Folder(), name="folder")
     sink = g.add(Sink(), name="sink")
     g.connect(fast.out, relay.inp, mode="one_to_one")
-    g.connect(slow.out, folder.inp, delay_s=0.0005)
+    g.connect(slow.out, folder.inp, delay_s=config.get("slow_delay_s", 0.0005))
     g.connect(relay.out, folder.inp)
     g.connect(folder.out, sink.inp)
     return g

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "apps" / "demo_pipeline.py")
@@ -28,6 +31,18 @@ def test_run_prints_a_summary_and_digests():
     assert p.returncode == 0, p.stderr
     assert "run ended (stop_time)" in p.stdout
     assert "collector: " in p.stdout
+
+
+@pytest.mark.parametrize("placement", ["single", "processes"])
+def test_run_json_writes_only_json_on_stdout_and_the_apps_prints_on_stderr(placement):
+    """Regression (issue 19): the app's own prints (here the collector's, in a worker process under
+    `processes`) came before the JSON on stdout."""
+    p = reactor("run", DEMO, "--json", "--digest", "--placement", placement, "--set", "stop_s=0.1")
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert result["stopped_by"] == "stop_time" and result["placement"] == placement
+    assert "collector[0]" not in result["digests"] and "collector" in result["digests"]
+    assert "collector: " in p.stderr
 
 
 def test_wrong_app_path_is_a_one_line_error():
@@ -92,3 +107,12 @@ def test_trace_show_and_diff(tmp_path):
     junk.write_bytes(b"\x00garbage")
     p = reactor("trace", "show", str(junk))
     assert p.returncode == 2 and p.stderr.startswith(f"reactor: {junk} is not a")
+
+
+@pytest.mark.parametrize("app", sorted(p.name for p in (ROOT / "apps").glob("*.py")
+                                       if "target_return:" in p.read_text()))
+def test_every_training_app_takes_target_return_none(app):
+    """Regression (issue 19): the transformer app refused `--set target_return=None`, which every
+    other app took (None: run to max_env_steps)."""
+    p = reactor("graph", str(ROOT / "apps" / app), "--set", "target_return=None", "--format", "text")
+    assert p.returncode == 0, p.stderr

@@ -60,3 +60,25 @@ def test_replay_with_another_config_reports_who_waits_for_what(tmp_path):
     run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.5)
     with pytest.raises(TraceMismatchError, match=r"^the run went quiet before the recorded schedule was complete .*folder waits for input #\d+ seq \d+"):
         run(build_graph(APP, {"count": 30}), deterministic=False, replay=trace, seed=1)
+
+
+@pytest.mark.parametrize("placement", ["single", "processes"])
+def test_a_trace_replayed_on_another_graph_is_refused_naming_what_differs(tmp_path, placement):
+    """Regression (issue 19): a trace replayed on a graph with other reactors or links ran silently
+    and wrongly; the trace now records its graph, and a replay on another one is refused first."""
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.3)
+    assert read_trace(trace)["graph"]["reactors"] == ["fast[0]", "fast[1]", "folder", "relay[0]", "relay[1]", "sink",
+                                                      "slow"]
+    other = build_graph(APP, {"slow_delay_s": 0.001})
+    with pytest.raises(TraceMismatchError, match=(
+            r"^trace .*run\.trace was recorded from another graph \(links only in the trace: slow\.out -> folder\.inp "
+            r"\(delay 500000 ns\); links only in this graph: slow\.out -> folder\.inp \(delay 1000000 ns\)\): a replay "
+            r"needs the graph it was recorded from")):
+        run(other, deterministic=False, replay=trace, seed=1, placement=placement, app=APP,
+            config={"slow_delay_s": 0.001})
+    demo = str(Path(__file__).resolve().parents[2] / "apps" / "demo_pipeline.py")
+    with pytest.raises(TraceMismatchError, match=r"reactors only in the trace: fast\[0\], fast\[1\], folder, "
+                                                 r"relay\[0\], relay\[1\] and 2 more; reactors only in this graph: "
+                                                 r"collector, producer\[0\]"):
+        run(build_graph(demo, {}), deterministic=False, replay=trace, seed=1)

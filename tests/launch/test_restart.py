@@ -181,9 +181,9 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
             proc.communicate()
     err = errfile.read_text()
     assert proc.returncode == 0, err[-4000:]
-    result = json.loads(out[out.index("{\n"):])
+    result = json.loads(out)  # stdout holds the JSON only
     assert result["restarts"] == {v: ["was killed by SIGKILL"] for v in ("actor-1", "replay-0", "learner")}
-    (ret,) = re.findall(r"^evaluation return ([0-9.]+); stopped", out, re.M)
+    (ret,) = re.findall(r"^evaluation return ([0-9.]+); stopped", err, re.M)
     assert float(ret) >= 475.0
     lost = re.search(r"replay\[0\] restarted \(restart 1\): restored (\d+) of the (\d+) steps its last life had "
                      r"inserted: (\d+) lost", err)

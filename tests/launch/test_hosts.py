@@ -4,15 +4,20 @@ a host unplugged from the network."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 
 from reactor import GraphError, run
 from reactor.launch._app import build_graph
@@ -254,4 +259,91 @@ def test_data_parallel_learners_on_two_hosts_rendezvous_over_tcp_and_match_one_h
                             re.M)
     assert len(here) == 2 and sorted(there) == sorted(here)
     assert here[0][1] == here[1][1]
+    cluster.wait_no_workers()
+
+
+def _listening_ports(pid: int) -> list[int]:
+    """The tcp ports process ``pid`` listens on (in its own network namespace)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                    ports.append(int(f[1].rsplit(":", 1)[1], 16))
+    return sorted(set(ports))
+
+
+def _attack(address: str, rng: random.Random, ctx: zmq.Context) -> None:
+    """Raw garbage, a large blob, and zmq peers without the run's CURVE key speaking garbage and the
+    worker protocol's hello, at one tcp address."""
+    host, port = address.rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1) as s:
+        s.sendall(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 512))))
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1) as s:
+        s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + os.urandom(1 << 20))  # a ZMTP greeting, then 1 MiB
+    plain = ctx.socket(zmq.DEALER)
+    curved = ctx.socket(zmq.DEALER)
+    pub, sec = zmq.curve_keypair()
+    curved.curve_publickey, curved.curve_secretkey = pub, sec
+    curved.curve_serverkey = zmq.curve_keypair()[0]  # not the run's: the handshake must fail
+    for s in (plain, curved):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"learner")  # a real group's name
+        s.connect(f"tcp://{address}")
+        with contextlib.suppress(zmq.ZMQError):
+            s.send_multipart([b"", msgpack.packb([1, 2, "learner"])], zmq.NOBLOCK)
+            s.send_multipart([bytes(rng.getrandbits(8) for _ in range(64))], zmq.NOBLOCK)
+    time.sleep(0.05)
+    plain.close()
+    curved.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_over_hosts_under_garbage_on_every_workers_and_daemons_port_ends_with_the_undisturbed_weights(
+        cluster, tmp_path):
+    """While a seeded DQN run over three hosts trains, every tcp port its workers listen on (their
+    endpoints, the shards' bulk read servers) and every daemon's port get raw garbage, a 1 MiB blob
+    after a ZMTP greeting, and zmq peers without the run's CURVE key (plain, and with a wrong server
+    key) posing as the learner. None gets past CURVE: the run drops no message, and ends with the
+    weights of the same run in one process."""
+    base = {"max_env_steps": 2000, "target_return": None, "live": False}
+    one = {**base, "run_dir": str(tmp_path / "single")}
+    many = {**base, "run_dir": str(tmp_path / "hosts")}
+    run(build_graph(DQN, one), app=DQN, config=one, seed=5)
+    t, box = in_thread(lambda: run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors",
+                                   hosts=str(cluster.write_hosts())))
+    pids = wait_for(lambda: len(p := cluster.worker_pids()) == 5 and p, 120, "five workers on the hosts")
+    ip_of = {pid: cluster.ips[h] for h in cluster.names for pid in cluster.worker_pids(h)}
+    rng = random.Random(7)
+    ctx = zmq.Context()
+    attacked = set()
+    try:
+        deadline = time.monotonic() + 120
+        while t.is_alive() and time.monotonic() < deadline:
+            targets = [a.removeprefix("tcp://") for a in cluster.addresses.values()]
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    targets += [f"{ip_of[pid]}:{port}" for port in _listening_ports(pid)]
+            for address in targets:
+                _attack(address, rng, ctx)
+                attacked.add(address)
+    finally:
+        ctx.term()
+    t.join(300)
+    assert not t.is_alive() and "error" not in box, box
+    r = box["result"]
+    assert len(attacked) >= 3 + 5, attacked  # every daemon, and at least each worker's endpoint
+    assert sum(r.dropped.values()) == 0, r.dropped
+    assert (tmp_path / "hosts" / "weights.sha256").read_text() == (tmp_path / "single" / "weights.sha256").read_text()
+    for h in cluster.names:
+        with DaemonClient(cluster.addresses[h], load_keys(cluster.keys).public, load_keys(cluster.keys)) as c:
+            assert c.request("ping")["name"] == h  # every daemon serves on
     cluster.wait_no_workers()

@@ -31,6 +31,15 @@ the lost-host case is skipped.
   warning. The timeout counts from the daemon's last answer (heartbeats every 0.5 s, each waiting
   up to 1 s), which comes before the cut, so the host can be declared lost less than the timeout
   after the cut.
+- ``restart``: an async DQN run over the hosts with ``restart = "on-failure"`` (``--backoff-s``,
+  default 0.5 s) from a placement file (learner and replay-0 on h1, replay-1 and actor-0 on h2,
+  actor-1 on h3 with h2 as its second candidate), ``stop_s`` a fixed time after its start. First
+  ``kill -9`` of replay-0's process: the time from the kill to the coordinator's "starting it again"
+  warning (detected), and to its "is running again" (the new life restored from the shard's
+  checkpoint, every other worker linked to it, ``start`` sent: the learner samples from it from its
+  next request on). Then h3 unplugged: the same two times for actor-1, which comes back on h2. The
+  lives start from scratch (``python -m reactor.launch._worker``: torch imported anew), which is
+  most of the figure; no peer system is measured beside it.
 - ``--solve``: also the wall clock to the first greedy evaluation >= 475 in async mode, over the
   hosts and on one host (one seed each; summary.json's evaluations; ``--solve-budget-s`` each).
 
@@ -153,6 +162,59 @@ class _Timeline(logging.Handler):
 # ------------------------------------------------------------------------------ time to 475 (optional)
 
 
+def restart_run(cluster: Cluster, tmp: Path, settle_s: float, backoff_s: float) -> dict[str, Any]:
+    """An async DQN run over the hosts with restart on-failure: kill -9 replay-0, later unplug h3;
+    the seconds from each to the coordinator's warnings that the group is being started again and
+    that it runs again."""
+    placement = tmp / "restart.toml"
+    placement.write_text(cluster.hosts_toml() + f'[restart]\nrestart = "on-failure"\nbackoff_s = {backoff_s}\n'
+                         '[groups.learner]\nreactors = ["learner", "evaluator", "metrics"]\nhost = "h1"\n'
+                         '[groups.replay-0]\nreactors = ["replay[[]0]"]\nhost = "h1"\n'
+                         '[groups.replay-1]\nreactors = ["replay[[]1]"]\nhost = "h2"\n'
+                         '[groups.actor-0]\nreactors = ["actor[[]0]"]\nhost = "h2"\n'
+                         '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n')
+    run_dir = tmp / "restart"
+    cfg = {"max_env_steps": 10**7, "target_return": None, "live": False, "run_dir": str(run_dir),
+           "replay_checkpoint_period_s": 0.001}
+    timeline = _Timeline()
+    logging.getLogger("reactor").addHandler(timeline)
+    stop_s = 2 * settle_s + 90
+    t, box = _in_thread(lambda: run(build_graph(DQN, cfg), app=DQN, config=cfg, placement=str(placement),
+                                    deterministic=False, stop_s=stop_s))
+    out: dict[str, Any] = {"backoff_s": backoff_s}
+    try:
+        pids = _wait_for(lambda: len(p := cluster.worker_pids()) == 5 and p, 120, "five workers on the hosts")
+        _wait_for(lambda: (run_dir / "metrics.csv").exists(), 120, "training to start")
+        for what, group in (("kill", "replay-0"), ("cut", "actor-1")):
+            time.sleep(settle_s)
+            if "error" in box or "result" in box:
+                raise RuntimeError(f"the run ended before the {what}: {box}")
+            if what == "kill":
+                (victim,) = [pid for pid, g in pids.items() if g == group]
+                os.kill(victim, signal.SIGKILL)
+            elif cluster.netns:
+                cluster.cut("h3")
+            else:
+                break
+            at = time.monotonic()
+
+            def seen(text: str, group: str = group, at: float = at) -> float | None:
+                return next((t - at for t, m in timeline.records if t >= at and f"'{group}'" in m and text in m), None)
+
+            _wait_for(lambda: seen("is running again") is not None or "error" in box, 120, f"{group} to run again")
+            out[what] = {"group": group, "detected_s": seen("starting it again"), "running_s": seen("is running again")}
+    finally:
+        t.join(stop_s + 60)
+        logging.getLogger("reactor").removeHandler(timeline)
+        if cluster.netns:
+            cluster.plug("h3")
+    if "error" in box:
+        raise box["error"]
+    out["restarts"] = dict(box["result"].restarts)
+    out["hosts"] = dict(box["result"].hosts)
+    return out
+
+
 def solve_run(run_dir: Path, seed: int, hosts: str | None, budget_s: float) -> dict[str, Any]:
     """Async DQN to the app's target (475), stopped at ``budget_s`` (``stop_s``); the wall clock of the first
     evaluation reaching it (None: not reached)."""
@@ -186,7 +248,9 @@ def main() -> None:
                     help=f"the hosts file's [cluster] heartbeat_timeout_s (default: unset, i.e. {DEFAULT_HEARTBEAT_S})")
     ap.add_argument("--solve", action="store_true", help="also the wall clock to eval return 475 in async mode")
     ap.add_argument("--solve-budget-s", type=float, default=90.0)
-    ap.add_argument("--only", default="throughput,kill,cut", help="comma-separated, from throughput,kill,cut")
+    ap.add_argument("--backoff-s", type=float, default=0.5, help="restart: the groups' backoff_s (default 0.5)")
+    ap.add_argument("--only", default="throughput,kill,cut,restart",
+                    help="comma-separated, from throughput,kill,cut,restart")
     ap.add_argument("--json", default="", help="also write every figure here")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -260,6 +324,19 @@ def main() -> None:
                     except AssertionError as e:
                         print(f"  {e}", flush=True)
                     cluster.plug("h3")
+            if "restart" in only:
+                print(f"\nrestart: async DQN over the hosts, restart on-failure with backoff {args.backoff_s:g} s; "
+                      f"kill -9 of replay-0 (h1), then h3 unplugged (actor-1 has h2 as its second candidate); "
+                      f"heartbeat timeout {hb:g} s", flush=True)
+                r = restart_run(cluster, tmp, args.settle_s, args.backoff_s)
+                for what in ("kill", "cut"):
+                    if what in r:
+                        x = r[what]
+                        print(f"  {what} of {x['group']}: detected after {x['detected_s']:.2f} s, running again "
+                              f"after {x['running_s']:.2f} s", flush=True)
+                print(f"  restarts {json.dumps(r['restarts'])}; hosts at the end {json.dumps(r['hosts'])}", flush=True)
+                cluster.wait_no_workers()
+                out["restart"] = r
             if args.solve:
                 print(f"\ntime to eval return 475: async, seed {args.seed}", flush=True)
                 out["solve"] = {}
@@ -290,6 +367,11 @@ def main() -> None:
     for key, label in (("kill", "kill -9 -> run() raised, s"), ("cut", "host cut -> run() raised, s")):
         if key in out:
             print(f"{label:<34} {out[key]['s']:>10.2f} {hb:>10.2f} {out[key]['s'] / hb:>9.2f}  heartbeat timeout")
+    for what, label in (("kill", "shard kill -> running again, s"), ("cut", "host cut -> actor running on h2, s")):
+        if what in out.get("restart", {}):
+            x = out["restart"][what]
+            print(f"{label:<34} {x['running_s']:>10.2f} {'-':>10} {'-':>9}  (detected {x['detected_s']:.2f} s; "
+                  f"backoff {args.backoff_s:g} s)")
     if "solve" in out and all(r["wall_s"] for r in out["solve"].values()):
         a, b = out["solve"]["hosts"]["wall_s"], out["solve"]["one host"]["wall_s"]
         print(f"{'s to eval 475 (async), 3 hosts':<34} {a:>10.1f} {b:>10.1f} {a / b:>9.2f}  one host")

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError
+from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError, WouldBlock
 from .._graph import Graph
 from ._cluster import RemoteWorkers, address_towards
 from ._groups import Group, Restart
@@ -523,8 +523,13 @@ class _Session:
                 self.epoch += 1
                 self.probe_snapshot = (sent, received)
                 for n in live:
-                    with contextlib.suppress(PeerLostError):  # it died: _check_children says how
+                    try:
                         self.ep.send_nowait(n, ("probe", self.epoch))
+                    except (PeerLostError, WouldBlock):
+                        # It died (_check_children says how), or it has not taken what we sent it
+                        # (a host cut off, not yet declared lost): not quiet; probe again later.
+                        self.probe_snapshot = None
+                        return False
             return False
         if self.probe_snapshot == (sent, received):
             if sent != received:

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from ._errors import GraphError, MalformedFrameError, ReactorError
 from .launch._app import AppError, build_graph, parse_overrides
@@ -112,8 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("job", nargs="?", default=None)
     st.add_argument("--json", action="store_true")
     client(st)
-    lg = sub.add_parser("logs", help="a job's output")
+    lg = sub.add_parser("logs", help="a job's output, or one of its groups' on another host")
     lg.add_argument("job")
+    lg.add_argument("group", nargs="?", default=None,
+                    help="a group of a job over hosts: its worker's output, from the daemon of its host")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     client(lg)
     sp = sub.add_parser("stop", help="stop a job (SIGTERM to its run, SIGKILL after a grace period)")
@@ -186,21 +189,28 @@ def _jobs(args: argparse.Namespace) -> int:
                         rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
                         print(f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  "
                               f"pid {j['pid']}  up {j['uptime_s']:.1f}s  on {j['daemon']}  | {j['last_line']}")
+                        if j.get("groups"):
+                            print("  groups: " + ", ".join(f"{g} on {w['host']}" for g, w in sorted(j["groups"].items()))
+                                  + f"  (run {j['run']}; reactor logs {j['id']} GROUP)")
                     for w in hosted:
                         rc = "" if w["returncode"] is None else f" exit {w['returncode']}"
                         print(f"run {w['run']}  group {w['group']}  {w['state']}{rc}  pid {w['pid']}  "
-                              f"up {w['uptime_s']:.1f}s  on {w['daemon']}")
+                              f"up {w['uptime_s']:.1f}s  restarts {w.get('restarts', 0)}  on {w['daemon']}")
+            elif args.command == "logs" and args.group is None:
+                _print_log(lambda offset: c.request("logs", args.job, offset), args.follow)
             elif args.command == "logs":
-                offset = 0
-                while True:
-                    got = c.request("logs", args.job, offset)
-                    sys.stdout.buffer.write(got["data"])
-                    sys.stdout.flush()
-                    offset = got["offset"]
-                    if not args.follow or (got["done"] and not got["data"]):
-                        break
-                    if not got["data"]:
-                        time.sleep(0.2)
+                job = c.request("status", args.job)
+                groups = job.get("groups") or {}
+                if args.group not in groups:
+                    raise DaemonError(
+                        f"job {args.job} has no group {args.group!r} on a host of its own (it has "
+                        f"{', '.join(sorted(groups)) or 'none: it runs on one host, and its groups write to its own log'});"
+                        f" reactor logs {args.job} shows the job's log")
+                where = groups[args.group]
+                keys = load_keys(keys_dir)
+                host_key = where["key"].encode() if where["key"] else keys.public  # none: the cluster key
+                with DaemonClient(where["address"], host_key, keys, timeout_s=args.timeout_s) as w:
+                    _print_log(lambda offset: w.request("worker_log", job["run"], args.group, offset), args.follow)
             else:
                 j = c.request("stop", args.job)
                 print(f"{j['id']}  {j['state']}")
@@ -208,6 +218,20 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_log(read: Any, follow: bool) -> None:
+    """Print a log chunk by chunk (``read(offset)`` -> data, offset, done); with ``follow``, until done."""
+    offset = 0
+    while True:
+        got = read(offset)
+        sys.stdout.buffer.write(got["data"])
+        sys.stdout.flush()
+        offset = got["offset"]
+        if not follow or (got["done"] and not got["data"]):
+            break
+        if not got["data"]:
+            time.sleep(0.2)
 
 
 def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:

@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import json
 import logging
+import os
 import re
 import socket
 import time
@@ -296,7 +298,23 @@ class RemoteWorkers:
         self.host_of[group.name] = host
         self.pid[group.name] = int(got["pid"])
         self.ended.pop(group.name, None)  # a restart: the group lives again
+        if self._beat is not None:
+            self.record_groups()  # a restart may have moved it
         log.info("group %s started on host %s (pid %d)", group.name, host, got["pid"])
+
+    def record_groups(self) -> None:
+        """A job's coordinator (``REACTOR_JOB_DIR`` set by its daemon) writes where each group runs
+        into the job's directory, so ``reactor status`` and ``reactor logs JOB GROUP`` can find
+        them; a run started by ``reactor run`` writes nothing."""
+        jdir = os.environ.get("REACTOR_JOB_DIR")
+        if not jdir:
+            return
+        groups = {g: {"host": h, "address": self.hosts[h].address,
+                      "key": self.hosts[h].key.decode() if self.hosts[h].key else None}
+                  for g, h in self.host_of.items()}
+        tmp = Path(jdir) / ".groups.json.tmp"
+        tmp.write_text(json.dumps({"run": self.run_id, "groups": groups}))
+        os.replace(tmp, Path(jdir) / "groups.json")
 
     def start_heartbeat(self) -> None:
         now = time.monotonic()

@@ -146,6 +146,7 @@ async def run_processes(
                 await start(g, spec)
             if isinstance(workers, RemoteWorkers):
                 workers.start_heartbeat()
+                workers.record_groups()
             session = _Session(ep, workers, [g.name for g in groups], signalled,
                                _Restarts({g.name: g for g in groups}, restartable, specs, start, keys))
             addresses = await session.gather("hello", START_TIMEOUT_S)

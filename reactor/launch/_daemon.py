@@ -45,7 +45,7 @@ import zmq.auth.asyncio
 from .._errors import DaemonError
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
-from ._hosting import HostedRuns
+from ._hosting import LOG_CHUNK_NBYTES, HostedRuns
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 
@@ -53,7 +53,6 @@ __all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_sp
 
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
-LOG_CHUNK_NBYTES = 1 << 20
 STOP_GRACE_S = 20.0
 WATCH_PERIOD_S = 0.2
 
@@ -162,7 +161,8 @@ class Daemon:
         try:
             # A job over several hosts reaches their daemons with this daemon's key pair.
             proc = subprocess.Popen(cmd, cwd=jdir / "app", stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    start_new_session=True, env={**os.environ, "REACTOR_KEYS": str(self.keys_dir)})
+                                    start_new_session=True, env={**os.environ, "REACTOR_KEYS": str(self.keys_dir),
+                                                                 "REACTOR_JOB_DIR": str(jdir)})
         finally:
             out.close()
         pid, start = proc.pid, _pid_start_time(proc.pid) or 0
@@ -223,7 +223,7 @@ class Daemon:
         return {"id": job.id, "app": r["app"], "placement": r["placement"], "state": r["state"], "pid": r["pid"],
                 "uptime_s": round(ended - r["submitted_at"], 3), "returncode": r.get("returncode"),
                 "detail": r.get("detail", ""), "last_line": _last_line(job.dir / "output.log"),
-                "daemon": r.get("daemon", self.name)}
+                "daemon": r.get("daemon", self.name), **_job_groups(job.dir)}
 
     def logs(self, job_id: str, offset: int) -> dict[str, Any]:
         job = self._job(job_id)
@@ -267,6 +267,8 @@ class Daemon:
             return True, self.hosted.workers(msg[2])
         if kind == "end":
             return True, self.hosted.end(msg[2])
+        if kind == "worker_log":
+            return True, self.hosted.log(msg[2], msg[3], msg[4])
         raise AssertionError(kind)  # the schema admits no other kind
 
     async def serve(self, ready: Any = None) -> None:
@@ -375,6 +377,16 @@ def _advertised(listen: str) -> str | None:
     (other hosts cannot dial it: such a daemon hosts no groups of runs over hosts without ``--advertise``)."""
     host = listen[len("tcp://"):].rsplit(":", 1)[0] if listen.startswith("tcp://") else ""
     return None if host in ("", "*", "0.0.0.0", "[::]", "::") else host
+
+
+def _job_groups(jdir: Path) -> dict[str, Any]:
+    """A job over hosts: its run id and where each group runs (``groups.json``, written by the job's
+    coordinator), for ``reactor status`` and ``reactor logs JOB GROUP``; {} for a job on one host."""
+    try:
+        got = json.loads((jdir / "groups.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"run": got.get("run"), "groups": got.get("groups", {})}
 
 
 def _last_line(path: Path) -> str:

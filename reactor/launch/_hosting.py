@@ -32,6 +32,7 @@ from .._errors import DaemonError
 
 log = logging.getLogger("reactor.daemon")
 END_GRACE_S = 5.0
+LOG_CHUNK_NBYTES = 1 << 20  # the most of a log one answer carries
 
 __all__ = ["HostedRuns"]
 
@@ -65,6 +66,7 @@ class _Run:
         self.seen = time.monotonic()
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.started: dict[str, float] = {}
+        self.lives: dict[str, int] = {}  # workers started per group (more than one: restarts)
         self.ended: dict[str, float] = {}  # when the daemon saw each worker's end
         self.end_deadline: float | None = None
         self.why_ended = ""
@@ -126,11 +128,23 @@ class HostedRuns:
         finally:
             proc.stdin.close()
         run.workers[group] = proc
+        run.lives[group] = run.lives.get(group, 0) + 1
         run.started[group] = time.time()
         run.ended.pop(group, None)
         run.seen = time.monotonic()
         log.info("%s: run %s: started group %s (pid %d)", self.name, run.id, group, proc.pid)
         return {"pid": proc.pid, "host": self.name}
+
+    def log(self, run_id: str, group: str, offset: int) -> dict[str, Any]:
+        """A chunk of a hosted worker's output (``reactor logs JOB GROUP``): its lives all write to
+        ``STATE/runs/RUN/GROUP.log``; ``done`` once its latest life has ended."""
+        run = self.runs.get(run_id)
+        if run is None or group not in run.workers:
+            raise DaemonError(f"daemon {self.name!r} hosts no group {group!r} of run {run_id!r}")
+        with open(run.dir / f"{group}.log", "rb") as f:
+            f.seek(offset)
+            data = f.read(LOG_CHUNK_NBYTES)
+        return {"data": data, "offset": offset + len(data), "done": run.workers[group].poll() is not None}
 
     def workers(self, run_id: str) -> dict[str, Any]:
         """A coordinator's heartbeat: renew the run's lease; each worker's pid and exit status."""
@@ -192,7 +206,8 @@ class HostedRuns:
         return any(p.poll() is None for r in self.runs.values() for p in r.workers.values())
 
     def describe(self) -> list[dict[str, Any]]:
-        """Each hosted run's workers: group, pid, state, uptime (``reactor status``)."""
+        """Each hosted run's workers: group, pid, state, uptime of its latest life, and how many
+        times it was started again here (``reactor status``)."""
         out = []
         now = time.time()
         for run in self.runs.values():
@@ -200,5 +215,6 @@ class HostedRuns:
                 rc = p.poll()
                 out.append({"run": run.id, "group": g, "pid": p.pid, "returncode": rc,
                             "state": "running" if rc is None else "ended",
-                            "uptime_s": round(run.ended.get(g, now) - run.started[g], 3), "daemon": self.name})
+                            "uptime_s": round(run.ended.get(g, now) - run.started[g], 3), "daemon": self.name,
+                            "restarts": run.lives.get(g, 1) - 1})
         return out

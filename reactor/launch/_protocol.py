@@ -266,14 +266,20 @@ def _run_id(v: Any) -> str | None:
     return None if type(v) is str and _RUN_RE.match(v) else f"a run id ([A-Za-z0-9_.-], 1..64) expected, got {_show(v)}"
 
 
+def _group_name(v: Any) -> str | None:
+    if type(v) is not str or not _GROUP_NAME_RE.match(v):
+        return f"a group name ([A-Za-z0-9_-[]], 1..128) expected, got {_show(v)}"
+    return None
+
+
 def _spawn(v: Any) -> str | None:
     """A coordinator's request to start one group's worker here (``reactor/launch/_hosting.py``)."""
     if type(v) is not dict or set(v) != set(_SPAWN_FIELDS):
         return f"a spawn request is a dict with exactly the fields {list(_SPAWN_FIELDS)}, got {_show(v)}"
     if (why := _run_id(v["run"])) is not None:
         return f"run: {why}"
-    if type(v["group"]) is not str or not _GROUP_NAME_RE.match(v["group"]):
-        return f"group: a group name ([A-Za-z0-9_-[]], 1..128) expected, got {_show(v['group'])}"
+    if (why := _group_name(v["group"])) is not None:
+        return f"group: {why}"
     if (why := _files(v["files"], v["sha256"], v["app"])) is not None:
         return why
     if type(v["worker"]) is not dict or not _plain(v["worker"]):
@@ -294,6 +300,7 @@ DAEMON_KINDS: dict[str, tuple[Check, ...]] = {
     "spawn": (_spawn,),
     "workers": (_run_id,),
     "end": (_run_id,),
+    "worker_log": (_run_id, _group_name, _count),
 }
 
 

@@ -207,7 +207,20 @@ def test_submit_over_hosts_runs_the_coordinator_on_the_head_daemon(cluster, tmp_
             assert [(w["group"], w["state"]) for w in c.request("hosted")] == [(group, "ended")]
     st = subprocess.run([*cli, "status", "--daemon", cluster.addresses["h1"]], env=cluster.env(),
                         capture_output=True, text=True, timeout=60)
-    assert "group producers  ended exit 0" in st.stdout, st
+    assert "group producers  ended exit 0  pid" in st.stdout and "restarts 0  on h1" in st.stdout, st
+    # The job's status names where each group ran; a group's output comes from its own host's daemon.
+    st = subprocess.run([*cli, "status", job, "--daemon", cluster.addresses["h2"]], env=cluster.env(),
+                        capture_output=True, text=True, timeout=60)
+    assert "groups: head on h2, producers on h1, squarers on h3" in st.stdout, st
+    logs = subprocess.run([*cli, "logs", job, "head", "--daemon", cluster.addresses["h2"]], env=cluster.env(),
+                          capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0 and re.search(r"^collector: \d+ values, sum \d+$", logs.stdout, re.M), logs
+    (head_log,) = (tmp_path / "h2" / "runs").glob("*/head.log")
+    assert logs.stdout == head_log.read_text()
+    bad = subprocess.run([*cli, "logs", job, "nope", "--daemon", cluster.addresses["h2"]], env=cluster.env(),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and f"job {job} has no group 'nope' on a host of its own (it has head, producers, " \
+                                   f"squarers)" in bad.stderr, bad
     cluster.wait_no_workers()
 
 
@@ -234,6 +247,10 @@ def test_a_spawn_from_an_unauthorized_key_is_refused_and_garbage_is_dropped(clus
                 c.request("spawn", req)
         with pytest.raises(Exception, match="does not match its sha256"):
             c.request("spawn", {**good, "sha256": {"a.py": "0" * 64}})
+        with pytest.raises(Exception, match=r"a group name"):
+            c.request("worker_log", "r1", "../../etc/passwd", 0)
+        with pytest.raises(Exception, match=r"hosts no group 'g' of run 'r1'"):
+            c.request("worker_log", "r1", "g", 0)
         assert c.request("ping")["name"] == "h1"
         assert c.request("hosted") == []
 

@@ -50,6 +50,7 @@ __all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "RemoteWorkers", "assig
 log = logging.getLogger("reactor.cluster")
 HEARTBEAT_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
+FETCH_MAX_NBYTES = 4 << 30  # the most of a run's files copied back from its hosts
 _HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 _Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 
@@ -385,6 +386,47 @@ class RemoteWorkers:
         left = self.alive()
         if left:
             log.warning("workers %s did not confirm their end; their daemons kill them at the lease's end", left)
+
+    async def fetch_run_files(self, dest: Path, max_nbytes: int = FETCH_MAX_NBYTES) -> None:
+        """Copy what the workers wrote in their directories on the hosts (relative run
+        directories: metrics, checkpoints, plots) into ``dest``, the coordinator's working
+        directory, at the same relative paths: a run over hosts leaves its files where it was
+        started from. An absolute ``run_dir`` (a shared file system) is written in place and copied
+        by nobody. Lost hosts are skipped, and so is everything past ``max_nbytes``, each logged."""
+        total = files = 0
+        for host in sorted(set(self.host_of.values()) - set(self.lost_hosts)):
+            link = self.links[host]
+            try:
+                listing = await link.request("run_files", self.run_id, timeout_s=10.0)
+            except DaemonError as e:
+                log.warning("did not copy the run's files from host %s: %s", host, e)
+                continue
+            for f in listing:
+                target = dest / f["path"]
+                if target.resolve().parent != target.parent.resolve() or dest.resolve() not in target.resolve().parents:
+                    log.warning("host %s offered %r, outside the run: skipped", host, f["path"])
+                    continue
+                if total + f["size"] > max_nbytes:
+                    log.warning("the run's files on its hosts exceed %d bytes: %s and what follows stay on host %s "
+                                "(give an absolute run_dir on a shared file system instead)", max_nbytes, f["path"], host)
+                    return
+                if target.exists():
+                    log.warning("%s was written on more than one host; the copy from %s is kept", f["path"], host)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{target.name}.part")
+                offset = 0
+                with open(tmp, "wb") as out:
+                    while offset < f["size"]:
+                        got = await link.request("run_file", self.run_id, f["path"], offset, timeout_s=30.0)
+                        if not got["data"]:
+                            break
+                        out.write(got["data"])
+                        offset = got["offset"]
+                os.replace(tmp, target)
+                total += offset
+                files += 1
+        if files:
+            log.info("copied %d files (%.1f MB) of the run from its hosts into %s", files, total / 1e6, dest)
 
     async def close(self) -> None:
         if self._beat is not None:

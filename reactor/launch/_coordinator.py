@@ -192,6 +192,11 @@ async def run_processes(
             )
         finally:
             await workers.reap(0.0)
+            if isinstance(workers, RemoteWorkers):  # the run's files come to where it was started
+                try:
+                    await workers.fetch_run_files(Path.cwd())
+                except (OSError, ReactorError) as e:
+                    log.warning("copying the run's files from its hosts failed: %s", e)
             await workers.close()
             await ep.aclose()
             remove_run_dir(sockdir)

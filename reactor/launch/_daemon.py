@@ -269,6 +269,10 @@ class Daemon:
             return True, self.hosted.end(msg[2])
         if kind == "worker_log":
             return True, self.hosted.log(msg[2], msg[3], msg[4])
+        if kind == "run_files":
+            return True, self.hosted.run_files(msg[2])
+        if kind == "run_file":
+            return True, self.hosted.run_file(msg[2], msg[3], msg[4])
         raise AssertionError(kind)  # the schema admits no other kind
 
     async def serve(self, ready: Any = None) -> None:

@@ -32,7 +32,8 @@ from .._errors import DaemonError
 
 log = logging.getLogger("reactor.daemon")
 END_GRACE_S = 5.0
-LOG_CHUNK_NBYTES = 1 << 20  # the most of a log one answer carries
+LOG_CHUNK_NBYTES = 1 << 20  # the most of a log (or a run's file) one answer carries
+RUN_FILES_MAX = 100_000
 
 __all__ = ["HostedRuns"]
 
@@ -145,6 +146,45 @@ class HostedRuns:
             f.seek(offset)
             data = f.read(LOG_CHUNK_NBYTES)
         return {"data": data, "offset": offset + len(data), "done": run.workers[group].poll() is not None}
+
+    def run_files(self, run_id: str) -> list[dict[str, Any]]:
+        """The files a run's workers wrote in their directory here (their relative run
+        directories: metrics, checkpoints, plots), for its coordinator to copy back: every regular
+        file under ``STATE/runs/RUN/`` but the shipped app (``app/``) and the workers' logs, no
+        symbolic link followed; at most ``RUN_FILES_MAX`` of them."""
+        run = self._run(run_id)
+        out: list[dict[str, Any]] = []
+        for dirpath, dirnames, filenames in os.walk(run.dir):  # followlinks=False
+            here = Path(dirpath)
+            top = here == run.dir
+            if top:
+                dirnames[:] = [d for d in dirnames if d != "app"]
+            for name in sorted(filenames):
+                p = here / name
+                if (top and name.endswith(".log")) or p.is_symlink() or not p.is_file():
+                    continue
+                out.append({"path": str(p.relative_to(run.dir)), "size": p.stat().st_size})
+                if len(out) >= RUN_FILES_MAX:
+                    log.warning("%s: run %s has more than %d files; listing the first", self.name, run_id, RUN_FILES_MAX)
+                    return out
+        return out
+
+    def run_file(self, run_id: str, path: str, offset: int) -> dict[str, Any]:
+        """A chunk of one file of :meth:`run_files` (``path`` relative, checked by the schema)."""
+        run = self._run(run_id)
+        p = run.dir / path
+        if path.split("/")[0] == "app" or p.is_symlink() or not p.is_file() or run.dir.resolve() not in p.resolve().parents:
+            raise DaemonError(f"run {run_id!r} has no file {path!r} here")
+        with open(p, "rb") as f:
+            f.seek(offset)
+            data = f.read(LOG_CHUNK_NBYTES)
+        return {"data": data, "offset": offset + len(data)}
+
+    def _run(self, run_id: str) -> _Run:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise DaemonError(f"daemon {self.name!r} hosts no run {run_id!r}")
+        return run
 
     def workers(self, run_id: str) -> dict[str, Any]:
         """A coordinator's heartbeat: renew the run's lease; each worker's pid and exit status."""

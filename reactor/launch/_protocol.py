@@ -272,6 +272,12 @@ def _group_name(v: Any) -> str | None:
     return None
 
 
+def _rel_path(v: Any) -> str | None:
+    if type(v) is not str or len(v) > 4096 or not _FILE_RE.match(v):
+        return f"a relative path of [A-Za-z0-9_.-] parts expected, got {_show(v)}"
+    return None
+
+
 def _spawn(v: Any) -> str | None:
     """A coordinator's request to start one group's worker here (``reactor/launch/_hosting.py``)."""
     if type(v) is not dict or set(v) != set(_SPAWN_FIELDS):
@@ -301,6 +307,8 @@ DAEMON_KINDS: dict[str, tuple[Check, ...]] = {
     "workers": (_run_id,),
     "end": (_run_id,),
     "worker_log": (_run_id, _group_name, _count),
+    "run_files": (_run_id,),
+    "run_file": (_run_id, _rel_path, _count),
 }
 
 

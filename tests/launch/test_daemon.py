@@ -245,3 +245,27 @@ def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     assert status.stdout.startswith(f"{job}  finished exit 0  gated.py --placement processes")
     bad = run("stop", "0123456789abcdef")
     assert bad.returncode == 1 and "has no job '0123456789abcdef'" in bad.stderr
+
+
+def test_a_runs_files_offered_back_are_its_outputs_only_and_no_link_leads_out(tmp_path):
+    """What a daemon offers a run's coordinator to copy back: the files its workers wrote, never the
+    shipped app, the workers' logs, or what a symbolic link points at."""
+    from reactor.launch._hosting import HostedRuns, _Run
+
+    hosted = HostedRuns("h1", "127.0.0.1", tmp_path)
+    run = hosted.runs["r1"] = _Run("r1", hosted.root / "r1", 5.0)
+    (run.dir / "app").mkdir(parents=True)
+    (run.dir / "app" / "a.py").write_text("secret")
+    (run.dir / "actor-0.log").write_text("log")
+    (run.dir / "runs" / "x" / "replay-0").mkdir(parents=True)
+    (run.dir / "runs" / "x" / "metrics.csv").write_text("a,b\n1,2\n")
+    (run.dir / "runs" / "x" / "replay-0" / "state.npy").write_bytes(b"\x93NUMPY" + bytes(3 << 20))
+    (run.dir / "runs" / "x" / "passwd").symlink_to("/etc/passwd")
+    listing = hosted.run_files("r1")
+    assert listing == [{"path": "runs/x/metrics.csv", "size": 8},
+                       {"path": "runs/x/replay-0/state.npy", "size": 6 + (3 << 20)}]
+    got = hosted.run_file("r1", "runs/x/replay-0/state.npy", 0)
+    assert len(got["data"]) == 1 << 20 and got["offset"] == 1 << 20  # in chunks
+    for path in ("app/a.py", "runs/x/passwd", "runs/x/nope"):
+        with pytest.raises(DaemonError, match=rf"^run 'r1' has no file {path!r} here$"):
+            hosted.run_file("r1", path, 0)

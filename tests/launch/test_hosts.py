@@ -251,15 +251,23 @@ def test_a_spawn_from_an_unauthorized_key_is_refused_and_garbage_is_dropped(clus
             c.request("worker_log", "r1", "../../etc/passwd", 0)
         with pytest.raises(Exception, match=r"hosts no group 'g' of run 'r1'"):
             c.request("worker_log", "r1", "g", 0)
+        for path in ("../../etc/passwd", "/etc/passwd", "a/../../b", ".hidden"):
+            with pytest.raises(Exception, match=r"a relative path of \[A-Za-z0-9_.-\] parts"):
+                c.request("run_file", "r1", path, 0)
+        with pytest.raises(Exception, match=r"hosts no run 'r1'"):
+            c.request("run_files", "r1")
         assert c.request("ping")["name"] == "h1"
         assert c.request("hosted") == []
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_data_parallel_learners_on_two_hosts_rendezvous_over_tcp_and_match_one_host(cluster, tmp_path, capfd):
+def test_data_parallel_learners_on_two_hosts_rendezvous_over_tcp_and_match_one_host(cluster, tmp_path, capfd,
+                                                                                    monkeypatch):
     """dp-learners over hosts: the replicas join through the coordinator's TCP store (no shared file:
-    each host has its own run directory) and end with the weights of the same run on one host."""
+    each host has its own run directory) and end with the weights of the same run on one host. The
+    relative run directory's files, written on two hosts, are copied back to where the run started."""
+    monkeypatch.chdir(tmp_path)
     cfg = {"max_env_steps": 2500, "target_return": None, "live": False, "learners": 2}
     local = {**cfg, "run_dir": str(tmp_path / "local")}
     run(build_graph(DQN, local), app=DQN, config=local, placement="dp-learners")
@@ -276,6 +284,11 @@ def test_data_parallel_learners_on_two_hosts_rendezvous_over_tcp_and_match_one_h
                             re.M)
     assert len(here) == 2 and sorted(there) == sorted(here)
     assert here[0][1] == here[1][1]
+    back = tmp_path / "dp"  # the coordinator's working directory is tmp_path
+    assert (back / "weights.sha256").read_text().strip() == here[0][1]
+    (written,) = tmp_path.glob("h*/runs/*/dp/metrics.csv")  # on the host of the metrics' group
+    assert (back / "metrics.csv").read_text() == written.read_text()
+    assert (back / "replay-0").is_dir() and not (back / "app").exists() and not list(back.glob("*.log"))
     cluster.wait_no_workers()
 
 

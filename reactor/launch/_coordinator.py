@@ -365,7 +365,11 @@ class _Session:
         step = r.starting.get(peer)
         if step == "spawned" and msg[0] == "hello":
             keys = r.keys
-            await self.ep.connect(peer, msg[1], server_public_key=keys.public if keys else None)
+            try:
+                await self.ep.connect(peer, msg[1], server_public_key=keys.public if keys else None)
+            except PeerLostError as e:  # the new life died at once: _check_children sees its end
+                log.warning("could not reach the new life of %r: %s", peer, e)
+                return True
             r.book[peer] = msg[1]
             # Groups being restarted themselves are left out: it treats them as down until they
             # are back (it hears "restarted" then).

@@ -316,6 +316,15 @@ class _Session:
         for name in dead:
             r.starting.pop(name, None)
             r.awaiting.pop(name, None)
+        if self.stopped_by is not None:
+            # The run is ending: a restartable group that ends now (say, a new life that never got
+            # going) is not started again, and does not fail a run that reached its end.
+            for name in [n for n in dead if n in r.restartable]:
+                log.warning("worker %r %s while the run was ending; its last life's results are not in the run's",
+                            name, _how_ended(*dead.pop(name)))
+                self.results[name] = _ABANDONED
+            if not dead:
+                return
         fatal = {n: how for n, how in dead.items() if self.stopped_by is not None or not r.can_restart(n)}
         if fatal:
             notes = "".join(r.why_not(n) for n in sorted(fatal))

@@ -222,10 +222,17 @@ class Worker:
             if missing:
                 raise PeerLostError(f"{self.group}: the coordinator's address book lacks {missing}")
             for p in out_peers:
-                if p in self.down_at_start:
-                    outbox.mark_down(p)
-                else:
-                    await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
+                if p not in self.down_at_start:
+                    try:
+                        await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
+                        continue
+                    except PeerLostError as e:
+                        if p not in restartable:
+                            raise
+                        # It died since the coordinator's book was written: it comes back with "restarted".
+                        log.warning("%s: restartable peer %r is not there (%s); it counts as down", self.group, p, e)
+                        self.down_at_start.append(p)
+                outbox.mark_down(p)
             recorder = Recorder() if spec["record"] else None
             replayer = None
             if spec["replay"]:

@@ -40,6 +40,11 @@ the lost-host case is skipped.
   next request on). Then h3 unplugged: the same two times for actor-1, which comes back on h2. The
   lives start from scratch (``python -m reactor.launch._worker``: torch imported anew), which is
   most of the figure; no peer system is measured beside it.
+- ``startup``: from ``run()``'s call to every worker ready and sent ``start`` (the coordinator's
+  "run started" log line; the first env step follows within one actor step), for the DQN app under
+  ``actors`` over the three hosts (workers spawned by the daemons) and on one host (local child
+  processes), alternating, ``--reps`` each; the issue's target for submit to the first env step is
+  2 s with the daemons up.
 - ``--solve``: also the wall clock to the first greedy evaluation >= 475 in async mode, over the
   hosts and on one host (one seed each; summary.json's evaluations; ``--solve-budget-s`` each).
 
@@ -151,8 +156,8 @@ def detection_run(cluster: Cluster, run_dir: Path, how: str, settle_s: float) ->
 class _Timeline(logging.Handler):
     """The coordinator's warnings under ``reactor`` in this process, timed (for the ``host ... is lost`` one)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.records: list[tuple[float, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -160,6 +165,23 @@ class _Timeline(logging.Handler):
 
 
 # ------------------------------------------------------------------------------ time to 475 (optional)
+
+
+def startup_run(run_dir: Path, hosts: str | None) -> float:
+    """Seconds from run()'s call to the coordinator's "run started" (every worker ready)."""
+    cfg = {"max_env_steps": 400, "target_return": None, "live": False, "run_dir": str(run_dir)}
+    timeline = _Timeline(logging.INFO)
+    logger = logging.getLogger("reactor")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(timeline)
+    try:
+        t0 = time.monotonic()
+        run(build_graph(DQN, cfg), app=DQN, config=cfg, placement="actors", deterministic=False, hosts=hosts)
+    finally:
+        logger.removeHandler(timeline)
+        logger.setLevel(old)
+    return next(t - t0 for t, m in timeline.records if m.startswith("run started"))
 
 
 def restart_run(cluster: Cluster, tmp: Path, settle_s: float, backoff_s: float) -> dict[str, Any]:
@@ -249,8 +271,8 @@ def main() -> None:
     ap.add_argument("--solve", action="store_true", help="also the wall clock to eval return 475 in async mode")
     ap.add_argument("--solve-budget-s", type=float, default=90.0)
     ap.add_argument("--backoff-s", type=float, default=0.5, help="restart: the groups' backoff_s (default 0.5)")
-    ap.add_argument("--only", default="throughput,kill,cut,restart",
-                    help="comma-separated, from throughput,kill,cut,restart")
+    ap.add_argument("--only", default="throughput,kill,cut,restart,startup",
+                    help="comma-separated, from throughput,kill,cut,restart,startup")
     ap.add_argument("--json", default="", help="also write every figure here")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -324,6 +346,16 @@ def main() -> None:
                     except AssertionError as e:
                         print(f"  {e}", flush=True)
                     cluster.plug("h3")
+            if "startup" in only:
+                print("\nstartup: run() -> every worker ready (DQN under actors, async)", flush=True)
+                ups: dict[str, list[float]] = {"hosts": [], "one host": []}
+                for i in range(args.reps):
+                    for side in (("hosts", "one host") if i % 2 == 0 else ("one host", "hosts")):
+                        ups[side].append(startup_run(tmp / f"up-{side.replace(' ', '')}-{i}",
+                                                     hosts if side == "hosts" else None))
+                        print(f"  rep {i + 1} {side:8s}: {ups[side][-1]:.2f} s", flush=True)
+                cluster.wait_no_workers()
+                out["startup"] = ups
             if "restart" in only:
                 print(f"\nrestart: async DQN over the hosts, restart on-failure with backoff {args.backoff_s:g} s; "
                       f"kill -9 of replay-0 (h1), then h3 unplugged (actor-1 has h2 as its second candidate); "
@@ -367,6 +399,10 @@ def main() -> None:
     for key, label in (("kill", "kill -9 -> run() raised, s"), ("cut", "host cut -> run() raised, s")):
         if key in out:
             print(f"{label:<34} {out[key]['s']:>10.2f} {hb:>10.2f} {out[key]['s'] / hb:>9.2f}  heartbeat timeout")
+    if "startup" in out:
+        a, b = med(out["startup"]["hosts"]), med(out["startup"]["one host"])
+        print(f"{'run() -> workers ready, 3 hosts, s':<34} {a:>10.2f} {b:>10.2f} {a / b:>9.2f}  one host "
+              f"(target 2 s: {'met' if a <= 2.0 else 'NOT met'})")
     for what, label in (("kill", "shard kill -> running again, s"), ("cut", "host cut -> actor running on h2, s")):
         if what in out.get("restart", {}):
             x = out["restart"][what]

@@ -65,6 +65,7 @@ async def run_processes(
             f"placement {placement!r} needs the app file: workers rebuild the graph from it "
             "(use `reactor run APP --placement ...` or run(graph, app=PATH, config=...))"
         )
+    began = asyncio.get_running_loop().time()
     plan = resolve_placement(graph, placement, hosts, restart)
     groups = plan.groups
     # Restart policies hold in async runs (not replays): a deterministic run's schedule cannot
@@ -158,6 +159,8 @@ async def run_processes(
             await session.gather("ready", START_TIMEOUT_S)
             for g in groups:
                 ep.send_nowait(g.name, ("start",))
+            log.info("run started: %d workers ready %.2f s after the coordinator began", len(groups),
+                     loop.time() - began)
             deadline = None if deterministic or stop_ns is None or replay is not None else loop.time() + stop_ns / 1e9
             stopped_by, results = await session.supervise(deadline)
             for g in groups:

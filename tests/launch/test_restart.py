@@ -208,6 +208,14 @@ def _forever(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     return proc, errfile
 
 
+def _reaped(proc: subprocess.Popen[str], errfile: Path) -> str:
+    """The run's stderr, once it has ended (killed if it had not)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    return errfile.read_text()
+
+
 def _workers(proc: subprocess.Popen[str], ready: Path, n: int = 3) -> dict[str, int]:
     """The workers once the run has started (the sink's startup touched ``ready``)."""
     deadline = time.monotonic() + 120
@@ -234,10 +242,7 @@ def test_a_group_out_of_restarts_ends_the_run_naming_it_and_each_end_it_had(tmp_
         os.kill(second, signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    err = errfile.read_text()
+        err = _reaped(proc, errfile)
     assert proc.returncode != 0
     assert ("reactor: WorkerFailedError: worker 'sink' was killed by SIGKILL before the run ended; group 'sink' had used its 1 "
             "restarts (max_restarts = 1): earlier ends: was killed by SIGKILL") in err, err[-3000:]
@@ -253,10 +258,7 @@ def test_a_deterministic_run_ends_at_a_failure_and_says_restarts_are_for_async_r
         os.kill(workers["ticker-1"], signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    err = errfile.read_text()
+        err = _reaped(proc, errfile)
     assert proc.returncode != 0
     assert "worker 'ticker-1' was killed by SIGKILL before the run ended" in err, err[-3000:]
     assert "group 'ticker-1' was not restarted: restart policies hold in async runs only" in err

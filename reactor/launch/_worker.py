@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from .._errors import PeerLostError, WouldBlock
@@ -70,7 +70,7 @@ class Outbox:
         # is down (lost, not yet back), what is sent to it is dropped and counted.
         self.restartable = restartable
         self.down: set[str] = set()
-        self.dropped_to_lost: dict[str, int] = {}
+        self.dropped_to_lost: Counter[str] = Counter()
         self.peak_backlog = 0
         self.queues: dict[str, deque[Any]] = {}
         self.wake = asyncio.Event()
@@ -83,7 +83,7 @@ class Outbox:
 
     def send(self, peer: str, msg: Any) -> None:
         if peer in self.down:
-            self.dropped_to_lost[peer] = self.dropped_to_lost.get(peer, 0) + 1
+            self.dropped_to_lost[peer] += 1
             return
         q = self.queues.setdefault(peer, deque())
         if not q:
@@ -96,7 +96,7 @@ class Outbox:
                 if peer not in self.restartable:
                     raise
                 self.mark_down(peer)
-                self.dropped_to_lost[peer] = self.dropped_to_lost.get(peer, 0) + 1
+                self.dropped_to_lost[peer] += 1
                 return
         q.append(msg)
         self.backlog += 1
@@ -114,7 +114,7 @@ class Outbox:
         self.down.add(peer)
         q = self.queues.pop(peer, None)
         if q:
-            self.dropped_to_lost[peer] = self.dropped_to_lost.get(peer, 0) + len(q)
+            self.dropped_to_lost[peer] += len(q)
             self.backlog -= len(q)
             if self.backlog <= self.limit // 2:
                 self.drained.set()

@@ -175,6 +175,7 @@ class Writer:
         self._next_shard = writer_id % num_shards
         self.unacked = np.zeros(num_shards, dtype=np.int64)  # messages sent per shard, not yet acknowledged
         self.down = np.zeros(num_shards, dtype=bool)  # shards whose process died and is being restarted
+        self.n_down = 0
         self.lost_messages = 0  # sent to a shard that died before acknowledging them
         self.max_unacked = max_unacked
         self.flush_steps = flush_steps
@@ -361,24 +362,25 @@ class Writer:
         """``shard``'s process died (restart policies): send nothing to it until
         :meth:`shard_restarted`; what it had not acknowledged is lost (``lost_messages``)."""
         self.down[shard] = True
+        self.n_down = int(self.down.sum())
         self.lost_messages += int(self.unacked[shard])
         self.unacked[shard] = 0
 
     def shard_restarted(self, shard: int) -> None:
         """``shard`` takes messages again (restored from its checkpoint, if it has one)."""
         self.down[shard] = False
+        self.n_down = int(self.down.sum())
 
     def full(self) -> bool:
         """Every shard this writer may send to holds ``max_unacked`` unacknowledged messages, or is down."""
         if self.fixed_shard is not None:
             s = self.fixed_shard
             return bool(self.down[s]) or (self.max_unacked is not None and int(self.unacked[s]) >= self.max_unacked)
-        live = ~self.down
-        if not live.any():
+        if self.n_down == 0:  # the common case, once per env step: no mask to build
+            return self.max_unacked is not None and int(self.unacked.min()) >= self.max_unacked
+        if self.n_down == self.num_shards:
             return True
-        if self.max_unacked is None:
-            return False
-        return int(self.unacked[live].min()) >= self.max_unacked
+        return self.max_unacked is not None and int(self.unacked[~self.down].min()) >= self.max_unacked
 
     def flush(self) -> list[Steps]:
         """One message with every ready segment (none if nothing is ready). Open episodes stay buffered."""

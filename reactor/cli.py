@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--keys", default=None, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
     d.add_argument("--advertise", default=None,
                    help="the address other hosts reach this one at (needed when --listen is a wildcard)")
+    d.add_argument("--preload", default="",
+                   help="more modules its fork server imports once for every worker (comma-separated: "
+                        "your environments' packages, say)")
+    d.add_argument("--no-fork-server", action="store_true",
+                   help="start every worker as a new interpreter (each imports torch anew: seconds more per start)")
 
     def client(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--daemon", default=None,
@@ -106,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     su.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--async", dest="async_", action="store_true")
+    su.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
     su.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                     help="a file the app needs beside it (repeatable)")
     client(su)
@@ -159,7 +165,11 @@ def _jobs(args: argparse.Namespace) -> int:
         state.mkdir(parents=True, exist_ok=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
-        daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise)
+        from .launch._forkserver import DEFAULT_PRELOAD
+
+        extra = [m.strip() for m in args.preload.split(",") if m.strip()]
+        daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
+                        preload=None if args.no_fork_server else [*DEFAULT_PRELOAD, *extra])
 
         def ready(address: str) -> None:
             print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),
@@ -173,7 +183,8 @@ def _jobs(args: argparse.Namespace) -> int:
                           timeout_s=args.timeout_s) as c:
             if args.command == "submit":
                 spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
-                                seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts)
+                                seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts,
+                                restart=args.restart)
                 job = c.request("submit", spec)
                 print(job)
                 if not args.daemon:

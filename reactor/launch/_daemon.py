@@ -45,7 +45,8 @@ import zmq.auth.asyncio
 from .._errors import DaemonError
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
-from ._hosting import LOG_CHUNK_NBYTES, HostedRuns
+from ._forkserver import DEFAULT_PRELOAD, Forks
+from ._hosting import LOG_CHUNK_NBYTES, HostedRuns, Proc
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 
@@ -71,7 +72,7 @@ class _Job:
     def __init__(self, record: dict[str, Any], directory: Path) -> None:
         self.record = record
         self.dir = directory
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Proc | None = None
         self.stop_deadline: float | None = None
 
     @property
@@ -92,7 +93,7 @@ class Daemon:
     """The daemon's state and its serving loop (``await Daemon(...).serve()``)."""
 
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
-                 advertise: str | None = None):
+                 advertise: str | None = None, preload: Sequence[str] | None = DEFAULT_PRELOAD):
         from ._keys import load_keys
 
         self.name = name
@@ -102,7 +103,11 @@ class Daemon:
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
         self.keys_dir = Path(keys_dir).resolve()
         self.keys = load_keys(keys_dir)
-        self.hosted = HostedRuns(name, advertise or _advertised(listen), self.state)
+        advertise = advertise or _advertised(listen)
+        # The fork server's own environment is what /proc/PID/environ shows of its workers: the
+        # host identity they all share.
+        self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
+        self.hosted = HostedRuns(name, advertise, self.state, self.forks)
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
         self.refused = 0
@@ -155,25 +160,34 @@ class Daemon:
                 cmd += ["--with", str(jdir / "app" / name)]
         if spec["async"]:
             cmd.append("--async")
+        if spec["restart"] is not None:
+            cmd += ["--restart", spec["restart"]]
+        cmd.append("--verbose")  # the job's log shows when its run started, and its restarts
         for k, v in spec["config"].items():
             cmd += ["--set", f"{k}={v!r}"]
-        out = open(jdir / "output.log", "wb")  # noqa: SIM115 - the child holds it; closed below
-        try:
-            # A job over several hosts reaches their daemons with this daemon's key pair.
-            proc = subprocess.Popen(cmd, cwd=jdir / "app", stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    start_new_session=True, env={**os.environ, "REACTOR_KEYS": str(self.keys_dir),
-                                                                 "REACTOR_JOB_DIR": str(jdir)})
-        finally:
-            out.close()
+        # A job over several hosts reaches their daemons with this daemon's key pair.
+        env = {**os.environ, "REACTOR_KEYS": str(self.keys_dir), "REACTOR_JOB_DIR": str(jdir)}
+        (jdir / "output.log").touch(mode=0o600)
+        proc: Proc | None = self.forks.spawn("cli", argv=["reactor", *cmd[3:]], cwd=jdir / "app", env=env,
+                                             log_path=jdir / "output.log", title="rx-job")
+        if proc is None:
+            out = open(jdir / "output.log", "wb")  # noqa: SIM115 - the child holds it; closed below
+            try:
+                proc = subprocess.Popen(cmd, cwd=jdir / "app", stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                        start_new_session=True, env=env)
+            finally:
+                out.close()
         pid, start = proc.pid, _pid_start_time(proc.pid) or 0
         job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
+                    "restart": spec["restart"],
                     "sha256": spec["sha256"], "spec_sha256": digest, "state": "running", "pid": pid,
                     "pid_start": start, "submitted_at": time.time(), "ended_at": None, "returncode": None,
                     "daemon": self.name}, jdir)
         job.proc = proc
         job.save()
         self.jobs[job_id] = job
-        log.info("%s: job %s started (pid %d): %s", self.name, job_id, pid, " ".join(cmd[3:]))
+        log.info("%s: job %s started (pid %d, %s): %s", self.name, job_id, pid,
+                 "a new interpreter" if isinstance(proc, subprocess.Popen) else "forked", " ".join(cmd[3:]))
         return job_id
 
     def stop(self, job_id: str) -> dict[str, Any]:
@@ -248,7 +262,7 @@ class Daemon:
     def handle(self, msg: Any) -> tuple[bool, Any]:
         kind = msg[1]
         if kind == "ping":
-            return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid()}
+            return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid(), "fork_server": self.forks.state()}
         if kind == "submit":
             return True, self.submit(msg[2])
         if kind == "status":
@@ -277,6 +291,7 @@ class Daemon:
 
     async def serve(self, ready: Any = None) -> None:
         """Serve until SIGTERM or SIGINT; then stop the running jobs and wait for them."""
+        self.forks.start()
         ctx = zmq.asyncio.Context()
         auth = zmq.auth.asyncio.AsyncioAuthenticator(ctx)
         auth.start()
@@ -335,6 +350,7 @@ class Daemon:
             self.hosted.watch()
             log.info("%s: stopped", self.name)
         finally:
+            self.forks.close()
             sock.close(linger=0)
             auth.stop()
             ctx.destroy(linger=0)
@@ -410,14 +426,19 @@ def _last_line(path: Path) -> str:
 
 def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: dict[str, Any] | None = None,
              seed: int = 0, async_: bool = False, files: Sequence[str | os.PathLike[str]] = (),
-             hosts: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+             hosts: str | os.PathLike[str] | None = None, restart: str | None = None) -> dict[str, Any]:
     """What ``reactor submit`` sends: the app file and the files it names (``--with``), by content and
     sha256, and the run's settings. A placement that names a file here travels with it, and so does
-    a hosts file (``--hosts``).
+    a hosts file (``--hosts``). ``restart``: as ``reactor run --restart`` (``on-failure:N``).
 
     Raises:
         FileNotFoundError: a file is missing.
+        GraphError: ``restart`` is not a policy.
     """
+    if restart is not None:
+        from ._groups import restart_from_text
+
+        restart_from_text(restart)
     app = Path(app)
     names = {app.name: app.read_bytes()}
     for f in files:
@@ -430,7 +451,8 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
         names[Path(hosts).name] = Path(hosts).read_bytes()
         hosts_name = Path(hosts).name
     return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
-            "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_}
+            "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_,
+            "restart": restart}
 
 
 class DaemonClient:

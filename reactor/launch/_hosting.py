@@ -1,7 +1,9 @@
 """The daemon's side of runs spread over hosts: the worker processes it starts for coordinators
 elsewhere (or on this host), and their end.
 
-``spawn`` starts one group's worker (``python -m reactor.launch._worker``, its spec on stdin) in
+``spawn`` starts one group's worker (forked from the daemon's fork server, which has imported
+torch and reactor's nodes already: ``reactor/launch/_forkserver.py``; else
+``python -m reactor.launch._worker``, its spec on stdin) in
 ``STATE/runs/RUN/`` (its working directory: an app's relative run directory lands there), the app's
 files in ``STATE/runs/RUN/app/`` (checked against their sha256), its output in
 ``STATE/runs/RUN/GROUP.log``, in a process session of its own. The worker's host identity is the
@@ -29,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DaemonError
+from ._forkserver import ForkedProcess, Forks
+
+Proc = subprocess.Popen[bytes] | ForkedProcess
 
 log = logging.getLogger("reactor.daemon")
 END_GRACE_S = 5.0
@@ -65,7 +70,7 @@ class _Run:
         self.dir = directory
         self.lease_s = lease_s
         self.seen = time.monotonic()
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers: dict[str, Proc] = {}
         self.started: dict[str, float] = {}
         self.lives: dict[str, int] = {}  # workers started per group (more than one: restarts)
         self.ended: dict[str, float] = {}  # when the daemon saw each worker's end
@@ -78,8 +83,9 @@ class HostedRuns:
     """The runs' workers this daemon hosts. ``name`` is the daemon's (the workers' host identity);
     ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
 
-    def __init__(self, name: str, advertise: str | None, state: Path) -> None:
+    def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None) -> None:
         self.name = name
+        self.forks = forks
         self.advertise = advertise
         self.root = state / "runs"
         self.root.mkdir(mode=0o700, exist_ok=True)
@@ -120,20 +126,27 @@ class HostedRuns:
             # torch.distributed's gloo picks its interface from the host name, which may not be
             # the one other hosts reach this one at: name it.
             env["GLOO_SOCKET_IFNAME"] = ifname
-        with open(run.dir / f"{group}.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], cwd=run.dir,
-                                    stdin=subprocess.PIPE, stdout=out, stderr=out, env=env, start_new_session=True)
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(json.dumps(spec).encode())
-        finally:
-            proc.stdin.close()
+        data = json.dumps(spec).encode()
+        proc: Proc | None = self.forks.spawn("worker", argv=[sys.executable, "-m", "reactor.launch._worker"],
+                                             cwd=run.dir, env=env, stdin=data, log_path=run.dir / f"{group}.log",
+                                             title=f"rx:{group}") if self.forks is not None else None
+        if proc is None:
+            with open(run.dir / f"{group}.log", "ab") as out:
+                popen = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], cwd=run.dir,
+                                         stdin=subprocess.PIPE, stdout=out, stderr=out, env=env, start_new_session=True)
+            assert popen.stdin is not None
+            try:
+                popen.stdin.write(data)
+            finally:
+                popen.stdin.close()
+            proc = popen
         run.workers[group] = proc
         run.lives[group] = run.lives.get(group, 0) + 1
         run.started[group] = time.time()
         run.ended.pop(group, None)
         run.seen = time.monotonic()
-        log.info("%s: run %s: started group %s (pid %d)", self.name, run.id, group, proc.pid)
+        log.info("%s: run %s: started group %s (pid %d, %s)", self.name, run.id, group, proc.pid,
+                 "forked" if isinstance(proc, ForkedProcess) else "a new interpreter")
         return {"pid": proc.pid, "host": self.name}
 
     def log(self, run_id: str, group: str, offset: int) -> dict[str, Any]:

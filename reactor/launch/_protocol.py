@@ -30,7 +30,9 @@ import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from .._errors import GraphError
 from .._tag import FOREVER_NS
+from ._groups import restart_from_text
 
 __all__ = ["COORDINATOR", "DAEMON_KINDS", "CoordinatorProtocol", "WorkerProtocol", "check_message", "check_request"]
 
@@ -207,7 +209,7 @@ def _plain(v: Any, depth: int = 0) -> bool:
     return False
 
 
-_SPEC_FIELDS = ("app", "files", "sha256", "config", "placement", "hosts", "seed", "async")
+_SPEC_FIELDS = ("app", "files", "sha256", "config", "placement", "hosts", "seed", "async", "restart")
 
 
 def _files(files: Any, sums: Any, app: Any) -> str | None:
@@ -246,6 +248,13 @@ def _job_spec(v: Any) -> str | None:
         return f"seed: an int in [0, 2**63) expected, got {_show(v['seed'])}"
     if type(v["async"]) is not bool:
         return f"async: a bool expected, got {_show(v['async'])}"
+    if v["restart"] is not None:
+        if type(v["restart"]) is not str or len(v["restart"]) > 40:
+            return f"restart: None or a policy (never, on-failure, on-failure:N) expected, got {_show(v['restart'])}"
+        try:
+            restart_from_text(v["restart"])
+        except GraphError as e:
+            return str(e)
     return None
 
 

@@ -79,8 +79,10 @@ def namespaces_available() -> str | None:
 class Cluster:
     """Daemons on three hosts sharing one cluster key directory (``keys``: also the client's)."""
 
-    def __init__(self, tmp: Path, n: int = 3, heartbeat_timeout_s: float | None = None) -> None:
+    def __init__(self, tmp: Path, n: int = 3, heartbeat_timeout_s: float | None = None,
+                 fork_server: bool = True) -> None:
         self.tmp = tmp
+        self.fork_server = fork_server
         self.keys = tmp / "keys"
         init_keys(self.keys)
         self.tag = secrets.token_hex(2)
@@ -100,6 +102,9 @@ class Cluster:
                 self.ips = dict.fromkeys(self.names, "127.0.0.1")
             for h in self.names:
                 self.start_daemon(h)
+            if fork_server:
+                for h in self.names:
+                    self.wait_fork_server(h)
         except BaseException:
             self.close()
             raise
@@ -133,6 +138,8 @@ class Cluster:
     def start_daemon(self, host: str) -> None:
         cmd = [sys.executable, "-m", "reactor.cli", "daemon", "--listen", f"tcp://{self.ips[host]}:*", "--name", host,
                "--state-dir", str(self.tmp / host), "--keys", str(self.keys)]
+        if not self.fork_server:
+            cmd.append("--no-fork-server")
         if self.ns(host):
             cmd = ["ip", "netns", "exec", self.ns(host), *cmd]
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -142,6 +149,21 @@ class Cluster:
         if not line:
             raise RuntimeError(f"daemon {host} did not start: {p.stderr.read()[-2000:]}")
         self.addresses[host] = json.loads(line)["address"]
+
+    def ping(self, host: str) -> dict[str, Any]:
+        from reactor.launch._daemon import DaemonClient
+        from reactor.launch._keys import load_keys
+
+        with DaemonClient(self.addresses[host], load_keys(self.keys).public, load_keys(self.keys)) as c:
+            return c.request("ping")
+
+    def wait_fork_server(self, host: str, timeout_s: float = 90.0) -> str:
+        """Wait for ``host``'s daemon to have its fork server up (workers start forked from it)."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.ping(host)["fork_server"]) == "starting" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert state.startswith("up"), f"{host}'s fork server: {state}"
+        return state
 
     def hosts_toml(self, addresses: dict[str, str] | None = None) -> str:
         text = "[hosts]\n" + "".join(f'{h} = "{a}"\n' for h, a in (addresses or self.addresses).items())
@@ -170,9 +192,17 @@ class Cluster:
                 cwd = os.readlink(env.parent / "cwd")
             except OSError:  # it exited meanwhile
                 continue
-            if b"reactor.launch._worker" not in cmd:
-                continue
             vals = dict(i.split(b"=", 1) for i in items if b"=" in i)
+            if b"reactor.launch._forkserver" in cmd:  # forked by a daemon's fork server: named rx:GROUP
+                try:
+                    comm = (env.parent / "comm").read_text().strip()
+                except OSError:
+                    continue
+                if not comm.startswith("rx:"):
+                    continue  # the fork server itself, or a job's coordinator (rx-job)
+                vals[b"REACTOR_WORKER_GROUP"] = comm[3:].encode()
+            elif b"reactor.launch._worker" not in cmd:
+                continue
             if vals.get(b"REACTOR_HOST_ID", b"").decode() not in ((f"daemon:{host}",) if host else
                                                                    tuple(f"daemon:{h}" for h in self.names)):
                 continue

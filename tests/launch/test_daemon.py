@@ -42,6 +42,11 @@ class Daemon:
             env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.address = json.loads(self.proc.stdout.readline())["address"]
         self.public = CurveKeys.load_public(self.keys_dir / "key.pub")
+        # Jobs start forked from its fork server once that has imported torch: wait for it.
+        with self.client() as c:
+            state = _wait_for(lambda: (s := c.request("ping")["fork_server"]) != "starting" and s, 90,
+                              "the daemon's fork server")
+        assert state.startswith("up"), state
 
     def client(self, keys_dir: Path | None = None, timeout_s: float = 10.0) -> DaemonClient:
         return DaemonClient(self.address, self.public, load_keys(keys_dir or self.client_dir), timeout_s=timeout_s)
@@ -93,6 +98,8 @@ def test_a_submitted_job_runs_on_the_daemon_with_its_files_pinned_by_hash(daemon
         assert [j["id"] for j in c.request("status", None)] == [job]
     record = json.loads((daemon.state / "jobs" / job / "job.json").read_text())
     assert record["sha256"] == {"gated.py": hashlib.sha256((APPS / "gated.py").read_bytes()).hexdigest()}
+    # Its coordinator was forked from the daemon's fork server, not started as a new interpreter.
+    assert f"job {job} started (pid {record['pid']}, forked)" in (daemon.state / "daemon.log").read_text()
 
 
 def test_stop_ends_a_running_job_cleanly_and_leaves_none_of_its_processes(daemon, tmp_path):
@@ -147,6 +154,7 @@ def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daem
             "placement": {**good, "placement": 5},
             "config": {**good, "config": {"x": b"bytes"}},
             "extra": {**good, "pickle": b"\x80\x04"},
+            "restart": {**good, "restart": "sometimes"},
         }
         for frames in ([b"garbage"], [b"", b"\xc1\xc1"], [b"", msgpack.packb(None)], [b"", msgpack.packb([])],
                        [b"", msgpack.packb(["ping"])], [b"", b"x", b"y"]):
@@ -165,6 +173,7 @@ def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daem
         assert "not a relative path" in replies[100][1]
         assert "does not match its sha256" in replies[101][1]
         assert "has no job '0123456789abcdef'" in replies[300][1]
+        assert "restart 'sometimes': use never, on-failure or on-failure:N" in replies[105][1]
         plain = ctx.socket(zmq.DEALER)  # no CURVE at all: the handshake fails, nothing reaches it
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(daemon.address)
@@ -236,9 +245,14 @@ def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
             str(daemon.client_dir)]
     run = lambda *a: subprocess.run([*base, *a, *conn], cwd=ROOT, capture_output=True, text=True, timeout=120)  # noqa: E731
-    sub = run("submit", str(APPS / "gated.py"), "--placement", "processes")
+    bad = run("submit", str(APPS / "gated.py"), "--restart", "sometimes")
+    assert bad.returncode == 2 and "restart 'sometimes': use never, on-failure or on-failure:N" in bad.stderr
+    sub = run("submit", str(APPS / "gated.py"), "--placement", "processes", "--restart", "on-failure:2")
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip()
+    # The policy travels with the job, into its record and its run's command line.
+    assert json.loads((daemon.state / "jobs" / job / "job.json").read_text())["restart"] == "on-failure:2"
+    assert "--restart on-failure:2 --verbose" in (daemon.state / "daemon.log").read_text()
     logs = run("logs", job, "-f")
     assert "run ended (stop_time)" in logs.stdout
     status = run("status", job)

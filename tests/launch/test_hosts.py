@@ -111,6 +111,10 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
         assert {p.stem for p in run_dir.glob("*.log")} == groups
         log = tmp_path / h / "daemon.log"
         wait_for(lambda log=log: "ended here (its coordinator ended it)" in log.read_text(), 10, f"{h} to end the run")
+        # Its workers were forked from the daemon's fork server (torch imported there once), and
+        # computed what fresh interpreters did.
+        assert {f"started group {g} (pid" for g in groups} == set(re.findall(r"started group \S+ \(pid", log.read_text()))
+        assert log.read_text().count(", forked)") == len(groups), log.read_text()
 
 
 def _async_dqn(cluster: Cluster, tmp_path: Path, placement: str = "actors", **kw):
@@ -141,7 +145,8 @@ def test_a_killed_remote_worker_ends_the_run_naming_it_and_its_host_and_nothing_
 @pytest.mark.timeout(300)
 def test_an_unplugged_host_is_detected_within_the_heartbeat_timeout_and_its_daemon_ends_the_orphans(tmp_path,
                                                                                                     monkeypatch):
-    c = Cluster(tmp_path, heartbeat_timeout_s=2.0)
+    # Its daemons start every worker as a new interpreter (the path without a fork server).
+    c = Cluster(tmp_path, heartbeat_timeout_s=2.0, fork_server=False)
     monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
     try:
         if not c.netns:
@@ -160,6 +165,7 @@ def test_an_unplugged_host_is_detected_within_the_heartbeat_timeout_and_its_daem
         c.plug("h3")
         c.wait_no_workers()
         assert "no word from its coordinator" in (tmp_path / "h3" / "daemon.log").read_text()
+        assert "(pid" in (log := (tmp_path / "h1" / "daemon.log").read_text()) and ", forked)" not in log
     finally:
         c.close()
 

@@ -1,0 +1,437 @@
+"""A daemon's fork server: one Python process that has imported torch, numpy, gymnasium and
+reactor's nodes once, and forks the daemon's workers (and its jobs' coordinators) from there.
+
+Why: a worker started as ``python -m reactor.launch._worker`` imports torch anew (about 1.7 s of
+CPU on this project's machines), and a run starts several at once; forked from a process that has
+imported them, a worker builds its graph within milliseconds. The same idea as
+``multiprocessing``'s forkserver, without pickle: requests and answers are JSON lines on two pipes
+between the daemon and its own child (no socket, no other user).
+
+The server (``python -m reactor.launch._forkserver PRELOAD_JSON``) imports ``PRELOAD`` (a module that
+fails to import is reported and skipped), says ``{"ready": [...]}``, then answers each request
+``{"id", "entry", "argv", "cwd", "env", "stdin", "log", "title"}`` with ``{"id", "pid"}`` (or
+``{"id", "error"}``) and reports each child's end as ``{"exit": pid, "rc": code}`` (``rc`` as
+``Popen.returncode``: minus the signal's number when a signal ended it). It is single-threaded and
+starts no thread pool, so forking it is sound; it dies with the daemon (``PR_SET_PDEATHSIG``), and
+its children die with it in turn (the workers' own death signal).
+
+A forked child runs ``entry`` (``module:function``, one of :data:`ENTRIES`) in a session of its
+own, in ``cwd``, with ``env`` as its environment (``os.environ`` and libc's; ``/proc/PID/environ``
+still shows the server's, which carries the daemon's ``REACTOR_HOST_ID``), ``stdin`` as
+``sys.stdin``, stdout and stderr appended to ``log``, and ``title`` as its process name
+(``/proc/PID/comm``: ``ps -e`` shows ``rx:GROUP``). A module read at import time from the
+environment sees the daemon's environment, not the request's: the workers' per-run variables are
+read at call time.
+
+:class:`ForkServer` is the daemon's handle; :class:`ForkedProcess` has the part of ``Popen``'s
+interface the daemon uses (``pid``, ``poll``, ``returncode``, ``send_signal``, ``wait``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import io
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("reactor.daemon")
+
+#: What a daemon's fork server imports by default: what every worker of the shipped apps imports.
+DEFAULT_PRELOAD = ("numpy", "torch", "gymnasium", "reactor.launch._worker", "reactor.nodes", "reactor.replay",
+                   "reactor.algos", "reactor.cli")
+#: The functions a request may name (nothing else is callable through the pipe).
+ENTRIES = {"worker": "reactor.launch._worker:main", "cli": "reactor.cli:main"}
+START_TIMEOUT_S = 60.0  # the server's imports
+SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
+
+__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkedProcess", "Forks"]
+
+
+class ForkServerError(RuntimeError):
+    """The fork server is not running, or did not answer."""
+
+
+class ForkedProcess:
+    """A process the fork server forked: ``Popen``'s ``pid``/``poll``/``returncode``/``send_signal``/``wait``."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server._exit_of(self.pid)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class ForkServer:
+    """The daemon's side: starts the server, sends it requests, collects its children's ends."""
+
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, env: dict[str, str] | None = None) -> None:
+        self.preload = list(preload)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.preloaded: list[str] = []
+        self.failed: dict[str, str] = {}
+        self._exits: dict[int, int] = {}
+        self._children: set[int] = set()
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._next = 0
+        self._cond = threading.Condition()
+        self._dead = False
+
+    def start(self) -> None:
+        """Start the server and wait for its imports (raises :class:`ForkServerError` if it fails)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server's process. Call it from the thread that lives as long as the server
+        should: the server's parent-death signal fires when the thread that started it ends."""
+        req_r, req_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "reactor.launch._forkserver", json.dumps(self.preload),
+                                          str(req_r), str(ev_w)], pass_fds=(req_r, ev_w), stdin=subprocess.DEVNULL,
+                                         env=self.env)
+        finally:
+            os.close(req_r)
+            os.close(ev_w)
+        self._req = os.fdopen(req_w, "wb", buffering=0)
+        self._events = os.fdopen(ev_r, "rb")
+
+    def wait_ready(self) -> None:
+        """Wait for the server's imports (any thread)."""
+        first = self._events.readline()
+        try:
+            ready = json.loads(first)
+        except ValueError:
+            ready = None
+        if type(ready) is not dict or "ready" not in ready:
+            self.close()
+            raise ForkServerError(f"the fork server did not start (it said {first[:200]!r})")
+        self.preloaded, self.failed = list(ready["ready"]), dict(ready.get("failed", {}))
+        threading.Thread(target=self._read, name="forkserver-events", daemon=True).start()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and not self._dead and self.proc.poll() is None
+
+    def spawn(self, entry: str, *, argv: Sequence[str], cwd: str | os.PathLike[str], env: dict[str, str],
+              stdin: bytes = b"", log_path: str | os.PathLike[str], title: str) -> ForkedProcess:
+        """Fork a child running ``ENTRIES[entry]``; its output appended to ``log_path``."""
+        if entry not in ENTRIES:
+            raise ValueError(f"no fork-server entry {entry!r}")
+        if not self.alive:
+            raise ForkServerError("the fork server is not running")
+        with self._cond:
+            self._next += 1
+            rid = self._next
+        line = json.dumps({"id": rid, "entry": entry, "argv": list(argv), "cwd": str(cwd), "env": env,
+                           "stdin": stdin.decode(), "log": str(log_path), "title": title[:15]}).encode() + b"\n"
+        try:
+            self._req.write(line)
+        except OSError as e:
+            raise ForkServerError(f"the fork server is gone ({e})") from e
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        with self._cond:
+            while rid not in self._answers:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._dead:
+                    raise ForkServerError("the fork server did not answer a spawn request")
+                self._cond.wait(left)
+            answer = self._answers.pop(rid)
+        if "error" in answer:
+            raise ForkServerError(f"the fork server could not start it: {answer['error']}")
+        return ForkedProcess(self, int(answer["pid"]))
+
+    def _read(self) -> None:
+        for raw in self._events:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                log.warning("the fork server said something unreadable: %r", raw[:200])
+                continue
+            with self._cond:
+                if "exit" in msg:
+                    self._exits[int(msg["exit"])] = int(msg["rc"])
+                    self._children.discard(int(msg["exit"]))
+                elif "id" in msg:
+                    if "pid" in msg:
+                        self._children.add(int(msg["pid"]))
+                    self._answers[int(msg["id"])] = msg
+                self._cond.notify_all()
+        with self._cond:
+            self._dead = True
+            self._cond.notify_all()
+        if self.proc is not None:
+            rc = self.proc.wait()
+            log.warning("the fork server ended (exit status %s); the next worker starts a new one", rc)
+
+    def _exit_of(self, pid: int) -> int | None:
+        with self._cond:
+            if pid in self._exits:
+                return self._exits[pid]
+            if not self._dead:
+                return None
+        # The server died: its children died with it (their parent-death signal), or die now;
+        # none is reaped by us, so tell by whether the pid still runs.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with self._cond:
+                self._exits[pid] = -signal.SIGTERM
+            return -signal.SIGTERM
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return -signal.SIGTERM  # a zombie awaiting init's reaping: ended, its status unknown here
+        return None
+
+    def close(self) -> None:
+        """Stop the server (its children get its death signal)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+        for f in ("_req", "_events"):
+            with contextlib.suppress(AttributeError, OSError):
+                getattr(self, f).close()
+
+
+class Forks:
+    """A daemon's fork server over its life: started when the daemon starts, from its main thread
+    (the daemon answers meanwhile; a spawn before it is up starts a new interpreter), and started
+    again after it dies.
+    ``spawn`` returns None when there is none to use (``--no-fork-server``, or it failed to start):
+    the daemon then starts the process with ``Popen`` as before, and logs why once."""
+
+    def __init__(self, preload: Sequence[str] | None, env: dict[str, str] | None = None) -> None:
+        self.preload = None if preload is None else list(preload)
+        self.env = env
+        self.server: ForkServer | None = None
+        self.why_not = "" if preload is not None else "the daemon was started with --no-fork-server"
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._launched: ForkServer | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        if self.preload is None:
+            return
+        with self._lock:
+            self._ready.clear()
+            self.starts += 1
+        server = self._launched = ForkServer(self.preload, self.env)
+        try:
+            server.launch()  # here: the thread that started it must outlive it (its death signal)
+        except OSError as e:
+            self.why_not = f"its fork server did not start: {e}"
+            log.warning("%s; workers start as new interpreters (slower)", self.why_not)
+            self._ready.set()
+            return
+        threading.Thread(target=self._wait, args=(server,), name="forkserver-start", daemon=True).start()
+
+    def _wait(self, server: ForkServer) -> None:
+        try:
+            server.wait_ready()
+        except (ForkServerError, OSError) as e:
+            self.why_not = f"its fork server did not start: {e}"
+            log.warning("%s; workers start as new interpreters (slower)", self.why_not)
+        else:
+            if server.failed:
+                log.warning("the fork server could not import %s", "; ".join(f"{k} ({v})" for k, v in server.failed.items()))
+            log.info("fork server up (pid %d): %s imported", server.proc.pid if server.proc else -1,
+                     ", ".join(server.preloaded))
+            self.server = server
+        self._ready.set()
+
+    def spawn(self, entry: str, **kw: Any) -> ForkedProcess | None:
+        if self.preload is None:
+            return None
+        if not self._ready.is_set():  # still importing: not worth blocking the daemon's loop for
+            return None
+        server = self.server
+        if server is None:
+            return None
+        try:
+            return server.spawn(entry, **kw)
+        except ForkServerError as e:
+            log.warning("%s; starting this one as a new interpreter, and a new fork server", e)
+            self.server = None
+            server.close()
+            self.start()
+            return None
+
+    def state(self) -> str:
+        """``up (pid N)``, ``starting``, or why there is none (``reactor status`` and ``ping`` say it)."""
+        if self.preload is None:
+            return f"off: {self.why_not}"
+        if not self._ready.is_set():
+            return "starting"
+        server = self.server
+        if server is not None and server.alive and server.proc is not None:
+            return f"up (pid {server.proc.pid})"
+        return f"off: {self.why_not or 'it ended'}"
+
+    def close(self) -> None:
+        for server in (self._launched, self.server):
+            if server is not None:
+                server.close()
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+def _set_death_signal(sig: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
+def _set_title(title: str) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, title.encode()[:15] + b"\0")  # PR_SET_NAME
+
+
+def _child(req: dict[str, Any], close_fds: Sequence[int]) -> None:
+    """In the forked child: become the requested process; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        for fd in close_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        os.setsid()
+        _set_title(req["title"])
+        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.close(null)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = list(req["argv"])
+        sys.stdin = io.TextIOWrapper(io.BytesIO(req["stdin"].encode()))
+        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
+        sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+        module, func = ENTRIES[req["entry"]].split(":")
+        try:
+            code = getattr(importlib.import_module(module), func)()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0)
+
+
+def _serve(preload: list[str], req_fd: int, ev_fd: int) -> None:
+    _set_death_signal(signal.SIGKILL)
+    if os.getppid() == 1:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ok, failed = [], {}
+    for name in preload:
+        try:
+            importlib.import_module(name)
+            ok.append(name)
+        except Exception as e:  # noqa: BLE001 - a preload that fails is reported, not fatal
+            failed[name] = f"{type(e).__name__}: {e}"
+    events = os.fdopen(ev_fd, "wb", buffering=0)
+
+    def say(obj: dict[str, Any]) -> None:
+        events.write(json.dumps(obj).encode() + b"\n")
+
+    say({"ready": ok, "failed": failed, "threads": len(os.listdir("/proc/self/task"))})
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(req_fd, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    buf = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                continue
+            chunk = os.read(req_fd, 1 << 20)
+            if not chunk:  # the daemon is gone
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                req = None
+                try:
+                    req = json.loads(line)
+                    if req.get("entry") not in ENTRIES:
+                        raise ValueError(f"no entry {req.get('entry')!r}")
+                except (ValueError, AttributeError) as e:
+                    say({"id": req.get("id", -1) if isinstance(req, dict) else -1, "error": str(e)})
+                    continue
+                try:
+                    pid = os.fork()
+                except OSError as e:
+                    say({"id": req["id"], "error": f"fork failed: {e}"})
+                    continue
+                if pid == 0:
+                    sel.close()
+                    _child(req, (req_fd, ev_fd, wake_r, wake_w))
+                say({"id": req["id"], "pid": pid})
+        while True:  # reap every child that ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            say({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

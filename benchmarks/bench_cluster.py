@@ -45,6 +45,11 @@ the lost-host case is skipped.
   ``actors`` over the three hosts (workers spawned by the daemons) and on one host (local child
   processes), alternating, ``--reps`` each; the issue's target for submit to the first env step is
   2 s with the daemons up.
+- ``startup`` also measures ``reactor submit`` of the same job over the hosts to h1's daemon, as a
+  client sees it: from the request to the job's log saying "run started" (``logs`` polled every
+  20 ms), with the daemons' fork servers (workers and the job's coordinator forked from a process
+  that has imported torch) and, after the daemons are started again with ``--no-fork-server``,
+  without (every process a new interpreter): the issue's figure, target 2 s.
 - ``--solve``: also the wall clock to the first greedy evaluation >= 475 in async mode, over the
   hosts and on one host (one seed each; summary.json's evaluations; ``--solve-budget-s`` each).
 
@@ -182,6 +187,33 @@ def startup_run(run_dir: Path, hosts: str | None) -> float:
         logger.removeHandler(timeline)
         logger.setLevel(old)
     return next(t - t0 for t, m in timeline.records if m.startswith("run started"))
+
+
+def submit_run(cluster: Cluster, hosts: str) -> dict[str, float]:
+    """``reactor submit`` of the DQN app over the three hosts to h1's daemon, as a client does it:
+    seconds from the request to the job's log saying "run started" (every worker ready and sent
+    ``start``; the actors' first env step follows at once), polled every 20 ms; and the
+    coordinator's own figure from its start."""
+    from reactor.launch._daemon import DaemonClient, job_spec
+    from reactor.launch._keys import load_keys
+
+    cfg = {"max_env_steps": 400, "target_return": None, "live": False}
+    spec = job_spec(DQN, placement="actors", hosts=hosts, config=cfg, async_=True)
+    keys = load_keys(cluster.keys)
+    with DaemonClient(cluster.addresses["h1"], keys.public, keys) as c:
+        t0 = time.monotonic()
+        job = c.request("submit", spec)
+        text, offset = b"", 0
+        while b"run started" not in text:
+            got = c.request("logs", job, offset)
+            text, offset = text + got["data"], got["offset"]
+            if got["done"] and b"run started" not in text:
+                raise RuntimeError(f"job {job} ended before its run started: {text[-2000:].decode(errors='replace')}")
+            time.sleep(0.02)
+        seen = time.monotonic() - t0
+        _wait_for(lambda: c.request("status", job)["state"] != "running", 120, f"job {job} to end")
+    line = next(x for x in text.decode().splitlines() if "run started" in x)
+    return {"submit_s": seen, "coordinator_s": float(line.split(" ready ")[1].split(" s ")[0])}
 
 
 def restart_run(cluster: Cluster, tmp: Path, settle_s: float, backoff_s: float) -> dict[str, Any]:
@@ -356,6 +388,29 @@ def main() -> None:
                         print(f"  rep {i + 1} {side:8s}: {ups[side][-1]:.2f} s", flush=True)
                 cluster.wait_no_workers()
                 out["startup"] = ups
+                print("\nsubmit: reactor submit -> the job's run started (DQN under actors over the hosts, async)",
+                      flush=True)
+                subs: dict[str, list[dict[str, float]]] = {"forked": [], "new interpreters": []}
+                for side in ("forked", "new interpreters"):
+                    if side == "new interpreters":  # the same daemons started again without a fork server
+                        cluster.fork_server = False
+                        for h in cluster.names:
+                            cluster.stop_daemon(h)
+                            cluster.start_daemon(h)
+                        hosts = str(cluster.write_hosts())
+                    for i in range(args.reps):
+                        subs[side].append(submit_run(cluster, hosts))
+                        print(f"  rep {i + 1} {side:16s}: {subs[side][-1]['submit_s']:.2f} s (coordinator: "
+                              f"{subs[side][-1]['coordinator_s']:.2f} s)", flush=True)
+                    cluster.wait_no_workers()
+                out["submit"] = subs
+                cluster.fork_server = True  # as they were, for what follows
+                for h in cluster.names:
+                    cluster.stop_daemon(h)
+                    cluster.start_daemon(h)
+                for h in cluster.names:
+                    cluster.wait_fork_server(h)
+                hosts = str(cluster.write_hosts())
             if "restart" in only:
                 print(f"\nrestart: async DQN over the hosts, restart on-failure with backoff {args.backoff_s:g} s; "
                       f"kill -9 of replay-0 (h1), then h3 unplugged (actor-1 has h2 as its second candidate); "
@@ -403,6 +458,11 @@ def main() -> None:
         a, b = med(out["startup"]["hosts"]), med(out["startup"]["one host"])
         print(f"{'run() -> workers ready, 3 hosts, s':<34} {a:>10.2f} {b:>10.2f} {a / b:>9.2f}  one host "
               f"(target 2 s: {'met' if a <= 2.0 else 'NOT met'})")
+    if "submit" in out:
+        a = med([x["submit_s"] for x in out["submit"]["forked"]])
+        b = med([x["submit_s"] for x in out["submit"]["new interpreters"]])
+        print(f"{'submit -> run started, 3 hosts, s':<34} {a:>10.2f} {b:>10.2f} {a / b:>9.2f}  daemons without "
+              f"a fork server (target 2 s: {'met' if a <= 2.0 else 'NOT met'})")
     for what, label in (("kill", "shard kill -> running again, s"), ("cut", "host cut -> actor running on h2, s")):
         if what in out.get("restart", {}):
             x = out["restart"][what]

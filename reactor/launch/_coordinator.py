@@ -24,6 +24,7 @@ from typing import Any
 from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError, WouldBlock
 from .._graph import Graph
 from ._cluster import RemoteWorkers, address_towards
+from ._forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, ForkServerError
 from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
@@ -115,6 +116,7 @@ async def run_processes(
         if isinstance(workers, RemoteWorkers):
             await workers.start(g, spec, app_name)
         else:
+            await workers.ready()
             workers.start(g, spec)
 
     with stop_signals() as signalled:
@@ -223,19 +225,52 @@ def _dist_store(graph: Graph, here: str) -> Any:
 
 
 class _LocalWorkers:
-    """The workers of a run on this host: children of the coordinator."""
+    """The workers of a run on this host: forked from a fork server the run starts first (it
+    imports torch and reactor's nodes once, while the coordinator sets up: a worker is then up in
+    milliseconds instead of importing them anew), or, with ``REACTOR_FORK_SERVER=0`` or when the
+    server fails, started as new interpreters (``python -m reactor.launch._worker``). Either way a
+    worker's spec goes on its stdin, and it dies with the coordinator (through the server, which dies
+    with it)."""
 
     settle_s = 0.5  # how long a worker's death may take to show in dead()
 
     def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
+        self.forks: ForkServer | None = None
+        if os.environ.get("REACTOR_FORK_SERVER", "1") != "0":
+            server = ForkServer(DEFAULT_PRELOAD)
+            try:
+                server.launch()  # from the thread that runs the run: the server dies with it
+                self.forks = server
+            except OSError as e:
+                log.warning("no fork server (%s): workers start as new interpreters", e)
+
+    async def ready(self) -> None:
+        """Wait for the fork server's imports (before the first start)."""
+        if self.forks is None or self.forks.preloaded or self.forks.failed:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.forks.wait_ready)
+        except (ForkServerError, OSError) as e:
+            log.warning("%s: workers start as new interpreters", e)
+            self.forks.close()
+            self.forks = None
 
     def start(self, group: Group, spec: dict[str, Any]) -> None:
-        # The group in the environment: `ps e`, and tests, tell the workers apart by it.
-        p = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], stdin=subprocess.PIPE,
-                             env={**os.environ, "REACTOR_WORKER_GROUP": group.name})
+        # The group in the environment, and as the process's name (rx:GROUP, what `ps -e` shows).
+        env = {**os.environ, "REACTOR_WORKER_GROUP": group.name}
+        cmd = [sys.executable, "-m", "reactor.launch._worker"]
+        data = json.dumps(spec).encode()
+        if self.forks is not None and self.forks.alive:
+            try:
+                self.procs[group.name] = self.forks.spawn("worker", argv=cmd, cwd=os.getcwd(), env=env, stdin=data,
+                                                          log_path=None, title=f"rx:{group.name}", session=False)
+                return
+            except ForkServerError as e:
+                log.warning("%s: worker %r starts as a new interpreter", e, group.name)
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
         assert p.stdin is not None
-        p.stdin.write(json.dumps(spec).encode())
+        p.stdin.write(data)
         p.stdin.close()
         self.procs[group.name] = p
 
@@ -246,7 +281,8 @@ class _LocalWorkers:
         await _reap(self.procs, timeout_s)
 
     async def close(self) -> None:
-        pass
+        if self.forks is not None:
+            self.forks.close()
 
 
 class _Restarts:
@@ -618,7 +654,7 @@ def _cleanup_segments(run_id: str) -> None:
         log.warning("removed the shared-memory segment %s of a worker that did not close it", name)
 
 
-async def _reap(procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+async def _reap(procs: dict[str, subprocess.Popen[bytes] | ForkedProcess], timeout_s: float) -> None:
     """Wait for every worker; SIGTERM then SIGKILL the ones that outlive ``timeout_s``."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while any(p.poll() is None for p in procs.values()) and asyncio.get_running_loop().time() < deadline:

@@ -56,7 +56,7 @@ ENTRIES = {"worker": "reactor.launch._worker:main", "cli": "reactor.cli:main"}
 START_TIMEOUT_S = 60.0  # the server's imports
 SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
 
-__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkedProcess", "Forks"]
+__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks"]
 
 
 class ForkServerError(RuntimeError):
@@ -111,6 +111,7 @@ class ForkServer:
         self._next = 0
         self._cond = threading.Condition()
         self._dead = False
+        self._closing = False
 
     def start(self) -> None:
         """Start the server and wait for its imports (raises :class:`ForkServerError` if it fails)."""
@@ -150,8 +151,10 @@ class ForkServer:
         return self.proc is not None and not self._dead and self.proc.poll() is None
 
     def spawn(self, entry: str, *, argv: Sequence[str], cwd: str | os.PathLike[str], env: dict[str, str],
-              stdin: bytes = b"", log_path: str | os.PathLike[str], title: str) -> ForkedProcess:
-        """Fork a child running ``ENTRIES[entry]``; its output appended to ``log_path``."""
+              stdin: bytes = b"", log_path: str | os.PathLike[str] | None, title: str,
+              session: bool = True) -> ForkedProcess:
+        """Fork a child running ``ENTRIES[entry]``; its output appended to ``log_path`` (None: to
+        the server's own stdout and stderr); in a process session of its own if ``session``."""
         if entry not in ENTRIES:
             raise ValueError(f"no fork-server entry {entry!r}")
         if not self.alive:
@@ -160,7 +163,8 @@ class ForkServer:
             self._next += 1
             rid = self._next
         line = json.dumps({"id": rid, "entry": entry, "argv": list(argv), "cwd": str(cwd), "env": env,
-                           "stdin": stdin.decode(), "log": str(log_path), "title": title[:15]}).encode() + b"\n"
+                           "stdin": stdin.decode(), "log": None if log_path is None else str(log_path),
+                           "title": title[:15], "session": session}).encode() + b"\n"
         try:
             self._req.write(line)
         except OSError as e:
@@ -198,7 +202,8 @@ class ForkServer:
             self._cond.notify_all()
         if self.proc is not None:
             rc = self.proc.wait()
-            log.warning("the fork server ended (exit status %s); the next worker starts a new one", rc)
+            if not self._closing:
+                log.warning("the fork server ended (exit status %s)", rc)
 
     def _exit_of(self, pid: int) -> int | None:
         with self._cond:
@@ -221,6 +226,7 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server (its children get its death signal)."""
+        self._closing = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -334,15 +340,17 @@ def _child(req: dict[str, Any], close_fds: Sequence[int]) -> None:
         for fd in close_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        os.setsid()
+        if req["session"]:
+            os.setsid()
         _set_title(req["title"])
-        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
         os.close(null)
+        if req["log"] is not None:  # else the server's own stdout and stderr: its starter's
+            out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])

@@ -188,13 +188,25 @@ def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_
 
 
 def _children(pid: int) -> dict[str, int]:
-    """The worker processes of a coordinator: group -> pid (from REACTOR_WORKER_GROUP)."""
+    """The worker processes of a coordinator: group -> pid. Forked from the run's fork server (its
+    child), a worker is named ``rx:GROUP``; started as a new interpreter, it is the coordinator's
+    child with REACTOR_WORKER_GROUP in its environment."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
             try:
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
                 env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
             except OSError:
+                continue
+            if b"reactor.launch._forkserver" in cmd:
+                for grandchild in Path(f"/proc/{child}/task/{child}/children").read_text().split():
+                    try:
+                        comm = Path(f"/proc/{grandchild}/comm").read_text().strip()
+                    except OSError:
+                        continue
+                    if comm.startswith("rx:"):
+                        out[comm[3:]] = int(grandchild)
                 continue
             for item in env:
                 if item.startswith(b"REACTOR_WORKER_GROUP="):

@@ -103,8 +103,9 @@ def test_every_process_of_a_run_sees_one_run_id_and_each_run_a_new_one(tmp_path)
     assert ids[0] != ids[1]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (a run's fork server and the workers it forked among them)."""
+    parent = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
@@ -112,8 +113,25 @@ def _children(pid: int) -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                out.append(int(d))
+            parent[int(d)] = int(fields[1])
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {c for c, p in parent.items() if p in frontier}
+        out.extend(frontier)
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    """The worker processes among a coordinator's descendants (``rx:GROUP``, or new interpreters)."""
+    out = []
+    for d in _descendants(pid):
+        try:
+            comm = Path(f"/proc/{d}/comm").read_text()
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if comm.startswith("rx:") or (b"reactor.launch._worker" in cmd and b"reactor.launch._forkserver" not in cmd):
+            out.append(d)
     return out
 
 
@@ -137,8 +155,9 @@ def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not ready.exists():
             time.sleep(0.1)
-        workers = _children(p.pid)
+        workers = _workers(p.pid)
         assert ready.exists() and len(workers) == 3, f"expected 3 running workers, saw {workers}"
+        workers = _descendants(p.pid)  # the fork server too
         p.send_signal(sig)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
@@ -160,8 +179,9 @@ def test_killing_the_coordinator_takes_its_workers_down():
         workers: list[int] = []
         while time.monotonic() < deadline and len(workers) < 3:
             time.sleep(0.2)
-            workers = _children(p.pid)
+            workers = _workers(p.pid)
         assert len(workers) == 3
+        workers = _descendants(p.pid)  # the fork server too
         p.kill()
         p.wait(timeout=10)
         deadline = time.monotonic() + 20

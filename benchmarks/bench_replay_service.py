@@ -75,27 +75,34 @@ class Row:
         return self.ours / self.peer if self.peer else float("nan")
 
 
-def placement_file(directory: str, shards: int, writers: int) -> str:
-    """One process per reactor instance; bench[1]'s process listens on tcp (a learner on another host)."""
+def placement_file(directory: str, shards: int, writers: int, hosts: dict[str, str] | None = None) -> str:
+    """One process per reactor instance; bench[1]'s process listens on tcp (a learner on another
+    host). With ``hosts`` (``--hosts``: h1, h2 daemons in network namespaces), bench[1] runs on h2
+    and every other process on h1: bench[1]'s batches then cross from one host to another."""
 
     def pattern(node: str, i: int) -> str:
         return f"{node}[[]{i}]"  # fnmatch: "[[]" is a literal "["
 
-    lines = ['[groups.bench-0]\nreactors = ["' + pattern("bench", 0) + '"]\n',
-             '[groups.bench-1]\nreactors = ["' + pattern("bench", 1) + '"]\nbind = "tcp://127.0.0.1:*"\n']
+    where = (lambda h: f'host = "{h}"\n') if hosts else (lambda h: "")
+    lines = ['[groups.bench-0]\nreactors = ["' + pattern("bench", 0) + '"]\n' + where("h1"),
+             '[groups.bench-1]\nreactors = ["' + pattern("bench", 1) + '"]\n'
+             + (where("h2") if hosts else 'bind = "tcp://127.0.0.1:*"\n')]
     for node, n in (("replay", shards), ("writer", writers)):
-        lines += [f'[groups.{node}-{i}]\nreactors = ["{pattern(node, i)}"]\n' for i in range(n)]
+        lines += [f'[groups.{node}-{i}]\nreactors = ["{pattern(node, i)}"]\n' + where("h1") for i in range(n)]
+    if hosts:
+        lines.insert(0, "[hosts]\n" + "".join(f'{h} = "{a}"\n' for h, a in hosts.items()))
     path = os.path.join(directory, "placement.toml")
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return path
 
 
-def run_once(config: dict) -> dict:
+def run_once(config: dict, hosts: dict[str, str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-replay-service-") as tmp:
+        os.chmod(tmp, 0o755)
         cfg = {**config, "report": os.path.join(tmp, "report.json")}
         limit_s = cfg.pop("limit_s")  # a bound on the run, in case something hangs
-        placement = placement_file(tmp, cfg["shards"], cfg["writers"])
+        placement = placement_file(tmp, cfg["shards"], cfg["writers"], hosts)
         t0, began = time.perf_counter(), time.time()
         result = run(build_graph(APP, cfg), placement=placement, app=APP, config=cfg, deterministic=False,
                      stop_s=limit_s)
@@ -171,6 +178,9 @@ def main() -> None:
     ap.add_argument("--round-rows", type=int, default=None,
                     help="rows per writer per insert repetition (default 64K, quick 16K; 0: no insert repetitions)")
     ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
+    ap.add_argument("--hosts", action="store_true",
+                    help="run over two hosts in network namespaces (as root): bench[1] on h2, the rest on h1, "
+                         "so 'sample tcp' is a learner on another host sampling remote shards")
     args = ap.parse_args()
     q = args.quick
     cfg = {
@@ -183,7 +193,20 @@ def main() -> None:
         "limit_s": 120.0 if q else 600.0,
     }
     load = os.getloadavg()
-    rep = run_once(dict(cfg))
+    if args.hosts:
+        from tests.launch.hosts import Cluster
+
+        with tempfile.TemporaryDirectory(prefix="bench-replay-hosts-") as ctmp:
+            cluster = Cluster(Path(ctmp), n=2)
+            try:
+                os.environ["REACTOR_KEYS"] = str(cluster.keys)
+                print(f"hosts: {'network namespaces' if cluster.netns else 'loopback daemons (no namespaces)'}: "
+                      + ", ".join(f"{h} {a}" for h, a in cluster.addresses.items()), flush=True)
+                rep = run_once(dict(cfg), dict(cluster.addresses))
+            finally:
+                cluster.close()
+    else:
+        rep = run_once(dict(cfg))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1)

@@ -104,6 +104,50 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
         parser.add_argument("--timeout-s", type=float, default=10.0, help="how long to wait for each answer")
 
+    sl = sub.add_parser("slurm", help="run an app on a Slurm allocation: sbatch starts a daemon per node",
+                        description="Submit an app to Slurm: one reactor daemon per node (or per task) started by "
+                                    "srun with keys made for the job, the app run over them; prints Slurm's job id.")
+    sl.add_argument("app")
+    sl.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
+    sl.add_argument("--tasks-per-node", type=int, default=1, help="daemons per node (default 1)")
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--time", dest="time_limit", default=None, help="Slurm's time limit (e.g. 1:00:00)")
+    sl.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="ARG",
+                    help="another #SBATCH line, e.g. --sbatch-arg=--mem=8G (repeatable)")
+    sl.add_argument("--out", default=None, metavar="DIR",
+                    help="the job's directory, on a file system every node sees (default ./reactor-slurm/APP-TIME)")
+    sl.add_argument("--here", action="store_true",
+                    help="inside an allocation (sbatch, salloc): start the daemons and run now")
+    sl.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
+    sl.add_argument("--async", dest="async_", action="store_true")
+    sl.add_argument("--restart", default=None, metavar="POLICY")
+    sl.add_argument("--seed", type=int, default=0)
+    sl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sl.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
+
+    k8 = sub.add_parser("k8s", help="Kubernetes manifests: a StatefulSet of daemons and a Job running the app")
+    k8sub = k8.add_subparsers(dest="k8s_command", required=True)
+    kr = k8sub.add_parser("render", help="print the manifests (kubectl apply -f - takes them)",
+                          description="Fill in reactor/launch/kubernetes/: a Secret with a CURVE key pair made now, "
+                                      "a StatefulSet of REPLICAS daemons behind a headless Service, the app in a "
+                                      "ConfigMap, and a Job that runs it over the daemons.")
+    kr.add_argument("app")
+    kr.add_argument("--replicas", type=int, default=3, help="daemons (pods) (default 3)")
+    kr.add_argument("--image", default="reactor:latest", help="an image with reactor installed (deploy/Dockerfile)")
+    kr.add_argument("--name", default="reactor", help="the prefix of every object's name (default reactor)")
+    kr.add_argument("--namespace", default="default")
+    kr.add_argument("--cpu", default="1", help="each daemon pod's CPU request (default 1)")
+    kr.add_argument("--memory", default="2Gi", help="each daemon pod's memory request (default 2Gi)")
+    kr.add_argument("--shm-size", default="1Gi", help="each daemon pod's /dev/shm (replay shards) (default 1Gi)")
+    kr.add_argument("--out", default=None, metavar="FILE", help="write here instead of stdout")
+    for parser in (kr,):
+        parser.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
+        parser.add_argument("--async", dest="async_", action="store_true")
+        parser.add_argument("--restart", default=None, metavar="POLICY")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
+
     su = sub.add_parser("submit", help="run an app as a job on a daemon; prints the job id")
     su.add_argument("app")
     su.add_argument("--placement", default="single", help="as for run; a placement file travels with the job")
@@ -262,6 +306,20 @@ def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "slurm":
+        return _slurm(args)
+    if args.command == "k8s":
+        from .launch._k8s import render
+
+        text = render(args.app, _cluster_run_args(args), replicas=args.replicas, image=args.image, name=args.name,
+                      namespace=args.namespace, files=args.files, cpu=args.cpu, memory=args.memory,
+                      shm_size=args.shm_size)
+        if args.out:
+            Path(args.out).write_text(text)
+            print(f"wrote {args.out}: kubectl apply -f {args.out}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+        return 0
     if args.command in ("keys", "daemon", "submit", "status", "logs", "stop"):
         return _jobs(args)
     if args.command == "graph":
@@ -324,6 +382,50 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"placement {result.placement}")
         for name, d in sorted(result.digests.items()):
             print(f"  {name}: {d}")
+    return 0
+
+
+def _cluster_run_args(args: argparse.Namespace) -> list[str]:
+    """The ``reactor run`` options of a job a cluster engine starts (slurm, k8s), checked here."""
+    from .launch._groups import restart_from_text
+    from .launch._policies import POLICIES
+
+    if args.placement not in POLICIES:
+        raise ValueError(f"--placement {args.placement!r}: a {args.command} job spreads its groups over its daemons "
+                         f"with a distribution policy ({', '.join(sorted(POLICIES))})")
+    if args.restart:
+        restart_from_text(args.restart)
+    parse_overrides(args.overrides)
+    run_args = ["--placement", args.placement, "--seed", str(args.seed)]
+    run_args += ["--async"] if args.async_ else []
+    run_args += ["--restart", args.restart] if args.restart else []
+    for o in args.overrides:
+        run_args += ["--set", o]
+    for f in args.files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--with {f}: no such file")
+        run_args += ["--with", str(Path(f).resolve())]
+    if not Path(args.app).is_file():
+        raise FileNotFoundError(f"no app file {args.app}")
+    return run_args
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    """reactor slurm: submit the job (or, --here, run it inside the allocation)."""
+    from .launch._slurm import here, submit
+
+    if args.nodes < 1 or args.tasks_per_node < 1:
+        raise ValueError(f"--nodes and --tasks-per-node must be at least 1, got {args.nodes} and {args.tasks_per_node}")
+    run_args = _cluster_run_args(args)
+    app = str(Path(args.app).resolve())
+    out = Path(args.out) if args.out else Path("reactor-slurm") / f"{Path(args.app).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.here:
+        return here(app, run_args, out, args.tasks_per_node, main)
+    job = submit(app, run_args, out.resolve(), nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                 partition=args.partition, time_limit=args.time_limit, sbatch_args=args.sbatch_args)
+    print(job)
+    print(f"slurm job {job}: squeue -j {job}; its output in {out.resolve()}/slurm-{job}.out; scancel {job} stops it",
+          file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,200 @@
+"""Slurm starts the daemons, reactor places the reactors: ``reactor slurm``.
+
+``reactor slurm APP --nodes N [--tasks-per-node K] [--partition P] [--time T] [run options]`` writes
+``JOB_DIR/job.sbatch`` and submits it with ``sbatch --parsable``; it prints Slurm's job id. The job
+directory (``--out``, default ``./reactor-slurm/APP-TIME``) must be on a file system every node sees
+(a cluster's shared home): the batch step, the daemons and the user read it.
+
+Inside the allocation the batch script runs ``reactor slurm --here APP ...`` on the first node
+(users already in an allocation, from ``salloc``, run that themselves):
+
+1. It makes a CURVE key pair for the job in ``JOB_DIR/keys`` (a cluster key: it admits itself), so
+   every link of the job is authenticated with a key made for it and gone with it.
+2. It starts one step, ``srun --overlap --ntasks-per-node=K python -m reactor.launch._slurm
+   daemon-task JOB_DIR K``: one daemon per task (K per node), named after its node (``NODE`` or
+   ``NODE-LOCALID``), its state in ``JOB_DIR/daemons/NAME/``, listening on the address its node
+   reaches the batch node from (``SLURM_LAUNCH_NODE_IPADDR``).
+3. It waits for every daemon's ``daemon.json`` (its address), writes ``JOB_DIR/hosts.toml`` (the
+   first node's daemons first: the learner's host), and runs ``reactor run APP --hosts
+   JOB_DIR/hosts.toml`` with the run options given: the coordinator in this process, the groups
+   spread over the daemons by the distribution policy (``--placement``, default ``actors``). The
+   run's files come back to the directory the job was submitted from (the batch step's).
+4. When the run ends, on every path, it sends SIGTERM to the daemons' step (srun passes it on; each
+   daemon ends what it hosts) and waits for it; the job's exit status is the run's.
+
+``scancel`` sends SIGTERM to the batch step and to the daemons at once: the coordinator stops its run
+(a signal stop), the daemons end their workers, and after ``KillWait`` Slurm kills whatever is left
+of both steps (its process tracking covers the daemons' fork servers and workers: their
+descendants). Nothing of the job outlives it on any node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .._errors import ReactorError
+
+DAEMONS_TIMEOUT_S = 120.0  # every daemon of the job up (their nodes may be slow to start Python)
+STOP_TIMEOUT_S = 30.0
+
+__all__ = ["SlurmError", "daemon_task", "here", "node_names", "sbatch_script", "submit"]
+
+
+class SlurmError(ReactorError):
+    """Slurm refused the job, or its daemons did not come up."""
+
+
+def node_names(nodelist: str | None = None) -> list[str]:
+    """The allocation's nodes, in Slurm's order (``scontrol show hostnames`` of the node list)."""
+    nodelist = nodelist or os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise SlurmError("not inside a Slurm allocation (no SLURM_JOB_NODELIST): use `reactor slurm APP` to submit "
+                         "a job, or run --here from sbatch or salloc")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise SlurmError(f"scontrol show hostnames {nodelist} failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+def daemon_name(node: str, local_id: int, tasks_per_node: int) -> str:
+    return node if tasks_per_node == 1 else f"{node}-{local_id}"
+
+
+def sbatch_script(app: str, run_args: Sequence[str], job_dir: Path, *, nodes: int, tasks_per_node: int,
+                  partition: str | None = None, time_limit: str | None = None,
+                  sbatch_args: Sequence[str] = ()) -> str:
+    """The batch script of a job: Slurm's directives, then ``reactor slurm --here`` on the first node."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name=reactor-{Path(app).stem}", f"#SBATCH --nodes={nodes}",
+             f"#SBATCH --ntasks-per-node={tasks_per_node}", f"#SBATCH --output={job_dir}/slurm-%j.out"]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if time_limit:
+        lines.append(f"#SBATCH --time={time_limit}")
+    lines += [f"#SBATCH {a}" for a in sbatch_args]
+    cmd = [sys.executable, "-m", "reactor.cli", "slurm", "--here", app, "--out", str(job_dir),
+           "--tasks-per-node", str(tasks_per_node), *run_args]
+    lines += [f"cd {shlex.quote(os.getcwd())}", "exec " + " ".join(shlex.quote(c) for c in cmd), ""]
+    return "\n".join(lines)
+
+
+def submit(app: str, run_args: Sequence[str], job_dir: Path, **kw: object) -> str:
+    """Write ``job.sbatch`` in ``job_dir`` and submit it; Slurm's job id."""
+    if not Path(app).is_file():
+        raise FileNotFoundError(f"no app file {app}")
+    job_dir.mkdir(parents=True, exist_ok=True)
+    script = job_dir / "job.sbatch"
+    script.write_text(sbatch_script(str(Path(app).resolve()), run_args, job_dir, **kw))  # type: ignore[arg-type]
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as e:
+        raise SlurmError("sbatch is not on PATH: is this a Slurm cluster's login node?") from e
+    if out.returncode != 0:
+        raise SlurmError(f"sbatch refused the job: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def _advertise() -> str:
+    """The address this node reaches the batch node at (where the coordinator runs)."""
+    from ._cluster import address_towards
+
+    launcher = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
+    if launcher:
+        return address_towards(f"tcp://{launcher}:9")
+    return socket.gethostbyname(socket.gethostname())
+
+
+def daemon_task(job_dir: Path, tasks_per_node: int) -> None:
+    """One srun task: become this task's daemon (exec; never returns)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    name = daemon_name(node, int(os.environ.get("SLURM_LOCALID", "0")), tasks_per_node)
+    address = _advertise()
+    os.execv(sys.executable, [sys.executable, "-m", "reactor.cli", "daemon", "--listen", f"tcp://{address}:*",
+                              "--name", name, "--state-dir", str(job_dir / "daemons" / name),
+                              "--keys", str(job_dir / "keys")])
+
+
+def _wait_daemons(job_dir: Path, names: list[str], step: subprocess.Popen[bytes]) -> dict[str, str]:
+    deadline = time.monotonic() + DAEMONS_TIMEOUT_S
+    addresses: dict[str, str] = {}
+    while len(addresses) < len(names):
+        for n in names:
+            f = job_dir / "daemons" / n / "daemon.json"
+            if n not in addresses and f.exists():
+                with contextlib.suppress(ValueError, OSError, KeyError):
+                    addresses[n] = json.loads(f.read_text())["address"]
+        if len(addresses) == len(names):
+            break
+        if step.poll() is not None:
+            raise SlurmError(f"the daemons' step ended (exit status {step.returncode}) before every daemon was up; "
+                             f"see {job_dir / 'daemons.log'}")
+        if time.monotonic() > deadline:
+            missing = sorted(set(names) - set(addresses))
+            raise SlurmError(f"daemons {missing} did not come up within {DAEMONS_TIMEOUT_S:.0f} s; "
+                             f"see {job_dir / 'daemons.log'}")
+        time.sleep(0.2)
+    return addresses
+
+
+def here(app: str, run_args: Sequence[str], job_dir: Path, tasks_per_node: int,
+         run_app: Callable[[list[str]], int]) -> int:
+    """Inside an allocation: start the daemons, run the app over them (``run_app``: the command
+    line's ``reactor run``, given its arguments), stop them; the run's exit status."""
+    from ._keys import init_keys
+
+    nodes = node_names()
+    job_dir = job_dir.resolve()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    keys = job_dir / "keys"
+    if not (keys / "key").exists():
+        init_keys(keys)
+    names = [daemon_name(n, i, tasks_per_node) for n in nodes for i in range(tasks_per_node)]
+    with open(job_dir / "daemons.log", "ab") as log:
+        step = subprocess.Popen(
+            ["srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(names)}",
+             f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=0", "--job-name=reactor-daemons",
+             sys.executable, "-m", "reactor.launch._slurm", "daemon-task", str(job_dir), str(tasks_per_node)],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    stop = {"signal": 0}
+
+    def on_signal(sig: int, _frame: object) -> None:  # scancel before the run began
+        stop["signal"] = sig
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        addresses = _wait_daemons(job_dir, names, step)
+        hosts = job_dir / "hosts.toml"
+        hosts.write_text("[hosts]\n" + "".join(f'"{n}" = "{addresses[n]}"\n' for n in names))
+        print(f"reactor slurm: {len(names)} daemons on {len(nodes)} nodes ({', '.join(names)}); hosts in {hosts}",
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, old)  # the run owns SIGTERM from here: a clean stop
+        os.environ["REACTOR_KEYS"] = str(keys)
+        # The run's files come back to this directory: where the user submitted from.
+        return run_app(["run", app, "--hosts", str(hosts), *run_args])
+    except KeyboardInterrupt:
+        return 128 + (stop["signal"] or signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if step.poll() is None:
+            step.send_signal(signal.SIGTERM)
+            try:
+                step.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                step.kill()
+                step.wait()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "daemon-task":
+        daemon_task(Path(sys.argv[2]), int(sys.argv[3]))
+    sys.exit("usage: python -m reactor.launch._slurm daemon-task JOB_DIR TASKS_PER_NODE")

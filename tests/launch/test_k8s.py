@@ -1,0 +1,119 @@
+"""``reactor k8s render``: the manifests validate against Kubernetes' own OpenAPI schemas
+(kubernetes-validate, strict: no field Kubernetes does not know), and say what a run needs: the
+daemons' stable names in the hosts file, a working key pair, the app and its files, the run's
+options. Not run on a live cluster here (docs/cluster.md says so)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reactor._errors import GraphError
+from reactor.launch._app import build_graph
+from reactor.launch._cluster import load_hosts_file
+from reactor.launch._k8s import render
+from reactor.launch._placement import resolve_placement
+from reactor.transport import CurveKeys
+
+yaml = pytest.importorskip("yaml")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[2]
+DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+K8S_VERSION = "1.30.0"
+
+
+def _docs(text: str) -> dict[str, dict]:
+    docs = list(yaml.safe_load_all(text))
+    return {d["kind"]: d for d in docs}
+
+
+def test_the_manifests_validate_against_kubernetes_schemas_and_carry_what_the_run_needs(tmp_path):
+    extra = tmp_path / "my_env.py"
+    extra.write_text("X = 1\n")
+    text = render(DQN, ["--placement", "actors", "--async", "--with", str(extra), "--set", "target_return=475"],
+                  replicas=4, image="registry.example/reactor:1", name="rl", namespace="team-a", files=[str(extra)])
+    docs = _docs(text)
+    assert set(docs) == {"Secret", "Service", "StatefulSet", "ConfigMap", "Job"}
+    for kind, doc in docs.items():
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True), kind
+        assert doc["metadata"]["namespace"] == "team-a"
+    sts, svc, job, cm = docs["StatefulSet"], docs["Service"], docs["Job"], docs["ConfigMap"]
+    assert sts["spec"]["replicas"] == 4 and sts["spec"]["serviceName"] == svc["metadata"]["name"] == "rl-daemons"
+    assert svc["spec"]["clusterIP"] == "None"  # headless: one stable DNS name per pod
+    assert svc["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
+    daemon = sts["spec"]["template"]["spec"]["containers"][0]
+    assert daemon["image"] == "registry.example/reactor:1"
+    assert daemon["command"][:2] == ["reactor", "daemon"] and "$(POD_NAME)" in daemon["command"]
+
+    # The hosts file names each pod by its stable name; the policy spreads DQN's groups over them.
+    hosts_toml = tmp_path / "hosts.toml"
+    hosts_toml.write_text(cm["data"]["hosts.toml"])
+    hosts, _ = load_hosts_file(hosts_toml)
+    assert [h.address for h in hosts.values()] == [f"tcp://rl-daemon-{i}.rl-daemons.team-a.svc:7000" for i in range(4)]
+    plan = resolve_placement(build_graph(DQN, {"actors": 2, "shards": 2}), "actors", str(hosts_toml))
+    assert {g.hosts[0] for g in plan.groups} == {f"rl-daemon-{i}" for i in range(4)}
+
+    # The app and its file travel in the ConfigMap; the Job runs it with the options given.
+    assert cm["data"]["dqn_cartpole.py"] == Path(DQN).read_text() and cm["data"]["my_env.py"] == "X = 1\n"
+    run = job["spec"]["template"]["spec"]["containers"][0]
+    assert run["command"] == ["reactor", "run", "/app/dqn_cartpole.py", "--hosts", "/app/hosts.toml", "--placement",
+                              "actors", "--async", "--with", "/app/my_env.py", "--set", "target_return=475"]
+    wait = job["spec"]["template"]["spec"]["initContainers"][0]["command"]
+    compile(wait[2], "wait", "exec")
+    assert wait[3:] == [f"rl-daemon-{i}.rl-daemons.team-a.svc:7000" for i in range(4)]
+
+    # The Secret holds a real CURVE pair; every pod mounts it with the pair's own key authorized.
+    key = tmp_path / "key"
+    key.write_text(docs["Secret"]["stringData"]["key"])
+    pair = CurveKeys.load(key)
+    (tmp_path / "key.pub").write_text(docs["Secret"]["stringData"]["key.pub"])
+    assert CurveKeys.load_public(tmp_path / "key.pub") == pair.public
+    for spec in (sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
+        (keys,) = [v for v in spec["volumes"] if v["name"] == "keys"]
+        assert {i["path"] for i in keys["secret"]["items"]} == {"key", "key.pub", "authorized/self.pub"}
+    # A second rendering makes a new pair.
+    assert _docs(render(DQN, [], replicas=1, image="x"))["Secret"]["stringData"]["key"] != pair_text(pair)
+
+
+def pair_text(pair: CurveKeys) -> str:
+    return f"public = {pair.public.decode()}\nsecret = {pair.secret.decode()}\n"
+
+
+def test_values_cannot_break_the_documents_structure():
+    """A config value full of YAML syntax stays one argument of the Job's command."""
+    nasty = 'note="a: b\\n- c: [d]\\n---\\nkind: Pod # ${IMAGE} $(POD_IP)"'
+    text = render(DQN, ["--set", nasty], replicas=2, image='img"\n  evil: 1', name="x")
+    docs = list(yaml.safe_load_all(text))
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "StatefulSet", "ConfigMap", "Job"]
+    job = docs[-1]
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == nasty
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == 'img"\n  evil: 1'
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"name": "Bad_Name"}, "--name 'Bad_Name': lower-case letters"),
+    ({"namespace": "-x"}, "--namespace '-x'"),
+    ({"replicas": 0}, "--replicas must be in [1, 1000], got 0"),
+    ({"files": ["/etc/hostname", "/tmp/a b.py"]}, "cannot be a ConfigMap key"),
+])
+def test_bad_input_is_refused_naming_it(kw, message, tmp_path):
+    if "files" in kw:
+        (tmp_path / "a b.py").write_text("")
+        kw = {"files": [str(tmp_path / "a b.py")]}
+    with pytest.raises(GraphError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        render(DQN, [], **{"replicas": 2, "image": "x", **kw})
+
+
+def test_the_command_line_writes_them_and_refuses_a_placement_file(tmp_path):
+    out = tmp_path / "k.yaml"
+    got = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", DQN, "--replicas", "2", "--out",
+                          str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert got.returncode == 0 and f"kubectl apply -f {out}" in got.stderr, got.stderr
+    assert _docs(out.read_text())["StatefulSet"]["spec"]["replicas"] == 2
+    bad = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", DQN, "--placement", "p.toml"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "a k8s job spreads its groups over its daemons" in bad.stderr, bad.stderr

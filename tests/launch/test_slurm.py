@@ -1,0 +1,151 @@
+"""``reactor slurm`` on a real Slurm: a one-node cluster on this machine from Debian's slurmctld,
+slurmd and munge (scripts/slurm_local.sh, run by the fixture as root). Where it cannot be set up
+(not root, no package registry), the Slurm tests skip with the script's reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reactor.launch._slurm import SlurmError, node_names, sbatch_script
+from reactor.transport._shm import list_segments
+
+ROOT = Path(__file__).resolve().parents[2]
+DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+
+
+def test_the_batch_script_asks_for_the_nodes_and_runs_the_app_here_on_the_first(tmp_path):
+    text = sbatch_script(DQN, ["--placement", "actors", "--set", "lr=0.001"], tmp_path, nodes=3, tasks_per_node=2,
+                         partition="gpu", time_limit="1:00:00", sbatch_args=["--mem=8G"])
+    assert text.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=1:00:00", "#SBATCH --mem=8G", f"#SBATCH --output={tmp_path}/slurm-%j.out"):
+        assert line in text.splitlines()
+    last = text.strip().splitlines()[-1]
+    assert last.startswith(f"exec {sys.executable} -m reactor.cli slurm --here {DQN} --out {tmp_path} "
+                           "--tasks-per-node 2 --placement actors --set lr=0.001"), last
+
+
+def test_outside_an_allocation_here_says_so_and_a_placement_file_is_refused(tmp_path, monkeypatch):
+    for var in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SlurmError, match="not inside a Slurm allocation"):
+        node_names()
+    out = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--placement", "p.toml"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "--placement 'p.toml': a Slurm job spreads its groups" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--nodes", "0"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "--nodes and --tasks-per-node must be at least 1" in out.stderr, out.stderr
+
+
+# ------------------------------------------------------------------------------ on a real Slurm
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm needs root")
+    got = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_local.sh")], capture_output=True, text=True,
+                         timeout=600)
+    if got.returncode != 0:
+        pytest.skip(f"no local Slurm here: {got.stderr.strip()[-500:]}")
+    return got.stdout.split("slurm ready: ")[1].strip()
+
+
+def _squeue(job: str) -> str:
+    """The job's state as squeue shows it ("" once it has left the queue)."""
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:  # a job purged from slurmctld's memory is an invalid id; anything else: ask again
+        return "" if "Invalid job id" in out.stderr else "?"
+    return out.stdout.strip()
+
+
+def _processes_of(job_dir: Path) -> dict[int, str]:
+    """pid -> command line of every live process of the job: its command line, its working
+    directory or its environment names the job's directory."""
+    out = {}
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(p / "cwd")
+            env = (p / "environ").read_bytes()
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (str(job_dir) in cmd or cwd.startswith(str(job_dir)) or str(job_dir).encode() in env):
+            out[int(p.name)] = cmd
+    return out
+
+
+def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.5)
+    return got
+
+
+def _submit(tmp_path: Path, *extra: str) -> tuple[str, Path]:
+    job_dir = tmp_path / "job"
+    got = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--nodes", "1", "--tasks-per-node", "3",
+                          "--out", str(job_dir), "--async", *extra],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0, got.stderr
+    job = got.stdout.strip()
+    assert re.fullmatch(r"\d+", job), got.stdout
+    return job, job_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dqn_through_reactor_slurm_reaches_475_over_three_daemons_and_leaves_nothing(slurm, tmp_path):
+    before = set(list_segments())
+    job, job_dir = _submit(tmp_path, "--set", "target_return=475", "--set", "live=False")
+    # squeue shows it while it runs.
+    assert _wait(lambda: _squeue(job) in ("RUNNING", "COMPLETING", "COMPLETED", "") and _squeue(job) or "gone", 120,
+                 f"slurm job {job} to run") in ("RUNNING", "COMPLETING", "COMPLETED", "gone")
+    _wait(lambda: _squeue(job) == "", 480, f"slurm job {job} to end")
+    out = (job_dir / f"slurm-{job}.out").read_text()
+    assert "3 daemons on 1 nodes" in out, out[-3000:]
+    assert "run ended (request)" in out, out[-3000:]  # the evaluator asked for the end
+    # The run's files came back to where it was submitted from: its summary says it reached 475.
+    (summary,) = tmp_path.glob("runs/*/summary.json")
+    got = json.loads(summary.read_text())
+    assert got["reached_target"] and got["best_eval_return"] >= 475, got
+    hosts = (job_dir / "hosts.toml").read_text()
+    assert hosts.count("tcp://") == 3 and f'"{slurm}-0"' in hosts
+    # Each daemon hosted its share of the groups, forked from its fork server.
+    logs = "".join((job_dir / "daemons" / f"{slurm}-{i}" / "daemon.log").read_text() for i in range(3))
+    assert len(re.findall(r"started group \S+ \(pid \d+, (?:forked|a new interpreter)\)", logs)) == 5, logs[-3000:]
+    _wait(lambda: not _processes_of(job_dir), 60, "the job's processes to end")
+    assert set(list_segments()) <= before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_path):
+    before = set(list_segments())
+    job, job_dir = _submit(tmp_path, "--set", "target_return=None", "--set", "max_env_steps=10000000",
+                           "--set", "live=False")
+    # Running: every daemon's workers started.
+    _wait(lambda: len(list((job_dir / "daemons").glob("*/runs/*/*.log"))) == 5, 240, "the run's five workers")
+    _wait(lambda: sum(1 for c in _processes_of(job_dir).values() if "_forkserver" in c or "_worker" in c) >= 3, 60,
+          "the workers' processes")
+    time.sleep(3)
+    assert _squeue(job) == "RUNNING"
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    _wait(lambda: _squeue(job) == "", 120, f"slurm job {job} to leave the queue")
+    _wait(lambda: not _processes_of(job_dir), 60, "every process of the job to end")
+    assert set(list_segments()) <= before
+    out = (job_dir / f"slurm-{job}.out").read_text()
+    assert "3 daemons on 1 nodes" in out, out[-3000:]

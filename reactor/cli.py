@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -95,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
                         "your environments' packages, say)")
     d.add_argument("--no-fork-server", action="store_true",
                    help="start every worker as a new interpreter (each imports torch anew: seconds more per start)")
+    d.add_argument("--die-with-parent", action="store_true",
+                   help="end (as on SIGTERM) when the process that started it ends: how a supervisor such as a "
+                        "Ray actor runs it")
 
     def client(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--daemon", default=None,
@@ -125,6 +129,18 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     sl.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
 
+    ry = sub.add_parser("ray", help="run an app on a Ray cluster: a daemon per Ray node, started as Ray actors",
+                        description="Start one reactor daemon per Ray node (actors in a STRICT_SPREAD placement "
+                                    "group), run the app over them from here, stop them. Ray starts processes; the "
+                                    "data stays on reactor's links.")
+    ry.add_argument("app")
+    ry.add_argument("--address", default="auto",
+                    help="the Ray cluster: auto (the one this machine belongs to), ray://HOST:PORT, or local "
+                         "(start a one-node Ray here) (default auto)")
+    ry.add_argument("--nodes", type=int, default=None, help="daemons, one per node (default: every live node)")
+    ry.add_argument("--cpus-per-daemon", type=float, default=1.0, help="CPUs each daemon reserves (default 1)")
+    ry.add_argument("--max-restarts", type=int, default=3, help="Ray's restarts of a daemon actor that dies")
+
     k8 = sub.add_parser("k8s", help="Kubernetes manifests: a StatefulSet of daemons and a Job running the app")
     k8sub = k8.add_subparsers(dest="k8s_command", required=True)
     kr = k8sub.add_parser("render", help="print the manifests (kubectl apply -f - takes them)",
@@ -140,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     kr.add_argument("--memory", default="2Gi", help="each daemon pod's memory request (default 2Gi)")
     kr.add_argument("--shm-size", default="1Gi", help="each daemon pod's /dev/shm (replay shards) (default 1Gi)")
     kr.add_argument("--out", default=None, metavar="FILE", help="write here instead of stdout")
-    for parser in (kr,):
+    for parser in (kr, ry):
         parser.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
         parser.add_argument("--async", dest="async_", action="store_true")
         parser.add_argument("--restart", default=None, metavar="POLICY")
@@ -211,6 +227,12 @@ def _jobs(args: argparse.Namespace) -> int:
                             handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
         from .launch._forkserver import DEFAULT_PRELOAD
 
+        if args.die_with_parent:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() == 1:
+                return 1
         extra = [m.strip() for m in args.preload.split(",") if m.strip()]
         daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
                         preload=None if args.no_fork_server else [*DEFAULT_PRELOAD, *extra])
@@ -308,6 +330,15 @@ def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "slurm":
         return _slurm(args)
+    if args.command == "ray":
+        from .launch._ray import here as ray_here
+
+        if args.nodes is not None and args.nodes < 1:
+            raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+        run_args = _cluster_run_args(args)
+        return ray_here(str(Path(args.app).resolve()), run_args, address=None if args.address == "local" else args.address,
+                        nodes=args.nodes, cpus_per_daemon=args.cpus_per_daemon, max_restarts=args.max_restarts,
+                        run_app=main)
     if args.command == "k8s":
         from .launch._k8s import render
 

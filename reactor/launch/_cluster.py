@@ -268,23 +268,27 @@ class RemoteWorkers:
         return app.name
 
     async def choose(self, group: Group) -> str:
-        """The first of the group's candidate hosts whose daemon answers.
+        """The first of the group's candidate hosts whose daemon answers: those not lost first, in
+        order; then the lost ones, asked again (a daemon that a supervisor such as Ray, Kubernetes
+        or systemd started again at its address is a host again).
 
         Raises:
             DaemonError: none answers, naming each and why.
         """
         why = []
-        for h in group.hosts:
-            if h in self.lost_hosts:
-                why.append(f"{h}: {self.lost_hosts[h]}")
-                continue
+        for h in [h for h in group.hosts if h not in self.lost_hosts] + [h for h in group.hosts if h in self.lost_hosts]:
+            was_lost = self.lost_hosts.get(h)
             try:
                 await self.links[h].request("ping", timeout_s=self.timeout_s)
-                self.last_ok[h] = time.monotonic()
-                return h
             except DaemonError as e:
                 self.lost_hosts[h] = str(e)
-                why.append(str(e))
+                why.append(f"{h}: {e}" + (f" (lost earlier: {was_lost})" if was_lost else ""))
+                continue
+            self.last_ok[h] = time.monotonic()
+            if was_lost is not None:
+                del self.lost_hosts[h]
+                log.warning("host %s answers again (it was lost: %s)", h, was_lost)
+            return h
         raise DaemonError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}")
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:

@@ -371,8 +371,9 @@ class _Session:
         for name, how in sorted(dead.items()):
             self._begin_restart(name, how)
 
-    def _begin_restart(self, name: str, how: tuple[int | None, str]) -> None:
-        """``name`` ended and its policy allows another life: tell the others, start it after its backoff."""
+    def _begin_restart(self, name: str, how: tuple[int | None, str], announce: bool = True) -> None:
+        """``name`` ended and its policy allows another life: tell the others (unless they know it is
+        down already: ``announce``), start it after its backoff."""
         r = self.restarts
         k = r.count.get(name, 0)
         ended = _how_ended(*how)
@@ -384,8 +385,9 @@ class _Session:
         self.probe_snapshot = None
         log.warning("worker %r %s; starting it again in %.1f s (restart %d of at most %d)", name, ended, delay,
                     k + 1, r.groups[name].restart.max_restarts)
-        self.ep.disconnect(name, linger_s=0)
-        self._broadcast(("lost", name, f"worker {name!r} {ended}"))
+        if announce:
+            self.ep.disconnect(name, linger_s=0)
+            self._broadcast(("lost", name, f"worker {name!r} {ended}"))
 
     async def _advance_restarts(self) -> None:
         r = self.restarts
@@ -399,8 +401,13 @@ class _Session:
                 try:
                     await r.start(r.groups[name], dict(r.specs[name], restarts=r.count[name]))
                 except ReactorError as e:
-                    raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
-                                            f"ends: {'; '.join(r.ends[name])}") from e
+                    # No candidate host answered (its daemon may be coming back: a supervisor such as
+                    # Ray or Kubernetes restarts it): a failed life; try again after the next backoff.
+                    if not r.can_restart(name):
+                        raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
+                                                f"ends: {'; '.join(r.ends[name])}") from e
+                    self._begin_restart(name, (None, f"could not be started again: {e}"), announce=False)
+                    continue
                 r.starting[name] = "spawned"
 
     def _check_awaiting(self) -> None:

@@ -1,0 +1,116 @@
+"""``reactor ray`` on a real local Ray cluster of three nodes (``ray.cluster_utils.Cluster``: a raylet
+per node on this machine). Ray starts and restarts the daemons; reactor's links carry the data.
+Skipped where Ray is not installed (it is an optional extra: pip install -e ".[ray]")."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+ROOT = Path(__file__).resolve().parents[2]
+DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    cluster = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+def _daemons() -> dict[str, int]:
+    """name -> pid of every live daemon that a Ray actor runs (``--die-with-parent``)."""
+    out = {}
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = f.read_bytes().split(b"\0")
+            state = (f.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"--die-with-parent" in cmd and b"daemon" in cmd and state != "Z":
+            out[cmd[cmd.index(b"--name") + 1].decode()] = int(f.parent.name)
+    return out
+
+
+def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)
+    return got
+
+
+def _reactor_ray(address: str, cwd: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "reactor.cli", "ray", DQN, "--address", address, "--nodes", "3",
+                             "--async", "--set", "live=False", "--set", "target_return=475", *extra],
+                            cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _summary(cwd: Path) -> dict:
+    (path,) = cwd.glob("runs/*/summary.json")  # the run's files came back to where it was started
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dqn_over_daemons_that_ray_starts_on_three_nodes_reaches_475_and_leaves_none(ray_address, tmp_path):
+    assert not _daemons()
+    p = _reactor_ray(ray_address, tmp_path)
+    try:
+        out, err = p.communicate(timeout=480)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err[-3000:]
+    assert re.search(r"3 daemons on 3 Ray nodes: ray-0 tcp://\S+, ray-1 tcp://\S+, ray-2 tcp://\S+", err), err[-3000:]
+    assert "run ended (request)" in out, out[-2000:]
+    got = _summary(tmp_path)
+    assert got["reached_target"] and got["best_eval_return"] >= 475, got
+    _wait(lambda: not _daemons(), 30, "the daemons to end with their actors")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_daemon_is_restarted_by_ray_at_its_address_and_the_run_restarts_its_group_there(ray_address,
+                                                                                                   tmp_path):
+    """kill -9 of one daemon mid-run: its actor ends with it, Ray starts both again (same port and
+    keys: the same address), and the run's restart policy starts the lost group on it again."""
+    assert not _daemons()
+    root = Path(tempfile.gettempdir()) / "reactor-ray"  # the daemons' directories, one per job
+    earlier = set(root.glob("*"))
+    p = _reactor_ray(ray_address, tmp_path, "--restart", "on-failure:5")
+    try:
+        first = _wait(lambda: len(d := _daemons()) == 3 and d, 120, "three daemons")
+        (job,) = _wait(lambda: set(root.glob("*")) - earlier, 30, "this job's directory")
+        # Training: the metrics reactor (with the learner, on ray-0) has written rows.
+        _wait(lambda: any(len(m.read_text().splitlines()) > 3 for m in
+                          job.glob("ray-0/state/runs/*/runs/*/metrics.csv")), 120, "the run to train")
+        assert list(job.glob("ray-2/state/runs/*/actor-1.log"))
+        os.kill(first["ray-2"], signal.SIGKILL)
+        _wait(lambda: _daemons().get("ray-2", first["ray-2"]) != first["ray-2"], 60, "Ray to start ray-2 again")
+        out, err = p.communicate(timeout=480)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err[-3000:]
+    assert "host ray-2 answers again" in err, err[-3000:]
+    assert "worker 'actor-1' is running again (restart 1)" in err, err[-3000:]
+    got = _summary(tmp_path)
+    assert got["reached_target"] and got["best_eval_return"] >= 475, got
+    _wait(lambda: not _daemons(), 30, "the daemons to end with their actors")

@@ -31,8 +31,11 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
         || ! command -v munged >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     # Debian's packages start their services through systemd, which is not there: block that.
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
-    chmod +x /usr/sbin/policy-rc.d
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+        chmod +x /usr/sbin/policy-rc.d
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
     apt-get update -qq >/dev/null 2>&1 || true
     if ! apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/tmp/slurm-apt.log 2>&1; then
         echo "slurm_local.sh: apt-get install slurmctld slurmd slurm-client munge failed: $(tail -3 /tmp/slurm-apt.log)" >&2

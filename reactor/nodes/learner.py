@@ -87,7 +87,9 @@ class _LearnerBase(Reactor):
         import torch
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
+        # NCCL when the replicas hold CUDA tensors, gloo on CPU (a CPU learner on a GPU machine too).
+        backend = "nccl" if any(p.is_cuda for p in params) else "gloo"
         join = datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S)
         served = os.environ.get("REACTOR_DIST_STORE")
         if served:  # over hosts: the TCP store the run's coordinator serves
@@ -105,7 +107,6 @@ class _LearnerBase(Reactor):
         # The updates' all-reduces get their own group with the short timeout.
         group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         world = float(self.bank_size)
-        params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
         with torch.no_grad():  # replica 0's initial weights for all
             for p in params:
                 dist.broadcast(p.data, src=0)

@@ -254,6 +254,7 @@ class RemoteWorkers:
         self.ended: dict[str, tuple[int | None, str]] = {}  # group -> (exit status or None, where)
         self.last_ok: dict[str, float] = {}
         self.lost_hosts: dict[str, str] = {}
+        self.silent_hosts: set[str] = set()  # lost by silence (cut off, or down), not by a daemon's answer
         self.files: dict[str, bytes] = {}
         self.settle_s = heartbeat_timeout_s + 2 * HEARTBEAT_S  # how long a worker's death may take to show in dead()
         self._beat: asyncio.Task[None] | None = None
@@ -287,6 +288,7 @@ class RemoteWorkers:
             self.last_ok[h] = time.monotonic()
             if was_lost is not None:
                 del self.lost_hosts[h]
+                self.silent_hosts.discard(h)
                 log.warning("host %s answers again (it was lost: %s)", h, was_lost)
             return h
         raise DaemonError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}")
@@ -344,6 +346,7 @@ class RemoteWorkers:
         except DaemonSilentError:
             silent = time.monotonic() - self.last_ok[host]
             if silent > self.timeout_s:
+                self.silent_hosts.add(host)
                 self._lose(host, f"its daemon at {self.hosts[host].address} has not answered for {silent:.1f} s")
             return
         except DaemonError as e:  # it answers, but no longer knows the run (a restarted daemon)

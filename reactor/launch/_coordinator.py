@@ -17,12 +17,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError, WouldBlock
 from .._graph import Graph
+from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S
 from ._cluster import RemoteWorkers, address_towards
 from ._forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, ForkServerError
 from ._groups import Group, Restart
@@ -380,6 +382,16 @@ class _Session:
         r.ends.setdefault(name, []).append(ended)
         r.count[name] = k + 1
         delay = r.groups[name].restart.delay_s(k)
+        host = self.workers.host_of.get(name, "") if isinstance(self.workers, RemoteWorkers) else ""
+        if how[0] is None and isinstance(self.workers, RemoteWorkers) and host in self.workers.silent_hosts:
+            # Lost with a silent host (cut off: its processes may run on): its peers hold its old
+            # connections, and so its name, until their heartbeats time out; a new life before that
+            # would be refused its name and fail.
+            seen = self.workers.last_ok.get(host)
+            if seen is not None:
+                # (the daemon's last answer may precede the cut by a heartbeat period; zmq checks
+                # its timeout once an interval)
+                delay = max(delay, seen + HEARTBEAT_TIMEOUT_S + HEARTBEAT_IVL_S + 1.0 - time.monotonic())
         r.due[name] = asyncio.get_running_loop().time() + delay
         self.status.pop(name, None)
         self.probe_snapshot = None

@@ -31,6 +31,7 @@ on gloo's default of 30 minutes.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,8 @@ class _LearnerBase(Reactor):
             saved = torch.load(self.ckpt, weights_only=True)
             self.algo.load_state_dict(self.state, saved["algo"])
             self.updates = int(saved["updates"])
+            logging.getLogger("reactor.learner").warning("%s resumed from its checkpoint %s at update %d", self.name,
+                                                         self.ckpt, self.updates)
         if self.bank_size > 1:
             self._join_data_parallel()
 

@@ -65,6 +65,10 @@ from .codec import BATCH_MARKER, batch_header, decode, decode_batch, encode, enc
 __all__ = ["CurveKeys", "Endpoint", "EndpointStatistics"]
 
 log = logging.getLogger("reactor.transport")
+#: An endpoint's ZMTP heartbeats: a connection whose peer is silent this long is closed (a vanished
+#: host's, at its peers); until then its name stays taken (no handover).
+HEARTBEAT_IVL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 5.0
 
 PROTOCOL_VERSION = 2  # 2: batches of frame-less messages
 _HELLO, _WELCOME, _CREDIT = 1, 2, 3
@@ -365,8 +369,8 @@ class Endpoint:
         max_message_nbytes: int = 64 * 2**20,
         credit_window: int = 64,
         credit_window_nbytes: int | None = None,
-        heartbeat_ivl_s: float = 1.0,
-        heartbeat_timeout_s: float = 5.0,
+        heartbeat_ivl_s: float = HEARTBEAT_IVL_S,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         accept: Callable[[str, Any], str | None] | None = None,
     ) -> Endpoint:
         """Bind an endpoint's ROUTER and start serving it on the running loop.

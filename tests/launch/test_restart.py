@@ -266,11 +266,12 @@ def test_a_deterministic_run_ends_at_a_failure_and_says_restarts_are_for_async_r
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_and_a_whole_daemon_and_reaches_475(
+def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_learner_and_a_daemon_and_reaches_475(
         tmp_path, monkeypatch):
     """DQN submitted (async, restart on-failure) with the learner and replay-0 on h1, actor-0 and
-    replay-1 on h2, actor-1 on h3 with h2 as its second candidate. kill -9 of actor-0 and of
-    replay-1 (started again on h2, the shard from its checkpoint), then SIGKILL of h3's daemon (its
+    replay-1 on h2, actor-1 on h3 with h2 as its second candidate. kill -9 of actor-0, of replay-1
+    (started again on h2, the shard from its checkpoint) and of the learner (on h1, resumed from its
+    checkpoint), then SIGKILL of h3's daemon (its
     worker dies with it; the host is lost and actor-1 starts on h2). The job still reaches 475, its
     status shows where every group ended up, its files come back to the head host's job directory,
     and nothing is left on any host."""
@@ -306,7 +307,7 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_and_a_wh
 
             wait_for(lambda: state() and list(tmp_path.glob("h1/runs/*/runs/*/metrics.csv")), 240, "training")
             pids = c.worker_pids()
-            for victim in ("actor-0", "replay-1"):
+            for victim in ("actor-0", "replay-1", "learner"):
                 (pid,) = [p for p, g in pids.items() if g == victim]
                 os.kill(pid, signal.SIGKILL)
                 wait_for(lambda victim=victim: running_again(victim), 120, f"{victim} to run again")
@@ -321,8 +322,11 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_and_a_wh
                                  capture_output=True, text=True, timeout=60)  # the metrics' group, on h1
         (ret,) = re.findall(r"^evaluation return ([0-9.]+); stopped: evaluation return", learner.stdout, re.M)
         assert float(ret) >= 475.0
-        for group in ("actor-0", "replay-1", "actor-1"):
+        for group in ("actor-0", "replay-1", "learner", "actor-1"):
             assert f"worker {group!r} is running again (restart 1)" in text, text[-4000:]
+        # The learner's second life resumed from its checkpoint, not from scratch.
+        (resumed,) = re.findall(r"learner resumed from its checkpoint \S+ at update (\d+)", learner.stdout)
+        assert int(resumed) >= 100, learner.stdout[-3000:]
         assert "worker 'actor-1' was lost with host 'h3'" in text
         assert {g: w["host"] for g, w in final["groups"].items()} == {
             "learner": "h1", "replay-0": "h1", "replay-1": "h2", "actor-0": "h2", "actor-1": "h2"}

@@ -40,7 +40,7 @@ def test_outside_an_allocation_here_says_so_and_a_placement_file_is_refused(tmp_
         node_names()
     out = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--placement", "p.toml"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
-    assert out.returncode == 2 and "--placement 'p.toml': a Slurm job spreads its groups" in out.stderr, out.stderr
+    assert out.returncode == 2 and "--placement 'p.toml': a slurm job spreads its groups" in out.stderr, out.stderr
     out = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--nodes", "0"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 2 and "--nodes and --tasks-per-node must be at least 1" in out.stderr, out.stderr

@@ -1,28 +1,42 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for the tests of `reactor slurm` (as root).
+# A Slurm cluster of several nodes on this machine, for the tests of `reactor slurm` (as root).
 #
 # Installs Debian's slurmctld, slurmd, slurm-client and munge if they are missing, writes a munge
-# key and /etc/slurm/slurm.conf (one node: this host, named by `hostname -s`, with
-# SLURM_LOCAL_CPUS CPUs, default 8: more than the machine has, which `config_overrides` allows, so
-# a job's daemons and its batch step fit beside each other), and starts munged, slurmctld and slurmd
-# unless they run already. Idempotent: a second call finds it running and exits 0.
+# key and /etc/slurm/slurm.conf: SLURM_LOCAL_NODES nodes (default 3) named rx1, rx2, ..., each one
+# slurmd on this host (`slurmd -N rxI`, its own port, spool and log: Debian's slurmd runs several on
+# one host), each with SLURM_LOCAL_CPUS CPUs (default 4: more than the machine has, which
+# `config_overrides` allows, so a job's daemons and its batch step fit beside each other). Starts
+# munged, slurmctld and the slurmds unless they run already. Idempotent: a second call finds it
+# running and exits 0.
 #
-# Prints "slurm ready: NODE" on success; exits non-zero with the reason otherwise (the tests skip
-# with it). `scripts/slurm_local.sh stop` stops the three daemons.
+# Prints "slurm ready: rx1 rx2 ..." on success; exits non-zero with the reason otherwise (the tests
+# skip with it). `scripts/slurm_local.sh stop` stops the daemons.
 set -euo pipefail
 
-NODE="$(hostname -s)"
-CPUS="${SLURM_LOCAL_CPUS:-8}"
+NODES="${SLURM_LOCAL_NODES:-3}"
+CPUS="${SLURM_LOCAL_CPUS:-4}"
+HOST="$(hostname -s)"
 CONF=/etc/slurm/slurm.conf
+NAMES="$(seq -f 'rx%g' 1 "$NODES" | tr '\n' ' ')"
 
 if [ "$(id -u)" != 0 ]; then
     echo "slurm_local.sh: needs root (it installs packages and starts slurmctld, slurmd, munged)" >&2
     exit 2
 fi
 
-if [ "${1:-}" = stop ]; then
+
+stop_all() {  # and wait until they are gone: a stopping slurmctld still saves its state
     pkill -x slurmd || true
     pkill -x slurmctld || true
+    for _ in $(seq 1 30); do
+        pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || return 0
+        sleep 0.5
+    done
+    pkill -9 -x slurmd || true
+    pkill -9 -x slurmctld || true
+}
+if [ "${1:-}" = stop ]; then
+    stop_all
     pkill -x munged || true
     exit 0
 fi
@@ -43,8 +57,8 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
     fi
 fi
 
-mkdir -p /etc/munge /var/log/munge /var/lib/munge /run/munge /etc/slurm /var/spool/slurmctld /var/spool/slurmd \
-    /var/log/slurm
+mkdir -p /etc/munge /var/log/munge /var/lib/munge /run/munge /etc/slurm /var/spool/slurmctld /var/log/slurm
+for n in $NAMES; do mkdir -p "/var/spool/slurmd.$n"; done
 if [ ! -s /etc/munge/munge.key ]; then
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
 fi
@@ -53,9 +67,17 @@ chmod 0700 /etc/munge /var/log/munge /var/lib/munge
 chmod 0755 /run/munge
 chmod 0400 /etc/munge/munge.key
 
+NODELINES=""
+i=0
+for n in $NAMES; do
+    i=$((i + 1))
+    NODELINES="${NODELINES}NodeName=$n NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((17000 + i)) CPUs=$CPUS State=UNKNOWN
+"
+done
+NODELINES="${NODELINES%$'\n'}"
 cat > "$CONF.new" <<EOF
 ClusterName=reactortest
-SlurmctldHost=$NODE
+SlurmctldHost=$HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -69,13 +91,13 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=10
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=/var/spool/slurmd.%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd.%n.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
-NodeName=$NODE CPUs=$CPUS State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+SlurmdLogFile=/var/log/slurm/slurmd.%n.log
+$NODELINES
+PartitionName=debug Nodes=rx[1-$NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 if ! cmp -s "$CONF.new" "$CONF" 2>/dev/null; then
     mv "$CONF.new" "$CONF"
@@ -89,24 +111,29 @@ if ! pgrep -x munged >/dev/null; then
     runuser -u munge -- /usr/sbin/munged
 fi
 if [ "$changed" = 1 ]; then
-    pkill -x slurmd || true
-    pkill -x slurmctld || true
-    sleep 1
+    stop_all
 fi
 if ! pgrep -x slurmctld >/dev/null; then
     /usr/sbin/slurmctld
 fi
-if ! pgrep -x slurmd >/dev/null; then
-    /usr/sbin/slurmd
-fi
+for n in $NAMES; do
+    if ! pgrep -f "slurmd -N $n\$" >/dev/null; then
+        /usr/sbin/slurmd -N "$n"
+    fi
+done
 
 for _ in $(seq 1 60); do
-    state="$(sinfo -h -n "$NODE" -o '%t' 2>/dev/null || true)"
-    case "$state" in
-        idle|mix|alloc|comp) echo "slurm ready: $NODE"; exit 0 ;;
-        down*|drain*) scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true ;;
-    esac
+    ready=1
+    for n in $NAMES; do
+        state="$(timeout 5 sinfo -h -n "$n" -o '%t' 2>/dev/null || true)"
+        case "$state" in
+            idle|mix|alloc|comp) ;;
+            down*|drain*) scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true; ready=0 ;;
+            *) ready=0 ;;
+        esac
+    done
+    if [ "$ready" = 1 ]; then echo "slurm ready: $NAMES"; exit 0; fi
     sleep 1
 done
-echo "slurm_local.sh: node $NODE did not become idle (sinfo says '${state:-nothing}'); see /var/log/slurm/" >&2
+echo "slurm_local.sh: nodes $NAMES did not all become idle (sinfo: $(timeout 5 sinfo -h -o '%n %t' 2>&1 | tr '\n' ' ')); see /var/log/slurm/" >&2
 exit 4

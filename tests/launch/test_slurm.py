@@ -1,6 +1,7 @@
-"""``reactor slurm`` on a real Slurm: a one-node cluster on this machine from Debian's slurmctld,
-slurmd and munge (scripts/slurm_local.sh, run by the fixture as root). Where it cannot be set up
-(not root, no package registry), the Slurm tests skip with the script's reason."""
+"""``reactor slurm`` on a real Slurm: a three-node cluster on this machine from Debian's slurmctld,
+slurmd (one per node, ``slurmd -N rxI``) and munge (scripts/slurm_local.sh, run by the fixture as
+root). Where it cannot be set up (not root, no package registry), the Slurm tests skip with the
+script's reason."""
 
 from __future__ import annotations
 
@@ -57,7 +58,10 @@ def slurm():
                          timeout=600)
     if got.returncode != 0:
         pytest.skip(f"no local Slurm here: {got.stderr.strip()[-500:]}")
-    return got.stdout.split("slurm ready: ")[1].strip()
+    nodes = got.stdout.split("slurm ready: ")[1].split()
+    if len(nodes) < 3:
+        pytest.skip(f"the local Slurm has {len(nodes)} nodes, not 3")
+    return nodes[:3]
 
 
 def _squeue(job: str) -> str:
@@ -96,7 +100,7 @@ def _wait(pred, timeout_s: float, what: str):
 
 def _submit(tmp_path: Path, *extra: str) -> tuple[str, Path]:
     job_dir = tmp_path / "job"
-    got = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--nodes", "1", "--tasks-per-node", "3",
+    got = subprocess.run([sys.executable, "-m", "reactor.cli", "slurm", DQN, "--nodes", "3",
                           "--out", str(job_dir), "--async", *extra],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -108,7 +112,7 @@ def _submit(tmp_path: Path, *extra: str) -> tuple[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_dqn_through_reactor_slurm_reaches_475_over_three_daemons_and_leaves_nothing(slurm, tmp_path):
+def test_dqn_through_reactor_slurm_reaches_475_over_three_nodes_and_leaves_nothing(slurm, tmp_path):
     before = set(list_segments())
     job, job_dir = _submit(tmp_path, "--set", "target_return=475", "--set", "live=False")
     # squeue shows it while it runs.
@@ -116,16 +120,18 @@ def test_dqn_through_reactor_slurm_reaches_475_over_three_daemons_and_leaves_not
                  f"slurm job {job} to run") in ("RUNNING", "COMPLETING", "COMPLETED", "gone")
     _wait(lambda: _squeue(job) == "", 480, f"slurm job {job} to end")
     out = (job_dir / f"slurm-{job}.out").read_text()
-    assert "3 daemons on 1 nodes" in out, out[-3000:]
+    assert f"3 daemons on 3 nodes ({', '.join(slurm)})" in out, out[-3000:]
     assert "run ended (request)" in out, out[-3000:]  # the evaluator asked for the end
     # The run's files came back to where it was submitted from: its summary says it reached 475.
     (summary,) = tmp_path.glob("runs/*/summary.json")
     got = json.loads(summary.read_text())
     assert got["reached_target"] and got["best_eval_return"] >= 475, got
     hosts = (job_dir / "hosts.toml").read_text()
-    assert hosts.count("tcp://") == 3 and f'"{slurm}-0"' in hosts
-    # Each daemon hosted its share of the groups, forked from its fork server.
-    logs = "".join((job_dir / "daemons" / f"{slurm}-{i}" / "daemon.log").read_text() for i in range(3))
+    assert hosts.count("tcp://") == 3 and all(f'"{n}"' in hosts for n in slurm)
+    # Each node's daemon hosted its share of the groups (the learner's on the first node).
+    logs = {n: (job_dir / "daemons" / n / "daemon.log").read_text() for n in slurm}
+    assert "started group learner" in logs[slurm[0]] and all("started group" in x for x in logs.values())
+    logs = "".join(logs.values())
     assert len(re.findall(r"started group \S+ \(pid \d+, (?:forked|a new interpreter)\)", logs)) == 5, logs[-3000:]
     _wait(lambda: not _processes_of(job_dir), 60, "the job's processes to end")
     assert set(list_segments()) <= before
@@ -148,4 +154,4 @@ def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_pa
     _wait(lambda: not _processes_of(job_dir), 60, "every process of the job to end")
     assert set(list_segments()) <= before
     out = (job_dir / f"slurm-{job}.out").read_text()
-    assert "3 daemons on 1 nodes" in out, out[-3000:]
+    assert "3 daemons on 3 nodes" in out, out[-3000:]

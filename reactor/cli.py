@@ -122,12 +122,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="the job's directory, on a file system every node sees (default ./reactor-slurm/APP-TIME)")
     sl.add_argument("--here", action="store_true",
                     help="inside an allocation (sbatch, salloc): start the daemons and run now")
-    sl.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
-    sl.add_argument("--async", dest="async_", action="store_true")
-    sl.add_argument("--restart", default=None, metavar="POLICY")
-    sl.add_argument("--seed", type=int, default=0)
-    sl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    sl.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
 
     ry = sub.add_parser("ray", help="run an app on a Ray cluster: a daemon per Ray node, started as Ray actors",
                         description="Start one reactor daemon per Ray node (actors in a STRICT_SPREAD placement "
@@ -156,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     kr.add_argument("--memory", default="2Gi", help="each daemon pod's memory request (default 2Gi)")
     kr.add_argument("--shm-size", default="1Gi", help="each daemon pod's /dev/shm (replay shards) (default 1Gi)")
     kr.add_argument("--out", default=None, metavar="FILE", help="write here instead of stdout")
-    for parser in (kr, ry):
+    for parser in (sl, ry, kr):  # the run's options, as `reactor run` takes them
         parser.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
         parser.add_argument("--async", dest="async_", action="store_true")
         parser.add_argument("--restart", default=None, metavar="POLICY")

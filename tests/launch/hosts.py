@@ -26,8 +26,8 @@ from reactor.launch._keys import init_keys
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def wait_for(pred: Any, timeout_s: float, what: str) -> Any:
-    """``pred()``'s first truthy value, polled for up to ``timeout_s``.
+def wait_for(pred: Any, timeout_s: float, what: str, period_s: float = 0.05) -> Any:
+    """``pred()``'s first truthy value, polled every ``period_s`` for up to ``timeout_s``.
 
     Raises:
         AssertionError: it stayed falsy, naming ``what``.
@@ -36,7 +36,7 @@ def wait_for(pred: Any, timeout_s: float, what: str) -> Any:
     while time.monotonic() < deadline:
         if got := pred():
             return got
-        time.sleep(0.05)
+        time.sleep(period_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 

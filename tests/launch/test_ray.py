@@ -11,12 +11,18 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
+from .hosts import wait_for
+
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+
+def _wait(pred, timeout_s: float, what: str):
+    return wait_for(pred, timeout_s, what, period_s=0.2)
+
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn_cartpole.py")
@@ -46,15 +52,6 @@ def _daemons() -> dict[str, int]:
         if b"--die-with-parent" in cmd and b"daemon" in cmd and state != "Z":
             out[cmd[cmd.index(b"--name") + 1].decode()] = int(f.parent.name)
     return out
-
-
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (got := pred()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
-    return got
 
 
 def _reactor_ray(address: str, cwd: Path, *extra: str) -> subprocess.Popen[str]:

@@ -18,6 +18,13 @@ import pytest
 from reactor.launch._slurm import SlurmError, node_names, sbatch_script
 from reactor.transport._shm import list_segments
 
+from .hosts import wait_for
+
+
+def _wait(pred, timeout_s: float, what: str):
+    return wait_for(pred, timeout_s, what, period_s=0.5)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn_cartpole.py")
 
@@ -87,15 +94,6 @@ def _processes_of(job_dir: Path) -> dict[int, str]:
         if state != "Z" and (str(job_dir) in cmd or cwd.startswith(str(job_dir)) or str(job_dir).encode() in env):
             out[int(p.name)] = cmd
     return out
-
-
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (got := pred()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.5)
-    return got
 
 
 def _submit(tmp_path: Path, *extra: str) -> tuple[str, Path]:

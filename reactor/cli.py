@@ -185,8 +185,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:
+    """The ``reactor`` command; ``started``: when the command began (a cluster command that runs
+    ``run`` itself passes its own start)."""
     args = _parser().parse_args(argv)
+    args.started = started if started is not None else time.time()
     try:
         return _dispatch(args)
     except (AppError, GraphError, MalformedFrameError, FileNotFoundError, ValueError) as e:
@@ -332,7 +335,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         run_args = _cluster_run_args(args)
         return ray_here(str(Path(args.app).resolve()), run_args, address=None if args.address == "local" else args.address,
                         nodes=args.nodes, cpus_per_daemon=args.cpus_per_daemon, max_restarts=args.max_restarts,
-                        run_app=main)
+                        run_app=lambda a: main(a, started=args.started))
     if args.command == "k8s":
         from .launch._k8s import render
 
@@ -372,6 +375,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("\n".join(lines) if lines else "traces are identical")
         return 1 if lines else 0
     # run
+    # Its processes inherit the command's start: summary.json reports the whole command's time.
+    os.environ["REACTOR_COMMAND_T0"] = repr(args.started)
     from .launch._runtime import new_run_id, run
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -445,7 +450,7 @@ def _slurm(args: argparse.Namespace) -> int:
     app = str(Path(args.app).resolve())
     out = Path(args.out) if args.out else Path("reactor-slurm") / f"{Path(args.app).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.here:
-        return here(app, run_args, out, args.tasks_per_node, main)
+        return here(app, run_args, out, args.tasks_per_node, lambda a: main(a, started=args.started))
     job = submit(app, run_args, out.resolve(), nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                  partition=args.partition, time_limit=args.time_limit, sbatch_args=args.sbatch_args)
     print(job)

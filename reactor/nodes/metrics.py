@@ -15,15 +15,18 @@ Wall-clock figures (``wall_s``, rates) are for people: no other node sees them, 
 runs stay deterministic. ``wall_s`` counts from the end of this process's startup (every reactor's
 startup reaction ran: networks and optimizers built, environments made, logs opened), which is
 where a training loop such as Stable-Baselines3's ``learn`` starts its clock; ``startup_s`` in the
-summary is what startup took. (In async mode a startup reaction that awaits may still be running
+summary is what startup took, and under ``reactor run`` ``command_startup_s`` and ``command_s`` are the
+time from the command's start to training and to the summary. (In async mode a startup reaction that awaits may still be running
 then: the clock follows the ones that do not suspend.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -90,6 +93,7 @@ class Metrics(Reactor):
     @reaction(triggers=[started])
     def start_clock(self) -> None:
         self.t0 = time.monotonic()
+        self.t0_epoch = time.time()
 
     @reaction(triggers=[reports])
     def record(self, reports: Report) -> None:
@@ -163,6 +167,13 @@ class Metrics(Reactor):
             "stop_reason": self.stop_reason or "run ended",
             "evaluations": [{"wall_s": w, "env_steps": s, "eval_return": r} for w, s, r in self.evals],
         }
+        # The whole command's time (`reactor run` sets REACTOR_COMMAND_T0 when it starts; its
+        # processes inherit it): from the command's start to training, and to this summary.
+        began = os.environ.get("REACTOR_COMMAND_T0")
+        if began:
+            with contextlib.suppress(ValueError):
+                summary["command_startup_s"] = round(getattr(self, "t0_epoch", time.time()) - float(began), 3)
+                summary["command_s"] = round(time.time() - float(began), 3)
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot = None
         try:

@@ -116,3 +116,26 @@ def test_reactor_plot_writes_a_png_and_refuses_a_directory_without_metrics(tmp_p
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.startswith("reactor: ") and "has no metrics.csv" in bad.stderr
+
+
+def test_a_command_line_run_reports_the_whole_commands_time(tmp_path):
+    """summary.json's command_startup_s and command_s count from the `reactor run` command's start
+    (interpreter, imports, graph, processes), not only from the graph's startup."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    app = tmp_path / "app.py"
+    app.write_text("from dataclasses import dataclass\n"
+                   "from tests.nodes.test_metrics import _graph\n\n"
+                   "@dataclass\nclass Config:\n    run_dir: str = ''\n\n"
+                   "def build(config):\n    return _graph(config.run_dir, actors=1)\n")
+    before = time.time()
+    got = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(app), "--set", f"run_dir='{tmp_path / 'r'}'"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    took = time.time() - before
+    assert got.returncode == 0, got.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["startup_s"] <= summary["command_startup_s"] <= summary["command_s"] <= took
+    assert summary["command_s"] >= summary["command_startup_s"] + summary["wall_s"] - 0.01
+    # The command's own start (Python, imports, the app) came before the graph's.
+    assert summary["command_startup_s"] > summary["startup_s"] + 0.05

@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -199,8 +200,13 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     except ReactorError as e:
         print(f"reactor: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except (KeyboardInterrupt, asyncio.CancelledError):  # before a run, or a second signal during one
+        from .launch._signals import received
+
+        if received:
+            print(f"reactor: stopped at once ({signal.Signals(received[-1]).name} twice); every process and "
+                  f"shared-memory segment of the run reaped", file=sys.stderr)
+        return 128 + (received[0] if received else signal.SIGINT)
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -412,6 +418,10 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"placement {result.placement}")
         for name, d in sorted(result.digests.items()):
             print(f"  {name}: {d}")
+    if result.stopped_by == "signal":  # a clean stop by Ctrl-C (130) or SIGTERM (143), as shells expect
+        from .launch._signals import received
+
+        return 128 + (received[0] if received else signal.SIGINT)
     return 0
 
 

@@ -160,9 +160,42 @@ def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
         workers = _descendants(p.pid)  # the fork server too
         p.send_signal(sig)
         out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
+        assert p.returncode == 128 + sig, err  # 130 for Ctrl-C, 143 for SIGTERM, after a clean stop
         assert "run ended (signal)" in out
         assert not [w for w in workers if _alive(w)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path):
+    """The first Ctrl-C asks for a clean stop, which here would wait 600 s for the sink's shutdown
+    reaction; the second stops at once: exit 130, every worker and the fork server gone."""
+    ready = tmp_path / "ready"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
+         "--set", f"ready_file='{ready}'", "--set", "slow_shutdown_s=600"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ready.exists():
+            time.sleep(0.1)
+        assert ready.exists() and len(_workers(p.pid)) == 3
+        everything = _descendants(p.pid)
+        p.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert p.poll() is None  # the clean stop waits for the sink's shutdown
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)  # not the 600 s of the clean stop
+        assert p.returncode == 130, err
+        assert "SIGINT: stopping the run cleanly (again to stop at once)" in err
+        assert "stopped at once (SIGINT twice)" in err, err
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and [w for w in everything if _alive(w)]:
+            time.sleep(0.1)
+        assert not [w for w in everything if _alive(w)]
     finally:
         if p.poll() is None:
             p.kill()

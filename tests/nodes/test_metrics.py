@@ -116,6 +116,12 @@ def test_reactor_plot_writes_a_png_and_refuses_a_directory_without_metrics(tmp_p
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.startswith("reactor: ") and "has no metrics.csv" in bad.stderr
+    # Plotting a run loads no torch (reactor.nodes imports its modules on first use).
+    code = ("import sys; from reactor.cli import main; rc = main(['plot', sys.argv[1], '-o', sys.argv[2]]); "
+            "print(rc, 'torch' in sys.modules)")
+    quiet = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(out)], capture_output=True,
+                           text=True, timeout=60)
+    assert quiet.stdout.split()[-2:] == ["0", "False"], quiet.stderr
 
 
 def test_a_command_line_run_reports_the_whole_commands_time(tmp_path):

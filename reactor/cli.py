@@ -388,6 +388,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = parse_overrides(args.overrides)
+    _check_run_options(args)  # before the app (and torch) is imported: a typo fails at once
     new_run_id()  # before build: an app may name its run directory after it
     graph = build_graph(args.app, overrides)
     with _stdout_for_json_only(args.json):
@@ -423,6 +424,27 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return 128 + (received[0] if received else signal.SIGINT)
     return 0
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
+    """What ``reactor run`` can check without the app: the files it names, the placement's name, the
+    restart policy.
+
+    Raises:
+        FileNotFoundError: the app, a hosts file or a --with file is missing.
+        GraphError: a placement that is neither a known name nor a file, or a bad restart policy.
+    """
+    from .launch._groups import restart_from_text
+    from .launch._policies import POLICIES
+
+    for what, path in (("app file", args.app), ("hosts file", args.hosts), *(("--with file", f) for f in args.files)):
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"no {what} at {path!r}")
+    known = ("single", "processes", *sorted(POLICIES))
+    if args.placement not in known and not Path(args.placement).is_file():
+        raise GraphError(f"--placement {args.placement!r}: neither one of {', '.join(known)} nor a placement file")
+    if args.restart is not None:
+        restart_from_text(args.restart)
 
 
 def _cluster_run_args(args: argparse.Namespace) -> list[str]:

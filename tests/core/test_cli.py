@@ -51,6 +51,22 @@ def test_wrong_app_path_is_a_one_line_error():
     assert p.stderr == "reactor: no app file at 'no/such/app.py'\n"
 
 
+def test_run_options_are_checked_before_the_app_and_torch_are_imported():
+    """A typo in the placement, the restart policy or a file's path fails at once: no torch loaded."""
+    code = "import sys; from reactor.cli import main; rc = main(sys.argv[1:]); print(rc, 'torch' in sys.modules)"
+    for args, message in (
+        (["--placement", "actorz"], "reactor: --placement 'actorz': neither one of single, processes, actors, "
+                                    "colocated, dp-learners nor a placement file\n"),
+        (["--async", "--restart", "sometimes"], "reactor: restart 'sometimes': use never, on-failure or "
+                                                "on-failure:N (N: the most restarts per group)\n"),
+        (["--hosts", "no/hosts.toml"], "reactor: no hosts file at 'no/hosts.toml'\n"),
+        (["--with", "no/file.py"], "reactor: no --with file at 'no/file.py'\n"),
+    ):
+        p = subprocess.run([sys.executable, "-c", code, "run", str(ROOT / "apps" / "dqn_cartpole.py"), *args],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert (p.stdout.split(), p.stderr) == (["2", "False"], message), args
+
+
 def test_app_without_build_is_a_one_line_error(tmp_path):
     app = tmp_path / "app.py"
     app.write_text("x = 1\n")

@@ -28,7 +28,7 @@ APPS = ROOT / "tests" / "apps"
 class Daemon:
     """A daemon process with its key directory, and a client key directory it authorizes."""
 
-    def __init__(self, tmp: Path, name: str = "h1") -> None:
+    def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False) -> None:
         self.tmp, self.name = tmp, name
         self.keys_dir, self.client_dir, self.state = tmp / "dk", tmp / "ck", tmp / "state"
         if not (self.keys_dir / "key").exists():
@@ -42,6 +42,8 @@ class Daemon:
             env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.address = json.loads(self.proc.stdout.readline())["address"]
         self.public = CurveKeys.load_public(self.keys_dir / "key.pub")
+        if not wait_fork_server:  # jobs before its fork server is up start as new interpreters
+            return
         # Jobs start forked from its fork server once that has imported torch: wait for it.
         with self.client() as c:
             state = _wait_for(lambda: (s := c.request("ping")["fork_server"]) != "starting" and s, 90,
@@ -85,7 +87,15 @@ def _state(client: DaemonClient, job: str, states: tuple[str, ...], timeout_s: f
                      f"job {job} to reach {states}")
 
 
-def test_a_submitted_job_runs_on_the_daemon_with_its_files_pinned_by_hash(daemon):
+def test_a_submitted_job_runs_on_the_daemon_with_its_files_pinned_by_hash(tmp_path):
+    daemon = Daemon(tmp_path, wait_fork_server=True)
+    try:
+        _a_submitted_job_runs(daemon)
+    finally:
+        daemon.stop()
+
+
+def _a_submitted_job_runs(daemon: Daemon) -> None:
     with daemon.client() as c:
         assert c.request("ping")["name"] == "h1"
         job = c.request("submit", job_spec(APPS / "gated.py", placement="processes"))

@@ -135,6 +135,13 @@ def _workers(pid: int) -> list[int]:
     return out
 
 
+def _assert_all_end(pids: list[int], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and [w for w in pids if _alive(w)]:
+        time.sleep(0.1)
+    assert not [w for w in pids if _alive(w)], "processes outlived the run"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -192,10 +199,7 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path):
         assert p.returncode == 130, err
         assert "SIGINT: stopping the run cleanly (again to stop at once)" in err
         assert "stopped at once (SIGINT twice)" in err, err
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and [w for w in everything if _alive(w)]:
-            time.sleep(0.1)
-        assert not [w for w in everything if _alive(w)]
+        _assert_all_end(everything)
     finally:
         if p.poll() is None:
             p.kill()
@@ -217,10 +221,7 @@ def test_killing_the_coordinator_takes_its_workers_down():
         workers = _descendants(p.pid)  # the fork server too
         p.kill()
         p.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and [w for w in workers if _alive(w)]:
-            time.sleep(0.1)
-        assert not [w for w in workers if _alive(w)]
+        _assert_all_end(workers)
     finally:
         if p.poll() is None:
             p.kill()

@@ -9,7 +9,7 @@ They share this machine's cores, so the cross-host figure measures what the host
 Without root or ``ip`` the Cluster falls back to three daemons on loopback (a warning says so) and
 the lost-host case is skipped.
 
-- ``throughput``: ``apps/dqn_cartpole.py`` under ``placement="actors"`` (learner + evaluator +
+- ``throughput``: ``apps/dqn.py`` under ``placement="actors"`` (learner + evaluator +
   metrics, 2 actor processes, 2 replay shards), deterministic mode, one seed, a step budget
   (``max_env_steps``, ``target_return=None``: the same run to the same end in both cases, learning
   on), once over the three hosts (``hosts=`` a hosts file: learner and replay-0 on h1, actor-0 and
@@ -89,7 +89,7 @@ from tests.launch.hosts import Cluster
 from tests.launch.hosts import in_thread as _in_thread
 from tests.launch.hosts import wait_for as _wait_for
 
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 DEFAULT_HEARTBEAT_S = 3.0  # reactor.launch._placement's default heartbeat_timeout_s
 
 

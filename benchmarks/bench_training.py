@@ -67,7 +67,6 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
@@ -130,8 +129,7 @@ def _off_policy_updates_per_step(cfg: Any) -> float:
 
 
 def _ppo_updates_per_step(cfg: Any) -> float:
-    app = _load_app("apps/ppo_cartpole.py")
-    rollout = {**app.CARTPOLE, **cfg.algo_config}["rollout_length"]
+    rollout = cfg.algo_config["rollout_length"]  # the CartPole preset's (the resolved config)
     return 1.0 / (cfg.actors * cfg.envs_per_actor * rollout)
 
 
@@ -171,31 +169,24 @@ class Algo:
 
 
 ALGOS: dict[str, Algo] = {
-    "dqn": Algo("apps/dqn_cartpole.py", "CartPole-v1", 475.0, 50_000, 6_000, _off_policy_updates_per_step,
+    "dqn": Algo("apps/dqn.py", "CartPole-v1", 475.0, 50_000, 6_000, _off_policy_updates_per_step,
                 _sb3_dqn, _off_policy_acting_only),
-    "ppo": Algo("apps/ppo_cartpole.py", "CartPole-v1", 475.0, 100_000, 12_288, _ppo_updates_per_step, _sb3_ppo),
-    "sac": Algo("apps/sac_pendulum.py", "Pendulum-v1", -200.0, 20_000, 3_000, _off_policy_updates_per_step,
+    "ppo": Algo("apps/ppo.py", "CartPole-v1", 475.0, 100_000, 12_288, _ppo_updates_per_step, _sb3_ppo),
+    "sac": Algo("apps/sac.py", "Pendulum-v1", -200.0, 20_000, 3_000, _off_policy_updates_per_step,
                 _sb3_sac, _off_policy_acting_only),
 }
 
 
-def _load_app(path: str) -> Any:
-    """Import an app file by path (apps/ is not a package)."""
-    name = f"_bench_app_{Path(path).stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot import the app {ROOT / path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def _app_config(path: str) -> Any:
+    """The app's resolved default Config (its env's preset applied), as `reactor run` makes it."""
+    from reactor.launch._app import load_app, make_config
+
+    return make_config(load_app(ROOT / path), {})
 
 
 def eval_every_env_steps(algo: Algo) -> int:
     """The app's evaluation period in env steps (its default Config), SB3's evaluation period."""
-    cfg = _load_app(algo.app).Config()
+    cfg = _app_config(algo.app)
     return max(1, round(cfg.eval_every_updates / algo.updates_per_env_step(cfg)))
 
 

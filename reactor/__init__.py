@@ -44,5 +44,6 @@ from .launch._result import RunResult as RunResult
 from .launch._runtime import current_run_id as current_run_id
 from .launch._runtime import run as run
 from .launch._runtime import run_async as run_async
+from .nodes._policy import load_policy as load_policy
 
 __version__ = "0.1.0"

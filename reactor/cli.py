@@ -1,4 +1,4 @@
-"""The ``reactor`` command: ``run``, ``graph``, ``trace``, ``plot``; ``keys``, ``daemon``, ``submit``,
+"""The ``reactor`` command: ``run``, ``graph``, ``trace``, ``plot``, ``eval``; ``keys``, ``daemon``, ``submit``,
 ``status``, ``logs`` and ``stop`` for jobs on daemons.
 
 Mistakes a user can make at the command line (a wrong path, an app without ``build``, a bad
@@ -55,15 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
                    help="end at this logical time (deterministic) or after this many seconds (async)")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field of the app (repeatable)")
+    r.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="set config fields of the app or its algorithm (--set env=Acrobot-v1 lr=5e-4; repeatable)")
     r.add_argument("--digest", action="store_true", help="print a hash of every message each reactor received")
     r.add_argument("--json", action="store_true", help="print the run result as JSON")
     r.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
     g = sub.add_parser("graph", help="print an app's topology", description="Print the graph as text and Mermaid.")
     g.add_argument("app")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    g.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
     g.add_argument("--format", choices=("text", "mermaid", "both"), default="both")
 
     t = sub.add_parser("trace", help="inspect trace files", description="Show or compare recorded schedules.")
@@ -79,6 +79,15 @@ def _parser() -> argparse.ArgumentParser:
                         description="Write a PNG of the learning curves in a run directory.")
     pl.add_argument("run_dir", help="a run directory written by a training app (holds metrics.csv)")
     pl.add_argument("-o", "--out", default=None, help="the PNG's path (default RUN_DIR/curves.png)")
+
+    ev = sub.add_parser("eval", help="play a trained policy", description="Run a run directory's trained policy on "
+                        "its env (greedy) and print the mean and std of its episode returns.")
+    ev.add_argument("run_dir", help="a run directory written by a training app (holds config.json and learner.pt)")
+    ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
+    ev.add_argument("--seed", type=int, default=0, help="the episodes' env seed (default 0)")
+    ev.add_argument("--video", default=None, metavar="DIR",
+                    help="record each episode as an MP4 in DIR (gymnasium's RecordVideo; pip install 'reactor[video]')")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
 
     k = sub.add_parser("keys", help="CURVE keys for daemons and clients")
     ksub = k.add_subparsers(dest="keys_command", required=True)
@@ -156,14 +165,14 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--async", dest="async_", action="store_true")
         parser.add_argument("--restart", default=None, metavar="POLICY")
         parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
         parser.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
 
     su = sub.add_parser("submit", help="run an app as a job on a daemon; prints the job id")
     su.add_argument("app")
     su.add_argument("--placement", default="single", help="as for run; a placement file travels with the job")
     su.add_argument("--hosts", default=None, metavar="FILE", help="as for run; travels with the job")
-    su.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    su.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--async", dest="async_", action="store_true")
     su.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
@@ -207,6 +216,23 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
             print(f"reactor: stopped at once ({signal.Signals(received[-1]).name} twice); every process and "
                   f"shared-memory segment of the run reaped", file=sys.stderr)
         return 128 + (received[0] if received else signal.SIGINT)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """reactor eval RUN_DIR: the trained policy's greedy returns on its env."""
+    from .nodes._policy import evaluate_policy, load_policy
+
+    policy = load_policy(args.run_dir)
+    returns = evaluate_policy(policy, args.episodes, seed=args.seed, video_dir=args.video)
+    if args.json:
+        print(json.dumps({"run_dir": str(args.run_dir), "algo": policy.algo, "env": policy.env,
+                          "updates": policy.updates, "episodes": len(returns), "mean": float(returns.mean()),
+                          "std": float(returns.std()), "returns": [float(r) for r in returns]}))
+    else:
+        print(f"{policy.algo} on {policy.env} ({policy.updates} updates): return {returns.mean():.1f} "
+              f"± {returns.std():.1f} over {len(returns)} episodes (min {returns.min():.1f}, max {returns.max():.1f})"
+              + (f"; videos in {args.video}" if args.video else ""))
+    return 0
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -366,6 +392,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.format in ("mermaid", "both"):
             print(graph.mermaid())
         return 0
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "plot":
         from .nodes.plot import plot_run
 

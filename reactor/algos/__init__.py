@@ -8,6 +8,8 @@ one process, across processes, or with data-parallel learners, unchanged.
 The fragment contract (every name is required unless marked optional)::
 
     KIND: "off_policy" | "on_policy"
+    ACTIONS: "discrete" | "continuous"    optional: the action spaces it acts in (a gymnasium
+                                Discrete or Box); an env of the other kind is refused, naming both
     Config                      frozen dataclass of hyper-parameters, paper defaults, with
                                 Config.from_dict(d) -> Config (unknown keys raise ValueError)
     store(obs_space, act_space, config) -> StoreSpec(fields, read)       # off_policy only

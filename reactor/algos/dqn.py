@@ -20,6 +20,7 @@ from . import StoreSpec, config_from_dict
 from ._common import adam
 
 KIND = "off_policy"
+ACTIONS = "discrete"
 
 
 @dataclass(frozen=True)

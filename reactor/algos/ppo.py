@@ -32,6 +32,7 @@ __all__ = ["KIND", "Config", "Policy", "State", "act", "advantages", "gae", "ini
            "load_weights", "make_policy", "policy_weights", "state_dict"]
 
 KIND = "on_policy"
+ACTIONS = "discrete"
 
 
 # ------------------------------------------------------------------------------------------ config

@@ -51,6 +51,7 @@ from reactor.algos import StoreSpec, config_from_dict
 from reactor.replay import WindowRead
 
 KIND = "off_policy"
+ACTIONS = "discrete"
 
 __all__ = [
     "KIND", "Config", "Policy", "QTransformer", "State", "act", "init", "learn", "load_state_dict",

@@ -2,6 +2,17 @@
 
 An app may define a frozen dataclass ``Config``; ``--set key=value`` overrides are then checked
 against its fields and converted to their types. Without one, ``build`` receives a plain dict.
+Two more module attributes, both optional, serve training apps:
+
+- ``ALGO``: the algorithm; a ``--set`` key that is not a field of ``Config`` but one of the
+  algorithm's Config (``lr=3e-4``) goes into the app's ``algo_config`` (over what it says there).
+  ``Config.algorithm_fields(ALGO)`` names those fields (the standard apps' configs define it:
+  ``reactor.nodes.apps``; this layer imports no algorithm).
+- ``PRESETS``: ``{env_id: {key: value}}``; the entry of the chosen ``env`` (``--set env=...``, else
+  ``Config``'s default) goes under the ``--set`` values (RL-Zoo's tuned settings per env).
+
+The app file's directory is put on ``sys.path`` of every process that loads it (as ``python
+app.py`` does), so modules beside it (a custom env's) import under every placement.
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ def load_app(path: str | Path) -> ModuleType:
     name = "reactor_app_" + hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
+    where = str(p.resolve().parent)
+    if where not in sys.path:
+        sys.path.append(where)  # after the installed packages: a file beside the app never shadows one
     spec = importlib.util.spec_from_file_location(name, p)
     if spec is None or spec.loader is None:
         raise AppError(f"cannot import {str(path)!r} as a Python file")
@@ -68,16 +82,44 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
-    """The config object handed to ``build``: the app's ``Config`` with overrides, or a dict."""
+    """The config object handed to ``build``: the app's ``Config`` with its ``env``'s preset and
+    the overrides (algorithm fields routed into ``algo_config``), or a dict.
+
+    Raises:
+        AppError: a key that is neither the app's nor the algorithm's (listing both), or a value of
+            the wrong type.
+    """
     cls = getattr(module, "Config", None)
     if cls is None or not dataclasses.is_dataclass(cls):
         return dict(overrides)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    kwargs = {}
+    algo_fields = _algo_fields(module, cls)
+    env = overrides.get("env", fields["env"].default if "env" in fields else None)
+    presets = getattr(module, "PRESETS", None) or {}
+    preset = presets.get(env, {}) if isinstance(env, str) else {}
+    # The algorithm's keys: the preset's, then algo_config={...}, then the flat ones (lr=...).
+    algo: dict[str, Any] = {k: v for k, v in preset.items() if k not in fields}
+    given = overrides.get("algo_config", {})
+    if not isinstance(given, dict):
+        raise AppError(f"config key 'algo_config' expects dict, got {given!r}")
+    algo.update(given)
+    kwargs: dict[str, Any] = {k: v for k, v in preset.items() if k in fields}
     for key, value in overrides.items():
+        if key == "algo_config":
+            continue
         if key not in fields:
-            raise AppError(f"unknown config key {key!r}; {cls.__name__} has: {', '.join(sorted(fields))}")
+            if key in algo_fields:
+                algo[key] = value
+                continue
+            theirs = f"; the algorithm {module.ALGO!r} has: {', '.join(sorted(algo_fields))}" if algo_fields else ""
+            raise AppError(f"unknown config key {key!r}; {cls.__name__} has: {', '.join(sorted(fields))}{theirs}")
+        kwargs[key] = value
+    if algo or "algo_config" in overrides:
+        if "algo_config" not in fields:
+            raise AppError(f"{cls.__name__} has no algo_config field for the algorithm's keys {sorted(algo)}")
+        kwargs["algo_config"] = algo
+    for key, value in list(kwargs.items()):
         want = hints.get(key)
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -85,6 +127,19 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
             raise AppError(f"config key {key!r} expects {want.__name__}, got {value!r}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _algo_fields(module: ModuleType, cls: Any) -> set[str]:
+    """The field names of the app's algorithm's Config: ``Config.algorithm_fields(ALGO)`` (the
+    standard apps' configs define it, ``reactor.nodes.apps``), or none."""
+    algo = getattr(module, "ALGO", None)
+    fields_of = getattr(cls, "algorithm_fields", None)
+    if algo is None or fields_of is None:
+        return set()
+    try:
+        return set(fields_of(algo))
+    except ValueError as e:
+        raise AppError(f"{module.__file__}: ALGO = {algo!r}: {e}") from e
 
 
 def build_graph(path: str | Path, overrides: Mapping[str, Any]) -> Graph:

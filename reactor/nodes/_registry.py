@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["configure_torch", "denormals_flushed", "load_algorithm", "make_env", "make_vector_env"]
+__all__ = ["check_spaces", "configure_torch", "denormals_flushed", "load_algorithm", "make_env", "make_vector_env"]
 
 
 def configure_torch() -> None:
@@ -71,10 +71,51 @@ def load_algorithm(name: str) -> ModuleType:
 
 
 def make_env(name: str) -> Any:
-    """One environment by gymnasium id (``reactor.algos.envs`` registers the extra tasks)."""
+    """One environment by gymnasium id (``reactor.algos.envs`` registers the extra tasks), or
+    ``"module:Id"``: gymnasium imports ``module`` (which registers ``Id``) first.
+
+    Raises:
+        ValueError: no such env, or its module does not import (naming the id and why).
+    """
     from ..algos import envs
 
-    return envs.make_env(name)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"env must be a gymnasium id such as 'CartPole-v1', got {name!r}")
+    try:
+        return envs.make_env(name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env {name!r}: its module does not import here ({type(e).__name__}: {e}); a custom "
+                         f"env's module must be importable in every process (installed, on PYTHONPATH, or "
+                         f"beside the app file)") from e
+    except Exception as e:
+        import gymnasium
+
+        if isinstance(e, gymnasium.error.Error):
+            raise ValueError(f"env {name!r}: {e}") from e
+        raise
+
+
+#: What each action-space kind needs, for the error that names the algorithms that fit instead.
+_FITS = {"discrete": "dqn, ppo or transformer_dqn", "continuous": "sac, td3 or ddpg"}
+
+
+def check_spaces(algo: str, module: ModuleType, env: str, obs_space: Any, act_space: Any, config: Any) -> None:
+    """Refuse an env whose action space the algorithm does not act in (its optional ``ACTIONS``:
+    ``"discrete"`` or ``"continuous"``), naming the env's space and the algorithms that fit it.
+
+    Raises:
+        ValueError: the kinds differ, or the observation space is not a Box (flat arrays).
+    """
+    kind = getattr(module, "ACTIONS", None)
+    space = type(act_space).__name__
+    got = {"Discrete": "discrete", "Box": "continuous"}.get(space, space)
+    if kind is not None and kind != got:
+        fits = _FITS.get(got)
+        raise ValueError(f"{algo} needs a {kind} action space, but env {env!r} has {act_space!r} ({got})"
+                         + (f"; for {got} actions use {fits}" if fits else ""))
+    if type(obs_space).__name__ != "Box":
+        raise ValueError(f"{algo} needs array observations (a Box space), but env {env!r} has {obs_space!r}; "
+                         f"wrap the env (e.g. gymnasium.wrappers.FlattenObservation) in a module that registers it")
 
 
 def make_vector_env(name: str, num_envs: int) -> Any:

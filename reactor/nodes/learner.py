@@ -76,6 +76,8 @@ class _LearnerBase(Reactor):
                 self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
+        if self.ckpt is not None and self.bank_index == 0:
+            self._write_config()
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
         if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
             saved = torch.load(self.ckpt, weights_only=True)
@@ -136,6 +138,20 @@ class _LearnerBase(Reactor):
                 return _step(*args, **kwargs)
 
             opt.step = averaged_step  # type: ignore[method-assign]
+
+    def _write_config(self) -> None:
+        """``run_dir/config.json``: what rebuilds the policy (``reactor.load_policy``) without the app."""
+        import dataclasses
+        import json
+
+        assert self.ckpt is not None
+        record = {"format": 1, "algo": self.algo_name, "env": self.env_name,
+                  "algo_config": dataclasses.asdict(self.config), "app_config": self.app_config,
+                  "weights": self.ckpt.name}
+        self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.ckpt.with_name("config.json.tmp")
+        tmp.write_text(json.dumps(record, indent=2, default=repr) + "\n")
+        os.replace(tmp, self.ckpt.with_name("config.json"))
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         import torch
@@ -206,6 +222,7 @@ class Learner(_LearnerBase):
         checkpoint_every: updates between checkpoints (0: only at the end).
         resume: start from ``run_dir/learner.pt`` when it exists.
         sample_timeout_s: a shard that has not answered for this long is lost (``PeerLostError``).
+        app_config: the app's resolved Config, recorded in ``run_dir/config.json``.
     """
 
     replies = Input(ReplayReply, required=True)
@@ -235,6 +252,7 @@ class Learner(_LearnerBase):
         checkpoint_every: int = 0,
         resume: bool = False,
         sample_timeout_s: float | None = 300.0,
+        app_config: dict[str, Any] | None = None,
     ) -> None:
         for what, v in (("num_shards", num_shards), ("batch_size", batch_size), ("prefetch", prefetch),
                         ("weights_every", weights_every), ("report_every", report_every)):
@@ -252,6 +270,7 @@ class Learner(_LearnerBase):
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.sample_timeout_s = sample_timeout_s
+        self.app_config = app_config
         self.samples = 0
         self._due = 0  # samples taken whose update is still to run (update_due scheduled)
 
@@ -365,7 +384,7 @@ class RolloutLearner(_LearnerBase):
 
     def __init__(self, algo: str, env: str, algo_config: dict[str, Any] | None = None, *, num_actors: int = 1,
                  seed: int = 0, run_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-                 max_updates: int | None = None) -> None:
+                 max_updates: int | None = None, app_config: dict[str, Any] | None = None) -> None:
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"RolloutLearner num_actors must be an int >= 1, got {num_actors!r}")
         self.algo_name, self.env_name, self.algo_config = algo, env, dict(algo_config or {})
@@ -375,6 +394,7 @@ class RolloutLearner(_LearnerBase):
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.max_updates = max_updates
+        self.app_config = app_config
         self.pending: dict[int, Rollout] = {}
         self.samples = 0
 

@@ -22,7 +22,6 @@ step (``ReactorHost.promises`` reads that from the reactions' declared effects).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from .._graph import Graph
@@ -34,7 +33,7 @@ from .messages import requester_key, shard_key, writer_key
 from .metrics import Metrics
 from .replay import Replay
 
-__all__ = ["ControlAppConfig", "control_app_graph", "off_policy_graph", "on_policy_graph"]
+__all__ = ["off_policy_graph", "on_policy_graph"]
 
 
 def off_policy_graph(
@@ -71,6 +70,7 @@ def off_policy_graph(
     replay_wal: bool = False,
     live: bool = True,
     title: str = "",
+    app_config: dict[str, Any] | None = None,
 ) -> Graph:
     """Actors, replay shards, learner(s), evaluator and metrics for an off-policy algorithm.
 
@@ -93,14 +93,25 @@ def off_policy_graph(
     not change is not rewritten) and once more at the end of the run, and ``resume=True`` restores
     the shards from them (with the learner). Inserts since a shard's last checkpoint are lost if its
     process dies, unless ``replay_wal`` logs each one (fsynced) before acknowledging it.
+
+    The learner writes ``run_dir/config.json`` (algorithm, env, its resolved Config, and
+    ``app_config``: the app's resolved Config, when an app built the graph) beside its weights
+    (``learner.pt``): what :func:`reactor.load_policy` rebuilds the policy from.
+
+    Raises:
+        ValueError: ``algo_config`` does not fit the algorithm's Config, or the env's action space
+            is not one the algorithm acts in (naming both); checked here, before anything starts.
     """
-    from ._registry import load_algorithm, make_env
+    from ._registry import check_spaces, load_algorithm, make_env
 
     algo_mod = load_algorithm(algo)
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
     probe = make_env(env)
-    spec = algo_mod.store(probe.observation_space, probe.action_space, config)
-    probe.close()
+    try:
+        check_spaces(algo, algo_mod, env, probe.observation_space, probe.action_space, config)
+        spec = algo_mod.store(probe.observation_space, probe.action_space, config)
+    finally:
+        probe.close()
     fields = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in spec.fields]
     per_shard_min = max(1, min_size // shards)
     # One Steps message carries up to flush_steps rows plus one episode chunk: the limiter's window
@@ -126,7 +137,8 @@ def off_policy_graph(
     )
     learner = g.add(
         Learner(algo, env, algo_config, num_shards=shards, batch_size=batch_size, weights_every=weights_every,
-                seed=seed, run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume),
+                seed=seed, run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
+                app_config=app_config),
         name="learner", replicas=learners,
     )
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
@@ -178,6 +190,7 @@ def on_policy_graph(
     resume: bool = False,
     live: bool = True,
     title: str = "",
+    app_config: dict[str, Any] | None = None,
 ) -> Graph:
     """Actors send rollouts straight to one learner (synchronous on-policy training, e.g. PPO).
 
@@ -190,19 +203,25 @@ def on_policy_graph(
         ValueError: ``algo`` is not an on-policy algorithm, or ``algo_config`` does not fit its
             Config (checked here, before anything starts).
     """
-    from ._registry import load_algorithm
+    from ._registry import check_spaces, load_algorithm, make_env
 
     algo_mod = load_algorithm(algo)
     if algo_mod.KIND != "on_policy":
         raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "
                          f"(use off_policy_graph)")
-    algo_mod.Config.from_dict(dict(algo_config or {}))
+    config = algo_mod.Config.from_dict(dict(algo_config or {}))
+    probe = make_env(env)
+    try:
+        check_spaces(algo, algo_mod, env, probe.observation_space, probe.action_space, config)
+    finally:
+        probe.close()
     g = Graph()
     actor = g.add(EnvActor(algo, env, algo_config, num_envs=envs_per_actor, step_s=step_s,
                            max_env_steps=_per_actor(max_env_steps, actors)),
                   name="actor", replicas=actors)
     learner = g.add(RolloutLearner(algo, env, algo_config, num_actors=actors, seed=seed, run_dir=run_dir,
-                                   checkpoint_every=checkpoint_every, resume=resume), name="learner")
+                                   checkpoint_every=checkpoint_every, resume=resume, app_config=app_config),
+                    name="learner")
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
                       name="evaluator")
     metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
@@ -213,90 +232,3 @@ def on_policy_graph(
     for src in (actor.report, learner.report, evaluator.report):
         g.connect(src, metrics.reports, delay_s=step_s)
     return g
-
-
-@dataclass(frozen=True)
-class ControlAppConfig:
-    """The Config of an off-policy continuous-control app (``apps/{sac,td3,ddpg}_pendulum.py``).
-
-    An app file declares ``class Config(ControlAppConfig)`` (redeclaring fields to change their
-    defaults) and builds with :func:`control_app_graph`; every field can be set with ``--set``.
-    """
-
-    actors: int = 1
-    """Actors (each its own process under --placement actors) stepping envs_per_actor envs each."""
-    envs_per_actor: int = 1
-    """Envs each actor steps side by side."""
-    shards: int = 1
-    """Replay shards (N shards sample like one table)."""
-    learners: int = 1
-    """Learner replicas (more than one: --placement dp-learners, gradients all-reduced)."""
-    batch_size: int = 256
-    """Items per learner update."""
-    samples_per_insert: float = 256.0
-    """Sampled items per inserted step (with batch_size 256: one update per env step)."""
-    min_size: int = 500
-    """Steps stored before learning starts (as the app's learning_starts: random actions until then)."""
-    capacity: int = 100_000
-    """Replay capacity in steps, over all shards."""
-    prioritized: bool = True
-    """Prioritized replay (alpha 0.6, beta 0.4; learn returns |TD| priorities) instead of uniform."""
-    weights_every: int = 1
-    """Learner updates between weight broadcasts to the actors and the evaluator."""
-    weights_delay_s: float = 64e-6
-    """Logical delay from an update to the actors acting with its weights (an env step is 1e-6 s:
-    64 steps). Measured on Pendulum: 1,000 steps of lag slow learning; 10 and 64 do not differ, and
-    under --placement actors a longer delay lets an actor run further ahead of the learner's process."""
-    eval_every_updates: int = 250
-    """Learner updates between greedy evaluations."""
-    target_return: float | None = -200.0
-    """Stop when an evaluation (10 episodes) reaches this mean return (None: run to max_env_steps;
-    only a step budget ends a run at the same point under every placement)."""
-    max_env_steps: int = 30_000
-    """Stop after this many env steps in all."""
-    algo_config: dict = field(default_factory=dict)
-    """Overrides of the algorithm's Config on top of the app's tuning, e.g. --set "algo_config={'n_step': 1}"."""
-    run_dir: str = ""
-    """Where logs, checkpoints and the plot go (default runs/<app>-RUN_ID)."""
-    checkpoint_every: int = 0
-    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
-    resume: bool = False
-    """Start the learner from run_dir/learner.pt and the replay shards from their checkpoints when they
-    exist (give the old run's run_dir)."""
-    replay_checkpoint_period_s: float | None = 0.1
-    """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
-    100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
-    replay_wal: bool = False
-    """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
-    (the default loses the inserts since its last checkpoint)."""
-    live: bool = True
-    """Show live progress."""
-
-
-def control_app_graph(config: ControlAppConfig, *, algo: str, env: str, tuning: dict[str, Any], name: str,
-                      title: str) -> Graph:
-    """The graph of a continuous-control app: :func:`off_policy_graph` from a :class:`ControlAppConfig`.
-
-    Args:
-        algo: the algorithm (``"sac"``, ``"td3"``, ``"ddpg"`` or a module path).
-        env: the gymnasium id.
-        tuning: the app's overrides of the algorithm's Config; ``config.algo_config`` goes on top,
-            and ``priorities`` follows ``config.prioritized``.
-        name: the app's name, for the default run directory ``runs/<name>-RUN_ID``.
-        title: the live display's title.
-    """
-    from ..launch._runtime import current_run_id
-
-    algo_config = {**tuning, "priorities": config.prioritized, **config.algo_config}
-    return off_policy_graph(
-        algo=algo, env=env, algo_config=algo_config,
-        run_dir=config.run_dir or f"runs/{name}-{current_run_id()}",
-        actors=config.actors, envs_per_actor=config.envs_per_actor, shards=config.shards,
-        learners=config.learners, capacity=config.capacity, min_size=config.min_size,
-        prioritized=config.prioritized, samples_per_insert=config.samples_per_insert,
-        batch_size=config.batch_size, weights_every=config.weights_every, weights_delay_s=config.weights_delay_s,
-        eval_every_updates=config.eval_every_updates, target_return=config.target_return,
-        max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
-        resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
-        replay_wal=config.replay_wal, live=config.live, title=title,
-    )

@@ -1,7 +1,7 @@
 """Continuous control (``reactor.algos.sac``, ``td3``, ``ddpg``): acting, config, state, learning.
 
 The unit tests drive the fragments directly on tensors; the learning tests run the real apps
-(``apps/{sac,td3,ddpg}_pendulum.py``: actor, replay shard, learner, evaluator, metrics) on the real
+(``apps/{sac,td3,ddpg}.py``: actor, replay shard, learner, evaluator, metrics) on the real
 ``Pendulum-v1``, seeded, under the single-process placement.
 """
 
@@ -337,7 +337,7 @@ def _train(tmp_path: Path, app: str, seed: int = 0, **overrides) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("app", ["sac_pendulum.py", "td3_pendulum.py"])
+@pytest.mark.parametrize("app", ["sac.py", "td3.py"])
 def test_app_solves_pendulum(tmp_path, app):
     """The real app, seeded, reaches a greedy evaluation return of -200 (10 episodes) within 5,000 env
     steps. Here seeds 0, 1 and 2 get there after 1,750, 1,750 and 2,250 env steps (SAC) and 1,750, 2,750
@@ -361,7 +361,7 @@ def test_ddpg_app_completes_and_improves(tmp_path):
     300 over the first. Here seeds 0, 1 and 4 end with best evaluations of -175, -159 and -91 (seed 3 of
     0-5 stays below -800); the next seed runs only if one falls short (tests/learning.py)."""
     summary = first_seed_passing(
-        lambda seed: _train(tmp_path / f"seed{seed}", "ddpg_pendulum.py", seed, max_env_steps=2000, target_return=None),
+        lambda seed: _train(tmp_path / f"seed{seed}", "ddpg.py", seed, max_env_steps=2000, target_return=None),
         seeds=[0, 1, 4], passed=_improved,
     )
     assert summary["env_steps"] == 2000 and summary["updates"] >= 1000 and len(summary["evaluations"]) >= 5

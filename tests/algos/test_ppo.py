@@ -1,7 +1,7 @@
 """PPO (``reactor.algos.ppo``): advantages, acting, config, state, and learning CartPole end to end.
 
 The unit tests drive the fragments directly on tensors; the learning tests run the real app
-(``apps/ppo_cartpole.py``: 2 actors of 4 envs each, the rollout learner, the evaluator) on the real
+(``apps/ppo.py``: 2 actors of 4 envs each, the rollout learner, the evaluator) on the real
 ``CartPole-v1``, seeded, under ``single`` and under ``actors`` (real actor processes).
 """
 
@@ -20,7 +20,7 @@ from reactor.algos import ppo
 from reactor.launch._app import build_graph
 from tests.learning import first_seed_passing
 
-APP = str(Path(__file__).resolve().parents[2] / "apps" / "ppo_cartpole.py")
+APP = str(Path(__file__).resolve().parents[2] / "apps" / "ppo.py")
 OBS = gym.spaces.Box(-5.0, 5.0, (4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(2)
 

@@ -1,7 +1,7 @@
 """Transformer DQN (``reactor.algos.transformer_dqn``): causality, masking, history, config, state, learning.
 
 The unit tests drive the fragments directly on tensors; the learning tests run the real app
-(``apps/transformer_dqn_pocartpole.py``: actors, replay shards, learner, evaluator) on the real
+(``apps/transformer_dqn.py``: actors, replay shards, learner, evaluator) on the real
 ``CartPoleNoVel-v1``, seeded, under the single-process placement.
 """
 
@@ -24,7 +24,7 @@ from reactor.nodes.writer import WindowPattern, Writer
 from reactor.replay import FieldSpec, Storage, WindowRead
 from tests.learning import every_seed_stays_below_target, first_seed_passing
 
-APP = str(Path(__file__).resolve().parents[2] / "apps" / "transformer_dqn_pocartpole.py")
+APP = str(Path(__file__).resolve().parents[2] / "apps" / "transformer_dqn.py")
 OBS = gym.spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
 ACT = gym.spaces.Discrete(2)
 

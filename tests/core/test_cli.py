@@ -62,7 +62,7 @@ def test_run_options_are_checked_before_the_app_and_torch_are_imported():
         (["--hosts", "no/hosts.toml"], "reactor: no hosts file at 'no/hosts.toml'\n"),
         (["--with", "no/file.py"], "reactor: no --with file at 'no/file.py'\n"),
     ):
-        p = subprocess.run([sys.executable, "-c", code, "run", str(ROOT / "apps" / "dqn_cartpole.py"), *args],
+        p = subprocess.run([sys.executable, "-c", code, "run", str(ROOT / "apps" / "dqn.py"), *args],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert (p.stdout.split(), p.stderr) == (["2", "False"], message), args
 
@@ -125,8 +125,7 @@ def test_trace_show_and_diff(tmp_path):
     assert p.returncode == 2 and p.stderr.startswith(f"reactor: {junk} is not a")
 
 
-@pytest.mark.parametrize("app", sorted(p.name for p in (ROOT / "apps").glob("*.py")
-                                       if "target_return:" in p.read_text()))
+@pytest.mark.parametrize("app", sorted(p.name for p in (ROOT / "apps").glob("*.py") if "\nALGO = " in p.read_text()))
 def test_every_training_app_takes_target_return_none(app):
     """Regression (issue 19): the transformer app refused `--set target_return=None`, which every
     other app took (None: run to max_env_steps)."""

@@ -232,9 +232,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("app", "victim"), [
-    ("dqn_cartpole.py", "actor-1"),
-    ("dqn_cartpole.py", "learner"),
-    ("transformer_dqn_pocartpole.py", "replay-0"),  # windows: the shards' rings in shared memory
+    ("dqn.py", "actor-1"),
+    ("dqn.py", "learner"),
+    ("transformer_dqn.py", "replay-0"),  # windows: the shards' rings in shared memory
 ])
 def test_a_worker_killed_at_a_random_moment_ends_the_run_with_its_name_and_leaves_nothing_behind(tmp_path, app,
                                                                                               victim):
@@ -312,7 +312,7 @@ def test_a_dqn_run_under_actors_under_hostile_frames_on_every_socket_ends_with_t
     budget: while it trains, every worker's and the coordinator's socket gets garbage, forged
     control and data messages and takeover attempts. It ends with the same weights, bit for bit, as
     the same run undisturbed, and every process counted what it dropped."""
-    args = ["apps/dqn_cartpole.py", "--placement", "actors", "--seed", "3", "--json", "--set", "live=False",
+    args = ["apps/dqn.py", "--placement", "actors", "--seed", "3", "--json", "--set", "live=False",
             "--set", "max_env_steps=4000", "--set", "target_return=None"]
     ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", *args, "--set",
                           f"run_dir={str(tmp_path / 'ref')!r}"], cwd=ROOT, env=_env(tmp_path / "r"),

@@ -30,7 +30,7 @@ from reactor.transport._shm import list_segments
 from .hosts import Cluster, in_thread, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 DEMO = str(ROOT / "apps" / "demo_pipeline.py")
 
 

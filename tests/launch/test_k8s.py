@@ -22,7 +22,7 @@ yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[2]
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 K8S_VERSION = "1.30.0"
 
 
@@ -58,9 +58,9 @@ def test_the_manifests_validate_against_kubernetes_schemas_and_carry_what_the_ru
     assert {g.hosts[0] for g in plan.groups} == {f"rl-daemon-{i}" for i in range(4)}
 
     # The app and its file travel in the ConfigMap; the Job runs it with the options given.
-    assert cm["data"]["dqn_cartpole.py"] == Path(DQN).read_text() and cm["data"]["my_env.py"] == "X = 1\n"
+    assert cm["data"]["dqn.py"] == Path(DQN).read_text() and cm["data"]["my_env.py"] == "X = 1\n"
     run = job["spec"]["template"]["spec"]["containers"][0]
-    assert run["command"] == ["reactor", "run", "/app/dqn_cartpole.py", "--hosts", "/app/hosts.toml", "--placement",
+    assert run["command"] == ["reactor", "run", "/app/dqn.py", "--hosts", "/app/hosts.toml", "--placement",
                               "actors", "--async", "--with", "/app/my_env.py", "--set", "target_return=475"]
     wait = job["spec"]["template"]["spec"]["initContainers"][0]["command"]
     compile(wait[2], "wait", "exec")

@@ -25,7 +25,7 @@ def _wait(pred, timeout_s: float, what: str):
 
 
 ROOT = Path(__file__).resolve().parents[2]
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from ..faults.test_live_runs import _alive, _children, _env, _rt, _run_id
 from .hosts import Cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 FOREVER = str(ROOT / "tests" / "apps" / "forever.py")
 
 
@@ -330,7 +330,7 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
         assert "worker 'actor-1' was lost with host 'h3'" in text
         assert {g: w["host"] for g, w in final["groups"].items()} == {
             "learner": "h1", "replay-0": "h1", "replay-1": "h2", "actor-0": "h2", "actor-1": "h2"}
-        (back,) = tmp_path.glob(f"h1/jobs/{job}/app/runs/dqn_cartpole-*")  # copied back to the job's directory
+        (back,) = tmp_path.glob(f"h1/jobs/{job}/app/runs/dqn-CartPole-v1-*")  # copied back to the job's directory
         assert (back / "metrics.csv").is_file() and (back / "replay-1").is_dir()
         c.wait_no_workers()
     finally:

@@ -26,7 +26,7 @@ def _wait(pred, timeout_s: float, what: str):
 
 
 ROOT = Path(__file__).resolve().parents[2]
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 
 
 def test_the_batch_script_asks_for_the_nodes_and_runs_the_app_here_on_the_first(tmp_path):

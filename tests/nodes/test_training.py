@@ -20,7 +20,7 @@ from reactor.launch._app import build_graph
 from tests.learning import first_seed_passing
 
 ROOT = Path(__file__).resolve().parents[2]
-DQN = str(ROOT / "apps" / "dqn_cartpole.py")
+DQN = str(ROOT / "apps" / "dqn.py")
 
 
 def _run(app: str, config: dict, **kw):

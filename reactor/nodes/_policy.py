@@ -1,0 +1,200 @@
+"""Trained policies from a run directory: ``reactor.load_policy(run_dir).act(obs)``, and ``reactor eval``.
+
+A learner writes ``config.json`` (algorithm, env, the algorithm's resolved Config, the app's) when it
+starts and ``learner.pt`` (the algorithm's ``state_dict``) at every checkpoint and at the end. That is
+all a policy needs: it is rebuilt with the algorithm's own fragments (``init``, ``load_state_dict``,
+``policy_weights``, ``make_policy``, ``load_weights``, ``act``), with no app file and no runtime.
+``learner.pt`` is read with ``torch.load(weights_only=True)``: tensors and plain containers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Policy", "evaluate_policy", "load_policy"]
+
+#: The large env-step count ``act(deterministic=False)`` passes: exploration schedules at their end.
+_LATE_STEP = 10**12
+
+
+class Policy:
+    """A trained policy: ``act(obs)`` for one observation or a batch, numpy or torch.
+
+    Attributes:
+        algo: the algorithm's name; ``env``: the env id it was trained on.
+        config: the algorithm's resolved Config; ``app_config``: the app's (a dict, or None).
+        observation_space, action_space: the env's.
+        updates: learner updates behind these weights.
+        weights_sha256: the hash the learner printed and wrote to ``weights.sha256`` at its end.
+    """
+
+    def __init__(self, run_dir: Path, record: dict[str, Any], seed: int) -> None:
+        import torch
+
+        from ._registry import load_algorithm, make_env
+
+        self.run_dir = run_dir
+        self.algo = str(record["algo"])
+        self.env = str(record["env"])
+        self.app_config = record.get("app_config")
+        self.module = load_algorithm(self.algo)
+        self.config = self.module.Config.from_dict(_tuples(self.module.Config, dict(record["algo_config"])))
+        probe = make_env(self.env)
+        self.observation_space, self.action_space = probe.observation_space, probe.action_space
+        probe.close()
+        weights_file = run_dir / str(record.get("weights", "learner.pt"))
+        if not weights_file.is_file():
+            raise FileNotFoundError(f"{run_dir}: no weights ({weights_file.name}): the learner writes them at its "
+                                    f"checkpoints and at the end of the run")
+        saved = torch.load(weights_file, weights_only=True)
+        with torch.random.fork_rng():
+            state = self.module.init(self.observation_space, self.action_space, self.config, 0)
+        self.module.load_state_dict(state, saved["algo"])
+        self.updates = int(saved["updates"])
+        weights = self.module.policy_weights(state)
+        h = hashlib.sha256()
+        for name, t in sorted(weights.items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        self.weights_sha256 = h.hexdigest()
+        self._weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        self.policy = self._fresh()
+        self.generator = torch.Generator().manual_seed(seed)
+        self._rows: int | None = None
+
+    def act(self, obs: Any, deterministic: bool = True) -> Any:
+        """The action for ``obs``: one observation (the env's observation shape) or a batch of them.
+
+        Returns the same kind as ``obs`` (a torch tensor for a tensor, else a numpy array), batched
+        as ``obs`` is. ``deterministic=False`` acts as the actors did at the end of training
+        (epsilon-greedy at its final epsilon, or a sampled stochastic action). Agents with memory
+        (``transformer_dqn``) remember each row's history across calls: call :meth:`reset` when an
+        episode ends (a batch of a new size starts afresh).
+
+        Raises:
+            ValueError: ``obs`` has neither the observation shape nor a leading batch dimension on it.
+        """
+        import torch
+
+        from ._registry import denormals_flushed
+
+        is_tensor = isinstance(obs, torch.Tensor)
+        x = obs.detach().cpu() if is_tensor else torch.as_tensor(np.asarray(obs))
+        shape = tuple(self.observation_space.shape)
+        if tuple(x.shape) == shape:
+            single = True
+            x = x.unsqueeze(0)
+        elif tuple(x.shape[1:]) == shape and x.dim() == len(shape) + 1:
+            single = False
+        else:
+            raise ValueError(f"{self.algo} policy for {self.env}: observation of shape {tuple(x.shape)}; expected "
+                             f"{shape} or (batch, {', '.join(map(str, shape))})")
+        x = x.to(torch.float32) if x.dtype == torch.float64 else x
+        if self._rows != x.shape[0]:  # a batch of a new size: agents with memory start afresh
+            if self._rows is not None and hasattr(self.module, "reset"):
+                self.policy = self._fresh()
+            self._rows = x.shape[0]
+        with torch.no_grad(), denormals_flushed():
+            action, _ = self.module.act(self.policy, x, _LATE_STEP, self.generator, greedy=deterministic)
+        action = action[0] if single else action
+        return action if is_tensor else action.numpy()
+
+    def reset(self, ended: Any = None) -> None:
+        """Agents with memory: forget the history of the rows whose episode ended (``ended``: bool
+        per row; None: all). Memoryless agents ignore it."""
+        if hasattr(self.module, "reset") and self._rows is not None:
+            flags = np.ones(self._rows, dtype=bool) if ended is None else np.asarray(ended, dtype=bool)
+            self.module.reset(self.policy, flags)
+
+    def _fresh(self) -> Any:
+        """A new policy object with these weights (and, for agents with memory, no history)."""
+        import torch
+
+        with torch.random.fork_rng():  # make_policy's initial weights draw from torch's stream
+            policy = self.module.make_policy(self.observation_space, self.action_space, self.config)
+        self.module.load_weights(policy, self._weights)
+        return policy
+
+    def __repr__(self) -> str:
+        return f"Policy({self.algo} on {self.env}, {self.updates} updates, from {str(self.run_dir)!r})"
+
+
+def _tuples(cls: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no tuples: lists become tuples where the Config's default is one."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    return {k: tuple(v) if isinstance(v, list) and isinstance(defaults.get(k), tuple) else v for k, v in d.items()}
+
+
+def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:
+    """The trained policy of a run: ``load_policy("runs/dqn-CartPole-v1-…").act(obs)``.
+
+    Needs only the run directory (``config.json`` and ``learner.pt``, written by the learner) and
+    reactor; no app file. ``seed`` seeds the stochastic actions of ``act(deterministic=False)``.
+
+    Raises:
+        FileNotFoundError: no such directory, or no ``config.json`` or weights in it.
+        ValueError: ``config.json`` is not one a learner wrote (naming what is wrong), or its env
+            or algorithm is not available here.
+    """
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"no run directory at {str(run_dir)!r}")
+    path = d / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{d}: no config.json: a learner writes it when a run starts (a run directory "
+                                f"of reactor run with a training app)")
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
+    if not isinstance(record, dict) or record.get("format") != 1 or not isinstance(record.get("algo"), str) \
+            or not isinstance(record.get("env"), str) or not isinstance(record.get("algo_config"), dict):
+        raise ValueError(f"{path}: not a learner's config.json (expected format 1 with algo, env and algo_config)")
+    return Policy(d, record, seed)
+
+
+def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str | Path | None = None) -> np.ndarray:
+    """Returns of ``episodes`` greedy episodes of ``policy`` on its env (side by side in a vector env),
+    or one after another with each recorded to ``video_dir`` (gymnasium's ``RecordVideo``; needs
+    ``moviepy``: the ``video`` extra)."""
+    from ._registry import make_vector_env
+    from .evaluator import evaluate
+
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    if video_dir is None:
+        env = make_vector_env(policy.env, episodes)
+        try:
+            return evaluate(policy.module, policy._fresh(), env, episodes, seed)
+        finally:
+            env.close()
+    import os
+
+    import gymnasium as gym
+
+    try:
+        import moviepy  # noqa: F401  (RecordVideo writes with it)
+        import pygame  # noqa: F401  (gymnasium's classic-control envs render with it)
+    except ImportError as e:
+        raise ValueError(f"--video needs moviepy and pygame ({e}): pip install 'reactor[video]'") from e
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # rendering off screen: no display, no audio
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    try:
+        env = gym.wrappers.RecordVideo(gym.make(policy.env, render_mode="rgb_array"), str(video_dir),
+                                       episode_trigger=lambda _: True,
+                                       name_prefix=f"{policy.algo}-{policy.env.replace(':', '_').replace('/', '_')}",
+                                       disable_logger=True)
+    except gym.error.Error as e:
+        raise ValueError(f"env {policy.env!r} cannot record video: {e}") from e
+    vec = gym.vector.SyncVectorEnv([lambda: env])
+    try:  # one episode after another: RecordVideo starts a file at every reset
+        return np.asarray([float(evaluate(policy.module, policy._fresh(), vec, 1, seed + i)[0])
+                           for i in range(episodes)])
+    finally:
+        vec.close()

@@ -1,0 +1,184 @@
+"""The configs of the standard apps (``apps/*.py``): every field settable with ``--set``, the env by id.
+
+An app file declares ``ALGO``, ``PRESETS`` (``reactor.nodes.presets``) and ``class
+Config(OffPolicyAppConfig)`` or ``(OnPolicyAppConfig)``, redeclaring the fields whose defaults it
+changes, and builds with :func:`off_policy_app_graph` / :func:`on_policy_app_graph`. When the config
+is made from ``--set`` values (``reactor.launch._app.make_config``), the preset of the chosen ``env``
+goes under them, and a key that is a field of the algorithm's Config (``lr=3e-4``) goes into
+``algo_config``.
+
+``env`` is any registered gymnasium id, or ``"module:Id"`` for an env that ``module`` registers when
+imported (gymnasium imports it; every worker does the same, so the module must be importable where
+the workers run: installed, on ``PYTHONPATH``, or beside the app file, whose directory is on the
+path of every process that loads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._graph import Graph
+from .training import off_policy_graph, on_policy_graph
+
+__all__ = ["OffPolicyAppConfig", "OnPolicyAppConfig", "off_policy_app_graph", "on_policy_app_graph"]
+
+
+@dataclass(frozen=True)
+class OffPolicyAppConfig:
+    """The Config of an off-policy app (DQN, SAC, TD3, DDPG, the transformer agent)."""
+
+    env: str = ""
+    """The environment: a gymnasium id (``CartPole-v1``) or ``module:Id`` (an env that module registers)."""
+    actors: int = 1
+    """Actors (each its own process under --placement actors) stepping envs_per_actor envs each."""
+    envs_per_actor: int = 1
+    """Envs each actor steps side by side."""
+    shards: int = 1
+    """Replay shards (N shards sample like one table)."""
+    learners: int = 1
+    """Learner replicas (more than one: --placement dp-learners, gradients all-reduced)."""
+    batch_size: int = 256
+    """Items per learner update."""
+    samples_per_insert: float = 256.0
+    """Sampled items per inserted step (with batch_size 256: one update per env step)."""
+    min_size: int = 500
+    """Steps stored before learning starts."""
+    capacity: int = 100_000
+    """Replay capacity in steps, over all shards."""
+    prioritized: bool = True
+    """Prioritized replay (alpha 0.6, beta 0.4) instead of uniform."""
+    weights_every: int = 1
+    """Learner updates between weight broadcasts to the actors and the evaluator."""
+    weights_delay_s: float = 64e-6
+    """Logical delay from an update to the actors acting with its weights (an env step is 1e-6 s:
+    64 steps). Measured on Pendulum: 1,000 steps of lag slow learning; 10 and 64 do not differ, and
+    under --placement actors a longer delay lets an actor run further ahead of the learner's process."""
+    eval_every_updates: int = 250
+    """Learner updates between greedy evaluations."""
+    target_return: float | None = None
+    """Stop when an evaluation (10 episodes) reaches this mean return (None: run to max_env_steps;
+    only a step budget ends a run at the same point under every placement). The env's preset sets it."""
+    max_env_steps: int = 100_000
+    """Stop after this many env steps in all."""
+    algo_config: dict = field(default_factory=dict)
+    """The algorithm's Config fields (over the env's preset); --set lr=1e-3 puts lr here too."""
+    run_dir: str = ""
+    """Where logs, checkpoints, config.json and the plot go (default runs/<app>-<env>-RUN_ID)."""
+    checkpoint_every: int = 0
+    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
+    resume: bool = False
+    """Start the learner from run_dir/learner.pt and the replay shards from their checkpoints when they
+    exist (give the old run's run_dir)."""
+    replay_checkpoint_period_s: float | None = 0.1
+    """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
+    100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
+    replay_wal: bool = False
+    """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
+    (the default loses the inserts since its last checkpoint)."""
+    live: bool = True
+    """Show live progress."""
+
+    @classmethod
+    def algorithm_fields(cls, algo: str) -> set[str]:
+        """The fields of ``algo``'s Config: ``--set`` keys that go into ``algo_config``."""
+        return _algo_fields(algo)
+
+
+@dataclass(frozen=True)
+class OnPolicyAppConfig:
+    """The Config of an on-policy app (PPO): actors send rollouts straight to the learner."""
+
+    env: str = ""
+    """The environment: a gymnasium id (``CartPole-v1``) or ``module:Id`` (an env that module registers)."""
+    actors: int = 2
+    """Actor processes (under --placement actors) stepping envs_per_actor envs each."""
+    envs_per_actor: int = 4
+    """Envs each actor steps side by side."""
+    eval_every_updates: int = 4
+    """Learner updates between greedy evaluations."""
+    eval_episodes: int = 10
+    """Episodes per evaluation."""
+    target_return: float | None = None
+    """Stop when an evaluation reaches this mean return (None: run to max_env_steps; only a step
+    budget ends a run at the same point under every placement). The env's preset sets it."""
+    max_env_steps: int = 100_000
+    """Stop after this many env steps in all."""
+    algo_config: dict = field(default_factory=dict)
+    """The algorithm's Config fields (over the env's preset); --set lr=1e-3 puts lr here too."""
+    run_dir: str = ""
+    """Where logs, checkpoints, config.json and the plot go (default runs/<app>-<env>-RUN_ID)."""
+    checkpoint_every: int = 0
+    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
+    resume: bool = False
+    """Start the learner from run_dir/learner.pt when it exists (give the old run's run_dir)."""
+    live: bool = True
+    """Show live progress."""
+
+    @classmethod
+    def algorithm_fields(cls, algo: str) -> set[str]:
+        """The fields of ``algo``'s Config: ``--set`` keys that go into ``algo_config``."""
+        return _algo_fields(algo)
+
+
+def _run_dir(config: Any, name: str) -> str:
+    from ..launch._runtime import current_run_id
+
+    env = config.env.replace(":", "_").replace("/", "_")
+    return config.run_dir or f"runs/{name}-{env}-{current_run_id()}"
+
+
+def _check_env(config: Any) -> None:
+    if not isinstance(config.env, str) or not config.env:
+        raise ValueError("no environment: set env to a gymnasium id, e.g. --set env=CartPole-v1")
+
+
+def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, title: str) -> Graph:
+    """The graph of an off-policy app: :func:`~reactor.nodes.training.off_policy_graph` from its Config.
+
+    Args:
+        algo: the algorithm (``"dqn"``, ``"sac"``, ... or a module path).
+        name: the app's name, for the default run directory ``runs/<name>-<env>-RUN_ID``.
+        title: the live display's title (the env id follows it).
+    """
+    _check_env(config)
+    algo_config = dict(config.algo_config)
+    if "priorities" in _algo_fields(algo):  # learn returns |TD| priorities only when they are sampled by
+        algo_config = {"priorities": config.prioritized, **algo_config}
+    return off_policy_graph(
+        algo=algo, env=config.env, algo_config=algo_config, run_dir=_run_dir(config, name),
+        actors=config.actors, envs_per_actor=config.envs_per_actor, shards=config.shards,
+        learners=config.learners, capacity=config.capacity, min_size=config.min_size,
+        prioritized=config.prioritized, samples_per_insert=config.samples_per_insert,
+        batch_size=config.batch_size, weights_every=config.weights_every, weights_delay_s=config.weights_delay_s,
+        eval_every_updates=config.eval_every_updates, target_return=config.target_return,
+        max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
+        resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
+        replay_wal=config.replay_wal, live=config.live, title=f"{title} {config.env}",
+        app_config=_plain(config),
+    )
+
+
+def on_policy_app_graph(config: OnPolicyAppConfig, *, algo: str, name: str, title: str) -> Graph:
+    """The graph of an on-policy app: :func:`~reactor.nodes.training.on_policy_graph` from its Config."""
+    _check_env(config)
+    return on_policy_graph(
+        algo=algo, env=config.env, algo_config=dict(config.algo_config), run_dir=_run_dir(config, name),
+        actors=config.actors, envs_per_actor=config.envs_per_actor,
+        eval_every_updates=config.eval_every_updates, eval_episodes=config.eval_episodes,
+        target_return=config.target_return, max_env_steps=config.max_env_steps,
+        checkpoint_every=config.checkpoint_every, resume=config.resume, live=config.live,
+        title=f"{title} {config.env}", app_config=_plain(config),
+    )
+
+
+def _algo_fields(algo: str) -> set[str]:
+    from ._registry import load_algorithm
+
+    return {f.name for f in dataclasses.fields(load_algorithm(algo).Config)}
+
+
+def _plain(config: Any) -> dict[str, Any]:
+    """The app's resolved Config as a plain dict (for config.json)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

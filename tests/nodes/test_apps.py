@@ -1,0 +1,98 @@
+"""The standard apps take any env by id, with per-env presets, algorithm fields set directly, and
+custom envs from a module (issue 19, "environments and presets").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import reactor
+from reactor.launch._app import AppError, load_app, make_config
+from reactor.nodes.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = ROOT / "apps"
+
+
+def _cli(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reactor.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+@pytest.mark.parametrize("app", ["dqn", "ppo", "sac", "td3", "ddpg", "transformer_dqn"])
+def test_each_app_resolves_its_default_envs_preset(app):
+    config = make_config(load_app(APPS / f"{app}.py"), {})
+    preset = PRESETS[app][config.env]
+    fields = {f for f in vars(config)}
+    assert {k: getattr(config, k) for k in preset if k in fields} == {k: v for k, v in preset.items() if k in fields}
+    assert config.algo_config == {k: v for k, v in preset.items() if k not in fields}
+    assert config.target_return is not None  # every preset sets the env's target
+
+
+def test_an_env_without_a_preset_runs_on_the_defaults_with_no_target():
+    config = make_config(load_app(APPS / "dqn.py"), {"env": "Acrobot-v1"})
+    assert (config.env, config.target_return, config.algo_config) == ("Acrobot-v1", None, {})
+
+
+def test_algorithm_fields_are_set_directly_over_the_preset_and_algo_config():
+    app = load_app(APPS / "dqn.py")
+    config = make_config(app, {"lr": 5e-4, "algo_config": {"lr": 1.0, "n_step": 2}, "actors": 3})
+    assert config.actors == 3
+    assert config.algo_config == {**{k: v for k, v in PRESETS["dqn"]["CartPole-v1"].items() if k != "target_return"},
+                                  "lr": 5e-4, "n_step": 2}
+
+
+def test_an_unknown_key_lists_the_apps_and_the_algorithms_fields():
+    with pytest.raises(AppError, match=r"^unknown config key 'lrr'; Config has: actors, algo_config, .*; "
+                                       r"the algorithm 'dqn' has: double, dueling, .*\blr\b.*tau$"):
+        make_config(load_app(APPS / "dqn.py"), {"lrr": 1})
+
+
+@pytest.mark.parametrize(("app", "env", "message"), [
+    ("dqn.py", "Pendulum-v1", "reactor: dqn needs a discrete action space, but env 'Pendulum-v1' has "
+                              "Box(-2.0, 2.0, (1,), float32) (continuous); for continuous actions use sac, td3 or ddpg\n"),
+    ("sac.py", "CartPole-v1", "reactor: sac needs a continuous action space, but env 'CartPole-v1' has Discrete(2) "
+                              "(discrete); for discrete actions use dqn, ppo or transformer_dqn\n"),
+    ("ppo.py", "MountainCarContinuous-v0", "reactor: ppo needs a discrete action space, but env "
+                                           "'MountainCarContinuous-v0' has Box(-1.0, 1.0, (1,), float32) (continuous); "
+                                           "for continuous actions use sac, td3 or ddpg\n"),
+])
+def test_an_env_of_the_wrong_kind_is_refused_naming_its_action_space(app, env, message):
+    p = _cli("run", str(APPS / app), "--set", f"env={env}")
+    assert (p.returncode, p.stderr) == (2, message)
+
+
+def test_an_unknown_env_or_an_unimportable_module_is_one_line():
+    p = _cli("run", str(APPS / "dqn.py"), "--set", "env=CartPol-v1")
+    assert p.returncode == 2 and p.stderr.startswith("reactor: env 'CartPol-v1': Environment `CartPol` doesn't exist.")
+    p = _cli("run", str(APPS / "dqn.py"), "--set", "env=no_such_module:X-v0")
+    assert p.returncode == 2 and p.stderr.startswith("reactor: env 'no_such_module:X-v0': its module does not import")
+
+
+@pytest.mark.timeout(300)  # ~30-60 s on a 2-core machine
+def test_a_custom_env_from_a_module_beside_the_app_trains_under_actors(tmp_path):
+    """The env is defined in a test module (tests/apps/chain_env.py) that sits beside the app file: every
+    worker process imports it (gymnasium's ``module:Id``) from the app's directory."""
+    shutil.copy(APPS / "dqn.py", tmp_path / "dqn.py")
+    shutil.copy(ROOT / "tests" / "apps" / "chain_env.py", tmp_path / "chain_env.py")
+    p = _cli("run", "dqn.py", "--placement", "actors", "--json", "--set", "env=chain_env:ReactorChain-v0",
+             "max_env_steps=6000", "min_size=200", "eval_every_updates=50", "target_return=1.0", "eps_decay_steps=800",
+             "live=False", "run_dir=run", cwd=tmp_path, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout)
+    assert result["stopped_by"] == "request"  # the evaluation reached 1.0: walking right every step
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["best_eval_return"] == 1.0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["env"] == "chain_env:ReactorChain-v0"
+    sys.path.insert(0, str(tmp_path))
+    try:
+        policy = reactor.load_policy(tmp_path / "run")
+        assert policy.act([1, 0, 0, 0, 0, 0]) == 1  # right, from the first cell
+    finally:
+        sys.path.remove(str(tmp_path))

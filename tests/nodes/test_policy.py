@@ -1,0 +1,144 @@
+"""Trained policies: every algorithm's app trains briefly, and its run directory alone rebuilds the policy.
+
+``reactor.load_policy(run_dir)`` in a fresh process must hold the learner's final weights (the hash the
+learner wrote at its end) and act as the algorithm's own fragments do with those weights; ``reactor
+eval`` plays it and records videos. Issue 19 ("trained policies").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import reactor
+from reactor import run
+from reactor.launch._app import build_graph
+from reactor.nodes._registry import load_algorithm, make_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Each app with a budget that trains a few hundred updates (no target: the budget ends the run).
+BRIEF = {
+    "dqn.py": {"max_env_steps": 1200, "min_size": 300},
+    "ppo.py": {"max_env_steps": 512},
+    "sac.py": {"max_env_steps": 700},
+    "td3.py": {"max_env_steps": 700},
+    "ddpg.py": {"max_env_steps": 700},
+    "transformer_dqn.py": {"max_env_steps": 900, "min_size": 300},
+}
+
+#: In a fresh process: load the policy, act greedily on the observations, print hash and actions.
+FRESH = """
+import json, sys, numpy as np, reactor
+p = reactor.load_policy(sys.argv[1])
+obs = np.load(sys.argv[2])
+print(json.dumps({"sha": p.weights_sha256, "updates": p.updates, "actions": p.act(obs).tolist(),
+                  "single": np.asarray(p.act(obs[0])).tolist()}))
+"""
+
+
+def _train(run_dir: Path, app: str) -> None:
+    config = {**BRIEF[app], "run_dir": str(run_dir), "target_return": None, "live": False, "eval_every_updates": 10**6}
+    run(build_graph(str(ROOT / "apps" / app), config))
+
+
+def _fragments_act(run_dir: Path, obs: np.ndarray) -> np.ndarray:
+    """Greedy actions from the algorithm's fragments with learner.pt's weights (not through load_policy)."""
+    record = json.loads((run_dir / "config.json").read_text())
+    algo = load_algorithm(record["algo"])
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in record["algo_config"].items()}
+    config = algo.Config.from_dict(cfg)
+    env = make_env(record["env"])
+    state = algo.init(env.observation_space, env.action_space, config, 0)
+    algo.load_state_dict(state, torch.load(run_dir / "learner.pt", weights_only=True)["algo"])
+    policy = algo.make_policy(env.observation_space, env.action_space, config)
+    algo.load_weights(policy, {k: v.detach().clone() for k, v in algo.policy_weights(state).items()})
+    with torch.no_grad():
+        action, _ = algo.act(policy, torch.as_tensor(obs), 10**12, torch.Generator().manual_seed(0), greedy=True)
+    return action.numpy()
+
+
+@pytest.mark.timeout(240)  # ~10-25 s each on a 2-core machine
+@pytest.mark.parametrize("app", sorted(BRIEF))
+def test_a_fresh_process_loads_the_learners_final_policy(tmp_path, app):
+    run_dir = tmp_path / "run"
+    _train(run_dir, app)
+    record = json.loads((run_dir / "config.json").read_text())
+    assert record["algo"] == app.removesuffix(".py") and record["app_config"]["max_env_steps"] == BRIEF[app]["max_env_steps"]
+    space = make_env(record["env"]).observation_space
+    space.seed(7)
+    obs = np.stack([space.sample() for _ in range(16)]).astype(np.float32)
+    np.save(tmp_path / "obs.npy", obs)
+    p = subprocess.run([sys.executable, "-c", FRESH, str(run_dir), str(tmp_path / "obs.npy")], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["sha"] == (run_dir / "weights.sha256").read_text().strip()  # the learner's final weights
+    assert got["updates"] > 0
+    expected = _fragments_act(run_dir, obs)
+    np.testing.assert_array_equal(np.asarray(got["actions"], dtype=expected.dtype), expected)
+    if app != "transformer_dqn.py":  # memoryless: a single observation acts as its row of the batch
+        np.testing.assert_array_equal(np.asarray(got["single"], dtype=expected.dtype), expected[0])
+
+
+@pytest.fixture(scope="module")
+def dqn_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("policy") / "dqn"
+    _train(run_dir, "dqn.py")
+    return run_dir
+
+
+def test_act_takes_single_or_batched_numpy_or_torch_and_returns_the_same_kind(dqn_run):
+    p = reactor.load_policy(dqn_run)
+    obs = np.zeros((3, 4), dtype=np.float64)
+    batched = p.act(obs)
+    assert isinstance(batched, np.ndarray) and batched.shape == (3,)
+    assert isinstance(p.act(torch.zeros(2, 4)), torch.Tensor)
+    assert np.asarray(p.act(obs[0])).shape == ()
+    assert np.asarray(p.act([0.0, 0.0, 0.0, 0.0], deterministic=False)).shape == ()
+    with pytest.raises(ValueError, match=r"^dqn policy for CartPole-v1: observation of shape \(5,\); expected \(4,\)"):
+        p.act(np.zeros(5))
+
+
+def test_load_policy_names_what_is_missing_or_wrong(tmp_path, dqn_run):
+    with pytest.raises(FileNotFoundError, match="no run directory at"):
+        reactor.load_policy(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        reactor.load_policy(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        reactor.load_policy(bad)
+    (bad / "config.json").write_text(json.dumps({"format": 1, "algo": "dqn"}))
+    with pytest.raises(ValueError, match="not a learner's config.json"):
+        reactor.load_policy(bad)
+    (bad / "config.json").write_text((dqn_run / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match=r"no weights \(learner.pt\)"):
+        reactor.load_policy(bad)
+
+
+def test_reactor_eval_prints_mean_and_std_and_records_videos(tmp_path, dqn_run):
+    cmd = [sys.executable, "-m", "reactor.cli", "eval", str(dqn_run), "--episodes", "2", "--video", str(tmp_path / "v"),
+           "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout)
+    assert got["episodes"] == 2 and len(got["returns"]) == 2 and got["mean"] == pytest.approx(np.mean(got["returns"]))
+    videos = sorted((tmp_path / "v").glob("*.mp4"))
+    assert [v.name for v in videos] == ["dqn-CartPole-v1-episode-0.mp4", "dqn-CartPole-v1-episode-1.mp4"]
+    assert all(v.stat().st_size > 1000 for v in videos)
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "eval", str(dqn_run), "--episodes", "3"],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("dqn on CartPole-v1 (") and " ± " in p.stdout and "over 3 episodes" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "eval", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.startswith(f"reactor: {tmp_path}: no config.json")

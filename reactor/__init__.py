@@ -28,6 +28,7 @@ from ._errors import TraceMismatchError as TraceMismatchError
 from ._errors import WouldBlock as WouldBlock
 from ._graph import Graph as Graph
 from ._graph import Node as Node
+from ._graph import graph_builder as graph_builder
 from ._reactor import Action as Action
 from ._reactor import Input as Input
 from ._reactor import Output as Output

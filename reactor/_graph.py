@@ -146,6 +146,9 @@ class Graph:
         self.connections: list[Connection] = []
         self.stop_ns: int | None = None if stop_s is None else seconds_to_ns(stop_s, "Graph stop_s")
         self._duplicate_errors: list[str] = []
+        #: ``("module:qualname", arguments)`` of the :func:`graph_builder` that made this graph (None:
+        #: built by hand): what the workers of a multi-process run without an app file rebuild it from.
+        self.built_by: tuple[str, dict[str, Any]] | None = None
 
     def add(self, reactor: Reactor, *, name: str | None = None, replicas: int = 1) -> Node:
         """Add a reactor, or a bank of ``replicas`` copies built from its constructor arguments.
@@ -368,3 +371,36 @@ def _type_compatible(out_t: Any, in_t: Any) -> bool:
     if isinstance(in_o, type) and isinstance(out_o, type):
         return issubclass(out_o, in_o) and (typing.get_origin(in_t) is None or typing.get_args(in_t) == typing.get_args(out_t) or not typing.get_args(out_t))
     return bool(in_t == out_t)
+
+
+F = typing.TypeVar("F", bound=Callable[..., Any])
+
+
+def graph_builder(fn: F) -> F:
+    """Mark a function that returns a :class:`Graph` as a builder: the graph remembers the function
+    and its arguments (``Graph.built_by``), so ``reactor.run(graph, placement="actors")`` can start
+    workers in other processes (or on other hosts) that rebuild the same graph, with no app file.
+
+    The function must be importable by its module and name (not defined in ``__main__``, a script or
+    a notebook), and its arguments plain values (numbers, strings, booleans, None, lists, tuples and
+    dicts of them): they cross to the workers as data, never pickled. Both are checked when a
+    multi-process run starts.
+
+    Example:
+        >>> @graph_builder
+        ... def pipeline(*, producers: int = 2) -> Graph: ...
+    """
+    import functools
+    import inspect
+
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        graph = fn(*args, **kwargs)
+        if isinstance(graph, Graph):
+            bound = signature.bind(*args, **kwargs)
+            graph.built_by = (f"{fn.__module__}:{fn.__qualname__}", dict(bound.arguments))
+        return graph
+
+    return typing.cast(F, build)

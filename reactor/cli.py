@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
                         description="Write a PNG of the learning curves in a run directory.")
     pl.add_argument("run_dir", help="a run directory written by a training app (holds metrics.csv)")
     pl.add_argument("-o", "--out", default=None, help="the PNG's path (default RUN_DIR/curves.png)")
+    pl.add_argument("--x", choices=("env_steps", "wall"), default="env_steps",
+                    help="the x axis: env steps (default) or wall time since training started")
+    pl.add_argument("--target", type=float, default=None,
+                    help="the return to mark (default: the run's target_return from its summary.json)")
+    pl.add_argument("--no-target", action="store_true", help="mark no target")
 
     ev = sub.add_parser("eval", help="play a trained policy", description="Run a run directory's trained policy on "
                         "its env (greedy) and print the mean and std of its episode returns.")
@@ -397,7 +402,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from .nodes.plot import plot_run
 
-        print(plot_run(args.run_dir, args.out))
+        target = None if args.no_target else (args.target if args.target is not None else "summary")
+        print(plot_run(args.run_dir, args.out, x=args.x, target=target))
         return 0
     if args.command == "trace":
         from ._trace import describe, diff, read_trace

@@ -62,7 +62,9 @@ class StoreSpec(NamedTuple):
 def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
     """``cls(**d)`` for a frozen Config dataclass, each value checked against its default's type.
 
-    An int is accepted where a float is expected; nothing else is converted (``"False"`` is not a bool).
+    An int is accepted where a float is expected, and a list where a tuple is (JSON and msgpack, which
+    carry configs to other processes and into config.json, have no tuples); nothing else is converted
+    (``"False"`` is not a bool).
 
     Raises:
         ValueError: a key that is not a field of ``cls`` (naming it and the fields), or a value of
@@ -78,6 +80,8 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
         want = type(default) if default is not dataclasses.MISSING and default is not None else None
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
+        elif want is tuple and isinstance(v, list):
+            v = tuple(v)
         elif want is not None and not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}")  # type: ignore[union-attr]
         out[k] = v

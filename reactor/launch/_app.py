@@ -149,3 +149,47 @@ def build_graph(path: str | Path, overrides: Mapping[str, Any]) -> Graph:
     if not isinstance(graph, Graph):
         raise AppError(f"{path}: build(config) returned {type(graph).__name__}, not a Graph")
     return graph
+
+
+#: The app file every worker of a run without one loads (``builder_app``).
+BUILDER_APP = Path(__file__).with_name("_builder_app.py")
+
+
+def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
+    """The app file and config that rebuild ``graph`` from its ``graph_builder`` in another process.
+
+    Raises:
+        ValueError: the graph was not made by a builder, the builder lives in ``__main__``, or an
+            argument is not plain data (naming it).
+    """
+    if graph.built_by is None:
+        raise ValueError("a multi-process placement needs the app file the workers rebuild the graph from: "
+                         "run(graph, app=PATH, config=...), or a graph made by a @graph_builder function "
+                         "(reactor.nodes.training.off_policy_graph, say)")
+    name, arguments = graph.built_by
+    if name.startswith("__main__:"):
+        raise ValueError(f"the graph's builder {name.split(':', 1)[1]} is defined in __main__ (a script or a "
+                         f"notebook): workers cannot import it; define it in a module they can import")
+    for key, value in arguments.items():
+        bad = _not_plain(value)
+        if bad is not None:
+            raise ValueError(f"{name}: argument {key!r} holds {bad}, which cannot cross to the workers as data "
+                             f"(plain numbers, strings, booleans, None, lists, tuples and dicts with string keys)")
+    return str(BUILDER_APP), {"builder": name, "arguments": arguments}
+
+
+def _not_plain(value: Any) -> str | None:
+    """What in ``value`` is not plain data (a description), or None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((b for b in map(_not_plain, value) if b is not None), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"a dict key {k!r}"
+            bad = _not_plain(v)
+            if bad is not None:
+                return bad
+        return None
+    return f"a {type(value).__name__}"

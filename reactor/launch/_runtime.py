@@ -86,6 +86,11 @@ async def run_async(
     if placement != "single":
         from ._coordinator import run_processes
 
+        if app is None:  # a graph from a @graph_builder: workers rebuild it from the builder's record
+            from ._app import builder_app
+
+            app, config = builder_app(graph)
+
         return await run_processes(
             graph,
             placement=placement,
@@ -225,7 +230,8 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
         replay: async mode: enforce the schedule recorded in this trace file.
         digest: hash every message each reactor receives (``RunResult.digests``).
         app, config: multi-process placements: the app file and config every worker rebuilds the
-            graph from (the CLI passes them).
+            graph from (the CLI passes them). Without them, a graph made by a ``graph_builder``
+            (``reactor.nodes.training.off_policy_graph``, say) is rebuilt from its builder and arguments.
         flow_limit: multi-process placements: messages a process may queue towards its peers, and
             (async mode) events it may hold undelivered, before it pushes back.
         hosts: a hosts file (``[hosts]``: daemon addresses) to spread a distribution policy's
@@ -238,10 +244,54 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
     Returns:
         RunResult.
 
+    Called where an event loop already runs (a Jupyter notebook's cell), the run gets a loop of its
+    own in a thread and this call waits for it; interrupting it (the notebook's stop button) stops
+    the run at once, reaping every process it started.
+
     Raises:
         GraphError: the graph is invalid (raised before anything starts).
     """
-    return asyncio_run(run_async(graph, **kwargs))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio_run(run_async(graph, **kwargs))  # type: ignore[no-any-return]
+    return _run_beside_a_loop(graph, kwargs)
+
+
+def _run_beside_a_loop(graph: Graph, kwargs: dict[str, Any]) -> RunResult:
+    """``run`` from a thread whose loop is running (a notebook): the run's own loop in a thread."""
+    import threading
+
+    box: dict[str, Any] = {}
+    started = threading.Event()
+
+    async def main() -> RunResult:
+        box["task"], box["loop"] = asyncio.current_task(), asyncio.get_running_loop()
+        started.set()
+        return await run_async(graph, **kwargs)
+
+    def target() -> None:
+        try:
+            box["result"] = asyncio_run(main())
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=target, name="reactor-run", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.1)
+    except KeyboardInterrupt:
+        started.wait()
+        if "loop" in box:
+            box["loop"].call_soon_threadsafe(box["task"].cancel)
+        thread.join()
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["result"]  # type: ignore[no-any-return]
 
 
 def asyncio_run(coro: Any) -> Any:

@@ -9,7 +9,6 @@ all a policy needs: it is rebuilt with the algorithm's own fragments (``init``, 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -44,7 +43,7 @@ class Policy:
         self.env = str(record["env"])
         self.app_config = record.get("app_config")
         self.module = load_algorithm(self.algo)
-        self.config = self.module.Config.from_dict(_tuples(self.module.Config, dict(record["algo_config"])))
+        self.config = self.module.Config.from_dict(dict(record["algo_config"]))
         probe = make_env(self.env)
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
         probe.close()
@@ -123,12 +122,6 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"Policy({self.algo} on {self.env}, {self.updates} updates, from {str(self.run_dir)!r})"
-
-
-def _tuples(cls: Any, d: dict[str, Any]) -> dict[str, Any]:
-    """JSON has no tuples: lists become tuples where the Config's default is one."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    return {k: tuple(v) if isinstance(v, list) and isinstance(defaults.get(k), tuple) else v for k, v in d.items()}
 
 
 def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:

@@ -52,6 +52,8 @@ __all__ = ["DP_JOIN_TIMEOUT_S", "DP_TIMEOUT_S", "Learner", "RolloutLearner"]
 DP_TIMEOUT_S = 60.0
 #: Seconds the replicas may start apart (rendezvous and the initial weight broadcast).
 DP_JOIN_TIMEOUT_S = 600.0
+#: Seconds between a waiting replica's "still waiting for the others to join" lines.
+DP_WAIT_REPORT_S = 10.0
 
 
 class _LearnerBase(Reactor):
@@ -97,20 +99,30 @@ class _LearnerBase(Reactor):
         backend = "nccl" if any(p.is_cuda for p in params) else "gloo"
         join = datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S)
         served = os.environ.get("REACTOR_DIST_STORE")
-        if served:  # over hosts: the TCP store the run's coordinator serves
-            host, port = served.rsplit(":", 1)
-            tcp = dist.TCPStore(host, int(port), is_master=False, timeout=join)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", tcp),
-                                    rank=self.bank_index, world_size=self.bank_size, timeout=join)
-        else:  # one host: a file in the run directory
-            if not self.run_dir:
-                raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
-            store = Path(self.run_dir) / f".dist-{self.run_id}"
-            store.parent.mkdir(parents=True, exist_ok=True)
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
-                                    world_size=self.bank_size, timeout=join)
-        # The updates' all-reduces get their own group with the short timeout.
-        group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
+        # Until every replica has joined, nothing trains and the actors wait for the first weights:
+        # say so, and keep saying so, rather than sit silent at 0 env steps.
+        where = f"tcp store {served}" if served else f"file {Path(self.run_dir or '.') / f'.dist-{self.run_id}'}"
+        waiting = _Waiting(f"{self.name}: waiting for the other {self.bank_size - 1} data-parallel learner(s) to join "
+                           f"(rendezvous: {where}; no env steps until they do; a learner that has not joined in "
+                           f"{DP_JOIN_TIMEOUT_S:.0f} s ends the run)")
+        try:
+            if served:  # over hosts: the TCP store the run's coordinator serves
+                host, port = served.rsplit(":", 1)
+                tcp = dist.TCPStore(host, int(port), is_master=False, timeout=join)
+                dist.init_process_group(backend, store=dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", tcp),
+                                        rank=self.bank_index, world_size=self.bank_size, timeout=join)
+            else:  # one host: a file in the run directory
+                if not self.run_dir:
+                    raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
+                store = Path(self.run_dir) / f".dist-{self.run_id}"
+                store.parent.mkdir(parents=True, exist_ok=True)
+                dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
+                                        world_size=self.bank_size, timeout=join)
+            # The updates' all-reduces get their own group with the short timeout.
+            group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
+        finally:
+            waiting.stop.set()
+        waiting.done(f"{self.name}: all {self.bank_size} data-parallel learners joined")
         world = float(self.bank_size)
         with torch.no_grad():  # replica 0's initial weights for all
             for p in params:
@@ -190,6 +202,33 @@ class _LearnerBase(Reactor):
         # the live parameters in place; receivers must see the weights of version `updates`.
         return Weights(self.updates, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in
                                       self.algo.policy_weights(self.state).items()})
+
+
+class _Waiting:
+    """Prints ``message`` (with the seconds waited) every ``DP_WAIT_REPORT_S`` until ``done``."""
+
+    def __init__(self, message: str) -> None:
+        import threading
+        import time
+
+        self.message, self.t0 = message, time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._report, name="dp-join-wait", daemon=True)
+        self.thread.start()
+
+    def _report(self) -> None:
+        import time
+
+        while not self.stop.wait(DP_WAIT_REPORT_S):
+            print(f"{self.message}: {time.monotonic() - self.t0:.0f} s so far", flush=True)
+
+    def done(self, message: str) -> None:
+        import time
+
+        self.stop.set()
+        waited = time.monotonic() - self.t0
+        if waited >= DP_WAIT_REPORT_S:
+            print(f"{message} after {waited:.0f} s", flush=True)
 
 
 def _optimizers(state: Any) -> list[Any]:

@@ -5,7 +5,8 @@ and latest values such as ``loss`` or ``eval_return``). Metrics keeps the latest
 source, sums counters over sources, and
 
 * appends one CSV row per reported value to ``RUN_DIR/metrics.csv``
-  (``wall_s, env_steps, source, name, value``) and the same to TensorBoard (``RUN_DIR/tb``);
+  (``wall_s, env_steps, source, name, value``) and the same to TensorBoard (``RUN_DIR/tb``; each
+  instance its own tags: ``actor-0/episode_return``, ``actor-1/...``, ``learner/loss``);
 * shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
 * asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
   reach ``max_env_steps``;
@@ -48,8 +49,11 @@ class Metrics(Reactor):
         run_dir: directory for ``metrics.csv``, ``tb/``, ``summary.json`` and ``curves.png``.
         target_return: stop when a report carries ``eval_return >= target_return`` (None: never).
         max_env_steps: stop when the actors' total env steps reach this (None: never).
-        live: show progress on stdout.
+        live: show progress on stdout (a live table on a terminal, a progress line every few seconds
+            otherwise).
         title: shown above the live table.
+        console: a ``rich.console.Console`` to draw the live table on instead of stdout (a notebook's,
+            a test's); in-process only.
     """
 
     reports = Input(Report, required=True)
@@ -62,8 +66,10 @@ class Metrics(Reactor):
         max_env_steps: int | None = None,
         live: bool = True,
         title: str = "",
+        console: Any = None,
     ) -> None:
         self.run_dir = run_dir
+        self.console = console
         self.target_return = target_return
         self.max_env_steps = max_env_steps
         self.live = live
@@ -87,7 +93,7 @@ class Metrics(Reactor):
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.dir / "tb"))
-        self.display = _Display(self.title or str(self.dir), enabled=self.live)
+        self.display = _Display(self.title or str(self.dir), enabled=self.live, console=self.console)
         self.last_shown = 0.0
 
     @reaction(triggers=[started])
@@ -107,7 +113,7 @@ class Metrics(Reactor):
         steps = self.totals["env_steps"]
         for name, value in values.items():
             self.csv.writerow([f"{wall:.3f}", int(steps), src, name, value])
-            self.tb.add_scalar(f"{src.split('[')[0]}/{name}", float(value), int(steps))
+            self.tb.add_scalar(f"{_tag(src)}/{name}", float(value), int(steps))
         if "eval_return" in values:
             ret = float(values["eval_return"])
             self.last_eval = ret
@@ -179,7 +185,7 @@ class Metrics(Reactor):
         try:
             from .plot import plot_run
 
-            plot = plot_run(self.dir)
+            plot = plot_run(self.dir, target=self.target_return)
         except ValueError:  # nothing to plot yet (a very short run)
             pass
         # The result, also without live progress: a run that ends silently leaves its user guessing.
@@ -188,18 +194,23 @@ class Metrics(Reactor):
         print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
 
 
+def _tag(source: str) -> str:
+    """A source's TensorBoard prefix: ``actor[1]`` -> ``actor-1`` (one curve per instance)."""
+    return source.replace("[", "-").replace("]", "")
+
+
 class _Display:
     """A rich live table on a terminal; a plain progress line every few seconds otherwise."""
 
-    def __init__(self, title: str, enabled: bool) -> None:
+    def __init__(self, title: str, enabled: bool, console: Any = None) -> None:
         self.enabled = enabled
         self.title = title
         self.live: Any = None
         self.last_plain = -math.inf
-        if enabled and sys.stdout.isatty():
+        if enabled and (console is not None or sys.stdout.isatty()):
             from rich.live import Live
 
-            self.live = Live(self._table([]), refresh_per_second=4, transient=False)
+            self.live = Live(self._table([]), console=console, refresh_per_second=4, transient=False)
             self.live.start()
 
     def _table(self, rows: list[tuple[str, str]]) -> Any:

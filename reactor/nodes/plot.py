@@ -3,27 +3,54 @@
 from __future__ import annotations
 
 import csv
+import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
-__all__ = ["plot_run"]
+__all__ = ["curves", "plot_run"]
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write a PNG of a run's learning curves: evaluation and training return against env steps.
+#: What the x axis can show: the column of metrics.csv and its label.
+X_AXES = {"env_steps": ("env_steps", "env steps"), "wall": ("wall_s", "wall time (s)")}
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, *, x: str = "env_steps",
+             target: Any = "summary") -> Path:
+    """Write a PNG of a run's learning curves: evaluation and training return against env steps
+    (or wall time), with the target return marked.
 
     Args:
         run_dir: a directory written by the Metrics node (it reads ``metrics.csv``).
         out: the PNG's path (default ``RUN_DIR/curves.png``).
+        x: ``"env_steps"`` or ``"wall"`` (seconds since training started).
+        target: the return to mark with a line (None: none; default: the run's ``target_return``
+            from its ``summary.json``, when it has one).
 
     Returns:
         The path of the PNG.
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ``metrics.csv``.
-        ValueError: the CSV holds no return values to plot.
+        ValueError: the CSV holds no return values to plot, or ``x`` is not one of :data:`X_AXES`.
     """
+    fig = curves(run_dir, x=x, target=target)
+    import matplotlib.pyplot as plt
+
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary") -> Any:
+    """The matplotlib Figure :func:`plot_run` writes (see there)."""
+    if x not in X_AXES:
+        raise ValueError(f"x must be one of {', '.join(X_AXES)}, got {x!r}")
+    column, xlabel = X_AXES[x]
     run_dir = Path(run_dir)
+    if isinstance(target, str) and target == "summary":
+        target = _summary_target(run_dir)
     path = run_dir / "metrics.csv"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.csv: is it a run directory written by a training app?")
@@ -32,9 +59,23 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         for row in csv.DictReader(f):
             if row["name"] in ("eval_return", "episode_return"):
                 label = "evaluation" if row["name"] == "eval_return" else f"training ({row['source']})"
-                series[label].append((float(row["env_steps"]), float(row["value"])))
+                series[label].append((float(row[column]), float(row["value"])))
     if not series:
         raise ValueError(f"{path} holds no eval_return or episode_return values to plot")
+    return _figure(series, xlabel, run_dir.name, target)
+
+
+def _summary_target(run_dir: Path) -> float | None:
+    """The run's target return from its summary.json (None: none, or no summary yet)."""
+    try:
+        value = json.loads((run_dir / "summary.json").read_text()).get("target_return")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _figure(series: dict[str, list[tuple[float, float]]], xlabel: str, title: str, target: float | None) -> Any:
+    """The curves' matplotlib Figure (evaluation first and bold, then each actor's training return)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,13 +88,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             ax.plot(xs, ys, "o-", color="black", lw=2, label=label, zorder=3)
         else:
             ax.plot(xs, ys, lw=1, alpha=0.6, label=label)
-    ax.set_xlabel("env steps")
+    if target is not None:
+        ax.axhline(float(target), color="tab:green", ls="--", lw=1.2, label=f"target {float(target):g}", zorder=2)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("episode return")
-    ax.set_title(run_dir.name)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    out = Path(out) if out is not None else run_dir / "curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._graph import Graph
+from .._graph import Graph, graph_builder
 from .._tag import NS_PER_S, seconds_to_ns
 from .env_actor import EnvActor
 from .evaluator import Evaluator
@@ -36,6 +36,7 @@ from .replay import Replay
 __all__ = ["off_policy_graph", "on_policy_graph"]
 
 
+@graph_builder
 def off_policy_graph(
     *,
     algo: str,
@@ -171,6 +172,7 @@ def _per_actor(max_env_steps: int | None, actors: int) -> int | None:
     return None if max_env_steps is None else -(-max_env_steps // actors)
 
 
+@graph_builder
 def on_policy_graph(
     *,
     algo: str,

@@ -59,3 +59,31 @@ def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_t
     assert 2.5 <= seconds < 30, lost[0]
     assert ("learner[0]: the other data-parallel learners did not join the gradient all-reduce of update 1 "
             "within 3s (a replica died, stopped, or got fewer batches)") in lost[0]
+
+
+def test_a_replica_waiting_for_the_others_to_join_says_so_until_they_do(tmp_path):
+    """Regression (issue 19): under dp-learners on a loaded machine a run sat at 0 env steps for 225 s
+    with no word of what it waited for (the replicas' rendezvous)."""
+    waiter = REPLICA.replace("L.DP_TIMEOUT_S = 3.0", "L.DP_TIMEOUT_S = 3.0\nL.DP_WAIT_REPORT_S = 1.0")
+    first = subprocess.Popen([sys.executable, "-c", waiter, "0", str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    second = None
+    try:
+        lines = []
+        for line in first.stdout:  # replica 1 is not started yet: replica 0 keeps saying it waits
+            lines.append(line)
+            if sum("waiting for the other 1 data-parallel learner(s) to join" in x for x in lines) == 3:
+                break
+        second = subprocess.Popen([sys.executable, "-c", REPLICA, "1", str(tmp_path)], cwd=REPO,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out, _ = first.communicate(timeout=120)
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.communicate(timeout=30)
+    text = "".join(lines) + out
+    assert (f"learner[0]: waiting for the other 1 data-parallel learner(s) to join (rendezvous: file {tmp_path}/"
+            f".dist-dptimeout; no env steps until they do; a learner that has not joined in 600 s ends the run): "
+            f"1 s so far") in text, text
+    assert "learner[0]: all 2 data-parallel learners joined after" in text and "joined " in text, text

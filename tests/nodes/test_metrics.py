@@ -145,3 +145,60 @@ def test_a_command_line_run_reports_the_whole_commands_time(tmp_path):
     assert summary["command_s"] >= summary["command_startup_s"] + summary["wall_s"] - 0.01
     # The command's own start (Python, imports, the app) came before the graph's.
     assert summary["command_startup_s"] > summary["startup_s"] + 0.05
+
+
+def test_each_actor_gets_its_own_tensorboard_tags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(_graph(tmp_path, actors=2))
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"actor-0/episode_return", "actor-1/episode_return", "actor-0/env_steps", "evaluator/eval_return"} <= tags
+    assert [e.value for e in acc.Scalars("actor-1/episode_return")][:3] == [20.0, 40.0, 60.0]
+
+
+def test_the_plot_marks_the_target_and_can_put_wall_time_on_the_x_axis(tmp_path):
+    from reactor.nodes.plot import curves
+
+    run(_graph(tmp_path, target=450.0, actors=1))
+    fig = curves(tmp_path)  # the target from summary.json
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "env steps"
+    target = [line for line in ax.get_lines() if line.get_label() == "target 450"]
+    assert len(target) == 1 and list(target[0].get_ydata()) == [450.0, 450.0]
+    evaluation = next(line for line in ax.get_lines() if line.get_label() == "evaluation")
+    assert list(evaluation.get_xdata())[:2] == [1000.0, 2000.0]
+    fig = curves(tmp_path, x="wall", target=None)
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "wall time (s)" and not [ln for ln in ax.get_lines() if ln.get_label().startswith("target")]
+    walls = list(next(ln for ln in ax.get_lines() if ln.get_label() == "evaluation").get_xdata())
+    assert walls == sorted(walls) and 0 <= walls[0] < 60
+    with pytest.raises(ValueError, match="^x must be one of env_steps, wall, got 'time'$"):
+        curves(tmp_path, x="time")
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path), "--x", "wall", "--target", "300",
+                        "-o", str(tmp_path / "w.png")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG", p.stderr
+
+
+def test_the_live_display_draws_a_table_of_the_runs_progress(tmp_path):
+    """The rich live table, drawn on a captured terminal console: title, counters, returns."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    screen = StringIO()
+    console = Console(file=screen, force_terminal=True, width=100, color_system=None)
+    g = Graph()
+    t = g.add(FakeTrainer(), name="actor", replicas=2)
+    m = g.add(Metrics(str(tmp_path), target_return=None, live=True, title="Fake CartPole", console=console),
+              name="metrics")
+    g.connect(t.report, m.reports, delay_s=1e-6)
+    run(g)
+    text = screen.getvalue()
+    assert "Fake CartPole" in text and "┌" in text and "│ env steps" in text  # a rich table with its title
+    final = text[text.rindex("Fake CartPole"):]  # the last frame drawn: the run's end
+    assert "env steps" in final and "20,000" in final  # 2 actors x 10 rounds x 1,000 steps
+    assert "episodes" in final and "200" in final
+    assert "eval return" in final and "1000.0 (best 1000.0)" in final
+    assert "train return" in final and "200.0" in final

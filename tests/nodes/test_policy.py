@@ -52,8 +52,7 @@ def _fragments_act(run_dir: Path, obs: np.ndarray) -> np.ndarray:
     """Greedy actions from the algorithm's fragments with learner.pt's weights (not through load_policy)."""
     record = json.loads((run_dir / "config.json").read_text())
     algo = load_algorithm(record["algo"])
-    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in record["algo_config"].items()}
-    config = algo.Config.from_dict(cfg)
+    config = algo.Config.from_dict(record["algo_config"])  # JSON's lists become the Config's tuples
     env = make_env(record["env"])
     state = algo.init(env.observation_space, env.action_space, config, 0)
     algo.load_state_dict(state, torch.load(run_dir / "learner.pt", weights_only=True)["algo"])

@@ -1,0 +1,83 @@
+"""Training from a script or a notebook with no app file: ``reactor.run(graph, placement="actors")`` on a
+graph from a ``graph_builder`` (issue 19, "Python API"). The workers rebuild the graph from the recorded
+builder and arguments, so the run is the same as in one process, bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import reactor
+from reactor import Graph, Input, Output, Reactor, graph_builder, reaction, startup
+from reactor.launch._app import builder_app
+from reactor.nodes.training import off_policy_graph
+
+
+class Source(Reactor):
+    out = Output(int)
+
+    @reaction(triggers=[startup], effects=[out])
+    def emit(self) -> None:
+        self.out.send(1)
+
+
+class Sink(Reactor):
+    inp = Input(int)
+
+    @reaction(triggers=[inp])
+    def take(self, inp: int) -> None:
+        pass
+
+
+def _brief(run_dir: str) -> Graph:
+    return off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=run_dir, algo_config={"hidden": 64},
+                            actors=2, shards=2, max_env_steps=1200, min_size=300, live=False)
+
+
+@pytest.mark.timeout(240)  # ~20-40 s on a 2-core machine
+def test_a_builders_graph_runs_under_actors_with_the_same_weights_as_in_one_process(tmp_path):
+    one = reactor.run(_brief(str(tmp_path / "single")))
+    single = (tmp_path / "single" / "weights.sha256").read_text().strip()
+    many = reactor.run(_brief(str(tmp_path / "actors")), placement="actors")
+    assert many.placement == "actors" and one.placement == "single"
+    assert (tmp_path / "actors" / "weights.sha256").read_text().strip() == single
+
+
+def test_the_graph_records_its_builder_and_arguments(tmp_path):
+    g = _brief(str(tmp_path))
+    name, arguments = g.built_by
+    assert name == "reactor.nodes.training:off_policy_graph"
+    assert arguments["algo"] == "dqn" and arguments["max_env_steps"] == 1200 and arguments["algo_config"] == {"hidden": 64}
+    app, config = builder_app(g)
+    assert app.endswith("reactor/launch/_builder_app.py") and config == {"builder": name, "arguments": arguments}
+
+
+@graph_builder
+def _with_an_object(*, sink: object) -> Graph:
+    g = Graph()
+    g.connect(g.add(Source(), name="src").out, g.add(Sink(), name="sink").inp)
+    return g
+
+
+def test_a_builder_in_main_or_with_an_object_argument_or_a_hand_built_graph_is_refused():
+    with pytest.raises(ValueError, match=r"^tests.nodes.test_python_api:_with_an_object: argument 'sink' holds a "
+                                         r"object, which cannot cross to the workers as data"):
+        reactor.run(_with_an_object(sink=object()), placement="processes")
+    g = Graph()
+    g.connect(g.add(Source(), name="src").out, g.add(Sink(), name="sink").inp)
+    with pytest.raises(ValueError, match="a multi-process placement needs the app file"):
+        reactor.run(g, placement="processes")
+    g.built_by = ("__main__:pipeline", {})
+    with pytest.raises(ValueError, match=r"^the graph's builder pipeline is defined in __main__"):
+        reactor.run(g, placement="processes")
+
+
+@pytest.mark.timeout(240)
+def test_run_works_where_an_event_loop_is_running_as_in_a_notebook(tmp_path):
+    async def cell() -> reactor.RunResult:  # a notebook cell runs inside the kernel's running loop
+        return reactor.run(_brief(str(tmp_path / "nb")), placement="actors")
+
+    result = asyncio.run(cell())
+    assert result.stopped_by == "quiescence" and (tmp_path / "nb" / "weights.sha256").is_file()

@@ -55,19 +55,26 @@ def denormals_flushed() -> Iterator[None]:
 
 def load_algorithm(name: str) -> ModuleType:
     """The fragment module of algorithm ``name``: a name registered in ``reactor.algos``
-    (``"dqn"``) or a module path (``"mypkg.my_algo"``) following the same contract.
+    (``"dqn"``) or an importable module following the same contract (``"my_a2c"`` beside the app
+    file, ``"mypkg.my_algo"``).
 
     Raises:
-        ValueError: no such algorithm.
+        ValueError: no such algorithm (naming the registered ones).
     """
-    if "." in name:
-        try:
-            return importlib.import_module(name)
-        except ImportError as e:
-            raise ValueError(f"algorithm module {name!r} cannot be imported: {e}") from e
     from .. import algos
 
-    return algos.get_algorithm(name)
+    if name in algos.ALGORITHMS:
+        return algos.get_algorithm(name)
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise ValueError(f"unknown algorithm {name!r}: not one of {', '.join(algos.ALGORITHMS)}, and no module of "
+                         f"that name imports here ({e})") from e
+    missing = [f for f in ("KIND", "Config", "init", "act", "learn") if not hasattr(module, f)]
+    if missing:
+        raise ValueError(f"algorithm module {name!r} lacks {', '.join(missing)} of the fragment contract "
+                         f"(reactor.algos' docstring)")
+    return module
 
 
 def make_env(name: str) -> Any:

@@ -77,7 +77,9 @@ def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_
     assert not _daemons()
     root = Path(tempfile.gettempdir()) / "reactor-ray"  # the daemons' directories, one per job
     earlier = set(root.glob("*"))
-    p = _reactor_ray(ray_address, tmp_path, "--restart", "on-failure:5")
+    # The first evaluation after 4,000 updates (16k env steps): the restart completes before the run can
+    # stop at 475 (a run that evaluated every 250 updates once reached 475 while ray-2's actor was coming back).
+    p = _reactor_ray(ray_address, tmp_path, "--restart", "on-failure:5", "--set", "eval_every_updates=4000")
     try:
         first = _wait(lambda: len(d := _daemons()) == 3 and d, 120, "three daemons")
         (job,) = _wait(lambda: set(root.glob("*")) - earlier, 30, "this job's directory")

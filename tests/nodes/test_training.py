@@ -156,7 +156,7 @@ def test_a_step_too_short_to_halve_is_refused_and_an_odd_one_is_split_exactly(tm
 def test_unknown_algorithm_names_the_known_ones():
     from reactor.nodes._registry import load_algorithm
 
-    with pytest.raises(ValueError, match=r"^unknown algorithm 'dqm'; known: dqn, ppo"):
+    with pytest.raises(ValueError, match=r"^unknown algorithm 'dqm': not one of dqn, ppo, sac, td3, ddpg, transformer_dqn, and no module of that name imports here"):
         load_algorithm("dqm")
 
 

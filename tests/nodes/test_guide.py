@@ -1,0 +1,62 @@
+"""docs/guide.md's example algorithm (A2C in the fragment contract) and its app, run as the guide shows
+them: extracted from the guide, beside each other in a directory, under --placement actors (issue 19)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import reactor
+from tests.learning import first_seed_passing
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _blocks() -> dict[str, str]:
+    """The guide's python blocks that open with a file name comment (``# my_a2c.py``)."""
+    text = (ROOT / "docs" / "guide.md").read_text()
+    return {m.group(1): m.group(0)[len("```python\n"):-len("```")]
+            for m in re.finditer(r"```python\n# (\w+\.py)\n.*?```", text, re.S)}
+
+
+def test_the_guides_algorithm_is_about_forty_lines():
+    code = _blocks()["my_a2c.py"]
+    lines = [ln for ln in code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(lines) <= 60, len(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # ~15-25 s a seed on a 2-core machine
+def test_the_guides_a2c_learns_cartpole_under_actors_and_its_policy_loads(tmp_path):
+    blocks = _blocks()
+    assert set(blocks) >= {"my_a2c.py", "a2c_app.py"}, sorted(blocks)
+    for name in ("my_a2c.py", "a2c_app.py"):
+        (tmp_path / name).write_text(blocks[name])
+
+    def train(seed: int) -> dict:
+        run_dir = tmp_path / f"seed{seed}"
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", "a2c_app.py", "--placement", "actors",
+                            "--seed", str(seed), "--set", "live=False", "target_return=300.0", "max_env_steps=80000",
+                            "eval_every_updates=10", f"run_dir={run_dir}"],
+                           capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads((run_dir / "summary.json").read_text())
+
+    summary = first_seed_passing(train, seeds=[0, 1, 2])
+    run_dir = next(d for d in sorted(tmp_path.glob("seed*")) if json.loads((d / "summary.json").read_text()) == summary)
+    assert json.loads((run_dir / "config.json").read_text())["algo"] == "my_a2c"
+    sys.path.insert(0, str(tmp_path))
+    try:
+        policy = reactor.load_policy(run_dir)
+        assert policy.weights_sha256 == (run_dir / "weights.sha256").read_text().strip()
+        from reactor.nodes._policy import evaluate_policy
+
+        returns = evaluate_policy(policy, episodes=10)
+        assert returns.mean() >= 60, returns  # a memoryless random policy averages about 22
+    finally:
+        sys.path.remove(str(tmp_path))

@@ -75,7 +75,8 @@ def test_an_unknown_env_or_an_unimportable_module_is_one_line():
     assert p.returncode == 2 and p.stderr.startswith("reactor: env 'no_such_module:X-v0': its module does not import")
 
 
-@pytest.mark.timeout(300)  # ~30-60 s on a 2-core machine
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # ~10-30 s on a 2-core machine
 def test_a_custom_env_from_a_module_beside_the_app_trains_under_actors(tmp_path):
     """The env is defined in a test module (tests/apps/chain_env.py) that sits beside the app file: every
     worker process imports it (gymnasium's ``module:Id``) from the app's directory."""

@@ -26,7 +26,7 @@ from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMi
 from .._graph import Graph
 from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S
 from ._cluster import RemoteWorkers, address_towards
-from ._forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, ForkServerError
+from ._forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, ForkServerError, take_early
 from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
@@ -239,7 +239,10 @@ class _LocalWorkers:
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.forks: ForkServer | None = None
-        if os.environ.get("REACTOR_FORK_SERVER", "1") != "0":
+        early = take_early()  # `reactor run` started one before it imported the app
+        if early is not None:
+            self.forks = early
+        elif os.environ.get("REACTOR_FORK_SERVER", "1") != "0":
             server = ForkServer(DEFAULT_PRELOAD)
             try:
                 server.launch()  # from the thread that runs the run: the server dies with it

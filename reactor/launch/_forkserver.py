@@ -50,13 +50,17 @@ log = logging.getLogger("reactor.daemon")
 
 #: What a daemon's fork server imports by default: what every worker of the shipped apps imports.
 DEFAULT_PRELOAD = ("numpy", "torch", "gymnasium", "reactor.launch._worker", "reactor.nodes", "reactor.replay",
-                   "reactor.algos", "reactor.cli")
+                   "reactor.algos", "reactor.cli",
+                   # A learner's first torch.optim optimizer imports torch._dynamo (1.2 s on a 2-core
+                   # machine), Metrics the TensorBoard writer: neither starts a thread, so fork after them.
+                   "torch._dynamo", "torch.utils.tensorboard")
 #: The functions a request may name (nothing else is callable through the pipe).
 ENTRIES = {"worker": "reactor.launch._worker:main", "cli": "reactor.cli:main"}
 START_TIMEOUT_S = 60.0  # the server's imports
 SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
 
-__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks"]
+__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
+           "launch_early", "take_early"]
 
 
 class ForkServerError(RuntimeError):
@@ -443,3 +447,41 @@ def _serve(preload: list[str], req_fd: int, ev_fd: int) -> None:
 
 if __name__ == "__main__":
     _serve(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+
+
+# ---------------------------------------------------------------------------- a server started early
+
+_early: ForkServer | None = None
+
+
+def launch_early() -> None:
+    """Start a run's fork server now (``reactor run`` does, before it imports the app), so that its
+    imports overlap the command's own; the run's local workers take it (:func:`take_early`). From the
+    thread that will run the run (the server dies with it). Off with ``REACTOR_FORK_SERVER=0``."""
+    global _early
+    if _early is not None or os.environ.get("REACTOR_FORK_SERVER", "1") == "0":
+        return
+    server = ForkServer(DEFAULT_PRELOAD)
+    try:
+        server.launch()
+    except OSError as e:
+        log.warning("no fork server started early (%s)", e)
+        return
+    _early = server
+
+
+def take_early() -> ForkServer | None:
+    """The server :func:`launch_early` started, if any and still alive (it is the taker's now)."""
+    global _early
+    server, _early = _early, None
+    if server is not None and server.proc is not None and server.proc.poll() is not None:
+        server.close()
+        return None
+    return server
+
+
+def close_early() -> None:
+    """Close a server started early that no run took (the command ended before its run started)."""
+    server = take_early()
+    if server is not None:
+        server.close()

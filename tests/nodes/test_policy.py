@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Each app with a budget that trains a few hundred updates (no target: the budget ends the run).
 BRIEF = {
-    "dqn.py": {"max_env_steps": 1200, "min_size": 300},
+    "dqn.py": {"max_env_steps": 800, "min_size": 200},
     "ppo.py": {"max_env_steps": 512},
     "sac.py": {"max_env_steps": 700},
     "td3.py": {"max_env_steps": 700},
     "ddpg.py": {"max_env_steps": 700},
-    "transformer_dqn.py": {"max_env_steps": 900, "min_size": 300},
+    "transformer_dqn.py": {"max_env_steps": 600, "min_size": 200},
 }
 
 #: In a fresh process: load the policy, act greedily on the observations, print hash and actions.

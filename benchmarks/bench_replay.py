@@ -8,10 +8,12 @@ Sections (each a function; ``main`` runs the ones asked for, all by default):
   learner step = sample 256 + update 256 of the sampled keys. Every call gets fresh random indices
   and priorities (cpprb skips propagation of unchanged values). Medians over repetitions, ours and
   the peers interleaved in the same run.
+- ``episodes``: insert 256 into a full ring (every insert evicts) with episodes of 1, 32, 256 and
+  4096 steps, the Table against cpprb (issue 21: "at least as fast as cpprb at any episode length").
 - ``arity``: SumTree sample/update cost for K in {2, 4, 8, 16, 32, 64}, numba and torch backends.
 - ``drift``: 10^8 random updates on a 2^20-leaf tree, then an exact recompute (the issue's bar).
 
-Run: ``python benchmarks/bench_replay.py [--only transitions,arity,drift] [--reps 7]``
+Run: ``python benchmarks/bench_replay.py [--only transitions,episodes,arity,drift] [--reps 7]``
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def _jobs(args: argparse.Namespace) -> int:
         state.mkdir(parents=True, exist_ok=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
-        from .launch._forkserver import DEFAULT_PRELOAD
+        from .launch._forkserver import TRAINING_PRELOAD
 
         if args.die_with_parent:
             import ctypes
@@ -269,7 +269,7 @@ def _jobs(args: argparse.Namespace) -> int:
                 return 1
         extra = [m.strip() for m in args.preload.split(",") if m.strip()]
         daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
-                        preload=None if args.no_fork_server else [*DEFAULT_PRELOAD, *extra])
+                        preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra])
 
         def ready(address: str) -> None:
             print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),

@@ -26,7 +26,14 @@ from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMi
 from .._graph import Graph
 from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S
 from ._cluster import RemoteWorkers, address_towards
-from ._forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, ForkServerError, take_early
+from ._forkserver import (
+    DEFAULT_PRELOAD,
+    TRAINING_PRELOAD,
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    take_early,
+)
 from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
@@ -107,7 +114,8 @@ async def run_processes(
         bind = f"tcp://{here}:*"
         dist_store = _dist_store(graph, here)
     else:
-        workers = _LocalWorkers()
+        # A graph with a learner: its server preloads what a learner and Metrics import at startup too.
+        workers = _LocalWorkers(training=any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values()))
         bind = f"ipc://{sockdir}/coordinator"
         dist_store = None
     ep = await Endpoint.open(COORDINATOR, bind, curve=keys, accept=CoordinatorProtocol(g.name for g in groups))
@@ -236,14 +244,14 @@ class _LocalWorkers:
 
     settle_s = 0.5  # how long a worker's death may take to show in dead()
 
-    def __init__(self) -> None:
+    def __init__(self, training: bool = False) -> None:
         self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.forks: ForkServer | None = None
         early = take_early()  # `reactor run` started one before it imported the app
         if early is not None:
             self.forks = early
         elif os.environ.get("REACTOR_FORK_SERVER", "1") != "0":
-            server = ForkServer(DEFAULT_PRELOAD)
+            server = ForkServer(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
             try:
                 server.launch()  # from the thread that runs the run: the server dies with it
                 self.forks = server

@@ -45,7 +45,7 @@ import zmq.auth.asyncio
 from .._errors import DaemonError
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
-from ._forkserver import DEFAULT_PRELOAD, Forks
+from ._forkserver import TRAINING_PRELOAD, Forks
 from ._hosting import LOG_CHUNK_NBYTES, HostedRuns, Proc
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
@@ -93,7 +93,7 @@ class Daemon:
     """The daemon's state and its serving loop (``await Daemon(...).serve()``)."""
 
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
-                 advertise: str | None = None, preload: Sequence[str] | None = DEFAULT_PRELOAD):
+                 advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD):
         from ._keys import load_keys
 
         self.name = name

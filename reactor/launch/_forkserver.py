@@ -50,16 +50,17 @@ log = logging.getLogger("reactor.daemon")
 
 #: What a daemon's fork server imports by default: what every worker of the shipped apps imports.
 DEFAULT_PRELOAD = ("numpy", "torch", "gymnasium", "reactor.launch._worker", "reactor.nodes", "reactor.replay",
-                   "reactor.algos", "reactor.cli",
-                   # A learner's first torch.optim optimizer imports torch._dynamo (1.2 s on a 2-core
-                   # machine), Metrics the TensorBoard writer: neither starts a thread, so fork after them.
-                   "torch._dynamo", "torch.utils.tensorboard")
+                   "reactor.algos", "reactor.cli")
+#: What training runs preload besides: a learner's first torch.optim optimizer imports torch._dynamo
+#: (1.0 s on a 2-core machine), Metrics the TensorBoard writer. Neither starts a thread, so forking after
+#: them is safe; a run without a learner would only wait longer for its server (+1 s).
+TRAINING_PRELOAD = (*DEFAULT_PRELOAD, "torch._dynamo", "torch.utils.tensorboard")
 #: The functions a request may name (nothing else is callable through the pipe).
 ENTRIES = {"worker": "reactor.launch._worker:main", "cli": "reactor.cli:main"}
 START_TIMEOUT_S = 60.0  # the server's imports
 SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
 
-__all__ = ["DEFAULT_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
+__all__ = ["DEFAULT_PRELOAD", "TRAINING_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
            "launch_early", "take_early"]
 
 
@@ -457,11 +458,13 @@ _early: ForkServer | None = None
 def launch_early() -> None:
     """Start a run's fork server now (``reactor run`` does, before it imports the app), so that its
     imports overlap the command's own; the run's local workers take it (:func:`take_early`). From the
-    thread that will run the run (the server dies with it). Off with ``REACTOR_FORK_SERVER=0``."""
+    thread that will run the run (the server dies with it). Off with ``REACTOR_FORK_SERVER=0``. It
+    preloads :data:`TRAINING_PRELOAD`: the app is not known yet, and training is what the command runs
+    most; its extra second is hidden behind the command's own imports."""
     global _early
     if _early is not None or os.environ.get("REACTOR_FORK_SERVER", "1") == "0":
         return
-    server = ForkServer(DEFAULT_PRELOAD)
+    server = ForkServer(TRAINING_PRELOAD)
     try:
         server.launch()
     except OSError as e:

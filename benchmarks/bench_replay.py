@@ -493,8 +493,56 @@ def section_drift(args: argparse.Namespace) -> None:
     )
 
 
+def section_episodes(args: argparse.Namespace) -> None:
+    """Insert 256 steps into a full ring (every insert evicts), episodes of 1, 32, 256 and 4096 steps
+    (issue 21): the Table (whole oldest episodes evicted, their items dropped from the sampler)
+    against cpprb's PrioritizedReplayBuffer (a ring of transitions: its "done" is data), same data."""
+    from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table
+
+    cap = 1 << 18  # full rings of 2^18 steps: from the fill on, every insert needs room
+    print(f"\n## insert 256 into a full ring (capacity 2^18, every insert evicts), by episode length; "
+          f"medians of {args.reps} reps x {args.calls} calls")
+    rng = np.random.default_rng(1)
+    period = args.calls * (args.reps + 1) + 8 + cap // 256 + 16
+    d = FreshData(rng, period, 256)
+    steps = [{"obs": torch.from_numpy(d.obs[k]), "action": torch.from_numpy(d.action[k]),
+              "reward": torch.from_numpy(d.reward[k]), "next_obs": torch.from_numpy(d.obs[k]),
+              "done": torch.from_numpy(d.done[k])} for k in range(period)]
+    print(f"{'episode':>8} {'ours us':>9} {'cpprb us':>9} {'ours/cpprb':>11}")
+    for length in (1, 32, 256, 4096):
+        storage = Storage([FieldSpec("obs", (OBS_DIM,), torch.float32), FieldSpec("action", (), torch.int64),
+                           FieldSpec("reward", (), torch.float32), FieldSpec("next_obs", (OBS_DIM,), torch.float32),
+                           FieldSpec("done", (), torch.bool)], cap)
+        table = Table(storage, sampler=Prioritized(alpha=ALPHA), remover=Fifo(), rate_limiter=MinSize(1), beta=BETA)
+        # episode_end of the k-th insert: episodes of `length` steps, aligned on global step 0.
+        phases = max(1, length // 256)
+        ends = [((np.arange(p * 256, (p + 1) * 256) + 1) % length) == 0 for p in range(phases)]
+        ends = [e if length != 256 else True for e in ends]
+
+        def ours(k: int, table: Any = table, ends: list[Any] = ends, phases: int = phases) -> None:
+            table.insert_nowait(steps[k % period], d.priorities[k % period], episode_end=ends[k % phases])
+
+        rb = make_cpprb(cap)
+
+        def theirs(k: int, rb: Any = rb) -> None:
+            k %= period
+            rb.add(obs=d.obs[k], action=d.action[k], reward=d.reward[k], next_obs=d.obs[k], done=d.done[k],
+                   priorities=d.priorities[k])
+
+        fill = cap // 256 + 16  # both full: from here on every insert evicts
+        for k in range(fill):
+            ours(k)
+            theirs(k)
+        # Later calls continue the episode pattern where the fill left it (a multiple of `phases`).
+        got = interleaved_medians({"ours": lambda i, f=fill: ours(f + i), "cpprb": lambda i, f=fill: theirs(f + i)},
+                                  args.calls, args.reps)
+        print(f"{length:>8} {got['ours'] * 1e6:>9.1f} {got['cpprb'] * 1e6:>9.1f} "
+              f"{got['cpprb'] / got['ours']:>10.2f}x", flush=True)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "transitions": section_transitions,
+    "episodes": section_episodes,
     "arity": section_arity,
     "drift": section_drift,
 }

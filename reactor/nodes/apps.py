@@ -22,15 +22,43 @@ from typing import Any
 from .._graph import Graph
 from .training import off_policy_graph, on_policy_graph
 
-__all__ = ["OffPolicyAppConfig", "OnPolicyAppConfig", "off_policy_app_graph", "on_policy_app_graph"]
+__all__ = ["AppConfig", "OffPolicyAppConfig", "OnPolicyAppConfig", "off_policy_app_graph", "on_policy_app_graph"]
 
 
 @dataclass(frozen=True)
-class OffPolicyAppConfig:
-    """The Config of an off-policy app (DQN, SAC, TD3, DDPG, the transformer agent)."""
+class AppConfig:
+    """What every standard app's Config has: the env, the stop conditions, the algorithm's fields, the
+    run directory and checkpoints, the display."""
 
     env: str = ""
     """The environment: a gymnasium id (``CartPole-v1``) or ``module:Id`` (an env that module registers)."""
+    target_return: float | None = None
+    """Stop when an evaluation (10 episodes) reaches this mean return (None: run to max_env_steps;
+    only a step budget ends a run at the same point under every placement). The env's preset sets it."""
+    max_env_steps: int = 100_000
+    """Stop after this many env steps in all."""
+    algo_config: dict = field(default_factory=dict)
+    """The algorithm's Config fields (over the env's preset); --set lr=1e-3 puts lr here too."""
+    run_dir: str = ""
+    """Where logs, checkpoints, config.json and the plot go (default runs/<app>-<env>-RUN_ID)."""
+    checkpoint_every: int = 0
+    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
+    resume: bool = False
+    """Start the learner (and the replay shards, off-policy) from their checkpoints in run_dir when they
+    exist (give the old run's run_dir)."""
+    live: bool = True
+    """Show live progress."""
+
+    @classmethod
+    def algorithm_fields(cls, algo: str) -> set[str]:
+        """The fields of ``algo``'s Config: ``--set`` keys that go into ``algo_config``."""
+        return _algo_fields(algo)
+
+
+@dataclass(frozen=True)
+class OffPolicyAppConfig(AppConfig):
+    """The Config of an off-policy app (DQN, SAC, TD3, DDPG, the transformer agent)."""
+
     actors: int = 1
     """Actors (each its own process under --placement actors) stepping envs_per_actor envs each."""
     envs_per_actor: int = 1
@@ -57,41 +85,18 @@ class OffPolicyAppConfig:
     under --placement actors a longer delay lets an actor run further ahead of the learner's process."""
     eval_every_updates: int = 250
     """Learner updates between greedy evaluations."""
-    target_return: float | None = None
-    """Stop when an evaluation (10 episodes) reaches this mean return (None: run to max_env_steps;
-    only a step budget ends a run at the same point under every placement). The env's preset sets it."""
-    max_env_steps: int = 100_000
-    """Stop after this many env steps in all."""
-    algo_config: dict = field(default_factory=dict)
-    """The algorithm's Config fields (over the env's preset); --set lr=1e-3 puts lr here too."""
-    run_dir: str = ""
-    """Where logs, checkpoints, config.json and the plot go (default runs/<app>-<env>-RUN_ID)."""
-    checkpoint_every: int = 0
-    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
-    resume: bool = False
-    """Start the learner from run_dir/learner.pt and the replay shards from their checkpoints when they
-    exist (give the old run's run_dir)."""
     replay_checkpoint_period_s: float | None = 0.1
     """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
     100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
     replay_wal: bool = False
     """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
     (the default loses the inserts since its last checkpoint)."""
-    live: bool = True
-    """Show live progress."""
-
-    @classmethod
-    def algorithm_fields(cls, algo: str) -> set[str]:
-        """The fields of ``algo``'s Config: ``--set`` keys that go into ``algo_config``."""
-        return _algo_fields(algo)
 
 
 @dataclass(frozen=True)
-class OnPolicyAppConfig:
+class OnPolicyAppConfig(AppConfig):
     """The Config of an on-policy app (PPO): actors send rollouts straight to the learner."""
 
-    env: str = ""
-    """The environment: a gymnasium id (``CartPole-v1``) or ``module:Id`` (an env that module registers)."""
     actors: int = 2
     """Actor processes (under --placement actors) stepping envs_per_actor envs each."""
     envs_per_actor: int = 4
@@ -100,26 +105,6 @@ class OnPolicyAppConfig:
     """Learner updates between greedy evaluations."""
     eval_episodes: int = 10
     """Episodes per evaluation."""
-    target_return: float | None = None
-    """Stop when an evaluation reaches this mean return (None: run to max_env_steps; only a step
-    budget ends a run at the same point under every placement). The env's preset sets it."""
-    max_env_steps: int = 100_000
-    """Stop after this many env steps in all."""
-    algo_config: dict = field(default_factory=dict)
-    """The algorithm's Config fields (over the env's preset); --set lr=1e-3 puts lr here too."""
-    run_dir: str = ""
-    """Where logs, checkpoints, config.json and the plot go (default runs/<app>-<env>-RUN_ID)."""
-    checkpoint_every: int = 0
-    """Learner updates between checkpoints of weights and optimizer state (0: only at the end)."""
-    resume: bool = False
-    """Start the learner from run_dir/learner.pt when it exists (give the old run's run_dir)."""
-    live: bool = True
-    """Show live progress."""
-
-    @classmethod
-    def algorithm_fields(cls, algo: str) -> set[str]:
-        """The fields of ``algo``'s Config: ``--set`` keys that go into ``algo_config``."""
-        return _algo_fields(algo)
 
 
 def _run_dir(config: Any, name: str) -> str:

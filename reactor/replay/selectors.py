@@ -60,6 +60,9 @@ class Selector:
     """
 
     is_deterministic: ClassVar[bool] = False
+    #: An :meth:`insert` of a slot still present replaces it (priority and all), as a delete and an
+    #: insert would: an owner may skip the delete of a slot it overwrites in the same step.
+    replaces_on_insert: ClassVar[bool] = False
     _kind: ClassVar[str] = "Selector"
 
     def __init__(self) -> None:
@@ -303,6 +306,7 @@ class Prioritized(Selector):
     """
 
     _kind = "Prioritized"
+    replaces_on_insert = True  # the tree's leaf is overwritten, and insert counts a present slot once
 
     def __init__(self, alpha: float = 0.6, arity: int | None = None) -> None:
         super().__init__()
@@ -339,13 +343,16 @@ class Prioritized(Selector):
             raise PriorityOverflowError(f"Prioritized: priority at position {i}: {why}", i, why) from None
         return scaled, psum
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None, *, owned: bool = False) -> None:
+        """As :meth:`Selector.insert`; ``owned``: the caller hands ``slots`` and ``priorities`` over (never
+        writes them again), so the tree's lazy batch keeps them rather than copies. ``prepared``'s
+        ``p**alpha`` is a new array, except with alpha 1, where it is the caller's priorities: copied then."""
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
         if prepared is None:
             self._tree.update(slots, self._scaled(priorities), lazy=True)
         else:
-            self._tree.update_checked(slots, prepared[0], prepared[1], lazy=True)
+            self._tree.update_checked(slots, prepared[0], prepared[1], lazy=True, owned=owned and self.alpha != 1.0)
         self._size += slots.shape[0] - int(np.count_nonzero(self._present[slots]))
         self._present[slots] = True
 

@@ -56,6 +56,35 @@ def _ring_slot(x: int, base: int, base_slot: int, cap: int) -> int:  # pragma: n
 
 
 @numba.njit(cache=True, nogil=True)
+def _nb_index_append(step_ep: np.ndarray, ep_start: np.ndarray, ep_len: np.ndarray, ends: np.ndarray, first: int,
+                     eid: int, open_: bool, cap: int) -> int:  # pragma: no cover - jit
+    """The episode index of an append of ``len(ends)`` steps from global step ``first``: each step's
+    episode id, and each episode's start and length (``eid``: the first step's episode, the open one
+    when ``open_``). Returns the next episode id. One pass instead of a cumsum, a segment search and
+    two scatters in numpy (an append of 256 one-step episodes: ~20 us of numpy calls)."""
+    slot = eid % cap
+    if not open_:
+        ep_start[slot] = first
+        ep_len[slot] = 0
+    pos = first % cap
+    n = ends.shape[0]
+    for i in range(n):
+        step_ep[pos] = eid
+        ep_len[slot] += 1
+        pos += 1
+        if pos == cap:
+            pos = 0
+        if ends[i] and i + 1 < n:
+            eid += 1
+            slot += 1  # (eid % cap) one on: no 64-bit division per episode (one-step episodes: 256 a call)
+            if slot == cap:
+                slot = 0
+            ep_start[slot] = first + i + 1
+            ep_len[slot] = 0
+    return eid + 1
+
+
+@numba.njit(cache=True, nogil=True)
 def _nb_window_ranges(
     steps: np.ndarray,
     length: int,
@@ -602,25 +631,19 @@ class Storage:
 
     def plan_append(
         self, length: int, episode_end: bool | np.ndarray | Sequence[bool] = True
-    ) -> tuple[np.ndarray, np.ndarray, int, int]:
+    ) -> tuple[int, np.ndarray, int, int]:
         """Work out where an append of ``length`` steps goes, without changing anything.
 
         Returns:
-            ``(episode_ids, ends, new_first_step, new_first_ep)``: the episode of each new step, the
-            episode-end flags, and the storage's first step and first episode after evictions.
+            ``(first_episode, ends, new_first_step, new_first_ep)``: the episode of the first new step
+            (each end starts the next), the episode-end flags, and the storage's first step and first
+            episode after evictions.
 
         Raises:
             ValueError: ``episode_end`` malformed, or the open episode would have to evict itself.
         """
         ends = self._episode_ends(length, episode_end)
         first_eid = self._next_ep - 1 if self._open else self._next_ep
-        if isinstance(episode_end, (bool, np.bool_)):  # one episode: no per-step episode arithmetic
-            eids = np.full(length, first_eid, dtype=np.int64)
-        else:
-            starts_new = np.empty(length, dtype=np.int64)
-            starts_new[0] = 0
-            starts_new[1:] = ends[:-1]
-            eids = first_eid + np.cumsum(starts_new)
         cap = self._capacity
         needed = self._next_step + length - cap  # lowest global step that may remain
         new_first_step, new_first_ep = self._first_step, self._first_ep
@@ -639,7 +662,7 @@ class Storage:
             new_first_step = int(self._ep_start[new_first_ep % cap]) if new_first_ep < self._next_ep else (
                 self._next_step
             )
-        return eids, ends, new_first_step, new_first_ep
+        return first_eid, ends, new_first_step, new_first_ep
 
     def append(
         self,
@@ -647,7 +670,7 @@ class Storage:
         episode_end: bool | np.ndarray | Sequence[bool] = True,
         *,
         _validated: tuple[int, dict[str, torch.Tensor]] | None = None,
-        _plan: tuple[np.ndarray, np.ndarray, int, int] | None = None,
+        _plan: tuple[int, np.ndarray, int, int] | None = None,
     ) -> AppendResult:
         """Append ``L`` steps, evicting whole oldest episodes if the ring is full.
 
@@ -666,7 +689,7 @@ class Storage:
                 storage is unchanged when they do.
         """
         length, tensors = _validated if _validated is not None else self.validate_steps(steps)
-        eids, ends, new_first_step, new_first_ep = (
+        first_eid, ends, new_first_step, new_first_ep = (
             _plan if _plan is not None else self.plan_append(length, episode_end)
         )
         cap = self._capacity
@@ -696,25 +719,10 @@ class Storage:
                 dst[pos0 : pos0 + n1].copy_(src[:n1])
                 if n1 < length:
                     dst[: length - n1].copy_(src[n1:])
-        self._step_ep[pos0 : pos0 + n1] = eids[:n1]
-        if n1 < length:
-            self._step_ep[: length - n1] = eids[n1:]
-        # Episode index: one segment per distinct episode id in the batch.
-        if eids[0] == eids[-1]:  # the common case: the whole append belongs to one episode
-            seg = np.zeros(1, dtype=np.int64)
-            seg_lens = np.array([length], dtype=np.int64)
-        else:
-            seg = np.concatenate(([0], np.flatnonzero(eids[1:] != eids[:-1]) + 1))
-            seg_lens = np.diff(np.append(seg, length))
-        seg_ids = eids[seg]
-        if self._open:
-            o = seg_ids[0] % cap
-            self._ep_len[o] += seg_lens[0]
-            seg, seg_ids, seg_lens = seg[1:], seg_ids[1:], seg_lens[1:]
-        self._ep_start[seg_ids % cap] = first + seg
-        self._ep_len[seg_ids % cap] = seg_lens
+        next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
+                                       self._open, cap))
         self._next_step = first + length
-        self._next_ep = int(eids[-1]) + 1
+        self._next_ep = next_ep
         self._open = not bool(ends[-1])
         self._first_step, self._first_ep = new_first_step, new_first_ep
         return AppendResult(first, length, evicted_steps, evicted_eps)

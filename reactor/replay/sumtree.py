@@ -514,10 +514,13 @@ class SumTree:
             "the total must stay finite (float64)", k, why,
         )
 
-    def update_checked(self, indices: np.ndarray, priorities: np.ndarray, psum: float, *, lazy: bool = False) -> None:
+    def update_checked(self, indices: np.ndarray, priorities: np.ndarray, psum: float, *, lazy: bool = False,
+                       owned: bool = False) -> None:
         """:meth:`update` for priorities that :meth:`check_total` accepted (numba backend): ``priorities``
         is the float64 array it checked, unchanged, and ``psum`` what it returned. Skips the second
         pass over the priorities; the indices are still checked, and the total's bound still applied.
+        ``owned``: the caller hands both arrays over (it never writes them again), so a lazy batch
+        keeps them instead of copies.
 
         Raises:
             ValueError: as :meth:`update`; the tree is left unchanged.
@@ -537,8 +540,9 @@ class SumTree:
             if bad >= 0:
                 self._raise_index(int(idx[bad]), bad)
             self._bound = self._headroom(psum, priorities)
-            self._pending_idx.append(idx.copy() if lazy else idx)
-            self._pending_prio.append(priorities.copy() if lazy else priorities)
+            copy = lazy and not owned
+            self._pending_idx.append(idx.copy() if copy else idx)
+            self._pending_prio.append(priorities.copy() if copy else priorities)
             if not lazy:
                 self._flush()
 

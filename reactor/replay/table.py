@@ -202,11 +202,12 @@ def _as_priorities(values: Any, n: int, mask: np.ndarray | None = None) -> np.nd
     arr = np.asarray(values, dtype=np.float64)
     if arr.shape != (n,):
         raise ValueError(f"priorities must have shape ({n},), got {arr.shape}")
-    bad = ~np.isfinite(arr) | (arr < 0)
-    if mask is not None:
-        bad &= mask
-    if bad.any():
-        i = int(np.argmax(bad))
+    if mask is None:  # one compiled pass instead of four numpy calls (an insert's hot path)
+        i = int(_nb_first_bad_priority(arr))
+    else:
+        bad = (~np.isfinite(arr) | (arr < 0)) & mask
+        i = int(np.argmax(bad)) if bad.any() else -1
+    if i >= 0:
         raise ValueError(
             f"priority {float(arr[i])!r} at position {i} is invalid: priorities must be finite and >= 0"
         )
@@ -241,6 +242,57 @@ _PHYSICAL_MEMORY = _physical_memory()
 
 # Compiled bookkeeping for the hot paths. Each replaces 4-8 numpy calls of a few microseconds each
 # (the Table's own overhead was ~80 us per sample before; see docs/benchmarks.md).
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_first_bad_priority(p: np.ndarray) -> int:  # pragma: no cover - jit
+    """The first position whose priority is not finite and >= 0 (NaN included), or -1."""
+    for i in range(p.shape[0]):
+        x = p[i]
+        if not (x >= 0.0 and x < np.inf):
+            return i
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, n: int, cap: int,
+                      gone: np.ndarray) -> tuple[int, int]:  # pragma: no cover - jit
+    """One insert's key columns in one pass: the items of the evicted steps ``[lo, hi)`` dropped
+    (``keys[slot] == step``), then the ``n`` new steps from ``first`` keyed with ``times`` 0.
+
+    The dropped slots go to ``gone``: first those the new steps do not overwrite (their sampler
+    entries must be deleted), then those they do (a sampler that replaces on insert needs no delete
+    for them). Returns ``(dropped, not overwritten)``."""
+    lo_over = first - cap  # an evicted step whose slot the insert writes again: [first - cap, first + n - cap)
+    hi_over = first + n - cap
+    k = 0
+    slot = lo % cap  # then one on per step: no 64-bit division per step
+    for step in range(lo, hi):  # not overwritten: listed from the front
+        if keys[slot] == step and not (lo_over <= step < hi_over):
+            keys[slot] = -1
+            gone[k] = slot
+            k += 1
+        slot += 1
+        if slot == cap:
+            slot = 0
+    kept = k
+    a = max(lo, lo_over)
+    slot = a % cap
+    for step in range(a, min(hi, hi_over)):  # overwritten: listed after them
+        if keys[slot] == step:
+            gone[k] = slot
+            k += 1
+        slot += 1
+        if slot == cap:
+            slot = 0
+    slot = first % cap
+    for i in range(n):
+        keys[slot] = first + i
+        times[slot] = 0
+        slot += 1
+        if slot == cap:
+            slot = 0
+    return k, kept
 
 
 @numba.njit(cache=True, nogil=True)
@@ -494,6 +546,7 @@ class Table:
         # Items sit on stored steps, so with max_size == capacity the storage's eviction always makes
         # room first and the remover can never be asked: the table then skips feeding it.
         self._feed_remover = max_size < cap
+        self._gone = np.empty(256, dtype=np.int64)  # scratch: the slots an insert's evictions drop
         self._limiter = rate_limiter
         self._max_size = max_size
         self._max_times_sampled = max_times_sampled
@@ -740,6 +793,8 @@ class Table:
         cap = st.capacity
         res = st.append({}, _validated=validated, _plan=plan)
         lo, hi = res.evicted_steps
+        if mask is None and not self._feed_remover and self._sampler.replaces_on_insert:
+            return self._apply_insert_fast(res.first_step, lo, hi, prio, n, prepared[0])
         if hi > lo:
             old = np.arange(lo, hi, dtype=np.int64)
             slots = old % cap
@@ -767,6 +822,33 @@ class Table:
         self._generation += 1
         self._limiter.on_insert(n)
         return torch.from_numpy(keys)
+
+    def _apply_insert_fast(self, first: int, lo: int, hi: int, prio: np.ndarray, n: int,
+                           prepared: Any) -> torch.Tensor:
+        """:meth:`_apply_insert` for the common case (every step an item, no remover to feed, a
+        sampler that replaces a slot on insert): the evictions and the key columns in one compiled
+        pass, and no sampler delete for the slots the insert overwrites at once. The same state as
+        the general path (tests/replay/test_table.py checks both against each other)."""
+        cap = self._storage.capacity
+        gone = self._gone
+        if gone.shape[0] < max(hi - lo, 0):
+            gone = self._gone = np.empty(max(hi - lo, 2 * gone.shape[0]), dtype=np.int64)
+        dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, n, cap, gone)
+        if kept:
+            self._sampler.delete(gone[:kept])
+        if dropped:
+            self._size -= dropped
+            self._counts["evicted"] += dropped
+        keys = np.arange(first, first + n, dtype=np.int64)
+        p0 = first % cap
+        slots = keys - (first - p0) if p0 + n <= cap else keys % cap
+        if n:  # both arrays are new here and never written again: the tree's batch keeps them
+            self._sampler.insert(slots, prio, prepared, owned=True)  # type: ignore[call-arg]
+        self._size += n
+        self._counts["inserted"] += n
+        self._generation += 1
+        self._limiter.on_insert(n)
+        return torch.from_numpy(keys)  # not torch.arange: its dispatch cost 6 us, a tenth of the insert
 
     def _select_distinct(self, selector: Selector, k: int) -> np.ndarray:
         """k distinct slots from ``selector`` (stochastic selectors draw with replacement: redraw)."""

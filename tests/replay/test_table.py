@@ -569,3 +569,59 @@ def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
     assert "mask[j, t] = a <= t < z" in src
     storage_py.write_text(src.replace("mask[j, t] = a <= t < z", "mask[j, t] = False"))
     assert run() == [0, 0]  # both paths run the edited copy kernel
+
+
+class _PrioritizedDeleteFirst(Prioritized):
+    """Prioritized without the fast insert path: the table deletes every evicted slot first."""
+
+    replaces_on_insert = False
+
+
+@pytest.mark.parametrize("max_times_sampled", [0, 3])
+def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times_sampled):
+    """Regression (issue 21): an insert whose evictions drop items and whose steps overwrite their slots
+    skips the sampler's delete of those slots (Prioritized replaces on insert) and keys the columns in one
+    compiled pass. Inserts of 1-200 steps with episodes of 1 to 700 steps (open ones too) into a small ring,
+    samples (expiring items at max_times_sampled) and priority updates between them: both tables hold the
+    same items, priorities, counters and statistics, and draw the same samples."""
+    rng = np.random.default_rng(7)
+    tables = [Table(Storage(SPECS, 512), sampler=sel, remover=Fifo(), rate_limiter=MinSize(1), seed=3,
+                    max_times_sampled=max_times_sampled, read=StepRead())
+              for sel in (Prioritized(0.6), _PrioritizedDeleteFirst(0.6))]
+    step = open_len = 0
+    for _ in range(400):
+        n = int(rng.integers(1, 200))  # with at most 256 steps left open: an episode fits the 512-step ring
+        ep = int(rng.choice([1, 7, 64, 300, 700]))
+        ends = (np.arange(step, step + n) + 1) % ep == 0
+        steps = {"obs": torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32)),
+                 "reward": torch.from_numpy(rng.standard_normal(n).astype(np.float32)),
+                 "step": torch.arange(step, step + n)}
+        prio = rng.random(n) + 0.01
+        tail = n - 1 - int(np.flatnonzero(ends)[-1]) if ends.any() else n + open_len  # the episode left open
+        if tail > 256:  # an open episode must fit the ring: end it here
+            ends[-1], tail = True, 0
+        open_len = tail
+        keys = [t.insert_nowait(steps, prio, episode_end=ends) for t in tables]
+        torch.testing.assert_close(keys[0], keys[1], rtol=0, atol=0)
+        step += n
+        if len(tables[0]) and rng.random() < 0.5:
+            got = [t.sample_nowait(32)[1] for t in tables]
+            np.testing.assert_array_equal(np.asarray(got[0].keys), np.asarray(got[1].keys))
+            np.testing.assert_array_equal(np.asarray(got[0].probabilities), np.asarray(got[1].probabilities))
+            sampled = np.asarray(got[0].keys)
+            live = np.unique(sampled[np.isin(sampled, tables[0]._keys)])
+            if live.size:
+                upd = rng.random(live.size) + 0.01
+                for t in tables:
+                    t.update_priorities(live, upd)
+        assert len(tables[0]) == len(tables[1])
+        assert tables[0].statistics() == tables[1].statistics()
+    np.testing.assert_array_equal(tables[0]._keys, tables[1]._keys)
+    np.testing.assert_array_equal(tables[0]._times, tables[1]._times)
+    sa, sb = (t.state_dict()["sampler"] for t in tables)
+    for k in sa:
+        va, vb = sa[k], sb[k]
+        if isinstance(va, torch.Tensor):
+            torch.testing.assert_close(va, vb, rtol=0, atol=0)
+        else:
+            assert np.array_equal(np.asarray(va), np.asarray(vb)), k

@@ -149,6 +149,8 @@ class Graph:
         #: ``("module:qualname", arguments)`` of the :func:`graph_builder` that made this graph (None:
         #: built by hand): what the workers of a multi-process run without an app file rebuild it from.
         self.built_by: tuple[str, dict[str, Any]] | None = None
+        #: (reactors, links) when the builder returned it: a graph changed after cannot be rebuilt from it.
+        self.built_shape: tuple[int, int] | None = None
 
     def add(self, reactor: Reactor, *, name: str | None = None, replicas: int = 1) -> Node:
         """Add a reactor, or a bank of ``replicas`` copies built from its constructor arguments.
@@ -383,8 +385,8 @@ def graph_builder(fn: F) -> F:
 
     The function must be importable by its module and name (not defined in ``__main__``, a script or
     a notebook), and its arguments plain values (numbers, strings, booleans, None, lists, tuples and
-    dicts of them): they cross to the workers as data, never pickled. Both are checked when a
-    multi-process run starts.
+    dicts of them; tuples arrive as lists): they cross to the workers as data, never pickled. Both are
+    checked when a multi-process run starts, and so is that the graph was not changed after.
 
     Example:
         >>> @graph_builder
@@ -400,7 +402,18 @@ def graph_builder(fn: F) -> F:
         graph = fn(*args, **kwargs)
         if isinstance(graph, Graph):
             bound = signature.bind(*args, **kwargs)
-            graph.built_by = (f"{fn.__module__}:{fn.__qualname__}", dict(bound.arguments))
+            named: dict[str, Any] = {}
+            rebuildable = True
+            for key, value in bound.arguments.items():
+                kind = signature.parameters[key].kind
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    named.update(value)
+                elif kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+                    rebuildable = False  # workers call the builder with keywords only
+                else:
+                    named[key] = value
+            graph.built_by = (f"{fn.__module__}:{fn.__qualname__}", named) if rebuildable else None
+            graph.built_shape = (len(graph.nodes), len(graph.connections))
         return graph
 
     return typing.cast(F, build)

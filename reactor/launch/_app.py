@@ -31,6 +31,10 @@ from typing import Any
 from .._errors import ReactorError
 from .._graph import Graph
 
+#: The directories of the app files this process loaded (on sys.path): the learner records them in
+#: config.json, so ``load_policy`` can import a custom env's or algorithm's module from beside the app.
+APP_DIRS: list[str] = []
+
 
 class AppError(ReactorError):
     """The app file or its configuration is wrong (a one-line message for the command line)."""
@@ -49,8 +53,11 @@ def load_app(path: str | Path) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     where = str(p.resolve().parent)
-    if where not in sys.path:
-        sys.path.append(where)  # after the installed packages: a file beside the app never shadows one
+    if where != str(Path(__file__).resolve().parent):  # not reactor/launch/ (the builder app's home)
+        if where not in sys.path:
+            sys.path.append(where)  # after the installed packages: a file beside the app never shadows one
+        if where not in APP_DIRS:
+            APP_DIRS.append(where)
     spec = importlib.util.spec_from_file_location(name, p)
     if spec is None or spec.loader is None:
         raise AppError(f"cannot import {str(path)!r} as a Python file")
@@ -98,8 +105,11 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
     env = overrides.get("env", fields["env"].default if "env" in fields else None)
     presets = getattr(module, "PRESETS", None) or {}
     preset = presets.get(env, {}) if isinstance(env, str) else {}
-    # The algorithm's keys: the preset's, then algo_config={...}, then the flat ones (lr=...).
-    algo: dict[str, Any] = {k: v for k, v in preset.items() if k not in fields}
+    # The algorithm's keys: the app's own algo_config default, the preset's, then algo_config={...},
+    # then the flat ones (lr=...).
+    own = fields["algo_config"].default_factory() if "algo_config" in fields and callable(
+        fields["algo_config"].default_factory) else {}
+    algo: dict[str, Any] = {**own, **{k: v for k, v in preset.items() if k not in fields}}
     given = overrides.get("algo_config", {})
     if not isinstance(given, dict):
         raise AppError(f"config key 'algo_config' expects dict, got {given!r}")
@@ -115,7 +125,7 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
             theirs = f"; the algorithm {module.ALGO!r} has: {', '.join(sorted(algo_fields))}" if algo_fields else ""
             raise AppError(f"unknown config key {key!r}; {cls.__name__} has: {', '.join(sorted(fields))}{theirs}")
         kwargs[key] = value
-    if algo or "algo_config" in overrides:
+    if algo != own or "algo_config" in overrides:
         if "algo_config" not in fields:
             raise AppError(f"{cls.__name__} has no algo_config field for the algorithm's keys {sorted(algo)}")
         kwargs["algo_config"] = algo
@@ -159,14 +169,20 @@ def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
     """The app file and config that rebuild ``graph`` from its ``graph_builder`` in another process.
 
     Raises:
-        ValueError: the graph was not made by a builder, the builder lives in ``__main__``, or an
-            argument is not plain data (naming it).
+        ValueError: the graph was not made by a builder, was changed after, the builder lives in
+            ``__main__`` or takes ``*args``, or an argument is not plain data (naming it).
     """
+    if graph.built_by is None and graph.built_shape is not None:
+        raise ValueError("the graph's builder takes *args or positional-only arguments: workers rebuild a graph "
+                         "from keyword arguments only; give the builder named parameters")
     if graph.built_by is None:
         raise ValueError("a multi-process placement needs the app file the workers rebuild the graph from: "
                          "run(graph, app=PATH, config=...), or a graph made by a @graph_builder function "
                          "(reactor.nodes.training.off_policy_graph, say)")
     name, arguments = graph.built_by
+    if graph.built_shape is not None and graph.built_shape != (len(graph.nodes), len(graph.connections)):
+        raise ValueError(f"the graph was changed after {name} made it (reactors or links added): workers would "
+                         f"rebuild the builder's graph, not this one; add them inside a @graph_builder function")
     if name.startswith("__main__:"):
         raise ValueError(f"the graph's builder {name.split(':', 1)[1]} is defined in __main__ (a script or a "
                          f"notebook): workers cannot import it; define it in a module they can import")

@@ -34,10 +34,17 @@ class Policy:
     """
 
     def __init__(self, run_dir: Path, record: dict[str, Any], seed: int) -> None:
+        import sys
+
         import torch
 
         from ._registry import load_algorithm, make_env
 
+        # A custom env's or algorithm's module beside the app that trained it (run directory on this
+        # machine): importable here too. Appended, so an installed package still wins.
+        for where in record.get("app_dirs") or []:
+            if isinstance(where, str) and Path(where).is_dir() and where not in sys.path:
+                sys.path.append(where)
         self.run_dir = run_dir
         self.algo = str(record["algo"])
         self.env = str(record["env"])
@@ -51,11 +58,16 @@ class Policy:
         if not weights_file.is_file():
             raise FileNotFoundError(f"{run_dir}: no weights ({weights_file.name}): the learner writes them at its "
                                     f"checkpoints and at the end of the run")
-        saved = torch.load(weights_file, weights_only=True)
+        try:
+            saved = torch.load(weights_file, weights_only=True)
+            algo_state, updates = saved["algo"], int(saved["updates"])
+        except Exception as e:  # a truncated or foreign file: say which, in one line
+            raise ValueError(f"{weights_file}: not a learner checkpoint torch can load ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from e
         with torch.random.fork_rng():
             state = self.module.init(self.observation_space, self.action_space, self.config, 0)
-        self.module.load_state_dict(state, saved["algo"])
-        self.updates = int(saved["updates"])
+        self.module.load_state_dict(state, algo_state)
+        self.updates = updates
         weights = self.module.policy_weights(state)
         h = hashlib.sha256()
         for name, t in sorted(weights.items()):
@@ -128,7 +140,9 @@ def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:
     """The trained policy of a run: ``load_policy("runs/dqn-CartPole-v1-…").act(obs)``.
 
     Needs only the run directory (``config.json`` and ``learner.pt``, written by the learner) and
-    reactor; no app file. ``seed`` seeds the stochastic actions of ``act(deterministic=False)``.
+    reactor; no app file. A custom env's or algorithm's module must import here: from the app's
+    directory when it exists on this machine (recorded in ``config.json``), else installed or on
+    ``PYTHONPATH``. ``seed`` seeds the stochastic actions of ``act(deterministic=False)``.
 
     Raises:
         FileNotFoundError: no such directory, or no ``config.json`` or weights in it.

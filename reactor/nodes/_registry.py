@@ -70,6 +70,8 @@ def load_algorithm(name: str) -> ModuleType:
     except ImportError as e:
         raise ValueError(f"unknown algorithm {name!r}: not one of {', '.join(algos.ALGORITHMS)}, and no module of "
                          f"that name imports here ({e})") from e
+    except Exception as e:  # the module is there but broken: its error, in one line
+        raise ValueError(f"algorithm module {name!r} failed to import: {type(e).__name__}: {e}") from e
     missing = [f for f in ("KIND", "Config", "init", "act", "learn") if not hasattr(module, f)]
     if missing:
         raise ValueError(f"algorithm module {name!r} lacks {', '.join(missing)} of the fragment contract "
@@ -90,7 +92,7 @@ def make_env(name: str) -> Any:
         raise ValueError(f"env must be a gymnasium id such as 'CartPole-v1', got {name!r}")
     try:
         return envs.make_env(name)
-    except (ImportError, AttributeError) as e:
+    except ImportError as e:
         raise ValueError(f"env {name!r}: its module does not import here ({type(e).__name__}: {e}); a custom "
                          f"env's module must be importable in every process (installed, on PYTHONPATH, or "
                          f"beside the app file)") from e

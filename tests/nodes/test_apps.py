@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import reactor
 from reactor.launch._app import AppError, load_app, make_config
 from reactor.nodes.presets import PRESETS
 
@@ -91,9 +90,28 @@ def test_a_custom_env_from_a_module_beside_the_app_trains_under_actors(tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["best_eval_return"] == 1.0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["env"] == "chain_env:ReactorChain-v0"
-    sys.path.insert(0, str(tmp_path))
-    try:
-        policy = reactor.load_policy(tmp_path / "run")
-        assert policy.act([1, 0, 0, 0, 0, 0]) == 1  # right, from the first cell
-    finally:
-        sys.path.remove(str(tmp_path))
+    # In a fresh process elsewhere: config.json's app_dirs make chain_env importable for load_policy.
+    code = "import sys, reactor; print(int(reactor.load_policy(sys.argv[1]).act([1, 0, 0, 0, 0, 0])))"
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "1"  # right, from the first cell
+
+
+def test_an_apps_own_algo_config_default_stays_under_the_preset_and_the_users_keys(tmp_path):
+    app = tmp_path / "tuned.py"
+    app.write_text(
+        "from dataclasses import dataclass, field\n"
+        "from reactor.nodes.apps import OffPolicyAppConfig, off_policy_app_graph\n"
+        "ALGO = 'dqn'\n"
+        "PRESETS = {'CartPole-v1': {'lr': 1e-3, 'target_return': 400.0}}\n"
+        "@dataclass(frozen=True)\n"
+        "class Config(OffPolicyAppConfig):\n"
+        "    env: str = 'CartPole-v1'\n"
+        "    algo_config: dict = field(default_factory=lambda: {'hidden': 32, 'lr': 0.5})\n"
+        "def build(config):\n"
+        "    return off_policy_app_graph(config, algo=ALGO, name='tuned', title='T')\n")
+    module = load_app(app)
+    assert make_config(module, {}).algo_config == {"hidden": 32, "lr": 1e-3}  # the preset over the app's own
+    assert make_config(module, {"n_step": 2}).algo_config == {"hidden": 32, "lr": 1e-3, "n_step": 2}
+    assert make_config(module, {"env": "Acrobot-v1"}).algo_config == {"hidden": 32, "lr": 0.5}

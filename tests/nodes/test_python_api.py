@@ -81,3 +81,20 @@ def test_run_works_where_an_event_loop_is_running_as_in_a_notebook(tmp_path):
 
     result = asyncio.run(cell())
     assert result.stopped_by == "quiescence" and (tmp_path / "nb" / "weights.sha256").is_file()
+
+
+@graph_builder
+def _with_args(*sizes: int) -> Graph:
+    g = Graph()
+    g.connect(g.add(Source(), name="src").out, g.add(Sink(), name="sink").inp)
+    return g
+
+
+def test_a_graph_changed_after_its_builder_or_from_a_builder_with_args_is_refused(tmp_path):
+    g = _brief(str(tmp_path))
+    g.add(Source(), name="extra")
+    with pytest.raises(ValueError, match=r"^the graph was changed after reactor.nodes.training:off_policy_graph made "
+                                         r"it \(reactors or links added\)"):
+        reactor.run(g, placement="actors")
+    with pytest.raises(ValueError, match=r"^the graph's builder takes \*args or positional-only arguments"):
+        reactor.run(_with_args(1, 2), placement="processes")

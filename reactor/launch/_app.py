@@ -30,6 +30,7 @@ from typing import Any
 
 from .._errors import ReactorError
 from .._graph import Graph
+from ._protocol import is_plain
 
 #: The directories of the app files this process loaded (on sys.path): the learner records them in
 #: config.json, so ``load_policy`` can import a custom env's or algorithm's module from beside the app.
@@ -187,25 +188,7 @@ def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"the graph's builder {name.split(':', 1)[1]} is defined in __main__ (a script or a "
                          f"notebook): workers cannot import it; define it in a module they can import")
     for key, value in arguments.items():
-        bad = _not_plain(value)
-        if bad is not None:
-            raise ValueError(f"{name}: argument {key!r} holds {bad}, which cannot cross to the workers as data "
+        if not is_plain(value):  # the launch protocol's own check of a config (_protocol.py)
+            raise ValueError(f"{name}: argument {key!r} ({type(value).__name__}) cannot cross to the workers as data "
                              f"(plain numbers, strings, booleans, None, lists, tuples and dicts with string keys)")
     return str(BUILDER_APP), {"builder": name, "arguments": arguments}
-
-
-def _not_plain(value: Any) -> str | None:
-    """What in ``value`` is not plain data (a description), or None."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return None
-    if isinstance(value, (list, tuple)):
-        return next((b for b in map(_not_plain, value) if b is not None), None)
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return f"a dict key {k!r}"
-            bad = _not_plain(v)
-            if bad is not None:
-                return bad
-        return None
-    return f"a {type(value).__name__}"

@@ -34,7 +34,8 @@ from .._errors import GraphError
 from .._tag import FOREVER_NS
 from ._groups import restart_from_text
 
-__all__ = ["COORDINATOR", "DAEMON_KINDS", "CoordinatorProtocol", "WorkerProtocol", "check_message", "check_request"]
+__all__ = ["COORDINATOR", "DAEMON_KINDS", "CoordinatorProtocol", "WorkerProtocol", "check_message", "check_request",
+           "is_plain"]
 
 COORDINATOR = "coordinator"
 _I64_MAX = 2**63 - 1
@@ -196,16 +197,16 @@ _FILES_MAX_NBYTES = 32 * 2**20
 _JOB_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
-def _plain(v: Any, depth: int = 0) -> bool:
+def is_plain(v: Any, depth: int = 0) -> bool:
     """A config value a `--set` can carry: None, bool, int, float, str, lists and str-keyed dicts."""
     if depth > 16:
         return False
     if v is None or type(v) in (bool, int, float, str):
         return True
     if type(v) in (list, tuple):
-        return all(_plain(x, depth + 1) for x in v)
+        return all(is_plain(x, depth + 1) for x in v)
     if type(v) is dict:
-        return all(type(k) is str and _plain(x, depth + 1) for k, x in v.items())
+        return all(type(k) is str and is_plain(x, depth + 1) for k, x in v.items())
     return False
 
 
@@ -238,7 +239,7 @@ def _job_spec(v: Any) -> str | None:
         return f"a job spec is a dict with exactly the fields {list(_SPEC_FIELDS)}, got {_show(v)}"
     if (why := _files(v["files"], v["sha256"], v["app"])) is not None:
         return why
-    if type(v["config"]) is not dict or not _plain(v["config"]):
+    if type(v["config"]) is not dict or not is_plain(v["config"]):
         return f"config: a dict of plain values (None, bool, int, float, str, lists, dicts) expected, got {_show(v['config'])}"
     if type(v["placement"]) is not str or not 0 < len(v["placement"]) <= 255:
         return f"placement: a policy name or the name of one of the files expected, got {_show(v['placement'])}"
@@ -297,7 +298,7 @@ def _spawn(v: Any) -> str | None:
         return f"group: {why}"
     if (why := _files(v["files"], v["sha256"], v["app"])) is not None:
         return why
-    if type(v["worker"]) is not dict or not _plain(v["worker"]):
+    if type(v["worker"]) is not dict or not is_plain(v["worker"]):
         return f"worker: a worker spec (a dict of plain values) expected, got {_show(v['worker'])}"
     if type(v["lease_s"]) not in (int, float) or not 0 < v["lease_s"] <= 3600:
         return f"lease_s: seconds in (0, 3600] expected, got {_show(v['lease_s'])}"

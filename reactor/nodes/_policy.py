@@ -9,7 +9,6 @@ all a policy needs: it is rebuilt with the algorithm's own fragments (``init``, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ class Policy:
 
         import torch
 
-        from ._registry import load_algorithm, make_env
+        from ._registry import load_algorithm, make_env, weights_sha256
 
         # A custom env's or algorithm's module beside the app that trained it (run directory on this
         # machine): importable here too. Appended, so an installed package still wins.
@@ -69,11 +68,7 @@ class Policy:
         self.module.load_state_dict(state, algo_state)
         self.updates = updates
         weights = self.module.policy_weights(state)
-        h = hashlib.sha256()
-        for name, t in sorted(weights.items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        self.weights_sha256 = h.hexdigest()
+        self.weights_sha256 = weights_sha256(weights)
         self._weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
         self.policy = self._fresh()
         self.generator = torch.Generator().manual_seed(seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 from collections.abc import Iterator
 from types import ModuleType
@@ -10,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_spaces", "configure_torch", "denormals_flushed", "load_algorithm", "make_env", "make_vector_env"]
+__all__ = ["check_spaces", "configure_torch", "denormals_flushed", "load_algorithm", "make_env", "make_vector_env",
+           "weights_sha256"]
 
 
 def configure_torch() -> None:
@@ -133,3 +135,13 @@ def make_vector_env(name: str, num_envs: int) -> Any:
     from ..algos import envs
 
     return envs.make_vector_env(name, num_envs)
+
+
+def weights_sha256(weights: dict[str, Any]) -> str:
+    """The hash of a policy's weights (``policy_weights``): names and bytes in name order. The learner
+    prints and writes it at its end (``weights.sha256``); a loaded policy reports the same."""
+    h = hashlib.sha256()
+    for name, t in sorted(weights.items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

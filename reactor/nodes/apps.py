@@ -141,7 +141,7 @@ def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, ti
         max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
         resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
         replay_wal=config.replay_wal, live=config.live, title=f"{title} {config.env}",
-        app_config=_plain(config),
+        app_config=dataclasses.asdict(config),
     )
 
 
@@ -154,7 +154,7 @@ def on_policy_app_graph(config: OnPolicyAppConfig, *, algo: str, name: str, titl
         eval_every_updates=config.eval_every_updates, eval_episodes=config.eval_episodes,
         target_return=config.target_return, max_env_steps=config.max_env_steps,
         checkpoint_every=config.checkpoint_every, resume=config.resume, live=config.live,
-        title=f"{title} {config.env}", app_config=_plain(config),
+        title=f"{title} {config.env}", app_config=dataclasses.asdict(config),
     )
 
 
@@ -162,8 +162,3 @@ def _algo_fields(algo: str) -> set[str]:
     from ._registry import load_algorithm
 
     return {f.name for f in dataclasses.fields(load_algorithm(algo).Config)}
-
-
-def _plain(config: Any) -> dict[str, Any]:
-    """The app's resolved Config as a plain dict (for config.json)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

@@ -187,16 +187,12 @@ class _LearnerBase(Reactor):
 
     def _finish(self) -> None:
         """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir)."""
-        import hashlib
+        from ._registry import weights_sha256
 
         if not hasattr(self, "state"):
             return
         self._maybe_checkpoint(force=True)  # replica 0 only
-        h = hashlib.sha256()
-        for name, t in sorted(self.algo.policy_weights(self.state).items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        self.weights_sha256 = h.hexdigest()
+        self.weights_sha256 = weights_sha256(self.algo.policy_weights(self.state))
         if self.run_dir and self.bank_index == 0:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")

@@ -6,7 +6,8 @@ Who sends what (see :mod:`reactor.nodes.replay` for the protocol):
 * a :class:`~reactor.nodes.replay.ReplayClient` (inside a learner) sends :class:`MassRequest` and
   :class:`SampleRequest` (both :class:`ReplayRequest`) and gets :class:`ShardMass` and
   :class:`ShardSample` (both :class:`ReplayReply`) back; it sends :class:`PriorityUpdate` and
-  :class:`Delete` (both :class:`ItemUpdate`) to the shards owning the keys;
+  :class:`Delete` (both :class:`ItemUpdate`) to the shards owning the keys, and :class:`SampledKeys`
+  for items it drew one-sidedly from a shard's shared memory;
 * anyone may send :class:`CheckpointRequest` or :class:`StatisticsRequest` (both
   :class:`ReplayControl`); a shard publishes :class:`ShardStatistics`.
 
@@ -34,6 +35,7 @@ __all__ = [
     "ReplayRequest",
     "SampleRequest",
     "SampledBatch",
+    "SampledKeys",
     "ShardMass",
     "ShardSample",
     "ShardStatistics",
@@ -235,6 +237,9 @@ class ShardSample(ReplayReply):
             17 B a window position.
         window_length: ``T`` of the compact form.
         descriptor: the shard region's bulk descriptor, when the requester lacks it.
+        sampling: with ``descriptor``, when the shard offers one-sided sampling to requesters on its
+            host: ``{"table": SamplingPublisher.descriptor(), "region": the bulk descriptor of the
+            region holding its sampling state}`` (see :mod:`reactor.replay.shared`).
     """
 
     data: dict[str, Any] | None = None
@@ -251,6 +256,7 @@ class ShardSample(ReplayReply):
     descriptor: dict[str, Any] | None = None
     windows: Any = None
     window_length: int = 0
+    sampling: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------- updates
@@ -285,6 +291,15 @@ class PriorityUpdate(ItemUpdate):
 @dataclass(frozen=True)
 class Delete(ItemUpdate):
     """Delete items. Keys no longer in the shard are skipped."""
+
+
+@register_message
+@dataclass(frozen=True)
+class SampledKeys(ItemUpdate):
+    """Items a requester drew one-sidedly from the shard's published state (no request reached the
+    shard): the shard counts the draws (each key's times sampled, its statistics and rate
+    limiter). Keys no longer in the shard count as draws and change nothing. One message per shard
+    per one-sided sample, sent on the connection priority updates take."""
 
 
 # ---------------------------------------------------------------------------------- control

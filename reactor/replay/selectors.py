@@ -67,11 +67,16 @@ class Selector:
 
     def __init__(self) -> None:
         self._capacity: int | None = None
+        self._arrays: Any = None
 
     # ---------------------------------------------------------------- lifecycle
 
-    def bind(self, capacity: int) -> None:
+    def bind(self, capacity: int, arrays: Any = None) -> None:
         """Attach to a table with ``capacity`` slots; called once by ``Table.__init__``.
+
+        ``arrays``: where the selector keeps the state a draw reads, for selectors that readers in
+        other processes may sample from (:class:`Uniform`, :class:`Prioritized`; see
+        :mod:`reactor.replay.shared`); the others ignore it. None: memory of their own.
 
         Raises:
             ValueError: already bound (a selector instance belongs to one table), or capacity < 1.
@@ -84,10 +89,14 @@ class Selector:
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"{type(self).__name__}.bind: capacity must be an int >= 1, got {capacity!r}")
         self._capacity = int(capacity)
+        self._arrays = arrays
         self._allocate(self._capacity)
 
     def _allocate(self, capacity: int) -> None:
         raise NotImplementedError
+
+    def flush(self) -> None:
+        """Apply buffered writes now (:class:`Prioritized` buffers inserts); a no-op for the others."""
 
     def _bound(self) -> int:
         if self._capacity is None:
@@ -225,7 +234,11 @@ class Uniform(Selector):
     _kind = "Uniform"
 
     def _allocate(self, capacity: int) -> None:
-        self._dense = np.zeros(capacity, dtype=np.int64)
+        if self._arrays is None:
+            self._dense = np.zeros(capacity, dtype=np.int64)
+        else:  # readers elsewhere draw from the dense array (reactor.replay.shared)
+            self._dense = self._arrays("dense", (capacity,), np.int64)
+            self._dense.fill(0)
         self._where = np.full(capacity, -1, dtype=np.int64)
         self._size = 0
 
@@ -316,7 +329,7 @@ class Prioritized(Selector):
         self.arity = DEFAULT_ARITY if arity is None else arity
 
     def _allocate(self, capacity: int) -> None:
-        self._tree = SumTree(capacity, self.arity)
+        self._tree = SumTree(capacity, self.arity, arrays=self._arrays)
         self._present = np.zeros(capacity, dtype=np.bool_)
         self._size = 0
 
@@ -385,6 +398,9 @@ class Prioritized(Selector):
 
     def present_slots(self) -> np.ndarray:
         return np.flatnonzero(self._present)
+
+    def flush(self) -> None:
+        self._tree.flush()
 
     @property
     def tree(self) -> SumTree:

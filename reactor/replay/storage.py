@@ -410,6 +410,9 @@ class Storage:
         allocator: ``allocator(field, shape, dtype) -> tensor`` provides each field's memory
             instead of the default (e.g. shared memory that readers in other processes map);
             the tensor must have exactly that shape and dtype, on ``device``, and be contiguous.
+        index_arrays: where the episode index lives (``"step_ep"``, ``"ep_start"``, ``"ep_len"``):
+            ``arrays(name, shape, dtype) -> ndarray``, e.g. memory that readers in other processes
+            map to plan windows themselves (:mod:`reactor.replay.shared`). None: memory of its own.
 
     Raises:
         ValueError: empty or duplicate specs, capacity < 1, a bad device string.
@@ -432,6 +435,7 @@ class Storage:
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
         allocator: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        index_arrays: Callable[[str, tuple[int, ...], Any], np.ndarray] | None = None,
     ) -> None:
         specs = tuple(specs)
         if not specs:
@@ -477,9 +481,17 @@ class Storage:
                     )
                 self._fields[s.name] = t
         cap = self._capacity
-        self._step_ep = np.zeros(cap, dtype=np.int64)  # episode id of ring position
-        self._ep_start = np.zeros(cap, dtype=np.int64)  # indexed by episode id % capacity
-        self._ep_len = np.zeros(cap, dtype=np.int64)
+
+        def index(name: str) -> np.ndarray:
+            if index_arrays is None:
+                return np.zeros(cap, dtype=np.int64)
+            a = index_arrays(name, (cap,), np.int64)
+            a.fill(0)
+            return a
+
+        self._step_ep = index("step_ep")  # episode id of ring position
+        self._ep_start = index("ep_start")  # indexed by episode id % capacity
+        self._ep_len = index("ep_len")
         self._first_step = 0
         self._next_step = 0
         self._first_ep = 0

@@ -333,9 +333,14 @@ class SumTree:
         arity: fan-in ``K`` of every internal node, >= 2. The default was chosen by benchmark.
         backend: ``"numba"`` (numpy arrays, CPU) or ``"torch"`` (tensors on ``device``).
         device: torch device for the ``"torch"`` backend (default CPU); must be None for ``"numba"``.
+        arrays: where the nodes live (numba backend): ``arrays(name, shape, dtype) -> ndarray``, e.g.
+            :class:`~reactor.replay.shared.SharedArrays` (memory other processes map, for one-sided
+            sampling: the tree then keeps its sums in ``"sums"`` and its minima in ``"mins"``).
+            None: memory of its own.
 
     Raises:
-        ValueError: capacity < 1, arity < 2, an unknown backend, or a device with the numba backend.
+        ValueError: capacity < 1, arity < 2, an unknown backend, or a device (or ``arrays``) with the
+            other backend.
 
     Example:
         >>> tree = SumTree(8)
@@ -353,6 +358,7 @@ class SumTree:
         *,
         backend: Backend = "numba",
         device: torch.device | str | None = None,
+        arrays: Any = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"SumTree capacity must be an int >= 1, got {capacity!r}")
@@ -364,6 +370,8 @@ class SumTree:
             raise ValueError(
                 f"SumTree device={device!r} needs backend='torch'; the numba backend lives in host memory"
             )
+        if backend == "torch" and arrays is not None:
+            raise ValueError("SumTree arrays= needs backend='numba' (the torch backend keeps its nodes in tensors)")
         self._capacity = int(capacity)
         self._arity = int(arity)
         self._backend: Backend = backend
@@ -380,8 +388,14 @@ class SumTree:
         self._bound = 0.0
         self._sum_out = np.zeros(1)
         if backend == "numba":
-            self._sums = _aligned_full(size, 0.0)
-            self._mins = _aligned_full(self._leaf0, _INF)  # internal nodes only (see _nb_recompute)
+            if arrays is None:
+                self._sums = _aligned_full(size, 0.0)
+                self._mins = _aligned_full(self._leaf0, _INF)  # internal nodes only (see _nb_recompute)
+            else:  # (memory that may hold an earlier tree's nodes: start from empty)
+                self._sums = arrays("sums", (size,), np.float64)
+                self._sums.fill(0.0)
+                self._mins = arrays("mins", (self._leaf0,), np.float64)
+                self._mins.fill(_INF)
             self._stamp = np.zeros(self._leaf0, dtype=np.int64)
             self._gen = 0
         else:
@@ -583,6 +597,12 @@ class SumTree:
         raise ValueError(
             f"SumTree priority {value!r} at position {position} is invalid; priorities must be finite and >= 0"
         )
+
+    def flush(self) -> None:
+        """Apply buffered writes now (a reader of the node arrays in another process sees only
+        applied ones: see :mod:`reactor.replay.shared`)."""
+        with self._lock:
+            self._flush()
 
     def _flush(self) -> None:
         """Apply buffered writes in one pass (caller holds the lock); the bound becomes the total."""

@@ -474,6 +474,9 @@ class Table:
         beta: importance-weight exponent (>= 0).
         seed: seed of the generator the sampler and remover draw from (part of the state).
         name: for messages and statistics.
+        arrays: where the sampler's state and the times-sampled column live:
+            ``arrays(name, shape, dtype) -> ndarray``, e.g. memory readers in other processes map to
+            sample one-sidedly (:mod:`reactor.replay.shared`). None: memory of its own.
 
     Raises:
         ValueError: a value out of range, the same selector as sampler and remover, a selector or
@@ -500,6 +503,7 @@ class Table:
         beta: float = 0.4,
         seed: int = 0,
         name: str = "table",
+        arrays: Any = None,
     ) -> None:
         from .selectors import Selector
 
@@ -537,7 +541,7 @@ class Table:
             raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
         # Claim the components last, so a failed construction leaves them reusable.
         rate_limiter.bind()
-        sampler.bind(cap)
+        sampler.bind(cap, arrays)
         remover.bind(cap)
         self._name = name
         self._storage = storage
@@ -566,7 +570,8 @@ class Table:
         self._seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._keys = np.full(cap, -1, dtype=np.int64)  # slot -> key, -1 when empty
-        self._times = np.zeros(cap, dtype=np.int64)  # slot -> times sampled
+        self._times = np.zeros(cap, dtype=np.int64) if arrays is None else arrays("times", (cap,), np.int64)
+        self._times.fill(0)  # slot -> times sampled
         self._size = 0
         self._counts = dict.fromkeys(("inserted", "sampled", "evicted", "removed", "expired", "deleted"), 0)
         # Bumped by every change of the state a checkpoint holds (insert, sample: times sampled and
@@ -1040,6 +1045,28 @@ class Table:
                 "unknown): never inserted, or already evicted, removed, expired or deleted"
             )
         return k, slots
+
+    def note_sampled(self, keys: Any) -> int:
+        """Count draws that readers elsewhere made from this table's published state (one-sided
+        sampling, :mod:`reactor.replay.shared`): each key still held gets one more times-sampled
+        (a key drawn twice, twice), and the statistics and the rate limiter count every draw. A key
+        no longer held (evicted or deleted since the draw) counts as a draw and changes no item.
+
+        Returns:
+            The draws counted.
+
+        Raises:
+            TypeError: ``keys`` is not a 1-D integer array.
+        """
+        k = _as_int64("keys", keys)
+        with self._lock:
+            slots = k % self._storage.capacity
+            held = (k >= 0) & (self._keys[slots] == k)
+            np.add.at(self._times, slots[held], 1)
+            self._counts["sampled"] += len(k)
+            self._generation += 1
+            self._limiter.on_sample(len(k))
+        return len(k)
 
     def update_priorities(self, keys: Any, priorities: Any) -> None:
         """Set the priority of existing items (duplicated keys: the last priority wins).

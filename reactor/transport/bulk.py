@@ -1136,6 +1136,44 @@ class BulkReader:
             self._release(att)
             raise
 
+    def mapped(self, region: str) -> dict[str, np.ndarray]:
+        """Read-only numpy views of a shm-attached region's fields (``[rows, *shape]``; the version
+        column too), for readers that compute on the owner's memory in place (one-sided sampling,
+        :mod:`reactor.replay.shared`). The views stay valid while the region is attached; the
+        owner may write under them at any time (use its sequence locks), and a view never says the
+        owner died: call :meth:`check_alive` after using what was read.
+
+        Raises:
+            KeyError: ``region`` is not attached.
+            ValueError: it was attached over another backend than ``shm``, or a field's dtype has no
+                numpy twin (bfloat16).
+        """
+        att = self._get(region)
+        if att.backend != "shm":
+            raise ValueError(f"bulk region {region!r} is attached over {att.backend}, not shm: nothing to map")
+        out = {}
+        for name, seg in att.segments.items():
+            info = att.fields[name]
+            twin = numpy_twin(info.dtype)
+            if twin is None:
+                raise ValueError(f"bulk region {region!r}: field {name!r} is {info.dtype}, which numpy cannot view")
+            view = seg.data.view(twin).reshape((att.rows, *info.shape))
+            view.flags.writeable = False
+            out[name] = view
+        return out
+
+    def check_alive(self, region: str) -> None:
+        """Raise ``PeerLostError`` if the owner of shm-attached ``region`` closed it or died
+        (what every read checks after gathering; for users of :meth:`mapped`).
+
+        Raises:
+            KeyError: ``region`` is not attached.
+            PeerLostError: the owner is gone.
+        """
+        att = self._get(region)
+        if att.backend == "shm":
+            self._check_shm_live(att, att.segments)
+
     def detach(self, region: str) -> None:
         """Forget ``region`` (unmap its segments, drop its connection when no region uses it).
 

@@ -1,0 +1,493 @@
+"""One-sided sampling: a table's sampling state in memory that readers in other processes map.
+
+GEAR's promise is that a learner samples where the data lives without the owner's help. A
+:class:`~reactor.replay.Table` whose sampler is :class:`~reactor.replay.Uniform` or
+:class:`~reactor.replay.Prioritized` keeps everything a draw needs in a few flat arrays: the sum and
+min trees (or the dense list of present slots), the storage's episode index, the times-sampled
+column, and five integers (first and next stored step, first episode, size, a sequence count). Given
+memory that other processes can map (:class:`SharedArrays`, over any allocator: the replay shard
+uses its bulk owner's shared-memory segments), the table keeps those arrays *there*, and a reader
+draws items, plans windows and copies rows by itself.
+
+**Owner side** (:class:`SamplingPublisher`). Every change of the table happens between
+:meth:`~SamplingPublisher.begin` and :meth:`~SamplingPublisher.end` (a sequence count: odd while
+writing); ``end`` first applies the sampler's buffered writes (the tree's lazy batch), then
+publishes the storage's step range and the table's size. Rows are published by their own sequence
+lock (the bulk layer's version column: a row's version is the global step it holds).
+
+**Reader side** (:class:`SharedSampling`). :meth:`~SharedSampling.figures` reads a consistent
+``(mass, min, size)``; :meth:`~SharedSampling.draw` descends the tree (or draws from the dense list)
+for ``n`` uniforms and plans each item's window (or step), and answers ``MOVED`` when the sequence
+count changed under it (the caller draws again: never a torn draw);
+:meth:`~SharedSampling.copy_windows` gathers the rows with the row versions checked before and
+after the copy (an item whose rows the ring overwrote meanwhile is reported invalid).
+
+What a reader may see stale. The state it reads is the owner's as of the owner's last completed
+change: a write the owner has not applied yet (a priority update still in a message queue, an
+insert in flight) is not seen, and nothing older than the last completed change is ever seen. The
+owner's bookkeeping of one-sided draws (times sampled, the rate limiter's count) arrives later in a
+message (:meth:`Table.note_sampled`): a reader's ``times_sampled`` is the owner's count as of its
+last completed change, plus one.
+
+Safety against the memory itself. A reader maps the arrays read-only and trusts nothing it reads:
+every index taken from shared memory is range-checked in the kernels before it is used (a slot, an
+episode's start and length, a window's valid range), so a torn or corrupt state gives ``MOVED``,
+never an out-of-bounds access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+
+from .._native import acquire_fence, prefetch, release_fence
+from .storage import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
+from .sumtree import _layout, _nb_descend
+
+__all__ = ["EMPTY", "MOVED", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling", "shareable", "why_not_shared"]
+
+#: Header slots (int64): the sequence count, then what the owner publishes at the end of a change.
+_H_SEQ, _H_FIRST_STEP, _H_NEXT_STEP, _H_FIRST_EP, _H_SIZE, _H_CHANGES = range(6)
+HEADER_LEN = 8
+#: :meth:`SharedSampling.draw` results.
+OK, MOVED, EMPTY = 0, 1, 2
+
+ArrayAllocator = Callable[[str, tuple[int, ...], np.dtype[Any]], np.ndarray]
+
+
+class SharedArrays:
+    """Named arrays that keep their memory: ``arrays(name, shape, dtype)`` returns the array of that
+    name, allocated by ``allocate`` on the first call (zeroed) and the *same memory* on every later
+    call (the caller fills it as it needs). So a selector or storage that re-initialises its arrays
+    (``clear``, ``load_state_dict``) keeps writing where readers look.
+
+    Args:
+        allocate: ``(name, nbytes) -> uint8 array`` of zeroed memory, 64-byte aligned, that lives as
+            long as this object (e.g. a shared-memory segment's mapping).
+
+    Raises:
+        ValueError: a name asked for again with another shape or dtype.
+    """
+
+    def __init__(self, allocate: Callable[[str, int], np.ndarray]) -> None:
+        self._allocate = allocate
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dt = np.dtype(dtype)
+        have = self._arrays.get(name)
+        if have is not None:
+            if have.shape != tuple(shape) or have.dtype != dt:
+                raise ValueError(
+                    f"shared array {name!r} is {have.dtype}{have.shape}; asked for again as {dt}{tuple(shape)}"
+                )
+            return have
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        raw = self._allocate(name, nbytes)
+        if raw.dtype != np.uint8 or raw.shape != (nbytes,):
+            raise ValueError(f"shared array {name!r}: the allocator gave {raw.dtype}{raw.shape}, not uint8[{nbytes}]")
+        arr = raw.view(dt).reshape(shape)
+        self._arrays[name] = arr
+        return arr
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every array allocated so far: name -> (shape, numpy dtype name)."""
+        return {n: (a.shape, a.dtype.name) for n, a in self._arrays.items()}
+
+    def get(self, name: str) -> np.ndarray:
+        """The array of ``name``. Raises KeyError if it was never allocated."""
+        return self._arrays[name]
+
+
+def shareable(table: Any) -> str:
+    """Why ``table`` cannot be sampled one-sidedly, or ``""`` if it can (see :func:`why_not_shared`)."""
+    return why_not_shared(table._sampler, table._read, table._max_times_sampled, table._limiter,
+                          table._storage.device.type)
+
+
+def why_not_shared(sampler: Any, read: Any, max_times_sampled: int, limiter: Any, device: str = "cpu") -> str:
+    """Why a table of these parts cannot be sampled one-sidedly, or ``""`` if it can.
+
+    A one-sided draw is the table's own draw only if the sampler's state is all in the published
+    arrays (Uniform, Prioritized), the items are windows or steps read from host memory, no item
+    expires after a number of samples (the owner would have to drop it at the draw), and the rate
+    limiter decides from the size alone (MinSize).
+    """
+    from .rate_limiters import MinSize
+    from .selectors import Prioritized, Uniform
+    from .table import StepRead, WindowRead
+
+    if type(sampler) not in (Prioritized, Uniform):
+        return f"its sampler is {type(sampler).__name__} (one-sided: Uniform or Prioritized)"
+    if not isinstance(read, (WindowRead, StepRead)):
+        return f"it reads {type(read).__name__} items (one-sided: WindowRead or StepRead)"
+    if max_times_sampled:
+        return f"max_times_sampled={max_times_sampled} (the owner drops items at the draw)"
+    if type(limiter) is not MinSize:
+        return f"its rate limiter is {type(limiter).__name__} (one-sided: MinSize)"
+    if device != "cpu":
+        return f"its storage is on {device}"
+    return ""
+
+
+# -------------------------------------------------------------------------------------- owner side
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_seq_begin(header: np.ndarray) -> None:  # pragma: no cover - jit
+    header[0] += 1  # odd: being written
+    release_fence()  # the count is visible before any store of the change
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_seq_end(header: np.ndarray, first_step: int, next_step: int, first_ep: int, size: int) -> None:  # pragma: no cover
+    header[1] = first_step
+    header[2] = next_step
+    header[3] = first_ep
+    header[4] = size
+    header[5] += 1
+    release_fence()  # every store of the change is visible before the count
+    header[0] += 1
+
+
+class SamplingPublisher:
+    """The owner's side: brackets every change of ``table`` with the sequence count.
+
+    ``table`` must have been built over ``arrays`` (``Storage(..., index_arrays=arrays)``,
+    ``Table(..., arrays=arrays)``) and be :func:`shareable`.
+
+    Args:
+        table: the table whose state readers map.
+        arrays: the memory it was built over.
+        read: what readers read per item, if not the table's own read kind (a replay shard's
+            table reads only anchor steps and applies its read kind itself).
+
+    Raises:
+        ValueError: the table cannot be sampled one-sidedly (the reason), or was not built over
+            ``arrays``.
+    """
+
+    def __init__(self, table: Any, arrays: SharedArrays, *, read: Any = None) -> None:
+        self.read = table._read if read is None else read
+        why = why_not_shared(table._sampler, self.read, table._max_times_sampled, table._limiter,
+                             table._storage.device.type)
+        if why:
+            raise ValueError(f"table {table.name!r} cannot be sampled one-sidedly: {why}")
+        self.table = table
+        self.arrays = arrays
+        self.header = arrays("header", (HEADER_LEN,), np.int64)
+        names = set(arrays.layout())
+        need = {"times", "step_ep", "ep_start", "ep_len"} | (
+            {"sums", "mins"} if self.uniform is False else {"dense"})
+        if not need <= names:
+            raise ValueError(f"table {table.name!r} was not built over these arrays (missing {sorted(need - names)})")
+        self._depth = 0
+        self.end_change()  # publish the state as it is
+
+    @property
+    def uniform(self) -> bool:
+        from .selectors import Uniform
+
+        return type(self.table._sampler) is Uniform
+
+    def begin(self) -> None:
+        """A change starts (nested calls count: only the outermost bracket publishes)."""
+        self._depth += 1
+        if self._depth == 1:
+            _nb_seq_begin(self.header)
+
+    def end(self) -> None:
+        """The change is complete: apply the sampler's buffered writes and publish."""
+        self._depth -= 1
+        if self._depth == 0:
+            self.end_change()
+
+    def end_change(self) -> None:
+        t = self.table
+        t._sampler.flush()
+        lo, hi = t._storage.step_range
+        if self.header[0] % 2 == 0:  # not inside begin(): open a bracket for the publication itself
+            _nb_seq_begin(self.header)
+        _nb_seq_end(self.header, lo, hi, t._storage.episode_range[0], len(t))
+
+    def descriptor(self) -> dict[str, Any]:
+        """What a reader needs besides the arrays' memory: plain msgpack-able data."""
+        t = self.table
+        from .table import WindowRead
+
+        read = self.read
+        return {
+            "kind": "reactor.replay.shared",
+            "version": 1,
+            "sampler": "uniform" if self.uniform else "prioritized",
+            "capacity": t._storage.capacity,
+            "arity": 0 if self.uniform else int(t._sampler.arity),
+            "window": int(read.length) if isinstance(read, WindowRead) else 0,
+            "pad": read.pad if isinstance(read, WindowRead) else "",
+            "min_size": int(getattr(t._limiter, "min_size", 1)),
+            "beta": float(t._beta),
+            "arrays": {n: [list(s), d] for n, (s, d) in self.arrays.layout().items()},
+        }
+
+
+# -------------------------------------------------------------------------------------- reader side
+
+
+@numba.njit(nogil=True)
+def _nb_figures(header: np.ndarray, uniform: bool, sums: np.ndarray, mins: np.ndarray) -> tuple[int, float, float, int]:  # pragma: no cover
+    """``(seq, mass, min_weight, size)`` read under the sequence count; seq is -1 if it moved."""
+    s1 = header[0]
+    if s1 & 1:
+        return -1, 0.0, 0.0, 0
+    acquire_fence()
+    size = header[4]
+    if uniform:
+        mass = float(size)
+        low = 1.0 if size > 0 else np.inf
+    else:
+        mass = sums[0]
+        low = mins[0]
+    acquire_fence()
+    if header[0] != s1:
+        return -1, 0.0, 0.0, 0
+    return s1, mass, low, size
+
+
+@numba.njit(nogil=True)
+def _nb_draw(
+    header: np.ndarray,
+    seq: int,
+    uniform: bool,
+    sums: np.ndarray,
+    offsets: np.ndarray,
+    arity: int,
+    dense: np.ndarray,
+    times: np.ndarray,
+    uniforms: np.ndarray,
+    step_ep: np.ndarray,
+    ep_start: np.ndarray,
+    ep_len: np.ndarray,
+    length: int,
+    head: bool,
+    slots: np.ndarray,
+    probs: np.ndarray,
+    keys: np.ndarray,
+    out_times: np.ndarray,
+    pos: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+) -> int:  # pragma: no cover - jit
+    """Draw ``len(uniforms)`` items and plan their windows, all under sequence count ``seq``.
+
+    Returns OK, MOVED (the count is not ``seq`` any more, or a value read is impossible: a torn or
+    corrupt state) or EMPTY (nothing to draw). ``length == 0``: steps (``pos`` is the ring slot).
+    """
+    if header[0] != seq or seq & 1:
+        return 1
+    acquire_fence()
+    first_step = header[1]
+    next_step = header[2]
+    first_ep = header[3]
+    size = header[4]
+    cap = step_ep.shape[0]
+    n = uniforms.shape[0]
+    if first_step < 0 or next_step < first_step or next_step - first_step > cap:
+        return 1
+    if uniform:
+        if size <= 0:
+            return 2
+        if size > cap:
+            return 1
+        for j in range(n):
+            i = int(uniforms[j] * size)
+            i = size - 1 if i >= size else i
+            s = dense[i]
+            if s < 0 or s >= cap:
+                return 1
+            slots[j] = s
+            probs[j] = 1.0 / size
+    else:
+        if not sums[0] > 0.0:
+            return 2
+        _nb_descend(sums, offsets, arity, uniforms, True, slots, probs)
+        for j in range(n):
+            if slots[j] < 0 or slots[j] >= cap:
+                return 1
+    f0 = first_step % cap
+    off = first_step - f0
+    for j in range(n):
+        s = slots[j]
+        k = s + off + (cap if s < f0 else 0)
+        if k < first_step or k >= next_step:
+            return 1
+        keys[j] = k
+        out_times[j] = times[s] + 1
+        prefetch(step_ep.ctypes.data + s * 8)
+    if length == 0:
+        for j in range(n):
+            pos[j] = slots[j]
+            lo[j] = 0
+            hi[j] = 1
+    else:
+        e0 = first_ep % cap
+        for j in range(n):
+            e = _ring_slot(step_ep[slots[j]], first_ep, e0, cap)
+            lo[j] = e
+            prefetch(ep_start.ctypes.data + e * 8)
+            prefetch(ep_len.ctypes.data + e * 8)
+        for j in range(n):
+            s = keys[j]
+            e = lo[j]
+            start = ep_start[e]
+            elen = ep_len[e]
+            if start > s or start + elen <= s or start < first_step:
+                return 1
+            if head:
+                base = s - (length - 1)
+                a = max(0, start - base)
+                z = length
+            else:
+                base = s
+                a = 0
+                z = min(length, start + elen - s)
+            if a < 0 or z <= a or z > length:
+                return 1
+            lo[j] = a
+            hi[j] = z
+            pos[j] = _ring_slot(base, first_step, f0, cap)
+    acquire_fence()
+    if header[0] != seq:
+        return 1
+    return 0
+
+
+@numba.njit(nogil=True)
+def _nb_check_versions(versions: np.ndarray, pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, base: np.ndarray,
+                       valid: np.ndarray, before: bool) -> None:  # pragma: no cover - jit
+    """``valid[j] &= every row of window j holds the step expected`` (version == global step),
+    with an acquire fence after the loads (``before``: the first check) or before them."""
+    cap = versions.shape[0]
+    if not before:
+        acquire_fence()
+    for j in range(pos.shape[0]):
+        if not valid[j]:
+            continue
+        r = pos[j] + lo[j]
+        if r >= cap:
+            r -= cap
+        want = base[j] + lo[j]
+        for _ in range(hi[j] - lo[j]):
+            if versions[r] != want:
+                valid[j] = False
+                break
+            want += 1
+            r += 1
+            if r == cap:
+                r = 0
+    if before:
+        acquire_fence()
+
+
+class SharedSampling:
+    """The reader's side: draws and copies from a table's published state (see the module docstring).
+
+    Args:
+        descriptor: :meth:`SamplingPublisher.descriptor`.
+        arrays: name -> the mapped array (read-only is enough), for every name the descriptor lists.
+
+    Raises:
+        ValueError: the descriptor or the arrays do not match (kind, shapes, dtypes, sizes).
+    """
+
+    def __init__(self, descriptor: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        d = descriptor
+        if not isinstance(d, dict) or d.get("kind") != "reactor.replay.shared" or d.get("version") != 1:
+            raise ValueError(f"not a one-sided sampling descriptor: {d!r:.200}")
+        for key, typ in (("capacity", int), ("arity", int), ("window", int), ("min_size", int), ("beta", float),
+                         ("sampler", str), ("pad", str), ("arrays", dict)):
+            if not isinstance(d.get(key), typ) or isinstance(d.get(key), bool):
+                raise ValueError(f"one-sided sampling descriptor: {key!r} must be of type {typ.__name__}, got {d.get(key)!r:.80}")
+        if d["sampler"] not in ("uniform", "prioritized") or d["capacity"] < 1 or d["window"] < 0:
+            raise ValueError(f"one-sided sampling descriptor: bad sampler, capacity or window: {d!r:.200}")
+        if d["sampler"] == "prioritized" and d["arity"] < 2:
+            raise ValueError(f"one-sided sampling descriptor: arity {d['arity']} < 2")
+        self.uniform = d["sampler"] == "uniform"
+        self.capacity = cap = d["capacity"]
+        self.window = d["window"]
+        self.head = d["pad"] == "head"
+        self.min_size = d["min_size"]
+        self.beta = d["beta"]
+        self.arity = max(2, d["arity"])
+        self.offsets, _ = _layout(cap, self.arity)
+        size = int(self.offsets[-1])
+        leaf0 = int(self.offsets[-2])
+        want: dict[str, tuple[tuple[int, ...], Any]] = {
+            "header": ((HEADER_LEN,), np.int64), "times": ((cap,), np.int64), "step_ep": ((cap,), np.int64),
+            "ep_start": ((cap,), np.int64), "ep_len": ((cap,), np.int64),
+        }
+        if self.uniform:
+            want["dense"] = ((cap,), np.int64)
+        else:
+            want["sums"] = ((size,), np.float64)
+            want["mins"] = ((leaf0,), np.float64)
+        got: dict[str, np.ndarray] = {}
+        for name, (shape, dtype) in want.items():
+            a = arrays.get(name)
+            if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != np.dtype(dtype) or not a.flags.c_contiguous:
+                have = f"{a.dtype}{a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise ValueError(f"one-sided sampling: array {name!r} is {have}, expected {np.dtype(dtype)}{shape}")
+            got[name] = a
+        self.header = got["header"]
+        self.times = got["times"]
+        self.step_ep, self.ep_start, self.ep_len = got["step_ep"], got["ep_start"], got["ep_len"]
+        self.dense = got.get("dense", np.zeros(1, np.int64))
+        self.sums = got.get("sums", np.zeros(1, np.float64))
+        self.mins = got.get("mins", np.zeros(1, np.float64))
+
+    def figures(self) -> tuple[int, float, float, int]:
+        """``(seq, mass, min_weight, size)`` at one moment: the sampler's total weight (the item count
+        for Uniform), its smallest positive weight, the item count; ``seq`` is -1 if the owner was
+        writing (try again)."""
+        return _nb_figures(self.header, self.uniform, self.sums, self.mins)
+
+    def draw(self, seq: int, uniforms: np.ndarray) -> tuple[int, dict[str, np.ndarray]]:
+        """Draw one item per uniform (stratified over the mass for Prioritized, as
+        ``Table.sample_nowait``) and plan each item's rows, if the state is still ``seq``.
+
+        Returns:
+            ``(status, plan)``: status OK, MOVED or EMPTY; plan ``slots``, ``probabilities`` (within
+            this table), ``keys`` (global steps), ``times_sampled``, and ``pos``, ``lo``, ``hi`` (ring
+            slot of each window's position 0 and its valid range; steps: the slot and ``[0, 1)``).
+        """
+        n = uniforms.shape[0]
+        plan = {k: np.empty(n, np.int64) for k in ("slots", "keys", "times_sampled", "pos", "lo", "hi")}
+        plan["probabilities"] = np.empty(n, np.float64)
+        status = _nb_draw(
+            self.header, seq, self.uniform, self.sums, self.offsets, self.arity, self.dense, self.times,
+            np.ascontiguousarray(uniforms, dtype=np.float64), self.step_ep, self.ep_start, self.ep_len,
+            self.window, self.head, plan["slots"], plan["probabilities"], plan["keys"], plan["times_sampled"],
+            plan["pos"], plan["lo"], plan["hi"],
+        )
+        return status, plan
+
+    def copy_windows(self, plan: dict[str, np.ndarray], versions: np.ndarray, src_addrs: np.ndarray,
+                     row_nbytes: np.ndarray, dst_addrs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Copy the planned items' rows (every field: ``src_addrs``/``row_nbytes`` of the mapped
+        ring, ``dst_addrs`` of ``[n, length, ...]`` outputs, or ``[n, ...]`` for steps) under the
+        rows' sequence lock; fill ``mask`` (``[n, length]``: False at padding) and zero the padding.
+
+        Returns:
+            bool ``[n]``: the items whose every row held the expected step before and after the
+            copy (the others' data is whatever the copy saw: drop them).
+        """
+        pos, lo, hi = plan["pos"], plan["lo"], plan["hi"]
+        base = plan["keys"] - (self.window - 1 if self.head and self.window else 0)
+        valid = np.ones(pos.shape[0], dtype=np.bool_)
+        _nb_check_versions(versions, pos, lo, hi, base, valid, True)
+        _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, self.capacity, pos, lo, hi, max(self.window, 1), mask,
+                         _PREFETCH_WINDOWS)
+        _nb_check_versions(versions, pos, lo, hi, base, valid, False)
+        return valid

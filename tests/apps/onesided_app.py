@@ -1,0 +1,165 @@
+"""Test app: a filler writes known episodes into N Replay shards; a prober samples them one-sidedly.
+
+config keys (all optional):
+    shards (2), episodes (40 per shard), window (8; 0: StepRead), pad ("tail"), sampler ("prioritized"
+    or "uniform"), alpha (0.7), beta (0.5), batch_size (64), batches (one-sided batches, 30),
+    max_times_sampled (0), limiter ("minsize" or "ratio"), out (npz path of the prober's record).
+
+Each shard gets ``episodes`` episodes of 1..20 steps from one message; a step's ``id`` is
+``shard * 1_000_000 + its global step in the shard`` and ``end`` the id one past its episode's last
+step; its priority is :func:`priority` of the id. The prober waits until every shard holds every
+step, takes one sample through messages (which brings the shards' one-sided offers), then draws
+``batches`` batches with ``ReplayClient.sample_now``, sends the notices, and waits until the shards'
+statistics count every draw.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reactor import Action, Graph, Input, Output, Reactor, reaction, startup
+from reactor.nodes import Replay, ReplayClient, StatisticsRequest, Steps, requester_key, shard_key
+from reactor.nodes.messages import ItemUpdate, ReplayControl, ReplayReply, ReplayRequest, ShardStatistics
+from reactor.replay import StepRead, WindowRead
+
+FIELDS = [("id", (), "int64"), ("end", (), "int64"), ("x", (3,), "float32")]
+SHARD_IDS = 1_000_000
+
+
+def priority(ids: np.ndarray) -> np.ndarray:
+    """Uneven priorities: three classes by id, a factor 9 apart."""
+    return np.array([0.5, 1.5, 4.5])[np.asarray(ids) % 3]
+
+
+def episodes(shard: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids, ends, episode_end flags)`` of the shard's steps."""
+    lens = np.random.default_rng(100 + shard).integers(1, 21, size=count)
+    n = int(lens.sum())
+    ids = shard * SHARD_IDS + np.arange(n, dtype=np.int64)
+    stops = np.cumsum(lens)
+    ends = np.repeat(shard * SHARD_IDS + stops, lens)
+    flags = np.zeros(n, dtype=bool)
+    flags[stops - 1] = True
+    return ids, ends, flags
+
+
+class Filler(Reactor):
+    placement_role = "actor"
+    steps = Output(Steps)
+
+    def __init__(self, shards: int, episodes: int) -> None:
+        self.shards = shards
+        self.episodes = episodes
+
+    @reaction(triggers=[startup], effects=[steps])
+    def fill(self) -> None:
+        for shard in range(self.shards):
+            ids, ends, flags = episodes(shard, self.episodes)
+            x = np.stack([ids, ids + 1, ids + 2], axis=1).astype(np.float32)
+            self.steps.send(Steps(shard, -1, 0, {"id": ids, "end": ends, "x": x}, flags, None, priority(ids)))
+
+
+class Prober(Reactor):
+    placement_role = "learner"
+    requests = Output(ReplayRequest)
+    updates = Output(ItemUpdate)
+    control = Output(ReplayControl)
+    replies = Input(ReplayReply)
+    statistics = Input(ShardStatistics)
+    poll = Action()
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.shards = cfg.get("shards", 2)
+        self.expected = sum(len(episodes(s, cfg.get("episodes", 40))[0]) for s in range(self.shards))
+        self.phase = "filling"
+        self.rec: dict[str, list] = {k: [] for k in ("keys", "ids", "mask", "probs", "weights", "times", "sizes")}
+
+    @reaction(triggers=[startup], effects=[control])
+    def begin(self) -> None:
+        self.client = ReplayClient(self.shards, requester=self.bank_index, rng=self.rng, timeout_s=60.0)
+        self.stats: dict[int, ShardStatistics] = {}
+        self.control.send(StatisticsRequest())
+
+    @reaction(triggers=[poll], effects=[control])
+    def ask(self) -> None:
+        self.stats = {}
+        self.control.send(StatisticsRequest())
+
+    @reaction(triggers=[statistics], effects=[requests, poll])
+    def counted(self, statistics: ShardStatistics) -> None:
+        self.stats[statistics.shard] = statistics
+        if len(self.stats) < self.shards:
+            return
+        st = [self.stats[k] for k in range(self.shards)]
+        if self.phase == "filling":
+            if sum(s.num_steps for s in st) < self.expected:
+                self.poll.schedule(delay_s=0.01)
+                return
+            self.phase = "first"
+            for m in self.client.request(self.cfg.get("batch_size", 64)):
+                self.requests.send(m)
+        elif self.phase == "counting":
+            if sum(s.sampled for s in st) < self.draws:
+                self.poll.schedule(delay_s=0.01)
+                return
+            self.finish(st)
+
+    @reaction(triggers=[replies], effects=[requests, updates, poll])
+    def take(self, replies: ReplayReply) -> None:
+        msgs, batch = self.client.receive(replies)
+        for m in msgs:
+            self.requests.send(m)
+        if batch is None:
+            return
+        self.draws = len(batch.keys)
+        self.offered = self.client.can_sample_now
+        self.fallbacks = 0
+        for _ in range(self.cfg.get("batches", 30)):
+            b, notices = self.client.sample_now(self.cfg.get("batch_size", 64))
+            for m in notices:
+                self.updates.send(m)
+            if b is None:
+                self.fallbacks += 1
+                continue
+            self.draws += sum(len(m.keys) for m in notices)
+            self.rec["keys"].append(b.keys.numpy())
+            self.rec["ids"].append(b.data["id"].numpy())
+            self.rec["mask"].append(b.data["mask"].numpy() if "mask" in b.data else np.ones(len(b.keys), bool))
+            self.rec["probs"].append(b.probabilities.numpy())
+            self.rec["weights"].append(b.weights.numpy())
+            self.rec["times"].append(b.times_sampled.numpy())
+            self.rec["sizes"].append(b.table_size)
+        self.phase = "counting"
+        self.poll.schedule(delay_s=0.01)
+
+    def finish(self, st: list[ShardStatistics]) -> None:
+        out = {k: np.array(v) if k == "sizes" else (np.concatenate(v) if v else np.zeros(0)) for k, v in
+               self.rec.items()}
+        np.savez(self.cfg["out"], **out, offered=self.offered, fallbacks=self.fallbacks,
+                 one_sided=self.client.one_sided_samples, retries=self.client.one_sided_retries,
+                 dropped=self.client.dropped_items, sampled=np.array([s.sampled for s in st]), draws=self.draws)
+        self.client.close()
+        self.request_stop()
+
+
+def build(config: dict) -> Graph:
+    shards = config.get("shards", 2)
+    window = config.get("window", 8)
+    limiter = ({"type": "MinSize", "min_size": 1} if config.get("limiter", "minsize") == "minsize" else
+               {"type": "SampleToInsertRatio", "samples_per_insert": 100.0, "min_size": 1, "error_buffer": 1e6})
+    sampler = ({"type": "prioritized", "alpha": config.get("alpha", 0.7)} if config.get("sampler", "prioritized") ==
+               "prioritized" else "uniform")
+    g = Graph()
+    filler = g.add(Filler(shards, config.get("episodes", 40)), name="filler")
+    replay = g.add(Replay(FIELDS, capacity=4096, read=WindowRead(window, config.get("pad", "tail")) if window else
+                          StepRead(), sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
+                          max_times_sampled=config.get("max_times_sampled", 0)), name="replay", replicas=shards)
+    prober = g.add(Prober(config), name="prober")
+    g.connect(filler.steps, replay.steps, key=shard_key)
+    g.connect(prober.requests, replay.requests, key=shard_key)
+    g.connect(prober.updates, replay.updates, key=shard_key)
+    g.connect(prober.control, replay.control)
+    g.connect(replay.replies, prober.replies, key=requester_key, delay_s=0.001)
+    g.connect(replay.statistics, prober.statistics, delay_s=0.001)
+    return g

@@ -1,0 +1,135 @@
+"""One-sided sampling from replay shards on the same host (issue 21): ``ReplayClient.sample_now`` draws
+from the shards' published sum trees and episode index in shared memory, plans and copies the windows
+itself, with no message on the sampling path, and gets a single table's distribution and weights.
+
+Every run here is a real one: Replay shard reactors (their own processes under ``processes``), a filler
+that writes known episodes, a prober that samples (``tests/apps/onesided_app.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reactor import run
+from reactor.launch._app import build_graph
+
+APP = str(Path(__file__).resolve().parents[1] / "apps" / "onesided_app.py")
+
+
+def _probe(tmp_path: Path, placement: str = "single", **cfg) -> dict:
+    cfg = {"out": str(tmp_path / "probe.npz"), **cfg}
+    run(build_graph(APP, cfg), app=APP, config=cfg, placement=placement, deterministic=False)
+    with np.load(cfg["out"]) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _items(shards: int, episodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every stored id and its episode's end, over all shards."""
+    from tests.apps.onesided_app import episodes as eps
+
+    parts = [eps(s, episodes)[:2] for s in range(shards)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _check_windows(rec: dict, window: int, pad: str = "tail") -> None:
+    """Each item's window holds its episode's steps from (tail) or up to (head) the item, zeros at padding."""
+    from tests.apps.onesided_app import SHARD_IDS
+
+    keys = rec["keys"]
+    item_ids = (keys >> 48) * SHARD_IDS + (keys & ((1 << 48) - 1))
+    all_ids, all_ends = _items(2, 40)
+    end_of = dict(zip(all_ids.tolist(), all_ends.tolist()))
+    start_of = {}
+    for i, e in zip(all_ids.tolist(), all_ends.tolist()):
+        start_of.setdefault(e, i)
+    for k, ids, mask in zip(item_ids.tolist(), rec["ids"], rec["mask"]):
+        t = np.arange(window)
+        if pad == "tail":
+            want_mask = t < min(window, end_of[k] - k)
+            want_ids = np.where(want_mask, k + t, 0)
+        else:
+            base = k - window + 1
+            want_mask = base + t >= start_of[end_of[k]]
+            want_ids = np.where(want_mask, base + t, 0)
+        np.testing.assert_array_equal(mask, want_mask)
+        np.testing.assert_array_equal(ids, want_ids)
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_in_another_process_samples_windows_one_sidedly_with_a_single_tables_distribution(tmp_path):
+    """Shards in their own processes; 30 batches of 64 windows drawn with no message; every window
+    is its item's episode slice; each item's probability is exactly w_i / M over both shards (a
+    single table's), the weights (P / min P)^-beta; the draws follow those probabilities; and the
+    shards count every draw from the notices."""
+    from tests.apps.onesided_app import priority
+
+    rec = _probe(tmp_path, "processes", batches=30, batch_size=64, alpha=0.7, beta=0.5)
+    assert bool(rec["offered"]) and int(rec["one_sided"]) == 30 and int(rec["fallbacks"]) == 0
+    assert int(rec["dropped"]) == 0 and len(rec["keys"]) == 30 * 64
+    _check_windows(rec, 8)
+    ids, _ = _items(2, 40)
+    w = priority(ids) ** 0.7
+    keys = rec["keys"]
+    item_ids = (keys >> 48) * 1_000_000 + (keys & ((1 << 48) - 1))
+    w_of = dict(zip(ids.tolist(), w.tolist()))
+    want_p = np.array([w_of[i] for i in item_ids.tolist()]) / w.sum()
+    np.testing.assert_allclose(rec["probs"], want_p, rtol=1e-12)
+    np.testing.assert_allclose(rec["weights"], (want_p / (w.min() / w.sum())) ** -0.5, rtol=1e-6)
+    assert set(rec["sizes"].tolist()) == {len(ids)}
+    # The draws follow the probabilities: by priority class and by shard (5 sigma).
+    n = len(item_ids)
+    for c in range(3):
+        p = w[ids % 3 == c].sum() / w.sum()
+        got = int((item_ids % 3 == c).sum())
+        assert abs(got - n * p) < 5 * np.sqrt(n * p * (1 - p)), (c, got, n * p)
+    for s in range(2):
+        p = w[ids // 1_000_000 == s].sum() / w.sum()
+        got = int((item_ids // 1_000_000 == s).sum())
+        assert abs(got - n * p) < 5 * np.sqrt(n * p * (1 - p)), (s, got, n * p)
+    assert int(rec["sampled"].sum()) == int(rec["draws"])  # the message sample and every one-sided draw
+    assert rec["times"].min() >= 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("window,pad,sampler", [(8, "head", "prioritized"), (0, "tail", "uniform"),
+                                                 (5, "tail", "uniform")])
+def test_head_padded_windows_steps_and_uniform_samplers_are_sampled_one_sidedly(tmp_path, window, pad, sampler):
+    from tests.apps.onesided_app import priority
+
+    rec = _probe(tmp_path, window=window, pad=pad, sampler=sampler, batches=10)
+    assert int(rec["one_sided"]) == 10 and int(rec["dropped"]) == 0
+    ids, _ = _items(2, 40)
+    keys = rec["keys"]
+    item_ids = (keys >> 48) * 1_000_000 + (keys & ((1 << 48) - 1))
+    if window:
+        _check_windows(rec, window, pad)
+    else:
+        np.testing.assert_array_equal(rec["ids"], item_ids)  # a step read is the item itself
+    if sampler == "uniform":
+        np.testing.assert_allclose(rec["probs"], 1.0 / len(ids), rtol=1e-12)
+        assert (rec["weights"] == 1.0).all()
+    else:
+        w = priority(ids) ** 0.7
+        np.testing.assert_allclose(rec["probs"], priority(item_ids) ** 0.7 / w.sum(), rtol=1e-12)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cfg,why", [({"max_times_sampled": 3}, "expiry"), ({"limiter": "ratio"}, "ratio")])
+def test_tables_whose_owner_must_decide_each_draw_are_not_offered_and_sample_through_messages(tmp_path, cfg, why):
+    """max_times_sampled (the owner drops items at the draw) and a SampleToInsertRatio limiter (the
+    owner paces each draw) keep the message path: sample_now declines and the request still works."""
+    rec = _probe(tmp_path, batches=3, **cfg)
+    assert not bool(rec["offered"]) and int(rec["one_sided"]) == 0 and int(rec["fallbacks"]) == 3
+    assert int(rec["sampled"].sum()) == int(rec["draws"]) == 64  # the message sample alone
+
+
+@pytest.mark.timeout(60)
+def test_deterministic_runs_keep_the_message_path(tmp_path):
+    """A one-sided draw depends on when it reads the shards; a deterministic run must not."""
+    cfg = {"out": str(tmp_path / "d.npz"), "batches": 2}
+    run(build_graph(APP, cfg), app=APP, config=cfg, deterministic=True)
+    with np.load(cfg["out"]) as rec:
+        assert not bool(rec["offered"]) and int(rec["one_sided"]) == 0

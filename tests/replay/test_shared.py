@@ -1,0 +1,315 @@
+"""A table's sampling state published for one-sided readers (``reactor.replay.shared``, issue 21).
+
+A reader draws from the published sum tree (or dense list) and episode index with the table's own
+arithmetic; a draw that races the owner's change starts again rather than return a torn result; what it
+sees is never older than the owner's last completed change; and garbage in the shared memory gives a
+refusal, never an access outside the arrays.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+import torch
+
+from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, SampleToInsertRatio, StepRead, Storage, Table
+from reactor.replay import Uniform, WindowRead
+from reactor.replay.shared import EMPTY, MOVED, OK, SamplingPublisher, SharedArrays, SharedSampling
+
+CAP = 512
+
+
+def _plain_arrays() -> SharedArrays:
+    return SharedArrays(lambda name, nbytes: np.zeros(nbytes, np.uint8))
+
+
+def _table(sampler, read, arrays: SharedArrays, cap: int = CAP, **kw) -> Table:
+    st = Storage([FieldSpec("id", (), torch.int64), FieldSpec("x", (2,), torch.float32)], cap, index_arrays=arrays)
+    return Table(st, sampler=sampler, remover=Fifo(), rate_limiter=MinSize(1), read=read, arrays=arrays, seed=3, **kw)
+
+
+def _fill(table: Table, pub: SamplingPublisher, rng: np.random.Generator, inserts: int, first_id: int = 0) -> int:
+    nid = first_id
+    for _ in range(inserts):
+        n = int(rng.integers(1, 40))
+        ends = rng.random(n) < 0.15
+        ends[-1] = True
+        ids = np.arange(nid, nid + n)
+        nid += n
+        pub.begin()
+        table.insert_nowait({"id": torch.from_numpy(ids), "x": torch.from_numpy(np.stack([ids, -ids], 1).astype(np.float32))},
+                            rng.uniform(0.1, 9.0, n), episode_end=ends)
+        pub.end()
+    return nid
+
+
+def _reader(pub: SamplingPublisher, arrays: SharedArrays) -> SharedSampling:
+    return SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
+
+
+@pytest.mark.parametrize("read", [WindowRead(6), WindowRead(6, "head"), StepRead()])
+def test_a_one_sided_draw_is_the_tables_own_draw_and_reads_the_same_windows(read):
+    """Same uniforms, same slots, keys and probabilities as Table.sample_nowait; the copied windows
+    equal the table's read, after evictions wrapped the ring several times."""
+    arrays = _plain_arrays()
+    table = _table(Prioritized(0.6), read, arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(0), 200)  # ~4000 steps into 512: evictions all along
+    ss = _reader(pub, arrays)
+    seq, mass, low, size = ss.figures()
+    assert (mass, low, size) == (table._sampler.tree.total, table._sampler.tree.min, len(table))
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = table._rng.bit_generator.state
+    status, plan = ss.draw(seq, rng.random(100))
+    assert status == OK
+    batch, info = table.sample_nowait(100)
+    np.testing.assert_array_equal(plan["keys"], info.keys.numpy())
+    np.testing.assert_array_equal(plan["probabilities"], info.probabilities.numpy())
+    w = max(ss.window, 1)
+    out = {"id": torch.empty((100, w), dtype=torch.int64), "x": torch.empty((100, w, 2))}
+    st = table.storage
+    lo, hi = st.step_range
+    versions = np.full(CAP, -1, np.int64)
+    versions[np.arange(lo, hi) % CAP] = np.arange(lo, hi)
+    mask = np.empty((100, w), bool)
+    valid = ss.copy_windows(plan, versions, np.array([st._fields[f].data_ptr() for f in out], np.int64),
+                            np.array([8, 8], np.int64), np.array([t.data_ptr() for t in out.values()], np.int64), mask)
+    assert valid.all()
+    for f in out:
+        got = out[f] if ss.window else out[f][:, 0]
+        assert torch.equal(got, batch[f])
+    if ss.window:
+        np.testing.assert_array_equal(mask, batch["mask"].numpy())
+
+
+def test_overwritten_rows_are_reported_invalid_not_returned_as_good():
+    arrays = _plain_arrays()
+    table = _table(Uniform(), WindowRead(4), arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(1), 50)
+    ss = _reader(pub, arrays)
+    status, plan = ss.draw(ss.figures()[0], np.linspace(0, 0.999, 20))
+    assert status == OK
+    lo, hi = table.storage.step_range
+    versions = np.full(CAP, -1, np.int64)
+    versions[np.arange(lo, hi) % CAP] = np.arange(lo, hi)
+    hit = plan["pos"][3]  # the ring wrote a newer step into item 3's first row
+    versions[hit] += CAP
+    out = torch.empty((20, 4), dtype=torch.int64)
+    valid = ss.copy_windows(plan, versions, np.array([table.storage._fields["id"].data_ptr()], np.int64),
+                            np.array([8], np.int64), np.array([out.data_ptr()], np.int64), np.empty((20, 4), bool))
+    assert not valid[3] and valid.sum() == 20 - int((plan["pos"] == hit).sum())
+
+
+def test_the_published_arrays_stay_live_through_reset_restore_and_the_owners_other_changes():
+    """clear/load re-initialise the sampler's and storage's arrays in place, never elsewhere."""
+    arrays = _plain_arrays()
+    table = _table(Uniform(), WindowRead(4), arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(2), 30)
+    state = table.state_dict()
+    ss = _reader(pub, arrays)
+    pub.begin()
+    table.reset()
+    pub.end()
+    seq, mass, _low, size = ss.figures()
+    assert (mass, size) == (0.0, 0)
+    assert ss.draw(seq, np.array([0.5]))[0] == EMPTY
+    pub.begin()
+    table.load_state_dict(state)
+    pub.end()
+    seq, mass, _low, size = ss.figures()
+    assert size == len(table) > 0
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = table._rng.bit_generator.state
+    status, plan = ss.draw(seq, rng.random(10))
+    _batch, info = table.sample_nowait(10)
+    assert status == OK
+    # Uniform draws an index per uniform: rng.integers(0, size) vs floor(u * size) differ in arithmetic,
+    # so compare membership and probabilities, not the exact picks.
+    assert set(plan["keys"].tolist()) <= set(table._keys[table._keys >= 0].tolist())
+    np.testing.assert_allclose(plan["probabilities"], 1.0 / len(table))
+    assert info.keys.numel() == 10
+
+
+def test_a_draw_that_races_a_change_is_refused_and_a_stale_sequence_count_too():
+    arrays = _plain_arrays()
+    table = _table(Prioritized(1.0), StepRead(), arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(3), 5)
+    ss = _reader(pub, arrays)
+    seq = ss.figures()[0]
+    pub.begin()  # the owner is mid-change
+    assert ss.figures()[0] == -1
+    assert ss.draw(seq, np.array([0.2]))[0] == MOVED
+    pub.end()
+    assert ss.draw(seq, np.array([0.2]))[0] == MOVED  # the state changed since seq
+    assert ss.draw(ss.figures()[0], np.array([0.2]))[0] == OK
+
+
+def test_tables_the_owner_must_decide_for_are_refused_with_the_reason():
+    arrays = _plain_arrays()
+    st = Storage([FieldSpec("id", (), torch.int64)], 64, index_arrays=arrays)
+    t = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=SampleToInsertRatio(2.0, 1, 10.0), arrays=arrays)
+    with pytest.raises(ValueError, match=r"^table 'table' cannot be sampled one-sidedly: its rate limiter is "
+                                         r"SampleToInsertRatio \(one-sided: MinSize\)$"):
+        SamplingPublisher(t, arrays)
+    arrays = _plain_arrays()
+    st = Storage([FieldSpec("id", (), torch.int64)], 64, index_arrays=arrays)
+    t = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), max_times_sampled=2, arrays=arrays)
+    with pytest.raises(ValueError, match=r"max_times_sampled=2 \(the owner drops items at the draw\)$"):
+        SamplingPublisher(t, arrays)
+
+
+def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access():
+    """A torn or corrupt state (here: random words written over every array) makes draws answer
+    MOVED or EMPTY, or OK with every index inside the arrays; the process never faults."""
+    arrays = _plain_arrays()
+    table = _table(Prioritized(0.6), WindowRead(8), arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(4), 40)
+    rng = np.random.default_rng(5)
+    outcomes = set()
+    for trial in range(300):
+        for name in ("step_ep", "ep_start", "ep_len", "times"):
+            a = arrays.get(name)
+            a[:] = rng.integers(-(2**62), 2**62, size=a.shape) if trial % 2 else rng.integers(-3, 3 * CAP, a.shape)
+        h = arrays.get("header")
+        h[1:5] = rng.integers(-5, 3 * CAP, size=4)
+        h[0] = 2 * int(rng.integers(0, 100))
+        ss = _reader(pub, arrays)
+        status, plan = ss.draw(int(h[0]), rng.random(32))
+        outcomes.add(status)
+        if status == OK:
+            assert ((plan["pos"] >= 0) & (plan["pos"] < CAP)).all()
+            assert ((plan["lo"] >= 0) & (plan["lo"] < plan["hi"]) & (plan["hi"] <= 8)).all()
+    assert MOVED in outcomes
+
+
+def test_a_corrupt_or_mismatched_descriptor_is_refused_by_name():
+    arrays = _plain_arrays()
+    table = _table(Prioritized(0.6), WindowRead(8), arrays)
+    pub = SamplingPublisher(table, arrays)
+    desc = pub.descriptor()
+    mapped = {n: arrays.get(n) for n in arrays.layout()}
+    with pytest.raises(ValueError, match=r"^not a one-sided sampling descriptor"):
+        SharedSampling({**desc, "kind": "x"}, mapped)
+    with pytest.raises(ValueError, match=r"^one-sided sampling descriptor: 'capacity' must be of type int, got '512'$"):
+        SharedSampling({**desc, "capacity": "512"}, mapped)
+    with pytest.raises(ValueError, match=r"^one-sided sampling: array 'sums' is float64\(592,\), expected float64\(1184,\)$"):
+        SharedSampling({**desc, "capacity": 2 * CAP}, {**mapped, "step_ep": np.zeros(2 * CAP, np.int64),
+                                                        "ep_start": np.zeros(2 * CAP, np.int64),
+                                                        "ep_len": np.zeros(2 * CAP, np.int64),
+                                                        "times": np.zeros(2 * CAP, np.int64)})
+
+
+# ------------------------------------------------------------------------- across processes
+
+_TABLE = 256
+
+
+def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - runs in the child
+    """Version v = 1, 2, ... until the reader sets done[1]: one change that leaves exactly one positive
+    priority, at slot v % 256 (with a new step inserted every 7th version, evicting the oldest), then
+    done[0] = v."""
+    segments = []
+
+    def allocate(name: str, nbytes: int) -> np.ndarray:
+        seg = shared_memory.SharedMemory(name=f"{prefix}{name}", create=True, size=nbytes)
+        segments.append(seg)
+        arr = np.ndarray((nbytes,), np.uint8, buffer=seg.buf)
+        arr[:] = 0
+        return arr
+
+    arrays = SharedArrays(allocate)
+    st = Storage([FieldSpec("id", (), torch.int64)], _TABLE, index_arrays=arrays)
+    table = Table(st, sampler=Prioritized(1.0), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+    table.insert_nowait({"id": torch.arange(_TABLE)}, np.zeros(_TABLE), episode_end=np.ones(_TABLE, bool))
+    pub = SamplingPublisher(table, arrays)
+    done_seg = shared_memory.SharedMemory(name=done_name)
+    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
+    ready.send(pub.descriptor())
+    ready.recv()  # the reader has mapped everything
+    v = 0
+    while not done[1]:
+        v += 1
+        pub.begin()
+        if v % 7 == 0:
+            table.insert_nowait({"id": torch.tensor([v])}, np.zeros(1), episode_end=True)
+        lo, hi = st.step_range
+        keys = np.arange(lo, hi)
+        p = np.zeros(len(keys))
+        p[keys % _TABLE == v % _TABLE] = 1.0
+        table.update_priorities(keys, p)
+        pub.end()
+        done[0] = v
+    ready.recv()
+    del done, arrays, table, st, pub
+    done_seg.close()
+    for seg in segments:
+        seg.close()
+        seg.unlink()
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_the_last_completed_change():
+    """The owner changes its tree over and over (one positive leaf each time, moving); a reader in
+    this process draws 16 at a time throughout, until 500 draws were accepted. Every accepted draw is one snapshot (all 16 draws
+    hit the same leaf), and that leaf belongs to a change no older than the last one completed
+    before the read began, and no newer than the one in progress when it ended."""
+    prefix = f"rxtest{np.random.default_rng().integers(1 << 30)}_"
+    done_seg = shared_memory.SharedMemory(create=True, size=16)
+    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
+    done[:] = 0
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_owner, args=(prefix, child, done_seg.name))
+    proc.start()
+    segs: list[shared_memory.SharedMemory] = []
+    ss: SharedSampling | None = None
+    mapped: dict | None = None
+    try:
+        assert parent.poll(60)
+        desc = parent.recv()
+        mapped = {}
+        for name, (shape, dtype) in desc["arrays"].items():
+            seg = shared_memory.SharedMemory(name=f"{prefix}{name}")
+            segs.append(seg)
+            mapped[name] = np.ndarray(tuple(shape), np.dtype(dtype), buffer=seg.buf)
+        ss = SharedSampling(desc, mapped)
+        ss.draw(ss.figures()[0], np.array([0.5]))  # compiled before the owner starts
+        parent.send("go")
+        ok = moved = 0
+        rng = np.random.default_rng(0)
+        deadline = time.monotonic() + 60
+        while ok < 500 and time.monotonic() < deadline:
+            before = int(done[0])
+            seq, mass, _low, _size = ss.figures()
+            if seq < 0:
+                moved += 1
+                continue
+            status, plan = ss.draw(seq, rng.random(16))
+            after = int(done[0])
+            if status != OK:
+                moved += 1
+                continue
+            ok += 1
+            slots = plan["slots"]
+            assert (slots == slots[0]).all(), "a torn draw: leaves of two versions"
+            assert mass == 1.0
+            fresh = {v % _TABLE for v in range(max(before, 1), after + 2)}
+            assert int(slots[0]) in fresh, (int(slots[0]), before, after)
+        assert ok == 500 and moved > 0 and int(done[0]) > 500, (ok, moved, int(done[0]))
+    finally:
+        done[1] = 1
+        parent.send("bye")
+        proc.join(30)
+        ss = mapped = None  # drop the views before the mappings close
+        for seg in segs:
+            seg.close()
+        done_seg.close()
+        done_seg.unlink()
+    assert proc.exitcode == 0

@@ -20,6 +20,9 @@ samples when ``bench[0]`` asks and reports its timings back:
   learner on another host does; ``onesided`` (bench[1], ``remote_reads="zmq"``) gets plans and reads
   the windows from the shards' bulk zmq read servers (the RDMA path's shape). Per batch also: time to the last stage-1 reply, to the last stage-2
   reply, in assembly; the requester's CPU time and context switches.
+* ``local``: ``calls`` batches from bench[0]'s client by ``ReplayClient.sample_now`` (one-sided: it
+  draws from the shards' published sum trees and copies the windows from their shared memory, with
+  no message; the notices of the draws go to the shards on ``updates``), one after another.
 * ``inproc``: ``Table.sample_nowait(batch)`` of the same windows from the in-process table.
 * ``memcpy``: one contiguous single-core copy of a batch's bytes from a random place of a buffer as
   large as the stored data.
@@ -50,7 +53,14 @@ from reactor.nodes import (
     requester_key,
     shard_key,
 )
-from reactor.nodes.messages import ReplayControl, ReplayReply, ReplayRequest, ShardMass, ShardStatistics
+from reactor.nodes.messages import (
+    ItemUpdate,
+    ReplayControl,
+    ReplayReply,
+    ReplayRequest,
+    ShardMass,
+    ShardStatistics,
+)
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
 
 FIELDS = [("obs", (64,), "float32"), ("action", (), "int64"), ("reward", (), "float32"), ("terminated", (), "bool")]
@@ -152,6 +162,7 @@ class Bench(Reactor):
     control = Output(ReplayControl)
     statistics = Input(ShardStatistics)
     requests = Output(ReplayRequest)
+    updates = Output(ItemUpdate)  # one-sided samples' notices (SampledKeys)
     replies = Input(ReplayReply)
     cmd = Output(dict)  # between the two replicas: {"to": replica, "op": ...}
     cmd_in = Input(dict)
@@ -162,7 +173,7 @@ class Bench(Reactor):
 
     # ------------------------------------------------------------------ plan
 
-    @reaction(triggers=[startup], effects=[go, control, requests, cmd, poll])
+    @reaction(triggers=[startup], effects=[go, control, requests, updates, cmd, poll])
     def begin(self) -> None:
         torch.set_num_threads(1)
         c = self.cfg
@@ -192,13 +203,14 @@ class Bench(Reactor):
         depths = sorted({1, self.inflight})
         samples = [(name, d) for name in ("shm", "msg", "onesided") for d in depths]
         plan += [("sample", name, d, 3, False) for name, d in samples] + [("inproc", 3, False), ("memcpy", 3, False)]
+        plan += [("local", 3, False)]  # (after shm's first replies brought the shards' one-sided offers)
         for r in range(1, c["reps"] + 1):
             rows = c["round_rows"]
             if rows > 0:
                 plan += [("insert", r, rows), ("local_insert", r, rows * self.writers)]
             # The cases' order alternates between repetitions: none always runs first after the inserts.
             cases = [("sample", name, d, self.calls, True) for name, d in samples]
-            cases += [("inproc", self.calls, True), ("memcpy", self.calls, True)]
+            cases += [("inproc", self.calls, True), ("memcpy", self.calls, True), ("local", self.calls, True)]
             plan += cases if r % 2 else cases[::-1]
         plan.append(("stats", "end"))
         self.plan: list[tuple] | None = plan
@@ -242,6 +254,8 @@ class Bench(Reactor):
                     self.table.sample_nowait(self.batch)
                 if keep:
                     self._record("inproc", (time.perf_counter() - t0) / calls)
+            elif kind == "local":
+                self._local_sample(entry[1], entry[2])
             elif kind == "memcpy":
                 _, calls, keep = entry
                 offs = self.rng.integers(0, self.big.numel() - self.out_nbytes, calls)
@@ -255,6 +269,30 @@ class Bench(Reactor):
                 self.control.send(StatisticsRequest())
                 return
         self._finish()
+
+    def _local_sample(self, calls: int, keep: bool) -> None:
+        """One-sided samples (ReplayClient.sample_now: no message to any shard), one after another."""
+        client = self.clients["shm"]
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        c0, items, fallbacks = time.process_time(), 0, 0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            batch, notices = client.sample_now(self.batch)
+            for m in notices:
+                self.updates.send(m)
+            if batch is None:
+                fallbacks += 1
+            else:
+                items += len(batch.keys)
+        dt = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        if keep:
+            self._record("local_fallbacks", fallbacks)
+            if fallbacks < calls:
+                self._keep("local", dt / calls, items / calls,
+                           [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls,
+                            (ru1.ru_nvcsw - ru.ru_nvcsw) / calls, (ru1.ru_nivcsw - ru.ru_nivcsw) / calls])
+            self.results["local_retries"] = client.one_sided_retries
 
     # ------------------------------------------------------------------ inserts
 
@@ -283,7 +321,7 @@ class Bench(Reactor):
         self.stats = {}
         self.control.send(StatisticsRequest())
 
-    @reaction(triggers=[statistics], effects=[go, control, requests, cmd, poll])
+    @reaction(triggers=[statistics], effects=[go, control, requests, updates, cmd, poll])
     def shard_stats(self, statistics: ShardStatistics) -> None:
         self.stats[statistics.shard] = statistics
         if len(self.stats) < self.shards:
@@ -329,7 +367,7 @@ class Bench(Reactor):
         for m in self.client.request(self.batch):
             self.requests.send(m)
 
-    @reaction(triggers=[cmd_in], effects=[go, control, requests, cmd, poll])
+    @reaction(triggers=[cmd_in], effects=[go, control, requests, updates, cmd, poll])
     def command(self, cmd_in: dict) -> None:
         op = cmd_in["op"]
         if op == "sample":  # replica 1
@@ -342,7 +380,7 @@ class Bench(Reactor):
             for c in self.clients.values():
                 c.close()
 
-    @reaction(triggers=[replies], effects=[go, control, requests, cmd, poll])
+    @reaction(triggers=[replies], effects=[go, control, requests, updates, cmd, poll])
     async def take(self, replies: ReplayReply) -> None:
         b = self.block
         t0 = time.perf_counter()
@@ -441,6 +479,7 @@ def build(config: dict) -> Graph:
     g.connect(writers.done, bench.done, key=_coordinator, delay_s=0.001)
     g.connect(writers.steps, replay.steps, key=shard_key)
     g.connect(bench.requests, replay.requests, key=shard_key)
+    g.connect(bench.updates, replay.updates, key=shard_key)
     g.connect(replay.replies, bench.replies, key=requester_key, delay_s=0.001)
     g.connect(bench.control, replay.control)
     g.connect(replay.statistics, bench.statistics, key=_coordinator, delay_s=0.001)

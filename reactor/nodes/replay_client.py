@@ -556,6 +556,20 @@ class ReplayClient:
             return None, []
         live = self.live_shards
         shards = [self._shared[k] for k in live]
+        n = int(n)
+        first = shards[0]
+        window = first.table.window
+        layout = self._layouts[first.data_region]
+        # The batch's memory, filled in place by each shard's compiled draw-and-copy.
+        out = {f: host_empty((n, window, *layout[f][1]) if window else (n, *layout[f][1]), layout[f][0])
+               for f in first.names}
+        bases = np.array([out[f].data_ptr() for f in first.names], dtype=np.int64)
+        item_nbytes = first.row_nbytes * max(window, 1)
+        mask = np.empty((n, max(window, 1)), dtype=np.bool_)
+        local = np.empty(n, dtype=np.int64)
+        q = np.empty(n, dtype=np.float64)
+        times = np.empty(n, dtype=np.int64)
+        valid = np.empty(n, dtype=np.bool_)
         deadline = 0.0
         while True:
             figs = [sh.table.figures() for sh in shards]
@@ -570,17 +584,22 @@ class ReplayClient:
             total = float(masses.sum())
             if not total > 0:
                 return None, []  # every priority is 0: the message path says so
-            counts = self.rng.multinomial(int(n), masses / total)
-            plans: list[tuple[int, _SharedShard, dict[str, np.ndarray]]] = []
-            for k, sh, f, c in zip(live, shards, figs, counts):
+            counts = self.rng.multinomial(n, masses / total)
+            a = 0
+            drawn: list[tuple[int, int, int, float]] = []  # (shard, a, b, its mass share)
+            for k, sh, f, c in zip(live, shards, figs, counts.tolist()):
                 if c == 0:
                     continue
-                status, plan = sh.table.draw(f[0], self.rng.random(int(c)))
+                b = a + c
+                status = sh.table.sample_into(f[0], self.rng.random(c), sh.versions, sh.src_addrs, sh.row_nbytes,
+                                              bases + a * item_nbytes, mask[a:b], local[a:b], q[a:b], times[a:b],
+                                              valid[a:b])
                 if status != _OK:
                     break
-                plans.append((k, sh, plan))
+                drawn.append((k, a, b, f[1] / total))
+                a = b
             else:
-                return self._copy_one_sided(int(n), plans, figs, masses, total, shards)
+                return self._finish_one_sided(n, drawn, figs, total, shards, out, mask, local, q, times, valid)
             if not self._retry_one_sided(deadline):
                 return None, []
             deadline = deadline or time.perf_counter() + _ONE_SIDED_PATIENCE_S
@@ -593,36 +612,27 @@ class ReplayClient:
         time.sleep(0)  # let the shard's process (maybe on this core) finish its change
         return True
 
-    def _copy_one_sided(self, n: int, plans: list[tuple[int, _SharedShard, dict[str, np.ndarray]]],
-                        figs: list[tuple[int, float, float, int]], masses: np.ndarray, total: float,
-                        shards: list[_SharedShard]) -> tuple[SampledBatch, list[SampledKeys]]:
-        """Gather the planned items into one batch (rows checked by their versions), with weights."""
-        first = plans[0][1]
-        window = first.table.window
-        lead = (n, window) if window else (n,)
+    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int, float]],
+                          figs: list[tuple[int, float, float, int]], total: float, shards: list[_SharedShard],
+                          out: dict[str, torch.Tensor], mask: np.ndarray, local: np.ndarray, q: np.ndarray,
+                          times: np.ndarray, valid: np.ndarray) -> tuple[SampledBatch, list[SampledKeys]]:
+        """Keys, probabilities and weights of the drawn items, their notices, the batch."""
         assert self._reader is not None
-        layout = self._layouts[first.data_region]
-        out = {name: host_empty((*lead, *layout[name][1]), layout[name][0]) for name in first.names}
-        mask = np.empty((n, max(window, 1)), dtype=np.bool_)
-        valid = np.empty(n, dtype=np.bool_)
-        a = 0
-        for _k, sh, plan in plans:
-            b = a + plan["keys"].shape[0]
-            dst = np.array([out[f][a:b].data_ptr() for f in sh.names], dtype=np.int64)
-            valid[a:b] = sh.table.copy_windows(plan, sh.versions, sh.src_addrs, sh.row_nbytes, dst, mask[a:b])
-            a = b
-        for _k, sh, _plan in plans:  # data of a shard that died meanwhile is never returned
+        for k, _a, _b, _share in drawn:  # data of a shard that died meanwhile is never returned
             try:
-                self._reader.check_alive(sh.data_region)
+                self._reader.check_alive(self._shared[k].data_region)
             except PeerLostError as e:
-                lost = PeerLostError(f"replay shard {_k}: its shared memory is gone ({e})")
-                lost.shard = _k  # type: ignore[attr-defined]
+                lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
+                lost.shard = k  # type: ignore[attr-defined]
                 raise lost from e
-        keys = np.concatenate([make_keys(k, plan["keys"]) for k, _sh, plan in plans])
-        times = np.concatenate([plan["times_sampled"] for _k, _sh, plan in plans])
-        # P(i) = (M_s / M) * q_i = w_i / M; IS weight (w_i / min_j w_j)^-beta over every live shard.
-        mass_of = dict(zip([id(sh) for sh in shards], masses.tolist()))
-        probs = np.concatenate([plan["probabilities"] * (mass_of[id(sh)] / total) for _k, sh, plan in plans])
+        keys = np.empty(n, dtype=np.int64)
+        probs = np.empty(n, dtype=np.float64)
+        notices = []
+        for k, a, b, share in drawn:  # P(i) = (M_s / M) * q_i = w_i / M
+            keys[a:b] = make_keys(k, local[a:b])
+            probs[a:b] = q[a:b] * share
+            notices.append(SampledKeys(k, keys[a:b]))
+        # IS weight (P(i) / min_j P(j))^-beta, the minimum over every live shard's items.
         lows = [f[2] for f in figs if f[1] > 0 and 0 < f[2] < math.inf]
         beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
         min_p = min(lows) / total if lows else math.inf
@@ -630,9 +640,8 @@ class ReplayClient:
             weights = np.ones(n, dtype=np.float32)
         else:
             weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
-        notices = [SampledKeys(k, make_keys(k, plan["keys"])) for k, _sh, plan in plans]
         data: dict[str, torch.Tensor] = out
-        if window:
+        if shards[0].table.window:
             data["mask"] = torch.from_numpy(mask)
         self.gathered_items += n
         self.one_sided_samples += 1

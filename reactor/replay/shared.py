@@ -52,6 +52,8 @@ __all__ = ["EMPTY", "MOVED", "OK", "SamplingPublisher", "SharedArrays", "SharedS
 #: Header slots (int64): the sequence count, then what the owner publishes at the end of a change.
 _H_SEQ, _H_FIRST_STEP, _H_NEXT_STEP, _H_FIRST_EP, _H_SIZE, _H_CHANGES = range(6)
 HEADER_LEN = 8
+#: Windows ahead whose version lines the first version check prefetches.
+_VERSIONS_AHEAD = 8
 #: :meth:`SharedSampling.draw` results.
 OK, MOVED, EMPTY = 0, 1, 2
 
@@ -370,9 +372,15 @@ def _nb_check_versions(versions: np.ndarray, pos: np.ndarray, lo: np.ndarray, hi
     """``valid[j] &= every row of window j holds the step expected`` (version == global step),
     with an acquire fence after the loads (``before``: the first check) or before them."""
     cap = versions.shape[0]
+    n = pos.shape[0]
     if not before:
         acquire_fence()
-    for j in range(pos.shape[0]):
+    for j in range(min(n, _VERSIONS_AHEAD)):
+        prefetch(versions.ctypes.data + ((pos[j] + lo[j]) % cap) * 8)
+    for j in range(n):
+        if before and j + _VERSIONS_AHEAD < n:  # the first pass misses: keep a few windows' lines in flight
+            k = j + _VERSIONS_AHEAD
+            prefetch(versions.ctypes.data + ((pos[k] + lo[k]) % cap) * 8)
         if not valid[j]:
             continue
         r = pos[j] + lo[j]
@@ -491,3 +499,42 @@ class SharedSampling:
                          _PREFETCH_WINDOWS)
         _nb_check_versions(versions, pos, lo, hi, base, valid, False)
         return valid
+
+    def sample_into(self, seq: int, uniforms: np.ndarray, versions: np.ndarray, src_addrs: np.ndarray,
+                    row_nbytes: np.ndarray, dst_addrs: np.ndarray, mask: np.ndarray, keys: np.ndarray,
+                    probs: np.ndarray, times: np.ndarray, valid: np.ndarray) -> int:
+        """:meth:`draw` then :meth:`copy_windows` in one compiled call, into the caller's arrays
+        (``keys``, ``probs``, ``times``, ``valid``: one entry per uniform). Returns OK, MOVED or
+        EMPTY; only OK fills the outputs."""
+        return int(_nb_sample_into(
+            self.header, seq, self.uniform, self.sums, self.offsets, self.arity, self.dense, self.times,
+            uniforms, self.step_ep, self.ep_start, self.ep_len, self.window, self.head, versions, src_addrs,
+            row_nbytes, dst_addrs, mask, keys, probs, times, valid, _PREFETCH_WINDOWS))
+
+
+@numba.njit(nogil=True)
+def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarray, offsets: np.ndarray, arity: int,
+                    dense: np.ndarray, times: np.ndarray, uniforms: np.ndarray, step_ep: np.ndarray,
+                    ep_start: np.ndarray, ep_len: np.ndarray, length: int, head: bool, versions: np.ndarray,
+                    src_addrs: np.ndarray, row_nbytes: np.ndarray, dst_addrs: np.ndarray, mask: np.ndarray,
+                    keys: np.ndarray, probs: np.ndarray, out_times: np.ndarray, valid: np.ndarray,
+                    ahead: int) -> int:  # pragma: no cover - jit
+    """``_nb_draw``, then the rows' versions, the copy and the versions again (see SharedSampling)."""
+    n = uniforms.shape[0]
+    slots = np.empty(n, np.int64)
+    pos = np.empty(n, np.int64)
+    lo = np.empty(n, np.int64)
+    hi = np.empty(n, np.int64)
+    status = _nb_draw(header, seq, uniform, sums, offsets, arity, dense, times, uniforms, step_ep, ep_start, ep_len,
+                      length, head, slots, probs, keys, out_times, pos, lo, hi)
+    if status != 0:
+        return status
+    shift = length - 1 if head and length > 0 else 0
+    base = np.empty(n, np.int64)
+    for j in range(n):
+        base[j] = keys[j] - shift
+        valid[j] = True
+    _nb_check_versions(versions, pos, lo, hi, base, valid, True)
+    _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, max(length, 1), mask, ahead)
+    _nb_check_versions(versions, pos, lo, hi, base, valid, False)
+    return 0

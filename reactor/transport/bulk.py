@@ -1171,8 +1171,9 @@ class BulkReader:
             PeerLostError: the owner is gone.
         """
         att = self._get(region)
-        if att.backend == "shm":
-            self._check_shm_live(att, att.segments)
+        if att.backend == "shm":  # every segment is marked together: one stands for the region
+            seg = att.segments.get(att.version_field or "") or next(iter(att.segments.values()), None)
+            self._check_shm_live(att, {} if seg is None else {"": seg})
 
     def detach(self, region: str) -> None:
         """Forget ``region`` (unmap its segments, drop its connection when no region uses it).

@@ -2,8 +2,9 @@
 
 One async single-process run of ``benchmarks/apps/replay_service.py`` with a small table: the
 writers' inserts complete (the shards count every item sent), the same-host learner gathers its
-windows from the shards' shared memory, the other one gets them in the replies or reads them from
-the shards' bulk read servers, and every batch
+windows from the shards' shared memory (through messages, and one-sidedly from their published sum
+trees), the other one gets them in the replies or reads them from the shards' bulk read servers, and
+every batch
 is whole. No timing is asserted (the figures are the benchmark's business).
 """
 
@@ -32,7 +33,10 @@ def test_benchmark_app_fills_the_shards_and_samples_through_both_paths(tmp_path)
     assert len(rep["insert"]) == 2 and len(rep["local_insert"]) == 2
     for key in ("shm", "shm_x2", "msg", "msg_x2", "onesided", "onesided_x2"):
         assert len(rep[key]) == 2 and rep[f"{key}_items"] == [256.0, 256.0], key  # whole batches
-    # bench[0]: 2 reps x 2 depths x 3 batches + warm-up 2 x 3, all gathered from shared memory
-    assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3) * 256, "dropped_items": 0}
+    # One-sided: every batch drawn from the shards' published trees, none fell back to messages.
+    assert len(rep["local"]) == 2 and rep["local_items"] == [256.0, 256.0] and rep["local_fallbacks"] == [0, 0]
+    # bench[0]: 2 reps x 2 depths x 3 batches + warm-up 2 x 3 through messages, and 2 reps x 3 + warm-up 3
+    # one-sided, all gathered from shared memory
+    assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3 + 2 * 3 + 3) * 256, "dropped_items": 0}
     assert rep["batch_fields_nbytes"] == {"obs": 256 * 32 * 256, "action": 256 * 32 * 8, "reward": 256 * 32 * 4,
                                           "terminated": 256 * 32, "mask": 256 * 32}

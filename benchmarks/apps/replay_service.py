@@ -23,6 +23,8 @@ samples when ``bench[0]`` asks and reports its timings back:
 * ``local``: ``calls`` batches from bench[0]'s client by ``ReplayClient.sample_now`` (one-sided: it
   draws from the shards' published sum trees and copies the windows from their shared memory, with
   no message; the notices of the draws go to the shards on ``updates``), one after another.
+* ``remote``: the same from bench[1] ("another host") by ``ReplayClient.asample_now``: one request per
+  shard to its bulk zmq read server, whose thread draws from the published state and sends the rows.
 * ``inproc``: ``Table.sample_nowait(batch)`` of the same windows from the in-process table.
 * ``memcpy``: one contiguous single-core copy of a batch's bytes from a random place of a buffer as
   large as the stored data.
@@ -203,14 +205,15 @@ class Bench(Reactor):
         depths = sorted({1, self.inflight})
         samples = [(name, d) for name in ("shm", "msg", "onesided") for d in depths]
         plan += [("sample", name, d, 3, False) for name, d in samples] + [("inproc", 3, False), ("memcpy", 3, False)]
-        plan += [("local", 3, False)]  # (after shm's first replies brought the shards' one-sided offers)
+        plan += [("local", 3, False), ("remote", 3, False)]  # (after the first replies brought the offers)
         for r in range(1, c["reps"] + 1):
             rows = c["round_rows"]
             if rows > 0:
                 plan += [("insert", r, rows), ("local_insert", r, rows * self.writers)]
             # The cases' order alternates between repetitions: none always runs first after the inserts.
             cases = [("sample", name, d, self.calls, True) for name, d in samples]
-            cases += [("inproc", self.calls, True), ("memcpy", self.calls, True), ("local", self.calls, True)]
+            cases += [("inproc", self.calls, True), ("memcpy", self.calls, True), ("local", self.calls, True),
+                      ("remote", self.calls, True)]
             plan += cases if r % 2 else cases[::-1]
         plan.append(("stats", "end"))
         self.plan: list[tuple] | None = plan
@@ -256,6 +259,9 @@ class Bench(Reactor):
                     self._record("inproc", (time.perf_counter() - t0) / calls)
             elif kind == "local":
                 self._local_sample(entry[1], entry[2])
+            elif kind == "remote":  # the learner "on another host" samples through the shards' read servers
+                self.cmd.send({"to": 1, "op": "remote", "calls": entry[1], "keep": entry[2]})
+                return
             elif kind == "memcpy":
                 _, calls, keep = entry
                 offs = self.rng.integers(0, self.big.numel() - self.out_nbytes, calls)
@@ -293,6 +299,29 @@ class Bench(Reactor):
                            [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls,
                             (ru1.ru_nvcsw - ru.ru_nvcsw) / calls, (ru1.ru_nivcsw - ru.ru_nivcsw) / calls])
             self.results["local_retries"] = client.one_sided_retries
+
+    async def _remote_sample(self, calls: int, keep: bool) -> None:
+        """Replica 1: one-sided samples through the shards' bulk read servers (ReplayClient.asample_now:
+        one request per shard, drawn by its server thread), one after another; reported to replica 0."""
+        client = self.clients["onesided"]
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        c0, items, fallbacks = time.process_time(), 0, 0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            batch, notices = await client.asample_now(self.batch)
+            for m in notices:
+                self.updates.send(m)
+            if batch is None:
+                fallbacks += 1
+            else:
+                items += len(batch.keys)
+        dt = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        got = calls - fallbacks
+        parts = [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls, (ru1.ru_nvcsw - ru.ru_nvcsw) / calls,
+                 (ru1.ru_nivcsw - ru.ru_nivcsw) / calls]
+        self.cmd.send({"to": 0, "op": "sampled", "key": "remote", "s": dt / calls, "items": items / max(got, 1)
+                       if got else 0, "keep": keep, "parts": parts, "fallbacks": fallbacks})
 
     # ------------------------------------------------------------------ inserts
 
@@ -368,13 +397,18 @@ class Bench(Reactor):
             self.requests.send(m)
 
     @reaction(triggers=[cmd_in], effects=[go, control, requests, updates, cmd, poll])
-    def command(self, cmd_in: dict) -> None:
+    async def command(self, cmd_in: dict) -> None:
         op = cmd_in["op"]
         if op == "sample":  # replica 1
             self._start_block(cmd_in["key"], cmd_in["depth"], cmd_in["calls"], cmd_in["keep"])
+        elif op == "remote":  # replica 1
+            await self._remote_sample(cmd_in["calls"], cmd_in["keep"])
         elif op == "sampled":  # replica 0
             if cmd_in["keep"]:
-                self._keep(cmd_in["key"], cmd_in["s"], cmd_in["items"], cmd_in["parts"])
+                if "fallbacks" in cmd_in:
+                    self._record(f"{cmd_in['key']}_fallbacks", cmd_in["fallbacks"])
+                if cmd_in["items"] > 0:
+                    self._keep(cmd_in["key"], cmd_in["s"], cmd_in["items"], cmd_in["parts"])
             self._advance()
         elif op == "close":  # replica 1
             for c in self.clients.values():

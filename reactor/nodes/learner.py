@@ -336,7 +336,7 @@ class Learner(_LearnerBase):
         inline = self.bank_size > 1 or not self.deterministic
         # Updates done, to do (this batch, batches waiting on update_due) and samples in flight.
         due = self.updates + 1 + self._due + self.client.in_flight
-        if (self.max_updates is None or due < self.max_updates) and not self.client.can_sample_now:
+        if (self.max_updates is None or due < self.max_updates) and not self.client.can_sample_one_sided:
             for m in self.client.request(self.batch_size):  # the next sample overlaps this update
                 self.requests.send(m)
         for m in self.client.check_timeouts():  # a shard that stopped answering is lost
@@ -347,22 +347,23 @@ class Learner(_LearnerBase):
             # no replica may need a promise that another can only send after its update. In async
             # mode there are no promises to gain, and queued replies would run ahead of the updates.
             self._update(batch)
-            self._sample_one_sided()
+            await self._sample_one_sided()
         else:
             self._due += 1
             self.update_due.schedule(batch)
 
-    def _sample_one_sided(self) -> None:
-        """Once the shards offered one-sided sampling (async runs, every shard on this host) and no
-        sample is in flight or waiting: the next batch is drawn here from their shared memory, with
-        no message (ReplayClient.sample_now), and learned on at the next microstep. When that is
-        not possible now, the next sample goes through messages again."""
+    async def _sample_one_sided(self) -> None:
+        """Once the shards offered one-sided sampling (async runs) and no sample is in flight or
+        waiting: the next batch is drawn here, from the shared memory of shards on this host and by
+        one request to the read server of each shard on another (ReplayClient.asample_now; no
+        message to a shard's loop), and learned on at the next microstep. When that is not possible
+        now, the next sample goes through messages again."""
         client = self.client
-        if not client.can_sample_now or client.in_flight or self._due:
+        if not client.can_sample_one_sided or client.in_flight or self._due:
             return
         if self.max_updates is not None and self.updates >= self.max_updates:
             return
-        batch, notices = client.sample_now(self.batch_size)
+        batch, notices = await client.asample_now(self.batch_size)
         for m in notices:
             self.priorities.send(m)
         if batch is None:
@@ -395,10 +396,10 @@ class Learner(_LearnerBase):
                     self.requests.send(m)
 
     @reaction(triggers=[update_due], effects=[requests, update_due, priorities, weights, report])
-    def learn(self, update_due: Any) -> None:
+    async def learn(self, update_due: Any) -> None:
         self._due -= 1
         self._update(update_due)
-        self._sample_one_sided()
+        await self._sample_one_sided()
 
     def _update(self, batch: Any) -> None:
         import torch

@@ -93,7 +93,7 @@ from ..replay import (
     WindowRead,
 )
 from ..replay.checkpoint import CheckpointCancelled
-from ..replay.shared import SamplingPublisher, SharedArrays, why_not_shared
+from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
 from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import bulk as _bulk
 from .messages import (
@@ -137,6 +137,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("reactor.replay")
+
+#: The bulk read server's op through which requesters on other hosts sample a shard one-sidedly.
+REMOTE_SAMPLE_OP = "replay_sample"
+#: The largest reply of one (the items' rows): 192 MiB, inside the read server's reply bound (256 MiB).
+_REMOTE_SAMPLE_NBYTES = 192 << 20
 
 # ------------------------------------------------------------------------------------ configuration
 
@@ -498,10 +503,13 @@ class Replay(Reactor):
                 for seg in wal_dir.glob("wal-*.log"):
                     seg.unlink()
             self._wal = WriteAheadLog(wal_dir, storage.step_range[1])
+        self._remote_sampling: dict[str, Any] | None = None
         if self._shared is not None:
             self._publisher = SamplingPublisher(self.table, self._shared, read=self.read)
             self._sampling = {"table": self._publisher.descriptor(),
                               "region": self._owner.descriptor(self._sampling_region)}  # type: ignore[union-attr]
+            if "zmq" in self._owner.backends or "rdma" in self._owner.backends:  # type: ignore[union-attr]
+                self._serve_remote_samples()
         self._period_ns = None if self.checkpoint_period_s is None else max(1, round(self.checkpoint_period_s * 1e9))
         self._next_ckpt_ns = self._period_ns
         if self.statistics_period_s is not None:
@@ -509,6 +517,29 @@ class Replay(Reactor):
             self._next_stats = self.statistics_period_s
             self._now_s = 0.0
             self.tick.schedule(delay_s=self._tick_s)
+
+    def _serve_remote_samples(self) -> None:
+        """Requesters on other hosts sample this shard in one round trip to its bulk read server,
+        whose thread draws and gathers from the published state as a reader here would (the shard's
+        loop takes no part)."""
+        shared, owner = self._shared, self._owner
+        assert shared is not None and owner is not None and self._publisher is not None
+        ss = SharedSampling(self._publisher.descriptor(), {n: shared.get(n) for n in shared.layout()})
+        versions = self._versions.numpy()  # type: ignore[union-attr]
+        item_nbytes = max(1, sum(s.step_nbytes for s in self.specs)) * max(1, ss.window) + 64
+        max_items = min(64 * self.capacity, _REMOTE_SAMPLE_NBYTES // item_nbytes)
+        fields: list[tuple[str, int, int]] = []
+
+        def sample(request: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+            if not fields:
+                fields.extend((n, t[0].numel() * t.element_size(), t.data_ptr()) for n, t in tensors.items()
+                              if n != _bulk.VERSION_FIELD)
+            reply = serve_sample(ss, request, versions, fields, max_items)
+            reply["fields"] = [f[0] for f in fields]
+            return reply
+
+        owner.serve_op(REMOTE_SAMPLE_OP, sample)
+        self._remote_sampling = {"table": self._sampling["table"], "op": REMOTE_SAMPLE_OP}  # type: ignore[index]
 
     def _shared_arrays(self, sampler: Selector, limiter: RateLimiter) -> SharedArrays | None:
         """Memory for the table's sampling state in a region of the bulk owner (one segment per
@@ -715,7 +746,9 @@ class Replay(Reactor):
             }
             if bulk:
                 desc = None if req.generation == self._owner.generation else self._descriptor
-                sampling = self._sampling if desc is not None and req.host == self._host_id else None
+                sampling = None
+                if desc is not None:
+                    sampling = self._sampling if req.host == self._host_id else self._remote_sampling
                 reply = ShardSample(self.bank_index, req.requester, req.request, "", None, descriptor=desc,
                                     sampling=sampling, **self._bulk_plan(keys), **common)
             else:

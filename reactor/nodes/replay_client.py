@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import PeerLostError
+from .._errors import MalformedFrameError, PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
 from ..replay.shared import OK as _OK
@@ -198,8 +198,9 @@ class ReplayClient:
         self._versions_field: dict[str, str | None] = {}  # region -> its version column
         self.dropped_items = 0
         self.gathered_items = 0
-        self.one_sided = bool(one_sided) and bool(self._host)
+        self.one_sided = bool(one_sided)
         self._shared: dict[int, _SharedShard] = {}  # shard -> its published sampling state, mapped
+        self._remote_shared: dict[int, _RemoteShard] = {}  # shard of another host -> its sampling op
         self.one_sided_samples = 0  # batches drawn by sample_now
         self.one_sided_retries = 0  # draws started again because a shard changed under them
 
@@ -479,8 +480,17 @@ class ReplayClient:
         }
 
     async def _attach_sampling(self, shard: int, sampling: Any) -> None:
-        """Map the sampling state shard ``shard`` publishes (its data region is attached already)."""
+        """Map the sampling state shard ``shard`` publishes (its data region is attached already), or,
+        for a shard on another host, note the read server op that samples it."""
         assert self._reader is not None
+        data_region = self._regions[shard][0]
+        if self._reader.backend(data_region) != "shm":
+            table = sampling.get("table") if isinstance(sampling, dict) else None
+            if (isinstance(table, dict) and sampling.get("op") == "replay_sample"
+                    and isinstance(table.get("window"), int) and isinstance(table.get("beta"), float)
+                    and table.get("pad") in ("head", "tail", "")):
+                self._remote_shared[shard] = _RemoteShard(data_region, int(table["window"]), float(table["beta"]))
+            return
         try:
             if not isinstance(sampling, dict) or not isinstance(sampling.get("table"), dict):
                 raise ValueError(f"a sampling offer must be {{'table': ..., 'region': ...}}, got {sampling!r:.200}")
@@ -511,6 +521,189 @@ class ReplayClient:
             src_addrs=np.array([data[f].ctypes.data for f in names], dtype=np.int64),
             row_nbytes=np.array([data[f][0].nbytes for f in names], dtype=np.int64),
         )
+
+    @property
+    def can_sample_one_sided(self) -> bool:
+        """Whether every live shard offered one-sided sampling, on this host (its memory mapped) or
+        on another (its read server's op), and this client took it (:meth:`asample_now`)."""
+        live = self.live_shards
+        return (self.one_sided and bool(live) and all(k in self._shared or k in self._remote_shared for k in live)
+                and all(k in self._figures for k in live))
+
+    async def asample_now(self, n: int) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """:meth:`sample_now`, also over shards of other hosts: each is asked once, at its bulk read
+        server, to draw its count and send the rows (its thread draws from the published state as
+        a reader on its host would; the shard's loop takes no part): one round trip per sample,
+        to all such shards at once.
+
+        With every live shard on this host this is :meth:`sample_now`. Otherwise the per-shard counts
+        come from the shards' latest figures (every reply carries them), and an item's reported
+        probability is the one it was drawn with, ``P(i) = (C_s / C) * q_i``, its weight against the
+        least likely item anywhere: the message path's one-round sample (``masses="cached"``),
+        exact however the figures moved meanwhile. ``(None, [])`` when a shard drew nothing (below
+        its min size, no positive priority, or changing for too long): sample with :meth:`request`.
+
+        Raises:
+            ValueError: ``n < 1``.
+            PeerLostError: a shard's memory or read server is gone; the batch is dropped.
+        """
+        if self.can_sample_now:
+            return self.sample_now(n)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
+        if not self.can_sample_one_sided:
+            return None, []
+        assert self._reader is not None
+        n = int(n)
+        live = self.live_shards
+        figs = {k: self._figures[k] for k in live}
+        masses = np.array([figs[k].mass for k in live], dtype=np.float64)  # type: ignore[attr-defined]
+        sizes = np.array([figs[k].size for k in live], dtype=np.float64)  # type: ignore[attr-defined]
+        share = masses if masses.sum() > 0 else sizes
+        if not share.sum() > 0:
+            return None, []
+        share = share / share.sum()
+        counts = self.rng.multinomial(n, share).tolist()
+        seeds = self.rng.integers(0, 2**63, size=len(live)).tolist()
+        local = [(k, c) for k, c in zip(live, counts) if k in self._shared and c]
+        remote = [(k, c, sd) for k, c, sd in zip(live, counts, seeds) if k in self._remote_shared]
+        replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, "replay_sample",
+                                                           {"n": c, "seed": sd}) for k, c, sd in remote),
+                                       return_exceptions=True)
+        parts: dict[int, dict[str, Any]] = {}
+        for (k, c, _sd), rep in zip(remote, replies):
+            if isinstance(rep, PeerLostError):
+                lost = PeerLostError(f"replay shard {k}: its read server is gone ({rep})")
+                lost.shard = k  # type: ignore[attr-defined]
+                raise lost from rep
+            if isinstance(rep, BaseException):
+                raise rep
+            part = self._check_remote_part(k, c, rep)
+            if part is not None:
+                parts[k] = part
+        for k, c in local:  # shards of this host in the same sample: drawn here, from their memory
+            part = self._draw_local_part(k, c)
+            if part is not None:
+                parts[k] = part
+        notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
+        if sum(int(p["n"]) for p in parts.values()) != n:
+            return None, notices  # a shard drew nothing: the draws that were made still count
+        return self._assemble_remote(n, live, share, parts), notices
+
+    def _check_remote_part(self, shard: int, count: int, rep: Any) -> dict[str, Any] | None:
+        """A read server's sample reply, checked (it comes from the network); its figures cached."""
+        rs = self._remote_shared[shard]
+        bad = MalformedFrameError(f"replay shard {shard}'s read server sent a malformed sample reply")
+        if not isinstance(rep, dict) or type(rep.get("n")) is not int:
+            raise bad
+        if all(type(rep.get(x)) in (float, int) for x in ("mass", "min")) and type(rep.get("size")) is int:
+            self._figures[shard] = ShardMass(shard, 0, 0, "", float(rep["mass"]), float(rep["min"]), rep["size"],
+                                             rs.beta)
+        if rep["n"] == 0:
+            return None
+        if rep["n"] != count:
+            raise bad
+        w = max(rs.window, 1)
+        layout = self._layouts[rs.data_region]
+        names = rep.get("fields")
+        data = rep.get("data")
+        arrays = [(rep.get(x), dt) for x, dt in (("keys", np.int64), ("probabilities", np.float64),
+                                                 ("times_sampled", np.int64), ("valid", np.bool_))]
+        if (not all(isinstance(a, np.ndarray) and a.dtype == dt and a.shape == (count,) for a, dt in arrays)
+                or not isinstance(names, list) or sorted(names) != sorted(layout) or not isinstance(data, list)
+                or len(data) != len(names)):
+            raise bad
+        mask = rep.get("mask")
+        if rs.window and not (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == (count, w)):
+            raise bad
+        out = {}
+        for name, d in zip(names, data):
+            dtype, shape = layout[name]
+            nbytes = count * w * int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            if not (isinstance(d, np.ndarray) and d.dtype == np.uint8 and d.shape == (nbytes,)):
+                raise bad
+            out[name] = d  # the frame's bytes: copied once, into the batch (_assemble_remote)
+        return {"n": count, "keys": rep["keys"], "q": rep["probabilities"], "times": rep["times_sampled"],
+                "valid": rep["valid"], "mask": mask, "data": out, "window": rs.window}
+
+    def _remote_data_region(self, shard: int) -> str:
+        rs = self._remote_shared.get(shard)
+        return rs.data_region if rs is not None else self._shared[shard].data_region
+
+    def _draw_local_part(self, shard: int, count: int) -> dict[str, Any] | None:
+        """One shard's part of a mixed sample, drawn from its mapped memory (its figures refreshed)."""
+        sh = self._shared[shard]
+        deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
+        w = max(sh.table.window, 1)
+        layout = self._layouts[sh.data_region]
+        out = {f: host_empty((count, w, *layout[f][1]) if sh.table.window else (count, *layout[f][1]), layout[f][0])
+               for f in sh.names}
+        mask = np.empty((count, w), np.bool_)
+        keys, q = np.empty(count, np.int64), np.empty(count, np.float64)
+        times, valid = np.empty(count, np.int64), np.empty(count, np.bool_)
+        uniforms = self.rng.random(count)
+        while time.perf_counter() < deadline:
+            seq, mass, low, size = sh.table.figures()
+            if seq < 0:
+                time.sleep(0)
+                continue
+            self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
+            if size < sh.table.min_size or not mass > 0:
+                return None
+            status = sh.table.sample_into(seq, uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
+                                          np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
+                                          times, valid)
+            if status == _OK:
+                self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
+                return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
+                        "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
+        return None
+
+    def _assemble_remote(self, n: int, live: list[int], share: np.ndarray,
+                         parts: dict[int, dict[str, Any]]) -> SampledBatch:
+        """One batch from the shards' parts, in shard order; weights as the one-round message sample."""
+        order = sorted(parts)
+        shares = dict(zip(live, share.tolist()))
+        keys = np.concatenate([make_keys(k, parts[k]["keys"]) for k in order])
+        probs = np.concatenate([shares[k] * parts[k]["q"] for k in order])
+        times = np.concatenate([parts[k]["times"] for k in order])
+        valid = np.concatenate([parts[k]["valid"] for k in order])
+        figs = {k: self._figures[k] for k in live}
+        beta = self.beta if self.beta is not None else max(f.beta for f in figs.values())  # type: ignore[attr-defined]
+        lows = [shares[k] * f.min_mass / f.mass for k, f in figs.items()  # type: ignore[attr-defined]
+                if shares[k] > 0 and f.mass > 0 and 0 < f.min_mass < math.inf]  # type: ignore[attr-defined]
+        min_p = min(lows, default=math.inf)
+        if beta == 0.0 or not (0 < min_p < math.inf):
+            weights = np.ones(n, dtype=np.float32)
+        else:
+            weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
+        first = parts[order[0]]
+        w = max(first["window"], 1)
+        data: dict[str, torch.Tensor] = {}
+        for name in first["data"]:
+            dtype, shape = self._layouts[self._remote_data_region(order[0])][name]
+            t = host_empty((n, w, *shape) if first["window"] else (n, *shape), dtype)
+            flat = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+            a = 0
+            for k in order:  # each part's bytes, straight from its reply frame (local parts: their tensor)
+                part = parts[k]["data"][name]
+                src = part if isinstance(part, np.ndarray) else part.reshape(-1).view(torch.uint8).numpy()
+                flat[a:a + src.shape[0]] = src
+                a += src.shape[0]
+            data[name] = t
+        if first["window"]:
+            data["mask"] = torch.from_numpy(np.concatenate([parts[k]["mask"] for k in order]))
+        self.gathered_items += n
+        self.one_sided_samples += 1
+        if not valid.all():
+            self.dropped_items += int((~valid).sum())
+            idx = np.flatnonzero(valid)
+            data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
+            keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
+        return SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
+                            probabilities=torch.from_numpy(probs),
+                            table_size=int(sum(f.size for f in figs.values())),  # type: ignore[attr-defined]
+                            times_sampled=torch.from_numpy(times))
 
     @property
     def can_sample_now(self) -> bool:
@@ -757,6 +950,7 @@ class ReplayClient:
         reader, self._reader = self._reader, None
         self._regions.clear()
         self._shared.clear()
+        self._remote_shared.clear()
         if reader is not None:
             _run_now(reader.aclose())
 
@@ -810,6 +1004,7 @@ class ReplayClient:
         self._figures.pop(shard, None)
         self._regions.pop(shard, None)  # its successor owns regions of another generation
         self._shared.pop(shard, None)
+        self._remote_shared.pop(shard, None)
         self._inline.discard(shard)
         log.warning("replay client %s: shard %d is down (%s); sampling from the others", self.requester, shard, why)
         live = self.live_shards
@@ -831,6 +1026,7 @@ class ReplayClient:
         self._figures.pop(shard, None)  # the cached masses are a past life's: one mass round first
         self._regions.pop(shard, None)
         self._shared.pop(shard, None)
+        self._remote_shared.pop(shard, None)
 
     def _redraw_without_lost(self, live: list[int]) -> list[ReplayRequest]:
         """Samples in flight drop what they asked of lost shards and draw it again from ``live``."""
@@ -905,6 +1101,15 @@ class ReplayClient:
 
 
 _ONE_SIDED_PATIENCE_S = 0.005  # retries of sample_now before it leaves the sample to the message path
+
+
+@dataclass
+class _RemoteShard:
+    """A shard of another host that samples for this client on its bulk read server."""
+
+    data_region: str
+    window: int
+    beta: float
 
 
 @dataclass

@@ -47,7 +47,10 @@ from .._native import acquire_fence, prefetch, release_fence
 from .storage import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
 from .sumtree import _layout, _nb_descend
 
-__all__ = ["EMPTY", "MOVED", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling", "shareable", "why_not_shared"]
+__all__ = [
+    "EMPTY", "MOVED", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling", "serve_sample", "shareable",
+    "why_not_shared",
+]
 
 #: Header slots (int64): the sequence count, then what the owner publishes at the end of a change.
 _H_SEQ, _H_FIRST_STEP, _H_NEXT_STEP, _H_FIRST_EP, _H_SIZE, _H_CHANGES = range(6)
@@ -538,3 +541,56 @@ def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarra
     _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, max(length, 1), mask, ahead)
     _nb_check_versions(versions, pos, lo, hi, base, valid, False)
     return 0
+
+
+def serve_sample(ss: SharedSampling, request: Any, versions: np.ndarray, fields: list[tuple[str, int, int]],
+                 max_items: int, patience_s: float = 0.005) -> dict[str, Any]:
+    """A one-sided sample drawn where the memory is, for a reader on another host (a replay shard's
+    bulk read server runs this on its own thread, never on the shard's loop).
+
+    ``request``: ``{"n": items (0: the figures only), "seed": the uniforms' seed}``, from the network:
+    validated here. ``fields``: ``(name, row_nbytes, address)`` of the mapped ring's fields. The
+    reply carries the shard's figures (``mass``, ``min``, ``size``, ``beta``) and, if it drew,
+    ``keys`` (global steps), ``probabilities`` (within the table), ``times_sampled``, ``valid``,
+    ``mask`` (windows) and ``data`` (one uint8 array per field, ``[n, window, ...]`` or ``[n, ...]``
+    rows); ``n`` is 0 when it drew nothing (below the min size, every priority 0, or the table kept
+    changing for ``patience_s``).
+
+    Raises:
+        ValueError, TypeError: a malformed request, or ``n`` above ``max_items``.
+    """
+    import time
+
+    if not isinstance(request, dict):
+        raise TypeError(f"a sample request must be a dict, got {type(request).__name__}")
+    n, seed = request.get("n"), request.get("seed")
+    if type(n) is not int or not 0 <= n <= max_items:
+        raise ValueError(f"sample request: n must be an int in [0, {max_items}], got {n!r:.40}")
+    if type(seed) is not int or not 0 <= seed < 2**64:
+        raise ValueError(f"sample request: seed must be an int in [0, 2**64), got {seed!r:.40}")
+    uniforms = np.random.default_rng(seed).random(n)
+    w = max(ss.window, 1)
+    deadline = time.perf_counter() + patience_s
+    while True:
+        seq, mass, low, size = ss.figures()
+        if seq >= 0:
+            reply: dict[str, Any] = {"mass": mass, "min": low, "size": size, "beta": ss.beta, "n": 0}
+            if n == 0 or size < ss.min_size or not mass > 0:
+                return reply
+            data = [np.empty(n * w * rb, np.uint8) for _, rb, _ in fields]
+            mask = np.empty((n, w), np.bool_)
+            keys, probs = np.empty(n, np.int64), np.empty(n, np.float64)
+            times, valid = np.empty(n, np.int64), np.empty(n, np.bool_)
+            status = ss.sample_into(
+                seq, uniforms, versions, np.array([a for _, _, a in fields], np.int64),
+                np.array([rb for _, rb, _ in fields], np.int64), np.array([d.ctypes.data for d in data], np.int64),
+                mask, keys, probs, times, valid)
+            if status == OK:
+                reply.update(n=n, keys=keys, probabilities=probs, times_sampled=times, valid=valid, data=data,
+                             mask=mask if ss.window else None)
+                return reply
+            if status == EMPTY:
+                return reply
+        if time.perf_counter() > deadline:  # (no figures: the reader keeps what it knew)
+            return {"n": 0, "moved": True}
+        time.sleep(0)

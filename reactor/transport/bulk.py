@@ -706,6 +706,32 @@ class BulkOwner:
 
         return allocate
 
+    def serve_op(self, op: str, handler: Callable[[dict[str, Any], Mapping[str, torch.Tensor]], dict[str, Any]]) -> None:
+        """Answer requests ``{"op": op, "region", ...}`` on this owner's zmq read server with
+        ``handler(request, fields)`` (``fields``: the region's field tensors, the version column
+        included), run on the server's thread: work done where the memory is, without the owner's
+        event loop (e.g. a replay shard's one-sided sample for readers on other hosts). The request
+        comes from the network: the handler validates it (ValueError, TypeError, KeyError,
+        IndexError or FrameTooLargeError go back to the reader as that error; the server keeps
+        serving). Its reply dict travels as codec frames (numpy arrays zero-copy). Readers call it
+        with :meth:`BulkReader.call`.
+
+        Raises:
+            ValueError: ``op`` is a built-in op or already served, or this owner has no zmq server
+                (no ``"zmq"`` backend).
+        """
+        if self._server is None:
+            raise ValueError(f"bulk owner: serve_op({op!r}) needs a read server ('zmq' or 'rdma' backend); it has "
+                             f"{list(self._backends)}")
+        if op in ("hello", "read", "rdma_connect") or op in self._server.extra_ops:
+            raise ValueError(f"bulk owner: op {op!r} is built in or served already")
+        regions = self._regions
+
+        def run(req: dict[str, Any], region: Any) -> dict[str, Any]:
+            return handler(req, {n: f.tensor for n, f in regions[region.name].fields.items()})
+
+        self._server.extra_ops[op] = run
+
     def allocate_versions(self, region: str) -> torch.Tensor:
         """Allocate ``region``'s version column (int64 ``[rows]``, all ``-1``) for the sequence lock.
 
@@ -1174,6 +1200,23 @@ class BulkReader:
         if att.backend == "shm":  # every segment is marked together: one stands for the region
             seg = att.segments.get(att.version_field or "") or next(iter(att.segments.values()), None)
             self._check_shm_live(att, {} if seg is None else {"": seg})
+
+    async def call(self, region: str, op: str, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Send ``request`` as op ``op`` for ``region`` (attached over zmq or rdma) to its owner's read server (an
+        op the owner serves with :meth:`BulkOwner.serve_op`) and return the reply dict. The reply
+        comes from the network: check its shape before use.
+
+        Raises:
+            KeyError: ``region`` is not attached.
+            ValueError: it is attached over shm (there is no server to ask).
+            PeerLostError: the owner is gone or did not answer in time.
+            (and the errors the owner's handler answered with)
+        """
+        att = self._get(region)
+        if att.client is None:  # (zmq and rdma attachments talk to the owner's server)
+            raise ValueError(f"bulk region {region!r} is attached over {att.backend}, which has no owner's server")
+        return await att.client.call({**request, "op": op, "region": att.name, "generation": att.generation},
+                                     timeout_s=self._timeout_s, what=op)
 
     def detach(self, region: str) -> None:
         """Forget ``region`` (unmap its segments, drop its connection when no region uses it).

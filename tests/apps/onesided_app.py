@@ -3,7 +3,9 @@
 config keys (all optional):
     shards (2), episodes (40 per shard), window (8; 0: StepRead), pad ("tail"), sampler ("prioritized"
     or "uniform"), alpha (0.7), beta (0.5), batch_size (64), batches (one-sided batches, 30),
-    max_times_sampled (0), limiter ("minsize" or "ratio"), out (npz path of the prober's record).
+    max_times_sampled (0), limiter ("minsize" or "ratio"), out (npz path of the prober's record),
+    remote (False: the prober maps the shards' memory; True: it acts as a learner on another host, and
+    the shards' bulk read servers sample for it).
 
 Each shard gets ``episodes`` episodes of 1..20 steps from one message; a step's ``id`` is
 ``shard * 1_000_000 + its global step in the shard`` and ``end`` the id one past its episode's last
@@ -77,7 +79,10 @@ class Prober(Reactor):
 
     @reaction(triggers=[startup], effects=[control])
     def begin(self) -> None:
-        self.client = ReplayClient(self.shards, requester=self.bank_index, rng=self.rng, timeout_s=60.0)
+        remote = self.cfg.get("remote", False)  # as if on another host: the shards' read servers sample
+        self.client = ReplayClient(self.shards, requester=self.bank_index, rng=self.rng, timeout_s=60.0,
+                                   bulk=not remote, remote_reads="zmq" if remote else "off",
+                                   curve=self.process_link.curve)
         self.stats: dict[int, ShardStatistics] = {}
         self.control.send(StatisticsRequest())
 
@@ -106,17 +111,17 @@ class Prober(Reactor):
             self.finish(st)
 
     @reaction(triggers=[replies], effects=[requests, updates, poll])
-    def take(self, replies: ReplayReply) -> None:
-        msgs, batch = self.client.receive(replies)
+    async def take(self, replies: ReplayReply) -> None:
+        msgs, batch = await self.client.areceive(replies)
         for m in msgs:
             self.requests.send(m)
         if batch is None:
             return
         self.draws = len(batch.keys)
-        self.offered = self.client.can_sample_now
+        self.offered = self.client.can_sample_one_sided
         self.fallbacks = 0
         for _ in range(self.cfg.get("batches", 30)):
-            b, notices = self.client.sample_now(self.cfg.get("batch_size", 64))
+            b, notices = await self.client.asample_now(self.cfg.get("batch_size", 64))
             for m in notices:
                 self.updates.send(m)
             if b is None:
@@ -154,7 +159,8 @@ def build(config: dict) -> Graph:
     filler = g.add(Filler(shards, config.get("episodes", 40)), name="filler")
     replay = g.add(Replay(FIELDS, capacity=4096, read=WindowRead(window, config.get("pad", "tail")) if window else
                           StepRead(), sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
-                          max_times_sampled=config.get("max_times_sampled", 0)), name="replay", replicas=shards)
+                          max_times_sampled=config.get("max_times_sampled", 0),
+                          remote_reads="zmq" if config.get("remote") else "auto"), name="replay", replicas=shards)
     prober = g.add(Prober(config), name="prober")
     g.connect(filler.steps, replay.steps, key=shard_key)
     g.connect(prober.requests, replay.requests, key=shard_key)

@@ -93,6 +93,28 @@ def test_a_learner_in_another_process_samples_windows_one_sidedly_with_a_single_
     assert rec["times"].min() >= 1
 
 
+@pytest.mark.timeout(120)
+def test_a_learner_on_another_host_samples_in_one_round_trip_to_the_shards_read_servers(tmp_path):
+    """Shards in their own processes offer their read servers' sample op to a learner "on another
+    host" (no shared memory, remote_reads='zmq'): each batch is one request per shard, drawn by the
+    server thread from the published tree; every window is its episode's slice, each probability is
+    the one it was drawn with (the shard's share of the cached masses times its probability there:
+    on unchanged data, w_i / M), and the shards count every draw."""
+    from tests.apps.onesided_app import priority
+
+    rec = _probe(tmp_path, "processes", batches=20, batch_size=64, remote=True)
+    assert bool(rec["offered"]) and int(rec["one_sided"]) == 20 and int(rec["fallbacks"]) == 0
+    assert len(rec["keys"]) == 20 * 64 and int(rec["dropped"]) == 0
+    _check_windows(rec, 8)
+    ids, _ = _items(2, 40)
+    keys = rec["keys"]
+    item_ids = (keys >> 48) * 1_000_000 + (keys & ((1 << 48) - 1))
+    w = priority(ids) ** 0.7
+    np.testing.assert_allclose(rec["probs"], priority(item_ids) ** 0.7 / w.sum(), rtol=1e-12)
+    np.testing.assert_allclose(rec["weights"], (rec["probs"] / (w.min() / w.sum())) ** -0.5, rtol=1e-6)
+    assert int(rec["sampled"].sum()) == int(rec["draws"])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("window,pad,sampler", [(8, "head", "prioritized"), (0, "tail", "uniform"),
                                                  (5, "tail", "uniform")])

@@ -247,7 +247,8 @@ class Learner(_LearnerBase):
         requests: sample requests to the shards (``key=shard_key``).
         updates: priority updates to the shards owning the keys (``key=shard_key``).
         weights: :class:`Weights` every ``weights_every`` updates (and at start).
-        report: :class:`Report` (``updates``, ``samples``, the algorithm's metrics).
+        report: :class:`Report` (``updates``, ``samples``, ``one_sided_batches``: batches drawn one-sidedly, the
+            algorithm's metrics).
 
     Args:
         algo, env, algo_config: the algorithm, the environment (for its spaces) and Config overrides.
@@ -419,6 +420,7 @@ class Learner(_LearnerBase):
             self.weights.send(self._weights())
         if self.updates % self.report_every == 0:
             self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
+                                                "one_sided_batches": float(self.client.one_sided_samples),
                                                 **{k: float(v) for k, v in metrics.items()}}))
         self._maybe_checkpoint()
         if self.max_updates is not None and self.updates >= self.max_updates:

@@ -1,0 +1,98 @@
+"""The off-policy Learner samples one-sidedly once its shards offer it (issue 21): after the first batch
+(through messages, which brings the offer), every batch is drawn from the shards' shared memory in the
+learner's own loop, learned on, and counted at the shards; the run ends at ``max_updates``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reactor import Graph, Input, Output, Reactor, graph_builder, reaction, run, startup
+from reactor.nodes import Replay, StatisticsRequest, Steps, requester_key, shard_key
+from reactor.nodes.learner import Learner
+from reactor.nodes.messages import ReplayControl, ShardStatistics
+from reactor.nodes.train_messages import Report, Weights
+
+FIELDS = [("obs", (4,), "float32"), ("action", (), "int64"), ("reward", (), "float32"), ("terminated", (), "bool")]
+
+
+class Filler(Reactor):
+    placement_role = "actor"
+    steps = Output(Steps)
+
+    @reaction(triggers=[startup], effects=[steps])
+    def fill(self) -> None:
+        rng = np.random.default_rng(0)
+        n = 600  # 30 episodes of 20 steps
+        ends = np.zeros(n, bool)
+        ends[19::20] = True
+        self.steps.send(Steps(0, -1, 0, {"obs": rng.normal(size=(n, 4)).astype(np.float32),
+                                         "action": rng.integers(0, 2, n), "reward": np.ones(n, np.float32),
+                                         "terminated": ends.copy()}, ends, None, np.ones(n)))
+
+
+class Sink(Reactor):
+    weights = Input(Weights)
+    report = Input(Report)
+    statistics = Input(ShardStatistics)
+    control = Output(ReplayControl)
+
+    def __init__(self, out: list) -> None:
+        self.out = out
+
+    @reaction(triggers=[weights])
+    def got_weights(self, weights: Weights) -> None:
+        pass
+
+    @reaction(triggers=[report], effects=[control])
+    def got_report(self, report: Report) -> None:
+        self.out.append(dict(report.values))
+        if report.values["updates"] >= 40:
+            self.control.send(StatisticsRequest())
+
+    @reaction(triggers=[statistics])
+    def got_statistics(self, statistics: ShardStatistics) -> None:
+        self.out.append({"sampled": statistics.sampled})
+
+
+_OUT: list = []
+
+
+@graph_builder
+def _graph() -> Graph:
+    g = Graph()
+    filler = g.add(Filler(), name="filler")
+    replay = g.add(Replay(FIELDS, capacity=2048, read={"type": "WindowRead", "length": 5},
+                          sampler={"type": "prioritized", "alpha": 0.6},
+                          rate_limiter={"type": "MinSize", "min_size": 100}), name="replay")
+    learner = g.add(Learner("transformer_dqn", "CartPole-v1", {"window": 4}, batch_size=16, max_updates=40,
+                            report_every=10), name="learner")
+    sink = g.add(Sink(_OUT), name="sink")
+    g.connect(filler.steps, replay.steps, key=shard_key)
+    g.connect(learner.requests, replay.requests, key=shard_key)
+    g.connect(replay.replies, learner.replies, key=requester_key, delay_s=0.001)
+    g.connect(learner.priorities, replay.updates, key=shard_key)
+    g.connect(learner.weights, sink.weights)
+    g.connect(learner.report, sink.report)
+    g.connect(sink.control, replay.control)
+    g.connect(replay.statistics, sink.statistics, delay_s=0.001)
+    return g
+
+
+@pytest.mark.timeout(120)
+def test_the_learner_draws_its_batches_one_sidedly_once_offered():
+    _OUT.clear()
+    run(_graph(), deterministic=False)
+    reports = [r for r in _OUT if "updates" in r]
+    assert reports and reports[-1]["updates"] == 40
+    assert reports[-1]["one_sided_batches"] >= 38  # all but the first (and one in flight at the switch)
+    sampled = [r["sampled"] for r in _OUT if "sampled" in r]
+    assert sampled and sampled[-1] >= 39 * 16  # the shard counted the one-sided draws from the notices
+
+
+@pytest.mark.timeout(120)
+def test_deterministic_learners_keep_the_message_path():
+    _OUT.clear()
+    run(_graph(), deterministic=True)
+    reports = [r for r in _OUT if "updates" in r]
+    assert reports[-1]["updates"] == 40 and reports[-1]["one_sided_batches"] == 0

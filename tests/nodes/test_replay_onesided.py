@@ -155,3 +155,48 @@ def test_deterministic_runs_keep_the_message_path(tmp_path):
     run(build_graph(APP, cfg), app=APP, config=cfg, deterministic=True)
     with np.load(cfg["out"]) as rec:
         assert not bool(rec["offered"]) and int(rec["one_sided"]) == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_read_servers_sample_op_refuses_malformed_requests_and_keeps_serving(tmp_path):
+    """Requests from the network: a bad n or seed is answered with an error naming it; the server
+    thread survives every one and the next good request is served."""
+    import torch
+
+    from reactor.nodes.replay import REMOTE_SAMPLE_OP
+    from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+    from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample
+    from reactor.transport.bulk import BulkOwner, BulkReader
+
+    owner = await BulkOwner.open("sampleop", backends=["zmq"], zmq_bind=f"ipc://{tmp_path}/s.sock")
+    reader = await BulkReader.open()
+    try:
+        arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
+        st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator("r"), index_arrays=arrays)
+        versions = owner.allocate_versions("r")
+        table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+        pub = SamplingPublisher(table, arrays, read=WindowRead(4))
+        pub.begin()
+        table.insert_nowait({"id": torch.arange(100)}, np.ones(100), episode_end=np.arange(100) % 10 == 9)
+        pub.end()
+        versions.numpy()[:100] = np.arange(100)
+        ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
+        fields = [("id", 8, st._fields["id"].data_ptr())]
+        owner.serve_op(REMOTE_SAMPLE_OP, lambda req, _t: serve_sample(ss, req, versions.numpy(), fields, 1000))
+        region = await reader.attach(owner.descriptor("r"), backend="zmq")
+        for bad, why in (({"n": -1, "seed": 1}, r"n must be an int in \[0, 1000\], got -1"),
+                         ({"n": 10**9, "seed": 1}, r"n must be an int in \[0, 1000\]"),
+                         ({"n": "8", "seed": 1}, r"n must be an int"), ({"n": 8}, r"seed must be an int"),
+                         ({"n": 8, "seed": -5}, r"seed must be an int in \[0, 2\*\*64\)")):
+            with pytest.raises(ValueError, match=why):
+                await reader.call(region, REMOTE_SAMPLE_OP, bad)
+        rep = await reader.call(region, REMOTE_SAMPLE_OP, {"n": 8, "seed": 3})
+        assert rep["n"] == 8 and rep["valid"].all() and rep["size"] == 100
+        ids = rep["data"][0].view(np.int64).reshape(8, 4)
+        np.testing.assert_array_equal(ids[:, 0], rep["keys"])  # each window starts at its item
+        with pytest.raises(ValueError, match=r"^bulk owner: op 'read' is built in or served already$"):
+            owner.serve_op("read", lambda req, t: {})
+    finally:
+        await reader.aclose()
+        await owner.aclose()

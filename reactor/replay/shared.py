@@ -38,6 +38,7 @@ never an out-of-bounds access.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numba
@@ -241,7 +242,30 @@ class SamplingPublisher:
 # -------------------------------------------------------------------------------------- reader side
 
 
-@numba.njit(nogil=True)
+def _drop_stale_kernel_cache() -> None:
+    """Remove this module's numba cache if a module its kernels compile in is newer.
+
+    The reader kernels are cached on disk (compiling them costs ~2 s a process, paid at the first
+    one-sided sample of every learner and read server), but numba's cache notices edits to the
+    kernel's own file only, and these kernels compile in the sum tree's descent and the storage's
+    window copy: a cached copy would keep running an old descent after ``sumtree.py`` changed (the
+    reason ``Table``'s one-call sample is not cached). So a cache file older than any of those
+    modules is removed here, at import, before a kernel is looked up."""
+    here = Path(__file__)
+    deps = (here.with_name("sumtree.py"), here.with_name("storage.py"), here.parent.parent / "_native.py")
+    try:
+        newest = max(p.stat().st_mtime for p in deps)
+        for f in (here.parent / "__pycache__").glob("shared.*.nb[ic]"):
+            if f.stat().st_mtime < newest:
+                f.unlink(missing_ok=True)
+    except OSError:  # a read-only install: its files do not change either
+        pass
+
+
+_drop_stale_kernel_cache()
+
+
+@numba.njit(cache=True, nogil=True)
 def _nb_figures(header: np.ndarray, uniform: bool, sums: np.ndarray, mins: np.ndarray) -> tuple[int, float, float, int]:  # pragma: no cover
     """``(seq, mass, min_weight, size)`` read under the sequence count; seq is -1 if it moved."""
     s1 = header[0]
@@ -261,7 +285,7 @@ def _nb_figures(header: np.ndarray, uniform: bool, sums: np.ndarray, mins: np.nd
     return s1, mass, low, size
 
 
-@numba.njit(nogil=True)
+@numba.njit(cache=True, nogil=True)
 def _nb_draw(
     header: np.ndarray,
     seq: int,
@@ -369,7 +393,7 @@ def _nb_draw(
     return 0
 
 
-@numba.njit(nogil=True)
+@numba.njit(cache=True, nogil=True)
 def _nb_check_versions(versions: np.ndarray, pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, base: np.ndarray,
                        valid: np.ndarray, before: bool) -> None:  # pragma: no cover - jit
     """``valid[j] &= every row of window j holds the step expected`` (version == global step),
@@ -515,7 +539,7 @@ class SharedSampling:
             row_nbytes, dst_addrs, mask, keys, probs, times, valid, _PREFETCH_WINDOWS))
 
 
-@numba.njit(nogil=True)
+@numba.njit(cache=True, nogil=True)
 def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarray, offsets: np.ndarray, arity: int,
                     dense: np.ndarray, times: np.ndarray, uniforms: np.ndarray, step_ep: np.ndarray,
                     ep_start: np.ndarray, ep_len: np.ndarray, length: int, head: bool, versions: np.ndarray,

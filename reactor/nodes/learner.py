@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import PeerLostError
+from .._errors import MalformedFrameError, PeerLostError
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._registry import denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
@@ -320,7 +320,7 @@ class Learner(_LearnerBase):
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
                                    timeout_s=self.sample_timeout_s, remote_reads="auto",
-                                   curve=self.process_link.curve)
+                                   curve=self.process_link.curve, one_sided=not self.deterministic)
         if self.bank_index == 0:
             self.weights.send(self._weights())
         for _ in range(self.prefetch):
@@ -360,20 +360,28 @@ class Learner(_LearnerBase):
         message to a shard's loop), and learned on at the next microstep. When that is not possible
         now, the next sample goes through messages again."""
         client = self.client
-        if not client.can_sample_one_sided or client.in_flight or self._due:
+        if client.in_flight or self._due or not client.live_shards:
+            return  # a sample is coming (or every shard is down: shards_changed samples when one is back)
+        remaining = None if self.max_updates is None else self.max_updates - self.updates
+        if remaining is not None and remaining <= 0:
             return
-        if self.max_updates is not None and self.updates >= self.max_updates:
+        batch = None
+        if client.can_sample_one_sided:
+            try:
+                batch, notices = await client.asample_now(self.batch_size)
+            except (PeerLostError, MalformedFrameError, ValueError) as e:  # a shard died or its server refused:
+                logging.getLogger("reactor.learner").warning(
+                    "%s: a one-sided sample failed (%s); sampling through messages", self.name, e)
+                notices = []  # the runtime's peer_lost follows for a shard that died
+            for m in notices:
+                self.priorities.send(m)
+        if batch is not None:
+            self._due += 1
+            self.update_due.schedule(batch)
             return
-        batch, notices = await client.asample_now(self.batch_size)
-        for m in notices:
-            self.priorities.send(m)
-        if batch is None:
-            for _ in range(self.prefetch):
-                for r in client.request(self.batch_size):
-                    self.requests.send(r)
-            return
-        self._due += 1
-        self.update_due.schedule(batch)
+        for _ in range(self.prefetch if remaining is None else min(self.prefetch, remaining)):
+            for r in client.request(self.batch_size):
+                self.requests.send(r)
 
     @reaction(triggers=[peer_lost, peer_restarted], effects=[requests])
     def shards_changed(self) -> None:

@@ -526,11 +526,16 @@ class Replay(Reactor):
         assert shared is not None and owner is not None and self._publisher is not None
         ss = SharedSampling(self._publisher.descriptor(), {n: shared.get(n) for n in shared.layout()})
         versions = self._versions.numpy()  # type: ignore[union-attr]
-        item_nbytes = max(1, sum(s.step_nbytes for s in self.specs)) * max(1, ss.window) + 64
-        max_items = min(64 * self.capacity, _REMOTE_SAMPLE_NBYTES // item_nbytes)
+        # Per item: its rows and mask, keys, probabilities, times, valid flag.
+        item_nbytes = (max(1, sum(s.step_nbytes for s in self.specs)) + 1) * max(1, ss.window) + 32
+        max_items = max(1, min(64 * self.capacity, _REMOTE_SAMPLE_NBYTES // item_nbytes))
+        data_region = self._region
         fields: list[tuple[str, int, int]] = []
 
         def sample(request: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+            if request.get("region") != data_region:  # (the server looked up whichever region it names)
+                raise ValueError(f"{REMOTE_SAMPLE_OP} samples region {data_region!r} only, not "
+                                 f"{request.get('region')!r:.80}")
             if not fields:
                 fields.extend((n, t[0].numel() * t.element_size(), t.data_ptr()) for n, t in tensors.items()
                               if n != _bulk.VERSION_FIELD)
@@ -539,12 +544,13 @@ class Replay(Reactor):
             return reply
 
         owner.serve_op(REMOTE_SAMPLE_OP, sample)
-        self._remote_sampling = {"table": self._sampling["table"], "op": REMOTE_SAMPLE_OP}  # type: ignore[index]
+        self._remote_sampling = {"table": self._sampling["table"], "op": REMOTE_SAMPLE_OP,  # type: ignore[index]
+                                 "max_items": max_items}
 
     def _shared_arrays(self, sampler: Selector, limiter: RateLimiter) -> SharedArrays | None:
         """Memory for the table's sampling state in a region of the bulk owner (one segment per
         array), if requesters may sample this table one-sidedly; else None (and why, logged)."""
-        why = why_not_shared(sampler, self.read, self.max_times_sampled, limiter)
+        why = why_not_shared(sampler, self.read, self.max_times_sampled, limiter, capacity=self.capacity)
         if why:
             log.info("%s: requesters sample through messages, not one-sidedly: %s", self.name, why)
             return None
@@ -818,7 +824,7 @@ class Replay(Reactor):
 
     @reaction(triggers=[updates], effects=[replies, acks])
     def update_items(self, updates: ItemUpdate) -> None:
-        if isinstance(updates, SampledKeys):  # times sampled and counters only: nothing a draw reads
+        if isinstance(updates, SampledKeys):  # times sampled (a draw reports them, atomic words) and counters
             self._update_items(updates)
         else:
             with self._changing():
@@ -852,7 +858,9 @@ class Replay(Reactor):
                 self._progress()
             elif isinstance(updates, SampledKeys):
                 table.note_sampled(local)
-                self._progress()
+                if self._parked_steps or self._parked_requests:  # (never with MinSize; bracketed anyway)
+                    with self._changing():
+                        self._progress()
             else:
                 raise TypeError(f"unknown update type {type(updates).__name__}")
         except (KeyError, TypeError, ValueError) as e:

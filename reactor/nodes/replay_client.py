@@ -22,6 +22,7 @@ import torch
 from .._errors import MalformedFrameError, PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
+from ..replay.shared import EMPTY as _EMPTY
 from ..replay.shared import OK as _OK
 from ..replay.shared import SharedSampling
 from ..transport import _gather as _gatherk
@@ -489,7 +490,9 @@ class ReplayClient:
             if (isinstance(table, dict) and sampling.get("op") == "replay_sample"
                     and isinstance(table.get("window"), int) and isinstance(table.get("beta"), float)
                     and table.get("pad") in ("head", "tail", "")):
-                self._remote_shared[shard] = _RemoteShard(data_region, int(table["window"]), float(table["beta"]))
+                max_items = sampling.get("max_items")
+                self._remote_shared[shard] = _RemoteShard(data_region, int(table["window"]), float(table["beta"]),
+                                                          max_items if type(max_items) is int else 1)
             return
         try:
             if not isinstance(sampling, dict) or not isinstance(sampling.get("table"), dict):
@@ -567,6 +570,8 @@ class ReplayClient:
         seeds = self.rng.integers(0, 2**63, size=len(live)).tolist()
         local = [(k, c) for k, c in zip(live, counts) if k in self._shared and c]
         remote = [(k, c, sd) for k, c, sd in zip(live, counts, seeds) if k in self._remote_shared]
+        if any(c > self._remote_shared[k].max_items for k, c, _sd in remote):
+            return None, []  # more than a server sends in one reply (long windows of big steps): messages
         replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, "replay_sample",
                                                            {"n": c, "seed": sd}) for k, c, sd in remote),
                                        return_exceptions=True)
@@ -712,6 +717,13 @@ class ReplayClient:
         live = self.live_shards
         return self.one_sided and bool(live) and all(k in self._shared for k in live)
 
+    def _forget_sampling(self, shard: int) -> None:
+        """Drop a shard's one-sided offer and unmap its sampling region (its successor offers anew)."""
+        self._remote_shared.pop(shard, None)
+        sh = self._shared.pop(shard, None)
+        if sh is not None and self._reader is not None and sh.region in self._reader.regions:
+            self._reader.detach(sh.region)
+
     def sample_now(self, n: int) -> tuple[SampledBatch | None, list[SampledKeys]]:
         """Draw ``n`` items now from the shards' shared memory, with no message to any shard (GEAR's
         one-sided sampling); or ``(None, [])`` when that is not possible now: then sample with
@@ -724,12 +736,15 @@ class ReplayClient:
         live shard holds at least its rate limiter's min size (below it, :meth:`request` parks as
         the shards do).
 
-        The draw is the exact two-stage one: the shards' masses are read at one moment each, the
-        per-shard counts drawn from them, and each shard's items drawn from the state its mass came
-        from (a shard that changed in between makes the whole draw start again; a shard in the
-        middle of a change is waited for; after ~5 ms of such retries the call gives up and returns
-        ``(None, [])``). So ``P(i) = w_i / sum of the masses`` and the
-        importance weights are a single table's. What the state may lack: writes the shards have
+        The draw is the two-stage one: the shards' masses are read (each at one moment, under its
+        sequence count), the per-shard counts drawn from them, and each shard's items drawn from the
+        state its mass came from: then ``P(i) = w_i / sum of the masses`` and the importance weights
+        are a single table's. A shard that changed between its figures and its draw draws its
+        count again on its new state, and its items report what they were drawn with,
+        ``P(i) = (M_s / M) * q_i`` (the one-round message sample's rule: exact as drawn; restarting
+        the whole draw instead would favour the counts that finish before a busy shard changes). A
+        shard in the middle of a change is waited for; after ~5 ms the call gives up and returns
+        ``(None, notices of the draws made)``. What the state may lack: writes the shards have
         not applied yet (updates in flight, see :mod:`reactor.replay.shared`). Items whose rows the
         ring overwrote during the copy are dropped (``dropped_items``), as in a gathered message
         sample.
@@ -763,50 +778,62 @@ class ReplayClient:
         q = np.empty(n, dtype=np.float64)
         times = np.empty(n, dtype=np.int64)
         valid = np.empty(n, dtype=np.bool_)
-        deadline = 0.0
-        while True:
-            figs = [sh.table.figures() for sh in shards]
-            if any(f[0] < 0 for f in figs):  # a shard is mid-change (tens of microseconds)
-                if not self._retry_one_sided(deadline):
-                    return None, []
-                deadline = deadline or time.perf_counter() + _ONE_SIDED_PATIENCE_S
+        deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
+        figs = [self._stable_figures(sh, deadline) for sh in shards]
+        if any(f is None for f in figs):
+            return None, []  # a shard kept changing: sample through messages
+        if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):  # type: ignore[index]
+            return None, []  # below a shard's min size: its request parks until it is ready
+        masses = np.array([f[1] for f in figs], dtype=np.float64)  # type: ignore[index]
+        total = float(masses.sum())
+        if not total > 0:
+            return None, []  # every priority is 0: the message path says so
+        shares = masses / total
+        counts = self.rng.multinomial(n, shares)
+        used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
+        a = 0
+        drawn: list[tuple[int, int, int, float]] = []  # (shard, a, b, its share of the counts)
+        for i, (k, sh, c) in enumerate(zip(live, shards, counts.tolist())):
+            if c == 0:
                 continue
-            if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):
-                return None, []  # below a shard's min size: its request parks until it is ready
-            masses = np.array([f[1] for f in figs], dtype=np.float64)
-            total = float(masses.sum())
-            if not total > 0:
-                return None, []  # every priority is 0: the message path says so
-            counts = self.rng.multinomial(n, masses / total)
-            a = 0
-            drawn: list[tuple[int, int, int, float]] = []  # (shard, a, b, its mass share)
-            for k, sh, f, c in zip(live, shards, figs, counts.tolist()):
-                if c == 0:
-                    continue
-                b = a + c
-                status = sh.table.sample_into(f[0], self.rng.random(c), sh.versions, sh.src_addrs, sh.row_nbytes,
+            b = a + c
+            uniforms = self.rng.random(c)
+            f = used[i]
+            while True:  # a shard that changed since its figures: its own draw again, on its new state
+                status = sh.table.sample_into(f[0], uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
                                               bases + a * item_nbytes, mask[a:b], local[a:b], q[a:b], times[a:b],
                                               valid[a:b])
-                if status != _OK:
+                if status == _OK:
                     break
-                drawn.append((k, a, b, f[1] / total))
-                a = b
-            else:
-                return self._finish_one_sided(n, drawn, figs, total, shards, out, mask, local, q, times, valid)
-            if not self._retry_one_sided(deadline):
-                return None, []
-            deadline = deadline or time.perf_counter() + _ONE_SIDED_PATIENCE_S
+                self.one_sided_retries += 1
+                g = self._stable_figures(sh, deadline) if status != _EMPTY else None
+                if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
+                    return None, self._notices(drawn, local)
+                f = g
+            used[i] = f
+            drawn.append((k, a, b, float(shares[i])))
+            a = b
+        return self._finish_one_sided(n, drawn, used, shares, shards, out, mask, local, q, times, valid)
 
-    def _retry_one_sided(self, deadline: float) -> bool:
-        """Count a retry; False once the deadline (0: not set yet) has passed."""
-        self.one_sided_retries += 1
-        if deadline and time.perf_counter() > deadline:
-            return False
-        time.sleep(0)  # let the shard's process (maybe on this core) finish its change
-        return True
+    def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:
+        """A shard's figures under a stable sequence count, waiting out a change in progress (tens of
+        microseconds); None after ``deadline``."""
+        while True:
+            f = sh.table.figures()
+            if f[0] >= 0:
+                return f
+            self.one_sided_retries += 1
+            if time.perf_counter() > deadline:
+                return None
+            time.sleep(0)  # let the shard's process (maybe on this core) finish its change
+
+    @staticmethod
+    def _notices(drawn: list[tuple[int, int, int, float]], local: np.ndarray) -> list[SampledKeys]:
+        """The shards' notices of the draws made (also of a sample given up half-way)."""
+        return [SampledKeys(k, make_keys(k, local[a:b])) for k, a, b, _share in drawn]
 
     def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int, float]],
-                          figs: list[tuple[int, float, float, int]], total: float, shards: list[_SharedShard],
+                          figs: list[tuple[int, float, float, int]], shares: np.ndarray, shards: list[_SharedShard],
                           out: dict[str, torch.Tensor], mask: np.ndarray, local: np.ndarray, q: np.ndarray,
                           times: np.ndarray, valid: np.ndarray) -> tuple[SampledBatch, list[SampledKeys]]:
         """Keys, probabilities and weights of the drawn items, their notices, the batch."""
@@ -821,14 +848,17 @@ class ReplayClient:
         keys = np.empty(n, dtype=np.int64)
         probs = np.empty(n, dtype=np.float64)
         notices = []
-        for k, a, b, share in drawn:  # P(i) = (M_s / M) * q_i = w_i / M
+        # P(i) = share_s * q_i, what the item was drawn with: (M_s / M) * (w_i / M_s) = w_i / M when the
+        # shard did not change between its figures and its draw (else q_i is on its new state).
+        for k, a, b, share in drawn:
             keys[a:b] = make_keys(k, local[a:b])
             probs[a:b] = q[a:b] * share
             notices.append(SampledKeys(k, keys[a:b]))
-        # IS weight (P(i) / min_j P(j))^-beta, the minimum over every live shard's items.
-        lows = [f[2] for f in figs if f[1] > 0 and 0 < f[2] < math.inf]
+        # IS weight (P(i) / min_j P(j))^-beta, the least likely item of every live shard: share * min / mass.
+        lows = [sh_share * f[2] / f[1] for sh_share, f in zip(shares.tolist(), figs)
+                if sh_share > 0 and f[1] > 0 and 0 < f[2] < math.inf]
         beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
-        min_p = min(lows) / total if lows else math.inf
+        min_p = min(lows) if lows else math.inf
         if beta == 0.0 or not (0 < min_p < math.inf):
             weights = np.ones(n, dtype=np.float32)
         else:
@@ -1003,8 +1033,7 @@ class ReplayClient:
         self.lost[shard] = why
         self._figures.pop(shard, None)
         self._regions.pop(shard, None)  # its successor owns regions of another generation
-        self._shared.pop(shard, None)
-        self._remote_shared.pop(shard, None)
+        self._forget_sampling(shard)
         self._inline.discard(shard)
         log.warning("replay client %s: shard %d is down (%s); sampling from the others", self.requester, shard, why)
         live = self.live_shards
@@ -1025,8 +1054,7 @@ class ReplayClient:
         self.lost.pop(shard, None)
         self._figures.pop(shard, None)  # the cached masses are a past life's: one mass round first
         self._regions.pop(shard, None)
-        self._shared.pop(shard, None)
-        self._remote_shared.pop(shard, None)
+        self._forget_sampling(shard)
 
     def _redraw_without_lost(self, live: list[int]) -> list[ReplayRequest]:
         """Samples in flight drop what they asked of lost shards and draw it again from ``live``."""
@@ -1100,7 +1128,7 @@ class ReplayClient:
         return out
 
 
-_ONE_SIDED_PATIENCE_S = 0.005  # retries of sample_now before it leaves the sample to the message path
+_ONE_SIDED_PATIENCE_S = 0.005  # how long sample_now waits out shards' changes before it leaves the sample to messages
 
 
 @dataclass
@@ -1110,6 +1138,7 @@ class _RemoteShard:
     data_region: str
     window: int
     beta: float
+    max_items: int  # the most items its server draws in one reply
 
 
 @dataclass

@@ -4,7 +4,8 @@ GEAR's promise is that a learner samples where the data lives without the owner'
 :class:`~reactor.replay.Table` whose sampler is :class:`~reactor.replay.Uniform` or
 :class:`~reactor.replay.Prioritized` keeps everything a draw needs in a few flat arrays: the sum and
 min trees (or the dense list of present slots), the storage's episode index, the times-sampled
-column, and five integers (first and next stored step, first episode, size, a sequence count). Given
+column, and a header of six integers (a sequence count, first and next stored step, first episode,
+size, a count of changes). Given
 memory that other processes can map (:class:`SharedArrays`, over any allocator: the replay shard
 uses its bulk owner's shared-memory segments), the table keeps those arrays *there*, and a reader
 draws items, plans windows and copies rows by itself.
@@ -114,7 +115,8 @@ def shareable(table: Any) -> str:
                           table._storage.device.type)
 
 
-def why_not_shared(sampler: Any, read: Any, max_times_sampled: int, limiter: Any, device: str = "cpu") -> str:
+def why_not_shared(sampler: Any, read: Any, max_times_sampled: int, limiter: Any, device: str = "cpu",
+                   capacity: int | None = None) -> str:
     """Why a table of these parts cannot be sampled one-sidedly, or ``""`` if it can.
 
     A one-sided draw is the table's own draw only if the sampler's state is all in the published
@@ -136,6 +138,8 @@ def why_not_shared(sampler: Any, read: Any, max_times_sampled: int, limiter: Any
         return f"its rate limiter is {type(limiter).__name__} (one-sided: MinSize)"
     if device != "cpu":
         return f"its storage is on {device}"
+    if capacity is not None and isinstance(read, WindowRead) and read.length > capacity:
+        return f"its windows ({read.length} steps) are longer than its storage ({capacity} steps)"
     return ""
 
 
@@ -179,7 +183,7 @@ class SamplingPublisher:
     def __init__(self, table: Any, arrays: SharedArrays, *, read: Any = None) -> None:
         self.read = table._read if read is None else read
         why = why_not_shared(table._sampler, self.read, table._max_times_sampled, table._limiter,
-                             table._storage.device.type)
+                             table._storage.device.type, table._storage.capacity)
         if why:
             raise ValueError(f"table {table.name!r} cannot be sampled one-sidedly: {why}")
         self.table = table
@@ -250,7 +254,9 @@ def _drop_stale_kernel_cache() -> None:
     kernel's own file only, and these kernels compile in the sum tree's descent and the storage's
     window copy: a cached copy would keep running an old descent after ``sumtree.py`` changed (the
     reason ``Table``'s one-call sample is not cached). So a cache file older than any of those
-    modules is removed here, at import, before a kernel is looked up."""
+    modules is removed here, at import, before a kernel is looked up. Only numba's default place
+    (``__pycache__`` beside this file) is checked: with ``NUMBA_CACHE_DIR`` set, clear that directory
+    after editing those modules."""
     here = Path(__file__)
     deps = (here.with_name("sumtree.py"), here.with_name("storage.py"), here.parent.parent / "_native.py")
     try:
@@ -372,7 +378,7 @@ def _nb_draw(
             e = lo[j]
             start = ep_start[e]
             elen = ep_len[e]
-            if start > s or start + elen <= s or start < first_step:
+            if start > s or start + elen <= s or start < first_step or start + elen > next_step:
                 return 1
             if head:
                 base = s - (length - 1)
@@ -410,9 +416,7 @@ def _nb_check_versions(versions: np.ndarray, pos: np.ndarray, lo: np.ndarray, hi
             prefetch(versions.ctypes.data + ((pos[k] + lo[k]) % cap) * 8)
         if not valid[j]:
             continue
-        r = pos[j] + lo[j]
-        if r >= cap:
-            r -= cap
+        r = (pos[j] + lo[j]) % cap
         want = base[j] + lo[j]
         for _ in range(hi[j] - lo[j]):
             if versions[r] != want:
@@ -449,6 +453,8 @@ class SharedSampling:
             raise ValueError(f"one-sided sampling descriptor: bad sampler, capacity or window: {d!r:.200}")
         if d["sampler"] == "prioritized" and d["arity"] < 2:
             raise ValueError(f"one-sided sampling descriptor: arity {d['arity']} < 2")
+        if d["window"] > d["capacity"]:
+            raise ValueError(f"one-sided sampling descriptor: window {d['window']} > capacity {d['capacity']}")
         self.uniform = d["sampler"] == "uniform"
         self.capacity = cap = d["capacity"]
         self.window = d["window"]

@@ -253,6 +253,10 @@ def _descend(
     prefetched before the group scans that level, so below the cached top levels the group's misses
     are in flight together. Inlined into its callers so that a constant ``arity`` unrolls the scan
     (``_nb_descend``: about 2x the generic scan's speed at the default arity).
+
+    A node whose children would lie past its level (only a corrupt tree can lead there: a padding
+    child is 0 and never taken) ends its query with index -1 and probability 0; callers that read
+    trees from memory they do not own check for it (``reactor.replay.shared``).
     """
     depth = offsets.shape[0] - 2
     n = uniforms.shape[0]
@@ -272,8 +276,13 @@ def _descend(
                 for q in range(gn):
                     prefetch(sums.ctypes.data + (base + node[q] * arity) * 8)
             for q in range(gn):
+                if node[q] < 0:
+                    continue
                 u = us[q]
                 c0 = base + node[q] * arity
+                if c0 + arity > offsets[level + 1]:  # a padding child was taken: a corrupt tree only
+                    node[q] = -1  # (memory another process writes, reactor.replay.shared): no wild read
+                    continue
                 acc = 0.0
                 before = 0.0
                 chosen = 0
@@ -294,7 +303,7 @@ def _descend(
         leaf0 = offsets[depth]
         for q in range(gn):
             out_idx[g0 + q] = node[q]
-            out_prob[g0 + q] = sums[leaf0 + node[q]] / total
+            out_prob[g0 + q] = sums[leaf0 + node[q]] / total if node[q] >= 0 else 0.0
 
 
 @numba.njit(cache=True, nogil=True)

@@ -165,29 +165,74 @@ def test_tables_the_owner_must_decide_for_are_refused_with_the_reason():
         SamplingPublisher(t, arrays)
 
 
-def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access():
-    """A torn or corrupt state (here: random words written over every array) makes draws answer
-    MOVED or EMPTY, or OK with every index inside the arrays; the process never faults."""
+@pytest.mark.parametrize("sampler", [Prioritized(0.6), Uniform()], ids=["prioritized", "uniform"])
+def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access(sampler):
+    """A torn or corrupt state (random words over every array the reader reads: the index, the
+    times, the header, the tree's sums and minima with padding, NaN and negative values, or the dense
+    list) makes draws answer MOVED or EMPTY, or OK with every index inside the arrays; the reader
+    never reads outside them (a capacity of 600 leaves padding in every level of an 8-ary tree,
+    where a corrupt descent could wander; numba checks no bounds, so a wild read would fault or
+    return nonsense positions, which the asserts catch), and the copy into the batch stays in it."""
+    cap = 600
     arrays = _plain_arrays()
-    table = _table(Prioritized(0.6), WindowRead(8), arrays)
+    table = _table(sampler, WindowRead(8, "head"), arrays, cap=cap)
     pub = SamplingPublisher(table, arrays)
     _fill(table, pub, np.random.default_rng(4), 40)
     rng = np.random.default_rng(5)
     outcomes = set()
-    for trial in range(300):
-        for name in ("step_ep", "ep_start", "ep_len", "times"):
-            a = arrays.get(name)
-            a[:] = rng.integers(-(2**62), 2**62, size=a.shape) if trial % 2 else rng.integers(-3, 3 * CAP, a.shape)
+    out = torch.zeros((32, 8), dtype=torch.int64)
+    ring = table.storage._fields["id"]
+    for trial in range(400):
+        for name in ("step_ep", "ep_start", "ep_len", "times", "dense"):
+            if name in arrays.layout():
+                a = arrays.get(name)
+                a[:] = rng.integers(-(2**62), 2**62, size=a.shape) if trial % 2 else rng.integers(-3, 3 * cap, a.shape)
+        if "sums" in arrays.layout():
+            for name in ("sums", "mins"):
+                a = arrays.get(name)
+                a[:] = rng.choice([np.nan, -1.0, 0.0, 1e300, 3.0], size=a.shape) * rng.random(a.shape)
         h = arrays.get("header")
-        h[1:5] = rng.integers(-5, 3 * CAP, size=4)
+        h[1:5] = rng.integers(-5, 3 * cap, size=4)
         h[0] = 2 * int(rng.integers(0, 100))
         ss = _reader(pub, arrays)
         status, plan = ss.draw(int(h[0]), rng.random(32))
         outcomes.add(status)
         if status == OK:
-            assert ((plan["pos"] >= 0) & (plan["pos"] < CAP)).all()
+            assert ((plan["pos"] >= 0) & (plan["pos"] < cap)).all()
             assert ((plan["lo"] >= 0) & (plan["lo"] < plan["hi"]) & (plan["hi"] <= 8)).all()
+            ss.copy_windows(plan, np.full(cap, -1, np.int64), np.array([ring.data_ptr()], np.int64),
+                            np.array([8], np.int64), np.array([out.data_ptr()], np.int64), np.empty((32, 8), bool))
     assert MOVED in outcomes
+
+
+def test_windows_as_long_as_the_ring_are_sampled_and_longer_ones_are_refused():
+    """A head-padded window of the whole ring wraps around it (the version check too); a window
+    longer than the ring cannot be planned one-sidedly and the table is not offered."""
+    arrays = _plain_arrays()
+    table = _table(Prioritized(1.0), WindowRead(16, "head"), arrays, cap=16)
+    pub = SamplingPublisher(table, arrays)
+    for first in range(0, 40, 8):  # five 8-step episodes into a 16-step ring: it wraps twice
+        pub.begin()
+        table.insert_nowait({"id": torch.arange(first, first + 8), "x": torch.zeros(8, 2)}, np.ones(8),
+                            episode_end=True)
+        pub.end()
+    ss = _reader(pub, arrays)
+    status, plan = ss.draw(ss.figures()[0], np.linspace(0.01, 0.99, 8))
+    assert status == OK
+    lo, hi = table.storage.step_range
+    versions = np.full(16, -1, np.int64)
+    versions[np.arange(lo, hi) % 16] = np.arange(lo, hi)
+    out = torch.zeros((8, 16), dtype=torch.int64)
+    mask = np.empty((8, 16), bool)
+    valid = ss.copy_windows(plan, versions, np.array([table.storage._fields["id"].data_ptr()], np.int64),
+                            np.array([8], np.int64), np.array([out.data_ptr()], np.int64), mask)
+    assert valid.all()
+    ref = table.storage.read_windows(plan["keys"], 16, "head")
+    assert torch.equal(out, ref["id"]) and np.array_equal(mask, ref["mask"].numpy())
+    arrays = _plain_arrays()
+    longer = _table(Prioritized(1.0), WindowRead(17), arrays, cap=16)
+    with pytest.raises(ValueError, match=r"its windows \(17 steps\) are longer than its storage \(16 steps\)$"):
+        SamplingPublisher(longer, arrays)
 
 
 def test_a_corrupt_or_mismatched_descriptor_is_refused_by_name():

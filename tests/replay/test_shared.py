@@ -16,8 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, SampleToInsertRatio, StepRead, Storage, Table
-from reactor.replay import Uniform, WindowRead
+from reactor.replay import (
+    FieldSpec,
+    Fifo,
+    MinSize,
+    Prioritized,
+    SampleToInsertRatio,
+    StepRead,
+    Storage,
+    Table,
+    Uniform,
+    WindowRead,
+)
 from reactor.replay.shared import EMPTY, MOVED, OK, SamplingPublisher, SharedArrays, SharedSampling
 
 CAP = 512

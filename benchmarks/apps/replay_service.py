@@ -276,14 +276,14 @@ class Bench(Reactor):
                 return
         self._finish()
 
-    def _local_sample(self, calls: int, keep: bool) -> None:
-        """One-sided samples (ReplayClient.sample_now: no message to any shard), one after another."""
-        client = self.clients["shm"]
+    async def _one_sided_block(self, client: ReplayClient, calls: int) -> tuple[float, float, int, list[float]]:
+        """``calls`` one-sided samples one after another: (s per batch, items per batch drawn, fallbacks,
+        the per-batch parts: zeros for the message stages, wall s, CPU s, context switches)."""
         ru = resource.getrusage(resource.RUSAGE_SELF)
         c0, items, fallbacks = time.process_time(), 0, 0
         t0 = time.perf_counter()
         for _ in range(calls):
-            batch, notices = client.sample_now(self.batch)
+            batch, notices = await client.asample_now(self.batch)  # (shards of this host: sample_now)
             for m in notices:
                 self.updates.send(m)
             if batch is None:
@@ -292,36 +292,26 @@ class Bench(Reactor):
                 items += len(batch.keys)
         dt = time.perf_counter() - t0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        parts = [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls, (ru1.ru_nvcsw - ru.ru_nvcsw) / calls,
+                 (ru1.ru_nivcsw - ru.ru_nivcsw) / calls]
+        got = calls - fallbacks
+        return dt / calls, items / got if got else 0.0, fallbacks, parts
+
+    def _local_sample(self, calls: int, keep: bool) -> None:
+        """One-sided samples (ReplayClient.sample_now: no message to any shard), one after another."""
+        s, items, fallbacks, parts = _at_once(self._one_sided_block(self.clients["shm"], calls))
         if keep:
             self._record("local_fallbacks", fallbacks)
-            if fallbacks < calls:
-                self._keep("local", dt / calls, items / calls,
-                           [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls,
-                            (ru1.ru_nvcsw - ru.ru_nvcsw) / calls, (ru1.ru_nivcsw - ru.ru_nivcsw) / calls])
-            self.results["local_retries"] = client.one_sided_retries
+            if items:
+                self._keep("local", s, items, parts)
+            self.results["local_retries"] = self.clients["shm"].one_sided_retries
 
     async def _remote_sample(self, calls: int, keep: bool) -> None:
         """Replica 1: one-sided samples through the shards' bulk read servers (ReplayClient.asample_now:
         one request per shard, drawn by its server thread), one after another; reported to replica 0."""
-        client = self.clients["onesided"]
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        c0, items, fallbacks = time.process_time(), 0, 0
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            batch, notices = await client.asample_now(self.batch)
-            for m in notices:
-                self.updates.send(m)
-            if batch is None:
-                fallbacks += 1
-            else:
-                items += len(batch.keys)
-        dt = time.perf_counter() - t0
-        ru1 = resource.getrusage(resource.RUSAGE_SELF)
-        got = calls - fallbacks
-        parts = [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls, (ru1.ru_nvcsw - ru.ru_nvcsw) / calls,
-                 (ru1.ru_nivcsw - ru.ru_nivcsw) / calls]
-        self.cmd.send({"to": 0, "op": "sampled", "key": "remote", "s": dt / calls, "items": items / max(got, 1)
-                       if got else 0, "keep": keep, "parts": parts, "fallbacks": fallbacks})
+        s, items, fallbacks, parts = await self._one_sided_block(self.clients["onesided"], calls)
+        self.cmd.send({"to": 0, "op": "sampled", "key": "remote", "s": s, "items": items, "keep": keep,
+                       "parts": parts, "fallbacks": fallbacks})
 
     # ------------------------------------------------------------------ inserts
 
@@ -479,6 +469,16 @@ class Bench(Reactor):
             with open(self.cfg["report"], "w") as f:
                 json.dump(self.results, f)
         self.request_stop()
+
+
+def _at_once(coro):  # noqa: ANN001, ANN202
+    """Run a coroutine that never waits (one-sided samples of shards on this host) from sync code."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a one-sided sample of this host's shards waited")
 
 
 def _to(message: dict) -> int:

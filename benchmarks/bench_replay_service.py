@@ -168,6 +168,85 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.section:<12} {r.case:<10} {r.ours:>12,.2f} {r.peer:>12,.2f} {r.unit:<8} {r.ratio:>9.2f}  {r.peer_name}")
 
 
+# ---------------------------------------------------------------- Reverb peer (self-contained)
+# DeepMind Reverb doing the same workload, run by benchmarks/peers/reverb_peer.py in Reverb's own venv
+# (scripts/setup_reverb_peer.sh makes .venv-reverb: TensorFlow 2.15, numpy < 2), after our run, in a
+# subprocess: its server in a process of its own on localhost gRPC, one TrajectoryWriter per env stream,
+# sampled through reverb.TrajectoryDataset(...).batch(batch) (see the script's docstring).
+
+REVERB_PY = Path(__file__).resolve().parents[1] / ".venv-reverb" / "bin" / "python"
+REVERB_PEER = Path(__file__).resolve().parent / "peers" / "reverb_peer.py"
+
+
+def reverb_figures(python: str, cfg: dict, quick: bool) -> dict | None:
+    """Run the Reverb peer with our capacity, batch, window, writers and envs; its JSON, or None."""
+    import subprocess
+
+    if not Path(python).exists():
+        print(f"Reverb peer skipped: no {python} (make it with: bash scripts/setup_reverb_peer.sh)")
+        return None
+    env = {k: v for k, v in os.environ.items()  # Reverb keeps its own thread counts (we pin ours)
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    with tempfile.TemporaryDirectory(prefix="bench-replay-reverb-") as tmp:
+        out = os.path.join(tmp, "reverb.json")
+        cmd = [python, str(REVERB_PEER), "--json", out, "--capacity", str(cfg["capacity"]),
+               "--batch", str(cfg["batch"]), "--window", str(cfg["window"]), "--writers", str(cfg["writers"]),
+               "--envs", str(cfg["envs"]), "--reps", str(cfg["reps"]), "--calls", str(cfg["calls"])]
+        print(f"Reverb peer: running {os.path.relpath(REVERB_PEER)} {' '.join(cmd[4:])} ...", flush=True)
+        try:
+            proc = subprocess.run(cmd + (["--quick"] if quick else []), env=env, capture_output=True, text=True,
+                                  timeout=900)
+        except subprocess.TimeoutExpired:
+            print("Reverb peer: no result within 900 s; skipped")
+            return None
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"Reverb peer failed (exit {proc.returncode}); its last output:\n{proc.stderr[-2000:]}")
+            return None
+        with open(out) as f:
+            return json.load(f)
+
+
+def reverb_rows(rep: dict, cfg: dict, peer: dict) -> list[Row]:
+    """Ours / Reverb: sampling one batch in flight (1-sided: from the shards' published trees, on their host
+    or through their read servers; shm: gathered after a message round; tcp: windows in the replies) against
+    Reverb's TrajectoryDataset batches, and inserts (steps/s) against Reverb's TrajectoryWriters."""
+    sample = peer["sample_dataset"]["batches_per_s"]
+    out = [Row(label, case_of(key, cfg), 1 / med(rep[key]), sample, "reverb", "batch/s")
+           for key, label in (("local", "1-sided shm"), ("remote", "1-sided tcp"), ("shm", "sample shm"),
+                              ("msg", "sample tcp")) if rep.get(key)]
+    for key, peer_key, label in (("insert", "insert", "insert"), ("insert_cold", "insert_cold", "first fill")):
+        if rep.get(key) and peer.get(peer_key):
+            ours = med([r["appended"] / r["s"] for r in rep[key]])
+            out.append(Row(label, f"{cfg['writers']} writers", ours, peer[peer_key]["steps_per_s"], "reverb", "step/s"))
+    return out
+
+
+def print_reverb(rep: dict, cfg: dict, python: str, quick: bool) -> None:
+    if python.lower() == "none":
+        return
+    peer = reverb_figures(python, cfg, quick)
+    if peer is None:
+        return
+    v, c, t = peer["versions"], peer["config"], peer["table_after_fill"]
+    fill, ins = peer["insert_cold"], peer.get("insert")
+    print(f"Reverb peer: dm-reverb {v['dm-reverb']}, tensorflow {v['tensorflow']}, numpy {v['numpy']}; server in its "
+          f"own process (localhost gRPC), table Prioritized(0.6)/Fifo/MinSize(1) of {t['max_size']} items "
+          f"({c['window']}-step windows, one per step past an episode's first {c['window'] - 1}); "
+          f"{c['writers']} writer processes x {c['envs']} TrajectoryWriters; medians of {c['reps']} reps x "
+          f"{c['calls']} batches of {c['batch']}")
+    print(f"  sample: TrajectoryDataset.batch {peer['sample_dataset']['batches_per_s']:.1f} batch/s, "
+          f"+ prefetch {peer['sample_dataset_prefetch']['batches_per_s']:.1f} batch/s"
+          + (f", Client.sample + np.stack {peer['sample_client_sample']['batches_per_s']:.1f} batch/s"
+             if "sample_client_sample" in peer else "")
+          + f"; insert: first fill {fill['steps_per_s']:,.0f} steps/s ({fill['steps']} steps, {fill['s']:.0f} s)"
+          + (f", into the full table {ins['steps_per_s']:,.0f} steps/s ({ins['steps']} steps)" if ins else "")
+          + f"; peer run {peer['wall_s']:.0f} s")
+    print_table(reverb_rows(rep, cfg, peer))
+
+
+# ---------------------------------------------------------------- end of the Reverb peer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a 256K-step table and fewer repetitions (well under a minute)")
@@ -182,6 +261,8 @@ def main() -> None:
     ap.add_argument("--hosts", action="store_true",
                     help="run over two hosts in network namespaces (as root): bench[1] on h2, the rest on h1, "
                          "so 'sample tcp' is a learner on another host sampling remote shards")
+    ap.add_argument("--reverb", default=str(REVERB_PY),
+                    help="python of a venv with dm-reverb, for the Reverb peer's rows (default .venv-reverb's; none: skip)")
     args = ap.parse_args()
     q = args.quick
     cfg = {
@@ -240,6 +321,7 @@ def main() -> None:
         if key in rep:
             r = inproc / med(rep[key])
             print(f"target (issue 21): {key} >= {target:.0%} of in-process: {r:.0%} -> {'met' if r >= target else 'NOT met'}")
+    print_reverb(rep, cfg, args.reverb, q)
 
 
 if __name__ == "__main__":

@@ -647,11 +647,11 @@ class ReplayClient:
         keys, q = np.empty(count, np.int64), np.empty(count, np.float64)
         times, valid = np.empty(count, np.int64), np.empty(count, np.bool_)
         uniforms = self.rng.random(count)
-        while time.perf_counter() < deadline:
-            seq, mass, low, size = sh.table.figures()
-            if seq < 0:
-                time.sleep(0)
-                continue
+        while True:
+            f = self._stable_figures(sh, deadline)
+            if f is None:
+                return None
+            seq, mass, low, size = f
             self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
             if size < sh.table.min_size or not mass > 0:
                 return None
@@ -662,7 +662,9 @@ class ReplayClient:
                 self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
                 return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
-        return None
+            self.one_sided_retries += 1
+            if time.perf_counter() > deadline:
+                return None
 
     def _assemble_remote(self, n: int, live: list[int], share: np.ndarray,
                          parts: dict[int, dict[str, Any]]) -> SampledBatch:

@@ -181,6 +181,8 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        elif proc.stdout is not None and not proc.stdout.closed:  # (ended early: an unclosed pipe would fail
+            proc.stdout.close()  # a later test of this worker as an unraisable ResourceWarning)
     err = errfile.read_text()
     assert proc.returncode == 0, err[-4000:]
     result = json.loads(out)  # stdout holds the JSON only

@@ -89,6 +89,6 @@ async def test_a_read_server_reachable_from_other_hosts_needs_curve():
     ("ws://127.0.0.1:1", False), ("tipc://{15560,0,0}", False),
 ])
 def test_only_loopback_ipc_and_inproc_binds_count_as_local(bind, local):
-    from reactor.transport.bulk import _local_only
+    from reactor.transport._bulkowner import _local_only
 
     assert _local_only(bind) is local

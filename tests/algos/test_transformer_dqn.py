@@ -342,6 +342,7 @@ def _train(tmp_path: Path, seed: int, **overrides) -> dict:
 # leaves margin for another CPU model, where each seed follows another trajectory.
 SEEDS = [1, 0, 4]
 BUDGET = 16_000
+CONTROL_BUDGET = 10_000  # past the 9k at which seed 1 reaches 200 (the control below)
 
 
 @pytest.mark.slow
@@ -349,8 +350,8 @@ BUDGET = 16_000
 def test_the_app_learns_far_beyond_a_memoryless_policy_quickly(tmp_path):
     """Seeded run of the real app (2 actors x 2 envs, 2 replay shards, learner, evaluator, one
     process): a greedy evaluation return (10 episodes) of 200 on CartPoleNoVel-v1 within 16k env
-    steps, four times what memoryless agents plateau at (~50; the control below, same seeds and
-    budget). Seed 1 gets there at 9k."""
+    steps, four times what memoryless agents plateau at (~50; the control below: the same first seed
+    stays below 100 for 10k steps). Seed 1 gets there at 9k."""
     summary = first_seed_passing(lambda seed: _train(tmp_path, seed, target_return=200.0, max_env_steps=BUDGET),
                                  SEEDS)
     assert summary["best_eval_return"] >= 200.0
@@ -359,15 +360,18 @@ def test_the_app_learns_far_beyond_a_memoryless_policy_quickly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_without_history_the_same_runs_stay_below_100(tmp_path):
-    """The control: window=1 (one observation, no memory), the first seed above and the same budget,
-    never evaluates above 100 (memoryless agents plateau near 50 on CartPoleNoVel-v1: here seeds 0-3
-    peak at 45-49 within 16k env steps). One seed: a memoryless agent cannot infer the velocities at
-    all, so no seed is a better control than another (two cost the suite another minute).
+    """The control: window=1 (one observation, no memory), the first seed above, never evaluates
+    above 100 within 10k env steps, past the 9k at which that seed reaches 200 with its history
+    (memoryless agents plateau near 50 on CartPoleNoVel-v1: here seeds 0-3 peak at 45-49 within 16k
+    env steps, and by 5k). One seed and not the whole 16k budget: a memoryless agent cannot infer
+    the velocities at all, so no seed is a better control than another, and the plateau comes long
+    before (each extra seed or 6k steps cost the suite 20-60 s).
 
     The full solve (400 within 40k env steps, all five seeds) is measured by the benchmark, not here
     (docs/benchmarks.md, "Transformer agent"): it cost the suite three minutes."""
     summaries = every_seed_stays_below_target(
-        lambda seed: _train(tmp_path, seed, target_return=100.0, max_env_steps=BUDGET, algo_config={"window": 1}),
+        lambda seed: _train(tmp_path, seed, target_return=100.0, max_env_steps=CONTROL_BUDGET,
+                            algo_config={"window": 1}),
         SEEDS[:1],
     )
-    assert [s["env_steps"] for s in summaries] == [BUDGET]
+    assert [s["env_steps"] for s in summaries] == [CONTROL_BUDGET]

@@ -172,7 +172,7 @@ def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound
     def parked(max_unacked: int) -> int:
         cfg = {"samples_per_insert": 64.0, "max_unacked": max_unacked, "max_env_steps": 10**6}
         capfd.readouterr()
-        r = run(build_graph(app, cfg), app=app, config=cfg, deterministic=False, stop_s=8, placement="actors")
+        r = run(build_graph(app, cfg), app=app, config=cfg, deterministic=False, stop_s=4, placement="actors")
         assert r.stopped_by == "stop_time"
         counts = re.findall(r"replay\[\d\]: the run ended with (\d+) parked Steps", capfd.readouterr().err)
         return sum(int(c) for c in counts)

@@ -222,7 +222,7 @@ def reverb_rows(rep: dict, cfg: dict, peer: dict) -> list[Row]:
 
 
 def print_reverb(rep: dict, cfg: dict, python: str, quick: bool) -> None:
-    if python.lower() == "none":
+    if not python or python.lower() == "none":  # (--reverb "" or none: no Reverb rows)
         return
     peer = reverb_figures(python, cfg, quick)
     if peer is None:
@@ -262,7 +262,7 @@ def main() -> None:
                     help="run over two hosts in network namespaces (as root): bench[1] on h2, the rest on h1, "
                          "so 'sample tcp' is a learner on another host sampling remote shards")
     ap.add_argument("--reverb", default=str(REVERB_PY),
-                    help="python of a venv with dm-reverb, for the Reverb peer's rows (default .venv-reverb's; none: skip)")
+                    help="python of a venv with dm-reverb, for the Reverb peer's rows (default .venv-reverb's; \"\" or none: skip)")
     args = ap.parse_args()
     q = args.quick
     cfg = {

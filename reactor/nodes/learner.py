@@ -372,7 +372,7 @@ class Learner(_LearnerBase):
             except (PeerLostError, MalformedFrameError, ValueError) as e:  # a shard died or its server refused:
                 logging.getLogger("reactor.learner").warning(
                     "%s: a one-sided sample failed (%s); sampling through messages", self.name, e)
-                notices = []  # the runtime's peer_lost follows for a shard that died
+                notices = getattr(e, "notices", [])  # (the other shards' draws; peer_lost follows a death)
             for m in notices:
                 self.priorities.send(m)
         if batch is not None:

@@ -549,6 +549,9 @@ class ReplayClient:
         Raises:
             ValueError: ``n < 1``.
             PeerLostError: a shard's memory or read server is gone; the batch is dropped.
+            MalformedFrameError: a read server's reply was malformed; the batch is dropped.
+            (An error from a read server carries ``notices``: the :class:`SampledKeys` of the shards
+            that did draw their part, to send as a sample's notices.)
         """
         if self.can_sample_now:
             return self.sample_now(n)
@@ -576,16 +579,26 @@ class ReplayClient:
                                                            {"n": c, "seed": sd}) for k, c, sd in remote),
                                        return_exceptions=True)
         parts: dict[int, dict[str, Any]] = {}
+        failed: BaseException | None = None
         for (k, c, _sd), rep in zip(remote, replies):
-            if isinstance(rep, PeerLostError):
-                lost = PeerLostError(f"replay shard {k}: its read server is gone ({rep})")
-                lost.shard = k  # type: ignore[attr-defined]
-                raise lost from rep
-            if isinstance(rep, BaseException):
-                raise rep
-            part = self._check_remote_part(k, c, rep)
+            try:
+                if isinstance(rep, PeerLostError):
+                    lost = PeerLostError(f"replay shard {k}: its read server is gone ({rep})")
+                    lost.shard = k  # type: ignore[attr-defined]
+                    raise lost from rep
+                if isinstance(rep, BaseException):
+                    raise rep
+                part = self._check_remote_part(k, c, rep)
+            except Exception as e:  # the other servers drew theirs: those draws still count (below)
+                failed = failed or e
+                continue
             if part is not None:
                 parts[k] = part
+        if failed is not None:
+            # The batch is dropped; the shards that did draw are still told (times sampled, the rate
+            # limiter's count), as when a shard draws nothing: the notices ride on the error.
+            failed.notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]  # type: ignore[attr-defined]
+            raise failed
         for k, c in local:  # shards of this host in the same sample: drawn here, from their memory
             part = self._draw_local_part(k, c)
             if part is not None:

@@ -200,3 +200,60 @@ async def test_a_read_servers_sample_op_refuses_malformed_requests_and_keeps_ser
     finally:
         await reader.aclose()
         await owner.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_when_one_read_server_fails_a_sample_the_shards_that_drew_are_still_told(tmp_path):
+    """A one-sided sample over two remote shards where shard 1's server answers malformed: the batch
+    is dropped with an error naming shard 1, and the error carries the notice of shard 0's draw (its
+    times sampled and rate limiter count must not lose it); the learner sends such notices."""
+    import torch
+
+    from reactor._errors import MalformedFrameError
+    from reactor.nodes.messages import SampledKeys, ShardMass
+    from reactor.nodes.replay import REMOTE_SAMPLE_OP
+    from reactor.nodes.replay_client import ReplayClient
+    from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+    from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample
+    from reactor.transport.bulk import BulkOwner
+
+    owners, offers, client = [], [], None
+    try:
+        for k in range(2):
+            owner = await BulkOwner.open(f"partial{k}", backends=["zmq"], zmq_bind=f"ipc://{tmp_path}/s{k}.sock")
+            owners.append(owner)
+            arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
+            st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator(f"r{k}"), index_arrays=arrays)
+            versions = owner.allocate_versions(f"r{k}")
+            table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+            pub = SamplingPublisher(table, arrays, read=WindowRead(4))
+            pub.begin()
+            table.insert_nowait({"id": torch.arange(100)}, np.ones(100), episode_end=np.arange(100) % 10 == 9)
+            pub.end()
+            versions.numpy()[:100] = np.arange(100)
+            ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
+            fields = [("id", 8, st._fields["id"].data_ptr())]
+
+            def op(req, _t, ss=ss, versions=versions, fields=fields, bad=k == 1):
+                rep = {**serve_sample(ss, req, versions.numpy(), fields, 1000), "fields": ["id"]}
+                return {**rep, "keys": rep["keys"][:1]} if bad else rep  # shard 1: keys cut short
+            owner.serve_op(REMOTE_SAMPLE_OP, op)
+            offers.append((owner.descriptor(f"r{k}"), {"table": pub.descriptor(), "op": REMOTE_SAMPLE_OP,
+                                                   "max_items": 1000}))
+        client = ReplayClient(2, rng=np.random.default_rng(0), bulk=False, remote_reads="zmq")
+        for k, (desc, offer) in enumerate(offers):
+            await client._attach(k, desc)
+            await client._attach_sampling(k, offer)
+            client._figures[k] = ShardMass(k, 0, 0, "", 1.0, 1.0, 100, 0.4)
+        assert client.can_sample_one_sided and not client.can_sample_now
+        with pytest.raises(MalformedFrameError, match="replay shard 1's read server sent a malformed sample reply") as e:
+            await client.asample_now(64)
+        (notice,) = e.value.notices
+        assert isinstance(notice, SampledKeys) and notice.shard == 0 and len(notice.keys) > 0
+        assert (np.asarray(notice.keys) >> 48 == 0).all()  # shard 0's keys only
+    finally:
+        if client is not None and client._reader is not None:
+            await client._reader.aclose()
+        for owner in owners:
+            await owner.aclose()

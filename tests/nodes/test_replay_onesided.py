@@ -202,50 +202,76 @@ async def test_a_read_servers_sample_op_refuses_malformed_requests_and_keeps_ser
         await owner.aclose()
 
 
+
+async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool = False):
+    """A bulk owner holding a 100-step table (ids 0..99, 10-step episodes, priority 1 + id % 3) whose
+    read server serves the one-sided sample op, as a Replay shard's does; its sampling state in a
+    region of its own where ``shm`` (for a reader on this host). ``bad``: its replies cut the keys
+    short. Returns (owner, data descriptor, sampling offer)."""
+    import torch
+
+    from reactor.nodes.replay import REMOTE_SAMPLE_OP
+    from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+    from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample
+    from reactor.transport.bulk import BulkOwner
+
+    backends = ["shm", "zmq"] if shm else ["zmq"]
+    owner = await BulkOwner.open(f"mixed{k}", backends=backends, zmq_bind=f"ipc://{tmp_path}/s{k}.sock")
+    region = f"r{k}"
+    if shm:
+        arrays = SharedArrays(lambda name, nb: owner.allocate(f"{region}-s", name, (1, nb), torch.uint8).numpy()[0])
+    else:
+        arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
+    st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator(region), index_arrays=arrays)
+    versions = owner.allocate_versions(region)
+    table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+    pub = SamplingPublisher(table, arrays, read=WindowRead(4))
+    pub.begin()
+    table.insert_nowait({"id": torch.arange(100)}, 1.0 + np.arange(100) % 3, episode_end=np.arange(100) % 10 == 9)
+    pub.end()
+    versions.numpy()[:100] = np.arange(100)
+    ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
+    fields = [("id", 8, st._fields["id"].data_ptr())]
+
+    def op(req, _t):
+        rep = {**serve_sample(ss, req, versions.numpy(), fields, 1000), "fields": ["id"]}
+        return {**rep, "keys": rep["keys"][:1]} if bad else rep
+
+    owner.serve_op(REMOTE_SAMPLE_OP, op)
+    offer = {"table": pub.descriptor(), "op": REMOTE_SAMPLE_OP, "max_items": 1000}
+    desc = owner.descriptor(region)
+    if shm:
+        offer["region"] = owner.descriptor(f"{region}-s")
+    else:
+        desc = {**desc, "host": "another-host"}  # its reader is elsewhere: it reads through the server
+    return owner, desc, offer
+
+
+async def _client_of(shards):
+    from reactor.nodes.messages import ShardMass
+    from reactor.nodes.replay_client import ReplayClient
+
+    client = ReplayClient(len(shards), rng=np.random.default_rng(0), remote_reads="zmq")
+    for k, (_owner, desc, offer) in enumerate(shards):
+        await client._attach(k, desc)
+        await client._attach_sampling(k, offer)
+        client._figures[k] = ShardMass(k, 0, 0, "", 200.0, 1.0, 100, 0.4)  # (as its first reply would say)
+    return client
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_when_one_read_server_fails_a_sample_the_shards_that_drew_are_still_told(tmp_path):
     """A one-sided sample over two remote shards where shard 1's server answers malformed: the batch
     is dropped with an error naming shard 1, and the error carries the notice of shard 0's draw (its
     times sampled and rate limiter count must not lose it); the learner sends such notices."""
-    import torch
-
     from reactor._errors import MalformedFrameError
-    from reactor.nodes.messages import SampledKeys, ShardMass
-    from reactor.nodes.replay import REMOTE_SAMPLE_OP
-    from reactor.nodes.replay_client import ReplayClient
-    from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
-    from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample
-    from reactor.transport.bulk import BulkOwner
+    from reactor.nodes.messages import SampledKeys
 
-    owners, offers, client = [], [], None
+    shards, client = [], None
     try:
-        for k in range(2):
-            owner = await BulkOwner.open(f"partial{k}", backends=["zmq"], zmq_bind=f"ipc://{tmp_path}/s{k}.sock")
-            owners.append(owner)
-            arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
-            st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator(f"r{k}"), index_arrays=arrays)
-            versions = owner.allocate_versions(f"r{k}")
-            table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
-            pub = SamplingPublisher(table, arrays, read=WindowRead(4))
-            pub.begin()
-            table.insert_nowait({"id": torch.arange(100)}, np.ones(100), episode_end=np.arange(100) % 10 == 9)
-            pub.end()
-            versions.numpy()[:100] = np.arange(100)
-            ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
-            fields = [("id", 8, st._fields["id"].data_ptr())]
-
-            def op(req, _t, ss=ss, versions=versions, fields=fields, bad=k == 1):
-                rep = {**serve_sample(ss, req, versions.numpy(), fields, 1000), "fields": ["id"]}
-                return {**rep, "keys": rep["keys"][:1]} if bad else rep  # shard 1: keys cut short
-            owner.serve_op(REMOTE_SAMPLE_OP, op)
-            offers.append((owner.descriptor(f"r{k}"), {"table": pub.descriptor(), "op": REMOTE_SAMPLE_OP,
-                                                   "max_items": 1000}))
-        client = ReplayClient(2, rng=np.random.default_rng(0), bulk=False, remote_reads="zmq")
-        for k, (desc, offer) in enumerate(offers):
-            await client._attach(k, desc)
-            await client._attach_sampling(k, offer)
-            client._figures[k] = ShardMass(k, 0, 0, "", 1.0, 1.0, 100, 0.4)
+        shards = [await _served_shard(tmp_path, k, bad=k == 1) for k in range(2)]
+        client = await _client_of(shards)
         assert client.can_sample_one_sided and not client.can_sample_now
         with pytest.raises(MalformedFrameError, match="replay shard 1's read server sent a malformed sample reply") as e:
             await client.asample_now(64)
@@ -255,5 +281,43 @@ async def test_when_one_read_server_fails_a_sample_the_shards_that_drew_are_stil
     finally:
         if client is not None and client._reader is not None:
             await client._reader.aclose()
-        for owner in owners:
+        for owner, _d, _o in shards:
+            await owner.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_sample_over_a_shard_on_this_host_and_one_on_another_takes_each_part_its_own_way(tmp_path):
+    """Shard 0 on this host (its memory mapped: drawn here), shard 1 on "another host" (drawn by its read
+    server): one batch with both shards' items, each window its episode's steps from the item on, each
+    item's probability (share of its shard) x (its priority over the shard's mass), and one notice
+    per shard."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, 0, shm=True), await _served_shard(tmp_path, 1)]
+        client = await _client_of(shards)
+        assert client.can_sample_one_sided and not client.can_sample_now
+        assert 0 in client._shared and 1 in client._remote_shared
+        n = 400
+        batch, notices = await client.asample_now(n)
+        assert batch is not None and len(batch.keys) == n
+        keys = batch.keys.numpy()
+        shard_of, local = keys >> 48, keys & ((1 << 48) - 1)
+        assert set(shard_of.tolist()) == {0, 1} and 120 < (shard_of == 0).sum() < 280  # ~even shares
+        ids, mask = batch.data["id"].numpy(), batch.data["mask"].numpy()
+        t = np.arange(4)
+        want_mask = t[None, :] < np.minimum(4, 10 - local % 10)[:, None]
+        np.testing.assert_array_equal(mask, want_mask)
+        np.testing.assert_array_equal(ids, np.where(want_mask, local[:, None] + t, 0))
+        from reactor.replay import Prioritized
+
+        w = (1.0 + np.arange(100) % 3) ** Prioritized().alpha  # each item's weight in its shard's tree
+        np.testing.assert_allclose(batch.probabilities.numpy(), 0.5 * w[local] / w.sum())
+        assert sorted(m.shard for m in notices) == [0, 1]
+        assert sum(len(m.keys) for m in notices) == n
+        assert client.one_sided_samples == 1
+    finally:
+        if client is not None and client._reader is not None:
+            await client._reader.aclose()
+        for owner, _d, _o in shards:
             await owner.aclose()

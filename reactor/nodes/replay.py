@@ -118,6 +118,7 @@ from .replay_client import (
     _LOCAL_MASK,
     KEY_SHARD_BITS,
     REMOTE_READS,
+    REMOTE_SAMPLE_OP,
     ReplayClient,
     _int64_keys,
     key_local,
@@ -138,8 +139,6 @@ __all__ = [
 
 log = logging.getLogger("reactor.replay")
 
-#: The bulk read server's op through which requesters on other hosts sample a shard one-sidedly.
-REMOTE_SAMPLE_OP = "replay_sample"
 #: The largest reply of one (the items' rows): 192 MiB, inside the read server's reply bound (256 MiB).
 _REMOTE_SAMPLE_NBYTES = 192 << 20
 

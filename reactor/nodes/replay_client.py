@@ -93,6 +93,9 @@ class _Sample:
     empty: bool = False  # a shard asked for items had none to draw (zero mass): start again
 
 
+#: The bulk read server's op through which requesters on other hosts sample a shard one-sidedly.
+REMOTE_SAMPLE_OP = "replay_sample"
+
 class ReplayClient:
     """A learner's view of N replay shards as one table (pure logic: it never sends anything itself).
 
@@ -487,7 +490,7 @@ class ReplayClient:
         data_region = self._regions[shard][0]
         if self._reader.backend(data_region) != "shm":
             table = sampling.get("table") if isinstance(sampling, dict) else None
-            if (isinstance(table, dict) and sampling.get("op") == "replay_sample"
+            if (isinstance(table, dict) and sampling.get("op") == REMOTE_SAMPLE_OP
                     and isinstance(table.get("window"), int) and isinstance(table.get("beta"), float)
                     and table.get("pad") in ("head", "tail", "")):
                 max_items = sampling.get("max_items")
@@ -575,7 +578,7 @@ class ReplayClient:
         remote = [(k, c, sd) for k, c, sd in zip(live, counts, seeds) if k in self._remote_shared]
         if any(c > self._remote_shared[k].max_items for k, c, _sd in remote):
             return None, []  # more than a server sends in one reply (long windows of big steps): messages
-        replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, "replay_sample",
+        replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, REMOTE_SAMPLE_OP,
                                                            {"n": c, "seed": sd}) for k, c, sd in remote),
                                        return_exceptions=True)
         parts: dict[int, dict[str, Any]] = {}
@@ -637,7 +640,7 @@ class ReplayClient:
         out = {}
         for name, d in zip(names, data):
             dtype, shape = layout[name]
-            nbytes = count * w * int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            nbytes = count * w * math.prod(shape) * dtype.itemsize
             if not (isinstance(d, np.ndarray) and d.dtype == np.uint8 and d.shape == (nbytes,)):
                 raise bad
             out[name] = d  # the frame's bytes: copied once, into the batch (_assemble_remote)

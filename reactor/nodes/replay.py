@@ -550,12 +550,15 @@ class Replay(Reactor):
         """Memory for the table's sampling state in a region of the bulk owner (one segment per
         array), if requesters may sample this table one-sidedly; else None (and why, logged)."""
         why = why_not_shared(sampler, self.read, self.max_times_sampled, limiter, capacity=self.capacity)
+        region = sampling_region_name(self._region)
+        if not why and region is None:
+            why = f"its name {self.name!r} is too long for a second bulk region (64 characters in all)"
         if why:
             log.info("%s: requesters sample through messages, not one-sidedly: %s", self.name, why)
             return None
         owner = self._owner
-        assert owner is not None
-        self._sampling_region = f"{self._region}-s"
+        assert owner is not None and region is not None
+        self._sampling_region = region
 
         def allocate(name: str, nbytes: int) -> np.ndarray:
             return owner.allocate(self._sampling_region, name, (1, nbytes), torch.uint8).numpy()[0]
@@ -1008,6 +1011,15 @@ def _steps_len(s: Steps) -> int:
 
 def _dir_name(name: str) -> str:
     return name.replace("[", "-").replace("]", "")
+
+
+def sampling_region_name(region: str) -> str | None:
+    """The bulk region of a shard's published sampling state: ``-s-`` and its data region's name.
+    A data region is its reactor's name (``replay[0]`` -> ``replay-0``), which starts with a letter
+    or ``_``, so this is never another shard's data region (a suffix could be: ``a`` + ``-s`` is the
+    reactor ``a-s``). None where it would pass the 64 characters of a bulk name."""
+    name = f"-s-{region}"
+    return name if len(name) <= 64 else None
 
 
 _MARK_FILE = "inserted"  # the storage's next global step after the latest insert, in the shard's directory

@@ -219,7 +219,7 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
     owner = await BulkOwner.open(f"mixed{k}", backends=backends, zmq_bind=f"ipc://{tmp_path}/s{k}.sock")
     region = f"r{k}"
     if shm:
-        arrays = SharedArrays(lambda name, nb: owner.allocate(f"{region}-s", name, (1, nb), torch.uint8).numpy()[0])
+        arrays = SharedArrays(lambda name, nb: owner.allocate(f"-s-{region}", name, (1, nb), torch.uint8).numpy()[0])
     else:
         arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
     st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator(region), index_arrays=arrays)
@@ -241,7 +241,7 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
     offer = {"table": pub.descriptor(), "op": REMOTE_SAMPLE_OP, "max_items": 1000}
     desc = owner.descriptor(region)
     if shm:
-        offer["region"] = owner.descriptor(f"{region}-s")
+        offer["region"] = owner.descriptor(f"-s-{region}")
     else:
         desc = {**desc, "host": "another-host"}  # its reader is elsewhere: it reads through the server
     return owner, desc, offer
@@ -321,3 +321,25 @@ async def test_a_sample_over_a_shard_on_this_host_and_one_on_another_takes_each_
             await client._reader.aclose()
         for owner, _d, _o in shards:
             await owner.aclose()
+
+
+def test_a_shards_sampling_region_is_never_another_shards_data_region():
+    """The sampling state's region is named from the shard's: a suffix (``a-s``) was the data region of
+    a reactor named ``a-s``, whose segments and the reader's attachments then collided. Every name a
+    graph accepts, replicated or not, gives a sampling region no reactor name gives; a name past the
+    64-character bound gives none (the shard then samples through messages, saying why)."""
+    import re
+
+    from reactor._graph import _NAME_RE
+    from reactor.nodes.replay import _dir_name, sampling_region_name
+
+    rng = np.random.default_rng(21)
+    alphabet = np.array(list("ab_-s0"))
+    names = ["a", "a-s", "replay", "replay-s", "_x", "s"] + [
+        str(rng.choice(list("ab_s"))) + "".join(rng.choice(alphabet, size=int(rng.integers(0, 6)))) for _ in range(300)]
+    names = [n for n in names if _NAME_RE.match(n)]
+    data = {_dir_name(n) for n in names} | {_dir_name(f"{n}[{i}]") for n in names for i in range(3)}
+    sampling = {sampling_region_name(r) for r in data}
+    assert None not in sampling and not sampling & data
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", r) for r in sampling)  # a valid bulk name
+    assert sampling_region_name("a" * 61) == "-s-" + "a" * 61 and sampling_region_name("a" * 62) is None

@@ -38,11 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import MalformedFrameError, PeerLostError
+from .._errors import PeerLostError
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._registry import denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
+from .replay_client import ONE_SIDED_ERRORS
 from .train_messages import Report, Rollout, Weights
 
 __all__ = ["DP_JOIN_TIMEOUT_S", "DP_TIMEOUT_S", "Learner", "RolloutLearner"]
@@ -369,7 +370,7 @@ class Learner(_LearnerBase):
         if client.can_sample_one_sided:
             try:
                 batch, notices = await client.asample_now(self.batch_size)
-            except (PeerLostError, MalformedFrameError, ValueError) as e:  # a shard died or its server refused:
+            except ONE_SIDED_ERRORS as e:  # a shard died, its server refused or answered garbage:
                 logging.getLogger("reactor.learner").warning(
                     "%s: a one-sided sample failed (%s); sampling through messages", self.name, e)
                 notices = getattr(e, "notices", [])  # (the other shards' draws; peer_lost follows a death)

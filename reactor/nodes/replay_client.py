@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import MalformedFrameError, PeerLostError
+from .._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
 from ..replay.shared import EMPTY as _EMPTY
@@ -95,6 +95,11 @@ class _Sample:
 
 #: The bulk read server's op through which requesters on other hosts sample a shard one-sidedly.
 REMOTE_SAMPLE_OP = "replay_sample"
+#: What :meth:`ReplayClient.asample_now` raises for a sample that failed (the batch dropped): the
+#: errors a shard's read server may answer with, a malformed reply, a lost shard. A learner falls
+#: back to messages on any of them; a peer's answer never ends its run.
+ONE_SIDED_ERRORS: tuple[type[Exception], ...] = (PeerLostError, MalformedFrameError, FrameTooLargeError, ValueError,
+                                                 KeyError, IndexError, TypeError)
 
 class ReplayClient:
     """A learner's view of N replay shards as one table (pure logic: it never sends anything itself).
@@ -553,6 +558,7 @@ class ReplayClient:
             ValueError: ``n < 1``.
             PeerLostError: a shard's memory or read server is gone; the batch is dropped.
             MalformedFrameError: a read server's reply was malformed; the batch is dropped.
+            (and any error class a read server answered with: :data:`ONE_SIDED_ERRORS` lists them all)
             (An error from a read server carries ``notices``: the :class:`SampledKeys` of the shards
             that did draw their part, to send as a sample's notices.)
         """

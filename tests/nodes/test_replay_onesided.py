@@ -343,3 +343,32 @@ def test_a_shards_sampling_region_is_never_another_shards_data_region():
     assert None not in sampling and not sampling & data
     assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", r) for r in sampling)  # a valid bulk name
     assert sampling_region_name("a" * 61) == "-s-" + "a" * 61 and sampling_region_name("a" * 62) is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_error_class_a_read_server_answers_with_is_one_the_learner_falls_back_on(tmp_path):
+    """A read server that answers a sample with an error (a TypeError here, as a handler's check would
+    send): the client raises it, with the other shard's notice, and it is one of ONE_SIDED_ERRORS,
+    the errors on which a learner falls back to messages; no answer of a peer may end the run."""
+    from reactor.nodes.replay_client import ONE_SIDED_ERRORS
+    from reactor.transport._bulkzmq import _ERRORS
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k) for k in range(2)]
+
+        def refuse(req, _t):
+            raise TypeError("sample request: this server refuses")
+
+        shards[1][0]._server.extra_ops["replay_sample"] = lambda req, region: refuse(req, None)
+        client = await _client_of(shards)
+        with pytest.raises(TypeError, match="this server refuses") as e:
+            await client.asample_now(64)
+        assert isinstance(e.value, ONE_SIDED_ERRORS) and [m.shard for m in e.value.notices] == [0]
+        assert all(issubclass(cls, ONE_SIDED_ERRORS) for cls in _ERRORS.values())  # every class a server may answer
+    finally:
+        if client is not None and client._reader is not None:
+            await client._reader.aclose()
+        for owner, _d, _o in shards:
+            await owner.aclose()

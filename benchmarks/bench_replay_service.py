@@ -257,6 +257,8 @@ def main() -> None:
                     help="also measure with this many batches requested at once (a learner's prefetch); 1: only 1")
     ap.add_argument("--round-rows", type=int, default=None,
                     help="rows per writer per insert repetition (default 64K, quick 16K; 0: no insert repetitions)")
+    ap.add_argument("--notice-every", type=int, default=8,
+                    help="one-sided samples whose notices the clients send together (ReplayClient(notice_every=...))")
     ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
     ap.add_argument("--hosts", action="store_true",
                     help="run over two hosts in network namespaces (as root): bench[1] on h2, the rest on h1, "
@@ -272,6 +274,7 @@ def main() -> None:
         "calls": args.calls or (10 if q else 20),
         "round_rows": args.round_rows if args.round_rows is not None else (1 << 14 if q else 1 << 16),
         "inflight": args.inflight,
+        "notice_every": args.notice_every,
         "limit_s": 120.0 if q else 600.0,
     }
     load = os.getloadavg()
@@ -298,7 +301,8 @@ def main() -> None:
     print(f"replay service: {cfg['shards']} shards x {cfg['capacity'] // cfg['shards']} steps in {cfg['shards']} processes "
           f"(stored steps {sum(steps)}, items {sum(size)}); batch {cfg['batch']} windows x {cfg['window']} steps "
           f"x 269 B + mask = {rep['out_nbytes'] / 1e6:.2f} MB; "
-          f"medians of {cfg['reps']} reps x {cfg['calls']} batches; cpus={os.cpu_count()}, load average before "
+          f"medians of {cfg['reps']} reps x {cfg['calls']} batches; one-sided notices every {cfg['notice_every']} "
+          f"samples; cpus={os.cpu_count()}, load average before "
           f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f}; run {rep['run_wall_s']:.0f} s (start-up {rep['startup_s']:.0f} s, "
           f"measuring {rep['wall_s']:.0f} s, shutdown {rep['shutdown_s']:.0f} s)")
     print(f"ms/batch, 1 in flight: 1-sided shm {lat['local']:.2f} (fell back to messages "

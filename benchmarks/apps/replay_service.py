@@ -31,7 +31,8 @@ samples when ``bench[0]`` asks and reports its timings back:
 
 config keys: shards (4), writers (4), capacity (steps held over all shards, 1 << 20), envs (64),
 window (32), batch (256), reps (5), calls (20), round_rows (rows per writer per repetition; 0: none),
-inflight (1), chunk_length (256), flush_steps (1024), report (the JSON file bench[0] writes at the end).
+inflight (1), chunk_length (256), flush_steps (1024), notice_every (the clients' ``notice_every``, 8),
+report (the JSON file bench[0] writes at the end).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class Bench(Reactor):
         # Replica 0 gathers from the shards' shared memory; replica 1 ("another host") gets the windows
         # in the replies (msg) or reads them one-sidedly from the shards' bulk read servers (onesided).
         mk = functools.partial(ReplayClient, self.shards, requester=self.bank_index, rng=self.rng, timeout_s=120.0,
-                               curve=self.process_link.curve)
+                               curve=self.process_link.curve, notice_every=c.get("notice_every", 8))
         self.clients = ({"shm": mk(bulk=True, remote_reads="off")} if self.bank_index == 0 else
                         {"msg": mk(bulk=False, remote_reads="off"), "onesided": mk(bulk=False, remote_reads="zmq")})
         self.client = next(iter(self.clients.values()))
@@ -290,6 +291,8 @@ class Bench(Reactor):
                 fallbacks += 1
             else:
                 items += len(batch.keys)
+        for m in client.take_notices():  # (the client sends every notice_every samples' notices at once)
+            self.updates.send(m)
         dt = time.perf_counter() - t0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         parts = [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls, (ru1.ru_nvcsw - ru.ru_nvcsw) / calls,
@@ -491,7 +494,8 @@ def _coordinator(message: object) -> int:
 
 def build(config: dict) -> Graph:
     c = {"shards": 4, "writers": 4, "capacity": 1 << 20, "envs": 64, "window": 32, "batch": 256, "reps": 5,
-         "calls": 20, "round_rows": 1 << 16, "inflight": 1, "chunk_length": 256, "flush_steps": 1024, "report": ""}
+         "calls": 20, "round_rows": 1 << 16, "inflight": 1, "chunk_length": 256, "flush_steps": 1024, "notice_every": 8,
+         "report": ""}
     c.update(config)
     for k in c:
         if k != "report":

@@ -365,6 +365,8 @@ class Learner(_LearnerBase):
             return  # a sample is coming (or every shard is down: shards_changed samples when one is back)
         remaining = None if self.max_updates is None else self.max_updates - self.updates
         if remaining is not None and remaining <= 0:
+            for m in client.take_notices():  # the last one-sided draws' notices, held by the client
+                self.priorities.send(m)
             return
         batch = None
         if client.can_sample_one_sided:

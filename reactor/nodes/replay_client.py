@@ -40,7 +40,7 @@ from .messages import (
     ShardSample,
 )
 
-__all__ = ["KEY_SHARD_BITS", "REMOTE_READS", "ReplayClient", "key_local", "key_shard", "make_keys"]
+__all__ = ["KEY_SHARD_BITS", "NOTICE_MAX_AGE_S", "REMOTE_READS", "ReplayClient", "key_local", "key_shard", "make_keys"]
 
 log = logging.getLogger("reactor.replay")
 
@@ -100,6 +100,9 @@ REMOTE_SAMPLE_OP = "replay_sample"
 #: back to messages on any of them; a peer's answer never ends its run.
 ONE_SIDED_ERRORS: tuple[type[Exception], ...] = (PeerLostError, MalformedFrameError, FrameTooLargeError, ValueError,
                                                  KeyError, IndexError, TypeError)
+#: Held one-sided notices older than this go out with the next sample's, however few samples they
+#: count (``ReplayClient(notice_every=...)``).
+NOTICE_MAX_AGE_S = 0.05
 
 class ReplayClient:
     """A learner's view of N replay shards as one table (pure logic: it never sends anything itself).
@@ -151,6 +154,9 @@ class ReplayClient:
         curve: the run's CURVE key pair (``self.process_link.curve`` in a reactor), for shards whose
             read servers require it.
         one_sided: sample shards on this host one-sidedly when they offer it (:meth:`sample_now`).
+        notice_every: one-sided samples whose notices (:class:`SampledKeys`) are held and sent
+            together, one message per shard: the shards' times sampled lag by at most this many
+            samples, or :data:`NOTICE_MAX_AGE_S`, whichever comes first (1: a notice per sample).
 
     Example:
         >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
@@ -174,6 +180,7 @@ class ReplayClient:
         remote_reads: str = "off",
         curve: Any = None,
         one_sided: bool = True,
+        notice_every: int = 8,
     ) -> None:
         if masses not in ("cached", "fresh"):
             raise ValueError(f"ReplayClient masses must be 'cached' or 'fresh', got {masses!r}")
@@ -183,6 +190,8 @@ class ReplayClient:
             raise ValueError(f"ReplayClient num_shards must be an int >= 1, got {num_shards!r}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"ReplayClient timeout_s must be > 0 or None, got {timeout_s!r}")
+        if isinstance(notice_every, bool) or not isinstance(notice_every, int) or notice_every < 1:
+            raise ValueError(f"ReplayClient notice_every must be an int >= 1, got {notice_every!r}")
         self.num_shards = num_shards
         self.requester = requester
         self.rng = rng if rng is not None else np.random.default_rng(0)
@@ -212,6 +221,10 @@ class ReplayClient:
         self._remote_shared: dict[int, _RemoteShard] = {}  # shard of another host -> its sampling op
         self.one_sided_samples = 0  # batches drawn by sample_now
         self.one_sided_retries = 0  # draws started again because a shard changed under them
+        self.notice_every = notice_every
+        self._held: dict[int, list[np.ndarray]] = {}  # shard -> keys drawn one-sidedly, not yet told
+        self._held_samples = 0  # samples whose notices are held
+        self._held_since = 0.0  # perf_counter of the oldest of them
 
     @property
     def live_shards(self) -> list[int]:
@@ -567,7 +580,7 @@ class ReplayClient:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
         if not self.can_sample_one_sided:
-            return None, []
+            return None, self.take_notices()
         assert self._reader is not None
         n = int(n)
         live = self.live_shards
@@ -576,14 +589,14 @@ class ReplayClient:
         sizes = np.array([figs[k].size for k in live], dtype=np.float64)  # type: ignore[attr-defined]
         share = masses if masses.sum() > 0 else sizes
         if not share.sum() > 0:
-            return None, []
+            return None, self.take_notices()
         share = share / share.sum()
         counts = self.rng.multinomial(n, share).tolist()
         seeds = self.rng.integers(0, 2**63, size=len(live)).tolist()
         local = [(k, c) for k, c in zip(live, counts) if k in self._shared and c]
         remote = [(k, c, sd) for k, c, sd in zip(live, counts, seeds) if k in self._remote_shared]
         if any(c > self._remote_shared[k].max_items for k, c, _sd in remote):
-            return None, []  # more than a server sends in one reply (long windows of big steps): messages
+            return None, self.take_notices()  # more than a server sends in one reply (big windows): messages
         replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, REMOTE_SAMPLE_OP,
                                                            {"n": c, "seed": sd}) for k, c, sd in remote),
                                        return_exceptions=True)
@@ -606,7 +619,8 @@ class ReplayClient:
         if failed is not None:
             # The batch is dropped; the shards that did draw are still told (times sampled, the rate
             # limiter's count), as when a shard draws nothing: the notices ride on the error.
-            failed.notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]  # type: ignore[attr-defined]
+            failed.notices = self.take_notices(  # type: ignore[attr-defined]
+                [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()])
             raise failed
         for k, c in local:  # shards of this host in the same sample: drawn here, from their memory
             part = self._draw_local_part(k, c)
@@ -614,8 +628,8 @@ class ReplayClient:
                 parts[k] = part
         notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
         if sum(int(p["n"]) for p in parts.values()) != n:
-            return None, notices  # a shard drew nothing: the draws that were made still count
-        return self._assemble_remote(n, live, share, parts), notices
+            return None, self.take_notices(notices)  # a shard drew nothing: the draws made still count
+        return self._assemble_remote(n, live, share, parts), self._hold(notices)
 
     def _check_remote_part(self, shard: int, count: int, rep: Any) -> dict[str, Any] | None:
         """A read server's sample reply, checked (it comes from the network); its figures cached."""
@@ -774,9 +788,12 @@ class ReplayClient:
         sample.
 
         Returns:
-            ``(batch, notices)``: the batch, and one :class:`SampledKeys` per shard drawn from, to
-            send to the shards (with ``key=shard_key``, like priority updates): they count the
-            draws (times sampled, statistics, rate limiter).
+            ``(batch, notices)``: the batch, and the notices due, to send to the shards (with
+            ``key=shard_key``, like priority updates): they count the draws (times sampled,
+            statistics, rate limiter). The client holds each sample's notices until they count
+            ``notice_every`` samples (or :data:`NOTICE_MAX_AGE_S`) and then returns them as one
+            :class:`SampledKeys` per shard; so most calls return ``[]``. A call that returns no
+            batch returns every held notice; :meth:`take_notices` hands them over at any time.
 
         Raises:
             ValueError: ``n < 1``.
@@ -785,7 +802,7 @@ class ReplayClient:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
         if not self.can_sample_now:
-            return None, []
+            return None, self.take_notices()
         live = self.live_shards
         shards = [self._shared[k] for k in live]
         n = int(n)
@@ -805,13 +822,13 @@ class ReplayClient:
         deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
         figs = [self._stable_figures(sh, deadline) for sh in shards]
         if any(f is None for f in figs):
-            return None, []  # a shard kept changing: sample through messages
+            return None, self.take_notices()  # a shard kept changing: sample through messages
         if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):  # type: ignore[index]
-            return None, []  # below a shard's min size: its request parks until it is ready
+            return None, self.take_notices()  # below a shard's min size: its request parks until ready
         masses = np.array([f[1] for f in figs], dtype=np.float64)  # type: ignore[index]
         total = float(masses.sum())
         if not total > 0:
-            return None, []  # every priority is 0: the message path says so
+            return None, self.take_notices()  # every priority is 0: the message path says so
         shares = masses / total
         counts = self.rng.multinomial(n, shares)
         used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
@@ -832,12 +849,36 @@ class ReplayClient:
                 self.one_sided_retries += 1
                 g = self._stable_figures(sh, deadline) if status != _EMPTY else None
                 if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
-                    return None, self._notices(drawn, local)
+                    return None, self.take_notices(self._notices(drawn, local))
                 f = g
             used[i] = f
             drawn.append((k, a, b, float(shares[i])))
             a = b
         return self._finish_one_sided(n, drawn, used, shares, shards, out, mask, local, q, times, valid)
+
+    def _hold(self, notices: list[SampledKeys]) -> list[SampledKeys]:
+        """A one-sided sample's notices, held with those not sent yet; all of them, one per shard,
+        once they count ``notice_every`` samples or the oldest is :data:`NOTICE_MAX_AGE_S` old."""
+        now = time.perf_counter()
+        if not self._held_samples:
+            self._held_since = now
+        for m in notices:  # (a copy: the keys may be the batch's, which its taker may change in place)
+            self._held.setdefault(m.shard, []).append(np.array(m.keys, dtype=np.int64))
+        self._held_samples += 1
+        if self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
+            return self.take_notices()
+        return []
+
+    def take_notices(self, more: list[SampledKeys] = ()) -> list[SampledKeys]:  # type: ignore[assignment]
+        """Every held notice (and ``more``), merged to one :class:`SampledKeys` per shard, to send
+        now; the client holds none after. Samples that return no batch (and the errors of
+        :meth:`asample_now`) return them this way; an owner that stops sampling one-sidedly sends
+        what this returns (the shards count those draws only when told)."""
+        held = self._held
+        for m in more:
+            held.setdefault(m.shard, []).append(np.asarray(m.keys))
+        self._held, self._held_samples = {}, 0
+        return [SampledKeys(k, np.concatenate(ks)) for k, ks in sorted(held.items())]
 
     def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:
         """A shard's figures under a stable sequence count, waiting out a change in progress (tens of
@@ -900,7 +941,7 @@ class ReplayClient:
         batch = SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                              probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
                              times_sampled=torch.from_numpy(times))
-        return batch, notices
+        return batch, self._hold(notices)
 
     async def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
         """The batch's fields over all parts; bulk parts are gathered straight into the output
@@ -1059,6 +1100,7 @@ class ReplayClient:
         self._regions.pop(shard, None)  # its successor owns regions of another generation
         self._forget_sampling(shard)
         self._inline.discard(shard)
+        self._held.pop(shard, None)  # draws from its predecessor's state: its successor does not count them
         log.warning("replay client %s: shard %d is down (%s); sampling from the others", self.requester, shard, why)
         live = self.live_shards
         if not live:

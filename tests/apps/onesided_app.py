@@ -11,8 +11,8 @@ Each shard gets ``episodes`` episodes of 1..20 steps from one message; a step's 
 ``shard * 1_000_000 + its global step in the shard`` and ``end`` the id one past its episode's last
 step; its priority is :func:`priority` of the id. The prober waits until every shard holds every
 step, takes one sample through messages (which brings the shards' one-sided offers), then draws
-``batches`` batches with ``ReplayClient.sample_now``, sends the notices, and waits until the shards'
-statistics count every draw.
+``batches`` batches with ``ReplayClient.sample_now``, sends the notices (those the client returns, then
+those it still holds), and waits until the shards' statistics count every draw.
 """
 
 from __future__ import annotations
@@ -122,12 +122,10 @@ class Prober(Reactor):
         self.fallbacks = 0
         for _ in range(self.cfg.get("batches", 30)):
             b, notices = await self.client.asample_now(self.cfg.get("batch_size", 64))
-            for m in notices:
-                self.updates.send(m)
+            self._tell(notices)
             if b is None:
                 self.fallbacks += 1
                 continue
-            self.draws += sum(len(m.keys) for m in notices)
             self.rec["keys"].append(b.keys.numpy())
             self.rec["ids"].append(b.data["id"].numpy())
             self.rec["mask"].append(b.data["mask"].numpy() if "mask" in b.data else np.ones(len(b.keys), bool))
@@ -135,8 +133,15 @@ class Prober(Reactor):
             self.rec["weights"].append(b.weights.numpy())
             self.rec["times"].append(b.times_sampled.numpy())
             self.rec["sizes"].append(b.table_size)
+        self._tell(self.client.take_notices())  # what the client still holds (it sends every 8 samples' at once)
         self.phase = "counting"
         self.poll.schedule(delay_s=0.01)
+
+    def _tell(self, notices: list) -> None:
+        """Send one-sided draws' notices to their shards; count the draws they report."""
+        for m in notices:
+            self.updates.send(m)
+        self.draws += sum(len(m.keys) for m in notices)
 
     def finish(self, st: list[ShardStatistics]) -> None:
         out = {k: np.array(v) if k == "sizes" else (np.concatenate(v) if v else np.zeros(0)) for k, v in

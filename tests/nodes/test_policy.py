@@ -83,7 +83,11 @@ def test_a_fresh_process_loads_the_learners_final_policy(tmp_path, app):
     expected = _fragments_act(run_dir, obs)
     np.testing.assert_array_equal(np.asarray(got["actions"], dtype=expected.dtype), expected)
     if app != "transformer_dqn.py":  # memoryless: a single observation acts as its row of the batch
-        np.testing.assert_array_equal(np.asarray(got["single"], dtype=expected.dtype), expected[0])
+        single = np.asarray(got["single"], dtype=expected.dtype)
+        if expected.dtype.kind == "f":  # a batch of 1 and a row of 16 may take different BLAS kernels:
+            np.testing.assert_allclose(single, expected[0], rtol=1e-5, atol=1e-6)  # last bits (seen: 1 ulp)
+        else:
+            np.testing.assert_array_equal(single, expected[0])
 
 
 @pytest.fixture(scope="module")

@@ -247,11 +247,11 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
     return owner, desc, offer
 
 
-async def _client_of(shards):
+async def _client_of(shards, **kw):
     from reactor.nodes.messages import ShardMass
     from reactor.nodes.replay_client import ReplayClient
 
-    client = ReplayClient(len(shards), rng=np.random.default_rng(0), remote_reads="zmq")
+    client = ReplayClient(len(shards), rng=np.random.default_rng(0), remote_reads="zmq", **kw)
     for k, (_owner, desc, offer) in enumerate(shards):
         await client._attach(k, desc)
         await client._attach_sampling(k, offer)
@@ -287,11 +287,81 @@ async def test_when_one_read_server_fails_a_sample_the_shards_that_drew_are_stil
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", ["shm", "remote"])
+async def test_a_client_tells_the_shards_of_its_one_sided_draws_every_few_samples_or_when_they_age(tmp_path, second):
+    """notice_every=3: two samples return no notice, the third returns one per shard holding the three
+    samples' keys of that shard in draw order; a held notice older than NOTICE_MAX_AGE_S goes out with
+    the next sample; take_notices hands over what is held (then nothing); a sample that returns no
+    batch returns what was held. Shards: two on this host (sample_now), or one here and one behind
+    its read server (asample_now's mixed path)."""
+    import time
+
+    from reactor.nodes.replay_client import NOTICE_MAX_AGE_S
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, 0, shm=True), await _served_shard(tmp_path, 1, shm=second == "shm")]
+        client = await _client_of(shards, notice_every=3)
+        assert client.can_sample_now == (second == "shm")
+
+        async def sample() -> tuple[np.ndarray, list]:
+            batch, notices = await client.asample_now(40)
+            assert batch is not None and len(batch.keys) == 40
+            return batch.keys.numpy().copy(), notices
+
+        def by_shard(notices) -> dict[int, np.ndarray]:
+            assert len({m.shard for m in notices}) == len(notices)  # one notice per shard
+            return {m.shard: np.asarray(m.keys) for m in notices}
+
+        def keys_of(batches: list[np.ndarray], k: int) -> np.ndarray:
+            return np.concatenate([b[b >> 48 == k] for b in batches])
+
+        got = [await sample() for _ in range(3)]
+        assert [n for _k, n in got[:2]] == [[], []]
+        told = by_shard(got[2][1])
+        assert sorted(told) == [0, 1]
+        for k in (0, 1):
+            np.testing.assert_array_equal(told[k], keys_of([b for b, _n in got], k))
+        b4, n4 = await sample()
+        assert n4 == []
+        time.sleep(NOTICE_MAX_AGE_S + 0.02)
+        b5, n5 = await sample()  # the 4th sample's notice aged: both go now, two samples short of three
+        told = by_shard(n5)
+        for k in (0, 1):
+            np.testing.assert_array_equal(told[k], keys_of([b4, b5], k))
+        b6, n6 = await sample()
+        assert n6 == []
+        told = by_shard(client.take_notices())
+        assert sum(len(v) for v in told.values()) == 40 and client.take_notices() == []
+        for k in told:
+            np.testing.assert_array_equal(told[k], keys_of([b6], k))
+        await sample()
+        if second == "remote":  # ~1250 items asked of a server that sends at most 1000: no batch
+            b, held = await client.asample_now(2500)
+            assert b is None and sum(len(m.keys) for m in held) == 40  # what was held comes with the refusal
+            assert client.take_notices() == []
+    finally:
+        if client is not None and client._reader is not None:
+            await client._reader.aclose()
+        for owner, _d, _o in shards:
+            await owner.aclose()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
+def test_a_client_refuses_a_notice_every_that_is_not_a_positive_int(bad):
+    from reactor.nodes.replay_client import ReplayClient
+
+    with pytest.raises(ValueError, match="notice_every must be an int >= 1"):
+        ReplayClient(2, notice_every=bad)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_a_sample_over_a_shard_on_this_host_and_one_on_another_takes_each_part_its_own_way(tmp_path):
     """Shard 0 on this host (its memory mapped: drawn here), shard 1 on "another host" (drawn by its read
     server): one batch with both shards' items, each window its episode's steps from the item on, each
     item's probability (share of its shard) x (its priority over the shard's mass), and one notice
-    per shard."""
+    per shard, held by the client until it is asked for it."""
     shards, client = [], None
     try:
         shards = [await _served_shard(tmp_path, 0, shm=True), await _served_shard(tmp_path, 1)]
@@ -313,8 +383,10 @@ async def test_a_sample_over_a_shard_on_this_host_and_one_on_another_takes_each_
 
         w = (1.0 + np.arange(100) % 3) ** Prioritized().alpha  # each item's weight in its shard's tree
         np.testing.assert_allclose(batch.probabilities.numpy(), 0.5 * w[local] / w.sum())
+        assert notices == []  # held: the client tells the shards every notice_every samples
+        notices = client.take_notices()
         assert sorted(m.shard for m in notices) == [0, 1]
-        assert sum(len(m.keys) for m in notices) == n
+        np.testing.assert_array_equal(np.concatenate([m.keys for m in notices]), keys)  # (grouped by shard)
         assert client.one_sided_samples == 1
     finally:
         if client is not None and client._reader is not None:

@@ -629,7 +629,7 @@ class ReplayClient:
         notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
         if sum(int(p["n"]) for p in parts.values()) != n:
             return None, self.take_notices(notices)  # a shard drew nothing: the draws made still count
-        return self._assemble_remote(n, live, share, parts), self._hold(notices)
+        return self._assemble_remote(n, live, share, parts), self._hold_keys([(m.shard, m.keys) for m in notices])
 
     def _check_remote_part(self, shard: int, count: int, rep: Any) -> dict[str, Any] | None:
         """A read server's sample reply, checked (it comes from the network); its figures cached."""
@@ -834,11 +834,12 @@ class ReplayClient:
         used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
         a = 0
         drawn: list[tuple[int, int, int, float]] = []  # (shard, a, b, its share of the counts)
+        every_uniform = self.rng.random(n)  # shard i's are [a, b) of them
         for i, (k, sh, c) in enumerate(zip(live, shards, counts.tolist())):
             if c == 0:
                 continue
             b = a + c
-            uniforms = self.rng.random(c)
+            uniforms = every_uniform[a:b]
             f = used[i]
             while True:  # a shard that changed since its figures: its own draw again, on its new state
                 status = sh.table.sample_into(f[0], uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
@@ -856,14 +857,16 @@ class ReplayClient:
             a = b
         return self._finish_one_sided(n, drawn, used, shares, shards, out, mask, local, q, times, valid)
 
-    def _hold(self, notices: list[SampledKeys]) -> list[SampledKeys]:
-        """A one-sided sample's notices, held with those not sent yet; all of them, one per shard,
-        once they count ``notice_every`` samples or the oldest is :data:`NOTICE_MAX_AGE_S` old."""
+    def _hold_keys(self, drawn: list[tuple[int, np.ndarray]]) -> list[SampledKeys]:
+        """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not
+        told yet; all of them, one notice per shard, once they count ``notice_every`` samples or the
+        oldest is :data:`NOTICE_MAX_AGE_S` old."""
         now = time.perf_counter()
         if not self._held_samples:
             self._held_since = now
-        for m in notices:  # (a copy: the keys may be the batch's, which its taker may change in place)
-            self._held.setdefault(m.shard, []).append(np.array(m.keys, dtype=np.int64))
+        held = self._held
+        for k, keys in drawn:
+            held.setdefault(k, []).append(keys)
         self._held_samples += 1
         if self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
             return self.take_notices()
@@ -910,15 +913,14 @@ class ReplayClient:
                 lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
                 lost.shard = k  # type: ignore[attr-defined]
                 raise lost from e
-        keys = np.empty(n, dtype=np.int64)
-        probs = np.empty(n, dtype=np.float64)
-        notices = []
+        # Every shard's items at once (no per-shard array operations): each item's shard tag, and
         # P(i) = share_s * q_i, what the item was drawn with: (M_s / M) * (w_i / M_s) = w_i / M when the
         # shard did not change between its figures and its draw (else q_i is on its new state).
-        for k, a, b, share in drawn:
-            keys[a:b] = make_keys(k, local[a:b])
-            probs[a:b] = q[a:b] * share
-            notices.append(SampledKeys(k, keys[a:b]))
+        sizes = [b - a for _k, a, b, _share in drawn]
+        keys = local | np.repeat(np.array([k for k, _a, _b, _s in drawn], np.int64) << KEY_SHARD_BITS, sizes)
+        probs = q * np.repeat(np.array([share for _k, _a, _b, share in drawn]), sizes)
+        told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
+        notices = [(k, told[a:b]) for k, a, b, _share in drawn]
         # IS weight (P(i) / min_j P(j))^-beta, the least likely item of every live shard: share * min / mass.
         lows = [sh_share * f[2] / f[1] for sh_share, f in zip(shares.tolist(), figs)
                 if sh_share > 0 and f[1] > 0 and 0 < f[2] < math.inf]
@@ -941,7 +943,7 @@ class ReplayClient:
         batch = SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                              probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
                              times_sampled=torch.from_numpy(times))
-        return batch, self._hold(notices)
+        return batch, self._hold_keys(notices)
 
     async def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
         """The batch's fields over all parts; bulk parts are gathered straight into the output

@@ -585,29 +585,30 @@ class Storage:
         """
         if not isinstance(steps, Mapping):
             raise TypeError(f"steps must be a mapping of field name -> tensor, got {type(steps).__name__}")
-        unknown = sorted(set(steps) - set(self._specs))
-        if unknown:
-            raise KeyError(
-                f"unknown field(s) {unknown}; this storage has fields {sorted(self._specs)}"
-            )
-        missing = sorted(set(self._specs) - set(steps))
-        if missing:
+        if steps.keys() != self._specs.keys():  # (set comparison of the names; the messages below say how)
+            unknown = sorted(set(steps) - set(self._specs))
+            if unknown:
+                raise KeyError(
+                    f"unknown field(s) {unknown}; this storage has fields {sorted(self._specs)}"
+                )
+            missing = sorted(set(self._specs) - set(steps))
             raise KeyError(f"missing field(s) {missing}; every append must carry all of {sorted(self._specs)}")
         out: dict[str, torch.Tensor] = {}
         length: int | None = None
         first_name = ""
         for name, spec in self._specs.items():
             value = steps[name]
-            if isinstance(value, np.ndarray):
-                try:
-                    value = torch.from_numpy(value)
-                except TypeError as e:
-                    raise TypeError(f"field {name!r}: numpy dtype {value.dtype} has no torch equivalent") from e
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"field {name!r} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+            if type(value) is not torch.Tensor:
+                if isinstance(value, np.ndarray):
+                    try:
+                        value = torch.from_numpy(value)
+                    except TypeError as e:
+                        raise TypeError(f"field {name!r}: numpy dtype {value.dtype} has no torch equivalent") from e
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"field {name!r} must be a torch.Tensor or numpy array, got {type(value).__name__}")
             if value.dtype != spec.dtype:
                 raise TypeError(f"field {name!r} has dtype {value.dtype}, expected {spec.dtype}; cast it first")
-            if value.dim() != 1 + len(spec.shape) or tuple(value.shape[1:]) != spec.shape:
+            if value.dim() != 1 + len(spec.shape) or value.shape[1:] != spec.shape:
                 raise ValueError(
                     f"field {name!r} has shape {tuple(value.shape)}, expected [L, *{spec.shape}] "
                     f"(a leading step dimension, then the spec shape)"
@@ -713,9 +714,12 @@ class Storage:
         n1 = min(length, cap - pos0)
         if self._device.type == "cpu":
             # numpy slicing and copyto cost a fraction of torch's per-call overhead on small batches.
+            views = self._typed_views
             for name, src in tensors.items():
-                dst_np = self._typed_view(name)
-                if dst_np is None or src.device.type != "cpu" or src.requires_grad:
+                dst_np = views.get(name, False)
+                if dst_np is False:
+                    dst_np = self._typed_view(name)
+                if dst_np is None or not src.is_cpu or src.requires_grad:
                     dst = self._fields[name]
                     dst[pos0 : pos0 + n1].copy_(src[:n1])
                     if n1 < length:

@@ -715,11 +715,7 @@ class ReplayClient:
         beta = self.beta if self.beta is not None else max(f.beta for f in figs.values())  # type: ignore[attr-defined]
         lows = [shares[k] * f.min_mass / f.mass for k, f in figs.items()  # type: ignore[attr-defined]
                 if shares[k] > 0 and f.mass > 0 and 0 < f.min_mass < math.inf]  # type: ignore[attr-defined]
-        min_p = min(lows, default=math.inf)
-        if beta == 0.0 or not (0 < min_p < math.inf):
-            weights = np.ones(n, dtype=np.float32)
-        else:
-            weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
+        weights = _weights(probs, min(lows, default=math.inf), beta)
         first = parts[order[0]]
         w = max(first["window"], 1)
         data: dict[str, torch.Tensor] = {}
@@ -835,27 +831,37 @@ class ReplayClient:
         a = 0
         drawn: list[tuple[int, int, int, float]] = []  # (shard, a, b, its share of the counts)
         every_uniform = self.rng.random(n)  # shard i's are [a, b) of them
+        beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
+        min_p = _least_probability(shares, figs)  # type: ignore[arg-type]
+        weights = np.empty(n, dtype=np.float32)
+        retried = False
         for i, (k, sh, c) in enumerate(zip(live, shards, counts.tolist())):
             if c == 0:
                 continue
             b = a + c
             uniforms = every_uniform[a:b]
+            share = float(shares[i])
             f = used[i]
             while True:  # a shard that changed since its figures: its own draw again, on its new state
-                status = sh.table.sample_into(f[0], uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
+                # (keys, probabilities and weights of the batch: `local` and `q` come back tagged and scaled)
+                status = sh.table.sample_part(f[0], uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
                                               bases + a * item_nbytes, mask[a:b], local[a:b], q[a:b], times[a:b],
-                                              valid[a:b])
+                                              valid[a:b], k << KEY_SHARD_BITS, share, min_p, beta, weights[a:b])
                 if status == _OK:
                     break
                 self.one_sided_retries += 1
+                retried = True
                 g = self._stable_figures(sh, deadline) if status != _EMPTY else None
                 if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
                     return None, self.take_notices(self._notices(drawn, local))
                 f = g
             used[i] = f
-            drawn.append((k, a, b, float(shares[i])))
+            drawn.append((k, a, b, share))
             a = b
-        return self._finish_one_sided(n, drawn, used, shares, shards, out, mask, local, q, times, valid)
+        if retried:  # the least likely item is the one of the figures the draws used
+            min_p = _least_probability(shares, used)
+            weights = _weights(q, min_p, beta)
+        return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid)
 
     def _hold_keys(self, drawn: list[tuple[int, np.ndarray]]) -> list[SampledKeys]:
         """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not
@@ -901,10 +907,12 @@ class ReplayClient:
         return [SampledKeys(k, make_keys(k, local[a:b])) for k, a, b, _share in drawn]
 
     def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int, float]],
-                          figs: list[tuple[int, float, float, int]], shares: np.ndarray, shards: list[_SharedShard],
-                          out: dict[str, torch.Tensor], mask: np.ndarray, local: np.ndarray, q: np.ndarray,
-                          times: np.ndarray, valid: np.ndarray) -> tuple[SampledBatch, list[SampledKeys]]:
-        """Keys, probabilities and weights of the drawn items, their notices, the batch."""
+                          figs: list[tuple[int, float, float, int]], shards: list[_SharedShard],
+                          out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
+                          weights: np.ndarray, times: np.ndarray, valid: np.ndarray,
+                          ) -> tuple[SampledBatch, list[SampledKeys]]:
+        """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
+        and its notices."""
         assert self._reader is not None
         for k, _a, _b, _share in drawn:  # data of a shard that died meanwhile is never returned
             try:
@@ -913,23 +921,8 @@ class ReplayClient:
                 lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
                 lost.shard = k  # type: ignore[attr-defined]
                 raise lost from e
-        # Every shard's items at once (no per-shard array operations): each item's shard tag, and
-        # P(i) = share_s * q_i, what the item was drawn with: (M_s / M) * (w_i / M_s) = w_i / M when the
-        # shard did not change between its figures and its draw (else q_i is on its new state).
-        sizes = [b - a for _k, a, b, _share in drawn]
-        keys = local | np.repeat(np.array([k for k, _a, _b, _s in drawn], np.int64) << KEY_SHARD_BITS, sizes)
-        probs = q * np.repeat(np.array([share for _k, _a, _b, share in drawn]), sizes)
         told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
         notices = [(k, told[a:b]) for k, a, b, _share in drawn]
-        # IS weight (P(i) / min_j P(j))^-beta, the least likely item of every live shard: share * min / mass.
-        lows = [sh_share * f[2] / f[1] for sh_share, f in zip(shares.tolist(), figs)
-                if sh_share > 0 and f[1] > 0 and 0 < f[2] < math.inf]
-        beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
-        min_p = min(lows) if lows else math.inf
-        if beta == 0.0 or not (0 < min_p < math.inf):
-            weights = np.ones(n, dtype=np.float32)
-        else:
-            weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
         data: dict[str, torch.Tensor] = out
         if shards[0].table.window:
             data["mask"] = torch.from_numpy(mask)
@@ -1197,6 +1190,22 @@ class ReplayClient:
 
 
 _ONE_SIDED_PATIENCE_S = 0.005  # how long sample_now waits out shards' changes before it leaves the sample to messages
+
+
+def _least_probability(shares: np.ndarray, figs: list[tuple[int, float, float, int]]) -> float:
+    """The least likely item's probability over the shards, ``share * min / mass`` of each live
+    shard's figures ``(seq, mass, min, size)`` (inf when none has a positive, finite one)."""
+    lows = [sh_share * f[2] / f[1] for sh_share, f in zip(shares.tolist(), figs)
+            if sh_share > 0 and f[1] > 0 and 0 < f[2] < math.inf]
+    return min(lows) if lows else math.inf
+
+
+def _weights(probs: np.ndarray, min_p: float, beta: float) -> np.ndarray:
+    """Importance weights ``min((P / min_p)^-beta, 1)`` as float32 (1 where beta is 0 or min_p is not
+    positive and finite)."""
+    if beta == 0.0 or not (0 < min_p < math.inf):
+        return np.ones(len(probs), dtype=np.float32)
+    return np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
 
 
 @dataclass

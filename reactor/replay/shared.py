@@ -545,6 +545,45 @@ class SharedSampling:
             row_nbytes, dst_addrs, mask, keys, probs, times, valid, _PREFETCH_WINDOWS))
 
 
+    def sample_part(self, seq: int, uniforms: np.ndarray, versions: np.ndarray, src_addrs: np.ndarray,
+                    row_nbytes: np.ndarray, dst_addrs: np.ndarray, mask: np.ndarray, keys: np.ndarray,
+                    probs: np.ndarray, times: np.ndarray, valid: np.ndarray, tag: int, share: float, min_p: float,
+                    beta: float, weights: np.ndarray) -> int:
+        """:meth:`sample_into` for one shard's part of a batch drawn over several, finished in the same
+        compiled call: each item's key tagged (``tag | key``), its probability in the batch
+        (``share * q``) and its importance weight ``min((p / min_p)^-beta, 1)`` as float32 (1 when
+        ``beta`` is 0 or ``min_p`` is not positive and finite). Returns OK, MOVED or EMPTY; only OK
+        fills the outputs."""
+        return int(_nb_sample_part(
+            self.header, seq, self.uniform, self.sums, self.offsets, self.arity, self.dense, self.times,
+            uniforms, self.step_ep, self.ep_start, self.ep_len, self.window, self.head, versions, src_addrs,
+            row_nbytes, dst_addrs, mask, keys, probs, times, valid, _PREFETCH_WINDOWS, tag, share, min_p, beta,
+            weights))
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_sample_part(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarray, offsets: np.ndarray, arity: int,
+                    dense: np.ndarray, times: np.ndarray, uniforms: np.ndarray, step_ep: np.ndarray,
+                    ep_start: np.ndarray, ep_len: np.ndarray, length: int, head: bool, versions: np.ndarray,
+                    src_addrs: np.ndarray, row_nbytes: np.ndarray, dst_addrs: np.ndarray, mask: np.ndarray,
+                    keys: np.ndarray, probs: np.ndarray, out_times: np.ndarray, valid: np.ndarray, ahead: int,
+                    tag: int, share: float, min_p: float, beta: float,
+                    weights: np.ndarray) -> int:  # pragma: no cover - jit
+    """``_nb_sample_into``, then the items' batch keys, probabilities and weights (see sample_part)."""
+    status = _nb_sample_into(header, seq, uniform, sums, offsets, arity, dense, times, uniforms, step_ep, ep_start,
+                             ep_len, length, head, versions, src_addrs, row_nbytes, dst_addrs, mask, keys, probs,
+                             out_times, valid, ahead)
+    if status != 0:
+        return status
+    plain = beta == 0.0 or not (0.0 < min_p < np.inf)
+    for j in range(uniforms.shape[0]):
+        keys[j] = keys[j] | tag
+        p = probs[j] * share
+        probs[j] = p
+        weights[j] = 1.0 if plain else min((p / min_p) ** (-beta), 1.0)
+    return 0
+
+
 @numba.njit(cache=True, nogil=True)
 def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarray, offsets: np.ndarray, arity: int,
                     dense: np.ndarray, times: np.ndarray, uniforms: np.ndarray, step_ep: np.ndarray,

@@ -203,11 +203,14 @@ async def test_a_read_servers_sample_op_refuses_malformed_requests_and_keeps_ser
 
 
 
+_OWNED: dict = {}  # a served shard's owner -> (its table, its publisher): a test changes the table
+
+
 async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool = False):
     """A bulk owner holding a 100-step table (ids 0..99, 10-step episodes, priority 1 + id % 3) whose
     read server serves the one-sided sample op, as a Replay shard's does; its sampling state in a
     region of its own where ``shm`` (for a reader on this host). ``bad``: its replies cut the keys
-    short. Returns (owner, data descriptor, sampling offer)."""
+    short. Returns (owner, data descriptor, sampling offer); ``_OWNED[owner]`` is its (table, publisher)."""
     import torch
 
     from reactor.nodes.replay import REMOTE_SAMPLE_OP
@@ -238,6 +241,7 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
         return {**rep, "keys": rep["keys"][:1]} if bad else rep
 
     owner.serve_op(REMOTE_SAMPLE_OP, op)
+    _OWNED[owner] = (table, pub)
     offer = {"table": pub.descriptor(), "op": REMOTE_SAMPLE_OP, "max_items": 1000}
     desc = owner.descriptor(region)
     if shm:
@@ -344,6 +348,64 @@ async def test_a_client_tells_the_shards_of_its_one_sided_draws_every_few_sample
         if client is not None and client._reader is not None:
             await client._reader.aclose()
         for owner, _d, _o in shards:
+            await owner.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_that_changes_between_its_figures_and_its_draw_draws_again_and_weighs_by_what_it_used(tmp_path):
+    """Two shards on this host; shard 1's owner lowers one priority (its mass and its least weight
+    change) after the client read the figures and before shard 1's draw: the draw is made again on
+    the new state, shard 1's items report (share from the old figures) x (weight over the new mass),
+    and the importance weights are against the least likely item of the figures the draws used
+    (shard 0's old, shard 1's new), not of the figures read first."""
+    from reactor.replay import Prioritized
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards)
+        assert client.can_sample_now
+        (_s0, m0, low0, _n0), (_s1, m1, _low1, _n1) = (client._shared[k].table.figures() for k in range(2))
+        ss1 = client._shared[1].table
+        table1, pub1 = _OWNED[shards[1][0]]
+        real = type(ss1).sample_part
+        calls = []
+
+        def changed_first(*args):  # the owner's change lands between the figures and the draw
+            if not calls:
+                pub1.begin()
+                table1.update_priorities(np.array([0]), np.array([0.01]))
+                pub1.end()
+            calls.append(args[0])
+            return real(ss1, *args)
+
+        ss1.sample_part = changed_first
+        n = 300
+        batch, _ = client.sample_now(n)
+        assert batch is not None and len(batch.keys) == n
+        assert len(calls) == 2 and client.one_sided_retries >= 1  # MOVED, then drawn on the new state
+        _s, m1_new, low1_new, _n = ss1.figures()
+        alpha = Prioritized().alpha
+        w1 = (1.0 + np.arange(100) % 3) ** alpha
+        w1[0] = 0.01**alpha
+        assert m1_new == pytest.approx(w1.sum()) and low1_new == pytest.approx(w1.min())
+        share = np.array([m0, m1]) / (m0 + m1)  # the counts were drawn from the figures read first
+        keys = batch.keys.numpy()
+        shard, local = keys >> 48, keys & ((1 << 48) - 1)
+        w0 = (1.0 + np.arange(100) % 3) ** alpha
+        want_p = np.where(shard == 0, share[0] * w0[local] / m0, share[1] * w1[local] / m1_new)
+        np.testing.assert_allclose(batch.probabilities.numpy(), want_p, rtol=1e-12)
+        beta = client._shared[0].table.beta
+        min_p = min(share[0] * low0 / m0, share[1] * low1_new / m1_new)
+        want_w = np.minimum((want_p / min_p) ** -beta, 1.0).astype(np.float32)
+        np.testing.assert_allclose(batch.weights.numpy(), want_w, rtol=1e-6)
+        assert batch.weights.numpy().min() < 0.5  # (the least weight moved: the old one would say otherwise)
+    finally:
+        if client is not None and client._reader is not None:
+            await client._reader.aclose()
+        for owner, _d, _o in shards:
+            _OWNED.pop(owner, None)
             await owner.aclose()
 
 

@@ -27,6 +27,13 @@ from reactor.nodes import (
 )
 from reactor.nodes.messages import MassRequest
 
+
+def _npz(path) -> dict:
+    """An .npz file's arrays, the file closed (an NpzFile left open warns when a later test collects it)."""
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "replay_service.py")
 
 
@@ -38,7 +45,7 @@ def test_a_sampler_blocked_below_min_size_is_released_by_inserts(tmp_path):
     """Issue 4: the learner asks at t=0; each shard parks the request until it holds min_size items."""
     out = tmp_path / "learner.npz"
     _run({"shards": 2, "actors": 2, "min_size": 120, "batches": 5, "out": str(out)})
-    rec = np.load(out)
+    rec = _npz(out)
     assert len(rec["lens"]) == 5
     assert rec["sizes"][0] >= 2 * 120  # the first batch came only once both shards were ready
     assert rec["t_ns"][0] > 0  # ... which took the actors some steps (1 ms of logical time each)
@@ -49,7 +56,7 @@ def test_bad_steps_are_refused_logged_and_counted_and_the_shard_keeps_serving(tm
     with caplog.at_level(logging.ERROR, logger="reactor.replay"):
         _run({"source": "bad", "shards": 2, "actors": 2, "batches": 3, "batch_size": 8, "out": str(out),
               "stats_out": str(stats)})
-    s = np.load(stats)
+    s = _npz(stats)
     assert s["size"].tolist() == [16, 16]  # the good message of each of the 2 writers, per shard
     assert s["rejected_steps"].tolist() == [2 * 28, 2 * 28]  # 8 + 8 + 8 + 4 rows refused per writer
     msgs = [r.getMessage() for r in caplog.records]
@@ -57,7 +64,7 @@ def test_bad_steps_are_refused_logged_and_counted_and_the_shard_keeps_serving(tm
                for m in msgs)
     assert any("unknown field(s) ['extra']" in m for m in msgs)
     assert any("episode_end must be a non-empty bool [L] array whose last entry is True" in m for m in msgs)
-    rec = np.load(out)
+    rec = _npz(out)
     assert len(rec["lens"]) == 3 and rec["sizes"][0] == 32
 
 
@@ -70,7 +77,7 @@ def test_priority_updates_reach_the_shard_that_owns_each_key(tmp_path):
     out = tmp_path / "learner.npz"
     _run({"source": "items", "items": 400, "shards": 4, "actors": 1, "min_size": 100, "batches": 7,
           "batch_size": 32, "update": "boost", "out": str(out)})
-    rec = np.load(out)
+    rec = _npz(out)
     boosted = set(rec["boosted"].tolist())
     assert len({int(k) for k in key_shard(rec["boosted"])}) > 1  # the boosted keys live on several shards
     later = rec["keys"][rec["lens"][:2].sum():]
@@ -85,12 +92,12 @@ def test_checkpoints_restore_the_shards_on_the_next_start(tmp_path):
     cfg = {"shards": 2, "actors": 1, "batches": 2, "run_dir": str(run_dir), "checkpoint_on_shutdown": True,
            "stats_out": str(stats)}
     _run(cfg)
-    first = np.load(stats)
+    first = _npz(stats)
     assert first["restored_from"].tolist() == ["", ""]
     for shard in (0, 1):
         assert (run_dir / f"replay-{shard}" / "ckpt-00000001" / "COMPLETE").is_file()
     _run({**cfg, "env_steps": 10})
-    second = np.load(stats)
+    second = _npz(stats)
     assert [Path(p).parent.name for p in second["restored_from"]] == ["replay-0", "replay-1"]
     # Restored items plus the second run's own inserts.
     assert (second["inserted"] > first["inserted"]).all()
@@ -360,7 +367,7 @@ def test_shards_in_gpu_or_pinned_memory_sample_exactly_what_host_memory_shards_d
     for memory in ("host", "pinned", "cuda"):
         out = tmp_path / f"{memory}.npz"
         _run({**cfg, "memory": memory, "out": str(out)}, stop_s=0.2)
-        outs[memory] = np.load(out)
+        outs[memory] = _npz(out)
     for memory in ("pinned", "cuda"):
         # the same draws; the same bytes from pinned memory (a GPU's n-step sums may round differently)
         for name in ("keys", "probs", "weights") + (("digest",) if memory == "pinned" else ()):

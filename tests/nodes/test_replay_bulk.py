@@ -26,6 +26,13 @@ from reactor.nodes.messages import (
 )
 from reactor.replay import WindowRead
 
+
+def _npz(path) -> dict:
+    """An .npz file's arrays, the file closed (an NpzFile left open warns when a later test collects it)."""
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "replay_service.py")
 
 
@@ -45,7 +52,7 @@ def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
     a, b = tmp_path / "message.npz", tmp_path / "shm.npz"
     _run({**cfg, "bulk": False, "out": str(a)}, stop_s=0.2)
     _run({**cfg, "bulk": True, "out": str(b)}, stop_s=0.2)
-    ka, kb = np.load(a), np.load(b)
+    ka, kb = _npz(a), _npz(b)
     assert int(ka["gathered"]) == 0 and int(kb["gathered"]) == 8 * 64 and int(kb["dropped"]) == 0
     for name in ("keys", "probs", "weights", "sizes", "digest"):
         np.testing.assert_array_equal(ka[name], kb[name], err_msg=name)
@@ -54,13 +61,13 @@ def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
     # read servers: the path an RDMA reader takes, with zmq standing in for the verbs.
     r = tmp_path / "remote.npz"
     _run({**cfg, "bulk": True, "remote": "zmq", "out": str(r)}, stop_s=0.2)
-    kr = np.load(r)
+    kr = _npz(r)
     assert int(kr["gathered"]) == 8 * 64 and int(kr["dropped"]) == 0
     for name in ("keys", "probs", "weights", "sizes", "digest"):
         np.testing.assert_array_equal(ka[name], kr[name], err_msg=name)
     c = tmp_path / "auto.npz"
     _run({**cfg, "out": str(c)}, stop_s=0.2)
-    assert int(np.load(c)["gathered"]) == 0  # auto: off in deterministic runs (Reactor.deterministic)
+    assert int(_npz(c)["gathered"]) == 0  # auto: off in deterministic runs (Reactor.deterministic)
 
 
 @pytest.mark.slow
@@ -70,7 +77,7 @@ def test_learner_in_another_process_gathers_from_the_shards_shared_memory(tmp_pa
     out = tmp_path / "learner.npz"
     _run({"source": "gym", "read": "window", "shards": 2, "actors": 1, "min_size": 50, "batches": 10,
           "out": str(out)}, placement="processes", deterministic=False)
-    rec = np.load(out)
+    rec = _npz(out)
     assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
     assert int(rec["gathered"]) == 10 * 64  # auto: on in async runs
     assert _segments() == before
@@ -90,7 +97,7 @@ def test_learner_of_another_host_reads_windows_one_sidedly_over_curve(tmp_path):
     before = _segments()
     res = _run({"source": "gym", "read": "window", "shards": 2, "actors": 1, "min_size": 50, "batches": 10,
                 "remote": "zmq", "out": str(out)}, placement=str(placement), deterministic=False)
-    rec = np.load(out)
+    rec = _npz(out)
     assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
     assert int(rec["gathered"]) == 10 * 64  # every item through a one-sided read, none in a reply
     assert len(res.processes) == 5 and all(s["curve"] for s in res.processes.values())

@@ -17,6 +17,13 @@ from reactor import run
 from reactor.launch._app import build_graph
 from reactor.replay import FieldSpec, MinSize, Prioritized, StepRead, Storage, Table, Uniform
 
+
+def _npz(path) -> dict:
+    """An .npz file's arrays, the file closed (an NpzFile left open warns when a later test collects it)."""
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "replay_service.py")
 
 
@@ -55,7 +62,7 @@ def test_four_shards_in_four_processes_sample_like_one_table(tmp_path, masses):
                 "batches": batches, "batch_size": bs, "alpha": 1.0, "beta": 0.5, "out": str(out), "masses": masses},
                placement="processes", stop_s=0.3)
     assert {f"replay-{i}" for i in range(4)} <= set(res.processes)
-    rec = np.load(out)
+    rec = _npz(out)
     assert rec["lens"].tolist() == [bs] * batches
     assert (rec["sizes"] == items).all()
     ids = rec["ids"]
@@ -94,7 +101,7 @@ def test_one_item_samples_leave_a_shard_out_and_still_report_exact_probabilities
     _run({"source": "items", "items": items, "shards": 2, "actors": 1, "min_size": items // 2,
           "batches": batches, "batch_size": 1, "alpha": 1.0, "beta": 0.5, "out": str(out)},
          placement="processes", stop_s=0.3)
-    rec = np.load(out)
+    rec = _npz(out)
     assert rec["lens"].tolist() == [1] * batches
     single = _single_table(items, alpha=1.0, beta=0.5)
     draws, info = single.sample_nowait(4000)
@@ -115,7 +122,7 @@ def test_deterministic_samples_are_identical_under_single_and_processes(tmp_path
     a, b = tmp_path / "single.npz", tmp_path / "processes.npz"
     ra = _run({**cfg, "out": str(a)}, stop_s=0.15, digest=True)
     rb = _run({**cfg, "out": str(b)}, stop_s=0.15, digest=True, placement="processes")
-    ka, kb = np.load(a), np.load(b)
+    ka, kb = _npz(a), _npz(b)
     assert ka["lens"].tolist() == [64] * 15
     for name in ("keys", "probs", "weights", "sizes", "t_ns", "digest"):
         np.testing.assert_array_equal(ka[name], kb[name], err_msg=name)

@@ -75,6 +75,7 @@ __all__ = [
     "numpy_twin",
     "prefetch",
     "release_fence",
+    "void_pointer",
     "zero_bytes",
 ]
 
@@ -99,6 +100,19 @@ def prefetch(typingctx: Any, addr: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(addr), codegen
+
+
+@intrinsic
+def void_pointer(typingctx: Any, addr: Any) -> Any:
+    """Integer address ``addr`` as a ``void*``, for ``numba.carray(void_pointer(a), n, dtype)``: a view
+    of memory the caller keeps mapped (no ownership, no bounds: the caller's sizes are trusted)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _as_ptr(builder, args[0])
+
+    return types.voidptr(addr), codegen
 
 
 @intrinsic

@@ -22,9 +22,13 @@ import torch
 from .._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
+from ..replay.shared import BELOW as _BELOW
+from ..replay.shared import BUSY as _BUSY
 from ..replay.shared import EMPTY as _EMPTY
+from ..replay.shared import MOVED_AT as _MOVED_AT
 from ..replay.shared import OK as _OK
-from ..replay.shared import SharedSampling
+from ..replay.shared import ZERO as _ZERO
+from ..replay.shared import SharedSampling, SharedShards, plan_shards
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from .messages import (
@@ -225,6 +229,7 @@ class ReplayClient:
         self._held: dict[int, list[np.ndarray]] = {}  # shard -> keys drawn one-sidedly, not yet told
         self._held_samples = 0  # samples whose notices are held
         self._held_since = 0.0  # perf_counter of the oldest of them
+        self._group: tuple[tuple[int, ...], SharedShards, list[_SharedShard]] | None = None  # see _group_of
 
     @property
     def live_shards(self) -> list[int]:
@@ -753,6 +758,7 @@ class ReplayClient:
 
     def _forget_sampling(self, shard: int) -> None:
         """Drop a shard's one-sided offer and unmap its sampling region (its successor offers anew)."""
+        self._group = None  # (it reaches the shards' arrays by address: never past their unmapping)
         self._remote_shared.pop(shard, None)
         sh = self._shared.pop(shard, None)
         if sh is not None and self._reader is not None and sh.region in self._reader.regions:
@@ -811,31 +817,50 @@ class ReplayClient:
         bases = np.array([out[f].data_ptr() for f in first.names], dtype=np.int64)
         item_nbytes = first.row_nbytes * max(window, 1)
         mask = np.empty((n, max(window, 1)), dtype=np.bool_)
-        local = np.empty(n, dtype=np.int64)
-        q = np.empty(n, dtype=np.float64)
+        local = np.empty(n, dtype=np.int64)  # (the draws leave the batch's keys here,
+        q = np.empty(n, dtype=np.float64)  # its probabilities here,
+        weights = np.empty(n, dtype=np.float32)  # and its importance weights here)
         times = np.empty(n, dtype=np.int64)
         valid = np.empty(n, dtype=np.bool_)
-        deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
-        figs = [self._stable_figures(sh, deadline) for sh in shards]
-        if any(f is None for f in figs):
-            return None, self.take_notices()  # a shard kept changing: sample through messages
-        if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):  # type: ignore[index]
-            return None, self.take_notices()  # below a shard's min size: its request parks until ready
-        masses = np.array([f[1] for f in figs], dtype=np.float64)  # type: ignore[index]
-        total = float(masses.sum())
-        if not total > 0:
-            return None, self.take_notices()  # every priority is 0: the message path says so
-        shares = masses / total
-        counts = self.rng.multinomial(n, shares)
-        used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
-        a = 0
-        drawn: list[tuple[int, int, int, float]] = []  # (shard, a, b, its share of the counts)
-        every_uniform = self.rng.random(n)  # shard i's are [a, b) of them
+        count_uniforms = self.rng.random(n)  # the per-shard counts (plan_shards: a multinomial sample)
+        every_uniform = self.rng.random(n)  # the draws: shard i's are [a, b) of them
         beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
-        min_p = _least_probability(shares, figs)  # type: ignore[arg-type]
-        weights = np.empty(n, dtype=np.float32)
+        group = self._group_of(live, shards)
+        m = len(shards)
+        seqs, sizes, counts, where = (np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m, np.int64),
+                                      np.zeros(3, np.int64))
+        masses, lows, shares, least = (np.zeros(m, np.float64), np.zeros(m, np.float64), np.zeros(m, np.float64),
+                                       np.zeros(1, np.float64))
+        # Every shard's figures and the counts in one compiled call, then every shard's draw in another
+        # (the common case; a shard mid-change or changed in between is handled below, shard by shard).
+        status = group.figures(count_uniforms, seqs, sizes, masses, lows, counts, shares, least)
+        if status == _OK:
+            status = group.draw(every_uniform, bases, item_nbytes, group.tags, beta, mask, local, q, times, valid,
+                                weights, seqs, counts, shares, least, where)
+        if status in (_BELOW, _ZERO):  # below a shard's min size (its request parks until ready), or all 0
+            return None, self.take_notices()
+        deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
+        if status == _BUSY:  # a shard was mid-change: its figures waited for here, then the draws
+            figs = [self._stable_figures(sh, deadline) for sh in shards]
+            if any(f is None for f in figs):
+                return None, self.take_notices()  # a shard kept changing: sample through messages
+            if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):  # type: ignore[index]
+                return None, self.take_notices()
+            masses = np.array([f[1] for f in figs], dtype=np.float64)  # type: ignore[index]
+            lows = np.array([f[2] for f in figs], dtype=np.float64)  # type: ignore[index]
+            if plan_shards(count_uniforms, masses, lows, counts, shares, least) != _OK:
+                return None, self.take_notices()  # every priority is 0: the message path says so
+            start, a = 0, 0
+        else:
+            figs = [(int(seqs[i]), float(masses[i]), float(lows[i]), int(sizes[i])) for i in range(m)]
+            start, a = (int(where[0]), int(where[1])) if status == _MOVED_AT else (m, n)
+        used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
+        drawn = [(k, int(b - c), int(b), float(shares[i]))  # (shard, a, b, its share of the counts)
+                 for i, (k, c, b) in enumerate(zip(live[:start], counts[:start], np.cumsum(counts)[:start])) if c]
+        min_p = float(least[0])
         retried = False
-        for i, (k, sh, c) in enumerate(zip(live, shards, counts.tolist())):
+        for i in range(start, m):  # shards the compiled call did not draw (a change, or it waited): one by one
+            k, sh, c = live[i], shards[i], int(counts[i])
             if c == 0:
                 continue
             b = a + c
@@ -862,6 +887,15 @@ class ReplayClient:
             min_p = _least_probability(shares, used)
             weights = _weights(q, min_p, beta)
         return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid)
+
+    def _group_of(self, live: list[int], shards: list[_SharedShard]) -> SharedShards:
+        """The live shards' mapped states as one :class:`SharedShards` (kept until the shards change)."""
+        key = tuple(id(sh) for sh in shards)
+        if self._group is None or self._group[0] != key:
+            group = SharedShards([(sh.table, sh.versions, sh.src_addrs, sh.row_nbytes) for sh in shards])
+            group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
+            self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
+        return self._group[1]
 
     def _hold_keys(self, drawn: list[tuple[int, np.ndarray]]) -> list[SampledKeys]:
         """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not

@@ -45,13 +45,13 @@ from typing import Any
 import numba
 import numpy as np
 
-from .._native import acquire_fence, prefetch, release_fence
+from .._native import acquire_fence, prefetch, release_fence, void_pointer
 from .storage import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
 from .sumtree import _layout, _nb_descend
 
 __all__ = [
-    "EMPTY", "MOVED", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling", "serve_sample", "shareable",
-    "why_not_shared",
+    "BELOW", "BUSY", "EMPTY", "MOVED", "MOVED_AT", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling",
+    "SharedShards", "plan_shards", "serve_sample", "shareable", "why_not_shared",
 ]
 
 #: Header slots (int64): the sequence count, then what the owner publishes at the end of a change.
@@ -61,6 +61,10 @@ HEADER_LEN = 8
 _VERSIONS_AHEAD = 8
 #: :meth:`SharedSampling.draw` results.
 OK, MOVED, EMPTY = 0, 1, 2
+#: :class:`SharedShards` results besides OK: a shard was mid-change when its figures were read; a
+#: shard holds fewer items than its min size; every mass is 0 (figures); a shard's draw did not return
+#: OK (draw).
+BUSY, BELOW, ZERO, MOVED_AT = 3, 4, 5, 6
 
 ArrayAllocator = Callable[[str, tuple[int, ...], np.dtype[Any]], np.ndarray]
 
@@ -610,6 +614,159 @@ def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarra
     _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, max(length, 1), mask, ahead)
     _nb_check_versions(versions, pos, lo, hi, base, valid, False)
     return 0
+
+
+#: The arrays :class:`SharedShards` reaches by address, per shard (int64 unless listed in _F64).
+_SHARD_ARRAYS = ("header", "sums", "mins", "offsets", "dense", "times", "step_ep", "ep_start", "ep_len", "versions",
+                 "src_addrs", "row_nbytes")
+_F64 = ("sums", "mins")
+
+
+class SharedShards:
+    """Several shards' published states (a replay bank's, mapped on this host), drawn from as one batch
+    in two compiled calls: every shard's figures and the per-shard counts (:meth:`figures`), then
+    each shard's :meth:`SharedSampling.sample_part` into its slice of the batch (:meth:`draw`).
+
+    Args:
+        parts: per shard, ``(state, versions, src_addrs, row_nbytes)``: its :class:`SharedSampling`,
+            its rows' version column and its fields' addresses and row sizes (as ``sample_part``
+            takes them). The object keeps them (the compiled call reaches them by address).
+
+    Raises:
+        ValueError: no parts, or the shards differ in window or padding.
+    """
+
+    def __init__(self, parts: list[tuple[SharedSampling, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        if not parts or len({(ss.window, ss.head) for ss, *_ in parts}) != 1:
+            raise ValueError("SharedShards: at least one shard, all with the same window and padding")
+        self.parts = parts
+        self.window, self.head = parts[0][0].window, parts[0][0].head
+        self.table = np.zeros((len(parts), 2 * len(_SHARD_ARRAYS)), np.int64)  # (address, length) per array
+        self.scalars = np.zeros((len(parts), 3), np.int64)  # uniform, arity, min size
+        for i, (ss, versions, src_addrs, row_nbytes) in enumerate(parts):
+            arrays = {"header": ss.header, "sums": ss.sums, "mins": ss.mins, "offsets": ss.offsets, "dense": ss.dense,
+                      "times": ss.times, "step_ep": ss.step_ep, "ep_start": ss.ep_start, "ep_len": ss.ep_len,
+                      "versions": versions, "src_addrs": src_addrs, "row_nbytes": row_nbytes}
+            for j, name in enumerate(_SHARD_ARRAYS):
+                a = arrays[name]
+                want = np.float64 if name in _F64 else np.int64
+                if a.dtype != want or a.ndim != 1 or not a.flags.c_contiguous:
+                    raise ValueError(f"SharedShards: shard {i}'s {name} is {a.dtype}{a.shape}, expected 1-D {np.dtype(want)}")
+                self.table[i, 2 * j], self.table[i, 2 * j + 1] = a.ctypes.data, a.shape[0]
+            self.scalars[i] = (int(ss.uniform), ss.arity, ss.min_size)
+
+    def figures(self, count_uniforms: np.ndarray, seqs: np.ndarray, sizes: np.ndarray, masses: np.ndarray,
+                lows: np.ndarray, counts: np.ndarray, shares: np.ndarray, least: np.ndarray) -> int:
+        """Every shard's figures (into ``seqs``, ``sizes``, ``masses``, ``lows``), then
+        :func:`plan_shards`: the per-shard counts of ``n = len(count_uniforms)`` items, the shares
+        ``mass / total`` and the least likely item's probability (``least[0]``). Returns OK, or BUSY (a
+        shard was mid-change), BELOW (a shard holds fewer items than its min size) or ZERO (every
+        mass is 0), with the outputs partly filled."""
+        return int(_nb_shards_figures(self.table, self.scalars, count_uniforms, seqs, sizes, masses, lows, counts,
+                                      shares, least))
+
+    def draw(self, draw_uniforms: np.ndarray, dst_addrs: np.ndarray, item_nbytes: np.ndarray, tags: np.ndarray,
+             beta: float, mask: np.ndarray, keys: np.ndarray, probs: np.ndarray, times: np.ndarray, valid: np.ndarray,
+             weights: np.ndarray, seqs: np.ndarray, counts: np.ndarray, shares: np.ndarray, least: np.ndarray,
+             where: np.ndarray) -> int:
+        """After :meth:`figures`: shard by shard, its :meth:`SharedSampling.sample_part` on the state of
+        its figures into items ``[a, a + count)`` (``dst_addrs`` of item 0 of each field,
+        ``item_nbytes`` per item; ``tags`` each shard's key tag). Returns OK, or MOVED_AT with
+        ``where = (shard, a, its status)``: the shards before it drew their items, the rest did not."""
+        return int(_nb_shards_draw(self.table, self.scalars, self.window, self.head, draw_uniforms, dst_addrs,
+                                   item_nbytes, tags, beta, _PREFETCH_WINDOWS, mask, keys, probs, times, valid, weights,
+                                   seqs, counts, shares, least, where))
+
+
+@numba.njit(cache=True, nogil=True)
+def plan_shards(count_uniforms: np.ndarray, masses: np.ndarray, lows: np.ndarray, counts: np.ndarray,
+                shares: np.ndarray, least: np.ndarray) -> int:  # pragma: no cover - jit
+    """From the shards' masses and least weights: ``counts[s]``, how many of the uniforms fall in shard
+    ``s``'s part of the total mass (one categorical draw per uniform, so the counts are a multinomial
+    sample over the shares); ``shares[s] = mass / total``; ``least[0]``, the least likely item's
+    probability over the shards (``share * min / mass``, inf when none has a positive, finite one).
+    Returns OK, or ZERO when every mass is 0 (nothing else filled)."""
+    total = 0.0
+    last = -1
+    for s in range(masses.shape[0]):
+        counts[s] = 0
+        total += masses[s]
+        if masses[s] > 0:
+            last = s
+    if not total > 0.0:
+        return ZERO
+    for i in range(count_uniforms.shape[0]):
+        u = count_uniforms[i] * total
+        acc = 0.0
+        pick = last  # (u at the very top of the range: rounding)
+        for s in range(masses.shape[0]):
+            acc += masses[s]
+            if u < acc and masses[s] > 0:
+                pick = s
+                break
+        counts[pick] += 1
+    min_p = np.inf
+    for s in range(masses.shape[0]):
+        share = shares[s] = masses[s] / total
+        if share > 0 and masses[s] > 0 and 0 < lows[s] < np.inf:
+            p = share * lows[s] / masses[s]
+            if p < min_p:
+                min_p = p
+    least[0] = min_p
+    return OK
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_i64(table: np.ndarray, s: int, j: int) -> np.ndarray:  # pragma: no cover - jit
+    return numba.carray(void_pointer(table[s, 2 * j]), table[s, 2 * j + 1], np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_f64(table: np.ndarray, s: int, j: int) -> np.ndarray:  # pragma: no cover - jit
+    return numba.carray(void_pointer(table[s, 2 * j]), table[s, 2 * j + 1], np.float64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_shards_figures(table: np.ndarray, scalars: np.ndarray, count_uniforms: np.ndarray, seqs: np.ndarray,
+                       sizes: np.ndarray, masses: np.ndarray, lows: np.ndarray, counts: np.ndarray, shares: np.ndarray,
+                       least: np.ndarray) -> int:  # pragma: no cover - jit
+    """SharedShards.figures (the array order of _SHARD_ARRAYS)."""
+    n_shards = table.shape[0]
+    for s in range(n_shards):
+        seq, mass, low, size = _nb_figures(_nb_i64(table, s, 0), scalars[s, 0] != 0, _nb_f64(table, s, 1),
+                                           _nb_f64(table, s, 2))
+        if seq < 0:
+            return BUSY
+        seqs[s], masses[s], lows[s], sizes[s] = seq, mass, low, size
+        if size < scalars[s, 2]:
+            return BELOW
+    return plan_shards(count_uniforms, masses, lows, counts, shares, least)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_shards_draw(table: np.ndarray, scalars: np.ndarray, length: int, head: bool, draw_uniforms: np.ndarray,
+                    dst_addrs: np.ndarray, item_nbytes: np.ndarray, tags: np.ndarray, beta: float, ahead: int,
+                    mask: np.ndarray, keys: np.ndarray, probs: np.ndarray, out_times: np.ndarray, valid: np.ndarray,
+                    weights: np.ndarray, seqs: np.ndarray, counts: np.ndarray, shares: np.ndarray, least: np.ndarray,
+                    where: np.ndarray) -> int:  # pragma: no cover - jit
+    """SharedShards.draw (the array order of _SHARD_ARRAYS)."""
+    a = 0
+    for s in range(table.shape[0]):
+        c = counts[s]
+        if c == 0:
+            continue
+        b = a + c
+        status = _nb_sample_part(
+            _nb_i64(table, s, 0), seqs[s], scalars[s, 0] != 0, _nb_f64(table, s, 1), _nb_i64(table, s, 3),
+            scalars[s, 1], _nb_i64(table, s, 4), _nb_i64(table, s, 5), draw_uniforms[a:b], _nb_i64(table, s, 6),
+            _nb_i64(table, s, 7), _nb_i64(table, s, 8), length, head, _nb_i64(table, s, 9), _nb_i64(table, s, 10),
+            _nb_i64(table, s, 11), dst_addrs + a * item_nbytes, mask[a:b], keys[a:b], probs[a:b], out_times[a:b],
+            valid[a:b], ahead, tags[s], shares[s], least[0], beta, weights[a:b])
+        if status != OK:
+            where[0], where[1], where[2] = s, a, status
+            return MOVED_AT
+        a = b
+    return OK
 
 
 def serve_sample(ss: SharedSampling, request: Any, versions: np.ndarray, fields: list[tuple[str, int, int]],

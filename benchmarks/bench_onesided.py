@@ -1,0 +1,167 @@
+"""One-sided sampling in one process: ``ReplayClient.sample_now`` over published shards against one Table.
+
+Run: ``python benchmarks/bench_onesided.py [--shards 4] [--capacity 262144] [--reps 5] [--calls 300]``
+
+What ``bench_replay_service.py``'s "1-sided shm" case measures, without the runtime: ``--shards``
+tables of ``capacity / shards`` steps each, published in shared memory as a Replay shard publishes
+them (``SamplingPublisher`` in a ``BulkOwner``'s regions, the rows' version column kept), mapped by a
+``ReplayClient`` in the same process; against one in-process ``Table`` of the whole capacity with the
+same sampler, read and fields (the peer of the service benchmark). Both hold episodes of 20-400
+steps inserted in 1024-step calls until the ring wrapped twice; a step is obs float32[64] + action
+int64 + reward float32 + terminated bool = 269 B; a batch is 256 windows of 32 steps by priority
+(``Prioritized(0.6)``). Figures are medians over ``--reps`` repetitions of ``--calls`` batches, the two
+sides interleaved; the client's notices are taken and dropped (no shard process counts them here).
+
+Also printed, from timers around the client's parts (one more repetition): the compiled draw-and-copy
+calls, the liveness checks of the shards' owners, and the rest (the client's Python).
+"""
+
+# ruff: noqa: E402  (thread counts are pinned in the environment before numpy is imported)
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reactor.nodes.messages import ShardMass
+from reactor.nodes.replay_client import ReplayClient
+from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling
+from reactor.transport.bulk import BulkOwner
+
+WINDOW, BATCH, ALPHA = 32, 256, 0.6
+SPECS = [FieldSpec("obs", (64,), torch.float32), FieldSpec("action", (), torch.int64),
+         FieldSpec("reward", (), torch.float32), FieldSpec("terminated", (), torch.bool)]
+
+
+def fill(table: Table, rng: np.random.Generator, steps: int, pub: SamplingPublisher | None = None) -> None:
+    """``steps`` steps in 1024-step inserts, episodes of 20-400 steps, priorities in [0.1, 1.1)."""
+    for _ in range(-(-steps // 1024)):
+        lens = np.cumsum(rng.integers(20, 400, size=8))
+        ends = np.zeros(1024, bool)
+        ends[lens[lens < 1024] - 1] = True
+        data = {"obs": torch.randn(1024, 64), "action": torch.zeros(1024, dtype=torch.int64),
+                "reward": torch.zeros(1024), "terminated": torch.from_numpy(ends.copy())}
+        if pub is not None:
+            pub.begin()
+        table.insert_nowait(data, rng.random(1024) + 0.1, episode_end=ends)
+        if pub is not None:
+            pub.end()
+
+
+async def published_shard(k: int, capacity: int, rng: np.random.Generator) -> tuple[BulkOwner, dict, dict]:
+    """A shard's table in shared memory, filled and published as a Replay shard's; (owner, descriptor, offer)."""
+    owner = await BulkOwner.open(f"bench-onesided-{os.getpid()}-{k}", backends=["shm"])
+    region = f"r{k}"
+    arrays = SharedArrays(lambda name, nb: owner.allocate(f"-s-{region}", name, (1, nb), torch.uint8).numpy()[0])
+    storage = Storage(SPECS, capacity, allocator=owner.allocator(region), index_arrays=arrays)
+    versions = owner.allocate_versions(region).numpy()
+    table = Table(storage, sampler=Prioritized(ALPHA), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+    pub = SamplingPublisher(table, arrays, read=WindowRead(WINDOW))
+    fill(table, rng, 2 * capacity, pub)
+    first, nxt = storage.step_range
+    held = np.arange(first, nxt)
+    versions[held % capacity] = held  # what Replay's inserts leave in the version column
+    offer = {"table": pub.descriptor(), "op": "replay_sample", "max_items": 1 << 20,
+             "region": owner.descriptor(f"-s-{region}")}
+    return owner, owner.descriptor(region), offer
+
+
+class Timers:
+    """Seconds spent in the client's parts, from wrappers around them (one repetition)."""
+
+    def __init__(self, client: ReplayClient) -> None:
+        self.kernels = self.alive = 0.0
+        part, alive = SharedSampling.sample_part, client._reader.check_alive  # type: ignore[union-attr]
+
+        def timed_part(ss: SharedSampling, *a: object) -> int:
+            t = time.perf_counter()
+            try:
+                return part(ss, *a)  # type: ignore[arg-type]
+            finally:
+                self.kernels += time.perf_counter() - t
+
+        def timed_alive(region: str) -> None:
+            t = time.perf_counter()
+            try:
+                alive(region)
+            finally:
+                self.alive += time.perf_counter() - t
+
+        self.undo = lambda: (setattr(SharedSampling, "sample_part", part),
+                             setattr(client._reader, "check_alive", alive))  # type: ignore[union-attr]
+        SharedSampling.sample_part = timed_part  # type: ignore[method-assign]
+        client._reader.check_alive = timed_alive  # type: ignore[union-attr, method-assign]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--capacity", type=int, default=1 << 18, help="steps over all shards (default 256K)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    per = args.capacity // args.shards
+    shards = [await published_shard(k, per, rng) for k in range(args.shards)]
+    client = ReplayClient(args.shards, rng=np.random.default_rng(1), remote_reads="off")
+    try:
+        for k, (_owner, desc, offer) in enumerate(shards):
+            await client._attach(k, desc)
+            await client._attach_sampling(k, offer)
+            client._figures[k] = ShardMass(k, 0, 0, "", 1.0, 1.0, per, 0.4)  # (as a first reply would say)
+        assert client.can_sample_now, "the shards' one-sided offers were not taken"
+        peer = Table(Storage(SPECS, per * args.shards), sampler=Prioritized(ALPHA), remover=Fifo(),
+                     rate_limiter=MinSize(1), read=WindowRead(WINDOW))
+        fill(peer, rng, 2 * per * args.shards)
+        for _ in range(30):  # compiled kernels loaded, allocator warm
+            client.sample_now(BATCH)
+            peer.sample_nowait(BATCH)
+        ours, theirs = [], []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            for _ in range(args.calls):
+                client.sample_now(BATCH)
+            ours.append((time.perf_counter() - t) / args.calls)
+            client.take_notices()
+            t = time.perf_counter()
+            for _ in range(args.calls):
+                peer.sample_nowait(BATCH)
+            theirs.append((time.perf_counter() - t) / args.calls)
+        timers = Timers(client)
+        t = time.perf_counter()
+        for _ in range(args.calls):
+            client.sample_now(BATCH)
+        whole = (time.perf_counter() - t) / args.calls
+        timers.undo()
+        a, b = statistics.median(ours), statistics.median(theirs)
+        print(f"one-sided sample_now, {args.shards} shards x {per} steps, {BATCH} x {WINDOW}-step windows of 269 B "
+              f"({BATCH * WINDOW * 269 / 1e6:.2f} MB), medians of {args.reps} x {args.calls}; cpus={os.cpu_count()}")
+        print(f"  ReplayClient.sample_now   {a * 1e3:.3f} ms/batch")
+        print(f"  Table.sample_nowait       {b * 1e3:.3f} ms/batch (one in-process table of {per * args.shards} steps)")
+        print(f"  ours / in-process speed   {b / a:.2f}x")
+        k_, l_ = timers.kernels / args.calls, timers.alive / args.calls
+        print(f"  parts of sample_now (timed run {whole * 1e3:.3f} ms): compiled draw-and-copy calls {k_ * 1e6:.0f} us, "
+              f"owners' liveness checks {l_ * 1e6:.0f} us, the rest {(whole - k_ - l_) * 1e6:.0f} us")
+    finally:
+        client.close()
+        for owner, _d, _o in shards:
+            await owner.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

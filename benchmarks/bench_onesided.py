@@ -12,8 +12,8 @@ int64 + reward float32 + terminated bool = 269 B; a batch is 256 windows of 32 s
 (``Prioritized(0.6)``). Figures are medians over ``--reps`` repetitions of ``--calls`` batches, the two
 sides interleaved; the client's notices are taken and dropped (no shard process counts them here).
 
-Also printed, from timers around the client's parts (one more repetition): the compiled draw-and-copy
-calls, the liveness checks of the shards' owners, and the rest (the client's Python).
+Also printed, from timers around the client's parts (one more repetition): the two compiled calls
+(``SharedShards.figures`` and ``draw``), the liveness checks of the shards' owners, and the rest (the client's Python).
 """
 
 # ruff: noqa: E402  (thread counts are pinned in the environment before numpy is imported)
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
-from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling
+from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedShards
 from reactor.transport.bulk import BulkOwner
 
 WINDOW, BATCH, ALPHA = 32, 256, 0.6
@@ -85,14 +85,16 @@ class Timers:
 
     def __init__(self, client: ReplayClient) -> None:
         self.kernels = self.alive = 0.0
-        part, alive = SharedSampling.sample_part, client._reader.check_alive  # type: ignore[union-attr]
+        figures, draw, alive = SharedShards.figures, SharedShards.draw, client._reader.check_alive  # type: ignore[union-attr]
 
-        def timed_part(ss: SharedSampling, *a: object) -> int:
-            t = time.perf_counter()
-            try:
-                return part(ss, *a)  # type: ignore[arg-type]
-            finally:
-                self.kernels += time.perf_counter() - t
+        def timed(fn):  # noqa: ANN001, ANN202
+            def call(*a: object) -> int:
+                t = time.perf_counter()
+                try:
+                    return fn(*a)
+                finally:
+                    self.kernels += time.perf_counter() - t
+            return call
 
         def timed_alive(region: str) -> None:
             t = time.perf_counter()
@@ -101,9 +103,9 @@ class Timers:
             finally:
                 self.alive += time.perf_counter() - t
 
-        self.undo = lambda: (setattr(SharedSampling, "sample_part", part),
+        self.undo = lambda: (setattr(SharedShards, "figures", figures), setattr(SharedShards, "draw", draw),
                              setattr(client._reader, "check_alive", alive))  # type: ignore[union-attr]
-        SharedSampling.sample_part = timed_part  # type: ignore[method-assign]
+        SharedShards.figures, SharedShards.draw = timed(figures), timed(draw)  # type: ignore[method-assign]
         client._reader.check_alive = timed_alive  # type: ignore[union-attr, method-assign]
 
 
@@ -155,7 +157,7 @@ async def main() -> None:
         print(f"  Table.sample_nowait       {b * 1e3:.3f} ms/batch (one in-process table of {per * args.shards} steps)")
         print(f"  ours / in-process speed   {b / a:.2f}x")
         k_, l_ = timers.kernels / args.calls, timers.alive / args.calls
-        print(f"  parts of sample_now (timed run {whole * 1e3:.3f} ms): compiled draw-and-copy calls {k_ * 1e6:.0f} us, "
+        print(f"  parts of sample_now (timed run {whole * 1e3:.3f} ms): the two compiled calls (figures and counts; draws, copies, keys and weights) {k_ * 1e6:.0f} us, "
               f"owners' liveness checks {l_ * 1e6:.0f} us, the rest {(whole - k_ - l_) * 1e6:.0f} us")
     finally:
         client.close()

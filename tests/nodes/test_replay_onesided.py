@@ -251,6 +251,16 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
     return owner, desc, offer
 
 
+async def _close(clients, shards) -> None:
+    """A test's teardown: the clients' read connections, then the served shards' owners."""
+    for c in clients:
+        if c is not None and c._reader is not None:
+            await c._reader.aclose()
+    for owner, _d, _o in shards:
+        _OWNED.pop(owner, None)
+        await owner.aclose()
+
+
 async def _client_of(shards, **kw):
     from reactor.nodes.messages import ShardMass
     from reactor.nodes.replay_client import ReplayClient
@@ -283,10 +293,7 @@ async def test_when_one_read_server_fails_a_sample_the_shards_that_drew_are_stil
         assert isinstance(notice, SampledKeys) and notice.shard == 0 and len(notice.keys) > 0
         assert (np.asarray(notice.keys) >> 48 == 0).all()  # shard 0's keys only
     finally:
-        if client is not None and client._reader is not None:
-            await client._reader.aclose()
-        for owner, _d, _o in shards:
-            await owner.aclose()
+        await _close([client], shards)
 
 
 @pytest.mark.asyncio
@@ -345,10 +352,7 @@ async def test_a_client_tells_the_shards_of_its_one_sided_draws_every_few_sample
             assert b is None and sum(len(m.keys) for m in held) == 40  # what was held comes with the refusal
             assert client.take_notices() == []
     finally:
-        if client is not None and client._reader is not None:
-            await client._reader.aclose()
-        for owner, _d, _o in shards:
-            await owner.aclose()
+        await _close([client], shards)
 
 
 @pytest.mark.asyncio
@@ -403,11 +407,7 @@ async def test_a_shard_that_changes_between_its_figures_and_its_draw_draws_again
         np.testing.assert_allclose(batch.weights.numpy(), want_w, rtol=1e-6)
         assert batch.weights.numpy().min() < 0.5  # (the least weight moved: the old one would say otherwise)
     finally:
-        if client is not None and client._reader is not None:
-            await client._reader.aclose()
-        for owner, _d, _o in shards:
-            _OWNED.pop(owner, None)
-            await owner.aclose()
+        await _close([client], shards)
 
 
 @pytest.mark.asyncio
@@ -433,12 +433,7 @@ async def test_a_sample_whose_shard_was_mid_change_draws_shard_by_shard_what_the
                 np.testing.assert_array_equal(b0.data[f].numpy(), b1.data[f].numpy())
             assert len(set((b0.keys.numpy() >> 48).tolist())) == 3
     finally:
-        for c in clients:
-            if c._reader is not None:
-                await c._reader.aclose()
-        for owner, _d, _o in shards:
-            _OWNED.pop(owner, None)
-            await owner.aclose()
+        await _close(clients, shards)
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
@@ -483,10 +478,7 @@ async def test_a_sample_over_a_shard_on_this_host_and_one_on_another_takes_each_
         np.testing.assert_array_equal(np.concatenate([m.keys for m in notices]), keys)  # (grouped by shard)
         assert client.one_sided_samples == 1
     finally:
-        if client is not None and client._reader is not None:
-            await client._reader.aclose()
-        for owner, _d, _o in shards:
-            await owner.aclose()
+        await _close([client], shards)
 
 
 def test_a_shards_sampling_region_is_never_another_shards_data_region():
@@ -534,7 +526,4 @@ async def test_an_error_class_a_read_server_answers_with_is_one_the_learner_fall
         assert isinstance(e.value, ONE_SIDED_ERRORS) and [m.shard for m in e.value.notices] == [0]
         assert all(issubclass(cls, ONE_SIDED_ERRORS) for cls in _ERRORS.values())  # every class a server may answer
     finally:
-        if client is not None and client._reader is not None:
-            await client._reader.aclose()
-        for owner, _d, _o in shards:
-            await owner.aclose()
+        await _close([client], shards)

@@ -361,11 +361,13 @@ class Learner(_LearnerBase):
         message to a shard's loop), and learned on at the next microstep. When that is not possible
         now, the next sample goes through messages again."""
         client = self.client
-        if client.in_flight or self._due or not client.live_shards:
-            return  # a sample is coming (or every shard is down: shards_changed samples when one is back)
         remaining = None if self.max_updates is None else self.max_updates - self.updates
-        if remaining is not None and remaining <= 0:
-            for m in client.take_notices():  # the last one-sided draws' notices, held by the client
+        if self._due:
+            return  # a batch drawn waits for its update, which samples next
+        if client.in_flight or not client.live_shards or (remaining is not None and remaining <= 0):
+            # A sample is coming through messages, or every shard is down (shards_changed samples when
+            # one is back), or the learner is done: the one-sided draws' notices the client holds go now.
+            for m in client.take_notices():
                 self.priorities.send(m)
             return
         batch = None
@@ -382,6 +384,8 @@ class Learner(_LearnerBase):
             self._due += 1
             self.update_due.schedule(batch)
             return
+        for m in client.take_notices():  # back to messages: what the client still holds goes now
+            self.priorities.send(m)
         for _ in range(self.prefetch if remaining is None else min(self.prefetch, remaining)):
             for r in client.request(self.batch_size):
                 self.requests.send(r)

@@ -159,8 +159,10 @@ class ReplayClient:
             read servers require it.
         one_sided: sample shards on this host one-sidedly when they offer it (:meth:`sample_now`).
         notice_every: one-sided samples whose notices (:class:`SampledKeys`) are held and sent
-            together, one message per shard: the shards' times sampled lag by at most this many
-            samples, or :data:`NOTICE_MAX_AGE_S`, whichever comes first (1: a notice per sample).
+            together, one message per shard: while its owner samples one-sidedly the shards' times
+            sampled lag by at most this many samples, fewer once the oldest held notice is
+            :data:`NOTICE_MAX_AGE_S` old at a sample (1: a notice per sample). An owner that stops
+            sampling one-sidedly sends :meth:`take_notices`.
 
     Example:
         >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
@@ -487,6 +489,10 @@ class ReplayClient:
     async def _attach(self, shard: int, descriptor: dict[str, Any]) -> None:
         if self._reader is None:
             self._reader = await _bulk.BulkReader.open(curve=self._curve)
+        if shard in self._shared or shard in self._remote_shared:
+            # Attaching again remaps the data region: the shard's one-sided state (its rows' addresses)
+            # goes first, and comes back only with an offer that maps again (_attach_sampling).
+            self._forget_sampling(shard)
         # Same host: its shared memory. Another host: the one-sided backend this client asked for
         # (the shard sent a plan only because it offers that one).
         same_host = bool(self._host) and descriptor.get("host") == self._host
@@ -1070,8 +1076,11 @@ class ReplayClient:
         return out, (None if keep.all() else keep)
 
     def close(self) -> None:
-        """Release shared-memory mappings (call from the owner's shutdown). Idempotent."""
+        """Release shared-memory mappings (call from the owner's shutdown); held notices are dropped.
+        Idempotent."""
         reader, self._reader = self._reader, None
+        self._group = None  # (its views would keep the sampling regions mapped)
+        self._held, self._held_samples = {}, 0
         self._regions.clear()
         self._shared.clear()
         self._remote_shared.clear()
@@ -1150,6 +1159,7 @@ class ReplayClient:
         self._figures.pop(shard, None)  # the cached masses are a past life's: one mass round first
         self._regions.pop(shard, None)
         self._forget_sampling(shard)
+        self._held.pop(shard, None)  # draws from its predecessor's state: its successor does not count them
 
     def _redraw_without_lost(self, live: list[int]) -> list[ReplayRequest]:
         """Samples in flight drop what they asked of lost shards and draw it again from ``live``."""

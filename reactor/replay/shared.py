@@ -639,6 +639,8 @@ class SharedShards:
     def __init__(self, parts: list[tuple[SharedSampling, np.ndarray, np.ndarray, np.ndarray]]) -> None:
         if not parts or len({(ss.window, ss.head) for ss, *_ in parts}) != 1:
             raise ValueError("SharedShards: at least one shard, all with the same window and padding")
+        if any(not np.array_equal(rb, parts[0][3]) or len(src) != len(parts[0][2]) for _ss, _v, src, rb in parts):
+            raise ValueError("SharedShards: every shard must have the same fields and row sizes (one batch layout)")
         self.parts = parts
         self.window, self.head = parts[0][0].window, parts[0][0].head
         self.table = np.zeros((len(parts), 2 * len(_SHARD_ARRAYS)), np.int64)  # (address, length) per array

@@ -585,14 +585,15 @@ class Storage:
         """
         if not isinstance(steps, Mapping):
             raise TypeError(f"steps must be a mapping of field name -> tensor, got {type(steps).__name__}")
-        if steps.keys() != self._specs.keys():  # (set comparison of the names; the messages below say how)
+        if steps.keys() != self._specs.keys():  # (a set comparison for dicts; any other keys() looks here)
             unknown = sorted(set(steps) - set(self._specs))
             if unknown:
                 raise KeyError(
                     f"unknown field(s) {unknown}; this storage has fields {sorted(self._specs)}"
                 )
             missing = sorted(set(self._specs) - set(steps))
-            raise KeyError(f"missing field(s) {missing}; every append must carry all of {sorted(self._specs)}")
+            if missing:
+                raise KeyError(f"missing field(s) {missing}; every append must carry all of {sorted(self._specs)}")
         out: dict[str, torch.Tensor] = {}
         length: int | None = None
         first_name = ""

@@ -436,6 +436,66 @@ async def test_a_sample_whose_shard_was_mid_change_draws_shard_by_shard_what_the
         await _close(clients, shards)
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_attached_again_samples_one_sidedly_only_after_an_offer_that_maps_again(tmp_path):
+    """A second reply with the data region's descriptor remaps it (as replies to a prefetch of several
+    samples do at a learner's start): the shard's old one-sided state, whose row addresses pointed into
+    the old mapping, is gone at once; an unusable offer with it leaves the shard to messages (no
+    sample reads the old addresses); a good offer maps it again and the draw is whole."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards)
+        assert client.can_sample_now and client.sample_now(50)[0] is not None
+        _owner, desc, offer = shards[1]
+        await client._attach(1, desc)
+        await client._attach_sampling(1, {"table": offer["table"], "region": {"bad": "descriptor"}})
+        assert 1 not in client._shared and not client.can_sample_now
+        b, told = client.sample_now(50)  # (no read of the old mapping)
+        assert b is None and sum(len(m.keys) for m in told) == 50  # the first sample's held draws, handed over
+        await client._attach(1, desc)
+        await client._attach_sampling(1, offer)
+        batch, _ = client.sample_now(400)
+        assert batch is not None and set((batch.keys.numpy() >> 48).tolist()) == {0, 1}
+        ids, local = batch.data["id"].numpy()[:, 0], batch.keys.numpy() & ((1 << 48) - 1)
+        np.testing.assert_array_equal(ids, local)  # each window's first row is its item's own step
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_held_notices_of_a_lost_or_restarted_shard_are_dropped_and_the_others_kept(tmp_path):
+    """Draws held from shards 0, 1 and 2; shard 1 restarts and shard 2 is lost: the notices handed
+    over name shard 0 only, with every key drawn from it."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(3)]
+        client = await _client_of(shards, notice_every=100)
+        batches = [client.sample_now(60)[0] for _ in range(3)]
+        client.shard_restarted(1)
+        client.shard_lost(2, "test")
+        (told,) = client.take_notices()
+        keys = np.concatenate([b.keys.numpy() for b in batches])
+        assert told.shard == 0
+        np.testing.assert_array_equal(np.asarray(told.keys), keys[keys >> 48 == 0])
+    finally:
+        await _close([client], shards)
+
+
+def test_shards_of_different_layouts_are_not_drawn_into_one_batch():
+    from reactor.replay.shared import SharedShards
+
+    class State:  # what SharedShards reads of a SharedSampling besides the arrays it checks later
+        window, head = 4, False
+
+    one = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="same fields and row sizes"):
+        SharedShards([(State(), one, np.zeros(2, np.int64), np.array([8, 4])),
+                      (State(), one, np.zeros(2, np.int64), np.array([8, 8]))])
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
 def test_a_client_refuses_a_notice_every_that_is_not_a_positive_int(bad):
     from reactor.nodes.replay_client import ReplayClient

@@ -145,6 +145,37 @@ def test_bad_append_names_the_field_and_changes_nothing(mutate, error, match):
     assert same(before, snapshot(s))
 
 
+def test_any_mapping_of_the_fields_is_accepted_in_any_order():
+    """A dict in another order, a read-only mapping proxy and a Mapping whose keys() is a plain list
+    append the same steps as the dict (the check of the names is not tied to dict's key views)."""
+    import types
+    from collections.abc import Mapping
+
+    class Listed(Mapping):
+        def __init__(self, d: dict) -> None:
+            self.d = d
+
+        def __getitem__(self, k):  # noqa: ANN001, ANN204
+            return self.d[k]
+
+        def __iter__(self):  # noqa: ANN204
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+        def keys(self):  # noqa: ANN201
+            return list(self.d)
+
+    b = steps(0, 3)
+    ref = Storage(SPECS, 8)
+    ref.append(b)
+    for wrap in (lambda d: dict(reversed(list(d.items()))), types.MappingProxyType, Listed):
+        s = Storage(SPECS, 8)
+        s.append(wrap(dict(b)))
+        assert same(snapshot(ref), snapshot(s))
+
+
 def test_append_longer_than_capacity_raises():
     s = Storage(SPECS, 4)
     with pytest.raises(ValueError, match=r"^append of 5 steps exceeds the storage capacity 4$"):

@@ -298,8 +298,9 @@ class Delete(ItemUpdate):
 class SampledKeys(ItemUpdate):
     """Items a requester drew one-sidedly from the shard's published state (no request reached the
     shard): the shard counts the draws (each key's times sampled, its statistics and rate
-    limiter). Keys no longer in the shard count as draws and change nothing. One message per shard
-    per one-sided sample, sent on the connection priority updates take."""
+    limiter). Keys no longer in the shard count as draws and change nothing. A requester's client
+    holds its draws and sends one message per shard every few one-sided samples
+    (``ReplayClient(notice_every=...)``), on the connection priority updates take."""
 
 
 # ---------------------------------------------------------------------------------- control

@@ -96,6 +96,8 @@ from ..replay.checkpoint import CheckpointCancelled
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
 from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import bulk as _bulk
+from ._onesided import REMOTE_SAMPLE_OP
+from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
     CheckpointRequest,
     Delete,
@@ -114,17 +116,7 @@ from .messages import (
     StatisticsRequest,
     Steps,
 )
-from .replay_client import (
-    _LOCAL_MASK,
-    KEY_SHARD_BITS,
-    REMOTE_READS,
-    REMOTE_SAMPLE_OP,
-    ReplayClient,
-    _int64_keys,
-    key_local,
-    key_shard,
-    make_keys,
-)
+from .replay_client import REMOTE_READS, ReplayClient
 
 __all__ = [
     "KEY_SHARD_BITS",

@@ -1,9 +1,10 @@
-"""A learner's view of N replay shards as one table: :class:`ReplayClient`, and the shard-tagged keys.
+"""A learner's view of N replay shards as one table: :class:`ReplayClient` (the shard-tagged keys,
+from :mod:`reactor.nodes._shardkeys`, are public here too).
 
 The protocol (exact two-stage sampling over the shards, one round from cached masses, gathers from
 shared memory or one-sided reads of other hosts' shards) is described in :mod:`reactor.nodes.replay`;
-the one-sided sampling of shards on this host (no message on the sampling path) in
-:meth:`ReplayClient.sample_now` and :mod:`reactor.replay.shared`.
+the one-sided sampling (no message on the sampling path) in :mod:`reactor.nodes._onesided`, the
+client's mixin, and :mod:`reactor.replay.shared`.
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
+from .._errors import PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
-from ..replay.shared import BELOW as _BELOW
-from ..replay.shared import BUSY as _BUSY
-from ..replay.shared import EMPTY as _EMPTY
-from ..replay.shared import MOVED_AT as _MOVED_AT
-from ..replay.shared import OK as _OK
-from ..replay.shared import ZERO as _ZERO
-from ..replay.shared import SharedSampling, SharedShards, plan_shards
+from ..replay.shared import SharedShards
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
+from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its names public here)
+    NOTICE_MAX_AGE_S,
+    ONE_SIDED_ERRORS,
+    REMOTE_SAMPLE_OP,
+    OneSidedSampling,
+    _RemoteShard,
+    _SharedShard,
+)
+from ._shardkeys import KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
     Delete,
     MassRequest,
@@ -38,44 +42,18 @@ from .messages import (
     ReplayReply,
     ReplayRequest,
     SampledBatch,
-    SampledKeys,
     SampleRequest,
     ShardMass,
     ShardSample,
 )
 
-__all__ = ["KEY_SHARD_BITS", "NOTICE_MAX_AGE_S", "REMOTE_READS", "ReplayClient", "key_local", "key_shard", "make_keys"]
+__all__ = ["KEY_SHARD_BITS", "NOTICE_MAX_AGE_S", "ONE_SIDED_ERRORS", "REMOTE_READS", "REMOTE_SAMPLE_OP", "ReplayClient",
+           "key_local", "key_shard", "make_keys"]
 
 log = logging.getLogger("reactor.replay")
 
-#: Keys are ``shard << KEY_SHARD_BITS | local key``: 2^48 local keys (steps) per shard.
-KEY_SHARD_BITS = 48
 #: The ``remote_reads`` settings of :class:`~reactor.nodes.replay.Replay` and :class:`ReplayClient`.
 REMOTE_READS = ("auto", "zmq", "off")
-_LOCAL_MASK = (1 << KEY_SHARD_BITS) - 1
-
-def make_keys(shard: int, local: Any) -> np.ndarray:
-    """Shard-tagged keys from a shard index and the shard table's own keys (int64 arrays)."""
-    return (np.int64(shard) << KEY_SHARD_BITS) | np.asarray(local, dtype=np.int64)
-
-
-def key_shard(keys: Any) -> np.ndarray:
-    """The shard of each shard-tagged key."""
-    return _int64_keys(keys) >> KEY_SHARD_BITS
-
-
-def key_local(keys: Any) -> np.ndarray:
-    """The shard table's own key of each shard-tagged key."""
-    return _int64_keys(keys) & _LOCAL_MASK
-
-
-def _int64_keys(keys: Any) -> np.ndarray:
-    if isinstance(keys, torch.Tensor):
-        keys = keys.detach().cpu().numpy()
-    arr = np.asarray(keys)
-    if arr.ndim != 1 or not (arr.dtype.kind in "iu" or arr.size == 0):
-        raise TypeError(f"keys must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}")
-    return arr.astype(np.int64, copy=False)
 
 
 @dataclass
@@ -97,18 +75,7 @@ class _Sample:
     empty: bool = False  # a shard asked for items had none to draw (zero mass): start again
 
 
-#: The bulk read server's op through which requesters on other hosts sample a shard one-sidedly.
-REMOTE_SAMPLE_OP = "replay_sample"
-#: What :meth:`ReplayClient.asample_now` raises for a sample that failed (the batch dropped): the
-#: errors a shard's read server may answer with, a malformed reply, a lost shard. A learner falls
-#: back to messages on any of them; a peer's answer never ends its run.
-ONE_SIDED_ERRORS: tuple[type[Exception], ...] = (PeerLostError, MalformedFrameError, FrameTooLargeError, ValueError,
-                                                 KeyError, IndexError, TypeError)
-#: Held one-sided notices older than this go out with the next sample's, however few samples they
-#: count (``ReplayClient(notice_every=...)``).
-NOTICE_MAX_AGE_S = 0.05
-
-class ReplayClient:
+class ReplayClient(OneSidedSampling):
     """A learner's view of N replay shards as one table (pure logic: it never sends anything itself).
 
     The owner (a learner reactor) sends the messages its methods return on ports connected to the
@@ -512,472 +479,6 @@ class ReplayClient:
             for name, f in descriptor["fields"].items() if name != vf
         }
 
-    async def _attach_sampling(self, shard: int, sampling: Any) -> None:
-        """Map the sampling state shard ``shard`` publishes (its data region is attached already), or,
-        for a shard on another host, note the read server op that samples it."""
-        assert self._reader is not None
-        data_region = self._regions[shard][0]
-        if self._reader.backend(data_region) != "shm":
-            table = sampling.get("table") if isinstance(sampling, dict) else None
-            if (isinstance(table, dict) and sampling.get("op") == REMOTE_SAMPLE_OP
-                    and isinstance(table.get("window"), int) and isinstance(table.get("beta"), float)
-                    and table.get("pad") in ("head", "tail", "")):
-                max_items = sampling.get("max_items")
-                self._remote_shared[shard] = _RemoteShard(data_region, int(table["window"]), float(table["beta"]),
-                                                          max_items if type(max_items) is int else 1)
-            return
-        try:
-            if not isinstance(sampling, dict) or not isinstance(sampling.get("table"), dict):
-                raise ValueError(f"a sampling offer must be {{'table': ..., 'region': ...}}, got {sampling!r:.200}")
-            region = await self._reader.attach(sampling.get("region"), backend="shm")  # type: ignore[arg-type]
-            raw = self._reader.mapped(region)
-            arrays = {}
-            for name, spec in sampling["table"].get("arrays", {}).items():
-                shape, dtype = tuple(spec[0]), np.dtype(spec[1])
-                mem = raw.get(name)
-                if mem is None or mem.shape != (1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize):
-                    raise ValueError(f"array {name!r} of the offer does not match the region's segment")
-                arrays[name] = mem[0].view(dtype).reshape(shape)
-            table = SharedSampling(sampling["table"], arrays)
-            data_region = self._regions[shard][0]
-            data = self._reader.mapped(data_region)
-        except (ValueError, TypeError, KeyError, OSError, PeerLostError) as e:
-            log.warning("replay client %s: shard %d's one-sided sampling offer is unusable (%s); sampling it "
-                        "through messages", self.requester, shard, e)
-            return
-        vf = self._versions_field[data_region]
-        names = [f for f in self._layouts[data_region] if f in data]
-        if table.capacity != self._capacity[data_region] or vf is None:
-            log.warning("replay client %s: shard %d's sampling offer does not match its data region; sampling it "
-                        "through messages", self.requester, shard)
-            return
-        self._shared[shard] = _SharedShard(
-            table=table, region=region, data_region=data_region, names=names, versions=data[vf],
-            src_addrs=np.array([data[f].ctypes.data for f in names], dtype=np.int64),
-            row_nbytes=np.array([data[f][0].nbytes for f in names], dtype=np.int64),
-        )
-
-    @property
-    def can_sample_one_sided(self) -> bool:
-        """Whether every live shard offered one-sided sampling, on this host (its memory mapped) or
-        on another (its read server's op), and this client took it (:meth:`asample_now`)."""
-        live = self.live_shards
-        return (self.one_sided and bool(live) and all(k in self._shared or k in self._remote_shared for k in live)
-                and all(k in self._figures for k in live))
-
-    async def asample_now(self, n: int) -> tuple[SampledBatch | None, list[SampledKeys]]:
-        """:meth:`sample_now`, also over shards of other hosts: each is asked once, at its bulk read
-        server, to draw its count and send the rows (its thread draws from the published state as
-        a reader on its host would; the shard's loop takes no part): one round trip per sample,
-        to all such shards at once.
-
-        With every live shard on this host this is :meth:`sample_now`. Otherwise the per-shard counts
-        come from the shards' latest figures (every reply carries them), and an item's reported
-        probability is the one it was drawn with, ``P(i) = (C_s / C) * q_i``, its weight against the
-        least likely item anywhere: the message path's one-round sample (``masses="cached"``),
-        exact however the figures moved meanwhile. ``(None, [])`` when a shard drew nothing (below
-        its min size, no positive priority, or changing for too long): sample with :meth:`request`.
-
-        Raises:
-            ValueError: ``n < 1``.
-            PeerLostError: a shard's memory or read server is gone; the batch is dropped.
-            MalformedFrameError: a read server's reply was malformed; the batch is dropped.
-            (and any error class a read server answered with: :data:`ONE_SIDED_ERRORS` lists them all)
-            (An error from a read server carries ``notices``: the :class:`SampledKeys` of the shards
-            that did draw their part, to send as a sample's notices.)
-        """
-        if self.can_sample_now:
-            return self.sample_now(n)
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
-        if not self.can_sample_one_sided:
-            return None, self.take_notices()
-        assert self._reader is not None
-        n = int(n)
-        live = self.live_shards
-        figs = {k: self._figures[k] for k in live}
-        masses = np.array([figs[k].mass for k in live], dtype=np.float64)  # type: ignore[attr-defined]
-        sizes = np.array([figs[k].size for k in live], dtype=np.float64)  # type: ignore[attr-defined]
-        share = masses if masses.sum() > 0 else sizes
-        if not share.sum() > 0:
-            return None, self.take_notices()
-        share = share / share.sum()
-        counts = self.rng.multinomial(n, share).tolist()
-        seeds = self.rng.integers(0, 2**63, size=len(live)).tolist()
-        local = [(k, c) for k, c in zip(live, counts) if k in self._shared and c]
-        remote = [(k, c, sd) for k, c, sd in zip(live, counts, seeds) if k in self._remote_shared]
-        if any(c > self._remote_shared[k].max_items for k, c, _sd in remote):
-            return None, self.take_notices()  # more than a server sends in one reply (big windows): messages
-        replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, REMOTE_SAMPLE_OP,
-                                                           {"n": c, "seed": sd}) for k, c, sd in remote),
-                                       return_exceptions=True)
-        parts: dict[int, dict[str, Any]] = {}
-        failed: BaseException | None = None
-        for (k, c, _sd), rep in zip(remote, replies):
-            try:
-                if isinstance(rep, PeerLostError):
-                    lost = PeerLostError(f"replay shard {k}: its read server is gone ({rep})")
-                    lost.shard = k  # type: ignore[attr-defined]
-                    raise lost from rep
-                if isinstance(rep, BaseException):
-                    raise rep
-                part = self._check_remote_part(k, c, rep)
-            except Exception as e:  # the other servers drew theirs: those draws still count (below)
-                failed = failed or e
-                continue
-            if part is not None:
-                parts[k] = part
-        if failed is not None:
-            # The batch is dropped; the shards that did draw are still told (times sampled, the rate
-            # limiter's count), as when a shard draws nothing: the notices ride on the error.
-            failed.notices = self.take_notices(  # type: ignore[attr-defined]
-                [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()])
-            raise failed
-        for k, c in local:  # shards of this host in the same sample: drawn here, from their memory
-            part = self._draw_local_part(k, c)
-            if part is not None:
-                parts[k] = part
-        notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
-        if sum(int(p["n"]) for p in parts.values()) != n:
-            return None, self.take_notices(notices)  # a shard drew nothing: the draws made still count
-        return self._assemble_remote(n, live, share, parts), self._hold_keys([(m.shard, m.keys) for m in notices])
-
-    def _check_remote_part(self, shard: int, count: int, rep: Any) -> dict[str, Any] | None:
-        """A read server's sample reply, checked (it comes from the network); its figures cached."""
-        rs = self._remote_shared[shard]
-        bad = MalformedFrameError(f"replay shard {shard}'s read server sent a malformed sample reply")
-        if not isinstance(rep, dict) or type(rep.get("n")) is not int:
-            raise bad
-        if all(type(rep.get(x)) in (float, int) for x in ("mass", "min")) and type(rep.get("size")) is int:
-            self._figures[shard] = ShardMass(shard, 0, 0, "", float(rep["mass"]), float(rep["min"]), rep["size"],
-                                             rs.beta)
-        if rep["n"] == 0:
-            return None
-        if rep["n"] != count:
-            raise bad
-        w = max(rs.window, 1)
-        layout = self._layouts[rs.data_region]
-        names = rep.get("fields")
-        data = rep.get("data")
-        arrays = [(rep.get(x), dt) for x, dt in (("keys", np.int64), ("probabilities", np.float64),
-                                                 ("times_sampled", np.int64), ("valid", np.bool_))]
-        if (not all(isinstance(a, np.ndarray) and a.dtype == dt and a.shape == (count,) for a, dt in arrays)
-                or not isinstance(names, list) or sorted(names) != sorted(layout) or not isinstance(data, list)
-                or len(data) != len(names)):
-            raise bad
-        mask = rep.get("mask")
-        if rs.window and not (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == (count, w)):
-            raise bad
-        out = {}
-        for name, d in zip(names, data):
-            dtype, shape = layout[name]
-            nbytes = count * w * math.prod(shape) * dtype.itemsize
-            if not (isinstance(d, np.ndarray) and d.dtype == np.uint8 and d.shape == (nbytes,)):
-                raise bad
-            out[name] = d  # the frame's bytes: copied once, into the batch (_assemble_remote)
-        return {"n": count, "keys": rep["keys"], "q": rep["probabilities"], "times": rep["times_sampled"],
-                "valid": rep["valid"], "mask": mask, "data": out, "window": rs.window}
-
-    def _remote_data_region(self, shard: int) -> str:
-        rs = self._remote_shared.get(shard)
-        return rs.data_region if rs is not None else self._shared[shard].data_region
-
-    def _draw_local_part(self, shard: int, count: int) -> dict[str, Any] | None:
-        """One shard's part of a mixed sample, drawn from its mapped memory (its figures refreshed)."""
-        sh = self._shared[shard]
-        deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
-        w = max(sh.table.window, 1)
-        layout = self._layouts[sh.data_region]
-        out = {f: host_empty((count, w, *layout[f][1]) if sh.table.window else (count, *layout[f][1]), layout[f][0])
-               for f in sh.names}
-        mask = np.empty((count, w), np.bool_)
-        keys, q = np.empty(count, np.int64), np.empty(count, np.float64)
-        times, valid = np.empty(count, np.int64), np.empty(count, np.bool_)
-        uniforms = self.rng.random(count)
-        while True:
-            f = self._stable_figures(sh, deadline)
-            if f is None:
-                return None
-            seq, mass, low, size = f
-            self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
-            if size < sh.table.min_size or not mass > 0:
-                return None
-            status = sh.table.sample_into(seq, uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
-                                          np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
-                                          times, valid)
-            if status == _OK:
-                self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
-                return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
-                        "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
-            self.one_sided_retries += 1
-            if time.perf_counter() > deadline:
-                return None
-
-    def _assemble_remote(self, n: int, live: list[int], share: np.ndarray,
-                         parts: dict[int, dict[str, Any]]) -> SampledBatch:
-        """One batch from the shards' parts, in shard order; weights as the one-round message sample."""
-        order = sorted(parts)
-        shares = dict(zip(live, share.tolist()))
-        keys = np.concatenate([make_keys(k, parts[k]["keys"]) for k in order])
-        probs = np.concatenate([shares[k] * parts[k]["q"] for k in order])
-        times = np.concatenate([parts[k]["times"] for k in order])
-        valid = np.concatenate([parts[k]["valid"] for k in order])
-        figs = {k: self._figures[k] for k in live}
-        beta = self.beta if self.beta is not None else max(f.beta for f in figs.values())  # type: ignore[attr-defined]
-        lows = [shares[k] * f.min_mass / f.mass for k, f in figs.items()  # type: ignore[attr-defined]
-                if shares[k] > 0 and f.mass > 0 and 0 < f.min_mass < math.inf]  # type: ignore[attr-defined]
-        weights = _weights(probs, min(lows, default=math.inf), beta)
-        first = parts[order[0]]
-        w = max(first["window"], 1)
-        data: dict[str, torch.Tensor] = {}
-        for name in first["data"]:
-            dtype, shape = self._layouts[self._remote_data_region(order[0])][name]
-            t = host_empty((n, w, *shape) if first["window"] else (n, *shape), dtype)
-            flat = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-            a = 0
-            for k in order:  # each part's bytes, straight from its reply frame (local parts: their tensor)
-                part = parts[k]["data"][name]
-                src = part if isinstance(part, np.ndarray) else part.reshape(-1).view(torch.uint8).numpy()
-                flat[a:a + src.shape[0]] = src
-                a += src.shape[0]
-            data[name] = t
-        if first["window"]:
-            data["mask"] = torch.from_numpy(np.concatenate([parts[k]["mask"] for k in order]))
-        self.gathered_items += n
-        self.one_sided_samples += 1
-        if not valid.all():
-            self.dropped_items += int((~valid).sum())
-            idx = np.flatnonzero(valid)
-            data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
-            keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
-        return SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
-                            probabilities=torch.from_numpy(probs),
-                            table_size=int(sum(f.size for f in figs.values())),  # type: ignore[attr-defined]
-                            times_sampled=torch.from_numpy(times))
-
-    @property
-    def can_sample_now(self) -> bool:
-        """Whether every live shard offered one-sided sampling and this client mapped it (then
-        :meth:`sample_now` draws unless a shard is below its min size or keeps changing)."""
-        live = self.live_shards
-        return self.one_sided and bool(live) and all(k in self._shared for k in live)
-
-    def _forget_sampling(self, shard: int) -> None:
-        """Drop a shard's one-sided offer and unmap its sampling region (its successor offers anew)."""
-        self._group = None  # (it reaches the shards' arrays by address: never past their unmapping)
-        self._remote_shared.pop(shard, None)
-        sh = self._shared.pop(shard, None)
-        if sh is not None and self._reader is not None and sh.region in self._reader.regions:
-            self._reader.detach(sh.region)
-
-    def sample_now(self, n: int) -> tuple[SampledBatch | None, list[SampledKeys]]:
-        """Draw ``n`` items now from the shards' shared memory, with no message to any shard (GEAR's
-        one-sided sampling); or ``(None, [])`` when that is not possible now: then sample with
-        :meth:`request`.
-
-        Possible when every live shard is on this host and offered it (asynchronous runs; a
-        Uniform or Prioritized sampler, WindowRead or StepRead, no ``max_times_sampled``, a MinSize
-        rate limiter: :func:`reactor.replay.shared.why_not_shared`), the offer has arrived (with the
-        client's first reply from each shard: the first sample goes through messages), and every
-        live shard holds at least its rate limiter's min size (below it, :meth:`request` parks as
-        the shards do).
-
-        The draw is the two-stage one: the shards' masses are read (each at one moment, under its
-        sequence count), the per-shard counts drawn from them, and each shard's items drawn from the
-        state its mass came from: then ``P(i) = w_i / sum of the masses`` and the importance weights
-        are a single table's. A shard that changed between its figures and its draw draws its
-        count again on its new state, and its items report what they were drawn with,
-        ``P(i) = (M_s / M) * q_i`` (the one-round message sample's rule: exact as drawn; restarting
-        the whole draw instead would favour the counts that finish before a busy shard changes). A
-        shard in the middle of a change is waited for; after ~5 ms the call gives up and returns
-        ``(None, notices of the draws made)``. What the state may lack: writes the shards have
-        not applied yet (updates in flight, see :mod:`reactor.replay.shared`). Items whose rows the
-        ring overwrote during the copy are dropped (``dropped_items``), as in a gathered message
-        sample.
-
-        Returns:
-            ``(batch, notices)``: the batch, and the notices due, to send to the shards (with
-            ``key=shard_key``, like priority updates): they count the draws (times sampled,
-            statistics, rate limiter). The client holds each sample's notices until they count
-            ``notice_every`` samples (or :data:`NOTICE_MAX_AGE_S`) and then returns them as one
-            :class:`SampledKeys` per shard; so most calls return ``[]``. A call that returns no
-            batch returns every held notice; :meth:`take_notices` hands them over at any time.
-
-        Raises:
-            ValueError: ``n < 1``.
-            PeerLostError: a shard's process died (its memory says so); the batch is dropped.
-        """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
-        if not self.can_sample_now:
-            return None, self.take_notices()
-        live = self.live_shards
-        shards = [self._shared[k] for k in live]
-        n = int(n)
-        first = shards[0]
-        window = first.table.window
-        layout = self._layouts[first.data_region]
-        # The batch's memory, filled in place by each shard's compiled draw-and-copy.
-        out = {f: host_empty((n, window, *layout[f][1]) if window else (n, *layout[f][1]), layout[f][0])
-               for f in first.names}
-        bases = np.array([out[f].data_ptr() for f in first.names], dtype=np.int64)
-        item_nbytes = first.row_nbytes * max(window, 1)
-        mask = np.empty((n, max(window, 1)), dtype=np.bool_)
-        local = np.empty(n, dtype=np.int64)  # (the draws leave the batch's keys here,
-        q = np.empty(n, dtype=np.float64)  # its probabilities here,
-        weights = np.empty(n, dtype=np.float32)  # and its importance weights here)
-        times = np.empty(n, dtype=np.int64)
-        valid = np.empty(n, dtype=np.bool_)
-        count_uniforms = self.rng.random(n)  # the per-shard counts (plan_shards: a multinomial sample)
-        every_uniform = self.rng.random(n)  # the draws: shard i's are [a, b) of them
-        beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
-        group = self._group_of(live, shards)
-        m = len(shards)
-        seqs, sizes, counts, where = (np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m, np.int64),
-                                      np.zeros(3, np.int64))
-        masses, lows, shares, least = (np.zeros(m, np.float64), np.zeros(m, np.float64), np.zeros(m, np.float64),
-                                       np.zeros(1, np.float64))
-        # Every shard's figures and the counts in one compiled call, then every shard's draw in another
-        # (the common case; a shard mid-change or changed in between is handled below, shard by shard).
-        status = group.figures(count_uniforms, seqs, sizes, masses, lows, counts, shares, least)
-        if status == _OK:
-            status = group.draw(every_uniform, bases, item_nbytes, group.tags, beta, mask, local, q, times, valid,
-                                weights, seqs, counts, shares, least, where)
-        if status in (_BELOW, _ZERO):  # below a shard's min size (its request parks until ready), or all 0
-            return None, self.take_notices()
-        deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
-        if status == _BUSY:  # a shard was mid-change: its figures waited for here, then the draws
-            figs = [self._stable_figures(sh, deadline) for sh in shards]
-            if any(f is None for f in figs):
-                return None, self.take_notices()  # a shard kept changing: sample through messages
-            if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):  # type: ignore[index]
-                return None, self.take_notices()
-            masses = np.array([f[1] for f in figs], dtype=np.float64)  # type: ignore[index]
-            lows = np.array([f[2] for f in figs], dtype=np.float64)  # type: ignore[index]
-            if plan_shards(count_uniforms, masses, lows, counts, shares, least) != _OK:
-                return None, self.take_notices()  # every priority is 0: the message path says so
-            start, a = 0, 0
-        else:
-            figs = [(int(seqs[i]), float(masses[i]), float(lows[i]), int(sizes[i])) for i in range(m)]
-            start, a = (int(where[0]), int(where[1])) if status == _MOVED_AT else (m, n)
-        used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
-        drawn = [(k, int(b - c), int(b), float(shares[i]))  # (shard, a, b, its share of the counts)
-                 for i, (k, c, b) in enumerate(zip(live[:start], counts[:start], np.cumsum(counts)[:start])) if c]
-        min_p = float(least[0])
-        retried = False
-        for i in range(start, m):  # shards the compiled call did not draw (a change, or it waited): one by one
-            k, sh, c = live[i], shards[i], int(counts[i])
-            if c == 0:
-                continue
-            b = a + c
-            uniforms = every_uniform[a:b]
-            share = float(shares[i])
-            f = used[i]
-            while True:  # a shard that changed since its figures: its own draw again, on its new state
-                # (keys, probabilities and weights of the batch: `local` and `q` come back tagged and scaled)
-                status = sh.table.sample_part(f[0], uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
-                                              bases + a * item_nbytes, mask[a:b], local[a:b], q[a:b], times[a:b],
-                                              valid[a:b], k << KEY_SHARD_BITS, share, min_p, beta, weights[a:b])
-                if status == _OK:
-                    break
-                self.one_sided_retries += 1
-                retried = True
-                g = self._stable_figures(sh, deadline) if status != _EMPTY else None
-                if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
-                    return None, self.take_notices(self._notices(drawn, local))
-                f = g
-            used[i] = f
-            drawn.append((k, a, b, share))
-            a = b
-        if retried:  # the least likely item is the one of the figures the draws used
-            min_p = _least_probability(shares, used)
-            weights = _weights(q, min_p, beta)
-        return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid)
-
-    def _group_of(self, live: list[int], shards: list[_SharedShard]) -> SharedShards:
-        """The live shards' mapped states as one :class:`SharedShards` (kept until the shards change)."""
-        key = tuple(id(sh) for sh in shards)
-        if self._group is None or self._group[0] != key:
-            group = SharedShards([(sh.table, sh.versions, sh.src_addrs, sh.row_nbytes) for sh in shards])
-            group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
-            self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
-        return self._group[1]
-
-    def _hold_keys(self, drawn: list[tuple[int, np.ndarray]]) -> list[SampledKeys]:
-        """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not
-        told yet; all of them, one notice per shard, once they count ``notice_every`` samples or the
-        oldest is :data:`NOTICE_MAX_AGE_S` old."""
-        now = time.perf_counter()
-        if not self._held_samples:
-            self._held_since = now
-        held = self._held
-        for k, keys in drawn:
-            held.setdefault(k, []).append(keys)
-        self._held_samples += 1
-        if self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
-            return self.take_notices()
-        return []
-
-    def take_notices(self, more: list[SampledKeys] = ()) -> list[SampledKeys]:  # type: ignore[assignment]
-        """Every held notice (and ``more``), merged to one :class:`SampledKeys` per shard, to send
-        now; the client holds none after. Samples that return no batch (and the errors of
-        :meth:`asample_now`) return them this way; an owner that stops sampling one-sidedly sends
-        what this returns (the shards count those draws only when told)."""
-        held = self._held
-        for m in more:
-            held.setdefault(m.shard, []).append(np.asarray(m.keys))
-        self._held, self._held_samples = {}, 0
-        return [SampledKeys(k, np.concatenate(ks)) for k, ks in sorted(held.items())]
-
-    def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:
-        """A shard's figures under a stable sequence count, waiting out a change in progress (tens of
-        microseconds); None after ``deadline``."""
-        while True:
-            f = sh.table.figures()
-            if f[0] >= 0:
-                return f
-            self.one_sided_retries += 1
-            if time.perf_counter() > deadline:
-                return None
-            time.sleep(0)  # let the shard's process (maybe on this core) finish its change
-
-    @staticmethod
-    def _notices(drawn: list[tuple[int, int, int, float]], local: np.ndarray) -> list[SampledKeys]:
-        """The shards' notices of the draws made (also of a sample given up half-way)."""
-        return [SampledKeys(k, make_keys(k, local[a:b])) for k, a, b, _share in drawn]
-
-    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int, float]],
-                          figs: list[tuple[int, float, float, int]], shards: list[_SharedShard],
-                          out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
-                          weights: np.ndarray, times: np.ndarray, valid: np.ndarray,
-                          ) -> tuple[SampledBatch, list[SampledKeys]]:
-        """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
-        and its notices."""
-        assert self._reader is not None
-        for k, _a, _b, _share in drawn:  # data of a shard that died meanwhile is never returned
-            try:
-                self._reader.check_alive(self._shared[k].data_region)
-            except PeerLostError as e:
-                lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
-                lost.shard = k  # type: ignore[attr-defined]
-                raise lost from e
-        told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
-        notices = [(k, told[a:b]) for k, a, b, _share in drawn]
-        data: dict[str, torch.Tensor] = out
-        if shards[0].table.window:
-            data["mask"] = torch.from_numpy(mask)
-        self.gathered_items += n
-        self.one_sided_samples += 1
-        if not valid.all():  # items whose rows the ring overwrote during the copy
-            self.dropped_items += int((~valid).sum())
-            idx = np.flatnonzero(valid)
-            data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
-            keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
-        batch = SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
-                             probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
-                             times_sampled=torch.from_numpy(times))
-        return batch, self._hold_keys(notices)
-
     async def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
         """The batch's fields over all parts; bulk parts are gathered straight into the output
         (from shared memory here, or by one-sided reads of another host's shard).
@@ -1233,46 +734,6 @@ class ReplayClient:
         return out
 
 
-_ONE_SIDED_PATIENCE_S = 0.005  # how long sample_now waits out shards' changes before it leaves the sample to messages
-
-
-def _least_probability(shares: np.ndarray, figs: list[tuple[int, float, float, int]]) -> float:
-    """The least likely item's probability over the shards, ``share * min / mass`` of each live
-    shard's figures ``(seq, mass, min, size)`` (inf when none has a positive, finite one)."""
-    lows = [sh_share * f[2] / f[1] for sh_share, f in zip(shares.tolist(), figs)
-            if sh_share > 0 and f[1] > 0 and 0 < f[2] < math.inf]
-    return min(lows) if lows else math.inf
-
-
-def _weights(probs: np.ndarray, min_p: float, beta: float) -> np.ndarray:
-    """Importance weights ``min((P / min_p)^-beta, 1)`` as float32 (1 where beta is 0 or min_p is not
-    positive and finite)."""
-    if beta == 0.0 or not (0 < min_p < math.inf):
-        return np.ones(len(probs), dtype=np.float32)
-    return np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
-
-
-@dataclass
-class _RemoteShard:
-    """A shard of another host that samples for this client on its bulk read server."""
-
-    data_region: str
-    window: int
-    beta: float
-    max_items: int  # the most items its server draws in one reply
-
-
-@dataclass
-class _SharedShard:
-    """A shard's mapped sampling state and what a one-sided copy of its rows needs."""
-
-    table: SharedSampling
-    region: str  # the sampling state's bulk region
-    data_region: str  # the rows' bulk region
-    names: list[str]  # the fields copied, in the order of src_addrs
-    versions: np.ndarray  # the rows' version column (mapped)
-    src_addrs: np.ndarray
-    row_nbytes: np.ndarray
 
 
 class _RemoteUnusable(Exception):

@@ -215,6 +215,70 @@ def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access(sampler
     assert MOVED in outcomes
 
 
+def test_garbage_in_one_shard_of_a_group_gives_refusals_never_a_wild_access():
+    """Two shards drawn as one batch (SharedShards: figures and counts, then every draw), the second's
+    published state overwritten with random words, NaN, negative and huge sums before each try: the
+    figures answer OK, BUSY, BELOW or ZERO; the draws OK or MOVED_AT at a shard and an item offset in
+    range; an OK batch's keys carry the shards' tags and its windows stay inside the batch (guard
+    bytes after it are untouched); nothing reads outside the arrays (a wild read faults)."""
+    from reactor.replay.shared import BELOW, BUSY, MOVED_AT, ZERO, SharedShards
+
+    cap, n, w = 600, 48, 8
+    rng = np.random.default_rng(7)
+    tables = []
+    for k in range(2):
+        arrays = _plain_arrays()
+        table = _table(Prioritized(0.6), WindowRead(w), arrays, cap=cap)
+        pub = SamplingPublisher(table, arrays)
+        _fill(table, pub, np.random.default_rng(10 + k), 40)
+        tables.append((table, pub, arrays))
+    versions = [np.full(cap, -1, np.int64) for _ in tables]
+    for (table, _p, _a), v in zip(tables, versions):
+        first, nxt = table.storage.step_range
+        v[np.arange(first, nxt) % cap] = np.arange(first, nxt)
+    rows = [np.array([t.storage._fields[f].data_ptr() for f in ("id", "x")], np.int64) for t, _p, _a in tables]
+    row_nbytes = np.array([8, 8], np.int64)
+    figures_seen, draws_seen = set(), set()
+    for trial in range(300):
+        bad = tables[1][2]
+        for name in ("step_ep", "ep_start", "ep_len", "times"):
+            a = bad.get(name)
+            a[:] = rng.integers(-(2**62), 2**62, size=a.shape) if trial % 2 else rng.integers(-3, 3 * cap, a.shape)
+        for name in ("sums", "mins"):
+            a = bad.get(name)
+            a[:] = rng.choice([np.nan, -1.0, 0.0, 1e300, np.inf, 3.0], size=a.shape) * rng.random(a.shape)
+        h = bad.get("header")
+        h[1:5] = rng.integers(-5, 3 * cap, size=4)
+        h[0] = 2 * int(rng.integers(0, 100)) + (trial % 7 == 0)  # now and then mid-change (odd)
+        group = SharedShards([(_reader(pub, arrays), v, r, row_nbytes)
+                              for (_t, pub, arrays), v, r in zip(tables, versions, rows)])
+        seqs, sizes, counts = (np.zeros(2, np.int64) for _ in range(3))
+        masses, lows, shares, least, where = np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(1), np.zeros(3, np.int64)
+        status = group.figures(rng.random(n), seqs, sizes, masses, lows, counts, shares, least)
+        figures_seen.add(status)
+        assert status in (OK, BUSY, BELOW, ZERO)
+        if status != OK:
+            continue
+        assert counts.sum() == n and (counts >= 0).all()
+        guard = 0x5A
+        batch = np.full((n + 4) * w * 16, guard, np.uint8)  # id then x per window, plus 4 items of guard
+        ids, xs = batch[: n * w * 8], batch[n * w * 8 : n * w * 16]
+        keys, probs, times = np.empty(n, np.int64), np.empty(n), np.empty(n, np.int64)
+        valid, weights, mask = np.empty(n, bool), np.empty(n, np.float32), np.empty((n, w), bool)
+        tags = np.array([0, 1 << 48], np.int64)
+        status = group.draw(rng.random(n), np.array([ids.ctypes.data, xs.ctypes.data], np.int64),
+                            row_nbytes * w, tags, 0.4, mask, keys, probs, times, valid, weights, seqs, counts,
+                            shares, least, where)
+        draws_seen.add(status)
+        assert status in (OK, MOVED_AT)
+        assert (batch[n * w * 16 :] == guard).all()  # nothing written past the batch
+        if status == MOVED_AT:
+            assert where[0] in (0, 1) and 0 <= where[1] <= n
+        else:
+            assert set((keys[: counts[0]] >> 48).tolist()) <= {0} and set((keys[counts[0] :] >> 48).tolist()) <= {1}
+    assert OK in figures_seen and len(figures_seen) >= 2 and MOVED_AT in draws_seen
+
+
 def test_windows_as_long_as_the_ring_are_sampled_and_longer_ones_are_refused():
     """A head-padded window of the whole ring wraps around it (the version check too); a window
     longer than the ring cannot be planned one-sidedly and the table is not offered."""

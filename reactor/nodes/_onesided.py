@@ -29,7 +29,7 @@ from ..replay.shared import EMPTY as _EMPTY
 from ..replay.shared import MOVED_AT as _MOVED_AT
 from ..replay.shared import OK as _OK
 from ..replay.shared import ZERO as _ZERO
-from ..replay.shared import SharedSampling, SharedShards, plan_shards
+from ..replay.shared import SharedSampling, SharedShards, least_probability, plan_shards
 from ._shardkeys import KEY_SHARD_BITS, make_keys
 from .messages import SampledBatch, SampledKeys, ShardMass
 
@@ -48,14 +48,6 @@ ONE_SIDED_ERRORS: tuple[type[Exception], ...] = (PeerLostError, MalformedFrameEr
 #: count (``ReplayClient(notice_every=...)``).
 NOTICE_MAX_AGE_S = 0.05
 _ONE_SIDED_PATIENCE_S = 0.005  # how long sample_now waits out shards' changes before it leaves the sample to messages
-
-
-def _least_probability(shares: np.ndarray, figs: list[tuple[int, float, float, int]]) -> float:
-    """The least likely item's probability over the shards, ``share * min / mass`` of each live
-    shard's figures ``(seq, mass, min, size)`` (inf when none has a positive, finite one)."""
-    lows = [sh_share * f[2] / f[1] for sh_share, f in zip(shares.tolist(), figs)
-            if sh_share > 0 and f[1] > 0 and 0 < f[2] < math.inf]
-    return min(lows) if lows else math.inf
 
 
 def _weights(probs: np.ndarray, min_p: float, beta: float) -> np.ndarray:
@@ -326,11 +318,10 @@ class OneSidedSampling:
         probs = np.concatenate([shares[k] * parts[k]["q"] for k in order])
         times = np.concatenate([parts[k]["times"] for k in order])
         valid = np.concatenate([parts[k]["valid"] for k in order])
-        figs = {k: self._figures[k] for k in live}
-        beta = self.beta if self.beta is not None else max(f.beta for f in figs.values())  # type: ignore[attr-defined]
-        lows = [shares[k] * f.min_mass / f.mass for k, f in figs.items()  # type: ignore[attr-defined]
-                if shares[k] > 0 and f.mass > 0 and 0 < f.min_mass < math.inf]  # type: ignore[attr-defined]
-        weights = _weights(probs, min(lows, default=math.inf), beta)
+        figs = [self._figures[k] for k in live]
+        beta = self.beta if self.beta is not None else max(f.beta for f in figs)  # type: ignore[attr-defined]
+        min_p = least_probability(share, np.array([f.mass for f in figs]), np.array([f.min_mass for f in figs]))  # type: ignore[attr-defined]
+        weights = _weights(probs, min_p, beta)
         first = parts[order[0]]
         w = max(first["window"], 1)
         data: dict[str, torch.Tensor] = {}
@@ -356,7 +347,7 @@ class OneSidedSampling:
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
         return SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                             probabilities=torch.from_numpy(probs),
-                            table_size=int(sum(f.size for f in figs.values())),  # type: ignore[attr-defined]
+                            table_size=int(sum(f.size for f in figs)),  # type: ignore[attr-defined]
                             times_sampled=torch.from_numpy(times))
 
     @property
@@ -465,8 +456,8 @@ class OneSidedSampling:
             figs = [(int(seqs[i]), float(masses[i]), float(lows[i]), int(sizes[i])) for i in range(m)]
             start, a = (int(where[0]), int(where[1])) if status == _MOVED_AT else (m, n)
         used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
-        drawn = [(k, int(b - c), int(b), float(shares[i]))  # (shard, a, b, its share of the counts)
-                 for i, (k, c, b) in enumerate(zip(live[:start], counts[:start], np.cumsum(counts)[:start])) if c]
+        drawn = [(k, int(b - c), int(b))  # (shard, its items [a, b))
+                 for k, c, b in zip(live[:start], counts[:start], np.cumsum(counts)[:start]) if c]
         min_p = float(least[0])
         retried = False
         for i in range(start, m):  # shards the compiled call did not draw (a change, or it waited): one by one
@@ -491,10 +482,10 @@ class OneSidedSampling:
                     return None, self.take_notices(self._notices(drawn, local))
                 f = g
             used[i] = f
-            drawn.append((k, a, b, share))
+            drawn.append((k, a, b))
             a = b
         if retried:  # the least likely item is the one of the figures the draws used
-            min_p = _least_probability(shares, used)
+            min_p = least_probability(shares, np.array([f[1] for f in used]), np.array([f[2] for f in used]))
             weights = _weights(q, min_p, beta)
         return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid)
 
@@ -546,11 +537,12 @@ class OneSidedSampling:
             time.sleep(0)  # let the shard's process (maybe on this core) finish its change
 
     @staticmethod
-    def _notices(drawn: list[tuple[int, int, int, float]], local: np.ndarray) -> list[SampledKeys]:
-        """The shards' notices of the draws made (also of a sample given up half-way)."""
-        return [SampledKeys(k, make_keys(k, local[a:b])) for k, a, b, _share in drawn]
+    def _notices(drawn: list[tuple[int, int, int]], keys: np.ndarray) -> list[SampledKeys]:
+        """The shards' notices of the draws made (also of a sample given up half-way); ``keys`` are the
+        batch's (the draws leave them tagged with their shard)."""
+        return [SampledKeys(k, keys[a:b]) for k, a, b in drawn]
 
-    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int, float]],
+    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]],
                           figs: list[tuple[int, float, float, int]], shards: list[_SharedShard],
                           out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
                           weights: np.ndarray, times: np.ndarray, valid: np.ndarray,
@@ -558,7 +550,7 @@ class OneSidedSampling:
         """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
         and its notices."""
         assert self._reader is not None
-        for k, _a, _b, _share in drawn:  # data of a shard that died meanwhile is never returned
+        for k, _a, _b in drawn:  # data of a shard that died meanwhile is never returned
             try:
                 self._reader.check_alive(self._shared[k].data_region)
             except PeerLostError as e:
@@ -566,7 +558,7 @@ class OneSidedSampling:
                 lost.shard = k  # type: ignore[attr-defined]
                 raise lost from e
         told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
-        notices = [(k, told[a:b]) for k, a, b, _share in drawn]
+        notices = [(k, told[a:b]) for k, a, b in drawn]
         data: dict[str, torch.Tensor] = out
         if shards[0].table.window:
             data["mask"] = torch.from_numpy(mask)

@@ -23,7 +23,7 @@ import torch
 from .._errors import PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
-from ..replay.shared import SharedShards
+from ..replay.shared import SharedShards, least_probability
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its names public here)
@@ -33,6 +33,7 @@ from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its n
     OneSidedSampling,
     _RemoteShard,
     _SharedShard,
+    _weights,
 )
 from ._shardkeys import KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
@@ -442,14 +443,10 @@ class ReplayClient(OneSidedSampling):
         s.size = int(sum(f.size for f in figs.values()))
         beta = self.beta if self.beta is not None else max(f.beta for f in figs.values())
         # The least likely item anywhere: share_s * (its weight / M_s) over shards that can be drawn from.
-        lows = [s.shares[k] * f.min_mass / f.mass for k, f in figs.items()
-                if s.shares[k] > 0 and f.mass > 0 and 0 < f.min_mass < math.inf]
-        min_p = min(lows, default=math.inf)
-        if beta == 0.0 or not (0 < min_p < math.inf):
-            weights = np.ones(len(probs), dtype=np.float32)
-        else:
-            weights = np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
-        return probs, weights
+        ks = list(figs)
+        min_p = least_probability(np.array([s.shares[k] for k in ks]), np.array([figs[k].mass for k in ks]),
+                                  np.array([figs[k].min_mass for k in ks]))
+        return probs, _weights(probs, min_p, beta)
 
     # ---------------------------------------------------------------- bulk gathers (shm, one-sided reads)
 

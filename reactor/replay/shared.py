@@ -51,7 +51,7 @@ from .sumtree import _layout, _nb_descend
 
 __all__ = [
     "BELOW", "BUSY", "EMPTY", "MOVED", "MOVED_AT", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling",
-    "SharedShards", "plan_shards", "serve_sample", "shareable", "why_not_shared",
+    "SharedShards", "least_probability", "plan_shards", "serve_sample", "shareable", "why_not_shared",
 ]
 
 #: Header slots (int64): the sequence count, then what the owner publishes at the end of a change.
@@ -548,7 +548,6 @@ class SharedSampling:
             uniforms, self.step_ep, self.ep_start, self.ep_len, self.window, self.head, versions, src_addrs,
             row_nbytes, dst_addrs, mask, keys, probs, times, valid, _PREFETCH_WINDOWS))
 
-
     def sample_part(self, seq: int, uniforms: np.ndarray, versions: np.ndarray, src_addrs: np.ndarray,
                     row_nbytes: np.ndarray, dst_addrs: np.ndarray, mask: np.ndarray, keys: np.ndarray,
                     probs: np.ndarray, times: np.ndarray, valid: np.ndarray, tag: int, share: float, min_p: float,
@@ -707,15 +706,24 @@ def plan_shards(count_uniforms: np.ndarray, masses: np.ndarray, lows: np.ndarray
                 pick = s
                 break
         counts[pick] += 1
+    for s in range(masses.shape[0]):
+        shares[s] = masses[s] / total
+    least[0] = least_probability(shares, masses, lows)
+    return OK
+
+
+@numba.njit(cache=True, nogil=True)
+def least_probability(shares: np.ndarray, masses: np.ndarray, lows: np.ndarray) -> float:  # pragma: no cover - jit
+    """The least likely item's probability in a batch over shards whose counts follow ``shares``:
+    ``share * min / mass`` over the shards with a positive share and mass and a positive, finite least
+    weight (inf when none has): what importance weights are taken against."""
     min_p = np.inf
     for s in range(masses.shape[0]):
-        share = shares[s] = masses[s] / total
-        if share > 0 and masses[s] > 0 and 0 < lows[s] < np.inf:
-            p = share * lows[s] / masses[s]
+        if shares[s] > 0 and masses[s] > 0 and 0 < lows[s] < np.inf:
+            p = shares[s] * lows[s] / masses[s]
             if p < min_p:
                 min_p = p
-    least[0] = min_p
-    return OK
+    return min_p
 
 
 @numba.njit(cache=True, nogil=True)

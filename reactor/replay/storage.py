@@ -715,11 +715,8 @@ class Storage:
         n1 = min(length, cap - pos0)
         if self._device.type == "cpu":
             # numpy slicing and copyto cost a fraction of torch's per-call overhead on small batches.
-            views = self._typed_views
             for name, src in tensors.items():
-                dst_np = views.get(name, False)
-                if dst_np is False:
-                    dst_np = self._typed_view(name)
+                dst_np = self._typed_view(name)
                 if dst_np is None or not src.is_cpu or src.requires_grad:
                     dst = self._fields[name]
                     dst[pos0 : pos0 + n1].copy_(src[:n1])

@@ -377,7 +377,8 @@ def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - ru
 @pytest.mark.timeout(120)
 def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_the_last_completed_change():
     """The owner changes its tree over and over (one positive leaf each time, moving); a reader in
-    this process draws 16 at a time throughout, until 200 draws were accepted. Every accepted draw is one snapshot (all 16 draws
+    this process draws 16 at a time throughout, until 200 draws were accepted and one read met a
+    change in progress. Every accepted draw is one snapshot (all 16 draws
     hit the same leaf), and that leaf belongs to a change no older than the last one completed
     before the read began, and no newer than the one in progress when it ended."""
     prefix = f"rxtest{np.random.default_rng().integers(1 << 30)}_"
@@ -404,7 +405,9 @@ def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_t
         ok = moved = 0
         rng = np.random.default_rng(0)
         deadline = time.monotonic() + 60
-        while ok < 200 and time.monotonic() < deadline:
+        # Until 200 draws were accepted and at least one read met a change in progress (on a loaded
+        # machine the owner may be off the CPU for the first 200): the retry path must have run.
+        while (ok < 200 or moved == 0) and time.monotonic() < deadline:
             before = int(done[0])
             seq, mass, _low, _size = ss.figures()
             if seq < 0:
@@ -421,7 +424,7 @@ def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_t
             assert mass == 1.0
             fresh = {v % _TABLE for v in range(max(before, 1), after + 2)}
             assert int(slots[0]) in fresh, (int(slots[0]), before, after)
-        assert ok == 200 and moved > 0 and int(done[0]) > 200, (ok, moved, int(done[0]))
+        assert ok >= 200 and moved > 0 and int(done[0]) > 200, (ok, moved, int(done[0]))
     finally:
         done[1] = 1
         parent.send("bye")

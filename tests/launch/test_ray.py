@@ -56,7 +56,7 @@ def _daemons() -> dict[str, int]:
 
 def _reactor_ray(address: str, cwd: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "reactor.cli", "ray", DQN, "--address", address, "--nodes", "3",
-                             "--async", "--set", "live=False", "--set", "target_return=475", *extra],
+                             "--async", "--set", "live=False", *extra],
                             cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -68,25 +68,29 @@ def _summary(cwd: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_and_reaches_475(ray_address,
+def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_and_goes_on_learning(ray_address,
                                                                                                  tmp_path):
     """A daemon per Ray node (three), DQN over them with restart on-failure. kill -9 of one daemon
     mid-run: its actor ends with it, Ray starts both again (same port and keys: the same address),
-    and the run's restart policy starts the lost group on it again. The run reaches 475, its files
-    come back, and no daemon is left."""
+    and the run's restart policy starts the lost group on it again. The run goes on learning to an
+    evaluation return of 200 (a random policy gets ~20; the 475 of a solve is asserted by the restart
+    tests over namespaced hosts, test_restart.py: here it cost 20-40 s more), its files come back, and no
+    daemon is left."""
     assert not _daemons()
     root = Path(tempfile.gettempdir()) / "reactor-ray"  # the daemons' directories, one per job
     earlier = set(root.glob("*"))
-    # The first evaluation after 4,000 updates (16k env steps): the restart completes before the run can
-    # stop at 475 (a run that evaluated every 250 updates once reached 475 while ray-2's actor was coming back).
-    p = _reactor_ray(ray_address, tmp_path, "--restart", "on-failure:5", "--set", "eval_every_updates=4000")
+    # The first evaluation after 4,000 updates (~16k env steps, ~20 s): the kill below comes as soon as
+    # actor-1 runs on ray-2 and the learner's run has begun, and the restart (~5 s) completes before that
+    # evaluation can stop the run (a run that evaluated every 250 updates once stopped while ray-2's actor
+    # was coming back; a kill after the first rows of metrics came ~20 s into the run, as late as the
+    # first evaluation).
+    p = _reactor_ray(ray_address, tmp_path, "--restart", "on-failure:5", "--set", "eval_every_updates=4000",
+                     "--set", "target_return=200")
     try:
         first = _wait(lambda: len(d := _daemons()) == 3 and d, 120, "three daemons")
         (job,) = _wait(lambda: set(root.glob("*")) - earlier, 30, "this job's directory")
-        # Training: the metrics reactor (with the learner, on ray-0) has written rows.
-        _wait(lambda: any(len(m.read_text().splitlines()) > 3 for m in
-                          job.glob("ray-0/state/runs/*/runs/*/metrics.csv")), 120, "the run to train")
-        assert list(job.glob("ray-2/state/runs/*/actor-1.log"))
+        _wait(lambda: list(job.glob("ray-2/state/runs/*/actor-1.log")) and
+              list(job.glob("ray-0/state/runs/*/runs/*/metrics.csv")), 120, "the run to begin")
         os.kill(first["ray-2"], signal.SIGKILL)
         _wait(lambda: _daemons().get("ray-2", first["ray-2"]) != first["ray-2"], 60, "Ray to start ray-2 again")
         out, err = p.communicate(timeout=480)
@@ -98,5 +102,5 @@ def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_
     assert "host ray-2 answers again" in err, err[-3000:]
     assert "worker 'actor-1' is running again (restart 1)" in err, err[-3000:]
     got = _summary(tmp_path)
-    assert got["reached_target"] and got["best_eval_return"] >= 475, got
+    assert got["reached_target"] and got["best_eval_return"] >= 200, got
     _wait(lambda: not _daemons(), 30, "the daemons to end with their actors")

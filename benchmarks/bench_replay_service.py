@@ -252,6 +252,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 256K-step table and fewer repetitions (well under a minute)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (median reported; default 7, quick 3)")
     ap.add_argument("--calls", type=int, default=None, help="batches per case per repetition (default 20, quick 10)")
+    ap.add_argument("--shards", type=int, default=4, help="replay shards, one process each (default 4)")
+    ap.add_argument("--flush-steps", type=int, default=1024,
+                    help="rows per Steps message of each writer (Writer flush_steps; the in-process peer's too)")
+    ap.add_argument("--writers", type=int, default=4, help="writer processes (default 4)")
     ap.add_argument("--capacity", type=int, default=None, help="steps held over all shards (default 1M, quick 256K)")
     ap.add_argument("--inflight", type=int, default=4,
                     help="also measure with this many batches requested at once (a learner's prefetch); 1: only 1")
@@ -268,13 +272,14 @@ def main() -> None:
     args = ap.parse_args()
     q = args.quick
     cfg = {
-        "shards": 4, "writers": 4, "envs": 64, "window": 32, "batch": 256,
+        "shards": args.shards, "writers": args.writers, "envs": 64, "window": 32, "batch": 256,
         "capacity": args.capacity or (1 << 18 if q else 1 << 20),
         "reps": args.reps or (3 if q else 7),
         "calls": args.calls or (10 if q else 20),
         "round_rows": args.round_rows if args.round_rows is not None else (1 << 14 if q else 1 << 16),
         "inflight": args.inflight,
         "notice_every": args.notice_every,
+        "flush_steps": args.flush_steps,
         "limit_s": 120.0 if q else 600.0,
     }
     load = os.getloadavg()

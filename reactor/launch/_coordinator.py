@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError, WouldBlock
 from .._graph import Graph
-from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S
+from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, link_key
 from ._cluster import RemoteWorkers, address_towards
 from ._forkserver import (
     DEFAULT_PRELOAD,
@@ -93,10 +93,12 @@ async def run_processes(
     sweep_stale()
     run_id = os.environ.get("REACTOR_RUN_ID") or "run"
     sockdir = open_run_dir(run_id)
-    # Links that leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
+    # Links that may leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
     # with CURVE: one key pair per run, handed to each worker on its stdin, or through its daemon over
-    # that daemon's CURVE link (never in the clear); every endpoint of the run, the coordinator's
-    # too, then admits only peers holding it.
+    # that daemon's CURVE link (never in the clear); every endpoint of the run bound to tcp, the
+    # coordinator's too, then admits only peers holding it. An endpoint bound to ipc (in the run's 0700
+    # directory) stays plain, as in a run without tcp (curve_local=False): encrypting a link on the host
+    # cost ~0.3 us of CPU a 269-byte step on each side (libsodium at ~0.8 GB/s, docs/benchmarks.md).
     curve = keys = None
     if plan.hosts or any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
         from ..transport import CurveKeys
@@ -118,7 +120,8 @@ async def run_processes(
         workers = _LocalWorkers(training=any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values()))
         bind = f"ipc://{sockdir}/coordinator"
         dist_store = None
-    ep = await Endpoint.open(COORDINATOR, bind, curve=keys, accept=CoordinatorProtocol(g.name for g in groups))
+    ep = await Endpoint.open(COORDINATOR, bind, curve=keys, curve_local=False,
+                             accept=CoordinatorProtocol(g.name for g in groups))
     loop = asyncio.get_running_loop()
     specs: dict[str, dict[str, Any]] = {}
 
@@ -164,7 +167,7 @@ async def run_processes(
                                _Restarts({g.name: g for g in groups}, restartable, specs, start, keys))
             addresses = await session.gather("hello", START_TIMEOUT_S)
             for g in groups:
-                await ep.connect(g.name, addresses[g.name][0], server_public_key=keys.public if keys else None)
+                await ep.connect(g.name, addresses[g.name][0], server_public_key=link_key(keys, addresses[g.name][0]))
             session.restarts.book = {k: v[0] for k, v in addresses.items()}
             for g in groups:
                 ep.send_nowait(g.name, ("peers", session.restarts.book))
@@ -444,7 +447,7 @@ class _Session:
         if step == "spawned" and msg[0] == "hello":
             keys = r.keys
             try:
-                await self.ep.connect(peer, msg[1], server_public_key=keys.public if keys else None)
+                await self.ep.connect(peer, msg[1], server_public_key=link_key(keys, msg[1]))
             except PeerLostError as e:  # the new life died at once: _check_children sees its end
                 log.warning("could not reach the new life of %r: %s", peer, e)
                 return True

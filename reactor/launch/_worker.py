@@ -183,7 +183,7 @@ class Worker:
         self.down_at_start: list[str] = []
 
     async def main(self) -> None:
-        from ..transport import CurveKeys, Endpoint
+        from ..transport import CurveKeys, Endpoint, link_key
 
         spec = self.spec
         if spec.get("dist_store"):  # data-parallel learners over hosts: the run's rendezvous
@@ -205,9 +205,9 @@ class Worker:
         in_links = {lk.index: (owner_of[lk.src], port_types[lk.dst][lk.dst_port].type)
                     for lk in links if lk.dst in local and owner_of[lk.src] != self.group}
         self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"],
-                                           curve=keys, accept=WorkerProtocol(in_links))
+                                           curve=keys, curve_local=False, accept=WorkerProtocol(in_links))
         try:
-            await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=keys.public if keys else None)
+            await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=link_key(keys, spec["coordinator"]))
             self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))
             self.peak_inbox = 0
             restartable = frozenset(spec.get("restartable", ())) if not spec["deterministic"] else frozenset()
@@ -224,7 +224,7 @@ class Worker:
             for p in out_peers:
                 if p not in self.down_at_start:
                     try:
-                        await ep.connect(p, peers[p], server_public_key=keys.public if keys else None)
+                        await ep.connect(p, peers[p], server_public_key=link_key(keys, peers[p]))
                         continue
                     except PeerLostError as e:
                         if p not in restartable:
@@ -281,7 +281,7 @@ class Worker:
                     "peak_inbox": self.peak_inbox,
                     "peak_backlog": outbox.peak_backlog,
                     "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                    "curve": keys is not None,
+                    "curve": ep.curve_server,  # its ROUTER encrypts: a tcp bind in a run with keys
                     "sent": host.sent_count,
                     "received": host.received_count,
                     **self.loop_stats,
@@ -397,6 +397,8 @@ class Worker:
             self.outbox.send(COORDINATOR, ("reconnected", group))
 
     async def _reconnect(self, group: str, address: str, restarts: int) -> None:
+        from ..transport import link_key
+
         if group not in self.outbox.restartable or self.host.deterministic:
             log.warning("%s: ignored 'restarted' for %r, which has no restart policy here", self.group, group)
             return
@@ -404,7 +406,7 @@ class Worker:
         if group in self.out_peers:
             self.ep.disconnect(group, linger_s=0)
             try:
-                await self.ep.connect(group, address, server_public_key=self.keys.public if self.keys else None)
+                await self.ep.connect(group, address, server_public_key=link_key(self.keys, address))
             except PeerLostError as e:  # it died again: the coordinator says so next
                 log.warning("%s: could not reach restarted %r at %s: %s", self.group, group, address, e)
                 return

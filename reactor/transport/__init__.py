@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ._zmq import CurveKeys as CurveKeys
 from ._zmq import Endpoint as Endpoint
 from ._zmq import EndpointStatistics as EndpointStatistics
+from ._zmq import link_key as link_key
 from .codec import decode as decode
 from .codec import encode as encode
 from .codec import register_message as register_message

@@ -320,6 +320,17 @@ class _Link:
 _MONITOR_SEQ = itertools.count()
 
 
+def _is_local(address: str) -> bool:
+    return address.startswith(("ipc://", "inproc://"))
+
+
+def link_key(keys: CurveKeys | None, address: str) -> bytes | None:
+    """The ``server_public_key`` for a link to a job's endpoint at ``address``: the job's public key
+    when the address is tcp (those endpoints are CURVE servers), None for a local one (``ipc://``,
+    ``inproc://``: opened with ``curve_local=False``, plain) or a job without keys."""
+    return None if keys is None or _is_local(address) else keys.public
+
+
 def _wake(fut: asyncio.Future[Any] | None) -> None:
     if fut is not None and not fut.done():
         fut.set_result(None)
@@ -366,6 +377,7 @@ class Endpoint:
         *,
         curve: CurveKeys | None = None,
         curve_clients: Collection[bytes] | None = None,
+        curve_local: bool = True,
         max_message_nbytes: int = 64 * 2**20,
         credit_window: int = 64,
         credit_window_nbytes: int | None = None,
@@ -383,6 +395,11 @@ class Endpoint:
                 and ``connect(..., server_public_key=...)`` uses it as client key pair.
             curve_clients: client public keys (Z85) the ROUTER admits; default: only
                 ``curve.public`` (every process of a job shares one key pair).
+            curve_local: with ``curve``, whether a ROUTER bound to a local address (``ipc://``,
+                ``inproc://``) is a CURVE server too (the default), or plain: then only links to
+                this endpoint's peers' tcp addresses are encrypted (``connect`` with their key),
+                and the local socket's directory permissions are its boundary, as in a run
+                without tcp. A ``tcp://`` bind with ``curve`` is always a CURVE server.
             max_message_nbytes: the largest message (all frames) accepted or sent; zmq's
                 ``MAXMSGSIZE`` is set too, so a larger frame never reaches Python.
             credit_window: messages a sender may have outstanding to this endpoint.
@@ -426,6 +443,9 @@ class Endpoint:
 
         if accept is not None and not callable(accept):
             raise ValueError(f"Endpoint.open: accept must be callable or None, got {accept!r:.60}")
+        if not isinstance(curve_local, bool):
+            raise ValueError(f"Endpoint.open: curve_local must be a bool, got {curve_local!r:.60}")
+        serve_curve = curve is not None and (curve_local or not _is_local(bind))
 
         self = cls(_token=_OPEN_TOKEN)
         self._loop = asyncio.get_running_loop()
@@ -479,8 +499,10 @@ class Endpoint:
         self._ctx = zmq.asyncio.Context()
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         router: zmq.Socket[Any] | None = None
+        self._curve_server = serve_curve
         try:
-            if curve is not None:
+            if serve_curve:
+                assert curve is not None
                 self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._ctx)
                 self._auth.start()
                 allowed = [curve.public] if curve_clients is None else list(curve_clients)
@@ -496,7 +518,8 @@ class Endpoint:
             # restarted peer gets its name back once its old connection is gone (closed at once
             # when a process dies; within heartbeat_timeout_s when a host vanishes).
             router.setsockopt(zmq.ROUTER_HANDOVER, 0)
-            if curve is not None:
+            if serve_curve:
+                assert curve is not None
                 router.curve_server = True
                 router.curve_secretkey = curve.secret
                 router.curve_publickey = curve.public
@@ -578,6 +601,11 @@ class Endpoint:
     def public_key(self) -> bytes | None:
         """This endpoint's CURVE public key (what a client passes as ``server_public_key``)."""
         return None if self._curve is None else self._curve.public
+
+    @property
+    def curve_server(self) -> bool:
+        """Whether this endpoint's ROUTER encrypts: it admits CURVE clients only (see ``curve_local``)."""
+        return self._curve_server
 
     @property
     def closed(self) -> bool:

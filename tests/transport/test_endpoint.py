@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from reactor._errors import FrameTooLargeError, PeerLostError, PortClosedError, WouldBlock
-from reactor.transport import CurveKeys, Endpoint, codec, encode
+from reactor.transport import CurveKeys, Endpoint, codec, encode, link_key
 from reactor.transport._zmq import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
@@ -559,6 +559,37 @@ async def test_curve_admits_an_allowed_client_key_and_rejects_another(open_endpo
     with pytest.raises(PeerLostError, match=r"^peer 'server' at .*: .*(it requires|the peer may require) CURVE \(this link has none; check that both sides use CURVE"):
         await plain.connect("server", server.address, timeout_s=WAIT_S)
     assert server.statistics().messages_delivered == 1
+
+
+@pytest.mark.asyncio
+async def test_with_curve_local_off_an_ipc_endpoint_is_plain_and_a_tcp_one_still_requires_the_key(open_endpoint, tmp_path):
+    """A run's key pair on every endpoint, ``curve_local=False`` (what the launcher opens): the ipc-bound
+    endpoint admits a plain link (its directory is the boundary) and the tcp-bound one admits only
+    CURVE clients holding the pair; ``link_key`` picks the key by the address."""
+    keys = CurveKeys.generate()
+    local = await open_endpoint("local", f"ipc://{tmp_path}/local", curve=keys, curve_local=False)
+    remote = await open_endpoint("remote", curve=keys, curve_local=False)
+    assert (local.curve_server, remote.curve_server) == (False, True)
+    assert link_key(keys, local.address) is None and link_key(keys, remote.address) == keys.public
+    assert link_key(None, remote.address) is None
+    client = await open_endpoint("client", curve=keys)
+    await client.connect("local", local.address, server_public_key=link_key(keys, local.address), timeout_s=WAIT_S)
+    await client.connect("remote", remote.address, server_public_key=link_key(keys, remote.address), timeout_s=WAIT_S)
+    await client.send("local", "a")
+    await client.send("remote", "b")
+    assert await local.recv_batch(timeout_s=WAIT_S) == [("client", "a")]
+    assert await remote.recv_batch(timeout_s=WAIT_S) == [("client", "b")]
+    plain = await open_endpoint("plain")
+    await plain.connect("local", local.address, timeout_s=WAIT_S)  # no key: admitted on ipc
+    with pytest.raises(PeerLostError, match=r"(it requires|the peer may require) CURVE"):
+        await plain.connect("remote", remote.address, timeout_s=WAIT_S)
+    with pytest.raises(ValueError, match=r"^Endpoint.open: curve_local must be a bool, got 'no'$"):
+        await Endpoint.open("x", curve=keys, curve_local="no")
+    # The default stays encrypted on ipc too.
+    strict = await open_endpoint("strict", f"ipc://{tmp_path}/strict", curve=keys)
+    assert strict.curve_server
+    with pytest.raises(PeerLostError, match=r"(it requires|the peer may require) CURVE"):
+        await plain.connect("strict", strict.address, timeout_s=WAIT_S)
 
 
 @pytest.mark.asyncio

@@ -252,10 +252,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 256K-step table and fewer repetitions (well under a minute)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (median reported; default 7, quick 3)")
     ap.add_argument("--calls", type=int, default=None, help="batches per case per repetition (default 20, quick 10)")
-    ap.add_argument("--shards", type=int, default=4, help="replay shards, one process each (default 4)")
+    ap.add_argument("--shards", type=int, default=4, help="replay shards, one process each (>= 2; default 4)")
     ap.add_argument("--flush-steps", type=int, default=1024,
                     help="rows per Steps message of each writer (Writer flush_steps; the in-process peer's too)")
-    ap.add_argument("--writers", type=int, default=4, help="writer processes (default 4)")
+    ap.add_argument("--writers", type=int, default=4, help="writer processes (>= 2; default 4)")
     ap.add_argument("--capacity", type=int, default=None, help="steps held over all shards (default 1M, quick 256K)")
     ap.add_argument("--inflight", type=int, default=4,
                     help="also measure with this many batches requested at once (a learner's prefetch); 1: only 1")
@@ -270,6 +270,8 @@ def main() -> None:
     ap.add_argument("--reverb", default=str(REVERB_PY),
                     help="python of a venv with dm-reverb, for the Reverb peer's rows (default .venv-reverb's; \"\" or none: skip)")
     args = ap.parse_args()
+    if args.shards < 2 or args.writers < 2:
+        ap.error("--shards and --writers must be >= 2 (the placement names replicas by index)")
     q = args.quick
     cfg = {
         "shards": args.shards, "writers": args.writers, "envs": 64, "window": 32, "batch": 256,

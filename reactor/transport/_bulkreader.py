@@ -39,6 +39,12 @@ from ._bulkzmq import (
 )
 from ._zmq import CurveKeys
 
+#: zmq I/O threads of a reader's context: a sample over several read servers arrives on several
+#: connections at once, and with CURVE each connection's decryption (libsodium, ~0.8 GB/s a core
+#: here) runs on its I/O thread; two let two replies decrypt at once (measured: one-sided samples
+#: over four servers +10-15% batches/s on a 2-core machine, docs/benchmarks.md).
+READER_IO_THREADS = 2
+
 # ------------------------------------------------------------------------------------------ reader
 
 
@@ -304,7 +310,7 @@ class BulkReader:
         client = self._clients.get(address)
         if client is None or client.lost is not None:
             if self._ctx is None:
-                self._ctx = zmq.asyncio.Context()
+                self._ctx = zmq.asyncio.Context(io_threads=READER_IO_THREADS)
             try:
                 client = ZmqClient(
                     self._ctx, address, max_reply_nbytes=max_rep,

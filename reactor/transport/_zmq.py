@@ -73,6 +73,13 @@ HEARTBEAT_TIMEOUT_S = 5.0
 PROTOCOL_VERSION = 2  # 2: batches of frame-less messages
 _HELLO, _WELCOME, _CREDIT = 1, 2, 3
 _CONTROL_MAX_NBYTES = 4096
+# Frames up to this size are copied into zmq's buffer when sent, larger ones handed over zero-copy.
+# pyzmq's default (64 KiB) sends a replay insert's 256 KiB observation frame zero-copy, and each such
+# frame is released later by pyzmq's garbage-collector thread, which must take the GIL from the
+# sending loop: copying it instead (~25 us) measured 4-5% more cross-process insert throughput
+# (bench_replay_service --quick, three alternating pairs, docs/benchmarks.md). Weights and other
+# large messages stay zero-copy.
+_COPY_THRESHOLD_NBYTES = 1 << 20
 _POLLIN = int(zmq.POLLIN)  # a plain int: `events & zmq.POLLIN` goes through enum.Flag, ~0.5 us a test
 _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
 # Coalescing (see the module docstring). Only small messages are worth batching: above a few KiB the
@@ -700,6 +707,7 @@ class Endpoint:
                 f"open it with Endpoint.open(..., curve=CurveKeys...)"
             )
         sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
+        sock.copy_threshold = _COPY_THRESHOLD_NBYTES
         self._configure(sock, _CONTROL_MAX_NBYTES)  # a DEALER only ever receives control messages
         sock.setsockopt(zmq.ROUTING_ID, self._name_b)
         if server_public_key is not None:

@@ -187,6 +187,53 @@ def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_
     assert not list(_rt(tmp_path).glob("reactor-*")), "the run directory was left behind"
 
 
+def test_in_a_run_with_a_tcp_group_the_plain_ipc_sockets_drop_garbage_and_the_tcp_one_admits_no_stranger(tmp_path):
+    """The gated app with the sink's group bound to tcp (so the run has CURVE keys): the groups bound to ipc
+    stay plain (their directory is the boundary), so a same-user process without the keys reaches their
+    sockets, and everything it sends is refused by the checks (that the tcp endpoint refuses a keyless
+    peer: tests/transport/test_endpoint.py). The run ends with the digests of an undisturbed run, the ipc
+    workers counted the garbage, and only the sink's endpoint encrypts."""
+    placement = tmp_path / "mixed.toml"
+    placement.write_text('[groups.source-0]\nreactors = ["source[[]0]"]\n\n[groups.source-1]\nreactors = ["source[[]1]"]\n\n'
+                         '[groups.gate]\nreactors = ["gate"]\n\n'
+                         '[groups.sink]\nreactors = ["sink"]\nbind = "tcp://127.0.0.1:*"\n')
+    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"), "--placement",
+                          "processes", "--digest", "--json"], cwd=ROOT, env=_env(tmp_path / "ref"),
+                         capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    gate, ready = tmp_path / "open", tmp_path / "ready"
+    proc = _run([str(APPS / "gated.py"), "--placement", str(placement), "--digest", "--json",
+                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path)
+    ctx = zmq.Context()
+    try:
+        _wait_for(ready.exists, 60, "the gate to start waiting")
+        run_dir = _run_dir(tmp_path)
+        sockets = {p.name: f"ipc://{p}" for p in run_dir.iterdir() if p.is_socket()}
+        assert {"coordinator", "gate", "source-0", "source-1"} <= set(sockets) and "sink" not in sockets
+        rng = random.Random(5)
+        for address in (sockets["gate"], sockets["coordinator"]):
+            s = _dealer(ctx, address, "intruder")
+            assert _welcomed(s, 5000), "a plain ipc endpoint answers a keyless hello"
+            for frames in _garbage(rng):
+                s.send_multipart(frames)
+            s.close(linger=2000)
+        time.sleep(0.3)
+        gate.touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ctx.destroy(linger=0)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["digests"] == _digests(ref.stdout)
+    assert result["dropped"]["gate"] > 0 and result["dropped"]["coordinator"] > 0, result["dropped"]
+    assert {g: p["curve"] for g, p in result["processes"].items()} == {
+        "source-0": False, "source-1": False, "gate": False, "sink": True}, result["processes"]
+
+
 def _children(pid: int) -> dict[str, int]:
     """The worker processes of a coordinator: group -> pid. Forked from the run's fork server (its
     child), a worker is named ``rx:GROUP``; started as a new interpreter, it is the coordinator's

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import msgpack
@@ -112,6 +113,42 @@ def _digests(out: str) -> dict[str, str]:
     return json.loads(out)["digests"]
 
 
+def _gated_reference(tmp_path: Path) -> dict[str, str]:
+    """The digests of the gated app run undisturbed under `processes` (its gate not held)."""
+    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"), "--placement",
+                          "processes", "--digest", "--json"], cwd=ROOT, env=_env(tmp_path / "ref"),
+                         capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    return _digests(ref.stdout)
+
+
+@contextlib.contextmanager
+def _gated_run(tmp_path: Path, placement: str):
+    """The gated app under ``placement``, held at its gate while the block attacks it: yields a namespace
+    with ``ctx`` (a zmq context) and ``sockets`` (name -> ipc address in the run directory). On leaving
+    the block the gate opens and the run ends: ``out``, ``err`` and ``returncode`` are set; the process
+    is killed if it outlives the block by an error."""
+    gate, ready = tmp_path / "open", tmp_path / "ready"
+    proc = _run([str(APPS / "gated.py"), "--placement", placement, "--digest", "--json",
+                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path)
+    g = types.SimpleNamespace(ctx=zmq.Context(), sockets={}, out="", err="", returncode=None)
+    try:
+        _wait_for(ready.exists, 60, "the gate to start waiting")
+        run_dir = _run_dir(tmp_path)
+        g.sockets = {p.name: f"ipc://{p}" for p in run_dir.iterdir() if p.is_socket()}
+        yield g
+        time.sleep(0.3)
+        gate.touch()
+        g.out, g.err = proc.communicate(timeout=120)
+        g.returncode = proc.returncode
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        g.ctx.destroy(linger=0)
+
+
 def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_from_a_finished_peer(tmp_path):
     """The gated app under `processes`: while its gate holds the run, attackers hit every worker's
     and the coordinator's socket (garbage, non-protocol messages, frames past the size bound,
@@ -119,20 +156,9 @@ def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_
     hypothesis-fuzzed messages of every kind are sent under it (the link-ownership, schema and
     promise checks are the only guard then). The run ends as an undisturbed run does: same
     digests of every reactor, exit 0; the refusals are counted."""
-    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"), "--placement",
-                          "processes", "--digest", "--json"], cwd=ROOT, env=_env(tmp_path / "ref"),
-                         capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stderr
-    expected = _digests(ref.stdout)
-
-    gate, ready = tmp_path / "open", tmp_path / "ready"
-    proc = _run([str(APPS / "gated.py"), "--placement", "processes", "--digest", "--json",
-                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path)
-    ctx = zmq.Context()
-    try:
-        _wait_for(ready.exists, 60, "the gate to start waiting")
-        run_dir = _run_dir(tmp_path)
-        sockets = {p.name: f"ipc://{p}" for p in run_dir.iterdir() if p.is_socket()}
+    expected = _gated_reference(tmp_path)
+    with _gated_run(tmp_path, "processes") as g:
+        ctx, sockets = g.ctx, g.sockets
         assert {"coordinator", "gate", "sink", "source-0", "source-1"} <= set(sockets)
         rng = random.Random(7)
         live_names = {"coordinator": "gate", "gate": "coordinator", "sink": "gate", "source-0": "coordinator",
@@ -169,16 +195,8 @@ def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_
 
         fuzz()
         thief.close(linger=2000)
-        time.sleep(0.3)
-        gate.touch()
-        out, err = proc.communicate(timeout=120)
-    finally:
-        gate.touch()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        ctx.destroy(linger=0)
-    assert proc.returncode == 0, err[-3000:]
+    out, err = g.out, g.err
+    assert g.returncode == 0, err[-3000:]
     result = json.loads(out)
     assert result["digests"] == expected
     assert result["dropped"]["gate"] >= len(forged) + 300 // 2, result["dropped"]
@@ -187,50 +205,31 @@ def test_a_live_run_survives_hostile_frames_on_every_socket_and_fuzzed_messages_
     assert not list(_rt(tmp_path).glob("reactor-*")), "the run directory was left behind"
 
 
-def test_in_a_run_with_a_tcp_group_the_plain_ipc_sockets_drop_garbage_and_the_tcp_one_admits_no_stranger(tmp_path):
+def test_in_a_run_with_a_tcp_group_the_plain_ipc_sockets_welcome_a_keyless_stranger_and_drop_all_it_sends(tmp_path):
     """The gated app with the sink's group bound to tcp (so the run has CURVE keys): the groups bound to ipc
     stay plain (their directory is the boundary), so a same-user process without the keys reaches their
-    sockets, and everything it sends is refused by the checks (that the tcp endpoint refuses a keyless
+    sockets, and everything it sends is refused by the checks (that a tcp endpoint refuses a keyless
     peer: tests/transport/test_endpoint.py). The run ends with the digests of an undisturbed run, the ipc
     workers counted the garbage, and only the sink's endpoint encrypts."""
     placement = tmp_path / "mixed.toml"
     placement.write_text('[groups.source-0]\nreactors = ["source[[]0]"]\n\n[groups.source-1]\nreactors = ["source[[]1]"]\n\n'
                          '[groups.gate]\nreactors = ["gate"]\n\n'
                          '[groups.sink]\nreactors = ["sink"]\nbind = "tcp://127.0.0.1:*"\n')
-    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"), "--placement",
-                          "processes", "--digest", "--json"], cwd=ROOT, env=_env(tmp_path / "ref"),
-                         capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stderr
-    gate, ready = tmp_path / "open", tmp_path / "ready"
-    proc = _run([str(APPS / "gated.py"), "--placement", str(placement), "--digest", "--json",
-                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path)
-    ctx = zmq.Context()
-    try:
-        _wait_for(ready.exists, 60, "the gate to start waiting")
-        run_dir = _run_dir(tmp_path)
-        sockets = {p.name: f"ipc://{p}" for p in run_dir.iterdir() if p.is_socket()}
-        assert {"coordinator", "gate", "source-0", "source-1"} <= set(sockets) and "sink" not in sockets
+    expected = _gated_reference(tmp_path)
+    with _gated_run(tmp_path, str(placement)) as g:
+        assert {"coordinator", "gate", "source-0", "source-1"} <= set(g.sockets) and "sink" not in g.sockets
         rng = random.Random(5)
-        for address in (sockets["gate"], sockets["coordinator"]):
-            s = _dealer(ctx, address, "intruder")
+        for address in (g.sockets["gate"], g.sockets["coordinator"]):
+            s = _dealer(g.ctx, address, "intruder")
             assert _welcomed(s, 5000), "a plain ipc endpoint answers a keyless hello"
             for frames in _garbage(rng):
                 s.send_multipart(frames)
             s.close(linger=2000)
-        time.sleep(0.3)
-        gate.touch()
-        out, err = proc.communicate(timeout=120)
-    finally:
-        gate.touch()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        ctx.destroy(linger=0)
-    assert proc.returncode == 0, err[-3000:]
-    result = json.loads(out)
-    assert result["digests"] == _digests(ref.stdout)
+    assert g.returncode == 0, g.err[-3000:]
+    result = json.loads(g.out)
+    assert result["digests"] == expected
     assert result["dropped"]["gate"] > 0 and result["dropped"]["coordinator"] > 0, result["dropped"]
-    assert {g: p["curve"] for g, p in result["processes"].items()} == {
+    assert {grp: p["curve"] for grp, p in result["processes"].items()} == {
         "source-0": False, "source-1": False, "gate": False, "sink": True}, result["processes"]
 
 

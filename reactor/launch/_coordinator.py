@@ -169,8 +169,9 @@ async def run_processes(
             for g in groups:
                 await ep.connect(g.name, addresses[g.name][0], server_public_key=link_key(keys, addresses[g.name][0]))
             session.restarts.book = {k: v[0] for k, v in addresses.items()}
+            session.restarts.local = {k: v[1] for k, v in addresses.items()}
             for g in groups:
-                ep.send_nowait(g.name, ("peers", session.restarts.book))
+                ep.send_nowait(g.name, ("peers", session.restarts.book_for(g.name, session.host_of)))
             await session.gather("ready", START_TIMEOUT_S)
             for g in groups:
                 ep.send_nowait(g.name, ("start",))
@@ -317,6 +318,7 @@ class _Restarts:
         self.start = start
         self.keys = keys
         self.book: dict[str, str] = {}  # group -> its endpoint's address (the latest)
+        self.local: dict[str, str | None] = {}  # group -> its endpoint's address for its own host's workers
         self.count: dict[str, int] = {}  # restarts begun, per group
         self.ends: dict[str, list[str]] = {}  # how each of a group's lives ended
         self.due: dict[str, float] = {}
@@ -327,6 +329,17 @@ class _Restarts:
     @property
     def pending(self) -> set[str]:
         return set(self.due) | set(self.starting)
+
+    def address_for(self, group: str, recipient: str, host_of: Mapping[str, str]) -> str:
+        """Where ``recipient`` reaches ``group``: at its local (plain ipc) address when both run on
+        one daemon's host, else at its endpoint's address (tcp, CURVE, over hosts)."""
+        local = self.local.get(group)
+        here = host_of.get(recipient)
+        return local if local is not None and here is not None and host_of.get(group) == here else self.book[group]
+
+    def book_for(self, recipient: str, host_of: Mapping[str, str]) -> dict[str, str]:
+        """The address book as ``recipient`` uses it (see :meth:`address_for`)."""
+        return {g: self.address_for(g, recipient, host_of) for g in self.book}
 
     def can_restart(self, group: str) -> bool:
         return group in self.restartable and self.count.get(group, 0) < self.groups[group].restart.max_restarts
@@ -360,6 +373,11 @@ class _Session:
         self.probe_snapshot: tuple[int, int] | None = None
         self.replay_done: set[str] = set()
         self.stopped_by: str | None = None
+
+    @property
+    def host_of(self) -> Mapping[str, str]:
+        """Each group's host over hosts (its daemon's name, the latest life's); empty on one host."""
+        return self.workers.host_of if isinstance(self.workers, RemoteWorkers) else {}
 
     def _check_children(self) -> None:
         r = self.restarts
@@ -451,10 +469,10 @@ class _Session:
             except PeerLostError as e:  # the new life died at once: _check_children sees its end
                 log.warning("could not reach the new life of %r: %s", peer, e)
                 return True
-            r.book[peer] = msg[1]
+            r.book[peer], r.local[peer] = msg[1], msg[2]
             # Groups being restarted themselves are left out: it treats them as down until they
             # are back (it hears "restarted" then).
-            self.ep.send_nowait(peer, ("peers", {g: a for g, a in r.book.items()
+            self.ep.send_nowait(peer, ("peers", {g: a for g, a in r.book_for(peer, self.host_of).items()
                                                  if g == peer or g not in r.due and r.starting.get(g) != "spawned"}))
             r.starting[peer] = "hello"
             return True
@@ -468,7 +486,8 @@ class _Session:
             r.starting[peer] = "reconnecting"
             r.awaiting[peer] = ({n for n in self.procs if n not in self.results and n not in r.pending},
                                 asyncio.get_running_loop().time() + RECONNECT_TIMEOUT_S)
-            self._broadcast(("restarted", peer, r.book[peer], r.count[peer]), skip=peer, starting=True)
+            self._broadcast(lambda n: ("restarted", peer, r.address_for(peer, n, self.host_of), r.count[peer]),
+                            skip=peer, starting=True)
             self._release_if_linked(peer)
             return True
         return False
@@ -634,13 +653,14 @@ class _Session:
 
     def _broadcast(self, msg: Any, skip: str | None = None, starting: bool = False) -> None:
         """Send ``msg`` to every live worker but ``skip``; with ``starting``, also to restarting
-        ones that have their address book (they take it once started)."""
+        ones that have their address book (they take it once started). A callable ``msg`` is
+        called with each recipient's name for its message."""
         r = self.restarts
         pending = set(r.due) | {g for g, step in r.starting.items() if not starting or step == "spawned"}
         for n in self.procs:
             if n not in self.results and n not in pending and n != skip:
                 with contextlib.suppress(Exception):
-                    self.ep.send_nowait(n, msg)
+                    self.ep.send_nowait(n, msg(n) if callable(msg) else msg)
 
 
 async def _no_start(group: Group, spec: dict[str, Any]) -> None:

@@ -49,6 +49,7 @@ from ._forkserver import TRAINING_PRELOAD, Forks
 from ._hosting import LOG_CHUNK_NBYTES, HostedRuns, Proc
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
+from ._rundir import sweep_stale
 
 __all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_spec"]
 
@@ -108,6 +109,7 @@ class Daemon:
         # host identity they all share.
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
         self.hosted = HostedRuns(name, advertise, self.state, self.forks)
+        sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
         self.refused = 0

@@ -8,7 +8,10 @@ torch and reactor's nodes already: ``reactor/launch/_forkserver.py``; else
 files in ``STATE/runs/RUN/app/`` (checked against their sha256), its output in
 ``STATE/runs/RUN/GROUP.log``, in a process session of its own. The worker's host identity is the
 daemon's name (``REACTOR_HOST_ID``): workers of two daemons never try shared memory with each other,
-workers of one daemon do. It binds its endpoint on the daemon's advertised interface.
+workers of one daemon do. It binds its endpoint on the daemon's advertised interface (CURVE) and,
+beside it, a plain ipc socket in the run's private socket directory on this host (mode 0700, under
+``$REACTOR_RUNTIME_DIR``, removed with the run), which the coordinator gives to the run's other
+workers on this daemon instead: links within a host are not encrypted, as in a run on one host.
 
 ``workers`` is the coordinator's heartbeat: it renews the run's lease and answers each worker's
 pid and exit status. A run whose lease runs out (its coordinator or its host is gone) is ended
@@ -32,6 +35,7 @@ from typing import Any
 
 from .._errors import DaemonError
 from ._forkserver import ForkedProcess, Forks
+from ._rundir import open_run_dir, remove_run_dir
 
 Proc = subprocess.Popen[bytes] | ForkedProcess
 
@@ -77,6 +81,7 @@ class _Run:
         self.end_deadline: float | None = None
         self.why_ended = ""
         self.cleaned = False
+        self.sockdir: Path | None = None  # its workers' ipc sockets (a short path: ipc's limit is 107 bytes)
 
 
 class HostedRuns:
@@ -120,6 +125,9 @@ class HostedRuns:
         spec = dict(req["worker"])
         spec["app"] = str(run.dir / "app" / req["app"])
         spec["bind"] = f"tcp://{self.advertise}:*"
+        if run.sockdir is None:
+            run.sockdir = open_run_dir(run.id)
+        spec["local_bind"] = f"ipc://{run.sockdir}/w{sum(run.lives.values())}"  # a new path for every life
         env = {**os.environ, "REACTOR_WORKER_GROUP": group, "REACTOR_RUN_ID": run.id,
                "REACTOR_HOST_ID": f"daemon:{self.name}"}
         if (ifname := interface_of(self.advertise)) is not None:
@@ -243,6 +251,8 @@ class HostedRuns:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(p.pid, signal.SIGKILL)
                 self._cleanup_segments(run.id)
+                if run.sockdir is not None:
+                    remove_run_dir(run.sockdir)
                 log.info("%s: run %s ended here (%s)", self.name, run.id, run.why_ended)
 
     def _cleanup_segments(self, run_id: str) -> None:

@@ -16,7 +16,7 @@ worker <- coordinator (only from the coordinator):
     ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",), ("exit",),
     ("lost", group, reason), ("restarted", group, address, restarts)   restart policies (async runs)
 coordinator <- worker (only from the run's worker groups):
-    ("hello", address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
+    ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
     ("replay_done",), ("done", result), ("error", text), ("reconnected", group)  (it links to a restarted group)
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
@@ -93,6 +93,12 @@ def _text(v: Any) -> str | None:
 def _address(v: Any) -> str | None:
     if type(v) is not str or len(v) > _ADDRESS_MAX or not v.startswith(("tcp://", "ipc://")):
         return f"a tcp:// or ipc:// address expected, got {_show(v)}"
+    return None
+
+
+def _local_address(v: Any) -> str | None:
+    if v is not None and (type(v) is not str or len(v) > _ADDRESS_MAX or not v.startswith("ipc://")):
+        return f"None or an ipc:// address expected, got {_show(v)}"
     return None
 
 
@@ -178,7 +184,7 @@ COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
     "restarted": (_group, _address, _count),
 }
 WORKER_KINDS: dict[str, tuple[Check, ...]] = {
-    "hello": (_address,),
+    "hello": (_address, _local_address),
     "ready": (),
     "status": (_epoch, _bool, _count, _count),
     "stop_request": (),

@@ -11,7 +11,7 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
                                                    the arrival there of any of the receiver's messages
                                                    after the first n (d_ns -1: U alone); see
                                                    ReactorHost.refresh
-worker -> coordinator: ("hello", address), ("status", epoch, idle, sent, received), ("stop_request",),
+worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle, sent, received), ("stop_request",),
     ("done", result), ("error", text), ("reconnected", group)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",),
     ("lost", group, reason), ("restarted", group, address, restarts)   (restart policies, async runs)
@@ -204,8 +204,11 @@ class Worker:
         port_types = {n: node.reactor_type._port_specs for node, _, n in graph.instances()}
         in_links = {lk.index: (owner_of[lk.src], port_types[lk.dst][lk.dst_port].type)
                     for lk in links if lk.dst in local and owner_of[lk.src] != self.group}
+        # Over hosts the endpoint binds tcp for other hosts and, beside it, a plain ipc socket its
+        # daemon's other workers are given instead (``local_bind``): links on a host skip CURVE.
         self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"],
-                                           curve=keys, curve_local=False, accept=WorkerProtocol(in_links))
+                                           curve=keys, curve_local=False, local_bind=spec.get("local_bind"),
+                                           accept=WorkerProtocol(in_links))
         try:
             await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=link_key(keys, spec["coordinator"]))
             self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))
@@ -213,7 +216,7 @@ class Worker:
             restartable = frozenset(spec.get("restartable", ())) if not spec["deterministic"] else frozenset()
             self.outbox = outbox = Outbox(ep, self.flow_limit, restartable)
             self.keys, self.out_peers = keys, out_peers
-            outbox.send(COORDINATOR, ("hello", ep.address))
+            outbox.send(COORDINATOR, ("hello", ep.address, ep.local_address))
             peers = await self._wait_control("peers")
             # A peer being restarted as this one starts (restart policies) is not in the book yet:
             # it is down here until the coordinator says "restarted".
@@ -282,6 +285,10 @@ class Worker:
                     "peak_backlog": outbox.peak_backlog,
                     "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                     "curve": ep.curve_server,  # its ROUTER encrypts: a tcp bind in a run with keys
+                    # Its links to the peers it sends to, by whether they encrypt (over hosts, those
+                    # to its own host's workers go to their plain ipc sockets).
+                    "links_curve": sum(ep.link_encrypted(p) for p in ep.peers if p != COORDINATOR),
+                    "links_plain": sum(not ep.link_encrypted(p) for p in ep.peers if p != COORDINATOR),
                     "sent": host.sent_count,
                     "received": host.received_count,
                     **self.loop_stats,

@@ -2,8 +2,10 @@
 
 Wire protocol (all framing of payloads is :mod:`reactor.transport.codec`'s):
 
-- Each :class:`Endpoint` binds one ROUTER socket and connects one DEALER per peer it sends to. A
-  DEALER's routing id is its endpoint's name, so the receiving ROUTER knows who sent each message.
+- Each :class:`Endpoint` binds one ROUTER socket (two with ``local_bind``: tcp for other hosts, ipc
+  for its own) and connects one DEALER per peer it sends to. A DEALER's routing id is its endpoint's
+  name, so the receiving ROUTER knows who sent each message; a ROUTER's replies (welcome, credit) go
+  to the senders that connected to it.
 - Data flows DEALER -> ROUTER only: ``[codec frame 0 (msgpack, never empty), array frames...]``,
   or a batch of frame-less messages in one frame (``codec.encode_batch``: ``0xc1``, then a msgpack
   array of the messages' frame-0 bytes).
@@ -265,14 +267,30 @@ class EndpointStatistics:
                 + self.dropped_over_credit + self.dropped_invalid)
 
 
+class _Router:
+    """One ROUTER an endpoint receives on, and the senders that said hello through it."""
+
+    __slots__ = ("address", "curve", "drain_scheduled", "fd", "senders", "sock", "sweep_at")
+
+    def __init__(self, sock: zmq.Socket[Any], curve: bool) -> None:
+        self.sock = sock
+        self.fd: int = sock.FD
+        self.address: str = sock.get(zmq.LAST_ENDPOINT).decode()
+        self.curve = curve
+        self.senders: dict[bytes, _Sender] = {}
+        self.drain_scheduled = False
+        self.sweep_at = _SENDER_SWEEP_MIN
+
+
 class _Sender:
     """What a ROUTER knows of one peer sending to it."""
 
-    __slots__ = ("ident", "name", "queued_msgs", "queued_nbytes", "ungranted_msgs", "ungranted_nbytes")
+    __slots__ = ("ident", "name", "queued_msgs", "queued_nbytes", "router", "ungranted_msgs", "ungranted_nbytes")
 
-    def __init__(self, ident: bytes, name: str) -> None:
+    def __init__(self, ident: bytes, name: str, router: _Router) -> None:
         self.ident = ident
         self.name = name
+        self.router = router  # the ROUTER it said hello through: its credit and probes go back there
         self.queued_msgs = 0
         self.queued_nbytes = 0
         self.ungranted_msgs = 0
@@ -385,6 +403,7 @@ class Endpoint:
         curve: CurveKeys | None = None,
         curve_clients: Collection[bytes] | None = None,
         curve_local: bool = True,
+        local_bind: str | None = None,
         max_message_nbytes: int = 64 * 2**20,
         credit_window: int = 64,
         credit_window_nbytes: int | None = None,
@@ -392,7 +411,7 @@ class Endpoint:
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         accept: Callable[[str, Any], str | None] | None = None,
     ) -> Endpoint:
-        """Bind an endpoint's ROUTER and start serving it on the running loop.
+        """Bind an endpoint's ROUTER (two with ``local_bind``) and start serving it on the running loop.
 
         Args:
             name: this endpoint's identity, as peers see it (1..255 bytes of UTF-8).
@@ -407,6 +426,11 @@ class Endpoint:
                 this endpoint's peers' tcp addresses are encrypted (``connect`` with their key),
                 and the local socket's directory permissions are its boundary, as in a run
                 without tcp. A ``tcp://`` bind with ``curve`` is always a CURVE server.
+            local_bind: beside a ``tcp://`` bind, a second address (``ipc://``, ``inproc://``) to
+                receive on, for peers on the same host (:attr:`local_address`); under ``curve``
+                it follows ``curve_local``. Messages from both come out of one :meth:`recv_batch`,
+                in order per sender and connection; credit goes back through the socket each
+                sender came in on.
             max_message_nbytes: the largest message (all frames) accepted or sent; zmq's
                 ``MAXMSGSIZE`` is set too, so a larger frame never reaches Python.
             credit_window: messages a sender may have outstanding to this endpoint.
@@ -452,13 +476,19 @@ class Endpoint:
             raise ValueError(f"Endpoint.open: accept must be callable or None, got {accept!r:.60}")
         if not isinstance(curve_local, bool):
             raise ValueError(f"Endpoint.open: curve_local must be a bool, got {curve_local!r:.60}")
+        if not isinstance(bind, str):
+            raise ValueError(f"Endpoint.open: bind must be an address str, got {bind!r:.60}")
+        if local_bind is not None and (not isinstance(local_bind, str) or not _is_local(local_bind)
+                                       or not bind.startswith("tcp://")):
+            raise ValueError(f"Endpoint.open: local_bind must be an ipc:// or inproc:// address beside a tcp:// "
+                             f"bind, got local_bind={local_bind!r:.80} with bind={bind!r:.80}")
         serve_curve = curve is not None and (curve_local or not _is_local(bind))
+        local_curve = curve is not None and curve_local
 
         self = cls(_token=_OPEN_TOKEN)
         self._loop = asyncio.get_running_loop()
         self._accept = accept
         self._refusals_logged: dict[str, int] = {}
-        self._sweep_at = _SENDER_SWEEP_MIN
         self._name = name
         self._name_b = name_b
         self._curve = curve
@@ -476,12 +506,10 @@ class Endpoint:
         self._max_queued_nbytes = 0
         self._queued_senders: set[_Sender] = set()
         self._recv_waiter: asyncio.Future[None] | None = None
-        self._senders: dict[bytes, _Sender] = {}
         self._links: dict[str, _Link] = {}
         self._lost: dict[str, str] = {}  # peer -> reason
         self._unreported_lost: deque[str] = deque()
         self._lost_waiter: asyncio.Future[None] | None = None
-        self._drain_scheduled = False
         self._n = dict.fromkeys(
             (
                 "messages_sent",
@@ -505,10 +533,10 @@ class Endpoint:
 
         self._ctx = zmq.asyncio.Context()
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
-        router: zmq.Socket[Any] | None = None
+        self._routers: list[_Router] = []
         self._curve_server = serve_curve
         try:
-            if serve_curve:
+            if serve_curve or (local_bind is not None and local_curve):
                 assert curve is not None
                 self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._ctx)
                 self._auth.start()
@@ -517,36 +545,45 @@ class Endpoint:
                     if not isinstance(key, bytes) or len(key) != 40:
                         raise ValueError(f"Endpoint.open: curve_clients must hold 40-byte Z85 public keys, got {key!r:.60}")
                 self._auth.configure_curve_callback("*", credentials_provider=_AllowedKeys(allowed))
-            router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
-            self._configure(router, max_message_nbytes)
+            self._bind_router(bind, curve if serve_curve else None)
+            if local_bind is not None:
+                self._bind_router(local_bind, curve if local_curve else None)
+        except BaseException:
+            for r in self._routers:
+                r.sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.destroy(linger=0)
+            raise
+        self._address = self._routers[0].address
+        for r in self._routers:
+            self._loop.add_reader(r.fd, self._drain_router, r)
+            self._drain_router(r)
+        return self
+
+    def _bind_router(self, bind: str, curve: CurveKeys | None) -> None:
+        """Bind one more ROUTER at ``bind`` (a CURVE server with ``curve``)."""
+        router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
+        try:
+            self._configure(router, self._max_nbytes)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
             # No handover: a second connection under a name already connected here is refused by
             # zmq, so no one can take over a live peer's identity (its messages, its credit). A
             # restarted peer gets its name back once its old connection is gone (closed at once
             # when a process dies; within heartbeat_timeout_s when a host vanishes).
             router.setsockopt(zmq.ROUTER_HANDOVER, 0)
-            if serve_curve:
-                assert curve is not None
+            if curve is not None:
                 router.curve_server = True
                 router.curve_secretkey = curve.secret
                 router.curve_publickey = curve.public
             try:
                 router.bind(bind)
             except zmq.ZMQError as exc:
-                raise OSError(exc.errno, f"Endpoint {name!r} cannot bind {bind!r}: {exc.strerror}") from None
-            self._address = router.get(zmq.LAST_ENDPOINT).decode()
+                raise OSError(exc.errno, f"Endpoint {self._name!r} cannot bind {bind!r}: {exc.strerror}") from None
         except BaseException:
-            if router is not None:
-                router.close(linger=0)
-            if self._auth is not None:
-                self._auth.stop()
-            self._ctx.destroy(linger=0)
+            router.close(linger=0)
             raise
-        self._router = router
-        self._router_fd: int = router.FD
-        self._loop.add_reader(self._router_fd, self._drain_router)
-        self._drain_router()
-        return self
+        self._routers.append(_Router(router, curve is not None))
 
     def _configure(self, sock: zmq.Socket[Any], max_msgsize: int) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -571,12 +608,14 @@ class Endpoint:
             return
         self._closed = True
         loop = self._loop
-        loop.remove_reader(self._router_fd)
+        for r in self._routers:
+            loop.remove_reader(r.fd)
         for link in list(self._links.values()):
             self._flush_before_close(link)
             self._close_link(link)
         self._links.clear()
-        self._router.close(linger=0)
+        for r in self._routers:
+            r.sock.close(linger=0)
         _wake(self._recv_waiter)
         _wake(self._lost_waiter)
         if self._auth is not None:
@@ -605,13 +644,19 @@ class Endpoint:
         return self._address
 
     @property
+    def local_address(self) -> str | None:
+        """The address peers on this host may connect to instead (``local_bind``'s), or None."""
+        return self._routers[1].address if len(self._routers) > 1 else None
+
+    @property
     def public_key(self) -> bytes | None:
         """This endpoint's CURVE public key (what a client passes as ``server_public_key``)."""
         return None if self._curve is None else self._curve.public
 
     @property
     def curve_server(self) -> bool:
-        """Whether this endpoint's ROUTER encrypts: it admits CURVE clients only (see ``curve_local``)."""
+        """Whether this endpoint's ROUTER at :attr:`address` encrypts: it admits CURVE clients only
+        (see ``curve_local``; the ROUTER at :attr:`local_address` follows ``curve_local`` alone)."""
         return self._curve_server
 
     @property
@@ -639,7 +684,7 @@ class Endpoint:
             max_queued_nbytes=self._max_queued_nbytes,
             peers=tuple(sorted(self._links)),
             lost_peers=tuple(sorted(self._lost)),
-            senders=len(self._senders),
+            senders=sum(len(r.senders) for r in self._routers),
         )
 
     def flush(self) -> None:
@@ -664,6 +709,14 @@ class Endpoint:
         """
         link = self._link(peer)
         return link.credit_msgs, link.credit_nbytes
+
+    def link_encrypted(self, peer: str) -> bool:
+        """Whether the link to ``peer`` is CURVE-encrypted (it was connected with its server key).
+
+        Raises:
+            ValueError: not connected to ``peer``.
+        """
+        return self._link(peer).curve
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1115,8 +1168,9 @@ class Endpoint:
         """
         if not self._queue:
             self._check_open()
-            if self._router.get(zmq.EVENTS) & _POLLIN:
-                self._drain_router()
+            for r in self._routers:
+                if r.sock.get(zmq.EVENTS) & _POLLIN:
+                    self._drain_router(r)
             if not self._queue:
                 if timeout_s is not None and timeout_s <= 0:
                     return []
@@ -1170,20 +1224,21 @@ class Endpoint:
                     self._queued_senders.discard(s)
                 grant(s)
         self._n["messages_delivered"] += len(out)
-        if self._router.get(zmq.EVENTS) & _POLLIN and not self._drain_scheduled:
-            # Our sends on the ROUTER may have consumed the FD's edge: drain on the next tick.
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain_router)
+        for r in self._routers:
+            if r.sock.get(zmq.EVENTS) & _POLLIN and not r.drain_scheduled:
+                # Our sends on the ROUTER may have consumed the FD's edge: drain on the next tick.
+                r.drain_scheduled = True
+                self._loop.call_soon(self._drain_router, r)
         return out
 
     def _maybe_grant(self, s: _Sender) -> None:
         if s.ungranted_msgs < self._grant_msgs and s.ungranted_nbytes < self._grant_nbytes:
             return
-        if self._senders.get(s.ident) is not s:  # that sender reconnected since: its credit was reset
+        if s.router.senders.get(s.ident) is not s:  # that sender reconnected since: its credit was reset
             s.ungranted_msgs = s.ungranted_nbytes = 0
             return
         try:
-            self._router.send_multipart(
+            s.router.sock.send_multipart(
                 [s.ident, b"", msgpack.packb([_CREDIT, s.ungranted_msgs, s.ungranted_nbytes])], zmq.NOBLOCK
             )
         except zmq.ZMQError as exc:  # gone (EHOSTUNREACH) or flooded: it will not miss this credit
@@ -1191,14 +1246,14 @@ class Endpoint:
         s.ungranted_msgs = s.ungranted_nbytes = 0
         self._n["credit_grants_sent"] += 1
 
-    def _drain_router(self) -> None:
-        """Read every ready message from the ROUTER into the queue (the add_reader callback)."""
-        self._drain_scheduled = False
+    def _drain_router(self, router: _Router) -> None:
+        """Read every ready message from ``router`` into the queue (the add_reader callback)."""
+        router.drain_scheduled = False
         if self._closed:
             return
-        sock = self._router
+        sock = router.sock
         queue, meta = self._queue, self._qmeta
-        senders = self._senders
+        senders = router.senders
         queued_senders = self._queued_senders
         max_nbytes = self._max_nbytes
         window = self._window
@@ -1219,7 +1274,7 @@ class Endpoint:
             rest = sock.recv_multipart(copy=False) if sock.get(zmq.RCVMORE) else None
             sender = senders.get(ident)
             if not head:
-                self._on_control(ident, sender, rest)
+                self._on_control(router, ident, rest)
                 continue
             if sender is None:
                 n["dropped_unknown_peer"] += 1
@@ -1273,9 +1328,9 @@ class Endpoint:
             if self._queued_nbytes > self._max_queued_nbytes:
                 self._max_queued_nbytes = self._queued_nbytes
             _wake(self._recv_waiter)
-        if not budget and not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain_router)
+        if not budget and not router.drain_scheduled:
+            router.drain_scheduled = True
+            self._loop.call_soon(self._drain_router, router)
 
     def _on_batch(self, sender: _Sender, frame: bytes) -> int:
         """Queue the messages of a batch from ``sender`` (or drop it all, logged); return their bytes."""
@@ -1353,29 +1408,30 @@ class Endpoint:
             )
         return False
 
-    def _sweep_senders(self) -> None:
-        """Forget senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
+    def _sweep_senders(self, router: _Router) -> None:
+        """Forget ``router``'s senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
         once (``EHOSTUNREACH``) to route to an identity with no live connection, so each idle sender
         is sent an empty credit grant (``CREDIT(0, 0)``, a no-op for a live peer). A sender with
         messages still queued here is kept until they are taken."""
         gone = []
-        for ident, s in self._senders.items():
+        senders = router.senders
+        for ident, s in senders.items():
             if s.queued_msgs:
                 continue
             try:
-                self._router.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
+                router.sock.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
                     gone.append(ident)
         for ident in gone:
-            s = self._senders.pop(ident)
+            s = senders.pop(ident)
             self._refusals_logged.pop(s.name, None)
         self._n["senders_forgotten"] += len(gone)
         if gone:
             log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))
-        self._sweep_at = max(_SENDER_SWEEP_MIN, 2 * len(self._senders))
+        router.sweep_at = max(_SENDER_SWEEP_MIN, 2 * len(senders))
 
-    def _on_control(self, ident: bytes, sender: _Sender | None, rest: list[Any] | None) -> None:
+    def _on_control(self, router: _Router, ident: bytes, rest: list[Any] | None) -> None:
         msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)
         if (
             msg is None
@@ -1389,11 +1445,11 @@ class Endpoint:
             log.warning("endpoint %r: dropped a malformed control message from %r", self._name, ident[:64])
             return
         # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
-        self._senders[ident] = _Sender(ident, msg[2])
-        if len(self._senders) >= self._sweep_at:
-            self._sweep_senders()
+        router.senders[ident] = _Sender(ident, msg[2], router)
+        if len(router.senders) >= router.sweep_at:
+            self._sweep_senders(router)
         try:
-            self._router.send_multipart(
+            router.sock.send_multipart(
                 [
                     ident,
                     b"",

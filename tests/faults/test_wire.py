@@ -103,7 +103,10 @@ def test_each_kind_accepts_its_well_formed_message_and_names_what_is_wrong_other
     assert w("actor-0", ("stop",)).startswith("unknown message kind str 'stop'")  # control only from the coordinator
     c = CoordinatorProtocol(["actor-0"])
     assert c("actor-0", ("status", -1, True, 0, 0)) is None
-    assert c("actor-0", ("hello", "ftp://x")) == "'hello' field 1: a tcp:// or ipc:// address expected, got str 'ftp://x'"
+    assert c("actor-0", ("hello", "ftp://x", None)) == "'hello' field 1: a tcp:// or ipc:// address expected, got str 'ftp://x'"
+    assert c("actor-0", ("hello", "tcp://10.0.0.1:5", "ipc:///tmp/r/w0")) is None
+    assert c("actor-0", ("hello", "tcp://10.0.0.1:5", "tcp://10.0.0.1:6")) == (
+        "'hello' field 2: None or an ipc:// address expected, got str 'tcp://10.0.0.1:6'")
     assert c("actor-0", ("done", {})).startswith("'done' field 1: a dict with exactly the fields")
     assert c("mallory", ("stop_request",)) == "'mallory' is not a worker of this run"
 

@@ -5,6 +5,7 @@ a host unplugged from the network."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -25,6 +26,7 @@ from reactor.launch._coordinator import WorkerFailedError
 from reactor.launch._daemon import DaemonClient
 from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement
+from reactor.launch._rundir import OWNER_FILE, PREFIX, runtime_base
 from reactor.transport._shm import list_segments
 
 from .hosts import Cluster, in_thread, wait_for
@@ -100,11 +102,17 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
     r = run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors", hosts=str(cluster.write_hosts()))
     assert r.stopped_by == "quiescence"
     assert r.hosts == {"learner": "h1", "actor-0": "h2", "actor-1": "h3", "replay-0": "h1", "replay-1": "h2"}
-    assert all(s["curve"] for s in r.processes.values())
+    assert all(s["curve"] for s in r.processes.values())  # every endpoint's tcp socket
+    # Links between two groups of one host went to the receiver's plain ipc socket, the rest over
+    # tcp with CURVE (in this app every group sends to every other group of its host).
+    assert {g: s["links_plain"] for g, s in r.processes.items()} == {
+        g: sum(o != g and r.hosts[o] == h for o in r.hosts) for g, h in r.hosts.items()}
+    assert all(s["links_curve"] >= 2 for s in r.processes.values())
     assert sum(r.dropped.values()) == 0
     assert (tmp_path / "hosts" / "weights.sha256").read_text() == (tmp_path / "single" / "weights.sha256").read_text()
     cluster.wait_no_workers()
     assert set(list_segments()) <= before  # the hosts' daemons removed the run's shared memory
+    wait_for(lambda: not _daemon_socket_dirs(cluster), 10, "the daemons to remove the run's socket directories")
     # Each host ran its groups in its own directory with their logs; its daemon ended the run there.
     for h, groups in {"h1": {"learner", "replay-0"}, "h2": {"actor-0", "replay-1"}, "h3": {"actor-1"}}.items():
         (run_dir,) = (tmp_path / h / "runs").iterdir()
@@ -115,6 +123,17 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
         # computed what fresh interpreters did.
         assert {f"started group {g} (pid" for g in groups} == set(re.findall(r"started group \S+ \(pid", log.read_text()))
         assert log.read_text().count(", forked)") == len(groups), log.read_text()
+
+
+def _daemon_socket_dirs(cluster: Cluster) -> list[Path]:
+    """The run socket directories (``reactor/launch/_rundir.py``) the cluster's daemons own."""
+    pids = {p.pid for p in cluster.procs.values()}
+    out = []
+    for d in runtime_base().glob(f"{PREFIX}*"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if json.loads((d / OWNER_FILE).read_text())["pid"] in pids:
+                out.append(d)
+    return out
 
 
 def _async_dqn(cluster: Cluster, tmp_path: Path, placement: str = "actors", **kw):

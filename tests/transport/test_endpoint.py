@@ -72,7 +72,7 @@ async def open_endpoint() -> AsyncIterator[Any]:
     await asyncio.sleep(0.05)
     assert asyncio.all_tasks() == {asyncio.current_task()}, "tasks left pending"
     for ep in opened:
-        assert ep._router.closed and ep._ctx.closed
+        assert all(r.sock.closed for r in ep._routers) and ep._ctx.closed
     # zmq gives every context and socket an eventfd (its mailbox); count those. (Other kinds are not
     # compared: uvloop keeps a socketpair and /dev/null from each subprocess it spawned.)
     leaked = {fd: what for fd, what in _open_fds().items() if fds_before.get(fd) != what and "eventfd" in what}
@@ -429,7 +429,7 @@ async def test_small_messages_sent_in_one_tick_travel_batched_in_order_around_me
 
     # Credit returns in grants of half a window: what the sender lacks is exactly what the receiver
     # has taken but not granted yet, in messages and in bytes (batches split among their messages).
-    ungranted = rx._senders[b"tx"]
+    ungranted = rx._routers[0].senders[b"tx"]
     assert ungranted.queued_msgs == ungranted.queued_nbytes == rx.statistics().queued_nbytes == 0
     expected = (initial[0] - ungranted.ungranted_msgs, initial[1] - ungranted.ungranted_nbytes)
     assert ungranted.ungranted_msgs < n // 2  # (more would have been granted)
@@ -590,6 +590,52 @@ async def test_with_curve_local_off_an_ipc_endpoint_is_plain_and_a_tcp_one_still
     assert strict.curve_server
     with pytest.raises(PeerLostError, match=r"(it requires|the peer may require) CURVE"):
         await plain.connect("strict", strict.address, timeout_s=WAIT_S)
+
+
+@pytest.mark.asyncio
+async def test_an_endpoint_with_a_local_bind_serves_plain_ipc_and_curve_tcp_with_credit_per_socket(open_endpoint,
+                                                                                                   tmp_path):
+    """What a worker over hosts opens: tcp (CURVE) for other hosts and a plain ipc ROUTER beside it
+    for its own host. Both feed one ``recv_batch``; a plain client is refused on tcp; each sender's
+    credit comes back through the socket it came in on, over many windows (a grant sent through
+    the other socket finds no route, and that sender would stall)."""
+    keys = CurveKeys.generate()
+    rx = await open_endpoint("rx", curve=keys, curve_local=False, local_bind=f"ipc://{tmp_path}/rx",
+                             credit_window=4)
+    assert rx.address.startswith("tcp://") and rx.local_address == f"ipc://{tmp_path}/rx"
+    assert rx.curve_server
+    near = await open_endpoint("near")
+    far = await open_endpoint("far", curve=keys)
+    await near.connect("rx", rx.local_address, timeout_s=WAIT_S)
+    await far.connect("rx", rx.address, server_public_key=keys.public, timeout_s=WAIT_S)
+    assert (near.link_encrypted("rx"), far.link_encrypted("rx")) == (False, True)
+    with pytest.raises(PeerLostError, match=r"(it requires|the peer may require) CURVE"):
+        await (await open_endpoint("stranger")).connect("rx", rx.address, timeout_s=WAIT_S)
+    got: dict[str, list[int]] = {"near": [], "far": []}
+
+    async def send(tx: Endpoint) -> None:
+        for i in range(50):  # 12 windows of 4: credit must come back, each time through its socket
+            await tx.send("rx", i, timeout_s=WAIT_S)
+
+    senders = asyncio.gather(send(near), send(far))
+    while sum(map(len, got.values())) < 100:
+        for who, msg in await rx.recv_batch(max_n=3, timeout_s=WAIT_S):
+            got[who].append(msg)
+    await senders
+    assert got == {"near": list(range(50)), "far": list(range(50))}
+    stats = rx.statistics()
+    assert stats.senders == 2 and stats.dropped == 0 and stats.credit_grants_sent >= 2 * 12
+    with pytest.raises(ValueError, match=r"^Endpoint 'near' is not connected to peer 'x'"):
+        near.link_encrypted("x")
+    for bad, bind in (("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), (f"ipc://{tmp_path}/y", f"ipc://{tmp_path}/z"),
+                      (5, "tcp://127.0.0.1:*")):
+        with pytest.raises(ValueError, match=r"^Endpoint.open: local_bind must be an ipc:// or inproc:// address "
+                                             r"beside a tcp:// bind, got local_bind="):
+            await Endpoint.open("y", bind, local_bind=bad)
+    # A local address that cannot be bound: refused by name, and nothing is left open (the
+    # fixture's check of zmq's file descriptors).
+    with pytest.raises(OSError, match=r"^\[Errno 2\] Endpoint 'y' cannot bind 'ipc://.*/no/such/x'"):
+        await Endpoint.open("y", local_bind=f"ipc://{tmp_path}/no/such/x")
 
 
 @pytest.mark.asyncio

@@ -369,9 +369,9 @@ class Worker:
             self.stop.set()
             self.host.stop_requested = True
             self.host._kick()
-            changed = getattr(self, "changed", None)
-            if changed is not None:
-                changed.set()
+            for event in (getattr(self, "changed", None), getattr(self, "urgent", None)):
+                if event is not None:
+                    event.set()
         elif kind == "probe":
             self.epoch = msg[1]
             self._report(force=True)
@@ -578,12 +578,23 @@ class Worker:
             h.peer_event("peer_lost", p, f"worker {p!r} is being started again")
         self._take_early()
         h.start_async_timers()
+        # The loop below wakes on `changed` (a reactor went idle, a batch came in: the status may
+        # have changed) to report it, but at most once per STATUS_INTERVAL_S; while a report is
+        # postponed it waits only for `urgent` (a stop, a task's end, the replay done), so a busy
+        # worker does not wake it per event for nothing.
         self.changed = changed = asyncio.Event()
+        self.urgent = urgent = asyncio.Event()
         room = asyncio.Event()
         replay_done = asyncio.Event()
         replayer = h.replayer
+
+        def on_replay_done() -> None:
+            if all(n in replayer.done for n in h.reactors):
+                replay_done.set()
+                urgent.set()
+
         if replayer is not None:
-            replayer.on_done = lambda: replay_done.set() if all(n in replayer.done for n in h.reactors) else None
+            replayer.on_done = on_replay_done
 
         def idle() -> None:
             changed.set()
@@ -591,6 +602,8 @@ class Worker:
 
         tasks = [asyncio.ensure_future(h.serve_reactor(n, idle)) for n in h.reactors]
         pump = asyncio.ensure_future(self._pump(room))
+        for t in (*tasks, pump):
+            t.add_done_callback(lambda _: urgent.set())
         asked = reported_done = False
         try:
             while not self.stop.is_set():
@@ -607,10 +620,11 @@ class Worker:
                     reported_done = True
                     self.outbox.send(COORDINATOR, ("replay_done",))
                 due = self._report(min_interval_s=STATUS_INTERVAL_S)
-                changed.clear()
+                event = changed if due is None else urgent
+                event.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.1 if due is None else min(0.1, due)):
-                        await changed.wait()
+                        await event.wait()
         finally:
             h.stop_requested = True
             for t in (*tasks, pump):

@@ -1,0 +1,128 @@
+"""CURVE key material for the ZeroMQ endpoint: a key pair, its files, the ZAP check of client keys,
+and which links of a job are encrypted (:func:`link_key`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+__all__ = ["CurveKeys", "link_key"]
+
+
+@dataclass(frozen=True, repr=False)
+class CurveKeys:
+    """A CURVE key pair, both halves as 40-byte Z85 text.
+
+    One pair per process (or one per job, shared by its processes): an endpoint uses it as server
+    key pair on its ROUTER and as client key pair on its DEALERs.
+
+    Example::
+
+        keys = CurveKeys.generate()
+        keys.save("job.key")                # public and secret, mode 0600
+        keys.save_public("job.key.pub")     # what peers need
+        ep = await Endpoint.open("learner", "tcp://0.0.0.0:*", curve=keys)
+    """
+
+    public: bytes
+    secret: bytes
+
+    def __post_init__(self) -> None:
+        for field in ("public", "secret"):
+            value = getattr(self, field)
+            if not isinstance(value, bytes) or len(value) != 40:
+                raise ValueError(
+                    f"CurveKeys.{field} must be 40 bytes of Z85 text, got "
+                    f"{type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}"
+                )
+        try:
+            derived = zmq.curve_public(self.secret)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise ValueError(f"CurveKeys.secret is not a valid Z85 CURVE secret key: {exc}") from None
+        if derived != self.public:
+            raise ValueError("CurveKeys.public does not belong to CurveKeys.secret; load both from one file")
+
+    def __repr__(self) -> str:
+        return f"CurveKeys(public={self.public.decode()!r}, secret=<hidden>)"
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """Return a fresh key pair (``zmq.curve_keypair``)."""
+        public, secret = zmq.curve_keypair()
+        return cls(public=public, secret=secret)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write both keys to ``path`` as Z85 text (``public = ...``, ``secret = ...``), mode 0600.
+
+        Raises:
+            FileExistsError: ``path`` exists (a secret is never overwritten silently).
+        """
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"public = {self.public.decode()}\nsecret = {self.secret.decode()}\n")
+
+    def save_public(self, path: str | os.PathLike[str]) -> None:
+        """Write only the public key to ``path`` (``public = ...``); this is what peers are given."""
+        Path(path).write_text(f"public = {self.public.decode()}\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CurveKeys:
+        """Read a key pair written by :meth:`save`.
+
+        Raises:
+            ValueError: the file lacks a ``public`` or ``secret`` line, or the keys are invalid.
+        """
+        fields = _read_key_file(path)
+        if "public" not in fields or "secret" not in fields:
+            raise ValueError(f"{path}: a key pair file needs 'public = ...' and 'secret = ...' lines")
+        return cls(public=fields["public"], secret=fields["secret"])
+
+    @staticmethod
+    def load_public(path: str | os.PathLike[str]) -> bytes:
+        """Read the public key from a file written by :meth:`save_public` or :meth:`save`.
+
+        Raises:
+            ValueError: the file lacks a valid ``public = ...`` line.
+        """
+        key = _read_key_file(path).get("public")
+        if key is None or len(key) != 40:
+            raise ValueError(f"{path}: expected a line 'public = <40 characters of Z85>'")
+        return key
+
+
+def _read_key_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    fields: dict[str, bytes] = {}
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ValueError(f"{path}:{lineno}: expected 'name = value', got {line!r:.60}")
+        fields[key.strip()] = value.strip().encode()
+    return fields
+
+
+class _AllowedKeys:
+    """ZAP credentials provider: admits exactly the given client public keys (Z85)."""
+
+    def __init__(self, keys: Collection[bytes]) -> None:
+        self.keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def _is_local(address: str) -> bool:
+    return address.startswith(("ipc://", "inproc://"))
+
+
+def link_key(keys: CurveKeys | None, address: str) -> bytes | None:
+    """The ``server_public_key`` for a link to a job's endpoint at ``address``: the job's public key
+    when the address is tcp (those endpoints are CURVE servers), None for a local one (``ipc://``,
+    ``inproc://``: opened with ``curve_local=False``, plain) or a job without keys."""
+    return None if keys is None or _is_local(address) else keys.public

@@ -1,0 +1,429 @@
+"""The receiving half of :class:`reactor.transport.Endpoint` (wire protocol: ``_zmq.py``'s notes).
+
+An endpoint receives on one ROUTER, or two (``local_bind``): each wakes the loop through
+``add_reader`` and every wake-up drains it into one queue, checking each message (size, credit,
+codec, the application's ``accept``) on the way in. Senders are known per ROUTER, by the hello they
+sent through it; their welcome, credit grants and sweep probes go back through the same socket.
+:meth:`_Receiving.recv_batch` hands messages to the application and returns their credit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+from reactor._errors import FrameTooLargeError, MalformedFrameError, PortClosedError
+
+from .codec import BATCH_MARKER, batch_header, decode, decode_batch, frames_nbytes
+
+log = logging.getLogger("reactor.transport")
+
+PROTOCOL_VERSION = 2  # 2: batches of frame-less messages
+_HELLO, _WELCOME, _CREDIT = 1, 2, 3
+_CONTROL_MAX_NBYTES = 4096
+_POLLIN = int(zmq.POLLIN)  # a plain int: `events & zmq.POLLIN` goes through enum.Flag, ~0.5 us a test
+_DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
+# Senders that said hello and went away: the table is swept (each sender probed through the
+# ROUTER, which refuses to route to a closed connection) once it has doubled since the last sweep,
+# so it stays within twice the live connections at O(1) amortized cost per hello.
+_SENDER_SWEEP_MIN = 64
+# Refused messages logged per sender in full; after that one line per _REFUSAL_LOG_EVERY (a flood of
+# bad frames must not become a flood of log lines).
+_REFUSAL_LOG_FULL = 20
+_REFUSAL_LOG_EVERY = 1000
+
+
+class _Router:
+    """One ROUTER an endpoint receives on, and the senders that said hello through it."""
+
+    __slots__ = ("address", "curve", "drain_scheduled", "fd", "senders", "sock", "sweep_at")
+
+    def __init__(self, sock: zmq.Socket[Any], curve: bool) -> None:
+        self.sock = sock
+        self.fd: int = sock.FD
+        self.address: str = sock.get(zmq.LAST_ENDPOINT).decode()
+        self.curve = curve
+        self.senders: dict[bytes, _Sender] = {}
+        self.drain_scheduled = False
+        self.sweep_at = _SENDER_SWEEP_MIN
+
+
+class _Sender:
+    """What a ROUTER knows of one peer sending to it."""
+
+    __slots__ = ("ident", "name", "queued_msgs", "queued_nbytes", "router", "ungranted_msgs", "ungranted_nbytes")
+
+    def __init__(self, ident: bytes, name: str, router: _Router) -> None:
+        self.ident = ident
+        self.name = name
+        self.router = router  # the ROUTER it said hello through: its credit and probes go back there
+        self.queued_msgs = 0
+        self.queued_nbytes = 0
+        self.ungranted_msgs = 0
+        self.ungranted_nbytes = 0
+
+
+def _wake(fut: asyncio.Future[Any] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+def _parse_control(frames: list[bytes] | None) -> list[Any] | None:
+    if frames is None or len(frames) != 2 or frames[0] != b"" or len(frames[1]) > _CONTROL_MAX_NBYTES:
+        return None
+    try:
+        msg = msgpack.unpackb(frames[1], raw=False)
+    except Exception:
+        return None
+    if type(msg) is not list or not msg or type(msg[0]) is not int:
+        return None
+    return msg
+
+
+class _Receiving:
+    """The receive side of an endpoint: its ROUTERs, the queue, credit grants and hellos. The state
+    is the endpoint's (set up in ``Endpoint.open``)."""
+
+    _accept: Callable[[str, Any], str | None] | None
+    _closed: bool
+    _grant_msgs: int
+    _grant_nbytes: int
+    _loop: asyncio.AbstractEventLoop
+    _max_nbytes: int
+    _max_queued: int
+    _max_queued_nbytes: int
+    _n: dict[str, int]
+    _name: str
+    _qmeta: deque[tuple[_Sender, int]]
+    _queue: deque[tuple[str, Any]]
+    _queued_nbytes: int
+    _queued_senders: set[_Sender]
+    _recv_waiter: asyncio.Future[None] | None
+    _refusals_logged: dict[str, int]
+    _routers: list[_Router]
+    _window: int
+    _window_nbytes: int
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PortClosedError(f"Endpoint {self._name!r} is closed")
+
+    async def recv_batch(self, *, max_n: int = 1024, timeout_s: float | None = None) -> list[tuple[str, Any]]:
+        """Return every message ready now (up to ``max_n``), waiting for at least one.
+
+        Messages from one sender come in the order it sent them. Taking messages here is what
+        returns credit to their senders.
+
+        Args:
+            max_n: the most messages to return.
+            timeout_s: how long to wait when none is ready; ``0`` polls.
+
+        Returns:
+            ``[(sender name, message), ...]``; empty only when ``timeout_s`` passed.
+
+        Raises:
+            PortClosedError: the endpoint is (or gets) closed.
+            RuntimeError: another task is already waiting in ``recv_batch``.
+            ValueError: ``max_n < 1``.
+        """
+        if not self._queue:
+            self._check_open()
+            for r in self._routers:
+                if r.sock.get(zmq.EVENTS) & _POLLIN:
+                    self._drain_router(r)
+            if not self._queue:
+                if timeout_s is not None and timeout_s <= 0:
+                    return []
+                if self._recv_waiter is not None:
+                    raise RuntimeError("another task is already waiting in recv_batch on this endpoint")
+                self._recv_waiter = fut = self._loop.create_future()
+                timer = None if timeout_s is None else self._loop.call_later(timeout_s, _wake, fut)
+                try:
+                    await fut
+                finally:
+                    self._recv_waiter = None
+                    if timer is not None:
+                        timer.cancel()
+                self._check_open()
+                if not self._queue:
+                    return []
+        if max_n < 1:
+            raise ValueError(f"recv_batch: max_n must be >= 1, got {max_n!r}")
+        return self._take(max_n)
+
+    def _take(self, max_n: int) -> list[tuple[str, Any]]:
+        queue, meta = self._queue, self._qmeta
+        grant = self._maybe_grant
+        if len(queue) <= max_n:
+            out = list(queue)
+            queue.clear()
+            meta.clear()
+            self._queued_nbytes = 0
+            senders = self._queued_senders
+            self._queued_senders = set()
+            for s in senders:
+                s.ungranted_msgs += s.queued_msgs
+                s.ungranted_nbytes += s.queued_nbytes
+                s.queued_msgs = s.queued_nbytes = 0
+                grant(s)
+        else:
+            out = [queue.popleft() for _ in range(max_n)]
+            touched = set()
+            taken = 0
+            for _ in range(max_n):
+                s, nb = meta.popleft()
+                s.queued_msgs -= 1
+                s.queued_nbytes -= nb
+                s.ungranted_msgs += 1
+                s.ungranted_nbytes += nb
+                taken += nb
+                touched.add(s)
+            self._queued_nbytes -= taken
+            for s in touched:
+                if s.queued_msgs == 0:
+                    self._queued_senders.discard(s)
+                grant(s)
+        self._n["messages_delivered"] += len(out)
+        for r in self._routers:
+            if r.sock.get(zmq.EVENTS) & _POLLIN and not r.drain_scheduled:
+                # Our sends on the ROUTER may have consumed the FD's edge: drain on the next tick.
+                r.drain_scheduled = True
+                self._loop.call_soon(self._drain_router, r)
+        return out
+
+    def _maybe_grant(self, s: _Sender) -> None:
+        if s.ungranted_msgs < self._grant_msgs and s.ungranted_nbytes < self._grant_nbytes:
+            return
+        if s.router.senders.get(s.ident) is not s:  # that sender reconnected since: its credit was reset
+            s.ungranted_msgs = s.ungranted_nbytes = 0
+            return
+        try:
+            s.router.sock.send_multipart(
+                [s.ident, b"", msgpack.packb([_CREDIT, s.ungranted_msgs, s.ungranted_nbytes])], zmq.NOBLOCK
+            )
+        except zmq.ZMQError as exc:  # gone (EHOSTUNREACH) or flooded: it will not miss this credit
+            log.info("endpoint %r: could not return credit to %r: %s", self._name, s.name, exc)
+        s.ungranted_msgs = s.ungranted_nbytes = 0
+        self._n["credit_grants_sent"] += 1
+
+    def _drain_router(self, router: _Router) -> None:
+        """Read every ready message from ``router`` into the queue (the add_reader callback)."""
+        router.drain_scheduled = False
+        if self._closed:
+            return
+        sock = router.sock
+        queue, meta = self._queue, self._qmeta
+        senders = router.senders
+        queued_senders = self._queued_senders
+        max_nbytes = self._max_nbytes
+        window = self._window
+        window_nbytes = self._window_nbytes + max_nbytes
+        n = self._n
+        before = len(queue)
+        added_nbytes = 0
+        budget = _DRAIN_BUDGET
+        while budget:
+            try:
+                ident = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            budget -= 1
+            if not sock.get(zmq.RCVMORE):
+                continue
+            head = sock.recv()
+            rest = sock.recv_multipart(copy=False) if sock.get(zmq.RCVMORE) else None
+            sender = senders.get(ident)
+            if not head:
+                self._on_control(router, ident, rest)
+                continue
+            if sender is None:
+                n["dropped_unknown_peer"] += 1
+                log.warning(
+                    "endpoint %r: dropped a message from %r, which did not say hello first", self._name, ident[:64]
+                )
+                continue
+            if rest is None:
+                if head[0] == BATCH_MARKER:
+                    added_nbytes += self._on_batch(sender, head)
+                    continue
+                frames: list[Any] = [head]
+                nbytes = len(head)
+            else:
+                frames = [head, *rest]
+                nbytes = frames_nbytes(frames)
+            if (
+                sender.queued_msgs + sender.ungranted_msgs >= window
+                or sender.queued_nbytes + sender.ungranted_nbytes >= window_nbytes
+            ):
+                n["dropped_over_credit"] += 1
+                log.warning("endpoint %r: dropped a message from %r, which sent beyond its credit", self._name, sender.name)
+                continue
+            try:
+                obj = decode(frames, max_nbytes=max_nbytes)
+            except (MalformedFrameError, FrameTooLargeError) as exc:
+                n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += 1
+                log.warning("endpoint %r: dropped a message from peer %r: %s", self._name, sender.name, exc)
+                sender.ungranted_msgs += 1  # consumed, as far as credit goes
+                sender.ungranted_nbytes += nbytes
+                self._maybe_grant(sender)
+                continue
+            if self._accept is not None and not self._accepted(sender.name, obj):
+                sender.ungranted_msgs += 1  # consumed, as far as credit goes
+                sender.ungranted_nbytes += nbytes
+                self._maybe_grant(sender)
+                continue
+            queue.append((sender.name, obj))
+            meta.append((sender, nbytes))
+            sender.queued_msgs += 1
+            sender.queued_nbytes += nbytes
+            queued_senders.add(sender)
+            added_nbytes += nbytes
+        added = len(queue) - before
+        if added:
+            n["messages_received"] += added
+            n["bytes_received"] += added_nbytes
+            self._queued_nbytes += added_nbytes
+            if len(queue) > self._max_queued:
+                self._max_queued = len(queue)
+            if self._queued_nbytes > self._max_queued_nbytes:
+                self._max_queued_nbytes = self._queued_nbytes
+            _wake(self._recv_waiter)
+        if not budget and not router.drain_scheduled:
+            router.drain_scheduled = True
+            self._loop.call_soon(self._drain_router, router)
+
+    def _on_batch(self, sender: _Sender, frame: bytes) -> int:
+        """Queue the messages of a batch from ``sender`` (or drop it all, logged); return their bytes."""
+        n = self._n
+        try:
+            count, offset = batch_header(frame)
+        except MalformedFrameError as exc:
+            n["dropped_malformed"] += 1
+            log.warning("endpoint %r: dropped a batch from peer %r: %s", self._name, sender.name, exc)
+            return 0  # its credit cannot be returned: its size in messages is unknown
+        nbytes = len(frame) - offset  # the messages' own bytes: what the sender spent
+        if (
+            sender.queued_msgs + sender.ungranted_msgs + count > self._window
+            or sender.queued_nbytes + sender.ungranted_nbytes + nbytes >= self._window_nbytes + self._max_nbytes
+        ):
+            n["dropped_over_credit"] += count
+            log.warning(
+                "endpoint %r: dropped a batch of %d messages from %r, which sent beyond its credit",
+                self._name, count, sender.name,
+            )
+            return 0
+        try:
+            objs = decode_batch(frame, max_nbytes=self._max_nbytes)
+        except (MalformedFrameError, FrameTooLargeError) as exc:
+            n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += count
+            log.warning(
+                "endpoint %r: dropped a batch of %d messages from peer %r: %s", self._name, count, sender.name, exc
+            )
+            sender.ungranted_msgs += count  # consumed, as far as credit goes
+            sender.ungranted_nbytes += nbytes
+            self._maybe_grant(sender)
+            return 0
+        name = sender.name
+        if self._accept is not None:
+            kept = [obj for obj in objs if self._accepted(name, obj)]
+            if len(kept) < count:
+                refused = count - len(kept)  # their credit goes back as consumed; equal shares of the bytes
+                refused_nbytes = nbytes * refused // count
+                sender.ungranted_msgs += refused
+                sender.ungranted_nbytes += refused_nbytes
+                self._maybe_grant(sender)
+                objs, count, nbytes = kept, len(kept), nbytes - refused_nbytes
+                if not count:
+                    return 0
+        self._queue.extend([(name, obj) for obj in objs])
+        # Credit is per message; a batch does not say how its bytes split among its messages, so each
+        # gets an equal share (the last the remainder): once the batch is taken, exactly its bytes
+        # have been returned.
+        share = nbytes // count
+        meta = self._qmeta
+        meta.extend([(sender, share)] * (count - 1))
+        meta.append((sender, nbytes - share * (count - 1)))
+        sender.queued_msgs += count
+        sender.queued_nbytes += nbytes
+        self._queued_senders.add(sender)
+        n["batches_received"] += 1
+        return nbytes
+
+    def _accepted(self, sender: str, obj: Any) -> bool:
+        """Run the application protocol's check on one decoded message; count and log a refusal."""
+        try:
+            reason = self._accept(sender, obj)  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - a checker's bug must not take the endpoint down
+            reason = f"the protocol check raised {type(exc).__name__}: {exc}"
+        if reason is None:
+            return True
+        self._n["dropped_invalid"] += 1
+        seen = self._refusals_logged.get(sender, 0) + 1
+        if len(self._refusals_logged) < 4096 or sender in self._refusals_logged:
+            self._refusals_logged[sender] = seen
+        if seen <= _REFUSAL_LOG_FULL or seen % _REFUSAL_LOG_EVERY == 0:
+            log.warning(
+                "endpoint %r: refused a message from peer %r (%d so far): %s",
+                self._name, sender, seen, str(reason)[:500],
+            )
+        return False
+
+    def _sweep_senders(self, router: _Router) -> None:
+        """Forget ``router``'s senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
+        once (``EHOSTUNREACH``) to route to an identity with no live connection, so each idle sender
+        is sent an empty credit grant (``CREDIT(0, 0)``, a no-op for a live peer). A sender with
+        messages still queued here is kept until they are taken."""
+        gone = []
+        senders = router.senders
+        for ident, s in senders.items():
+            if s.queued_msgs:
+                continue
+            try:
+                router.sock.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    gone.append(ident)
+        for ident in gone:
+            s = senders.pop(ident)
+            self._refusals_logged.pop(s.name, None)
+        self._n["senders_forgotten"] += len(gone)
+        if gone:
+            log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))
+        router.sweep_at = max(_SENDER_SWEEP_MIN, 2 * len(senders))
+
+    def _on_control(self, router: _Router, ident: bytes, rest: list[Any] | None) -> None:
+        msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)
+        if (
+            msg is None
+            or msg[0] != _HELLO
+            or len(msg) != 3
+            or msg[1] != PROTOCOL_VERSION
+            or not isinstance(msg[2], str)
+            or msg[2].encode() != ident
+        ):
+            self._n["dropped_malformed"] += 1
+            log.warning("endpoint %r: dropped a malformed control message from %r", self._name, ident[:64])
+            return
+        # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
+        router.senders[ident] = _Sender(ident, msg[2], router)
+        if len(router.senders) >= router.sweep_at:
+            self._sweep_senders(router)
+        try:
+            router.sock.send_multipart(
+                [
+                    ident,
+                    b"",
+                    msgpack.packb(
+                        [_WELCOME, PROTOCOL_VERSION, self._name, self._window, self._window_nbytes, self._max_nbytes]
+                    ),
+                ],
+                zmq.NOBLOCK,
+            )
+        except zmq.ZMQError as exc:
+            log.info("endpoint %r: could not welcome %r: %s", self._name, msg[2], exc)

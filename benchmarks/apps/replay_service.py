@@ -12,7 +12,12 @@ samples when ``bench[0]`` asks and reports its timings back:
   one :class:`~reactor.nodes.Steps` message per flush) to the shards, round-robin. The round ends
   when every writer is done and the shards' statistics count every item the writers sent. The
   first round fills the whole capacity (``insert_cold``).
-* ``local_insert``: the same Writer workload into an in-process ``reactor.replay.Table`` (the peer).
+* ``local_insert``: the same Writer workload into an in-process ``reactor.replay.Table`` (the peer),
+  and ``Table.flush()`` at its end: its sum tree's buffered writes are applied in the round, as the
+  shards apply theirs in the round (before publishing each insert to one-sided readers). Left to its
+  first sample instead, a round's flush (~10-14 ms for 256K rows) landed in the ``inproc`` figure,
+  spread over ``calls`` samples: a peer slowed by ~0.5 ms a batch for an insert-to-sample ratio no
+  training loop has (thousands of rows a batch).
 * ``shm`` / ``msg`` / ``onesided``: ``calls`` batches of ``batch`` windows through a
   :class:`~reactor.nodes.ReplayClient` (exact two-stage sampling), with 1 and ``inflight`` batches
   requested at once (``*_x<inflight>``): ``shm`` (bench[0]) gathers the rows from the shards' shared
@@ -326,6 +331,7 @@ class Bench(Reactor):
         while w.steps_sent < quota:
             for m in self.local_src.step_into(w):
                 self.table.insert_nowait(m.fields, m.priorities, episode_end=m.episode_end, item_mask=m.item_mask)
+        self.table.flush()
         dt = time.perf_counter() - t0
         self._record("local_insert_cold" if rnd == 0 else "local_insert",
                      {"s": dt, "appended": w.steps_appended - a0, "rows": w.steps_sent - s0})

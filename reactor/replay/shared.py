@@ -221,7 +221,7 @@ class SamplingPublisher:
 
     def end_change(self) -> None:
         t = self.table
-        t._sampler.flush()
+        t.flush()
         lo, hi = t._storage.step_range
         if self.header[0] % 2 == 0:  # not inside begin(): open a bracket for the publication itself
             _nb_seq_begin(self.header)

@@ -897,6 +897,14 @@ class Table:
                 f"(at most n={_PHYSICAL_MEMORY // self._item_nbytes} here)"
             )
 
+    def flush(self) -> None:
+        """Apply the sampler's buffered writes now (a :class:`Prioritized` sampler buffers its tree's
+        writes: the next sample applies them anyway, in one pass). For a caller that wants that
+        work done before a sample it times or off its sampling path, as a replay shard does
+        before it publishes its tree to one-sided readers."""
+        with self._lock:
+            self._sampler.flush()
+
     def sample_nowait(self, n: int, *, read: bool = True) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         """Draw ``n`` items now, or raise WouldBlock.
 

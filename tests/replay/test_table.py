@@ -79,6 +79,21 @@ def test_insert_returns_keys_that_are_global_steps():
     assert len(t) == 5
 
 
+def test_flush_applies_the_samplers_buffered_tree_writes_to_its_node_arrays():
+    """A Prioritized sampler buffers its tree's writes (applied in one pass at the next sample);
+    ``flush`` applies them now, so the node arrays (what a one-sided reader maps) hold them."""
+    t = make("prioritized", cap=32)
+    prio = np.array([0.5, 1.0, 2.0, 4.0])
+    t.insert_nowait(steps(0, 4), prio)
+    root = t._sampler._tree._sums  # the node array; [0] the root
+    assert root[0] == 0.0  # buffered
+    t.flush()
+    assert root[0] == pytest.approx(float((prio ** 0.6).sum()))
+    t.flush()  # nothing buffered: a no-op
+    assert root[0] == pytest.approx(float((prio ** 0.6).sum()))
+    make("fifo").flush()  # samplers without buffers: a no-op
+
+
 def test_item_mask_creates_items_only_on_chosen_steps():
     t = make()
     keys = t.insert_nowait(steps(0, 4), np.array([1.0, np.nan, 2.0, 3.0]),

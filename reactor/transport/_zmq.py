@@ -131,6 +131,9 @@ class EndpointStatistics:
     dropped_invalid: int
     #: Senders forgotten because their connection had gone (they said hello, then closed).
     senders_forgotten: int
+    #: Hellos refused because a peer of that name is connected through the endpoint's other socket
+    #: (``local_bind``): the rule zmq keeps within one socket (no handover), kept across both.
+    hellos_refused: int
     #: Sends that found no credit (``send_nowait`` raising WouldBlock, or ``send`` having to wait).
     credit_stalls: int
     #: Credit grants sent back to senders.
@@ -365,6 +368,7 @@ class Endpoint(_Receiving):
                 "dropped_over_credit",
                 "dropped_invalid",
                 "senders_forgotten",
+                "hellos_refused",
                 "credit_stalls",
                 "credit_grants_sent",
             ),

@@ -397,6 +397,16 @@ class _Receiving:
             log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))
         router.sweep_at = max(_SENDER_SWEEP_MIN, 2 * len(senders))
 
+    @staticmethod
+    def _connected(router: _Router, ident: bytes) -> bool:
+        """Whether ``router`` has a live connection from ``ident``: an empty credit grant (a no-op for
+        a live peer) is refused at once (``ROUTER_MANDATORY``: ``EHOSTUNREACH``) when it has none."""
+        try:
+            router.sock.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            return exc.errno != zmq.EHOSTUNREACH
+        return True
+
     def _on_control(self, router: _Router, ident: bytes, rest: list[Any] | None) -> None:
         msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)
         if (
@@ -410,6 +420,17 @@ class _Receiving:
             self._n["dropped_malformed"] += 1
             log.warning("endpoint %r: dropped a malformed control message from %r", self._name, ident[:64])
             return
+        for other in self._routers:
+            # No handover across the two sockets either: zmq refuses a second connection under a live
+            # name on one ROUTER; a name live on the other one is refused here (a dead one forgotten).
+            if other is not router and ident in other.senders:
+                if self._connected(other, ident):
+                    self._n["hellos_refused"] += 1
+                    log.warning("endpoint %r: refused a hello from %r at %s: a peer of that name is connected at %s",
+                                self._name, msg[2], router.address, other.address)
+                    return
+                del other.senders[ident]
+                self._n["senders_forgotten"] += 1
         # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
         router.senders[ident] = _Sender(ident, msg[2], router)
         if len(router.senders) >= router.sweep_at:

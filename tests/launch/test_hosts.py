@@ -93,7 +93,8 @@ def test_placement_hosts_are_checked_and_policies_spread_over_them(tmp_path):
 @pytest.mark.timeout(600)
 def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(cluster, tmp_path):
     """A seeded DQN run with a step budget: `actors` spread over three hosts (coordinator here, CURVE
-    on every link, shared memory never across hosts) ends with the same weights hash as `single`."""
+    on every link between hosts, plain ipc between two groups of one host, shared memory never across
+    hosts) ends with the same weights hash as `single`, and its hosts keep nothing of it."""
     base = {"max_env_steps": 2000, "target_return": None, "live": False}
     one = {**base, "run_dir": str(tmp_path / "single")}
     many = {**base, "run_dir": str(tmp_path / "hosts")}

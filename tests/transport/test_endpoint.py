@@ -625,8 +625,25 @@ async def test_an_endpoint_with_a_local_bind_serves_plain_ipc_and_curve_tcp_with
     assert got == {"near": list(range(50)), "far": list(range(50))}
     stats = rx.statistics()
     assert stats.senders == 2 and stats.dropped == 0 and stats.credit_grants_sent >= 2 * 12
+    assert stats.hellos_refused == 0
     with pytest.raises(ValueError, match=r"^Endpoint 'near' is not connected to peer 'x'"):
         near.link_encrypted("x")
+    # No handover across the two sockets: while "far" is connected over tcp, a process on the host
+    # naming itself "far" at the ipc socket gets no welcome (counted); once far has gone, it may.
+    impostor = await open_endpoint("far")
+    with pytest.raises(PeerLostError, match=r"did not answer within 0.5 s"):
+        await impostor.connect("rx", rx.local_address, timeout_s=0.5)
+    assert rx.statistics().hellos_refused == 1
+    await far.aclose()
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while True:  # (until rx's ROUTER has seen far's connection close)
+        try:
+            await impostor.connect("rx", rx.local_address, timeout_s=0.5)
+            break
+        except PeerLostError:
+            assert asyncio.get_running_loop().time() < deadline, "the name stayed taken after its peer left"
+    await impostor.send("rx", "back")
+    assert await rx.recv_batch(timeout_s=WAIT_S) == [("far", "back")]
     for bad, bind in (("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), (f"ipc://{tmp_path}/y", f"ipc://{tmp_path}/z"),
                       (5, "tcp://127.0.0.1:*")):
         with pytest.raises(ValueError, match=r"^Endpoint.open: local_bind must be an ipc:// or inproc:// address "

@@ -12,6 +12,7 @@ are in :mod:`reactor.replay.shared`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -453,11 +454,12 @@ class OneSidedSampling:
                 return None, self.take_notices()  # every priority is 0: the message path says so
             start, a = 0, 0
         else:
-            figs = [(int(seqs[i]), float(masses[i]), float(lows[i]), int(sizes[i])) for i in range(m)]
+            figs = list(zip(seqs.tolist(), masses.tolist(), lows.tolist(), sizes.tolist()))
             start, a = (int(where[0]), int(where[1])) if status == _MOVED_AT else (m, n)
         used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
-        drawn = [(k, int(b - c), int(b))  # (shard, its items [a, b))
-                 for k, c, b in zip(live[:start], counts[:start], np.cumsum(counts)[:start]) if c]
+        ends = list(itertools.accumulate(counts.tolist()))
+        drawn = [(k, b - c, b)  # (shard, its items [a, b))
+                 for k, c, b in zip(live[:start], counts.tolist()[:start], ends[:start]) if c]
         min_p = float(least[0])
         retried = False
         for i in range(start, m):  # shards the compiled call did not draw (a change, or it waited): one by one

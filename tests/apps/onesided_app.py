@@ -5,7 +5,9 @@ config keys (all optional):
     or "uniform"), alpha (0.7), beta (0.5), batch_size (64), batches (one-sided batches, 30),
     max_times_sampled (0), limiter ("minsize" or "ratio"), out (npz path of the prober's record),
     remote (False: the prober maps the shards' memory; True: it acts as a learner on another host, and
-    the shards' bulk read servers sample for it).
+    the shards' bulk read servers sample for it), kill_shard (None; a shard: after one one-sided batch
+    the prober SIGKILLs that shard's process, waits until it is gone, samples one-sidedly once more at
+    once, records what that raised as ``killed`` and stops the run).
 
 Each shard gets ``episodes`` episodes of 1..20 steps from one message; a step's ``id`` is
 ``shard * 1_000_000 + its global step in the shard`` and ``end`` the id one past its episode's last
@@ -17,9 +19,13 @@ those it still holds), and waits until the shards' statistics count every draw.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 
-from reactor import Action, Graph, Input, Output, Reactor, reaction, startup
+from reactor import Action, Graph, Input, Output, PeerLostError, Reactor, reaction, startup
 from reactor.nodes import Replay, ReplayClient, StatisticsRequest, Steps, requester_key, shard_key
 from reactor.nodes.messages import ItemUpdate, ReplayControl, ReplayReply, ReplayRequest, ShardStatistics
 from reactor.replay import StepRead, WindowRead
@@ -120,6 +126,9 @@ class Prober(Reactor):
         self.draws = len(batch.keys)
         self.offered = self.client.can_sample_one_sided
         self.fallbacks = 0
+        if self.cfg.get("kill_shard") is not None:
+            self._kill_and_sample(int(self.cfg["kill_shard"]))
+            return
         for _ in range(self.cfg.get("batches", 30)):
             b, notices = await self.client.asample_now(self.cfg.get("batch_size", 64))
             self._tell(notices)
@@ -136,6 +145,25 @@ class Prober(Reactor):
         self._tell(self.client.take_notices())  # what the client still holds (it sends every 8 samples' at once)
         self.phase = "counting"
         self.poll.schedule(delay_s=0.01)
+
+    def _kill_and_sample(self, shard: int) -> None:
+        """A one-sided batch; SIGKILL ``shard``'s process and wait until it is reaped; one more batch at
+        once, with no await between (so no word of the loss can reach the client first)."""
+        bs = self.cfg.get("batch_size", 64)
+        before, _ = self.client.sample_now(bs)
+        pid = self.client._reader._regions[self.client._shared[shard].data_region].owner[0]  # the shard's process
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        try:
+            after = self.client.sample_now(bs)[0]
+            killed = f"returned {'a batch' if after is not None else 'no batch'}"
+        except PeerLostError as e:
+            killed = f"{type(e).__name__}|{getattr(e, 'shard', None)}|{e}"
+        np.savez(self.cfg["out"], before=before is not None and len(before.keys) == bs, killed=killed,
+                 reaped=not os.path.exists(f"/proc/{pid}"))
+        self.request_stop()
 
     def _tell(self, notices: list) -> None:
         """Send one-sided draws' notices to their shards; count the draws they report."""

@@ -597,3 +597,19 @@ async def test_an_error_class_a_read_server_answers_with_is_one_the_learner_fall
         assert all(issubclass(cls, ONE_SIDED_ERRORS) for cls in _ERRORS.values())  # every class a server may answer
     finally:
         await _close([client], shards)
+
+
+@pytest.mark.timeout(120)
+def test_a_one_sided_sample_from_a_shard_killed_with_sigkill_raises_peer_lost_naming_it(tmp_path):
+    """Shards in their own processes: a one-sided batch, then SIGKILL of shard 1's process and, once it is
+    reaped, one more one-sided sample at once (before any word of the loss can reach the client): it
+    raises PeerLostError naming the shard (its ``shard`` attribute, which a learner falls back on),
+    never a batch with the dead shard's rows. The run goes on (restart policy) and ends."""
+    out = tmp_path / "probe.npz"
+    cfg = {"out": str(out), "kill_shard": 1, "batch_size": 64}
+    run(build_graph(APP, cfg), app=APP, config=cfg, placement="processes", deterministic=False, restart="on-failure")
+    with np.load(out) as f:
+        assert bool(f["before"]) and bool(f["reaped"])
+        killed = str(f["killed"])
+    assert killed.startswith("PeerLostError|1|replay shard 1: its shared memory is gone (bulk region "), killed
+    assert "died" in killed, killed

@@ -1,7 +1,7 @@
 """Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime.
 
-Layer map (imports point down):  table -> {storage, selectors -> sumtree, rate_limiters, checkpoint}; wal
-(the insert log a shard keeps beside its checkpoints) stands apart.
+Layer map (imports point down):  table -> {reads, _tablekernels, _tablestate -> checkpoint, storage,
+selectors -> sumtree, rate_limiters}; wal (the insert log a shard keeps beside its checkpoints) stands apart.
 ``from reactor.replay import Table`` needs nothing of the reactor runtime.
 """
 
@@ -12,6 +12,10 @@ from .rate_limiters import RateLimiter as RateLimiter
 from .rate_limiters import RateLimiterStatistics as RateLimiterStatistics
 from .rate_limiters import SampleToInsertRatio as SampleToInsertRatio
 from .rate_limiters import Stack as Stack
+from .reads import EpisodeRead as EpisodeRead
+from .reads import StepRead as StepRead
+from .reads import TransitionRead as TransitionRead
+from .reads import WindowRead as WindowRead
 from .selectors import Fifo as Fifo
 from .selectors import Lifo as Lifo
 from .selectors import MaxHeap as MaxHeap
@@ -26,13 +30,9 @@ from .storage import StorageMemory as StorageMemory
 from .storage import TransitionPlan as TransitionPlan
 from .storage import expand_window_spans as expand_window_spans
 from .sumtree import SumTree as SumTree
-from .table import EpisodeRead as EpisodeRead
 from .table import SampleInfo as SampleInfo
-from .table import StepRead as StepRead
 from .table import Table as Table
 from .table import TableStatistics as TableStatistics
-from .table import TransitionRead as TransitionRead
-from .table import WindowRead as WindowRead
 from .wal import WriteAheadLog as WriteAheadLog
 from .wal import read_wal as read_wal
 from .wal import redo_wal as redo_wal

@@ -1,0 +1,174 @@
+"""The Table's compiled bookkeeping (numba): priorities' checks, an insert's key columns, a sample's
+info and the one-call window sample, priority updates' slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from .._native import prefetch
+from .storage import _nb_read_windows
+from .sumtree import _nb_descend
+
+# Compiled bookkeeping for the hot paths. Each replaces 4-8 numpy calls of a few microseconds each
+# (the Table's own overhead was ~80 us per sample before; see docs/benchmarks.md).
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_first_bad_priority(p: np.ndarray) -> int:  # pragma: no cover - jit
+    """The first position whose priority is not finite and >= 0 (NaN included), or -1."""
+    for i in range(p.shape[0]):
+        x = p[i]
+        if not (x >= 0.0 and x < np.inf):
+            return i
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, n: int, cap: int,
+                      gone: np.ndarray) -> tuple[int, int]:  # pragma: no cover - jit
+    """One insert's key columns in one pass: the items of the evicted steps ``[lo, hi)`` dropped
+    (``keys[slot] == step``), then the ``n`` new steps from ``first`` keyed with ``times`` 0.
+
+    The dropped slots go to ``gone``: first those the new steps do not overwrite (their sampler
+    entries must be deleted), then those they do (a sampler that replaces on insert needs no delete
+    for them). Returns ``(dropped, not overwritten)``."""
+    lo_over = first - cap  # an evicted step whose slot the insert writes again: [first - cap, first + n - cap)
+    hi_over = first + n - cap
+    k = 0
+    slot = lo % cap  # then one on per step: no 64-bit division per step
+    for step in range(lo, hi):  # not overwritten: listed from the front
+        if keys[slot] == step and not (lo_over <= step < hi_over):
+            keys[slot] = -1
+            gone[k] = slot
+            k += 1
+        slot += 1
+        if slot == cap:
+            slot = 0
+    kept = k
+    a = max(lo, lo_over)
+    slot = a % cap
+    for step in range(a, min(hi, hi_over)):  # overwritten: listed after them
+        if keys[slot] == step:
+            gone[k] = slot
+            k += 1
+        slot += 1
+        if slot == cap:
+            slot = 0
+    slot = first % cap
+    for i in range(n):
+        keys[slot] = first + i
+        times[slot] = 0
+        slot += 1
+        if slot == cap:
+            slot = 0
+    return k, kept
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_sample_info(
+    slots: np.ndarray,
+    probs: np.ndarray,
+    times: np.ndarray,
+    first_step: int,
+    capacity: int,
+    min_p: float,
+    beta: float,
+    keys: np.ndarray,
+    out_times: np.ndarray,
+    weights: np.ndarray,
+) -> None:  # pragma: no cover - jit
+    """Keys of drawn slots, times-sampled bookkeeping and importance weights, in one pass, into
+    ``keys``, ``out_times`` and ``weights`` (allocated by the caller: numpy's ``empty`` costs less
+    than boxing arrays a kernel allocated, ~0.4 us each).
+
+    ``key = the stored global step in the slot's residue class`` (slots below ``first_step % cap``
+    hold the newer lap); ``times[slot] += 1`` per draw (a slot drawn twice counts twice, and both
+    draws report the final count); ``w = min((p / min_p)^-beta, 1)`` as float32, where a
+    non-positive ``min_p`` (every present priority is 0 but one was drawn) falls back to the
+    draws' own minimum.
+    """
+    n = slots.shape[0]
+    for j in range(n):  # times is 8 B per slot of capacity: the draws' misses in flight together
+        prefetch(times.ctypes.data + slots[j] * 8)
+    f0 = first_step % capacity
+    off = first_step - f0
+    for j in range(n):
+        s = slots[j]
+        keys[j] = s + off + (capacity if s < f0 else 0)
+        times[s] += 1
+    for j in range(n):
+        out_times[j] = times[slots[j]]
+    if beta == 0.0:
+        weights[:] = 1.0
+    else:
+        if not min_p > 0.0:
+            min_p = probs.min() if n else 1.0
+        for j in range(n):
+            w = (probs[j] / min_p) ** (-beta)
+            weights[j] = w if w < 1.0 else 1.0
+
+
+# Not cached on disk: it compiles in kernels from sumtree.py and storage.py, and numba's cache only
+# notices edits to this file, so a cached copy would silently keep running an old descent or copy
+# after either changed (found in review: the one-call path diverged from the three-call one). The
+# price is ~0.4 s of compilation at a process's first one-call sample.
+@numba.njit(nogil=True)
+def _nb_sample_windows(
+    sums: np.ndarray,
+    mins: np.ndarray,
+    offsets: np.ndarray,
+    arity: int,
+    uniforms: np.ndarray,
+    slots: np.ndarray,
+    probs: np.ndarray,
+    times: np.ndarray,
+    beta: float,
+    keys: np.ndarray,
+    out_times: np.ndarray,
+    weights: np.ndarray,
+    length: int,
+    head: bool,
+    ring: tuple[Any, ...],
+    dst_addrs: np.ndarray,
+    mask: np.ndarray,
+    ahead: int,
+) -> int:  # pragma: no cover - jit
+    """A prioritized window sample from host memory in one compiled call: the stratified descent
+    (``SumTree.sample``'s kernel), keys, times sampled and weights (``_nb_sample_info``, with the
+    selector's ``min_probability``: the min tree's root over the total), then the windows
+    (``Storage.read_windows``' kernel, on the ring tuple of ``Storage._window_kernel_args``). The
+    same draws and bytes as the three calls it replaces; returns ``_nb_read_windows``' result (-1, or
+    the first key that is not stored).
+    """
+    _nb_descend(sums, offsets, arity, uniforms, True, slots, probs)
+    min_p = mins[0] / sums[0] if beta != 0.0 else 1.0
+    step_ep, first_step = ring[0], ring[3]  # (see Storage._window_kernel_args)
+    _nb_sample_info(slots, probs, times, first_step, step_ep.shape[0], min_p, beta, keys, out_times, weights)
+    return _nb_read_windows(keys, length, head, ring, dst_addrs, mask, ahead)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_check_update(
+    keys: np.ndarray, table_keys: np.ndarray, capacity: int, priorities: np.ndarray, slots: np.ndarray
+) -> int:  # pragma: no cover - jit
+    """Slots of ``keys`` into ``slots``; -1 if every key is present and every priority finite and
+    >= 0, else the position of the first unknown key, or ``len(keys) + i`` for a bad priority ``i``."""
+    n = keys.shape[0]
+    for i in range(n):  # the key column is 8 B per slot of capacity: put every lookup's miss in flight
+        prefetch(table_keys.ctypes.data + (keys[i] % capacity) * 8)
+    for i in range(n):
+        k = keys[i]
+        if k < 0:
+            return i
+        s = k % capacity
+        if table_keys[s] != k:
+            return i
+        slots[i] = s
+    for i in range(priorities.shape[0]):
+        p = priorities[i]
+        if not (p >= 0.0 and p < np.inf):  # also rejects NaN
+            return n + i
+    return -1

@@ -9,7 +9,7 @@ import numba
 import numpy as np
 
 from .._native import prefetch
-from .storage import _nb_read_windows
+from ._storagekernels import _nb_read_windows
 from .sumtree import _nb_descend
 
 # Compiled bookkeeping for the hot paths. Each replaces 4-8 numpy calls of a few microseconds each
@@ -111,7 +111,7 @@ def _nb_sample_info(
             weights[j] = w if w < 1.0 else 1.0
 
 
-# Not cached on disk: it compiles in kernels from sumtree.py and storage.py, and numba's cache only
+# Not cached on disk: it compiles in kernels from sumtree.py and _storagekernels.py, and numba's cache only
 # notices edits to this file, so a cached copy would silently keep running an old descent or copy
 # after either changed (found in review: the one-call path diverged from the three-call one). The
 # price is ~0.4 s of compilation at a process's first one-call sample.

@@ -46,7 +46,7 @@ import numba
 import numpy as np
 
 from .._native import acquire_fence, prefetch, release_fence, void_pointer
-from .storage import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
+from ._storagekernels import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
 from .sumtree import _layout, _nb_descend
 
 __all__ = [
@@ -256,13 +256,13 @@ def _drop_stale_kernel_cache() -> None:
     The reader kernels are cached on disk (compiling them costs ~2 s a process, paid at the first
     one-sided sample of every learner and read server), but numba's cache notices edits to the
     kernel's own file only, and these kernels compile in the sum tree's descent and the storage's
-    window copy: a cached copy would keep running an old descent after ``sumtree.py`` changed (the
+    window copy (``_storagekernels.py``): a cached copy would keep running an old descent after ``sumtree.py`` changed (the
     reason ``Table``'s one-call sample is not cached). So a cache file older than any of those
     modules is removed here, at import, before a kernel is looked up. Only numba's default place
     (``__pycache__`` beside this file) is checked: with ``NUMBA_CACHE_DIR`` set, clear that directory
     after editing those modules."""
     here = Path(__file__)
-    deps = (here.with_name("sumtree.py"), here.with_name("storage.py"), here.parent.parent / "_native.py")
+    deps = (here.with_name("sumtree.py"), here.with_name("_storagekernels.py"), here.parent.parent / "_native.py")
     try:
         newest = max(p.stat().st_mtime for p in deps)
         for f in (here.parent / "__pycache__").glob("shared.*.nb[ic]"):

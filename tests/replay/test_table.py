@@ -563,10 +563,10 @@ print(int(a.sum()), int(b.sum()))
 
 
 def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
-    """Regression (issue 3, review): the one-call kernel compiles in storage.py's and sumtree.py's
-    kernels, and numba's disk cache only notices edits to the cached function's own file. A cached
-    one-call kernel kept running the old window copy after storage.py changed. Edit a copy of the
-    package between two processes and check both paths see the edit."""
+    """Regression (issue 3, review): the one-call kernel compiles in the storage's kernels
+    (_storagekernels.py) and sumtree.py's, and numba's disk cache only notices edits to the cached
+    function's own file. A cached one-call kernel kept running the old window copy after the storage's
+    kernels changed. Edit a copy of the package between two processes and check both paths see the edit."""
     pkg = tmp_path / "reactor"
     shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg,
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -579,7 +579,7 @@ def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
 
     first = run()
     assert first[0] == first[1] > 0  # the mask marks valid window positions
-    storage_py = pkg / "replay" / "storage.py"
+    storage_py = pkg / "replay" / "_storagekernels.py"
     src = storage_py.read_text()
     assert "mask[j, t] = a <= t < z" in src
     storage_py.write_text(src.replace("mask[j, t] = a <= t < z", "mask[j, t] = False"))

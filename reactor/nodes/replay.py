@@ -72,24 +72,13 @@ import torch
 from .._errors import WouldBlock
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
 from ..replay import (
-    EpisodeRead,
-    FieldSpec,
-    Fifo,
-    Lifo,
-    MaxHeap,
-    MinHeap,
-    MinSize,
     Prioritized,
-    Queue,
     RateLimiter,
-    SampleToInsertRatio,
     Selector,
-    Stack,
     StepRead,
     Storage,
     Table,
     TransitionRead,
-    Uniform,
     WindowRead,
 )
 from ..replay.checkpoint import CheckpointCancelled
@@ -97,6 +86,7 @@ from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, ser
 from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import bulk as _bulk
 from ._onesided import REMOTE_SAMPLE_OP
+from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
     CheckpointRequest,
@@ -133,94 +123,6 @@ log = logging.getLogger("reactor.replay")
 
 #: The largest reply of one (the items' rows): 192 MiB, inside the read server's reply bound (256 MiB).
 _REMOTE_SAMPLE_NBYTES = 192 << 20
-
-# ------------------------------------------------------------------------------------ configuration
-
-_SELECTORS: dict[str, type[Selector]] = {
-    c.__name__.lower(): c for c in (Uniform, Prioritized, Fifo, Lifo, MaxHeap, MinHeap)
-}
-_LIMITERS: dict[str, type[RateLimiter]] = {
-    c.__name__.lower(): c for c in (MinSize, SampleToInsertRatio, Queue, Stack)
-}
-_READS: dict[str, type[Any]] = {c.__name__.lower(): c for c in (StepRead, TransitionRead, WindowRead, EpisodeRead)}
-
-
-def _split_config(what: str, config: Any) -> tuple[str, dict[str, Any]]:
-    if isinstance(config, str):
-        return config.lower(), {}
-    if isinstance(config, Mapping) and isinstance(config.get("type"), str):
-        args = {k: v for k, v in config.items() if k != "type"}
-        return config["type"].lower(), args
-    raise TypeError(
-        f"Replay {what} must be a name like 'prioritized' or a dict like {{'type': 'Prioritized', 'alpha': 0.6}}, "
-        f"got {config!r}"
-    )
-
-
-def _make_selector(what: str, config: Any) -> Selector:
-    kind, args = _split_config(what, config)
-    cls = _SELECTORS.get(kind)
-    if cls is None:
-        raise ValueError(f"Replay {what}: unknown selector {kind!r}; use one of {sorted(_SELECTORS)}")
-    try:
-        return cls(**args)
-    except TypeError as e:
-        raise TypeError(f"Replay {what} {config!r}: {e}") from None
-
-
-def _make_limiter(config: Any) -> RateLimiter:
-    kind, args = _split_config("rate_limiter", config)
-    cls = _LIMITERS.get(kind)
-    if cls is None:
-        raise ValueError(f"Replay rate_limiter: unknown limiter {kind!r}; use one of {sorted(_LIMITERS)}")
-    if isinstance(args.get("error_buffer"), list):
-        args["error_buffer"] = tuple(args["error_buffer"])
-    try:
-        return cls(**args)
-    except TypeError as e:
-        raise TypeError(f"Replay rate_limiter {config!r}: {e}") from None
-
-
-def parse_fields(fields: Sequence[Any]) -> list[FieldSpec]:
-    """Field specs from ``FieldSpec``s, ``(name, shape, dtype)`` tuples or ``{"name", "shape", "dtype"}`` dicts.
-
-    ``dtype`` may be a ``torch.dtype`` or its name (``"float32"``, ``"torch.int64"``).
-
-    Raises:
-        ValueError: an entry of another form, or an unknown dtype name.
-    """
-    out = []
-    for f in fields:
-        if isinstance(f, FieldSpec):
-            out.append(f)
-            continue
-        if isinstance(f, Mapping):
-            name, shape, dtype = f.get("name"), f.get("shape", ()), f.get("dtype", torch.float32)
-        elif isinstance(f, (tuple, list)) and 1 <= len(f) <= 3:
-            name, shape, dtype = (*f, (), torch.float32)[:3] if len(f) == 1 else (*f, torch.float32)[:3]
-        else:
-            raise ValueError(f"Replay field {f!r}: give a FieldSpec, (name, shape, dtype) or a dict")
-        if isinstance(dtype, str):
-            resolved = getattr(torch, dtype.removeprefix("torch."), None)
-            if not isinstance(resolved, torch.dtype):
-                raise ValueError(f"Replay field {name!r}: unknown dtype {dtype!r}; use a torch dtype name like 'float32'")
-            dtype = resolved
-        out.append(FieldSpec(name, tuple(shape), dtype))
-    return out
-
-
-def parse_read(read: Any) -> StepRead | TransitionRead | WindowRead | EpisodeRead:
-    """A read kind from an instance or a dict like ``{"type": "WindowRead", "length": 32}``."""
-    if isinstance(read, (StepRead, TransitionRead, WindowRead, EpisodeRead)):
-        return read
-    kind, args = _split_config("read", read)
-    cls = _READS.get(kind)
-    if cls is None:
-        raise ValueError(f"Replay read: unknown read kind {kind!r}; use one of {sorted(_READS)}")
-    if "next_fields" in args:
-        args["next_fields"] = tuple(args["next_fields"])
-    return cls(**args)  # type: ignore[no-any-return]
-
 
 def _sampler_mass(sampler: Selector) -> tuple[float, float]:
     """(sum of item weights, smallest positive item weight) of a table's sampler."""

@@ -403,3 +403,71 @@ def test_a_run_over_hosts_under_garbage_on_every_workers_and_daemons_port_ends_w
         with DaemonClient(cluster.addresses[h], load_keys(cluster.keys).public, load_keys(cluster.keys)) as c:
             assert c.request("ping")["name"] == h  # every daemon serves on
     cluster.wait_no_workers()
+
+
+def _attack_local(path: str, rng: random.Random, ctx: zmq.Context) -> None:
+    """What a process of the same user on a host can send to a worker's plain ipc socket: raw garbage,
+    a zmq peer saying hello under the learner's name (live at that worker's tcp socket when the learner
+    is on another host, at this one when it is not), and a newcomer that is welcomed and then sends
+    garbage frames and a well-formed reactor message on a link it does not own."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1)
+        s.connect(path)
+        s.sendall(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 512))))
+    for name, msgs in ((b"learner", [[bytes(rng.getrandbits(8) for _ in range(64))]]),
+                       (b"mallory", [[bytes(rng.getrandbits(8) for _ in range(64))],
+                                     [msgpack.packb(["m", 0, 0, 10, 0, 7])]])):
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.ROUTING_ID, name)
+        d.connect(f"ipc://{path}")
+        with contextlib.suppress(zmq.ZMQError):
+            d.send_multipart([b"", msgpack.packb([1, 2, name.decode()])], zmq.NOBLOCK)
+            time.sleep(0.02)  # (the welcome, or nothing)
+            for m in msgs:
+                d.send_multipart(m, zmq.NOBLOCK)
+        time.sleep(0.02)
+        d.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_what_a_same_host_process_sends_to_the_workers_ipc_sockets_is_refused_and_the_run_ends_undisturbed(
+        cluster, tmp_path):
+    """The plain ipc socket each worker over hosts binds for its own host's peers (0700 directory: the
+    same user's processes are the boundary, as on one host) is attacked throughout a seeded DQN run over
+    three hosts, from its start on: garbage, a hello under the learner's name, a newcomer's garbage and a
+    message on a link it does not own. The hellos under a name live at a worker's other socket are
+    refused (no handover across its two sockets), the rest is dropped and counted, and the run ends with
+    the weights of the same run in one process."""
+    base = {"max_env_steps": 2000, "target_return": None, "live": False}
+    one = {**base, "run_dir": str(tmp_path / "single")}
+    many = {**base, "run_dir": str(tmp_path / "hosts")}
+    run(build_graph(DQN, one), app=DQN, config=one, seed=5)
+    t, box = in_thread(lambda: run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors",
+                                   hosts=str(cluster.write_hosts())))
+    # Once every link is up: a name taken before its owner connects keeps the owner out (the denial of
+    # service docs/architecture.md's trust boundaries state for the same user's processes).
+    wait_for(lambda: (tmp_path / "hosts" / "metrics.csv").exists(), 120, "the run to start")
+    rng = random.Random(11)
+    ctx = zmq.Context()
+    attacked = set()
+    try:
+        deadline = time.monotonic() + 120
+        while t.is_alive() and time.monotonic() < deadline:
+            for d in _daemon_socket_dirs(cluster):
+                for path in d.glob("w*"):
+                    _attack_local(str(path), rng, ctx)
+                    attacked.add(path)
+    finally:
+        ctx.term()
+    t.join(300)
+    assert not t.is_alive() and "error" not in box, box
+    r = box["result"]
+    assert len(attacked) == 5, attacked  # every worker's ipc socket
+    refused = {g: s["hellos_refused"] for g, s in r.processes.items()}
+    # The learner is connected at the tcp socket of each worker it sends to on another host.
+    assert sum(refused[g] for g in refused if g != "learner" and r.hosts[g] != r.hosts["learner"]) > 0, refused
+    assert sum(r.dropped.values()) > 0, r.dropped  # the newcomers' garbage and foreign link, counted
+    assert (tmp_path / "hosts" / "weights.sha256").read_text() == (tmp_path / "single" / "weights.sha256").read_text()
+    cluster.wait_no_workers()

@@ -427,7 +427,7 @@ class Endpoint(_Receiving):
         except BaseException:
             router.close(linger=0)
             raise
-        self._routers.append(_Router(router, curve is not None))
+        self._routers.append(_Router(router))
 
     def _configure(self, sock: zmq.Socket[Any], max_msgsize: int) -> None:
         sock.setsockopt(zmq.LINGER, 0)

@@ -42,13 +42,12 @@ _REFUSAL_LOG_EVERY = 1000
 class _Router:
     """One ROUTER an endpoint receives on, and the senders that said hello through it."""
 
-    __slots__ = ("address", "curve", "drain_scheduled", "fd", "senders", "sock", "sweep_at")
+    __slots__ = ("address", "drain_scheduled", "fd", "senders", "sock", "sweep_at")
 
-    def __init__(self, sock: zmq.Socket[Any], curve: bool) -> None:
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
         self.sock = sock
         self.fd: int = sock.FD
         self.address: str = sock.get(zmq.LAST_ENDPOINT).decode()
-        self.curve = curve
         self.senders: dict[bytes, _Sender] = {}
         self.drain_scheduled = False
         self.sweep_at = _SENDER_SWEEP_MIN
@@ -379,16 +378,8 @@ class _Receiving:
         once (``EHOSTUNREACH``) to route to an identity with no live connection, so each idle sender
         is sent an empty credit grant (``CREDIT(0, 0)``, a no-op for a live peer). A sender with
         messages still queued here is kept until they are taken."""
-        gone = []
         senders = router.senders
-        for ident, s in senders.items():
-            if s.queued_msgs:
-                continue
-            try:
-                router.sock.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EHOSTUNREACH:
-                    gone.append(ident)
+        gone = [ident for ident, s in senders.items() if not s.queued_msgs and not self._connected(router, ident)]
         for ident in gone:
             s = senders.pop(ident)
             self._refusals_logged.pop(s.name, None)

@@ -110,7 +110,7 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
         g: sum(o != g and r.hosts[o] == h for o in r.hosts) for g, h in r.hosts.items()}
     assert all(s["links_curve"] >= 2 for s in r.processes.values())
     assert sum(r.dropped.values()) == 0
-    assert (tmp_path / "hosts" / "weights.sha256").read_text() == (tmp_path / "single" / "weights.sha256").read_text()
+    assert _weights(tmp_path / "hosts") == _weights(tmp_path / "single")
     cluster.wait_no_workers()
     assert set(list_segments()) <= before  # the hosts' daemons removed the run's shared memory
     wait_for(lambda: not _daemon_socket_dirs(cluster), 10, "the daemons to remove the run's socket directories")
@@ -336,6 +336,21 @@ def _listening_ports(pid: int) -> list[int]:
     return sorted(set(ports))
 
 
+def _seeded_dqn_over_hosts_in_thread(cluster: Cluster, tmp_path: Path):
+    """The attack tests' runs: seeded DQN with a step budget in one process (tmp_path/single, the
+    reference), then under `actors` over the cluster's hosts in a thread (tmp_path/hosts); (thread, box)."""
+    base = {"max_env_steps": 2000, "target_return": None, "live": False}
+    one = {**base, "run_dir": str(tmp_path / "single")}
+    many = {**base, "run_dir": str(tmp_path / "hosts")}
+    run(build_graph(DQN, one), app=DQN, config=one, seed=5)
+    return in_thread(lambda: run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors",
+                                 hosts=str(cluster.write_hosts())))
+
+
+def _weights(run_dir: Path) -> str:
+    return (run_dir / "weights.sha256").read_text()
+
+
 def _attack(address: str, rng: random.Random, ctx: zmq.Context) -> None:
     """Raw garbage, a large blob, and zmq peers without the run's CURVE key speaking garbage and the
     worker protocol's hello, at one tcp address."""
@@ -370,12 +385,7 @@ def test_a_run_over_hosts_under_garbage_on_every_workers_and_daemons_port_ends_w
     after a ZMTP greeting, and zmq peers without the run's CURVE key (plain, and with a wrong server
     key) posing as the learner. None gets past CURVE: the run drops no message, and ends with the
     weights of the same run in one process."""
-    base = {"max_env_steps": 2000, "target_return": None, "live": False}
-    one = {**base, "run_dir": str(tmp_path / "single")}
-    many = {**base, "run_dir": str(tmp_path / "hosts")}
-    run(build_graph(DQN, one), app=DQN, config=one, seed=5)
-    t, box = in_thread(lambda: run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors",
-                                   hosts=str(cluster.write_hosts())))
+    t, box = _seeded_dqn_over_hosts_in_thread(cluster, tmp_path)
     pids = wait_for(lambda: len(p := cluster.worker_pids()) == 5 and p, 120, "five workers on the hosts")
     ip_of = {pid: cluster.ips[h] for h in cluster.names for pid in cluster.worker_pids(h)}
     rng = random.Random(7)
@@ -398,7 +408,7 @@ def test_a_run_over_hosts_under_garbage_on_every_workers_and_daemons_port_ends_w
     r = box["result"]
     assert len(attacked) >= 3 + 5, attacked  # every daemon, and at least each worker's endpoint
     assert sum(r.dropped.values()) == 0, r.dropped
-    assert (tmp_path / "hosts" / "weights.sha256").read_text() == (tmp_path / "single" / "weights.sha256").read_text()
+    assert _weights(tmp_path / "hosts") == _weights(tmp_path / "single")
     for h in cluster.names:
         with DaemonClient(cluster.addresses[h], load_keys(cluster.keys).public, load_keys(cluster.keys)) as c:
             assert c.request("ping")["name"] == h  # every daemon serves on
@@ -440,12 +450,7 @@ def test_what_a_same_host_process_sends_to_the_workers_ipc_sockets_is_refused_an
     message on a link it does not own. The hellos under a name live at a worker's other socket are
     refused (no handover across its two sockets), the rest is dropped and counted, and the run ends with
     the weights of the same run in one process."""
-    base = {"max_env_steps": 2000, "target_return": None, "live": False}
-    one = {**base, "run_dir": str(tmp_path / "single")}
-    many = {**base, "run_dir": str(tmp_path / "hosts")}
-    run(build_graph(DQN, one), app=DQN, config=one, seed=5)
-    t, box = in_thread(lambda: run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors",
-                                   hosts=str(cluster.write_hosts())))
+    t, box = _seeded_dqn_over_hosts_in_thread(cluster, tmp_path)
     # Once every link is up: a name taken before its owner connects keeps the owner out (the denial of
     # service docs/architecture.md's trust boundaries state for the same user's processes).
     wait_for(lambda: (tmp_path / "hosts" / "metrics.csv").exists(), 120, "the run to start")
@@ -469,5 +474,5 @@ def test_what_a_same_host_process_sends_to_the_workers_ipc_sockets_is_refused_an
     # The learner is connected at the tcp socket of each worker it sends to on another host.
     assert sum(refused[g] for g in refused if g != "learner" and r.hosts[g] != r.hosts["learner"]) > 0, refused
     assert sum(r.dropped.values()) > 0, r.dropped  # the newcomers' garbage and foreign link, counted
-    assert (tmp_path / "hosts" / "weights.sha256").read_text() == (tmp_path / "single" / "weights.sha256").read_text()
+    assert _weights(tmp_path / "hosts") == _weights(tmp_path / "single")
     cluster.wait_no_workers()

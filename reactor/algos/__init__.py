@@ -16,7 +16,10 @@ The fragment contract (every name is required unless marked optional)::
         fields: [(name, shape, torch.dtype)] stored per env step; the EnvActor fills "obs",
         "action", "reward", "terminated" (when listed) and act()'s extras by name
         read: how the learner's batches are read (TransitionRead(n, gamma) or WindowRead(T, pad))
-    init(obs_space, act_space, config, seed) -> state       networks, optimizers, counters
+    init(obs_space, act_space, config, seed, device="cpu") -> state
+                                networks, optimizers, counters; on ``device`` (a torch device: the
+                                learner's, e.g. cuda), with any generator ``learn`` draws from made
+                                there too. ``device`` is optional for algorithms that only run on CPU
     policy_weights(state) -> {name: tensor}                  what actors and evaluators need
     make_policy(obs_space, act_space, config) -> policy      actor-side object (no optimizer)
     load_weights(policy, weights)                            weights from policy_weights()
@@ -45,7 +48,7 @@ import importlib
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["ALGORITHMS", "StoreSpec", "config_from_dict", "get_algorithm"]
+__all__ = ["ALGORITHMS", "StoreSpec", "config_from_dict", "get_algorithm", "restore_generator"]
 
 ALGORITHMS = ("dqn", "ppo", "sac", "td3", "ddpg", "transformer_dqn")
 
@@ -86,6 +89,20 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
             raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}")  # type: ignore[union-attr]
         out[k] = v
     return cls(**out)
+
+
+def restore_generator(generator: Any, saved: Any) -> bool:
+    """Put ``saved`` (a ``get_state()``) into ``generator`` when it is a state of the same kind of
+    generator; a CPU generator's state and a CUDA one's differ, so a checkpoint moved between a CPU
+    and a GPU learner (or loaded for acting on the CPU) keeps this generator's seeded stream instead.
+
+    Returns:
+        True when the state was restored.
+    """
+    if getattr(saved, "shape", None) != generator.get_state().shape:
+        return False
+    generator.set_state(saved)
+    return True
 
 
 def get_algorithm(name: str) -> ModuleType:

@@ -131,7 +131,7 @@ class ActionBox(nn.Module):
 
     def uniform(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """``n`` actions drawn uniformly from the box with ``generator``: ``[n, act_dim]``."""
-        u = torch.rand((n, self.low.shape[0]), generator=generator)
+        u = torch.rand((n, self.low.shape[0]), generator=generator, device=self.low.device)
         return self.low + u * (self.high - self.low)
 
 
@@ -217,7 +217,7 @@ def gaussian_explore(actor: DeterministicActor, obs: torch.Tensor, step: int, ge
             return actor.box.uniform(len(obs), generator)
         a = actor(obs.float())
         if not greedy:
-            a = a + noise * torch.randn(a.shape, generator=generator)
+            a = a + noise * torch.randn(a.shape, generator=generator, device=a.device)
         return actor.box.clip(actor.box.to_env(a.clamp(-1.0, 1.0)))
 
 

@@ -103,13 +103,13 @@ class State:
     updates: int = 0
 
 
-def init(obs_space: Any, act_space: Any, config: Config, seed: int) -> State:
-    """Networks (seeded by the caller's torch seed) and Adam optimizers. DDPG's learn draws no
+def init(obs_space: Any, act_space: Any, config: Config, seed: int, device: str | torch.device = "cpu") -> State:
+    """Networks (seeded by the caller's torch seed) and Adam optimizers, on ``device``. DDPG's learn draws no
     random numbers, so ``seed`` is not used here."""
     low, high = check_box(act_space, "ddpg")
     obs_dim, act_dim = int(obs_space.shape[0]), int(low.shape[0])
-    actor = DeterministicActor(obs_dim, act_dim, config.hidden, low, high)
-    critic = QEnsemble(obs_dim, act_dim, config.hidden, k=1)  # one critic: an ensemble of one
+    actor = DeterministicActor(obs_dim, act_dim, config.hidden, low, high).to(device)
+    critic = QEnsemble(obs_dim, act_dim, config.hidden, k=1).to(device)  # one critic: an ensemble of one
     return State(
         actor, copy.deepcopy(actor).requires_grad_(False), critic, copy.deepcopy(critic).requires_grad_(False),
         adam(actor.parameters(), config.actor_lr),

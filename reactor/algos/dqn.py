@@ -106,10 +106,11 @@ class State:
     updates: int = 0
 
 
-def init(obs_space: Any, act_space: Any, config: Config, seed: int) -> State:
+def init(obs_space: Any, act_space: Any, config: Config, seed: int, device: str | torch.device = "cpu") -> State:
+    """Networks (seeded by ``seed``) and the optimizer, on ``device``."""
     torch.manual_seed(seed)
-    q = _network(obs_space, act_space, config)
-    target = _network(obs_space, act_space, config)
+    q = _network(obs_space, act_space, config).to(device)
+    target = _network(obs_space, act_space, config).to(device)
     target.load_state_dict(q.state_dict())
     target.requires_grad_(False)
     return State(q, target, adam(q.parameters(), config.lr), config)  # fused: ~20% of an update saved

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import config_from_dict
+from . import config_from_dict, restore_generator
 
 __all__ = ["KIND", "Config", "Policy", "State", "act", "advantages", "gae", "init", "learn", "load_state_dict",
            "load_weights", "make_policy", "policy_weights", "state_dict"]
@@ -250,13 +250,13 @@ class State:
     updates: int = 0
 
 
-def init(obs_space: Any, act_space: Any, config: Config, seed: int) -> State:
-    """Networks (seeded by ``seed``) and the Adam optimizer."""
+def init(obs_space: Any, act_space: Any, config: Config, seed: int, device: str | torch.device = "cpu") -> State:
+    """Networks (seeded by ``seed``) and the Adam optimizer, on ``device``."""
     torch.manual_seed(seed)
-    policy = make_policy(obs_space, act_space, config)
+    policy = make_policy(obs_space, act_space, config).to(device)
     # NOTE: eps 1e-5 (SB3, CleanRL; torch's default is 1e-8). fused: one kernel for all parameters.
     opt = torch.optim.Adam(policy.parameters(), lr=config.lr, eps=1e-5, fused=True)
-    return State(config, policy, opt, torch.Generator().manual_seed(seed))
+    return State(config, policy, opt, torch.Generator(device).manual_seed(seed))
 
 
 def policy_weights(state: State) -> dict[str, torch.Tensor]:
@@ -297,10 +297,10 @@ def learn(state: State, batch: dict[str, torch.Tensor]) -> tuple[dict[str, float
     n = b_obs.shape[0]
     mb = min(c.minibatch_size, n)
     params = list(net.parameters())
-    clipped = torch.zeros(())
+    clipped = torch.zeros((), device=b_obs.device)
     for epoch in range(c.epochs):
         # One minibatch holding the whole rollout needs no shuffle (RL-Zoo's CartPole setting).
-        perm = torch.randperm(n, generator=state.generator) if mb < n else None
+        perm = torch.randperm(n, generator=state.generator, device=state.generator.device) if mb < n else None
         for start in range(0, n, mb):
             idx: torch.Tensor | slice = perm[start : start + mb] if perm is not None else slice(None)
             m_obs, m_adv, m_ret = b_obs[idx], b_adv[idx], b_ret[idx]
@@ -360,5 +360,5 @@ def load_state_dict(state: State, d: dict[str, Any]) -> None:
     """Restore what :func:`state_dict` saved."""
     state.policy.load_state_dict(d["policy"])
     state.opt.load_state_dict(d["opt"])
-    state.generator.set_state(d["generator"])
+    restore_generator(state.generator, d["generator"])
     state.updates = int(d["updates"])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import StoreSpec
+from . import StoreSpec, restore_generator
 from ._common import (
     ActionBox,
     QEnsemble,
@@ -121,7 +121,7 @@ class Actor(nn.Module):
     def sample(self, obs: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterised sample in ``[-1, 1]`` and its log-probability ``[B]``."""
         mean, log_std = self(obs)
-        eps = torch.randn(mean.shape, generator=generator)
+        eps = torch.randn(mean.shape, generator=generator, device=mean.device)
         u = mean + log_std.exp() * eps
         a = torch.tanh(u)
         # log N(u; mean, std) - log|d tanh(u)/du|, with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u))
@@ -149,21 +149,21 @@ class State:
     updates: int = 0
 
 
-def init(obs_space: Any, act_space: Any, config: Config, seed: int) -> State:
-    """Networks (seeded by the caller's torch seed), Adam optimizers and the learner's generator."""
+def init(obs_space: Any, act_space: Any, config: Config, seed: int, device: str | torch.device = "cpu") -> State:
+    """Networks (seeded by the caller's torch seed), Adam optimizers and the learner's generator, on ``device``."""
     low, high = check_box(act_space, "sac")
     obs_dim, act_dim = int(obs_space.shape[0]), int(low.shape[0])
-    actor = Actor(obs_dim, act_dim, config.hidden, low, high)
-    critic = QEnsemble(obs_dim, act_dim, config.hidden)
+    actor = Actor(obs_dim, act_dim, config.hidden, low, high).to(device)
+    critic = QEnsemble(obs_dim, act_dim, config.hidden).to(device)
     critic_target = copy.deepcopy(critic).requires_grad_(False)
-    log_alpha = torch.tensor(math.log(config.init_alpha), requires_grad=True)
+    log_alpha = torch.tensor(math.log(config.init_alpha), requires_grad=True, device=device)
     target_entropy = -float(act_dim) if config.target_entropy is None else float(config.target_entropy)
     return State(
         actor, critic, critic_target, log_alpha,
         adam(actor.parameters(), config.actor_lr),
         adam(critic.parameters(), config.critic_lr),
         adam([log_alpha], config.alpha_lr),
-        target_entropy, config, torch.Generator().manual_seed(seed),
+        target_entropy, config, torch.Generator(device).manual_seed(seed),
     )
 
 
@@ -302,4 +302,4 @@ def load_state_dict(state: State, d: dict[str, Any]) -> None:
     state.critic_opt.load_state_dict(d["critic_opt"])
     state.alpha_opt.load_state_dict(d["alpha_opt"])
     state.updates = int(d["updates"])
-    state.generator.set_state(d["generator"])
+    restore_generator(state.generator, d["generator"])

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import StoreSpec
+from . import StoreSpec, restore_generator
 from ._common import (
     DeterministicActor,
     QEnsemble,
@@ -109,17 +109,17 @@ class State:
     updates: int = 0
 
 
-def init(obs_space: Any, act_space: Any, config: Config, seed: int) -> State:
-    """Networks (seeded by the caller's torch seed), Adam optimizers and the learner's generator."""
+def init(obs_space: Any, act_space: Any, config: Config, seed: int, device: str | torch.device = "cpu") -> State:
+    """Networks (seeded by the caller's torch seed), Adam optimizers and the learner's generator, on ``device``."""
     low, high = check_box(act_space, "td3")
     obs_dim, act_dim = int(obs_space.shape[0]), int(low.shape[0])
-    actor = DeterministicActor(obs_dim, act_dim, config.hidden, low, high)
-    critic = QEnsemble(obs_dim, act_dim, config.hidden, k=2)
+    actor = DeterministicActor(obs_dim, act_dim, config.hidden, low, high).to(device)
+    critic = QEnsemble(obs_dim, act_dim, config.hidden, k=2).to(device)
     return State(
         actor, copy.deepcopy(actor).requires_grad_(False), critic, copy.deepcopy(critic).requires_grad_(False),
         adam(actor.parameters(), config.actor_lr),
         adam(critic.parameters(), config.critic_lr),
-        config, torch.Generator().manual_seed(seed),
+        config, torch.Generator(device).manual_seed(seed),
     )
 
 
@@ -176,7 +176,7 @@ def learn(state: State, batch: dict[str, torch.Tensor]) -> tuple[dict[str, float
         next_obs = batch["next_obs"].float()
         # Target policy smoothing: a' = clip(mu'(s') + clip(N(0, policy_noise), +-noise_clip), -1, 1).
         next_a = state.actor_target(next_obs)
-        noise = (cfg.policy_noise * torch.randn(next_a.shape, generator=state.generator)).clamp(
+        noise = (cfg.policy_noise * torch.randn(next_a.shape, generator=state.generator, device=next_a.device)).clamp(
             -cfg.noise_clip, cfg.noise_clip)
         next_a = (next_a + noise).clamp(-1.0, 1.0)
         # Clipped double Q. Easy to miss: next_terminated (not truncation) stops the bootstrap.
@@ -231,4 +231,4 @@ def load_state_dict(state: State, d: dict[str, Any]) -> None:
     state.actor_opt.load_state_dict(d["actor_opt"])
     state.critic_opt.load_state_dict(d["critic_opt"])
     state.updates = int(d["updates"])
-    state.generator.set_state(d["generator"])
+    restore_generator(state.generator, d["generator"])

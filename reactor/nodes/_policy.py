@@ -58,7 +58,7 @@ class Policy:
             raise FileNotFoundError(f"{run_dir}: no weights ({weights_file.name}): the learner writes them at its "
                                     f"checkpoints and at the end of the run")
         try:
-            saved = torch.load(weights_file, weights_only=True)
+            saved = torch.load(weights_file, weights_only=True, map_location="cpu")  # a GPU learner's too
             algo_state, updates = saved["algo"], int(saved["updates"])
         except Exception as e:  # a truncated or foreign file: say which, in one line
             raise ValueError(f"{weights_file}: not a learner checkpoint torch can load ({type(e).__name__}: "

@@ -48,6 +48,12 @@ class AppConfig:
     exist (give the old run's run_dir)."""
     live: bool = True
     """Show live progress."""
+    device: str = "cpu"
+    """Where the learner's networks, optimizers and batches live: cpu, cuda (replica i of dp-learners on GPU
+    i mod count) or cuda:N. Actors and the evaluator act on the CPU with host copies of the weights."""
+    compile: str = "auto"
+    """How the learner runs its learn fragment: auto (on a GPU, torch.compile when measured faster on the run's
+    first batches; eager on the CPU), on (always compiled) or off (eager)."""
 
     @classmethod
     def algorithm_fields(cls, algo: str) -> set[str]:
@@ -88,6 +94,9 @@ class OffPolicyAppConfig(AppConfig):
     replay_checkpoint_period_s: float | None = 0.1
     """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
     100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
+    replay_memory: str = "host"
+    """Where each replay shard keeps its steps: host, pinned (page-locked host memory: faster copies to a GPU) or
+    cuda / cuda:N (the shard's storage and its window and transition gathers on the GPU)."""
     replay_wal: bool = False
     """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
     (the default loses the inserts since its last checkpoint)."""
@@ -140,7 +149,8 @@ def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, ti
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
         max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
         resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
-        replay_wal=config.replay_wal, live=config.live, title=f"{title} {config.env}",
+        replay_wal=config.replay_wal, replay_memory=config.replay_memory, device=config.device,
+        compile=config.compile, live=config.live, title=f"{title} {config.env}",
         app_config=dataclasses.asdict(config),
     )
 
@@ -153,8 +163,9 @@ def on_policy_app_graph(config: OnPolicyAppConfig, *, algo: str, name: str, titl
         actors=config.actors, envs_per_actor=config.envs_per_actor,
         eval_every_updates=config.eval_every_updates, eval_episodes=config.eval_episodes,
         target_return=config.target_return, max_env_steps=config.max_env_steps,
-        checkpoint_every=config.checkpoint_every, resume=config.resume, live=config.live,
-        title=f"{title} {config.env}", app_config=dataclasses.asdict(config),
+        checkpoint_every=config.checkpoint_every, resume=config.resume, device=config.device,
+        compile=config.compile, live=config.live, title=f"{title} {config.env}",
+        app_config=dataclasses.asdict(config),
     )
 
 

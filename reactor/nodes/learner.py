@@ -40,6 +40,7 @@ import numpy as np
 
 from .._errors import PeerLostError
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
+from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest
 from .replay import ReplayClient
@@ -73,17 +74,26 @@ class _LearnerBase(Reactor):
         probe.close()
         # Every replica starts alike (the bank's seed), and --seed changes the initialisation.
         seed = int(np.random.default_rng([self.bank_seed, self.seed]).integers(2**31))
-        with torch.random.fork_rng():  # seeded, and no other stream in this process moves
-            torch.manual_seed(seed)
+        self.torch_device = resolve_device(self.device, self.name, self.bank_index)
+        on_device = {}
+        if self.torch_device.type != "cpu":
+            if not takes_device(self.algo.init):
+                raise ValueError(f"{self.name}: device={self.device!r}, but algorithm {self.algo_name!r}'s init takes "
+                                 f"no device argument (the fragment contract: init(obs_space, act_space, config, seed, "
+                                 f"device)); use device='cpu' or add it")
+            on_device = {"device": self.torch_device}
+        with torch.random.fork_rng(devices=[self.torch_device] if self.torch_device.type == "cuda" else []):
+            torch.manual_seed(seed)  # seeded, and no other stream in this process moves
             with denormals_flushed():
-                self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed)
+                self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed, **on_device)
+        self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
         if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
-            saved = torch.load(self.ckpt, weights_only=True)
+            saved = torch.load(self.ckpt, weights_only=True, map_location=self.torch_device)
             self.algo.load_state_dict(self.state, saved["algo"])
             self.updates = int(saved["updates"])
             logging.getLogger("reactor.learner").warning("%s resumed from its checkpoint %s at update %d", self.name,
@@ -96,8 +106,12 @@ class _LearnerBase(Reactor):
         import torch.distributed as dist
 
         params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
-        # NCCL when the replicas hold CUDA tensors, gloo on CPU (a CPU learner on a GPU machine too).
-        backend = "nccl" if any(p.is_cuda for p in params) else "gloo"
+        # NCCL when every replica holds CUDA tensors on a GPU of its own; gloo otherwise (CPU learners,
+        # a CPU learner on a GPU machine, or replicas sharing a GPU, which NCCL refuses: gloo reduces
+        # CUDA tensors through the host).
+        own_gpu = self.torch_device.type == "cuda" and torch.cuda.device_count() >= self.bank_size
+        backend = "nccl" if own_gpu and any(p.is_cuda for p in params) else "gloo"
+        self.dp_backend = backend
         join = datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S)
         served = os.environ.get("REACTOR_DIST_STORE")
         # Until every replica has joined, nothing trains and the actors wait for the first weights:
@@ -124,6 +138,8 @@ class _LearnerBase(Reactor):
         finally:
             waiting.stop.set()
         waiting.done(f"{self.name}: all {self.bank_size} data-parallel learners joined")
+        print(f"{self.name}: data-parallel over {backend}, {self.bank_size} replicas, this one on {self.torch_device}",
+              flush=True)
         world = float(self.bank_size)
         with torch.no_grad():  # replica 0's initial weights for all
             for p in params:
@@ -265,6 +281,9 @@ class Learner(_LearnerBase):
         resume: start from ``run_dir/learner.pt`` when it exists.
         sample_timeout_s: a shard that has not answered for this long is lost (``PeerLostError``).
         app_config: the app's resolved Config, recorded in ``run_dir/config.json``.
+        device: where the networks, optimizers and batches live: ``"cpu"``, ``"cuda"`` (replica ``i`` of a
+            bank on GPU ``i mod count``) or ``"cuda:N"``; the broadcast weights are host copies.
+        compile: ``"auto"``, ``"on"`` or ``"off"``: how ``learn`` runs (:mod:`reactor.nodes._device`).
     """
 
     replies = Input(ReplayReply, required=True)
@@ -295,7 +314,10 @@ class Learner(_LearnerBase):
         resume: bool = False,
         sample_timeout_s: float | None = 300.0,
         app_config: dict[str, Any] | None = None,
+        device: str = "cpu",
+        compile: str = "auto",
     ) -> None:
+        self.device, self.compile = check_device(device, "Learner device"), check_compile(compile, "Learner compile")
         for what, v in (("num_shards", num_shards), ("batch_size", batch_size), ("prefetch", prefetch),
                         ("weights_every", weights_every), ("report_every", report_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -422,8 +444,10 @@ class Learner(_LearnerBase):
 
         data = dict(batch.data)
         data["weights"] = torch.as_tensor(batch.weights)
+        if self.torch_device.type != "cpu":
+            data = {k: v.to(self.torch_device, non_blocking=True) for k, v in data.items()}
         with denormals_flushed():
-            metrics, priorities = self.algo.learn(self.state, data)
+            metrics, priorities = self.learn_step(self.state, data)
         self.updates += 1
         self.samples += len(batch.keys)
         if priorities is not None:
@@ -465,7 +489,10 @@ class RolloutLearner(_LearnerBase):
 
     def __init__(self, algo: str, env: str, algo_config: dict[str, Any] | None = None, *, num_actors: int = 1,
                  seed: int = 0, run_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-                 max_updates: int | None = None, app_config: dict[str, Any] | None = None) -> None:
+                 max_updates: int | None = None, app_config: dict[str, Any] | None = None, device: str = "cpu",
+                 compile: str = "auto") -> None:
+        self.device = check_device(device, "RolloutLearner device")
+        self.compile = check_compile(compile, "RolloutLearner compile")
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"RolloutLearner num_actors must be an int >= 1, got {num_actors!r}")
         self.algo_name, self.env_name, self.algo_config = algo, env, dict(algo_config or {})
@@ -498,8 +525,10 @@ class RolloutLearner(_LearnerBase):
         self.pending = {}
         dims = {k: (0 if k == "last_obs" else 1) for k in parts[0]}
         batch = {k: torch.cat([p[k] for p in parts], dim=dims[k]) for k in parts[0]}
+        if self.torch_device.type != "cpu":
+            batch = {k: v.to(self.torch_device, non_blocking=True) for k, v in batch.items()}
         with denormals_flushed():
-            metrics, _ = self.algo.learn(self.state, batch)
+            metrics, _ = self.learn_step(self.state, batch)
         self.updates += 1
         self.samples += int(batch["reward"].numel())
         if self.max_updates is not None and self.updates > self.max_updates:

@@ -69,6 +69,9 @@ def off_policy_graph(
     resume: bool = False,
     replay_checkpoint_period_s: float | None = 0.1,
     replay_wal: bool = False,
+    replay_memory: str = "host",
+    device: str = "cpu",
+    compile: str = "auto",
     live: bool = True,
     title: str = "",
     app_config: dict[str, Any] | None = None,
@@ -133,13 +136,13 @@ def off_policy_graph(
     replay = g.add(
         Replay(fields, capacity=max(1, capacity // shards), read=spec.read, sampler=sampler, rate_limiter=limiter,
                beta=beta, run_dir=run_dir, checkpoint_period_s=replay_checkpoint_period_s,
-               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal),
+               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal, memory=replay_memory),
         name="replay", replicas=shards,
     )
     learner = g.add(
         Learner(algo, env, algo_config, num_shards=shards, batch_size=batch_size, weights_every=weights_every,
                 seed=seed, run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
-                app_config=app_config),
+                app_config=app_config, device=device, compile=compile),
         name="learner", replicas=learners,
     )
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
@@ -190,6 +193,8 @@ def on_policy_graph(
     weights_delay_s: float = 64e-6,
     checkpoint_every: int = 0,
     resume: bool = False,
+    device: str = "cpu",
+    compile: str = "auto",
     live: bool = True,
     title: str = "",
     app_config: dict[str, Any] | None = None,
@@ -222,7 +227,8 @@ def on_policy_graph(
                            max_env_steps=_per_actor(max_env_steps, actors)),
                   name="actor", replicas=actors)
     learner = g.add(RolloutLearner(algo, env, algo_config, num_actors=actors, seed=seed, run_dir=run_dir,
-                                   checkpoint_every=checkpoint_every, resume=resume, app_config=app_config),
+                                   checkpoint_every=checkpoint_every, resume=resume, app_config=app_config,
+                                   device=device, compile=compile),
                     name="learner")
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
                       name="evaluator")

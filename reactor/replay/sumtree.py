@@ -784,6 +784,75 @@ class SumTree:
         prob = self._tsums[self._toffsets[self._depth] + node] / total
         return node, prob
 
+    # ---------------------------------------------------------------- device-resident use (no host sync)
+
+    def sample_async(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample` (stratified) for the torch backend without a host sync: the total stays a
+        tensor on the device, so a GPU tree draws while the host runs ahead (GEAR's sampling where the
+        data lives). Buffered (lazy) writes are not applied here: use :meth:`write_async` with it.
+
+        Returns:
+            ``(indices int64[n], probabilities float64[n])`` on the tree's device. The caller
+            guarantees a positive total (every leaf 0 draws leaf 0 with probability 0).
+        """
+        if self._backend != "torch":
+            raise ValueError("SumTree.sample_async needs backend='torch' (the numba backend samples on the host)")
+        dev = self._device
+        total = self._tsums[0]
+        uniforms = torch.rand(n, dtype=torch.float64, device=dev, generator=generator)
+        u = (torch.arange(n, device=dev, dtype=torch.float64) + uniforms) * (total / max(n, 1))
+        node = torch.zeros(n, dtype=torch.int64, device=dev)
+        last_col = self._arity - 1
+        for level in range(1, self._depth + 1):
+            block = self._tsums[self._toffsets[level] + node[:, None] * self._arity + self._tarange]
+            csum = torch.cumsum(block, dim=1)
+            chosen = (csum <= u[:, None]).sum(dim=1)
+            over = chosen > last_col  # rounding pushed u past the block: its last positive child
+            last_pos = last_col - torch.argmax(torch.flip(block > 0, dims=[1]).to(torch.int8), dim=1)
+            chosen = torch.where(over, last_pos, chosen)
+            before = torch.gather(csum, 1, (chosen - 1).clamp_min(0)[:, None])[:, 0] * (chosen > 0)
+            u = torch.where(over, torch.gather(block, 1, chosen[:, None])[:, 0], u - before)
+            node = node * self._arity + chosen
+        return node, self._tsums[self._toffsets[self._depth] + node] / total.clamp_min(1e-300)
+
+    def write_async(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
+        """Set leaves to priorities on the device without a host sync or a check (the caller's
+        priorities are finite and >= 0: :class:`reactor.replay.device.DeviceReplay` guarantees it).
+        A leaf written twice in one call takes one of its values. Every ancestor is recomputed from
+        its children, level by level; a node reached twice gets the same sum both times."""
+        if self._backend != "torch":
+            raise ValueError("SumTree.write_async needs backend='torch'")
+        self._tsums[self._toffsets[self._depth] + indices] = priorities.to(torch.float64)
+        nodes = indices
+        for level in range(self._depth - 1, -1, -1):
+            nodes = nodes // self._arity
+            children = self._toffsets[level + 1] + nodes[:, None] * self._arity + self._tarange
+            block = self._tsums[children]
+            self._tsums[self._toffsets[level] + nodes] = block.sum(dim=1)
+            if level == self._depth - 1:
+                block = torch.where(block > 0, block, torch.full_like(block, _INF))
+            else:
+                block = self._tmins[children]
+            self._tmins[self._toffsets[level] + nodes] = block.amin(dim=1)
+
+    def total_tensor(self) -> torch.Tensor:
+        """The total as a 0-d tensor on the device (torch backend; no host sync)."""
+        if self._backend != "torch":
+            raise ValueError("SumTree.total_tensor needs backend='torch'")
+        return self._tsums[0]
+
+    def leaves_async(self, indices: torch.Tensor) -> torch.Tensor:
+        """Leaves ``indices`` as a tensor on the device (torch backend; no check, no host sync)."""
+        if self._backend != "torch":
+            raise ValueError("SumTree.leaves_async needs backend='torch'")
+        return self._tsums[self._toffsets[self._depth] + indices]
+
+    def min_tensor(self) -> torch.Tensor:
+        """The smallest positive leaf as a 0-d tensor on the device (torch backend; no host sync)."""
+        if self._backend != "torch":
+            raise ValueError("SumTree.min_tensor needs backend='torch'")
+        return self._tmins[0] if self._leaf0 > 0 else self._tsums[0]
+
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:

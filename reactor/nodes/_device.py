@@ -1,0 +1,184 @@
+"""Where a learner computes, and how it calls its ``learn`` fragment: eager or compiled.
+
+``device`` names where the learner's networks, optimizers and batches live (``"cpu"``, ``"cuda"``,
+``"cuda:N"``); the actors and the evaluator act on the CPU with CPU copies of the weights the learner
+broadcasts (``Learner._weights`` copies them to the host), the common case for small policies.
+
+``compile`` chooses between the algorithm's ``learn`` as written and ``torch.compile`` of it:
+
+- ``"off"``: eager, always.
+- ``"on"``: ``torch.compile(learn)`` (inductor, default mode), no measurement.
+- ``"auto"`` (default): on a CUDA device, :class:`LearnStep` measures eager against compiled (default
+  mode, and ``"reduce-overhead"``: CUDA graphs for the fixed-shape parts) on the run's own batches and
+  keeps the fastest; the candidates run on a copy of the learner's state, so a compiler error or a
+  slow candidate never touches the training. On the CPU ``"auto"`` stays eager without measuring:
+  inductor's C++ compile of these small networks costs tens of seconds, more than the CPU apps train.
+
+The same algorithm code runs under every choice. A compiled update computes the same function with
+other kernels, so its floats are not bit-identical to eager's: runs that must match bit for bit across
+placements use ``compile="off"`` or a CPU device (where ``"auto"`` is eager).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["COMPILE_MODES", "LearnStep", "check_compile", "check_device", "resolve_device", "takes_device"]
+
+log = logging.getLogger("reactor.learner")
+
+COMPILE_MODES = ("auto", "on", "off")
+#: Updates each candidate runs before its timed updates (the compiled ones compile in the first).
+TRIAL_WARMUP = 3
+#: Timed updates per candidate.
+TRIAL_UPDATES = 20
+
+
+def check_device(device: Any, who: str = "device") -> str:
+    """``device`` if it is ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        ValueError: anything else, naming ``who`` and the value.
+    """
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"{who} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
+
+
+def check_compile(mode: Any, who: str = "compile") -> str:
+    """``mode`` if it is one of :data:`COMPILE_MODES`.
+
+    Raises:
+        ValueError: anything else, naming ``who`` and the value.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"{who} must be one of {', '.join(repr(m) for m in COMPILE_MODES)}, got {mode!r}")
+    return mode
+
+
+def resolve_device(device: str, who: str, replica: int = 0) -> torch.device:
+    """The torch device of ``device`` in this process: ``"cuda"`` (no index) puts replica ``i`` of a
+    data-parallel bank on GPU ``i mod count``.
+
+    Raises:
+        RuntimeError: a CUDA device where CUDA is not available, or an index this host lacks.
+    """
+    check_device(device, f"{who} device")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{who}: device={device!r} needs CUDA, and torch.cuda.is_available() is False on this "
+                           f"host; use device='cpu'")
+    count = torch.cuda.device_count()
+    if device == "cuda":
+        return torch.device("cuda", replica % count)
+    index = int(device.split(":")[1])
+    if index >= count:
+        raise RuntimeError(f"{who}: device={device!r} names a GPU this host does not have ({count} visible)")
+    return torch.device("cuda", index)
+
+
+def takes_device(init: Callable[..., Any]) -> bool:
+    """Whether an algorithm's ``init`` accepts ``device=`` (the fragment contract's optional argument)."""
+    try:
+        params = inspect.signature(init).parameters
+    except (TypeError, ValueError):
+        return False
+    return "device" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class LearnStep:
+    """``learn(state, batch)`` as the learner calls it: eager, compiled, or (``"auto"`` on CUDA) the
+    faster of the two as measured on the first batches.
+
+    Args:
+        learn: the algorithm's ``learn`` fragment.
+        mode: ``"auto"``, ``"on"`` or ``"off"`` (module docstring).
+        device: the learner's device.
+        who: the learner's name, for the log.
+        candidates: ``{name: fn}`` to measure against eager under ``"auto"`` instead of the two compiled
+            versions, on any device (tests).
+
+    Attributes:
+        choice: ``"eager"``, ``"compiled"``, ``"compiled-cudagraphs"``, or ``"measuring"`` while the
+            auto trial runs.
+        timings: seconds per update each candidate took in the trial (``{}`` without one).
+    """
+
+    def __init__(self, learn: Callable[..., Any], mode: str, device: torch.device, who: str,
+                 candidates: dict[str, Callable[..., Any]] | None = None) -> None:
+        check_compile(mode)
+        self._learn = learn
+        self._device = device
+        self._who = who
+        self.timings: dict[str, float] = {}
+        self.errors: dict[str, str] = {}
+        if mode == "off" or (mode == "auto" and device.type != "cuda" and candidates is None):
+            self.choice, self._fn = "eager", learn
+        elif mode == "on":
+            self.choice, self._fn = "compiled", torch.compile(learn)
+        else:
+            self.choice, self._fn = "measuring", learn
+            # (candidates: other versions of learn to measure against eager, on any device: the tests')
+            self._candidates: dict[str, Callable[..., Any]] = dict(candidates) if candidates is not None else {
+                "compiled": torch.compile(learn), "compiled-cudagraphs": torch.compile(learn, mode="reduce-overhead")}
+            self._trial: dict[str, Any] = {}  # candidate -> [state copy, updates run, seconds timed]
+            self._eager = [0, 0.0]
+
+    def __call__(self, state: Any, batch: dict[str, torch.Tensor]) -> Any:
+        if self.choice != "measuring":
+            return self._fn(state, batch)
+        return self._measure(state, batch)
+
+    def _measure(self, state: Any, batch: dict[str, torch.Tensor]) -> Any:
+        """One real (eager) update, timed, and one update of each candidate on its own copy of the
+        state; after ``TRIAL_WARMUP + TRIAL_UPDATES`` the fastest is kept."""
+        out = self._timed(self._eager, self._learn, state, batch)
+        for name, fn in list(self._candidates.items()):
+            entry = self._trial.get(name)
+            if entry is None:
+                entry = self._trial[name] = [copy.deepcopy(state), 0, 0.0]
+            try:
+                self._timed(entry, fn, entry[0], {k: v.clone() for k, v in batch.items()}, copy_at=1)
+            except Exception as e:  # a compiler error: this candidate is out, the training never saw it
+                self.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("%s: compile candidate %s failed (%s); not used", self._who, name, self.errors[name])
+                del self._candidates[name], self._trial[name]
+        if self._eager[0] >= TRIAL_WARMUP + TRIAL_UPDATES:
+            self._decide()
+        return out
+
+    def _timed(self, entry: list[Any], fn: Callable[..., Any], state: Any, batch: dict[str, torch.Tensor],
+               copy_at: int = 0) -> Any:
+        counter = copy_at  # index of the update counter in entry
+        _sync(self._device)
+        t0 = time.perf_counter()
+        out = fn(state, batch)
+        _sync(self._device)
+        if entry[counter] >= TRIAL_WARMUP:
+            entry[counter + 1] += time.perf_counter() - t0
+        entry[counter] += 1
+        return out
+
+    def _decide(self) -> None:
+        self.timings = {"eager": self._eager[1] / TRIAL_UPDATES}
+        self.timings.update({name: e[2] / TRIAL_UPDATES for name, e in self._trial.items()})
+        best = min(self.timings, key=self.timings.__getitem__)
+        self.choice = best
+        self._fn = self._learn if best == "eager" else self._candidates[best]
+        self._trial.clear()  # the copies' memory goes
+        log.warning("%s: compile='auto' on %s chose %s (ms per update: %s)", self._who, self._device, best,
+                    ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.timings.items()))

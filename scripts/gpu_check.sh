@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 18 in one run on a CUDA machine (what docs/benchmarks.md's "GPU" section
+# reports): the CUDA tests, then benchmarks/bench_gpu.py. Logs go to $OUT (default /tmp/gpu-check).
+#
+# On a machine without package access, Python packages missing there can come as wheels in .whl/
+# (pyzmq, gymnasium, pytest-asyncio, ...; TorchRL builds in .whl/trl*/, one per torch release: the
+# first whose compiled part loads is used for the TorchRL peer).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi -L
+  "$PY" -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/env.log"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+for d in .whl/trl*/; do
+  [ -d "$d" ] || continue
+  t=/tmp/site-$(basename "$d")
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$t" "$d"*.whl >/dev/null 2>&1
+  if PYTHONPATH=$t:$PYTHONPATH "$PY" -c "import torchrl._torchrl, torchrl.data" >/dev/null 2>&1; then
+    export PYTHONPATH=$t:$PYTHONPATH
+    echo "TorchRL peer: $(PYTHONPATH=$t "$PY" -c 'import torchrl; print(torchrl.__version__)') from $d" | tee -a "$OUT/env.log"
+    break
+  fi
+  echo "TorchRL from $d does not load against this torch" | tee -a "$OUT/env.log"
+done
+{
+  echo "--- soft-RoCE probe (rdma_rxe)"
+  uname -r
+  modprobe rdma_rxe 2>&1 && echo "rdma_rxe loaded" || echo "modprobe rdma_rxe failed"
+  command -v rdma >/dev/null && rdma link 2>&1 | head -5 || echo "no rdma tool"
+  ls /sys/class/infiniband 2>&1 | head -5
+  "$PY" -c "import pyverbs" 2>&1 | tail -1 || true
+} 2>&1 | tee -a "$OUT/env.log"
+
+echo "--- CUDA tests"
+timeout "${TEST_S:-270}" "$PY" -m pytest -q -p no:cacheprovider -W default --timeout 250 \
+  tests/gpu tests/replay/test_device_replay.py tests/nodes/test_device.py \
+  "tests/nodes/test_replay.py" "tests/replay/test_storage.py" -k "gpu or cuda or pinned or memory or device or Device or test_cuda" \
+  -s 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|error|Error|compile auto|FAILED|SKIPPED" | tail -40
+echo "--- bench_gpu: replay, TorchRL, transformer"
+timeout "${BENCH1_S:-110}" "$PY" benchmarks/bench_gpu.py --parts replay,torchrl,transformer 2>&1 | tee "$OUT/bench.log" \
+  | grep -v "^W[0-9]"
+echo "--- bench_gpu: learners"
+timeout "${BENCH2_S:-150}" "$PY" benchmarks/bench_gpu.py --parts learners 2>&1 | tee -a "$OUT/bench.log" | grep -v "^W[0-9]"
+echo "--- done"

@@ -1,0 +1,118 @@
+"""reactor.replay.device.DeviceReplay and the sum tree's sync-free calls, on the CPU device.
+
+The code is device-generic torch; tests/gpu/ runs the same checks on a GPU where one exists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reactor.replay import SumTree
+from reactor.replay.device import DeviceReplay
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SPECS = [("obs", (3,), torch.float32), ("action", (), torch.int64)]
+
+
+def _episodes(lengths: list[int], start_episode: int = 0, start_step: int = 0):
+    """Steps of consecutive episodes: obs = [global step, episode, position], action = global step."""
+    rows, eps = [], []
+    g = start_step
+    for e, n in enumerate(lengths, start_episode):
+        for k in range(n):
+            rows.append((g, e, k))
+            eps.append(e)
+            g += 1
+    obs = torch.tensor(rows, dtype=torch.float32)
+    return {"obs": obs, "action": obs[:, 0].long()}, torch.tensor(eps, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windows_hold_the_steps_inserted_masked_at_episode_ends_and_the_ring_head(device):
+    replay = DeviceReplay(SPECS, capacity=20, window=4, device=device)
+    steps, eps = _episodes([7, 5, 9, 6])  # 27 steps: the ring wrapped, steps 0-6 are gone
+    replay.insert({k: v[:10] for k, v in steps.items()}, eps[:10])
+    replay.insert({k: v[10:] for k, v in steps.items()}, eps[10:])
+    assert len(replay) == 20 and replay.inserted == 27
+    episode_of = {int(g): int(e) for g, e, _ in steps["obs"].tolist()}
+    s = replay.sample(512, torch.Generator(device).manual_seed(0))
+    keys, mask, obs = s["keys"].cpu(), s["mask"].cpu(), s["obs"].cpu()
+    assert set(keys.tolist()) <= set(range(7, 27)) and len(set(keys.tolist())) == 20  # every live step drawn
+    for key, m, o in zip(keys.tolist(), mask, obs):
+        want = [key + k < 27 and episode_of[key + k] == episode_of[key] for k in range(4)]
+        assert m.tolist() == want
+        n = sum(want)
+        assert o[:n, 0].tolist() == [float(key + k) for k in range(n)]
+        assert bool((o[n:] == 0).all())  # masked positions are zeroed
+    assert bool((s["action"].cpu()[mask] == obs[..., 0][mask].long()).all())
+    assert s["weights"].dtype == torch.float32 and bool((s["weights"] == 1).all())  # equal priorities
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_priorities_steer_sampling_and_weights_correct_for_it(device):
+    replay = DeviceReplay(SPECS, capacity=64, window=2, device=device, alpha=1.0, beta=1.0)
+    steps, eps = _episodes([64])
+    replay.insert(steps, eps)
+    keys = torch.arange(64)
+    prio = torch.ones(64)
+    prio[10] = 64.0  # key 10 holds half of the mass of 127
+    replay.update_priorities(keys, prio)
+    s = replay.sample(4096, torch.Generator(device).manual_seed(1))
+    share = float((s["keys"] == 10).float().mean())
+    assert abs(share - 64 / 127) < 0.02
+    w = s["weights"].cpu()
+    assert torch.allclose(w[s["keys"].cpu() == 10], torch.tensor(1 / 64)) and bool((w[s["keys"].cpu() != 10] == 1).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overwritten_keys_and_bad_priorities_are_not_written_and_check_names_the_refusals(device):
+    replay = DeviceReplay(SPECS, capacity=8, window=2, device=device, alpha=1.0, check_every=1000)
+    steps, eps = _episodes([8])
+    replay.insert(steps, eps)
+    replay.update_priorities(torch.tensor([0, 1]), torch.tensor([5.0, 5.0]))
+    more, more_eps = _episodes([2], start_episode=1, start_step=8)
+    replay.insert(more, more_eps)  # steps 8, 9 overwrite rows 0, 1 (keys 0, 1 are stale now)
+    replay.update_priorities(torch.tensor([0, 1, 2, 3, 4]), torch.tensor([100.0, 100.0, float("nan"), -1.0, 3.0]))
+    leaves = replay._tree.leaves_async(torch.arange(8)).cpu().tolist()
+    # rows 0, 1: the new steps' insert priority (the max seen, 5), not the stale keys' 100;
+    # rows 2, 3: NaN and -1 refused, the old 1 kept; row 4: written.
+    assert leaves[:5] == [5.0, 5.0, 1.0, 1.0, 3.0]
+    with pytest.raises(ValueError, match=r"^DeviceReplay: 2 priorities were not finite or were negative"):
+        replay.check()
+    replay.check()  # reported once
+
+
+def test_bad_inputs_are_refused_naming_them():
+    with pytest.raises(ValueError, match="capacity \\(3\\) must hold at least one window \\(4\\)"):
+        DeviceReplay(SPECS, capacity=3, window=4)
+    with pytest.raises(ValueError, match="distinct fields"):
+        DeviceReplay(SPECS + SPECS[:1], capacity=8, window=2)
+    replay = DeviceReplay(SPECS, capacity=8, window=2)
+    with pytest.raises(ValueError, match="nothing inserted yet"):
+        replay.sample(4)
+    steps, eps = _episodes([3])
+    with pytest.raises(ValueError, match=r"field 'obs' is \(3, 2\) torch.float32; expected \[3, 3\]"):
+        replay.insert({"obs": steps["obs"][:, :2], "action": steps["action"]}, eps)
+    with pytest.raises(ValueError, match=r"needs fields \['action', 'obs'\]"):
+        replay.insert({"obs": steps["obs"]}, eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sync_free_tree_calls_agree_with_the_checked_ones(device):
+    rng = np.random.default_rng(3)
+    for capacity, arity in ((1, 2), (37, 4), (1000, 16)):
+        a = SumTree(capacity, arity, backend="torch", device=device)
+        b = SumTree(capacity, arity, backend="torch", device=device)
+        for _ in range(5):
+            idx = torch.from_numpy(rng.choice(capacity, size=min(capacity, 50), replace=False))
+            prio = torch.from_numpy(rng.random(len(idx)) * (rng.random(len(idx)) > 0.2))
+            a.update(idx, prio)
+            b.write_async(idx.to(device), prio.to(device))
+        assert float(a.total) == pytest.approx(float(b.total_tensor()), rel=1e-12)
+        assert float(a.min) == float(b.min_tensor()) or capacity == 1
+        if float(a.total) > 0:
+            ia, pa = a.sample(257, torch.Generator(device).manual_seed(5))
+            ib, pb = b.sample_async(257, torch.Generator(device).manual_seed(5))
+            assert torch.equal(ia, ib) and torch.allclose(pa, pb)

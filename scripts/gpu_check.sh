@@ -28,7 +28,7 @@ for d in .whl/trl*/; do
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$t" "$d"*.whl >/dev/null 2>&1
   if PYTHONPATH=$t:$PYTHONPATH "$PY" -c "import torchrl._torchrl, torchrl.data" >/dev/null 2>&1; then
     export PYTHONPATH=$t:$PYTHONPATH
-    echo "TorchRL peer: $(PYTHONPATH=$t "$PY" -c 'import torchrl; print(torchrl.__version__)') from $d" | tee -a "$OUT/env.log"
+    echo "TorchRL peer: $("$PY" -c 'import torchrl; print(torchrl.__version__)' 2>/dev/null) from $d" | tee -a "$OUT/env.log"
     break
   fi
   echo "TorchRL from $d does not load against this torch" | tee -a "$OUT/env.log"
@@ -39,11 +39,13 @@ done
   modprobe rdma_rxe 2>&1 && echo "rdma_rxe loaded" || echo "modprobe rdma_rxe failed"
   command -v rdma >/dev/null && rdma link 2>&1 | head -5 || echo "no rdma tool"
   ls /sys/class/infiniband 2>&1 | head -5
+  ls /lib/modules/"$(uname -r)" 2>&1 | head -3
+  (ls /sys/module 2>/dev/null | grep -i -E "rdma|rxe|^ib_" | head -5) || echo "no rdma/ib modules loaded"
   "$PY" -c "import pyverbs" 2>&1 | tail -1 || true
 } 2>&1 | tee -a "$OUT/env.log"
 
 echo "--- CUDA tests"
-timeout "${TEST_S:-270}" "$PY" -m pytest -q -p no:cacheprovider -W default --timeout 250 \
+timeout "${TEST_S:-270}" "$PY" -m pytest -q -p no:cacheprovider -n 0 -W default --timeout 250 \
   tests/gpu tests/replay/test_device_replay.py tests/nodes/test_device.py \
   "tests/nodes/test_replay.py" "tests/replay/test_storage.py" -k "gpu or cuda or pinned or memory or device or Device or test_cuda" \
   -s 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|error|Error|compile auto|FAILED|SKIPPED" | tail -40

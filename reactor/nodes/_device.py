@@ -12,7 +12,9 @@ broadcasts (``Learner._weights`` copies them to the host), the common case for s
   mode, and ``"reduce-overhead"``: CUDA graphs for the fixed-shape parts) on the run's own batches and
   keeps the fastest; the candidates run on a copy of the learner's state, so a compiler error or a
   slow candidate never touches the training. On the CPU ``"auto"`` stays eager without measuring:
-  inductor's C++ compile of these small networks costs tens of seconds, more than the CPU apps train.
+  inductor's C++ compile of these small networks costs tens of seconds, more than the CPU apps train
+  (docs/benchmarks.md: DQN's update compiled on the CPU took 19 s to compile and ran no faster). With
+  data-parallel learners ``"auto"`` is eager too: a trial update on a copy would still all-reduce.
 
 The same algorithm code runs under every choice. A compiled update computes the same function with
 other kernels, so its floats are not bit-identical to eager's: runs that must match bit for bit across
@@ -111,6 +113,7 @@ class LearnStep:
         who: the learner's name, for the log.
         candidates: ``{name: fn}`` to measure against eager under ``"auto"`` instead of the two compiled
             versions, on any device (tests).
+        replicas: the data-parallel bank's size; above 1, ``"auto"`` is eager (no trial).
 
     Attributes:
         choice: ``"eager"``, ``"compiled"``, ``"compiled-cudagraphs"``, or ``"measuring"`` while the
@@ -119,14 +122,17 @@ class LearnStep:
     """
 
     def __init__(self, learn: Callable[..., Any], mode: str, device: torch.device, who: str,
-                 candidates: dict[str, Callable[..., Any]] | None = None) -> None:
+                 candidates: dict[str, Callable[..., Any]] | None = None, replicas: int = 1) -> None:
         check_compile(mode)
         self._learn = learn
         self._device = device
         self._who = who
         self.timings: dict[str, float] = {}
         self.errors: dict[str, str] = {}
-        if mode == "off" or (mode == "auto" and device.type != "cuda" and candidates is None):
+        # Data-parallel replicas: a candidate's update on a copy of the state would still all-reduce
+        # (the optimizers' steps are the bank's collectives), and each replica's trial could choose
+        # differently: "auto" is eager there, "on" compiles every replica alike.
+        if mode == "off" or (mode == "auto" and (replicas > 1 or (device.type != "cuda" and candidates is None))):
             self.choice, self._fn = "eager", learn
         elif mode == "on":
             self.choice, self._fn = "compiled", torch.compile(learn)

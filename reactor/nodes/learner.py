@@ -86,7 +86,8 @@ class _LearnerBase(Reactor):
             torch.manual_seed(seed)  # seeded, and no other stream in this process moves
             with denormals_flushed():
                 self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed, **on_device)
-        self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name)
+        self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name,
+                                    replicas=self.bank_size)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
         if self.ckpt is not None and self.bank_index == 0:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import _devicekernels as _kernels
 from .sumtree import DEFAULT_ARITY, SumTree
 
 __all__ = ["DeviceReplay", "DeviceSample"]
@@ -56,6 +57,9 @@ class DeviceReplay:
         staging_rows: rows of each pinned staging buffer for host inserts (CUDA only); larger host
             batches are split.
         check_every: priority updates between checks of refused priorities (each check syncs once).
+        kernels: ``"triton"`` (one launch for the tree's descent, one per field's gather:
+            :mod:`reactor.replay._devicekernels`), ``"torch"`` (plain torch ops), or ``"auto"``: Triton
+            where it runs (a GPU with Triton installed), else torch.
 
     Raises:
         ValueError: empty or duplicate specs, capacity < window, window < 1, or a bad device.
@@ -63,7 +67,8 @@ class DeviceReplay:
 
     def __init__(self, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], capacity: int, window: int, *,
                  device: str | torch.device = "cpu", alpha: float = 0.6, beta: float = 0.4,
-                 arity: int = DEFAULT_ARITY, staging_rows: int = 4096, check_every: int = 64) -> None:
+                 arity: int = DEFAULT_ARITY, staging_rows: int = 4096, check_every: int = 64,
+                 kernels: str = "auto") -> None:
         names = [s[0] for s in specs]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"DeviceReplay specs must name distinct fields, got {names!r}")
@@ -87,6 +92,14 @@ class DeviceReplay:
         self._step_of = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # global step held per row
         self._episode_of = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
         self._tree = SumTree(capacity, arity, backend="torch", device=dev)
+        if kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"DeviceReplay kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+        if kernels == "triton" and not _kernels.available(dev):
+            raise ValueError(f"DeviceReplay kernels='triton' needs Triton and a GPU (device {str(dev)!r}; triton "
+                             f"{'not installed' if _kernels.triton is None else 'installed'})")
+        self.kernels = "triton" if kernels == "triton" or (kernels == "auto" and _kernels.available(dev)) else "torch"
+        sums, offsets, self._arity, self._depth = self._tree.device_layout()
+        self._level_offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
         self._max_priority = torch.ones((), dtype=torch.float64, device=dev)  # already raised to alpha
         self._offsets = torch.arange(window, device=dev)
         self._refused = torch.zeros((), dtype=torch.int64, device=dev)
@@ -99,8 +112,9 @@ class DeviceReplay:
         self.staging_rows = staging_rows
         if dev.type == "cuda":
             for _ in range(2):  # double-buffered: one fills while the other's copy is in flight
-                self._staging.append({name: torch.empty((staging_rows, *shape), dtype=dtype, pin_memory=True)
-                                      for name, shape, dtype in specs})
+                buf = {name: torch.empty((staging_rows, *shape), dtype=dtype, pin_memory=True) for name, shape, dtype in specs}
+                buf[" episode"] = torch.empty(staging_rows, dtype=torch.int64, pin_memory=True)  # (no field's name)
+                self._staging.append(buf)
                 self._staged.append(None)
 
     def __len__(self) -> int:
@@ -145,7 +159,8 @@ class DeviceReplay:
         for name, t in steps.items():
             buf[name][:n].copy_(t)
             out[name] = buf[name][:n].to(self.device, non_blocking=True)
-        ep = episode.to(self.device, non_blocking=False)  # small; from pageable memory
+        buf[" episode"][:n].copy_(episode)
+        ep = buf[" episode"][:n].to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._staged[i] = event
@@ -179,6 +194,14 @@ class DeviceReplay:
             raise ValueError(f"DeviceReplay.sample: n must be an int >= 1, got {n!r}")
         if self.inserted == 0:
             raise ValueError("DeviceReplay.sample: nothing inserted yet")
+        if self.kernels == "triton":
+            sums = self._tree.device_layout()[0]
+            rand = torch.rand(n, dtype=torch.float64, device=self.device, generator=generator)
+            rows, keys, weights = _kernels.descend(sums, self._level_offsets, self._tree.min_tensor(), rand,
+                                                   self._step_of, self._arity, self._depth, self.beta)
+            out = DeviceSample(_kernels.gather(self.fields, rows, keys, self._step_of, self._episode_of, self.window))
+            out["weights"], out["keys"] = weights, keys
+            return out
         rows, prob = self._tree.sample_async(n, generator)
         keys = self._step_of[rows]
         idx = (rows[:, None] + self._offsets) % self.capacity  # [n, T]
@@ -225,9 +248,46 @@ class DeviceReplay:
 
         return replay
 
+    def updater(self, n: int, graphed: bool = True) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """:meth:`update_priorities` for batches of ``n`` keys, on CUDA (``graphed``) as one CUDA graph
+        replay (the tree's ancestors, level by level, are ~50 small kernels): the keys and priorities
+        are copied into the graph's input buffers, then it replays."""
+        if not graphed or self.device.type != "cuda":
+            return self.update_priorities
+        keys_in = torch.zeros(n, dtype=torch.int64, device=self.device)
+        prio_in = torch.ones(n, dtype=torch.float64, device=self.device)
+        probe = keys_in.fill_(-2)  # warm-up keys no row holds (unwritten rows hold -1): nothing changes
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._update_device(probe, prio_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._update_device(keys_in, prio_in)
+
+        def update(keys: torch.Tensor, priorities: torch.Tensor) -> None:
+            keys_in.copy_(keys, non_blocking=True)
+            prio_in.copy_(priorities, non_blocking=True)
+            graph.replay()
+            self._count_update()
+
+        return update
+
     def update_priorities(self, keys: torch.Tensor, priorities: torch.Tensor) -> None:
         """New priorities (before ``alpha``) for sampled ``keys``; keys whose step was overwritten
         since are skipped, refused values counted for :meth:`check` (module docstring)."""
+        self._update_device(keys, priorities)
+        self._count_update()
+
+    def _count_update(self) -> None:
+        self._updates += 1
+        if self._updates % self.check_every == 0:
+            self.check()
+
+    def _update_device(self, keys: torch.Tensor, priorities: torch.Tensor) -> None:
+        """The device work of a priority update, in place only (CUDA-graph capturable)."""
         keys = keys.to(self.device)
         p = priorities.to(self.device, torch.float64)
         rows = keys % self.capacity
@@ -238,10 +298,7 @@ class DeviceReplay:
         live = self._step_of[rows] == keys
         new = torch.where(ok & live, raised, leaves)
         self._tree.write_async(rows, new)
-        self._max_priority = torch.maximum(self._max_priority, torch.where(ok & live, raised, 0.0).max())
-        self._updates += 1
-        if self._updates % self.check_every == 0:
-            self.check()
+        self._max_priority.copy_(torch.maximum(self._max_priority, torch.where(ok & live, raised, 0.0).max()))
 
     def check(self) -> None:
         """Raise ``ValueError`` if priorities were refused since the last check (one host sync)."""

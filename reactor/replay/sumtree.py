@@ -847,6 +847,13 @@ class SumTree:
             raise ValueError("SumTree.leaves_async needs backend='torch'")
         return self._tsums[self._toffsets[self._depth] + indices]
 
+    def device_layout(self) -> tuple[torch.Tensor, list[int], int, int]:
+        """``(node sums, level offsets, arity, depth)`` of the torch backend: what a kernel that walks
+        the tree itself (reactor.replay._devicekernels) reads. The sums are the live tensor."""
+        if self._backend != "torch":
+            raise ValueError("SumTree.device_layout needs backend='torch'")
+        return self._tsums, list(self._toffsets), self._arity, self._depth
+
     def min_tensor(self) -> torch.Tensor:
         """The smallest positive leaf as a 0-d tensor on the device (torch backend; no host sync)."""
         if self._backend != "torch":

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -41,16 +42,26 @@ def _dqn_batch(b: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
             "weights": torch.rand(b, generator=g) + 0.5}
 
 
+class _Spaces:
+    def __init__(self, obs_space, act_space):
+        self.observation_space, self.action_space = obs_space, act_space
+
+    def reset(self, seed=None):
+        return self.observation_space.sample(), {}
+
+
 def _cases():
     from reactor.algos import transformer_dqn as tdqn
 
     tcfg = tdqn.Config(window=4, bf16=False)
+    masked = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)  # the windows' obs: CartPole without velocities
     return {
         "dqn": (CARTPOLE, {}, lambda s: _dqn_batch(seed=s)),
         "ddpg": (PENDULUM, {}, lambda s: continuous_batch(seed=s)),
         "td3": (PENDULUM, {}, lambda s: continuous_batch(seed=s)),
         "sac": (PENDULUM, {}, lambda s: continuous_batch(seed=s)),
-        "transformer_dqn": (CARTPOLE, {"window": 4, "bf16": False}, lambda s: window_batch(tcfg, seed=s)),
+        "transformer_dqn": (_Spaces(masked, CARTPOLE.action_space), {"window": 4, "bf16": False},
+                            lambda s: window_batch(tcfg, seed=s)),
     }
 
 
@@ -74,10 +85,16 @@ def test_each_algorithm_learns_on_the_gpu_and_its_weights_act_on_the_cpu(algo):
         assert all(torch.isfinite(torch.tensor(v)) for v in mg.values())
         if prio is not None:
             assert prio.is_cuda and prio.shape[0] == len(batch["weights"])
+        if i == 0 and algo in ("dqn", "ddpg", "transformer_dqn"):
+            # No random draws in these learns: from the same weights, the same loss up to rounding.
+            assert all(abs(mc[k] - mg[k]) <= 1e-4 * max(1.0, abs(mc[k])) for k in mc), (mc, mg)
     wc, wg = mod.policy_weights(cpu), mod.policy_weights(gpu)
-    if algo in ("dqn", "ddpg", "transformer_dqn"):  # no random draws in learn: the same function, other kernels
+    if algo in ("dqn", "ddpg", "transformer_dqn"):
+        # Adam moves a weight by about lr per update whatever the gradient's size, so rounding can flip
+        # tiny steps: after 3 updates the weights agree within a few lr.
+        lr = getattr(config, "lr", None) or config.actor_lr
         for k in wc:
-            assert torch.allclose(wc[k], wg[k].cpu(), rtol=1e-3, atol=1e-4), k
+            assert float((wc[k] - wg[k].cpu()).abs().max()) <= 6 * lr, k
     policy = mod.make_policy(env.observation_space, env.action_space, config)
     mod.load_weights(policy, {k: v.cpu() for k, v in wg.items()})
     obs = torch.as_tensor(env.reset(seed=0)[0]).float()[None]
@@ -141,7 +158,6 @@ def test_gpu_storage_gathers_the_same_windows_as_host_storage():
 
 
 def test_the_sync_free_tree_on_the_gpu_draws_what_the_checked_cpu_tree_draws():
-    import numpy as np
 
     rng = np.random.default_rng(0)
     prio = rng.random(5000)
@@ -151,9 +167,11 @@ def test_the_sync_free_tree_on_the_gpu_draws_what_the_checked_cpu_tree_draws():
     assert float(a.total) == pytest.approx(float(b.total_tensor()), rel=1e-12)
     u = torch.Generator("cuda").manual_seed(3)
     ib, _ = b.sample_async(4096, u)
-    counts = torch.bincount(ib.cpu(), minlength=5000).double()
-    expected = torch.from_numpy(prio / prio.sum() * 4096)
-    assert float((counts - expected).abs().sum()) / 4096 < 0.35  # stratified: close to the expected mass
+    # Stratified: each of 50 buckets of 100 leaves gets its mass's share of the draws, give or take
+    # the strata cut at its two ends.
+    counts = torch.bincount(ib.cpu() // 100, minlength=50).double()
+    expected = torch.from_numpy(prio.reshape(50, 100).sum(1) / prio.sum() * 4096)
+    assert float((counts - expected).abs().max()) <= 2.0
 
 
 def test_device_replay_on_the_gpu_graphed_sampler_sees_later_inserts_and_priorities():
@@ -225,3 +243,25 @@ def test_the_transformer_app_runs_with_gpu_replay_windows_and_a_gpu_learner(tmp_
     r = _run(app, cfg)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["updates"] > 30 and r.stopped_by == "quiescence"
+
+
+def test_the_graphed_priority_updater_writes_what_plain_updates_write():
+    specs = [("obs", (2,), torch.float32)]
+    a, b = (DeviceReplay(specs, capacity=1000, window=4, device="cuda", alpha=0.7) for _ in range(2))
+    for r in (a, b):
+        r.insert({"obs": torch.randn(1000, 2)}, torch.arange(1000) // 37)
+    update = b.updater(128)
+    g = torch.Generator("cuda").manual_seed(0)
+    for i in range(20):
+        keys = torch.randint(0, 1000, (128,), device="cuda", generator=g)
+        prio = torch.rand(128, device="cuda", generator=g) * 5
+        if i == 7:
+            prio[3] = float("nan")  # refused in both, counted in both
+        a.update_priorities(keys, prio)
+        update(keys, prio)
+    leaves = torch.arange(1000, device="cuda")
+    assert torch.equal(a._tree.leaves_async(leaves), b._tree.leaves_async(leaves))
+    assert float(a._tree.total_tensor()) == float(b._tree.total_tensor())
+    for r in (a, b):
+        with pytest.raises(ValueError, match="^DeviceReplay: 1 priorities were not finite"):
+            r.check()

@@ -116,3 +116,37 @@ def test_the_sync_free_tree_calls_agree_with_the_checked_ones(device):
             ia, pa = a.sample(257, torch.Generator(device).manual_seed(5))
             ib, pb = b.sample_async(257, torch.Generator(device).manual_seed(5))
             assert torch.equal(ia, ib) and torch.allclose(pa, pb)
+
+
+def _triton_interpreter() -> bool:
+    import os
+
+    from reactor.replay import _devicekernels
+
+    return _devicekernels.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _triton_interpreter() and not torch.cuda.is_available(),
+                    reason="needs Triton: a GPU, or TRITON_INTERPRET=1 with triton installed")
+def test_the_triton_kernels_sample_and_gather_exactly_what_the_torch_path_does():
+    from reactor.replay import _devicekernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not _devicekernels.available(torch.device(device)):
+        pytest.skip("Triton does not run here")
+    replays = {k: DeviceReplay(SPECS, capacity=300, window=7, device=device, kernels=k, alpha=1.0, beta=0.5)
+               for k in ("torch", "triton")}
+    steps, eps = _episodes([40, 3, 90, 1, 120, 77, 9])  # 340 steps into 300: wrapped
+    rng = np.random.default_rng(0)
+    keys = torch.arange(40, 340)
+    prio = torch.from_numpy(rng.integers(1, 64, size=300).astype(np.float64) / 8)  # exact sums: same draws
+    for r in replays.values():
+        r.insert(steps, eps)
+        r.update_priorities(keys.to(device), prio.to(device))
+    a = replays["torch"].sample(500, torch.Generator(device).manual_seed(4))
+    b = replays["triton"].sample(500, torch.Generator(device).manual_seed(4))
+    assert torch.equal(a["keys"], b["keys"]) and torch.equal(a["mask"], b["mask"])
+    for name in ("obs", "action"):
+        assert b[name].shape == a[name].shape and torch.equal(a[name], b[name]), name
+    assert torch.allclose(a["weights"], b["weights"], rtol=1e-5)
+    assert not bool(a["mask"].all()) and bool(a["mask"][:, 0].all())  # some windows cut short, none empty

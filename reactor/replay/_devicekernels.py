@@ -42,7 +42,7 @@ if triton is not None:
         live = i < n
         total = tl.load(tsums)
         # Stratified: draw j takes a uniform point in the j-th of n equal slices of the mass.
-        u = (i.to(tl.float64) + tl.load(rand + i, mask=live, other=0.0)) * (total / n.to(tl.float64))
+        u = (i.to(tl.float64) + tl.load(rand + i, mask=live, other=0.0)) * (total / n)
         node = tl.zeros([BLOCK], dtype=tl.int64)
         cols = tl.arange(0, ARITY)
         for level in tl.static_range(1, DEPTH + 1):
@@ -61,8 +61,10 @@ if triton is not None:
             node = node * ARITY + chosen
         leaf = tl.load(tsums + tl.load(offsets + DEPTH) + node, mask=live, other=1.0)
         mn = tl.load(minp)
-        # w = (N p)^-beta / max_j (N p_j)^-beta = (leaf / min)^-beta
-        w = tl.exp2(-beta * tl.log2(tl.maximum(leaf, 1e-300) / tl.maximum(mn, 1e-300)))
+        # w = (N p)^-beta / max_j (N p_j)^-beta = (leaf / min)^-beta, in float32 (exp2 and log2 are
+        # float32 functions in Triton; the weights are float32 anyway)
+        ratio = (tl.maximum(leaf, 1e-300) / tl.maximum(mn, 1e-300)).to(tl.float32)
+        w = tl.exp2(-beta * tl.log2(ratio))
         tl.store(out_rows + i, node, mask=live)
         tl.store(out_keys + i, tl.load(step_of + node, mask=live, other=0), mask=live)
         tl.store(out_weights + i, w.to(tl.float32), mask=live)

@@ -256,8 +256,8 @@ def part_transformer(dev: torch.device, quick: bool) -> None:
     sampler = replay.sampler(b)
     updater = replay.updater(b)
     fixed = {k: v.clone() for k, v in sampler().items()}
-    params = None
-    results = {}
+    runs: dict[str, Callable[[], None]] = {}
+    params = 0
     for label in ("pre-made batch", "sampled from the GPU shard"):
         torch.manual_seed(0)
         state = tdqn.init(obs_space, act_space, cfg, 0, device=dev)
@@ -271,7 +271,13 @@ def part_transformer(dev: torch.device, quick: bool) -> None:
                 _, prio = tdqn.learn(state, s)
                 updater(s["keys"], prio)
 
-        results[label] = timed(step, dev, 3 if quick else 20, reps=3)
+        runs[label] = step
+    # The two interleaved rep by rep, so a drift of the machine during the run lands on both.
+    per: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(2 if quick else 5):
+        for label, step in runs.items():
+            per[label].append(timed(step, dev, 3 if quick else 10, reps=1))
+    results = {label: statistics.median(v) for label, v in per.items()}
     prio = torch.rand(b, device=dev) + 0.01
 
     def replay_only() -> None:

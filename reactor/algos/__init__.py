@@ -101,7 +101,7 @@ def restore_generator(generator: Any, saved: Any) -> bool:
     """
     if getattr(saved, "shape", None) != generator.get_state().shape:
         return False
-    generator.set_state(saved)
+    generator.set_state(saved.cpu())  # a state is a CPU ByteTensor, whichever device the checkpoint was mapped to
     return True
 
 

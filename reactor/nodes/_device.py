@@ -154,15 +154,16 @@ class LearnStep:
         state; after ``TRIAL_WARMUP + TRIAL_UPDATES`` the fastest is kept."""
         out = self._timed(self._eager, self._learn, state, batch)
         for name, fn in list(self._candidates.items()):
-            entry = self._trial.get(name)
-            if entry is None:
-                entry = self._trial[name] = [copy.deepcopy(state), 0, 0.0]
             try:
+                entry = self._trial.get(name)
+                if entry is None:  # (a state that cannot be copied, or no memory for a copy: no trial)
+                    entry = self._trial[name] = [copy.deepcopy(state), 0, 0.0]
                 self._timed(entry, fn, entry[0], {k: v.clone() for k, v in batch.items()}, copy_at=1)
             except Exception as e:  # a compiler error: this candidate is out, the training never saw it
                 self.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.warning("%s: compile candidate %s failed (%s); not used", self._who, name, self.errors[name])
-                del self._candidates[name], self._trial[name]
+                del self._candidates[name]
+                self._trial.pop(name, None)
         if self._eager[0] >= TRIAL_WARMUP + TRIAL_UPDATES:
             self._decide()
         return out
@@ -185,6 +186,10 @@ class LearnStep:
         best = min(self.timings, key=self.timings.__getitem__)
         self.choice = best
         self._fn = self._learn if best == "eager" else self._candidates[best]
-        self._trial.clear()  # the copies' memory goes
-        log.warning("%s: compile='auto' on %s chose %s (ms per update: %s)", self._who, self._device, best,
-                    ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.timings.items()))
+        # The copies and the losers go (a CUDA-graph candidate holds its graphs' memory pool). The winner
+        # was compiled against a copy of the state: its first call on the real one compiles again.
+        self._trial.clear()
+        self._candidates = {}
+        log.warning("%s: compile='auto' on %s chose %s (ms per update: %s)%s", self._who, self._device, best,
+                    ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.timings.items()),
+                    "" if best == "eager" else "; its first update on the learner's own state compiles again")

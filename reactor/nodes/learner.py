@@ -110,7 +110,7 @@ class _LearnerBase(Reactor):
         # NCCL when every replica holds CUDA tensors on a GPU of its own; gloo otherwise (CPU learners,
         # a CPU learner on a GPU machine, or replicas sharing a GPU, which NCCL refuses: gloo reduces
         # CUDA tensors through the host).
-        own_gpu = self.torch_device.type == "cuda" and torch.cuda.device_count() >= self.bank_size
+        own_gpu = self.device == "cuda" and torch.cuda.device_count() >= self.bank_size  # (cuda:N: all on one)
         backend = "nccl" if own_gpu and any(p.is_cuda for p in params) else "gloo"
         self.dp_backend = backend
         join = datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S)

@@ -1,8 +1,8 @@
 """Triton kernels of :class:`reactor.replay.device.DeviceReplay`: one launch per sample's tree descent
 (with its keys and importance weights) and one per field's window gather (with the mask).
 
-The torch path of DeviceReplay does the same with ~110 small kernels for the descent of a 1M-leaf
-tree and ~20 for the gather (measured on an H200: 391 us a 256x64 sample as one CUDA graph, against
+The torch path of DeviceReplay does the same with ~150 small kernels for the descent of a 1M-leaf
+tree (8-ary: 7 levels) and ~20 for the gather (measured on an H200: 391 us a 256x64 sample as one CUDA graph, against
 8.4 us for a device copy of the same bytes). Triton is optional (it comes with CUDA builds of torch);
 without it, or on the CPU, DeviceReplay uses its torch path. ``TRITON_INTERPRET=1`` runs these
 kernels on CPU tensors (the tests compare them with the torch path there).
@@ -36,7 +36,7 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _descend_kernel(tsums, offsets, minp, rand, step_of, out_rows, out_keys, out_weights, n, beta,
+    def _descend_kernel(tsums, offsets, level_live, minp, rand, step_of, out_rows, out_keys, out_weights, n, beta,
                         ARITY: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -58,12 +58,13 @@ if triton is not None:
             before = tl.sum(tl.where(cols[None, :] == chosen[:, None] - 1, csum, 0.0), 1)
             at = tl.sum(tl.where(cols[None, :] == chosen[:, None], block, 0.0), 1)
             u = tl.where(over, at, u - before)
-            node = node * ARITY + chosen
+            # (every priority 0: the descent would walk into a level's padding; stay on live nodes)
+            node = tl.minimum(node * ARITY + chosen, tl.load(level_live + level) - 1)
         leaf = tl.load(tsums + tl.load(offsets + DEPTH) + node, mask=live, other=1.0)
         mn = tl.load(minp)
         # w = (N p)^-beta / max_j (N p_j)^-beta = (leaf / min)^-beta, in float32 (exp2 and log2 are
         # float32 functions in Triton; the weights are float32 anyway)
-        ratio = (tl.maximum(leaf, 1e-300) / tl.maximum(mn, 1e-300)).to(tl.float32)
+        ratio = tl.maximum((tl.maximum(leaf, 1e-300) / tl.maximum(mn, 1e-300)).to(tl.float32), 1e-30)
         w = tl.exp2(-beta * tl.log2(ratio))
         tl.store(out_rows + i, node, mask=live)
         tl.store(out_keys + i, tl.load(step_of + node, mask=live, other=0), mask=live)
@@ -92,7 +93,7 @@ if triton is not None:
             tl.store(dst + out_row[:, None] * D + d[None, :], x, mask=kin[:, None] & din[None, :])
 
 
-def descend(tsums: torch.Tensor, offsets: torch.Tensor, minp: torch.Tensor, rand: torch.Tensor,
+def descend(tsums: torch.Tensor, offsets: torch.Tensor, live: torch.Tensor, minp: torch.Tensor, rand: torch.Tensor,
             step_of: torch.Tensor, arity: int, depth: int, beta: float) -> tuple[torch.Tensor, ...]:
     """Rows, keys and importance weights of ``len(rand)`` stratified draws from the tree's nodes."""
     n = rand.shape[0]
@@ -101,7 +102,7 @@ def descend(tsums: torch.Tensor, offsets: torch.Tensor, minp: torch.Tensor, rand
     keys = torch.empty(n, dtype=torch.int64, device=dev)
     weights = torch.empty(n, dtype=torch.float32, device=dev)
     block = 128
-    _descend_kernel[(triton.cdiv(n, block),)](tsums, offsets, minp, rand, step_of, rows, keys, weights, n, float(beta),
+    _descend_kernel[(triton.cdiv(n, block),)](tsums, offsets, live, minp, rand, step_of, rows, keys, weights, n, float(beta),
                                               ARITY=arity, DEPTH=depth, BLOCK=block)
     return rows, keys, weights
 

@@ -94,12 +94,16 @@ class DeviceReplay:
         self._tree = SumTree(capacity, arity, backend="torch", device=dev)
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"DeviceReplay kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
-        if kernels == "triton" and not _kernels.available(dev):
-            raise ValueError(f"DeviceReplay kernels='triton' needs Triton and a GPU (device {str(dev)!r}; triton "
-                             f"{'not installed' if _kernels.triton is None else 'installed'})")
-        self.kernels = "triton" if kernels == "triton" or (kernels == "auto" and _kernels.available(dev)) else "torch"
-        sums, offsets, self._arity, self._depth = self._tree.device_layout()
+        pow2 = arity & (arity - 1) == 0  # the kernels load a node's children as one power-of-two block
+        if kernels == "triton" and not (_kernels.available(dev) and pow2):
+            raise ValueError(f"DeviceReplay kernels='triton' needs Triton, a GPU (device {str(dev)!r}; triton "
+                             f"{'not installed' if _kernels.triton is None else 'installed'}) and a power-of-two "
+                             f"arity (got {arity})")
+        self.kernels = "triton" if kernels == "triton" or (kernels == "auto" and pow2 and _kernels.available(dev)) \
+            else "torch"
+        sums, offsets, self._arity, self._depth, live = self._tree.device_layout()
         self._level_offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
+        self._level_live = torch.tensor(live, dtype=torch.int64, device=dev)
         self._max_priority = torch.ones((), dtype=torch.float64, device=dev)  # already raised to alpha
         self._offsets = torch.arange(window, device=dev)
         self._refused = torch.zeros((), dtype=torch.int64, device=dev)
@@ -162,7 +166,7 @@ class DeviceReplay:
         buf[" episode"][:n].copy_(episode)
         ep = buf[" episode"][:n].to(self.device, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the copies went on, on any GPU index
         self._staged[i] = event
         return out, ep
 
@@ -197,8 +201,8 @@ class DeviceReplay:
         if self.kernels == "triton":
             sums = self._tree.device_layout()[0]
             rand = torch.rand(n, dtype=torch.float64, device=self.device, generator=generator)
-            rows, keys, weights = _kernels.descend(sums, self._level_offsets, self._tree.min_tensor(), rand,
-                                                   self._step_of, self._arity, self._depth, self.beta)
+            rows, keys, weights = _kernels.descend(sums, self._level_offsets, self._level_live, self._tree.min_tensor(),
+                                                   rand, self._step_of, self._arity, self._depth, self.beta)
             out = DeviceSample(_kernels.gather(self.fields, rows, keys, self._step_of, self._episode_of, self.window))
             out["weights"], out["keys"] = weights, keys
             return out
@@ -232,15 +236,16 @@ class DeviceReplay:
         if not graphed or self.device.type != "cuda":
             return lambda: self.sample(n)
         self.sample(n)  # the checks, once
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm up off the capture (allocator, lazy inits)
-                self.sample(n)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.sample(n)
+        with torch.cuda.device(self.device):  # capture on this GPU's streams, whichever is current
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm up off the capture (allocator, lazy inits)
+                    self.sample(n)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.sample(n)
 
         def replay() -> DeviceSample:
             graph.replay()
@@ -257,15 +262,16 @@ class DeviceReplay:
         keys_in = torch.zeros(n, dtype=torch.int64, device=self.device)
         prio_in = torch.ones(n, dtype=torch.float64, device=self.device)
         probe = keys_in.fill_(-2)  # warm-up keys no row holds (unwritten rows hold -1): nothing changes
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self._update_device(probe, prio_in)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._update_device(keys_in, prio_in)
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self._update_device(probe, prio_in)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._update_device(keys_in, prio_in)
 
         def update(keys: torch.Tensor, priorities: torch.Tensor) -> None:
             keys_in.copy_(keys, non_blocking=True)

@@ -412,6 +412,8 @@ class SumTree:
             self._tsums = torch.zeros(size, dtype=torch.float64, device=self._device)
             self._tmins = torch.full((self._leaf0,), _INF, dtype=torch.float64, device=self._device)
             self._toffsets = [int(o) for o in self._offsets]
+            # Live nodes per level (root 1, ..., leaves capacity): the rest of a level is padding.
+            self._tlive = [int(n) // self._arity for n in self._lengths[1:]] + [self._capacity]
             self._tarange = torch.arange(self._arity, device=self._device)
 
     # ---------------------------------------------------------------- properties
@@ -812,7 +814,8 @@ class SumTree:
             chosen = torch.where(over, last_pos, chosen)
             before = torch.gather(csum, 1, (chosen - 1).clamp_min(0)[:, None])[:, 0] * (chosen > 0)
             u = torch.where(over, torch.gather(block, 1, chosen[:, None])[:, 0], u - before)
-            node = node * self._arity + chosen
+            # (every priority 0: the descent would walk into a level's padding; stay on live nodes)
+            node = (node * self._arity + chosen).clamp_(max=self._tlive[level] - 1)
         return node, self._tsums[self._toffsets[self._depth] + node] / total.clamp_min(1e-300)
 
     def write_async(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
@@ -847,12 +850,13 @@ class SumTree:
             raise ValueError("SumTree.leaves_async needs backend='torch'")
         return self._tsums[self._toffsets[self._depth] + indices]
 
-    def device_layout(self) -> tuple[torch.Tensor, list[int], int, int]:
-        """``(node sums, level offsets, arity, depth)`` of the torch backend: what a kernel that walks
-        the tree itself (reactor.replay._devicekernels) reads. The sums are the live tensor."""
+    def device_layout(self) -> tuple[torch.Tensor, list[int], int, int, list[int]]:
+        """``(node sums, level offsets, arity, depth, live nodes per level)`` of the torch backend: what a
+        kernel that walks the tree itself (reactor.replay._devicekernels) reads. The sums are the live
+        tensor."""
         if self._backend != "torch":
             raise ValueError("SumTree.device_layout needs backend='torch'")
-        return self._tsums, list(self._toffsets), self._arity, self._depth
+        return self._tsums, list(self._toffsets), self._arity, self._depth, list(self._tlive)
 
     def min_tensor(self) -> torch.Tensor:
         """The smallest positive leaf as a 0-d tensor on the device (torch backend; no host sync)."""

@@ -274,3 +274,14 @@ def test_the_graphed_priority_updater_writes_what_plain_updates_write():
     for r in (a, b):
         with pytest.raises(ValueError, match="^DeviceReplay: 1 priorities were not finite"):
             r.check()
+
+
+def test_a_gpu_learner_resumes_its_own_checkpoint_generator_included(tmp_path):
+    sac = get_algorithm("sac")
+    state = sac.init(PENDULUM.observation_space, PENDULUM.action_space, sac.Config(), 0, device=CUDA)
+    sac.learn(state, {k: v.to(CUDA) for k, v in continuous_batch().items()})
+    torch.save({"algo": sac.state_dict(state), "updates": 1}, tmp_path / "learner.pt")
+    saved = torch.load(tmp_path / "learner.pt", weights_only=True, map_location=CUDA)  # as Learner loads it
+    again = sac.init(PENDULUM.observation_space, PENDULUM.action_space, sac.Config(), 5, device=CUDA)
+    sac.load_state_dict(again, saved["algo"])
+    assert torch.equal(again.generator.get_state(), state.generator.get_state())

@@ -139,3 +139,19 @@ def test_auto_keeps_eager_when_every_candidate_is_slower():
     for i in range(_device.TRIAL_WARMUP + _device.TRIAL_UPDATES):
         step(state, _batch(i))
     assert step.choice == "eager" and step.timings["slow"] > step.timings["eager"]
+
+
+def test_a_state_that_cannot_be_copied_drops_the_trial_not_the_learner():
+    import threading
+
+    from reactor.nodes import _device
+
+    state = dqn.init(CARTPOLE.observation_space, CARTPOLE.action_space, dqn.Config(), 0)
+    state.lock = threading.Lock()  # a custom algorithm's state may hold one: deepcopy refuses it
+    ref = dqn.init(CARTPOLE.observation_space, CARTPOLE.action_space, dqn.Config(), 0)
+    step = LearnStep(dqn.learn, "auto", torch.device("cpu"), "learner", candidates={"fast": _slow(0.0)})
+    for i in range(_device.TRIAL_WARMUP + _device.TRIAL_UPDATES):
+        step(state, _batch(i))
+        dqn.learn(ref, _batch(i))
+    assert "fast" in step.errors and "TypeError" in step.errors["fast"] and step.choice == "eager"
+    assert all(torch.equal(x, y) for x, y in zip(_weights(state), _weights(ref)))

@@ -150,3 +150,19 @@ def test_the_triton_kernels_sample_and_gather_exactly_what_the_torch_path_does()
         assert b[name].shape == a[name].shape and torch.equal(a[name], b[name]), name
     assert torch.allclose(a["weights"], b["weights"], rtol=1e-5)
     assert not bool(a["mask"].all()) and bool(a["mask"][:, 0].all())  # some windows cut short, none empty
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_priority_zero_still_samples_live_rows_and_never_past_the_ring(device):
+    replay = DeviceReplay(SPECS, capacity=37, window=3, device=device, arity=4, alpha=1.0)  # leaves padded to 64
+    steps, eps = _episodes([37])
+    replay.insert(steps, eps)
+    replay.update_priorities(torch.arange(37, device=device), torch.zeros(37, device=device))
+    s = replay.sample(16, torch.Generator(device).manual_seed(0))
+    assert bool((s["keys"] >= 0).all()) and bool((s["keys"] < 37).all())
+
+
+def test_the_triton_kernels_are_refused_for_an_arity_they_cannot_load_naming_it():
+    with pytest.raises(ValueError, match=r"power-of-two arity \(got 6\)"):
+        DeviceReplay(SPECS, capacity=64, window=2, arity=6, kernels="triton")
+    assert DeviceReplay(SPECS, capacity=64, window=2, arity=6).kernels == "torch"  # auto falls back

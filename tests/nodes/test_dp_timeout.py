@@ -24,7 +24,8 @@ torch.manual_seed(rank)
 net = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
 me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2,
-                           state={"net": net, "opt": opt}, name=f"learner[{rank}]", updates=0)
+                           state={"net": net, "opt": opt}, name=f"learner[{rank}]", updates=0,
+                           device="cpu", torch_device=torch.device("cpu"))
 L._LearnerBase._join_data_parallel(me)
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
 if rank == 0:

@@ -71,20 +71,21 @@ def resolve_device(device: str, who: str, replica: int = 0) -> torch.device:
     data-parallel bank on GPU ``i mod count``.
 
     Raises:
-        RuntimeError: a CUDA device where CUDA is not available, or an index this host lacks.
+        ValueError: a CUDA device where CUDA is not available, or an index this host lacks (a setting
+            this host cannot honour: ``reactor run`` prints it as one line).
     """
     check_device(device, f"{who} device")
     if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{who}: device={device!r} needs CUDA, and torch.cuda.is_available() is False on this "
-                           f"host; use device='cpu'")
+        raise ValueError(f"{who}: device={device!r} needs CUDA, and torch.cuda.is_available() is False on this "
+                         f"host; use device='cpu'")
     count = torch.cuda.device_count()
     if device == "cuda":
         return torch.device("cuda", replica % count)
     index = int(device.split(":")[1])
     if index >= count:
-        raise RuntimeError(f"{who}: device={device!r} names a GPU this host does not have ({count} visible)")
+        raise ValueError(f"{who}: device={device!r} names a GPU this host does not have ({count} visible)")
     return torch.device("cuda", index)
 
 

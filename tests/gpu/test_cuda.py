@@ -133,7 +133,7 @@ def test_compile_auto_measures_on_the_gpu_and_keeps_a_working_choice():
 def test_resolve_device_spreads_replicas_over_the_gpus_and_refuses_a_missing_one():
     n = torch.cuda.device_count()
     assert [resolve_device("cuda", "l", i).index for i in range(3)] == [i % n for i in range(3)]
-    with pytest.raises(RuntimeError, match=rf"device='cuda:{n}' names a GPU this host does not have \({n} visible\)"):
+    with pytest.raises(ValueError, match=rf"device='cuda:{n}' names a GPU this host does not have \({n} visible\)"):
         resolve_device(f"cuda:{n}", "l")
 
 

@@ -53,7 +53,7 @@ def test_an_app_refuses_a_bad_device_from_set_before_anything_starts(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the refusal on a host without CUDA")
 def test_a_cuda_device_without_cuda_fails_naming_the_learner_and_the_way_out():
-    with pytest.raises(RuntimeError, match=r"^learner: device='cuda' needs CUDA, and torch.cuda.is_available\(\) is "
+    with pytest.raises(ValueError, match=r"^learner: device='cuda' needs CUDA, and torch.cuda.is_available\(\) is "
                                            r"False on this host; use device='cpu'$"):
         resolve_device("cuda", "learner")
     assert resolve_device("cpu", "learner") == torch.device("cpu")
@@ -155,3 +155,19 @@ def test_a_state_that_cannot_be_copied_drops_the_trial_not_the_learner():
         dqn.learn(ref, _batch(i))
     assert "fast" in step.errors and "TypeError" in step.errors["fast"] and step.choice == "eager"
     assert all(torch.equal(x, y) for x, y in zip(_weights(state), _weights(ref)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the refusal on a host without CUDA")
+def test_reactor_run_with_device_cuda_on_a_host_without_cuda_says_so_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(root / "apps" / "dqn.py"), "--set", "device=cuda",
+                          "--set", "live=False", "--set", f"run_dir='{tmp_path}'"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "reactor: learner: device='cuda' needs CUDA, and torch.cuda.is_available() is False on this host; "
+        "use device='cpu'"], out.stderr

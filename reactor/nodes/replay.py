@@ -317,13 +317,13 @@ class Replay(Reactor):
         self._publisher: SamplingPublisher | None = None
         self._sampling: dict[str, Any] | None = None
         on_gpu = self.memory.startswith("cuda")
-        if self.memory != "host" and not torch.cuda.is_available():
-            raise RuntimeError(
+        if self.memory != "host" and not torch.cuda.is_available():  # (a ValueError: reactor run prints it as one line)
+            raise ValueError(
                 f"Replay {self.name!r}: memory={self.memory!r} needs CUDA, and torch.cuda.is_available() is False "
                 f"on this host; use memory='host'"
             )
         if on_gpu and ":" in self.memory and int(self.memory.split(":")[1]) >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise ValueError(
                 f"Replay {self.name!r}: memory={self.memory!r} names a GPU this host does not have "
                 f"({torch.cuda.device_count()} visible)"
             )

@@ -354,7 +354,7 @@ def test_memory_placement_is_checked_at_build_and_gpu_memory_without_cuda_fails_
     for memory in ("pinned", "cuda"):
         g = Graph()
         g.add(Replay([("id", (), "int64")], 8, memory=memory), name="replay")
-        with pytest.raises(RuntimeError, match=rf"Replay 'replay': memory='{memory}' needs CUDA, and "
+        with pytest.raises(ValueError, match=rf"Replay 'replay': memory='{memory}' needs CUDA, and "
                                                r"torch.cuda.is_available\(\) is False on this host"):
             run(g)
 

@@ -22,7 +22,8 @@ from typing import Any
 from .._graph import Graph
 from .training import off_policy_graph, on_policy_graph
 
-__all__ = ["AppConfig", "OffPolicyAppConfig", "OnPolicyAppConfig", "off_policy_app_graph", "on_policy_app_graph"]
+__all__ = ["AppConfig", "OffPolicyAppConfig", "OfflineAppConfig", "OnPolicyAppConfig", "off_policy_app_graph",
+           "offline_app_graph", "on_policy_app_graph"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,24 @@ class OnPolicyAppConfig(AppConfig):
     """Episodes per evaluation."""
 
 
+@dataclass(frozen=True)
+class OfflineAppConfig(AppConfig):
+    """The Config of an offline app: a learner on an earlier run's replay checkpoints, an evaluator."""
+
+    source: str = ""
+    """The earlier run's run_dir: its replay shards' checkpoints (replay-<i>/) are the data."""
+    batch_size: int = 32
+    """Windows per update."""
+    updates: int = 2000
+    """Learner updates to run."""
+    eval_every_updates: int = 500
+    """Learner updates between greedy evaluations."""
+    eval_episodes: int = 10
+    """Episodes per evaluation."""
+    prioritized: bool = True
+    """Prioritized windows (alpha 0.6, beta 0.4) instead of uniform."""
+
+
 def _run_dir(config: Any, name: str) -> str:
     from ..launch._runtime import current_run_id
 
@@ -167,6 +186,45 @@ def on_policy_app_graph(config: OnPolicyAppConfig, *, algo: str, name: str, titl
         compile=config.compile, live=config.live, title=f"{title} {config.env}",
         app_config=dataclasses.asdict(config),
     )
+
+
+def offline_app_graph(config: OfflineAppConfig, *, algo: str, name: str, title: str,
+                      algo_config: dict[str, Any] | None = None) -> Graph:
+    """An :class:`~reactor.nodes.offline.OfflineLearner` on ``config.source``, an evaluator, metrics.
+
+    Args:
+        algo: a window algorithm (``"transformer_dqn"``).
+        name, title: the default run directory's name, the live display's title.
+        algo_config: the algorithm's fields under ``config.algo_config`` (an app's model size).
+
+    Raises:
+        ValueError: no source, or a field out of range (naming it), before anything starts.
+    """
+    from .evaluator import Evaluator
+    from .metrics import Metrics
+    from .offline import OfflineLearner
+
+    _check_env(config)
+    if not config.source:
+        raise ValueError("no source: set source to an earlier run's run_dir (its replay-<i>/ checkpoints are the "
+                         "data), e.g. --set source=runs/transformer_dqn-CartPoleNoVel-v1-RUN_ID")
+    merged = {**(algo_config or {}), **config.algo_config}
+    run_dir = _run_dir(config, name)
+    g = Graph()
+    learner = g.add(OfflineLearner(algo, config.env, merged, source=config.source, batch_size=config.batch_size,
+                                   max_updates=config.updates, weights_every=config.eval_every_updates,
+                                   run_dir=run_dir, checkpoint_every=config.checkpoint_every, resume=config.resume,
+                                   app_config=dataclasses.asdict(config), device=config.device,
+                                   compile=config.compile, alpha=0.6 if config.prioritized else 0.0,
+                                   beta=0.4 if config.prioritized else 0.0), name="learner")
+    evaluator = g.add(Evaluator(algo, config.env, merged, every_updates=config.eval_every_updates,
+                                episodes=config.eval_episodes), name="evaluator")
+    metrics = g.add(Metrics(run_dir, target_return=config.target_return, live=config.live,
+                            title=f"{title} {config.env}"), name="metrics")
+    g.connect(learner.weights, evaluator.weights)
+    for src in (learner.report, evaluator.report):
+        g.connect(src, metrics.reports, delay_s=1e-6)
+    return g
 
 
 def _algo_fields(algo: str) -> set[str]:

@@ -285,3 +285,18 @@ def test_a_gpu_learner_resumes_its_own_checkpoint_generator_included(tmp_path):
     again = sac.init(PENDULUM.observation_space, PENDULUM.action_space, sac.Config(), 5, device=CUDA)
     sac.load_state_dict(again, saved["algo"])
     assert torch.equal(again.generator.get_state(), state.generator.get_state())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_offline_app_learns_on_the_gpu_from_a_source_runs_replay(tmp_path, capfd):
+    source = tmp_path / "source"
+    _run(str(ROOT / "apps" / "transformer_dqn.py"), {"max_env_steps": 2000, "target_return": None, "live": False,
+                                                      "run_dir": str(source)})
+    out_dir = tmp_path / "offline"
+    _run(str(ROOT / "apps" / "transformer_offline.py"), {"source": str(source), "device": "cuda", "updates": 100,
+                                                         "eval_every_updates": 50, "live": False, "run_dir": str(out_dir)})
+    out = capfd.readouterr().out
+    assert re.search(r"^learner: \d+ steps of \d+ episodes from 2 shard checkpoint\(s\) of .* on cuda:0 \((triton|torch) "
+                     r"kernels\)$", out, re.M), out
+    assert json.loads((out_dir / "summary.json").read_text())["updates"] == 100

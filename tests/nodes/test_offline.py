@@ -1,0 +1,102 @@
+"""apps/transformer_offline.py: a learner on an earlier run's replay checkpoints (reactor.nodes.offline).
+
+One real source run (the transformer app, 3,000 env steps, its shards checkpointing at the end) serves
+every test of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reactor import run
+from reactor.launch._app import build_graph
+from reactor.nodes.offline import load_source_steps
+from reactor.replay import Table
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_APP = str(ROOT / "apps" / "transformer_dqn.py")
+OFFLINE_APP = str(ROOT / "apps" / "transformer_offline.py")
+
+
+def _run(app: str, config: dict, **kw):
+    return run(build_graph(app, config), app=app, config=config, **kw)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reactor.cli", "run", OFFLINE_APP, *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("source")
+    _run(SOURCE_APP, {"max_env_steps": 3000, "target_return": None, "live": False, "run_dir": str(d)})
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_source_steps_are_every_step_the_shards_checkpointed_with_distinct_episodes(source):
+    steps, episodes, shards = load_source_steps(source, ("obs", "action", "reward", "terminated"))
+    tables = [Table.restore(source / f"replay-{i}")[0] for i in range(2)]
+    assert shards == 2 and all(t is not None for t in tables)
+    counts = [t.storage.step_range[1] - t.storage.step_range[0] for t in tables]
+    assert len(episodes) == sum(counts) >= 3000 and steps["obs"].shape == (len(episodes), 2)
+    # Shard 0's steps come first, in order, and its episodes and shard 1's never share an id.
+    first = tables[0].storage.read_steps(np.arange(*tables[0].storage.step_range))
+    assert torch.equal(steps["obs"][: counts[0]], first["obs"])
+    assert set(episodes[: counts[0]].tolist()).isdisjoint(episodes[counts[0]:].tolist())
+    # An episode id changes only where an episode ends (terminated, or truncated at the shard's open end).
+    change = np.flatnonzero(np.diff(episodes)) + 1
+    assert len(change) >= 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_offline_app_learns_on_the_source_windows_and_its_policy_loads(source, tmp_path, capfd):
+    from reactor.nodes._policy import load_policy
+
+    n = len(load_source_steps(source, ("obs",))[1])
+    out_dir = tmp_path / "offline"
+    r = _run(OFFLINE_APP, {"source": str(source), "updates": 120, "eval_every_updates": 60, "live": False,
+                           "run_dir": str(out_dir)})
+    out = capfd.readouterr().out
+    assert re.search(rf"^learner: {n} steps of \d+ episodes from 2 shard checkpoint\(s\) of {re.escape(str(source))} "
+                     r"on cpu \(torch kernels\)$", out, re.M), out
+    s = json.loads((out_dir / "summary.json").read_text())
+    assert s["updates"] == 120 and len(s["evaluations"]) >= 2 and r.stopped_by == "quiescence"
+    metrics = (out_dir / "metrics.csv").read_text()
+    losses = [float(x) for x in re.findall(r",learner,loss,([-0-9.e]+)", metrics)]
+    assert losses and all(np.isfinite(losses))
+    policy = load_policy(out_dir)
+    assert policy.updates == 120
+    assert (out_dir / "weights.sha256").read_text().strip() == policy.weights_sha256
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_bad_source_is_refused_in_one_line_naming_it(source, tmp_path):
+    missing = tmp_path / "nowhere"
+    r = _cli("--set", f"source='{missing}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'a'}'")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"reactor: offline source '{missing}' is not a directory (give an earlier run's run_dir)"], r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _cli("--set", f"source='{empty}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'b'}'")
+    assert r.returncode == 2 and "no replay checkpoint with steps under replay-*/" in r.stderr, r.stderr
+    r = _cli("--set", "live=False")
+    assert r.returncode == 2 and r.stderr.startswith("reactor: no source: set source to an earlier run's run_dir")
+    # A source of another env's steps (CartPole's 4-d observations) is refused naming the field.
+    other = tmp_path / "cartpole"
+    _run(str(ROOT / "apps" / "dqn.py"), {"max_env_steps": 600, "target_return": None, "live": False, "run_dir": str(other)})
+    r = _cli("--set", f"source='{other}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'c'}'")
+    assert r.returncode == 2 and "the source's field 'obs' is (4,) torch.float32; transformer_dqn on CartPoleNoVel-v1 " \
+                                 "stores (2,) torch.float32" in r.stderr, r.stderr

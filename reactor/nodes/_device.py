@@ -142,8 +142,9 @@ class LearnStep:
             # (candidates: other versions of learn to measure against eager, on any device: the tests')
             self._candidates: dict[str, Callable[..., Any]] = dict(candidates) if candidates is not None else {
                 "compiled": torch.compile(learn), "compiled-cudagraphs": torch.compile(learn, mode="reduce-overhead")}
-            self._trial: dict[str, Any] = {}  # candidate -> [state copy, updates run, seconds timed]
-            self._eager = [0, 0.0]
+            self._copies: dict[str, Any] = {}  # candidate -> the copy of the state it learns on
+            self._seconds: dict[str, float] = {"eager": 0.0}  # timed seconds, past the warm-up
+            self._runs = 0  # trial updates so far (every candidate runs once per real update)
 
     def __call__(self, state: Any, batch: dict[str, torch.Tensor]) -> Any:
         if self.choice != "measuring":
@@ -153,43 +154,42 @@ class LearnStep:
     def _measure(self, state: Any, batch: dict[str, torch.Tensor]) -> Any:
         """One real (eager) update, timed, and one update of each candidate on its own copy of the
         state; after ``TRIAL_WARMUP + TRIAL_UPDATES`` the fastest is kept."""
-        out = self._timed(self._eager, self._learn, state, batch)
+        timed = self._runs >= TRIAL_WARMUP
+        out = self._timed("eager", self._learn, state, batch, timed)
         for name, fn in list(self._candidates.items()):
             try:
-                entry = self._trial.get(name)
-                if entry is None:  # (a state that cannot be copied, or no memory for a copy: no trial)
-                    entry = self._trial[name] = [copy.deepcopy(state), 0, 0.0]
-                self._timed(entry, fn, entry[0], {k: v.clone() for k, v in batch.items()}, copy_at=1)
+                if name not in self._copies:  # (a state that cannot be copied, or no memory for a copy: no trial)
+                    self._copies[name] = copy.deepcopy(state)
+                self._timed(name, fn, self._copies[name], {k: v.clone() for k, v in batch.items()}, timed)
             except Exception as e:  # a compiler error: this candidate is out, the training never saw it
                 self.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.warning("%s: compile candidate %s failed (%s); not used", self._who, name, self.errors[name])
                 del self._candidates[name]
-                self._trial.pop(name, None)
-        if self._eager[0] >= TRIAL_WARMUP + TRIAL_UPDATES:
+                self._copies.pop(name, None)
+                self._seconds.pop(name, None)
+        self._runs += 1
+        if self._runs >= TRIAL_WARMUP + TRIAL_UPDATES:
             self._decide()
         return out
 
-    def _timed(self, entry: list[Any], fn: Callable[..., Any], state: Any, batch: dict[str, torch.Tensor],
-               copy_at: int = 0) -> Any:
-        counter = copy_at  # index of the update counter in entry
+    def _timed(self, name: str, fn: Callable[..., Any], state: Any, batch: dict[str, torch.Tensor],
+               timed: bool) -> Any:
         _sync(self._device)
         t0 = time.perf_counter()
         out = fn(state, batch)
         _sync(self._device)
-        if entry[counter] >= TRIAL_WARMUP:
-            entry[counter + 1] += time.perf_counter() - t0
-        entry[counter] += 1
+        if timed:
+            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - t0
         return out
 
     def _decide(self) -> None:
-        self.timings = {"eager": self._eager[1] / TRIAL_UPDATES}
-        self.timings.update({name: e[2] / TRIAL_UPDATES for name, e in self._trial.items()})
+        self.timings = {name: seconds / TRIAL_UPDATES for name, seconds in self._seconds.items()}
         best = min(self.timings, key=self.timings.__getitem__)
         self.choice = best
         self._fn = self._learn if best == "eager" else self._candidates[best]
         # The copies and the losers go (a CUDA-graph candidate holds its graphs' memory pool). The winner
         # was compiled against a copy of the state: its first call on the real one compiles again.
-        self._trial.clear()
+        self._copies.clear()
         self._candidates = {}
         log.warning("%s: compile='auto' on %s chose %s (ms per update: %s)%s", self._who, self._device, best,
                     ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.timings.items()),

@@ -216,6 +216,12 @@ class _LearnerBase(Reactor):
             (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")
         print(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}", flush=True)
 
+    def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` moved to the learner's device (as is on the CPU)."""
+        if self.torch_device.type == "cpu":
+            return batch
+        return {k: v.to(self.torch_device, non_blocking=True) for k, v in batch.items()}
+
     def _weights(self) -> Weights:
         # A copy, always: in one process the message is handed over as is, and the optimizer changes
         # the live parameters in place; receivers must see the weights of version `updates`.
@@ -445,10 +451,8 @@ class Learner(_LearnerBase):
 
         data = dict(batch.data)
         data["weights"] = torch.as_tensor(batch.weights)
-        if self.torch_device.type != "cpu":
-            data = {k: v.to(self.torch_device, non_blocking=True) for k, v in data.items()}
         with denormals_flushed():
-            metrics, priorities = self.learn_step(self.state, data)
+            metrics, priorities = self.learn_step(self.state, self._on_device(data))
         self.updates += 1
         self.samples += len(batch.keys)
         if priorities is not None:
@@ -526,10 +530,8 @@ class RolloutLearner(_LearnerBase):
         self.pending = {}
         dims = {k: (0 if k == "last_obs" else 1) for k in parts[0]}
         batch = {k: torch.cat([p[k] for p in parts], dim=dims[k]) for k in parts[0]}
-        if self.torch_device.type != "cpu":
-            batch = {k: v.to(self.torch_device, non_blocking=True) for k, v in batch.items()}
         with denormals_flushed():
-            metrics, _ = self.learn_step(self.state, batch)
+            metrics, _ = self.learn_step(self.state, self._on_device(batch))
         self.updates += 1
         self.samples += int(batch["reward"].numel())
         if self.max_updates is not None and self.updates > self.max_updates:

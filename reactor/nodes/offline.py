@@ -171,7 +171,7 @@ class OfflineLearner(_LearnerBase):
             self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
                                                 "source_steps": float(self.source_steps),
                                                 **{k: float(v) for k, v in metrics.items()}}))
-        self._maybe_checkpoint(force=self.updates == self.max_updates)
+        self._maybe_checkpoint()  # (the last one at shutdown: _finish)
         if self.updates < self.max_updates:
             self.tick.schedule(delay_s=self.step_s)
         else:

@@ -236,16 +236,7 @@ class DeviceReplay:
         if not graphed or self.device.type != "cuda":
             return lambda: self.sample(n)
         self.sample(n)  # the checks, once
-        with torch.cuda.device(self.device):  # capture on this GPU's streams, whichever is current
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(3):  # warm up off the capture (allocator, lazy inits)
-                    self.sample(n)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.sample(n)
+        graph, out = self._capture(lambda: self.sample(n))
 
         def replay() -> DeviceSample:
             graph.replay()
@@ -261,17 +252,8 @@ class DeviceReplay:
             return self.update_priorities
         keys_in = torch.zeros(n, dtype=torch.int64, device=self.device)
         prio_in = torch.ones(n, dtype=torch.float64, device=self.device)
-        probe = keys_in.fill_(-2)  # warm-up keys no row holds (unwritten rows hold -1): nothing changes
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self._update_device(probe, prio_in)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._update_device(keys_in, prio_in)
+        keys_in.fill_(-2)  # warm-up keys no row holds (unwritten rows hold -1): nothing changes
+        graph, _ = self._capture(lambda: self._update_device(keys_in, prio_in))
 
         def update(keys: torch.Tensor, priorities: torch.Tensor) -> None:
             keys_in.copy_(keys, non_blocking=True)
@@ -280,6 +262,21 @@ class DeviceReplay:
             self._count_update()
 
         return update
+
+    def _capture(self, work: Callable[[], Any]) -> tuple[Any, Any]:
+        """``work`` warmed up three times on a side stream (allocator, lazy inits), then captured as a
+        CUDA graph, all on this replay's GPU whichever is current: ``(graph, work's result)``."""
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    work()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = work()
+        return graph, out
 
     def update_priorities(self, keys: torch.Tensor, priorities: torch.Tensor) -> None:
         """New priorities (before ``alpha``) for sampled ``keys``; keys whose step was overwritten

@@ -646,20 +646,7 @@ class SumTree:
         sidx = idx[order]
         keep = torch.ones_like(sidx, dtype=torch.bool)
         keep[:-1] = sidx[1:] != sidx[:-1]
-        sidx = sidx[keep]
-        sprio = prio[order][keep]
-        self._tsums[self._toffsets[self._depth] + sidx] = sprio
-        nodes = sidx
-        for level in range(self._depth - 1, -1, -1):
-            nodes = torch.unique_consecutive(nodes // self._arity)  # sorted input -> sorted unique
-            children = self._toffsets[level + 1] + nodes[:, None] * self._arity + self._tarange
-            block = self._tsums[children]
-            self._tsums[self._toffsets[level] + nodes] = block.sum(dim=1)
-            if level == self._depth - 1:  # no leaf level in the min tree: minima of positive leaves
-                block = torch.where(block > 0, block, torch.full_like(block, _INF))
-            else:
-                block = self._tmins[children]
-            self._tmins[self._toffsets[level] + nodes] = block.amin(dim=1)
+        self.write_async(sidx[keep], prio[order][keep])  # leaves distinct now: each ancestor from its children
 
     def _root(self) -> float:
         return float(self._sums[0]) if self._backend == "numba" else float(self._tsums[0].item())
@@ -766,7 +753,12 @@ class SumTree:
             u = (torch.arange(n, device=self._device, dtype=torch.float64) + uniforms) * (total / max(n, 1))
         else:
             u = uniforms * total
-        node = torch.zeros(n, dtype=torch.int64, device=self._device)
+        node = self._torch_descend(u)
+        return node, self._tsums[self._toffsets[self._depth] + node] / total
+
+    def _torch_descend(self, u: torch.Tensor) -> torch.Tensor:
+        """The leaf holding each point ``u`` of the mass, level by level (batched, on the device)."""
+        node = torch.zeros(u.shape[0], dtype=torch.int64, device=self._device)
         last_col = self._arity - 1
         for level in range(1, self._depth + 1):
             block = self._tsums[self._toffsets[level] + node[:, None] * self._arity + self._tarange]
@@ -782,9 +774,9 @@ class SumTree:
                 torch.zeros_like(u),
             )
             u = torch.where(over, torch.gather(block, 1, chosen[:, None])[:, 0], u - before)
-            node = node * self._arity + chosen
-        prob = self._tsums[self._toffsets[self._depth] + node] / total
-        return node, prob
+            # (every priority 0, sample_async's case: the descent would walk into a level's padding)
+            node = (node * self._arity + chosen).clamp_(max=self._tlive[level] - 1)
+        return node
 
     # ---------------------------------------------------------------- device-resident use (no host sync)
 
@@ -803,19 +795,7 @@ class SumTree:
         total = self._tsums[0]
         uniforms = torch.rand(n, dtype=torch.float64, device=dev, generator=generator)
         u = (torch.arange(n, device=dev, dtype=torch.float64) + uniforms) * (total / max(n, 1))
-        node = torch.zeros(n, dtype=torch.int64, device=dev)
-        last_col = self._arity - 1
-        for level in range(1, self._depth + 1):
-            block = self._tsums[self._toffsets[level] + node[:, None] * self._arity + self._tarange]
-            csum = torch.cumsum(block, dim=1)
-            chosen = (csum <= u[:, None]).sum(dim=1)
-            over = chosen > last_col  # rounding pushed u past the block: its last positive child
-            last_pos = last_col - torch.argmax(torch.flip(block > 0, dims=[1]).to(torch.int8), dim=1)
-            chosen = torch.where(over, last_pos, chosen)
-            before = torch.gather(csum, 1, (chosen - 1).clamp_min(0)[:, None])[:, 0] * (chosen > 0)
-            u = torch.where(over, torch.gather(block, 1, chosen[:, None])[:, 0], u - before)
-            # (every priority 0: the descent would walk into a level's padding; stay on live nodes)
-            node = (node * self._arity + chosen).clamp_(max=self._tlive[level] - 1)
+        node = self._torch_descend(u)
         return node, self._tsums[self._toffsets[self._depth] + node] / total.clamp_min(1e-300)
 
     def write_async(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:

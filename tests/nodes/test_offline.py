@@ -1,6 +1,6 @@
 """apps/transformer_offline.py: a learner on an earlier run's replay checkpoints (reactor.nodes.offline).
 
-One real source run (the transformer app, 3,000 env steps, its shards checkpointing at the end) serves
+One real source run (the transformer app, 1,500 env steps, its shards checkpointing at the end) serves
 every test of the module.
 """
 
@@ -38,7 +38,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("source")
-    _run(SOURCE_APP, {"max_env_steps": 3000, "target_return": None, "live": False, "run_dir": str(d)})
+    _run(SOURCE_APP, {"max_env_steps": 1500, "target_return": None, "live": False, "run_dir": str(d)})
     return d
 
 
@@ -49,14 +49,14 @@ def test_the_source_steps_are_every_step_the_shards_checkpointed_with_distinct_e
     tables = [Table.restore(source / f"replay-{i}")[0] for i in range(2)]
     assert shards == 2 and all(t is not None for t in tables)
     counts = [t.storage.step_range[1] - t.storage.step_range[0] for t in tables]
-    assert len(episodes) == sum(counts) >= 3000 and steps["obs"].shape == (len(episodes), 2)
+    assert len(episodes) == sum(counts) >= 1500 and steps["obs"].shape == (len(episodes), 2)
     # Shard 0's steps come first, in order, and its episodes and shard 1's never share an id.
     first = tables[0].storage.read_steps(np.arange(*tables[0].storage.step_range))
     assert torch.equal(steps["obs"][: counts[0]], first["obs"])
     assert set(episodes[: counts[0]].tolist()).isdisjoint(episodes[counts[0]:].tolist())
     # An episode id changes only where an episode ends (terminated, or truncated at the shard's open end).
     change = np.flatnonzero(np.diff(episodes)) + 1
-    assert len(change) >= 100
+    assert len(change) >= 40
 
 
 @pytest.mark.slow
@@ -88,15 +88,15 @@ def test_a_bad_source_is_refused_in_one_line_naming_it(source, tmp_path):
     r = _cli("--set", f"source='{missing}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'a'}'")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"reactor: offline source '{missing}' is not a directory (give an earlier run's run_dir)"], r.stderr
+    # The rest in this process (the same errors; the CLI prints each as the line above).
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = _cli("--set", f"source='{empty}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'b'}'")
-    assert r.returncode == 2 and "no replay checkpoint with steps under replay-*/" in r.stderr, r.stderr
-    r = _cli("--set", "live=False")
-    assert r.returncode == 2 and r.stderr.startswith("reactor: no source: set source to an earlier run's run_dir")
-    # A source of another env's steps (CartPole's 4-d observations) is refused naming the field.
-    other = tmp_path / "cartpole"
-    _run(str(ROOT / "apps" / "dqn.py"), {"max_env_steps": 600, "target_return": None, "live": False, "run_dir": str(other)})
-    r = _cli("--set", f"source='{other}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'c'}'")
-    assert r.returncode == 2 and "the source's field 'obs' is (4,) torch.float32; transformer_dqn on CartPoleNoVel-v1 " \
-                                 "stores (2,) torch.float32" in r.stderr, r.stderr
+    base = {"live": False, "updates": 5}
+    with pytest.raises(FileNotFoundError, match=r"no replay checkpoint with steps under replay-\*/"):
+        _run(OFFLINE_APP, {**base, "source": str(empty), "run_dir": str(tmp_path / "b")})
+    with pytest.raises(ValueError, match=r"^no source: set source to an earlier run's run_dir"):
+        build_graph(OFFLINE_APP, {"live": False})
+    # Another env's steps (the source's 2-d observations, where CartPole-v1 has 4) are refused naming the field.
+    with pytest.raises(ValueError, match=r"the source's field 'obs' is \(2,\) torch.float32; transformer_dqn on "
+                                         r"CartPole-v1 stores \(4,\) torch.float32"):
+        _run(OFFLINE_APP, {**base, "source": str(source), "env": "CartPole-v1", "run_dir": str(tmp_path / "c")})

@@ -140,7 +140,53 @@ def _replay_figures(dev: torch.device, quick: bool, batches: list[int], t_len: i
               f"{s_upd_g * 1e6:.1f} us graphed")
         key = f"windows_per_s_{b}"
         out[key] = max(out.get(key, 0.0), b / best)
+        if kernels != "torch" and dev.type == "cuda":
+            try:
+                _breakdown(replay, b, s_copy)
+            except Exception as e:  # a diagnostic: never the bench's end
+                print(f"  breakdown failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return out
+
+
+def _graph_time(work: Callable[[], Any], dev: torch.device, inner: int = 20) -> float:
+    """Device seconds a call of ``work``, captured ``inner`` times in one CUDA graph (no launch gaps)."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            work()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            work()
+    return timed(g.replay, dev, 10) / inner
+
+
+def _breakdown(replay: DeviceReplay, b: int, s_copy: float) -> None:
+    """Where a Triton sample's time goes: each kernel alone, in graphs of 20 back-to-back calls."""
+    from reactor.replay import _devicekernels as k
+
+    dev = replay.device
+    sums = replay._tree.device_layout()[0]
+    rand = torch.rand(b, dtype=torch.float64, device=dev)
+    parts = {"torch.rand": lambda: torch.rand(b, dtype=torch.float64, device=dev)}
+    for block in (8, 16, 32, 128):
+        parts[f"descend block={block}"] = lambda block=block: k.descend(
+            sums, replay._level_offsets, replay._level_live, replay._tree.min_tensor(), rand, replay._step_of,
+            replay._arity, replay._depth, replay.beta, block)
+    rows, keys, _ = k.descend(sums, replay._level_offsets, replay._level_live, replay._tree.min_tensor(), rand,
+                              replay._step_of, replay._arity, replay._depth, replay.beta)
+    parts["gather, one launch per field"] = lambda: k.gather(replay.fields, rows, keys, replay._step_of,
+                                                            replay._episode_of, replay.window)
+    line = []
+    for label, work in parts.items():
+        try:
+            line.append(f"{label} {_graph_time(work, dev) * 1e6:.1f} us")
+        except Exception as e:
+            line.append(f"{label} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    print(f"  breakdown {b}x{replay.window} (graphs of 20 back-to-back calls; device copy {s_copy * 1e6:.1f} us): "
+          + "; ".join(line))
 
 
 def part_torchrl(dev: torch.device, quick: bool, batches: list[int], t_len: int, ours: dict[str, float]) -> None:

@@ -294,9 +294,14 @@ def test_the_offline_app_learns_on_the_gpu_from_a_source_runs_replay(tmp_path, c
     _run(str(ROOT / "apps" / "transformer_dqn.py"), {"max_env_steps": 2000, "target_return": None, "live": False,
                                                       "run_dir": str(source)})
     out_dir = tmp_path / "offline"
-    _run(str(ROOT / "apps" / "transformer_offline.py"), {"source": str(source), "device": "cuda", "updates": 100,
-                                                         "eval_every_updates": 50, "live": False, "run_dir": str(out_dir)})
+    # size=large: the 56.8M-parameter model, window 64, bf16 autocast (one greedy episode on the CPU at the end)
+    _run(str(ROOT / "apps" / "transformer_offline.py"), {"source": str(source), "device": "cuda", "size": "large",
+                                                         "updates": 100, "eval_every_updates": 100, "eval_episodes": 1,
+                                                         "live": False, "run_dir": str(out_dir)})
     out = capfd.readouterr().out
-    assert re.search(r"^learner: \d+ steps of \d+ episodes from 2 shard checkpoint\(s\) of .* on cuda:0 \((triton|torch) "
-                     r"kernels\)$", out, re.M), out
-    assert json.loads((out_dir / "summary.json").read_text())["updates"] == 100
+    assert re.search(r"^learner: \d+ steps of \d+ episodes from 2 shard checkpoint\(s\) of .* on cuda:0 "
+                     r"\((triton|torch) kernels\)$", out, re.M), out
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["updates"] == 100
+    with capfd.disabled():
+        print(f"offline app, size=large on the GPU: {summary}")

@@ -134,9 +134,16 @@ def test_the_triton_kernels_sample_and_gather_exactly_what_the_torch_path_does()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not _devicekernels.available(torch.device(device)):
         pytest.skip("Triton does not run here")
-    replays = {k: DeviceReplay(SPECS, capacity=300, window=7, device=device, kernels=k, alpha=1.0, beta=0.5)
+    # Fields of every element size (8, 4, 2, 1 bytes) and a 2-d one.
+    specs = SPECS + [("done", (), torch.bool), ("pair", (2,), torch.int16), ("bytes3", (3,), torch.uint8),
+                     ("big", (2, 3), torch.float64)]
+    replays = {k: DeviceReplay(specs, capacity=300, window=7, device=device, kernels=k, alpha=1.0, beta=0.5)
                for k in ("torch", "triton")}
     steps, eps = _episodes([40, 3, 90, 1, 120, 77, 9])  # 340 steps into 300: wrapped
+    g = steps["action"]
+    steps.update(done=g % 3 == 0, pair=torch.stack([g, -g], 1).to(torch.int16),
+                 bytes3=torch.stack([g % 251, g % 7, 255 - g % 13], 1).to(torch.uint8),
+                 big=(g[:, None, None] + torch.arange(6.0).view(2, 3)).double() / 3)
     rng = np.random.default_rng(0)
     keys = torch.arange(40, 340)
     prio = torch.from_numpy(rng.integers(1, 64, size=300).astype(np.float64) / 8)  # exact sums: same draws
@@ -146,8 +153,8 @@ def test_the_triton_kernels_sample_and_gather_exactly_what_the_torch_path_does()
     a = replays["torch"].sample(500, torch.Generator(device).manual_seed(4))
     b = replays["triton"].sample(500, torch.Generator(device).manual_seed(4))
     assert torch.equal(a["keys"], b["keys"]) and torch.equal(a["mask"], b["mask"])
-    for name in ("obs", "action"):
-        assert b[name].shape == a[name].shape and torch.equal(a[name], b[name]), name
+    for name, _, dtype in specs:
+        assert b[name].shape == a[name].shape and b[name].dtype == dtype and torch.equal(a[name], b[name]), name
     assert torch.allclose(a["weights"], b["weights"], rtol=1e-5)
     assert not bool(a["mask"].all()) and bool(a["mask"][:, 0].all())  # some windows cut short, none empty
 

@@ -334,7 +334,7 @@ _TABLE = 256
 def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - runs in the child
     """Version v = 1, 2, ... until the reader sets done[1]: one change that leaves exactly one positive
     priority, at slot v % 256 (with a new step inserted every 7th version, evicting the oldest), then
-    done[0] = v."""
+    done[0] = v, then a short pause."""
     segments = []
 
     def allocate(name: str, nbytes: int) -> np.ndarray:
@@ -366,6 +366,9 @@ def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - ru
         table.update_priorities(keys, p)
         pub.end()
         done[0] = v
+        # A pause between changes (~0.1 ms with the sleep's granularity): without it, on 2 cores nearly
+        # every read meets a change in progress and 200 accepted draws took 10-40 s.
+        time.sleep(1e-5)
     ready.recv()
     del done, arrays, table, st, pub
     done_seg.close()
@@ -405,9 +408,10 @@ def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_t
         ok = moved = 0
         rng = np.random.default_rng(0)
         deadline = time.monotonic() + 60
-        # Until 200 draws were accepted and at least one read met a change in progress (on a loaded
-        # machine the owner may be off the CPU for the first 200): the retry path must have run.
-        while (ok < 200 or moved == 0) and time.monotonic() < deadline:
+        # Until 200 draws were accepted, at least one read met a change in progress (on a loaded
+        # machine the owner may be off the CPU for the first 200: the retry path must have run) and the
+        # owner made more than 200 changes.
+        while (ok < 200 or moved == 0 or int(done[0]) <= 200) and time.monotonic() < deadline:
             before = int(done[0])
             seq, mass, _low, _size = ss.figures()
             if seq < 0:

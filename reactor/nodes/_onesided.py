@@ -5,7 +5,7 @@ trip), and the notices of the draws, held and sent together.
 
 A mixin: :class:`OneSidedSampling` holds the methods; ``ReplayClient.__init__`` creates the state they
 use (``_shared``, ``_remote_shared``, ``_figures``, ``_regions``, ``_layouts``, ``_capacity``,
-``_versions_field``, ``_reader``, ``rng``, ``beta``, the counters and the held notices). The kernels
+``_reader``, ``rng``, ``beta``, the counters and the held notices). The kernels
 are in :mod:`reactor.replay.shared`.
 """
 
@@ -77,7 +77,6 @@ class _SharedShard:
     region: str  # the sampling state's bulk region
     data_region: str  # the rows' bulk region
     names: list[str]  # the fields copied, in the order of src_addrs
-    versions: np.ndarray  # the rows' version column (mapped)
     src_addrs: np.ndarray
     row_nbytes: np.ndarray
 
@@ -92,7 +91,6 @@ class OneSidedSampling:
     _regions: dict[int, tuple[str, int]]
     _layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]
     _capacity: dict[str, int]
-    _versions_field: dict[str, str | None]
     _reader: Any
     _held: dict[int, list[np.ndarray]]
     _held_samples: int
@@ -142,14 +140,13 @@ class OneSidedSampling:
             log.warning("replay client %s: shard %d's one-sided sampling offer is unusable (%s); sampling it "
                         "through messages", self.requester, shard, e)
             return
-        vf = self._versions_field[data_region]
         names = [f for f in self._layouts[data_region] if f in data]
-        if table.capacity != self._capacity[data_region] or vf is None:
+        if table.capacity != self._capacity[data_region]:
             log.warning("replay client %s: shard %d's sampling offer does not match its data region; sampling it "
                         "through messages", self.requester, shard)
             return
         self._shared[shard] = _SharedShard(
-            table=table, region=region, data_region=data_region, names=names, versions=data[vf],
+            table=table, region=region, data_region=data_region, names=names,
             src_addrs=np.array([data[f].ctypes.data for f in names], dtype=np.int64),
             row_nbytes=np.array([data[f][0].nbytes for f in names], dtype=np.int64),
         )
@@ -299,7 +296,7 @@ class OneSidedSampling:
             self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
             if size < sh.table.min_size or not mass > 0:
                 return None
-            status = sh.table.sample_into(seq, uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
+            status = sh.table.sample_into(seq, uniforms, sh.src_addrs, sh.row_nbytes,
                                           np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
                                           times, valid)
             if status == _OK:
@@ -472,7 +469,7 @@ class OneSidedSampling:
             f = used[i]
             while True:  # a shard that changed since its figures: its own draw again, on its new state
                 # (keys, probabilities and weights of the batch: `local` and `q` come back tagged and scaled)
-                status = sh.table.sample_part(f[0], uniforms, sh.versions, sh.src_addrs, sh.row_nbytes,
+                status = sh.table.sample_part(f[0], uniforms, sh.src_addrs, sh.row_nbytes,
                                               bases + a * item_nbytes, mask[a:b], local[a:b], q[a:b], times[a:b],
                                               valid[a:b], k << KEY_SHARD_BITS, share, min_p, beta, weights[a:b])
                 if status == _OK:
@@ -495,7 +492,7 @@ class OneSidedSampling:
         """The live shards' mapped states as one :class:`SharedShards` (kept until the shards change)."""
         key = tuple(id(sh) for sh in shards)
         if self._group is None or self._group[0] != key:
-            group = SharedShards([(sh.table, sh.versions, sh.src_addrs, sh.row_nbytes) for sh in shards])
+            group = SharedShards([(sh.table, sh.src_addrs, sh.row_nbytes) for sh in shards])
             group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
             self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
         return self._group[1]

@@ -418,7 +418,6 @@ class Replay(Reactor):
         shared, owner = self._shared, self._owner
         assert shared is not None and owner is not None and self._publisher is not None
         ss = SharedSampling(self._publisher.descriptor(), {n: shared.get(n) for n in shared.layout()})
-        versions = self._versions.numpy()  # type: ignore[union-attr]
         # Per item: its rows and mask, keys, probabilities, times, valid flag.
         item_nbytes = (max(1, sum(s.step_nbytes for s in self.specs)) + 1) * max(1, ss.window) + 32
         max_items = max(1, min(64 * self.capacity, _REMOTE_SAMPLE_NBYTES // item_nbytes))
@@ -432,7 +431,7 @@ class Replay(Reactor):
             if not fields:
                 fields.extend((n, t[0].numel() * t.element_size(), t.data_ptr()) for n, t in tensors.items()
                               if n != _bulk.VERSION_FIELD)
-            reply = serve_sample(ss, request, versions, fields, max_items)
+            reply = serve_sample(ss, request, fields, max_items)
             reply["fields"] = [f[0] for f in fields]
             return reply
 

@@ -8,7 +8,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .._native import copy_bytes, prefetch, zero_bytes
+from .._native import copy_bytes, prefetch, release_fence, zero_bytes
 
 #: Windows whose source rows ``_nb_copy_windows`` prefetches ahead of the one it copies: measured
 #: (256 x 32-step windows of 45 B/step from 2^20 steps) 0: 55 us, 1-4: 46-48 us, 6-32: 48-50 us.
@@ -246,3 +246,11 @@ def _nb_read_windows(
         return bad
     _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, length, mask, ahead)
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_reserve_rows(horizon: np.ndarray, upto: int) -> None:  # pragma: no cover - jit
+    """The row horizon: steps below ``upto`` may be written from now on (a release fence after the
+    store, so a reader that sees any of those rows' new bytes sees the horizon too)."""
+    horizon[0] = upto
+    release_fence()

@@ -37,6 +37,7 @@ from ._storagekernels import (
     _PREFETCH_WINDOWS,
     _nb_index_append,
     _nb_read_windows,
+    _nb_reserve_rows,
     _nb_window_ranges,
     expand_window_spans,
 )
@@ -261,6 +262,12 @@ class Storage:
         self._step_ep = index("step_ep")  # episode id of ring position
         self._ep_start = index("ep_start")  # indexed by episode id % capacity
         self._ep_len = index("ep_len")
+        # The row horizon: every append stores its end step here before it writes a row, so a reader
+        # that copied rows without a lock knows afterwards which steps' rows may have been overwritten
+        # meanwhile: those below (horizon after the copy) - capacity (reactor.replay.shared).
+        self._row_horizon = np.zeros(1, dtype=np.int64) if index_arrays is None else \
+            index_arrays("row_horizon", (1,), np.int64)
+        self._row_horizon[0] = 0
         self._first_step = 0
         self._next_step = 0
         self._first_ep = 0
@@ -479,6 +486,7 @@ class Storage:
         evicted_steps = (self._first_step, new_first_step)
         evicted_eps = (self._first_ep, new_first_ep)
         first = self._next_step
+        _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
         # Data: at most two contiguous slices of the ring.
         pos0 = first % cap
         n1 = min(length, cap - pos0)
@@ -936,7 +944,8 @@ class Storage:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same specs and a capacity large enough).
+        """Restore what :meth:`state_dict` returned (same specs and a capacity large enough), before
+        any reader copies rows without a lock (the row horizon does not cover a restore).
 
         Raises:
             ValueError: the state does not fit this storage (fields, shapes, dtypes, capacity), or its
@@ -979,6 +988,9 @@ class Storage:
         self._first_step, self._next_step = lo, hi
         self._first_ep, self._next_ep = first_ep, next_ep
         self._open = bool(state["open"])
+        # (rows rewritten in place: no reader may copy rows meanwhile, and a replay shard restores
+        # before it publishes its storage to any)
+        _nb_reserve_rows(self._row_horizon, hi)
 
 
 def _check_episode_index(

@@ -174,16 +174,14 @@ async def test_a_read_servers_sample_op_refuses_malformed_requests_and_keeps_ser
     try:
         arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
         st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator("r"), index_arrays=arrays)
-        versions = owner.allocate_versions("r")
         table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
         pub = SamplingPublisher(table, arrays, read=WindowRead(4))
         pub.begin()
         table.insert_nowait({"id": torch.arange(100)}, np.ones(100), episode_end=np.arange(100) % 10 == 9)
         pub.end()
-        versions.numpy()[:100] = np.arange(100)
         ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
         fields = [("id", 8, st._fields["id"].data_ptr())]
-        owner.serve_op(REMOTE_SAMPLE_OP, lambda req, _t: serve_sample(ss, req, versions.numpy(), fields, 1000))
+        owner.serve_op(REMOTE_SAMPLE_OP, lambda req, _t: serve_sample(ss, req, fields, 1000))
         region = await reader.attach(owner.descriptor("r"), backend="zmq")
         for bad, why in (({"n": -1, "seed": 1}, r"n must be an int in \[0, 1000\], got -1"),
                          ({"n": 10**9, "seed": 1}, r"n must be an int in \[0, 1000\]"),
@@ -226,18 +224,16 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
     else:
         arrays = SharedArrays(lambda name, nb: np.zeros(nb, np.uint8))
     st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator(region), index_arrays=arrays)
-    versions = owner.allocate_versions(region)
     table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
     pub = SamplingPublisher(table, arrays, read=WindowRead(4))
     pub.begin()
     table.insert_nowait({"id": torch.arange(100)}, 1.0 + np.arange(100) % 3, episode_end=np.arange(100) % 10 == 9)
     pub.end()
-    versions.numpy()[:100] = np.arange(100)
     ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
     fields = [("id", 8, st._fields["id"].data_ptr())]
 
     def op(req, _t):
-        rep = {**serve_sample(ss, req, versions.numpy(), fields, 1000), "fields": ["id"]}
+        rep = {**serve_sample(ss, req, fields, 1000), "fields": ["id"]}
         return {**rep, "keys": rep["keys"][:1]} if bad else rep
 
     owner.serve_op(REMOTE_SAMPLE_OP, op)
@@ -500,10 +496,9 @@ def test_shards_of_different_layouts_are_not_drawn_into_one_batch():
     class State:  # what SharedShards reads of a SharedSampling besides the arrays it checks later
         window, head = 4, False
 
-    one = np.zeros(1, np.int64)
     with pytest.raises(ValueError, match="same fields and row sizes"):
-        SharedShards([(State(), one, np.zeros(2, np.int64), np.array([8, 4])),
-                      (State(), one, np.zeros(2, np.int64), np.array([8, 8]))])
+        SharedShards([(State(), np.zeros(2, np.int64), np.array([8, 4])),
+                      (State(), np.zeros(2, np.int64), np.array([8, 8]))])
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])

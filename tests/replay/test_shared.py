@@ -82,11 +82,8 @@ def test_a_one_sided_draw_is_the_tables_own_draw_and_reads_the_same_windows(read
     w = max(ss.window, 1)
     out = {"id": torch.empty((100, w), dtype=torch.int64), "x": torch.empty((100, w, 2))}
     st = table.storage
-    lo, hi = st.step_range
-    versions = np.full(CAP, -1, np.int64)
-    versions[np.arange(lo, hi) % CAP] = np.arange(lo, hi)
     mask = np.empty((100, w), bool)
-    valid = ss.copy_windows(plan, versions, np.array([st._fields[f].data_ptr() for f in out], np.int64),
+    valid = ss.copy_windows(plan, np.array([st._fields[f].data_ptr() for f in out], np.int64),
                             np.array([8, 8], np.int64), np.array([t.data_ptr() for t in out.values()], np.int64), mask)
     assert valid.all()
     for f in out:
@@ -97,22 +94,30 @@ def test_a_one_sided_draw_is_the_tables_own_draw_and_reads_the_same_windows(read
 
 
 def test_overwritten_rows_are_reported_invalid_not_returned_as_good():
+    """An append that began before the copy ended (here: ran between the draw and the copy) makes
+    exactly the windows whose oldest row it may have overwritten invalid; the others hold their steps."""
     arrays = _plain_arrays()
     table = _table(Uniform(), WindowRead(4), arrays)
     pub = SamplingPublisher(table, arrays)
-    _fill(table, pub, np.random.default_rng(1), 50)
+    nid = _fill(table, pub, np.random.default_rng(1), 50)
     ss = _reader(pub, arrays)
-    status, plan = ss.draw(ss.figures()[0], np.linspace(0, 0.999, 20))
+    status, plan = ss.draw(ss.figures()[0], np.linspace(0, 0.999, 60))
     assert status == OK
     lo, hi = table.storage.step_range
-    versions = np.full(CAP, -1, np.int64)
-    versions[np.arange(lo, hi) % CAP] = np.arange(lo, hi)
-    hit = plan["pos"][3]  # the ring wrote a newer step into item 3's first row
-    versions[hit] += CAP
-    out = torch.empty((20, 4), dtype=torch.int64)
-    valid = ss.copy_windows(plan, versions, np.array([table.storage._fields["id"].data_ptr()], np.int64),
-                            np.array([8], np.int64), np.array([out.data_ptr()], np.int64), np.empty((20, 4), bool))
-    assert not valid[3] and valid.sum() == 20 - int((plan["pos"] == hit).sum())
+    assert hi - lo > CAP - 40  # the ring is (nearly) full: the next append overwrites its oldest rows
+    k = 40
+    table.insert_nowait({"id": torch.arange(nid, nid + k), "x": torch.zeros(k, 2)}, np.ones(k), episode_end=True)
+    floor = hi + k - CAP  # steps below it: their rows may hold newer steps now
+    out = torch.empty((60, 4), dtype=torch.int64)
+    mask = np.empty((60, 4), bool)
+    valid = ss.copy_windows(plan, np.array([table.storage._fields["id"].data_ptr()], np.int64),
+                            np.array([8], np.int64), np.array([out.data_ptr()], np.int64), mask)
+    keys = plan["keys"]
+    np.testing.assert_array_equal(valid, keys >= floor)
+    assert 0 < valid.sum() < 60
+    for j in np.flatnonzero(valid):  # ids are the global steps here: each kept window holds its own steps
+        n = int(mask[j].sum())
+        assert out[j, :n].tolist() == list(range(int(keys[j]), int(keys[j]) + n))
 
 
 def test_the_published_arrays_stay_live_through_reset_restore_and_the_owners_other_changes():
@@ -193,7 +198,7 @@ def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access(sampler
     out = torch.zeros((32, 8), dtype=torch.int64)
     ring = table.storage._fields["id"]
     for trial in range(400):
-        for name in ("step_ep", "ep_start", "ep_len", "times", "dense"):
+        for name in ("step_ep", "ep_start", "ep_len", "times", "dense", "row_horizon"):
             if name in arrays.layout():
                 a = arrays.get(name)
                 a[:] = rng.integers(-(2**62), 2**62, size=a.shape) if trial % 2 else rng.integers(-3, 3 * cap, a.shape)
@@ -210,7 +215,7 @@ def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access(sampler
         if status == OK:
             assert ((plan["pos"] >= 0) & (plan["pos"] < cap)).all()
             assert ((plan["lo"] >= 0) & (plan["lo"] < plan["hi"]) & (plan["hi"] <= 8)).all()
-            ss.copy_windows(plan, np.full(cap, -1, np.int64), np.array([ring.data_ptr()], np.int64),
+            ss.copy_windows(plan, np.array([ring.data_ptr()], np.int64),
                             np.array([8], np.int64), np.array([out.data_ptr()], np.int64), np.empty((32, 8), bool))
     assert MOVED in outcomes
 
@@ -232,10 +237,6 @@ def test_garbage_in_one_shard_of_a_group_gives_refusals_never_a_wild_access():
         pub = SamplingPublisher(table, arrays)
         _fill(table, pub, np.random.default_rng(10 + k), 40)
         tables.append((table, pub, arrays))
-    versions = [np.full(cap, -1, np.int64) for _ in tables]
-    for (table, _p, _a), v in zip(tables, versions):
-        first, nxt = table.storage.step_range
-        v[np.arange(first, nxt) % cap] = np.arange(first, nxt)
     rows = [np.array([t.storage._fields[f].data_ptr() for f in ("id", "x")], np.int64) for t, _p, _a in tables]
     row_nbytes = np.array([8, 8], np.int64)
     figures_seen, draws_seen = set(), set()
@@ -250,8 +251,7 @@ def test_garbage_in_one_shard_of_a_group_gives_refusals_never_a_wild_access():
         h = bad.get("header")
         h[1:5] = rng.integers(-5, 3 * cap, size=4)
         h[0] = 2 * int(rng.integers(0, 100)) + (trial % 7 == 0)  # now and then mid-change (odd)
-        group = SharedShards([(_reader(pub, arrays), v, r, row_nbytes)
-                              for (_t, pub, arrays), v, r in zip(tables, versions, rows)])
+        group = SharedShards([(_reader(pub, arrays), r, row_nbytes) for (_t, pub, arrays), r in zip(tables, rows)])
         seqs, sizes, counts = (np.zeros(2, np.int64) for _ in range(3))
         masses, lows, shares, least, where = np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(1), np.zeros(3, np.int64)
         status = group.figures(rng.random(n), seqs, sizes, masses, lows, counts, shares, least)
@@ -293,12 +293,9 @@ def test_windows_as_long_as_the_ring_are_sampled_and_longer_ones_are_refused():
     ss = _reader(pub, arrays)
     status, plan = ss.draw(ss.figures()[0], np.linspace(0.01, 0.99, 8))
     assert status == OK
-    lo, hi = table.storage.step_range
-    versions = np.full(16, -1, np.int64)
-    versions[np.arange(lo, hi) % 16] = np.arange(lo, hi)
     out = torch.zeros((8, 16), dtype=torch.int64)
     mask = np.empty((8, 16), bool)
-    valid = ss.copy_windows(plan, versions, np.array([table.storage._fields["id"].data_ptr()], np.int64),
+    valid = ss.copy_windows(plan, np.array([table.storage._fields["id"].data_ptr()], np.int64),
                             np.array([8], np.int64), np.array([out.data_ptr()], np.int64), mask)
     assert valid.all()
     ref = table.storage.read_windows(plan["keys"], 16, "head")
@@ -434,6 +431,123 @@ def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_t
         parent.send("bye")
         proc.join(30)
         ss = mapped = None  # drop the views before the mappings close
+        for seg in segs:
+            seg.close()
+        done_seg.close()
+        done_seg.unlink()
+    assert proc.exitcode == 0
+
+
+_RING, _W, _X = 4096, 32, 16  # the torn-rows test: ring steps, window, floats per row beside the id
+
+
+def _inserting_owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - runs in the child
+    """Appends 64-step episodes (id = global step, x = id in every float) as fast as it can, each
+    inside the publisher's bracket as a Replay shard's inserts are, until the reader sets done[1];
+    done[0] counts the appends. Every field and index array lives in a named shared segment."""
+    segments = []
+
+    def segment(name: str, nbytes: int) -> memoryview:
+        seg = shared_memory.SharedMemory(name=f"{prefix}{name}", create=True, size=max(nbytes, 1))
+        segments.append(seg)
+        return seg.buf
+
+    def allocate(name: str, nbytes: int) -> np.ndarray:
+        arr = np.ndarray((nbytes,), np.uint8, buffer=segment(name, nbytes))
+        arr[:] = 0
+        return arr
+
+    def field(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        return torch.frombuffer(segment(f"field-{name}", n), dtype=dtype).view(shape)
+
+    arrays = SharedArrays(allocate)
+    st = Storage([FieldSpec("id", (), torch.int64), FieldSpec("x", (_X,), torch.float32)], _RING,
+                 index_arrays=arrays, allocator=field)
+    table = Table(st, sampler=Uniform(), remover=Fifo(), rate_limiter=MinSize(1), read=WindowRead(_W), arrays=arrays)
+    pub = SamplingPublisher(table, arrays)
+    done_seg = shared_memory.SharedMemory(name=done_name)
+    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
+    for _ in range(_RING // 64):  # full before the reader starts
+        ids = torch.arange(st.step_range[1], st.step_range[1] + 64)
+        pub.begin()
+        table.insert_nowait({"id": ids, "x": ids[:, None].float().expand(64, _X)}, np.ones(64), episode_end=True)
+        pub.end()
+    ready.send(pub.descriptor())
+    ready.recv()
+    v = 0
+    while not done[1]:
+        ids = torch.arange(st.step_range[1], st.step_range[1] + 64)
+        pub.begin()
+        table.insert_nowait({"id": ids, "x": ids[:, None].float().expand(64, _X)}, np.ones(64), episode_end=True)
+        pub.end()
+        v += 1
+        done[0] = v
+    ready.recv()
+    del done, arrays, table, st, pub
+    done_seg.close()
+    for seg in segments:
+        seg.close()
+        seg.unlink()
+
+
+@pytest.mark.timeout(120)
+def test_windows_copied_while_another_process_overwrites_the_ring_are_never_accepted_torn():
+    """The owner process overwrites its 4,096-step ring 64 steps at a time without pause; this process
+    samples 1,024 windows of 32 steps at a time without any lock on the rows. Every window accepted as
+    valid holds consecutive steps from its key and, in each row, an x equal to that row's id (a row
+    caught between the two fields' writes would differ); some windows were refused (an append
+    overlapped the copy: the row horizon's check ran for real)."""
+    prefix = f"rxrows{np.random.default_rng().integers(1 << 30)}_"
+    done_seg = shared_memory.SharedMemory(create=True, size=16)
+    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
+    done[:] = 0
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_inserting_owner, args=(prefix, child, done_seg.name))
+    proc.start()
+    segs: list[shared_memory.SharedMemory] = []
+    ss = mapped = ring_id = ring_x = None
+    try:
+        assert parent.poll(60)
+        desc = parent.recv()
+
+        def attach(name: str) -> memoryview:
+            seg = shared_memory.SharedMemory(name=f"{prefix}{name}")
+            segs.append(seg)
+            return seg.buf
+
+        mapped = {name: np.ndarray(tuple(shape), np.dtype(dtype), buffer=attach(name))
+                  for name, (shape, dtype) in desc["arrays"].items()}
+        ss = SharedSampling(desc, mapped)
+        ring_id = np.ndarray((_RING,), np.int64, buffer=attach("field-id"))
+        ring_x = np.ndarray((_RING, _X), np.float32, buffer=attach("field-x"))
+        n = 1024
+        ids, xs = np.empty((n, _W), np.int64), np.empty((n, _W, _X), np.float32)
+        mask = np.empty((n, _W), np.bool_)
+        keys, probs, times, valid = np.empty(n, np.int64), np.empty(n), np.empty(n, np.int64), np.empty(n, np.bool_)
+        src = np.array([ring_id.ctypes.data, ring_x.ctypes.data], np.int64)
+        rows = np.array([8, 4 * _X], np.int64)
+        dst = np.array([ids.ctypes.data, xs.ctypes.data], np.int64)
+        parent.send("go")
+        rng = np.random.default_rng(0)
+        accepted = refused = 0
+        deadline = time.monotonic() + 60
+        while (accepted < 20_000 or refused == 0 or int(done[0]) < 100) and time.monotonic() < deadline:
+            seq = ss.figures()[0]
+            if seq < 0 or ss.sample_into(seq, rng.random(n), src, rows, dst, mask, keys, probs, times, valid) != OK:
+                continue
+            refused += int((~valid).sum())
+            for j in np.flatnonzero(valid):
+                m = int(mask[j].sum())
+                assert (ids[j, :m] == keys[j] + np.arange(m)).all(), "a torn window: rows of other steps"
+                assert (xs[j, :m] == ids[j, :m, None]).all(), "a torn row: its fields from two writes"
+                accepted += 1
+        assert accepted >= 20_000 and refused > 0 and int(done[0]) >= 100, (accepted, refused, int(done[0]))
+    finally:
+        done[1] = 1
+        parent.send("bye")
+        proc.join(30)
+        ss = mapped = ring_id = ring_x = None  # drop the views before the mappings close
         for seg in segs:
             seg.close()
         done_seg.close()

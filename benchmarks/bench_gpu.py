@@ -8,6 +8,10 @@ replay and as plain calls (GB/s of gathered output beside a device-to-device cop
 the target is >= 50%); and TorchRL's LazyTensorStorage on CUDA with its PrioritizedSliceSampler on the
 same data (windows/s, ratio).
 
+Part 1b, replies: what a Replay shard in GPU memory pays to answer a requester in another process (the
+window gather on the GPU, then the host copy the reply carries: pageable against pinned), beside a shard
+in host memory.
+
 Part 2, learners: updates/s of the DQN (CartPole, batch 128) and SAC (Pendulum, batch 256) learn
 fragments on the GPU, eager against torch.compile (default and "reduce-overhead": CUDA graphs), and
 what ``compile="auto"`` (reactor.nodes._device.LearnStep) chooses; batches already on the device.
@@ -17,7 +21,7 @@ Part 3, a large sequence model: transformer_dqn's decoder-only Q-transformer at 
 priority from a DeviceReplay on the GPU (priorities written back) against the same updates on one
 pre-made batch already on the device: tokens/s both, and the replay's share of the step (target <= 10%).
 
-Run on a GPU:   python benchmarks/bench_gpu.py [--parts replay,torchrl,learners,transformer]
+Run on a GPU:   python benchmarks/bench_gpu.py [--parts replay,torchrl,replies,learners,transformer]
 Smoke run here: python benchmarks/bench_gpu.py --device cpu --quick
 """
 
@@ -236,6 +240,56 @@ def _batch_for(algo: str, dev: torch.device, b: int) -> dict[str, torch.Tensor]:
     return {k: v.to(dev) for k, v in batch.items()}
 
 
+def part_replies(dev: torch.device, quick: bool) -> None:
+    """What a Replay shard with memory="cuda" pays to answer a requester in another process: the
+    window gather on the GPU, then the copy to host memory the reply carries, pageable (one
+    ``.to("cpu")`` per field, as before) against pinned (``reactor.nodes.replay._to_pinned_host``); beside
+    it, the same reply from a shard in host memory (``Storage.read_windows`` on the CPU)."""
+    from reactor.nodes.replay import _to_pinned_host
+    from reactor.replay import FieldSpec, Storage
+
+    if dev.type != "cuda":
+        print("replies: a GPU shard's replies need a GPU; skipped")
+        return
+
+    cap = (1 << 14) if quick else (1 << 20)
+    specs = [FieldSpec("obs", (64,), torch.float32), FieldSpec("action", (), torch.int64),
+             FieldSpec("reward", (), torch.float32), FieldSpec("terminated", (), torch.bool)]
+    rng = np.random.default_rng(3)
+    stores = {"host": Storage(specs, cap), "cuda": Storage(specs, cap, device=str(dev))}
+    lengths = rng.integers(20, 400, size=cap // 20 + 1)
+    ends = np.zeros(cap, bool)
+    ends[np.cumsum(lengths)[np.cumsum(lengths) < cap] - 1] = True
+    ends[-1] = True
+    for st in stores.values():
+        for lo in range(0, cap, 65536):
+            hi = min(cap, lo + 65536)
+            st.append({"obs": torch.randn(hi - lo, 64), "action": torch.zeros(hi - lo, dtype=torch.int64),
+                       "reward": torch.zeros(hi - lo), "terminated": torch.from_numpy(ends[lo:hi].copy())},
+                      episode_end=ends[lo:hi].copy())
+    for b in ([64] if quick else [256, 1024]):
+        keys = rng.integers(0, cap, size=b)
+        nbytes = b * 32 * 269
+
+        def host(keys: np.ndarray = keys) -> Any:
+            return stores["host"].read_windows(keys, 32)
+
+        def pageable(keys: np.ndarray = keys) -> Any:
+            return {k: v.to("cpu") for k, v in stores["cuda"].read_windows(keys, 32).items()}
+
+        def pinned(keys: np.ndarray = keys) -> Any:
+            return _to_pinned_host(stores["cuda"].read_windows(keys, 32))
+
+        got = {label: timed(fn, torch.device("cpu"), 10 if quick else 50) for label, fn in
+               (("host shard", host), ("GPU shard, pageable copies", pageable), ("GPU shard, pinned copies", pinned))}
+        a, bb = pageable(), pinned()
+        assert all(torch.equal(a[k], bb[k]) for k in a)
+        print(f"reply of {b}x32 windows ({nbytes / 1e6:.1f} MB): " + "; ".join(
+            f"{k} {v * 1e6:.0f} us ({nbytes / v / 1e9:.1f} GB/s)" for k, v in got.items())
+            + f"; pinned/pageable speed {got['GPU shard, pageable copies'] / got['GPU shard, pinned copies']:.2f}x, "
+              f"pinned GPU shard / host shard {got['host shard'] / got['GPU shard, pinned copies']:.2f}x")
+
+
 def part_learners(dev: torch.device, quick: bool) -> None:
     import gymnasium as gym
 
@@ -343,7 +397,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    ap.add_argument("--parts", default="replay,torchrl,learners,transformer")
+    ap.add_argument("--parts", default="replay,torchrl,replies,learners,transformer")
     a = ap.parse_args()
     dev = torch.device(a.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
@@ -356,6 +410,8 @@ def main() -> None:
         ours = part_replay(dev, a.quick, batches, t_len)
     if "torchrl" in parts:
         part_torchrl(dev, a.quick, batches, t_len, ours)
+    if "replies" in parts:
+        part_replies(dev, a.quick)
     if "learners" in parts:
         part_learners(dev, a.quick)
     if "transformer" in parts:

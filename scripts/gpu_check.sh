@@ -44,16 +44,38 @@ done
   "$PY" -c "import pyverbs" 2>&1 | tail -1 || true
 } 2>&1 | tee -a "$OUT/env.log"
 
+if [ "${TEST_S:-270}" != 0 ]; then  # TEST_S=0: no tests this time
 echo "--- CUDA tests"
 timeout "${TEST_S:-270}" "$PY" -m pytest -q -p no:cacheprovider -n 0 -W default --timeout 250 \
   tests/gpu tests/replay/test_device_replay.py tests/nodes/test_device.py \
   "tests/nodes/test_replay.py" "tests/replay/test_storage.py" -k "gpu or cuda or pinned or memory or device or Device or test_cuda" \
   -s 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|error|Error|compile auto|FAILED|SKIPPED|offline app" | tail -40
-echo "--- bench_gpu: replay, TorchRL, transformer"
-timeout "${BENCH1_S:-110}" "$PY" benchmarks/bench_gpu.py --parts replay,torchrl,transformer 2>&1 | tee "$OUT/bench.log" \
+fi
+echo "--- bench_gpu: ${BENCH1_PARTS:=replay,torchrl,replies,transformer}"
+timeout "${BENCH1_S:-110}" "$PY" benchmarks/bench_gpu.py --parts "$BENCH1_PARTS" 2>&1 | tee "$OUT/bench.log" \
   | grep -v "^W[0-9]"
 if [ "${BENCH2_S:-150}" != 0 ]; then  # BENCH2_S=0: no learner figures this time
   echo "--- bench_gpu: learners"
   timeout "${BENCH2_S:-150}" "$PY" benchmarks/bench_gpu.py --parts learners 2>&1 | tee -a "$OUT/bench.log" | grep -v "^W[0-9]"
+fi
+if [ "${OFFLINE_S:-0}" != 0 ]; then  # the offline app with the 57M model: a source run on the CPU, then
+  # the app on the GPU without compile (its updates/s from metrics.csv, past the first 100 updates)
+  echo "--- offline app, size=large, compile=off"
+  rm -rf /tmp/src-gpu /tmp/off-gpu
+  timeout "$OFFLINE_S" bash -c "\"$PY\" -m reactor.cli run apps/transformer_dqn.py --set max_env_steps=2000 \
+      --set target_return=None --set live=False --set run_dir=/tmp/src-gpu > \"$OUT/offline-source.log\" 2>&1 &&
+    \"$PY\" -m reactor.cli run apps/transformer_offline.py --set source=/tmp/src-gpu --set size=large \
+      --set device=cuda --set compile=off --set updates=400 --set eval_every_updates=400 --set eval_episodes=1 \
+      --set live=False --set run_dir=/tmp/off-gpu > \"$OUT/offline.log\" 2>&1"
+  echo "rc=$?"; grep -E "^learner:|evaluation return|run ended" "$OUT/offline.log" | head -5
+  "$PY" - <<'EOF2'
+import csv
+rows = [(float(r["wall_s"]), float(r["value"])) for r in csv.DictReader(open("/tmp/off-gpu/metrics.csv"))
+        if r["source"] == "learner" and r["name"] == "updates"]
+(t0, u0), (t1, u1) = next(x for x in rows if x[1] >= 100), rows[-1]
+rate = (u1 - u0) / (t1 - t0)
+print(f"offline app on the GPU: updates {u0:.0f}->{u1:.0f} in {t1 - t0:.2f} s: {rate:.1f} updates/s, "
+      f"{rate * 32 * 64:.0f} tokens/s (32 windows x 64 steps an update), {1e3 / rate:.1f} ms an update")
+EOF2
 fi
 echo "--- done"

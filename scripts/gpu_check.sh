@@ -64,7 +64,7 @@ if [ "${OFFLINE_S:-0}" != 0 ]; then  # the offline app with the 57M model: a sou
   rm -rf /tmp/src-gpu /tmp/off-gpu
   timeout "$OFFLINE_S" bash -c "\"$PY\" -m reactor.cli run apps/transformer_dqn.py --set max_env_steps=2000 \
       --set target_return=None --set live=False --set run_dir=/tmp/src-gpu > \"$OUT/offline-source.log\" 2>&1 &&
-    \"$PY\" -m reactor.cli run apps/transformer_offline.py --set source=/tmp/src-gpu --set size=large \
+    \"$PY\" ${OFFLINE_PROFILE:+-m cProfile -o $OUT/offline.prof} -m reactor.cli run apps/transformer_offline.py --set source=/tmp/src-gpu --set size=large \
       --set device=cuda --set compile=off --set updates=400 --set eval_every_updates=400 --set eval_episodes=1 \
       --set live=False --set run_dir=/tmp/off-gpu > \"$OUT/offline.log\" 2>&1"
   echo "rc=$?"; grep -E "^learner:|evaluation return|run ended" "$OUT/offline.log" | head -5
@@ -77,5 +77,8 @@ rate = (u1 - u0) / (t1 - t0)
 print(f"offline app on the GPU: updates {u0:.0f}->{u1:.0f} in {t1 - t0:.2f} s: {rate:.1f} updates/s, "
       f"{rate * 32 * 64:.0f} tokens/s (32 windows x 64 steps an update), {1e3 / rate:.1f} ms an update")
 EOF2
+  if [ -n "${OFFLINE_PROFILE:-}" ]; then  # where the app's time goes (cProfile of its one process)
+    "$PY" -c "import pstats; s = pstats.Stats('$OUT/offline.prof'); s.sort_stats('tottime').print_stats(25); s.sort_stats('cumtime').print_stats(30)" 2>&1 | grep -v "^$" | cut -c1-160 | head -80
+  fi
 fi
 echo "--- done"

@@ -8,6 +8,7 @@ refusal, never an access outside the arrays.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from multiprocessing import shared_memory
@@ -328,20 +329,64 @@ def test_a_corrupt_or_mismatched_descriptor_is_refused_by_name():
 _TABLE = 256
 
 
+class _Segments:
+    """An owner process's named shared segments (``prefix`` + name), unlinked together."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.segments = prefix, []
+
+    def buffer(self, name: str, nbytes: int) -> memoryview:
+        seg = shared_memory.SharedMemory(name=f"{self.prefix}{name}", create=True, size=max(nbytes, 1))
+        self.segments.append(seg)
+        return seg.buf
+
+    def zeros(self, name: str, nbytes: int) -> np.ndarray:
+        """What SharedArrays allocates with: a zeroed byte array in a new segment."""
+        arr = np.ndarray((nbytes,), np.uint8, buffer=self.buffer(name, nbytes))
+        arr[:] = 0
+        return arr
+
+    def unlink(self) -> None:
+        for seg in self.segments:
+            seg.close()
+            seg.unlink()
+
+
+@contextlib.contextmanager
+def _owner_process(target, prefix: str):
+    """``target(prefix, pipe, done segment's name)`` in a forked process: yields ``(pipe, done, its
+    descriptor)``; at the end sets ``done[1]``, says "bye", reaps it and checks its exit code. The
+    body drops its views of the owner's segments and closes them itself (before this ends)."""
+    done_seg = shared_memory.SharedMemory(create=True, size=16)
+    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
+    done[:] = 0
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=target, args=(prefix, child, done_seg.name))
+    proc.start()
+    try:
+        assert parent.poll(60)
+        yield parent, done, parent.recv()
+    finally:
+        done[1] = 1
+        parent.send("bye")
+        proc.join(30)
+        done_seg.close()
+        done_seg.unlink()
+    assert proc.exitcode == 0
+
+
+def _attach(prefix: str, segs: list, name: str) -> memoryview:
+    seg = shared_memory.SharedMemory(name=f"{prefix}{name}")
+    segs.append(seg)
+    return seg.buf
+
+
 def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - runs in the child
     """Version v = 1, 2, ... until the reader sets done[1]: one change that leaves exactly one positive
     priority, at slot v % 256 (with a new step inserted every 7th version, evicting the oldest), then
     done[0] = v, then a short pause."""
-    segments = []
-
-    def allocate(name: str, nbytes: int) -> np.ndarray:
-        seg = shared_memory.SharedMemory(name=f"{prefix}{name}", create=True, size=nbytes)
-        segments.append(seg)
-        arr = np.ndarray((nbytes,), np.uint8, buffer=seg.buf)
-        arr[:] = 0
-        return arr
-
-    arrays = SharedArrays(allocate)
+    segments = _Segments(prefix)
+    arrays = SharedArrays(segments.zeros)
     st = Storage([FieldSpec("id", (), torch.int64)], _TABLE, index_arrays=arrays)
     table = Table(st, sampler=Prioritized(1.0), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
     table.insert_nowait({"id": torch.arange(_TABLE)}, np.zeros(_TABLE), episode_end=np.ones(_TABLE, bool))
@@ -369,9 +414,7 @@ def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - ru
     ready.recv()
     del done, arrays, table, st, pub
     done_seg.close()
-    for seg in segments:
-        seg.close()
-        seg.unlink()
+    segments.unlink()
 
 
 @pytest.mark.timeout(120)
@@ -382,60 +425,44 @@ def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_t
     hit the same leaf), and that leaf belongs to a change no older than the last one completed
     before the read began, and no newer than the one in progress when it ended."""
     prefix = f"rxtest{np.random.default_rng().integers(1 << 30)}_"
-    done_seg = shared_memory.SharedMemory(create=True, size=16)
-    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
-    done[:] = 0
-    parent, child = mp.get_context("fork").Pipe()
-    proc = mp.get_context("fork").Process(target=_owner, args=(prefix, child, done_seg.name))
-    proc.start()
     segs: list[shared_memory.SharedMemory] = []
-    ss: SharedSampling | None = None
-    mapped: dict | None = None
-    try:
-        assert parent.poll(60)
-        desc = parent.recv()
-        mapped = {}
-        for name, (shape, dtype) in desc["arrays"].items():
-            seg = shared_memory.SharedMemory(name=f"{prefix}{name}")
-            segs.append(seg)
-            mapped[name] = np.ndarray(tuple(shape), np.dtype(dtype), buffer=seg.buf)
-        ss = SharedSampling(desc, mapped)
-        ss.draw(ss.figures()[0], np.array([0.5]))  # compiled before the owner starts
-        parent.send("go")
-        ok = moved = 0
-        rng = np.random.default_rng(0)
-        deadline = time.monotonic() + 60
-        # Until 200 draws were accepted, at least one read met a change in progress (on a loaded
-        # machine the owner may be off the CPU for the first 200: the retry path must have run) and the
-        # owner made more than 200 changes.
-        while (ok < 200 or moved == 0 or int(done[0]) <= 200) and time.monotonic() < deadline:
-            before = int(done[0])
-            seq, mass, _low, _size = ss.figures()
-            if seq < 0:
-                moved += 1
-                continue
-            status, plan = ss.draw(seq, rng.random(16))
-            after = int(done[0])
-            if status != OK:
-                moved += 1
-                continue
-            ok += 1
-            slots = plan["slots"]
-            assert (slots == slots[0]).all(), "a torn draw: leaves of two versions"
-            assert mass == 1.0
-            fresh = {v % _TABLE for v in range(max(before, 1), after + 2)}
-            assert int(slots[0]) in fresh, (int(slots[0]), before, after)
-        assert ok >= 200 and moved > 0 and int(done[0]) > 200, (ok, moved, int(done[0]))
-    finally:
-        done[1] = 1
-        parent.send("bye")
-        proc.join(30)
-        ss = mapped = None  # drop the views before the mappings close
-        for seg in segs:
-            seg.close()
-        done_seg.close()
-        done_seg.unlink()
-    assert proc.exitcode == 0
+    with _owner_process(_owner, prefix) as (parent, done, desc):
+        ss: SharedSampling | None = None
+        mapped: dict | None = None
+        try:
+            mapped = {name: np.ndarray(tuple(shape), np.dtype(dtype), buffer=_attach(prefix, segs, name))
+                      for name, (shape, dtype) in desc["arrays"].items()}
+            ss = SharedSampling(desc, mapped)
+            ss.draw(ss.figures()[0], np.array([0.5]))  # compiled before the owner starts
+            parent.send("go")
+            ok = moved = 0
+            rng = np.random.default_rng(0)
+            deadline = time.monotonic() + 60
+            # Until 200 draws were accepted, at least one read met a change in progress (on a loaded
+            # machine the owner may be off the CPU for the first 200: the retry path must have run) and the
+            # owner made more than 200 changes.
+            while (ok < 200 or moved == 0 or int(done[0]) <= 200) and time.monotonic() < deadline:
+                before = int(done[0])
+                seq, mass, _low, _size = ss.figures()
+                if seq < 0:
+                    moved += 1
+                    continue
+                status, plan = ss.draw(seq, rng.random(16))
+                after = int(done[0])
+                if status != OK:
+                    moved += 1
+                    continue
+                ok += 1
+                slots = plan["slots"]
+                assert (slots == slots[0]).all(), "a torn draw: leaves of two versions"
+                assert mass == 1.0
+                fresh = {v % _TABLE for v in range(max(before, 1), after + 2)}
+                assert int(slots[0]) in fresh, (int(slots[0]), before, after)
+            assert ok >= 200 and moved > 0 and int(done[0]) > 200, (ok, moved, int(done[0]))
+        finally:
+            ss = mapped = None  # drop the views before the mappings close
+            for seg in segs:
+                seg.close()
 
 
 _RING, _W, _X = 4096, 32, 16  # the torn-rows test: ring steps, window, floats per row beside the id
@@ -445,23 +472,13 @@ def _inserting_owner(prefix: str, ready, done_name: str) -> None:  # pragma: no 
     """Appends 64-step episodes (id = global step, x = id in every float) as fast as it can, each
     inside the publisher's bracket as a Replay shard's inserts are, until the reader sets done[1];
     done[0] counts the appends. Every field and index array lives in a named shared segment."""
-    segments = []
-
-    def segment(name: str, nbytes: int) -> memoryview:
-        seg = shared_memory.SharedMemory(name=f"{prefix}{name}", create=True, size=max(nbytes, 1))
-        segments.append(seg)
-        return seg.buf
-
-    def allocate(name: str, nbytes: int) -> np.ndarray:
-        arr = np.ndarray((nbytes,), np.uint8, buffer=segment(name, nbytes))
-        arr[:] = 0
-        return arr
+    segments = _Segments(prefix)
 
     def field(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        return torch.frombuffer(segment(f"field-{name}", n), dtype=dtype).view(shape)
+        return torch.frombuffer(segments.buffer(f"field-{name}", n), dtype=dtype).view(shape)
 
-    arrays = SharedArrays(allocate)
+    arrays = SharedArrays(segments.zeros)
     st = Storage([FieldSpec("id", (), torch.int64), FieldSpec("x", (_X,), torch.float32)], _RING,
                  index_arrays=arrays, allocator=field)
     table = Table(st, sampler=Uniform(), remover=Fifo(), rate_limiter=MinSize(1), read=WindowRead(_W), arrays=arrays)
@@ -486,9 +503,7 @@ def _inserting_owner(prefix: str, ready, done_name: str) -> None:  # pragma: no 
     ready.recv()
     del done, arrays, table, st, pub
     done_seg.close()
-    for seg in segments:
-        seg.close()
-        seg.unlink()
+    segments.unlink()
 
 
 @pytest.mark.timeout(120)
@@ -499,57 +514,39 @@ def test_windows_copied_while_another_process_overwrites_the_ring_are_never_acce
     caught between the two fields' writes would differ); some windows were refused (an append
     overlapped the copy: the row horizon's check ran for real)."""
     prefix = f"rxrows{np.random.default_rng().integers(1 << 30)}_"
-    done_seg = shared_memory.SharedMemory(create=True, size=16)
-    done = np.ndarray((2,), np.int64, buffer=done_seg.buf)
-    done[:] = 0
-    parent, child = mp.get_context("fork").Pipe()
-    proc = mp.get_context("fork").Process(target=_inserting_owner, args=(prefix, child, done_seg.name))
-    proc.start()
     segs: list[shared_memory.SharedMemory] = []
-    ss = mapped = ring_id = ring_x = None
-    try:
-        assert parent.poll(60)
-        desc = parent.recv()
-
-        def attach(name: str) -> memoryview:
-            seg = shared_memory.SharedMemory(name=f"{prefix}{name}")
-            segs.append(seg)
-            return seg.buf
-
-        mapped = {name: np.ndarray(tuple(shape), np.dtype(dtype), buffer=attach(name))
-                  for name, (shape, dtype) in desc["arrays"].items()}
-        ss = SharedSampling(desc, mapped)
-        ring_id = np.ndarray((_RING,), np.int64, buffer=attach("field-id"))
-        ring_x = np.ndarray((_RING, _X), np.float32, buffer=attach("field-x"))
-        n = 1024
-        ids, xs = np.empty((n, _W), np.int64), np.empty((n, _W, _X), np.float32)
-        mask = np.empty((n, _W), np.bool_)
-        keys, probs, times, valid = np.empty(n, np.int64), np.empty(n), np.empty(n, np.int64), np.empty(n, np.bool_)
-        src = np.array([ring_id.ctypes.data, ring_x.ctypes.data], np.int64)
-        rows = np.array([8, 4 * _X], np.int64)
-        dst = np.array([ids.ctypes.data, xs.ctypes.data], np.int64)
-        parent.send("go")
-        rng = np.random.default_rng(0)
-        accepted = refused = 0
-        deadline = time.monotonic() + 60
-        while (accepted < 20_000 or refused == 0 or int(done[0]) < 100) and time.monotonic() < deadline:
-            seq = ss.figures()[0]
-            if seq < 0 or ss.sample_into(seq, rng.random(n), src, rows, dst, mask, keys, probs, times, valid) != OK:
-                continue
-            refused += int((~valid).sum())
-            for j in np.flatnonzero(valid):
-                m = int(mask[j].sum())
-                assert (ids[j, :m] == keys[j] + np.arange(m)).all(), "a torn window: rows of other steps"
-                assert (xs[j, :m] == ids[j, :m, None]).all(), "a torn row: its fields from two writes"
-                accepted += 1
-        assert accepted >= 20_000 and refused > 0 and int(done[0]) >= 100, (accepted, refused, int(done[0]))
-    finally:
-        done[1] = 1
-        parent.send("bye")
-        proc.join(30)
-        ss = mapped = ring_id = ring_x = None  # drop the views before the mappings close
-        for seg in segs:
-            seg.close()
-        done_seg.close()
-        done_seg.unlink()
-    assert proc.exitcode == 0
+    with _owner_process(_inserting_owner, prefix) as (parent, done, desc):
+        ss = mapped = ring_id = ring_x = None
+        try:
+            mapped = {name: np.ndarray(tuple(shape), np.dtype(dtype), buffer=_attach(prefix, segs, name))
+                      for name, (shape, dtype) in desc["arrays"].items()}
+            ss = SharedSampling(desc, mapped)
+            ring_id = np.ndarray((_RING,), np.int64, buffer=_attach(prefix, segs, "field-id"))
+            ring_x = np.ndarray((_RING, _X), np.float32, buffer=_attach(prefix, segs, "field-x"))
+            n = 1024
+            ids, xs = np.empty((n, _W), np.int64), np.empty((n, _W, _X), np.float32)
+            mask = np.empty((n, _W), np.bool_)
+            keys, probs = np.empty(n, np.int64), np.empty(n)
+            times, valid = np.empty(n, np.int64), np.empty(n, np.bool_)
+            src = np.array([ring_id.ctypes.data, ring_x.ctypes.data], np.int64)
+            rows = np.array([8, 4 * _X], np.int64)
+            dst = np.array([ids.ctypes.data, xs.ctypes.data], np.int64)
+            parent.send("go")
+            rng = np.random.default_rng(0)
+            accepted = refused = 0
+            deadline = time.monotonic() + 60
+            while (accepted < 20_000 or refused == 0 or int(done[0]) < 100) and time.monotonic() < deadline:
+                seq = ss.figures()[0]
+                if seq < 0 or ss.sample_into(seq, rng.random(n), src, rows, dst, mask, keys, probs, times, valid) != OK:
+                    continue
+                refused += int((~valid).sum())
+                for j in np.flatnonzero(valid):
+                    m = int(mask[j].sum())
+                    assert (ids[j, :m] == keys[j] + np.arange(m)).all(), "a torn window: rows of other steps"
+                    assert (xs[j, :m] == ids[j, :m, None]).all(), "a torn row: its fields from two writes"
+                    accepted += 1
+            assert accepted >= 20_000 and refused > 0 and int(done[0]) >= 100, (accepted, refused, int(done[0]))
+        finally:
+            ss = mapped = ring_id = ring_x = None  # drop the views before the mappings close
+            for seg in segs:
+                seg.close()

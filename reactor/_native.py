@@ -165,6 +165,18 @@ def release_fence(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
+@intrinsic
+def full_fence(typingctx: Any) -> Any:
+    """A sequentially consistent fence (``mfence`` on x86-64): every earlier load and store, the
+    non-temporal stores of a large ``memcpy`` included, is ordered before every later one."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 _NUMPY_TWINS: dict[torch.dtype, Any] = {}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .._native import copy_bytes, prefetch, release_fence, zero_bytes
+from .._native import copy_bytes, full_fence, prefetch, zero_bytes
 
 #: Windows whose source rows ``_nb_copy_windows`` prefetches ahead of the one it copies: measured
 #: (256 x 32-step windows of 45 B/step from 2^20 steps) 0: 55 us, 1-4: 46-48 us, 6-32: 48-50 us.
@@ -250,7 +250,27 @@ def _nb_read_windows(
 
 @numba.njit(cache=True, nogil=True)
 def _nb_reserve_rows(horizon: np.ndarray, upto: int) -> None:  # pragma: no cover - jit
-    """The row horizon: steps below ``upto`` may be written from now on (a release fence after the
-    store, so a reader that sees any of those rows' new bytes sees the horizon too)."""
+    """The row horizon (``horizon[0]``): steps below ``upto`` may be written from now on. It never
+    goes down here (an append that failed half-way keeps what it reserved). A full fence after the
+    store: no row store, not even a large copy's non-temporal ones, is visible before it."""
+    if upto > horizon[0]:
+        horizon[0] = upto
+    full_fence()
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_rewrite_begin(horizon: np.ndarray) -> None:  # pragma: no cover - jit
+    """Before rows are rewritten in place (a restore): the rewrite count (``horizon[1]``) goes odd,
+    then a full fence; a reader that copied any row of the rewrite sees the count changed."""
+    horizon[1] += 1
+    full_fence()
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_rewrite_end(horizon: np.ndarray, upto: int) -> None:  # pragma: no cover - jit
+    """After the rewrite: the horizon set to ``upto`` (it may go down: the count covers that), then
+    the count even again."""
+    full_fence()
     horizon[0] = upto
-    release_fence()
+    full_fence()
+    horizon[1] += 1

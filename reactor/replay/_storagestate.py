@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._storagekernels import _nb_reserve_rows
+from ._storagekernels import _nb_rewrite_begin, _nb_rewrite_end
 
 if TYPE_CHECKING:
     from .storage import FieldSpec
@@ -81,8 +81,9 @@ class StorageState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same specs and a capacity large enough), before
-        any reader copies rows without a lock (the row horizon does not cover a restore).
+        """Restore what :meth:`state_dict` returned (same specs and a capacity large enough). Rows are
+        rewritten in place under the rewrite count, so a reader copying rows without a lock meanwhile
+        refuses what it copied (reactor.replay.shared).
 
         Raises:
             ValueError: the state does not fit this storage (fields, shapes, dtypes, capacity), or its
@@ -110,6 +111,7 @@ class StorageState:
         ep_start = np.asarray(state["ep_start"], dtype=np.int64)
         ep_len = np.asarray(state["ep_len"], dtype=np.int64)
         _check_episode_index(lo, hi, first_ep, next_ep, ep_start, ep_len, bool(state["open"]))
+        _nb_rewrite_begin(self._row_horizon)  # (from here on the state changes; readers see the count move)
         p0 = lo % cap
         n1 = min(n, cap - p0)
         for name, t in fields.items():
@@ -125,9 +127,7 @@ class StorageState:
         self._first_step, self._next_step = lo, hi
         self._first_ep, self._next_ep = first_ep, next_ep
         self._open = bool(state["open"])
-        # (rows rewritten in place: no reader may copy rows meanwhile, and a replay shard restores
-        # before it publishes its storage to any)
-        _nb_reserve_rows(self._row_horizon, hi)
+        _nb_rewrite_end(self._row_horizon, hi)
 
 
 def _check_episode_index(

@@ -24,7 +24,9 @@ for ``n`` uniforms and plans each item's window (or step), and answers ``MOVED``
 count changed under it (the caller draws again: never a torn draw);
 :meth:`~SharedSampling.copy_windows` gathers the rows, then reads the row horizon: an item whose
 oldest row is below ``horizon - capacity`` may have been overwritten during the copy and is
-reported invalid. Every row it accepts was complete before the copy (its step is below the published
+reported invalid. A restore (``Storage.load_state_dict``), which rewrites rows in place and may lower
+the horizon, keeps a rewrite count beside it odd while it runs; a copy during which the count moved
+(read before the draw and after the copy) is refused whole. Every row it accepts was complete before the copy (its step is below the published
 next step) and no append had reached it by the end, so it is never torn; one read of one number per
 shard replaces a check of every row's version before and after the copy (90 us of a 256 x 32 batch).
 
@@ -407,13 +409,26 @@ def _nb_draw(
 
 
 @numba.njit(cache=True, nogil=True)
-def _nb_check_horizon(horizon: np.ndarray, cap: int, lo: np.ndarray, base: np.ndarray,
-                      valid: np.ndarray) -> None:  # pragma: no cover - jit
+def _nb_rewrites(horizon: np.ndarray) -> int:  # pragma: no cover - jit
+    """The storage's rewrite count, loaded before a draw (an acquire fence after the load)."""
+    count = horizon[1]
+    acquire_fence()
+    return count
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_check_horizon(horizon: np.ndarray, cap: int, lo: np.ndarray, base: np.ndarray, valid: np.ndarray,
+                      rewrites: int) -> None:  # pragma: no cover - jit
     """After a copy: ``valid[j] = False`` where window j's oldest row (step ``base[j] + lo[j]``) may
-    have been overwritten during it, i.e. is below the storage's row horizon minus the capacity (an
-    acquire fence first: the horizon is read after every row the copy read)."""
+    have been overwritten during it, i.e. is below the storage's row horizon minus the capacity, and
+    for every window if a restore rewrote rows since the draw began (the rewrite count, ``rewrites``
+    before the draw, moved or was odd). An acquire fence first: both are read after every row."""
     acquire_fence()
     floor = horizon[0] - cap
+    if horizon[1] != rewrites or rewrites & 1:
+        for j in range(lo.shape[0]):
+            valid[j] = False
+        return
     for j in range(lo.shape[0]):
         if base[j] + lo[j] < floor:
             valid[j] = False
@@ -456,7 +471,7 @@ class SharedSampling:
         leaf0 = int(self.offsets[-2])
         want: dict[str, tuple[tuple[int, ...], Any]] = {
             "header": ((HEADER_LEN,), np.int64), "times": ((cap,), np.int64), "step_ep": ((cap,), np.int64),
-            "ep_start": ((cap,), np.int64), "ep_len": ((cap,), np.int64), "row_horizon": ((1,), np.int64),
+            "ep_start": ((cap,), np.int64), "ep_len": ((cap,), np.int64), "row_horizon": ((2,), np.int64),
         }
         if self.uniform:
             want["dense"] = ((cap,), np.int64)
@@ -491,11 +506,13 @@ class SharedSampling:
         Returns:
             ``(status, plan)``: status OK, MOVED or EMPTY; plan ``slots``, ``probabilities`` (within
             this table), ``keys`` (global steps), ``times_sampled``, and ``pos``, ``lo``, ``hi`` (ring
-            slot of each window's position 0 and its valid range; steps: the slot and ``[0, 1)``).
+            slot of each window's position 0 and its valid range; steps: the slot and ``[0, 1)``), and
+            ``rewrites`` (the storage's rewrite count before the draw, for :meth:`copy_windows`).
         """
         n = uniforms.shape[0]
         plan = {k: np.empty(n, np.int64) for k in ("slots", "keys", "times_sampled", "pos", "lo", "hi")}
         plan["probabilities"] = np.empty(n, np.float64)
+        plan["rewrites"] = np.array([_nb_rewrites(self.horizon)], np.int64)  # (copy_windows checks it)
         status = _nb_draw(
             self.header, seq, self.uniform, self.sums, self.offsets, self.arity, self.dense, self.times,
             np.ascontiguousarray(uniforms, dtype=np.float64), self.step_ep, self.ep_start, self.ep_len,
@@ -520,7 +537,7 @@ class SharedSampling:
         valid = np.ones(pos.shape[0], dtype=np.bool_)
         _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, self.capacity, pos, lo, hi, max(self.window, 1), mask,
                          _PREFETCH_WINDOWS)
-        _nb_check_horizon(self.horizon, self.capacity, lo, base, valid)
+        _nb_check_horizon(self.horizon, self.capacity, lo, base, valid, int(plan["rewrites"][0]))
         return valid
 
     def sample_into(self, seq: int, uniforms: np.ndarray, src_addrs: np.ndarray,
@@ -582,6 +599,7 @@ def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarra
                     ahead: int) -> int:  # pragma: no cover - jit
     """``_nb_draw``, then the copy and the row horizon (see SharedSampling.copy_windows)."""
     n = uniforms.shape[0]
+    rewrites = _nb_rewrites(horizon)
     slots = np.empty(n, np.int64)
     pos = np.empty(n, np.int64)
     lo = np.empty(n, np.int64)
@@ -596,7 +614,7 @@ def _nb_sample_into(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarra
         base[j] = keys[j] - shift
         valid[j] = True
     _nb_copy_windows(src_addrs, row_nbytes, dst_addrs, step_ep.shape[0], pos, lo, hi, max(length, 1), mask, ahead)
-    _nb_check_horizon(horizon, step_ep.shape[0], lo, base, valid)
+    _nb_check_horizon(horizon, step_ep.shape[0], lo, base, valid, rewrites)
     return 0
 
 

@@ -263,12 +263,13 @@ class Storage(StorageState):
         self._step_ep = index("step_ep")  # episode id of ring position
         self._ep_start = index("ep_start")  # indexed by episode id % capacity
         self._ep_len = index("ep_len")
-        # The row horizon: every append stores its end step here before it writes a row, so a reader
-        # that copied rows without a lock knows afterwards which steps' rows may have been overwritten
-        # meanwhile: those below (horizon after the copy) - capacity (reactor.replay.shared).
-        self._row_horizon = np.zeros(1, dtype=np.int64) if index_arrays is None else \
-            index_arrays("row_horizon", (1,), np.int64)
-        self._row_horizon[0] = 0
+        # The row horizon and the rewrite count: every append stores its end step in [0] before it
+        # writes a row, so a reader that copied rows without a lock knows afterwards which steps' rows
+        # may have been overwritten meanwhile: those below (horizon after the copy) - capacity; a
+        # restore, which rewrites rows in place, makes [1] odd while it does (reactor.replay.shared).
+        self._row_horizon = np.zeros(2, dtype=np.int64) if index_arrays is None else \
+            index_arrays("row_horizon", (2,), np.int64)
+        self._row_horizon[:] = 0
         self._first_step = 0
         self._next_step = 0
         self._first_ep = 0

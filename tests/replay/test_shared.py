@@ -94,11 +94,13 @@ def test_a_one_sided_draw_is_the_tables_own_draw_and_reads_the_same_windows(read
         np.testing.assert_array_equal(mask, batch["mask"].numpy())
 
 
-def test_overwritten_rows_are_reported_invalid_not_returned_as_good():
+@pytest.mark.parametrize("pad", ["tail", "head"])
+def test_overwritten_rows_are_reported_invalid_not_returned_as_good(pad):
     """An append that began before the copy ended (here: ran between the draw and the copy) makes
-    exactly the windows whose oldest row it may have overwritten invalid; the others hold their steps."""
+    exactly the windows whose oldest copied row it may have overwritten invalid; the others hold their
+    steps (with head padding a window ends at its key: its oldest row is key - 3 + its first valid position)."""
     arrays = _plain_arrays()
-    table = _table(Uniform(), WindowRead(4), arrays)
+    table = _table(Uniform(), WindowRead(4, pad), arrays)
     pub = SamplingPublisher(table, arrays)
     nid = _fill(table, pub, np.random.default_rng(1), 50)
     ss = _reader(pub, arrays)
@@ -113,12 +115,53 @@ def test_overwritten_rows_are_reported_invalid_not_returned_as_good():
     mask = np.empty((60, 4), bool)
     valid = ss.copy_windows(plan, np.array([table.storage._fields["id"].data_ptr()], np.int64),
                             np.array([8], np.int64), np.array([out.data_ptr()], np.int64), mask)
-    keys = plan["keys"]
-    np.testing.assert_array_equal(valid, keys >= floor)
+    base = plan["keys"] - (3 if pad == "head" else 0)  # the step at window position 0
+    oldest = np.array([b + int(np.flatnonzero(m)[0]) for b, m in zip(base, mask)])
+    np.testing.assert_array_equal(valid, oldest >= floor)
     assert 0 < valid.sum() < 60
     for j in np.flatnonzero(valid):  # ids are the global steps here: each kept window holds its own steps
-        n = int(mask[j].sum())
-        assert out[j, :n].tolist() == list(range(int(keys[j]), int(keys[j]) + n))
+        at = np.flatnonzero(mask[j])
+        assert out[j, at].tolist() == (base[j] + at).tolist()
+
+
+def test_a_restore_during_the_copy_makes_the_reader_refuse_every_window_it_copied():
+    """A restore rewrites rows in place and lowers the row horizon: a copy that overlapped it (here:
+    the restore ran between the draw and the copy) is refused whole (the rewrite count moved), and a
+    draw after it reads the restored rows."""
+    arrays = _plain_arrays()
+    table = _table(Uniform(), WindowRead(4), arrays)
+    pub = SamplingPublisher(table, arrays)
+    nid = _fill(table, pub, np.random.default_rng(3), 40)
+    state = table.state_dict()
+    _fill(table, pub, np.random.default_rng(4), 40, first_id=nid)  # the ring moves on past the saved state
+    ss = _reader(pub, arrays)
+    status, plan = ss.draw(ss.figures()[0], np.linspace(0, 0.999, 60))
+    assert status == OK
+    pub.begin()
+    table.load_state_dict(state)
+    pub.end()
+    ring = np.array([table.storage._fields["id"].data_ptr()], np.int64)
+    out = torch.empty((60, 4), dtype=torch.int64)
+
+    def copy(plan):
+        return ss.copy_windows(plan, ring, np.array([8], np.int64), np.array([out.data_ptr()], np.int64),
+                               np.empty((60, 4), bool))
+
+    assert not copy(plan).any()
+    status, plan = ss.draw(ss.figures()[0], np.linspace(0, 0.999, 60))
+    assert status == OK and copy(plan).all()
+    assert (out[:, 0] == torch.from_numpy(plan["keys"])).all()  # ids are the global steps
+
+
+def test_the_row_horizon_never_goes_down_on_an_append():
+    """An append that failed half-way keeps what it reserved: a later, lower reservation (the next
+    append starts where the storage's next step still is) leaves the horizon where it was."""
+    from reactor.replay._storagekernels import _nb_reserve_rows
+
+    horizon = np.zeros(2, np.int64)
+    _nb_reserve_rows(horizon, 100)
+    _nb_reserve_rows(horizon, 60)
+    assert horizon.tolist() == [100, 0]
 
 
 def test_the_published_arrays_stay_live_through_reset_restore_and_the_owners_other_changes():

@@ -117,7 +117,7 @@ class _LearnerBase(Reactor):
         served = os.environ.get("REACTOR_DIST_STORE")
         # Until every replica has joined, nothing trains and the actors wait for the first weights:
         # say so, and keep saying so, rather than sit silent at 0 env steps.
-        where = f"tcp store {served}" if served else f"file {Path(self.run_dir or '.') / f'.dist-{self.run_id}'}"
+        where = f"tcp store {served}" if served else f"file {Path(self.run_dir or '.').resolve() / f'.dist-{self.run_id}'}"
         waiting = _Waiting(f"{self.name}: waiting for the other {self.bank_size - 1} data-parallel learner(s) to join "
                            f"(rendezvous: {where}; no env steps until they do; a learner that has not joined in "
                            f"{DP_JOIN_TIMEOUT_S:.0f} s ends the run)")
@@ -130,10 +130,13 @@ class _LearnerBase(Reactor):
             else:  # one host: a file in the run directory
                 if not self.run_dir:
                     raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
-                store = Path(self.run_dir) / f".dist-{self.run_id}"
-                store.parent.mkdir(parents=True, exist_ok=True)
-                dist.init_process_group(backend, init_method=f"file://{store}", rank=self.bank_index,
-                                        world_size=self.bank_size, timeout=join)
+                path = Path(self.run_dir).resolve() / f".dist-{self.run_id}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # The store itself, not a file:// URL: a relative run_dir ("runs/...", the apps' default)
+                # made "file://runs/..." name "/..." (the URL's host swallowed the first part) and every
+                # replica waited there for the join timeout.
+                dist.init_process_group(backend, store=dist.FileStore(str(path), self.bank_size),
+                                        rank=self.bank_index, world_size=self.bank_size, timeout=join)
             # The updates' all-reduces get their own group with the short timeout.
             group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         finally:

@@ -94,13 +94,16 @@ def test_colocated_policy_runs_each_actor_with_its_shard(tmp_path):
 
 
 @pytest.mark.slow
-def test_dp_learners_all_reduce_into_identical_replicas(tmp_path, capfd):
+def test_dp_learners_all_reduce_into_identical_replicas(tmp_path, capfd, monkeypatch):
     """Two learner processes average gradients through torch.distributed (gloo): both replicas end
     with the same weights, and they differ from a single learner's (each replica learned on its own
     batches). Seed 0 (the default) ends with equal batch counts; seeds 1 and 2 of this config do not and
-    fail after DP_TIMEOUT_S (a known bug: docs/reliability.md, 'Data-parallel learners at the end of a run')."""
+    fail after DP_TIMEOUT_S (a known bug: docs/reliability.md, 'Data-parallel learners at the end of a run').
+    The run directory is relative, as the apps' default "runs/..." is: the replicas' rendezvous file
+    must still be found (a file:// URL of a relative path named another place, and both waited 600 s)."""
     cfg = {"max_env_steps": 2500, "target_return": None, "live": False}
-    r = _run(DQN, {**cfg, "learners": 2, "run_dir": str(tmp_path / "dp")}, placement="dp-learners")
+    monkeypatch.chdir(tmp_path)
+    r = _run(DQN, {**cfg, "learners": 2, "run_dir": "runs/dp"}, placement="dp-learners")
     assert {"learner-0", "learner-1"} <= set(r.processes)
     hashes = _hashes(capfd.readouterr().out)
     assert set(hashes) == {"learner[0]", "learner[1]"}

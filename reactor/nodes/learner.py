@@ -117,7 +117,8 @@ class _LearnerBase(Reactor):
         served = os.environ.get("REACTOR_DIST_STORE")
         # Until every replica has joined, nothing trains and the actors wait for the first weights:
         # say so, and keep saying so, rather than sit silent at 0 env steps.
-        where = f"tcp store {served}" if served else f"file {Path(self.run_dir or '.').resolve() / f'.dist-{self.run_id}'}"
+        path = Path(self.run_dir or ".").resolve() / f".dist-{self.run_id}"  # (one host's rendezvous file)
+        where = f"tcp store {served}" if served else f"file {path}"
         waiting = _Waiting(f"{self.name}: waiting for the other {self.bank_size - 1} data-parallel learner(s) to join "
                            f"(rendezvous: {where}; no env steps until they do; a learner that has not joined in "
                            f"{DP_JOIN_TIMEOUT_S:.0f} s ends the run)")
@@ -130,7 +131,6 @@ class _LearnerBase(Reactor):
             else:  # one host: a file in the run directory
                 if not self.run_dir:
                     raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
-                path = Path(self.run_dir).resolve() / f".dist-{self.run_id}"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 # The store itself, not a file:// URL: a relative run_dir ("runs/...", the apps' default)
                 # made "file://runs/..." name "/..." (the URL's host swallowed the first part) and every

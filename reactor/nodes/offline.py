@@ -121,7 +121,6 @@ class OfflineLearner(_LearnerBase):
         self.weights_every, self.report_every = weights_every, report_every
         self.seed, self.run_dir, self.checkpoint_every, self.resume = seed, run_dir, checkpoint_every, resume
         self.app_config, self.alpha, self.beta, self.step_s = app_config, alpha, beta, step_s
-        self.samples = 0
 
     @reaction(triggers=[startup], effects=[tick, weights])
     def start(self) -> None:
@@ -164,11 +163,11 @@ class OfflineLearner(_LearnerBase):
         if priorities is not None:
             self.replay.update_priorities(batch["keys"], priorities.detach())
         self.updates += 1
-        self.samples += self.batch_size
         if self.updates % self.weights_every == 0:
             self.weights.send(self._weights())
         if self.updates % self.report_every == 0 or self.updates == self.max_updates:
-            self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
+            self.report.send(Report(self.name, {"updates": float(self.updates),
+                                                "samples": float(self.updates * self.batch_size),
                                                 "source_steps": float(self.source_steps),
                                                 **{k: float(v) for k, v in metrics.items()}}))
         self._maybe_checkpoint()  # (the last one at shutdown: _finish)

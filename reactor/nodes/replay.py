@@ -124,17 +124,15 @@ log = logging.getLogger("reactor.replay")
 #: The largest reply of one (the items' rows): 192 MiB, inside the read server's reply bound (256 MiB).
 _REMOTE_SAMPLE_NBYTES = 192 << 20
 
+
 def _to_pinned_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPU tensors -> page-locked host copies: one asynchronous copy each, then one sync (a pageable
-    ``.to("cpu")`` syncs per field and copies at a fraction of the speed). The pinned blocks come from
-    torch's caching host allocator and go back to it when the reply is done with them."""
-    host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}
-    device = None
-    for k, v in tensors.items():
-        host[k].copy_(v, non_blocking=True)
-        device = v.device
-    if device is not None:
-        torch.cuda.current_stream(device).synchronize()
+    """GPU tensors (on one device) -> page-locked host copies: one asynchronous copy each, then one
+    sync (a pageable ``.to("cpu")`` syncs per field and copies at a fraction of the speed). The pinned
+    blocks come from torch's caching host allocator and go back to it when the reply is done with them."""
+    host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+            for k, v in tensors.items()}
+    if tensors:
+        torch.cuda.current_stream(next(iter(tensors.values())).device).synchronize()
     return host
 
 

@@ -26,9 +26,10 @@ count changed under it (the caller draws again: never a torn draw);
 oldest row is below ``horizon - capacity`` may have been overwritten during the copy and is
 reported invalid. A restore (``Storage.load_state_dict``), which rewrites rows in place and may lower
 the horizon, keeps a rewrite count beside it odd while it runs; a copy during which the count moved
-(read before the draw and after the copy) is refused whole. Every row it accepts was complete before the copy (its step is below the published
-next step) and no append had reached it by the end, so it is never torn; one read of one number per
-shard replaces a check of every row's version before and after the copy (90 us of a 256 x 32 batch).
+(read before the draw and after the copy) is refused whole. Every row it accepts was complete before
+the copy (its step is below the published next step) and no append had reached it by the end, so it
+is never torn; one read of one number per shard replaces a check of every row's version before and
+after the copy (90 us of a 256 x 32 batch).
 
 What a reader may see stale. The state it reads is the owner's as of the owner's last completed
 change: a write the owner has not applied yet (a priority update still in a message queue, an
@@ -631,13 +632,14 @@ class SharedShards:
 
     Args:
         parts: per shard, ``(state, src_addrs, row_nbytes)``: its :class:`SharedSampling` and its
-            fields' addresses and row sizes (as ``sample_part`` takes them). The object keeps them (the compiled call reaches them by address).
+            fields' addresses and row sizes (as ``sample_part`` takes them). The object keeps them
+            (the compiled call reaches them by address).
 
     Raises:
         ValueError: no parts, or the shards differ in window or padding.
     """
 
-    def __init__(self, parts: list[tuple[SharedSampling, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, parts: list[tuple[SharedSampling, np.ndarray, np.ndarray]]) -> None:
         if not parts or len({(ss.window, ss.head) for ss, *_ in parts}) != 1:
             raise ValueError("SharedShards: at least one shard, all with the same window and padding")
         if any(not np.array_equal(rb, parts[0][2]) or len(src) != len(parts[0][1]) for _ss, src, rb in parts):

@@ -164,6 +164,7 @@ class ReactionSpec:
     params: tuple[str, ...]
     is_async: bool
     index: int = 0
+    blocking: bool = False
 
 
 def reaction(
@@ -171,6 +172,7 @@ def reaction(
     triggers: Sequence[PortSpec],
     effects: Sequence[PortSpec] = (),
     sources: Sequence[PortSpec] = (),
+    blocking: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a reaction: what triggers it, what it may read and what it may write.
 
@@ -178,6 +180,12 @@ def reaction(
     ``Action`` triggers or sources; the scheduler passes the present value, or ``None`` when that
     port has no value at this event. ``async def`` reactions are awaited to completion before the
     reactor handles its next event.
+
+    ``blocking=True`` declares that the reaction may wait on other processes outside the graph (a
+    rendezvous, a gradient all-reduce), during which its process sends nothing, promises included.
+    In deterministic runs the process therefore promises its peers what it can before such a
+    reaction runs (as of the reaction's tag): a peer that must reach the same logical time to join
+    the collective is never left waiting on a promise this process cannot send while it waits.
 
     Raises:
         TypeError: a trigger, effect or source is not a port of the right kind, or a parameter
@@ -195,11 +203,13 @@ def reaction(
             raise TypeError(f"reaction source {s!r} is not an Input or Action")
     if not triggers:
         raise TypeError("a reaction needs at least one trigger")
+    if blocking not in (True, False):
+        raise TypeError(f"reaction blocking must be True or False, got {blocking!r}")
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(func)
         params = tuple(list(sig.parameters)[1:])
-        func.__reaction_spec__ = (tuple(triggers), tuple(effects), tuple(sources), params)  # type: ignore[attr-defined]
+        func.__reaction_spec__ = (tuple(triggers), tuple(effects), tuple(sources), params, blocking)  # type: ignore[attr-defined]
         return func
 
     return decorate
@@ -310,7 +320,7 @@ class Reactor:
             if raw is None:  # overridden by a plain method
                 continue
             triggers, effects, sources = (tuple(_rebind(p, ports, cls, attr) for p in group) for group in raw[:3])
-            params = raw[3]
+            params, blocking = raw[3], raw[4]
             readable = {p.name: p for p in (*triggers, *sources) if isinstance(p, (Input, Action))}
             for p in params:
                 if p not in readable:
@@ -328,6 +338,7 @@ class Reactor:
                     params=params,
                     is_async=inspect.iscoroutinefunction(value),
                     index=len(specs),
+                    blocking=blocking,
                 )
             )
         cls._reaction_specs = tuple(specs)

@@ -214,6 +214,9 @@ class ReactorHost:
             for spec in t._reaction_specs:
                 for trig in spec.triggers:
                     self._by_trigger.setdefault((t, trig.name), []).append(spec)
+        # (reactor, trigger) pairs that run a blocking reaction (see reaction(blocking=True)).
+        self._blocking = {(n, trig.name) for n, r in self.reactors.items() for spec in type(r)._reaction_specs
+                          if spec.blocking for trig in spec.triggers}
         self._timers: dict[str, list[Timer]] = {
             n: [s for s in type(r)._port_specs.values() if isinstance(s, Timer)] for n, r in self.reactors.items()
         }
@@ -714,11 +717,15 @@ class ReactorHost:
         Returns early after an event that sent messages to other processes, so that the caller
         promises them the new lower bound before the next event runs: a peer waiting on what was
         just sent need not wait for a long reaction that comes after it (the learner's update
-        after the sample request it sent).
+        after the sample request it sent). Returns early, too, before an event that runs a
+        blocking reaction (``reaction(blocking=True)``), unless it is the first: the caller
+        promises as of its tag before it runs.
         """
         n = 0
         heap = self.heap
         while n < budget and self.runnable():
+            if n and self._blocking and self._blocking_next():
+                break  # the caller promises first (reaction(blocking=True))
             t, m, _, kind, rank, seq, dst, payload = heapq.heappop(heap)
             tag = Tag(t, m)
             self.now = tag
@@ -728,6 +735,17 @@ class ReactorHost:
             if self.sent_count != sent:
                 break
         return n
+
+    @property
+    def has_blocking(self) -> bool:
+        """Whether a reactor of this process has a blocking reaction (``reaction(blocking=True)``)."""
+        return bool(self._blocking)
+
+    def _blocking_next(self) -> bool:
+        """Whether the earliest pending event runs a blocking reaction."""
+        _, _, _, kind, _, _, dst, payload = self.heap[0]
+        trigger = "startup" if kind == STARTUP else payload.name if kind == TIMER else payload[0]
+        return (dst, trigger) in self._blocking
 
     # ------------------------------------------------------------------------------------------
     # async mode

@@ -506,22 +506,8 @@ class Worker:
         flush = getattr(self.ep, "flush", None)
         if h.stop_requested:
             return
-        while not self.stop.is_set():
-            stats["rounds"] += 1
-            early = None
-            if h.cond_dirty:  # promises came in: raise the horizons before running
-                early = h.refresh(out_peers)
-            received = h.received_count
-            ran = await h.run_ready(budget=1024)
-            if outbox.failure is not None:
-                raise outbox.failure
-            finished = h.finished()
-            if finished:
-                bounds = None
-            elif early is not None and ran == 0 and not h.cond_dirty and h.received_count == received:
-                bounds = early  # nothing changed since: one refresh this round
-            else:
-                bounds = h.refresh(out_peers)
+
+        def send_promises(bounds: dict[str, Any] | None) -> None:
             for p in out_peers:
                 # A conditional promise (U, D, n) (ReactorHost.refresh). What the peer makes of our
                 # last one is min(U, a + D), a being the earliest of its messages it counts as in
@@ -547,6 +533,28 @@ class Worker:
                     d_ns, d_micro = dist if dist is not None else (-1, 0)
                     outbox.send(p, ("p", promise.time_ns, promise.microstep, d_ns, d_micro, n))
                     stats["promises"] += 1
+
+        if h.has_blocking:  # a blocking reaction may be the first event (a rendezvous at startup)
+            send_promises(h.refresh(out_peers))
+            if flush is not None:
+                flush()
+        while not self.stop.is_set():
+            stats["rounds"] += 1
+            early = None
+            if h.cond_dirty:  # promises came in: raise the horizons before running
+                early = h.refresh(out_peers)
+            received = h.received_count
+            ran = await h.run_ready(budget=1024)
+            if outbox.failure is not None:
+                raise outbox.failure
+            finished = h.finished()
+            if finished:
+                bounds = None
+            elif early is not None and ran == 0 and not h.cond_dirty and h.received_count == received:
+                bounds = early  # nothing changed since: one refresh this round
+            else:
+                bounds = h.refresh(out_peers)
+            send_promises(bounds)
             if flush is not None:
                 flush()  # what the events and promises sent leaves before the next event runs
             if h.stop_requested and not self.stop.is_set():

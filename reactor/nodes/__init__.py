@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .messages import CheckpointRequest as CheckpointRequest
     from .messages import Delete as Delete
+    from .messages import Exhausted as Exhausted
     from .messages import InsertAck as InsertAck
     from .messages import MassRequest as MassRequest
     from .messages import PriorityUpdate as PriorityUpdate
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "CheckpointRequest": "messages",
     "Delete": "messages",
+    "Exhausted": "messages",
     "InsertAck": "messages",
     "MassRequest": "messages",
     "PriorityUpdate": "messages",

@@ -57,7 +57,9 @@ class EnvActor(Reactor):
         step_s: logical time between two vector steps.
         flush_steps: rows per writer flush (one message each).
         report_every: vector steps between two reports.
-        max_env_steps: this actor stops stepping after this many env steps (None: never).
+        max_env_steps: this actor stops stepping after this many env steps (None: never); then
+            (off-policy) its writer sends what is ready and an end marker to every shard
+            (``Writer.end``), so shards that count their writers know no insert will come.
         explore_scale: factor on the step count the exploration schedule sees.
         max_unacked: off-policy flow control: stop stepping while every shard it may write to holds
             this many of its Steps messages unacknowledged (connect ``acks``; the writer skips full
@@ -183,7 +185,7 @@ class EnvActor(Reactor):
             self.held = False
             self.tick.schedule(delay_s=self.step_s)
 
-    @reaction(triggers=[peer_lost, peer_restarted], effects=[tick])
+    @reaction(triggers=[peer_lost, peer_restarted], effects=[tick, steps])
     def peers_changed(self) -> None:
         """A shard's or the learner's process died or came back (restart policies, async runs).
         Shards: write to the others meanwhile; resume stepping if that was all that held this
@@ -198,7 +200,8 @@ class EnvActor(Reactor):
             return
         for shard in change.indices("steps"):
             if change.event == "peer_restarted":
-                self.writer.shard_restarted(shard)
+                for m in self.writer.shard_restarted(shard):  # (its end marker again, once it has ended)
+                    self.steps.send(m)
             else:
                 self.writer.shard_lost(shard)
         if self.held and not self._over_limit():
@@ -218,8 +221,8 @@ class EnvActor(Reactor):
         if self.waiting_for is not None:
             return
         if self.max_env_steps is not None and self.env_steps >= self.max_env_steps:
-            if not self.on_policy:  # what is buffered goes out (open episodes stay incomplete)
-                for m in self.writer.flush():
+            if not self.on_policy:  # what is ready goes out (open episodes stay incomplete), then the end markers
+                for m in self.writer.end():
                     self.steps.send(m)
             self._report()
             return

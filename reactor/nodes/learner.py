@@ -6,7 +6,7 @@ it arrives, sends the new priorities to the shards that own the keys, and broadc
 weights every ``weights_every`` updates. A sample's arrival (``take``) sends the next request at
 once; the update runs one microstep later (``learn``, on the ``update_due`` action), so a shard in
 another process can draw the next sample while this one is learned on (data-parallel replicas
-update inside ``take``: see below). How many updates happen per env step is the replay rate
+update in rounds: see below). How many updates happen per env step is the replay rate
 limiter's business (``SampleToInsertRatio``), so the learner never polls.
 
 :class:`RolloutLearner` (on-policy, PPO) waits for one rollout from each of ``num_actors`` actors,
@@ -16,12 +16,27 @@ learns on them together, and broadcasts the weights that the actors wait for.
 own batches, all-reduce (average) their gradients through ``torch.distributed`` (gloo; NCCL where
 GPUs exist) before every optimizer step, so all replicas hold the same weights; replica 0 speaks for
 them (weights, checkpoints). An update blocks its process in the all-reduce until every replica
-reaches it, so replicas update when their sample arrives, at its own tag, with no logical gap in
-which one would wait for a promise another can only send after its update. The rendezvous is a
-file in the run directory named by the run id.
-A replica that does not join an all-reduce within ``DP_TIMEOUT_S`` (it died, stopped, or got fewer
-batches) makes the others raise :class:`~reactor.PeerLostError` naming the step, instead of waiting
-on gloo's default of 30 minutes.
+reaches it. The rendezvous is a file in the run directory named by the run id (over hosts, the
+coordinator's TCP store).
+
+**Rounds.** A replica does not update when its batch arrives: it holds the batch and tells the
+bank (:class:`~reactor.nodes.train_messages.BankReady` on ``ready``, broadcast to every replica's
+``bank``, itself included), and each replica runs update k when it has heard of round k from every
+replica. So no replica enters an all-reduce before every other has its batch: the collective never
+waits on something that has not happened yet. (Entering it at once, as the replicas once did, made
+a replica wait inside its reaction for a batch the other could only get from inserts later in
+logical time; in deterministic runs those inserts needed that replica's own promises, and the run
+stalled until the all-reduce timed out. The README's default ``dp-learners`` run met it at update
+354.) In deterministic runs every replica hears the last word of a round at the same tag and
+updates there. A replica whose sample can never come learns so from the shards
+(:class:`~reactor.nodes.messages.Exhausted`: every actor took its step budget and a rate limiter
+holds the request for good) and says so (``have=False``); the bank then ends before that round,
+every replica at the same update, dropping the batches it holds, and the run ends (once, the
+limiters shared out the last samples unevenly and a replica with one more batch waited in an
+all-reduce nobody joined).
+A replica that does not join an all-reduce within ``DP_TIMEOUT_S`` (it died or stopped) makes the
+others raise :class:`~reactor.PeerLostError` naming the step, instead of waiting on gloo's default
+of 30 minutes.
 
 **Checkpoints**: every ``checkpoint_every`` updates the learner writes the algorithm's
 ``state_dict`` (networks, optimizers, counters) atomically to ``run_dir/learner.pt``; with
@@ -33,6 +48,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +58,10 @@ from .._errors import PeerLostError
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import denormals_flushed
-from .messages import ItemUpdate, ReplayReply, ReplayRequest
+from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
 from .replay_client import ONE_SIDED_ERRORS
-from .train_messages import Report, Rollout, Weights
+from .train_messages import BankReady, Report, Rollout, Weights
 
 __all__ = ["DP_JOIN_TIMEOUT_S", "DP_TIMEOUT_S", "Learner", "RolloutLearner"]
 
@@ -89,6 +105,7 @@ class _LearnerBase(Reactor):
         self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name,
                                     replicas=self.bank_size)
         self.updates = 0
+        self.bank_ended = False  # data-parallel: a round found a replica without a batch (Learner.heard)
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
@@ -138,7 +155,7 @@ class _LearnerBase(Reactor):
                 dist.init_process_group(backend, store=dist.FileStore(str(path), self.bank_size),
                                         rank=self.bank_index, world_size=self.bank_size, timeout=join)
             # The updates' all-reduces get their own group with the short timeout.
-            group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
+            self._dp_group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         finally:
             waiting.stop.set()
         waiting.done(f"{self.name}: all {self.bank_size} data-parallel learners joined")
@@ -155,14 +172,7 @@ class _LearnerBase(Reactor):
                 grads = [p.grad for g in _opt.param_groups for p in g["params"] if p.grad is not None]
                 if grads:
                     flat = torch.cat([t.reshape(-1) for t in grads])
-                    try:
-                        dist.all_reduce(flat, group=group)
-                    except RuntimeError as e:  # gloo's timeout, or a peer's closed connection
-                        raise PeerLostError(
-                            f"{self.name}: the other data-parallel learners did not join the gradient all-reduce "
-                            f"of update {self.updates + 1} within {DP_TIMEOUT_S:.0f}s (a replica died, stopped, or "
-                            f"got fewer batches): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                        ) from e
+                    self._all_reduce(flat, "gradient")
                     flat /= world
                     offset = 0
                     for t in grads:
@@ -171,6 +181,19 @@ class _LearnerBase(Reactor):
                 return _step(*args, **kwargs)
 
             opt.step = averaged_step  # type: ignore[method-assign]
+
+    def _all_reduce(self, tensor: Any, what: str) -> None:
+        """Sum ``tensor`` over the replicas in place (data-parallel), or raise PeerLostError."""
+        import torch.distributed as dist
+
+        try:
+            dist.all_reduce(tensor, group=self._dp_group)
+        except RuntimeError as e:  # gloo's timeout, or a peer's closed connection
+            raise PeerLostError(
+                f"{self.name}: the other data-parallel learners did not join the {what} all-reduce of update "
+                f"{self.updates + 1} within {DP_TIMEOUT_S:.0f}s (a replica died or stopped): "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from e
 
     def _write_config(self) -> None:
         """``run_dir/config.json``: what rebuilds the policy (``reactor.load_policy``) without the app."""
@@ -232,6 +255,29 @@ class _LearnerBase(Reactor):
                                       self.algo.policy_weights(self.state).items()})
 
 
+def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[int, bool]]) -> str:
+    """Why a :class:`BankReady` cannot be taken ("" if it can): a malformed word, or one a replica
+    never sends (a round already run or impossibly far ahead, a second word on a round)."""
+    if not isinstance(word, BankReady):
+        return f"expected a BankReady, got {type(word).__name__}"
+    r, i = word.round, word.replica
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < bank_size:
+        return f"replica must be an int in [0, {bank_size}), got {i!r}"
+    if isinstance(r, bool) or not isinstance(r, int) or not next_round <= r < next_round + _MAX_ROUNDS_AHEAD:
+        return (f"round must be an int in [{next_round}, {next_round + _MAX_ROUNDS_AHEAD}) (the rounds not yet run), "
+                f"got {r!r} from replica {i}")
+    if not isinstance(word.have, bool):
+        return f"have must be True or False, got {word.have!r}"
+    if i in heard.get(r, ()):
+        return f"replica {i} spoke twice on round {r}"
+    return ""
+
+
+#: Rounds a replica may announce ahead of the bank's (bounded by its samples in flight; the bound
+#: only keeps a malformed word from growing what a replica holds).
+_MAX_ROUNDS_AHEAD = 1 << 16
+
+
 class _Waiting:
     """Prints ``message`` (with the seconds waited) every ``DP_WAIT_REPORT_S`` until ``done``."""
 
@@ -271,6 +317,9 @@ class Learner(_LearnerBase):
 
     Ports:
         replies: :class:`ReplayReply` from the shards (connected back with ``key=requester_key``).
+        bank, ready: data-parallel rounds (:class:`BankReady`): a bank of N > 1 connects ``ready``
+            to ``bank``, broadcast (every replica hears every word, its own included; see the module
+            docstring). A single learner needs neither.
         requests: sample requests to the shards (``key=shard_key``).
         updates: priority updates to the shards owning the keys (``key=shard_key``).
         weights: :class:`Weights` every ``weights_every`` updates (and at start).
@@ -305,6 +354,8 @@ class Learner(_LearnerBase):
     priorities = Output(ItemUpdate)
     weights = Output(Weights)
     report = Output(Report)
+    bank = Input(BankReady)
+    ready = Output(BankReady)
 
     def __init__(
         self,
@@ -347,8 +398,15 @@ class Learner(_LearnerBase):
         self.app_config = app_config
         self.samples = 0
         self._due = 0  # samples taken whose update is still to run (update_due scheduled)
+        # Data-parallel rounds (bank_size > 1): batches held for their rounds, rounds announced and
+        # run, and what this replica has heard of the rounds to come (round -> replica -> have).
+        self._held: deque[SampledBatch] = deque()
+        self._announced = 0
+        self._rounds = 0
+        self._heard: dict[int, dict[int, bool]] = {}
+        self._end_told = False  # this replica told the bank no batch will come
 
-    @reaction(triggers=[startup], effects=[requests, weights])
+    @reaction(triggers=[startup], effects=[requests, weights], blocking=True)  # (the replicas' rendezvous)
     def start(self) -> None:
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
@@ -360,26 +418,30 @@ class Learner(_LearnerBase):
             for m in self.client.request(self.batch_size):
                 self.requests.send(m)
 
-    @reaction(triggers=[replies], effects=[requests, update_due, priorities, weights, report])
+    @reaction(triggers=[replies], effects=[requests, update_due, priorities, weights, report, ready])
     async def take(self, replies: ReplayReply) -> None:
+        if self.bank_ended:
+            return  # data-parallel: the bank has ended (heard); later replies are moot
         msgs, batch = await self.client.areceive(replies)  # awaits only one-sided reads of other hosts' shards
         for m in msgs:
             self.requests.send(m)
         if batch is None:
+            if self.client.exhausted and self.bank_size > 1 and not self._end_told:
+                self._announce(None)  # no sample can come: the bank ends before this replica's next round
             return
         inline = self.bank_size > 1 or not self.deterministic
-        # Updates done, to do (this batch, batches waiting on update_due) and samples in flight.
-        due = self.updates + 1 + self._due + self.client.in_flight
+        # Updates done, to do (this batch, batches waiting on update_due or their round) and samples in flight.
+        due = self.updates + 1 + self._due + len(self._held) + self.client.in_flight
         if (self.max_updates is None or due < self.max_updates) and not self.client.can_sample_one_sided:
             for m in self.client.request(self.batch_size):  # the next sample overlaps this update
                 self.requests.send(m)
         for m in self.client.check_timeouts():  # a shard that stopped answering is lost
             self.requests.send(m)
-        if inline:
-            # Data-parallel replicas update here, at the sample's own tag: an update blocks its
-            # process in the gradient all-reduce until every replica reaches the same update, so
-            # no replica may need a promise that another can only send after its update. In async
-            # mode there are no promises to gain, and queued replies would run ahead of the updates.
+        if self.bank_size > 1:
+            self._announce(batch)  # updated on when the whole bank has a batch for the round (heard)
+        elif inline:
+            # Async mode updates here: there are no promises to gain, and queued replies would run
+            # ahead of the updates.
             self._update(batch)
             await self._sample_one_sided()
         else:
@@ -394,9 +456,10 @@ class Learner(_LearnerBase):
         now, the next sample goes through messages again."""
         client = self.client
         remaining = None if self.max_updates is None else self.max_updates - self.updates
-        if self._due:
+        if self._due or self._held:
             return  # a batch drawn waits for its update, which samples next
-        if client.in_flight or not client.live_shards or (remaining is not None and remaining <= 0):
+        if (client.in_flight or not client.live_shards or (remaining is not None and remaining <= 0)
+                or self.bank_ended or client.exhausted):
             # A sample is coming through messages, or every shard is down (shards_changed samples when
             # one is back), or the learner is done: the one-sided draws' notices the client holds go now.
             for m in client.take_notices():
@@ -437,17 +500,55 @@ class Learner(_LearnerBase):
                 msgs = []
             for m in msgs:
                 self.requests.send(m)
-        if self.client.live_shards and self.client.in_flight == 0 and self._due == 0 and (
-                self.max_updates is None or self.updates + self._due < self.max_updates):
+        if self.client.live_shards and self.client.in_flight == 0 and self._due == 0 and not self.bank_ended and (
+                not self.client.exhausted) and (self.max_updates is None or self.updates + self._due < self.max_updates):
             for _ in range(self.prefetch):
                 for m in self.client.request(self.batch_size):
                     self.requests.send(m)
 
-    @reaction(triggers=[update_due], effects=[requests, update_due, priorities, weights, report])
+    @reaction(triggers=[update_due], effects=[requests, update_due, priorities, weights, report, ready])
     async def learn(self, update_due: Any) -> None:
         self._due -= 1
+        if self.bank_size > 1:
+            if not self.bank_ended:
+                self._announce(update_due)  # (a one-sided batch of a data-parallel replica, async runs)
+            return
         self._update(update_due)
         await self._sample_one_sided()
+
+    def _announce(self, batch: SampledBatch | None) -> None:
+        """Data-parallel: hold ``batch`` for this replica's next round and tell the bank (None: no
+        batch will come, so the bank ends before that round)."""
+        if batch is not None:
+            self._held.append(batch)
+        else:
+            self._end_told = True
+        self.ready.send(BankReady(self.bank_index, self._announced, batch is not None))
+        self._announced += 1
+
+    @reaction(triggers=[bank], effects=[requests, update_due, priorities, weights, report], blocking=True)
+    async def heard(self, bank: BankReady) -> None:
+        """A replica's word on a round (data-parallel): once every replica has spoken on the next
+        round, it runs: an update if all hold a batch, else the end of the bank (every replica
+        decides alike, from the same words)."""
+        why = _bad_word(bank, self.bank_size, self._rounds, self._heard)
+        if why:
+            logging.getLogger("reactor.learner").error("%s dropped a BankReady: %s", self.name, why)
+            return
+        self._heard.setdefault(bank.round, {})[bank.replica] = bank.have
+        while not self.bank_ended and len(self._heard.get(self._rounds, ())) == self.bank_size:
+            words = self._heard.pop(self._rounds)
+            self._rounds += 1
+            if all(words.values()):
+                self._update(self._held.popleft())
+                continue
+            self.bank_ended = True
+            self._held.clear()
+            print(f"{self.name}: {sum(words.values())} of {self.bank_size} data-parallel learners had a batch for "
+                  f"update {self.updates + 1}, and the replay has no more to give: the bank ends at {self.updates} "
+                  f"updates", flush=True)
+        if not self.bank_ended:
+            await self._sample_one_sided()
 
     def _update(self, batch: Any) -> None:
         import torch

@@ -5,7 +5,8 @@ Who sends what (see :mod:`reactor.nodes.replay` for the protocol):
 * a :class:`~reactor.nodes.writer.Writer` (inside an actor) sends :class:`Steps` to one shard;
 * a :class:`~reactor.nodes.replay.ReplayClient` (inside a learner) sends :class:`MassRequest` and
   :class:`SampleRequest` (both :class:`ReplayRequest`) and gets :class:`ShardMass` and
-  :class:`ShardSample` (both :class:`ReplayReply`) back; it sends :class:`PriorityUpdate` and
+  :class:`ShardSample` (both :class:`ReplayReply`) back, or :class:`Exhausted` once no sample can
+  come any more; it sends :class:`PriorityUpdate` and
   :class:`Delete` (both :class:`ItemUpdate`) to the shards owning the keys, and :class:`SampledKeys`
   for items it drew one-sidedly from a shard's shared memory;
 * anyone may send :class:`CheckpointRequest` or :class:`StatisticsRequest` (both
@@ -26,6 +27,7 @@ from ..transport.codec import register_message
 __all__ = [
     "CheckpointRequest",
     "Delete",
+    "Exhausted",
     "InsertAck",
     "ItemUpdate",
     "MassRequest",
@@ -92,6 +94,10 @@ class Steps:
         item_mask: bool ``[L]`` or None: which steps become items (None: every step).
         priorities: float64 ``[L]`` or None: initial priorities (None: 1.0); ignored where
             ``item_mask`` is False.
+        last: the writer's end marker: it sends nothing more to this shard (its actor took its
+            whole step budget). A marker carries no rows (``fields`` empty, ``episode_end`` of
+            length 0); a shard that knows its bank's writers (``Replay(writers=...)``) answers a
+            request its rate limiter holds with :class:`Exhausted` once every writer has ended.
     """
 
     shard: int
@@ -101,6 +107,7 @@ class Steps:
     episode_end: Any
     item_mask: Any = None
     priorities: Any = None
+    last: bool = False
 
 
 @register_message
@@ -209,6 +216,17 @@ class ShardMass(ReplayReply):
     min_mass: float = float("inf")
     size: int = 0
     beta: float = 0.0
+
+
+@register_message
+@dataclass(frozen=True)
+class Exhausted(ReplayReply):
+    """The request can never be granted: every writer of the bank has sent its end marker
+    (:attr:`Steps.last`), no insert is parked, and the shard's rate limiter holds the request (with
+    no insert to come, what it holds now it holds for good). The client drops every sample in
+    flight and says so (``ReplayClient.exhausted``); a bank of data-parallel learners ends there
+    together instead of one replica waiting for a batch that cannot come.
+    """
 
 
 @register_message

@@ -11,6 +11,15 @@ and served, in arrival order, as soon as an insert (or a delete) makes it possib
 limiter holds back (``SampleToInsertRatio``, ``Queue``) is parked the same way until samples make
 room. Nothing polls: parked work is retried only when the table changed.
 
+**The end of the data.** A shard that knows how many writers feed its bank (``writers``) counts
+their end markers (:attr:`~reactor.nodes.messages.Steps.last`: an actor sends one to every shard
+once it has taken its whole step budget). Once every writer has ended and no insert is parked, no
+insert can come, and a rate limiter holds for good what it holds now (without inserts, what it
+allows only shrinks). So from then on a request it holds is answered with
+:class:`~reactor.nodes.messages.Exhausted`, not parked forever: a learner learns that no sample
+can come, and a bank of data-parallel learners ends together (``reactor.nodes.learner``). A
+writer that sends rows after its marker (its actor was restarted) counts as live again.
+
 **Sharded sampling (exact two-stage).** N shards behave as one table. For a batch of ``B``:
 
 1. the client asks every shard for its *mass* ``M_s`` (the sum of its items' sampler weights:
@@ -91,6 +100,7 @@ from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key
 from .messages import (
     CheckpointRequest,
     Delete,
+    Exhausted,
     InsertAck,
     ItemUpdate,
     MassRequest,
@@ -214,6 +224,10 @@ class Replay(Reactor):
             on a GPU: items are gathered there, and replies carry a host copy of each batch; no
             shared-memory path). Pinned and CUDA memory need CUDA on the shard's host: asked for
             without it, the shard fails at start with a message naming the option.
+        writers: how many writers (actors) feed this shard's bank, each under its own id in
+            ``[0, writers)``: once every one has sent its end marker, a request the rate limiter
+            holds is answered :class:`Exhausted` (module docstring). None (default): never; a
+            held request waits for inserts.
         remote_reads: one-sided reads by requesters on *other* hosts, when ``bulk`` is on.
             ``"auto"`` (default): offered over RDMA when an RDMA device works here (the reader
             then pulls the rows with RDMA READs; this shard's CPU is not involved), otherwise
@@ -270,6 +284,7 @@ class Replay(Reactor):
         bulk: bool | None = None,
         memory: str = "host",
         remote_reads: str = "auto",
+        writers: int | None = None,
     ) -> None:
         self.specs = parse_fields(fields)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -317,6 +332,9 @@ class Replay(Reactor):
         self.keep_checkpoints = keep_checkpoints
         self.restore = restore
         self.checkpoint_on_shutdown = checkpoint_on_shutdown
+        if writers is not None and (isinstance(writers, bool) or not isinstance(writers, int) or writers < 1):
+            raise ValueError(f"Replay writers must be None or an int >= 1 (the writers feeding the bank), got {writers!r}")
+        self.writers = writers
         self.table: Table | None = None
 
     # ---------------------------------------------------------------- startup
@@ -380,6 +398,7 @@ class Replay(Reactor):
         self._parked_requests: deque[ReplayRequest] = deque()
         self._parked_steps: deque[Steps] = deque()
         self._counts = {"rejected_steps": 0, "checkpoints": 0}
+        self._ended_writers: set[int] = set()  # writers whose end marker this shard took (Steps.last)
         self._saving: concurrent.futures.Future[Path] | None = None
         self._saving_at = (0, 0)  # (table generation, storage next step) of the save in progress
         self._cancel_save = threading.Event()
@@ -560,6 +579,11 @@ class Replay(Reactor):
         if steps.shard != self.bank_index:
             self._reject(steps, f"it names shard {steps.shard}, but this is shard {self.bank_index} (a routing bug)")
             return True
+        if steps.last is not False:
+            self._writer_ended(steps)
+            return True
+        if isinstance(steps.writer, int):
+            self._ended_writers.discard(steps.writer)  # rows after its end marker: its actor was restarted
         try:
             ends = np.asarray(steps.episode_end)
             if ends.dtype != np.bool_ or ends.ndim != 1 or len(ends) == 0 or not bool(ends[-1]):
@@ -580,6 +604,32 @@ class Replay(Reactor):
         if self._inserted_mark is not None:
             self._inserted_mark[0] = self.table.storage.step_range[1]
         return True
+
+    def _writer_ended(self, steps: Steps) -> None:
+        """Take a writer's end marker (:attr:`Steps.last`); a malformed one is refused and logged."""
+        w, fields, ends = steps.writer, steps.fields, steps.episode_end
+        if steps.last is not True:
+            self._reject(steps, f"Steps.last must be True or False, got {steps.last!r}")
+        elif not (isinstance(fields, Mapping) and not fields and (
+                (isinstance(ends, np.ndarray) and ends.size == 0) or (isinstance(ends, (list, tuple)) and not ends))):
+            self._reject(steps, f"an end marker (Steps.last) carries no rows: fields {{}} and an empty episode_end; "
+                                f"got fields of type {type(fields).__name__} and episode_end {type(ends).__name__} "
+                                f"{getattr(ends, 'shape', '')}")
+        elif self.writers is None:
+            log.info("%s: writer %s ended (this shard does not count its bank's writers: Replay(writers=None))",
+                     self.name, w)
+        elif isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.writers:
+            self._reject(steps, f"an end marker from writer {w!r}, not a writer id in [0, {self.writers}) "
+                                f"(Replay(writers={self.writers}))")
+        else:
+            self._ended_writers.add(w)
+            if len(self._ended_writers) == self.writers:
+                log.info("%s: all %d writers ended; requests its rate limiter holds are answered Exhausted",
+                         self.name, self.writers)
+
+    def _exhausted(self) -> bool:
+        """No insert can come any more: every writer ended, none of their inserts is parked."""
+        return self.writers is not None and len(self._ended_writers) == self.writers and not self._parked_steps
 
     def _insert_versioned(self, steps: Steps, ends: np.ndarray) -> None:
         """Insert; with shared-memory readers, under the rows' sequence lock (version = global step)."""
@@ -622,7 +672,7 @@ class Replay(Reactor):
         limiter = table.rate_limiter
         if isinstance(req, MassRequest):
             if not limiter.can_sample(1, len(table)):
-                return False
+                return self._held_for_good(req)
             self._send_figures(req)
             return True
         if isinstance(req, SampleRequest):
@@ -639,7 +689,7 @@ class Replay(Reactor):
                 self._refuse(req, f"SampleRequest: {e}")
                 return True
             if not limiter.can_sample(n, len(table)):
-                return False
+                return self._held_for_good(req)
             mass, min_mass = _sampler_mass(self._sampler)
             size = len(table)
             if not mass > 0:  # every priority is 0: nothing to draw; the figures tell the client so
@@ -671,6 +721,14 @@ class Replay(Reactor):
             self._progress_inserts()
             return True
         self._refuse(req, f"unknown request type {type(req).__name__}")
+        return True
+
+    def _held_for_good(self, req: ReplayRequest) -> bool:
+        """The rate limiter holds ``req``: answered :class:`Exhausted` (True) when no insert can
+        come any more, else False (parked)."""
+        if not self._exhausted():
+            return False
+        self.replies.send(Exhausted(self.bank_index, req.requester, req.request))
         return True
 
     def _send_figures(self, req: ReplayRequest) -> None:

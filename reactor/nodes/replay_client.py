@@ -38,6 +38,7 @@ from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its n
 from ._shardkeys import KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
     Delete,
+    Exhausted,
     MassRequest,
     PriorityUpdate,
     ReplayReply,
@@ -100,6 +101,9 @@ class ReplayClient(OneSidedSampling):
     ``skip_lost_shards=True`` the shard is dropped instead and sampling continues from the live
     shards: the lost shard's share of a batch in flight is redrawn from the others in proportion to
     their masses, which keeps the batch exact over the live shards.
+    A shard that answers :class:`~reactor.nodes.messages.Exhausted` (no insert can come, and its
+    rate limiter holds the request for good) ends the data: every sample in flight is dropped and
+    ``exhausted`` is True from then on.
 
     Args:
         num_shards: the replay bank's size.
@@ -174,6 +178,7 @@ class ReplayClient(OneSidedSampling):
         self.skip_lost_shards = skip_lost_shards
         self.clock = clock
         self.lost: dict[int, str] = {}
+        self.exhausted = False  # a shard answered Exhausted: no sample can come any more
         self.masses = masses
         self._figures: dict[int, ReplayReply] = {}  # shard -> its latest ShardMass or ShardSample
         self._next_id = 0
@@ -300,6 +305,14 @@ class ReplayClient(OneSidedSampling):
         asked = None if s is None else s.outstanding.pop(reply.request, None)
         if s is None or asked is None:
             return self.check_timeouts(), None
+        if isinstance(reply, Exhausted):  # no part of any sample in flight may still come from it
+            self.exhausted = True
+            for smp in {id(x): x for x in self._samples.values()}.values():
+                self._drop(smp)
+            self._drop(s)
+            log.info("replay client %s: shard %d has no sample to give any more (every writer ended); "
+                     "samples in flight dropped", self.requester, reply.shard)
+            return [], None
         if reply.error:
             self._drop(s)
             raise RuntimeError(f"replay shard {reply.shard} refused a request: {reply.error}")

@@ -1,4 +1,5 @@
-"""Messages of the training nodes (weights and progress reports); msgpack-registered, never pickled."""
+"""Messages of the training nodes (weights, progress reports, rollouts, and the rounds of a bank of
+data-parallel learners); msgpack-registered, never pickled."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from ..transport.codec import register_message
 
-__all__ = ["Report", "Rollout", "Weights"]
+__all__ = ["BankReady", "Report", "Rollout", "Weights"]
 
 
 @register_message
@@ -54,3 +55,20 @@ class Rollout:
     actor: int
     version: int
     data: dict[str, Any]
+
+
+@register_message
+@dataclass(frozen=True)
+class BankReady:
+    """A data-parallel learner's word to its bank (every replica, itself included) on one round.
+
+    Attributes:
+        replica: the sender's bank index.
+        round: the round, counted from 0 (a replica's k-th batch is its part of round k).
+        have: True: the sender holds its batch for the round; False: none will come (the replay
+            answered ``Exhausted``), so the bank ends before this round.
+    """
+
+    replica: int
+    round: int
+    have: bool

@@ -136,7 +136,7 @@ def off_policy_graph(
     replay = g.add(
         Replay(fields, capacity=max(1, capacity // shards), read=spec.read, sampler=sampler, rate_limiter=limiter,
                beta=beta, run_dir=run_dir, checkpoint_period_s=replay_checkpoint_period_s,
-               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal, memory=replay_memory),
+               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal, memory=replay_memory, writers=actors),
         name="replay", replicas=shards,
     )
     learner = g.add(
@@ -164,6 +164,8 @@ def off_policy_graph(
     g.connect(learner.requests, replay.requests, key=shard_key, delay_s=req_ns / NS_PER_S)
     g.connect(learner.priorities, replay.updates, key=shard_key, delay_s=step_s if overlap else 0.0)
     g.connect(replay.replies, learner.replies, key=requester_key, delay_s=(step_ns - req_ns) / NS_PER_S)
+    if learners > 1:  # data-parallel rounds: every replica hears every replica's word (Learner.heard) a step later
+        g.connect(learner.ready, learner.bank, delay_s=step_s)
     g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)
     g.connect(learner.weights, evaluator.weights)
     for src in (actor.report, learner.report, evaluator.report):

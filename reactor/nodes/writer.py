@@ -211,6 +211,7 @@ class Writer:
         self._pending: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, bool]] = []
         self._pending_rows = 0
         self.seq = 0
+        self.ended = False  # end() was called: the end markers went out
         self.steps_appended = 0
         self.items_sent = 0
         self.steps_sent = 0
@@ -373,10 +374,13 @@ class Writer:
         self.lost_messages += int(self.unacked[shard])
         self.unacked[shard] = 0
 
-    def shard_restarted(self, shard: int) -> None:
-        """``shard`` takes messages again (restored from its checkpoint, if it has one)."""
+    def shard_restarted(self, shard: int) -> list[Steps]:
+        """``shard`` takes messages again (restored from its checkpoint, if it has one). Returns the
+        messages to send it: this writer's end marker again once it has ended (the shard's previous
+        life counted it; its new one has not)."""
         self.down[shard] = False
         self.n_down = int(self.down.sum())
+        return [self._end_marker(shard)] if self.ended else []
 
     def full(self) -> bool:
         """Every shard this writer may send to holds ``max_unacked`` unacknowledged messages, or is down."""
@@ -388,6 +392,22 @@ class Writer:
         if self.n_down == self.num_shards:
             return True
         return self.max_unacked is not None and int(self.unacked[~self.down].min()) >= self.max_unacked
+
+    def end(self) -> list[Steps]:
+        """The writer's last messages: what is ready (as :meth:`flush`; open episodes stay
+        incomplete and are never sent), then an end marker (:attr:`Steps.last`) for every shard that
+        is up, whatever their unacknowledged counts: it tells a shard that no insert will come from
+        this writer (``Replay(writers=...)``). A second call returns nothing."""
+        if self.ended:
+            return []
+        self.ended = True
+        return [*self.flush(), *(self._end_marker(k) for k in range(self.num_shards) if not self.down[k])]
+
+    def _end_marker(self, shard: int) -> Steps:
+        self.unacked[shard] += 1  # acknowledged as any message
+        msg = Steps(shard, self.writer_id, self.seq, {}, np.zeros(0, dtype=bool), last=True)
+        self.seq += 1
+        return msg
 
     def flush(self) -> list[Steps]:
         """One message with every ready segment (none if nothing is ready). Open episodes stay buffered."""

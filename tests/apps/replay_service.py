@@ -2,7 +2,12 @@
 
 config keys (all optional):
     shards: replay bank size (4)           actors: actor bank size (2)
-    source: "gym" | "items" | "bad"        gym actors, fixed prioritized items, or a malformed writer
+    source: "gym" | "items" | "bad" | "markers"   gym actors, fixed prioritized items, a malformed
+                                           writer, or writers of good rows and malformed end markers
+    writers: Replay(writers=actors): shards count their writers' end markers (gym actors then end
+             their writers with Writer.end; "markers" writers also send good markers)
+    good_markers: "markers" writers end with a good marker too (True)
+    ratio, error_buffer: a SampleToInsertRatio limiter (samples per insert) instead of MinSize
     envs, env_steps: vector env size and steps per gym actor (4, 150)
     read: "transition" | "window"          what the table reads (gym source)
     items: number of fixed items (400)     alpha, beta: Prioritized exponents (1.0, 0.5)
@@ -58,11 +63,13 @@ class GymActor(Reactor):
     steps = Output(Steps)
     step = Action()
 
-    def __init__(self, num_shards: int, envs: int = 4, env_steps: int = 150, read: str = "transition") -> None:
+    def __init__(self, num_shards: int, envs: int = 4, env_steps: int = 150, read: str = "transition",
+                 end: bool = False) -> None:
         self.num_shards = num_shards
         self.envs = envs
         self.env_steps = env_steps
         self.read = read
+        self.end = end
         self.k = 0
 
     @reaction(triggers=[startup], effects=[step])
@@ -88,7 +95,7 @@ class GymActor(Reactor):
         self.obs = obs2
         self.k += 1
         if self.k == self.env_steps:
-            msgs += self.writer.flush()
+            msgs += self.writer.end() if self.end else self.writer.flush()
         for m in msgs:
             self.steps.send(m)
         if self.k < self.env_steps:
@@ -148,6 +155,31 @@ class BadWriter(Reactor):
             self.steps.send(Steps(shard, 9, 4, {"id": ids + 1000 * (shard + 1)}, ends))  # good
 
 
+class MarkerWriter(Reactor):
+    """Sends 8 good rows to every shard, then malformed end markers (rows in a marker, an unknown
+    writer id, a ``last`` that is no bool) and, with ``good``, a good one."""
+
+    placement_role = "actor"
+    steps = Output(Steps)
+
+    def __init__(self, num_shards: int, good: bool) -> None:
+        self.num_shards = num_shards
+        self.good = good
+
+    @reaction(triggers=[startup], effects=[steps])
+    def send(self) -> None:
+        ids = np.arange(8, dtype=np.int64) + 100 * self.bank_index
+        ends, none = np.ones(8, bool), np.zeros(0, bool)
+        me = self.bank_index
+        for shard in range(self.num_shards):
+            self.steps.send(Steps(shard, me, 0, {"id": ids + 1000 * shard}, ends))  # good rows
+            self.steps.send(Steps(shard, me, 1, {"id": ids}, ends, last=True))  # a marker with rows
+            self.steps.send(Steps(shard, 99, 2, {}, none, last=True))  # a writer the bank does not have
+            self.steps.send(Steps(shard, me, 3, {}, none, last="yes"))  # type: ignore[arg-type]
+            if self.good:
+                self.steps.send(Steps(shard, me, 4, {}, none, last=True))
+
+
 class Sampler(Reactor):
     """Draws ``batches`` batches through a ReplayClient, optionally updating priorities; records them."""
 
@@ -175,6 +207,7 @@ class Sampler(Reactor):
         self.digest = hashlib.sha256()
         self.boosted: set[int] = set()
         self.error = ""
+        self.stats_asked = False
 
     @reaction(triggers=[startup], effects=[requests, check])
     def begin(self) -> None:
@@ -208,6 +241,9 @@ class Sampler(Reactor):
         for m in msgs:
             self.requests.send(m)
         if batch is None:
+            if self.client.exhausted and not self.stats_asked:  # no sample can come: the shards' figures now
+                self.stats_asked = True
+                self.control.send(StatisticsRequest())
             return
         r = self.record
         r["keys"].append(batch.keys.numpy().copy())
@@ -245,7 +281,8 @@ class Sampler(Reactor):
         lens = np.array([len(k) for k in r["keys"]], dtype=np.int64)
         np.savez(self.out, lens=lens, digest=np.frombuffer(self.digest.digest(), np.uint8),
                  gathered=np.array(self.client.gathered_items), dropped=np.array(self.client.dropped_items),
-                 boosted=np.array(sorted(self.boosted), dtype=np.int64), error=np.array(self.error), **cat)
+                 boosted=np.array(sorted(self.boosted), dtype=np.int64), error=np.array(self.error),
+                 exhausted=np.array(self.client.exhausted), **cat)
 
 
 class StatsSink(Reactor):
@@ -299,13 +336,18 @@ def build(config: dict) -> Graph:
         fields = GYM_FIELDS
         read = TransitionRead(3, 0.99, next_fields=("obs", "terminated")) if read_kind == "transition" else WindowRead(8)
         sampler = {"type": "Prioritized", "alpha": float(c.get("alpha", 0.6))}
-        writers = g.add(GymActor(shards, int(c.get("envs", 4)), int(c.get("env_steps", 150)), read_kind),
-                        name="actor", replicas=actors)
+        writers = g.add(GymActor(shards, int(c.get("envs", 4)), int(c.get("env_steps", 150)), read_kind,
+                                 end=bool(c.get("writers"))), name="actor", replicas=actors)
     elif source == "items":
         fields = ITEM_FIELDS
         read = None
         sampler = {"type": "Prioritized", "alpha": float(c.get("alpha", 1.0))}
         writers = g.add(ItemActor(shards, int(c.get("items", 400)), actors), name="actor", replicas=actors)
+    elif source == "markers":
+        fields = ITEM_FIELDS
+        read = None
+        sampler = "uniform"
+        writers = g.add(MarkerWriter(shards, bool(c.get("good_markers", True))), name="actor", replicas=actors)
     else:
         fields = ITEM_FIELDS
         read = None
@@ -318,7 +360,10 @@ def build(config: dict) -> Graph:
     replay = g.add(
         replay_cls(
             fields, int(c.get("capacity", 10_000)), sampler=sampler, beta=float(c.get("beta", 0.5)),
-            rate_limiter={"type": "MinSize", "min_size": int(c.get("min_size", 1))},
+            rate_limiter={"type": "MinSize", "min_size": int(c.get("min_size", 1))} if c.get("ratio") is None else {
+                "type": "SampleToInsertRatio", "samples_per_insert": float(c["ratio"]),
+                "min_size": int(c.get("min_size", 1)), "error_buffer": float(c.get("error_buffer", 200))},
+            writers=actors if c.get("writers") else None,
             run_dir=c.get("run_dir"), checkpoint_on_shutdown=bool(c.get("checkpoint_on_shutdown", False)),
             checkpoint_period_s=c.get("checkpoint_period_s"), bulk=c.get("bulk"),
             remote_reads=c.get("remote") or "auto", memory=c.get("memory", "host"), **kwargs, **extra,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -331,3 +332,22 @@ def test_the_plain_promise_is_the_conditional_one_with_its_condition_spelled_out
     u, d, _ = s.refresh(["c"])["c"]
     assert d == (500, 0)
     assert s.promises(["c"])["c"] == min(u, Tag(s.horizons["c"].time_ns + d[0], 0)) == Tag(5500, 0)
+
+
+# ---------------------------------------------------------------------------------- blocking reactions
+
+BARRIER = str(Path(__file__).resolve().parents[1] / "apps" / "barrier.py")
+
+
+@pytest.mark.timeout(150)
+def test_blocking_reactions_promise_first_so_processes_meet_at_a_barrier_outside_the_graph(tmp_path):
+    """reaction(blocking=True), as data-parallel learners' rendezvous and all-reduces: a process
+    promises its peers before it runs one. Without that, `left` ran its 1 ms event and its 5 ms
+    barrier in one go with its promise still at 2 ms, so `right` could never reach 5 ms to join
+    (and at startup, a process that had promised nothing yet could block its peer's start)."""
+    config = {"dir": str(tmp_path), "wait_s": 20.0}
+    t0 = time.monotonic()
+    run(build_graph(BARRIER, config), placement="processes", app=BARRIER, config=config)
+    met = {side: json.loads((tmp_path / f"{side}.json").read_text()) for side in ("left", "right")}
+    assert met == {"left": {"start": True, "meet": True}, "right": {"start": True, "meet": True}}
+    assert time.monotonic() - t0 < 60  # no side sat out a barrier's 20 s wait

@@ -223,12 +223,6 @@ def test_dqn_learns_cartpole_with_its_learner_and_replay_shards_on_the_gpu(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason=(
-    "dp-learners, any device: at the end of a run the replicas can get unequal numbers of batches (the shards' "
-    "rate limiters share out the last samples by the replicas' split of each request) and the replica with one "
-    "more waits DP_TIMEOUT_S in an all-reduce nobody joins, then fails the run; on the H200 this run ended so "
-    "at update 353 (after learning on gloo with CUDA tensors), on the CPU seeds 1 and 2 of the same config do "
-    "(docs/reliability.md, 'Data-parallel learners at the end of a run')"))
 def test_dp_learners_on_one_gpu_all_reduce_over_gloo_into_identical_replicas(tmp_path, capfd):
     app = str(ROOT / "apps" / "dqn.py")
     cfg = {"device": "cuda", "learners": 2, "max_env_steps": 2500, "target_return": None, "live": False,

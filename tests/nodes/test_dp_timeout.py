@@ -2,7 +2,7 @@
 
 Two real processes rendezvous through torch.distributed (gloo, file store) exactly as the learners of
 ``--placement dp-learners`` do (``_LearnerBase._join_data_parallel``); replica 1 then stops taking
-part, as one that stopped or got fewer batches does.
+part, as one that died or stopped does.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ opt = torch.optim.SGD(net.parameters(), lr=0.1)
 me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2,
                            state={"net": net, "opt": opt}, name=f"learner[{rank}]", updates=0,
                            device="cpu", torch_device=torch.device("cpu"))
+me._all_reduce = types.MethodType(L._LearnerBase._all_reduce, me)
 L._LearnerBase._join_data_parallel(me)
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
 if rank == 0:
@@ -59,7 +60,7 @@ def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_t
     seconds = float(lost[0].split()[2].rstrip("s:"))
     assert 2.5 <= seconds < 30, lost[0]
     assert ("learner[0]: the other data-parallel learners did not join the gradient all-reduce of update 1 "
-            "within 3s (a replica died, stopped, or got fewer batches)") in lost[0]
+            "within 3s (a replica died or stopped)") in lost[0]
 
 
 def test_a_replica_waiting_for_the_others_to_join_says_so_until_they_do(tmp_path):
@@ -88,3 +89,23 @@ def test_a_replica_waiting_for_the_others_to_join_says_so_until_they_do(tmp_path
             f".dist-dptimeout; no env steps until they do; a learner that has not joined in 600 s ends the run): "
             f"1 s so far") in text, text
     assert "learner[0]: all 2 data-parallel learners joined after" in text and "joined " in text, text
+
+
+def test_a_replicas_word_on_a_round_is_checked_before_it_counts():
+    """Learner.heard takes a BankReady only when a replica could have sent it: malformed words, rounds
+    already run or absurdly far ahead, and a second word on one round are dropped, with the reason."""
+    from reactor.nodes.learner import _MAX_ROUNDS_AHEAD, _bad_word
+    from reactor.nodes.train_messages import BankReady
+
+    heard = {5: {1: True}}
+    assert _bad_word(BankReady(0, 5, True), 2, 5, heard) == ""
+    assert _bad_word(BankReady(0, 7, False), 2, 5, heard) == ""
+    assert _bad_word("hi", 2, 5, heard) == "expected a BankReady, got str"
+    assert _bad_word(BankReady(2, 5, True), 2, 5, heard) == "replica must be an int in [0, 2), got 2"
+    assert _bad_word(BankReady(True, 5, True), 2, 5, heard) == "replica must be an int in [0, 2), got True"
+    assert _bad_word(BankReady(0, 4, True), 2, 5, heard) == (
+        f"round must be an int in [5, {5 + _MAX_ROUNDS_AHEAD}) (the rounds not yet run), got 4 from replica 0")
+    assert _bad_word(BankReady(0, 5 + _MAX_ROUNDS_AHEAD, True), 2, 5, heard).startswith("round must be an int in")
+    assert _bad_word(BankReady(0, "5", True), 2, 5, heard).startswith("round must be an int in")
+    assert _bad_word(BankReady(0, 5, 1), 2, 5, heard) == "have must be True or False, got 1"
+    assert _bad_word(BankReady(1, 5, False), 2, 5, heard) == "replica 1 spoke twice on round 5"

@@ -25,7 +25,7 @@ from reactor.nodes import (
     key_shard,
     make_keys,
 )
-from reactor.nodes.messages import MassRequest
+from reactor.nodes.messages import Exhausted, MassRequest
 
 
 def _npz(path) -> dict:
@@ -66,6 +66,47 @@ def test_bad_steps_are_refused_logged_and_counted_and_the_shard_keeps_serving(tm
     assert any("episode_end must be a non-empty bool [L] array whose last entry is True" in m for m in msgs)
     rec = _npz(out)
     assert len(rec["lens"]) == 3 and rec["sizes"][0] == 32
+
+
+@pytest.mark.parametrize("placement", ["single", "processes"])
+def test_a_request_held_for_good_is_answered_exhausted_once_every_writer_has_ended(tmp_path, caplog, placement):
+    """Replay(writers=N): once each writer has sent its end marker, a request the rate limiter holds
+    (here below min size, for good) is answered Exhausted, not parked forever; malformed markers
+    are refused, logged and not counted."""
+    out = tmp_path / "learner.npz"
+    cfg = {"source": "markers", "shards": 2, "actors": 2, "writers": True, "min_size": 1000, "batches": 3,
+           "out": str(out)}
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        _run(cfg, placement=placement)
+    rec = _npz(out)
+    assert bool(rec["exhausted"]) and len(rec["lens"]) == 0
+    if placement == "single":  # (in processes the shards log in their own processes)
+        msgs = [r.getMessage() for r in caplog.records]
+        assert any("an end marker (Steps.last) carries no rows: fields {} and an empty episode_end; got fields of "
+                   "type dict and episode_end ndarray (8,)" in m for m in msgs), msgs
+        assert any("an end marker from writer 99, not a writer id in [0, 2) (Replay(writers=2))" in m for m in msgs)
+        assert any("Steps.last must be True or False, got 'yes'" in m for m in msgs)
+    # Without the good markers the bad ones count for nothing: the request stays parked to the end.
+    _run({**cfg, "good_markers": False, "out": str(tmp_path / "parked.npz")}, placement=placement)
+    assert not bool(_npz(tmp_path / "parked.npz")["exhausted"])
+
+
+def test_a_sampler_draws_what_the_ratio_allows_then_learns_that_no_sample_can_come(tmp_path):
+    """Real gym actors end their writers (Writer.end); a SampleToInsertRatio limiter then holds the
+    sampler's request for good, and the shards answer Exhausted instead of leaving it parked."""
+    out, stats = tmp_path / "learner.npz", tmp_path / "stats.npz"
+    cfg = {"shards": 2, "actors": 2, "writers": True, "ratio": 2.0, "error_buffer": 200, "min_size": 50,
+           "batches": 10_000, "batch_size": 32, "out": str(out), "stats_out": str(stats)}
+    _run(cfg)
+    rec, s = _npz(out), _npz(stats)
+    assert bool(rec["exhausted"])
+    drawn = int(rec["lens"].sum())
+    # (the shards also count what one shard drew for the last sample, dropped when another said Exhausted)
+    assert 0 < drawn <= int(s["sampled"].sum()) < drawn + 32
+    # Each shard allowed at most its ratio of what it holds past min size, plus its error buffer
+    # (Reverb's rule); the one that answered Exhausted was within a batch of that.
+    limit = 2.0 * (s["inserted"] - 50) + 200
+    assert (s["sampled"] <= limit).all() and (s["sampled"] > limit - 32).any(), (s["sampled"], limit)
 
 
 def test_priority_updates_reach_the_shard_that_owns_each_key(tmp_path):
@@ -330,6 +371,18 @@ def test_client_skipping_lost_shards_redraws_their_share_from_the_live_ones():
                                           make_keys(0, np.arange(out[0].n)), np.full(out[0].n, 0.1),
                                           np.ones(out[0].n, np.int64), 1.0, 1.0, 10, 0.0))
     assert batch is not None and len(batch.keys) == 100 and set(key_shard(batch.keys).tolist()) == {0}
+
+
+def test_an_exhausted_answer_drops_every_sample_in_flight_and_says_no_sample_can_come():
+    client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
+    first, second = client.request(8), client.request(8)
+    assert client.in_flight == 2 and not client.exhausted
+    client.receive(_mass(1, first[1].request, 1.0, 10))  # one part of the first sample is in
+    out, batch = client.receive(Exhausted(0, 0, second[0].request))
+    assert (out, batch) == ([], None)
+    assert client.exhausted and client.in_flight == 0  # both samples dropped, not only the one answered
+    assert client.receive(_mass(0, first[0].request, 1.0, 10)) == ([], None)  # a late part: ignored
+    assert client.receive(_mass(1, second[1].request, 1.0, 10)) == ([], None)
 
 
 def test_a_refused_request_raises_with_the_shards_reason():

@@ -196,3 +196,29 @@ def test_flushes_go_to_the_least_loaded_shard_so_one_parking_shard_cannot_hold_t
     assert w.full()
     with pytest.raises(ValueError, match=r"^Writer\.acknowledged: shard must be in \[0, 2\), got 5$"):
         w.acknowledged(5)
+
+
+def test_end_sends_what_is_ready_then_an_end_marker_to_every_shard_that_is_up_once():
+    """A writer's end (its actor took its step budget): the last flush, then a marker per shard, so
+    shards that count their bank's writers know no insert will come (Replay(writers=...)). A fixed
+    shard's writer still tells every shard: each counts every writer of the bank."""
+    w = Writer(FIELDS, num_streams=2, pattern=TransitionPattern(), num_shards=3, writer_id=1, shard=2,
+               flush_steps=1000)
+    step = {"id": np.array([1, 2]), "obs": np.zeros((2, 3)), "action": np.zeros(2, np.int64), "reward": np.ones(2)}
+    no = np.zeros(2, bool)
+    w.append(step, terminated=no, truncated=no)
+    w.append({**step, "id": np.array([3, 4])}, terminated=np.array([True, False]), truncated=no,
+             final={"obs": np.ones((2, 3))})
+    w.shard_lost(0)
+    msgs = w.end()
+    data, markers = msgs[0], msgs[1:]
+    assert data.shard == 2 and not data.last and data.fields["id"].tolist() == [1, 3, 0]  # the ended episode only
+    assert [(m.shard, m.writer, m.last, m.fields, m.episode_end.shape) for m in markers] == [
+        (1, 1, True, {}, (0,)), (2, 1, True, {}, (0,))]  # not shard 0: it is down
+    assert [m.seq for m in msgs] == [0, 1, 2]
+    assert w.unacked.tolist() == [0, 1, 2]  # markers are acknowledged as any message
+    assert w.end() == []
+    again = w.shard_restarted(0)  # the shard's new life has not counted this writer: its marker again
+    assert [(m.shard, m.last) for m in again] == [(0, True)]
+    fresh = Writer(FIELDS, num_streams=2, pattern=TransitionPattern(), num_shards=3)
+    assert fresh.shard_restarted(0) == []  # (not ended: nothing to say)

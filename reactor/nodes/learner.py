@@ -72,6 +72,25 @@ DP_TIMEOUT_S = 60.0
 DP_JOIN_TIMEOUT_S = 600.0
 #: Seconds between a waiting replica's "still waiting for the others to join" lines.
 DP_WAIT_REPORT_S = 10.0
+#: Seconds between a waiting all-reduce's checks for a replica that left with the run.
+DP_POLL_S = 0.1
+
+
+class _BankLeft(Exception):
+    """Another data-parallel replica left the bank with the run (``left``: index -> its updates)."""
+
+    def __init__(self, left: dict[int, int]) -> None:
+        super().__init__(f"replica(s) {sorted(left)} left the bank with the run")
+        self.left = left
+
+
+def _say(line: str) -> None:
+    """``line`` on stdout in one write: the replicas of a bank share a terminal, and print's two
+    writes (text, then the newline) let their lines run into each other."""
+    import sys
+
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 class _LearnerBase(Reactor):
@@ -143,8 +162,9 @@ class _LearnerBase(Reactor):
             if served:  # over hosts: the TCP store the run's coordinator serves
                 host, port = served.rsplit(":", 1)
                 tcp = dist.TCPStore(host, int(port), is_master=False, timeout=join)
-                dist.init_process_group(backend, store=dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", tcp),
-                                        rank=self.bank_index, world_size=self.bank_size, timeout=join)
+                self._dp_store = dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", tcp)
+                dist.init_process_group(backend, store=self._dp_store, rank=self.bank_index, world_size=self.bank_size,
+                                        timeout=join)
             else:  # one host: a file in the run directory
                 if not self.run_dir:
                     raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
@@ -152,8 +172,9 @@ class _LearnerBase(Reactor):
                 # The store itself, not a file:// URL: a relative run_dir ("runs/...", the apps' default)
                 # made "file://runs/..." name "/..." (the URL's host swallowed the first part) and every
                 # replica waited there for the join timeout.
-                dist.init_process_group(backend, store=dist.FileStore(str(path), self.bank_size),
-                                        rank=self.bank_index, world_size=self.bank_size, timeout=join)
+                self._dp_store = dist.FileStore(str(path), self.bank_size)
+                dist.init_process_group(backend, store=self._dp_store, rank=self.bank_index, world_size=self.bank_size,
+                                        timeout=join)
             # The updates' all-reduces get their own group with the short timeout.
             self._dp_group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         finally:
@@ -183,17 +204,65 @@ class _LearnerBase(Reactor):
             opt.step = averaged_step  # type: ignore[method-assign]
 
     def _all_reduce(self, tensor: Any, what: str) -> None:
-        """Sum ``tensor`` over the replicas in place (data-parallel), or raise PeerLostError."""
+        """Sum ``tensor`` over the replicas in place (data-parallel).
+
+        Waits in slices of ``DP_POLL_S``: between them, a replica that left the bank with the run
+        (``_leave_bank``: the run stopped, on an evaluation target say, before it reached this
+        update) raises :class:`_BankLeft` at once.
+
+        Raises:
+            _BankLeft: another replica left with the run.
+            PeerLostError: another replica did not join within ``DP_TIMEOUT_S`` (it died or hung),
+                or its connection broke.
+        """
+        import time
+
         import torch.distributed as dist
 
-        try:
-            dist.all_reduce(tensor, group=self._dp_group)
-        except RuntimeError as e:  # gloo's timeout, or a peer's closed connection
-            raise PeerLostError(
-                f"{self.name}: the other data-parallel learners did not join the {what} all-reduce of update "
-                f"{self.updates + 1} within {DP_TIMEOUT_S:.0f}s (a replica died or stopped): "
-                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            ) from e
+        if self.dp_backend != "gloo":  # NCCL's wait orders the GPU's stream; a slice's timeout is not the CPU's
+            try:
+                dist.all_reduce(tensor, group=self._dp_group)
+            except RuntimeError as e:
+                raise PeerLostError(f"{self.name}: the {what} all-reduce of update {self.updates + 1} failed "
+                                    f"(a replica died, hung or stopped): {str(e).splitlines()[0] if str(e) else e!r}"
+                                    ) from e
+            return
+        work = dist.all_reduce(tensor, group=self._dp_group, async_op=True)
+        deadline = time.monotonic() + DP_TIMEOUT_S
+        slice_ = datetime.timedelta(seconds=DP_POLL_S)
+        while True:
+            try:
+                work.wait(timeout=slice_)
+                return
+            except RuntimeError as e:  # this slice's timeout, gloo's own, or a peer's closed connection
+                left = self._bank_left()
+                if left:
+                    raise _BankLeft(left) from None
+                timed_out = "timed out" in str(e).lower()
+                if not timed_out or time.monotonic() >= deadline:
+                    raise PeerLostError(
+                        f"{self.name}: the other data-parallel learners did not join the {what} all-reduce of "
+                        f"update {self.updates + 1} within {DP_TIMEOUT_S:.0f}s (a replica died or hung): "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                    ) from e
+
+    def _bank_left(self) -> dict[int, int]:
+        """The replicas that left the bank with the run: bank index -> its updates then."""
+        store = getattr(self, "_dp_store", None)
+        if store is None:
+            return {}
+        keys = {j: f"left/{j}" for j in range(self.bank_size) if j != self.bank_index}
+        return {j: int(store.get(k)) for j, k in keys.items() if store.check([k])}
+
+    def _leave_bank(self) -> None:
+        """At shutdown (data-parallel): tell the other replicas this one is gone with the run, and at
+        which update, so one waiting in an all-reduce this one will never join stops waiting."""
+        store = getattr(self, "_dp_store", None)
+        if store is not None:
+            try:
+                store.set(f"left/{self.bank_index}", str(self.updates))
+            except (RuntimeError, OSError) as e:  # the store's host is gone: the others time out instead
+                logging.getLogger("reactor.learner").warning("%s could not tell the bank it left: %s", self.name, e)
 
     def _write_config(self) -> None:
         """``run_dir/config.json``: what rebuilds the policy (``reactor.load_policy``) without the app."""
@@ -235,12 +304,13 @@ class _LearnerBase(Reactor):
 
         if not hasattr(self, "state"):
             return
+        self._leave_bank()
         self._maybe_checkpoint(force=True)  # replica 0 only
         self.weights_sha256 = weights_sha256(self.algo.policy_weights(self.state))
         if self.run_dir and self.bank_index == 0:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")
-        print(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}", flush=True)
+        _say(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}")
 
     def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``batch`` moved to the learner's device (as is on the CPU)."""
@@ -540,13 +610,21 @@ class Learner(_LearnerBase):
             words = self._heard.pop(self._rounds)
             self._rounds += 1
             if all(words.values()):
-                self._update(self._held.popleft())
+                try:
+                    self._update(self._held.popleft())
+                except _BankLeft as e:  # the run stopped for the other replica(s) before this update
+                    self.bank_ended = True
+                    self._held.clear()
+                    _say(f"{self.name}: data-parallel learner(s) {sorted(e.left)} stopped with the run at update "
+                         f"{max(e.left.values())}, before this update: this one stops there too, at "
+                         f"{self.updates} updates (update {self.updates + 1} dropped)")
+                    break
                 continue
             self.bank_ended = True
             self._held.clear()
-            print(f"{self.name}: {sum(words.values())} of {self.bank_size} data-parallel learners had a batch for "
-                  f"update {self.updates + 1}, and the replay has no more to give: the bank ends at {self.updates} "
-                  f"updates", flush=True)
+            _say(f"{self.name}: {sum(words.values())} of {self.bank_size} data-parallel learners had a batch for "
+                 f"update {self.updates + 1}, and the replay has no more to give: the bank ends at {self.updates} "
+                 f"updates")
         if not self.bank_ended:
             await self._sample_one_sided()
 

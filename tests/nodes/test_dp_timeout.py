@@ -26,7 +26,8 @@ opt = torch.optim.SGD(net.parameters(), lr=0.1)
 me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2,
                            state={"net": net, "opt": opt}, name=f"learner[{rank}]", updates=0,
                            device="cpu", torch_device=torch.device("cpu"))
-me._all_reduce = types.MethodType(L._LearnerBase._all_reduce, me)
+for method in ("_all_reduce", "_bank_left", "_leave_bank"):
+    setattr(me, method, types.MethodType(getattr(L._LearnerBase, method), me))
 L._LearnerBase._join_data_parallel(me)
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
 if rank == 0:
@@ -37,7 +38,12 @@ if rank == 0:
         print("stepped", flush=True)
     except L.PeerLostError as e:
         print(f"lost after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+    except L._BankLeft as e:
+        print(f"left after {time.monotonic() - t0:.1f}s: {e.left}", flush=True)
 else:
+    if sys.argv[3:] == ["leave"]:  # gone with the run (its shutdown), its process still up
+        me.updates = 7
+        me._leave_bank()
     time.sleep(10)  # joined, but takes no further part
 """
 
@@ -60,7 +66,27 @@ def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_t
     seconds = float(lost[0].split()[2].rstrip("s:"))
     assert 2.5 <= seconds < 30, lost[0]
     assert ("learner[0]: the other data-parallel learners did not join the gradient all-reduce of update 1 "
-            "within 3s (a replica died or stopped)") in lost[0]
+            "within 3s (a replica died or hung)") in lost[0]
+
+
+def test_a_replica_that_left_with_the_run_ends_the_others_wait_at_once_not_after_the_timeout(tmp_path):
+    """Regression: a run of dp-learners that stopped on its evaluation target stopped replica 1
+    between rounds while replica 0 was in the next update's all-reduce, which waited DP_TIMEOUT_S
+    and failed the run. A replica's shutdown now tells the bank it left (and at which update); a
+    waiting all-reduce checks between slices of DP_POLL_S."""
+    procs = [subprocess.Popen([sys.executable, "-c", REPLICA.replace("L.DP_TIMEOUT_S = 3.0", "L.DP_TIMEOUT_S = 30.0"),
+                               str(rank), str(tmp_path), "leave"], cwd=REPO,
+                              stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              text=True) for rank in (0, 1)]
+    try:
+        out0, _ = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=30)
+    left = [line for line in out0.splitlines() if line.startswith("left after")]
+    assert left and left[0].endswith(": {1: 7}"), out0
+    assert float(left[0].split()[2].rstrip("s:")) < 5, left[0]  # not the 30 s timeout
 
 
 def test_a_replica_waiting_for_the_others_to_join_says_so_until_they_do(tmp_path):

@@ -237,9 +237,11 @@ def test_a_group_out_of_restarts_ends_the_run_naming_it_and_each_end_it_had(tmp_
     proc, errfile = _forever(tmp_path, "--async", "--restart", "on-failure:1")
     try:
         first = _workers(proc, tmp_path / "ready")
+        # Gone before the kill: the new life may touch it again before _pid_changed sees its pid (when
+        # this was removed after, the test waited out the 60 s below now and then).
+        (tmp_path / "ready").unlink()
         os.kill(first["sink"], signal.SIGKILL)
         second = _pid_changed(proc.pid, "sink", first["sink"], 60, errfile)
-        (tmp_path / "ready").unlink()
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists() and time.monotonic() < deadline:  # its new life started
             time.sleep(0.05)

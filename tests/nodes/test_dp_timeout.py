@@ -44,7 +44,9 @@ else:
     if sys.argv[3:] == ["leave"]:  # gone with the run (its shutdown), its process still up
         me.updates = 7
         me._leave_bank()
-    time.sleep(10)  # joined, but takes no further part
+        time.sleep(3)  # (replica 0 is told within DP_POLL_S; its exit waits for this one's)
+    else:
+        time.sleep(10)  # joined, but takes no further part
 """
 
 

@@ -370,6 +370,7 @@ def test_a_corrupt_or_mismatched_descriptor_is_refused_by_name():
 # ------------------------------------------------------------------------- across processes
 
 _TABLE = 256
+DRAWS = 1024  # per read: long enough that a change often starts during the descent (the check after it)
 
 
 class _Segments:
@@ -463,10 +464,12 @@ def _owner(prefix: str, ready, done_name: str) -> None:  # pragma: no cover - ru
 @pytest.mark.timeout(120)
 def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_the_last_completed_change():
     """The owner changes its tree over and over (one positive leaf each time, moving); a reader in
-    this process draws 16 at a time throughout, until 200 draws were accepted and one read met a
-    change in progress. Every accepted draw is one snapshot (all 16 draws
-    hit the same leaf), and that leaf belongs to a change no older than the last one completed
-    before the read began, and no newer than the one in progress when it ended."""
+    this process draws 1,024 at a time throughout, until 200 draws were accepted and one read met a
+    change in progress. Every accepted draw is one snapshot (all 1,024 draws hit the same leaf), and
+    that leaf belongs to a change no older than the last one completed before the read began, and no
+    newer than the one in progress when it ended. (With 16 a draw, removing the draw's check of the
+    sequence count after its descent went unnoticed: a change rarely began inside so short a descent.
+    With 1,024 it fails, "a torn draw".)"""
     prefix = f"rxtest{np.random.default_rng().integers(1 << 30)}_"
     segs: list[shared_memory.SharedMemory] = []
     with _owner_process(_owner, prefix) as (parent, done, desc):
@@ -490,7 +493,7 @@ def test_a_reader_in_another_process_never_sees_a_torn_tree_nor_one_older_than_t
                 if seq < 0:
                     moved += 1
                     continue
-                status, plan = ss.draw(seq, rng.random(16))
+                status, plan = ss.draw(seq, rng.random(DRAWS))
                 after = int(done[0])
                 if status != OK:
                     moved += 1

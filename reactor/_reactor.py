@@ -203,7 +203,7 @@ def reaction(
             raise TypeError(f"reaction source {s!r} is not an Input or Action")
     if not triggers:
         raise TypeError("a reaction needs at least one trigger")
-    if blocking not in (True, False):
+    if type(blocking) is not bool:
         raise TypeError(f"reaction blocking must be True or False, got {blocking!r}")
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -71,6 +71,9 @@ class RemoteSink(Protocol):
 
     async def wait_drained(self) -> None: ...
 
+    # Optional: ``async def send_all(self) -> None``, what was sent so far handed to the sockets
+    # (awaited before a blocking reaction runs).
+
 
 @dataclass(frozen=True)
 class ProcessLink:
@@ -657,6 +660,13 @@ class ReactorHost:
                 slot = r._actions[p]
             kwargs[p] = slot.value if slot.is_present else None
         r._current = spec
+        if spec.blocking and self.remote is not None:
+            # What this process has sent goes out before the reaction blocks it (async mode: the
+            # transport holds small messages to the end of the loop's tick, which a blocking
+            # reaction does not reach; a peer waiting for one of them would wait for good).
+            sent = getattr(self.remote, "send_all", None)
+            if sent is not None:
+                await sent()
         try:
             if spec.is_async:
                 await spec.func(r, **kwargs)

@@ -128,6 +128,16 @@ class Outbox:
     def congested(self) -> bool:
         return self.backlog >= self.limit
 
+    async def send_all(self) -> None:
+        """Before a blocking reaction (``reaction(blocking=True)``): wait until nothing is queued
+        here, then hand what the endpoint holds for the end of this tick to its sockets."""
+        while self.backlog and self.failure is None:
+            self.wake.set()
+            await self.empty.wait()
+        flush = getattr(self.ep, "flush", None)
+        if flush is not None:
+            flush()
+
     async def wait_drained(self) -> None:
         """Wait until the backlog is below half the limit (hysteresis: no flapping)."""
         while self.backlog > self.limit // 2 and self.failure is None:

@@ -325,9 +325,11 @@ class _LearnerBase(Reactor):
                                       self.algo.policy_weights(self.state).items()})
 
 
-def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[int, bool]]) -> str:
+def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[int, bool]], me: int,
+              announced: int) -> str:
     """Why a :class:`BankReady` cannot be taken ("" if it can): a malformed word, or one a replica
-    never sends (a round already run or impossibly far ahead, a second word on a round)."""
+    never sends (a round already run or impossibly far ahead, a second word on a round, a word in
+    this replica's name (``me``) on a round it has not announced: ``announced`` so far)."""
     if not isinstance(word, BankReady):
         return f"expected a BankReady, got {type(word).__name__}"
     r, i = word.round, word.replica
@@ -340,6 +342,8 @@ def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[
         return f"have must be True or False, got {word.have!r}"
     if i in heard.get(r, ()):
         return f"replica {i} spoke twice on round {r}"
+    if i == me and r >= announced:
+        return f"a word in this replica's name ({i}) on round {r}, which it has not announced (it announced {announced})"
     return ""
 
 
@@ -601,7 +605,7 @@ class Learner(_LearnerBase):
         """A replica's word on a round (data-parallel): once every replica has spoken on the next
         round, it runs: an update if all hold a batch, else the end of the bank (every replica
         decides alike, from the same words)."""
-        why = _bad_word(bank, self.bank_size, self._rounds, self._heard)
+        why = _bad_word(bank, self.bank_size, self._rounds, self._heard, self.bank_index, self._announced)
         if why:
             logging.getLogger("reactor.learner").error("%s dropped a BankReady: %s", self.name, why)
             return

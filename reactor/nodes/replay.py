@@ -579,11 +579,12 @@ class Replay(Reactor):
         if steps.shard != self.bank_index:
             self._reject(steps, f"it names shard {steps.shard}, but this is shard {self.bank_index} (a routing bug)")
             return True
-        if steps.last is not False:
-            self._writer_ended(steps)
+        last = steps.last
+        if isinstance(last, np.bool_):
+            last = bool(last)
+        if last is not False:
+            self._writer_ended(steps, last)
             return True
-        if isinstance(steps.writer, int):
-            self._ended_writers.discard(steps.writer)  # rows after its end marker: its actor was restarted
         try:
             ends = np.asarray(steps.episode_end)
             if ends.dtype != np.bool_ or ends.ndim != 1 or len(ends) == 0 or not bool(ends[-1]):
@@ -599,17 +600,19 @@ class Replay(Reactor):
         except (KeyError, TypeError, ValueError) as e:
             self._reject(steps, str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
             return True
+        if type(steps.writer) is int:
+            self._ended_writers.discard(steps.writer)  # rows after its end marker: its actor was restarted
         if self._wal is not None:  # on stable storage before the InsertAck (an OSError fails the shard)
             self._wal.append(first, steps.fields, steps.priorities, ends, steps.item_mask)
         if self._inserted_mark is not None:
             self._inserted_mark[0] = self.table.storage.step_range[1]
         return True
 
-    def _writer_ended(self, steps: Steps) -> None:
+    def _writer_ended(self, steps: Steps, last: Any) -> None:
         """Take a writer's end marker (:attr:`Steps.last`); a malformed one is refused and logged."""
         w, fields, ends = steps.writer, steps.fields, steps.episode_end
-        if steps.last is not True:
-            self._reject(steps, f"Steps.last must be True or False, got {steps.last!r}")
+        if last is not True:
+            self._reject(steps, f"Steps.last must be True or False, got {last!r}")
         elif not (isinstance(fields, Mapping) and not fields and (
                 (isinstance(ends, np.ndarray) and ends.size == 0) or (isinstance(ends, (list, tuple)) and not ends))):
             self._reject(steps, f"an end marker (Steps.last) carries no rows: fields {{}} and an empty episode_end; "
@@ -618,7 +621,7 @@ class Replay(Reactor):
         elif self.writers is None:
             log.info("%s: writer %s ended (this shard does not count its bank's writers: Replay(writers=None))",
                      self.name, w)
-        elif isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.writers:
+        elif type(w) is not int or not 0 <= w < self.writers:
             self._reject(steps, f"an end marker from writer {w!r}, not a writer id in [0, {self.writers}) "
                                 f"(Replay(writers={self.writers}))")
         else:
@@ -657,6 +660,11 @@ class Replay(Reactor):
 
     @reaction(triggers=[requests], effects=[replies, acks])
     def serve_request(self, requests: ReplayRequest) -> None:
+        who = (getattr(requests, "requester", None), getattr(requests, "request", None))
+        if not all(type(x) is int for x in who):  # (a reply could not be routed back, nor matched)
+            log.error("%s dropped a %s whose requester and request are not ints: %r", self.name,
+                      type(requests).__name__, who)
+            return
         with self._changing():
             if not self._serve(requests):
                 self._parked_requests.append(requests)

@@ -301,8 +301,18 @@ class ReplayClient(OneSidedSampling):
     async def areceive(self, reply: ReplayReply) -> tuple[list[ReplayRequest], SampledBatch | None]:
         """:meth:`receive` for clients that may read other hosts' shards one-sidedly (RDMA, zmq):
         awaits those reads. Same results and errors."""
+        if type(reply.request) is not int or type(reply.shard) is not int:
+            log.error("replay client %s dropped a %s whose request and shard are not ints: %r", self.requester,
+                      type(reply).__name__, (reply.request, reply.shard))
+            return self.check_timeouts(), None
         s = self._samples.pop(reply.request, None)
         asked = None if s is None else s.outstanding.pop(reply.request, None)
+        if s is not None and asked is not None and asked[0] != reply.shard:  # not the shard asked: not its answer
+            s.outstanding[reply.request] = asked
+            self._samples[reply.request] = s
+            log.error("replay client %s dropped a %s for request %d from shard %d; shard %d was asked",
+                      self.requester, type(reply).__name__, reply.request, reply.shard, asked[0])
+            return self.check_timeouts(), None
         if s is None or asked is None:
             return self.check_timeouts(), None
         if isinstance(reply, Exhausted):  # no part of any sample in flight may still come from it

@@ -55,6 +55,7 @@ def off_policy_graph(
     min_size: int = 1000,
     samples_per_insert: float = 8.0,
     batch_size: int = 128,
+    prefetch: int = 1,
     weights_every: int = 10,
     eval_every_updates: int = 1000,
     eval_episodes: int = 10,
@@ -84,6 +85,8 @@ def off_policy_graph(
     ratio, not the speed of any process, fixes updates per env step (so results do not depend on
     the placement). Inserts the limiter holds back hold the actors back in turn: each actor stops
     stepping while ``max_unacked`` of its Steps messages are not yet acknowledged by the shards.
+
+    Each learner keeps ``prefetch`` samples in flight (``Learner(prefetch=...)``).
 
     Ending: the run stops when an evaluation reaches ``target_return`` (Metrics asks for the stop),
     or when every actor has taken its share of ``max_env_steps`` and the learner has drained what
@@ -140,7 +143,8 @@ def off_policy_graph(
         name="replay", replicas=shards,
     )
     learner = g.add(
-        Learner(algo, env, algo_config, num_shards=shards, batch_size=batch_size, weights_every=weights_every,
+        Learner(algo, env, algo_config, num_shards=shards, batch_size=batch_size, prefetch=prefetch,
+                weights_every=weights_every,
                 seed=seed, run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
                 app_config=app_config, device=device, compile=compile),
         name="learner", replicas=learners,

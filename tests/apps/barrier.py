@@ -8,7 +8,7 @@ and ``meet`` in one go once ``right`` has promised past 5 ms: unless ``left`` pr
 blocks, ``right`` can never reach 5 ms. Each side writes ``<dir>/<name>.json``: what it met.
 
 config keys: dir (where the barrier files go), wait_s (how long a side waits at a barrier, 20),
-startup_barrier (True).
+startup_barrier (True), early (``left`` has its 1 ms event, True), meet_s (when they meet, 0.005).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ class Side(Reactor):
     early = Action()
     meet = Action()
 
-    def __init__(self, other: str, directory: str, wait_s: float, startup_barrier: bool, early_event: bool) -> None:
-        self.other, self.dir, self.wait_s = other, Path(directory), wait_s
+    def __init__(self, other: str, directory: str, wait_s: float, startup_barrier: bool, early_event: bool,
+                 meet_s: float = 0.005) -> None:
+        self.other, self.dir, self.wait_s, self.meet_s = other, Path(directory), wait_s, meet_s
         self.startup_barrier, self.early_event = startup_barrier, early_event
         self.met: dict[str, bool] = {}
 
@@ -47,7 +48,7 @@ class Side(Reactor):
             self._barrier("start")
         if self.early_event:
             self.early.schedule(delay_s=0.001)
-        self.meet.schedule(delay_s=0.005)
+        self.meet.schedule(delay_s=self.meet_s)
 
     @reaction(triggers=[early], effects=[out])
     def first(self) -> None:
@@ -68,10 +69,11 @@ class Side(Reactor):
 
 def build(config: dict) -> Graph:
     d, wait_s = config["dir"], float(config.get("wait_s", 20.0))
-    barrier = bool(config.get("startup_barrier", True))
+    barrier, meet_s = bool(config.get("startup_barrier", True)), float(config.get("meet_s", 0.005))
     g = Graph()
-    left = g.add(Side("right", d, wait_s, barrier, early_event=True), name="left")
-    right = g.add(Side("left", d, wait_s, barrier, early_event=False), name="right")
+    left = g.add(Side("right", d, wait_s, barrier, early_event=bool(config.get("early", True)), meet_s=meet_s),
+                 name="left")
+    right = g.add(Side("left", d, wait_s, barrier, early_event=False, meet_s=meet_s), name="right")
     g.connect(left.out, right.inp, delay_s=0.001)
     g.connect(right.out, left.inp, delay_s=0.001)
     return g

@@ -156,8 +156,10 @@ class BadWriter(Reactor):
 
 
 class MarkerWriter(Reactor):
-    """Sends 8 good rows to every shard, then malformed end markers (rows in a marker, an unknown
-    writer id, a ``last`` that is no bool) and, with ``good``, a good one."""
+    """Sends 8 good rows to every shard and 8 more marked ``last=np.False_`` (a numpy bool: rows, not
+    a marker), then malformed end markers (rows in a marker, an unknown writer id, a ``last`` that
+    is no bool) and, with ``good``, a good one followed by a refused rows message of its own and 8
+    good rows under writer id ``True`` (neither may count as the writer coming back)."""
 
     placement_role = "actor"
     steps = Output(Steps)
@@ -173,11 +175,14 @@ class MarkerWriter(Reactor):
         me = self.bank_index
         for shard in range(self.num_shards):
             self.steps.send(Steps(shard, me, 0, {"id": ids + 1000 * shard}, ends))  # good rows
+            self.steps.send(Steps(shard, me, 5, {"id": ids + 1000 * shard + 10}, ends, last=np.False_))
             self.steps.send(Steps(shard, me, 1, {"id": ids}, ends, last=True))  # a marker with rows
             self.steps.send(Steps(shard, 99, 2, {}, none, last=True))  # a writer the bank does not have
             self.steps.send(Steps(shard, me, 3, {}, none, last="yes"))  # type: ignore[arg-type]
             if self.good:
                 self.steps.send(Steps(shard, me, 4, {}, none, last=True))
+                self.steps.send(Steps(shard, me, 6, {"id": ids.astype(np.float64)}, ends))  # refused: wrong dtype
+                self.steps.send(Steps(shard, True, 7, {"id": ids + 1000 * shard + 20}, ends))  # type: ignore[arg-type]
 
 
 class Sampler(Reactor):

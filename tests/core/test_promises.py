@@ -340,12 +340,13 @@ BARRIER = str(Path(__file__).resolve().parents[1] / "apps" / "barrier.py")
 
 
 @pytest.mark.timeout(150)
-def test_blocking_reactions_promise_first_so_processes_meet_at_a_barrier_outside_the_graph(tmp_path):
+@pytest.mark.parametrize("case", [{}, {"early": False, "meet_s": 0.0005}], ids=["early-event", "meet-soon"])
+def test_blocking_reactions_promise_first_so_processes_meet_at_a_barrier_outside_the_graph(tmp_path, case):
     """reaction(blocking=True), as data-parallel learners' rendezvous and all-reduces: a process
     promises its peers before it runs one. Without that, `left` ran its 1 ms event and its 5 ms
     barrier in one go with its promise still at 2 ms, so `right` could never reach 5 ms to join
     (and at startup, a process that had promised nothing yet could block its peer's start)."""
-    config = {"dir": str(tmp_path), "wait_s": 20.0}
+    config = {"dir": str(tmp_path), "wait_s": 20.0, **case}
     t0 = time.monotonic()
     run(build_graph(BARRIER, config), placement="processes", app=BARRIER, config=config)
     met = {side: json.loads((tmp_path / f"{side}.json").read_text()) for side in ("left", "right")}

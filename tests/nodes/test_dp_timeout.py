@@ -126,14 +126,21 @@ def test_a_replicas_word_on_a_round_is_checked_before_it_counts():
     from reactor.nodes.train_messages import BankReady
 
     heard = {5: {1: True}}
-    assert _bad_word(BankReady(0, 5, True), 2, 5, heard) == ""
-    assert _bad_word(BankReady(0, 7, False), 2, 5, heard) == ""
-    assert _bad_word("hi", 2, 5, heard) == "expected a BankReady, got str"
-    assert _bad_word(BankReady(2, 5, True), 2, 5, heard) == "replica must be an int in [0, 2), got 2"
-    assert _bad_word(BankReady(True, 5, True), 2, 5, heard) == "replica must be an int in [0, 2), got True"
-    assert _bad_word(BankReady(0, 4, True), 2, 5, heard) == (
+
+    def bad(word):  # as replica 1 of 2, at round 5, having announced rounds 0..5
+        return _bad_word(word, 2, 5, heard, 1, 6)
+
+    assert bad(BankReady(0, 5, True)) == ""
+    assert bad(BankReady(0, 7, False)) == ""
+    assert bad("hi") == "expected a BankReady, got str"
+    assert bad(BankReady(2, 5, True)) == "replica must be an int in [0, 2), got 2"
+    assert bad(BankReady(True, 5, True)) == "replica must be an int in [0, 2), got True"
+    assert bad(BankReady(0, 4, True)) == (
         f"round must be an int in [5, {5 + _MAX_ROUNDS_AHEAD}) (the rounds not yet run), got 4 from replica 0")
-    assert _bad_word(BankReady(0, 5 + _MAX_ROUNDS_AHEAD, True), 2, 5, heard).startswith("round must be an int in")
-    assert _bad_word(BankReady(0, "5", True), 2, 5, heard).startswith("round must be an int in")
-    assert _bad_word(BankReady(0, 5, 1), 2, 5, heard) == "have must be True or False, got 1"
-    assert _bad_word(BankReady(1, 5, False), 2, 5, heard) == "replica 1 spoke twice on round 5"
+    assert bad(BankReady(0, 5 + _MAX_ROUNDS_AHEAD, True)).startswith("round must be an int in")
+    assert bad(BankReady(0, "5", True)).startswith("round must be an int in")
+    assert bad(BankReady(0, 5, 1)) == "have must be True or False, got 1"
+    assert bad(BankReady(1, 5, False)) == "replica 1 spoke twice on round 5"
+    # In this replica's own name, ahead of what it announced (it would take a batch it does not hold).
+    assert bad(BankReady(1, 6, True)) == (
+        "a word in this replica's name (1) on round 6, which it has not announced (it announced 6)")

@@ -73,13 +73,17 @@ def test_a_request_held_for_good_is_answered_exhausted_once_every_writer_has_end
     """Replay(writers=N): once each writer has sent its end marker, a request the rate limiter holds
     (here below min size, for good) is answered Exhausted, not parked forever; malformed markers
     are refused, logged and not counted."""
-    out = tmp_path / "learner.npz"
+    out, stats = tmp_path / "learner.npz", tmp_path / "stats.npz"
     cfg = {"source": "markers", "shards": 2, "actors": 2, "writers": True, "min_size": 1000, "batches": 3,
-           "out": str(out)}
+           "out": str(out), "stats_out": str(stats)}
     with caplog.at_level(logging.ERROR, logger="reactor.replay"):
         _run(cfg, placement=placement)
     rec = _npz(out)
     assert bool(rec["exhausted"]) and len(rec["lens"]) == 0
+    # Each shard: 8 + 8 (last=np.False_) + 8 (writer True) rows from each of the 2 writers; refused: the
+    # marker with rows and the float64 rows after the good marker (neither made its writer live again).
+    s = _npz(stats)
+    assert s["size"].tolist() == [48, 48] and s["rejected_steps"].tolist() == [32, 32]
     if placement == "single":  # (in processes the shards log in their own processes)
         msgs = [r.getMessage() for r in caplog.records]
         assert any("an end marker (Steps.last) carries no rows: fields {} and an empty episode_end; got fields of "
@@ -383,6 +387,40 @@ def test_an_exhausted_answer_drops_every_sample_in_flight_and_says_no_sample_can
     assert client.exhausted and client.in_flight == 0  # both samples dropped, not only the one answered
     assert client.receive(_mass(0, first[0].request, 1.0, 10)) == ([], None)  # a late part: ignored
     assert client.receive(_mass(1, second[1].request, 1.0, 10)) == ([], None)
+
+
+def test_replies_the_client_could_not_have_asked_for_are_dropped_and_logged(caplog):
+    """A reply's request and shard must be plain ints (an unhashable one crashed the learner's
+    reaction), and an answer, Exhausted above all, must come from the shard that was asked."""
+    client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
+    reqs = client.request(8)
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        assert client.receive(Exhausted(0, 0, [reqs[0].request])) == ([], None)
+        assert client.receive(Exhausted(True, 0, reqs[0].request)) == ([], None)
+        assert client.receive(Exhausted(1, 0, reqs[0].request)) == ([], None)  # shard 0 was asked
+    assert not client.exhausted and client.in_flight == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("dropped a Exhausted whose request and shard are not ints" in m for m in msgs)
+    assert any(f"dropped a Exhausted for request {reqs[0].request} from shard 1; shard 0 was asked" in m
+               for m in msgs)
+    client.receive(_mass(0, reqs[0].request, 1.0, 10))  # the real answers still count
+    out, _ = client.receive(_mass(1, reqs[1].request, 1.0, 10))
+    assert out and sum(r.n for r in out) == 8
+
+
+def test_a_shard_drops_a_request_it_could_not_answer_or_route(caplog):
+    """A request whose requester or id is not an int cannot be routed back (requester_key) nor
+    matched: the shard drops and logs it before anything else (it used to answer, and the answer's
+    routing raised and ended the shard's process)."""
+    import types
+
+    shard = types.SimpleNamespace(name="replay[0]")  # the check comes before the shard's table is touched
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        Replay.serve_request(shard, MassRequest(0, [0], 1))
+        Replay.serve_request(shard, SampleRequest(0, 0, {"a": 1}, 4))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert "replay[0] dropped a MassRequest whose requester and request are not ints: ([0], 1)" in msgs
+    assert "replay[0] dropped a SampleRequest whose requester and request are not ints: (0, {'a': 1})" in msgs
 
 
 def test_a_refused_request_raises_with_the_shards_reason():

@@ -236,3 +236,22 @@ def test_replay_shards_checkpoint_and_a_resumed_run_restores_them(tmp_path):
         for name, field in before["fields"].items():
             assert torch.equal(state["storage"]["fields"][name][:n].view(torch.uint8), field.view(torch.uint8))
         assert state["counts"]["inserted"] > first[shard]["counts"]["inserted"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_async_dp_learners_with_samples_in_flight_meet_in_every_round(tmp_path, capfd):
+    """Async mode, 4 samples in flight per replica: a replica could take two replies in one tick,
+    and the second one's word to the bank was held by the transport to the end of the tick while
+    the replica, having heard its round complete, blocked in the all-reduce (the other never heard
+    it; the run failed after 60 s). A blocking reaction now sends what its process sent first."""
+    from reactor.nodes.training import off_policy_graph
+
+    g = off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path), learners=2, prefetch=4,
+                         max_env_steps=3000, min_size=500, samples_per_insert=32.0, live=False)
+    run(g, placement="dp-learners", deterministic=False, seed=1)
+    out = capfd.readouterr().out
+    hashes = _hashes(out)
+    assert len(hashes) == 2 and len(set(hashes.values())) == 1, out[-3000:]
+    counts = set(re.findall(r"^learner\[\d\]: (\d+) updates; final weights", out, re.M))
+    assert len(counts) == 1 and int(counts.pop()) > 100

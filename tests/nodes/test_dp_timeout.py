@@ -50,8 +50,9 @@ else:
 """
 
 
-def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_timeout(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", REPLICA, str(rank), str(tmp_path)], cwd=REPO,
+def _two_replicas(tmp_path, script: str, *extra: str) -> str:
+    """Replicas 0 and 1 of ``script`` in two processes; replica 0's output, both reaped."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(tmp_path), *extra], cwd=REPO,
                               stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               text=True) for rank in (0, 1)]
     try:
@@ -60,6 +61,11 @@ def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_t
         for p in procs:
             p.kill()
             p.communicate(timeout=30)
+    return out0
+
+
+def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_timeout(tmp_path):
+    out0 = _two_replicas(tmp_path, REPLICA)
     lines = out0.strip().splitlines()
     joined = [line for line in lines if line.startswith("joined")]
     assert joined, out0
@@ -76,16 +82,7 @@ def test_a_replica_that_left_with_the_run_ends_the_others_wait_at_once_not_after
     between rounds while replica 0 was in the next update's all-reduce, which waited DP_TIMEOUT_S
     and failed the run. A replica's shutdown now tells the bank it left (and at which update); a
     waiting all-reduce checks between slices of DP_POLL_S."""
-    procs = [subprocess.Popen([sys.executable, "-c", REPLICA.replace("L.DP_TIMEOUT_S = 3.0", "L.DP_TIMEOUT_S = 30.0"),
-                               str(rank), str(tmp_path), "leave"], cwd=REPO,
-                              stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                              text=True) for rank in (0, 1)]
-    try:
-        out0, _ = procs[0].communicate(timeout=90)
-    finally:
-        for p in procs:
-            p.kill()
-            p.communicate(timeout=30)
+    out0 = _two_replicas(tmp_path, REPLICA.replace("L.DP_TIMEOUT_S = 3.0", "L.DP_TIMEOUT_S = 30.0"), "leave")
     left = [line for line in out0.splitlines() if line.startswith("left after")]
     assert left and left[0].endswith(": {1: 7}"), out0
     assert float(left[0].split()[2].rstrip("s:")) < 5, left[0]  # not the 30 s timeout

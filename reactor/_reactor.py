@@ -408,6 +408,11 @@ class Reactor:
         """
         return bool(getattr(self._host, "deterministic", True))
 
+    def links_into(self, port: str) -> int:
+        """How many of the graph's links deliver to this instance's input ``port`` (0: none). A
+        node whose behaviour needs a connection the graph may lack checks it at startup."""
+        return sum(1 for lk in getattr(self._host, "links", ()) if lk.dst == self.name and lk.dst_port == port)
+
     @property
     def process_link(self) -> Any:
         """How this reactor's process is reached (:class:`reactor._scheduler.ProcessLink`): its

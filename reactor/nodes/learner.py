@@ -482,6 +482,12 @@ class Learner(_LearnerBase):
 
     @reaction(triggers=[startup], effects=[requests, weights], blocking=True)  # (the replicas' rendezvous)
     def start(self) -> None:
+        if self.bank_size > 1 and self.links_into("bank") != self.bank_size:
+            raise ValueError(
+                f"{self.name}: a bank of {self.bank_size} data-parallel learners updates in rounds, and every replica "
+                f"must hear every replica: connect its `ready` output to its `bank` input, broadcast (graph.connect("
+                f"learner.ready, learner.bank, delay_s=step_s), as off_policy_graph does); {self.links_into('bank')} "
+                f"link(s) reach this replica's `bank`")
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
                                    timeout_s=self.sample_timeout_s, remote_reads="auto",

@@ -141,3 +141,20 @@ def test_a_replicas_word_on_a_round_is_checked_before_it_counts():
     # In this replica's own name, ahead of what it announced (it would take a batch it does not hold).
     assert bad(BankReady(1, 6, True)) == (
         "a word in this replica's name (1) on round 6, which it has not announced (it announced 6)")
+
+
+def test_a_bank_of_learners_whose_rounds_are_not_wired_fails_at_start_saying_how_to_wire_them(tmp_path):
+    """A Learner bank updates only when every replica hears every replica's word (ready -> bank);
+    a graph built without that link would never update, silently: it fails at start instead."""
+    import pytest
+
+    from reactor import run
+    from reactor.nodes.training import off_policy_graph
+
+    g = off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path), learners=2, max_env_steps=100,
+                         live=False)
+    g.connections = [c for c in g.connections if c.dst.port != "bank"]
+    with pytest.raises(ValueError, match=r"learner\[0\]: a bank of 2 data-parallel learners updates in rounds, and "
+                                         r"every replica must hear every replica: connect its `ready` output to its "
+                                         r"`bank` input.*; 0 link\(s\) reach this replica's `bank`"):
+        run(g)

@@ -217,9 +217,13 @@ class ReactorHost:
             for spec in t._reaction_specs:
                 for trig in spec.triggers:
                     self._by_trigger.setdefault((t, trig.name), []).append(spec)
-        # (reactor, trigger) pairs that run a blocking reaction (see reaction(blocking=True)).
+        # (reactor, trigger) pairs that can still run a blocking reaction (see reaction(blocking=True)):
+        # inputs only when linked, startup until it ran. Empty, run_ready checks no event for them
+        # (a single learner's blocking rendezvous and rounds never run past its startup).
+        linked = {(lk.dst, lk.dst_port) for lk in links}
         self._blocking = {(n, trig.name) for n, r in self.reactors.items() for spec in type(r)._reaction_specs
-                          if spec.blocking for trig in spec.triggers}
+                          if spec.blocking for trig in spec.triggers
+                          if not isinstance(trig, Input) or (n, trig.name) in linked}
         self._timers: dict[str, list[Timer]] = {
             n: [s for s in type(r)._port_specs.values() if isinstance(s, Timer)] for n, r in self.reactors.items()
         }
@@ -642,6 +646,7 @@ class ReactorHost:
         elif kind == STARTUP:
             for spec in self._by_trigger.get((t, "startup"), ()):
                 await self._fire(r, spec)
+            self._blocking.discard((name, "startup"))  # (it runs once)
         elif kind == PEER:
             trigger, r.peer_change = payload
             try:

@@ -124,7 +124,6 @@ class _LearnerBase(Reactor):
         self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name,
                                     replicas=self.bank_size)
         self.updates = 0
-        self.bank_ended = False  # data-parallel: a round found a replica without a batch (Learner.heard)
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
@@ -333,12 +332,12 @@ def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[
     if not isinstance(word, BankReady):
         return f"expected a BankReady, got {type(word).__name__}"
     r, i = word.round, word.replica
-    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < bank_size:
+    if type(i) is not int or not 0 <= i < bank_size:
         return f"replica must be an int in [0, {bank_size}), got {i!r}"
-    if isinstance(r, bool) or not isinstance(r, int) or not next_round <= r < next_round + _MAX_ROUNDS_AHEAD:
+    if type(r) is not int or not next_round <= r < next_round + _MAX_ROUNDS_AHEAD:
         return (f"round must be an int in [{next_round}, {next_round + _MAX_ROUNDS_AHEAD}) (the rounds not yet run), "
                 f"got {r!r} from replica {i}")
-    if not isinstance(word.have, bool):
+    if type(word.have) is not bool:
         return f"have must be True or False, got {word.have!r}"
     if i in heard.get(r, ()):
         return f"replica {i} spoke twice on round {r}"
@@ -478,7 +477,7 @@ class Learner(_LearnerBase):
         self._announced = 0
         self._rounds = 0
         self._heard: dict[int, dict[int, bool]] = {}
-        self._end_told = False  # this replica told the bank no batch will come
+        self.bank_ended = False  # a round found a replica without a batch, or one left with the run (heard)
 
     @reaction(triggers=[startup], effects=[requests, weights], blocking=True)  # (the replicas' rendezvous)
     def start(self) -> None:
@@ -502,11 +501,12 @@ class Learner(_LearnerBase):
     async def take(self, replies: ReplayReply) -> None:
         if self.bank_ended:
             return  # data-parallel: the bank has ended (heard); later replies are moot
+        was_exhausted = self.client.exhausted
         msgs, batch = await self.client.areceive(replies)  # awaits only one-sided reads of other hosts' shards
         for m in msgs:
             self.requests.send(m)
         if batch is None:
-            if self.client.exhausted and self.bank_size > 1 and not self._end_told:
+            if self.client.exhausted and not was_exhausted and self.bank_size > 1:
                 self._announce(None)  # no sample can come: the bank ends before this replica's next round
             return
         inline = self.bank_size > 1 or not self.deterministic
@@ -601,8 +601,6 @@ class Learner(_LearnerBase):
         batch will come, so the bank ends before that round)."""
         if batch is not None:
             self._held.append(batch)
-        else:
-            self._end_told = True
         self.ready.send(BankReady(self.bank_index, self._announced, batch is not None))
         self._announced += 1
 
@@ -619,24 +617,25 @@ class Learner(_LearnerBase):
         while not self.bank_ended and len(self._heard.get(self._rounds, ())) == self.bank_size:
             words = self._heard.pop(self._rounds)
             self._rounds += 1
-            if all(words.values()):
-                try:
-                    self._update(self._held.popleft())
-                except _BankLeft as e:  # the run stopped for the other replica(s) before this update
-                    self.bank_ended = True
-                    self._held.clear()
-                    _say(f"{self.name}: data-parallel learner(s) {sorted(e.left)} stopped with the run at update "
-                         f"{max(e.left.values())}, before this update: this one stops there too, at "
-                         f"{self.updates} updates (update {self.updates + 1} dropped)")
-                    break
-                continue
-            self.bank_ended = True
-            self._held.clear()
-            _say(f"{self.name}: {sum(words.values())} of {self.bank_size} data-parallel learners had a batch for "
-                 f"update {self.updates + 1}, and the replay has no more to give: the bank ends at {self.updates} "
-                 f"updates")
+            if not all(words.values()):
+                self._end_bank(f"{sum(words.values())} of {self.bank_size} data-parallel learners had a batch for "
+                               f"update {self.updates + 1}, and the replay has no more to give: the bank ends at "
+                               f"{self.updates} updates")
+                break
+            try:
+                self._update(self._held.popleft())
+            except _BankLeft as e:  # the run stopped for the other replica(s) before this update
+                self._end_bank(f"data-parallel learner(s) {sorted(e.left)} stopped with the run at update "
+                               f"{max(e.left.values())}, before this update: this one stops there too, at "
+                               f"{self.updates} updates (update {self.updates + 1} dropped)")
         if not self.bank_ended:
             await self._sample_one_sided()
+
+    def _end_bank(self, why: str) -> None:
+        """Data-parallel: no more rounds; the batches held are dropped."""
+        self.bank_ended = True
+        self._held.clear()
+        _say(f"{self.name}: {why}")
 
     def _update(self, batch: Any) -> None:
         import torch

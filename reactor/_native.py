@@ -16,6 +16,10 @@ copy.
 - ``zero_bytes(dst, nbytes)``: ``memset(dst, 0, nbytes)``.
 - ``acquire_fence()`` / ``release_fence()``: LLVM ``fence acquire`` / ``fence release`` (the bulk
   transport's sequence lock; a compiler barrier only on x86-64, a ``dmb``-class barrier on AArch64).
+- ``atomic_add(addr, delta)`` / ``atomic_cas(addr, expected, new)``: sequentially consistent
+  read-modify-writes of the int64 at ``addr`` (``lock xadd`` / ``lock cmpxchg`` on x86-64); both
+  return the value before. Processes that map the same memory take from one counter with them
+  (a replay shard's sample budget, :mod:`reactor.replay.shared`).
 
 Two plain-Python helpers sit with them, for the buffers those kernels fill:
 
@@ -69,6 +73,8 @@ from numba.extending import intrinsic
 
 __all__ = [
     "acquire_fence",
+    "atomic_add",
+    "atomic_cas",
     "copy_bytes",
     "host_empty",
     "host_huge_zeros",
@@ -175,6 +181,43 @@ def full_fence(typingctx: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+_I64 = ir.IntType(64)
+
+
+def _as_i64_ptr(builder: Any, addr: Any) -> Any:
+    return builder.inttoptr(addr, _I64.as_pointer())
+
+
+@intrinsic
+def atomic_add(typingctx: Any, addr: Any, delta: Any) -> Any:
+    """``*addr += delta`` on the int64 at integer address ``addr``, atomically (sequentially
+    consistent); returns the value before."""
+    if not (isinstance(addr, types.Integer) and isinstance(delta, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("add", _as_i64_ptr(builder, args[0]), d, "seq_cst")
+
+    return types.int64(addr, delta), codegen
+
+
+@intrinsic
+def atomic_cas(typingctx: Any, addr: Any, expected: Any, new: Any) -> Any:
+    """If the int64 at integer address ``addr`` is ``expected``, store ``new`` there, atomically
+    (sequentially consistent); returns the value found (``== expected`` when the store happened)."""
+    if not all(isinstance(a, types.Integer) for a in (addr, expected, new)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        e = context.cast(builder, args[1], signature.args[1], types.int64)
+        v = context.cast(builder, args[2], signature.args[2], types.int64)
+        pair = builder.cmpxchg(_as_i64_ptr(builder, args[0]), e, v, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return types.int64(addr, expected, new), codegen
 
 
 _NUMPY_TWINS: dict[torch.dtype, Any] = {}

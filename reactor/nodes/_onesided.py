@@ -30,7 +30,14 @@ from ..replay.shared import EMPTY as _EMPTY
 from ..replay.shared import MOVED_AT as _MOVED_AT
 from ..replay.shared import OK as _OK
 from ..replay.shared import ZERO as _ZERO
-from ..replay.shared import SharedSampling, SharedShards, least_probability, plan_shards
+from ..replay.shared import (
+    SharedSampling,
+    SharedShards,
+    least_probability,
+    parse_transition,
+    plan_shards,
+    transitions_from_windows,
+)
 from ._shardkeys import KEY_SHARD_BITS, make_keys
 from .messages import SampledBatch, SampledKeys, ShardMass
 
@@ -67,6 +74,7 @@ class _RemoteShard:
     window: int
     beta: float
     max_items: int  # the most items its server draws in one reply
+    transition: Any = None  # the TransitionRead made of its windows, or None
 
 
 @dataclass
@@ -118,8 +126,14 @@ class OneSidedSampling:
                     and isinstance(table.get("window"), int) and isinstance(table.get("beta"), float)
                     and table.get("pad") in ("head", "tail", "")):
                 max_items = sampling.get("max_items")
+                try:
+                    transition = parse_transition(table.get("transition"), table["window"])
+                except ValueError as e:
+                    log.warning("replay client %s: shard %d's one-sided sampling offer is unusable (%s); sampling "
+                                "it through messages", self.requester, shard, e)
+                    return
                 self._remote_shared[shard] = _RemoteShard(data_region, int(table["window"]), float(table["beta"]),
-                                                          max_items if type(max_items) is int else 1)
+                                                          max_items if type(max_items) is int else 1, transition)
             return
         try:
             if not isinstance(sampling, dict) or not isinstance(sampling.get("table"), dict):
@@ -133,6 +147,8 @@ class OneSidedSampling:
                 if mem is None or mem.shape != (1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize):
                     raise ValueError(f"array {name!r} of the offer does not match the region's segment")
                 arrays[name] = mem[0].view(dtype).reshape(shape)
+            if "budget" in arrays:  # the rate limiter's sample count: this reader takes from it
+                arrays["budget"] = self._reader.writable_view(region, "budget")[0].view(arrays["budget"].dtype)
             table = SharedSampling(sampling["table"], arrays)
             data_region = self._regions[shard][0]
             data = self._reader.mapped(data_region)
@@ -272,6 +288,11 @@ class OneSidedSampling:
         return {"n": count, "keys": rep["keys"], "q": rep["probabilities"], "times": rep["times_sampled"],
                 "valid": rep["valid"], "mask": mask, "data": out, "window": rs.window}
 
+    def _transition_of(self, shard: int) -> Any:
+        """The TransitionRead shard ``shard``'s windows are turned into, or None (its offer says)."""
+        rs = self._remote_shared.get(shard)
+        return rs.transition if rs is not None else self._shared[shard].table.transition
+
     def _remote_data_region(self, shard: int) -> str:
         rs = self._remote_shared.get(shard)
         return rs.data_region if rs is not None else self._shared[shard].data_region
@@ -288,14 +309,16 @@ class OneSidedSampling:
         keys, q = np.empty(count, np.int64), np.empty(count, np.float64)
         times, valid = np.empty(count, np.int64), np.empty(count, np.bool_)
         uniforms = self.rng.random(count)
+        if not sh.table.take(count):  # its rate limiter holds them back now
+            return None
         while True:
             f = self._stable_figures(sh, deadline)
             if f is None:
-                return None
+                break
             seq, mass, low, size = f
             self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
             if size < sh.table.min_size or not mass > 0:
-                return None
+                break
             status = sh.table.sample_into(seq, uniforms, sh.src_addrs, sh.row_nbytes,
                                           np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
                                           times, valid)
@@ -305,7 +328,9 @@ class OneSidedSampling:
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
             self.one_sided_retries += 1
             if time.perf_counter() > deadline:
-                return None
+                break
+        sh.table.give_back(count)
+        return None
 
     def _assemble_remote(self, n: int, live: list[int], share: np.ndarray,
                          parts: dict[int, dict[str, Any]]) -> SampledBatch:
@@ -343,6 +368,9 @@ class OneSidedSampling:
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
+        transition = self._transition_of(order[0])
+        if transition is not None:
+            data = transitions_from_windows(data, transition)
         return SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                             probabilities=torch.from_numpy(probs),
                             table_size=int(sum(f.size for f in figs)),  # type: ignore[attr-defined]
@@ -369,11 +397,13 @@ class OneSidedSampling:
         :meth:`request`.
 
         Possible when every live shard is on this host and offered it (asynchronous runs; a
-        Uniform or Prioritized sampler, WindowRead or StepRead, no ``max_times_sampled``, a MinSize
-        rate limiter: :func:`reactor.replay.shared.why_not_shared`), the offer has arrived (with the
-        client's first reply from each shard: the first sample goes through messages), and every
-        live shard holds at least its rate limiter's min size (below it, :meth:`request` parks as
-        the shards do).
+        Uniform or Prioritized sampler, WindowRead, TransitionRead or StepRead, no
+        ``max_times_sampled``: :func:`reactor.replay.shared.why_not_shared`), the offer has arrived
+        (with the client's first reply from each shard: the first sample goes through messages),
+        every live shard holds at least its rate limiter's min size, and every shard's rate limiter
+        allows its count now: the counts are taken from the limiters' shared budgets, all or none,
+        before any draw (otherwise :meth:`request` parks as the shards do, until inserts allow it).
+        Transitions are the copied windows of ``n + 1`` steps, summed here as the shard would.
 
         The draw is the two-stage one: the shards' masses are read (each at one moment, under its
         sequence count), the per-shard counts drawn from them, and each shard's items drawn from the
@@ -391,7 +421,8 @@ class OneSidedSampling:
         Returns:
             ``(batch, notices)``: the batch, and the notices due, to send to the shards (with
             ``key=shard_key``, like priority updates): they count the draws (times sampled,
-            statistics, rate limiter). The client holds each sample's notices until they count
+            statistics; the rate limiter counted them at the take) and wake a shard whose inserts
+            wait for samples (such a shard's notices go at once). The client holds each sample's notices until they count
             ``notice_every`` samples (or :data:`NOTICE_MAX_AGE_S`) and then returns them as one
             :class:`SampledKeys` per shard; so most calls return ``[]``. A call that returns no
             batch returns every held notice; :meth:`take_notices` hands them over at any time.
@@ -433,7 +464,12 @@ class OneSidedSampling:
         # Every shard's figures and the counts in one compiled call, then every shard's draw in another
         # (the common case; a shard mid-change or changed in between is handled below, shard by shard).
         status = group.figures(count_uniforms, seqs, sizes, masses, lows, counts, shares, least)
+        hurry = False  # a shard has inserts waiting for samples: its notices go at once
         if status == _OK:
+            took = group.take(counts)  # the shards' rate limiters' samples, all or none
+            if took >= 0:
+                return None, self.take_notices()  # a limiter holds them back: messages (the shard parks them)
+            hurry = took == -2
             status = group.draw(every_uniform, bases, item_nbytes, group.tags, beta, mask, local, q, times, valid,
                                 weights, seqs, counts, shares, least, where)
         if status in (_BELOW, _ZERO):  # below a shard's min size (its request parks until ready), or all 0
@@ -449,6 +485,10 @@ class OneSidedSampling:
             lows = np.array([f[2] for f in figs], dtype=np.float64)  # type: ignore[index]
             if plan_shards(count_uniforms, masses, lows, counts, shares, least) != _OK:
                 return None, self.take_notices()  # every priority is 0: the message path says so
+            took = group.take(counts)
+            if took >= 0:
+                return None, self.take_notices()
+            hurry = took == -2
             start, a = 0, 0
         else:
             figs = list(zip(seqs.tolist(), masses.tolist(), lows.tolist(), sizes.tolist()))
@@ -478,6 +518,9 @@ class OneSidedSampling:
                 retried = True
                 g = self._stable_figures(sh, deadline) if status != _EMPTY else None
                 if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
+                    undrawn = counts.copy()
+                    undrawn[:i] = 0
+                    group.give_back(undrawn)  # (the draws made count: their notices go now)
                     return None, self.take_notices(self._notices(drawn, local))
                 f = g
             used[i] = f
@@ -486,7 +529,7 @@ class OneSidedSampling:
         if retried:  # the least likely item is the one of the figures the draws used
             min_p = least_probability(shares, np.array([f[1] for f in used]), np.array([f[2] for f in used]))
             weights = _weights(q, min_p, beta)
-        return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid)
+        return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid, hurry)
 
     def _group_of(self, live: list[int], shards: list[_SharedShard]) -> SharedShards:
         """The live shards' mapped states as one :class:`SharedShards` (kept until the shards change)."""
@@ -497,10 +540,11 @@ class OneSidedSampling:
             self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
         return self._group[1]
 
-    def _hold_keys(self, drawn: list[tuple[int, np.ndarray]]) -> list[SampledKeys]:
+    def _hold_keys(self, drawn: list[tuple[int, np.ndarray]], hurry: bool = False) -> list[SampledKeys]:
         """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not
-        told yet; all of them, one notice per shard, once they count ``notice_every`` samples or the
-        oldest is :data:`NOTICE_MAX_AGE_S` old."""
+        told yet; all of them, one notice per shard, once they count ``notice_every`` samples, or the
+        oldest is :data:`NOTICE_MAX_AGE_S` old, or ``hurry`` (a shard holds inserts back until it
+        hears of samples: its rate limiter's count moved, but the shard checks again only when told)."""
         now = time.perf_counter()
         if not self._held_samples:
             self._held_since = now
@@ -508,7 +552,7 @@ class OneSidedSampling:
         for k, keys in drawn:
             held.setdefault(k, []).append(keys)
         self._held_samples += 1
-        if self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
+        if hurry or self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
             return self.take_notices()
         return []
 
@@ -544,7 +588,7 @@ class OneSidedSampling:
     def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]],
                           figs: list[tuple[int, float, float, int]], shards: list[_SharedShard],
                           out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
-                          weights: np.ndarray, times: np.ndarray, valid: np.ndarray,
+                          weights: np.ndarray, times: np.ndarray, valid: np.ndarray, hurry: bool = False,
                           ) -> tuple[SampledBatch, list[SampledKeys]]:
         """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
         and its notices."""
@@ -568,7 +612,9 @@ class OneSidedSampling:
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
+        if shards[0].table.transition is not None:  # n-step transitions of the copied windows
+            data = transitions_from_windows(data, shards[0].table.transition)
         batch = SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                              probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
                              times_sampled=torch.from_numpy(times))
-        return batch, self._hold_keys(notices)
+        return batch, self._hold_keys(notices, hurry)

@@ -82,7 +82,6 @@ from .._errors import WouldBlock
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
 from ..replay import (
     Prioritized,
-    RateLimiter,
     Selector,
     StepRead,
     Storage,
@@ -214,8 +213,9 @@ class Replay(Reactor):
             a restore loses no acknowledged insert (needs ``run_dir``; costs an fsync per message:
             docs/benchmarks.md).
         bulk: keep the storage in shared memory and answer requesters on this host with the rows
-            to gather themselves (WindowRead and StepRead tables): the shard never copies the
-            windows. None (default): on in async runs where shared memory works, off in
+            to gather themselves (WindowRead and StepRead tables: the shard never copies the
+            windows; TransitionRead tables answer with the transitions and offer their rows for
+            one-sided draws only, which sum the returns themselves). None (default): on in async runs where shared memory works, off in
             deterministic runs (a reader's gather races the ring, so a dropped overwritten item
             would depend on timing). True forces it on.
         memory: where the shard's trajectory memory lives: ``"host"`` (default), ``"pinned"``
@@ -358,7 +358,7 @@ class Replay(Reactor):
                 f"({torch.cuda.device_count()} visible)"
             )
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
-        if use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead)):
+        if use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead)):
             caps = _bulk.capabilities()
             backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
             backends += ["zmq"] if self.remote_reads == "zmq" else []
@@ -368,8 +368,7 @@ class Replay(Reactor):
             self._region = _dir_name(self.name)
             # One-sided sampling: the sampler's state and the episode index live in a second region
             # that requesters on this host map (reactor.replay.shared).
-            self._shared = self._shared_arrays(_make_selector("sampler", self.sampler_config),
-                                               _make_limiter(self.limiter_config))
+            self._shared = self._shared_arrays(_make_selector("sampler", self.sampler_config))
             storage = Storage(self.specs, self.capacity, pin_memory=self.memory == "pinned",
                               allocator=self._owner.allocator(self._region, pin_memory=self.memory == "pinned"),
                               index_arrays=self._shared)
@@ -470,10 +469,10 @@ class Replay(Reactor):
         self._remote_sampling = {"table": self._sampling["table"], "op": REMOTE_SAMPLE_OP,  # type: ignore[index]
                                  "max_items": max_items}
 
-    def _shared_arrays(self, sampler: Selector, limiter: RateLimiter) -> SharedArrays | None:
+    def _shared_arrays(self, sampler: Selector) -> SharedArrays | None:
         """Memory for the table's sampling state in a region of the bulk owner (one segment per
         array), if requesters may sample this table one-sidedly; else None (and why, logged)."""
-        why = why_not_shared(sampler, self.read, self.max_times_sampled, limiter, capacity=self.capacity)
+        why = why_not_shared(sampler, self.read, self.max_times_sampled, capacity=self.capacity)
         region = sampling_region_name(self._region)
         if not why and region is None:
             why = f"its name {self.name!r} is too long for a second bulk region (64 characters in all)"
@@ -531,6 +530,7 @@ class Replay(Reactor):
         try:
             yield
         finally:
+            self.table.rate_limiter.set_parked(len(self._parked_steps))  # type: ignore[union-attr]
             pub.end()
 
     @reaction(triggers=[steps], effects=[replies, acks])
@@ -703,11 +703,17 @@ class Replay(Reactor):
             if not mass > 0:  # every priority is 0: nothing to draw; the figures tell the client so
                 self._send_figures(req)
                 return True
-            bulk = self._owner is not None and (
+            reads_us = self._owner is not None and (
                 req.host == self._host_id or (req.remote in ("rdma", "zmq") and req.remote in self._owner.backends))
+            # Transitions travel as data (the shard sums the returns); their rows are offered for
+            # one-sided draws all the same, which copy the windows and sum the returns themselves.
+            bulk = reads_us and not isinstance(self.read, TransitionRead)
             # The anchor steps are the items only for StepRead; the other reads and the bulk plan
             # start from the keys alone.
-            anchors, info = table.sample_nowait(n, read=not bulk and isinstance(self.read, StepRead))
+            try:
+                anchors, info = table.sample_nowait(n, read=not bulk and isinstance(self.read, StepRead))
+            except WouldBlock:  # one-sided readers took the limiter's last samples since the check
+                return self._held_for_good(req)
             keys = info.keys.numpy()
             common = {
                 "keys": make_keys(self.bank_index, keys),
@@ -715,13 +721,16 @@ class Replay(Reactor):
                 "times_sampled": info.times_sampled.numpy(),
                 "mass": mass, "min_mass": min_mass, "size": size, "beta": self.beta,
             }
+            desc = sampling = None
+            if reads_us and req.generation != self._owner.generation:  # (the offer: once per generation)
+                desc = self._descriptor
+                sampling = self._sampling if req.host == self._host_id else self._remote_sampling
             if bulk:
-                desc = None if req.generation == self._owner.generation else self._descriptor
-                sampling = None
-                if desc is not None:
-                    sampling = self._sampling if req.host == self._host_id else self._remote_sampling
                 reply = ShardSample(self.bank_index, req.requester, req.request, "", None, descriptor=desc,
                                     sampling=sampling, **self._bulk_plan(keys), **common)
+            elif sampling is not None:  # transitions: the data here, the rows offered for one-sided draws
+                reply = ShardSample(self.bank_index, req.requester, req.request, "", self._read_items(keys, anchors),
+                                    descriptor=desc, sampling=sampling, **common)
             else:
                 reply = ShardSample(self.bank_index, req.requester, req.request, "", self._read_items(keys, anchors),
                                     **common)

@@ -22,6 +22,11 @@ limiter                                                  spi    min size      mi
 So ``SampleToInsertRatio`` lets samples run ahead of or behind ``spi`` samples per insert by at most
 ``e`` samples, and ``Queue`` lets each insert be sampled exactly once, with at most ``size`` waiting.
 
+Shared counting: a table that readers in other processes sample one-sidedly keeps its limiter's
+sample count in shared memory (:meth:`RateLimiter.share`, the budget of :mod:`reactor.replay._budget`):
+the owner's draws and every reader's take their samples from it by compare-and-swap, so the bound
+``inserts * samples_per_insert - samples >= min_diff`` holds over all of them at once, exactly.
+
 Waiting: :meth:`RateLimiter.wait` parks the caller on the event loop until the condition holds; every
 change of the counters (insert, sample, delete, reset) wakes every waiter, which re-checks. ``close()``
 wakes them with :class:`~reactor._errors.PortClosedError`. The owner (a :class:`~reactor.replay.Table`)
@@ -37,7 +42,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._errors import PortClosedError
+from ._budget import ALLOWED, BUDGET_WORDS, PARKED, TAKEN, UNLIMITED, add, take
 
 __all__ = [
     "MinSize",
@@ -97,7 +105,9 @@ class RateLimiter:
         self.min_diff = float(min_diff)
         self.max_diff = float(max_diff)
         self._inserts = 0
-        self._samples = 0
+        self._own_samples = 0
+        self._budget: np.ndarray | None = None  # the shared sample count (share), else _own_samples
+        self._taken = 0  # samples take() took ahead of the on_sample that counts them
         self._closed = False
         self._waiters: list[asyncio.Future[None]] = []
         self._waiting = {"insert": 0, "sample": 0}
@@ -130,6 +140,71 @@ class RateLimiter:
             raise ValueError(f"{self!r} already belongs to a table; create one rate limiter per table")
         self._bound = True
 
+    # ------------------------------------------------------------------ shared counting
+
+    @property
+    def _samples(self) -> int:
+        b = self._budget
+        return self._own_samples if b is None else int(b[TAKEN])
+
+    @_samples.setter
+    def _samples(self, value: int) -> None:
+        if self._budget is None:
+            self._own_samples = value
+        else:
+            self._budget[TAKEN] = value
+            self._budget[ALLOWED] = self._allowed()
+
+    def share(self, budget: np.ndarray) -> None:
+        """Count samples in ``budget`` from now on: int64 words (:mod:`reactor.replay._budget`) in
+        memory that readers in other processes map writable and take their one-sided draws from.
+        The count so far moves there; the limiter writes ``allowed`` after every insert.
+
+        A reader can write those words: one that writes them wrongly skews this limiter's pacing
+        (its inserts and samples may run ahead or stall), nothing else (the docs' trust boundaries).
+
+        Raises:
+            ValueError: ``budget`` is not a writable contiguous int64 array of at least 4 words.
+        """
+        if (not isinstance(budget, np.ndarray) or budget.dtype != np.int64 or budget.ndim != 1
+                or budget.shape[0] < BUDGET_WORDS or not budget.flags.c_contiguous or not budget.flags.writeable):
+            raise ValueError(f"a sample budget is a writable contiguous int64 array of at least {BUDGET_WORDS} "
+                             f"words, got {budget!r:.80}")
+        samples = self._samples
+        self._budget = budget
+        budget[PARKED] = 0
+        self._samples = samples
+
+    @property
+    def shared(self) -> bool:
+        """Whether the sample count lives in a shared budget (:meth:`share`)."""
+        return self._budget is not None
+
+    def _allowed(self) -> int:
+        """The most samples the counters allow now (the budget's ``allowed`` word)."""
+        x = self._inserts * self.samples_per_insert - self.min_diff
+        if not x < UNLIMITED:
+            return UNLIMITED
+        return math.floor(x) if x > -UNLIMITED else -UNLIMITED
+
+    def set_parked(self, n: int) -> None:
+        """Tell the budget's readers that ``n`` inserts wait for samples (they then send their
+        notices at once: the owner re-checks the inserts when they arrive)."""
+        if self._budget is not None and self._budget[PARKED] != n:
+            self._budget[PARKED] = n
+
+    def take(self, n: int, size: int) -> bool:
+        """Whether a sample of ``n`` items from a table of ``size`` may proceed now, as
+        :meth:`can_sample`; with a shared budget, the ``n`` samples are taken from it at the same
+        time (atomically: no reader takes them meanwhile), and the :meth:`on_sample` that follows
+        counts only what it draws beyond them (or gives back what it drew less)."""
+        if self._budget is None:
+            return self.can_sample(n, size)
+        if size < self.min_size_to_sample or not take(self._budget, n):
+            return False
+        self._taken += n
+        return True
+
     # ------------------------------------------------------------------ conditions
 
     def can_insert(self, n: int, size: int) -> bool:
@@ -142,6 +217,8 @@ class RateLimiter:
         """Whether sampling ``n`` items from a table of ``size`` items may proceed now."""
         if size < self.min_size_to_sample:
             return False
+        if self._budget is not None:  # (the rule's integer form: the count every taker checks)
+            return self._samples + n <= self._budget[ALLOWED]
         return self._inserts * self.samples_per_insert - (self._samples + n) >= self.min_diff
 
     def explain(self, op: str, n: int, size: int) -> str:
@@ -163,11 +240,23 @@ class RateLimiter:
     def on_insert(self, n: int) -> None:
         """Count ``n`` inserted items and wake waiters."""
         self._inserts += n
+        if self._budget is not None:
+            self._budget[ALLOWED] = self._allowed()
         self.notify()
 
     def on_sample(self, n: int) -> None:
-        """Count ``n`` sampled items and wake waiters."""
-        self._samples += n
+        """Count ``n`` sampled items and wake waiters (with a shared budget, the samples a
+        :meth:`take` took before count among them)."""
+        if self._budget is None:
+            self._own_samples += n
+        else:
+            more, self._taken = n - self._taken, 0
+            if more:  # draws beyond what take() took (or what it took and was not drawn)
+                add(self._budget, more)
+        self.notify()
+
+    def on_shared_samples(self) -> None:
+        """Readers took samples from the shared budget (their notices came): wake waiters."""
         self.notify()
 
     def reset(self) -> None:

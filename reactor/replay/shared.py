@@ -31,12 +31,24 @@ the copy (its step is below the published next step) and no append had reached i
 is never torn; one read of one number per shard replaces a check of every row's version before and
 after the copy (90 us of a 256 x 32 batch).
 
+Rate limiting. The table's rate limiter keeps its sample count in the region too (the *budget*,
+:mod:`reactor.replay._budget`: the count, the most it may reach, the owner's parked inserts), and
+every draw takes its items from it first, by compare-and-swap: a reader's (:meth:`SharedSampling.take`,
+:meth:`SharedShards.take` for all shards of a batch at once, or none), a read server's for a reader
+on another host, and the owner's own (``RateLimiter.take``). So a ``SampleToInsertRatio`` holds
+exactly over all of them; a reader whose take fails samples through the owner's messages, which
+wait for inserts as before. A reader maps that one array writable; everything else read-only.
+
+n-step transitions (``TransitionRead``) are offered as the tail-padded windows of ``n + 1`` steps
+from each anchor, with the read's parameters in the descriptor: a reader copies the windows and
+sums the returns itself (:func:`transitions_from_windows`, the storage's own arithmetic).
+
 What a reader may see stale. The state it reads is the owner's as of the owner's last completed
 change: a write the owner has not applied yet (a priority update still in a message queue, an
 insert in flight) is not seen, and nothing older than the last completed change is ever seen. The
-owner's bookkeeping of one-sided draws (times sampled, the rate limiter's count) arrives later in a
-message (:meth:`Table.note_sampled`): a reader's ``times_sampled`` is the owner's count as of its
-last completed change, plus one.
+owner's times-sampled bookkeeping of one-sided draws arrives later in a message
+(:meth:`Table.note_sampled`): a reader's ``times_sampled`` is the owner's count as of its last
+completed change, plus one. (The rate limiter's count is not late: it was taken at the draw.)
 
 Safety against the memory itself. A reader maps the arrays read-only and trusts nothing it reads:
 every index taken from shared memory is range-checked in the kernels before it is used (a slot, an
@@ -52,14 +64,17 @@ from typing import Any
 
 import numba
 import numpy as np
+import torch
 
 from .._native import acquire_fence, prefetch, release_fence, void_pointer
+from ._budget import BUDGET_WORDS, add, give_back_all, take, take_all
 from ._storagekernels import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
 from .sumtree import _layout, _nb_descend
 
 __all__ = [
     "BELOW", "BUSY", "EMPTY", "MOVED", "MOVED_AT", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling",
-    "SharedShards", "least_probability", "plan_shards", "serve_sample", "shareable", "why_not_shared",
+    "SharedShards", "least_probability", "parse_transition", "plan_shards", "serve_sample", "shareable", "transitions_from_windows",
+    "why_not_shared",
 ]
 
 #: Header slots (int64): the sequence count, then what the owner publishes at the end of a change.
@@ -121,36 +136,95 @@ class SharedArrays:
 
 def shareable(table: Any) -> str:
     """Why ``table`` cannot be sampled one-sidedly, or ``""`` if it can (see :func:`why_not_shared`)."""
-    return why_not_shared(table._sampler, table._read, table._max_times_sampled, table._limiter,
-                          table._storage.device.type)
+    return why_not_shared(table._sampler, table._read, table._max_times_sampled, table._storage.device.type)
 
 
-def why_not_shared(sampler: Any, read: Any, max_times_sampled: int, limiter: Any, device: str = "cpu",
+def why_not_shared(sampler: Any, read: Any, max_times_sampled: int, device: str = "cpu",
                    capacity: int | None = None) -> str:
     """Why a table of these parts cannot be sampled one-sidedly, or ``""`` if it can.
 
     A one-sided draw is the table's own draw only if the sampler's state is all in the published
-    arrays (Uniform, Prioritized), the items are windows or steps read from host memory, no item
-    expires after a number of samples (the owner would have to drop it at the draw), and the rate
-    limiter decides from the size alone (MinSize).
+    arrays (Uniform, Prioritized), the items are windows, n-step transitions (a reader copies the
+    ``n + 1`` steps from the anchor and sums the return itself: :func:`transitions_from_windows`) or
+    steps read from host memory, and no item expires after a number of samples (the owner would
+    have to drop it at the draw). Any rate limiter will do: its sample count is shared with the
+    readers (the budget, :mod:`reactor.replay._budget`).
     """
-    from .rate_limiters import MinSize
     from .selectors import Prioritized, Uniform
-    from .table import StepRead, WindowRead
+    from .table import StepRead, TransitionRead, WindowRead
 
     if type(sampler) not in (Prioritized, Uniform):
         return f"its sampler is {type(sampler).__name__} (one-sided: Uniform or Prioritized)"
-    if not isinstance(read, (WindowRead, StepRead)):
-        return f"it reads {type(read).__name__} items (one-sided: WindowRead or StepRead)"
+    if not isinstance(read, (WindowRead, StepRead, TransitionRead)):
+        return f"it reads {type(read).__name__} items (one-sided: WindowRead, TransitionRead or StepRead)"
+    read = _as_window(read)
     if max_times_sampled:
         return f"max_times_sampled={max_times_sampled} (the owner drops items at the draw)"
-    if type(limiter) is not MinSize:
-        return f"its rate limiter is {type(limiter).__name__} (one-sided: MinSize)"
     if device != "cpu":
         return f"its storage is on {device}"
     if capacity is not None and isinstance(read, WindowRead) and read.length > capacity:
         return f"its windows ({read.length} steps) are longer than its storage ({capacity} steps)"
     return ""
+
+
+def _as_window(read: Any) -> Any:
+    """What a reader copies for ``read``: an n-step transition is the tail-padded window of the
+    ``n + 1`` steps from its anchor (the last valid one is its bootstrap step); other reads as they are."""
+    from .table import TransitionRead, WindowRead
+
+    return WindowRead(read.n + 1, "tail") if isinstance(read, TransitionRead) else read
+
+
+def parse_transition(spec: Any, window: int) -> Any:
+    """A descriptor's ``transition`` entry as a TransitionRead (None if absent), checked: it comes
+    from another process."""
+    from .table import TransitionRead
+
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) != {"n", "gamma", "reward_field", "next_fields"}:
+        raise ValueError(f"one-sided sampling descriptor: a malformed transition entry {spec!r:.120}")
+    n, gamma, reward, nxt = spec["n"], spec["gamma"], spec["reward_field"], spec["next_fields"]
+    if (type(n) is not int or n + 1 != window or type(gamma) is not float or not isinstance(reward, str)
+            or not isinstance(nxt, list) or not all(isinstance(f, str) for f in nxt)):
+        raise ValueError(f"one-sided sampling descriptor: a transition entry that does not fit its window "
+                         f"{window}: {spec!r:.120}")
+    return TransitionRead(n, gamma, reward, tuple(nxt))
+
+
+def transitions_from_windows(data: dict[str, torch.Tensor], read: Any) -> dict[str, torch.Tensor]:
+    """The n-step transitions of ``read`` (a TransitionRead) from the tail-padded windows of its
+    ``n + 1`` steps (``data``: every field ``[B, n + 1, ...]`` and ``mask`` ``[B, n + 1]``): what
+    :meth:`Storage.read_transitions` returns for the windows' anchors, to the bit. An item's
+    valid steps ``L`` end at its episode's last stored step or at ``n + 1``, so ``m = L - 1``:
+    ``reward = sum_{k<m} gamma^k r_k`` (the rewards summed as the storage sums them: the same
+    ``n`` terms, those past ``m`` times 0), ``discount = gamma^m``, ``valid = m >= 1``,
+    ``next_<f> = f[m]``, every field else at the anchor.
+
+    Raises:
+        KeyError: the reward field or a next field is not in ``data``.
+    """
+    n, gamma = read.n, read.gamma
+    mask = data["mask"]
+    b = mask.shape[0]
+    m = mask.sum(dim=1, dtype=torch.int64) - 1
+    out = {f: t[:, 0] for f, t in data.items() if f != "mask"}
+    r = data[read.reward_field][:, :n]
+    rdtype = r.dtype if r.dtype.is_floating_point else torch.float32
+    k = torch.arange(n, dtype=torch.int64)
+    at = torch.minimum(k[None, :], torch.clamp(m[:, None] - 1, min=0))  # the storage's own reward rows
+    rewards = torch.gather(r, 1, at.reshape(b, n, *([1] * (r.dim() - 2))).expand(b, n, *r.shape[2:]))
+    gpow = torch.as_tensor(gamma ** np.arange(n, dtype=np.float64), dtype=rdtype)
+    coef = gpow[None, :] * (k[None, :] < m[:, None])
+    coef = coef.reshape(*coef.shape, *([1] * (rewards.dim() - 2)))
+    out[read.reward_field] = (rewards.to(rdtype) * coef).sum(dim=1)
+    mm = m.numpy()
+    out["discount"] = torch.as_tensor(gamma ** mm.astype(np.float64), dtype=rdtype)
+    out["valid"] = m >= 1
+    rows = torch.arange(b)
+    for f in read.next_fields:
+        out[f"next_{f}"] = data[f][rows, m.clamp(min=0)]
+    return out
 
 
 # -------------------------------------------------------------------------------------- owner side
@@ -192,13 +266,15 @@ class SamplingPublisher:
 
     def __init__(self, table: Any, arrays: SharedArrays, *, read: Any = None) -> None:
         self.read = table._read if read is None else read
-        why = why_not_shared(table._sampler, self.read, table._max_times_sampled, table._limiter,
-                             table._storage.device.type, table._storage.capacity)
+        why = why_not_shared(table._sampler, self.read, table._max_times_sampled, table._storage.device.type,
+                             table._storage.capacity)
         if why:
             raise ValueError(f"table {table.name!r} cannot be sampled one-sidedly: {why}")
         self.table = table
         self.arrays = arrays
         self.header = arrays("header", (HEADER_LEN,), np.int64)
+        self.budget = arrays("budget", (BUDGET_WORDS,), np.int64)
+        table._limiter.share(self.budget)  # every draw, the owner's and the readers', takes from it
         names = set(arrays.layout())
         need = {"times", "step_ep", "ep_start", "ep_len"} | (
             {"sums", "mins"} if self.uniform is False else {"dense"})
@@ -236,18 +312,21 @@ class SamplingPublisher:
     def descriptor(self) -> dict[str, Any]:
         """What a reader needs besides the arrays' memory: plain msgpack-able data."""
         t = self.table
-        from .table import WindowRead
+        from .table import TransitionRead, WindowRead
 
-        read = self.read
+        read = _as_window(self.read)
+        tr = self.read if isinstance(self.read, TransitionRead) else None
         return {
             "kind": "reactor.replay.shared",
-            "version": 1,
+            "version": 2,
             "sampler": "uniform" if self.uniform else "prioritized",
             "capacity": t._storage.capacity,
             "arity": 0 if self.uniform else int(t._sampler.arity),
             "window": int(read.length) if isinstance(read, WindowRead) else 0,
             "pad": read.pad if isinstance(read, WindowRead) else "",
-            "min_size": int(getattr(t._limiter, "min_size", 1)),
+            "transition": None if tr is None else {"n": tr.n, "gamma": float(tr.gamma), "reward_field": tr.reward_field,
+                                                   "next_fields": list(tr.next_fields)},
+            "min_size": int(t._limiter.min_size_to_sample),
             "beta": float(t._beta),
             "arrays": {n: [list(s), d] for n, (s, d) in self.arrays.layout().items()},
         }
@@ -440,7 +519,8 @@ class SharedSampling:
 
     Args:
         descriptor: :meth:`SamplingPublisher.descriptor`.
-        arrays: name -> the mapped array (read-only is enough), for every name the descriptor lists.
+        arrays: name -> the mapped array, for every name the descriptor lists: read-only is enough,
+            but for ``budget`` (the rate limiter's sample count, which a reader takes from).
 
     Raises:
         ValueError: the descriptor or the arrays do not match (kind, shapes, dtypes, sizes).
@@ -448,7 +528,7 @@ class SharedSampling:
 
     def __init__(self, descriptor: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         d = descriptor
-        if not isinstance(d, dict) or d.get("kind") != "reactor.replay.shared" or d.get("version") != 1:
+        if not isinstance(d, dict) or d.get("kind") != "reactor.replay.shared" or d.get("version") != 2:
             raise ValueError(f"not a one-sided sampling descriptor: {d!r:.200}")
         for key, typ in (("capacity", int), ("arity", int), ("window", int), ("min_size", int), ("beta", float),
                          ("sampler", str), ("pad", str), ("arrays", dict)):
@@ -464,6 +544,10 @@ class SharedSampling:
         self.capacity = cap = d["capacity"]
         self.window = d["window"]
         self.head = d["pad"] == "head"
+        #: The TransitionRead a reader makes of the copied windows (transitions_from_windows), or None.
+        self.transition = parse_transition(d.get("transition"), self.window)
+        if self.transition is not None and self.head:
+            raise ValueError("one-sided sampling descriptor: transitions are read from tail-padded windows")
         self.min_size = d["min_size"]
         self.beta = d["beta"]
         self.arity = max(2, d["arity"])
@@ -473,6 +557,7 @@ class SharedSampling:
         want: dict[str, tuple[tuple[int, ...], Any]] = {
             "header": ((HEADER_LEN,), np.int64), "times": ((cap,), np.int64), "step_ep": ((cap,), np.int64),
             "ep_start": ((cap,), np.int64), "ep_len": ((cap,), np.int64), "row_horizon": ((2,), np.int64),
+            "budget": ((BUDGET_WORDS,), np.int64),
         }
         if self.uniform:
             want["dense"] = ((cap,), np.int64)
@@ -486,13 +571,26 @@ class SharedSampling:
                 have = f"{a.dtype}{a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
                 raise ValueError(f"one-sided sampling: array {name!r} is {have}, expected {np.dtype(dtype)}{shape}")
             got[name] = a
+        if not got["budget"].flags.writeable:
+            raise ValueError("one-sided sampling: array 'budget' must be mapped writable (a reader takes its "
+                             "samples from it)")
         self.header = got["header"]
+        self.budget = got["budget"]
         self.times = got["times"]
         self.step_ep, self.ep_start, self.ep_len = got["step_ep"], got["ep_start"], got["ep_len"]
         self.horizon = got["row_horizon"]
         self.dense = got.get("dense", np.zeros(1, np.int64))
         self.sums = got.get("sums", np.zeros(1, np.float64))
         self.mins = got.get("mins", np.zeros(1, np.float64))
+
+    def take(self, n: int) -> bool:
+        """Take ``n`` samples from the owner's rate limiter (its shared budget), if it allows them now;
+        False (nothing taken) if not: then sample through the owner's messages, which wait."""
+        return take(self.budget, n)
+
+    def give_back(self, n: int) -> None:
+        """Return ``n`` samples :meth:`take` took and no draw used."""
+        add(self.budget, -n)
 
     def figures(self) -> tuple[int, float, float, int]:
         """``(seq, mass, min_weight, size)`` at one moment: the sampler's total weight (the item count
@@ -640,13 +738,14 @@ class SharedShards:
     """
 
     def __init__(self, parts: list[tuple[SharedSampling, np.ndarray, np.ndarray]]) -> None:
-        if not parts or len({(ss.window, ss.head) for ss, *_ in parts}) != 1:
-            raise ValueError("SharedShards: at least one shard, all with the same window and padding")
+        if not parts or len({(ss.window, ss.head, ss.transition) for ss, *_ in parts}) != 1:
+            raise ValueError("SharedShards: at least one shard, all with the same window, padding and transitions")
         if any(not np.array_equal(rb, parts[0][2]) or len(src) != len(parts[0][1]) for _ss, src, rb in parts):
             raise ValueError("SharedShards: every shard must have the same fields and row sizes (one batch layout)")
         self.parts = parts
         self.window, self.head = parts[0][0].window, parts[0][0].head
         self.table = np.zeros((len(parts), 2 * len(_SHARD_ARRAYS)), np.int64)  # (address, length) per array
+        self.budgets = np.array([ss.budget.ctypes.data for ss, *_ in parts], np.int64)
         self.scalars = np.zeros((len(parts), 3), np.int64)  # uniform, arity, min size
         for i, (ss, src_addrs, row_nbytes) in enumerate(parts):
             arrays = {"header": ss.header, "sums": ss.sums, "mins": ss.mins, "offsets": ss.offsets, "dense": ss.dense,
@@ -669,6 +768,16 @@ class SharedShards:
         mass is 0), with the outputs partly filled."""
         return int(_nb_shards_figures(self.table, self.scalars, count_uniforms, seqs, sizes, masses, lows, counts,
                                       shares, least))
+
+    def take(self, counts: np.ndarray) -> int:
+        """Take ``counts[s]`` samples from shard ``s``'s rate limiter, for every shard, or none: -1
+        when all were taken (-2: and a shard has inserts waiting for samples: tell it soon), else the
+        first shard whose limiter does not allow its count now (nothing stays taken)."""
+        return take_all(self.budgets, counts)
+
+    def give_back(self, counts: np.ndarray) -> None:
+        """Return ``counts[s]`` samples taken from shard ``s`` and not drawn."""
+        give_back_all(self.budgets, counts)
 
     def draw(self, draw_uniforms: np.ndarray, dst_addrs: np.ndarray, item_nbytes: np.ndarray, tags: np.ndarray,
              beta: float, mask: np.ndarray, keys: np.ndarray, probs: np.ndarray, times: np.ndarray, valid: np.ndarray,
@@ -793,8 +902,9 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
     reply carries the shard's figures (``mass``, ``min``, ``size``, ``beta``) and, if it drew,
     ``keys`` (global steps), ``probabilities`` (within the table), ``times_sampled``, ``valid``,
     ``mask`` (windows) and ``data`` (one uint8 array per field, ``[n, window, ...]`` or ``[n, ...]``
-    rows); ``n`` is 0 when it drew nothing (below the min size, every priority 0, or the table kept
-    changing for ``patience_s``).
+    rows); ``n`` is 0 when it drew nothing (below the min size, every priority 0, the rate limiter
+    allows no ``n`` samples now (``"limited": True``), or the table kept changing for ``patience_s``).
+    The draws are taken from the rate limiter's shared budget, as a reader's on this host are.
 
     Raises:
         ValueError, TypeError: a malformed request, or ``n`` above ``max_items``.
@@ -811,12 +921,19 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
     uniforms = np.random.default_rng(seed).random(n)
     w = max(ss.window, 1)
     deadline = time.perf_counter() + patience_s
+    taken = 0
     while True:
         seq, mass, low, size = ss.figures()
         if seq >= 0:
             reply: dict[str, Any] = {"mass": mass, "min": low, "size": size, "beta": ss.beta, "n": 0}
             if n == 0 or size < ss.min_size or not mass > 0:
+                ss.give_back(taken)
                 return reply
+            if not taken:
+                if not ss.take(n):
+                    reply["limited"] = True
+                    return reply
+                taken = n
             data = [np.empty(n * w * rb, np.uint8) for _, rb, _ in fields]
             mask = np.empty((n, w), np.bool_)
             keys, probs = np.empty(n, np.int64), np.empty(n, np.float64)
@@ -830,7 +947,9 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
                              mask=mask if ss.window else None)
                 return reply
             if status == EMPTY:
+                ss.give_back(taken)
                 return reply
         if time.perf_counter() > deadline:  # (no figures: the reader keeps what it knew)
+            ss.give_back(taken)
             return {"n": 0, "moved": True}
         time.sleep(0)

@@ -658,9 +658,9 @@ class Table(TableState):
         with self._lock:
             if self._limiter.closed:
                 raise PortClosedError(f"sample from table {self._name!r}, which was closed by close()")
-            if not self._limiter.can_sample(n, self._size):
+            if not self._limiter.take(n, self._size):
                 raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("sample", n, self._size))
-            return self._sample_now(int(n), read=read)
+            return self._sample_taken(int(n), read)
 
     async def sample(self, n: int, *, timeout_s: float | None = None) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         """Like :meth:`sample_nowait`, but wait on the running loop while the rate limiter blocks.
@@ -679,8 +679,8 @@ class Table(TableState):
                 timeout_s,
             )
             with self._lock:  # re-check under the lock: another thread may have acted in between
-                if self._limiter.can_sample(n, self._size):
-                    return self._sample_now(int(n))
+                if self._limiter.take(n, self._size):
+                    return self._sample_taken(int(n), True)
 
     def _read_batch(self, keys: np.ndarray) -> dict[str, torch.Tensor]:
         st, r = self._storage, self._read
@@ -694,6 +694,15 @@ class Table(TableState):
             )
         eps = st.episode_bounds(keys)[0]
         return st.read_episodes(eps)
+
+    def _sample_taken(self, n: int, read: bool) -> tuple[dict[str, torch.Tensor], SampleInfo]:
+        """:meth:`_sample_now` after the limiter's :meth:`~RateLimiter.take`; a draw that fails gives
+        back what it took."""
+        try:
+            return self._sample_now(n, read=read)
+        except BaseException:
+            self._limiter.on_sample(0)
+            raise
 
     def _sample_now(self, n: int, read: bool = True) -> tuple[dict[str, torch.Tensor], SampleInfo]:
         if read and self._one_call_windows:
@@ -783,8 +792,10 @@ class Table(TableState):
     def note_sampled(self, keys: Any) -> int:
         """Count draws that readers elsewhere made from this table's published state (one-sided
         sampling, :mod:`reactor.replay.shared`): each key still held gets one more times-sampled
-        (a key drawn twice, twice), and the statistics and the rate limiter count every draw. A key
-        no longer held (evicted or deleted since the draw) counts as a draw and changes no item.
+        (a key drawn twice, twice), and the statistics and the rate limiter count every draw (a
+        limiter whose count is shared with the readers counted them when they drew: it is only
+        woken). A key no longer held (evicted or deleted since the draw) counts as a draw and
+        changes no item.
 
         Returns:
             The draws counted.
@@ -799,7 +810,10 @@ class Table(TableState):
             np.add.at(self._times, slots[held], 1)
             self._counts["sampled"] += len(k)
             self._generation += 1
-            self._limiter.on_sample(len(k))
+            if self._limiter.shared:
+                self._limiter.on_shared_samples()
+            else:
+                self._limiter.on_sample(len(k))
         return len(k)
 
     def update_priorities(self, keys: Any, priorities: Any) -> None:

@@ -62,7 +62,7 @@ class _Attached:
 
     __slots__ = (
         "backend", "client", "fields", "generation", "last_start_check", "name", "owner", "rdma",
-        "rows", "run_id", "segments", "version_field", "addrs", "versions", "zmq_limits",
+        "rows", "run_id", "segments", "version_field", "addrs", "versions", "zmq_limits", "writable",
     )
 
     def __init__(self, desc: dict[str, Any], fields: dict[str, _FieldInfo]) -> None:
@@ -74,6 +74,7 @@ class _Attached:
         self.fields = fields
         self.backend: str = ""
         self.segments: dict[str, _shm.Segment] = {}
+        self.writable: dict[str, _shm.Segment] = {}  # shm: fields also mapped read-write (writable_view)
         self.addrs: dict[str, int] = {}  # shm: field -> address of its mapped rows
         self.versions: np.ndarray | None = None  # shm: the mapped version column
         self.owner: tuple[int, int, int] = (0, 0, 0)
@@ -381,6 +382,36 @@ class BulkReader:
             out[name] = view
         return out
 
+    def writable_view(self, region: str, field: str) -> np.ndarray:
+        """A read-write numpy view of one field of a shm-attached region (mapped a second time, with
+        write access): for the few words a reader itself writes in its owner's memory, such as the
+        sample budget that readers of a replay shard take from atomically
+        (:mod:`reactor.replay._budget`). The owner must trust nothing it reads there. The view
+        lives as long as the region stays attached.
+
+        Raises:
+            KeyError: ``region`` is not attached, or has no field ``field``.
+            ValueError: attached over another backend than ``shm``, or the field's dtype has no
+                numpy twin.
+            PermissionError: this process may not write the segment.
+        """
+        att = self._get(region)
+        if att.backend != "shm":
+            raise ValueError(f"bulk region {region!r} is attached over {att.backend}, not shm: nothing to map")
+        info = att.fields[field]
+        twin = numpy_twin(info.dtype)
+        if twin is None:
+            raise ValueError(f"bulk region {region!r}: field {field!r} is {info.dtype}, which numpy cannot view")
+        seg = att.writable.get(field)
+        if seg is None:
+            seg = _shm.Segment.attach(att.segments[field].name, writable=True)
+            if seg.generation != att.generation or seg.rows != att.rows or seg.row_nbytes != info.row_nbytes:
+                seg.close_reader()
+                raise PeerLostError(f"bulk region {region!r}: segment of field {field!r} changed since it was "
+                                    f"attached (the owner restarted)")
+            att.writable[field] = seg
+        return seg.data.view(twin).reshape((att.rows, *info.shape))
+
     def check_alive(self, region: str) -> None:
         """Raise ``PeerLostError`` if the owner of shm-attached ``region`` closed it or died
         (what every read checks after gathering; for users of :meth:`mapped`).
@@ -422,9 +453,9 @@ class BulkReader:
     def _release(self, att: _Attached) -> None:
         att.addrs = {}
         att.versions = None
-        for seg in att.segments.values():
+        for seg in (*att.segments.values(), *att.writable.values()):
             seg.close_reader()
-        att.segments = {}
+        att.segments, att.writable = {}, {}
         if att.rdma is not None:
             att.rdma.close()
             att.rdma = None

@@ -170,7 +170,9 @@ def _shm_unlink(name: str) -> bool:
 class Segment:
     """One mapped segment: its header words and its data bytes.
 
-    The owner maps read-write; a reader maps read-only (it can never corrupt the owner's memory).
+    The owner maps read-write; a reader maps read-only (it can never corrupt the owner's memory),
+    but for a segment of words it writes itself (``attach(writable=True)``: a shared counter, which
+    its owner treats as untrusted).
     """
 
     __slots__ = ("data", "header", "mm", "name", "row_nbytes", "rows", "writable")
@@ -236,25 +238,26 @@ class Segment:
     # ------------------------------------------------------------------ reader side
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Map an existing segment read-only.
+    def attach(cls, name: str, *, writable: bool = False) -> Segment:
+        """Map an existing segment read-only (``writable``: read-write, for the few words a reader
+        writes itself, such as a shared counter).
 
         Raises:
             FileNotFoundError: no segment of that name.
             ValueError: not a bulk segment (bad magic or size).
         """
-        fd = _shm_open(name, os.O_RDONLY)
+        fd = _shm_open(name, os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_NBYTES:
                 raise ValueError(f"shared memory segment {name!r} is {size} bytes, smaller than a header")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(fd)
         if mm[:8] != MAGIC:
             mm.close()
             raise ValueError(f"shared memory segment {name!r} is not a reactor bulk segment (bad magic)")
-        seg = cls(name, mm, writable=False)
+        seg = cls(name, mm, writable=writable)
         if HEADER_NBYTES + seg.rows * seg.row_nbytes > size:
             seg.close_reader()
             raise ValueError(f"shared memory segment {name!r} is shorter than its header says")

@@ -1,9 +1,11 @@
 """Test app: a filler writes known episodes into N Replay shards; a prober samples them one-sidedly.
 
 config keys (all optional):
-    shards (2), episodes (40 per shard), window (8; 0: StepRead), pad ("tail"), sampler ("prioritized"
+    shards (2), episodes (40 per shard), window (8; 0: StepRead), pad ("tail"), transition (0; n > 0:
+    TransitionRead(n, 0.9, reward_field="x", next_fields=("id", "x")) instead of windows), sampler ("prioritized"
     or "uniform"), alpha (0.7), beta (0.5), batch_size (64), batches (one-sided batches, 30),
-    max_times_sampled (0), limiter ("minsize" or "ratio"), out (npz path of the prober's record),
+    max_times_sampled (0), limiter ("minsize", or "ratio": SampleToInsertRatio(spi, 1, (0, 1e9)), which
+    allows ``floor(inserts * spi)`` samples a shard), spi (100.0), out (npz path of the prober's record),
     remote (False: the prober maps the shards' memory; True: it acts as a learner on another host, and
     the shards' bulk read servers sample for it), kill_shard (None; a shard: after one one-sided batch
     the prober SIGKILLs that shard's process, waits until it is gone, samples one-sidedly once more at
@@ -28,7 +30,7 @@ import numpy as np
 from reactor import Action, Graph, Input, Output, PeerLostError, Reactor, reaction, startup
 from reactor.nodes import Replay, ReplayClient, StatisticsRequest, Steps, requester_key, shard_key
 from reactor.nodes.messages import ItemUpdate, ReplayControl, ReplayReply, ReplayRequest, ShardStatistics
-from reactor.replay import StepRead, WindowRead
+from reactor.replay import StepRead, TransitionRead, WindowRead
 
 FIELDS = [("id", (), "int64"), ("end", (), "int64"), ("x", (3,), "float32")]
 SHARD_IDS = 1_000_000
@@ -138,6 +140,9 @@ class Prober(Reactor):
             self.rec["keys"].append(b.keys.numpy())
             self.rec["ids"].append(b.data["id"].numpy())
             self.rec["mask"].append(b.data["mask"].numpy() if "mask" in b.data else np.ones(len(b.keys), bool))
+            for f in ("x", "discount", "valid", "next_id", "next_x"):
+                if f in b.data:
+                    self.rec.setdefault(f, []).append(b.data[f].numpy())
             self.rec["probs"].append(b.probabilities.numpy())
             self.rec["weights"].append(b.weights.numpy())
             self.rec["times"].append(b.times_sampled.numpy())
@@ -185,13 +190,16 @@ def build(config: dict) -> Graph:
     shards = config.get("shards", 2)
     window = config.get("window", 8)
     limiter = ({"type": "MinSize", "min_size": 1} if config.get("limiter", "minsize") == "minsize" else
-               {"type": "SampleToInsertRatio", "samples_per_insert": 100.0, "min_size": 1, "error_buffer": 1e6})
+               {"type": "SampleToInsertRatio", "samples_per_insert": config.get("spi", 100.0), "min_size": 1,
+                "error_buffer": [0.0, 1e9]})
     sampler = ({"type": "prioritized", "alpha": config.get("alpha", 0.7)} if config.get("sampler", "prioritized") ==
                "prioritized" else "uniform")
     g = Graph()
     filler = g.add(Filler(shards, config.get("episodes", 40)), name="filler")
-    replay = g.add(Replay(FIELDS, capacity=4096, read=WindowRead(window, config.get("pad", "tail")) if window else
-                          StepRead(), sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
+    read = WindowRead(window, config.get("pad", "tail")) if window else StepRead()
+    if config.get("transition"):
+        read = TransitionRead(config["transition"], 0.9, reward_field="x", next_fields=("id", "x"))
+    replay = g.add(Replay(FIELDS, capacity=4096, read=read, sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
                           max_times_sampled=config.get("max_times_sampled", 0),
                           remote_reads="zmq" if config.get("remote") else "auto"), name="replay", replicas=shards)
     prober = g.add(Prober(config), name="prober")

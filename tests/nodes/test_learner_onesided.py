@@ -1,6 +1,8 @@
 """The off-policy Learner samples one-sidedly once its shards offer it (issue 21): after the first batch
 (through messages, which brings the offer), every batch is drawn from the shards' shared memory in the
-learner's own loop, learned on, and counted at the shards; the run ends at ``max_updates``."""
+learner's own loop, learned on, and counted at the shards; the run ends at ``max_updates``. Windows
+(transformer_dqn) and n-step transitions (dqn), under a MinSize limiter and under the training
+graphs' SampleToInsertRatio, whose count the learner takes its draws from."""
 
 from __future__ import annotations
 
@@ -58,15 +60,19 @@ class Sink(Reactor):
 _OUT: list = []
 
 
+_RATIO = {"type": "SampleToInsertRatio", "samples_per_insert": 1.25, "min_size": 100, "error_buffer": [-1e9, 1e9]}
+
+
 @graph_builder
-def _graph() -> Graph:
+def _graph(algo: str = "transformer_dqn", limiter: dict | None = None) -> Graph:
     g = Graph()
     filler = g.add(Filler(), name="filler")
-    replay = g.add(Replay(FIELDS, capacity=2048, read={"type": "WindowRead", "length": 5},
-                          sampler={"type": "prioritized", "alpha": 0.6},
-                          rate_limiter={"type": "MinSize", "min_size": 100}), name="replay")
-    learner = g.add(Learner("transformer_dqn", "CartPole-v1", {"window": 4}, batch_size=16, max_updates=40,
-                            report_every=10), name="learner")
+    read = ({"type": "WindowRead", "length": 5, "pad": "tail"} if algo == "transformer_dqn" else
+            {"type": "TransitionRead", "n": 3, "gamma": 0.99, "next_fields": ["obs", "terminated"]})
+    replay = g.add(Replay(FIELDS, capacity=2048, read=read, sampler={"type": "prioritized", "alpha": 0.6},
+                          rate_limiter=limiter or {"type": "MinSize", "min_size": 100}), name="replay")
+    learner = g.add(Learner(algo, "CartPole-v1", {"window": 4} if algo == "transformer_dqn" else {"n_step": 3},
+                            batch_size=16, max_updates=40, report_every=10), name="learner")
     sink = g.add(Sink(_OUT), name="sink")
     g.connect(filler.steps, replay.steps, key=shard_key)
     g.connect(learner.requests, replay.requests, key=shard_key)
@@ -80,9 +86,13 @@ def _graph() -> Graph:
 
 
 @pytest.mark.timeout(120)
-def test_the_learner_draws_its_batches_one_sidedly_once_offered():
+@pytest.mark.parametrize("algo,limiter", [("transformer_dqn", None), ("transformer_dqn", _RATIO), ("dqn", _RATIO)],
+                         ids=["windows-minsize", "windows-ratio", "transitions-ratio"])
+def test_the_learner_draws_its_batches_one_sidedly_once_offered(algo, limiter):
+    """With SampleToInsertRatio(1.25) over 600 steps the limiter allows 750 samples: the 40 batches
+    of 16 (640) come one-sidedly (the ratio's count is the budget the learner takes from)."""
     _OUT.clear()
-    run(_graph(), deterministic=False)
+    run(_graph(algo, limiter), deterministic=False)
     reports = [r for r in _OUT if "updates" in r]
     assert reports and reports[-1]["updates"] == 40
     assert reports[-1]["one_sided_batches"] >= 38  # all but the first (and one in flight at the switch)

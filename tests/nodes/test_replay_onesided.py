@@ -139,13 +139,64 @@ def test_head_padded_windows_steps_and_uniform_samplers_are_sampled_one_sidedly(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("cfg,why", [({"max_times_sampled": 3}, "expiry"), ({"limiter": "ratio"}, "ratio")])
-def test_tables_whose_owner_must_decide_each_draw_are_not_offered_and_sample_through_messages(tmp_path, cfg, why):
-    """max_times_sampled (the owner drops items at the draw) and a SampleToInsertRatio limiter (the
-    owner paces each draw) keep the message path: sample_now declines and the request still works."""
-    rec = _probe(tmp_path, batches=3, **cfg)
+def test_tables_whose_owner_must_decide_each_draw_are_not_offered_and_sample_through_messages(tmp_path):
+    """max_times_sampled (the owner drops items at the draw) keeps the message path: sample_now
+    declines and the request still works."""
+    rec = _probe(tmp_path, batches=3, max_times_sampled=3)
     assert not bool(rec["offered"]) and int(rec["one_sided"]) == 0 and int(rec["fallbacks"]) == 3
     assert int(rec["sampled"].sum()) == int(rec["draws"]) == 64  # the message sample alone
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("remote", [False, True], ids=["shm", "read-server"])
+def test_a_rate_limited_shard_is_sampled_one_sidedly_up_to_what_its_limiter_allows_and_no_further(tmp_path, remote):
+    """SampleToInsertRatio(0.5) with every step inserted: each shard allows half as many samples as
+    it holds steps (~210 each). The message sample and the one-sided draws (this host's, or a read
+    server's for a learner on another host) take from one count: the batches come one-sidedly until
+    a shard's limiter has too few left, then sample_now declines (messages, which wait for inserts),
+    and no shard ever counts more samples than its limiter allows."""
+    rec = _probe(tmp_path, "processes", batches=12, limiter="ratio", spi=0.5, remote=remote)
+    from tests.apps.onesided_app import episodes
+
+    held = np.array([len(episodes(s, 40)[0]) for s in range(2)])
+    allowed = held // 2
+    assert bool(rec["offered"]) and int(rec["one_sided"]) >= 3 and int(rec["fallbacks"]) >= 1
+    assert int(rec["one_sided"]) + int(rec["fallbacks"]) == 12
+    assert (rec["sampled"] <= allowed).all(), (rec["sampled"], allowed)
+    # (a draw given up half-way, a shard changing for too long, still counts what it drew)
+    assert int(rec["sampled"].sum()) == int(rec["draws"]) >= 64 * (1 + int(rec["one_sided"]))
+    assert int(rec["sampled"].sum()) > allowed.sum() - 2 * 64  # the draws stopped for want of samples
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("remote", [False, True], ids=["shm", "read-server"])
+def test_n_step_transitions_are_sampled_one_sidedly_and_equal_the_storages_own(tmp_path, remote):
+    """A TransitionRead bank (3-step returns of a shaped reward) offers its rows: the batches after
+    the first come one-sidedly, from this host's memory or a read server, and every item's return,
+    discount, valid flag and next fields are what Storage.read_transitions gives for its step (a
+    storage filled here with the same episodes), bit for bit."""
+    import torch
+
+    from reactor.replay import FieldSpec, Storage
+    from tests.apps.onesided_app import FIELDS, episodes
+
+    rec = _probe(tmp_path, "processes", batches=6, transition=3, remote=remote)
+    assert bool(rec["offered"]) and int(rec["one_sided"]) == 6 and int(rec["fallbacks"]) == 0
+    keys = rec["keys"]
+    assert len(keys) == 6 * 64 and int(rec["dropped"]) == 0
+    for shard in (0, 1):
+        ids, ends, flags = episodes(shard, 40)
+        st = Storage([FieldSpec(n, s, getattr(torch, d)) for n, s, d in FIELDS], 4096)
+        st.append({"id": torch.from_numpy(ids), "end": torch.from_numpy(ends),
+                   "x": torch.from_numpy(np.stack([ids, ids + 1, ids + 2], axis=1).astype(np.float32))}, flags)
+        mine = (keys >> 48) == shard
+        want = st.read_transitions(keys[mine] & ((1 << 48) - 1), n=3, gamma=0.9, reward_field="x",
+                                   next_fields=("id", "x"))
+        got = {"id": rec["ids"][mine], "x": rec["x"][mine], "discount": rec["discount"][mine],
+               "valid": rec["valid"][mine], "next_id": rec["next_id"][mine], "next_x": rec["next_x"][mine]}
+        for f, g in got.items():
+            np.testing.assert_array_equal(g, want[f].numpy(), err_msg=f)
+        assert mine.any() and not want["valid"].all()
 
 
 @pytest.mark.timeout(60)
@@ -494,7 +545,7 @@ def test_shards_of_different_layouts_are_not_drawn_into_one_batch():
     from reactor.replay.shared import SharedShards
 
     class State:  # what SharedShards reads of a SharedSampling besides the arrays it checks later
-        window, head = 4, False
+        window, head, transition = 4, False, None
 
     with pytest.raises(ValueError, match="same fields and row sizes"):
         SharedShards([(State(), np.zeros(2, np.int64), np.array([8, 4])),

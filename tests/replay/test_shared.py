@@ -94,6 +94,41 @@ def test_a_one_sided_draw_is_the_tables_own_draw_and_reads_the_same_windows(read
         np.testing.assert_array_equal(mask, batch["mask"].numpy())
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_one_sided_transitions_are_the_storages_own_to_the_bit(n):
+    """A TransitionRead table is offered as tail windows of n + 1 steps; the reader's transitions of
+    its copied windows (shaped rewards: x is [2]) equal Storage.read_transitions for the same keys,
+    field for field and bit for bit, episodes' last steps (valid False) and short tails included."""
+    from reactor.replay import TransitionRead
+    from reactor.replay.shared import transitions_from_windows
+
+    read = TransitionRead(n, 0.9, reward_field="x", next_fields=("id", "x"))
+    arrays = _plain_arrays()
+    table = _table(Prioritized(0.6), read, arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(7), 200)
+    ss = _reader(pub, arrays)
+    assert ss.window == n + 1 and not ss.head and ss.transition == read
+    seq = ss.figures()[0]
+    status, plan = ss.draw(seq, np.random.default_rng(8).random(300))
+    assert status == OK
+    st = table.storage
+    out = {"id": torch.empty((300, n + 1), dtype=torch.int64), "x": torch.empty((300, n + 1, 2))}
+    mask = np.empty((300, n + 1), bool)
+    valid = ss.copy_windows(plan, np.array([st._fields[f].data_ptr() for f in out], np.int64),
+                            np.array([8, 8], np.int64), np.array([t.data_ptr() for t in out.values()], np.int64), mask)
+    assert valid.all()
+    got = transitions_from_windows({**out, "mask": torch.from_numpy(mask)}, read)
+    want = st.read_transitions(plan["keys"], n=n, gamma=0.9, reward_field="x", next_fields=("id", "x"))
+    assert sorted(got) == sorted(want)
+    for f in want:
+        assert got[f].dtype == want[f].dtype and torch.equal(got[f], want[f]), f
+    assert not want["valid"].all() and want["valid"].any()  # both kinds of items were drawn
+    if n > 1:
+        d = want["discount"].double()
+        assert ((d - 0.9 ** n).abs() < 1e-6).any() and (d > 0.9 ** n + 1e-6).any()  # full and short tails
+
+
 @pytest.mark.parametrize("pad", ["tail", "head"])
 def test_overwritten_rows_are_reported_invalid_not_returned_as_good(pad):
     """An append that began before the copy ended (here: ran between the draw and the copy) makes
@@ -213,15 +248,153 @@ def test_a_draw_that_races_a_change_is_refused_and_a_stale_sequence_count_too():
 def test_tables_the_owner_must_decide_for_are_refused_with_the_reason():
     arrays = _plain_arrays()
     st = Storage([FieldSpec("id", (), torch.int64)], 64, index_arrays=arrays)
-    t = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=SampleToInsertRatio(2.0, 1, 10.0), arrays=arrays)
-    with pytest.raises(ValueError, match=r"^table 'table' cannot be sampled one-sidedly: its rate limiter is "
-                                         r"SampleToInsertRatio \(one-sided: MinSize\)$"):
+    t = Table(st, sampler=Fifo(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+    with pytest.raises(ValueError, match=r"^table 'table' cannot be sampled one-sidedly: its sampler is "
+                                         r"Fifo \(one-sided: Uniform or Prioritized\)$"):
         SamplingPublisher(t, arrays)
     arrays = _plain_arrays()
     st = Storage([FieldSpec("id", (), torch.int64)], 64, index_arrays=arrays)
     t = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), max_times_sampled=2, arrays=arrays)
     with pytest.raises(ValueError, match=r"max_times_sampled=2 \(the owner drops items at the draw\)$"):
         SamplingPublisher(t, arrays)
+
+
+def _paced_table(arrays: SharedArrays, spi: float = 1.0) -> tuple[Table, SamplingPublisher, SharedSampling]:
+    """A table whose limiter allows ``floor(inserts * spi)`` samples, published, and a reader of it."""
+    st = Storage([FieldSpec("id", (), torch.int64)], 64, index_arrays=arrays)
+    t = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=SampleToInsertRatio(spi, 1, (0.0, 1e9)),
+              arrays=arrays)
+    pub = SamplingPublisher(t, arrays)
+    return t, pub, _reader(pub, arrays)
+
+
+def _insert(table: Table, pub: SamplingPublisher, n: int) -> None:
+    pub.begin()
+    table.insert_nowait({"id": torch.arange(n)}, np.ones(n), episode_end=np.ones(n, bool))
+    pub.end()
+
+
+def test_a_rate_limited_table_and_its_readers_take_samples_from_one_count():
+    """SampleToInsertRatio(1, min_diff 0): at most as many samples as inserts, over the owner's
+    draws and the readers' together; a reader's take never goes past it, the owner's draw then
+    waits (WouldBlock), an insert makes room for both; the readers' notices are not counted twice;
+    what a reader takes and does not draw goes back."""
+    from reactor import WouldBlock
+
+    arrays = _plain_arrays()
+    table, pub, ss = _paced_table(arrays)
+    assert not ss.take(1)  # nothing inserted: nothing allowed
+    _insert(table, pub, 10)
+    assert ss.take(4) and not ss.take(7)  # 4 + 7 > 10
+    table.sample_nowait(6)
+    with pytest.raises(WouldBlock, match=r"inserts=10, samples=10"):
+        table.sample_nowait(1)
+    assert not ss.take(1)
+    _insert(table, pub, 5)
+    assert ss.take(3)
+    ss.give_back(1)  # one taken and not drawn
+    table.note_sampled(np.arange(6))  # the readers' notices: counted at the take already
+    st = table.statistics()
+    assert (st.rate_limiter.inserts, st.rate_limiter.samples, st.sampled) == (15, 12, 12)
+    table.sample_nowait(3)
+    assert table.statistics().rate_limiter.samples == 15 and not ss.take(1)
+
+
+def test_a_limiter_shared_after_counting_keeps_its_count_and_a_checkpoint_restores_into_the_budget():
+    """share() moves the samples counted so far into the budget; load_state_dict and reset write it."""
+    arrays = _plain_arrays()
+    st = Storage([FieldSpec("id", (), torch.int64)], 64, index_arrays=arrays)
+    lim = SampleToInsertRatio(2.0, 1, (0.0, 1e9))
+    t = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=lim, arrays=arrays)
+    t.insert_nowait({"id": torch.arange(4)}, np.ones(4), episode_end=np.ones(4, bool))
+    t.sample_nowait(5)
+    pub = SamplingPublisher(t, arrays)
+    ss = _reader(pub, arrays)
+    assert ss.take(3) and not ss.take(1)  # 8 allowed, 5 counted before sharing
+    lim.load_state_dict({"inserts": 10, "samples": 4})
+    assert ss.take(16) and not ss.take(1)
+    lim.reset()
+    assert not ss.take(1) and lim.statistics().samples == 0
+    with pytest.raises(ValueError, match="writable contiguous int64"):
+        MinSize(1).share(np.zeros(4, np.int32))
+
+
+def test_a_draw_that_fails_gives_back_what_it_took():
+    """A sample that raises after the limiter's take (every priority 0) leaves the count as it was."""
+    arrays = _plain_arrays()
+    table, pub, ss = _paced_table(arrays)
+    pub.begin()
+    table.insert_nowait({"id": torch.arange(4)}, np.zeros(4), episode_end=np.ones(4, bool))
+    pub.end()
+    with pytest.raises(ValueError, match="every priority is 0"):
+        table.sample_nowait(2)
+    assert table.statistics().rate_limiter.samples == 0 and ss.take(4)
+
+
+def _taker(name: str, out) -> None:  # pragma: no cover - runs in the child
+    """Take one sample at a time from the budget (words 0-3) while word 4 is 1 (0: not yet, 2: stop)."""
+    seg = shared_memory.SharedMemory(name=name)
+    words = np.ndarray((5,), np.int64, buffer=seg.buf)
+    from reactor.replay._budget import take
+
+    budget = words[:4]
+    got = tries = 0
+    while words[4] == 0:
+        pass
+    while words[4] == 1:
+        got += take(budget, 1)
+        tries += 1
+    out.send((got, tries))
+    del words, budget
+    seg.close()
+
+
+@pytest.mark.timeout(120)
+def test_takers_in_several_processes_never_take_more_than_the_limiter_allows_nor_lose_a_take():
+    """Two processes take one sample at a time, without pause, while this one inserts 8 items and
+    draws 2 through the table, 20,000 times: the budget's count is exactly the takes that succeeded
+    plus the owner's draws, and never above what the inserts allow. (A plain read-then-write instead
+    of the compare-and-swap loses takes: the count comes out below the successes.)"""
+    from reactor import WouldBlock
+
+    seg = shared_memory.SharedMemory(create=True, size=40)
+    try:
+        words = np.ndarray((5,), np.int64, buffer=seg.buf)
+        words[:] = 0
+        budget = words[:4]
+        lim = SampleToInsertRatio(1.0, 1, (0.0, 1e9))
+        lim.share(budget)
+        st = Storage([FieldSpec("id", (), torch.int64)], 1024)
+        table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=lim)
+        ctx = mp.get_context("fork")
+        pipes = [ctx.Pipe() for _ in range(2)]
+        procs = [ctx.Process(target=_taker, args=(seg.name, c)) for _, c in pipes]
+        for p in procs:
+            p.start()
+        own = 0
+        try:
+            words[4] = 1
+            for _ in range(20_000):
+                table.insert_nowait({"id": torch.arange(8)}, np.ones(8), episode_end=np.ones(8, bool))
+                try:
+                    table.sample_nowait(2)
+                    own += 2
+                except WouldBlock:
+                    pass
+                assert budget[0] <= lim.statistics().inserts
+            words[4] = 2
+            got = [parent.recv()[0] for parent, _ in pipes]
+        finally:
+            words[4] = 2
+            for p in procs:
+                p.join(30)
+        assert all(p.exitcode == 0 for p in procs)
+        assert min(got) > 1000 and own > 1000
+        assert int(budget[0]) == sum(got) + own <= lim.statistics().inserts
+        del words, budget
+    finally:
+        seg.close()
+        seg.unlink()
 
 
 @pytest.mark.parametrize("sampler", [Prioritized(0.6), Uniform()], ids=["prioritized", "uniform"])

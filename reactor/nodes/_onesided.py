@@ -36,6 +36,7 @@ from ..replay.shared import (
     least_probability,
     parse_transition,
     plan_shards,
+    take_counts,
     transitions_from_windows,
 )
 from ._shardkeys import KEY_SHARD_BITS, make_keys
@@ -64,6 +65,16 @@ def _weights(probs: np.ndarray, min_p: float, beta: float) -> np.ndarray:
     if beta == 0.0 or not (0 < min_p < math.inf):
         return np.ones(len(probs), dtype=np.float32)
     return np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
+
+
+def _check_transition_fields(read: Any, fields: Any) -> None:
+    """Raise ValueError unless the fields a TransitionRead sums and reads ahead (``read``; None:
+    nothing to check) are among the data region's ``fields`` (an offer names them: it is checked)."""
+    if read is None:
+        return
+    missing = sorted({read.reward_field, *read.next_fields} - set(fields))
+    if missing:
+        raise ValueError(f"its transitions read fields {missing} that its data region lacks")
 
 
 @dataclass
@@ -128,6 +139,7 @@ class OneSidedSampling:
                 max_items = sampling.get("max_items")
                 try:
                     transition = parse_transition(table.get("transition"), table["window"])
+                    _check_transition_fields(transition, self._layouts[data_region])
                 except ValueError as e:
                     log.warning("replay client %s: shard %d's one-sided sampling offer is unusable (%s); sampling "
                                 "it through messages", self.requester, shard, e)
@@ -157,6 +169,12 @@ class OneSidedSampling:
                         "through messages", self.requester, shard, e)
             return
         names = [f for f in self._layouts[data_region] if f in data]
+        try:
+            _check_transition_fields(table.transition, names)
+        except ValueError as e:
+            log.warning("replay client %s: shard %d's one-sided sampling offer is unusable (%s); sampling it "
+                        "through messages", self.requester, shard, e)
+            return
         if table.capacity != self._capacity[data_region]:
             log.warning("replay client %s: shard %d's sampling offer does not match its data region; sampling it "
                         "through messages", self.requester, shard)
@@ -243,14 +261,22 @@ class OneSidedSampling:
             failed.notices = self.take_notices(  # type: ignore[attr-defined]
                 [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()])
             raise failed
-        for k, c in local:  # shards of this host in the same sample: drawn here, from their memory
-            part = self._draw_local_part(k, c)
-            if part is not None:
-                parts[k] = part
+        hurry = any(p.get("parked") for p in parts.values())
+        if local and len(parts) == sum(1 for _k, c, _sd in remote if c):
+            # Shards of this host in the same sample: their counts taken all or none (only now: a
+            # remote part that came back empty would have wasted them), then drawn here, from their memory.
+            took = take_counts([self._shared[k].table for k, _c in local], [c for _k, c in local])
+            if took < 0:
+                hurry = hurry or took == -2
+                for k, c in local:
+                    part = self._draw_local_part(k, c)
+                    if part is not None:
+                        parts[k] = part
         notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
         if sum(int(p["n"]) for p in parts.values()) != n:
             return None, self.take_notices(notices)  # a shard drew nothing: the draws made still count
-        return self._assemble_remote(n, live, share, parts), self._hold_keys([(m.shard, m.keys) for m in notices])
+        return (self._assemble_remote(n, live, share, parts),
+                self._hold_keys([(m.shard, m.keys) for m in notices], hurry))
 
     def _check_remote_part(self, shard: int, count: int, rep: Any) -> dict[str, Any] | None:
         """A read server's sample reply, checked (it comes from the network); its figures cached."""
@@ -286,7 +312,8 @@ class OneSidedSampling:
                 raise bad
             out[name] = d  # the frame's bytes: copied once, into the batch (_assemble_remote)
         return {"n": count, "keys": rep["keys"], "q": rep["probabilities"], "times": rep["times_sampled"],
-                "valid": rep["valid"], "mask": mask, "data": out, "window": rs.window}
+                "valid": rep["valid"], "mask": mask, "data": out, "window": rs.window,
+                "parked": rep.get("parked") is True}
 
     def _transition_of(self, shard: int) -> Any:
         """The TransitionRead shard ``shard``'s windows are turned into, or None (its offer says)."""
@@ -309,16 +336,14 @@ class OneSidedSampling:
         keys, q = np.empty(count, np.int64), np.empty(count, np.float64)
         times, valid = np.empty(count, np.int64), np.empty(count, np.bool_)
         uniforms = self.rng.random(count)
-        if not sh.table.take(count):  # its rate limiter holds them back now
-            return None
-        while True:
+        while True:  # (its count was taken from its rate limiter: asample_now)
             f = self._stable_figures(sh, deadline)
             if f is None:
-                break
+                return None
             seq, mass, low, size = f
             self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
             if size < sh.table.min_size or not mass > 0:
-                break
+                return None
             status = sh.table.sample_into(seq, uniforms, sh.src_addrs, sh.row_nbytes,
                                           np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
                                           times, valid)
@@ -328,9 +353,7 @@ class OneSidedSampling:
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
             self.one_sided_retries += 1
             if time.perf_counter() > deadline:
-                break
-        sh.table.give_back(count)
-        return None
+                return None
 
     def _assemble_remote(self, n: int, live: list[int], share: np.ndarray,
                          parts: dict[int, dict[str, Any]]) -> SampledBatch:
@@ -518,9 +541,8 @@ class OneSidedSampling:
                 retried = True
                 g = self._stable_figures(sh, deadline) if status != _EMPTY else None
                 if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
-                    undrawn = counts.copy()
-                    undrawn[:i] = 0
-                    group.give_back(undrawn)  # (the draws made count: their notices go now)
+                    # (the draws made count: their notices go now; so do the counts taken and not
+                    # drawn, at the limiters: reactor.replay._budget)
                     return None, self.take_notices(self._notices(drawn, local))
                 f = g
             used[i] = f

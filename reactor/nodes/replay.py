@@ -68,6 +68,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import os
 import re
 import threading
 from collections import deque
@@ -358,6 +359,16 @@ class Replay(Reactor):
                 f"({torch.cuda.device_count()} visible)"
             )
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
+        if use_bulk and self.bulk is None and not on_gpu:
+            # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is
+            # free there faults when touched (SIGBUS), so a shard that does not fit keeps its memory.
+            need = self.capacity * (sum(s.step_nbytes for s in self.specs) + 96)
+            free = _shm_free_bytes()
+            if free is not None and need > free:
+                log.warning("%s: its storage (%d MB with the sampling state) does not fit in /dev/shm (%d MB free): "
+                            "requesters sample through messages, with the data in the replies", self.name,
+                            need >> 20, free >> 20)
+                use_bulk = False
         if use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead)):
             caps = _bulk.capabilities()
             backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
@@ -668,6 +679,8 @@ class Replay(Reactor):
         with self._changing():
             if not self._serve(requests):
                 self._parked_requests.append(requests)
+                if self._parked_steps:  # one-sided readers' takes may have made room for them since
+                    self._progress()  # they parked, and their notices may be held (a replica in its round)
         self._checkpoint_if_due()
 
     def _serve(self, req: ReplayRequest) -> bool:
@@ -987,6 +1000,15 @@ def _steps_len(s: Steps) -> int:
         return len(s.episode_end)
     except TypeError:
         return 0
+
+
+def _shm_free_bytes() -> int | None:
+    """Bytes free for unprivileged use in /dev/shm, or None if that cannot be read."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _dir_name(name: str) -> str:

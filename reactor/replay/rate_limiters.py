@@ -7,7 +7,9 @@ A limiter counts the items inserted and sampled since the last reset and keeps t
   items after it (inserts are free until sampling may start), or if
   ``(inserts + n) * samples_per_insert - samples <= max_diff``;
 - a sample of ``n`` items may proceed if the table holds at least ``min_size_to_sample`` items and
-  ``inserts * samples_per_insert - (samples + n) >= min_diff``.
+  ``inserts * samples_per_insert - (samples + n) >= min_diff``, checked in its integer form
+  ``samples + n <= floor(inserts * samples_per_insert - min_diff)`` (the form a shared budget's
+  takers check: the same counts allow the same samples either way).
 
 The concrete limiters fix the four numbers:
 
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PortClosedError
-from ._budget import ALLOWED, BUDGET_WORDS, PARKED, TAKEN, UNLIMITED, add, take
+from ._budget import ALLOWED, BUDGET_WORDS, PARKED, TAKEN, UNLIMITED, add, set_count, take
 
 __all__ = [
     "MinSize",
@@ -152,8 +154,7 @@ class RateLimiter:
         if self._budget is None:
             self._own_samples = value
         else:
-            self._budget[TAKEN] = value
-            self._budget[ALLOWED] = self._allowed()
+            set_count(self._budget, value, self._allowed())
 
     def share(self, budget: np.ndarray) -> None:
         """Count samples in ``budget`` from now on: int64 words (:mod:`reactor.replay._budget`) in
@@ -162,6 +163,8 @@ class RateLimiter:
 
         A reader can write those words: one that writes them wrongly skews this limiter's pacing
         (its inserts and samples may run ahead or stall), nothing else (the docs' trust boundaries).
+        :meth:`reset` and :meth:`load_state_dict` set the count: call them while no reader takes
+        (:mod:`reactor.replay._budget` says what a take racing them may do).
 
         Raises:
             ValueError: ``budget`` is not a writable contiguous int64 array of at least 4 words.
@@ -217,9 +220,9 @@ class RateLimiter:
         """Whether sampling ``n`` items from a table of ``size`` items may proceed now."""
         if size < self.min_size_to_sample:
             return False
-        if self._budget is not None:  # (the rule's integer form: the count every taker checks)
-            return self._samples + n <= self._budget[ALLOWED]
-        return self._inserts * self.samples_per_insert - (self._samples + n) >= self.min_diff
+        # The rule's integer form, the one every taker of a shared budget checks: whether the limiter
+        # is shared or not, the same counts allow the same samples.
+        return self._samples + n <= self._allowed()
 
     def explain(self, op: str, n: int, size: int) -> str:
         """Why ``op`` of ``n`` items would block, in words (for WouldBlock and timeouts)."""

@@ -67,13 +67,14 @@ import numpy as np
 import torch
 
 from .._native import acquire_fence, prefetch, release_fence, void_pointer
-from ._budget import BUDGET_WORDS, add, give_back_all, take, take_all
+from ._budget import BUDGET_WORDS, PARKED, take, take_all
 from ._storagekernels import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
 from .sumtree import _layout, _nb_descend
 
 __all__ = [
     "BELOW", "BUSY", "EMPTY", "MOVED", "MOVED_AT", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling",
-    "SharedShards", "least_probability", "parse_transition", "plan_shards", "serve_sample", "shareable", "transitions_from_windows",
+    "SharedShards", "least_probability", "parse_transition", "plan_shards", "serve_sample", "shareable", "take_counts",
+    "transitions_from_windows",
     "why_not_shared",
 ]
 
@@ -208,7 +209,7 @@ def transitions_from_windows(data: dict[str, torch.Tensor], read: Any) -> dict[s
     mask = data["mask"]
     b = mask.shape[0]
     m = mask.sum(dim=1, dtype=torch.int64) - 1
-    out = {f: t[:, 0] for f, t in data.items() if f != "mask"}
+    out = {f: t[:, 0].contiguous() for f, t in data.items() if f != "mask"}  # (not views of the windows)
     r = data[read.reward_field][:, :n]
     rdtype = r.dtype if r.dtype.is_floating_point else torch.float32
     k = torch.arange(n, dtype=torch.int64)
@@ -585,12 +586,14 @@ class SharedSampling:
 
     def take(self, n: int) -> bool:
         """Take ``n`` samples from the owner's rate limiter (its shared budget), if it allows them now;
-        False (nothing taken) if not: then sample through the owner's messages, which wait."""
+        False (nothing taken) if not: then sample through the owner's messages, which wait. A draw
+        that fails after its take keeps the count (:mod:`reactor.replay._budget`)."""
         return take(self.budget, n)
 
-    def give_back(self, n: int) -> None:
-        """Return ``n`` samples :meth:`take` took and no draw used."""
-        add(self.budget, -n)
+    @property
+    def parked(self) -> bool:
+        """Whether the owner holds inserts back for want of samples (tell it of draws at once)."""
+        return bool(self.budget[PARKED] > 0)
 
     def figures(self) -> tuple[int, float, float, int]:
         """``(seq, mass, min_weight, size)`` at one moment: the sampler's total weight (the item count
@@ -775,10 +778,6 @@ class SharedShards:
         first shard whose limiter does not allow its count now (nothing stays taken)."""
         return take_all(self.budgets, counts)
 
-    def give_back(self, counts: np.ndarray) -> None:
-        """Return ``counts[s]`` samples taken from shard ``s`` and not drawn."""
-        give_back_all(self.budgets, counts)
-
     def draw(self, draw_uniforms: np.ndarray, dst_addrs: np.ndarray, item_nbytes: np.ndarray, tags: np.ndarray,
              beta: float, mask: np.ndarray, keys: np.ndarray, probs: np.ndarray, times: np.ndarray, valid: np.ndarray,
              weights: np.ndarray, seqs: np.ndarray, counts: np.ndarray, shares: np.ndarray, least: np.ndarray,
@@ -790,6 +789,13 @@ class SharedShards:
         return int(_nb_shards_draw(self.table, self.scalars, self.window, self.head, draw_uniforms, dst_addrs,
                                    item_nbytes, tags, beta, _PREFETCH_WINDOWS, mask, keys, probs, times, valid, weights,
                                    seqs, counts, shares, least, where))
+
+
+def take_counts(tables: list[SharedSampling], counts: list[int]) -> int:
+    """:meth:`SharedShards.take` for tables not drawn as one group (a sample that mixes shards of this
+    host with shards read by their servers): ``counts[i]`` from ``tables[i]``'s rate limiter, all
+    or none. Returns -1, -2 (taken, and one has inserts parked) or the index of the first short one."""
+    return take_all(np.array([t.budget.ctypes.data for t in tables], np.int64), np.array(counts, np.int64))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -902,9 +908,10 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
     reply carries the shard's figures (``mass``, ``min``, ``size``, ``beta``) and, if it drew,
     ``keys`` (global steps), ``probabilities`` (within the table), ``times_sampled``, ``valid``,
     ``mask`` (windows) and ``data`` (one uint8 array per field, ``[n, window, ...]`` or ``[n, ...]``
-    rows); ``n`` is 0 when it drew nothing (below the min size, every priority 0, the rate limiter
-    allows no ``n`` samples now (``"limited": True``), or the table kept changing for ``patience_s``).
-    The draws are taken from the rate limiter's shared budget, as a reader's on this host are.
+    rows), and ``parked`` (the shard holds inserts back until it hears of samples); ``n`` is 0 when
+    it drew nothing (below the min size, every priority 0, the rate limiter allows no ``n`` samples
+    now (``"limited": True``), or the table kept changing for ``patience_s``). The draws are taken
+    from the rate limiter's shared budget, as a reader's on this host are.
 
     Raises:
         ValueError, TypeError: a malformed request, or ``n`` above ``max_items``.
@@ -921,19 +928,18 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
     uniforms = np.random.default_rng(seed).random(n)
     w = max(ss.window, 1)
     deadline = time.perf_counter() + patience_s
-    taken = 0
+    taken = False
     while True:
         seq, mass, low, size = ss.figures()
         if seq >= 0:
             reply: dict[str, Any] = {"mass": mass, "min": low, "size": size, "beta": ss.beta, "n": 0}
             if n == 0 or size < ss.min_size or not mass > 0:
-                ss.give_back(taken)
                 return reply
-            if not taken:
+            if not taken:  # (a draw that fails after this keeps the count: _budget's docstring)
                 if not ss.take(n):
                     reply["limited"] = True
                     return reply
-                taken = n
+                taken = True
             data = [np.empty(n * w * rb, np.uint8) for _, rb, _ in fields]
             mask = np.empty((n, w), np.bool_)
             keys, probs = np.empty(n, np.int64), np.empty(n, np.float64)
@@ -944,12 +950,10 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
                 mask, keys, probs, times, valid)
             if status == OK:
                 reply.update(n=n, keys=keys, probabilities=probs, times_sampled=times, valid=valid, data=data,
-                             mask=mask if ss.window else None)
+                             mask=mask if ss.window else None, parked=ss.parked)
                 return reply
             if status == EMPTY:
-                ss.give_back(taken)
                 return reply
         if time.perf_counter() > deadline:  # (no figures: the reader keeps what it knew)
-            ss.give_back(taken)
             return {"n": 0, "moved": True}
         time.sleep(0)

@@ -5,7 +5,7 @@ config keys (all optional):
     TransitionRead(n, 0.9, reward_field="x", next_fields=("id", "x")) instead of windows), sampler ("prioritized"
     or "uniform"), alpha (0.7), beta (0.5), batch_size (64), batches (one-sided batches, 30),
     max_times_sampled (0), limiter ("minsize", or "ratio": SampleToInsertRatio(spi, 1, (0, 1e9)), which
-    allows ``floor(inserts * spi)`` samples a shard), spi (100.0), out (npz path of the prober's record),
+    allows ``floor(inserts * spi)`` samples a shard), spi (100.0), capacity (4096 steps a shard), out (npz path of the prober's record),
     remote (False: the prober maps the shards' memory; True: it acts as a learner on another host, and
     the shards' bulk read servers sample for it), kill_shard (None; a shard: after one one-sided batch
     the prober SIGKILLs that shard's process, waits until it is gone, samples one-sidedly once more at
@@ -199,7 +199,7 @@ def build(config: dict) -> Graph:
     read = WindowRead(window, config.get("pad", "tail")) if window else StepRead()
     if config.get("transition"):
         read = TransitionRead(config["transition"], 0.9, reward_field="x", next_fields=("id", "x"))
-    replay = g.add(Replay(FIELDS, capacity=4096, read=read, sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
+    replay = g.add(Replay(FIELDS, capacity=config.get("capacity", 4096), read=read, sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
                           max_times_sampled=config.get("max_times_sampled", 0),
                           remote_reads="zmq" if config.get("remote") else "auto"), name="replay", replicas=shards)
     prober = g.add(Prober(config), name="prober")

@@ -41,11 +41,11 @@ def _run(config: dict, **kw):
 
 
 def _segments() -> set[str]:
-    """The bulk segments in /dev/shm that no live process owns (left behind): a test running beside
-    this one in another worker may hold live ones at any moment."""
-    from reactor.transport._shm import _stale_reason
-
-    return {f for f in os.listdir("/dev/shm") if f.startswith("rxb.") and _stale_reason("/" + f, 10.0) not in (None, "gone")}
+    """The bulk segments in /dev/shm of runs this process launched (a run id holds its launcher's
+    pid): after a run, any left is one it did not unlink. Tests running beside this one in other
+    workers have segments of their own at any moment, alive or left by a process they killed."""
+    mine = f"-{os.getpid()}-"
+    return {f for f in os.listdir("/dev/shm") if f.startswith("rxb.") and mine in f.split(".")[1]}
 
 
 def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):

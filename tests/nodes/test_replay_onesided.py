@@ -659,3 +659,105 @@ def test_a_one_sided_sample_from_a_shard_killed_with_sigkill_raises_peer_lost_na
         killed = str(f["killed"])
     assert killed.startswith("PeerLostError|1|replay shard 1: its shared memory is gone (bulk region "), killed
     assert "died" in killed, killed
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_limiter_holds_lets_in_inserts_that_one_sided_draws_made_room_for(tmp_path):
+    """Inserts parked for want of samples; a reader then drew 25 one-sidedly (the limiter's count
+    moved) and kept the notices; its next request, for more than the limiter allows, makes the
+    shard check its parked inserts again: they go in, and the request is answered (before the
+    shard did that, nothing more ever happened: both waited for each other)."""
+    from reactor.launch._app import build_graph as build
+
+    app = str(Path(__file__).resolve().parents[1] / "apps" / "budget_app.py")
+    cfg = {"out": str(tmp_path / "budget.npz"), "patience_s": 10.0}
+    run(build(app, cfg), app=app, config=cfg, placement="processes", deterministic=False)
+    with np.load(cfg["out"]) as f:
+        rec = {k: f[k] for k in f.files}
+    assert int(rec["parked_before"]) == 60 and bool(rec["offered"]) and int(rec["one_sided"]) == 25
+    assert int(rec["held_back"]) == 25  # the draws' notices: never sent
+    assert bool(rec["answered"]) and int(rec["answered_items"]) == 20
+    # In goes what the limiter allows at 50 samples (inserts + 10 - 50 <= 40: 90), no more.
+    assert int(rec["inserted"]) == 90 and int(rec["parked_steps"]) == 10 and int(rec["parked_requests"]) == 0
+    assert int(rec["sampled"]) == 5 + 20  # the table counts the notices it got: the message samples only
+
+
+_SMALL_SHM = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.nodes.test_replay_onesided import _probe
+from pathlib import Path
+rec = _probe(Path({tmp!r}), "processes", batches=3, capacity=200_000)
+print("offered", bool(rec["offered"]), "one_sided", int(rec["one_sided"]), "fallbacks", int(rec["fallbacks"]),
+      "draws", int(rec["draws"]), "sampled", int(rec["sampled"].sum()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_whose_storage_does_not_fit_in_dev_shm_keeps_its_memory_and_answers_with_data(tmp_path):
+    """In a mount namespace whose /dev/shm is a 4 MB tmpfs, shards of 200,000 steps (~25 MB each in
+    shared memory) would fault when their rows were touched: they keep their storage in their own
+    memory instead, say why, offer no one-sided sampling, and every sample comes through messages
+    with the data in the replies."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a mount namespace with its own /dev/shm)")
+    root = str(Path(__file__).resolve().parents[2])
+    script = _SMALL_SHM.format(root=root, tmp=str(tmp_path))
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, script],
+        capture_output=True, text=True, timeout=100, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not fit in /dev/shm" in proc.stderr
+    assert "offered False one_sided 0 fallbacks 3 draws 64 sampled 64" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_holding_inserts_back_hears_of_a_samples_draws_at_once_on_every_path(tmp_path):
+    """A shard that parks inserts for want of samples (its budget's third word) is told of a sample's
+    draws with that sample, not notice_every samples later: all shards on this host (sample_now),
+    and a sample mixing a shard here with one behind its read server (asample_now: the server
+    says so in its reply)."""
+    for remote in (False, True):
+        shards = [await _served_shard(tmp_path, 50 + 2 * remote, shm=True),
+                  await _served_shard(tmp_path, 51 + 2 * remote, shm=not remote)]
+        client = await _client_of(shards, notice_every=8)
+        try:
+            budgets = [_OWNED[owner][1].budget for owner, *_ in shards]
+            b, notices = await client.asample_now(64)
+            assert b is not None and notices == [] and client._held_samples == 1  # held, as usual
+            for budget in budgets:
+                budget[2] = 1  # the shard parked an insert (RateLimiter.set_parked)
+            b, notices = await client.asample_now(64)
+            assert b is not None and client._held_samples == 0
+            assert sum(len(m.keys) for m in notices) == 128  # both samples' draws, at once
+        finally:
+            await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_mixed_sample_whose_remote_part_is_refused_by_its_limiter_takes_nothing_here(tmp_path):
+    """The read server's shard allows no sample now (its budget's count at its bound): the sample
+    goes to messages, and the shard of this host in the same sample neither counts nor draws
+    anything (its part would have been dropped with the batch)."""
+    shards = [await _served_shard(tmp_path, 60, shm=True), await _served_shard(tmp_path, 61)]
+    client = await _client_of(shards)
+    try:
+        local, remote = (_OWNED[owner][1].budget for owner, *_ in shards)
+        remote[1] = int(remote[0])  # allowed = taken: nothing more until an insert
+        for _ in range(3):
+            before = int(local[0])
+            batch, notices = await client.asample_now(64)
+            assert batch is None and notices == [] and int(local[0]) == before
+        remote[1] = int(remote[0]) + 1000
+        batch, _ = await client.asample_now(64)
+        assert batch is not None and int(local[0]) > before
+    finally:
+        await _close([client], shards)

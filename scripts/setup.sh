@@ -29,3 +29,8 @@ if [ ! -f "$stamp" ]; then
 else
   say ".venv is up to date (pyproject.toml unchanged since the last setup)"
 fi
+# numba compiles a kernel at its first call in a process and caches it on disk: compiled here once
+# (seconds the first time, under one after), a run's processes load them instead of each compiling
+# them at its start or at its first sample.
+say "compiling the replay kernels (numba's cache)"
+.venv/bin/python -m reactor.nodes._warm >&2

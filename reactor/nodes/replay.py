@@ -215,8 +215,9 @@ class Replay(Reactor):
             docs/benchmarks.md).
         bulk: keep the storage in shared memory and answer requesters on this host with the rows
             to gather themselves (WindowRead and StepRead tables: the shard never copies the
-            windows; TransitionRead tables answer with the transitions and offer their rows for
-            one-sided draws only, which sum the returns themselves). None (default): on in async runs where shared memory works, off in
+            windows). A TransitionRead table does so only with ``bulk=True``: it answers with the
+            transitions and offers its rows for one-sided draws, which sum the returns themselves.
+            None (default): on in async runs where shared memory works, off in
             deterministic runs (a reader's gather races the ring, so a dropped overwritten item
             would depend on timing). True forces it on.
         memory: where the shard's trajectory memory lives: ``"host"`` (default), ``"pinned"``
@@ -369,7 +370,12 @@ class Replay(Reactor):
                             "requesters sample through messages, with the data in the replies", self.name,
                             need >> 20, free >> 20)
                 use_bulk = False
-        if use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead)):
+        # Transitions keep their rows in shared memory (for one-sided draws) only when asked for
+        # (bulk=True): on by default, DQN's restart tests met a race of overlapping restarts
+        # (docs/reliability.md, "Restarts that overlap").
+        reads_rows = isinstance(self.read, (WindowRead, StepRead)) or (
+            self.bulk is True and isinstance(self.read, TransitionRead))
+        if use_bulk and not on_gpu and reads_rows:
             caps = _bulk.capabilities()
             backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
             backends += ["zmq"] if self.remote_reads == "zmq" else []

@@ -201,7 +201,8 @@ def build(config: dict) -> Graph:
         read = TransitionRead(config["transition"], 0.9, reward_field="x", next_fields=("id", "x"))
     replay = g.add(Replay(FIELDS, capacity=config.get("capacity", 4096), read=read, sampler=sampler, rate_limiter=limiter, beta=config.get("beta", 0.5),
                           max_times_sampled=config.get("max_times_sampled", 0),
-                          remote_reads="zmq" if config.get("remote") else "auto"), name="replay", replicas=shards)
+                          remote_reads="zmq" if config.get("remote") else "auto",
+                          bulk=True if config.get("transition") else None), name="replay", replicas=shards)
     prober = g.add(Prober(config), name="prober")
     g.connect(filler.steps, replay.steps, key=shard_key)
     g.connect(prober.requests, replay.requests, key=shard_key)

@@ -70,7 +70,8 @@ def _graph(algo: str = "transformer_dqn", limiter: dict | None = None) -> Graph:
     read = ({"type": "WindowRead", "length": 5, "pad": "tail"} if algo == "transformer_dqn" else
             {"type": "TransitionRead", "n": 3, "gamma": 0.99, "next_fields": ["obs", "terminated"]})
     replay = g.add(Replay(FIELDS, capacity=2048, read=read, sampler={"type": "prioritized", "alpha": 0.6},
-                          rate_limiter=limiter or {"type": "MinSize", "min_size": 100}), name="replay")
+                          rate_limiter=limiter or {"type": "MinSize", "min_size": 100},
+                          bulk=True if algo == "dqn" else None), name="replay")
     learner = g.add(Learner(algo, "CartPole-v1", {"window": 4} if algo == "transformer_dqn" else {"n_step": 3},
                             batch_size=16, max_updates=40, report_every=10), name="learner")
     sink = g.add(Sink(_OUT), name="sink")

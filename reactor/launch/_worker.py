@@ -421,7 +421,12 @@ class Worker:
             log.warning("%s: ignored 'restarted' for %r, which has no restart policy here", self.group, group)
             return
         self.outbox.mark_down(group)
-        if group in self.out_peers:
+        if group in self.out_peers and self.ep.linked(group):
+            # Linked to this life already: at our own start, its book entry was the new life (past
+            # its hello; "lost" drops a link to the old one). Connecting again would offer a second
+            # hello under our name while the first is live there: refused, and it stayed down.
+            pass
+        elif group in self.out_peers:
             self.ep.disconnect(group, linger_s=0)
             try:
                 await self.ep.connect(group, address, server_public_key=link_key(self.keys, address))
@@ -455,6 +460,21 @@ class Worker:
         self.last_report_t = now
         self.outbox.send(COORDINATOR, ("status", *status))
         return None
+
+    async def _restarts_heard_early(self) -> None:
+        """Peers lost or started again while this worker was starting (the coordinator's word waits in
+        ``early``): handled first, in the order heard, the links to new lives made, before any
+        message of the peers is delivered: what the reactors answer to a restarted peer's early
+        requests would otherwise go out while it still counted as down here, and be dropped."""
+        rest = []
+        for peer, msg in self.early:
+            if peer == COORDINATOR and msg[0] == "lost":
+                self._peer_lost(msg[1], msg[2])
+            elif peer == COORDINATOR and msg[0] == "restarted":
+                await self._peer_restarted(msg[1], msg[2], msg[3])
+            else:
+                rest.append((peer, msg))
+        self.early = rest
 
     def _take_early(self) -> None:
         """Deliver what peers sent before our "start" (after our startup events, which come first)."""
@@ -595,6 +615,7 @@ class Worker:
         h._seed_events()
         for p in self.down_at_start:  # after the startup events: reactors learn of it once started
             h.peer_event("peer_lost", p, f"worker {p!r} is being started again")
+        await self._restarts_heard_early()
         self._take_early()
         h.start_async_timers()
         # The loop below wakes on `changed` (a reactor went idle, a batch came in: the status may

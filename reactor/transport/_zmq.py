@@ -643,6 +643,11 @@ class Endpoint(_Receiving):
             self._forget_link(link)
             raise
 
+    def linked(self, peer: str) -> bool:
+        """Whether a link to ``peer`` is up: connected (its welcome came), not lost, not disconnected."""
+        link = self._links.get(peer)
+        return link is not None and link.lost_reason is None
+
     def disconnect(self, peer: str, *, linger_s: float = 1.0) -> None:
         """Close the link to ``peer`` on purpose: it is not reported as lost.
 

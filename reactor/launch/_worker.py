@@ -421,12 +421,10 @@ class Worker:
             log.warning("%s: ignored 'restarted' for %r, which has no restart policy here", self.group, group)
             return
         self.outbox.mark_down(group)
-        if group in self.out_peers and self.ep.linked(group):
-            # Linked to this life already: at our own start, its book entry was the new life (past
-            # its hello; "lost" drops a link to the old one). Connecting again would offer a second
-            # hello under our name while the first is live there: refused, and it stayed down.
-            pass
-        elif group in self.out_peers:
+        # A live link is to this life already: made at our own start, when its book entry was the
+        # new life (past its hello; "lost" drops a link to an old one). Connecting again would offer
+        # a second hello under our name while the first is live there: refused, and it stayed down.
+        if group in self.out_peers and not self.ep.linked(group):
             self.ep.disconnect(group, linger_s=0)
             try:
                 await self.ep.connect(group, address, server_public_key=link_key(self.keys, address))

@@ -360,7 +360,12 @@ class Replay(Reactor):
                 f"({torch.cuda.device_count()} visible)"
             )
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
-        if use_bulk and self.bulk is None and not on_gpu:
+        # Transitions keep their rows in shared memory (for one-sided draws) only when asked for
+        # (bulk=True): on by default, DQN's restart tests met a race of overlapping restarts
+        # (docs/reliability.md, "Restarts that overlap").
+        use_bulk = use_bulk and not on_gpu and (isinstance(self.read, (WindowRead, StepRead)) or (
+            self.bulk is True and isinstance(self.read, TransitionRead)))
+        if use_bulk and self.bulk is None:
             # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is
             # free there faults when touched (SIGBUS), so a shard that does not fit keeps its memory.
             need = self.capacity * (sum(s.step_nbytes for s in self.specs) + 96)
@@ -370,12 +375,7 @@ class Replay(Reactor):
                             "requesters sample through messages, with the data in the replies", self.name,
                             need >> 20, free >> 20)
                 use_bulk = False
-        # Transitions keep their rows in shared memory (for one-sided draws) only when asked for
-        # (bulk=True): on by default, DQN's restart tests met a race of overlapping restarts
-        # (docs/reliability.md, "Restarts that overlap").
-        reads_rows = isinstance(self.read, (WindowRead, StepRead)) or (
-            self.bulk is True and isinstance(self.read, TransitionRead))
-        if use_bulk and not on_gpu and reads_rows:
+        if use_bulk:
             caps = _bulk.capabilities()
             backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
             backends += ["zmq"] if self.remote_reads == "zmq" else []
@@ -744,16 +744,12 @@ class Replay(Reactor):
             if reads_us and req.generation != self._owner.generation:  # (the offer: once per generation)
                 desc = self._descriptor
                 sampling = self._sampling if req.host == self._host_id else self._remote_sampling
-            if bulk:
-                reply = ShardSample(self.bank_index, req.requester, req.request, "", None, descriptor=desc,
-                                    sampling=sampling, **self._bulk_plan(keys), **common)
-            elif sampling is not None:  # transitions: the data here, the rows offered for one-sided draws
-                reply = ShardSample(self.bank_index, req.requester, req.request, "", self._read_items(keys, anchors),
-                                    descriptor=desc, sampling=sampling, **common)
-            else:
-                reply = ShardSample(self.bank_index, req.requester, req.request, "", self._read_items(keys, anchors),
-                                    **common)
-            self.replies.send(reply)
+            if not bulk and sampling is None:
+                desc = None  # (data in the reply, and nothing to draw one-sidedly: no region to map)
+            # Transitions with an offer: the data here, the rows offered for one-sided draws.
+            data, plan = (None, self._bulk_plan(keys)) if bulk else (self._read_items(keys, anchors), {})
+            self.replies.send(ShardSample(self.bank_index, req.requester, req.request, "", data, descriptor=desc,
+                                          sampling=sampling, **plan, **common))
             self._progress_inserts()
             return True
         self._refuse(req, f"unknown request type {type(req).__name__}")

@@ -178,11 +178,6 @@ class RateLimiter:
         budget[PARKED] = 0
         self._samples = samples
 
-    @property
-    def shared(self) -> bool:
-        """Whether the sample count lives in a shared budget (:meth:`share`)."""
-        return self._budget is not None
-
     def _allowed(self) -> int:
         """The most samples the counters allow now (the budget's ``allowed`` word)."""
         x = self._inserts * self.samples_per_insert - self.min_diff
@@ -258,8 +253,11 @@ class RateLimiter:
                 add(self._budget, more)
         self.notify()
 
-    def on_shared_samples(self) -> None:
-        """Readers took samples from the shared budget (their notices came): wake waiters."""
+    def on_noticed(self, n: int) -> None:
+        """Count ``n`` items that readers elsewhere drew (their notices came, after the draws) and wake
+        waiters; with a shared budget they were counted when the readers took them: only wake."""
+        if self._budget is None:
+            self._own_samples += n
         self.notify()
 
     def reset(self) -> None:

@@ -69,6 +69,7 @@ import torch
 from .._native import acquire_fence, prefetch, release_fence, void_pointer
 from ._budget import BUDGET_WORDS, PARKED, take, take_all
 from ._storagekernels import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
+from .storage import n_step_return
 from .sumtree import _layout, _nb_descend
 
 __all__ = [
@@ -205,26 +206,17 @@ def transitions_from_windows(data: dict[str, torch.Tensor], read: Any) -> dict[s
     Raises:
         KeyError: the reward field or a next field is not in ``data``.
     """
-    n, gamma = read.n, read.gamma
-    mask = data["mask"]
-    b = mask.shape[0]
-    m = mask.sum(dim=1, dtype=torch.int64) - 1
+    n = read.n
+    m = data["mask"].sum(dim=1).numpy().astype(np.int64) - 1
+    b = m.shape[0]
     out = {f: t[:, 0].contiguous() for f, t in data.items() if f != "mask"}  # (not views of the windows)
     r = data[read.reward_field][:, :n]
-    rdtype = r.dtype if r.dtype.is_floating_point else torch.float32
-    k = torch.arange(n, dtype=torch.int64)
-    at = torch.minimum(k[None, :], torch.clamp(m[:, None] - 1, min=0))  # the storage's own reward rows
-    rewards = torch.gather(r, 1, at.reshape(b, n, *([1] * (r.dim() - 2))).expand(b, n, *r.shape[2:]))
-    gpow = torch.as_tensor(gamma ** np.arange(n, dtype=np.float64), dtype=rdtype)
-    coef = gpow[None, :] * (k[None, :] < m[:, None])
-    coef = coef.reshape(*coef.shape, *([1] * (rewards.dim() - 2)))
-    out[read.reward_field] = (rewards.to(rdtype) * coef).sum(dim=1)
-    mm = m.numpy()
-    out["discount"] = torch.as_tensor(gamma ** mm.astype(np.float64), dtype=rdtype)
-    out["valid"] = m >= 1
-    rows = torch.arange(b)
+    at = np.minimum(np.arange(n)[None, :], np.maximum(m[:, None] - 1, 0))  # the storage's own reward rows
+    at = torch.from_numpy(at).reshape(b, n, *([1] * (r.dim() - 2))).expand(b, n, *r.shape[2:])
+    out[read.reward_field], out["discount"], out["valid"] = n_step_return(torch.gather(r, 1, at), m, read.gamma)
+    rows, last = torch.arange(b), torch.from_numpy(np.maximum(m, 0))
     for f in read.next_fields:
-        out[f"next_{f}"] = data[f][rows, m.clamp(min=0)]
+        out[f"next_{f}"] = data[f][rows, last]
     return out
 
 

@@ -43,7 +43,25 @@ from ._storagekernels import (
 )
 from ._storagestate import StorageState
 
-__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans"]
+__all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionPlan", "expand_window_spans",
+           "n_step_return"]
+
+
+def n_step_return(rewards: torch.Tensor, m: np.ndarray, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An n-step transition's return, as :meth:`Storage.read_transitions` defines it (one place, so
+    every reader of transitions sums alike, to the bit): ``rewards`` ``[B, n, ...]`` are each item's
+    rewards from its anchor (those at and past ``m`` any stored value: they get coefficient 0), ``m``
+    (int64 ``[B]``) the steps summed. Returns ``(reward, discount, valid)`` on the rewards' device:
+    ``sum_{k<m} gamma^k r_k`` in the reward dtype (float32 if it is not floating), ``gamma^m``, ``m >= 1``."""
+    n, dev = rewards.shape[1], rewards.device
+    k = np.arange(n, dtype=np.int64)
+    rdtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
+    gpow = torch.as_tensor(gamma ** k.astype(np.float64), dtype=rdtype, device=dev)
+    coef = gpow[None, :] * torch.from_numpy(k[None, :] < m[:, None]).to(dev)
+    coef = coef.reshape(*coef.shape, *([1] * (rewards.dim() - 2)))
+    return ((rewards.to(rdtype) * coef).sum(dim=1),
+            torch.as_tensor(gamma ** m.astype(np.float64), dtype=rdtype, device=dev),
+            torch.from_numpy(m >= 1).to(dev))
 
 
 @dataclass(frozen=True)
@@ -716,14 +734,7 @@ class Storage(StorageState):
         win = steps[:, None] + np.minimum(k[None, :], np.maximum(m[:, None] - 1, 0))
         rewards = self._gather(win.ravel(), [reward_field])[reward_field]
         rewards = rewards.reshape(len(steps), n, *rewards.shape[1:])
-        rdtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
-        gpow = torch.as_tensor(gamma ** k.astype(np.float64), dtype=rdtype, device=self._device)
-        live = torch.from_numpy(k[None, :] < m[:, None]).to(self._device)
-        coef = gpow[None, :] * live
-        coef = coef.reshape(*coef.shape, *([1] * (rewards.dim() - 2)))
-        out[reward_field] = (rewards.to(rdtype) * coef).sum(dim=1)
-        out["discount"] = torch.as_tensor(gamma ** m.astype(np.float64), dtype=rdtype, device=self._device)
-        out["valid"] = torch.from_numpy(m >= 1).to(self._device)
+        out[reward_field], out["discount"], out["valid"] = n_step_return(rewards, m, gamma)
         nxt = self._gather(steps + m, next_fields)
         for f in next_fields:
             out[f"next_{f}"] = nxt[f]

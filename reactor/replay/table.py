@@ -810,10 +810,7 @@ class Table(TableState):
             np.add.at(self._times, slots[held], 1)
             self._counts["sampled"] += len(k)
             self._generation += 1
-            if self._limiter.shared:
-                self._limiter.on_shared_samples()
-            else:
-                self._limiter.on_sample(len(k))
+            self._limiter.on_noticed(len(k))
         return len(k)
 
     def update_priorities(self, keys: Any, priorities: Any) -> None:

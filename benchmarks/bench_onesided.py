@@ -115,6 +115,7 @@ async def main() -> None:
     ap.add_argument("--capacity", type=int, default=1 << 18, help="steps over all shards (default 256K)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--ahead", type=int, default=4, help="draws running at once in the drawn-ahead case")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -133,12 +134,18 @@ async def main() -> None:
         for _ in range(30):  # compiled kernels loaded, allocator warm
             client.sample_now(BATCH)
             peer.sample_nowait(BATCH)
-        ours, theirs = [], []
+        ours, theirs, ahead = [], [], []
         for _ in range(args.reps):
             t = time.perf_counter()
             for _ in range(args.calls):
                 client.sample_now(BATCH)
             ours.append((time.perf_counter() - t) / args.calls)
+            client.take_notices()
+            t = time.perf_counter()
+            for i in range(args.calls):  # drawn ahead: --ahead draws running on the client's threads
+                client.draw_ahead(BATCH, min(args.ahead, args.calls - i))
+                client.take_drawn()
+            ahead.append((time.perf_counter() - t) / args.calls)
             client.take_notices()
             t = time.perf_counter()
             for _ in range(args.calls):
@@ -156,6 +163,9 @@ async def main() -> None:
         print(f"  ReplayClient.sample_now   {a * 1e3:.3f} ms/batch")
         print(f"  Table.sample_nowait       {b * 1e3:.3f} ms/batch (one in-process table of {per * args.shards} steps)")
         print(f"  ours / in-process speed   {b / a:.2f}x")
+        c = statistics.median(ahead)
+        print(f"  drawn ahead, {args.ahead} at a time on {client.draw_threads} threads: {c * 1e3:.3f} ms/batch, "
+              f"{b / c:.2f}x of in-process")
         k_, l_ = timers.kernels / args.calls, timers.alive / args.calls
         print(f"  parts of sample_now (timed run {whole * 1e3:.3f} ms): the two compiled calls (figures and counts; draws, copies, keys and weights) {k_ * 1e6:.0f} us, "
               f"owners' liveness checks {l_ * 1e6:.0f} us, the rest {(whole - k_ - l_) * 1e6:.0f} us")

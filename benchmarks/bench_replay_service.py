@@ -126,7 +126,8 @@ def med(xs: list[float]) -> float:
 def sample_cases(cfg: dict) -> list[tuple[str, str]]:
     """(report key, section label) of the sampling cases, in print order."""
     depths = sorted({1, cfg["inflight"]})
-    return [("local", "1-sided shm"), ("remote", "1-sided tcp")] + [
+    return [("local", "1-sided shm")] + [(f"local_x{d}", "1-sided shm") for d in depths if d > 1] + [
+        ("remote", "1-sided tcp")] + [
         (name if d == 1 else f"{name}_x{d}", label)
         for name, label in (("shm", "sample shm"), ("msg", "sample tcp"), ("onesided", "1-sided zmq"))
         for d in depths]
@@ -261,7 +262,7 @@ def main() -> None:
                     help="also measure with this many batches requested at once (a learner's prefetch); 1: only 1")
     ap.add_argument("--round-rows", type=int, default=None,
                     help="rows per writer per insert repetition (default 64K, quick 16K; 0: no insert repetitions)")
-    ap.add_argument("--notice-every", type=int, default=8,
+    ap.add_argument("--notice-every", type=int, default=64,
                     help="one-sided samples whose notices the clients send together (ReplayClient(notice_every=...))")
     ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
     ap.add_argument("--hosts", action="store_true",
@@ -328,10 +329,15 @@ def main() -> None:
               f"{p[3] * 1e3:.2f} ms, context switches {p[4]:.1f} voluntary + {p[5]:.1f} forced")
     print_table(rows_of(rep, cfg))
     inproc = med(rep["inproc"])
-    for key, target in (("local", 0.8), (f"shm_x{cfg['inflight']}", 1.0), ("remote", 0.5), ("msg", 0.5)):
+    x = cfg["inflight"]
+    for key, target, what in (("local", 0.8, "one-sided, 1 in flight"),
+                              (f"local_x{x}", 1.0, f"one-sided, {x} drawn ahead on the client's threads"),
+                              (f"shm_x{x}", 1.0, f"messages, {x} in flight"), ("remote", 0.5, "one-sided tcp"),
+                              ("msg", 0.5, "messages over tcp")):
         if key in rep:
             r = inproc / med(rep[key])
-            print(f"target (issue 21): {key} >= {target:.0%} of in-process: {r:.0%} -> {'met' if r >= target else 'NOT met'}")
+            print(f"target (issue 21): {key} ({what}) >= {target:.0%} of in-process: {r:.0%} -> "
+                  f"{'met' if r >= target else 'NOT met'}")
     print_reverb(rep, cfg, args.reverb, q)
 
 

@@ -28,6 +28,9 @@ samples when ``bench[0]`` asks and reports its timings back:
 * ``local``: ``calls`` batches from bench[0]'s client by ``ReplayClient.sample_now`` (one-sided: it
   draws from the shards' published sum trees and copies the windows from their shared memory, with
   no message; the notices of the draws go to the shards on ``updates``), one after another.
+* ``local_x<inflight>``: the same drawn ahead, ``inflight`` draws running at once on the client's draw
+  threads (``ReplayClient.draw_ahead``/``take_drawn``, two threads on two cores: the draws' compiled
+  parts release the GIL), as a learner's ``prefetch`` keeps them while it updates.
 * ``remote``: the same from bench[1] ("another host") by ``ReplayClient.asample_now``: one request per
   shard to its bulk zmq read server, whose thread draws from the published state and sends the rows.
 * ``inproc``: ``Table.sample_nowait(batch)`` of the same windows from the in-process table.
@@ -36,7 +39,7 @@ samples when ``bench[0]`` asks and reports its timings back:
 
 config keys: shards (4), writers (4), capacity (steps held over all shards, 1 << 20), envs (64),
 window (32), batch (256), reps (5), calls (20), round_rows (rows per writer per repetition; 0: none),
-inflight (1), chunk_length (256), flush_steps (1024), notice_every (the clients' ``notice_every``, 8),
+inflight (1), chunk_length (256), flush_steps (1024), notice_every (the clients' ``notice_every``, 64),
 report (the JSON file bench[0] writes at the end).
 """
 
@@ -191,7 +194,7 @@ class Bench(Reactor):
         # Replica 0 gathers from the shards' shared memory; replica 1 ("another host") gets the windows
         # in the replies (msg) or reads them one-sidedly from the shards' bulk read servers (onesided).
         mk = functools.partial(ReplayClient, self.shards, requester=self.bank_index, rng=self.rng, timeout_s=120.0,
-                               curve=self.process_link.curve, notice_every=c.get("notice_every", 8))
+                               curve=self.process_link.curve, notice_every=c.get("notice_every", 64))
         self.clients = ({"shm": mk(bulk=True, remote_reads="off")} if self.bank_index == 0 else
                         {"msg": mk(bulk=False, remote_reads="off"), "onesided": mk(bulk=False, remote_reads="zmq")})
         self.client = next(iter(self.clients.values()))
@@ -211,14 +214,17 @@ class Bench(Reactor):
         depths = sorted({1, self.inflight})
         samples = [(name, d) for name in ("shm", "msg", "onesided") for d in depths]
         plan += [("sample", name, d, 3, False) for name, d in samples] + [("inproc", 3, False), ("memcpy", 3, False)]
-        plan += [("local", 3, False), ("remote", 3, False)]  # (after the first replies brought the offers)
+        plan += [("local", 1, 3, False), ("remote", 3, False)]  # (after the first replies brought the offers)
+        if self.inflight > 1:
+            plan.append(("local", self.inflight, 3, False))
         for r in range(1, c["reps"] + 1):
             rows = c["round_rows"]
             if rows > 0:
                 plan += [("insert", r, rows), ("local_insert", r, rows * self.writers)]
             # The cases' order alternates between repetitions: none always runs first after the inserts.
             cases = [("sample", name, d, self.calls, True) for name, d in samples]
-            cases += [("inproc", self.calls, True), ("memcpy", self.calls, True), ("local", self.calls, True),
+            cases += [("local", self.inflight, self.calls, True)] if self.inflight > 1 else []
+            cases += [("inproc", self.calls, True), ("memcpy", self.calls, True), ("local", 1, self.calls, True),
                       ("remote", self.calls, True)]
             plan += cases if r % 2 else cases[::-1]
         plan.append(("stats", "end"))
@@ -264,7 +270,7 @@ class Bench(Reactor):
                 if keep:
                     self._record("inproc", (time.perf_counter() - t0) / calls)
             elif kind == "local":
-                self._local_sample(entry[1], entry[2])
+                self._local_sample(entry[1], entry[2], entry[3])
             elif kind == "remote":  # the learner "on another host" samples through the shards' read servers
                 self.cmd.send({"to": 1, "op": "remote", "calls": entry[1], "keep": entry[2]})
                 return
@@ -305,14 +311,44 @@ class Bench(Reactor):
         got = calls - fallbacks
         return dt / calls, items / got if got else 0.0, fallbacks, parts
 
-    def _local_sample(self, calls: int, keep: bool) -> None:
-        """One-sided samples (ReplayClient.sample_now: no message to any shard), one after another."""
-        s, items, fallbacks, parts = _at_once(self._one_sided_block(self.clients["shm"], calls))
+    def _local_sample(self, depth: int, calls: int, keep: bool) -> None:
+        """One-sided samples (ReplayClient.sample_now: no message to any shard), one after another; with
+        ``depth`` > 1 drawn ahead on the client's draw threads (ReplayClient.draw_ahead: ``depth`` draws
+        running while the oldest is taken, as a learner's prefetch keeps them)."""
+        if depth == 1:
+            s, items, fallbacks, parts = _at_once(self._one_sided_block(self.clients["shm"], calls))
+        else:
+            s, items, fallbacks, parts = self._ahead_block(self.clients["shm"], calls, depth)
+        key = "local" if depth == 1 else f"local_x{depth}"
         if keep:
-            self._record("local_fallbacks", fallbacks)
+            self._record(f"{key}_fallbacks", fallbacks)
             if items:
-                self._keep("local", s, items, parts)
+                self._keep(key, s, items, parts)
             self.results["local_retries"] = self.clients["shm"].one_sided_retries
+
+    def _ahead_block(self, client: ReplayClient, calls: int, depth: int) -> tuple[float, float, int, list[float]]:
+        """``calls`` one-sided samples drawn ahead, ``depth`` running at a time (never more than the block
+        still needs): (s per batch, items per batch, fallbacks, parts as _one_sided_block's)."""
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        c0, items, fallbacks = time.process_time(), 0, 0
+        t0 = time.perf_counter()
+        for i in range(calls):
+            client.draw_ahead(self.batch, min(depth, calls - i))
+            batch, notices = client.take_drawn()
+            for m in notices:
+                self.updates.send(m)
+            if batch is None:
+                fallbacks += 1
+            else:
+                items += len(batch.keys)
+        for m in client.take_notices():
+            self.updates.send(m)
+        dt = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        parts = [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls, (ru1.ru_nvcsw - ru.ru_nvcsw) / calls,
+                 (ru1.ru_nivcsw - ru.ru_nivcsw) / calls]
+        got = calls - fallbacks
+        return dt / calls, items / got if got else 0.0, fallbacks, parts
 
     async def _remote_sample(self, calls: int, keep: bool) -> None:
         """Replica 1: one-sided samples through the shards' bulk read servers (ReplayClient.asample_now:
@@ -500,7 +536,7 @@ def _coordinator(message: object) -> int:
 
 def build(config: dict) -> Graph:
     c = {"shards": 4, "writers": 4, "capacity": 1 << 20, "envs": 64, "window": 32, "batch": 256, "reps": 5,
-         "calls": 20, "round_rows": 1 << 16, "inflight": 1, "chunk_length": 256, "flush_steps": 1024, "notice_every": 8,
+         "calls": 20, "round_rows": 1 << 16, "inflight": 1, "chunk_length": 256, "flush_steps": 1024, "notice_every": 64,
          "report": ""}
     c.update(config)
     for k in c:

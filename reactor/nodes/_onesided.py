@@ -12,10 +12,13 @@ are in :mod:`reactor.replay.shared`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +118,11 @@ class OneSidedSampling:
     _held_samples: int
     _held_since: float
     _group: tuple[tuple[int, ...], SharedShards, list[_SharedShard]] | None
+    _lock: threading.RLock  # the held notices and the counters (draws ahead run on threads)
+    _pool: concurrent.futures.ThreadPoolExecutor | None
+    _ahead: deque[concurrent.futures.Future]
+    draw_threads: int
+    ahead_samples: int
     rng: np.random.Generator
     beta: float | None
     one_sided: bool
@@ -351,7 +359,7 @@ class OneSidedSampling:
                 self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
                 return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
-            self.one_sided_retries += 1
+            self._tally(retries=1)
             if time.perf_counter() > deadline:
                 return None
 
@@ -384,10 +392,8 @@ class OneSidedSampling:
             data[name] = t
         if first["window"]:
             data["mask"] = torch.from_numpy(np.concatenate([parts[k]["mask"] for k in order]))
-        self.gathered_items += n
-        self.one_sided_samples += 1
+        self._tally(gathered=n, samples=1, dropped=int((~valid).sum()))
         if not valid.all():
-            self.dropped_items += int((~valid).sum())
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
@@ -408,6 +414,7 @@ class OneSidedSampling:
 
     def _forget_sampling(self, shard: int) -> None:
         """Drop a shard's one-sided offer and unmap its sampling region (its successor offers anew)."""
+        self._quiesce()  # (a draw ahead reads the mapping: never past its unmapping)
         self._group = None  # (it reaches the shards' arrays by address: never past their unmapping)
         self._remote_shared.pop(shard, None)
         sh = self._shared.pop(shard, None)
@@ -537,7 +544,7 @@ class OneSidedSampling:
                                               valid[a:b], k << KEY_SHARD_BITS, share, min_p, beta, weights[a:b])
                 if status == _OK:
                     break
-                self.one_sided_retries += 1
+                self._tally(retries=1)
                 retried = True
                 g = self._stable_figures(sh, deadline) if status != _EMPTY else None
                 if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
@@ -568,14 +575,15 @@ class OneSidedSampling:
         oldest is :data:`NOTICE_MAX_AGE_S` old, or ``hurry`` (a shard holds inserts back until it
         hears of samples: its rate limiter's count moved, but the shard checks again only when told)."""
         now = time.perf_counter()
-        if not self._held_samples:
-            self._held_since = now
-        held = self._held
-        for k, keys in drawn:
-            held.setdefault(k, []).append(keys)
-        self._held_samples += 1
-        if hurry or self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
-            return self.take_notices()
+        with self._lock:
+            if not self._held_samples:
+                self._held_since = now
+            held = self._held
+            for k, keys in drawn:
+                held.setdefault(k, []).append(keys)
+            self._held_samples += 1
+            if hurry or self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
+                return self.take_notices()
         return []
 
     def take_notices(self, more: list[SampledKeys] = ()) -> list[SampledKeys]:  # type: ignore[assignment]
@@ -583,11 +591,92 @@ class OneSidedSampling:
         now; the client holds none after. Samples that return no batch (and the errors of
         :meth:`asample_now`) return them this way; an owner that stops sampling one-sidedly sends
         what this returns (the shards count those draws only when told)."""
-        held = self._held
+        with self._lock:
+            held = self._held
+            self._held, self._held_samples = {}, 0
         for m in more:
             held.setdefault(m.shard, []).append(np.asarray(m.keys))
-        self._held, self._held_samples = {}, 0
         return [SampledKeys(k, np.concatenate(ks)) for k, ks in sorted(held.items())]
+
+    def _tally(self, *, gathered: int = 0, samples: int = 0, dropped: int = 0, retries: int = 0) -> None:
+        """Add to the counters (under the lock: draws ahead count from their threads)."""
+        with self._lock:
+            self.gathered_items += gathered
+            self.one_sided_samples += samples
+            self.dropped_items += dropped
+            self.one_sided_retries += retries
+
+    # ---------------------------------------------------------------- draws ahead, on threads
+
+    def draw_ahead(self, n: int, depth: int) -> int:
+        """Start :meth:`sample_now` draws of ``n`` items on the client's draw threads until ``depth``
+        are running or done and not yet taken by :meth:`next_drawn`; returns how many that is.
+
+        The draws' compiled parts (the descents, the copies) run without the GIL, so a learner's
+        next batches are drawn while it updates on this one, and ``draw_threads`` draws at once on
+        as many cores. A draw ahead sees the shards' state of its moment: the priority updates of the
+        updates made meanwhile (at most ``depth`` of them) are not in it, as with ``depth`` message
+        samples in flight. Nothing starts while a live shard is not mapped here (:meth:`can_sample_now`:
+        shards of other hosts are sampled by :meth:`asample_now`, on the event loop).
+
+        Raises:
+            ValueError: ``n < 1`` or ``depth < 0``.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
+        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
+            raise ValueError(f"draw_ahead depth must be an int >= 0, got {depth!r}")
+        if self._pool is None and depth and self.can_sample_now:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.draw_threads, thread_name_prefix="reactor-draw")
+        while len(self._ahead) < depth and self.can_sample_now:
+            self._ahead.append(self._pool.submit(self.sample_now, int(n)))  # type: ignore[union-attr]
+        return len(self._ahead)
+
+    @property
+    def drawn_ahead(self) -> int:
+        """Draws started by :meth:`draw_ahead` and not yet taken."""
+        return len(self._ahead)
+
+    async def next_drawn(self) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """The oldest draw ahead's :meth:`sample_now` result, awaited (the loop runs meanwhile).
+
+        Raises:
+            LookupError: no draw was started (:meth:`draw_ahead`).
+            (what :meth:`sample_now` raises, from the draw's thread)
+        """
+        if not self._ahead:
+            raise LookupError("next_drawn: no draw ahead was started (draw_ahead)")
+        result = await asyncio.wrap_future(self._ahead.popleft())
+        if result[0] is not None:
+            self.ahead_samples += 1
+        return result
+
+    def take_drawn(self) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """:meth:`next_drawn` for code without an event loop: blocks until the oldest draw ahead is done."""
+        if not self._ahead:
+            raise LookupError("take_drawn: no draw ahead was started (draw_ahead)")
+        result = self._ahead.popleft().result()
+        if result[0] is not None:
+            self.ahead_samples += 1
+        return result
+
+    def drain_drawn(self) -> list[tuple[SampledBatch | None, list[SampledKeys]] | BaseException]:
+        """Wait for every draw ahead and take them all, oldest first: each a :meth:`sample_now`
+        result or the error it raised. Blocks (a draw takes about a millisecond, or gives up after
+        ~5 ms)."""
+        out: list[tuple[SampledBatch | None, list[SampledKeys]] | BaseException] = []
+        while self._ahead:
+            fut = self._ahead.popleft()
+            e = fut.exception()
+            out.append(e if e is not None else fut.result())
+            if e is None and out[-1][0] is not None:  # type: ignore[index]
+                self.ahead_samples += 1
+        return out
+
+    def _quiesce(self) -> None:
+        """Wait until no draw ahead is running (their results stay for :meth:`next_drawn`)."""
+        if self._ahead:
+            concurrent.futures.wait(list(self._ahead))
 
     def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:
         """A shard's figures under a stable sequence count, waiting out a change in progress (tens of
@@ -596,7 +685,7 @@ class OneSidedSampling:
             f = sh.table.figures()
             if f[0] >= 0:
                 return f
-            self.one_sided_retries += 1
+            self._tally(retries=1)
             if time.perf_counter() > deadline:
                 return None
             time.sleep(0)  # let the shard's process (maybe on this core) finish its change
@@ -627,10 +716,8 @@ class OneSidedSampling:
         data: dict[str, torch.Tensor] = out
         if shards[0].table.window:
             data["mask"] = torch.from_numpy(mask)
-        self.gathered_items += n
-        self.one_sided_samples += 1
+        self._tally(gathered=n, samples=1, dropped=int((~valid).sum()))
         if not valid.all():  # items whose rows the ring overwrote during the copy
-            self.dropped_items += int((~valid).sum())
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]

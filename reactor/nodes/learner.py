@@ -396,14 +396,17 @@ class Learner(_LearnerBase):
         requests: sample requests to the shards (``key=shard_key``).
         updates: priority updates to the shards owning the keys (``key=shard_key``).
         weights: :class:`Weights` every ``weights_every`` updates (and at start).
-        report: :class:`Report` (``updates``, ``samples``, ``one_sided_batches``: batches drawn one-sidedly, the
+        report: :class:`Report` (``updates``, ``samples``, ``one_sided_batches``: batches drawn one-sidedly,
+            ``drawn_ahead_batches``: those of them drawn on the client's thread during an update, the
             algorithm's metrics).
 
     Args:
         algo, env, algo_config: the algorithm, the environment (for its spaces) and Config overrides.
         num_shards: the replay bank's size.
         batch_size: items per sample.
-        prefetch: samples kept in flight (sampling overlaps learning).
+        prefetch: samples kept in flight (sampling overlaps learning): requests through messages, or
+            one-sided draws running on the client's threads (``ReplayClient.draw_ahead``) while the
+            learner updates.
         weights_every: updates between weight broadcasts.
         report_every: updates between reports.
         max_updates: stop learning after this many updates (None: never).
@@ -546,7 +549,23 @@ class Learner(_LearnerBase):
                 self.priorities.send(m)
             return
         batch = None
-        if client.can_sample_one_sided:
+        if client.can_sample_now or client.drawn_ahead:
+            # Every live shard is on this host: the batch was drawn on the client's thread while this
+            # learner updated, and the next ones are drawn while it updates on this one.
+            client.draw_ahead(self.batch_size, 1 + (self.prefetch if remaining is None else
+                                                    min(self.prefetch, remaining - 1)))
+            results: list[Any] = []
+            if client.drawn_ahead:
+                try:
+                    results.append(await client.next_drawn())
+                except ONE_SIDED_ERRORS as e:
+                    results.append(e)
+            if not results or isinstance(results[0], BaseException) or results[0][0] is None:
+                results += client.drain_drawn()  # the draws ahead are the shards' state of now, too
+            for r in results:
+                if self._take_drawn(r):
+                    batch = True
+        elif client.can_sample_one_sided:
             try:
                 batch, notices = await client.asample_now(self.batch_size)
             except ONE_SIDED_ERRORS as e:  # a shard died, its server refused or answered garbage:
@@ -555,15 +574,34 @@ class Learner(_LearnerBase):
                 notices = getattr(e, "notices", [])  # (the other shards' draws; peer_lost follows a death)
             for m in notices:
                 self.priorities.send(m)
+            if batch is not None:
+                self._due += 1
+                self.update_due.schedule(batch)
         if batch is not None:
-            self._due += 1
-            self.update_due.schedule(batch)
             return
         for m in client.take_notices():  # back to messages: what the client still holds goes now
             self.priorities.send(m)
         for _ in range(self.prefetch if remaining is None else min(self.prefetch, remaining)):
             for r in client.request(self.batch_size):
                 self.requests.send(r)
+
+    def _take_drawn(self, result: Any) -> bool:
+        """A draw ahead's result (``(batch, notices)`` or the error it raised): its notices go, its
+        batch is scheduled for an update. Returns whether there was a batch."""
+        if isinstance(result, BaseException):
+            if not isinstance(result, ONE_SIDED_ERRORS):
+                raise result
+            logging.getLogger("reactor.learner").warning(
+                "%s: a one-sided sample failed (%s); sampling through messages", self.name, result)
+            return False
+        batch, notices = result
+        for m in notices:
+            self.priorities.send(m)
+        if batch is None:
+            return False
+        self._due += 1
+        self.update_due.schedule(batch)
+        return True
 
     @reaction(triggers=[peer_lost, peer_restarted], effects=[requests])
     def shards_changed(self) -> None:
@@ -656,6 +694,7 @@ class Learner(_LearnerBase):
         if self.updates % self.report_every == 0:
             self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
                                                 "one_sided_batches": float(self.client.one_sided_samples),
+                                                "drawn_ahead_batches": float(self.client.ahead_samples),
                                                 **{k: float(v) for k, v in metrics.items()}}))
         self._maybe_checkpoint()
         if self.max_updates is not None and self.updates >= self.max_updates:

@@ -10,9 +10,13 @@ client's mixin, and :mod:`reactor.replay.shared`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
+import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,8 +137,12 @@ class ReplayClient(OneSidedSampling):
         notice_every: one-sided samples whose notices (:class:`SampledKeys`) are held and sent
             together, one message per shard: while its owner samples one-sidedly the shards' times
             sampled lag by at most this many samples, fewer once the oldest held notice is
-            :data:`NOTICE_MAX_AGE_S` old at a sample (1: a notice per sample). An owner that stops
-            sampling one-sidedly sends :meth:`take_notices`.
+            :data:`NOTICE_MAX_AGE_S` old at a sample (1: a notice per sample). The notices feed the
+            shards' bookkeeping only (times sampled, statistics; the rate limiter's count is taken at
+            the draw, and a shard holding inserts back hears at once), and each wakes every shard, so
+            the default holds many: 64. An owner that stops sampling one-sidedly sends :meth:`take_notices`.
+        draw_threads: threads that run one-sided draws ahead (:meth:`draw_ahead`), made at the first;
+            None: ``min(2, cpu count)``.
 
     Example:
         >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
@@ -158,7 +166,8 @@ class ReplayClient(OneSidedSampling):
         remote_reads: str = "off",
         curve: Any = None,
         one_sided: bool = True,
-        notice_every: int = 8,
+        notice_every: int = 64,
+        draw_threads: int | None = None,
     ) -> None:
         if masses not in ("cached", "fresh"):
             raise ValueError(f"ReplayClient masses must be 'cached' or 'fresh', got {masses!r}")
@@ -170,6 +179,9 @@ class ReplayClient(OneSidedSampling):
             raise ValueError(f"ReplayClient timeout_s must be > 0 or None, got {timeout_s!r}")
         if isinstance(notice_every, bool) or not isinstance(notice_every, int) or notice_every < 1:
             raise ValueError(f"ReplayClient notice_every must be an int >= 1, got {notice_every!r}")
+        if draw_threads is not None and (isinstance(draw_threads, bool) or not isinstance(draw_threads, int)
+                                         or draw_threads < 1):
+            raise ValueError(f"ReplayClient draw_threads must be an int >= 1 or None, got {draw_threads!r}")
         self.num_shards = num_shards
         self.requester = requester
         self.rng = rng if rng is not None else np.random.default_rng(0)
@@ -205,6 +217,11 @@ class ReplayClient(OneSidedSampling):
         self._held_samples = 0  # samples whose notices are held
         self._held_since = 0.0  # perf_counter of the oldest of them
         self._group: tuple[tuple[int, ...], SharedShards, list[_SharedShard]] | None = None  # see _group_of
+        self._lock = threading.RLock()  # the held notices and the counters, which draws ahead share
+        self.draw_threads = draw_threads or min(2, os.cpu_count() or 1)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # draw_ahead's threads, made at first use
+        self._ahead: deque[concurrent.futures.Future] = deque()  # draws ahead, oldest first
+        self.ahead_samples = 0  # batches of draws ahead taken (next_drawn, drain_drawn)
 
     @property
     def live_shards(self) -> list[int]:
@@ -424,7 +441,7 @@ class ReplayClient(OneSidedSampling):
         keys = np.concatenate([np.asarray(p.keys, dtype=np.int64) for p in parts])
         times = np.concatenate([np.asarray(p.times_sampled, dtype=np.int64) for p in parts])
         if keep is not None:  # items whose rows were overwritten before the gather
-            self.dropped_items += int((~keep).sum())
+            self._tally(dropped=int((~keep).sum()))
             idx = np.flatnonzero(keep)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
@@ -593,12 +610,17 @@ class ReplayClient(OneSidedSampling):
                                                  for t in parts_out], dtype=np.int64), pad)
                 valid = valid | ~mask
             keep[a:b] = valid.reshape(b - a, -1).all(axis=1)
-            self.gathered_items += b - a
+            self._tally(gathered=b - a)
         return out, (None if keep.all() else keep)
 
     def close(self) -> None:
         """Release shared-memory mappings (call from the owner's shutdown); held notices are dropped.
         Idempotent."""
+        self._quiesce()  # (draws ahead read the mappings)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._ahead.clear()  # (their batches are dropped with the held notices)
         reader, self._reader = self._reader, None
         self._group = None  # (its views would keep the sampling regions mapped)
         self._held, self._held_samples = {}, 0
@@ -654,6 +676,7 @@ class ReplayClient(OneSidedSampling):
         """
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_lost: shard must be in [0, {self.num_shards}), got {shard!r}")
+        self._quiesce()  # draws ahead end on the state they began with
         self.lost[shard] = why
         self._figures.pop(shard, None)
         self._regions.pop(shard, None)  # its successor owns regions of another generation
@@ -676,6 +699,7 @@ class ReplayClient(OneSidedSampling):
         """
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_restarted: shard must be in [0, {self.num_shards}), got {shard!r}")
+        self._quiesce()
         self.lost.pop(shard, None)
         self._figures.pop(shard, None)  # the cached masses are a past life's: one mass round first
         self._regions.pop(shard, None)

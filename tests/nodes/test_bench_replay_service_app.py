@@ -35,10 +35,13 @@ def test_benchmark_app_fills_the_shards_and_samples_through_both_paths(tmp_path)
         assert len(rep[key]) == 2 and rep[f"{key}_items"] == [256.0, 256.0], key  # whole batches
     # One-sided: every batch drawn from the shards' published trees, none fell back to messages.
     assert len(rep["local"]) == 2 and rep["local_items"] == [256.0, 256.0] and rep["local_fallbacks"] == [0, 0]
+    # ... also drawn ahead, two at a time on the client's threads
+    assert len(rep["local_x2"]) == 2 and rep["local_x2_items"] == [256.0, 256.0]
+    assert rep["local_x2_fallbacks"] == [0, 0]
     # ... and by the learner "on another host", through the shards' read servers, one request per shard
     assert len(rep["remote"]) == 2 and rep["remote_items"] == [256.0, 256.0] and rep["remote_fallbacks"] == [0, 0]
-    # bench[0]: 2 reps x 2 depths x 3 batches + warm-up 2 x 3 through messages, and 2 reps x 3 + warm-up 3
-    # one-sided, all gathered from shared memory
-    assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3 + 2 * 3 + 3) * 256, "dropped_items": 0}
+    # bench[0]: 2 reps x 2 depths x 3 batches + warm-up 2 x 3 through messages, and 2 reps x 2 depths x 3
+    # + warm-up 2 x 3 one-sided (one at a time, and drawn ahead), all gathered from shared memory
+    assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3 + 2 * 2 * 3 + 2 * 3) * 256, "dropped_items": 0}
     assert rep["batch_fields_nbytes"] == {"obs": 256 * 32 * 256, "action": 256 * 32 * 8, "reward": 256 * 32 * 4,
                                           "terminated": 256 * 32, "mask": 256 * 32}

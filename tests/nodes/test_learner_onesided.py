@@ -97,6 +97,8 @@ def test_the_learner_draws_its_batches_one_sidedly_once_offered(algo, limiter):
     reports = [r for r in _OUT if "updates" in r]
     assert reports and reports[-1]["updates"] == 40
     assert reports[-1]["one_sided_batches"] >= 38  # all but the first (and one in flight at the switch)
+    # drawn on the client's thread while the learner updated on the batch before
+    assert reports[-1]["drawn_ahead_batches"] >= 37
     sampled = [r["sampled"] for r in _OUT if "sampled" in r]
     assert sampled and sampled[-1] >= 39 * 16  # the shard counted the one-sided draws from the notices
 
@@ -107,3 +109,4 @@ def test_deterministic_learners_keep_the_message_path():
     run(_graph(), deterministic=True)
     reports = [r for r in _OUT if "updates" in r]
     assert reports[-1]["updates"] == 40 and reports[-1]["one_sided_batches"] == 0
+    assert reports[-1]["drawn_ahead_batches"] == 0

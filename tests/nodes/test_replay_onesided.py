@@ -306,6 +306,9 @@ async def _close(clients, shards) -> None:
     for c in clients:
         if c is None:
             continue
+        c._quiesce()  # (draws ahead read the mappings)
+        if c._pool is not None:
+            c._pool.shutdown(wait=True)
         reader, c._reader = c._reader, None
         c._group = None
         c._shared.clear()
@@ -539,6 +542,99 @@ async def test_held_notices_of_a_lost_or_restarted_shard_are_dropped_and_the_oth
         np.testing.assert_array_equal(np.asarray(told.keys), keys[keys >> 48 == 0])
     finally:
         await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_draws_ahead_run_on_the_clients_threads_and_every_draw_is_counted_and_told_once(tmp_path):
+    """200 samples drawn ahead, 4 at a time on 2 draw threads, from two shards of this host: each a
+    whole batch of the shards' keys, drawn on a thread of the client's ("reactor-draw"), not the
+    caller's; the counters count 200 samples and 8,000 items, and the notices handed over hold every
+    key of every batch once (the threads share the held notices under a lock)."""
+    import threading
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards, notice_every=7, draw_threads=2)
+        ran_on: set[str] = set()
+        sample_now = client.sample_now
+
+        def spy(n):
+            ran_on.add(threading.current_thread().name)
+            return sample_now(n)
+
+        client.sample_now = spy
+        keys, told = [], []
+        for _ in range(200):
+            assert client.draw_ahead(40, 4) == 4 and client.drawn_ahead == 4
+            batch, notices = await client.next_drawn() if len(keys) % 2 else client.take_drawn()
+            assert batch is not None and len(batch.keys) == 40
+            assert set((batch.keys.numpy() & 0xFFFF_FFFF_FFFF).tolist()) <= set(range(100))
+            keys.append(batch.keys.numpy().copy())
+            told += notices
+        for r in client.drain_drawn():  # the 3 still ahead
+            assert not isinstance(r, BaseException) and r[0] is not None
+            keys.append(r[0].keys.numpy().copy())
+            told += r[1]
+        told += client.take_notices()
+        assert client.drawn_ahead == 0 and client.ahead_samples == 203
+        assert ran_on and all(name.startswith("reactor-draw") for name in ran_on)
+        assert client.one_sided_samples == 203 and client.gathered_items == 203 * 40
+        all_keys = np.sort(np.concatenate(keys))
+        np.testing.assert_array_equal(np.sort(np.concatenate([np.asarray(m.keys) for m in told])), all_keys)
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_forgotten_while_draws_ahead_run_is_unmapped_only_after_them(tmp_path):
+    """Draws ahead of 5,000 items run when shard 1 is lost: the loss waits for them (its mapping is
+    never unmapped under a draw), their batches stay whole and are taken after; the next draws come
+    from shard 0 alone; close() with draws still ahead drops them and leaves no thread drawing."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards, draw_threads=2)
+        client.draw_ahead(5000, 4)
+        client.shard_lost(1, "test")
+        assert client.drawn_ahead == 4 and all(f.done() for f in client._ahead)
+        for _ in range(4):
+            batch, _notices = await client.next_drawn()
+            ids = batch.data["id"].numpy()
+            mask = batch.data["mask"].numpy()
+            assert len(batch.keys) == 5000 and set(np.unique(batch.keys.numpy() >> 48)) == {0, 1}
+            local = batch.keys.numpy() & 0xFFFF_FFFF_FFFF
+            np.testing.assert_array_equal(ids[:, 0], local)  # each window's first row is its item's own
+            assert mask[:, 0].all()
+        client.draw_ahead(100, 2)
+        batch, _notices = await client.next_drawn()
+        assert set(np.unique(batch.keys.numpy() >> 48)) == {0}
+        client.draw_ahead(5000, 4)
+        client.close()
+        assert client.drawn_ahead == 0 and client._pool is None
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_draws_ahead_refuse_bad_arguments_and_a_take_with_none_started(tmp_path):
+    from reactor.nodes.replay_client import ReplayClient
+
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="draw_threads must be an int >= 1"):
+            ReplayClient(1, draw_threads=bad)
+    client = ReplayClient(1)
+    for n, depth, what in ((0, 1, "sample size n"), (4, -1, "depth must be an int >= 0"), (4, 1.0, "depth")):
+        with pytest.raises(ValueError, match=what):
+            client.draw_ahead(n, depth)
+    assert client.draw_ahead(4, 3) == 0  # no shard mapped here: nothing starts
+    with pytest.raises(LookupError, match="no draw ahead was started"):
+        await client.next_drawn()
+    with pytest.raises(LookupError, match="no draw ahead was started"):
+        client.take_drawn()
 
 
 def test_shards_of_different_layouts_are_not_drawn_into_one_batch():

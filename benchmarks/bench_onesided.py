@@ -96,10 +96,10 @@ class Timers:
                     self.kernels += time.perf_counter() - t
             return call
 
-        def timed_alive(region: str) -> None:
+        def timed_alive(region: str, within_s: float = 0.0) -> None:
             t = time.perf_counter()
             try:
-                alive(region)
+                alive(region, within_s)
             finally:
                 self.alive += time.perf_counter() - t
 

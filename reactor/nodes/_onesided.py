@@ -59,6 +59,11 @@ ONE_SIDED_ERRORS: tuple[type[Exception], ...] = (PeerLostError, MalformedFrameEr
 #: Held one-sided notices older than this go out with the next sample's, however few samples they
 #: count (``ReplayClient(notice_every=...)``).
 NOTICE_MAX_AGE_S = 0.05
+#: A one-sided sample checks each shard's process (a system call each) at most this often; its memory's
+#: state word, which says closed or dead once the run cleaned up after it, at every sample. The rows a
+#: draw copies are checked against the ring's writes whoever wrote them: liveness only decides that a
+#: dead shard's memory stops being sampled.
+_ALIVE_WITHIN_S = 0.001
 _ONE_SIDED_PATIENCE_S = 0.005  # how long sample_now waits out shards' changes before it leaves the sample to messages
 
 
@@ -704,9 +709,9 @@ class OneSidedSampling:
         """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
         and its notices."""
         assert self._reader is not None
-        for k, _a, _b in drawn:  # data of a shard that died meanwhile is never returned
+        for k, _a, _b in drawn:  # data of a shard found dead is never returned (its process checked each ms)
             try:
-                self._reader.check_alive(self._shared[k].data_region)
+                self._reader.check_alive(self._shared[k].data_region, _ALIVE_WITHIN_S)
             except PeerLostError as e:
                 lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
                 lost.shard = k  # type: ignore[attr-defined]
@@ -716,8 +721,9 @@ class OneSidedSampling:
         data: dict[str, torch.Tensor] = out
         if shards[0].table.window:
             data["mask"] = torch.from_numpy(mask)
-        self._tally(gathered=n, samples=1, dropped=int((~valid).sum()))
-        if not valid.all():  # items whose rows the ring overwrote during the copy
+        whole = bool(valid.all())
+        self._tally(gathered=n, samples=1, dropped=0 if whole else int((~valid).sum()))
+        if not whole:  # items whose rows the ring overwrote during the copy
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]

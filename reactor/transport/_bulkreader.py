@@ -61,7 +61,7 @@ class _Attached:
     """A reader's view of one region."""
 
     __slots__ = (
-        "backend", "client", "fields", "generation", "last_start_check", "name", "owner", "rdma",
+        "backend", "client", "fields", "generation", "last_alive_check", "last_start_check", "name", "owner", "rdma",
         "rows", "run_id", "segments", "version_field", "addrs", "versions", "zmq_limits", "writable",
     )
 
@@ -79,6 +79,7 @@ class _Attached:
         self.versions: np.ndarray | None = None  # shm: the mapped version column
         self.owner: tuple[int, int, int] = (0, 0, 0)
         self.last_start_check = 0.0
+        self.last_alive_check = -1.0  # (monotonic) when its owner process was last found running
         self.client: ZmqClient | None = None
         self.zmq_limits: tuple[int, int] = (0, 0)
         self.rdma: Any = None
@@ -412,9 +413,13 @@ class BulkReader:
             att.writable[field] = seg
         return seg.data.view(twin).reshape((att.rows, *info.shape))
 
-    def check_alive(self, region: str) -> None:
+    def check_alive(self, region: str, within_s: float = 0.0) -> None:
         """Raise ``PeerLostError`` if the owner of shm-attached ``region`` closed it or died
         (what every read checks after gathering; for users of :meth:`mapped`).
+
+        ``within_s``: a check of the owner's process (a system call) that found it running less than
+        this long ago stands; the region's state word (closed, or cleaned up after a death) is read
+        every time.
 
         Raises:
             KeyError: ``region`` is not attached.
@@ -423,6 +428,10 @@ class BulkReader:
         att = self._get(region)
         if att.backend == "shm":  # every segment is marked together: one stands for the region
             seg = att.segments.get(att.version_field or "") or next(iter(att.segments.values()), None)
+            if within_s > 0 and time.monotonic() - att.last_alive_check < within_s:
+                if seg is not None and seg.state != _shm.STATE_LIVE:
+                    self._check_shm_live(att, {"": seg})  # (raises, saying how it ended)
+                return
             self._check_shm_live(att, {} if seg is None else {"": seg})
 
     async def call(self, region: str, op: str, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -716,6 +725,7 @@ class BulkReader:
         pid, start, ns = att.owner
         if not _shm.owner_alive(pid, start, ns, check_start=check_start):
             raise PeerLostError(f"bulk region {att.name!r}: its owner (pid {pid}) died")
+        att.last_alive_check = now
 
     def _gather_shm(
         self, att: _Attached, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, names: list[str],

@@ -294,6 +294,31 @@ async def test_kill9_owner_then_restart_leaves_no_segments_and_old_readers_get_p
 
 
 @pytest.mark.asyncio
+async def test_a_liveness_check_within_a_window_stands_for_the_process_and_never_for_a_closed_region(run_id, reader):
+    """check_alive(region, within_s): a check that found the owner's process running less than
+    within_s ago stands (a killed owner is reported once the window passed, and at once without a
+    window); a region its owner closed is reported at once, window or not (its state word is read
+    every time)."""
+    async with owner_process("serve", run_id=run_id, backends=["shm"]) as first:
+        await reader.attach(first.descriptor)
+        reader.check_alive("shard0")
+        await first.kill9()
+        reader.check_alive("shard0", within_s=60.0)  # the check just made stands for the process
+        with pytest.raises(PeerLostError, match=r"its owner \(pid \d+\) died$"):
+            reader.check_alive("shard0")
+        await asyncio.sleep(0.01)
+        with pytest.raises(PeerLostError, match=r"its owner \(pid \d+\) died$"):
+            reader.check_alive("shard0", within_s=0.005)
+    async with owner_process("serve", run_id=run_id, backends=["shm"]) as second:
+        await reader.attach(second.descriptor)
+        reader.check_alive("shard0")
+        await second.command("close")
+        assert await second.exit_code() == 0
+        with pytest.raises(PeerLostError, match=r"its owner \(pid \d+\) closed it"):
+            reader.check_alive("shard0", within_s=60.0)
+
+
+@pytest.mark.asyncio
 async def test_cleanup_stale_segments_removes_a_dead_owners_segments_only(run_id, reader):
     async with owner_process("serve", run_id=run_id, backends=["shm"]) as dead:
         await dead.kill9()

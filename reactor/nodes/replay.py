@@ -215,9 +215,8 @@ class Replay(Reactor):
             docs/benchmarks.md).
         bulk: keep the storage in shared memory and answer requesters on this host with the rows
             to gather themselves (WindowRead and StepRead tables: the shard never copies the
-            windows). A TransitionRead table does so only with ``bulk=True``: it answers with the
-            transitions and offers its rows for one-sided draws, which sum the returns themselves.
-            None (default): on in async runs where shared memory works, off in
+            windows). A TransitionRead table answers with the transitions and offers its rows for
+            one-sided draws, which sum the returns themselves. None (default): on in async runs where shared memory works, off in
             deterministic runs (a reader's gather races the ring, so a dropped overwritten item
             would depend on timing). True forces it on.
         memory: where the shard's trajectory memory lives: ``"host"`` (default), ``"pinned"``
@@ -360,11 +359,7 @@ class Replay(Reactor):
                 f"({torch.cuda.device_count()} visible)"
             )
         use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
-        # Transitions keep their rows in shared memory (for one-sided draws) only when asked for
-        # (bulk=True): on by default, DQN's restart tests met a race of overlapping restarts
-        # (docs/reliability.md, "Restarts that overlap").
-        use_bulk = use_bulk and not on_gpu and (isinstance(self.read, (WindowRead, StepRead)) or (
-            self.bulk is True and isinstance(self.read, TransitionRead)))
+        use_bulk = use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead))
         if use_bulk and self.bulk is None:
             # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is
             # free there faults when touched (SIGBUS), so a shard that does not fit keeps its memory.

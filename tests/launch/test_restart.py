@@ -317,6 +317,9 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
             wait_for(lambda: state() and list(tmp_path.glob("h1/runs/*/runs/*/metrics.csv")), 240, "training")
             pids = c.worker_pids()
             for victim in ("actor-0", "replay-1", "learner"):
+                if victim == "learner":  # (its first life may spend its start compiling: it resumes from a checkpoint)
+                    wait_for(lambda: state() and list(tmp_path.glob("h1/runs/*/runs/*/learner.pt")), 240,
+                             "the learner's first checkpoint")
                 (pid,) = [p for p, g in pids.items() if g == victim]
                 os.kill(pid, signal.SIGKILL)
                 wait_for(lambda victim=victim: running_again(victim), 120, f"{victim} to run again")

@@ -22,6 +22,13 @@ between the cases (medians printed), each next to its peer measured in the same 
   and GB/s against a single-core memcpy of the batch's bytes from a random place of a buffer as
   large as the stored data;
 - ``sample tcp``: the same from ``bench[1]`` (the windows travel in the replies, over tcp);
+- ``1-sided shm``: ``ReplayClient.sample_now`` (no message on the sampling path), one at a time and
+  ``--inflight`` drawn ahead on the client's threads (``draw_ahead``), against the in-process table;
+- ``1-sided tcp``: ``bench[1]``'s ``asample_now``: one request to each shard's bulk read server, which
+  draws and replies with the rows. Its host id differs from the shards', but in a single-host run its
+  read connections go over ipc (the servers bind beside their endpoints); with ``--hosts`` over tcp
+  with CURVE. Printed also against raw pyzmq moving the same bytes from as many processes over that
+  transport (``benchmarks/peers/raw_zmq_peer.py``: the floor any zmq design has here), and Reverb;
 - ``insert``: rounds of ``round_rows`` stored rows per writer (after a first fill of the whole
   capacity, reported apart: first touch of the shared memory), timed from the bench's ``go`` to
   the moment the shards' statistics count every item sent; steps/s (env steps appended by the
@@ -338,7 +345,25 @@ def main() -> None:
             r = inproc / med(rep[key])
             print(f"target (issue 21): {key} ({what}) >= {target:.0%} of in-process: {r:.0%} -> "
                   f"{'met' if r >= target else 'NOT met'}")
+    print_raw_zmq(rep, cfg, args.hosts, q)
     print_reverb(rep, cfg, args.reverb, q)
+
+
+def print_raw_zmq(rep: dict, cfg: dict, hosts: bool, quick: bool) -> None:
+    """The remote one-sided sample against raw pyzmq moving the same bytes from as many processes
+    (benchmarks/peers/raw_zmq_peer.py), over the transport the run's read connections used: ipc in a
+    single-host run (the shards' read servers bind next to their endpoints), tcp with CURVE over hosts."""
+    from benchmarks.peers.raw_zmq_peer import measure
+
+    transport, curve = ("tcp", True) if hosts else ("ipc", False)
+    nbytes = rep["out_nbytes"]
+    raw = measure(transport, curve, nbytes=nbytes, servers=cfg["shards"], rounds=50 if quick else 200)
+    ours = med(rep["remote"])
+    what = f"raw pyzmq {transport}{' + CURVE' if curve else ''}"
+    print(f"{what}: {cfg['shards']} server processes reply {nbytes / cfg['shards'] / 1e3:.0f} kB each to one request, "
+          f"one round in flight: {raw['s'] * 1e3:.2f} ms a round (client CPU {raw['cpu_s'] * 1e3:.2f} ms); "
+          f"1-sided tcp {ours * 1e3:.2f} ms a batch (the same bytes, drawn, checked and assembled)")
+    print_table([Row("1-sided tcp", "1 in flight", 1 / ours, 1 / raw["s"], what + ", same bytes", "batch/s")])
 
 
 if __name__ == "__main__":

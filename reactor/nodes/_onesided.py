@@ -126,6 +126,7 @@ class OneSidedSampling:
     _lock: threading.RLock  # the held notices and the counters (draws ahead run on threads)
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _ahead: deque[concurrent.futures.Future]
+    _running: set[concurrent.futures.Future]
     draw_threads: int
     ahead_samples: int
     rng: np.random.Generator
@@ -568,11 +569,12 @@ class OneSidedSampling:
     def _group_of(self, live: list[int], shards: list[_SharedShard]) -> SharedShards:
         """The live shards' mapped states as one :class:`SharedShards` (kept until the shards change)."""
         key = tuple(id(sh) for sh in shards)
-        if self._group is None or self._group[0] != key:
+        got = self._group  # (one read: a draw on another thread may set it meanwhile)
+        if got is None or got[0] != key:
             group = SharedShards([(sh.table, sh.src_addrs, sh.row_nbytes) for sh in shards])
             group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
-            self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
-        return self._group[1]
+            got = self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
+        return got[1]
 
     def _hold_keys(self, drawn: list[tuple[int, np.ndarray]], hurry: bool = False) -> list[SampledKeys]:
         """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not
@@ -634,7 +636,10 @@ class OneSidedSampling:
         if self._pool is None and depth and self.can_sample_now:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.draw_threads, thread_name_prefix="reactor-draw")
         while len(self._ahead) < depth and self.can_sample_now:
-            self._ahead.append(self._pool.submit(self.sample_now, int(n)))  # type: ignore[union-attr]
+            fut = self._pool.submit(self.sample_now, int(n))  # type: ignore[union-attr]
+            self._running.add(fut)  # (until it is done, taken or not: _quiesce waits for it)
+            fut.add_done_callback(self._running.discard)
+            self._ahead.append(fut)
         return len(self._ahead)
 
     @property
@@ -643,7 +648,10 @@ class OneSidedSampling:
         return len(self._ahead)
 
     async def next_drawn(self) -> tuple[SampledBatch | None, list[SampledKeys]]:
-        """The oldest draw ahead's :meth:`sample_now` result, awaited (the loop runs meanwhile).
+        """The oldest draw ahead's :meth:`sample_now` result, awaited (the loop runs meanwhile);
+        ``(None, [])`` if that draw was dropped while this waited (a shard it drew from was lost or
+        restarted: its batch goes, its notices to the other shards are held) or taken by
+        :meth:`drain_drawn`. A caller cancelled while it waits leaves the draw to the next take.
 
         Raises:
             LookupError: no draw was started (:meth:`draw_ahead`).
@@ -651,7 +659,14 @@ class OneSidedSampling:
         """
         if not self._ahead:
             raise LookupError("next_drawn: no draw ahead was started (draw_ahead)")
-        result = await asyncio.wrap_future(self._ahead.popleft())
+        fut = self._ahead[0]
+        # Shielded, and taken off the queue only once done: a caller cancelled while it waits leaves
+        # the draw (its batch, its notices) to the next take.
+        await asyncio.shield(asyncio.wrap_future(fut))
+        if not (self._ahead and self._ahead[0] is fut):
+            return None, []  # dropped meanwhile (its shard lost or restarted: _drop_drawn_of), or drained
+        self._ahead.popleft()
+        result = fut.result()
         if result[0] is not None:
             self.ahead_samples += 1
         return result
@@ -679,9 +694,32 @@ class OneSidedSampling:
         return out
 
     def _quiesce(self) -> None:
-        """Wait until no draw ahead is running (their results stay for :meth:`next_drawn`)."""
-        if self._ahead:
-            concurrent.futures.wait(list(self._ahead))
+        """Wait until no draw ahead is running, taken or not (their results stay for :meth:`next_drawn`)."""
+        if self._running:
+            concurrent.futures.wait(list(self._running))
+
+    def _drop_drawn_of(self, shard: int) -> None:
+        """Draws ahead done (the caller quiesced) that drew from ``shard``, which was lost or restarted,
+        are dropped, as a message sample in flight drops its part; their notices to the other shards are
+        held, to go with the next (``shard``'s successor does not count its predecessor's draws)."""
+        keep: deque[concurrent.futures.Future] = deque()
+        for fut in self._ahead:
+            if fut.exception() is not None:
+                keep.append(fut)
+                continue
+            batch, notices = fut.result()
+            if batch is not None and not bool((batch.keys.numpy() >> KEY_SHARD_BITS == shard).any()):
+                keep.append(fut)
+                continue
+            others = [m for m in notices if m.shard != shard]
+            if others:
+                with self._lock:
+                    if not self._held_samples:
+                        self._held_since = time.perf_counter()
+                    for m in others:
+                        self._held.setdefault(m.shard, []).append(np.asarray(m.keys))
+                    self._held_samples += 1
+        self._ahead = keep
 
     def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:
         """A shard's figures under a stable sequence count, waiting out a change in progress (tens of

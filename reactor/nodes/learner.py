@@ -463,6 +463,7 @@ class Learner(_LearnerBase):
         self.num_shards = num_shards
         self.batch_size = batch_size
         self.prefetch = prefetch
+        self.drawn_ahead_batches = 0  # one-sided batches drawn while the update before them ran
         self.weights_every = weights_every
         self.report_every = report_every
         self.max_updates = max_updates
@@ -552,6 +553,7 @@ class Learner(_LearnerBase):
         if client.can_sample_now or client.drawn_ahead:
             # Every live shard is on this host: the batch was drawn on the client's thread while this
             # learner updated, and the next ones are drawn while it updates on this one.
+            ahead = client.drawn_ahead > 0  # the next draw ran during the update just made
             client.draw_ahead(self.batch_size, 1 + (self.prefetch if remaining is None else
                                                     min(self.prefetch, remaining - 1)))
             results: list[Any] = []
@@ -560,6 +562,8 @@ class Learner(_LearnerBase):
                     results.append(await client.next_drawn())
                 except ONE_SIDED_ERRORS as e:
                     results.append(e)
+                else:
+                    self.drawn_ahead_batches += ahead and results[0][0] is not None
             if not results or isinstance(results[0], BaseException) or results[0][0] is None:
                 results += client.drain_drawn()  # the draws ahead are the shards' state of now, too
             for r in results:
@@ -694,7 +698,7 @@ class Learner(_LearnerBase):
         if self.updates % self.report_every == 0:
             self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
                                                 "one_sided_batches": float(self.client.one_sided_samples),
-                                                "drawn_ahead_batches": float(self.client.ahead_samples),
+                                                "drawn_ahead_batches": float(self.drawn_ahead_batches),
                                                 **{k: float(v) for k, v in metrics.items()}}))
         self._maybe_checkpoint()
         if self.max_updates is not None and self.updates >= self.max_updates:

@@ -220,7 +220,8 @@ class ReplayClient(OneSidedSampling):
         self._lock = threading.RLock()  # the held notices and the counters, which draws ahead share
         self.draw_threads = draw_threads or min(2, os.cpu_count() or 1)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # draw_ahead's threads, made at first use
-        self._ahead: deque[concurrent.futures.Future] = deque()  # draws ahead, oldest first
+        self._ahead: deque[concurrent.futures.Future] = deque()  # draws ahead not taken, oldest first
+        self._running: set[concurrent.futures.Future] = set()  # draws ahead not done, taken or not
         self.ahead_samples = 0  # batches of draws ahead taken (next_drawn, drain_drawn)
 
     @property
@@ -620,7 +621,11 @@ class ReplayClient(OneSidedSampling):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self._ahead.clear()  # (their batches are dropped with the held notices)
+        for fut in self._ahead:  # their batches are dropped with the held notices; an error no one expects is said
+            e = fut.exception()
+            if e is not None and not isinstance(e, ONE_SIDED_ERRORS):
+                log.error("replay client %s: a draw ahead, dropped at close, had failed: %r", self.requester, e)
+        self._ahead.clear()
         reader, self._reader = self._reader, None
         self._group = None  # (its views would keep the sampling regions mapped)
         self._held, self._held_samples = {}, 0
@@ -676,7 +681,8 @@ class ReplayClient(OneSidedSampling):
         """
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_lost: shard must be in [0, {self.num_shards}), got {shard!r}")
-        self._quiesce()  # draws ahead end on the state they began with
+        self._quiesce()  # draws ahead end on the state they began with; those that drew from it go
+        self._drop_drawn_of(shard)
         self.lost[shard] = why
         self._figures.pop(shard, None)
         self._regions.pop(shard, None)  # its successor owns regions of another generation
@@ -700,6 +706,7 @@ class ReplayClient(OneSidedSampling):
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_restarted: shard must be in [0, {self.num_shards}), got {shard!r}")
         self._quiesce()
+        self._drop_drawn_of(shard)  # (from its predecessor's memory)
         self.lost.pop(shard, None)
         self._figures.pop(shard, None)  # the cached masses are a past life's: one mass round first
         self._regions.pop(shard, None)

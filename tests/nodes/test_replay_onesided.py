@@ -8,6 +8,8 @@ that writes known episodes, a prober that samples (``tests/apps/onesided_app.py`
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -319,6 +321,7 @@ async def _close(clients, shards) -> None:
     for owner, _d, _o in shards:
         _OWNED.pop(owner, None)
         await owner.aclose()
+    gc.collect()  # (views a test kept in cycles hold mappings; a later test's check for mappings would see them)
 
 
 async def _client_of(shards, **kw):
@@ -589,31 +592,74 @@ async def test_draws_ahead_run_on_the_clients_threads_and_every_draw_is_counted_
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_a_shard_forgotten_while_draws_ahead_run_is_unmapped_only_after_them(tmp_path):
-    """Draws ahead of 5,000 items run when shard 1 is lost: the loss waits for them (its mapping is
-    never unmapped under a draw), their batches stay whole and are taken after; the next draws come
-    from shard 0 alone; close() with draws still ahead drops them and leaves no thread drawing."""
+async def test_a_shard_lost_while_draws_ahead_run_waits_for_them_and_drops_the_draws_from_it(tmp_path):
+    """Draws ahead of 200,000 items, one of them awaited by a take, when shard 1 is lost: the loss waits
+    for every running draw (taken or not: its mapping is never unmapped under one), then drops those
+    that drew from shard 1 (as a message sample in flight drops its part) and holds their notices to
+    shard 0, which the take gets none of: it returns (None, []). The next draws come from shard 0
+    alone; close() with draws still ahead drops them and leaves no draw running."""
     shards, client = [], None
     try:
         shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
-        client = await _client_of(shards, draw_threads=2)
-        client.draw_ahead(5000, 4)
+        client = await _client_of(shards, draw_threads=2, notice_every=1000)
+        client.draw_ahead(200_000, 4)
+        take = asyncio.ensure_future(client.next_drawn())
+        await asyncio.sleep(0)  # the take waits on the oldest draw
         client.shard_lost(1, "test")
-        assert client.drawn_ahead == 4 and all(f.done() for f in client._ahead)
-        for _ in range(4):
-            batch, _notices = await client.next_drawn()
-            ids = batch.data["id"].numpy()
-            mask = batch.data["mask"].numpy()
-            assert len(batch.keys) == 5000 and set(np.unique(batch.keys.numpy() >> 48)) == {0, 1}
-            local = batch.keys.numpy() & 0xFFFF_FFFF_FFFF
-            np.testing.assert_array_equal(ids[:, 0], local)  # each window's first row is its item's own
-            assert mask[:, 0].all()
+        assert not client._running and client.drawn_ahead == 0
+        assert await take == (None, [])
+        (told,) = client.take_notices()
+        keys = np.asarray(told.keys)
+        assert told.shard == 0 and (keys >> 48 == 0).all() and 4 * 60_000 < len(keys) < 4 * 140_000
         client.draw_ahead(100, 2)
         batch, _notices = await client.next_drawn()
         assert set(np.unique(batch.keys.numpy() >> 48)) == {0}
-        client.draw_ahead(5000, 4)
+        ids, local = batch.data["id"].numpy(), batch.keys.numpy() & 0xFFFF_FFFF_FFFF
+        np.testing.assert_array_equal(ids[:, 0], local)  # each window's first row is its item's own
+        client.draw_ahead(200_000, 4)
         client.close()
-        assert client.drawn_ahead == 0 and client._pool is None
+        assert client.drawn_ahead == 0 and client._pool is None and not client._running
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_attached_again_while_draws_ahead_run_is_remapped_only_after_them(tmp_path):
+    """A reply carrying shard 1's descriptor again (its data region is mapped anew: _attach) while two
+    draws of 1,000,000 items run: the remapping waits for them, and their batches are whole."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards, draw_threads=1, notice_every=1000)
+        client.draw_ahead(1_000_000, 2)
+        await client._attach(1, shards[1][1])
+        assert not client._running
+        for r in client.drain_drawn():
+            assert not isinstance(r, BaseException) and r[0] is not None and len(r[0].keys) == 1_000_000
+            ids, local = r[0].data["id"].numpy(), r[0].keys.numpy() & 0xFFFF_FFFF_FFFF
+            np.testing.assert_array_equal(ids[:, 0], local)
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_take_cancelled_while_it_waits_leaves_its_draw_to_the_next_take(tmp_path):
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards, draw_threads=1, notice_every=1)
+        client.draw_ahead(1_000_000, 1)
+        take = asyncio.ensure_future(client.next_drawn())
+        await asyncio.sleep(0.001)
+        take.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await take
+        assert client.drawn_ahead == 1
+        batch, notices = await client.next_drawn()
+        assert batch is not None and len(batch.keys) == 1_000_000
+        assert sum(len(m.keys) for m in notices) == 1_000_000  # (notice_every=1: its notices come with it)
     finally:
         await _close([client], shards)
 

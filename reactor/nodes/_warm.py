@@ -6,7 +6,9 @@ module) pays the compiles in its processes: a learner's first one-sided sample b
 seconds while it compiles the draw, a replay shard's first insert and sample likewise, and several
 processes compile the same kernels at once on a small machine. Here every cached kernel of the
 insert, sample and one-sided paths runs once on a tiny table of each read kind and sampler, with
-the argument types the runtime passes, so later processes load them from the cache.
+the argument types the runtime passes, and so do the selectors' evictions (every sampler and remover
+kind), a checkpoint's restore and the bulk path's gathers, so later processes load them from the
+cache (every kernel a full test run compiles: compared by the cache's index files, session 37).
 
 ``python -m reactor.nodes._warm`` (prints what it compiled and how long it took). It lives with the
 nodes because a replay shard's paths use both the engine (``reactor.replay``) and the bulk
@@ -23,6 +25,10 @@ import torch
 from ..replay import (
     FieldSpec,
     Fifo,
+    Lifo,
+    MaxHeap,
+    MinHeap,
+    MinSize,
     Prioritized,
     SampleToInsertRatio,
     StepRead,
@@ -31,6 +37,8 @@ from ..replay import (
     TransitionRead,
     Uniform,
     WindowRead,
+    _budget,
+    expand_window_spans,
 )
 from ..replay.shared import (
     SamplingPublisher,
@@ -40,6 +48,7 @@ from ..replay.shared import (
     serve_sample,
     take_counts,
 )
+from ..transport import _gather
 from ..transport import bulk as _bulk
 
 __all__ = ["warm"]
@@ -111,6 +120,46 @@ def _one_sided(shards: list[tuple[Table, SamplingPublisher, SharedSampling, dict
     serve_sample(ss, {"n": 4, "seed": 1}, [(f, int(b), int(a)) for f, b, a in zip(names, rb, src)], 64)
 
 
+def _evictions_and_restores() -> list[str]:
+    """The selectors' eviction kernels (every sampler and remover kind over a full ring), a checkpoint's
+    restore (the sum tree's rebuild, the storage's rewrite count) and the budget's give-back."""
+    done = []
+    for sampler, remover in ((Uniform(), Fifo()), (Prioritized(0.6), Lifo()), (MaxHeap(), MinHeap()),
+                             (MinHeap(), MaxHeap())):
+        st = Storage([FieldSpec("obs", (4,), torch.float32)], 64)
+        t = Table(st, sampler=sampler, remover=remover, rate_limiter=MinSize(1), read=WindowRead(4, "tail"),
+                  max_size=30)  # (the remover's turn: more items than this)
+        for _ in range(3):  # past the capacity: every insert evicts
+            t.insert_nowait({"obs": torch.zeros(20, 4)}, np.arange(1.0, 21.0), episode_end=np.arange(20) % 10 == 9)
+        keys = t.sample_nowait(4)[1].keys.numpy()
+        t.update_priorities(keys, np.full(len(keys), 3.0))
+        t.delete(keys[:2])
+        t2 = Table(Storage([FieldSpec("obs", (4,), torch.float32)], 64), sampler=type(sampler)(*(
+            (0.6,) if isinstance(sampler, Prioritized) else ())), remover=type(remover)(), rate_limiter=MinSize(1),
+            read=WindowRead(4, "tail"), max_size=30)
+        t2.load_state_dict(t.state_dict())
+        done.append(f"{type(sampler).__name__}+{type(remover).__name__}")
+    budget = np.zeros(4, np.int64)
+    _budget.set_count(budget, 0, 8)
+    _budget.take(budget, 2)
+    _budget.add(budget, -2)
+    return done
+
+
+def _bulk_gathers() -> None:
+    """The bulk path's gathers (a requester copying planned rows out of a shard's memory, the rows'
+    sequence lock) and the window padding's zeroing."""
+    rows, dst = np.arange(16, dtype=np.int64).reshape(16, 1).astype(np.uint8), np.zeros((8, 1), np.uint8)
+    src_addrs, dst_addrs, rb = (np.array([rows.ctypes.data], np.int64), np.array([dst.ctypes.data], np.int64),
+                                np.ones(1, np.int64))
+    starts, lengths, _bad = _gather.runs_of(np.array([1, 2, 3, 7], np.int64), 16)
+    _gather.copy_runs(src_addrs, 16, dst_addrs, 8, rb, starts, lengths)
+    versions = np.arange(16, dtype=np.int64)
+    _gather.fence_load_versions(versions, _gather.load_versions_fence(versions, np.arange(4, dtype=np.int64)))
+    _gather.zero_rows(dst_addrs, 8, rb, np.array([0, 5], np.int64))
+    expand_window_spans(np.array([[0, 0, 4], [8, 1, 4]], np.int64), 4, 16)
+
+
 def warm() -> list[str]:
     """Run every cached kernel of the replay paths once; returns what ran, for the log."""
     done = []
@@ -119,6 +168,8 @@ def warm() -> list[str]:
             shards = [_shard(sampler() if sampler is Uniform else sampler(0.6), read) for _ in range(2)]
             _one_sided(shards)
             done.append(f"{sampler.__name__}/{type(read).__name__}")
+    done += _evictions_and_restores()
+    _bulk_gathers()
     return done
 
 

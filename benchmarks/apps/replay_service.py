@@ -288,14 +288,20 @@ class Bench(Reactor):
                 return
         self._finish()
 
-    async def _one_sided_block(self, client: ReplayClient, calls: int) -> tuple[float, float, int, list[float]]:
-        """``calls`` one-sided samples one after another: (s per batch, items per batch drawn, fallbacks,
-        the per-batch parts: zeros for the message stages, wall s, CPU s, context switches)."""
+    async def _one_sided_block(self, client: ReplayClient, calls: int,
+                               depth: int = 1) -> tuple[float, float, int, list[float]]:
+        """``calls`` one-sided samples one after another, or drawn ahead ``depth`` at a time on the
+        client's threads (never more than the block still needs): (s per batch, items per batch drawn,
+        fallbacks, the per-batch parts: zeros for the message stages, wall s, CPU s, context switches)."""
         ru = resource.getrusage(resource.RUSAGE_SELF)
         c0, items, fallbacks = time.process_time(), 0, 0
         t0 = time.perf_counter()
-        for _ in range(calls):
-            batch, notices = await client.asample_now(self.batch)  # (shards of this host: sample_now)
+        for i in range(calls):
+            if depth == 1:
+                batch, notices = await client.asample_now(self.batch)  # (shards of this host: sample_now)
+            else:
+                client.draw_ahead(self.batch, min(depth, calls - i))
+                batch, notices = client.take_drawn()
             for m in notices:
                 self.updates.send(m)
             if batch is None:
@@ -315,40 +321,13 @@ class Bench(Reactor):
         """One-sided samples (ReplayClient.sample_now: no message to any shard), one after another; with
         ``depth`` > 1 drawn ahead on the client's draw threads (ReplayClient.draw_ahead: ``depth`` draws
         running while the oldest is taken, as a learner's prefetch keeps them)."""
-        if depth == 1:
-            s, items, fallbacks, parts = _at_once(self._one_sided_block(self.clients["shm"], calls))
-        else:
-            s, items, fallbacks, parts = self._ahead_block(self.clients["shm"], calls, depth)
+        s, items, fallbacks, parts = _at_once(self._one_sided_block(self.clients["shm"], calls, depth))
         key = "local" if depth == 1 else f"local_x{depth}"
         if keep:
             self._record(f"{key}_fallbacks", fallbacks)
             if items:
                 self._keep(key, s, items, parts)
             self.results["local_retries"] = self.clients["shm"].one_sided_retries
-
-    def _ahead_block(self, client: ReplayClient, calls: int, depth: int) -> tuple[float, float, int, list[float]]:
-        """``calls`` one-sided samples drawn ahead, ``depth`` running at a time (never more than the block
-        still needs): (s per batch, items per batch, fallbacks, parts as _one_sided_block's)."""
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        c0, items, fallbacks = time.process_time(), 0, 0
-        t0 = time.perf_counter()
-        for i in range(calls):
-            client.draw_ahead(self.batch, min(depth, calls - i))
-            batch, notices = client.take_drawn()
-            for m in notices:
-                self.updates.send(m)
-            if batch is None:
-                fallbacks += 1
-            else:
-                items += len(batch.keys)
-        for m in client.take_notices():
-            self.updates.send(m)
-        dt = time.perf_counter() - t0
-        ru1 = resource.getrusage(resource.RUSAGE_SELF)
-        parts = [0.0, 0.0, dt / calls, (time.process_time() - c0) / calls, (ru1.ru_nvcsw - ru.ru_nvcsw) / calls,
-                 (ru1.ru_nivcsw - ru.ru_nivcsw) / calls]
-        got = calls - fallbacks
-        return dt / calls, items / got if got else 0.0, fallbacks, parts
 
     async def _remote_sample(self, calls: int, keep: bool) -> None:
         """Replica 1: one-sided samples through the shards' bulk read servers (ReplayClient.asample_now:

@@ -398,8 +398,9 @@ class OneSidedSampling:
             data[name] = t
         if first["window"]:
             data["mask"] = torch.from_numpy(np.concatenate([parts[k]["mask"] for k in order]))
-        self._tally(gathered=n, samples=1, dropped=int((~valid).sum()))
-        if not valid.all():
+        whole = bool(valid.all())
+        self._tally(gathered=n, samples=1, dropped=0 if whole else int((~valid).sum()))
+        if not whole:
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
@@ -583,15 +584,18 @@ class OneSidedSampling:
         hears of samples: its rate limiter's count moved, but the shard checks again only when told)."""
         now = time.perf_counter()
         with self._lock:
-            if not self._held_samples:
-                self._held_since = now
-            held = self._held
-            for k, keys in drawn:
-                held.setdefault(k, []).append(keys)
-            self._held_samples += 1
+            self._hold(drawn, now)
             if hurry or self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
                 return self.take_notices()
         return []
+
+    def _hold(self, drawn: list[tuple[int, np.ndarray]], now: float) -> None:
+        """Hold one sample's draws (shard, keys) with those not told yet (the lock held)."""
+        if not self._held_samples:
+            self._held_since = now
+        for k, keys in drawn:
+            self._held.setdefault(k, []).append(keys)
+        self._held_samples += 1
 
     def take_notices(self, more: list[SampledKeys] = ()) -> list[SampledKeys]:  # type: ignore[assignment]
         """Every held notice (and ``more``), merged to one :class:`SampledKeys` per shard, to send
@@ -711,14 +715,10 @@ class OneSidedSampling:
             if batch is not None and not bool((batch.keys.numpy() >> KEY_SHARD_BITS == shard).any()):
                 keep.append(fut)
                 continue
-            others = [m for m in notices if m.shard != shard]
+            others = [(m.shard, np.asarray(m.keys)) for m in notices if m.shard != shard]
             if others:
                 with self._lock:
-                    if not self._held_samples:
-                        self._held_since = time.perf_counter()
-                    for m in others:
-                        self._held.setdefault(m.shard, []).append(np.asarray(m.keys))
-                    self._held_samples += 1
+                    self._hold(others, time.perf_counter())
         self._ahead = keep
 
     def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:

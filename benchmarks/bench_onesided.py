@@ -40,6 +40,7 @@ from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
 from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedShards
+from reactor.transport._shm import huge_pages_allowed
 from reactor.transport.bulk import BulkOwner
 
 WINDOW, BATCH, ALPHA = 32, 256, 0.6
@@ -85,7 +86,7 @@ class Timers:
 
     def __init__(self, client: ReplayClient) -> None:
         self.kernels = self.alive = 0.0
-        figures, draw, alive = SharedShards.figures, SharedShards.draw, client._reader.check_alive  # type: ignore[union-attr]
+        figures, draw, alive = SharedShards.figures, SharedShards.draw, client._reader.check_alive_all  # type: ignore[union-attr]
 
         def timed(fn):  # noqa: ANN001, ANN202
             def call(*a: object) -> int:
@@ -96,17 +97,17 @@ class Timers:
                     self.kernels += time.perf_counter() - t
             return call
 
-        def timed_alive(region: str, within_s: float = 0.0) -> None:
+        def timed_alive(regions: tuple[str, ...], within_s: float = 0.0) -> None:
             t = time.perf_counter()
             try:
-                alive(region, within_s)
+                alive(regions, within_s)
             finally:
                 self.alive += time.perf_counter() - t
 
         self.undo = lambda: (setattr(SharedShards, "figures", figures), setattr(SharedShards, "draw", draw),
-                             setattr(client._reader, "check_alive", alive))  # type: ignore[union-attr]
+                             setattr(client._reader, "check_alive_all", alive))  # type: ignore[union-attr]
         SharedShards.figures, SharedShards.draw = timed(figures), timed(draw)  # type: ignore[method-assign]
-        client._reader.check_alive = timed_alive  # type: ignore[union-attr, method-assign]
+        client._reader.check_alive_all = timed_alive  # type: ignore[union-attr, method-assign]
 
 
 async def main() -> None:
@@ -160,6 +161,9 @@ async def main() -> None:
         a, b = statistics.median(ours), statistics.median(theirs)
         print(f"one-sided sample_now, {args.shards} shards x {per} steps, {BATCH} x {WINDOW}-step windows of 269 B "
               f"({BATCH * WINDOW * 269 / 1e6:.2f} MB), medians of {args.reps} x {args.calls}; cpus={os.cpu_count()}")
+        huge, why = huge_pages_allowed()
+        print(f"  shards' rings on {'2 MiB' if huge else '4 KiB'} pages ({why}); the in-process table's on "
+              f"2 MiB pages where THP is on ({Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()})")
         print(f"  ReplayClient.sample_now   {a * 1e3:.3f} ms/batch")
         print(f"  Table.sample_nowait       {b * 1e3:.3f} ms/batch (one in-process table of {per * args.shards} steps)")
         print(f"  ours / in-process speed   {b / a:.2f}x")

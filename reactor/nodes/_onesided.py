@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
-from .._native import host_empty
+from .._native import host_empty, numpy_twin
 from ..replay.shared import BELOW as _BELOW
 from ..replay.shared import BUSY as _BUSY
 from ..replay.shared import EMPTY as _EMPTY
@@ -108,6 +108,43 @@ class _SharedShard:
     row_nbytes: np.ndarray
 
 
+class _Plan:
+    """What every one-sided sample from one set of mapped shards shares (built once, kept until the
+    shards change): their :class:`SharedShards`, the batch's fields and each thread's scratch arrays."""
+
+    __slots__ = ("key", "live", "group", "shards", "regions", "fields", "window", "item_nbytes", "beta", "local")
+
+    def __init__(self, key: tuple[int, ...], live: list[int], shards: list[_SharedShard],
+                 layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.key, self.live = key, list(live)
+        self.shards = shards  # (kept: their ids stay theirs while the plan stands)
+        self.group = SharedShards([(sh.table, sh.src_addrs, sh.row_nbytes) for sh in shards])
+        self.group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
+        self.regions = tuple(sh.data_region for sh in shards)
+        first = shards[0]
+        self.window = first.table.window
+        w = (self.window,) if self.window else ()
+        # (name, item shape, numpy dtype or None: then torch's own empty, as host_empty does)
+        self.fields = [(f, (*w, *layout[f][1]), layout[f][0], numpy_twin(layout[f][0])) for f in first.names]
+        self.item_nbytes = first.row_nbytes * max(self.window, 1)
+        self.beta = max(sh.table.beta for sh in shards)
+        self.local = threading.local()  # (draws ahead run on the client's threads at once)
+
+    def scratch(self) -> tuple[np.ndarray, ...]:
+        """This thread's small arrays for the compiled calls (per shard: sequence counts, sizes,
+        counts; where a draw stopped; masses, lows, shares; the least probability), zeroed."""
+        got = getattr(self.local, "arrays", None)
+        if got is None:
+            m = len(self.shards)
+            ints, floats = np.zeros(3 * m + 3, np.int64), np.zeros(3 * m + 1, np.float64)
+            got = self.local.arrays = (ints, floats, ints[:m], ints[m:2 * m], ints[2 * m:3 * m], ints[3 * m:],
+                                       floats[:m], floats[m:2 * m], floats[2 * m:3 * m], floats[3 * m:])
+        else:
+            got[0].fill(0)
+            got[1].fill(0.0)
+        return got[2:]
+
+
 class OneSidedSampling:
     """ReplayClient's one-sided sampling (see the module docstring; its methods are documented on
     :class:`~reactor.nodes.replay_client.ReplayClient`'s page as its own)."""
@@ -122,7 +159,7 @@ class OneSidedSampling:
     _held: dict[int, list[np.ndarray]]
     _held_samples: int
     _held_since: float
-    _group: tuple[tuple[int, ...], SharedShards, list[_SharedShard]] | None
+    _group: _Plan | None
     _lock: threading.RLock  # the held notices and the counters (draws ahead run on threads)
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _ahead: deque[concurrent.futures.Future]
@@ -473,31 +510,25 @@ class OneSidedSampling:
         if not self.can_sample_now:
             return None, self.take_notices()
         live = self.live_shards
-        shards = [self._shared[k] for k in live]
+        plan = self._plan_of(live)
+        shards, group, m = plan.shards, plan.group, len(live)
         n = int(n)
-        first = shards[0]
-        window = first.table.window
-        layout = self._layouts[first.data_region]
         # The batch's memory, filled in place by each shard's compiled draw-and-copy.
-        out = {f: host_empty((n, window, *layout[f][1]) if window else (n, *layout[f][1]), layout[f][0])
-               for f in first.names}
-        bases = np.array([out[f].data_ptr() for f in first.names], dtype=np.int64)
-        item_nbytes = first.row_nbytes * max(window, 1)
-        mask = np.empty((n, max(window, 1)), dtype=np.bool_)
+        out = {f: torch.from_numpy(np.empty((n, *shape), twin)) if twin is not None else torch.empty((n, *shape), dtype=dt)
+               for f, shape, dt, twin in plan.fields}
+        bases = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
+        item_nbytes = plan.item_nbytes
+        mask = np.empty((n, max(plan.window, 1)), dtype=np.bool_)
         local = np.empty(n, dtype=np.int64)  # (the draws leave the batch's keys here,
         q = np.empty(n, dtype=np.float64)  # its probabilities here,
         weights = np.empty(n, dtype=np.float32)  # and its importance weights here)
         times = np.empty(n, dtype=np.int64)
         valid = np.empty(n, dtype=np.bool_)
-        count_uniforms = self.rng.random(n)  # the per-shard counts (plan_shards: a multinomial sample)
-        every_uniform = self.rng.random(n)  # the draws: shard i's are [a, b) of them
-        beta = self.beta if self.beta is not None else max(sh.table.beta for sh in shards)
-        group = self._group_of(live, shards)
-        m = len(shards)
-        seqs, sizes, counts, where = (np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m, np.int64),
-                                      np.zeros(3, np.int64))
-        masses, lows, shares, least = (np.zeros(m, np.float64), np.zeros(m, np.float64), np.zeros(m, np.float64),
-                                       np.zeros(1, np.float64))
+        uniforms = self.rng.random(2 * n)  # (as two calls of n would draw them)
+        count_uniforms = uniforms[:n]  # the per-shard counts (plan_shards: a multinomial sample)
+        every_uniform = uniforms[n:]  # the draws: shard i's are [a, b) of them
+        beta = self.beta if self.beta is not None else plan.beta
+        seqs, sizes, counts, where, masses, lows, shares, least = plan.scratch()
         # Every shard's figures and the counts in one compiled call, then every shard's draw in another
         # (the common case; a shard mid-change or changed in between is handled below, shard by shard).
         status = group.figures(count_uniforms, seqs, sizes, masses, lows, counts, shares, least)
@@ -565,25 +596,30 @@ class OneSidedSampling:
         if retried:  # the least likely item is the one of the figures the draws used
             min_p = least_probability(shares, np.array([f[1] for f in used]), np.array([f[2] for f in used]))
             weights = _weights(q, min_p, beta)
-        return self._finish_one_sided(n, drawn, used, shards, out, mask, local, q, weights, times, valid, hurry)
+        return self._finish_one_sided(n, drawn, used, plan, out, mask, local, q, weights, times, valid, hurry)
 
-    def _group_of(self, live: list[int], shards: list[_SharedShard]) -> SharedShards:
-        """The live shards' mapped states as one :class:`SharedShards` (kept until the shards change)."""
+    def _plan_of(self, live: list[int]) -> _Plan:
+        """The live shards' :class:`_Plan` (kept until the shards change)."""
+        shards = [self._shared[k] for k in live]
         key = tuple(id(sh) for sh in shards)
         got = self._group  # (one read: a draw on another thread may set it meanwhile)
-        if got is None or got[0] != key:
-            group = SharedShards([(sh.table, sh.src_addrs, sh.row_nbytes) for sh in shards])
-            group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
-            got = self._group = (key, group, shards)  # (the shards kept: their ids stay theirs)
-        return got[1]
+        if got is None or got.key != key:
+            got = self._group = _Plan(key, live, shards, self._layouts[shards[0].data_region])
+        return got
 
-    def _hold_keys(self, drawn: list[tuple[int, np.ndarray]], hurry: bool = False) -> list[SampledKeys]:
+    def _hold_keys(self, drawn: list[tuple[int, np.ndarray]], hurry: bool = False, gathered: int = 0,
+                   dropped: int = 0) -> list[SampledKeys]:
         """A one-sided sample's draws (shard, its keys: arrays no one else holds), held with those not
         told yet; all of them, one notice per shard, once they count ``notice_every`` samples, or the
         oldest is :data:`NOTICE_MAX_AGE_S` old, or ``hurry`` (a shard holds inserts back until it
-        hears of samples: its rate limiter's count moved, but the shard checks again only when told)."""
+        hears of samples: its rate limiter's count moved, but the shard checks again only when told).
+        ``gathered``: the sample's items, counted with it (and ``dropped``) under the same lock."""
         now = time.perf_counter()
         with self._lock:
+            if gathered:
+                self.gathered_items += gathered
+                self.one_sided_samples += 1
+                self.dropped_items += dropped
             self._hold(drawn, now)
             if hurry or self._held_samples >= self.notice_every or now - self._held_since >= NOTICE_MAX_AGE_S:
                 return self.take_notices()
@@ -740,34 +776,37 @@ class OneSidedSampling:
         return [SampledKeys(k, keys[a:b]) for k, a, b in drawn]
 
     def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]],
-                          figs: list[tuple[int, float, float, int]], shards: list[_SharedShard],
+                          figs: list[tuple[int, float, float, int]], plan: _Plan,
                           out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
                           weights: np.ndarray, times: np.ndarray, valid: np.ndarray, hurry: bool = False,
                           ) -> tuple[SampledBatch, list[SampledKeys]]:
         """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
         and its notices."""
         assert self._reader is not None
-        for k, _a, _b in drawn:  # data of a shard found dead is never returned (its process checked each ms)
-            try:
-                self._reader.check_alive(self._shared[k].data_region, _ALIVE_WITHIN_S)
-            except PeerLostError as e:
-                lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
-                lost.shard = k  # type: ignore[attr-defined]
-                raise lost from e
+        try:  # data of a shard found dead is never returned (its process checked each ms)
+            self._reader.check_alive_all(plan.regions, _ALIVE_WITHIN_S)
+        except PeerLostError:
+            for k, region in zip(plan.live, plan.regions):  # which one
+                try:
+                    self._reader.check_alive(region)
+                except PeerLostError as e:
+                    lost = PeerLostError(f"replay shard {k}: its shared memory is gone ({e})")
+                    lost.shard = k  # type: ignore[attr-defined]
+                    raise lost from e
+            raise
         told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
         notices = [(k, told[a:b]) for k, a, b in drawn]
         data: dict[str, torch.Tensor] = out
-        if shards[0].table.window:
+        if plan.window:
             data["mask"] = torch.from_numpy(mask)
         whole = bool(valid.all())
-        self._tally(gathered=n, samples=1, dropped=0 if whole else int((~valid).sum()))
         if not whole:  # items whose rows the ring overwrote during the copy
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
-        if shards[0].table.transition is not None:  # n-step transitions of the copied windows
-            data = transitions_from_windows(data, shards[0].table.transition)
+        if plan.shards[0].table.transition is not None:  # n-step transitions of the copied windows
+            data = transitions_from_windows(data, plan.shards[0].table.transition)
         batch = SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                              probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
                              times_sampled=torch.from_numpy(times))
-        return batch, self._hold_keys(notices, hurry)
+        return batch, self._hold_keys(notices, hurry, gathered=n, dropped=0 if whole else int((~valid).sum()))

@@ -94,6 +94,7 @@ from ..replay.checkpoint import CheckpointCancelled
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
 from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import bulk as _bulk
+from ..transport._shm import huge_pages_allowed
 from ._onesided import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
@@ -371,6 +372,7 @@ class Replay(Reactor):
                             need >> 20, free >> 20)
                 use_bulk = False
         if use_bulk:
+            _say_page_size(self.name, self.capacity * sum(s.step_nbytes for s in self.specs))
             caps = _bulk.capabilities()
             backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
             backends += ["zmq"] if self.remote_reads == "zmq" else []
@@ -997,6 +999,23 @@ def _steps_len(s: Steps) -> int:
         return len(s.episode_end)
     except TypeError:
         return 0
+
+
+_PAGES_SAID = False  # (once a process)
+_PAGES_WORTH_SAYING = 64 << 20  # a ring this large read at random misses the TLB on 4 KiB pages
+
+
+def _say_page_size(name: str, ring_nbytes: int) -> None:
+    """Log once, for a large ring, that /dev/shm keeps it on 4 KiB pages (and how to allow 2 MiB ones)."""
+    global _PAGES_SAID
+    if _PAGES_SAID or ring_nbytes < _PAGES_WORTH_SAYING:
+        return
+    _PAGES_SAID = True
+    huge, why = huge_pages_allowed()
+    if not huge:
+        log.info("%s: its %d MB ring in /dev/shm is on 4 KiB pages (%s); `mount -o remount,huge=advise /dev/shm` "
+                 "puts it on 2 MiB pages, for faster window reads (docs/cluster.md, \"Tuning a host\")",
+                 name, ring_nbytes >> 20, why)
 
 
 def _shm_free_bytes() -> int | None:

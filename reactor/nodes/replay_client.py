@@ -27,7 +27,7 @@ import torch
 from .._errors import PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
-from ..replay.shared import SharedShards, least_probability
+from ..replay.shared import least_probability
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its names public here)
@@ -35,6 +35,7 @@ from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its n
     ONE_SIDED_ERRORS,
     REMOTE_SAMPLE_OP,
     OneSidedSampling,
+    _Plan,
     _RemoteShard,
     _SharedShard,
     _weights,
@@ -216,7 +217,7 @@ class ReplayClient(OneSidedSampling):
         self._held: dict[int, list[np.ndarray]] = {}  # shard -> keys drawn one-sidedly, not yet told
         self._held_samples = 0  # samples whose notices are held
         self._held_since = 0.0  # perf_counter of the oldest of them
-        self._group: tuple[tuple[int, ...], SharedShards, list[_SharedShard]] | None = None  # see _group_of
+        self._group: _Plan | None = None  # see _plan_of
         self._lock = threading.RLock()  # the held notices and the counters, which draws ahead share
         self.draw_threads = draw_threads or min(2, os.cpu_count() or 1)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # draw_ahead's threads, made at first use

@@ -425,13 +425,27 @@ class BulkReader:
             KeyError: ``region`` is not attached.
             PeerLostError: the owner is gone.
         """
-        att = self._get(region)
-        if att.backend == "shm":  # every segment is marked together: one stands for the region
+        self.check_alive_all((region,), within_s)
+
+    def check_alive_all(self, regions: Sequence[str], within_s: float = 0.0) -> None:
+        """:meth:`check_alive` of each of ``regions`` in turn (one clock read for all: a sample's
+        shards, checked after every one-sided copy).
+
+        Raises:
+            KeyError: a region is not attached.
+            PeerLostError: the owner of one is gone (the first found).
+        """
+        self._check_open()
+        now = time.monotonic() if within_s > 0 else 0.0
+        for region in regions:
+            att = self._regions.get(region) or self._get(region)  # (_get raises, naming the attached ones)
+            if att.backend != "shm":
+                continue
             seg = att.segments.get(att.version_field or "") or next(iter(att.segments.values()), None)
-            if within_s > 0 and time.monotonic() - att.last_alive_check < within_s:
+            if within_s > 0 and now - att.last_alive_check < within_s:  # every segment is marked together
                 if seg is not None and seg.state != _shm.STATE_LIVE:
                     self._check_shm_live(att, {"": seg})  # (raises, saying how it ended)
-                return
+                continue
             self._check_shm_live(att, {} if seg is None else {"": seg})
 
     async def call(self, region: str, op: str, request: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,13 @@ word  name                meaning
 7     row nbytes          bytes per row (the data is ``rows * row_nbytes`` bytes)
 ====  ==================  =========================================================================
 
+Pages: the owner advises a segment of 2 MiB or more for transparent huge pages (``MADV_HUGEPAGE``)
+before its first touch. Where the host's ``/dev/shm`` allows that (mounted with ``huge=advise``,
+``within_size`` or ``always``, or ``shmem_enabled`` set to ``force``) its memory is on 2 MiB pages,
+and so are the readers' mappings of it: random window reads of a ring of hundreds of MB then miss
+the TLB far less (``docs/benchmarks.md``). The default mount (``huge=never``) keeps 4 KiB pages:
+the advice changes nothing there.
+
 Life cycle: the owner creates a segment with ``O_EXCL`` and writes the header (state last); it
 sets state 2 and unlinks on ``aclose()`` and at interpreter exit. If the owner dies (``kill -9``),
 the next owner of the same name, or :func:`cleanup_stale`, finds the dead pid, sets state 3 and
@@ -48,6 +55,7 @@ __all__ = [
     "Segment",
     "check_name_part",
     "cleanup_stale",
+    "huge_pages_allowed",
     "owner_alive",
     "process_identity",
     "segment_name",
@@ -56,6 +64,8 @@ __all__ = [
 PREFIX = "rxb."
 MAGIC = b"RXBULK\x00\x01"
 HEADER_NBYTES = 4096
+_HUGE_NBYTES = 1 << 21  # a segment this large or larger is advised for transparent huge pages
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 STATE_LIVE, STATE_CLOSED, STATE_LOST = 1, 2, 3
 _HEADER = struct.Struct("<8s7Q")
 _SHM_DIR = "/dev/shm"
@@ -76,6 +86,30 @@ def check_name_part(kind: str, value: object) -> str:
             f"memory segments), got {value!r}"
         )
     return value
+
+
+def huge_pages_allowed() -> tuple[bool, str]:
+    """Whether a segment advised for huge pages gets them on this host (see "Pages" above), and why:
+    ``shmem_enabled`` of ``force`` or ``deny`` decides for every tmpfs; otherwise the ``huge=``
+    option /dev/shm is mounted with (default ``never``)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            setting = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return False, "this kernel has no transparent huge pages for shared memory"
+    if setting is not None and setting.group(1) in ("force", "deny"):
+        return setting.group(1) == "force", f"shmem_enabled is {setting.group(1)}"
+    huge = "never"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:  # (the last mount on /dev/shm is the one in effect)
+                parts = line.split()
+                if len(parts) >= 4 and parts[1] == "/dev/shm":
+                    opts = dict(o.split("=", 1) if "=" in o else (o, "") for o in parts[3].split(","))
+                    huge = opts.get("huge", "never")
+    except OSError:
+        return False, "/proc/self/mounts is unreadable"
+    return huge in ("advise", "within_size", "always"), f"/dev/shm is mounted with huge={huge}"
 
 
 def segment_name(run_id: str, region: str, field: str) -> str:
@@ -215,6 +249,11 @@ class Segment:
             try:
                 os.ftruncate(fd, size)
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if size >= _HUGE_NBYTES and _MADV_HUGEPAGE is not None:
+                    try:  # before the first touch (the header below): see "Pages" above
+                        mm.madvise(_MADV_HUGEPAGE)
+                    except OSError:  # a kernel without THP for shared memory: 4 KiB pages
+                        pass
             except BaseException:
                 os.close(fd)
                 _shm_unlink(name)

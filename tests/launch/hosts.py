@@ -160,11 +160,7 @@ class Cluster:
         self.addresses[host] = json.loads(line)["address"]
 
     def ping(self, host: str) -> dict[str, Any]:
-        from reactor.launch._daemon import DaemonClient
-        from reactor.launch._keys import load_keys
-
-        with DaemonClient(self.addresses[host], load_keys(self.keys).public, load_keys(self.keys)) as c:
-            return c.request("ping")
+        return self._request(host, "ping")  # type: ignore[no-any-return]
 
     def wait_fork_server(self, host: str, timeout_s: float = 90.0) -> str:
         """Wait for ``host``'s daemon to have its fork server up (workers start forked from it)."""
@@ -189,7 +185,48 @@ class Cluster:
         """A client's environment: the cluster key."""
         return {**os.environ, "REACTOR_KEYS": str(self.keys), "PYTHONPATH": str(ROOT)}
 
-    # -- looking at it
+    # -- looking at it (a test on a cluster that other tests used looks past its mark)
+
+    def mark(self) -> None:
+        """Note where each daemon's log, run directories and hosted runs stand now: :meth:`log`,
+        :meth:`new_runs` and :meth:`hosted` then show only what came after."""
+        self._log_at = {h: self._log_path(h).stat().st_size if self._log_path(h).exists() else 0 for h in self.names}
+        self._runs_at = {h: set(self._runs(h)) for h in self.names}
+        self._hosted_at = {h: {w["run"] for w in self._request(h, "hosted")} for h in self.names}
+
+    def log(self, host: str) -> str:
+        """``host``'s daemon log since the mark."""
+        with open(self._log_path(host), "rb") as f:
+            f.seek(getattr(self, "_log_at", {}).get(host, 0))
+            return f.read().decode(errors="replace")
+
+    def new_runs(self, host: str) -> list[Path]:
+        """The run directories ``host``'s daemon made since the mark."""
+        return sorted(set(self._runs(host)) - getattr(self, "_runs_at", {}).get(host, set()))
+
+    def hosted(self, host: str) -> list[dict[str, Any]]:
+        """``host``'s daemon's hosted workers (``reactor status``) of the runs it took since the mark."""
+        seen = getattr(self, "_hosted_at", {}).get(host, set())
+        return [w for w in self._request(host, "hosted") if w["run"] not in seen]
+
+    def _log_path(self, host: str) -> Path:
+        return self.tmp / host / "daemon.log"
+
+    def _runs(self, host: str) -> list[Path]:
+        d = self.tmp / host / "runs"
+        return list(d.iterdir()) if d.is_dir() else []
+
+    def _request(self, host: str, *req: Any) -> Any:
+        from reactor.launch._daemon import DaemonClient
+        from reactor.launch._keys import load_keys
+
+        keys = load_keys(self.keys)
+        with DaemonClient(self.addresses[host], keys.public, keys) as c:
+            return c.request(*req)
+
+    def daemons_alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
 
     def worker_pids(self, host: str | None = None) -> dict[int, str]:
         """pid -> group of every live reactor worker (in ``host``'s namespace, or anywhere)."""
@@ -227,6 +264,12 @@ class Cluster:
         left = self.worker_pids()
         assert not left, f"workers left on the hosts: {left}"
 
+    def kill_workers(self) -> None:
+        """SIGKILL every worker left on the hosts (after a test that failed mid-run)."""
+        for pid in self.worker_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def cut(self, host: str) -> None:
         """Unplug ``host`` from the network (its veth down): its daemon and workers run on, unreachable."""
         assert self.netns, "cutting a host needs namespaces"
@@ -256,9 +299,7 @@ class Cluster:
         for h in list(self.procs):
             with contextlib.suppress(Exception):
                 self.stop_daemon(h)
-        for pid in self.worker_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self.kill_workers()
         for ns in self.netns:
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:

@@ -36,12 +36,34 @@ DQN = str(ROOT / "apps" / "dqn.py")
 DEMO = str(ROOT / "apps" / "demo_pipeline.py")
 
 
+@pytest.fixture(scope="module")
+def _shared(tmp_path_factory):
+    """One three-host cluster for the module's tests (its daemons take ~4 s to start); made again
+    if a test left a daemon of it dead."""
+    holder: list[Cluster] = []
+
+    def get() -> Cluster:
+        if holder and not holder[0].daemons_alive():
+            holder.pop().close()
+        if not holder:
+            holder.append(Cluster(tmp_path_factory.mktemp("cluster")))
+        return holder[0]
+
+    yield get
+    for c in holder:
+        c.close()
+
+
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    c = Cluster(tmp_path)
+def cluster(_shared, monkeypatch):
+    """The module's cluster, clean (no worker, no run socket directory of its daemons) and marked:
+    its `log`, `new_runs` and `hosted` show only this test's doings."""
+    c = _shared()
     monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
+    wait_for(lambda: not c.worker_pids() and not _daemon_socket_dirs(c), 30, "the previous test's run to end")
+    c.mark()
     yield c
-    c.close()
+    c.kill_workers()  # (a test that failed mid-run)
 
 
 # ------------------------------------------------------------------------------ the placement side
@@ -116,14 +138,14 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
     wait_for(lambda: not _daemon_socket_dirs(cluster), 10, "the daemons to remove the run's socket directories")
     # Each host ran its groups in its own directory with their logs; its daemon ended the run there.
     for h, groups in {"h1": {"learner", "replay-0"}, "h2": {"actor-0", "replay-1"}, "h3": {"actor-1"}}.items():
-        (run_dir,) = (tmp_path / h / "runs").iterdir()
+        (run_dir,) = cluster.new_runs(h)
         assert {p.stem for p in run_dir.glob("*.log")} == groups
-        log = tmp_path / h / "daemon.log"
-        wait_for(lambda log=log: "ended here (its coordinator ended it)" in log.read_text(), 10, f"{h} to end the run")
+        wait_for(lambda h=h: "ended here (its coordinator ended it)" in cluster.log(h), 10, f"{h} to end the run")
         # Its workers were forked from the daemon's fork server (torch imported there once), and
         # computed what fresh interpreters did.
-        assert {f"started group {g} (pid" for g in groups} == set(re.findall(r"started group \S+ \(pid", log.read_text()))
-        assert log.read_text().count(", forked)") == len(groups), log.read_text()
+        log = cluster.log(h)
+        assert {f"started group {g} (pid" for g in groups} == set(re.findall(r"started group \S+ \(pid", log))
+        assert log.count(", forked)") == len(groups), log
 
 
 def _daemon_socket_dirs(cluster: Cluster) -> list[Path]:
@@ -158,7 +180,7 @@ def test_a_killed_remote_worker_ends_the_run_naming_it_and_its_host_and_nothing_
     assert str(err).startswith("worker 'actor-1' was killed by SIGKILL on host 'h3' before the run ended"), err
     cluster.wait_no_workers()
     for h in cluster.names:
-        wait_for(lambda h=h: "ended here" in (tmp_path / h / "daemon.log").read_text(), 10, f"{h} to end the run")
+        wait_for(lambda h=h: "ended here" in cluster.log(h), 10, f"{h} to end the run")
 
 
 @pytest.mark.slow
@@ -229,8 +251,7 @@ def test_submit_over_hosts_runs_the_coordinator_on_the_head_daemon(cluster, tmp_
         assert final["state"] == "finished", (final, c.request("logs", job, 0)["data"][-3000:])
         assert "run ended (stop_time)" in final["last_line"]
     for h, group in (("h1", "producers"), ("h3", "squarers")):
-        with DaemonClient(cluster.addresses[h], keys.public, keys) as c:
-            assert [(w["group"], w["state"]) for w in c.request("hosted")] == [(group, "ended")]
+        assert [(w["group"], w["state"]) for w in cluster.hosted(h)] == [(group, "ended")]
     st = subprocess.run([*cli, "status", "--daemon", cluster.addresses["h1"]], env=cluster.env(),
                         capture_output=True, text=True, timeout=60)
     assert "group producers  ended exit 0  pid" in st.stdout and "restarts 0  on h1" in st.stdout, st
@@ -241,7 +262,7 @@ def test_submit_over_hosts_runs_the_coordinator_on_the_head_daemon(cluster, tmp_
     logs = subprocess.run([*cli, "logs", job, "head", "--daemon", cluster.addresses["h2"]], env=cluster.env(),
                           capture_output=True, text=True, timeout=60)
     assert logs.returncode == 0 and re.search(r"^collector: \d+ values, sum \d+$", logs.stdout, re.M), logs
-    (head_log,) = (tmp_path / "h2" / "runs").glob("*/head.log")
+    (head_log,) = [d / "head.log" for d in cluster.new_runs("h2") if (d / "head.log").exists()]
     assert logs.stdout == head_log.read_text()
     bad = subprocess.run([*cli, "logs", job, "nope", "--daemon", cluster.addresses["h2"]], env=cluster.env(),
                          capture_output=True, text=True, timeout=60)
@@ -283,7 +304,7 @@ def test_a_spawn_from_an_unauthorized_key_is_refused_and_garbage_is_dropped(clus
         with pytest.raises(Exception, match=r"hosts no run 'r1'"):
             c.request("run_files", "r1")
         assert c.request("ping")["name"] == "h1"
-        assert c.request("hosted") == []
+    assert cluster.hosted("h1") == []  # (nothing of this test's was hosted)
 
 
 @pytest.mark.slow
@@ -305,14 +326,16 @@ def test_data_parallel_learners_on_two_hosts_rendezvous_over_tcp_and_match_one_h
     assert r.hosts["learner-0"] != r.hosts["learner-1"]
     there = []
     for i in (0, 1):
-        (log,) = (tmp_path / r.hosts[f"learner-{i}"] / "runs").glob(f"*/learner-{i}.log")
+        (log,) = [d / f"learner-{i}.log" for d in cluster.new_runs(r.hosts[f"learner-{i}"])
+                  if (d / f"learner-{i}.log").exists()]
         there += re.findall(r"^learner\[(\d)\]: \d+ updates; final weights sha256 ([0-9a-f]{64})$", log.read_text(),
                             re.M)
     assert len(here) == 2 and sorted(there) == sorted(here)
     assert here[0][1] == here[1][1]
     back = tmp_path / "dp"  # the coordinator's working directory is tmp_path
     assert (back / "weights.sha256").read_text().strip() == here[0][1]
-    (written,) = tmp_path.glob("h*/runs/*/dp/metrics.csv")  # on the host of the metrics' group
+    (written,) = [d / "dp" / "metrics.csv" for h in cluster.names for d in cluster.new_runs(h)
+                  if (d / "dp" / "metrics.csv").exists()]  # on the host of the metrics' group
     assert (back / "metrics.csv").read_text() == written.read_text()
     assert (back / "replay-0").is_dir() and not (back / "app").exists() and not list(back.glob("*.log"))
     cluster.wait_no_workers()

@@ -190,11 +190,17 @@ class _Receiving:
                 grant(s)
         self._n["messages_delivered"] += len(out)
         for r in self._routers:
-            if r.sock.get(zmq.EVENTS) & _POLLIN and not r.drain_scheduled:
-                # Our sends on the ROUTER may have consumed the FD's edge: drain on the next tick.
-                r.drain_scheduled = True
-                self._loop.call_soon(self._drain_router, r)
+            self._rearm(r)  # (the grants above were sent on them)
         return out
+
+    def _rearm(self, router: _Router) -> None:
+        """Drain ``router`` on the next tick if it holds messages. To call after sending on it outside
+        its own drain: a send processes the socket's pending commands, which consumes the FD's edge,
+        so messages that arrived just before would otherwise wait, unseen by ``add_reader``, until
+        some later command (there may be none: a peer waiting on our answer sends nothing more)."""
+        if router.sock.get(zmq.EVENTS) & _POLLIN and not router.drain_scheduled:
+            router.drain_scheduled = True
+            self._loop.call_soon(self._drain_router, router)
 
     def _maybe_grant(self, s: _Sender) -> None:
         if s.ungranted_msgs < self._grant_msgs and s.ungranted_nbytes < self._grant_nbytes:
@@ -415,7 +421,9 @@ class _Receiving:
             # No handover across the two sockets either: zmq refuses a second connection under a live
             # name on one ROUTER; a name live on the other one is refused here (a dead one forgotten).
             if other is not router and ident in other.senders:
-                if self._connected(other, ident):
+                connected = self._connected(other, ident)
+                self._rearm(other)  # the probe was a send on the other ROUTER, outside its drain
+                if connected:
                     self._n["hellos_refused"] += 1
                     log.warning("endpoint %r: refused a hello from %r at %s: a peer of that name is connected at %s",
                                 self._name, msg[2], router.address, other.address)

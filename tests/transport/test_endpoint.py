@@ -718,3 +718,53 @@ def test_curve_keys_round_trip_through_files_and_refuse_mismatched_halves(tmp_pa
         CurveKeys.load(tmp_path / "k.pub")
     with pytest.raises(ValueError, match=r"^CurveKeys.public does not belong to CurveKeys.secret"):
         CurveKeys(public=CurveKeys.generate().public, secret=keys.secret)
+
+
+@pytest.mark.asyncio
+async def test_a_hello_refused_at_the_local_socket_leaves_the_other_sockets_wakeup_armed(open_endpoint, tmp_path):
+    """A hello at the ipc socket under a name connected at tcp is refused after probing that name's
+    connection, which is a send on the tcp ROUTER from within the ipc ROUTER's drain. A send processes
+    the ROUTER's pending commands, consuming its FD's wake-up: a message that reached the tcp ROUTER just
+    before must still be delivered, not wait unseen while its sender waits on our answer."""
+    import select
+
+    rx = await open_endpoint("rx", local_bind=f"ipc://{tmp_path}/rx")
+    far = await open_endpoint("far")
+    await far.connect("rx", rx.address, timeout_s=WAIT_S)
+    tcp, ipc = rx._routers
+    ctx = zmq.Context()
+    impostor = ctx.socket(zmq.DEALER)
+    impostor.setsockopt(zmq.LINGER, 0)
+    impostor.setsockopt(zmq.ROUTING_ID, b"far")
+    impostor.connect(rx.local_address)
+    loop = asyncio.get_running_loop()
+    drain = rx._drain_router
+
+    sent = []
+
+    def drain_while_far_sends(router: Any) -> None:
+        if not sent and router.sock.get(zmq.EVENTS) & zmq.POLLIN:  # the impostor's hello is in
+            sent.append(True)  # far's message lands while the ipc drain runs (zmq's I/O thread)
+            far.send_nowait("rx", "to answer")
+            far.flush()
+            deadline = time.monotonic() + WAIT_S
+            while not select.select([tcp.fd], [], [], 0)[0]:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        drain(router)
+
+    loop.remove_reader(ipc.fd)
+    loop.add_reader(ipc.fd, drain_while_far_sends, ipc)
+    try:
+        waiting = asyncio.ensure_future(rx.recv_batch(timeout_s=WAIT_S))
+        await asyncio.sleep(0.1)  # rx waits in recv_batch, both sockets armed
+        impostor.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, "far"])])
+        t0 = time.monotonic()
+        assert await waiting == [("far", "to answer")]
+        assert time.monotonic() - t0 < 5
+        assert rx.statistics().hellos_refused == 1
+    finally:
+        loop.remove_reader(ipc.fd)
+        loop.add_reader(ipc.fd, drain, ipc)
+        impostor.close()
+        ctx.term()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from pathlib import Path
 
 import numpy as np
@@ -270,7 +271,8 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
     from reactor.transport.bulk import BulkOwner
 
     backends = ["shm", "zmq"] if shm else ["zmq"]
-    owner = await BulkOwner.open(f"mixed{k}", backends=backends, zmq_bind=f"ipc://{tmp_path}/s{k}.sock")
+    # (the run id names the shared memory: one per test process, so parallel workers never share it)
+    owner = await BulkOwner.open(f"mixed{os.getpid()}x{k}", backends=backends, zmq_bind=f"ipc://{tmp_path}/s{k}.sock")
     region = f"r{k}"
     if shm:
         arrays = SharedArrays(lambda name, nb: owner.allocate(f"-s-{region}", name, (1, nb), torch.uint8).numpy()[0])
@@ -841,7 +843,6 @@ def test_a_shard_whose_storage_does_not_fit_in_dev_shm_keeps_its_memory_and_answ
     shared memory) would fault when their rows were touched: they keep their storage in their own
     memory instead, say why, offer no one-sided sampling, and every sample comes through messages
     with the data in the replies."""
-    import os
     import shutil
     import subprocess
     import sys

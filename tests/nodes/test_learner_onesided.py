@@ -110,3 +110,36 @@ def test_deterministic_learners_keep_the_message_path():
     reports = [r for r in _OUT if "updates" in r]
     assert reports[-1]["updates"] == 40 and reports[-1]["one_sided_batches"] == 0
     assert reports[-1]["drawn_ahead_batches"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_declined_draw_ahead_hands_the_draws_queued_behind_it_to_the_learner(monkeypatch):
+    """One draw ahead declines (as when a shard changes for longer than the draw waits, or a limiter
+    refuses): the learner takes every draw queued behind it at once (drain_drawn) and learns on their
+    batches, none lost and none learned twice: 40 updates, the batches after the first still drawn
+    one-sidedly, and the shard counts every item of them. (Mutation-checked: without the drain the
+    learner went back to messages for its prefetch and drew 36 one-sidedly.)"""
+    from reactor.nodes._onesided import OneSidedSampling
+
+    real = OneSidedSampling.sample_now
+    calls = []
+
+    def sometimes_declines(self, n):
+        calls.append(n)
+        if len(calls) == 12:  # queued behind it: the draws the learner keeps running ahead
+            return None, self.take_notices()
+        return real(self, n)
+
+    monkeypatch.setattr(OneSidedSampling, "sample_now", sometimes_declines)
+    _OUT.clear()
+    run(_graph(), deterministic=False)
+    reports = [r for r in _OUT if "updates" in r]
+    assert reports[-1]["updates"] == 40
+    assert len(calls) >= 13  # the decline happened, with draws after it
+    one_sided = reports[-1]["one_sided_batches"]
+    # All but the first (and one message batch in flight at the switch), the declined one replaced by
+    # those queued behind it: had the learner gone back to messages, `prefetch` more would be missing.
+    assert one_sided >= 38, reports[-1]
+    sampled = [r["sampled"] for r in _OUT if "sampled" in r]
+    # every batch counted at the shard, once (the last batch's notices may still be on their way)
+    assert sampled and 39 * 16 <= sampled[-1] <= 40 * 16

@@ -255,3 +255,12 @@ def test_async_dp_learners_with_samples_in_flight_meet_in_every_round(tmp_path, 
     assert len(hashes) == 2 and len(set(hashes.values())) == 1, out[-3000:]
     counts = set(re.findall(r"^learner\[\d\]: (\d+) updates; final weights", out, re.M))
     assert len(counts) == 1 and int(counts.pop()) > 100
+    # The replicas drew their batches one-sidedly from the shards' shared memory, ahead of their
+    # updates (draws ahead with a data-parallel bank; the hashes above: they still met every round).
+    last = {}
+    for row in (tmp_path / "metrics.csv").read_text().splitlines():
+        _wall, _steps, source, name, value = row.split(",")
+        if source == "learner[0]" and name in ("updates", "one_sided_batches", "drawn_ahead_batches"):
+            last[name] = float(value)
+    assert last["one_sided_batches"] >= 0.9 * last["updates"] > 0, last
+    assert last["drawn_ahead_batches"] >= 0.5 * last["updates"], last

@@ -11,7 +11,17 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# pip, its output shown but for one harmless warning; a failed pip (no network, a full disk) ends the
+# setup there, naming what failed, before the stamp below would mark the venv as set up.
+pip() {
+  local out rc=0
+  out=$(.venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1) || rc=$?
+  printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e "^$" >&2 || true
+  if [ "$rc" -ne 0 ]; then
+    echo "setup failed: pip $* exited with status $rc (its output above says why); fix that and run scripts/setup.sh again" >&2
+    exit "$rc"
+  fi
+}
 stamp=.venv/.reactor-setup-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   start=$SECONDS
@@ -21,8 +31,8 @@ if [ ! -f "$stamp" ]; then
   fi
   say "installing reactor (editable) with its dependencies and dev tools (pyproject.toml [dev])"
   pip install -e ".[dev]"
-  say "checking that reactor, torch, zmq, msgpack and uvloop import"
-  .venv/bin/python -c "import reactor, torch, zmq, msgpack, uvloop" || { echo "setup failed: reactor does not import" >&2; exit 1; }
+  say "checking that reactor, torch, zmq, msgpack, uvloop and numba import"
+  .venv/bin/python -c "import reactor, reactor.replay, torch, zmq, msgpack, uvloop, numba" || { echo "setup failed: reactor does not import" >&2; exit 1; }
   rm -f .venv/.reactor-setup-*
   touch "$stamp"
   say "ready in $((SECONDS - start)) s"

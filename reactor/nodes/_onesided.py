@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
-from .._native import host_empty, numpy_twin
+from .._native import host_empty
 from ..replay.shared import BELOW as _BELOW
 from ..replay.shared import BUSY as _BUSY
 from ..replay.shared import EMPTY as _EMPTY
@@ -124,8 +124,7 @@ class _Plan:
         first = shards[0]
         self.window = first.table.window
         w = (self.window,) if self.window else ()
-        # (name, item shape, numpy dtype or None: then torch's own empty, as host_empty does)
-        self.fields = [(f, (*w, *layout[f][1]), layout[f][0], numpy_twin(layout[f][0])) for f in first.names]
+        self.fields = [(f, (*w, *layout[f][1]), layout[f][0]) for f in first.names]  # (name, item shape, dtype)
         self.item_nbytes = first.row_nbytes * max(self.window, 1)
         self.beta = max(sh.table.beta for sh in shards)
         self.local = threading.local()  # (draws ahead run on the client's threads at once)
@@ -514,8 +513,7 @@ class OneSidedSampling:
         shards, group, m = plan.shards, plan.group, len(live)
         n = int(n)
         # The batch's memory, filled in place by each shard's compiled draw-and-copy.
-        out = {f: torch.from_numpy(np.empty((n, *shape), twin)) if twin is not None else torch.empty((n, *shape), dtype=dt)
-               for f, shape, dt, twin in plan.fields}
+        out = {f: host_empty((n, *shape), dt) for f, shape, dt in plan.fields}
         bases = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
         item_nbytes = plan.item_nbytes
         mask = np.empty((n, max(plan.window, 1)), dtype=np.bool_)

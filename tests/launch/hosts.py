@@ -93,6 +93,9 @@ class Cluster:
         self.ips: dict[str, str] = {}
         self.names = [f"h{i + 1}" for i in range(n)]
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._log_at: dict[str, int] = {}  # (see mark)
+        self._runs_at: dict[str, set[Path]] = {}
+        self._hosted_at: dict[str, set[str]] = {}
         why = namespaces_available()
         try:
             if why is None:
@@ -197,16 +200,16 @@ class Cluster:
     def log(self, host: str) -> str:
         """``host``'s daemon log since the mark."""
         with open(self._log_path(host), "rb") as f:
-            f.seek(getattr(self, "_log_at", {}).get(host, 0))
+            f.seek(self._log_at.get(host, 0))
             return f.read().decode(errors="replace")
 
     def new_runs(self, host: str) -> list[Path]:
         """The run directories ``host``'s daemon made since the mark."""
-        return sorted(set(self._runs(host)) - getattr(self, "_runs_at", {}).get(host, set()))
+        return sorted(set(self._runs(host)) - self._runs_at.get(host, set()))
 
     def hosted(self, host: str) -> list[dict[str, Any]]:
         """``host``'s daemon's hosted workers (``reactor status``) of the runs it took since the mark."""
-        seen = getattr(self, "_hosted_at", {}).get(host, set())
+        seen = self._hosted_at.get(host, set())
         return [w for w in self._request(host, "hosted") if w["run"] not in seen]
 
     def _log_path(self, host: str) -> Path:

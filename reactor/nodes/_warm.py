@@ -76,6 +76,7 @@ def _shard(sampler: object, read: object) -> tuple[Table, SamplingPublisher, Sha
     slots = np.arange(4, dtype=np.int64)
     _bulk.seqlock_begin(versions, slots)
     _bulk.seqlock_end(versions, slots, slots)
+    _bulk.seqlock_end_steps(versions, 250, len(_bulk.seqlock_begin_steps(versions, 250, 10)))  # (wraps)
     ss = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
     return t, pub, ss, st._fields
 

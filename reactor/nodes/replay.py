@@ -657,18 +657,15 @@ class Replay(Reactor):
         if versions is None or len(ends) > cap:  # (too long: the insert raises before writing)
             table.insert_nowait(steps.fields, steps.priorities, episode_end=ends, item_mask=steps.item_mask)
             return
-        first = table.storage.step_range[1]
-        new = np.arange(first, first + len(ends), dtype=np.int64)
-        slots = new % cap
-        old = versions.numpy()[slots].copy()
-        _bulk.seqlock_begin(versions, slots)
+        first, n = table.storage.step_range[1], len(ends)
+        old = _bulk.seqlock_begin_steps(versions, first, n)
         try:
             table.insert_nowait(steps.fields, steps.priorities, episode_end=ends, item_mask=steps.item_mask)
         except BaseException:
             keep = old >= 0  # nothing was written: put the old versions back
-            _bulk.seqlock_end(versions, slots[keep], old[keep])
+            _bulk.seqlock_end(versions, (np.arange(first, first + n, dtype=np.int64) % cap)[keep], old[keep])
             raise
-        _bulk.seqlock_end(versions, slots, new)
+        _bulk.seqlock_end_steps(versions, first, n)
 
     # ---------------------------------------------------------------- requests
 

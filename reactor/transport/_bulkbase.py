@@ -237,6 +237,42 @@ def seqlock_end(versions: torch.Tensor | np.ndarray, rows: Any, new_versions: An
     _gather.store_versions(arr, flat, new)
 
 
+def seqlock_begin_steps(versions: torch.Tensor | np.ndarray, first: int, n: int) -> np.ndarray:
+    """:func:`seqlock_begin` for a ring's rows: the ``n`` rows of steps ``first .. first + n - 1``,
+    row = step modulo the column's length (a replay shard's append), in one compiled pass and
+    without an array of rows. Returns the versions those rows had, for :func:`seqlock_end` to put
+    back (where >= 0) if the write fails; :func:`seqlock_end_steps` publishes them.
+
+    Raises:
+        ValueError: a bad column, ``first < 0``, or ``n`` outside ``[0, rows]`` (a row would be
+            written twice).
+    """
+    arr = _version_array(versions, "seqlock_begin_steps")
+    _check_steps(arr, first, n, "seqlock_begin_steps")
+    return _gather.ring_begin(arr, int(first), int(n))
+
+
+def seqlock_end_steps(versions: torch.Tensor | np.ndarray, first: int, n: int) -> None:
+    """:func:`seqlock_end` for the rows :func:`seqlock_begin_steps` opened: each row's new version is
+    its step (>= 0, and never used before for that row while steps only grow).
+
+    Raises:
+        ValueError: as :func:`seqlock_begin_steps`.
+    """
+    arr = _version_array(versions, "seqlock_end_steps")
+    _check_steps(arr, first, n, "seqlock_end_steps")
+    _gather.ring_end(arr, int(first), int(n))
+
+
+def _check_steps(arr: np.ndarray, first: Any, n: Any, what: str) -> None:
+    for name, v in (("first", first), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{what}: {name} must be an int, got {type(v).__name__}")
+    if first < 0 or not 0 <= n <= arr.shape[0]:
+        raise ValueError(f"{what}: steps [{first}, {first} + {n}) do not fit a ring of {arr.shape[0]} rows "
+                         f"(first >= 0, 0 <= n <= rows)")
+
+
 def cleanup_stale_segments(run_id: str | None = None) -> list[str]:
     """Unlink the shared-memory segments of dead owners (of one run, or of every run).
 

@@ -39,6 +39,8 @@ __all__ = [
     "load_versions_fence",
     "runs_of",
     "store_versions",
+    "ring_begin",
+    "ring_end",
 ]
 
 
@@ -203,6 +205,47 @@ def fence_load_versions(versions: np.ndarray, rows: np.ndarray) -> np.ndarray:
     out = np.empty(rows.shape[0], dtype=np.int64)
     _fence_load_versions(versions, rows, out)
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _ring_begin(versions: np.ndarray, first: int, n: int, old: np.ndarray) -> None:  # pragma: no cover
+    """``old[i] = versions[(first + i) % len]``, that version set to -1, for ``i < n``; then a release fence."""
+    cap = versions.shape[0]
+    s = first % cap
+    for i in range(n):
+        old[i] = versions[s]
+        versions[s] = -1
+        s += 1
+        if s == cap:
+            s = 0
+    release_fence()
+
+
+@numba.njit(cache=True, nogil=True)
+def _ring_end(versions: np.ndarray, first: int, n: int) -> None:  # pragma: no cover
+    """A release fence, then ``versions[(first + i) % len] = first + i`` for ``i < n``."""
+    release_fence()
+    cap = versions.shape[0]
+    s = first % cap
+    for i in range(n):
+        versions[s] = first + i
+        s += 1
+        if s == cap:
+            s = 0
+
+
+def ring_begin(versions: np.ndarray, first: int, n: int) -> np.ndarray:
+    """Writer side of the sequence lock for the ``n`` ring rows of steps ``first, first + 1, ...``
+    (row = step modulo the column's length): their versions set to -1, then a release fence.
+    Returns the versions they had (for :func:`store_versions` to put back if the write fails)."""
+    old = np.empty(n, dtype=np.int64)
+    _ring_begin(versions, first, n, old)
+    return old
+
+
+def ring_end(versions: np.ndarray, first: int, n: int) -> None:
+    """A release fence, then each of those rows' version set to its step: :func:`ring_begin`'s end."""
+    _ring_end(versions, first, n)
 
 
 def store_versions(versions: np.ndarray, rows: np.ndarray, values: np.ndarray | int) -> None:

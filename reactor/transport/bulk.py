@@ -67,7 +67,9 @@ from ._bulkbase import (
     coalesce_runs,
     host_id,
     seqlock_begin,
+    seqlock_begin_steps,
     seqlock_end,
+    seqlock_end_steps,
 )
 from ._bulkowner import BulkOwner
 from ._bulkreader import BulkReader
@@ -85,5 +87,7 @@ __all__ = [
     "coalesce_runs",
     "host_id",
     "seqlock_begin",
+    "seqlock_begin_steps",
     "seqlock_end",
+    "seqlock_end_steps",
 ]

@@ -163,3 +163,62 @@ def test_items_whose_rows_the_ring_overwrote_are_dropped_never_returned_torn():
     batch, dropped, gathered, inserted = out[0]
     assert inserted == 128 and gathered == 16
     assert dropped == 16 and len(batch.keys) == 0  # every row was overwritten: nothing torn comes back
+
+
+class RefusedProber(Reactor):
+    """Fills the ring, then sends steps the table refuses in the middle of the insert (a NaN priority)
+    over the oldest rows, then samples and gathers every item."""
+
+    steps = Output(Steps)
+    requests = Output(ReplayRequest)
+    control = Output(ReplayControl)
+    replies = Input(ReplayReply)
+    statistics = Input(ShardStatistics)
+
+    def __init__(self, out: list) -> None:
+        self.out = out
+        self.seq = 0
+
+    _fill = Prober._fill
+
+    @reaction(triggers=[startup], effects=[steps, control])
+    def begin(self) -> None:
+        self.client = ReplayClient(1, rng=self.rng, timeout_s=None)
+        self._fill(0)
+        prio = np.ones(8)
+        prio[5] = np.nan
+        self.steps.send(Steps(0, 0, self.seq, {"id": np.arange(64, 72, dtype=np.int64)}, np.arange(8) == 7,
+                              priorities=prio))
+        self.control.send(StatisticsRequest())
+
+    @reaction(triggers=[statistics], effects=[requests])
+    def sample(self, statistics: ShardStatistics) -> None:
+        self.stats = statistics
+        for m in self.client.request(64):
+            self.requests.send(m)
+
+    @reaction(triggers=[replies])
+    def gather(self, replies: ReplayReply) -> None:
+        _, batch = self.client.receive(replies)
+        self.out.append((batch, self.client.dropped_items, self.client.gathered_items, self.stats))
+        self.client.close()
+
+
+def test_a_refused_insert_leaves_the_rows_it_would_have_overwritten_readable():
+    """The shard opens the rows' sequence lock before the table's insert; an insert the table refuses
+    midway (here a NaN priority) puts their versions back, so readers still gather them whole."""
+    out: list = []
+    g = Graph()
+    p = g.add(RefusedProber(out), name="prober")
+    r = g.add(Replay([("id", (), "int64")], 64, read=WindowRead(4), bulk=True), name="replay")
+    g.connect(p.steps, r.steps, key=shard_key)
+    g.connect(p.requests, r.requests, key=shard_key)
+    g.connect(p.control, r.control, delay_s=0.0005)
+    g.connect(r.replies, p.replies, key=requester_key, delay_s=0.001)
+    g.connect(r.statistics, p.statistics, delay_s=0.001)
+    run(g)
+    batch, dropped, gathered, stats = out[0]
+    assert stats.rejected_steps == 8 and stats.inserted == 64
+    assert gathered == 64 and dropped == 0
+    ids, mask = batch.data["id"].numpy(), batch.data["mask"].numpy()
+    assert ids.shape == (64, 4) and (ids[mask] < 64).all()  # the old rows (never the refused 64..71)

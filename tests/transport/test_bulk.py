@@ -41,7 +41,9 @@ from reactor.transport.bulk import (
     cleanup_stale_segments,
     coalesce_runs,
     seqlock_begin,
+    seqlock_begin_steps,
     seqlock_end,
+    seqlock_end_steps,
 )
 from reactor.transport.codec import decode, encode
 from tests.transport._bulk_peer import FIELDS, expected_rows, fill_pattern
@@ -510,6 +512,37 @@ def test_seqlock_writer_helpers_validate_their_arguments():
         seqlock_begin(v, [10])
     with pytest.raises(ValueError, match=r"versions must be a contiguous 1-D int64 CPU tensor"):
         seqlock_begin(torch.zeros(10, dtype=torch.int32), [1])
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10))
+def test_the_ring_seqlock_helpers_write_what_the_row_helpers_write(first, n):
+    """seqlock_begin_steps/seqlock_end_steps (a shard's append: steps first.., row = step % rows) leave
+    the same versions as seqlock_begin/seqlock_end on those rows, across the ring's wrap, and hand back
+    the versions the rows had before."""
+    start = torch.from_numpy(np.random.default_rng(first).integers(-1, 50, 10))
+    a, b = start.clone(), start.clone()
+    old = seqlock_begin_steps(a, first, n)
+    rows = np.arange(first, first + n) % 10
+    seqlock_begin(b, rows)
+    assert torch.equal(a, b) and (a.numpy()[rows] == -1).all()
+    assert old.tolist() == start.numpy()[rows].tolist()
+    seqlock_end_steps(a, first, n)
+    seqlock_end(b, rows, np.arange(first, first + n))
+    assert torch.equal(a, b)
+    assert (a.numpy()[rows] == np.arange(first, first + n)).all()
+
+
+def test_the_ring_seqlock_helpers_refuse_a_range_that_does_not_fit():
+    v = torch.full((10,), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"seqlock_begin_steps: steps \[0, 0 \+ 11\) do not fit a ring of 10 rows"):
+        seqlock_begin_steps(v, 0, 11)  # a row would be written twice
+    with pytest.raises(ValueError, match=r"seqlock_end_steps: steps \[-1, -1 \+ 2\) do not fit"):
+        seqlock_end_steps(v, -1, 2)
+    with pytest.raises(ValueError, match="seqlock_begin_steps: n must be an int, got float"):
+        seqlock_begin_steps(v, 0, 2.0)
+    with pytest.raises(ValueError, match="versions must be writable"):
+        seqlock_begin_steps(np.frombuffer(bytes(80), np.int64), 0, 1)
+    assert v.tolist() == [-1] * 10  # nothing written by a refused call
 
 
 # ------------------------------------------------------------------------------------ in-process pieces

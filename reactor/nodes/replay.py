@@ -70,7 +70,6 @@ import logging
 import math
 import os
 import re
-import threading
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -90,14 +89,13 @@ from ..replay import (
     TransitionRead,
     WindowRead,
 )
-from ..replay.checkpoint import CheckpointCancelled
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
-from ..replay.wal import WriteAheadLog, redo_wal
 from ..transport import bulk as _bulk
 from ..transport._shm import huge_pages_allowed
 from ._onesided import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
+from ._shardstore import ShardStore
 from .messages import (
     CheckpointRequest,
     Delete,
@@ -410,36 +408,17 @@ class Replay(Reactor):
         )
         self._parked_requests: deque[ReplayRequest] = deque()
         self._parked_steps: deque[Steps] = deque()
-        self._counts = {"rejected_steps": 0, "checkpoints": 0}
+        self._counts = {"rejected_steps": 0}
         self._ended_writers: set[int] = set()  # writers whose end marker this shard took (Steps.last)
-        self._saving: concurrent.futures.Future[Path] | None = None
-        self._saving_at = (0, 0)  # (table generation, storage next step) of the save in progress
-        self._cancel_save = threading.Event()
-        self._saved_generation: int | None = None  # the table generation the newest checkpoint holds
-        self._wal: WriteAheadLog | None = None
-        self._wal_marks: deque[int] = deque(maxlen=self.keep_checkpoints)  # next steps of kept checkpoints
-        self._restored_from = ""
-        self.lost_steps = 0  # restarted: steps the shard's previous life had inserted that its restore lacks (-1: unknown)
-        self.checkpoint_dir = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
-        restore = self.restore or self.restarts > 0  # a restarted shard starts from its latest checkpoint
-        inserted_before = _read_inserted_mark(self.checkpoint_dir) if restore else None
-        if self.checkpoint_dir is not None and restore:
-            self._restore(storage)
-        self._inserted_mark = _inserted_mark(self.checkpoint_dir, storage.step_range[1])
-        if self.restarts > 0:
-            now = storage.step_range[1]
-            self.lost_steps = -1 if inserted_before is None else max(0, inserted_before - now)
-            log.warning("%s restarted (restart %d): %s", self.name, self.restarts,
-                        f"restored {now} of the {inserted_before} steps its last life had inserted: "
-                        f"{self.lost_steps} lost" if inserted_before is not None else
-                        f"restored {now} steps; the steps its last life inserted are unknown "
-                        f"(no run_dir, or another host's)")
-        if self.wal and self.checkpoint_dir is not None:
-            wal_dir = self.checkpoint_dir / "wal"
-            if not restore and wal_dir.is_dir():  # a fresh table: an old log is not its history
-                for seg in wal_dir.glob("wal-*.log"):
-                    seg.unlink()
-            self._wal = WriteAheadLog(wal_dir, storage.step_range[1])
+        directory = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
+        self._store = ShardStore(self.name, directory, keep=self.keep_checkpoints,
+                                 period_s=self.checkpoint_period_s, wal=self.wal)
+        # (A restarted shard starts from its latest checkpoint.)
+        self._store.open(self.table, restore=self.restore or self.restarts > 0, restarts=self.restarts)
+        if self._versions is not None:  # restored rows are readable as written
+            lo, hi = storage.step_range
+            steps = np.arange(lo, hi, dtype=np.int64)
+            _bulk.seqlock_end(self._versions, steps % storage.capacity, steps)
         self._remote_sampling: dict[str, Any] | None = None
         if self._shared is not None:
             self._publisher = SamplingPublisher(self.table, self._shared, read=self.read)
@@ -447,8 +426,6 @@ class Replay(Reactor):
                               "region": self._owner.descriptor(self._sampling_region)}  # type: ignore[union-attr]
             if "zmq" in self._owner.backends or "rdma" in self._owner.backends:  # type: ignore[union-attr]
                 self._serve_remote_samples()
-        self._period_ns = None if self.checkpoint_period_s is None else max(1, round(self.checkpoint_period_s * 1e9))
-        self._next_ckpt_ns = self._period_ns
         if self.statistics_period_s is not None:
             self._tick_s = self.statistics_period_s
             self._next_stats = self.statistics_period_s
@@ -501,34 +478,6 @@ class Replay(Reactor):
             return owner.allocate(self._sampling_region, name, (1, nbytes), torch.uint8).numpy()[0]
 
         return SharedArrays(allocate)
-
-    def _restore(self, storage: Storage) -> None:
-        """Load the newest checkpoint that verifies (older ones if it does not), then redo the
-        write-ahead log past it."""
-        table, root = self.table, self.checkpoint_dir
-        assert table is not None and root is not None
-        loaded, path, refusals = Table.restore(root)
-        for why in refusals:
-            log.error("%s: %s; trying an older checkpoint", self.name, why)
-        if loaded is not None:
-            table.load_state_dict(loaded.state_dict())
-            del loaded
-            self._restored_from = str(path)
-            self._saved_generation = table.generation
-            self._wal_marks.append(storage.step_range[1])
-            log.info("%s restored %d items from %s", self.name, len(table), path)
-        elif refusals:
-            log.error("%s: no checkpoint in %s verifies; the shard starts empty", self.name, root)
-        if self.wal:
-            redone, steps_redone = redo_wal(table, root / "wal")
-            if redone:
-                self._restored_from = self._restored_from or str(root / "wal")
-                log.info("%s redid %d logged inserts (%d steps) past the checkpoint", self.name, redone,
-                         steps_redone)
-        if self._versions is not None:
-            lo, hi = storage.step_range
-            steps = np.arange(lo, hi, dtype=np.int64)
-            _bulk.seqlock_end(self._versions, steps % storage.capacity, steps)
 
     # ---------------------------------------------------------------- inserts
 
@@ -616,10 +565,8 @@ class Replay(Reactor):
             return True
         if type(steps.writer) is int:
             self._ended_writers.discard(steps.writer)  # rows after its end marker: its actor was restarted
-        if self._wal is not None:  # on stable storage before the InsertAck (an OSError fails the shard)
-            self._wal.append(first, steps.fields, steps.priorities, ends, steps.item_mask)
-        if self._inserted_mark is not None:
-            self._inserted_mark[0] = self.table.storage.step_range[1]
+        self._store.inserted(first, self.table.storage.step_range[1], steps.fields, steps.priorities, ends,
+                             steps.item_mask)
         return True
 
     def _writer_ended(self, steps: Steps, last: Any) -> None:
@@ -878,21 +825,8 @@ class Replay(Reactor):
         self.tick.schedule(delay_s=self._tick_s)
 
     def _checkpoint_if_due(self) -> None:
-        """The periodic checkpoint: at the first change at or after each multiple of the period.
-
-        Called at the end of the reactions that change the table, so nothing is scheduled for it
-        (a pending timer would keep a finished run alive). Skipped while the previous save is
-        still being written (the next change asks again) and when the table has not changed.
-        """
-        due = self._next_ckpt_ns
-        if due is None or self.tag.time_ns < due:
-            return
-        self._collect_save()
-        if self._saving is not None:
-            return
-        assert self._period_ns is not None
-        self._next_ckpt_ns = (self.tag.time_ns // self._period_ns + 1) * self._period_ns
-        self.checkpoint(only_if_changed=True)
+        assert self.table is not None
+        self._store.checkpoint_if_due(self.table, self.tag.time_ns)
 
     def checkpoint(self, *, only_if_changed: bool = False) -> concurrent.futures.Future[Path] | None:
         """Start a background checkpoint now; None if one is still being written, if there is no
@@ -903,48 +837,14 @@ class Replay(Reactor):
         appends go to a new segment from the snapshot on; older segments are dropped once every
         kept checkpoint holds them.
         """
-        if self.checkpoint_dir is None or self.table is None:
+        if self.table is None:
             return None
-        self._collect_save()
-        if self._saving is not None:
-            log.warning("%s: checkpoint skipped, the previous one is still being written", self.name)
-            return None
-        generation = self.table.generation
-        if only_if_changed and generation == self._saved_generation:
-            return None
-        next_step = self.table.storage.step_range[1]
-        if self._wal is not None:
-            self._wal.rotate(next_step)
-        self._cancel_save = threading.Event()
-        self._saving_at = (generation, next_step)
-        self._saving = self.table.save_in_background(self.checkpoint_dir, keep=self.keep_checkpoints,
-                                                     cancel=self._cancel_save)
-        return self._saving
-
-    def _collect_save(self, timeout_s: float | None = 0.0) -> None:
-        fut = self._saving
-        if fut is None:
-            return
-        try:
-            fut.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            return
-        except CheckpointCancelled:
-            log.info("%s: a checkpoint in progress was cancelled at shutdown", self.name)
-        except Exception:
-            log.exception("%s: checkpoint failed", self.name)
-        else:
-            self._counts["checkpoints"] += 1
-            self._saved_generation, next_step = self._saving_at
-            self._wal_marks.append(next_step)
-            if self._wal is not None and len(self._wal_marks) == self._wal_marks.maxlen:
-                self._wal.drop_before(self._wal_marks[0])  # the oldest kept checkpoint holds the rest
-        self._saving = None
+        return self._store.checkpoint(self.table, only_if_changed=only_if_changed)
 
     def shard_statistics(self) -> ShardStatistics:
         """The shard's :class:`ShardStatistics` now."""
         assert self.table is not None
-        self._collect_save()
+        self._store.collect()
         st = self.table.statistics()
         return ShardStatistics(
             shard=self.bank_index,
@@ -960,9 +860,9 @@ class Replay(Reactor):
             rejected_steps=self._counts["rejected_steps"],
             parked_requests=len(self._parked_requests),
             parked_steps=sum(_steps_len(s) for s in self._parked_steps),
-            checkpoints=self._counts["checkpoints"],
-            restored_from=self._restored_from,
-            lost_steps=self.lost_steps,
+            checkpoints=self._store.checkpoints,
+            restored_from=self._store.restored_from,
+            lost_steps=self._store.lost_steps,
         )
 
     @reaction(triggers=[shutdown])
@@ -970,20 +870,7 @@ class Replay(Reactor):
         if self.table is None:
             return
         owner, self._owner = self._owner, None
-        final = self.checkpoint_on_shutdown and self.checkpoint_dir is not None
-        if self._saving is not None and not self._saving.done():
-            if final and self._saving_at[0] != self.table.generation:
-                self._cancel_save.set()  # stale: the final checkpoint replaces it (stops within a chunk)
-            self._collect_save(timeout_s=120.0)  # a current one is the final checkpoint: let it finish
-        self._collect_save()
-        if self._saving is not None:  # a disk stalled for minutes: a second saver would race the first
-            log.error("%s: a checkpoint is still being written after 120 s; no final checkpoint", self.name)
-        elif final and self.table.generation != self._saved_generation:
-            self.table.save(self.checkpoint_dir, keep=self.keep_checkpoints)  # type: ignore[arg-type]
-            self._counts["checkpoints"] += 1
-            self._saved_generation = self.table.generation
-        if self._wal is not None:
-            self._wal.close()
+        self._store.close(self.table, final=self.checkpoint_on_shutdown)
         if self._parked_steps:
             log.warning("%s: the run ended with %d parked Steps messages not inserted (rate limiter)",
                         self.name, len(self._parked_steps))
@@ -1035,29 +922,3 @@ def sampling_region_name(region: str) -> str | None:
     reactor ``a-s``). None where it would pass the 64 characters of a bulk name."""
     name = f"-s-{region}"
     return name if len(name) <= 64 else None
-
-
-_MARK_FILE = "inserted"  # the storage's next global step after the latest insert, in the shard's directory
-
-
-def _inserted_mark(directory: Path | None, now: int) -> np.ndarray | None:
-    """A file-backed counter of the steps this shard has inserted, updated after every insert: it
-    is in the page cache, so it survives the shard's process being killed (not its host's crash),
-    and a restarted shard compares it with what its checkpoint restored (``lost_steps``)."""
-    if directory is None:
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    mark = np.lib.format.open_memmap(directory / _MARK_FILE, mode="w+", dtype=np.int64, shape=(1,))
-    mark[0] = now
-    return mark
-
-
-def _read_inserted_mark(directory: Path | None) -> int | None:
-    if directory is None:
-        return None
-    try:
-        mark = np.load(directory / _MARK_FILE, mmap_mode="r", allow_pickle=False)
-        return int(mark[0]) if mark.shape == (1,) and mark.dtype == np.int64 else None
-    except (OSError, ValueError, IndexError):
-        return None
-

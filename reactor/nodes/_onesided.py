@@ -699,8 +699,13 @@ class OneSidedSampling:
             raise LookupError("next_drawn: no draw ahead was started (draw_ahead)")
         fut = self._ahead[0]
         # Shielded, and taken off the queue only once done: a caller cancelled while it waits leaves
-        # the draw (its batch, its notices) to the next take.
-        await asyncio.shield(asyncio.wrap_future(fut))
+        # the draw (its batch, its notices) to the next take. The draw's outcome stays on ``fut`` for
+        # that take; the loop's future that mirrors it is left behind by a cancelled caller, and an
+        # error left on it would be logged as "never retrieved" when it is collected (a learner
+        # cancelled at the end of a run while its shards closed: seen on a loaded machine).
+        waiting = asyncio.wrap_future(fut)
+        waiting.add_done_callback(_seen)
+        await asyncio.shield(waiting)
         if not (self._ahead and self._ahead[0] is fut):
             return None, []  # dropped meanwhile (its shard lost or restarted: _drop_drawn_of), or drained
         self._ahead.popleft()
@@ -808,3 +813,9 @@ class OneSidedSampling:
                              probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
                              times_sampled=torch.from_numpy(times))
         return batch, self._hold_keys(notices, hurry, gathered=n, dropped=0 if whole else int((~valid).sum()))
+
+
+def _seen(fut: asyncio.Future[Any]) -> None:
+    """Mark a done future's error as retrieved (its outcome is taken from elsewhere)."""
+    if not fut.cancelled():
+        fut.exception()

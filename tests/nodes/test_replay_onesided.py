@@ -668,6 +668,44 @@ async def test_a_take_cancelled_while_it_waits_leaves_its_draw_to_the_next_take(
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+async def test_a_take_cancelled_while_its_draw_fails_leaves_no_error_for_the_loop_to_log(tmp_path):
+    """A learner cancelled at the end of a run while its draw ahead fails (its shards closed their
+    memory) once left the loop's mirror of that draw holding the error: "Future exception was never
+    retrieved", logged with a traceback at the end of runs on a loaded machine. The error stays for
+    the next take, and the loop is told nothing."""
+    from reactor._errors import PeerLostError
+
+    loop = asyncio.get_running_loop()
+    told: list[dict] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: told.append(context))
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards, draw_threads=1, notice_every=1000)
+        await shards[1][0].aclose()  # the shard's memory closed: a draw from it fails when it ends
+        client.draw_ahead(1_000_000, 1)
+        take = asyncio.ensure_future(client.next_drawn())
+        await asyncio.sleep(0.001)
+        assert not client._ahead[0].done()  # (1,000,000 windows: the draw still runs)
+        take.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await take
+        client._quiesce()
+        await asyncio.sleep(0.01)  # (the loop's mirror of the draw takes its outcome)
+        assert isinstance(client._ahead[0].exception(), PeerLostError)  # (kept for the next take)
+        del take
+        client.close()  # (as the learner's shutdown does: the draw is dropped, and its mirror with it)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not told, [c.get("message") for c in told]
+    finally:
+        loop.set_exception_handler(before)
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_draws_ahead_refuse_bad_arguments_and_a_take_with_none_started(tmp_path):
     from reactor.nodes.replay_client import ReplayClient
 

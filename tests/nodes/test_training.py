@@ -94,6 +94,7 @@ def test_colocated_policy_runs_each_actor_with_its_shard(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # 26 s on a slow 2-core machine, 45 s with a second test process beside it
 def test_dp_learners_all_reduce_into_identical_replicas_and_end_together(tmp_path, capfd, monkeypatch):
     """Two learner processes average gradients through torch.distributed (gloo): both replicas end
     with the same weights, and they differ from a single learner's (each replica learned on its own

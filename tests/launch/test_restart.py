@@ -203,6 +203,12 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
     assert not list(_rt(tmp_path).glob("reactor-*"))
 
 
+def _metrics_tails(root: Path, lines: int = 8) -> dict[str, list[str]]:
+    """The last ``lines`` of every metrics.csv under ``root`` (for a failing test's message)."""
+    return {str(p.relative_to(root)): p.read_text(errors="replace").splitlines()[-lines:]
+            for p in sorted(root.glob("**/metrics.csv"))}
+
+
 def _forever(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     errfile = tmp_path / "stderr.log"
     ready = tmp_path / "ready"
@@ -332,8 +338,10 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
         assert final["state"] == "finished", (final, text[-4000:])
         learner = subprocess.run([*cli, "logs", job, "learner", "--daemon", c.addresses["h1"]], env=c.env(),
                                  capture_output=True, text=True, timeout=60)  # the metrics' group, on h1
-        (ret,) = re.findall(r"^evaluation return ([0-9.]+); stopped: evaluation return", learner.stdout, re.M)
-        assert float(ret) >= 475.0
+        got = re.findall(r"^evaluation return ([0-9.]+); stopped: evaluation return", learner.stdout, re.M)
+        # (a run that ended otherwise says how: its learner's last lines, and the end of its metrics)
+        assert len(got) == 1, (learner.stdout[-3000:], _metrics_tails(tmp_path / "h1"))
+        assert float(got[0]) >= 475.0
         for group in ("actor-0", "replay-1", "learner", "actor-1"):
             assert f"worker {group!r} is running again (restart 1)" in text, text[-4000:]
         # The learner's second life resumed from its checkpoint, not from scratch.

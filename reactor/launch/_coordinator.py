@@ -4,7 +4,9 @@ It owns the run's lifecycle and nothing else: messages between reactors never pa
 It ends the run when every worker has finished (stop time reached), when one asks to stop, on
 SIGINT/SIGTERM, or on quiescence, detected by counting: when every worker reports idle and the
 messages sent and received add up, it probes all of them once more, and stops only if the
-counts are unchanged (a message in flight would show as a difference).
+counts are unchanged (a message in flight would show as a difference). After a restart the counts
+need not add up (messages were lost with the dead process): then it stops once every worker has
+stayed idle with unchanged counts over probe rounds for :data:`LOST_QUIET_S`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
 RECONNECT_TIMEOUT_S = 10.0  # a restarted worker starts at the latest this long after it is ready
 EXIT_TIMEOUT_S = 20.0
+#: After a restart the sums of messages sent and received need not meet again (messages to and from
+#: the process that died were lost with it), so they cannot show a message in flight. Then the run is
+#: quiescent only once every worker has stayed idle, with no count moving, over probe rounds this long:
+#: one round alone once ended a loaded run whose learner was waiting for a reply still in flight.
+LOST_QUIET_S = 2.0
 
 
 class WorkerFailedError(ReactorError):
@@ -371,6 +378,9 @@ class _Session:
         self.results: dict[str, Any] = {}
         self.epoch = 0
         self.probe_snapshot: tuple[int, int] | None = None
+        # (after a restart) when the probe rounds first found everyone idle with these sums, unmoved since
+        self.quiet_since: tuple[float, tuple[int, int]] | None = None
+        self.lost_quiet_s = LOST_QUIET_S
         self.replay_done: set[str] = set()
         self.stopped_by: str | None = None
 
@@ -618,13 +628,13 @@ class _Session:
             return False
         st = self.status
         if len(st) < len(self.procs) or not all(st[n][1] for n in live):
-            self.probe_snapshot = None
+            self.probe_snapshot = self.quiet_since = None
             return False
         sent = sum(s[2] for s in st.values())
         received = sum(s[3] for s in st.values())
         # After a restart the sums need not meet again (messages to or from a process that died
-        # were lost with it): then every worker idle and the counts unchanged over a probe round
-        # is quiescence.
+        # were lost with it): then every worker idle and the counts unchanged over probe rounds
+        # for lost_quiet_s is quiescence.
         if sent != received and not self.restarts.count:
             self.probe_snapshot = None
             return False
@@ -643,6 +653,14 @@ class _Session:
             return False
         if self.probe_snapshot == (sent, received):
             if sent != received:
+                # The sums cannot show a message in flight now (above): the same quiet over probe
+                # rounds for lost_quiet_s, not one round, ends the run.
+                now = time.monotonic()
+                if self.quiet_since is None or self.quiet_since[1] != (sent, received):
+                    self.quiet_since = (now, (sent, received))
+                if now - self.quiet_since[0] < self.lost_quiet_s:
+                    self.probe_snapshot = None  # probe again
+                    return False
                 log.warning("the run went quiet with %d messages sent and never received: lost with the "
                             "processes that were restarted (or a peer waits on one of them)", sent - received)
             return True

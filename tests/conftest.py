@@ -38,7 +38,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 
 
 # ------------------------------------------------------------------------------------------------ timeouts
-# pyproject.toml runs the session in one pytest-xdist worker (-n 1) with pytest-timeout's thread method:
+# pyproject.toml runs the session in pytest-xdist workers (-n 2) with pytest-timeout's thread method:
 # a test past its timeout ends the worker process (os._exit), not the session; xdist reports that test as
 # failed, starts a new worker and goes on with the next test. Inside a worker, pytest-timeout's stack dump
 # would go to the worker's stdout, which execnet points at /dev/null, so the hooks below take over the

@@ -2,8 +2,10 @@
 its timeout fails alone, with the stack it hung in, and the session goes on to the next test and reaches
 its summary line.
 
-pytest-timeout's thread method ends the process it runs in; the session runs its tests in one pytest-xdist
-worker, so that process is the worker: xdist reports the test as failed and starts a new worker.
+pytest-timeout's thread method ends the process it runs in; the session runs its tests in pytest-xdist
+workers, so that process is a worker: xdist reports the test as failed and starts a new worker. The
+inner session here uses the suite's own options (its scheduler included: one that deadlocks after a
+worker crash hangs this test, which then fails at its own timeout).
 """
 
 from __future__ import annotations

@@ -622,6 +622,7 @@ class _Session:
 
     def _quiescent(self) -> bool:
         if self.restarts.pending:
+            self.quiet_since = None  # (a restart under way: the quiet after it starts when it is done)
             return False
         live = [n for n in self.procs if n not in self.results]
         if self.results and len(self.results) == len(self.procs):

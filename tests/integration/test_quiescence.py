@@ -120,3 +120,13 @@ def test_after_a_restart_a_busy_worker_starts_the_quiet_over():
     _answer(s, (5, 3), (3, 9))
     assert not s._quiescent()
     assert s.quiet_since is not None and s.quiet_since[0] > first[0]
+
+
+def test_a_restart_under_way_starts_the_quiet_over():
+    s, probes = _after_a_restart(lost_quiet_s=60.0)
+    _answer(s, (5, 3), (3, 9))
+    assert not s._quiescent()
+    _answer(s, (5, 3), (3, 9))
+    assert not s._quiescent() and s.quiet_since is not None
+    s.restarts.due["b"] = 0.0  # b died again: its restart is pending
+    assert not s._quiescent() and s.quiet_since is None

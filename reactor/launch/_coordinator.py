@@ -52,6 +52,8 @@ EXIT_TIMEOUT_S = 20.0
 #: quiescent only once every worker has stayed idle, with no count moving, over probe rounds this long:
 #: one round alone once ended a loaded run whose learner was waiting for a reply still in flight.
 LOST_QUIET_S = 2.0
+#: ... with a probe round at most this often meanwhile (a round takes a millisecond: not hundreds of them)
+QUIET_PROBE_S = 0.2
 
 
 class WorkerFailedError(ReactorError):
@@ -381,6 +383,8 @@ class _Session:
         # (after a restart) when the probe rounds first found everyone idle with these sums, unmoved since
         self.quiet_since: tuple[float, tuple[int, int]] | None = None
         self.lost_quiet_s = LOST_QUIET_S
+        self.quiet_probe_s = QUIET_PROBE_S
+        self.next_probe_at = 0.0  # (the quiet after a restart: its next probe round, not before)
         self.replay_done: set[str] = set()
         self.stopped_by: str | None = None
 
@@ -641,6 +645,8 @@ class _Session:
             return False
         if self.probe_snapshot is None or not all(st[n][0] == self.epoch for n in live):
             if self.probe_snapshot is None:
+                if self.quiet_since is not None and time.monotonic() < self.next_probe_at:
+                    return False
                 self.epoch += 1
                 self.probe_snapshot = (sent, received)
                 for n in live:
@@ -660,7 +666,8 @@ class _Session:
                 if self.quiet_since is None or self.quiet_since[1] != (sent, received):
                     self.quiet_since = (now, (sent, received))
                 if now - self.quiet_since[0] < self.lost_quiet_s:
-                    self.probe_snapshot = None  # probe again
+                    self.probe_snapshot = None  # probe again, in a while
+                    self.next_probe_at = now + self.quiet_probe_s
                     return False
                 log.warning("the run went quiet with %d messages sent and never received: lost with the "
                             "processes that were restarted (or a peer waits on one of them)", sent - received)

@@ -58,10 +58,10 @@ def test_a_busy_worker_or_a_message_in_flight_is_not_quiescent():
     assert not s._quiescent() and not probes.sent
 
 
-def _after_a_restart(lost_quiet_s: float) -> tuple[_Session, _Probes]:
+def _after_a_restart(lost_quiet_s: float, quiet_probe_s: float = 0.0) -> tuple[_Session, _Probes]:
     s, probes = _session()
     s.restarts.count["b"] = 1  # b was started again: messages to and from its first life were lost
-    s.lost_quiet_s = lost_quiet_s
+    s.lost_quiet_s, s.quiet_probe_s = lost_quiet_s, quiet_probe_s
     return s, probes
 
 
@@ -130,3 +130,17 @@ def test_a_restart_under_way_starts_the_quiet_over():
     assert not s._quiescent() and s.quiet_since is not None
     s.restarts.due["b"] = 0.0  # b died again: its restart is pending
     assert not s._quiescent() and s.quiet_since is None
+
+
+def test_the_quiet_after_a_restart_is_probed_at_most_every_quiet_probe_s():
+    s, probes = _after_a_restart(lost_quiet_s=60.0, quiet_probe_s=0.3)
+    _answer(s, (5, 3), (3, 9))
+    assert not s._quiescent()  # probe 1
+    _answer(s, (5, 3), (3, 9))
+    assert not s._quiescent()  # quiet: the next round in 0.3 s
+    for _ in range(20):
+        assert not s._quiescent()
+    assert [m for _, m in probes.sent] == [("probe", 1)] * 2
+    time.sleep(0.35)
+    assert not s._quiescent()
+    assert [m for _, m in probes.sent][-2:] == [("probe", 2)] * 2

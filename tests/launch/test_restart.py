@@ -135,6 +135,17 @@ def test_a_replay_client_samples_from_the_live_shards_and_takes_a_restarted_one_
 # ------------------------------------------------------------------------------ real runs
 
 
+def _checkpointed_steps(shard_dir: Path) -> bool:
+    """Whether a complete checkpoint of the shard holds any step."""
+    for ckpt in shard_dir.glob("ckpt-*"):
+        try:
+            if (ckpt / "COMPLETE").is_file() and len(np.load(ckpt / "table.keys.npy")) > 0:
+                return True
+        except (OSError, ValueError):  # (removed meanwhile: the next one is newer)
+            continue
+    return False
+
+
 def _pid_changed(coordinator: int, group: str, old: int, timeout_s: float, errfile: Path | None = None) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -174,6 +185,11 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
         for victim in ("actor-1", "replay-0", "learner"):
             # (short gaps: on a quiet machine the run can reach 475 ~15 s in, and every kill must land before)
             time.sleep(float(rng.uniform(0.3, 1.0)))
+            if victim == "replay-0":  # (restored from a checkpoint, asserted below: on a loaded machine, with two
+                # heavy tests at once, the kill once came before the shard's first checkpoint of any step)
+                deadline = time.monotonic() + 120
+                while not _checkpointed_steps(run / "replay-0") and time.monotonic() < deadline:
+                    time.sleep(0.05)
             kids = _children(proc.pid)
             assert victim in kids, f"{victim} was not running when its kill came: {errfile.read_text()[-3000:]}"
             old = kids[victim]

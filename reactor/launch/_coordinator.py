@@ -659,9 +659,10 @@ class _Session:
                         return False
             return False
         if self.probe_snapshot == (sent, received):
-            if sent != received:
-                # The sums cannot show a message in flight now (above): the same quiet over probe
-                # rounds for lost_quiet_s, not one round, ends the run.
+            if self.restarts.count:
+                # The sums cannot show a message in flight now (above; equal sums either: the lost
+                # ones may offset one in flight): the same quiet over probe rounds for
+                # lost_quiet_s, not one round, ends the run.
                 now = time.monotonic()
                 if self.quiet_since is None or self.quiet_since[1] != (sent, received):
                     self.quiet_since = (now, (sent, received))
@@ -669,8 +670,9 @@ class _Session:
                     self.probe_snapshot = None  # probe again, in a while
                     self.next_probe_at = now + self.quiet_probe_s
                     return False
-                log.warning("the run went quiet with %d messages sent and never received: lost with the "
-                            "processes that were restarted (or a peer waits on one of them)", sent - received)
+                if sent != received:
+                    log.warning("the run went quiet with %d messages sent and never received: lost with the "
+                                "processes that were restarted (or a peer waits on one of them)", sent - received)
             return True
         # Messages moved between the probe and its answers (sums equal again, but not the ones
         # probed): probe again. Keeping the stale snapshot here hung the run forever.

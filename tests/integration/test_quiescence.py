@@ -144,3 +144,13 @@ def test_the_quiet_after_a_restart_is_probed_at_most_every_quiet_probe_s():
     time.sleep(0.35)
     assert not s._quiescent()
     assert [m for _, m in probes.sent][-2:] == [("probe", 2)] * 2
+
+
+def test_after_a_restart_equal_sums_are_no_proof_either():
+    """The messages lost with a restarted process can offset one in flight: equal sums after a restart
+    need the same quiet over lost_quiet_s as unequal ones."""
+    s, probes = _after_a_restart(lost_quiet_s=60.0)
+    _answer(s, (5, 3), (3, 5))  # sent 8, received 8
+    assert not s._quiescent()  # probe
+    _answer(s, (5, 3), (3, 5))
+    assert not s._quiescent() and s.quiet_since is not None

@@ -28,6 +28,7 @@ from reactor.nodes.messages import MassRequest
 from reactor.nodes.replay import KEY_SHARD_BITS, ReplayClient
 from reactor.nodes.writer import TransitionPattern, Writer
 from reactor.replay import FieldSpec
+from reactor.replay.checkpoint import latest_checkpoint
 from reactor.transport._shm import list_segments
 
 from ..faults.test_live_runs import _alive, _children, _env, _rt, _run_id
@@ -136,14 +137,12 @@ def test_a_replay_client_samples_from_the_live_shards_and_takes_a_restarted_one_
 
 
 def _checkpointed_steps(shard_dir: Path) -> bool:
-    """Whether a complete checkpoint of the shard holds any step."""
-    for ckpt in shard_dir.glob("ckpt-*"):
-        try:
-            if (ckpt / "COMPLETE").is_file() and len(np.load(ckpt / "table.keys.npy")) > 0:
-                return True
-        except (OSError, ValueError):  # (removed meanwhile: the next one is newer)
-            continue
-    return False
+    """Whether the shard's newest complete checkpoint (the one a restart restores) holds any step."""
+    ckpt = latest_checkpoint(shard_dir)
+    try:
+        return ckpt is not None and len(np.load(ckpt / "table.keys.npy")) > 0
+    except (OSError, ValueError):  # (pruned meanwhile: a newer one is complete)
+        return False
 
 
 def _pid_changed(coordinator: int, group: str, old: int, timeout_s: float, errfile: Path | None = None) -> int:
@@ -187,9 +186,7 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
             time.sleep(float(rng.uniform(0.3, 1.0)))
             if victim == "replay-0":  # (restored from a checkpoint, asserted below: on a loaded machine, with two
                 # heavy tests at once, the kill once came before the shard's first checkpoint of any step)
-                deadline = time.monotonic() + 120
-                while not _checkpointed_steps(run / "replay-0") and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                wait_for(lambda: _checkpointed_steps(run / "replay-0"), 120, "replay-0's first checkpoint of steps")
             kids = _children(proc.pid)
             assert victim in kids, f"{victim} was not running when its kill came: {errfile.read_text()[-3000:]}"
             old = kids[victim]

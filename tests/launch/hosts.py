@@ -22,8 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from reactor.launch._keys import init_keys
+from reactor.transport._shm import list_segments
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def segments_launched_by(pid: int | None = None) -> set[str]:
+    """The bulk segments in /dev/shm of runs launched by process ``pid`` (default: this one; a run id
+    holds its launcher's pid): after a run, any left is one it did not unlink. Tests running beside
+    this one in another xdist worker have segments of their own at any moment."""
+    mine = f"-{os.getpid() if pid is None else pid}-"
+    return {s for s in list_segments() if mine in s.split(".")[1]}
 
 
 def wait_for(pred: Any, timeout_s: float, what: str, period_s: float = 0.05) -> Any:
@@ -140,12 +149,14 @@ class Cluster:
     def ns(self, host: str) -> str | None:
         return f"rx{self.tag}{host}" if self.netns else None
 
-    def start_daemon(self, host: str) -> None:
-        self._spawn_daemon(host)
+    def start_daemon(self, host: str, address: str | None = None) -> None:
+        """Start ``host``'s daemon (again: at ``address``, say its last one, as a supervisor would)."""
+        self._spawn_daemon(host, address)
         self._read_address(host)
 
-    def _spawn_daemon(self, host: str) -> None:
-        cmd = [sys.executable, "-m", "reactor.cli", "daemon", "--listen", f"tcp://{self.ips[host]}:*", "--name", host,
+    def _spawn_daemon(self, host: str, address: str | None = None) -> None:
+        listen = address or f"tcp://{self.ips[host]}:*"
+        cmd = [sys.executable, "-m", "reactor.cli", "daemon", "--listen", listen, "--name", host,
                "--state-dir", str(self.tmp / host), "--keys", str(self.keys)]
         if not self.fork_server:
             cmd.append("--no-fork-server")

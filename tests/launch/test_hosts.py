@@ -27,9 +27,8 @@ from reactor.launch._daemon import DaemonClient
 from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement
 from reactor.launch._rundir import OWNER_FILE, PREFIX, runtime_base
-from reactor.transport._shm import list_segments
 
-from .hosts import Cluster, in_thread, wait_for
+from .hosts import Cluster, in_thread, segments_launched_by, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn.py")
@@ -121,7 +120,7 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
     one = {**base, "run_dir": str(tmp_path / "single")}
     many = {**base, "run_dir": str(tmp_path / "hosts")}
     run(build_graph(DQN, one), app=DQN, config=one, seed=5)
-    before = set(list_segments())
+    before = segments_launched_by()
     r = run(build_graph(DQN, many), app=DQN, config=many, seed=5, placement="actors", hosts=str(cluster.write_hosts()))
     assert r.stopped_by == "quiescence"
     assert r.hosts == {"learner": "h1", "actor-0": "h2", "actor-1": "h3", "replay-0": "h1", "replay-1": "h2"}
@@ -134,7 +133,7 @@ def test_dqn_over_three_hosts_has_the_weights_of_one_process_and_leaves_nothing(
     assert sum(r.dropped.values()) == 0
     assert _weights(tmp_path / "hosts") == _weights(tmp_path / "single")
     cluster.wait_no_workers()
-    assert set(list_segments()) <= before  # the hosts' daemons removed the run's shared memory
+    assert segments_launched_by() <= before  # the hosts' daemons removed the run's shared memory
     wait_for(lambda: not _daemon_socket_dirs(cluster), 10, "the daemons to remove the run's socket directories")
     # Each host ran its groups in its own directory with their logs; its daemon ended the run there.
     for h, groups in {"h1": {"learner", "replay-0"}, "h2": {"actor-0", "replay-1"}, "h3": {"actor-1"}}.items():

@@ -79,6 +79,15 @@ def _squeue(job: str) -> str:
     return out.stdout.strip()
 
 
+def _segments_of(job_dir: Path) -> list[str]:
+    """The bulk segments in /dev/shm of the job's run, named by the run id its daemons logged (tests
+    beside this one in another xdist worker have segments of their own at any moment)."""
+    logs = "".join(p.read_text() for p in (job_dir / "daemons").glob("*/daemon.log"))
+    run_ids = set(re.findall(r": run (\S+): started group ", logs))
+    assert run_ids, logs[-3000:]
+    return [s for r in sorted(run_ids) for s in list_segments(r)]
+
+
 def _processes_of(job_dir: Path) -> dict[int, str]:
     """pid -> command line of every live process of the job: its command line, its working
     directory or its environment names the job's directory."""
@@ -115,7 +124,6 @@ def test_dqn_through_reactor_slurm_learns_over_three_nodes_and_leaves_nothing(sl
     evaluation return of 200 (a random policy gets ~20; the 475 of a solve is asserted over hosts by the
     restart tests, test_restart.py: to 475 here the async run took 20-40 s, the suite's most variable
     test), its files come back, and nothing is left."""
-    before = set(list_segments())
     job, job_dir = _submit(tmp_path, "--set", "target_return=200", "--set", "live=False")
     # squeue shows it while it runs.
     assert _wait(lambda: _squeue(job) in ("RUNNING", "COMPLETING", "COMPLETED", "") and _squeue(job) or "gone", 120,
@@ -136,24 +144,25 @@ def test_dqn_through_reactor_slurm_learns_over_three_nodes_and_leaves_nothing(sl
     logs = "".join(logs.values())
     assert len(re.findall(r"started group \S+ \(pid \d+, (?:forked|a new interpreter)\)", logs)) == 5, logs[-3000:]
     _wait(lambda: not _processes_of(job_dir), 60, "the job's processes to end")
-    assert set(list_segments()) <= before
+    assert _segments_of(job_dir) == []
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_path):
-    before = set(list_segments())
     job, job_dir = _submit(tmp_path, "--set", "target_return=None", "--set", "max_env_steps=10000000",
                            "--set", "live=False")
     # Running: every daemon's workers started.
     _wait(lambda: len(list((job_dir / "daemons").glob("*/runs/*/*.log"))) == 5, 240, "the run's five workers")
     _wait(lambda: sum(1 for c in _processes_of(job_dir).values() if "_forkserver" in c or "_worker" in c) >= 3, 60,
           "the workers' processes")
+    # (the check after scancel names the run's segments by the run id its daemons logged: they exist)
+    _wait(lambda: _segments_of(job_dir), 60, "the run's shards' segments")
     time.sleep(3)
     assert _squeue(job) == "RUNNING"
     subprocess.run(["scancel", job], check=True, timeout=30)
     _wait(lambda: _squeue(job) == "", 120, f"slurm job {job} to leave the queue")
     _wait(lambda: not _processes_of(job_dir), 60, "every process of the job to end")
-    assert set(list_segments()) <= before
+    assert _segments_of(job_dir) == []
     out = (job_dir / f"slurm-{job}.out").read_text()
     assert "3 daemons on 3 nodes" in out, out[-3000:]

@@ -8,7 +8,6 @@ ring overwrote in between.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,8 @@ from reactor.nodes.messages import (
 )
 from reactor.replay import WindowRead
 
+from ..launch.hosts import segments_launched_by
+
 
 def _npz(path) -> dict:
     """An .npz file's arrays, the file closed (an NpzFile left open warns when a later test collects it)."""
@@ -40,17 +41,9 @@ def _run(config: dict, **kw):
     return run(build_graph(APP, config), app=APP, config=config, **kw)
 
 
-def _segments() -> set[str]:
-    """The bulk segments in /dev/shm of runs this process launched (a run id holds its launcher's
-    pid): after a run, any left is one it did not unlink. Tests running beside this one in other
-    workers have segments of their own at any moment, alive or left by a process they killed."""
-    mine = f"-{os.getpid()}-"
-    return {f for f in os.listdir("/dev/shm") if f.startswith("rxb.") and mine in f.split(".")[1]}
-
-
 def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
     """Deterministic single-process runs, windows read by the shard vs gathered by the learner."""
-    before = _segments()
+    before = segments_launched_by()
     cfg = {"source": "gym", "read": "window", "shards": 2, "actors": 2, "min_size": 40, "batches": 8,
            "update": "random"}
     a, b = tmp_path / "message.npz", tmp_path / "shm.npz"
@@ -60,7 +53,7 @@ def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
     assert int(ka["gathered"]) == 0 and int(kb["gathered"]) == 8 * 64 and int(kb["dropped"]) == 0
     for name in ("keys", "probs", "weights", "sizes", "digest"):
         np.testing.assert_array_equal(ka[name], kb[name], err_msg=name)
-    assert _segments() == before  # every shard unlinked its segments at shutdown
+    assert segments_launched_by() == before  # every shard unlinked its segments at shutdown
     # A learner "on another host" (no shared memory) reading one-sidedly through the shards' bulk
     # read servers: the path an RDMA reader takes, with zmq standing in for the verbs.
     r = tmp_path / "remote.npz"
@@ -77,14 +70,14 @@ def test_shared_memory_gathers_equal_the_message_path_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_learner_in_another_process_gathers_from_the_shards_shared_memory(tmp_path):
     """Async run, shards and learner in separate processes: windows come through shared memory."""
-    before = _segments()
+    before = segments_launched_by()
     out = tmp_path / "learner.npz"
     _run({"source": "gym", "read": "window", "shards": 2, "actors": 1, "min_size": 50, "batches": 10,
           "out": str(out)}, placement="processes", deterministic=False)
     rec = _npz(out)
     assert rec["lens"].sum() + int(rec["dropped"]) == 10 * 64
     assert int(rec["gathered"]) == 10 * 64  # auto: on in async runs
-    assert _segments() == before
+    assert segments_launched_by() == before
 
 
 @pytest.mark.slow
@@ -98,7 +91,7 @@ def test_learner_of_another_host_reads_windows_one_sidedly_over_curve(tmp_path):
         for name, pattern in (("learner", "learner"), ("stats", "stats"), ("actors", "actor*"),
                               ("shard0", "replay[[]0]"), ("shard1", "replay[[]1]"))))
     out = tmp_path / "learner.npz"
-    before = _segments()
+    before = segments_launched_by()
     res = _run({"source": "gym", "read": "window", "shards": 2, "actors": 1, "min_size": 50, "batches": 10,
                 "remote": "zmq", "out": str(out)}, placement=str(placement), deterministic=False)
     rec = _npz(out)
@@ -106,7 +99,7 @@ def test_learner_of_another_host_reads_windows_one_sidedly_over_curve(tmp_path):
     assert int(rec["gathered"]) == 10 * 64  # every item through a one-sided read, none in a reply
     assert len(res.processes) == 5 and all(s["curve"] for s in res.processes.values())
     assert rec["curve_keys"].tolist() == [True, True]  # both shards' read servers speak CURVE
-    assert _segments() == before
+    assert segments_launched_by() == before
 
 
 class _RingProbe(Reactor):

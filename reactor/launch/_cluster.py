@@ -45,14 +45,20 @@ from typing import Any
 from .._errors import DaemonError, GraphError
 from ._groups import Group
 
-__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "RemoteWorkers", "assign_hosts", "parse_hosts"]
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "NoHostAnsweredError", "RemoteWorkers", "assign_hosts",
+           "parse_hosts"]
 
 log = logging.getLogger("reactor.cluster")
+
 HEARTBEAT_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
 FETCH_MAX_NBYTES = 4 << 30  # the most of a run's files copied back from its hosts
 _HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 _Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+
+
+class NoHostAnsweredError(DaemonError):
+    """None of a group's candidate hosts answered (each may be coming back: see ``host_wait_s``)."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +280,7 @@ class RemoteWorkers:
         or systemd started again at its address is a host again).
 
         Raises:
-            DaemonError: none answers, naming each and why.
+            NoHostAnsweredError: none answers, naming each and why.
         """
         why = []
         for h in [h for h in group.hosts if h not in self.lost_hosts] + [h for h in group.hosts if h in self.lost_hosts]:
@@ -291,7 +297,7 @@ class RemoteWorkers:
                 self.silent_hosts.discard(h)
                 log.warning("host %s answers again (it was lost: %s)", h, was_lost)
             return h
-        raise DaemonError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}")
+        raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}")
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
         """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and

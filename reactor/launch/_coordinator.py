@@ -27,7 +27,7 @@ from typing import Any
 from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError, WouldBlock
 from .._graph import Graph
 from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, link_key
-from ._cluster import RemoteWorkers, address_towards
+from ._cluster import NoHostAnsweredError, RemoteWorkers, address_towards
 from ._forkserver import (
     DEFAULT_PRELOAD,
     TRAINING_PRELOAD,
@@ -331,6 +331,8 @@ class _Restarts:
         self.count: dict[str, int] = {}  # restarts begun, per group
         self.ends: dict[str, list[str]] = {}  # how each of a group's lives ended
         self.due: dict[str, float] = {}
+        # group -> (when a try of its restart first found no candidate host answering, tries so far)
+        self.host_wait: dict[str, tuple[float, int]] = {}
         self.starting: dict[str, str] = {}
         # group -> (the live workers still to link to its new life, when to start it regardless)
         self.awaiting: dict[str, tuple[set[str], float]] = {}
@@ -458,15 +460,40 @@ class _Session:
                 del r.due[name]
                 try:
                     await r.start(r.groups[name], dict(r.specs[name], restarts=r.count[name]))
+                except NoHostAnsweredError as e:
+                    # Its host's daemon may be coming back (a supervisor such as Ray, Kubernetes or
+                    # systemd starts it again): ask again, up to host_wait_s; not a restart used.
+                    self._wait_for_host(name, e)
+                    continue
                 except ReactorError as e:
-                    # No candidate host answered (its daemon may be coming back: a supervisor such as
-                    # Ray or Kubernetes restarts it): a failed life; try again after the next backoff.
+                    # A host answered but the start failed: a failed life; try again after the next backoff.
                     if not r.can_restart(name):
                         raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
                                                 f"ends: {'; '.join(r.ends[name])}") from e
+                    r.host_wait.pop(name, None)
                     self._begin_restart(name, (None, f"could not be started again: {e}"), announce=False)
                     continue
+                r.host_wait.pop(name, None)
                 r.starting[name] = "spawned"
+
+    def _wait_for_host(self, name: str, e: NoHostAnsweredError) -> None:
+        """A restart of ``name`` found none of its candidate hosts answering: ask them again after
+        its policy's retry wait, or end the run once it has waited ``host_wait_s``."""
+        r = self.restarts
+        policy = r.groups[name].restart
+        now = asyncio.get_running_loop().time()
+        since, tries = r.host_wait.get(name, (now, 0))
+        waited = now - since
+        if waited >= policy.host_wait_s:
+            raise WorkerFailedError(
+                f"worker {name!r} could not be started again: no candidate host answered within host_wait_s = "
+                f"{policy.host_wait_s:g} s ({tries + 1} tries): {e}; its earlier ends: {'; '.join(r.ends[name])}") from e
+        delay = min(policy.host_retry_s(tries), policy.host_wait_s - waited)
+        r.host_wait[name] = (since, tries + 1)
+        r.due[name] = now + delay
+        log.warning("worker %r waits for a host: %s; asking again in %.1f s (%.0f s of at most %g s waited; "
+                    "restart %d of at most %d)", name, e, delay, waited, policy.host_wait_s, r.count[name],
+                    policy.max_restarts)
 
     def _check_awaiting(self) -> None:
         for group in list(self.restarts.awaiting):

@@ -11,7 +11,7 @@ from .._errors import GraphError
 __all__ = ["RESTART_FIELDS", "Group", "Restart", "group_name", "parse_restart", "restart_from_text"]
 
 #: The fields of a restart policy, in a group's table or a placement's ``[restart]`` defaults.
-RESTART_FIELDS = ("restart", "max_restarts", "backoff_s")
+RESTART_FIELDS = ("restart", "max_restarts", "backoff_s", "host_wait_s")
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,24 @@ class Restart:
             async runs only: a deterministic run ends with the error either way).
         max_restarts: restarts allowed over the run; one more failure ends the run.
         backoff_s: the wait before the first restart, doubled for each later one (at most 30 s).
+        host_wait_s: over hosts, how long one restart waits for a candidate host to answer (a
+            lost host's daemon that its supervisor, such as Ray, Kubernetes or systemd, starts
+            again), trying every backoff (at most 10 s); tries that found no host do not count
+            as restarts. Past it the run ends, naming the hosts and why each did not answer.
     """
 
     policy: str = "never"
     max_restarts: int = 3
     backoff_s: float = 1.0
+    host_wait_s: float = 300.0
 
     def delay_s(self, restarts_so_far: int) -> float:
         """The wait before restart number ``restarts_so_far + 1``."""
         return min(30.0, self.backoff_s * 2.0**restarts_so_far)
+
+    def host_retry_s(self, tries_so_far: int) -> float:
+        """The wait before asking the candidate hosts again, after ``tries_so_far`` found none."""
+        return min(10.0, max(0.5, self.backoff_s * 2.0**tries_so_far))
 
 
 NEVER_RESTART = Restart()
@@ -54,8 +63,8 @@ def group_name(instance: str) -> str:
 
 
 def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART) -> Restart:
-    """The restart policy a table's ``restart``, ``max_restarts`` and ``backoff_s`` give, each
-    missing field taken from ``base``.
+    """The restart policy a table's ``restart``, ``max_restarts``, ``backoff_s`` and
+    ``host_wait_s`` give, each missing field taken from ``base``.
 
     Raises:
         GraphError: a field of the wrong type or out of range, naming ``where`` and the field.
@@ -69,7 +78,10 @@ def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART
     b = raw.get("backoff_s", base.backoff_s)
     if type(b) not in (int, float) or not 0 <= b <= 3600:
         raise GraphError(f"{where}: backoff_s must be a number of seconds in [0, 3600], got {b!r}")
-    return Restart(policy, n, float(b))
+    w = raw.get("host_wait_s", base.host_wait_s)
+    if type(w) not in (int, float) or not 0 <= w <= 86400:
+        raise GraphError(f"{where}: host_wait_s must be a number of seconds in [0, 86400], got {w!r}")
+    return Restart(policy, n, float(b), float(w))
 
 
 def restart_from_text(text: str) -> Restart:

@@ -14,6 +14,7 @@
       restart = "on-failure"                # optional (async runs): start it again if it dies,
       max_restarts = 3                      #   at most this often over the run,
       backoff_s = 1.0                       #   after this wait, doubled each time
+      host_wait_s = 300.0                   #   over hosts: how long to wait for a candidate host
 
       [restart]                             # optional: the defaults of every group's policy
       restart = "never"

@@ -100,6 +100,8 @@ def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_
     assert re.search(r"3 daemons on 3 Ray nodes: ray-0 tcp://\S+, ray-1 tcp://\S+, ray-2 tcp://\S+", err), err[-3000:]
     assert "run ended (request)" in out, out[-2000:]
     assert "host ray-2 answers again" in err, err[-3000:]
+    # Restart 1 however long Ray took to start the daemon again: the tries that found ray-2 not
+    # answering yet ("waits for a host", 30 s of them in a loaded CI run) use no restart.
     assert "worker 'actor-1' is running again (restart 1)" in err, err[-3000:]
     got = _summary(tmp_path)
     assert got["reached_target"] and got["best_eval_return"] >= 200, got

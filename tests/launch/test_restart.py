@@ -52,9 +52,9 @@ def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from
     graph = build_graph(FOREVER, {})
     text = ('[restart]\nrestart = "on-failure"\nmax_restarts = 5\n'
             '[groups.sink]\nreactors = ["sink"]\nbackoff_s = 0.25\n'
-            '[groups.tickers]\nreactors = ["ticker*"]\nrestart = "never"\n')
+            '[groups.tickers]\nreactors = ["ticker*"]\nrestart = "never"\nhost_wait_s = 20\n')
     groups = {g.name: g.restart for g in resolve_placement(graph, _write(tmp_path, text)).groups}
-    assert groups == {"sink": Restart("on-failure", 5, 0.25), "tickers": Restart("never", 5, 1.0)}
+    assert groups == {"sink": Restart("on-failure", 5, 0.25, 300.0), "tickers": Restart("never", 5, 1.0, 20.0)}
     # A distribution policy takes its defaults from the hosts file; --restart replaces them all.
     hosts = _write(tmp_path, '[hosts]\na = "tcp://10.0.0.1:7000"\n[restart]\nrestart = "on-failure"\n', "hosts.toml")
     dqn = build_graph(DQN, {"actors": 2, "shards": 2})
@@ -63,6 +63,9 @@ def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from
     assert {g.restart for g in resolve_placement(dqn, "processes").groups} == {Restart()}
     assert restart_from_text("on-failure:7") == Restart("on-failure", 7)
     assert Restart("on-failure", 3, 0.5).delay_s(2) == 2.0 and Restart("on-failure", 9, 10.0).delay_s(5) == 30.0
+    # Asking lost hosts again: the backoff doubled per try, within [0.5, 10] s.
+    assert [Restart("on-failure", 3, 1.0).host_retry_s(k) for k in range(5)] == [1.0, 2.0, 4.0, 8.0, 10.0]
+    assert Restart("on-failure", 3, 0.0).host_retry_s(0) == 0.5
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -70,7 +73,10 @@ def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from
      "group 'all': restart must be \"never\" or \"on-failure\", got 'always'"),
     ('[groups.all]\nreactors = ["*"]\nmax_restarts = -1\n', "group 'all': max_restarts must be an integer in [0, 1000]"),
     ('[groups.all]\nreactors = ["*"]\nbackoff_s = "1s"\n', "group 'all': backoff_s must be a number of seconds"),
-    ('[restart]\nretries = 3\n[groups.all]\nreactors = ["*"]\n', "[restart] takes restart, max_restarts, backoff_s only"),
+    ('[groups.all]\nreactors = ["*"]\nhost_wait_s = -5\n', "group 'all': host_wait_s must be a number of seconds "
+     "in [0, 86400], got -5"),
+    ('[restart]\nretries = 3\n[groups.all]\nreactors = ["*"]\n',
+     "[restart] takes restart, max_restarts, backoff_s, host_wait_s only"),
     ('[restart]\nmax_restarts = 1.5\n[groups.all]\nreactors = ["*"]\n', "[restart]: max_restarts must be an integer"),
 ])
 def test_a_bad_restart_policy_is_refused_naming_the_field_and_the_value(tmp_path, text, message):
@@ -365,6 +371,56 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
             "learner": "h1", "replay-0": "h1", "replay-1": "h2", "actor-0": "h2", "actor-1": "h2"}
         (back,) = tmp_path.glob(f"h1/jobs/{job}/app/runs/dqn-CartPole-v1-*")  # copied back to the job's directory
         assert (back / "metrics.csv").is_file() and (back / "replay-1").is_dir()
+        c.wait_no_workers()
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_and_ends_past_host_wait_s(
+        tmp_path, monkeypatch):
+    """The forever app over two hosts (async, on-failure, max_restarts = 2), ticker-1's only candidate
+    host h2. SIGKILL of h2's daemon (its worker dies with it): the restart finds no host answering and
+    asks again, three times and more, where counting such tries as restarts would have ended the run
+    at the second; h2's daemon comes back at its address (as Ray or systemd starts one again) and
+    ticker-1 runs there as restart 1. A second SIGKILL, with no daemon coming back, ends the run once
+    host_wait_s (20 s) has passed, naming the host and why it did not answer; nothing is left on h1."""
+    c = Cluster(tmp_path, n=2, heartbeat_timeout_s=2.0)
+    monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
+    try:
+        placement = tmp_path / "p.toml"
+        placement.write_text(c.hosts_toml() + '[restart]\nrestart = "on-failure"\nmax_restarts = 2\nbackoff_s = 0.5\n'
+                             'host_wait_s = 20\n'
+                             '[groups.sink]\nreactors = ["sink"]\nhost = "h1"\n'
+                             '[groups.ticker-0]\nreactors = ["ticker[[]0]"]\nhost = "h1"\n'
+                             '[groups.ticker-1]\nreactors = ["ticker[[]1]"]\nhost = "h2"\n')
+        errfile, ready = tmp_path / "stderr.log", tmp_path / "ready"
+        with open(errfile, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", FOREVER, "--placement", str(placement),
+                                     "--async", "--set", f"ready_file={str(ready)!r}"], cwd=ROOT, env=c.env(),
+                                    stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            wait_for(lambda: ready.exists() and "ticker-1" in c.worker_pids("h2").values(), 120, "the run's workers")
+            address = c.addresses["h2"]
+            c.stop_daemon("h2", signal.SIGKILL)
+            wait_for(lambda: len(re.findall(r"worker 'ticker-1' waits for a host: ", errfile.read_text())) >= 3
+                     or proc.poll() is not None, 120, "three tries that found no host answering")
+            assert proc.poll() is None, errfile.read_text()[-3000:]
+            c.start_daemon("h2", address)
+            wait_for(lambda: "worker 'ticker-1' is running again (restart 1)" in errfile.read_text()
+                     or proc.poll() is not None, 120, "ticker-1 to run again on h2")
+            wait_for(lambda: list(c.worker_pids("h2").values()) == ["ticker-1"], 30, "ticker-1's new life on h2")
+            c.stop_daemon("h2", signal.SIGKILL)
+            proc.wait(timeout=120)
+        finally:
+            err = _reaped(proc, errfile)
+        assert proc.returncode != 0, err[-3000:]
+        assert "worker 'ticker-1' is running again (restart 1)" in err, err[-3000:]
+        assert "(restart 2 of at most 2)" in err and "restart 3" not in err, err[-3000:]
+        assert re.search(r"worker 'ticker-1' could not be started again: no candidate host answered within "
+                         r"host_wait_s = 20 s \(\d+ tries\): group 'ticker-1': no candidate host answered: h2: "
+                         r"host 'h2' \(tcp://\S+\) did not answer 'ping' within", err), err[-3000:]
         c.wait_no_workers()
     finally:
         c.close()

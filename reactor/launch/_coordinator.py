@@ -315,9 +315,10 @@ class _Restarts:
     """The restart policies of a run's groups and the restarts under way (async runs).
 
     A group restarts in three steps: its end is seen (``due``: when to start it again, after its
-    backoff), it is started (``starting``: ``"spawned"``, then ``"hello"`` once it said where it
-    listens and was sent the address book), and its ``ready`` is answered with ``start`` while the
-    other workers hear ``restarted`` with its new address."""
+    backoff), it is started (``trying``: the start's task, which may wait for a host; then
+    ``starting``: ``"spawned"``, then ``"hello"`` once it said where it listens and was sent the
+    address book), and its ``ready`` is answered with ``start`` while the other workers hear
+    ``restarted`` with its new address."""
 
     def __init__(self, groups: dict[str, Group], restartable: Sequence[str], specs: dict[str, dict[str, Any]],
                  start: Callable[[Group, dict[str, Any]], Awaitable[None]], keys: Any) -> None:
@@ -331,6 +332,9 @@ class _Restarts:
         self.count: dict[str, int] = {}  # restarts begun, per group
         self.ends: dict[str, list[str]] = {}  # how each of a group's lives ended
         self.due: dict[str, float] = {}
+        # group -> its start under way, in a task of its own (a try whose hosts do not answer waits
+        # out a ping's timeout for each: the run's messages are not held up meanwhile)
+        self.trying: dict[str, asyncio.Future[None]] = {}
         # group -> (when a try of its restart first found no candidate host answering, tries so far)
         self.host_wait: dict[str, tuple[float, int]] = {}
         self.starting: dict[str, str] = {}
@@ -339,7 +343,20 @@ class _Restarts:
 
     @property
     def pending(self) -> set[str]:
-        return set(self.due) | set(self.starting)
+        return set(self.due) | set(self.trying) | set(self.starting)
+
+    @property
+    def down(self) -> set[str]:
+        """The groups being restarted that have no live process yet (due, or their start under way)."""
+        return set(self.due) | set(self.trying)
+
+    async def end_tries(self) -> None:
+        """Wait for the starts under way to end (each is bounded by its requests' timeouts). They are
+        not cancelled: a request's thread would run on, and the run's reap then shares its daemon
+        client across threads. The reap stops any worker they started."""
+        if self.trying:
+            await asyncio.gather(*self.trying.values(), return_exceptions=True)
+        self.trying.clear()
 
     def address_for(self, group: str, recipient: str, host_of: Mapping[str, str]) -> str:
         """Where ``recipient`` reaches ``group``: at its local (plain ipc) address when both run on
@@ -399,7 +416,7 @@ class _Session:
         r = self.restarts
         # A restart not started yet is still dead; one started and dead again has ended once more.
         dead = {name: how for name, how in self.workers.dead().items()
-                if name not in self.results and name not in r.due}
+                if name not in self.results and name not in r.down}
         if not dead:
             return
         for name in dead:
@@ -449,7 +466,9 @@ class _Session:
             self.ep.disconnect(name, linger_s=0)
             self._broadcast(("lost", name, f"worker {name!r} {ended}"))
 
-    async def _advance_restarts(self) -> None:
+    def _advance_restarts(self) -> None:
+        """Start the restarts whose backoff is over (each in a task of its own), and take the
+        outcomes of the starts that have ended."""
         r = self.restarts
         now = asyncio.get_running_loop().time()
         for name, t in sorted(r.due.items()):
@@ -458,23 +477,31 @@ class _Session:
                 self.results[name] = _ABANDONED
             elif now >= t:
                 del r.due[name]
-                try:
-                    await r.start(r.groups[name], dict(r.specs[name], restarts=r.count[name]))
-                except NoHostAnsweredError as e:
-                    # Its host's daemon may be coming back (a supervisor such as Ray, Kubernetes or
-                    # systemd starts it again): ask again, up to host_wait_s; not a restart used.
-                    self._wait_for_host(name, e)
-                    continue
-                except ReactorError as e:
-                    # A host answered but the start failed: a failed life; try again after the next backoff.
-                    if not r.can_restart(name):
-                        raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
-                                                f"ends: {'; '.join(r.ends[name])}") from e
-                    r.host_wait.pop(name, None)
-                    self._begin_restart(name, (None, f"could not be started again: {e}"), announce=False)
-                    continue
+                r.trying[name] = asyncio.ensure_future(r.start(r.groups[name],
+                                                               dict(r.specs[name], restarts=r.count[name])))
+        for name, task in sorted(r.trying.items()):
+            if not task.done():
+                continue
+            del r.trying[name]
+            e = task.exception()
+            if e is None:
                 r.host_wait.pop(name, None)
                 r.starting[name] = "spawned"
+            elif not isinstance(e, ReactorError):
+                raise e
+            elif self.stopped_by is not None:  # the run ends: this life is not needed
+                self.results[name] = _ABANDONED
+            elif isinstance(e, NoHostAnsweredError):
+                # Its host's daemon may be coming back (a supervisor such as Ray, Kubernetes or
+                # systemd starts it again): ask again, up to host_wait_s; not a restart used.
+                self._wait_for_host(name, e)
+            else:
+                # A host answered but the start failed: a failed life; try again after the next backoff.
+                if not r.can_restart(name):
+                    raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
+                                            f"ends: {'; '.join(r.ends[name])}") from e
+                r.host_wait.pop(name, None)
+                self._begin_restart(name, (None, f"could not be started again: {e}"), announce=False)
 
     def _wait_for_host(self, name: str, e: NoHostAnsweredError) -> None:
         """A restart of ``name`` found none of its candidate hosts answering: ask them again after
@@ -514,7 +541,7 @@ class _Session:
             # Groups being restarted themselves are left out: it treats them as down until they
             # are back (it hears "restarted" then).
             self.ep.send_nowait(peer, ("peers", {g: a for g, a in r.book_for(peer, self.host_of).items()
-                                                 if g == peer or g not in r.due and r.starting.get(g) != "spawned"}))
+                                                 if g == peer or g not in r.down and r.starting.get(g) != "spawned"}))
             r.starting[peer] = "hello"
             return True
         if step == "hello" and msg[0] == "ready":
@@ -611,6 +638,8 @@ class _Session:
                 self._check_children()
                 await asyncio.sleep(0.02)
             raise WorkerFailedError(f"lost a worker: {e}") from e
+        finally:
+            await self.restarts.end_tries()
 
     def _stop(self, why: str) -> None:
         self.stopped_by = why
@@ -624,7 +653,7 @@ class _Session:
             if deadline is not None and self.stopped_by is None and loop.time() >= deadline:
                 self._stop("stop_time")
             self._check_children()
-            await self._advance_restarts()
+            self._advance_restarts()
             self._check_awaiting()
             for peer, msg in await self._batch():
                 kind = msg[0]
@@ -711,7 +740,7 @@ class _Session:
         ones that have their address book (they take it once started). A callable ``msg`` is
         called with each recipient's name for its message."""
         r = self.restarts
-        pending = set(r.due) | {g for g, step in r.starting.items() if not starting or step == "spawned"}
+        pending = r.down | {g for g, step in r.starting.items() if not starting or step == "spawned"}
         for n in self.procs:
             if n not in self.results and n not in pending and n != skip:
                 with contextlib.suppress(Exception):

@@ -5,6 +5,7 @@ real sockets, kill -9."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,8 +22,10 @@ import torch
 
 from reactor import GraphError
 from reactor.launch._app import build_graph
+from reactor.launch._cluster import NoHostAnsweredError
+from reactor.launch._coordinator import WorkerFailedError, _Restarts, _Session
 from reactor.launch._daemon import DaemonClient
-from reactor.launch._groups import Restart, restart_from_text
+from reactor.launch._groups import Group, Restart, restart_from_text
 from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement
 from reactor.nodes.messages import MassRequest
@@ -137,6 +141,65 @@ def test_a_replay_client_samples_from_the_live_shards_and_takes_a_restarted_one_
     assert c.live_shards == [2] and [m.shard for m in c.request(8)] == [2]
     with pytest.raises(ValueError, match=r"shard_lost: shard must be in \[0, 3\), got 3"):
         c.shard_lost(3, "x")
+
+
+# ------------------------------------------------------------------------------ the coordinator's side
+
+
+class _Endpoint:
+    """What the coordinator sends, recorded (these decisions need no worker)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any]] = []
+
+    def send_nowait(self, peer: str, msg: Any) -> None:
+        self.sent.append((peer, msg))
+
+
+def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_host_use_no_restart():
+    """A start whose host does not answer (its ping waits out a timeout) runs in a task of its own:
+    the coordinator's loop goes on meanwhile, and the group counts as down. A try that found no host
+    asks again after the retry wait, its restart count unchanged; past host_wait_s the run ends,
+    naming the wait and the hosts."""
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        tries: list[int] = []
+
+        async def start(group: Group, spec: dict) -> None:
+            tries.append(spec["restarts"])
+            await gate.wait()  # a ping to a host that does not answer
+            gate.clear()
+            raise NoHostAnsweredError("group 'b': no candidate host answered: h2: host 'h2' did not answer 'ping'")
+
+        groups = {"a": Group("a", ("a",)),
+                  "b": Group("b", ("b",), hosts=("h2",), restart=Restart("on-failure", 1, 0.0, 30.0))}
+        r = _Restarts(groups, ["b"], {"a": {}, "b": {}}, start, None)
+        s = _Session(_Endpoint(), None, ["a", "b"], asyncio.Event(), r)  # type: ignore[arg-type]
+        s._begin_restart("b", (-9, ""), announce=False)  # backoff 0: due now
+        s._advance_restarts()
+        assert set(r.trying) == {"b"} and r.down == {"b"} and r.pending == {"b"}
+        await asyncio.sleep(0.05)
+        s._advance_restarts()  # the try still waits; the loop was not held
+        assert set(r.trying) == {"b"} and tries == [1]
+        gate.set()
+        await asyncio.sleep(0.01)
+        s._advance_restarts()  # no host: due again after the retry wait, no restart used
+        assert not r.trying and r.count == {"b": 1} and r.host_wait["b"][1] == 1
+        assert r.due["b"] - asyncio.get_running_loop().time() == pytest.approx(0.5, abs=0.05)
+        assert r.can_restart("b") is False  # (max_restarts = 1, used by the death itself)
+        r.due["b"] = 0.0
+        s._advance_restarts()
+        r.host_wait["b"] = (asyncio.get_running_loop().time() - 31.0, 4)  # waited past host_wait_s
+        gate.set()
+        await asyncio.sleep(0.01)
+        with pytest.raises(WorkerFailedError, match=re.escape(
+                "worker 'b' could not be started again: no candidate host answered within host_wait_s = 30 s "
+                "(5 tries): group 'b': no candidate host answered: h2: host 'h2' did not answer 'ping'")):
+            s._advance_restarts()
+        assert tries == [1, 1]
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------ real runs

@@ -301,7 +301,7 @@ def _jobs(args: argparse.Namespace) -> int:
                         print(f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  "
                               f"pid {j['pid']}  up {j['uptime_s']:.1f}s  on {j['daemon']}  | {j['last_line']}")
                         if j.get("groups"):
-                            print("  groups: " + ", ".join(f"{g} on {w['host']}" for g, w in sorted(j["groups"].items()))
+                            print("  groups: " + ", ".join(_where(g, w) for g, w in sorted(j["groups"].items()))
                                   + f"  (run {j['run']}; reactor logs {j['id']} GROUP)")
                     for w in hosted:
                         rc = "" if w["returncode"] is None else f" exit {w['returncode']}"
@@ -329,6 +329,11 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _where(group: str, where: dict[str, Any]) -> str:
+    """A job's group in ``reactor status JOB``: its host, and a restart's wait for one."""
+    return f"{group} on {where['host']}" + (f" ({where['waiting']})" if where.get("waiting") else "")
 
 
 def _print_log(read: Any, follow: bool) -> None:

@@ -261,6 +261,7 @@ class RemoteWorkers:
         self.last_ok: dict[str, float] = {}
         self.lost_hosts: dict[str, str] = {}
         self.silent_hosts: set[str] = set()  # lost by silence (cut off, or down), not by a daemon's answer
+        self.waiting: dict[str, str] = {}  # group -> how long its restart has waited for a host (the coordinator's)
         self.files: dict[str, bytes] = {}
         self.settle_s = heartbeat_timeout_s + 2 * HEARTBEAT_S  # how long a worker's death may take to show in dead()
         self._beat: asyncio.Task[None] | None = None
@@ -311,6 +312,7 @@ class RemoteWorkers:
         self.host_of[group.name] = host
         self.pid[group.name] = int(got["pid"])
         self.ended.pop(group.name, None)  # a restart: the group lives again
+        self.waiting.pop(group.name, None)
         if self._beat is not None:
             self.record_groups()  # a restart may have moved it
         log.info("group %s started on host %s (pid %d)", group.name, host, got["pid"])
@@ -323,7 +325,8 @@ class RemoteWorkers:
         if not jdir:
             return
         groups = {g: {"host": h, "address": self.hosts[h].address,
-                      "key": self.hosts[h].key.decode() if self.hosts[h].key else None}
+                      "key": self.hosts[h].key.decode() if self.hosts[h].key else None,
+                      **({"waiting": self.waiting[g]} if g in self.waiting else {})}
                   for g, h in self.host_of.items()}
         tmp = Path(jdir) / ".groups.json.tmp"
         tmp.write_text(json.dumps({"run": self.run_id, "groups": groups}))

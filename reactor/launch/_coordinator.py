@@ -517,6 +517,10 @@ class _Session:
                 f"{policy.host_wait_s:g} s ({tries + 1} tries): {e}; its earlier ends: {'; '.join(r.ends[name])}") from e
         delay = min(policy.host_retry_s(tries), policy.host_wait_s - waited)
         r.host_wait[name] = (since, tries + 1)
+        if isinstance(self.workers, RemoteWorkers):  # (a job's groups.json: `reactor status JOB` shows it)
+            self.workers.waiting[name] = (f"waiting for a host: {waited:.0f} s of at most {policy.host_wait_s:g} s, "
+                                          f"{tries + 1} tries")
+            self.workers.record_groups()
         r.due[name] = now + delay
         log.warning("worker %r waits for a host: %s; asking again in %.1f s (%.0f s of at most %g s waited; "
                     "restart %d of at most %d)", name, e, delay, waited, policy.host_wait_s, r.count[name],

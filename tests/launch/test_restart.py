@@ -443,12 +443,13 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
 @pytest.mark.timeout(300)
 def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_and_ends_past_host_wait_s(
         tmp_path, monkeypatch):
-    """The forever app over two hosts (async, on-failure, max_restarts = 2), ticker-1's only candidate
-    host h2. SIGKILL of h2's daemon (its worker dies with it): the restart finds no host answering and
-    asks again, three times and more, where counting such tries as restarts would have ended the run
-    at the second; h2's daemon comes back at its address (as Ray or systemd starts one again) and
-    ticker-1 runs there as restart 1. A second SIGKILL, with no daemon coming back, ends the run once
-    host_wait_s (20 s) has passed, naming the host and why it did not answer; nothing is left on h1."""
+    """The forever app submitted over two hosts (async, on-failure, max_restarts = 2), ticker-1's only
+    candidate host h2. SIGKILL of h2's daemon (its worker dies with it): the restart finds no host
+    answering and asks again, three times and more, where counting such tries as restarts would have
+    ended the run at the second; `reactor status JOB` shows the group waiting. h2's daemon comes back
+    at its address (as Ray or systemd starts one again) and ticker-1 runs there as restart 1. A second
+    SIGKILL, with no daemon coming back, ends the job once host_wait_s (20 s) has passed, naming the
+    host and why it did not answer; nothing is left on h1."""
     c = Cluster(tmp_path, n=2, heartbeat_timeout_s=2.0)
     monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
     try:
@@ -458,32 +459,50 @@ def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_a
                              '[groups.sink]\nreactors = ["sink"]\nhost = "h1"\n'
                              '[groups.ticker-0]\nreactors = ["ticker[[]0]"]\nhost = "h1"\n'
                              '[groups.ticker-1]\nreactors = ["ticker[[]1]"]\nhost = "h2"\n')
-        errfile, ready = tmp_path / "stderr.log", tmp_path / "ready"
-        with open(errfile, "w") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", FOREVER, "--placement", str(placement),
-                                     "--async", "--set", f"ready_file={str(ready)!r}"], cwd=ROOT, env=c.env(),
-                                    stdout=subprocess.DEVNULL, stderr=err, text=True)
-        try:
-            wait_for(lambda: ready.exists() and "ticker-1" in c.worker_pids("h2").values(), 120, "the run's workers")
+        ready = tmp_path / "ready"
+        cli = [sys.executable, "-m", "reactor.cli"]
+        out = subprocess.run([*cli, "submit", FOREVER, "--placement", str(placement), "--async", "--daemon",
+                              c.addresses["h1"], "--set", f"ready_file={str(ready)!r}"],
+                             env=c.env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        job = out.stdout.strip()
+        keys = load_keys(c.keys)
+        with DaemonClient(c.addresses["h1"], keys.public, keys) as d:
+            def log() -> str:
+                return d.request("logs", job, 0)["data"].decode(errors="replace")
+
+            def running() -> bool:
+                return d.request("status", job)["state"] == "running"
+
+            def status() -> str:
+                got = subprocess.run([*cli, "status", job, "--daemon", c.addresses["h1"]], env=c.env(),
+                                     capture_output=True, text=True, timeout=60)
+                assert got.returncode == 0, got.stderr
+                return got.stdout
+
+            wait_for(lambda: ready.exists() and "ticker-1" in c.worker_pids("h2").values(), 120, "the job's workers")
             address = c.addresses["h2"]
             c.stop_daemon("h2", signal.SIGKILL)
-            wait_for(lambda: len(re.findall(r"worker 'ticker-1' waits for a host: ", errfile.read_text())) >= 3
-                     or proc.poll() is not None, 120, "three tries that found no host answering")
-            assert proc.poll() is None, errfile.read_text()[-3000:]
+            wait_for(lambda: len(re.findall(r"worker 'ticker-1' waits for a host: ", log())) >= 3 or not running(),
+                     120, "three tries that found no host answering")
+            assert running(), log()[-3000:]
+            assert re.search(r"ticker-1 on h2 \(waiting for a host: \d+ s of at most 20 s, \d+ tries\)", status()), \
+                status()
             c.start_daemon("h2", address)
-            wait_for(lambda: "worker 'ticker-1' is running again (restart 1)" in errfile.read_text()
-                     or proc.poll() is not None, 120, "ticker-1 to run again on h2")
+            wait_for(lambda: "worker 'ticker-1' is running again (restart 1)" in log() or not running(), 120,
+                     "ticker-1 to run again on h2")
             wait_for(lambda: list(c.worker_pids("h2").values()) == ["ticker-1"], 30, "ticker-1's new life on h2")
+            assert "ticker-1 on h2," in status() or "ticker-1 on h2  (run" in status()  # no longer waiting
             c.stop_daemon("h2", signal.SIGKILL)
-            proc.wait(timeout=120)
-        finally:
-            err = _reaped(proc, errfile)
-        assert proc.returncode != 0, err[-3000:]
-        assert "worker 'ticker-1' is running again (restart 1)" in err, err[-3000:]
-        assert "(restart 2 of at most 2)" in err and "restart 3" not in err, err[-3000:]
+            wait_for(lambda: not running(), 120, "the job to end")
+            final = d.request("status", job)
+            text = log()
+        assert final["state"] == "failed", (final, text[-3000:])
+        assert "worker 'ticker-1' is running again (restart 1)" in text, text[-3000:]
+        assert "(restart 2 of at most 2)" in text and "restart 3" not in text, text[-3000:]
         assert re.search(r"worker 'ticker-1' could not be started again: no candidate host answered within "
                          r"host_wait_s = 20 s \(\d+ tries\): group 'ticker-1': no candidate host answered: h2: "
-                         r"host 'h2' \(tcp://\S+\) did not answer 'ping' within", err), err[-3000:]
+                         r"host 'h2' \(tcp://\S+\) did not answer 'ping' within", text), text[-3000:]
         c.wait_no_workers()
     finally:
         c.close()

@@ -484,8 +484,9 @@ class _Session:
                 continue
             del r.trying[name]
             e = task.exception()
-            if e is None:
+            if not isinstance(e, NoHostAnsweredError):  # (a wait for a host is over)
                 r.host_wait.pop(name, None)
+            if e is None:
                 r.starting[name] = "spawned"
             elif not isinstance(e, ReactorError):
                 raise e
@@ -500,7 +501,6 @@ class _Session:
                 if not r.can_restart(name):
                     raise WorkerFailedError(f"worker {name!r} could not be started again: {e}; its earlier "
                                             f"ends: {'; '.join(r.ends[name])}") from e
-                r.host_wait.pop(name, None)
                 self._begin_restart(name, (None, f"could not be started again: {e}"), announce=False)
 
     def _wait_for_host(self, name: str, e: NoHostAnsweredError) -> None:

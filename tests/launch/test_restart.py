@@ -291,6 +291,18 @@ def _metrics_tails(root: Path, lines: int = 8) -> dict[str, list[str]]:
             for p in sorted(root.glob("**/metrics.csv"))}
 
 
+def _submit_job(c: Cluster, tmp_path: Path, app: str, policy_and_groups: str, *sets: str) -> str:
+    """Submit ``app`` as an async job to h1's daemon over the cluster's hosts, with the placement
+    ``[restart]`` on-failure, then ``policy_and_groups`` (more policy fields and the groups); its id."""
+    placement = tmp_path / "p.toml"
+    placement.write_text(c.hosts_toml() + '[restart]\nrestart = "on-failure"\n' + policy_and_groups)
+    out = subprocess.run([sys.executable, "-m", "reactor.cli", "submit", app, "--placement", str(placement), "--async",
+                          "--daemon", c.addresses["h1"], *(a for s in sets for a in ("--set", s))],
+                         env=c.env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def _forever(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     errfile = tmp_path / "stderr.log"
     ready = tmp_path / "ready"
@@ -373,22 +385,17 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
     c = Cluster(tmp_path, heartbeat_timeout_s=2.0)
     monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
     try:
-        placement = tmp_path / "p.toml"
-        placement.write_text(c.hosts_toml() + '[restart]\nrestart = "on-failure"\nbackoff_s = 0.5\n'
-                             '[groups.learner]\nreactors = ["learner", "evaluator", "metrics"]\nhost = "h1"\n'
-                             '[groups.replay-0]\nreactors = ["replay[[]0]"]\nhost = "h1"\n'
-                             '[groups.replay-1]\nreactors = ["replay[[]1]"]\nhost = "h2"\n'
-                             '[groups.actor-0]\nreactors = ["actor[[]0]"]\nhost = "h2"\n'
-                             '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n')
+        job = _submit_job(c, tmp_path, DQN, 'backoff_s = 0.5\n'
+                          '[groups.learner]\nreactors = ["learner", "evaluator", "metrics"]\nhost = "h1"\n'
+                          '[groups.replay-0]\nreactors = ["replay[[]0]"]\nhost = "h1"\n'
+                          '[groups.replay-1]\nreactors = ["replay[[]1]"]\nhost = "h2"\n'
+                          '[groups.actor-0]\nreactors = ["actor[[]0]"]\nhost = "h2"\n'
+                          '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n',
+                          "live=False", "replay_checkpoint_period_s=0.0005", "checkpoint_every=100",
+                          # Evaluations (which may stop the run at 475) every 4,000 updates: the
+                          # restarts below complete before the first one, on a fast machine too.
+                          "eval_every_updates=4000")
         cli = [sys.executable, "-m", "reactor.cli"]
-        out = subprocess.run([*cli, "submit", DQN, "--placement", str(placement), "--async", "--set", "live=False",
-                              "--set", "replay_checkpoint_period_s=0.0005", "--set", "checkpoint_every=100",
-                              # Evaluations (which may stop the run at 475) every 4,000 updates: the
-                              # restarts below complete before the first one, on a fast machine too.
-                              "--set", "eval_every_updates=4000"],
-                             env=c.env(), capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        job = out.stdout.strip()
         keys = load_keys(c.keys)
         with DaemonClient(c.addresses["h1"], keys.public, keys) as d:
             def state() -> dict:
@@ -453,19 +460,13 @@ def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_a
     c = Cluster(tmp_path, n=2, heartbeat_timeout_s=2.0)
     monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
     try:
-        placement = tmp_path / "p.toml"
-        placement.write_text(c.hosts_toml() + '[restart]\nrestart = "on-failure"\nmax_restarts = 2\nbackoff_s = 0.5\n'
-                             'host_wait_s = 20\n'
-                             '[groups.sink]\nreactors = ["sink"]\nhost = "h1"\n'
-                             '[groups.ticker-0]\nreactors = ["ticker[[]0]"]\nhost = "h1"\n'
-                             '[groups.ticker-1]\nreactors = ["ticker[[]1]"]\nhost = "h2"\n')
         ready = tmp_path / "ready"
+        job = _submit_job(c, tmp_path, FOREVER, 'max_restarts = 2\nbackoff_s = 0.5\nhost_wait_s = 20\n'
+                          '[groups.sink]\nreactors = ["sink"]\nhost = "h1"\n'
+                          '[groups.ticker-0]\nreactors = ["ticker[[]0]"]\nhost = "h1"\n'
+                          '[groups.ticker-1]\nreactors = ["ticker[[]1]"]\nhost = "h2"\n',
+                          f"ready_file={str(ready)!r}")
         cli = [sys.executable, "-m", "reactor.cli"]
-        out = subprocess.run([*cli, "submit", FOREVER, "--placement", str(placement), "--async", "--daemon",
-                              c.addresses["h1"], "--set", f"ready_file={str(ready)!r}"],
-                             env=c.env(), capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        job = out.stdout.strip()
         keys = load_keys(c.keys)
         with DaemonClient(c.addresses["h1"], keys.public, keys) as d:
             def log() -> str:

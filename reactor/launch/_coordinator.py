@@ -34,6 +34,7 @@ from ._forkserver import (
     ForkedProcess,
     ForkServer,
     ForkServerError,
+    kept_or_new,
     take_early,
 )
 from ._groups import Group, Restart
@@ -248,26 +249,28 @@ def _dist_store(graph: Graph, here: str) -> Any:
 
 
 class _LocalWorkers:
-    """The workers of a run on this host: forked from a fork server the run starts first (it
-    imports torch and reactor's nodes once, while the coordinator sets up: a worker is then up in
-    milliseconds instead of importing them anew), or, with ``REACTOR_FORK_SERVER=0`` or when the
-    server fails, started as new interpreters (``python -m reactor.launch._worker``). Either way a
-    worker's spec goes on its stdin, and it dies with the coordinator (through the server, which dies
-    with it)."""
+    """The workers of a run on this host: forked from a fork server (it imports torch and reactor's
+    nodes once, while the coordinator sets up: a worker is then up in milliseconds instead of
+    importing them anew), or, with ``REACTOR_FORK_SERVER=0`` or when the server fails, started as new
+    interpreters (``python -m reactor.launch._worker``). The server is the one ``reactor run`` started
+    before it imported the app, else the process's kept server (``kept_or_new``: started by its first
+    run and used again by the next ones). Either way a worker's spec goes on its stdin, and it dies
+    with the coordinator's process (through the server, which dies with it); the run reaps its own
+    workers at its end."""
 
     settle_s = 0.5  # how long a worker's death may take to show in dead()
 
     def __init__(self, training: bool = False) -> None:
         self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.forks: ForkServer | None = None
+        self.owns_forks = True  # else the process's kept server: left running at the run's end
         early = take_early()  # `reactor run` started one before it imported the app
         if early is not None:
             self.forks = early
         elif os.environ.get("REACTOR_FORK_SERVER", "1") != "0":
-            server = ForkServer(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
             try:
-                server.launch()  # from the thread that runs the run: the server dies with it
-                self.forks = server
+                # from the thread that runs the run: the server dies with it
+                self.forks, self.owns_forks = kept_or_new(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
             except OSError as e:
                 log.warning("no fork server (%s): workers start as new interpreters", e)
 
@@ -307,7 +310,7 @@ class _LocalWorkers:
         await _reap(self.procs, timeout_s)
 
     async def close(self) -> None:
-        if self.forks is not None:
+        if self.forks is not None and self.owns_forks:
             self.forks.close()
 
 

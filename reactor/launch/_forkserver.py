@@ -61,7 +61,7 @@ START_TIMEOUT_S = 60.0  # the server's imports
 SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
 
 __all__ = ["DEFAULT_PRELOAD", "TRAINING_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
-           "launch_early", "take_early"]
+           "close_kept", "kept_or_new", "launch_early", "take_early"]
 
 
 class ForkServerError(RuntimeError):
@@ -117,6 +117,8 @@ class ForkServer:
         self._cond = threading.Condition()
         self._dead = False
         self._closing = False
+        self.ready = False  # it said so (wait_ready)
+        self._ready_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the server and wait for its imports (raises :class:`ForkServerError` if it fails)."""
@@ -139,7 +141,13 @@ class ForkServer:
         self._events = os.fdopen(ev_r, "rb")
 
     def wait_ready(self) -> None:
-        """Wait for the server's imports (any thread)."""
+        """Wait for the server's imports (any thread; once it has said it is ready, at once: two runs
+        sharing a kept server both wait here, and only the first reads the server's answer)."""
+        with self._ready_lock:
+            if not self.ready:
+                self._wait_ready()
+
+    def _wait_ready(self) -> None:
         first = self._events.readline()
         try:
             ready = json.loads(first)
@@ -149,6 +157,7 @@ class ForkServer:
             self.close()
             raise ForkServerError(f"the fork server did not start (it said {first[:200]!r})")
         self.preloaded, self.failed = list(ready["ready"]), dict(ready.get("failed", {}))
+        self.ready = True
         threading.Thread(target=self._read, name="forkserver-events", daemon=True).start()
 
     @property
@@ -213,7 +222,7 @@ class ForkServer:
     def _exit_of(self, pid: int) -> int | None:
         with self._cond:
             if pid in self._exits:
-                return self._exits[pid]
+                return self._exits.pop(pid)  # the ForkedProcess keeps it: a kept server forks for many runs
             if not self._dead:
                 return None
         # The server died: its children died with it (their parent-death signal), or die now;
@@ -221,8 +230,6 @@ class ForkServer:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            with self._cond:
-                self._exits[pid] = -signal.SIGTERM
             return -signal.SIGTERM
         with contextlib.suppress(OSError):
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
@@ -488,3 +495,76 @@ def close_early() -> None:
     server = take_early()
     if server is not None:
         server.close()
+
+
+# ------------------------------------------------------------------ a server kept for the process's next runs
+#
+# A process that runs several multi-process runs on its host (a sweep or a notebook through the Python
+# API, a test session) would otherwise start a fork server per run and wait for its imports each time
+# (torch, the nodes: 4-7 s of CPU and 2-4 s before the first worker on a 2-core machine). The process
+# keeps the server of its first such run for the next ones. A kept server is used again only while
+# what it started with still holds: this process (not a fork of it), the same working directory (the
+# server's sys.path[0], as a new interpreter's would be) and the same files behind stdout and stderr
+# (the workers write where the server's point; pytest's capfd, for one, points them elsewhere).
+# Otherwise, or once it has died, a new one starts and is kept instead. Like a daemon's server, it
+# imported its modules under the environment of the run that started it; each worker gets its own
+# run's environment. Only the main thread starts a kept server: the server dies with the thread that
+# started it (its parent-death signal), and only the main thread lives as long as the process. A run
+# driven from another thread uses the kept server if one fits, else a server of its own that it stops
+# at its end (``run()`` in a notebook starts the kept one from the caller's thread first).
+
+_kept: tuple[ForkServer, tuple[Any, ...]] | None = None
+_kept_lock = threading.Lock()
+
+
+def _fd_file(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def kept_or_new(preload: Sequence[str]) -> tuple[ForkServer, bool]:
+    """A launched fork server for a run on this host that imports at least ``preload``, and whether
+    the run owns it (stops it at its end) or it is this process's kept server. Raises ``OSError``
+    when no server could be launched."""
+    global _kept
+    key = (os.getpid(), os.getcwd(), _fd_file(1), _fd_file(2))
+    with _kept_lock:
+        if _kept is not None:
+            server, was = _kept
+            if server.alive and was == key and set(preload) <= set(server.preload):
+                return server, False
+        if threading.current_thread() is not threading.main_thread():
+            server = ForkServer(preload)
+            server.launch()
+            return server, True
+        if _kept is not None:
+            server, was = _kept
+            _kept = None
+            if was[0] == key[0]:  # (a fork of this process inherited its parent's: not its own to stop)
+                server.close()
+                preload = list(dict.fromkeys([*server.preload, *preload]))  # the next run may need either
+        server = ForkServer(preload)
+        server.launch()
+        _kept = (server, key)
+        global _atexit_set
+        if not _atexit_set:
+            import atexit
+
+            atexit.register(close_kept)
+            _atexit_set = True
+        return server, False
+
+
+_atexit_set = False
+
+
+def close_kept() -> None:
+    """Stop the kept server (at exit; the runs it served reaped their workers)."""
+    global _kept
+    with _kept_lock:
+        kept, _kept = _kept, None
+    if kept is not None and kept[1][0] == os.getpid():
+        kept[0].close()

@@ -238,7 +238,8 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
             groups over; a placement file may name its hosts itself (``reactor/launch/_cluster.py``).
         with_files: runs over hosts: files the app needs beside it, shipped with it to every host.
         restart: async multi-process runs: every group's restart policy, ``"never"``,
-            ``"on-failure"`` or ``"on-failure:N"`` (at most N restarts per group), replacing the
+            ``"on-failure"`` or ``"on-failure:N"`` (at most N restarts per group), then
+            ``",backoff_s=S"`` and ``",host_wait_s=S"`` if wanted (``"on-failure:5,host_wait_s=60"``), replacing the
             placement's own (a placement file's ``restart`` fields, its ``[restart]`` table).
 
     Returns:
@@ -262,6 +263,7 @@ def _run_beside_a_loop(graph: Graph, kwargs: dict[str, Any]) -> RunResult:
     """``run`` from a thread whose loop is running (a notebook): the run's own loop in a thread."""
     import threading
 
+    _keep_fork_server(graph, kwargs)
     box: dict[str, Any] = {}
     started = threading.Event()
 
@@ -292,6 +294,27 @@ def _run_beside_a_loop(graph: Graph, kwargs: dict[str, Any]) -> RunResult:
     if "error" in box:
         raise box["error"]
     return box["result"]  # type: ignore[no-any-return]
+
+
+def _keep_fork_server(graph: Graph, kwargs: dict[str, Any]) -> None:
+    """Before ``run``'s own thread starts, from the caller's: the process's kept fork server for a
+    multi-process run on this host (only the main thread starts one: ``_forkserver.kept_or_new``),
+    so that a notebook's runs after its first fork their workers from it too."""
+    import threading
+
+    from ._forkserver import DEFAULT_PRELOAD, TRAINING_PRELOAD, kept_or_new
+
+    placement = kwargs.get("placement", "single")
+    if (threading.current_thread() is not threading.main_thread() or placement == "single"
+            or kwargs.get("hosts") is not None or os.environ.get("REACTOR_FORK_SERVER", "1") == "0"):
+        return
+    if Path(str(placement)).is_file() and "[hosts]" in Path(str(placement)).read_text(errors="replace"):
+        return
+    training = any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values())
+    try:
+        kept_or_new(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
+    except OSError:
+        pass  # the run starts its own, or new interpreters
 
 
 def asyncio_run(coro: Any) -> Any:

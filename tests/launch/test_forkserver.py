@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -101,3 +104,38 @@ def test_a_killed_server_takes_its_workers_and_the_daemon_starts_another(tmp_pat
     forks.close()
     assert Forks(None).spawn("cli", argv=[], cwd=tmp_path, env={}, log_path=tmp_path / "n", title="x") is None
     assert Forks(None).state() == "off: the daemon was started with --no-fork-server"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_process_keeps_its_fork_server_for_its_next_runs_while_its_directory_and_stdout_hold(tmp_path):
+    """One process, nine multi-process runs through the Python API (tests/launch/kept_runs.py): the
+    second run's workers are forked by the first run's server; a server that died, a new working
+    directory or a new stdout gets a new server (whose workers write to the new stdout); a run from
+    another thread uses the kept server while it fits, else a server of its own (gone at its end,
+    and not kept); the next run from the main thread keeps a new one, and a run from a notebook's
+    cell (in a thread of its own) uses it; none outlives the process."""
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "kept_runs.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    steps = {r["step"]: r for r in map(json.loads, (line for line in out.stdout.splitlines() if line.startswith("{")))}
+    parent = {step: r["parents"] for step, r in steps.items()}
+    assert all(len(p) == 1 for p in parent.values()), parent  # both workers of a run: one server's
+    first, killed, cwd, stdout, thread, again = (parent[s][0] for s in (
+        "first", "after-kill", "other-cwd", "other-stdout", "thread-own", "main-again"))
+    assert parent["second"] == [first] and steps["first"]["kept"] == first
+    assert len({first, killed, cwd, stdout, thread, again}) == 6, parent
+    assert parent["thread-kept"] == [stdout] and steps["thread-own"]["kept"] == stdout
+    assert parent["notebook"] == [again] and steps["notebook"]["kept"] == again
+    # The workers write where the process's stdout points when their server starts.
+    lines = re.findall(r"n\[\d\] in pid \d+, parent (\d+)", out.stdout)
+    assert sorted(map(int, lines)) == sorted([first] * 4 + [killed] * 2 + [cwd] * 2)
+    assert sorted(map(int, re.findall(r"parent (\d+)", (tmp_path / "stdout.txt").read_text()))) == [stdout] * 4
+    assert sorted(map(int, re.findall(r"parent (\d+)", (tmp_path / "stdout2.txt").read_text()))) == \
+        sorted([thread] * 2 + [again] * 4)
+    assert all(_gone(p) for p in (first, killed, cwd, stdout, thread, again))

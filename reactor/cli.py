@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="runs over hosts: a file the app needs beside it, shipped to every host (repeatable)")
     r.add_argument("--restart", default=None, metavar="POLICY",
                    help="async multi-process runs: never | on-failure | on-failure:N (at most N restarts per "
-                        "process), for every group (replaces the placement file's restart fields)")
+                        "process), then ,backoff_s=S and ,host_wait_s=S if wanted (on-failure:5,host_wait_s=60), for "
+                        "every group (replaces the placement file's restart fields)")
     r.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
                    help="end at this logical time (deterministic) or after this many seconds (async)")

@@ -85,12 +85,27 @@ def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART
 
 
 def restart_from_text(text: str) -> Restart:
-    """``reactor run --restart``: ``never``, ``on-failure`` or ``on-failure:N`` (N: max_restarts).
+    """``reactor run --restart``: ``never``, ``on-failure`` or ``on-failure:N`` (N: max_restarts),
+    then, for on-failure, any of ``,backoff_s=S`` and ``,host_wait_s=S`` (seconds), e.g.
+    ``on-failure:5,host_wait_s=60``.
 
     Raises:
-        GraphError: anything else, naming it.
+        GraphError: anything else, naming it (a value out of its range names the field).
     """
-    policy, _, n = text.partition(":")
-    if policy not in ("never", "on-failure") or (n and (not n.isdigit() or policy == "never")):
-        raise GraphError(f"restart {text!r}: use never, on-failure or on-failure:N (N: the most restarts per group)")
-    return parse_restart({"restart": policy, **({"max_restarts": int(n)} if n else {})}, f"restart {text!r}")
+    usage = (f"restart {text!r}: use never, on-failure or on-failure:N (N: the most restarts per group), "
+             f"then ,backoff_s=S and ,host_wait_s=S if you want them")
+    head, *extras = text.split(",")
+    policy, _, n = head.partition(":")
+    if policy not in ("never", "on-failure") or (n and (not n.isdigit() or policy == "never")) or (
+            extras and policy == "never"):
+        raise GraphError(usage)
+    raw: dict[str, Any] = {"restart": policy, **({"max_restarts": int(n)} if n else {})}
+    for item in extras:
+        key, eq, value = item.partition("=")
+        if not eq or key not in ("backoff_s", "host_wait_s") or key in raw:
+            raise GraphError(usage)
+        try:
+            raw[key] = float(value)
+        except ValueError:
+            raise GraphError(f"restart {text!r}: {key} must be a number of seconds, got {value!r}") from None
+    return parse_restart(raw, f"restart {text!r}")

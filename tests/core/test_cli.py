@@ -58,7 +58,8 @@ def test_run_options_are_checked_before_the_app_and_torch_are_imported():
         (["--placement", "actorz"], "reactor: --placement 'actorz': neither one of single, processes, actors, "
                                     "colocated, dp-learners nor a placement file\n"),
         (["--async", "--restart", "sometimes"], "reactor: restart 'sometimes': use never, on-failure or "
-                                                "on-failure:N (N: the most restarts per group)\n"),
+                                                "on-failure:N (N: the most restarts per group), then ,backoff_s=S "
+                                                "and ,host_wait_s=S if you want them\n"),
         (["--hosts", "no/hosts.toml"], "reactor: no hosts file at 'no/hosts.toml'\n"),
         (["--with", "no/file.py"], "reactor: no --with file at 'no/file.py'\n"),
     ):

@@ -66,6 +66,8 @@ def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from
     assert {g.restart for g in resolve_placement(dqn, "actors", hosts, Restart("never")).groups} == {Restart()}
     assert {g.restart for g in resolve_placement(dqn, "processes").groups} == {Restart()}
     assert restart_from_text("on-failure:7") == Restart("on-failure", 7)
+    assert restart_from_text("on-failure:2,host_wait_s=60,backoff_s=0.5") == Restart("on-failure", 2, 0.5, 60.0)
+    assert restart_from_text("on-failure,host_wait_s=0") == Restart("on-failure", 3, 1.0, 0.0)
     assert Restart("on-failure", 3, 0.5).delay_s(2) == 2.0 and Restart("on-failure", 9, 10.0).delay_s(5) == 30.0
     # Asking lost hosts again: the backoff doubled per try, within [0.5, 10] s.
     assert [Restart("on-failure", 3, 1.0).host_retry_s(k) for k in range(5)] == [1.0, 2.0, 4.0, 8.0, 10.0]
@@ -88,9 +90,25 @@ def test_a_bad_restart_policy_is_refused_naming_the_field_and_the_value(tmp_path
         resolve_placement(build_graph(FOREVER, {}), _write(tmp_path, text))
 
 
-@pytest.mark.parametrize("text", ["always", "on-failure:x", "never:2", "on-failure:-1", ""])
+@pytest.mark.parametrize("text", ["always", "on-failure:x", "never:2", "on-failure:-1", "", "never,host_wait_s=5",
+                                  "on-failure:2,retries=3", "on-failure,host_wait_s", "on-failure,backoff_s=1,backoff_s=2",
+                                  "on-failure:2,"])
 def test_a_bad_restart_option_is_refused(text):
-    with pytest.raises(GraphError, match=r"use never, on-failure or on-failure:N"):
+    with pytest.raises(GraphError, match=r"use never, on-failure or on-failure:N \(N: the most restarts per group\), "
+                                         r"then ,backoff_s=S and ,host_wait_s=S if you want them"):
+        restart_from_text(text)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("on-failure:2,host_wait_s=5m", "restart 'on-failure:2,host_wait_s=5m': host_wait_s must be a number of seconds, "
+                                    "got '5m'"),
+    ("on-failure,host_wait_s=-1", "restart 'on-failure,host_wait_s=-1': host_wait_s must be a number of seconds in "
+                                  "[0, 86400], got -1.0"),
+    ("on-failure,backoff_s=nan", "restart 'on-failure,backoff_s=nan': backoff_s must be a number of seconds in "
+                                 "[0, 3600], got nan"),
+])
+def test_a_restart_options_bad_value_is_refused_naming_the_field(text, message):
+    with pytest.raises(GraphError, match=re.escape(message)):
         restart_from_text(text)
 
 

@@ -30,7 +30,9 @@ DQN = str(ROOT / "apps" / "dqn.py")
 
 @pytest.fixture(scope="module")
 def ray_address():
-    cluster = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # No dashboard: nothing here reads it, and on 2 cores it cost 1.6 CPU-s to start and 1.1 CPU-s per
+    # 30 s idle (docs/benchmarks.md, session 43).
+    cluster = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=2)

@@ -144,6 +144,8 @@ class ForkServer:
         """Wait for the server's imports (any thread; once it has said it is ready, at once: two runs
         sharing a kept server both wait here, and only the first reads the server's answer)."""
         with self._ready_lock:
+            if self._closing:  # (it failed to start for an earlier waiter, or was stopped)
+                raise ForkServerError("the fork server is not running")
             if not self.ready:
                 self._wait_ready()
 

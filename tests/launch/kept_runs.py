@@ -16,7 +16,7 @@ from reactor import run
 from reactor.launch import _forkserver
 from reactor.launch._app import build_graph
 
-APP = str(Path(__file__).resolve().parents[1] / "apps" / "parent.py")
+APP = str(Path(__file__).resolve().parents[1] / "apps" / "runid.py")
 OUT = Path(sys.argv[1])
 report = os.fdopen(os.dup(1), "w", buffering=1)  # stays on the test's pipe when fd 1 is pointed elsewhere
 
@@ -24,7 +24,7 @@ report = os.fdopen(os.dup(1), "w", buffering=1)  # stays on the test's pipe when
 def one(step: str) -> None:
     out = OUT / step
     out.mkdir()
-    config = {"out_dir": str(out)}
+    config = {"out_dir": str(out), "write": "parent"}
     run(build_graph(APP, config), app=APP, config=config, placement="processes")
     parents = sorted({int(p.read_text()) for p in out.iterdir()})
     kept = _forkserver._kept[0].proc.pid if _forkserver._kept is not None else None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from reactor.launch._app import build_graph
-from reactor.launch._forkserver import Forks, ForkServer
+from reactor.launch._forkserver import Forks, ForkServer, ForkServerError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,6 +106,22 @@ def test_a_killed_server_takes_its_workers_and_the_daemon_starts_another(tmp_pat
     assert Forks(None).state() == "off: the daemon was started with --no-fork-server"
 
 
+def test_a_wait_for_a_server_that_was_stopped_says_so_and_a_second_wait_returns_at_once():
+    """Runs sharing a kept server each wait for it: the second wait does not read the server's pipe
+    again, and a wait for one that was stopped (it failed for an earlier waiter) says it is not running."""
+    s = ForkServer(["json"])
+    s.launch()
+    s.wait_ready()
+    s.wait_ready()  # (reading the pipe again would block: the server says nothing more)
+    assert s.ready and s.preloaded == ["json"]
+    s.close()
+    stopped = ForkServer(["json"])
+    stopped.launch()
+    stopped.close()
+    with pytest.raises(ForkServerError, match="the fork server is not running"):
+        stopped.wait_ready()
+
+
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -133,7 +149,7 @@ def test_a_process_keeps_its_fork_server_for_its_next_runs_while_its_directory_a
     assert parent["thread-kept"] == [stdout] and steps["thread-own"]["kept"] == stdout
     assert parent["notebook"] == [again] and steps["notebook"]["kept"] == again
     # The workers write where the process's stdout points when their server starts.
-    lines = re.findall(r"n\[\d\] in pid \d+, parent (\d+)", out.stdout)
+    lines = re.findall(r"w\[\d\] in pid \d+, parent (\d+)", out.stdout)
     assert sorted(map(int, lines)) == sorted([first] * 4 + [killed] * 2 + [cwd] * 2)
     assert sorted(map(int, re.findall(r"parent (\d+)", (tmp_path / "stdout.txt").read_text()))) == [stdout] * 4
     assert sorted(map(int, re.findall(r"parent (\d+)", (tmp_path / "stdout2.txt").read_text()))) == \

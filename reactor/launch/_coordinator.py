@@ -35,6 +35,7 @@ from ._forkserver import (
     ForkServer,
     ForkServerError,
     kept_or_new,
+    release_kept,
     take_early,
 )
 from ._groups import Group, Restart
@@ -282,7 +283,9 @@ class _LocalWorkers:
             await asyncio.get_running_loop().run_in_executor(None, self.forks.wait_ready)
         except (ForkServerError, OSError) as e:
             log.warning("%s: workers start as new interpreters", e)
-            self.forks.close()
+            if not self.owns_forks:
+                release_kept(self.forks)
+            self.forks.close()  # (a kept one too: it did not start, for any run)
             self.forks = None
 
     def start(self, group: Group, spec: dict[str, Any]) -> None:
@@ -310,8 +313,11 @@ class _LocalWorkers:
         await _reap(self.procs, timeout_s)
 
     async def close(self) -> None:
-        if self.forks is not None and self.owns_forks:
-            self.forks.close()
+        if self.forks is not None:
+            if self.owns_forks:
+                self.forks.close()
+            else:
+                release_kept(self.forks)
 
 
 class _Restarts:

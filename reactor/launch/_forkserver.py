@@ -61,7 +61,7 @@ START_TIMEOUT_S = 60.0  # the server's imports
 SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
 
 __all__ = ["DEFAULT_PRELOAD", "TRAINING_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
-           "close_kept", "kept_or_new", "launch_early", "take_early"]
+           "close_kept", "kept_or_new", "launch_early", "release_kept", "take_early"]
 
 
 class ForkServerError(RuntimeError):
@@ -83,7 +83,8 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # (reaped by the server, its exit not read yet)
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -119,6 +120,10 @@ class ForkServer:
         self._closing = False
         self.ready = False  # it said so (wait_ready)
         self._ready_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._abandoned: set[int] = set()  # spawn requests whose wait timed out
+        self.users = 0  # (a kept server) the runs using it now
+        self.retired = False  # (a kept server) replaced: stopped when its last run lets it go
 
     def start(self) -> None:
         """Start the server and wait for its imports (raises :class:`ForkServerError` if it fails)."""
@@ -182,7 +187,8 @@ class ForkServer:
                            "stdin": stdin.decode(), "log": None if log_path is None else str(log_path),
                            "title": title[:15], "session": session}).encode() + b"\n"
         try:
-            self._req.write(line)
+            with self._write_lock:  # (runs in several threads may share a kept server; a line is KBs)
+                self._req.write(line)
         except OSError as e:
             raise ForkServerError(f"the fork server is gone ({e})") from e
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
@@ -190,6 +196,7 @@ class ForkServer:
             while rid not in self._answers:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._dead:
+                    self._abandoned.add(rid)  # a child it forks after all is stopped (_read)
                     raise ForkServerError("the fork server did not answer a spawn request")
                 self._cond.wait(left)
             answer = self._answers.pop(rid)
@@ -211,7 +218,16 @@ class ForkServer:
                 elif "id" in msg:
                     if "pid" in msg:
                         self._children.add(int(msg["pid"]))
-                    self._answers[int(msg["id"])] = msg
+                        # An earlier child's exit under the same pid that nobody polled is not this one's
+                        # (the server answers a spawn before it can report that child's exit).
+                        self._exits.pop(int(msg["pid"]), None)
+                    if int(msg["id"]) in self._abandoned:  # its spawn timed out: the run started it otherwise
+                        self._abandoned.discard(int(msg["id"]))
+                        if "pid" in msg:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(int(msg["pid"]), signal.SIGKILL)
+                    else:
+                        self._answers[int(msg["id"])] = msg
                 self._cond.notify_all()
         with self._cond:
             self._dead = True
@@ -505,7 +521,7 @@ def close_early() -> None:
 # API, a test session) would otherwise start a fork server per run and wait for its imports each time
 # (torch, the nodes: 4-7 s of CPU and 2-4 s before the first worker on a 2-core machine). The process
 # keeps the server of its first such run for the next ones. A kept server is used again only while
-# what it started with still holds: this process (not a fork of it), the same working directory (the
+# what it started with still holds: this process (a fork forgets it), the same working directory (the
 # server's sys.path[0], as a new interpreter's would be) and the same files behind stdout and stderr
 # (the workers write where the server's point; pytest's capfd, for one, points them elsewhere).
 # Otherwise, or once it has died, a new one starts and is kept instead. Like a daemon's server, it
@@ -529,27 +545,30 @@ def _fd_file(fd: int) -> tuple[int, int] | None:
 
 def kept_or_new(preload: Sequence[str]) -> tuple[ForkServer, bool]:
     """A launched fork server for a run on this host that imports at least ``preload``, and whether
-    the run owns it (stops it at its end) or it is this process's kept server. Raises ``OSError``
-    when no server could be launched."""
+    the run owns it (stops it at its end) or it is this process's kept server (the run lets it go
+    with :func:`release_kept`). Raises ``OSError`` when no server could be launched."""
     global _kept
     key = (os.getpid(), os.getcwd(), _fd_file(1), _fd_file(2))
     with _kept_lock:
         if _kept is not None:
             server, was = _kept
             if server.alive and was == key and set(preload) <= set(server.preload):
+                server.users += 1
                 return server, False
         if threading.current_thread() is not threading.main_thread():
             server = ForkServer(preload)
             server.launch()
             return server, True
         if _kept is not None:
-            server, was = _kept
+            server, _ = _kept
             _kept = None
-            if was[0] == key[0]:  # (a fork of this process inherited its parent's: not its own to stop)
-                server.close()
-                preload = list(dict.fromkeys([*server.preload, *preload]))  # the next run may need either
+            preload = list(dict.fromkeys([*server.preload, *preload]))  # the next run may need either
+            server.retired = True
+            if server.users == 0:
+                server.close()  # (else by the last run using it: another thread's, say)
         server = ForkServer(preload)
         server.launch()
+        server.users = 1
         _kept = (server, key)
         global _atexit_set
         if not _atexit_set:
@@ -560,6 +579,16 @@ def kept_or_new(preload: Sequence[str]) -> tuple[ForkServer, bool]:
         return server, False
 
 
+def release_kept(server: ForkServer) -> None:
+    """A run is done with the kept server ``kept_or_new`` gave it: one that was replaced meanwhile
+    is stopped once no run uses it."""
+    with _kept_lock:
+        server.users = max(0, server.users - 1)
+        last = server.retired and server.users == 0
+    if last:
+        server.close()
+
+
 _atexit_set = False
 
 
@@ -568,5 +597,14 @@ def close_kept() -> None:
     global _kept
     with _kept_lock:
         kept, _kept = _kept, None
-    if kept is not None and kept[1][0] == os.getpid():
+    if kept is not None:
         kept[0].close()
+
+
+def _forget_kept_in_a_fork() -> None:
+    """In a fork of this process: the parent's kept server and lock are not the child's."""
+    global _kept, _kept_lock
+    _kept, _kept_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_kept_in_a_fork)

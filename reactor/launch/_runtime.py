@@ -302,7 +302,7 @@ def _keep_fork_server(graph: Graph, kwargs: dict[str, Any]) -> None:
     so that a notebook's runs after its first fork their workers from it too."""
     import threading
 
-    from ._forkserver import DEFAULT_PRELOAD, TRAINING_PRELOAD, kept_or_new
+    from ._forkserver import DEFAULT_PRELOAD, TRAINING_PRELOAD, kept_or_new, release_kept
 
     placement = kwargs.get("placement", "single")
     if (threading.current_thread() is not threading.main_thread() or placement == "single"
@@ -312,9 +312,10 @@ def _keep_fork_server(graph: Graph, kwargs: dict[str, Any]) -> None:
         return
     training = any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values())
     try:
-        kept_or_new(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
+        server, _ = kept_or_new(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
     except OSError:
-        pass  # the run starts its own, or new interpreters
+        return  # the run starts its own, or new interpreters
+    release_kept(server)  # (kept, not in use: the run takes it in its thread)
 
 
 def asyncio_run(coro: Any) -> Any:

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from reactor.launch._app import build_graph
-from reactor.launch._forkserver import Forks, ForkServer, ForkServerError
+from reactor.launch._forkserver import (
+    Forks,
+    ForkServer,
+    ForkServerError,
+    close_kept,
+    kept_or_new,
+    release_kept,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,6 +127,32 @@ def test_a_wait_for_a_server_that_was_stopped_says_so_and_a_second_wait_returns_
     stopped.close()
     with pytest.raises(ForkServerError, match="the fork server is not running"):
         stopped.wait_ready()
+
+
+def test_a_kept_server_that_a_run_still_uses_is_stopped_only_when_its_last_run_lets_it_go():
+    """The main thread's next run needs more than the kept server imports (a learner's modules, say)
+    while another thread's run still forks from it: a new server is kept, and the old one stays up
+    until that run is done with it (its workers would die with it)."""
+    import threading
+
+    close_kept()  # (one an earlier run of this process kept)
+    first, owned = kept_or_new(["json"])
+    assert not owned
+    got = {}
+    t = threading.Thread(target=lambda: got.update(zip(("server", "owned"), kept_or_new(["json"]))))
+    t.start()
+    t.join()
+    assert got == {"server": first, "owned": False}  # another thread's run shares it
+    second, _ = kept_or_new(["json", "csv"])
+    assert second is not first and first.alive and first.users == 2
+    release_kept(first)  # the main thread's first run ends
+    assert first.alive
+    release_kept(first)  # the other thread's run ends
+    assert _wait(lambda: not first.alive)
+    release_kept(second)
+    assert second.alive  # kept for the next run
+    close_kept()
+    assert _wait(lambda: not second.alive)
 
 
 def _gone(pid: int) -> bool:

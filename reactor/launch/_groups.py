@@ -95,8 +95,8 @@ def restart_from_text(text: str) -> Restart:
     usage = (f"restart {text!r}: use never, on-failure or on-failure:N (N: the most restarts per group), "
              f"then ,backoff_s=S and ,host_wait_s=S if you want them")
     head, *extras = text.split(",")
-    policy, _, n = head.partition(":")
-    if policy not in ("never", "on-failure") or (n and (not n.isdigit() or policy == "never")) or (
+    policy, colon, n = head.partition(":")
+    if policy not in ("never", "on-failure") or (colon and (not (n.isascii() and n.isdigit()) or policy == "never")) or (
             extras and policy == "never"):
         raise GraphError(usage)
     raw: dict[str, Any] = {"restart": policy, **({"max_restarts": int(n)} if n else {})}

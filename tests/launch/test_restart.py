@@ -92,7 +92,7 @@ def test_a_bad_restart_policy_is_refused_naming_the_field_and_the_value(tmp_path
 
 @pytest.mark.parametrize("text", ["always", "on-failure:x", "never:2", "on-failure:-1", "", "never,host_wait_s=5",
                                   "on-failure:2,retries=3", "on-failure,host_wait_s", "on-failure,backoff_s=1,backoff_s=2",
-                                  "on-failure:2,"])
+                                  "on-failure:2,", "on-failure:", "on-failure:,backoff_s=1", "on-failure:\u00b2"])
 def test_a_bad_restart_option_is_refused(text):
     with pytest.raises(GraphError, match=r"use never, on-failure or on-failure:N \(N: the most restarts per group\), "
                                          r"then ,backoff_s=S and ,host_wait_s=S if you want them"):

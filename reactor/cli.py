@@ -472,10 +472,10 @@ def _early_fork_server(args: argparse.Namespace) -> Iterator[None]:
     the server's imports (torch, the nodes) overlap the command's own (measured: 1.5 s sooner to the
     first env step on a 2-core machine; benchmarks/bench_startstop.py). Inside the JSON-only block:
     workers write where the server's stdout points."""
-    local = args.placement != "single" and args.hosts is None and not (
-        Path(args.placement).is_file() and "[hosts]" in Path(args.placement).read_text(errors="replace"))
+    from .launch._forkserver import close_early, launch_early, workers_here
+
+    local = workers_here(args.placement, args.hosts)
     if local:
-        from .launch._forkserver import close_early, launch_early
 
         launch_early()
     try:

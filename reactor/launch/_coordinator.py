@@ -30,11 +30,11 @@ from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, link_key
 from ._cluster import NoHostAnsweredError, RemoteWorkers, address_towards
 from ._forkserver import (
     DEFAULT_PRELOAD,
-    TRAINING_PRELOAD,
     ForkedProcess,
     ForkServer,
     ForkServerError,
     kept_or_new,
+    preload_for,
     release_kept,
     take_early,
 )
@@ -127,8 +127,7 @@ async def run_processes(
         bind = f"tcp://{here}:*"
         dist_store = _dist_store(graph, here)
     else:
-        # A graph with a learner: its server preloads what a learner and Metrics import at startup too.
-        workers = _LocalWorkers(training=any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values()))
+        workers = _LocalWorkers(preload_for(graph))
         bind = f"ipc://{sockdir}/coordinator"
         dist_store = None
     ep = await Endpoint.open(COORDINATOR, bind, curve=keys, curve_local=False,
@@ -261,7 +260,7 @@ class _LocalWorkers:
 
     settle_s = 0.5  # how long a worker's death may take to show in dead()
 
-    def __init__(self, training: bool = False) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD) -> None:
         self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.forks: ForkServer | None = None
         self.owns_forks = True  # else the process's kept server: left running at the run's end
@@ -271,7 +270,7 @@ class _LocalWorkers:
         elif os.environ.get("REACTOR_FORK_SERVER", "1") != "0":
             try:
                 # from the thread that runs the run: the server dies with it
-                self.forks, self.owns_forks = kept_or_new(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
+                self.forks, self.owns_forks = kept_or_new(preload)
             except OSError as e:
                 log.warning("no fork server (%s): workers start as new interpreters", e)
 

@@ -61,7 +61,7 @@ START_TIMEOUT_S = 60.0  # the server's imports
 SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
 
 __all__ = ["DEFAULT_PRELOAD", "TRAINING_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
-           "close_kept", "kept_or_new", "launch_early", "release_kept", "take_early"]
+           "close_kept", "kept_or_new", "launch_early", "preload_for", "release_kept", "take_early", "workers_here"]
 
 
 class ForkServerError(RuntimeError):
@@ -541,6 +541,23 @@ def _fd_file(fd: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def workers_here(placement: Any, hosts: Any) -> bool:
+    """Whether a run's workers start on this host (a multi-process placement, no hosts named by a
+    hosts file or a placement file's ``[hosts]`` table): what ``reactor run``'s early server and a
+    notebook's kept server are for."""
+    if placement == "single" or hosts is not None:
+        return False
+    path = Path(str(placement))
+    return not (path.is_file() and "[hosts]" in path.read_text(errors="replace"))
+
+
+def preload_for(graph: Any) -> Sequence[str]:
+    """What a run's server preloads: a graph with a learner also imports what a learner and Metrics
+    import at startup."""
+    training = any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values())
+    return TRAINING_PRELOAD if training else DEFAULT_PRELOAD
 
 
 def kept_or_new(preload: Sequence[str]) -> tuple[ForkServer, bool]:

@@ -302,17 +302,13 @@ def _keep_fork_server(graph: Graph, kwargs: dict[str, Any]) -> None:
     so that a notebook's runs after its first fork their workers from it too."""
     import threading
 
-    from ._forkserver import DEFAULT_PRELOAD, TRAINING_PRELOAD, kept_or_new, release_kept
+    from ._forkserver import kept_or_new, preload_for, release_kept, workers_here
 
-    placement = kwargs.get("placement", "single")
-    if (threading.current_thread() is not threading.main_thread() or placement == "single"
-            or kwargs.get("hosts") is not None or os.environ.get("REACTOR_FORK_SERVER", "1") == "0"):
+    if (threading.current_thread() is not threading.main_thread() or os.environ.get("REACTOR_FORK_SERVER", "1") == "0"
+            or not workers_here(kwargs.get("placement", "single"), kwargs.get("hosts"))):
         return
-    if Path(str(placement)).is_file() and "[hosts]" in Path(str(placement)).read_text(errors="replace"):
-        return
-    training = any(n.reactor_type.placement_role == "learner" for n in graph.nodes.values())
     try:
-        server, _ = kept_or_new(TRAINING_PRELOAD if training else DEFAULT_PRELOAD)
+        server, _ = kept_or_new(preload_for(graph))
     except OSError:
         return  # the run starts its own, or new interpreters
     release_kept(server)  # (kept, not in use: the run takes it in its thread)

@@ -550,7 +550,15 @@ def workers_here(placement: Any, hosts: Any) -> bool:
     if placement == "single" or hosts is not None:
         return False
     path = Path(str(placement))
-    return not (path.is_file() and "[hosts]" in path.read_text(errors="replace"))
+    if not path.is_file():
+        return True  # a distribution policy by name ("actors", "processes", ...)
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False  # the run itself names what is wrong with the file; no server for it
+    return "hosts" not in data  # [hosts], [hosts.NAME] or an inline table alike
 
 
 def preload_for(graph: Any) -> Sequence[str]:

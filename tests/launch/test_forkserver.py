@@ -23,6 +23,7 @@ from reactor.launch._forkserver import (
     close_kept,
     kept_or_new,
     release_kept,
+    workers_here,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -111,6 +112,25 @@ def test_a_killed_server_takes_its_workers_and_the_daemon_starts_another(tmp_pat
     forks.close()
     assert Forks(None).spawn("cli", argv=[], cwd=tmp_path, env={}, log_path=tmp_path / "n", title="x") is None
     assert Forks(None).state() == "off: the daemon was started with --no-fork-server"
+
+
+@pytest.mark.parametrize(("text", "here"), [
+    ('[groups.all]\nmembers = ["*"]\n', True),
+    ('[hosts]\nh1 = "tcp://10.0.0.1:7000"\n', False),
+    ('[hosts.h1]\naddress = "tcp://10.0.0.1:7000"\n', False),  # a table per host
+    ('hosts = { h1 = "tcp://10.0.0.1:7000" }\n', False),  # an inline table
+    ('# no [hosts] here\n[groups.all]\nmembers = ["*"]\n', True),  # the words in a comment
+    ('[groups.all\n', False),  # not TOML: the run names the error; no server is started for it
+])
+def test_workers_start_here_unless_a_hosts_table_or_file_names_other_hosts(tmp_path, text, here):
+    """Whether ``reactor run`` and a notebook start a fork server early: the placement file's TOML
+    decides (a table of hosts in any of TOML's spellings), not a search for the text "[hosts]"."""
+    f = tmp_path / "p.toml"
+    f.write_text(text)
+    assert workers_here(str(f), None) is here
+    assert workers_here("actors", None) is True
+    assert workers_here("single", None) is False
+    assert workers_here("actors", str(f)) is False  # --hosts FILE
 
 
 def test_a_wait_for_a_server_that_was_stopped_says_so_and_a_second_wait_returns_at_once():

@@ -1,4 +1,5 @@
-"""An owner process for the bulk transport tests: ``python -m tests.transport._bulk_peer ROLE CONFIG_JSON``.
+"""An owner process for the bulk transport tests: ``python -m tests.transport._bulk_peer ROLE CONFIG_JSON``,
+or forked by :mod:`tests.transport._forker` (what the tests do: :func:`run`).
 
 It opens a :class:`BulkOwner` for ``cfg["run_id"]`` with ``cfg["backends"]``, allocates region
 ``cfg["region"]`` (:func:`fill_pattern`'s fields, ``cfg["rows"]`` rows), prints one JSON line
@@ -120,11 +121,15 @@ async def main(role: str, cfg: dict) -> None:
         return
 
 
-if __name__ == "__main__":
-    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+def run(role: str, cfg: dict) -> None:
+    """:func:`main` on the event loop ``cfg["loop"]`` names (``uvloop`` or ``asyncio``)."""
     if cfg.get("loop") == "uvloop":
         import uvloop
 
         uvloop.run(main(role, cfg))
     else:
         asyncio.run(main(role, cfg))
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], json.loads(sys.argv[2]))

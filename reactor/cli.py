@@ -117,12 +117,12 @@ def _parser() -> argparse.ArgumentParser:
                         "Ray actor runs it")
 
     def client(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--daemon", default=None,
+        parser.add_argument("--daemon", default=None, type=_daemon_address,
                             help="the daemon's tcp://HOST:PORT (default: the head host of --placement/--hosts)")
         parser.add_argument("--daemon-key", default=None,
                             help="the daemon's key.pub (default: as the hosts file says, else your own key: a cluster key)")
         parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
-        parser.add_argument("--timeout-s", type=float, default=10.0, help="how long to wait for each answer")
+        parser.add_argument("--timeout-s", type=_answer_seconds, default=10.0, help="how long to wait for each answer")
 
     sl = sub.add_parser("slurm", help="run an app on a Slurm allocation: sbatch starts a daemon per node",
                         description="Submit an app to Slurm: one reactor daemon per node (or per task) started by "
@@ -201,6 +201,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _daemon_address(text: str) -> str:
+    """``--daemon``: a tcp://HOST:PORT zmq can connect to (else zmq's own error, as a traceback)."""
+    from .launch._protocol import tcp_address_error
+
+    if (why := tcp_address_error(text)) is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+def _answer_seconds(text: str) -> float:
+    """``--timeout-s``: finite seconds in (0, 1 day] (inf overflowed zmq's poll; nan and -1 never waited)."""
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds expected, got {text!r}") from None
+    if not 0 < s <= 86400:
+        raise argparse.ArgumentTypeError(f"seconds in (0, 86400] expected, got {text!r}")
+    return s
+
+
 def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:
     """The ``reactor`` command; ``started``: when the command began (a cluster command that runs
     ``run`` itself passes its own start)."""
@@ -208,7 +228,8 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     args.started = started if started is not None else time.time()
     try:
         return _dispatch(args)
-    except (AppError, GraphError, MalformedFrameError, FileNotFoundError, ValueError) as e:
+    except (AppError, GraphError, MalformedFrameError, OSError, ValueError) as e:  # (OSError: a key that is a
+        # directory, an unreadable file: named by its errno and path)
         msg = str(e).replace("\n", "\n  ") if isinstance(e, GraphError) else str(e).splitlines()[0]
         print(f"reactor: {msg}", file=sys.stderr)
         return 2

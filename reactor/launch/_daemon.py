@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,7 @@ from .._errors import DaemonError
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
-from ._hosting import LOG_CHUNK_NBYTES, HostedRuns, Proc
+from ._hosting import HostedRuns, Proc, read_chunk
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
@@ -55,6 +56,7 @@ __all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_sp
 
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
+REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
 STOP_GRACE_S = 20.0
 WATCH_PERIOD_S = 0.2
 
@@ -145,11 +147,15 @@ class Daemon:
                                                spec["placement"], spec["seed"], spec["async"]])).hexdigest()
         job_id = hashlib.sha256(f"{digest}:{time.time_ns()}:{len(self.jobs)}".encode()).hexdigest()[:16]
         jdir = self.state / "jobs" / job_id
-        (jdir / "app").mkdir(mode=0o700, parents=True)
-        for name, data in spec["files"].items():
-            target = jdir / "app" / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        try:
+            (jdir / "app").mkdir(mode=0o700, parents=True)
+            for name, data in spec["files"].items():
+                target = jdir / "app" / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        except BaseException:  # (a full disk, say): no directory without a job.json is left
+            shutil.rmtree(jdir, ignore_errors=True)
+            raise
         placement = spec["placement"]
         if placement in spec["files"]:
             placement = str(jdir / "app" / placement)
@@ -243,10 +249,8 @@ class Daemon:
 
     def logs(self, job_id: str, offset: int) -> dict[str, Any]:
         job = self._job(job_id)
-        with open(job.dir / "output.log", "rb") as f:
-            f.seek(offset)
-            data = f.read(LOG_CHUNK_NBYTES)
-        return {"data": data, "offset": offset + len(data), "done": job.record["state"] != "running"}
+        data, offset = read_chunk(job.dir / "output.log", offset)
+        return {"data": data, "offset": offset, "done": job.record["state"] != "running"}
 
     def _job(self, job_id: str) -> _Job:
         job = self.jobs.get(job_id)
@@ -302,6 +306,9 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_NBYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Replies queued for one client at most (each up to a 1 MiB log chunk): one that asks and never
+        # reads gets the rest dropped, instead of the daemon holding ~1 GiB for it (zmq's default 1000).
+        sock.setsockopt(zmq.SNDHWM, REPLIES_QUEUED_MAX)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         sock.curve_server = True
@@ -332,7 +339,12 @@ class Daemon:
                             frames = plain.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        reply = self._answer(frames)
+                        try:
+                            reply = self._answer(frames)
+                        except Exception:  # noqa: BLE001 - no request, however malformed, ends the daemon
+                            self.refused += 1
+                            log.exception("%s: dropped a request that failed its checks", self.name)
+                            reply = None
                         if reply is not None:
                             with contextlib.suppress(zmq.ZMQError):  # the client left
                                 plain.send_multipart(reply, zmq.NOBLOCK)

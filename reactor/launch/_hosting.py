@@ -68,6 +68,16 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def read_chunk(path: Path, offset: int) -> tuple[bytes, int]:
+    """Up to ``LOG_CHUNK_NBYTES`` of ``path`` from ``offset`` (past the end: from the end, nothing; a
+    seek past the largest file size the filesystem allows would raise), and the offset after them."""
+    with open(path, "rb") as f:
+        offset = min(offset, os.fstat(f.fileno()).st_size)
+        f.seek(offset)
+        data = f.read(LOG_CHUNK_NBYTES)
+    return data, offset + len(data)
+
+
 class _Run:
     def __init__(self, run_id: str, directory: Path, lease_s: float) -> None:
         self.id = run_id
@@ -163,10 +173,8 @@ class HostedRuns:
         run = self.runs.get(run_id)
         if run is None or group not in run.workers:
             raise DaemonError(f"daemon {self.name!r} hosts no group {group!r} of run {run_id!r}")
-        with open(run.dir / f"{group}.log", "rb") as f:
-            f.seek(offset)
-            data = f.read(LOG_CHUNK_NBYTES)
-        return {"data": data, "offset": offset + len(data), "done": run.workers[group].poll() is not None}
+        data, offset = read_chunk(run.dir / f"{group}.log", offset)
+        return {"data": data, "offset": offset, "done": run.workers[group].poll() is not None}
 
     def run_files(self, run_id: str) -> list[dict[str, Any]]:
         """The files a run's workers wrote in their directory here (their relative run
@@ -196,10 +204,8 @@ class HostedRuns:
         p = run.dir / path
         if path.split("/")[0] == "app" or p.is_symlink() or not p.is_file() or run.dir.resolve() not in p.resolve().parents:
             raise DaemonError(f"run {run_id!r} has no file {path!r} here")
-        with open(p, "rb") as f:
-            f.seek(offset)
-            data = f.read(LOG_CHUNK_NBYTES)
-        return {"data": data, "offset": offset + len(data)}
+        data, offset = read_chunk(p, offset)
+        return {"data": data, "offset": offset}
 
     def _run(self, run_id: str) -> _Run:
         run = self.runs.get(run_id)
@@ -237,8 +243,10 @@ class HostedRuns:
                 if p.poll() is not None:
                     run.ended.setdefault(g, time.time())
             live = [p for p in run.workers.values() if p.poll() is None]
-            if run.end_deadline is None and live and now - run.seen > run.lease_s:
-                log.warning("%s: run %s: no word from its coordinator for %.1f s: ending its workers here",
+            # (with no live worker too: a run whose workers died and whose coordinator is gone would
+            # keep its socket directory and segments for the daemon's life)
+            if run.end_deadline is None and now - run.seen > run.lease_s:
+                log.warning("%s: run %s: no word from its coordinator for %.1f s: ending it here",
                             self.name, run.id, now - run.seen)
                 self.end(run.id, f"its coordinator was silent for more than {run.lease_s:.1f} s")
             if run.end_deadline is not None and live and now > run.end_deadline:

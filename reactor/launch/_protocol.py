@@ -26,6 +26,7 @@ worker, when it delivers (``Worker._take``).
 from __future__ import annotations
 
 import re
+import reprlib
 import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -90,14 +91,35 @@ def _text(v: Any) -> str | None:
     return None
 
 
-def _address(v: Any) -> str | None:
-    if type(v) is not str or len(v) > _ADDRESS_MAX or not v.startswith(("tcp://", "ipc://")):
-        return f"a tcp:// or ipc:// address expected, got {_show(v)}"
+_TCP_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})\Z")
+_IPC_PATH_MAX = 107  # sun_path's 108 bytes, with the NUL
+
+
+def tcp_address_error(v: Any) -> str | None:
+    """None if ``v`` is a ``tcp://HOST:PORT`` address zmq can connect to (a port in 1..65535), else why not."""
+    m = _TCP_RE.match(v) if type(v) is str and len(v) <= _ADDRESS_MAX else None
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        return f"a tcp://HOST:PORT address expected, got {_show(v)}"
     return None
 
 
+def _address(v: Any) -> str | None:
+    """An endpoint a worker or the coordinator will connect to: checked here as far as ``connect``
+    would refuse it (a refusal there would end the run, not drop the message)."""
+    if type(v) is not str or len(v) > _ADDRESS_MAX:
+        return f"a tcp:// or ipc:// address expected, got {_show(v)}"
+    if v.startswith("tcp://"):
+        return tcp_address_error(v)
+    if v.startswith("ipc://"):
+        path = v[len("ipc://"):]
+        if not path or "\0" in path or len(path.encode()) > _IPC_PATH_MAX:
+            return f"an ipc:// path of 1..{_IPC_PATH_MAX} bytes expected, got {_show(v)}"
+        return None
+    return f"a tcp:// or ipc:// address expected, got {_show(v)}"
+
+
 def _local_address(v: Any) -> str | None:
-    if v is not None and (type(v) is not str or len(v) > _ADDRESS_MAX or not v.startswith("ipc://")):
+    if v is not None and (type(v) is not str or not v.startswith("ipc://") or _address(v) is not None):
         return f"None or an ipc:// address expected, got {_show(v)}"
     return None
 
@@ -197,10 +219,12 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
 
 # ------------------------------------------------------------------------------ daemon requests
 
-_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*\Z")  # (\Z: no "\n" after)
 _FILES_MAX = 64
 _FILES_MAX_NBYTES = 32 * 2**20
-_JOB_RE = re.compile(r"^[0-9a-f]{16}$")
+_JOB_RE = re.compile(r"^[0-9a-f]{16}\Z")
+_CONFIG_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}\Z")  # (what --set KEY=VALUE can carry)
+_POLICY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,63}\Z")  # a policy's name (not a path: those are shipped files)
 
 
 def is_plain(v: Any, depth: int = 0) -> bool:
@@ -232,6 +256,9 @@ def _files(files: Any, sums: Any, app: Any) -> str | None:
         total += len(data)
     if total > _FILES_MAX_NBYTES:
         return f"files: {total} bytes in all, more than {_FILES_MAX_NBYTES}"
+    dirs = {"/".join(parts[:i]) for parts in (n.split("/") for n in files) for i in range(1, len(parts))}
+    if both := sorted(dirs & set(files)):
+        return f"files: {both[0]!r} is both a file and a directory"
     if type(sums) is not dict or set(sums) != set(files) or not all(
             type(h) is str and re.fullmatch(r"[0-9a-f]{64}", h) for h in sums.values()):
         return "sha256: one hex sha256 per file expected"
@@ -247,7 +274,9 @@ def _job_spec(v: Any) -> str | None:
         return why
     if type(v["config"]) is not dict or not is_plain(v["config"]):
         return f"config: a dict of plain values (None, bool, int, float, str, lists, dicts) expected, got {_show(v['config'])}"
-    if type(v["placement"]) is not str or not 0 < len(v["placement"]) <= 255:
+    if bad := [k for k in v["config"] if not _CONFIG_KEY_RE.match(k)]:
+        return f"config: {_show(bad[0])} is not a field name ([A-Za-z_][A-Za-z0-9_.-]*, at most 128)"
+    if type(v["placement"]) is not str or not (v["placement"] in v["files"] or _POLICY_RE.match(v["placement"])):
         return f"placement: a policy name or the name of one of the files expected, got {_show(v['placement'])}"
     if v["hosts"] is not None and (type(v["hosts"]) is not str or v["hosts"] not in v["files"]):
         return f"hosts: None or the name of one of the files expected, got {_show(v['hosts'])}"
@@ -273,13 +302,14 @@ def _job_or_none(v: Any) -> str | None:
     return None if v is None else _job_id(v)
 
 
-_RUN_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_GROUP_NAME_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]{1,128}$")
+_RUN_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,63}\Z")  # not "." nor "..": a directory's name
+_GROUP_NAME_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]{1,128}\Z")
 _SPAWN_FIELDS = ("run", "group", "app", "files", "sha256", "worker", "lease_s")
 
 
 def _run_id(v: Any) -> str | None:
-    return None if type(v) is str and _RUN_RE.match(v) else f"a run id ([A-Za-z0-9_.-], 1..64) expected, got {_show(v)}"
+    return None if type(v) is str and _RUN_RE.match(v) else \
+        f"a run id ([A-Za-z0-9_.-], 1..64, not starting with '.') expected, got {_show(v)}"
 
 
 def _group_name(v: Any) -> str | None:
@@ -414,6 +444,17 @@ def _check_value(port_type: Any, value: Any) -> str | None:
     return f"the port takes {name}, got {_show(value)}"
 
 
+_SHOW = reprlib.Repr()  # (Python 3.11's takes no arguments)
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 3, 4, 4, 4, 4
+_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 60, 40, 60
+
+
 def _show(v: Any) -> str:
-    text = repr(v)
+    """A value, shown in an error: bounded in depth and length whatever the peer sent (a full
+    ``repr`` of a list nested a thousand deep raised RecursionError, and one of millions of items
+    took seconds)."""
+    try:
+        text = _SHOW.repr(v)
+    except Exception:  # noqa: BLE001 - a hostile value's repr must not take the checker down
+        text = "?"
     return f"{type(v).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"

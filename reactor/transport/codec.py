@@ -35,8 +35,10 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import operator
 import struct
 import sys
 import threading
@@ -548,7 +550,8 @@ class _Decoder:
                 raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
             self.depth += 1
             try:
-                items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
+                items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
+                                        object_pairs_hook=_map_of)
             finally:
                 self.depth -= 1
             if type(items) is not list:
@@ -570,9 +573,31 @@ class _Decoder:
             raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
         self.depth += 1
         try:
-            return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
+            return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
+                                   object_pairs_hook=_map_of)
         finally:
             self.depth -= 1
+
+
+_first = operator.itemgetter(0)
+#: Maps of more entries than this are checked for keys sharing a hash before a dict is built of them;
+#: no hash may be shared by more keys than this.
+_MAP_CHECK_FROM = 32
+
+
+def _map_of(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A decoded map (msgpack's ``object_pairs_hook``). Keys may be tuples, and tuples of -1 and -2
+    all share one hash (``hash(-1) == hash(-2)``): a map of thousands of such keys costs time
+    quadratic in their number to build (a 300 KB frame held a loop for 4 s). So a larger map whose
+    keys put more than ``_MAP_CHECK_FROM`` on one hash (never so among distinct keys a program
+    makes; a repeated key counts too) is refused before any dict is built from it. Every pass here
+    is in C (``Counter`` counts in C; no Python loop over the entries)."""
+    if len(pairs) > _MAP_CHECK_FROM:
+        most = max(collections.Counter(map(hash, map(_first, pairs))).values())
+        if most > _MAP_CHECK_FROM:
+            raise MalformedFrameError(f"a map of {len(pairs)} entries, {most} of whose keys share one hash "
+                                      f"(a collision flood, or a repeated key)")
+    return dict(pairs)
 
 
 def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:

@@ -68,6 +68,27 @@ def test_run_options_are_checked_before_the_app_and_torch_are_imported():
         assert (p.stdout.split(), p.stderr) == (["2", "False"], message), args
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--daemon", "garbage"], "argument --daemon: a tcp://HOST:PORT address expected, got str 'garbage'"),
+    (["--daemon", "tcp://127.0.0.1:notaport"], "argument --daemon: a tcp://HOST:PORT address expected"),
+    (["--timeout-s", "inf"], "argument --timeout-s: seconds in (0, 86400] expected, got 'inf'"),
+    (["--timeout-s", "nan"], "argument --timeout-s: seconds in (0, 86400] expected, got 'nan'"),
+    (["--timeout-s", "-1"], "argument --timeout-s: seconds in (0, 86400] expected, got '-1'"),
+])
+def test_a_daemon_clients_bad_address_or_timeout_is_a_usage_error_not_a_traceback(args, message):
+    """They were a ZMQError or OverflowError traceback, or a wait of "nan s"."""
+    p = reactor("status", *args)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
+    from reactor.launch._keys import init_keys
+
+    init_keys(tmp_path / "keys")
+    p = reactor("status", "--daemon", "tcp://127.0.0.1:1", "--daemon-key", str(tmp_path), "--keys", str(tmp_path / "keys"))
+    assert p.returncode == 2 and p.stderr == f"reactor: [Errno 21] Is a directory: '{tmp_path}'\n", p.stderr
+
+
 def test_app_without_build_is_a_one_line_error(tmp_path):
     app = tmp_path / "app.py"
     app.write_text("x = 1\n")

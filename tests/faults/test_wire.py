@@ -9,6 +9,7 @@ sender table without bound; a connection under a live peer's name took its ident
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from reactor.launch._protocol import (
     CoordinatorProtocol,
     WorkerProtocol,
     check_message,
+    check_request,
 )
 from reactor.transport import Endpoint
 from reactor.transport.codec import encode
@@ -109,6 +111,64 @@ def test_each_kind_accepts_its_well_formed_message_and_names_what_is_wrong_other
         "'hello' field 2: None or an ipc:// address expected, got str 'tcp://10.0.0.1:6'")
     assert c("actor-0", ("done", {})).startswith("'done' field 1: a dict with exactly the fields")
     assert c("mallory", ("stop_request",)) == "'mallory' is not a worker of this run"
+
+
+def test_an_address_is_refused_where_connect_would_refuse_it():
+    """A hello's address that passed the schema and then made ``connect`` raise ended the run (at its
+    start) instead of being dropped: the schema now refuses what zmq would."""
+    c = CoordinatorProtocol(["actor-0"])
+    for good in ("tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://h1.example.org:65535", "ipc:///run/r/w.sock"):
+        assert c("actor-0", ("hello", good, None)) is None, good
+    for bad in ("tcp://", "tcp://nohost", "tcp://1.2.3.4:99999", "tcp://1.2.3.4:0", "tcp://*:5", "tcp://h:5\x00",
+                "tcp://h:5\n", "ipc://", "ipc://" + "x" * 200):
+        why = c("actor-0", ("hello", bad, None))
+        assert why is not None and why.startswith("'hello' field 1: a"), (bad, why)
+    assert c("actor-0", ("hello", "tcp://h:5", "ipc://" + "x" * 200)).startswith("'hello' field 2: None or an ipc://")
+
+
+def test_a_value_nested_a_thousand_deep_or_millions_long_is_named_briefly_not_fatally():
+    """The checks name what they refuse; naming a list nested 1,000 deep (a 1 KB msgpack body) raised
+    RecursionError in the daemon, which ended it."""
+    deep = msgpack.unpackb(b"\x91" * 1000 + b"\xc0")
+    assert check_request(deep) == "a request is [id, kind, ...] with an int id, got list [[[[...]]]]"
+    assert check_request([7, "status", deep]) == (
+        "'status' field 1: a job id (16 hex digits) expected, got list [[[[...]]]]")
+    assert check_request([7, "status", list(range(10**6))]) == (
+        "'status' field 1: a job id (16 hex digits) expected, got list [0, 1, 2, 3, ...]")
+
+
+@pytest.mark.parametrize(("req", "why"), [
+    (["workers", ".."], "'workers' field 1: a run id ([A-Za-z0-9_.-], 1..64, not starting with '.') expected"),
+    (["run_files", "."], "'run_files' field 1: a run id"),
+    (["run_file", "..", "daemon.json", 0], "'run_file' field 1: a run id"),
+    (["end", "r1\n"], "'end' field 1: a run id"),
+    (["status", "0123456789abcdef\n"], "'status' field 1: a job id"),
+    (["worker_log", "r1", "g\n", 0], "'worker_log' field 2: a group name"),
+])
+def test_names_that_would_leave_the_runs_directory_or_end_in_a_newline_are_refused(req, why):
+    """A run id of ".." made STATE/runs/.. (the daemon's state directory) a run's directory: its spawn
+    wrote there and run_file read other jobs' files; a trailing newline passed every name's "$"."""
+    got = check_request([1, *req])
+    assert got is not None and got.startswith(why), got
+
+
+def test_a_job_spec_names_its_placement_its_config_keys_and_its_files_plainly():
+    from reactor.launch._daemon import job_spec
+
+    good = job_spec(ROOT / "tests" / "apps" / "gated.py")
+    assert check_request([1, "submit", good]) is None
+    files = {"gated.py": good["files"]["gated.py"], "d": b"", "d/e.py": b""}
+    sums = {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    for spec, why in [
+        ({**good, "placement": "/etc/hostname"}, "placement: a policy name or the name of one of the files"),
+        ({**good, "placement": "../p.toml"}, "placement: a policy name"),
+        ({**good, "config": {"lr\x00": 1}}, "config: str 'lr\\x00' is not a field name"),
+        ({**good, "config": {"a=b": 1}}, "config: str 'a=b' is not a field name"),
+        ({**good, "files": files, "sha256": sums}, "files: 'd' is both a file and a directory"),
+    ]:
+        got = check_request([1, "submit", spec])
+        assert got is not None and got.startswith(f"'submit' field 1: {why}"), got
+    assert check_request([1, "submit", {**good, "placement": "dp-learners", "config": {"algo_config.lr": 1}}]) is None
 
 
 # ------------------------------------------------------------------------------ on real endpoints

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -174,8 +175,12 @@ def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daem
         for i, req in enumerate((["status", "nothex"], ["logs", "0" * 16, -1], ["stop"], ["fly"]), 200):
             s.send_multipart([b"", msgpack.packb([i, *req])])
         s.send_multipart([b"", msgpack.packb([300, "status", "0123456789abcdef"])])
+        # 1 KB bodies nested 1,000 deep: naming them in the refusal raised RecursionError, which ended the daemon
+        s.send_multipart([b"", b"\x91" * 1000 + b"\xc0"])
+        s.send_multipart([b"", msgpack.packb([400, "status", None])[:-1] + b"\x91" * 1000 + b"\xc0"])
+        s.send_multipart([b"", msgpack.packb([401, "run_files", ".."])])  # the daemon's own state directory
         replies = {}
-        while len(replies) < len(bad_specs) + 5:
+        while len(replies) < len(bad_specs) + 7:
             assert s.poll(10_000), f"only {len(replies)} replies"
             rid, ok, why = msgpack.unpackb(s.recv_multipart()[-1])
             replies[rid] = (ok, why)
@@ -184,6 +189,8 @@ def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daem
         assert "does not match its sha256" in replies[101][1]
         assert "has no job '0123456789abcdef'" in replies[300][1]
         assert "restart 'sometimes': use never, on-failure or on-failure:N" in replies[105][1]
+        assert replies[400][1] == "bad request: 'status' field 1: a job id (16 hex digits) expected, got list [[[[...]]]]"
+        assert replies[401][1].startswith("bad request: 'run_files' field 1: a run id")
         plain = ctx.socket(zmq.DEALER)  # no CURVE at all: the handshake fails, nothing reaches it
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(daemon.address)
@@ -293,3 +300,39 @@ def test_a_runs_files_offered_back_are_its_outputs_only_and_no_link_leads_out(tm
     for path in ("app/a.py", "runs/x/passwd", "runs/x/nope"):
         with pytest.raises(DaemonError, match=rf"^run 'r1' has no file {path!r} here$"):
             hosted.run_file("r1", path, 0)
+
+
+def test_a_hosted_run_whose_workers_died_and_whose_coordinator_went_silent_is_ended_after_its_lease(tmp_path):
+    """Its lease used to run only while a worker lived: a run whose workers all died and whose
+    coordinator was gone (killed, its host cut off) kept its socket directory and segments for the
+    daemon's whole life."""
+    from reactor.launch._hosting import HostedRuns, _Run
+
+    hosted = HostedRuns("h1", "127.0.0.1", tmp_path)
+    run = hosted.runs["r1"] = _Run("r1", hosted.root / "r1", 0.3)
+    run.sockdir = tmp_path / "sockets-r1"
+    run.sockdir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run.workers["actor-0"] = dead
+    hosted.watch()
+    assert run.end_deadline is None and run.sockdir.exists()  # within its lease: the coordinator may respawn it
+    _wait_for(lambda: time.monotonic() - run.seen > run.lease_s, 5, "the lease to run out")
+    hosted.watch()
+    assert run.why_ended == "its coordinator was silent for more than 0.3 s"
+    assert run.cleaned and not run.sockdir.exists()
+    run.seen = time.monotonic()  # (a word from it now changes nothing: the run ended here)
+    hosted.watch()
+    assert run.cleaned
+
+
+def test_a_log_chunk_asked_past_the_end_of_the_file_is_empty_not_an_error(tmp_path):
+    """``logs JOB 2**63-1`` passed the schema, then the seek raised EINVAL (a traceback in the
+    daemon's log): an offset past the end now reads nothing, from the end."""
+    from reactor.launch._hosting import LOG_CHUNK_NBYTES, read_chunk
+
+    f = tmp_path / "output.log"
+    f.write_bytes(b"x" * (LOG_CHUNK_NBYTES + 10))
+    assert read_chunk(f, 0) == (b"x" * LOG_CHUNK_NBYTES, LOG_CHUNK_NBYTES)
+    assert read_chunk(f, LOG_CHUNK_NBYTES) == (b"x" * 10, LOG_CHUNK_NBYTES + 10)
+    assert read_chunk(f, 2**63 - 1) == (b"", LOG_CHUNK_NBYTES + 10)

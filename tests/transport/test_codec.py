@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -400,3 +401,30 @@ def test_random_bytes_after_the_batch_marker_decode_or_raise_malformed_never_any
         codec.decode_batch(b"\xc1" + body, max_nbytes=MAX)
     except MalformedFrameError:
         pass
+
+
+def _tuple_key_map(keys: list[tuple[int, ...]]) -> bytes:
+    """A msgpack map of ``keys`` (as the codec's tuple extension) to nil."""
+    return msgpack.packb({msgpack.ExtType(codec.EXT_TUPLE, msgpack.packb(list(k))): None for k in keys})
+
+
+def test_a_map_whose_keys_flood_one_hash_is_refused_before_it_is_built():
+    """Tuples of -1 and -2 all hash alike (hash(-1) == hash(-2)): a dict of thousands of them takes time
+    quadratic in their number to build (16,384 such keys, a 311 KB frame, held a loop for 4 s). Such a
+    map is malformed, also when the colliding keys hide among as many ordinary ones."""
+    colliding = list(itertools.product((-1, -2), repeat=12))  # 4,096 distinct keys, one hash
+    assert len({hash(k) for k in colliding}) == 1
+    with pytest.raises(MalformedFrameError, match=r"^a map of 4096 entries, 4096 of whose keys share one hash"):
+        decode([_tuple_key_map(colliding)], max_nbytes=MAX)
+    mixed = colliding + [(i, i) for i in range(4096)]
+    with pytest.raises(MalformedFrameError, match=r"^a map of 8192 entries, 4096 of whose keys share one hash"):
+        decode([_tuple_key_map(mixed)], max_nbytes=MAX)
+    inside = msgpack.packb(msgpack.ExtType(codec.EXT_TUPLE, b"\x92\x01" + _tuple_key_map(colliding)))  # (1, {...})
+    with pytest.raises(MalformedFrameError, match=r"share one hash"):  # inside a tuple too (its own unpack)
+        decode([inside], max_nbytes=MAX)
+
+
+def test_large_maps_of_ordinary_keys_round_trip():
+    obj = {"ints": {i: i for i in range(20_000)}, "tuples": {(i, -1): i for i in range(5_000)},
+           "few": {-1: "a", -2: "b"}, "strings": {f"k{i}": [i] for i in range(5_000)}}
+    assert_same(obj, roundtrip(obj))

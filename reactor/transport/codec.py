@@ -36,13 +36,16 @@ Example::
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import math
 import operator
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+import types
+import typing
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -539,6 +542,13 @@ class _Decoder:
                 f"message {name} has fields {list(fields)}, the frame carries "
                 f"{len(values) if type(values) is list else type(values).__name__} values"
             )
+        checks = _FIELD_CHECKS.get(cls)
+        if checks is None:
+            checks = _FIELD_CHECKS[cls] = _field_checks(cls, fields)
+        for i, check, want in checks:  # (the fields whose declared type can be checked: a few each)
+            if not check(values[i]):
+                raise MalformedFrameError(f"message {name}: field {fields[i]} must be {want}, got "
+                                          f"{type(values[i]).__name__}")
         try:
             return cls(**dict(zip(fields, values)))
         except Exception as exc:
@@ -598,6 +608,56 @@ def _map_of(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
             raise MalformedFrameError(f"a map of {len(pairs)} entries, {most} of whose keys share one hash "
                                       f"(a collision flood, or a repeated key)")
     return dict(pairs)
+
+
+_FIELD_CHECKS: dict[type, tuple[tuple[int, Callable[[Any], bool], str], ...]] = {}
+
+
+def _check_of(hint: Any) -> tuple[Callable[[Any], bool], str] | None:
+    """A check of a value against a field's declared type, and its name; None where the type says
+    nothing checkable (``Any``, a type variable, a string annotation that did not resolve). Containers
+    are checked as containers (their items are the receiver's): a dict, a list, a tuple. A numpy
+    scalar is an int, a float or a bool as a Python one is (senders compute fields with numpy)."""
+    if hint is Any or hint is object:  # (Any is a class since Python 3.11, which isinstance refuses)
+        return None
+    if hint is int:
+        return (lambda v: type(v) is int or isinstance(v, np.integer)), "an int"
+    if hint is float:
+        return (lambda v: type(v) in (int, float) or isinstance(v, (np.floating, np.integer))), "a number"
+    if hint is bool:
+        return (lambda v: type(v) is bool or isinstance(v, np.bool_)), "a bool"
+    if hint in (str, bytes):
+        return (lambda v: type(v) is hint), hint.__name__
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        parts = [_check_of(a) if a is not type(None) else ((lambda v: v is None), "None") for a in typing.get_args(hint)]
+        if any(p is None for p in parts):
+            return None
+        checks = [p[0] for p in parts]  # type: ignore[index]
+        return (lambda v: any(c(v) for c in checks)), " or ".join(p[1] for p in parts)  # type: ignore[index]
+    if origin is not None:
+        hint = origin
+    if hint in (dict, list, tuple) or hint in (collections.abc.Mapping, collections.abc.Sequence):
+        base = {collections.abc.Mapping: dict, collections.abc.Sequence: (list, tuple)}.get(hint, hint)
+        return (lambda v: isinstance(v, base)), getattr(hint, "__name__", str(hint))
+    if isinstance(hint, type):
+        return (lambda v: isinstance(v, hint)), hint.__name__
+    return None
+
+
+def _field_checks(cls: type, fields: tuple[str, ...]) -> tuple[tuple[int, Callable[[Any], bool], str], ...]:
+    """The checks of a registered message's fields, from their declared types (resolved once per class;
+    a class whose annotations do not resolve here is checked by its constructor alone)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - e.g. a name imported only for type checkers
+        return ()
+    out = []
+    for i, f in enumerate(fields):
+        got = _check_of(hints.get(f, Any))
+        if got is not None:
+            out.append((i, *got))
+    return tuple(out)
 
 
 def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:

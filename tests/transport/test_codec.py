@@ -428,3 +428,28 @@ def test_large_maps_of_ordinary_keys_round_trip():
     obj = {"ints": {i: i for i in range(20_000)}, "tuples": {(i, -1): i for i in range(5_000)},
            "few": {-1: "a", -2: "b"}, "strings": {f"k{i}": [i] for i in range(5_000)}}
     assert_same(obj, roundtrip(obj))
+
+
+def test_a_registered_messages_fields_are_checked_against_their_declared_types_at_the_boundary():
+    """A peer's SampleRequest with n="x", or a Report whose values are not a dict, is malformed where it
+    is decoded (dropped and logged by the endpoint), not an exception in the reaction that takes it.
+    Numpy scalars pass where their Python kind is declared (senders compute fields with numpy)."""
+    from reactor.nodes.messages import SampleRequest, ShardMass
+    from reactor.nodes.train_messages import Report
+
+    def frame(cls, values):
+        return [pack(ext(4, [f"{cls.__module__}.{cls.__qualname__}", values]))]
+
+    with pytest.raises(MalformedFrameError, match=r"^message reactor\.nodes\.messages\.SampleRequest: field n must be "
+                                                  r"an int, got str$"):
+        decode(frame(SampleRequest, [0, 1, 2, "x", "", 0, ""]), max_nbytes=MAX)
+    with pytest.raises(MalformedFrameError, match=r"field host must be str, got int$"):
+        decode(frame(SampleRequest, [0, 1, 2, 5, 7, 0, ""]), max_nbytes=MAX)
+    with pytest.raises(MalformedFrameError, match=r"field values must be dict, got list$"):
+        decode(frame(Report, ["actor-0", [1, 2]]), max_nbytes=MAX)
+    with pytest.raises(MalformedFrameError, match=r"field mass must be a number, got str$"):
+        decode(frame(ShardMass, [0, 1, 2, "", "1.0", 0.5, 3, 0.4]), max_nbytes=MAX)
+    sent = ShardMass(np.int64(0), 1, 2, "", np.float32(1.5), 0.5, np.int64(3), 0.4)
+    got = roundtrip(sent)
+    assert got == sent and isinstance(got, ShardMass)
+    assert roundtrip(SampleRequest(0, 1, 2, n=np.int32(256))).n == 256

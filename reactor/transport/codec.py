@@ -602,7 +602,7 @@ def _map_of(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     keys put more than ``_MAP_CHECK_FROM`` on one hash (never so among distinct keys a program
     makes; a repeated key counts too) is refused before any dict is built from it. Every pass here
     is in C (``Counter`` counts in C; no Python loop over the entries)."""
-    if len(pairs) > _MAP_CHECK_FROM:
+    if len(pairs) > _MAP_CHECK_FROM and len(set(map(hash, map(_first, pairs)))) < len(pairs):  # (distinct: the rule)
         most = max(collections.Counter(map(hash, map(_first, pairs))).values())
         if most > _MAP_CHECK_FROM:
             raise MalformedFrameError(f"a map of {len(pairs)} entries, {most} of whose keys share one hash "

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -423,44 +423,58 @@ def _serve(preload: list[str], req_fd: int, ev_fd: int) -> None:
         events.write(json.dumps(obj).encode() + b"\n")
 
     say({"ready": ok, "failed": failed, "threads": len(os.listdir("/proc/self/task"))})
+    buf = b""
+
+    def on_request(loop_fds: Sequence[int]) -> bool:
+        nonlocal buf
+        chunk = os.read(req_fd, 1 << 20)
+        if not chunk:  # the daemon is gone
+            return False
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = None
+            try:
+                req = json.loads(line)
+                if req.get("entry") not in ENTRIES:
+                    raise ValueError(f"no entry {req.get('entry')!r}")
+            except (ValueError, AttributeError) as e:
+                say({"id": req.get("id", -1) if isinstance(req, dict) else -1, "error": str(e)})
+                continue
+            try:
+                pid = os.fork()
+            except OSError as e:
+                say({"id": req["id"], "error": f"fork failed: {e}"})
+                continue
+            if pid == 0:
+                _child(req, (req_fd, ev_fd, *loop_fds))
+            say({"id": req["id"], "pid": pid})
+        return True
+
+    fork_loop(req_fd, on_request, lambda pid, rc: say({"exit": pid, "rc": rc}))
+
+
+def fork_loop(fd: int, on_request: Callable[[Sequence[int]], bool], on_exit: Callable[[int, int], None]) -> None:
+    """The loop of a single-threaded fork server: wait until ``fd`` is readable or a child has ended
+    (SIGCHLD wakes it through a pipe); call ``on_request(loop_fds)`` when ``fd`` is readable (it forks;
+    a child closes ``loop_fds``, the loop's own; False: return), and ``on_exit(pid, rc)`` for every
+    child reaped (``rc`` as ``Popen.returncode``: minus the signal's number when a signal ended it)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sel = selectors.DefaultSelector()
-    sel.register(req_fd, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
-    buf = b""
+    loop_fds = (wake_r, wake_w, sel.fileno())
     while True:
         for key, _ in sel.select():
             if key.fd == wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-                continue
-            chunk = os.read(req_fd, 1 << 20)
-            if not chunk:  # the daemon is gone
+            elif not on_request(loop_fds):
                 return
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                req = None
-                try:
-                    req = json.loads(line)
-                    if req.get("entry") not in ENTRIES:
-                        raise ValueError(f"no entry {req.get('entry')!r}")
-                except (ValueError, AttributeError) as e:
-                    say({"id": req.get("id", -1) if isinstance(req, dict) else -1, "error": str(e)})
-                    continue
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    say({"id": req["id"], "error": f"fork failed: {e}"})
-                    continue
-                if pid == 0:
-                    sel.close()
-                    _child(req, (req_fd, ev_fd, wake_r, wake_w))
-                say({"id": req["id"], "pid": pid})
         while True:  # reap every child that ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -468,7 +482,7 @@ def _serve(preload: list[str], req_fd: int, ev_fd: int) -> None:
                 break
             if pid == 0:
                 break
-            say({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+            on_exit(pid, os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":

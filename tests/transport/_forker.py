@@ -9,7 +9,7 @@ It talks to its one client over a ``SOCK_SEQPACKET`` socket pair (one datagram a
 pickle): a request ``{"role", "cfg"}`` carries two file descriptors, the owner's stdin and stdout
 (``socket.send_fds``); the answer is ``{"pid": PID}``, and each owner's end is reported as
 ``{"exit": PID, "rc": CODE}`` (``rc`` as ``Popen.returncode``: minus the signal's number when a signal
-ended it). An owner runs as a new interpreter would: its atexit hooks run when it ends (the
+ended it); its loop is the product fork server's (:func:`reactor.launch._forkserver.fork_loop`). An owner runs as a new interpreter would: its atexit hooks run when it ends (the
 forker's own do not), and it dies with the forker, as the forker dies with its client.
 """
 
@@ -17,29 +17,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import io
 import json
 import os
-import selectors
 import signal
 import socket
 import sys
 import traceback
+from collections.abc import Sequence
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+from reactor.launch._forkserver import _set_death_signal, fork_loop
 
 
 def _owner(req: dict, stdin_fd: int, stdout_fd: int, close: list[int]) -> None:
     """The forked child: the owner's role, with the request's pipes as its stdin and stdout; never returns."""
     code = 1
     try:
-        _die_with_parent()
+        _set_death_signal(signal.SIGKILL)
         for fd in close:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -76,45 +70,27 @@ def serve(sock: socket.socket) -> None:
         with contextlib.suppress(OSError):
             sock.send(json.dumps(obj).encode())
 
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    while True:
-        for key, _ in sel.select():
-            if key.fd == wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wake_r, 4096)
-                continue
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 2)
-            if not msg:
-                return  # the client is gone
-            req = json.loads(msg)
-            if len(fds) != 2:
-                for fd in fds:
-                    os.close(fd)
-                say({"error": f"a request needs 2 file descriptors, got {len(fds)}"})
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _owner(req, fds[0], fds[1], [sock.fileno(), wake_r, wake_w])
+    def on_request(loop_fds: Sequence[int]) -> bool:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 2)
+        if not msg:
+            return False  # the client is gone
+        req = json.loads(msg)
+        if len(fds) != 2:
             for fd in fds:
                 os.close(fd)
-            say({"pid": pid})
-        while True:  # report every owner that ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            say({"exit": pid, "rc": -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)})
+            say({"error": f"a request needs 2 file descriptors, got {len(fds)}"})
+            return True
+        pid = os.fork()
+        if pid == 0:
+            _owner(req, fds[0], fds[1], [sock.fileno(), *loop_fds])
+        for fd in fds:
+            os.close(fd)
+        say({"pid": pid})
+        return True
+
+    fork_loop(sock.fileno(), on_request, lambda pid, rc: say({"exit": pid, "rc": rc}))
 
 
 if __name__ == "__main__":
-    _die_with_parent()
+    _set_death_signal(signal.SIGKILL)
     serve(socket.socket(fileno=int(sys.argv[1])))

@@ -323,8 +323,9 @@ class _Receiving:
                 self._name, count, sender.name,
             )
             return 0
+        refused: list[str] = []
         try:
-            objs = decode_batch(frame, max_nbytes=self._max_nbytes)
+            objs = decode_batch(frame, max_nbytes=self._max_nbytes, refused=refused)
         except (MalformedFrameError, FrameTooLargeError) as exc:
             n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += count
             log.warning(
@@ -335,6 +336,17 @@ class _Receiving:
             self._maybe_grant(sender)
             return 0
         name = sender.name
+        if refused:  # bad messages of a good batch: left out alone, their credit back as consumed
+            n["dropped_malformed"] += len(refused)
+            log.warning("endpoint %r: dropped %d of a batch of %d messages from peer %r: %s", self._name,
+                        len(refused), count, name, "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else ""))
+            refused_nbytes = nbytes * len(refused) // count
+            sender.ungranted_msgs += len(refused)
+            sender.ungranted_nbytes += refused_nbytes
+            self._maybe_grant(sender)
+            count, nbytes = len(objs), nbytes - refused_nbytes
+            if not count:
+                return 0
         if self._accept is not None:
             kept = [obj for obj in objs if self._accepted(name, obj)]
             if len(kept) < count:

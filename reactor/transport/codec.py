@@ -620,10 +620,10 @@ def _check_of(hint: Any) -> tuple[Callable[[Any], bool], str] | None:
     scalar is an int, a float or a bool as a Python one is (senders compute fields with numpy)."""
     if hint is Any or hint is object:  # (Any is a class since Python 3.11, which isinstance refuses)
         return None
-    if hint is int:
-        return (lambda v: type(v) is int or isinstance(v, np.integer)), "an int"
+    if hint is int:  # (a bool is an int here, as in Python: the receiver's own checks say more)
+        return (lambda v: isinstance(v, (int, np.integer))), "an int"
     if hint is float:
-        return (lambda v: type(v) in (int, float) or isinstance(v, (np.floating, np.integer))), "a number"
+        return (lambda v: isinstance(v, (int, float, np.floating, np.integer))), "a number"
     if hint is bool:
         return (lambda v: type(v) is bool or isinstance(v, np.bool_)), "a bool"
     if hint in (str, bytes):
@@ -734,23 +734,26 @@ def batch_header(frame: bytes) -> tuple[int, int]:
     return count, offset
 
 
-def decode_batch(frame: bytes, *, max_nbytes: int) -> list[Any]:
+def decode_batch(frame: bytes, *, max_nbytes: int, refused: list[str] | None = None) -> list[Any]:
     """Decode every message of a batch frame made by :func:`encode_batch`, in one pass.
 
-    Validates as :func:`decode` does, for each message; a batch is all or nothing: one bad message
-    rejects the whole batch.
+    Validates as :func:`decode` does, for each message. Without ``refused`` a batch is all or nothing:
+    one bad message rejects the whole batch. With it, a bad message is left out and why is appended to
+    ``refused``, the others kept (a batch is the sender's transport's choice, not a unit of its data);
+    then only a batch whose own structure is bad (header, array, trailing bytes) is rejected whole.
 
     Args:
         frame: the batch frame.
         max_nbytes: the largest frame accepted.
+        refused: where to say why each message left out was (None: reject the batch instead).
 
     Returns:
-        The messages, in order; as many as :func:`batch_header` announces.
+        The messages, in order; as many as :func:`batch_header` announces, less those refused.
 
     Raises:
         FrameTooLargeError: the frame is over ``max_nbytes`` bytes.
-        MalformedFrameError: a bad header, a bad message (named), trailing bytes, or a message that
-            refers to an array frame (a batch has none).
+        MalformedFrameError: a bad header, a bad message (named; without ``refused``), trailing
+            bytes, or a message that refers to an array frame (a batch has none).
     """
     if len(frame) > max_nbytes:
         raise FrameTooLargeError(f"batch of {len(frame)} bytes exceeds the limit of {max_nbytes} bytes")
@@ -758,10 +761,39 @@ def decode_batch(frame: bytes, *, max_nbytes: int) -> list[Any]:
     dec = _Decoder((frame,))  # no array frames: a reference to one fails as out of range
     try:
         objs = dec.unpack(memoryview(frame)[1:])
-    except (MalformedFrameError, FrameTooLargeError):
-        raise
     except Exception as exc:
+        if refused is not None:  # (rare: a bad message, or a bad batch) one message at a time
+            return _decode_batch_items(frame, count, refused)
+        if isinstance(exc, (MalformedFrameError, FrameTooLargeError)):
+            raise
         raise MalformedFrameError(f"batch is not valid msgpack ({type(exc).__name__}: {exc})") from None
     if type(objs) is not list or len(objs) != count:  # cannot happen: unpackb read the same header
         raise MalformedFrameError(f"batch announces {count} messages but does not decode to as many")
+    return objs
+
+
+def _decode_batch_items(frame: bytes, count: int, refused: list[str]) -> list[Any]:
+    """A batch's messages decoded one by one: its structure first (skipped over, nothing decoded), then
+    each message on its own, those that fail left out with why."""
+    body = memoryview(frame)[1:]
+    walker = msgpack.Unpacker(max_buffer_size=max(len(body), 1))
+    walker.feed(body)
+    try:
+        if walker.read_array_header() != count:
+            raise ValueError(f"the array does not hold the {count} messages its header announces")
+        bounds = [walker.tell()]
+        for _ in range(count):
+            walker.skip()
+            bounds.append(walker.tell())
+    except Exception as exc:
+        raise MalformedFrameError(f"batch is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if bounds[-1] != len(body):
+        raise MalformedFrameError(f"batch has {len(body) - bounds[-1]} bytes after its {count} messages")
+    objs = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        try:
+            objs.append(_Decoder((frame,)).unpack(body[a:b]))
+        except Exception as exc:
+            why = str(exc) if isinstance(exc, MalformedFrameError) else f"not valid msgpack ({type(exc).__name__}: {exc})"
+            refused.append(f"message {i + 1} of {count}: {why}")
     return objs

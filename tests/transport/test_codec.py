@@ -388,6 +388,27 @@ def test_malformed_batches_are_rejected_whole_with_a_message_naming_the_fault(fr
         codec.decode_batch(frame, max_nbytes=MAX)
 
 
+def test_a_batch_with_a_refused_list_leaves_out_its_bad_messages_alone_and_keeps_the_others():
+    """A batch is the sender's transport's choice: one bad message in it (an unknown type, a field of
+    the wrong type) cost the good ones beside it too. With ``refused`` each bad one is left out, named
+    by its place; a batch whose own structure is bad is still rejected whole."""
+    from reactor.nodes.messages import SampleRequest
+
+    bad_field = pack(ext(4, [f"{SampleRequest.__module__}.SampleRequest", [0, 1, 2, "x", "", 0, ""]]))
+    frame = codec.encode_batch([pack("a"), bad_field, encode(SampleRequest(0, 1, 2, n=5))[0],
+                                pack(ext(99, 0)), pack({"b": 1})])
+    refused: list[str] = []
+    got = codec.decode_batch(frame, max_nbytes=MAX, refused=refused)
+    assert got == ["a", SampleRequest(0, 1, 2, n=5), {"b": 1}]
+    assert refused == ["message 2 of 5: message reactor.nodes.messages.SampleRequest: field n must be an int, got str",
+                       "message 4 of 5: unknown msgpack extension type 99"]
+    with pytest.raises(MalformedFrameError, match=r"field n must be an int"):  # without: all or nothing
+        codec.decode_batch(frame, max_nbytes=MAX)
+    for whole in (b"\xc1\x92" + pack(1), b"\xc1\x91" + pack(1) + pack(2)):  # short of its count; trailing bytes
+        with pytest.raises(MalformedFrameError, match=r"^batch (is not valid msgpack|has 1 bytes after its 1 messages)"):
+            codec.decode_batch(whole, max_nbytes=MAX, refused=[])
+
+
 def test_a_batch_over_the_size_limit_is_rejected_before_parsing():
     frame = codec.encode_batch([pack(b"x" * 100)] * 3)
     with pytest.raises(FrameTooLargeError, match=rf"^batch of {len(frame)} bytes exceeds the limit of 200 bytes$"):

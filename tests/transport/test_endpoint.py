@@ -310,9 +310,10 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
 
 @pytest.mark.asyncio
 async def test_a_garbage_batch_is_dropped_and_logged_with_its_peer_and_the_endpoint_keeps_serving(open_endpoint, caplog):
-    """A batch is all or nothing: one bad message drops the whole batch (logged with the peer), its
-    messages' credit goes back to the sender (one message of credit per message it announced), and
-    a batch announcing more messages than the sender's credit is dropped as over credit."""
+    """A batch whose structure is bad is dropped whole (logged with the peer); a bad message in a good
+    batch is dropped alone, the others delivered; dropped messages' credit goes back to the sender
+    (one message of credit per message it announced), and a batch announcing more messages than the
+    sender's credit is dropped as over credit."""
     server = await open_endpoint("server", credit_window=8)
     ctx = zmq.asyncio.Context()
     caplog.set_level(logging.WARNING, logger="reactor.transport")
@@ -348,6 +349,9 @@ async def test_a_garbage_batch_is_dropped_and_logged_with_its_peer_and_the_endpo
         # The 4 messages of the three decodable-header garbage batches were credited back (half a window).
         grant = await asyncio.wait_for(raw.recv_multipart(), WAIT_S)
         assert msgpack.unpackb(grant[1]) == [3, 4, len(truncated) + len(array_ref) + len(unregistered) - 3 * 2]
+        # One bad message among good ones: only it is dropped.
+        await raw.send_multipart([codec.encode_batch([encode({"ok": 1})[0], pack(ext(99, 0)), encode({"ok": 2})[0]])])
+        assert await server.recv_batch(timeout_s=WAIT_S) == [("raw", {"ok": 1}), ("raw", {"ok": 2})]
         # And a well-behaved endpoint is served as before, its burst batched.
         client = await open_endpoint("client")
         await client.connect("server", server.address, timeout_s=WAIT_S)
@@ -362,13 +366,15 @@ async def test_a_garbage_batch_is_dropped_and_logged_with_its_peer_and_the_endpo
     finally:
         ctx.destroy(linger=0)
     stats = server.statistics()
-    assert stats.dropped_malformed == 1 + 2 + 1 + 1 + 1
+    assert stats.dropped_malformed == 1 + 2 + 1 + 1 + 1 + 1
     assert stats.dropped_over_credit == 9
-    assert stats.batches_received == 2 and stats.messages_delivered == 7
+    assert stats.batches_received == 3 and stats.messages_delivered == 9
     messages = [r.getMessage() for r in caplog.records]
     assert any("'raw'" in m and "dropped a batch from peer" in m and "batch header" in m for m in messages)
     assert any("'raw'" in m and "dropped a batch of 2 messages" in m and "not valid msgpack" in m for m in messages)
     assert any("'raw'" in m and "refers to frame 1" in m for m in messages)
+    assert any("dropped 1 of a batch of 3 messages from peer 'raw': message 2 of 3: unknown msgpack extension type 99"
+               in m for m in messages)
     assert any("'raw'" in m and "batch of 9 messages" in m and "beyond its credit" in m for m in messages)
 
 

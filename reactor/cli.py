@@ -210,6 +210,17 @@ def _daemon_address(text: str) -> str:
     return text
 
 
+def _daemon_key(path: str) -> bytes:
+    """``--daemon-key``: its public key; a file that cannot be read (a directory, say) is the user's
+    mistake, named (ValueError: a one-line error)."""
+    from .transport import CurveKeys
+
+    try:
+        return CurveKeys.load_public(path)
+    except OSError as e:
+        raise ValueError(f"--daemon-key {path}: {e.strerror or e}") from None
+
+
 def _answer_seconds(text: str) -> float:
     """``--timeout-s``: finite seconds in (0, 1 day] (inf overflowed zmq's poll; nan and -1 never waited)."""
     try:
@@ -228,9 +239,8 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     args.started = started if started is not None else time.time()
     try:
         return _dispatch(args)
-    except (AppError, GraphError, MalformedFrameError, OSError, ValueError) as e:  # (OSError: a key that is a
-        # directory, an unreadable file: named by its errno and path)
-        msg = str(e).replace("\n", "\n  ") if isinstance(e, GraphError) else str(e).splitlines()[0]
+    except (AppError, GraphError, MalformedFrameError, FileNotFoundError, ValueError) as e:
+        msg = str(e).replace("\n", "\n  ") if isinstance(e, GraphError) else (str(e).splitlines() or [type(e).__name__])[0]
         print(f"reactor: {msg}", file=sys.stderr)
         return 2
     except ReactorError as e:
@@ -376,10 +386,9 @@ def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:
     """The daemon a job command talks to: ``--daemon``, else the head host of the placement file
     or hosts file (its first group's first host, else the first host listed)."""
     from .launch._cluster import head_host
-    from .transport import CurveKeys
 
     if args.daemon:
-        return args.daemon, CurveKeys.load_public(args.daemon_key) if args.daemon_key else own_key
+        return args.daemon, _daemon_key(args.daemon_key) if args.daemon_key else own_key
     source = getattr(args, "hosts", None) or getattr(args, "placement", None)
     if not source or not Path(source).is_file():
         raise ValueError("which daemon? give --daemon tcp://HOST:PORT (or, to submit, a placement or --hosts file "

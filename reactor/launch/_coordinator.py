@@ -549,9 +549,6 @@ class _Session:
             except PeerLostError as e:  # the new life died at once: _check_children sees its end
                 log.warning("could not reach the new life of %r: %s", peer, e)
                 return True
-            except ValueError as e:  # an address its schema admits and zmq does not: dropped, as a bad message
-                log.warning("dropped the hello of the new life of %r: %s", peer, e)
-                return True
             r.book[peer], r.local[peer] = msg[1], msg[2]
             # Groups being restarted themselves are left out: it treats them as down until they
             # are back (it hears "restarted" then).

@@ -91,14 +91,14 @@ def _text(v: Any) -> str | None:
     return None
 
 
-_TCP_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})\Z")
+_TCP_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-]+)?\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})\Z")  # ([v6%scope])
 _IPC_PATH_MAX = 107  # sun_path's 108 bytes, with the NUL
 
 
 def tcp_address_error(v: Any) -> str | None:
     """None if ``v`` is a ``tcp://HOST:PORT`` address zmq can connect to (a port in 1..65535), else why not."""
     m = _TCP_RE.match(v) if type(v) is str and len(v) <= _ADDRESS_MAX else None
-    if m is None or not 0 < int(m.group(2)) < 65536:
+    if m is None or not 0 < int(m.group(3)) < 65536:
         return f"a tcp://HOST:PORT address expected, got {_show(v)}"
     return None
 
@@ -453,6 +453,8 @@ def _show(v: Any) -> str:
     """A value, shown in an error: bounded in depth and length whatever the peer sent (a full
     ``repr`` of a list nested a thousand deep raised RecursionError, and one of millions of items
     took seconds)."""
+    if isinstance(v, (dict, list, tuple, set, frozenset)) and len(v) > 64:  # (reprlib sorts a dict whole)
+        return f"{type(v).__name__} of {len(v)} items"
     try:
         text = _SHOW.repr(v)
     except Exception:  # noqa: BLE001 - a hostile value's repr must not take the checker down

@@ -350,9 +350,9 @@ class _Receiving:
         if self._accept is not None:
             kept = [obj for obj in objs if self._accepted(name, obj)]
             if len(kept) < count:
-                refused = count - len(kept)  # their credit goes back as consumed; equal shares of the bytes
-                refused_nbytes = nbytes * refused // count
-                sender.ungranted_msgs += refused
+                n_refused = count - len(kept)  # their credit goes back as consumed; equal shares of the bytes
+                refused_nbytes = nbytes * n_refused // count
+                sender.ungranted_msgs += n_refused
                 sender.ungranted_nbytes += refused_nbytes
                 self._maybe_grant(sender)
                 objs, count, nbytes = kept, len(kept), nbytes - refused_nbytes

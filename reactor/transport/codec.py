@@ -438,12 +438,16 @@ def _unpack_payload(data: bytes, where: str) -> Any:
 class _Decoder:
     """State of one decode call: the frames, which ones were used, and the ext hook."""
 
-    __slots__ = ("depth", "frames", "used")
+    __slots__ = ("depth", "frames", "large_maps", "used")
 
-    def __init__(self, frames: Sequence[Any]) -> None:
+    def __init__(self, frames: Sequence[Any], *, large_maps: bool = False) -> None:
         self.frames = frames
         self.used = 0  # the last frame index used; indices must be 1, 2, 3, ... in order
         self.depth = 0
+        # Maps of up to _MAP_CHECK_FROM entries are built by msgpack itself (no hook: the common case
+        # costs nothing); a larger one raises _LargeMap, and the frame is decoded again with every
+        # map built by _map_of, which checks its keys first (see _decode_one).
+        self.large_maps = large_maps
 
     def _array_bytes(self, payload: Any, kind: str) -> tuple[str, tuple[int, ...], Any, bool]:
         if type(payload) is not list or len(payload) != 3:
@@ -559,9 +563,17 @@ class _Decoder:
             if self.depth >= MAX_EXT_DEPTH:
                 raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
             self.depth += 1
-            try:
-                items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
-                                        object_pairs_hook=_map_of)
+            try:  # (self._unpackb(data), inlined: every tag is a tuple)
+                if self.large_maps:
+                    items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False,
+                                            use_list=True, object_pairs_hook=_map_of)
+                else:
+                    items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False,
+                                            use_list=True, max_map_len=_MAP_CHECK_FROM)
+            except ValueError as exc:
+                if "max_map_len" in str(exc):
+                    raise _LargeMap() from None
+                raise
             finally:
                 self.depth -= 1
             if type(items) is not list:
@@ -583,10 +595,38 @@ class _Decoder:
             raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
         self.depth += 1
         try:
-            return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
-                                   object_pairs_hook=_map_of)
+            return self._unpackb(data)
         finally:
             self.depth -= 1
+
+    def _unpackb(self, data: Any) -> Any:
+        # (keywords spelled out: a call with **kwargs took ~1 us more a call)
+        if self.large_maps:
+            return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
+                                   object_pairs_hook=_map_of)
+        try:
+            return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
+                                   max_map_len=_MAP_CHECK_FROM)
+        except ValueError as exc:
+            if "max_map_len" in str(exc):
+                raise _LargeMap() from None
+            raise
+
+
+class _LargeMap(Exception):  # noqa: N818 - a signal between _Decoder and _decode_one, never seen outside
+    """A map larger than a first pass builds without checking its keys."""
+
+
+def _decode_one(frames: Sequence[Any], data: Any) -> tuple[Any, _Decoder]:
+    """``data`` decoded with ``frames`` as its array frames, and the decoder (its frames used). Most
+    frames hold no map of more than ``_MAP_CHECK_FROM`` entries: one pass, msgpack building every
+    dict. One that does is decoded again, each map through :func:`_map_of`."""
+    dec = _Decoder(frames)
+    try:
+        return dec.unpack(data), dec
+    except _LargeMap:
+        dec = _Decoder(frames, large_maps=True)
+        return dec.unpack(data), dec
 
 
 _first = operator.itemgetter(0)
@@ -691,9 +731,8 @@ def decode(frames: Sequence[Any], *, max_nbytes: int) -> Any:
     total = frames_nbytes(frames)
     if total > max_nbytes:
         raise FrameTooLargeError(f"message of {total} bytes in {n} frames exceeds the limit of {max_nbytes} bytes")
-    dec = _Decoder(frames)
     try:
-        obj = dec.unpack(frames[0])
+        obj, dec = _decode_one(frames, frames[0])
     except (MalformedFrameError, FrameTooLargeError):
         raise
     except Exception as exc:
@@ -758,9 +797,8 @@ def decode_batch(frame: bytes, *, max_nbytes: int, refused: list[str] | None = N
     if len(frame) > max_nbytes:
         raise FrameTooLargeError(f"batch of {len(frame)} bytes exceeds the limit of {max_nbytes} bytes")
     count, _ = batch_header(frame)
-    dec = _Decoder((frame,))  # no array frames: a reference to one fails as out of range
-    try:
-        objs = dec.unpack(memoryview(frame)[1:])
+    try:  # (no array frames: a reference to one fails as out of range)
+        objs, _ = _decode_one((frame,), memoryview(frame)[1:])
     except Exception as exc:
         if refused is not None:  # (rare: a bad message, or a bad batch) one message at a time
             return _decode_batch_items(frame, count, refused)
@@ -792,7 +830,7 @@ def _decode_batch_items(frame: bytes, count: int, refused: list[str]) -> list[An
     objs = []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         try:
-            objs.append(_Decoder((frame,)).unpack(body[a:b]))
+            objs.append(_decode_one((frame,), body[a:b])[0])
         except Exception as exc:
             why = str(exc) if isinstance(exc, MalformedFrameError) else f"not valid msgpack ({type(exc).__name__}: {exc})"
             refused.append(f"message {i + 1} of {count}: {why}")

@@ -86,7 +86,7 @@ def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
 
     init_keys(tmp_path / "keys")
     p = reactor("status", "--daemon", "tcp://127.0.0.1:1", "--daemon-key", str(tmp_path), "--keys", str(tmp_path / "keys"))
-    assert p.returncode == 2 and p.stderr == f"reactor: [Errno 21] Is a directory: '{tmp_path}'\n", p.stderr
+    assert p.returncode == 2 and p.stderr == f"reactor: --daemon-key {tmp_path}: Is a directory\n", p.stderr
 
 
 def test_app_without_build_is_a_one_line_error(tmp_path):

@@ -117,7 +117,8 @@ def test_an_address_is_refused_where_connect_would_refuse_it():
     """A hello's address that passed the schema and then made ``connect`` raise ended the run (at its
     start) instead of being dropped: the schema now refuses what zmq would."""
     c = CoordinatorProtocol(["actor-0"])
-    for good in ("tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://h1.example.org:65535", "ipc:///run/r/w.sock"):
+    for good in ("tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://[fe80::fc:ff:fe00:1%eth0]:37269",
+                 "tcp://h1.example.org:65535", "ipc:///run/r/w.sock"):
         assert c("actor-0", ("hello", good, None)) is None, good
     for bad in ("tcp://", "tcp://nohost", "tcp://1.2.3.4:99999", "tcp://1.2.3.4:0", "tcp://*:5", "tcp://h:5\x00",
                 "tcp://h:5\n", "ipc://", "ipc://" + "x" * 200):
@@ -134,7 +135,9 @@ def test_a_value_nested_a_thousand_deep_or_millions_long_is_named_briefly_not_fa
     assert check_request([7, "status", deep]) == (
         "'status' field 1: a job id (16 hex digits) expected, got list [[[[...]]]]")
     assert check_request([7, "status", list(range(10**6))]) == (
-        "'status' field 1: a job id (16 hex digits) expected, got list [0, 1, 2, 3, ...]")
+        "'status' field 1: a job id (16 hex digits) expected, got list of 1000000 items")
+    assert check_request([7, "status", [1, [2, 3]]]) == (
+        "'status' field 1: a job id (16 hex digits) expected, got list [1, [2, 3]]")
 
 
 @pytest.mark.parametrize(("req", "why"), [

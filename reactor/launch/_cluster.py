@@ -53,8 +53,8 @@ log = logging.getLogger("reactor.cluster")
 HEARTBEAT_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
 FETCH_MAX_NBYTES = 4 << 30  # the most of a run's files copied back from its hosts
-_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
-_Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
+_Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 
 
 class NoHostAnsweredError(DaemonError):

@@ -563,17 +563,14 @@ class _Decoder:
             if self.depth >= MAX_EXT_DEPTH:
                 raise MalformedFrameError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
             self.depth += 1
-            try:  # (self._unpackb(data), inlined: every tag is a tuple)
+            try:  # (self._unpackb(data), inlined: every tag is a tuple; a map past max_map_len raises
+                # ValueError through the outer unpackb, which _unpackb turns into _LargeMap)
                 if self.large_maps:
                     items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False,
                                             use_list=True, object_pairs_hook=_map_of)
                 else:
                     items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False,
                                             use_list=True, max_map_len=_MAP_CHECK_FROM)
-            except ValueError as exc:
-                if "max_map_len" in str(exc):
-                    raise _LargeMap() from None
-                raise
             finally:
                 self.depth -= 1
             if type(items) is not list:
@@ -674,7 +671,11 @@ def _check_of(hint: Any) -> tuple[Callable[[Any], bool], str] | None:
         if any(p is None for p in parts):
             return None
         checks = [p[0] for p in parts]  # type: ignore[index]
-        return (lambda v: any(c(v) for c in checks)), " or ".join(p[1] for p in parts)  # type: ignore[index]
+        name = " or ".join(p[1] for p in parts)  # type: ignore[index]
+        if len(checks) == 2:  # (X | None, every union here: no generator per decoded field)
+            first, second = checks
+            return (lambda v: first(v) or second(v)), name
+        return (lambda v: any(c(v) for c in checks)), name
     if origin is not None:
         hint = origin
     if hint in (dict, list, tuple) or hint in (collections.abc.Mapping, collections.abc.Sequence):

@@ -98,6 +98,7 @@ def test_placement_hosts_are_checked_and_policies_spread_over_them(tmp_path):
         '[hosts]\na = "tcp://h:1"\n[groups.x]\nreactors = ["*"]\nhost = "a"\nbind = "tcp://1.2.3.4:*"\n':
             "has both host and bind",
         '[hosts]\na = "tcp://h:1"\n[groups.x]\nreactors = ["*"]\nretries = 3\n': "unknown fields ['retries']",
+        '[hosts]\n"a\\n" = "tcp://h:1"\n' + groups: "host name 'a\\n' must match",  # ("$" let a newline end it)
     }
     for text, message in bad.items():
         with pytest.raises(GraphError, match=re.escape(message)):

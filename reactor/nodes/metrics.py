@@ -5,7 +5,7 @@ and latest values such as ``loss`` or ``eval_return``). Metrics keeps the latest
 source, sums counters over sources, and
 
 * appends one CSV row per reported value to ``RUN_DIR/metrics.csv``
-  (``wall_s, env_steps, source, name, value``) and the same to TensorBoard (``RUN_DIR/tb``; each
+  (``wall_s, env_steps, source, name, value``; flushed at each evaluation and at least every second) and the same to TensorBoard (``RUN_DIR/tb``; each
   instance its own tags: ``actor-0/episode_return``, ``actor-1/...``, ``learner/loss``);
 * shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
 * asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
@@ -40,6 +40,7 @@ __all__ = ["Metrics"]
 
 #: Values that are cumulative per source and summed over sources.
 COUNTERS = ("env_steps", "episodes", "updates", "samples", "inserts")
+FLUSH_PERIOD_S = 1.0  # metrics.csv is on disk to within this (and at each evaluation)
 
 
 class Metrics(Reactor):
@@ -94,7 +95,7 @@ class Metrics(Reactor):
 
         self.tb = SummaryWriter(str(self.dir / "tb"))
         self.display = _Display(self.title or str(self.dir), enabled=self.live, console=self.console)
-        self.last_shown = 0.0
+        self.last_shown = self.last_flushed = 0.0
 
     @reaction(triggers=[started])
     def start_clock(self) -> None:
@@ -132,6 +133,11 @@ class Metrics(Reactor):
             self.stop_reason = f"{int(steps)} env steps >= max_env_steps {self.max_env_steps}"
             self.request_stop()
         now = time.monotonic()
+        # metrics.csv is current to an evaluation, and to the second otherwise (for whoever tails it: a
+        # user, a plot, a test waiting for an evaluation); a write per report would cost a syscall each.
+        if "eval_return" in values or now - self.last_flushed >= FLUSH_PERIOD_S:
+            self.last_flushed = now
+            self.csv_file.flush()
         if now - self.last_shown >= 0.5:
             self.last_shown = now
             self.display.show(self._rows(now - self.t0))

@@ -58,6 +58,52 @@ def test_metrics_logs_every_value_sums_counters_and_stops_at_the_target(tmp_path
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
+class TailingTrainer(Reactor):
+    """Reports its env steps each round and an evaluation in rounds 1 and 3, and reads metrics.csv from
+    disk (as a user's ``tail -f`` would) at the start of each round after the first, while the run goes on."""
+
+    report = Output(Report)
+    again = Action()
+
+    def __init__(self, csv_path: str, seen_path: str) -> None:
+        self.csv_path, self.seen_path = csv_path, seen_path
+        self.k = 0
+
+    @reaction(triggers=[startup, again], effects=[report, again])
+    def tick(self) -> None:
+        if self.k:
+            with open(self.csv_path, newline="") as f, open(self.seen_path, "a") as seen:
+                seen.write(json.dumps([f"{r['name']}={r['value']}" for r in csv.DictReader(f)]) + "\n")
+        self.k += 1
+        if self.k <= 3:
+            self.report.send(Report(self.name, {"env_steps": 1000 * self.k}))
+            if self.k != 2:
+                self.report.send(Report("evaluator", {"eval_return": 10.0 * self.k}))
+            self.again.schedule(delay_s=0.001)
+
+
+def test_metrics_csv_holds_each_evaluation_and_recent_rows_while_the_run_goes_on(tmp_path, monkeypatch):
+    """A run's metrics.csv is read while it runs (a user tailing it, a test waiting for an
+    evaluation): each evaluation is on disk once reported, and other rows within FLUSH_PERIOD_S."""
+    import reactor.nodes.metrics as metrics_module
+
+    def tailed(flush_period_s: float) -> list[list[str]]:
+        monkeypatch.setattr(metrics_module, "FLUSH_PERIOD_S", flush_period_s)
+        run_dir = tmp_path / f"run-{flush_period_s}"
+        g = Graph()
+        seen = tmp_path / f"seen-{flush_period_s}.jsonl"
+        t = g.add(TailingTrainer(str(run_dir / "metrics.csv"), str(seen)), name="actor")
+        g.connect(t.report, g.add(Metrics(str(run_dir), live=False), name="metrics").reports)
+        run(g)
+        return [json.loads(line) for line in seen.read_text().splitlines()]
+
+    first = ["env_steps=1000", "eval_return=10.0"]
+    third = [*first, "env_steps=2000", "env_steps=3000", "eval_return=30.0"]
+    # Round 2 reports no evaluation: its row waits for the period (here, for round 3's evaluation).
+    assert tailed(3600.0) == [first, first, third]
+    assert tailed(0.0) == [first, [*first, "env_steps=2000"], third]
+
+
 def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
     run(_graph(tmp_path, max_steps=6000, actors=1))
     out = capsys.readouterr().out  # live=False still ends with the result and where it is

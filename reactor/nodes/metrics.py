@@ -40,6 +40,7 @@ __all__ = ["Metrics"]
 
 #: Values that are cumulative per source and summed over sources.
 COUNTERS = ("env_steps", "episodes", "updates", "samples", "inserts")
+CSV_HEADER = ["wall_s", "env_steps", "source", "name", "value"]
 FLUSH_PERIOD_S = 1.0  # metrics.csv is on disk to within this (and at each evaluation)
 
 
@@ -88,9 +89,19 @@ class Metrics(Reactor):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.t_start = self.t0 = time.monotonic()
         self.started.schedule()  # fires after every startup reaction of this tag (a later microstep)
-        self.csv_file = open(self.dir / "metrics.csv", "w", newline="")  # noqa: SIM115 - closed at shutdown
+        path = self.dir / "metrics.csv"
+        # A restarted life (restart policies) goes on with its run's file: the earlier lives' rows stay, its
+        # wall clock goes on from their last row, and their evaluations count in the summary.
+        earlier = _earlier_rows(path) if self.restarts > 0 else None
+        self.csv_file = open(path, "a" if earlier else "w", newline="")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
-        self.csv.writerow(["wall_s", "env_steps", "source", "name", "value"])
+        self.wall_offset = 0.0
+        if earlier:
+            self.wall_offset, self.evals = earlier
+            returns = [r for _, _, r in self.evals]
+            self.last_eval, self.best_eval = (returns[-1], max(returns)) if returns else (None, None)
+        else:
+            self.csv.writerow(CSV_HEADER)
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.dir / "tb"))
@@ -116,7 +127,7 @@ class Metrics(Reactor):
             if k in values:
                 self.totals[k] += float(values[k]) - float(before.get(k, 0.0))
         self.latest[src] = {**before, **values}
-        wall = time.monotonic() - self.t0
+        wall = time.monotonic() - self.t0 + self.wall_offset
         steps = self.totals["env_steps"]
         for name, value in values.items():
             self.csv.writerow([f"{wall:.3f}", int(steps), src, name, value])
@@ -140,7 +151,7 @@ class Metrics(Reactor):
             self.csv_file.flush()
         if now - self.last_shown >= 0.5:
             self.last_shown = now
-            self.display.show(self._rows(now - self.t0))
+            self.display.show(self._rows(now - self.t0 + self.wall_offset))
 
     def _rows(self, wall: float) -> list[tuple[str, str]]:
         t = self.totals
@@ -166,7 +177,7 @@ class Metrics(Reactor):
                 if f is not None:
                     f.close()
             return
-        wall = time.monotonic() - self.t0
+        wall = time.monotonic() - self.t0 + self.wall_offset
         self.display.close(self._rows(wall))
         self.csv_file.close()
         self.tb.close()
@@ -204,6 +215,36 @@ class Metrics(Reactor):
         ev = "-" if self.last_eval is None else f"{self.last_eval:.1f}"
         print(f"evaluation return {ev}; stopped: {summary['stop_reason']}", flush=True)
         print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
+
+
+def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] | None:
+    """An earlier life's metrics.csv at ``path``: the last row's ``wall_s`` and its evaluations
+    ``(wall_s, env_steps, eval_return)``; None where there is no such file (or it is not one: its header
+    differs), and the new life starts the file anew. A row cut short by the earlier life's death (a kill
+    mid-write) is cut off the file, so the new life's rows start on a line of their own."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+            if tail and not tail.endswith(b"\n"):
+                f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+        with open(path, newline="") as f:
+            rows = csv.reader(f)
+            if next(rows, None) != CSV_HEADER:
+                return None
+            last_wall, evals = 0.0, []
+            for row in rows:
+                try:
+                    wall, steps, value = float(row[0]), float(row[1]), float(row[4])
+                except (ValueError, IndexError):
+                    continue
+                last_wall = max(last_wall, wall)
+                if row[3] == "eval_return":
+                    evals.append((wall, steps, value))
+    except (OSError, csv.Error, UnicodeDecodeError):
+        return None
+    return last_wall, evals
 
 
 def _import_plotting() -> None:

@@ -308,6 +308,12 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
     restored, before, n_lost = map(int, lost.groups())
     assert restored > 0 and before > 0 and n_lost == before - restored  # from a checkpoint, not from scratch
     assert "worker 'learner' is running again (restart 1)" in err
+    # metrics.csv kept the learner group's first life: its first evaluation, of the untrained weights, and the
+    # wall clock going on through the restart (a restarted Metrics used to start the file anew).
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert next(float(r["value"]) for r in rows if r["source"] == "evaluator" and r["name"] == "version") == 0.0
+    assert [float(r["wall_s"]) for r in rows] == sorted(float(r["wall_s"]) for r in rows)
     assert not [p for p in workers.values() if _alive(p)]
     assert not list_segments(run_id)
     assert not list(_rt(tmp_path).glob("reactor-*"))

@@ -104,6 +104,47 @@ def test_metrics_csv_holds_each_evaluation_and_recent_rows_while_the_run_goes_on
     assert tailed(0.0) == [first, [*first, "env_steps=2000"], third]
 
 
+class _RestartedMetrics(Metrics):
+    """Metrics as a restart policy starts it again: in a later life of its process (``restarts`` 1)."""
+
+    @property
+    def restarts(self) -> int:
+        return 1
+
+    @restarts.setter
+    def restarts(self, value: int) -> None:
+        pass
+
+
+def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path):
+    """A restarted life (its process killed and started again) appends to the run's metrics.csv: the
+    earlier life's rows stay (a row its death cut short is cut off), its wall clock goes on from them, and
+    the summary counts every life's evaluations. A first life starts the file anew."""
+    run(_graph(tmp_path, actors=1))  # the first life: 10 rounds, evaluations 100..1000
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("0.02,5000,actor,env_ste")  # its death mid-write
+    first = (tmp_path / "metrics.csv").read_text().splitlines()[:-1]
+    g = Graph()
+    t = g.add(FakeTrainer(rounds=2), name="actor")
+    g.connect(t.report, g.add(_RestartedMetrics(str(tmp_path), live=False), name="metrics").reports)
+    run(g)
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[:len(first)] == first and lines[0] == "wall_s,env_steps,source,name,value"
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert all(None not in r.values() and len(r) == 5 for r in rows)  # no row cut short, one header
+    walls = [float(r["wall_s"]) for r in rows]
+    assert walls == sorted(walls)
+    evals = [float(r["value"]) for r in rows if r["name"] == "eval_return"]
+    assert evals == [100.0 * k for k in range(1, 11)] + [100.0, 200.0]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [e["eval_return"] for e in summary["evaluations"]] == evals and summary["best_eval_return"] == 1000.0
+    run(_graph(tmp_path, actors=1))  # a first life again (a new run in this directory): the file anew
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert [float(r["value"]) for r in csv.DictReader(f) if r["name"] == "eval_return"] == \
+            [100.0 * k for k in range(1, 11)]
+
+
 def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
     run(_graph(tmp_path, max_steps=6000, actors=1))
     out = capsys.readouterr().out  # live=False still ends with the result and where it is

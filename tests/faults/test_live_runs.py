@@ -357,10 +357,13 @@ def test_a_dqn_run_under_actors_under_hostile_frames_on_every_socket_ends_with_t
     """The main job's shape (learner, 2 actor and 2 shard processes), deterministic with a step
     budget: while it trains, every worker's and the coordinator's socket gets garbage, forged
     control and data messages and takeover attempts. It ends with the same weights, bit for bit, as
-    the same run undisturbed, and every process counted what it dropped."""
-    args = ["apps/dqn.py", "--placement", "actors", "--seed", "3", "--json", "--set", "live=False",
-            "--set", "max_env_steps=4000", "--set", "target_return=None"]
-    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", *args, "--set",
+    the same run undisturbed, and every process counted what it dropped. (The undisturbed run is the
+    one-process placement: a deterministic run's weights do not depend on its placement, as
+    tests/nodes/test_training.py asserts, and one process costs a fraction of five.)"""
+    common = ["apps/dqn.py", "--seed", "3", "--json", "--set", "live=False", "--set", "max_env_steps=4000",
+              "--set", "target_return=None"]
+    args = [*common, "--placement", "actors"]
+    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", *common, "--placement", "single", "--set",
                           f"run_dir={str(tmp_path / 'ref')!r}"], cwd=ROOT, env=_env(tmp_path / "r"),
                          capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -4,9 +4,10 @@ Every node sends :class:`Report` messages (cumulative counters such as ``env_ste
 and latest values such as ``loss`` or ``eval_return``). Metrics keeps the latest report of each
 source, sums counters over sources, and
 
-* appends one CSV row per reported value to ``RUN_DIR/metrics.csv``
-  (``wall_s, env_steps, source, name, value``; flushed at each evaluation and at least every second) and the same to TensorBoard (``RUN_DIR/tb``; each
-  instance its own tags: ``actor-0/episode_return``, ``actor-1/...``, ``learner/loss``);
+* appends one CSV row per reported value to ``RUN_DIR/metrics.csv`` (``wall_s, env_steps, source,
+  name, value``; flushed at each evaluation and at least every second; a restarted life appends to
+  its earlier lives' rows) and the same to TensorBoard (``RUN_DIR/tb``; each instance its own tags:
+  ``actor-0/episode_return``, ``actor-1/...``, ``learner/loss``);
 * shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
 * asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
   reach ``max_env_steps``;

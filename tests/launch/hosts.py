@@ -8,6 +8,7 @@ left in a namespace killed, the namespaces and the bridge deleted.
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import secrets
@@ -33,6 +34,12 @@ def segments_launched_by(pid: int | None = None) -> set[str]:
     this one in another xdist worker have segments of their own at any moment."""
     mine = f"-{os.getpid() if pid is None else pid}-"
     return {s for s in list_segments() if mine in s.split(".")[1]}
+
+
+def evaluations(csv_path: Path) -> list[float]:
+    """The evaluation returns in a run's metrics.csv so far (Metrics flushes it at each one), in order."""
+    with open(csv_path, newline="") as f:
+        return [float(r["value"]) for r in csv.DictReader(f) if r["name"] == "eval_return"]
 
 
 def wait_for(pred: Any, timeout_s: float, what: str, period_s: float = 0.05) -> Any:

@@ -4,7 +4,6 @@ Skipped where Ray is not installed (it is an optional extra: pip install -e ".[r
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .hosts import wait_for
+from .hosts import evaluations, wait_for
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
@@ -65,12 +64,6 @@ def _reactor_ray(address: str, cwd: Path, *extra: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _evaluations(csv_path: Path) -> list[float]:
-    """The evaluation returns in a run's metrics.csv so far (flushed at each one), in order."""
-    with open(csv_path, newline="") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["name"] == "eval_return"]
-
-
 def _summary(cwd: Path) -> dict:
     (path,) = cwd.glob("runs/*/summary.json")  # the run's files came back to where it was started
     return json.loads(path.read_text())
@@ -115,8 +108,8 @@ def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_
         # answering yet ("waits for a host", 30 s of them in a loaded CI run) use no restart.
         _wait(lambda: running() and "worker 'actor-1' is running again (restart 1)" in "".join(err_lines), 120,
               "actor-1 to run again")
-        after = len(_evaluations(metrics))
-        _wait(lambda: running() and max(_evaluations(metrics)[after:], default=0.0) >= 200.0, 300,
+        after = len(evaluations(metrics))
+        _wait(lambda: running() and max(evaluations(metrics)[after:], default=0.0) >= 200.0, 300,
               "an evaluation of 200 after the restart")
         p.send_signal(signal.SIGINT)  # Ctrl-C: the run stops cleanly
         p.wait(timeout=120)

@@ -37,7 +37,7 @@ from reactor.replay.checkpoint import latest_checkpoint
 from reactor.transport._shm import list_segments
 
 from ..faults.test_live_runs import _alive, _children, _env, _rt, _run_id
-from .hosts import Cluster, wait_for
+from .hosts import Cluster, evaluations, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn.py")
@@ -282,12 +282,12 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
             _pid_changed(proc.pid, victim, old, 120, errfile)
         wait_for(lambda: "worker 'learner' is running again (restart 1)" in errfile.read_text(), 120,
                  "the learner to run again")
-        after_kills = len(_evaluations(run / "metrics.csv"))  # (its second life's file, or an earlier count)
+        after_kills = len(evaluations(run / "metrics.csv"))  # (every life's rows: a restarted Metrics appends)
         try:
-            wait_for(lambda: proc.poll() is None and max(_evaluations(run / "metrics.csv")[after_kills:],
+            wait_for(lambda: proc.poll() is None and max(evaluations(run / "metrics.csv")[after_kills:],
                                                          default=0.0) >= 475.0, 600, "an evaluation of 475 after the kills")
         except AssertionError as e:
-            raise AssertionError(f"{e}; the evaluations so far: {_evaluations(run / 'metrics.csv')}; "
+            raise AssertionError(f"{e}; the evaluations so far: {evaluations(run / 'metrics.csv')}; "
                                  f"{errfile.read_text()[-3000:]}") from None
         proc.send_signal(signal.SIGINT)  # Ctrl-C: the run stops cleanly
         out, _ = proc.communicate(timeout=120)
@@ -317,12 +317,6 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
     assert not [p for p in workers.values() if _alive(p)]
     assert not list_segments(run_id)
     assert not list(_rt(tmp_path).glob("reactor-*"))
-
-
-def _evaluations(csv_path: Path) -> list[float]:
-    """The evaluation returns in a run's metrics.csv so far (flushed at each one), in order."""
-    with open(csv_path, newline="") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["name"] == "eval_return"]
 
 
 def _submit_job(c: Cluster, tmp_path: Path, app: str, policy_and_groups: str, *sets: str) -> str:
@@ -457,14 +451,14 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
             c.stop_daemon("h3", signal.SIGKILL)
             wait_for(lambda: running_again("actor-1"), 120, "actor-1 to run again")
             assert list(c.worker_pids("h2").values()).count("actor-1") == 1
-            # (the learner's second life wrote this metrics.csv: it started before the last kill)
+            # (the learner group's lives share this metrics.csv: a restarted Metrics appends)
             (csv_path,) = metrics
-            after_kills = len(_evaluations(csv_path))
+            after_kills = len(evaluations(csv_path))
             try:
-                wait_for(lambda: state() and max(_evaluations(csv_path)[after_kills:], default=0.0) >= 475.0, 600,
+                wait_for(lambda: state() and max(evaluations(csv_path)[after_kills:], default=0.0) >= 475.0, 600,
                          "an evaluation of 475 after the kills")
             except AssertionError as e:
-                raise AssertionError(f"{e}; the evaluations so far: {_evaluations(csv_path)}") from None
+                raise AssertionError(f"{e}; the evaluations so far: {evaluations(csv_path)}") from None
             d.request("stop", job)
             wait_for(lambda: d.request("status", job)["state"] != "running", 120, "the job to stop")
             final = d.request("status", job)

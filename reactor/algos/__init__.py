@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar
 
@@ -67,11 +68,12 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
 
     An int is accepted where a float is expected, and a list where a tuple is (JSON and msgpack, which
     carry configs to other processes and into config.json, have no tuples); nothing else is converted
-    (``"False"`` is not a bool).
+    (``"False"`` is not a bool). A float must be finite, alone or in a tuple: no field here means
+    anything by a NaN or an infinity (a NaN learning rate trains a NaN network to the run's end).
 
     Raises:
         ValueError: a key that is not a field of ``cls`` (naming it and the fields), or a value of
-            the wrong type (naming the field, the expected type and the value).
+            the wrong type or not finite (naming the field, the expected type and the value).
     """
     names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(d) - set(names))
@@ -87,6 +89,8 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
             v = tuple(v)
         elif want is not None and not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}")  # type: ignore[union-attr]
+        if any(type(x) is float and not math.isfinite(x) for x in (v if type(v) in (tuple, list) else (v,))):
+            raise ValueError(f"{cls.__qualname__}.{k} expects finite numbers, got {v!r}")
         out[k] = v
     return cls(**out)
 

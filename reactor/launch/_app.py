@@ -30,7 +30,7 @@ from typing import Any
 
 from .._errors import ReactorError
 from .._graph import Graph
-from ._protocol import is_plain
+from ._protocol import is_plain, nonfinite_at
 
 #: The directories of the app files this process loaded (on sys.path): the learner records them in
 #: config.json, so ``load_policy`` can import a custom env's or algorithm's module from beside the app.
@@ -94,9 +94,13 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
     the overrides (algorithm fields routed into ``algo_config``), or a dict.
 
     Raises:
-        AppError: a key that is neither the app's nor the algorithm's (listing both), or a value of
-            the wrong type.
+        AppError: a key that is neither the app's nor the algorithm's (listing both), a value of
+            the wrong type, or a NaN or an infinity anywhere in a value.
     """
+    for key, value in overrides.items():
+        if (at := nonfinite_at(value)) is not None:
+            what = f"is {value!r}" if not at else f"has a NaN or an infinity at {at}"
+            raise AppError(f"config key {key!r} {what}; config values must be finite numbers")
     cls = getattr(module, "Config", None)
     if cls is None or not dataclasses.is_dataclass(cls):
         return dict(overrides)

@@ -25,6 +25,7 @@ worker, when it delivers (``Worker._take``).
 
 from __future__ import annotations
 
+import math
 import re
 import reprlib
 import types
@@ -36,7 +37,7 @@ from .._tag import FOREVER_NS
 from ._groups import restart_from_text
 
 __all__ = ["COORDINATOR", "DAEMON_KINDS", "CoordinatorProtocol", "WorkerProtocol", "check_message", "check_request",
-           "is_plain"]
+           "is_plain", "nonfinite_at"]
 
 COORDINATOR = "coordinator"
 _I64_MAX = 2**63 - 1
@@ -240,6 +241,22 @@ def is_plain(v: Any, depth: int = 0) -> bool:
     return False
 
 
+def nonfinite_at(v: Any, depth: int = 0) -> str | None:
+    """Where a plain value holds a NaN or an infinity: ``""`` for ``v`` itself, ``"['lr']"`` or ``"[2]"``
+    inside it; None when every float in it is finite. No config field of reactor's means anything by
+    one (a NaN learning rate trains a NaN network, and a NaN bound is never reached), so configs refuse
+    them at every door: ``--set``, a daemon's submit, a worker's spec, an algorithm's Config."""
+    if type(v) is float:
+        return None if math.isfinite(v) else ""
+    if depth > 16:
+        return None
+    items = v.items() if type(v) is dict else enumerate(v) if type(v) in (list, tuple) else ()
+    for k, x in items:
+        if (at := nonfinite_at(x, depth + 1)) is not None:
+            return f"[{k!r}]{at}"
+    return None
+
+
 _SPEC_FIELDS = ("app", "files", "sha256", "config", "placement", "hosts", "seed", "async", "restart")
 
 
@@ -276,6 +293,8 @@ def _job_spec(v: Any) -> str | None:
         return f"config: a dict of plain values (None, bool, int, float, str, lists, dicts) expected, got {_show(v['config'])}"
     if bad := [k for k in v["config"] if not _CONFIG_KEY_RE.match(k)]:
         return f"config: {_show(bad[0])} is not a field name ([A-Za-z_][A-Za-z0-9_.-]*, at most 128)"
+    if (at := nonfinite_at(v["config"])) is not None:
+        return f"config{at} is not a finite number; config values must be finite"
     if type(v["placement"]) is not str or not (v["placement"] in v["files"] or _POLICY_RE.match(v["placement"])):
         return f"placement: a policy name or the name of one of the files expected, got {_show(v['placement'])}"
     if v["hosts"] is not None and (type(v["hosts"]) is not str or v["hosts"] not in v["files"]):
@@ -336,6 +355,8 @@ def _spawn(v: Any) -> str | None:
         return why
     if type(v["worker"]) is not dict or not is_plain(v["worker"]):
         return f"worker: a worker spec (a dict of plain values) expected, got {_show(v['worker'])}"
+    if (at := nonfinite_at(v["worker"])) is not None:
+        return f"worker{at} is not a finite number"
     if type(v["lease_s"]) not in (int, float) or not 0 < v["lease_s"] <= 3600:
         return f"lease_s: seconds in (0, 3600] expected, got {_show(v['lease_s'])}"
     return None

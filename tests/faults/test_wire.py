@@ -168,6 +168,8 @@ def test_a_job_spec_names_its_placement_its_config_keys_and_its_files_plainly():
         ({**good, "config": {"lr\x00": 1}}, "config: str 'lr\\x00' is not a field name"),
         ({**good, "config": {"a=b": 1}}, "config: str 'a=b' is not a field name"),
         ({**good, "files": files, "sha256": sums}, "files: 'd' is both a file and a directory"),
+        ({**good, "config": {"target_return": float("inf")}}, "config['target_return'] is not a finite number"),
+        ({**good, "config": {"a": {"b": (1.0, float("nan"))}}}, "config['a']['b'][1] is not a finite number"),
     ]:
         got = check_request([1, "submit", spec])
         assert got is not None and got.startswith(f"'submit' field 1: {why}"), got

@@ -166,6 +166,8 @@ def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daem
             "config": {**good, "config": {"x": b"bytes"}},
             "extra": {**good, "pickle": b"\x80\x04"},
             "restart": {**good, "restart": "sometimes"},
+            "nan": {**good, "config": {"lr": float("nan")}},
+            "inf": {**good, "config": {"algo_config": {"eps": [0.1, float("-inf")]}}},
         }
         for frames in ([b"garbage"], [b"", b"\xc1\xc1"], [b"", msgpack.packb(None)], [b"", msgpack.packb([])],
                        [b"", msgpack.packb(["ping"])], [b"", b"x", b"y"]):
@@ -189,6 +191,9 @@ def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daem
         assert "does not match its sha256" in replies[101][1]
         assert "has no job '0123456789abcdef'" in replies[300][1]
         assert "restart 'sometimes': use never, on-failure or on-failure:N" in replies[105][1]
+        assert replies[106][1] == ("bad request: 'submit' field 1: config['lr'] is not a finite number; "
+                                   "config values must be finite")
+        assert replies[107][1].startswith("bad request: 'submit' field 1: config['algo_config']['eps'][1] is not")
         assert replies[400][1] == "bad request: 'status' field 1: a job id (16 hex digits) expected, got list [[[[...]]]]"
         assert replies[401][1].startswith("bad request: 'run_files' field 1: a run id")
         plain = ctx.socket(zmq.DEALER)  # no CURVE at all: the handshake fails, nothing reaches it

@@ -53,6 +53,29 @@ def test_an_unknown_key_lists_the_apps_and_the_algorithms_fields():
         make_config(load_app(APPS / "dqn.py"), {"lrr": 1})
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"lr": float("inf")}, r"^config key 'lr' is inf; config values must be finite numbers$"),
+    ({"target_return": float("-inf")}, r"^config key 'target_return' is -inf; "),
+    ({"max_env_steps": float("nan")}, r"^config key 'max_env_steps' is nan; "),
+    ({"algo_config": {"gamma": float("nan")}}, r"^config key 'algo_config' has a NaN or an infinity at \['gamma'\]; "),
+])
+def test_a_nan_or_an_infinity_in_a_config_is_refused_naming_its_key(overrides, message):
+    """`--set lr=1e999` (inf) trained a NaN network to the run's end, its replay shards logging a refused
+    priority update for every batch; `target_return=-1e999` stopped at the first evaluation."""
+    with pytest.raises(AppError, match=message):
+        make_config(load_app(APPS / "dqn.py"), overrides)
+
+
+def test_an_algorithms_config_refuses_a_nan_or_an_infinity_naming_the_field():
+    from reactor.algos import dqn, sac
+
+    with pytest.raises(ValueError, match=r"^Config\.lr expects finite numbers, got nan$"):
+        dqn.Config.from_dict({"lr": float("nan")})
+    with pytest.raises(ValueError, match=r"^Config\.hidden expects finite numbers, got \(256, inf\)$"):
+        sac.Config.from_dict({"hidden": (256, float("inf"))})
+    assert dqn.Config.from_dict({"lr": 1e-3, "gamma": 1}).gamma == 1.0
+
+
 @pytest.mark.parametrize(("app", "env", "message"), [
     ("dqn.py", "Pendulum-v1", "reactor: dqn needs a discrete action space, but env 'Pendulum-v1' has "
                               "Box(-2.0, 2.0, (1,), float32) (continuous); for continuous actions use sac, td3 or ddpg\n"),

@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                         "your environments' packages, say)")
     d.add_argument("--no-fork-server", action="store_true",
                    help="start every worker as a new interpreter (each imports torch anew: seconds more per start)")
+    d.add_argument("--keep-ended", type=_count_arg, default=None, metavar="N",
+                   help="how many ended jobs (and ended runs hosted for jobs elsewhere) it keeps listing; older "
+                        "ones are forgotten, their directories left on disk (default: 200)")
     d.add_argument("--die-with-parent", action="store_true",
                    help="end (as on SIGTERM) when the process that started it ends: how a supervisor such as a "
                         "Ray actor runs it")
@@ -221,6 +224,17 @@ def _daemon_key(path: str) -> bytes:
         raise ValueError(f"--daemon-key {path}: {e.strerror or e}") from None
 
 
+def _count_arg(text: str) -> int:
+    """``--keep-ended``: an int >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number expected, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a number >= 0 expected, got {text!r}")
+    return n
+
+
 def _answer_seconds(text: str) -> float:
     """``--timeout-s``: finite seconds in (0, 1 day] (inf overflowed zmq's poll; nan and -1 never waited)."""
     try:
@@ -301,7 +315,8 @@ def _jobs(args: argparse.Namespace) -> int:
                 return 1
         extra = [m.strip() for m in args.preload.split(",") if m.strip()]
         daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
-                        preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra])
+                        preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
+                        **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}))
 
         def ready(address: str) -> None:
             print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),

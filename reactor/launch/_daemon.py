@@ -16,6 +16,11 @@ daemon restarted on its state directory lists its past jobs, and a job it finds 
 earlier life it keeps watching; one that died meanwhile is marked ``lost``. SIGTERM (or SIGINT) to
 the daemon stops its running jobs first.
 
+A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
+``keep_ended`` ended jobs (``--keep-ended``, default ``KEEP_ENDED``) in memory and in ``status``, and
+forgets older ones as others end (a restarted daemon loads that many); a forgotten job's directory
+stays on disk, and asking for it says where. Every running job is kept.
+
 A job whose placement names hosts runs its coordinator here and its groups' workers on the daemons
 of those hosts, this one among them: the daemon's side of that (``spawn``, ``workers``, ``end``) is
 ``reactor/launch/_hosting.py``.
@@ -59,6 +64,7 @@ MAX_REQUEST_NBYTES = 64 * 2**20
 REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
 STOP_GRACE_S = 20.0
 WATCH_PERIOD_S = 0.2
+KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older ones are forgotten
 
 
 class DaemonSilentError(DaemonError):
@@ -96,10 +102,14 @@ class Daemon:
     """The daemon's state and its serving loop (``await Daemon(...).serve()``)."""
 
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
-                 advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD):
+                 advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD,
+                 keep_ended: int = KEEP_ENDED):
         from ._keys import load_keys
 
+        if type(keep_ended) is not int or keep_ended < 0:
+            raise ValueError(f"keep_ended must be an int >= 0, got {keep_ended!r}")
         self.name = name
+        self.keep_ended = keep_ended
         self.listen = listen
         self.state = Path(state_dir)
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -110,7 +120,7 @@ class Daemon:
         # The fork server's own environment is what /proc/PID/environ shows of its workers: the
         # host identity they all share.
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
-        self.hosted = HostedRuns(name, advertise, self.state, self.forks)
+        self.hosted = HostedRuns(name, advertise, self.state, self.forks, keep_ended=keep_ended)
         sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
@@ -137,6 +147,18 @@ class Daemon:
                 record.setdefault("ended_at", time.time())
                 job.save()
             self.jobs[job.id] = job
+        self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        """Forget the oldest ended jobs past ``keep_ended`` (their directories stay on disk)."""
+        ended = [j for j in self.jobs.values() if j.record["state"] != "running"]
+        if len(ended) <= self.keep_ended:
+            return
+        ended.sort(key=lambda j: (_number(j.record.get("ended_at")), _number(j.record.get("submitted_at"))))
+        for job in ended[:len(ended) - self.keep_ended]:
+            del self.jobs[job.id]
+            log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
+                     self.name, job.id, self.keep_ended, job.dir)
 
     def submit(self, spec: dict[str, Any]) -> str:
         """Start a job from a checked spec; return its id (a hash of the whole spec and the time)."""
@@ -214,6 +236,7 @@ class Daemon:
 
     def watch(self) -> None:
         """Note jobs that ended; SIGKILL the process group of a stopped job past its grace."""
+        ended = False
         for job in self.jobs.values():
             if job.record["state"] != "running":
                 continue
@@ -238,6 +261,9 @@ class Daemon:
                 job.record["detail"] = "it was started by an earlier daemon; its exit status is unknown"
             job.save()
             log.info("%s: job %s %s (exit status %s)", self.name, job.id, job.record["state"], rc)
+            ended = True
+        if ended:
+            self._forget_ended()
 
     def describe(self, job: _Job) -> dict[str, Any]:
         r = job.record
@@ -255,6 +281,10 @@ class Daemon:
     def _job(self, job_id: str) -> _Job:
         job = self.jobs.get(job_id)
         if job is None:
+            if (self.state / "jobs" / job_id / "job.json").is_file():
+                raise DaemonError(f"daemon {self.name!r} no longer tracks job {job_id!r}: it ended, and the daemon keeps "
+                                  f"its newest {self.keep_ended} ended jobs (--keep-ended); its files are in "
+                                  f"{self.state / 'jobs' / job_id}")
             raise DaemonError(f"daemon {self.name!r} has no job {job_id!r} (reactor status lists its jobs)")
         return job
 
@@ -404,6 +434,11 @@ class Daemon:
             self.watch()
             self.hosted.watch()
             await asyncio.sleep(WATCH_PERIOD_S)
+
+
+def _number(v: Any) -> float:
+    """A record's time for ordering: a job.json edited by hand may hold anything there."""
+    return float(v) if type(v) in (int, float) else 0.0
 
 
 def _advertised(listen: str) -> str | None:

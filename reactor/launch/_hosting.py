@@ -17,6 +17,8 @@ workers on this daemon instead: links within a host are not encrypted, as in a r
 pid and exit status. A run whose lease runs out (its coordinator or its host is gone) is ended
 here: ``end`` (or the lease) sends SIGTERM to the run's live workers, SIGKILL to their sessions after
 ``END_GRACE_S``, and once none is left removes the run's shared-memory segments on this host.
+The daemon keeps the records of its newest ``keep_ended`` ended runs (``reactor status``, their
+workers' logs) and forgets older ones; their directories stay on disk.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _Run:
         self.end_deadline: float | None = None
         self.why_ended = ""
         self.cleaned = False
+        self.cleaned_at = 0.0  # (monotonic) when its end here was done: the oldest are forgotten first
         self.sockdir: Path | None = None  # its workers' ipc sockets (a short path: ipc's limit is 107 bytes)
 
 
@@ -98,8 +101,10 @@ class HostedRuns:
     """The runs' workers this daemon hosts. ``name`` is the daemon's (the workers' host identity);
     ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
 
-    def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None) -> None:
+    def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None,
+                 keep_ended: int = 200) -> None:
         self.name = name
+        self.keep_ended = keep_ended
         self.forks = forks
         self.advertise = advertise
         self.root = state / "runs"
@@ -171,7 +176,9 @@ class HostedRuns:
         """A chunk of a hosted worker's output (``reactor logs JOB GROUP``): its lives all write to
         ``STATE/runs/RUN/GROUP.log``; ``done`` once its latest life has ended."""
         run = self.runs.get(run_id)
-        if run is None or group not in run.workers:
+        if run is None:
+            raise DaemonError(self._no_run(run_id))
+        if group not in run.workers:
             raise DaemonError(f"daemon {self.name!r} hosts no group {group!r} of run {run_id!r}")
         data, offset = read_chunk(run.dir / f"{group}.log", offset)
         return {"data": data, "offset": offset, "done": run.workers[group].poll() is not None}
@@ -210,14 +217,20 @@ class HostedRuns:
     def _run(self, run_id: str) -> _Run:
         run = self.runs.get(run_id)
         if run is None:
-            raise DaemonError(f"daemon {self.name!r} hosts no run {run_id!r}")
+            raise DaemonError(self._no_run(run_id))
         return run
+
+    def _no_run(self, run_id: str) -> str:
+        if (self.root / run_id).is_dir():
+            return (f"daemon {self.name!r} no longer tracks run {run_id!r}: it ended here, and the daemon keeps its "
+                    f"newest {self.keep_ended} ended runs (--keep-ended); its files are in {self.root / run_id}")
+        return f"daemon {self.name!r} hosts no run {run_id!r}"
 
     def workers(self, run_id: str) -> dict[str, Any]:
         """A coordinator's heartbeat: renew the run's lease; each worker's pid and exit status."""
         run = self.runs.get(run_id)
         if run is None:
-            raise DaemonError(f"daemon {self.name!r} hosts no run {run_id!r}")
+            raise DaemonError(self._no_run(run_id))
         run.seen = time.monotonic()
         return {g: {"pid": p.pid, "returncode": p.poll()} for g, p in run.workers.items()}
 
@@ -238,6 +251,7 @@ class HostedRuns:
     def watch(self) -> None:
         """Leases, grace periods and cleanup of ended runs."""
         now = time.monotonic()
+        forget = False
         for run in self.runs.values():
             for g, p in run.workers.items():
                 if p.poll() is not None:
@@ -262,6 +276,18 @@ class HostedRuns:
                 if run.sockdir is not None:
                     remove_run_dir(run.sockdir)
                 log.info("%s: run %s ended here (%s)", self.name, run.id, run.why_ended)
+                run.cleaned_at = now
+                forget = True
+        if forget:
+            self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        """Forget the runs that ended here longest ago, past ``keep_ended`` (their directories stay)."""
+        ended = sorted((r for r in self.runs.values() if r.cleaned), key=lambda r: r.cleaned_at)
+        for run in ended[:max(0, len(ended) - self.keep_ended)]:
+            del self.runs[run.id]
+            log.info("%s: forgot the ended run %s (past the newest %d ended runs kept); its files stay in %s",
+                     self.name, run.id, self.keep_ended, run.dir)
 
     def _cleanup_segments(self, run_id: str) -> None:
         from ..transport._shm import cleanup_stale

@@ -29,7 +29,7 @@ APPS = ROOT / "tests" / "apps"
 class Daemon:
     """A daemon process with its key directory, and a client key directory it authorizes."""
 
-    def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False) -> None:
+    def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False, extra: tuple[str, ...] = ()) -> None:
         self.tmp, self.name = tmp, name
         self.keys_dir, self.client_dir, self.state = tmp / "dk", tmp / "ck", tmp / "state"
         if not (self.keys_dir / "key").exists():
@@ -38,7 +38,7 @@ class Daemon:
             (self.keys_dir / "authorized" / "alice.pub").write_bytes((self.client_dir / "key.pub").read_bytes())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", name,
-             "--state-dir", str(self.state), "--keys", str(self.keys_dir)],
+             "--state-dir", str(self.state), "--keys", str(self.keys_dir), *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.address = json.loads(self.proc.stdout.readline())["address"]
@@ -136,6 +136,39 @@ def test_a_failing_job_fails_alone_and_the_daemon_serves_on(daemon, tmp_path):
         assert done["state"] == "failed" and done["returncode"] != 0
         assert b"this app is broken" in c.request("logs", job, 0)["data"]
         assert c.request("ping")["jobs"] == 1
+
+
+def test_a_daemon_keeps_its_newest_ended_jobs_and_says_where_a_forgotten_ones_files_are(tmp_path):
+    """A daemon kept every job it ever ran, in memory and in `status`: after enough jobs its status
+    answer alone would pass the 64 MiB a frame may hold. It keeps the newest --keep-ended, after a
+    restart too; a forgotten job's directory stays."""
+    bad = tmp_path / "broken_app.py"
+    bad.write_text("def build(config):\n    raise RuntimeError('this app is broken')\n")
+    daemon = Daemon(tmp_path, extra=("--keep-ended", "2"))
+    try:
+        with daemon.client() as c:
+            jobs = []
+            for _ in range(3):
+                jobs.append(c.request("submit", job_spec(bad)))
+                _state(c, jobs[-1], ("failed",))
+            _wait_for(lambda: [j["id"] for j in c.request("status", None)] == jobs[1:], 10, "the oldest job to go")
+            for kind, args in (("status", ()), ("logs", (0,))):
+                with pytest.raises(DaemonError, match=rf"no longer tracks job '{jobs[0]}': it ended, and the daemon "
+                                                      rf"keeps its newest 2 ended jobs \(--keep-ended\); its files are in "):
+                    c.request(kind, jobs[0], *args)
+            with pytest.raises(DaemonError, match=r"has no job 'feedfeedfeedfeed' \(reactor status lists its jobs\)"):
+                c.request("status", "feedfeedfeedfeed")
+            assert c.request("ping")["jobs"] == 2
+        assert (daemon.state / "jobs" / jobs[0] / "output.log").is_file()
+    finally:
+        daemon.stop()
+    again = Daemon(tmp_path, extra=("--keep-ended", "1"))  # on the same state directory
+    try:
+        with again.client() as c:
+            assert [j["id"] for j in c.request("status", None)] == jobs[2:]
+            assert b"this app is broken" in (again.state / "jobs" / jobs[1] / "output.log").read_bytes()
+    finally:
+        again.stop()
 
 
 def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
@@ -329,6 +362,35 @@ def test_a_hosted_run_whose_workers_died_and_whose_coordinator_went_silent_is_en
     run.seen = time.monotonic()  # (a word from it now changes nothing: the run ended here)
     hosted.watch()
     assert run.cleaned
+
+
+def test_the_daemon_forgets_the_runs_it_hosted_that_ended_longest_ago_past_keep_ended(tmp_path):
+    """Every run it had hosted stayed in memory, in `reactor status` and in each watch for the daemon's
+    life; it keeps the newest `keep_ended` ended runs, and their directories stay on disk."""
+    from reactor.launch._hosting import HostedRuns, _Run
+
+    hosted = HostedRuns("h1", "127.0.0.1", tmp_path, keep_ended=1)
+    runs = []
+    for rid in ("r1", "r2", "r3"):
+        run = hosted.runs[rid] = _Run(rid, hosted.root / rid, 60.0)
+        run.dir.mkdir()
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        run.workers["actor-0"], run.started["actor-0"] = dead, time.time()
+        runs.append(run)
+    hosted.end("r2")
+    hosted.watch()
+    hosted.end("r1")
+    hosted.watch()
+    assert set(hosted.runs) == {"r1", "r3"}  # r2 ended first; r3 has not ended: it is kept whatever the count
+    assert [d["run"] for d in hosted.describe()] == ["r1", "r3"]
+    for call in (lambda: hosted.workers("r2"), lambda: hosted.log("r2", "actor-0", 0), lambda: hosted.run_files("r2")):
+        with pytest.raises(DaemonError, match=r"^daemon 'h1' no longer tracks run 'r2': it ended here, and the daemon "
+                                              r"keeps its newest 1 ended runs \(--keep-ended\); its files are in "):
+            call()
+    assert runs[1].dir.is_dir()
+    with pytest.raises(DaemonError, match=r"^daemon 'h1' hosts no run 'r9'$"):
+        hosted.workers("r9")
 
 
 def test_a_log_chunk_asked_past_the_end_of_the_file_is_empty_not_an_error(tmp_path):

@@ -222,7 +222,9 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
     """An earlier life's metrics.csv at ``path``: the last row's ``wall_s`` and its evaluations
     ``(wall_s, env_steps, eval_return)``; None where there is no such file (or it is not one: its header
     differs), and the new life starts the file anew. A row cut short by the earlier life's death (a kill
-    mid-write) is cut off the file, so the new life's rows start on a line of their own."""
+    mid-write) is cut off the file, so the new life's rows start on a line of their own. Only the
+    evaluation rows and the last one are parsed as CSV: a long run's file holds millions of rows, and a
+    restart waits for this."""
     try:
         with open(path, "rb+") as f:
             size = f.seek(0, os.SEEK_END)
@@ -230,22 +232,31 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
             tail = f.read()
             if tail and not tail.endswith(b"\n"):
                 f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
-        with open(path, newline="") as f:
-            rows = csv.reader(f)
-            if next(rows, None) != CSV_HEADER:
+        with open(path, "rb") as f:
+            header = f.readline()
+            if next(csv.reader([header.decode()]), None) != CSV_HEADER:
                 return None
-            last_wall, evals = 0.0, []
-            for row in rows:
-                try:
-                    wall, steps, value = float(row[0]), float(row[1]), float(row[4])
-                except (ValueError, IndexError):
-                    continue
-                last_wall = max(last_wall, wall)
-                if row[3] == "eval_return":
-                    evals.append((wall, steps, value))
+            last_wall, evals, last = 0.0, [], b""
+            for line in f:
+                last = line
+                if b",eval_return," in line and (row := _floats(line)) is not None:
+                    evals.append(row)
+                    last_wall = max(last_wall, row[0])
+            if (row := _floats(last, value=False)) is not None:
+                last_wall = max(last_wall, row[0])
     except (OSError, csv.Error, UnicodeDecodeError):
         return None
     return last_wall, evals
+
+
+def _floats(line: bytes, value: bool = True) -> tuple[float, float, float] | None:
+    """A metrics row's ``(wall_s, env_steps, value)`` (value 0.0 unless ``value``); None for a row
+    that does not parse."""
+    row = next(csv.reader([line.decode()]), None)
+    try:
+        return float(row[0]), float(row[1]), float(row[4]) if value else 0.0  # type: ignore[index]
+    except (TypeError, ValueError, IndexError):
+        return None
 
 
 def _import_plotting() -> None:

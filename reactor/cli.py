@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--keep-ended", type=_count_arg, default=None, metavar="N",
                    help="how many ended jobs (and ended runs hosted for jobs elsewhere) it keeps listing; older "
                         "ones are forgotten, their directories left on disk (default: 200)")
+    d.add_argument("--forget-after-s", type=_seconds_arg, default=None, metavar="S",
+                   help="an ended job or hosted run past --keep-ended is forgotten no sooner than this long after "
+                        "its end (default: 60)")
     d.add_argument("--die-with-parent", action="store_true",
                    help="end (as on SIGTERM) when the process that started it ends: how a supervisor such as a "
                         "Ray actor runs it")
@@ -235,6 +238,17 @@ def _count_arg(text: str) -> int:
     return n
 
 
+def _seconds_arg(text: str) -> float:
+    """``--forget-after-s``: finite seconds >= 0."""
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds expected, got {text!r}") from None
+    if not 0 <= s < float("inf"):
+        raise argparse.ArgumentTypeError(f"finite seconds >= 0 expected, got {text!r}")
+    return s
+
+
 def _answer_seconds(text: str) -> float:
     """``--timeout-s``: finite seconds in (0, 1 day] (inf overflowed zmq's poll; nan and -1 never waited)."""
     try:
@@ -316,7 +330,8 @@ def _jobs(args: argparse.Namespace) -> int:
         extra = [m.strip() for m in args.preload.split(",") if m.strip()]
         daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
                         preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
-                        **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}))
+                        **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
+                        **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}))
 
         def ready(address: str) -> None:
             print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),

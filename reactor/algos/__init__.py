@@ -84,12 +84,15 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
         default = names[k].default
         want = type(default) if default is not dataclasses.MISSING and default is not None else None
         if want is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
+            try:
+                v = float(v)
+            except OverflowError:
+                raise ValueError(f"{cls.__qualname__}.{k} expects a float, got an int of {v.bit_length()} bits, too large for one") from None
         elif want is tuple and isinstance(v, list):
             v = tuple(v)
         elif want is not None and not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}")  # type: ignore[union-attr]
-        if any(type(x) is float and not math.isfinite(x) for x in (v if type(v) in (tuple, list) else (v,))):
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (v if type(v) in (tuple, list) else (v,))):
             raise ValueError(f"{cls.__qualname__}.{k} expects finite numbers, got {v!r}")
         out[k] = v
     return cls(**out)

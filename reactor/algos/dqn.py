@@ -9,6 +9,7 @@ weights the loss and returns the new priorities.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ class Config:
     """Target update ``target <- tau * online + (1 - tau) * target`` (1: a hard copy, as in DQN;
     small tau with target_every 1: Polyak averaging)."""
     max_grad_norm: float = 10.0
-    """Gradient clipping (global norm)."""
+    """Gradient clipping (global norm); 0 (or less): no clipping (the norm is still reported)."""
     eps_start: float = 1.0
     """Exploration rate at the actor's first step."""
     eps_end: float = 0.02
@@ -176,7 +177,7 @@ def learn(state: State, batch: dict[str, torch.Tensor]) -> tuple[dict[str, float
     loss = (batch["weights"] * valid * nn.functional.smooth_l1_loss(q, y, reduction="none")).sum() / valid.sum().clamp(min=1)
     state.opt.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = nn.utils.clip_grad_norm_(state.q.parameters(), c.max_grad_norm)
+    grad_norm = nn.utils.clip_grad_norm_(state.q.parameters(), c.max_grad_norm if c.max_grad_norm > 0 else math.inf)
     state.opt.step()
     state.updates += 1
     if state.updates % c.target_every == 0:

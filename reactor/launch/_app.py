@@ -95,15 +95,15 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
 
     Raises:
         AppError: a key that is neither the app's nor the algorithm's (listing both), a value of
-            the wrong type, or a NaN or an infinity anywhere in a value.
+            the wrong type, or a NaN or an infinity anywhere in a value (of an app with a ``Config``).
     """
+    cls = getattr(module, "Config", None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return dict(overrides)  # (the app's own dict: what it accepts is its business)
     for key, value in overrides.items():
         if (at := nonfinite_at(value)) is not None:
             what = f"is {value!r}" if not at else f"has a NaN or an infinity at {at}"
             raise AppError(f"config key {key!r} {what}; config values must be finite numbers")
-    cls = getattr(module, "Config", None)
-    if cls is None or not dataclasses.is_dataclass(cls):
-        return dict(overrides)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     algo_fields = _algo_fields(module, cls)
@@ -137,7 +137,10 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
     for key, value in list(kwargs.items()):
         want = hints.get(key)
         if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise AppError(f"config key {key!r} expects float, got an int of {value.bit_length()} bits, too large for one") from None
         if isinstance(want, type) and not isinstance(value, want):
             raise AppError(f"config key {key!r} expects {want.__name__}, got {value!r}")
         kwargs[key] = value

@@ -18,8 +18,10 @@ the daemon stops its running jobs first.
 
 A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
 ``keep_ended`` ended jobs (``--keep-ended``, default ``KEEP_ENDED``) in memory and in ``status``, and
-forgets older ones as others end (a restarted daemon loads that many); a forgotten job's directory
-stays on disk, and asking for it says where. Every running job is kept.
+forgets older ones that ended ``forget_after_s`` (``--forget-after-s``, default ``FORGET_AFTER_S``) ago or
+more as others end (a restarted daemon reads
+every record and keeps that many); a forgotten job's directory stays on disk, and asking for it says
+where. Every running job is kept.
 
 A job whose placement names hosts runs its coordinator here and its groups' workers on the daemons
 of those hosts, this one among them: the daemon's side of that (``spawn``, ``workers``, ``end``) is
@@ -33,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -52,7 +55,7 @@ from .._errors import DaemonError
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
-from ._hosting import HostedRuns, Proc, read_chunk
+from ._hosting import FORGET_AFTER_S, HostedRuns, Proc, read_chunk
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
@@ -103,13 +106,16 @@ class Daemon:
 
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
                  advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD,
-                 keep_ended: int = KEEP_ENDED):
+                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S):
         from ._keys import load_keys
 
         if type(keep_ended) is not int or keep_ended < 0:
             raise ValueError(f"keep_ended must be an int >= 0, got {keep_ended!r}")
+        if type(forget_after_s) not in (int, float) or not 0 <= forget_after_s < math.inf:
+            raise ValueError(f"forget_after_s must be finite seconds >= 0, got {forget_after_s!r}")
         self.name = name
         self.keep_ended = keep_ended
+        self.forget_after_s = float(forget_after_s)
         self.listen = listen
         self.state = Path(state_dir)
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -120,7 +126,8 @@ class Daemon:
         # The fork server's own environment is what /proc/PID/environ shows of its workers: the
         # host identity they all share.
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
-        self.hosted = HostedRuns(name, advertise, self.state, self.forks, keep_ended=keep_ended)
+        self.hosted = HostedRuns(name, advertise, self.state, self.forks, keep_ended=keep_ended,
+                                 forget_after_s=self.forget_after_s)
         sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
@@ -130,8 +137,10 @@ class Daemon:
     # -------------------------------------------------------------------------- jobs on disk
 
     def _load_jobs(self) -> None:
-        """A restarted daemon: its past jobs, as they ended; a running one is watched again, or
-        marked lost if it died while no daemon watched it."""
+        """A restarted daemon: its past jobs, as they ended, in the order they were submitted (as
+        ``status`` lists them); a running one is watched again, or marked lost if it died while no
+        daemon watched it."""
+        loaded: list[_Job] = []
         for path in sorted((self.state / "jobs").glob("*/job.json")):
             try:
                 record = json.loads(path.read_text())
@@ -144,18 +153,25 @@ class Daemon:
             if record.get("state") == "running" and not job.alive():
                 record["state"] = "lost"
                 record["detail"] = "it ended while no daemon watched it (the daemon was down)"
-                record.setdefault("ended_at", time.time())
+                if record.get("ended_at") is None:  # (submit writes None)
+                    record["ended_at"] = time.time()
                 job.save()
-            self.jobs[job.id] = job
+            loaded.append(job)
+        loaded.sort(key=lambda j: _number(j.record.get("submitted_at")))
+        self.jobs = {j.id: j for j in loaded}
         self._forget_ended()
 
     def _forget_ended(self) -> None:
-        """Forget the oldest ended jobs past ``keep_ended`` (their directories stay on disk)."""
-        ended = [j for j in self.jobs.values() if j.record["state"] != "running"]
+        """Forget the oldest ended jobs past ``keep_ended`` that ended ``forget_after_s`` ago or more
+        (a client following one sees its end first); their directories stay on disk."""
+        ended = [j for j in self.jobs.values() if j.record.get("state") != "running"]
         if len(ended) <= self.keep_ended:
             return
         ended.sort(key=lambda j: (_number(j.record.get("ended_at")), _number(j.record.get("submitted_at"))))
+        old = time.time() - self.forget_after_s
         for job in ended[:len(ended) - self.keep_ended]:
+            if _number(job.record.get("ended_at")) > old:
+                break  # (in order: the rest ended later still)
             del self.jobs[job.id]
             log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
                      self.name, job.id, self.keep_ended, job.dir)
@@ -235,10 +251,12 @@ class Daemon:
         return self.describe(job)
 
     def watch(self) -> None:
-        """Note jobs that ended; SIGKILL the process group of a stopped job past its grace."""
-        ended = False
+        """Note jobs that ended; SIGKILL the process group of a stopped job past its grace; forget
+        the oldest ended ones past ``keep_ended``."""
+        ended = 0
         for job in self.jobs.values():
-            if job.record["state"] != "running":
+            if job.record.get("state") != "running":
+                ended += 1
                 continue
             if job.alive():
                 if job.stop_deadline is not None and time.monotonic() > job.stop_deadline:
@@ -261,8 +279,8 @@ class Daemon:
                 job.record["detail"] = "it was started by an earlier daemon; its exit status is unknown"
             job.save()
             log.info("%s: job %s %s (exit status %s)", self.name, job.id, job.record["state"], rc)
-            ended = True
-        if ended:
+            ended += 1
+        if ended > self.keep_ended:
             self._forget_ended()
 
     def describe(self, job: _Job) -> dict[str, Any]:
@@ -281,7 +299,7 @@ class Daemon:
     def _job(self, job_id: str) -> _Job:
         job = self.jobs.get(job_id)
         if job is None:
-            if (self.state / "jobs" / job_id / "job.json").is_file():
+            if _ended_record(self.state / "jobs" / job_id / "job.json"):
                 raise DaemonError(f"daemon {self.name!r} no longer tracks job {job_id!r}: it ended, and the daemon keeps "
                                   f"its newest {self.keep_ended} ended jobs (--keep-ended); its files are in "
                                   f"{self.state / 'jobs' / job_id}")
@@ -437,8 +455,24 @@ class Daemon:
 
 
 def _number(v: Any) -> float:
-    """A record's time for ordering: a job.json edited by hand may hold anything there."""
-    return float(v) if type(v) in (int, float) else 0.0
+    """A record's time for ordering: a job.json edited by hand may hold anything there (what is not
+    a finite number orders first)."""
+    if type(v) not in (int, float):
+        return 0.0
+    try:
+        f = float(v)
+    except OverflowError:
+        return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def _ended_record(path: Path) -> bool:
+    """Whether ``path`` is a readable record of an ended job (one the daemon forgot)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return type(record) is dict and record.get("state") not in (None, "running")
 
 
 def _advertised(listen: str) -> str | None:

@@ -18,7 +18,9 @@ pid and exit status. A run whose lease runs out (its coordinator or its host is 
 here: ``end`` (or the lease) sends SIGTERM to the run's live workers, SIGKILL to their sessions after
 ``END_GRACE_S``, and once none is left removes the run's shared-memory segments on this host.
 The daemon keeps the records of its newest ``keep_ended`` ended runs (``reactor status``, their
-workers' logs) and forgets older ones; their directories stay on disk.
+workers' logs) and forgets older ones that ended ``FORGET_AFTER_S`` ago or more (their coordinators
+have fetched their files by then); their directories stay on disk, marked ``.forgotten``, and such a
+run takes no new workers, after a restart of the daemon too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ log = logging.getLogger("reactor.daemon")
 END_GRACE_S = 5.0
 LOG_CHUNK_NBYTES = 1 << 20  # the most of a log (or a run's file) one answer carries
 RUN_FILES_MAX = 100_000
+FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at least this long after its end
+FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
 
 __all__ = ["HostedRuns"]
 
@@ -102,9 +106,10 @@ class HostedRuns:
     ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
 
     def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None,
-                 keep_ended: int = 200) -> None:
+                 keep_ended: int = 200, forget_after_s: float = FORGET_AFTER_S) -> None:
         self.name = name
         self.keep_ended = keep_ended
+        self.forget_after_s = forget_after_s
         self.forks = forks
         self.advertise = advertise
         self.root = state / "runs"
@@ -121,6 +126,8 @@ class HostedRuns:
                 raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way")
         run = self.runs.get(req["run"])
         if run is None:
+            if (self.root / req["run"] / FORGOTTEN).exists():
+                raise DaemonError(f"run {req['run']} has ended on {self.name!r}; it takes no new workers")
             run = self.runs[req["run"]] = _Run(req["run"], self.root / req["run"], float(req["lease_s"]))
             (run.dir / "app").mkdir(mode=0o700, parents=True, exist_ok=True)
         if run.end_deadline is not None or run.why_ended:
@@ -221,7 +228,7 @@ class HostedRuns:
         return run
 
     def _no_run(self, run_id: str) -> str:
-        if (self.root / run_id).is_dir():
+        if (self.root / run_id / FORGOTTEN).exists():
             return (f"daemon {self.name!r} no longer tracks run {run_id!r}: it ended here, and the daemon keeps its "
                     f"newest {self.keep_ended} ended runs (--keep-ended); its files are in {self.root / run_id}")
         return f"daemon {self.name!r} hosts no run {run_id!r}"
@@ -249,9 +256,9 @@ class HostedRuns:
         return {g: {"pid": p.pid, "returncode": p.poll()} for g, p in run.workers.items()}
 
     def watch(self) -> None:
-        """Leases, grace periods and cleanup of ended runs."""
+        """Leases, grace periods and cleanup of ended runs; forgetting the oldest past ``keep_ended``."""
         now = time.monotonic()
-        forget = False
+        cleaned = 0
         for run in self.runs.values():
             for g, p in run.workers.items():
                 if p.poll() is not None:
@@ -277,14 +284,19 @@ class HostedRuns:
                     remove_run_dir(run.sockdir)
                 log.info("%s: run %s ended here (%s)", self.name, run.id, run.why_ended)
                 run.cleaned_at = now
-                forget = True
-        if forget:
-            self._forget_ended()
+            cleaned += run.cleaned
+        if cleaned > self.keep_ended:
+            self._forget_ended(now)
 
-    def _forget_ended(self) -> None:
-        """Forget the runs that ended here longest ago, past ``keep_ended`` (their directories stay)."""
+    def _forget_ended(self, now: float) -> None:
+        """Forget the runs that ended here longest ago, past ``keep_ended`` and ``forget_after_s`` after
+        their end (their directories stay, marked: a forgotten run takes no new workers)."""
         ended = sorted((r for r in self.runs.values() if r.cleaned), key=lambda r: r.cleaned_at)
         for run in ended[:max(0, len(ended) - self.keep_ended)]:
+            if now - run.cleaned_at < self.forget_after_s:
+                break  # (in order: the rest ended later still)
+            with contextlib.suppress(OSError):
+                (run.dir / FORGOTTEN).touch()
             del self.runs[run.id]
             log.info("%s: forgot the ended run %s (past the newest %d ended runs kept); its files stay in %s",
                      self.name, run.id, self.keep_ended, run.dir)

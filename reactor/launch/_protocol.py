@@ -244,9 +244,11 @@ def is_plain(v: Any, depth: int = 0) -> bool:
 def nonfinite_at(v: Any, depth: int = 0) -> str | None:
     """Where a plain value holds a NaN or an infinity: ``""`` for ``v`` itself, ``"['lr']"`` or ``"[2]"``
     inside it; None when every float in it is finite. No config field of reactor's means anything by
-    one (a NaN learning rate trains a NaN network, and a NaN bound is never reached), so configs refuse
-    them at every door: ``--set``, a daemon's submit, a worker's spec, an algorithm's Config."""
-    if type(v) is float:
+    one (a NaN learning rate trains a NaN network, and a NaN bound is never reached), so the typed configs
+    refuse them (an app's ``Config``, an algorithm's), and so does a daemon's ``submit``, whose config
+    reaches the job as ``--set KEY=repr(VALUE)``, which cannot carry them. A builder's arguments may
+    (a rate limiter's infinite bound): a worker's spec is not checked for them."""
+    if isinstance(v, float):  # (numpy's float64 too)
         return None if math.isfinite(v) else ""
     if depth > 16:
         return None
@@ -355,8 +357,6 @@ def _spawn(v: Any) -> str | None:
         return why
     if type(v["worker"]) is not dict or not is_plain(v["worker"]):
         return f"worker: a worker spec (a dict of plain values) expected, got {_show(v['worker'])}"
-    if (at := nonfinite_at(v["worker"])) is not None:
-        return f"worker{at} is not a finite number"
     if type(v["lease_s"]) not in (int, float) or not 0 < v["lease_s"] <= 3600:
         return f"lease_s: seconds in (0, 3600] expected, got {_show(v['lease_s'])}"
     return None

@@ -223,7 +223,7 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
     ``(wall_s, env_steps, eval_return)``; None where there is no such file (or it is not one: its header
     differs), and the new life starts the file anew. A row cut short by the earlier life's death (a kill
     mid-write) is cut off the file, so the new life's rows start on a line of their own. Only the
-    evaluation rows and the last one are parsed as CSV: a long run's file holds millions of rows, and a
+    evaluation rows and the last rows are parsed as CSV: a long run's file holds millions of rows, and a
     restart waits for this."""
     try:
         with open(path, "rb+") as f:
@@ -232,31 +232,37 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
             tail = f.read()
             if tail and not tail.endswith(b"\n"):
                 f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+                tail = tail[:tail.rfind(b"\n") + 1]
         with open(path, "rb") as f:
             header = f.readline()
             if next(csv.reader([header.decode()]), None) != CSV_HEADER:
                 return None
-            last_wall, evals, last = 0.0, [], b""
+            last_wall, evals = 0.0, []
             for line in f:
-                last = line
-                if b",eval_return," in line and (row := _floats(line)) is not None:
-                    evals.append(row)
-                    last_wall = max(last_wall, row[0])
-            if (row := _floats(last, value=False)) is not None:
-                last_wall = max(last_wall, row[0])
+                if b"eval_return" in line and (row := _parsed(line)) is not None and row[3] == "eval_return":
+                    evals.append((float(row[0]), float(row[1]), float(row[4])))
+                    last_wall = max(last_wall, evals[-1][0])
+        # The wall time goes on from the last row that parses (a life's rows are in time order, and each
+        # life starts from the one before: the last row holds the largest).
+        for line in reversed(tail.splitlines()[1:]):  # (the first: the header, or a line cut by the seek)
+            if (row := _parsed(line)) is not None:
+                last_wall = max(last_wall, float(row[0]))
+                break
     except (OSError, csv.Error, UnicodeDecodeError):
         return None
     return last_wall, evals
 
 
-def _floats(line: bytes, value: bool = True) -> tuple[float, float, float] | None:
-    """A metrics row's ``(wall_s, env_steps, value)`` (value 0.0 unless ``value``); None for a row
-    that does not parse."""
-    row = next(csv.reader([line.decode()]), None)
+def _parsed(line: bytes) -> list[str] | None:
+    """A metrics row's five columns, the first, second and fifth numbers; None for a row that does not parse."""
     try:
-        return float(row[0]), float(row[1]), float(row[4]) if value else 0.0  # type: ignore[index]
-    except (TypeError, ValueError, IndexError):
+        row = next(csv.reader([line.decode()]), None)
+        if row is None or len(row) != 5:
+            return None
+        float(row[0]), float(row[1]), float(row[4])
+    except (ValueError, UnicodeDecodeError, csv.Error):
         return None
+    return row
 
 
 def _import_plotting() -> None:

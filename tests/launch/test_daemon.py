@@ -140,11 +140,12 @@ def test_a_failing_job_fails_alone_and_the_daemon_serves_on(daemon, tmp_path):
 
 def test_a_daemon_keeps_its_newest_ended_jobs_and_says_where_a_forgotten_ones_files_are(tmp_path):
     """A daemon kept every job it ever ran, in memory and in `status`: after enough jobs its status
-    answer alone would pass the 64 MiB a frame may hold. It keeps the newest --keep-ended, after a
-    restart too; a forgotten job's directory stays."""
+    answer alone would pass the 64 MiB a frame may hold. It keeps the newest --keep-ended, and forgets
+    none that ended within --forget-after-s (a client following it sees its end); a restarted daemon
+    reads every record and applies both; a forgotten job's directory stays."""
     bad = tmp_path / "broken_app.py"
     bad.write_text("def build(config):\n    raise RuntimeError('this app is broken')\n")
-    daemon = Daemon(tmp_path, extra=("--keep-ended", "2"))
+    daemon = Daemon(tmp_path, extra=("--keep-ended", "2", "--forget-after-s", "0", "--no-fork-server"))
     try:
         with daemon.client() as c:
             jobs = []
@@ -162,13 +163,38 @@ def test_a_daemon_keeps_its_newest_ended_jobs_and_says_where_a_forgotten_ones_fi
         assert (daemon.state / "jobs" / jobs[0] / "output.log").is_file()
     finally:
         daemon.stop()
-    again = Daemon(tmp_path, extra=("--keep-ended", "1"))  # on the same state directory
-    try:
-        with again.client() as c:
-            assert [j["id"] for j in c.request("status", None)] == jobs[2:]
-            assert b"this app is broken" in (again.state / "jobs" / jobs[1] / "output.log").read_bytes()
-    finally:
-        again.stop()
+    for extra, kept in ((("--keep-ended", "1"), jobs), (("--keep-ended", "1", "--forget-after-s", "0"), jobs[2:])):
+        again = Daemon(tmp_path, extra=(*extra, "--no-fork-server"))  # on the same state directory
+        try:
+            with again.client() as c:  # (all three ended within the last minute: the default keeps them)
+                assert [j["id"] for j in c.request("status", None)] == kept, extra
+        finally:
+            again.stop()
+
+
+def test_a_restarted_daemon_forgets_first_the_jobs_that_ended_longest_ago_not_the_ones_it_found_dead(tmp_path):
+    """A job that died while no daemon watched it was marked lost with no end time (submit writes
+    None there), so it sorted as the oldest and was the first forgotten: the one a user most needs
+    to see. Records edited by hand (a huge, infinite or missing time, no state) neither end the
+    daemon nor order before a real time."""
+    from reactor.launch._daemon import Daemon as InProcess
+
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    jobs = tmp_path / "state" / "jobs"
+    now = time.time()
+    records = {"a" * 16: {"state": "finished", "ended_at": now - 300},
+               "b" * 16: {"state": "failed", "ended_at": now - 200},
+               "c" * 16: {"state": "running", "ended_at": None, "pid": 2**22 + 12345, "pid_start": 1},
+               "d" * 16: {"state": "finished", "ended_at": 10**400},
+               "e" * 16: {"state": "finished", "ended_at": float("inf")}}
+    for job_id, record in records.items():
+        (jobs / job_id).mkdir(parents=True)
+        (jobs / job_id / "job.json").write_text(json.dumps({"id": job_id, "submitted_at": now - 400, **record}))
+    daemon = InProcess("tcp://127.0.0.1:0", "h1", tmp_path / "state", keys, preload=None, keep_ended=2,
+                       forget_after_s=0)
+    assert sorted(daemon.jobs) == ["b" * 16, "c" * 16]
+    assert daemon.jobs["c" * 16].record["state"] == "lost" and daemon.jobs["c" * 16].record["ended_at"] > now - 1
 
 
 def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
@@ -366,31 +392,43 @@ def test_a_hosted_run_whose_workers_died_and_whose_coordinator_went_silent_is_en
 
 def test_the_daemon_forgets_the_runs_it_hosted_that_ended_longest_ago_past_keep_ended(tmp_path):
     """Every run it had hosted stayed in memory, in `reactor status` and in each watch for the daemon's
-    life; it keeps the newest `keep_ended` ended runs, and their directories stay on disk."""
+    life; it keeps the newest `keep_ended` ended runs, forgets none sooner than `forget_after_s` after
+    its end (its coordinator fetches its files then), and a forgotten run takes no new workers, from
+    this daemon or from the next one on its state directory."""
     from reactor.launch._hosting import HostedRuns, _Run
 
-    hosted = HostedRuns("h1", "127.0.0.1", tmp_path, keep_ended=1)
-    runs = []
-    for rid in ("r1", "r2", "r3"):
-        run = hosted.runs[rid] = _Run(rid, hosted.root / rid, 60.0)
-        run.dir.mkdir()
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        run.workers["actor-0"], run.started["actor-0"] = dead, time.time()
-        runs.append(run)
-    hosted.end("r2")
-    hosted.watch()
-    hosted.end("r1")
-    hosted.watch()
+    def hosted_with(forget_after_s: float) -> HostedRuns:
+        hosted = HostedRuns("h1", "127.0.0.1", tmp_path, keep_ended=1, forget_after_s=forget_after_s)
+        for rid in ("r1", "r2", "r3"):
+            run = hosted.runs[rid] = _Run(rid, hosted.root / rid, 60.0)
+            run.dir.mkdir(exist_ok=True)
+            dead = subprocess.Popen([sys.executable, "-c", "pass"])
+            dead.wait()
+            run.workers["actor-0"], run.started["actor-0"] = dead, time.time()
+        hosted.end("r2")
+        hosted.watch()
+        hosted.end("r1")
+        hosted.watch()
+        return hosted
+
+    assert set(hosted_with(60.0).runs) == {"r1", "r2", "r3"}  # ended just now: none forgotten yet
+    hosted = hosted_with(0.0)
     assert set(hosted.runs) == {"r1", "r3"}  # r2 ended first; r3 has not ended: it is kept whatever the count
     assert [d["run"] for d in hosted.describe()] == ["r1", "r3"]
     for call in (lambda: hosted.workers("r2"), lambda: hosted.log("r2", "actor-0", 0), lambda: hosted.run_files("r2")):
         with pytest.raises(DaemonError, match=r"^daemon 'h1' no longer tracks run 'r2': it ended here, and the daemon "
                                               r"keeps its newest 1 ended runs \(--keep-ended\); its files are in "):
             call()
-    assert runs[1].dir.is_dir()
+    assert (hosted.root / "r2").is_dir()
+    data = b"def build(config):\n    return None\n"
+    spawn = {"run": "r2", "group": "actor-0", "app": "a.py", "files": {"a.py": data},
+             "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0}
+    for daemon in (hosted, HostedRuns("h1", "127.0.0.1", tmp_path)):  # and after a restart
+        with pytest.raises(DaemonError, match=r"^run r2 has ended on 'h1'; it takes no new workers$"):
+            daemon.spawn(spawn)
     with pytest.raises(DaemonError, match=r"^daemon 'h1' hosts no run 'r9'$"):
         hosted.workers("r9")
+    assert HostedRuns("h1", "127.0.0.1", tmp_path)._no_run("r1") == "daemon 'h1' hosts no run 'r1'"  # not forgotten
 
 
 def test_a_log_chunk_asked_past_the_end_of_the_file_is_empty_not_an_error(tmp_path):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from reactor.launch._app import AppError, load_app, make_config
@@ -66,11 +67,30 @@ def test_a_nan_or_an_infinity_in_a_config_is_refused_naming_its_key(overrides, m
         make_config(load_app(APPS / "dqn.py"), overrides)
 
 
+def test_a_config_without_a_dataclass_takes_what_its_app_takes():
+    """An app whose config is a dict (a @graph_builder's arguments travel this way: a rate limiter's
+    bound may be infinite) gets its values as given."""
+    module = load_app(ROOT / "reactor" / "launch" / "_builder_app.py")
+    config = {"builder": "m:f", "arguments": {"max_diff": float("inf")}}
+    assert make_config(module, config) == config
+
+
+def test_an_int_too_large_for_a_float_field_is_a_one_line_error():
+    with pytest.raises(AppError, match=r"^config key 'samples_per_insert' expects float, got an int of 1329 bits, too large for one"):
+        make_config(load_app(APPS / "dqn.py"), {"samples_per_insert": 10**400})
+    from reactor.algos import dqn
+
+    with pytest.raises(ValueError, match=r"^Config\.lr expects a float, got an int of 1329 bits, too large for one"):
+        dqn.Config.from_dict({"lr": 10**400})
+
+
 def test_an_algorithms_config_refuses_a_nan_or_an_infinity_naming_the_field():
     from reactor.algos import dqn, sac
 
     with pytest.raises(ValueError, match=r"^Config\.lr expects finite numbers, got nan$"):
         dqn.Config.from_dict({"lr": float("nan")})
+    with pytest.raises(ValueError, match=r"^Config\.lr expects finite numbers, got np\.float64\(nan\)$"):
+        dqn.Config.from_dict({"lr": np.float64("nan")})  # (a float's subclass)
     with pytest.raises(ValueError, match=r"^Config\.hidden expects finite numbers, got \(256, inf\)$"):
         sac.Config.from_dict({"hidden": (256, float("inf"))})
     assert dqn.Config.from_dict({"lr": 1e-3, "gamma": 1}).gamma == 1.0

@@ -145,6 +145,21 @@ def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path)
             [100.0 * k for k in range(1, 11)]
 
 
+def test_an_earlier_lifes_rows_are_read_for_their_evaluations_and_last_time_only(tmp_path):
+    """The restart reads only the rows naming eval_return (and the last rows) as CSV, for speed; a
+    row whose name merely holds the text is no evaluation, and the wall clock goes on from the last
+    row that parses, past a garbled one."""
+    from reactor.nodes.metrics import CSV_HEADER, _earlier_rows
+
+    path = tmp_path / "metrics.csv"
+    path.write_text(",".join(CSV_HEADER) + "\n" + "1.0,10,evaluator,eval_return,7.0\n"
+                    + '2.0,20,actor,"x,eval_return,y",5.0\n' + "3.0,30,eval_return,loss,0.5\n"
+                    + "4.0,40,learner,loss,0.25\n" + "garbled row\n")
+    assert _earlier_rows(path) == (4.0, [(1.0, 10.0, 7.0)])
+    path.write_text("wall,steps\n1.0,2\n")  # not a metrics file: the new life starts it anew
+    assert _earlier_rows(path) is None
+
+
 def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
     run(_graph(tmp_path, max_steps=6000, actors=1))
     out = capsys.readouterr().out  # live=False still ends with the result and where it is

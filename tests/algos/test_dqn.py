@@ -1,0 +1,34 @@
+"""DQN's fragments (``reactor.algos.dqn``) driven directly on tensors."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from reactor.algos import dqn
+
+OBS = gym.spaces.Box(-1.0, 1.0, (4,), dtype=np.float32)
+ACT = gym.spaces.Discrete(2)
+
+
+def _batch(b: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"obs": torch.randn(b, 4, generator=g) * 5, "action": torch.randint(2, (b,), generator=g),
+            "reward": torch.rand(b, generator=g) * 100, "next_obs": torch.randn(b, 4, generator=g),
+            "next_terminated": torch.zeros(b, dtype=torch.bool), "discount": torch.full((b,), 0.97),
+            "weights": torch.ones(b)}
+
+
+def test_max_grad_norm_zero_turns_clipping_off_and_still_reports_the_norm():
+    """An infinite max_grad_norm was the only way to turn DQN's clipping off, and configs now refuse
+    infinities: 0 turns it off, as in PPO and the transformer agent."""
+    after = {}
+    for norm in (0.0, 1e30, 1e-3):
+        state = dqn.init(OBS, ACT, dqn.Config.from_dict({"max_grad_norm": norm}), seed=0)
+        metrics, _ = dqn.learn(state, _batch())
+        after[norm] = ([p.detach().clone() for p in state.q.parameters()], metrics["grad_norm"])
+    for a, b in zip(after[0.0][0], after[1e30][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert after[0.0][1] == after[1e30][1] == after[1e-3][1] > 1e-3  # the norm before clipping, each time
+    assert any(not torch.equal(a, b) for a, b in zip(after[0.0][0], after[1e-3][0]))

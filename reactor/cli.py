@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -227,12 +227,17 @@ def _daemon_key(path: str) -> bytes:
         raise ValueError(f"--daemon-key {path}: {e.strerror or e}") from None
 
 
+def _parsed_arg(text: str, convert: Callable[[str], Any], what: str) -> Any:
+    """``convert(text)``, or the argument error naming ``what`` was expected."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} expected, got {text!r}") from None
+
+
 def _count_arg(text: str) -> int:
     """``--keep-ended``: an int >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a whole number expected, got {text!r}") from None
+    n = _parsed_arg(text, int, "a whole number")
     if n < 0:
         raise argparse.ArgumentTypeError(f"a number >= 0 expected, got {text!r}")
     return n
@@ -240,10 +245,7 @@ def _count_arg(text: str) -> int:
 
 def _seconds_arg(text: str) -> float:
     """``--forget-after-s``: finite seconds >= 0."""
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"seconds expected, got {text!r}") from None
+    s = _parsed_arg(text, float, "seconds")
     if not 0 <= s < float("inf"):
         raise argparse.ArgumentTypeError(f"finite seconds >= 0 expected, got {text!r}")
     return s
@@ -251,10 +253,7 @@ def _seconds_arg(text: str) -> float:
 
 def _answer_seconds(text: str) -> float:
     """``--timeout-s``: finite seconds in (0, 1 day] (inf overflowed zmq's poll; nan and -1 never waited)."""
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"seconds expected, got {text!r}") from None
+    s = _parsed_arg(text, float, "seconds")
     if not 0 < s <= 86400:
         raise argparse.ArgumentTypeError(f"seconds in (0, 86400] expected, got {text!r}")
     return s

@@ -183,9 +183,9 @@ class HostedRuns:
         """A chunk of a hosted worker's output (``reactor logs JOB GROUP``): its lives all write to
         ``STATE/runs/RUN/GROUP.log``; ``done`` once its latest life has ended."""
         run = self.runs.get(run_id)
-        if run is None:
+        if run is None and (self.root / run_id / FORGOTTEN).exists():
             raise DaemonError(self._no_run(run_id))
-        if group not in run.workers:
+        if run is None or group not in run.workers:
             raise DaemonError(f"daemon {self.name!r} hosts no group {group!r} of run {run_id!r}")
         data, offset = read_chunk(run.dir / f"{group}.log", offset)
         return {"data": data, "offset": offset, "done": run.workers[group].poll() is not None}

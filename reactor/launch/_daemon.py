@@ -52,6 +52,7 @@ import zmq.asyncio
 import zmq.auth.asyncio
 
 from .._errors import DaemonError
+from .._files import read_small_json
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
@@ -98,7 +99,9 @@ class _Job:
         if self.proc is not None:
             return self.proc.poll() is None
         pid, start = self.record.get("pid"), self.record.get("pid_start")
-        return bool(pid) and owner_alive(int(pid), int(start or 0), 0)
+        # Without its start time a pid may be anyone's now: a record that lacks one (edited, or
+        # /proc unreadable at the job's start) counts as dead, never as a process to signal.
+        return bool(pid) and bool(start) and owner_alive(int(pid), int(start), 0)
 
 
 class Daemon:
@@ -117,7 +120,7 @@ class Daemon:
         self.keep_ended = keep_ended
         self.forget_after_s = float(forget_after_s)
         self.listen = listen
-        self.state = Path(state_dir)
+        self.state = Path(state_dir).resolve()  # (a relative one: jobs run in their own directories)
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
         self.keys_dir = Path(keys_dir).resolve()
@@ -143,9 +146,9 @@ class Daemon:
         loaded: list[_Job] = []
         for path in sorted((self.state / "jobs").glob("*/job.json")):
             try:
-                record = json.loads(path.read_text())
-                if type(record) is not dict or record.get("id") != path.parent.name:
-                    raise ValueError("its id is not its directory's name")
+                record = read_small_json(path)
+                if (why := _record_problem(record, path.parent.name)) is not None:
+                    raise ValueError(why)
                 job = _Job(record, path.parent)
             except (OSError, ValueError) as exc:
                 log.warning("%s: ignored the unreadable job record %s: %s", self.name, path, exc)
@@ -482,14 +485,48 @@ def _advertised(listen: str) -> str | None:
     return None if host in ("", "*", "0.0.0.0", "[::]", "::") else host
 
 
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "id": (str,), "state": (str,), "app": (str,), "placement": (str,), "pid": (int,), "submitted_at": (int, float),
+}
+_RECORD_OPTIONAL: dict[str, tuple[type, ...]] = {
+    "pid_start": (int,), "ended_at": (int, float, type(None)), "returncode": (int, type(None)), "detail": (str,),
+}
+
+
+def _record_problem(record: Any, job_id: str) -> str | None:
+    """What is wrong with a job record read from disk (None: nothing): its id must be its directory's
+    name, and the fields ``status`` shows and ``watch`` signals by must have their types and ranges."""
+    if type(record) is not dict:
+        return "it is not a JSON object"
+    if record.get("id") != job_id:
+        return "its id is not its directory's name"
+    for fields, required in ((_RECORD_TYPES, True), (_RECORD_OPTIONAL, False)):
+        for name, types in fields.items():
+            if name not in record and not required:
+                continue
+            v = record.get(name)
+            if type(v) not in types:
+                return f"its {name} is {type(v).__name__}, not {' or '.join(t.__name__ for t in types)}"
+            if type(v) is float and not math.isfinite(v):
+                return f"its {name} is {v}"
+    if not 0 < record["pid"] < 2**31 or not 0 <= record.get("pid_start", 0) < 2**63:
+        return "its pid or start time is out of range"
+    return None
+
+
 def _job_groups(jdir: Path) -> dict[str, Any]:
     """A job over hosts: its run id and where each group runs (``groups.json``, written by the job's
-    coordinator), for ``reactor status`` and ``reactor logs JOB GROUP``; {} for a job on one host."""
+    coordinator), for ``reactor status`` and ``reactor logs JOB GROUP``; {} for a job on one host, or
+    for a file that is not what a coordinator writes."""
     try:
-        got = json.loads((jdir / "groups.json").read_text())
+        got = read_small_json(jdir / "groups.json")
     except (OSError, ValueError):
         return {}
-    return {"run": got.get("run"), "groups": got.get("groups", {})}
+    groups = got.get("groups") if type(got) is dict else None
+    if type(groups) is not dict or not all(
+            type(g) is str and type(w) is dict and type(w.get("host")) is str for g, w in groups.items()):
+        return {}
+    return {"run": got.get("run") if type(got.get("run")) is str else None, "groups": groups}
 
 
 def _last_line(path: Path) -> str:

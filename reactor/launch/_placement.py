@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import GraphError
+from .._files import check_ipc_bind
 from .._graph import Graph
 from ._cluster import Host, assign_hosts, cluster_settings, load_hosts_file, parse_hosts
 from ._groups import NEVER_RESTART, RESTART_FIELDS, Group, Restart, group_name, parse_restart
@@ -136,6 +137,11 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
         bind = spec.get("bind")
         if bind is not None and not (isinstance(bind, str) and bind.startswith(("tcp://", "ipc://"))):
             raise GraphError(f"placement file {placement}: group {gname!r} bind must be a tcp:// or ipc:// address")
+        if bind is not None:
+            try:
+                check_ipc_bind(bind)
+            except FileExistsError as e:
+                raise GraphError(f"placement file {placement}: group {gname!r}: {e}") from None
         unknown = set(spec) - {"reactors", "bind", "host", *RESTART_FIELDS}
         if unknown:
             raise GraphError(f"placement file {placement}: group {gname!r} has unknown fields {sorted(unknown)} "

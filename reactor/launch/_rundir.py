@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .._files import read_small_json
 from ..transport._shm import cleanup_stale, owner_alive, process_identity
 
 __all__ = ["open_run_dir", "remove_run_dir", "runtime_base", "sweep_stale"]
@@ -73,8 +74,11 @@ def sweep_stale(base: Path | None = None) -> list[str]:
         try:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
-            owner = json.loads((Path(entry.path) / OWNER_FILE).read_text())
-            pid, start, ns = int(owner["pid"]), int(owner["start_time"]), int(owner["pid_ns"])
+            owner = read_small_json(Path(entry.path) / OWNER_FILE, 1 << 16)
+            pid, start, ns = (owner[k] for k in ("pid", "start_time", "pid_ns"))
+            if not (all(type(v) is int for v in (pid, start, ns)) and 0 < pid < 2**31 and 0 <= start < 2**63
+                    and 0 <= ns < 2**63):
+                raise ValueError("not an owner record")
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours, not a run directory, or its owner is still writing it
         if owner_alive(pid, start, ns):

@@ -40,6 +40,7 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
+from reactor._files import check_ipc_bind
 
 from . import _gather
 from ._zmq import CurveKeys, _AllowedKeys
@@ -166,8 +167,9 @@ class ZmqServer:
                 self._router.curve_secretkey = curve.secret
                 self._router.curve_publickey = curve.public
                 self.curve_public = curve.public
+            check_ipc_bind(bind)
             self._router.bind(bind)
-        except zmq.ZMQError as exc:  # a bad address, or CURVE not built into libzmq: release everything
+        except (zmq.ZMQError, FileExistsError) as exc:  # a bad address, a file there, or no CURVE: release everything
             self._router.close(0)
             if self._auth is not None:
                 self._auth.stop()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import zmq
 
+from .._files import read_small
+
 __all__ = ["CurveKeys", "link_key"]
 
 
@@ -96,7 +98,11 @@ class CurveKeys:
 
 def _read_key_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
     fields: dict[str, bytes] = {}
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = read_small(path, 1 << 16).decode()  # (a FIFO among the authorized keys hung every handshake)
+    except UnicodeDecodeError:
+        raise ValueError(f"{os.fspath(path)}: not a text file") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue

@@ -53,6 +53,7 @@ import zmq.asyncio
 import zmq.auth.asyncio
 
 from reactor._errors import FrameTooLargeError, PeerLostError, WouldBlock
+from reactor._files import check_ipc_bind
 
 from ._curve import CurveKeys, _AllowedKeys, _is_local, link_key
 from ._zmqreceive import (
@@ -420,6 +421,7 @@ class Endpoint(_Receiving):
                 router.curve_server = True
                 router.curve_secretkey = curve.secret
                 router.curve_publickey = curve.public
+            check_ipc_bind(bind)
             try:
                 router.bind(bind)
             except zmq.ZMQError as exc:

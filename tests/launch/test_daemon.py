@@ -175,8 +175,8 @@ def test_a_daemon_keeps_its_newest_ended_jobs_and_says_where_a_forgotten_ones_fi
 def test_a_restarted_daemon_forgets_first_the_jobs_that_ended_longest_ago_not_the_ones_it_found_dead(tmp_path):
     """A job that died while no daemon watched it was marked lost with no end time (submit writes
     None there), so it sorted as the oldest and was the first forgotten: the one a user most needs
-    to see. Records edited by hand (a huge, infinite or missing time, no state) neither end the
-    daemon nor order before a real time."""
+    to see. Records edited by hand (a huge time, an infinite one) neither end the daemon nor order
+    before a real time (an infinite one is no record: tests/faults/test_files.py)."""
     from reactor.launch._daemon import Daemon as InProcess
 
     keys = tmp_path / "keys"
@@ -190,7 +190,9 @@ def test_a_restarted_daemon_forgets_first_the_jobs_that_ended_longest_ago_not_th
                "e" * 16: {"state": "finished", "ended_at": float("inf")}}
     for job_id, record in records.items():
         (jobs / job_id).mkdir(parents=True)
-        (jobs / job_id / "job.json").write_text(json.dumps({"id": job_id, "submitted_at": now - 400, **record}))
+        (jobs / job_id / "job.json").write_text(json.dumps({"id": job_id, "app": "a.py", "placement": "single",
+                                                            "pid": 12345, "pid_start": 1, "submitted_at": now - 400,
+                                                            **record}))
     daemon = InProcess("tcp://127.0.0.1:0", "h1", tmp_path / "state", keys, preload=None, keep_ended=2,
                        forget_after_s=0)
     assert sorted(daemon.jobs) == ["b" * 16, "c" * 16]

@@ -1,0 +1,86 @@
+"""Reading the small files that records and keys live in, from directories someone else may have
+written: a job's record in a daemon's state directory, a run directory's owner record, a key file.
+
+And binding a ZeroMQ ipc socket: libzmq removes whatever is at the path first, so a bind address
+from a placement file could delete any file of the user's (:func:`check_ipc_bind` refuses that).
+
+A plain ``open`` of a FIFO blocks until a writer comes (a daemon that reads one at a handshake or at
+its start then hangs), ``/dev/zero`` never ends, and a JSON document nested a hundred thousand deep
+raises ``RecursionError``. :func:`read_small` and :func:`read_small_json` refuse all three with an
+error that names the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_ipc_bind", "read_small", "read_small_json"]
+
+
+def read_small(path: str | os.PathLike[str], max_nbytes: int) -> bytes:
+    """The bytes of the regular file at ``path`` (a link is followed), at most ``max_nbytes``.
+
+    Raises:
+        OSError: it cannot be opened or read (missing, a directory: IsADirectoryError, no permission).
+        ValueError: it is not a regular file (a FIFO, a device, a socket), or holds more than
+            ``max_nbytes`` bytes; the message names the file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO's open does not wait)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{os.fspath(path)} is not a regular file")
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(1 << 20, max_nbytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_nbytes:
+                raise ValueError(f"{os.fspath(path)} holds more than {max_nbytes} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_small_json(path: str | os.PathLike[str], max_nbytes: int = 1 << 20) -> Any:
+    """The JSON document in the regular file at ``path`` (:func:`read_small`).
+
+    Raises:
+        OSError: as :func:`read_small`.
+        ValueError: as :func:`read_small`, or it is not UTF-8 JSON, or it is nested too deep to
+            parse; the message names the file.
+    """
+    data = read_small(path, max_nbytes)
+    try:
+        return json.loads(data.decode())
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise ValueError(f"{Path(path)}: not a JSON document ({type(e).__name__})") from None
+
+
+def check_ipc_bind(address: str) -> None:
+    """Refuse to bind ZeroMQ at ``ipc://PATH`` where ``PATH`` is something other than a socket
+    (libzmq unlinks the path before binding: a file there would be deleted). A socket left by an
+    earlier run, a wildcard (``ipc://*``) and Linux's abstract names (``ipc://@name``) pass, and so
+    does every other transport.
+
+    Raises:
+        FileExistsError: ``PATH`` exists and is not a socket; the message names it.
+    """
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://"):]
+    if not path or path == "*" or path.startswith("@"):
+        return
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # nothing there (or nothing we may look at: the bind says so)
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"cannot bind {address!r}: {path} exists and is not a socket (binding would delete it)")

@@ -1,0 +1,173 @@
+"""Files someone else may have written, read by the daemon, the run-directory sweep, the key store and
+placements: FIFOs, devices, huge or deeply nested documents, wrong types, links, and a bind address
+that names a file. Each is refused naming the file; none hangs, ends a daemon, or deletes anything.
+(Found by a hostile probe of the files reactor reads.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reactor._errors import GraphError
+from reactor._files import check_ipc_bind, read_small, read_small_json
+from reactor.launch._keys import AuthorizedKeys, init_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_fifo_a_device_and_a_huge_file_are_refused_at_once_naming_them(tmp_path):
+    fifo = tmp_path / "record.json"
+    os.mkfifo(fifo)  # a plain open waits here for a writer that never comes
+    t = time.monotonic()
+    with pytest.raises(ValueError, match=rf"^{fifo} is not a regular file$"):
+        read_small(fifo, 1024)
+    assert time.monotonic() - t < 5
+    with pytest.raises(ValueError, match=r"^/dev/zero is not a regular file$"):
+        read_small("/dev/zero", 1024)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 2049)
+    with pytest.raises(ValueError, match=rf"^{big} holds more than 2048 bytes$"):
+        read_small(big, 2048)
+    assert read_small(big, 2049) == b"x" * 2049
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"not a JSON document \(RecursionError\)$"):
+        read_small_json(deep)
+    with pytest.raises(IsADirectoryError):
+        read_small_json(tmp_path)
+
+
+def test_an_ipc_bind_over_a_file_is_refused_and_the_file_kept(tmp_path):
+    """libzmq removes what is at an ipc path before binding: a placement's `bind = "ipc://~/thesis.tex"`
+    deleted the file and left a socket in its place."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"exists and is not a socket \(binding would delete it\)$"):
+        check_ipc_bind(f"ipc://{precious}")
+    old = tmp_path / "old.sock"  # a socket an earlier run left: binding there is fine
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(old))
+    for address in (f"ipc://{old}", f"ipc://{tmp_path / 'new.sock'}", "ipc://*", "ipc://@abstract", "tcp://127.0.0.1:*"):
+        check_ipc_bind(address)
+    placement = tmp_path / "p.toml"
+    placement.write_text(f'[groups.producers]\nreactors = ["producer*"]\nbind = "ipc://{precious}"\n\n'
+                         '[groups.rest]\nreactors = ["squarer*", "collector"]\n')
+    from reactor.launch._app import build_graph
+    from reactor.launch._placement import resolve
+
+    graph = build_graph(ROOT / "apps" / "demo_pipeline.py", {})
+    with pytest.raises(GraphError, match=r"group 'producers': cannot bind .*precious\.txt exists and is not a socket"):
+        resolve(graph, str(placement))
+    assert precious.read_text() == "keep me"
+
+
+def test_a_fifo_among_the_authorized_keys_is_skipped_not_waited_on(tmp_path):
+    """A FIFO there hung every handshake (the keys are read at each), and SIGTERM with it."""
+    init_keys(tmp_path / "k")
+    os.mkfifo(tmp_path / "k" / "authorized" / "stuck.pub")
+    (tmp_path / "k" / "authorized" / "good.pub").write_text(f"public = {'a' * 40}\n")
+    t = time.monotonic()
+    got = AuthorizedKeys(tmp_path / "k" / "authorized").keys()
+    assert b"a" * 40 in got and len(got) == 2  # good.pub and the directory's own self.pub; not stuck.pub
+    assert time.monotonic() - t < 5
+
+
+def test_owner_records_that_are_no_process_leave_the_sweep_and_the_run_alone(tmp_path, monkeypatch):
+    """A same-user `reactor-*/owner.json` holding pid 1e400, a 100-digit pid or JSON nested 50,000 deep
+    made every later multi-process run (and a daemon's start) fail in the sweep with a traceback."""
+    from reactor.launch._rundir import sweep_stale
+
+    monkeypatch.setenv("REACTOR_RUNTIME_DIR", str(tmp_path))
+    for i, text in enumerate(['{"pid": 1e400, "start_time": 0, "pid_ns": 0}',
+                              '{"pid": ' + "9" * 100 + ', "start_time": 0, "pid_ns": 0}',
+                              "[" * 50_000, '{"pid": "1", "start_time": 0, "pid_ns": 0}']):
+        (tmp_path / f"reactor-bad{i}").mkdir()
+        (tmp_path / f"reactor-bad{i}" / "owner.json").write_text(text)
+    os.mkfifo(tmp_path / "reactor-fifo")
+    (tmp_path / "reactor-fifo2").mkdir()
+    os.mkfifo(tmp_path / "reactor-fifo2" / "owner.json")
+    removed = sweep_stale(tmp_path)
+    assert not [r for r in removed if str(tmp_path) in r]  # none is a record of a dead owner: all kept
+    assert len(list(tmp_path.glob("reactor-*"))) == 6
+
+
+def _daemon_with(tmp_path: Path, records: dict[str, object], groups: object = None):
+    from reactor.launch._daemon import Daemon
+
+    keys = tmp_path / "keys"
+    if not keys.exists():
+        init_keys(keys)
+    jobs = tmp_path / "state" / "jobs"
+    for job_id, record in records.items():
+        (jobs / job_id).mkdir(parents=True, exist_ok=True)
+        if record == "fifo":
+            os.mkfifo(jobs / job_id / "job.json")
+        else:
+            (jobs / job_id / "job.json").write_text(record if isinstance(record, str) else json.dumps(record))
+        if groups is not None:
+            (jobs / job_id / "groups.json").write_text(json.dumps(groups))
+    return Daemon("tcp://127.0.0.1:0", "h1", tmp_path / "state", keys, preload=None)
+
+
+def _record(job_id: str, **over: object) -> dict[str, object]:
+    return {"id": job_id, "state": "finished", "app": "a.py", "placement": "single", "pid": 12345,
+            "pid_start": 1, "submitted_at": 1.0, "ended_at": 2.0, "returncode": 0, **over}
+
+
+def test_a_job_record_without_a_start_time_never_has_its_pid_signalled(tmp_path):
+    """`"pid": <any process>, "pid_start": 0` was watched as a running job, and `reactor stop` (then the
+    grace's SIGKILL to its group) killed that process."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        daemon = _daemon_with(tmp_path, {"a" * 16: _record("a" * 16, state="running", pid=bystander.pid, pid_start=0,
+                                                           ended_at=None, returncode=None)})
+        job = daemon.jobs["a" * 16]
+        assert job.record["state"] == "lost"
+        daemon.stop("a" * 16)
+        daemon.watch()
+        time.sleep(0.3)
+        assert bystander.poll() is None
+    finally:
+        bystander.send_signal(signal.SIGKILL)
+        bystander.wait()
+
+
+def test_job_records_of_the_wrong_shape_are_skipped_and_the_daemon_serves_the_rest(tmp_path):
+    bad = {"b" * 16: _record("b" * 16, pid="abc"), "c" * 16: '{"id": "' + "c" * 16 + '", "pid": 1e400}',
+           "d" * 16: _record("d" * 16, pid=2**70), "e" * 16: "[" * 100_000, "f" * 16: "fifo",
+           "0" * 16: _record("0" * 16, app=5, submitted_at="z"), "1" * 16: _record("1" * 16, ended_at=[1]),
+           "2" * 16: _record("2" * 16, state=None)}
+    t = time.monotonic()
+    daemon = _daemon_with(tmp_path, {"a" * 16: _record("a" * 16), **bad})
+    assert time.monotonic() - t < 10  # (the FIFO is not waited on)
+    assert list(daemon.jobs) == ["a" * 16]
+    ok, rows = daemon.handle([1, "status", None])
+    assert ok and [r["id"] for r in rows] == ["a" * 16]
+
+
+@pytest.mark.parametrize("groups", [[1, 2], {"run": 5, "groups": [1]}, {"run": "r", "groups": {"g": 5}}])
+def test_a_groups_file_of_the_wrong_shape_reads_as_a_job_on_one_host(tmp_path, groups):
+    """One such file made `status` fail for every job (AttributeError in the daemon; the client's
+    listing raised on `{"groups": [1]}`)."""
+    daemon = _daemon_with(tmp_path, {"a" * 16: _record("a" * 16)}, groups=groups)
+    ok, rows = daemon.handle([1, "status", None])
+    assert ok and rows[0]["id"] == "a" * 16 and "groups" not in rows[0]
+
+
+def test_a_daemon_on_a_relative_state_directory_runs_its_jobs_in_it(tmp_path, monkeypatch):
+    """`reactor daemon --state-dir state` made every job fail: `no app file at 'state/jobs/ID/app/...'`
+    (the job runs in its own directory, where the relative path means something else)."""
+    from reactor.launch._daemon import Daemon
+
+    init_keys(tmp_path / "keys")
+    monkeypatch.chdir(tmp_path)
+    daemon = Daemon("tcp://127.0.0.1:0", "h1", "state", tmp_path / "keys", preload=None)
+    assert daemon.state == tmp_path / "state" and daemon.state.is_absolute()

@@ -125,17 +125,35 @@ class _LearnerBase(Reactor):
                                     replicas=self.bank_size)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
-        if self.ckpt is not None and self.bank_index == 0:
-            self._write_config()
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
         if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
-            saved = torch.load(self.ckpt, weights_only=True, map_location=self.torch_device)
-            self.algo.load_state_dict(self.state, saved["algo"])
-            self.updates = int(saved["updates"])
-            logging.getLogger("reactor.learner").warning("%s resumed from its checkpoint %s at update %d", self.name,
-                                                         self.ckpt, self.updates)
+            self._resume(torch)
+        if self.ckpt is not None and self.bank_index == 0:
+            self._write_config()
         if self.bank_size > 1:
             self._join_data_parallel()
+
+    def _resume(self, torch: Any) -> None:
+        """Load ``learner.pt`` into the fresh state. One that does not load (another network's shape:
+        a --set that differs from the run's, a damaged file) ends the run with one line naming the file,
+        and leaves the file, config.json and weights.sha256 as they were: the learner never saves over
+        a checkpoint it could not resume from (it did, with its fresh weights, at its shutdown)."""
+        assert self.ckpt is not None
+        try:
+            saved = torch.load(self.ckpt, weights_only=True, map_location=self.torch_device)
+            if not isinstance(saved, dict) or "algo" not in saved or type(saved.get("updates")) is not int \
+                    or saved["updates"] < 0:
+                raise ValueError("it is not a learner checkpoint (a dict of 'algo' and a count of 'updates')")
+            self.algo.load_state_dict(self.state, saved["algo"])
+        except Exception as e:  # noqa: BLE001 - whatever the file held, the same answer
+            del self.state  # (nothing is saved at shutdown: _finish)
+            first = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
+            raise ValueError(f"{self.name}: cannot resume from {self.ckpt}: {first[:500]} (the run's settings must be "
+                             f"those it was trained with: config.json beside it has them); nothing was changed "
+                             f"there") from None
+        self.updates = int(saved["updates"])
+        logging.getLogger("reactor.learner").warning("%s resumed from its checkpoint %s at update %d", self.name,
+                                                     self.ckpt, self.updates)
 
     def _join_data_parallel(self) -> None:
         import torch

@@ -57,6 +57,8 @@ class Metrics(Reactor):
         title: shown above the live table.
         console: a ``rich.console.Console`` to draw the live table on instead of stdout (a notebook's,
             a test's); in-process only.
+        resume: the run goes on from its run directory's checkpoints (``resume=True``): its
+            metrics.csv goes on too, as a restarted life's does.
     """
 
     reports = Input(Report, required=True)
@@ -70,8 +72,10 @@ class Metrics(Reactor):
         live: bool = True,
         title: str = "",
         console: Any = None,
+        resume: bool = False,
     ) -> None:
         self.run_dir = run_dir
+        self.resume = resume
         self.console = console
         self.target_return = target_return
         self.max_env_steps = max_env_steps
@@ -92,8 +96,9 @@ class Metrics(Reactor):
         self.started.schedule()  # fires after every startup reaction of this tag (a later microstep)
         path = self.dir / "metrics.csv"
         # A restarted life (restart policies) goes on with its run's file: the earlier lives' rows stay, its
-        # wall clock goes on from their last row, and their evaluations count in the summary.
-        earlier = _earlier_rows(path) if self.restarts > 0 else None
+        # wall clock goes on from their last row, and their evaluations count in the summary. So does a
+        # resumed run (it started the file anew, and a resume that failed had wiped the run's metrics).
+        earlier = _earlier_rows(path) if self.restarts > 0 or self.resume else None
         self.csv_file = open(path, "a" if earlier else "w", newline="")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
         self.wall_offset = 0.0

@@ -153,6 +153,40 @@ def test_learner_resumes_from_its_checkpoint(tmp_path):
     assert (tmp_path / "weights.sha256").read_text() != saved
 
 
+@pytest.mark.parametrize("damage", ["another_network", "truncated"])
+def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run_directory_as_it_was(tmp_path, damage):
+    """`--set resume=True hidden=128` over a run trained with hidden=256 printed a traceback, and the
+    learner's shutdown then saved its fresh weights over the trained checkpoint (and rewrote config.json
+    and weights.sha256): an easy mistake that destroyed the training."""
+    import gymnasium as gym
+    import torch
+
+    from reactor.algos import dqn
+
+    env = gym.make("CartPole-v1")
+    state = dqn.init(env.observation_space, env.action_space, dqn.Config(hidden=256), seed=0)
+    torch.save({"algo": dqn.state_dict(state), "updates": 7}, tmp_path / "learner.pt")
+    if damage == "truncated":
+        data = (tmp_path / "learner.pt").read_bytes()
+        (tmp_path / "learner.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "config.json").write_text('{"format": 1}\n')
+    (tmp_path / "weights.sha256").write_text("abc\n")
+    (tmp_path / "metrics.csv").write_text("wall_s,env_steps,source,name,value\n1.000,10,evaluator,eval_return,9.5\n")
+    kept = ("learner.pt", "config.json", "weights.sha256", "metrics.csv")
+    before = {name: (tmp_path / name).read_bytes() for name in kept}
+    out = subprocess.run(
+        [sys.executable, "-m", "reactor.cli", "run", DQN, "--set", f"run_dir='{tmp_path}'", "--set", "live=False",
+         "--set", "resume=True", "--set", "hidden=128" if damage == "another_network" else "hidden=256"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"reactor: learner: cannot resume from {tmp_path / 'learner.pt'}: ")
+    assert ("size mismatch" in lines[0]) == (damage == "another_network") and "nothing was changed there" in lines[0]
+    after = {name: (tmp_path / name).read_bytes() for name in kept}
+    assert after["metrics.csv"].startswith(before.pop("metrics.csv"))  # (appended to, as a resumed run's is)
+    assert {k: v for k, v in after.items() if k != "metrics.csv"} == before
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

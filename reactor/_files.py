@@ -1,7 +1,9 @@
 """Reading the small files that records and keys live in, from directories someone else may have
 written: a job's record in a daemon's state directory, a run directory's owner record, a key file.
 
-And binding a ZeroMQ ipc socket: libzmq removes whatever is at the path first, so a bind address
+And writing into a run directory someone handed over: a file there that is a symbolic link would
+have the run write through it, over the file it points at (:func:`refuse_file_links`). And binding
+a ZeroMQ ipc socket: libzmq removes whatever is at the path first, so a bind address
 from a placement file could delete any file of the user's (:func:`check_ipc_bind` refuses that).
 
 A plain ``open`` of a FIFO blocks until a writer comes (a daemon that reads one at a handshake or at
@@ -19,7 +21,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_ipc_bind", "read_small", "read_small_json"]
+__all__ = ["check_ipc_bind", "read_small", "read_small_json", "refuse_file_links"]
 
 
 def read_small(path: str | os.PathLike[str], max_nbytes: int) -> bytes:
@@ -84,3 +86,40 @@ def check_ipc_bind(address: str) -> None:
         return  # nothing there (or nothing we may look at: the bind says so)
     if not stat.S_ISSOCK(mode):
         raise FileExistsError(f"cannot bind {address!r}: {path} exists and is not a socket (binding would delete it)")
+
+
+def refuse_file_links(directory: str | os.PathLike[str], max_entries: int = 100_000) -> None:
+    """Refuse a run directory that holds a symbolic link to anything but a directory, at any depth
+    (links to directories are followed, each once: a user may keep a shard's checkpoints on another
+    disk). A run writes its files in place (a checkpoint's temporary file, ``metrics.csv``, a shard's
+    counter and log segments): through such a link it would overwrite or truncate the file it names.
+    Nothing to check where ``directory`` does not exist yet.
+
+    Raises:
+        ValueError: naming the first such link and what it points at.
+    """
+    seen: set[tuple[int, int]] = set()
+    todo, n = [os.fspath(directory)], 0
+    while todo:
+        here = todo.pop()
+        try:
+            st = os.stat(here)
+            entries = list(os.scandir(here))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        for e in entries:
+            n += 1
+            if n > max_entries:
+                return  # (a directory this large is no run directory of ours: its own checks apply)
+            if e.is_symlink():
+                if e.is_dir():  # (follows the link)
+                    todo.append(e.path)
+                    continue
+                raise ValueError(f"run directory {os.fspath(directory)} holds a symbolic link {e.path} -> "
+                                 f"{os.readlink(e.path)}: a run writes its files in place, and would write through "
+                                 f"it; remove the link (or use another run directory)")
+            if e.is_dir(follow_symlinks=False):
+                todo.append(e.path)

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PeerLostError
+from .._files import refuse_file_links
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import denormals_flushed
@@ -101,6 +102,8 @@ class _LearnerBase(Reactor):
 
         from ._registry import configure_torch, load_algorithm, make_env
 
+        if self.run_dir:  # (first: a learner refused here has no state, and saves nothing at shutdown)
+            refuse_file_links(self.run_dir)
         configure_torch()
         self.algo = load_algorithm(algo)
         self.config = self.algo.Config.from_dict(dict(algo_config or {}))

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._files import refuse_file_links
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
 from .train_messages import Report
 
@@ -91,6 +92,7 @@ class Metrics(Reactor):
     @reaction(triggers=[startup], effects=[started])
     def open_logs(self) -> None:
         self.dir = Path(self.run_dir)
+        refuse_file_links(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.t_start = self.t0 = time.monotonic()
         self.started.schedule()  # fires after every startup reaction of this tag (a later microstep)

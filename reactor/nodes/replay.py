@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from .._errors import WouldBlock
+from .._files import refuse_file_links
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
 from ..replay import (
     Prioritized,
@@ -411,6 +412,8 @@ class Replay(Reactor):
         self._counts = {"rejected_steps": 0}
         self._ended_writers: set[int] = set()  # writers whose end marker this shard took (Steps.last)
         directory = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
+        if directory is not None:
+            refuse_file_links(directory)
         self._store = ShardStore(self.name, directory, keep=self.keep_checkpoints,
                                  period_s=self.checkpoint_period_s, wal=self.wal)
         # (A restarted shard starts from its latest checkpoint.)
@@ -870,7 +873,9 @@ class Replay(Reactor):
         if self.table is None:
             return
         owner, self._owner = self._owner, None
-        self._store.close(self.table, final=self.checkpoint_on_shutdown)
+        store = getattr(self, "_store", None)  # (none when its start was refused: refuse_file_links)
+        if store is not None:
+            store.close(self.table, final=self.checkpoint_on_shutdown)
         if self._parked_steps:
             log.warning("%s: the run ended with %d parked Steps messages not inserted (rate limiter)",
                         self.name, len(self._parked_steps))

@@ -171,3 +171,34 @@ def test_a_daemon_on_a_relative_state_directory_runs_its_jobs_in_it(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     daemon = Daemon("tcp://127.0.0.1:0", "h1", "state", tmp_path / "keys", preload=None)
     assert daemon.state == tmp_path / "state" and daemon.state.is_absolute()
+
+
+def test_a_run_directory_that_links_a_file_elsewhere_is_refused_and_the_file_kept(tmp_path):
+    """Resuming a handed-over run directory wrote through its links: summary.json, metrics.csv,
+    weights.sha256, the checkpoint's temporary file, a shard's `inserted` counter (left a .npy header)
+    and its log segment (truncated) all overwrote the files they pointed at, without a word."""
+    from reactor._files import refuse_file_links
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run / "replay-0").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "thesis.tex").write_text("precious")
+    (run / "replay-0" / "inserted").symlink_to(elsewhere / "thesis.tex")
+    out = subprocess.run(
+        [sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--set", f"run_dir='{run}'",
+         "--set", "live=False", "--set", "resume=True"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"reactor: run directory {run / 'replay-0'} holds a symbolic link {run / 'replay-0' / 'inserted'} -> "
+        f"{elsewhere / 'thesis.tex'}: a run writes its files in place, and would write through it; remove the link "
+        f"(or use another run directory)")
+    assert (elsewhere / "thesis.tex").read_text() == "precious"
+    # A link to a directory (a shard's checkpoints on another disk) is followed, once, and checked inside.
+    (run / "replay-0" / "inserted").unlink()
+    (run / "replay-1").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "loop").symlink_to(elsewhere, target_is_directory=True)
+    refuse_file_links(run)
+    (elsewhere / "summary.json").symlink_to("/etc/hostname")
+    with pytest.raises(ValueError, match=r"holds a symbolic link .*summary\.json -> /etc/hostname"):
+        refuse_file_links(run)
+    refuse_file_links(tmp_path / "not-yet")  # (a new run directory: nothing to check)

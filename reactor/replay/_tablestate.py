@@ -347,7 +347,9 @@ class TableState:
             want = n * int(math.prod(s.shape)) * s.dtype.itemsize
             if raw.dtype != np.uint8 or raw.shape != (want,):
                 raise ValueError(f"array field.{s.name} has {raw.dtype} {raw.shape}, expected uint8 ({want},)")
-            fields[s.name] = torch.from_numpy(raw).view(s.dtype).reshape(n, *s.shape)
+            # (an empty table's: numpy gives an empty array stride 0, which torch cannot view as another dtype)
+            fields[s.name] = torch.from_numpy(raw).view(s.dtype).reshape(n, *s.shape) if n else \
+                torch.empty((0, *s.shape), dtype=s.dtype)
         st["fields"] = fields
         st["ep_start"] = arrays["storage.ep_start"]
         st["ep_len"] = arrays["storage.ep_len"]

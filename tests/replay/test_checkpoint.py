@@ -68,6 +68,22 @@ def test_restored_table_continues_the_identical_sample_sequence(tmp_path, sample
     assert t.rate_limiter.statistics() == u.rate_limiter.statistics()
 
 
+@pytest.mark.parametrize("filled_first", [False, True], ids=["never-filled", "reset"])
+def test_an_empty_tables_checkpoint_loads(tmp_path, filled_first):
+    """An empty table's checkpoint (a shard that had no data yet, or one reset) was refused by its own
+    loader as corrupt (torch cannot view numpy's empty array, stride 0, as another dtype), so the
+    shard's next restore fell back to an older checkpoint, or to nothing."""
+    t = make()
+    if filled_first:
+        fill(t)
+        t.reset()
+    t.save(tmp_path)
+    u = Table.load(tmp_path)
+    assert len(u) == 0 and u.storage.step_range == t.storage.step_range
+    fill(u, 10)
+    assert len(u) == 10 and u.sample_nowait(4)[1].keys.shape == (4,)
+
+
 def test_save_keeps_only_the_latest_n_complete_checkpoints(tmp_path):
     t = make()
     fill(t)

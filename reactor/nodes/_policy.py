@@ -37,7 +37,7 @@ class Policy:
 
         import torch
 
-        from ._registry import load_algorithm, make_env, weights_sha256
+        from ._registry import check_saved_weights, load_algorithm, make_env, weights_sha256
 
         # A custom env's or algorithm's module beside the app that trained it (run directory on this
         # machine): importable here too. Appended, so an installed package still wins.
@@ -65,9 +65,14 @@ class Policy:
                              f"{str(e).splitlines()[0] if str(e) else ''})") from e
         with torch.random.fork_rng():
             state = self.module.init(self.observation_space, self.action_space, self.config, 0)
-        self.module.load_state_dict(state, algo_state)
+        try:
+            self.module.load_state_dict(state, algo_state)
+            weights = self.module.policy_weights(state)
+            check_saved_weights(saved, weights)
+        except Exception as e:  # another network's weights (config.json edited), or damaged ones: one line
+            first = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
+            raise ValueError(f"{weights_file}: {first[:500]}") from None
         self.updates = updates
-        weights = self.module.policy_weights(state)
         self.weights_sha256 = weights_sha256(weights)
         self._weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
         self.policy = self._fresh()

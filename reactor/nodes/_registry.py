@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_spaces", "configure_torch", "denormals_flushed", "load_algorithm", "make_env", "make_vector_env",
-           "weights_sha256"]
+__all__ = ["check_saved_weights", "check_spaces", "configure_torch", "denormals_flushed", "load_algorithm", "make_env",
+           "make_vector_env", "weights_sha256"]
+
 
 
 def configure_torch() -> None:
@@ -135,6 +136,19 @@ def make_vector_env(name: str, num_envs: int) -> Any:
     from ..algos import envs
 
     return envs.make_vector_env(name, num_envs)
+
+
+def check_saved_weights(saved: dict[str, Any], weights: dict[str, Any]) -> None:
+    """Compare a loaded checkpoint's policy ``weights`` with the hash saved beside them in the file
+    (``learner.pt`` since this check; older files carry none and pass).
+
+    Raises:
+        ValueError: they differ: the file was damaged after it was written.
+    """
+    want = saved.get("weights_sha256")
+    if isinstance(want, str) and (got := weights_sha256(weights)) != want:
+        raise ValueError(f"its weights do not match the sha256 saved with them ({got[:12]}... against "
+                         f"{want[:12]}...): the file was damaged")
 
 
 def weights_sha256(weights: dict[str, Any]) -> str:

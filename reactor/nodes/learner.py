@@ -58,7 +58,7 @@ from .._errors import PeerLostError
 from .._files import refuse_file_links
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
-from ._registry import denormals_flushed
+from ._registry import check_saved_weights, denormals_flushed
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
 from .replay_client import ONE_SIDED_ERRORS
@@ -148,6 +148,7 @@ class _LearnerBase(Reactor):
                     or saved["updates"] < 0:
                 raise ValueError("it is not a learner checkpoint (a dict of 'algo' and a count of 'updates')")
             self.algo.load_state_dict(self.state, saved["algo"])
+            check_saved_weights(saved, self.algo.policy_weights(self.state))
         except Exception as e:  # noqa: BLE001 - whatever the file held, the same answer
             del self.state  # (nothing is saved at shutdown: _finish)
             first = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
@@ -312,8 +313,14 @@ class _LearnerBase(Reactor):
             return
         tmp = self.ckpt.with_suffix(".tmp")
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        from ._registry import weights_sha256
+
+        # The policy's weights' hash travels with them: a loader that finds other weights knows the file
+        # was damaged (bit flips in a tensor load silently otherwise).
+        record = {"algo": self.algo.state_dict(self.state), "updates": self.updates,
+                  "weights_sha256": weights_sha256(self.algo.policy_weights(self.state))}
         with open(tmp, "wb") as f:
-            torch.save({"algo": self.algo.state_dict(self.state), "updates": self.updates}, f)
+            torch.save(record, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.ckpt)

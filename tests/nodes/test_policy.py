@@ -8,6 +8,7 @@ eval`` plays it and records videos. Issue 19 ("trained policies").
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,24 @@ def test_load_policy_names_what_is_missing_or_wrong(tmp_path, dqn_run):
         reactor.load_policy(bad)
     (bad / "config.json").write_text((dqn_run / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match=r"no weights \(learner.pt\)"):
+        reactor.load_policy(bad)
+    # Weights changed after they were saved (bit flips in a tensor loaded silently, and acted) ...
+    saved = torch.load(dqn_run / "learner.pt", weights_only=True)
+    assert isinstance(saved["weights_sha256"], str)
+    q = saved["algo"]["q"]
+    name = next(iter(q))
+    q[name] = q[name].clone()
+    q[name].view(-1)[0] += 1.0
+    torch.save(saved, bad / "learner.pt")
+    with pytest.raises(ValueError, match=rf"^{bad / 'learner.pt'}: its weights do not match the sha256 saved with "
+                                         rf"them \(.*\): the file was damaged$"):
+        reactor.load_policy(bad)
+    # ... and a config.json that describes another network: one line, not a traceback
+    shutil.copy(dqn_run / "learner.pt", bad / "learner.pt")
+    config = json.loads((dqn_run / "config.json").read_text())
+    config["algo_config"]["hidden"] = 32
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^{bad / 'learner.pt'}: Error\(s\) in loading state_dict .* size mismatch"):
         reactor.load_policy(bad)
 
 

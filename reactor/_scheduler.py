@@ -822,6 +822,9 @@ class ReactorHost:
                     ev = inbox.popleft()
                     pending[(ev[1], ev[2], ev[3])] = ev
                 if expected[0] == TIMER and expected not in pending:
+                    if not 0 <= expected[1] < len(timers):
+                        raise TraceMismatchError(f"{name}'s trace names its timer #{expected[1]}, and it has "
+                                                 f"{len(timers)}: the trace is damaged, or from another graph")
                     t = timers[expected[1]]
                     pending[expected] = (Tag(t.offset_ns + expected[2] * t.period_ns, 0), TIMER, expected[1], expected[2], t)
                 ev = pending.pop(expected, None)

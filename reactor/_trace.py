@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from ._errors import MalformedFrameError, TraceMismatchError
+from ._files import read_small
 from ._graph import Graph
 from ._scheduler import KIND_NAMES
 
@@ -98,7 +99,10 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         MalformedFrameError: the file is not a reactor trace, or is damaged.
     """
     path = Path(path)
-    data = path.read_bytes()
+    try:
+        data = read_small(path, MAX_TRACE_NBYTES)  # (a FIFO or a device is refused, not read forever)
+    except ValueError as e:
+        raise MalformedFrameError(str(e)) from None
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_TRACE_NBYTES)
     except Exception as e:
@@ -107,11 +111,17 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         raise MalformedFrameError(f"{path} is not a reactor trace file (no '{FORMAT}' header)")
     if body.get("version") != VERSION:
         raise MalformedFrameError(f"{path} has trace version {body.get('version')!r}; this reactor reads {VERSION}")
+    if type(body.get("seed")) is not int or not isinstance(body.get("placement"), str):
+        raise MalformedFrameError(f"{path}: the header is damaged (its seed or placement)")
     events = body.get("events")
     if not isinstance(events, dict) or not all(
         isinstance(v, list) and all(isinstance(e, list) and len(e) == 3 for e in v) for v in events.values()
     ):
         raise MalformedFrameError(f"{path}: the events table is damaged")
+    for name, evs in events.items():  # each event: a known kind, a rank and a sequence number
+        for i, e in enumerate(evs):
+            if not (e[0] in KIND_NAMES and type(e[0]) is int and all(type(x) is int and x >= 0 for x in e[1:])):
+                raise MalformedFrameError(f"{path}: the events table is damaged (event {i} of {name!r} is {e!r})")
     body["events"] = {k: [tuple(e) for e in v] for k, v in events.items()}
     shape = body.get("graph")
     if shape is not None and not (

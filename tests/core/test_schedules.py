@@ -82,3 +82,36 @@ def test_a_trace_replayed_on_another_graph_is_refused_naming_what_differs(tmp_pa
                                                  r"relay\[0\], relay\[1\] and 2 more; reactors only in this graph: "
                                                  r"collector, producer\[0\]"):
         run(build_graph(demo, {}), deterministic=False, replay=trace, seed=1)
+
+
+def test_a_trace_with_an_impossible_event_is_refused_at_once_naming_it(tmp_path):
+    """An event of an unknown kind, or with a float, a negative or another type where the numbers go, replayed
+    to a "successful" end with a third of the run missing (`run ended (quiescence)`, exit 0); a timer index
+    past the reactor's timers raised IndexError; a header without a seed raised KeyError in `trace show`; a
+    FIFO given as the trace hung."""
+    import os
+
+    from reactor._errors import MalformedFrameError
+
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.3)
+    good = read_trace(trace)
+    for event, shown in (([99, 0, 0], r"\[99, 0, 0\]"), ([1.5, 0.5, 0.5], r"\[1\.5, 0\.5, 0\.5\]"),
+                         ([1, 0, -5], r"\[1, 0, -5\]"), (["x", 0, 0], r"\['x', 0, 0\]")):
+        t = {**good, "events": {**good["events"], "sink": [event, *good["events"]["sink"][1:]]}}
+        write_trace(tmp_path / "bad.trace", t)
+        with pytest.raises(MalformedFrameError, match=rf"bad\.trace: the events table is damaged \(event 0 of 'sink' "
+                                                       rf"is {shown}\)$"):
+            read_trace(tmp_path / "bad.trace")
+    write_trace(tmp_path / "bad.trace", {**good, "seed": "x"})
+    with pytest.raises(MalformedFrameError, match=r"the header is damaged \(its seed or placement\)$"):
+        read_trace(tmp_path / "bad.trace")
+    slow = good["events"]["slow"]
+    i = next(i for i, e in enumerate(slow) if e[0] == 1)  # a timer event of the slow producer
+    t = {**good, "events": {**good["events"], "slow": [*slow[:i], (1, 999, slow[i][2]), *slow[i + 1:]]}}
+    write_trace(tmp_path / "bad.trace", t)
+    with pytest.raises(TraceMismatchError, match=r"^slow's trace names its timer #999, and it has 1: the trace is damaged"):
+        run(build_graph(APP, {}), deterministic=False, replay=tmp_path / "bad.trace", seed=1)
+    os.mkfifo(tmp_path / "fifo.trace")
+    with pytest.raises(MalformedFrameError, match=r"fifo\.trace is not a regular file$"):
+        read_trace(tmp_path / "fifo.trace")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import stat
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -212,7 +214,10 @@ def _inserted_mark(directory: Path | None, now: int) -> np.ndarray | None:
     if directory is None:
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    mark = np.lib.format.open_memmap(directory / _MARK_FILE, mode="w+", dtype=np.int64, shape=(1,))
+    path = directory / _MARK_FILE
+    if path.is_symlink() or (path.exists() and not path.is_file()):  # written in place: never through a link
+        raise ValueError(f"{path} is not a regular file (a link, a FIFO, a device): remove it")
+    mark = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(1,))
     mark[0] = now
     return mark
 
@@ -221,6 +226,8 @@ def _read_inserted_mark(directory: Path | None) -> int | None:
     if directory is None:
         return None
     try:
+        if not stat.S_ISREG(os.stat(directory / _MARK_FILE).st_mode):  # (a FIFO's load would wait forever)
+            return None
         mark = np.load(directory / _MARK_FILE, mmap_mode="r", allow_pickle=False)
         return int(mark[0]) if mark.shape == (1,) and mark.dtype == np.int64 else None
     except (OSError, ValueError, IndexError):

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .._files import read_small
 
 __all__ = [
     "CheckpointCancelled",
@@ -57,6 +60,7 @@ _NAME = re.compile(r"^ckpt-(\d{8})$")
 _TMP = re.compile(r"^\.tmp-ckpt-(\d{8})-")
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+MAX_MANIFEST_NBYTES = 64 << 20  # (a manifest names arrays and small settings: kilobytes)
 #: The first line of ``COMPLETE``; the second is ``manifest.json <digest>``.
 FORMAT = "reactor-checkpoint/2"
 _DIGEST = "blake2b-256"
@@ -235,9 +239,14 @@ def _read_npy(path: Path, fname: str, expected: str) -> np.ndarray:
     promises (no pickle, no object arrays). The data are read once, straight into the array."""
     file = path / fname
     try:
-        f = open(file, "rb")
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO's open does not wait)
     except OSError as e:
         raise _corrupt(path, fname, f"cannot be read ({e.strerror or e})") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO never ends its read, nor /dev/zero
+        os.close(fd)
+        raise _corrupt(path, fname, "is not a regular file")
+    os.set_blocking(fd, True)
+    f = os.fdopen(fd, "rb")
     with f:
         try:
             version = np.lib.format.read_magic(f)
@@ -294,9 +303,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
             raise FileNotFoundError(f"no complete checkpoint in {str(path)!r} (looked for ckpt-*/{MARKER})")
         path = latest
     try:
-        marker = (path / MARKER).read_bytes().decode("ascii").split("\n")
-        body = (path / MANIFEST).read_bytes()
-    except (OSError, UnicodeDecodeError) as e:
+        marker = read_small(path / MARKER, 1 << 16).decode("ascii").split("\n")
+        body = read_small(path / MANIFEST, MAX_MANIFEST_NBYTES)
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
         raise _corrupt(path, MARKER, f"or {MANIFEST} cannot be read ({e})") from e
     if len(marker) != 3 or marker[0] != FORMAT or marker[2] != "" or not marker[1].startswith(MANIFEST + " "):
         raise _corrupt(path, MARKER, f"is not a {FORMAT} marker (a checkpoint without checksums, or a damaged marker)")

@@ -41,6 +41,7 @@ import msgpack
 import numpy as np
 import torch
 
+from .._files import read_small
 from .checkpoint import _fsync_path as _fsync_dir  # the directory's entry, as a checkpoint's
 
 __all__ = ["WalRecord", "WriteAheadLog", "read_wal", "redo_wal"]
@@ -50,6 +51,7 @@ log = logging.getLogger("reactor.replay")
 _MAGIC = b"RWAL"
 _FRAME = struct.Struct("<4sIQ16s")
 _SEGMENT = re.compile(r"^wal-(\d{16})\.log$")
+MAX_SEGMENT_READ_NBYTES = 1 << 40  # (a segment is read whole; only a regular file is, not a FIFO or a device)
 
 
 def _digest(header: bytes, payload: list[memoryview]) -> bytes:
@@ -209,7 +211,11 @@ def _records(seg: Path) -> Iterator[WalRecord]:
 def _frames(seg: Path, quiet: bool) -> Iterator[tuple[int, WalRecord]]:
     """``(end offset, record)`` of each intact record, stopping at a torn or damaged one (logged
     unless ``quiet``)."""
-    data = seg.read_bytes()
+    try:
+        data = read_small(seg, MAX_SEGMENT_READ_NBYTES)
+    except ValueError as e:  # a FIFO or a device where a segment should be: nothing to redo from it
+        log.warning("%s", e)
+        return
     pos = 0
     while pos < len(data):
         why = ""

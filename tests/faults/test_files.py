@@ -202,3 +202,35 @@ def test_a_run_directory_that_links_a_file_elsewhere_is_refused_and_the_file_kep
     with pytest.raises(ValueError, match=r"holds a symbolic link .*summary\.json -> /etc/hostname"):
         refuse_file_links(run)
     refuse_file_links(tmp_path / "not-yet")  # (a new run directory: nothing to check)
+
+
+def test_a_replay_checkpoint_with_a_fifo_or_a_device_in_it_is_refused_at_once(tmp_path):
+    """A FIFO as a checkpoint's manifest or array hung the shard's start (reading it waits for a writer);
+    /dev/zero linked there was read until memory ran out."""
+    import numpy as np
+    import torch
+
+    from reactor.replay import CheckpointCorruptError, FieldSpec, Fifo, MinSize, Storage, Table, Uniform
+
+    table = Table(Storage([FieldSpec("obs", (2,), torch.float32)], 32), sampler=Uniform(), remover=Fifo(),
+                  rate_limiter=MinSize(1))
+    table.insert_nowait({"obs": torch.zeros(8, 2)}, np.ones(8))
+    for name, make in (("manifest.json", os.mkfifo), ("manifest.json", lambda p: os.symlink("/dev/zero", p)),
+                       ("COMPLETE", lambda p: os.symlink("/dev/zero", p))):
+        where = Path(table.save(tmp_path / name / make.__name__))
+        (where / name).unlink()
+        make(where / name)
+        t = time.monotonic()
+        with pytest.raises((CheckpointCorruptError, FileNotFoundError), match=r"is not a regular file|no complete"):
+            Table.load(where)  # (a COMPLETE that is no file: the directory holds no complete checkpoint)
+        assert time.monotonic() - t < 10
+    where = Path(table.save(tmp_path / "npy"))
+    npy = next(where.glob("*.npy"))
+    npy.unlink()
+    os.mkfifo(npy)
+    with pytest.raises(CheckpointCorruptError, match=rf"{npy.name} is not a regular file"):
+        Table.load(where)
+    from reactor._files import refuse_file_links
+
+    with pytest.raises(ValueError, match=r"which is neither a file nor a directory"):
+        refuse_file_links(tmp_path)  # (the FIFOs above)

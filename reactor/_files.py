@@ -21,18 +21,18 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_ipc_bind", "read_small", "read_small_json", "refuse_file_links"]
+__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links"]
 
 
-def read_small(path: str | os.PathLike[str], max_nbytes: int) -> bytes:
-    """The bytes of the regular file at ``path`` (a link is followed), at most ``max_nbytes``.
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A blocking read-only descriptor of the regular file at ``path`` (a link is followed); the
+    caller closes it. The open itself does not wait, so a FIFO is refused rather than waited on.
 
     Raises:
-        OSError: it cannot be opened or read (missing, a directory: IsADirectoryError, no permission).
-        ValueError: it is not a regular file (a FIFO, a device, a socket), or holds more than
-            ``max_nbytes`` bytes; the message names the file.
+        OSError: it cannot be opened (missing, a directory: IsADirectoryError, no permission).
+        ValueError: it is not a regular file (a FIFO, a device, a socket); the message names it.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO's open does not wait)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
@@ -40,6 +40,22 @@ def read_small(path: str | os.PathLike[str], max_nbytes: int) -> bytes:
         if not stat.S_ISREG(mode):
             raise ValueError(f"{os.fspath(path)} is not a regular file")
         os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: str | os.PathLike[str], max_nbytes: int) -> bytes:
+    """The bytes of the regular file at ``path`` (:func:`open_regular`), at most ``max_nbytes``.
+
+    Raises:
+        OSError: as :func:`open_regular`, or it cannot be read.
+        ValueError: it is not a regular file, or holds more than ``max_nbytes`` bytes; the message
+            names the file.
+    """
+    fd = open_regular(path)
+    try:
         chunks, total = [], 0
         while chunk := os.read(fd, min(1 << 20, max_nbytes + 1 - total)):
             chunks.append(chunk)

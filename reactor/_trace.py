@@ -114,13 +114,12 @@ def read_trace(path: str | Path) -> dict[str, Any]:
     if type(body.get("seed")) is not int or not isinstance(body.get("placement"), str):
         raise MalformedFrameError(f"{path}: the header is damaged (its seed or placement)")
     events = body.get("events")
-    if not isinstance(events, dict) or not all(
-        isinstance(v, list) and all(isinstance(e, list) and len(e) == 3 for e in v) for v in events.values()
-    ):
+    if not isinstance(events, dict) or not all(isinstance(v, list) for v in events.values()):
         raise MalformedFrameError(f"{path}: the events table is damaged")
-    for name, evs in events.items():  # each event: a known kind, a rank and a sequence number
+    for name, evs in events.items():  # each event: [a known kind, a rank, a sequence number]
         for i, e in enumerate(evs):
-            if not (e[0] in KIND_NAMES and type(e[0]) is int and all(type(x) is int and x >= 0 for x in e[1:])):
+            if not (isinstance(e, list) and len(e) == 3 and all(type(x) is int and x >= 0 for x in e)
+                    and e[0] in KIND_NAMES):
                 raise MalformedFrameError(f"{path}: the events table is damaged (event {i} of {name!r} is {e!r})")
     body["events"] = {k: [tuple(e) for e in v] for k, v in events.items()}
     shape = body.get("graph")

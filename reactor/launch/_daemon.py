@@ -56,7 +56,7 @@ from .._files import read_small_json
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
-from ._hosting import FORGET_AFTER_S, HostedRuns, Proc, read_chunk
+from ._hosting import FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc, read_chunk
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
@@ -68,7 +68,6 @@ MAX_REQUEST_NBYTES = 64 * 2**20
 REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
 STOP_GRACE_S = 20.0
 WATCH_PERIOD_S = 0.2
-KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older ones are forgotten
 
 
 class DaemonSilentError(DaemonError):
@@ -472,7 +471,7 @@ def _number(v: Any) -> float:
 def _ended_record(path: Path) -> bool:
     """Whether ``path`` is a readable record of an ended job (one the daemon forgot)."""
     try:
-        record = json.loads(path.read_text())
+        record = read_small_json(path)  # (a FIFO there would hold the daemon's loop)
     except (OSError, ValueError):
         return False
     return type(record) is dict and record.get("state") not in (None, "running")

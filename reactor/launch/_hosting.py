@@ -47,6 +47,7 @@ log = logging.getLogger("reactor.daemon")
 END_GRACE_S = 5.0
 LOG_CHUNK_NBYTES = 1 << 20  # the most of a log (or a run's file) one answer carries
 RUN_FILES_MAX = 100_000
+KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older ones are forgotten
 FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at least this long after its end
 FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
 
@@ -106,7 +107,7 @@ class HostedRuns:
     ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
 
     def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None,
-                 keep_ended: int = 200, forget_after_s: float = FORGET_AFTER_S) -> None:
+                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S) -> None:
         self.name = name
         self.keep_ended = keep_ended
         self.forget_after_s = forget_after_s

@@ -37,7 +37,7 @@ class Policy:
 
         import torch
 
-        from ._registry import check_saved_weights, load_algorithm, make_env, weights_sha256
+        from ._registry import check_saved_weights, error_line, load_algorithm, make_env, weights_sha256
 
         # A custom env's or algorithm's module beside the app that trained it (run directory on this
         # machine): importable here too. Appended, so an installed package still wins.
@@ -70,8 +70,7 @@ class Policy:
             weights = self.module.policy_weights(state)
             check_saved_weights(saved, weights)
         except Exception as e:  # another network's weights (config.json edited), or damaged ones: one line
-            first = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
-            raise ValueError(f"{weights_file}: {first[:500]}") from None
+            raise ValueError(f"{weights_file}: {error_line(e)}") from None
         self.updates = updates
         self.weights_sha256 = weights_sha256(weights)
         self._weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}

@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_saved_weights", "check_spaces", "configure_torch", "denormals_flushed", "load_algorithm", "make_env",
-           "make_vector_env", "weights_sha256"]
-
+__all__ = ["check_saved_weights", "check_spaces", "configure_torch", "denormals_flushed", "error_line", "load_algorithm",
+           "make_env", "make_vector_env", "weights_sha256"]
 
 
 def configure_torch() -> None:
@@ -136,6 +135,13 @@ def make_vector_env(name: str, num_envs: int) -> Any:
     from ..algos import envs
 
     return envs.make_vector_env(name, num_envs)
+
+
+def error_line(e: BaseException, limit: int = 500) -> str:
+    """An error in one line for a one-line refusal: its first two lines (torch's load_state_dict puts
+    the mismatch on its second), at most ``limit`` characters, or its type's name."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
+    return text[:limit]
 
 
 def check_saved_weights(saved: dict[str, Any], weights: dict[str, Any]) -> None:

@@ -58,7 +58,7 @@ from .._errors import PeerLostError
 from .._files import refuse_file_links
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
-from ._registry import check_saved_weights, denormals_flushed
+from ._registry import check_saved_weights, denormals_flushed, error_line, weights_sha256
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
 from .replay_client import ONE_SIDED_ERRORS
@@ -151,8 +151,7 @@ class _LearnerBase(Reactor):
             check_saved_weights(saved, self.algo.policy_weights(self.state))
         except Exception as e:  # noqa: BLE001 - whatever the file held, the same answer
             del self.state  # (nothing is saved at shutdown: _finish)
-            first = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
-            raise ValueError(f"{self.name}: cannot resume from {self.ckpt}: {first[:500]} (the run's settings must be "
+            raise ValueError(f"{self.name}: cannot resume from {self.ckpt}: {error_line(e)} (the run's settings must be "
                              f"those it was trained with: config.json beside it has them); nothing was changed "
                              f"there") from None
         self.updates = int(saved["updates"])
@@ -304,36 +303,34 @@ class _LearnerBase(Reactor):
         tmp.write_text(json.dumps(record, indent=2, default=repr) + "\n")
         os.replace(tmp, self.ckpt.with_name("config.json"))
 
-    def _maybe_checkpoint(self, force: bool = False) -> None:
+    def _maybe_checkpoint(self, force: bool = False) -> str | None:
+        """Save ``learner.pt`` when due (or ``force``); returns the policy weights' sha256 saved with
+        it, or None when nothing was saved."""
         import torch
 
         if self.ckpt is None or self.bank_index != 0:
-            return
+            return None
         if not force and (self.checkpoint_every <= 0 or self.updates % self.checkpoint_every):
-            return
+            return None
         tmp = self.ckpt.with_suffix(".tmp")
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
-        from ._registry import weights_sha256
-
         # The policy's weights' hash travels with them: a loader that finds other weights knows the file
         # was damaged (bit flips in a tensor load silently otherwise).
-        record = {"algo": self.algo.state_dict(self.state), "updates": self.updates,
-                  "weights_sha256": weights_sha256(self.algo.policy_weights(self.state))}
+        sha = weights_sha256(self.algo.policy_weights(self.state))
         with open(tmp, "wb") as f:
-            torch.save(record, f)
+            torch.save({"algo": self.algo.state_dict(self.state), "updates": self.updates, "weights_sha256": sha}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.ckpt)
+        return sha
 
     def _finish(self) -> None:
         """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir)."""
-        from ._registry import weights_sha256
-
         if not hasattr(self, "state"):
             return
         self._leave_bank()
-        self._maybe_checkpoint(force=True)  # replica 0 only
-        self.weights_sha256 = weights_sha256(self.algo.policy_weights(self.state))
+        saved = self._maybe_checkpoint(force=True)  # replica 0 only (it hashed the weights: not twice)
+        self.weights_sha256 = saved or weights_sha256(self.algo.policy_weights(self.state))
         if self.run_dir and self.bank_index == 0:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")

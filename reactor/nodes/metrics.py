@@ -246,30 +246,30 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
                 return None
             last_wall, evals = 0.0, []
             for line in f:
-                if b"eval_return" in line and (row := _parsed(line)) is not None and row[3] == "eval_return":
-                    evals.append((float(row[0]), float(row[1]), float(row[4])))
-                    last_wall = max(last_wall, evals[-1][0])
+                if b"eval_return" in line and (row := _parsed(line)) is not None and row[2] == "eval_return":
+                    wall, steps, _, value = row
+                    evals.append((wall, steps, value))
+                    last_wall = max(last_wall, wall)
         # The wall time goes on from the last row that parses (a life's rows are in time order, and each
         # life starts from the one before: the last row holds the largest).
         for line in reversed(tail.splitlines()[1:]):  # (the first: the header, or a line cut by the seek)
             if (row := _parsed(line)) is not None:
-                last_wall = max(last_wall, float(row[0]))
+                last_wall = max(last_wall, row[0])
                 break
     except (OSError, csv.Error, UnicodeDecodeError):
         return None
     return last_wall, evals
 
 
-def _parsed(line: bytes) -> list[str] | None:
-    """A metrics row's five columns, the first, second and fifth numbers; None for a row that does not parse."""
+def _parsed(line: bytes) -> tuple[float, float, str, float] | None:
+    """A metrics row's ``(wall_s, env_steps, name, value)``; None for a row that does not parse."""
     try:
         row = next(csv.reader([line.decode()]), None)
         if row is None or len(row) != 5:
             return None
-        float(row[0]), float(row[1]), float(row[4])
-    except (ValueError, UnicodeDecodeError, csv.Error):
+        return float(row[0]), float(row[1]), row[3], float(row[4])
+    except (ValueError, csv.Error):  # (UnicodeDecodeError is a ValueError)
         return None
-    return row
 
 
 def _import_plotting() -> None:

@@ -36,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import threading
 import uuid
 from collections.abc import Mapping
@@ -45,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import read_small
+from .._files import open_regular, read_small
 
 __all__ = [
     "CheckpointCancelled",
@@ -239,14 +238,11 @@ def _read_npy(path: Path, fname: str, expected: str) -> np.ndarray:
     promises (no pickle, no object arrays). The data are read once, straight into the array."""
     file = path / fname
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO's open does not wait)
+        f = os.fdopen(open_regular(file), "rb")  # (a FIFO never ends its read, nor /dev/zero)
     except OSError as e:
         raise _corrupt(path, fname, f"cannot be read ({e.strerror or e})") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO never ends its read, nor /dev/zero
-        os.close(fd)
-        raise _corrupt(path, fname, "is not a regular file")
-    os.set_blocking(fd, True)
-    f = os.fdopen(fd, "rb")
+    except ValueError:
+        raise _corrupt(path, fname, "is not a regular file") from None
     with f:
         try:
             version = np.lib.format.read_magic(f)

@@ -97,7 +97,8 @@ def test_a_trace_with_an_impossible_event_is_refused_at_once_naming_it(tmp_path)
     run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.3)
     good = read_trace(trace)
     for event, shown in (([99, 0, 0], r"\[99, 0, 0\]"), ([1.5, 0.5, 0.5], r"\[1\.5, 0\.5, 0\.5\]"),
-                         ([1, 0, -5], r"\[1, 0, -5\]"), (["x", 0, 0], r"\['x', 0, 0\]")):
+                         ([1, 0, -5], r"\[1, 0, -5\]"), (["x", 0, 0], r"\['x', 0, 0\]"),
+                         ([[1], 0, 0], r"\[\[1\], 0, 0\]"), ([True, 0, 0], r"\[True, 0, 0\]")):
         t = {**good, "events": {**good["events"], "sink": [event, *good["events"]["sink"][1:]]}}
         write_trace(tmp_path / "bad.trace", t)
         with pytest.raises(MalformedFrameError, match=rf"bad\.trace: the events table is damaged \(event 0 of 'sink' "

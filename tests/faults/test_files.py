@@ -151,6 +151,10 @@ def test_job_records_of_the_wrong_shape_are_skipped_and_the_daemon_serves_the_re
     assert list(daemon.jobs) == ["a" * 16]
     ok, rows = daemon.handle([1, "status", None])
     assert ok and [r["id"] for r in rows] == ["a" * 16]
+    t = time.monotonic()  # asking for the FIFO's job: not waited on (the loop would hang with it)
+    with pytest.raises(Exception, match=r"has no job 'f{16}'"):
+        daemon.handle([1, "status", "f" * 16])
+    assert time.monotonic() - t < 5
 
 
 @pytest.mark.parametrize("groups", [[1, 2], {"run": 5, "groups": [1]}, {"run": "r", "groups": {"g": 5}}])

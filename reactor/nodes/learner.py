@@ -142,6 +142,11 @@ class _LearnerBase(Reactor):
         and leaves the file, config.json and weights.sha256 as they were: the learner never saves over
         a checkpoint it could not resume from (it did, with its fresh weights, at its shutdown)."""
         assert self.ckpt is not None
+        # This run's optimizer settings (lr, betas, eps, ...: the config, with its --set) outlive the load:
+        # torch's Optimizer.load_state_dict puts the checkpoint's back, so a resume with a new lr trained
+        # on at the old one while config.json said the new.
+        chosen = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                  for opt in _optimizers(self.state)]
         try:
             saved = torch.load(self.ckpt, weights_only=True, map_location=self.torch_device)
             if not isinstance(saved, dict) or "algo" not in saved or type(saved.get("updates")) is not int \
@@ -155,8 +160,14 @@ class _LearnerBase(Reactor):
                              f"those it was trained with: config.json beside it has them); nothing was changed "
                              f"there") from None
         self.updates = int(saved["updates"])
-        logging.getLogger("reactor.learner").warning("%s resumed from its checkpoint %s at update %d", self.name,
-                                                     self.ckpt, self.updates)
+        log = logging.getLogger("reactor.learner")
+        log.warning("%s resumed from its checkpoint %s at update %d", self.name, self.ckpt, self.updates)
+        for i, (opt, groups) in enumerate(zip(_optimizers(self.state), chosen, strict=True)):
+            for g, settings in zip(opt.param_groups, groups, strict=True):
+                changed = {k: (g[k], v) for k, v in settings.items() if k in g and not _same_setting(g[k], v)}
+                g.update(settings)
+                for k, (was, now) in changed.items():
+                    log.warning("%s: optimizer %d's %s is %r now (the checkpoint's was %r)", self.name, i, k, now, was)
 
     def _join_data_parallel(self) -> None:
         import torch
@@ -401,6 +412,18 @@ class _Waiting:
         waited = time.monotonic() - self.t0
         if waited >= DP_WAIT_REPORT_S:
             print(f"{message} after {waited:.0f} s", flush=True)
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    """Whether two optimizer settings are equal (a tensor lr compares by value, not elementwise)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - settings that do not compare are reported as changed
+        return False
 
 
 def _optimizers(state: Any) -> list[Any]:

@@ -144,13 +144,21 @@ def test_learner_resumes_from_its_checkpoint(tmp_path):
     assert (tmp_path / "learner.pt").is_file() and first > 0
     out = subprocess.run(
         [sys.executable, "-m", "reactor.cli", "run", DQN, "--set", f"run_dir='{tmp_path}'", "--set", "live=False",
-         "--set", "max_env_steps=2000", "--set", "target_return=None", "--set", "resume=True"],
+         "--set", "max_env_steps=2000", "--set", "target_return=None", "--set", "resume=True",
+         "--set", "lr=0.000123"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     resumed = int(re.search(r"learner: (\d+) updates", out.stdout).group(1))
     assert resumed > first  # counted on from the checkpoint, not from 0
     assert (tmp_path / "weights.sha256").read_text() != saved
+    # The resumed run trained at its own --set lr, not the checkpoint's (torch's load_state_dict had put
+    # that back, while config.json said 0.000123), and said so once.
+    lrs = [g["lr"] for g in torch.load(tmp_path / "learner.pt", weights_only=True)["algo"]["opt"]["param_groups"]]
+    assert lrs == [0.000123]
+    assert json.loads((tmp_path / "config.json").read_text())["algo_config"]["lr"] == 0.000123
+    changed = [line for line in out.stderr.splitlines() if "optimizer 0's" in line]
+    assert len(changed) == 1 and "lr is 0.000123 now (the checkpoint's was 0.003)" in changed[0], out.stderr
 
 
 @pytest.mark.parametrize("damage", ["another_network", "truncated"])

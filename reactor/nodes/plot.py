@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
-import json
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from .._files import open_regular, read_small_json
 
 __all__ = ["curves", "plot_run"]
 
@@ -55,11 +57,29 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.csv: is it a run directory written by a training app?")
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["name"] in ("eval_return", "episode_return"):
-                label = "evaluation" if row["name"] == "eval_return" else f"training ({row['source']})"
-                series[label].append((float(row[column]), float(row["value"])))
+    # A file of another shape, a value that is not a number or bytes that are not text is one line
+    # naming the file and the line (it was a KeyError or ValueError traceback, or a line naming nothing).
+    with os.fdopen(open_regular(path), newline="") as f:
+        try:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None:
+                raise ValueError(f"{path} is empty: no values to plot")
+            missing = [c for c in ("name", "source", "value", column) if c not in (reader.fieldnames or [])]
+            if missing:
+                raise ValueError(f"{path}: its header {reader.fieldnames} lacks the column(s) {missing}: not a "
+                                 f"metrics.csv of the Metrics node")
+            for row in reader:
+                if row["name"] in ("eval_return", "episode_return"):
+                    label = "evaluation" if row["name"] == "eval_return" else f"training ({row['source']})"
+                    try:
+                        series[label].append((float(row[column]), float(row["value"])))
+                    except (TypeError, ValueError):  # (a short row leaves None)
+                        raise ValueError(f"{path}, line {reader.line_num}: {column} {row[column]!r} and value "
+                                         f"{row['value']!r} are not both numbers") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text: not a metrics.csv of the Metrics node") from None
+        except csv.Error as e:
+            raise ValueError(f"{path}: not a CSV file ({e})") from None
     if not series:
         raise ValueError(f"{path} holds no eval_return or episode_return values to plot")
     return _figure(series, xlabel, run_dir.name, target)
@@ -67,8 +87,8 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
 
 def _summary_target(run_dir: Path) -> float | None:
     """The run's target return from its summary.json (None: none, or no summary yet)."""
-    try:
-        value = json.loads((run_dir / "summary.json").read_text()).get("target_return")
+    try:  # (a regular file only: a FIFO there hung the plot)
+        value = read_small_json(run_dir / "summary.json").get("target_return")
     except (OSError, ValueError, AttributeError):
         return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 
 from reactor.algos import dqn
@@ -32,3 +35,16 @@ def test_max_grad_norm_zero_turns_clipping_off_and_still_reports_the_norm():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert after[0.0][1] == after[1e30][1] == after[1e-3][1] > 1e-3  # the norm before clipping, each time
     assert any(not torch.equal(a, b) for a, b in zip(after[0.0][0], after[1e-3][0]))
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("hidden", -3, "an int >= 1"), ("hidden", 0, "an int >= 1"), ("n_step", 0, "an int >= 1"),
+    ("target_every", 0, "an int >= 1"), ("eps_decay_steps", -1, "an int >= 0"), ("gamma", 1.5, "in [0, 1]"),
+    ("eps_end", -0.1, "in [0, 1]"), ("tau", 0.0, "in (0, 1]"), ("lr", 0.0, "> 0"), ("priority_eps", -1e-3, "> 0"),
+])
+def test_a_config_value_out_of_its_range_is_refused_naming_the_field(field, value, rule):
+    """`--set hidden=-3` printed torch's traceback from inside the network's constructor, and `lr=0` or
+    `target_every=0` (a ZeroDivisionError at the first update) got as far as the learner."""
+    with pytest.raises(ValueError, match=rf"^dqn Config\.{field} must be {re.escape(rule)}, got {re.escape(repr(value))}$"):
+        dqn.Config.from_dict({field: value})
+    assert dqn.Config.from_dict({}) == dqn.Config()  # the defaults pass

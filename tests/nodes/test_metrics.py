@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -304,3 +306,27 @@ def test_the_live_display_draws_a_table_of_the_runs_progress(tmp_path):
     assert "episodes" in final and "200" in final
     assert "eval return" in final and "1000.0 (best 1000.0)" in final
     assert "train return" in final and "200.0" in final
+
+
+HEADER = "wall_s,env_steps,source,name,value\n"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a,b,c\n1,2,3\n", r"metrics\.csv: its header \['a', 'b', 'c'\] lacks the column\(s\) \['name', 'source', 'value', "
+                       r"'env_steps'\]: not a metrics\.csv of the Metrics node$"),
+    (HEADER + "1.0,10,evaluator,eval_return,9\nx,y,evaluator,eval_return,z\n",
+     r"metrics\.csv, line 3: env_steps 'y' and value 'z' are not both numbers$"),
+    (HEADER + "1.0,10,evaluator,eval_return\n", r"metrics\.csv, line 2: env_steps '10' and value None are not both numbers$"),
+    ("\x00\xff\xfe garbage", r"metrics\.csv is not UTF-8 text: not a metrics\.csv of the Metrics node$"),
+    ("", r"metrics\.csv is empty: no values to plot$"),
+])
+def test_a_metrics_csv_of_another_shape_is_one_line_naming_the_file_and_line(tmp_path, text, message):
+    """An edited or foreign metrics.csv gave `reactor plot` a KeyError traceback, or a ValueError that
+    named neither the file nor the line."""
+    (tmp_path / "metrics.csv").write_bytes(text.encode("latin-1"))
+    os.mkfifo(tmp_path / "summary.json")  # (read as a regular file only: a FIFO here hung the plot)
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert re.match(rf"^reactor: {re.escape(str(tmp_path))}/{message}", p.stderr.strip()), p.stderr
+    assert not (tmp_path / "curves.png").exists()

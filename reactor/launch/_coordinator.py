@@ -346,6 +346,9 @@ class _Restarts:
         # group -> (when a try of its restart first found no candidate host answering, tries so far)
         self.host_wait: dict[str, tuple[float, int]] = {}
         self.starting: dict[str, str] = {}
+        # group -> the hello of its new life that came before its start's task was taken (a forked
+        # worker says hello within ~0.1 s, and the task is taken once per supervision round)
+        self.early: dict[str, Any] = {}
         # group -> (the live workers still to link to its new life, when to start it regardless)
         self.awaiting: dict[str, tuple[set[str], float]] = {}
 
@@ -494,8 +497,11 @@ class _Session:
             e = task.exception()
             if not isinstance(e, NoHostAnsweredError):  # (a wait for a host is over)
                 r.host_wait.pop(name, None)
+            hello = r.early.pop(name, None)
             if e is None:
                 r.starting[name] = "spawned"
+                if hello is not None:  # (answered by _supervise this round)
+                    r.early[name] = hello
             elif not isinstance(e, ReactorError):
                 raise e
             elif self.stopped_by is not None:  # the run ends: this life is not needed
@@ -666,9 +672,16 @@ class _Session:
                 self._stop("stop_time")
             self._check_children()
             self._advance_restarts()
+            for peer in [p for p in self.restarts.early if self.restarts.starting.get(p) == "spawned"]:
+                await self._restart_message(peer, self.restarts.early.pop(peer))
             self._check_awaiting()
             for peer, msg in await self._batch():
                 kind = msg[0]
+                if peer in self.restarts.trying and kind == "hello":
+                    # The new life's hello beat its start's task being taken: kept until it is (it was
+                    # dropped, no address book was ever sent, and the restarted worker waited forever).
+                    self.restarts.early[peer] = msg
+                    continue
                 if peer in self.restarts.starting and await self._restart_message(peer, msg):
                     continue
                 if kind == "reconnected":

@@ -8,6 +8,12 @@ source, sums counters over sources, and
   name, value``; flushed at each evaluation and at least every second; a restarted life appends to
   its earlier lives' rows) and the same to TensorBoard (``RUN_DIR/tb``; each instance its own tags:
   ``actor-0/episode_return``, ``actor-1/...``, ``learner/loss``);
+* keeps the totals whole across restarts: a source whose counter goes down started a new life (a
+  restarted actor counts from 0 again), so its new value counts whole; a restarted Metrics takes
+  each source's last counters and the totals from ``RUN_DIR/metrics.counters.json``, which it
+  rewrites with the CSV's flushes (a source's reports after that count as the difference, as before).
+  So ``env_steps`` in the CSV never goes back, and ``max_env_steps`` bounds the run's steps over its
+  restarts. (A resumed run, ``resume=True``, counts from 0: its budget is its own.)
 * shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
 * asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
   reach ``max_env_steps``;
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 import math
 import os
 import sys
@@ -34,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._files import refuse_file_links
+from .._files import read_small_json, refuse_file_links
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
 from .train_messages import Report
 
@@ -44,6 +51,7 @@ __all__ = ["Metrics"]
 COUNTERS = ("env_steps", "episodes", "updates", "samples", "inserts")
 CSV_HEADER = ["wall_s", "env_steps", "source", "name", "value"]
 FLUSH_PERIOD_S = 1.0  # metrics.csv is on disk to within this (and at each evaluation)
+COUNTS_FILE = "metrics.counters.json"  # the counters a restarted life goes on from
 
 
 class Metrics(Reactor):
@@ -100,6 +108,8 @@ class Metrics(Reactor):
         # A restarted life (restart policies) goes on with its run's file: the earlier lives' rows stay, its
         # wall clock goes on from their last row, and their evaluations count in the summary. So does a
         # resumed run (it started the file anew, and a resume that failed had wiped the run's metrics).
+        if self.restarts > 0:
+            self._take_counts(self.dir / COUNTS_FILE, path)
         earlier = _earlier_rows(path) if self.restarts > 0 or self.resume else None
         self.csv_file = open(path, "a" if earlier else "w", newline="")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
@@ -110,6 +120,8 @@ class Metrics(Reactor):
             self.last_eval, self.best_eval = (returns[-1], max(returns)) if returns else (None, None)
         else:
             self.csv.writerow(CSV_HEADER)
+        self.csv_file.flush()
+        self._save_counts()  # (this run's, from the start: never an earlier run's in this directory)
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.dir / "tb"))
@@ -133,7 +145,8 @@ class Metrics(Reactor):
         before = self.latest.get(src, {})
         for k in COUNTERS:
             if k in values:
-                self.totals[k] += float(values[k]) - float(before.get(k, 0.0))
+                now, was = float(values[k]), float(before.get(k, 0.0))
+                self.totals[k] += now - was if now >= was else now  # (down: the source's new life, from 0)
         self.latest[src] = {**before, **values}
         wall = time.monotonic() - self.t0 + self.wall_offset
         steps = self.totals["env_steps"]
@@ -157,6 +170,7 @@ class Metrics(Reactor):
         if "eval_return" in values or now - self.last_flushed >= FLUSH_PERIOD_S:
             self.last_flushed = now
             self.csv_file.flush()
+            self._save_counts()
         if now - self.last_shown >= 0.5:
             self.last_shown = now
             self.display.show(self._rows(now - self.t0 + self.wall_offset))
@@ -178,6 +192,49 @@ class Metrics(Reactor):
             rows.append(("eval return", f"{self.last_eval:.1f} (best {self.best_eval:.1f})"))
         return rows
 
+    def _save_counts(self) -> None:
+        """Write the totals and each source's last counters for a restarted life (:meth:`_take_counts`),
+        with the length of metrics.csv they go with (just flushed): a new file put in place by a rename,
+        never written through a link planted at its name."""
+        sources = {src: {k: v[k] for k in COUNTERS if k in v} for src, v in self.latest.items()}
+        data = json.dumps({"format": 1, "totals": self.totals, "sources": sources,
+                           "csv_nbytes": self.csv_file.tell()}).encode()
+        tmp = self.dir / f".{COUNTS_FILE}.tmp"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.dir / COUNTS_FILE)
+        except OSError as e:  # (a full disk: the CSV goes on; a restart would then count from 0)
+            logging.getLogger("reactor.metrics").warning("%s: cannot save %s: %s", self.name, COUNTS_FILE, e)
+
+    def _take_counts(self, path: Path, csv_path: Path) -> None:
+        """The totals and sources' counters an earlier life saved at ``path``, and ``csv_path`` cut back to
+        the rows they went with: the rows its life wrote after its last save (under a second's, none an
+        evaluation: each is saved at once) would otherwise hold totals the counters do not, and the new
+        life's first rows would go back from them. A file that is missing or not of that shape is logged
+        and skipped (the totals then start from the live sources' counters)."""
+        try:
+            data = read_small_json(path)
+            ok = (isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("totals"), dict)
+                  and isinstance(data.get("sources"), dict) and type(data.get("csv_nbytes")) is int
+                  and data["csv_nbytes"] >= 0
+                  and all(_counts_ok(c) for c in (data["totals"], *data["sources"].values()))
+                  and all(isinstance(src, str) for src in data["sources"]))
+            if not ok:
+                raise ValueError(f"{path}: not a {COUNTS_FILE} of the Metrics node")
+        except (OSError, ValueError) as e:
+            logging.getLogger("reactor.metrics").warning("%s: env steps and other totals count from the live "
+                                                         "sources' counters again: %s", self.name, e)
+            return
+        with contextlib.suppress(OSError), open(csv_path, "rb+") as f:  # (a regular file: refuse_file_links)
+            if f.seek(0, os.SEEK_END) > data["csv_nbytes"]:
+                f.truncate(data["csv_nbytes"])
+        self.totals.update({k: float(v) for k, v in data["totals"].items()})
+        self.latest = {src: {k: float(v) for k, v in c.items()} for src, c in data["sources"].items()}
+
     @reaction(triggers=[shutdown])
     def close_logs(self) -> None:
         if not hasattr(self, "display"):  # the run failed before our startup finished: nothing to report
@@ -187,6 +244,8 @@ class Metrics(Reactor):
             return
         wall = time.monotonic() - self.t0 + self.wall_offset
         self.display.close(self._rows(wall))
+        self.csv_file.flush()
+        self._save_counts()
         self.csv_file.close()
         self.tb.close()
         summary = {
@@ -223,6 +282,12 @@ class Metrics(Reactor):
         ev = "-" if self.last_eval is None else f"{self.last_eval:.1f}"
         print(f"evaluation return {ev}; stopped: {summary['stop_reason']}", flush=True)
         print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
+
+
+def _counts_ok(counts: Any) -> bool:
+    """Whether ``counts`` maps names of :data:`COUNTERS` to finite non-negative numbers."""
+    return isinstance(counts, dict) and all(
+        k in COUNTERS and type(v) in (int, float) and math.isfinite(v) and v >= 0 for k, v in counts.items())
 
 
 def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] | None:

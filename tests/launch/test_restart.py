@@ -314,6 +314,10 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
         rows = list(csv.DictReader(f))
     assert next(float(r["value"]) for r in rows if r["source"] == "evaluator" and r["name"] == "version") == 0.0
     assert [float(r["wall_s"]) for r in rows] == sorted(float(r["wall_s"]) for r in rows)
+    # The run's env steps never went back: not when actor-1 started again from 0, nor when Metrics (in the
+    # learner's process) did; they used to drop by actor-1's steps, and to each live source's counter.
+    steps = [int(r["env_steps"]) for r in rows]
+    assert steps == sorted(steps) and steps[-1] > 0, [s for s, t in zip(steps, steps[1:]) if t < s][:5]
     assert not [p for p in workers.values() if _alive(p)]
     assert not list_segments(run_id)
     assert not list(_rt(tmp_path).glob("reactor-*"))

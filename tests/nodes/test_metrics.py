@@ -147,6 +147,64 @@ def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path)
             [100.0 * k for k in range(1, 11)]
 
 
+class CountingTrainer(Reactor):
+    """Reports the env-step counters it is given, one per round (a drop: the source's new life)."""
+
+    report = Output(Report)
+    again = Action()
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+        self.k = 0
+
+    @reaction(triggers=[startup, again], effects=[report, again])
+    def tick(self) -> None:
+        self.report.send(Report(self.name, {"env_steps": self.counts[self.k]}))
+        self.k += 1
+        if self.k < len(self.counts):
+            self.again.schedule(delay_s=0.001)
+
+
+def _steps(path) -> list[int]:
+    with open(path, newline="") as f:
+        return [int(r["env_steps"]) for r in csv.DictReader(f)]
+
+
+def test_env_steps_never_go_back_when_a_source_or_metrics_starts_again(tmp_path, caplog):
+    """A restarted actor counts from 0 again, and a restarted Metrics summed the live sources' counters
+    from 0: the run's env steps went back in metrics.csv, and max_env_steps let the run step past its
+    budget. A counter that goes down is a source's new life, counted whole; a restarted Metrics goes on
+    from the totals and counters its earlier life saved."""
+    def graph(metrics, **sources):
+        g = Graph()
+        m = g.add(metrics, name="metrics")
+        for name, counts in sources.items():
+            g.connect(g.add(CountingTrainer(counts), name=name).report, m.reports)
+        return g
+
+    res = run(graph(Metrics(str(tmp_path), max_env_steps=5400, live=False), a=[1000, 2000, 500, 1500],
+                    b=[100, 200, 300, 400]))
+    assert res.stopped_by == "quiescence"  # 1,900 steps short of the budget: not 3,700 short
+    assert _steps(tmp_path / "metrics.csv") == [1000, 1100, 2100, 2200, 2700, 2800, 3800, 3900]
+    saved = json.loads((tmp_path / "metrics.counters.json").read_text())
+    assert saved["totals"]["env_steps"] == 3900 and saved["sources"] == {"a": {"env_steps": 1500.0},
+                                                                          "b": {"env_steps": 400.0}}
+    # Metrics' own next life: `a` was started again with it (from 0), `b` went on. A row its earlier life
+    # wrote after its last save (its totals unsaved) is cut off, so the rows never go back.
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("9.9,99999,b,env_steps,96500\n")
+    res = run(graph(_RestartedMetrics(str(tmp_path), max_env_steps=5400, live=False), a=[700, 1400], b=[500, 600]))
+    steps = _steps(tmp_path / "metrics.csv")
+    assert steps[8:11] == [4600, 4700, 5400] and steps == sorted(steps)  # (5,400: the budget, reached)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert res.stopped_by == "request" and summary["stop_reason"] == "5400 env steps >= max_env_steps 5400"
+    # A counts file that is not one: logged, and the totals start from the live sources' counters.
+    (tmp_path / "metrics.counters.json").write_text('{"format": 1, "totals": {"env_steps": -5}, "sources": {}}')
+    run(graph(_RestartedMetrics(str(tmp_path), live=False), a=[10]))
+    assert _steps(tmp_path / "metrics.csv")[-1] == 10
+    assert "metrics.counters.json: not a metrics.counters.json of the Metrics node" in caplog.text
+
+
 def test_an_earlier_lifes_rows_are_read_for_their_evaluations_and_last_time_only(tmp_path):
     """The restart reads only the rows naming eval_return (and the last rows) as CSV, for speed; a
     row whose name merely holds the text is no evaluation, and the wall clock goes on from the last

@@ -13,7 +13,10 @@ source, sums counters over sources, and
   each source's last counters and the totals from ``RUN_DIR/metrics.counters.json``, which it
   rewrites with the CSV's flushes (a source's reports after that count as the difference, as before).
   So ``env_steps`` in the CSV never goes back, and ``max_env_steps`` bounds the run's steps over its
-  restarts. (A resumed run, ``resume=True``, counts from 0: its budget is its own.)
+  restarts. A resumed run (``resume=True``) goes on from the same file: its env steps count on from
+  the earlier run's (the CSV, TensorBoard and the plot continue), and its ``max_env_steps`` is a
+  budget of its own on top of them (the earlier run's steps are ``budget_base`` there), as
+  Stable-Baselines3's ``learn(..., reset_num_timesteps=False)`` counts.
 * shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
 * asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
   reach ``max_env_steps``;
@@ -108,7 +111,8 @@ class Metrics(Reactor):
         # A restarted life (restart policies) goes on with its run's file: the earlier lives' rows stay, its
         # wall clock goes on from their last row, and their evaluations count in the summary. So does a
         # resumed run (it started the file anew, and a resume that failed had wiped the run's metrics).
-        if self.restarts > 0:
+        self.budget_base = 0.0  # the env steps before this run's (a resumed run's budget is on top of them)
+        if self.restarts > 0 or self.resume:
             self._take_counts(self.dir / COUNTS_FILE, path)
         earlier = _earlier_rows(path) if self.restarts > 0 or self.resume else None
         self.csv_file = open(path, "a" if earlier else "w", newline="")  # noqa: SIM115 - closed at shutdown
@@ -161,8 +165,10 @@ class Metrics(Reactor):
             if self.target_return is not None and ret >= self.target_return and not self.stop_reason:
                 self.stop_reason = f"evaluation return {ret:.1f} >= target {self.target_return:g}"
                 self.request_stop()
-        if self.max_env_steps is not None and steps >= self.max_env_steps and not self.stop_reason:
-            self.stop_reason = f"{int(steps)} env steps >= max_env_steps {self.max_env_steps}"
+        if self.max_env_steps is not None and steps - self.budget_base >= self.max_env_steps and not self.stop_reason:
+            self.stop_reason = f"{int(steps - self.budget_base)} env steps >= max_env_steps {self.max_env_steps}"
+            if self.budget_base:
+                self.stop_reason += f" (on top of the earlier run's {int(self.budget_base)}, resumed from)"
             self.request_stop()
         now = time.monotonic()
         # metrics.csv is current to an evaluation, and to the second otherwise (for whoever tails it: a
@@ -198,7 +204,7 @@ class Metrics(Reactor):
         never written through a link planted at its name."""
         sources = {src: {k: v[k] for k in COUNTERS if k in v} for src, v in self.latest.items()}
         data = json.dumps({"format": 1, "totals": self.totals, "sources": sources,
-                           "csv_nbytes": self.csv_file.tell()}).encode()
+                           "csv_nbytes": self.csv_file.tell(), "budget_base": self.budget_base}).encode()
         tmp = self.dir / f".{COUNTS_FILE}.tmp"
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -208,19 +214,27 @@ class Metrics(Reactor):
                 f.write(data)
             os.replace(tmp, self.dir / COUNTS_FILE)
         except OSError as e:  # (a full disk: the CSV goes on; a restart would then count from 0)
-            logging.getLogger("reactor.metrics").warning("%s: cannot save %s: %s", self.name, COUNTS_FILE, e)
+            if not getattr(self, "_save_failed", False):  # (once: this is tried every second)
+                self._save_failed = True
+                logging.getLogger("reactor.metrics").warning("%s: cannot save %s (a restart of this run will count "
+                                                             "its totals from the live sources' counters): %s",
+                                                             self.name, COUNTS_FILE, e)
 
     def _take_counts(self, path: Path, csv_path: Path) -> None:
         """The totals and sources' counters an earlier life saved at ``path``, and ``csv_path`` cut back to
         the rows they went with: the rows its life wrote after its last save (under a second's, none an
         evaluation: each is saved at once) would otherwise hold totals the counters do not, and the new
-        life's first rows would go back from them. A file that is missing or not of that shape is logged
-        and skipped (the totals then start from the live sources' counters)."""
+        life's first rows would go back from them. A resumed run (a first life) takes the earlier run's
+        totals as its ``budget_base``. A file that is not of that shape is logged and skipped, and a
+        missing one (a run directory of an earlier version) skipped: the totals then start from the live
+        sources' counters."""
+        if not os.path.lexists(path):
+            return
         try:
             data = read_small_json(path)
             ok = (isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("totals"), dict)
                   and isinstance(data.get("sources"), dict) and type(data.get("csv_nbytes")) is int
-                  and data["csv_nbytes"] >= 0
+                  and data["csv_nbytes"] >= 0 and _counts_ok({"env_steps": data.get("budget_base", 0)})
                   and all(_counts_ok(c) for c in (data["totals"], *data["sources"].values()))
                   and all(isinstance(src, str) for src in data["sources"]))
             if not ok:
@@ -234,6 +248,7 @@ class Metrics(Reactor):
                 f.truncate(data["csv_nbytes"])
         self.totals.update({k: float(v) for k, v in data["totals"].items()})
         self.latest = {src: {k: float(v) for k, v in c.items()} for src, c in data["sources"].items()}
+        self.budget_base = float(data.get("budget_base", 0)) if self.restarts > 0 else self.totals["env_steps"]
 
     @reaction(triggers=[shutdown])
     def close_logs(self) -> None:

@@ -198,6 +198,13 @@ def test_env_steps_never_go_back_when_a_source_or_metrics_starts_again(tmp_path,
     assert steps[8:11] == [4600, 4700, 5400] and steps == sorted(steps)  # (5,400: the budget, reached)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert res.stopped_by == "request" and summary["stop_reason"] == "5400 env steps >= max_env_steps 5400"
+    # A resumed run (a new command) counts on from the earlier run's steps, with a budget of its own.
+    resumed = tmp_path / "resumed"
+    run(graph(Metrics(str(resumed), live=False), a=[1000, 2000]))
+    res = run(graph(Metrics(str(resumed), max_env_steps=1000, live=False, resume=True), a=[400, 800, 1200, 1600]))
+    assert _steps(resumed / "metrics.csv")[:5] == [1000, 2000, 2400, 2800, 3200]
+    assert res.stopped_by == "request" and json.loads((resumed / "summary.json").read_text())["stop_reason"] == \
+        "1200 env steps >= max_env_steps 1000 (on top of the earlier run's 2000, resumed from)"
     # A counts file that is not one: logged, and the totals start from the live sources' counters.
     (tmp_path / "metrics.counters.json").write_text('{"format": 1, "totals": {"env_steps": -5}, "sources": {}}')
     run(graph(_RestartedMetrics(str(tmp_path), live=False), a=[10]))
@@ -388,3 +395,15 @@ def test_a_metrics_csv_of_another_shape_is_one_line_naming_the_file_and_line(tmp
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert re.match(rf"^reactor: {re.escape(str(tmp_path))}/{message}", p.stderr.strip()), p.stderr
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_a_counts_file_that_cannot_be_saved_is_said_once_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
+    """A directory where metrics.counters.json goes (or a full disk): the CSV and the run go on, and
+    the failure is logged once, not at every flush."""
+    import reactor.nodes.metrics as metrics
+
+    monkeypatch.setattr(metrics, "FLUSH_PERIOD_S", 0.0)  # (a save at every report)
+    (tmp_path / "metrics.counters.json").mkdir()
+    res = run(_graph(tmp_path, actors=1))
+    assert res.stopped_by == "quiescence" and json.loads((tmp_path / "summary.json").read_text())["env_steps"] == 10000
+    assert caplog.text.count("cannot save metrics.counters.json") == 1

@@ -6,6 +6,7 @@ learning outcomes, bit-identical weights across placements, checkpoints and resu
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -139,7 +140,7 @@ def test_the_readmes_dp_learners_run_learns_to_its_target(tmp_path, capfd):
 def test_learner_resumes_from_its_checkpoint(tmp_path):
     cfg = {"max_env_steps": 2000, "target_return": None, "live": False, "run_dir": str(tmp_path)}
     _run(DQN, cfg)
-    first = _summary(tmp_path)["updates"]
+    first, first_steps = _summary(tmp_path)["updates"], _summary(tmp_path)["env_steps"]
     saved = (tmp_path / "weights.sha256").read_text()
     assert (tmp_path / "learner.pt").is_file() and first > 0
     out = subprocess.run(
@@ -159,6 +160,12 @@ def test_learner_resumes_from_its_checkpoint(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["algo_config"]["lr"] == 0.000123
     changed = [line for line in out.stderr.splitlines() if "optimizer 0's" in line]
     assert len(changed) == 1 and "lr is 0.000123 now (the checkpoint's was 0.003)" in changed[0], out.stderr
+    # Its env steps counted on from the earlier run's (metrics.csv, the plot), with a budget of its own on top.
+    summary = _summary(tmp_path)
+    assert first_steps >= 2000 and summary["env_steps"] >= first_steps + 2000, summary
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        steps = [int(r["env_steps"]) for r in csv.DictReader(f)]
+    assert steps == sorted(steps) and steps[-1] == summary["env_steps"]
 
 
 @pytest.mark.parametrize("damage", ["another_network", "truncated"])

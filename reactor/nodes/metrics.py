@@ -302,7 +302,8 @@ class Metrics(Reactor):
 def _counts_ok(counts: Any) -> bool:
     """Whether ``counts`` maps names of :data:`COUNTERS` to finite non-negative numbers."""
     return isinstance(counts, dict) and all(
-        k in COUNTERS and type(v) in (int, float) and math.isfinite(v) and v >= 0 for k, v in counts.items())
+        k in COUNTERS and (type(v) is float and math.isfinite(v) or type(v) is int and v.bit_length() < 64) and v >= 0
+        for k, v in counts.items())
 
 
 def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] | None:

@@ -206,10 +206,14 @@ def test_env_steps_never_go_back_when_a_source_or_metrics_starts_again(tmp_path,
     assert res.stopped_by == "request" and json.loads((resumed / "summary.json").read_text())["stop_reason"] == \
         "1200 env steps >= max_env_steps 1000 (on top of the earlier run's 2000, resumed from)"
     # A counts file that is not one: logged, and the totals start from the live sources' counters.
-    (tmp_path / "metrics.counters.json").write_text('{"format": 1, "totals": {"env_steps": -5}, "sources": {}}')
-    run(graph(_RestartedMetrics(str(tmp_path), live=False), a=[10]))
-    assert _steps(tmp_path / "metrics.csv")[-1] == 10
-    assert "metrics.counters.json: not a metrics.counters.json of the Metrics node" in caplog.text
+    for bad in ('{"format": 1, "totals": {"env_steps": -5}, "sources": {}, "csv_nbytes": 0}',
+                '{"format": 1, "totals": {"env_steps": 1%s}, "sources": {}, "csv_nbytes": 0}' % ("0" * 400),
+                '{"format": 1, "totals": {}, "sources": {"a": {"env_steps": NaN}}, "csv_nbytes": 0}'):
+        caplog.clear()
+        (tmp_path / "metrics.counters.json").write_text(bad)
+        run(graph(_RestartedMetrics(str(tmp_path), live=False), a=[10]))
+        assert _steps(tmp_path / "metrics.csv")[-1] == 10
+        assert "metrics.counters.json: not a metrics.counters.json of the Metrics node" in caplog.text
 
 
 def test_an_earlier_lifes_rows_are_read_for_their_evaluations_and_last_time_only(tmp_path):

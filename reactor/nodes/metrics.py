@@ -9,7 +9,8 @@ source, sums counters over sources, and
   its earlier lives' rows) and the same to TensorBoard (``RUN_DIR/tb``; each instance its own tags:
   ``actor-0/episode_return``, ``actor-1/...``, ``learner/loss``);
 * keeps the totals whole across restarts: a source whose counter goes down started a new life (a
-  restarted actor counts from 0 again), so its new value counts whole; a restarted Metrics takes
+  restarted actor counts from 0 again), so its new value counts whole (but not ``updates``, which a
+  learner takes back from its checkpoint: :data:`FROM_CHECKPOINT`); a restarted Metrics takes
   each source's last counters and the totals from ``RUN_DIR/metrics.counters.json``, which it
   rewrites with the CSV's flushes (a source's reports after that count as the difference, as before).
   So ``env_steps`` in the CSV never goes back, and ``max_env_steps`` bounds the run's steps over its
@@ -52,6 +53,12 @@ __all__ = ["Metrics"]
 
 #: Values that are cumulative per source and summed over sources.
 COUNTERS = ("env_steps", "episodes", "updates", "samples", "inserts")
+#: Counters a source takes back from its checkpoint when it starts again (the learner's updates): one
+#: that goes down went back to an older checkpoint, and counts as the difference, as the source does.
+#: The others start from 0 in a source's new life (an actor's env steps), and a drop counts whole.
+FROM_CHECKPOINT = ("updates",)
+#: Counts past this are refused in a counts file (float64 holds every integer below it, TensorBoard's steps int64).
+MAX_COUNT = 2**53
 CSV_HEADER = ["wall_s", "env_steps", "source", "name", "value"]
 FLUSH_PERIOD_S = 1.0  # metrics.csv is on disk to within this (and at each evaluation)
 COUNTS_FILE = "metrics.counters.json"  # the counters a restarted life goes on from
@@ -115,7 +122,7 @@ class Metrics(Reactor):
         if self.restarts > 0 or self.resume:
             self._take_counts(self.dir / COUNTS_FILE, path)
         earlier = _earlier_rows(path) if self.restarts > 0 or self.resume else None
-        self.csv_file = open(path, "a" if earlier else "w", newline="")  # noqa: SIM115 - closed at shutdown
+        self.csv_file = open(path, "a" if earlier else "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
         self.wall_offset = 0.0
         if earlier:
@@ -150,7 +157,8 @@ class Metrics(Reactor):
         for k in COUNTERS:
             if k in values:
                 now, was = float(values[k]), float(before.get(k, 0.0))
-                self.totals[k] += now - was if now >= was else now  # (down: the source's new life, from 0)
+                # (down: the source's new life, from 0, unless it counts on from its checkpoint)
+                self.totals[k] += now - was if now >= was or k in FROM_CHECKPOINT else now
         self.latest[src] = {**before, **values}
         wall = time.monotonic() - self.t0 + self.wall_offset
         steps = self.totals["env_steps"]
@@ -203,7 +211,7 @@ class Metrics(Reactor):
         with the length of metrics.csv they go with (just flushed): a new file put in place by a rename,
         never written through a link planted at its name."""
         sources = {src: {k: v[k] for k in COUNTERS if k in v} for src, v in self.latest.items()}
-        data = json.dumps({"format": 1, "totals": self.totals, "sources": sources,
+        data = json.dumps({"format": 1, "run_id": self.run_id, "totals": self.totals, "sources": sources,
                            "csv_nbytes": self.csv_file.tell(), "budget_base": self.budget_base}).encode()
         tmp = self.dir / f".{COUNTS_FILE}.tmp"
         try:
@@ -213,7 +221,11 @@ class Metrics(Reactor):
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.dir / COUNTS_FILE)
-        except OSError as e:  # (a full disk: the CSV goes on; a restart would then count from 0)
+        except OSError as e:  # (a full disk: the CSV goes on)
+            # The earlier save goes too: a restart must not cut the CSV back to it (rows written since,
+            # evaluations among them, would go). A restart then counts from the live sources' counters.
+            with contextlib.suppress(OSError):
+                (self.dir / COUNTS_FILE).unlink()
             if not getattr(self, "_save_failed", False):  # (once: this is tried every second)
                 self._save_failed = True
                 logging.getLogger("reactor.metrics").warning("%s: cannot save %s (a restart of this run will count "
@@ -225,9 +237,10 @@ class Metrics(Reactor):
         the rows they went with: the rows its life wrote after its last save (under a second's, none an
         evaluation: each is saved at once) would otherwise hold totals the counters do not, and the new
         life's first rows would go back from them. A resumed run (a first life) takes the earlier run's
-        totals as its ``budget_base``. A file that is not of that shape is logged and skipped, and a
-        missing one (a run directory of an earlier version) skipped: the totals then start from the live
-        sources' counters."""
+        totals as its ``budget_base``. A file that is not of that shape, one a restarted life finds saved
+        by another run, or one whose length is not the end of a row of ``csv_path`` or would cut off an
+        evaluation, is logged and skipped, and a missing one (a run directory of an earlier version)
+        skipped: the totals then start from the live sources' counters, and the CSV is left whole."""
         if not os.path.lexists(path):
             return
         try:
@@ -236,16 +249,16 @@ class Metrics(Reactor):
                   and isinstance(data.get("sources"), dict) and type(data.get("csv_nbytes")) is int
                   and data["csv_nbytes"] >= 0 and _counts_ok({"env_steps": data.get("budget_base", 0)})
                   and all(_counts_ok(c) for c in (data["totals"], *data["sources"].values()))
-                  and all(isinstance(src, str) for src in data["sources"]))
+                  and all(isinstance(src, str) for src in data["sources"]) and isinstance(data.get("run_id"), str))
             if not ok:
                 raise ValueError(f"{path}: not a {COUNTS_FILE} of the Metrics node")
+            if self.restarts > 0 and data["run_id"] != self.run_id:
+                raise ValueError(f"{path} was saved by run {data['run_id'][:80]!r}, not by this one ({self.run_id})")
+            _cut_back(csv_path, data["csv_nbytes"])
         except (OSError, ValueError) as e:
             logging.getLogger("reactor.metrics").warning("%s: env steps and other totals count from the live "
                                                          "sources' counters again: %s", self.name, e)
             return
-        with contextlib.suppress(OSError), open(csv_path, "rb+") as f:  # (a regular file: refuse_file_links)
-            if f.seek(0, os.SEEK_END) > data["csv_nbytes"]:
-                f.truncate(data["csv_nbytes"])
         self.totals.update({k: float(v) for k, v in data["totals"].items()})
         self.latest = {src: {k: float(v) for k, v in c.items()} for src, c in data["sources"].items()}
         self.budget_base = float(data.get("budget_base", 0)) if self.restarts > 0 else self.totals["env_steps"]
@@ -300,10 +313,39 @@ class Metrics(Reactor):
 
 
 def _counts_ok(counts: Any) -> bool:
-    """Whether ``counts`` maps names of :data:`COUNTERS` to finite non-negative numbers."""
+    """Whether ``counts`` maps names of :data:`COUNTERS` to numbers in ``[0, MAX_COUNT)``."""
     return isinstance(counts, dict) and all(
-        k in COUNTERS and (type(v) is float and math.isfinite(v) or type(v) is int and v.bit_length() < 64) and v >= 0
-        for k, v in counts.items())
+        k in COUNTERS and type(v) in (int, float) and 0 <= v < MAX_COUNT for k, v in counts.items())
+
+
+def _cut_back(csv_path: Path, nbytes: int) -> None:
+    """Cut ``csv_path`` back to its first ``nbytes`` (the rows a counts file goes with), where that is the
+    end of a row past the header and what goes holds no evaluation; a file no longer than that is left.
+
+    Raises:
+        ValueError: ``nbytes`` is not the end of a row past the header, or an evaluation lies past it
+            (the counts file is older than the rows: its save failed since, or it is not this file's).
+    """
+    try:
+        f = open(csv_path, "rb+")  # noqa: SIM115 - (a regular file: refuse_file_links)
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size <= nbytes:
+            return
+        header = len(",".join(CSV_HEADER)) + 1  # (the header line with its end, \r\n or \n)
+        f.seek(max(0, nbytes - 2))
+        end = f.read(2)
+        if nbytes < header or not end.endswith(b"\n"):
+            raise ValueError(f"{csv_path}: the {nbytes} bytes its counts went with do not end a row of it")
+        f.seek(nbytes)
+        while chunk := f.read(1 << 20):
+            if b"eval_return" in chunk:  # (a chunk's end may split the name: read overlapping)
+                raise ValueError(f"{csv_path} holds an evaluation past the {nbytes} bytes its counts went with")
+            if len(chunk) == 1 << 20:
+                f.seek(-len(b"eval_return"), os.SEEK_CUR)
+        f.truncate(nbytes)
 
 
 def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] | None:

@@ -59,7 +59,7 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     # A file of another shape, a value that is not a number or bytes that are not text is one line
     # naming the file and the line (it was a KeyError or ValueError traceback, or a line naming nothing).
-    with os.fdopen(open_regular(path), newline="") as f:
+    with os.fdopen(open_regular(path), newline="", encoding="utf-8") as f:
         try:
             reader = csv.DictReader(f)
             if reader.fieldnames is None:

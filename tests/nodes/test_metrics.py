@@ -148,21 +148,40 @@ def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path)
 
 
 class CountingTrainer(Reactor):
-    """Reports the env-step counters it is given, one per round (a drop: the source's new life)."""
+    """Reports the counter ``key`` it is given, one value per round (a drop: the source's new life), and
+    an evaluation in the rounds listed in ``evals``."""
 
     report = Output(Report)
     again = Action()
 
-    def __init__(self, counts: list[int]) -> None:
-        self.counts = counts
+    def __init__(self, counts: list[int], key: str = "env_steps", evals: tuple[int, ...] = ()) -> None:
+        self.counts, self.key, self.evals = counts, key, evals
         self.k = 0
 
     @reaction(triggers=[startup, again], effects=[report, again])
     def tick(self) -> None:
-        self.report.send(Report(self.name, {"env_steps": self.counts[self.k]}))
+        self.report.send(Report(self.name, {self.key: self.counts[self.k]}))
+        if self.k in self.evals:
+            self.report.send(Report("evaluator", {"eval_return": float(self.k)}))
         self.k += 1
         if self.k < len(self.counts):
             self.again.schedule(delay_s=0.001)
+
+
+class _RunA(Metrics):
+    """Metrics in a run of the id ``run-a`` (each in-process ``run`` is a run of its own id)."""
+
+    @property
+    def run_id(self) -> str:
+        return "run-a"
+
+
+class _RunARestarted(_RestartedMetrics):
+    """A later life of :class:`_RunA`'s Metrics, in the same run."""
+
+    @property
+    def run_id(self) -> str:
+        return "run-a"
 
 
 def _steps(path) -> list[int]:
@@ -170,50 +189,97 @@ def _steps(path) -> list[int]:
         return [int(r["env_steps"]) for r in csv.DictReader(f)]
 
 
-def test_env_steps_never_go_back_when_a_source_or_metrics_starts_again(tmp_path, caplog):
+def _evals(path) -> list[float]:
+    with open(path, newline="") as f:
+        return [float(r["value"]) for r in csv.DictReader(f) if r["name"] == "eval_return"]
+
+
+def _counting(metrics, **sources):
+    g = Graph()
+    m = g.add(metrics, name="metrics")
+    for name, counts in sources.items():
+        g.connect(g.add(counts if isinstance(counts, Reactor) else CountingTrainer(counts), name=name).report,
+                  m.reports)
+    return g
+
+
+def test_env_steps_never_go_back_when_a_source_or_metrics_starts_again(tmp_path):
     """A restarted actor counts from 0 again, and a restarted Metrics summed the live sources' counters
     from 0: the run's env steps went back in metrics.csv, and max_env_steps let the run step past its
     budget. A counter that goes down is a source's new life, counted whole; a restarted Metrics goes on
-    from the totals and counters its earlier life saved."""
-    def graph(metrics, **sources):
-        g = Graph()
-        m = g.add(metrics, name="metrics")
-        for name, counts in sources.items():
-            g.connect(g.add(CountingTrainer(counts), name=name).report, m.reports)
-        return g
-
-    res = run(graph(Metrics(str(tmp_path), max_env_steps=5400, live=False), a=[1000, 2000, 500, 1500],
-                    b=[100, 200, 300, 400]))
+    from the totals and counters its earlier life saved. The learner's updates, which go on from its
+    checkpoint, count as the difference, as before (a drop there is an older checkpoint, not a new count)."""
+    res = run(_counting(_RunA(str(tmp_path), max_env_steps=5400, live=False), a=[1000, 2000, 500, 1500],
+                        b=[100, 200, 300, 400], learner=CountingTrainer([100, 200, 300], key="updates")))
     assert res.stopped_by == "quiescence"  # 1,900 steps short of the budget: not 3,700 short
-    assert _steps(tmp_path / "metrics.csv") == [1000, 1100, 2100, 2200, 2700, 2800, 3800, 3900]
+    assert [s for s in _steps(tmp_path / "metrics.csv")] == [1000, 1100, 1100, 2100, 2200, 2200, 2700, 2800, 2800,
+                                                             3800, 3900]
     saved = json.loads((tmp_path / "metrics.counters.json").read_text())
-    assert saved["totals"]["env_steps"] == 3900 and saved["sources"] == {"a": {"env_steps": 1500.0},
-                                                                          "b": {"env_steps": 400.0}}
-    # Metrics' own next life: `a` was started again with it (from 0), `b` went on. A row its earlier life
-    # wrote after its last save (its totals unsaved) is cut off, so the rows never go back.
+    assert saved["run_id"] == "run-a" and saved["totals"]["env_steps"] == 3900
+    assert saved["sources"] == {"a": {"env_steps": 1500.0}, "b": {"env_steps": 400.0}, "learner": {"updates": 300.0}}
+    # Metrics' own next life: `a` was started again with it (from 0), `b` went on, the learner went back to
+    # its checkpoint of update 250. A row its earlier life wrote after its last save (its totals unsaved) is
+    # cut off, so the rows never go back.
     with open(tmp_path / "metrics.csv", "a") as f:
         f.write("9.9,99999,b,env_steps,96500\n")
-    res = run(graph(_RestartedMetrics(str(tmp_path), max_env_steps=5400, live=False), a=[700, 1400], b=[500, 600]))
+    res = run(_counting(_RunARestarted(str(tmp_path), max_env_steps=5400, live=False), a=[700, 1400], b=[500, 600],
+                        learner=CountingTrainer([250, 350], key="updates")))
     steps = _steps(tmp_path / "metrics.csv")
-    assert steps[8:11] == [4600, 4700, 5400] and steps == sorted(steps)  # (5,400: the budget, reached)
+    assert steps[11:14] == [4600, 4700, 4700] and 5400 in steps and steps == sorted(steps)  # (the budget, reached)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert res.stopped_by == "request" and summary["stop_reason"] == "5400 env steps >= max_env_steps 5400"
+    assert summary["updates"] == 350  # the learner's own count: not 300 + 350
     # A resumed run (a new command) counts on from the earlier run's steps, with a budget of its own.
     resumed = tmp_path / "resumed"
-    run(graph(Metrics(str(resumed), live=False), a=[1000, 2000]))
-    res = run(graph(Metrics(str(resumed), max_env_steps=1000, live=False, resume=True), a=[400, 800, 1200, 1600]))
+    run(_counting(Metrics(str(resumed), live=False), a=[1000, 2000]))
+    res = run(_counting(Metrics(str(resumed), max_env_steps=1000, live=False, resume=True), a=[400, 800, 1200, 1600]))
     assert _steps(resumed / "metrics.csv")[:5] == [1000, 2000, 2400, 2800, 3200]
     assert res.stopped_by == "request" and json.loads((resumed / "summary.json").read_text())["stop_reason"] == \
         "1200 env steps >= max_env_steps 1000 (on top of the earlier run's 2000, resumed from)"
-    # A counts file that is not one: logged, and the totals start from the live sources' counters.
-    for bad in ('{"format": 1, "totals": {"env_steps": -5}, "sources": {}, "csv_nbytes": 0}',
-                '{"format": 1, "totals": {"env_steps": 1%s}, "sources": {}, "csv_nbytes": 0}' % ("0" * 400),
-                '{"format": 1, "totals": {}, "sources": {"a": {"env_steps": NaN}}, "csv_nbytes": 0}'):
-        caplog.clear()
-        (tmp_path / "metrics.counters.json").write_text(bad)
-        run(graph(_RestartedMetrics(str(tmp_path), live=False), a=[10]))
-        assert _steps(tmp_path / "metrics.csv")[-1] == 10
-        assert "metrics.counters.json: not a metrics.counters.json of the Metrics node" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["negative", "huge_int", "nan", "past_float_ints", "another_run", "mid_row",
+                                    "in_header", "older_than_an_evaluation"])
+def test_a_counts_file_that_does_not_fit_is_logged_and_skipped_and_the_csv_kept_whole(tmp_path, caplog, damage):
+    """A counts file of another shape, of another run, or whose length would cut the CSV anywhere but
+    after whole rows that hold no evaluation: the restarted life logs it, counts from the live sources'
+    counters, and cuts nothing (a length inside the header, or one saved before evaluations, had cut every
+    evaluation of the run)."""
+    run(_counting(_RunA(str(tmp_path), live=False), a=CountingTrainer([1000, 2000, 3000], evals=(0, 2))))
+    saved = json.loads((tmp_path / "metrics.counters.json").read_text())
+    text = (tmp_path / "metrics.csv").read_bytes()
+    edits = {"negative": {"totals": {"env_steps": -5}}, "huge_int": {"totals": {"env_steps": 10 ** 400}},
+             "nan": {"sources": {"a": {"env_steps": float("nan")}}}, "past_float_ints": {"totals": {"env_steps": 2 ** 63 - 1}},
+             "another_run": {"run_id": "run-b"}, "mid_row": {"csv_nbytes": len(text) - 5},
+             "in_header": {"csv_nbytes": 10},
+             "older_than_an_evaluation": {"csv_nbytes": text.index(b"\n", text.index(b"env_steps,1000")) + 1}}
+    (tmp_path / "metrics.counters.json").write_text(json.dumps({**saved, **edits[damage]}))
+    run(_counting(_RunARestarted(str(tmp_path), live=False), a=[10]))
+    assert (tmp_path / "metrics.csv").read_bytes().startswith(text)  # nothing cut
+    assert _evals(tmp_path / "metrics.csv") == [0.0, 2.0]
+    assert _steps(tmp_path / "metrics.csv")[-1] == 10  # from the live source's counter
+    why = {"another_run": "was saved by run 'run-b', not by this one (run-a)",
+           "mid_row": "do not end a row of it", "in_header": "do not end a row of it",
+           "older_than_an_evaluation": "holds an evaluation past the"}.get(damage, "not a metrics.counters.json of the "
+                                                                             "Metrics node")
+    assert "totals count from the live sources' counters again" in caplog.text and why in caplog.text
+
+
+def test_a_counts_file_that_cannot_be_saved_is_removed_said_once_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
+    """A save that fails (a full disk; here a directory where its temporary file goes) removes the earlier
+    save, which a restart would have cut the CSV back to, losing the evaluations since; it is logged once,
+    not at every flush, and the run goes on."""
+    import reactor.nodes.metrics as metrics
+
+    run(_counting(_RunA(str(tmp_path), live=False), a=[1000, 2000]))  # an earlier run's counts file is there
+    monkeypatch.setattr(metrics, "FLUSH_PERIOD_S", 0.0)  # (a save at every report)
+    (tmp_path / ".metrics.counters.json.tmp").mkdir()
+    res = run(_counting(_RunA(str(tmp_path), live=False), a=CountingTrainer([10, 20, 30], evals=(0, 1, 2))))
+    assert res.stopped_by == "quiescence" and json.loads((tmp_path / "summary.json").read_text())["env_steps"] == 30
+    assert caplog.text.count("cannot save metrics.counters.json") == 1
+    assert not (tmp_path / "metrics.counters.json").exists()
+    run(_counting(_RunARestarted(str(tmp_path), live=False), a=[5]))
+    assert _evals(tmp_path / "metrics.csv") == [0.0, 1.0, 2.0] and _steps(tmp_path / "metrics.csv")[-1] == 5
 
 
 def test_an_earlier_lifes_rows_are_read_for_their_evaluations_and_last_time_only(tmp_path):
@@ -400,14 +466,3 @@ def test_a_metrics_csv_of_another_shape_is_one_line_naming_the_file_and_line(tmp
     assert re.match(rf"^reactor: {re.escape(str(tmp_path))}/{message}", p.stderr.strip()), p.stderr
     assert not (tmp_path / "curves.png").exists()
 
-
-def test_a_counts_file_that_cannot_be_saved_is_said_once_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
-    """A directory where metrics.counters.json goes (or a full disk): the CSV and the run go on, and
-    the failure is logged once, not at every flush."""
-    import reactor.nodes.metrics as metrics
-
-    monkeypatch.setattr(metrics, "FLUSH_PERIOD_S", 0.0)  # (a save at every report)
-    (tmp_path / "metrics.counters.json").mkdir()
-    res = run(_graph(tmp_path, actors=1))
-    assert res.stopped_by == "quiescence" and json.loads((tmp_path / "summary.json").read_text())["env_steps"] == 10000
-    assert caplog.text.count("cannot save metrics.counters.json") == 1

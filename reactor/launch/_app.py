@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import sys
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -136,13 +137,18 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
         kwargs["algo_config"] = algo
     for key, value in list(kwargs.items()):
         want = hints.get(key)
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
+        # One type, or a union of types (float | None: target_return='high' got through, and failed the
+        # run at its first evaluation with a TypeError traceback).
+        union = typing.get_origin(want) in (typing.Union, types.UnionType)
+        kinds = [a for a in (typing.get_args(want) if union else (want,)) if isinstance(a, type)]
+        if float in kinds and int not in kinds and isinstance(value, int) and not isinstance(value, bool):
             try:
                 value = float(value)
             except OverflowError:
                 raise AppError(f"config key {key!r} expects float, got an int of {value.bit_length()} bits, too large for one") from None
-        if isinstance(want, type) and not isinstance(value, want):
-            raise AppError(f"config key {key!r} expects {want.__name__}, got {value!r}")
+        if kinds and len(kinds) == (len(typing.get_args(want)) if union else 1) and not isinstance(value, tuple(kinds)):
+            raise AppError(f"config key {key!r} expects {' or '.join(k.__name__.replace('NoneType', 'None') for k in kinds)}, "
+                           f"got {value!r}")
         kwargs[key] = value
     return cls(**kwargs)
 

@@ -61,6 +61,10 @@ class AppConfig:
         """The fields of ``algo``'s Config: ``--set`` keys that go into ``algo_config``."""
         return _algo_fields(algo)
 
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "max_env_steps")
+        _at_least(self, 0, "checkpoint_every")
+
 
 @dataclass(frozen=True)
 class OffPolicyAppConfig(AppConfig):
@@ -102,6 +106,13 @@ class OffPolicyAppConfig(AppConfig):
     """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
     (the default loses the inserts since its last checkpoint)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, 1, "actors", "envs_per_actor", "shards", "learners", "batch_size", "weights_every",
+                  "eval_every_updates")
+        _at_least(self, 0, "min_size")
+        _at_least(self, max(1, self.min_size), "capacity")  # (below min_size, learning never starts)
+
 
 @dataclass(frozen=True)
 class OnPolicyAppConfig(AppConfig):
@@ -115,6 +126,10 @@ class OnPolicyAppConfig(AppConfig):
     """Learner updates between greedy evaluations."""
     eval_episodes: int = 10
     """Episodes per evaluation."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, 1, "actors", "envs_per_actor", "eval_every_updates", "eval_episodes")
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,22 @@ class OfflineAppConfig(AppConfig):
     """Episodes per evaluation."""
     prioritized: bool = True
     """Prioritized windows (alpha 0.6, beta 0.4) instead of uniform."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, 1, "batch_size", "updates", "eval_every_updates", "eval_episodes")
+
+
+def _at_least(config: Any, low: int, *names: str) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` whose int value in ``config`` is below ``low``
+    (a zero actors' count was a ZeroDivisionError traceback; a capacity below min_size a run that
+    never learned)."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, int) and not isinstance(v, bool) and v < low:
+            why = f" (min_size, the steps stored before learning starts, is {config.min_size})" \
+                if name == "capacity" and low > 1 else ""
+            raise ValueError(f"config key {name!r} must be >= {low}, got {v}{why}")
 
 
 def _run_dir(config: Any, name: str) -> str:

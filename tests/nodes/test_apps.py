@@ -67,6 +67,34 @@ def test_a_nan_or_an_infinity_in_a_config_is_refused_naming_its_key(overrides, m
         make_config(load_app(APPS / "dqn.py"), overrides)
 
 
+@pytest.mark.parametrize(("app", "overrides", "message"), [
+    ("dqn", {"actors": 0}, r"^config key 'actors' must be >= 1, got 0$"),
+    ("dqn", {"shards": 0}, r"^config key 'shards' must be >= 1, got 0$"),
+    ("dqn", {"capacity": 10}, r"^config key 'capacity' must be >= 1000, got 10 \(min_size, the steps stored before "
+                              r"learning starts, is 1000\)$"),
+    ("dqn", {"min_size": -1}, r"^config key 'min_size' must be >= 0, got -1$"),
+    ("dqn", {"max_env_steps": -10}, r"^config key 'max_env_steps' must be >= 1, got -10$"),
+    ("dqn", {"checkpoint_every": -5}, r"^config key 'checkpoint_every' must be >= 0, got -5$"),
+    ("ppo", {"actors": 0}, r"^config key 'actors' must be >= 1, got 0$"),
+    ("transformer_offline", {"updates": 0}, r"^config key 'updates' must be >= 1, got 0$"),
+])
+def test_an_app_config_value_out_of_its_range_is_one_line_naming_the_key(app, overrides, message):
+    """`--set actors=0` (or shards=0) was a ZeroDivisionError traceback; `capacity=10` under min_size=1000
+    ran to its end with every insert refused and nothing learned."""
+    with pytest.raises(ValueError, match=message):
+        make_config(load_app(APPS / f"{app}.py"), overrides)
+
+
+def test_an_optional_config_value_of_another_type_is_refused():
+    """`target_return='high'` (a float | None field) got through, and failed the run at its first
+    evaluation with a TypeError traceback."""
+    app = load_app(APPS / "dqn.py")
+    with pytest.raises(AppError, match=r"^config key 'target_return' expects float or None, got 'high'$"):
+        make_config(app, {"target_return": "high"})
+    assert make_config(app, {"target_return": 400}).target_return == 400.0  # (an int is taken as a float)
+    assert make_config(app, {"target_return": None}).target_return is None
+
+
 def test_a_config_without_a_dataclass_takes_what_its_app_takes():
     """An app whose config is a dict (a @graph_builder's arguments travel this way: a rate limiter's
     bound may be infinite) gets its values as given."""

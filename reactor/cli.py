@@ -266,7 +266,10 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     args.started = started if started is not None else time.time()
     try:
         return _dispatch(args)
-    except (AppError, GraphError, MalformedFrameError, FileNotFoundError, ValueError) as e:
+    # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
+    # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
+    except (AppError, GraphError, MalformedFrameError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError, FileExistsError, ValueError) as e:
         msg = str(e).replace("\n", "\n  ") if isinstance(e, GraphError) else (str(e).splitlines() or [type(e).__name__])[0]
         print(f"reactor: {msg}", file=sys.stderr)
         return 2

@@ -414,10 +414,13 @@ class Replay(Reactor):
         directory = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
         if directory is not None:
             refuse_file_links(directory)
-        self._store = ShardStore(self.name, directory, keep=self.keep_checkpoints,
-                                 period_s=self.checkpoint_period_s, wal=self.wal)
-        # (A restarted shard starts from its latest checkpoint.)
-        self._store.open(self.table, restore=self.restore or self.restarts > 0, restarts=self.restarts)
+        store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
+                           wal=self.wal)
+        # (A restarted shard starts from its latest checkpoint.) Kept only once open: a store whose open
+        # failed (a run directory that cannot be written) is not checkpointed into at shutdown, which
+        # failed again and logged a second traceback over the first.
+        store.open(self.table, restore=self.restore or self.restarts > 0, restarts=self.restarts)
+        self._store = store
         if self._versions is not None:  # restored rows are readable as written
             lo, hi = storage.step_range
             steps = np.arange(lo, hi, dtype=np.int64)
@@ -873,7 +876,7 @@ class Replay(Reactor):
         if self.table is None:
             return
         owner, self._owner = self._owner, None
-        store = getattr(self, "_store", None)  # (none when its start was refused: refuse_file_links)
+        store = getattr(self, "_store", None)  # (none when its start failed: refuse_file_links, an open)
         if store is not None:
             store.close(self.table, final=self.checkpoint_on_shutdown)
         if self._parked_steps:

@@ -208,6 +208,18 @@ def test_a_run_directory_that_links_a_file_elsewhere_is_refused_and_the_file_kep
     refuse_file_links(tmp_path / "not-yet")  # (a new run directory: nothing to check)
 
 
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path):
+    """A run_dir under a regular file (or in /proc): the replay shard's start failed, and then its shutdown
+    tried to checkpoint into the same place and logged a second traceback over the first."""
+    (tmp_path / "file").write_text("not a directory")
+    out = subprocess.run(
+        [sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--set",
+         f"run_dir='{tmp_path / 'file' / 'run'}'", "--set", "live=False"], capture_output=True, text=True, timeout=300,
+        cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [f"reactor: [Errno 20] Not a directory: '{tmp_path / 'file' / 'run' / 'replay-0'}'"]
+
+
 def test_a_replay_checkpoint_with_a_fifo_or_a_device_in_it_is_refused_at_once(tmp_path):
     """A FIFO as a checkpoint's manifest or array hung the shard's start (reading it waits for a writer);
     /dev/zero linked there was read until memory ran out."""

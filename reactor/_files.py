@@ -9,7 +9,8 @@ from a placement file could delete any file of the user's (:func:`check_ipc_bind
 A plain ``open`` of a FIFO blocks until a writer comes (a daemon that reads one at a handshake or at
 its start then hangs), ``/dev/zero`` never ends, and a JSON document nested a hundred thousand deep
 raises ``RecursionError``. :func:`read_small` and :func:`read_small_json` refuse all three with an
-error that names the file.
+error that names the file. :func:`replace_small` writes such a file whole or not at all, never
+through a link planted at its name.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links"]
+__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links", "replace_small"]
 
 
 def open_regular(path: str | os.PathLike[str]) -> int:
@@ -80,6 +81,26 @@ def read_small_json(path: str | os.PathLike[str], max_nbytes: int = 1 << 20) -> 
         return json.loads(data.decode())
     except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
         raise ValueError(f"{Path(path)}: not a JSON document ({type(e).__name__})") from None
+
+
+def replace_small(path: str | os.PathLike[str], data: bytes) -> None:
+    """Put ``data`` at ``path`` whole: written to a new file beside it (``.NAME.tmp``, created afresh,
+    so a link planted there is not written through), then renamed over ``path`` (which replaces a link
+    at ``path`` rather than writing through it). A reader sees the old file or the new one.
+
+    Raises:
+        OSError: the file cannot be written or renamed (a full disk, a directory in the way).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def check_ipc_bind(address: str) -> None:

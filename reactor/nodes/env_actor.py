@@ -17,15 +17,24 @@ steps as fast as the CPU allows. Weights apply from the first step after they ar
 **Exploration** comes from the algorithm's ``act(policy, obs, step, generator)``: ``step`` is this
 actor's env-step count and ``generator`` its own seeded ``torch.Generator``. Actors may explore
 differently: ``explore_scale`` multiplies the step count the schedule sees (an actor with scale
-0.5 anneals its exploration twice as slowly).
+0.5 anneals its exploration twice as slowly). With a ``run_dir``, the schedule goes on over the actor's
+lives: it writes the env steps its schedule has seen to ``RUN_DIR/<name>.progress.json`` (``actor-0...``)
+at each report, and a restarted actor (``restarts`` > 0) or a resumed run's (``resume``) starts its
+schedule from there. (A resumed DQN explored at epsilon 1.0 again, and a resumed TD3 took its
+``learning_starts`` random steps again.) Its own counts (``env_steps`` in reports, ``max_env_steps``)
+still start from 0 in each life.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .._files import read_small_json, replace_small
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, startup
 from ._registry import denormals_flushed
 from .messages import InsertAck, Steps
@@ -66,6 +75,8 @@ class EnvActor(Reactor):
             shards), so a rate limiter holding inserts back holds this actor
             back instead of letting the shards park its steps without bound.
             None: no flow control (``acks`` need not be connected).
+        run_dir: where the exploration schedule's progress is kept over the actor's lives ("": not kept).
+        resume: the run goes on from its run directory's checkpoints: the schedule from where it was.
     """
 
     placement_role = "actor"
@@ -92,6 +103,8 @@ class EnvActor(Reactor):
         max_env_steps: int | None = None,
         explore_scale: float = 1.0,
         max_unacked: int | None = None,
+        run_dir: str = "",
+        resume: bool = False,
     ) -> None:
         for what, v in (("num_envs", num_envs), ("num_shards", num_shards), ("flush_steps", flush_steps),
                         ("report_every", report_every)):
@@ -114,6 +127,10 @@ class EnvActor(Reactor):
         self.max_env_steps = max_env_steps
         self.explore_scale = explore_scale
         self.max_unacked = max_unacked
+        self.run_dir = run_dir
+        self.resume = resume
+        self.explore_base = 0  # env steps an earlier life's schedule saw (RUN_DIR/<name>.progress.json)
+        self._progress_failed = False
         self.held = False  # stepping paused by flow control
         self.env_steps = 0
         self.episodes = 0
@@ -161,6 +178,11 @@ class EnvActor(Reactor):
                 max_unacked=self.max_unacked,
                 flush_steps=self.flush_steps,
             )
+        if self.run_dir:
+            self.progress = Path(self.run_dir) / f"{self.name.replace('[', '-').replace(']', '')}.progress.json"
+            if self.resume or self.restarts > 0:
+                self.explore_base = _saved_progress(self.progress)
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         if self.waiting_for is None:
             self.tick.schedule(delay_s=self.step_s)
 
@@ -227,7 +249,7 @@ class EnvActor(Reactor):
             self._report()
             return
         obs = self.obs
-        explore_step = int(self.env_steps * self.explore_scale)
+        explore_step = int((self.explore_base + self.env_steps) * self.explore_scale)
         with torch.no_grad(), denormals_flushed():
             action, extras = self.algo.act(self.policy, torch.as_tensor(obs), explore_step, self.torch_rng)
         act_np = action.numpy()
@@ -273,6 +295,16 @@ class EnvActor(Reactor):
         if self.recent_returns:
             values["episode_return"] = float(np.mean(self.recent_returns))
         self.report.send(Report(self.name, values))
+        if self.run_dir:
+            try:
+                replace_small(self.progress, json.dumps({"format": 1, "explore_steps": self.explore_base +
+                                                         self.env_steps}).encode())
+            except OSError as e:
+                if not self._progress_failed:  # (once: it is tried at every report)
+                    self._progress_failed = True
+                    logging.getLogger("reactor.actor").warning(
+                        "%s: cannot save %s (a restart of this actor will explore from its schedule's start): %s",
+                        self.name, self.progress, e)
 
     def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
                  truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray,
@@ -292,3 +324,19 @@ class EnvActor(Reactor):
         self.rollouts.send(Rollout(self.bank_index, self.version, data))
         self.waiting_for = self.version + 1
         self._report()  # exact env-step counts at each update (Metrics logs evaluations against them)
+
+
+def _saved_progress(path: Path) -> int:
+    """The env steps an earlier life's exploration schedule saw, from ``path``; 0 when there is no such
+    file, and 0 with a warning when it is not one of the shape :meth:`EnvActor._report` writes."""
+    if not path.exists():
+        return 0
+    try:
+        data = read_small_json(path)
+        steps = data.get("explore_steps") if isinstance(data, dict) and data.get("format") == 1 else None
+        if type(steps) is not int or not 0 <= steps < 2**53:
+            raise ValueError(f"{path}: not an actor's progress file (format 1 with explore_steps, an int >= 0)")
+    except (OSError, ValueError) as e:
+        logging.getLogger("reactor.actor").warning("exploration starts from its schedule's start: %s", e)
+        return 0
+    return steps

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._files import read_small_json, refuse_file_links
+from .._files import read_small_json, refuse_file_links, replace_small
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
 from .train_messages import Report
 
@@ -213,14 +213,8 @@ class Metrics(Reactor):
         sources = {src: {k: v[k] for k in COUNTERS if k in v} for src, v in self.latest.items()}
         data = json.dumps({"format": 1, "run_id": self.run_id, "totals": self.totals, "sources": sources,
                            "csv_nbytes": self.csv_file.tell(), "budget_base": self.budget_base}).encode()
-        tmp = self.dir / f".{COUNTS_FILE}.tmp"
         try:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.dir / COUNTS_FILE)
+            replace_small(self.dir / COUNTS_FILE, data)
         except OSError as e:  # (a full disk: the CSV goes on)
             # The earlier save goes too: a restart must not cut the CSV back to it (rows written since,
             # evaluations among them, would go). A restart then counts from the live sources' counters.

@@ -133,7 +133,7 @@ def off_policy_graph(
     actor = g.add(
         EnvActor(algo, env, algo_config, num_envs=envs_per_actor, num_shards=shards, colocated_shard=colocated,
                  step_s=step_s, flush_steps=flush_steps, max_env_steps=_per_actor(max_env_steps, actors),
-                 max_unacked=max_unacked),
+                 max_unacked=max_unacked, run_dir=run_dir, resume=resume),
         name="actor", replicas=actors,
     )
     replay = g.add(
@@ -230,7 +230,7 @@ def on_policy_graph(
         probe.close()
     g = Graph()
     actor = g.add(EnvActor(algo, env, algo_config, num_envs=envs_per_actor, step_s=step_s,
-                           max_env_steps=_per_actor(max_env_steps, actors)),
+                           max_env_steps=_per_actor(max_env_steps, actors), run_dir=run_dir, resume=resume),
                   name="actor", replicas=actors)
     learner = g.add(RolloutLearner(algo, env, algo_config, num_actors=actors, seed=seed, run_dir=run_dir,
                                    checkpoint_every=checkpoint_every, resume=resume, app_config=app_config,

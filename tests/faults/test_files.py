@@ -217,7 +217,8 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path):
          f"run_dir='{tmp_path / 'file' / 'run'}'", "--set", "live=False"], capture_output=True, text=True, timeout=300,
         cwd=ROOT)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines() == [f"reactor: [Errno 20] Not a directory: '{tmp_path / 'file' / 'run' / 'replay-0'}'"]
+    (line,) = out.stderr.strip().splitlines()  # (the first node to make its part of the directory names it)
+    assert line.startswith(f"reactor: [Errno 20] Not a directory: '{tmp_path / 'file' / 'run'}"), line
 
 
 def test_a_replay_checkpoint_with_a_fifo_or_a_device_in_it_is_refused_at_once(tmp_path):

@@ -259,6 +259,40 @@ def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound
     assert parked(10**9, 8) > 2 * bound
 
 
+def test_a_resumed_actor_goes_on_with_its_exploration_schedule(tmp_path, monkeypatch, caplog):
+    """A resumed run's actors started their exploration schedule again: a DQN actor explored at epsilon
+    1.0 again, a TD3 actor took its learning_starts random steps again. Each actor now keeps the steps its
+    schedule saw in the run directory, and a resumed (or restarted) one starts its schedule there, while
+    its own counts start from 0 (its budget, its reports)."""
+    from reactor.nodes.training import off_policy_graph
+    from tests.nodes import explore_probe
+
+    probe, run_dir = tmp_path / "probe", tmp_path / "run"
+    monkeypatch.setenv("REACTOR_EXPLORE_PROBE", str(probe))
+
+    def once(resume: bool) -> None:
+        explore_probe._SEEN = False  # (one process: the probe's first act of each run)
+        run(off_policy_graph(algo="tests.nodes.explore_probe", env="CartPole-v1", run_dir=str(run_dir), actors=2,
+                             shards=1, min_size=200, samples_per_insert=8.0, batch_size=32, eval_every_updates=50,
+                             max_env_steps=600, capacity=10_000, live=False, resume=resume))
+
+    def saved() -> dict[str, int]:
+        return {p.name: json.loads(p.read_text())["explore_steps"] for p in sorted(run_dir.glob("*.progress.json"))}
+
+    once(resume=False)
+    first = saved()
+    assert first == {"actor-0.progress.json": 300, "actor-1.progress.json": 300}
+    once(resume=True)
+    assert probe.read_text().split()[:1] == ["0"] and probe.read_text().split()[1:] == ["300"]
+    assert saved() == {name: 600 for name in first}
+    assert _summary(run_dir)["env_steps"] == 1200  # (the run's own counts: 600 more, on top of the first 600)
+    # A progress file that is not one: the schedule starts at 0, with a warning.
+    (run_dir / "actor-0.progress.json").write_text('{"format": 1, "explore_steps": -4}')
+    probe.unlink()
+    once(resume=True)
+    assert probe.read_text().split()[0] == "0" and "not an actor's progress file" in caplog.text
+
+
 def test_replay_shards_checkpoint_and_a_resumed_run_restores_them(tmp_path):
     """Hardening issue ("replay data that survives"): the shipped apps' shards passed no run directory
     to Replay, so a resumed run started with empty replay. Now each shard checkpoints periodically

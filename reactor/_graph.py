@@ -351,6 +351,12 @@ class Graph:
         return "\n".join(lines)
 
 
+def plain_name(instance: str) -> str:
+    """An instance's name with its replica index as ``-i`` (``actor[3]`` -> ``actor-3``): the name of its
+    process group, its files and directories in a run directory, its TensorBoard tags."""
+    return instance.replace("[", "-").replace("]", "")
+
+
 def _names(ref: PortRef) -> list[str]:
     names = ref.node.instance_names()
     return names if ref.replica is None else [names[ref.replica]]

@@ -27,8 +27,10 @@ __all__ = [
     "QEnsemble",
     "adam",
     "check_box",
+    "check_counts",
     "check_hidden",
     "check_positive",
+    "check_unit",
     "config_from",
     "gaussian_explore",
     "mlp",
@@ -183,6 +185,23 @@ def store_transitions(obs_space: Any, act_space: Any, n_step: int, gamma: float)
          ("reward", (), torch.float32), ("terminated", (), torch.bool)],
         TransitionRead(n_step, gamma, next_fields=("obs", "terminated")),
     )
+
+
+def check_counts(config: Any, prefix: str, names: Sequence[str], low: int = 1) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` whose value in ``config`` is not an int >= ``low``
+    (``prefix``: how the message names the Config, ``dqn Config``)."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{prefix}.{name} must be an int >= {low}, got {v!r}")
+
+
+def check_unit(config: Any, prefix: str, names: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` whose value in ``config`` is not in [0, 1]."""
+    for name in names:
+        v = getattr(config, name)
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{prefix}.{name} must be in [0, 1], got {v!r}")
 
 
 def check_positive(config: Any, algo: str, names: Sequence[str]) -> None:

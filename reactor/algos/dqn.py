@@ -18,7 +18,7 @@ from torch import nn
 
 from ..replay import TransitionRead
 from . import StoreSpec, config_from_dict
-from ._common import adam, check_positive
+from ._common import adam, check_counts, check_positive, check_unit
 
 KIND = "off_policy"
 ACTIONS = "discrete"
@@ -55,15 +55,9 @@ class Config:
     """Added to |TD error| so that no item's priority is zero."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "n_step", "target_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"dqn Config.{name} must be an int >= 1, got {v!r}")
-        if isinstance(self.eps_decay_steps, bool) or not isinstance(self.eps_decay_steps, int) or self.eps_decay_steps < 0:
-            raise ValueError(f"dqn Config.eps_decay_steps must be an int >= 0, got {self.eps_decay_steps!r}")
-        for name in ("gamma", "eps_start", "eps_end"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"dqn Config.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        check_counts(self, "dqn Config", ("hidden", "n_step", "target_every"))
+        check_counts(self, "dqn Config", ("eps_decay_steps",), low=0)
+        check_unit(self, "dqn Config", ("gamma", "eps_start", "eps_end"))
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"dqn Config.tau must be in (0, 1], got {self.tau!r}")
         check_positive(self, "dqn", ("lr", "priority_eps"))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from . import config_from_dict, restore_generator
+from ._common import check_counts, check_unit
 
 __all__ = ["KIND", "Config", "Policy", "State", "act", "advantages", "gae", "init", "learn", "load_state_dict",
            "load_weights", "make_policy", "policy_weights", "state_dict"]
@@ -71,14 +72,8 @@ class Config:
     """Units in each of the two tanh hidden layers of the policy and of the value network."""
 
     def __post_init__(self) -> None:
-        for name in ("rollout_length", "epochs", "minibatch_size", "hidden"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ppo.Config.{name} must be an int >= 1, got {v!r}")
-        for name in ("gamma", "gae_lambda"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"ppo.Config.{name} must be in [0, 1], got {v!r}")
+        check_counts(self, "ppo.Config", ("rollout_length", "epochs", "minibatch_size", "hidden"))
+        check_unit(self, "ppo.Config", ("gamma", "gae_lambda"))
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ppo.Config.{name} must be > 0, got {getattr(self, name)!r}")

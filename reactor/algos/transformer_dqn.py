@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reactor.algos import StoreSpec, config_from_dict
+from reactor.algos._common import check_counts, check_unit
 from reactor.replay import WindowRead
 
 KIND = "off_policy"
@@ -106,20 +107,15 @@ class Config:
     the CPU, where learn runs in float32."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "n_step", "d_model", "n_heads", "n_layers", "d_ff", "target_update_every", "eps_decay_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"transformer_dqn Config.{name} must be an int >= 1, got {v!r}")
+        check_counts(self, "transformer_dqn Config", ("window", "n_step", "d_model", "n_heads", "n_layers", "d_ff",
+                                                      "target_update_every", "eps_decay_steps"))
         if self.d_model % self.n_heads:
             raise ValueError(f"transformer_dqn Config.d_model={self.d_model} is not divisible by "
                              f"n_heads={self.n_heads}; pick n_heads dividing d_model")
         if self.positions not in ("learned", "sinusoidal"):
             raise ValueError(f"transformer_dqn Config.positions must be 'learned' or 'sinusoidal', "
                              f"got {self.positions!r}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"transformer_dqn Config.gamma must be in [0, 1], got {self.gamma!r}")
-        if not 0.0 <= self.priority_eta <= 1.0:
-            raise ValueError(f"transformer_dqn Config.priority_eta must be in [0, 1], got {self.priority_eta!r}")
+        check_unit(self, "transformer_dqn Config", ("gamma", "priority_eta"))
         if not (0.0 <= self.eps_end <= 1.0 and 0.0 <= self.eps_start <= 1.0):
             raise ValueError(f"transformer_dqn Config.eps_start and eps_end must be in [0, 1], "
                              f"got {self.eps_start!r} and {self.eps_end!r}")

@@ -497,12 +497,11 @@ class _Session:
             e = task.exception()
             if not isinstance(e, NoHostAnsweredError):  # (a wait for a host is over)
                 r.host_wait.pop(name, None)
-            hello = r.early.pop(name, None)
             if e is None:
-                r.starting[name] = "spawned"
-                if hello is not None:  # (answered by _supervise this round)
-                    r.early[name] = hello
-            elif not isinstance(e, ReactorError):
+                r.starting[name] = "spawned"  # (a hello kept in r.early is answered by _supervise this round)
+                continue
+            r.early.pop(name, None)  # (a hello of a start that failed is no one's)
+            if not isinstance(e, ReactorError):
                 raise e
             elif self.stopped_by is not None:  # the run ends: this life is not needed
                 self.results[name] = _ABANDONED

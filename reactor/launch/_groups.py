@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import GraphError
+from .._graph import plain_name
 
 __all__ = ["RESTART_FIELDS", "Group", "Restart", "group_name", "parse_restart", "restart_from_text"]
 
@@ -59,7 +60,7 @@ class Group:
 
 def group_name(instance: str) -> str:
     """A process group name for one reactor instance (``actor[3]`` -> ``actor-3``)."""
-    return instance.replace("[", "-").replace("]", "")
+    return plain_name(instance)
 
 
 def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART) -> Restart:

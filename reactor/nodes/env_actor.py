@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._files import read_small_json, replace_small
+from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, startup
 from ._registry import denormals_flushed
 from .messages import InsertAck, Steps
@@ -179,7 +180,7 @@ class EnvActor(Reactor):
                 flush_steps=self.flush_steps,
             )
         if self.run_dir:
-            self.progress = Path(self.run_dir) / f"{self.name.replace('[', '-').replace(']', '')}.progress.json"
+            self.progress = Path(self.run_dir) / f"{plain_name(self.name)}.progress.json"
             if self.resume or self.restarts > 0:
                 self.explore_base = _saved_progress(self.progress)
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PeerLostError
-from .._files import refuse_file_links
+from .._files import refuse_file_links, replace_small
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import check_saved_weights, denormals_flushed, error_line, weights_sha256
@@ -310,9 +310,7 @@ class _LearnerBase(Reactor):
                   # imports from there too when the directory exists where the policy is loaded).
                   "app_dirs": list(APP_DIRS)}
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt.with_name("config.json.tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=repr) + "\n")
-        os.replace(tmp, self.ckpt.with_name("config.json"))
+        replace_small(self.ckpt.with_name("config.json"), (json.dumps(record, indent=2, default=repr) + "\n").encode())
 
     def _maybe_checkpoint(self, force: bool = False) -> str | None:
         """Save ``learner.pt`` when due (or ``force``); returns the policy weights' sha256 saved with

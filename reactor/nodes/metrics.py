@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from .._files import read_small_json, refuse_file_links, replace_small
+from .._graph import plain_name
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
 from .train_messages import Report
 
@@ -399,7 +400,7 @@ def _import_plotting() -> None:
 
 def _tag(source: str) -> str:
     """A source's TensorBoard prefix: ``actor[1]`` -> ``actor-1`` (one curve per instance)."""
-    return source.replace("[", "-").replace("]", "")
+    return plain_name(source)
 
 
 class _Display:

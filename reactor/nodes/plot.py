@@ -64,7 +64,7 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
             reader = csv.DictReader(f)
             if reader.fieldnames is None:
                 raise ValueError(f"{path} is empty: no values to plot")
-            missing = [c for c in ("name", "source", "value", column) if c not in (reader.fieldnames or [])]
+            missing = [c for c in ("name", "source", "value", column) if c not in reader.fieldnames]
             if missing:
                 raise ValueError(f"{path}: its header {reader.fieldnames} lacks the column(s) {missing}: not a "
                                  f"metrics.csv of the Metrics node")

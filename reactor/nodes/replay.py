@@ -80,6 +80,7 @@ import torch
 
 from .._errors import WouldBlock
 from .._files import refuse_file_links
+from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
 from ..replay import (
     Prioritized,
@@ -920,7 +921,7 @@ def _shm_free_bytes() -> int | None:
 
 
 def _dir_name(name: str) -> str:
-    return name.replace("[", "-").replace("]", "")
+    return plain_name(name)
 
 
 def sampling_region_name(region: str) -> str | None:

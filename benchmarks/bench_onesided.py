@@ -40,7 +40,7 @@ from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
 from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedShards
-from reactor.transport._shm import huge_pages_allowed
+from reactor.transport._shm import huge_pages_allowed, mapped_kb
 from reactor.transport.bulk import BulkOwner
 
 WINDOW, BATCH, ALPHA = 32, 256, 0.6
@@ -161,9 +161,11 @@ async def main() -> None:
         a, b = statistics.median(ours), statistics.median(theirs)
         print(f"one-sided sample_now, {args.shards} shards x {per} steps, {BATCH} x {WINDOW}-step windows of 269 B "
               f"({BATCH * WINDOW * 269 / 1e6:.2f} MB), medians of {args.reps} x {args.calls}; cpus={os.cpu_count()}")
-        huge, why = huge_pages_allowed()
-        print(f"  shards' rings on {'2 MiB' if huge else '4 KiB'} pages ({why}); the in-process table's on "
-              f"2 MiB pages where THP is on ({Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()})")
+        mapped, huge = mapped_kb()
+        print(f"  shards' rings: {huge >> 10} of the {mapped >> 10} MiB of shared memory this process maps are on 2 MiB "
+              f"pages (reactor/transport/_shm.py, \"Pages\"; /dev/shm: {huge_pages_allowed()[1]}); the in-process "
+              f"table's on 2 MiB pages where THP is on "
+              f"({Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()})")
         print(f"  ReplayClient.sample_now   {a * 1e3:.3f} ms/batch")
         print(f"  Table.sample_nowait       {b * 1e3:.3f} ms/batch (one in-process table of {per * args.shards} steps)")
         print(f"  ours / in-process speed   {b / a:.2f}x")

@@ -321,10 +321,10 @@ def main() -> None:
           f"samples; cpus={os.cpu_count()}, load average before "
           f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f}; run {rep['run_wall_s']:.0f} s (start-up {rep['startup_s']:.0f} s, "
           f"measuring {rep['wall_s']:.0f} s, shutdown {rep['shutdown_s']:.0f} s)")
-    huge, why = huge_pages_allowed()
-    print(f"shards' rings on {'2 MiB' if huge else '4 KiB'} pages ({why}; reactor/transport/_shm.py, \"Pages\"); the "
-          f"in-process table's on 2 MiB pages where THP is on "
-          f"({Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()})")
+    mapped, huge = rep["mapped_kb"]
+    print(f"shards' rings: {huge >> 10} of the {mapped >> 10} MiB of the shards' memory the requester maps are on 2 MiB "
+          f"pages (reactor/transport/_shm.py, \"Pages\"; /dev/shm: {huge_pages_allowed()[1]}); the in-process table's "
+          f"on 2 MiB pages where THP is on ({Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()})")
     print(f"ms/batch, 1 in flight: 1-sided shm {lat['local']:.2f} (fell back to messages "
           f"{sum(rep['local_fallbacks'])} times, {rep.get('local_retries', 0)} draws started again)  "
           f"1-sided tcp {lat['remote']:.2f} (fell back {sum(rep['remote_fallbacks'])} times)  "

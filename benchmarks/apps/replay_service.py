@@ -73,6 +73,7 @@ from reactor.nodes.messages import (
     ShardStatistics,
 )
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+from reactor.transport._shm import mapped_kb
 
 FIELDS = [("obs", (64,), "float32"), ("action", (), "int64"), ("reward", (), "float32"), ("terminated", (), "bool")]
 SPECS = [FieldSpec("obs", (64,), torch.float32), FieldSpec("action", (), torch.int64),
@@ -484,6 +485,7 @@ class Bench(Reactor):
         self.results["client"] = {"gathered_items": self.client.gathered_items,
                                   "dropped_items": self.client.dropped_items}
         self.results["out_nbytes"] = self.out_nbytes
+        self.results["mapped_kb"] = mapped_kb()  # (the shards' memory this requester maps, and on 2 MiB pages)
         self.results["wall_s"] = time.perf_counter() - self.t_start
         self.results["finished_at"] = time.time()
         self.client.close()

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -93,7 +94,7 @@ from ..replay import (
 )
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
 from ..transport import bulk as _bulk
-from ..transport._shm import huge_pages_allowed
+from ..transport._shm import HUGE_NBYTES, huge_pages_allowed
 from ._onesided import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
@@ -365,31 +366,29 @@ class Replay(Reactor):
             # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is
             # free there faults when touched (SIGBUS), so a shard that does not fit keeps its memory.
             need = self.capacity * (sum(s.step_nbytes for s in self.specs) + 96)
+            need += min(need, (len(self.specs) + 12) * HUGE_NBYTES)  # (large segments: whole 2 MiB pages)
             free = _shm_free_bytes()
             if free is not None and need > free:
                 log.warning("%s: its storage (%d MB with the sampling state) does not fit in /dev/shm (%d MB free): "
                             "requesters sample through messages, with the data in the replies", self.name,
                             need >> 20, free >> 20)
                 use_bulk = False
+        storage = None
         if use_bulk:
-            _say_page_size(self.name, self.capacity * sum(s.step_nbytes for s in self.specs))
-            caps = _bulk.capabilities()
-            backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
-            backends += ["zmq"] if self.remote_reads == "zmq" else []
-            link = self.process_link
-            self._owner = await _bulk.BulkOwner.open(
-                self.run_id, backends=backends, zmq_bind=link.side_bind(_dir_name(self.name)), curve=link.curve)
-            self._region = _dir_name(self.name)
-            # One-sided sampling: the sampler's state and the episode index live in a second region
-            # that requesters on this host map (reactor.replay.shared).
-            self._shared = self._shared_arrays(_make_selector("sampler", self.sampler_config))
-            storage = Storage(self.specs, self.capacity, pin_memory=self.memory == "pinned",
-                              allocator=self._owner.allocator(self._region, pin_memory=self.memory == "pinned"),
-                              index_arrays=self._shared)
-            self._versions = self._owner.allocate_versions(self._region)
-            self._descriptor = self._owner.descriptor(self._region)
-            self._host_id = _bulk.host_id()
-        else:
+            try:
+                storage = await self._open_bulk_storage()
+            except OSError as e:
+                # /dev/shm filled up since the check above (the shards of a host start at once): the
+                # ring's pages are reserved when it is made (reactor/transport/_shm.py, "Pages"), so
+                # this is known now, not as a SIGBUS at a later insert.
+                if e.errno != errno.ENOSPC or self.bulk is not None:
+                    raise
+                log.warning("%s: %s; requesters sample through messages, with the data in the replies",
+                            self.name, e.strerror)
+                if self._owner is not None:
+                    await self._owner.aclose()
+                self._owner = self._versions = self._shared = None
+        if storage is None:
             storage = Storage(self.specs, self.capacity, device=self.memory if on_gpu else "cpu",
                               pin_memory=self.memory == "pinned")
         self._sampler = _make_selector("sampler", self.sampler_config)
@@ -438,6 +437,33 @@ class Replay(Reactor):
             self._next_stats = self.statistics_period_s
             self._now_s = 0.0
             self.tick.schedule(delay_s=self._tick_s)
+
+    async def _open_bulk_storage(self) -> Storage:
+        """The ring in shared memory (its bulk owner, version column and sampling state), which the
+        requesters of this host map and read (``self._owner`` is set first: the caller closes it
+        on an error).
+
+        Raises:
+            OSError: ENOSPC, /dev/shm has no room for a segment of it.
+        """
+        caps = _bulk.capabilities()
+        backends = ["shm"] + (["rdma"] if self.remote_reads != "off" and caps.rdma else [])
+        backends += ["zmq"] if self.remote_reads == "zmq" else []
+        link = self.process_link
+        self._owner = await _bulk.BulkOwner.open(
+            self.run_id, backends=backends, zmq_bind=link.side_bind(_dir_name(self.name)), curve=link.curve)
+        self._region = _dir_name(self.name)
+        # One-sided sampling: the sampler's state and the episode index live in a second region
+        # that requesters on this host map (reactor.replay.shared).
+        self._shared = self._shared_arrays(_make_selector("sampler", self.sampler_config))
+        storage = Storage(self.specs, self.capacity, pin_memory=self.memory == "pinned",
+                          allocator=self._owner.allocator(self._region, pin_memory=self.memory == "pinned"),
+                          index_arrays=self._shared)
+        self._versions = self._owner.allocate_versions(self._region)
+        _say_page_size(self.name, *self._owner.page_nbytes(self._region))
+        self._descriptor = self._owner.descriptor(self._region)
+        self._host_id = _bulk.host_id()
+        return storage
 
     def _serve_remote_samples(self) -> None:
         """Requesters on other hosts sample this shard in one round trip to its bulk read server,
@@ -898,17 +924,20 @@ _PAGES_SAID = False  # (once a process)
 _PAGES_WORTH_SAYING = 64 << 20  # a ring this large read at random misses the TLB on 4 KiB pages
 
 
-def _say_page_size(name: str, ring_nbytes: int) -> None:
-    """Log once, for a large ring, that /dev/shm keeps it on 4 KiB pages (and how to allow 2 MiB ones)."""
+def _say_page_size(name: str, huge_nbytes: int, ring_nbytes: int) -> None:
+    """Log once, for a large ring in shared memory not all on 2 MiB pages, what that costs and what
+    would give it them (reactor/transport/_shm.py, "Pages")."""
     global _PAGES_SAID
-    if _PAGES_SAID or ring_nbytes < _PAGES_WORTH_SAYING:
+    if _PAGES_SAID or ring_nbytes < _PAGES_WORTH_SAYING or huge_nbytes >= ring_nbytes:
         return
     _PAGES_SAID = True
-    huge, why = huge_pages_allowed()
-    if not huge:
-        log.info("%s: its %d MB ring in /dev/shm is on 4 KiB pages (%s); `mount -o remount,huge=advise /dev/shm` "
-                 "puts it on 2 MiB pages, for faster window reads (docs/cluster.md, \"Tuning a host\")",
-                 name, ring_nbytes >> 20, why)
+    allowed, why = huge_pages_allowed()
+    hint = ("" if allowed else f"; `mount -o remount,huge=advise /dev/shm` ({why} now) lets rings made later fault "
+            f"in 2 MiB pages")
+    log.info("%s: %d of its %d MB ring in /dev/shm are on 4 KiB pages: the kernel did not collapse them into 2 MiB "
+             "pages (MADV_COLLAPSE needs Linux 6.1 or later and free 2 MiB pages), so window reads miss the TLB "
+             "more%s (docs/cluster.md, \"Tuning a host\")", name, (ring_nbytes - huge_nbytes) >> 20,
+             ring_nbytes >> 20, hint)
 
 
 def _shm_free_bytes() -> int | None:

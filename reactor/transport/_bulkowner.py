@@ -364,7 +364,7 @@ class BulkOwner:
             )
             if rows * row_nbytes:
                 tensor = torch.frombuffer(
-                    segment.mm, dtype=torch.uint8, count=rows * row_nbytes, offset=_shm.HEADER_NBYTES
+                    segment.mm, dtype=torch.uint8, count=rows * row_nbytes, offset=segment.offset + _shm.HEADER_NBYTES
                 ).view(dtype).view(shape_t)
             else:
                 tensor = torch.empty(shape_t, dtype=dtype)
@@ -443,6 +443,21 @@ class BulkOwner:
         reg.served.versions = t.numpy()
         reg.served.version_field = VERSION_FIELD
         return t
+
+    def page_nbytes(self, region: str) -> tuple[int, int]:
+        """``(on 2 MiB pages, in large segments)``: the bytes of ``region``'s fields in shared-memory
+        segments of 2 MiB or more (smaller ones stay on 4 KiB pages), and how many of them the kernel
+        put on 2 MiB pages (``reactor/transport/_shm.py``, "Pages").
+
+        Raises:
+            KeyError: no such region.
+        """
+        reg = self._regions.get(region)
+        if reg is None:
+            raise KeyError(f"bulk owner has no region {region!r}")
+        large = [(seg.rows * seg.row_nbytes, seg.huge) for f in reg.fields.values()
+                 if (seg := f.segment) is not None and _shm.HEADER_NBYTES + seg.rows * seg.row_nbytes >= _shm.HUGE_NBYTES]
+        return sum(n for n, huge in large if huge), sum(n for n, _huge in large)
 
     # ------------------------------------------------------------------ descriptors
 

@@ -17,12 +17,22 @@ word  name                meaning
 7     row nbytes          bytes per row (the data is ``rows * row_nbytes`` bytes)
 ====  ==================  =========================================================================
 
-Pages: the owner advises a segment of 2 MiB or more for transparent huge pages (``MADV_HUGEPAGE``)
-before its first touch. Where the host's ``/dev/shm`` allows that (mounted with ``huge=advise``,
-``within_size`` or ``always``, or ``shmem_enabled`` set to ``force``) its memory is on 2 MiB pages,
-and so are the readers' mappings of it: random window reads of a ring of hundreds of MB then miss
-the TLB far less (``docs/benchmarks.md``). The default mount (``huge=never``) keeps 4 KiB pages:
-the advice changes nothing there.
+Pages: a segment of 2 MiB or more is put on 2 MiB pages wherever the kernel can, so that random
+window reads of a ring of hundreds of MB do not miss the TLB at nearly every window
+(``docs/benchmarks.md``: the one-sided samples of session 48). Three things make that so without
+any change to the host:
+
+- the owner reserves the segment's memory when it creates it (``posix_fallocate``: a ``/dev/shm``
+  too small for it is an error then, not a SIGBUS at some later write), rounded up to whole 2 MiB;
+- it then asks the kernel to collapse the range into huge pages (``MADV_COLLAPSE``, Linux 6.1+),
+  which, unlike ``MADV_HUGEPAGE``, does not depend on ``/dev/shm``'s ``huge=`` option (most
+  distributions mount it ``huge=never``) or on ``shmem_enabled`` (only ``deny`` refuses);
+- owner and readers map every such segment at a 2 MiB-aligned address (a reservation 2 MiB larger,
+  with the file mapped over its aligned part), so each 2 MiB page of the file is one entry of their
+  page tables. The kernel aligns a ``/dev/shm`` mapping only where the mount allows huge pages.
+
+Where the kernel cannot (older than 6.1, no free 2 MiB pages, ``shmem_enabled=deny``), the segment
+keeps 4 KiB pages with the same contents; :attr:`Segment.huge` says which the owner got.
 
 Life cycle: the owner creates a segment with ``O_EXCL`` and writes the header (state last); it
 sets state 2 and unlinks on ``aclose()`` and at interpreter exit. If the owner dies (``kill -9``),
@@ -33,10 +43,13 @@ raises instead of returning data of a dead generation.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import re
 import struct
+import sys
 import time
 from typing import Any
 
@@ -49,6 +62,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 __all__ = [
     "HEADER_NBYTES",
+    "HUGE_NBYTES",
     "STATE_CLOSED",
     "STATE_LIVE",
     "STATE_LOST",
@@ -56,6 +70,7 @@ __all__ = [
     "check_name_part",
     "cleanup_stale",
     "huge_pages_allowed",
+    "mapped_kb",
     "owner_alive",
     "process_identity",
     "segment_name",
@@ -64,8 +79,9 @@ __all__ = [
 PREFIX = "rxb."
 MAGIC = b"RXBULK\x00\x01"
 HEADER_NBYTES = 4096
-_HUGE_NBYTES = 1 << 21  # a segment this large or larger is advised for transparent huge pages
+HUGE_NBYTES = 1 << 21  # a segment this large or larger is put on 2 MiB pages (see "Pages" above)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MADV_COLLAPSE = 25  # Linux 6.1+ (the generic value; Python 3.11's mmap module does not name it)
 STATE_LIVE, STATE_CLOSED, STATE_LOST = 1, 2, 3
 _HEADER = struct.Struct("<8s7Q")
 _SHM_DIR = "/dev/shm"
@@ -89,9 +105,10 @@ def check_name_part(kind: str, value: object) -> str:
 
 
 def huge_pages_allowed() -> tuple[bool, str]:
-    """Whether a segment advised for huge pages gets them on this host (see "Pages" above), and why:
-    ``shmem_enabled`` of ``force`` or ``deny`` decides for every tmpfs; otherwise the ``huge=``
-    option /dev/shm is mounted with (default ``never``)."""
+    """Whether a mapping advised for huge pages (``MADV_HUGEPAGE``) gets them when first touched on
+    this host, and why: ``shmem_enabled`` of ``force`` or ``deny`` decides for every tmpfs; otherwise
+    the ``huge=`` option /dev/shm is mounted with (default ``never``). A segment's own answer is
+    :attr:`Segment.huge` (the collapse of "Pages" above does not need this)."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
             setting = re.search(r"\[(\w+)\]", f.read())
@@ -110,6 +127,28 @@ def huge_pages_allowed() -> tuple[bool, str]:
     except OSError:
         return False, "/proc/self/mounts is unreadable"
     return huge in ("advise", "within_size", "always"), f"/dev/shm is mounted with huge={huge}"
+
+
+def mapped_kb() -> tuple[int, int]:
+    """``(mapped, on 2 MiB pages)``: kB of bulk segments this process maps now (every mapping of one
+    counts), and how many of those kB its page tables map with 2 MiB entries (``/proc/self/smaps``:
+    ``Size`` and ``ShmemPmdMapped``); ``(0, 0)`` where that file cannot be read. What the benchmarks
+    print: the page size the readers of the shards' rings actually got."""
+    total = huge = 0
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                    inside = head[-1].startswith("/dev/shm/" + PREFIX)
+                elif inside and head[0] == "Size:":
+                    total += int(head[1])
+                elif inside and head[0] == "ShmemPmdMapped:":
+                    huge += int(head[1])
+    except OSError:
+        return 0, 0
+    return total, huge
 
 
 def segment_name(run_id: str, region: str, field: str) -> str:
@@ -201,6 +240,75 @@ def _shm_unlink(name: str) -> bool:
     return True
 
 
+def _libc() -> Any:
+    """libc's mmap and madvise through ctypes (what Python's mmap module cannot ask: a fixed address,
+    and advice it does not name), or None where there is no such libc."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_long]
+            lib.madvise.restype = ctypes.c_int
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _LIBC = lib
+        except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
+            _LIBC = False
+    return _LIBC or None
+
+
+_LIBC: Any = None
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+
+
+def _address(mm: mmap.mmap) -> int:
+    view = np.frombuffer(mm, dtype=np.uint8, count=1)  # (its export ends with it)
+    return int(view.ctypes.data)
+
+
+def _map(fd: int, size: int, writable: bool) -> tuple[mmap.mmap, int]:
+    """Map the first ``size`` bytes of ``fd`` shared: ``(mm, offset)``, the segment's first byte at
+    ``mm[offset]``. A segment of 2 MiB or more is mapped at a 2 MiB-aligned address (see "Pages"):
+    ``mm`` is then an anonymous reservation 2 MiB larger than the segment, which owns the whole range
+    (closing it unmaps the file's mapping too), with the file mapped over its aligned part. Read-only
+    unless ``writable`` (then the buffer, and every array over it, is read-only too)."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    lib = _libc() if size >= HUGE_NBYTES and sys.platform.startswith("linux") else None
+    if lib is None:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot), 0
+    # MAP_NORESERVE: the reservation's own pages are never touched (the slack) or replaced (the rest).
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+    reserved = mmap.mmap(-1, size + HUGE_NBYTES, flags, prot)
+    start = _address(reserved)
+    offset = -start % HUGE_NBYTES
+    got = lib.mmap(start + offset, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got != start + offset:  # pragma: no cover - MAP_FIXED over our own reservation does not fail
+        reserved.close()
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot), 0
+    return reserved, offset
+
+
+def _collapse(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
+    """Reserve a new segment's pages and collapse them into 2 MiB ones (see "Pages"); whether the
+    whole segment is on 2 MiB pages now.
+
+    Raises:
+        OSError: ENOSPC, ``/dev/shm`` has no room for the segment (its name and size in the message).
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"shared memory segment {name!r} needs {size >> 20} MiB and /dev/shm "
+                                        f"has no room for it (see `df -h /dev/shm`)") from None
+        # EOPNOTSUPP and the like: the pages come at first touch, as they would without it
+    lib = _libc()
+    if lib is None:  # pragma: no cover - checked by _map
+        return False
+    return lib.madvise(_address(mm) + offset, size, _MADV_COLLAPSE) == 0
+
+
 class Segment:
     """One mapped segment: its header words and its data bytes.
 
@@ -209,18 +317,21 @@ class Segment:
     its owner treats as untrusted).
     """
 
-    __slots__ = ("data", "header", "mm", "name", "row_nbytes", "rows", "writable")
+    __slots__ = ("data", "header", "huge", "mm", "name", "offset", "row_nbytes", "rows", "writable")
 
-    def __init__(self, name: str, mm: mmap.mmap, writable: bool) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, writable: bool, offset: int = 0) -> None:
         self.name = name
         self.mm = mm
+        self.offset = offset  # where the segment starts in ``mm`` (see _map)
         self.writable = writable
+        #: Whether the owner put the segment on 2 MiB pages (see "Pages"); False for a reader.
+        self.huge = False
         # uint64 words of the header; index 1 (state) is read on every read, as one aligned load.
-        self.header: np.ndarray = np.frombuffer(mm, dtype=np.uint64, count=8)
+        self.header: np.ndarray = np.frombuffer(mm, dtype=np.uint64, count=8, offset=offset)
         self.rows = int(self.header[6])
         self.row_nbytes = int(self.header[7])
         nbytes = self.rows * self.row_nbytes
-        self.data: np.ndarray = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=HEADER_NBYTES)
+        self.data: np.ndarray = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset + HEADER_NBYTES)
 
     # ------------------------------------------------------------------ owner side
 
@@ -246,22 +357,28 @@ class Segment:
                     ) from None
                 _mark_lost_and_unlink(name)
                 continue
+            huge = False
             try:
+                if size >= HUGE_NBYTES:
+                    size = -(-size // HUGE_NBYTES) * HUGE_NBYTES  # whole 2 MiB pages (see "Pages")
                 os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                if size >= _HUGE_NBYTES and _MADV_HUGEPAGE is not None:
-                    try:  # before the first touch (the header below): see "Pages" above
-                        mm.madvise(_MADV_HUGEPAGE)
-                    except OSError:  # a kernel without THP for shared memory: 4 KiB pages
-                        pass
+                mm, offset = _map(fd, size, writable=True)
+                if size >= HUGE_NBYTES:
+                    if _MADV_HUGEPAGE is not None:
+                        try:  # (where the mount allows it, pages faulted later are huge too)
+                            mm.madvise(_MADV_HUGEPAGE, offset, size)
+                        except OSError:
+                            pass
+                    huge = _collapse(name, fd, mm, offset, size)
             except BaseException:
                 os.close(fd)
                 _shm_unlink(name)
                 raise
             os.close(fd)
             pid, start, ns = process_identity()
-            mm[: _HEADER.size] = _HEADER.pack(MAGIC, 0, generation, pid, start, ns, rows, row_nbytes)
-            seg = cls(name, mm, writable=True)
+            mm[offset: offset + _HEADER.size] = _HEADER.pack(MAGIC, 0, generation, pid, start, ns, rows, row_nbytes)
+            seg = cls(name, mm, writable=True, offset=offset)
+            seg.huge = huge
             seg.header[1] = STATE_LIVE  # last: a header with state 0 is "being created"
             return seg
         raise FileExistsError(f"could not create shared memory segment {name!r}: it keeps reappearing")
@@ -290,13 +407,13 @@ class Segment:
             size = os.fstat(fd).st_size
             if size < HEADER_NBYTES:
                 raise ValueError(f"shared memory segment {name!r} is {size} bytes, smaller than a header")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+            mm, offset = _map(fd, size, writable)
         finally:
             os.close(fd)
-        if mm[:8] != MAGIC:
+        if mm[offset: offset + 8] != MAGIC:
             mm.close()
             raise ValueError(f"shared memory segment {name!r} is not a reactor bulk segment (bad magic)")
-        seg = cls(name, mm, writable=writable)
+        seg = cls(name, mm, writable=writable, offset=offset)
         if HEADER_NBYTES + seg.rows * seg.row_nbytes > size:
             seg.close_reader()
             raise ValueError(f"shared memory segment {name!r} is shorter than its header says")

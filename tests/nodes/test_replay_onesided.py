@@ -902,6 +902,43 @@ def test_a_shard_whose_storage_does_not_fit_in_dev_shm_keeps_its_memory_and_answ
     assert "offered False one_sided 0 fallbacks 3 draws 64 sampled 64" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+_FILLED_SHM = """
+import sys
+sys.path.insert(0, {root!r})
+from reactor.nodes import replay
+from tests.nodes.test_replay_onesided import _probe
+from pathlib import Path
+replay._shm_free_bytes = lambda: 1 << 40  # (as if /dev/shm filled up after the shard's check: other shards)
+rec = _probe(Path({tmp!r}), "single", batches=3, capacity=200_000)
+print("offered", bool(rec["offered"]), "one_sided", int(rec["one_sided"]), "fallbacks", int(rec["fallbacks"]),
+      "draws", int(rec["draws"]), "sampled", int(rec["sampled"].sum()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_that_finds_no_room_in_dev_shm_when_it_reserves_its_ring_keeps_its_memory(tmp_path):
+    """The ring's pages are reserved when it is made (reactor/transport/_shm.py, "Pages"): a /dev/shm
+    that filled up after the shard's check of its free space (here the check is told there is
+    room) refuses the reservation with ENOSPC, and the shard keeps its storage in its own memory,
+    says why, and answers every sample through messages; before, the ring was made sparse and the
+    shard died of SIGBUS at the insert that touched a page /dev/shm had no room for."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a mount namespace with its own /dev/shm)")
+    root = str(Path(__file__).resolve().parents[2])
+    script = _FILLED_SHM.format(root=root, tmp=str(tmp_path))
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, script],
+        capture_output=True, text=True, timeout=100, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "/dev/shm has no room for it (see `df -h /dev/shm`); requesters sample through messages" in proc.stderr
+    assert "offered False one_sided 0 fallbacks 3 draws 64 sampled 64" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_shard_holding_inserts_back_hears_of_a_samples_draws_at_once_on_every_path(tmp_path):

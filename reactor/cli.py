@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="async multi-process runs: never | on-failure | on-failure:N (at most N restarts per "
                         "process), then ,backoff_s=S and ,host_wait_s=S if wanted (on-failure:5,host_wait_s=60), for "
                         "every group (replaces the placement file's restart fields)")
-    r.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
+    r.add_argument("--seed", type=_seed_arg, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
                    help="end at this logical time (deterministic) or after this many seconds (async)")
     r.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                         "its env (greedy) and print the mean and std of its episode returns.")
     ev.add_argument("run_dir", help="a run directory written by a training app (holds config.json and learner.pt)")
     ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
-    ev.add_argument("--seed", type=int, default=0, help="the episodes' env seed (default 0)")
+    ev.add_argument("--seed", type=_seed_arg, default=0, help="the episodes' env seed (default 0)")
     ev.add_argument("--video", default=None, metavar="DIR",
                     help="record each episode as an MP4 in DIR (gymnasium's RecordVideo; pip install 'reactor[video]')")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
         parser.add_argument("--async", dest="async_", action="store_true")
         parser.add_argument("--restart", default=None, metavar="POLICY")
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--seed", type=_seed_arg, default=0)
         parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
         parser.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
 
@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     su.add_argument("--placement", default="single", help="as for run; a placement file travels with the job")
     su.add_argument("--hosts", default=None, metavar="FILE", help="as for run; travels with the job")
     su.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
-    su.add_argument("--seed", type=int, default=0)
+    su.add_argument("--seed", type=_seed_arg, default=0)
     su.add_argument("--async", dest="async_", action="store_true")
     su.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
     su.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
@@ -243,6 +243,15 @@ def _count_arg(text: str) -> int:
     return n
 
 
+def _seed_arg(text: str) -> int:
+    """``--seed``: an int in [0, 2**63), what a job's record and gymnasium's env seeds take (-5 was
+    gymnasium's traceback in ``reactor eval``; 2**70 a msgpack overflow)."""
+    n = _parsed_arg(text, int, "a whole number")
+    if not 0 <= n < 2**63:
+        raise argparse.ArgumentTypeError(f"a seed in [0, 2**63) expected, got {text!r}")
+    return n
+
+
 def _seconds_arg(text: str) -> float:
     """``--forget-after-s``: finite seconds >= 0."""
     s = _parsed_arg(text, float, "seconds")
@@ -259,6 +268,17 @@ def _answer_seconds(text: str) -> float:
     return s
 
 
+_MESSAGE_CHARS = 2000
+
+
+def _bounded(msg: str) -> str:
+    """An error message cut to ~2,000 characters (a library's message may quote a value given on the
+    command line whole: an env name of 3,000 characters came back twice)."""
+    if len(msg) <= _MESSAGE_CHARS:
+        return msg
+    return f"{msg[:_MESSAGE_CHARS - 300]} ... [{len(msg) - _MESSAGE_CHARS + 100} characters cut] ... {msg[-200:]}"
+
+
 def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:
     """The ``reactor`` command; ``started``: when the command began (a cluster command that runs
     ``run`` itself passes its own start)."""
@@ -271,10 +291,10 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     except (AppError, GraphError, MalformedFrameError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
             PermissionError, FileExistsError, ValueError) as e:
         msg = str(e).replace("\n", "\n  ") if isinstance(e, GraphError) else (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"reactor: {msg}", file=sys.stderr)
+        print(f"reactor: {_bounded(msg)}", file=sys.stderr)
         return 2
     except ReactorError as e:
-        print(f"reactor: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"reactor: {type(e).__name__}: {_bounded(str(e))}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, asyncio.CancelledError):  # before a run, or a second signal during one
         from .launch._signals import received

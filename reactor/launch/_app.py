@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import hashlib
 import importlib.util
+import reprlib
 import sys
 import types
 import typing
@@ -103,8 +104,8 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
         return dict(overrides)  # (the app's own dict: what it accepts is its business)
     for key, value in overrides.items():
         if (at := nonfinite_at(value)) is not None:
-            what = f"is {value!r}" if not at else f"has a NaN or an infinity at {at}"
-            raise AppError(f"config key {key!r} {what}; config values must be finite numbers")
+            what = f"is {_brief(value)}" if not at else f"has a NaN or an infinity at {at}"
+            raise AppError(f"config key {_brief(key)} {what}; config values must be finite numbers")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     algo_fields = _algo_fields(module, cls)
@@ -118,7 +119,7 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
     algo: dict[str, Any] = {**own, **{k: v for k, v in preset.items() if k not in fields}}
     given = overrides.get("algo_config", {})
     if not isinstance(given, dict):
-        raise AppError(f"config key 'algo_config' expects dict, got {given!r}")
+        raise AppError(f"config key 'algo_config' expects dict, got {_brief(given)}")
     algo.update(given)
     kwargs: dict[str, Any] = {k: v for k, v in preset.items() if k in fields}
     for key, value in overrides.items():
@@ -129,7 +130,7 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
                 algo[key] = value
                 continue
             theirs = f"; the algorithm {module.ALGO!r} has: {', '.join(sorted(algo_fields))}" if algo_fields else ""
-            raise AppError(f"unknown config key {key!r}; {cls.__name__} has: {', '.join(sorted(fields))}{theirs}")
+            raise AppError(f"unknown config key {_brief(key)}; {cls.__name__} has: {', '.join(sorted(fields))}{theirs}")
         kwargs[key] = value
     if algo != own or "algo_config" in overrides:
         if "algo_config" not in fields:
@@ -145,12 +146,22 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
             try:
                 value = float(value)
             except OverflowError:
-                raise AppError(f"config key {key!r} expects float, got an int of {value.bit_length()} bits, too large for one") from None
+                raise AppError(f"config key {_brief(key)} expects float, got an int of {value.bit_length()} bits, too large for one") from None
         if kinds and len(kinds) == (len(typing.get_args(want)) if union else 1) and not isinstance(value, tuple(kinds)):
-            raise AppError(f"config key {key!r} expects {' or '.join(k.__name__.replace('NoneType', 'None') for k in kinds)}, "
-                           f"got {value!r}")
+            raise AppError(f"config key {_brief(key)} expects "
+                           f"{' or '.join(k.__name__.replace('NoneType', 'None') for k in kinds)}, got {_brief(value)}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+
+
+def _brief(value: Any) -> str:
+    """A key or value of the command line, shown in an error: its repr, cut to ~80 characters (an
+    unknown key of 100,000 characters was echoed whole)."""
+    return _BRIEF.repr(value)
 
 
 def _algo_fields(module: ModuleType, cls: Any) -> set[str]:

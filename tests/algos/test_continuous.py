@@ -164,13 +164,19 @@ def test_bad_config_key_raises_naming_it(name):
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"hidden": ()}, r"Config\.hidden must be a non-empty tuple of positive ints, got \(\)$"),
     ({"hidden": (64, 0)}, r"Config\.hidden must be a non-empty tuple of positive ints, got \(64, 0\)$"),
-    ({"tau": 0.0}, r"Config\.tau must be > 0, got 0\.0$"),
+    ({"tau": 0.0}, r"Config\.tau must be > 0 and finite, got 0\.0$"),
     ({"gamma": 1.5}, r"Config: gamma and tau must be in \[0, 1\], got gamma=1\.5, tau=0\.005$"),
     ({"learning_starts": -1}, r"Config\.learning_starts must be >= 0, got -1$"),
 ])
 def test_bad_config_values_raise_naming_the_value(name, overrides, message):
     with pytest.raises(ValueError, match=rf"^{name} {message}"):
         ALGOS[name].Config.from_dict(overrides)
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_an_infinite_rate_built_directly_is_refused(name):
+    with pytest.raises(ValueError, match=rf"^{name} Config\.critic_lr must be > 0 and finite, got inf$"):
+        ALGOS[name].Config(critic_lr=float("inf"))
 
 
 def test_config_values_are_converted_to_the_fields_types():

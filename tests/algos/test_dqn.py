@@ -40,11 +40,20 @@ def test_max_grad_norm_zero_turns_clipping_off_and_still_reports_the_norm():
 @pytest.mark.parametrize(("field", "value", "rule"), [
     ("hidden", -3, "an int >= 1"), ("hidden", 0, "an int >= 1"), ("n_step", 0, "an int >= 1"),
     ("target_every", 0, "an int >= 1"), ("eps_decay_steps", -1, "an int >= 0"), ("gamma", 1.5, "in [0, 1]"),
-    ("eps_end", -0.1, "in [0, 1]"), ("tau", 0.0, "in (0, 1]"), ("lr", 0.0, "> 0"), ("priority_eps", -1e-3, "> 0"),
+    ("eps_end", -0.1, "in [0, 1]"), ("tau", 0.0, "in (0, 1]"), ("lr", 0.0, "> 0 and finite"),
+    ("priority_eps", -1e-3, "> 0 and finite"),
 ])
 def test_a_config_value_out_of_its_range_is_refused_naming_the_field(field, value, rule):
     """`--set hidden=-3` printed torch's traceback from inside the network's constructor, and `lr=0` or
     `target_every=0` (a ZeroDivisionError at the first update) got as far as the learner."""
     with pytest.raises(ValueError, match=rf"^dqn Config\.{field} must be {re.escape(rule)}, got {re.escape(repr(value))}$"):
         dqn.Config.from_dict({field: value})
+    with pytest.raises(ValueError, match=rf"^dqn Config\.{field} must be"):
+        dqn.Config(**{field: value})  # built directly too
     assert dqn.Config.from_dict({}) == dqn.Config()  # the defaults pass
+
+
+def test_an_infinite_rate_built_directly_is_refused():
+    """from_dict refuses every infinity; a Config built directly took lr=inf (every loss then NaN)."""
+    with pytest.raises(ValueError, match=r"^dqn Config\.lr must be > 0 and finite, got inf$"):
+        dqn.Config(lr=float("inf"))

@@ -81,6 +81,20 @@ def test_a_daemon_clients_bad_address_or_timeout_is_a_usage_error_not_a_tracebac
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("command", [["run", DEMO], ["eval", "runs/none"], ["submit", DEMO], ["slurm", DEMO]])
+@pytest.mark.parametrize(("seed", "message"), [
+    ("-5", "argument --seed: a seed in [0, 2**63) expected, got '-5'"),
+    (str(2**70), f"argument --seed: a seed in [0, 2**63) expected, got '{2**70}'"),
+    ("x", "argument --seed: a whole number expected, got 'x'"),
+])
+def test_a_seed_outside_what_every_command_takes_is_a_usage_error(command, seed, message):
+    """Regression: `reactor eval --seed -5` was gymnasium's traceback and `--seed 2**70` a msgpack
+    "Overflow when unpacking long long"; `reactor run` took both, while a daemon refuses a job whose
+    seed is not in [0, 2**63)."""
+    p = reactor(*command, "--seed", seed)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
     from reactor.launch._keys import init_keys
 
@@ -105,6 +119,22 @@ def test_bad_set_values_are_one_line_errors():
     assert p.stderr.startswith("reactor: unknown config key 'speed'; Config has: producers, stop_s, workers")
     p = reactor("run", DEMO, "--set", "workers=many")
     assert (p.returncode, p.stderr) == (2, "reactor: config key 'workers' expects int, got 'many'\n")
+
+
+def test_a_huge_key_or_value_on_the_command_line_is_cut_in_its_error():
+    """Regression: an unknown --set key of 100,000 characters was echoed whole, and so was an env name
+    that gymnasium's error quoted again."""
+    key = "k" * 100_000
+    p = reactor("run", DEMO, "--set", f"{key}=1")
+    assert p.returncode == 2 and p.stderr.startswith("reactor: unknown config key 'kkkk") and len(p.stderr) < 300, \
+        p.stderr[:400]
+    assert "...kkk" in p.stderr and "Config has: producers, stop_s, workers" in p.stderr
+    p = reactor("run", DEMO, "--set", f"workers={key}")
+    assert p.returncode == 2 and p.stderr.startswith("reactor: config key 'workers' expects int, got 'kkk")
+    assert len(p.stderr) < 200, p.stderr[:400]
+    p = reactor("run", str(ROOT / "apps" / "dqn.py"), "--set", f"env={'e' * 3000}")
+    assert p.returncode == 2 and p.stderr.startswith("reactor: env 'eee") and len(p.stderr) < 2100, len(p.stderr)
+    assert "characters cut] ..." in p.stderr and p.stderr.count("\n") == 1
 
 
 def test_invalid_graph_reports_every_problem_without_a_traceback(tmp_path):

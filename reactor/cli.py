@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -232,7 +233,12 @@ def _parsed_arg(text: str, convert: Callable[[str], Any], what: str) -> Any:
     try:
         return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} expected, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{what} expected, got {_cut(text)}") from None
+
+
+def _cut(text: str) -> str:
+    """An argument as its error shows it: its repr, cut in the middle past ~80 characters."""
+    return repr(text) if len(text) <= 80 else f"{text[:40]!r}...{text[-30:]!r} ({len(text)} characters)"
 
 
 def _count_arg(text: str) -> int:
@@ -246,9 +252,11 @@ def _count_arg(text: str) -> int:
 def _seed_arg(text: str) -> int:
     """``--seed``: an int in [0, 2**63), what a job's record and gymnasium's env seeds take (-5 was
     gymnasium's traceback in ``reactor eval``; 2**70 a msgpack overflow)."""
+    if text.strip().isdigit() and len(text.strip()) > 19:  # (int() refuses past 4,300 digits)
+        raise argparse.ArgumentTypeError(f"a seed in [0, 2**63) expected, got {_cut(text)}")
     n = _parsed_arg(text, int, "a whole number")
     if not 0 <= n < 2**63:
-        raise argparse.ArgumentTypeError(f"a seed in [0, 2**63) expected, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a seed in [0, 2**63) expected, got {_cut(text)}")
     return n
 
 
@@ -296,6 +304,11 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     except ReactorError as e:
         print(f"reactor: {type(e).__name__}: {_bounded(str(e))}", file=sys.stderr)
         return 1
+    except OSError as e:  # a path too long or looping, a /dev/shm without room: the user's to fix
+        if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC):
+            raise
+        print(f"reactor: {_bounded(str(e))}", file=sys.stderr)
+        return 2
     except (KeyboardInterrupt, asyncio.CancelledError):  # before a run, or a second signal during one
         from .launch._signals import received
 

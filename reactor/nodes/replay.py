@@ -373,10 +373,32 @@ class Replay(Reactor):
                             "requesters sample through messages, with the data in the replies", self.name,
                             need >> 20, free >> 20)
                 use_bulk = False
+        seed = int(self.rng.integers(2**63 - 1))
+
+        def make_table(storage: Storage) -> Table:
+            # The table reads only the anchor steps (cheap); the shard applies the read kind itself,
+            # or, for a requester that maps the storage, only plans the rows it will gather. Its
+            # sampler's state goes in the shared arrays (self._shared) where there are some.
+            self._sampler = _make_selector("sampler", self.sampler_config)
+            return Table(
+                storage,
+                sampler=self._sampler,
+                remover=_make_selector("remover", self.remover_config),
+                rate_limiter=_make_limiter(self.limiter_config),
+                max_size=self.max_size,
+                max_times_sampled=self.max_times_sampled,
+                read=StepRead(),
+                beta=self.beta,
+                seed=seed,
+                name=self.name,
+                arrays=self._shared,
+            )
+
         storage = None
         if use_bulk:
             try:
                 storage = await self._open_bulk_storage()
+                self.table = make_table(storage)  # (its sampler's shared arrays are reserved here)
             except OSError as e:
                 # /dev/shm filled up since the check above (the shards of a host start at once): the
                 # ring's pages are reserved when it is made (reactor/transport/_shm.py, "Pages"), so
@@ -388,25 +410,11 @@ class Replay(Reactor):
                 if self._owner is not None:
                     await self._owner.aclose()
                 self._owner = self._versions = self._shared = None
+                storage = None
         if storage is None:
             storage = Storage(self.specs, self.capacity, device=self.memory if on_gpu else "cpu",
                               pin_memory=self.memory == "pinned")
-        self._sampler = _make_selector("sampler", self.sampler_config)
-        # The table reads only the anchor steps (cheap); the shard applies the read kind itself,
-        # or, for a requester that maps the storage, only plans the rows it will gather.
-        self.table = Table(
-            storage,
-            sampler=self._sampler,
-            remover=_make_selector("remover", self.remover_config),
-            rate_limiter=_make_limiter(self.limiter_config),
-            max_size=self.max_size,
-            max_times_sampled=self.max_times_sampled,
-            read=StepRead(),
-            beta=self.beta,
-            seed=int(self.rng.integers(2**63 - 1)),
-            name=self.name,
-            arrays=self._shared,
-        )
+            self.table = make_table(storage)
         self._parked_requests: deque[ReplayRequest] = deque()
         self._parked_steps: deque[Steps] = deque()
         self._counts = {"rejected_steps": 0}

@@ -19,20 +19,25 @@ word  name                meaning
 
 Pages: a segment of 2 MiB or more is put on 2 MiB pages wherever the kernel can, so that random
 window reads of a ring of hundreds of MB do not miss the TLB at nearly every window
-(``docs/benchmarks.md``: the one-sided samples of session 48). Three things make that so without
-any change to the host:
+(``docs/benchmarks.md``: the one-sided samples of session 48). Without any change to the host:
 
-- the owner reserves the segment's memory when it creates it (``posix_fallocate``: a ``/dev/shm``
-  too small for it is an error then, not a SIGBUS at some later write), rounded up to whole 2 MiB;
-- it then asks the kernel to collapse the range into huge pages (``MADV_COLLAPSE``, Linux 6.1+),
-  which, unlike ``MADV_HUGEPAGE``, does not depend on ``/dev/shm``'s ``huge=`` option (most
-  distributions mount it ``huge=never``) or on ``shmem_enabled`` (only ``deny`` refuses);
-- owner and readers map every such segment at a 2 MiB-aligned address (a reservation 2 MiB larger,
+- every segment's memory is reserved when it is made: its header's page first (faulted in through
+  the mapping, ``MADV_POPULATE_WRITE``), then the rest (``posix_fallocate``), so a ``/dev/shm`` too
+  small for it is an ENOSPC naming it then, never a SIGBUS at some later write. A large one is
+  rounded up to whole 2 MiB pages;
+- the owner then asks the kernel to collapse a large one into 2 MiB pages (``MADV_COLLAPSE``, Linux
+  6.1+), which, unlike ``MADV_HUGEPAGE``, does not depend on ``/dev/shm``'s ``huge=`` option (most
+  distributions mount it ``huge=never``) or on ``shmem_enabled`` (only ``deny`` refuses). Where the
+  mount takes advice (``huge=advise``: the way on kernels before 6.1), its pages are faulted in
+  through the advised mapping instead, as 2 MiB ones;
+- owner and readers map every large segment at a 2 MiB-aligned address (a reservation 2 MiB larger,
   with the file mapped over its aligned part), so each 2 MiB page of the file is one entry of their
   page tables. The kernel aligns a ``/dev/shm`` mapping only where the mount allows huge pages.
 
-Where the kernel cannot (older than 6.1, no free 2 MiB pages, ``shmem_enabled=deny``), the segment
-keeps 4 KiB pages with the same contents; :attr:`Segment.huge` says which the owner got.
+Where the kernel can do neither (older than 6.1 under ``huge=never``, no free 2 MiB pages,
+``shmem_enabled=deny``), the segment keeps 4 KiB pages with the same contents;
+:attr:`Segment.huge` says which the owner got. The header is written (state 0) before the
+reservation, which takes about a second a GB: a cleanup meanwhile sees a live owner making it.
 
 Life cycle: the owner creates a segment with ``O_EXCL`` and writes the header (state last); it
 sets state 2 and unlinks on ``aclose()`` and at interpreter exit. If the owner dies (``kill -9``),
@@ -81,7 +86,8 @@ MAGIC = b"RXBULK\x00\x01"
 HEADER_NBYTES = 4096
 HUGE_NBYTES = 1 << 21  # a segment this large or larger is put on 2 MiB pages (see "Pages" above)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
-_MADV_COLLAPSE = 25  # Linux 6.1+ (the generic value; Python 3.11's mmap module does not name it)
+_MADV_COLLAPSE = 25  # Linux 6.1+ (the generic values; Python 3.11's mmap module names neither)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 STATE_LIVE, STATE_CLOSED, STATE_LOST = 1, 2, 3
 _HEADER = struct.Struct("<8s7Q")
 _SHM_DIR = "/dev/shm"
@@ -289,24 +295,84 @@ def _map(fd: int, size: int, writable: bool) -> tuple[mmap.mmap, int]:
     return reserved, offset
 
 
-def _collapse(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
-    """Reserve a new segment's pages and collapse them into 2 MiB ones (see "Pages"); whether the
-    whole segment is on 2 MiB pages now.
+def _no_room(name: str, size: int) -> OSError:
+    return OSError(errno.ENOSPC, f"shared memory segment {name!r} needs {-(-size >> 20)} MiB and /dev/shm has "
+                                 f"no room for it (see `df -h /dev/shm`)")
+
+
+def _reserve_header(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> None:
+    """Reserve the page of a new segment's header (faulted in through the mapping, so that under a
+    mount that takes advice a large one's first 2 MiB page is huge like the rest).
+
+    Raises:
+        OSError: ENOSPC, ``/dev/shm`` has no room left.
+    """
+    lib = _libc() if sys.platform.startswith("linux") else None
+    if lib is not None:
+        if lib.madvise(_address(mm) + offset, HEADER_NBYTES, _MADV_POPULATE_WRITE) == 0:
+            return
+        if ctypes.get_errno() in (errno.EFAULT, errno.ENOMEM):  # (no page to be had: a SIGBUS, written to)
+            raise _no_room(name, size)
+    if hasattr(os, "posix_fallocate"):  # (a kernel before 5.14)
+        try:
+            os.posix_fallocate(fd, 0, HEADER_NBYTES)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise _no_room(name, size) from None
+
+
+def _reserve(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
+    """Reserve a new segment's pages, and put one of 2 MiB or more (advised ``MADV_HUGEPAGE`` by the
+    caller) on 2 MiB pages (see "Pages"); whether all of it is on 2 MiB pages now.
 
     Raises:
         OSError: ENOSPC, ``/dev/shm`` has no room for the segment (its name and size in the message).
     """
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"shared memory segment {name!r} needs {size >> 20} MiB and /dev/shm "
-                                        f"has no room for it (see `df -h /dev/shm`)") from None
-        # EOPNOTSUPP and the like: the pages come at first touch, as they would without it
-    lib = _libc()
-    if lib is None:  # pragma: no cover - checked by _map
+    lib = _libc() if sys.platform.startswith("linux") else None
+    large = size >= HUGE_NBYTES
+    if large and lib is not None and huge_pages_allowed()[0]:
+        # The mount takes advice (the caller gave it before its first touch): fault the pages in
+        # through the advised mapping, as 2 MiB ones (Linux 5.14+; EFAULT when /dev/shm is full, then
+        # ENOSPC below). Not under huge=never: 4 KiB pages faulted in here cost more than
+        # posix_fallocate's, and the collapse below replaces them all the same.
+        lib.madvise(_address(mm) + offset, size, _MADV_POPULATE_WRITE)
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise _no_room(name, size) from None
+            # EOPNOTSUPP and the like: the pages come at first touch, as they would without it
+    if not large or lib is None:
         return False
-    return lib.madvise(_address(mm) + offset, size, _MADV_COLLAPSE) == 0
+    start = _address(mm) + offset
+    for _attempt in range(2):  # (EAGAIN: a 2 MiB page was busy; once more)
+        if lib.madvise(start, size, _MADV_COLLAPSE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            break
+    # No collapse (a kernel before 6.1, no free 2 MiB pages): huge all the same where the mount took
+    # the advice above, as the page tables say.
+    return _pmd_mapped_kb(start) << 10 >= size
+
+
+def _pmd_mapped_kb(start: int) -> int:
+    """kB of the mapping of this process that starts at address ``start`` mapped with 2 MiB entries
+    (``/proc/self/smaps``, ``ShmemPmdMapped``); 0 where that cannot be read."""
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                    if inside:
+                        break
+                    inside = int(head[0].split("-")[0], 16) == start
+                elif inside and head[0] == "ShmemPmdMapped:":
+                    return int(head[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 class Segment:
@@ -357,26 +423,33 @@ class Segment:
                     ) from None
                 _mark_lost_and_unlink(name)
                 continue
-            huge = False
+            mm = None
             try:
                 if size >= HUGE_NBYTES:
                     size = -(-size // HUGE_NBYTES) * HUGE_NBYTES  # whole 2 MiB pages (see "Pages")
                 os.ftruncate(fd, size)
                 mm, offset = _map(fd, size, writable=True)
-                if size >= HUGE_NBYTES:
-                    if _MADV_HUGEPAGE is not None:
-                        try:  # (where the mount allows it, pages faulted later are huge too)
-                            mm.madvise(_MADV_HUGEPAGE, offset, size)
-                        except OSError:
-                            pass
-                    huge = _collapse(name, fd, mm, offset, size)
+                if size >= HUGE_NBYTES and _MADV_HUGEPAGE is not None:
+                    try:  # before the first touch (the header below), where the mount takes advice
+                        mm.madvise(_MADV_HUGEPAGE, offset, size)
+                    except OSError:
+                        pass
+                # The header first, state 0 ("being created"): reserving and collapsing a large
+                # segment takes seconds, and a cleanup meanwhile (another shard's start, a daemon's)
+                # must see a live owner making it, not a file without a header past its grace. Its
+                # page is reserved before it is written (a full /dev/shm: ENOSPC, not SIGBUS).
+                _reserve_header(name, fd, mm, offset, size)
+                pid, start, ns = process_identity()
+                mm[offset: offset + _HEADER.size] = _HEADER.pack(MAGIC, 0, generation, pid, start, ns, rows,
+                                                                 row_nbytes)
+                huge = _reserve(name, fd, mm, offset, size)
             except BaseException:
                 os.close(fd)
                 _shm_unlink(name)
+                if mm is not None:
+                    mm.close()
                 raise
             os.close(fd)
-            pid, start, ns = process_identity()
-            mm[offset: offset + _HEADER.size] = _HEADER.pack(MAGIC, 0, generation, pid, start, ns, rows, row_nbytes)
             seg = cls(name, mm, writable=True, offset=offset)
             seg.huge = huge
             seg.header[1] = STATE_LIVE  # last: a header with state 0 is "being created"
@@ -481,11 +554,13 @@ def _stale_reason(name: str, grace_s: float) -> str | None:
     info = read_header(name)
     if info is None:
         return "gone"
-    if not info["magic"] or info["state"] == 0:
-        # Being created (the header is written right after the segment): leave it for a while.
+    if not info["magic"]:
+        # Being created (the header is written right after the segment is sized): leave it for a while.
         if time.time() - info["mtime"] < grace_s:
             return None
         return "never finished"
+    if info["state"] == 0:  # being created by the process it names (reserving a large one takes seconds)
+        return None if owner_alive(info["pid"], info["start"], info["ns"]) else "never finished"
     if info["state"] != STATE_LIVE:
         return "closed"
     if not owner_alive(info["pid"], info["start"], info["ns"]):

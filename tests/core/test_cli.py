@@ -86,6 +86,7 @@ def test_a_daemon_clients_bad_address_or_timeout_is_a_usage_error_not_a_tracebac
     ("-5", "argument --seed: a seed in [0, 2**63) expected, got '-5'"),
     (str(2**70), f"argument --seed: a seed in [0, 2**63) expected, got '{2**70}'"),
     ("x", "argument --seed: a whole number expected, got 'x'"),
+    ("9" * 5000, "argument --seed: a seed in [0, 2**63) expected, got '9999"),  # (past int()'s 4,300 digits)
 ])
 def test_a_seed_outside_what_every_command_takes_is_a_usage_error(command, seed, message):
     """Regression: `reactor eval --seed -5` was gymnasium's traceback and `--seed 2**70` a msgpack
@@ -93,6 +94,7 @@ def test_a_seed_outside_what_every_command_takes_is_a_usage_error(command, seed,
     seed is not in [0, 2**63)."""
     p = reactor(*command, "--seed", seed)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr) < 1000, len(p.stderr)  # (the value is cut)
 
 
 def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
@@ -119,6 +121,13 @@ def test_bad_set_values_are_one_line_errors():
     assert p.stderr.startswith("reactor: unknown config key 'speed'; Config has: producers, stop_s, workers")
     p = reactor("run", DEMO, "--set", "workers=many")
     assert (p.returncode, p.stderr) == (2, "reactor: config key 'workers' expects int, got 'many'\n")
+
+
+def test_an_app_path_too_long_for_the_file_system_is_a_one_line_error():
+    """Regression: a name of 300 characters was an OSError (ENAMETOOLONG) traceback from Path.is_file."""
+    p = reactor("run", "a" * 300 + ".py")
+    assert p.returncode == 2 and p.stderr.startswith("reactor: [Errno 36] File name too long: 'aaa"), p.stderr[:300]
+    assert p.stderr.count("\n") == 1
 
 
 def test_a_huge_key_or_value_on_the_command_line_is_cut_in_its_error():

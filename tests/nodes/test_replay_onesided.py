@@ -909,7 +909,22 @@ from reactor.nodes import replay
 from tests.nodes.test_replay_onesided import _probe
 from pathlib import Path
 replay._shm_free_bytes = lambda: 1 << 40  # (as if /dev/shm filled up after the shard's check: other shards)
-rec = _probe(Path({tmp!r}), "single", batches=3, capacity=200_000)
+if {fill_after_ring!r}:  # and, for the first shard, only once its ring was made (its sampler's arrays come after)
+    opened = replay.Replay._open_bulk_storage
+
+    async def open_then_fill(self):
+        storage = await opened(self)
+        if not Path("/dev/shm/filler").exists():
+            import os
+            fd = os.open("/dev/shm/filler", os.O_CREAT | os.O_WRONLY)
+            st = os.statvfs("/dev/shm")
+            os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize)  # every page left
+            st = os.statvfs("/dev/shm")
+            print("free after filling", st.f_bavail * st.f_frsize)
+        return storage
+
+    replay.Replay._open_bulk_storage = open_then_fill
+rec = _probe(Path({tmp!r}), "single", batches=3, capacity={capacity})
 print("offered", bool(rec["offered"]), "one_sided", int(rec["one_sided"]), "fallbacks", int(rec["fallbacks"]),
       "draws", int(rec["draws"]), "sampled", int(rec["sampled"].sum()))
 """
@@ -929,14 +944,22 @@ def test_a_shard_that_finds_no_room_in_dev_shm_when_it_reserves_its_ring_keeps_i
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare (a mount namespace with its own /dev/shm)")
     root = str(Path(__file__).resolve().parents[2])
-    script = _FILLED_SHM.format(root=root, tmp=str(tmp_path))
-    proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, script],
-        capture_output=True, text=True, timeout=100, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "/dev/shm has no room for it (see `df -h /dev/shm`); requesters sample through messages" in proc.stderr
-    assert "offered False one_sided 0 fallbacks 3 draws 64 sampled 64" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    for fill_after_ring, size, capacity in ((False, "4m", 200_000), (True, "256m", 400_000)):
+        # (first: the ring's own first segment finds no room; then: the ring fits, and the sampler's
+        # shared arrays, made with the table after it, find none: that crashed the run before)
+        script = _FILLED_SHM.format(root=root, tmp=str(tmp_path), fill_after_ring=fill_after_ring, capacity=capacity)
+        proc = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, script],
+            capture_output=True, text=True, timeout=100, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said = [line for line in proc.stderr.splitlines() if "has no room for it" in line]
+        assert len(said) == 2 and all("requesters sample through messages" in line for line in said), proc.stderr[-3000:]
+        if fill_after_ring:
+            assert "free after filling 0" in proc.stdout, proc.stdout
+            assert any("-s-replay-0." in line for line in said), said  # a segment of the sampling state
+        assert "offered False one_sided 0 fallbacks 3 draws 64 sampled 64" in proc.stdout, \
+            proc.stdout + proc.stderr[-2000:]
 
 
 @pytest.mark.asyncio

@@ -1,8 +1,9 @@
-"""The page size of the bulk transport's shared memory (reactor/transport/_shm.py, "Pages"): a segment
-of 2 MiB or more is reserved whole when it is made, collapsed into 2 MiB pages (MADV_COLLAPSE, Linux
-6.1+) and mapped at 2 MiB-aligned addresses, so the owner's and the readers' mappings are on 2 MiB
-pages under any huge= option of /dev/shm (the default huge=never included); on an older kernel only
-huge=advise gives them. A /dev/shm too small for a segment is an error when it is made.
+"""The page size of the bulk transport's shared memory (reactor/transport/_shm.py, "Pages"): every
+segment is reserved when it is made, and one of 2 MiB or more is collapsed into 2 MiB pages
+(MADV_COLLAPSE, Linux 6.1+) and mapped at 2 MiB-aligned addresses, so the owner's and the readers'
+mappings are on 2 MiB pages under any huge= option of /dev/shm (the default huge=never included);
+without the collapse (an older kernel) only huge=advise gives them. A /dev/shm too small for a segment
+is an error when it is made.
 
 Each case runs in a mount namespace of its own (unshare: a fresh tmpfs on /dev/shm, with the huge=
 option of the case), so the host's /dev/shm is never changed."""
@@ -27,6 +28,8 @@ _SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 from reactor.transport import _shm
+if {no_collapse!r}:
+    _shm._MADV_COLLAPSE = 9999  # EINVAL, as on a kernel before 6.1
 
 def pmd_kb(name):
     total, inside = 0, False
@@ -53,13 +56,13 @@ for name, rows in (("/rxb.pages.r.big", 4096), ("/rxb.pages.r.small", 512)):
 """
 
 
-def _run(huge: str) -> dict[str, Any]:
+def _run(huge: str, no_collapse: bool = False) -> dict[str, Any]:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare (a mount namespace with its own /dev/shm)")
     proc = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
          f'mount -t tmpfs -o size=64m,huge={huge} tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable,
-         _SCRIPT.format(root=ROOT)],
+         _SCRIPT.format(root=ROOT, no_collapse=no_collapse)],
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     if proc.returncode != 0 and "huge" in proc.stderr and "mount" in proc.stderr:
         pytest.skip(f"this kernel's tmpfs takes no huge= option: {proc.stderr[-300:]}")
@@ -142,6 +145,75 @@ small.close_owner()
         "left []",
         f"small {512 * 2048}",
     ], proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("huge", ["advise", "never"])
+def test_without_a_collapse_only_a_mount_that_takes_advice_gives_huge_pages(huge):
+    """A kernel before 6.1 (no MADV_COLLAPSE: its advice value made invalid here): under huge=advise the
+    pages are faulted in through the advised mapping, as 2 MiB ones, and the segment says so; under
+    huge=never they stay 4 KiB. Regression: reserving them with posix_fallocate first, which tmpfs
+    serves without seeing the advice, kept them on 4 KiB pages under huge=advise too."""
+    got = _run(huge, no_collapse=True)
+    kb, checksum, pages, is_huge = got["/rxb.pages.r.big"]
+    assert checksum == 7 * pages, got
+    if huge == "advise":
+        assert is_huge and kb == 2 * 5 * 2048, got
+    else:
+        assert not is_huge and kb == 0, got
+
+
+_MISALIGNED = """
+import sys, types, mmap
+sys.path.insert(0, {root!r})
+import numpy as np
+from reactor.transport import _shm
+# Kernels 6.7+ align an anonymous mapping whose length is a multiple of 2 MiB, so the reservation's
+# offset is 0 there; 12 KiB more makes the kernel place it anywhere, as older kernels do.
+shim = types.SimpleNamespace(**{{k: getattr(mmap, k) for k in dir(mmap) if k.isupper()}})
+shim.mmap = lambda fd, n, *a, **k: mmap.mmap(fd, n + (12288 if fd == -1 else 0), *a, **k)
+_shm.mmap = shim
+seg = _shm.Segment.create("/rxb.mis.r.big", rows=4096, row_nbytes=2048, generation=1)
+seg.data.view(np.int64)[:] = np.arange(4096 * 256)
+reader = _shm.Segment.attach("/rxb.mis.r.big")
+same = bool((reader.data.view(np.int64) == np.arange(4096 * 256)).all())
+print("offsets", seg.offset > 0, reader.offset > 0, "same", same, "aligned",
+      (reader.data.ctypes.data - 4096) % (2 << 20) == 0, "mapped", *_shm.mapped_kb())
+reader.close_reader()
+seg.close_owner()
+"""
+
+
+def test_a_segment_mapped_into_a_reservation_that_is_not_aligned_reads_back_what_was_written():
+    """The segment starts `offset` bytes into its reservation; a reader and the owner find each other's
+    bytes, at a 2 MiB-aligned address, on 2 MiB pages where the kernel collapses."""
+    proc = subprocess.run([sys.executable, "-c", _MISALIGNED.format(root=ROOT)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[:8] == ["offsets", "True", "True", "same", "True", "aligned", "True", "mapped"], proc.stdout
+    mapped, huge = int(words[8]), int(words[9])
+    assert mapped == 2 * 10 * 1024  # two mappings of 10 MiB (8 MiB of rows and the header, in whole 2 MiB)
+    assert huge == (mapped if _collapses() else 0), proc.stdout
+
+
+def test_a_segment_being_made_by_a_live_owner_is_not_stale_however_long_it_takes(tmp_path):
+    """Reserving and collapsing a ring of GBs takes seconds; a cleanup meanwhile (another shard's
+    start, a daemon's) saw a file whose header was not written yet past its 10 s grace and unlinked
+    it under its owner. The header now comes first, with state 0: a live owner's is kept at any age;
+    a dead owner's is removed."""
+    from reactor.transport import _shm
+
+    name = f"/rxb.making{os.getpid()}.r.big"
+    seg = _shm.Segment.create(name, rows=1024, row_nbytes=4096, generation=1)
+    try:
+        seg.header[1] = 0  # as during its reservation
+        os.utime(f"/dev/shm{name}", (1, 1))  # made long ago
+        assert _shm.cleanup_stale(f"making{os.getpid()}") == [] and name in _shm.list_segments()
+        seg.header[3] = 2**22 + 7  # an owner pid that is not running
+        assert _shm.cleanup_stale(f"making{os.getpid()}") == [name] and name not in _shm.list_segments()
+    finally:
+        seg.close_owner()
 
 
 def test_a_shard_with_a_large_ring_says_once_when_it_is_not_on_huge_pages(caplog, monkeypatch):

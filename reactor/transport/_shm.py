@@ -56,6 +56,7 @@ import re
 import struct
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -140,21 +141,26 @@ def mapped_kb() -> tuple[int, int]:
     counts), and how many of those kB its page tables map with 2 MiB entries (``/proc/self/smaps``:
     ``Size`` and ``ShmemPmdMapped``); ``(0, 0)`` where that file cannot be read. What the benchmarks
     print: the page size the readers of the shards' rings actually got."""
-    total = huge = 0
+    kb = _smaps_kb(lambda head: head[-1].startswith("/dev/shm/" + PREFIX), ("Size:", "ShmemPmdMapped:"))
+    return kb.get("Size:", 0), kb.get("ShmemPmdMapped:", 0)
+
+
+def _smaps_kb(keep: Callable[[list[str]], bool], fields: tuple[str, ...]) -> dict[str, int]:
+    """The sums of ``fields`` (kB) over this process's mappings whose first line (split) ``keep``
+    accepts, from ``/proc/self/smaps``; ``{}`` where that file cannot be read."""
+    sums: dict[str, int] = {}
     inside = False
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split()
                 if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
-                    inside = head[-1].startswith("/dev/shm/" + PREFIX)
-                elif inside and head[0] == "Size:":
-                    total += int(head[1])
-                elif inside and head[0] == "ShmemPmdMapped:":
-                    huge += int(head[1])
-    except OSError:
-        return 0, 0
-    return total, huge
+                    inside = keep(head)
+                elif inside and head[0] in fields:
+                    sums[head[0]] = sums.get(head[0], 0) + int(head[1])
+    except (OSError, ValueError):
+        return {}
+    return sums
 
 
 def segment_name(run_id: str, region: str, field: str) -> str:
@@ -359,20 +365,8 @@ def _reserve(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
 def _pmd_mapped_kb(start: int) -> int:
     """kB of the mapping of this process that starts at address ``start`` mapped with 2 MiB entries
     (``/proc/self/smaps``, ``ShmemPmdMapped``); 0 where that cannot be read."""
-    inside = False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()
-                if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
-                    if inside:
-                        break
-                    inside = int(head[0].split("-")[0], 16) == start
-                elif inside and head[0] == "ShmemPmdMapped:":
-                    return int(head[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+    return _smaps_kb(lambda head: int(head[0].split("-")[0], 16) == start, ("ShmemPmdMapped:",)).get(
+        "ShmemPmdMapped:", 0)
 
 
 class Segment:

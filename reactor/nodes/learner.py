@@ -604,12 +604,14 @@ class Learner(_LearnerBase):
                                                     min(self.prefetch, remaining - 1)))
             results: list[Any] = []
             if client.drawn_ahead:
+                by_taker = client.taker_samples
                 try:
                     results.append(await client.next_drawn())
                 except ONE_SIDED_ERRORS as e:
                     results.append(e)
-                else:
-                    self.drawn_ahead_batches += ahead and results[0][0] is not None
+                else:  # (one the learner drew itself, none being done, did not run during the update)
+                    self.drawn_ahead_batches += (ahead and results[0][0] is not None
+                                                 and client.taker_samples == by_taker)
             if not results or isinstance(results[0], BaseException) or results[0][0] is None:
                 results += client.drain_drawn()  # the draws ahead are the shards' state of now, too
             for r in results:

@@ -143,7 +143,7 @@ class ReplayClient(OneSidedSampling):
             the draw, and a shard holding inserts back hears at once), and each wakes every shard, so
             the default holds many: 64. An owner that stops sampling one-sidedly sends :meth:`take_notices`.
         draw_threads: threads that run one-sided draws ahead (:meth:`draw_ahead`), made at the first;
-            None: ``min(2, cpu count)``.
+            None: one less than the cores, at least 1 and at most 2 (the taker draws too: :meth:`next_drawn`).
 
     Example:
         >>> client = ReplayClient(2, requester=self.bank_index, rng=self.rng)
@@ -219,11 +219,12 @@ class ReplayClient(OneSidedSampling):
         self._held_since = 0.0  # perf_counter of the oldest of them
         self._group: _Plan | None = None  # see _plan_of
         self._lock = threading.RLock()  # the held notices and the counters, which draws ahead share
-        self.draw_threads = draw_threads or min(2, os.cpu_count() or 1)
+        self.draw_threads = draw_threads or max(1, min(2, (os.cpu_count() or 1) - 1))
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # draw_ahead's threads, made at first use
         self._ahead: deque[concurrent.futures.Future] = deque()  # draws ahead not taken, oldest first
         self._running: set[concurrent.futures.Future] = set()  # draws ahead not done, taken or not
         self.ahead_samples = 0  # batches of draws ahead taken (next_drawn, drain_drawn)
+        self.taker_samples = 0  # of those, drawn by their taker itself (not started yet when taken)
 
     @property
     def live_shards(self) -> list[int]:

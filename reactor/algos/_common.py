@@ -204,13 +204,13 @@ def check_unit(config: Any, prefix: str, names: Sequence[str]) -> None:
             raise ValueError(f"{prefix}.{name} must be in [0, 1], got {v!r}")
 
 
-def check_positive(config: Any, algo: str, names: Sequence[str]) -> None:
+def check_positive(config: Any, prefix: str, names: Sequence[str]) -> None:
     """Raise ``ValueError`` naming the first of ``names`` whose value in ``config`` is not > 0 and
     finite (``lr=inf`` built directly was taken; every config path refused it already)."""
     for name in names:
         v = getattr(config, name)
         if isinstance(v, bool) or not 0 < v < math.inf:
-            raise ValueError(f"{algo} Config.{name} must be > 0 and finite, got {v!r}")
+            raise ValueError(f"{prefix}.{name} must be > 0 and finite, got {v!r}")
 
 
 class DeterministicActor(nn.Module):

@@ -73,7 +73,7 @@ class Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", check_hidden(self.hidden, "ddpg"))
-        check_positive(self, "ddpg", ("actor_lr", "critic_lr", "tau", "n_step"))
+        check_positive(self, "ddpg Config", ("actor_lr", "critic_lr", "tau", "n_step"))
         if not 0.0 <= self.gamma <= 1.0 or not self.tau <= 1.0:
             raise ValueError(f"ddpg Config: gamma and tau must be in [0, 1], got gamma={self.gamma}, tau={self.tau}")
         for name in ("exploration_noise", "learning_starts"):

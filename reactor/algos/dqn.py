@@ -60,7 +60,7 @@ class Config:
         check_unit(self, "dqn Config", ("gamma", "eps_start", "eps_end"))
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"dqn Config.tau must be in (0, 1], got {self.tau!r}")
-        check_positive(self, "dqn", ("lr", "priority_eps"))
+        check_positive(self, "dqn Config", ("lr", "priority_eps"))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import config_from_dict, restore_generator
-from ._common import check_counts, check_unit
+from ._common import check_counts, check_positive, check_unit
 
 __all__ = ["KIND", "Config", "Policy", "State", "act", "advantages", "gae", "init", "learn", "load_state_dict",
            "load_weights", "make_policy", "policy_weights", "state_dict"]
@@ -74,9 +74,7 @@ class Config:
     def __post_init__(self) -> None:
         check_counts(self, "ppo.Config", ("rollout_length", "epochs", "minibatch_size", "hidden"))
         check_unit(self, "ppo.Config", ("gamma", "gae_lambda"))
-        for name in ("lr", "clip"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ppo.Config.{name} must be > 0, got {getattr(self, name)!r}")
+        check_positive(self, "ppo.Config", ("lr", "clip"))
         for name in ("clip_value", "ent_coef", "vf_coef", "max_grad_norm"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ppo.Config.{name} must be >= 0, got {getattr(self, name)!r}")

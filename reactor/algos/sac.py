@@ -82,7 +82,7 @@ class Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", check_hidden(self.hidden, "sac"))
-        check_positive(self, "sac", ("actor_lr", "critic_lr", "alpha_lr", "tau", "n_step", "init_alpha",
+        check_positive(self, "sac Config", ("actor_lr", "critic_lr", "alpha_lr", "tau", "n_step", "init_alpha",
                                      "policy_frequency"))
         if not 0.0 <= self.gamma <= 1.0 or not self.tau <= 1.0:
             raise ValueError(f"sac Config: gamma and tau must be in [0, 1], got gamma={self.gamma}, tau={self.tau}")

@@ -78,7 +78,7 @@ class Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", check_hidden(self.hidden, "td3"))
-        check_positive(self, "td3", ("actor_lr", "critic_lr", "tau", "n_step", "policy_frequency"))
+        check_positive(self, "td3 Config", ("actor_lr", "critic_lr", "tau", "n_step", "policy_frequency"))
         if not 0.0 <= self.gamma <= 1.0 or not self.tau <= 1.0:
             raise ValueError(f"td3 Config: gamma and tau must be in [0, 1], got gamma={self.gamma}, tau={self.tau}")
         for name in ("exploration_noise", "policy_noise", "noise_clip", "learning_starts"):

@@ -717,10 +717,7 @@ class OneSidedSampling:
         if not (self._ahead and self._ahead[0] is fut):
             return None, []  # dropped meanwhile (its shard lost or restarted: _drop_drawn_of), or drained
         self._ahead.popleft()
-        result = fut.result()
-        if result[0] is not None:
-            self.ahead_samples += 1
-        return result
+        return self._taken(fut.result())
 
     def take_drawn(self) -> tuple[SampledBatch | None, list[SampledKeys]]:
         """:meth:`next_drawn` for code without an event loop: blocks until the oldest draw ahead is
@@ -730,10 +727,7 @@ class OneSidedSampling:
         helped = self._help()
         if helped is not None:
             return helped
-        result = self._ahead.popleft().result()
-        if result[0] is not None:
-            self.ahead_samples += 1
-        return result
+        return self._taken(self._ahead.popleft().result())
 
     def _help(self) -> tuple[SampledBatch | None, list[SampledKeys]] | None:
         """The taker's share of the draws ahead: the oldest draw done, taken off the queue; or, when
@@ -745,19 +739,19 @@ class OneSidedSampling:
         for fut in self._ahead:
             if fut.done():
                 self._ahead.remove(fut)
-                result = fut.result()
-                if result[0] is not None:
-                    self.ahead_samples += 1
-                return result
+                return self._taken(fut.result())
         for fut in self._ahead:
             if fut.cancel():  # (only a draw not started yet can be: none of its work was done)
                 self._ahead.remove(fut)
-                result = self.sample_now(fut.n)  # type: ignore[attr-defined]
-                if result[0] is not None:
-                    self.ahead_samples += 1
-                    self.taker_samples += 1
+                result = self._taken(self.sample_now(fut.n))  # type: ignore[attr-defined]
+                self.taker_samples += result[0] is not None
                 return result
         return None
+
+    def _taken(self, result: tuple[SampledBatch | None, list[SampledKeys]]) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """A draw ahead's result as it is taken: a batch counts in ``ahead_samples``."""
+        self.ahead_samples += result[0] is not None
+        return result
 
     def drain_drawn(self) -> list[tuple[SampledBatch | None, list[SampledKeys]] | BaseException]:
         """Wait for every draw ahead and take them all, oldest first: each a :meth:`sample_now`
@@ -767,9 +761,7 @@ class OneSidedSampling:
         while self._ahead:
             fut = self._ahead.popleft()
             e = fut.exception()
-            out.append(e if e is not None else fut.result())
-            if e is None and out[-1][0] is not None:  # type: ignore[index]
-                self.ahead_samples += 1
+            out.append(e if e is not None else self._taken(fut.result()))
         return out
 
     def _quiesce(self) -> None:

@@ -165,7 +165,7 @@ class Metrics(Reactor):
         steps = self.totals["env_steps"]
         for name, value in values.items():
             self.csv.writerow([f"{wall:.3f}", int(steps), src, name, value])
-            self.tb.add_scalar(f"{_tag(src)}/{name}", float(value), int(steps))
+            self.tb.add_scalar(f"{plain_name(src)}/{name}", float(value), int(steps))
         if "eval_return" in values:
             ret = float(values["eval_return"])
             self.last_eval = ret
@@ -397,10 +397,6 @@ def _import_plotting() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot  # noqa: F401
 
-
-def _tag(source: str) -> str:
-    """A source's TensorBoard prefix: ``actor[1]`` -> ``actor-1`` (one curve per instance)."""
-    return plain_name(source)
 
 
 class _Display:

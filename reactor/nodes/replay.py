@@ -419,7 +419,7 @@ class Replay(Reactor):
         self._parked_steps: deque[Steps] = deque()
         self._counts = {"rejected_steps": 0}
         self._ended_writers: set[int] = set()  # writers whose end marker this shard took (Steps.last)
-        directory = Path(self.run_dir) / _dir_name(self.name) if self.run_dir else None
+        directory = Path(self.run_dir) / plain_name(self.name) if self.run_dir else None
         if directory is not None:
             refuse_file_links(directory)
         store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
@@ -459,8 +459,8 @@ class Replay(Reactor):
         backends += ["zmq"] if self.remote_reads == "zmq" else []
         link = self.process_link
         self._owner = await _bulk.BulkOwner.open(
-            self.run_id, backends=backends, zmq_bind=link.side_bind(_dir_name(self.name)), curve=link.curve)
-        self._region = _dir_name(self.name)
+            self.run_id, backends=backends, zmq_bind=link.side_bind(plain_name(self.name)), curve=link.curve)
+        self._region = plain_name(self.name)
         # One-sided sampling: the sampler's state and the episode index live in a second region
         # that requesters on this host map (reactor.replay.shared).
         self._shared = self._shared_arrays(_make_selector("sampler", self.sampler_config))
@@ -956,9 +956,6 @@ def _shm_free_bytes() -> int | None:
         return None
     return st.f_bavail * st.f_frsize
 
-
-def _dir_name(name: str) -> str:
-    return plain_name(name)
 
 
 def sampling_region_name(region: str) -> str | None:

@@ -363,9 +363,7 @@ class BulkOwner:
                 _shm.segment_name(self._run_id, region, field), rows, row_nbytes, self._generation
             )
             if rows * row_nbytes:
-                tensor = torch.frombuffer(
-                    segment.mm, dtype=torch.uint8, count=rows * row_nbytes, offset=segment.offset + _shm.HEADER_NBYTES
-                ).view(dtype).view(shape_t)
+                tensor = torch.from_numpy(segment.data).view(dtype).view(shape_t)
             else:
                 tensor = torch.empty(shape_t, dtype=dtype)
             if pin_memory and rows * row_nbytes:

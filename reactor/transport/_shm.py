@@ -254,8 +254,10 @@ def _shm_unlink(name: str) -> bool:
 
 def _libc() -> Any:
     """libc's mmap and madvise through ctypes (what Python's mmap module cannot ask: a fixed address,
-    and advice it does not name), or None where there is no such libc."""
+    and advice it does not name) on Linux, or None (another system, or no such libc)."""
     global _LIBC
+    if _LIBC is None and not sys.platform.startswith("linux"):
+        _LIBC = False
     if _LIBC is None:
         try:
             lib = ctypes.CDLL(None, use_errno=True)
@@ -284,9 +286,9 @@ def _map(fd: int, size: int, writable: bool) -> tuple[mmap.mmap, int]:
     ``mm[offset]``. A segment of 2 MiB or more is mapped at a 2 MiB-aligned address (see "Pages"):
     ``mm`` is then an anonymous reservation 2 MiB larger than the segment, which owns the whole range
     (closing it unmaps the file's mapping too), with the file mapped over its aligned part. Read-only
-    unless ``writable`` (then the buffer, and every array over it, is read-only too)."""
+    unless ``writable``; a read-only mapping's buffer, and every array over it, is read-only too."""
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    lib = _libc() if size >= HUGE_NBYTES and sys.platform.startswith("linux") else None
+    lib = _libc() if size >= HUGE_NBYTES else None
     if lib is None:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, prot), 0
     # MAP_NORESERVE: the reservation's own pages are never touched (the slack) or replaced (the rest).
@@ -313,18 +315,29 @@ def _reserve_header(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -
     Raises:
         OSError: ENOSPC, ``/dev/shm`` has no room left.
     """
-    lib = _libc() if sys.platform.startswith("linux") else None
+    lib = _libc()
     if lib is not None:
         if lib.madvise(_address(mm) + offset, HEADER_NBYTES, _MADV_POPULATE_WRITE) == 0:
             return
         if ctypes.get_errno() in (errno.EFAULT, errno.ENOMEM):  # (no page to be had: a SIGBUS, written to)
             raise _no_room(name, size)
-    if hasattr(os, "posix_fallocate"):  # (a kernel before 5.14)
-        try:
-            os.posix_fallocate(fd, 0, HEADER_NBYTES)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise _no_room(name, size) from None
+    _fallocate(name, fd, HEADER_NBYTES, size)  # (a kernel before 5.14)
+
+
+def _fallocate(name: str, fd: int, nbytes: int, size: int) -> None:
+    """Reserve the first ``nbytes`` of segment ``name`` (of ``size`` bytes) in ``/dev/shm``. Where the
+    file system cannot (EOPNOTSUPP and the like) its pages come at first touch, as without this.
+
+    Raises:
+        OSError: ENOSPC, no room for them (the segment's name and size in the message).
+    """
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _no_room(name, size) from None
 
 
 def _reserve(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
@@ -334,7 +347,7 @@ def _reserve(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
     Raises:
         OSError: ENOSPC, ``/dev/shm`` has no room for the segment (its name and size in the message).
     """
-    lib = _libc() if sys.platform.startswith("linux") else None
+    lib = _libc()
     large = size >= HUGE_NBYTES
     if large and lib is not None and huge_pages_allowed()[0]:
         # The mount takes advice (the caller gave it before its first touch): fault the pages in
@@ -342,13 +355,7 @@ def _reserve(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
         # ENOSPC below). Not under huge=never: 4 KiB pages faulted in here cost more than
         # posix_fallocate's, and the collapse below replaces them all the same.
         lib.madvise(_address(mm) + offset, size, _MADV_POPULATE_WRITE)
-    if hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise _no_room(name, size) from None
-            # EOPNOTSUPP and the like: the pages come at first touch, as they would without it
+    _fallocate(name, fd, size, size)
     if not large or lib is None:
         return False
     start = _address(mm) + offset

@@ -159,7 +159,7 @@ def test_an_unknown_config_key_raises_naming_it():
     [
         ({"rollout_length": 0}, r"^ppo\.Config\.rollout_length must be an int >= 1, got 0$"),
         ({"gae_lambda": 1.5}, r"^ppo\.Config\.gae_lambda must be in \[0, 1\], got 1\.5$"),
-        ({"clip": 0.0}, r"^ppo\.Config\.clip must be > 0, got 0\.0$"),
+        ({"clip": 0.0}, r"^ppo\.Config\.clip must be > 0 and finite, got 0\.0$"),
         ({"ent_coef": -0.01}, r"^ppo\.Config\.ent_coef must be >= 0, got -0\.01$"),
     ],
 )

@@ -797,15 +797,15 @@ def test_a_shards_sampling_region_is_never_another_shards_data_region():
     64-character bound gives none (the shard then samples through messages, saying why)."""
     import re
 
-    from reactor._graph import _NAME_RE
-    from reactor.nodes.replay import _dir_name, sampling_region_name
+    from reactor._graph import _NAME_RE, plain_name
+    from reactor.nodes.replay import sampling_region_name
 
     rng = np.random.default_rng(21)
     alphabet = np.array(list("ab_-s0"))
     names = ["a", "a-s", "replay", "replay-s", "_x", "s"] + [
         str(rng.choice(list("ab_s"))) + "".join(rng.choice(alphabet, size=int(rng.integers(0, 6)))) for _ in range(300)]
     names = [n for n in names if _NAME_RE.match(n)]
-    data = {_dir_name(n) for n in names} | {_dir_name(f"{n}[{i}]") for n in names for i in range(3)}
+    data = {plain_name(n) for n in names} | {plain_name(f"{n}[{i}]") for n in names for i in range(3)}
     sampling = {sampling_region_name(r) for r in data}
     assert None not in sampling and not sampling & data
     assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", r) for r in sampling)  # a valid bulk name

@@ -25,10 +25,13 @@ between the cases (medians printed), each next to its peer measured in the same 
 - ``1-sided shm``: ``ReplayClient.sample_now`` (no message on the sampling path), one at a time and
   ``--inflight`` drawn ahead on the client's threads (``draw_ahead``), against the in-process table;
 - ``1-sided tcp``: ``bench[1]``'s ``asample_now``: one request to each shard's bulk read server, which
-  draws and replies with the rows. Its host id differs from the shards', but in a single-host run its
-  read connections go over ipc (the servers bind beside their endpoints); with ``--hosts`` over tcp
-  with CURVE. Printed also against raw pyzmq moving the same bytes from as many processes over that
-  transport (``benchmarks/peers/raw_zmq_peer.py``: the floor any zmq design has here), and Reverb;
+  draws and replies with the rows; one at a time, and ``--inflight`` drawn ahead (``draw_ahead``: that
+  many samples' requests out at once, each taken with ``await next_drawn()``). Its host id differs
+  from the shards', but in a single-host run its read connections go over ipc (the servers bind
+  beside their endpoints); with ``--hosts`` over tcp with CURVE. Printed also against raw pyzmq
+  moving the same bytes from as many processes over that transport, with as many rounds in flight
+  (``benchmarks/peers/raw_zmq_peer.py``: the floor any zmq design has here), and Reverb (drawn ahead:
+  against its dataset with ``prefetch``);
 - ``insert``: rounds of ``round_rows`` stored rows per writer (after a first fill of the whole
   capacity, reported apart: first touch of the shared memory), timed from the bench's ``go`` to
   the moment the shards' statistics count every item sent; steps/s (env steps appended by the
@@ -135,7 +138,7 @@ def sample_cases(cfg: dict) -> list[tuple[str, str]]:
     """(report key, section label) of the sampling cases, in print order."""
     depths = sorted({1, cfg["inflight"]})
     return [("local", "1-sided shm")] + [(f"local_x{d}", "1-sided shm") for d in depths if d > 1] + [
-        ("remote", "1-sided tcp")] + [
+        ("remote", "1-sided tcp")] + [(f"remote_x{d}", "1-sided tcp") for d in depths if d > 1] + [
         (name if d == 1 else f"{name}_x{d}", label)
         for name, label in (("shm", "sample shm"), ("msg", "sample tcp"), ("onesided", "1-sided zmq"))
         for d in depths]
@@ -223,6 +226,10 @@ def reverb_rows(rep: dict, cfg: dict, peer: dict) -> list[Row]:
     out = [Row(label, case_of(key, cfg), 1 / med(rep[key]), sample, "reverb", "batch/s")
            for key, label in (("local", "1-sided shm"), ("remote", "1-sided tcp"), ("shm", "sample shm"),
                               ("msg", "sample tcp")) if rep.get(key)]
+    x = cfg["inflight"]
+    if rep.get(f"remote_x{x}") and peer.get("sample_dataset_prefetch"):  # ahead, against Reverb's prefetch
+        out.append(Row("1-sided tcp", case_of(f"remote_x{x}", cfg), 1 / med(rep[f"remote_x{x}"]),
+                       peer["sample_dataset_prefetch"]["batches_per_s"], "reverb, dataset.prefetch", "batch/s"))
     for key, peer_key, label in (("insert", "insert", "insert"), ("insert_cold", "insert_cold", "first fill")):
         if rep.get(key) and peer.get(peer_key):
             ours = med([r["appended"] / r["s"] for r in rep[key]])
@@ -345,6 +352,7 @@ def main() -> None:
     for key, target, what in (("local", 0.8, "one-sided, 1 in flight"),
                               (f"local_x{x}", 1.0, f"one-sided, {x} drawn ahead on the client's threads"),
                               (f"shm_x{x}", 1.0, f"messages, {x} in flight"), ("remote", 0.5, "one-sided tcp"),
+                              (f"remote_x{x}", 0.5, f"one-sided tcp, {x} drawn ahead"),
                               ("msg", 0.5, "messages over tcp")):
         if key in rep:
             r = inproc / med(rep[key])
@@ -362,13 +370,21 @@ def print_raw_zmq(rep: dict, cfg: dict, hosts: bool, quick: bool) -> None:
 
     transport, curve = ("tcp", True) if hosts else ("ipc", False)
     nbytes = rep["out_nbytes"]
-    raw = measure(transport, curve, nbytes=nbytes, servers=cfg["shards"], rounds=50 if quick else 200)
-    ours = med(rep["remote"])
     what = f"raw pyzmq {transport}{' + CURVE' if curve else ''}"
-    print(f"{what}: {cfg['shards']} server processes reply {nbytes / cfg['shards'] / 1e3:.0f} kB each to one request, "
-          f"one round in flight: {raw['s'] * 1e3:.2f} ms a round (client CPU {raw['cpu_s'] * 1e3:.2f} ms); "
-          f"1-sided tcp {ours * 1e3:.2f} ms a batch (the same bytes, drawn, checked and assembled)")
-    print_table([Row("1-sided tcp", "1 in flight", 1 / ours, 1 / raw["s"], what + ", same bytes", "batch/s")])
+    rows = []
+    for key in ("remote", f"remote_x{cfg['inflight']}"):
+        if key not in rep:
+            continue
+        depth = int(key.split("_x")[1]) if "_x" in key else 1
+        raw = measure(transport, curve, nbytes=nbytes, servers=cfg["shards"], rounds=50 if quick else 200,
+                      inflight=depth)
+        ours = med(rep[key])
+        print(f"{what}: {cfg['shards']} server processes reply {nbytes / cfg['shards'] / 1e3:.0f} kB each to a "
+              f"request, {depth} round(s) in flight: {raw['s'] * 1e3:.2f} ms a round (client CPU "
+              f"{raw['cpu_s'] * 1e3:.2f} ms); 1-sided tcp {ours * 1e3:.2f} ms a batch (the same bytes, drawn, "
+              f"checked and assembled)")
+        rows.append(Row("1-sided tcp", case_of(key, cfg), 1 / ours, 1 / raw["s"], what + ", same bytes", "batch/s"))
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ samples when ``bench[0]`` asks and reports its timings back:
   parts release the GIL), as a learner's ``prefetch`` keeps them while it updates.
 * ``remote``: the same from bench[1] ("another host") by ``ReplayClient.asample_now``: one request per
   shard to its bulk zmq read server, whose thread draws from the published state and sends the rows.
+* ``remote_x<inflight>``: the same drawn ahead (``ReplayClient.draw_ahead``: ``inflight`` samples'
+  requests out at once, each taken by ``await next_drawn()``), as a learner's ``prefetch`` keeps them.
 * ``inproc``: ``Table.sample_nowait(batch)`` of the same windows from the in-process table.
 * ``memcpy``: one contiguous single-core copy of a batch's bytes from a random place of a buffer as
   large as the stored data.
@@ -215,18 +217,19 @@ class Bench(Reactor):
         depths = sorted({1, self.inflight})
         samples = [(name, d) for name in ("shm", "msg", "onesided") for d in depths]
         plan += [("sample", name, d, 3, False) for name, d in samples] + [("inproc", 3, False), ("memcpy", 3, False)]
-        plan += [("local", 1, 3, False), ("remote", 3, False)]  # (after the first replies brought the offers)
+        plan += [("local", 1, 3, False), ("remote", 1, 3, False)]  # (after the first replies brought the offers)
         if self.inflight > 1:
-            plan.append(("local", self.inflight, 3, False))
+            plan += [("local", self.inflight, 3, False), ("remote", self.inflight, 3, False)]
         for r in range(1, c["reps"] + 1):
             rows = c["round_rows"]
             if rows > 0:
                 plan += [("insert", r, rows), ("local_insert", r, rows * self.writers)]
             # The cases' order alternates between repetitions: none always runs first after the inserts.
             cases = [("sample", name, d, self.calls, True) for name, d in samples]
-            cases += [("local", self.inflight, self.calls, True)] if self.inflight > 1 else []
+            cases += ([("local", self.inflight, self.calls, True), ("remote", self.inflight, self.calls, True)]
+                      if self.inflight > 1 else [])
             cases += [("inproc", self.calls, True), ("memcpy", self.calls, True), ("local", 1, self.calls, True),
-                      ("remote", self.calls, True)]
+                      ("remote", 1, self.calls, True)]
             plan += cases if r % 2 else cases[::-1]
         plan.append(("stats", "end"))
         self.plan: list[tuple] | None = plan
@@ -273,7 +276,7 @@ class Bench(Reactor):
             elif kind == "local":
                 self._local_sample(entry[1], entry[2], entry[3])
             elif kind == "remote":  # the learner "on another host" samples through the shards' read servers
-                self.cmd.send({"to": 1, "op": "remote", "calls": entry[1], "keep": entry[2]})
+                self.cmd.send({"to": 1, "op": "remote", "depth": entry[1], "calls": entry[2], "keep": entry[3]})
                 return
             elif kind == "memcpy":
                 _, calls, keep = entry
@@ -300,9 +303,12 @@ class Bench(Reactor):
         for i in range(calls):
             if depth == 1:
                 batch, notices = await client.asample_now(self.batch)  # (shards of this host: sample_now)
-            else:
+            elif client.can_sample_now:  # (shards of this host: a blocking take)
                 client.draw_ahead(self.batch, min(depth, calls - i))
                 batch, notices = client.take_drawn()
+            else:  # shards of another host: the next draws' requests go out before this one is awaited
+                client.draw_ahead(self.batch, min(depth, calls - i))
+                batch, notices = await client.next_drawn()
             for m in notices:
                 self.updates.send(m)
             if batch is None:
@@ -330,11 +336,14 @@ class Bench(Reactor):
                 self._keep(key, s, items, parts)
             self.results["local_retries"] = self.clients["shm"].one_sided_retries
 
-    async def _remote_sample(self, calls: int, keep: bool) -> None:
+    async def _remote_sample(self, depth: int, calls: int, keep: bool) -> None:
         """Replica 1: one-sided samples through the shards' bulk read servers (ReplayClient.asample_now:
-        one request per shard, drawn by its server thread), one after another; reported to replica 0."""
-        s, items, fallbacks, parts = await self._one_sided_block(self.clients["onesided"], calls)
-        self.cmd.send({"to": 0, "op": "sampled", "key": "remote", "s": s, "items": items, "keep": keep,
+        one request per shard, drawn by its server thread), one after another; with ``depth`` > 1 drawn
+        ahead (ReplayClient.draw_ahead: ``depth`` samples' requests out at once, each taken with
+        next_drawn); reported to replica 0."""
+        s, items, fallbacks, parts = await self._one_sided_block(self.clients["onesided"], calls, depth)
+        key = "remote" if depth == 1 else f"remote_x{depth}"
+        self.cmd.send({"to": 0, "op": "sampled", "key": key, "s": s, "items": items, "keep": keep,
                        "parts": parts, "fallbacks": fallbacks})
 
     # ------------------------------------------------------------------ inserts
@@ -417,7 +426,7 @@ class Bench(Reactor):
         if op == "sample":  # replica 1
             self._start_block(cmd_in["key"], cmd_in["depth"], cmd_in["calls"], cmd_in["keep"])
         elif op == "remote":  # replica 1
-            await self._remote_sample(cmd_in["calls"], cmd_in["keep"])
+            await self._remote_sample(cmd_in["depth"], cmd_in["calls"], cmd_in["keep"])
         elif op == "sampled":  # replica 0
             if cmd_in["keep"]:
                 if "fallbacks" in cmd_in:

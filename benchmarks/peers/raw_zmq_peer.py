@@ -12,7 +12,7 @@ Transports: ``ipc`` (unix sockets, what a single-host run's read servers bind) a
 127.0.0.1, each plain or with CURVE (what links between hosts use). Called by
 ``benchmarks/bench_replay_service.py``; runnable alone:
 
-    python benchmarks/peers/raw_zmq_peer.py [--nbytes 2210000] [--servers 4] [--rounds 200]
+    python benchmarks/peers/raw_zmq_peer.py [--nbytes 2210000] [--servers 4] [--rounds 200] [--inflight 1]
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def _server(address: str, nbytes: int, keys: tuple[bytes, bytes] | None, ready: 
 
 
 def measure(transport: str, curve: bool, *, nbytes: int = 2_210_000, servers: int = 4, rounds: int = 200,
-            reps: int = 3) -> dict[str, float]:
+            reps: int = 3, inflight: int = 1) -> dict[str, float]:
     """Median seconds per round (all ``servers`` replies of ``nbytes`` in all) and the client's CPU
-    seconds per round (every thread of this process: zmq's I/O thread included)."""
+    seconds per round (every thread of this process: zmq's I/O thread included), with ``inflight``
+    requests out to each server at all times (the next sent as soon as a reply is in)."""
     import zmq
 
     spawn = mp.get_context("spawn")
@@ -85,6 +86,9 @@ def measure(transport: str, curve: bool, *, nbytes: int = 2_210_000, servers: in
                     s.recv(copy=False)
             walls, cpus = [], []
             for _ in range(reps):
+                for _ in range(inflight - 1):  # the rounds ahead, out before the timing starts
+                    for s in socks:
+                        s.send(b"go")
                 t, c = time.perf_counter(), time.process_time()
                 for _ in range(rounds):
                     for s in socks:
@@ -93,6 +97,9 @@ def measure(transport: str, curve: bool, *, nbytes: int = 2_210_000, servers: in
                         s.recv(copy=False)
                 walls.append((time.perf_counter() - t) / rounds)
                 cpus.append((time.process_time() - c) / rounds)
+                for _ in range(inflight - 1):
+                    for s in socks:
+                        s.recv(copy=False)
             for s in socks:
                 s.send(b"stop")
         finally:
@@ -112,9 +119,11 @@ def main() -> None:
     ap.add_argument("--nbytes", type=int, default=2_210_000)
     ap.add_argument("--servers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--inflight", type=int, default=1, help="requests out to each server at all times")
     args = ap.parse_args()
     for transport, curve in (("ipc", False), ("tcp", False), ("tcp", True)):
-        r = measure(transport, curve, nbytes=args.nbytes, servers=args.servers, rounds=args.rounds)
+        r = measure(transport, curve, nbytes=args.nbytes, servers=args.servers, rounds=args.rounds,
+                    inflight=args.inflight)
         print(f"{transport}{' + CURVE' if curve else ''}: {r['s'] * 1e3:.2f} ms a round, client CPU "
               f"{r['cpu_s'] * 1e3:.2f} ms, {args.nbytes / r['s'] / 1e9:.2f} GB/s")
 

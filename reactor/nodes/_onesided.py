@@ -97,6 +97,25 @@ class _RemoteShard:
 
 
 @dataclass
+class _RemoteDraw:
+    """A sample over shards of other hosts whose requests are out (:meth:`OneSidedSampling._start_remote`):
+    what its finish needs, and the shards lost or restarted since it began (their parts go)."""
+
+    n: int
+    live: list[int]
+    share: np.ndarray
+    local: list[tuple[int, int]]  # (shard of this host, its count): drawn at the finish
+    remote: list[tuple[int, int]]  # (shard of another host, its count)
+    sent: list[Any]  # per remote shard: the request sent (BulkReader.send_call), or the error sending it raised
+    dropped: set[int]
+    task: asyncio.Task[Any] | None = None  # its finish, once a take awaits it (a cancelled take leaves it running)
+
+    @property
+    def shards(self) -> set[int]:
+        return {k for k, _c in self.local} | {k for k, _c in self.remote}
+
+
+@dataclass
 class _SharedShard:
     """A shard's mapped sampling state and what a one-sided copy of its rows needs."""
 
@@ -163,6 +182,7 @@ class OneSidedSampling:
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _ahead: deque[concurrent.futures.Future]
     _running: set[concurrent.futures.Future]
+    _remote_ahead: deque[_RemoteDraw]
     draw_threads: int
     ahead_samples: int
     taker_samples: int
@@ -269,30 +289,56 @@ class OneSidedSampling:
             return self.sample_now(n)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
-        if not self.can_sample_one_sided:
+        draw = self._start_remote(int(n)) if self.can_sample_one_sided else None
+        if draw is None:
             return None, self.take_notices()
+        return await self._finish_remote(draw)
+
+    def _start_remote(self, n: int) -> _RemoteDraw | None:
+        """:meth:`asample_now`'s first half: the per-shard counts from the cached figures, and the
+        requests to the read servers of the shards of other hosts, sent now. None when no draw can
+        start (nothing to draw, or a count above what a server sends in one reply)."""
         assert self._reader is not None
-        n = int(n)
         live = self.live_shards
         figs = {k: self._figures[k] for k in live}
         masses = np.array([figs[k].mass for k in live], dtype=np.float64)  # type: ignore[attr-defined]
         sizes = np.array([figs[k].size for k in live], dtype=np.float64)  # type: ignore[attr-defined]
         share = masses if masses.sum() > 0 else sizes
         if not share.sum() > 0:
-            return None, self.take_notices()
+            return None
         share = share / share.sum()
         counts = self.rng.multinomial(n, share).tolist()
         seeds = self.rng.integers(0, 2**63, size=len(live)).tolist()
         local = [(k, c) for k, c in zip(live, counts) if k in self._shared and c]
         remote = [(k, c, sd) for k, c, sd in zip(live, counts, seeds) if k in self._remote_shared]
         if any(c > self._remote_shared[k].max_items for k, c, _sd in remote):
-            return None, self.take_notices()  # more than a server sends in one reply (big windows): messages
-        replies = await asyncio.gather(*(self._reader.call(self._remote_shared[k].data_region, REMOTE_SAMPLE_OP,
-                                                           {"n": c, "seed": sd}) for k, c, sd in remote),
-                                       return_exceptions=True)
+            return None  # more than a server sends in one reply (big windows): messages
+        sent: list[Any] = []
+        for k, c, sd in remote:
+            try:
+                sent.append(self._reader.send_call(self._remote_shared[k].data_region, REMOTE_SAMPLE_OP,
+                                                   {"n": c, "seed": sd}))
+            except Exception as e:  # (a lost connection: that part fails, the others are waited for)
+                sent.append(e)
+        return _RemoteDraw(n, live, share, local, [(k, c) for k, c, _sd in remote], sent, set())
+
+    async def _finish_remote(self, draw: _RemoteDraw) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """:meth:`asample_now`'s second half: the read servers' replies awaited and checked, the parts of
+        shards of this host drawn, the batch assembled (raises as :meth:`asample_now`)."""
+        assert self._reader is not None
+        n, live, share, local, remote = draw.n, draw.live, draw.share, draw.local, draw.remote
+
+        async def reply(sent: Any) -> Any:
+            if isinstance(sent, BaseException):
+                raise sent
+            return await self._reader.reply(sent)  # type: ignore[union-attr]
+
+        replies = await asyncio.gather(*(reply(x) for x in draw.sent), return_exceptions=True)
         parts: dict[int, dict[str, Any]] = {}
         failed: BaseException | None = None
-        for (k, c, _sd), rep in zip(remote, replies):
+        for (k, c), rep in zip(remote, replies):
+            if k in draw.dropped:  # lost or restarted while this waited: its part goes, told to no one
+                continue
             try:
                 if isinstance(rep, PeerLostError):
                     lost = PeerLostError(f"replay shard {k}: its read server is gone ({rep})")
@@ -313,7 +359,8 @@ class OneSidedSampling:
                 [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()])
             raise failed
         hurry = any(p.get("parked") for p in parts.values())
-        if local and len(parts) == sum(1 for _k, c, _sd in remote if c):
+        local = [(k, c) for k, c in local if k in self._shared]  # (one forgotten meanwhile: a part short)
+        if local and not draw.dropped and len(parts) == sum(1 for _k, c in remote if c):
             # Shards of this host in the same sample: their counts taken all or none (only now: a
             # remote part that came back empty would have wasted them), then drawn here, from their memory.
             took = take_counts([self._shared[k].table for k, _c in local], [c for _k, c in local])
@@ -662,8 +709,15 @@ class OneSidedSampling:
         next batches are drawn while it updates on this one, and ``draw_threads`` draws at once on
         as many cores. A draw ahead sees the shards' state of its moment: the priority updates of the
         updates made meanwhile (at most ``depth`` of them) are not in it, as with ``depth`` message
-        samples in flight. Nothing starts while a live shard is not mapped here (:meth:`can_sample_now`:
-        shards of other hosts are sampled by :meth:`asample_now`, on the event loop).
+        samples in flight.
+
+        With shards of other hosts among the live ones (:meth:`can_sample_one_sided`, not
+        :meth:`can_sample_now`; call it on the event loop), a draw ahead is an :meth:`asample_now`
+        whose requests go to the read servers now: each server draws and sends its part while this
+        process does something else (a learner's update), and :meth:`next_drawn` awaits and
+        assembles it (the part of a shard of this host is drawn then). Each server answers its
+        requests in order, so ``depth`` of them keep every server busy. Nothing starts while an
+        offer is missing, or when no draw could start (as :meth:`asample_now` returning no batch).
 
         Raises:
             ValueError: ``n < 1`` or ``depth < 0``.
@@ -672,6 +726,15 @@ class OneSidedSampling:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
         if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
             raise ValueError(f"draw_ahead depth must be an int >= 0, got {depth!r}")
+        if self._remote_ahead or (not self.can_sample_now and not self._ahead):
+            # Shards of other hosts: each draw's requests go to their read servers now, and its replies
+            # are taken by next_drawn (draws of the two kinds never wait at once: taken in order).
+            while len(self._remote_ahead) < depth and self.can_sample_one_sided and not self.can_sample_now:
+                draw = self._start_remote(int(n))
+                if draw is None:
+                    break
+                self._remote_ahead.append(draw)
+            return len(self._remote_ahead)
         if self._pool is None and depth and self.can_sample_now:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.draw_threads, thread_name_prefix="reactor-draw")
         while len(self._ahead) < depth and self.can_sample_now:
@@ -685,7 +748,7 @@ class OneSidedSampling:
     @property
     def drawn_ahead(self) -> int:
         """Draws started by :meth:`draw_ahead` and not yet taken."""
-        return len(self._ahead)
+        return len(self._ahead) + len(self._remote_ahead)
 
     async def next_drawn(self) -> tuple[SampledBatch | None, list[SampledKeys]]:
         """A draw ahead's :meth:`sample_now` result: the oldest one done; when none is done, one not
@@ -694,12 +757,15 @@ class OneSidedSampling:
         loop runs meanwhile). ``(None, [])`` if that draw was dropped while this waited (a shard it
         drew from was lost or restarted: its batch goes, its notices to the other shards are held)
         or taken by :meth:`drain_drawn`. A caller cancelled while it waits leaves the draw to the
-        next take.
+        next take. A draw from shards of other hosts is finished here (its replies awaited).
 
         Raises:
             LookupError: no draw was started (:meth:`draw_ahead`).
-            (what :meth:`sample_now` raises, from the draw's thread or here)
+            (what :meth:`sample_now` raises, from the draw's thread or here; what :meth:`asample_now`
+            raises, for a draw from shards of other hosts)
         """
+        if self._remote_ahead:
+            return self._taken(await self._remote_result(self._remote_ahead[0]))
         if not self._ahead:
             raise LookupError("next_drawn: no draw ahead was started (draw_ahead)")
         helped = self._help()
@@ -721,7 +787,11 @@ class OneSidedSampling:
 
     def take_drawn(self) -> tuple[SampledBatch | None, list[SampledKeys]]:
         """:meth:`next_drawn` for code without an event loop: blocks until the oldest draw ahead is
-        done when none is done and none is left to draw here."""
+        done when none is done and none is left to draw here. Not for draws from shards of other
+        hosts (RuntimeError: their replies are awaited by :meth:`next_drawn`)."""
+        if self._remote_ahead:
+            raise RuntimeError("take_drawn: the draws ahead are from shards of other hosts, whose replies are "
+                               "awaited: take them with next_drawn")
         if not self._ahead:
             raise LookupError("take_drawn: no draw ahead was started (draw_ahead)")
         helped = self._help()
@@ -764,6 +834,30 @@ class OneSidedSampling:
             out.append(e if e is not None else self._taken(fut.result()))
         return out
 
+    async def adrain_drawn(self) -> list[tuple[SampledBatch | None, list[SampledKeys]] | BaseException]:
+        """:meth:`drain_drawn`, also of draws from shards of other hosts (their replies awaited)."""
+        out = self.drain_drawn()
+        while self._remote_ahead:
+            try:
+                out.append(self._taken(await self._remote_result(self._remote_ahead[0])))
+            except ONE_SIDED_ERRORS as e:
+                out.append(e)
+        return out
+
+    async def _remote_result(self, draw: _RemoteDraw) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """The oldest remote draw ahead finished (its replies awaited), taken off the queue once done,
+        lost-shard rule applied (:meth:`_drop_drawn_of`); a caller cancelled while it waits leaves
+        the draw, still finishing, to the next take."""
+        if draw.task is None:
+            draw.task = asyncio.ensure_future(self._finish_remote(draw))
+            draw.task.add_done_callback(_seen)
+        try:
+            await asyncio.shield(draw.task)
+        finally:
+            if draw.task.done() and self._remote_ahead and self._remote_ahead[0] is draw:
+                self._remote_ahead.popleft()
+        return draw.task.result()
+
     def _quiesce(self) -> None:
         """Wait until no draw ahead is running, taken or not (their results stay for :meth:`next_drawn`)."""
         if self._running:
@@ -773,20 +867,30 @@ class OneSidedSampling:
         """Draws ahead done (the caller quiesced) that drew from ``shard``, which was lost or restarted,
         are dropped, as a message sample in flight drops its part; their notices to the other shards are
         held, to go with the next (``shard``'s successor does not count its predecessor's draws)."""
-        keep: deque[concurrent.futures.Future] = deque()
-        for fut in self._ahead:
-            if fut.exception() is not None:
-                keep.append(fut)
-                continue
-            batch, notices = fut.result()
-            if batch is not None and not bool((batch.keys.numpy() >> KEY_SHARD_BITS == shard).any()):
-                keep.append(fut)
-                continue
-            others = [(m.shard, np.asarray(m.keys)) for m in notices if m.shard != shard]
-            if others:
-                with self._lock:
-                    self._hold(others, time.perf_counter())
-        self._ahead = keep
+        self._ahead = deque(fut for fut in self._ahead if fut.exception() is not None or self._keeps(fut.result(), shard))
+        # Draws from shards of other hosts still waiting for replies drop their part from ``shard`` when
+        # they finish (their batch with it); those finished go as the ones above.
+        keep: deque[_RemoteDraw] = deque()
+        for draw in self._remote_ahead:
+            if draw.task is None or not draw.task.done():
+                if shard in draw.shards:
+                    draw.dropped.add(shard)
+                keep.append(draw)
+            elif draw.task.cancelled() or draw.task.exception() is not None or self._keeps(draw.task.result(), shard):
+                keep.append(draw)
+        self._remote_ahead = keep
+
+    def _keeps(self, result: tuple[SampledBatch | None, list[SampledKeys]], shard: int) -> bool:
+        """Whether a finished draw ahead stays after ``shard`` was lost or restarted: not when its batch
+        drew from ``shard`` (or it has none); then its notices to the other shards are held."""
+        batch, notices = result
+        if batch is not None and not bool((batch.keys.numpy() >> KEY_SHARD_BITS == shard).any()):
+            return True
+        others = [(m.shard, np.asarray(m.keys)) for m in notices if m.shard != shard]
+        if others:
+            with self._lock:
+                self._hold(others, time.perf_counter())
+        return False
 
     def _stable_figures(self, sh: _SharedShard, deadline: float) -> tuple[int, float, float, int] | None:
         """A shard's figures under a stable sequence count, waiting out a change in progress (tens of

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._graph import Graph
+from .replay_client import REMOTE_READS
 from .training import off_policy_graph, on_policy_graph
 
 __all__ = ["AppConfig", "OffPolicyAppConfig", "OfflineAppConfig", "OnPolicyAppConfig", "off_policy_app_graph",
@@ -105,6 +106,10 @@ class OffPolicyAppConfig(AppConfig):
     replay_wal: bool = False
     """Log every insert into a replay shard (fsynced) before acknowledging it, so a crashed shard loses none
     (the default loses the inserts since its last checkpoint)."""
+    replay_remote_reads: str = "auto"
+    """How a learner samples the replay shards of other hosts: auto (one-sidedly over RDMA where a device
+    works, else through messages), zmq (one-sidedly: each shard's read-server thread draws its part and
+    sends the rows, drawn ahead while the learner updates) or off (messages)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,6 +117,9 @@ class OffPolicyAppConfig(AppConfig):
                   "eval_every_updates")
         _at_least(self, 0, "min_size")
         _at_least(self, max(1, self.min_size), "capacity")  # (below min_size, learning never starts)
+        if self.replay_remote_reads not in REMOTE_READS:
+            raise ValueError(f"config key 'replay_remote_reads' must be one of {list(REMOTE_READS)}, "
+                             f"got {self.replay_remote_reads!r:.80}")
 
 
 @dataclass(frozen=True)
@@ -199,7 +207,8 @@ def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, ti
         eval_every_updates=config.eval_every_updates, target_return=config.target_return,
         max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
         resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
-        replay_wal=config.replay_wal, replay_memory=config.replay_memory, device=config.device,
+        replay_wal=config.replay_wal, replay_memory=config.replay_memory,
+        replay_remote_reads=config.replay_remote_reads, device=config.device,
         compile=config.compile, live=config.live, title=f"{title} {config.env}",
         app_config=dataclasses.asdict(config),
     )

@@ -61,7 +61,7 @@ from ._device import LearnStep, check_compile, check_device, resolve_device, tak
 from ._registry import check_saved_weights, denormals_flushed, error_line, weights_sha256
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
-from .replay_client import ONE_SIDED_ERRORS
+from .replay_client import ONE_SIDED_ERRORS, REMOTE_READS
 from .train_messages import BankReady, Report, Rollout, Weights
 
 __all__ = ["DP_JOIN_TIMEOUT_S", "DP_TIMEOUT_S", "Learner", "RolloutLearner"]
@@ -451,8 +451,8 @@ class Learner(_LearnerBase):
         num_shards: the replay bank's size.
         batch_size: items per sample.
         prefetch: samples kept in flight (sampling overlaps learning): requests through messages, or
-            one-sided draws running on the client's threads (``ReplayClient.draw_ahead``) while the
-            learner updates.
+            one-sided draws (``ReplayClient.draw_ahead``) running while the learner updates: on the
+            client's threads for shards of this host, at the shards' read servers for shards of others.
         weights_every: updates between weight broadcasts.
         report_every: updates between reports.
         max_updates: stop learning after this many updates (None: never).
@@ -465,6 +465,11 @@ class Learner(_LearnerBase):
         device: where the networks, optimizers and batches live: ``"cpu"``, ``"cuda"`` (replica ``i`` of a
             bank on GPU ``i mod count``) or ``"cuda:N"``; the broadcast weights are host copies.
         compile: ``"auto"``, ``"on"`` or ``"off"``: how ``learn`` runs (:mod:`reactor.nodes._device`).
+        remote_reads: how shards of other hosts are sampled (``ReplayClient(remote_reads=...)``, with
+            the shards' ``Replay(remote_reads=...)``): ``"auto"`` (default) one-sidedly over RDMA where a
+            device works here, else through messages; ``"zmq"`` one-sidedly through their bulk read
+            servers (each draws its part and sends the rows; drawn ahead as ``prefetch`` says);
+            ``"off"`` through messages.
     """
 
     replies = Input(ReplayReply, required=True)
@@ -499,8 +504,12 @@ class Learner(_LearnerBase):
         app_config: dict[str, Any] | None = None,
         device: str = "cpu",
         compile: str = "auto",
+        remote_reads: str = "auto",
     ) -> None:
         self.device, self.compile = check_device(device, "Learner device"), check_compile(compile, "Learner compile")
+        if remote_reads not in REMOTE_READS:
+            raise ValueError(f"Learner remote_reads must be one of {list(REMOTE_READS)}, got {remote_reads!r:.80}")
+        self.remote_reads = remote_reads
         for what, v in (("num_shards", num_shards), ("batch_size", batch_size), ("prefetch", prefetch),
                         ("weights_every", weights_every), ("report_every", report_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -539,7 +548,7 @@ class Learner(_LearnerBase):
                 f"link(s) reach this replica's `bank`")
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
-                                   timeout_s=self.sample_timeout_s, remote_reads="auto",
+                                   timeout_s=self.sample_timeout_s, remote_reads=self.remote_reads,
                                    curve=self.process_link.curve, one_sided=not self.deterministic)
         if self.bank_index == 0:
             self.weights.send(self._weights())
@@ -580,10 +589,11 @@ class Learner(_LearnerBase):
 
     async def _sample_one_sided(self) -> None:
         """Once the shards offered one-sided sampling (async runs) and no sample is in flight or
-        waiting: the next batch is drawn here, from the shared memory of shards on this host and by
-        one request to the read server of each shard on another (ReplayClient.asample_now; no
-        message to a shard's loop), and learned on at the next microstep. When that is not possible
-        now, the next sample goes through messages again."""
+        waiting: the next batch is taken from the draws ahead (ReplayClient.draw_ahead: from the
+        shared memory of shards on this host on the client's threads, by one request to the read
+        server of each shard on another; no message to a shard's loop), and learned on at the next
+        microstep; ``prefetch`` more are drawn meanwhile. When that is not possible now, the next
+        sample goes through messages again."""
         client = self.client
         remaining = None if self.max_updates is None else self.max_updates - self.updates
         if self._due or self._held:
@@ -596,9 +606,10 @@ class Learner(_LearnerBase):
                 self.priorities.send(m)
             return
         batch = None
-        if client.can_sample_now or client.drawn_ahead:
-            # Every live shard is on this host: the batch was drawn on the client's thread while this
-            # learner updated, and the next ones are drawn while it updates on this one.
+        if client.can_sample_now or client.can_sample_one_sided or client.drawn_ahead:
+            # The batch was drawn while this learner updated, and the next ones are drawn while it
+            # updates on this one: on the client's threads from the memory of shards of this host, or
+            # by the read servers of shards of other hosts (their requests sent before the update).
             ahead = client.drawn_ahead > 0  # the next draw ran during the update just made
             client.draw_ahead(self.batch_size, 1 + (self.prefetch if remaining is None else
                                                     min(self.prefetch, remaining - 1)))
@@ -613,22 +624,10 @@ class Learner(_LearnerBase):
                     self.drawn_ahead_batches += (ahead and results[0][0] is not None
                                                  and client.taker_samples == by_taker)
             if not results or isinstance(results[0], BaseException) or results[0][0] is None:
-                results += client.drain_drawn()  # the draws ahead are the shards' state of now, too
+                results += await client.adrain_drawn()  # the draws ahead are the shards' state of now, too
             for r in results:
                 if self._take_drawn(r):
                     batch = True
-        elif client.can_sample_one_sided:
-            try:
-                batch, notices = await client.asample_now(self.batch_size)
-            except ONE_SIDED_ERRORS as e:  # a shard died, its server refused or answered garbage:
-                logging.getLogger("reactor.learner").warning(
-                    "%s: a one-sided sample failed (%s); sampling through messages", self.name, e)
-                notices = getattr(e, "notices", [])  # (the other shards' draws; peer_lost follows a death)
-            for m in notices:
-                self.priorities.send(m)
-            if batch is not None:
-                self._due += 1
-                self.update_due.schedule(batch)
         if batch is not None:
             return
         for m in client.take_notices():  # back to messages: what the client still holds goes now
@@ -643,8 +642,12 @@ class Learner(_LearnerBase):
         if isinstance(result, BaseException):
             if not isinstance(result, ONE_SIDED_ERRORS):
                 raise result
+            # A shard died, its server refused or answered garbage: the other shards' draws are still
+            # told (their notices ride on the error; peer_lost follows a death).
             logging.getLogger("reactor.learner").warning(
                 "%s: a one-sided sample failed (%s); sampling through messages", self.name, result)
+            for m in getattr(result, "notices", []):
+                self.priorities.send(m)
             return False
         batch, notices = result
         for m in notices:

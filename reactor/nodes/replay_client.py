@@ -36,6 +36,7 @@ from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its n
     REMOTE_SAMPLE_OP,
     OneSidedSampling,
     _Plan,
+    _RemoteDraw,
     _RemoteShard,
     _SharedShard,
     _weights,
@@ -223,6 +224,7 @@ class ReplayClient(OneSidedSampling):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # draw_ahead's threads, made at first use
         self._ahead: deque[concurrent.futures.Future] = deque()  # draws ahead not taken, oldest first
         self._running: set[concurrent.futures.Future] = set()  # draws ahead not done, taken or not
+        self._remote_ahead: deque[_RemoteDraw] = deque()  # draws from shards of other hosts, requests out
         self.ahead_samples = 0  # batches of draws ahead taken (next_drawn, drain_drawn)
         self.taker_samples = 0  # of those, drawn by their taker itself (not started yet when taken)
 
@@ -628,6 +630,10 @@ class ReplayClient(OneSidedSampling):
             if e is not None and not isinstance(e, ONE_SIDED_ERRORS):
                 log.error("replay client %s: a draw ahead, dropped at close, had failed: %r", self.requester, e)
         self._ahead.clear()
+        for draw in self._remote_ahead:  # (a finish running stops at its next wait: the reader is closed below)
+            if draw.task is not None:
+                draw.task.cancel()
+        self._remote_ahead.clear()
         reader, self._reader = self._reader, None
         self._group = None  # (its views would keep the sampling regions mapped)
         self._held, self._held_samples = {}, 0

@@ -71,6 +71,7 @@ def off_policy_graph(
     replay_checkpoint_period_s: float | None = 0.1,
     replay_wal: bool = False,
     replay_memory: str = "host",
+    replay_remote_reads: str = "auto",
     device: str = "cpu",
     compile: str = "auto",
     live: bool = True,
@@ -100,6 +101,11 @@ def off_policy_graph(
     not change is not rewritten) and once more at the end of the run, and ``resume=True`` restores
     the shards from them (with the learner). Inserts since a shard's last checkpoint are lost if its
     process dies, unless ``replay_wal`` logs each one (fsynced) before acknowledging it.
+
+    A learner samples shards of its own host from their shared memory (asynchronous runs), and
+    shards of other hosts as ``replay_remote_reads`` says (``Learner(remote_reads=...)``, the
+    shards' too): ``"auto"`` one-sidedly over RDMA where a device works, else through messages;
+    ``"zmq"`` one-sidedly through the shards' bulk read servers; ``"off"`` through messages.
 
     The learner writes ``run_dir/config.json`` (algorithm, env, its resolved Config, and
     ``app_config``: the app's resolved Config, when an app built the graph) beside its weights
@@ -139,14 +145,15 @@ def off_policy_graph(
     replay = g.add(
         Replay(fields, capacity=max(1, capacity // shards), read=spec.read, sampler=sampler, rate_limiter=limiter,
                beta=beta, run_dir=run_dir, checkpoint_period_s=replay_checkpoint_period_s,
-               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal, memory=replay_memory, writers=actors),
+               checkpoint_on_shutdown=True, restore=resume, wal=replay_wal, memory=replay_memory, writers=actors,
+               remote_reads=replay_remote_reads),
         name="replay", replicas=shards,
     )
     learner = g.add(
         Learner(algo, env, algo_config, num_shards=shards, batch_size=batch_size, prefetch=prefetch,
                 weights_every=weights_every,
                 seed=seed, run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
-                app_config=app_config, device=device, compile=compile),
+                app_config=app_config, device=device, compile=compile, remote_reads=replay_remote_reads),
         name="learner", replicas=learners,
     )
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),

@@ -459,11 +459,26 @@ class BulkReader:
             PeerLostError: the owner is gone or did not answer in time.
             (and the errors the owner's handler answered with)
         """
+        return await self.reply(self.send_call(region, op, request))
+
+    def send_call(self, region: str, op: str, request: Mapping[str, Any]) -> tuple[Any, int, str]:
+        """:meth:`call`'s request, sent now; its reply is awaited with :meth:`reply` (every call sent
+        must be). Several may be out at once, to one owner or several: an owner's server answers its
+        in order, and serves the next while the reader handles the last reply.
+
+        Raises:
+            KeyError, ValueError, PeerLostError: as :meth:`call` (a lost connection: at once).
+        """
         att = self._get(region)
         if att.client is None:  # (zmq and rdma attachments talk to the owner's server)
             raise ValueError(f"bulk region {region!r} is attached over {att.backend}, which has no owner's server")
-        return await att.client.call({**request, "op": op, "region": att.name, "generation": att.generation},
-                                     timeout_s=self._timeout_s, what=op)
+        client = att.client
+        return client, client.send({**request, "op": op, "region": att.name, "generation": att.generation}), op
+
+    async def reply(self, sent: tuple[Any, int, str]) -> dict[str, Any]:
+        """The reply to a request :meth:`send_call` sent (raises as :meth:`call`)."""
+        client, req_id, op = sent
+        return await client.reply(req_id, timeout_s=self._timeout_s, what=op)
 
     def detach(self, region: str) -> None:
         """Forget ``region`` (unmap its segments, drop its connection when no region uses it).

@@ -355,12 +355,15 @@ def check_runs(starts: np.ndarray, lengths: np.ndarray, rows: int, region: str) 
 
 
 class ZmqClient:
-    """A reader's connection to one owner's server: a DEALER, its monitor, one request at a time.
+    """A reader's connection to one owner's server: a DEALER, its monitor, and the requests sent on it.
 
-    Requests on one client are serialised (a lock); a reader reading from several owners at once
-    (one client each) overlaps them. A connection that closes (the owner's process died, or
-    heartbeats timed out) marks the client lost for good: every waiting and later request raises
-    ``PeerLostError``, and the reader must attach a fresh descriptor.
+    Several requests may be out at once (:meth:`send` each, then :meth:`reply` for each): the
+    server answers them in order, one at a time, so a reader's next request is served while it
+    handles the last reply. One waiter receives at a time (a lock, taken in order); a reply it
+    receives for another request still waited for is kept for that one, a reply to a request no
+    one waits for any more (it timed out) is dropped. A connection that closes (the owner's process
+    died, or heartbeats timed out) marks the client lost for good: every waiting and later request
+    raises ``PeerLostError``, and the reader must attach a fresh descriptor.
     """
 
     def __init__(
@@ -393,7 +396,9 @@ class ZmqClient:
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
         self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
-        self.lock = asyncio.Lock()
+        self.lock = asyncio.Lock()  # held by the one waiter that receives (reply)
+        self._waiting: set[int] = set()  # ids of requests sent and not yet answered to their caller
+        self._early: dict[int, dict[str, Any]] = {}  # replies received by another request's waiter
         self._mon: asyncio.Future[Any] | None = None
         self.lost: str | None = None
         self.connected = False
@@ -438,50 +443,101 @@ class ZmqClient:
         return PeerLostError(f"bulk owner at {self.address} was lost: {self.lost}")
 
     async def call(self, request: dict[str, Any], *, timeout_s: float, what: str) -> dict[str, Any]:
-        """Send one request and return its decoded reply (errors in the reply are raised).
+        """Send one request and return its decoded reply (errors in the reply are raised):
+        :meth:`send`, then :meth:`reply`.
+
+        Raises:
+            PeerLostError: the connection closed, or no reply came within ``timeout_s``.
+            (and any allow-listed error class the server answered with)
+        """
+        return await self.reply(self.send(request), timeout_s=timeout_s, what=what)
+
+    def send(self, request: dict[str, Any]) -> int:
+        """Send one request now (``request["id"]`` is set to a fresh id, returned); its reply is
+        waited for with :meth:`reply`, which every sent request must get (it forgets the id).
+
+        Raises:
+            PeerLostError: the connection closed.
+        """
+        self._mon_future()
+        if self.lost is not None:
+            raise self._lost_error()
+        req_id = self.next_id
+        self.next_id += 1
+        request["id"] = req_id
+        # (zmq.asyncio sends now when it can, else queues it after the others, in order; an error is
+        # the socket's closing, which the reply's wait reports)
+        self.sock.send_multipart(encode(request), copy=False).add_done_callback(_seen)
+        self._waiting.add(req_id)
+        return req_id
+
+    async def reply(self, req_id: int, *, timeout_s: float, what: str) -> dict[str, Any]:
+        """The reply to request ``req_id`` (:meth:`send`), decoded; errors in it are raised.
 
         Raises:
             PeerLostError: the connection closed, or no reply came within ``timeout_s``.
             (and any allow-listed error class the server answered with)
         """
         loop = asyncio.get_running_loop()
-        async with self.lock:
-            self._mon_future()
+        deadline = loop.time() + timeout_s
+        try:
+            if req_id not in self._early:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await self.lock.acquire()
+                except TimeoutError:
+                    if req_id not in self._early:  # (received by the waiter before: it is here)
+                        raise self._late(what, timeout_s) from None
+                else:
+                    try:
+                        await self._receive_until(req_id, deadline, what, timeout_s)
+                    finally:
+                        self.lock.release()
+            reply = self._early.pop(req_id)
+        finally:
+            self._waiting.discard(req_id)
+            self._early.pop(req_id, None)  # (a reply kept for a wait that failed)
+        if reply.get("ok") is True:
+            return reply
+        cls = _ERRORS.get(str(reply.get("error")), MalformedFrameError)
+        raise cls(str(reply.get("message")))
+
+    async def _receive_until(self, req_id: int, deadline: float, what: str, timeout_s: float) -> None:
+        """Receive replies (keeping those of other waiters) until ``req_id``'s is in ``_early``."""
+        loop = asyncio.get_running_loop()
+        while req_id not in self._early:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._late(what, timeout_s)
             if self.lost is not None:
                 raise self._lost_error()
-            req_id = self.next_id
-            self.next_id += 1
-            request["id"] = req_id
-            await self.sock.send_multipart(encode(request), copy=False)
-            deadline = loop.time() + timeout_s
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise PeerLostError(
-                        f"bulk owner at {self.address} did not answer {what} within {timeout_s} s "
-                        f"(it is gone or stuck)"
-                    )
-                recv = self.sock.recv_multipart(copy=False)
-                mon = self._mon_future()
-                try:
-                    await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not recv.done():  # cancelled or timed out: a stale recv must not eat a later reply
-                        recv.cancel()
-                if mon.done():
-                    self._mon_future()  # handles the event, arms the next wait
-                if recv.cancelled() or not recv.done():
-                    if self.lost is not None:
-                        raise self._lost_error()
-                    continue
-                frames = recv.result()
-                try:
-                    reply = decode(frames, max_nbytes=self.max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
-                except (MalformedFrameError, FrameTooLargeError) as exc:
-                    raise MalformedFrameError(f"bulk owner at {self.address} sent a bad reply: {exc}") from None
-                if type(reply) is not dict or reply.get("id") != req_id:
-                    continue  # the late reply to a request that timed out earlier
-                if reply.get("ok") is True:
-                    return reply
-                cls = _ERRORS.get(str(reply.get("error")), MalformedFrameError)
-                raise cls(str(reply.get("message")))
+            recv = self.sock.recv_multipart(copy=False)
+            mon = self._mon_future()
+            try:
+                await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not recv.done():  # cancelled or timed out: a stale recv must not eat a later reply
+                    recv.cancel()
+            if mon.done():
+                self._mon_future()  # handles the event, arms the next wait
+            if recv.cancelled() or not recv.done():
+                continue
+            frames = recv.result()
+            try:
+                reply = decode(frames, max_nbytes=self.max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
+            except (MalformedFrameError, FrameTooLargeError) as exc:
+                raise MalformedFrameError(f"bulk owner at {self.address} sent a bad reply: {exc}") from None
+            rid = reply.get("id") if type(reply) is dict else None
+            if type(rid) is int and rid in self._waiting and rid not in self._early:
+                self._early[rid] = reply
+            # (else the late reply to a request that timed out earlier, or garbage: dropped)
+
+    def _late(self, what: str, timeout_s: float) -> PeerLostError:
+        return PeerLostError(f"bulk owner at {self.address} did not answer {what} within {timeout_s} s "
+                             f"(it is gone or stuck)")
+
+
+def _seen(fut: Any) -> None:
+    """Mark a done future's error as retrieved (a failed send shows in its reply's wait)."""
+    if not fut.cancelled():
+        fut.exception()

@@ -167,6 +167,30 @@ def _async_dqn(cluster: Cluster, tmp_path: Path, placement: str = "actors", **kw
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_learner_draws_from_a_shard_of_another_host_through_its_read_server_ahead_of_its_updates(cluster, tmp_path):
+    """replay_remote_reads="zmq", asynchronous, `actors` over three hosts: the learner (h1) samples
+    replay-0 (h1: its shared memory) and replay-1 (h2: its read server draws and sends its part, over
+    tcp with CURVE) in one draw per batch, and the next batch is drawn while it updates on this one.
+    After the first batches (messages: their replies bring the offers) every batch is one-sided; most
+    were drawn during the update before them; the shards counted what was drawn from them."""
+    cfg = {"max_env_steps": 4000, "target_return": None, "live": False, "run_dir": str(tmp_path / "run"),
+           "replay_remote_reads": "zmq"}
+    r = run(build_graph(DQN, cfg), app=DQN, config=cfg, placement="actors", deterministic=False,
+            hosts=str(cluster.write_hosts()))
+    assert r.stopped_by == "quiescence"
+    assert r.hosts["learner"] == "h1" and r.hosts["replay-0"] == "h1" and r.hosts["replay-1"] == "h2"
+    last: dict[str, float] = {}
+    for row in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]:
+        _wall, _steps, source, name, value = row.split(",")
+        if source == "learner" and name in ("updates", "one_sided_batches", "drawn_ahead_batches"):
+            last[name] = float(value)
+    assert last["updates"] > 100 and last["one_sided_batches"] >= 0.9 * last["updates"], last
+    assert last["drawn_ahead_batches"] >= 0.5 * last["updates"], last
+    cluster.wait_no_workers()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_killed_remote_worker_ends_the_run_naming_it_and_its_host_and_nothing_is_left(cluster, tmp_path):
     t, box = in_thread(_async_dqn(cluster, tmp_path))
     pids = wait_for(lambda: len(p := cluster.worker_pids()) == 5 and p, 120, "five workers on the hosts")

@@ -40,6 +40,9 @@ def test_benchmark_app_fills_the_shards_and_samples_through_both_paths(tmp_path)
     assert rep["local_x2_fallbacks"] == [0, 0]
     # ... and by the learner "on another host", through the shards' read servers, one request per shard
     assert len(rep["remote"]) == 2 and rep["remote_items"] == [256.0, 256.0] and rep["remote_fallbacks"] == [0, 0]
+    # ... also drawn ahead, two samples' requests out at once
+    assert len(rep["remote_x2"]) == 2 and rep["remote_x2_items"] == [256.0, 256.0]
+    assert rep["remote_x2_fallbacks"] == [0, 0]
     # bench[0]: 2 reps x 2 depths x 3 batches + warm-up 2 x 3 through messages, and 2 reps x 2 depths x 3
     # + warm-up 2 x 3 one-sided (one at a time, and drawn ahead), all gathered from shared memory
     assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3 + 2 * 2 * 3 + 2 * 3) * 256, "dropped_items": 0}

@@ -601,6 +601,96 @@ async def test_draws_ahead_run_on_the_clients_threads_and_every_draw_is_counted_
         await _close([client], shards)
 
 
+async def _served_by(shards, at_least: list[int]) -> list[int]:
+    """Wait (bounded) until each shard's read server has served ``at_least`` requests; their counts."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while (any(o._server.served < n for (o, _d, _f), n in zip(shards, at_least))
+           and asyncio.get_running_loop().time() < deadline):
+        await asyncio.sleep(0.005)
+    return [o._server.served for o, _d, _f in shards]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_draws_ahead_from_shards_of_another_host_are_drawn_by_their_servers_before_they_are_taken(tmp_path):
+    """Two shards of another host: draw_ahead(40, 3) sends three samples' requests at once, and both
+    read servers draw and send all three while nothing awaits them. 50 takes (each topping the draws
+    up to 3 again) and the drain of the 2 left give 52 whole batches of the shards' keys, and their
+    notices hold every key of every batch once. A blocking take of such draws is refused."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k) for k in range(2)]
+        client = await _client_of(shards, notice_every=7)
+        assert client.can_sample_one_sided and not client.can_sample_now
+        before = [o._server.served for o, _d, _f in shards]
+        assert client.draw_ahead(40, 3) == 3 and client.drawn_ahead == 3
+        assert await _served_by(shards, [n + 3 for n in before]) == [n + 3 for n in before]
+        with pytest.raises(RuntimeError, match="shards of other hosts.*next_drawn"):
+            client.take_drawn()
+        keys, told = [], []
+        for _ in range(50):
+            assert client.draw_ahead(40, 3) == 3
+            batch, notices = await client.next_drawn()
+            assert batch is not None and len(batch.keys) == 40
+            local = batch.keys.numpy() & 0xFFFF_FFFF_FFFF
+            assert set(local.tolist()) <= set(range(100))
+            np.testing.assert_array_equal(batch.data["id"].numpy()[:, 0], local)  # its window's first row
+            keys.append(batch.keys.numpy().copy())
+            told += notices
+        for r in await client.adrain_drawn():  # the 2 still out
+            assert not isinstance(r, BaseException) and r[0] is not None
+            keys.append(r[0].keys.numpy().copy())
+            told += r[1]
+        told += client.take_notices()
+        assert client.drawn_ahead == 0 and client.ahead_samples == 52 and client.one_sided_samples == 52
+        assert len(keys) == 52 and {int(k) for k in np.unique(np.concatenate(keys) >> 48)} == {0, 1}
+        np.testing.assert_array_equal(np.sort(np.concatenate([np.asarray(m.keys) for m in told])),
+                                      np.sort(np.concatenate(keys)))
+        assert not any(c._waiting or c._early for c in client._reader._clients.values())  # (nothing left waiting)
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_lost_while_draws_from_other_hosts_are_out_drops_their_batches_and_holds_the_others_notices(
+        tmp_path):
+    """Three draws out over two shards of another host, the oldest finished but not taken (its take was
+    cancelled) and two waiting for replies, when shard 1 is lost: the finished one is dropped at once
+    (what shard 0 drew for it is held for shard 0), the two others as their takes come: no batch,
+    shard 1's parts told to no one, shard 0's handed over as notices. The next draws come from shard
+    0 alone."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k) for k in range(2)]
+        client = await _client_of(shards, notice_every=1000)
+        assert client.draw_ahead(40, 3) == 3
+        take = asyncio.ensure_future(client.next_drawn())
+        await asyncio.sleep(0)
+        take.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await take
+        oldest = client._remote_ahead[0]
+        await asyncio.wait_for(asyncio.shield(oldest.task), 30)  # finished, not taken
+        assert client.drawn_ahead == 3
+        client.shard_lost(1, "test")
+        assert client.drawn_ahead == 2  # (the finished one: dropped now; the others when taken)
+        told = []
+        for _ in range(2):
+            batch, notices = await client.next_drawn()
+            assert batch is None
+            told += notices
+        told += client.take_notices()
+        assert {m.shard for m in told} == {0}
+        keys = np.concatenate([np.asarray(m.keys) for m in told])
+        assert (keys >> 48 == 0).all() and 0 < len(keys) < 3 * 40
+        client.draw_ahead(40, 1)
+        batch, _notices = await client.next_drawn()
+        assert set(np.unique(batch.keys.numpy() >> 48).tolist()) == {0} and len(batch.keys) == 40
+    finally:
+        await _close([client], shards)
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_shard_lost_while_draws_ahead_run_waits_for_them_and_drops_the_draws_from_it(tmp_path):

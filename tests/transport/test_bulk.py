@@ -895,3 +895,48 @@ async def test_a_request_over_the_owners_request_bound_is_refused_and_the_owner_
     finally:
         ctx.destroy(linger=0)
         await owner.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_requests_out_at_once_are_served_in_order_and_each_wait_gets_its_own_reply(run_id, tmp_path):
+    """Five requests sent before any reply is awaited are all served while no one waits (the owner's
+    server counts them); their replies, awaited newest first, each reach their own request (a waiter
+    keeps the replies it receives for the others). A request whose reply comes too late fails alone
+    with PeerLostError; its late reply is dropped, and the request sent after it gets its own."""
+    owner = await BulkOwner.open(run_id, backends=["zmq"], zmq_bind=f"ipc://{tmp_path}/o.sock")
+    reader = await BulkReader.open(timeout_s=WAIT_S)
+    impatient = await BulkReader.open(timeout_s=1.0)
+    try:
+        owner.allocate("r", "x", (4, 8), torch.uint8)
+
+        def echo(req, _fields):
+            time.sleep(req.get("sleep", 0))
+            return {"x": req["x"]}
+
+        owner.serve_op("echo", echo)
+        region = await reader.attach(owner.descriptor("r"), backend="zmq")
+        served = owner._server.served  # (the attach's hello)
+        sent = [reader.send_call(region, "echo", {"x": i}) for i in range(5)]
+        deadline = time.monotonic() + WAIT_S
+        while owner._server.served < served + 5 and time.monotonic() < deadline:  # (no one awaits a reply)
+            await asyncio.sleep(0.01)
+        assert owner._server.served == served + 5
+        assert [(await reader.reply(s))["x"] for s in reversed(sent)] == [4, 3, 2, 1, 0]
+        (client,) = {s[0] for s in sent}
+        assert not client._waiting and not client._early
+
+        region = await impatient.attach(owner.descriptor("r"), backend="zmq")
+        slow = impatient.send_call(region, "echo", {"x": "slow", "sleep": 1.5})
+        fast = impatient.send_call(region, "echo", {"x": "fast"})
+        with pytest.raises(PeerLostError, match=r"did not answer echo within 1.0 s"):
+            await impatient.reply(slow)
+        # (the server answers in order: the fast one's reply follows the slow one's, at 1.5 s, within its wait)
+        assert (await impatient.reply(fast))["x"] == "fast"
+        assert (await impatient.call(region, "echo", {"x": 7}))["x"] == 7
+        (client,) = {slow[0], fast[0]}
+        assert not client._waiting and not client._early
+    finally:
+        await impatient.aclose()
+        await reader.aclose()
+        await owner.aclose()

@@ -1,0 +1,210 @@
+"""One-sided samples of shards on another host (their read servers), one at a time and drawn ahead, alone and
+between a learner's updates, against one in-process ``Table``.
+
+Run: ``python benchmarks/bench_onesided_remote.py [--shards 4] [--capacity 262144] [--reps 5] [--calls 200]``
+
+What a learner on another host than its replay shards gets from ``ReplayClient(remote_reads="zmq")``: the
+shards (``--shards`` tables of ``capacity / shards`` steps, filled and published as
+``benchmarks/bench_onesided.py`` fills them: episodes of 20-400 steps, a step is obs float32[64] + action
+int64 + reward float32 + terminated bool = 269 B) live in another process, each behind its bulk zmq read
+server serving ``replay_sample`` as a Replay shard's does (``reactor/nodes/replay.py``,
+``_serve_remote_samples``); this process samples them as a reader on another host would, over ipc (a
+single-host stand-in for tcp: the same server, client and frames, less the network). A batch is 256
+windows of 32 steps by priority (``Prioritized(0.6)``), 2.21 MB.
+
+Cases, each a median over ``--reps`` repetitions of ``--calls`` batches, the cases interleaved:
+
+- ``asample_now``: one sample at a time (a request to every shard's server, replies awaited, assembled);
+- ``drawn ahead``: ``draw_ahead(256, --ahead)`` + ``await next_drawn()``: that many samples' requests out;
+- ``learner, 1 at a time`` / ``learner, drawn ahead``: each step takes a batch and then runs an update on
+  it (a 3-layer MLP's forward, backward and Adam step over the batch's observations, ``--hidden`` wide:
+  a stand-in for a learner's update, the same work in every case), the next batch taken one at a time
+  after the update, or drawn ahead (``prefetch`` 1: its requests out before the update, as the
+  ``Learner`` keeps them);
+- the peer of each: ``Table.sample_nowait(256)`` on one in-process table of the whole capacity (same
+  sampler, read and fields), alone and followed by the same update.
+
+torch and numpy are pinned to one thread in both processes; the shards' process is the only other one.
+"""
+
+# ruff: noqa: E402  (thread counts are pinned in the environment before numpy is imported)
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_onesided import ALPHA, BATCH, SPECS, WINDOW, fill
+from reactor.nodes.messages import ShardMass
+from reactor.nodes.replay_client import ReplayClient
+from reactor.replay import Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+
+
+def serve_shards(ready: Any, stop: Any, shards: int, per: int, where: str) -> None:
+    """The shards' process: ``shards`` filled, published tables behind bulk zmq read servers (ipc)."""
+    torch.set_num_threads(1)
+
+    from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample
+    from reactor.transport.bulk import BulkOwner
+
+    async def main() -> None:
+        rng = np.random.default_rng(0)
+        owners, offers = [], []
+        for k in range(shards):
+            owner = await BulkOwner.open(f"bench-remote-{os.getpid()}-{k}", backends=["zmq"],
+                                         zmq_bind=f"ipc://{where}/s{k}.sock")
+            region = f"r{k}"
+            arrays = SharedArrays(lambda _name, nb: np.zeros(nb, np.uint8))
+            storage = Storage(SPECS, per, allocator=owner.allocator(region), index_arrays=arrays)
+            versions = owner.allocate_versions(region).numpy()
+            table = Table(storage, sampler=Prioritized(ALPHA), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+            pub = SamplingPublisher(table, arrays, read=WindowRead(WINDOW))
+            fill(table, rng, 2 * per, pub)
+            first, nxt = storage.step_range
+            held = np.arange(first, nxt)
+            versions[held % per] = held  # what Replay's inserts leave in the version column
+            published = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
+            fields = [(s.name, storage._fields[s.name][0].numel() * storage._fields[s.name].element_size(),
+                       storage._fields[s.name].data_ptr()) for s in SPECS]
+
+            def op(req: dict, _tensors: Any, published: Any = published, fields: list = fields) -> dict:
+                reply = serve_sample(published, req, fields, 1 << 20)
+                reply["fields"] = [f[0] for f in fields]
+                return reply
+
+            owner.serve_op("replay_sample", op)
+            offers.append(({**owner.descriptor(region), "host": "another-host"},
+                           {"table": pub.descriptor(), "op": "replay_sample", "max_items": 1 << 20}))
+            owners.append((owner, table, pub))
+        ready.put(offers)
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        for owner, _t, _p in owners:
+            await owner.aclose()
+
+    asyncio.run(main())
+
+
+class Update:
+    """A stand-in for a learner's update: an MLP over the batch's observations, forward, backward, Adam."""
+
+    def __init__(self, hidden: int) -> None:
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4)
+
+    def __call__(self, obs: torch.Tensor) -> None:
+        loss = self.net(obs.reshape(-1, 64)).square().mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--capacity", type=int, default=1 << 18, help="steps over all shards (default 256K)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--ahead", type=int, default=4, help="samples drawn ahead in the sampling-only case")
+    ap.add_argument("--hidden", type=int, default=32, help="the update's MLP width (its cost per step)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    per = args.capacity // args.shards
+    spawn = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bench-remote-") as where:
+        ready, stop = spawn.Queue(), spawn.Event()
+        proc = spawn.Process(target=serve_shards, args=(ready, stop, args.shards, per, where), daemon=True)
+        proc.start()
+        client = ReplayClient(args.shards, rng=np.random.default_rng(1), remote_reads="zmq", bulk=False)
+        try:
+            for k, (desc, offer) in enumerate(ready.get(timeout=300)):
+                await client._attach(k, desc)
+                await client._attach_sampling(k, offer)
+                client._figures[k] = ShardMass(k, 0, 0, "", 1.0, 1.0, per, 0.4)  # (as a first reply would say)
+            assert client.can_sample_one_sided and not client.can_sample_now, "the shards' offers were not taken"
+            peer = Table(Storage(SPECS, per * args.shards), sampler=Prioritized(ALPHA), remover=Fifo(),
+                         rate_limiter=MinSize(1), read=WindowRead(WINDOW))
+            fill(peer, np.random.default_rng(2), 2 * per * args.shards)
+            update = Update(args.hidden)
+            await run_cases(client, peer, update, args)
+        finally:
+            client.close()
+            stop.set()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+async def run_cases(client: ReplayClient, peer: Table, update: Update, args: argparse.Namespace) -> None:
+    calls = args.calls
+
+    async def remote(depth: int, learn: bool) -> None:
+        for i in range(calls):
+            if depth == 1:
+                batch, _ = await client.asample_now(BATCH)
+            else:
+                client.draw_ahead(BATCH, min(depth, calls - i))
+                batch, _ = await client.next_drawn()
+            assert batch is not None, "a one-sided sample declined"
+            if learn:
+                update(batch.data["obs"])
+        client.take_notices()
+
+    async def inproc(learn: bool) -> None:
+        for _ in range(calls):
+            data, _info = peer.sample_nowait(BATCH)
+            if learn:
+                update(data["obs"])
+
+    cases = {"asample_now": lambda: remote(1, False), "drawn ahead": lambda: remote(args.ahead, False),
+             "in-process": lambda: inproc(False), "learner, 1 at a time": lambda: remote(1, True),
+             "learner, drawn ahead": lambda: remote(2, True), "learner, in-process": lambda: inproc(True)}
+    for fn in cases.values():  # warm: kernels loaded, connections up, allocator warm
+        calls_, calls = calls, 10
+        await fn()
+        calls = calls_
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    order = list(cases)
+    for rep in range(args.reps):
+        for name in order if rep % 2 == 0 else order[::-1]:
+            t, c = time.perf_counter(), time.process_time()
+            await cases[name]()
+            times[name].append((time.perf_counter() - t) / calls)
+            cpu[name].append((time.process_time() - c) / calls)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"one-sided samples of {args.shards} shards in another process (bulk zmq read servers over ipc), "
+          f"{args.shards} x {args.capacity // args.shards} steps, {BATCH} x {WINDOW}-step windows of 269 B "
+          f"({BATCH * WINDOW * 269 / 1e6:.2f} MB); update: MLP 64-{args.hidden}-{args.hidden}-1 over the "
+          f"batch's {BATCH * WINDOW} observations, Adam; medians of {args.reps} x {calls}; cpus={os.cpu_count()}")
+    rows = [("asample_now", "in-process"), ("drawn ahead", "in-process"),
+            ("learner, 1 at a time", "learner, in-process"), ("learner, drawn ahead", "learner, in-process")]
+    print(f"{'case':<24} {'ours ms/step':>12} {'client CPU':>10} {'peer ms/step':>12}  {'ours/peer':>9}  peer")
+    for ours, theirs in rows:
+        print(f"{ours:<24} {med[ours] * 1e3:>12.3f} {statistics.median(cpu[ours]) * 1e3:>10.3f} "
+              f"{med[theirs] * 1e3:>12.3f}  {med[theirs] / med[ours]:>9.2f}  Table.sample_nowait"
+              f"{' + the same update' if 'learner' in ours else ''}")
+    print(f"the update alone: ~{(med['learner, in-process'] - med['in-process']) * 1e3:.3f} ms; drawn ahead the "
+          f"learner's step is {med['learner, 1 at a time'] / med['learner, drawn ahead']:.2f}x as fast as one "
+          f"sample at a time")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -303,11 +303,11 @@ class Bench(Reactor):
         for i in range(calls):
             if depth == 1:
                 batch, notices = await client.asample_now(self.batch)  # (shards of this host: sample_now)
+            elif not client.draw_ahead(self.batch, min(depth, calls - i)):  # (none could start: a fallback)
+                batch, notices = None, client.take_notices()
             elif client.can_sample_now:  # (shards of this host: a blocking take)
-                client.draw_ahead(self.batch, min(depth, calls - i))
                 batch, notices = client.take_drawn()
-            else:  # shards of another host: the next draws' requests go out before this one is awaited
-                client.draw_ahead(self.batch, min(depth, calls - i))
+            else:  # shards of another host: the next draws' requests went out before this one is awaited
                 batch, notices = await client.next_drawn()
             for m in notices:
                 self.updates.send(m)

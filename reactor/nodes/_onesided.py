@@ -112,7 +112,8 @@ class _RemoteDraw:
 
     @property
     def shards(self) -> set[int]:
-        return {k for k, _c in self.local} | {k for k, _c in self.remote}
+        """The shards the draw stands on: every live shard (one with a count of 0 still set the shares)."""
+        return set(self.live)
 
 
 @dataclass
@@ -371,8 +372,10 @@ class OneSidedSampling:
                     if part is not None:
                         parts[k] = part
         notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
-        if sum(int(p["n"]) for p in parts.values()) != n:
-            return None, self.take_notices(notices)  # a shard drew nothing: the draws made still count
+        if draw.dropped or sum(int(p["n"]) for p in parts.values()) != n:
+            # A shard drew nothing, or one the shares stand on was lost meanwhile: no batch, and the
+            # draws made still count.
+            return None, self.take_notices(notices)
         return (self._assemble_remote(n, live, share, parts),
                 self._hold_keys([(m.shard, m.keys) for m in notices], hurry))
 
@@ -851,11 +854,10 @@ class OneSidedSampling:
         if draw.task is None:
             draw.task = asyncio.ensure_future(self._finish_remote(draw))
             draw.task.add_done_callback(_seen)
-        try:
-            await asyncio.shield(draw.task)
-        finally:
-            if draw.task.done() and self._remote_ahead and self._remote_ahead[0] is draw:
-                self._remote_ahead.popleft()
+        await asyncio.wait((draw.task,))  # (a cancelled caller leaves the task running, and the draw queued)
+        if not (self._remote_ahead and self._remote_ahead[0] is draw):
+            return None, []  # dropped meanwhile (a shard lost or restarted), taken by another take, or closed
+        self._remote_ahead.popleft()
         return draw.task.result()
 
     def _quiesce(self) -> None:
@@ -867,7 +869,7 @@ class OneSidedSampling:
         """Draws ahead done (the caller quiesced) that drew from ``shard``, which was lost or restarted,
         are dropped, as a message sample in flight drops its part; their notices to the other shards are
         held, to go with the next (``shard``'s successor does not count its predecessor's draws)."""
-        self._ahead = deque(fut for fut in self._ahead if fut.exception() is not None or self._keeps(fut.result(), shard))
+        self._ahead = deque(fut for fut in self._ahead if self._keeps(fut, shard))
         # Draws from shards of other hosts still waiting for replies drop their part from ``shard`` when
         # they finish (their batch with it); those finished go as the ones above.
         keep: deque[_RemoteDraw] = deque()
@@ -876,17 +878,26 @@ class OneSidedSampling:
                 if shard in draw.shards:
                     draw.dropped.add(shard)
                 keep.append(draw)
-            elif draw.task.cancelled() or draw.task.exception() is not None or self._keeps(draw.task.result(), shard):
+            elif draw.task.cancelled() or self._keeps(draw.task, shard):
                 keep.append(draw)
         self._remote_ahead = keep
 
-    def _keeps(self, result: tuple[SampledBatch | None, list[SampledKeys]], shard: int) -> bool:
-        """Whether a finished draw ahead stays after ``shard`` was lost or restarted: not when its batch
-        drew from ``shard`` (or it has none); then its notices to the other shards are held."""
-        batch, notices = result
+    def _keeps(self, done: Any, shard: int) -> bool:
+        """Whether a finished draw ahead (its future or task) stays after ``shard`` was lost or restarted:
+        not when its batch drew from ``shard`` (or it has none); then its notices to the other shards
+        are held. Notices to ``shard`` go from those that stay, and from an error's (its successor
+        does not count its predecessor's draws)."""
+        error = done.exception()
+        if error is not None:
+            told = getattr(error, "notices", None)
+            if isinstance(told, list):
+                told[:] = [m for m in told if m.shard != shard]
+            return True
+        batch, notices = done.result()
+        notices[:] = [m for m in notices if m.shard != shard]
         if batch is not None and not bool((batch.keys.numpy() >> KEY_SHARD_BITS == shard).any()):
             return True
-        others = [(m.shard, np.asarray(m.keys)) for m in notices if m.shard != shard]
+        others = [(m.shard, np.asarray(m.keys)) for m in notices]
         if others:
             with self._lock:
                 self._hold(others, time.perf_counter())

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+import zmq.backend
 from zmq.auth.thread import ThreadAuthenticator
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
@@ -359,10 +360,11 @@ class ZmqClient:
 
     Several requests may be out at once (:meth:`send` each, then :meth:`reply` for each): the
     server answers them in order, one at a time, so a reader's next request is served while it
-    handles the last reply. One waiter receives at a time (a lock, taken in order); a reply it
-    receives for another request still waited for is kept for that one, a reply to a request no
-    one waits for any more (it timed out) is dropped. A connection that closes (the owner's process
-    died, or heartbeats timed out) marks the client lost for good: every waiting and later request
+    handles the last reply. One waiter receives at a time (a lock, taken in order) and hands each
+    reply it receives to its request's waiter (a future per request), which returns at once; a
+    reply to a request no one waits for any more (it timed out) is dropped. A connection that
+    closes (the owner's process died, or heartbeats timed out) marks the client lost for good: the
+    replies already received still reach their waiters, every other waiting and later request
     raises ``PeerLostError``, and the reader must attach a fresh descriptor.
     """
 
@@ -397,8 +399,7 @@ class ZmqClient:
         self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self.lock = asyncio.Lock()  # held by the one waiter that receives (reply)
-        self._waiting: set[int] = set()  # ids of requests sent and not yet answered to their caller
-        self._early: dict[int, dict[str, Any]] = {}  # replies received by another request's waiter
+        self._waiting: dict[int, asyncio.Future[Any]] = {}  # request sent -> its reply, once received
         self._mon: asyncio.Future[Any] | None = None
         self.lost: str | None = None
         self.connected = False
@@ -468,53 +469,86 @@ class ZmqClient:
         # (zmq.asyncio sends now when it can, else queues it after the others, in order; an error is
         # the socket's closing, which the reply's wait reports)
         self.sock.send_multipart(encode(request), copy=False).add_done_callback(_seen)
-        self._waiting.add(req_id)
+        self._waiting[req_id] = asyncio.get_running_loop().create_future()
         return req_id
 
     async def reply(self, req_id: int, *, timeout_s: float, what: str) -> dict[str, Any]:
-        """The reply to request ``req_id`` (:meth:`send`), decoded; errors in it are raised.
+        """The reply to request ``req_id`` (:meth:`send`), decoded; errors in it are raised. Whoever
+        receives it (this wait, or another holding the socket) hands it over at once.
 
         Raises:
+            ValueError: no request ``req_id`` is waiting for its reply.
             PeerLostError: the connection closed, or no reply came within ``timeout_s``.
             (and any allow-listed error class the server answered with)
         """
+        fut = self._waiting.get(req_id)
+        if fut is None:
+            raise ValueError(f"bulk owner at {self.address}: no request {req_id!r} waits for its reply")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         try:
-            if req_id not in self._early:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await self.lock.acquire()
-                except TimeoutError:
-                    if req_id not in self._early:  # (received by the waiter before: it is here)
-                        raise self._late(what, timeout_s) from None
-                else:
+            while not fut.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise self._late(what, timeout_s)
+                self._mon_future()
+                if self.lost is not None and not self.lock.locked():
+                    self._drain_queued()  # (replies that came before the connection closed are theirs)
+                    if fut.done():
+                        break
+                    raise self._lost_error()
+                if not self.lock.locked():  # (taken without a wait)
+                    await self.lock.acquire()
+                else:  # wait for the socket, or for the holder to hand this reply over
+                    acq = asyncio.ensure_future(self.lock.acquire())
                     try:
-                        await self._receive_until(req_id, deadline, what, timeout_s)
-                    finally:
-                        self.lock.release()
-            reply = self._early.pop(req_id)
+                        await asyncio.wait((acq, fut), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                    except BaseException:
+                        self._let_go(acq)
+                        raise
+                    if fut.done() or not acq.done():
+                        self._let_go(acq)
+                        continue
+                try:
+                    await self._receive_until(fut, deadline, what, timeout_s)
+                finally:
+                    self.lock.release()
+            reply = fut.result()
         finally:
-            self._waiting.discard(req_id)
-            self._early.pop(req_id, None)  # (a reply kept for a wait that failed)
+            self._waiting.pop(req_id, None)
         if reply.get("ok") is True:
             return reply
         cls = _ERRORS.get(str(reply.get("error")), MalformedFrameError)
         raise cls(str(reply.get("message")))
 
-    async def _receive_until(self, req_id: int, deadline: float, what: str, timeout_s: float) -> None:
-        """Receive replies (keeping those of other waiters) until ``req_id``'s is in ``_early``."""
+    def _let_go(self, acq: asyncio.Future[Any]) -> None:
+        """Give up a wait for the socket's lock: cancelled if pending, released if it was taken."""
+        if not acq.done():
+            acq.cancel()  # (a cancelled Lock.acquire never holds the lock, and wakes the next waiter)
+        elif not acq.cancelled() and acq.exception() is None:
+            self.lock.release()
+
+    async def _receive_until(self, fut: asyncio.Future[Any], deadline: float, what: str, timeout_s: float) -> None:
+        """Receive replies (handing each to its request's waiter) until ``fut`` has its own; the
+        caller holds the lock."""
         loop = asyncio.get_running_loop()
-        while req_id not in self._early:
+        while not fut.done():
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise self._late(what, timeout_s)
             if self.lost is not None:
+                self._drain_queued()
+                if fut.done():
+                    return
                 raise self._lost_error()
             recv = self.sock.recv_multipart(copy=False)
             mon = self._mon_future()
             try:
                 await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # cancelled: a reply received meanwhile still goes to its waiter
+                if recv.done() and not recv.cancelled() and recv.exception() is None:
+                    self._keep(recv.result(), quiet=True)
+                raise
             finally:
                 if not recv.done():  # cancelled or timed out: a stale recv must not eat a later reply
                     recv.cancel()
@@ -522,15 +556,34 @@ class ZmqClient:
                 self._mon_future()  # handles the event, arms the next wait
             if recv.cancelled() or not recv.done():
                 continue
-            frames = recv.result()
+            self._keep(recv.result())
+
+    def _keep(self, frames: list[Any], quiet: bool = False) -> None:
+        """A received reply, decoded and handed to its request's waiter; a late reply (to a request
+        no one waits for any more) or a malformed one is dropped (``quiet``) or raised."""
+        try:
+            reply = decode(frames, max_nbytes=self.max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
+        except (MalformedFrameError, FrameTooLargeError) as exc:
+            if quiet:
+                log.warning("bulk owner at %s sent a bad reply: %s", self.address, exc)
+                return
+            raise MalformedFrameError(f"bulk owner at {self.address} sent a bad reply: {exc}") from None
+        rid = reply.get("id") if type(reply) is dict else None
+        waiter = self._waiting.get(rid) if type(rid) is int else None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    def _drain_queued(self) -> None:
+        """The replies already received on a lost connection, handed to their waiters."""
+        recv = zmq.backend.Socket.recv  # (the socket's own, not the asyncio wrapper's: what is queued, now)
+        for _ in range(64 * 1024):
             try:
-                reply = decode(frames, max_nbytes=self.max_reply_nbytes + REPLY_OVERHEAD_NBYTES)
-            except (MalformedFrameError, FrameTooLargeError) as exc:
-                raise MalformedFrameError(f"bulk owner at {self.address} sent a bad reply: {exc}") from None
-            rid = reply.get("id") if type(reply) is dict else None
-            if type(rid) is int and rid in self._waiting and rid not in self._early:
-                self._early[rid] = reply
-            # (else the late reply to a request that timed out earlier, or garbage: dropped)
+                frames = [recv(self.sock, zmq.NOBLOCK, copy=False)]
+                while self.sock.getsockopt(zmq.RCVMORE):
+                    frames.append(recv(self.sock, zmq.NOBLOCK, copy=False))
+            except zmq.ZMQError:  # (nothing more, or the socket is closed)
+                return
+            self._keep(frames, quiet=True)
 
     def _late(self, what: str, timeout_s: float) -> PeerLostError:
         return PeerLostError(f"bulk owner at {self.address} did not answer {what} within {timeout_s} s "

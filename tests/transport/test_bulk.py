@@ -924,7 +924,7 @@ async def test_requests_out_at_once_are_served_in_order_and_each_wait_gets_its_o
         assert owner._server.served == served + 5
         assert [(await reader.reply(s))["x"] for s in reversed(sent)] == [4, 3, 2, 1, 0]
         (client,) = {s[0] for s in sent}
-        assert not client._waiting and not client._early
+        assert not client._waiting
 
         region = await impatient.attach(owner.descriptor("r"), backend="zmq")
         slow = impatient.send_call(region, "echo", {"x": "slow", "sleep": 1.5})
@@ -935,7 +935,7 @@ async def test_requests_out_at_once_are_served_in_order_and_each_wait_gets_its_o
         assert (await impatient.reply(fast))["x"] == "fast"
         assert (await impatient.call(region, "echo", {"x": 7}))["x"] == 7
         (client,) = {slow[0], fast[0]}
-        assert not client._waiting and not client._early
+        assert not client._waiting
     finally:
         await impatient.aclose()
         await reader.aclose()

@@ -329,12 +329,18 @@ class OneSidedSampling:
         assert self._reader is not None
         n, live, share, local, remote = draw.n, draw.live, draw.share, draw.local, draw.remote
 
-        async def reply(sent: Any) -> Any:
+        # Each reply awaited in turn (the servers answer at once, side by side: by the time the first is
+        # in, the others mostly are too, and are taken without a wait; no task per shard).
+        replies: list[Any] = []
+        deadline = asyncio.get_running_loop().time() + self._reader.timeout_s  # (one for all: a hung server costs it once)
+        for sent in draw.sent:
             if isinstance(sent, BaseException):
-                raise sent
-            return await self._reader.reply(sent)  # type: ignore[union-attr]
-
-        replies = await asyncio.gather(*(reply(x) for x in draw.sent), return_exceptions=True)
+                replies.append(sent)
+                continue
+            try:
+                replies.append(await self._reader.reply(sent, deadline=deadline))
+            except Exception as e:  # (each part's error, as it was for that shard)
+                replies.append(e)
         parts: dict[int, dict[str, Any]] = {}
         failed: BaseException | None = None
         for (k, c), rep in zip(remote, replies):

@@ -475,10 +475,17 @@ class BulkReader:
         client = att.client
         return client, client.send({**request, "op": op, "region": att.name, "generation": att.generation}), op
 
-    async def reply(self, sent: tuple[Any, int, str]) -> dict[str, Any]:
-        """The reply to a request :meth:`send_call` sent (raises as :meth:`call`)."""
+    async def reply(self, sent: tuple[Any, int, str], *, deadline: float | None = None) -> dict[str, Any]:
+        """The reply to a request :meth:`send_call` sent (raises as :meth:`call`). ``deadline`` (the
+        loop's time; default the reader's ``timeout_s`` from now): several replies awaited in turn
+        share one."""
         client, req_id, op = sent
-        return await client.reply(req_id, timeout_s=self._timeout_s, what=op)
+        return await client.reply(req_id, timeout_s=self._timeout_s, what=op, deadline=deadline)
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a reply is waited for."""
+        return self._timeout_s
 
     def detach(self, region: str) -> None:
         """Forget ``region`` (unmap its segments, drop its connection when no region uses it).

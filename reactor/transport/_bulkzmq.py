@@ -472,9 +472,10 @@ class ZmqClient:
         self._waiting[req_id] = asyncio.get_running_loop().create_future()
         return req_id
 
-    async def reply(self, req_id: int, *, timeout_s: float, what: str) -> dict[str, Any]:
+    async def reply(self, req_id: int, *, timeout_s: float, what: str, deadline: float | None = None) -> dict[str, Any]:
         """The reply to request ``req_id`` (:meth:`send`), decoded; errors in it are raised. Whoever
-        receives it (this wait, or another holding the socket) hands it over at once.
+        receives it (this wait, or another holding the socket) hands it over at once. ``deadline``
+        (the loop's time; default ``timeout_s`` from now): when the wait gives up.
 
         Raises:
             ValueError: no request ``req_id`` is waiting for its reply.
@@ -485,7 +486,8 @@ class ZmqClient:
         if fut is None:
             raise ValueError(f"bulk owner at {self.address}: no request {req_id!r} waits for its reply")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        if deadline is None:
+            deadline = loop.time() + timeout_s
         try:
             while not fut.done():
                 remaining = deadline - loop.time()
@@ -541,6 +543,9 @@ class ZmqClient:
                 if fut.done():
                     return
                 raise self._lost_error()
+            self._drain_queued(quiet=False)  # (replies already here: taken without an event-loop round)
+            if fut.done():
+                return
             recv = self.sock.recv_multipart(copy=False)
             mon = self._mon_future()
             try:
@@ -573,8 +578,9 @@ class ZmqClient:
         if waiter is not None and not waiter.done():
             waiter.set_result(reply)
 
-    def _drain_queued(self) -> None:
-        """The replies already received on a lost connection, handed to their waiters."""
+    def _drain_queued(self, quiet: bool = True) -> None:
+        """The replies already received (also on a lost connection), handed to their waiters; the
+        caller holds the lock, or no one does (no asyncio receive is pending). ``quiet``: as :meth:`_keep`."""
         recv = zmq.backend.Socket.recv  # (the socket's own, not the asyncio wrapper's: what is queued, now)
         for _ in range(64 * 1024):
             try:
@@ -583,7 +589,7 @@ class ZmqClient:
                     frames.append(recv(self.sock, zmq.NOBLOCK, copy=False))
             except zmq.ZMQError:  # (nothing more, or the socket is closed)
                 return
-            self._keep(frames, quiet=True)
+            self._keep(frames, quiet=quiet)
 
     def _late(self, what: str, timeout_s: float) -> PeerLostError:
         return PeerLostError(f"bulk owner at {self.address} did not answer {what} within {timeout_s} s "

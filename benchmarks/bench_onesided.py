@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
-from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedShards
+from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, SharedShards, serve_sample
 from reactor.transport._shm import huge_pages_allowed, mapped_kb
 from reactor.transport.bulk import BulkOwner
 
@@ -63,11 +63,16 @@ def fill(table: Table, rng: np.random.Generator, steps: int, pub: SamplingPublis
             pub.end()
 
 
-async def published_shard(k: int, capacity: int, rng: np.random.Generator) -> tuple[BulkOwner, dict, dict]:
-    """A shard's table in shared memory, filled and published as a Replay shard's; (owner, descriptor, offer)."""
-    owner = await BulkOwner.open(f"bench-onesided-{os.getpid()}-{k}", backends=["shm"])
+async def published_shard(k: int, capacity: int, rng: np.random.Generator,
+                          serve_at: str | None = None) -> tuple[BulkOwner, dict, dict]:
+    """A shard's table, filled and published as a Replay shard's; (owner, descriptor, offer). Its memory
+    is shared (a reader on this host maps it), or with ``serve_at`` (a zmq address) its bulk read server
+    there serves ``replay_sample`` as a Replay shard's does for readers on other hosts."""
+    owner = await BulkOwner.open(f"bench-onesided-{os.getpid()}-{k}", backends=["zmq" if serve_at else "shm"],
+                                 **({"zmq_bind": serve_at} if serve_at else {}))
     region = f"r{k}"
-    arrays = SharedArrays(lambda name, nb: owner.allocate(f"-s-{region}", name, (1, nb), torch.uint8).numpy()[0])
+    arrays = (SharedArrays(lambda _name, nb: np.zeros(nb, np.uint8)) if serve_at else
+              SharedArrays(lambda name, nb: owner.allocate(f"-s-{region}", name, (1, nb), torch.uint8).numpy()[0]))
     storage = Storage(SPECS, capacity, allocator=owner.allocator(region), index_arrays=arrays)
     versions = owner.allocate_versions(region).numpy()
     table = Table(storage, sampler=Prioritized(ALPHA), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
@@ -76,9 +81,21 @@ async def published_shard(k: int, capacity: int, rng: np.random.Generator) -> tu
     first, nxt = storage.step_range
     held = np.arange(first, nxt)
     versions[held % capacity] = held  # what Replay's inserts leave in the version column
-    offer = {"table": pub.descriptor(), "op": "replay_sample", "max_items": 1 << 20,
-             "region": owner.descriptor(f"-s-{region}")}
-    return owner, owner.descriptor(region), offer
+    offer = {"table": pub.descriptor(), "op": "replay_sample", "max_items": 1 << 20}
+    if not serve_at:
+        return owner, owner.descriptor(region), {**offer, "region": owner.descriptor(f"-s-{region}")}
+    published = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
+    fields = [(s.name, storage._fields[s.name][0].numel() * storage._fields[s.name].element_size(),
+               storage._fields[s.name].data_ptr()) for s in SPECS]
+
+    def serve(req: dict, _tensors: object) -> dict:
+        reply = serve_sample(published, req, fields, 1 << 20)
+        reply["fields"] = [f[0] for f in fields]
+        return reply
+
+    owner.serve_op("replay_sample", serve)
+    owner.kept = (table, pub)  # type: ignore[attr-defined]  # (alive while the server draws from them)
+    return owner, {**owner.descriptor(region), "host": "another-host"}, offer
 
 
 class Timers:

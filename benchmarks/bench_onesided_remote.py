@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_onesided import ALPHA, BATCH, SPECS, WINDOW, fill
+from benchmarks.bench_onesided import ALPHA, BATCH, SPECS, WINDOW, fill, published_shard
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import Fifo, MinSize, Prioritized, Storage, Table, WindowRead
@@ -60,42 +60,13 @@ def serve_shards(ready: Any, stop: Any, shards: int, per: int, where: str) -> No
     """The shards' process: ``shards`` filled, published tables behind bulk zmq read servers (ipc)."""
     torch.set_num_threads(1)
 
-    from reactor.replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample
-    from reactor.transport.bulk import BulkOwner
-
     async def main() -> None:
         rng = np.random.default_rng(0)
-        owners, offers = [], []
-        for k in range(shards):
-            owner = await BulkOwner.open(f"bench-remote-{os.getpid()}-{k}", backends=["zmq"],
-                                         zmq_bind=f"ipc://{where}/s{k}.sock")
-            region = f"r{k}"
-            arrays = SharedArrays(lambda _name, nb: np.zeros(nb, np.uint8))
-            storage = Storage(SPECS, per, allocator=owner.allocator(region), index_arrays=arrays)
-            versions = owner.allocate_versions(region).numpy()
-            table = Table(storage, sampler=Prioritized(ALPHA), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
-            pub = SamplingPublisher(table, arrays, read=WindowRead(WINDOW))
-            fill(table, rng, 2 * per, pub)
-            first, nxt = storage.step_range
-            held = np.arange(first, nxt)
-            versions[held % per] = held  # what Replay's inserts leave in the version column
-            published = SharedSampling(pub.descriptor(), {n: arrays.get(n) for n in arrays.layout()})
-            fields = [(s.name, storage._fields[s.name][0].numel() * storage._fields[s.name].element_size(),
-                       storage._fields[s.name].data_ptr()) for s in SPECS]
-
-            def op(req: dict, _tensors: Any, published: Any = published, fields: list = fields) -> dict:
-                reply = serve_sample(published, req, fields, 1 << 20)
-                reply["fields"] = [f[0] for f in fields]
-                return reply
-
-            owner.serve_op("replay_sample", op)
-            offers.append(({**owner.descriptor(region), "host": "another-host"},
-                           {"table": pub.descriptor(), "op": "replay_sample", "max_items": 1 << 20}))
-            owners.append((owner, table, pub))
-        ready.put(offers)
+        served = [await published_shard(k, per, rng, serve_at=f"ipc://{where}/s{k}.sock") for k in range(shards)]
+        ready.put([(desc, offer) for _owner, desc, offer in served])
         while not stop.is_set():
             await asyncio.sleep(0.05)
-        for owner, _t, _p in owners:
+        for owner, _d, _o in served:
             await owner.aclose()
 
     asyncio.run(main())

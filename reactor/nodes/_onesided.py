@@ -333,9 +333,13 @@ class OneSidedSampling:
         # in, the others mostly are too, and are taken without a wait; no task per shard).
         replies: list[Any] = []
         deadline = asyncio.get_running_loop().time() + self._reader.timeout_s  # (one for all: a hung server costs it once)
-        for sent in draw.sent:
+        for (k, _c), sent in zip(remote, draw.sent):
             if isinstance(sent, BaseException):
                 replies.append(sent)
+                continue
+            if k in draw.dropped:  # lost or restarted meanwhile: its reply is not waited for (dropped if it comes)
+                self._reader.forget(sent)
+                replies.append(None)
                 continue
             try:
                 replies.append(await self._reader.reply(sent, deadline=deadline))

@@ -462,9 +462,10 @@ class BulkReader:
         return await self.reply(self.send_call(region, op, request))
 
     def send_call(self, region: str, op: str, request: Mapping[str, Any]) -> tuple[Any, int, str]:
-        """:meth:`call`'s request, sent now; its reply is awaited with :meth:`reply` (every call sent
-        must be). Several may be out at once, to one owner or several: an owner's server answers its
-        in order, and serves the next while the reader handles the last reply.
+        """:meth:`call`'s request, sent now; its reply is awaited with :meth:`reply`, or given up on
+        with :meth:`forget` (every call sent gets one of the two). Several may be out at once, to one
+        owner or several: an owner's server answers its in order, and serves the next while the
+        reader handles the last reply.
 
         Raises:
             KeyError, ValueError, PeerLostError: as :meth:`call` (a lost connection: at once).
@@ -481,6 +482,11 @@ class BulkReader:
         share one."""
         client, req_id, op = sent
         return await client.reply(req_id, timeout_s=self._timeout_s, what=op, deadline=deadline)
+
+    def forget(self, sent: tuple[Any, int, str]) -> None:
+        """Give up on a request :meth:`send_call` sent: its reply, if it comes, is dropped."""
+        client, req_id, _op = sent
+        client.forget(req_id)
 
     @property
     def timeout_s(self) -> float:

@@ -455,7 +455,8 @@ class ZmqClient:
 
     def send(self, request: dict[str, Any]) -> int:
         """Send one request now (``request["id"]`` is set to a fresh id, returned); its reply is
-        waited for with :meth:`reply`, which every sent request must get (it forgets the id).
+        waited for with :meth:`reply` (or given up on with :meth:`forget`): every sent request gets
+        one of the two (either forgets the id).
 
         Raises:
             PeerLostError: the connection closed.
@@ -522,6 +523,10 @@ class ZmqClient:
             return reply
         cls = _ERRORS.get(str(reply.get("error")), MalformedFrameError)
         raise cls(str(reply.get("message")))
+
+    def forget(self, req_id: int) -> None:
+        """Give up on request ``req_id`` (:meth:`send`) without waiting: its reply is dropped if it comes."""
+        self._waiting.pop(req_id, None)
 
     def _let_go(self, acq: asyncio.Future[Any]) -> None:
         """Give up a wait for the socket's lock: cancelled if pending, released if it was taken."""

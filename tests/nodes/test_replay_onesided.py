@@ -718,6 +718,37 @@ async def test_a_shard_lost_with_no_count_in_draws_from_other_hosts_still_ends_t
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+async def test_a_draw_from_other_hosts_does_not_wait_for_the_reply_of_a_shard_lost_meanwhile(tmp_path):
+    """Shard 1's read server hangs (its host went silent) with a draw out; shard 1 is lost: the take
+    ends at once, without the batch and with shard 0's notices, instead of waiting for shard 1's reply
+    (its connection's loss, or the reader's timeout); the reply that comes later is dropped."""
+    import threading
+
+    from reactor.nodes.replay import REMOTE_SAMPLE_OP
+
+    shards, client, go = [], None, threading.Event()
+    try:
+        shards = [await _served_shard(tmp_path, k) for k in range(2)]
+        ops = shards[1][0]._server.extra_ops
+        serve = ops[REMOTE_SAMPLE_OP]
+        ops[REMOTE_SAMPLE_OP] = lambda req, region: (go.wait(30), serve(req, region))[1]
+        client = await _client_of(shards, notice_every=1000)
+        assert client.draw_ahead(40, 1) == 1
+        client.shard_lost(1, "test")
+        t0 = asyncio.get_running_loop().time()
+        batch, notices = await asyncio.wait_for(client.next_drawn(), 5)
+        assert asyncio.get_running_loop().time() - t0 < 2
+        assert batch is None and {m.shard for m in notices} == {0} and 0 < len(notices[0].keys) < 40
+        go.set()
+        await asyncio.sleep(0.2)  # (shard 1's late reply arrives, and is dropped)
+        assert not any(c._waiting for c in client._reader._clients.values())
+    finally:
+        go.set()
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_takes_of_draws_from_other_hosts_get_each_draw_once_and_a_cancelled_take_leaves_it(tmp_path):
     """Draws from shards of another host, as the draws on threads: two takes waiting at once get the
     draw and (None, []); a take cancelled in the tick its draw finishes leaves it to the next take;

@@ -789,15 +789,21 @@ async def test_a_shard_lost_while_draws_ahead_run_waits_for_them_and_drops_the_d
     that drew from shard 1 (as a message sample in flight drops its part) and holds their notices to
     shard 0, which the take gets none of: it returns (None, []). The next draws come from shard 0
     alone; close() with draws still ahead drops them and leaves no draw running."""
-    shards, client = [], None
+    import threading
+
+    shards, client, gate = [], None, threading.Event()
     try:
         shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
         client = await _client_of(shards, draw_threads=4, notice_every=1000)
+        sample_now = client.sample_now
+        client.sample_now = lambda n: (gate.wait(30), sample_now(n))[1]  # (the draws wait for the gate)
         client.draw_ahead(200_000, 4)
-        while not all(f.running() or f.done() for f in client._ahead):  # (none left for the take to draw)
+        while not all(f.running() for f in client._ahead):  # (none left for the take to draw)
             await asyncio.sleep(0.001)
         take = asyncio.ensure_future(client.next_drawn())
-        await asyncio.sleep(0)  # the take waits on the oldest draw
+        await asyncio.sleep(0)  # the take waits on the oldest draw, still running (on a loaded machine
+        assert not take.done()  # one used to finish first, and the take got its batch)
+        threading.Timer(0.1, gate.set).start()  # (the loss waits for the running draws: they end meanwhile)
         client.shard_lost(1, "test")
         assert not client._running and client.drawn_ahead == 0
         assert await take == (None, [])
@@ -813,6 +819,7 @@ async def test_a_shard_lost_while_draws_ahead_run_waits_for_them_and_drops_the_d
         client.close()
         assert client.drawn_ahead == 0 and client._pool is None and not client._running
     finally:
+        gate.set()
         await _close([client], shards)
 
 

@@ -45,6 +45,14 @@ from .writer import TransitionPattern, WindowPattern, Writer
 __all__ = ["EnvActor"]
 
 
+
+def writer_pattern(read: Any) -> WindowPattern | TransitionPattern:
+    """How an actor's Writer cuts its streams for a table that reads ``read`` (the algorithm's
+    ``store(...).read``): windows for a ``WindowRead``, n-step transitions otherwise."""
+    if type(read).__name__ == "WindowRead":
+        return WindowPattern(read.length, read.pad)
+    return TransitionPattern(getattr(read, "n", 1))
+
 class EnvActor(Reactor):
     """Steps ``num_envs`` gymnasium environments with an algorithm's ``act`` fragment.
 
@@ -164,15 +172,10 @@ class EnvActor(Reactor):
             self.waiting_for = 0  # the first rollout is collected with the learner's first weights
         else:
             spec = algo.store(obs_space, act_space, self.config)
-            read = spec.read
-            if type(read).__name__ == "WindowRead":
-                pattern: Any = WindowPattern(read.length, read.pad)
-            else:
-                pattern = TransitionPattern(getattr(read, "n", 1))
             self.writer = Writer(
                 [(n, tuple(shape), dtype) for n, shape, dtype in spec.fields],
                 self.num_envs,
-                pattern,
+                writer_pattern(spec.read),
                 num_shards=self.num_shards,
                 writer_id=self.bank_index,
                 shard=self.bank_index % self.num_shards if self.colocated_shard else None,

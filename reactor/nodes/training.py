@@ -26,7 +26,7 @@ from typing import Any
 
 from .._graph import Graph, graph_builder
 from .._tag import NS_PER_S, seconds_to_ns
-from .env_actor import EnvActor
+from .env_actor import EnvActor, writer_pattern
 from .evaluator import Evaluator
 from .learner import Learner, RolloutLearner
 from .messages import requester_key, shard_key, writer_key
@@ -126,6 +126,18 @@ def off_policy_graph(
     finally:
         probe.close()
     fields = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in spec.fields]
+    # A shard refuses an insert larger than itself (the message is dropped): each must hold the largest
+    # an actor sends, the rows pending below flush_steps plus, from each of its envs, one episode chunk
+    # (its anchors, their context, the final row) completed by the same step.
+    pattern = writer_pattern(spec.read)
+    segment = pattern.chunk_length + sum(pattern.context()) + 1
+    largest = flush_steps - 1 + envs_per_actor * segment
+    if capacity // shards < largest:
+        raise ValueError(
+            f"config key 'capacity' is {capacity} over {shards} shard(s): {capacity // shards} steps a shard, "
+            f"below the largest insert an actor sends ({largest} rows: up to flush_steps={flush_steps} pending, "
+            f"plus an episode chunk of up to {segment} rows from each of its {envs_per_actor} env(s)), which a "
+            f"shard would refuse; set capacity >= {largest * shards}")
     per_shard_min = max(1, min_size // shards)
     # One Steps message carries up to flush_steps rows plus one episode chunk: the limiter's window
     # must admit a whole message at once, or the first insert past min_size would wait forever.

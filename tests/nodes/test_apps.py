@@ -85,6 +85,22 @@ def test_an_app_config_value_out_of_its_range_is_one_line_naming_the_key(app, ov
         make_config(load_app(APPS / f"{app}.py"), overrides)
 
 
+def test_a_capacity_too_small_for_an_actors_largest_insert_is_one_line_naming_the_bound():
+    """`--set capacity=200 shards=2 min_size=50` ran, each shard (100 steps) refusing every message
+    larger than itself, logged and dropped (an error line a few times a second). Now the graph is not
+    built: the message names the per-shard steps, the largest insert (flush_steps, one episode chunk of
+    256 anchors, their 3-step context and the final row per env) and the capacity that holds it; that
+    capacity itself runs."""
+    p = _cli("run", str(APPS / "dqn.py"), "--set", "capacity=200", "shards=2", "min_size=50")
+    assert p.returncode == 2 and p.stderr == (
+        "reactor: config key 'capacity' is 200 over 2 shard(s): 100 steps a shard, below the largest insert an "
+        "actor sends (587 rows: up to flush_steps=64 pending, plus an episode chunk of up to 262 rows from each of "
+        "its 2 env(s)), which a shard would refuse; set capacity >= 1174\n")
+    from reactor.launch._app import build_graph
+
+    assert build_graph(str(APPS / "dqn.py"), {"capacity": 1174, "shards": 2, "min_size": 50, "live": False})
+
+
 def test_an_optional_config_value_of_another_type_is_refused():
     """`target_return='high'` (a float | None field) got through, and failed the run at its first
     evaluation with a TypeError traceback."""

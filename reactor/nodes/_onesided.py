@@ -887,6 +887,9 @@ class OneSidedSampling:
             if draw.task is None or not draw.task.done():
                 if shard in draw.shards:
                     draw.dropped.add(shard)
+                    for (k, _c), sent in zip(draw.remote, draw.sent):
+                        if k == shard and not isinstance(sent, BaseException) and self._reader is not None:
+                            self._reader.forget(sent)  # (a wait for its reply ends now: its host may be silent)
                 keep.append(draw)
             elif draw.task.cancelled() or self._keeps(draw.task, shard):
                 keep.append(draw)

@@ -525,8 +525,11 @@ class ZmqClient:
         raise cls(str(reply.get("message")))
 
     def forget(self, req_id: int) -> None:
-        """Give up on request ``req_id`` (:meth:`send`) without waiting: its reply is dropped if it comes."""
-        self._waiting.pop(req_id, None)
+        """Give up on request ``req_id`` (:meth:`send`): its reply is dropped if it comes, and a wait
+        for it (:meth:`reply`) ends now with ``PeerLostError``."""
+        fut = self._waiting.pop(req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(PeerLostError(f"bulk owner at {self.address}: request {req_id} was given up on"))
 
     def _let_go(self, acq: asyncio.Future[Any]) -> None:
         """Give up a wait for the socket's lock: cancelled if pending, released if it was taken."""
@@ -553,8 +556,8 @@ class ZmqClient:
                 return
             recv = self.sock.recv_multipart(copy=False)
             mon = self._mon_future()
-            try:
-                await asyncio.wait((recv, mon), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            try:  # (fut: a reply given up on ends the wait)
+                await asyncio.wait((recv, mon, fut), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             except BaseException:  # cancelled: a reply received meanwhile still goes to its waiter
                 if recv.done() and not recv.cancelled() and recv.exception() is None:
                     self._keep(recv.result(), quiet=True)

@@ -718,10 +718,12 @@ async def test_a_shard_lost_with_no_count_in_draws_from_other_hosts_still_ends_t
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_a_draw_from_other_hosts_does_not_wait_for_the_reply_of_a_shard_lost_meanwhile(tmp_path):
-    """Shard 1's read server hangs (its host went silent) with a draw out; shard 1 is lost: the take
-    ends at once, without the batch and with shard 0's notices, instead of waiting for shard 1's reply
-    (its connection's loss, or the reader's timeout); the reply that comes later is dropped."""
+@pytest.mark.parametrize("waiting", [False, True], ids=["before-the-take", "while-the-take-waits"])
+async def test_a_draw_from_other_hosts_does_not_wait_for_the_reply_of_a_shard_lost_meanwhile(tmp_path, waiting):
+    """Shard 1's read server hangs (its host went silent) with a draw out; shard 1 is lost before the
+    take, or while the take waits for its reply: the take ends at once, without the batch and with
+    shard 0's notices, instead of waiting for shard 1's reply (its connection's loss, or the reader's
+    timeout); the reply that comes later is dropped."""
     import threading
 
     from reactor.nodes.replay import REMOTE_SAMPLE_OP
@@ -733,10 +735,17 @@ async def test_a_draw_from_other_hosts_does_not_wait_for_the_reply_of_a_shard_lo
         serve = ops[REMOTE_SAMPLE_OP]
         ops[REMOTE_SAMPLE_OP] = lambda req, region: (go.wait(30), serve(req, region))[1]
         client = await _client_of(shards, notice_every=1000)
+        served = shards[0][0]._server.served
         assert client.draw_ahead(40, 1) == 1
-        client.shard_lost(1, "test")
+        take = None
+        if waiting:  # the take has shard 0's reply and waits for shard 1's
+            take = asyncio.ensure_future(client.next_drawn())
+            await _served_by(shards[:1], [served + 1])
+            await asyncio.sleep(0.3)
+            assert not take.done()
         t0 = asyncio.get_running_loop().time()
-        batch, notices = await asyncio.wait_for(client.next_drawn(), 5)
+        client.shard_lost(1, "test")
+        batch, notices = await asyncio.wait_for(take or client.next_drawn(), 5)
         assert asyncio.get_running_loop().time() - t0 < 2
         assert batch is None and {m.shard for m in notices} == {0} and 0 < len(notices[0].keys) < 40
         go.set()

@@ -145,3 +145,27 @@ async def test_late_duplicate_and_malformed_replies_are_dropped_and_each_waiter_
     assert (await client.reply(a, timeout_s=5, what="A"))["x"] == "A"
     assert (await client.reply(b, timeout_s=5, what="B"))["x"] == "B first"
     assert not client._waiting
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_request_given_up_on_ends_its_wait_at_once_and_its_reply_is_dropped(pair):
+    """forget(id) while a waiter holds the socket for that reply (its owner went silent): the wait
+    ends with PeerLostError at once, not at its deadline; the reply, if it comes, is dropped, and the
+    next request gets its own."""
+    owner, client = pair
+    a = client.send({"x": "A"})
+    await owner.collect(1)
+    wait_a = asyncio.ensure_future(client.reply(a, timeout_s=20, what="A"))
+    await asyncio.sleep(0.05)
+    assert client.lock.locked()
+    t0 = time.monotonic()
+    client.forget(a)
+    with pytest.raises(PeerLostError, match=f"request {a} was given up on"):
+        await wait_a
+    assert time.monotonic() - t0 < 1 and not client.lock.locked()
+    await owner.answer(0)
+    b = client.send({"x": "B"})
+    await owner.collect(2)
+    await owner.answer(1)
+    assert (await client.reply(b, timeout_s=5, what="B"))["x"] == "B" and not client._waiting

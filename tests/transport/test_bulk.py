@@ -902,7 +902,7 @@ async def test_a_request_over_the_owners_request_bound_is_refused_and_the_owner_
 async def test_requests_out_at_once_are_served_in_order_and_each_wait_gets_its_own_reply(run_id, tmp_path):
     """Five requests sent before any reply is awaited are all served while no one waits (the owner's
     server counts them); their replies, awaited newest first, each reach their own request (a waiter
-    keeps the replies it receives for the others). A request whose reply comes too late fails alone
+    hands the replies it receives for the others to their waits). A request whose reply comes too late fails alone
     with PeerLostError; its late reply is dropped, and the request sent after it gets its own."""
     owner = await BulkOwner.open(run_id, backends=["zmq"], zmq_bind=f"ipc://{tmp_path}/o.sock")
     reader = await BulkReader.open(timeout_s=WAIT_S)

@@ -63,13 +63,14 @@ def fill(table: Table, rng: np.random.Generator, steps: int, pub: SamplingPublis
             pub.end()
 
 
-async def published_shard(k: int, capacity: int, rng: np.random.Generator,
-                          serve_at: str | None = None) -> tuple[BulkOwner, dict, dict]:
+async def published_shard(k: int, capacity: int, rng: np.random.Generator, serve_at: str | None = None,
+                          curve: object = None) -> tuple[BulkOwner, dict, dict]:
     """A shard's table, filled and published as a Replay shard's; (owner, descriptor, offer). Its memory
     is shared (a reader on this host maps it), or with ``serve_at`` (a zmq address) its bulk read server
-    there serves ``replay_sample`` as a Replay shard's does for readers on other hosts."""
+    there serves ``replay_sample`` as a Replay shard's does for readers on other hosts (``curve``: the
+    job's CurveKeys, which the server then requires, as between hosts)."""
     owner = await BulkOwner.open(f"bench-onesided-{os.getpid()}-{k}", backends=["zmq" if serve_at else "shm"],
-                                 **({"zmq_bind": serve_at} if serve_at else {}))
+                                 **({"zmq_bind": serve_at, "curve": curve} if serve_at else {}))
     region = f"r{k}"
     arrays = (SharedArrays(lambda _name, nb: np.zeros(nb, np.uint8)) if serve_at else
               SharedArrays(lambda name, nb: owner.allocate(f"-s-{region}", name, (1, nb), torch.uint8).numpy()[0]))

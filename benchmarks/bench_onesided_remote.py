@@ -1,7 +1,8 @@
 """One-sided samples of shards on another host (their read servers), one at a time and drawn ahead, alone and
 between a learner's updates, against one in-process ``Table``.
 
-Run: ``python benchmarks/bench_onesided_remote.py [--shards 4] [--capacity 262144] [--reps 5] [--calls 200]``
+Run: ``python benchmarks/bench_onesided_remote.py [--shards 4] [--capacity 262144] [--reps 5] [--calls 200]
+[--transport ipc|tcp-curve]``
 
 What a learner on another host than its replay shards gets from ``ReplayClient(remote_reads="zmq")``: the
 shards (``--shards`` tables of ``capacity / shards`` steps, filled and published as
@@ -9,7 +10,8 @@ shards (``--shards`` tables of ``capacity / shards`` steps, filled and published
 int64 + reward float32 + terminated bool = 269 B) live in another process, each behind its bulk zmq read
 server serving ``replay_sample`` as a Replay shard's does (``reactor/nodes/replay.py``,
 ``_serve_remote_samples``); this process samples them as a reader on another host would, over ipc (a
-single-host stand-in for tcp: the same server, client and frames, less the network). A batch is 256
+single-host stand-in for tcp: the same server, client and frames, less the network), or with
+``--transport tcp-curve`` over tcp on 127.0.0.1 with CURVE, as links between hosts are. A batch is 256
 windows of 32 steps by priority (``Prioritized(0.6)``), 2.21 MB.
 
 Cases, each a median over ``--reps`` repetitions of ``--calls`` batches, the cases interleaved:
@@ -54,15 +56,19 @@ from benchmarks.bench_onesided import ALPHA, BATCH, SPECS, WINDOW, fill, publish
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+from reactor.transport import CurveKeys
 
 
-def serve_shards(ready: Any, stop: Any, shards: int, per: int, where: str) -> None:
-    """The shards' process: ``shards`` filled, published tables behind bulk zmq read servers (ipc)."""
+def serve_shards(ready: Any, stop: Any, shards: int, per: int, where: str, keys: tuple[bytes, bytes] | None) -> None:
+    """The shards' process: ``shards`` filled, published tables behind bulk zmq read servers: on ipc
+    sockets in ``where``, or (``keys``: a CURVE key pair) on tcp on 127.0.0.1 with CURVE."""
     torch.set_num_threads(1)
 
     async def main() -> None:
         rng = np.random.default_rng(0)
-        served = [await published_shard(k, per, rng, serve_at=f"ipc://{where}/s{k}.sock") for k in range(shards)]
+        curve = CurveKeys(*keys) if keys else None
+        served = [await published_shard(k, per, rng, serve_at="tcp://127.0.0.1:*" if keys else f"ipc://{where}/s{k}.sock",
+                                        curve=curve) for k in range(shards)]
         ready.put([(desc, offer) for _owner, desc, offer in served])
         while not stop.is_set():
             await asyncio.sleep(0.05)
@@ -95,15 +101,19 @@ async def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--ahead", type=int, default=4, help="samples drawn ahead in the sampling-only case")
     ap.add_argument("--hidden", type=int, default=32, help="the update's MLP width (its cost per step)")
+    ap.add_argument("--transport", choices=("ipc", "tcp-curve"), default="ipc",
+                    help="the read servers' sockets: ipc, or tcp on 127.0.0.1 with CURVE (as between hosts)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     per = args.capacity // args.shards
     spawn = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as where:
         ready, stop = spawn.Queue(), spawn.Event()
-        proc = spawn.Process(target=serve_shards, args=(ready, stop, args.shards, per, where), daemon=True)
+        keys = CurveKeys.generate() if args.transport == "tcp-curve" else None
+        proc = spawn.Process(target=serve_shards, daemon=True,
+                             args=(ready, stop, args.shards, per, where, (keys.public, keys.secret) if keys else None))
         proc.start()
-        client = ReplayClient(args.shards, rng=np.random.default_rng(1), remote_reads="zmq", bulk=False)
+        client = ReplayClient(args.shards, rng=np.random.default_rng(1), remote_reads="zmq", bulk=False, curve=keys)
         try:
             for k, (desc, offer) in enumerate(ready.get(timeout=300)):
                 await client._attach(k, desc)
@@ -161,7 +171,8 @@ async def run_cases(client: ReplayClient, peer: Table, update: Update, args: arg
             times[name].append((time.perf_counter() - t) / calls)
             cpu[name].append((time.process_time() - c) / calls)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"one-sided samples of {args.shards} shards in another process (bulk zmq read servers over ipc), "
+    print(f"one-sided samples of {args.shards} shards in another process (bulk zmq read servers over "
+          f"{'tcp with CURVE' if args.transport == 'tcp-curve' else 'ipc'}), "
           f"{args.shards} x {args.capacity // args.shards} steps, {BATCH} x {WINDOW}-step windows of 269 B "
           f"({BATCH * WINDOW * 269 / 1e6:.2f} MB); update: MLP 64-{args.hidden}-{args.hidden}-1 over the "
           f"batch's {BATCH * WINDOW} observations, Adam; medians of {args.reps} x {calls}; cpus={os.cpu_count()}")

@@ -415,6 +415,11 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
     still learns to an evaluation of 475; stopped then, its status shows where every group ended up, its
     files come back to the head host's job directory, and nothing is left on any host.
 
+    With ``replay_remote_reads=zmq`` the learner samples replay-1 (another host) one-sidedly through its
+    read server, drawn ahead of its updates: replay-1's death ends the draws out to it (the learner
+    logs it and samples through messages until the shard is back), and the learner's last life draws
+    nearly every batch one-sidedly, most during the update before.
+
     The job has no target return: it cannot stop before the kills are done, however fast the machine,
     and it evaluates at the app's default period (250 updates). (With a target and evaluations held back
     to every 4,000 updates so that the kills came first, the job ran 8,000-12,000 updates: 130-220 s.)"""
@@ -428,7 +433,7 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
                           '[groups.actor-0]\nreactors = ["actor[[]0]"]\nhost = "h2"\n'
                           '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n',
                           "live=False", "replay_checkpoint_period_s=0.0005", "checkpoint_every=100",
-                          "target_return=None")
+                          "target_return=None", "replay_remote_reads=zmq")
         cli = [sys.executable, "-m", "reactor.cli"]
         keys = load_keys(c.keys)
         with DaemonClient(c.addresses["h1"], keys.public, keys) as d:
@@ -475,6 +480,13 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
         # The learner's second life resumed from its checkpoint, not from scratch.
         (resumed,) = re.findall(r"learner resumed from its checkpoint \S+ at update (\d+)", learner.stdout)
         assert int(resumed) >= 100, learner.stdout[-3000:]
+        last = {}  # the learner's last report (its last life's counters; its updates go on from the checkpoint)
+        for row in csv.reader(csv_path.read_text().splitlines()[1:]):
+            if row[2] == "learner" and row[3] in ("updates", "one_sided_batches", "drawn_ahead_batches"):
+                last[row[3]] = float(row[4])
+        since = last["updates"] - int(resumed)
+        assert since > 200 and last["one_sided_batches"] >= 0.8 * since, (resumed, last)
+        assert last["drawn_ahead_batches"] >= 0.5 * since, (resumed, last)
         assert "worker 'actor-1' was lost with host 'h3'" in text
         assert {g: w["host"] for g, w in final["groups"].items()} == {
             "learner": "h1", "replay-0": "h1", "replay-1": "h2", "actor-0": "h2", "actor-1": "h2"}

@@ -42,6 +42,7 @@ from ..replay.shared import (
     take_counts,
     transitions_from_windows,
 )
+from ..transport._bulkzmq import mark_seen
 from ._shardkeys import KEY_SHARD_BITS, make_keys
 from .messages import SampledBatch, SampledKeys, ShardMass
 
@@ -109,11 +110,6 @@ class _RemoteDraw:
     sent: list[Any]  # per remote shard: the request sent (BulkReader.send_call), or the error sending it raised
     dropped: set[int]
     task: asyncio.Task[Any] | None = None  # its finish, once a take awaits it (a cancelled take leaves it running)
-
-    @property
-    def shards(self) -> set[int]:
-        """The shards the draw stands on: every live shard (one with a count of 0 still set the shares)."""
-        return set(self.live)
 
 
 @dataclass
@@ -791,7 +787,7 @@ class OneSidedSampling:
         # error left on it would be logged as "never retrieved" when it is collected (a learner
         # cancelled at the end of a run while its shards closed: seen on a loaded machine).
         waiting = asyncio.wrap_future(fut)
-        waiting.add_done_callback(_seen)
+        waiting.add_done_callback(mark_seen)
         await asyncio.shield(waiting)
         if not (self._ahead and self._ahead[0] is fut):
             return None, []  # dropped meanwhile (its shard lost or restarted: _drop_drawn_of), or drained
@@ -863,7 +859,7 @@ class OneSidedSampling:
         the draw, still finishing, to the next take."""
         if draw.task is None:
             draw.task = asyncio.ensure_future(self._finish_remote(draw))
-            draw.task.add_done_callback(_seen)
+            draw.task.add_done_callback(mark_seen)
         await asyncio.wait((draw.task,))  # (a cancelled caller leaves the task running, and the draw queued)
         if not (self._remote_ahead and self._remote_ahead[0] is draw):
             return None, []  # dropped meanwhile (a shard lost or restarted), taken by another take, or closed
@@ -885,7 +881,7 @@ class OneSidedSampling:
         keep: deque[_RemoteDraw] = deque()
         for draw in self._remote_ahead:
             if draw.task is None or not draw.task.done():
-                if shard in draw.shards:
+                if shard in draw.live:  # (every live shard set the shares, one with a count of 0 too)
                     draw.dropped.add(shard)
                     for (k, _c), sent in zip(draw.remote, draw.sent):
                         if k == shard and not isinstance(sent, BaseException) and self._reader is not None:
@@ -969,9 +965,3 @@ class OneSidedSampling:
                              probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
                              times_sampled=torch.from_numpy(times))
         return batch, self._hold_keys(notices, hurry, gathered=n, dropped=0 if whole else int((~valid).sum()))
-
-
-def _seen(fut: asyncio.Future[Any]) -> None:
-    """Mark a done future's error as retrieved (its outcome is taken from elsewhere)."""
-    if not fut.cancelled():
-        fut.exception()

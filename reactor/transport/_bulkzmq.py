@@ -47,7 +47,7 @@ from . import _gather
 from ._zmq import CurveKeys, _AllowedKeys
 from .codec import decode, encode
 
-__all__ = ["ZmqClient", "ZmqServer"]
+__all__ = ["ZmqClient", "ZmqServer", "mark_seen"]
 
 log = logging.getLogger("reactor.transport.bulk")
 
@@ -469,7 +469,7 @@ class ZmqClient:
         request["id"] = req_id
         # (zmq.asyncio sends now when it can, else queues it after the others, in order; an error is
         # the socket's closing, which the reply's wait reports)
-        self.sock.send_multipart(encode(request), copy=False).add_done_callback(_seen)
+        self.sock.send_multipart(encode(request), copy=False).add_done_callback(mark_seen)
         self._waiting[req_id] = asyncio.get_running_loop().create_future()
         return req_id
 
@@ -546,14 +546,13 @@ class ZmqClient:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise self._late(what, timeout_s)
-            if self.lost is not None:
-                self._drain_queued()
-                if fut.done():
-                    return
-                raise self._lost_error()
-            self._drain_queued(quiet=False)  # (replies already here: taken without an event-loop round)
+            # Replies already here are taken without an event-loop round (those that came before a
+            # loss are theirs; garbage fails this wait, unless the connection is gone anyway).
+            self._drain_queued(quiet=self.lost is not None)
             if fut.done():
                 return
+            if self.lost is not None:
+                raise self._lost_error()
             recv = self.sock.recv_multipart(copy=False)
             mon = self._mon_future()
             try:  # (fut: a reply given up on ends the wait)
@@ -604,7 +603,9 @@ class ZmqClient:
                              f"(it is gone or stuck)")
 
 
-def _seen(fut: Any) -> None:
-    """Mark a done future's error as retrieved (a failed send shows in its reply's wait)."""
+def mark_seen(fut: Any) -> None:
+    """Mark a done future's error as retrieved, as a done callback, where its outcome is taken from
+    elsewhere (a failed send shows in its reply's wait; a draw's outcome in its take): the loop then
+    logs no "exception was never retrieved" when it is collected."""
     if not fut.cancelled():
         fut.exception()

@@ -39,7 +39,10 @@ between the cases (medians printed), each next to its peer measured in the same 
   in-process ``Table`` the same workload (no messages).
 
 Also printed: per batch (one in flight), the time to the last stage-1 reply, to the last stage-2
-reply and in assembly (the shm gather included), and the requester's CPU time and context switches.
+reply and in assembly (the shm gather included), and the requester's CPU time and context switches;
+and the insert rounds' CPU per env step by role (writers, shards, their zmq I/O threads apart; every
+thread's ``/proc/.../schedstat``) against the in-process peer's, with the bound that puts on the
+insert ratio when every core is busy.
 Start-up of the 11 processes dominates the wall time of ``--quick``. torch and numpy are pinned to
 one thread in every process.
 """
@@ -358,8 +361,28 @@ def main() -> None:
             r = inproc / med(rep[key])
             print(f"target (issue 21): {key} ({what}) >= {target:.0%} of in-process: {r:.0%} -> "
                   f"{'met' if r >= target else 'NOT met'}")
+    print_insert_cpu(rep, cfg)
     print_raw_zmq(rep, cfg, args.hosts, q)
     print_reverb(rep, cfg, args.reverb, q)
+
+
+def print_insert_cpu(rep: dict, cfg: dict) -> None:
+    """Where the insert rounds' CPU went, per env step appended (medians over the rounds): each role's
+    processes (their main threads and their zmq I/O threads apart) against the in-process peer's one
+    thread. With every core busy, ours/peer in rate is at most cores x peer CPU / our CPU."""
+    ours = [r for r in rep.get("insert", []) if r.get("cpu")]
+    peer = rep.get("local_insert", [])
+    if not ours or not peer:
+        return
+    keys = sorted({k for r in ours for k in r["cpu"]})
+    per = {k: med([r["cpu"].get(k, 0.0) / r["appended"] for r in ours]) * 1e9 for k in keys}
+    total = med([sum(r["cpu"].values()) / r["appended"] for r in ours]) * 1e9
+    peer_ns = med([r["cpu"]["bench"] / r["appended"] for r in peer]) * 1e9
+    cores = min(os.cpu_count() or 1, cfg["writers"] + cfg["shards"])
+    parts = ", ".join(f"{k.replace('_io', ' zmq I/O')} {v:.0f}" for k, v in per.items())
+    print(f"insert CPU per env step (/proc schedstat, medians over {len(ours)} rounds): {parts}; {total:.0f} ns in all "
+          f"against the in-process peer's {peer_ns:.0f} ns on one thread: {total / peer_ns:.2f}x, so at most "
+          f"{cores * peer_ns / total:.2f}x its rate on {cores} busy cores")
 
 
 def print_raw_zmq(rep: dict, cfg: dict, hosts: bool, quick: bool) -> None:

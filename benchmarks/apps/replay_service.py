@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import resource
 import time
 
@@ -81,6 +82,36 @@ FIELDS = [("obs", (64,), "float32"), ("action", (), "int64"), ("reward", (), "fl
 SPECS = [FieldSpec("obs", (64,), torch.float32), FieldSpec("action", (), torch.int64),
          FieldSpec("reward", (), torch.float32), FieldSpec("terminated", (), torch.bool)]
 ROW_NBYTES = 64 * 4 + 8 + 4 + 1  # 269 B a stored step
+
+
+def run_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this run's other processes by role and thread kind (``writer``,
+    ``writer_io``: their zmq I/O threads, ``replay``, ``replay_io``, ``bench``, ``bench_io``), read
+    from ``/proc`` (each thread's ``schedstat``: nanoseconds on a CPU) for the processes that share
+    our parent (the workers of one run); empty when we are alone in ours (a single-process run: the
+    roles cannot be told apart)."""
+    out: dict[str, float] = {}
+    parent = os.getppid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read()
+            name, rest = st[st.index("(") + 1 : st.rindex(")")], st[st.rindex(")") + 2 :].split()
+            if int(rest[1]) != parent or not name.startswith("rx:"):
+                continue
+            role = name[3:].rsplit("-", 1)[0]
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    io = f.read().startswith("ZMQbg")
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                key = role + ("_io" if io else "")
+                out[key] = out.get(key, 0.0) + ns / 1e9
+        except (OSError, ValueError, IndexError):  # a process or thread that ended meanwhile
+            continue
+    return out if any(k.startswith("writer") for k in out) else {}
 ALPHA, BETA = 0.6, 0.4
 EPISODE_MEAN = 500  # steps; episodes end at random (terminated) with probability 1 / EPISODE_MEAN a step
 POOL = 64  # pre-generated steps the synthetic envs cycle through (the writer's work, not the data's)
@@ -253,7 +284,7 @@ class Bench(Reactor):
             if kind == "insert":
                 _, rnd, rows = entry
                 self.round, self.round_done = rnd, {}
-                self.round_t0 = time.perf_counter()
+                self.round_t0, self.round_cpu0 = time.perf_counter(), run_cpu_s()
                 self.go.send({"round": rnd, "rows": rows})
                 return
             if kind == "local_insert":
@@ -352,14 +383,15 @@ class Bench(Reactor):
         w = self.local_writer
         a0, s0 = w.steps_appended, w.steps_sent
         quota = s0 + rows
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         while w.steps_sent < quota:
             for m in self.local_src.step_into(w):
                 self.table.insert_nowait(m.fields, m.priorities, episode_end=m.episode_end, item_mask=m.item_mask)
         self.table.flush()
         dt = time.perf_counter() - t0
         self._record("local_insert_cold" if rnd == 0 else "local_insert",
-                     {"s": dt, "appended": w.steps_appended - a0, "rows": w.steps_sent - s0})
+                     {"s": dt, "appended": w.steps_appended - a0, "rows": w.steps_sent - s0,
+                      "cpu": {"bench": time.thread_time() - c0}})
 
     @reaction(triggers=[done], effects=[control])
     def writer_done(self, done: dict) -> None:
@@ -397,9 +429,11 @@ class Bench(Reactor):
             self.poll.schedule(delay_s=0.002)
             return
         dt = time.perf_counter() - self.round_t0
+        cpu1 = run_cpu_s()
         d = self.round_done.values()
         rec = {"s": dt, "appended": sum(x["appended"] for x in d), "rows": sum(x["rows"] for x in d),
-               "messages": sum(x["messages"] for x in d)}
+               "messages": sum(x["messages"] for x in d),
+               "cpu": {k: v - self.round_cpu0.get(k, 0.0) for k, v in cpu1.items()} if self.round_cpu0 else None}
         self._record("insert_cold" if self.round == 0 else "insert", rec)
         self._advance()
 

@@ -10,7 +10,10 @@ is whole. No timing is asserted (the figures are the benchmark's business).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import multiprocessing
+import time
 from pathlib import Path
 
 from reactor import run
@@ -31,6 +34,9 @@ def test_benchmark_app_fills_the_shards_and_samples_through_both_paths(tmp_path)
     assert all(s["rejected_steps"] == 0 and s["parked_steps"] == 0 for s in full)
     assert sum(s["num_steps"] for s in full) > 0.9 * (1 << 16)  # the first fill filled the shards
     assert len(rep["insert"]) == 2 and len(rep["local_insert"]) == 2
+    # One process: the roles' CPU cannot be told apart (None); the in-process peer's is its thread's.
+    assert all(r["cpu"] is None for r in rep["insert"])
+    assert all(0 < r["cpu"]["bench"] < r["s"] * 1.5 for r in rep["local_insert"])
     for key in ("shm", "shm_x2", "msg", "msg_x2", "onesided", "onesided_x2"):
         assert len(rep[key]) == 2 and rep[f"{key}_items"] == [256.0, 256.0], key  # whole batches
     # One-sided: every batch drawn from the shards' published trees, none fell back to messages.
@@ -48,3 +54,43 @@ def test_benchmark_app_fills_the_shards_and_samples_through_both_paths(tmp_path)
     assert rep["client"] == {"gathered_items": (2 * 2 * 3 + 2 * 3 + 2 * 2 * 3 + 2 * 3) * 256, "dropped_items": 0}
     assert rep["batch_fields_nbytes"] == {"obs": 256 * 32 * 256, "action": 256 * 32 * 8, "reward": 256 * 32 * 4,
                                           "terminated": 256 * 32, "mask": 256 * 32}
+
+
+def _spin_as(name: str, spin_s: float, ready, stop) -> None:  # noqa: ANN001 - multiprocessing events
+    with open("/proc/self/comm", "w") as f:
+        f.write(name)
+    t0 = time.process_time()
+    while time.process_time() - t0 < spin_s:
+        pass
+    ready.set()
+    stop.wait(30)
+
+
+def _measure(queue) -> None:  # noqa: ANN001
+    spec = importlib.util.spec_from_file_location("replay_service_app", APP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    queue.put(mod.run_cpu_s())
+
+
+def test_the_insert_rounds_cpu_is_read_per_role_from_the_runs_sibling_processes():
+    """``run_cpu_s`` (what the benchmark's insert rounds report per role) finds the processes that
+    share its parent by their ``rx:`` names and sums their threads' CPU; others are left out."""
+    ctx = multiprocessing.get_context("fork")
+    stop, queue = ctx.Event(), ctx.Queue()
+    spinners = [(ctx.Event(), name, s) for name, s in (("rx:writer-0", 0.3), ("rx:replay-1", 0.1), ("other", 0.2))]
+    procs = [ctx.Process(target=_spin_as, args=(name, s, ready, stop)) for ready, name, s in spinners]
+    for p in procs:
+        p.start()
+    try:
+        assert all(ready.wait(30) for ready, _, _ in spinners)
+        m = ctx.Process(target=_measure, args=(queue,))
+        m.start()
+        cpu = queue.get(timeout=30)
+        m.join(30)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+    assert 0.3 <= cpu["writer"] < 1.0 and 0.1 <= cpu["replay"] < 0.8
+    assert set(cpu) <= {"writer", "replay", "writer_io", "replay_io"}  # "other" is not a worker of a run

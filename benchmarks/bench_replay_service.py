@@ -378,8 +378,10 @@ def print_insert_cpu(rep: dict, cfg: dict) -> None:
     per = {k: med([r["cpu"].get(k, 0.0) / r["appended"] for r in ours]) * 1e9 for k in keys}
     total = med([sum(r["cpu"].values()) / r["appended"] for r in ours]) * 1e9
     peer_ns = med([r["cpu"]["bench"] / r["appended"] for r in peer]) * 1e9
+    append_ns = med([r["append_cpu"] / r["appended"] for r in ours]) * 1e9
     cores = min(os.cpu_count() or 1, cfg["writers"] + cfg["shards"])
-    parts = ", ".join(f"{k.replace('_io', ' zmq I/O')} {v:.0f}" for k, v in per.items())
+    parts = ", ".join(f"{k.replace('_io', ' zmq I/O')} {v:.0f}" + (f" (appending {append_ns:.0f})" if k == "writer" else "")
+                      for k, v in per.items())
     print(f"insert CPU per env step (/proc schedstat, medians over {len(ours)} rounds): {parts}; {total:.0f} ns in all "
           f"against the in-process peer's {peer_ns:.0f} ns on one thread: {total / peer_ns:.2f}x, so at most "
           f"{cores * peer_ns / total:.2f}x its rate on {cores} busy cores")

@@ -914,9 +914,9 @@ class Replay(Reactor):
         store = getattr(self, "_store", None)  # (none when its start failed: refuse_file_links, an open)
         if store is not None:
             store.close(self.table, final=self.checkpoint_on_shutdown)
-        if self._parked_steps:
-            log.warning("%s: the run ended with %d parked Steps messages not inserted (rate limiter)",
-                        self.name, len(self._parked_steps))
+        if self._parked_steps:  # (an end of run: the writers have stopped, the steps were never acknowledged)
+            log.info("%s: %d Steps messages (%d steps) the rate limiter still held back when the run ended were "
+                     "not inserted", self.name, len(self._parked_steps), sum(_steps_len(s) for s in self._parked_steps))
         if owner is not None:
             await owner.aclose()  # unlinks the shared-memory segments
 

@@ -349,3 +349,22 @@ def test_async_dp_learners_with_samples_in_flight_meet_in_every_round(tmp_path, 
             last[name] = float(value)
     assert last["one_sided_batches"] >= 0.9 * last["updates"] > 0, last
     assert last["drawn_ahead_batches"] >= 0.5 * last["updates"], last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_of_the_readmes_main_job_that_ends_well_logs_no_warning(tmp_path):
+    """`reactor run apps/dqn.py --placement actors` (the README's first command): a run that ends as planned
+    (at its evaluation target here, ~20 s; or at its step budget) prints its progress and result and no WARNING or ERROR line. Its
+    shards used to end it with a WARNING that the rate limiter still held Steps messages back, as it does
+    when a run stops on a target: those steps come after the last update, and the writers were never told
+    they were inserted."""
+    out = subprocess.run(
+        [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--set", f"run_dir='{tmp_path}'",
+         "live=False"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _summary(tmp_path)["updates"] > 0  # (its target or its step budget ended it: the trajectory is the CPU's)
+    noisy = [line for line in (out.stdout + out.stderr).splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not noisy, noisy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
     # naming the file and the line (it was a KeyError or ValueError traceback, or a line naming nothing).
     with os.fdopen(open_regular(path), newline="", encoding="utf-8") as f:
         try:
-            reader = csv.DictReader(f)
+            reader = csv.DictReader(_bounded_lines(f, path))
             if reader.fieldnames is None:
                 raise ValueError(f"{path} is empty: no values to plot")
             missing = [c for c in ("name", "source", "value", column) if c not in reader.fieldnames]
@@ -83,6 +84,22 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
     if not series:
         raise ValueError(f"{path} holds no eval_return or episode_return values to plot")
     return _figure(series, xlabel, run_dir.name, target)
+
+
+#: The longest line read from metrics.csv (its rows are ~60 characters; a file's line is read whole
+#: before the csv module's field limit applies, so a line of hundreds of MB was that much memory).
+MAX_LINE_CHARS = 64 * 1024
+
+
+def _bounded_lines(f: Any, path: Path) -> Iterator[str]:
+    """``f``'s lines, each at most :data:`MAX_LINE_CHARS` characters (``ValueError`` naming the line)."""
+    n = 0
+    while line := f.readline(MAX_LINE_CHARS + 1):
+        n += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise ValueError(f"{path}, line {n}: longer than {MAX_LINE_CHARS} characters: not a metrics.csv of "
+                             f"the Metrics node")
+        yield line
 
 
 def _summary_target(run_dir: Path) -> float | None:

@@ -454,6 +454,9 @@ HEADER = "wall_s,env_steps,source,name,value\n"
     (HEADER + "1.0,10,evaluator,eval_return\n", r"metrics\.csv, line 2: env_steps '10' and value None are not both numbers$"),
     ("\x00\xff\xfe garbage", r"metrics\.csv is not UTF-8 text: not a metrics\.csv of the Metrics node$"),
     ("", r"metrics\.csv is empty: no values to plot$"),
+    # A line is read whole before the csv module's field limit applies: one of 300 MB took 625 MB.
+    (HEADER + "1.0,10,evaluator,eval_return," + "9" * 2**20 + "\n",
+     r"metrics\.csv, line 2: longer than 65536 characters: not a metrics\.csv of the Metrics node$"),
 ])
 def test_a_metrics_csv_of_another_shape_is_one_line_naming_the_file_and_line(tmp_path, text, message):
     """An edited or foreign metrics.csv gave `reactor plot` a KeyError traceback, or a ValueError that

@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -359,11 +360,11 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
                 f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
                 tail = tail[:tail.rfind(b"\n") + 1]
         with open(path, "rb") as f:
-            header = f.readline()
+            header = f.readline(_MAX_ROW_NBYTES)
             if next(csv.reader([header.decode()]), None) != CSV_HEADER:
                 return None
             last_wall, evals = 0.0, []
-            for line in f:
+            for line in _rows_of(f):
                 if b"eval_return" in line and (row := _parsed(line)) is not None and row[2] == "eval_return":
                     wall, steps, _, value = row
                     evals.append((wall, steps, value))
@@ -377,6 +378,21 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
     except (OSError, csv.Error, UnicodeDecodeError):
         return None
     return last_wall, evals
+
+
+#: No row of ours is near this long; a longer line (an edited file) is passed over, never read whole.
+_MAX_ROW_NBYTES = 64 * 1024
+
+
+def _rows_of(f: Any) -> Iterator[bytes]:
+    """The lines of binary file ``f`` from where it is, each at most :data:`_MAX_ROW_NBYTES` long:
+    longer ones are read through in pieces and left out."""
+    while line := f.readline(_MAX_ROW_NBYTES):
+        if len(line) < _MAX_ROW_NBYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := f.readline(_MAX_ROW_NBYTES)) and not rest.endswith(b"\n"):
+            pass
 
 
 def _parsed(line: bytes) -> tuple[float, float, str, float] | None:

@@ -297,6 +297,28 @@ def test_an_earlier_lifes_rows_are_read_for_their_evaluations_and_last_time_only
     assert _earlier_rows(path) is None
 
 
+def test_a_line_far_longer_than_any_row_is_passed_over_by_the_restart_never_read_whole(tmp_path):
+    """An edited metrics.csv with a line of 64 MB (of "eval_return" text, so that the fast path looks at
+    it): the restart keeps the evaluations before and after it, and reads it in 64 KiB pieces (its
+    allocations peak far below the line's size)."""
+    import tracemalloc
+
+    from reactor.nodes.metrics import CSV_HEADER, _earlier_rows
+
+    path = tmp_path / "metrics.csv"
+    with open(path, "w") as f:
+        f.write(",".join(CSV_HEADER) + "\n1.0,10,evaluator,eval_return,7.0\n")
+        f.write("2.0,20,evaluator,eval_return," + "eval_return" * (64 * 2**20 // 11) + "\n")
+        f.write("3.0,30,evaluator,eval_return,9.0\n" + "4.0,40,learner,loss,0.25\n")
+    tracemalloc.start()
+    try:
+        assert _earlier_rows(path) == (4.0, [(1.0, 10.0, 7.0), (3.0, 30.0, 9.0)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, peak  # (read whole, the line alone was 64 MB)
+
+
 def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
     run(_graph(tmp_path, max_steps=6000, actors=1))
     out = capsys.readouterr().out  # live=False still ends with the result and where it is

@@ -374,9 +374,10 @@ def print_insert_cpu(rep: dict, cfg: dict) -> None:
     peer = rep.get("local_insert", [])
     if not ours or not peer:
         return
-    keys = sorted({k for r in ours for k in r["cpu"]})
+    keys = sorted({k for r in ours for k in r["cpu"]} - {"switches"})
+    switches = med([r["cpu"].get("switches", 0.0) / r["messages"] for r in ours])
     per = {k: med([r["cpu"].get(k, 0.0) / r["appended"] for r in ours]) * 1e9 for k in keys}
-    total = med([sum(r["cpu"].values()) / r["appended"] for r in ours]) * 1e9
+    total = med([sum(v for k, v in r["cpu"].items() if k != "switches") / r["appended"] for r in ours]) * 1e9
     peer_ns = med([r["cpu"]["bench"] / r["appended"] for r in peer]) * 1e9
     append_ns = med([r["append_cpu"] / r["appended"] for r in ours]) * 1e9
     cores = min(os.cpu_count() or 1, cfg["writers"] + cfg["shards"])
@@ -384,7 +385,8 @@ def print_insert_cpu(rep: dict, cfg: dict) -> None:
                       for k, v in per.items())
     print(f"insert CPU per env step (/proc schedstat, medians over {len(ours)} rounds): {parts}; {total:.0f} ns in all "
           f"against the in-process peer's {peer_ns:.0f} ns on one thread: {total / peer_ns:.2f}x, so at most "
-          f"{cores * peer_ns / total:.2f}x its rate on {cores} busy cores")
+          f"{cores * peer_ns / total:.2f}x its rate on {cores} busy cores; {switches:.1f} times a thread was put on a CPU "
+          f"per Steps message")
 
 
 def print_raw_zmq(rep: dict, cfg: dict, hosts: bool, quick: bool) -> None:

@@ -86,8 +86,9 @@ ROW_NBYTES = 64 * 4 + 8 + 4 + 1  # 269 B a stored step
 
 def run_cpu_s() -> dict[str, float]:
     """CPU seconds so far of this run's other processes by role and thread kind (``writer``,
-    ``writer_io``: their zmq I/O threads, ``replay``, ``replay_io``, ``bench``, ``bench_io``), read
-    from ``/proc`` (each thread's ``schedstat``: nanoseconds on a CPU) for the processes that share
+    ``writer_io``: their zmq I/O threads, ``replay``, ``replay_io``, ``bench``, ``bench_io``), and
+    ``switches``: how many times their threads were put on a CPU; read from ``/proc`` (each
+    thread's ``schedstat``: nanoseconds on a CPU, and time slices) for the processes that share
     our parent (the workers of one run); empty when we are alone in ours (a single-process run: the
     roles cannot be told apart)."""
     out: dict[str, float] = {}
@@ -106,9 +107,10 @@ def run_cpu_s() -> dict[str, float]:
                 with open(f"/proc/{pid}/task/{tid}/comm") as f:
                     io = f.read().startswith("ZMQbg")
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    ns = int(f.read().split()[0])
+                    ns, _wait, slices = (int(x) for x in f.read().split()[:3])
                 key = role + ("_io" if io else "")
                 out[key] = out.get(key, 0.0) + ns / 1e9
+                out["switches"] = out.get("switches", 0.0) + slices  # (times each thread was put on a CPU)
         except (OSError, ValueError, IndexError):  # a process or thread that ended meanwhile
             continue
     return out if any(k.startswith("writer") for k in out) else {}

@@ -93,4 +93,5 @@ def test_the_insert_rounds_cpu_is_read_per_role_from_the_runs_sibling_processes(
         for p in procs:
             p.join(30)
     assert 0.3 <= cpu["writer"] < 1.0 and 0.1 <= cpu["replay"] < 0.8
-    assert set(cpu) <= {"writer", "replay", "writer_io", "replay_io"}  # "other" is not a worker of a run
+    assert set(cpu) <= {"writer", "replay", "writer_io", "replay_io", "switches"}  # "other" is no worker of a run
+    assert cpu["switches"] >= 2  # each of the two was put on a CPU at least once

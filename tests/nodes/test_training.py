@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -249,9 +253,17 @@ def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound
     def parked(max_unacked: int, stop_s: float) -> int:
         cfg = {"samples_per_insert": 64.0, "max_unacked": max_unacked, "max_env_steps": 10**6}
         capfd.readouterr()
-        r = run(build_graph(app, cfg), app=app, config=cfg, deterministic=False, stop_s=stop_s, placement="actors")
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.INFO)  # (the workers log at their coordinator's level; the count is at INFO)
+        try:
+            r = run(build_graph(app, cfg), app=app, config=cfg, deterministic=False, stop_s=stop_s,
+                    placement="actors")
+        finally:
+            root.setLevel(level)
         assert r.stopped_by == "stop_time"
-        counts = re.findall(r"replay\[\d\]: the run ended with (\d+) parked Steps", capfd.readouterr().err)
+        counts = re.findall(r"replay\[\d\]: (\d+) Steps messages \(\d+ steps\) the rate limiter still held back "
+                            r"when the run ended", capfd.readouterr().err)
         return sum(int(c) for c in counts)
 
     bound = 2 * 2 * 3  # 2 actors x 2 shards, each pair at most 3 messages unacknowledged
@@ -359,11 +371,15 @@ def test_a_run_of_the_readmes_main_job_that_ends_well_logs_no_warning(tmp_path):
     shards used to end it with a WARNING that the rate limiter still held Steps messages back, as it does
     when a run stops on a target: those steps come after the last update, and the writers were never told
     they were inserted."""
-    out = subprocess.run(
-        [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--set", f"run_dir='{tmp_path}'",
-         "live=False"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
+    rt = tempfile.mkdtemp(prefix="rxt-", dir="/tmp")  # its own runtime directory: no other run's leftovers
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--set",
+             f"run_dir='{tmp_path}'", "live=False"],
+            capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "REACTOR_RUNTIME_DIR": rt},
+        )
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert _summary(tmp_path)["updates"] > 0  # (its target or its step budget ended it: the trajectory is the CPU's)
     noisy = [line for line in (out.stdout + out.stderr).splitlines() if " WARNING " in line or " ERROR " in line]

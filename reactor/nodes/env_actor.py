@@ -45,13 +45,13 @@ from .writer import TransitionPattern, WindowPattern, Writer
 __all__ = ["EnvActor"]
 
 
-
 def writer_pattern(read: Any) -> WindowPattern | TransitionPattern:
     """How an actor's Writer cuts its streams for a table that reads ``read`` (the algorithm's
     ``store(...).read``): windows for a ``WindowRead``, n-step transitions otherwise."""
     if type(read).__name__ == "WindowRead":
         return WindowPattern(read.length, read.pad)
     return TransitionPattern(getattr(read, "n", 1))
+
 
 class EnvActor(Reactor):
     """Steps ``num_envs`` gymnasium environments with an algorithm's ``act`` fragment.

@@ -139,12 +139,12 @@ def off_policy_graph(
             f"plus an episode chunk of up to {segment} rows from each of its {envs_per_actor} env(s)), which a "
             f"shard would refuse; set capacity >= {largest * shards}")
     per_shard_min = max(1, min_size // shards)
-    # One Steps message carries up to flush_steps rows plus one episode chunk: the limiter's window
-    # must admit a whole message at once, or the first insert past min_size would wait forever.
-    max_message_rows = flush_steps + 256 + 64
+    # The limiter's window must admit the largest message at once, or the first insert past min_size
+    # would wait forever (a fixed flush_steps + 320 rows did: 16 Pendulum envs ending together sent
+    # ~3,200 rows, and the run ended with 0 updates).
     limiter = {"type": "SampleToInsertRatio", "samples_per_insert": float(samples_per_insert),
                "min_size": per_shard_min,
-               "error_buffer": float(samples_per_insert * 2 * max_message_rows + 2 * batch_size)}
+               "error_buffer": float(samples_per_insert * 2 * largest + 2 * batch_size)}
     sampler: Any = {"type": "prioritized", "alpha": alpha} if prioritized else "uniform"
 
     g = Graph()

@@ -384,3 +384,17 @@ def test_a_run_of_the_readmes_main_job_that_ends_well_logs_no_warning(tmp_path):
     assert _summary(tmp_path)["updates"] > 0  # (its target or its step budget ended it: the trajectory is the CPU's)
     noisy = [line for line in (out.stdout + out.stderr).splitlines() if " WARNING " in line or " ERROR " in line]
     assert not noisy, noisy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_many_envs_ending_together_still_get_their_inserts_past_the_rate_limiter(tmp_path):
+    """16 Pendulum envs in one actor end their 200-step episodes at the same step: one Steps message of
+    ~3,200 rows. The shards' rate limiter's window was sized for flush_steps + 320 rows, so that insert
+    never fit in it: the run ended at quiescence with 0 updates. The window now comes from the largest
+    message an actor can send (the bound the capacity check uses)."""
+    td3 = str(ROOT / "apps" / "td3.py")
+    _run(td3, {"envs_per_actor": 16, "max_env_steps": 4000, "target_return": None, "live": False,
+               "run_dir": str(tmp_path)})
+    s = _summary(tmp_path)
+    assert s["env_steps"] == 4000 and s["updates"] > 0, s

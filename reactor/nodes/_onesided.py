@@ -128,11 +128,13 @@ class _Plan:
     """What every one-sided sample from one set of mapped shards shares (built once, kept until the
     shards change): their :class:`SharedShards`, the batch's fields and each thread's scratch arrays."""
 
-    __slots__ = ("key", "live", "group", "shards", "regions", "fields", "window", "item_nbytes", "beta", "local")
+    __slots__ = ("key", "live", "lost", "group", "shards", "regions", "fields", "window", "item_nbytes", "beta",
+                 "local")
 
     def __init__(self, key: tuple[int, ...], live: list[int], shards: list[_SharedShard],
-                 layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+                 layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], lost: dict[int, str]) -> None:
         self.key, self.live = key, list(live)
+        self.lost = dict(lost)  # the client's lost shards it was made for (OneSidedSampling._ready_plan)
         self.shards = shards  # (kept: their ids stay theirs while the plan stands)
         self.group = SharedShards([(sh.table, sh.src_addrs, sh.row_nbytes) for sh in shards])
         self.group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
@@ -147,17 +149,17 @@ class _Plan:
 
     def scratch(self) -> tuple[np.ndarray, ...]:
         """This thread's small arrays for the compiled calls (per shard: sequence counts, sizes,
-        counts; where a draw stopped; masses, lows, shares; the least probability), zeroed."""
+        counts; where a draw stopped; masses, lows, shares; the least probability). Not cleared
+        between samples: each call writes what it later reads (``SharedShards.figures`` every
+        shard's figures and counts, or BUSY, after which the figures are read again shard by
+        shard; ``where`` only with MOVED_AT)."""
         got = getattr(self.local, "arrays", None)
         if got is None:
             m = len(self.shards)
             ints, floats = np.zeros(3 * m + 3, np.int64), np.zeros(3 * m + 1, np.float64)
-            got = self.local.arrays = (ints, floats, ints[:m], ints[m:2 * m], ints[2 * m:3 * m], ints[3 * m:],
+            got = self.local.arrays = (ints[:m], ints[m:2 * m], ints[2 * m:3 * m], ints[3 * m:],
                                        floats[:m], floats[m:2 * m], floats[2 * m:3 * m], floats[3 * m:])
-        else:
-            got[0].fill(0)
-            got[1].fill(0.0)
-        return got[2:]
+        return got
 
 
 class OneSidedSampling:
@@ -247,6 +249,7 @@ class OneSidedSampling:
             log.warning("replay client %s: shard %d's sampling offer does not match its data region; sampling it "
                         "through messages", self.requester, shard)
             return
+        self._group = None  # (the shards drawn from change: see _ready_plan)
         self._shared[shard] = _SharedShard(
             table=table, region=region, data_region=data_region, names=names,
             src_addrs=np.array([data[f].ctypes.data for f in names], dtype=np.int64),
@@ -282,7 +285,7 @@ class OneSidedSampling:
             (An error from a read server carries ``notices``: the :class:`SampledKeys` of the shards
             that did draw their part, to send as a sample's notices.)
         """
-        if self.can_sample_now:
+        if self._ready_plan() is not None:
             return self.sample_now(n)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
@@ -509,8 +512,21 @@ class OneSidedSampling:
     def can_sample_now(self) -> bool:
         """Whether every live shard offered one-sided sampling and this client mapped it (then
         :meth:`sample_now` draws unless a shard is below its min size or keeps changing)."""
+        return self._ready_plan() is not None
+
+    def _ready_plan(self) -> _Plan | None:
+        """The live shards' :class:`_Plan` when every one of them is mapped (:attr:`can_sample_now`),
+        else None. The plan of the last sample stands while the lost shards are the ones it was made
+        for: the set of mapped shards changes only through :meth:`_attach_sampling` and
+        :meth:`_forget_sampling`, which drop it (a sample's check is then one comparison, not a
+        pass over the shards)."""
+        plan = self._group  # (one read: a draw on another thread may set it meanwhile)
+        if plan is not None and self.one_sided and plan.lost == self.lost:
+            return plan
         live = self.live_shards
-        return self.one_sided and bool(live) and all(k in self._shared for k in live)
+        if not (self.one_sided and live and all(k in self._shared for k in live)):
+            return None
+        return self._plan_of(live)
 
     def _forget_sampling(self, shard: int) -> None:
         """Drop a shard's one-sided offer and unmap its sampling region (its successor offers anew)."""
@@ -563,11 +579,11 @@ class OneSidedSampling:
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
-        if not self.can_sample_now:
+        plan = self._ready_plan()
+        if plan is None:
             return None, self.take_notices()
-        live = self.live_shards
-        plan = self._plan_of(live)
-        shards, group, m = plan.shards, plan.group, len(live)
+        live, shards, group = plan.live, plan.shards, plan.group
+        m = len(live)
         n = int(n)
         # The batch's memory, filled in place by each shard's compiled draw-and-copy.
         out = {f: host_empty((n, *shape), dt) for f, shape, dt in plan.fields}
@@ -595,6 +611,14 @@ class OneSidedSampling:
             hurry = took == -2
             status = group.draw(every_uniform, bases, item_nbytes, group.tags, beta, mask, local, q, times, valid,
                                 weights, seqs, counts, shares, least, where)
+            if status == _OK:  # (the common case: every shard drew on the state of its figures)
+                drawn, a = [], 0
+                for k, c in zip(live, counts.tolist()):
+                    if c:
+                        drawn.append((k, a, a + c))
+                        a += c
+                return self._finish_one_sided(n, drawn, sum(sizes.tolist()), plan, out, mask, local, q, weights, times,
+                                              valid, hurry)
         if status in (_BELOW, _ZERO):  # below a shard's min size (its request parks until ready), or all 0
             return None, self.take_notices()
         deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
@@ -651,7 +675,8 @@ class OneSidedSampling:
         if retried:  # the least likely item is the one of the figures the draws used
             min_p = least_probability(shares, np.array([f[1] for f in used]), np.array([f[2] for f in used]))
             weights = _weights(q, min_p, beta)
-        return self._finish_one_sided(n, drawn, used, plan, out, mask, local, q, weights, times, valid, hurry)
+        return self._finish_one_sided(n, drawn, sum(f[3] for f in used), plan, out, mask, local, q, weights, times,
+                                      valid, hurry)
 
     def _plan_of(self, live: list[int]) -> _Plan:
         """The live shards' :class:`_Plan` (kept until the shards change)."""
@@ -659,7 +684,9 @@ class OneSidedSampling:
         key = tuple(id(sh) for sh in shards)
         got = self._group  # (one read: a draw on another thread may set it meanwhile)
         if got is None or got.key != key:
-            got = self._group = _Plan(key, live, shards, self._layouts[shards[0].data_region])
+            got = self._group = _Plan(key, live, shards, self._layouts[shards[0].data_region], self.lost)
+        elif got.lost != self.lost:  # (the same shards, lost ones given up on or back without an offer)
+            got.lost = dict(self.lost)
         return got
 
     def _hold_keys(self, drawn: list[tuple[int, np.ndarray]], hurry: bool = False, gathered: int = 0,
@@ -930,8 +957,7 @@ class OneSidedSampling:
         batch's (the draws leave them tagged with their shard)."""
         return [SampledKeys(k, keys[a:b]) for k, a, b in drawn]
 
-    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]],
-                          figs: list[tuple[int, float, float, int]], plan: _Plan,
+    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]], table_size: int, plan: _Plan,
                           out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
                           weights: np.ndarray, times: np.ndarray, valid: np.ndarray, hurry: bool = False,
                           ) -> tuple[SampledBatch, list[SampledKeys]]:
@@ -962,6 +988,6 @@ class OneSidedSampling:
         if plan.shards[0].table.transition is not None:  # n-step transitions of the copied windows
             data = transitions_from_windows(data, plan.shards[0].table.transition)
         batch = SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
-                             probabilities=torch.from_numpy(probs), table_size=int(sum(f[3] for f in figs)),
+                             probabilities=torch.from_numpy(probs), table_size=int(table_size),
                              times_sampled=torch.from_numpy(times))
         return batch, self._hold_keys(notices, hurry, gathered=n, dropped=0 if whole else int((~valid).sum()))

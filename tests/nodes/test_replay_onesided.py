@@ -555,6 +555,28 @@ async def test_held_notices_of_a_lost_or_restarted_shard_are_dropped_and_the_oth
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+async def test_a_shard_given_up_on_by_the_message_path_is_not_drawn_from_and_is_again_once_back(tmp_path):
+    """The message path gives a silent shard up (``lost``, with ``skip_lost_shards``) without
+    unmapping it: the next one-sided sample draws from the other shards only, though the last one
+    drew from all three; once the shard counts as live again it is drawn from again."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(3)]
+        client = await _client_of(shards)
+        first, _ = client.sample_now(300)
+        assert first is not None and set((first.keys.numpy() >> 48).tolist()) == {0, 1, 2}
+        client.lost[1] = "no answer within 1s"  # (as the message path marks a shard it gives up on)
+        for _ in range(5):
+            batch, _ = client.sample_now(300)
+            assert batch is not None and set((batch.keys.numpy() >> 48).tolist()) == {0, 2}
+        del client.lost[1]
+        batch, _ = client.sample_now(300)
+        assert batch is not None and set((batch.keys.numpy() >> 48).tolist()) == {0, 1, 2}
+    finally:
+        await _close([client], shards)
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_draws_ahead_run_on_the_clients_threads_and_every_draw_is_counted_and_told_once(tmp_path):
     """200 samples drawn ahead, 4 at a time on 2 draw threads, from two shards of this host: each a
     whole batch of the shards' keys, drawn on a thread of the client's ("reactor-draw"), or by the

@@ -12,8 +12,11 @@ int64 + reward float32 + terminated bool = 269 B; a batch is 256 windows of 32 s
 (``Prioritized(0.6)``). Figures are medians over ``--reps`` repetitions of ``--calls`` batches, the two
 sides interleaved; the client's notices are taken and dropped (no shard process counts them here).
 
-Also printed, from timers around the client's parts (one more repetition): the two compiled calls
-(``SharedShards.figures`` and ``draw``), the liveness checks of the shards' owners, and the rest (the client's Python).
+Also printed: the least time of a sample of 4 items on both sides (a sample's fixed cost: the Python
+around the compiled calls, their dispatch, the checks; the figure to compare when the client's Python
+changes, steadier here than the batch's); and, from timers around the client's parts (one more
+repetition), the two compiled calls (``SharedShards.figures`` and ``draw``), the liveness checks of
+the shards' owners, and the rest (the client's Python).
 """
 
 # ruff: noqa: E402  (thread counts are pinned in the environment before numpy is imported)
@@ -44,6 +47,7 @@ from reactor.transport._shm import huge_pages_allowed, mapped_kb
 from reactor.transport.bulk import BulkOwner
 
 WINDOW, BATCH, ALPHA = 32, 256, 0.6
+FEW = 4  # items of the samples that measure a sample's fixed cost
 SPECS = [FieldSpec("obs", (64,), torch.float32), FieldSpec("action", (), torch.int64),
          FieldSpec("reward", (), torch.float32), FieldSpec("terminated", (), torch.bool)]
 
@@ -170,6 +174,17 @@ async def main() -> None:
             for _ in range(args.calls):
                 peer.sample_nowait(BATCH)
             theirs.append((time.perf_counter() - t) / args.calls)
+        few = []  # the fixed cost of a sample: FEW items (its Python, the calls, the checks; hardly any copy)
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            for _ in range(args.calls):
+                client.sample_now(FEW)
+            a_ = (time.perf_counter() - t) / args.calls
+            client.take_notices()
+            t = time.perf_counter()
+            for _ in range(args.calls):
+                peer.sample_nowait(FEW)
+            few.append((a_, (time.perf_counter() - t) / args.calls))
         timers = Timers(client)
         t = time.perf_counter()
         for _ in range(args.calls):
@@ -190,6 +205,9 @@ async def main() -> None:
         c = statistics.median(ahead)
         print(f"  drawn ahead, {args.ahead} at a time on {client.draw_threads} threads: {c * 1e3:.3f} ms/batch, "
               f"{b / c:.2f}x of in-process")
+        f_ours, f_peer = min(f[0] for f in few), min(f[1] for f in few)
+        print(f"  a sample of {FEW} items (its fixed cost; least of {args.reps} x {args.calls}): ours "
+              f"{f_ours * 1e6:.1f} us, Table.sample_nowait {f_peer * 1e6:.1f} us")
         k_, l_ = timers.kernels / args.calls, timers.alive / args.calls
         print(f"  parts of sample_now (timed run {whole * 1e3:.3f} ms): the two compiled calls (figures and counts; draws, copies, keys and weights) {k_ * 1e6:.0f} us, "
               f"owners' liveness checks {l_ * 1e6:.0f} us, the rest {(whole - k_ - l_) * 1e6:.0f} us")

@@ -10,18 +10,33 @@
 # running and exits 0.
 #
 # Prints "slurm ready: rx1 rx2 ..." on success; exits non-zero with the reason otherwise (the tests
-# skip with it). `scripts/slurm_local.sh stop` stops the daemons.
+# skip with it). `scripts/slurm_local.sh stop` stops the daemons it started (the test session does,
+# at its end, when it started them: tests/conftest.py).
+#
+# It never touches a Slurm it did not set up: where the configuration ($SLURM_CONF, else
+# /etc/slurm/slurm.conf) is another cluster's, or Slurm daemons run with no configuration there, it
+# exits 5 saying so and changes nothing (a real cluster node, or a container with a Slurm of its own).
 set -euo pipefail
 
 NODES="${SLURM_LOCAL_NODES:-3}"
 CPUS="${SLURM_LOCAL_CPUS:-4}"
 HOST="$(hostname -s)"
-CONF=/etc/slurm/slurm.conf
+CONF="${SLURM_CONF:-/etc/slurm/slurm.conf}"
+OURS="ClusterName=reactortest"  # the line that makes a configuration this script's
+MARK=/run/reactor-slurm-local  # the daemons this script started ("slurm", "munge"), for `stop`
 NAMES="$(seq -f 'rx%g' 1 "$NODES" | tr '\n' ' ')"
 
 if [ "$(id -u)" != 0 ]; then
     echo "slurm_local.sh: needs root (it installs packages and starts slurmctld, slurmd, munged)" >&2
     exit 2
+fi
+if [ -e "$CONF" ] && ! grep -qx "$OURS" "$CONF"; then
+    echo "slurm_local.sh: $CONF is another cluster's (it has no line $OURS): this machine's own Slurm is left alone" >&2
+    exit 5
+fi
+if [ ! -e "$CONF" ] && { pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null; }; then
+    echo "slurm_local.sh: Slurm daemons run here with no configuration at $CONF: they are not this script's and are left alone" >&2
+    exit 5
 fi
 
 
@@ -37,7 +52,10 @@ stop_all() {  # and wait until they are gone: a stopping slurmctld still saves i
 }
 if [ "${1:-}" = stop ]; then
     stop_all
-    pkill -x munged || true
+    if grep -qx munge "$MARK" 2>/dev/null; then  # (a munged it found running is not its to stop)
+        pkill -x munged || true
+    fi
+    rm -f "$MARK"
     exit 0
 fi
 
@@ -57,7 +75,7 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
     fi
 fi
 
-mkdir -p /etc/munge /var/log/munge /var/lib/munge /run/munge /etc/slurm /var/spool/slurmctld /var/log/slurm
+mkdir -p /etc/munge /var/log/munge /var/lib/munge /run/munge "$(dirname "$CONF")" /var/spool/slurmctld /var/log/slurm
 for n in $NAMES; do mkdir -p "/var/spool/slurmd.$n"; done
 if [ ! -s /etc/munge/munge.key ]; then
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
@@ -109,12 +127,14 @@ fi
 
 if ! pgrep -x munged >/dev/null; then
     runuser -u munge -- /usr/sbin/munged
+    echo munge >> "$MARK"
 fi
 if [ "$changed" = 1 ]; then
     stop_all
 fi
 if ! pgrep -x slurmctld >/dev/null; then
     /usr/sbin/slurmctld
+    echo slurm >> "$MARK"
 fi
 for n in $NAMES; do
     if ! pgrep -f "slurmd -N $n\$" >/dev/null; then

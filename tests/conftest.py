@@ -13,6 +13,7 @@ import asyncio
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -117,3 +118,33 @@ def _end_worker(item: pytest.Item, timeout_s: float, dump: Path) -> None:
 
 # pytest's, pluggy's, xdist's and execnet's own frames (the runner around every test)
 _HARNESS = re.compile(r"[/\\](_pytest|pluggy|xdist|execnet)[/\\]|^<string>$")
+
+
+# ------------------------------------------------------------------------------------------- a local Slurm
+# tests/launch/test_slurm.py's fixture starts a Slurm cluster on this machine (scripts/slurm_local.sh, as
+# root) in whichever worker needs it first; the session stops it at its end (in the controller, after every
+# worker is done) when it was not running as the session began: the suite leaves no daemon behind, and a
+# Slurm that ran before it (a developer's, kept between sessions) stays.
+
+_SLURM_BEFORE = pytest.StashKey[bool]()
+_SLURM_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm_local.sh"
+_SLURM_MARK = Path("/run/reactor-slurm-local")  # what the script started (see it)
+
+
+def _slurmctld_runs() -> bool:
+    try:
+        return subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return True  # (cannot tell: then it is not the session's to stop)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_SLURM_BEFORE] = _slurmctld_runs()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput") or session.config.stash.get(_SLURM_BEFORE, True):
+        return
+    if _SLURM_MARK.exists():  # the script started daemons during the session
+        subprocess.run(["bash", str(_SLURM_SCRIPT), "stop"], capture_output=True, timeout=120, check=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import ipaddress
 import json
 import os
 import secrets
@@ -92,6 +93,42 @@ def namespaces_available() -> str | None:
     return None
 
 
+_ROUTE_TYPES = ("local", "broadcast", "anycast", "multicast", "unicast", "blackhole", "unreachable", "prohibit",
+                "throw", "nat")
+
+
+def routed_here() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network this (root) namespace has a route to or an address in, but the default
+    route (``ip -4 route show table all``)."""
+    nets = []
+    for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
+        words = line.split()
+        if words and words[0] in _ROUTE_TYPES:
+            words = words[1:]
+        if not words or words[0] == "default":
+            continue
+        with contextlib.suppress(ValueError):
+            nets.append(ipaddress.ip_network(words[0], strict=False))
+    return nets
+
+
+def free_subnet(seed: int, taken: list[ipaddress.IPv4Network]) -> str:
+    """The first three octets of a /24 for a test cluster's bridge and hosts: one of the 512 of
+    198.18.0.0/15 (RFC 2544's range for benchmarking, routed nowhere), starting from ``seed``, that
+    overlaps none of ``taken``. The bridge's address and route are the machine's while the test runs:
+    a subnet of its own networks would cut it off from the hosts there.
+
+    Raises:
+        RuntimeError: every one overlaps.
+    """
+    for k in range(512):
+        i = (seed + k) % 512
+        prefix = f"198.{18 + i // 256}.{i % 256}"
+        if not any(ipaddress.ip_network(f"{prefix}.0/24").overlaps(net) for net in taken):
+            return prefix
+    raise RuntimeError("every /24 of 198.18.0.0/15 overlaps a network this machine routes: no test cluster here")
+
+
 class Cluster:
     """Daemons on three hosts sharing one cluster key directory (``keys``: also the client's)."""
 
@@ -134,8 +171,7 @@ class Cluster:
 
     def _make_namespaces(self) -> None:
         t = self.tag
-        octet = 100 + int(t, 16) % 150
-        subnet = f"10.{octet}.{int(t[:2], 16) % 250}"
+        subnet = free_subnet(int(t, 16), routed_here())
         self.bridge = f"rx{t}b"
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{subnet}.254/24", "dev", self.bridge)

@@ -5,6 +5,7 @@ a host unplugged from the network."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import random
@@ -28,7 +29,7 @@ from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement
 from reactor.launch._rundir import OWNER_FILE, PREFIX, runtime_base
 
-from .hosts import Cluster, in_thread, segments_launched_by, wait_for
+from .hosts import Cluster, free_subnet, in_thread, namespaces_available, segments_launched_by, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn.py")
@@ -63,6 +64,44 @@ def cluster(_shared, monkeypatch):
     c.mark()
     yield c
     c.kill_workers()  # (a test that failed mid-run)
+
+
+# ------------------------------------------------------------------------------ the test clusters' own network
+
+
+def test_a_test_clusters_subnet_is_one_no_network_of_the_machine_overlaps():
+    taken = [ipaddress.ip_network("198.18.0.0/16"), ipaddress.ip_network("198.19.7.0/24")]
+    assert free_subnet(3, []) == "198.18.3"
+    assert free_subnet(3, taken) == "198.19.0"  # (past the whole of 198.18: the next free /24)
+    assert free_subnet(256 + 7, taken) == "198.19.8"
+    assert free_subnet(511, [ipaddress.ip_network("198.19.0.0/16")]) == "198.18.0"  # (around the end)
+    with pytest.raises(RuntimeError, match="overlaps a network this machine routes"):
+        free_subnet(0, [ipaddress.ip_network("198.16.0.0/12")])
+
+
+def test_the_networks_a_machine_routes_are_read_from_its_routing_tables():
+    """In a network namespace of its own with one interface (a veth) holding 198.18.0.1/16 and a route to
+    198.19.0.0/17: those are what ``routed_here`` reads there (with the local and broadcast routes
+    the kernel adds), and the cluster subnet picked from them overlaps neither."""
+    if namespaces_available() is not None:
+        pytest.skip(f"no network namespaces here: {namespaces_available()}")
+    ns = f"rxr{os.getpid() % 100000}"
+    sh = ("ip link add d0 type veth peer name d1 && ip addr add 198.18.0.1/16 dev d0 && ip link set d1 up && "
+          "ip link set d0 up && "
+          "ip route add 198.19.0.0/17 dev d0 && exec \"$0\" -c \"$1\" \"$2\"")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from hosts import routed_here, free_subnet; "
+            "nets = routed_here(); print(json.dumps([str(n) for n in nets] + [free_subnet(0, nets)]))")
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", ns, "sh", "-c", sh, sys.executable, code,
+                              str(Path(__file__).parent)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        *nets, picked = json.loads(out.stdout)
+        assert "198.18.0.0/16" in nets and "198.19.0.0/17" in nets, nets
+        assert "0.0.0.0/0" not in nets  # (no default route there; one is never counted)
+        assert picked == "198.19.128", picked  # the first /24 of the range clear of both
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
 # ------------------------------------------------------------------------------ the placement side

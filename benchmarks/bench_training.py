@@ -340,7 +340,11 @@ def sb3_child(name: str, seed: int, max_env_steps: int, budget_s: float, eval_ev
 
     cb = ThresholdEval()
     # The zoo's n_timesteps, whatever the step budget: SB3's schedules (epsilon, lr, clip) run over it.
-    model.learn(total_timesteps=algo.max_env_steps, callback=cb)
+    # (SB3 makes an empty log folder per learn(), in /tmp unless SB3_LOGDIR names one: here, a folder
+    # removed after the run, so the benchmark leaves none behind.)
+    with tempfile.TemporaryDirectory(prefix="bench-sb3-") as logdir:
+        os.environ["SB3_LOGDIR"] = logdir
+        model.learn(total_timesteps=algo.max_env_steps, callback=cb)
     if cb.solved is None:
         note = cb.note or f"{model.num_timesteps} steps, zoo n_timesteps done"
         res = {"wall_s": None, "env_steps": None, "eval_s": cb.eval_s, "best": cb.best, "note": note}

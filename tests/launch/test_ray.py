@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def ray_address():
     # No dashboard: nothing here reads it, and on 2 cores it cost 1.6 CPU-s to start and 1.1 CPU-s per
     # 30 s idle (docs/benchmarks.md, session 43).
     cluster = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    session = Path(cluster.head_node.get_session_dir_path())  # (Ray's logs and sockets: /tmp/ray/session_...)
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=2)
@@ -41,6 +43,10 @@ def ray_address():
         yield cluster.address
     finally:
         cluster.shutdown()
+        shutil.rmtree(session, ignore_errors=True)  # (left by Ray after every test session otherwise)
+        latest = session.parent / "session_latest"
+        if latest.is_symlink() and Path(os.readlink(latest)) in (session, Path(session.name)):
+            latest.unlink()
 
 
 def _daemons() -> dict[str, int]:
@@ -128,3 +134,4 @@ def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_
     got = _summary(tmp_path)  # the run's files came back, its evaluations with them
     assert got["best_eval_return"] >= 200 and not got["reached_target"], got
     _wait(lambda: not _daemons(), 30, "the daemons to end with their actors")
+    shutil.rmtree(job)  # the daemons' logs, which `reactor ray` leaves for its user (kept here when a check failed)

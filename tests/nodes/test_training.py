@@ -242,7 +242,7 @@ def test_unknown_algorithm_names_the_known_ones():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # ~25-40 s on a loaded 2-core machine
-def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound(capfd):
+def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound(capfd, tmp_path):
     """Writers' flow control: when the learner cannot keep up (2 updates per env step), the shards'
     rate limiter holds inserts back; with max_unacked the actors stop stepping instead of having
     their steps parked in the shards without bound. The control run (no flow control) shows the
@@ -251,7 +251,8 @@ def test_async_actors_are_held_back_by_the_rate_limiter_not_parked_without_bound
     app = str(ROOT / "tests" / "apps" / "train_linear.py")
 
     def parked(max_unacked: int, stop_s: float) -> int:
-        cfg = {"samples_per_insert": 64.0, "max_unacked": max_unacked, "max_env_steps": 10**6}
+        cfg = {"samples_per_insert": 64.0, "max_unacked": max_unacked, "max_env_steps": 10**6,
+               "run_dir": str(tmp_path / f"unacked-{max_unacked}")}
         capfd.readouterr()
         root = logging.getLogger()
         level = root.level

@@ -194,6 +194,7 @@ class OneSidedSampling:
     dropped_items: int
     notice_every: int
     requester: int
+    num_shards: int
     live_shards: list[int]
 
     async def _attach_sampling(self, shard: int, sampling: Any) -> None:
@@ -512,21 +513,32 @@ class OneSidedSampling:
     def can_sample_now(self) -> bool:
         """Whether every live shard offered one-sided sampling and this client mapped it (then
         :meth:`sample_now` draws unless a shard is below its min size or keeps changing)."""
-        return self._ready_plan() is not None
+        plan = self._group
+        if plan is not None and self.one_sided and plan.lost == self.lost:
+            return True
+        return self._mapped_live(dict(self.lost)) is not None
+
+    def _mapped_live(self, lost: dict[int, str]) -> list[int] | None:
+        """The live shards when ``lost`` are the lost ones, if one-sided sampling is on and every one of
+        them is mapped; else None."""
+        live = [k for k in range(self.num_shards) if k not in lost]
+        return live if self.one_sided and live and all(k in self._shared for k in live) else None
 
     def _ready_plan(self) -> _Plan | None:
         """The live shards' :class:`_Plan` when every one of them is mapped (:attr:`can_sample_now`),
         else None. The plan of the last sample stands while the lost shards are the ones it was made
         for: the set of mapped shards changes only through :meth:`_attach_sampling` and
         :meth:`_forget_sampling`, which drop it (a sample's check is then one comparison, not a
-        pass over the shards)."""
+        pass over the shards). A plan is made from one copy of the lost shards, its live ones
+        derived from that copy: the message path may give a shard up on the loop's thread while a
+        draw ahead makes a plan on its own, and that plan must not stand for a set it does not
+        draw from."""
         plan = self._group  # (one read: a draw on another thread may set it meanwhile)
         if plan is not None and self.one_sided and plan.lost == self.lost:
             return plan
-        live = self.live_shards
-        if not (self.one_sided and live and all(k in self._shared for k in live)):
-            return None
-        return self._plan_of(live)
+        lost = dict(self.lost)
+        live = self._mapped_live(lost)
+        return None if live is None else self._plan_of(live, lost)
 
     def _forget_sampling(self, shard: int) -> None:
         """Drop a shard's one-sided offer and unmap its sampling region (its successor offers anew)."""
@@ -678,15 +690,17 @@ class OneSidedSampling:
         return self._finish_one_sided(n, drawn, sum(f[3] for f in used), plan, out, mask, local, q, weights, times,
                                       valid, hurry)
 
-    def _plan_of(self, live: list[int]) -> _Plan:
-        """The live shards' :class:`_Plan` (kept until the shards change)."""
+    def _plan_of(self, live: list[int], lost: dict[int, str] | None = None) -> _Plan:
+        """The :class:`_Plan` of shards ``live``, the live ones when ``lost`` (a copy; default: the
+        client's now) are the lost ones (kept until the shards change)."""
+        lost = dict(self.lost) if lost is None else lost
         shards = [self._shared[k] for k in live]
         key = tuple(id(sh) for sh in shards)
         got = self._group  # (one read: a draw on another thread may set it meanwhile)
         if got is None or got.key != key:
-            got = self._group = _Plan(key, live, shards, self._layouts[shards[0].data_region], self.lost)
-        elif got.lost != self.lost:  # (the same shards, lost ones given up on or back without an offer)
-            got.lost = dict(self.lost)
+            got = self._group = _Plan(key, live, shards, self._layouts[shards[0].data_region], lost)
+        elif got.lost != lost:  # (the same shards: lost ones given up on, or back without an offer)
+            got.lost = lost
         return got
 
     def _hold_keys(self, drawn: list[tuple[int, np.ndarray]], hurry: bool = False, gathered: int = 0,

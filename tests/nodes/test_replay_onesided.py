@@ -18,6 +18,7 @@ import pytest
 
 from reactor import run
 from reactor.launch._app import build_graph
+from reactor.nodes import _onesided
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "onesided_app.py")
 
@@ -574,6 +575,34 @@ async def test_a_shard_given_up_on_by_the_message_path_is_not_drawn_from_and_is_
         assert batch is not None and set((batch.keys.numpy() >> 48).tolist()) == {0, 1, 2}
     finally:
         await _close([client], shards)
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_shard_given_up_on_while_a_draw_makes_its_plan_is_not_drawn_from_after(tmp_path, monkeypatch):
+    """The message path may give a shard up on the loop's thread while a draw ahead, on its own thread,
+    makes the plan of the shards it draws from: that plan is for the lost shards it read, so it does
+    not stand for the new ones, and the samples after it leave the given-up shard out."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(3)]
+        client = await _client_of(shards)
+        make = _onesided._Plan.__init__
+
+        def made_while_shard_1_is_given_up(plan, *a, **kw):
+            client.lost[1] = "no answer within 1s"  # (the loop's thread, in the middle of the plan's making)
+            make(plan, *a, **kw)
+
+        monkeypatch.setattr(_onesided._Plan, "__init__", made_while_shard_1_is_given_up)
+        client._group = None
+        first, _ = client.sample_now(300)  # (drawn from the shards it read as live: all three)
+        monkeypatch.setattr(_onesided._Plan, "__init__", make)
+        assert first is not None and set((first.keys.numpy() >> 48).tolist()) == {0, 1, 2}
+        for _ in range(5):
+            batch, _ = client.sample_now(300)
+            assert batch is not None and set((batch.keys.numpy() >> 48).tolist()) == {0, 2}
+    finally:
+        await _close([client], shards)
+
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)

@@ -96,7 +96,7 @@ def sb3_once(steps: int) -> dict[str, float]:
         t0 = time.time()
         out = subprocess.run([sys.executable, "-c", SB3, repr(t0), str(steps)], capture_output=True, text=True,
                              check=True, env={**os.environ, "SB3_LOGDIR": logdir}).stdout
-    exited = time.time() - t0
+        exited = time.time() - t0
     start, learn, done = map(float, out.split())
     return {"training_starts_s": start, "training_s": learn, "stop_s": exited - done, "exit_s": exited,
             "command_over_training": exited / learn}

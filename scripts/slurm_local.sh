@@ -13,9 +13,16 @@
 # skip with it). `scripts/slurm_local.sh stop` stops the daemons it started (the test session does,
 # at its end, when it started them: tests/conftest.py).
 #
-# It never touches a Slurm it did not set up: where the configuration ($SLURM_CONF, else
-# /etc/slurm/slurm.conf) is another cluster's, or Slurm daemons run with no configuration there, it
-# exits 5 saying so and changes nothing (a real cluster node, or a container with a Slurm of its own).
+# It never touches a Slurm it did not set up. It exits 5 saying why, and changes nothing, where the
+# configuration ($SLURM_CONF, else /etc/slurm/slurm.conf; a link counts, even a broken one) is another
+# cluster's, or where there is none but signs of a Slurm of the machine's own: its daemons (slurmctld,
+# slurmd, slurmdbd, slurmrestd, sackd) running, a configuration elsewhere (/etc/slurm-llnl, a
+# configless node's /run/slurm/conf or conf-cache), or Slurm installed by someone else (a cluster
+# node, a container with a Slurm of its own).
+#
+# What it started is recorded in /run/reactor-slurm-local, one line each ("packages", "slurm TOKEN",
+# "munge TOKEN"; TOKEN is $REACTOR_TEST_SESSION, which a test session sets, so that the session stops
+# only what it started itself).
 set -euo pipefail
 
 NODES="${SLURM_LOCAL_NODES:-3}"
@@ -23,22 +30,32 @@ CPUS="${SLURM_LOCAL_CPUS:-4}"
 HOST="$(hostname -s)"
 CONF="${SLURM_CONF:-/etc/slurm/slurm.conf}"
 OURS="ClusterName=reactortest"  # the line that makes a configuration this script's
-MARK=/run/reactor-slurm-local  # the daemons this script started ("slurm", "munge"), for `stop`
+MARK=/run/reactor-slurm-local  # what this script started (see above), for `stop` and the test session
+TOKEN="${REACTOR_TEST_SESSION:-manual}"
 NAMES="$(seq -f 'rx%g' 1 "$NODES" | tr '\n' ' ')"
 
 if [ "$(id -u)" != 0 ]; then
     echo "slurm_local.sh: needs root (it installs packages and starts slurmctld, slurmd, munged)" >&2
     exit 2
 fi
-if [ -e "$CONF" ] && ! grep -qx "$OURS" "$CONF"; then
-    echo "slurm_local.sh: $CONF is another cluster's (it has no line $OURS): this machine's own Slurm is left alone" >&2
+refuse() {
+    echo "slurm_local.sh: $1: this machine's own Slurm is left alone" >&2
     exit 5
+}
+if [ -e "$CONF" ] || [ -L "$CONF" ]; then
+    grep -qx "$OURS" "$CONF" 2>/dev/null || refuse "$CONF is another cluster's (it has no line $OURS)"
+else
+    for d in slurmctld slurmd slurmdbd slurmrestd sackd; do
+        if pgrep -x "$d" >/dev/null; then refuse "$d runs here with no configuration at $CONF"; fi
+    done
+    for f in /etc/slurm-llnl/slurm.conf /run/slurm/conf /var/spool/slurmd/conf-cache; do
+        if [ -e "$f" ]; then refuse "there is no $CONF but there is $f"; fi
+    done
+    if { command -v slurmctld || command -v slurmd || command -v sbatch; } >/dev/null \
+            && ! grep -qx packages "$MARK" 2>/dev/null; then
+        refuse "Slurm is installed here (not by this script) with no configuration at $CONF"
+    fi
 fi
-if [ ! -e "$CONF" ] && { pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null; }; then
-    echo "slurm_local.sh: Slurm daemons run here with no configuration at $CONF: they are not this script's and are left alone" >&2
-    exit 5
-fi
-
 
 stop_all() {  # and wait until they are gone: a stopping slurmctld still saves its state
     pkill -x slurmd || true
@@ -52,10 +69,14 @@ stop_all() {  # and wait until they are gone: a stopping slurmctld still saves i
 }
 if [ "${1:-}" = stop ]; then
     stop_all
-    if grep -qx munge "$MARK" 2>/dev/null; then  # (a munged it found running is not its to stop)
+    if grep -q "^munge " "$MARK" 2>/dev/null; then  # (a munged it found running is not its to stop)
         pkill -x munged || true
     fi
-    rm -f "$MARK"
+    if grep -qx packages "$MARK" 2>/dev/null; then  # (the packages stay installed, and still its own)
+        echo packages > "$MARK"
+    else
+        rm -f "$MARK"
+    fi
     exit 0
 fi
 
@@ -73,6 +94,7 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
         echo "slurm_local.sh: apt-get install slurmctld slurmd slurm-client munge failed: $(tail -3 /tmp/slurm-apt.log)" >&2
         exit 3
     fi
+    echo packages >> "$MARK"
 fi
 
 mkdir -p /etc/munge /var/log/munge /var/lib/munge /run/munge "$(dirname "$CONF")" /var/spool/slurmctld /var/log/slurm
@@ -127,14 +149,14 @@ fi
 
 if ! pgrep -x munged >/dev/null; then
     runuser -u munge -- /usr/sbin/munged
-    echo munge >> "$MARK"
+    echo "munge $TOKEN" >> "$MARK"
 fi
 if [ "$changed" = 1 ]; then
     stop_all
 fi
 if ! pgrep -x slurmctld >/dev/null; then
     /usr/sbin/slurmctld
-    echo slurm >> "$MARK"
+    echo "slurm $TOKEN" >> "$MARK"
 fi
 for n in $NAMES; do
     if ! pgrep -f "slurmd -N $n\$" >/dev/null; then

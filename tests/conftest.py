@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -122,29 +123,27 @@ _HARNESS = re.compile(r"[/\\](_pytest|pluggy|xdist|execnet)[/\\]|^<string>$")
 
 # ------------------------------------------------------------------------------------------- a local Slurm
 # tests/launch/test_slurm.py's fixture starts a Slurm cluster on this machine (scripts/slurm_local.sh, as
-# root) in whichever worker needs it first; the session stops it at its end (in the controller, after every
-# worker is done) when it was not running as the session began: the suite leaves no daemon behind, and a
-# Slurm that ran before it (a developer's, kept between sessions) stays.
+# root) in whichever worker needs it first. The script records the daemons it starts with this session's
+# token (REACTOR_TEST_SESSION, set here in the controller before the workers start, which inherit it);
+# the session stops them at its end (in the controller, after every worker is done) only if it started
+# them itself: the suite leaves no daemon behind, and a Slurm that ran before it, or that another session
+# started, stays.
 
-_SLURM_BEFORE = pytest.StashKey[bool]()
 _SLURM_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm_local.sh"
 _SLURM_MARK = Path("/run/reactor-slurm-local")  # what the script started (see it)
 
 
-def _slurmctld_runs() -> bool:
-    try:
-        return subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return True  # (cannot tell: then it is not the session's to stop)
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):
-        session.config.stash[_SLURM_BEFORE] = _slurmctld_runs()
+        os.environ["REACTOR_TEST_SESSION"] = f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if hasattr(session.config, "workerinput") or session.config.stash.get(_SLURM_BEFORE, True):
+    if hasattr(session.config, "workerinput"):
         return
-    if _SLURM_MARK.exists():  # the script started daemons during the session
+    try:
+        started = f"slurm {os.environ.get('REACTOR_TEST_SESSION')}" in _SLURM_MARK.read_text().splitlines()
+    except OSError:
+        return
+    if started:
         subprocess.run(["bash", str(_SLURM_SCRIPT), "stop"], capture_output=True, timeout=120, check=False)

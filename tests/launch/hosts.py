@@ -97,9 +97,14 @@ _ROUTE_TYPES = ("local", "broadcast", "anycast", "multicast", "unicast", "blackh
                 "throw", "nat")
 
 
+_RANGE = ipaddress.ip_network("198.18.0.0/15")  # where the test clusters' subnets come from (free_subnet)
+
+
 def routed_here() -> list[ipaddress.IPv4Network]:
-    """Every IPv4 network this (root) namespace has a route to or an address in, but the default
-    route (``ip -4 route show table all``)."""
+    """Every IPv4 network this (root) namespace has a route to or an address in (``ip -4 route show
+    table all``), but catch-alls: the default route, and any route wider than the whole of
+    198.18.0.0/15 (a VPN's ``0.0.0.0/1`` and ``128.0.0.0/1``, say). A test cluster's /24 is more
+    specific than those, and there are no hosts of theirs in that range to cut off."""
     nets = []
     for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
         words = line.split()
@@ -108,7 +113,9 @@ def routed_here() -> list[ipaddress.IPv4Network]:
         if not words or words[0] == "default":
             continue
         with contextlib.suppress(ValueError):
-            nets.append(ipaddress.ip_network(words[0], strict=False))
+            net = ipaddress.ip_network(words[0], strict=False)
+            if not (net.version == 4 and net.prefixlen < _RANGE.prefixlen and net.supernet_of(_RANGE)):
+                nets.append(net)
     return nets
 
 

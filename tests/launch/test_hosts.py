@@ -80,15 +80,16 @@ def test_a_test_clusters_subnet_is_one_no_network_of_the_machine_overlaps():
 
 
 def test_the_networks_a_machine_routes_are_read_from_its_routing_tables():
-    """In a network namespace of its own with one interface (a veth) holding 198.18.0.1/16 and a route to
-    198.19.0.0/17: those are what ``routed_here`` reads there (with the local and broadcast routes
-    the kernel adds), and the cluster subnet picked from them overlaps neither."""
+    """In a network namespace of its own with one interface (a veth) holding 198.18.0.1/16, a route to
+    198.19.0.0/17 and a catch-all route to 128.0.0.0/1 (a VPN's): the first two are what ``routed_here``
+    reads there (with the local and broadcast routes the kernel adds), the catch-all is not, and the
+    cluster subnet picked from them overlaps neither."""
     if namespaces_available() is not None:
         pytest.skip(f"no network namespaces here: {namespaces_available()}")
     ns = f"rxr{os.getpid() % 100000}"
     sh = ("ip link add d0 type veth peer name d1 && ip addr add 198.18.0.1/16 dev d0 && ip link set d1 up && "
-          "ip link set d0 up && "
-          "ip route add 198.19.0.0/17 dev d0 && exec \"$0\" -c \"$1\" \"$2\"")
+          "ip link set d0 up && ip route add 198.19.0.0/17 dev d0 && "
+          "ip route add 128.0.0.0/1 dev d0 && exec \"$0\" -c \"$1\" \"$2\"")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from hosts import routed_here, free_subnet; "
             "nets = routed_here(); print(json.dumps([str(n) for n in nets] + [free_subnet(0, nets)]))")
     subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
@@ -98,7 +99,7 @@ def test_the_networks_a_machine_routes_are_read_from_its_routing_tables():
         assert out.returncode == 0, out.stderr[-2000:]
         *nets, picked = json.loads(out.stdout)
         assert "198.18.0.0/16" in nets and "198.19.0.0/17" in nets, nets
-        assert "0.0.0.0/0" not in nets  # (no default route there; one is never counted)
+        assert "0.0.0.0/0" not in nets and "128.0.0.0/1" not in nets, nets  # (catch-alls are not counted)
         assert picked == "198.19.128", picked  # the first /24 of the range clear of both
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

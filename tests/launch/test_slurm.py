@@ -55,26 +55,38 @@ def test_outside_an_allocation_here_says_so_and_a_placement_file_is_refused(tmp_
 
 
 def _slurm_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-x", "slurmctld|slurmd|munged"], capture_output=True, text=True, timeout=30)
-    return {int(p) for p in out.stdout.split()}
+    """The pids of the Slurm and munge daemons running now (pgrep takes one name at a time: it refuses
+    patterns longer than a process name's 15 characters)."""
+    pids = set()
+    for name in ("slurmctld", "slurmd", "munged", "slurmdbd", "sackd"):
+        out = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True, timeout=30)
+        pids |= {int(p) for p in out.stdout.split()}
+    return pids
 
 
-@pytest.mark.parametrize("mode", ["start", "stop"])
+@pytest.mark.parametrize("mode", ["start", "stop", "broken link"])
 def test_the_local_slurm_script_leaves_another_clusters_slurm_alone(tmp_path, mode):
-    """On a machine with a Slurm of its own (its configuration names another cluster), the script that
-    sets up the tests' cluster, or stops it, changes nothing: not the configuration, not a daemon.
-    The tests that need it then skip with its reason."""
+    """On a machine with a Slurm of its own (its configuration names another cluster, or is a link to
+    one on a file system not mounted now), the script that sets up the tests' cluster, or stops it,
+    changes nothing: not the configuration, not a daemon. The tests that need it then skip with its
+    reason."""
     if os.geteuid() != 0:
         pytest.skip("the script runs as root only")
     conf = tmp_path / "slurm.conf"
     theirs = "ClusterName=production\nSlurmctldHost=head0\nNodeName=gpu[001-064] CPUs=128\n"
-    conf.write_text(theirs)
+    if mode == "broken link":
+        conf.symlink_to(tmp_path / "nfs" / "slurm.conf")
+    else:
+        conf.write_text(theirs)
     before = _slurm_pids()
     got = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_local.sh"), *(["stop"] if mode == "stop" else [])],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_CONF": str(conf)})
     assert got.returncode == 5, (got.returncode, got.stderr)
     assert f"{conf} is another cluster's" in got.stderr and "left alone" in got.stderr, got.stderr
-    assert conf.read_text() == theirs
+    if mode == "broken link":
+        assert conf.is_symlink() and not conf.exists()
+    else:
+        assert conf.read_text() == theirs
     assert sorted(tmp_path.iterdir()) == [conf]  # (no new configuration written beside it)
     assert _slurm_pids() >= before  # (every daemon that ran still runs: a test's may have started meanwhile)
 

@@ -62,6 +62,13 @@ class WorkerFailedError(ReactorError):
     """A worker process raised or died; its message or exit status is included."""
 
 
+#: What a worker does before each message the coordinator gathers at a run's start (its error, when late).
+_STARTING = {
+    "hello": "starting: its imports, building the app's graph and opening its endpoint",
+    "ready": "building its reactors and connecting to its peers",
+}
+
+
 async def run_processes(
     graph: Graph,
     *,
@@ -625,19 +632,33 @@ class _Session:
         return batch
 
     async def gather(self, what: str, timeout_s: float) -> dict[str, Any]:
+        """Every worker's ``what`` message (``"hello"``, ``"ready"``): peer -> its fields.
+
+        Raises:
+            WorkerFailedError: a worker died first, or some did not send it within ``timeout_s``
+                (named, with what they were doing).
+        """
         got: dict[str, Any] = {}
-        async with asyncio.timeout(timeout_s):
-            while len(got) < len(self.procs):
-                if self.signalled.is_set():
-                    raise KeyboardInterrupt
-                self._check_children()
-                if self.restarts.pending:  # a worker died before the run started: no restart then
-                    name = sorted(self.restarts.pending)[0]
-                    raise WorkerFailedError(f"worker {name!r} {self.restarts.ends[name][-1]} before the run "
-                                            f"started (restart policies start again only what had started)")
-                for peer, msg in await self._batch():
-                    if msg[0] == what:
-                        got[peer] = msg[1:]
+        try:
+            async with asyncio.timeout(timeout_s):
+                while len(got) < len(self.procs):
+                    if self.signalled.is_set():
+                        raise KeyboardInterrupt
+                    self._check_children()
+                    if self.restarts.pending:  # a worker died before the run started: no restart then
+                        name = sorted(self.restarts.pending)[0]
+                        raise WorkerFailedError(f"worker {name!r} {self.restarts.ends[name][-1]} before the run "
+                                                f"started (restart policies start again only what had started)")
+                    for peer, msg in await self._batch():
+                        if msg[0] == what:
+                            got[peer] = msg[1:]
+        except TimeoutError:
+            late = sorted(set(self.procs) - set(got))
+            doing = _STARTING.get(what, f"sending {what!r}")
+            raise WorkerFailedError(
+                f"worker{'s' if len(late) > 1 else ''} {', '.join(map(repr, late))} did not finish {doing} within "
+                f"{timeout_s:g} s of being asked; the run was stopped before it started"
+            ) from None
         return got
 
     async def supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:

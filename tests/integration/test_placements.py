@@ -151,6 +151,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.timeout(120)
+def test_workers_late_to_start_end_the_run_naming_them_and_what_they_were_doing(monkeypatch):
+    """Workers that do not open their endpoints within the start timeout (a slow import, an env's
+    setup) end the run with an error that names each of them and that step, not a bare TimeoutError;
+    every worker of the run is reaped."""
+    from reactor.launch import _coordinator
+    from reactor.launch._coordinator import WorkerFailedError
+
+    monkeypatch.setattr(_coordinator, "START_TIMEOUT_S", 2.0)
+    app = str(APPS / "slow_start.py")
+    config = {"parent_pid": os.getpid(), "worker_sleep_s": 60.0}
+    with pytest.raises(WorkerFailedError) as got:
+        _run(app, config, placement="processes", deterministic=False)
+    message = str(got.value)
+    assert "workers 'sink', 'ticker' did not finish starting: its imports, building the app's graph" in message
+    assert "within 2 s of being asked; the run was stopped before it started" in message
+    left = [p for p in _workers(os.getpid()) if _alive(p)]  # (the sleeping workers; a kept fork server stays)
+    assert not left, left
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
     ready = tmp_path / "ready"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import math
 import threading
@@ -30,7 +29,6 @@ from .._native import host_empty
 from ..replay.shared import BELOW as _BELOW
 from ..replay.shared import BUSY as _BUSY
 from ..replay.shared import EMPTY as _EMPTY
-from ..replay.shared import MOVED_AT as _MOVED_AT
 from ..replay.shared import OK as _OK
 from ..replay.shared import ZERO as _ZERO
 from ..replay.shared import (
@@ -124,6 +122,17 @@ class _SharedShard:
     row_nbytes: np.ndarray
 
 
+def _ranges(live: list[int], counts: list[int], upto: int) -> list[tuple[int, int, int]]:
+    """``(shard, a, b)``: the items ``[a, b)`` of the batch that each of the shards ``live[:upto]``
+    with a count drew, in the batch's order (shard by shard from item 0)."""
+    out, a = [], 0
+    for k, c in zip(live[:upto], counts[:upto]):
+        if c:
+            out.append((k, a, a + c))
+            a += c
+    return out
+
+
 class _Plan:
     """What every one-sided sample from one set of mapped shards shares (built once, kept until the
     shards change): their :class:`SharedShards`, the batch's fields and each thread's scratch arrays."""
@@ -134,7 +143,7 @@ class _Plan:
     def __init__(self, key: tuple[int, ...], live: list[int], shards: list[_SharedShard],
                  layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], lost: dict[int, str]) -> None:
         self.key, self.live = key, list(live)
-        self.lost = dict(lost)  # the client's lost shards it was made for (OneSidedSampling._ready_plan)
+        self.lost = lost  # (a copy) the client's lost shards it was made for (OneSidedSampling._ready_plan)
         self.shards = shards  # (kept: their ids stay theirs while the plan stands)
         self.group = SharedShards([(sh.table, sh.src_addrs, sh.row_nbytes) for sh in shards])
         self.group.tags = np.array(live, np.int64) << KEY_SHARD_BITS  # type: ignore[attr-defined]
@@ -286,10 +295,11 @@ class OneSidedSampling:
             (An error from a read server carries ``notices``: the :class:`SampledKeys` of the shards
             that did draw their part, to send as a sample's notices.)
         """
-        if self._ready_plan() is not None:
-            return self.sample_now(n)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
+        plan = self._ready_plan()
+        if plan is not None:
+            return self._sample_on(plan, int(n))
         draw = self._start_remote(int(n)) if self.can_sample_one_sided else None
         if draw is None:
             return None, self.take_notices()
@@ -513,10 +523,12 @@ class OneSidedSampling:
     def can_sample_now(self) -> bool:
         """Whether every live shard offered one-sided sampling and this client mapped it (then
         :meth:`sample_now` draws unless a shard is below its min size or keeps changing)."""
-        plan = self._group
-        if plan is not None and self.one_sided and plan.lost == self.lost:
-            return True
-        return self._mapped_live(dict(self.lost)) is not None
+        return self._standing_plan() is not None or self._mapped_live(dict(self.lost)) is not None
+
+    def _standing_plan(self) -> _Plan | None:
+        """The plan of the last sample, while the lost shards are still the ones it was made for."""
+        plan = self._group  # (one read: a draw on another thread may set it meanwhile)
+        return plan if plan is not None and self.one_sided and plan.lost == self.lost else None
 
     def _mapped_live(self, lost: dict[int, str]) -> list[int] | None:
         """The live shards when ``lost`` are the lost ones, if one-sided sampling is on and every one of
@@ -533,8 +545,8 @@ class OneSidedSampling:
         derived from that copy: the message path may give a shard up on the loop's thread while a
         draw ahead makes a plan on its own, and that plan must not stand for a set it does not
         draw from."""
-        plan = self._group  # (one read: a draw on another thread may set it meanwhile)
-        if plan is not None and self.one_sided and plan.lost == self.lost:
+        plan = self._standing_plan()
+        if plan is not None:
             return plan
         lost = dict(self.lost)
         live = self._mapped_live(lost)
@@ -594,9 +606,12 @@ class OneSidedSampling:
         plan = self._ready_plan()
         if plan is None:
             return None, self.take_notices()
+        return self._sample_on(plan, int(n))
+
+    def _sample_on(self, plan: _Plan, n: int) -> tuple[SampledBatch | None, list[SampledKeys]]:
+        """:meth:`sample_now` of ``n`` (checked) items from the shards of ``plan`` (ready)."""
         live, shards, group = plan.live, plan.shards, plan.group
         m = len(live)
-        n = int(n)
         # The batch's memory, filled in place by each shard's compiled draw-and-copy.
         out = {f: host_empty((n, *shape), dt) for f, shape, dt in plan.fields}
         bases = np.array([t.data_ptr() for t in out.values()], dtype=np.int64)
@@ -624,13 +639,8 @@ class OneSidedSampling:
             status = group.draw(every_uniform, bases, item_nbytes, group.tags, beta, mask, local, q, times, valid,
                                 weights, seqs, counts, shares, least, where)
             if status == _OK:  # (the common case: every shard drew on the state of its figures)
-                drawn, a = [], 0
-                for k, c in zip(live, counts.tolist()):
-                    if c:
-                        drawn.append((k, a, a + c))
-                        a += c
-                return self._finish_one_sided(n, drawn, sum(sizes.tolist()), plan, out, mask, local, q, weights, times,
-                                              valid, hurry)
+                return self._finish_one_sided(n, _ranges(live, counts.tolist(), m), sum(sizes.tolist()), plan, out,
+                                              mask, local, q, weights, times, valid, hurry)
         if status in (_BELOW, _ZERO):  # below a shard's min size (its request parks until ready), or all 0
             return None, self.take_notices()
         deadline = time.perf_counter() + _ONE_SIDED_PATIENCE_S
@@ -649,13 +659,11 @@ class OneSidedSampling:
                 return None, self.take_notices()
             hurry = took == -2
             start, a = 0, 0
-        else:
+        else:  # MOVED_AT: the shards before where[0] drew, on the state of their figures
             figs = list(zip(seqs.tolist(), masses.tolist(), lows.tolist(), sizes.tolist()))
-            start, a = (int(where[0]), int(where[1])) if status == _MOVED_AT else (m, n)
+            start, a = int(where[0]), int(where[1])
         used: list[tuple[int, float, float, int]] = list(figs)  # type: ignore[arg-type]
-        ends = list(itertools.accumulate(counts.tolist()))
-        drawn = [(k, b - c, b)  # (shard, its items [a, b))
-                 for k, c, b in zip(live[:start], counts.tolist()[:start], ends[:start]) if c]
+        drawn = _ranges(live, counts.tolist(), start)
         min_p = float(least[0])
         retried = False
         for i in range(start, m):  # shards the compiled call did not draw (a change, or it waited): one by one
@@ -690,10 +698,9 @@ class OneSidedSampling:
         return self._finish_one_sided(n, drawn, sum(f[3] for f in used), plan, out, mask, local, q, weights, times,
                                       valid, hurry)
 
-    def _plan_of(self, live: list[int], lost: dict[int, str] | None = None) -> _Plan:
-        """The :class:`_Plan` of shards ``live``, the live ones when ``lost`` (a copy; default: the
-        client's now) are the lost ones (kept until the shards change)."""
-        lost = dict(self.lost) if lost is None else lost
+    def _plan_of(self, live: list[int], lost: dict[int, str]) -> _Plan:
+        """The :class:`_Plan` of shards ``live``, the live ones when ``lost`` (a copy) are the lost
+        ones (kept until the shards change)."""
         shards = [self._shared[k] for k in live]
         key = tuple(id(sh) for sh in shards)
         got = self._group  # (one read: a draw on another thread may set it meanwhile)

@@ -443,7 +443,7 @@ async def test_a_shard_that_changes_between_its_figures_and_its_draw_draws_again
         (_s0, m0, low0, _n0), (_s1, m1, _low1, _n1) = (client._shared[k].table.figures() for k in range(2))
         ss1 = client._shared[1].table
         table1, pub1 = _OWNED[shards[1][0]]
-        group = client._plan_of(client.live_shards).group
+        group = client._ready_plan().group
         real = group.draw
         calls = []
 
@@ -492,7 +492,7 @@ async def test_a_sample_whose_shard_was_mid_change_draws_shard_by_shard_what_the
     try:
         shards = [await _served_shard(tmp_path, k, shm=True) for k in range(3)]
         clients = [await _client_of(shards), await _client_of(shards)]
-        busy = clients[1]._plan_of(clients[1].live_shards).group
+        busy = clients[1]._ready_plan().group
         busy.figures = lambda *a: BUSY  # as when a shard's count is odd at the first read
         for _ in range(3):
             (b0, _n0), (b1, _n1) = (c.sample_now(200) for c in clients)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from .runtime_dirs import remove_made
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
@@ -119,6 +121,13 @@ def _end_worker(item: pytest.Item, timeout_s: float, dump: Path) -> None:
 
 # pytest's, pluggy's, xdist's and execnet's own frames (the runner around every test)
 _HARNESS = re.compile(r"[/\\](_pytest|pluggy|xdist|execnet)[/\\]|^<string>$")
+
+
+@pytest.fixture(autouse=True)
+def _remove_runtime_dirs():
+    """The short runtime directories a test made under /tmp (tests/runtime_dirs.py), removed after it."""
+    yield
+    remove_made()
 
 
 # ------------------------------------------------------------------------------------------- a local Slurm

@@ -10,11 +10,9 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -28,6 +26,8 @@ from hypothesis import strategies as st
 from reactor._tag import FOREVER_NS
 from reactor.transport.codec import encode
 
+from ..runtime_dirs import run_env as _env
+from ..runtime_dirs import runtime_dir as _rt
 from .test_wire import protocol_messages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,27 +36,6 @@ APPS = ROOT / "tests" / "apps"
 
 def _hello(name: str) -> bytes:
     return msgpack.packb([1, 2, name])
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "REACTOR_RUNTIME_DIR": str(_rt(tmp_path)), "PYTHONPATH": str(ROOT)}
-
-
-def _rt(tmp_path: Path) -> Path:
-    """A short runtime directory for the test (ipc paths are limited to 107 bytes; pytest's tmp_path
-    is long): a symlink-free directory under /tmp, named after tmp_path, removed with it."""
-    link = tmp_path / "rt"
-    if not link.exists():
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        link.write_text(tempfile.mkdtemp(prefix="rxt-", dir="/tmp"))
-    return Path(link.read_text())
-
-
-@pytest.fixture(autouse=True)
-def _remove_runtime_dirs(tmp_path):
-    yield
-    for link in tmp_path.rglob("rt"):
-        shutil.rmtree(link.read_text(), ignore_errors=True)
 
 
 def _run(args: list[str], tmp_path: Path, **kw) -> subprocess.Popen[str]:

@@ -36,14 +36,9 @@ from reactor.replay import FieldSpec
 from reactor.replay.checkpoint import latest_checkpoint
 from reactor.transport._shm import list_segments
 
-from ..faults.test_live_runs import (
-    _alive,
-    _children,
-    _env,
-    _remove_runtime_dirs,  # noqa: F401  (autouse here too: the dirs _rt makes)
-    _rt,
-    _run_id,
-)
+from ..faults.test_live_runs import _alive, _children, _run_id
+from ..runtime_dirs import run_env as _env
+from ..runtime_dirs import runtime_dir as _rt
 from .hosts import Cluster, evaluations, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,12 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ import torch
 from reactor import run
 from reactor.launch._app import build_graph
 from tests.learning import first_seed_passing
+from tests.runtime_dirs import run_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn.py")
@@ -372,15 +370,10 @@ def test_a_run_of_the_readmes_main_job_that_ends_well_logs_no_warning(tmp_path):
     shards used to end it with a WARNING that the rate limiter still held Steps messages back, as it does
     when a run stops on a target: those steps come after the last update, and the writers were never told
     they were inserted."""
-    rt = tempfile.mkdtemp(prefix="rxt-", dir="/tmp")  # its own runtime directory: no other run's leftovers
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--set",
-             f"run_dir='{tmp_path}'", "live=False"],
-            capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "REACTOR_RUNTIME_DIR": rt},
-        )
-    finally:
-        shutil.rmtree(rt, ignore_errors=True)
+    out = subprocess.run(  # (in a runtime directory of its own: no other run's leftovers)
+        [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--set", f"run_dir='{tmp_path}'",
+         "live=False"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=run_env(tmp_path / "r"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert _summary(tmp_path)["updates"] > 0  # (its target or its step budget ended it: the trajectory is the CPU's)
     noisy = [line for line in (out.stdout + out.stderr).splitlines() if " WARNING " in line or " ERROR " in line]

@@ -49,6 +49,7 @@ from typing import Any
 from .._files import read_small_json, refuse_file_links, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
+from .plot import MAX_LINE_CHARS  # (a longer line, of an edited file, is passed over, never read whole)
 from .train_messages import Report
 
 __all__ = ["Metrics"]
@@ -360,7 +361,7 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
                 f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
                 tail = tail[:tail.rfind(b"\n") + 1]
         with open(path, "rb") as f:
-            header = f.readline(_MAX_ROW_NBYTES)
+            header = f.readline(MAX_LINE_CHARS)
             if next(csv.reader([header.decode()]), None) != CSV_HEADER:
                 return None
             last_wall, evals = 0.0, []
@@ -380,18 +381,16 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
     return last_wall, evals
 
 
-#: No row of ours is near this long; a longer line (an edited file) is passed over, never read whole.
-_MAX_ROW_NBYTES = 64 * 1024
 
 
 def _rows_of(f: Any) -> Iterator[bytes]:
-    """The lines of binary file ``f`` from where it is, each at most :data:`_MAX_ROW_NBYTES` long:
+    """The lines of binary file ``f`` from where it is, each at most :data:`MAX_LINE_CHARS` long:
     longer ones are read through in pieces and left out."""
-    while line := f.readline(_MAX_ROW_NBYTES):
-        if len(line) < _MAX_ROW_NBYTES or line.endswith(b"\n"):
+    while line := f.readline(MAX_LINE_CHARS):
+        if len(line) < MAX_LINE_CHARS or line.endswith(b"\n"):
             yield line
             continue
-        while (rest := f.readline(_MAX_ROW_NBYTES)) and not rest.endswith(b"\n"):
+        while (rest := f.readline(MAX_LINE_CHARS)) and not rest.endswith(b"\n"):
             pass
 
 

@@ -83,6 +83,9 @@ FIELDS = [("obs", (64,), "float32"), ("action", (), "int64"), ("reward", (), "fl
 SPECS = [FieldSpec("obs", (64,), torch.float32), FieldSpec("action", (), torch.int64),
          FieldSpec("reward", (), torch.float32), FieldSpec("terminated", (), torch.bool)]
 ROW_NBYTES = 64 * 4 + 8 + 4 + 1  # 269 B a stored step
+ALPHA, BETA = 0.6, 0.4
+EPISODE_MEAN = 500  # steps; episodes end at random (terminated) with probability 1 / EPISODE_MEAN a step
+POOL = 64  # pre-generated steps the synthetic envs cycle through (the writer's work, not the data's)
 
 
 def run_cpu_s() -> dict[str, float]:
@@ -115,9 +118,6 @@ def run_cpu_s() -> dict[str, float]:
         except (OSError, ValueError, IndexError):  # a process or thread that ended meanwhile
             continue
     return out if any(k.startswith("writer") for k in out) else {}
-ALPHA, BETA = 0.6, 0.4
-EPISODE_MEAN = 500  # steps; episodes end at random (terminated) with probability 1 / EPISODE_MEAN a step
-POOL = 64  # pre-generated steps the synthetic envs cycle through (the writer's work, not the data's)
 
 
 class SyntheticEnvs:

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from .runtime_dirs import remove_made
-
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
@@ -125,9 +123,12 @@ _HARNESS = re.compile(r"[/\\](_pytest|pluggy|xdist|execnet)[/\\]|^<string>$")
 
 @pytest.fixture(autouse=True)
 def _remove_runtime_dirs():
-    """The short runtime directories a test made under /tmp (tests/runtime_dirs.py), removed after it."""
+    """The short runtime directories a test made under /tmp (tests/runtime_dirs.py), removed after it.
+    (Looked up, not imported: this file is also copied alone into the sessions of test_suite_timeouts.)"""
     yield
-    remove_made()
+    helper = sys.modules.get("tests.runtime_dirs")
+    if helper is not None:
+        helper.remove_made()
 
 
 # ------------------------------------------------------------------------------------------- a local Slurm

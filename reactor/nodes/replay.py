@@ -95,7 +95,7 @@ from ..replay import (
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
 from ..transport import bulk as _bulk
 from ..transport._shm import HUGE_NBYTES, huge_pages_allowed
-from ._onesided import REMOTE_SAMPLE_OP
+from ._onesided_remote import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from ._shardstore import ShardStore

@@ -27,7 +27,7 @@ import torch
 from .._errors import PeerLostError
 from .._native import host_empty
 from ..replay import expand_window_spans
-from ..replay.shared import least_probability
+from ..replay.shared import importance_weights, least_probability
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its names public here)
@@ -36,11 +36,9 @@ from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its n
     REMOTE_SAMPLE_OP,
     OneSidedSampling,
     _Plan,
-    _RemoteDraw,
-    _RemoteShard,
     _SharedShard,
-    _weights,
 )
+from ._onesided_remote import _RemoteDraw, _RemoteShard
 from ._shardkeys import KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
     Delete,
@@ -491,7 +489,7 @@ class ReplayClient(OneSidedSampling):
         ks = list(figs)
         min_p = least_probability(np.array([s.shares[k] for k in ks]), np.array([figs[k].mass for k in ks]),
                                   np.array([figs[k].min_mass for k in ks]))
-        return probs, _weights(probs, min_p, beta)
+        return probs, importance_weights(probs, min_p, beta)
 
     # ---------------------------------------------------------------- bulk gathers (shm, one-sided reads)
 

@@ -58,6 +58,7 @@ never an out-of-bounds access.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ from .sumtree import _layout, _nb_descend
 
 __all__ = [
     "BELOW", "BUSY", "EMPTY", "MOVED", "MOVED_AT", "OK", "SamplingPublisher", "SharedArrays", "SharedSampling",
-    "SharedShards", "least_probability", "parse_transition", "plan_shards", "serve_sample", "shareable", "take_counts",
+    "SharedShards", "importance_weights", "least_probability", "parse_transition", "plan_shards", "serve_sample",
+    "shareable", "take_counts",
     "transitions_from_windows",
     "why_not_shared",
 ]
@@ -821,6 +823,15 @@ def plan_shards(count_uniforms: np.ndarray, masses: np.ndarray, lows: np.ndarray
         shares[s] = masses[s] / total
     least[0] = least_probability(shares, masses, lows)
     return OK
+
+
+def importance_weights(probs: np.ndarray, min_p: float, beta: float) -> np.ndarray:
+    """PER's importance weights of items drawn with probabilities ``probs``: ``min((P / min_p)^-beta, 1)``
+    as float32, against the least likely item's ``min_p`` (1 where beta is 0 or ``min_p`` is not
+    positive and finite)."""
+    if beta == 0.0 or not (0 < min_p < math.inf):
+        return np.ones(len(probs), dtype=np.float32)
+    return np.minimum((probs / min_p) ** (-beta), 1.0).astype(np.float32)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -293,10 +293,14 @@ class Reactor:
 
     Class attribute ``placement_role`` (``"actor"``, ``"replay"``, ``"learner"`` or None) tells the
     named distribution policies (``--placement actors`` etc.) where a reactor belongs; it never
-    changes what the reactor does.
+    changes what the reactor does. ``replicas_apart`` (None, or why) says that a bank of this
+    reactor's replicas must have each in a process of its own (data-parallel learners: each joins
+    the bank's process group); a placement that puts two in one process is refused before
+    anything starts.
     """
 
     placement_role: ClassVar[str | None] = None
+    replicas_apart: ClassVar[str | None] = None
     _reaction_specs: tuple[ReactionSpec, ...] = ()
     _port_specs: dict[str, PortSpec] = {}
 

@@ -68,10 +68,11 @@ def resolve_placement(graph: Graph, placement: str, hosts: str | None = None,
 
     Raises:
         GraphError: unknown placement, unreadable file, a pattern that matches nothing, a reactor
-            placed twice or not at all, a malformed ``[hosts]`` or restart policy, or a group naming
-            an unknown host.
+            placed twice or not at all, a malformed ``[hosts]`` or restart policy, a group naming
+            an unknown host, or replicas that need a process each sharing one (:func:`check_replicas_apart`).
     """
     plan = _resolve(graph, placement, hosts)
+    check_replicas_apart(graph, {n: g.name for g in plan.groups for n in g.reactors}, placement)
     if restart is not None:
         plan.groups = [replace(g, restart=restart) for g in plan.groups]
     return plan
@@ -170,6 +171,33 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
     if missing:
         raise GraphError(f"placement file {placement}: no group holds {', '.join(missing)}")
     return [g for g in groups if g.reactors]
+
+
+def check_replicas_apart(graph: Graph, owner: dict[str, str], placement: str) -> None:
+    """Refuse a placement that puts two replicas of a bank whose reactor has ``replicas_apart`` (each
+    needs a process of its own: data-parallel learners) in one process. ``owner``: instance -> its
+    process (group). Without this check such a run starts and waits, silently for minutes, for a
+    replica that its own process cannot start (the first holds the loop in its rendezvous).
+
+    Raises:
+        GraphError: naming the bank, the two replicas, their process and the placement to use.
+    """
+    for node in graph.nodes.values():
+        why = node.reactor_type.replicas_apart
+        if why is None or node.replicas < 2:
+            continue
+        seen: dict[str, str] = {}
+        for name in node.instance_names():
+            group = owner.get(name)
+            if group is None:
+                continue
+            if group in seen:
+                raise GraphError(
+                    f"{node.name}: its {node.replicas} replicas each need a process of their own ({why}), but "
+                    f"placement {placement!r} puts {seen[group]} and {name} in process {group!r}: use --placement "
+                    f"dp-learners, or a placement file with each replica in a group of its own ({node.site})"
+                )
+            seen[group] = name
 
 
 def _read_toml(path: str, what: str) -> dict[str, Any]:

@@ -112,6 +112,9 @@ async def run_async(
     if hosts is not None:
         raise ValueError("hosts (a hosts file) places the groups of a multi-process placement; "
                          "placement 'single' has none")
+    from ._placement import check_replicas_apart
+
+    check_replicas_apart(graph, {n: "main" for _, _, n in graph.instances()}, placement)
     from .._trace import check_graph, graph_shape, read_trace, write_trace
 
     recorder = Recorder() if record is not None else None

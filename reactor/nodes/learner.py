@@ -96,6 +96,7 @@ def _say(line: str) -> None:
 
 class _LearnerBase(Reactor):
     placement_role = "learner"
+    replicas_apart = "data-parallel replicas: each joins the bank's torch.distributed group"
 
     def _setup(self, algo: str, env: str, algo_config: dict[str, Any] | None) -> None:
         import torch

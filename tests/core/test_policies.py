@@ -25,6 +25,7 @@ class Shard(Reactor):
 
 class Learner(Reactor):
     placement_role = "learner"
+    replicas_apart = "data-parallel"
     inp = Input(int)
 
 
@@ -74,3 +75,29 @@ def test_dp_learners_policy_gives_every_learner_replica_its_own_process():
 def test_an_unknown_placement_names_the_policies():
     with pytest.raises(GraphError, match=r"unknown placement 'actorz'.*actors, colocated, dp-learners"):
         resolve(_graph(1, 1), "actorz")
+
+
+@pytest.mark.parametrize("policy,process", [("actors", "learner"), ("colocated", "learner"), ("file", "head")])
+def test_replicas_that_each_need_a_process_are_refused_in_one_with_the_placement_to_use(policy, process, tmp_path):
+    """Regression (a newcomer's run, session 52): ``--set learners=2`` without ``dp-learners`` put both
+    data-parallel replicas in one process, whose first replica then waited 600 s in its rendezvous for
+    the second (which that process could never start), deaf to Ctrl-C. Now it is refused up front."""
+    if policy == "file":
+        policy = str(tmp_path / "p.toml")
+        (tmp_path / "p.toml").write_text('[groups.head]\nreactors = ["learner*", "metrics"]\n'
+                                         '[groups.rest]\nreactors = ["actor*", "replay*"]\n')
+    with pytest.raises(GraphError, match=rf"^learner: its 2 replicas each need a process of their own \(data-parallel\), "
+                                         rf"but placement '.*' puts learner\[0\] and learner\[1\] in process "
+                                         rf"'{process}': use --placement dp-learners, or a placement file with each "
+                                         rf"replica in a group of its own \(.*test_policies.py:\d+\)$"):
+        resolve(_graph(2, 2, learners=2), policy)
+    assert resolve(_graph(2, 2, learners=1), policy)  # (one replica: nothing to keep apart)
+    assert resolve(_graph(2, 2, learners=2), "dp-learners")
+
+
+def test_replicas_that_each_need_a_process_are_refused_in_a_single_process_run():
+    from reactor import run
+
+    with pytest.raises(GraphError, match=r"^learner: its 2 replicas .* placement 'single' puts learner\[0\] and "
+                                         r"learner\[1\] in process 'main'"):
+        run(_graph(1, 1, learners=2))

@@ -3,7 +3,8 @@
 
 Mistakes a user can make at the command line (a wrong path, an app without ``build``, a bad
 ``--set``, an invalid graph) end with a one-line ``reactor: ...`` message and exit status 2, not a
-traceback.
+traceback. An error of the app file's own code (a syntax error, a missing import, a bug in its
+``build``) shows the app's frames only, then one line naming the file and line (exit status 2).
 """
 
 from __future__ import annotations
@@ -293,7 +294,14 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     args = _parser().parse_args(argv)
     args.started = started if started is not None else time.time()
     try:
-        return _dispatch(args)
+        try:
+            return _dispatch(args)
+        except Exception as e:  # the app's own code failed (importing it, or its build): its frames, then one line
+            told = _app_error(e, getattr(args, "app", None))
+            if told is None:
+                raise
+            print(told, file=sys.stderr)
+            return 2
     # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
     # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
     except (AppError, GraphError, MalformedFrameError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
@@ -316,6 +324,41 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
             print(f"reactor: stopped at once ({signal.Signals(received[-1]).name} twice); every process and "
                   f"shared-memory segment of the run reaped", file=sys.stderr)
         return 128 + (received[0] if received else signal.SIGINT)
+
+
+def _app_error(e: BaseException, app: str | None) -> str | None:
+    """What to print for an error raised by the app file's own code (a syntax error, an import it lacks,
+    a bug in its ``build``), or None for any other (reactor's own errors name what was wrong in one
+    line, and are printed so; an error of reactor itself keeps its whole traceback).
+
+    Printed: the traceback from the app's first frame on (the frames of reactor's command and launcher
+    above it say nothing about the user's code), then ``reactor: APP line N, in FUNC: TYPE: message``.
+    An error that reactor's own code raised on the app's behalf (a ``GraphError`` naming the app line,
+    a config value refused, ...) is reactor's: None."""
+    import traceback
+
+    if not app or isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
+        return None
+    try:
+        path = Path(app).resolve()
+    except (OSError, RuntimeError):
+        return None
+    if isinstance(e, SyntaxError) and e.filename and Path(e.filename).resolve() == path:
+        shown = "".join(traceback.format_exception_only(type(e), e)).rstrip()
+        return f"{shown}\nreactor: {app} line {e.lineno}: {type(e).__name__}: {_bounded(str(e.msg))}"
+    frames = traceback.extract_tb(e.__traceback__)
+    first = next((i for i, f in enumerate(frames) if Path(f.filename).resolve() == path), None)
+    if first is None:
+        return None
+    ours = Path(__file__).resolve().parent
+    if ours in Path(frames[-1].filename).resolve().parents and isinstance(e, (AppError, GraphError, ValueError,
+                                                                           TypeError, ReactorError, OSError)):
+        return None  # (raised by reactor's own checks, called from the app: their message says what)
+    at = frames[[i for i, f in enumerate(frames) if Path(f.filename).resolve() == path][-1]]
+    shown = "".join(traceback.format_list(frames[first:])) + "".join(traceback.format_exception_only(type(e), e))
+    message = (str(e).splitlines() or [""])[0]
+    return (f"Traceback (the app's frames):\n{shown.rstrip()}\nreactor: {app} line {at.lineno}, in {at.name}: "
+            f"{type(e).__name__}{': ' + _bounded(message) if message else ''}")
 
 
 def _eval(args: argparse.Namespace) -> int:

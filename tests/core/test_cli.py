@@ -113,6 +113,44 @@ def test_app_without_build_is_a_one_line_error(tmp_path):
     assert p.stderr == f"reactor: {app} defines no build(config) function; an app file must define build(config) -> Graph\n"
 
 
+_BROKEN_APPS = {
+    "syntax": ("from reactor import Graph\ndef build(config)\n    return Graph()\n",
+               "line 2: SyntaxError: expected ':'", ["    def build(config)"]),
+    "import": ("import no_such_module_here\ndef build(config):\n    pass\n",
+               "line 1, in <module>: ModuleNotFoundError: No module named 'no_such_module_here'",
+               ["line 1, in <module>", "    import no_such_module_here"]),
+    "value": ("from reactor import Graph\n\ndef helper(c):\n    raise ValueError('boom')\n\ndef build(config):\n"
+              "    helper(config)\n    return Graph()\n", "line 4, in helper: ValueError: boom",
+              ["line 7, in build", "    helper(config)", "line 4, in helper"]),
+    "key": ("def build(config):\n    return {}['k']\n", "line 2, in build: KeyError: 'k'", ["line 2, in build"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_BROKEN_APPS))
+def test_an_error_in_the_apps_own_code_shows_the_apps_frames_and_one_line_naming_its_line(kind, tmp_path):
+    """Regression (a newcomer's pass, session 52): a syntax error, a missing import or a KeyError in an
+    app file was a full traceback through reactor's command and launcher, and a ValueError raised by
+    the app's build was ``reactor: boom``, with no type, file or line. Now every error of the app's own
+    code shows the app's frames (none of reactor's) and ends with one line naming the file and line."""
+    text, last, shown = _BROKEN_APPS[kind]
+    app = tmp_path / "app.py"
+    app.write_text(text)
+    for command in ("run", "graph"):
+        p = reactor(command, str(app))
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.endswith(f"reactor: {app} {last}\n"), p.stderr
+        assert all(line in p.stderr for line in shown), p.stderr
+        assert "reactor/cli.py" not in p.stderr and "reactor/launch" not in p.stderr, p.stderr
+
+
+def test_reactors_own_errors_raised_for_the_apps_build_stay_one_line(tmp_path):
+    """A GraphError raised by the Graph API in the app's build keeps its one line (naming the app line)."""
+    app = tmp_path / "app.py"
+    app.write_text("from reactor import Graph\ndef build(config):\n    g = Graph()\n    g.add(3)\n    return g\n")
+    p = reactor("run", str(app))
+    assert (p.returncode, p.stderr) == (2, f"reactor: Graph.add expects a Reactor instance, got int ({app}:4)\n")
+
+
 def test_bad_set_values_are_one_line_errors():
     p = reactor("run", DEMO, "--set", "nokey")
     assert (p.returncode, p.stderr) == (2, "reactor: --set expects key=value, got 'nokey'\n")

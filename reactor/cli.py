@@ -192,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     su.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
     su.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                     help="a file the app needs beside it (repeatable)")
+    su.add_argument("--no-check", action="store_true",
+                    help="send the job without building its graph here first (for an app that imports what only "
+                         "the daemon's host has); the daemon's run then reports what is wrong")
     client(su)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
     st.add_argument("job", nargs="?", default=None)
@@ -422,6 +425,8 @@ def _jobs(args: argparse.Namespace) -> int:
         with DaemonClient(address, daemon_key, load_keys(keys_dir),
                           timeout_s=args.timeout_s) as c:
             if args.command == "submit":
+                if not args.no_check:
+                    _check_job(args)
                 spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
                                 seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts,
                                 restart=args.restart)
@@ -642,6 +647,31 @@ def _check_run_options(args: argparse.Namespace) -> None:
         raise GraphError(f"--placement {args.placement!r}: neither one of {', '.join(known)} nor a placement file")
     if args.restart is not None:
         restart_from_text(args.restart)
+
+
+def _check_job(args: argparse.Namespace) -> None:
+    """What ``reactor submit`` checks before the job leaves: what ``reactor run`` checks before it
+    starts (the files, the placement and hosts file, the config's keys and values, the app's graph,
+    settings that contradict each other), by building the app's graph here.
+
+    Raises:
+        (what ``reactor run`` raises for the same mistakes, before anything starts)
+    """
+    from .launch._groups import restart_from_text
+    from .launch._placement import check_lookahead, resolve_placement
+    from .launch._runtime import check_settings
+
+    _check_run_options(args)
+    graph = build_graph(args.app, parse_overrides(args.overrides))
+    graph.validate()
+    deterministic = not args.async_
+    check_settings(graph, placement=args.placement, deterministic=deterministic, restart=args.restart,
+                   hosts=args.hosts)
+    if args.placement != "single":
+        plan = resolve_placement(graph, args.placement, args.hosts,
+                                 restart_from_text(args.restart) if args.restart is not None else None)
+        if deterministic:
+            check_lookahead(graph, plan.groups, args.placement)
 
 
 def _cluster_run_args(args: argparse.Namespace) -> list[str]:

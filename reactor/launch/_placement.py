@@ -6,7 +6,7 @@
 * a TOML placement file naming groups::
 
       [groups.learner]
-      reactors = ["learner", "replay*"]     # node names, instance names or fnmatch patterns
+      reactors = ["learner", "replay*"]     # node names, instance names ("actor[1]") or fnmatch patterns
 
       [groups.actors]
       reactors = ["actor*"]
@@ -157,7 +157,9 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
                              f"its daemon picks the address")
         members = []
         for pat in pats:
-            hit = [n for n in instances if fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(node_of[n], pat)]
+            # (An instance's own name first: "actor[0]" as a pattern is "actor0", its brackets a class.)
+            hit = [n for n in instances if pat in (n, node_of[n])] or \
+                  [n for n in instances if fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(node_of[n], pat)]
             if not hit:
                 raise GraphError(f"placement file {placement}: pattern {pat!r} of group {gname!r} matches no reactor")
             for n in hit:

@@ -58,6 +58,38 @@ def payload_digest(value: Any) -> bytes:
     return b"".join(bytes(f) for f in encode(value))
 
 
+def check_settings(graph: Graph, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
+                   restart: str | None = None, hosts: str | None = None) -> None:
+    """What ``run`` refuses before anything starts, whatever the placement: settings that contradict
+    each other (record and replay, either in deterministic mode, restart where nothing restarts), and
+    for ``single``, settings of multi-process runs and replicas that need a process each. (A
+    multi-process placement's own checks come when it is resolved: ``resolve_placement``,
+    ``check_lookahead``.) ``reactor submit`` runs them before a job leaves.
+
+    Raises:
+        ValueError: naming the setting and why.
+        GraphError: replicas that each need a process, in one (``check_replicas_apart``).
+    """
+    if record is not None and replay is not None:
+        raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
+    if (record is not None or replay is not None) and deterministic:
+        raise ValueError("record/replay apply to async mode; deterministic runs are reproducible by construction")
+    if restart is not None and (deterministic or replay is not None):
+        raise ValueError(f"restart {restart!r}: restart policies hold in async runs (--async) that replay no trace: a "
+                         f"{'deterministic run' if deterministic else 'replay'}'s schedule cannot take a process that "
+                         f"starts over (a placement file's restart fields are left aside in such runs)")
+    if placement != "single":
+        return
+    if restart is not None:
+        raise ValueError("restart applies to the processes of a multi-process placement; placement 'single' has none")
+    if hosts is not None:
+        raise ValueError("hosts (a hosts file) places the groups of a multi-process placement; "
+                         "placement 'single' has none")
+    from ._placement import check_replicas_apart
+
+    check_replicas_apart(graph, {n: "main" for _, _, n in graph.instances()}, placement)
+
+
 async def run_async(
     graph: Graph,
     *,
@@ -78,10 +110,8 @@ async def run_async(
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
     graph.validate()
     claim_run_id()
-    if record is not None and replay is not None:
-        raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
-    if (record is not None or replay is not None) and deterministic:
-        raise ValueError("record/replay apply to async mode; deterministic runs are reproducible by construction")
+    check_settings(graph, placement=placement, deterministic=deterministic, record=record, replay=replay,
+                   restart=restart, hosts=hosts)
     stop_ns = seconds_to_ns(stop_s, "stop_s") if stop_s is not None else graph.stop_ns
     if placement != "single":
         from ._coordinator import run_processes
@@ -107,14 +137,6 @@ async def run_async(
             with_files=with_files,
             restart=restart_from_text(restart) if restart is not None else None,
         )
-    if restart is not None:
-        raise ValueError("restart applies to the processes of a multi-process placement; placement 'single' has none")
-    if hosts is not None:
-        raise ValueError("hosts (a hosts file) places the groups of a multi-process placement; "
-                         "placement 'single' has none")
-    from ._placement import check_replicas_apart
-
-    check_replicas_apart(graph, {n: "main" for _, _, n in graph.instances()}, placement)
     from .._trace import check_graph, graph_shape, read_trace, write_trace
 
     recorder = Recorder() if record is not None else None

@@ -101,3 +101,13 @@ def test_replicas_that_each_need_a_process_are_refused_in_a_single_process_run()
     with pytest.raises(GraphError, match=r"^learner: its 2 replicas .* placement 'single' puts learner\[0\] and "
                                          r"learner\[1\] in process 'main'"):
         run(_graph(1, 1, learners=2))
+
+
+def test_a_placement_file_names_an_instance_by_its_own_name_brackets_and_all(tmp_path):
+    """Regression (session 52): ``reactors = ["actor[1]"]`` matched no reactor: as an fnmatch pattern,
+    "[1]" is a character class ("actor1"). An instance's own name now matches itself; patterns stay."""
+    path = tmp_path / "p.toml"
+    path.write_text('[groups.one]\nreactors = ["actor[1]", "replay[0]"]\n'
+                    '[groups.rest]\nreactors = ["actor[0]", "replay[1]", "learn*", "metrics"]\n')
+    groups = _groups(_graph(2, 2), str(path))
+    assert groups == {"one": ("actor[1]", "replay[0]"), "rest": ("actor[0]", "replay[1]", "learner", "metrics")}

@@ -323,6 +323,38 @@ def test_sigterm_to_the_daemon_stops_its_running_jobs(tmp_path):
     assert json.loads((d.state / "jobs" / job / "job.json").read_text())["state"] == "stopped"
 
 
+def test_submit_refuses_what_run_would_refuse_before_the_job_leaves(daemon, tmp_path):
+    """Regression (a newcomer's pass, session 52): ``reactor submit`` sent a misspelled placement, an
+    unknown config key or an app with a syntax error to the daemon, printed a job id and exited 0; the
+    job failed there later. Now it builds the graph here first, as ``reactor run`` does, and refuses
+    with run's message; ``--no-check`` sends the job as it is."""
+    base = [sys.executable, "-m", "reactor.cli"]
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    run = lambda *a: subprocess.run([*base, *a, *conn], cwd=ROOT, capture_output=True, text=True, timeout=120)  # noqa: E731
+    broken = tmp_path / "broken.py"
+    broken.write_text("def build(config)\n    pass\n")
+    demo = str(ROOT / "apps" / "demo_pipeline.py")
+    for args, message in [
+        ((demo, "--placement", "actor"), "reactor: --placement 'actor': neither one of single, processes, actors"),
+        ((demo, "--set", "speed=3"), "reactor: unknown config key 'speed'; Config has: producers, stop_s, workers"),
+        ((str(broken),), f"reactor: {broken} line 1: SyntaxError: expected ':'"),
+        ((demo, "--placement", "processes", "--restart", "on-failure"), "reactor: restart 'on-failure': restart "
+                                                                         "policies hold in async runs (--async)"),
+    ]:
+        p = run("submit", *args)
+        assert p.returncode == 2 and message in p.stderr and not p.stdout, (args, p.stderr)
+    assert not list((daemon.state / "jobs").glob("*")), "a refused job reached the daemon"
+    p = run("submit", str(broken), "--no-check")
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    deadline = time.monotonic() + 60
+    while (state := run("status", job).stdout).split()[1:2] not in (["failed"], ["finished"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert state.startswith(f"{job}  failed exit 2"), state
+
+
 def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     base = [sys.executable, "-m", "reactor.cli"]
     conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
@@ -330,7 +362,7 @@ def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     run = lambda *a: subprocess.run([*base, *a, *conn], cwd=ROOT, capture_output=True, text=True, timeout=120)  # noqa: E731
     bad = run("submit", str(APPS / "gated.py"), "--restart", "sometimes")
     assert bad.returncode == 2 and "restart 'sometimes': use never, on-failure or on-failure:N" in bad.stderr
-    sub = run("submit", str(APPS / "gated.py"), "--placement", "processes", "--restart", "on-failure:2")
+    sub = run("submit", str(APPS / "gated.py"), "--placement", "processes", "--async", "--restart", "on-failure:2")
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip()
     # The policy travels with the job, into its record and its run's command line.

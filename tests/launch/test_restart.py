@@ -393,7 +393,12 @@ def test_a_group_out_of_restarts_ends_the_run_naming_it_and_each_end_it_had(tmp_
 
 @pytest.mark.timeout(300)
 def test_a_deterministic_run_ends_at_a_failure_and_says_restarts_are_for_async_runs(tmp_path):
-    proc, errfile = _forever(tmp_path, "--restart", "on-failure")
+    """A placement file's restart fields are left aside in a deterministic run (the same file may serve
+    async runs); ``--restart`` itself is refused there (the next test)."""
+    placement = tmp_path / "placement.toml"
+    placement.write_text('[restart]\nrestart = "on-failure"\n[groups.ticker-0]\nreactors = ["ticker[0]"]\n'
+                         '[groups.ticker-1]\nreactors = ["ticker[1]"]\n[groups.sink]\nreactors = ["sink"]\n')
+    proc, errfile = _forever(tmp_path, "--placement", str(placement))
     try:
         workers = _workers(proc, tmp_path / "ready")
         os.kill(workers["ticker-1"], signal.SIGKILL)
@@ -403,6 +408,21 @@ def test_a_deterministic_run_ends_at_a_failure_and_says_restarts_are_for_async_r
     assert proc.returncode != 0
     assert "worker 'ticker-1' was killed by SIGKILL before the run ended" in err, err[-3000:]
     assert "group 'ticker-1' was not restarted: restart policies hold in async runs only" in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", [(), ("--async", "--replay", "x.trace")], ids=["deterministic", "replay"])
+def test_restart_in_a_run_that_cannot_restart_is_refused_before_anything_starts(mode, tmp_path):
+    """Regression (a newcomer's pass, session 52): ``--restart`` without ``--async`` was taken and did
+    nothing until a process died."""
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", FOREVER, "--placement", "processes", *mode,
+                        "--restart", "on-failure"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                       timeout=100)
+    what = "replay" if mode else "deterministic run"
+    assert p.returncode == 2 and p.stderr == (
+        f"reactor: restart 'on-failure': restart policies hold in async runs (--async) that replay no trace: a {what}'s "
+        f"schedule cannot take a process that starts over (a placement file's restart fields are left aside in such "
+        f"runs)\n"), p.stderr
 
 
 @pytest.mark.slow

@@ -197,17 +197,18 @@ def _parser() -> argparse.ArgumentParser:
                          "the daemon's host has); the daemon's run then reports what is wrong")
     client(su)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
-    st.add_argument("job", nargs="?", default=None)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("job", nargs="?", default=None, type=_job_arg,
+                    help="a job id (what submit printed); none: every job of the daemon, and the groups it hosts")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
     client(st)
     lg = sub.add_parser("logs", help="a job's output, or one of its groups' on another host")
-    lg.add_argument("job")
+    lg.add_argument("job", type=_job_arg, help="a job id (what submit printed)")
     lg.add_argument("group", nargs="?", default=None,
                     help="a group of a job over hosts: its worker's output, from the daemon of its host")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     client(lg)
     sp = sub.add_parser("stop", help="stop a job (SIGTERM to its run, SIGKILL after a grace period)")
-    sp.add_argument("job")
+    sp.add_argument("job", type=_job_arg, help="a job id (what submit printed)")
     client(sp)
     return p
 
@@ -216,8 +217,19 @@ def _daemon_address(text: str) -> str:
     """``--daemon``: a tcp://HOST:PORT zmq can connect to (else zmq's own error, as a traceback)."""
     from .launch._protocol import tcp_address_error
 
-    if (why := tcp_address_error(text)) is not None:
-        raise argparse.ArgumentTypeError(why)
+    if tcp_address_error(text) is not None:
+        hint = f" (tcp://{text}?)" if "://" not in text and ":" in text else ""
+        raise argparse.ArgumentTypeError(f"{text!r:.200}: a daemon's address is tcp://HOST:PORT{hint}")
+    return text
+
+
+def _job_arg(text: str) -> str:
+    """A job id: the 16 hex digits ``reactor submit`` printed (the daemon's check, said for a user)."""
+    from .launch._protocol import _JOB_RE
+
+    if not _JOB_RE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r:.200} is not a job id: a job id is the 16 hex digits `reactor "
+                                          f"submit` printed (`reactor status` lists the daemon's jobs)")
     return text
 
 
@@ -315,6 +327,10 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     except ReactorError as e:
         print(f"reactor: {type(e).__name__}: {_bounded(str(e))}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the output's reader left (`reactor graph APP | head`): stop quietly, as cat does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 128 + signal.SIGPIPE
     except OSError as e:  # a path too long or looping, a /dev/shm without room: the user's to fix
         if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC):
             raise
@@ -644,6 +660,9 @@ def _check_run_options(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"no {what} at {path!r}")
     known = ("single", "processes", *sorted(POLICIES))
     if args.placement not in known and not Path(args.placement).is_file():
+        if args.placement.endswith(".toml") or os.sep in args.placement:  # (meant as a file)
+            raise FileNotFoundError(f"--placement {args.placement!r}: no placement file there (or use one of "
+                                    f"{', '.join(known)})")
         raise GraphError(f"--placement {args.placement!r}: neither one of {', '.join(known)} nor a placement file")
     if args.restart is not None:
         restart_from_text(args.restart)

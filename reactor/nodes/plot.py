@@ -55,6 +55,8 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
     if isinstance(target, str) and target == "summary":
         target = _summary_target(run_dir)
     path = run_dir / "metrics.csv"
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run directory at {str(run_dir)!r}")
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.csv: is it a run directory written by a training app?")
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)

@@ -69,16 +69,53 @@ def test_run_options_are_checked_before_the_app_and_torch_are_imported():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--daemon", "garbage"], "argument --daemon: a tcp://HOST:PORT address expected, got str 'garbage'"),
-    (["--daemon", "tcp://127.0.0.1:notaport"], "argument --daemon: a tcp://HOST:PORT address expected"),
+    (["--daemon", "garbage"], "argument --daemon: 'garbage': a daemon's address is tcp://HOST:PORT\n"),
+    (["--daemon", "localhost:7999"], "argument --daemon: 'localhost:7999': a daemon's address is tcp://HOST:PORT "
+                                     "(tcp://localhost:7999?)\n"),
+    (["--daemon", "tcp://127.0.0.1:notaport"], "argument --daemon: 'tcp://127.0.0.1:notaport': a daemon's address is "
+                                               "tcp://HOST:PORT\n"),
+    (["nosuchjob"], "argument job: 'nosuchjob' is not a job id: a job id is the 16 hex digits `reactor submit` "
+                    "printed (`reactor status` lists the daemon's jobs)\n"),
     (["--timeout-s", "inf"], "argument --timeout-s: seconds in (0, 86400] expected, got 'inf'"),
     (["--timeout-s", "nan"], "argument --timeout-s: seconds in (0, 86400] expected, got 'nan'"),
     (["--timeout-s", "-1"], "argument --timeout-s: seconds in (0, 86400] expected, got '-1'"),
 ])
 def test_a_daemon_clients_bad_address_or_timeout_is_a_usage_error_not_a_traceback(args, message):
-    """They were a ZMQError or OverflowError traceback, or a wait of "nan s"."""
+    """They were a ZMQError or OverflowError traceback, or a wait of "nan s"; a job id that is not one
+    was the daemon protocol's "bad request: 'status' field 1: ... got str 'nosuchjob'"."""
     p = reactor("status", *args)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("command", [["logs"], ["stop"]])
+def test_every_command_that_takes_a_job_id_says_what_one_is(command):
+    p = reactor(*command, "0123")
+    assert p.returncode == 2 and p.stderr.endswith("argument job: '0123' is not a job id: a job id is the 16 hex "
+                                                   "digits `reactor submit` printed (`reactor status` lists the "
+                                                   "daemon's jobs)\n"), p.stderr
+
+
+def test_a_placement_file_that_is_not_there_is_named_as_a_missing_file(tmp_path):
+    p = reactor("run", DEMO, "--placement", str(tmp_path / "nope.toml"))
+    assert (p.returncode, p.stderr) == (2, f"reactor: --placement '{tmp_path / 'nope.toml'}': no placement file there "
+                                           f"(or use one of single, processes, actors, colocated, dp-learners)\n")
+    p = reactor("run", DEMO, "--placement", "actor")
+    assert (p.returncode, p.stderr) == (2, "reactor: --placement 'actor': neither one of single, processes, actors, "
+                                           "colocated, dp-learners nor a placement file\n")
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
+    """Regression (a newcomer's pass, session 52): `reactor graph APP | head -1` ended in a
+    BrokenPipeError traceback. Now it stops as other tools do (141: SIGPIPE's status), saying nothing.
+    (A graph of 3,000 reactors: its description is far more than a pipe holds, so the writes meet the
+    closed pipe however the output is buffered.)"""
+    app = tmp_path / "wide.py"
+    app.write_text("from reactor import Graph, Reactor\n\nclass R(Reactor):\n    pass\n\n"
+                   "def build(config):\n    g = Graph()\n    for i in range(3000):\n"
+                   "        g.add(R(), name=f'reactor_with_a_long_name_{i}')\n    return g\n")
+    p = subprocess.run(f"set -o pipefail; {sys.executable} -m reactor.cli graph {app} | head -c 10", shell=True,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, executable="/bin/bash")
+    assert (p.returncode, p.stdout, p.stderr) == (141, "reactors:\n", ""), (p.returncode, p.stderr[-2000:])
 
 
 @pytest.mark.parametrize("command", [["run", DEMO], ["eval", "runs/none"], ["submit", DEMO], ["slurm", DEMO]])

@@ -74,6 +74,9 @@ class Metrics(Reactor):
         run_dir: directory for ``metrics.csv``, ``tb/``, ``summary.json`` and ``curves.png``.
         target_return: stop when a report carries ``eval_return >= target_return`` (None: never).
         max_env_steps: stop when the actors' total env steps reach this (None: never).
+        env_step_budget: the actors' own budget (they stop at their shares, and the run ends when
+            nothing is left to do: the training graphs' deterministic end), named as the stop reason
+            when the run ended with it reached and no other reason; never acted on here.
         live: show progress on stdout (a live table on a terminal, a progress line every few seconds
             otherwise).
         title: shown above the live table.
@@ -91,6 +94,7 @@ class Metrics(Reactor):
         run_dir: str,
         target_return: float | None = None,
         max_env_steps: int | None = None,
+        env_step_budget: int | None = None,
         live: bool = True,
         title: str = "",
         console: Any = None,
@@ -101,6 +105,7 @@ class Metrics(Reactor):
         self.console = console
         self.target_return = target_return
         self.max_env_steps = max_env_steps
+        self.env_step_budget = env_step_budget
         self.live = live
         self.title = title
         self.latest: dict[str, dict[str, float]] = {}
@@ -268,6 +273,11 @@ class Metrics(Reactor):
                     f.close()
             return
         wall = time.monotonic() - self.t0 + self.wall_offset
+        steps = self.totals["env_steps"] - self.budget_base
+        if not self.stop_reason and self.env_step_budget is not None and steps >= self.env_step_budget:
+            self.stop_reason = (f"the actors' env-step budget reached ({int(steps):,} env steps, max_env_steps "
+                                f"{self.env_step_budget:,}{' on top of the resumed run' if self.budget_base else ''}), "
+                                f"and the learner took what the replay allowed")
         self.display.close(self._rows(wall))
         self.csv_file.flush()
         self._save_counts()

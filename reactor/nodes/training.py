@@ -170,7 +170,7 @@ def off_policy_graph(
     )
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
                       name="evaluator")
-    metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
+    metrics = g.add(Metrics(run_dir, target_return=target_return, env_step_budget=max_env_steps, live=live,
                             title=title, resume=resume), name="metrics")
     g.connect(actor.steps, replay.steps, key=shard_key, delay_s=step_s)
     # Writers' flow control. The delay is the actors' lookahead on the shards' processes (as
@@ -257,7 +257,7 @@ def on_policy_graph(
                     name="learner")
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
                       name="evaluator")
-    metrics = g.add(Metrics(run_dir, target_return=target_return, live=live,
+    metrics = g.add(Metrics(run_dir, target_return=target_return, env_step_budget=max_env_steps, live=live,
                             title=title, resume=resume), name="metrics")
     g.connect(actor.rollouts, learner.rollouts)
     g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)

@@ -329,6 +329,27 @@ def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
     assert "max_env_steps" in summary["stop_reason"]
 
 
+@pytest.mark.parametrize("budget,reason", [
+    (20_000, "the actors' env-step budget reached (20,000 env steps, max_env_steps 20,000), and the learner took "
+             "what the replay allowed"),
+    (30_000, "run ended"),  # (the actors stopped short of it: something else ended the run)
+    (None, "run ended"),
+])
+def test_a_run_that_ends_on_the_actors_own_budget_names_it_as_the_stop_reason(tmp_path, capsys, budget, reason):
+    """Regression (a newcomer's pass, session 52): the training graphs' actors stop at their shares of
+    max_env_steps and the run ends when quiescent (their deterministic end), and the result said
+    "stopped: run ended". Metrics is told the budget (``env_step_budget``), never acts on it (the run
+    ends as before: by quiescence, not a request), and names it."""
+    g = Graph()
+    t = g.add(FakeTrainer(), name="actor", replicas=2)
+    m = g.add(Metrics(str(tmp_path), env_step_budget=budget, live=False), name="metrics")
+    g.connect(t.report, m.reports)
+    res = run(g)
+    assert res.stopped_by == "quiescence"
+    assert json.loads((tmp_path / "summary.json").read_text())["stop_reason"] == reason
+    assert f"stopped: {reason}\n" in capsys.readouterr().out
+
+
 class SlowStart(Reactor):
     """A reactor whose startup takes a while (as building networks and optimizers does)."""
 

@@ -94,6 +94,8 @@ def test_colocated_policy_runs_each_actor_with_its_shard(tmp_path):
     assert set(r.processes) == {"learner", "actor-0", "actor-1"}
     assert _summary(tmp_path)["env_steps"] == 2000
     assert _summary(tmp_path)["updates"] > 0
+    assert _summary(tmp_path)["stop_reason"] == ("the actors' env-step budget reached (2,000 env steps, max_env_steps "
+                                                 "2,000), and the learner took what the replay allowed")
 
 
 @pytest.mark.slow
@@ -152,6 +154,8 @@ def test_learner_resumes_from_its_checkpoint(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
+    assert "stopped: the actors' env-step budget reached (2,000 env steps, max_env_steps 2,000 on top of the resumed " \
+           "run)" in out.stdout, out.stdout
     resumed = int(re.search(r"learner: (\d+) updates", out.stdout).group(1))
     assert resumed > first  # counted on from the checkpoint, not from 0
     assert (tmp_path / "weights.sha256").read_text() != saved

@@ -611,7 +611,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                           "events": dict(result.events), "digests": dict(result.digests),
                           "processes": {k: dict(v) for k, v in result.processes.items()},
                           "dropped": dict(result.dropped), "hosts": dict(result.hosts),
-                          "restarts": dict(result.restarts)}, indent=2))
+                          "restarts": dict(result.restarts), **_training_result(graph, args.started)}, indent=2))
     else:
         total = sum(result.events.values())
         print(f"run ended ({result.stopped_by}): {total} events in {len(result.events)} reactors, "
@@ -623,6 +623,24 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return 128 + (received[0] if received else signal.SIGINT)
     return 0
+
+
+def _training_result(graph: Any, started: float) -> dict[str, Any]:
+    """For ``run --json``: a training app's run directory and its ``summary.json`` (the evaluation
+    return, the stop reason, the counts), when the graph has a ``Metrics`` node whose summary this
+    command wrote here (not an earlier run's; over hosts, once the files came back); else nothing."""
+    from .nodes.metrics import Metrics
+
+    dirs = [Path(n.prototype.run_dir) for n in graph.nodes.values() if isinstance(n.prototype, Metrics)]
+    if len(dirs) != 1:
+        return {}
+    path = dirs[0] / "summary.json"
+    try:
+        if path.stat().st_mtime < started:
+            return {}
+        return {"run_dir": str(dirs[0]), "summary": json.loads(path.read_text())}
+    except (OSError, ValueError):
+        return {}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,38 @@ def test_run_json_writes_only_json_on_stdout_and_the_apps_prints_on_stderr(place
     assert result["stopped_by"] == "stop_time" and result["placement"] == placement
     assert "collector[0]" not in result["digests"] and "collector" in result["digests"]
     assert "collector: " in p.stderr
+    assert "run_dir" not in result and "summary" not in result  # (no training app: no Metrics node)
+
+
+def test_run_json_of_a_training_app_holds_its_run_directory_and_its_result(tmp_path):
+    """Regression (a newcomer's pass, session 52): a training run's --json had only the runtime's
+    counts: no run directory, no evaluation return, no stop reason."""
+    run_dir = tmp_path / "run"
+    p = reactor("run", str(ROOT / "apps" / "dqn.py"), "--json", "--set", "max_env_steps=1000", "target_return=None",
+                "live=False", f"run_dir={str(run_dir)!r}", "eval_every_updates=100", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout)
+    assert result["run_dir"] == str(run_dir) and result["summary"]["env_steps"] == 1000, result
+    assert result["summary"] == json.loads((run_dir / "summary.json").read_text())
+    assert result["summary"]["stop_reason"].startswith("the actors' env-step budget reached (1,000 env steps")
+
+
+def test_run_json_never_reports_a_summary_this_command_did_not_write(tmp_path):
+    """An earlier run's summary.json in the same directory (this run failed before its own, or its
+    Metrics ran on another host whose files did not come back) is not this run's result."""
+    import time
+
+    from reactor import Graph
+    from reactor.cli import _training_result
+    from reactor.nodes.metrics import Metrics
+
+    g = Graph()
+    g.add(Metrics(str(tmp_path)), name="metrics")
+    (tmp_path / "summary.json").write_text('{"env_steps": 7}')
+    os.utime(tmp_path / "summary.json", (1000.0, 1000.0))
+    assert _training_result(g, started=time.time() - 60) == {}
+    os.utime(tmp_path / "summary.json")
+    assert _training_result(g, started=time.time() - 60) == {"run_dir": str(tmp_path), "summary": {"env_steps": 7}}
 
 
 def test_wrong_app_path_is_a_one_line_error():

@@ -192,9 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     su.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
     su.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                     help="a file the app needs beside it (repeatable)")
-    su.add_argument("--no-check", action="store_true",
-                    help="send the job without building its graph here first (for an app that imports what only "
-                         "the daemon's host has); the daemon's run then reports what is wrong")
+    su.add_argument("--check", action="store_true",
+                    help="build the app's graph here first, as `reactor run` would (its config's keys and values, the "
+                         "graph, the placement): for an app that runs here too. Without it, only what needs nothing of "
+                         "the daemon's host is checked (files, placement name or TOML, the app's syntax, --set, restart)")
     client(su)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
     st.add_argument("job", nargs="?", default=None, type=_job_arg,
@@ -309,14 +310,10 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     args = _parser().parse_args(argv)
     args.started = started if started is not None else time.time()
     try:
-        try:
-            return _dispatch(args)
-        except Exception as e:  # the app's own code failed (importing it, or its build): its frames, then one line
-            told = _app_error(e, getattr(args, "app", None))
-            if told is None:
-                raise
-            print(told, file=sys.stderr)
-            return 2
+        return _dispatch(args)
+    except _AppCodeError as e:  # the app's own code failed (importing it, or its build): its frames, then one line
+        print(e.text, file=sys.stderr)
+        return 2
     # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
     # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
     except (AppError, GraphError, MalformedFrameError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
@@ -345,6 +342,27 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return 128 + (received[0] if received else signal.SIGINT)
 
 
+class _AppCodeError(Exception):
+    """The app's own code failed while it was imported or built: ``text`` is what to print."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+@contextlib.contextmanager
+def _app_code(app: str) -> Iterator[None]:
+    """Around importing and building the app (not its run: a reaction's error is the run's, as under
+    every placement): an error of the app's own code becomes :class:`_AppCodeError` (:func:`_app_error`)."""
+    try:
+        yield
+    except Exception as e:
+        told = _app_error(e, app)
+        if told is None:
+            raise
+        raise _AppCodeError(told) from e
+
+
 def _app_error(e: BaseException, app: str | None) -> str | None:
     """What to print for an error raised by the app file's own code (a syntax error, an import it lacks,
     a bug in its ``build``), or None for any other (reactor's own errors name what was wrong in one
@@ -352,11 +370,13 @@ def _app_error(e: BaseException, app: str | None) -> str | None:
 
     Printed: the traceback from the app's first frame on (the frames of reactor's command and launcher
     above it say nothing about the user's code), then ``reactor: APP line N, in FUNC: TYPE: message``.
-    An error that reactor's own code raised on the app's behalf (a ``GraphError`` naming the app line,
-    a config value refused, ...) is reactor's: None."""
+    An error raised in reactor's own code, called from the app (a ``GraphError`` naming the app line,
+    a config value refused, or a bug of reactor's), is reactor's: None (its one line, or its whole
+    traceback). Only the app's import and build come here (:func:`_app_code`): an error in a
+    reaction is the run's, reported alike under every placement."""
     import traceback
 
-    if not app or isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
+    if not app or isinstance(e, BrokenPipeError):  # (the output's reader left: main's quiet end)
         return None
     try:
         path = Path(app).resolve()
@@ -370,9 +390,9 @@ def _app_error(e: BaseException, app: str | None) -> str | None:
     if first is None:
         return None
     ours = Path(__file__).resolve().parent
-    if ours in Path(frames[-1].filename).resolve().parents and isinstance(e, (AppError, GraphError, ValueError,
-                                                                           TypeError, ReactorError, OSError)):
-        return None  # (raised by reactor's own checks, called from the app: their message says what)
+    if ours in Path(frames[-1].filename).resolve().parents:
+        return None  # (raised in reactor's code, called from the app: its checks' message says what, or a bug's
+        # whole traceback shows where)
     at = frames[[i for i, f in enumerate(frames) if Path(f.filename).resolve() == path][-1]]
     shown = "".join(traceback.format_list(frames[first:])) + "".join(traceback.format_exception_only(type(e), e))
     message = (str(e).splitlines() or [""])[0]
@@ -436,13 +456,13 @@ def _jobs(args: argparse.Namespace) -> int:
 
         asyncio_run(daemon.serve(ready))
         return 0
+    if args.command == "submit":
+        _check_job(args)  # (before keys and the daemon: the job's own mistakes first)
     address, daemon_key = _daemon_of(args, load_keys(keys_dir).public)
     try:
         with DaemonClient(address, daemon_key, load_keys(keys_dir),
                           timeout_s=args.timeout_s) as c:
             if args.command == "submit":
-                if not args.no_check:
-                    _check_job(args)
                 spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
                                 seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts,
                                 restart=args.restart)
@@ -553,7 +573,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("keys", "daemon", "submit", "status", "logs", "stop"):
         return _jobs(args)
     if args.command == "graph":
-        graph = build_graph(args.app, parse_overrides(args.overrides))
+        with _app_code(args.app):
+            graph = build_graph(args.app, parse_overrides(args.overrides))
         graph.validate()
         if args.format in ("text", "both"):
             print(graph.describe())
@@ -590,7 +611,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     _check_run_options(args)  # before the app (and torch) is imported: a typo fails at once
     new_run_id()  # before build: an app may name its run directory after it
     with _stdout_for_json_only(args.json), _early_fork_server(args):
-        graph = build_graph(args.app, overrides)
+        with _app_code(args.app):
+            graph = build_graph(args.app, overrides)
         result = run(
             graph,
             placement=args.placement,
@@ -687,19 +709,41 @@ def _check_run_options(args: argparse.Namespace) -> None:
 
 
 def _check_job(args: argparse.Namespace) -> None:
-    """What ``reactor submit`` checks before the job leaves: what ``reactor run`` checks before it
-    starts (the files, the placement and hosts file, the config's keys and values, the app's graph,
-    settings that contradict each other), by building the app's graph here.
+    """What ``reactor submit`` checks before the job leaves. Always what needs nothing of the daemon's
+    host: the files exist, the placement is a policy or a TOML file that parses (the hosts file too),
+    the app file compiles, ``--set`` parses, the restart policy and the mode agree. The app is not
+    imported (it may import modules only the daemon's host has, open files shipped with ``--with``, name
+    keys on the hosts); with ``--check`` its graph is built here as ``reactor run`` would.
 
     Raises:
         (what ``reactor run`` raises for the same mistakes, before anything starts)
     """
+    import tomllib
+
+    from .launch._runtime import restart_refusal
+
+    _check_run_options(args)
+    overrides = parse_overrides(args.overrides)
+    for what, path in (("placement file", args.placement if Path(args.placement).is_file() else None),
+                       ("hosts file", args.hosts)):
+        if path is not None:
+            try:
+                tomllib.loads(Path(path).read_text())
+            except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+                raise GraphError(f"{what} {path}: {e}") from None
+    why = restart_refusal(args.restart, deterministic=not args.async_)
+    if why is not None:
+        raise ValueError(why)
+    with _app_code(args.app):
+        compile(Path(args.app).read_bytes(), args.app, "exec")
+    if not args.check:
+        return
     from .launch._groups import restart_from_text
     from .launch._placement import check_lookahead, resolve_placement
     from .launch._runtime import check_settings
 
-    _check_run_options(args)
-    graph = build_graph(args.app, parse_overrides(args.overrides))
+    with _app_code(args.app):
+        graph = build_graph(args.app, overrides)
     graph.validate()
     deterministic = not args.async_
     check_settings(graph, placement=args.placement, deterministic=deterministic, restart=args.restart,
@@ -721,6 +765,11 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
                          f"with a distribution policy ({', '.join(sorted(POLICIES))})")
     if args.restart:
         restart_from_text(args.restart)
+        from .launch._runtime import restart_refusal
+
+        why = restart_refusal(args.restart, deterministic=not args.async_)
+        if why is not None:
+            raise ValueError(why)
     parse_overrides(args.overrides)
     run_args = ["--placement", args.placement, "--seed", str(args.seed)]
     run_args += ["--async"] if args.async_ else []

@@ -58,6 +58,16 @@ def payload_digest(value: Any) -> bytes:
     return b"".join(bytes(f) for f in encode(value))
 
 
+def restart_refusal(restart: str | None, deterministic: bool, replay: bool = False) -> str | None:
+    """Why ``restart`` (``run --restart``) contradicts the run's mode, or None: a policy that restarts
+    (``on-failure``) holds in async runs that replay no trace only; ``never`` contradicts nothing."""
+    if restart is None or not (deterministic or replay) or restart_from_text(restart).policy == "never":
+        return None
+    return (f"restart {restart!r}: restart policies hold in async runs (--async) that replay no trace: a "
+            f"{'deterministic run' if deterministic else 'replay'}'s schedule cannot take a process that starts "
+            f"over (a placement file's restart fields are left aside in such runs)")
+
+
 def check_settings(graph: Graph, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
                    restart: str | None = None, hosts: str | None = None) -> None:
     """What ``run`` refuses before anything starts, whatever the placement: settings that contradict
@@ -74,10 +84,9 @@ def check_settings(graph: Graph, *, placement: str, deterministic: bool, record:
         raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
     if (record is not None or replay is not None) and deterministic:
         raise ValueError("record/replay apply to async mode; deterministic runs are reproducible by construction")
-    if restart is not None and (deterministic or replay is not None):
-        raise ValueError(f"restart {restart!r}: restart policies hold in async runs (--async) that replay no trace: a "
-                         f"{'deterministic run' if deterministic else 'replay'}'s schedule cannot take a process that "
-                         f"starts over (a placement file's restart fields are left aside in such runs)")
+    why = restart_refusal(restart, deterministic, replay is not None)
+    if why is not None:
+        raise ValueError(why)
     if placement != "single":
         return
     if restart is not None:

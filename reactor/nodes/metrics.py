@@ -74,9 +74,6 @@ class Metrics(Reactor):
         run_dir: directory for ``metrics.csv``, ``tb/``, ``summary.json`` and ``curves.png``.
         target_return: stop when a report carries ``eval_return >= target_return`` (None: never).
         max_env_steps: stop when the actors' total env steps reach this (None: never).
-        env_step_budget: the actors' own budget (they stop at their shares, and the run ends when
-            nothing is left to do: the training graphs' deterministic end), named as the stop reason
-            when the run ended with it reached and no other reason; never acted on here.
         live: show progress on stdout (a live table on a terminal, a progress line every few seconds
             otherwise).
         title: shown above the live table.
@@ -84,6 +81,9 @@ class Metrics(Reactor):
             a test's); in-process only.
         resume: the run goes on from its run directory's checkpoints (``resume=True``): its
             metrics.csv goes on too, as a restarted life's does.
+        env_step_budget: the actors' own budget (they stop at their shares, and the run ends when
+            nothing is left to do: the training graphs' deterministic end), named as the stop reason
+            when the run ended with it reached and no other reason; never acted on here.
     """
 
     reports = Input(Report, required=True)
@@ -94,11 +94,11 @@ class Metrics(Reactor):
         run_dir: str,
         target_return: float | None = None,
         max_env_steps: int | None = None,
-        env_step_budget: int | None = None,
         live: bool = True,
         title: str = "",
         console: Any = None,
         resume: bool = False,
+        env_step_budget: int | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.resume = resume

@@ -149,6 +149,20 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
     p = subprocess.run(f"set -o pipefail; {sys.executable} -m reactor.cli graph {app} | head -c 10", shell=True,
                        capture_output=True, text=True, timeout=120, cwd=ROOT, executable="/bin/bash")
     assert (p.returncode, p.stdout, p.stderr) == (141, "reactors:\n", ""), (p.returncode, p.stderr[-2000:])
+    # The same when the app's own build is what writes (a review found it reported as the app's error).
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text("from reactor import Graph\n\ndef build(config):\n    for i in range(20000):\n"
+                      "        print('a line of the app, number', i)\n    return Graph()\n")
+    p = subprocess.run(f"set -o pipefail; {sys.executable} -m reactor.cli graph {chatty} | head -c 10", shell=True,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, executable="/bin/bash")
+    assert (p.returncode, p.stdout, p.stderr) == (141, "a line of ", ""), (p.returncode, p.stderr[-2000:])
+
+
+def test_restart_never_is_taken_in_a_deterministic_run():
+    """`never` contradicts nothing (a wrapper may always pass --restart); a policy that restarts is refused
+    there (tests/launch/test_restart.py)."""
+    p = reactor("run", DEMO, "--placement", "processes", "--restart", "never", "--set", "stop_s=0.05")
+    assert p.returncode == 0 and "run ended (stop_time)" in p.stdout, p.stderr
 
 
 @pytest.mark.parametrize("command", [["run", DEMO], ["eval", "runs/none"], ["submit", DEMO], ["slurm", DEMO]])

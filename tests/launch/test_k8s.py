@@ -117,3 +117,19 @@ def test_the_command_line_writes_them_and_refuses_a_placement_file(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", DQN, "--placement", "p.toml"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "a k8s job spreads its groups over its daemons" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("command", ["k8s render", "slurm"])
+def test_a_restart_policy_the_runs_mode_cannot_hold_is_refused_before_a_cluster_job_is_made(command):
+    """Regression (a review, session 52): `reactor run` refuses `--restart on-failure` without `--async`,
+    and the cluster commands built that very command line for their jobs, to fail on the cluster after
+    the allocation. (`never`, or `--async`, is taken.)"""
+    cli = [sys.executable, "-m", "reactor.cli", *command.split(), DQN]
+    bad = subprocess.run([*cli, "--restart", "on-failure"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith(
+        "reactor: restart 'on-failure': restart policies hold in async runs (--async)"), bad.stderr
+    if command == "k8s render":
+        for ok in (["--restart", "never"], ["--async", "--restart", "on-failure"]):
+            got = subprocess.run([*cli, *ok], capture_output=True, text=True, timeout=60, cwd=ROOT)
+            assert got.returncode == 0 and ok[-1] in got.stdout, got.stderr
+

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a hosts file ([hosts]: daemon addresses) to spread a distribution policy's groups over")
     r.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                    help="runs over hosts: a file the app needs beside it, shipped to every host (repeatable)")
+    r.add_argument("--keys", default=None, metavar="DIR",
+                   help="runs over hosts: your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
     r.add_argument("--restart", default=None, metavar="POLICY",
                    help="async multi-process runs: never | on-failure | on-failure:N (at most N restarts per "
                         "process), then ,backoff_s=S and ,host_wait_s=S if wanted (on-failure:5,host_wait_s=60), for "
@@ -195,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     su.add_argument("--check", action="store_true",
                     help="build the app's graph here first, as `reactor run` would (its config's keys and values, the "
                          "graph, the placement): for an app that runs here too. Without it, only what needs nothing of "
-                         "the daemon's host is checked (files, placement name or TOML, the app's syntax, --set, restart)")
+                         "the daemon's host is checked (files, placement name or TOML, the app's syntax, the --set syntax, "
+                         "restart)")
     client(su)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
     st.add_argument("job", nargs="?", default=None, type=_job_arg,
@@ -329,7 +332,8 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
         return 128 + signal.SIGPIPE
     except OSError as e:  # a path too long or looping, a /dev/shm without room: the user's to fix
-        if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC):
+        if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC, errno.EROFS, errno.EADDRINUSE,
+                           errno.EADDRNOTAVAIL):
             raise
         print(f"reactor: {_bounded(str(e))}", file=sys.stderr)
         return 2
@@ -433,6 +437,8 @@ def _jobs(args: argparse.Namespace) -> int:
         from .launch._runtime import asyncio_run
 
         state = Path(args.state_dir)
+        if state.exists() and not state.is_dir():
+            raise NotADirectoryError(f"--state-dir {state} is a file, not a directory")
         state.mkdir(parents=True, exist_ok=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
@@ -505,7 +511,13 @@ def _jobs(args: argparse.Namespace) -> int:
                     _print_log(lambda offset: w.request("worker_log", job["run"], args.group, offset), args.follow)
             else:
                 j = c.request("stop", args.job)
-                print(f"{j['id']}  {j['state']}")
+                if j["state"] == "running":  # (asked to stop: its run stops its workers cleanly, then ends)
+                    from .launch._daemon import STOP_GRACE_S
+
+                    print(f"{j['id']}  stopping (SIGTERM sent to its run; SIGKILL if it has not ended "
+                          f"{STOP_GRACE_S:g} s after the first stop)")
+                else:
+                    print(f"{j['id']}  {j['state']}")
     except DaemonError as e:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
@@ -603,6 +615,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     # run
     # Its processes inherit the command's start: summary.json reports the whole command's time.
     os.environ["REACTOR_COMMAND_T0"] = repr(args.started)
+    if args.keys is not None:  # (as $REACTOR_KEYS: the coordinator loads the pair it talks to daemons with)
+        os.environ["REACTOR_KEYS"] = args.keys
     from .launch._runtime import new_run_id, run
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -635,6 +649,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                           "dropped": dict(result.dropped), "hosts": dict(result.hosts),
                           "restarts": dict(result.restarts), **_training_result(graph, args.started)}, indent=2))
     else:
+        if result.hosts:  # the training result: Metrics printed it on its host, into that daemon's log
+            _print_training_result(_training_result(graph, args.started))
         total = sum(result.events.values())
         print(f"run ended ({result.stopped_by}): {total} events in {len(result.events)} reactors, "
               f"placement {result.placement}")
@@ -663,6 +679,19 @@ def _training_result(graph: Any, started: float) -> dict[str, Any]:
         return {"run_dir": str(dirs[0]), "summary": json.loads(path.read_text())}
     except (OSError, ValueError):
         return {}
+
+
+def _print_training_result(got: dict[str, Any]) -> None:
+    """A run over hosts: the lines Metrics printed at its end on its host (into that daemon's log),
+    here, from the summary that came back with the run's files."""
+    summary = got.get("summary")
+    if not isinstance(summary, dict):
+        return
+    last = summary.get("last_eval_return")
+    ev = f"{last:.1f}" if isinstance(last, (int, float)) else "-"
+    print(f"evaluation return {ev}; stopped: {summary.get('stop_reason', '-')}")
+    plot = Path(got["run_dir"]) / "curves.png"
+    print(f"run directory {got['run_dir']}" + (f"; plot {plot}" if plot.is_file() else ""))
 
 
 @contextlib.contextmanager

@@ -199,7 +199,11 @@ def address_towards(address: str) -> str:
     can dial back): the source address the kernel routes a datagram to it from (nothing is sent)."""
     hostport = address[len("tcp://"):]
     host, port = hostport.rsplit(":", 1)
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as e:  # (a typo in a hosts file: a name no resolver knows)
+        raise GraphError(f"host address {address}: {host!r} cannot be resolved ({e.strerror}): check the "
+                         f"hosts file") from None
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(sockaddr)
         local = s.getsockname()[0]
@@ -298,7 +302,9 @@ class RemoteWorkers:
                 self.silent_hosts.discard(h)
                 log.warning("host %s answers again (it was lost: %s)", h, was_lost)
             return h
-        raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}")
+        raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)} (a daemon "
+                                  f"that runs but does not answer may not hold your key.pub in its authorized/, or "
+                                  f"the hosts file may give it another key: check REACTOR_KEYS and the hosts' keys)")
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
         """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and

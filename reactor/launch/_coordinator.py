@@ -110,6 +110,14 @@ async def run_processes(
     # Run directories and shared-memory segments left by runs whose coordinator was killed go first.
     sweep_stale()
     run_id = os.environ.get("REACTOR_RUN_ID") or "run"
+    # Over hosts, what can fail on the user's side before anything exists (no key pair, a head host's
+    # name that does not resolve): first, so that no run directory is left behind by it.
+    host_keys = here = None
+    if plan.hosts:
+        from ._keys import default_keys_dir, load_keys
+
+        host_keys = load_keys(default_keys_dir())
+        here = address_towards(plan.hosts[groups[0].hosts[0]].address)
     sockdir = open_run_dir(run_id)
     # Links that may leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
     # with CURVE: one key pair per run, handed to each worker on its stdin, or through its daemon over
@@ -125,12 +133,8 @@ async def run_processes(
         curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
     workers: _LocalWorkers | RemoteWorkers
     if plan.hosts:
-        from ._keys import default_keys_dir, load_keys
-
-        workers = RemoteWorkers(run_id, plan.hosts, load_keys(default_keys_dir()), plan.settings["heartbeat_timeout_s"])
+        workers = RemoteWorkers(run_id, plan.hosts, host_keys, plan.settings["heartbeat_timeout_s"])
         app_name = workers.ship(app, [*with_files, *([replay] if replay is not None else [])])
-        head = plan.hosts[groups[0].hosts[0]]
-        here = address_towards(head.address)
         bind = f"tcp://{here}:*"
         dist_store = _dist_store(graph, here)
     else:

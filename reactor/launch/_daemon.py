@@ -103,6 +103,33 @@ class _Job:
         return bool(pid) and bool(start) and owner_alive(int(pid), int(start), 0)
 
 
+class _StateLock:
+    """An exclusive ``flock`` on ``STATE/daemon.lock``, held until :meth:`release` (or this object goes:
+    a daemon object dropped without serving, in a test), or the process ends, however it ends."""
+
+    def __init__(self, state: Path) -> None:
+        import fcntl
+
+        self.fd = os.open(state / "daemon.lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            who = ""
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                held = read_small_json(state / "daemon.json")
+                who = f" ({str(held.get('name'))[:64]!r}, pid {int(held.get('pid'))}, on {str(held.get('address'))[:100]})"
+            raise ValueError(f"--state-dir {state} is in use by another daemon{who}: give each daemon a state "
+                             f"directory of its own") from None
+
+    def release(self) -> None:
+        if getattr(self, "fd", -1) >= 0:  # (not if os.open failed in __init__)
+            os.close(self.fd)
+            self.fd = -1
+
+    __del__ = release
+
+
 class Daemon:
     """The daemon's state and its serving loop (``await Daemon(...).serve()``)."""
 
@@ -120,7 +147,10 @@ class Daemon:
         self.forget_after_s = float(forget_after_s)
         self.listen = listen
         self.state = Path(state_dir).resolve()  # (a relative one: jobs run in their own directories)
+        if self.state.exists() and not self.state.is_dir():
+            raise NotADirectoryError(f"--state-dir {self.state} is a file, not a directory")
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._held = _StateLock(self.state)  # (for the daemon's life: a second daemon there is refused)
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
         self.keys_dir = Path(keys_dir).resolve()
         self.keys = load_keys(keys_dir)
@@ -243,6 +273,8 @@ class Daemon:
         self.watch()  # a job that has just ended is not signalled (its pid may be reused)
         if job.record["state"] != "running":
             return self.describe(job)
+        if job.stop_deadline is not None:  # asked already: stopping (a repeat never escalates to the run's
+            return self.describe(job)      # "second signal: at once"; the SIGKILL after the grace still comes)
         job.record["stop_requested"] = True
         job.save()
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -365,7 +397,11 @@ class Daemon:
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         try:
-            sock.bind(self.listen)
+            try:
+                sock.bind(self.listen)
+            except zmq.ZMQError as e:  # (a port in use, an address not of this host)
+                raise OSError(e.errno, f"daemon {self.name!r} cannot listen on {self.listen}: {e.strerror} (another "
+                                       f"daemon or program holds it, or the address is not this host's)") from None
             address = sock.get(zmq.LAST_ENDPOINT).decode()
             _atomic_json(self.state / "daemon.json", {"name": self.name, "address": address, "pid": os.getpid(),
                                                       "public_key": self.keys.public.decode()})
@@ -414,6 +450,7 @@ class Daemon:
             self.hosted.watch()
             log.info("%s: stopped", self.name)
         finally:
+            self._held.release()
             self.forks.close()
             sock.close(linger=0)
             auth.stop()

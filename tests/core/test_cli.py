@@ -330,3 +330,23 @@ def test_every_training_app_takes_target_return_none(app):
     required = {"transformer_offline.py": ["--set", "source=runs/src"]}.get(app, [])  # (its data: refused without)
     p = reactor("graph", str(ROOT / "apps" / app), "--set", "target_return=None", *required, "--format", "text")
     assert p.returncode == 0, p.stderr
+
+
+def test_a_hosts_file_naming_a_host_that_does_not_resolve_is_one_line_and_leaves_no_run_directory(tmp_path):
+    """Regression (a newcomer's pass over docs/cluster.md, session 52): a typo in the head host's name was
+    a socket.gaierror traceback, and left the run's directory behind (the next run warned of "a dead
+    coordinator"). So did a run over hosts without a key pair."""
+    from reactor.launch._keys import init_keys
+
+    init_keys(tmp_path / "keys")
+    (tmp_path / "hosts.toml").write_text('[hosts]\nh1 = "tcp://no-such-host.invalid:7000"\n')
+    env = {**os.environ, "REACTOR_KEYS": str(tmp_path / "keys"), "REACTOR_RUNTIME_DIR": str(tmp_path / "rt")}
+    for keys, message in [(tmp_path / "keys", "reactor: host address tcp://no-such-host.invalid:7000: "
+                                              "'no-such-host.invalid' cannot be resolved ("),
+                          (tmp_path / "none", f"reactor: no key pair at {tmp_path / 'none' / 'key'}")]:
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", DEMO, "--placement", "processes", "--hosts",
+                            str(tmp_path / "hosts.toml")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env={**env, "REACTOR_KEYS": str(keys)})
+        assert p.returncode == 2 and p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
+        assert not list((tmp_path / "rt").glob("reactor-*")), "a run directory was left behind"
+

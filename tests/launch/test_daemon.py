@@ -363,6 +363,76 @@ def test_submit_refuses_the_jobs_own_mistakes_before_it_leaves_and_never_what_on
     assert state.startswith(f"{job}  finished exit 0"), state
 
 
+def test_a_second_daemon_on_a_state_directory_in_use_or_a_port_in_use_is_refused_and_the_first_serves_on(daemon,
+                                                                                                        tmp_path):
+    """Regression (a newcomer's pass over docs/cluster.md, session 52): a second daemon on the first's
+    --state-dir took its jobs for its own, rewrote its daemon.json and stopped its job when it was
+    stopped itself; a port in use, and a state directory that is a file, were tracebacks."""
+    with daemon.client() as c:
+        job = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                           config={"ready_file": str(tmp_path / "ready")}))
+        _wait_for((tmp_path / "ready").exists, 60, "the job to run")
+    cli = [sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(daemon.keys_dir), "--no-fork-server"]
+    (tmp_path / "a-file").write_text("")
+    for args, message in [
+        (["--listen", "tcp://127.0.0.1:0", "--name", "h2", "--state-dir", str(daemon.state)],
+         f"reactor: --state-dir {daemon.state} is in use by another daemon ('h1', pid {daemon.proc.pid}, on "
+         f"{daemon.address}): give each daemon a state directory of its own\n"),
+        (["--listen", daemon.address, "--name", "h3", "--state-dir", str(tmp_path / "s3")],
+         f"reactor: [Errno 98] daemon 'h3' cannot listen on {daemon.address}: Address already in use"),
+        (["--listen", "tcp://127.0.0.1:0", "--name", "h4", "--state-dir", str(tmp_path / "a-file")],
+         f"reactor: --state-dir {tmp_path / 'a-file'} is a file, not a directory\n"),
+    ]:
+        p = subprocess.run([*cli, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, p.stderr
+    assert json.loads((daemon.state / "daemon.json").read_text())["name"] == "h1"
+    with daemon.client() as c:
+        assert c.request("status", job)["state"] == "running"
+        c.request("stop", job)
+
+
+def test_a_job_asked_to_stop_twice_stops_cleanly_once(daemon, tmp_path):
+    """Regression (session 52): a second `reactor stop` was the run's second SIGTERM, "stop at once",
+    and the first printed "running", as if nothing had happened."""
+    base = [sys.executable, "-m", "reactor.cli"]
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    with daemon.client() as c:
+        job = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                           config={"ready_file": str(tmp_path / "ready")}))
+        _wait_for((tmp_path / "ready").exists, 60, "the job to run")
+    outs = [subprocess.run([*base, "stop", job, *conn], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            for _ in range(2)]
+    for p in outs:
+        assert p.returncode == 0 and (p.stdout.startswith(f"{job}  stopping (SIGTERM sent to its run")
+                                      or p.stdout == f"{job}  stopped\n"), p.stdout + p.stderr
+    with daemon.client() as c:
+        assert _state(c, job, ("stopped", "stopped at once (SIGTERM twice)", "failed"))["state"] == "stopped"
+    assert "again: stopping at once" not in (daemon.state / "jobs" / job / "output.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_training_run_over_hosts_ends_at_the_terminal_with_its_result_as_on_one_host(daemon, tmp_path):
+    """Regression (a newcomer's pass over docs/cluster.md, session 52): `reactor run APP --hosts FILE`
+    ("follow it here") printed only "run ended (...)": the evaluation return, the stop reason and
+    the run directory went to the daemon's log, where Metrics ran. They now come from the summary
+    that came back with the run's files."""
+    (tmp_path / "hosts.toml").write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = '
+                                         f'"{daemon.keys_dir / "key.pub"}" }}\n')
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--placement",
+                        "actors", "--hosts", str(tmp_path / "hosts.toml"), "--set", "max_env_steps=1000",
+                        "target_return=None", "live=False", "run_dir='run'", "--keys", str(daemon.client_dir)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=280,
+                       env={k: v for k, v in os.environ.items() if k != "REACTOR_KEYS"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[-3].startswith("evaluation return ") and lines[-3].endswith(
+        "; stopped: the actors' env-step budget reached (1,000 env steps, max_env_steps 1,000), and the learner "
+        "took what the replay allowed"), p.stdout
+    assert lines[-2] == "run directory run; plot run/curves.png" and (tmp_path / "run" / "curves.png").is_file()
+    assert lines[-1].startswith("run ended (quiescence)")
+
+
 def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     base = [sys.executable, "-m", "reactor.cli"]
     conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",

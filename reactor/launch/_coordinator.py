@@ -49,6 +49,7 @@ log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
 RECONNECT_TIMEOUT_S = 10.0  # a restarted worker starts at the latest this long after it is ready
 EXIT_TIMEOUT_S = 20.0
+STOPPING_REPORT_S = 5.0  # after a Ctrl-C, how often the workers not yet ended are named
 #: After a restart the sums of messages sent and received need not meet again (messages to and from
 #: the process that died were lost with it), so they cannot show a message in flight. Then the run is
 #: quiescent only once every worker has stayed idle, with no count moving, over probe rounds this long:
@@ -689,9 +690,18 @@ class _Session:
 
     async def _supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
         loop = asyncio.get_running_loop()
+        told_at = None  # (a stop by a signal: when the user was last told what it waits for)
         while len(self.results) < len(self.procs):
             if self.signalled.is_set() and self.stopped_by is None:
                 self._stop("signal")
+                told_at = loop.time()
+            if self.stopped_by == "signal" and told_at is not None and loop.time() - told_at >= STOPPING_REPORT_S:
+                # A worker may not hear the stop for a while (a reaction blocked in C: a rendezvous,
+                # a long update): say which, rather than sit silent after "stopping the run cleanly".
+                told_at = loop.time()
+                waiting = sorted(n for n in self.procs if n not in self.results)
+                log.warning("still stopping: waiting for worker%s %s to end cleanly (Ctrl-C again stops at once)",
+                            "s" if len(waiting) > 1 else "", ", ".join(map(repr, waiting)))
             if deadline is not None and self.stopped_by is None and loop.time() >= deadline:
                 self._stop("stop_time")
             self._check_children()

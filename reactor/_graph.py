@@ -165,6 +165,8 @@ class Graph:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise GraphError(f"replicas must be an int >= 1, got {replicas!r} ({site})")
         name = name or type(reactor).__name__.lower()
+        if not isinstance(name, str):
+            raise GraphError(f"reactor name must be a str, got {type(name).__name__} {name!r:.100} ({site})")
         if not _NAME_RE.match(name):
             raise GraphError(f"reactor name {name!r} must match {_NAME_RE.pattern} ({site})")
         node = Node(self, reactor, name, replicas, site)

@@ -197,7 +197,8 @@ def check_replicas_apart(graph: Graph, owner: dict[str, str], placement: str) ->
                 raise GraphError(
                     f"{node.name}: its {node.replicas} replicas each need a process of their own ({why}), but "
                     f"placement {placement!r} puts {seen[group]} and {name} in process {group!r}: use --placement "
-                    f"dp-learners, or a placement file with each replica in a group of its own ({node.site})"
+                    f"dp-learners (in Python, run(graph, placement='dp-learners')), or a placement file with each "
+                    f"replica in a group of its own ({node.site})"
                 )
             seen[group] = name
 

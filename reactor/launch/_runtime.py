@@ -288,9 +288,13 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
     """
     try:
         asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio_run(run_async(graph, **kwargs))  # type: ignore[no-any-return]
-    return _run_beside_a_loop(graph, kwargs)
+    except RuntimeError:  # (no loop here: the usual case; run outside the except block, so that an
+        beside = False    # error of the run is not shown "during handling of" this one)
+    else:
+        beside = True
+    if beside:
+        return _run_beside_a_loop(graph, kwargs)
+    return asyncio_run(run_async(graph, **kwargs))  # type: ignore[no-any-return]
 
 
 def _run_beside_a_loop(graph: Graph, kwargs: dict[str, Any]) -> RunResult:

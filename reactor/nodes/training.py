@@ -117,6 +117,11 @@ def off_policy_graph(
     """
     from ._registry import check_spaces, load_algorithm, make_env
 
+    _counts("off_policy_graph", 1, actors=actors, envs_per_actor=envs_per_actor, shards=shards, learners=learners,
+            capacity=capacity, batch_size=batch_size, weights_every=weights_every,
+            eval_every_updates=eval_every_updates, eval_episodes=eval_episodes, flush_steps=flush_steps,
+            max_unacked=max_unacked, max_env_steps=max_env_steps)
+    _counts("off_policy_graph", 0, min_size=min_size, prefetch=prefetch, checkpoint_every=checkpoint_every)
     algo_mod = load_algorithm(algo)
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
     probe = make_env(env)
@@ -196,6 +201,16 @@ def off_policy_graph(
     return g
 
 
+def _counts(builder: str, low: int, **named: Any) -> None:
+    """Raise ``ValueError`` naming the first of ``named`` that is not an int >= ``low`` (None passes: an
+    optional budget). The apps' configs check theirs by key (``reactor/nodes/apps.py``); a script calling
+    a builder got a ZeroDivisionError for ``actors=0`` with a budget, and ran ``max_env_steps=-5``."""
+    for name, v in named.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ValueError(f"{builder}: {name} must be an int >= {low}{' or None' if name == 'max_env_steps' else ''}"
+                             f", got {v!r:.100}")
+
+
 def _per_actor(max_env_steps: int | None, actors: int) -> int | None:
     return None if max_env_steps is None else -(-max_env_steps // actors)
 
@@ -237,6 +252,9 @@ def on_policy_graph(
     """
     from ._registry import check_spaces, load_algorithm, make_env
 
+    _counts("on_policy_graph", 1, actors=actors, envs_per_actor=envs_per_actor, eval_every_updates=eval_every_updates,
+            eval_episodes=eval_episodes, max_env_steps=max_env_steps)
+    _counts("on_policy_graph", 0, checkpoint_every=checkpoint_every)
     algo_mod = load_algorithm(algo)
     if algo_mod.KIND != "on_policy":
         raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "

@@ -181,3 +181,13 @@ def test_describe_and_mermaid_show_nodes_banks_and_edges():
     m = g.mermaid()
     assert m.startswith("flowchart LR")
     assert 's -->|"out → inp +0.5s"| d' in m
+
+
+def test_a_reactor_name_that_is_not_a_str_is_a_graph_error():
+    """It was re's TypeError ("expected string or bytes-like object") from the name's pattern."""
+    class Lone(Reactor):
+        pass
+
+    with pytest.raises(GraphError, match=r"^reactor name must be a str, got int 3 \(.*test_graph.py:\d+\)$"):
+        Graph().add(Lone(), name=3)  # type: ignore[arg-type]
+

@@ -396,3 +396,23 @@ def test_many_envs_ending_together_still_get_their_inserts_past_the_rate_limiter
                "run_dir": str(tmp_path)})
     s = _summary(tmp_path)
     assert s["env_steps"] == 4000 and s["updates"] > 0, s
+
+
+@pytest.mark.parametrize(("builder", "kw", "message"), [
+    ("off_policy_graph", {"actors": 0, "max_env_steps": 2000}, "off_policy_graph: actors must be an int >= 1, got 0"),
+    ("off_policy_graph", {"max_env_steps": -5}, "off_policy_graph: max_env_steps must be an int >= 1 or None, got -5"),
+    ("off_policy_graph", {"batch_size": 2.5}, "off_policy_graph: batch_size must be an int >= 1, got 2.5"),
+    ("off_policy_graph", {"prefetch": -1}, "off_policy_graph: prefetch must be an int >= 0, got -1"),
+    ("off_policy_graph", {"shards": True}, "off_policy_graph: shards must be an int >= 1, got True"),
+    ("on_policy_graph", {"envs_per_actor": 0}, "on_policy_graph: envs_per_actor must be an int >= 1, got 0"),
+])
+def test_the_graph_builders_refuse_counts_out_of_range_naming_them(builder, kw, message):
+    """Regression (a newcomer's pass over the Python API, session 52): off_policy_graph(actors=0,
+    max_env_steps=2000) was a ZeroDivisionError inside, and max_env_steps=-5 ran (0 env steps); the
+    apps' configs checked theirs, the builders did not."""
+    from reactor.nodes import training
+
+    algo = "ppo" if builder == "on_policy_graph" else "dqn"
+    with pytest.raises(ValueError, match=rf"^{re.escape(message)}$"):
+        getattr(training, builder)(algo=algo, env="CartPole-v1", run_dir="unused", **kw)
+

@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return 128 + signal.SIGPIPE
     except OSError as e:  # a path too long or looping, a /dev/shm without room: the user's to fix
         if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC, errno.EROFS, errno.EADDRINUSE,
-                           errno.EADDRNOTAVAIL):
+                           errno.EADDRNOTAVAIL, errno.ENODEV):
             raise
         print(f"reactor: {_bounded(str(e))}", file=sys.stderr)
         return 2
@@ -514,8 +514,8 @@ def _jobs(args: argparse.Namespace) -> int:
                 if j["state"] == "running":  # (asked to stop: its run stops its workers cleanly, then ends)
                     from .launch._daemon import STOP_GRACE_S
 
-                    print(f"{j['id']}  stopping (SIGTERM sent to its run; SIGKILL if it has not ended "
-                          f"{STOP_GRACE_S:g} s after the first stop)")
+                    print(f"{j['id']}  stopping (asked to stop cleanly; at once if it has not ended {STOP_GRACE_S:g} s "
+                          f"after the first request)")
                 else:
                     print(f"{j['id']}  {j['state']}")
     except DaemonError as e:
@@ -687,9 +687,9 @@ def _print_training_result(got: dict[str, Any]) -> None:
     summary = got.get("summary")
     if not isinstance(summary, dict):
         return
-    last = summary.get("last_eval_return")
-    ev = f"{last:.1f}" if isinstance(last, (int, float)) else "-"
-    print(f"evaluation return {ev}; stopped: {summary.get('stop_reason', '-')}")
+    last, why = summary.get("last_eval_return"), summary.get("stop_reason")
+    ev = f"{last:.1f}" if isinstance(last, (int, float)) and not isinstance(last, bool) else "-"
+    print(f"evaluation return {ev}; stopped: {why if isinstance(why, str) else '-'}")
     plot = Path(got["run_dir"]) / "curves.png"
     print(f"run directory {got['run_dir']}" + (f"; plot {plot}" if plot.is_file() else ""))
 

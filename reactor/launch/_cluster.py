@@ -194,6 +194,16 @@ def assign_hosts(groups: list[Group], hosts: dict[str, Host], where: str, *, spr
     return out
 
 
+async def _unresolved(address: str) -> str | None:
+    """Why ``tcp://HOST:PORT``'s host name does not resolve now, or None (it does, or is an address)."""
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        await asyncio.get_running_loop().getaddrinfo(host, None)
+    except socket.gaierror as e:
+        return f"its address {address}: {host!r} cannot be resolved ({e.strerror})"
+    return None
+
+
 def address_towards(address: str) -> str:
     """The local interface address this host reaches ``tcp://HOST:PORT`` from (what a daemon there
     can dial back): the source address the kernel routes a datagram to it from (nothing is sent)."""
@@ -294,7 +304,8 @@ class RemoteWorkers:
                 await self.links[h].request("ping", timeout_s=self.timeout_s)
             except DaemonError as e:
                 self.lost_hosts[h] = str(e)
-                why.append(f"{h}: {e}" + (f" (lost earlier: {was_lost})" if was_lost else ""))
+                unresolved = await _unresolved(self.links[h].host.address)  # (a typo, or a name not up yet)
+                why.append(f"{h}: {unresolved or e}" + (f" (lost earlier: {was_lost})" if was_lost else ""))
                 continue
             self.last_ok[h] = time.monotonic()
             if was_lost is not None:

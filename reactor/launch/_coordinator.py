@@ -700,8 +700,11 @@ class _Session:
                 # a long update): say which, rather than sit silent after "stopping the run cleanly".
                 told_at = loop.time()
                 waiting = sorted(n for n in self.procs if n not in self.results)
-                log.warning("still stopping: waiting for worker%s %s to end cleanly (Ctrl-C again stops at once)",
-                            "s" if len(waiting) > 1 else "", ", ".join(map(repr, waiting)))
+                from ._signals import received
+
+                again = "Ctrl-C" if not received or received[0] == signal.SIGINT else signal.Signals(received[0]).name
+                log.warning("still stopping: waiting for worker%s %s to end cleanly (%s again stops at once)",
+                            "s" if len(waiting) > 1 else "", ", ".join(map(repr, waiting)), again)
             if deadline is not None and self.stopped_by is None and loop.time() >= deadline:
                 self._stop("stop_time")
             self._check_children()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -67,6 +68,7 @@ log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
 REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
 STOP_GRACE_S = 20.0
+STOP_HURRY_S = 5.0  # after the grace: the run's second SIGTERM ("stop at once", its cleanups run), then SIGKILL
 WATCH_PERIOD_S = 0.2
 
 
@@ -86,6 +88,7 @@ class _Job:
         self.dir = directory
         self.proc: Proc | None = None
         self.stop_deadline: float | None = None
+        self.hurried = False  # (the grace passed: the second SIGTERM was sent, SIGKILL at the new deadline)
 
     @property
     def id(self) -> str:
@@ -182,6 +185,8 @@ class Daemon:
             except (OSError, ValueError) as exc:
                 log.warning("%s: ignored the unreadable job record %s: %s", self.name, path, exc)
                 continue
+            if record.get("state") == "running" and record.get("stop_requested") and job.alive():
+                job.stop_deadline = time.monotonic() + STOP_GRACE_S  # (asked before the restart: a fresh grace)
             if record.get("state") == "running" and not job.alive():
                 record["state"] = "lost"
                 record["detail"] = "it ended while no daemon watched it (the daemon was down)"
@@ -294,8 +299,14 @@ class Daemon:
                 continue
             if job.alive():
                 if job.stop_deadline is not None and time.monotonic() > job.stop_deadline:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(job.record["pid"]), signal.SIGKILL)
+                    if not job.hurried:  # the run's "stop at once": it still reaps and cleans up
+                        job.hurried = True
+                        job.stop_deadline = time.monotonic() + STOP_HURRY_S
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(int(job.record["pid"]), signal.SIGTERM)
+                    else:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(int(job.record["pid"]), signal.SIGKILL)
                 continue
             rc = job.proc.returncode if job.proc is not None else None
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -399,9 +410,12 @@ class Daemon:
         try:
             try:
                 sock.bind(self.listen)
-            except zmq.ZMQError as e:  # (a port in use, an address not of this host)
-                raise OSError(e.errno, f"daemon {self.name!r} cannot listen on {self.listen}: {e.strerror} (another "
-                                       f"daemon or program holds it, or the address is not this host's)") from None
+            except zmq.ZMQError as e:  # (a port in use, an address not of this host, a name that does not resolve)
+                hint = {errno.EADDRINUSE: " (another daemon or program holds it)",
+                        errno.EADDRNOTAVAIL: " (not an address of this host)",
+                        errno.ENODEV: " (no interface or host of that name here)"}.get(e.errno, "")
+                raise OSError(e.errno, f"daemon {self.name!r} cannot listen on {self.listen}: "
+                                       f"{zmq.strerror(e.errno)}{hint}") from None
             address = sock.get(zmq.LAST_ENDPOINT).decode()
             _atomic_json(self.state / "daemon.json", {"name": self.name, "address": address, "pid": os.getpid(),
                                                       "public_key": self.keys.public.decode()})

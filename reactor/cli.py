@@ -390,15 +390,12 @@ def _app_error(e: BaseException, app: str | None) -> str | None:
         shown = "".join(traceback.format_exception_only(type(e), e)).rstrip()
         return f"{shown}\nreactor: {app} line {e.lineno}: {type(e).__name__}: {_bounded(str(e.msg))}"
     frames = traceback.extract_tb(e.__traceback__)
-    first = next((i for i, f in enumerate(frames) if Path(f.filename).resolve() == path), None)
-    if first is None:
-        return None
-    ours = Path(__file__).resolve().parent
-    if ours in Path(frames[-1].filename).resolve().parents:
-        return None  # (raised in reactor's code, called from the app: its checks' message says what, or a bug's
-        # whole traceback shows where)
-    at = frames[[i for i, f in enumerate(frames) if Path(f.filename).resolve() == path][-1]]
-    shown = "".join(traceback.format_list(frames[first:])) + "".join(traceback.format_exception_only(type(e), e))
+    mine = [i for i, f in enumerate(frames) if Path(f.filename).resolve() == path]  # (the app's frames)
+    if not mine or Path(__file__).resolve().parent in Path(frames[-1].filename).resolve().parents:
+        return None  # (not through the app; or raised in reactor's code, called from the app: its checks'
+        # message says what, or a bug's whole traceback shows where)
+    at = frames[mine[-1]]
+    shown = "".join(traceback.format_list(frames[mine[0]:])) + "".join(traceback.format_exception_only(type(e), e))
     message = (str(e).splitlines() or [""])[0]
     return (f"Traceback (the app's frames):\n{shown.rstrip()}\nreactor: {app} line {at.lineno}, in {at.name}: "
             f"{type(e).__name__}{': ' + _bounded(message) if message else ''}")
@@ -684,14 +681,15 @@ def _training_result(graph: Any, started: float) -> dict[str, Any]:
 def _print_training_result(got: dict[str, Any]) -> None:
     """A run over hosts: the lines Metrics printed at its end on its host (into that daemon's log),
     here, from the summary that came back with the run's files."""
+    from .nodes.metrics import result_lines
+
     summary = got.get("summary")
     if not isinstance(summary, dict):
         return
     last, why = summary.get("last_eval_return"), summary.get("stop_reason")
-    ev = f"{last:.1f}" if isinstance(last, (int, float)) and not isinstance(last, bool) else "-"
-    print(f"evaluation return {ev}; stopped: {why if isinstance(why, str) else '-'}")
     plot = Path(got["run_dir"]) / "curves.png"
-    print(f"run directory {got['run_dir']}" + (f"; plot {plot}" if plot.is_file() else ""))
+    print(result_lines(last if isinstance(last, (int, float)) and not isinstance(last, bool) else None,
+                       why if isinstance(why, str) else "-", got["run_dir"], plot if plot.is_file() else None))
 
 
 @contextlib.contextmanager
@@ -747,8 +745,7 @@ def _check_job(args: argparse.Namespace) -> None:
     Raises:
         (what ``reactor run`` raises for the same mistakes, before anything starts)
     """
-    import tomllib
-
+    from .launch._placement import _read_toml
     from .launch._runtime import restart_refusal
 
     _check_run_options(args)
@@ -756,10 +753,7 @@ def _check_job(args: argparse.Namespace) -> None:
     for what, path in (("placement file", args.placement if Path(args.placement).is_file() else None),
                        ("hosts file", args.hosts)):
         if path is not None:
-            try:
-                tomllib.loads(Path(path).read_text())
-            except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-                raise GraphError(f"{what} {path}: {e}") from None
+            _read_toml(path, what)
     why = restart_refusal(args.restart, deterministic=not args.async_)
     if why is not None:
         raise ValueError(why)

@@ -194,9 +194,15 @@ def assign_hosts(groups: list[Group], hosts: dict[str, Host], where: str, *, spr
     return out
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` (``[v6]`` too) -> ``(HOST, PORT)``, the brackets off."""
+    host, port = address[len("tcp://"):].rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
 async def _unresolved(address: str) -> str | None:
     """Why ``tcp://HOST:PORT``'s host name does not resolve now, or None (it does, or is an address)."""
-    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    host = _host_port(address)[0]
     try:
         await asyncio.get_running_loop().getaddrinfo(host, None)
     except socket.gaierror as e:
@@ -207,10 +213,9 @@ async def _unresolved(address: str) -> str | None:
 def address_towards(address: str) -> str:
     """The local interface address this host reaches ``tcp://HOST:PORT`` from (what a daemon there
     can dial back): the source address the kernel routes a datagram to it from (nothing is sent)."""
-    hostport = address[len("tcp://"):]
-    host, port = hostport.rsplit(":", 1)
+    host, port = _host_port(address)
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as e:  # (a typo in a hosts file: a name no resolver knows)
         raise GraphError(f"host address {address}: {host!r} cannot be resolved ({e.strerror}): check the "
                          f"hosts file") from None

@@ -288,11 +288,9 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
     """
     try:
         asyncio.get_running_loop()
-    except RuntimeError:  # (no loop here: the usual case; run outside the except block, so that an
-        beside = False    # error of the run is not shown "during handling of" this one)
+    except RuntimeError:  # (no loop here, the usual case: the run starts below, outside this block, so that
+        pass              # an error of the run is not shown "during handling of" this one)
     else:
-        beside = True
-    if beside:
         return _run_beside_a_loop(graph, kwargs)
     return asyncio_run(run_async(graph, **kwargs))  # type: ignore[no-any-return]
 

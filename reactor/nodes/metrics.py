@@ -314,9 +314,14 @@ class Metrics(Reactor):
         except ValueError:  # nothing to plot yet (a very short run)
             pass
         # The result, also without live progress: a run that ends silently leaves its user guessing.
-        ev = "-" if self.last_eval is None else f"{self.last_eval:.1f}"
-        print(f"evaluation return {ev}; stopped: {summary['stop_reason']}", flush=True)
-        print(f"run directory {self.dir}" + (f"; plot {plot}" if plot else ""), flush=True)
+        print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot), flush=True)
+
+
+def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None) -> str:
+    """The two lines a training run ends with: its last evaluation and why it stopped, then where its
+    files are (Metrics prints them on its host; ``reactor run --hosts`` again at the terminal)."""
+    ev = "-" if last_eval is None else f"{last_eval:.1f}"
+    return f"evaluation return {ev}; stopped: {stop_reason}\nrun directory {run_dir}" + (f"; plot {plot}" if plot else "")
 
 
 def _counts_ok(counts: Any) -> bool:

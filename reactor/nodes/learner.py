@@ -530,6 +530,8 @@ class Learner(_LearnerBase):
         self.sample_timeout_s = sample_timeout_s
         self.app_config = app_config
         self.samples = 0
+        self._reported = 0  # the updates of the last report sent
+        self._metrics: dict[str, Any] = {}  # the last update's
         self._due = 0  # samples taken whose update is still to run (update_due scheduled)
         # Data-parallel rounds (bank_size > 1): batches held for their rounds, rounds announced and
         # run, and what this replica has heard of the rounds to come (round -> replica -> have).
@@ -568,6 +570,7 @@ class Learner(_LearnerBase):
         if batch is None:
             if self.client.exhausted and not was_exhausted and self.bank_size > 1:
                 self._announce(None)  # no sample can come: the bank ends before this replica's next round
+            self._report_if_done()
             return
         inline = self.bank_size > 1 or not self.deterministic
         # Updates done, to do (this batch, batches waiting on update_due or their round) and samples in flight.
@@ -584,6 +587,7 @@ class Learner(_LearnerBase):
             # ahead of the updates.
             self._update(batch)
             await self._sample_one_sided()
+            self._report_if_done()
         else:
             self._due += 1
             self.update_due.schedule(batch)
@@ -689,6 +693,7 @@ class Learner(_LearnerBase):
             return
         self._update(update_due)
         await self._sample_one_sided()
+        self._report_if_done()
 
     def _announce(self, batch: SampledBatch | None) -> None:
         """Data-parallel: hold ``batch`` for this replica's next round and tell the bank (None: no
@@ -724,6 +729,7 @@ class Learner(_LearnerBase):
                                f"{self.updates} updates (update {self.updates + 1} dropped)")
         if not self.bank_ended:
             await self._sample_one_sided()
+        self._report_if_done()
 
     def _end_bank(self, why: str) -> None:
         """Data-parallel: no more rounds; the batches held are dropped."""
@@ -747,14 +753,30 @@ class Learner(_LearnerBase):
             return
         if self.updates % self.weights_every == 0:
             self.weights.send(self._weights())
+        self._metrics = metrics
         if self.updates % self.report_every == 0:
-            self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
-                                                "one_sided_batches": float(self.client.one_sided_samples),
-                                                "drawn_ahead_batches": float(self.drawn_ahead_batches),
-                                                **{k: float(v) for k, v in metrics.items()}}))
+            self._send_report()
         self._maybe_checkpoint()
         if self.max_updates is not None and self.updates >= self.max_updates:
             self._maybe_checkpoint(force=True)
+            self._send_report()  # the last: the run's summary counts every update
+
+    def _send_report(self) -> None:
+        """A :class:`Report` of the counts now and the last update's metrics (not twice for one count)."""
+        if self.bank_index != 0 or self.updates == self._reported:
+            return
+        self._reported = self.updates
+        self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
+                                            "one_sided_batches": float(self.client.one_sided_samples),
+                                            "drawn_ahead_batches": float(self.drawn_ahead_batches),
+                                            **{k: float(v) for k, v in self._metrics.items()}}))
+
+    def _report_if_done(self) -> None:
+        """The last report once no update can come (the replay answered Exhausted, or the bank ended)
+        and none is due: reports go every ``report_every`` updates, and one sent at shutdown would not
+        be delivered, so without it the run's summary would miss up to ``report_every - 1`` updates."""
+        if (self.client.exhausted or self.bank_ended) and not self._due and not self._held:
+            self._send_report()
 
     @reaction(triggers=[shutdown])
     def finish(self) -> None:

@@ -25,6 +25,7 @@ from ._errors import PortError as PortError
 from ._errors import ReactorError as ReactorError
 from ._errors import ReactorInternalError as ReactorInternalError
 from ._errors import TraceMismatchError as TraceMismatchError
+from ._errors import WorkerFailedError as WorkerFailedError
 from ._errors import WouldBlock as WouldBlock
 from ._graph import Graph as Graph
 from ._graph import Node as Node

@@ -42,6 +42,10 @@ class TraceMismatchError(ReactorError):
     """A replayed run tried to deliver a message the recorded schedule does not allow."""
 
 
+class WorkerFailedError(ReactorError):
+    """A worker process of a multi-process run raised or died; its message or exit status is included."""
+
+
 class DaemonError(ReactorError):
     """A daemon refused a request, or did not answer; the message says which and why."""
 
@@ -61,5 +65,6 @@ __all__ = [
     "ReactorError",
     "ReactorInternalError",
     "TraceMismatchError",
+    "WorkerFailedError",
     "WouldBlock",
 ]

@@ -24,7 +24,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import PeerLostError, ReactorError, ReactorInternalError, TraceMismatchError, WouldBlock
+from .._errors import (
+    PeerLostError,
+    ReactorError,
+    ReactorInternalError,
+    TraceMismatchError,
+    WorkerFailedError,
+    WouldBlock,
+)
 from .._graph import Graph
 from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, link_key
 from ._cluster import NoHostAnsweredError, RemoteWorkers, address_towards
@@ -57,10 +64,6 @@ STOPPING_REPORT_S = 5.0  # after a Ctrl-C, how often the workers not yet ended a
 LOST_QUIET_S = 2.0
 #: ... with a probe round at most this often meanwhile (a round takes a millisecond: not hundreds of them)
 QUIET_PROBE_S = 0.2
-
-
-class WorkerFailedError(ReactorError):
-    """A worker process raised or died; its message or exit status is included."""
 
 
 #: What a worker does before each message the coordinator gathers at a run's start (its error, when late).

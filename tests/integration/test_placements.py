@@ -157,8 +157,8 @@ def test_workers_late_to_start_end_the_run_naming_them_and_what_they_were_doing(
     """Workers that do not open their endpoints within the start timeout (a slow import, an env's
     setup) end the run with an error that names each of them and that step, not a bare TimeoutError;
     every worker of the run is reaped."""
+    from reactor import WorkerFailedError
     from reactor.launch import _coordinator
-    from reactor.launch._coordinator import WorkerFailedError
 
     monkeypatch.setattr(_coordinator, "START_TIMEOUT_S", 2.0)
     app = str(APPS / "slow_start.py")

@@ -21,9 +21,8 @@ import msgpack
 import pytest
 import zmq
 
-from reactor import GraphError, run
+from reactor import GraphError, WorkerFailedError, run
 from reactor.launch._app import build_graph
-from reactor.launch._coordinator import WorkerFailedError
 from reactor.launch._daemon import DaemonClient
 from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from reactor import GraphError
+from reactor import GraphError, WorkerFailedError
 from reactor.launch._app import build_graph
 from reactor.launch._cluster import NoHostAnsweredError
-from reactor.launch._coordinator import WorkerFailedError, _Restarts, _Session
+from reactor.launch._coordinator import _Restarts, _Session
 from reactor.launch._daemon import DaemonClient
 from reactor.launch._groups import Group, Restart, restart_from_text
 from reactor.launch._keys import load_keys

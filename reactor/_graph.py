@@ -393,8 +393,9 @@ def graph_builder(fn: F) -> F:
 
     The function must be importable by its module and name (not defined in ``__main__``, a script or
     a notebook), and its arguments plain values (numbers, strings, booleans, None, lists, tuples and
-    dicts of them; tuples arrive as lists): they cross to the workers as data, never pickled. Both are
-    checked when a multi-process run starts, and so is that the graph was not changed after.
+    dicts of them; tuples arrive as lists; numpy scalars go as the Python values they hold): they cross
+    to the workers as data, never pickled. Both are checked when a multi-process run starts, and so is
+    that the graph was not changed after.
 
     Example:
         >>> @graph_builder

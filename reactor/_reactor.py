@@ -16,6 +16,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import reprlib
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -66,15 +69,61 @@ class Input(PortSpec, Generic[T]):
 
 
 class Output(PortSpec, Generic[T]):
-    """An output port sending values of type ``T``. Write it with ``self.port.send(value)``."""
+    """An output port sending values of type ``T``. Write it with ``self.port.send(value)``, which
+    refuses a value not of ``T`` where ``T`` is a class or a union of classes (see :func:`port_kinds`),
+    under every placement alike."""
 
     def __init__(self, type_: Any = object) -> None:
         self.type = type_
+        self.kinds = port_kinds(type_)
 
     def __get__(self, instance: Reactor | None, owner: type) -> Any:
         if instance is None:
             return self
         return instance._outputs[self.name]
+
+
+def port_kinds(port_type: Any) -> tuple[type, ...] | None:
+    """The classes a port's values are checked against: its type, or the members of its union
+    (``int | None``, ``Optional[int]``); None where nothing is checked (``object``, ``Any``, a
+    generic alias such as ``list[int]``, or a union holding one). An ``int`` is taken where ``float``
+    is (not a ``bool``). The same check runs where a value is sent (:meth:`_OutputPort.send`) and
+    where it enters another process (``reactor/launch/_protocol.py``)."""
+    if isinstance(port_type, types.UnionType) or typing.get_origin(port_type) is typing.Union:
+        members = typing.get_args(port_type)
+    else:
+        members = (port_type,)
+    if not all(isinstance(m, type) for m in members) or object in members:
+        return None
+    return tuple(members)
+
+
+def value_fits(kinds: tuple[type, ...], value: Any) -> bool:
+    """Whether ``value`` is of one of ``kinds`` (:func:`port_kinds`)."""
+    return isinstance(value, kinds) or (type(value) is int and float in kinds)
+
+
+_SHOW = reprlib.Repr()  # (Python 3.11's takes no arguments)
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 3, 4, 4, 4, 4
+_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 60, 40, 60
+
+
+def show_value(v: Any) -> str:
+    """A value, shown in an error: its type and a repr bounded in depth and length whatever it is (a
+    full ``repr`` of a list nested a thousand deep raised RecursionError, and one of millions of items
+    took seconds)."""
+    if isinstance(v, (dict, list, tuple, set, frozenset)) and len(v) > 64:  # (reprlib sorts a dict whole)
+        return f"{type(v).__name__} of {len(v)} items"
+    try:
+        text = _SHOW.repr(v)
+    except Exception:  # noqa: BLE001 - a hostile value's repr must not take the checker down
+        text = "?"
+    return f"{type(v).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def kinds_name(port_type: Any) -> str:
+    """A port's type as an error names it."""
+    return getattr(port_type, "__name__", None) or repr(port_type)
 
 
 class Timer(PortSpec):
@@ -229,13 +278,19 @@ class _OutputPort:
 
         Raises:
             PortError: called outside a reaction, or from a reaction that does not declare this
-                output among its effects.
+                output among its effects, or with a value not of the port's type.
         """
         r = self.reactor
+        spec = self.spec
         current = r._current
-        if current is None or self.spec not in current.effects:
-            r._effect_error(self.spec, current)
-        r._host.emit(r, self.spec.name, value)
+        if current is None or spec not in current.effects:
+            r._effect_error(spec, current)
+        kinds = spec.kinds
+        if kinds is not None and not value_fits(kinds, value):
+            hint = " (a numpy scalar: its .item() is the Python value it holds)" if isinstance(value, np.generic) else ""
+            raise PortError(f"{r.name}.{current.name} sent {show_value(value)} on output {spec.name!r}, which takes "
+                            f"{kinds_name(spec.type)}{hint}")
+        r._host.emit(r, spec.name, value)
 
     def __repr__(self) -> str:
         return f"<output {self.reactor.name}.{self.spec.name}>"

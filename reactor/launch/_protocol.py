@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
-import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .._errors import GraphError
+from .._reactor import kinds_name, port_kinds, value_fits
+from .._reactor import show_value as _show
 from .._tag import FOREVER_NS
 from ._groups import restart_from_text
 
@@ -416,6 +416,7 @@ class WorkerProtocol:
     def __init__(self, in_links: Mapping[int, tuple[str, Any]], coordinator: str = COORDINATOR) -> None:
         self.in_links = dict(in_links)
         self.senders = frozenset(g for g, _ in self.in_links.values())
+        self._kinds = {i: port_kinds(t) for i, (_, t) in self.in_links.items()}  # (per link, not per message)
         self.coordinator = coordinator
 
     def __call__(self, sender: str, msg: Any) -> str | None:
@@ -432,8 +433,9 @@ class WorkerProtocol:
             owner, port_type = entry
             if owner != sender:
                 return f"link {msg[1]} belongs to {owner!r}, not to the sender"
-            if (why := _check_value(port_type, msg[5])) is not None:
-                return f"link {msg[1]}: {why}"
+            kinds = self._kinds[msg[1]]
+            if kinds is not None and not value_fits(kinds, msg[5]):
+                return f"link {msg[1]}: the port takes {kinds_name(port_type)}, got {_show(msg[5])}"
         return None
 
 
@@ -447,37 +449,3 @@ class CoordinatorProtocol:
         if sender not in self.groups:
             return f"{sender!r} is not a worker of this run"
         return check_message(WORKER_KINDS, msg)
-
-
-def _check_value(port_type: Any, value: Any) -> str | None:
-    """A value must be of its port's declared type where that is a class or a union of classes
-    (``object`` takes anything; an int is a float; generic aliases are not checked here)."""
-    if port_type is object or not isinstance(port_type, (type, types.UnionType)):
-        return None
-    if type(value) is int and (port_type is float or (isinstance(port_type, types.UnionType) and float in port_type.__args__)):
-        return None
-    try:
-        if isinstance(value, port_type):
-            return None
-    except TypeError:  # a union holding a generic alias
-        return None
-    name = getattr(port_type, "__name__", None) or repr(port_type)
-    return f"the port takes {name}, got {_show(value)}"
-
-
-_SHOW = reprlib.Repr()  # (Python 3.11's takes no arguments)
-_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 3, 4, 4, 4, 4
-_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 60, 40, 60
-
-
-def _show(v: Any) -> str:
-    """A value, shown in an error: bounded in depth and length whatever the peer sent (a full
-    ``repr`` of a list nested a thousand deep raised RecursionError, and one of millions of items
-    took seconds)."""
-    if isinstance(v, (dict, list, tuple, set, frozenset)) and len(v) > 64:  # (reprlib sorts a dict whole)
-        return f"{type(v).__name__} of {len(v)} items"
-    try:
-        text = _SHOW.repr(v)
-    except Exception:  # noqa: BLE001 - a hostile value's repr must not take the checker down
-        text = "?"
-    return f"{type(v).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"

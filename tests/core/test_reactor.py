@@ -7,7 +7,19 @@ import re
 import numpy as np
 import pytest
 
-from reactor import Action, Graph, Input, Output, PortError, Reactor, Timer, reaction, run, shutdown, startup
+from reactor import (
+    Action,
+    Graph,
+    Input,
+    Output,
+    PortError,
+    Reactor,
+    Timer,
+    reaction,
+    run,
+    shutdown,
+    startup,
+)
 from reactor._tag import Tag
 
 LOG: list = []
@@ -102,6 +114,60 @@ def test_writing_an_undeclared_output_raises_naming_reactor_reaction_and_port():
         r"add it to effects=\[\.\.\.\]$",
     ):
         run(g)
+
+
+class Typed(Reactor):
+    """Sends each value of its ``values`` on ports of several declared types (by the value's slot)."""
+
+    whole = Output(int)
+    real = Output(float)
+    maybe = Output(int | None)
+    listed = Output(list[int])  # a generic alias: not checked
+    anything = Output()
+
+    def __init__(self, values: list) -> None:
+        self.values = values
+
+    @reaction(triggers=[startup], effects=[whole, real, maybe, listed, anything])
+    def go(self) -> None:
+        for port, value in self.values:
+            getattr(self, port).send(value)
+
+
+class Taker(Reactor):
+    whole = Input(int)
+    real = Input(float)
+    maybe = Input(int | None)
+    listed = Input(list[int])
+    anything = Input()
+
+    @reaction(triggers=[whole, real, maybe, listed, anything])
+    def got(self, whole: int, real: float, maybe: int | None, listed: list, anything: object) -> None:
+        LOG.append((whole, real, maybe, listed, anything))
+
+
+def _typed(values: list) -> Graph:
+    g = Graph()
+    t, k = g.add(Typed(values), name="typed"), g.add(Taker(), name="taker")
+    for port in ("whole", "real", "maybe", "listed", "anything"):
+        g.connect(getattr(t, port), getattr(k, port))
+    return g
+
+
+def test_a_value_of_its_ports_type_is_sent_and_any_other_refused_naming_it():
+    """The check a value gets where it enters another process is made where it is sent, so a run
+    fails alike under every placement (under single the value used to be delivered as is)."""
+    LOG.clear()
+    run(_typed([("whole", 3), ("real", 2), ("real", np.float64(0.5)), ("maybe", None), ("listed", ["x"]),
+                ("anything", object)]))
+    assert len(LOG) == 6  # (one microstep each)
+    assert sorted((i, repr(v)) for row in LOG for i, v in enumerate(row) if v is not None) == [
+        (0, "3"), (1, "2"), (1, "np.float64(0.5)"), (3, "['x']"), (4, "<class 'object'>")]
+    for port, value, shown, takes in [("whole", "7", "str '7'", "int"), ("whole", np.int64(7), "int64 np.int64(7)", "int (a numpy scalar: its .item() is the Python value it holds)"),
+                                      ("real", True, "bool True", "float"), ("maybe", 1.5, "float 1.5", "int | None"),
+                                      ("whole", list(range(100)), "list of 100 items", "int")]:
+        with pytest.raises(PortError, match=re.escape(f"typed.go sent {shown} on output {port!r}, which takes {takes}")):
+            run(_typed([(port, value)]))
 
 
 def test_writing_a_port_outside_any_reaction_raises():

@@ -6,6 +6,7 @@ builder and arguments, so the run is the same as in one process, bit for bit.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -72,6 +73,60 @@ def test_a_builder_in_main_or_with_an_object_argument_or_a_hand_built_graph_is_r
     g.built_by = ("__main__:pipeline", {})
     with pytest.raises(ValueError, match=r"^the graph's builder pipeline is defined in __main__"):
         reactor.run(g, placement="processes")
+
+
+@graph_builder
+def _sized(*, sources: int, rate: float, extra: dict) -> Graph:
+    g = Graph()
+    sink = g.add(Sink(), name="sink")
+    for i in range(sources):
+        g.connect(g.add(Source(), name=f"src{i}").out, sink.inp)
+    return g
+
+
+def test_numpy_scalars_given_to_a_builder_cross_to_the_workers_as_python_values():
+    """A sweep's values come from numpy (np.linspace, rng.integers): they go to the workers as the
+    Python numbers they hold, and the workers rebuild the graph from them."""
+    import numpy as np  # noqa: PLC0415
+
+    g = _sized(sources=np.int64(2), rate=np.linspace(0.0, 1.0, 5)[1],
+               extra={"seeds": [np.int32(3), np.float32(0.5)], "on": np.bool_(True), "name": np.str_("x")})
+    _, config = builder_app(g)
+    got = config["arguments"]
+    assert got == {"sources": 2, "rate": 0.25, "extra": {"seeds": [3, 0.5], "on": True, "name": "x"}}
+    assert [type(v) for v in (got["sources"], got["rate"], *got["extra"]["seeds"], got["extra"]["on"],
+                              got["extra"]["name"])] == [int, float, int, float, bool, str]
+    result = reactor.run(g, placement="processes")
+    assert result.stopped_by == "quiescence" and result.events["sink"] == 2 + 1  # (as in one process: a lifecycle event)
+
+
+class Sends(Reactor):
+    out = Output(int)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    @reaction(triggers=[startup], effects=[out])
+    def emit(self) -> None:
+        self.out.send(self.value)
+
+
+@graph_builder
+def _sending(*, value: object) -> Graph:
+    g = Graph()
+    g.connect(g.add(Sends(value), name="src").out, g.add(Sink(), name="sink").inp)
+    return g
+
+
+@pytest.mark.timeout(120)
+def test_a_value_not_of_its_ports_type_fails_the_run_alike_under_every_placement():
+    """The sender refuses it (Output.send), where it used to be delivered as is in one process and
+    dropped where it entered another (tests/core/test_reactor.py has the cases)."""
+    words = "src.emit sent str '7' on output 'out', which takes int"
+    with pytest.raises(reactor.PortError, match=re.escape(words)):
+        reactor.run(_sending(value="7"))
+    with pytest.raises(reactor.WorkerFailedError, match=re.escape(words)):
+        reactor.run(_sending(value="7"), placement="processes")
 
 
 @pytest.mark.timeout(240)

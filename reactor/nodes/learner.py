@@ -478,7 +478,12 @@ class Learner(_LearnerBase):
     update_due = Action()
     """A sample to learn on, one microstep after it arrived: the requests the arrival sends (the
     next sample) go out, and are promised complete to the shards' processes, before the update
-    starts, so a shard in another process draws the next sample while this one is learned on."""
+    starts, so a shard in another process draws the next sample while this one is learned on. Its
+    reaction (``learn``) sends no request: if it could, the shards' processes could not serve the one
+    sent before the update until the update ended (promises follow the declared effects)."""
+    drawn_due = Action()
+    """A batch drawn one-sidedly (async runs), learned on at the next microstep; its reaction
+    (``learn_drawn``) samples again, one-sidedly or through messages."""
     priorities = Output(ItemUpdate)
     weights = Output(Weights)
     report = Output(Report)
@@ -559,7 +564,7 @@ class Learner(_LearnerBase):
             for m in self.client.request(self.batch_size):
                 self.requests.send(m)
 
-    @reaction(triggers=[replies], effects=[requests, update_due, priorities, weights, report, ready])
+    @reaction(triggers=[replies], effects=[requests, update_due, drawn_due, priorities, weights, report, ready])
     async def take(self, replies: ReplayReply) -> None:
         if self.bank_ended:
             return  # data-parallel: the bank has ended (heard); later replies are moot
@@ -660,7 +665,7 @@ class Learner(_LearnerBase):
         if batch is None:
             return False
         self._due += 1
-        self.update_due.schedule(batch)
+        self.drawn_due.schedule(batch)
         return True
 
     @reaction(triggers=[peer_lost, peer_restarted], effects=[requests])
@@ -684,14 +689,22 @@ class Learner(_LearnerBase):
                 for m in self.client.request(self.batch_size):
                     self.requests.send(m)
 
-    @reaction(triggers=[update_due], effects=[requests, update_due, priorities, weights, report, ready])
-    async def learn(self, update_due: Any) -> None:
+    @reaction(triggers=[update_due], effects=[priorities, weights, report])
+    def learn(self, update_due: Any) -> None:
+        """A batch that came through messages, in a deterministic run of one learner (``take``)."""
+        self._due -= 1
+        self._update(update_due)
+        self._report_if_done()
+
+    @reaction(triggers=[drawn_due], effects=[requests, drawn_due, priorities, weights, report, ready])
+    async def learn_drawn(self, drawn_due: Any) -> None:
+        """A batch drawn one-sidedly (async runs); the next is taken from the draws ahead."""
         self._due -= 1
         if self.bank_size > 1:
             if not self.bank_ended:
-                self._announce(update_due)  # (a one-sided batch of a data-parallel replica, async runs)
+                self._announce(drawn_due)  # (a data-parallel replica's: held for its round)
             return
-        self._update(update_due)
+        self._update(drawn_due)
         await self._sample_one_sided()
         self._report_if_done()
 
@@ -703,7 +716,7 @@ class Learner(_LearnerBase):
         self.ready.send(BankReady(self.bank_index, self._announced, batch is not None))
         self._announced += 1
 
-    @reaction(triggers=[bank], effects=[requests, update_due, priorities, weights, report], blocking=True)
+    @reaction(triggers=[bank], effects=[requests, drawn_due, priorities, weights, report], blocking=True)
     async def heard(self, bank: BankReady) -> None:
         """A replica's word on a round (data-parallel): once every replica has spoken on the next
         round, it runs: an update if all hold a batch, else the end of the bank (every replica

@@ -352,3 +352,20 @@ def test_blocking_reactions_promise_first_so_processes_meet_at_a_barrier_outside
     met = {side: json.loads((tmp_path / f"{side}.json").read_text()) for side in ("left", "right")}
     assert met == {"left": {"start": True, "meet": True}, "right": {"start": True, "meet": True}}
     assert time.monotonic() - t0 < 60  # no side sat out a barrier's 20 s wait
+
+
+def test_the_dqn_learners_pending_update_holds_the_shards_back_only_by_the_priorities_step():
+    """Under `actors`, the update of the batch that just arrived can send the shards only priorities
+    (a whole step_s later), not a request (half a step): so the shards' processes serve the request
+    sent before the update while the update runs. From session 26 to 53 `learn` also declared
+    `requests` (for one-sided batches, now `learn_drawn`), and the shards waited out every update."""
+    from reactor.launch._placement import resolve_placement  # noqa: PLC0415
+
+    g = build_graph(str(Path(__file__).resolve().parents[2] / "apps" / "dqn.py"), {})
+    owner = {n: gr.name for gr in resolve_placement(g, "actors").groups for n in gr.reactors}
+    h = ReactorHost(g, [n for n, p in owner.items() if p == "learner"], owner, remote=_Sink(), process="learner")
+    step_ns, request_ns = 1000, 500  # (the training graph's defaults: step_s 1 us, requests half of it)
+    for shard in ("replay-0", "replay-1"):
+        assert h._reach[("learner", "replies")][shard] == (request_ns, 0)  # take sends the next request
+        assert h._reach[("learner", "update_due")][shard] == (step_ns, 0)  # learn: priorities only
+        assert h._reach[("learner", "drawn_due")][shard] == (request_ns, 0)  # async: may sample again

@@ -3,13 +3,13 @@
 Layer map (imports point only downwards; tests/test_layers.py enforces it):
 
     apps/*.py              user app files: build(config) -> Graph, nothing else
-    reactor/cli.py         `reactor run | graph | trace`
+    reactor/cli.py         the `reactor` command (run, graph, trace, plot, eval; keys, daemon, submit, ...)
     reactor/nodes/         ready-made reactors (Replay, EnvActor, Learner, ...)
     reactor/algos/         RL algorithms as plain functions over tensors
     reactor/launch/        placement, policies, run(), coordinator, workers, their protocol
     reactor/replay/        replay engine, no networking, no runtime
     reactor/transport/     how bytes move (codec, ZeroMQ endpoint, bulk regions); knows no RL
-    core                   _errors, _tag, _reactor, _graph, _scheduler, _trace
+    core                   _errors, _tag, _reactor, _graph, _scheduler, _trace, _native, _files
 
 This module is the public API: every public name is re-exported here exactly once.
 """

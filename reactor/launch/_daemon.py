@@ -40,6 +40,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -53,7 +54,7 @@ import zmq.asyncio
 import zmq.auth.asyncio
 
 from .._errors import DaemonError
-from .._files import read_small_json
+from .._files import open_regular, read_small_json, replace_small
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
@@ -70,6 +71,13 @@ REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read t
 STOP_GRACE_S = 20.0
 STOP_HURRY_S = 5.0  # after the grace: the run's second SIGTERM ("stop at once", its cleanups run), then SIGKILL
 WATCH_PERIOD_S = 0.2
+#: The most bytes of ``--set KEY=VALUE`` a job's config may come to: its command line carries them (one
+#: argument past 128 KiB fails to start) and its record holds them (read back, after a restart, up to 1 MiB).
+CONFIG_MAX_NBYTES = 64 * 1024
+#: How often the same trouble of the watch loop (a record it cannot write, say) is logged again.
+WATCH_WARN_EVERY_S = 60.0
+#: Refused requests logged in full; past these, one in a thousand.
+REFUSALS_LOGGED = 20
 
 
 class DaemonSilentError(DaemonError):
@@ -77,9 +85,7 @@ class DaemonSilentError(DaemonError):
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    replace_small(path, json.dumps(obj, indent=2).encode())  # (never through a link planted at its temporary name)
 
 
 class _Job:
@@ -89,6 +95,7 @@ class _Job:
         self.proc: Proc | None = None
         self.stop_deadline: float | None = None
         self.hurried = False  # (the grace passed: the second SIGTERM was sent, SIGKILL at the new deadline)
+        self.unsaved = False  # its record changed and could not be written yet (Daemon._save)
 
     @property
     def id(self) -> str:
@@ -113,8 +120,18 @@ class _StateLock:
     def __init__(self, state: Path) -> None:
         import fcntl
 
-        self.fd = os.open(state / "daemon.lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        path = state / "daemon.lock"
+        odd = ValueError(f"{path} is not a regular file: remove it (the daemon makes its lock there)")
+        try:  # (O_NONBLOCK: a FIFO there is refused, not waited on; O_NOFOLLOW: a link is refused)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            if e.errno in (errno.ENXIO, errno.ELOOP):  # a FIFO with no reader, a symbolic link
+                raise odd from None
+            raise
         try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                self.release()
+                raise odd
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.release()
@@ -166,6 +183,8 @@ class Daemon:
         sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
+        self._starting: Proc | None = None  # (submit: the process started, until its record is written)
+        self._warned: dict[str, float] = {}  # watch loop trouble -> when last logged
         self.refused = 0
         self._load_jobs()
 
@@ -192,7 +211,7 @@ class Daemon:
                 record["detail"] = "it ended while no daemon watched it (the daemon was down)"
                 if record.get("ended_at") is None:  # (submit writes None)
                     record["ended_at"] = time.time()
-                job.save()
+                self._save(job)
             loaded.append(job)
         loaded.sort(key=lambda j: _number(j.record.get("submitted_at")))
         self.jobs = {j.id: j for j in loaded}
@@ -220,17 +239,34 @@ class Daemon:
                 raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way; submit again")
         digest = hashlib.sha256(msgpack.packb([spec["app"], sorted(spec["sha256"].items()), spec["config"],
                                                spec["placement"], spec["seed"], spec["async"]])).hexdigest()
+        settings = [f"{k}={v!r}" for k, v in spec["config"].items()]
+        if sum(len(a.encode()) for a in settings) > CONFIG_MAX_NBYTES:
+            # (the job gets them as its command line's --set, and its record must load again after a restart)
+            raise DaemonError(f"the job's config is {sum(len(a.encode()) for a in settings):,} bytes as --set values, "
+                              f"more than the {CONFIG_MAX_NBYTES:,} a job takes: ship large data as a file (--with)")
         job_id = hashlib.sha256(f"{digest}:{time.time_ns()}:{len(self.jobs)}".encode()).hexdigest()[:16]
         jdir = self.state / "jobs" / job_id
+        proc: Proc | None = None
         try:
-            (jdir / "app").mkdir(mode=0o700, parents=True)
-            for name, data in spec["files"].items():
-                target = jdir / "app" / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
-        except BaseException:  # (a full disk, say): no directory without a job.json is left
+            return self._start_job(spec, job_id, jdir, digest, settings)
+        except BaseException:  # (a full disk, say): no job left running unrecorded, no directory without a job.json
+            job = self.jobs.pop(job_id, None)
+            proc = job.proc if job is not None else self._starting
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             shutil.rmtree(jdir, ignore_errors=True)
             raise
+        finally:
+            self._starting = None
+
+    def _start_job(self, spec: dict[str, Any], job_id: str, jdir: Path, digest: str, settings: list[str]) -> str:
+        """:meth:`submit`'s work once the spec is checked: the job's files, its process and its record."""
+        (jdir / "app").mkdir(mode=0o700, parents=True)
+        for name, data in spec["files"].items():
+            target = jdir / "app" / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
         placement = spec["placement"]
         if placement in spec["files"]:
             placement = str(jdir / "app" / placement)
@@ -246,8 +282,8 @@ class Daemon:
         if spec["restart"] is not None:
             cmd += ["--restart", spec["restart"]]
         cmd.append("--verbose")  # the job's log shows when its run started, and its restarts
-        for k, v in spec["config"].items():
-            cmd += ["--set", f"{k}={v!r}"]
+        for a in settings:
+            cmd += ["--set", a]
         # A job over several hosts reaches their daemons with this daemon's key pair.
         env = {**os.environ, "REACTOR_KEYS": str(self.keys_dir), "REACTOR_JOB_DIR": str(jdir)}
         (jdir / "output.log").touch(mode=0o600)
@@ -260,6 +296,7 @@ class Daemon:
                                         start_new_session=True, env=env)
             finally:
                 out.close()
+        self._starting = proc
         pid, start = proc.pid, _pid_start_time(proc.pid) or 0
         job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
                     "restart": spec["restart"],
@@ -281,7 +318,7 @@ class Daemon:
         if job.stop_deadline is not None:  # asked already: stopping (a repeat never escalates to the run's
             return self.describe(job)      # "second signal: at once"; the SIGKILL after the grace still comes)
         job.record["stop_requested"] = True
-        job.save()
+        self._save(job)  # (the stop goes on if it cannot be written now: it is written at a later watch)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             # The run's coordinator only: it stops its workers cleanly and reaps them (SIGTERM to
             # the whole group would make it report their deaths as a failure).
@@ -309,6 +346,8 @@ class Daemon:
                             os.killpg(int(job.record["pid"]), signal.SIGKILL)
                 continue
             rc = job.proc.returncode if job.proc is not None else None
+            if getattr(job.proc, "status_unknown", False):  # (its fork server died before it ended)
+                rc = None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(job.record["pid"]), signal.SIGKILL)  # nothing of the job outlives it
             job.record["returncode"] = rc
@@ -319,12 +358,18 @@ class Daemon:
                 job.record["state"] = "finished"
             elif rc is not None:
                 job.record["state"] = "failed"
+            elif job.proc is not None:  # forked by a fork server that died before the job ended
+                job.record["state"] = "ended"
+                job.record["detail"] = "the fork server that started it died before it ended: its exit status is unknown"
             else:  # adopted from an earlier life of the daemon: not our child, no exit status
                 job.record["state"] = "ended"
                 job.record["detail"] = "it was started by an earlier daemon; its exit status is unknown"
-            job.save()
             log.info("%s: job %s %s (exit status %s)", self.name, job.id, job.record["state"], rc)
+            job.unsaved = True
             ended += 1
+        for job in self.jobs.values():
+            if job.unsaved:  # (written again at each watch until it can be: a full disk, no descriptors left)
+                self._save(job)
         if ended > self.keep_ended:
             self._forget_ended()
 
@@ -452,16 +497,17 @@ class Daemon:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
-            self.stop_all()
-            self.hosted.end_all()
+            for end in (self.stop_all, self.hosted.end_all):
+                try:
+                    end()
+                except Exception:  # noqa: BLE001 - the jobs and runs are ended all the same
+                    log.exception("%s: %s failed", self.name, end.__qualname__)
             deadline = time.monotonic() + STOP_GRACE_S + 5
             while (any(j.record["state"] == "running" for j in self.jobs.values()) or self.hosted.live()) \
                     and time.monotonic() < deadline:
-                self.watch()
-                self.hosted.watch()
+                self._watch_once()
                 await asyncio.sleep(WATCH_PERIOD_S)
-            self.watch()
-            self.hosted.watch()
+            self._watch_once()
             log.info("%s: stopped", self.name)
         finally:
             self._held.release()
@@ -482,8 +528,7 @@ class Daemon:
         why = check_request(msg)
         if why is not None:
             if type(msg) is list and msg and type(msg[0]) is int and 0 <= msg[0] < 2**63:
-                self.refused += 1
-                log.warning("%s: refused a request: %s", self.name, why)
+                self._refuse(ident, why)
                 return [ident, b"", msgpack.packb([msg[0], False, f"bad request: {why}"])]
             return self._refuse(ident, why)
         try:
@@ -496,14 +541,45 @@ class Daemon:
         return [ident, b"", msgpack.packb([msg[0], ok, payload], use_bin_type=True)]
 
     def _refuse(self, ident: bytes, why: str) -> None:
+        """Count and log a refused request (answered with the reason where it has a usable id)."""
         self.refused += 1
-        log.warning("%s: dropped a frame from %r: %s", self.name, ident[:32], why)
+        if self.refused <= REFUSALS_LOGGED or self.refused % 1000 == 0:  # (a flood of garbage is not a flood of lines)
+            more = f" ({self.refused:,} refused in all; one in a thousand logged)" if self.refused > REFUSALS_LOGGED else ""
+            log.warning("%s: refused a request from %r: %s%s", self.name, ident[:32], why, more)
         return None
+
+    def _save(self, job: _Job) -> bool:
+        """Write ``job``'s record; one that cannot be written now is logged (once a minute) and
+        written again at the next watch. Returns whether it was written."""
+        try:
+            job.save()
+        except OSError as e:
+            job.unsaved = True
+            self._warn(f"save {job.id}", "%s: cannot write job %s's record (%s); trying again", self.name, job.id, e)
+            return False
+        job.unsaved = False
+        return True
+
+    def _warn(self, what: str, message: str, *args: Any) -> None:
+        """Log ``message`` unless the same ``what`` was logged in the last ``WATCH_WARN_EVERY_S``."""
+        now = time.monotonic()
+        if now - self._warned.get(what, -math.inf) >= WATCH_WARN_EVERY_S:
+            self._warned[what] = now
+            log.warning(message, *args)
+
+    def _watch_once(self) -> None:
+        """One round of :meth:`watch` and the hosted runs' watch: whatever fails in it (a record the disk
+        cannot take, no descriptors left) is logged, and the next round runs all the same."""
+        for part in (self.watch, self.hosted.watch):
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 - the watch must outlive any one failure
+                self._warn(f"watch {part.__qualname__} {type(e).__name__}", "%s: the watch of its jobs failed (%s: %s); "
+                           "it goes on", self.name, type(e).__name__, e)
 
     async def _watch_forever(self) -> None:
         while True:
-            self.watch()
-            self.hosted.watch()
+            self._watch_once()
             await asyncio.sleep(WATCH_PERIOD_S)
 
 
@@ -581,12 +657,12 @@ def _job_groups(jdir: Path) -> dict[str, Any]:
 
 def _last_line(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # (a FIFO there, made by a job, is not waited on)
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - 4096))
             lines = f.read().decode(errors="replace").strip().splitlines()
-    except OSError:
+    except (OSError, ValueError):
         return ""
     return lines[-1][:300] if lines else ""
 

@@ -74,11 +74,18 @@ class ForkedProcess:
     def __init__(self, server: ForkServer, pid: int) -> None:
         self.server = server
         self.pid = pid
+        from ..transport._shm import _pid_start_time  # noqa: PLC0415 (the server's own process never needs it)
+
+        self.start = _pid_start_time(pid) or 0  # (so a reused pid is not taken for this process)
         self.returncode: int | None = None
+        #: It ended after its fork server died, so no one read its exit status (``returncode`` then
+        #: says -SIGTERM, for callers that only ask whether it ended).
+        self.status_unknown = False
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.server._exit_of(self.pid)
+            rc, self.status_unknown = self.server._exit_of(self.pid, self.start)
+            self.returncode = rc
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -237,22 +244,30 @@ class ForkServer:
             if not self._closing:
                 log.warning("the fork server ended (exit status %s)", rc)
 
-    def _exit_of(self, pid: int) -> int | None:
+    def _exit_of(self, pid: int, start: int) -> tuple[int | None, bool]:
+        """The exit status of the child ``pid`` (started at ``start``, clock ticks since boot) if it
+        ended, else None; and whether that status is unknown (it ended after the server died)."""
         with self._cond:
             if pid in self._exits:
-                return self._exits.pop(pid)  # the ForkedProcess keeps it: a kept server forks for many runs
+                return self._exits.pop(pid), False  # (the ForkedProcess keeps it: a kept server forks for many runs)
             if not self._dead:
-                return None
-        # The server died: its children died with it (their parent-death signal), or die now;
-        # none is reaped by us, so tell by whether the pid still runs.
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return -signal.SIGTERM
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return -signal.SIGTERM  # a zombie awaiting init's reaping: ended, its status unknown here
-        return None
+                return None, False
+        # The server died: a worker it forked dies with it (its parent-death signal) and a job in a
+        # session of its own runs on; none is reaped by us, so tell by whether the process still runs
+        # (its pid with its start time: a zombie, or a pid reused since, counts as ended).
+        from ..transport._shm import owner_alive  # noqa: PLC0415
+
+        if start and owner_alive(pid, start, 0):
+            return None, False
+        if not start:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return -signal.SIGTERM, True
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    return None, False
+        return -signal.SIGTERM, True
 
     def close(self) -> None:
         """Stop the server (its children get its death signal)."""

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DaemonError
+from .._files import open_regular
 from ._forkserver import ForkedProcess, Forks
 from ._rundir import open_run_dir, remove_run_dir
 
@@ -77,11 +78,19 @@ def interface_of(address: str) -> str | None:
 
 def read_chunk(path: Path, offset: int) -> tuple[bytes, int]:
     """Up to ``LOG_CHUNK_NBYTES`` of ``path`` from ``offset`` (past the end: from the end, nothing; a
-    seek past the largest file size the filesystem allows would raise), and the offset after them."""
-    with open(path, "rb") as f:
-        offset = min(offset, os.fstat(f.fileno()).st_size)
-        f.seek(offset)
-        data = f.read(LOG_CHUNK_NBYTES)
+    seek past the largest file size the filesystem allows would raise), and the offset after them.
+
+    Raises:
+        DaemonError: it cannot be read, or is not a regular file (a FIFO made there by a job's own
+            code would hold the daemon's loop in ``open``); the message names it.
+    """
+    try:
+        with os.fdopen(open_regular(path), "rb") as f:
+            offset = min(offset, os.fstat(f.fileno()).st_size)
+            f.seek(offset)
+            data = f.read(LOG_CHUNK_NBYTES)
+    except (OSError, ValueError) as e:
+        raise DaemonError(f"cannot read {path.name}: {e}") from None
     return data, offset + len(data)
 
 

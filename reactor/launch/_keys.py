@@ -69,6 +69,7 @@ class AuthorizedKeys:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self._logged: set[bytes] = set()
+        self._bad_files: dict[str, str] = {}  # a file that would not load -> why, logged once until that changes
 
     def keys(self) -> set[bytes]:
         out = set()
@@ -76,7 +77,12 @@ class AuthorizedKeys:
             try:
                 out.add(CurveKeys.load_public(path))
             except (OSError, ValueError) as exc:
-                log.warning("ignored the authorized key file %s: %s", path, exc)
+                # Once per file and reason, not at every handshake (a stranger's too).
+                if self._bad_files.get(str(path)) != str(exc) and len(self._bad_files) < 1024:
+                    self._bad_files[str(path)] = str(exc)
+                    log.warning("ignored the authorized key file %s: %s", path, exc)
+            else:
+                self._bad_files.pop(str(path), None)
         return out
 
     def callback(self, domain: str, key: bytes) -> bool:

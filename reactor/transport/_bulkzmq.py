@@ -242,13 +242,19 @@ class ZmqServer:
             req_id = req.get("id")
             reply = self._serve(req)
             self.served += 1
-        except (KeyError, ValueError, IndexError, TypeError, FrameTooLargeError, MalformedFrameError) as exc:
+        except Exception as exc:  # noqa: BLE001 - no request, however it fails, ends the server's thread
             self.refused += 1
             msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            if not isinstance(exc, (KeyError, ValueError, IndexError, TypeError, FrameTooLargeError,
+                                    MalformedFrameError)) and self.refused <= 20:
+                # (not one of the checks' own refusals: a value that broke something it should not have)
+                log.warning("bulk server: a request from %r failed unforeseen", ident[:32], exc_info=True)
             if req_id is None:
-                log.warning("bulk server: dropped a request without an id from %r: %s", ident[:32], msg)
+                if self.refused <= 20 or self.refused % 1000 == 0:
+                    log.warning("bulk server: dropped a request without an id from %r: %s (%d refused in all)",
+                                ident[:32], msg, self.refused)
                 return
-            reply = {"id": req_id, "ok": False, "error": type(exc).__name__, "message": str(msg)}
+            reply = {"id": req_id, "ok": False, "error": type(exc).__name__, "message": str(msg)[:300]}
         try:
             out = encode(reply)
         except (TypeError, ValueError) as exc:  # an id of a type we cannot echo
@@ -264,7 +270,10 @@ class ZmqServer:
         region = self._lookup(req.get("region"))  # type: ignore[arg-type]
         if region is None:
             raise KeyError(f"bulk owner has no region {req.get('region')!r:.100}")
-        if req.get("generation") != region.generation:
+        generation = req.get("generation")
+        if type(generation) is not int:
+            raise ValueError(f"a bulk request's 'generation' must be an int, got {type(generation).__name__}")
+        if generation != region.generation:
             raise PeerLostErrorReply(
                 f"bulk region {region.name!r} is generation {region.generation}, the reader's descriptor "
                 f"has {req.get('generation')!r:.40} (the owner restarted); get a fresh descriptor"
@@ -295,7 +304,9 @@ class ZmqServer:
             raise ValueError("bulk read: 'starts' and 'lengths' must be int64 arrays of one shape [R]")
         check_runs(starts, lengths, region.rows, region.name)
         total = int(lengths.sum())
-        check = bool(req.get("check"))
+        check = req.get("check", False)
+        if type(check) is not bool:
+            raise ValueError(f"bulk read: 'check' must be a bool, got {type(check).__name__}")
         nbytes = total * (sum(fields[n][0] for n in names) + check)  # (+ the valid mask)
         if nbytes + REPLY_OVERHEAD_NBYTES > self._max_reply:
             raise FrameTooLargeError(

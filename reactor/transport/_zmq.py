@@ -333,6 +333,7 @@ class Endpoint(_Receiving):
         self._loop = asyncio.get_running_loop()
         self._accept = accept
         self._refusals_logged: dict[str, int] = {}
+        self._drops_logged: dict[str, int] = {}  # per kind of drop (_ReceiveSide._drop_warning)
         self._name = name
         self._name_b = name_b
         self._curve = curve

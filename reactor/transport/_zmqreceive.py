@@ -105,6 +105,7 @@ class _Receiving:
     _queued_senders: set[_Sender]
     _recv_waiter: asyncio.Future[None] | None
     _refusals_logged: dict[str, int]
+    _drops_logged: dict[str, int]
     _routers: list[_Router]
     _window: int
     _window_nbytes: int
@@ -249,9 +250,8 @@ class _Receiving:
                 continue
             if sender is None:
                 n["dropped_unknown_peer"] += 1
-                log.warning(
-                    "endpoint %r: dropped a message from %r, which did not say hello first", self._name, ident[:64]
-                )
+                self._drop_warning("unknown", "endpoint %r: dropped a message from %r, which did not say hello first",
+                                   self._name, ident[:64])
                 continue
             if rest is None:
                 if head[0] == BATCH_MARKER:
@@ -267,13 +267,15 @@ class _Receiving:
                 or sender.queued_nbytes + sender.ungranted_nbytes >= window_nbytes
             ):
                 n["dropped_over_credit"] += 1
-                log.warning("endpoint %r: dropped a message from %r, which sent beyond its credit", self._name, sender.name)
+                self._drop_warning("credit", "endpoint %r: dropped a message from %r, which sent beyond its credit",
+                                   self._name, sender.name)
                 continue
             try:
                 obj = decode(frames, max_nbytes=max_nbytes)
             except (MalformedFrameError, FrameTooLargeError) as exc:
                 n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += 1
-                log.warning("endpoint %r: dropped a message from peer %r: %s", self._name, sender.name, exc)
+                self._drop_warning("malformed", "endpoint %r: dropped a message from peer %r: %s", self._name,
+                                   sender.name, exc)
                 sender.ungranted_msgs += 1  # consumed, as far as credit goes
                 sender.ungranted_nbytes += nbytes
                 self._maybe_grant(sender)
@@ -310,7 +312,7 @@ class _Receiving:
             count, offset = batch_header(frame)
         except MalformedFrameError as exc:
             n["dropped_malformed"] += 1
-            log.warning("endpoint %r: dropped a batch from peer %r: %s", self._name, sender.name, exc)
+            self._drop_warning("malformed", "endpoint %r: dropped a batch from peer %r: %s", self._name, sender.name, exc)
             return 0  # its credit cannot be returned: its size in messages is unknown
         nbytes = len(frame) - offset  # the messages' own bytes: what the sender spent
         if (
@@ -318,19 +320,16 @@ class _Receiving:
             or sender.queued_nbytes + sender.ungranted_nbytes + nbytes >= self._window_nbytes + self._max_nbytes
         ):
             n["dropped_over_credit"] += count
-            log.warning(
-                "endpoint %r: dropped a batch of %d messages from %r, which sent beyond its credit",
-                self._name, count, sender.name,
-            )
+            self._drop_warning("credit", "endpoint %r: dropped a batch of %d messages from %r, which sent beyond its "
+                               "credit", self._name, count, sender.name)
             return 0
         refused: list[str] = []
         try:
             objs = decode_batch(frame, max_nbytes=self._max_nbytes, refused=refused)
         except (MalformedFrameError, FrameTooLargeError) as exc:
             n["dropped_too_large" if isinstance(exc, FrameTooLargeError) else "dropped_malformed"] += count
-            log.warning(
-                "endpoint %r: dropped a batch of %d messages from peer %r: %s", self._name, count, sender.name, exc
-            )
+            self._drop_warning("malformed", "endpoint %r: dropped a batch of %d messages from peer %r: %s", self._name,
+                               count, sender.name, exc)
             sender.ungranted_msgs += count  # consumed, as far as credit goes
             sender.ungranted_nbytes += nbytes
             self._maybe_grant(sender)
@@ -338,8 +337,9 @@ class _Receiving:
         name = sender.name
         if refused:  # bad messages of a good batch: left out alone, their credit back as consumed
             n["dropped_malformed"] += len(refused)
-            log.warning("endpoint %r: dropped %d of a batch of %d messages from peer %r: %s", self._name,
-                        len(refused), count, name, "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else ""))
+            self._drop_warning("malformed", "endpoint %r: dropped %d of a batch of %d messages from peer %r: %s",
+                               self._name, len(refused), count, name,
+                               "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else ""))
             refused_nbytes = nbytes * len(refused) // count
             sender.ungranted_msgs += len(refused)
             sender.ungranted_nbytes += refused_nbytes
@@ -391,6 +391,14 @@ class _Receiving:
             )
         return False
 
+    def _drop_warning(self, kind: str, message: str, *args: Any) -> None:
+        """Log a dropped message or frame: the first ``_REFUSAL_LOG_FULL`` of each kind (unknown sender,
+        over credit, malformed, bad control message) in full, then one in ``_REFUSAL_LOG_EVERY`` with the
+        count (a flood from a peer, or from a stranger, is not a flood of lines; the counters count all)."""
+        seen = self._drops_logged[kind] = self._drops_logged.get(kind, 0) + 1
+        if seen <= _REFUSAL_LOG_FULL or seen % _REFUSAL_LOG_EVERY == 0:
+            log.warning(message + " (%d of this kind so far)", *args, seen)
+
     def _sweep_senders(self, router: _Router) -> None:
         """Forget ``router``'s senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
         once (``EHOSTUNREACH``) to route to an identity with no live connection, so each idle sender
@@ -427,7 +435,8 @@ class _Receiving:
             or msg[2].encode() != ident
         ):
             self._n["dropped_malformed"] += 1
-            log.warning("endpoint %r: dropped a malformed control message from %r", self._name, ident[:64])
+            self._drop_warning("control", "endpoint %r: dropped a malformed control message from %r", self._name,
+                               ident[:64])
             return
         for other in self._routers:
             # No handover across the two sockets either: zmq refuses a second connection under a live

@@ -251,3 +251,106 @@ def test_a_replay_checkpoint_with_a_fifo_or_a_device_in_it_is_refused_at_once(tm
 
     with pytest.raises(ValueError, match=r"which is neither a file nor a directory"):
         refuse_file_links(tmp_path)  # (the FIFOs above)
+
+
+def _running_job(tmp_path: Path, proc: subprocess.Popen) -> tuple[object, str]:
+    """An in-process daemon watching ``proc`` as a job of an earlier life (a record with its start time)."""
+    from reactor.transport._shm import _pid_start_time
+
+    job_id = "a" * 16
+    daemon = _daemon_with(tmp_path, {job_id: _record(job_id, state="running", pid=proc.pid,
+                                                     pid_start=_pid_start_time(proc.pid), ended_at=None,
+                                                     returncode=None)})
+    assert daemon.jobs[job_id].record["state"] == "running"
+    return daemon, job_id
+
+
+def test_a_job_record_that_cannot_be_written_is_written_at_a_later_watch_and_the_watch_goes_on(tmp_path, caplog):
+    """One failed write (a full disk, no descriptors left: a stranger's idle connections can use them up)
+    ended the daemon's watch for good: every later job stayed 'running', stops never escalated, and the
+    daemon's SIGTERM ended in a traceback with its jobs still running."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        daemon, job_id = _running_job(tmp_path, proc)
+        record = daemon.state / "jobs" / job_id / "job.json"
+        blocker = record.with_name(".job.json.tmp")
+        blocker.mkdir()  # the record's write fails (its temporary file cannot be made): an OSError
+        proc.kill()
+        proc.wait()
+        for _ in range(3):
+            daemon._watch_once()
+        assert daemon.jobs[job_id].record["state"] == "ended" and daemon.jobs[job_id].unsaved
+        assert json.loads(record.read_text())["state"] == "running"  # (not written yet)
+        assert sum("cannot write job" in r.getMessage() for r in caplog.records) == 1  # once, not per watch
+        ok, rows = daemon.handle([1, "status", None])
+        assert ok and rows[0]["state"] == "ended"
+        blocker.rmdir()
+        daemon._watch_once()
+        assert json.loads(record.read_text())["state"] == "ended" and not daemon.jobs[job_id].unsaved
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_link_planted_at_a_records_temporary_name_is_not_written_through(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        daemon, job_id = _running_job(tmp_path, proc)
+        victim = tmp_path / "victim.txt"
+        victim.write_text("precious")
+        record = daemon.state / "jobs" / job_id / "job.json"
+        record.with_name(".job.json.tmp").symlink_to(victim)
+        daemon.stop(job_id)  # (writes the record: stop_requested)
+        assert victim.read_text() == "precious"
+        assert not record.is_symlink() and json.loads(record.read_text())["stop_requested"] is True
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_fifo_for_a_jobs_log_is_not_waited_on_by_status_or_logs(tmp_path):
+    """A job's own code can make one (its directory is the job's): `status` used to hang the daemon's
+    loop in open(), and every client and the watch with it."""
+    job_id = "a" * 16
+    daemon = _daemon_with(tmp_path, {job_id: _record(job_id)})
+    os.mkfifo(daemon.state / "jobs" / job_id / "output.log")
+    t = time.monotonic()
+    ok, rows = daemon.handle([1, "status", None])
+    assert ok and rows[0]["last_line"] == ""
+    from reactor.launch._daemon import DaemonError
+
+    with pytest.raises(DaemonError, match=r"^cannot read output.log: .*output.log is not a regular file$"):
+        daemon.handle([2, "logs", job_id, 0])  # (answered with the reason: _answer)
+    assert time.monotonic() - t < 5
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_daemon_lock_that_is_a_fifo_or_a_link_is_refused_at_once(tmp_path, kind):
+    from reactor.launch._daemon import _StateLock
+
+    state = tmp_path / "state"
+    state.mkdir()
+    if kind == "fifo":
+        os.mkfifo(state / "daemon.lock")
+    else:
+        (tmp_path / "elsewhere").write_text("x")
+        (state / "daemon.lock").symlink_to(tmp_path / "elsewhere")
+    t = time.monotonic()
+    with pytest.raises(ValueError, match=r"daemon.lock is not a regular file: remove it"):
+        _StateLock(state)
+    assert time.monotonic() - t < 5
+    if kind == "link":
+        assert (tmp_path / "elsewhere").read_text() == "x"
+
+
+def test_a_config_too_large_for_a_jobs_command_line_and_record_is_refused_and_leaves_nothing(tmp_path):
+    """A 1.2 MB config string made a record the restarted daemon could not read back (the job then ran
+    unwatched), and one over 128 KiB failed to start, leaving a job directory without a record."""
+    from reactor.launch._daemon import CONFIG_MAX_NBYTES, DaemonError, job_spec
+
+    daemon = _daemon_with(tmp_path, {})
+    spec = job_spec(ROOT / "tests" / "apps" / "gated.py", config={"notes": "n" * CONFIG_MAX_NBYTES})
+    with pytest.raises(DaemonError, match=r"config is 65,544 bytes as --set values, more than the 65,536 a job takes: "
+                                          r"ship large data as a file \(--with\)"):
+        daemon.submit(spec)
+    assert not daemon.jobs and not any((daemon.state / "jobs").iterdir())

@@ -114,6 +114,45 @@ def test_a_killed_server_takes_its_workers_and_the_daemon_starts_another(tmp_pat
     assert Forks(None).state() == "off: the daemon was started with --no-fork-server"
 
 
+def test_a_job_that_outlives_its_fork_server_ends_with_its_status_unknown_not_a_failure(tmp_path):
+    """A job runs in a session of its own and outlives the server that forked it; its end was then
+    reported as exit -15, and the daemon recorded a job that finished well as `failed exit -15`."""
+    from reactor.launch._daemon import Daemon
+    from reactor.launch._keys import init_keys
+
+    init_keys(tmp_path / "k")
+    server = ForkServer(["json"])
+    server.start()
+    try:
+        job = server.spawn("cli", argv=["reactor", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", "x",
+                                        "--state-dir", str(tmp_path / "st"), "--keys", str(tmp_path / "k"),
+                                        "--no-fork-server"],
+                           cwd=tmp_path, env=dict(os.environ), log_path=tmp_path / "d.log", title="rx-job")
+        assert _wait(lambda: (tmp_path / "st" / "daemon.json").exists()), (tmp_path / "d.log").read_text()
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert _wait(lambda: not server.alive)
+        assert job.poll() is None and not job.status_unknown  # it runs on
+        os.kill(job.pid, signal.SIGTERM)
+        assert _wait(lambda: job.poll() is not None)
+        assert job.returncode == -signal.SIGTERM and job.status_unknown
+        # The daemon's record of such a job: ended, its status unknown, and why.
+        init_keys(tmp_path / "dk")
+        daemon = Daemon("tcp://127.0.0.1:0", "h1", tmp_path / "state", tmp_path / "dk", preload=None)
+        from reactor.launch._daemon import _Job
+
+        record = {"id": "b" * 16, "app": "a.py", "placement": "single", "state": "running", "pid": job.pid,
+                  "pid_start": 1, "submitted_at": 1.0, "ended_at": None, "returncode": None}
+        (daemon.state / "jobs" / ("b" * 16)).mkdir(parents=True)
+        daemon.jobs["b" * 16] = j = _Job(record, daemon.state / "jobs" / ("b" * 16))
+        j.proc = job
+        daemon.watch()
+        assert record["state"] == "ended" and record["returncode"] is None
+        assert record["detail"] == "the fork server that started it died before it ended: its exit status is unknown"
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(("text", "here"), [
     ('[groups.all]\nmembers = ["*"]\n', True),
     ('[hosts]\nh1 = "tcp://10.0.0.1:7000"\n', False),

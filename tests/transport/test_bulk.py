@@ -562,6 +562,14 @@ async def test_a_read_over_the_reply_bound_is_refused_by_the_reader_and_by_the_o
             assert reply["error"] == "ValueError" and "unknown bulk request op 'frobnicate'" in reply["message"]
             await sock.send_multipart([b"\xc1garbage"])  # no id: dropped, logged
             await sock.send_multipart([msgpack.packb({"op": "read"})])  # no id either
+            # Values whose truth or comparison raises what the checks did not name (a tensor's "ambiguous"
+            # RuntimeError) used to end the server's thread: every later request timed out.
+            reply = await call({"op": "hello", "id": 6, "region": "shard0", "generation": torch.zeros(2)})
+            assert reply["error"] == "ValueError" and "'generation' must be an int, got Tensor" in reply["message"]
+            reply = await call({"op": "read", "id": 7, "region": "shard0", "generation": gen, "fields": ["obs"],
+                                "starts": np.array([0]), "lengths": np.array([2]), "check": torch.zeros(2),
+                                "expected": None})
+            assert reply["error"] == "ValueError" and "'check' must be a bool, got Tensor" in reply["message"]
             reply = await call({"op": "hello", "id": 5, "region": "shard0", "generation": gen})
             assert reply == {"id": 5, "ok": True, "rows": 20000, "fields": sorted(FIELDS)}
         finally:

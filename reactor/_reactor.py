@@ -467,6 +467,17 @@ class Reactor:
         """
         return bool(getattr(self._host, "deterministic", True))
 
+    @property
+    def reproducible(self) -> bool:
+        """Whether this run's events must follow from its inputs alone: deterministic mode, or an async
+        run being recorded (``--record``) or replayed (``--replay``), whose replay enforces the recorded
+        order of events and nothing else. Nodes keep timing-dependent shortcuts out of such runs (a
+        replay shard's shared-memory rows and one-sided draws: what a draw sees depends on when it runs).
+        """
+        host = self._host
+        return self.deterministic or getattr(host, "recorder", None) is not None or (
+            getattr(host, "replayer", None) is not None)
+
     def links_into(self, port: str) -> int:
         """How many of the graph's links deliver to this instance's input ``port`` (0: none). A
         node whose behaviour needs a connection the graph may lack checks it at startup."""

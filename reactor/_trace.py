@@ -32,12 +32,16 @@ def graph_shape(graph: Graph) -> dict[str, list[Any]]:
             "links": [[lk.src, lk.src_port, lk.dst, lk.dst_port, lk.delay_ns] for lk in graph.links()]}
 
 
-def check_graph(trace: dict[str, Any], graph: Graph, path: str | Path) -> None:
-    """Refuse to replay ``trace`` on a graph other than the one it was recorded from.
+def check_graph(trace: dict[str, Any], graph: Graph, path: str | Path, seed: int | None = None) -> None:
+    """Refuse to replay ``trace`` on a graph other than the one it was recorded from, or with another
+    ``seed`` (the reactors' generators would draw otherwise, and the run go elsewhere in silence).
 
     Raises:
-        TraceMismatchError: the reactors or links differ, naming what differs.
+        TraceMismatchError: the seed, or the reactors or links differ, naming what differs.
     """
+    if seed is not None and trace.get("seed", seed) != seed:
+        raise TraceMismatchError(f"trace {path} was recorded with seed {trace['seed']}, and this run has seed {seed}: "
+                                 f"replay it with --seed {trace['seed']} (in Python, seed={trace['seed']})")
     recorded = trace.get("graph")
     if recorded is None:  # written before traces recorded their graph: nothing to compare
         return

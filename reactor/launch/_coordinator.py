@@ -109,7 +109,7 @@ async def run_processes(
     if replay is not None:
         from .._trace import check_graph, read_trace
 
-        check_graph(read_trace(replay), graph, replay)  # fail here, in one line, rather than in every worker
+        check_graph(read_trace(replay), graph, replay, seed)  # fail here, in one line, rather than in every worker
     owner_of = {n: g.name for g in groups for n in g.reactors}
     # Run directories and shared-memory segments left by runs whose coordinator was killed go first.
     sweep_stale()

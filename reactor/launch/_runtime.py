@@ -152,7 +152,7 @@ async def run_async(
     replayer = None
     if replay is not None:
         trace = read_trace(replay)
-        check_graph(trace, graph, replay)
+        check_graph(trace, graph, replay, seed)
         replayer = Replayer(trace["events"])
     names = [n for _, _, n in graph.instances()]
     host = ReactorHost(
@@ -228,11 +228,20 @@ async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asynci
     tasks = [asyncio.ensure_future(host.serve_reactor(n, idle)) for n in host.reactors]
     waiters = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(signalled.wait())]
     try:
-        timeout = None if stop_ns is None or replayer is not None else stop_ns / 1e9
-        finished, _ = await asyncio.wait(tasks + waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for t in finished:
-            if t in tasks and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
+        deadline = None if stop_ns is None or replayer is not None else loop.time() + stop_ns / 1e9
+        waiting: set[asyncio.Future[Any]] = {*tasks, *waiters}
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            finished, waiting = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for t in finished:
+                if t in tasks and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            # A reactor's serving that ended without an error is a replayed reactor at the end of its
+            # recorded schedule: the others go on to the ends of theirs (the run once ended there,
+            # with the learner's last updates still to come, and no word of it).
+            if not finished or not finished <= set(tasks) or host.stop_requested:
+                break
         if stuck:
             raise stuck[0]
         if not finished:

@@ -557,7 +557,7 @@ class Learner(_LearnerBase):
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
                                    timeout_s=self.sample_timeout_s, remote_reads=self.remote_reads,
-                                   curve=self.process_link.curve, one_sided=not self.deterministic)
+                                   curve=self.process_link.curve, one_sided=not self.reproducible)
         if self.bank_index == 0:
             self.weights.send(self._weights())
         for _ in range(self.prefetch):

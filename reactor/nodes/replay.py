@@ -360,7 +360,7 @@ class Replay(Reactor):
                 f"Replay {self.name!r}: memory={self.memory!r} names a GPU this host does not have "
                 f"({torch.cuda.device_count()} visible)"
             )
-        use_bulk = self.bulk if self.bulk is not None else (not self.deterministic and _bulk.capabilities().shm)
+        use_bulk = self.bulk if self.bulk is not None else (not self.reproducible and _bulk.capabilities().shm)
         use_bulk = use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead))
         if use_bulk and self.bulk is None:
             # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is

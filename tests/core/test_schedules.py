@@ -63,6 +63,16 @@ def test_replay_with_another_config_reports_who_waits_for_what(tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["single", "processes"])
+def test_a_trace_replayed_with_another_seed_is_refused_naming_both(tmp_path, placement):
+    """It ran silently, with other draws of the reactors' generators: another run, called a replay."""
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.3)
+    with pytest.raises(TraceMismatchError, match=r"^trace .*run\.trace was recorded with seed 1, and this run has "
+                                                 r"seed 3: replay it with --seed 1 \(in Python, seed=1\)$"):
+        run(build_graph(APP, {}), deterministic=False, replay=trace, seed=3, placement=placement, app=APP, config={})
+
+
+@pytest.mark.parametrize("placement", ["single", "processes"])
 def test_a_trace_replayed_on_another_graph_is_refused_naming_what_differs(tmp_path, placement):
     """Regression (issue 19): a trace replayed on a graph with other reactors or links ran silently
     and wrongly; the trace now records its graph, and a replay on another one is refused first."""

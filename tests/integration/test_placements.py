@@ -75,6 +75,26 @@ def test_async_run_across_processes_replays_exactly_three_times(tmp_path):
     assert one.digests == rec.digests
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", ["single", "actors"])
+def test_an_async_training_run_replays_to_the_same_weights(tmp_path, placement):
+    """DQN recorded and replayed (the README's `--async --record` / `--replay`). Two faults hid here:
+    a replay ended as soon as any reactor reached the end of its recorded schedule (the actors long
+    before the learner: 791 of 793 updates, and no word), and a recorded run across processes drew its
+    samples one-sidedly from shared memory, which its replay cannot repeat; a recorded or replayed run
+    now samples through messages (Reactor.reproducible)."""
+    dqn = str(ROOT / "apps" / "dqn.py")
+    runs = {}
+    for mode in ("record", "replay"):
+        cfg = {"max_env_steps": 1500, "target_return": None, "live": False, "run_dir": str(tmp_path / mode)}
+        runs[mode] = _run(dqn, cfg, placement=placement, deterministic=False, digest=True,
+                          **{mode: tmp_path / "run.trace"})
+    rec, rep = runs["record"], runs["replay"]
+    assert rep.stopped_by == "replay" and rep.events == rec.events and rep.digests == rec.digests
+    assert (tmp_path / "replay" / "weights.sha256").read_text() == (tmp_path / "record" / "weights.sha256").read_text()
+
+
 def test_a_fast_producer_is_held_back_and_nothing_is_lost_or_reordered():
     """Producer ~100x faster than its consumer; both processes' queues stay bounded."""
     flood = str(APPS / "flood.py")

@@ -204,6 +204,15 @@ def check_unit(config: Any, prefix: str, names: Sequence[str]) -> None:
             raise ValueError(f"{prefix}.{name} must be in [0, 1], got {v!r}")
 
 
+def check_nonnegative(config: Any, prefix: str, names: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` whose value in ``config`` is not >= 0 and
+    finite (``max_grad_norm``, whose 0 means "no clipping": a negative one was taken as that, silently)."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not 0 <= v < math.inf:
+            raise ValueError(f"{prefix}.{name} must be >= 0 and finite (0: off), got {v!r}")
+
+
 def check_positive(config: Any, prefix: str, names: Sequence[str]) -> None:
     """Raise ``ValueError`` naming the first of ``names`` whose value in ``config`` is not > 0 and
     finite (``lr=inf`` built directly was taken; every config path refused it already)."""

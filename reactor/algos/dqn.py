@@ -18,7 +18,7 @@ from torch import nn
 
 from ..replay import TransitionRead
 from . import StoreSpec, config_from_dict
-from ._common import adam, check_counts, check_positive, check_unit
+from ._common import adam, check_counts, check_nonnegative, check_positive, check_unit
 
 KIND = "off_policy"
 ACTIONS = "discrete"
@@ -61,6 +61,7 @@ class Config:
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"dqn Config.tau must be in (0, 1], got {self.tau!r}")
         check_positive(self, "dqn Config", ("lr", "priority_eps"))
+        check_nonnegative(self, "dqn Config", ("max_grad_norm",))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

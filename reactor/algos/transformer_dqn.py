@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reactor.algos import StoreSpec, config_from_dict
-from reactor.algos._common import check_counts, check_unit
+from reactor.algos._common import check_counts, check_nonnegative, check_unit
 from reactor.replay import WindowRead
 
 KIND = "off_policy"
@@ -116,6 +116,7 @@ class Config:
             raise ValueError(f"transformer_dqn Config.positions must be 'learned' or 'sinusoidal', "
                              f"got {self.positions!r}")
         check_unit(self, "transformer_dqn Config", ("gamma", "priority_eta"))
+        check_nonnegative(self, "transformer_dqn Config", ("max_grad_norm",))
         if not (0.0 <= self.eps_end <= 1.0 and 0.0 <= self.eps_start <= 1.0):
             raise ValueError(f"transformer_dqn Config.eps_start and eps_end must be in [0, 1], "
                              f"got {self.eps_start!r} and {self.eps_end!r}")

@@ -798,9 +798,12 @@ class _Session:
                     self.probe_snapshot = None  # probe again, in a while
                     self.next_probe_at = now + self.quiet_probe_s
                     return False
-                if sent != received:
+                if sent > received:
                     log.warning("the run went quiet with %d messages sent and never received: lost with the "
                                 "processes that were restarted (or a peer waits on one of them)", sent - received)
+                elif received > sent:  # (a killed process's last count of what it sent never came)
+                    log.warning("the run went quiet; %d more messages were received than counted as sent: those a "
+                                "killed process sent after its last status", received - sent)
             return True
         # Messages moved between the probe and its answers (sums equal again, but not the ones
         # probed): probe again. Keeping the stale snapshot here hung the run forever.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .._graph import Graph
@@ -178,6 +179,9 @@ def _run_dir(config: Any, name: str) -> str:
     from ..launch._runtime import current_run_id
 
     env = config.env.replace(":", "_").replace("/", "_")
+    if config.run_dir and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
+        raise ValueError(f"run_dir {config.run_dir!r} is a file, not a directory: give a new path, or an earlier "
+                         f"run's directory to resume it")
     return config.run_dir or f"runs/{name}-{env}-{current_run_id()}"
 
 

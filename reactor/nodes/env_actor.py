@@ -21,8 +21,12 @@ differently: ``explore_scale`` multiplies the step count the schedule sees (an a
 lives: it writes the env steps its schedule has seen to ``RUN_DIR/<name>.progress.json`` (``actor-0...``)
 at each report, and a restarted actor (``restarts`` > 0) or a resumed run's (``resume``) starts its
 schedule from there. (A resumed DQN explored at epsilon 1.0 again, and a resumed TD3 took its
-``learning_starts`` random steps again.) Its own counts (``env_steps`` in reports, ``max_env_steps``)
-still start from 0 in each life.
+``learning_starts`` random steps again.) The same file keeps the env steps of this run's lives, and a
+restarted actor's ``max_env_steps`` counts them (a restarted actor used to take its whole share again:
+37,000 env steps in a run of max_env_steps 30,000); a resumed run's budget is on top of the old run's.
+Its ``env_steps`` in reports count them too, so Metrics counts only what a new life adds (a report
+lost in flight when a life was killed is counted then; without a run directory a new life counts
+from 0, and Metrics counts it whole).
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ class EnvActor(Reactor):
         self.run_dir = run_dir
         self.resume = resume
         self.explore_base = 0  # env steps an earlier life's schedule saw (RUN_DIR/<name>.progress.json)
+        self.run_base = 0  # env steps this run's earlier lives of this actor took (the same file)
         self._progress_failed = False
         self.held = False  # stepping paused by flow control
         self.env_steps = 0
@@ -185,7 +190,8 @@ class EnvActor(Reactor):
         if self.run_dir:
             self.progress = Path(self.run_dir) / f"{plain_name(self.name)}.progress.json"
             if self.resume or self.restarts > 0:
-                self.explore_base = _saved_progress(self.progress)
+                self.explore_base, run_steps = _saved_progress(self.progress)
+                self.run_base = run_steps if self.restarts > 0 else 0  # (a resumed run is a new run)
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         if self.waiting_for is None:
             self.tick.schedule(delay_s=self.step_s)
@@ -246,7 +252,7 @@ class EnvActor(Reactor):
 
         if self.waiting_for is not None:
             return
-        if self.max_env_steps is not None and self.env_steps >= self.max_env_steps:
+        if self.max_env_steps is not None and self.run_base + self.env_steps >= self.max_env_steps:
             if not self.on_policy:  # what is ready goes out (open episodes stay incomplete), then the end markers
                 for m in self.writer.end():
                     self.steps.send(m)
@@ -294,15 +300,15 @@ class EnvActor(Reactor):
             self.tick.schedule(delay_s=self.step_s)
 
     def _report(self) -> None:
-        values = {"env_steps": float(self.env_steps), "episodes": float(self.episodes),
+        values = {"env_steps": float(self.run_base + self.env_steps), "episodes": float(self.episodes),
                   "version": float(self.version)}
         if self.recent_returns:
             values["episode_return"] = float(np.mean(self.recent_returns))
         self.report.send(Report(self.name, values))
         if self.run_dir:
             try:
-                replace_small(self.progress, json.dumps({"format": 1, "explore_steps": self.explore_base +
-                                                         self.env_steps}).encode())
+                replace_small(self.progress, json.dumps({"format": 1, "explore_steps": self.explore_base + self.env_steps,
+                                                         "run_steps": self.run_base + self.env_steps}).encode())
             except OSError as e:
                 if not self._progress_failed:  # (once: it is tried at every report)
                     self._progress_failed = True
@@ -330,17 +336,20 @@ class EnvActor(Reactor):
         self._report()  # exact env-step counts at each update (Metrics logs evaluations against them)
 
 
-def _saved_progress(path: Path) -> int:
-    """The env steps an earlier life's exploration schedule saw, from ``path``; 0 when there is no such
-    file, and 0 with a warning when it is not one of the shape :meth:`EnvActor._report` writes."""
+def _saved_progress(path: Path) -> tuple[int, int]:
+    """The env steps an earlier life's exploration schedule saw and those this run's earlier lives took,
+    from ``path``; 0 and 0 when there is no such file, and with a warning when it is not one of the
+    shape :meth:`EnvActor._report` writes (a file of before ``run_steps``: 0 of them)."""
     if not path.exists():
-        return 0
+        return 0, 0
     try:
         data = read_small_json(path)
         steps = data.get("explore_steps") if isinstance(data, dict) and data.get("format") == 1 else None
-        if type(steps) is not int or not 0 <= steps < 2**53:
-            raise ValueError(f"{path}: not an actor's progress file (format 1 with explore_steps, an int >= 0)")
+        run_steps = data.get("run_steps", 0) if isinstance(data, dict) else None
+        if any(type(v) is not int or not 0 <= v < 2**53 for v in (steps, run_steps)):
+            raise ValueError(f"{path}: not an actor's progress file (format 1 with explore_steps and run_steps, "
+                             f"ints >= 0)")
     except (OSError, ValueError) as e:
         logging.getLogger("reactor.actor").warning("exploration starts from its schedule's start: %s", e)
-        return 0
-    return steps
+        return 0, 0
+    return steps, run_steps

@@ -837,10 +837,25 @@ class RolloutLearner(_LearnerBase):
         self._setup(self.algo_name, self.env_name, self.algo_config)
         self.weights.send(self._weights())
 
+    @reaction(triggers=[peer_restarted], effects=[weights])
+    def actors_restarted(self) -> None:
+        """An actor's process came back (restart policies, async runs): it waits for weights to collect
+        its next rollout, and this learner updates only once every actor's rollout is in, so the weights
+        go out again now (the others ignore a version they have). Without them the run stalled and ended
+        as if done."""
+        change = self.peer_change
+        if change is not None and change.indices("weights") and hasattr(self, "state"):
+            self.weights.send(self._weights())
+
     @reaction(triggers=[rollouts], effects=[weights, report])
     def learn(self, rollouts: Rollout) -> None:
         import torch
 
+        if rollouts.version < self.updates:  # (collected by an actor's earlier life, or before its restart)
+            logging.getLogger("reactor.learner").warning(
+                "%s: dropped a rollout of actor %d collected with weights %d (now %d): an actor that was restarted",
+                self.name, rollouts.actor, rollouts.version, self.updates)
+            return
         if rollouts.version != self.updates:
             raise ValueError(f"{self.name}: rollout from actor {rollouts.actor} was collected with weights "
                              f"{rollouts.version}, expected {self.updates} (synchronous on-policy learning)")

@@ -84,6 +84,8 @@ class Metrics(Reactor):
         env_step_budget: the actors' own budget (they stop at their shares, and the run ends when
             nothing is left to do: the training graphs' deterministic end), named as the stop reason
             when the run ended with it reached and no other reason; never acted on here.
+        budget_end: what the learner did after the actors' budget, in that stop reason (an on-policy
+            learner has no replay: ``"the learner learned on their last rollouts"``).
     """
 
     reports = Input(Report, required=True)
@@ -99,6 +101,7 @@ class Metrics(Reactor):
         console: Any = None,
         resume: bool = False,
         env_step_budget: int | None = None,
+        budget_end: str = "the learner took what the replay allowed",
     ) -> None:
         self.run_dir = run_dir
         self.resume = resume
@@ -106,6 +109,7 @@ class Metrics(Reactor):
         self.target_return = target_return
         self.max_env_steps = max_env_steps
         self.env_step_budget = env_step_budget
+        self.budget_end = budget_end
         self.live = live
         self.title = title
         self.latest: dict[str, dict[str, float]] = {}
@@ -277,7 +281,7 @@ class Metrics(Reactor):
         if not self.stop_reason and self.env_step_budget is not None and steps >= self.env_step_budget:
             self.stop_reason = (f"the actors' env-step budget reached ({int(steps):,} env steps, max_env_steps "
                                 f"{self.env_step_budget:,}{' on top of the resumed run' if self.budget_base else ''}), "
-                                f"and the learner took what the replay allowed")
+                                f"and {self.budget_end}")
         self.display.close(self._rows(wall))
         self.csv_file.flush()
         self._save_counts()

@@ -45,7 +45,8 @@ def load_source_steps(source: str | Path, fields: tuple[str, ...]) -> tuple[dict
     root = Path(source)
     if not root.is_dir():
         raise FileNotFoundError(f"offline source {str(source)!r} is not a directory (give an earlier run's run_dir)")
-    shards = sorted((p for p in root.glob("replay-*") if p.is_dir()), key=lambda p: p.name)
+    # A bank of shards writes replay-0/, replay-1/, ...; a run of one shard (shards=1) writes replay/.
+    shards = sorted((p for p in [*root.glob("replay-*"), root / "replay"] if p.is_dir()), key=lambda p: p.name)
     parts: dict[str, list[Any]] = {f: [] for f in fields}
     episodes: list[np.ndarray] = []
     offset = 0
@@ -72,8 +73,8 @@ def load_source_steps(source: str | Path, fields: tuple[str, ...]) -> tuple[dict
         offset = int(episodes[-1].max()) + 1
         read += 1
     if not read:
-        raise FileNotFoundError(f"offline source {str(source)!r}: no replay checkpoint with steps under replay-*/ "
-                                f"(found {[p.name for p in shards] or 'no replay-* directory'}); run an off-policy app "
+        raise FileNotFoundError(f"offline source {str(source)!r}: no replay checkpoint with steps under replay/ or "
+                                f"replay-*/ (found {[p.name for p in shards] or 'no replay directory'}); run an off-policy app "
                                 f"with run_dir there first")
     return {f: torch.cat(parts[f]) for f in fields}, np.concatenate(episodes), read
 

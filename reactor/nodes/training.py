@@ -22,6 +22,7 @@ step (``ReactorHost.promises`` reads that from the reactions' declared effects).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .._graph import Graph, graph_builder
@@ -122,6 +123,10 @@ def off_policy_graph(
             eval_every_updates=eval_every_updates, eval_episodes=eval_episodes, flush_steps=flush_steps,
             max_unacked=max_unacked, max_env_steps=max_env_steps)
     _counts("off_policy_graph", 0, min_size=min_size, prefetch=prefetch, checkpoint_every=checkpoint_every)
+    if isinstance(samples_per_insert, bool) or not isinstance(samples_per_insert, (int, float)) or not (
+            0 < samples_per_insert < math.inf):  # (before the limiter's error buffer is made of it)
+        raise ValueError(f"off_policy_graph: samples_per_insert must be a number > 0 and finite, got "
+                         f"{samples_per_insert!r:.100}")
     algo_mod = load_algorithm(algo)
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
     probe = make_env(env)
@@ -276,7 +281,8 @@ def on_policy_graph(
     evaluator = g.add(Evaluator(algo, env, algo_config, every_updates=eval_every_updates, episodes=eval_episodes),
                       name="evaluator")
     metrics = g.add(Metrics(run_dir, target_return=target_return, env_step_budget=max_env_steps, live=live,
-                            title=title, resume=resume), name="metrics")
+                            title=title, resume=resume, budget_end="the learner learned on their last rollouts"),
+                    name="metrics")
     g.connect(actor.rollouts, learner.rollouts)
     g.connect(learner.weights, actor.weights, delay_s=weights_delay_s)
     g.connect(learner.weights, evaluator.weights)

@@ -6,6 +6,7 @@ real sockets, kill -9."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -323,6 +324,49 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
     assert not [p for p in workers.values() if _alive(p)]
     assert not list_segments(run_id)
     assert not list(_rt(tmp_path).glob("reactor-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("app", "budget"), [("dqn.py", 12_000), ("ppo.py", 65_536)])
+def test_a_restarted_actor_goes_on_to_the_runs_budget_and_not_past_it(tmp_path, app, budget):
+    """From a newcomer's pass: SIGKILL of actor-0, restart on-failure. A restarted DQN actor took its
+    whole share of max_env_steps again (37,000 env steps in a run of 30,000); a restarted PPO actor
+    waited for weights the learner sent only after an update that waited for its rollout, and the run
+    went quiet at a fraction of its budget and ended with exit 0."""
+    run = tmp_path / "run"
+    errfile = tmp_path / "stderr.log"
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / app), "--placement", "actors", "--async",
+             "--json", "--restart", "on-failure:1", "--set", "live=False", "--set", f"run_dir={str(run)!r}",
+             "--set", f"max_env_steps={budget}", "--set", "target_return=None"],
+            cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        def progress() -> int:  # actor-0's steps, from its progress file (written at each report)
+            with contextlib.suppress(OSError, ValueError):
+                return int(json.loads((run / "actor-0.progress.json").read_text())["explore_steps"])
+            return 0
+
+        # A quarter of its share in: a kill at its start would hide an actor that takes its share again.
+        wait_for(lambda: progress() >= budget // 8 or proc.poll() is not None, 300, "actor-0 a quarter in")
+        kids = _children(proc.pid)
+        assert "actor-0" in kids, f"the run ended before the kill: {errfile.read_text()[-3000:]}"
+        os.kill(kids["actor-0"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = errfile.read_text()
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["restarts"] == {"actor-0": ["was killed by SIGKILL"]}, result
+    summary = result["summary"]
+    # The actors took the run's budget, and no more (an actor's share, in whole vector steps).
+    assert budget <= summary["env_steps"] <= budget + 64, (summary, err[-2000:])
+    assert summary["stop_reason"].startswith("the actors' env-step budget reached"), summary
+    assert not re.search(r"went quiet with -\d+ messages", err), err[-2000:]  # (a count below zero was shown)
 
 
 def _submit_job(c: Cluster, tmp_path: Path, app: str, policy_and_groups: str, *sets: str) -> str:

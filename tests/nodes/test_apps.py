@@ -85,6 +85,24 @@ def test_an_app_config_value_out_of_its_range_is_one_line_naming_the_key(app, ov
         make_config(load_app(APPS / f"{app}.py"), overrides)
 
 
+@pytest.mark.parametrize(("app", "overrides", "message"), [
+    # Was "error_buffer must be >= max(1, samples_per_insert) = 1, got -134.0": a value made of it, not it.
+    ("sac", {"samples_per_insert": -1}, r"^off_policy_graph: samples_per_insert must be a number > 0 and finite, "
+                                        r"got -1\.0$"),
+    # A negative max_grad_norm was taken as 0 ("no clipping") in silence by DQN; PPO refused it.
+    ("dqn", {"max_grad_norm": -1}, r"^dqn Config\.max_grad_norm must be >= 0 and finite \(0: off\), got -1\.0$"),
+    ("transformer_dqn", {"max_grad_norm": -1}, r"^transformer_dqn Config\.max_grad_norm must be >= 0 and finite"),
+    # Was "[Errno 17] File exists: 'README.md'", from deep in a reactor's startup.
+    ("dqn", {"run_dir": str(ROOT / "README.md")}, r"^run_dir '.*README\.md' is a file, not a directory: give a new "
+                                                  r"path, or an earlier run's directory to resume it$"),
+])
+def test_a_value_the_graph_builder_or_an_algorithm_refuses_is_named_as_given(app, overrides, message):
+    from reactor.launch._app import build_graph
+
+    with pytest.raises(ValueError, match=message):
+        build_graph(APPS / f"{app}.py", overrides)
+
+
 def test_a_capacity_too_small_for_an_actors_largest_insert_is_one_line_naming_the_bound():
     """`--set capacity=200 shards=2 min_size=50` ran, each shard (100 steps) refusing every message
     larger than itself, logged and dropped (an error line a few times a second). Now the graph is not

@@ -350,6 +350,19 @@ def test_a_run_that_ends_on_the_actors_own_budget_names_it_as_the_stop_reason(tm
     assert f"stopped: {reason}\n" in capsys.readouterr().out
 
 
+def test_an_on_policy_run_ended_by_the_budget_says_what_its_learner_did_without_a_replay():
+    """PPO's stop reason said "the learner took what the replay allowed"; PPO has no replay."""
+    from pathlib import Path
+
+    from reactor.launch._app import build_graph
+
+    root = Path(__file__).resolve().parents[2]
+    assert build_graph(root / "apps" / "ppo.py", {}).nodes["metrics"].prototype.budget_end == (
+        "the learner learned on their last rollouts")
+    assert build_graph(root / "apps" / "dqn.py", {}).nodes["metrics"].prototype.budget_end == (
+        "the learner took what the replay allowed")
+
+
 class SlowStart(Reactor):
     """A reactor whose startup takes a while (as building networks and optimizers does)."""
 
@@ -410,6 +423,7 @@ def test_a_command_line_run_reports_the_whole_commands_time(tmp_path):
     """summary.json's command_startup_s and command_s count from the `reactor run` command's start
     (interpreter, imports, graph, processes), not only from the graph's startup."""
     from pathlib import Path
+
 
     root = Path(__file__).resolve().parents[2]
     app = tmp_path / "app.py"

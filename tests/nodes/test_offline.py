@@ -61,6 +61,19 @@ def test_the_source_steps_are_every_step_the_shards_checkpointed_with_distinct_e
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_source_of_one_shard_is_read_from_its_replay_directory(source, tmp_path):
+    """A run of one shard (``--set shards=1``, and the one-actor apps' defaults) writes ``replay/``, not
+    ``replay-0/``; such a source was refused as having no replay checkpoint."""
+    import shutil  # noqa: PLC0415
+
+    shutil.copytree(source / "replay-0", tmp_path / "replay")
+    steps, episodes, shards = load_source_steps(tmp_path, ("obs",))
+    one = Table.restore(source / "replay-0")[0]
+    assert shards == 1 and len(episodes) == one.storage.step_range[1] - one.storage.step_range[0] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_offline_app_learns_on_the_source_windows_and_its_policy_loads(source, tmp_path, capfd):
     from reactor.nodes._policy import load_policy
 

@@ -125,12 +125,25 @@ class OfflineLearner(_LearnerBase):
 
     @reaction(triggers=[startup], effects=[tick, weights])
     def start(self) -> None:
+
+
+        self._setup(self.algo_name, self.env_name, self.algo_config)
+        try:
+            self._load_source()
+        except BaseException:
+            del self.state  # (its shutdown then saves no untrained checkpoint that `reactor eval` would load)
+            raise
+        self.weights.send(self._weights())
+        if self.updates < self.max_updates:
+            self.tick.schedule(delay_s=self.step_s)
+
+    def _load_source(self) -> None:
+        """The source's steps into this learner's replay (``start``), checked against its algorithm."""
         import torch
 
         from ..replay import WindowRead
         from ..replay.device import DeviceReplay
 
-        self._setup(self.algo_name, self.env_name, self.algo_config)
         spec = self.algo.store(self.obs_space, self.act_space, self.config)
         if not isinstance(spec.read, WindowRead):
             raise ValueError(f"{self.name}: offline learning samples windows; algorithm {self.algo_name!r} reads "
@@ -153,9 +166,6 @@ class OfflineLearner(_LearnerBase):
         self.source_steps = n
         print(f"{self.name}: {n} steps of {int(episodes.max()) + 1} episodes from {shards} shard checkpoint(s) of "
               f"{self.source} on {self.torch_device} ({self.replay.kernels} kernels)", flush=True)
-        self.weights.send(self._weights())
-        if self.updates < self.max_updates:
-            self.tick.schedule(delay_s=self.step_s)
 
     @reaction(triggers=[tick], effects=[tick, weights, report])
     def learn(self) -> None:

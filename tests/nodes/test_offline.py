@@ -100,13 +100,16 @@ def test_a_bad_source_is_refused_in_one_line_naming_it(source, tmp_path):
     missing = tmp_path / "nowhere"
     r = _cli("--set", f"source='{missing}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'a'}'")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"reactor: offline source '{missing}' is not a directory (give an earlier run's run_dir)"], r.stderr
+        f"reactor: source '{missing}' is not a directory: give an earlier off-policy run's run_dir"], r.stderr
+    assert not (tmp_path / "a").exists()  # (refused before a run directory was made for it)
     # The rest in this process (the same errors; the CLI prints each as the line above).
     empty = tmp_path / "empty"
     empty.mkdir()
     base = {"live": False, "updates": 5}
-    with pytest.raises(FileNotFoundError, match=r"no replay checkpoint with steps under replay-\*/"):
+    with pytest.raises(FileNotFoundError, match=r"no replay checkpoint with steps under replay/ or replay-\*/"):
         _run(OFFLINE_APP, {**base, "source": str(empty), "run_dir": str(tmp_path / "b")})
+    # No untrained checkpoint is left where `reactor eval` would load it as the run's policy.
+    assert not (tmp_path / "b" / "learner.pt").exists() and not (tmp_path / "b" / "weights.sha256").exists()
     with pytest.raises(ValueError, match=r"^no source: set source to an earlier run's run_dir"):
         build_graph(OFFLINE_APP, {"live": False})
     # Another env's steps (the source's 2-d observations, where CartPole-v1 has 4) are refused naming the field.

@@ -379,7 +379,11 @@ def _type_compatible(out_t: Any, in_t: Any) -> bool:
         return False
     in_o, out_o = typing.get_origin(in_t) or in_t, typing.get_origin(out_t) or out_t
     if isinstance(in_o, type) and isinstance(out_o, type):
-        return issubclass(out_o, in_o) and (typing.get_origin(in_t) is None or typing.get_args(in_t) == typing.get_args(out_t) or not typing.get_args(out_t))
+        try:
+            sub = issubclass(out_o, in_o)
+        except TypeError:  # (a Protocol that is not runtime_checkable: only itself fits)
+            return out_t is in_t
+        return sub and (typing.get_origin(in_t) is None or typing.get_args(in_t) == typing.get_args(out_t) or not typing.get_args(out_t))
     return bool(in_t == out_t)
 
 

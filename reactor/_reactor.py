@@ -86,14 +86,19 @@ class Output(PortSpec, Generic[T]):
 def port_kinds(port_type: Any) -> tuple[type, ...] | None:
     """The classes a port's values are checked against: its type, or the members of its union
     (``int | None``, ``Optional[int]``); None where nothing is checked (``object``, ``Any``, a
-    generic alias such as ``list[int]``, or a union holding one). An ``int`` is taken where ``float``
+    generic alias such as ``list[int]``, a ``Protocol`` that is not ``runtime_checkable``, or a union
+    holding one). An ``int`` is taken where ``float``
     is (not a ``bool``). The same check runs where a value is sent (:meth:`_OutputPort.send`) and
     where it enters another process (``reactor/launch/_protocol.py``)."""
     if isinstance(port_type, types.UnionType) or typing.get_origin(port_type) is typing.Union:
         members = typing.get_args(port_type)
     else:
         members = (port_type,)
-    if not all(isinstance(m, type) for m in members) or object in members:
+    if not all(isinstance(m, type) for m in members) or object in members or Any in members:
+        return None
+    try:
+        isinstance(None, members)  # (a Protocol that is not runtime_checkable cannot be checked: not checked)
+    except TypeError:
         return None
     return tuple(members)
 

@@ -246,15 +246,19 @@ class Daemon:
                               f"more than the {CONFIG_MAX_NBYTES:,} a job takes: ship large data as a file (--with)")
         job_id = hashlib.sha256(f"{digest}:{time.time_ns()}:{len(self.jobs)}".encode()).hexdigest()[:16]
         jdir = self.state / "jobs" / job_id
-        proc: Proc | None = None
+        if jdir.exists():  # (never: the id hashes the time in ns; the cleanup below must not take another's)
+            raise DaemonError(f"job {job_id} exists already; submit again")
         try:
             return self._start_job(spec, job_id, jdir, digest, settings)
         except BaseException:  # (a full disk, say): no job left running unrecorded, no directory without a job.json
             job = self.jobs.pop(job_id, None)
             proc = job.proc if job is not None else self._starting
             if proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                for kill in (os.killpg, os.kill):  # (the group, and the process itself: a forked job may not
+                    with contextlib.suppress(ProcessLookupError, PermissionError):  # have made its session yet)
+                        kill(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=5)  # (reaped: no zombie)
             shutil.rmtree(jdir, ignore_errors=True)
             raise
         finally:

@@ -252,8 +252,6 @@ def offline_app_graph(config: OfflineAppConfig, *, algo: str, name: str, title: 
     if not config.source:
         raise ValueError("no source: set source to an earlier run's run_dir (its replay-<i>/ checkpoints are the "
                          "data), e.g. --set source=runs/transformer_dqn-CartPoleNoVel-v1-RUN_ID")
-    if not Path(config.source).is_dir():  # (before a run directory is made for a run that cannot start)
-        raise ValueError(f"source {config.source!r} is not a directory: give an earlier off-policy run's run_dir")
     merged = {**(algo_config or {}), **config.algo_config}
     run_dir = _run_dir(config, name)
     g = Graph()

@@ -144,6 +144,8 @@ class EnvActor(Reactor):
         self.resume = resume
         self.explore_base = 0  # env steps an earlier life's schedule saw (RUN_DIR/<name>.progress.json)
         self.run_base = 0  # env steps this run's earlier lives of this actor took (the same file)
+        self._rollout_version: int | None = None  # on-policy: the weights version of the last rollout sent
+        self._resent_version: int | None = None  # ... by this actor's last life (a restart: see take_weights)
         self._progress_failed = False
         self.held = False  # stepping paused by flow control
         self.env_steps = 0
@@ -190,8 +192,11 @@ class EnvActor(Reactor):
         if self.run_dir:
             self.progress = Path(self.run_dir) / f"{plain_name(self.name)}.progress.json"
             if self.resume or self.restarts > 0:
-                self.explore_base, run_steps = _saved_progress(self.progress)
-                self.run_base = run_steps if self.restarts > 0 else 0  # (a resumed run is a new run)
+                saved = _saved_progress(self.progress)
+                self.explore_base = saved["explore_steps"]
+                if self.restarts > 0 and saved["run_id"] == self.run_id:  # (not a resumed run's, nor another's)
+                    self.run_base = saved["run_steps"]
+                    self._resent_version = saved["rollout_version"]
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         if self.waiting_for is None:
             self.tick.schedule(delay_s=self.step_s)
@@ -204,6 +209,14 @@ class EnvActor(Reactor):
             return
         self.algo.load_weights(self.policy, weights.tensors)
         self.version = weights.version
+        if self._resent_version is not None:
+            # A restarted on-policy actor collects again the rollouts of versions its last life had sent
+            # but the learner had not learned on yet (it sends its weights again when the actor is back):
+            # their steps are not counted twice against the budget.
+            again = self._resent_version - weights.version + 1
+            if self.on_policy and again > 0:
+                self.run_base = max(0, self.run_base - again * self.rollout_length * self.num_envs)
+            self._resent_version = None
         if self.waiting_for is not None and weights.version >= self.waiting_for:
             self.waiting_for = None
             self.tick.schedule(delay_s=self.step_s)
@@ -228,6 +241,8 @@ class EnvActor(Reactor):
             return
         if change.event == "peer_restarted" and change.indices("weights"):
             self.version = -1
+            if self.waiting_for is not None:  # (on-policy: a learner back from an older checkpoint never
+                self.waiting_for = 0          # sends the version waited for; the weights it sends will do)
         if not hasattr(self, "writer"):
             return
         for shard in change.indices("steps"):
@@ -307,8 +322,10 @@ class EnvActor(Reactor):
         self.report.send(Report(self.name, values))
         if self.run_dir:
             try:
-                replace_small(self.progress, json.dumps({"format": 1, "explore_steps": self.explore_base + self.env_steps,
-                                                         "run_steps": self.run_base + self.env_steps}).encode())
+                replace_small(self.progress, json.dumps({
+                    "format": 1, "explore_steps": self.explore_base + self.env_steps,
+                    "run_steps": self.run_base + self.env_steps, "run_id": self.run_id,
+                    "rollout_version": self._rollout_version}).encode())
             except OSError as e:
                 if not self._progress_failed:  # (once: it is tried at every report)
                     self._progress_failed = True
@@ -332,24 +349,31 @@ class EnvActor(Reactor):
         data["last_obs"] = torch.as_tensor(next_obs)
         self.buf = {}
         self.rollouts.send(Rollout(self.bank_index, self.version, data))
+        self._rollout_version = self.version
         self.waiting_for = self.version + 1
         self._report()  # exact env-step counts at each update (Metrics logs evaluations against them)
 
 
-def _saved_progress(path: Path) -> tuple[int, int]:
-    """The env steps an earlier life's exploration schedule saw and those this run's earlier lives took,
-    from ``path``; 0 and 0 when there is no such file, and with a warning when it is not one of the
-    shape :meth:`EnvActor._report` writes (a file of before ``run_steps``: 0 of them)."""
+def _saved_progress(path: Path) -> dict[str, Any]:
+    """What an earlier life saved in ``path`` (:meth:`EnvActor._report`): ``explore_steps`` (the env
+    steps its exploration schedule saw), ``run_steps`` (those its run's lives took), ``run_id`` (that
+    run's) and ``rollout_version`` (on-policy: the weights version of its last rollout sent). None or 0
+    where there is no such file, and with a warning where it is not one of that shape (a file of before
+    ``run_steps``: none of them)."""
+    none: dict[str, Any] = {"explore_steps": 0, "run_steps": 0, "run_id": None, "rollout_version": None}
     if not path.exists():
-        return 0, 0
+        return none
     try:
         data = read_small_json(path)
-        steps = data.get("explore_steps") if isinstance(data, dict) and data.get("format") == 1 else None
-        run_steps = data.get("run_steps", 0) if isinstance(data, dict) else None
-        if any(type(v) is not int or not 0 <= v < 2**53 for v in (steps, run_steps)):
+        if not isinstance(data, dict) or data.get("format") != 1:
+            raise ValueError(f"{path}: not an actor's progress file (format 1)")
+        got = {**none, **{k: data[k] for k in none if k in data}}
+        ints = (got["explore_steps"], got["run_steps"]) + (() if got["rollout_version"] is None else (got["rollout_version"],))
+        if any(type(v) is not int or not 0 <= v < 2**53 for v in ints) or not (
+                got["run_id"] is None or type(got["run_id"]) is str):
             raise ValueError(f"{path}: not an actor's progress file (format 1 with explore_steps and run_steps, "
                              f"ints >= 0)")
     except (OSError, ValueError) as e:
         logging.getLogger("reactor.actor").warning("exploration starts from its schedule's start: %s", e)
-        return 0, 0
-    return steps, run_steps
+        return none
+    return got

@@ -703,6 +703,7 @@ class Learner(_LearnerBase):
         if self.bank_size > 1:
             if not self.bank_ended:
                 self._announce(drawn_due)  # (a data-parallel replica's: held for its round)
+            self._report_if_done()
             return
         self._update(drawn_due)
         await self._sample_one_sided()

@@ -45,8 +45,10 @@ def load_source_steps(source: str | Path, fields: tuple[str, ...]) -> tuple[dict
     root = Path(source)
     if not root.is_dir():
         raise FileNotFoundError(f"offline source {str(source)!r} is not a directory (give an earlier run's run_dir)")
-    # A bank of shards writes replay-0/, replay-1/, ...; a run of one shard (shards=1) writes replay/.
-    shards = sorted((p for p in [*root.glob("replay-*"), root / "replay"] if p.is_dir()), key=lambda p: p.name)
+    # A bank of shards writes replay-0/, replay-1/, ...; a run of one shard (shards=1) writes replay/
+    # (read only where there is no replay-*/: a directory reused with another shard count has both).
+    shards = sorted((p for p in root.glob("replay-*") if p.is_dir()), key=lambda p: p.name) or [
+        p for p in [root / "replay"] if p.is_dir()]
     parts: dict[str, list[Any]] = {f: [] for f in fields}
     episodes: list[np.ndarray] = []
     offset = 0

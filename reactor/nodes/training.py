@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from .._graph import Graph, graph_builder
 from .._tag import NS_PER_S, seconds_to_ns
 from .env_actor import EnvActor, writer_pattern
@@ -123,8 +125,8 @@ def off_policy_graph(
             eval_every_updates=eval_every_updates, eval_episodes=eval_episodes, flush_steps=flush_steps,
             max_unacked=max_unacked, max_env_steps=max_env_steps)
     _counts("off_policy_graph", 0, min_size=min_size, prefetch=prefetch, checkpoint_every=checkpoint_every)
-    if isinstance(samples_per_insert, bool) or not isinstance(samples_per_insert, (int, float)) or not (
-            0 < samples_per_insert < math.inf):  # (before the limiter's error buffer is made of it)
+    if isinstance(samples_per_insert, (bool, np.bool_)) or not isinstance(samples_per_insert, (int, float, np.number)) \
+            or not 0 < samples_per_insert < math.inf:  # (before the limiter's error buffer is made of it)
         raise ValueError(f"off_policy_graph: samples_per_insert must be a number > 0 and finite, got "
                          f"{samples_per_insert!r:.100}")
     algo_mod = load_algorithm(algo)

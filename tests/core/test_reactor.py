@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any, Protocol
 
 import numpy as np
 import pytest
@@ -116,6 +117,10 @@ def test_writing_an_undeclared_output_raises_naming_reactor_reaction_and_port():
         run(g)
 
 
+class _Shaped(Protocol):
+    def area(self) -> float: ...
+
+
 class Typed(Reactor):
     """Sends each value of its ``values`` on ports of several declared types (by the value's slot)."""
 
@@ -124,11 +129,13 @@ class Typed(Reactor):
     maybe = Output(int | None)
     listed = Output(list[int])  # a generic alias: not checked
     anything = Output()
+    typed_any = Output(Any)  # not checked (its isinstance raised TypeError: every send failed)
+    shaped = Output(_Shaped)  # a Protocol that is not runtime_checkable: not checked
 
     def __init__(self, values: list) -> None:
         self.values = values
 
-    @reaction(triggers=[startup], effects=[whole, real, maybe, listed, anything])
+    @reaction(triggers=[startup], effects=[whole, real, maybe, listed, anything, typed_any, shaped])
     def go(self) -> None:
         for port, value in self.values:
             getattr(self, port).send(value)
@@ -140,16 +147,19 @@ class Taker(Reactor):
     maybe = Input(int | None)
     listed = Input(list[int])
     anything = Input()
+    typed_any = Input(Any)
+    shaped = Input(_Shaped)
 
-    @reaction(triggers=[whole, real, maybe, listed, anything])
-    def got(self, whole: int, real: float, maybe: int | None, listed: list, anything: object) -> None:
-        LOG.append((whole, real, maybe, listed, anything))
+    @reaction(triggers=[whole, real, maybe, listed, anything, typed_any, shaped])
+    def got(self, whole: int, real: float, maybe: int | None, listed: list, anything: object, typed_any: Any,
+            shaped: Any) -> None:
+        LOG.append((whole, real, maybe, listed, anything, typed_any, shaped))
 
 
 def _typed(values: list) -> Graph:
     g = Graph()
     t, k = g.add(Typed(values), name="typed"), g.add(Taker(), name="taker")
-    for port in ("whole", "real", "maybe", "listed", "anything"):
+    for port in ("whole", "real", "maybe", "listed", "anything", "typed_any", "shaped"):
         g.connect(getattr(t, port), getattr(k, port))
     return g
 
@@ -159,10 +169,10 @@ def test_a_value_of_its_ports_type_is_sent_and_any_other_refused_naming_it():
     fails alike under every placement (under single the value used to be delivered as is)."""
     LOG.clear()
     run(_typed([("whole", 3), ("real", 2), ("real", np.float64(0.5)), ("maybe", None), ("listed", ["x"]),
-                ("anything", object)]))
-    assert len(LOG) == 6  # (one microstep each)
+                ("anything", object), ("typed_any", "s"), ("shaped", 7)]))
+    assert len(LOG) == 8  # (one microstep each)
     assert sorted((i, repr(v)) for row in LOG for i, v in enumerate(row) if v is not None) == [
-        (0, "3"), (1, "2"), (1, "np.float64(0.5)"), (3, "['x']"), (4, "<class 'object'>")]
+        (0, "3"), (1, "2"), (1, "np.float64(0.5)"), (3, "['x']"), (4, "<class 'object'>"), (5, "'s'"), (6, "7")]
     for port, value, shown, takes in [("whole", "7", "str '7'", "int"), ("whole", np.int64(7), "int64 np.int64(7)", "int (a numpy scalar: its .item() is the Python value it holds)"),
                                       ("real", True, "bool True", "float"), ("maybe", 1.5, "float 1.5", "int | None"),
                                       ("whole", list(range(100)), "list of 100 items", "int")]:

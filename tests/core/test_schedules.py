@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reactor import TraceMismatchError, run
+from reactor import Graph, Input, Output, Reactor, TraceMismatchError, reaction, run, startup
 from reactor._trace import diff, read_trace, write_trace
 from reactor.launch._app import build_graph
 
@@ -126,3 +126,48 @@ def test_a_trace_with_an_impossible_event_is_refused_at_once_naming_it(tmp_path)
     os.mkfifo(tmp_path / "fifo.trace")
     with pytest.raises(MalformedFrameError, match=r"fifo\.trace is not a regular file$"):
         read_trace(tmp_path / "fifo.trace")
+
+
+class _Split(Reactor):
+    """Sends ``to_c`` numbers to ``c`` and ``to_d`` to ``d`` at its startup."""
+
+    c = Output(int)
+    d = Output(int)
+
+    def __init__(self, to_c: int, to_d: int) -> None:
+        self.to_c, self.to_d = to_c, to_d
+
+    @reaction(triggers=[startup], effects=[c, d])
+    def go(self) -> None:
+        for i in range(self.to_c):
+            self.c.send(i)
+        for i in range(self.to_d):
+            self.d.send(i)
+
+
+class _Take(Reactor):
+    inp = Input(int)
+
+    @reaction(triggers=[inp])
+    def got(self, inp: int) -> None:
+        pass
+
+
+def _split(to_c: int, to_d: int) -> Graph:
+    g = Graph()
+    p = g.add(_Split(to_c, to_d), name="p")
+    g.connect(p.c, g.add(_Take(), name="c").inp)
+    g.connect(p.d, g.add(_Take(), name="d").inp)
+    return g
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_that_diverges_with_a_message_to_a_reactor_done_with_its_schedule_fails_naming_who_waits(tmp_path):
+    """A message to a reactor at the end of its recorded schedule stayed in its inbox, so the run never
+    counted as quiet: the replay hung, where it should name the reactor still waiting."""
+    trace = tmp_path / "run.trace"
+    rec = run(_split(3, 0), deterministic=False, record=trace, seed=1)
+    assert rec.events == {"p": 1, "c": 4, "d": 1}  # (each one's startup too)
+    with pytest.raises(TraceMismatchError, match=r"^the run went quiet before the recorded schedule was complete .*"
+                                                 r"c waits for input #0 seq 2"):
+        run(_split(2, 1), deterministic=False, replay=trace, seed=1)

@@ -354,3 +354,22 @@ def test_a_config_too_large_for_a_jobs_command_line_and_record_is_refused_and_le
                                           r"ship large data as a file \(--with\)"):
         daemon.submit(spec)
     assert not daemon.jobs and not any((daemon.state / "jobs").iterdir())
+
+
+def test_a_submit_whose_record_cannot_be_written_leaves_no_process_and_no_directory(tmp_path, monkeypatch):
+    """The job's process has started when its record is written: a failure there (a full disk) used to
+    leave it running, unwatched, in a directory without a record."""
+    from reactor.launch._daemon import _Job, job_spec
+
+    daemon = _daemon_with(tmp_path, {})
+    started: list[int] = []
+
+    def save(job: _Job) -> None:
+        started.append(int(job.record["pid"]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_Job, "save", save)
+    with pytest.raises(OSError, match="No space left on device"):
+        daemon.submit(job_spec(ROOT / "tests" / "apps" / "gated.py"))
+    assert len(started) == 1 and not daemon.jobs and not any((daemon.state / "jobs").iterdir())
+    assert not Path(f"/proc/{started[0]}").exists()  # (killed and reaped: not even a zombie)

@@ -100,8 +100,10 @@ def test_a_bad_source_is_refused_in_one_line_naming_it(source, tmp_path):
     missing = tmp_path / "nowhere"
     r = _cli("--set", f"source='{missing}'", "--set", "live=False", "--set", f"run_dir='{tmp_path / 'a'}'")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"reactor: source '{missing}' is not a directory: give an earlier off-policy run's run_dir"], r.stderr
-    assert not (tmp_path / "a").exists()  # (refused before a run directory was made for it)
+        f"reactor: offline source '{missing}' is not a directory (give an earlier run's run_dir)"], r.stderr
+    # (The graph is built without the source, which `reactor graph` and `submit --check` need: the source
+    # may exist only on the daemon's host.) No untrained checkpoint is left for `reactor eval` to load.
+    assert not (tmp_path / "a" / "learner.pt").exists() and not (tmp_path / "a" / "weights.sha256").exists()
     # The rest in this process (the same errors; the CLI prints each as the line above).
     empty = tmp_path / "empty"
     empty.mkdir()

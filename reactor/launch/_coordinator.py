@@ -859,10 +859,12 @@ def _describe_exits(dead: dict[str, tuple[int | None, str]]) -> str:
 
 
 def _cleanup_segments(run_id: str) -> None:
-    """Unlink the shared-memory segments of this run that a killed worker left behind."""
+    """Unlink the shared-memory segments of this run that a killed worker left behind. Every worker of the
+    run is reaped by now (all of them ran here), so a segment still being created (no header yet: kept
+    for a while when its creator may be alive) is one a worker killed in the act left: it goes too."""
     from ..transport._shm import cleanup_stale
 
-    for name in cleanup_stale(run_id):
+    for name in cleanup_stale(run_id, grace_s=0.0):
         log.warning("removed the shared-memory segment %s of a worker that did not close it", name)
 
 

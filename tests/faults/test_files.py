@@ -373,3 +373,27 @@ def test_a_submit_whose_record_cannot_be_written_leaves_no_process_and_no_direct
         daemon.submit(job_spec(ROOT / "tests" / "apps" / "gated.py"))
     assert len(started) == 1 and not daemon.jobs and not any((daemon.state / "jobs").iterdir())
     assert not Path(f"/proc/{started[0]}").exists()  # (killed and reaped: not even a zombie)
+
+
+def test_a_segment_a_killed_worker_left_half_made_is_removed_when_its_run_is_reaped():
+    """A shard SIGKILLed while creating a segment (sized, its header not written yet) left it in /dev/shm:
+    such a segment is kept for a while in case its creator lives, and the coordinator's cleanup after
+    reaping every worker of the run used that grace too (found in a CI run: `...-s-replay-0.header`)."""
+    import uuid
+
+    from reactor.launch._coordinator import _cleanup_segments
+    from reactor.transport._shm import HEADER_NBYTES, list_segments
+
+    run_id = f"t-{uuid.uuid4().hex[:12]}"
+    path = Path("/dev/shm") / f"rxb.{run_id}.-s-replay-0.header"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, HEADER_NBYTES)  # (all zeros: no magic, no owner)
+    finally:
+        os.close(fd)
+    try:
+        assert list_segments(run_id)
+        _cleanup_segments(run_id)
+        assert not list_segments(run_id) and not path.exists()
+    finally:
+        path.unlink(missing_ok=True)

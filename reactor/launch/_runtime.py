@@ -121,6 +121,8 @@ async def run_async(
     claim_run_id()
     check_settings(graph, placement=placement, deterministic=deterministic, record=record, replay=replay,
                    restart=restart, hosts=hosts)
+    if stop_s is not None and replay is not None:  # (it was ignored in silence)
+        raise ValueError("stop_s (--stop-s) does not apply to a replay: it ends where its recording did")
     stop_ns = seconds_to_ns(stop_s, "stop_s") if stop_s is not None else graph.stop_ns
     if placement != "single":
         from ._coordinator import run_processes

@@ -179,6 +179,9 @@ def _run_dir(config: Any, name: str) -> str:
     from ..launch._runtime import current_run_id
 
     env = config.env.replace(":", "_").replace("/", "_")
+    if getattr(config, "resume", False) and not config.run_dir:  # (a new run's new directory holds nothing to resume)
+        raise ValueError("resume=True needs run_dir: the directory of the run to resume (e.g. --set resume=True "
+                         "run_dir=runs/dqn-CartPole-v1-RUN_ID)")
     if config.run_dir and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
         raise ValueError(f"run_dir {config.run_dir!r} is a file, not a directory: give a new path, or an earlier "
                          f"run's directory to resume it")

@@ -62,6 +62,15 @@ def test_replay_with_another_config_reports_who_waits_for_what(tmp_path):
         run(build_graph(APP, {"count": 30}), deterministic=False, replay=trace, seed=1)
 
 
+def test_a_stop_time_given_to_a_replay_is_refused(tmp_path):
+    """It was ignored in silence: a replay ends where its recording did."""
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.3)
+    with pytest.raises(ValueError, match=r"^stop_s \(--stop-s\) does not apply to a replay: it ends where its "
+                                         r"recording did$"):
+        run(build_graph(APP, {}), deterministic=False, replay=trace, seed=1, stop_s=0.1)
+
+
 @pytest.mark.parametrize("placement", ["single", "processes"])
 def test_a_trace_replayed_with_another_seed_is_refused_naming_both(tmp_path, placement):
     """It ran silently, with other draws of the reactors' generators: another run, called a replay."""

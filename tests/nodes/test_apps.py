@@ -92,6 +92,8 @@ def test_an_app_config_value_out_of_its_range_is_one_line_naming_the_key(app, ov
     # A negative max_grad_norm was taken as 0 ("no clipping") in silence by DQN; PPO refused it.
     ("dqn", {"max_grad_norm": -1}, r"^dqn Config\.max_grad_norm must be >= 0 and finite \(0: off\), got -1\.0$"),
     ("transformer_dqn", {"max_grad_norm": -1}, r"^transformer_dqn Config\.max_grad_norm must be >= 0 and finite"),
+    # Was a fresh run in a new directory, with nothing to resume and no word of it.
+    ("dqn", {"resume": True}, r"^resume=True needs run_dir: the directory of the run to resume"),
     # Was "[Errno 17] File exists: 'README.md'", from deep in a reactor's startup.
     ("dqn", {"run_dir": str(ROOT / "README.md")}, r"^run_dir '.*README\.md' is a file, not a directory: give a new "
                                                   r"path, or an earlier run's directory to resume it$"),

@@ -328,7 +328,7 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("app", "budget"), [("dqn.py", 12_000), ("ppo.py", 65_536)])
+@pytest.mark.parametrize(("app", "budget"), [("dqn.py", 8_000), ("ppo.py", 32_768)])
 def test_a_restarted_actor_goes_on_to_the_runs_budget_and_not_past_it(tmp_path, app, budget):
     """From a newcomer's pass: SIGKILL of actor-0, restart on-failure. A restarted DQN actor took its
     whole share of max_env_steps again (37,000 env steps in a run of 30,000); a restarted PPO actor

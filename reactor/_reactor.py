@@ -291,7 +291,7 @@ class _OutputPort:
         if current is None or spec not in current.effects:
             r._effect_error(spec, current)
         kinds = spec.kinds
-        if kinds is not None and not value_fits(kinds, value):
+        if kinds is not None and not isinstance(value, kinds) and not value_fits(kinds, value):  # (the common case inline)
             hint = " (a numpy scalar: its .item() is the Python value it holds)" if isinstance(value, np.generic) else ""
             raise PortError(f"{r.name}.{current.name} sent {show_value(value)} on output {spec.name!r}, which takes "
                             f"{kinds_name(spec.type)}{hint}")

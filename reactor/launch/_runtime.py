@@ -232,6 +232,7 @@ async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asynci
     try:
         loop = asyncio.get_running_loop()
         deadline = None if stop_ns is None or replayer is not None else loop.time() + stop_ns / 1e9
+        serving: set[asyncio.Future[Any]] = set(tasks)
         waiting: set[asyncio.Future[Any]] = {*tasks, *waiters}
         while True:
             timeout = None if deadline is None else max(0.0, deadline - loop.time())
@@ -242,7 +243,7 @@ async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asynci
             # A reactor's serving that ended without an error is a replayed reactor at the end of its
             # recorded schedule: the others go on to the ends of theirs (the run once ended there,
             # with the learner's last updates still to come, and no word of it).
-            if not finished or not finished <= set(tasks) or host.stop_requested:
+            if not finished or not finished <= serving or host.stop_requested:
                 break
         if stuck:
             raise stuck[0]

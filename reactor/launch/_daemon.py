@@ -55,6 +55,7 @@ import zmq.auth.asyncio
 
 from .._errors import DaemonError
 from .._files import open_regular, read_small_json, replace_small
+from .._floodlog import flood_logged, flood_tally
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
@@ -76,8 +77,6 @@ WATCH_PERIOD_S = 0.2
 CONFIG_MAX_NBYTES = 64 * 1024
 #: How often the same trouble of the watch loop (a record it cannot write, say) is logged again.
 WATCH_WARN_EVERY_S = 60.0
-#: Refused requests logged in full; past these, one in a thousand.
-REFUSALS_LOGGED = 20
 
 
 class DaemonSilentError(DaemonError):
@@ -492,7 +491,9 @@ class Daemon:
                             reply = self._answer(frames)
                         except Exception:  # noqa: BLE001 - no request, however malformed, ends the daemon
                             self.refused += 1
-                            log.exception("%s: dropped a request that failed its checks", self.name)
+                            if flood_logged(self.refused):
+                                log.exception("%s: dropped a request that failed its checks%s", self.name,
+                                              flood_tally(self.refused))
                             reply = None
                         if reply is not None:
                             with contextlib.suppress(zmq.ZMQError):  # the client left
@@ -547,9 +548,8 @@ class Daemon:
     def _refuse(self, ident: bytes, why: str) -> None:
         """Count and log a refused request (answered with the reason where it has a usable id)."""
         self.refused += 1
-        if self.refused <= REFUSALS_LOGGED or self.refused % 1000 == 0:  # (a flood of garbage is not a flood of lines)
-            more = f" ({self.refused:,} refused in all; one in a thousand logged)" if self.refused > REFUSALS_LOGGED else ""
-            log.warning("%s: refused a request from %r: %s%s", self.name, ident[:32], why, more)
+        if flood_logged(self.refused):  # (a flood of garbage is not a flood of lines)
+            log.warning("%s: refused a request from %r: %s%s", self.name, ident[:32], why, flood_tally(self.refused))
         return None
 
     def _save(self, job: _Job) -> bool:

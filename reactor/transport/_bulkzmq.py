@@ -42,6 +42,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PeerLostError
 from reactor._files import check_ipc_bind
+from reactor._floodlog import flood_logged, flood_tally
 
 from . import _gather
 from ._zmq import CurveKeys, _AllowedKeys
@@ -246,13 +247,14 @@ class ZmqServer:
             self.refused += 1
             msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
             if not isinstance(exc, (KeyError, ValueError, IndexError, TypeError, FrameTooLargeError,
-                                    MalformedFrameError)) and self.refused <= 20:
+                                    MalformedFrameError)) and flood_logged(self.refused):
                 # (not one of the checks' own refusals: a value that broke something it should not have)
-                log.warning("bulk server: a request from %r failed unforeseen", ident[:32], exc_info=True)
+                log.warning("bulk server: a request from %r failed unforeseen%s", ident[:32],
+                            flood_tally(self.refused), exc_info=True)
             if req_id is None:
-                if self.refused <= 20 or self.refused % 1000 == 0:
-                    log.warning("bulk server: dropped a request without an id from %r: %s (%d refused in all)",
-                                ident[:32], msg, self.refused)
+                if flood_logged(self.refused):
+                    log.warning("bulk server: dropped a request without an id from %r: %s%s",
+                                ident[:32], msg, flood_tally(self.refused))
                 return
             reply = {"id": req_id, "ok": False, "error": type(exc).__name__, "message": str(msg)[:300]}
         try:

@@ -54,6 +54,7 @@ import zmq.auth.asyncio
 
 from reactor._errors import FrameTooLargeError, PeerLostError, WouldBlock
 from reactor._files import check_ipc_bind
+from reactor._floodlog import FloodCounts
 
 from ._curve import CurveKeys, _AllowedKeys, _is_local, link_key
 from ._zmqreceive import (
@@ -332,8 +333,8 @@ class Endpoint(_Receiving):
         self = cls(_token=_OPEN_TOKEN)
         self._loop = asyncio.get_running_loop()
         self._accept = accept
-        self._refusals_logged: dict[str, int] = {}
-        self._drops_logged: dict[str, int] = {}  # per kind of drop (_ReceiveSide._drop_warning)
+        self._refusals_logged = FloodCounts()  # per sender
+        self._drops_logged = FloodCounts()  # per kind of drop (_ReceiveSide._drop_warning)
         self._name = name
         self._name_b = name_b
         self._curve = curve

@@ -19,6 +19,7 @@ import msgpack
 import zmq
 
 from reactor._errors import FrameTooLargeError, MalformedFrameError, PortClosedError
+from reactor._floodlog import FloodCounts, flood_logged, flood_tally
 
 from .codec import BATCH_MARKER, batch_header, decode, decode_batch, frames_nbytes
 
@@ -33,10 +34,6 @@ _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a floo
 # ROUTER, which refuses to route to a closed connection) once it has doubled since the last sweep,
 # so it stays within twice the live connections at O(1) amortized cost per hello.
 _SENDER_SWEEP_MIN = 64
-# Refused messages logged per sender in full; after that one line per _REFUSAL_LOG_EVERY (a flood of
-# bad frames must not become a flood of log lines).
-_REFUSAL_LOG_FULL = 20
-_REFUSAL_LOG_EVERY = 1000
 
 
 class _Router:
@@ -104,8 +101,8 @@ class _Receiving:
     _queued_nbytes: int
     _queued_senders: set[_Sender]
     _recv_waiter: asyncio.Future[None] | None
-    _refusals_logged: dict[str, int]
-    _drops_logged: dict[str, int]
+    _refusals_logged: FloodCounts
+    _drops_logged: FloodCounts
     _routers: list[_Router]
     _window: int
     _window_nbytes: int
@@ -381,23 +378,19 @@ class _Receiving:
         if reason is None:
             return True
         self._n["dropped_invalid"] += 1
-        seen = self._refusals_logged.get(sender, 0) + 1
-        if len(self._refusals_logged) < 4096 or sender in self._refusals_logged:
-            self._refusals_logged[sender] = seen
-        if seen <= _REFUSAL_LOG_FULL or seen % _REFUSAL_LOG_EVERY == 0:
-            log.warning(
-                "endpoint %r: refused a message from peer %r (%d so far): %s",
-                self._name, sender, seen, str(reason)[:500],
-            )
+        seen = self._refusals_logged.hit(sender)
+        if flood_logged(seen):
+            log.warning("endpoint %r: refused a message from peer %r: %s%s", self._name, sender,
+                        str(reason)[:500], flood_tally(seen))
         return False
 
     def _drop_warning(self, kind: str, message: str, *args: Any) -> None:
-        """Log a dropped message or frame: the first ``_REFUSAL_LOG_FULL`` of each kind (unknown sender,
-        over credit, malformed, bad control message) in full, then one in ``_REFUSAL_LOG_EVERY`` with the
-        count (a flood from a peer, or from a stranger, is not a flood of lines; the counters count all)."""
-        seen = self._drops_logged[kind] = self._drops_logged.get(kind, 0) + 1
-        if seen <= _REFUSAL_LOG_FULL or seen % _REFUSAL_LOG_EVERY == 0:
-            log.warning(message + " (%d of this kind so far)", *args, seen)
+        """Log a dropped message or frame under :func:`~reactor._floodlog.flood_logged`'s rule, per kind
+        (unknown sender, over credit, malformed, bad control message): a flood from a peer, or from a
+        stranger, is not a flood of lines; the counters count all."""
+        seen = self._drops_logged.hit(kind)
+        if flood_logged(seen):
+            log.warning(message + "%s", *args, flood_tally(seen))
 
     def _sweep_senders(self, router: _Router) -> None:
         """Forget ``router``'s senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
@@ -408,7 +401,7 @@ class _Receiving:
         gone = [ident for ident, s in senders.items() if not s.queued_msgs and not self._connected(router, ident)]
         for ident in gone:
             s = senders.pop(ident)
-            self._refusals_logged.pop(s.name, None)
+            self._refusals_logged.forget(s.name)
         self._n["senders_forgotten"] += len(gone)
         if gone:
             log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))

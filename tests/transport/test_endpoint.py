@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from reactor._errors import FrameTooLargeError, PeerLostError, PortClosedError, WouldBlock
+from reactor._floodlog import FloodCounts, flood_logged
 from reactor.transport import CurveKeys, Endpoint, codec, encode, link_key
 from reactor.transport._zmq import PROTOCOL_VERSION
 
@@ -306,6 +307,40 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
     messages = [r.getMessage() for r in caplog.records]
     assert any("'raw'" in m and "not valid msgpack" in m for m in messages)
     assert any("b'stranger'" in m and "did not say hello" in m for m in messages)
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_dropped_frames_is_counted_whole_and_logged_twenty_times_then_one_in_a_thousand(
+        open_endpoint, caplog):
+    server = await open_endpoint("server")
+    ctx = zmq.asyncio.Context()
+    caplog.set_level(logging.WARNING, logger="reactor.transport")
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.setsockopt(zmq.ROUTING_ID, b"stranger")
+    stranger.connect(server.address)
+    try:
+        for _ in range(2050):
+            await stranger.send_multipart([b"no hello"])
+        deadline = time.monotonic() + WAIT_S
+        while server.statistics().dropped_unknown_peer < 2050 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        ctx.destroy(linger=0)
+    assert server.statistics().dropped_unknown_peer == 2050
+    lines = [r.getMessage() for r in caplog.records if "did not say hello" in r.getMessage()]
+    assert len(lines) == 20 + 2  # the first twenty, the 1,000th and the 2,000th
+    assert "so far" not in lines[19] and "2,000 so far" in lines[-1]
+
+
+def test_flood_counts_keep_a_bounded_table_and_count_new_keys_past_it_together() -> None:
+    counts = FloodCounts(max_keys=3)
+    assert [counts.hit(k) for k in ("a", "b", "a", "c")] == [1, 1, 2, 1]
+    assert [counts.hit(f"new-{i}") for i in range(25)] == list(range(1, 26))  # shared past the bound
+    assert not flood_logged(21) and flood_logged(20) and flood_logged(3000)
+    counts.forget("a")
+    assert counts.hit("a") == 26  # the table is still full: "a" now counts with the others
+    assert len(counts.counts) <= 4
 
 
 @pytest.mark.asyncio

@@ -483,6 +483,15 @@ class Reactor:
         return self.deterministic or getattr(host, "recorder", None) is not None or (
             getattr(host, "replayer", None) is not None)
 
+    @property
+    def stopped_by(self) -> str | None:
+        """Why the run is ending, for a shutdown reaction to report: ``"stop_time"``, ``"quiescence"``
+        (nothing left that can happen), ``"request"`` (a reactor's :meth:`request_stop`), ``"signal"``
+        (Ctrl-C or SIGTERM at the command), ``"replay"`` (a replay reached the end of its recording),
+        ``"failure"`` (a reaction, or a worker of the run, failed) or ``"terminated"`` (this process
+        was told to end before the run did). None while the run goes on."""
+        return getattr(self._host, "stop_reason", None)
+
     def links_into(self, port: str) -> int:
         """How many of the graph's links deliver to this instance's input ``port`` (0: none). A
         node whose behaviour needs a connection the graph may lack checks it at startup."""

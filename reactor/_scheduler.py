@@ -181,6 +181,10 @@ class ReactorHost:
         self.recorder = recorder
         self.replayer = replayer
         self.stop_requested = False
+        # Why the run is ending (set before the shutdown reactions run; Reactor.stopped_by):
+        # RunResult.stopped_by's words, or "failure" (a reaction or a worker failed) or "terminated"
+        # (this process was told to end: SIGTERM).
+        self.stop_reason: str | None = None
         self.failure: BaseException | None = None
         links = graph.links()
         self.links = links

@@ -56,6 +56,7 @@ log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
 RECONNECT_TIMEOUT_S = 10.0  # a restarted worker starts at the latest this long after it is ready
 EXIT_TIMEOUT_S = 20.0
+FAILURE_STOP_S = 3.0  # after a worker failed, how long the others get to run their shutdown reactions
 STOPPING_REPORT_S = 5.0  # after a Ctrl-C, how often the workers not yet ended are named
 #: After a restart the sums of messages sent and received need not meet again (messages to and from
 #: the process that died were lost with it), so they cannot show a message in flight. Then the run is
@@ -440,6 +441,7 @@ class _Session:
         self.quiet_probe_s = QUIET_PROBE_S
         self.next_probe_at = 0.0  # (the quiet after a restart: its next probe round, not before)
         self.replay_done: set[str] = set()
+        self.ending: dict[str, bool] = {}  # deterministic: worker ended on its own -> events left past the stop
         self.stopped_by: str | None = None
 
     @property
@@ -624,7 +626,7 @@ class _Session:
         r.awaiting.pop(group, None)
         self.ep.send_nowait(group, ("start",))
         if self.stopped_by is not None:
-            self.ep.send_nowait(group, ("stop",))
+            self.ep.send_nowait(group, ("stop", self.stopped_by))
         else:
             log.warning("worker %r is running again (restart %d)", group, r.count[group])
 
@@ -683,22 +685,46 @@ class _Session:
         ``WorkerFailedError`` naming the worker and how it ended, unless its restart policy starts
         it again."""
         try:
-            return await self._supervise(deadline)
-        except PeerLostError as e:
-            # Our link to a worker went down (a probe or a stop found it gone): its process has
-            # died or is dying. Name it by its exit, the first to die first, not by the link.
-            loop = asyncio.get_running_loop()
-            end = loop.time() + 5.0
-            while loop.time() < end:
-                self._check_children()
-                await asyncio.sleep(0.02)
-            raise WorkerFailedError(f"lost a worker: {e}") from e
+            try:
+                return await self._supervise(deadline)
+            except PeerLostError as e:
+                # Our link to a worker went down (a probe or a stop found it gone): its process has
+                # died or is dying. Name it by its exit, the first to die first, not by the link.
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 5.0
+                while loop.time() < end:
+                    self._check_children()
+                    await asyncio.sleep(0.02)
+                raise WorkerFailedError(f"lost a worker: {e}") from e
+        except WorkerFailedError:
+            await self._stop_survivors()
+            raise
         finally:
             await self.restarts.end_tries()
 
+    async def _stop_survivors(self) -> None:
+        """A worker failed and the run ends: the others are told why and given ``FAILURE_STOP_S`` to
+        run their shutdown reactions (a node's last checkpoint and summary, saying that the run
+        failed) before the reaping's SIGTERM ends any that have not."""
+        self.stopped_by = "failure"
+        self._broadcast(("stop", "failure"))
+        dead = self.workers.dead()
+        live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down}
+        loop = asyncio.get_running_loop()
+        end = loop.time() + FAILURE_STOP_S
+        while live and loop.time() < end:
+            try:
+                batch = await self.ep.recv_batch(timeout_s=0.1)
+            except Exception:  # noqa: BLE001 - a link going down as the run ends changes nothing here
+                break
+            for peer, msg in batch:
+                if msg[0] == "done":
+                    live.discard(peer)
+            live -= set(self.workers.dead())
+
     def _stop(self, why: str) -> None:
         self.stopped_by = why
-        self._broadcast(("stop",))
+        self._broadcast(("stop", why))
 
     async def _supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -740,6 +766,10 @@ class _Session:
                         self.status[peer] = (msg[1], msg[2], msg[3], msg[4])
                 elif kind == "stop_request" and self.stopped_by is None:
                     self._stop("request")
+                elif kind == "ending":
+                    self.ending[peer] = msg[1]
+                    if self.stopped_by is None and all(n in self.ending or n in self.results for n in self.procs):
+                        self._stop("stop_time" if any(self.ending.values()) else "quiescence")
                 elif kind == "replay_done":
                     self.replay_done.add(peer)
                     if len(self.replay_done) == len(self.procs) and self.stopped_by is None:

@@ -13,11 +13,12 @@ worker <- worker (only from a process that owns the link's source):
     ("m", link, seq, time_ns, microstep, value)    a reactor message on link ``link``
     ("p", time_ns, microstep, d_ns, d_micro, n)    a promise (d_ns -1: unconditional)
 worker <- coordinator (only from the coordinator):
-    ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",), ("exit",),
+    ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
     ("lost", group, reason), ("restarted", group, address, restarts)   restart policies (async runs)
 coordinator <- worker (only from the run's worker groups):
     ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
-    ("replay_done",), ("done", result), ("error", text), ("reconnected", group)  (it links to a restarted group)
+    ("replay_done",), ("ending", stop_pending), ("done", result), ("error", text),
+    ("reconnected", group)  (it links to a restarted group)
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
 worker, when it delivers (``Worker._take``).
@@ -192,6 +193,14 @@ def _result(v: Any) -> str | None:
     return None
 
 
+#: Why the coordinator stops a run (RunResult.stopped_by's words, and a worker's failure).
+STOP_REASONS = frozenset({"stop_time", "quiescence", "request", "signal", "replay", "failure"})
+
+
+def _stop_reason(v: Any) -> str | None:
+    return None if type(v) is str and v in STOP_REASONS else f"one of {sorted(STOP_REASONS)} expected, got {_show(v)}"
+
+
 #: kind -> the checks of the fields after the kind, in order.
 PEER_KINDS: dict[str, tuple[Check, ...]] = {
     "m": (_count, _count, _time, _count, _any),
@@ -201,7 +210,7 @@ COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
     "peers": (_address_book,),
     "start": (),
     "probe": (_count,),
-    "stop": (),
+    "stop": (_stop_reason,),
     "exit": (),
     "lost": (_group, _text),
     "restarted": (_group, _address, _count),
@@ -212,6 +221,7 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "status": (_epoch, _bool, _count, _count),
     "stop_request": (),
     "replay_done": (),
+    "ending": (_bool,),
     "done": (_result,),
     "error": (_text,),
     "reconnected": (_group,),

@@ -188,20 +188,30 @@ async def drive_single(host: ReactorHost, stop_ns: int | None) -> str:
 
 async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:
     try:
-        if host.deterministic:
-            host._seed_events()
-            while not host.stop_requested and not signalled.is_set():
-                ran = await host.run_ready()
-                if ran == 0:
-                    break
-                await asyncio.sleep(0)
-            why = "signal" if signalled.is_set() else "request" if host.stop_requested else (
-                "stop_time" if stop_ns is not None and host.heap else "quiescence")
-        else:
-            why = await _drive_async(host, stop_ns, signalled)
+        why = await _drive_until_stop(host, stop_ns, signalled)
+        host.stop_reason = why
+    except asyncio.CancelledError:
+        host.stop_reason = host.stop_reason or "terminated"
+        raise
+    except BaseException:
+        host.stop_reason = "failure"
+        raise
     finally:
         await host.run_shutdown()
     return why
+
+
+async def _drive_until_stop(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:
+    if not host.deterministic:
+        return await _drive_async(host, stop_ns, signalled)
+    host._seed_events()
+    while not host.stop_requested and not signalled.is_set():
+        ran = await host.run_ready()
+        if ran == 0:
+            break
+        await asyncio.sleep(0)
+    return "signal" if signalled.is_set() else "request" if host.stop_requested else (
+        "stop_time" if stop_ns is not None and host.heap else "quiescence")
 
 
 async def _drive_async(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:

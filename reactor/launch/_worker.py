@@ -12,8 +12,9 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
                                                    after the first n (d_ns -1: U alone); see
                                                    ReactorHost.refresh
 worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle, sent, received), ("stop_request",),
-    ("done", result), ("error", text), ("reconnected", group)
-coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop",),
+    ("ending", stop_pending) (deterministic: it ended on its own; answered with "stop" and the run's
+    reason), ("done", result), ("error", text), ("reconnected", group)
+coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why),
     ("lost", group, reason), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
 
@@ -44,6 +45,7 @@ log = logging.getLogger("reactor.worker")
 #: out at most this often. Reporting after every message cost a coordinator wake-up
 #: per message on every worker; the delay only postpones the end of a quiet run by as much.
 STATUS_INTERVAL_S = 0.02
+VERDICT_TIMEOUT_S = 600.0  # a deterministic worker ended on its own: how long it waits to hear why the run did
 #: Deterministic mode: a promise on links with delay D > 0 goes out once grown by D / this.
 _PROMISE_QUANTUM_DIV = 4
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
@@ -270,15 +272,23 @@ class Worker:
             try:
                 if deterministic:
                     await self._run_deterministic(out_peers, min_delay)
+                    if host.stop_reason is None:
+                        await self._await_verdict()
                 else:
                     await self._run_async()
+            except asyncio.CancelledError:
+                host.stop_reason = host.stop_reason or "terminated"
+                raise
             except Exception as e:
+                host.stop_reason = "failure"
                 outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-(1 << 20):]))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5):
                         await outbox.empty.wait()
                 raise
             finally:
+                if host.stop_reason is None:  # it ended on its own (the coordinator's "stop" names its reason)
+                    host.stop_reason = "stop_time" if deterministic and _stop_pending(host) else "quiescence"
                 await host.run_shutdown()
             incomplete = None
             if replayer is not None and not all(n in replayer.done for n in local):
@@ -362,6 +372,22 @@ class Worker:
 
     # -- control ---------------------------------------------------------------------------------
 
+    async def _await_verdict(self) -> None:
+        """A deterministic run ended here on its own: whether the run as a whole ended at its stop
+        time or with nothing left to happen is known only from every worker's end (a message
+        tagged past the stop time counts at its sender), so ask the coordinator before the shutdown
+        reactions run (``Reactor.stopped_by``). Nothing can happen here meanwhile."""
+        host = self.host
+        self.outbox.send(COORDINATOR, ("ending", _stop_pending(host)))
+        try:
+            why = await self._wait_control("stop", timeout_s=VERDICT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("%s: the coordinator did not say within %.0f s why the run ended; going on", self.group,
+                        VERDICT_TIMEOUT_S)
+            return
+        if host.stop_reason is None:
+            host.stop_reason = why
+
     async def _wait_control(self, what: str, timeout_s: float = 120) -> Any:
         """Wait for control message ``what``; keep every other message (peers may start first)."""
         async with asyncio.timeout(timeout_s):
@@ -377,6 +403,8 @@ class Worker:
     def _on_control(self, msg: Any) -> None:
         kind = msg[0]
         if kind == "stop":
+            if self.host.stop_reason is None:
+                self.host.stop_reason = msg[1]
             self.stop.set()
             self.host.stop_requested = True
             self.host._kick()

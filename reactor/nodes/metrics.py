@@ -299,7 +299,7 @@ class Metrics(Reactor):
             "reached_target": self.best_eval is not None
             and self.target_return is not None
             and self.best_eval >= self.target_return,
-            "stop_reason": self.stop_reason or "run ended",
+            "stop_reason": self.stop_reason or _RUNTIME_STOPS.get(self.stopped_by or "", "run ended"),
             "evaluations": [{"wall_s": w, "env_steps": s, "eval_return": r} for w, s, r in self.evals],
         }
         # The whole command's time (`reactor run` sets REACTOR_COMMAND_T0 when it starts; its
@@ -319,6 +319,18 @@ class Metrics(Reactor):
             pass
         # The result, also without live progress: a run that ends silently leaves its user guessing.
         print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot), flush=True)
+
+
+#: Why a run ended that none of this node's own reasons (a target, a budget) explains: the runtime's.
+_RUNTIME_STOPS = {
+    "signal": "a signal (Ctrl-C or SIGTERM)",
+    "failure": "the run failed (its error names the worker or reaction)",
+    "terminated": "this node's process was ended from outside (SIGTERM)",
+    "stop_time": "the run's stop time (--stop-s)",
+    "request": "a node asked the run to stop",
+    "replay": "the replay reached the end of its recording",
+    "quiescence": "nothing left to happen (every source of events had ended)",
+}
 
 
 def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None) -> str:

@@ -291,6 +291,10 @@ def test_a_worker_killed_at_a_random_moment_ends_the_run_with_its_name_and_leave
         assert segments_before, "the shards of a windows app keep their rings in shared memory"
     assert not list(Path("/dev/shm").glob(f"rxb.{run_id}.*"))
     assert not list(_rt(tmp_path).glob("reactor-*"))
+    if victim != "learner":  # (Metrics runs beside the learner) The survivors were told why the run ended
+        why = json.loads((tmp_path / "run" / "summary.json").read_text())["stop_reason"]
+        # (told in the 3 s the survivors get; a learner deep in an update past them is SIGTERMed)
+        assert why.startswith(("the run failed", "this node's process was ended from outside")), why
 
 
 @pytest.mark.timeout(300)

@@ -194,10 +194,10 @@ def test_workers_late_to_start_end_the_run_naming_them_and_what_they_were_doing(
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
-    ready = tmp_path / "ready"
+    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
     p = subprocess.Popen(
         [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
-         "--set", f"ready_file='{ready}'"],
+         "--set", f"ready_file='{ready}'", f"stopped_file='{stopped}'"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
     try:
@@ -211,11 +211,53 @@ def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 128 + sig, err  # 130 for Ctrl-C, 143 for SIGTERM, after a clean stop
         assert "run ended (signal)" in out
+        assert stopped.read_text() == "signal"  # what the sink's shutdown reaction was told
         assert not [w for w in workers if _alive(w)]
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_workers_failure_stops_the_others_cleanly_and_their_shutdown_reactions_are_told_why(tmp_path):
+    """A worker killed mid-run fails the run (no restart policy); the survivors are stopped with the
+    reason, so their shutdown reactions (a last checkpoint, a summary) run knowing the run failed,
+    before the reaping's SIGTERM."""
+    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
+         "--set", f"ready_file='{ready}'", f"stopped_file='{stopped}'"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ready.exists():
+            time.sleep(0.1)
+        tickers = [w for w in _workers(p.pid) if Path(f"/proc/{w}/comm").read_text().startswith("rx:ticker-0")]
+        assert ready.exists() and len(tickers) == 1, tickers
+        os.kill(tickers[0], signal.SIGKILL)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 1, err
+        assert "worker 'ticker-0' was killed by SIGKILL before the run ended" in err
+        assert stopped.read_text() == "failure"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_stopped_by_tells_a_shutdown_reaction_why_the_run_ended_under_single_and_processes(tmp_path):
+    """At the stop time, or with nothing left to happen: in a deterministic run over processes each
+    worker that ends on its own hears the run's reason (only the union of the workers' ends says
+    which) before its shutdown reactions run."""
+    for placement in ("single", "processes"):
+        for once, why in ((False, "stop_time"), (True, "quiescence")):
+            stopped = tmp_path / f"stopped-{placement}-{once}"
+            got = _run(str(APPS / "forever.py"), {"stopped_file": str(stopped), "once": once}, placement=placement,
+                       stop_s=0.05)
+            assert got.stopped_by == why
+            assert stopped.read_text() == why, (placement, once)
 
 
 def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, sig=signal.SIGINT):

@@ -332,8 +332,9 @@ def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):
 @pytest.mark.parametrize("budget,reason", [
     (20_000, "the actors' env-step budget reached (20,000 env steps, max_env_steps 20,000), and the learner took "
              "what the replay allowed"),
-    (30_000, "run ended"),  # (the actors stopped short of it: something else ended the run)
-    (None, "run ended"),
+    # (the actors stopped short of it: something else ended the run, and the runtime says what)
+    (30_000, "nothing left to happen (every source of events had ended)"),
+    (None, "nothing left to happen (every source of events had ended)"),
 ])
 def test_a_run_that_ends_on_the_actors_own_budget_names_it_as_the_stop_reason(tmp_path, capsys, budget, reason):
     """Regression (a newcomer's pass, session 52): the training graphs' actors stop at their shares of

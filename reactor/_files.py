@@ -126,8 +126,8 @@ def check_ipc_bind(address: str) -> None:
 
 
 def refuse_file_links(directory: str | os.PathLike[str], max_entries: int = 100_000) -> None:
-    """Refuse a run directory that holds a symbolic link to anything but a directory, or a FIFO, a
-    device or a socket, at any depth
+    """Refuse a run directory that holds a symbolic link to anything but a directory, a FIFO, a
+    device, a socket, or a file with more than one hard link, at any depth
     (links to directories are followed, each once: a user may keep a shard's checkpoints on another
     disk). A run writes its files in place (a checkpoint's temporary file, ``metrics.csv``, a shard's
     counter and log segments): through such a link it would overwrite or truncate the file it names.
@@ -164,3 +164,7 @@ def refuse_file_links(directory: str | os.PathLike[str], max_entries: int = 100_
             elif not e.is_file(follow_symlinks=False):  # a FIFO (its open waits for ever), a device, a socket
                 raise ValueError(f"run directory {os.fspath(directory)} holds {e.path}, which is neither a file nor "
                                  f"a directory: a run reads and writes only its own files there; remove it")
+            elif (links := e.stat(follow_symlinks=False).st_nlink) > 1:  # (cp -al: a copy that shares its files)
+                raise ValueError(f"run directory {os.fspath(directory)} holds {e.path}, a file with {links} hard links: "
+                                 f"a run writes its files in place, and would change every other copy (a directory "
+                                 f"copied with cp -al or cp -l); copy it with cp -r instead")

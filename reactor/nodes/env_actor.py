@@ -40,8 +40,9 @@ import numpy as np
 
 from .._files import read_small_json, replace_small
 from .._graph import plain_name
-from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, startup
+from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._registry import denormals_flushed
+from ._runclaim import claim_run_dir
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
 from .writer import TransitionPattern, WindowPattern, Writer
@@ -190,6 +191,7 @@ class EnvActor(Reactor):
                 flush_steps=self.flush_steps,
             )
         if self.run_dir:
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume, who=self.name)
             self.progress = Path(self.run_dir) / f"{plain_name(self.name)}.progress.json"
             if self.resume or self.restarts > 0:
                 saved = _saved_progress(self.progress)
@@ -353,6 +355,12 @@ class EnvActor(Reactor):
         self.waiting_for = self.version + 1
         self._report()  # exact env-step counts at each update (Metrics logs evaluations against them)
 
+
+    @reaction(triggers=[shutdown])
+    def release_run_dir(self) -> None:
+        claim = getattr(self, "_run_claim", None)
+        if claim is not None:
+            claim.release()
 
 def _saved_progress(path: Path) -> dict[str, Any]:
     """What an earlier life saved in ``path`` (:meth:`EnvActor._report`): ``explore_steps`` (the env

@@ -59,6 +59,7 @@ from .._files import refuse_file_links, replace_small
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import check_saved_weights, denormals_flushed, error_line, weights_sha256
+from ._runclaim import check_resumable, claim_run_dir
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
 from .replay_client import ONE_SIDED_ERRORS, REMOTE_READS
@@ -105,6 +106,7 @@ class _LearnerBase(Reactor):
 
         if self.run_dir:  # (first: a learner refused here has no state, and saves nothing at shutdown)
             refuse_file_links(self.run_dir)
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume, who=self.name)
         configure_torch()
         self.algo = load_algorithm(algo)
         self.config = self.algo.Config.from_dict(dict(algo_config or {}))
@@ -129,13 +131,31 @@ class _LearnerBase(Reactor):
                                     replicas=self.bank_size)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
+        if self.ckpt is not None and (self.ckpt.exists() or self.ckpt.is_symlink()) and not self.ckpt.is_file():
+            del self.state  # (nothing is saved at shutdown: _finish)
+            raise ValueError(f"{self.name}: {self.ckpt} is not a file: the learner's checkpoint goes there; remove it")
+        if self.ckpt is not None and self.resume and self.restarts == 0:
+            self._check_same_run()
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
         if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
             self._resume(torch)
+        elif self.resume and self.ckpt is not None and self.restarts == 0:
+            logging.getLogger("reactor.learner").warning(
+                "%s: resume=True, but %s holds no learner.pt (the earlier run was killed before it saved one: a run "
+                "saves it at its end, and every checkpoint_every updates when set): the learner starts from fresh "
+                "weights; the replay and the actors' schedules go on from theirs", self.name, self.run_dir)
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
         if self.bank_size > 1:
             self._join_data_parallel()
+
+    def _check_same_run(self) -> None:
+        assert self.ckpt is not None
+        try:
+            check_resumable(self.ckpt.parent, self.algo_name, self.env_name, self.name)
+        except ValueError:
+            del self.state  # (nothing is saved at shutdown: _finish)
+            raise
 
     def _resume(self, torch: Any) -> None:
         """Load ``learner.pt`` into the fresh state. One that does not load (another network's shape:
@@ -335,7 +355,16 @@ class _LearnerBase(Reactor):
         return sha
 
     def _finish(self) -> None:
-        """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir)."""
+        """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir); then
+        the run directory's claim goes."""
+        try:
+            self._finish_files()
+        finally:
+            claim = getattr(self, "_run_claim", None)
+            if claim is not None:
+                claim.release()
+
+    def _finish_files(self) -> None:
         if not hasattr(self, "state"):
             return
         self._leave_bank()

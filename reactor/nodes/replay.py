@@ -97,6 +97,7 @@ from ..transport import bulk as _bulk
 from ..transport._shm import HUGE_NBYTES, huge_pages_allowed
 from ._onesided_remote import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
+from ._runclaim import claim_run_dir
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from ._shardstore import ShardStore
 from .messages import (
@@ -422,6 +423,7 @@ class Replay(Reactor):
         directory = Path(self.run_dir) / plain_name(self.name) if self.run_dir else None
         if directory is not None:
             refuse_file_links(directory)
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore, who=self.name)
         store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
                            wal=self.wal)
         # (A restarted shard starts from its latest checkpoint.) Kept only once open: a store whose open
@@ -908,6 +910,14 @@ class Replay(Reactor):
 
     @reaction(triggers=[shutdown])
     async def close(self) -> None:
+        try:
+            await self._close()
+        finally:
+            claim = getattr(self, "_run_claim", None)
+            if claim is not None:
+                claim.release()
+
+    async def _close(self) -> None:
         if self.table is None:
             return
         owner, self._owner = self._owner, None

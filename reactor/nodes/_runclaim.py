@@ -1,0 +1,168 @@
+"""Which run a run directory belongs to, so that a run never writes over another's files.
+
+``run.json`` in the directory names the run that owns it (its run id), and every process of that run
+that writes there (its learner, metrics, actors' progress, replay shards) holds a shared ``flock`` on
+``run.lock`` for as long as it does. A node claims the directory first thing at its start:
+
+- the directory's own run (a restarted worker, another process of the run): shared lock, and on;
+- another run's, or files a training run leaves with no ``run.json`` (a directory from before it
+  existed): taken over only by ``resume=True``, and only once no process of that run holds the lock
+  (two live runs in one directory interleaved their metrics and replaced each other's weights);
+- an empty or new directory: this run's, unless ``resume=True`` (a mistyped run directory to resume
+  trained a fresh network without a word).
+
+Each claim is released at its node's shutdown; the lock goes with a process that dies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .._files import read_small_json, replace_small
+
+__all__ = ["RUN_FILE", "RunDirClaim", "check_resumable", "claim_run_dir"]
+
+RUN_FILE = "run.json"
+LOCK_FILE = "run.lock"
+#: Files a training run leaves in its directory (one made before run.json existed has only these).
+RUN_FILES = ("learner.pt", "metrics.csv", "config.json", "summary.json", "metrics.counters.json")
+#: How long a claim waits for another claimant of its own run (which holds the lock exclusively for
+#: the moment it writes run.json) before it counts the lock's holder as another live run.
+CLAIM_WAIT_S = 10.0
+
+_claims: dict[str, list[Any]] = {}  # real path -> [descriptor, run id, claims in this process]
+_claims_lock = threading.Lock()
+
+
+class RunDirClaim:
+    """A node's claim on its run directory; :meth:`release` at its shutdown (idempotent)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+
+    def release(self) -> None:
+        key, self.key = self.key, None
+        if key is None:
+            return
+        with _claims_lock:
+            held = _claims.get(key)
+            if held is None:
+                return
+            held[2] -= 1
+            if held[2] == 0:
+                del _claims[key]
+                os.close(held[0])  # (closing the descriptor releases its lock)
+
+
+def _owner(directory: Path) -> str | None:
+    """The run id ``run.json`` names; None where there is none.
+
+    Raises:
+        ValueError: a ``run.json`` that is not one (naming the file).
+    """
+    path = directory / RUN_FILE
+    if not path.exists():
+        return None
+    data = read_small_json(path, 1 << 16)
+    if type(data) is not dict or type(data.get("run_id")) is not str:
+        raise ValueError(f"{path} is not a run record of reactor's (it names no run_id); remove it, or use another "
+                         f"run directory")
+    return str(data["run_id"])
+
+
+def _earlier_run(directory: Path) -> bool:
+    return any((directory / f).exists() for f in RUN_FILES) or any(directory.glob("replay*"))
+
+
+def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool, who: str) -> RunDirClaim:
+    """Claim ``run_dir`` for run ``run_id`` (see the module's docstring); ``who`` names the node in errors.
+
+    Raises:
+        ValueError: the directory is another run's and ``resume`` is not set, is in use by a live
+            run, holds no earlier run to resume, or has a ``run.json`` that is not one; each names
+            the directory and what to do.
+    """
+    directory = Path(run_dir)
+    if resume and not directory.exists():  # (not made: a mistyped path leaves nothing behind)
+        raise ValueError(f"{who}: resume=True, but run directory {run_dir} does not exist: is the path right? Without "
+                         f"resume=True a new run starts there")
+    directory.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(directory)
+    with _claims_lock:
+        held = _claims.get(key)
+        if held is not None:
+            if held[1] != run_id:  # (runs in one process follow one another: an earlier one's claim is a bug)
+                raise ValueError(f"{who}: run directory {run_dir} is in use by run {held[1]} in this process")
+            held[2] += 1
+            return RunDirClaim(key)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            _claim(fd, directory, run_dir, run_id, resume, who)
+        except BaseException:
+            os.close(fd)
+            raise
+        _claims[key] = [fd, run_id, 1]
+        return RunDirClaim(key)
+
+
+def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, who: str) -> None:
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        owner = _owner(directory)
+        if owner == run_id:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"{who}: run directory {run_dir} is in use by a live run ({owner or 'unnamed'}): two "
+                                 f"runs writing one directory overwrite each other's files; stop that run first, or "
+                                 f"use another run_dir") from None
+            time.sleep(0.05)
+            continue
+        break
+    # No process of any run holds the directory now.
+    owner = _owner(directory)
+    if owner == run_id:  # (another claimant of this run wrote it in the meantime)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return
+    earlier = owner is not None or _earlier_run(directory)
+    if earlier and not resume:
+        raise ValueError(f"{who}: run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run "
+                         f"there would overwrite its weights and metrics. Resume it (--set resume=True), or name a "
+                         f"new run_dir")
+    if resume and not earlier:
+        raise ValueError(f"{who}: resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, "
+                         f"learner.pt or metrics.csv): is the path right? Without resume=True a new run starts there")
+    replace_small(directory / RUN_FILE, (json.dumps({"run_id": run_id, "resumed_from": owner}) + "\n").encode())
+    fcntl.flock(fd, fcntl.LOCK_SH)  # (others of this run may claim now)
+
+
+def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: str) -> None:
+    """A resumed run is the same training as the earlier one in its directory: the same algorithm and
+    env (its ``config.json`` names them). Resuming another app's directory wrote this run's rows into
+    that app's metrics and its config over that app's. Nothing to check where there is no config.json.
+
+    Raises:
+        ValueError: naming both runs' algorithm and env, or the unreadable config.json.
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return
+    try:
+        earlier = read_small_json(path, 1 << 20)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{who}: cannot resume: {e}") from None
+    if type(earlier) is dict and (earlier.get("algo"), earlier.get("env")) != (algo, env):
+        raise ValueError(f"{who}: cannot resume run directory {run_dir}: it holds a run of {earlier.get('algo')!r} on "
+                         f"{earlier.get('env')!r} (its config.json), and this run is {algo!r} on {env!r}; name "
+                         f"another run_dir")

@@ -83,10 +83,11 @@ def read_small_json(path: str | os.PathLike[str], max_nbytes: int = 1 << 20) -> 
         raise ValueError(f"{Path(path)}: not a JSON document ({type(e).__name__})") from None
 
 
-def replace_small(path: str | os.PathLike[str], data: bytes) -> None:
+def replace_small(path: str | os.PathLike[str], data: bytes, sync: bool = False) -> None:
     """Put ``data`` at ``path`` whole: written to a new file beside it (``.NAME.tmp``, created afresh,
     so a link planted there is not written through), then renamed over ``path`` (which replaces a link
-    at ``path`` rather than writing through it). A reader sees the old file or the new one.
+    at ``path`` rather than writing through it). A reader sees the old file or the new one; with
+    ``sync``, the data is on disk before the rename.
 
     Raises:
         OSError: the file cannot be written or renamed (a full disk, a directory in the way).
@@ -100,6 +101,9 @@ def replace_small(path: str | os.PathLike[str], data: bytes) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -4,25 +4,34 @@ A trace records, for every reactor instance, the sequence of events it processed
 ``(kind, rank, seq)``: the kind (startup, timer, action, input), the timer/action index or the
 link index the message came through, and the message's sequence number on that link. Payloads are
 not stored: a replay run regenerates them, because every reactor's behaviour is a function of the
-events it saw and its seeded generators. The file is msgpack (never pickle), written atomically.
+events it saw and its seeded generators. The file is msgpack (never pickle), written atomically, and
+holds the sha256 of its events table: a schedule cut short or edited by hand replayed to a "successful"
+end (a reactor's list halved, or gone: the run did less, exit 0).
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from ._errors import MalformedFrameError, TraceMismatchError
-from ._files import read_small
+from ._files import read_small, replace_small
 from ._graph import Graph
 from ._scheduler import KIND_NAMES
 
 FORMAT = "reactor-trace"
 VERSION = 1
-MAX_TRACE_NBYTES = 2**31
+#: The largest trace read (~16M events; held in memory as Python tuples, a trace takes ~45x its size).
+MAX_TRACE_NBYTES = 64 * 2**20
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
+
+
+def _events_digest(events: dict[str, list[Any]]) -> str:
+    return hashlib.sha256(msgpack.packb(events, use_bin_type=True)).hexdigest()
 
 
 def graph_shape(graph: Graph) -> dict[str, list[Any]]:
@@ -85,14 +94,10 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
         "placement": trace.get("placement", "single"),
         "events": {k: [list(e) for e in v] for k, v in sorted(trace["events"].items())},
     }
+    body["events_sha256"] = _events_digest(body["events"])
     if trace.get("graph") is not None:
         body["graph"] = trace["graph"]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgpack.packb(body, use_bin_type=True))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_small(path, msgpack.packb(body, use_bin_type=True), sync=True)
 
 
 def read_trace(path: str | Path) -> dict[str, Any]:
@@ -120,6 +125,13 @@ def read_trace(path: str | Path) -> dict[str, Any]:
     events = body.get("events")
     if not isinstance(events, dict) or not all(isinstance(v, list) for v in events.values()):
         raise MalformedFrameError(f"{path}: the events table is damaged")
+    digest = body.get("events_sha256")
+    if not isinstance(digest, str) or not _SHA256.match(digest):
+        raise MalformedFrameError(f"{path} holds no digest of its events (a trace of an older reactor, or damaged): "
+                                  f"record the run again")
+    if _events_digest(events) != digest:
+        raise MalformedFrameError(f"{path}: its events are not those it was written with (cut short or edited: their "
+                                  f"sha256 differs from the one recorded); record the run again")
     for name, evs in events.items():  # each event: [a known kind, a rank, a sequence number]
         for i, e in enumerate(evs):
             if not (isinstance(e, list) and len(e) == 3 and all(type(x) is int and x >= 0 for x in e)
@@ -134,6 +146,11 @@ def read_trace(path: str | Path) -> dict[str, Any]:
                 and isinstance(lk[4], int) for lk in shape["links"])
     ):
         raise MalformedFrameError(f"{path}: the graph table is damaged")
+    if shape is None:
+        raise MalformedFrameError(f"{path} does not record its graph (a trace of an older reactor): record the run again")
+    strangers = set(body["events"]) - set(shape["reactors"])
+    if strangers:
+        raise MalformedFrameError(f"{path}: its events name reactors its graph lacks: {_few(strangers)}")
     return body
 
 

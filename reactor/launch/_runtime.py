@@ -84,6 +84,14 @@ def check_settings(graph: Graph, *, placement: str, deterministic: bool, record:
         raise ValueError("record and replay are exclusive: a replay run enforces a schedule, it does not make one")
     if (record is not None or replay is not None) and deterministic:
         raise ValueError("record/replay apply to async mode; deterministic runs are reproducible by construction")
+    if record is not None:  # (it is written at the end: a path that cannot take it failed after the whole run)
+        target = Path(record)
+        if target.is_dir():
+            raise ValueError(f"record {str(record)!r} is a directory: name the trace file to write")
+        if not target.parent.is_dir():
+            raise ValueError(f"record {str(record)!r}: its directory {str(target.parent)!r} does not exist")
+        if not os.access(target.parent, os.W_OK):
+            raise ValueError(f"record {str(record)!r}: its directory {str(target.parent)!r} cannot be written")
     why = restart_refusal(restart, deterministic, replay is not None)
     if why is not None:
         raise ValueError(why)

@@ -191,7 +191,8 @@ class EnvActor(Reactor):
                 flush_steps=self.flush_steps,
             )
         if self.run_dir:
-            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume, who=self.name)
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume or self.restarts > 0,
+                                            who=self.name)
             self.progress = Path(self.run_dir) / f"{plain_name(self.name)}.progress.json"
             if self.resume or self.restarts > 0:
                 saved = _saved_progress(self.progress)

@@ -106,7 +106,8 @@ class _LearnerBase(Reactor):
 
         if self.run_dir:  # (first: a learner refused here has no state, and saves nothing at shutdown)
             refuse_file_links(self.run_dir)
-            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume, who=self.name)
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume or self.restarts > 0,
+                                            who=self.name)
         configure_torch()
         self.algo = load_algorithm(algo)
         self.config = self.algo.Config.from_dict(dict(algo_config or {}))

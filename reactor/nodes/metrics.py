@@ -124,7 +124,8 @@ class Metrics(Reactor):
     def open_logs(self) -> None:
         self.dir = Path(self.run_dir)
         refuse_file_links(self.dir)
-        self._run_claim = claim_run_dir(self.dir, self.run_id, resume=self.resume, who=self.name)
+        self._run_claim = claim_run_dir(self.dir, self.run_id, resume=self.resume or self.restarts > 0,
+                                        who=self.name)
         self.t_start = self.t0 = time.monotonic()
         self.started.schedule()  # fires after every startup reaction of this tag (a later microstep)
         path = self.dir / "metrics.csv"
@@ -135,6 +136,14 @@ class Metrics(Reactor):
         if self.restarts > 0 or self.resume:
             self._take_counts(self.dir / COUNTS_FILE, path)
         earlier = _earlier_rows(path) if self.restarts > 0 or self.resume else None
+        if earlier is None and (self.restarts > 0 or self.resume) and path.exists():
+            # Not a metrics.csv this node can go on with (a damaged header, a byte that is not UTF-8):
+            # kept beside the new one, never truncated (the run's whole history went, in silence).
+            kept = path.with_name(f"metrics.unreadable-{int(time.time())}.csv")
+            os.replace(path, kept)
+            logging.getLogger("reactor.metrics").warning(
+                "%s: %s is not a metrics file this run can go on with (its header or encoding is damaged): kept as "
+                "%s, and a new metrics.csv starts", self.name, path, kept.name)
         self.csv_file = open(path, "a" if earlier else "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
         self.wall_offset = 0.0

@@ -423,7 +423,8 @@ class Replay(Reactor):
         directory = Path(self.run_dir) / plain_name(self.name) if self.run_dir else None
         if directory is not None:
             refuse_file_links(directory)
-            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore, who=self.name)
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore or self.restarts > 0,
+                                           who=self.name)
         store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
                            wal=self.wal)
         # (A restarted shard starts from its latest checkpoint.) Kept only once open: a store whose open

@@ -137,6 +137,56 @@ def test_a_trace_with_an_impossible_event_is_refused_at_once_naming_it(tmp_path)
         read_trace(tmp_path / "fifo.trace")
 
 
+def test_a_trace_cut_short_or_edited_outside_the_writer_is_refused_before_it_replays(tmp_path):
+    """A reactor's schedule halved, or gone, or every schedule gone, replayed to a "successful" end
+    (the run did less, exit 0): the trace's events carry their sha256, and a trace without it, or
+    without its graph, is refused (hostile probe of files on disk, session 54)."""
+    import msgpack
+
+    from reactor._errors import MalformedFrameError
+
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.3)
+    raw = msgpack.unpackb(trace.read_bytes())
+    sink = raw["events"]["sink"]
+    edits = {
+        "halved": {**raw, "events": {**raw["events"], "sink": sink[: len(sink) // 2]}},
+        "gone": {**raw, "events": {k: v for k, v in raw["events"].items() if k != "sink"}},
+        "empty": {**raw, "events": {}},
+    }
+    for name, body in edits.items():
+        (tmp_path / f"{name}.trace").write_bytes(msgpack.packb(body))
+        with pytest.raises(MalformedFrameError, match=r"its events are not those it was written with \(cut short"):
+            run(build_graph(APP, {}), deterministic=False, replay=tmp_path / f"{name}.trace", seed=1)
+    for key, why in (("events_sha256", "holds no digest of its events"), ("graph", "does not record its graph")):
+        (tmp_path / "old.trace").write_bytes(msgpack.packb({k: v for k, v in raw.items() if k != key}))
+        with pytest.raises(MalformedFrameError, match=why):
+            read_trace(tmp_path / "old.trace")
+    stranger = {**raw["events"], "mallory": [[0, 0, 0]]}
+    write_trace(tmp_path / "stranger.trace", {**raw, "events": stranger})
+    with pytest.raises(MalformedFrameError, match=r"its events name reactors its graph lacks: mallory$"):
+        read_trace(tmp_path / "stranger.trace")
+    assert run(build_graph(APP, {}), deterministic=False, replay=trace, seed=1).stopped_by == "replay"
+
+
+def test_a_record_path_that_cannot_take_the_trace_is_refused_before_the_run_and_a_link_is_not_written_through(
+        tmp_path):
+    """It failed after the whole run (the recording left at NAME.tmp, unsaid); a link planted at the
+    temporary name had the trace written through it, over the file it named."""
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ValueError, match=r"is a directory: name the trace file to write"):
+        run(build_graph(APP, {}), deterministic=False, record=tmp_path / "adir", seed=1, stop_s=0.1)
+    with pytest.raises(ValueError, match=r"its directory .*no-such' does not exist"):
+        run(build_graph(APP, {}), deterministic=False, record=tmp_path / "no-such" / "x.trace", seed=1, stop_s=0.1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for planted in (".run.trace.tmp", "run.trace.tmp"):
+        (tmp_path / planted).symlink_to(victim)
+    run(build_graph(APP, {}), deterministic=False, record=tmp_path / "run.trace", seed=1, stop_s=0.1)
+    assert victim.read_text() == "keep me"
+    assert not (tmp_path / "run.trace").is_symlink() and read_trace(tmp_path / "run.trace")["seed"] == 1
+
+
 class _Split(Reactor):
     """Sends ``to_c`` numbers to ``c`` and ``to_d`` to ``d`` at its startup."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import re
 import subprocess
@@ -121,7 +122,7 @@ class _RestartedMetrics(Metrics):
 def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path):
     """A restarted life (its process killed and started again) appends to the run's metrics.csv: the
     earlier life's rows stay (a row its death cut short is cut off), its wall clock goes on from them, and
-    the summary counts every life's evaluations. A first life starts the file anew."""
+    the summary counts every life's evaluations. A new run is refused the directory."""
     run(_graph(tmp_path, actors=1))  # the first life: 10 rounds, evaluations 100..1000
     with open(tmp_path / "metrics.csv", "a") as f:
         f.write("0.02,5000,actor,env_ste")  # its death mid-write
@@ -141,10 +142,27 @@ def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path)
     assert evals == [100.0 * k for k in range(1, 11)] + [100.0, 200.0]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [e["eval_return"] for e in summary["evaluations"]] == evals and summary["best_eval_return"] == 1000.0
-    run(_graph(tmp_path, actors=1))  # a first life again (a new run in this directory): the file anew
-    with open(tmp_path / "metrics.csv", newline="") as f:
-        assert [float(r["value"]) for r in csv.DictReader(f) if r["name"] == "eval_return"] == \
-            [100.0 * k for k in range(1, 11)]
+    kept = (tmp_path / "metrics.csv").read_bytes()
+    with pytest.raises(ValueError, match="holds an earlier run"):  # a new run in this directory: refused
+        run(_graph(tmp_path, actors=1))
+    assert (tmp_path / "metrics.csv").read_bytes() == kept
+
+
+def test_a_resumed_runs_metrics_csv_with_a_damaged_header_is_kept_aside_not_truncated(tmp_path, caplog):
+    """One bad byte in the header erased the run's history on resume (the file was opened anew, "w")."""
+    run(_graph(tmp_path, actors=1))
+    damaged = bytearray((tmp_path / "metrics.csv").read_bytes())
+    damaged[2] = 0xFF
+    (tmp_path / "metrics.csv").write_bytes(bytes(damaged))
+    g = Graph()
+    t = g.add(FakeTrainer(rounds=2), name="actor")
+    g.connect(t.report, g.add(Metrics(str(tmp_path), live=False, resume=True), name="metrics").reports)
+    with caplog.at_level(logging.WARNING, logger="reactor.metrics"):
+        run(g)
+    [kept] = tmp_path.glob("metrics.unreadable-*.csv")
+    assert kept.read_bytes() == bytes(damaged)
+    assert any("kept as metrics.unreadable-" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "metrics.csv").read_text().startswith("wall_s,env_steps,source,name,value\n")
 
 
 class CountingTrainer(Reactor):

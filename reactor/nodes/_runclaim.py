@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import threading
 import time
@@ -147,13 +148,17 @@ def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, wh
     fcntl.flock(fd, fcntl.LOCK_SH)  # (others of this run may claim now)
 
 
-def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: str) -> None:
+def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: str,
+                    app_config: dict[str, Any] | None = None) -> None:
     """A resumed run is the same training as the earlier one in its directory: the same algorithm and
     env (its ``config.json`` names them). Resuming another app's directory wrote this run's rows into
-    that app's metrics and its config over that app's. Nothing to check where there is no config.json.
+    that app's metrics and its config over that app's. And the same replay shards (each keeps its own
+    checkpoints: with another count, none was restored, and the learner waited on an empty replay); other
+    actors are said (each keeps its own exploration schedule: new ones start theirs anew). Nothing to
+    check where there is no config.json.
 
     Raises:
-        ValueError: naming both runs' algorithm and env, or the unreadable config.json.
+        ValueError: naming both runs' algorithm and env or shards, or the unreadable config.json.
     """
     path = Path(run_dir) / "config.json"
     if not path.exists():
@@ -166,3 +171,14 @@ def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: s
         raise ValueError(f"{who}: cannot resume run directory {run_dir}: it holds a run of {earlier.get('algo')!r} on "
                          f"{earlier.get('env')!r} (its config.json), and this run is {algo!r} on {env!r}; name "
                          f"another run_dir")
+    before = earlier.get("app_config") if type(earlier) is dict else None
+    if app_config is None or type(before) is not dict:
+        return
+    if "shards" in app_config and before.get("shards", app_config["shards"]) != app_config["shards"]:
+        raise ValueError(f"{who}: cannot resume run directory {run_dir} with shards={app_config['shards']}: its run had "
+                         f"shards={before['shards']}, and each shard restores its own checkpoints; resume with "
+                         f"--set shards={before['shards']}")
+    if "actors" in app_config and before.get("actors", app_config["actors"]) != app_config["actors"]:
+        logging.getLogger("reactor.nodes").warning(
+            "resuming %s with actors=%s; its run had actors=%s: each actor's exploration schedule is kept per actor, "
+            "and an actor without one starts its schedule anew", run_dir, app_config["actors"], before["actors"])

@@ -187,7 +187,7 @@ def _run_dir(config: Any, name: str, algo: str) -> str:
         raise ValueError(f"run_dir {config.run_dir!r} is a file, not a directory: give a new path, or an earlier "
                          f"run's directory to resume it")
     if getattr(config, "resume", False):  # (before any process starts: a refused resume changes nothing there)
-        check_resumable(config.run_dir, algo, config.env, "resume=True")
+        check_resumable(config.run_dir, algo, config.env, "resume=True", dataclasses.asdict(config))
     return config.run_dir or f"runs/{name}-{env}-{current_run_id()}"
 
 

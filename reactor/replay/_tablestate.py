@@ -160,7 +160,7 @@ class TableState:
             if not np.array_equal(scratch.present_slots(), want):
                 raise ValueError(f"state's {what} holds {len(scratch)} items, not exactly the table's {len(want)}")
         limiter = limiter_from_config(self._limiter.config())
-        limiter.load_state_dict(dict(state["rate_limiter"]))
+        limiter.load_state_dict(dict(state["rate_limiter"]), warn=False)
         np.random.Generator(np.random.PCG64()).bit_generator.state = state["rng"]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -38,6 +38,7 @@ checks and acts with no ``await`` in between, so a woken caller never acts on a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -277,13 +278,27 @@ class RateLimiter:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, for checkpoints."""
-        return {"inserts": self._inserts, "samples": self._samples}
+        """Counters, for checkpoints, and the ratio and band they were counted under."""
+        return {"inserts": self._inserts, "samples": self._samples, "samples_per_insert": self.samples_per_insert,
+                "min_diff": self.min_diff, "max_diff": self.max_diff}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore counters from :meth:`state_dict`."""
+    def load_state_dict(self, state: dict[str, Any], warn: bool = True) -> None:
+        """Restore counters from :meth:`state_dict` (``warn``: log a rebase; off for a check's scratch copy). Counted under another ratio or band (a resumed run
+        with another ``samples_per_insert``), the samples are set to the new band's centre for the
+        inserts kept: the old counts under the new ratio starved the learner (0 updates) or flooded it
+        (a thousand catch-up updates)."""
         self._inserts = int(state["inserts"])
         self._samples = int(state["samples"])
+        was = tuple(state.get(k) for k in ("samples_per_insert", "min_diff", "max_diff"))
+        now = (self.samples_per_insert, self.min_diff, self.max_diff)
+        if None not in was and tuple(map(float, was)) != now and math.isfinite(self.min_diff + self.max_diff):
+            centre = (self.min_diff + self.max_diff) / 2
+            self._samples = max(0, math.floor(self._inserts * self.samples_per_insert - centre))
+            if warn:
+                logging.getLogger("reactor.replay").warning(
+                    "rate limiter: the checkpoint's counts were made at samples_per_insert %g (diff in [%g, %g]), "
+                    "and this table's is %g (in [%g, %g]): its %d inserts count as balanced under the new ratio",
+                    was[0], was[1], was[2], *now, self._inserts)
         self.notify()
 
     # ------------------------------------------------------------------ waiting

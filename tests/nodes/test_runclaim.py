@@ -111,6 +111,9 @@ def test_a_dqn_run_never_writes_over_an_earlier_run_or_another_apps(tmp_path):
     (tmp_path / "ppo" / "config.json").write_text(json.dumps({"algo": "ppo", "env": "CartPole-v1"}))
     with pytest.raises(ValueError, match="it holds a run of 'ppo' on 'CartPole-v1'"):
         build_graph(DQN, {"run_dir": str(tmp_path / "ppo"), "resume": True})
+    # The same app with other shards: each shard restores its own checkpoints (none was, in silence).
+    with pytest.raises(ValueError, match=r"with shards=1: its run had shards=2, .* --set shards=2$"):
+        build_graph(DQN, {"run_dir": str(run_dir), "resume": True, "shards": 1})
     with pytest.raises(ValueError, match="is the offline source"):
         build_graph(str(ROOT / "apps" / "transformer_offline.py"), {"source": str(run_dir), "run_dir": str(run_dir)})
     # A copy that shares its files (cp -al): resuming it would change the original.

@@ -273,3 +273,25 @@ def test_max_times_sampled_frees_items_and_lets_the_limiter_count_samples():
     assert t.sample_nowait(2)[1].keys.tolist() == [2]
     with pytest.raises(WouldBlock, match=r"holds 0 items"):
         t.sample_nowait(1)
+
+
+def test_counts_restored_under_another_ratio_are_rebased_to_its_balance(caplog):
+    """A resumed run with another samples_per_insert applied the new ratio to the old counts: at 64 ->
+    4, the learner could not sample for ~15x the run's inserts (0 updates); at 4 -> 64, it owed a
+    thousand catch-up updates. Under another ratio the samples are set to the new band's centre."""
+    old = SampleToInsertRatio(samples_per_insert=64.0, min_size=100, error_buffer=640.0)
+    old.on_insert(1000)
+    old.on_sample(64_000 - 6_400)  # balanced at the old ratio
+    state = old.state_dict()
+    same = SampleToInsertRatio(samples_per_insert=64.0, min_size=100, error_buffer=640.0)
+    same.load_state_dict(dict(state))
+    assert same.statistics().samples == 64_000 - 6_400  # the same ratio: the counts as they were
+    new = SampleToInsertRatio(samples_per_insert=4.0, min_size=100, error_buffer=40.0)
+    with caplog.at_level("WARNING", logger="reactor.replay"):
+        new.load_state_dict(dict(state))
+    assert new.statistics().samples == 1000 * 4 - 400  # the new band's centre: 4 * 100
+    assert new.can_sample(40, 1000) and new.can_insert(10, 1000)
+    assert any("samples_per_insert 64" in r.getMessage() and "balanced" in r.getMessage() for r in caplog.records)
+    legacy = SampleToInsertRatio(samples_per_insert=4.0, min_size=100, error_buffer=40.0)
+    legacy.load_state_dict({"inserts": 10, "samples": 7})  # a checkpoint that did not record its ratio
+    assert legacy.statistics().samples == 7

@@ -146,7 +146,8 @@ def error_line(e: BaseException, limit: int = 500) -> str:
 
 def check_saved_weights(saved: dict[str, Any], weights: dict[str, Any]) -> None:
     """Compare a loaded checkpoint's policy ``weights`` with the hash saved beside them in the file
-    (``learner.pt`` since this check; older files carry none and pass).
+    (``learner.pt`` since this check; older files carry none and pass), and its whole state (target
+    networks, optimizer moments: a NaN there trained on to nothing) with ``state_sha256`` where saved.
 
     Raises:
         ValueError: they differ: the file was damaged after it was written.
@@ -155,6 +156,40 @@ def check_saved_weights(saved: dict[str, Any], weights: dict[str, Any]) -> None:
     if isinstance(want, str) and (got := weights_sha256(weights)) != want:
         raise ValueError(f"its weights do not match the sha256 saved with them ({got[:12]}... against "
                          f"{want[:12]}...): the file was damaged")
+    want = saved.get("state_sha256")
+    if isinstance(want, str) and (got := state_sha256(saved.get("algo"))) != want:
+        raise ValueError(f"its state (target networks, optimizer) does not match the sha256 saved with it "
+                         f"({got[:12]}... against {want[:12]}...): the file was damaged")
+
+
+def state_sha256(state: Any) -> str:
+    """The hash of a whole saved state: nested dicts (keys in order of their text), lists, tensors'
+    bytes, and the plain values' text."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        elif hasattr(x, "detach"):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(x).encode())
+
+    walk(state)
+    return h.hexdigest()
 
 
 def weights_sha256(weights: dict[str, Any]) -> str:

@@ -45,6 +45,7 @@ of 30 minutes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -58,7 +59,7 @@ from .._errors import PeerLostError
 from .._files import refuse_file_links, replace_small
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
-from ._registry import check_saved_weights, denormals_flushed, error_line, weights_sha256
+from ._registry import check_saved_weights, denormals_flushed, error_line, state_sha256, weights_sha256
 from ._runclaim import check_resumable, claim_run_dir
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
@@ -348,8 +349,13 @@ class _LearnerBase(Reactor):
         # The policy's weights' hash travels with them: a loader that finds other weights knows the file
         # was damaged (bit flips in a tensor load silently otherwise).
         sha = weights_sha256(self.algo.policy_weights(self.state))
-        with open(tmp, "wb") as f:
-            torch.save({"algo": self.algo.state_dict(self.state), "updates": self.updates, "weights_sha256": sha}, f)
+        state = self.algo.state_dict(self.state)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # (created afresh, never written through a link planted there)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"algo": state, "updates": self.updates, "weights_sha256": sha,
+                        "state_sha256": state_sha256(state)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.ckpt)

@@ -138,6 +138,17 @@ def test_load_policy_names_what_is_missing_or_wrong(tmp_path, dqn_run):
     with pytest.raises(ValueError, match=rf"^{bad / 'learner.pt'}: its weights do not match the sha256 saved with "
                                          rf"them \(.*\): the file was damaged$"):
         reactor.load_policy(bad)
+    # ... and so did the rest of its state: a NaN in the target network trained on to nothing.
+    saved = torch.load(dqn_run / "learner.pt", weights_only=True)
+    assert isinstance(saved["state_sha256"], str)
+    target = saved["algo"]["target"]
+    name = next(iter(target))
+    target[name] = target[name].clone()
+    target[name].view(-1)[0] = float("nan")
+    torch.save(saved, bad / "learner.pt")
+    with pytest.raises(ValueError, match=r"its state \(target networks, optimizer\) does not match the sha256 saved "
+                                         r"with it \(.*\): the file was damaged$"):
+        reactor.load_policy(bad)
     # ... and a config.json that describes another network: one line, not a traceback
     shutil.copy(dqn_run / "learner.pt", bad / "learner.pt")
     config = json.loads((dqn_run / "config.json").read_text())

@@ -9,11 +9,12 @@ all a policy needs: it is rebuilt with the algorithm's own fragments (``init``, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .._files import read_small_json
 
 __all__ = ["Policy", "evaluate_policy", "load_policy"]
 
@@ -155,10 +156,7 @@ def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:
     if not path.is_file():
         raise FileNotFoundError(f"{d}: no config.json: a learner writes it when a run starts (a run directory "
                                 f"of reactor run with a training app)")
-    try:
-        record = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not JSON ({e})") from e
+    record = read_small_json(path)  # (bounded; a FIFO refused; JSON nested past parsing: one line)
     if not isinstance(record, dict) or record.get("format") != 1 or not isinstance(record.get("algo"), str) \
             or not isinstance(record.get("env"), str) or not isinstance(record.get("algo_config"), dict):
         raise ValueError(f"{path}: not a learner's config.json (expected format 1 with algo, env and algo_config)")

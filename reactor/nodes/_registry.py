@@ -140,6 +140,8 @@ def make_vector_env(name: str, num_envs: int) -> Any:
 def error_line(e: BaseException, limit: int = 500) -> str:
     """An error in one line for a one-line refusal: its first two lines (torch's load_state_dict puts
     the mismatch on its second), at most ``limit`` characters, or its type's name."""
+    if isinstance(e, KeyError) and len(e.args) == 1:  # (its text is the bare key: "'q'")
+        return f"it holds no {e.args[0]!r} (a checkpoint of another algorithm?)"[:limit]
     text = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
     return text[:limit]
 

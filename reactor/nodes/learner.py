@@ -173,7 +173,7 @@ class _LearnerBase(Reactor):
         try:
             saved = torch.load(self.ckpt, weights_only=True, map_location=self.torch_device)
             if not isinstance(saved, dict) or "algo" not in saved or type(saved.get("updates")) is not int \
-                    or saved["updates"] < 0:
+                    or not 0 <= saved["updates"] < 2**53:  # (a count that crosses the wire as an int64, exactly)
                 raise ValueError("it is not a learner checkpoint (a dict of 'algo' and a count of 'updates')")
             self.algo.load_state_dict(self.state, saved["algo"])
             check_saved_weights(saved, self.algo.policy_weights(self.state))

@@ -55,8 +55,8 @@ __all__ = [
     "write_checkpoint",
 ]
 
-_NAME = re.compile(r"^ckpt-(\d{8})$")
-_TMP = re.compile(r"^\.tmp-ckpt-(\d{8})-")
+_NAME = re.compile(r"^ckpt-(\d{8,})$")  # (8 digits, and more past 99,999,999: sorted by number)
+_TMP = re.compile(r"^\.tmp-ckpt-(\d{8,})-")
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_NBYTES = 64 << 20  # (a manifest names arrays and small settings: kilobytes)

@@ -119,7 +119,7 @@ def test_load_policy_names_what_is_missing_or_wrong(tmp_path, dqn_run):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(ValueError, match="config.json: not a JSON document"):
         reactor.load_policy(bad)
     (bad / "config.json").write_text(json.dumps({"format": 1, "algo": "dqn"}))
     with pytest.raises(ValueError, match="not a learner's config.json"):
@@ -148,6 +148,12 @@ def test_load_policy_names_what_is_missing_or_wrong(tmp_path, dqn_run):
     torch.save(saved, bad / "learner.pt")
     with pytest.raises(ValueError, match=r"its state \(target networks, optimizer\) does not match the sha256 saved "
                                          r"with it \(.*\): the file was damaged$"):
+        reactor.load_policy(bad)
+    # Another algorithm's checkpoint: the error was the bare key ("'q'").
+    saved = torch.load(dqn_run / "learner.pt", weights_only=True)
+    saved["algo"] = {("actor" if k == "q" else k): v for k, v in saved["algo"].items()}
+    torch.save(saved, bad / "learner.pt")
+    with pytest.raises(ValueError, match=r"learner\.pt: it holds no 'q' \(a checkpoint of another algorithm\?\)$"):
         reactor.load_policy(bad)
     # ... and a config.json that describes another network: one line, not a traceback
     shutil.copy(dqn_run / "learner.pt", bad / "learner.pt")

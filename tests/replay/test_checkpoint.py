@@ -92,6 +92,19 @@ def test_save_keeps_only_the_latest_n_complete_checkpoints(tmp_path):
     assert latest_checkpoint(tmp_path) == paths[3]
 
 
+def test_checkpoint_numbers_past_eight_digits_are_listed_and_the_newest_is_taken(tmp_path):
+    """A checkpoint numbered past 99,999,999 (ckpt-100000000) was never listed: the next restore took an
+    older one, and pruning removed the newest (hostile probe of files on disk, session 54)."""
+    t = make()
+    fill(t)
+    (tmp_path / "ckpt-99999999").mkdir()  # a stray directory, so the next number takes nine digits
+    newest = t.save(tmp_path, keep=2)
+    assert newest.name == "ckpt-100000000"
+    assert latest_checkpoint(tmp_path) == newest
+    after = t.save(tmp_path, keep=2)
+    assert after.name == "ckpt-100000001" and newest.exists() and latest_checkpoint(tmp_path) == after
+
+
 def test_checkpoint_without_completion_marker_is_ignored(tmp_path):
     t = make()
     fill(t)

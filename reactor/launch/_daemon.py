@@ -59,7 +59,7 @@ from .._floodlog import flood_logged, flood_tally
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
-from ._hosting import FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc, read_chunk
+from ._hosting import END_GRACE_S, FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc, read_chunk
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
@@ -184,6 +184,8 @@ class Daemon:
         self.jobs: dict[str, _Job] = {}
         self._starting: Proc | None = None  # (submit: the process started, until its record is written)
         self._warned: dict[str, float] = {}  # watch loop trouble -> when last logged
+        self._stop_phase: str | None = None  # (on SIGTERM: "jobs", then "hosted"; see _stop_done)
+        self._stop_deadline = 0.0
         self.refused = 0
         self._load_jobs()
 
@@ -408,6 +410,8 @@ class Daemon:
 
     def handle(self, msg: Any) -> tuple[bool, Any]:
         kind = msg[1]
+        if self._stop_phase is not None and kind in ("submit", "spawn"):  # (stop_all has been; none would be stopped)
+            raise DaemonError(f"daemon {self.name!r} is stopping: it takes no new jobs or workers")
         if kind == "ping":
             return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid(), "fork_server": self.forks.state()}
         if kind == "submit":
@@ -437,7 +441,8 @@ class Daemon:
         raise AssertionError(kind)  # the schema admits no other kind
 
     async def serve(self, ready: Any = None) -> None:
-        """Serve until SIGTERM or SIGINT; then stop the running jobs and wait for them."""
+        """Serve until SIGTERM or SIGINT; then stop the running jobs, answering on meanwhile, and end
+        the runs hosted here once they have ended (:meth:`_stop_done`)."""
         self.forks.start()
         ctx = zmq.asyncio.Context()
         auth = zmq.auth.asyncio.AsyncioAuthenticator(ctx)
@@ -480,8 +485,8 @@ class Daemon:
             # the timeout); a cancelled poll loses nothing.
             plain = zmq.Socket.shadow(sock.underlying)
             try:
-                while not stop.is_set():
-                    await sock.poll(500, zmq.POLLIN)
+                while not self._stop_done(stop):
+                    await sock.poll(int(WATCH_PERIOD_S * 1000) if self._stop_phase else 500, zmq.POLLIN)
                     while True:
                         try:
                             frames = plain.recv_multipart(zmq.NOBLOCK)
@@ -502,16 +507,6 @@ class Daemon:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
-            for end in (self.stop_all, self.hosted.end_all):
-                try:
-                    end()
-                except Exception:  # noqa: BLE001 - the jobs and runs are ended all the same
-                    log.exception("%s: %s failed", self.name, end.__qualname__)
-            deadline = time.monotonic() + STOP_GRACE_S + 5
-            while (any(j.record["state"] == "running" for j in self.jobs.values()) or self.hosted.live()) \
-                    and time.monotonic() < deadline:
-                self._watch_once()
-                await asyncio.sleep(WATCH_PERIOD_S)
             self._watch_once()
             log.info("%s: stopped", self.name)
         finally:
@@ -520,6 +515,32 @@ class Daemon:
             sock.close(linger=0)
             auth.stop()
             ctx.destroy(linger=0)
+
+    def _stop_done(self, stop: asyncio.Event) -> bool:
+        """Whether the daemon's stop is done (its serving loop then ends). On SIGTERM it stops its jobs
+        while it still answers (a job's coordinator heartbeats the daemons of its run, this one among
+        them, ends its workers and fetches its files through them as it stops); once they have ended,
+        or their grace and escalation are over, it ends the runs it hosts and answers on until their
+        workers are gone (or ``END_GRACE_S`` and a margin have passed)."""
+        if not stop.is_set():
+            return False
+        now = time.monotonic()
+        if self._stop_phase is None:
+            log.info("%s: stopping: its running jobs first", self.name)
+            self._stop_phase, self._stop_deadline = "jobs", now + STOP_GRACE_S + STOP_HURRY_S + 5
+            try:
+                self.stop_all()
+            except Exception:  # noqa: BLE001 - the runs hosted here are ended all the same
+                log.exception("%s: stop_all failed", self.name)
+        if self._stop_phase == "jobs":
+            if any(j.record["state"] == "running" for j in self.jobs.values()) and now < self._stop_deadline:
+                return False
+            self._stop_phase, self._stop_deadline = "hosted", now + END_GRACE_S + 5
+            try:
+                self.hosted.end_all()
+            except Exception:  # noqa: BLE001 - the daemon stops all the same
+                log.exception("%s: ending the runs it hosts failed", self.name)
+        return not self.hosted.live() or now >= self._stop_deadline
 
     def _answer(self, frames: list[bytes]) -> list[bytes] | None:
         """One request's reply frames, or None for a frame not worth an answer (logged)."""

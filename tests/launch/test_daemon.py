@@ -596,3 +596,32 @@ def test_a_log_chunk_asked_past_the_end_of_the_file_is_empty_not_an_error(tmp_pa
     assert read_chunk(f, 0) == (b"x" * LOG_CHUNK_NBYTES, LOG_CHUNK_NBYTES)
     assert read_chunk(f, LOG_CHUNK_NBYTES) == (b"x" * 10, LOG_CHUNK_NBYTES + 10)
     assert read_chunk(f, 2**63 - 1) == (b"", LOG_CHUNK_NBYTES + 10)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_the_head_daemon_stops_its_job_over_hosts_cleanly_and_keeps_its_files(tmp_path):
+    """Regression (a newcomer's pass, session 54): SIGTERM to the daemon of a job whose run spreads over
+    hosts, this daemon among them, left the request loop and then stopped the job and ended the runs it
+    hosted at once: the job's coordinator could no longer heartbeat its own host nor fetch its files, so
+    the clean stop read as a failure and the run's files stayed on the host. The daemon now stops its
+    jobs while it still answers, and ends the runs it hosts once its jobs have ended."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    (d.keys_dir / "authorized" / "self.pub").write_bytes((d.keys_dir / "key.pub").read_bytes())  # a cluster key
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = "{d.address}"\n')
+    ready = tmp_path / "ready"
+    try:
+        with d.client() as c:
+            job = c.request("submit", job_spec(APPS / "forever.py", placement="processes", hosts=hosts,
+                                               config={"ready_file": str(ready), "stopped_file": "stopped.txt"}))
+            _wait_for(ready.exists, 90, "the job to run")
+            pid = c.request("status", job)["pid"]
+    finally:
+        err = d.stop(signal.SIGTERM)
+    record = json.loads((d.state / "jobs" / job / "job.json").read_text())
+    log = (d.state / "jobs" / job / "output.log").read_text()
+    assert record["state"] == "stopped" and record["returncode"] == 143, (record, log[-3000:], err[-3000:])
+    assert "run ended (signal)" in log, log[-3000:]
+    # The sink's shutdown wrote its file in its directory on the host; it came back to the job's directory.
+    assert (d.state / "jobs" / job / "app" / "stopped.txt").read_text() == "signal", log[-3000:]
+    assert not _group_alive(pid)

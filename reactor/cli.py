@@ -542,17 +542,19 @@ def _print_log(read: Any, follow: bool) -> None:
 
 def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:
     """The daemon a job command talks to: ``--daemon``, else the head host of the placement file
-    or hosts file (its first group's first host, else the first host listed)."""
+    or hosts file (its first group's first host, else the first host listed); with its key:
+    ``--daemon-key`` if given, else the hosts file's, else ``own_key`` (a cluster key)."""
     from .launch._cluster import head_host
 
+    given = _daemon_key(args.daemon_key) if args.daemon_key else None
     if args.daemon:
-        return args.daemon, _daemon_key(args.daemon_key) if args.daemon_key else own_key
+        return args.daemon, given or own_key
     source = getattr(args, "hosts", None) or getattr(args, "placement", None)
     if not source or not Path(source).is_file():
         raise ValueError("which daemon? give --daemon tcp://HOST:PORT (or, to submit, a placement or --hosts file "
                          "naming [hosts])")
     host = head_host(source)
-    return host.address, host.key or own_key
+    return host.address, given or host.key or own_key
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -625,3 +625,17 @@ def test_sigterm_to_the_head_daemon_stops_its_job_over_hosts_cleanly_and_keeps_i
     # The sink's shutdown wrote its file in its directory on the host; it came back to the job's directory.
     assert (d.state / "jobs" / job / "app" / "stopped.txt").read_text() == "signal", log[-3000:]
     assert not _group_alive(pid)
+
+
+def test_submit_takes_the_daemon_key_given_over_the_hosts_files_when_it_finds_the_daemon_there(daemon, tmp_path):
+    """Regression (a newcomer's pass, session 54): ``reactor submit --hosts FILE --daemon-key KEY`` without
+    ``--daemon`` reached the head host with the key the hosts file gives it (none here: the client's own, a
+    cluster key), ignoring the key given, and waited out its timeout."""
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = "{daemon.address}"\n')
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "submit", str(APPS / "gated.py"), "--placement",
+                        "processes", "--hosts", str(hosts), "--daemon-key", str(daemon.keys_dir / "key.pub"),
+                        "--keys", str(daemon.client_dir), "--timeout-s", "5"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and len(p.stdout.strip()) == 16, p.stderr
+    assert list((daemon.state / "jobs").glob("*/job.json"))

@@ -740,15 +740,16 @@ def _check_run_options(args: argparse.Namespace) -> None:
 def _check_job(args: argparse.Namespace) -> None:
     """What ``reactor submit`` checks before the job leaves. Always what needs nothing of the daemon's
     host: the files exist, the placement is a policy or a TOML file that parses (the hosts file too),
-    the app file compiles, ``--set`` parses, the restart policy and the mode agree. The app is not
+    the hosts its groups name are in its hosts, the app file compiles, ``--set`` parses, the restart
+    policy and the mode agree, ``--hosts`` and ``--restart`` have a multi-process placement. The app is not
     imported (it may import modules only the daemon's host has, open files shipped with ``--with``, name
     keys on the hosts); with ``--check`` its graph is built here as ``reactor run`` would.
 
     Raises:
         (what ``reactor run`` raises for the same mistakes, before anything starts)
     """
-    from .launch._placement import _read_toml
-    from .launch._runtime import restart_refusal
+    from .launch._placement import _read_toml, check_hosts_named
+    from .launch._runtime import check_settings
 
     _check_run_options(args)
     overrides = parse_overrides(args.overrides)
@@ -756,21 +757,22 @@ def _check_job(args: argparse.Namespace) -> None:
                        ("hosts file", args.hosts)):
         if path is not None:
             _read_toml(path, what)
-    why = restart_refusal(args.restart, deterministic=not args.async_)
-    if why is not None:
-        raise ValueError(why)
+    deterministic = not args.async_
+    # (the settings' checks that need no graph: a restart policy the mode cannot hold, --hosts or --restart
+    # with placement single)
+    check_settings(None, placement=args.placement, deterministic=deterministic, restart=args.restart,
+                   hosts=args.hosts)
+    check_hosts_named(args.placement, args.hosts)
     with _app_code(args.app):
         compile(Path(args.app).read_bytes(), args.app, "exec")
     if not args.check:
         return
     from .launch._groups import restart_from_text
     from .launch._placement import check_lookahead, resolve_placement
-    from .launch._runtime import check_settings
 
     with _app_code(args.app):
         graph = build_graph(args.app, overrides)
     graph.validate()
-    deterministic = not args.async_
     check_settings(graph, placement=args.placement, deterministic=deterministic, restart=args.restart,
                    hosts=args.hosts)
     if args.placement != "single":

@@ -78,6 +78,37 @@ def resolve_placement(graph: Graph, placement: str, hosts: str | None = None,
     return plan
 
 
+def check_hosts_named(placement: str, hosts: str | None = None) -> None:
+    """What :func:`resolve_placement` refuses of the hosts a placement names, checked without the graph
+    (``reactor submit`` checks it before a job leaves, where the app may not import): the hosts file
+    parses; a placement file's groups name only hosts its ``[hosts]`` (or ``hosts``) lists, and it does
+    not have both. The errors are :func:`resolve_placement`'s.
+
+    Raises:
+        GraphError: a file that does not parse, a malformed ``[hosts]``, a group naming a host the
+            hosts lack (or hosts where there are none), ``[hosts]`` and a hosts file both.
+    """
+    table = load_hosts_file(hosts)[0] if hosts is not None else None
+    if placement in POLICIES or placement in ("single", "processes") or not Path(placement).is_file():
+        return
+    data = _read_toml(placement, "placement file")
+    where = f"placement file {placement}"
+    if "hosts" in data:
+        if hosts is not None:
+            raise GraphError(f"{where} has its own [hosts]: give either it or --hosts {hosts}, not both")
+        table = parse_hosts(data["hosts"], where, Path(placement).parent)
+    groups_raw = data.get("groups")
+    for gname, spec in (groups_raw.items() if isinstance(groups_raw, dict) else ()):
+        host = spec.get("host", []) if isinstance(spec, dict) else []
+        host = [host] if isinstance(host, str) else host
+        if not isinstance(host, list) or not host:
+            continue  # (a malformed one is refused where the graph is built, with the group's other fields)
+        if table is None:
+            raise GraphError(f"{where}: group {gname!r} names a host, but there is no [hosts] table "
+                             f"(or --hosts file) saying where the hosts' daemons are")
+        assign_hosts([Group(gname, (), None, tuple(str(h) for h in host))], table, where, spread=False)
+
+
 def _resolve(graph: Graph, placement: str, hosts: str | None) -> Placement:
     if placement in POLICIES or placement == "processes":
         groups = _groups(graph, placement)

@@ -68,13 +68,14 @@ def restart_refusal(restart: str | None, deterministic: bool, replay: bool = Fal
             f"over (a placement file's restart fields are left aside in such runs)")
 
 
-def check_settings(graph: Graph, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
+def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
                    restart: str | None = None, hosts: str | None = None) -> None:
     """What ``run`` refuses before anything starts, whatever the placement: settings that contradict
     each other (record and replay, either in deterministic mode, restart where nothing restarts), and
     for ``single``, settings of multi-process runs and replicas that need a process each. (A
     multi-process placement's own checks come when it is resolved: ``resolve_placement``,
-    ``check_lookahead``.) ``reactor submit`` runs them before a job leaves.
+    ``check_lookahead``.) ``reactor submit`` runs them before a job leaves, with ``graph`` None
+    (the checks that need it left out) unless ``--check`` built it.
 
     Raises:
         ValueError: naming the setting and why.
@@ -104,7 +105,8 @@ def check_settings(graph: Graph, *, placement: str, deterministic: bool, record:
                          "placement 'single' has none")
     from ._placement import check_replicas_apart
 
-    check_replicas_apart(graph, {n: "main" for _, _, n in graph.instances()}, placement)
+    if graph is not None:
+        check_replicas_apart(graph, {n: "main" for _, _, n in graph.instances()}, placement)
 
 
 async def run_async(

@@ -639,3 +639,35 @@ def test_submit_takes_the_daemon_key_given_over_the_hosts_files_when_it_finds_th
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and len(p.stdout.strip()) == 16, p.stderr
     assert list((daemon.state / "jobs").glob("*/job.json"))
+
+
+def test_submit_refuses_a_group_on_a_host_the_hosts_lack_and_hosts_for_placement_single_without_check(daemon,
+                                                                                                      tmp_path):
+    """Regression (a newcomer's pass, session 54): without ``--check``, ``reactor submit`` sent a placement
+    whose group names a host its [hosts] lacks, and ``--hosts`` with the default placement ``single``;
+    ``reactor run`` and ``submit --check`` refuse both at the terminal, and the job failed on the daemon.
+    Neither needs the app imported: they are refused here always."""
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    demo = str(ROOT / "apps" / "demo_pipeline.py")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = "{daemon.address}"\n')
+    placement = tmp_path / "p.toml"
+    placement.write_text(f'[hosts]\nh1 = "{daemon.address}"\n[groups.all]\nreactors = ["*"]\nhost = ["h1", "h9"]\n')
+    apart = tmp_path / "apart.toml"
+    apart.write_text('[groups.all]\nreactors = ["*"]\nhost = "h9"\n')
+    for args, message in [
+        (("--placement", str(placement)), f"reactor: placement file {placement}: group 'all' names host 'h9', which "
+                                          f"[hosts] lacks (it has h1)\n"),
+        (("--placement", str(apart), "--hosts", str(hosts)), f"reactor: placement file {apart}: group 'all' names "
+                                                             f"host 'h9', which [hosts] lacks (it has h1)\n"),
+        (("--placement", str(apart)), f"reactor: placement file {apart}: group 'all' names a host, but there is no "
+                                      f"[hosts] table (or --hosts file) saying where the hosts' daemons are\n"),
+        (("--hosts", str(hosts)), "reactor: hosts (a hosts file) places the groups of a multi-process placement; "
+                                  "placement 'single' has none\n"),
+    ]:
+        for check in ((), ("--check",)):
+            p = subprocess.run([sys.executable, "-m", "reactor.cli", "submit", demo, *args, *check, *conn],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert p.returncode == 2 and p.stderr == message and not p.stdout, (args, check, p.stderr)
+    assert not list((daemon.state / "jobs").glob("*")), "a refused job reached the daemon"

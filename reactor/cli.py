@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     ki.add_argument("dir", nargs="?", default=None, help="default: $REACTOR_KEYS or ~/.reactor/keys")
 
     d = sub.add_parser("daemon", help="host jobs on this machine", description="A long-lived daemon hosting jobs.")
-    d.add_argument("--listen", required=True, help="tcp://ADDR:PORT (PORT * for any)")
+    d.add_argument("--listen", required=True, type=_listen_address, help="tcp://ADDR:PORT (PORT * for any)")
     d.add_argument("--name", required=True, help="this daemon's name (a host name in placements)")
     d.add_argument("--state-dir", required=True, help="where it keeps its jobs, their logs and its own log")
     d.add_argument("--keys", default=None, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
@@ -227,6 +227,19 @@ def _daemon_address(text: str) -> str:
     return text
 
 
+def _listen_address(text: str) -> str:
+    """``daemon --listen``: a tcp://ADDR:PORT a daemon can bind (ADDR ``*`` or PORT ``*`` for any; else
+    zmq's EINVAL, as a traceback)."""
+    import re
+
+    m = re.match(r"tcp://(\*|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-]+)?\]|[A-Za-z0-9_.\-]+):(\*|[0-9]{1,5})\Z", text)
+    if m is None or (m.group(3) != "*" and int(m.group(3)) > 65535):
+        hint = f" (tcp://{text}?)" if "://" not in text and ":" in text else ""
+        raise argparse.ArgumentTypeError(f"{text!r:.200}: a daemon listens on tcp://ADDR:PORT (ADDR or PORT * for "
+                                          f"any){hint}")
+    return text
+
+
 def _job_arg(text: str) -> str:
     """A job id: the 16 hex digits ``reactor submit`` printed (the daemon's check, said for a user)."""
     from .launch._protocol import _JOB_RE
@@ -333,7 +346,7 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return 128 + signal.SIGPIPE
     except OSError as e:  # a path too long or looping, a /dev/shm without room: the user's to fix
         if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC, errno.EROFS, errno.EADDRINUSE,
-                           errno.EADDRNOTAVAIL, errno.ENODEV):
+                           errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL):  # (the last four: a daemon's --listen)
             raise
         print(f"reactor: {_bounded(str(e))}", file=sys.stderr)
         return 2

@@ -466,7 +466,8 @@ class Daemon:
             except zmq.ZMQError as e:  # (a port in use, an address not of this host, a name that does not resolve)
                 hint = {errno.EADDRINUSE: " (another daemon or program holds it)",
                         errno.EADDRNOTAVAIL: " (not an address of this host)",
-                        errno.ENODEV: " (no interface or host of that name here)"}.get(e.errno, "")
+                        errno.ENODEV: " (no interface or host of that name here)",
+                        errno.EINVAL: " (a daemon listens on tcp://ADDR:PORT)"}.get(e.errno, "")
                 raise OSError(e.errno, f"daemon {self.name!r} cannot listen on {self.listen}: "
                                        f"{zmq.strerror(e.errno)}{hint}") from None
             address = sock.get(zmq.LAST_ENDPOINT).decode()

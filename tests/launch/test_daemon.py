@@ -671,3 +671,24 @@ def test_submit_refuses_a_group_on_a_host_the_hosts_lack_and_hosts_for_placement
                                cwd=tmp_path, capture_output=True, text=True, timeout=120)
             assert p.returncode == 2 and p.stderr == message and not p.stdout, (args, check, p.stderr)
     assert not list((daemon.state / "jobs").glob("*")), "a refused job reached the daemon"
+
+
+def test_a_malformed_listen_address_is_one_line_at_the_command_line_not_a_traceback(tmp_path):
+    """Regression (a newcomer's pass, session 54): ``reactor daemon --listen 198.19.250.2:7005`` (no tcp://)
+    ended in a traceback of zmq's EINVAL. It is refused by the argument's check, and an address that
+    passes it but that zmq still finds invalid (a scope that is no interface) is one line too."""
+    init_keys(tmp_path / "keys")
+    cli = [sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "keys"), "--no-fork-server",
+           "--name", "h1"]
+    for listen, message in [
+        ("198.19.250.2:7005", "reactor daemon: error: argument --listen: '198.19.250.2:7005': a daemon listens on "
+                              "tcp://ADDR:PORT (ADDR or PORT * for any) (tcp://198.19.250.2:7005?)\n"),
+        ("tcp://127.0.0.1:65536", "reactor daemon: error: argument --listen: 'tcp://127.0.0.1:65536': a daemon "
+                                  "listens on tcp://ADDR:PORT (ADDR or PORT * for any)\n"),
+        ("tcp://[fe80::1%no-such-if]:7005", "reactor: [Errno 22] daemon 'h1' cannot listen on "
+                                            "tcp://[fe80::1%no-such-if]:7005: Invalid argument (a daemon listens on "
+                                            "tcp://ADDR:PORT)\n"),
+    ]:
+        p = subprocess.run([*cli, "--listen", listen, "--state-dir", str(tmp_path / "state")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.endswith(message) and "Traceback" not in p.stderr, p.stderr

@@ -161,6 +161,9 @@ class Daemon:
             raise ValueError(f"keep_ended must be an int >= 0, got {keep_ended!r}")
         if type(forget_after_s) not in (int, float) or not 0 <= forget_after_s < math.inf:
             raise ValueError(f"forget_after_s must be finite seconds >= 0, got {forget_after_s!r}")
+        if not advertise and _advertised(listen) is None:  # (before the state directory is made)
+            raise ValueError(f"--listen {listen} is a wildcard, which other hosts cannot dial: give --advertise ADDR, "
+                             f"the address they reach this host at")
         self.name = name
         self.keep_ended = keep_ended
         self.forget_after_s = float(forget_after_s)
@@ -632,7 +635,7 @@ def _ended_record(path: Path) -> bool:
 
 def _advertised(listen: str) -> str | None:
     """The interface a daemon's workers bind to: its listen address's host; None for a wildcard
-    (other hosts cannot dial it: such a daemon hosts no groups of runs over hosts without ``--advertise``)."""
+    (other hosts cannot dial it: a daemon listening on one is refused without ``--advertise``)."""
     host = listen[len("tcp://"):].rsplit(":", 1)[0] if listen.startswith("tcp://") else ""
     return None if host in ("", "*", "0.0.0.0", "[::]", "::") else host
 

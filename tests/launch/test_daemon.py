@@ -692,3 +692,24 @@ def test_a_malformed_listen_address_is_one_line_at_the_command_line_not_a_traceb
         p = subprocess.run([*cli, "--listen", listen, "--state-dir", str(tmp_path / "state")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and p.stderr.endswith(message) and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("listen", ["tcp://0.0.0.0:0", "tcp://*:*"])
+def test_a_daemon_on_a_wildcard_address_without_advertise_is_refused_at_its_start(listen, tmp_path):
+    """Regression (a newcomer's pass, session 54): ``reactor daemon --listen tcp://0.0.0.0:PORT`` without
+    ``--advertise`` started, wrote tcp://0.0.0.0:PORT as its address and refused each run's workers
+    later; cluster.md says --advertise is required with a wildcard. With it, the daemon starts."""
+    init_keys(tmp_path / "keys")
+    cli = [sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "keys"), "--no-fork-server",
+           "--name", "h1", "--listen", listen, "--state-dir", str(tmp_path / "state")]
+    p = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.endswith(
+        f"reactor: --listen {listen} is a wildcard, which other hosts cannot dial: give --advertise ADDR, the address "
+        f"they reach this host at\n") and "Traceback" not in p.stderr, p.stderr
+    d = subprocess.Popen([*cli, "--advertise", "127.0.0.1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert json.loads(d.stdout.readline())["address"].startswith("tcp://0.0.0.0:")
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.communicate(timeout=60)

@@ -449,6 +449,7 @@ def _jobs(args: argparse.Namespace) -> int:
         state = Path(args.state_dir)
         if state.exists() and not state.is_dir():
             raise NotADirectoryError(f"--state-dir {state} is a file, not a directory")
+        made = not state.exists()
         state.mkdir(parents=True, exist_ok=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
@@ -461,16 +462,24 @@ def _jobs(args: argparse.Namespace) -> int:
             if os.getppid() == 1:
                 return 1
         extra = [m.strip() for m in args.preload.split(",") if m.strip()]
-        daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
-                        preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
-                        **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
-                        **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}))
+        served = False
+        try:
+            daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
+                            preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
+                            **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
+                            **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}))
 
-        def ready(address: str) -> None:
-            print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),
-                  flush=True)
+            def ready(address: str) -> None:
+                nonlocal served
+                served = True
+                print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),
+                      flush=True)
 
-        asyncio_run(daemon.serve(ready))
+            asyncio_run(daemon.serve(ready))
+        except BaseException:
+            if made and not served:  # (a port in use, say: no state directory of a daemon that never served)
+                _remove_unserved_state(state)
+            raise
         return 0
     if args.command == "submit":
         _check_job(args)  # (before keys and the daemon: the job's own mistakes first)
@@ -532,6 +541,35 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _remove_unserved_state(state: Path) -> None:
+    """Remove the state directory this command made for a daemon that failed before it served: only
+    what such a daemon puts there, and only if no other daemon holds its lock (one started on the same
+    new directory meanwhile); anything else found there keeps the directory."""
+    import fcntl
+
+    try:
+        fd = os.open(state / "daemon.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        pass  # (it failed before it took its lock)
+    except OSError:
+        return
+    else:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(state / "daemon.lock")
+        except OSError:  # (BlockingIOError: another daemon's now: leave it all)
+            return
+        finally:
+            os.close(fd)
+    for name in ("daemon.log", "daemon.json"):
+        with contextlib.suppress(OSError):
+            if (state / name).is_file() and not (state / name).is_symlink():
+                os.unlink(state / name)
+    for name in ("jobs", "runs", ""):
+        with contextlib.suppress(OSError):
+            os.rmdir(state / name)  # (only if empty)
 
 
 def _where(group: str, where: dict[str, Any]) -> str:

@@ -446,7 +446,6 @@ class Daemon:
     async def serve(self, ready: Any = None) -> None:
         """Serve until SIGTERM or SIGINT; then stop the running jobs, answering on meanwhile, and end
         the runs hosted here once they have ended (:meth:`_stop_done`)."""
-        self.forks.start()
         ctx = zmq.asyncio.Context()
         auth = zmq.auth.asyncio.AsyncioAuthenticator(ctx)
         auth.start()
@@ -473,6 +472,9 @@ class Daemon:
                         errno.EINVAL: " (a daemon listens on tcp://ADDR:PORT)"}.get(e.errno, "")
                 raise OSError(e.errno, f"daemon {self.name!r} cannot listen on {self.listen}: "
                                        f"{zmq.strerror(e.errno)}{hint}") from None
+            # Its fork server once the address is its own: a daemon that cannot listen starts none (it
+            # would be closed at once, and its cut-short start read as a failure worth a warning).
+            self.forks.start()
             address = sock.get(zmq.LAST_ENDPOINT).decode()
             _atomic_json(self.state / "daemon.json", {"name": self.name, "address": address, "pid": os.getpid(),
                                                       "public_key": self.keys.public.decode()})

@@ -297,6 +297,7 @@ class Forks:
         self._lock = threading.Lock()
         self._launched: ForkServer | None = None
         self.starts = 0
+        self.closed = False  # (closed by its daemon: a start this cuts short is no trouble worth a warning)
 
     def start(self) -> None:
         if self.preload is None:
@@ -319,7 +320,8 @@ class Forks:
             server.wait_ready()
         except (ForkServerError, OSError) as e:
             self.why_not = f"its fork server did not start: {e}"
-            log.warning("%s; workers start as new interpreters (slower)", self.why_not)
+            if not self.closed:
+                log.warning("%s; workers start as new interpreters (slower)", self.why_not)
         else:
             if server.failed:
                 log.warning("the fork server could not import %s", "; ".join(f"{k} ({v})" for k, v in server.failed.items()))
@@ -357,6 +359,7 @@ class Forks:
         return f"off: {self.why_not or 'it ended'}"
 
     def close(self) -> None:
+        self.closed = True
         for server in (self._launched, self.server):
             if server is not None:
                 server.close()

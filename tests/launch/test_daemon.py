@@ -706,6 +706,7 @@ def test_a_daemon_on_a_wildcard_address_without_advertise_is_refused_at_its_star
     assert p.returncode == 2 and p.stderr.endswith(
         f"reactor: --listen {listen} is a wildcard, which other hosts cannot dial: give --advertise ADDR, the address "
         f"they reach this host at\n") and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "state").exists()  # (the directory the refused start made is gone)
     d = subprocess.Popen([*cli, "--advertise", "127.0.0.1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
@@ -713,3 +714,23 @@ def test_a_daemon_on_a_wildcard_address_without_advertise_is_refused_at_its_star
     finally:
         d.send_signal(signal.SIGTERM)
         d.communicate(timeout=60)
+
+
+def test_a_daemon_that_cannot_listen_starts_no_fork_server_and_leaves_no_state_directory_it_made(daemon, tmp_path):
+    """Regression (a newcomer's pass, session 54): every failed daemon start (a port in use, an address
+    not of this host) also logged "its fork server did not start ... workers start as new interpreters":
+    the fork server was started before the bind and closed, cut short, when it failed. It now starts once
+    the daemon listens. The state directory such a start made is removed; one that was there stays."""
+    cli = [sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(daemon.keys_dir), "--name", "h2",
+           "--listen", daemon.address]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for state in (tmp_path / "new" / "state", kept):
+        p = subprocess.run([*cli, "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.endswith(
+            f"reactor: [Errno 98] daemon 'h2' cannot listen on {daemon.address}: Address already in use (another "
+            f"daemon or program holds it)\n"), p.stderr
+        assert "fork server" not in p.stderr, p.stderr
+    assert not (tmp_path / "new" / "state").exists()
+    assert (kept / "notes.txt").read_text() == "mine"

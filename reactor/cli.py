@@ -502,6 +502,9 @@ def _jobs(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(got if args.job is not None else {"jobs": got, "hosted": hosted}, indent=2))
                 else:
+                    if args.job is None and not rows:  # (it answered: say so, not nothing)
+                        print(f"no jobs on the daemon at {address}" + ("; workers it hosts for runs elsewhere:" if hosted
+                                                                        else "; it hosts no workers of runs elsewhere"))
                     for j in rows:
                         rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
                         print(f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  "

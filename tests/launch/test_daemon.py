@@ -734,3 +734,13 @@ def test_a_daemon_that_cannot_listen_starts_no_fork_server_and_leaves_no_state_d
         assert "fork server" not in p.stderr, p.stderr
     assert not (tmp_path / "new" / "state").exists()
     assert (kept / "notes.txt").read_text() == "mine"
+
+
+def test_status_of_a_daemon_without_jobs_says_so(daemon):
+    """Regression (a newcomer's pass, session 54): ``reactor status --daemon D`` of a daemon with no jobs
+    printed nothing, as if it had not answered."""
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "status", "--daemon", daemon.address, "--daemon-key",
+                        str(daemon.keys_dir / "key.pub"), "--keys", str(daemon.client_dir)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == (f"no jobs on the daemon at {daemon.address}; it hosts no workers of "
+                                              f"runs elsewhere\n"), p.stdout + p.stderr

@@ -126,11 +126,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="end (as on SIGTERM) when the process that started it ends: how a supervisor such as a "
                         "Ray actor runs it")
 
-    def client(parser: argparse.ArgumentParser) -> None:
+    def client(parser: argparse.ArgumentParser, submit: bool = False) -> None:
+        # (status, logs and stop have no --placement or --hosts to find the daemon in: they need --daemon)
         parser.add_argument("--daemon", default=None, type=_daemon_address,
-                            help="the daemon's tcp://HOST:PORT (default: the head host of --placement/--hosts)")
+                            help="the daemon's tcp://HOST:PORT (default: the head host of --placement/--hosts)" if submit
+                            else "the tcp://HOST:PORT of the daemon the job was submitted to (reactor submit printed "
+                                 "it when it found the daemon in a placement or hosts file)")
         parser.add_argument("--daemon-key", default=None,
-                            help="the daemon's key.pub (default: as the hosts file says, else your own key: a cluster key)")
+                            help="the daemon's key.pub (default: as the hosts file says, else your own key: a cluster "
+                                 "key)" if submit else "the daemon's key.pub (default: your own key: a cluster key)")
         parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
         parser.add_argument("--timeout-s", type=_answer_seconds, default=10.0, help="how long to wait for each answer")
 
@@ -199,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
                          "graph, the placement): for an app that runs here too. Without it, only what needs nothing of "
                          "the daemon's host is checked (files, placement name or TOML, the app's syntax, the --set syntax, "
                          "restart)")
-    client(su)
+    client(su, submit=True)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
     st.add_argument("job", nargs="?", default=None, type=_job_arg,
                     help="a job id (what submit printed); none: every job of the daemon, and the groups it hosts")

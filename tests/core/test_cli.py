@@ -306,6 +306,18 @@ def test_help_for_each_command():
         assert p.returncode == 0 and "usage: reactor" in p.stdout
 
 
+def test_the_job_commands_help_finds_the_daemon_only_where_the_command_can():
+    """Regression (a newcomer's pass, session 54): the --daemon help of status, logs and stop said "default:
+    the head host of --placement/--hosts", options those commands do not have."""
+    for cmd in ("status", "logs", "stop"):
+        p = reactor(cmd, "--help")
+        text = " ".join(p.stdout.split())
+        assert p.returncode == 0 and "--placement" not in text and "--hosts" not in text and "hosts file says" not in text
+        assert "--daemon DAEMON the tcp://HOST:PORT of the daemon the job was submitted to" in text, text
+    p = reactor("submit", "--help")
+    assert "default: the head host of --placement/--hosts" in " ".join(p.stdout.split())
+
+
 def test_trace_show_and_diff(tmp_path):
     racing = str(ROOT / "tests" / "apps" / "racing.py")
     a, b = tmp_path / "a.trace", tmp_path / "b.trace"

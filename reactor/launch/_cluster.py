@@ -282,6 +282,7 @@ class RemoteWorkers:
         self.silent_hosts: set[str] = set()  # lost by silence (cut off, or down), not by a daemon's answer
         self.waiting: dict[str, str] = {}  # group -> how long its restart has waited for a host (the coordinator's)
         self.files: dict[str, bytes] = {}
+        self.run_dir_of: dict[str, str] = {}  # host -> the run's directory there (its daemon's spawn says it)
         self.settle_s = heartbeat_timeout_s + 2 * HEARTBEAT_S  # how long a worker's death may take to show in dead()
         self._beat: asyncio.Task[None] | None = None
 
@@ -333,6 +334,8 @@ class RemoteWorkers:
         got = await self.links[host].request("spawn", request, timeout_s=max(30.0, self.timeout_s))
         self.host_of[group.name] = host
         self.pid[group.name] = int(got["pid"])
+        if type(got.get("dir")) is str:  # (a daemon of an earlier version says none)
+            self.run_dir_of[host] = got["dir"]
         self.ended.pop(group.name, None)  # a restart: the group lives again
         self.waiting.pop(group.name, None)
         if self._beat is not None:
@@ -430,8 +433,13 @@ class RemoteWorkers:
         directories: metrics, checkpoints, plots) into ``dest``, the coordinator's working
         directory, at the same relative paths: a run over hosts leaves its files where it was
         started from. An absolute ``run_dir`` (a shared file system) is written in place and copied
-        by nobody. Lost hosts are skipped, and so is everything past ``max_nbytes``, each logged."""
+        by nobody. Lost hosts are skipped, and so is everything past ``max_nbytes``, each logged (a
+        lost host with where its files stay)."""
         total = files = 0
+        for host in sorted(set(self.host_of.values()) & set(self.lost_hosts)):
+            log.warning("did not copy the run's files from host %s, which is lost (%s): they stay there, in %s",
+                        host, self.lost_hosts[host],
+                        self.run_dir_of.get(host, f"its daemon's state directory, runs/{self.run_id}/"))
         for host in sorted(set(self.host_of.values()) - set(self.lost_hosts)):
             link = self.links[host]
             try:

@@ -187,7 +187,7 @@ class HostedRuns:
         run.seen = time.monotonic()
         log.info("%s: run %s: started group %s (pid %d, %s)", self.name, run.id, group, proc.pid,
                  "forked" if isinstance(proc, ForkedProcess) else "a new interpreter")
-        return {"pid": proc.pid, "host": self.name}
+        return {"pid": proc.pid, "host": self.name, "dir": str(run.dir)}  # (dir: where its files stay if lost)
 
     def log(self, run_id: str, group: str, offset: int) -> dict[str, Any]:
         """A chunk of a hosted worker's output (``reactor logs JOB GROUP``): its lives all write to

@@ -744,3 +744,48 @@ def test_status_of_a_daemon_without_jobs_says_so(daemon):
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout == (f"no jobs on the daemon at {daemon.address}; it hosts no workers of "
                                               f"runs elsewhere\n"), p.stdout + p.stderr
+
+
+def test_copying_a_runs_files_back_names_each_lost_host_and_where_its_files_stay(tmp_path, caplog):
+    """Regression (a newcomer's pass, session 54): a lost host's files were skipped in silence when a run's
+    files came back, though the docstring said each skip was logged. A daemon's spawn now says where
+    the run's directory is on its host, and the warning names it."""
+    import asyncio
+    import logging
+
+    from reactor.launch._cluster import Host, RemoteWorkers
+
+    keys = init_keys(tmp_path / "keys")
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as sock:  # (a port no daemon answers on)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        hosts = {h: Host(h, f"tcp://127.0.0.1:{port}") for h in ("h1", "h2")}
+        workers = RemoteWorkers("r1", hosts, keys)
+        workers.host_of = {"actor-0": "h1", "actor-1": "h2"}
+        workers.run_dir_of = {"h1": "/srv/h1/runs/r1"}
+        workers.lost_hosts = {"h1": "it was unplugged", "h2": "it was unplugged too"}
+        try:
+            with caplog.at_level(logging.WARNING, logger="reactor"):
+                asyncio.run(workers.fetch_run_files(tmp_path / "dest"))
+        finally:
+            asyncio.run(workers.close())
+    assert [r.getMessage() for r in caplog.records] == [
+        "did not copy the run's files from host h1, which is lost (it was unplugged): they stay there, in "
+        "/srv/h1/runs/r1",
+        "did not copy the run's files from host h2, which is lost (it was unplugged too): they stay there, in its "
+        "daemon's state directory, runs/r1/"]
+
+
+def test_a_daemons_spawn_says_where_the_runs_directory_is_on_its_host(tmp_path):
+    """What the warning above names: the run's directory on the host, from the spawn's answer."""
+    from reactor.launch._hosting import HostedRuns
+
+    hosted = HostedRuns("h1", "127.0.0.1", tmp_path)
+    data = b"import sys\nsys.exit(0)\n"
+    got = hosted.spawn({"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": data},
+                        "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0})
+    try:
+        assert got["dir"] == str(tmp_path / "runs" / "r1") and got["host"] == "h1"
+    finally:
+        hosted.end("r1")
+        _wait_for(lambda: not hosted.live(), 10, "the worker to end")
+        hosted.watch()

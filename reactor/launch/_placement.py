@@ -109,6 +109,33 @@ def check_hosts_named(placement: str, hosts: str | None = None) -> None:
         assign_hosts([Group(gname, (), None, tuple(str(h) for h in host))], table, where, spread=False)
 
 
+def restarting_in_files(placement: str, hosts: str | None = None) -> str | None:
+    """Where the placement's files give a group a policy that restarts (``restart = "on-failure"``),
+    or None: a placement file's group or its ``[restart]`` table; for ``processes`` or a distribution
+    policy, the hosts file's ``[restart]``. Read without the graph (``reactor submit`` asks before a
+    job leaves). ``run`` refuses such a file in a run that cannot restart (:func:`check_settings`).
+
+    Raises:
+        GraphError: a file that does not parse, or a malformed restart field (as :func:`resolve_placement`).
+    """
+    if placement in POLICIES or placement == "processes":
+        if hosts is None:
+            return None
+        where = f"hosts file {hosts}"
+        return f"{where}: [restart]" if _restart_defaults(_read_toml(hosts, "hosts file"), where).policy == \
+            "on-failure" else None
+    if placement == "single" or not Path(placement).is_file():
+        return None
+    where = f"placement file {placement}"
+    data = _read_toml(placement, "placement file")
+    defaults = _restart_defaults(data, where)
+    groups_raw = data.get("groups")
+    for gname, spec in (groups_raw.items() if isinstance(groups_raw, dict) else ()):
+        if isinstance(spec, dict) and parse_restart(spec, f"{where}: group {gname!r}", defaults).policy == "on-failure":
+            return f"{where}: group {gname!r}" if "restart" in spec else f"{where}: [restart]"
+    return None
+
+
 def _resolve(graph: Graph, placement: str, hosts: str | None) -> Placement:
     if placement in POLICIES or placement == "processes":
         groups = _groups(graph, placement)

@@ -65,13 +65,14 @@ def restart_refusal(restart: str | None, deterministic: bool, replay: bool = Fal
         return None
     return (f"restart {restart!r}: restart policies hold in async runs (--async) that replay no trace: a "
             f"{'deterministic run' if deterministic else 'replay'}'s schedule cannot take a process that starts "
-            f"over (a placement file's restart fields are left aside in such runs)")
+            f"over")
 
 
 def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
                    restart: str | None = None, hosts: str | None = None) -> None:
     """What ``run`` refuses before anything starts, whatever the placement: settings that contradict
-    each other (record and replay, either in deterministic mode, restart where nothing restarts), and
+    each other (record and replay, either in deterministic mode, restart where nothing restarts: ``--restart``
+    or, without it, a placement or hosts file's restart fields), and
     for ``single``, settings of multi-process runs and replicas that need a process each. (A
     multi-process placement's own checks come when it is resolved: ``resolve_placement``,
     ``check_lookahead``.) ``reactor submit`` runs them before a job leaves, with ``graph`` None
@@ -97,6 +98,15 @@ def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, 
     if why is not None:
         raise ValueError(why)
     if placement != "single":
+        if restart is None and (deterministic or replay is not None):  # (--restart replaces the files' policies)
+            from ._placement import restarting_in_files
+
+            where = restarting_in_files(placement, hosts)
+            if where is not None:  # (it used to be left aside in silence until a process died)
+                raise ValueError(f"{where} sets restart = \"on-failure\": restart policies hold in async runs "
+                                 f"(--async) that replay no trace: a {'deterministic run' if deterministic else 'replay'}"
+                                 f"'s schedule cannot take a process that starts over; give --async, or --restart "
+                                 f"never to leave the file's restart fields aside")
         return
     if restart is not None:
         raise ValueError("restart applies to the processes of a multi-process placement; placement 'single' has none")

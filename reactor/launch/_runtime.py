@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -71,8 +72,8 @@ def restart_refusal(restart: str | None, deterministic: bool, replay: bool = Fal
 def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
                    restart: str | None = None, hosts: str | None = None) -> None:
     """What ``run`` refuses before anything starts, whatever the placement: settings that contradict
-    each other (record and replay, either in deterministic mode, restart where nothing restarts: ``--restart``
-    or, without it, a placement or hosts file's restart fields), and
+    each other (record and replay, either in deterministic mode, ``--restart`` where nothing restarts; a
+    placement or hosts file's restart fields there are said and left aside), and
     for ``single``, settings of multi-process runs and replicas that need a process each. (A
     multi-process placement's own checks come when it is resolved: ``resolve_placement``,
     ``check_lookahead``.) ``reactor submit`` runs them before a job leaves, with ``graph`` None
@@ -102,11 +103,11 @@ def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, 
             from ._placement import restarting_in_files
 
             where = restarting_in_files(placement, hosts)
-            if where is not None:  # (it used to be left aside in silence until a process died)
-                raise ValueError(f"{where} sets restart = \"on-failure\": restart policies hold in async runs "
-                                 f"(--async) that replay no trace: a {'deterministic run' if deterministic else 'replay'}"
-                                 f"'s schedule cannot take a process that starts over; give --async, or --restart "
-                                 f"never to leave the file's restart fields aside")
+            if where is not None:  # (left aside in silence until a process died; the same file may serve async runs)
+                logging.getLogger("reactor").warning(
+                    "%s sets restart = \"on-failure\", which this %s leaves aside: restart policies hold in async "
+                    "runs (--async) that replay no trace, so a process that dies ends this run (--restart never says "
+                    "so and silences this)", where, "deterministic run" if deterministic else "replay")
         return
     if restart is not None:
         raise ValueError("restart applies to the processes of a multi-process placement; placement 'single' has none")

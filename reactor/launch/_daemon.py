@@ -706,7 +706,7 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
              hosts: str | os.PathLike[str] | None = None, restart: str | None = None) -> dict[str, Any]:
     """What ``reactor submit`` sends: the app file and the files it names (``--with``), by content and
     sha256, and the run's settings. A placement that names a file here travels with it, and so does
-    a hosts file (``--hosts``). ``restart``: as ``reactor run --restart`` (``on-failure:N``).
+    a hosts file (``--hosts``), each with the key files its ``[hosts]`` names by a relative path. ``restart``: as ``reactor run --restart`` (``on-failure:N``).
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -720,13 +720,21 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
     names = {app.name: app.read_bytes()}
     for f in files:
         names[Path(f).name] = Path(f).read_bytes()
+    from ._cluster import key_files_named
+
+    shipped = []
     if Path(placement).is_file():
         names[Path(placement).name] = Path(placement).read_bytes()
+        shipped.append(Path(placement))
         placement = Path(placement).name
     hosts_name = None
     if hosts is not None:
         names[Path(hosts).name] = Path(hosts).read_bytes()
+        shipped.append(Path(hosts))
         hosts_name = Path(hosts).name
+    for path in shipped:  # (the key files their hosts name beside them go along, at the same paths)
+        for rel in key_files_named(path):
+            names.setdefault(rel, (path.parent / rel).read_bytes())
     return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
             "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_,
             "restart": restart}

@@ -366,3 +366,25 @@ def test_a_promise_below_a_peers_earlier_unconditional_promise_is_refused():
     w._take([("source-0", ("p", 50, 0, -1, 0, 0)), ("source-0", ("m", link - 1, 0, 60, 0, 1)),
              ("source-0", ("m", link - 1, 1, 40, 0, 1))])  # the second is behind the promise of 50
     assert w.host.received_count == 1 and w.refused_behind_promise == 4
+
+
+def test_a_submitted_hosts_file_takes_the_key_files_it_names_beside_it(tmp_path):
+    """A hosts file's ``key = "h2.pub"`` (read beside the file) was not shipped with the job: it failed
+    on the daemon, "cannot read its key .../jobs/JOB/app/h2.pub" (a newcomer's pass, session 54). The
+    key files named by relative paths go along at the same paths; an absolute path and a Z85 key stay."""
+    from reactor.launch._daemon import job_spec
+    from reactor.transport import CurveKeys
+
+    (tmp_path / "k").mkdir()
+    h2, h3 = CurveKeys.generate(), CurveKeys.generate()
+    (tmp_path / "k" / "h2.pub").write_bytes(h2.public + b"\n")
+    (tmp_path / "h3.pub").write_bytes(h3.public + b"\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text('[hosts]\nh1 = "tcp://10.0.0.1:7000"\n'
+                     'h2 = { address = "tcp://10.0.0.2:7000", key = "k/h2.pub" }\n'
+                     f'h3 = {{ address = "tcp://10.0.0.3:7000", key = "{tmp_path / "h3.pub"}" }}\n'
+                     f'h4 = {{ address = "tcp://10.0.0.4:7000", key = "{h3.public.decode()}" }}\n')
+    spec = job_spec(ROOT / "tests" / "apps" / "gated.py", placement="processes", hosts=hosts)
+    assert set(spec["files"]) == {"gated.py", "hosts.toml", "k/h2.pub"}
+    assert spec["files"]["k/h2.pub"] == h2.public + b"\n"
+    assert check_request([1, "submit", spec]) is None

@@ -97,7 +97,8 @@ def make_env(name: str) -> Any:
     except ImportError as e:
         raise ValueError(f"env {name!r}: its module does not import here ({type(e).__name__}: {e}); a custom "
                          f"env's module must be importable in every process (installed, on PYTHONPATH, or "
-                         f"beside the app file)") from e
+                         f"beside the app file; on other hosts, and in a submitted job, ship it with --with "
+                         f"FILE)") from e
     except Exception as e:
         import gymnasium
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from .._files import read_small_json, replace_small
 
-__all__ = ["RUN_FILE", "RunDirClaim", "check_resumable", "claim_run_dir"]
+__all__ = ["RUN_FILE", "RunDirClaim", "check_resumable", "claim_run_dir", "release_run_dir"]
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -61,6 +61,13 @@ class RunDirClaim:
             if held[2] == 0:
                 del _claims[key]
                 os.close(held[0])  # (closing the descriptor releases its lock)
+
+
+def release_run_dir(node: Any) -> None:
+    """Release the claim a node keeps as ``_run_claim`` (at its shutdown), if it made one."""
+    claim = getattr(node, "_run_claim", None)
+    if claim is not None:
+        claim.release()
 
 
 def _owner(directory: Path) -> str | None:

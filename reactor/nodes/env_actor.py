@@ -42,7 +42,7 @@ from .._files import read_small_json, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._registry import denormals_flushed
-from ._runclaim import claim_run_dir
+from ._runclaim import claim_run_dir, release_run_dir
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
 from .writer import TransitionPattern, WindowPattern, Writer
@@ -358,10 +358,8 @@ class EnvActor(Reactor):
 
 
     @reaction(triggers=[shutdown])
-    def release_run_dir(self) -> None:
-        claim = getattr(self, "_run_claim", None)
-        if claim is not None:
-            claim.release()
+    def give_up_run_dir(self) -> None:
+        release_run_dir(self)
 
 def _saved_progress(path: Path) -> dict[str, Any]:
     """What an earlier life saved in ``path`` (:meth:`EnvActor._report`): ``explore_steps`` (the env

@@ -60,7 +60,7 @@ from .._files import refuse_file_links, replace_small
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import check_saved_weights, denormals_flushed, error_line, state_sha256, weights_sha256
-from ._runclaim import check_resumable, claim_run_dir
+from ._runclaim import check_resumable, claim_run_dir, release_run_dir
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
 from .replay_client import ONE_SIDED_ERRORS, REMOTE_READS
@@ -367,9 +367,7 @@ class _LearnerBase(Reactor):
         try:
             self._finish_files()
         finally:
-            claim = getattr(self, "_run_claim", None)
-            if claim is not None:
-                claim.release()
+            release_run_dir(self)
 
     def _finish_files(self) -> None:
         if not hasattr(self, "state"):

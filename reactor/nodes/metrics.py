@@ -49,7 +49,7 @@ from typing import Any
 from .._files import read_small_json, refuse_file_links, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
-from ._runclaim import claim_run_dir
+from ._runclaim import claim_run_dir, release_run_dir
 from .plot import MAX_LINE_CHARS  # (a longer line, of an edited file, is passed over, never read whole)
 from .train_messages import Report
 
@@ -284,9 +284,7 @@ class Metrics(Reactor):
         try:
             self._close_logs()
         finally:
-            claim = getattr(self, "_run_claim", None)
-            if claim is not None:
-                claim.release()
+            release_run_dir(self)
 
     def _close_logs(self) -> None:
         if not hasattr(self, "display"):  # the run failed before our startup finished: nothing to report

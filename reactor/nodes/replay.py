@@ -97,7 +97,7 @@ from ..transport import bulk as _bulk
 from ..transport._shm import HUGE_NBYTES, huge_pages_allowed
 from ._onesided_remote import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
-from ._runclaim import claim_run_dir
+from ._runclaim import claim_run_dir, release_run_dir
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from ._shardstore import ShardStore
 from .messages import (
@@ -914,9 +914,7 @@ class Replay(Reactor):
         try:
             await self._close()
         finally:
-            claim = getattr(self, "_run_claim", None)
-            if claim is not None:
-                claim.release()
+            release_run_dir(self)
 
     async def _close(self) -> None:
         if self.table is None:

@@ -192,18 +192,25 @@ def test_workers_late_to_start_end_the_run_naming_them_and_what_they_were_doing(
     assert not left, left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
+def _forever_running(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
+    """``reactor run forever.py`` under ``processes``, async, once its sink runs: the command, the
+    sink's ready file and the file its shutdown reaction writes ``stopped_by`` to."""
     ready, stopped = tmp_path / "ready", tmp_path / "stopped"
     p = subprocess.Popen(
         [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
          "--set", f"ready_file='{ready}'", f"stopped_file='{stopped}'"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ready.exists() and p.poll() is None:
+        time.sleep(0.1)
+    return p, ready, stopped
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
+    p, ready, stopped = _forever_running(tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not ready.exists():
-            time.sleep(0.1)
         workers = _workers(p.pid)
         assert ready.exists() and len(workers) == 3, f"expected 3 running workers, saw {workers}"
         workers = _descendants(p.pid)  # the fork server too
@@ -224,16 +231,8 @@ def test_a_workers_failure_stops_the_others_cleanly_and_their_shutdown_reactions
     """A worker killed mid-run fails the run (no restart policy); the survivors are stopped with the
     reason, so their shutdown reactions (a last checkpoint, a summary) run knowing the run failed,
     before the reaping's SIGTERM."""
-    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
-         "--set", f"ready_file='{ready}'", f"stopped_file='{stopped}'"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )
+    p, ready, stopped = _forever_running(tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not ready.exists():
-            time.sleep(0.1)
         tickers = [w for w in _workers(p.pid) if Path(f"/proc/{w}/comm").read_text().startswith("rx:ticker-0")]
         assert ready.exists() and len(tickers) == 1, tickers
         os.kill(tickers[0], signal.SIGKILL)

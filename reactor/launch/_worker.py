@@ -273,7 +273,7 @@ class Worker:
                 if deterministic:
                     await self._run_deterministic(out_peers, min_delay)
                     if host.stop_reason is None:
-                        await self._await_verdict()
+                        await self._await_verdict(out_peers)
                 else:
                     await self._run_async()
             except asyncio.CancelledError:
@@ -372,12 +372,17 @@ class Worker:
 
     # -- control ---------------------------------------------------------------------------------
 
-    async def _await_verdict(self) -> None:
+    async def _await_verdict(self, out_peers: list[str]) -> None:
         """A deterministic run ended here on its own: whether the run as a whole ended at its stop
         time or with nothing left to happen is known only from every worker's end (a message
         tagged past the stop time counts at its sender), so ask the coordinator before the shutdown
-        reactions run (``Reactor.stopped_by``). Nothing can happen here meanwhile."""
+        reactions run (``Reactor.stopped_by``). Nothing can happen here meanwhile, and nothing more
+        goes to the peers (shutdown reactions' outputs are not delivered): the links to them close
+        first, as when the worker is done (its peers need not keep them for the rest of the run)."""
         host = self.host
+        await asyncio.wait_for(self.outbox.empty.wait(), timeout=30)
+        for p in out_peers:
+            self.ep.disconnect(p)
         self.outbox.send(COORDINATOR, ("ending", _stop_pending(host)))
         try:
             why = await self._wait_control("stop", timeout_s=VERDICT_TIMEOUT_S)

@@ -90,8 +90,12 @@ def _earlier_run(directory: Path) -> bool:
     return any((directory / f).exists() for f in RUN_FILES) or any(directory.glob("replay*"))
 
 
-def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool, who: str) -> RunDirClaim:
+def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool, who: str,
+                  required: bool = True) -> RunDirClaim:
     """Claim ``run_dir`` for run ``run_id`` (see the module's docstring); ``who`` names the node in errors.
+    ``required``: with ``resume``, the directory must hold an earlier run (``resume=True``); without,
+    ``resume`` only allows taking an earlier run's directory over (a replay shard's ``restore``, on by
+    default: it restores a checkpoint where there is one).
 
     Raises:
         ValueError: the directory is another run's and ``resume`` is not set, is in use by a live
@@ -99,7 +103,7 @@ def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
             the directory and what to do.
     """
     directory = Path(run_dir)
-    if resume and not directory.exists():  # (not made: a mistyped path leaves nothing behind)
+    if resume and required and not directory.exists():  # (not made: a mistyped path leaves nothing behind)
         raise ValueError(f"{who}: resume=True, but run directory {run_dir} does not exist: is the path right? Without "
                          f"resume=True a new run starts there")
     directory.mkdir(parents=True, exist_ok=True)
@@ -113,7 +117,7 @@ def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
             return RunDirClaim(key)
         fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            _claim(fd, directory, run_dir, run_id, resume, who)
+            _claim(fd, directory, run_dir, run_id, resume, required, who)
         except BaseException:
             os.close(fd)
             raise
@@ -121,7 +125,7 @@ def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
         return RunDirClaim(key)
 
 
-def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, who: str) -> None:
+def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, required: bool, who: str) -> None:
     deadline = time.monotonic() + CLAIM_WAIT_S
     while True:
         owner = _owner(directory)
@@ -148,7 +152,7 @@ def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, wh
         raise ValueError(f"{who}: run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run "
                          f"there would overwrite its weights and metrics. Resume it (--set resume=True), or name a "
                          f"new run_dir")
-    if resume and not earlier:
+    if resume and required and not earlier:
         raise ValueError(f"{who}: resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, "
                          f"learner.pt or metrics.csv): is the path right? Without resume=True a new run starts there")
     replace_small(directory / RUN_FILE, (json.dumps({"run_id": run_id, "resumed_from": owner}) + "\n").encode())
@@ -174,11 +178,13 @@ def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: s
         earlier = read_small_json(path, 1 << 20)
     except (OSError, ValueError) as e:
         raise ValueError(f"{who}: cannot resume: {e}") from None
-    if type(earlier) is dict and (earlier.get("algo"), earlier.get("env")) != (algo, env):
+    if type(earlier) is not dict or not (isinstance(earlier.get("algo"), str) and isinstance(earlier.get("env"), str)):
+        return  # (not a learner's config.json: the learner's own load says what is wrong)
+    if (earlier["algo"], earlier["env"]) != (algo, env):
         raise ValueError(f"{who}: cannot resume run directory {run_dir}: it holds a run of {earlier.get('algo')!r} on "
                          f"{earlier.get('env')!r} (its config.json), and this run is {algo!r} on {env!r}; name "
                          f"another run_dir")
-    before = earlier.get("app_config") if type(earlier) is dict else None
+    before = earlier.get("app_config")
     if app_config is None or type(before) is not dict:
         return
     if "shards" in app_config and before.get("shards", app_config["shards"]) != app_config["shards"]:

@@ -424,7 +424,7 @@ class Replay(Reactor):
         if directory is not None:
             refuse_file_links(directory)
             self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore or self.restarts > 0,
-                                           who=self.name)
+                                           who=self.name, required=False)
         store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
                            wal=self.wal)
         # (A restarted shard starts from its latest checkpoint.) Kept only once open: a store whose open

@@ -129,6 +129,15 @@ def check_ipc_bind(address: str) -> None:
         raise FileExistsError(f"cannot bind {address!r}: {path} exists and is not a socket (binding would delete it)")
 
 
+def _links(entry: os.DirEntry[str]) -> int:
+    """Hard links of a directory entry; 1 for one gone since the listing (a temporary file renamed,
+    a checkpoint pruned meanwhile: another process of the run may be writing there)."""
+    try:
+        return entry.stat(follow_symlinks=False).st_nlink
+    except FileNotFoundError:
+        return 1
+
+
 def refuse_file_links(directory: str | os.PathLike[str], max_entries: int = 100_000) -> None:
     """Refuse a run directory that holds a symbolic link to anything but a directory, a FIFO, a
     device, a socket, or a file with more than one hard link, at any depth
@@ -168,7 +177,8 @@ def refuse_file_links(directory: str | os.PathLike[str], max_entries: int = 100_
             elif not e.is_file(follow_symlinks=False):  # a FIFO (its open waits for ever), a device, a socket
                 raise ValueError(f"run directory {os.fspath(directory)} holds {e.path}, which is neither a file nor "
                                  f"a directory: a run reads and writes only its own files there; remove it")
-            elif (links := e.stat(follow_symlinks=False).st_nlink) > 1:  # (cp -al: a copy that shares its files)
+            elif (links := _links(e)) > 1:  # (cp -al: a copy that shares its files)
                 raise ValueError(f"run directory {os.fspath(directory)} holds {e.path}, a file with {links} hard links: "
                                  f"a run writes its files in place, and would change every other copy (a directory "
-                                 f"copied with cp -al or cp -l); copy it with cp -r instead")
+                                 f"copied with cp -al, or kept by a hard-linked backup such as rsync --link-dest); copy it "
+                                 f"with cp -r instead")

@@ -489,7 +489,8 @@ class Reactor:
         (nothing left that can happen), ``"request"`` (a reactor's :meth:`request_stop`), ``"signal"``
         (Ctrl-C or SIGTERM at the command), ``"replay"`` (a replay reached the end of its recording),
         ``"failure"`` (a reaction, or a worker of the run, failed) or ``"terminated"`` (this process
-        was told to end before the run did). None while the run goes on."""
+        was told to end before the run did: a SIGTERM, a second Ctrl-C). None until the run is
+        ending (a stop heard mid-run sets it as the last events run)."""
         return getattr(self._host, "stop_reason", None)
 
     def links_into(self, port: str) -> int:

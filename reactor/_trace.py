@@ -12,6 +12,7 @@ end (a reactor's list halved, or gone: the run did less, exit 0).
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,12 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
     body["events_sha256"] = _events_digest(body["events"])
     if trace.get("graph") is not None:
         body["graph"] = trace["graph"]
-    replace_small(path, msgpack.packb(body, use_bin_type=True), sync=True)
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > MAX_TRACE_NBYTES:  # (written whole all the same: the run happened, and the file says what)
+        logging.getLogger("reactor").warning(
+            "trace %s is %.0f MiB, past the %d MiB a replay reads: it cannot be replayed (record a shorter run)",
+            path, len(data) / 2**20, MAX_TRACE_NBYTES // 2**20)
+    replace_small(path, data, sync=True)
 
 
 def read_trace(path: str | Path) -> dict[str, Any]:

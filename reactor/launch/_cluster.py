@@ -76,9 +76,10 @@ class Host:
     key: bytes | None = None
 
 
-def parse_hosts(data: Any, where: str, base: Path) -> dict[str, Host]:
+def parse_hosts(data: Any, where: str, base: Path, read_keys: bool = True) -> dict[str, Host]:
     """The ``[hosts]`` table of a placement or hosts file (``where`` names it in errors; key files
-    are relative to ``base``).
+    are relative to ``base``). Without ``read_keys``, the hosts' keys are left unread (None): a
+    submitted job's may exist only on the daemon's host.
 
     Raises:
         GraphError: a malformed entry, naming it.
@@ -95,7 +96,7 @@ def parse_hosts(data: Any, where: str, base: Path) -> dict[str, Host]:
             if unknown:
                 raise GraphError(f"{where}: host {name!r} has unknown fields {sorted(unknown)} (address, key)")
             address, key_text = entry.get("address"), entry.get("key")
-            if key_text is not None:
+            if key_text is not None and read_keys:
                 key = _read_key(key_text, where, name, base)
         else:
             address = entry
@@ -141,7 +142,7 @@ def key_files_named(path: str | Path) -> list[str]:
     return out
 
 
-def load_hosts_file(path: str | Path) -> tuple[dict[str, Host], dict[str, Any]]:
+def load_hosts_file(path: str | Path, read_keys: bool = True) -> tuple[dict[str, Host], dict[str, Any]]:
     """A ``--hosts`` file: its hosts and its ``[cluster]`` settings.
 
     Raises:
@@ -154,7 +155,8 @@ def load_hosts_file(path: str | Path) -> tuple[dict[str, Host], dict[str, Any]]:
         data = tomllib.loads(p.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"hosts file {path}: {e}") from e
-    return parse_hosts(data.get("hosts"), f"hosts file {path}", p.parent), cluster_settings(data, f"hosts file {path}")
+    return (parse_hosts(data.get("hosts"), f"hosts file {path}", p.parent, read_keys),
+            cluster_settings(data, f"hosts file {path}"))
 
 
 def head_host(path: str | Path) -> Host:
@@ -478,7 +480,7 @@ class RemoteWorkers:
                     log.warning("the run's files on its hosts exceed %d bytes: %s and what follows stay on host %s "
                                 "(give an absolute run_dir on a shared file system instead)", max_nbytes, f["path"], host)
                     return
-                if target.exists():
+                if target.exists() and Path(f["path"]).name != "run.json":  # (every host's names the same run)
                     log.warning("%s was written on more than one host; the copy from %s is kept", f["path"], host)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 tmp = target.with_name(f".{target.name}.part")

@@ -706,7 +706,7 @@ class _Session:
         """A worker failed and the run ends: the others are told why and given ``FAILURE_STOP_S`` to
         run their shutdown reactions (a node's last checkpoint and summary, saying that the run
         failed) before the reaping's SIGTERM ends any that have not."""
-        self.stopped_by = "failure"
+        self.stopped_by = self.stopped_by or "failure"  # (a stop under way keeps its reason)
         self._broadcast(("stop", "failure"))
         dead = self.workers.dead()
         live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down}
@@ -768,6 +768,7 @@ class _Session:
                     self._stop("request")
                 elif kind == "ending":
                     self.ending[peer] = msg[1]
+                    self.status[peer] = (self.epoch, True, msg[2], msg[3])  # (final: it is not probed again)
                     if self.stopped_by is None and all(n in self.ending or n in self.results for n in self.procs):
                         self._stop("stop_time" if any(self.ending.values()) else "quiescence")
                 elif kind == "replay_done":
@@ -786,7 +787,9 @@ class _Session:
         if self.restarts.pending:
             self.quiet_since = None  # (a restart under way: the quiet after it starts when it is done)
             return False
-        live = [n for n in self.procs if n not in self.results]
+        # (A deterministic worker that ended on its own waits for the run's reason: idle for good, its
+        # final counts in its status, it answers no probe.)
+        live = [n for n in self.procs if n not in self.results and n not in self.ending]
         if self.results and len(self.results) == len(self.procs):
             return False
         st = self.status

@@ -161,9 +161,10 @@ class Daemon:
             raise ValueError(f"keep_ended must be an int >= 0, got {keep_ended!r}")
         if type(forget_after_s) not in (int, float) or not 0 <= forget_after_s < math.inf:
             raise ValueError(f"forget_after_s must be finite seconds >= 0, got {forget_after_s!r}")
-        if not advertise and _advertised(listen) is None:  # (before the state directory is made)
-            raise ValueError(f"--listen {listen} is a wildcard, which other hosts cannot dial: give --advertise ADDR, "
-                             f"the address they reach this host at")
+        if not advertise and _advertised(listen) is None:  # (its own jobs run; workers of runs over hosts do not)
+            log.warning("--listen %s is a wildcard, which other hosts cannot dial: runs over hosts will be refused "
+                        "their workers here until the daemon is started with --advertise ADDR, the address they "
+                        "reach this host at (jobs submitted to it run)", listen)
         self.name = name
         self.keep_ended = keep_ended
         self.forget_after_s = float(forget_after_s)

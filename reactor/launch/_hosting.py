@@ -214,8 +214,8 @@ class HostedRuns:
                 dirnames[:] = [d for d in dirnames if d != "app"]
             for name in sorted(filenames):
                 p = here / name
-                if (top and name.endswith(".log")) or p.is_symlink() or not p.is_file():
-                    continue
+                if (top and name.endswith(".log")) or name == "run.lock" or p.is_symlink() or not p.is_file():
+                    continue  # (run.lock: a live lock's file, nothing to copy; each host has its own)
                 out.append({"path": str(p.relative_to(run.dir)), "size": p.stat().st_size})
                 if len(out) >= RUN_FILES_MAX:
                     log.warning("%s: run %s has more than %d files; listing the first", self.name, run_id, RUN_FILES_MAX)

@@ -88,7 +88,7 @@ def check_hosts_named(placement: str, hosts: str | None = None) -> None:
         GraphError: a file that does not parse, a malformed ``[hosts]``, a group naming a host the
             hosts lack (or hosts where there are none), ``[hosts]`` and a hosts file both.
     """
-    table = load_hosts_file(hosts)[0] if hosts is not None else None
+    table = load_hosts_file(hosts, read_keys=False)[0] if hosts is not None else None  # (keys: the daemon's host's)
     if placement in POLICIES or placement in ("single", "processes") or not Path(placement).is_file():
         return
     data = _read_toml(placement, "placement file")
@@ -96,7 +96,7 @@ def check_hosts_named(placement: str, hosts: str | None = None) -> None:
     if "hosts" in data:
         if hosts is not None:
             raise GraphError(f"{where} has its own [hosts]: give either it or --hosts {hosts}, not both")
-        table = parse_hosts(data["hosts"], where, Path(placement).parent)
+        table = parse_hosts(data["hosts"], where, Path(placement).parent, read_keys=False)
     groups_raw = data.get("groups")
     for gname, spec in (groups_raw.items() if isinstance(groups_raw, dict) else ()):
         host = spec.get("host", []) if isinstance(spec, dict) else []

@@ -17,7 +17,7 @@ worker <- coordinator (only from the coordinator):
     ("lost", group, reason), ("restarted", group, address, restarts)   restart policies (async runs)
 coordinator <- worker (only from the run's worker groups):
     ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
-    ("replay_done",), ("ending", stop_pending), ("done", result), ("error", text),
+    ("replay_done",), ("ending", stop_pending, sent, received), ("done", result), ("error", text),
     ("reconnected", group)  (it links to a restarted group)
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
@@ -221,7 +221,7 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "status": (_epoch, _bool, _count, _count),
     "stop_request": (),
     "replay_done": (),
-    "ending": (_bool,),
+    "ending": (_bool, _count, _count),
     "done": (_result,),
     "error": (_text,),
     "reconnected": (_group,),

@@ -202,9 +202,16 @@ async def run_async(
 
 
 async def drive_single(host: ReactorHost, stop_ns: int | None) -> str:
-    """Run every reactor of ``host`` in this process until the run ends; return why it ended."""
-    with stop_signals() as signalled:
-        return await _drive(host, stop_ns, signalled)
+    """Run every reactor of ``host`` in this process until the run ends; return why it ended. What the
+    run left claimed (a run directory whose node's shutdown was cut short) is released at its end: the
+    process, a notebook's kernel, goes on."""
+    from .._runclaim import release_run_claims
+
+    try:
+        with stop_signals() as signalled:
+            return await _drive(host, stop_ns, signalled)
+    finally:
+        release_run_claims(os.environ.get("REACTOR_RUN_ID", "local"))
 
 
 async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:

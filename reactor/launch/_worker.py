@@ -12,8 +12,8 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
                                                    after the first n (d_ns -1: U alone); see
                                                    ReactorHost.refresh
 worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle, sent, received), ("stop_request",),
-    ("ending", stop_pending) (deterministic: it ended on its own; answered with "stop" and the run's
-    reason), ("done", result), ("error", text), ("reconnected", group)
+    ("ending", stop_pending, sent, received) (deterministic: it ended on its own, with its final
+    counts; answered with "stop" and the run's reason), ("done", result), ("error", text), ("reconnected", group)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why),
     ("lost", group, reason), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
@@ -45,7 +45,6 @@ log = logging.getLogger("reactor.worker")
 #: out at most this often. Reporting after every message cost a coordinator wake-up
 #: per message on every worker; the delay only postpones the end of a quiet run by as much.
 STATUS_INTERVAL_S = 0.02
-VERDICT_TIMEOUT_S = 600.0  # a deterministic worker ended on its own: how long it waits to hear why the run did
 #: Deterministic mode: a promise on links with delay D > 0 goes out once grown by D / this.
 _PROMISE_QUANTUM_DIV = 4
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
@@ -383,17 +382,13 @@ class Worker:
         await asyncio.wait_for(self.outbox.empty.wait(), timeout=30)
         for p in out_peers:
             self.ep.disconnect(p)
-        self.outbox.send(COORDINATOR, ("ending", _stop_pending(host)))
-        try:
-            why = await self._wait_control("stop", timeout_s=VERDICT_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("%s: the coordinator did not say within %.0f s why the run ended; going on", self.group,
-                        VERDICT_TIMEOUT_S)
-            return
+        # (with its final counts: the coordinator's counting leaves it out of its probes from now on)
+        self.outbox.send(COORDINATOR, ("ending", _stop_pending(host), host.sent_count, host.received_count))
+        why = await self._wait_control("stop", timeout_s=None)  # (however long the others run: the run is not over)
         if host.stop_reason is None:
             host.stop_reason = why
 
-    async def _wait_control(self, what: str, timeout_s: float = 120) -> Any:
+    async def _wait_control(self, what: str, timeout_s: float | None = 120) -> Any:
         """Wait for control message ``what``; keep every other message (peers may start first)."""
         async with asyncio.timeout(timeout_s):
             while True:

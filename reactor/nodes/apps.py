@@ -175,9 +175,8 @@ def _at_least(config: Any, low: int, *names: str) -> None:
             raise ValueError(f"config key {name!r} must be >= {low}, got {v}{why}")
 
 
-def _run_dir(config: Any, name: str, algo: str) -> str:
+def _run_dir(config: Any, name: str) -> str:
     from ..launch._runtime import current_run_id
-    from ._runclaim import check_resumable
 
     env = config.env.replace(":", "_").replace("/", "_")
     if getattr(config, "resume", False) and not config.run_dir:  # (a new run's new directory holds nothing to resume)
@@ -186,8 +185,6 @@ def _run_dir(config: Any, name: str, algo: str) -> str:
     if config.run_dir and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
         raise ValueError(f"run_dir {config.run_dir!r} is a file, not a directory: give a new path, or an earlier "
                          f"run's directory to resume it")
-    if getattr(config, "resume", False):  # (before any process starts: a refused resume changes nothing there)
-        check_resumable(config.run_dir, algo, config.env, "resume=True", dataclasses.asdict(config))
     return config.run_dir or f"runs/{name}-{env}-{current_run_id()}"
 
 
@@ -209,7 +206,7 @@ def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, ti
     if "priorities" in _algo_fields(algo):  # learn returns |TD| priorities only when they are sampled by
         algo_config = {"priorities": config.prioritized, **algo_config}
     return off_policy_graph(
-        algo=algo, env=config.env, algo_config=algo_config, run_dir=_run_dir(config, name, algo),
+        algo=algo, env=config.env, algo_config=algo_config, run_dir=_run_dir(config, name),
         actors=config.actors, envs_per_actor=config.envs_per_actor, shards=config.shards,
         learners=config.learners, capacity=config.capacity, min_size=config.min_size,
         prioritized=config.prioritized, samples_per_insert=config.samples_per_insert,
@@ -228,7 +225,7 @@ def on_policy_app_graph(config: OnPolicyAppConfig, *, algo: str, name: str, titl
     """The graph of an on-policy app: :func:`~reactor.nodes.training.on_policy_graph` from its Config."""
     _check_env(config)
     return on_policy_graph(
-        algo=algo, env=config.env, algo_config=dict(config.algo_config), run_dir=_run_dir(config, name, algo),
+        algo=algo, env=config.env, algo_config=dict(config.algo_config), run_dir=_run_dir(config, name),
         actors=config.actors, envs_per_actor=config.envs_per_actor,
         eval_every_updates=config.eval_every_updates, eval_episodes=config.eval_episodes,
         target_return=config.target_return, max_env_steps=config.max_env_steps,
@@ -259,11 +256,15 @@ def offline_app_graph(config: OfflineAppConfig, *, algo: str, name: str, title: 
         raise ValueError("no source: set source to an earlier run's run_dir (its replay-<i>/ checkpoints are the "
                          "data), e.g. --set source=runs/transformer_dqn-CartPoleNoVel-v1-RUN_ID")
     merged = {**(algo_config or {}), **config.algo_config}
-    run_dir = _run_dir(config, name, algo)
+    run_dir = _run_dir(config, name)
+    from .._runclaim import check_run_dir
+    from ..launch._runtime import current_run_id
+
     here, source = Path(run_dir).resolve(), Path(config.source).resolve()
     if here == source or source in here.parents:
         raise ValueError(f"run_dir {run_dir!r} is the offline source {config.source!r} or inside it: the offline run "
                          f"would write over the run it learns from; name another run_dir")
+    check_run_dir(run_dir, current_run_id(), resume=config.resume, algo=algo, env=config.env, layout={})
     g = Graph()
     learner = g.add(OfflineLearner(algo, config.env, merged, source=config.source, batch_size=config.batch_size,
                                    max_updates=config.updates, weights_every=config.eval_every_updates,

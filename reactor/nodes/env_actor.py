@@ -41,8 +41,8 @@ import numpy as np
 from .._files import read_small_json, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
+from .._runclaim import claim_run_dir, release_run_dir
 from ._registry import denormals_flushed
-from ._runclaim import claim_run_dir, release_run_dir
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
 from .writer import TransitionPattern, WindowPattern, Writer
@@ -191,7 +191,7 @@ class EnvActor(Reactor):
                 flush_steps=self.flush_steps,
             )
         if self.run_dir:
-            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume or self.restarts > 0,
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume,
                                             who=self.name)
             self.progress = Path(self.run_dir) / f"{plain_name(self.name)}.progress.json"
             if self.resume or self.restarts > 0:

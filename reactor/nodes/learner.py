@@ -58,9 +58,9 @@ import numpy as np
 from .._errors import PeerLostError
 from .._files import refuse_file_links, replace_small
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
+from .._runclaim import check_resumable, claim_run_dir, release_run_dir
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import check_saved_weights, denormals_flushed, error_line, state_sha256, weights_sha256
-from ._runclaim import check_resumable, claim_run_dir, release_run_dir
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
 from .replay import ReplayClient
 from .replay_client import ONE_SIDED_ERRORS, REMOTE_READS
@@ -107,7 +107,10 @@ class _LearnerBase(Reactor):
 
         if self.run_dir:  # (first: a learner refused here has no state, and saves nothing at shutdown)
             refuse_file_links(self.run_dir)
-            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume or self.restarts > 0,
+            ckpt = Path(self.run_dir) / "learner.pt"
+            if (ckpt.exists() or ckpt.is_symlink()) and not ckpt.is_file():
+                raise ValueError(f"{self.name}: {ckpt} is not a file: the learner's checkpoint goes there; remove it")
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume,
                                             who=self.name)
         configure_torch()
         self.algo = load_algorithm(algo)
@@ -133,9 +136,6 @@ class _LearnerBase(Reactor):
                                     replicas=self.bank_size)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
-        if self.ckpt is not None and (self.ckpt.exists() or self.ckpt.is_symlink()) and not self.ckpt.is_file():
-            del self.state  # (nothing is saved at shutdown: _finish)
-            raise ValueError(f"{self.name}: {self.ckpt} is not a file: the learner's checkpoint goes there; remove it")
         if self.ckpt is not None and self.resume and self.restarts == 0:
             self._check_same_run()
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.

@@ -49,7 +49,7 @@ from typing import Any
 from .._files import read_small_json, refuse_file_links, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
-from ._runclaim import claim_run_dir, release_run_dir
+from .._runclaim import claim_run_dir, release_run_dir
 from .plot import MAX_LINE_CHARS  # (a longer line, of an edited file, is passed over, never read whole)
 from .train_messages import Report
 
@@ -124,7 +124,7 @@ class Metrics(Reactor):
     def open_logs(self) -> None:
         self.dir = Path(self.run_dir)
         refuse_file_links(self.dir)
-        self._run_claim = claim_run_dir(self.dir, self.run_id, resume=self.resume or self.restarts > 0,
+        self._run_claim = claim_run_dir(self.dir, self.run_id, resume=self.resume,
                                         who=self.name)
         self.t_start = self.t0 = time.monotonic()
         self.started.schedule()  # fires after every startup reaction of this tag (a later microstep)

@@ -83,6 +83,7 @@ from .._errors import WouldBlock
 from .._files import refuse_file_links
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
+from .._runclaim import claim_run_dir, release_run_dir
 from ..replay import (
     Prioritized,
     Selector,
@@ -97,7 +98,6 @@ from ..transport import bulk as _bulk
 from ..transport._shm import HUGE_NBYTES, huge_pages_allowed
 from ._onesided_remote import REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
-from ._runclaim import claim_run_dir, release_run_dir
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from ._shardstore import ShardStore
 from .messages import (
@@ -423,7 +423,7 @@ class Replay(Reactor):
         directory = Path(self.run_dir) / plain_name(self.name) if self.run_dir else None
         if directory is not None:
             refuse_file_links(directory)
-            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore or self.restarts > 0,
+            self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore,
                                            who=self.name, required=False)
         store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
                            wal=self.wal)

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from .._graph import Graph, graph_builder
+from .._runclaim import check_run_dir
 from .._tag import NS_PER_S, seconds_to_ns
+from ..launch._runtime import current_run_id
 from .env_actor import EnvActor, writer_pattern
 from .evaluator import Evaluator
 from .learner import Learner, RolloutLearner
@@ -129,6 +131,8 @@ def off_policy_graph(
             or not 0 < samples_per_insert < math.inf:  # (before the limiter's error buffer is made of it)
         raise ValueError(f"off_policy_graph: samples_per_insert must be a number > 0 and finite, got "
                          f"{samples_per_insert!r:.100}")
+    check_run_dir(run_dir, current_run_id(), resume=resume, algo=algo, env=env,
+                  layout={"shards": shards, "actors": actors})
     algo_mod = load_algorithm(algo)
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
     probe = make_env(env)
@@ -262,6 +266,7 @@ def on_policy_graph(
     _counts("on_policy_graph", 1, actors=actors, envs_per_actor=envs_per_actor, eval_every_updates=eval_every_updates,
             eval_episodes=eval_episodes, max_env_steps=max_env_steps)
     _counts("on_policy_graph", 0, checkpoint_every=checkpoint_every)
+    check_run_dir(run_dir, current_run_id(), resume=resume, algo=algo, env=env, layout={"actors": actors})
     algo_mod = load_algorithm(algo)
     if algo_mod.KIND != "on_policy":
         raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "

@@ -108,7 +108,8 @@ def test_metrics_csv_holds_each_evaluation_and_recent_rows_while_the_run_goes_on
 
 
 class _RestartedMetrics(Metrics):
-    """Metrics as a restart policy starts it again: in a later life of its process (``restarts`` 1)."""
+    """Metrics as a restart policy starts it again: in a later life of its process (``restarts`` 1; a
+    run() is a new run, so the directory is taken over as a resume: a later life of the same run joins it)."""
 
     @property
     def restarts(self) -> int:
@@ -129,7 +130,7 @@ def test_a_restarted_metrics_goes_on_with_its_runs_csv_and_evaluations(tmp_path)
     first = (tmp_path / "metrics.csv").read_text().splitlines()[:-1]
     g = Graph()
     t = g.add(FakeTrainer(rounds=2), name="actor")
-    g.connect(t.report, g.add(_RestartedMetrics(str(tmp_path), live=False), name="metrics").reports)
+    g.connect(t.report, g.add(_RestartedMetrics(str(tmp_path), live=False, resume=True), name="metrics").reports)
     run(g)
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[:len(first)] == first and lines[0] == "wall_s,env_steps,source,name,value"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from reactor import _runclaim
+from reactor._runclaim import claim_run_dir
 from reactor.launch._app import build_graph
-from reactor.nodes import _runclaim
-from reactor.nodes._runclaim import claim_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn.py")
@@ -72,7 +72,7 @@ def test_a_directory_a_live_run_holds_is_refused_to_another_even_with_resume(tmp
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from reactor.nodes._runclaim import claim_run_dir
+            from reactor._runclaim import claim_run_dir
             claim_run_dir({str(d)!r}, "run-a", resume=False, who="metrics")
             print("held", flush=True)
             sys.stdin.readline()
@@ -123,3 +123,49 @@ def test_a_dqn_run_never_writes_over_an_earlier_run_or_another_apps(tmp_path):
                              cwd=tmp_path, timeout=240)
     assert resumed.returncode != 0 and "hard links" in resumed.stderr, resumed.stderr[-3000:]
     assert _files(run_dir) == before
+
+
+def test_what_a_run_left_claimed_in_its_process_is_released_at_its_end(tmp_path):
+    """A shutdown cut short (a second Ctrl-C, a notebook's stop button) skipped the nodes' releases: the
+    kernel kept the lock, and every later run there was refused."""
+    d = tmp_path / "run"
+    claim_run_dir(d, "run-a", resume=False, who="metrics")
+    claim_run_dir(d, "run-a", resume=False, who="learner")  # (never released by their nodes)
+    with pytest.raises(ValueError, match="is in use by run run-a in this process"):
+        claim_run_dir(d, "run-b", resume=True, who="learner")
+    _runclaim.release_run_claims("run-a")
+    claim_run_dir(d, "run-b", resume=True, who="learner").release()
+
+
+def test_a_restarted_life_joins_its_own_runs_directory_and_never_takes_another_runs_over(tmp_path):
+    """Under a restart policy, a new run's nodes refused an earlier run's directory, died, and their next
+    lives (restarts 1) claimed it as a resume: the new run went on with the earlier one's weights and
+    metrics (a review, session 54). A later life may only join its own run's directory."""
+    from reactor import Graph, run
+    from reactor.nodes.metrics import Metrics
+
+    from .test_metrics import FakeTrainer
+
+    class Restarted(Metrics):
+        restarts = property(lambda self: 1, lambda self, value: None)
+
+    claim_run_dir(tmp_path, "earlier-run", resume=False, who="metrics").release()
+    g = Graph()
+    g.connect(g.add(FakeTrainer(), name="actor").report, g.add(Restarted(str(tmp_path), live=False), name="metrics").reports)
+    with pytest.raises(ValueError, match=r"holds an earlier run \(earlier-run\)"):
+        run(g)
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == "earlier-run"
+
+
+def test_a_python_api_graph_is_refused_an_earlier_runs_directory_and_another_apps_resume_at_build(tmp_path):
+    """The checks ran only for the apps: off_policy_graph into an earlier run's directory, or resuming
+    another algorithm's, started, and its Metrics wrote into that run's files before the learner refused."""
+    from reactor.nodes.training import off_policy_graph, on_policy_graph
+
+    claim_run_dir(tmp_path, "earlier-run", resume=False, who="metrics").release()
+    (tmp_path / "config.json").write_text(json.dumps({"algo": "ppo", "env": "CartPole-v1"}))
+    with pytest.raises(ValueError, match=r"holds an earlier run \(earlier-run\)"):
+        off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="it holds a run of 'ppo' on 'CartPole-v1'"):
+        off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path), resume=True)
+    on_policy_graph(algo="ppo", env="CartPole-v1", run_dir=str(tmp_path), resume=True)  # its own: built

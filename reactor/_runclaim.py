@@ -11,11 +11,16 @@ that writes there (its learner, metrics, actors' progress, replay shards) holds 
 - an empty or new directory: this run's, unless ``resume=True`` (a mistyped run directory to resume
   trained a fresh network without a word).
 
-Each claim is released at its node's shutdown; the lock goes with a process that dies.
+Each claim is released at its node's shutdown, and what a run left claimed in its process (a shutdown
+cut short: a second Ctrl-C, a notebook's stop button) when it ends (:func:`release_run_claims`); the
+lock goes with a process that dies. On a file system without ``flock`` (Lustre mounted without it)
+``run.json`` alone says whose the directory is, with a warning: two live runs are not told apart there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -25,9 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._files import read_small_json, replace_small
+from ._files import read_small_json, replace_small
 
-__all__ = ["RUN_FILE", "RunDirClaim", "check_resumable", "claim_run_dir", "release_run_dir"]
+__all__ = ["RUN_FILE", "RunDirClaim", "check_resumable", "check_run_dir", "claim_run_dir", "release_run_claims",
+           "release_run_dir"]
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -61,6 +67,14 @@ class RunDirClaim:
             if held[2] == 0:
                 del _claims[key]
                 os.close(held[0])  # (closing the descriptor releases its lock)
+
+
+def release_run_claims(run_id: str) -> None:
+    """Release every claim run ``run_id`` still holds in this process (its end, on every path)."""
+    with _claims_lock:
+        for key in [k for k, held in _claims.items() if held[1] == run_id]:
+            with contextlib.suppress(OSError):
+                os.close(_claims.pop(key)[0])
 
 
 def release_run_dir(node: Any) -> None:
@@ -104,8 +118,10 @@ def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
     """
     directory = Path(run_dir)
     if resume and required and not directory.exists():  # (not made: a mistyped path leaves nothing behind)
-        raise ValueError(f"{who}: resume=True, but run directory {run_dir} does not exist: is the path right? Without "
-                         f"resume=True a new run starts there")
+        where = "" if directory.is_absolute() else f" (here: {directory.absolute()}; a run over hosts resumes an " \
+                                                   f"absolute run_dir on a shared file system)"
+        raise ValueError(f"{who}: resume=True, but run directory {run_dir} does not exist{where}: is the path right? "
+                         f"Without resume=True a new run starts there")
     directory.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(directory)
     with _claims_lock:
@@ -125,15 +141,40 @@ def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
         return RunDirClaim(key)
 
 
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+_SAID_NO_LOCKS: set[str] = set()
+
+
+def _flock(fd: int, op: int, directory: Path) -> bool:
+    """``flock``; False (said once per directory) where the file system has none."""
+    try:
+        fcntl.flock(fd, op)
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+        if str(directory) not in _SAID_NO_LOCKS:
+            _SAID_NO_LOCKS.add(str(directory))
+            logging.getLogger("reactor.nodes").warning(
+                "run directory %s: its file system takes no flock (%s): run.json alone says whose it is, and a "
+                "second live run there is not refused", directory, os.strerror(e.errno or 0))
+        return False
+    return True
+
+
 def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, required: bool, who: str) -> None:
     deadline = time.monotonic() + CLAIM_WAIT_S
     while True:
         owner = _owner(directory)
         if owner == run_id:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            return
+            if not _flock(fd, fcntl.LOCK_SH, directory) or _owner(directory) == run_id:
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)  # (another run took it over between the read and the lock)
+            continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, directory):
+                break  # (no locks here: decide on run.json alone)
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 raise ValueError(f"{who}: run directory {run_dir} is in use by a live run ({owner or 'unnamed'}): two "
@@ -145,7 +186,7 @@ def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, re
     # No process of any run holds the directory now.
     owner = _owner(directory)
     if owner == run_id:  # (another claimant of this run wrote it in the meantime)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _flock(fd, fcntl.LOCK_SH, directory)
         return
     earlier = owner is not None or _earlier_run(directory)
     if earlier and not resume:
@@ -156,7 +197,8 @@ def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, re
         raise ValueError(f"{who}: resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, "
                          f"learner.pt or metrics.csv): is the path right? Without resume=True a new run starts there")
     replace_small(directory / RUN_FILE, (json.dumps({"run_id": run_id, "resumed_from": owner}) + "\n").encode())
-    fcntl.flock(fd, fcntl.LOCK_SH)  # (others of this run may claim now)
+    _flock(fd, fcntl.LOCK_SH, directory)  # (others of this run may claim now: the conversion is not atomic, so
+    # they read run.json again once they hold theirs)
 
 
 def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: str,
@@ -195,3 +237,30 @@ def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: s
         logging.getLogger("reactor.nodes").warning(
             "resuming %s with actors=%s; its run had actors=%s: each actor's exploration schedule is kept per actor, "
             "and an actor without one starts its schedule anew", run_dir, app_config["actors"], before["actors"])
+
+
+def check_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool, algo: str, env: str,
+                  layout: dict[str, Any]) -> None:
+    """What a training graph's builder checks of its ``run_dir`` where the run starts, before any process
+    does: a resume's :func:`check_resumable` (``layout``: the graph's ``shards`` and ``actors``), and a
+    new run's directory holding an earlier run. The nodes' claims decide in the end; this is said first,
+    and it is the check of a run over hosts, whose relative run directory is made on each host afresh
+    and copied back over this one at the end. A directory this run holds (a worker rebuilding the
+    graph) passes.
+
+    Raises:
+        ValueError: as :func:`check_resumable`, or the earlier run, naming it.
+    """
+    directory = Path(run_dir)
+    if resume:
+        check_resumable(directory, algo, env, "resume=True", layout)
+        return
+    if not directory.is_dir():
+        return
+    try:
+        owner = _owner(directory)
+    except (OSError, ValueError):
+        return  # (the claim says what is wrong with it)
+    if owner != run_id and (owner is not None or _earlier_run(directory)):
+        raise ValueError(f"run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run there "
+                         f"would overwrite its weights and metrics. Resume it (resume=True), or name a new run_dir")

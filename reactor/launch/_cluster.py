@@ -120,28 +120,6 @@ def _read_key(text: Any, where: str, name: str, base: Path) -> bytes:
         raise GraphError(f"{where}: host {name!r}: cannot read its key {path}: {e}") from e
 
 
-def key_files_named(path: str | Path) -> list[str]:
-    """The key files a placement or hosts file's ``[hosts]`` names by a relative path (``key =
-    "h2.pub"``, read beside the file): a submitted job ships them with the file, at the same relative
-    paths (they were left behind: the job failed on the daemon, "cannot read its key"). Absolute paths
-    and Z85 keys stay as they are; a file that does not parse names none (its own check says why)."""
-    import tomllib
-
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return []
-    base, out = Path(path).parent, []
-    hosts = data.get("hosts")
-    for entry in hosts.values() if isinstance(hosts, dict) else ():
-        text = entry.get("key") if isinstance(entry, dict) else None
-        if not isinstance(text, str) or Path(text).is_absolute() or ".." in Path(text).parts:
-            continue
-        if (base / text).is_file():
-            out.append(Path(text).as_posix())
-    return out
-
-
 def load_hosts_file(path: str | Path, read_keys: bool = True) -> tuple[dict[str, Host], dict[str, Any]]:
     """A ``--hosts`` file: its hosts and its ``[cluster]`` settings.
 

@@ -702,6 +702,28 @@ def _last_line(path: Path) -> str:
 # ------------------------------------------------------------------------------ the client side
 
 
+def _key_files_named(path: str | Path) -> list[str]:
+    """The key files a placement or hosts file's ``[hosts]`` names by a relative path (``key =
+    "h2.pub"``, read beside the file): a submitted job ships them with the file, at the same relative
+    paths (they were left behind: the job failed on the daemon, "cannot read its key"). Absolute paths
+    and Z85 keys stay as they are; a file that does not parse names none (its own check says why)."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    base, out = Path(path).parent, []
+    hosts = data.get("hosts")
+    for entry in hosts.values() if isinstance(hosts, dict) else ():
+        text = entry.get("key") if isinstance(entry, dict) else None
+        if not isinstance(text, str) or Path(text).is_absolute() or ".." in Path(text).parts:
+            continue
+        if (base / text).is_file():
+            out.append(Path(text).as_posix())
+    return out
+
+
 def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: dict[str, Any] | None = None,
              seed: int = 0, async_: bool = False, files: Sequence[str | os.PathLike[str]] = (),
              hosts: str | os.PathLike[str] | None = None, restart: str | None = None) -> dict[str, Any]:
@@ -721,8 +743,6 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
     names = {app.name: app.read_bytes()}
     for f in files:
         names[Path(f).name] = Path(f).read_bytes()
-    from ._cluster import key_files_named
-
     shipped = []
     if Path(placement).is_file():
         names[Path(placement).name] = Path(placement).read_bytes()
@@ -734,7 +754,7 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
         shipped.append(Path(hosts))
         hosts_name = Path(hosts).name
     for path in shipped:  # (the key files their hosts name beside them go along, at the same paths)
-        for rel in key_files_named(path):
+        for rel in _key_files_named(path):
             names.setdefault(rel, (path.parent / rel).read_bytes())
     return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
             "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_,

@@ -252,15 +252,20 @@ def check_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
         ValueError: as :func:`check_resumable`, or the earlier run, naming it.
     """
     directory = Path(run_dir)
-    if resume:
-        check_resumable(directory, algo, env, "resume=True", layout)
-        return
-    if not directory.is_dir():
-        return
     try:
+        if resume:
+            check_resumable(directory, algo, env, "resume=True", layout)
+            return
+        if not directory.is_dir():
+            return
         owner = _owner(directory)
-    except (OSError, ValueError):
-        return  # (the claim says what is wrong with it)
-    if owner != run_id and (owner is not None or _earlier_run(directory)):
+        earlier = owner is not None or _earlier_run(directory)
+    except OSError:
+        return  # (a path the system refuses, a name too long: the nodes' claims say what is wrong with it)
+    except ValueError:
+        if resume:
+            raise
+        return  # (a run.json that is not one: as above)
+    if owner != run_id and earlier:
         raise ValueError(f"run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run there "
                          f"would overwrite its weights and metrics. Resume it (resume=True), or name a new run_dir")

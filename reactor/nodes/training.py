@@ -131,8 +131,6 @@ def off_policy_graph(
             or not 0 < samples_per_insert < math.inf:  # (before the limiter's error buffer is made of it)
         raise ValueError(f"off_policy_graph: samples_per_insert must be a number > 0 and finite, got "
                          f"{samples_per_insert!r:.100}")
-    check_run_dir(run_dir, current_run_id(), resume=resume, algo=algo, env=env,
-                  layout={"shards": shards, "actors": actors})
     algo_mod = load_algorithm(algo)
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
     probe = make_env(env)
@@ -141,6 +139,8 @@ def off_policy_graph(
         spec = algo_mod.store(probe.observation_space, probe.action_space, config)
     finally:
         probe.close()
+    check_run_dir(run_dir, current_run_id(), resume=resume, algo=algo, env=env,
+                  layout={"shards": shards, "actors": actors})
     fields = [(name, tuple(shape), str(dtype).removeprefix("torch.")) for name, shape, dtype in spec.fields]
     # A shard refuses an insert larger than itself (the message is dropped): each must hold the largest
     # an actor sends, the rows pending below flush_steps plus, from each of its envs, one episode chunk
@@ -266,7 +266,6 @@ def on_policy_graph(
     _counts("on_policy_graph", 1, actors=actors, envs_per_actor=envs_per_actor, eval_every_updates=eval_every_updates,
             eval_episodes=eval_episodes, max_env_steps=max_env_steps)
     _counts("on_policy_graph", 0, checkpoint_every=checkpoint_every)
-    check_run_dir(run_dir, current_run_id(), resume=resume, algo=algo, env=env, layout={"actors": actors})
     algo_mod = load_algorithm(algo)
     if algo_mod.KIND != "on_policy":
         raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "
@@ -277,6 +276,7 @@ def on_policy_graph(
         check_spaces(algo, algo_mod, env, probe.observation_space, probe.action_space, config)
     finally:
         probe.close()
+    check_run_dir(run_dir, current_run_id(), resume=resume, algo=algo, env=env, layout={"actors": actors})
     g = Graph()
     actor = g.add(EnvActor(algo, env, algo_config, num_envs=envs_per_actor, step_s=step_s,
                            max_env_steps=_per_actor(max_env_steps, actors), run_dir=run_dir, resume=resume),

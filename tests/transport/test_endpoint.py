@@ -256,11 +256,7 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
     ctx = zmq.asyncio.Context()
 
     def raw_dealer(identity: bytes) -> zmq.asyncio.Socket:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.ROUTING_ID, identity)
-        s.connect(server.address)
-        return s
+        return _raw_dealer(ctx, server.address, identity)
 
     async def say_hello(s: zmq.asyncio.Socket, name: str) -> None:
         await s.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, name])])
@@ -309,16 +305,22 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
     assert any("b'stranger'" in m and "did not say hello" in m for m in messages)
 
 
+def _raw_dealer(ctx: zmq.asyncio.Context, address: str, identity: bytes) -> zmq.asyncio.Socket:
+    """A bare DEALER at ``address`` under ``identity``: frames as an attacker sends them."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, identity)
+    s.connect(address)
+    return s
+
+
 @pytest.mark.asyncio
 async def test_a_flood_of_dropped_frames_is_counted_whole_and_logged_twenty_times_then_one_in_a_thousand(
         open_endpoint, caplog):
     server = await open_endpoint("server")
     ctx = zmq.asyncio.Context()
     caplog.set_level(logging.WARNING, logger="reactor.transport")
-    stranger = ctx.socket(zmq.DEALER)
-    stranger.setsockopt(zmq.LINGER, 0)
-    stranger.setsockopt(zmq.ROUTING_ID, b"stranger")
-    stranger.connect(server.address)
+    stranger = _raw_dealer(ctx, server.address, b"stranger")
     try:
         for _ in range(2050):
             await stranger.send_multipart([b"no hello"])
@@ -352,10 +354,7 @@ async def test_a_garbage_batch_is_dropped_and_logged_with_its_peer_and_the_endpo
     server = await open_endpoint("server", credit_window=8)
     ctx = zmq.asyncio.Context()
     caplog.set_level(logging.WARNING, logger="reactor.transport")
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.setsockopt(zmq.ROUTING_ID, b"raw")
-    raw.connect(server.address)
+    raw = _raw_dealer(ctx, server.address, b"raw")
 
     def pack(obj: Any) -> bytes:
         return msgpack.packb(obj, use_bin_type=True)

@@ -69,6 +69,14 @@ class RunDirClaim:
                 os.close(held[0])  # (closing the descriptor releases its lock)
 
 
+def _missing(run_dir: str | os.PathLike[str]) -> str:
+    directory = Path(run_dir)
+    where = "" if directory.is_absolute() else (f" (here: {directory.absolute()}; a run over hosts resumes an absolute "
+                                                f"run_dir on a shared file system)")
+    return (f"resume=True, but run directory {run_dir} does not exist{where}: is the path right? Without resume=True "
+            f"a new run starts there")
+
+
 def release_run_claims(run_id: str) -> None:
     """Release every claim run ``run_id`` still holds in this process (its end, on every path)."""
     with _claims_lock:
@@ -118,10 +126,7 @@ def claim_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
     """
     directory = Path(run_dir)
     if resume and required and not directory.exists():  # (not made: a mistyped path leaves nothing behind)
-        where = "" if directory.is_absolute() else f" (here: {directory.absolute()}; a run over hosts resumes an " \
-                                                   f"absolute run_dir on a shared file system)"
-        raise ValueError(f"{who}: resume=True, but run directory {run_dir} does not exist{where}: is the path right? "
-                         f"Without resume=True a new run starts there")
+        raise ValueError(f"{who}: {_missing(run_dir)}")
     directory.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(directory)
     with _claims_lock:
@@ -253,7 +258,12 @@ def check_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
     """
     directory = Path(run_dir)
     try:
-        if resume:
+        if resume:  # (under a multi-process placement each node refused it in its own worker: tracebacks)
+            if not directory.is_dir():
+                raise ValueError(_missing(run_dir))
+            if _owner(directory) is None and not _earlier_run(directory):
+                raise ValueError(f"resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, "
+                                 f"learner.pt or metrics.csv): is the path right?")
             check_resumable(directory, algo, env, "resume=True", layout)
             return
         if not directory.is_dir():
@@ -268,4 +278,5 @@ def check_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
         return  # (a run.json that is not one: as above)
     if owner != run_id and earlier:
         raise ValueError(f"run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run there "
-                         f"would overwrite its weights and metrics. Resume it (resume=True), or name a new run_dir")
+                         f"would overwrite its weights and metrics. Resume it (--set resume=True; resume=True in "
+                         f"Python), or name a new run_dir")

@@ -184,7 +184,7 @@ class _LearnerBase(Reactor):
                              f"there") from None
         self.updates = int(saved["updates"])
         log = logging.getLogger("reactor.learner")
-        log.warning("%s resumed from its checkpoint %s at update %d", self.name, self.ckpt, self.updates)
+        _say(f"{self.name} resumed from its checkpoint {self.ckpt} at update {self.updates}")  # (asked for: no warning)
         for i, (opt, groups) in enumerate(zip(_optimizers(self.state), chosen, strict=True)):
             for g, settings in zip(opt.param_groups, groups, strict=True):
                 changed = {k: (g[k], v) for k, v in settings.items() if k in g and not _same_setting(g[k], v)}

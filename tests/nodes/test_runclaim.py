@@ -62,6 +62,12 @@ def test_a_resume_of_a_missing_or_empty_directory_is_refused_and_makes_nothing(t
     with pytest.raises(ValueError, match="holds no earlier run"):
         claim_run_dir(tmp_path / "empty", "run-a", resume=True, who="learner")
     assert not (tmp_path / "empty" / "run.json").exists()
+    # ... and at graph build, before any worker starts: under a multi-process placement each node refused it
+    # in its own worker, with a traceback each (a newcomer's pass, session 54).
+    for where, why in (("typo", "does not exist: is the path right"), ("empty", "holds no earlier run")):
+        with pytest.raises(ValueError, match=why):
+            build_graph(PPO, {"run_dir": str(tmp_path / where), "resume": True})
+    assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.timeout(60)

@@ -101,7 +101,12 @@ class ShardStore:
         for why in refusals:
             log.error("%s: %s; trying an older checkpoint", self.name, why)
         if loaded is not None:
-            table.load_state_dict(loaded.state_dict())
+            try:
+                table.load_state_dict(loaded.state_dict())
+            except ValueError as e:  # (it said what differs, not where, nor what to do)
+                raise ValueError(f"{self.name}: cannot restore {path} into this run's replay: {e} (a resumed run's "
+                                 f"settings, its env, capacity and prioritized among them, must be those it was "
+                                 f"saved with: config.json beside it has them)") from None
             del loaded
             self.restored_from = str(path)
             self._saved_generation = table.generation

@@ -118,3 +118,22 @@ def test_a_shard_with_a_write_ahead_log_redoes_its_acknowledged_inserts_on_resto
     t = Table.load(tmp_path / "replay")
     x = t.state_dict()["storage"]["fields"]["x"]
     assert x.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_a_checkpoint_of_other_settings_is_refused_naming_the_shard_the_checkpoint_and_what_must_match(tmp_path):
+    """A resumed Acrobot run's replay restored into CartPole said only "state field 'obs' has dtype ...
+    (518, 6), expected ... (518, 4)": not which shard, which checkpoint, nor what to change (a hostile
+    probe of files on disk, session 54)."""
+    from reactor.nodes._shardstore import ShardStore
+
+    def table(width: int) -> Table:
+        return Table(Storage([FieldSpec("obs", (width,), torch.float32)], 64), sampler=Uniform(), remover=Fifo(),
+                     rate_limiter=MinSize(1))
+
+    saved = table(6)
+    saved.insert_nowait({"obs": torch.zeros(5, 6)}, np.ones(5), episode_end=True)
+    saved.save(tmp_path / "replay-0")
+    store = ShardStore("replay[0]", tmp_path / "replay-0", keep=2, period_s=None, wal=False)
+    with pytest.raises(ValueError, match=r"^replay\[0\]: cannot restore .*replay-0/ckpt-00000001 into this run's "
+                                         r"replay: .*obs.* its env, capacity and prioritized among them"):
+        store.open(table(4), restore=True, restarts=0)

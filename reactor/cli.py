@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         "every group (replaces the placement file's restart fields)")
     r.add_argument("--seed", type=_seed_arg, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
-                   help="end at this logical time (deterministic) or after this many seconds (async)")
+                   help="end at this logical time in seconds (deterministic, the default: logical time goes at "
+                        "the run's own pace, not the wall clock's: 4 s of DQN's took 2 minutes here) or after this "
+                        "many wall-clock seconds (--async)")
     r.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="set config fields of the app or its algorithm (--set env=Acrobot-v1 lr=5e-4; repeatable)")
     r.add_argument("--digest", action="store_true", help="print a hash of every message each reactor received")

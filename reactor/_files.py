@@ -15,14 +15,17 @@ through a link planted at its name.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links", "replace_small"]
+__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links", "replace_small",
+           "replacing"]
 
 
 def open_regular(path: str | os.PathLike[str]) -> int:
@@ -83,28 +86,34 @@ def read_small_json(path: str | os.PathLike[str], max_nbytes: int = 1 << 20) -> 
         raise ValueError(f"{Path(path)}: not a JSON document ({type(e).__name__})") from None
 
 
-def replace_small(path: str | os.PathLike[str], data: bytes, sync: bool = False) -> None:
-    """Put ``data`` at ``path`` whole: written to a new file beside it (``.NAME.tmp``, created afresh,
-    so a link planted there is not written through), then renamed over ``path`` (which replaces a link
-    at ``path`` rather than writing through it). A reader sees the old file or the new one; with
-    ``sync``, the data is on disk before the rename.
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike[str], sync: bool = False) -> Iterator[BinaryIO]:
+    """A file to write ``path``'s new content into, put at ``path`` whole when the block ends: a new
+    file beside it (``.NAME.tmp``, created afresh, so a link planted there is not written through),
+    renamed over ``path`` (which replaces a link at ``path`` rather than writing through it). A reader
+    sees the old file or the new one; with ``sync``, the data is on disk before the rename. A block
+    that raises leaves ``path`` as it was.
 
     Raises:
         OSError: the file cannot be written or renamed (a full disk, a directory in the way).
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
-    except FileNotFoundError:
-        pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        yield f
         if sync:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def replace_small(path: str | os.PathLike[str], data: bytes, sync: bool = False) -> None:
+    """Put ``data`` at ``path`` whole (:func:`replacing`)."""
+    with replacing(path, sync) as f:
+        f.write(data)
 
 
 def check_ipc_bind(address: str) -> None:

@@ -77,6 +77,16 @@ def _missing(run_dir: str | os.PathLike[str]) -> str:
             f"a new run starts there")
 
 
+def _empty(run_dir: str | os.PathLike[str]) -> str:
+    return (f"resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, learner.pt or "
+            f"metrics.csv): is the path right? Without resume=True a new run starts there")
+
+
+def _taken(run_dir: str | os.PathLike[str], owner: str | None) -> str:
+    return (f"run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run there would overwrite "
+            f"its weights and metrics. Resume it (--set resume=True; resume=True in Python), or name a new run_dir")
+
+
 def release_run_claims(run_id: str) -> None:
     """Release every claim run ``run_id`` still holds in this process (its end, on every path)."""
     with _claims_lock:
@@ -195,12 +205,9 @@ def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, re
         return
     earlier = owner is not None or _earlier_run(directory)
     if earlier and not resume:
-        raise ValueError(f"{who}: run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run "
-                         f"there would overwrite its weights and metrics. Resume it (--set resume=True), or name a "
-                         f"new run_dir")
+        raise ValueError(f"{who}: {_taken(run_dir, owner)}")
     if resume and required and not earlier:
-        raise ValueError(f"{who}: resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, "
-                         f"learner.pt or metrics.csv): is the path right? Without resume=True a new run starts there")
+        raise ValueError(f"{who}: {_empty(run_dir)}")
     replace_small(directory / RUN_FILE, (json.dumps({"run_id": run_id, "resumed_from": owner}) + "\n").encode())
     _flock(fd, fcntl.LOCK_SH, directory)  # (others of this run may claim now: the conversion is not atomic, so
     # they read run.json again once they hold theirs)
@@ -262,8 +269,7 @@ def check_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
             if not directory.is_dir():
                 raise ValueError(_missing(run_dir))
             if _owner(directory) is None and not _earlier_run(directory):
-                raise ValueError(f"resume=True, but run directory {run_dir} holds no earlier run (no {RUN_FILE}, "
-                                 f"learner.pt or metrics.csv): is the path right?")
+                raise ValueError(_empty(run_dir))
             check_resumable(directory, algo, env, "resume=True", layout)
             return
         if not directory.is_dir():
@@ -277,6 +283,4 @@ def check_run_dir(run_dir: str | os.PathLike[str], run_id: str, *, resume: bool,
             raise
         return  # (a run.json that is not one: as above)
     if owner != run_id and earlier:
-        raise ValueError(f"run directory {run_dir} holds an earlier run ({owner or 'its files'}); a new run there "
-                         f"would overwrite its weights and metrics. Resume it (--set resume=True; resume=True in "
-                         f"Python), or name a new run_dir")
+        raise ValueError(_taken(run_dir, owner))

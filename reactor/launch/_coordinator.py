@@ -410,7 +410,7 @@ class _Restarts:
                 f"(max_restarts = {policy.max_restarts}): earlier ends: {'; '.join(self.ends.get(group, []))}")
 
 
-_ABANDONED = {"replay_incomplete": None, "ended": "quiescence", "stats": {"dropped": 0}, "events": {},
+_ABANDONED = {"replay_incomplete": None, "stats": {"dropped": 0}, "events": {},
               "digests": {}, "trace": {}}  # a restart the run's end overtook
 
 
@@ -777,11 +777,9 @@ class _Session:
                         self._stop("replay")
             if self.stopped_by is None and self._quiescent():
                 self._stop("quiescence")
-        stopped_by = self.stopped_by
-        if stopped_by is None:  # every worker finished by itself: at the stop time, or with nothing left
-            ended = {r.get("ended", "stop_time") for r in self.results.values()}
-            stopped_by = "stop_time" if "stop_time" in ended else "quiescence"
-        return stopped_by, self.results
+        # (Set by now on every path: a worker that ended on its own waited for the coordinator's verdict,
+        # the union of every worker's "ending", before it sent its result.)
+        return self.stopped_by or "quiescence", self.results
 
     def _quiescent(self) -> bool:
         if self.restarts.pending:

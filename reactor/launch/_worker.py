@@ -294,11 +294,6 @@ class Worker:
                 incomplete = str(replayer.stuck_error(local))
             result = {
                 "replay_incomplete": incomplete,
-                # Why this worker's loop ended on its own (the coordinator's "stop" overrides it):
-                # events left past the stop time, or nothing left that can ever happen. A message
-                # tagged past the stop time counts at its sender, whether or not it has arrived, so
-                # the union over the workers is the same in every run (and as in one process).
-                "ended": "stop_time" if deterministic and _stop_pending(host) else "quiescence",
                 "stats": {
                     "peak_inbox": self.peak_inbox,
                     "peak_backlog": outbox.peak_backlog,

@@ -45,7 +45,6 @@ of 30 minutes.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -56,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PeerLostError
-from .._files import refuse_file_links, replace_small
+from .._files import refuse_file_links, replace_small, replacing
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import check_resumable, claim_run_dir, release_run_dir
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
@@ -344,21 +343,14 @@ class _LearnerBase(Reactor):
             return None
         if not force and (self.checkpoint_every <= 0 or self.updates % self.checkpoint_every):
             return None
-        tmp = self.ckpt.with_suffix(".tmp")
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
         # The policy's weights' hash travels with them: a loader that finds other weights knows the file
         # was damaged (bit flips in a tensor load silently otherwise).
         sha = weights_sha256(self.algo.policy_weights(self.state))
         state = self.algo.state_dict(self.state)
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # (created afresh, never written through a link planted there)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "wb") as f:
+        with replacing(self.ckpt, sync=True) as f:
             torch.save({"algo": state, "updates": self.updates, "weights_sha256": sha,
                         "state_sha256": state_sha256(state)}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.ckpt)
         return sha
 
     def _finish(self) -> None:

@@ -54,7 +54,38 @@ class ReactorInternalError(ReactorError):
     """A bug in reactor itself: please report it with the traceback."""
 
 
+class AppError(ReactorError):
+    """The app file or its configuration is wrong (a one-line message for the command line)."""
+
+
+#: What refuses a run for what it was given (a setting, a file, a path: its user's to fix), not a
+#: failure of the code: said in one line (``refusal_line``) under every placement. A worker of a
+#: multi-process run sends the class's name and that line (``("refused", name, line)``); its
+#: coordinator raises the same class, so ``run()`` raises alike wherever the node ran.
+REFUSALS: tuple[type[Exception], ...] = (
+    AppError, GraphError, MalformedFrameError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+    PermissionError, FileExistsError, ValueError,
+)
+REFUSAL_NAMES: dict[str, type[Exception]] = {c.__name__: c for c in REFUSALS}
+
+
+def refusal_line(e: BaseException) -> str:
+    """A refusal's text for its user: a graph's whole list of faults, any other's first line."""
+    if isinstance(e, GraphError):
+        return str(e).replace("\n", "\n  ")
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def refusal_class(e: BaseException) -> str | None:
+    """The name a worker sends for a refusal (its nearest class in ``REFUSALS``), None for a failure."""
+    for c in type(e).__mro__:
+        if c in REFUSAL_NAMES.values():
+            return c.__name__
+    return None
+
+
 __all__ = [
+    "AppError",
     "DaemonError",
     "FrameTooLargeError",
     "GraphError",

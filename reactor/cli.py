@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import GraphError, MalformedFrameError, ReactorError
-from .launch._app import AppError, build_graph, parse_overrides
+from ._errors import REFUSALS, GraphError, ReactorError, refusal_line
+from .launch._app import build_graph, parse_overrides
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -338,10 +338,8 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return 2
     # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
     # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
-    except (AppError, GraphError, MalformedFrameError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError, FileExistsError, ValueError) as e:
-        msg = str(e).replace("\n", "\n  ") if isinstance(e, GraphError) else (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"reactor: {_bounded(msg)}", file=sys.stderr)
+    except REFUSALS as e:  # (raised here, or by a worker of the run: its coordinator raises the same class)
+        print(f"reactor: {_bounded(refusal_line(e))}", file=sys.stderr)
         return 2
     except ReactorError as e:
         print(f"reactor: {type(e).__name__}: {_bounded(str(e))}", file=sys.stderr)

@@ -30,17 +30,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .._errors import ReactorError
+from .._errors import AppError as AppError
 from .._graph import Graph
 from ._protocol import is_plain, nonfinite_at
 
 #: The directories of the app files this process loaded (on sys.path): the learner records them in
 #: config.json, so ``load_policy`` can import a custom env's or algorithm's module from beside the app.
 APP_DIRS: list[str] = []
-
-
-class AppError(ReactorError):
-    """The app file or its configuration is wrong (a one-line message for the command line)."""
 
 
 def load_app(path: str | Path) -> ModuleType:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import (
+    REFUSAL_NAMES,
+    REFUSALS,
     PeerLostError,
     ReactorError,
     ReactorInternalError,
@@ -633,6 +635,11 @@ class _Session:
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
         for peer, msg in batch:
+            if msg[0] == "refused":  # what the run was given: the same class and line as under `single`
+                if self.stopped_by is None and self.restarts.can_restart(peer):
+                    log.warning("worker %r refused the run (it will be started again): %s", peer, msg[2])
+                    continue
+                raise REFUSAL_NAMES[msg[1]](msg[2])
             if msg[0] == "error":
                 if self.stopped_by is None and self.restarts.can_restart(peer):
                     log.warning("worker %r failed (it will be started again):\n%s", peer, msg[1])
@@ -696,7 +703,7 @@ class _Session:
                     self._check_children()
                     await asyncio.sleep(0.02)
                 raise WorkerFailedError(f"lost a worker: {e}") from e
-        except WorkerFailedError:
+        except (WorkerFailedError, *REFUSALS):  # (a refusal: a worker's, raised as its class)
             await self._stop_survivors()
             raise
         finally:
@@ -707,6 +714,7 @@ class _Session:
         run their shutdown reactions (a node's last checkpoint and summary, saying that the run
         failed) before the reaping's SIGTERM ends any that have not."""
         self.stopped_by = self.stopped_by or "failure"  # (a stop under way keeps its reason)
+        self.ep.expect_departures()
         self._broadcast(("stop", "failure"))
         dead = self.workers.dead()
         live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down}
@@ -724,6 +732,7 @@ class _Session:
 
     def _stop(self, why: str) -> None:
         self.stopped_by = why
+        self.ep.expect_departures()
         self._broadcast(("stop", why))
 
     async def _supervise(self, deadline: float | None) -> tuple[str, dict[str, Any]]:

@@ -18,7 +18,7 @@ worker <- coordinator (only from the coordinator):
 coordinator <- worker (only from the run's worker groups):
     ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
     ("replay_done",), ("ending", stop_pending, sent, received), ("done", result), ("error", text),
-    ("reconnected", group)  (it links to a restarted group)
+    ("refused", class_name, line) (a refusal: _errors.REFUSALS), ("reconnected", group)  (it links to a restarted group)
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
 worker, when it delivers (``Worker._take``).
@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from .._errors import GraphError
+from .._errors import REFUSAL_NAMES, GraphError
 from .._reactor import kinds_name, port_kinds, value_fits
 from .._reactor import show_value as _show
 from .._tag import FOREVER_NS
@@ -200,6 +200,10 @@ def _stop_reason(v: Any) -> str | None:
     return None if type(v) is str and v in STOP_REASONS else f"one of {sorted(STOP_REASONS)} expected, got {_show(v)}"
 
 
+def _refusal_name(v: Any) -> str | None:
+    return None if type(v) is str and v in REFUSAL_NAMES else f"one of {sorted(REFUSAL_NAMES)} expected, got {_show(v)}"
+
+
 #: kind -> the checks of the fields after the kind, in order.
 PEER_KINDS: dict[str, tuple[Check, ...]] = {
     "m": (_count, _count, _time, _count, _any),
@@ -223,6 +227,7 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "ending": (_bool, _count, _count),
     "done": (_result,),
     "error": (_text,),
+    "refused": (_refusal_name, _text),
     "reconnected": (_group,),
 }
 

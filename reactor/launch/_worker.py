@@ -13,7 +13,8 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
                                                    ReactorHost.refresh
 worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle, sent, received), ("stop_request",),
     ("ending", stop_pending, sent, received) (deterministic: it ended on its own, with its final
-    counts; answered with "stop" and the run's reason), ("done", result), ("error", text), ("reconnected", group)
+    counts; answered with "stop" and the run's reason), ("done", result), ("error", text) (a failure: its
+    traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why),
     ("lost", group, reason), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
@@ -34,7 +35,7 @@ import traceback
 from collections import Counter, deque
 from typing import Any
 
-from .._errors import PeerLostError, WouldBlock
+from .._errors import PeerLostError, WouldBlock, refusal_class, refusal_line
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
@@ -280,7 +281,13 @@ class Worker:
                 raise
             except Exception as e:
                 host.stop_reason = "failure"
-                outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-(1 << 20):]))
+                self.ep.expect_departures()
+                refused = refusal_class(e)
+                if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
+                    log.info("%s refused the run", self.group, exc_info=True)
+                    outbox.send(COORDINATOR, ("refused", refused, refusal_line(e)[: 1 << 20]))
+                else:
+                    outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-(1 << 20):]))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5):
                         await outbox.empty.wait()
@@ -380,6 +387,7 @@ class Worker:
         # (with its final counts: the coordinator's counting leaves it out of its probes from now on)
         self.outbox.send(COORDINATOR, ("ending", _stop_pending(host), host.sent_count, host.received_count))
         why = await self._wait_control("stop", timeout_s=None)  # (however long the others run: the run is not over)
+        self.ep.expect_departures()
         if host.stop_reason is None:
             host.stop_reason = why
 
@@ -398,6 +406,7 @@ class Worker:
     def _on_control(self, msg: Any) -> None:
         kind = msg[0]
         if kind == "stop":
+            self.ep.expect_departures()
             if self.host.stop_reason is None:
                 self.host.stop_reason = msg[1]
             self.stop.set()
@@ -759,7 +768,9 @@ def main() -> int:
     except PeerLostError as e:
         print(f"reactor worker {spec['group']}: {e}", file=sys.stderr)
         return 3
-    except BaseException:
+    except BaseException as e:
+        if refusal_class(e) is not None:  # its coordinator says it, in one line
+            return 2
         traceback.print_exc()
         return 1
     return 0

@@ -119,6 +119,7 @@ class Metrics(Reactor):
         self.last_eval: float | None = None
         self.evals: list[tuple[float, float, float]] = []  # (wall_s, env_steps, eval_return)
         self.stop_reason = ""
+        self.recorded = False  # a report reached this life (a failed one without any leaves no summary)
 
     @reaction(triggers=[startup], effects=[started])
     def open_logs(self) -> None:
@@ -175,6 +176,7 @@ class Metrics(Reactor):
     @reaction(triggers=[reports])
     def record(self, reports: Report) -> None:
         src, values = reports.source, reports.values
+        self.recorded = True
         before = self.latest.get(src, {})
         for k in COUNTERS:
             if k in values:
@@ -287,7 +289,13 @@ class Metrics(Reactor):
             release_run_dir(self)
 
     def _close_logs(self) -> None:
-        if not hasattr(self, "display"):  # the run failed before our startup finished: nothing to report
+        if not hasattr(self, "display") or (self.stopped_by == "failure" and not self.recorded):
+            # The run failed before our startup finished, or before anything reached us (a node refused
+            # what it was given: another process's startup, as under `single` where ours came after):
+            # nothing to report, and an earlier life's summary and plot stay as they were.
+            live = getattr(getattr(self, "display", None), "live", None)
+            if live is not None:
+                live.stop()  # (the terminal back as it was)
             for f in (getattr(self, "csv_file", None), getattr(self, "tb", None)):
                 if f is not None:
                     f.close()

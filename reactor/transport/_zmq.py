@@ -355,6 +355,7 @@ class Endpoint(_Receiving):
         self._links: dict[str, _Link] = {}
         self._lost: dict[str, str] = {}  # peer -> reason
         self._unreported_lost: deque[str] = deque()
+        self._departures_expected = False  # (expect_departures)
         self._lost_waiter: asyncio.Future[None] | None = None
         self._n = dict.fromkeys(
             (
@@ -709,13 +710,19 @@ class Endpoint(_Receiving):
         if link.lost_reason is not None:
             return
         link.lost_reason = reason
-        log.warning("endpoint %r lost peer %r at %s: %s", self._name, link.name, link.address, reason)
+        log.log(logging.INFO if self._departures_expected else logging.WARNING, "endpoint %r lost peer %r at %s: %s",
+                self._name, link.name, link.address, reason)
         if self._links.get(link.name) is link:
             del self._links[link.name]
             self._lost[link.name] = reason
             self._unreported_lost.append(link.name)
             _wake(self._lost_waiter)
         self._close_link(link)
+
+    def expect_departures(self) -> None:
+        """The run is ending: its peers' processes end too, so a peer lost from now on is logged at
+        INFO, not as a warning (each survivor of a failed run said it lost the failed one)."""
+        self._departures_expected = True
 
     async def wait_peer_lost(self, *, timeout_s: float | None = None) -> str:
         """Wait until a connected peer is lost; return its name. Each loss is returned once.

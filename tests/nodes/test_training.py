@@ -178,11 +178,16 @@ def test_learner_resumes_from_its_checkpoint(tmp_path):
     assert steps == sorted(steps) and steps[-1] == summary["env_steps"]
 
 
-@pytest.mark.parametrize("damage", ["another_network", "truncated"])
-def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run_directory_as_it_was(tmp_path, damage):
+@pytest.mark.parametrize(("damage", "placement"),
+                         [("another_network", "single"), ("truncated", "single"), ("truncated", "processes")])
+def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run_directory_as_it_was(
+        tmp_path, damage, placement):
     """`--set resume=True hidden=128` over a run trained with hidden=256 printed a traceback, and the
     learner's shutdown then saved its fresh weights over the trained checkpoint (and rewrote config.json
-    and weights.sha256): an easy mistake that destroyed the training."""
+    and weights.sha256): an easy mistake that destroyed the training. Under `processes` the learner's
+    refusal came as its worker's traceback (twice, 30 lines), each survivor warned that it lost the
+    learner, and Metrics (started in its own process before the learner refused) wrote a summary of
+    the failed start over the run's and printed its result lines."""
     import gymnasium as gym
     import torch
 
@@ -197,16 +202,19 @@ def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run
     (tmp_path / "config.json").write_text('{"format": 1}\n')
     (tmp_path / "weights.sha256").write_text("abc\n")
     (tmp_path / "metrics.csv").write_text("wall_s,env_steps,source,name,value\n1.000,10,evaluator,eval_return,9.5\n")
-    kept = ("learner.pt", "config.json", "weights.sha256", "metrics.csv")
+    (tmp_path / "summary.json").write_text('{"env_steps": 10}\n')
+    kept = ("learner.pt", "config.json", "weights.sha256", "metrics.csv", "summary.json")
     before = {name: (tmp_path / name).read_bytes() for name in kept}
     out = subprocess.run(
-        [sys.executable, "-m", "reactor.cli", "run", DQN, "--set", f"run_dir='{tmp_path}'", "--set", "live=False",
+        [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", placement,
+         "--set", f"run_dir='{tmp_path}'", "--set", "live=False",
          "--set", "resume=True", "--set", "hidden=128" if damage == "another_network" else "hidden=256"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"reactor: learner: cannot resume from {tmp_path / 'learner.pt'}: ")
     assert ("size mismatch" in lines[0]) == (damage == "another_network") and "nothing was changed there" in lines[0]
+    assert "stopped:" not in out.stdout, out.stdout  # (no result lines of a run that never began)
     after = {name: (tmp_path / name).read_bytes() for name in kept}
     assert after["metrics.csv"].startswith(before.pop("metrics.csv"))  # (appended to, as a resumed run's is)
     assert {k: v for k, v in after.items() if k != "metrics.csv"} == before

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..replay import Table
-from ..replay.checkpoint import CheckpointCancelled
+from ..replay.checkpoint import CheckpointCancelled, incomplete_checkpoints
 from ..replay.wal import WriteAheadLog, redo_wal
 
 log = logging.getLogger("reactor.replay")
@@ -120,6 +120,11 @@ class ShardStore:
                 self.restored_from = self.restored_from or str(root / "wal")
                 log.info("%s redid %d logged inserts (%d steps) past the checkpoint", self.name, redone,
                          steps_redone)
+        cut_short = [] if self.restored_from else incomplete_checkpoints(root)
+        if cut_short:  # (it started empty in silence)
+            log.warning("%s: %s holds no complete checkpoint, only %s cut short before its COMPLETE was written "
+                        "(the run was killed while saving): the shard starts empty", self.name, root,
+                        ", ".join(p.name for p in cut_short))
 
     def inserted(self, first: int, next_step: int, fields: Mapping[str, Any], priorities: Any, ends: np.ndarray,
                  item_mask: Any) -> None:

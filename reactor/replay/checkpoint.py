@@ -139,6 +139,11 @@ def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     return [p for _, p, ok in reversed(_numbers(Path(root))) if ok]
 
 
+def incomplete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoint directories under ``root`` without ``COMPLETE`` (a save cut short), oldest first."""
+    return [p for _, p, ok in _numbers(Path(root)) if not ok]
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint directory under ``root``, or None (not yet verified)."""
     complete = complete_checkpoints(root)

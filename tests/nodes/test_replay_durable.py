@@ -137,3 +137,33 @@ def test_a_checkpoint_of_other_settings_is_refused_naming_the_shard_the_checkpoi
     with pytest.raises(ValueError, match=r"^replay\[0\]: cannot restore .*replay-0/ckpt-00000001 into this run's "
                                          r"replay: .*obs.* its env, capacity and prioritized among them"):
         store.open(table(4), restore=True, restarts=0)
+
+
+def test_a_shard_whose_only_checkpoint_was_cut_short_says_it_starts_empty(tmp_path, caplog):
+    """A run killed while its shard saved its first checkpoint left ckpt-N without COMPLETE; the resumed
+    shard started empty without a word (files probe, session 54)."""
+    import logging
+    import os
+
+    from reactor.nodes._shardstore import ShardStore
+
+    def table() -> Table:
+        return Table(Storage([FieldSpec("obs", (4,), torch.float32)], 64), sampler=Uniform(), remover=Fifo(),
+                     rate_limiter=MinSize(1))
+
+    saved = table()
+    saved.insert_nowait({"obs": torch.zeros(5, 4)}, np.ones(5), episode_end=True)
+    path = saved.save(tmp_path / "replay-0")
+    os.unlink(path / "COMPLETE")  # (a save killed before its last write)
+    store = ShardStore("replay[0]", tmp_path / "replay-0", keep=2, period_s=None, wal=False)
+    fresh = table()
+    with caplog.at_level(logging.WARNING, logger="reactor.replay"):
+        store.open(fresh, restore=True, restarts=0)
+    assert len(fresh) == 0
+    said = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("replay[0]: ") and path.name in said[0], said
+    caplog.clear()
+    saved.save(tmp_path / "replay-0")  # a complete one beside it: restored, nothing to say
+    with caplog.at_level(logging.WARNING, logger="reactor.replay"):
+        store.open(restored := table(), restore=True, restarts=0)
+    assert len(restored) == 5 and not [r for r in caplog.records if "cut short" in r.getMessage()]

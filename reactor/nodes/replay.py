@@ -418,6 +418,7 @@ class Replay(Reactor):
             self.table = make_table(storage)
         self._parked_requests: deque[ReplayRequest] = deque()
         self._parked_steps: deque[Steps] = deque()
+        self._said_full = False  # (_say_if_full_below_min_size)
         self._counts = {"rejected_steps": 0}
         self._ended_writers: set[int] = set()  # writers whose end marker this shard took (Steps.last)
         directory = Path(self.run_dir) / plain_name(self.name) if self.run_dir else None
@@ -609,9 +610,27 @@ class Replay(Reactor):
             return True
         if type(steps.writer) is int:
             self._ended_writers.discard(steps.writer)  # rows after its end marker: its actor was restarted
+        if not self._said_full and len(self.table) < self.table.rate_limiter.min_size_to_sample:
+            self._say_if_full_below_min_size()
         self._store.inserted(first, self.table.storage.step_range[1], steps.fields, steps.priorities, ends,
                              steps.item_mask)
         return True
+
+    def _say_if_full_below_min_size(self) -> None:
+        """A ring that evicts while the table holds fewer items than sampling needs never serves a sample
+        (steps that are not items, an episode's last observation, a window's context, take room too):
+        the run trained nothing and ended 0 updates later with exit 0. Said once."""
+        table = self.table
+        assert table is not None
+        if table.storage.step_range[1] <= table.storage.capacity:  # (past it, the ring has evicted)
+            return
+        self._said_full = True
+        if table.rate_limiter.statistics().samples:  # (it has served: fewer items now is deletes or expiry)
+            return
+        log.warning("%s: its ring of %d steps is full and evicting at %d items, below the %d its rate limiter needs "
+                    "before any sample (steps that are no item, such as each episode's last observation, take room "
+                    "too): it may never serve one; lower min_size or raise capacity", self.name,
+                    table.storage.capacity, len(table), table.rate_limiter.min_size_to_sample)
 
     def _writer_ended(self, steps: Steps, last: Any) -> None:
         """Take a writer's end marker (:attr:`Steps.last`); a malformed one is refused and logged."""

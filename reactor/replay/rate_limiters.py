@@ -212,6 +212,25 @@ class RateLimiter:
             return True
         return (self._inserts + n) * self.samples_per_insert - self._samples <= self.max_diff
 
+    def never_inserts(self, n: int, size: int) -> str | None:
+        """Why an insert of ``n`` items into a table of ``size`` items can never proceed, or None: past
+        the free fill, samples can lower the diff to ``min_diff`` at best, and ``n`` items would still
+        take it above ``max_diff``. (Such an insert waited forever; a shard's held every later writer's
+        behind it.) Only deletes that took the table back under ``min_size_to_sample - n`` could admit it."""
+        if size + n <= self.min_size_to_sample or n * self.samples_per_insert <= self.max_diff - self.min_diff:
+            return None
+        return (f"an insert of {n} items can never proceed under {self!r}: {n} items x "
+                f"{self.samples_per_insert:g} samples each is more than the window max_diff - min_diff = "
+                f"{self.max_diff - self.min_diff:g} samples allows (at most {self.max_insert()} items an insert); "
+                f"insert fewer items at once, or widen the limiter's error_buffer")
+
+    def max_insert(self) -> int | float:
+        """The most items one insert can hold once the free fill is over (inf: no bound)."""
+        width = self.max_diff - self.min_diff
+        if self.samples_per_insert <= 0 or math.isinf(width):
+            return math.inf
+        return int(width // self.samples_per_insert)
+
     def can_sample(self, n: int, size: int) -> bool:
         """Whether sampling ``n`` items from a table of ``size`` items may proceed now."""
         if size < self.min_size_to_sample:

@@ -397,6 +397,8 @@ class Storage(StorageState):
             value = steps[name]
             if type(value) is not torch.Tensor:
                 if isinstance(value, np.ndarray):
+                    if any(st < 0 for st in value.strides):  # (a reversed view: torch takes no negative strides)
+                        value = np.ascontiguousarray(value)
                     try:
                         value = torch.from_numpy(value)
                     except TypeError as e:
@@ -405,6 +407,10 @@ class Storage(StorageState):
                     raise TypeError(f"field {name!r} must be a torch.Tensor or numpy array, got {type(value).__name__}")
             if value.dtype != spec.dtype:
                 raise TypeError(f"field {name!r} has dtype {value.dtype}, expected {spec.dtype}; cast it first")
+            if value.layout is not torch.strided or value.is_nested or value.device.type == "meta":
+                # (checked before any field is written: the copy failed midway, over the oldest live rows)
+                kind = "nested" if value.is_nested else "meta (data-less)" if value.device.type == "meta" else value.layout
+                raise TypeError(f"field {name!r} is a {kind} tensor: a dense (strided) tensor with data is expected")
             if value.dim() != 1 + len(spec.shape) or value.shape[1:] != spec.shape:
                 raise ValueError(
                     f"field {name!r} has shape {tuple(value.shape)}, expected [L, *{spec.shape}] "

@@ -429,7 +429,8 @@ class Table(TableState):
                 priority (the message gives the value and position), a finite priority that would
                 overflow the sampler (``p**alpha`` or the sum tree's total past float64; the message
                 names the key and the value), too many items for ``max_size``, an open episode that
-                would outgrow the storage.
+                would outgrow the storage, more items than the rate limiter's window ever admits at
+                once (``RateLimiter.never_inserts``).
             WouldBlock: the rate limiter does not allow it now.
             PortClosedError: the table was closed.
         """
@@ -461,6 +462,9 @@ class Table(TableState):
         validated, prio, mask, n = self._prepare_insert(steps, priorities, item_mask)
         plan = self._storage.plan_append(validated[0], episode_end)
         if admit and not self._limiter.can_insert(n, self._size):
+            never = self._limiter.never_inserts(n, self._size)
+            if never is not None:
+                raise ValueError(f"table {self._name!r}: {never}")
             # Before the priorities' pass: a shard retries a parked insert after every change.
             raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
         prepared = self._prepare_priorities(prio, self._insert_keys(mask))
@@ -492,11 +496,14 @@ class Table(TableState):
         while True:
             await self._limiter.wait(
                 "insert",
-                lambda: self._limiter.can_insert(n, self._size),
+                lambda: self._limiter.can_insert(n, self._size) or self._limiter.never_inserts(n, self._size) is not None,
                 lambda: f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size),
                 timeout_s,
             )
             with self._lock:  # re-check under the lock: another thread may have acted in between
+                never = None if self._limiter.can_insert(n, self._size) else self._limiter.never_inserts(n, self._size)
+                if never is not None:
+                    raise ValueError(f"table {self._name!r}: {never}")
                 if self._limiter.can_insert(n, self._size):
                     # Again: inserts while this one waited may have used the tree's headroom.
                     prepared = self._prepare_priorities(prio, self._insert_keys(mask))
@@ -586,22 +593,28 @@ class Table(TableState):
         return torch.from_numpy(keys)  # not torch.arange: its dispatch cost 6 us, a tenth of the insert
 
     def _select_distinct(self, selector: Selector, k: int) -> np.ndarray:
-        """k distinct slots from ``selector`` (stochastic selectors draw with replacement: redraw)."""
-        slots, _ = selector.select(k, self._rng)
+        """k distinct slots from ``selector`` (stochastic selectors draw with replacement: redraw). A
+        remover must make room: what a prioritized one cannot draw (every priority left is 0, or
+        nearly all its mass is on fewer than k items) is taken from the other live items, oldest
+        first. (It raised after the insert's steps were stored: every retry added rows and evicted.)"""
         if selector.is_deterministic:
+            slots, _ = selector.select(k, self._rng)
             return np.asarray(slots[:k], dtype=np.int64)
-        chosen = np.asarray(slots, dtype=np.int64)
-        for _ in range(1000):
+        chosen = np.empty(0, dtype=np.int64)
+        for _ in range(32):
+            try:
+                more, _ = selector.select(k - len(chosen), self._rng)
+            except ValueError:  # (no mass left to draw from)
+                break
+            chosen = np.concatenate([chosen, np.asarray(more, dtype=np.int64)])
             _, first = np.unique(chosen, return_index=True)
             chosen = chosen[np.sort(first)]
             if len(chosen) >= k:
                 return chosen[:k]
-            more, _ = selector.select(k - len(chosen), self._rng)
-            chosen = np.concatenate([chosen, np.asarray(more, dtype=np.int64)])
-        raise RuntimeError(
-            f"table {self._name!r}: remover {type(selector).__name__} could not draw {k} distinct items "
-            "(are most priorities 0?)"
-        )
+        live = np.flatnonzero(self._keys >= 0)
+        live = live[~np.isin(live, chosen)]
+        rest = live[np.argsort(self._keys[live], kind="stable")[: k - len(chosen)]]
+        return np.concatenate([chosen, rest])
 
     # ------------------------------------------------------------------ sample
 
@@ -795,7 +808,7 @@ class Table(TableState):
         (a key drawn twice, twice), and the statistics and the rate limiter count every draw (a
         limiter whose count is shared with the readers counted them when they drew: it is only
         woken). A key no longer held (evicted or deleted since the draw) counts as a draw and
-        changes no item.
+        changes no item; one that reaches ``max_times_sampled`` expires, as a draw here makes it.
 
         Returns:
             The draws counted.
@@ -808,6 +821,9 @@ class Table(TableState):
             slots = k % self._storage.capacity
             held = (k >= 0) & (self._keys[slots] == k)
             np.add.at(self._times, slots[held], 1)
+            if self._max_times_sampled:  # (as a draw here would: past it an item's count broke every checkpoint)
+                at = slots[held]
+                self._drop(np.unique(at[self._times[at] >= self._max_times_sampled]), "expired")
             self._counts["sampled"] += len(k)
             self._generation += 1
             self._limiter.on_noticed(len(k))

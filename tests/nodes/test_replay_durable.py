@@ -167,3 +167,47 @@ def test_a_shard_whose_only_checkpoint_was_cut_short_says_it_starts_empty(tmp_pa
     with caplog.at_level(logging.WARNING, logger="reactor.replay"):
         store.open(restored := table(), restore=True, restarts=0)
     assert len(restored) == 5 and not [r for r in caplog.records if "cut short" in r.getMessage()]
+
+
+class _Filler(Reactor):
+    """Sends ``n`` chunks of 4 rows, 3 of them items (as an episode's last observation is none)."""
+
+    steps = Output(Steps)
+    go = Action()
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @reaction(triggers=[startup], effects=[go])
+    def begin(self) -> None:
+        self.go.schedule(0)
+
+    @reaction(triggers=[go], effects=[steps, go])
+    def step(self, go: int) -> None:
+        self.steps.send(Steps(0, 0, go, {"x": np.full(4, go, dtype=np.int64)}, np.ones(4, dtype=bool),
+                              item_mask=np.array([True, True, True, False])))
+        if go + 1 < self.n:
+            self.go.schedule(go + 1, delay_s=1e-3)
+
+
+def test_a_shard_full_below_its_min_size_says_it_may_never_serve_a_sample(caplog):
+    """`reactor run apps/dqn.py --set capacity=3000 min_size=3000 ...` trained nothing and ended with exit 0:
+    the ring of 3,000 steps never held 3,000 items (each episode's last observation is a step but no item).
+    The shard now says so once, when its ring has wrapped without a sample served."""
+    import logging
+
+    def said(capacity: int, min_size: int) -> list[str]:
+        caplog.clear()
+        g = Graph()
+        d = g.add(_Filler(8), name="filler")
+        r = g.add(Replay([("x", (), "int64")], capacity, rate_limiter={"type": "MinSize", "min_size": min_size}),
+                  name="replay", replicas=1)
+        g.connect(d.steps, r.steps, key=shard_key)
+        with caplog.at_level(logging.WARNING, logger="reactor.replay"):
+            run(g)
+        return [m for m in caplog.messages if "may never serve" in m]
+
+    lines = said(16, 16)
+    assert len(lines) == 1 and lines[0].startswith("replay: its ring of 16 steps is full and evicting at 12 items, "
+                                                   "below the 16"), lines
+    assert said(16, 12) == []  # (it holds 12 items: enough)

@@ -65,6 +65,33 @@ def test_sample_to_insert_ratio_rejects_a_window_that_could_deadlock():
         SampleToInsertRatio(samples_per_insert=4.0, min_size=10, error_buffer=3)
 
 
+def test_an_insert_no_sample_can_ever_make_room_for_is_refused_not_left_waiting():
+    """SampleToInsertRatio(8, 4, error_buffer=8) admits at most 2 items an insert past min_size: a third
+    waited forever (in a shard, every later writer's insert queued behind it: the run stalled, a hostile
+    probe in session 55). Table.insert_nowait and insert now raise ValueError naming the bound."""
+    lim = SampleToInsertRatio(samples_per_insert=8.0, min_size=4, error_buffer=8.0)
+    assert lim.max_insert() == 2 and MinSize(3).max_insert() == math.inf
+    assert lim.never_inserts(4, size=0) is None  # (the free fill)
+    assert lim.never_inserts(2, size=4) is None and lim.never_inserts(3, size=4) is not None
+
+    def table() -> Table:
+        return Table(Storage([FieldSpec("x", ())], 64), sampler=Uniform(), remover=Fifo(),
+                     rate_limiter=SampleToInsertRatio(samples_per_insert=8.0, min_size=4, error_buffer=8.0))
+
+    t = table()
+    t.insert_nowait({"x": torch.zeros(4)})
+    message = (r"^table 'table': an insert of 3 items can never proceed under SampleToInsertRatio\(.*\): 3 items x 8 "
+               r"samples each is more than the window max_diff - min_diff = 16 samples allows \(at most 2 items an "
+               r"insert\); insert fewer items at once, or widen the limiter's error_buffer$")
+    with pytest.raises(ValueError, match=message):
+        t.insert_nowait({"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(t.insert({"x": torch.zeros(3)}, timeout_s=5))
+    t.sample_nowait(8)
+    t.insert_nowait({"x": torch.zeros(2)})
+    assert len(t) == 6
+
+
 def test_queue_limiter_allows_size_pending_items_each_sampled_once():
     lim = Queue(2)
     assert lim.can_insert(1, size=0)

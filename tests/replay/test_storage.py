@@ -189,6 +189,23 @@ def test_numpy_arrays_are_accepted_with_matching_dtype():
     assert s.read_steps(np.array([1]))["x"].tolist() == [[1.0, 1.0]]
 
 
+def test_a_sparse_or_data_less_field_is_refused_before_any_field_is_written():
+    """A sparse tensor in the last field failed in the copy, after the fields before it were written
+    over the oldest live rows (a hostile probe, session 55); a reversed numpy view failed in torch
+    without naming its field."""
+    s = Storage(SPECS, 8)
+    for i in range(4):
+        s.append(steps(2 * i, 2))
+    before = snapshot(s)
+    for bad in (torch.zeros(2).to_sparse(), torch.empty(2, device="meta")):
+        with pytest.raises(TypeError, match=r"^field 'reward' is a .* tensor: a dense \(strided\) tensor with data"):
+            s.append({**steps(100, 2), "reward": bad})
+        after = snapshot(s)
+        assert all(torch.equal(after["fields"][k], v) for k, v in before["fields"].items())
+    s.append({**steps(10, 2), "obs": steps(10, 2)["obs"].numpy()[::-1]})
+    assert s.read_steps(np.array([8]))["obs"][0].tolist() == [11.0, 11.25, 11.5]
+
+
 def test_tail_windows_pad_past_the_episode_end_with_zeros_and_mask():
     s = Storage(SPECS, 32)
     s.append(steps(0, 5))

@@ -640,3 +640,31 @@ def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times
             torch.testing.assert_close(va, vb, rtol=0, atol=0)
         else:
             assert np.array_equal(np.asarray(va), np.asarray(vb)), k
+
+
+def test_a_prioritized_remover_with_no_mass_left_removes_the_oldest_zero_priority_items():
+    """Every priority 0 (or nearly all the mass on fewer items than must go): the remover raised after
+    the insert's steps were stored, so each retry added rows and evicted older ones (a hostile probe,
+    session 55). It now takes the rest from the other live items, oldest first."""
+    t = make("uniform", "prioritized", cap=32, max_size=4)
+    t.insert_nowait(steps(0, 4), np.zeros(4))
+    keys = t.insert_nowait(steps(4, 1), [0.0])
+    assert len(t) == 4 and sorted(t.state_dict()["keys"][t.state_dict()["keys"] >= 0]) == [1, 2, 3, 4]
+    assert keys.tolist() == [4]
+    t = make("uniform", "prioritized", cap=32, max_size=4)
+    t.insert_nowait(steps(0, 4), [0.0, 0.0, 0.0, 1.0])
+    t.insert_nowait(steps(4, 2), [1.0, 1.0])
+    live = sorted(int(k) for k in t.state_dict()["keys"] if k >= 0)
+    assert len(live) == 4 and {4, 5} <= set(live) and 3 not in live  # the massive one first, then the oldest
+
+
+def test_draws_noted_from_elsewhere_expire_items_at_max_times_sampled_and_checkpoints_stay_loadable(tmp_path):
+    """A peer's SampledKeys counted an item past max_times_sampled without expiring it, and every later
+    checkpoint was refused on load (times_sampled out of range): a restore lost the acknowledged inserts
+    (a hostile probe, session 55)."""
+    t = make("uniform", "fifo", cap=16, max_times_sampled=2)
+    t.insert_nowait(steps(0, 4), np.ones(4))
+    assert t.note_sampled(np.array([1, 1, 1, 1, 1, 2])) == 6
+    assert len(t) == 3 and t.statistics().expired == 1 and 1 not in t.state_dict()["keys"].tolist()
+    t.save(tmp_path)
+    assert len(Table.load(tmp_path)) == 3

@@ -461,6 +461,15 @@ class Storage(StorageState):
         ends = self._episode_ends(length, episode_end)
         first_eid = self._next_ep - 1 if self._open else self._next_ep
         cap = self._capacity
+        if not ends[-1]:
+            closed = np.flatnonzero(ends)
+            tail = length - 1 - int(closed[-1]) if len(closed) else length + (
+                int(self._ep_len[(self._next_ep - 1) % cap]) if self._open else 0)
+            if tail >= cap:  # (then every later append was refused, and nothing but reset() could go on)
+                raise ValueError(
+                    f"this append would leave an open episode of {tail} steps, the storage's whole capacity {cap}: "
+                    f"no step could end it (it would have to evict the episode's own start); end episodes sooner "
+                    f"(episode_end=True) or raise capacity")
         needed = self._next_step + length - cap  # lowest global step that may remain
         new_first_step, new_first_ep = self._first_step, self._first_ep
         if needed > self._first_step:

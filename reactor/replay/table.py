@@ -169,7 +169,8 @@ def _item_nbytes(storage: Storage, read: Any) -> int:
     if isinstance(read, WindowRead):
         total = total * read.length + read.length
     elif isinstance(read, TransitionRead):
-        total += sum(row[f] for f in read.next_fields) + 9
+        # (and, while it is read, each item's n steps of the return: their rows' indices and rewards)
+        total += sum(row[f] for f in read.next_fields) + 9 + read.n * (16 + row[read.reward_field])
     return total + 28  # key, probability, weight, times sampled
 
 
@@ -253,6 +254,9 @@ class Table(TableState):
             raise TypeError(f"read must be StepRead, TransitionRead, WindowRead or EpisodeRead, got {read!r}")
         fields = {s.name for s in storage.specs}
         if isinstance(read, TransitionRead):
+            if read.n > cap:  # (each sample's work and memory grew with n: 570 MB for 2 items at n=10**7)
+                raise ValueError(f"TransitionRead n={read.n} is more than the storage's capacity {cap}: an n-step "
+                                 f"return spans at most the steps the ring holds; use n <= {cap}")
             for f in (read.reward_field, *read.next_fields):
                 if f not in fields:
                     raise ValueError(f"TransitionRead names field {f!r}, not in the storage fields {sorted(fields)}")

@@ -105,6 +105,22 @@ def test_open_episode_continues_across_appends():
     assert s.read_episodes(np.array([0]))["lengths"].tolist() == [6]
 
 
+def test_an_append_that_leaves_an_open_episode_filling_the_whole_ring_is_refused():
+    """An open episode of exactly the capacity was taken, and then every append was refused (its start
+    would have to be evicted), with advice (end episodes sooner) that could no longer be followed: only
+    reset() went on (a hostile probe, session 55)."""
+    s = Storage(SPECS, 4)
+    for ends in (False, np.zeros(4, dtype=bool)):
+        with pytest.raises(ValueError, match=r"^this append would leave an open episode of 4 steps, the storage's "
+                                             r"whole capacity 4: no step could end it"):
+            s.append(steps(0, 4), episode_end=ends)
+    s.append(steps(0, 3), episode_end=False)
+    with pytest.raises(ValueError, match=r"open episode of 4 steps"):
+        s.append(steps(3, 1), episode_end=False)
+    s.append(steps(3, 1), episode_end=True)
+    assert s.read_episodes(np.array([0]))["lengths"].tolist() == [4]
+
+
 def test_episode_end_array_splits_one_append_into_episodes():
     s = Storage(SPECS, 20)
     s.append(steps(0, 6), episode_end=np.array([0, 1, 0, 0, 1, 0], dtype=bool))
@@ -314,8 +330,8 @@ class StorageModel(RuleBasedStateMachine):
         kept = list(older)
         while kept and stored + len(cur) > self.CAP:
             stored -= len(kept.pop(0))
-        if len(cur) > self.CAP:
-            with pytest.raises(ValueError, match="would no longer fit"):
+        if len(cur) > self.CAP or (not end and len(cur) == self.CAP):  # (an open one that fills it: none could end it)
+            with pytest.raises(ValueError, match="would no longer fit|the storage's whole capacity"):
                 self.s.append({"v": torch.tensor(vals)}, episode_end=end)
             return
         self.s.append({"v": torch.tensor(vals)}, episode_end=end)

@@ -47,6 +47,10 @@ __all__ = ["AppendResult", "FieldSpec", "Storage", "StorageMemory", "TransitionP
            "n_step_return"]
 
 
+#: The most steps a storage holds (an OverflowError past 2**63; a key's step fits far below it).
+_MAX_CAPACITY = 1 << 40
+
+
 def n_step_return(rewards: torch.Tensor, m: np.ndarray, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An n-step transition's return, as :meth:`Storage.read_transitions` defines it (one place, so
     every reader of transitions sums alike, to the bit): ``rewards`` ``[B, n, ...]`` are each item's
@@ -236,8 +240,8 @@ class Storage(StorageState):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"Storage field names must be unique; duplicated: {dupes}")
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-            raise ValueError(f"Storage capacity must be an int >= 1 (steps), got {capacity!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= _MAX_CAPACITY:
+            raise ValueError(f"Storage capacity must be an int in [1, 2**40] (steps), got {capacity!r}")
         self._device = _check_device(device, pin_memory)
         self._pin_memory = bool(pin_memory)
         self._specs = {s.name: s for s in specs}

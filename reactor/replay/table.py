@@ -136,13 +136,25 @@ def _as_int64(name: str, values: Any) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1 or not (arr.dtype.kind in "iu" or arr.size == 0):
         raise TypeError(f"{name} must be a 1-D array of integers, got dtype {arr.dtype} shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(arr.max()) > _INT64_MAX:
+        raise ValueError(f"{name}: {int(arr.max())} is past the largest key (2**63 - 1)")  # (it wrapped to -1)
     return arr.astype(np.int64, copy=False)
 
 
-def _as_priorities(values: Any, n: int, mask: np.ndarray | None = None) -> np.ndarray:
+_INT64_MAX = 2**63 - 1
+
+
+def _as_float64(values: Any) -> np.ndarray:
+    """Priorities as float64; complex ones are refused (numpy kept the real part, with a warning only)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    arr = np.asarray(values, dtype=np.float64)
+    if np.iscomplexobj(values):
+        raise TypeError("priorities must be real numbers, got complex ones")
+    return np.asarray(values, dtype=np.float64)
+
+
+def _as_priorities(values: Any, n: int, mask: np.ndarray | None = None) -> np.ndarray:
+    arr = values if isinstance(values, np.ndarray) and values.dtype == np.float64 else _as_float64(values)
     if arr.shape != (n,):
         raise ValueError(f"priorities must have shape ({n},), got {arr.shape}")
     if mask is None:  # one compiled pass instead of four numpy calls (an insert's hot path)
@@ -297,6 +309,8 @@ class Table(TableState):
             and storage.device.type == "cpu"
         )
         self._beta = float(beta)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         self._seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._keys = np.full(cap, -1, dtype=np.int64)  # slot -> key, -1 when empty
@@ -847,9 +861,7 @@ class Table(TableState):
             if isinstance(priorities, np.ndarray) and priorities.dtype == np.float64:
                 p = priorities
             else:
-                if isinstance(priorities, torch.Tensor):
-                    priorities = priorities.detach().cpu().numpy()
-                p = np.asarray(priorities, dtype=np.float64)
+                p = _as_float64(priorities)
             if p.shape != k.shape:
                 raise ValueError(f"priorities must have shape ({len(k)},), got {p.shape}")
             slots = np.empty(len(k), dtype=np.int64)

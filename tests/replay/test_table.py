@@ -677,3 +677,21 @@ def test_an_n_step_read_longer_than_the_ring_is_refused_and_its_return_counts_in
         make(cap=64, read=TransitionRead(n=65))
     small, large = make(cap=1 << 16, read=TransitionRead(n=1)), make(cap=1 << 16, read=TransitionRead(n=1 << 16))
     assert large._item_nbytes - small._item_nbytes >= ((1 << 16) - 1) * 16
+
+
+def test_out_of_range_capacity_seed_keys_and_complex_priorities_are_named():
+    """Each gave an error that named nothing (OverflowError, "expected non-negative integer"), a key
+    wrapped to -1, or a complex priority cut to its real part with a warning (a hostile probe, session 55)."""
+    with pytest.raises(ValueError, match=r"^Storage capacity must be an int in \[1, 2\*\*40\] \(steps\), got 4611"):
+        Storage(SPECS, 2**62)
+    with pytest.raises(ValueError, match=r"^seed must be an int in \[0, 2\*\*64\), got -1$"):
+        make(seed=-1)
+    t = make("prioritized", cap=16)
+    t.insert_nowait(steps(0, 2), np.ones(2))
+    with pytest.raises(ValueError, match=r"^keys: 18446744073709551615 is past the largest key"):
+        t.update_priorities(np.array([2**64 - 1], dtype=np.uint64), [1.0])
+    for call in (lambda: t.update_priorities(np.array([0]), np.array([1 + 2j])),
+                 lambda: t.insert_nowait(steps(2, 1), np.array([1j]))):
+        with pytest.raises(TypeError, match=r"^priorities must be real numbers, got complex ones$"):
+            call()
+    assert len(t) == 2

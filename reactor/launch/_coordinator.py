@@ -445,6 +445,7 @@ class _Session:
         self.replay_done: set[str] = set()
         self.ending: dict[str, bool] = {}  # deterministic: worker ended on its own -> events left past the stop
         self.stopped_by: str | None = None
+        self.failed: str | None = None  # the worker whose error or refusal ends the run (it waits for "exit")
 
     @property
     def host_of(self) -> Mapping[str, str]:
@@ -635,15 +636,19 @@ class _Session:
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
         for peer, msg in batch:
-            if msg[0] == "refused":  # what the run was given: the same class and line as under `single`
+            if msg[0] in ("refused", "error"):
+                # It waits for our "exit" to leave: at once for a restart, else once the others were told.
+                self.failed = peer
                 if self.stopped_by is None and self.restarts.can_restart(peer):
-                    log.warning("worker %r refused the run (it will be started again): %s", peer, msg[2])
+                    log.warning("worker %r %s (it will be started again):%s", peer,
+                                *(("refused the run", f" {msg[2]}") if msg[0] == "refused" else ("failed", f"\n{msg[1]}")))
+                    self.failed = None
+                    with contextlib.suppress(Exception):
+                        self.ep.send_nowait(peer, ("exit",))
                     continue
+            if msg[0] == "refused":  # what the run was given: the same class and line as under `single`
                 raise REFUSAL_NAMES[msg[1]](msg[2])
             if msg[0] == "error":
-                if self.stopped_by is None and self.restarts.can_restart(peer):
-                    log.warning("worker %r failed (it will be started again):\n%s", peer, msg[1])
-                    continue
                 if msg[1].startswith("PeerLostError"):
                     # It lost a peer: name the peer's end first when it shows within the time
                     # its death takes to be seen (a remote one's, a heartbeat or two).
@@ -717,7 +722,8 @@ class _Session:
         self.ep.expect_departures()
         self._broadcast(("stop", "failure"))
         dead = self.workers.dead()
-        live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down}
+        live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down
+                and n != self.failed}
         loop = asyncio.get_running_loop()
         end = loop.time() + FAILURE_STOP_S
         while live and loop.time() < end:
@@ -729,6 +735,9 @@ class _Session:
                 if msg[0] == "done":
                     live.discard(peer)
             live -= set(self.workers.dead())
+        if self.failed is not None:  # (last: the others have heard why first)
+            with contextlib.suppress(Exception):
+                self.ep.send_nowait(self.failed, ("exit",))
 
     def _stop(self, why: str) -> None:
         self.stopped_by = why

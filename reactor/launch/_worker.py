@@ -48,6 +48,8 @@ log = logging.getLogger("reactor.worker")
 STATUS_INTERVAL_S = 0.02
 #: Deterministic mode: a promise on links with delay D > 0 goes out once grown by D / this.
 _PROMISE_QUANTUM_DIV = 4
+#: How long a worker whose reaction failed waits for the coordinator's "exit" (its FAILURE_STOP_S and more).
+FAILED_EXIT_WAIT_S = 5.0
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
 # Async inboxes: queued events before this process stops taking messages from its endpoint.
@@ -291,6 +293,10 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(5):
                         await outbox.empty.wait()
+                # Leave when the coordinator says (once the others were told the run ends, or at once for
+                # a restart): gone first, every survivor and the coordinator warned that they lost it.
+                with contextlib.suppress(Exception):
+                    await self._wait_control("exit", timeout_s=FAILED_EXIT_WAIT_S)
                 raise
             finally:
                 if host.stop_reason is None:  # it ended on its own (the coordinator's "stop" names its reason)

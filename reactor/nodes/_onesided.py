@@ -185,7 +185,8 @@ class OneSidedSampling(RemoteSampling):
         if self._reader.backend(data_region) != "shm":
             table = sampling.get("table") if isinstance(sampling, dict) else None
             if (isinstance(table, dict) and sampling.get("op") == REMOTE_SAMPLE_OP
-                    and isinstance(table.get("window"), int) and isinstance(table.get("beta"), float)
+                    and type(table.get("window")) is int and table["window"] >= 0
+                    and isinstance(table.get("beta"), float) and 0 <= table["beta"] < float("inf")
                     and table.get("pad") in ("head", "tail", "")):
                 max_items = sampling.get("max_items")
                 try:

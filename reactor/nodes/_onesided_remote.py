@@ -24,6 +24,7 @@ from .._native import host_empty
 from ..replay.shared import OK as _OK
 from ..replay.shared import importance_weights, least_probability, take_counts, transitions_from_windows
 from ..transport._bulkzmq import mark_seen
+from ._replycheck import figures_problem, items_problem
 from ._shardkeys import make_keys
 from .messages import SampledBatch, SampledKeys, ShardMass
 
@@ -178,15 +179,26 @@ class RemoteSampling:
         """A read server's sample reply, checked (it comes from the network); its figures cached."""
         rs = self._remote_shared[shard]
         bad = MalformedFrameError(f"replay shard {shard}'s read server sent a malformed sample reply")
+
+        def malformed(why: str) -> MalformedFrameError:
+            return MalformedFrameError(f"replay shard {shard}'s read server sent a malformed sample reply: {why}")
+
         if not isinstance(rep, dict) or type(rep.get("n")) is not int:
             raise bad
-        if all(type(rep.get(x)) in (float, int) for x in ("mass", "min")) and type(rep.get("size")) is int:
+        if any(x in rep for x in ("mass", "min", "size")):  # (none: the server kept none, nor does the client)
+            why = figures_problem(rep.get("mass"), rep.get("min"), rep.get("size"), rs.beta, drew=rep["n"] > 0)
+            if why:  # (cached, they would make the next samples' counts: never a bad one)
+                raise malformed(why)
             self._figures[shard] = ShardMass(shard, 0, 0, "", float(rep["mass"]), float(rep["min"]), rep["size"],
                                              rs.beta)
         if rep["n"] == 0:
             return None
         if rep["n"] != count:
             raise bad
+        why = items_problem(rep.get("keys"), rep.get("probabilities"), rep.get("times_sampled"), asked=count,
+                            shard=None)
+        if why:
+            raise malformed(why)
         w = max(rs.window, 1)
         layout = self._layouts[rs.data_region]
         names = rep.get("fields")

@@ -25,9 +25,11 @@ import numpy as np
 import torch
 
 from .._errors import PeerLostError
+from .._floodlog import FloodCounts, flood_logged, flood_tally
 from .._native import host_empty
 from ..replay import expand_window_spans
 from ..replay.shared import importance_weights, least_probability
+from ..replay.table import _PHYSICAL_MEMORY
 from ..transport import _gather as _gatherk
 from ..transport import bulk as _bulk
 from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its names public here)
@@ -39,6 +41,7 @@ from ._onesided import (  # (the one-sided sampling: ReplayClient's mixin; its n
     _SharedShard,
 )
 from ._onesided_remote import _RemoteDraw, _RemoteShard
+from ._replycheck import figures_problem, items_problem
 from ._shardkeys import KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
 from .messages import (
     Delete,
@@ -79,6 +82,7 @@ class _Sample:
     deadline: float = math.inf
     shares: dict[int, float] | None = None  # one-round sample: each shard's share of the counts
     empty: bool = False  # a shard asked for items had none to draw (zero mass): start again
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None  # its parts' fields (all alike)
 
 
 class ReplayClient(OneSidedSampling):
@@ -108,6 +112,12 @@ class ReplayClient(OneSidedSampling):
     A shard that answers :class:`~reactor.nodes.messages.Exhausted` (no insert can come, and its
     rate limiter holds the request for good) ends the data: every sample in flight is dropped and
     ``exhausted`` is True from then on.
+    A malformed reply (figures that are not finite, probabilities outside (0, 1], more items than
+    asked for or arrays of other lengths or dtypes, a plan of rows outside its shard's region or
+    windows longer than its earlier ones, a region that cannot be mapped) is dropped and logged
+    (the first 20 per shard in full, then one in 1,000: :mod:`reactor._floodlog`), counted in
+    ``malformed_replies``, and its sample is drawn again, as when a shard is lost: a peer's
+    message never ends the learner. A shard whose region cannot be mapped answers with data from then on.
 
     Args:
         num_shards: the replay bank's size.
@@ -205,6 +215,11 @@ class ReplayClient(OneSidedSampling):
         self._layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # region -> fields
         self._capacity: dict[str, int] = {}  # region -> rows
         self._versions_field: dict[str, str | None] = {}  # region -> its version column
+        # region -> the window length of its first plan: a later plan may not ask for longer windows
+        # (the batch is allocated from it: a reply must not make it larger than the request implies)
+        self._window_length: dict[str, int] = {}
+        self.malformed_replies = 0  # replies dropped as malformed (their samples drawn again)
+        self._drops_logged = FloodCounts()  # per shard: the drops logged (_flood_log)
         self.dropped_items = 0
         self.gathered_items = 0
         self.one_sided = bool(one_sided)
@@ -284,8 +299,9 @@ class ReplayClient(OneSidedSampling):
         self._samples[rid] = s
         if s.stage == 1:
             return MassRequest(shard, self.requester, rid)
-        return SampleRequest(shard, self.requester, rid, n, self._host, self._regions.get(shard, ("", 0))[1],
-                             "" if shard in self._inline else self._remote)
+        inline = shard in self._inline  # (its region could not be mapped: asked for data)
+        return SampleRequest(shard, self.requester, rid, n, "" if inline else self._host,
+                             self._regions.get(shard, ("", 0))[1], "" if inline else self._remote)
 
     def _ask_masses(self, s: _Sample, shards: list[int]) -> list[ReplayRequest]:
         s.stage = 1
@@ -322,16 +338,16 @@ class ReplayClient(OneSidedSampling):
         """:meth:`receive` for clients that may read other hosts' shards one-sidedly (RDMA, zmq):
         awaits those reads. Same results and errors."""
         if type(reply.request) is not int or type(reply.shard) is not int:
-            log.error("replay client %s dropped a %s whose request and shard are not ints: %r", self.requester,
-                      type(reply).__name__, (reply.request, reply.shard))
+            self._flood_log("unroutable", "replay client %s dropped a %s whose request and shard are not ints: %r",
+                            self.requester, type(reply).__name__, (reply.request, reply.shard))
             return self.check_timeouts(), None
         s = self._samples.pop(reply.request, None)
         asked = None if s is None else s.outstanding.pop(reply.request, None)
         if s is not None and asked is not None and asked[0] != reply.shard:  # not the shard asked: not its answer
             s.outstanding[reply.request] = asked
             self._samples[reply.request] = s
-            log.error("replay client %s dropped a %s for request %d from shard %d; shard %d was asked",
-                      self.requester, type(reply).__name__, reply.request, reply.shard, asked[0])
+            self._flood_log(reply.shard, "replay client %s dropped a %s for request %d from shard %d; shard %d was "
+                            "asked", self.requester, type(reply).__name__, reply.request, reply.shard, asked[0])
             return self.check_timeouts(), None
         if s is None or asked is None:
             return self.check_timeouts(), None
@@ -343,9 +359,12 @@ class ReplayClient(OneSidedSampling):
             log.info("replay client %s: shard %d has no sample to give any more (every writer ended); "
                      "samples in flight dropped", self.requester, reply.shard)
             return [], None
-        if reply.error:
+        if isinstance(reply.error, str) and reply.error:
             self._drop(s)
             raise RuntimeError(f"replay shard {reply.shard} refused a request: {reply.error}")
+        why = _reply_problem(reply, asked[1])
+        if why is not None:
+            return self._malformed(s, reply, why), None
         out: list[ReplayRequest] = []
         batch = None
         # The figures only (a reply may carry a batch of data: keep none of it alive).
@@ -353,6 +372,8 @@ class ReplayClient(OneSidedSampling):
                                                reply.beta)
         try:
             batch = await self._take(s, asked, reply, out)
+        except _Malformed as e:
+            return self._malformed(s, reply, str(e)), None
         except _RemoteUnusable as e:  # this shard answers with data from now on; draw the sample again
             self._drop(s)
             self._inline.add(e.shard)
@@ -372,6 +393,25 @@ class ReplayClient(OneSidedSampling):
             raise
         out.extend(self.check_timeouts())
         return out, batch
+
+    def _malformed(self, s: _Sample, reply: ReplayReply, why: str) -> list[ReplayRequest]:
+        """Drop a malformed reply and its sample, say why, and draw the sample again (as when a shard is
+        lost, :meth:`shard_lost`; what the other shards drew counts as sampled there). Returns the
+        messages to send."""
+        self._drop(s)
+        self.malformed_replies += 1
+        self._flood_log(reply.shard, "replay client %s dropped a malformed %s from shard %d (request %d): %s; the "
+                        "sample is drawn again", self.requester, type(reply).__name__, reply.shard, reply.request, why)
+        out = self._begin(s.n, self._require_live())
+        out.extend(self.check_timeouts())
+        return out
+
+    def _flood_log(self, key: Any, message: str, *args: Any) -> None:
+        """Log a dropped reply under :func:`~reactor._floodlog.flood_logged`'s rule, per shard: a shard
+        that floods the client with bad replies is not a flood of lines."""
+        seen = self._drops_logged.hit(key)
+        if flood_logged(seen):
+            log.error(message + "%s", *args, flood_tally(seen))
 
     async def _take(self, s: _Sample, asked: tuple[int, int], reply: ReplayReply,
                     out: list[ReplayRequest]) -> SampledBatch | None:
@@ -393,6 +433,12 @@ class ReplayClient(OneSidedSampling):
                 await self._attach(reply.shard, reply.descriptor)
                 if reply.sampling is not None and self.one_sided:
                     await self._attach_sampling(reply.shard, reply.sampling)
+            layout = self._plan_layout(reply) if _bulk_part(reply) else _data_layout(reply.data)  # type: ignore[arg-type]
+            if s.layout is None:
+                s.layout = layout
+            elif layout != s.layout:  # (the batch is laid out as its first part: the others must fit)
+                raise _Malformed(f"its fields {_describe(layout)} are not those of the batch's other parts "
+                                 f"{_describe(s.layout)}")
             s.parts.append(reply)
             if not s.outstanding:
                 if s.empty:
@@ -507,17 +553,77 @@ class ReplayClient(OneSidedSampling):
         try:
             region = await self._reader.attach(descriptor, backend=backend)
         except (ValueError, RuntimeError, OSError, ImportError, PeerLostError) as e:
-            if backend == "shm":
-                raise
+            # (a malformed descriptor too: the sample is drawn again, with the data in the replies)
             raise _RemoteUnusable(shard, f"shard {shard}'s region cannot be read over {backend} from here: {e}") from e
         self._regions[shard] = (region, int(descriptor["generation"]))
         self._capacity[region] = int(descriptor["rows"])
+        self._window_length.pop(region, None)  # (a new life of the region: its next plan says)
         vf = descriptor.get("version_field")
         self._versions_field[region] = vf
         self._layouts[region] = {
             name: (getattr(torch, f["dtype"]), tuple(f["shape"]))
             for name, f in descriptor["fields"].items() if name != vf
         }
+
+    def _plan_layout(self, p: ShardSample) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The fields a plan reply's items will have once gathered, its plan checked against its
+        shard's region (attached by now, if it ever will be).
+
+        Raises:
+            _Malformed: rows outside the region, spans outside their windows, windows longer than
+                the region holds or than the shard's earlier plans, arrays of other shapes or dtypes,
+                or a batch larger than this host's memory.
+        """
+        n = len(p.keys)
+        attached = self._regions.get(p.shard)
+        if attached is None:
+            raise _Malformed("it sent a plan of rows, but no region of its was attached (no descriptor came)")
+        region = attached[0]
+        cap = self._capacity[region]
+        if self._versions_field.get(region) is None:
+            raise _Malformed("its region has no version column to check a plan's rows against")
+        mask = None
+        if p.windows is not None:
+            t, w = p.window_length, p.windows
+            if p.rows is not None or p.mask is not None or p.versions is not None:
+                raise _Malformed("it sent both window spans and rows")
+            if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= cap:
+                raise _Malformed(f"its window_length {t!r:.40} is not an int in [1, {cap}] (its region's rows)")
+            if not (isinstance(w, np.ndarray) and w.dtype == np.int64 and w.shape == (n, 3)):
+                raise _Malformed(f"its window spans are not an int64 [{n}, 3] array (got {_what(w)})")
+            if n and not ((w[:, 1] >= 0) & (w[:, 2] > w[:, 1]) & (w[:, 2] <= t)).all():
+                raise _Malformed(f"a window span is not 0 <= lo < hi <= {t}")
+            lead: tuple[int, ...] = (t,)
+        else:
+            rows, versions, mask = p.rows, p.versions, p.mask
+            if not (isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.ndim in (1, 2)
+                    and rows.shape[0] == n):
+                raise _Malformed(f"its rows are not an int64 [{n}] or [{n}, T] array (got {_what(rows)})")
+            if not (isinstance(versions, np.ndarray) and versions.dtype == np.int64 and versions.shape == rows.shape):
+                raise _Malformed(f"its versions are not an int64 array shaped like its rows {rows.shape} "
+                                 f"(got {_what(versions)})")
+            if mask is not None and not (rows.ndim == 2 and isinstance(mask, np.ndarray) and mask.dtype == np.bool_
+                                         and mask.shape == rows.shape):
+                raise _Malformed(f"its mask is not a bool array shaped like its [{n}, T] rows (got {_what(mask)})")
+            if rows.size and (rows.min() < 0 or rows.max() >= cap):
+                raise _Malformed(f"a row is outside its region's [0, {cap})")
+            lead = tuple(rows.shape[1:])
+            t = lead[0] if lead else 0
+            if t > cap:
+                raise _Malformed(f"its windows of {t} rows are longer than its region's {cap}")
+        if lead:  # windows: as long as the shard's first plan said (the batch is allocated from them)
+            first = self._window_length.get(region, lead[0])
+            if lead[0] != first:
+                raise _Malformed(f"its windows of {lead[0]} rows are not the {first} of its earlier plans")
+        layout = {name: (dtype, (*lead, *shape)) for name, (dtype, shape) in self._layouts[region].items()}
+        if p.windows is not None or mask is not None:
+            layout["mask"] = (torch.bool, lead)
+        nbytes = n * sum(math.prod(shape) * dtype.itemsize for dtype, shape in layout.values())
+        if nbytes > _PHYSICAL_MEMORY:
+            raise _Malformed(f"its {n} items would take {nbytes} bytes, more than this host's {_PHYSICAL_MEMORY}")
+        if lead:
+            self._window_length[region] = lead[0]
+        return layout
 
     async def _gather(self, parts: list[ShardSample]) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
         """The batch's fields over all parts; bulk parts are gathered straight into the output
@@ -791,6 +897,65 @@ class ReplayClient(OneSidedSampling):
         return out
 
 
+
+
+class _Malformed(Exception):
+    """A shard's reply is malformed (the message says how): the client drops it and draws its sample again."""
+
+
+#: The numpy dtypes a reply's data may have: those torch.from_numpy takes (in this byte order).
+_NUMPY_TO_TORCH = {np.dtype(n): getattr(torch, n) for n in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64",
+    "complex64", "complex128")}
+
+
+def _what(x: Any) -> str:
+    """An array's dtype and shape, or what else ``x`` is (for a message)."""
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, (np.ndarray, torch.Tensor)) else type(x).__name__
+
+
+def _reply_problem(reply: ReplayReply, asked: int) -> str | None:
+    """What is wrong with a shard's answer to a request for ``asked`` items (0: figures only) that
+    can be told without its region, or None (its plan of rows is checked once its region is
+    attached: :meth:`ReplayClient._plan_layout`)."""
+    if not isinstance(reply, (ShardMass, ShardSample)):
+        return f"a {type(reply).__name__} is no answer to a request"
+    if not isinstance(reply.error, str):
+        return f"its error {reply.error!r:.40} is not a str"
+    sample = isinstance(reply, ShardSample)
+    why = figures_problem(reply.mass, reply.min_mass, reply.size, reply.beta, drew=sample)
+    if why or not sample:
+        return why
+    assert isinstance(reply, ShardSample)
+    if asked < 1:
+        return "it sent items for a request of none"
+    why = items_problem(reply.keys, reply.probabilities, reply.times_sampled, asked=asked, shard=reply.shard)
+    if why:
+        return why
+    if reply.descriptor is not None and not isinstance(reply.descriptor, dict):
+        return f"its descriptor is a {type(reply.descriptor).__name__}, not a dict"
+    if _bulk_part(reply):
+        return None if reply.data is None else "it sent both data and a plan of rows"
+    data, n = reply.data, len(reply.keys)
+    if not isinstance(data, dict) or not data:
+        return f"it sent neither data nor a plan of rows (data: {_what(data)})"
+    for name, v in data.items():
+        if not isinstance(name, str):
+            return f"a field name {name!r:.40} is not a str"
+        if not (isinstance(v, torch.Tensor) or (isinstance(v, np.ndarray) and v.dtype in _NUMPY_TO_TORCH)) or (
+                v.ndim < 1 or v.shape[0] != n):
+            return f"its field {name!r:.40} is not a numeric array of length {n} (got {_what(v)})"
+    return None
+
+
+def _data_layout(data: dict[str, Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A data reply's fields: name -> (dtype, shape of an item)."""
+    return {name: (v.dtype if isinstance(v, torch.Tensor) else _NUMPY_TO_TORCH[v.dtype], tuple(v.shape[1:]))
+            for name, v in data.items()}
+
+
+def _describe(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> str:
+    return "{" + ", ".join(f"{k}: {str(d).removeprefix('torch.')} {list(s)}" for k, (d, s) in sorted(layout.items())) + "}"
 
 
 class _RemoteUnusable(Exception):

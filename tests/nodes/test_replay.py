@@ -6,6 +6,7 @@ the Writer, Replay shards, a learner sampling through the ReplayClient).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -431,6 +432,140 @@ def test_a_refused_request_raises_with_the_shards_reason():
     assert client.in_flight == 0
 
 
+def _four(r, **change):
+    """A good 4-item ShardSample answering ``r`` (data in the reply), with ``change`` made to it."""
+    good = ShardSample(r.shard, 0, r.request, "", {"x": np.arange(4)}, make_keys(r.shard, np.arange(4)),
+                       np.full(4, 0.25), np.ones(4, np.int64), 4.0, 1.0, 4, 0.5)
+    return dataclasses.replace(good, **change)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"probabilities": "abc"}, "its probabilities are not a 1-D float64 array of length 4 (got str)"),
+    ({"data": {"x": [[1, 2], [3]]}}, "its field 'x' is not a numeric array of length 4 (got list)"),
+    ({"data": {"x": np.array(["1.5"] * 4)}}, "its field 'x' is not a numeric array of length 4 (got <U3 (4,))"),
+    ({"keys": make_keys(0, np.arange(4))[:1]}, "its probabilities are not a 1-D float64 array of length 1 (got float64 (4,))"),
+    ({"keys": make_keys(0, np.arange(1)), "probabilities": np.full(1, 0.25), "times_sampled": np.ones(1, np.int64)},
+     "its field 'x' is not a numeric array of length 1 (got int64 (4,))"),
+    ({"probabilities": np.full(2, 0.25)}, "its probabilities are not a 1-D float64 array of length 4 (got float64 (2,))"),
+    ({"keys": make_keys(0, np.arange(5))}, "it sent 5 items for a request of 4"),
+    ({"keys": make_keys(1, np.arange(4))}, "a key is not tagged with shard 0"),
+    ({"mass": float("inf")}, "its mass inf is not a finite number > 0 (it drew items)"),
+    ({"mass": 0.0}, "its mass 0.0 is not a finite number > 0 (it drew items)"),
+    ({"min_mass": float("nan")}, "its min_mass nan is not a number > 0"),
+    ({"size": -1}, "its size -1 is not an int >= 0"),
+    ({"beta": float("nan")}, "its beta nan is not a finite number >= 0"),
+    ({"probabilities": np.full(4, -0.25)}, "probability -0.25 is not in (0, 1]"),
+    ({"probabilities": np.full(4, np.nan)}, "probability nan is not in (0, 1]"),
+    ({"times_sampled": np.full(4, -1)}, "a times sampled is negative"),
+    ({"data": None}, "it sent neither data nor a plan of rows (data: NoneType)"),
+    ({"data": {}}, "it sent neither data nor a plan of rows (data: dict)"),
+    ({"error": 7}, "its error 7 is not a str"),
+    ({"descriptor": "elsewhere"}, "its descriptor is a str, not a dict"),
+])
+def test_a_malformed_sample_reply_is_dropped_and_logged_and_its_sample_drawn_again(change, why, caplog):
+    """Regression (hostile probe): a shard's malformed ShardSample raised into the learner (ValueError,
+    a MemoryError) or made a batch whose keys, weights and data disagree, or with NaN weights. Every
+    reply is checked where it enters the client: a bad one is dropped, logged naming what was wrong,
+    counted, and its sample asked for again; the good answer to that makes the batch."""
+    client = ReplayClient(1, timeout_s=None)
+    (req,) = client.request(4)
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        again, batch = client.receive(_four(req, **change))
+    assert batch is None and [(type(r), r.shard, r.n) for r in again] == [(SampleRequest, 0, 4)]
+    assert client.malformed_replies == 1 and client.in_flight == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"replay client 0 dropped a malformed ShardSample from shard 0 (request {req.request}): {why}; the sample "
+        f"is drawn again"]
+    _, batch = client.receive(_four(again[0]))
+    assert batch is not None and len(batch.keys) == len(batch.weights) == len(batch.data["x"]) == 4
+    assert np.isfinite(batch.weights.numpy()).all() and client.in_flight == 0
+
+
+def test_malformed_figures_drop_the_reply_and_a_flood_of_them_is_not_a_flood_of_lines(caplog):
+    """A ShardMass with figures that would poison the counts (a NaN or negative mass, a negative size) is
+    dropped and the sample starts again; past 20 drops from one shard, one in 1,000 is logged."""
+    client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
+    reqs = client.request(8)
+    bad = [ShardMass(0, 0, 0, "", float("nan"), 1.0, 5, 0.5), ShardMass(0, 0, 0, "", -1.0, 1.0, 5, 0.5),
+           ShardMass(0, 0, 0, "", 1.0, 0.0, 5, 0.5), ShardMass(0, 0, 0, "", 1.0, 1.0, 2.5, 0.5)]
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        for i in range(25):
+            by = {r.shard: r for r in reqs}
+            reqs, batch = client.receive(dataclasses.replace(bad[i % 4], request=by[0].request))
+            assert batch is None and sorted((type(r), r.shard) for r in reqs) == [(MassRequest, 0), (MassRequest, 1)]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert client.malformed_replies == 25 and len(msgs) == 20 and client.in_flight == 1
+    assert msgs[0].endswith("from shard 0 (request 1): its mass nan is not a finite number >= 0; the sample is drawn again")
+    assert msgs[1].endswith("its mass -1.0 is not a finite number >= 0; the sample is drawn again")
+    assert msgs[2].endswith("its min_mass 0.0 is not a number > 0; the sample is drawn again")
+    assert msgs[3].endswith("its size 2.5 is not an int >= 0; the sample is drawn again")
+    out = client.receive(_mass(0, reqs[0].request, 1.0, 5))[0] + client.receive(_mass(1, reqs[1].request, 1.0, 5))[0]
+    assert sum(r.n for r in out) == 8
+
+
+def test_a_malformed_plan_of_rows_is_dropped_and_the_batch_stays_within_what_was_asked(tmp_path, caplog):
+    """Regression (hostile probe): a plan reply's window_length of 10**9 made the client allocate 29.8 GiB
+    (MemoryError in the learner); rows outside the shard's region raised into it. A plan is checked
+    against its shard's region: its rows inside it, its windows no longer than the region and than
+    the shard's first plan (what a batch is allocated from), its arrays of the expected shapes."""
+    import asyncio
+    import os
+
+    import torch
+
+    from reactor.replay import FieldSpec, Storage
+    from reactor.transport.bulk import BulkOwner, capabilities, seqlock_end
+
+    if not capabilities().shm:
+        pytest.skip("needs shared memory (a shard's region on this host)")
+
+    async def main():
+        owner = await BulkOwner.open(f"malformed{os.getpid()}", backends=["shm"])
+        client = ReplayClient(1, timeout_s=None)
+        try:
+            st = Storage([FieldSpec("id", (), torch.int64)], 16, allocator=owner.allocator("r"))
+            st.append({"id": torch.arange(4) + 100}, episode_end=np.arange(4) == 3)
+            seqlock_end(owner.allocate_versions("r"), np.arange(4), np.arange(4))  # (rows 0..3 hold steps 0..3)
+            desc = owner.descriptor("r")
+
+            def plan(r, windows=((0, 0, 4),) * 4, length=4, **kw):
+                return _four(r, data=None, windows=np.array(windows, dtype=np.int64), window_length=length, **kw)
+
+            (req,) = client.request(4)
+            bad = [
+                (plan(req, descriptor=None), "it sent a plan of rows, but no region of its was attached (no "
+                                             "descriptor came)"),
+                (plan(req, length=10**9, descriptor=desc), "its window_length 1000000000 is not an int in [1, 16] "
+                                                           "(its region's rows)"),
+                (plan(req, windows=((0, 0, 5),) * 4), "a window span is not 0 <= lo < hi <= 4"),
+                (plan(req, windows=((0, 0, 4),) * 3), "its window spans are not an int64 [4, 3] array (got int64 "
+                                                      "(3, 3))"),
+                (_four(req, data=None, rows=np.array([0, 1, 2, 16]), versions=np.arange(4)),
+                 "a row is outside its region's [0, 16)"),
+                (_four(req, data=None, rows=np.arange(4), versions=None),
+                 "its versions are not an int64 array shaped like its rows (4,) (got NoneType)"),
+                (_four(req, rows=np.arange(4), versions=np.arange(4)), "it sent both data and a plan of rows"),
+            ]
+            with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+                for reply, why in bad:
+                    (req,), batch = await client.areceive(dataclasses.replace(reply, request=req.request))
+                    assert batch is None and req.n == 4
+                    assert caplog.records[-1].getMessage().endswith(f": {why}; the sample is drawn again")
+                # A good plan: the shard's windows are 4 long; a later plan's 8 are refused.
+                _, batch = await client.areceive(plan(req))
+                assert batch is not None and batch.data["id"].tolist() == [[100, 101, 102, 103]] * 4
+                (req,) = client.request(4)
+                (req,), batch = await client.areceive(plan(req, windows=((0, 0, 8),) * 4, length=8))
+                assert batch is None and caplog.records[-1].getMessage().endswith(
+                    ": its windows of 8 rows are not the 4 of its earlier plans; the sample is drawn again")
+            assert client.malformed_replies == len(bad) + 1
+        finally:
+            client.close()
+            await owner.aclose()
+
+    asyncio.run(main())
+
+
 def test_memory_placement_is_checked_at_build_and_gpu_memory_without_cuda_fails_at_start_naming_it():
     import torch
 
@@ -473,23 +608,30 @@ def _windows_part(r, descriptor):
                        descriptor=descriptor)
 
 
-def test_a_failed_attach_drops_the_whole_sample_and_a_remote_one_falls_back_to_data():
+def test_a_failed_attach_drops_the_whole_sample_and_the_shard_falls_back_to_data(caplog):
+    """A region that cannot be attached (a bad descriptor) never fails the learner: the sample is
+    dropped whole (another shard's late part must not complete it with half the items) and drawn
+    again, and that shard is asked for data in its replies from then on."""
     import asyncio
 
     from reactor.transport.bulk import host_id
 
     async def main():
-        # Same host (shared memory): a bad region fails the sample loudly, and the sample is gone whole;
-        # the other shard's late reply must not complete it with half the items.
+        # Same host (shared memory).
         client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None)
         first = client.request(100)
         await client.areceive(_mass(0, first[0].request, 1.0, 50))
         reqs, _ = await client.areceive(_mass(1, first[1].request, 1.0, 50))
         by = {r.shard: r for r in reqs}
-        with pytest.raises(ValueError, match="descriptor"):
-            await client.areceive(_windows_part(by[0], {"kind": "junk", "host": host_id()}))
-        assert client.in_flight == 0
+        with caplog.at_level(logging.WARNING, logger="reactor.replay"):
+            again, batch = await client.areceive(_windows_part(by[0], {"kind": "junk", "host": host_id()}))
+        assert batch is None and {r.shard: r.host for r in again} == {0: "", 1: client._host}
+        assert any("shard 0's region cannot be read over shm from here: not a bulk region descriptor" in r.getMessage()
+                   for r in caplog.records)
         assert await client.areceive(_part(by[1], 0.01, 1.0, 1.0)) == ([], None)  # ignored, no short batch
+        parts = [await client.areceive(_part(r, 0.01, 1.0, 1.0)) for r in again]
+        assert len(next(b for _, b in parts if b is not None).keys) == 100
+        client.close()
 
         # Another host, one-sided reads asked for: the shard's region cannot be attached from here, so the
         # sample is drawn again and that shard sends data from now on; the batch is whole.

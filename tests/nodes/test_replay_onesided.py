@@ -197,11 +197,12 @@ def test_deterministic_runs_keep_the_message_path(tmp_path):
 _OWNED: dict = {}  # a served shard's owner -> (its table, its publisher): a test changes the table
 
 
-async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool = False):
+async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool = False, spoil=None):
     """A bulk owner holding a 100-step table (ids 0..99, 10-step episodes, priority 1 + id % 3) whose
     read server serves the one-sided sample op, as a Replay shard's does; its sampling state in a
     region of its own where ``shm`` (for a reader on this host). ``bad``: its replies cut the keys
-    short. Returns (owner, data descriptor, sampling offer); ``_OWNED[owner]`` is its (table, publisher)."""
+    short; ``spoil``: its replies are what this function makes of them. Returns (owner, data
+    descriptor, sampling offer); ``_OWNED[owner]`` is its (table, publisher)."""
     import torch
 
     from reactor.nodes.replay import REMOTE_SAMPLE_OP
@@ -228,6 +229,8 @@ async def _served_shard(tmp_path: Path, k: int, *, shm: bool = False, bad: bool 
 
     def op(req, _t):
         rep = {**serve_sample(ss, req, fields, 1000), "fields": ["id"]}
+        if spoil is not None:
+            return spoil(rep)
         return {**rep, "keys": rep["keys"][:1]} if bad else rep
 
     owner.serve_op(REMOTE_SAMPLE_OP, op)

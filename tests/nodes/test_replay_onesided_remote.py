@@ -113,6 +113,40 @@ async def test_when_one_read_server_fails_a_sample_the_shards_that_drew_are_stil
         await _close([client], shards)
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("spoil", "why"), [
+    (lambda rep: {**rep, "probabilities": np.full_like(rep["probabilities"], np.nan)}, "probability nan is not in (0, 1]"),
+    (lambda rep: {**rep, "probabilities": rep["probabilities"] * 1e3}, "is not in (0, 1]"),
+    (lambda rep: {**rep, "keys": -1 - rep["keys"]}, "a key is outside [0, 2**48)"),
+    (lambda rep: {**rep, "mass": -5.0}, "its mass -5.0 is not a finite number > 0 (it drew items)"),
+    (lambda rep: {**rep, "min": float("nan")}, "its min_mass nan is not a number > 0"),
+])
+async def test_a_read_servers_reply_with_bad_figures_or_items_is_malformed_and_none_of_it_is_kept(tmp_path, spoil, why):
+    """Regression (hostile probe): a read server's reply was checked for its arrays' shapes only; a NaN or
+    out-of-range probability made NaN weights, a negative key a key of another shard (the learner's
+    priority update then raised), and its figures were cached as they came (a negative mass made the
+    next sample's multinomial raise in the learner). Such a reply fails the sample like any malformed
+    one (the learner falls back to messages), and its figures are not kept."""
+    import re
+
+    from reactor._errors import MalformedFrameError
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, spoil=spoil if k == 1 else None) for k in range(2)]
+        client = await _client_of(shards)
+        kept = client._figures[1]
+        with pytest.raises(MalformedFrameError, match=r"^replay shard 1's read server sent a malformed sample reply: "
+                                                       rf".*{re.escape(why)}$"):
+            await client.asample_now(64)
+        if why.startswith("its"):
+            assert client._figures[1] is kept
+        assert client.request(64)  # (the counts of the next sample come from figures that make sense)
+    finally:
+        await _close([client], shards)
+
+
 async def _served_by(shards, at_least: list[int]) -> list[int]:
     """Wait (bounded) until each shard's read server has served ``at_least`` requests; their counts."""
     deadline = asyncio.get_running_loop().time() + 30

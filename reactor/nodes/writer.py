@@ -32,6 +32,9 @@ stream per step.
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from .._native import numpy_twin
+from ..replay._tablekernels import _nb_first_bad_priority
 from .messages import Steps
 from .replay import parse_fields
 
@@ -106,6 +110,64 @@ def _numpy(name: str, value: Any) -> np.ndarray:
         return np.asarray(value)
     except Exception as e:  # noqa: BLE001 - reported with the field name
         raise TypeError(f"Writer: field {name!r} must be an array or tensor, got {type(value).__name__}") from e
+
+
+@functools.cache
+def _cast(src: np.dtype[Any], dst: np.dtype[Any]) -> str:
+    """How values of dtype ``src`` go into a ``dst`` step buffer: ``"exact"`` (every value: a safe
+    cast, or a number rounded to a float field's precision), ``"values"`` (only some: each is checked,
+    e.g. a float into an int field) or ``"refused"`` (not real numbers: strings, objects, complex)."""
+    if src.kind not in "biufc" or (src.kind == "c" and dst.kind != "c"):
+        return "refused"
+    if np.can_cast(src, dst, "safe") or dst.kind in "fc":
+        return "exact"
+    return "values"
+
+
+@functools.cache
+def _iinfo(dst: np.dtype[Any]) -> np.iinfo[Any]:
+    return np.iinfo(dst)  # (made anew, it costs more than the check it serves)
+
+
+def _check_exact(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.ndarray | None) -> None:
+    """Raise unless every value converts to ``dst`` exactly (numpy's setitem would cast silently:
+    NaN into int64 is -2**63, 2.7 is 2, "1.5" is 1.5). ``value``: ``[n, *shape]``, row ``i`` of stream
+    ``streams[i]`` (None: stream ``i``). Called only when the dtypes differ (not per step otherwise)."""
+    how = _cast(value.dtype, dst)
+    if how == "exact":
+        return
+    per_row = max(1, math.prod(value.shape[1:]))
+    if how == "refused":  # (the first value that is not a number: the stream to name)
+        items = value.reshape(-1).tolist()
+        i = next((j for j, x in enumerate(items) if not isinstance(x, numbers.Real)), 0)
+        stream = i // per_row if streams is None else int(streams[i // per_row])
+        x = items[i] if items else None
+        raise TypeError(f"Writer.append: {what} of stream {stream} is {x!r:.40}, in an array of dtype {value.dtype}, "
+                        f"not of numbers; the field is {dst}: pass numbers")
+    if value.size == 0:
+        return
+    # A few whole-array reductions when all is well (NaN fails every comparison); where, only when not.
+    if dst.kind == "b":
+        if ((value == 0) | (value == 1)).all():
+            return
+        bad = (value != 0) & (value != 1)
+        allowed = "0 or 1 (or bools)"
+    else:
+        info = _iinfo(dst)
+        if value.dtype.kind == "f":  # (its bounds, -2**k and 2**k, are exact as floats)
+            lo, end = float(info.min), float(info.max + 1)
+            if value.min() >= lo and value.max() < end and (np.trunc(value) == value).all():
+                return
+            bad = ~((value >= lo) & (value < end) & (np.trunc(value) == value))
+        else:
+            if value.min() >= info.min and value.max() <= info.max:
+                return
+            bad = (value < info.min) | (value > info.max)
+        allowed = f"whole numbers in [{info.min}, {info.max}]"
+    i = int(np.argmax(bad.reshape(-1)))
+    stream = i // per_row if streams is None else int(streams[i // per_row])
+    raise ValueError(f"Writer.append: {what} of stream {stream} is {value.reshape(-1)[i].item()!r}, which the "
+                     f"field's {dst} cannot hold exactly; pass {allowed}")
 
 
 class Writer:
@@ -247,8 +309,13 @@ class Writer:
             :class:`Steps` messages for the shards (one per flush).
 
         Raises:
-            KeyError: a field is missing or unknown. ValueError: a wrong shape, or ``final`` missing
-                for a stream that ended. Nothing is appended when these raise.
+            KeyError: a field is missing or unknown.
+            ValueError: a wrong shape, ``final`` missing for a stream that ended, a priority that is
+                not finite and >= 0, or a value its field's dtype cannot hold exactly (NaN, inf or a
+                fraction for an int field, one out of its range, other than 0 or 1 for a bool field;
+                a float field takes any number, rounded to its precision).
+            TypeError: a value or priority that is not a number (a string, an object).
+            A bad value or priority names its stream (and field). Nothing is appended when these raise.
         """
         n = self.num_streams
         unknown = sorted(set(step) - set(self.step_fields))
@@ -277,6 +344,17 @@ class Writer:
                 raise ValueError(f"Writer.append: active must be bool [{n}], got {act.shape}")
             idx = np.flatnonzero(act)
             ended = (term | trunc) & act
+        # What the streams give is written as it is (the step buffers would cast silently): a value
+        # its field cannot hold exactly is refused. Only where the dtypes differ: no cost per step else.
+        streams = None if active is None else idx
+        for name, v in values.items():
+            dt = self._np_dtypes[name]
+            if v.dtype != dt:
+                if active is not None:
+                    values[name] = v = v[idx]  # (the rows written: inactive streams' are never read)
+                _check_exact(f"field {name!r}", v, dt, streams)
+            elif active is not None:
+                values[name] = v[idx]
         finals: dict[str, np.ndarray] = {}
         if ended.any():
             if final is None:
@@ -287,19 +365,32 @@ class Writer:
                 v = _numpy(name, final[name])
                 if v.shape != (n, *self._shapes[name]):
                     raise ValueError(f"Writer.append: final {name!r} has shape {v.shape}, expected {(n, *self._shapes[name])}")
+                if v.dtype != self._np_dtypes[name]:
+                    done = np.flatnonzero(ended)
+                    _check_exact(f"final {name!r}", v[done], self._np_dtypes[name], done)
                 finals[name] = v
         if priorities is not None:
-            prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
+            raw = _numpy("priorities", priorities)
+            if raw.dtype.kind not in "biuf":
+                raise TypeError(f"Writer.append: priorities must be numbers, got dtype {raw.dtype}")
+            prio = raw.astype(np.float64, copy=False).reshape(-1)
             if prio.shape != (n,):
                 raise ValueError(f"Writer.append: priorities must have shape ({n},), got {prio.shape}")
+            # (checked here: the shard would refuse the whole message, every other stream's items with it)
+            written = prio if active is None else prio[idx]
+            bad = int(_nb_first_bad_priority(written))
+            if bad >= 0:
+                stream = bad if active is None else int(idx[bad])
+                raise ValueError(f"Writer.append: stream {stream}'s priority is {float(written[bad])!r}; priorities "
+                                 f"must be finite and >= 0")
         pos = self._len[idx]
         at = idx * self._rows + pos  # each stream's next row, as a flat index
         if priorities is not None:
-            self._prio_flat[at] = prio[idx]
+            self._prio_flat[at] = written
             self._has_prio = True
-        # One vectorized write per field for all streams (numpy casts to the field's dtype).
+        # One vectorized write per field for all streams (numpy casts to the field's dtype: exactly, checked above).
         for name, v in values.items():
-            self._flat[name][at] = v if active is None else v[idx]
+            self._flat[name][at] = v
         self._len[idx] += 1
         self.steps_appended += len(idx)
         for i in np.flatnonzero(ended):  # per finished episode

@@ -175,6 +175,88 @@ def test_bad_steps_raise_clear_errors_and_append_nothing():
         Writer([("obs", (3,), "bfloat16"), ("reward", (), "float32")], num_streams=2, pattern=TransitionPattern())
 
 
+def _steps(n: int, **change):
+    good = {"id": np.arange(n) + 1, "obs": np.zeros((n, 3), np.float32), "action": np.zeros(n, np.int64),
+            "reward": np.ones(n, np.float32)}
+    return {**good, **change}
+
+
+@pytest.mark.parametrize(("prio", "why"), [
+    ([1.0, float("nan"), 2.0, 3.0], "stream 1's priority is nan"),
+    ([1.0, 2.0, 3.0, float("inf")], "stream 3's priority is inf"),
+    ([-0.5, 1.0, 1.0, 1.0], "stream 0's priority is -0.5"),
+])
+def test_a_bad_priority_raises_naming_its_stream_before_anything_is_buffered(prio, why):
+    """Regression (hostile probe): a NaN, infinite or negative priority reached the shard, which refused
+    the whole message for it ("message of 72 rows (64 items) from 4 streams: priority nan at position
+    21"): one env's bad priority lost every other stream's items, and only the shard's log said so."""
+    w = Writer(FIELDS, num_streams=4, pattern=TransitionPattern(), flush_steps=1)
+    no = np.zeros(4, bool)
+    with pytest.raises(ValueError, match=rf"^Writer.append: {why}; priorities must be finite and >= 0$"):
+        w.append(_steps(4), terminated=no, truncated=no, priorities=np.array(prio))
+    assert w.steps_appended == 0 and w.pending_steps == 0 and int(w._len.sum()) == 0
+    with pytest.raises(TypeError, match=r"^Writer.append: priorities must be numbers, got dtype <U3$"):
+        w.append(_steps(4), terminated=no, truncated=no, priorities=np.array(["1.5"] * 4))
+    # An inactive stream's priority is never stored: not checked.
+    bad = int(np.flatnonzero(~np.isfinite(prio) | (np.array(prio) < 0))[0])
+    w.append(_steps(4), terminated=no, truncated=no, priorities=np.array(prio), active=np.arange(4) != bad)
+    msgs = w.append(_steps(4), terminated=np.ones(4, bool), truncated=no, final={"obs": np.zeros((4, 3), np.float32)})
+    table = _table(TransitionRead(1, 0.9, next_fields=("obs",)))
+    _insert_all(table, msgs)  # (the shard takes every item)
+    assert len(table) == 4 + 3
+
+
+@pytest.mark.parametrize(("change", "error", "why"), [
+    ({"action": np.array([1.0, np.nan, 2.0])}, ValueError,
+     "field 'action' of stream 1 is nan, which the field's int64 cannot hold exactly; pass whole numbers in "
+     "\\[-9223372036854775808, 9223372036854775807\\]$"),
+    ({"action": np.array([1.0, 1.0, 2.7])}, ValueError, "field 'action' of stream 2 is 2.7, which the field's int64 "
+     "cannot hold exactly"),
+    ({"action": np.array([1.0, -np.inf, 2.0])}, ValueError, "field 'action' of stream 1 is -inf, which"),
+    ({"action": np.array([1.0, 2.0**63, 2.0])}, ValueError, "field 'action' of stream 1 is 9.223372036854776e\\+18, "
+     "which"),
+    ({"action": np.array([1, 2, 2**64 - 1], np.uint64)}, ValueError, "field 'action' of stream 2 is "
+     "18446744073709551615, which"),
+    ({"reward": np.array(["1.5", "1.5", "1.5"])}, TypeError, "field 'reward' of stream 0 is '1.5', in an array of "
+     "dtype <U3, not of numbers; the field is float32: pass numbers"),
+    ({"reward": np.array([1.0, None, 2.0])}, TypeError, "field 'reward' of stream 1 is None, in an array of dtype "
+     "object, not of numbers"),
+    ({"obs": np.full((3, 3), 1 + 1j)}, TypeError, "field 'obs' of stream 0 is \\(1\\+1j\\), in an array of dtype "
+     "complex128"),
+])
+def test_a_value_its_field_cannot_hold_exactly_raises_naming_the_stream_and_field(change, error, why):
+    """Regression (hostile probe): the step buffers cast silently where the Table demands exact dtypes:
+    NaN written to an int64 action was stored as -2**63, 2.7 as 2, the string "1.5" as 1.5. A value
+    its field cannot hold exactly raises at append, naming the stream and the field, and nothing is
+    buffered; a float field takes any number (rounded to its precision), an int field whole floats."""
+    w = Writer(FIELDS, num_streams=3, pattern=TransitionPattern(), flush_steps=1)
+    no = np.zeros(3, bool)
+    with pytest.raises(error, match=rf"^Writer.append: {why}"):
+        w.append(_steps(3, **change), terminated=no, truncated=no)
+    assert w.steps_appended == 0 and int(w._len.sum()) == 0
+    # What converts exactly is taken: whole floats and narrower ints for the int fields, any number for a float one.
+    w.append(_steps(3, action=np.array([1.0, -2.0, 3.0]), id=np.array([4, 5, 6], np.int32), reward=np.arange(3)),
+             terminated=no, truncated=no)
+    msgs = w.append(_steps(3), terminated=np.ones(3, bool), truncated=no, final={"obs": np.zeros((3, 3))})
+    assert msgs[0].fields["action"].tolist()[:2] == [1, 0] and msgs[0].fields["id"].tolist()[0] == 4
+
+
+def test_an_inexact_final_observation_or_an_inactive_streams_value_is_checked_where_it_is_stored():
+    """The final observations are written into the same buffers (checked, for the streams that ended);
+    an inactive stream's values are never stored (not checked)."""
+    w = Writer([("obs", (2,), "int32"), ("reward", (), "float32")], num_streams=2, pattern=TransitionPattern())
+    no = np.zeros(2, bool)
+    step = {"obs": np.zeros((2, 2), np.int32), "reward": np.ones(2, np.float32)}
+    with pytest.raises(ValueError, match=r"^Writer.append: final 'obs' of stream 1 is 2147483648, which the field's "
+                                         r"int32 cannot hold exactly; pass whole numbers in \[-2147483648, 2147483647\]$"):
+        w.append(step, terminated=np.array([False, True]), truncated=no,
+                 final={"obs": np.array([[0, 2**31], [1, 2**31]], np.int64)})
+    assert w.steps_appended == 0
+    w.append({**step, "obs": np.array([[0.0, 0.5], [1.0, 1.0]])}, terminated=no, truncated=no,
+             active=np.array([False, True]))
+    assert w.steps_appended == 1
+
+
 def test_flushes_go_to_the_least_loaded_shard_so_one_parking_shard_cannot_hold_the_writer():
     """Regression (flow-control stall): with plain round-robin, an actor held at max_unacked by a shard
     that parks its inserts never fed the other shard, whose sample request waited for exactly those

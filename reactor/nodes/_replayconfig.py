@@ -58,8 +58,8 @@ def _make_selector(what: str, config: Any) -> Selector:
         raise ValueError(f"Replay {what}: unknown selector {kind!r}; use one of {sorted(_SELECTORS)}")
     try:
         return cls(**args)
-    except TypeError as e:
-        raise TypeError(f"Replay {what} {config!r}: {e}") from None
+    except (TypeError, ValueError) as e:  # (named: the selector's own message does not say which setting)
+        raise type(e)(f"Replay {what} {config!r}: {e}") from None
 
 
 def _make_limiter(config: Any) -> RateLimiter:
@@ -71,8 +71,8 @@ def _make_limiter(config: Any) -> RateLimiter:
         args["error_buffer"] = tuple(args["error_buffer"])
     try:
         return cls(**args)
-    except TypeError as e:
-        raise TypeError(f"Replay rate_limiter {config!r}: {e}") from None
+    except (TypeError, ValueError) as e:  # (named: the limiter's own message does not say which setting)
+        raise type(e)(f"Replay rate_limiter {config!r}: {e}") from None
 
 
 def parse_fields(fields: Sequence[Any]) -> list[FieldSpec]:

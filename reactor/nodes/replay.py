@@ -69,6 +69,7 @@ import contextlib
 import errno
 import logging
 import math
+import numbers
 import os
 import re
 from collections import deque
@@ -199,17 +200,18 @@ class Replay(Reactor):
         remover: selector config of the remover (default ``"fifo"``).
         rate_limiter: limiter config: ``{"type": "MinSize", "min_size": 1000}`` (default min size 1),
             ``{"type": "SampleToInsertRatio", "samples_per_insert": 4, "min_size": 1000, "error_buffer": 100}``.
-        max_size: most items (default: capacity).
-        max_times_sampled: drop an item after this many samples (0: never).
-        beta: importance-weight exponent reported to clients.
+        max_size: most items, in ``[1, capacity]`` (default: capacity); at least the rate limiter's
+            min size.
+        max_times_sampled: drop an item after this many samples (an int >= 0; 0: never).
+        beta: importance-weight exponent reported to clients (finite, >= 0).
         run_dir: directory for checkpoints (``run_dir/<name>``); None disables them.
         checkpoint_period_s: checkpoint at the first table change at or after every multiple of this
             many seconds of logical time (needs ``run_dir``; unchanged tables are not rewritten;
             nothing is scheduled, so it never keeps a run alive).
         statistics_period_s: publish statistics this often (None: only on request; keeps the run
             alive: use with a stop time).
-        keep_checkpoints: complete checkpoints kept per shard.
-        restore: on start, restore from the newest checkpoint in ``run_dir/<name>`` that verifies
+        keep_checkpoints: complete checkpoints kept per shard (an int >= 1).
+        restore: (True or False) on start, restore from the newest checkpoint in ``run_dir/<name>`` that verifies
             (older ones if it does not; empty if none does), then redo the write-ahead log.
         checkpoint_on_shutdown: when the run ends, write a last checkpoint (synchronously) if the
             table changed since the last one.
@@ -316,7 +318,27 @@ class Replay(Reactor):
         self.limiter_config = rate_limiter if rate_limiter is not None else {"type": "MinSize", "min_size": 1}
         _make_selector("sampler", sampler)  # fail at build time, not in startup
         _make_selector("remover", remover)
-        _make_limiter(self.limiter_config)
+        limiter = _make_limiter(self.limiter_config)
+        # What the table would refuse in startup (or a run would find out late) is refused here.
+        if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int)
+                                     or not 1 <= max_size <= capacity):
+            raise ValueError(f"Replay max_size must be None (the capacity) or an int in [1, capacity={capacity}], "
+                             f"got {max_size!r}")
+        most = capacity if max_size is None else max_size
+        if limiter.min_size_to_sample > most:  # (it would park every sample for good)
+            raise ValueError(f"Replay rate_limiter {self.limiter_config!r} waits for {limiter.min_size_to_sample} items "
+                             f"before a sample, more than the {most} this shard holds (max_size, at most the "
+                             f"capacity); lower its min_size or raise the capacity")
+        if isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) or max_times_sampled < 0:
+            raise ValueError(f"Replay max_times_sampled must be an int >= 0 (0: never), got {max_times_sampled!r}")
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (math.isfinite(beta) and beta >= 0):
+            raise ValueError(f"Replay beta must be a finite number >= 0, got {beta!r}")
+        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+            raise ValueError(f"Replay keep_checkpoints must be an int >= 1 (complete checkpoints kept), got "
+                             f"{keep_checkpoints!r}")
+        for what, flag in (("restore", restore), ("checkpoint_on_shutdown", checkpoint_on_shutdown)):
+            if flag not in (True, False):  # (a string is truthy: restore="no" restored)
+                raise ValueError(f"Replay {what} must be True or False, got {flag!r}")
         self.max_size = max_size
         self.max_times_sampled = max_times_sampled
         self.beta = float(beta)

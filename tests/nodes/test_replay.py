@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -564,6 +565,37 @@ def test_a_malformed_plan_of_rows_is_dropped_and_the_batch_stays_within_what_was
             await owner.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("kw", "why"), [
+    ({"keep_checkpoints": 0}, "Replay keep_checkpoints must be an int >= 1 (complete checkpoints kept), got 0"),
+    ({"keep_checkpoints": "3"}, "Replay keep_checkpoints must be an int >= 1 (complete checkpoints kept), got '3'"),
+    ({"max_size": 32}, "Replay max_size must be None (the capacity) or an int in [1, capacity=16], got 32"),
+    ({"max_size": 0}, "Replay max_size must be None (the capacity) or an int in [1, capacity=16], got 0"),
+    ({"max_times_sampled": -1}, "Replay max_times_sampled must be an int >= 0 (0: never), got -1"),
+    ({"beta": float("nan")}, "Replay beta must be a finite number >= 0, got nan"),
+    ({"beta": "0.4"}, "Replay beta must be a finite number >= 0, got '0.4'"),
+    ({"restore": "no"}, "Replay restore must be True or False, got 'no'"),
+    ({"checkpoint_on_shutdown": "yes"}, "Replay checkpoint_on_shutdown must be True or False, got 'yes'"),
+    ({"rate_limiter": {"type": "MinSize", "min_size": 100}},
+     "Replay rate_limiter {'type': 'MinSize', 'min_size': 100} waits for 100 items before a sample, more than the 16 "
+     "this shard holds (max_size, at most the capacity); lower its min_size or raise the capacity"),
+    ({"rate_limiter": {"type": "MinSize", "min_size": 10}, "max_size": 8},
+     "Replay rate_limiter {'type': 'MinSize', 'min_size': 10} waits for 10 items before a sample, more than the 8 "
+     "this shard holds (max_size, at most the capacity); lower its min_size or raise the capacity"),
+    ({"rate_limiter": {"type": "MinSize", "min_size": 0}},
+     "Replay rate_limiter {'type': 'MinSize', 'min_size': 0}: min_size_to_sample must be an int >= 1, got 0"),
+])
+def test_a_bad_setting_is_refused_when_the_shard_is_built_naming_it(kw, why):
+    """Regression (hostile probe): these passed the constructor, whose docstring promises errors when the
+    graph is built, and failed at run time or in silence: keep_checkpoints=0 logged "keep must be >= 1" at
+    every checkpoint and none was ever written (the run still ended "quiescence"); restore="no" restored;
+    a MinSize above what the shard can hold parked every sample for good."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(why)}$"):
+        Replay([("id", (), "int64")], 16, **kw)
+    # The edges are taken.
+    Replay([("id", (), "int64")], 16, keep_checkpoints=1, max_size=16, max_times_sampled=0, beta=0,
+           restore=False, rate_limiter={"type": "MinSize", "min_size": 16})
 
 
 def test_memory_placement_is_checked_at_build_and_gpu_memory_without_cuda_fails_at_start_naming_it():

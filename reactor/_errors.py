@@ -5,6 +5,8 @@ Kept small on purpose (trio): each class answers one question a caller has to ac
 
 from __future__ import annotations
 
+import os
+
 
 class ReactorError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -59,7 +61,8 @@ class AppError(ReactorError):
 
 
 #: What refuses a run for what it was given (a setting, a file, a path: its user's to fix), not a
-#: failure of the code: said in one line (``refusal_line``) under every placement. A worker of a
+#: failure of the code, when reactor's own code raised it (``raised_by_reactor``): said in one line
+#: (``refusal_line``) under every placement. A worker of a
 #: multi-process run sends the class's name and that line (``("refused", name, line)``); its
 #: coordinator raises the same class, so ``run()`` raises alike wherever the node ran.
 REFUSALS: tuple[type[Exception], ...] = (
@@ -76,8 +79,27 @@ def refusal_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def raised_by_reactor(e: BaseException) -> bool:
+    """Whether ``e`` was raised by reactor's own code (its innermost frame is in this package): a
+    refusal of what it was given. One raised in an app's, an algorithm's or an env's code, or in a
+    library they called (numpy's "Output array is the wrong shape" from an env's bad observation),
+    is a failure to show with its traceback: in one line it named no file and no line."""
+    tb = e.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+
+
 def refusal_class(e: BaseException) -> str | None:
-    """The name a worker sends for a refusal (its nearest class in ``REFUSALS``), None for a failure."""
+    """The name a worker sends for a refusal (its nearest class in ``REFUSALS``, raised by reactor's
+    own code), None for a failure."""
+    if not raised_by_reactor(e):
+        return None
     for c in type(e).__mro__:
         if c in REFUSAL_NAMES.values():
             return c.__name__

@@ -19,11 +19,12 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import REFUSALS, GraphError, ReactorError, refusal_line
+from ._errors import REFUSALS, GraphError, ReactorError, raised_by_reactor, refusal_line
 from .launch._app import build_graph, parse_overrides
 
 
@@ -339,6 +340,11 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
     # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
     except REFUSALS as e:  # (raised here, or by a worker of the run: its coordinator raises the same class)
+        if not raised_by_reactor(e):  # (the app's, an algorithm's or an env's code: where, then what)
+            traceback.print_exception(e, file=sys.stderr)
+            print(f"reactor: the run failed: {type(e).__name__}: {_bounded((str(e).splitlines() or [''])[0])}",
+                  file=sys.stderr)
+            return 1
         print(f"reactor: {_bounded(refusal_line(e))}", file=sys.stderr)
         return 2
     except ReactorError as e:

@@ -376,3 +376,40 @@ def test_a_host_whose_name_does_not_resolve_is_named_so_among_the_hosts_that_did
     assert asyncio.run(_unresolved("tcp://127.0.0.1:7000")) is None
     assert asyncio.run(_unresolved("tcp://[::1]:7000")) is None
 
+
+
+_WRONG_SHAPE_ENV = '''
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.registration import register
+
+
+class WrongShape(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(5, np.float32), 1.0, False, False, {}
+
+
+register("WrongShape-v0", entry_point=WrongShape, max_episode_steps=50)
+'''
+
+
+@pytest.mark.parametrize("placement", ["single", "actors"])
+def test_an_error_raised_in_an_envs_or_a_librarys_code_keeps_its_traceback(tmp_path, placement):
+    """An env whose step returns a wrong observation shape ended with `reactor: Output array is the wrong
+    shape` under `single` (numpy's ValueError, taken for a refusal of a setting: no file, no line), while
+    `actors` showed the traceback (a newcomer's pass, session 55). Only what reactor raises itself is one line."""
+    (tmp_path / "bad_envs.py").write_text(_WRONG_SHAPE_ENV)
+    p = subprocess.run(
+        [sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--placement", placement, "--set",
+         "env=bad_envs:WrongShape-v0", "max_env_steps=500", "live=False", "target_return=None",
+         f"run_dir='{tmp_path / 'run'}'"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback (most recent call last)" in p.stderr and "gymnasium" in p.stderr, p.stderr[-3000:]
+    assert "ValueError: Output array is the wrong shape" in p.stderr

@@ -221,6 +221,9 @@ async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Even
     except asyncio.CancelledError:
         host.stop_reason = host.stop_reason or "terminated"
         raise
+    except KeyboardInterrupt:  # (a second signal while a reaction held the loop: _signals)
+        host.stop_reason = "signal"
+        raise
     except BaseException:
         host.stop_reason = "failure"
         raise

@@ -13,9 +13,15 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
+import time
 from collections.abc import Iterator
 
-__all__ = ["received", "stop_signals"]
+__all__ = ["HELD_S", "received", "stop_signals"]
+
+#: A loop that has not ticked for this long is held by a reaction that does not return.
+HELD_S = 2.0
+_TICK_S = 0.25
 
 log = logging.getLogger("reactor")
 #: The signals the latest block received, in order.
@@ -41,13 +47,44 @@ def stop_signals() -> Iterator[asyncio.Event]:
             log.warning("%s again: stopping at once", signal.Signals(sig).name)
             task.cancel()
 
+    # A reaction that never returns (an env whose episodes never end, in an evaluation) holds the loop:
+    # its handler above never runs, and Ctrl-C and SIGTERM did nothing (only SIGKILL stopped the run).
+    # The loop's ticks say when it is held; the signals' Python-level handler, which runs between the
+    # held reaction's bytecodes, then says so at the first and stops the run at once at the second.
+    ticked = [time.monotonic()]
+    ticker: list[asyncio.TimerHandle] = []
+
+    def tick() -> None:
+        ticked[0] = time.monotonic()
+        ticker[:] = [loop.call_later(_TICK_S, tick)]
+
+    held: list[int] = []
+
+    def on_held_signal(sig: int, frame: object) -> None:
+        if time.monotonic() - ticked[0] < HELD_S:
+            return  # the loop takes it (on_signal, through its wakeup fd)
+        held.append(sig)
+        if len(held) == 1:
+            received[:] = [sig]
+            print(f"{signal.Signals(sig).name}: the run is held in a reaction that has not returned for "
+                  f"{time.monotonic() - ticked[0]:.0f} s (an env step or an episode that never ends?): again to stop at "
+                  f"once", file=sys.stderr, flush=True)
+        else:
+            received[:] = [held[0], sig]
+            raise KeyboardInterrupt
+
     installed = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
+            signal.signal(sig, on_held_signal)  # (after the loop's: the wakeup fd stays the loop's)
+    if installed:
+        tick()
     try:
         yield signalled
     finally:
+        for h in ticker:
+            h.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)

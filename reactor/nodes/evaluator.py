@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -13,11 +14,16 @@ from .train_messages import Report, Weights
 __all__ = ["Evaluator", "evaluate"]
 
 
-def evaluate(algo: Any, policy: Any, env: Any, episodes: int, seed: int) -> np.ndarray:
+#: The most steps an evaluation episode runs: an env that never ends one (no terminal state and no
+#: max_episode_steps) held the run in its evaluation for good, with nothing on the screen.
+EVAL_MAX_STEPS = 100_000
+
+
+def evaluate(algo: Any, policy: Any, env: Any, episodes: int, seed: int, max_steps: int = EVAL_MAX_STEPS) -> np.ndarray:
     """Run one greedy episode in each of ``episodes`` vectorized envs; return their returns.
 
     ``env`` is a gymnasium vector env with ``episodes`` sub-envs; each runs exactly one episode
-    (steps after an env's episode ended are not counted).
+    (steps after an env's episode ended are not counted), cut after ``max_steps`` steps (said in the log).
     """
     import torch
 
@@ -27,12 +33,20 @@ def evaluate(algo: Any, policy: Any, env: Any, episodes: int, seed: int) -> np.n
     returns = np.zeros(episodes, dtype=np.float64)
     running = np.ones(episodes, dtype=bool)
     gen = torch.Generator().manual_seed(seed)
+    steps = 0
     while running.any():
+        if steps == max_steps:
+            logging.getLogger("reactor.evaluator").warning(
+                "%d of %d evaluation episode(s) ran %d steps without ending: cut there, their returns so far counted "
+                "(does the env ever end an episode? register it with max_episode_steps)", int(running.sum()),
+                episodes, max_steps)
+            break
         with torch.no_grad(), denormals_flushed():
             action, _ = algo.act(policy, torch.as_tensor(obs), 0, gen, greedy=True)
         obs, reward, terminated, truncated, _ = env.step(action.numpy())
         returns += np.where(running, reward, 0.0)
         running &= ~(terminated | truncated)
+        steps += 1
     return returns
 
 

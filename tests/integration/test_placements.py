@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from reactor import run
-from reactor.launch import _coordinator
+from reactor.launch import _coordinator, _signals
 from reactor.launch._app import build_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,6 +288,34 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, s
         told = err.index(f"still stopping: waiting for worker 'sink' to end cleanly ({again} again stops at once)")
         assert told < err.index(f"stopped at once ({name} twice)"), err
         _assert_all_end(everything)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_a_run_whose_reaction_never_returns(tmp_path):
+    """An env whose episodes never end held the evaluator's reaction, and with it the run's event loop:
+    Ctrl-C and SIGTERM did nothing for 11 minutes, only SIGKILL ended it (a newcomer's pass, session 55).
+    Now the first says the run is held, and the second stops it at once."""
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / "held.py"), "--set",
+                          f"ready_file='{ready}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ready.exists():
+            time.sleep(0.1)
+        assert ready.exists()
+        time.sleep(_signals.HELD_S + 1.0)
+        p.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert p.poll() is None  # (the first asks; the reaction goes on)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 130, err
+        assert "SIGINT: the run is held in a reaction that has not returned for " in err, err
+        assert "stopped at once (SIGINT twice)" in err, err
     finally:
         if p.poll() is None:
             p.kill()

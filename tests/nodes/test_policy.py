@@ -181,3 +181,32 @@ def test_reactor_eval_prints_mean_and_std_and_records_videos(tmp_path, dqn_run):
     p = subprocess.run([sys.executable, "-m", "reactor.cli", "eval", str(tmp_path)], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.startswith(f"reactor: {tmp_path}: no config.json")
+
+
+def test_an_evaluation_episode_that_never_ends_is_cut_and_said(caplog):
+    """An env with no terminal state and no max_episode_steps held the evaluator for good (a newcomer's
+    pass, session 55): an evaluation episode is cut after max_steps, its return so far counted."""
+    import logging
+
+    import gymnasium as gym
+    import numpy as np
+
+    from reactor.algos import dqn
+    from reactor.nodes.evaluator import evaluate
+
+    class NoEnd(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (4,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            return np.zeros(4, np.float32), {}
+
+        def step(self, action):
+            return np.zeros(4, np.float32), 1.0, False, False, {}
+
+    env = gym.vector.SyncVectorEnv([NoEnd, NoEnd])
+    policy = dqn.make_policy(env.single_observation_space, env.single_action_space, dqn.Config())
+    with caplog.at_level(logging.WARNING, logger="reactor.evaluator"):
+        returns = evaluate(dqn, policy, env, 2, seed=0, max_steps=50)
+    assert returns.tolist() == [50.0, 50.0]
+    assert any("2 of 2 evaluation episode(s) ran 50 steps without ending" in m for m in caplog.messages)

@@ -186,6 +186,7 @@ class ReactorHost:
         # (this process was told to end: SIGTERM).
         self.stop_reason: str | None = None
         self.failure: BaseException | None = None
+        self.shutdown_failure: Exception | None = None  # the first shutdown reaction that failed (run_shutdown)
         links = graph.links()
         self.links = links
         local_set = set(local)
@@ -685,14 +686,20 @@ class ReactorHost:
             r._current = None
 
     async def run_shutdown(self) -> None:
-        """Fire every shutdown reaction once (their outputs are not delivered)."""
+        """Fire every shutdown reaction once (their outputs are not delivered). One that fails does not
+        keep the others from running; the first failure is kept (``shutdown_failure``): the run then
+        fails (a learner's final checkpoint that could not be saved ended the run with exit 0)."""
         self._in_shutdown = True
         for name, r in self.reactors.items():
             for spec in self._by_trigger.get((type(r), "shutdown"), ()):
                 try:
                     await self._fire(r, spec)
-                except Exception:
-                    log.exception("shutdown reaction %s.%s failed", name, spec.name)
+                except Exception as e:
+                    if self.shutdown_failure is None:
+                        e.add_note(f"(in shutdown reaction {name}.{spec.name})")
+                        self.shutdown_failure = e
+                    else:
+                        log.exception("shutdown reaction %s.%s failed", name, spec.name)
         for h in self._pending.values():
             h.cancel()
         self._pending.clear()

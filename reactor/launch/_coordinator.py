@@ -637,6 +637,8 @@ class _Session:
         batch = await self.ep.recv_batch(timeout_s=0.2)
         for peer, msg in batch:
             if msg[0] in ("refused", "error"):
+                # (a result in the same batch is kept: the others' stop waited FAILURE_STOP_S for it)
+                self.results.update((p, m[1]) for p, m in batch if m[0] == "done")
                 # It waits for our "exit" to leave: at once for a restart, else once the others were told.
                 self.failed = peer
                 if self.stopped_by is None and self.restarts.can_restart(peer):

@@ -229,6 +229,8 @@ async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Even
         raise
     finally:
         await host.run_shutdown()
+    if host.shutdown_failure is not None:  # (a run that failed already says its own error)
+        raise host.shutdown_failure
     return why
 
 

@@ -186,6 +186,7 @@ class Worker:
         self.last_status: tuple[Any, ...] | None = None
         self.last_report_t = -float("inf")
         self.early: list[tuple[str, Any]] = []
+        self.reported: BaseException | None = None  # the failure told to the coordinator (_report_failure)
         # Messages refused after the endpoint's schema check: a tag behind its sender's promise.
         self.refused_behind_promise = 0
         # Deterministic mode: the latest unconditional promise of each peer, as soon as it is taken
@@ -283,25 +284,15 @@ class Worker:
                 raise
             except Exception as e:
                 host.stop_reason = "failure"
-                self.ep.expect_departures()
-                refused = refusal_class(e)
-                if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
-                    log.info("%s refused the run", self.group, exc_info=True)
-                    outbox.send(COORDINATOR, ("refused", refused, refusal_line(e)[: 1 << 20]))
-                else:
-                    outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-(1 << 20):]))
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(5):
-                        await outbox.empty.wait()
-                # Leave when the coordinator says (once the others were told the run ends, or at once for
-                # a restart): gone first, every survivor and the coordinator warned that they lost it.
-                with contextlib.suppress(Exception):
-                    await self._wait_control("exit", timeout_s=FAILED_EXIT_WAIT_S)
+                await self._report_failure(e)
                 raise
             finally:
                 if host.stop_reason is None:  # it ended on its own (the coordinator's "stop" names its reason)
                     host.stop_reason = "stop_time" if deterministic and _stop_pending(host) else "quiescence"
                 await host.run_shutdown()
+            if host.shutdown_failure is not None:  # (a learner's last checkpoint not saved: the run failed)
+                await self._report_failure(host.shutdown_failure)
+                raise host.shutdown_failure
             incomplete = None
             if replayer is not None and not all(n in replayer.done for n in local):
                 incomplete = str(replayer.stuck_error(local))
@@ -396,6 +387,25 @@ class Worker:
         self.ep.expect_departures()
         if host.stop_reason is None:
             host.stop_reason = why
+
+    async def _report_failure(self, e: BaseException) -> None:
+        """Tell the coordinator this worker failed (a refusal in one line, else its traceback), and leave
+        only when it says (once the others were told the run ends, or at once for a restart): gone
+        first, every survivor and the coordinator warned that they lost it."""
+        self.ep.expect_departures()
+        self.reported = e  # (its coordinator says it: main() prints no second traceback)
+        refused = refusal_class(e)
+        if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
+            log.info("%s refused the run", self.group, exc_info=e)
+            self.outbox.send(COORDINATOR, ("refused", refused, refusal_line(e)[: 1 << 20]))
+        else:
+            text = "".join(traceback.format_exception(e))
+            self.outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{text}"[-(1 << 20):]))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self.outbox.empty.wait()
+        with contextlib.suppress(Exception):
+            await self._wait_control("exit", timeout_s=FAILED_EXIT_WAIT_S)
 
     async def _wait_control(self, what: str, timeout_s: float | None = 120) -> Any:
         """Wait for control message ``what``; keep every other message (peers may start first)."""
@@ -775,8 +785,8 @@ def main() -> int:
         print(f"reactor worker {spec['group']}: {e}", file=sys.stderr)
         return 3
     except BaseException as e:
-        if refusal_class(e) is not None:  # its coordinator says it, in one line
-            return 2
+        if worker.reported is e:  # its coordinator says it (one line, or the traceback)
+            return 2 if refusal_class(e) is not None else 1
         traceback.print_exc()
         return 1
     return 0

@@ -322,6 +322,20 @@ def test_ctrl_c_stops_a_run_whose_reaction_never_returns(tmp_path):
             p.wait()
 
 
+@pytest.mark.parametrize("placement", ["single", "processes"])
+def test_a_failed_shutdown_reaction_fails_the_run_once_the_others_ran(tmp_path, placement):
+    """A learner whose final checkpoint could not be saved (an algorithm without state_dict) logged the
+    error and the run ended with exit 0, its weights gone (a newcomer's pass, session 55). Now the run
+    fails with that error, shown once, after every other shutdown reaction ran."""
+    done = tmp_path / "done"
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "bad_shutdown.py"), "--placement",
+                        placement, "--set", f"done_file='{done}'"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
+    assert "AttributeError" in p.stderr and "(in shutdown reaction sink.save)" in p.stderr, p.stderr
+    assert done.read_text() == "quiescence"
+
+
 def test_the_report_of_a_stopping_run_names_the_signal_that_stops_it_at_once():
     """(A review, session 52: a daemon's job, stopped by SIGTERM, was told "Ctrl-C again".)"""
     assert _coordinator.stopping_report(["sink"], [signal.SIGINT]) == (

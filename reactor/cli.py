@@ -431,9 +431,11 @@ def _eval(args: argparse.Namespace) -> int:
     policy = load_policy(args.run_dir)
     returns = evaluate_policy(policy, args.episodes, seed=args.seed, video_dir=args.video)
     if args.json:
-        print(json.dumps({"run_dir": str(args.run_dir), "algo": policy.algo, "env": policy.env,
-                          "updates": policy.updates, "episodes": len(returns), "mean": float(returns.mean()),
-                          "std": float(returns.std()), "returns": [float(r) for r in returns]}))
+        from .nodes.metrics import json_safe
+
+        print(json.dumps(json_safe({"run_dir": str(args.run_dir), "algo": policy.algo, "env": policy.env,
+                                    "updates": policy.updates, "episodes": len(returns), "mean": float(returns.mean()),
+                                    "std": float(returns.std()), "returns": [float(r) for r in returns]})))
     else:
         print(f"{policy.algo} on {policy.env} ({policy.updates} updates): return {returns.mean():.1f} "
               f"± {returns.std():.1f} over {len(returns)} episodes (min {returns.min():.1f}, max {returns.max():.1f})"

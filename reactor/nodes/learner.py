@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 from collections import deque
 from pathlib import Path
@@ -563,6 +564,7 @@ class Learner(_LearnerBase):
         self.samples = 0
         self._reported = 0  # the updates of the last report sent
         self._metrics: dict[str, Any] = {}  # the last update's
+        self._said_nonfinite = False  # a report's metric was NaN or infinite (said once)
         self._due = 0  # samples taken whose update is still to run (update_due scheduled)
         # Data-parallel rounds (bank_size > 1): batches held for their rounds, rounds announced and
         # run, and what this replica has heard of the rounds to come (round -> replica -> have).
@@ -806,10 +808,17 @@ class Learner(_LearnerBase):
         if self.bank_index != 0 or self.updates == self._reported:
             return
         self._reported = self.updates
+        metrics = {k: float(v) for k, v in self._metrics.items()}
+        if not self._said_nonfinite and not all(math.isfinite(v) for v in metrics.values()):
+            # (NaN rewards trained a NaN network to the end, exit 0, without a word)
+            self._said_nonfinite = True
+            logging.getLogger("reactor.learner").warning(
+                "%s: update %d's %s: the network is diverging, or the env gave a NaN or infinite reward or "
+                "observation; the run goes on", self.name, self.updates,
+                ", ".join(f"{k} is {v}" for k, v in metrics.items() if not math.isfinite(v)))
         self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
                                             "one_sided_batches": float(self.client.one_sided_samples),
-                                            "drawn_ahead_batches": float(self.drawn_ahead_batches),
-                                            **{k: float(v) for k, v in self._metrics.items()}}))
+                                            "drawn_ahead_batches": float(self.drawn_ahead_batches), **metrics}))
 
     def _report_if_done(self) -> None:
         """The last report once no update can come (the replay answered Exhausted, or the bank ended)

@@ -333,7 +333,7 @@ class Metrics(Reactor):
             with contextlib.suppress(ValueError):
                 summary["command_startup_s"] = round(getattr(self, "t0_epoch", time.time()) - float(began), 3)
                 summary["command_s"] = round(time.time() - float(began), 3)
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
         plot = None
         try:
             from .plot import plot_run
@@ -355,6 +355,18 @@ _RUNTIME_STOPS = {
     "replay": "the replay reached the end of its recording",
     "quiescence": "nothing left to happen (every source of events had ended)",
 }
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None: JSON has no such numbers (Python writes a bare
+    NaN, which a strict parser refuses; a run with NaN rewards wrote its summary so)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None) -> str:

@@ -413,3 +413,27 @@ def test_an_error_raised_in_an_envs_or_a_librarys_code_keeps_its_traceback(tmp_p
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback (most recent call last)" in p.stderr and "gymnasium" in p.stderr, p.stderr[-3000:]
     assert "ValueError: Output array is the wrong shape" in p.stderr
+
+
+_NAN_REWARD_ENV = _WRONG_SHAPE_ENV.replace("np.zeros(5, np.float32), 1.0", "np.zeros(4, np.float32), float('nan')")
+
+
+def test_nan_rewards_are_said_and_the_summary_stays_strict_json(tmp_path):
+    """NaN rewards trained a NaN network to the end (exit 0) without a word, and summary.json held a bare
+    NaN, which a strict JSON parser refuses (a newcomer's pass, session 55)."""
+    (tmp_path / "bad_envs.py").write_text(_NAN_REWARD_ENV)
+    run_dir = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--set", "env=bad_envs:WrongShape-v0",
+         "max_env_steps=1500", "min_size=200", "live=False", "target_return=None", "eval_every_updates=100",
+         f"run_dir='{run_dir}'"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = [line for line in p.stderr.splitlines() if "the network is diverging, or the env gave a NaN" in line]
+    assert len(said) == 1 and "loss is nan" in said[0], p.stderr[-3000:]
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"summary.json holds a bare {name}")
+
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["last_eval_return"] is None and summary["updates"] > 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,24 @@ def check_graph(trace: dict[str, Any], graph: Graph, path: str | Path, seed: int
                              f"needs the graph it was recorded from (same app and --set values)")
 
 
+def check_config(trace: dict[str, Any], config: Mapping[str, Any] | None, path: str | Path) -> None:
+    """Say, before a replay starts, which ``--set`` values differ from those ``trace`` was recorded with
+    (a replay with another lr ran to its end and only then ended with TraceMismatchError; a newcomer's
+    pass, session 55). Said, not refused: some settings (run_dir, live) do not change the schedule."""
+    recorded = trace.get("config")
+    if recorded is None or config is None:
+        return
+    now = {str(k): repr(v) for k, v in config.items()}
+    differ = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    if differ:
+        shown = ", ".join(f"{k}={now.get(k, '(not set)')} (recorded: {recorded.get(k, '(not set)')})"
+                          for k in differ[:8])
+        logging.getLogger("reactor").warning(
+            "replaying %s with other --set values than it was recorded with: %s%s; other settings than where the "
+            "run writes usually change its schedule, and the replay then ends with TraceMismatchError",
+            path, shown, f" and {len(differ) - 8} more" if len(differ) > 8 else "")
+
+
 def _few(items: set[Any], n: int = 5) -> str:
     shown = sorted(items, key=str)[:n]
     text = ", ".join(_show(x) for x in shown)
@@ -98,6 +117,8 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
     body["events_sha256"] = _events_digest(body["events"])
     if trace.get("graph") is not None:
         body["graph"] = trace["graph"]
+    if trace.get("config") is not None:  # the run's --set values, as text (check_config)
+        body["config"] = {str(k): repr(v) for k, v in sorted(trace["config"].items())}
     data = msgpack.packb(body, use_bin_type=True)
     if len(data) > MAX_TRACE_NBYTES:  # (written whole all the same: the run happened, and the file says what)
         logging.getLogger("reactor").warning(
@@ -154,6 +175,10 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         raise MalformedFrameError(f"{path}: the graph table is damaged")
     if shape is None:
         raise MalformedFrameError(f"{path} does not record its graph (a trace of an older reactor): record the run again")
+    config = body.get("config")
+    if config is not None and not (isinstance(config, dict) and len(config) <= 4096 and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= 1 << 16 for k, v in config.items())):
+        raise MalformedFrameError(f"{path}: the config table is damaged")
     strangers = set(body["events"]) - set(shape["reactors"])
     if strangers:
         raise MalformedFrameError(f"{path}: its events name reactors its graph lacks: {_few(strangers)}")

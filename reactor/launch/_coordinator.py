@@ -225,7 +225,7 @@ async def run_processes(
                 from .._trace import graph_shape, merge_events, write_trace
 
                 write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces),
-                                     "graph": graph_shape(graph)})
+                                     "graph": graph_shape(graph), "config": config})
             await workers.reap(EXIT_TIMEOUT_S)
             return RunResult(
                 digests=digests,

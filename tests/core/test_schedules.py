@@ -230,3 +230,22 @@ def test_a_replay_that_diverges_with_a_message_to_a_reactor_done_with_its_schedu
     with pytest.raises(TraceMismatchError, match=r"^the run went quiet before the recorded schedule was complete .*"
                                                  r"c waits for input #0 seq 2"):
         run(_split(2, 1), deterministic=False, replay=trace, seed=1)
+
+
+def test_a_replay_with_other_set_values_than_its_recording_says_so_before_it_starts(tmp_path, caplog):
+    """A replay with another lr ran to its end, wrote a normal-looking run directory, and only then ended
+    with TraceMismatchError (a newcomer's pass, session 55). The trace keeps the run's --set values; a
+    replay with others names them at its start."""
+    import logging
+
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.2, config={"lr": 0.001, "n": 3})
+    assert read_trace(trace)["config"] == {"lr": "0.001", "n": "3"}
+    with caplog.at_level(logging.WARNING, logger="reactor"):
+        run(build_graph(APP, {}), deterministic=False, replay=trace, seed=1, config={"lr": 0.001, "n": 3})
+    assert not [m for m in caplog.messages if "other --set values" in m]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="reactor"):
+        run(build_graph(APP, {}), deterministic=False, replay=trace, seed=1, config={"lr": 0.0005, "n": 3, "x": 1})
+    said = [m for m in caplog.messages if "other --set values" in m]
+    assert len(said) == 1 and "lr=0.0005 (recorded: 0.001), x=1 (recorded: (not set))" in said[0], said

@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import hashlib
 import importlib.util
+import os
 import reprlib
 import sys
 import types
@@ -212,7 +213,11 @@ def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
         if not is_plain(value):  # the launch protocol's own check of a config (_protocol.py)
             raise ValueError(f"{name}: argument {key!r} ({type(value).__name__}) cannot cross to the workers as data "
                              f"(plain numbers, strings, booleans, None, lists, tuples and dicts with string keys)")
-    return str(BUILDER_APP), {"builder": name, "arguments": arguments}
+    # (Python put the script's directory first on this process's path, not on the workers': a module
+    # beside the script that this process imports failed to import there, behind 180 lines of tracebacks.)
+    here = sys.path[0] if sys.path and sys.path[0] and os.path.isabs(sys.path[0]) else None
+    path = [here, *APP_DIRS] if here is not None and os.path.isdir(here) else list(APP_DIRS)
+    return str(BUILDER_APP), {"builder": name, "arguments": arguments, "path": path}
 
 
 def _numpy_scalars_out(value: Any, depth: int = 0) -> Any:

@@ -52,7 +52,35 @@ def test_the_graph_records_its_builder_and_arguments(tmp_path):
     assert name == "reactor.nodes.training:off_policy_graph"
     assert arguments["algo"] == "dqn" and arguments["max_env_steps"] == 1200 and arguments["algo_config"] == {"hidden": 64}
     app, config = builder_app(g)
-    assert app.endswith("reactor/launch/_builder_app.py") and config == {"builder": name, "arguments": arguments}
+    assert app.endswith("reactor/launch/_builder_app.py")
+    assert config["builder"] == name and config["arguments"] == arguments and isinstance(config["path"], list)
+
+
+def test_a_module_beside_the_callers_script_imports_in_every_worker(tmp_path):
+    """`python path/to/script.py` from another directory: the script imported its builder's module from
+    beside it, the workers could not (the script's directory is first on the caller's sys.path only),
+    and the run ended in 180 lines of worker tracebacks (a newcomer's pass, session 55)."""
+    import subprocess
+    import sys
+
+    here = tmp_path / "project"
+    here.mkdir()
+    (here / "my_builders.py").write_text(
+        "from reactor import Graph, Input, Output, Reactor, graph_builder, reaction, startup\n\n\n"
+        "class Source(Reactor):\n    out = Output(int)\n\n    @reaction(triggers=[startup], effects=[out])\n"
+        "    def emit(self):\n        self.out.send(1)\n\n\n"
+        "class Sink(Reactor):\n    inp = Input(int, required=True)\n\n    @reaction(triggers=[inp])\n"
+        "    def take(self, inp):\n        print('sink took', inp, flush=True)\n\n\n"
+        "@graph_builder\ndef pair() -> Graph:\n    g = Graph()\n    a = g.add(Source(), name='source')\n"
+        "    b = g.add(Sink(), name='sink')\n    g.connect(a.out, b.inp)\n    return g\n")
+    (here / "script.py").write_text("import reactor\nfrom my_builders import pair\n\n"
+                                   "print(reactor.run(pair(), placement='processes').stopped_by)\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    p = subprocess.run([sys.executable, str(here / "script.py")], capture_output=True, text=True, timeout=120,
+                       cwd=elsewhere)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "sink took 1" in p.stdout and p.stdout.strip().endswith("quiescence"), p.stdout
 
 
 @graph_builder

@@ -210,3 +210,25 @@ def test_an_evaluation_episode_that_never_ends_is_cut_and_said(caplog):
         returns = evaluate(dqn, policy, env, 2, seed=0, max_steps=50)
     assert returns.tolist() == [50.0, 50.0]
     assert any("2 of 2 evaluation episode(s) ran 50 steps without ending" in m for m in caplog.messages)
+
+
+def test_a_state_learner_pt_could_not_give_back_is_refused_at_the_learners_start():
+    """An algorithm whose state_dict held a Config saved learner.pt without complaint; eval, load_policy
+    and a resume then failed in torch's cut-off words (a newcomer's pass, session 55)."""
+    import types
+
+    import pytest
+    import torch
+
+    from reactor.algos import dqn
+    from reactor.nodes.learner import _check_loadable
+
+    bad = types.SimpleNamespace(state_dict=lambda state: {"q": {"w": torch.zeros(2)}, "cfg": dqn.Config()},
+                                load_state_dict=lambda state, saved: None)
+    with pytest.raises(ValueError, match=r"^algorithm 'mine'.s state_dict holds a Config at \['cfg'\]: learner\.pt "
+                                         r"holds tensors, numbers, strings"):
+        _check_loadable(bad, "mine", None)
+    with pytest.raises(ValueError, match=r"^algorithm 'mine' defines no state_dict\(state\) and load_state_dict"):
+        _check_loadable(types.SimpleNamespace(), "mine", None)
+    _check_loadable(types.SimpleNamespace(state_dict=lambda s: {"a": [1, 2.0, "x", None, (torch.ones(1),)], 3: True},
+                                          load_state_dict=lambda s, v: None), "mine", None)

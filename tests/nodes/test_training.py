@@ -213,7 +213,7 @@ def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"reactor: learner: cannot resume from {tmp_path / 'learner.pt'}: ")
-    assert ("size mismatch" in lines[0]) == (damage == "another_network") and "nothing was changed there" in lines[0]
+    assert ("size mismatch" in lines[0]) == (damage == "another_network") and "the checkpoint and the run's results were left as they were" in lines[0]
     assert "stopped:" not in out.stdout, out.stdout  # (no result lines of a run that never began)
     after = {name: (tmp_path / name).read_bytes() for name in kept}
     assert after["metrics.csv"].startswith(before.pop("metrics.csv"))  # (appended to, as a resumed run's is)

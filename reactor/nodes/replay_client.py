@@ -864,6 +864,9 @@ class ReplayClient(OneSidedSampling):
 
         Keys of lost shards are skipped.
 
+        A priority that is not finite and >= 0 is left out (its item keeps its priority), said in the
+        log: each shard refused a whole update for one.
+
         Raises:
             ValueError: lengths differ, or a key names a shard outside ``[0, num_shards)``.
         """
@@ -873,6 +876,13 @@ class ReplayClient(OneSidedSampling):
         p = np.asarray(priorities, dtype=np.float64)
         if p.shape != keys.shape:
             raise ValueError(f"update_priorities: {len(keys)} keys but priorities of shape {p.shape}")
+        good = np.isfinite(p) & (p >= 0)
+        if not good.all():  # (a shard refused the whole message for one: every item of it kept its old one)
+            bad = p[~good]
+            self._flood_log("bad priorities", "replay client %s: %d of %d new priorities are not finite and >= 0 "
+                            "(%r first: a loss gone NaN?); those items keep their priorities", self.requester,
+                            len(bad), len(p), float(bad[0]))
+            keys, p = keys[good], p[good]
         return [PriorityUpdate(k, keys[idx], p[idx]) for k, idx in self._by_shard(keys)]
 
     def delete(self, keys: Any) -> list[Delete]:

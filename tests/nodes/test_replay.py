@@ -341,6 +341,20 @@ def test_client_routes_priority_updates_by_key_shard():
         client.update_priorities(make_keys(5, [1]), [1.0])
 
 
+def test_a_nan_or_negative_new_priority_is_left_out_and_said_not_sent_to_spoil_its_shards_update(caplog):
+    """A NaN priority (a loss gone NaN) went to its shard, which refused the whole update for it: every
+    other item of that update kept its old priority, said only in the shard's log (session 55)."""
+    import logging
+
+    client = ReplayClient(2, timeout_s=None)
+    keys = np.concatenate([make_keys(0, [1, 2]), make_keys(1, [3, 4])])
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        msgs = client.update_priorities(keys, np.array([1.0, np.nan, -1.0, 4.0]))
+    by = {m.shard: (key_local(m.keys).tolist(), m.priorities.tolist()) for m in msgs}
+    assert by == {0: ([1], [1.0]), 1: ([4], [4.0])}
+    assert any("2 of 4 new priorities are not finite and >= 0 (nan first" in m for m in caplog.messages), caplog.messages
+
+
 def test_client_raises_peer_lost_when_a_shard_does_not_answer_in_time():
     now = [0.0]
     client = ReplayClient(2, timeout_s=5.0, clock=lambda: now[0])

@@ -336,20 +336,17 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return _dispatch(args)
     except _AppCodeError as e:  # the app's own code failed (importing it, or its build): its frames, then one line
         print(e.text, file=sys.stderr)
-        return 2
+        return _failed(args, 2, e.text.rstrip().splitlines()[-1] if e.text.strip() else "the app failed")
     # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
     # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
     except REFUSALS as e:  # (raised here, or by a worker of the run: its coordinator raises the same class)
         if not raised_by_reactor(e):  # (the app's, an algorithm's or an env's code: where, then what)
             traceback.print_exception(e, file=sys.stderr)
-            print(f"reactor: the run failed: {type(e).__name__}: {_bounded((str(e).splitlines() or [''])[0])}",
-                  file=sys.stderr)
-            return 1
-        print(f"reactor: {_bounded(refusal_line(e))}", file=sys.stderr)
-        return 2
+            return _failed(args, 1, f"reactor: the run failed: {type(e).__name__}: "
+                                    f"{_bounded((str(e).splitlines() or [''])[0])}")
+        return _failed(args, 2, f"reactor: {_bounded(refusal_line(e))}")
     except ReactorError as e:
-        print(f"reactor: {type(e).__name__}: {_bounded(str(e))}", file=sys.stderr)
-        return 1
+        return _failed(args, 1, f"reactor: {type(e).__name__}: {_bounded(str(e))}")
     except BrokenPipeError:  # the output's reader left (`reactor graph APP | head`): stop quietly, as cat does
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
@@ -358,15 +355,26 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOSPC, errno.EROFS, errno.EADDRINUSE,
                            errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL):  # (the last four: a daemon's --listen)
             raise
-        print(f"reactor: {_bounded(str(e))}", file=sys.stderr)
-        return 2
+        return _failed(args, 2, f"reactor: {_bounded(str(e))}")
     except (KeyboardInterrupt, asyncio.CancelledError):  # before a run, or a second signal during one
         from .launch._signals import received
 
+        rc = 128 + (received[0] if received else signal.SIGINT)
         if received:
-            print(f"reactor: stopped at once ({signal.Signals(received[-1]).name} twice); every process and "
-                  f"shared-memory segment of the run reaped", file=sys.stderr)
-        return 128 + (received[0] if received else signal.SIGINT)
+            return _failed(args, rc, f"reactor: stopped at once ({signal.Signals(received[-1]).name} twice); every "
+                                     f"process and shared-memory segment of the run reaped")
+        return _failed(args, rc, "", quiet=True)
+
+
+def _failed(args: argparse.Namespace, rc: int, message: str, *, quiet: bool = False) -> int:
+    """Say why the command failed on stderr and, under ``--json``, as ``{"error", "exit_status"}`` on stdout
+    (a script reading it got nothing from a failed run); return ``rc``."""
+    if not quiet:
+        print(message, file=sys.stderr)
+    if getattr(args, "json", False):
+        with contextlib.suppress(OSError):
+            print(json.dumps({"error": message.removeprefix("reactor: ") or "stopped", "exit_status": rc}), flush=True)
+    return rc
 
 
 class _AppCodeError(Exception):

@@ -437,3 +437,13 @@ def test_nan_rewards_are_said_and_the_summary_stays_strict_json(tmp_path):
 
     summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=refuse)
     assert summary["last_eval_return"] is None and summary["updates"] > 0
+
+
+def test_a_failed_json_run_says_its_error_as_json_on_stdout():
+    """`reactor run --json` printed nothing on stdout when the run failed: a script reading it had no
+    error to show (a newcomer's pass, session 55)."""
+    p = reactor("run", str(ROOT / "apps" / "dqn.py"), "--json", "--set", "lrr=1")
+    assert p.returncode == 2
+    out = json.loads(p.stdout)
+    assert out["exit_status"] == 2 and out["error"].startswith("unknown config key 'lrr'"), out
+    assert p.stderr.startswith("reactor: unknown config key 'lrr'")

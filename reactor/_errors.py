@@ -6,6 +6,7 @@ Kept small on purpose (trio): each class answers one question a caller has to ac
 from __future__ import annotations
 
 import os
+import sysconfig
 
 
 class ReactorError(Exception):
@@ -82,17 +83,26 @@ def refusal_line(e: BaseException) -> str:
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+_STDLIB = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
+
+
 def raised_by_reactor(e: BaseException) -> bool:
-    """Whether ``e`` was raised by reactor's own code (its innermost frame is in this package): a
-    refusal of what it was given. One raised in an app's, an algorithm's or an env's code, or in a
-    library they called (numpy's "Output array is the wrong shape" from an env's bad observation),
-    is a failure to show with its traceback: in one line it named no file and no line."""
+    """Whether ``e`` was raised by reactor's own code (its innermost frame outside the standard library
+    is in this package: ``Path.mkdir`` called by reactor counts as reactor's): a refusal of what it was
+    given. One raised in an app's, an algorithm's or an env's code, or in a library they called
+    (numpy's "Output array is the wrong shape" from an env's bad observation), is a failure to show
+    with its traceback: in one line it named no file and no line."""
+    frames = []
     tb = e.__traceback__
-    if tb is None:
-        return True
-    while tb.tb_next is not None:
+    while tb is not None:
+        frames.append(os.path.abspath(tb.tb_frame.f_code.co_filename))
         tb = tb.tb_next
-    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+    for path in reversed(frames):
+        if path.startswith(_PACKAGE):
+            return True
+        if not path.startswith(_STDLIB) or "site-packages" in path or "dist-packages" in path:
+            return False
+    return True
 
 
 def refusal_class(e: BaseException) -> str | None:

@@ -390,6 +390,24 @@ def _type_compatible(out_t: Any, in_t: Any) -> bool:
 F = typing.TypeVar("F", bound=Callable[..., Any])
 
 
+def plain_scalars(value: Any, depth: int = 0) -> Any:
+    """``value`` with each numpy scalar of a number, a bool or a string as the Python value it holds
+    (a sweep's ``np.linspace`` gives ``np.float64``, a seed from ``rng.integers`` ``np.int64``), inside
+    lists, tuples and dicts too; anything else as is (a numpy array too: what takes it checks it)."""
+    np = sys.modules.get("numpy")
+    if np is None:  # (no numpy imported: no numpy scalar exists, and core imports none)
+        return value
+    if isinstance(value, np.generic) and value.dtype.kind in "biufU":
+        return value.item()
+    if depth > 16:
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(plain_scalars(x, depth + 1) for x in value)
+    if type(value) is dict:
+        return {k: plain_scalars(x, depth + 1) for k, x in value.items()}
+    return value
+
+
 def graph_builder(fn: F) -> F:
     """Mark a function that returns a :class:`Graph` as a builder: the graph remembers the function
     and its arguments (``Graph.built_by``), so ``reactor.run(graph, placement="actors")`` can start
@@ -397,9 +415,10 @@ def graph_builder(fn: F) -> F:
 
     The function must be importable by its module and name (not defined in ``__main__``, a script or
     a notebook), and its arguments plain values (numbers, strings, booleans, None, lists, tuples and
-    dicts of them; tuples arrive as lists; numpy scalars go as the Python values they hold): they cross
-    to the workers as data, never pickled. Both are checked when a multi-process run starts, and so is
-    that the graph was not changed after.
+    dicts of them; tuples arrive as lists): they cross to the workers as data, never pickled. Both are
+    checked when a multi-process run starts, and so is that the graph was not changed after. A numpy
+    scalar argument (a sweep's ``np.int64``), alone or inside a list, tuple or dict, reaches the
+    function as the Python value it holds (:func:`plain_scalars`), here as in every worker.
 
     Example:
         >>> @graph_builder
@@ -412,6 +431,9 @@ def graph_builder(fn: F) -> F:
 
     @functools.wraps(fn)
     def build(*args: Any, **kwargs: Any) -> Any:
+        # (a builder's own checks, "an int >= 1", refused np.int64(2), which its workers get as 2)
+        args = tuple(plain_scalars(a) for a in args)
+        kwargs = {k: plain_scalars(v) for k, v in kwargs.items()}
         graph = fn(*args, **kwargs)
         if isinstance(graph, Graph):
             bound = signature.bind(*args, **kwargs)

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from .._errors import AppError as AppError
-from .._graph import Graph
+from .._graph import Graph, plain_scalars
 from ._protocol import is_plain, nonfinite_at
 
 #: The directories of the app files this process loaded (on sys.path): the learner records them in
@@ -208,7 +208,7 @@ def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
     if name.startswith("__main__:"):
         raise ValueError(f"the graph's builder {name.split(':', 1)[1]} is defined in __main__ (a script or a "
                          f"notebook): workers cannot import it; define it in a module they can import")
-    arguments = {key: _numpy_scalars_out(value) for key, value in arguments.items()}
+    arguments = {key: plain_scalars(value) for key, value in arguments.items()}  # (a graph_builder's are already)
     for key, value in arguments.items():
         if not is_plain(value):  # the launch protocol's own check of a config (_protocol.py)
             raise ValueError(f"{name}: argument {key!r} ({type(value).__name__}) cannot cross to the workers as data "
@@ -219,19 +219,3 @@ def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
     path = [here, *APP_DIRS] if here is not None and os.path.isdir(here) else list(APP_DIRS)
     return str(BUILDER_APP), {"builder": name, "arguments": arguments, "path": path}
 
-
-def _numpy_scalars_out(value: Any, depth: int = 0) -> Any:
-    """``value`` with each numpy scalar of a number, a bool or a string as the Python value it holds
-    (a sweep's ``np.linspace`` gives ``np.float64``, a seed from ``rng.integers`` ``np.int64``), inside
-    lists, tuples and dicts too; anything else as is (``is_plain`` then names it)."""
-    import numpy as np  # noqa: PLC0415 (the builder's arguments only)
-
-    if isinstance(value, np.generic) and value.dtype.kind in "biufU":
-        return value.item()
-    if depth > 16:
-        return value
-    if type(value) in (list, tuple):
-        return type(value)(_numpy_scalars_out(x, depth + 1) for x in value)
-    if type(value) is dict:
-        return {k: _numpy_scalars_out(x, depth + 1) for k, x in value.items()}
-    return value

@@ -428,3 +428,25 @@ def test_the_graph_builders_refuse_counts_out_of_range_naming_them(builder, kw, 
     with pytest.raises(ValueError, match=rf"^{re.escape(message)}$"):
         getattr(training, builder)(algo=algo, env="CartPole-v1", run_dir="unused", **kw)
 
+
+
+def test_the_graph_builders_take_numpy_scalars_as_the_python_numbers_they_hold(tmp_path):
+    """Regression (a newcomer's pass over the guide, section 6): off_policy_graph(actors=np.int64(2)) was
+    refused ("actors must be an int >= 1, got np.int64(2)"), and so were algo_config={"hidden":
+    np.int64(64)} and {"lr": np.float32(1e-3)}, although the guide says numpy scalars go as the Python
+    numbers they hold (the workers got them so). A numpy array is still refused."""
+    import numpy as np
+
+    from reactor.nodes.training import off_policy_graph, on_policy_graph
+
+    g = off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path / "off"), actors=np.int64(2),
+                         max_env_steps=np.int64(2000), samples_per_insert=np.float64(4.0), resume=np.False_,
+                         algo_config={"hidden": np.int64(64), "lr": np.float32(1e-3), "double": np.True_})
+    args = g.built_by[1]
+    assert (args["actors"], args["max_env_steps"], args["resume"]) == (2, 2000, False)
+    assert [type(args["algo_config"][k]) for k in ("hidden", "lr", "double")] == [int, float, bool]
+    assert type(args["actors"]) is int
+    on_policy_graph(algo="ppo", env="CartPole-v1", run_dir=str(tmp_path / "on"), envs_per_actor=np.int32(2),
+                    algo_config={"rollout_length": np.int64(64), "lr": np.float64(3e-4)})
+    with pytest.raises(ValueError, match=r"^off_policy_graph: actors must be an int >= 1, got array\(\[2\]\)$"):
+        off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path / "arr"), actors=np.array([2]))

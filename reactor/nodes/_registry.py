@@ -61,24 +61,82 @@ def load_algorithm(name: str) -> ModuleType:
     file, ``"mypkg.my_algo"``).
 
     Raises:
-        ValueError: no such algorithm (naming the registered ones).
+        ValueError: no such algorithm (naming the registered ones); a module of that name that
+            raised while it was imported (naming the error and where); or a module of a registered
+            algorithm's name on the import path, which the registered one would silently replace.
     """
     from .. import algos
 
     if name in algos.ALGORITHMS:
+        shadow = _shadowing(name)
+        if shadow is not None:
+            raise ValueError(f"algorithm {name!r} is reactor's own, but {shadow} on the import path defines an "
+                             f"algorithm (act and learn) of that name too, which reactor would ignore: rename it "
+                             f"(my_{name}.py, with ALGO = 'my_{name}') to run it, or remove it to run reactor's")
         return algos.get_algorithm(name)
+    unknown = f"unknown algorithm {name!r}: not one of {', '.join(algos.ALGORITHMS)}, and no module of that name"
+    if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"{unknown} can exist (a module name is dotted identifiers: 'my_algo', 'mypkg.my_algo')")
     try:
         module = importlib.import_module(name)
-    except ImportError as e:
-        raise ValueError(f"unknown algorithm {name!r}: not one of {', '.join(algos.ALGORITHMS)}, and no module of "
-                         f"that name imports here ({e})") from e
-    except Exception as e:  # the module is there but broken: its error, in one line
-        raise ValueError(f"algorithm module {name!r} failed to import: {type(e).__name__}: {e}") from e
-    missing = [f for f in ("KIND", "Config", "init", "act", "learn") if not hasattr(module, f)]
-    if missing:
-        raise ValueError(f"algorithm module {name!r} lacks {', '.join(missing)} of the fragment contract "
+    except Exception as e:  # noqa: BLE001 - each said in one line
+        # Only the module itself (or its package) not found is an unknown name: an import inside it that
+        # fails is the module's own error, and was reported as "unknown algorithm" (a copy of dqn.py
+        # beside an app, whose relative imports fail there, was "not one of dqn, ...").
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if missing is not None and (name == missing or name.startswith(missing + ".")):
+            raise ValueError(f"{unknown} imports here (beside the app file, installed, or on PYTHONPATH)") from e
+        raise ValueError(_import_failure(name, e)) from e
+    missing_parts = [f for f in ("KIND", "Config", "init", "act", "learn") if not hasattr(module, f)]
+    if missing_parts:
+        raise ValueError(f"algorithm module {name!r} lacks {', '.join(missing_parts)} of the fragment contract "
                          f"(reactor.algos' docstring)")
     return module
+
+
+def _import_failure(name: str, e: BaseException) -> str:
+    """Why algorithm module ``name`` did not import, in one line: the error, where it was raised (the
+    innermost frame of a file), and for a relative import, how a copied algorithm imports instead."""
+    import os
+    import traceback
+
+    if isinstance(e, SyntaxError) and e.filename:  # (its traceback ends in importlib: the file is in the error)
+        where, text = f" ({e.filename} line {e.lineno})", str(e.msg)
+    else:  # the innermost frame of a file that is neither importlib's nor this one
+        ours = ("<", os.path.dirname(importlib.__file__) + os.sep, os.path.abspath(__file__))
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+        where = f" ({frames[-1].filename} line {frames[-1].lineno})" if frames else ""
+        text = str(e).splitlines()[0] if str(e) else ""
+    line = f"algorithm module {name!r} failed to import: {type(e).__name__}{': ' + text if text else ''}{where}"
+    if isinstance(e, ImportError) and "relative import" in text:
+        line += ("; outside reactor's package a copied algorithm imports reactor's modules absolutely: `from "
+                 "reactor.algos import X` for `from . import X`, `from reactor.algos._common import X` for `from "
+                 "._common import X`, `from reactor.replay import X` for `from ..replay import X`")
+    return line
+
+
+def _shadowing(name: str) -> str | None:
+    """The file of a module named like reactor's algorithm ``name`` on the import path (a user's own
+    ``ppo.py`` beside the app, with ``ALGO = "ppo"``), when it defines fragments (``act`` and ``learn``):
+    the registered name wins, and the user's algorithm was silently not run. An app file of that name
+    (``apps/ppo.py``) defines none, and is no shadow. Found without importing it."""
+    import ast
+    import importlib.machinery
+    from pathlib import Path
+
+    spec = importlib.machinery.PathFinder.find_spec(name)  # (sys.path only: neither sys.modules nor reactor's own)
+    origin = getattr(spec, "origin", None)
+    if not isinstance(origin, str) or not origin.endswith(".py"):
+        return None
+    path = Path(origin)
+    if path.resolve() == (Path(__file__).resolve().parents[1] / "algos" / f"{name}.py"):
+        return None  # (reactor/algos itself on the path)
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return str(path) if {"act", "learn"} <= defined else None
 
 
 def make_env(name: str) -> Any:

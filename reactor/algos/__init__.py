@@ -37,6 +37,9 @@ The fragment contract (every name is required unless marked optional)::
     reset(policy, ended: bool ndarray[N])      optional: agents with memory forget ended episodes
     Config.rollout_length                      on_policy: steps per actor per update
 
+The nodes check it (``reactor/nodes/_contract.py``): what a module defines when it is loaded, what a
+fragment returns on its first call, each refused in one line naming the fragment.
+
 Algorithms here: ``dqn`` (double Q, dueling, n-step, prioritized), ``ppo``, ``sac``, ``td3``,
 ``ddpg`` and ``transformer_dqn`` (a causal transformer Q-network over sequence windows).
 """

@@ -38,6 +38,7 @@ class Policy:
 
         import torch
 
+        from ._contract import check_policy_weights
         from ._registry import check_saved_weights, error_line, load_algorithm, make_env, weights_sha256
 
         # A custom env's or algorithm's module beside the app that trained it (run directory on this
@@ -69,8 +70,12 @@ class Policy:
         try:
             self.module.load_state_dict(state, algo_state)
             weights = self.module.policy_weights(state)
+        except Exception as e:  # another network's weights (config.json edited): one line
+            raise ValueError(f"{weights_file}: {error_line(e)}") from None
+        check_policy_weights(self.module, weights)  # (its own one line: not the file's fault)
+        try:
             check_saved_weights(saved, weights)
-        except Exception as e:  # another network's weights (config.json edited), or damaged ones: one line
+        except Exception as e:  # damaged weights: one line
             raise ValueError(f"{weights_file}: {error_line(e)}") from None
         self.updates = updates
         self.weights_sha256 = weights_sha256(weights)
@@ -78,6 +83,7 @@ class Policy:
         self.policy = self._fresh()
         self.generator = torch.Generator().manual_seed(seed)
         self._rows: int | None = None
+        self._act_checked = False  # (what act returns is checked on its first call: _contract)
 
     def act(self, obs: Any, deterministic: bool = True) -> Any:
         """The action for ``obs``: one observation (the env's observation shape) or a batch of them.
@@ -93,6 +99,7 @@ class Policy:
         """
         import torch
 
+        from ._contract import check_act
         from ._registry import denormals_flushed
 
         is_tensor = isinstance(obs, torch.Tensor)
@@ -112,7 +119,11 @@ class Policy:
                 self.policy = self._fresh()
             self._rows = x.shape[0]
         with torch.no_grad(), denormals_flushed():
-            action, _ = self.module.act(self.policy, x, _LATE_STEP, self.generator, greedy=deterministic)
+            acted = self.module.act(self.policy, x, _LATE_STEP, self.generator, greedy=deterministic)
+        if not self._act_checked:
+            check_act(self.module, acted, x.shape[0], self.action_space)
+            self._act_checked = True
+        action, _ = acted
         action = action[0] if single else action
         return action if is_tensor else action.numpy()
 

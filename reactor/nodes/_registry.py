@@ -62,10 +62,12 @@ def load_algorithm(name: str) -> ModuleType:
 
     Raises:
         ValueError: no such algorithm (naming the registered ones); a module of that name that
-            raised while it was imported (naming the error and where); or a module of a registered
+            raised while it was imported (naming the error and where), or that lacks a part of the
+            fragment contract (naming each: ``_contract.check_module``); or a module of a registered
             algorithm's name on the import path, which the registered one would silently replace.
     """
     from .. import algos
+    from ._contract import check_module
 
     if name in algos.ALGORITHMS:
         shadow = _shadowing(name)
@@ -73,7 +75,9 @@ def load_algorithm(name: str) -> ModuleType:
             raise ValueError(f"algorithm {name!r} is reactor's own, but {shadow} on the import path defines an "
                              f"algorithm (act and learn) of that name too, which reactor would ignore: rename it "
                              f"(my_{name}.py, with ALGO = 'my_{name}') to run it, or remove it to run reactor's")
-        return algos.get_algorithm(name)
+        module = algos.get_algorithm(name)
+        check_module(name, module)
+        return module
     unknown = f"unknown algorithm {name!r}: not one of {', '.join(algos.ALGORITHMS)}, and no module of that name"
     if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
         raise ValueError(f"{unknown} can exist (a module name is dotted identifiers: 'my_algo', 'mypkg.my_algo')")
@@ -87,10 +91,7 @@ def load_algorithm(name: str) -> ModuleType:
         if missing is not None and (name == missing or name.startswith(missing + ".")):
             raise ValueError(f"{unknown} imports here (beside the app file, installed, or on PYTHONPATH)") from e
         raise ValueError(_import_failure(name, e)) from e
-    missing_parts = [f for f in ("KIND", "Config", "init", "act", "learn") if not hasattr(module, f)]
-    if missing_parts:
-        raise ValueError(f"algorithm module {name!r} lacks {', '.join(missing_parts)} of the fragment contract "
-                         f"(reactor.algos' docstring)")
+    check_module(name, module)
     return module
 
 

@@ -42,6 +42,7 @@ from .._files import read_small_json, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import claim_run_dir, release_run_dir
+from ._contract import check_act
 from ._registry import denormals_flushed
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
@@ -174,6 +175,7 @@ class EnvActor(Reactor):
         self.ep_return = np.zeros(self.num_envs)
         self.recent_returns: list[float] = []
         self.on_policy = algo.KIND == "on_policy"
+        self._act_checked = False  # (what act returns is checked on its first call: _contract)
         if self.on_policy:
             self.rollout_length = int(self.config.rollout_length)
             self.buf: dict[str, list[Any]] = {}
@@ -279,7 +281,11 @@ class EnvActor(Reactor):
         obs = self.obs
         explore_step = int((self.explore_base + self.env_steps) * self.explore_scale)
         with torch.no_grad(), denormals_flushed():
-            action, extras = self.algo.act(self.policy, torch.as_tensor(obs), explore_step, self.torch_rng)
+            acted = self.algo.act(self.policy, torch.as_tensor(obs), explore_step, self.torch_rng)
+        if not self._act_checked:
+            check_act(self.algo, acted, self.num_envs, self.env.single_action_space)
+            self._act_checked = True
+        action, extras = acted
         act_np = action.numpy()
         next_obs, reward, terminated, truncated, info = self.env.step(act_np)
         ended = terminated | truncated

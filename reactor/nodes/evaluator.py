@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .._reactor import Input, Output, Reactor, reaction, startup
+from ._contract import check_act
 from ._registry import denormals_flushed
 from .train_messages import Report, Weights
 
@@ -42,7 +43,10 @@ def evaluate(algo: Any, policy: Any, env: Any, episodes: int, seed: int, max_ste
                 episodes, max_steps)
             break
         with torch.no_grad(), denormals_flushed():
-            action, _ = algo.act(policy, torch.as_tensor(obs), 0, gen, greedy=True)
+            acted = algo.act(policy, torch.as_tensor(obs), 0, gen, greedy=True)
+        if steps == 0:  # (an evaluation's first step: what act returns, checked)
+            check_act(algo, acted, episodes, env.single_action_space)
+        action, _ = acted
         obs, reward, terminated, truncated, _ = env.step(action.numpy())
         returns += np.where(running, reward, 0.0)
         running &= ~(terminated | truncated)

@@ -59,6 +59,7 @@ from .._errors import PeerLostError
 from .._files import refuse_file_links, replace_small, replacing
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import check_resumable, claim_run_dir, release_run_dir
+from ._contract import check_learn, check_policy_weights, check_state_dict
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import check_saved_weights, denormals_flushed, error_line, state_sha256, weights_sha256
 from .messages import ItemUpdate, ReplayReply, ReplayRequest, SampledBatch
@@ -132,6 +133,15 @@ class _LearnerBase(Reactor):
             torch.manual_seed(seed)  # seeded, and no other stream in this process moves
             with denormals_flushed():
                 self.state = self.algo.init(self.obs_space, self.act_space, self.config, seed, **on_device)
+        # What policy_weights and state_dict return, checked once here: not in the weights' broadcast, and not
+        # first at the run's end, in its last checkpoint.
+        try:
+            check_policy_weights(self.algo, self.algo.policy_weights(self.state))
+            check_state_dict(self.algo, self.algo.state_dict(self.state))
+        except ValueError:
+            del self.state  # (nothing is saved at shutdown: _finish)
+            raise
+        self._learn_checked = False  # (what learn returns is checked on its first call)
         self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name,
                                     replicas=self.bank_size)
         self.updates = 0
@@ -819,7 +829,11 @@ class Learner(_LearnerBase):
         data = dict(batch.data)
         data["weights"] = torch.as_tensor(batch.weights)
         with denormals_flushed():
-            metrics, priorities = self.learn_step(self.state, self._on_device(data))
+            learned = self.learn_step(self.state, self._on_device(data))
+        if not self._learn_checked:
+            check_learn(self.algo, learned, len(batch.keys))
+            self._learn_checked = True
+        metrics, priorities = learned
         self.updates += 1
         self.samples += len(batch.keys)
         if priorities is not None:
@@ -937,7 +951,11 @@ class RolloutLearner(_LearnerBase):
         dims = {k: (0 if k == "last_obs" else 1) for k in parts[0]}
         batch = {k: torch.cat([p[k] for p in parts], dim=dims[k]) for k in parts[0]}
         with denormals_flushed():
-            metrics, _ = self.learn_step(self.state, self._on_device(batch))
+            learned = self.learn_step(self.state, self._on_device(batch))
+        if not self._learn_checked:
+            check_learn(self.algo, learned, None)
+            self._learn_checked = True
+        metrics, _ = learned
         self.updates += 1
         self.samples += int(batch["reward"].numel())
         if self.max_updates is not None and self.updates > self.max_updates:

@@ -86,3 +86,153 @@ def test_an_algorithm_module_named_like_a_shipped_one_is_refused_naming_its_file
 def test_an_app_file_named_like_its_algorithm_is_no_shadow(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "apps"))  # (apps/ppo.py: an app, on the path as every loaded app's dir)
     assert load_algorithm("ppo").__name__ == "reactor.algos.ppo"
+
+
+# ------------------------------------------------------------------------------------- the fragment contract
+
+CONTRACT = r" \(the fragment contract: docs/guide\.md section 4, reactor\.algos' docstring\)$"
+
+
+@pytest.fixture
+def a2c(beside):
+    """The guide's A2C beside the test, and a way to write a variant of it (its fragments over the guide's)."""
+    beside("guide_a2c", _guide_block("my_a2c.py"))
+
+    def variant(name: str, code: str) -> str:
+        return beside(name, "import torch\nimport guide_a2c\nfrom guide_a2c import *  # noqa: F403\n" + code)
+
+    return variant
+
+
+def _train_on_policy(algo: str, run_dir: Path) -> None:
+    from reactor import run
+    from reactor.nodes.training import on_policy_graph
+
+    run(on_policy_graph(algo=algo, env="CartPole-v1", run_dir=str(run_dir), actors=1, envs_per_actor=2,
+                        eval_episodes=2, max_env_steps=64, live=False))
+
+
+BROKEN = {
+    "act_numpy": (
+        "def act(policy, obs, step, generator, greedy=False):\n"
+        "    action, extras = guide_a2c.act(policy, obs, step, generator, greedy)\n"
+        "    return action.numpy(), extras\n",
+        r"act must return its actions as a torch\.Tensor \[N, \.\.\.\], got a numpy\.ndarray of shape \(2,\) "
+        r"\(torch\.as_tensor makes one\)"),
+    "act_column": (
+        "def act(policy, obs, step, generator, greedy=False):\n"
+        "    action, extras = guide_a2c.act(policy, obs, step, generator, greedy)\n"
+        "    return action.unsqueeze(-1), extras\n",
+        r"act returned actions of shape \(2, 1\) for 2 observation\(s\) of an env whose action space is "
+        r"Discrete\(2\): expected \(2,\), one action per observation \(a Discrete action is a scalar\)"),
+    "act_action_only": (
+        "def act(policy, obs, step, generator, greedy=False):\n"
+        "    return guide_a2c.act(policy, obs, step, generator, greedy)[0]\n",
+        r"act must return \(actions, extras\), a tensor of actions \[N, \.\.\.\] and a dict of tensors; it returned "
+        r"a torch\.Tensor of shape \(2,\)"),
+    "weights_nested": (
+        "def policy_weights(state):\n"
+        "    return {'net': state['net'].state_dict()}\n",
+        r"policy_weights must return a flat dict of torch\.Tensors by name \(a module's state_dict\(\); several merged "
+        r"under prefixed names\), got a dict with 'net': a collections\.OrderedDict"),
+    "weights_numpy": (
+        "def policy_weights(state):\n"
+        "    return {k: v.numpy() for k, v in state['net'].state_dict().items()}\n",
+        r"policy_weights must return a flat dict of torch\.Tensors by name \(a module's state_dict\(\); several merged "
+        r"under prefixed names\), got a dict with '0\.weight': a numpy\.ndarray of shape \(64, 4\)"),
+    "learn_metrics_only": (
+        "def learn(state, batch):\n"
+        "    return guide_a2c.learn(state, batch)[0]\n",
+        r"learn must return \(metrics, priorities\), a dict of numbers by name and a tensor \[B\] or None; it returned "
+        r"a dict \(its metrics alone\? return \(metrics, None\)\)"),
+    "learn_tensor_metric": (
+        "def learn(state, batch):\n"
+        "    metrics, _ = guide_a2c.learn(state, batch)\n"
+        "    return {**metrics, 'values': torch.zeros(3)}, None\n",
+        r"learn's metrics must be a dict of numbers by name \(each logged; a one-element tensor will do\), got a dict "
+        r"with 'values': a torch\.Tensor of shape \(3,\)"),
+    "state_not_a_dict": (
+        "def state_dict(state):\n"
+        "    return [state['net'].state_dict()]\n",
+        r"state_dict must return a dict of tensors and plain containers \(a checkpoint is loaded with "
+        r"weights_only=True\), got a list of 1: \(collections\.OrderedDict\)"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_a_fragment_that_returns_what_the_contract_does_not_is_refused_naming_it(a2c, tmp_path, broken):
+    """Regression: act returning numpy was "'numpy.ndarray' object has no attribute 'numpy'" (the actor, the
+    evaluator), actions [N, 1] an assertion inside CartPole, a nested or numpy policy_weights "'OrderedDict'
+    object has no attribute 'detach'" (the learner), learn returning its metrics alone "'str' object has no
+    attribute 'items'"."""
+    from reactor._errors import raised_by_reactor
+
+    code, message = BROKEN[broken]
+    name = a2c(f"a2c_{broken}", code)
+    with pytest.raises(ValueError, match=rf"^algorithm '{name}': {message}{CONTRACT}") as got:
+        _train_on_policy(name, tmp_path / "run")
+    assert raised_by_reactor(got.value)  # (a refusal: one line on the command line)
+
+
+def test_an_off_policy_learns_priorities_must_be_one_tensor_per_item(beside, tmp_path):
+    from reactor import run
+    from reactor.nodes.training import off_policy_graph
+
+    name = beside("linear_q_numpy_priorities", "from tests.nodes.linear_q import *  # noqa: F403\n"
+                  "from tests.nodes import linear_q\n"
+                  "def learn(state, batch):\n"
+                  "    metrics, priorities = linear_q.learn(state, batch)\n"
+                  "    return metrics, priorities.numpy()\n")
+    with pytest.raises(ValueError, match=rf"^algorithm '{name}': learn's priorities must be None or a torch\.Tensor "
+                                         rf"\[B\], one per item of the batch \(B = 32\), got a numpy\.ndarray of shape "
+                                         rf"\(32,\){CONTRACT}"):
+        run(off_policy_graph(algo=name, env="CartPole-v1", run_dir=str(tmp_path / "run"), actors=1, shards=1,
+                             capacity=2000, min_size=64, batch_size=32, max_env_steps=400, live=False))
+
+
+def test_a_trained_policys_act_is_checked_on_its_first_call(a2c, tmp_path, monkeypatch):
+    import numpy as np
+
+    import reactor
+
+    name = a2c("a2c_for_policy", "")
+    _train_on_policy(name, tmp_path / "run")
+    module = sys.modules[name]
+    good = module.act
+    monkeypatch.setattr(module, "act", lambda *a, **k: (good(*a, **k)[0].numpy(), {}))
+    policy = reactor.load_policy(tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"^algorithm '{name}': act must return its actions as a torch\.Tensor"):
+        policy.act(np.zeros(4, np.float32))
+
+
+LACKING = {
+    "no_from_dict": (
+        "class Config:\n"
+        "    rollout_length = 16\n",
+        r"its Config must be a class with a from_dict\(d\) classmethod \(reactor makes the Config from a dict of "
+        r"settings\): add `@classmethod def from_dict\(cls, d\): return config_from_dict\(cls, d\)`, with `from "
+        r"reactor\.algos import config_from_dict`"),
+    "missing": (
+        "del policy_weights, state_dict\n",
+        r"lacks policy_weights, state_dict: every algorithm module defines KIND, Config, init, policy_weights, "
+        r"make_policy, load_weights, act, learn, state_dict, load_state_dict \(and store, off-policy\)"),
+    "kind": ("KIND = 'on-policy'\n", r"KIND must be 'off_policy' or 'on_policy', got 'on-policy'"),
+    "actions": ("ACTIONS = 'Discrete'\n", r"ACTIONS must be 'discrete' or 'continuous' \(or left out\), got 'Discrete'"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(LACKING))
+def test_a_module_that_lacks_a_part_of_the_contract_is_refused_when_loaded(a2c, tmp_path, key):
+    """Regression: a Config without from_dict was a bare AttributeError traceback when the graph was built."""
+    code, message = LACKING[key]
+    name = a2c(f"a2c_{key}", code)
+    with pytest.raises(ValueError, match=rf"^algorithm '{name}' \({re.escape(str(tmp_path))}/{name}\.py\):? {message}"
+                                         rf"{CONTRACT}"):
+        load_algorithm(name)
+
+
+def test_every_shipped_algorithm_keeps_the_contract():
+    from reactor.algos import ALGORITHMS
+
+    for name in ALGORITHMS:
+        load_algorithm(name)

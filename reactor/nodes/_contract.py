@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["algorithm_name", "check_act", "check_learn", "check_module", "check_policy_weights",
+__all__ = ["algorithm_name", "check_act", "check_config", "check_learn", "check_module", "check_policy_weights",
            "check_state_dict"]
 
 #: Where the contract is written, for every message.
@@ -61,6 +61,25 @@ def check_module(name: str, module: ModuleType) -> None:
         raise ValueError(f"{where}: its Config must be a class with a from_dict(d) classmethod (reactor makes the "
                          f"Config from a dict of settings): add `@classmethod def from_dict(cls, d): return "
                          f"config_from_dict(cls, d)`, with `from reactor.algos import config_from_dict` ({CONTRACT})")
+
+
+def check_config(module: ModuleType, config: Any) -> None:
+    """Refuse an on-policy algorithm's Config whose ``rollout_length`` is not an int >= 1 (the actors'
+    rollouts: one of 0 or -5 was collected as 1 step, silently; the shipped PPO's Config refuses its own).
+
+    Raises:
+        ValueError: naming the algorithm, the key and the value.
+    """
+    if module.KIND != "on_policy":
+        return
+    name = algorithm_name(module)
+    if not hasattr(config, "rollout_length"):
+        raise ValueError(f"algorithm {name!r}: an on-policy algorithm's Config has rollout_length (env steps per "
+                         f"actor env per update, an int >= 1); {type(config).__qualname__} has none ({CONTRACT})")
+    v = config.rollout_length
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"algorithm {name!r}: Config.rollout_length must be an int >= 1 (env steps per actor env "
+                         f"per update), got {v!r:.80}")
 
 
 def check_act(module: ModuleType, out: Any, rows: int, act_space: Any) -> None:

@@ -42,7 +42,7 @@ from .._files import read_small_json, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import claim_run_dir, release_run_dir
-from ._contract import check_act
+from ._contract import check_act, check_config
 from ._registry import denormals_flushed
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
@@ -177,7 +177,8 @@ class EnvActor(Reactor):
         self.on_policy = algo.KIND == "on_policy"
         self._act_checked = False  # (what act returns is checked on its first call: _contract)
         if self.on_policy:
-            self.rollout_length = int(self.config.rollout_length)
+            check_config(algo, self.config)  # (a rollout_length of 0 was collected as 1 step)
+            self.rollout_length = self.config.rollout_length
             self.buf: dict[str, list[Any]] = {}
             self.waiting_for = 0  # the first rollout is collected with the learner's first weights
         else:

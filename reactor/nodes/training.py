@@ -117,8 +117,9 @@ def off_policy_graph(
     (``learner.pt``): what :func:`reactor.load_policy` rebuilds the policy from.
 
     Raises:
-        ValueError: ``algo_config`` does not fit the algorithm's Config, or the env's action space
-            is not one the algorithm acts in (naming both); checked here, before anything starts.
+        ValueError: ``algo`` is not an off-policy algorithm, ``algo_config`` does not fit its Config,
+            or the env's action space is not one the algorithm acts in (naming both); checked here,
+            before anything starts.
     """
     from ._registry import check_spaces, load_algorithm, make_env
 
@@ -132,6 +133,9 @@ def off_policy_graph(
         raise ValueError(f"off_policy_graph: samples_per_insert must be a number > 0 and finite, got "
                          f"{samples_per_insert!r:.100}")
     algo_mod = load_algorithm(algo)
+    if algo_mod.KIND != "off_policy":  # (it has no store: an AttributeError from inside, was)
+        raise ValueError(f"off_policy_graph needs an off-policy algorithm; {algo!r} is {algo_mod.KIND!r} "
+                         f"(use on_policy_graph)")
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
     probe = make_env(env)
     try:
@@ -259,8 +263,9 @@ def on_policy_graph(
 
     Raises:
         ValueError: ``algo`` is not an on-policy algorithm, or ``algo_config`` does not fit its
-            Config (checked here, before anything starts).
+            Config, or its ``rollout_length`` is not an int >= 1 (checked here, before anything starts).
     """
+    from ._contract import check_config
     from ._registry import check_spaces, load_algorithm, make_env
 
     _counts("on_policy_graph", 1, actors=actors, envs_per_actor=envs_per_actor, eval_every_updates=eval_every_updates,
@@ -271,6 +276,7 @@ def on_policy_graph(
         raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "
                          f"(use off_policy_graph)")
     config = algo_mod.Config.from_dict(dict(algo_config or {}))
+    check_config(algo_mod, config)
     probe = make_env(env)
     try:
         check_spaces(algo, algo_mod, env, probe.observation_space, probe.action_space, config)

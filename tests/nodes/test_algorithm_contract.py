@@ -236,3 +236,32 @@ def test_every_shipped_algorithm_keeps_the_contract():
 
     for name in ALGORITHMS:
         load_algorithm(name)
+
+
+@pytest.mark.parametrize("length", [0, -5])
+def test_an_on_policy_rollout_length_below_one_is_refused_naming_the_key(a2c, tmp_path, length):
+    """Regression: rollout_length=0 or -5 in a custom on-policy algorithm's Config ran as 1 step a rollout,
+    silently (the shipped PPO's Config refuses its own)."""
+    from reactor.nodes.training import on_policy_graph
+
+    name = a2c("a2c_rollouts", "")
+    with pytest.raises(ValueError, match=rf"^algorithm '{name}': Config\.rollout_length must be an int >= 1 \(env "
+                                         rf"steps per actor env per update\), got {re.escape(repr(length))}$"):
+        on_policy_graph(algo=name, env="CartPole-v1", run_dir=str(tmp_path / "run"),
+                        algo_config={"rollout_length": length})
+
+
+def test_an_on_policy_config_without_rollout_length_and_a_builder_of_the_other_kind_are_refused(a2c, tmp_path):
+    from reactor.nodes.training import off_policy_graph, on_policy_graph
+
+    name = a2c("a2c_no_rollouts", "from dataclasses import dataclass\n"
+                                  "from reactor.algos import config_from_dict\n"
+                                  "@dataclass(frozen=True)\n"
+                                  "class Config:\n"
+                                  "    lr: float = 3e-3\n"
+                                  "    from_dict = classmethod(config_from_dict)\n")
+    with pytest.raises(ValueError, match=rf"^algorithm '{name}': an on-policy algorithm's Config has rollout_length"):
+        on_policy_graph(algo=name, env="CartPole-v1", run_dir=str(tmp_path / "on"))
+    with pytest.raises(ValueError, match=r"^off_policy_graph needs an off-policy algorithm; 'ppo' is 'on_policy' "
+                                         r"\(use on_policy_graph\)$"):
+        off_policy_graph(algo="ppo", env="CartPole-v1", run_dir=str(tmp_path / "off"))

@@ -10,6 +10,9 @@ The fragment contract (every name is required unless marked optional)::
     KIND: "off_policy" | "on_policy"
     ACTIONS: "discrete" | "continuous"    optional: the action spaces it acts in (a gymnasium
                                 Discrete or Box); an env of the other kind is refused, naming both
+    OBSERVATIONS: "flat" | "box"  optional: the observations it takes, a Box of shape (n,) ("flat",
+                                the default: every algorithm here) or of any shape ("box": a CNN's
+                                images); an env of others is refused, naming its space
     Config                      frozen dataclass of hyper-parameters, paper defaults, with
                                 Config.from_dict(d) -> Config (unknown keys raise ValueError)
     store(obs_space, act_space, config) -> StoreSpec(fields, read)       # off_policy only

@@ -39,8 +39,8 @@ def check_module(name: str, module: ModuleType) -> None:
     """Refuse a module that lacks a part of the contract, naming every part missing.
 
     Raises:
-        ValueError: a fragment, ``KIND`` or ``Config`` is missing (or not a function, a class), ``KIND``
-            or ``ACTIONS`` is not one of its words, or ``Config`` has no ``from_dict``.
+        ValueError: a fragment, ``KIND`` or ``Config`` is missing (or not a function, a class), ``KIND``,
+            ``ACTIONS`` or ``OBSERVATIONS`` is not one of its words, or ``Config`` has no ``from_dict``.
     """
     kind = getattr(module, "KIND", None)
     fragments = FRAGMENTS + (("store",) if kind == "off_policy" else ())
@@ -56,6 +56,10 @@ def check_module(name: str, module: ModuleType) -> None:
     if actions not in (None, "discrete", "continuous"):
         raise ValueError(f"{where}: ACTIONS must be 'discrete' or 'continuous' (or left out), got {actions!r:.80} "
                          f"({CONTRACT})")
+    observations = getattr(module, "OBSERVATIONS", None)
+    if observations not in (None, "flat", "box"):
+        raise ValueError(f"{where}: OBSERVATIONS must be 'flat' or 'box' (or left out: flat), got "
+                         f"{observations!r:.80} ({CONTRACT})")
     config = module.Config
     if not isinstance(config, type) or not callable(getattr(config, "from_dict", None)):
         raise ValueError(f"{where}: its Config must be a class with a from_dict(d) classmethod (reactor makes the "

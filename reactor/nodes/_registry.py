@@ -172,10 +172,13 @@ _FITS = {"discrete": "dqn, ppo or transformer_dqn", "continuous": "sac, td3 or d
 
 def check_spaces(algo: str, module: ModuleType, env: str, obs_space: Any, act_space: Any, config: Any) -> None:
     """Refuse an env whose action space the algorithm does not act in (its optional ``ACTIONS``:
-    ``"discrete"`` or ``"continuous"``), naming the env's space and the algorithms that fit it.
+    ``"discrete"`` or ``"continuous"``), naming the env's space and the algorithms that fit it; or
+    whose observations it does not take (a Box, of one dimension unless its optional ``OBSERVATIONS``
+    is ``"box"``: every shipped algorithm's networks open with a linear layer over ``shape[0]``).
 
     Raises:
-        ValueError: the kinds differ, or the observation space is not a Box (flat arrays).
+        ValueError: the kinds differ, the observation space is not a Box, or it is not flat for an
+            algorithm that takes flat ones.
     """
     kind = getattr(module, "ACTIONS", None)
     space = type(act_space).__name__
@@ -187,6 +190,14 @@ def check_spaces(algo: str, module: ModuleType, env: str, obs_space: Any, act_sp
     if type(obs_space).__name__ != "Box":
         raise ValueError(f"{algo} needs array observations (a Box space), but env {env!r} has {obs_space!r}; "
                          f"wrap the env (e.g. gymnasium.wrappers.FlattenObservation) in a module that registers it")
+    # A Box of images reached the first linear layer and failed there ("mat1 and mat2 shapes cannot be
+    # multiplied"), in the actors, after the graph had started.
+    if getattr(module, "OBSERVATIONS", "flat") == "flat" and len(obs_space.shape) != 1:
+        own = not module.__name__.startswith("reactor.algos.")
+        raise ValueError(f"{algo} needs flat observations (a Box of shape (n,)), but env {env!r} has {obs_space!r}; "
+                         f"wrap the env (e.g. gymnasium.wrappers.FlattenObservation) in a module that registers it"
+                         + ("; or, if the algorithm's networks take that shape (a CNN), set OBSERVATIONS = 'box' in "
+                            "its module" if own else ""))
 
 
 def make_vector_env(name: str, num_envs: int) -> Any:

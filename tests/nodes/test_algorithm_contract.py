@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
 from reactor.nodes._registry import load_algorithm
@@ -191,8 +193,6 @@ def test_an_off_policy_learns_priorities_must_be_one_tensor_per_item(beside, tmp
 
 
 def test_a_trained_policys_act_is_checked_on_its_first_call(a2c, tmp_path, monkeypatch):
-    import numpy as np
-
     import reactor
 
     name = a2c("a2c_for_policy", "")
@@ -265,3 +265,41 @@ def test_an_on_policy_config_without_rollout_length_and_a_builder_of_the_other_k
     with pytest.raises(ValueError, match=r"^off_policy_graph needs an off-policy algorithm; 'ppo' is 'on_policy' "
                                          r"\(use on_policy_graph\)$"):
         off_policy_graph(algo="ppo", env="CartPole-v1", run_dir=str(tmp_path / "off"))
+
+
+# ------------------------------------------------------------------------------------- the env's spaces
+
+
+class ImageEnv(gym.Env):
+    """(8, 8, 3) image observations and two actions (never stepped here)."""
+
+    observation_space = gym.spaces.Box(0, 255, (8, 8, 3), np.uint8)
+    action_space = gym.spaces.Discrete(2)
+
+
+@pytest.fixture
+def image_env():
+    gym.register("ReactorTestImages-v0", entry_point=ImageEnv)
+    yield "ReactorTestImages-v0"
+    gym.registry.pop("ReactorTestImages-v0")
+
+
+def test_an_env_of_image_observations_is_refused_for_an_algorithm_of_flat_ones(image_env, a2c, tmp_path):
+    """Regression: a Box of shape (8, 8, 3) was not refused although the guide says the observation must be
+    a flat Box, and the run failed in the actors with "mat1 and mat2 shapes cannot be multiplied". An
+    algorithm whose networks take that shape says so (OBSERVATIONS = "box") and is let through."""
+    from reactor.nodes._registry import check_spaces
+    from reactor.nodes.training import off_policy_graph, on_policy_graph
+
+    with pytest.raises(ValueError, match=r"^dqn needs flat observations \(a Box of shape \(n,\)\), but env "
+                                         r"'ReactorTestImages-v0' has Box\(0, 255, \(8, 8, 3\), uint8\); wrap the env "
+                                         r"\(e\.g\. gymnasium\.wrappers\.FlattenObservation\) in a module that "
+                                         r"registers it$"):
+        off_policy_graph(algo="dqn", env=image_env, run_dir=str(tmp_path / "dqn"))
+    name = a2c("a2c_flat", "")
+    with pytest.raises(ValueError, match=rf"^{name} needs flat observations .* registers it; or, if the algorithm's "
+                                         r"networks take that shape \(a CNN\), set OBSERVATIONS = 'box' in its module$"):
+        on_policy_graph(algo=name, env=image_env, run_dir=str(tmp_path / "a2c"))
+    cnn = load_algorithm(a2c("a2c_cnn", "OBSERVATIONS = 'box'\n"))
+    env = ImageEnv()
+    check_spaces("a2c_cnn", cnn, image_env, env.observation_space, env.action_space, cnn.Config())

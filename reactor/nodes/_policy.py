@@ -177,8 +177,13 @@ def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:
 def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str | Path | None = None) -> np.ndarray:
     """Returns of ``episodes`` greedy episodes of ``policy`` on its env (side by side in a vector env),
     or one after another with each recorded to ``video_dir`` (gymnasium's ``RecordVideo``; needs
-    ``moviepy``: the ``video`` extra)."""
-    from ._registry import make_vector_env
+    ``moviepy``: the ``video`` extra).
+
+    Raises:
+        ValueError: ``episodes`` < 1; for a video, moviepy or pygame is missing, or the env does not
+            render frames (``"rgb_array"`` not among its ``metadata["render_modes"]``).
+    """
+    from ._registry import make_env, make_vector_env
     from .evaluator import evaluate
 
     if episodes < 1:
@@ -198,6 +203,17 @@ def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str
         import pygame  # noqa: F401  (gymnasium's classic-control envs render with it)
     except ImportError as e:
         raise ValueError(f"--video needs moviepy and pygame ({e}): pip install 'reactor[video]'") from e
+    # An env that renders no frames (the guide's Chain) failed inside gymnasium with some 40 lines of
+    # traceback ("Chain() takes no arguments ... render_mode='rgb_array'"): its metadata says so first.
+    probe = make_env(policy.env)
+    try:
+        modes = list((getattr(probe, "metadata", None) or {}).get("render_modes") or [])
+    finally:
+        probe.close()
+    if "rgb_array" not in modes:
+        raise ValueError(f"env {policy.env!r} cannot record video: --video needs an env that renders frames, made "
+                         f"with render_mode=\"rgb_array\" (its metadata[\"render_modes\"] lists it, and render() "
+                         f"returns the frame); this one's render_modes are {modes}")
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # rendering off screen: no display, no audio
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     try:

@@ -232,3 +232,32 @@ def test_a_state_learner_pt_could_not_give_back_is_refused_at_the_learners_start
         _check_loadable(types.SimpleNamespace(), "mine", None)
     _check_loadable(types.SimpleNamespace(state_dict=lambda s: {"a": [1, 2.0, "x", None, (torch.ones(1),)], 3: True},
                                           load_state_dict=lambda s, v: None), "mine", None)
+
+
+def test_reactor_eval_video_of_an_env_that_renders_no_frames_is_one_line(tmp_path, monkeypatch):
+    """Regression (a newcomer's pass over the guide, section 5): ``reactor eval RUN --video DIR`` on the
+    guide's own kind of env (a Chain with no render support) ended in ~40 lines of traceback ending
+    "TypeError: Chain() takes no arguments ... render_mode='rgb_array'"."""
+    import os
+    import re
+
+    from reactor.nodes.training import on_policy_graph
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    a2c = re.search(r"```python\n# my_a2c\.py\n(.*?)```", guide, re.S)
+    assert a2c is not None
+    (tmp_path / "video_a2c.py").write_text(a2c.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = "tests.apps.chain_env:ReactorChain-v0"
+    run_dir = tmp_path / "run"
+    run(on_policy_graph(algo="video_a2c", env=env, run_dir=str(run_dir), actors=1, envs_per_actor=2,
+                        eval_episodes=2, max_env_steps=64, live=False))
+    sys.modules.pop("video_a2c", None)
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "eval", str(run_dir), "--episodes", "1", "--video",
+                        str(tmp_path / "v")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert (p.returncode, p.stderr) == (2, f"reactor: env {env!r} cannot record video: --video needs an env that "
+                                           f"renders frames, made with render_mode=\"rgb_array\" (its "
+                                           f"metadata[\"render_modes\"] lists it, and render() returns the frame); "
+                                           f"this one's render_modes are []\n")
+    assert not (tmp_path / "v").exists()

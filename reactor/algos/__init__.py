@@ -97,7 +97,9 @@ def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
         elif want is tuple and isinstance(v, list):
             v = tuple(v)
         elif want is not None and not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}")  # type: ignore[union-attr]
+            meant = isinstance(v, str) and want is bool and v.lower() in ("true", "false")
+            raise ValueError(f"{cls.__qualname__}.{k} expects {want.__name__}, got {v!r}"  # type: ignore[union-attr]
+                             + (f" (write {v.capitalize()}: Python's spelling)" if meant else ""))
         if any(isinstance(x, float) and not math.isfinite(x) for x in (v if type(v) in (tuple, list) else (v,))):
             raise ValueError(f"{cls.__qualname__}.{k} expects finite numbers, got {v!r}")
         out[k] = v

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import re
 import reprlib
 import sys
 import types
@@ -74,7 +75,13 @@ def load_app(path: str | Path) -> ModuleType:
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``["lr=0.1", "name=x"]`` -> ``{"lr": 0.1, "name": "x"}`` (Python literals, else strings)."""
+    """``["lr=0.1", "name=x"]`` -> ``{"lr": 0.1, "name": "x"}`` (Python literals, else strings).
+
+    ``nan`` and ``inf`` (any case, signed) are the floats they spell, as ``1e999`` is: ``make_config``
+    then refuses them as not finite (``lr=nan`` was the string 'nan', refused as "expects float, got
+    'nan'" while ``lr=1e999`` was "must be finite"). A string that spells a number is quoted:
+    ``title="'inf'"``, as ``title="'12'"``.
+    """
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -83,9 +90,17 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         try:
             value: Any = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            value = raw
+            # (the spellings only: float() of 5,000 digits, which literal_eval refuses, is inf too)
+            value = float(raw) if re.fullmatch(r"\s*[+-]?(nan|inf|infinity)\s*", raw, re.IGNORECASE) else raw
         out[key.strip()] = value
     return out
+
+
+#: The options of ``reactor run`` that are not config keys (``--set seed=3`` named neither).
+_RUN_OPTIONS = {"seed": "--seed", "placement": "--placement", "hosts": "--hosts", "restart": "--restart"}
+
+#: What a value of the command line spelled in another language means in Python's.
+_SPELLINGS = {"true": "True", "false": "False", "none": "None", "null": "None"}
 
 
 def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
@@ -126,6 +141,9 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
             if key in algo_fields:
                 algo[key] = value
                 continue
+            if key in _RUN_OPTIONS:
+                raise AppError(f"{_brief(key)} is not a config key but an option of reactor run: "
+                               f"{_RUN_OPTIONS[key]} {_brief(value)} (from Python, reactor.run(..., {key}=...))")
             theirs = f"; the algorithm {module.ALGO!r} has: {', '.join(sorted(algo_fields))}" if algo_fields else ""
             raise AppError(f"unknown config key {_brief(key)}; {cls.__name__} has: {', '.join(sorted(fields))}{theirs}")
         kwargs[key] = value
@@ -138,15 +156,21 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
         # One type, or a union of types (float | None: target_return='high' got through, and failed the
         # run at its first evaluation with a TypeError traceback).
         union = typing.get_origin(want) in (typing.Union, types.UnionType)
-        kinds = [a for a in (typing.get_args(want) if union else (want,)) if isinstance(a, type)]
+        # (tuple[int, ...] is a tuple: it went unchecked, and a list given for it stayed a list)
+        kinds = [tuple if typing.get_origin(a) is tuple else a for a in (typing.get_args(want) if union else (want,))]
+        kinds = [a for a in kinds if isinstance(a, type)]
         if float in kinds and int not in kinds and isinstance(value, int) and not isinstance(value, bool):
             try:
                 value = float(value)
             except OverflowError:
                 raise AppError(f"config key {_brief(key)} expects float, got an int of {value.bit_length()} bits, too large for one") from None
+        if tuple in kinds and type(value) is list:  # (as an algorithm's Config takes one: JSON has no tuples)
+            value = tuple(value)
         if kinds and len(kinds) == (len(typing.get_args(want)) if union else 1) and not isinstance(value, tuple(kinds)):
+            meant = _SPELLINGS.get(value.lower()) if isinstance(value, str) else None
             raise AppError(f"config key {_brief(key)} expects "
-                           f"{' or '.join(k.__name__.replace('NoneType', 'None') for k in kinds)}, got {_brief(value)}")
+                           f"{' or '.join(k.__name__.replace('NoneType', 'None') for k in kinds)}, got {_brief(value)}"
+                           + (f" (write {meant}: Python's spelling)" if meant else ""))
         kwargs[key] = value
     return cls(**kwargs)
 

@@ -223,3 +223,51 @@ def test_an_apps_own_algo_config_default_stays_under_the_preset_and_the_users_ke
     assert make_config(module, {}).algo_config == {"hidden": 32, "lr": 1e-3}  # the preset over the app's own
     assert make_config(module, {"n_step": 2}).algo_config == {"hidden": 32, "lr": 1e-3, "n_step": 2}
     assert make_config(module, {"env": "Acrobot-v1"}).algo_config == {"hidden": 32, "lr": 0.5}
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("lr=nan", r"^config key 'lr' is nan; config values must be finite numbers$"),
+    ("lr=-Infinity", r"^config key 'lr' is -inf; config values must be finite numbers$"),
+    ("target_return=INF", r"^config key 'target_return' is inf; config values must be finite numbers$"),
+    ("live=true", r"^config key 'live' expects bool, got 'true' \(write True: Python's spelling\)$"),
+    ("target_return=none", r"^config key 'target_return' expects float or None, got 'none' \(write None: "
+                           r"Python's spelling\)$"),
+    ("seed=3", r"^'seed' is not a config key but an option of reactor run: --seed 3 \(from Python, "
+               r"reactor\.run\(\.\.\., seed=\.\.\.\)\)$"),
+])
+def test_a_set_value_of_another_spelling_or_a_run_option_is_refused_saying_what_to_write(item, message):
+    """Regression (a newcomer's pass over the guide): --set lr=nan said "expects float, got 'nan'" while
+    lr=1e999 said it was not finite; live=true was refused with no hint; seed=3 listed the config's keys,
+    not --seed."""
+    from reactor.launch._app import parse_overrides
+
+    with pytest.raises(AppError, match=message):
+        make_config(load_app(APPS / "dqn.py"), parse_overrides([item]))
+
+
+def test_an_algorithms_bool_given_as_true_says_to_write_true():
+    from reactor.algos import dqn
+
+    with pytest.raises(ValueError, match=r"^Config\.dueling expects bool, got 'false' \(write False: Python's "
+                                         r"spelling\)$"):
+        dqn.Config.from_dict({"dueling": "false"})
+
+
+def test_an_app_tuple_field_takes_a_list_as_an_algorithms_config_does(tmp_path):
+    """Regression: an app's tuple field given [3, 4] was refused ("expects tuple"), while an algorithm's
+    Config takes a list for its tuples (JSON, which carries configs to the workers, has none)."""
+    app = tmp_path / "tuples.py"
+    app.write_text(
+        "from dataclasses import dataclass\n"
+        "@dataclass(frozen=True)\n"
+        "class Config:\n"
+        "    sizes: tuple[int, ...] = (1, 2)\n"
+        "    pair: tuple = (0, 0)\n"
+        "    maybe: tuple[int, int] | None = None\n"
+        "def build(config):\n"
+        "    raise AssertionError\n")
+    module = load_app(app)
+    config = make_config(module, {"sizes": [3, 4], "pair": [5, 6], "maybe": [7, 8]})
+    assert (config.sizes, config.pair, config.maybe) == ((3, 4), (5, 6), (7, 8))
+    with pytest.raises(AppError, match=r"^config key 'sizes' expects tuple, got 'x'$"):
+        make_config(module, {"sizes": "x"})

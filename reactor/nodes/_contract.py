@@ -167,16 +167,41 @@ def check_policy_weights(module: ModuleType, weights: Any) -> None:
 
 
 def check_state_dict(module: ModuleType, state: Any) -> None:
-    """Refuse what ``state_dict`` returned unless it is a dict (of tensors and plain containers: the
-    learner's checkpoint is loaded with ``weights_only=True``).
+    """Refuse what ``state_dict`` returned unless ``learner.pt`` can hold it and give it back: a dict of
+    tensors, numbers, strings, and dicts, lists and tuples of them (the learner's checkpoint is loaded
+    with ``weights_only=True``; a Config in it saved without complaint and failed in ``reactor eval``,
+    ``load_policy`` or a resume, in torch's cut-off words).
 
     Raises:
-        ValueError: naming the algorithm and what it returned.
+        ValueError: naming the algorithm, where in the state, and what it found.
     """
+    import torch
+
+    name = algorithm_name(module)
     if not isinstance(state, dict):
-        raise ValueError(f"algorithm {algorithm_name(module)!r}: state_dict must return a dict of tensors and "
-                         f"plain containers (a checkpoint is loaded with weights_only=True), got {_what(state)} "
-                         f"({CONTRACT})")
+        raise ValueError(f"algorithm {name!r}: state_dict must return a dict of tensors and plain containers (a "
+                         f"checkpoint is loaded with weights_only=True), got {_what(state)} ({CONTRACT})")
+    plain = (torch.Tensor, bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+    def walk(x: Any, at: str, depth: int) -> None:
+        if isinstance(x, plain):
+            return
+        if depth < 32 and isinstance(x, dict):
+            for k, v in x.items():
+                if not isinstance(k, (str, int)):
+                    raise ValueError(f"algorithm {name!r}: state_dict holds the key {k!r:.60} ({_type(k)}) at "
+                                     f"{at or 'its top'}: learner.pt's dicts take str and int keys ({CONTRACT})")
+                walk(v, f"{at}[{k!r:.60}]", depth + 1)
+            return
+        if depth < 32 and type(x) in (list, tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{at}[{i}]", depth + 1)
+            return
+        raise ValueError(f"algorithm {name!r}: state_dict holds {_what(x)} at {at}: learner.pt holds tensors, "
+                         f"numbers, strings, and dicts, lists and tuples of them (what torch.load(weights_only=True) "
+                         f"gives back); save that value's fields instead ({CONTRACT})")
+
+    walk(state, "", 0)
 
 
 def _what(x: Any) -> str:

@@ -157,7 +157,6 @@ class _LearnerBase(Reactor):
                 "saves it at its end, and every checkpoint_every updates when set): the learner starts from fresh "
                 "weights; the replay and the actors' schedules go on from theirs", self.name, self.run_dir)
         if self.ckpt is not None and self.bank_index == 0:
-            _check_loadable(self.algo, self.algo_name, self.state)
             self._write_config()
         if self.bank_size > 1:
             self._join_data_parallel()
@@ -461,39 +460,6 @@ def _same_setting(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - settings that do not compare are reported as changed
         return False
-
-
-def _check_loadable(algo: Any, name: str, state: Any) -> None:
-    """Refuse, at the learner's start, a state ``learner.pt`` could not hold or give back: an algorithm
-    without ``state_dict``, or one whose state holds what ``torch.load(weights_only=True)`` refuses (a
-    Config, an object), which saved without complaint and failed only in ``reactor eval``, ``load_policy``
-    or a resume, in torch's cut-off words."""
-    import torch
-
-    if not callable(getattr(algo, "state_dict", None)) or not callable(getattr(algo, "load_state_dict", None)):
-        raise ValueError(f"algorithm {name!r} defines no state_dict(state) and load_state_dict(state, saved): a run "
-                         f"with a run_dir saves the learner's whole state in learner.pt with them")
-    plain = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
-    def walk(x: Any, at: str, depth: int) -> None:
-        if isinstance(x, torch.Tensor) or isinstance(x, plain):
-            return
-        if depth < 32 and isinstance(x, dict):
-            for k, v in x.items():
-                if not isinstance(k, (str, int)):
-                    raise ValueError(f"algorithm {name!r}'s state_dict holds the key {k!r} ({type(k).__name__}) at "
-                                     f"{at or 'its top'}: learner.pt's dicts take str and int keys")
-                walk(v, f"{at}[{k!r}]", depth + 1)
-            return
-        if depth < 32 and type(x) in (list, tuple):
-            for i, v in enumerate(x):
-                walk(v, f"{at}[{i}]", depth + 1)
-            return
-        raise ValueError(f"algorithm {name!r}'s state_dict holds a {type(x).__name__} at {at or 'its top'}: "
-                         f"learner.pt holds tensors, numbers, strings, and dicts, lists and tuples of them (what "
-                         f"torch.load(weights_only=True) gives back); save that value's fields instead")
-
-    walk(algo.state_dict(state), "", 0)
 
 
 def _optimizers(state: Any) -> list[Any]:

@@ -221,17 +221,15 @@ def test_a_state_learner_pt_could_not_give_back_is_refused_at_the_learners_start
     import torch
 
     from reactor.algos import dqn
-    from reactor.nodes.learner import _check_loadable
+    from reactor.nodes._contract import check_state_dict
 
-    bad = types.SimpleNamespace(state_dict=lambda state: {"q": {"w": torch.zeros(2)}, "cfg": dqn.Config()},
-                                load_state_dict=lambda state, saved: None)
-    with pytest.raises(ValueError, match=r"^algorithm 'mine'.s state_dict holds a Config at \['cfg'\]: learner\.pt "
-                                         r"holds tensors, numbers, strings"):
-        _check_loadable(bad, "mine", None)
-    with pytest.raises(ValueError, match=r"^algorithm 'mine' defines no state_dict\(state\) and load_state_dict"):
-        _check_loadable(types.SimpleNamespace(), "mine", None)
-    _check_loadable(types.SimpleNamespace(state_dict=lambda s: {"a": [1, 2.0, "x", None, (torch.ones(1),)], 3: True},
-                                          load_state_dict=lambda s, v: None), "mine", None)
+    mine = types.ModuleType("mine")
+    with pytest.raises(ValueError, match=r"^algorithm 'mine': state_dict holds a reactor\.algos\.dqn\.Config at "
+                                         r"\['cfg'\]: learner\.pt holds tensors, numbers, strings"):
+        check_state_dict(mine, {"q": {"w": torch.zeros(2)}, "cfg": dqn.Config()})
+    with pytest.raises(ValueError, match=r"^algorithm 'mine': state_dict holds the key \(1, 2\) \(tuple\) at \['q'\]"):
+        check_state_dict(mine, {"q": {(1, 2): torch.zeros(2)}})
+    check_state_dict(mine, {"a": [1, 2.0, "x", None, (torch.ones(1),)], 3: True})
 
 
 def test_reactor_eval_video_of_an_env_that_renders_no_frames_is_one_line(tmp_path, monkeypatch):

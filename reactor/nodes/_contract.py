@@ -96,29 +96,26 @@ def check_act(module: ModuleType, out: Any, rows: int, act_space: Any) -> None:
     """
     import torch
 
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"algorithm {algorithm_name(module)!r}: {what} ({CONTRACT})")
-
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise refuse(f"act must return (actions, extras), a tensor of actions [N, ...] and a dict of tensors; it "
+        raise _refusal(module, f"act must return (actions, extras), a tensor of actions [N, ...] and a dict of tensors; it "
                      f"returned {_what(out)}")
     action, extras = out
     if not isinstance(action, torch.Tensor):
-        raise refuse(f"act must return its actions as a torch.Tensor [N, ...], got {_what(action)} "
+        raise _refusal(module, f"act must return its actions as a torch.Tensor [N, ...], got {_what(action)} "
                      f"(torch.as_tensor makes one)")
     shape = getattr(act_space, "shape", None)
     discrete = type(act_space).__name__ == "Discrete"
     if shape is not None and tuple(action.shape) != (rows, *shape):
-        raise refuse(f"act returned actions of shape {tuple(action.shape)} for {rows} observation(s) of an env "
+        raise _refusal(module, f"act returned actions of shape {tuple(action.shape)} for {rows} observation(s) of an env "
                      f"whose action space is {act_space}: expected {(rows, *shape)}, one action per observation"
                      + (" (a Discrete action is a scalar)" if discrete else ""))
     if discrete and (action.is_floating_point() or action.is_complex()):
-        raise refuse(f"act returned actions of {action.dtype} for an env whose action space is {act_space}: "
+        raise _refusal(module, f"act returned actions of {action.dtype} for an env whose action space is {act_space}: "
                      f"discrete actions are integers (.long())")
     bad = _first_bad(extras, lambda k, v: isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() >= 1
                      and v.shape[0] == rows)
     if bad:
-        raise refuse(f"act's extras must be a dict of tensors [N, ...] by name (N = {rows}, a row per "
+        raise _refusal(module, f"act's extras must be a dict of tensors [N, ...] by name (N = {rows}, a row per "
                      f"observation; {{}} for none), got {bad}")
 
 
@@ -131,22 +128,19 @@ def check_learn(module: ModuleType, out: Any, rows: int | None) -> None:
     """
     import torch
 
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"algorithm {algorithm_name(module)!r}: {what} ({CONTRACT})")
-
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise refuse(f"learn must return (metrics, priorities), a dict of numbers by name and a tensor [B] or None; "
+        raise _refusal(module, f"learn must return (metrics, priorities), a dict of numbers by name and a tensor [B] or None; "
                      f"it returned {_what(out)}" + (" (its metrics alone? return (metrics, None))"
                                                     if isinstance(out, dict) else ""))
     metrics, priorities = out
     bad = _first_bad(metrics, lambda k, v: isinstance(k, str) and _number(v))
     if bad:
-        raise refuse(f"learn's metrics must be a dict of numbers by name (each logged; a one-element tensor "
+        raise _refusal(module, f"learn's metrics must be a dict of numbers by name (each logged; a one-element tensor "
                      f"will do), got {bad}")
     if priorities is None:
         return
     if not isinstance(priorities, torch.Tensor) or (rows is not None and tuple(priorities.shape) != (rows,)):
-        raise refuse(f"learn's priorities must be None or a torch.Tensor [B], one per item of the batch"
+        raise _refusal(module, f"learn's priorities must be None or a torch.Tensor [B], one per item of the batch"
                      f"{f' (B = {rows})' if rows is not None else ''}, got {_what(priorities)}")
 
 
@@ -202,6 +196,10 @@ def check_state_dict(module: ModuleType, state: Any) -> None:
                          f"gives back); save that value's fields instead ({CONTRACT})")
 
     walk(state, "", 0)
+
+
+def _refusal(module: ModuleType, what: str) -> ValueError:
+    return ValueError(f"algorithm {algorithm_name(module)!r}: {what} ({CONTRACT})")
 
 
 def _what(x: Any) -> str:

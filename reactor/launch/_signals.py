@@ -64,8 +64,7 @@ def stop_signals() -> Iterator[asyncio.Event]:
         if time.monotonic() - ticked[0] < HELD_S:
             return  # the loop takes it (on_signal, through its wakeup fd)
         held.append(sig)
-        if len(held) == 1:
-            received[:] = [sig]
+        if len(held) == 1:  # (the loop's handler counts it too, if the loop comes back: a clean stop)
             print(f"{signal.Signals(sig).name}: the run is held in a reaction that has not returned for "
                   f"{time.monotonic() - ticked[0]:.0f} s (an env step or an episode that never ends?): again to stop at "
                   f"once", file=sys.stderr, flush=True)

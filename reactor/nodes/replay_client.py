@@ -65,6 +65,11 @@ log = logging.getLogger("reactor.replay")
 REMOTE_READS = ("auto", "zmq", "off")
 
 
+#: A shard whose replies are malformed this many times in a row is taken for lost (its samples were
+#: drawn again for ever: a learner that got no batch, spinning, with one line in a thousand logged).
+MALFORMED_IN_A_ROW = 1000
+
+
 @dataclass
 class _Sample:
     """One batch being assembled from several shards."""
@@ -219,6 +224,7 @@ class ReplayClient(OneSidedSampling):
         # (the batch is allocated from it: a reply must not make it larger than the request implies)
         self._window_length: dict[str, int] = {}
         self.malformed_replies = 0  # replies dropped as malformed (their samples drawn again)
+        self._malformed_in_a_row: dict[int, int] = {}  # shard -> its malformed replies since its last good one
         self._drops_logged = FloodCounts()  # per shard: the drops logged (_flood_log)
         self.dropped_items = 0
         self.gathered_items = 0
@@ -372,6 +378,7 @@ class ReplayClient(OneSidedSampling):
                                                reply.beta)
         try:
             batch = await self._take(s, asked, reply, out)
+            self._malformed_in_a_row.pop(reply.shard, None)
         except _Malformed as e:
             return self._malformed(s, reply, str(e)), None
         except _RemoteUnusable as e:  # this shard answers with data from now on; draw the sample again
@@ -402,6 +409,15 @@ class ReplayClient(OneSidedSampling):
         self.malformed_replies += 1
         self._flood_log(reply.shard, "replay client %s dropped a malformed %s from shard %d (request %d): %s; the "
                         "sample is drawn again", self.requester, type(reply).__name__, reply.shard, reply.request, why)
+        in_a_row = self._malformed_in_a_row[reply.shard] = self._malformed_in_a_row.get(reply.shard, 0) + 1
+        if in_a_row >= MALFORMED_IN_A_ROW:  # (drawn again for ever, the learner got no batch and no word why)
+            e = PeerLostError(f"replay shard {reply.shard} sent {in_a_row} malformed replies in a row (the last: "
+                              f"{why}): it is taken for lost")
+            if not self.skip_lost_shards:
+                raise e
+            self.lost[reply.shard] = str(e)
+            self._figures.pop(reply.shard, None)
+            log.warning("replay client %s: %s; sampling from the others", self.requester, e)
         out = self._begin(s.n, self._require_live())
         out.extend(self.check_timeouts())
         return out

@@ -518,6 +518,32 @@ def test_malformed_figures_drop_the_reply_and_a_flood_of_them_is_not_a_flood_of_
     assert sum(r.n for r in out) == 8
 
 
+def test_a_shard_whose_every_reply_is_malformed_is_taken_for_lost_not_asked_again_for_ever(monkeypatch):
+    """Each malformed reply's sample was drawn again: a shard whose every reply was malformed kept the
+    learner spinning with no batch, one log line in a thousand (the review, session 55). Past
+    MALFORMED_IN_A_ROW in a row it is lost: PeerLostError, or without it under skip_lost_shards; a
+    good reply between resets the count."""
+    from reactor.nodes import replay_client
+
+    monkeypatch.setattr(replay_client, "MALFORMED_IN_A_ROW", 5)
+    bad = {"probabilities": np.full(4, np.nan)}
+    for skip in (False, True):
+        client = ReplayClient(1, timeout_s=None, skip_lost_shards=skip)
+        (req,) = client.request(4)
+        for _ in range(3):
+            (req,), _ = client.receive(_four(req, **bad))
+        out, batch = client.receive(_four(req))  # a good one: the count starts again
+        assert out == [] and batch is not None and len(batch.keys) == 4
+        (req,) = client.request(4)
+        for _ in range(4):
+            (req,), _ = client.receive(_four(req, **bad))
+        with pytest.raises(PeerLostError, match=r"^replay shard 0 sent 5 malformed replies in a row \(the last: "
+                                                r"probability nan is not in \(0, 1\]\): it is taken for lost$"
+                                                if not skip else r"lost"):
+            client.receive(_four(req, **bad))
+        assert (0 in client.lost) == skip  # (under skip_lost_shards: lost, and with it every shard here)
+
+
 def test_a_malformed_plan_of_rows_is_dropped_and_the_batch_stays_within_what_was_asked(tmp_path, caplog):
     """Regression (hostile probe): a plan reply's window_length of 10**9 made the client allocate 29.8 GiB
     (MemoryError in the learner); rows outside the shard's region raised into it. A plan is checked

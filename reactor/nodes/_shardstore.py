@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..replay import Table
-from ..replay.checkpoint import CheckpointCancelled, incomplete_checkpoints
+from ..replay.checkpoint import CheckpointCancelled, complete_checkpoints, incomplete_checkpoints
 from ..replay.wal import WriteAheadLog, redo_wal
 
 log = logging.getLogger("reactor.replay")
@@ -97,6 +97,16 @@ class ShardStore:
             self._wal = WriteAheadLog(wal_dir, now)
 
     def _restore(self, table: Table, root: Path) -> None:
+        try:
+            self._restore_into(table, root)
+        except MemoryError:  # (a MemoryError traceback from inside numpy said nothing of why or what to do)
+            ckpts = complete_checkpoints(root)
+            size = sum(f.stat().st_size for f in ckpts[0].iterdir() if f.is_file()) if ckpts else 0
+            raise ValueError(f"{self.name}: restoring the replay checkpoint in {root} ({size / 2**30:.1f} GiB on disk) "
+                             f"ran out of memory: a restore holds about three times a checkpoint's size at once; "
+                             f"give this host more memory, or start the shard empty (Replay(restore=False))") from None
+
+    def _restore_into(self, table: Table, root: Path) -> None:
         loaded, path, refusals = Table.restore(root)
         for why in refusals:
             log.error("%s: %s; trying an older checkpoint", self.name, why)

@@ -6,6 +6,7 @@ atomic, checksummed format)."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import inspect
 import math
 import os
@@ -26,6 +27,10 @@ from .storage import FieldSpec, Storage
 if TYPE_CHECKING:
     from .selectors import Selector
     from .table import Table
+
+#: What an ``OSError`` reading a checkpoint says of the checkpoint itself: a file of it missing, or one of
+#: another kind (a directory, a link loop) where a file belongs.
+_DAMAGED = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.ELOOP})
 
 
 def _selector_config(sel: Any) -> dict[str, Any]:
@@ -299,8 +304,9 @@ class TableState:
     ) -> tuple[Table | None, Path | None, list[str]]:
         """Load the newest complete checkpoint under ``root`` that verifies, falling back to older ones.
 
-        A checkpoint that fails verification (:meth:`load`) is skipped, never half-loaded; the
-        caller logs the refusals.
+        A checkpoint that fails verification (:meth:`load`), or lacks a file, is skipped, never
+        half-loaded; the caller logs the refusals. Running out of memory is a ``MemoryError``, and
+        another ``OSError`` (a file that cannot be read now) is raised: neither is the checkpoint's fault.
 
         Returns:
             ``(table, its checkpoint directory, refusals)``: ``(None, None, refusals)`` when no
@@ -310,7 +316,16 @@ class TableState:
         for path in _ckpt.complete_checkpoints(root):
             try:
                 return cls.load(path, device=device), path, refusals
-            except (OSError, ValueError) as e:  # CheckpointCorruptError is a ValueError
+            except ValueError as e:  # (CheckpointCorruptError is a ValueError)
+                refusals.append(str(e))
+            except OSError as e:
+                # A file of it missing is a damaged checkpoint; no memory, or a file that cannot be read
+                # now, is not: taken for one, the shard started empty and its next saves pruned the good
+                # checkpoints (a probe under a memory limit, session 55).
+                if e.errno == errno.ENOMEM:
+                    raise MemoryError(f"reading {path}: {e}") from e
+                if e.errno not in _DAMAGED:
+                    raise
                 refusals.append(str(e))
         return None, None, refusals
 

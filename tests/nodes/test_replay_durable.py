@@ -211,3 +211,45 @@ def test_a_shard_full_below_its_min_size_says_it_may_never_serve_a_sample(caplog
     assert len(lines) == 1 and lines[0].startswith("replay: its ring of 16 steps is full and evicting at 12 items, "
                                                    "below the 16"), lines
     assert said(16, 12) == []  # (it holds 12 items: enough)
+
+
+_RESTORE_UNDER_A_LIMIT = """
+import resource, sys
+from pathlib import Path
+import numpy as np, torch
+from reactor.nodes._shardstore import ShardStore
+from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table, Uniform
+from reactor.replay.checkpoint import complete_checkpoints
+
+def table():
+    return Table(Storage([FieldSpec("obs", (256,), torch.float32)], 1 << 16), sampler=Uniform(), remover=Fifo(),
+                 rate_limiter=MinSize(1))
+
+saved = table()
+saved.insert_nowait({"obs": torch.ones(1 << 16, 256)}, np.ones(1 << 16), episode_end=True)
+path = saved.save(sys.argv[1])
+del saved
+fresh = table()
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (80 << 20), resource.RLIM_INFINITY))  # (a 64 MiB checkpoint)
+try:
+    ShardStore("replay[0]", Path(sys.argv[1]), keep=2, period_s=None, wal=False).open(fresh, restore=True, restarts=0)
+    print("restored", len(fresh))
+except ValueError as e:
+    print(e)
+assert complete_checkpoints(sys.argv[1]) == [path]
+"""
+
+
+def test_a_restore_that_runs_out_of_memory_is_one_line_and_leaves_the_checkpoint_for_the_next(tmp_path):
+    """A restore holds about three times a checkpoint's size at once. Under a memory limit its ENOMEM was
+    taken for a damaged checkpoint: the shard started empty, and its next saves would prune the good
+    checkpoints (a probe, session 55). Now it is one line saying what it needs, the checkpoint kept."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _RESTORE_UNDER_A_LIMIT, str(tmp_path / "replay-0")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("replay[0]: restoring the replay checkpoint in ") and "ran out of memory" in p.stdout, (
+        p.stdout, p.stderr[-2000:])

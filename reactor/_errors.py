@@ -100,6 +100,8 @@ def raised_by_reactor(e: BaseException) -> bool:
     for path in reversed(frames):
         if path.startswith(_PACKAGE):
             return True
+        if "<frozen " in path:  # (os, posixpath, codecs: the standard library's frozen modules)
+            continue
         if not path.startswith(_STDLIB) or "site-packages" in path or "dist-packages" in path:
             return False
     return True

@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return _dispatch(args)
     except _AppCodeError as e:  # the app's own code failed (importing it, or its build): its frames, then one line
         print(e.text, file=sys.stderr)
-        return _failed(args, 2, e.text.rstrip().splitlines()[-1] if e.text.strip() else "the app failed")
+        return _failed(args, 2, e.text.rstrip().splitlines()[-1] if e.text.strip() else "the app failed", quiet=True)
     # (A path the user gave that cannot be used, a run_dir under a file or without permission among them,
     # is one line too: NotADirectoryError, PermissionError, ... were tracebacks.)
     except REFUSALS as e:  # (raised here, or by a worker of the run: its coordinator raises the same class)

@@ -39,6 +39,10 @@ from ._protocol import is_plain, nonfinite_at
 #: The directories of the app files this process loaded (on sys.path): the learner records them in
 #: config.json, so ``load_policy`` can import a custom env's or algorithm's module from beside the app.
 APP_DIRS: list[str] = []
+#: The directories of a Python-API caller's script (``_builder_app``), on a worker's path: recorded with
+#: APP_DIRS for ``load_policy``; not searched for a module shadowing a shipped algorithm (the caller's
+#: own process does not search its script's directory either: both must decide alike).
+SCRIPT_DIRS: list[str] = []
 
 
 def load_app(path: str | Path) -> ModuleType:

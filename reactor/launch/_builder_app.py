@@ -15,13 +15,13 @@ from typing import Any
 
 
 def build(config: dict[str, Any]) -> Any:
-    from reactor.launch._app import APP_DIRS  # (this file loads as an app file: not a package module)
+    from reactor.launch._app import SCRIPT_DIRS  # (this file loads as an app file: not a package module)
 
     for where in config.get("path", ()):  # the caller's script directory: modules beside it import here too
         if where not in sys.path:
             sys.path.append(where)
-        if where not in APP_DIRS:
-            APP_DIRS.append(where)
+        if where not in SCRIPT_DIRS:
+            SCRIPT_DIRS.append(where)
     module, _, qualname = str(config["builder"]).partition(":")
     fn: Any = importlib.import_module(module)
     for part in qualname.split("."):

@@ -160,7 +160,7 @@ async def run_processes(
             await workers.ready()
             workers.start(g, spec)
 
-    with stop_signals() as signalled:
+    with stop_signals(watch_held=False) as signalled:  # (no reaction runs here)
         try:
             for g in groups:
                 spec = {
@@ -648,6 +648,9 @@ class _Session:
                     with contextlib.suppress(Exception):
                         self.ep.send_nowait(peer, ("exit",))
                     continue
+                for other, m in batch:  # (the run's error is this one's: the others' are said)
+                    if other != peer and m[0] in ("refused", "error"):
+                        self._also_failed(other, m)
             if msg[0] == "refused":  # what the run was given: the same class and line as under `single`
                 raise REFUSAL_NAMES[msg[1]](msg[2])
             if msg[0] == "error":
@@ -736,10 +739,23 @@ class _Session:
             for peer, msg in batch:
                 if msg[0] == "done":
                     live.discard(peer)
+                elif msg[0] in ("refused", "error"):  # another failure (in its shutdown, say): said, let go
+                    self._also_failed(peer, msg)
+                    live.discard(peer)
             live -= set(self.workers.dead())
         if self.failed is not None:  # (last: the others have heard why first)
             with contextlib.suppress(Exception):
                 self.ep.send_nowait(self.failed, ("exit",))
+            # Its own shutdown reactions ran meanwhile; it leaves once they end (the reaping's SIGTERM
+            # cut them short).
+            while self.failed not in self.workers.dead() and loop.time() < max(end, loop.time() + 1.0):
+                await asyncio.sleep(0.02)
+
+    def _also_failed(self, peer: str, msg: Any) -> None:
+        """A worker's failure after the one that ends the run: logged (it was lost), and let go."""
+        log.error("worker %r failed too: %s", peer, msg[2] if msg[0] == "refused" else msg[1])
+        with contextlib.suppress(Exception):
+            self.ep.send_nowait(peer, ("exit",))
 
     def _stop(self, why: str) -> None:
         self.stopped_by = why

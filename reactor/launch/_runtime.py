@@ -219,9 +219,11 @@ async def drive_single(host: ReactorHost, stop_ns: int | None) -> str:
 
 
 async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Event) -> str:
+    ended = False
     try:
         why = await _drive_until_stop(host, stop_ns, signalled)
         host.stop_reason = why
+        ended = True
     except asyncio.CancelledError:
         host.stop_reason = host.stop_reason or "terminated"
         raise
@@ -233,7 +235,9 @@ async def _drive(host: ReactorHost, stop_ns: int | None, signalled: asyncio.Even
         raise
     finally:
         await host.run_shutdown()
-    if host.shutdown_failure is not None:  # (a run that failed already says its own error)
+        if not ended and host.shutdown_failure is not None:  # (said, not lost behind the run's own error)
+            logging.getLogger("reactor").error("a shutdown reaction failed too", exc_info=host.shutdown_failure)
+    if host.shutdown_failure is not None:
         raise host.shutdown_failure
     return why
 

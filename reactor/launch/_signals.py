@@ -29,10 +29,12 @@ received: list[int] = []
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[asyncio.Event]:
+def stop_signals(*, watch_held: bool = True) -> Iterator[asyncio.Event]:
     """Within the block, SIGINT and SIGTERM set the event yielded (where the running loop can take
     signal handlers: the main thread of a Unix process); a second one cancels the task that
-    entered the block. The handlers go when it ends."""
+    entered the block. The handlers go when it ends. ``watch_held``: where reactions run on this
+    loop (a run in one process; not the coordinator), a reaction that holds it is stopped at the
+    second signal."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     signalled = asyncio.Event()
@@ -61,8 +63,8 @@ def stop_signals() -> Iterator[asyncio.Event]:
     held: list[int] = []
 
     def on_held_signal(sig: int, frame: object) -> None:
-        if time.monotonic() - ticked[0] < HELD_S:
-            return  # the loop takes it (on_signal, through its wakeup fd)
+        if time.monotonic() - ticked[0] < HELD_S or len(received) >= 2:
+            return  # the loop takes it (on_signal, through its wakeup fd), or it stops at once already
         held.append(sig)
         if len(held) == 1:  # (the loop's handler counts it too, if the loop comes back: a clean stop)
             print(f"{signal.Signals(sig).name}: the run is held in a reaction that has not returned for "
@@ -77,8 +79,9 @@ def stop_signals() -> Iterator[asyncio.Event]:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
-            signal.signal(sig, on_held_signal)  # (after the loop's: the wakeup fd stays the loop's)
-    if installed:
+            if watch_held:
+                signal.signal(sig, on_held_signal)  # (after the loop's: the wakeup fd stays the loop's)
+    if installed and watch_held:
         tick()
     try:
         yield signalled

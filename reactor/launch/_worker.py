@@ -35,7 +35,7 @@ import traceback
 from collections import Counter, deque
 from typing import Any
 
-from .._errors import PeerLostError, WouldBlock, refusal_class, refusal_line
+from .._errors import GraphError, PeerLostError, WouldBlock, refusal_class, refusal_line
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
@@ -272,6 +272,7 @@ class Worker:
             await self._wait_control("start")
             started = _cpu_stats()
             self.flusher = flusher = asyncio.ensure_future(outbox.flush_forever())
+            failure: Exception | None = None
             try:
                 if deterministic:
                     await self._run_deterministic(out_peers, min_delay)
@@ -284,15 +285,25 @@ class Worker:
                 raise
             except Exception as e:
                 host.stop_reason = "failure"
-                await self._report_failure(e)
-                raise
+                failure = e
+                await self._report_failure(e)  # (first: the others are told to stop while ours run)
             finally:
                 if host.stop_reason is None:  # it ended on its own (the coordinator's "stop" names its reason)
                     host.stop_reason = "stop_time" if deterministic and _stop_pending(host) else "quiescence"
                 await host.run_shutdown()
-            if host.shutdown_failure is not None:  # (a learner's last checkpoint not saved: the run failed)
-                await self._report_failure(host.shutdown_failure)
-                raise host.shutdown_failure
+            if host.shutdown_failure is not None:
+                if failure is None:  # (a learner's last checkpoint not saved: the run failed)
+                    failure = host.shutdown_failure
+                    await self._report_failure(failure)
+                else:  # (said, not lost behind the run's first error)
+                    log.error("%s: a shutdown reaction failed too", self.group, exc_info=host.shutdown_failure)
+            if failure is not None:
+                # Leave when the coordinator says (once the others were told why the run ends, or at once
+                # for a restart), our shutdown reactions run meanwhile: gone first, every survivor and the
+                # coordinator warned that they lost this worker.
+                with contextlib.suppress(Exception):
+                    await self._wait_control("exit", timeout_s=FAILED_EXIT_WAIT_S)
+                raise failure
             incomplete = None
             if replayer is not None and not all(n in replayer.done for n in local):
                 incomplete = str(replayer.stuck_error(local))
@@ -389,23 +400,21 @@ class Worker:
             host.stop_reason = why
 
     async def _report_failure(self, e: BaseException) -> None:
-        """Tell the coordinator this worker failed (a refusal in one line, else its traceback), and leave
-        only when it says (once the others were told the run ends, or at once for a restart): gone
-        first, every survivor and the coordinator warned that they lost it."""
+        """Tell the coordinator this worker failed (a refusal in one line, a graph's faults whole, else
+        the traceback)."""
         self.ep.expect_departures()
         self.reported = e  # (its coordinator says it: main() prints no second traceback)
         refused = refusal_class(e)
         if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
             log.info("%s refused the run", self.group, exc_info=e)
-            self.outbox.send(COORDINATOR, ("refused", refused, refusal_line(e)[: 1 << 20]))
+            line = str(e) if isinstance(e, GraphError) else refusal_line(e)  # (the command indents a graph's)
+            self.outbox.send(COORDINATOR, ("refused", refused, line[: 1 << 20]))
         else:
             text = "".join(traceback.format_exception(e))
             self.outbox.send(COORDINATOR, ("error", f"{type(e).__name__}: {e}\n{text}"[-(1 << 20):]))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self.outbox.empty.wait()
-        with contextlib.suppress(Exception):
-            await self._wait_control("exit", timeout_s=FAILED_EXIT_WAIT_S)
 
     async def _wait_control(self, what: str, timeout_s: float | None = 120) -> Any:
         """Wait for control message ``what``; keep every other message (peers may start first)."""

@@ -125,7 +125,12 @@ def _shadowing(name: str) -> str | None:
     import importlib.machinery
     from pathlib import Path
 
-    spec = importlib.machinery.PathFinder.find_spec(name)  # (sys.path only: neither sys.modules nor reactor's own)
+    from ..launch._app import APP_DIRS
+
+    # The app files' directories only: each process of a run has those alike (a worker's sys.path[0] is
+    # its working directory, the `reactor` command's its bin directory: a check on sys.path passed under
+    # `single` and refused in every worker under `actors`).
+    spec = importlib.machinery.PathFinder.find_spec(name, list(APP_DIRS))
     origin = getattr(spec, "origin", None)
     if not isinstance(origin, str) or not origin.endswith(".py"):
         return None

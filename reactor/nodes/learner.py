@@ -334,14 +334,14 @@ class _LearnerBase(Reactor):
         import json
 
         assert self.ckpt is not None
-        from ..launch._app import APP_DIRS
+        from ..launch._app import APP_DIRS, SCRIPT_DIRS
 
         record = {"format": 1, "algo": self.algo_name, "env": self.env_name,
                   "algo_config": dataclasses.asdict(self.config), "app_config": self.app_config,
                   "weights": self.ckpt.name,
                   # Where a custom env's or algorithm's module was found beside the app (load_policy
                   # imports from there too when the directory exists where the policy is loaded).
-                  "app_dirs": list(APP_DIRS)}
+                  "app_dirs": list(dict.fromkeys([*APP_DIRS, *SCRIPT_DIRS]))}
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
         replace_small(self.ckpt.with_name("config.json"), (json.dumps(record, indent=2, default=repr) + "\n").encode())
 

@@ -578,6 +578,14 @@ class Replay(Reactor):
         if self._insert(steps):
             self._progress()
             self._checkpoint_if_due()
+        elif not self.table.rate_limiter.can_sample(1, len(self.table)):  # type: ignore[union-attr]
+            # Parked, nothing could ever take it: no sample is allowed now, so none can make room, and
+            # every later insert waits behind this one (a fractional samples_per_insert's rounding left
+            # some so that RateLimiter.never_inserts did not see it: a review, session 55).
+            self._reject(steps, "its rate limiter can never admit it here: no sample is allowed now to make room, "
+                                "and the inserts after it wait behind it; insert fewer items at once, or widen the "
+                                "limiter's error_buffer")
+            self._ack(steps)
         else:
             self._parked_steps.append(steps)
 
@@ -600,9 +608,12 @@ class Replay(Reactor):
         :class:`InsertAck`."""
         if not self._try_insert(steps):
             return False
+        self._ack(steps)
+        return True
+
+    def _ack(self, steps: Steps) -> None:
         if isinstance(steps.writer, int) and not isinstance(steps.writer, bool) and steps.writer >= 0:
             self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1))
-        return True
 
     def _try_insert(self, steps: Steps) -> bool:
         assert self.table is not None

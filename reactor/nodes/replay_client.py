@@ -965,12 +965,22 @@ def _reply_problem(reply: ReplayReply, asked: int) -> str | None:
     data, n = reply.data, len(reply.keys)
     if not isinstance(data, dict) or not data:
         return f"it sent neither data nor a plan of rows (data: {_what(data)})"
+    # Whole episodes (EpisodeRead): their steps one after another, and their `lengths` [n] (a stored field
+    # of that name is refused there); every other read: a row per item.
+    lengths = data.get("lengths")
+    rows = {n}
+    if isinstance(lengths, (torch.Tensor, np.ndarray)) and tuple(lengths.shape) == (n,) and not (
+            lengths.dtype.is_floating_point if isinstance(lengths, torch.Tensor) else lengths.dtype.kind not in "iu"):
+        if n and int(lengths.min()) < 0:
+            return "its episode lengths are not all >= 0"
+        rows.add(int(lengths.sum()))
     for name, v in data.items():
         if not isinstance(name, str):
             return f"a field name {name!r:.40} is not a str"
         if not (isinstance(v, torch.Tensor) or (isinstance(v, np.ndarray) and v.dtype in _NUMPY_TO_TORCH)) or (
-                v.ndim < 1 or v.shape[0] != n):
-            return f"its field {name!r:.40} is not a numeric array of length {n} (got {_what(v)})"
+                v.ndim < 1 or v.shape[0] not in rows):
+            return (f"its field {name!r:.40} is not a numeric array of length {' or '.join(map(str, sorted(rows)))} "
+                    f"(got {_what(v)})")
     return None
 
 

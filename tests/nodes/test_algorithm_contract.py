@@ -75,10 +75,13 @@ def test_a_missing_import_inside_an_algorithm_module_is_its_error_not_an_unknown
             load_algorithm(name)
 
 
-def test_an_algorithm_module_named_like_a_shipped_one_is_refused_naming_its_file(beside, tmp_path):
+def test_an_algorithm_module_named_like_a_shipped_one_is_refused_naming_its_file(beside, tmp_path, monkeypatch):
     """Regression: a user's own ppo.py beside the app, with ALGO = "ppo", was silently ignored and the
-    shipped PPO ran."""
+    shipped PPO ran. (The app files' directories are searched, alike in every process of a run.)"""
+    from reactor.launch import _app
+
     beside("ppo", _guide_block("my_a2c.py"))
+    monkeypatch.setattr(_app, "APP_DIRS", [str(tmp_path)])  # (as loading an app file there does)
     with pytest.raises(ValueError, match=rf"^algorithm 'ppo' is reactor's own, but {re.escape(str(tmp_path / 'ppo.py'))} "
                                          r"on the import path defines an algorithm \(act and learn\) of that name too, "
                                          r"which reactor would ignore: rename it \(my_ppo\.py, with ALGO = 'my_ppo'\)"):
@@ -86,7 +89,10 @@ def test_an_algorithm_module_named_like_a_shipped_one_is_refused_naming_its_file
 
 
 def test_an_app_file_named_like_its_algorithm_is_no_shadow(monkeypatch):
+    from reactor.launch import _app
+
     monkeypatch.syspath_prepend(str(ROOT / "apps"))  # (apps/ppo.py: an app, on the path as every loaded app's dir)
+    monkeypatch.setattr(_app, "APP_DIRS", [str(ROOT / "apps")])
     assert load_algorithm("ppo").__name__ == "reactor.algos.ppo"
 
 

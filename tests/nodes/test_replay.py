@@ -518,6 +518,20 @@ def test_malformed_figures_drop_the_reply_and_a_flood_of_them_is_not_a_flood_of_
     assert sum(r.n for r in out) == 8
 
 
+def test_whole_episodes_in_a_reply_are_no_malformed_reply():
+    """EpisodeRead's data is every episode's steps one after another and their lengths [n]: the reply
+    check took each such reply for malformed (a field not of the keys' length) and drew it again, for
+    ever (the review, session 55). A field that is neither n nor the episodes' steps long still is."""
+    client = ReplayClient(1, timeout_s=None)
+    (req,) = client.request(4)
+    episodes = {"x": np.arange(10), "lengths": np.array([1, 2, 3, 4])}
+    out, batch = client.receive(_four(req, data=episodes))
+    assert out == [] and batch is not None and batch.data["x"].shape[0] == 10 and len(batch.keys) == 4
+    (req,) = client.request(4)
+    (again,), batch = client.receive(_four(req, data={**episodes, "x": np.arange(9)}))
+    assert batch is None and client.malformed_replies == 1
+
+
 def test_a_shard_whose_every_reply_is_malformed_is_taken_for_lost_not_asked_again_for_ever(monkeypatch):
     """Each malformed reply's sample was drawn again: a shard whose every reply was malformed kept the
     learner spinning with no batch, one log line in a thousand (the review, session 55). Past

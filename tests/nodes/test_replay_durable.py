@@ -11,7 +11,7 @@ import torch
 
 from reactor import Action, Graph, Input, Output, Reactor, reaction, run, startup
 from reactor.nodes import Replay, Steps, requester_key, shard_key
-from reactor.nodes.messages import MassRequest, ReplayReply, ReplayRequest
+from reactor.nodes.messages import MassRequest, ReplayReply, ReplayRequest, SampleRequest
 from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table, Uniform
 from reactor.replay.checkpoint import CheckpointCancelled, complete_checkpoints
 
@@ -253,3 +253,50 @@ def test_a_restore_that_runs_out_of_memory_is_one_line_and_leaves_the_checkpoint
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.startswith("replay[0]: restoring the replay checkpoint in ") and "ran out of memory" in p.stdout, (
         p.stdout, p.stderr[-2000:])
+
+
+class _Deadlocker(Reactor):
+    """Inserts 1 item, samples 1, then inserts 2 (which SampleToInsertRatio(1.5, 1, (0, 3)) can never
+    admit: no sample is allowed to make room), then 1 more."""
+
+    steps = Output(Steps)
+    requests = Output(ReplayRequest)
+    replies = Input(ReplayReply)
+    go = Action()
+
+    @reaction(triggers=[startup], effects=[go])
+    def begin(self) -> None:
+        self.go.schedule(0)
+
+    @reaction(triggers=[go], effects=[steps, requests, go])
+    def step(self, go: int) -> None:
+        if go == 1:
+            self.requests.send(SampleRequest(0, 0, 1, 1))
+        else:
+            n = {0: 1, 2: 2, 3: 1}[go]
+            self.steps.send(Steps(0, 0, go, {"x": np.full(n, go, dtype=np.int64)}, np.ones(n, dtype=bool)))
+        if go < 3:
+            self.go.schedule(go + 1, delay_s=1e-3)
+
+    @reaction(triggers=[replies])
+    def take(self, replies: ReplayReply) -> None:
+        pass
+
+
+def test_an_insert_no_sample_can_ever_make_room_for_is_refused_by_the_shard_not_parked_for_good(caplog):
+    """RateLimiter.never_inserts reasons with the diff's real bound; with a fractional samples_per_insert
+    the integer rule of samples can leave an insert that nothing admits (the review, session 55): the
+    shard parked it for good, and every later insert behind it. It now refuses it (logged, acked)."""
+    import logging
+
+    g = Graph()
+    d = g.add(_Deadlocker(), name="driver")
+    limiter = {"type": "SampleToInsertRatio", "samples_per_insert": 1.5, "min_size": 1, "error_buffer": [0.0, 3.0]}
+    r = g.add(Replay([("x", (), "int64")], 64, rate_limiter=limiter), name="replay", replicas=1)
+    g.connect(d.steps, r.steps, key=shard_key)
+    g.connect(d.requests, r.requests, key=shard_key)
+    g.connect(r.replies, d.replies, key=requester_key, delay_s=1e-6)
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        run(g)
+    said = [m for m in caplog.messages if "can never admit it here" in m]
+    assert len(said) == 1 and "flush 2" in said[0], caplog.messages

@@ -425,7 +425,7 @@ def test_nan_rewards_are_said_and_the_summary_stays_strict_json(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--set", "env=bad_envs:WrongShape-v0",
-         "max_env_steps=1500", "min_size=200", "live=False", "target_return=None", "eval_every_updates=100",
+         "max_env_steps=600", "min_size=100", "live=False", "target_return=None", "eval_every_updates=50",
          f"run_dir='{run_dir}'"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert p.returncode == 0, p.stderr[-3000:]

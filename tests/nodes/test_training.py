@@ -405,7 +405,7 @@ def test_many_envs_ending_together_still_get_their_inserts_past_the_rate_limiter
     message an actor can send (the bound the capacity check uses)."""
     td3 = str(ROOT / "apps" / "td3.py")
     _run(td3, {"envs_per_actor": 16, "max_env_steps": 4000, "target_return": None, "live": False,
-               "run_dir": str(tmp_path)})
+               "samples_per_insert": 32.0, "run_dir": str(tmp_path)})  # (an eighth of the updates: the insert is the point)
     s = _summary(tmp_path)
     assert s["env_steps"] == 4000 and s["updates"] > 0, s
 

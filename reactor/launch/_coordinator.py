@@ -748,7 +748,8 @@ class _Session:
                 self.ep.send_nowait(self.failed, ("exit",))
             # Its own shutdown reactions ran meanwhile; it leaves once they end (the reaping's SIGTERM
             # cut them short).
-            while self.failed not in self.workers.dead() and loop.time() < max(end, loop.time() + 1.0):
+            until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
+            while self.failed not in self.workers.dead() and loop.time() < until:
                 await asyncio.sleep(0.02)
 
     def _also_failed(self, peer: str, msg: Any) -> None:

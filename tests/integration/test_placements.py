@@ -336,6 +336,19 @@ def test_a_failed_shutdown_reaction_fails_the_run_once_the_others_ran(tmp_path, 
     assert done.read_text() == "quiescence"
 
 
+@pytest.mark.timeout(90)
+def test_a_failed_worker_whose_shutdown_never_ends_does_not_keep_its_run_from_ending():
+    """The coordinator waits for the failed worker to end after its "exit": a bound re-read each round
+    (max(end, now + 1)) never came, so a shutdown reaction that did not end held the run (the last
+    read of session 55). It waits FAILURE_STOP_S, then reaps it."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "failing_source.py"), "--placement",
+                        "processes", "--async", "--set", "shutdown_s=600"], capture_output=True, text=True,
+                       timeout=80, cwd=ROOT)
+    assert p.returncode == 1 and "ValueError: source broke" in p.stderr, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+
+
 def test_the_report_of_a_stopping_run_names_the_signal_that_stops_it_at_once():
     """(A review, session 52: a daemon's job, stopped by SIGTERM, was told "Ctrl-C again".)"""
     assert _coordinator.stopping_report(["sink"], [signal.SIGINT]) == (

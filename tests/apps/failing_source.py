@@ -1,0 +1,40 @@
+"""Test app: a source that raises at its start, whose shutdown reaction then takes ``shutdown_s``
+(a failed worker's shutdown that never ends must not keep its run from ending)."""
+
+from __future__ import annotations
+
+import time
+
+from reactor import Graph, Input, Output, Reactor, reaction, shutdown, startup
+
+
+class Source(Reactor):
+    out = Output(int)
+
+    def __init__(self, shutdown_s: float) -> None:
+        self.shutdown_s = shutdown_s
+
+    @reaction(triggers=[startup], effects=[out])
+    def emit(self) -> None:
+        self.out.send(1)
+        raise ValueError("source broke")
+
+    @reaction(triggers=[shutdown])
+    def slow(self) -> None:
+        time.sleep(self.shutdown_s)
+
+
+class Sink(Reactor):
+    inp = Input(int, required=True)
+
+    @reaction(triggers=[inp])
+    def take(self, inp: int) -> None:
+        pass
+
+
+def build(config: dict) -> Graph:
+    g = Graph()
+    src = g.add(Source(float(config.get("shutdown_s", 0.0))), name="source")
+    sink = g.add(Sink(), name="sink")
+    g.connect(src.out, sink.inp)
+    return g

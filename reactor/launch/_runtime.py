@@ -379,16 +379,27 @@ def _run_beside_a_loop(graph: Graph, kwargs: dict[str, Any]) -> RunResult:
         finally:
             started.set()
 
+    def stop_run() -> None:
+        started.wait()
+        if "loop" in box:
+            box["loop"].call_soon_threadsafe(box["task"].cancel)
+        thread.join()
+
+    # The caller's task, when it is cancelled meanwhile: asyncio.run's (and asyncio.Runner's) Ctrl-C
+    # cancels its main task rather than raising KeyboardInterrupt, and that task is blocked here, so the
+    # cancellation could only land once the run had ended: Ctrl-C did nothing until then.
+    caller = asyncio.current_task()
+    cancels = caller.cancelling() if caller is not None else 0
     thread = threading.Thread(target=target, name="reactor-run", daemon=True)
     thread.start()
     try:
         while thread.is_alive():
             thread.join(0.1)
+            if caller is not None and caller.cancelling() > cancels:
+                stop_run()
+                raise asyncio.CancelledError
     except KeyboardInterrupt:
-        started.wait()
-        if "loop" in box:
-            box["loop"].call_soon_threadsafe(box["task"].cancel)
-        thread.join()
+        stop_run()
         raise
     if "error" in box:
         raise box["error"]

@@ -153,9 +153,14 @@ async def run_async(
         from ._coordinator import run_processes
 
         if app is None:  # a graph from a @graph_builder: workers rebuild it from the builder's record
-            from ._app import builder_app
+            from ._app import build_graph, builder_app
 
             app, config = builder_app(graph)
+            # The workers build it now, not when the caller did: what the builder refuses now (the run
+            # directory of this very graph's earlier run: a notebook's cell run again) is refused here,
+            # as under "single", not in every worker (each printed its traceback, and the caller got
+            # WorkerFailedError: 'worker exited with status 1').
+            build_graph(app, config)
 
         return await run_processes(
             graph,

@@ -233,3 +233,16 @@ def test_ctrl_c_stops_a_run_called_from_a_coroutine_under_asyncio_run(tmp_path):
             p.kill()
             p.wait()
     assert p.returncode == 0 and "interrupted after" in out, out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_graph_run_again_into_its_own_earlier_runs_directory_is_refused_in_one_error_under_actors(tmp_path):
+    """A notebook's cell that runs the same graph again: under "single" its run directory (now holding the
+    first run) is refused with a ValueError; under "actors" every worker refused it while rebuilding the
+    graph, printed its traceback and exited, and the caller got WorkerFailedError (a newcomer's pass, h3)."""
+    g = off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path / "nb"), algo_config={"hidden": 16},
+                         actors=1, shards=1, max_env_steps=100, min_size=64, eval_episodes=1, live=False)
+    reactor.run(g)
+    assert (tmp_path / "nb" / "run.json").is_file()
+    with pytest.raises(ValueError, match=r"^run directory .*nb holds an earlier run"):
+        reactor.run(g, placement="actors")

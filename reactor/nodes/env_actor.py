@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,8 @@ class EnvActor(Reactor):
                         ("report_every", report_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EnvActor {what} must be an int >= 1, got {v!r}")
-        if not step_s > 0:
-            raise ValueError(f"EnvActor step_s must be > 0, got {step_s!r}")
+        if isinstance(step_s, bool) or not isinstance(step_s, numbers.Real) or not step_s > 0:
+            raise ValueError(f"EnvActor step_s must be a number of seconds > 0, got {step_s!r:.100}")
         if max_unacked is not None and (isinstance(max_unacked, bool) or not isinstance(max_unacked, int)
                                         or max_unacked < 1):
             raise ValueError(f"EnvActor max_unacked must be None or an int >= 1, got {max_unacked!r}")

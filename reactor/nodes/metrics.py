@@ -39,6 +39,7 @@ import csv
 import json
 import logging
 import math
+import numbers
 import os
 import sys
 import time
@@ -104,6 +105,11 @@ class Metrics(Reactor):
         env_step_budget: int | None = None,
         budget_end: str = "the learner took what the replay allowed",
     ) -> None:
+        # (a string's target, given to a builder from Python, failed the run at its first evaluation: a
+        # TypeError comparing the return with it)
+        if target_return is not None and (isinstance(target_return, bool) or not isinstance(target_return, numbers.Real)
+                                          or math.isnan(target_return)):
+            raise ValueError(f"Metrics target_return must be a number or None, got {target_return!r:.100}")
         self.run_dir = run_dir
         self.resume = resume
         self.console = console

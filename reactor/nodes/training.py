@@ -128,6 +128,8 @@ def off_policy_graph(
             eval_every_updates=eval_every_updates, eval_episodes=eval_episodes, flush_steps=flush_steps,
             max_unacked=max_unacked, max_env_steps=max_env_steps)
     _counts("off_policy_graph", 0, min_size=min_size, prefetch=prefetch, checkpoint_every=checkpoint_every)
+    _flags("off_policy_graph", seed=seed, resume=resume, prioritized=prioritized, colocated=colocated,
+           replay_wal=replay_wal, live=live)
     if isinstance(samples_per_insert, (bool, np.bool_)) or not isinstance(samples_per_insert, (int, float, np.number)) \
             or not 0 < samples_per_insert < math.inf:  # (before the limiter's error buffer is made of it)
         raise ValueError(f"off_policy_graph: samples_per_insert must be a number > 0 and finite, got "
@@ -226,6 +228,16 @@ def _counts(builder: str, low: int, **named: Any) -> None:
                              f", got {v!r:.100}")
 
 
+def _flags(builder: str, *, seed: int, **flags: Any) -> None:
+    """Raise ``ValueError`` naming a flag that is not a bool (``resume="False"`` resumed), or a seed that is
+    not an int: from Python, with no Config to type them as the apps' ``--set`` does."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{builder}: seed must be an int, got {seed!r:.100}")
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{builder}: {name} must be True or False, got {v!r:.100}")
+
+
 def _per_actor(max_env_steps: int | None, actors: int) -> int | None:
     return None if max_env_steps is None else -(-max_env_steps // actors)
 
@@ -271,6 +283,7 @@ def on_policy_graph(
     _counts("on_policy_graph", 1, actors=actors, envs_per_actor=envs_per_actor, eval_every_updates=eval_every_updates,
             eval_episodes=eval_episodes, max_env_steps=max_env_steps)
     _counts("on_policy_graph", 0, checkpoint_every=checkpoint_every)
+    _flags("on_policy_graph", seed=seed, resume=resume, live=live)
     algo_mod = load_algorithm(algo)
     if algo_mod.KIND != "on_policy":
         raise ValueError(f"on_policy_graph needs an on-policy algorithm; {algo!r} is {algo_mod.KIND!r} "

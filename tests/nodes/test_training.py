@@ -417,6 +417,13 @@ def test_many_envs_ending_together_still_get_their_inserts_past_the_rate_limiter
     ("off_policy_graph", {"prefetch": -1}, "off_policy_graph: prefetch must be an int >= 0, got -1"),
     ("off_policy_graph", {"shards": True}, "off_policy_graph: shards must be an int >= 1, got True"),
     ("on_policy_graph", {"envs_per_actor": 0}, "on_policy_graph: envs_per_actor must be an int >= 1, got 0"),
+    # (h3: a string target failed the run at its first evaluation, a TypeError; resume="False" resumed; a
+    # string step_s was a TypeError from inside EnvActor; a string seed reached the learner)
+    ("off_policy_graph", {"target_return": "475"}, "Metrics target_return must be a number or None, got '475'"),
+    ("on_policy_graph", {"target_return": float("nan")}, "Metrics target_return must be a number or None, got nan"),
+    ("off_policy_graph", {"resume": "False"}, "off_policy_graph: resume must be True or False, got 'False'"),
+    ("on_policy_graph", {"seed": "1"}, "on_policy_graph: seed must be an int, got '1'"),
+    ("off_policy_graph", {"step_s": "1e-6"}, "EnvActor step_s must be a number of seconds > 0, got '1e-6'"),
 ])
 def test_the_graph_builders_refuse_counts_out_of_range_naming_them(builder, kw, message):
     """Regression (a newcomer's pass over the Python API, session 52): off_policy_graph(actors=0,

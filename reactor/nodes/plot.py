@@ -25,24 +25,44 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, *, x: str = "en
 
     Args:
         run_dir: a directory written by the Metrics node (it reads ``metrics.csv``).
-        out: the PNG's path (default ``RUN_DIR/curves.png``).
+        out: the PNG's path (default ``RUN_DIR/curves.png``; without a suffix, ``.png`` is added; another
+            suffix matplotlib writes, ``.svg`` or ``.pdf``, chooses that format).
         x: ``"env_steps"`` or ``"wall"`` (seconds since training started).
         target: the return to mark with a line (None: none; default: the run's ``target_return``
             from its ``summary.json``, when it has one).
 
     Returns:
-        The path of the PNG.
+        The path of the file written.
 
     Raises:
-        FileNotFoundError: ``run_dir`` has no ``metrics.csv``.
-        ValueError: the CSV holds no return values to plot, or ``x`` is not one of :data:`X_AXES`.
+        FileNotFoundError: ``run_dir`` has no ``metrics.csv``, or ``out``'s directory does not exist.
+        IsADirectoryError: ``out`` is a directory.
+        ValueError: the CSV holds no return values to plot, ``x`` is not one of :data:`X_AXES`, or ``out``'s
+            suffix is not a format matplotlib writes.
     """
     fig = curves(run_dir, x=x, target=target)
     import matplotlib.pyplot as plt
 
-    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+        # What savefig did with an ``out`` it cannot take: a missing directory or no permission was a
+        # traceback from PIL ("the run failed"); a path without a suffix (or a directory's) got ".png"
+        # added, and the path printed was not the file written.
+        if out.is_dir():
+            raise IsADirectoryError(f"{out} is a directory: name the image file to write (e.g. {out / 'curves.png'})")
+        if not out.suffix:
+            out = out.with_suffix(".png")
+        formats = fig.canvas.get_supported_filetypes()
+        if out.suffix[1:].lower() not in formats:
+            raise ValueError(f"{out}: matplotlib writes no {out.suffix!r} files; name a .png (or {', '.join(sorted(formats))})")
+        if not out.parent.is_dir():
+            raise FileNotFoundError(f"{out}: its directory {out.parent} does not exist")
+        try:
+            fig.savefig(out, dpi=100)
+        except OSError as e:  # (no permission, a full disk: said as reactor's, in one line)
+            raise type(e)(e.errno, f"cannot write {out}: {e.strerror}") if e.errno else type(e)(f"cannot write {out}: {e}") from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -546,3 +546,24 @@ def test_a_metrics_csv_of_another_shape_is_one_line_naming_the_file_and_line(tmp
     assert re.match(rf"^reactor: {re.escape(str(tmp_path))}/{message}", p.stderr.strip()), p.stderr
     assert not (tmp_path / "curves.png").exists()
 
+
+
+def test_reactor_plot_says_in_one_line_what_is_wrong_with_its_out_path_and_prints_the_file_it_wrote(tmp_path):
+    """A newcomer's pass (h3): `-o missing/dir/c.png` was PIL's FileNotFoundError traceback and "reactor: the
+    run failed"; `-o somewhere` (no suffix, or a directory: the run's own) wrote somewhere.png and printed
+    `somewhere`; `-o c.txt` was matplotlib's traceback."""
+    run(_graph(tmp_path / "run", actors=1))
+
+    def plot(out: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path / "run"), "-o", out],
+                              capture_output=True, text=True, timeout=60)
+
+    for out, words in ((tmp_path / "no" / "c.png", f"reactor: {tmp_path / 'no' / 'c.png'}: its directory "),
+                       (tmp_path / "run", f"reactor: {tmp_path / 'run'} is a directory: name the image file"),
+                       (tmp_path / "c.txt", f"reactor: {tmp_path / 'c.txt'}: matplotlib writes no '.txt' files")):
+        p = plot(str(out))
+        assert p.returncode == 2 and p.stderr.startswith(words) and len(p.stderr.splitlines()) == 1, p.stderr
+    assert not (tmp_path / "run.png").exists()
+    p = plot(str(tmp_path / "curves"))
+    assert p.returncode == 0 and p.stdout.strip() == str(tmp_path / "curves.png"), p.stderr
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

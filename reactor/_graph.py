@@ -12,6 +12,7 @@ import sys
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from ._errors import GraphError
@@ -393,7 +394,10 @@ F = typing.TypeVar("F", bound=Callable[..., Any])
 def plain_scalars(value: Any, depth: int = 0) -> Any:
     """``value`` with each numpy scalar of a number, a bool or a string as the Python value it holds
     (a sweep's ``np.linspace`` gives ``np.float64``, a seed from ``rng.integers`` ``np.int64``), inside
-    lists, tuples and dicts too; anything else as is (a numpy array too: what takes it checks it)."""
+    lists, tuples and dicts too; a ``pathlib`` path (a ``run_dir``) as its string, the workers' data; anything
+    else as is (a numpy array too: what takes it checks it)."""
+    if isinstance(value, PurePath):  # (it ran under "single", and was refused under "actors": not plain data)
+        return str(value)
     np = sys.modules.get("numpy")
     if np is None:  # (no numpy imported: no numpy scalar exists, and core imports none)
         return value
@@ -418,7 +422,8 @@ def graph_builder(fn: F) -> F:
     dicts of them; tuples arrive as lists): they cross to the workers as data, never pickled. Both are
     checked when a multi-process run starts, and so is that the graph was not changed after. A numpy
     scalar argument (a sweep's ``np.int64``), alone or inside a list, tuple or dict, reaches the
-    function as the Python value it holds (:func:`plain_scalars`), here as in every worker.
+    function as the Python value it holds (:func:`plain_scalars`), here as in every worker; so does a
+    ``pathlib`` path, as its string.
 
     Example:
         >>> @graph_builder

@@ -246,3 +246,11 @@ def test_a_graph_run_again_into_its_own_earlier_runs_directory_is_refused_in_one
     assert (tmp_path / "nb" / "run.json").is_file()
     with pytest.raises(ValueError, match=r"^run directory .*nb holds an earlier run"):
         reactor.run(g, placement="actors")
+
+
+def test_a_pathlib_run_dir_crosses_to_the_workers_as_its_string(tmp_path):
+    """off_policy_graph(run_dir=Path(...)) ran under "single" and was refused under "actors" ("argument
+    'run_dir' (PosixPath) cannot cross to the workers as data"): a newcomer's pass (h3)."""
+    g = _brief(tmp_path / "nb")  # (a Path, not str(...))
+    _, config = builder_app(g)
+    assert config["arguments"]["run_dir"] == str(tmp_path / "nb")

@@ -94,7 +94,7 @@ class Update:
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--capacity", type=int, default=1 << 18, help="steps over all shards (default 256K)")
     ap.add_argument("--reps", type=int, default=5)

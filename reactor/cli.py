@@ -70,18 +70,22 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
     g = sub.add_parser("graph", help="print an app's topology", description="Print the graph as text and Mermaid.")
-    g.add_argument("app")
-    g.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
-    g.add_argument("--format", choices=("text", "mermaid", "both"), default="both")
+    g.add_argument("app", help="path of an app file defining build(config) -> Graph")
+    g.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="set config fields of the app or its algorithm, as for run (repeatable)")
+    g.add_argument("--format", choices=("text", "mermaid", "both"), default="both",
+                   help="text (reactors and links), mermaid (a flowchart), or both (default)")
 
     t = sub.add_parser("trace", help="inspect trace files", description="Show or compare recorded schedules.")
     tsub = t.add_subparsers(dest="trace_command", required=True)
     ts = tsub.add_parser("show", help="summarize a trace")
-    ts.add_argument("trace")
+    ts.add_argument("trace", help="a trace file (reactor run --async --record)")
     ts.add_argument("--limit", type=int, default=20, help="events listed per reactor")
-    td = tsub.add_parser("diff", help="first divergence per reactor between two traces")
-    td.add_argument("a")
-    td.add_argument("b")
+    td = tsub.add_parser("diff", help="first divergence per reactor between two traces",
+                         description="Print the first divergence per reactor between two traces; exit status 0 "
+                                     "when they are identical, 1 when they differ (as diff's).")
+    td.add_argument("a", help="a trace file (reactor run --async --record)")
+    td.add_argument("b", help="another trace file")
 
     pl = sub.add_parser("plot", help="plot a run's learning curves",
                         description="Write a PNG of the learning curves in a run directory.")
@@ -144,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     sl = sub.add_parser("slurm", help="run an app on a Slurm allocation: sbatch starts a daemon per node",
                         description="Submit an app to Slurm: one reactor daemon per node (or per task) started by "
                                     "srun with keys made for the job, the app run over them; prints Slurm's job id.")
-    sl.add_argument("app")
+    sl.add_argument("app", help="path of an app file defining build(config) -> Graph")
     sl.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
     sl.add_argument("--tasks-per-node", type=int, default=1, help="daemons per node (default 1)")
     sl.add_argument("--partition", default=None)
@@ -160,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="Start one reactor daemon per Ray node (actors in a STRICT_SPREAD placement "
                                     "group), run the app over them from here, stop them. Ray starts processes; the "
                                     "data stays on reactor's links.")
-    ry.add_argument("app")
+    ry.add_argument("app", help="path of an app file defining build(config) -> Graph")
     ry.add_argument("--address", default="auto",
                     help="the Ray cluster: auto (the one this machine belongs to), ray://HOST:PORT, or local "
                          "(start a one-node Ray here) (default auto)")
@@ -174,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="Fill in reactor/launch/kubernetes/: a Secret with a CURVE key pair made now, "
                                       "a StatefulSet of REPLICAS daemons behind a headless Service, the app in a "
                                       "ConfigMap, and a Job that runs it over the daemons.")
-    kr.add_argument("app")
+    kr.add_argument("app", help="path of an app file defining build(config) -> Graph")
     kr.add_argument("--replicas", type=int, default=3, help="daemons (pods) (default 3)")
     kr.add_argument("--image", default="reactor:latest", help="an image with reactor installed (deploy/Dockerfile)")
     kr.add_argument("--name", default="reactor", help="the prefix of every object's name (default reactor)")
@@ -185,19 +189,24 @@ def _parser() -> argparse.ArgumentParser:
     kr.add_argument("--out", default=None, metavar="FILE", help="write here instead of stdout")
     for parser in (sl, ry, kr):  # the run's options, as `reactor run` takes them
         parser.add_argument("--placement", default="actors", help="a distribution policy: actors, colocated, dp-learners")
-        parser.add_argument("--async", dest="async_", action="store_true")
-        parser.add_argument("--restart", default=None, metavar="POLICY")
-        parser.add_argument("--seed", type=_seed_arg, default=0)
-        parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
-        parser.add_argument("--with", dest="files", action="append", default=[], metavar="FILE")
+        parser.add_argument("--async", dest="async_", action="store_true", help="as for run: async mode")
+        parser.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
+        parser.add_argument("--seed", type=_seed_arg, default=0, help="run seed (default 0)")
+        parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                            help="as for run: config fields of the app or its algorithm (repeatable)")
+        parser.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
+                            help="a file the app needs beside it, shipped to every host (repeatable)")
 
-    su = sub.add_parser("submit", help="run an app as a job on a daemon; prints the job id")
-    su.add_argument("app")
+    su = sub.add_parser("submit", help="run an app as a job on a daemon; prints the job id",
+                        description="Hand an app to a daemon as a job that runs there without this command "
+                                    "(reactor status, logs and stop follow it); prints the job id.")
+    su.add_argument("app", help="path of an app file defining build(config) -> Graph (sent with the job)")
     su.add_argument("--placement", default="single", help="as for run; a placement file travels with the job")
     su.add_argument("--hosts", default=None, metavar="FILE", help="as for run; travels with the job")
-    su.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
-    su.add_argument("--seed", type=_seed_arg, default=0)
-    su.add_argument("--async", dest="async_", action="store_true")
+    su.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="as for run: config fields of the app or its algorithm (repeatable)")
+    su.add_argument("--seed", type=_seed_arg, default=0, help="run seed (default 0)")
+    su.add_argument("--async", dest="async_", action="store_true", help="as for run: async mode")
     su.add_argument("--restart", default=None, metavar="POLICY", help="as for run (async runs)")
     su.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                     help="a file the app needs beside it (repeatable)")

@@ -355,7 +355,8 @@ class Metrics(Reactor):
 _RUNTIME_STOPS = {
     "signal": "a signal (Ctrl-C or SIGTERM)",
     "failure": "the run failed (its error names the worker or reaction)",
-    "terminated": "this node's process was ended from outside (SIGTERM)",
+    "terminated": "this node's process was ended from outside (SIGTERM), or reactor.run was interrupted where a loop "
+                  "runs (a notebook's stop button)",
     "stop_time": "the run's stop time (--stop-s)",
     "request": "a node asked the run to stop",
     "replay": "the replay reached the end of its recording",

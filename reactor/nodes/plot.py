@@ -78,6 +78,9 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory at {str(run_dir)!r}")
     if not path.is_file():
+        if (run_dir / "run.json").is_file():  # (a run's directory, made as it starts: "is it one?" misled)
+            raise FileNotFoundError(f"{run_dir} has no metrics.csv yet: its run (run.json) has not started its "
+                                    f"metrics; plot it again in a moment")
         raise FileNotFoundError(f"{run_dir} has no metrics.csv: is it a run directory written by a training app?")
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     # A file of another shape, a value that is not a number or bytes that are not text is one line

@@ -567,3 +567,17 @@ def test_reactor_plot_says_in_one_line_what_is_wrong_with_its_out_path_and_print
     p = plot(str(tmp_path / "curves"))
     assert p.returncode == 0 and p.stdout.strip() == str(tmp_path / "curves.png"), p.stderr
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reactor_plot_of_a_run_that_is_starting_says_it_has_no_metrics_yet(tmp_path):
+    """A run's directory holds run.json before its metrics.csv: plotting it then asked "is it a run directory
+    written by a training app?" (a newcomer's pass, h3)."""
+    from reactor._runclaim import claim_run_dir
+    from reactor.nodes.plot import curves
+
+    claim = claim_run_dir(tmp_path / "run", "a-run-id", resume=False, who="metrics")  # what a starting run holds
+    try:
+        with pytest.raises(FileNotFoundError, match=r"has no metrics\.csv yet: its run \(run\.json\) has not started"):
+            curves(tmp_path / "run")
+    finally:
+        claim.release()

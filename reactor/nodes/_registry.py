@@ -155,7 +155,10 @@ def make_env(name: str) -> Any:
     from ..algos import envs
 
     if not isinstance(name, str) or not name:
-        raise ValueError(f"env must be a gymnasium id such as 'CartPole-v1', got {name!r}")
+        # (a lambda or an env object, natural in a notebook, was refused without a word of what to do instead)
+        raise ValueError(f"env must be a gymnasium id such as 'CartPole-v1', or 'module:Id' for an env of your own "
+                         f"that an importable module registers (every process makes its envs by id: an env object or "
+                         f"a function that makes one cannot cross to them; docs/guide.md section 3), got {name!r:.200}")
     try:
         return envs.make_env(name)
     except ImportError as e:

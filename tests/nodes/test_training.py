@@ -457,3 +457,13 @@ def test_the_graph_builders_take_numpy_scalars_as_the_python_numbers_they_hold(t
                     algo_config={"rollout_length": np.int64(64), "lr": np.float64(3e-4)})
     with pytest.raises(ValueError, match=r"^off_policy_graph: actors must be an int >= 1, got array\(\[2\]\)$"):
         off_policy_graph(algo="dqn", env="CartPole-v1", run_dir=str(tmp_path / "arr"), actors=np.array([2]))
+
+
+def test_an_env_given_as_a_function_or_an_object_is_refused_saying_how_to_name_ones_own():
+    """A notebook's natural off_policy_graph(env=lambda: gym.make(...)) was refused as "env must be a gymnasium
+    id such as 'CartPole-v1'", with no word of the module:Id form an env of one's own takes (h3)."""
+    from reactor.nodes.training import off_policy_graph
+
+    with pytest.raises(ValueError, match=r"^env must be a gymnasium id such as 'CartPole-v1', or 'module:Id' for an "
+                                         r"env of your own .* got <function .*<lambda>"):
+        off_policy_graph(algo="dqn", env=lambda: None, run_dir="unused")

@@ -243,7 +243,23 @@ def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
                              f"(plain numbers, strings, booleans, None, lists, tuples and dicts with string keys)")
     # (Python put the script's directory first on this process's path, not on the workers': a module
     # beside the script that this process imports failed to import there, behind 180 lines of tracebacks.)
-    here = sys.path[0] if sys.path and sys.path[0] and os.path.isabs(sys.path[0]) else None
-    path = [here, *APP_DIRS] if here is not None and os.path.isdir(here) else list(APP_DIRS)
+    here = script_dir()
+    path = [here, *APP_DIRS] if here is not None else list(APP_DIRS)
     return str(BUILDER_APP), {"builder": name, "arguments": arguments, "path": path}
+
+
+def script_dir() -> str | None:
+    """The directory of the script this process runs, where Python put it first on ``sys.path`` (an
+    absolute directory), else None (``python -c``, a notebook's kernel)."""
+    here = sys.path[0] if sys.path and sys.path[0] and os.path.isabs(sys.path[0]) else None
+    return here if here is not None and os.path.isdir(here) else None
+
+
+def note_script_dir() -> None:
+    """A run of a script's graph in this process (no app file, placement ``single``): its directory joins
+    :data:`SCRIPT_DIRS`, as in the workers of a multi-process run (``_builder_app``), so the learner's
+    config.json records it alike and ``load_policy`` elsewhere imports a custom env's module from there."""
+    here = script_dir()
+    if here is not None and here not in SCRIPT_DIRS:
+        SCRIPT_DIRS.append(here)
 

@@ -180,6 +180,10 @@ async def run_async(
         )
     from .._trace import check_graph, graph_shape, read_trace, write_trace
 
+    if app is None and graph.built_by is not None:  # a script's graph: its directory, as its workers would note it
+        from ._app import note_script_dir
+
+        note_script_dir()
     recorder = Recorder() if record is not None else None
     replayer = None
     if replay is not None:

@@ -254,3 +254,50 @@ def test_a_pathlib_run_dir_crosses_to_the_workers_as_its_string(tmp_path):
     g = _brief(tmp_path / "nb")  # (a Path, not str(...))
     _, config = builder_app(g)
     assert config["arguments"]["run_dir"] == str(tmp_path / "nb")
+
+
+_CHAIN = """import gymnasium as gym
+import numpy as np
+
+
+class Chain(gym.Env):
+    observation_space = gym.spaces.Box(0.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.cell = 0
+        return np.eye(4, dtype=np.float32)[0], {}
+
+    def step(self, action):
+        self.cell = max(0, min(3, self.cell + (1 if action == 1 else -1)))
+        return np.eye(4, dtype=np.float32)[self.cell], float(self.cell == 3), self.cell == 3, False, {}
+
+
+gym.register("Chain4-v0", entry_point="my_envs:Chain", max_episode_steps=10)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_scripts_run_in_one_process_records_the_scripts_directory_for_load_policy(tmp_path):
+    """config.json's app_dirs (where load_policy, reactor eval, import a custom env's module from) held the
+    script's directory when the script ran its graph under "actors" (the workers note it) and not under
+    "single": `reactor eval` of the same run elsewhere failed, "No module named 'my_envs'" (h3)."""
+    import json
+    import subprocess
+    import sys
+
+    here = tmp_path / "project"
+    here.mkdir()
+    (here / "my_envs.py").write_text(_CHAIN)
+    (here / "script.py").write_text(
+        "import sys\nimport reactor\nfrom reactor.nodes.training import off_policy_graph\n\n"
+        "g = off_policy_graph(algo='dqn', env='my_envs:Chain4-v0', run_dir=sys.argv[1], algo_config={'hidden': 16},\n"
+        "                     actors=1, shards=1, max_env_steps=100, min_size=64, eval_episodes=1, live=False)\n"
+        "print(reactor.run(g).stopped_by)\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    p = subprocess.run([sys.executable, str(here / "script.py"), str(tmp_path / "run")], capture_output=True,
+                       text=True, timeout=100, cwd=elsewhere)
+    assert p.returncode == 0 and p.stdout.strip().endswith("quiescence"), p.stderr[-3000:]
+    assert str(here) in json.loads((tmp_path / "run" / "config.json").read_text())["app_dirs"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._graph import Graph
+from .._graph import Graph, plain_scalars
 from .._scheduler import ReactorHost, Recorder, Replayer
 from .._tag import seconds_to_ns
 from ._groups import restart_from_text
@@ -138,6 +138,17 @@ async def run_async(
     restart: str | None = None,
 ) -> RunResult:
     """Run ``graph`` to completion on the running event loop. See ``run`` for the arguments."""
+    # (from Python, with no command line to type them: deterministic="no" ran deterministic, seed=3.0 another
+    # run than seed=3, placement=None was a TypeError from pathlib)
+    if not isinstance(placement, (str, os.PathLike)):
+        raise ValueError(f"placement must be 'single', 'processes', a distribution policy (actors, colocated, "
+                         f"dp-learners) or a placement file's path, got {placement!r:.100}")
+    seed, deterministic = plain_scalars(seed), plain_scalars(deterministic)  # (a sweep's np.int64 seed: its int)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True or False, got {deterministic!r:.100}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r:.100}")
+    placement = os.fspath(placement)
     graph.validate()
     claim_run_id()
     check_settings(graph, placement=placement, deterministic=deterministic, record=record, replay=replay,

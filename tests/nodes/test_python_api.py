@@ -301,3 +301,20 @@ def test_a_scripts_run_in_one_process_records_the_scripts_directory_for_load_pol
                        text=True, timeout=100, cwd=elsewhere)
     assert p.returncode == 0 and p.stdout.strip().endswith("quiescence"), p.stderr[-3000:]
     assert str(here) in json.loads((tmp_path / "run" / "config.json").read_text())["app_dirs"]
+
+
+def test_run_refuses_a_placement_mode_or_seed_of_the_wrong_type_before_anything_starts():
+    """From Python there is no command line to type them: deterministic="no" ran a deterministic run,
+    placement=None was a TypeError from pathlib, seed=3.0 or True ran as another seed than 3 or 1 (h3). A
+    sweep's numpy seed is its int."""
+    import numpy as np
+
+    g = _sending(value=1)
+    for kw, words in (({"deterministic": "no"}, "deterministic must be True or False, got 'no'"),
+                      ({"placement": None}, "placement must be 'single', 'processes', a distribution policy"),
+                      ({"seed": 3.0}, "seed must be an int in [0, 2**63), got 3.0"),
+                      ({"seed": True}, "seed must be an int in [0, 2**63), got True"),
+                      ({"seed": -1}, "seed must be an int in [0, 2**63), got -1")):
+        with pytest.raises(ValueError, match=f"^{re.escape(words)}"):
+            reactor.run(g, **kw)
+    assert reactor.run(g, seed=np.int64(3), deterministic=np.True_).stopped_by == "quiescence"

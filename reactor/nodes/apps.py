@@ -98,6 +98,8 @@ class OffPolicyAppConfig(AppConfig):
     under --placement actors a longer delay lets an actor run further ahead of the learner's process."""
     eval_every_updates: int = 250
     """Learner updates between greedy evaluations."""
+    eval_episodes: int = 10
+    """Episodes per evaluation."""
     replay_checkpoint_period_s: float | None = 0.1
     """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
     100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
@@ -115,7 +117,7 @@ class OffPolicyAppConfig(AppConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _at_least(self, 1, "actors", "envs_per_actor", "shards", "learners", "batch_size", "weights_every",
-                  "eval_every_updates")
+                  "eval_every_updates", "eval_episodes")
         _at_least(self, 0, "min_size")
         _at_least(self, max(1, self.min_size), "capacity")  # (below min_size, learning never starts)
         if self.replay_remote_reads not in REMOTE_READS:
@@ -211,8 +213,8 @@ def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, ti
         learners=config.learners, capacity=config.capacity, min_size=config.min_size,
         prioritized=config.prioritized, samples_per_insert=config.samples_per_insert,
         batch_size=config.batch_size, weights_every=config.weights_every, weights_delay_s=config.weights_delay_s,
-        eval_every_updates=config.eval_every_updates, target_return=config.target_return,
-        max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
+        eval_every_updates=config.eval_every_updates, eval_episodes=config.eval_episodes,
+        target_return=config.target_return, max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
         resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
         replay_wal=config.replay_wal, replay_memory=config.replay_memory,
         replay_remote_reads=config.replay_remote_reads, device=config.device,

@@ -271,3 +271,15 @@ def test_an_app_tuple_field_takes_a_list_as_an_algorithms_config_does(tmp_path):
     assert (config.sizes, config.pair, config.maybe) == ((3, 4), (5, 6), (7, 8))
     with pytest.raises(AppError, match=r"^config key 'sizes' expects tuple, got 'x'$"):
         make_config(module, {"sizes": "x"})
+
+
+@pytest.mark.parametrize("app", ["dqn", "sac", "transformer_dqn"])
+def test_an_off_policy_apps_evaluations_take_eval_episodes(app):
+    """`--set eval_episodes=N` was an unknown key for the off-policy apps (a newcomer's pass, session 56),
+    though their graph builder takes it and the on-policy and offline apps had it."""
+    from reactor.launch._app import build_graph
+
+    assert build_graph(APPS / f"{app}.py", {}).nodes["evaluator"].prototype.episodes == 10
+    assert build_graph(APPS / f"{app}.py", {"eval_episodes": 3}).nodes["evaluator"].prototype.episodes == 3
+    with pytest.raises(ValueError, match=r"^config key 'eval_episodes' must be >= 1, got 0$"):
+        make_config(load_app(APPS / f"{app}.py"), {"eval_episodes": 0})

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -93,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("-o", "--out", default=None, help="the PNG's path (default RUN_DIR/curves.png)")
     pl.add_argument("--x", choices=("env_steps", "wall"), default="env_steps",
                     help="the x axis: env steps (default) or wall time since training started")
-    pl.add_argument("--target", type=float, default=None,
+    pl.add_argument("--target", type=_finite_arg, default=None,
                     help="the return to mark (default: the run's target_return from its summary.json)")
     pl.add_argument("--no-target", action="store_true", help="mark no target")
 
@@ -315,6 +316,14 @@ def _seconds_arg(text: str) -> float:
     if not 0 <= s < float("inf"):
         raise argparse.ArgumentTypeError(f"finite seconds >= 0 expected, got {text!r}")
     return s
+
+
+def _finite_arg(text: str) -> float:
+    """``plot --target``: a finite number (nan drew no line and said nothing; inf broke the axes)."""
+    x = _parsed_arg(text, float, "a number")
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"a finite number expected, got {_cut(text)}")
+    return x
 
 
 def _answer_seconds(text: str) -> float:

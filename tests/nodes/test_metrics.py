@@ -581,3 +581,11 @@ def test_reactor_plot_of_a_run_that_is_starting_says_it_has_no_metrics_yet(tmp_p
             curves(tmp_path / "run")
     finally:
         claim.release()
+
+
+@pytest.mark.parametrize("target", ["nan", "inf", "1e999"])
+def test_reactor_plot_refuses_a_target_that_is_not_a_finite_number(tmp_path, target):
+    """`--target nan` was taken and drew no line, in silence (a newcomer's pass, session 56)."""
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path), "--target", target],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and f"argument --target: a finite number expected, got '{target}'" in p.stderr, p.stderr

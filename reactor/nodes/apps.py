@@ -277,7 +277,8 @@ def offline_app_graph(config: OfflineAppConfig, *, algo: str, name: str, title: 
     evaluator = g.add(Evaluator(algo, config.env, merged, every_updates=config.eval_every_updates,
                                 episodes=config.eval_episodes), name="evaluator")
     metrics = g.add(Metrics(run_dir, target_return=config.target_return, live=config.live,
-                            title=f"{title} {config.env}", resume=config.resume), name="metrics")
+                            title=f"{title} {config.env}", resume=config.resume, update_budget=config.updates),
+                    name="metrics")
     g.connect(learner.weights, evaluator.weights)
     for src in (learner.report, evaluator.report):
         g.connect(src, metrics.reports, delay_s=1e-6)

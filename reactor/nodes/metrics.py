@@ -88,6 +88,8 @@ class Metrics(Reactor):
             when the run ended with it reached and no other reason; never acted on here.
         budget_end: what the learner did after the actors' budget, in that stop reason (an on-policy
             learner has no replay: ``"the learner learned on their last rollouts"``).
+        update_budget: the learner's own budget of updates (the offline app's ``updates``), named as
+            the stop reason when the run ended with it reached and no other reason; never acted on here.
     """
 
     reports = Input(Report, required=True)
@@ -104,6 +106,7 @@ class Metrics(Reactor):
         resume: bool = False,
         env_step_budget: int | None = None,
         budget_end: str = "the learner took what the replay allowed",
+        update_budget: int | None = None,
     ) -> None:
         # (a string's target, given to a builder from Python, failed the run at its first evaluation: a
         # TypeError comparing the return with it)
@@ -117,6 +120,7 @@ class Metrics(Reactor):
         self.max_env_steps = max_env_steps
         self.env_step_budget = env_step_budget
         self.budget_end = budget_end
+        self.update_budget = update_budget
         self.live = live
         self.title = title
         self.latest: dict[str, dict[str, float]] = {}
@@ -312,6 +316,10 @@ class Metrics(Reactor):
             self.stop_reason = (f"the actors' env-step budget reached ({int(steps):,} env steps, max_env_steps "
                                 f"{self.env_step_budget:,}{' on top of the resumed run' if self.budget_base else ''}), "
                                 f"and {self.budget_end}")
+        if not self.stop_reason and self.update_budget is not None and self.totals["updates"] >= self.update_budget:
+            # (an offline run that ran its updates said "nothing left to happen")
+            self.stop_reason = (f"the learner's update budget reached ({int(self.totals['updates']):,} updates, "
+                                f"updates {self.update_budget:,})")
         self.display.close(self._rows(wall))
         self.csv_file.flush()
         self._save_counts()

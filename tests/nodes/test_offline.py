@@ -86,6 +86,8 @@ def test_the_offline_app_learns_on_the_source_windows_and_its_policy_loads(sourc
                      r"on cpu \(torch kernels\)$", out, re.M), out
     s = json.loads((out_dir / "summary.json").read_text())
     assert s["updates"] == 120 and len(s["evaluations"]) >= 2 and r.stopped_by == "quiescence"
+    # (it said "nothing left to happen (every source of events had ended)")
+    assert s["stop_reason"] == "the learner's update budget reached (120 updates, updates 120)", s["stop_reason"]
     metrics = (out_dir / "metrics.csv").read_text()
     losses = [float(x) for x in re.findall(r",learner,loss,([-0-9.e]+)", metrics)]
     assert losses and all(np.isfinite(losses))

@@ -338,6 +338,7 @@ class Endpoint(_Receiving):
         self._name = name
         self._name_b = name_b
         self._curve = curve
+        self._curve_local = curve_local
         self._max_nbytes = max_message_nbytes
         self._window = credit_window
         self._window_nbytes = credit_window_nbytes
@@ -977,6 +978,10 @@ class Endpoint(_Receiving):
                 why = f"its connection was closed during the handshake ({errno.errorcode.get(value, value)})"
                 if link.welcomed.done():
                     reason = f"the peer vanished: {why}; its process was killed or exited"
+                elif not link.curve and not self._curve_local and _is_local(link.address):
+                    # A run's local links are plain on both sides (curve_local=False): no security
+                    # mismatch to suggest (it was said on every restarted peer killed again at once).
+                    reason = f"{why}: the peer's process exited or was killed"
                 else:
                     reason = (
                         f"{why}: the peer's process exited or was killed, or "

@@ -575,6 +575,41 @@ async def test_connecting_to_an_address_where_nobody_answers_raises_peer_lost(op
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("curve_local", [False, True])
+async def test_a_local_peer_that_closes_during_the_handshake_is_named_gone_and_curve_only_where_it_may_apply(
+        open_endpoint, tmp_path, curve_local):
+    """A socket that takes the connection and closes it (a restarted peer killed again at once). A run's
+    endpoints (curve_local=False: their local links are plain on both sides) said "or it requires CURVE
+    (this link has none; ...)" on every such restart (a chaos run, session 56); an endpoint that may serve
+    CURVE locally (the default) still says it may be a mismatch."""
+    import socket
+    import threading
+
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "closer.sock"))
+    server.listen(16)
+
+    def close_each() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    ep = await open_endpoint("a", f"ipc://{tmp_path}/a.sock", curve_local=curve_local)
+    try:
+        with pytest.raises(PeerLostError, match=r"closed during the handshake \(E[A-Z]+\): the peer's process exited "
+                                                r"or was killed") as caught:
+            await ep.connect("b", f"ipc://{tmp_path}/closer.sock", timeout_s=5)
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+    assert ("CURVE" in str(caught.value)) == curve_local, caught.value
+
+
+@pytest.mark.asyncio
 async def test_connecting_under_the_wrong_peer_name_is_refused(open_endpoint):
     b = await open_endpoint("b")
     a = await open_endpoint("a")

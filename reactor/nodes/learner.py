@@ -151,6 +151,15 @@ class _LearnerBase(Reactor):
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
         if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
             self._resume(torch)
+        elif self.restarts > 0:
+            # (it started again from fresh weights without a word: a run's progress lost in silence)
+            logging.getLogger("reactor.learner").warning(
+                "%s: started again (restart %d) with no checkpoint to resume from (%s): it learns again from fresh "
+                "weights; the replay and the actors go on from theirs", self.name, self.restarts,
+                "no run_dir" if self.ckpt is None else
+                f"none written yet: checkpoint_every = {self.checkpoint_every}" if self.checkpoint_every > 0 else
+                "checkpoint_every = 0 writes learner.pt only at the run's end; set checkpoint_every=N to resume from "
+                "every N updates")
         elif self.resume and self.ckpt is not None and self.restarts == 0:
             logging.getLogger("reactor.learner").warning(
                 "%s: resume=True, but %s holds no learner.pt (the earlier run was killed before it saved one: a run "

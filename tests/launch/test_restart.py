@@ -635,3 +635,26 @@ def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_a
         c.wait_no_workers()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(("checkpoint_every", "words"), [
+    (0, "checkpoint_every = 0 writes learner.pt only at the run's end; set checkpoint_every=N"),
+    (100, "none written yet: checkpoint_every = 100"),
+])
+def test_a_learner_started_again_with_no_checkpoint_says_it_learns_again_from_fresh_weights(
+        tmp_path, caplog, checkpoint_every, words):
+    """A restarted learner (restart policies) with no learner.pt to resume from started from fresh weights
+    in silence: a run's progress lost without a word (a chaos run, session 56: the learner killed before
+    its first checkpoint, and by default, checkpoint_every = 0, at any time)."""
+    import logging
+
+    from reactor.nodes.learner import Learner
+
+    learner = Learner("dqn", "CartPole-v1", {"hidden": 16}, run_dir=str(tmp_path / "run"),
+                      checkpoint_every=checkpoint_every)
+    learner.restarts = 1  # (what the scheduler sets in a restarted life)
+    with caplog.at_level(logging.WARNING, logger="reactor.learner"):
+        learner._setup(learner.algo_name, learner.env_name, learner.algo_config)
+    assert learner.updates == 0
+    said = [m for m in caplog.messages if "started again (restart 1) with no checkpoint to resume from" in m]
+    assert len(said) == 1 and words in said[0] and "learns again from fresh weights" in said[0], caplog.messages

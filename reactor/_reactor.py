@@ -493,6 +493,13 @@ class Reactor:
         ending (a stop heard mid-run sets it as the last events run)."""
         return getattr(self._host, "stop_reason", None)
 
+    def restart_loses(self) -> str:
+        """What a new life of this reactor (a restart policy, async runs) would start without, in words
+        (``"its learning: ..."``), or ``""`` when it resumes whole. Called on the graph's prototype before
+        the run starts: the coordinator warns of each reactor a group's restart policy covers that would
+        lose something, while there is still time to change a setting. The default: nothing to say."""
+        return ""
+
     def links_into(self, port: str) -> int:
         """How many of the graph's links deliver to this instance's input ``port`` (0: none). A
         node whose behaviour needs a connection the graph may lack checks it at startup."""

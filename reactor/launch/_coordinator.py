@@ -107,6 +107,7 @@ async def run_processes(
     # take a process that starts over; there a failure ends the run, as with "never".
     restartable = sorted(g.name for g in groups if g.restart.policy == "on-failure") \
         if not deterministic and replay is None else []
+    _warn_restart_losses(graph, [g for g in groups if g.name in restartable])
     if deterministic:
         check_lookahead(graph, groups, placement)
     if replay is not None:
@@ -335,6 +336,22 @@ class _LocalWorkers:
                 self.forks.close()
             else:
                 release_kept(self.forks)
+
+
+def _warn_restart_losses(graph: Graph, groups: Sequence[Group]) -> None:
+    """Say, before anything starts, each reactor a restart policy covers whose new life would start without
+    something (:meth:`Reactor.restart_loses`: a learner with checkpoint_every = 0 learned again from fresh
+    weights, in silence)."""
+    said = set()
+    for g in groups:
+        for instance in g.reactors:
+            node = instance.split("[", 1)[0]
+            if node in said or node not in graph.nodes:
+                continue
+            said.add(node)
+            loses = graph.nodes[node].prototype.restart_loses()
+            if loses:
+                log.warning("group %r restarts on failure, but %r would start again without %s", g.name, node, loses)
 
 
 class _Restarts:

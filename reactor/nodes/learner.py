@@ -170,6 +170,14 @@ class _LearnerBase(Reactor):
         if self.bank_size > 1:
             self._join_data_parallel()
 
+    def restart_loses(self) -> str:
+        if not self.run_dir:
+            return "its learning: with no run_dir it writes no learner.pt to resume from, and learns again from fresh weights"
+        if self.checkpoint_every <= 0:
+            return ("its learning: checkpoint_every = 0 writes learner.pt only at the run's end, so it learns again from "
+                    "fresh weights; set checkpoint_every=N to resume from every N updates")
+        return ""
+
     def _check_same_run(self) -> None:
         assert self.ckpt is not None
         try:

@@ -527,6 +527,14 @@ class Replay(Reactor):
         self._remote_sampling = {"table": self._sampling["table"], "op": REMOTE_SAMPLE_OP,  # type: ignore[index]
                                  "max_items": max_items}
 
+    def restart_loses(self) -> str:
+        if self.run_dir is None:
+            return "its steps: with no run_dir it keeps no checkpoint, and starts again empty"
+        if self.checkpoint_period_s is None and not self.wal:
+            return ("its steps: with no checkpoint_period_s (and no wal) it checkpoints only at the run's end, and "
+                    "starts again empty; set a period (replay_checkpoint_period_s) or wal")
+        return ""
+
     def _shared_arrays(self, sampler: Selector) -> SharedArrays | None:
         """Memory for the table's sampling state in a region of the bulk owner (one segment per
         array), if requesters may sample this table one-sidedly; else None (and why, logged)."""

@@ -658,3 +658,29 @@ def test_a_learner_started_again_with_no_checkpoint_says_it_learns_again_from_fr
     assert learner.updates == 0
     said = [m for m in caplog.messages if "started again (restart 1) with no checkpoint to resume from" in m]
     assert len(said) == 1 and words in said[0] and "learns again from fresh weights" in said[0], caplog.messages
+
+
+def test_a_restart_policy_over_a_learner_or_shard_that_would_start_again_empty_is_said_before_the_run_starts(caplog):
+    """A restart policy over the main job's learner, with the default checkpoint_every = 0, restarted it from
+    fresh weights; over shards with no checkpoint period, empty. Said at the start, naming the setting; a
+    learner that checkpoints and shards that do are not named."""
+    import logging
+
+    from reactor.launch._coordinator import _warn_restart_losses
+
+    def said(overrides: dict[str, Any]) -> list[str]:
+        graph = build_graph(DQN, {"live": False, **overrides})
+        plan = resolve_placement(graph, "actors", None, restart_from_text("on-failure"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="reactor.coordinator"):
+            _warn_restart_losses(graph, plan.groups)
+        return caplog.messages
+
+    got = said({})
+    assert got == ["group 'learner' restarts on failure, but 'learner' would start again without its learning: "
+                   "checkpoint_every = 0 writes learner.pt only at the run's end, so it learns again from fresh "
+                   "weights; set checkpoint_every=N to resume from every N updates"], got
+    assert said({"checkpoint_every": 100}) == []
+    got = said({"checkpoint_every": 100, "replay_checkpoint_period_s": None})
+    assert [m.split(" would")[0] for m in got] == ["group 'replay-0' restarts on failure, but 'replay'"], got
+    assert "set a period (replay_checkpoint_period_s) or wal" in got[0]

@@ -92,7 +92,8 @@ def replacing(path: str | os.PathLike[str], sync: bool = False) -> Iterator[Bina
     file beside it (``.NAME.tmp``, created afresh, so a link planted there is not written through),
     renamed over ``path`` (which replaces a link at ``path`` rather than writing through it). A reader
     sees the old file or the new one; with ``sync``, the data is on disk before the rename. A block
-    that raises leaves ``path`` as it was.
+    that raises (or a write, a sync or the rename that fails: a full disk) leaves ``path`` as it was
+    and removes the new file (it was left, holding the full disk's space).
 
     Raises:
         OSError: the file cannot be written or renamed (a full disk, a directory in the way).
@@ -102,12 +103,31 @@ def replacing(path: str | os.PathLike[str], sync: bool = False) -> Iterator[Bina
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        yield f
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def os_error_in(e: BaseException) -> OSError | None:
+    """The OSError with an errno that ``e`` is, or that it was raised from or while handling (a full
+    disk that a library says in its own words: torch's zip writer raises a RuntimeError after the
+    write's ENOSPC); None if none is."""
+    seen: set[int] = set()
+    at: BaseException | None = e
+    while at is not None and id(at) not in seen and len(seen) < 16:
+        if isinstance(at, OSError) and at.errno is not None:
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return None
 
 
 def replace_small(path: str | os.PathLike[str], data: bytes, sync: bool = False) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._files import os_error_in
 from ..replay import Table
 from ..replay.checkpoint import CheckpointCancelled, complete_checkpoints, incomplete_checkpoints
 from ..replay.wal import WriteAheadLog, redo_wal
@@ -57,6 +58,7 @@ class ShardStore:
         self.directory = directory
         self.keep = keep
         self.checkpoints = 0
+        self.failed_saves = 0  # checkpoints in a row that could not be written (a full disk)
         self.restored_from = ""
         self.lost_steps = 0
         self._want_wal = wal and directory is not None
@@ -196,9 +198,20 @@ class ShardStore:
             return
         except CheckpointCancelled:
             log.info("%s: a checkpoint in progress was cancelled at shutdown", self.name)
-        except Exception:
-            log.exception("%s: checkpoint failed", self.name)
+        except Exception as e:
+            cause = os_error_in(e)
+            if cause is None:
+                log.exception("%s: checkpoint failed", self.name)
+            else:  # (a full disk: a traceback at every period; one line at the first and every tenth)
+                self.failed_saves += 1
+                if self.failed_saves % 10 == 1:
+                    log.warning("%s: cannot write a checkpoint in %s (%s; %d failed tries so far); the newest complete "
+                                "one stays, and the shard tries again at its next period", self.name, self.directory,
+                                cause.strerror or cause, self.failed_saves)
         else:
+            if self.failed_saves:
+                log.warning("%s: wrote a checkpoint again, after %d failed tries", self.name, self.failed_saves)
+                self.failed_saves = 0
             self.checkpoints += 1
             self._saved_generation, next_step = self._saving_at
             self._marks.append(next_step)
@@ -220,7 +233,13 @@ class ShardStore:
             log.error("%s: a checkpoint is still being written after 120 s; no final checkpoint", self.name)
         elif final and table.generation != self._saved_generation:
             assert self.directory is not None
-            table.save(self.directory, keep=self.keep)
+            try:
+                table.save(self.directory, keep=self.keep)
+            except OSError as e:
+                err = OSError(f"{self.name}: cannot write its final checkpoint in {self.directory} "
+                              f"({e.strerror or e}); the newest complete one there stays")
+                err.errno = e.errno
+                raise err from e
             self.checkpoints += 1
             self._saved_generation = table.generation
         if self._wal is not None:

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PeerLostError
-from .._files import refuse_file_links, replace_small, replacing
+from .._files import os_error_in, refuse_file_links, replace_small, replacing
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import check_resumable, claim_run_dir, release_run_dir
 from ._contract import check_learn, check_policy_weights, check_state_dict
@@ -146,6 +146,8 @@ class _LearnerBase(Reactor):
                                     replicas=self.bank_size)
         self.updates = 0
         self.ckpt = Path(self.run_dir) / "learner.pt" if self.run_dir else None
+        self._failed_saves = 0  # checkpoints in a row that could not be written (a full disk)
+        self._saved_at: int | None = None  # the update of the last learner.pt this life saved (or resumed from)
         if self.ckpt is not None and self.resume and self.restarts == 0:
             self._check_same_run()
         # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
@@ -210,6 +212,7 @@ class _LearnerBase(Reactor):
                              f"those it was trained with: config.json beside it has them); the checkpoint and the "
                              f"run's results were left as they were") from None
         self.updates = int(saved["updates"])
+        self._saved_at = self.updates
         log = logging.getLogger("reactor.learner")
         _say(f"{self.name} resumed from its checkpoint {self.ckpt} at update {self.updates}")  # (asked for: no warning)
         for i, (opt, groups) in enumerate(zip(_optimizers(self.state), chosen, strict=True)):
@@ -376,10 +379,39 @@ class _LearnerBase(Reactor):
         # was damaged (bit flips in a tensor load silently otherwise).
         sha = weights_sha256(self.algo.policy_weights(self.state))
         state = self.algo.state_dict(self.state)
-        with replacing(self.ckpt, sync=True) as f:
-            torch.save({"algo": state, "updates": self.updates, "weights_sha256": sha,
-                        "state_sha256": state_sha256(state)}, f)
+        try:
+            with replacing(self.ckpt, sync=True) as f:
+                torch.save({"algo": state, "updates": self.updates, "weights_sha256": sha,
+                            "state_sha256": state_sha256(state)}, f)
+        except (OSError, RuntimeError) as e:  # (torch's zip writer says a full disk as a RuntimeError)
+            cause = os_error_in(e)
+            if cause is None:
+                raise
+            self._checkpoint_failed(cause, force)
+            return None
+        if self._failed_saves:
+            logging.getLogger("reactor.learner").warning("%s: saved %s again at update %d, after %d failed tries",
+                                                         self.name, self.ckpt, self.updates, self._failed_saves)
+        self._failed_saves, self._saved_at = 0, self.updates
         return sha
+
+    def _checkpoint_failed(self, cause: OSError, at_end: bool) -> None:
+        """A checkpoint that could not be written (a full disk, a read-only or vanished directory): the
+        last one saved stays whole (:func:`replacing`). Mid-run the learner goes on and tries again at the
+        next (said at the first failure and at every tenth after it): a long run is not ended by a disk
+        that fills for a while. At the run's end it fails the run, naming the file and what is kept."""
+        why = cause.strerror or str(cause)
+        kept = (f"{self.ckpt.name} holds the last one saved, at update {self._saved_at}"  # type: ignore[union-attr]
+                if self._saved_at is not None else "none was saved in this life")
+        if at_end:
+            err = OSError(f"{self.name}: cannot save {self.ckpt} at the run's end ({why}); {kept}")
+            err.errno = cause.errno  # (kept for a caller that asks; not in its words: "[Errno 28] ...")
+            raise err from cause
+        self._failed_saves += 1
+        if self._failed_saves % 10 == 1:
+            logging.getLogger("reactor.learner").warning(
+                "%s: cannot save %s at update %d (%s; %d failed tries so far); %s; learning goes on and tries again "
+                "at the next checkpoint", self.name, self.ckpt, self.updates, why, self._failed_saves, kept)
 
     def _finish(self) -> None:
         """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir); then
@@ -397,7 +429,7 @@ class _LearnerBase(Reactor):
         self.weights_sha256 = saved or weights_sha256(self.algo.policy_weights(self.state))
         if self.run_dir and self.bank_index == 0:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.run_dir) / "weights.sha256").write_text(self.weights_sha256 + "\n")
+            replace_small(Path(self.run_dir) / "weights.sha256", (self.weights_sha256 + "\n").encode())
         _say(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}")
 
     def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:

@@ -347,7 +347,11 @@ class Metrics(Reactor):
             with contextlib.suppress(ValueError):
                 summary["command_startup_s"] = round(getattr(self, "t0_epoch", time.time()) - float(began), 3)
                 summary["command_s"] = round(time.time() - float(began), 3)
-        (self.dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
+        try:  # (whole or not at all: a full disk left a cut summary.json, and the earlier life's was gone)
+            replace_small(self.dir / "summary.json", json.dumps(json_safe(summary), indent=2).encode())
+        except OSError as e:
+            logging.getLogger("reactor.metrics").warning("metrics: cannot write %s: %s (the run's figures are in metrics.csv)",
+                        self.dir / "summary.json", e.strerror or e)
         plot = None
         try:
             from .plot import plot_run
@@ -355,6 +359,8 @@ class Metrics(Reactor):
             plot = plot_run(self.dir, target=self.target_return)
         except ValueError:  # nothing to plot yet (a very short run)
             pass
+        except OSError as e:  # (a full disk failed the run at its very end, for a picture)
+            logging.getLogger("reactor.metrics").warning("metrics: %s (reactor plot %s draws it later)", e.strerror or e, self.dir)
         # The result, also without live progress: a run that ends silently leaves its user guessing.
         print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot), flush=True)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .._files import open_regular, read_small_json
+from .._files import open_regular, read_small_json, replacing
 
 __all__ = ["curves", "plot_run"]
 
@@ -58,7 +58,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, *, x: str = "en
         if not out.parent.is_dir():
             raise FileNotFoundError(f"{out}: its directory {out.parent} does not exist")
         try:
-            fig.savefig(out, dpi=100)
+            with replacing(out) as f:  # (whole or not at all: a full disk left a 0-byte curves.png)
+                fig.savefig(f, format=out.suffix[1:].lower(), dpi=100)
         except OSError as e:  # (no permission, a full disk: said as reactor's, in one line)
             raise type(e)(e.errno, f"cannot write {out}: {e.strerror}") if e.errno else type(e)(f"cannot write {out}: {e}") from None
     finally:

@@ -807,7 +807,7 @@ def _early_fork_server(args: argparse.Namespace) -> Iterator[None]:
 
 def _check_run_options(args: argparse.Namespace) -> None:
     """What ``reactor run`` can check without the app: the files it names, the placement's name, the
-    restart policy.
+    restart policy, the hosts file's hosts.
 
     Raises:
         FileNotFoundError: the app, a hosts file or a --with file is missing.
@@ -827,6 +827,10 @@ def _check_run_options(args: argparse.Namespace) -> None:
         raise GraphError(f"--placement {args.placement!r}: neither one of {', '.join(known)} nor a placement file")
     if args.restart is not None:
         restart_from_text(args.restart)
+    if args.hosts is not None:  # (its mistakes at once, not after the app and torch are imported)
+        from .launch._cluster import load_hosts_file
+
+        load_hosts_file(args.hosts, read_keys=args.command == "run")  # (a submitted job's keys may be the daemon's)
 
 
 def _check_job(args: argparse.Namespace) -> None:

@@ -102,6 +102,9 @@ def parse_hosts(data: Any, where: str, base: Path, read_keys: bool = True) -> di
             address = entry
         if not isinstance(address, str) or not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", address):
             raise GraphError(f"{where}: host {name!r} needs a daemon address tcp://HOST:PORT, got {address!r}")
+        if not 0 < int(address.rsplit(":", 1)[1]) < 65536:  # (70000 was taken, then "did not answer" at the run)
+            raise GraphError(f"{where}: host {name!r}: port {address.rsplit(':', 1)[1]} of {address} is not a port "
+                             f"(1..65535)")
         hosts[name] = Host(name, address, key)
     return hosts
 

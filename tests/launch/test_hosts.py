@@ -147,6 +147,23 @@ def test_placement_hosts_are_checked_and_policies_spread_over_them(tmp_path):
                           hosts)
 
 
+def test_a_hosts_file_whose_port_is_not_a_port_is_refused_at_the_terminal_before_the_app_is_imported(tmp_path):
+    """Regression (a newcomer's pass): a hosts file with ``tcp://10.0.0.1:70000`` (a typo) was taken; the run
+    imported the app and torch, then waited out the heartbeat timeout and said the host "did not answer
+    'ping'", naming keys as the likely cause. It is one line naming the port, from ``run`` before the app
+    is imported (so are the hosts file's other mistakes)."""
+    graph = build_graph(DEMO, {})
+    for port in ("70000", "0"):
+        with pytest.raises(GraphError, match=f"host 'a': port {port} of tcp://10.0.0.1:{port} is not a port"):
+            resolve_placement(graph, "actors", _write(tmp_path, f'[hosts]\na = "tcp://10.0.0.1:{port}"\n', "h.toml"))
+    hosts = _write(tmp_path, '[hosts]\na = "tcp://10.0.0.1:7000"\nb = "tcp://10.0.0.2:70000"\n', "hosts.toml")
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", DEMO, "--placement", "actors", "--hosts", hosts],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2 and p.stderr == (f"reactor: hosts file {hosts}: host 'b': port 70000 of "
+                                              f"tcp://10.0.0.2:70000 is not a port (1..65535)\n"), p.stderr
+
+
 # ------------------------------------------------------------------------------ real runs over hosts
 
 

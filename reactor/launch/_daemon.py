@@ -38,8 +38,10 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -161,6 +163,10 @@ class Daemon:
             raise ValueError(f"keep_ended must be an int >= 0, got {keep_ended!r}")
         if type(forget_after_s) not in (int, float) or not 0 <= forget_after_s < math.inf:
             raise ValueError(f"forget_after_s must be finite seconds >= 0, got {forget_after_s!r}")
+        if advertise:
+            why = advertise_error(advertise)
+            if why is not None:
+                raise ValueError(f"--advertise {advertise!r:.200}: {why}")
         if not advertise and _advertised(listen) is None:  # (its own jobs run; workers of runs over hosts do not)
             log.warning("--listen %s is a wildcard, which other hosts cannot dial: runs over hosts will be refused "
                         "their workers here until the daemon is started with --advertise ADDR, the address they "
@@ -634,6 +640,31 @@ def _ended_record(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return type(record) is dict and record.get("state") not in (None, "running")
+
+
+_ADVERTISE_RE = re.compile(r"(\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-]+)?\]|[A-Za-z0-9_.\-]+)\Z")
+
+
+def advertise_error(advertise: str) -> str | None:
+    """Why ``--advertise`` cannot be where this daemon's workers bind (``tcp://ADVERTISE:*``) and
+    other hosts reach them, or None. It is a host name or an IP address of this host (``[v6]``),
+    not an address with a scheme or a port: ``tcp://10.0.0.3:7000`` was taken, and every worker of
+    a run over hosts then died at its bind, the run saying only "exited with status 1"."""
+    if not _ADVERTISE_RE.match(advertise) or advertise.strip("[]") in ("*", "0.0.0.0", "::"):
+        return ("it is the host name or IP address other hosts reach this one at (10.0.0.3, node3, [fd00::3]), "
+                "without tcp:// or a port: its workers bind there")
+    host = advertise.strip("[]").split("%")[0] if advertise.startswith("[") else advertise
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"it does not resolve here ({getattr(e, 'strerror', None) or e}): its workers bind there"
+    family, _, _, _, sockaddr = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(sockaddr[:1] + (0,) + tuple(sockaddr[2:]))
+    except OSError as e:
+        return f"not an address of this host ({e.strerror or e}): its workers bind there"
+    return None
 
 
 def _advertised(listen: str) -> str | None:

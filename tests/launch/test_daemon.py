@@ -715,6 +715,23 @@ def test_a_daemon_on_a_wildcard_address_without_advertise_says_at_its_start_what
         assert ("is a wildcard, which other hosts cannot dial: runs over hosts will be refused" in text) == said, text
 
 
+def test_an_advertise_that_is_no_address_of_this_host_is_refused_when_the_daemon_starts(tmp_path):
+    """Regression (a newcomer's pass): ``reactor daemon --listen tcp://*:7000 --advertise tcp://10.0.0.3:7000``
+    started; every worker of a run over hosts then died binding ``tcp://tcp://10.0.0.3:7000:*`` and the run
+    said only "worker 'actor-0' exited with status 1 on host 'w3'". ``--advertise`` is a host name or IP
+    address of this host: anything else is one line at the daemon's start, leaving no state directory."""
+    init_keys(tmp_path / "keys")
+    cli = [sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "keys"), "--no-fork-server",
+           "--name", "h1", "--listen", "tcp://*:0", "--state-dir", str(tmp_path / "state")]
+    form = ("it is the host name or IP address other hosts reach this one at (10.0.0.3, node3, [fd00::3]), without "
+            "tcp:// or a port: its workers bind there")
+    for advertise, why in [("tcp://127.0.0.1:7000", form), ("127.0.0.1:7000", form), ("*", form),
+                           ("203.0.113.77", "not an address of this host (Cannot assign requested address)")]:
+        p = subprocess.run([*cli, "--advertise", advertise], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.startswith(f"reactor: --advertise {advertise!r}: {why}"), p.stderr
+        assert p.stderr.count("\n") == 1 and not p.stdout and not (tmp_path / "state").exists(), p.stderr
+
+
 def test_a_daemon_that_cannot_listen_starts_no_fork_server_and_leaves_no_state_directory_it_made(daemon, tmp_path):
     """Regression (a newcomer's pass, session 54): every failed daemon start (a port in use, an address
     not of this host) also logged "its fork server did not start ... workers start as new interpreters":

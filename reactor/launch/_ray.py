@@ -168,7 +168,13 @@ def here(app: str, run_args: Sequence[str], *, address: str | None, nodes: int |
     from ._keys import init_keys, load_keys
 
     ray = _ray()
-    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    try:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    except ConnectionError as e:  # (no cluster at `auto`, or none at the address: Ray's traceback, before)
+        where = "--address auto: no Ray cluster found from this machine" if address in (None, "auto") else \
+            f"--address {address}: cannot reach a Ray cluster there"
+        raise RayError(f"{where} ({(str(e).splitlines() or [type(e).__name__])[0]}); start one (ray start --head) "
+                       f"or give --address ray://HOST:PORT, or --address local for a one-node Ray here") from None
     try:
         n = nodes or len([x for x in ray.nodes() if x.get("Alive")])
         job = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"

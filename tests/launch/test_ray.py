@@ -135,3 +135,23 @@ def test_dqn_over_daemons_ray_starts_on_three_nodes_survives_kill_9_of_a_daemon_
     assert got["best_eval_return"] >= 200 and not got["reached_target"], got
     _wait(lambda: not _daemons(), 30, "the daemons to end with their actors")
     shutil.rmtree(job)  # the daemons' logs, which `reactor ray` leaves for its user (kept here when a check failed)
+
+
+def test_reactor_ray_with_no_cluster_to_join_is_one_line_not_rays_traceback(monkeypatch, capsys):
+    """Regression (a newcomer's pass): ``reactor ray APP`` (``--address auto``, the default) on a machine
+    in no Ray cluster ended in Ray's ConnectionError traceback. It is one line saying what to do. (Ray's
+    own lookup of a running cluster is made to find none: another test's cluster may run beside this one.)"""
+    import functools
+
+    import ray._private.services as services
+
+    from reactor.cli import main
+
+    monkeypatch.setattr(services, "find_gcs_addresses", functools.lru_cache(lambda: []))  # (Ray clears its cache)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["ray", DQN, "--async"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("reactor: RayError: --address auto: no Ray cluster found from this machine (Could not "
+                          "find any running Ray instance.") and err.count("\n") == 1, err
+    assert "--address local for a one-node Ray here" in err and "Traceback" not in err, err

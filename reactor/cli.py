@@ -141,8 +141,9 @@ def _parser() -> argparse.ArgumentParser:
                             else "the tcp://HOST:PORT of the daemon the job was submitted to (reactor submit printed "
                                  "it when it found the daemon in a placement or hosts file)")
         parser.add_argument("--daemon-key", default=None,
-                            help="the daemon's key.pub (default: as the hosts file says, else your own key: a cluster "
-                                 "key)" if submit else "the daemon's key.pub (default: your own key: a cluster key)")
+                            help="the daemon's key.pub, or its Z85 text (default: as the hosts file says, else your own "
+                                 "key: a cluster key)" if submit else "the daemon's key.pub, or its Z85 text (default: "
+                                 "your own key: a cluster key)")
         parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
         parser.add_argument("--timeout-s", type=_answer_seconds, default=10.0, help="how long to wait for each answer")
 
@@ -268,10 +269,14 @@ def _job_arg(text: str) -> str:
 
 
 def _daemon_key(path: str) -> bytes:
-    """``--daemon-key``: its public key; a file that cannot be read (a directory, say) is the user's
-    mistake, named (ValueError: a one-line error)."""
+    """``--daemon-key``: its public key, from a key.pub file or given as its Z85 text (as a hosts file
+    takes it; what ``submit``'s hint prints for a key a hosts file gave as text); a file that cannot be
+    read (a directory, say) is the user's mistake, named (ValueError: a one-line error)."""
+    from .launch._cluster import _Z85_KEY_RE
     from .transport import CurveKeys
 
+    if _Z85_KEY_RE.match(path) and not Path(path).exists():
+        return path.encode()
     try:
         return CurveKeys.load_public(path)
     except OSError as e:
@@ -532,7 +537,8 @@ def _jobs(args: argparse.Namespace) -> int:
                 job = c.request("submit", spec)
                 print(job)
                 if not args.daemon:
-                    print(f"on {address}: reactor status {job} --daemon {address}", file=sys.stderr)
+                    print(f"on {address}: reactor status {job} --daemon {address}{_key_hint(args, daemon_key, keys_dir)}",
+                          file=sys.stderr)
             elif args.command == "status":
                 got = c.request("status", args.job)
                 rows = got if isinstance(got, list) else [got]
@@ -582,6 +588,22 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _key_hint(args: argparse.Namespace, daemon_key: bytes, keys_dir: str | os.PathLike[str]) -> str:
+    """The ``--daemon-key`` that ``submit``'s hint needs where the daemon's key is not the client's own
+    (a hosts file gave it: each side its own pair); empty for a cluster key. Without it the hinted
+    ``reactor status`` waited out its timeout and blamed the keys."""
+    import shlex
+
+    from .launch._keys import load_keys
+
+    if daemon_key == load_keys(keys_dir).public:
+        return ""
+    given = args.daemon_key if args.daemon_key else daemon_key.decode()
+    if args.daemon_key and not Path(given).is_absolute() and Path(given).exists():
+        given = str(Path(given).resolve())
+    return f" --daemon-key {shlex.quote(given)}"
 
 
 def _remove_unserved_state(state: Path) -> None:

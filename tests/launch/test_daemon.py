@@ -641,6 +641,29 @@ def test_submit_takes_the_daemon_key_given_over_the_hosts_files_when_it_finds_th
     assert list((daemon.state / "jobs").glob("*/job.json"))
 
 
+def test_the_status_command_submit_hints_at_reaches_a_daemon_with_a_key_of_its_own(daemon, tmp_path):
+    """Regression (a newcomer's pass): with each side's own key pair, ``reactor submit --hosts FILE`` (the
+    hosts file naming the daemon's key) printed ``on ADDR: reactor status JOB --daemon ADDR``: run as shown,
+    that waited out its timeout and blamed the keys (it took the client's own key for the daemon's). The
+    hint carries ``--daemon-key`` (the key as Z85 text, which ``--daemon-key`` takes as a hosts file does)."""
+    import shlex
+
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    mine = ["--keys", str(daemon.client_dir), "--timeout-s", "5"]
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "submit", str(APPS / "gated.py"), "--placement",
+                        "processes", "--hosts", str(hosts), *mine], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    job = p.stdout.strip()
+    assert p.returncode == 0 and len(job) == 16, p.stderr
+    hint = p.stderr.strip().split(": ", 1)[1]
+    assert hint == (f"reactor status {job} --daemon {daemon.address} --daemon-key "
+                    f"{shlex.quote(daemon.public.decode())}"), p.stderr
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", *shlex.split(hint)[1:], *mine], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith(f"{job}  "), p.stderr
+
+
 def test_submit_refuses_a_group_on_a_host_the_hosts_lack_and_hosts_for_placement_single_without_check(daemon,
                                                                                                       tmp_path):
     """Regression (a newcomer's pass, session 54): without ``--check``, ``reactor submit`` sent a placement

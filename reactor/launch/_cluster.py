@@ -279,6 +279,7 @@ class RemoteWorkers:
         self.hosts = hosts
         self.timeout_s = heartbeat_timeout_s
         self.links = {name: DaemonLink(h, keys) for name, h in hosts.items()}
+        self.public = keys.public.decode(errors="replace")  # (named when a host does not answer: which key to admit)
         self.host_of: dict[str, str] = {}  # group -> host
         self.pid: dict[str, int] = {}
         self.ended: dict[str, tuple[int | None, str]] = {}  # group -> (exit status or None, where)
@@ -325,8 +326,10 @@ class RemoteWorkers:
                 log.warning("host %s answers again (it was lost: %s)", h, was_lost)
             return h
         raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)} (a daemon "
-                                  f"that runs but does not answer may not hold your key.pub in its authorized/, or "
-                                  f"the hosts file may give it another key: check REACTOR_KEYS and the hosts' keys)")
+                                  f"that runs but does not answer may not hold this coordinator's key.pub, public = "
+                                  f"{self.public}, in its authorized/ (a submitted job's coordinator has its head "
+                                  f"daemon's key), or the hosts file may give it another key: check REACTOR_KEYS and "
+                                  f"the hosts' keys)")
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
         """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and

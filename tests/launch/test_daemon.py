@@ -664,6 +664,27 @@ def test_the_status_command_submit_hints_at_reaches_a_daemon_with_a_key_of_its_o
     assert p.returncode == 0 and p.stdout.startswith(f"{job}  "), p.stderr
 
 
+def test_a_host_that_does_not_admit_the_coordinators_key_is_named_with_that_key(tmp_path):
+    """Regression (a newcomer's pass): a daemon that does not hold the coordinator's key.pub failed the run
+    with "may not hold your key.pub in its authorized/". For a submitted job that key is the head daemon's,
+    not the user's: the error now gives the key itself, the one the daemon's log says it rejected."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    try:
+        init_keys(tmp_path / "stranger")
+        hosts = tmp_path / "hosts.toml"
+        hosts.write_text(f'[hosts]\nh1 = {{ address = "{d.address}", key = "{d.keys_dir / "key.pub"}" }}\n'
+                         f'[cluster]\nheartbeat_timeout_s = 1.0\n')
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "demo_pipeline.py"),
+                            "--placement", "processes", "--hosts", str(hosts), "--keys", str(tmp_path / "stranger")],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        public = load_keys(tmp_path / "stranger").public.decode()
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+        assert f"may not hold this coordinator's key.pub, public = {public}, in its authorized/" in p.stderr, p.stderr
+    finally:
+        err = d.stop()
+    assert f"rejected a client whose key {public} is not in" in err, err
+
+
 def test_submit_refuses_a_group_on_a_host_the_hosts_lack_and_hosts_for_placement_single_without_check(daemon,
                                                                                                       tmp_path):
     """Regression (a newcomer's pass, session 54): without ``--check``, ``reactor submit`` sent a placement

@@ -175,14 +175,16 @@ class Daemon:
         self.keep_ended = keep_ended
         self.forget_after_s = float(forget_after_s)
         self.listen = listen
+        # Its keys before its state directory is taken: a daemon without a key pair held the lock
+        # when it failed, and the command then left the state directory it had made for it.
+        self.keys_dir = Path(keys_dir).resolve()
+        self.keys = load_keys(keys_dir)
         self.state = Path(state_dir).resolve()  # (a relative one: jobs run in their own directories)
         if self.state.exists() and not self.state.is_dir():
             raise NotADirectoryError(f"--state-dir {self.state} is a file, not a directory")
         self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._held = _StateLock(self.state)  # (for the daemon's life: a second daemon there is refused)
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
-        self.keys_dir = Path(keys_dir).resolve()
-        self.keys = load_keys(keys_dir)
         advertise = advertise or _advertised(listen)
         # The fork server's own environment is what /proc/PID/environ shows of its workers: the
         # host identity they all share.

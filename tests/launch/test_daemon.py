@@ -796,6 +796,19 @@ def test_a_daemon_that_cannot_listen_starts_no_fork_server_and_leaves_no_state_d
     assert (kept / "notes.txt").read_text() == "mine"
 
 
+def test_a_daemon_without_a_key_pair_is_one_line_and_leaves_no_state_directory_it_made(tmp_path):
+    """Regression (a newcomer's pass): ``reactor daemon --keys DIR`` with no key pair in DIR (or none at
+    ~/.reactor/keys) said so, but left the new --state-dir behind (daemon.lock, daemon.log, jobs/): it had
+    taken the directory's lock before it read its keys, so the command's cleanup found the lock held."""
+    (tmp_path / "empty").mkdir()
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "empty"),
+                        "--no-fork-server", "--name", "h1", "--listen", "tcp://127.0.0.1:0", "--state-dir",
+                        str(tmp_path / "state")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr == (f"reactor: no key pair at {tmp_path / 'empty' / 'key'}: make one with "
+                                              f"`reactor keys init {tmp_path / 'empty'}`\n"), p.stderr
+    assert not (tmp_path / "state").exists()
+
+
 def test_status_of_a_daemon_without_jobs_says_so(daemon):
     """Regression (a newcomer's pass, session 54): ``reactor status --daemon D`` of a daemon with no jobs
     printed nothing, as if it had not answered."""

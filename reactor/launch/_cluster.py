@@ -280,6 +280,7 @@ class RemoteWorkers:
         self.timeout_s = heartbeat_timeout_s
         self.links = {name: DaemonLink(h, keys) for name, h in hosts.items()}
         self.public = keys.public.decode(errors="replace")  # (named when a host does not answer: which key to admit)
+        self.misnamed: set[str] = set()  # hosts whose daemon answers under another --name (warned once each)
         self.host_of: dict[str, str] = {}  # group -> host
         self.pid: dict[str, int] = {}
         self.ended: dict[str, tuple[int | None, str]] = {}  # group -> (exit status or None, where)
@@ -313,13 +314,19 @@ class RemoteWorkers:
         for h in [h for h in group.hosts if h not in self.lost_hosts] + [h for h in group.hosts if h in self.lost_hosts]:
             was_lost = self.lost_hosts.get(h)
             try:
-                await self.links[h].request("ping", timeout_s=self.timeout_s)
+                pong = await self.links[h].request("ping", timeout_s=self.timeout_s)
             except DaemonError as e:
                 self.lost_hosts[h] = str(e)
                 unresolved = await _unresolved(self.links[h].host.address)  # (a typo, or a name not up yet)
                 why.append(f"{h}: {unresolved or e}" + (f" (lost earlier: {was_lost})" if was_lost else ""))
                 continue
             self.last_ok[h] = time.monotonic()
+            name = pong.get("name") if isinstance(pong, dict) else None
+            if isinstance(name, str) and name != h and h not in self.misnamed:  # (a copied line, a swapped address)
+                self.misnamed.add(h)
+                log.warning("host %s at %s answers as daemon %r (its --name): the hosts file may give %s the address "
+                            "of another host; its groups run on daemon %r", h, self.links[h].host.address,
+                            name[:100], h, name[:100])
             if was_lost is not None:
                 del self.lost_hosts[h]
                 self.silent_hosts.discard(h)

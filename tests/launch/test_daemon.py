@@ -809,6 +809,31 @@ def test_a_daemon_without_a_key_pair_is_one_line_and_leaves_no_state_directory_i
     assert not (tmp_path / "state").exists()
 
 
+def test_a_host_whose_daemon_answers_under_another_name_is_warned_about_once(daemon, caplog):
+    """Regression (a newcomer's pass): a hosts file whose line for h3 had h2's address (a copied line, a
+    swapped address) ran without a word, h3's groups on daemon h2, and ``status`` said "on h3". The
+    coordinator now says so once, when the daemon first answers under another ``--name``."""
+    import asyncio
+    import logging
+
+    from reactor.launch._cluster import Host, RemoteWorkers
+    from reactor.launch._groups import Group
+
+    async def choose_each() -> list[str]:
+        workers = RemoteWorkers("r", {"h1": Host("h1", daemon.address, daemon.public),
+                                      "h3": Host("h3", daemon.address, daemon.public)}, load_keys(daemon.client_dir))
+        try:
+            return [await workers.choose(Group("g", ("x",), hosts=(h,))) for h in ("h1", "h3", "h3")]
+        finally:
+            await workers.close()
+
+    with caplog.at_level(logging.WARNING, logger="reactor.cluster"):
+        assert asyncio.run(choose_each()) == ["h1", "h3", "h3"]
+    said = [r.getMessage() for r in caplog.records if "answers as daemon" in r.getMessage()]
+    assert said == [f"host h3 at {daemon.address} answers as daemon 'h1' (its --name): the hosts file may give h3 "
+                    f"the address of another host; its groups run on daemon 'h1'"], said
+
+
 def test_status_of_a_daemon_without_jobs_says_so(daemon):
     """Regression (a newcomer's pass, session 54): ``reactor status --daemon D`` of a daemon with no jobs
     printed nothing, as if it had not answered."""

@@ -383,9 +383,12 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         from .launch._signals import received
 
         rc = 128 + (received[0] if received else signal.SIGINT)
-        if received:
+        if len(received) >= 2:
             return _failed(args, rc, f"reactor: stopped at once ({signal.Signals(received[-1]).name} twice); every "
                                      f"process and shared-memory segment of the run reaped")
+        if received:  # (one signal while its workers started: a run not yet started stops at once; it said "twice")
+            return _failed(args, rc, f"reactor: stopped before the run started ({signal.Signals(received[0]).name}); "
+                                     f"every process and shared-memory segment of the run reaped")
         return _failed(args, rc, "", quiet=True)
 
 

@@ -192,6 +192,33 @@ def test_workers_late_to_start_end_the_run_naming_them_and_what_they_were_doing(
     assert not left, left
 
 
+@pytest.mark.timeout(120)
+def test_one_signal_before_the_run_started_is_told_as_one_not_twice():
+    """Regression (a newcomer's pass): ``reactor stop`` right after ``reactor submit`` (one SIGTERM, while the
+    workers were still starting) ended the job with "stopped at once (SIGTERM twice)". A run that has not
+    started stops at once at the first signal; its last line now says that, naming the one signal."""
+    p = subprocess.Popen(["bash", "-c", f'exec "$0" -m reactor.cli run {APPS / "slow_start.py"} --placement processes '
+                                        f'--async --set parent_pid=$$ worker_sleep_s=60', sys.executable],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_workers(p.pid)) < 2 and p.poll() is None:
+            time.sleep(0.1)
+        workers = _workers(p.pid)
+        assert len(workers) == 2, workers
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 143, err
+        assert err.endswith("reactor: stopped before the run started (SIGTERM); every process and shared-memory "
+                            "segment of the run reaped\n") and "twice" not in err, err
+        _assert_all_end(workers)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _forever_running(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
     """``reactor run forever.py`` under ``processes``, async, once its sink runs: the command, the
     sink's ready file and the file its shutdown reaction writes ``stopped_by`` to."""

@@ -961,9 +961,12 @@ async def _reap(procs: dict[str, subprocess.Popen[bytes] | ForkedProcess], timeo
     for p in procs.values():
         if p.poll() is None:
             p.terminate()
+    # One 5 s grace for them all, not 5 s each: N workers stuck where SIGTERM does not reach them (an
+    # import, an env's setup) took 5*N s to reap, after "stop at once".
+    killed_at = time.monotonic() + 5
     for p in procs.values():
         try:
-            p.wait(timeout=5)
+            p.wait(timeout=max(0.0, killed_at - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

@@ -196,7 +196,8 @@ def test_workers_late_to_start_end_the_run_naming_them_and_what_they_were_doing(
 def test_one_signal_before_the_run_started_is_told_as_one_not_twice():
     """Regression (a newcomer's pass): ``reactor stop`` right after ``reactor submit`` (one SIGTERM, while the
     workers were still starting) ended the job with "stopped at once (SIGTERM twice)". A run that has not
-    started stops at once at the first signal; its last line now says that, naming the one signal."""
+    started stops at once at the first signal; its last line now says that, naming the one signal. Its
+    workers, stuck in their imports, were given 5 s each before SIGKILL: they share one 5 s now."""
     p = subprocess.Popen(["bash", "-c", f'exec "$0" -m reactor.cli run {APPS / "slow_start.py"} --placement processes '
                                         f'--async --set parent_pid=$$ worker_sleep_s=60', sys.executable],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -208,7 +209,10 @@ def test_one_signal_before_the_run_started_is_told_as_one_not_twice():
         assert len(workers) == 2, workers
         time.sleep(0.5)
         p.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         _, err = p.communicate(timeout=60)
+        # The two workers sleep where SIGTERM does not reach them: killed after one 5 s grace, not 5 s each.
+        assert time.monotonic() - signalled < 8.5, err
         assert p.returncode == 143, err
         assert err.endswith("reactor: stopped before the run started (SIGTERM); every process and shared-memory "
                             "segment of the run reaped\n") and "twice" not in err, err

@@ -699,3 +699,20 @@ def test_out_of_range_capacity_seed_keys_and_complex_priorities_are_named():
         with pytest.raises(TypeError, match=r"^priorities must be real numbers, got complex ones$"):
             call()
     assert len(t) == 2
+
+
+def test_a_table_that_cannot_fit_in_this_hosts_memory_once_full_is_refused_before_its_trees_are_written():
+    """`--set capacity=1000000000` (a zero too many) was ended by the OOM killer after ~20 GB of sum trees,
+    with no word (exit 137; the OOM killer picks the largest process, which may not be the run's). The
+    capacity is twice what fits in the memory available now; its rows' ring is allocated lazily, so only the
+    refusal costs anything."""
+    from reactor._native import available_host_bytes
+
+    avail = available_host_bytes()
+    assert avail is not None and avail > 0  # (Linux: /proc/meminfo)
+    capacity = 2 * avail // 84 + 1
+    storage = Storage([FieldSpec("x", (), torch.float32)], capacity)
+    with pytest.raises(ValueError, match=rf"^a replay table of capacity {capacity:,} steps needs about [0-9.]+ GiB once "
+                                         r"full \(4 B a step of rows and ~80 B a slot of sampling state\), and this "
+                                         r"host has [0-9.]+ GiB available .*: lower the capacity"):
+        Table(storage, sampler=Prioritized(0.6), remover=Fifo(), rate_limiter=MinSize(1))

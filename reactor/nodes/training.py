@@ -31,6 +31,7 @@ from .._graph import Graph, graph_builder
 from .._runclaim import check_run_dir
 from .._tag import NS_PER_S, seconds_to_ns
 from ..launch._runtime import current_run_id
+from ..replay.table import max_sample
 from .env_actor import EnvActor, writer_pattern
 from .evaluator import Evaluator
 from .learner import Learner, RolloutLearner
@@ -160,6 +161,11 @@ def off_policy_graph(
             f"below the largest insert an actor sends ({largest} rows: up to flush_steps={flush_steps} pending, "
             f"plus an episode chunk of up to {segment} rows from each of its {envs_per_actor} env(s)), which a "
             f"shard would refuse; set capacity >= {largest * shards}")
+    if batch_size > max_sample(capacity // shards):  # (any split of a batch over the shards must fit in one)
+        raise ValueError(
+            f"config key 'batch_size' is {batch_size:,}: a shard of {capacity // shards:,} steps (capacity {capacity:,} "
+            f"over {shards} shard(s)) serves at most {max_sample(capacity // shards):,} items a sample, and the run "
+            f"would fail at its first update; lower batch_size (or raise capacity)")
     per_shard_min = max(1, min_size // shards)
     # The limiter's window must admit the largest message at once, or the first insert past min_size
     # would wait forever (a fixed flush_steps + 320 rows did: 16 Pendulum envs ending together sent

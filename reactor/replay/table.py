@@ -325,7 +325,7 @@ class Table(TableState):
         self._generation = 0
         # The largest sample a call may ask for: beyond it the request is a bug, not a batch, and
         # must not surface as a MemoryError from the output allocation (see check_sample_size).
-        self._max_sample = max(_SAMPLE_PER_SLOT * cap, _MIN_SAMPLE_LIMIT)
+        self._max_sample = max_sample(cap)
         self._item_nbytes = _item_nbytes(storage, read)
         self._lock = threading.RLock()
 
@@ -945,3 +945,9 @@ def _check_fits(storage: Storage, capacity: int) -> None:
                          f"({rows} B a step of rows and ~{_SLOT_NBYTES} B a slot of sampling state), and this host has "
                          f"{avail / 2**30:.1f} GiB available (MemAvailable and free swap, or its memory cgroup's "
                          f"limit): lower the capacity, or spread it over more shards on more hosts")
+
+
+def max_sample(capacity: int) -> int:
+    """The most items one sample of a table of ``capacity`` slots may ask for (beyond it a request is a
+    bug, not a batch: it would surface as a MemoryError from the output's allocation)."""
+    return max(_SAMPLE_PER_SLOT * capacity, _MIN_SAMPLE_LIMIT)

@@ -92,6 +92,10 @@ def test_an_app_config_value_out_of_its_range_is_one_line_naming_the_key(app, ov
     # A negative max_grad_norm was taken as 0 ("no clipping") in silence by DQN; PPO refused it.
     ("dqn", {"max_grad_norm": -1}, r"^dqn Config\.max_grad_norm must be >= 0 and finite \(0: off\), got -1\.0$"),
     ("transformer_dqn", {"max_grad_norm": -1}, r"^transformer_dqn Config\.max_grad_norm must be >= 0 and finite"),
+    # Was a traceback at the first update ("replay shard 0 refused a request: ... sample size n=51593959 is out of
+    # range"), naming no setting (session 56).
+    ("dqn", {"batch_size": 10**8}, r"^config key 'batch_size' is 100,000,000: a shard of 25,000 steps \(capacity "
+                                   r"50,000 over 2 shard\(s\)\) serves at most 1,600,000 items a sample"),
     # Was a fresh run in a new directory, with nothing to resume and no word of it.
     ("dqn", {"resume": True}, r"^resume=True needs run_dir: the directory of the run to resume"),
     # Was "[Errno 17] File exists: 'README.md'", from deep in a reactor's startup.

@@ -381,3 +381,31 @@ def test_a_dqn_run_under_actors_under_hostile_frames_on_every_socket_ends_with_t
     dropped = json.loads(out)["dropped"]  # stdout holds the JSON only (the app's prints go to stderr)
     assert all(dropped[p] > 0 for p in names), dropped
     assert (tmp_path / "hit" / "weights.sha256").read_text() == (tmp_path / "ref" / "weights.sha256").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_do_not_hear_sigterm_are_killed_after_one_grace_for_them_all_not_one_each():
+    """The reaping's SIGTERM, then SIGKILL ``TERM_GRACE_S`` later: it waited that long for each worker
+    in turn, so three workers held in a shutdown reaction (which hears no SIGTERM) took 15 s to reap
+    after a failure under `processes`, and a daemon's job stopped at once was killed mid-cleanup."""
+    import asyncio
+
+    from reactor.launch._coordinator import TERM_GRACE_S, _reap
+
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    procs = {f"w{i}": subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for i in range(3)}
+    try:
+        for p in procs.values():
+            assert p.stdout.readline().strip() == "up"
+        t0 = time.monotonic()
+        asyncio.run(_reap(procs, 0.0))
+        took = time.monotonic() - t0
+        assert [p.returncode for p in procs.values()] == [-signal.SIGKILL] * 3
+        assert TERM_GRACE_S - 0.1 <= took < TERM_GRACE_S + 3.0, took
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()

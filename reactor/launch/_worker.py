@@ -30,6 +30,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -50,6 +51,12 @@ STATUS_INTERVAL_S = 0.02
 _PROMISE_QUANTUM_DIV = 4
 #: How long a worker whose reaction failed waits for the coordinator's "exit" (its FAILURE_STOP_S and more).
 FAILED_EXIT_WAIT_S = 5.0
+#: A failed worker ends at most this long after it told its coordinator: shutdown reactions that hold it
+#: longer (blocked in a sleep, a hung save) are left unfinished (``_leave_by``). Without a restart its
+#: coordinator reaps it about as soon (FAILURE_STOP_S, then SIGTERM, which a reaction blocked in Python
+#: or C does not hear, and SIGKILL 5 s later); under a restart policy it is told "exit" at once, and
+#: nothing ended it: the group's next life waited for its end for good, and so did the run's end.
+FAILED_END_S = 10.0
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
 # Async inboxes: queued events before this process stops taking messages from its endpoint.
@@ -187,6 +194,7 @@ class Worker:
         self.last_report_t = -float("inf")
         self.early: list[tuple[str, Any]] = []
         self.reported: BaseException | None = None  # the failure told to the coordinator (_report_failure)
+        self._leaving: threading.Timer | None = None  # (_leave_by)
         # Messages refused after the endpoint's schema check: a tag behind its sender's promise.
         self.refused_behind_promise = 0
         # Deterministic mode: the latest unconditional promise of each peer, as soon as it is taken
@@ -405,6 +413,7 @@ class Worker:
         self.ep.expect_departures()
         self.reported = e  # (its coordinator says it: main() prints no second traceback)
         refused = refusal_class(e)
+        self._leave_by(FAILED_END_S, 2 if refused is not None else 1)
         if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
             log.info("%s refused the run", self.group, exc_info=e)
             line = str(e) if isinstance(e, GraphError) else refusal_line(e)  # (the command indents a graph's)
@@ -415,6 +424,22 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self.outbox.empty.wait()
+
+    def _leave_by(self, seconds: float, status: int) -> None:
+        """This worker failed: end the process with ``status`` (main()'s for its failure) if it is still
+        here ``seconds`` from now. A thread, as the event loop may be held by the reaction that holds it."""
+        if self._leaving is not None:
+            return
+
+        def leave() -> None:
+            with contextlib.suppress(OSError):  # (not sys.stderr: the held thread may hold its lock)
+                os.write(2, f"reactor worker {self.group}: its shutdown reactions did not end within {seconds:g} s "
+                            f"of its failure; it leaves without them\n".encode())
+            os._exit(status)
+
+        self._leaving = threading.Timer(seconds, leave)
+        self._leaving.daemon = True
+        self._leaving.start()
 
     async def _wait_control(self, what: str, timeout_s: float | None = 120) -> Any:
         """Wait for control message ``what``; keep every other message (peers may start first)."""

@@ -684,3 +684,26 @@ def test_a_restart_policy_over_a_learner_or_shard_that_would_start_again_empty_i
     got = said({"checkpoint_every": 100, "replay_checkpoint_period_s": None})
     assert [m.split(" would")[0] for m in got] == ["group 'replay-0' restarts on failure, but 'replay'"], got
     assert "set a period (replay_checkpoint_period_s) or wal" in got[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_restartable_worker_whose_shutdown_never_ends_leaves_and_its_next_life_runs(tmp_path):
+    """A restartable worker that failed is told "exit" at once, but its shutdown reactions run first: one
+    that never ended held the process, so its group was never started again, and the run never ended
+    (nor did its stop time or a clean stop end it). The failed worker now leaves ``FAILED_END_S`` after
+    its failure at the latest, and its next life takes over."""
+    from reactor.launch._worker import FAILED_END_S
+
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "tests" / "apps" / "failing_source.py"),
+                        "--placement", "processes", "--async", "--restart", "on-failure:1,backoff_s=0.1",
+                        "--set", "shutdown_s=600", "--set", "failing_lives=1"],
+                       capture_output=True, text=True, timeout=100, cwd=ROOT, env=_env(tmp_path))
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "worker 'source' failed (it will be started again)" in p.stderr
+    assert (f"reactor worker source: its shutdown reactions did not end within {FAILED_END_S:g} s of its failure; "
+            f"it leaves without them") in p.stderr
+    assert "worker 'source' exited with status 1; starting it again" in p.stderr, p.stderr[-3000:]
+    assert "run ended (quiescence)" in p.stdout
+    assert took < FAILED_END_S + 50

@@ -72,7 +72,11 @@ log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
 REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
 STOP_GRACE_S = 20.0
-STOP_HURRY_S = 5.0  # after the grace: the run's second SIGTERM ("stop at once", its cleanups run), then SIGKILL
+#: After the grace: the run's second SIGTERM ("stop at once", its cleanups run), then SIGKILL. Its cleanups
+#: wait out the reaping's SIGTERM grace for workers held in a reaction (TERM_GRACE_S here, a host's END_GRACE_S
+#: over hosts, 5 s each, and a heartbeat to see them end), then copy the run's files back from its hosts: at 5 s
+#: the SIGKILL always came first, and the files of a job over hosts stayed on them (exit status -9).
+STOP_HURRY_S = 15.0
 WATCH_PERIOD_S = 0.2
 #: The most bytes of ``--set KEY=VALUE`` a job's config may come to: its command line carries them (one
 #: argument past 128 KiB fails to start) and its record holds them (read back, after a restart, up to 1 MiB).

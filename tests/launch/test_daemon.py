@@ -887,3 +887,33 @@ def test_a_daemons_spawn_says_where_the_runs_directory_is_on_its_host(tmp_path):
         hosted.end("r1")
         _wait_for(lambda: not hosted.live(), 10, "the worker to end")
         hosted.watch()
+
+
+@pytest.mark.timeout(180)
+def test_a_job_over_hosts_stopped_at_once_ends_its_cleanups_before_the_daemon_kills_it(tmp_path):
+    """A stop whose run does not end within STOP_GRACE_S (a shutdown reaction that sleeps) gets the run's
+    "stop at once", whose cleanups still run: the reaping's SIGTERM grace for the held worker (END_GRACE_S
+    on its host, and a heartbeat to see its end), then copying the run's files back. The SIGKILL came
+    STOP_HURRY_S = 5 s after, first: the job ended with exit status -9, its files left on the host."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    (d.keys_dir / "authorized" / "self.pub").write_bytes((d.keys_dir / "key.pub").read_bytes())  # a cluster key
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = "{d.address}"\n')
+    ready = tmp_path / "ready"
+    try:
+        with d.client() as c:
+            job = c.request("submit", job_spec(APPS / "forever.py", placement="processes", hosts=hosts,
+                                               config={"ready_file": str(ready), "stopped_file": "stopped.txt",
+                                                       "slow_shutdown_s": 600.0}))
+            _wait_for(ready.exists, 90, "the job to run")
+            pid = c.request("status", job)["pid"]
+            c.request("stop", job)
+            done = _state(c, job, ("stopped", "failed"), timeout_s=90)
+            log = (d.state / "jobs" / job / "output.log").read_text()
+            assert done["returncode"] == 143, (done, log[-3000:])  # (128 + SIGTERM: its own end, not the SIGKILL)
+            assert "stopping at once" in log, log[-3000:]
+            # The sink's shutdown wrote its file in its directory on the host before it slept; it came back.
+            assert (d.state / "jobs" / job / "app" / "stopped.txt").read_text() == "signal", log[-3000:]
+            _wait_for(lambda: not _group_alive(pid), 10, "the job's processes to be gone")
+    finally:
+        d.stop(signal.SIGTERM)

@@ -46,7 +46,7 @@ def test_the_manifests_validate_against_kubernetes_schemas_and_carry_what_the_ru
     assert svc["spec"]["clusterIP"] == "None"  # headless: one stable DNS name per pod
     assert svc["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
     daemon = sts["spec"]["template"]["spec"]["containers"][0]
-    # A daemon's SIGTERM stops its jobs (20 + 5 + 5 s) and then its hosted workers (up to 10 s): the
+    # A daemon's SIGTERM stops its jobs (20 + 15 + 5 s) and then its hosted workers (up to 10 s): the
     # default grace of 30 s would SIGKILL it in the middle of that.
     from reactor.launch._daemon import STOP_GRACE_S, STOP_HURRY_S
 

@@ -57,6 +57,9 @@ FAILED_EXIT_WAIT_S = 5.0
 #: or C does not hear, and SIGKILL 5 s later); under a restart policy it is told "exit" at once, and
 #: nothing ended it: the group's next life waited for its end for good, and so did the run's end.
 FAILED_END_S = 10.0
+#: A worker whose parent (its fork server, or the coordinator) died ends this long after at the latest
+#: (``_leave_when_orphaned``).
+ORPHAN_GRACE_S = 10.0
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
 # Async inboxes: queued events before this process stops taking messages from its endpoint.
@@ -69,6 +72,21 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:
             os._exit(1)
+    threading.Thread(target=_leave_when_orphaned, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+
+
+def _leave_when_orphaned(parent: int) -> None:
+    """The parent's death signal is a SIGTERM, a clean stop; but its handler runs on the event loop,
+    which a reaction that never returns holds (an env step that does not end, a spin): such a worker
+    outlived its killed coordinator for good, spinning. Once the parent is gone, the clean stop gets
+    ``ORPHAN_GRACE_S``; then the process ends."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(ORPHAN_GRACE_S)
+    with contextlib.suppress(OSError):  # (not sys.stderr: the held thread may hold its lock)
+        os.write(2, f"reactor worker {os.environ.get('REACTOR_WORKER_GROUP', '?')}: its parent (pid {parent}) "
+                    f"died and it did not stop within {ORPHAN_GRACE_S:g} s: it ends now\n".encode())
+    os._exit(128 + signal.SIGTERM)
 
 
 class Outbox:

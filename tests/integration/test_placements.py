@@ -408,3 +408,32 @@ def test_killing_the_coordinator_takes_its_workers_down():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_held_in_a_reaction_ends_when_its_killed_coordinator_cannot_stop_it(tmp_path):
+    """The parent-death signal is a SIGTERM (a clean stop), whose handler runs on the event loop: a worker
+    whose reaction never returns (tests/apps/held.py spins) outlived its coordinator's kill -9 for good, at
+    100 % of a core. It ends ``ORPHAN_GRACE_S`` after its parent died."""
+    from reactor.launch._worker import ORPHAN_GRACE_S
+
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / "held.py"), "--placement", "processes",
+                          "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, cwd=ROOT)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (ready.exists() and (workers := _workers(p.pid))):
+            time.sleep(0.1)
+        assert ready.exists() and len(workers) == 1
+        p.kill()
+        p.wait(timeout=10)
+        _assert_all_end(workers, timeout_s=ORPHAN_GRACE_S + 10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)

@@ -222,6 +222,8 @@ class Worker:
         self.loop_stats = {"rounds": 0, "promises": 0, "waits": 0}
         self.reconnects: set[asyncio.Task[None]] = set()
         self.down_at_start: list[str] = []
+        self.retrying: dict[str, asyncio.Task[None]] = {}  # (_retry_link)
+        self.started = False  # (async: the startup's peer events are out)
 
     async def main(self) -> None:
         from ..transport import CurveKeys, Endpoint, link_key
@@ -273,9 +275,14 @@ class Worker:
                     except PeerLostError as e:
                         if p not in restartable:
                             raise
-                        # It died since the coordinator's book was written: it comes back with "restarted".
-                        log.warning("%s: restartable peer %r is not there (%s); it counts as down", self.group, p, e)
+                        # It died since the coordinator's book was written (it comes back with "restarted"),
+                        # or it lives, held in a reaction longer than the connect's timeout (a long update or
+                        # rendezvous answers no welcome): asked again meanwhile (it stayed down here for the
+                        # rest of the run, everything sent to it dropped).
+                        log.warning("%s: restartable peer %r is not there (%s); it counts as down until it answers",
+                                    self.group, p, e)
                         self.down_at_start.append(p)
+                        self._retry_link(p, peers[p])
                 outbox.mark_down(p)
             recorder = Recorder() if spec["record"] else None
             replayer = None
@@ -371,6 +378,8 @@ class Worker:
             # Stay until the coordinator says so: peers may still need our credit grants.
             await self._wait_control("exit", timeout_s=60)
         finally:
+            for group in list(self.retrying):
+                self._stop_retrying(group)
             await ep.aclose()
 
     def dump_state(self) -> None:
@@ -495,9 +504,40 @@ class Worker:
         else:
             log.warning("%s: unknown control message %r", self.group, kind)
 
+    def _retry_link(self, group: str, address: str) -> None:
+        """A restartable peer in the address book did not answer our connect at our start: ask it again
+        every second until it answers, or until the coordinator says it was lost or restarted (then
+        ``_peer_lost`` or ``_reconnect`` takes it over). Once it answers, it is up again here."""
+        from ..transport import link_key
+
+        async def retry() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                try:
+                    await self.ep.connect(group, address, server_public_key=link_key(self.keys, address))
+                except PeerLostError:
+                    continue
+                break
+            self.retrying.pop(group, None)
+            self.outbox.mark_up(group)
+            log.warning("%s: restartable peer %r answers now; it is up again here", self.group, group)
+            if not self.started:
+                self.down_at_start.remove(group)
+            else:
+                self.host.peer_event("peer_restarted", group, "it answers now")
+
+        self._stop_retrying(group)
+        self.retrying[group] = asyncio.ensure_future(retry())
+
+    def _stop_retrying(self, group: str) -> None:
+        task = self.retrying.pop(group, None)
+        if task is not None:
+            task.cancel()
+
     def _peer_lost(self, group: str, reason: str) -> None:
         """The coordinator says ``group``'s process died and will be started again (its restart
         policy): drop what goes to it meanwhile, and tell the reactors that care."""
+        self._stop_retrying(group)
         if group not in self.outbox.restartable or self.host.deterministic:
             log.warning("%s: ignored 'lost' for %r, which has no restart policy here", self.group, group)
             return
@@ -520,6 +560,7 @@ class Worker:
         if group not in self.outbox.restartable or self.host.deterministic:
             log.warning("%s: ignored 'restarted' for %r, which has no restart policy here", self.group, group)
             return
+        self._stop_retrying(group)
         self.outbox.mark_down(group)
         # A live link is to this life already: made at our own start, when its book entry was the
         # new life (past its hello; "lost" drops a link to an old one). Connecting again would offer
@@ -711,6 +752,7 @@ class Worker:
     async def _run_async(self) -> None:
         h = self.host
         h._seed_events()
+        self.started = True
         for p in self.down_at_start:  # after the startup events: reactors learn of it once started
             h.peer_event("peer_lost", p, f"worker {p!r} is being started again")
         await self._restarts_heard_early()

@@ -707,3 +707,30 @@ def test_a_failed_restartable_worker_whose_shutdown_never_ends_leaves_and_its_ne
     assert "worker 'source' exited with status 1; starting it again" in p.stderr, p.stderr[-3000:]
     assert "run ended (quiescence)" in p.stdout
     assert took < FAILED_END_S + 50
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_worker_whose_peer_is_held_at_its_start_links_to_it_once_it_answers(tmp_path):
+    """A restarted worker connects to its peers at its start; one held in a reaction longer than the
+    connect's 10 s timeout (a long update, a data-parallel rendezvous) answers no welcome, and the new life
+    counted it as down for the rest of the run: everything it sent there was dropped (a dp-learners run
+    whose learners restarted learned nothing more, exit 0). It asks again until the peer answers."""
+    f = {k: tmp_path / k for k in ("ready_file", "hold_file", "holding_file", "new_life_file")}
+    proc = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "tests" / "apps" / "held_peer.py"),
+                             "--placement", "processes", "--async", "--restart", "on-failure:1,backoff_s=0.1",
+                             *[a for k, v in f.items() for a in ("--set", f"{k}={v}")]],
+                            cwd=ROOT, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = _workers(proc, f["ready_file"], n=2)
+        f["hold_file"].touch()
+        wait_for(f["holding_file"].exists, 30, "the sink to hold its loop")
+        os.kill(first["ticker"], signal.SIGKILL)
+        wait_for(f["new_life_file"].exists, 60, "a value from the ticker's new life at the sink")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "restartable peer 'sink' answers now; it is up again here" in err, err[-3000:]
+    assert proc.returncode == 130, err[-3000:]

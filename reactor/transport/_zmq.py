@@ -652,7 +652,10 @@ class Endpoint(_Receiving):
     def linked(self, peer: str) -> bool:
         """Whether a link to ``peer`` is up: connected (its welcome came), not lost, not disconnected."""
         link = self._links.get(peer)
-        return link is not None and link.lost_reason is None
+        # (not a connect still waiting for its welcome: a restarted worker's retry of a peer, cancelled by
+        # the coordinator's "restarted", was taken for a live link, and its sends then found no link)
+        return (link is not None and link.lost_reason is None and link.welcomed.done() and not link.welcomed.cancelled()
+                and link.welcomed.exception() is None)
 
     def disconnect(self, peer: str, *, linger_s: float = 1.0) -> None:
         """Close the link to ``peer`` on purpose: it is not reported as lost.

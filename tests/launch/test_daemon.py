@@ -598,6 +598,16 @@ def test_a_log_chunk_asked_past_the_end_of_the_file_is_empty_not_an_error(tmp_pa
     assert read_chunk(f, 2**63 - 1) == (b"", LOG_CHUNK_NBYTES + 10)
 
 
+def _head_of_a_job_over_hosts(tmp_path: Path) -> tuple[Daemon, Path, Path]:
+    """A daemon (no fork server) whose jobs run over hosts, itself the only one: its key admitted by itself (a
+    cluster key), a hosts file naming it, and the path of a job's ready file."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    (d.keys_dir / "authorized" / "self.pub").write_bytes((d.keys_dir / "key.pub").read_bytes())
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = "{d.address}"\n')
+    return d, hosts, tmp_path / "ready"
+
+
 @pytest.mark.timeout(180)
 def test_sigterm_to_the_head_daemon_stops_its_job_over_hosts_cleanly_and_keeps_its_files(tmp_path):
     """Regression (a newcomer's pass, session 54): SIGTERM to the daemon of a job whose run spreads over
@@ -605,11 +615,7 @@ def test_sigterm_to_the_head_daemon_stops_its_job_over_hosts_cleanly_and_keeps_i
     hosted at once: the job's coordinator could no longer heartbeat its own host nor fetch its files, so
     the clean stop read as a failure and the run's files stayed on the host. The daemon now stops its
     jobs while it still answers, and ends the runs it hosts once its jobs have ended."""
-    d = Daemon(tmp_path, extra=("--no-fork-server",))
-    (d.keys_dir / "authorized" / "self.pub").write_bytes((d.keys_dir / "key.pub").read_bytes())  # a cluster key
-    hosts = tmp_path / "hosts.toml"
-    hosts.write_text(f'[hosts]\nh1 = "{d.address}"\n')
-    ready = tmp_path / "ready"
+    d, hosts, ready = _head_of_a_job_over_hosts(tmp_path)
     try:
         with d.client() as c:
             job = c.request("submit", job_spec(APPS / "forever.py", placement="processes", hosts=hosts,
@@ -895,11 +901,7 @@ def test_a_job_over_hosts_stopped_at_once_ends_its_cleanups_before_the_daemon_ki
     "stop at once", whose cleanups still run: the reaping's SIGTERM grace for the held worker (END_GRACE_S
     on its host, and a heartbeat to see its end), then copying the run's files back. The SIGKILL came
     STOP_HURRY_S = 5 s after, first: the job ended with exit status -9, its files left on the host."""
-    d = Daemon(tmp_path, extra=("--no-fork-server",))
-    (d.keys_dir / "authorized" / "self.pub").write_bytes((d.keys_dir / "key.pub").read_bytes())  # a cluster key
-    hosts = tmp_path / "hosts.toml"
-    hosts.write_text(f'[hosts]\nh1 = "{d.address}"\n')
-    ready = tmp_path / "ready"
+    d, hosts, ready = _head_of_a_job_over_hosts(tmp_path)
     try:
         with d.client() as c:
             job = c.request("submit", job_spec(APPS / "forever.py", placement="processes", hosts=hosts,

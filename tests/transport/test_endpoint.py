@@ -610,6 +610,35 @@ async def test_a_local_peer_that_closes_during_the_handshake_is_named_gone_and_c
 
 
 @pytest.mark.asyncio
+async def test_a_connect_still_waiting_for_its_welcome_is_not_linked(open_endpoint, tmp_path):
+    """A restarted worker retries a peer that did not answer at its start; the coordinator's "restarted" then
+    cancels the retry, and its worker asks `linked` whether to connect to the new life. A pending connect
+    counted as linked: the worker skipped its connect, the cancelled retry then dropped its link, and the
+    shard's next send raised "not connected" (a CI run, session 56: replay-0 "refused the run")."""
+    import socket
+
+    server = socket.socket(socket.AF_UNIX)  # takes the connection, never answers zmq's greeting
+    server.bind(str(tmp_path / "mute.sock"))
+    server.listen(4)
+    ep = await open_endpoint("a", f"ipc://{tmp_path}/a.sock", curve_local=False)
+    try:
+        pending = asyncio.ensure_future(ep.connect("b", f"ipc://{tmp_path}/mute.sock", timeout_s=30))
+        await asyncio.sleep(0.3)
+        assert not pending.done()
+        assert not ep.linked("b")
+        ep.disconnect("b", linger_s=0)  # (what the worker does before it connects to the new life)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        assert not ep.linked("b")
+    finally:
+        server.close()
+    b = await open_endpoint("b", f"ipc://{tmp_path}/b.sock")
+    await ep.connect("b", b.address)
+    assert ep.linked("b")
+
+
+@pytest.mark.asyncio
 async def test_connecting_under_the_wrong_peer_name_is_refused(open_endpoint):
     b = await open_endpoint("b")
     a = await open_endpoint("a")

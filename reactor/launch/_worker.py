@@ -83,10 +83,16 @@ def _leave_when_orphaned(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     time.sleep(ORPHAN_GRACE_S)
-    with contextlib.suppress(OSError):  # (not sys.stderr: the held thread may hold its lock)
-        os.write(2, f"reactor worker {os.environ.get('REACTOR_WORKER_GROUP', '?')}: its parent (pid {parent}) "
-                    f"died and it did not stop within {ORPHAN_GRACE_S:g} s: it ends now\n".encode())
-    os._exit(128 + signal.SIGTERM)
+    _leave_now(f"reactor worker {os.environ.get('REACTOR_WORKER_GROUP', '?')}: its parent (pid {parent}) died and it "
+               f"did not stop within {ORPHAN_GRACE_S:g} s: it ends now", 128 + signal.SIGTERM)
+
+
+def _leave_now(message: str, status: int) -> None:
+    """End this process at once from a thread of its own, its event loop held by a reaction: ``message``
+    on stderr (written to the descriptor: the held thread may hold ``sys.stderr``'s lock), then ``status``."""
+    with contextlib.suppress(OSError):
+        os.write(2, (message + "\n").encode())
+    os._exit(status)
 
 
 class Outbox:
@@ -458,13 +464,9 @@ class Worker:
         if self._leaving is not None:
             return
 
-        def leave() -> None:
-            with contextlib.suppress(OSError):  # (not sys.stderr: the held thread may hold its lock)
-                os.write(2, f"reactor worker {self.group}: its shutdown reactions did not end within {seconds:g} s "
-                            f"of its failure; it leaves without them\n".encode())
-            os._exit(status)
-
-        self._leaving = threading.Timer(seconds, leave)
+        self._leaving = threading.Timer(seconds, _leave_now, (f"reactor worker {self.group}: its shutdown reactions "
+                                                            f"did not end within {seconds:g} s of its failure; it "
+                                                            f"leaves without them", status))
         self._leaving.daemon = True
         self._leaving.start()
 

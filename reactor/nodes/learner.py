@@ -155,13 +155,11 @@ class _LearnerBase(Reactor):
             self._resume(torch)
         elif self.restarts > 0:
             # (it started again from fresh weights without a word: a run's progress lost in silence)
+            lost = self.restart_loses() or (f"its learning: no learner.pt written yet (checkpoint_every = "
+                                            f"{self.checkpoint_every}), so it learns again from fresh weights")
             logging.getLogger("reactor.learner").warning(
-                "%s: started again (restart %d) with no checkpoint to resume from (%s): it learns again from fresh "
-                "weights; the replay and the actors go on from theirs", self.name, self.restarts,
-                "no run_dir" if self.ckpt is None else
-                f"none written yet: checkpoint_every = {self.checkpoint_every}" if self.checkpoint_every > 0 else
-                "checkpoint_every = 0 writes learner.pt only at the run's end; set checkpoint_every=N to resume from "
-                "every N updates")
+                "%s: started again (restart %d) without %s; the replay and the actors go on from theirs",
+                self.name, self.restarts, lost)
         elif self.resume and self.ckpt is not None and self.restarts == 0:
             logging.getLogger("reactor.learner").warning(
                 "%s: resume=True, but %s holds no learner.pt (the earlier run was killed before it saved one: a run "

@@ -350,8 +350,9 @@ class Metrics(Reactor):
         try:  # (whole or not at all: a full disk left a cut summary.json, and the earlier life's was gone)
             replace_small(self.dir / "summary.json", json.dumps(json_safe(summary), indent=2).encode())
         except OSError as e:
-            logging.getLogger("reactor.metrics").warning("metrics: cannot write %s: %s (the run's figures are in metrics.csv)",
-                        self.dir / "summary.json", e.strerror or e)
+            logging.getLogger("reactor.metrics").warning("%s: cannot write %s: %s (the run's figures are in "
+                                                         "metrics.csv)", self.name, self.dir / "summary.json",
+                                                         e.strerror or e)
         plot = None
         try:
             from .plot import plot_run
@@ -360,7 +361,8 @@ class Metrics(Reactor):
         except ValueError:  # nothing to plot yet (a very short run)
             pass
         except OSError as e:  # (a full disk failed the run at its very end, for a picture)
-            logging.getLogger("reactor.metrics").warning("metrics: %s (reactor plot %s draws it later)", e.strerror or e, self.dir)
+            logging.getLogger("reactor.metrics").warning("%s: %s (reactor plot %s draws it later)", self.name,
+                                                         e.strerror or e, self.dir)
         # The result, also without live progress: a run that ends silently leaves its user guessing.
         print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot), flush=True)
 

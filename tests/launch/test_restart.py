@@ -638,8 +638,9 @@ def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_a
 
 
 @pytest.mark.parametrize(("checkpoint_every", "words"), [
-    (0, "checkpoint_every = 0 writes learner.pt only at the run's end; set checkpoint_every=N"),
-    (100, "none written yet: checkpoint_every = 100"),
+    (0, "checkpoint_every = 0 writes learner.pt only at the run's end, so it learns again from fresh weights; "
+        "set checkpoint_every=N"),
+    (100, "no learner.pt written yet (checkpoint_every = 100), so it learns again from fresh weights"),
 ])
 def test_a_learner_started_again_with_no_checkpoint_says_it_learns_again_from_fresh_weights(
         tmp_path, caplog, checkpoint_every, words):
@@ -656,8 +657,8 @@ def test_a_learner_started_again_with_no_checkpoint_says_it_learns_again_from_fr
     with caplog.at_level(logging.WARNING, logger="reactor.learner"):
         learner._setup(learner.algo_name, learner.env_name, learner.algo_config)
     assert learner.updates == 0
-    said = [m for m in caplog.messages if "started again (restart 1) with no checkpoint to resume from" in m]
-    assert len(said) == 1 and words in said[0] and "learns again from fresh weights" in said[0], caplog.messages
+    said = [m for m in caplog.messages if "started again (restart 1) without its learning: " in m]
+    assert len(said) == 1 and words in said[0], caplog.messages
 
 
 def test_a_restart_policy_over_a_learner_or_shard_that_would_start_again_empty_is_said_before_the_run_starts(caplog):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ._errors import FrameTooLargeError as FrameTooLargeError
 from ._errors import GraphError as GraphError
+from ._errors import LinkStateError as LinkStateError
 from ._errors import MalformedFrameError as MalformedFrameError
 from ._errors import PeerLostError as PeerLostError
 from ._errors import PortClosedError as PortClosedError

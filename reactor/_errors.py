@@ -57,6 +57,13 @@ class ReactorInternalError(ReactorError):
     """A bug in reactor itself: please report it with the traceback."""
 
 
+class LinkStateError(ReactorError, ValueError):
+    """An endpoint was asked to use a link it does not have (a send to a peer it is not connected to),
+    or to connect a peer it is connected to already: the order of its caller's calls, not a value it
+    was given. Raised inside a run, it is reactor's own bug: a failure shown with its traceback, never
+    a refusal's one line (``refusal_class``)."""
+
+
 class AppError(ReactorError):
     """The app file or its configuration is wrong (a one-line message for the command line)."""
 
@@ -110,7 +117,7 @@ def raised_by_reactor(e: BaseException) -> bool:
 def refusal_class(e: BaseException) -> str | None:
     """The name a worker sends for a refusal (its nearest class in ``REFUSALS``, raised by reactor's
     own code), None for a failure."""
-    if not raised_by_reactor(e):
+    if not raised_by_reactor(e) or isinstance(e, (LinkStateError, ReactorInternalError)):
         return None
     for c in type(e).__mro__:
         if c in REFUSAL_NAMES.values():
@@ -123,6 +130,7 @@ __all__ = [
     "DaemonError",
     "FrameTooLargeError",
     "GraphError",
+    "LinkStateError",
     "MalformedFrameError",
     "PeerLostError",
     "PortClosedError",

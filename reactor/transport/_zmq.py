@@ -52,7 +52,7 @@ import zmq
 import zmq.asyncio
 import zmq.auth.asyncio
 
-from reactor._errors import FrameTooLargeError, PeerLostError, WouldBlock
+from reactor._errors import FrameTooLargeError, LinkStateError, PeerLostError, WouldBlock
 from reactor._files import check_ipc_bind
 from reactor._floodlog import FloodCounts
 
@@ -555,7 +555,7 @@ class Endpoint(_Receiving):
         """The credit held for sending to ``peer``: ``(messages, nbytes)``.
 
         Raises:
-            ValueError: not connected to ``peer``.
+            LinkStateError: not connected to ``peer`` (a ``ValueError``).
         """
         link = self._link(peer)
         return link.credit_msgs, link.credit_nbytes
@@ -564,7 +564,7 @@ class Endpoint(_Receiving):
         """Whether the link to ``peer`` is CURVE-encrypted (it was connected with its server key).
 
         Raises:
-            ValueError: not connected to ``peer``.
+            LinkStateError: not connected to ``peer`` (a ``ValueError``).
         """
         return self._link(peer).curve
 
@@ -592,14 +592,15 @@ class Endpoint(_Receiving):
 
         Raises:
             PortClosedError: this endpoint is closed.
-            ValueError: already connected to ``peer``; ``server_public_key`` without ``curve`` on
+            LinkStateError: already connected to ``peer`` (a ``ValueError``).
+            ValueError: ``server_public_key`` without ``curve`` on
                 this endpoint; a malformed address; or the endpoint at ``address`` is not ``peer``.
             PeerLostError: the peer did not answer within ``timeout_s`` or rejected our CURVE key.
         """
         self._check_open()
         old = self._links.get(peer)
         if old is not None:
-            raise ValueError(f"Endpoint {self._name!r} is already connected to peer {peer!r} at {old.address}")
+            raise LinkStateError(f"Endpoint {self._name!r} is already connected to peer {peer!r} at {old.address}")
         if server_public_key is not None and self._curve is None:
             raise ValueError(
                 f"connect({peer!r}): server_public_key needs this endpoint's own key pair; "
@@ -661,7 +662,7 @@ class Endpoint(_Receiving):
         """Close the link to ``peer`` on purpose: it is not reported as lost.
 
         Messages already sent (held ones included) are still delivered for up to ``linger_s``
-        seconds. Sending to ``peer`` afterwards raises ``ValueError`` until :meth:`connect` is
+        seconds. Sending to ``peer`` afterwards raises ``LinkStateError`` until :meth:`connect` is
         called again.
         """
         link = self._links.pop(peer, None)
@@ -755,7 +756,7 @@ class Endpoint(_Receiving):
             self._check_open()
             if peer in self._lost:
                 raise PeerLostError(f"peer {peer!r} was lost: {self._lost[peer]}")
-            raise ValueError(
+            raise LinkStateError(
                 f"Endpoint {self._name!r} is not connected to peer {peer!r}; call connect({peer!r}, address) first"
             )
         return link
@@ -771,7 +772,7 @@ class Endpoint(_Receiving):
         without awaiting holds them that long. Their credit is spent at once either way.
 
         Raises:
-            ValueError: not connected to ``peer``.
+            LinkStateError: not connected to ``peer`` (a ``ValueError``).
             PeerLostError: ``peer`` was lost.
             PortClosedError: this endpoint is closed.
             WouldBlock: the link has no credit: the peer has not consumed enough yet.

@@ -25,7 +25,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from reactor._errors import FrameTooLargeError, PeerLostError, PortClosedError, WouldBlock
+from reactor._errors import FrameTooLargeError, LinkStateError, PeerLostError, PortClosedError, WouldBlock
 from reactor._floodlog import FloodCounts, flood_logged
 from reactor.transport import CurveKeys, Endpoint, codec, encode, link_key
 from reactor.transport._zmq import PROTOCOL_VERSION
@@ -646,6 +646,27 @@ async def test_connecting_under_the_wrong_peer_name_is_refused(open_endpoint):
         await a.connect("c", b.address)
     with pytest.raises(ValueError, match=r"^Endpoint 'a' is not connected to peer 'c'; call connect"):
         a.send_nowait("c", 1)
+
+
+@pytest.mark.asyncio
+async def test_a_link_used_out_of_order_inside_a_run_is_a_failure_with_its_traceback_not_a_refusal(open_endpoint):
+    """A send to a peer not connected, or a second connect, raised by reactor's own code is its bug: a
+    worker shows the traceback and exits 1. Both were ValueErrors, which a run takes for a refusal of
+    what its user gave it (one line, exit 2, "call connect('c', address) first" as the advice)."""
+    from reactor._errors import refusal_class
+
+    a = await open_endpoint("a")
+    b = await open_endpoint("b")
+    with pytest.raises(LinkStateError) as unlinked:
+        a.send_nowait("c", 1)
+    await a.connect("b", b.address)
+    with pytest.raises(LinkStateError, match=r"^Endpoint 'a' is already connected to peer 'b' at ") as twice:
+        await a.connect("b", b.address)
+    assert isinstance(unlinked.value, ValueError)  # (what callers catching ValueError still get)
+    assert refusal_class(unlinked.value) is None and refusal_class(twice.value) is None
+    with pytest.raises(ValueError) as bad_argument:
+        await Endpoint.open("x", credit_window=0)
+    assert refusal_class(bad_argument.value) == "ValueError"  # (a value its caller gave: still a refusal)
 
 
 @pytest.mark.asyncio

@@ -57,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="runs over hosts: your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
     r.add_argument("--restart", default=None, metavar="POLICY",
                    help="async multi-process runs: never | on-failure | on-failure:N (at most N restarts per "
-                        "process), then ,backoff_s=S and ,host_wait_s=S if wanted (on-failure:5,host_wait_s=60), for "
-                        "every group (replaces the placement file's restart fields)")
+                        "process in a row), then ,backoff_s=S ,host_wait_s=S ,reset_after_s=S if wanted "
+                        "(on-failure:5,host_wait_s=60; a life of reset_after_s, 600 by default, starts the count "
+                        "again), for every group (replaces the placement file's restart fields)")
     r.add_argument("--seed", type=_seed_arg, default=0, help="run seed (default 0)")
     r.add_argument("--stop-s", type=float, default=None,
                    help="end at this logical time in seconds (deterministic, the default: logical time goes at "

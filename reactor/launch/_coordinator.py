@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -372,7 +373,10 @@ class _Restarts:
         self.keys = keys
         self.book: dict[str, str] = {}  # group -> its endpoint's address (the latest)
         self.local: dict[str, str | None] = {}  # group -> its endpoint's address for its own host's workers
-        self.count: dict[str, int] = {}  # restarts begun, per group
+        self.count: dict[str, int] = {}  # restarts begun in a row, per group (its policy's max_restarts)
+        self.lives: dict[str, int] = {}  # restarts begun over the run, per group (a new life's number)
+        self.began: dict[str, float] = {}  # group -> when its latest life began running (monotonic)
+        self.first_began = time.monotonic()  # (the first lives')
         self.ends: dict[str, list[str]] = {}  # how each of a group's lives ended
         self.due: dict[str, float] = {}
         # group -> its start under way, in a task of its own (a try whose hosts do not answer waits
@@ -415,6 +419,18 @@ class _Restarts:
         """The address book as ``recipient`` uses it (see :meth:`address_for`)."""
         return {g: self.address_for(g, recipient, host_of) for g in self.book}
 
+    def life_ended(self, group: str) -> None:
+        """``group``'s process ended: a life that ran its policy's ``reset_after_s`` was healthy, and
+        the count of its restarts in a row (and so its backoff) starts again."""
+        # (a life that never began running, its start not answered yet, ran nothing)
+        began = self.began.pop(group, None if group in self.lives else self.first_began)
+        ran = 0.0 if began is None else time.monotonic() - began
+        policy = self.groups[group].restart if group in self.groups else None
+        if policy is not None and ran >= policy.reset_after_s and self.count.get(group):
+            log.warning("worker %r ran %.0f s (reset_after_s = %g s) before it ended: its count of restarts in "
+                        "a row starts again", group, ran, policy.reset_after_s)
+            self.count[group] = 0
+
     def can_restart(self, group: str) -> bool:
         return group in self.restartable and self.count.get(group, 0) < self.groups[group].restart.max_restarts
 
@@ -425,8 +441,9 @@ class _Restarts:
             return ""
         if group not in self.restartable:
             return f"; group {group!r} was not restarted: restart policies hold in async runs only"
-        return (f"; group {group!r} had used its {self.count.get(group, 0)} restarts "
-                f"(max_restarts = {policy.max_restarts}): earlier ends: {'; '.join(self.ends.get(group, []))}")
+        healthy = "" if math.isinf(policy.reset_after_s) else f", each after a life shorter than reset_after_s = {policy.reset_after_s:g} s"
+        return (f"; group {group!r} had used its {self.count.get(group, 0)} restarts in a row "
+                f"(max_restarts = {policy.max_restarts}{healthy}): earlier ends: {'; '.join(self.ends.get(group, []))}")
 
 
 _ABANDONED = {"replay_incomplete": None, "stats": {"dropped": 0}, "events": {},
@@ -479,6 +496,7 @@ class _Session:
         for name in dead:
             r.starting.pop(name, None)
             r.awaiting.pop(name, None)
+            r.life_ended(name)
         if self.stopped_by is not None:
             # The run is ending: a restartable group that ends now (say, a new life that never got
             # going) is not started again, and does not fail a run that reached its end.
@@ -499,11 +517,14 @@ class _Session:
         """``name`` ended and its policy allows another life: tell the others (unless they know it is
         down already: ``announce``), start it after its backoff."""
         r = self.restarts
+        policy = r.groups[name].restart
         k = r.count.get(name, 0)
         ended = _how_ended(*how)
         r.ends.setdefault(name, []).append(ended)
+        del r.ends[name][:-16]  # (the latest: a run of weeks ends a few hundred times)
         r.count[name] = k + 1
-        delay = r.groups[name].restart.delay_s(k)
+        r.lives[name] = r.lives.get(name, 0) + 1
+        delay = policy.delay_s(k)
         host = self.workers.host_of.get(name, "") if isinstance(self.workers, RemoteWorkers) else ""
         if how[0] is None and isinstance(self.workers, RemoteWorkers) and host in self.workers.silent_hosts:
             # Lost with a silent host (cut off: its processes may run on): its peers hold its old
@@ -517,8 +538,8 @@ class _Session:
         r.due[name] = asyncio.get_running_loop().time() + delay
         self.status.pop(name, None)
         self.probe_snapshot = None
-        log.warning("worker %r %s; starting it again in %.1f s (restart %d of at most %d)", name, ended, delay,
-                    k + 1, r.groups[name].restart.max_restarts)
+        log.warning("worker %r %s; starting it again in %.1f s (restart %d of at most %d in a row)", name, ended,
+                    delay, k + 1, policy.max_restarts)
         if announce:
             self.ep.disconnect(name, linger_s=0)
             self._broadcast(("lost", name, f"worker {name!r} {ended}"))
@@ -535,7 +556,7 @@ class _Session:
             elif now >= t:
                 del r.due[name]
                 r.trying[name] = asyncio.ensure_future(r.start(r.groups[name],
-                                                               dict(r.specs[name], restarts=r.count[name])))
+                                                               dict(r.specs[name], restarts=r.lives[name])))
         for name, task in sorted(r.trying.items()):
             if not task.done():
                 continue
@@ -582,7 +603,7 @@ class _Session:
             self.workers.record_groups()
         r.due[name] = now + delay
         log.warning("worker %r waits for a host: %s; asking again in %.1f s (%.0f s of at most %g s waited; "
-                    "restart %d of at most %d)", name, e, delay, waited, policy.host_wait_s, r.count[name],
+                    "restart %d of at most %d in a row)", name, e, delay, waited, policy.host_wait_s, r.count[name],
                     policy.max_restarts)
 
     def _check_awaiting(self) -> None:
@@ -617,7 +638,7 @@ class _Session:
             r.starting[peer] = "reconnecting"
             r.awaiting[peer] = ({n for n in self.procs if n not in self.results and n not in r.pending},
                                 asyncio.get_running_loop().time() + RECONNECT_TIMEOUT_S)
-            self._broadcast(lambda n: ("restarted", peer, r.address_for(peer, n, self.host_of), r.count[peer]),
+            self._broadcast(lambda n: ("restarted", peer, r.address_for(peer, n, self.host_of), r.lives[peer]),
                             skip=peer, starting=True)
             self._release_if_linked(peer)
             return True
@@ -648,7 +669,8 @@ class _Session:
         if self.stopped_by is not None:
             self.ep.send_nowait(group, ("stop", self.stopped_by))
         else:
-            log.warning("worker %r is running again (restart %d)", group, r.count[group])
+            r.began[group] = time.monotonic()
+            log.warning("worker %r is running again (restart %d)", group, r.lives[group])
 
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
@@ -853,7 +875,7 @@ class _Session:
         # After a restart the sums need not meet again (messages to or from a process that died
         # were lost with it): then every worker idle and the counts unchanged over probe rounds
         # for lost_quiet_s is quiescence.
-        if sent != received and not self.restarts.count:
+        if sent != received and not self.restarts.lives:
             self.probe_snapshot = None
             return False
         if self.probe_snapshot is None or not all(st[n][0] == self.epoch for n in live):
@@ -872,7 +894,7 @@ class _Session:
                         return False
             return False
         if self.probe_snapshot == (sent, received):
-            if self.restarts.count:
+            if self.restarts.lives:
                 # The sums cannot show a message in flight now (above; equal sums either: the lost
                 # ones may offset one in flight): the same quiet over probe rounds for
                 # lost_quiet_s, not one round, ends the run.

@@ -3,6 +3,7 @@ parser and the distribution policies, so neither imports the other's module for 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from .._graph import plain_name
 __all__ = ["RESTART_FIELDS", "Group", "Restart", "group_name", "parse_restart", "restart_from_text"]
 
 #: The fields of a restart policy, in a group's table or a placement's ``[restart]`` defaults.
-RESTART_FIELDS = ("restart", "max_restarts", "backoff_s", "host_wait_s")
+RESTART_FIELDS = ("restart", "max_restarts", "backoff_s", "host_wait_s", "reset_after_s")
 
 
 @dataclass(frozen=True)
@@ -22,18 +23,24 @@ class Restart:
     Attributes:
         policy: ``"never"`` (the run ends, naming the group) or ``"on-failure"`` (start it again,
             async runs only: a deterministic run ends with the error either way).
-        max_restarts: restarts allowed over the run; one more failure ends the run.
+        max_restarts: restarts allowed in a row; one more failure ends the run. A life that ran
+            ``reset_after_s`` before it ended was healthy: the count (and the backoff) starts again
+            after it, so a run of days survives a failure now and then, and a crash loop still ends it.
         backoff_s: the wait before the first restart, doubled for each later one (at most 30 s).
         host_wait_s: over hosts, how long one restart waits for a candidate host to answer (a
             lost host's daemon that its supervisor, such as Ray, Kubernetes or systemd, starts
             again), trying every backoff (at most 10 s); tries that found no host do not count
             as restarts. Past it the run ends, naming the hosts and why each did not answer.
+        reset_after_s: how long a life must have run for its end to start the count of restarts
+            in a row afresh (10 minutes, as Kubernetes resets a container's backoff); ``inf``: the
+            count holds over the whole run.
     """
 
     policy: str = "never"
     max_restarts: int = 3
     backoff_s: float = 1.0
     host_wait_s: float = 300.0
+    reset_after_s: float = 600.0
 
     def delay_s(self, restarts_so_far: int) -> float:
         """The wait before restart number ``restarts_so_far + 1``."""
@@ -64,8 +71,8 @@ def group_name(instance: str) -> str:
 
 
 def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART) -> Restart:
-    """The restart policy a table's ``restart``, ``max_restarts``, ``backoff_s`` and
-    ``host_wait_s`` give, each missing field taken from ``base``.
+    """The restart policy a table's ``restart``, ``max_restarts``, ``backoff_s``, ``host_wait_s``
+    and ``reset_after_s`` give, each missing field taken from ``base``.
 
     Raises:
         GraphError: a field of the wrong type or out of range, naming ``where`` and the field.
@@ -82,19 +89,22 @@ def parse_restart(raw: dict[str, Any], where: str, base: Restart = NEVER_RESTART
     w = raw.get("host_wait_s", base.host_wait_s)
     if type(w) not in (int, float) or not 0 <= w <= 86400:
         raise GraphError(f"{where}: host_wait_s must be a number of seconds in [0, 86400], got {w!r}")
-    return Restart(policy, n, float(b), float(w))
+    h = raw.get("reset_after_s", base.reset_after_s)
+    if type(h) not in (int, float) or not 1 <= h <= math.inf:  # (inf: the count holds over the run)
+        raise GraphError(f"{where}: reset_after_s must be a number of seconds >= 1 (or inf), got {h!r}")
+    return Restart(policy, n, float(b), float(w), float(h))
 
 
 def restart_from_text(text: str) -> Restart:
     """``reactor run --restart``: ``never``, ``on-failure`` or ``on-failure:N`` (N: max_restarts),
-    then, for on-failure, any of ``,backoff_s=S`` and ``,host_wait_s=S`` (seconds), e.g.
-    ``on-failure:5,host_wait_s=60``.
+    then, for on-failure, any of ``,backoff_s=S``, ``,host_wait_s=S`` and ``,reset_after_s=S``
+    (seconds), e.g. ``on-failure:5,host_wait_s=60``.
 
     Raises:
         GraphError: anything else, naming it (a value out of its range names the field).
     """
     usage = (f"restart {text!r}: use never, on-failure or on-failure:N (N: the most restarts per group), "
-             f"then ,backoff_s=S and ,host_wait_s=S if you want them")
+             f"then ,backoff_s=S ,host_wait_s=S ,reset_after_s=S if you want them")
     head, *extras = text.split(",")
     policy, colon, n = head.partition(":")
     if policy not in ("never", "on-failure") or (colon and (not (n.isascii() and n.isdigit()) or policy == "never")) or (
@@ -103,7 +113,7 @@ def restart_from_text(text: str) -> Restart:
     raw: dict[str, Any] = {"restart": policy, **({"max_restarts": int(n)} if n else {})}
     for item in extras:
         key, eq, value = item.partition("=")
-        if not eq or key not in ("backoff_s", "host_wait_s") or key in raw:
+        if not eq or key not in ("backoff_s", "host_wait_s", "reset_after_s") or key in raw:
             raise GraphError(usage)
         try:
             raw[key] = float(value)

@@ -12,9 +12,10 @@
       reactors = ["actor*"]
       bind = "tcp://127.0.0.1:*"            # optional: tcp (with CURVE) instead of local ipc
       restart = "on-failure"                # optional (async runs): start it again if it dies,
-      max_restarts = 3                      #   at most this often over the run,
+      max_restarts = 3                      #   at most this often in a row,
       backoff_s = 1.0                       #   after this wait, doubled each time
       host_wait_s = 300.0                   #   over hosts: how long to wait for a candidate host
+      reset_after_s = 600.0                 #   a life this long starts the count again (inf: never)
 
       [restart]                             # optional: the defaults of every group's policy
       restart = "never"

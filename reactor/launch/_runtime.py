@@ -355,8 +355,9 @@ def run(graph: Graph, **kwargs: Any) -> RunResult:
             groups over; a placement file may name its hosts itself (``reactor/launch/_cluster.py``).
         with_files: runs over hosts: files the app needs beside it, shipped with it to every host.
         restart: async multi-process runs: every group's restart policy, ``"never"``,
-            ``"on-failure"`` or ``"on-failure:N"`` (at most N restarts per group), then
-            ``",backoff_s=S"`` and ``",host_wait_s=S"`` if wanted (``"on-failure:5,host_wait_s=60"``), replacing the
+            ``"on-failure"`` or ``"on-failure:N"`` (at most N restarts per group in a row: a life of
+            ``reset_after_s``, 600 s by default, starts the count again), then ``",backoff_s=S"``,
+            ``",host_wait_s=S"`` and ``",reset_after_s=S"`` if wanted (``"on-failure:5,host_wait_s=60"``), replacing the
             placement's own (a placement file's ``restart`` fields, its ``[restart]`` table).
 
     Returns:

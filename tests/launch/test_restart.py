@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -72,6 +73,10 @@ def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from
     assert restart_from_text("on-failure:7") == Restart("on-failure", 7)
     assert restart_from_text("on-failure:2,host_wait_s=60,backoff_s=0.5") == Restart("on-failure", 2, 0.5, 60.0)
     assert restart_from_text("on-failure,host_wait_s=0") == Restart("on-failure", 3, 1.0, 0.0)
+    assert restart_from_text("on-failure,reset_after_s=inf") == Restart("on-failure", reset_after_s=math.inf)
+    text = '[restart]\nrestart = "on-failure"\nreset_after_s = inf\n[groups.all]\nreactors = ["*"]\n'
+    assert {g.restart for g in resolve_placement(graph, _write(tmp_path, text)).groups} == {
+        Restart("on-failure", reset_after_s=math.inf)}
     assert Restart("on-failure", 3, 0.5).delay_s(2) == 2.0 and Restart("on-failure", 9, 10.0).delay_s(5) == 30.0
     # Asking lost hosts again: the backoff doubled per try, within [0.5, 10] s.
     assert [Restart("on-failure", 3, 1.0).host_retry_s(k) for k in range(5)] == [1.0, 2.0, 4.0, 8.0, 10.0]
@@ -86,7 +91,9 @@ def test_restart_policies_come_from_group_fields_over_the_files_defaults_or_from
     ('[groups.all]\nreactors = ["*"]\nhost_wait_s = -5\n', "group 'all': host_wait_s must be a number of seconds "
      "in [0, 86400], got -5"),
     ('[restart]\nretries = 3\n[groups.all]\nreactors = ["*"]\n',
-     "[restart] takes restart, max_restarts, backoff_s, host_wait_s only"),
+     "[restart] takes restart, max_restarts, backoff_s, host_wait_s, reset_after_s only"),
+    ('[groups.all]\nreactors = ["*"]\nreset_after_s = 0\n', "group 'all': reset_after_s must be a number of seconds "
+     ">= 1 (or inf), got 0"),
     ('[restart]\nmax_restarts = 1.5\n[groups.all]\nreactors = ["*"]\n', "[restart]: max_restarts must be an integer"),
 ])
 def test_a_bad_restart_policy_is_refused_naming_the_field_and_the_value(tmp_path, text, message):
@@ -99,7 +106,7 @@ def test_a_bad_restart_policy_is_refused_naming_the_field_and_the_value(tmp_path
                                   "on-failure:2,", "on-failure:", "on-failure:,backoff_s=1", "on-failure:\u00b2"])
 def test_a_bad_restart_option_is_refused(text):
     with pytest.raises(GraphError, match=r"use never, on-failure or on-failure:N \(N: the most restarts per group\), "
-                                         r"then ,backoff_s=S and ,host_wait_s=S if you want them"):
+                                         r"then ,backoff_s=S ,host_wait_s=S ,reset_after_s=S if you want them"):
         restart_from_text(text)
 
 
@@ -110,6 +117,8 @@ def test_a_bad_restart_option_is_refused(text):
                                   "[0, 86400], got -1.0"),
     ("on-failure,backoff_s=nan", "restart 'on-failure,backoff_s=nan': backoff_s must be a number of seconds in "
                                  "[0, 3600], got nan"),
+    ("on-failure,reset_after_s=0.5", "restart 'on-failure,reset_after_s=0.5': reset_after_s must be a number of "
+                                     "seconds >= 1 (or inf), got 0.5"),
 ])
 def test_a_restart_options_bad_value_is_refused_naming_the_field(text, message):
     with pytest.raises(GraphError, match=re.escape(message)):
@@ -416,28 +425,42 @@ def _workers(proc: subprocess.Popen[str], ready: Path, n: int = 3) -> dict[str, 
 
 
 @pytest.mark.timeout(300)
-def test_a_group_out_of_restarts_ends_the_run_naming_it_and_each_end_it_had(tmp_path):
-    proc, errfile = _forever(tmp_path, "--async", "--restart", "on-failure:1")
-    try:
-        first = _workers(proc, tmp_path / "ready")
-        # Gone before the kill: the new life may touch it again before _pid_changed sees its pid (when
-        # this was removed after, the test waited out the 60 s below now and then).
-        (tmp_path / "ready").unlink()
-        os.kill(first["sink"], signal.SIGKILL)
-        second = _pid_changed(proc.pid, "sink", first["sink"], 60, errfile)
+def test_a_group_out_of_restarts_in_a_row_ends_the_run_naming_it_and_a_healthy_life_starts_the_count_again(tmp_path):
+    """max_restarts counts restarts in a row: a life that ran reset_after_s starts the count again (a run
+    of days survived no more than max_restarts failures over its whole length before), a short one not."""
+    proc, errfile = _forever(tmp_path, "--async", "--restart", "on-failure:1,reset_after_s=4")
+    ready = tmp_path / "ready"
+
+    def next_life(pid: int) -> int:
+        new = _pid_changed(proc.pid, "sink", pid, 60, errfile)
         deadline = time.monotonic() + 60
-        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:  # its new life started
+        while not ready.exists() and time.monotonic() < deadline:  # its new life started
             time.sleep(0.05)
         assert proc.poll() is None and all(_alive(first[t]) for t in ("ticker-0", "ticker-1"))  # the run went on
+        ready.unlink()
+        return new
+
+    try:
+        first = _workers(proc, ready)
+        # Gone before the kill: the new life may touch it again before _pid_changed sees its pid (when
+        # this was removed after, the test waited out the 60 s below now and then).
+        ready.unlink()
+        os.kill(first["sink"], signal.SIGKILL)
+        second = next_life(first["sink"])
+        time.sleep(5)  # a healthy life: past reset_after_s
         os.kill(second, signal.SIGKILL)
+        third = next_life(second)
+        os.kill(third, signal.SIGKILL)  # a short life: its restart would be the second in a row
         proc.communicate(timeout=60)
     finally:
         err = _reaped(proc, errfile)
     assert proc.returncode != 0
+    assert "worker 'sink' ran " in err and "(reset_after_s = 4 s) before it ended: its count of restarts in a row starts again" in err
     assert ("reactor: WorkerFailedError: worker 'sink' was killed by SIGKILL before the run ended; group 'sink' had used its 1 "
-            "restarts (max_restarts = 1): earlier ends: was killed by SIGKILL") in err, err[-3000:]
-    assert "worker 'sink' is running again (restart 1)" in err
-    assert not any(_alive(p) for p in (*first.values(), second))
+            "restarts in a row (max_restarts = 1, each after a life shorter than reset_after_s = 4 s): earlier ends: "
+            "was killed by SIGKILL; was killed by SIGKILL") in err, err[-3000:]
+    assert "worker 'sink' is running again (restart 1)" in err and "worker 'sink' is running again (restart 2)" in err
+    assert not any(_alive(p) for p in (*first.values(), second, third))
 
 
 @pytest.mark.timeout(300)
@@ -628,7 +651,7 @@ def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_a
             text = log()
         assert final["state"] == "failed", (final, text[-3000:])
         assert "worker 'ticker-1' is running again (restart 1)" in text, text[-3000:]
-        assert "(restart 2 of at most 2)" in text and "restart 3" not in text, text[-3000:]
+        assert "(restart 2 of at most 2 in a row)" in text and "restart 3" not in text, text[-3000:]
         assert re.search(r"worker 'ticker-1' could not be started again: no candidate host answered within "
                          r"host_wait_s = 20 s \(\d+ tries\): group 'ticker-1': no candidate host answered: h2: "
                          r"host 'h2' \(tcp://\S+\) did not answer 'ping' within", text), text[-3000:]

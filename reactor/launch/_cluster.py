@@ -44,8 +44,9 @@ from typing import Any
 
 from .._errors import DaemonError, GraphError
 from ._groups import Group
+from ._version import build_id, python_version
 
-__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "NoHostAnsweredError", "RemoteWorkers", "assign_hosts",
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "MixedBuildsError", "NoHostAnsweredError", "RemoteWorkers", "assign_hosts",
            "parse_hosts"]
 
 log = logging.getLogger("reactor.cluster")
@@ -59,6 +60,11 @@ _Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 
 class NoHostAnsweredError(DaemonError):
     """None of a group's candidate hosts answered (each may be coming back: see ``host_wait_s``)."""
+
+
+class MixedBuildsError(NoHostAnsweredError):
+    """Every candidate host of a group answered with another reactor build than the coordinator's (a
+    restart waits for one, as for a host that does not answer: its operator may be installing it)."""
 
 
 @dataclass(frozen=True)
@@ -321,6 +327,15 @@ class RemoteWorkers:
                 why.append(f"{h}: {unresolved or e}" + (f" (lost earlier: {was_lost})" if was_lost else ""))
                 continue
             self.last_ok[h] = time.monotonic()
+            theirs = pong.get("reactor") if isinstance(pong, dict) else None
+            if theirs != build_id():
+                # (it answers: not lost; a run on it would speak schemas the others do not)
+                py = pong.get("python") if isinstance(pong, dict) else None
+                why.append(f"{h}: its daemon runs reactor {str(theirs)[:40] if theirs else '(an earlier one, unnamed)'}"
+                           f"{f' on Python {str(py)[:20]}' if py else ''}, and this coordinator reactor {build_id()} "
+                           f"on Python {python_version()}: every host of a run needs the same reactor (install this "
+                           f"one there, and start its daemon again)")
+                continue
             name = pong.get("name") if isinstance(pong, dict) else None
             if isinstance(name, str) and name != h and h not in self.misnamed:  # (a copied line, a swapped address)
                 self.misnamed.add(h)
@@ -332,6 +347,8 @@ class RemoteWorkers:
                 self.silent_hosts.discard(h)
                 log.warning("host %s answers again (it was lost: %s)", h, was_lost)
             return h
+        if why and all(": its daemon runs reactor " in w for w in why):
+            raise MixedBuildsError(f"group {group.name!r}: no candidate host can run it: {'; '.join(why)}")
         raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)} (a daemon "
                                   f"that runs but does not answer may not hold this coordinator's key.pub, public = "
                                   f"{self.public}, in its authorized/ (a submitted job's coordinator has its head "

@@ -65,6 +65,7 @@ from ._hosting import END_GRACE_S, FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc,
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
+from ._version import build_id, python_version
 
 __all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_spec"]
 
@@ -429,7 +430,8 @@ class Daemon:
         if self._stop_phase is not None and kind in ("submit", "spawn"):  # (stop_all has been; none would be stopped)
             raise DaemonError(f"daemon {self.name!r} is stopping: it takes no new jobs or workers")
         if kind == "ping":
-            return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid(), "fork_server": self.forks.state()}
+            return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid(), "fork_server": self.forks.state(),
+                          "reactor": build_id(), "python": python_version()}
         if kind == "submit":
             return True, self.submit(msg[2])
         if kind == "status":

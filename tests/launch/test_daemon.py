@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ APPS = ROOT / "tests" / "apps"
 class Daemon:
     """A daemon process with its key directory, and a client key directory it authorizes."""
 
-    def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False, extra: tuple[str, ...] = (),
+                 code: Path = ROOT) -> None:
         self.tmp, self.name = tmp, name
         self.keys_dir, self.client_dir, self.state = tmp / "dk", tmp / "ck", tmp / "state"
         if not (self.keys_dir / "key").exists():
@@ -39,8 +41,8 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", name,
              "--state-dir", str(self.state), "--keys", str(self.keys_dir), *extra],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(code)})  # (code: where its reactor package is)
         self.address = json.loads(self.proc.stdout.readline())["address"]
         self.public = CurveKeys.load_public(self.keys_dir / "key.pub")
         if not wait_fork_server:  # jobs before its fork server is up start as new interpreters
@@ -689,6 +691,40 @@ def test_a_host_that_does_not_admit_the_coordinators_key_is_named_with_that_key(
     finally:
         err = d.stop()
     assert f"rejected a client whose key {public} is not in" in err, err
+
+
+def test_a_host_whose_daemon_runs_other_reactor_code_is_refused_naming_both_builds(tmp_path):
+    """A daemon running another reactor (an older install, or a checkout edited on that host only) was used
+    as any other: its workers and the run's speak schemas of different code, and a frame one side drops as
+    malformed stalls the run far from the cause. Each daemon's ping now says its build (the version and a
+    digest of the package's code), and a run refuses a host whose build is not its own, naming both."""
+    from reactor.launch._version import build_id
+
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "reactor", other / "reactor", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "reactor" / "launch" / "_placement.py", "a") as f:
+        f.write("# edited on this host only\n")
+    d = Daemon(tmp_path, extra=("--no-fork-server",), code=other)
+    try:
+        with d.client() as c:
+            theirs = c.request("ping")["reactor"]
+        assert theirs.startswith("0.") and theirs != build_id()
+        (d.keys_dir / "authorized" / "self.pub").write_bytes((d.client_dir / "key.pub").read_bytes())
+        hosts = tmp_path / "hosts.toml"
+        hosts.write_text(f'[hosts]\nh1 = {{ address = "{d.address}", key = "{d.keys_dir / "key.pub"}" }}\n')
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "demo_pipeline.py"),
+                            "--placement", "processes", "--hosts", str(hosts), "--keys", str(d.client_dir)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        with d.client() as c:
+            assert c.request("hosted") == []  # nothing was started there
+    finally:
+        d.stop()
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert (f"reactor: MixedBuildsError: group 'producer-0': no candidate host can run it: h1: its daemon runs reactor {theirs} on Python " in p.stderr
+            and f"and this coordinator reactor {build_id()} on Python " in p.stderr
+            and "every host of a run needs the same reactor" in p.stderr), p.stderr
+    assert "key.pub" not in p.stderr  # (it answered: nothing of keys)
 
 
 def test_submit_refuses_a_group_on_a_host_the_hosts_lack_and_hosts_for_placement_single_without_check(daemon,

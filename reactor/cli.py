@@ -519,8 +519,8 @@ def _jobs(args: argparse.Namespace) -> int:
             def ready(address: str) -> None:
                 nonlocal served
                 served = True
-                print(json.dumps({"address": address, "name": args.name, "public_key": daemon.keys.public.decode()}),
-                      flush=True)
+                print(json.dumps({"address": address, "advertised": daemon.reach, "name": args.name,
+                                  "public_key": daemon.keys.public.decode()}), flush=True)
 
             asyncio_run(daemon.serve(ready))
         except BaseException:

@@ -191,6 +191,7 @@ class Daemon:
         self._held = _StateLock(self.state)  # (for the daemon's life: a second daemon there is refused)
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
         advertise = advertise or _advertised(listen)
+        self.advertise = advertise
         # The fork server's own environment is what /proc/PID/environ shows of its workers: the
         # host identity they all share.
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
@@ -491,8 +492,12 @@ class Daemon:
             # would be closed at once, and its cut-short start read as a failure worth a warning).
             self.forks.start()
             address = sock.get(zmq.LAST_ENDPOINT).decode()
+            # Where other hosts reach it: a wildcard's port at --advertise (what a hosts file takes);
+            # None where nothing says (a wildcard without --advertise).
+            port = address.rsplit(":", 1)[1]
+            self.reach = f"tcp://{self.advertise}:{port}" if self.advertise else None
             _atomic_json(self.state / "daemon.json", {"name": self.name, "address": address, "pid": os.getpid(),
-                                                      "public_key": self.keys.public.decode()})
+                                                      "public_key": self.keys.public.decode(), "advertised": self.reach})
             if ready is not None:
                 ready(address)
             log.info("%s: serving on %s, state in %s", self.name, address, self.state)

@@ -793,7 +793,10 @@ def test_a_daemon_on_a_wildcard_address_without_advertise_says_at_its_start_what
         with open(tmp_path / "err.log", "w") as err:
             d = subprocess.Popen([*cli, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            assert json.loads(d.stdout.readline())["address"].startswith("tcp://0.0.0.0:")
+            line = json.loads(d.stdout.readline())
+            assert line["address"].startswith("tcp://0.0.0.0:")
+            # What a hosts file takes: the port at --advertise (the wildcard was all it said before).
+            assert line["advertised"] == (None if said else f"tcp://127.0.0.1:{line['address'].rsplit(':', 1)[1]}")
         finally:
             d.send_signal(signal.SIGTERM)
             d.communicate(timeout=60)

@@ -35,8 +35,13 @@ def init_keys(directory: str | os.PathLike[str]) -> CurveKeys:
 
     Raises:
         FileExistsError: the directory already holds a key (a secret is never overwritten).
+        ValueError: the directory is inside another key directory's ``authorized/``.
     """
     d = Path(directory)
+    for up in d.resolve().parents:  # (its secret would sit among the public keys a daemon admits)
+        if up.name == "authorized" and (up.parent / "key").exists():
+            raise ValueError(f"{d} is inside {up}, the authorized keys of key directory {up.parent}: make the key "
+                             f"pair elsewhere, and copy its key.pub there")
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     if (d / "key").exists():
         raise FileExistsError(f"{d / 'key'} exists: this directory already has a key pair")

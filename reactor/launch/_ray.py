@@ -135,7 +135,8 @@ def start_daemons(job: str, nodes: int, client_public: str, cpus_per_daemon: flo
         ray.get(pg.ready(), timeout=START_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - Ray's GetTimeoutError among others
         ray.util.remove_placement_group(pg)
-        raise RayError(f"no placement of {nodes} daemons on distinct nodes ({cpus_per_daemon} CPU each) within "
+        raise RayError(f"no placement of {nodes} daemon{'s' if nodes > 1 else ''} on distinct nodes "
+                       f"({cpus_per_daemon} CPU each) within "
                        f"{START_TIMEOUT_S:.0f} s: {e}") from e
     actor = ray.remote(ReactorDaemon)
     actors = [actor.options(num_cpus=cpus_per_daemon, max_restarts=max_restarts, max_task_retries=-1,
@@ -187,7 +188,7 @@ def here(app: str, run_args: Sequence[str], *, address: str | None, nodes: int |
                 hosts = Path(tmp) / "hosts.toml"
                 hosts.write_text("[hosts]\n" + "".join(
                     f'"{i["name"]}" = {{ address = "{i["address"]}", key = "{i["public_key"]}" }}\n' for i in infos))
-                print(f"reactor ray: {n} daemons on {n} Ray nodes: "
+                print(f"reactor ray: {n} daemon{'s' if n > 1 else ''} on {n} Ray node{'s' if n > 1 else ''}: "
                       + ", ".join(f"{i['name']} {i['address']}" for i in infos), file=sys.stderr, flush=True)
                 os.environ["REACTOR_KEYS"] = str(keys_dir)
                 return run_app(["run", app, "--hosts", str(hosts), *run_args])

@@ -189,6 +189,20 @@ def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
     assert p.returncode == 2 and p.stderr == f"reactor: --daemon-key {tmp_path}: Is a directory\n", p.stderr
 
 
+def test_keys_init_inside_a_key_directorys_authorized_folder_is_refused_and_makes_nothing(tmp_path):
+    """``reactor keys init KEYS/authorized/alice`` put a secret key among the public keys a daemon admits."""
+    from reactor.launch._keys import init_keys
+
+    init_keys(tmp_path / "keys")
+    inside = tmp_path / "keys" / "authorized" / "alice"
+    p = reactor("keys", "init", str(inside))
+    assert p.returncode == 2 and p.stderr == (
+        f"reactor: {inside} is inside {tmp_path / 'keys' / 'authorized'}, the authorized keys of key directory "
+        f"{tmp_path / 'keys'}: make the key pair elsewhere, and copy its key.pub there\n"), p.stderr
+    assert not inside.exists()
+    assert reactor("keys", "init", str(tmp_path / "alice")).returncode == 0  # (elsewhere, as ever)
+
+
 def test_app_without_build_is_a_one_line_error(tmp_path):
     app = tmp_path / "app.py"
     app.write_text("x = 1\n")

@@ -9,7 +9,7 @@ Layer map (imports point only downwards; tests/test_layers.py enforces it):
     reactor/launch/        placement, policies, run(), coordinator, workers, their protocol
     reactor/replay/        replay engine, no networking, no runtime
     reactor/transport/     how bytes move (codec, ZeroMQ endpoint, bulk regions); knows no RL
-    core                   _errors, _tag, _reactor, _graph, _scheduler, _trace, _native, _files
+    core                   _errors, _tag, _reactor, _graph, _scheduler, _trace, _native, _files, _floodlog, _runclaim
 
 This module is the public API: every public name is re-exported here exactly once.
 """

@@ -22,8 +22,9 @@ Inside the allocation the batch script runs ``reactor slurm --here APP ...`` on 
 4. When the run ends, on every path, it sends SIGTERM to the daemons' step (srun passes it on; each
    daemon ends what it hosts) and waits for it; the job's exit status is the run's.
 
-``scancel`` sends SIGTERM to the batch step and to the daemons at once: the coordinator stops its run
-(a signal stop), the daemons end their workers, and after ``KillWait`` Slurm kills whatever is left
+``scancel`` sends SIGTERM to the batch step and to the daemons at once: the daemons end their workers
+and stop, so the coordinator finds its hosts gone and the run ends as a failure (its files stay in
+``JOB_DIR/daemons/NAME/runs/RUN/``), and after ``KillWait`` Slurm kills whatever is left
 of both steps (its process tracking covers the daemons' fork servers and workers: their
 descendants). Nothing of the job outlives it on any node.
 """

@@ -205,8 +205,8 @@ def off_policy_graph(
     # weights_delay_s is on the learner's): a shorter one would make them wait for a promise each step.
     g.connect(replay.acks, actor.acks, key=writer_key, delay_s=weights_delay_s)
     # Sampling overlaps the learner's update across processes (module docstring): the priorities'
-    # delay must exceed the requests'. Data-parallel learners update when the sample arrives
-    # (Learner.take) and keep the plain cycle: requests and priorities at once, replies a step later.
+    # delay must exceed the requests'. Data-parallel learners update in rounds, once every replica's
+    # sample is in (Learner.heard), and keep the plain cycle: requests and priorities at once, replies a step later.
     overlap = learners == 1
     step_ns = seconds_to_ns(step_s, "step_s")
     if overlap and step_ns < 2:

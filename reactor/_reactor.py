@@ -194,12 +194,18 @@ class PeerChange:
         reason: how it ended (``peer_lost``), or how many times it has been restarted.
         links: this reactor's links to them: ``(its own port's name, the bank index of the reactor at
             the other end)``, sorted; e.g. ``("steps", 1)`` for an actor writing to shard 1.
+        life: which life of that process: the one that ended (``peer_lost``) or began
+            (``peer_restarted``), counted as its reactors' ``restarts`` count them (0: its first); -1
+            where not known (a peer that was down when this process started). A process that joins
+            its peers' collectives (data-parallel learners) tells from it whether a death is of a
+            process it joined, or of one before it.
     """
 
     event: str
     reactors: tuple[str, ...]
     reason: str
     links: tuple[tuple[str, int], ...] = ()
+    life: int = -1
 
     def indices(self, port: str) -> list[int]:
         """The bank indices of the changed reactors at the other end of ``port``'s links."""

@@ -592,9 +592,10 @@ class ReactorHost:
             if ev is not None:
                 ev.set()
 
-    def peer_event(self, trigger: str, process: str, reason: str) -> None:
+    def peer_event(self, trigger: str, process: str, reason: str, life: int = -1) -> None:
         """Async mode: tell the local reactors with ``peer_lost`` / ``peer_restarted`` reactions
-        (``trigger``) that ``process`` died or came back; each handles it in its inbox's order."""
+        (``trigger``) that ``process`` died or came back (its ``life``: :class:`PeerChange`); each
+        handles it in its inbox's order."""
         changed = {n for n, p in self.owner_of.items() if p == process}
         for name, r in self.reactors.items():
             if not self._by_trigger.get((type(r), trigger)):
@@ -603,7 +604,7 @@ class ReactorHost:
                            | {(lk.dst_port, _replica_of(lk.src)) for lk in self.links if lk.dst == name and lk.src in changed})
             if links:  # only reactors linked to the changed ones hear of it
                 self._push(name, self.wall_tag(), PEER, 0, 0, (trigger, PeerChange(trigger, tuple(sorted(changed)), reason,
-                                                                                 tuple(links))))
+                                                                                 tuple(links), life)))
 
     def _seed_events(self) -> None:
         for name in self.reactors:

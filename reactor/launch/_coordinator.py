@@ -542,7 +542,7 @@ class _Session:
                     delay, k + 1, policy.max_restarts)
         if announce:
             self.ep.disconnect(name, linger_s=0)
-            self._broadcast(("lost", name, f"worker {name!r} {ended}"))
+            self._broadcast(("lost", name, f"worker {name!r} {ended}", k))  # (k: the life that ended)
 
     def _advance_restarts(self) -> None:
         """Start the restarts whose backoff is over (each in a task of its own), and take the

@@ -14,7 +14,7 @@ worker <- worker (only from a process that owns the link's source):
     ("p", time_ns, microstep, d_ns, d_micro, n)    a promise (d_ns -1: unconditional)
 worker <- coordinator (only from the coordinator):
     ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
-    ("lost", group, reason), ("restarted", group, address, restarts)   restart policies (async runs)
+    ("lost", group, reason, life), ("restarted", group, address, restarts)   restart policies (async runs)
 coordinator <- worker (only from the run's worker groups):
     ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
     ("replay_done",), ("ending", stop_pending, sent, received), ("done", result), ("error", text),
@@ -215,7 +215,7 @@ COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
     "probe": (_count,),
     "stop": (_stop_reason,),
     "exit": (),
-    "lost": (_group, _text),
+    "lost": (_group, _text, _count),
     "restarted": (_group, _address, _count),
 }
 WORKER_KINDS: dict[str, tuple[Check, ...]] = {

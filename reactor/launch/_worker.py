@@ -16,7 +16,7 @@ worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle
     counts; answered with "stop" and the run's reason), ("done", result), ("error", text) (a failure: its
     traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why),
-    ("lost", group, reason), ("restarted", group, address, restarts)   (restart policies, async runs)
+    ("lost", group, reason, life), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
 
 from __future__ import annotations
@@ -498,7 +498,7 @@ class Worker:
             self.epoch = msg[1]
             self._report(force=True)
         elif kind == "lost":
-            self._peer_lost(msg[1], msg[2])
+            self._peer_lost(msg[1], msg[2], msg[3])
         elif kind == "restarted":
             task = asyncio.ensure_future(self._peer_restarted(msg[1], msg[2], msg[3]))
             self.reconnects.add(task)
@@ -536,9 +536,10 @@ class Worker:
         if task is not None:
             task.cancel()
 
-    def _peer_lost(self, group: str, reason: str) -> None:
-        """The coordinator says ``group``'s process died and will be started again (its restart
-        policy): drop what goes to it meanwhile, and tell the reactors that care."""
+    def _peer_lost(self, group: str, reason: str, life: int) -> None:
+        """The coordinator says ``group``'s process (its ``life``: 0 for its first, n after n restarts)
+        died and will be started again (its restart policy): drop what goes to it meanwhile, and tell
+        the reactors that care."""
         self._stop_retrying(group)
         if group not in self.outbox.restartable or self.host.deterministic:
             log.warning("%s: ignored 'lost' for %r, which has no restart policy here", self.group, group)
@@ -546,7 +547,7 @@ class Worker:
         self.outbox.mark_down(group)
         if group in self.out_peers:
             self.ep.disconnect(group, linger_s=0)  # its old address is dead; the new one comes with "restarted"
-        self.host.peer_event("peer_lost", group, reason)
+        self.host.peer_event("peer_lost", group, reason, life)
 
     async def _peer_restarted(self, group: str, address: str, restarts: int) -> None:
         """``group``'s new process listens at ``address``: connect to it (if we send to it), then
@@ -579,7 +580,7 @@ class Worker:
                               self.group, group, address)
                 return
         self.outbox.mark_up(group)
-        self.host.peer_event("peer_restarted", group, f"restarted ({restarts} so far)")
+        self.host.peer_event("peer_restarted", group, f"restarted ({restarts} so far)", restarts)
 
     def _idle(self) -> bool:
         h = self.host
@@ -610,7 +611,7 @@ class Worker:
         rest = []
         for peer, msg in self.early:
             if peer == COORDINATOR and msg[0] == "lost":
-                self._peer_lost(msg[1], msg[2])
+                self._peer_lost(msg[1], msg[2], msg[3])
             elif peer == COORDINATOR and msg[0] == "restarted":
                 await self._peer_restarted(msg[1], msg[2], msg[3])
             else:

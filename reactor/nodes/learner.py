@@ -17,7 +17,13 @@ own batches, all-reduce (average) their gradients through ``torch.distributed`` 
 GPUs exist) before every optimizer step, so all replicas hold the same weights; replica 0 speaks for
 them (weights, checkpoints). An update blocks its process in the all-reduce until every replica
 reaches it. The rendezvous is a file in the run directory named by the run id (over hosts, the
-coordinator's TCP store).
+coordinator's TCP store); replica 0's whole state goes to the others once they have joined.
+
+**Restarts** (restart policies, async runs): a bank lives and restarts whole. A replica whose peer
+replica died ends too (``replica_lost``; an all-reduce the dead one left fails at once), so each
+replica's restart policy starts it again; the new processes agree on a new life of the bank in the
+rendezvous store (:func:`_meet_bank`: the store outlives them, and a life's keys are its own) and
+take replica 0's state, which it resumed from its checkpoint.
 
 **Rounds.** A replica does not update when its batch arrives: it holds the batch and tells the
 bank (:class:`~reactor.nodes.train_messages.BankReady` on ``ready``, broadcast to every replica's
@@ -150,25 +156,26 @@ class _LearnerBase(Reactor):
         self._saved_at: int | None = None  # the update of the last learner.pt this life saved (or resumed from)
         if self.ckpt is not None and self.resume and self.restarts == 0:
             self._check_same_run()
-        # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True.
+        # A restarted learner (restart policies) resumes from its latest checkpoint, as resume=True. The
+        # other replicas of a data-parallel bank then take replica 0's state when they join (_share_state),
+        # so only replica 0 says what it lacks (over hosts the others' run directories hold no checkpoint).
+        first = self.bank_index == 0
         if (self.resume or self.restarts > 0) and self.ckpt is not None and self.ckpt.is_file():
             self._resume(torch)
-        elif self.restarts > 0:
+        elif first and self.restarts > 0:
             # (it started again from fresh weights without a word: a run's progress lost in silence)
             lost = self.restart_loses() or (f"its learning: no learner.pt written yet (checkpoint_every = "
                                             f"{self.checkpoint_every}), so it learns again from fresh weights")
             logging.getLogger("reactor.learner").warning(
                 "%s: started again (restart %d) without %s; the replay and the actors go on from theirs",
                 self.name, self.restarts, lost)
-        elif self.resume and self.ckpt is not None and self.restarts == 0:
+        elif first and self.resume and self.ckpt is not None and self.restarts == 0:
             logging.getLogger("reactor.learner").warning(
                 "%s: resume=True, but %s holds no learner.pt (the earlier run was killed before it saved one: a run "
                 "saves it at its end, and every checkpoint_every updates when set): the learner starts from fresh "
                 "weights; the replay and the actors' schedules go on from theirs", self.name, self.run_dir)
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
-        if self.bank_size > 1:
-            self._join_data_parallel()
 
     def restart_loses(self) -> str:
         if not self.run_dir:
@@ -220,7 +227,20 @@ class _LearnerBase(Reactor):
                 for k, (was, now) in changed.items():
                     log.warning("%s: optimizer %d's %s is %r now (the checkpoint's was %r)", self.name, i, k, now, was)
 
-    def _join_data_parallel(self) -> None:
+    async def _join_bank(self) -> None:
+        """Data-parallel, after :meth:`_setup`: meet the bank's other replicas in this life of the
+        bank, make its ``torch.distributed`` group, and take replica 0's state (:meth:`_share_state`).
+        The meeting awaits (polls), so this process answers its peers and the coordinator meanwhile: a
+        replica started again whose loop a blocking wait held answered no connect of the bank's other
+        new lives, which waited out the connect's 10 s timeout, and the coordinator another 10 s for it
+        to link to them.
+
+        The rendezvous store (a file in the run directory, or the TCP store the run's coordinator
+        serves over hosts) outlives the replicas' processes, so every life of the bank gets keys of its
+        own: the replicas first agree on a life number (:func:`_meet_bank`), then make their group in
+        that life's prefix. (One prefix for all lives had a restarted replica's gloo connect to the
+        address a killed replica had published in the life before, and the bank never met again.)
+        """
         import torch
         import torch.distributed as dist
 
@@ -243,10 +263,7 @@ class _LearnerBase(Reactor):
         try:
             if served:  # over hosts: the TCP store the run's coordinator serves
                 host, port = served.rsplit(":", 1)
-                tcp = dist.TCPStore(host, int(port), is_master=False, timeout=join)
-                self._dp_store = dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", tcp)
-                dist.init_process_group(backend, store=self._dp_store, rank=self.bank_index, world_size=self.bank_size,
-                                        timeout=join)
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=join)
             else:  # one host: a file in the run directory
                 if not self.run_dir:
                     raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
@@ -254,20 +271,63 @@ class _LearnerBase(Reactor):
                 # The store itself, not a file:// URL: a relative run_dir ("runs/...", the apps' default)
                 # made "file://runs/..." name "/..." (the URL's host swallowed the first part) and every
                 # replica waited there for the join timeout.
-                self._dp_store = dist.FileStore(str(path), self.bank_size)
-                dist.init_process_group(backend, store=self._dp_store, rank=self.bank_index, world_size=self.bank_size,
-                                        timeout=join)
+                store = dist.FileStore(str(path), self.bank_size)
+            bank = dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", store)
+            self.dp_life, self.dp_members = await _meet_bank(bank, self.bank_index, self.bank_size, self.restarts,
+                                                             self.name, where)
+            self._dp_store = dist.PrefixStore(f"group/{self.dp_life}", bank)
+            # Every replica has come to this life: the group forms at once, unless one died since it came
+            # (its new life makes the next: this one then fails after DP_TIMEOUT_S, and joins that one).
+            dist.init_process_group(backend, store=self._dp_store, rank=self.bank_index, world_size=self.bank_size,
+                                    timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
             # The updates' all-reduces get their own group with the short timeout.
             self._dp_group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
         finally:
             waiting.stop.set()
-        waiting.done(f"{self.name}: all {self.bank_size} data-parallel learners joined")
+        if self.dp_life:  # (said at once: a bank that started again says so)
+            _say(f"{self.name}: all {self.bank_size} data-parallel learners joined the bank's life {self.dp_life}")
+        else:
+            waiting.done(f"{self.name}: all {self.bank_size} data-parallel learners joined")
         print(f"{self.name}: data-parallel over {backend}, {self.bank_size} replicas, this one on {self.torch_device}",
               flush=True)
+        self._share_state()
+
+    def _share_state(self) -> None:
+        """Data-parallel, once joined: replica 0's whole state (what ``learner.pt`` holds: networks,
+        optimizers, the algorithm's counters, and its update count) goes to the other replicas, which
+        take it over theirs; then every optimizer step averages the gradients over the bank.
+
+        So the replicas start every life alike, whatever each resumed from: over hosts only replica 0's
+        run directory holds ``learner.pt``, and on one host a replica started again may read the file
+        before the one replica 0's last life saves at its end replaces it. (Sharing the parameters only,
+        as the bank did before, left each replica's optimizer moments, target networks and update count
+        its own after a restart: the replicas drifted apart.)"""
+        import io
+
+        import torch
+        import torch.distributed as dist
+
+        # (NCCL moves CUDA tensors only; gloo takes the host's)
+        on = self.torch_device if self.dp_backend == "nccl" else torch.device("cpu")
+        size = torch.zeros(1, dtype=torch.int64, device=on)
+        blob = None
+        if self.bank_index == 0:
+            buf = io.BytesIO()
+            torch.save({"algo": self.algo.state_dict(self.state), "updates": self.updates}, buf)
+            blob = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8).to(on)
+            size[0] = blob.numel()
+        dist.broadcast(size, src=0)
+        if blob is None:
+            blob = torch.empty(int(size.item()), dtype=torch.uint8, device=on)
+        dist.broadcast(blob, src=0)
+        if self.bank_index != 0:
+            saved = torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True,
+                               map_location=self.torch_device)
+            self.algo.load_state_dict(self.state, saved["algo"])
+            self.updates = int(saved["updates"])
+            if self.updates:
+                _say(f"{self.name} took {self.name.split('[')[0]}[0]'s state at update {self.updates}")
         world = float(self.bank_size)
-        with torch.no_grad():  # replica 0's initial weights for all
-            for p in params:
-                dist.broadcast(p.data, src=0)
         for opt in _optimizers(self.state):
             step = opt.step
 
@@ -465,6 +525,54 @@ def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[
     return ""
 
 
+async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: str,
+                     where: str) -> tuple[int, dict[int, int]]:
+    """Agree with the other replicas of a data-parallel bank on the bank's life to join, once all
+    ``size`` have come to it; returns it, and each replica's process life (its ``restarts``) there.
+
+    ``bank`` is the bank's rendezvous store, which outlives the replicas' processes. It holds the
+    bank's latest life (``life``), the life each replica last came to (``joined/<i>``) and who came
+    to each (``came/<life>/<i>``: that process's ``restarts``). A replica comes to the store's life,
+    or, if it came to that one before (a replica started again), to the next, which it makes the
+    store's: a new life of any replica starts a new life of the bank, and the others' new lives
+    follow it there. A replica waiting for the others follows the store's life when it moves on (one
+    that had come died, and its new life moved it), so the replicas never wait in two lives.
+
+    Raises:
+        PeerLostError: not every replica came within ``DP_JOIN_TIMEOUT_S``.
+    """
+    import asyncio
+    import time
+
+    mine = f"joined/{me}"
+    life = _raise_life(bank, int(bank.get(mine)) + 1 if bank.check([mine]) else 0)
+    deadline = time.monotonic() + DP_JOIN_TIMEOUT_S
+    while True:
+        bank.set(mine, str(life))
+        bank.set(f"came/{life}/{me}", str(life_of_process))
+        came = [f"came/{life}/{i}" for i in range(size)]
+        while not bank.check(came):
+            now = int(bank.add("life", 0))
+            if now > life:
+                break
+            if time.monotonic() > deadline:
+                missing = [i for i, key in enumerate(came) if not bank.check([key])]
+                raise PeerLostError(f"{name}: data-parallel learner(s) {missing} did not join within "
+                                    f"{DP_JOIN_TIMEOUT_S:.0f} s (rendezvous: {where}, the bank's life {life})")
+            await asyncio.sleep(DP_POLL_S)
+        else:
+            return life, {i: int(bank.get(key)) for i, key in enumerate(came)}
+        life = now
+
+
+def _raise_life(bank: Any, at_least: int) -> int:
+    """The bank's life in ``bank`` once it is ``at_least`` (compare-and-set: replicas raise it at once)."""
+    life = int(bank.add("life", 0))  # (made 0 by the first to ask)
+    while life < at_least:
+        life = int(bank.compare_set("life", str(life), str(at_least)))
+    return life
+
+
 #: Rounds a replica may announce ahead of the bank's (bounded by its samples in flight; the bound
 #: only keeps a malformed word from growing what a replica holds).
 _MAX_ROUNDS_AHEAD = 1 << 16
@@ -632,7 +740,7 @@ class Learner(_LearnerBase):
         self.bank_ended = False  # a round found a replica without a batch, or one left with the run (heard)
 
     @reaction(triggers=[startup], effects=[requests, weights], blocking=True)  # (the replicas' rendezvous)
-    def start(self) -> None:
+    async def start(self) -> None:
         if self.bank_size > 1 and self.links_into("bank") != self.bank_size:
             raise ValueError(
                 f"{self.name}: a bank of {self.bank_size} data-parallel learners updates in rounds, and every replica "
@@ -640,6 +748,8 @@ class Learner(_LearnerBase):
                 f"learner.ready, learner.bank, delay_s=step_s), as off_policy_graph does); {self.links_into('bank')} "
                 f"link(s) reach this replica's `bank`")
         self._setup(self.algo_name, self.env_name, self.algo_config)
+        if self.bank_size > 1:
+            await self._join_bank()
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
                                    timeout_s=self.sample_timeout_s, remote_reads=self.remote_reads,
                                    curve=self.process_link.curve, one_sided=not self.reproducible)
@@ -773,6 +883,28 @@ class Learner(_LearnerBase):
             for _ in range(self.prefetch):
                 for m in self.client.request(self.batch_size):
                     self.requests.send(m)
+
+    @reaction(triggers=[peer_lost])
+    def replica_lost(self) -> None:
+        """Another data-parallel replica's process died (restart policies, async runs): this one's
+        ``torch.distributed`` group and rounds cannot take that replica's new life, so it ends too
+        (``PeerLostError``), and its own restart policy starts it again: the bank's new lives meet in
+        a new life of the bank (:func:`_meet_bank`) and take replica 0's state. A death from before
+        this replica joined (a process life older than the one that came to this bank's life: the
+        death that started this life) is not this bank's, and is let be.
+
+        (The survivor used to wait for the dead replica's rounds for good, while the new life waited
+        in the rendezvous for the survivor: no update after the restart.)"""
+        change = self.peer_change
+        members = getattr(self, "dp_members", None)
+        if change is None or members is None:
+            return
+        lost = [i for i in change.indices("bank") if i != self.bank_index and change.life >= members.get(i, 0)]
+        if lost:
+            raise PeerLostError(
+                f"{self.name}: data-parallel learner(s) {lost} of the bank's life {self.dp_life} died "
+                f"({change.reason}); a bank starts again whole, so this replica ends too, for its restart policy "
+                f"to start it again")
 
     @reaction(triggers=[update_due], effects=[priorities, weights, report])
     def learn(self, update_due: Any) -> None:
@@ -930,8 +1062,10 @@ class RolloutLearner(_LearnerBase):
         self.samples = 0
 
     @reaction(triggers=[startup], effects=[weights])
-    def start(self) -> None:
+    async def start(self) -> None:
         self._setup(self.algo_name, self.env_name, self.algo_config)
+        if self.bank_size > 1:
+            await self._join_bank()
         self.weights.send(self._weights())
 
     @reaction(triggers=[peer_restarted], effects=[weights])

@@ -758,3 +758,49 @@ def test_a_restarted_worker_whose_peer_is_held_at_its_start_links_to_it_once_it_
             proc.communicate()
     assert "restartable peer 'sink' answers now; it is up again here" in err, err[-3000:]
     assert proc.returncode == 130, err[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_one_data_parallel_learner_restarts_the_bank_which_learns_on_with_identical_replicas(tmp_path):
+    """Regression (docs/reliability.md, the hostile pass over daemons): SIGKILL of learner-1 under
+    ``--placement dp-learners --restart on-failure``. The survivor waited for the dead replica's rounds
+    for good, and the new learner-1 waited in the rendezvous, whose store held the first life's keys
+    (over hosts gloo connected to the killed rank's old address): no update after the restart. Now the
+    survivor ends too and restarts, the bank's new lives meet under keys of their own and take replica
+    0's state (resumed from its checkpoint), and the run learns on to its budget with both replicas
+    holding the same weights."""
+    run = tmp_path / "run"
+    errfile = tmp_path / "stderr.log"
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "dp-learners", "--async", "--json",
+             "--restart", "on-failure:1,backoff_s=0.1", "--set", "learners=2", "--set", "live=False",
+             "--set", f"run_dir={str(run)!r}", "--set", "checkpoint_every=50", "--set", "max_env_steps=4000",
+             "--set", "target_return=None"],
+            cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        wait_for(lambda: (run / "learner.pt").exists() or proc.poll() is not None, 120, "the bank's first checkpoint")
+        kids = _children(proc.pid)
+        assert "learner-1" in kids, f"the run ended before the kill: {errfile.read_text()[-3000:]}"
+        os.kill(kids["learner-1"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = errfile.read_text()
+    assert proc.returncode == 0, err[-4000:]
+    assert json.loads(out)["restarts"] == {"learner-1": ["was killed by SIGKILL"],
+                                           "learner-0": ["exited with status 3 (it lost a peer; its stderr names which)"]}
+    # The survivor ended (in the all-reduce the dead one left, or on hearing of its death between
+    # updates), and the bank's new lives met in its next life.
+    assert re.search(r"^reactor worker learner-0: learner\[0\]: (the other data-parallel learners did not join the "
+                     r"gradient all-reduce|data-parallel learner\(s\) \[1\] of the bank's life 0 died)", err, re.M), \
+        err[-4000:]
+    for i in (0, 1):
+        assert f"learner[{i}]: all 2 data-parallel learners joined the bank's life 1" in err, err[-4000:]
+    (resumed,) = re.findall(r"^learner\[0\] resumed from its checkpoint \S+ at update (\d+)$", err, re.M)
+    assert f"learner[1] took learner[0]'s state at update {resumed}" in err, err[-4000:]
+    ends = dict(re.findall(r"^(learner\[\d\]): (\d+ updates; final weights sha256 \w+)$", err, re.M))
+    assert set(ends) == {"learner[0]", "learner[1]"} and ends["learner[0]"] == ends["learner[1]"], err[-4000:]
+    assert int(ends["learner[0]"].split()[0]) > int(resumed) >= 50, (resumed, ends)  # it learned on after the restart

@@ -1,7 +1,7 @@
 """Data-parallel learners: a replica that never joins an all-reduce is reported, not waited on for 30 min.
 
 Two real processes rendezvous through torch.distributed (gloo, file store) exactly as the learners of
-``--placement dp-learners`` do (``_LearnerBase._join_data_parallel``); replica 1 then stops taking
+``--placement dp-learners`` do (``_LearnerBase._join_bank``); replica 1 then stops taking
 part, as one that died or stopped does.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 REPLICA = r"""
-import sys, time, types
+import asyncio, sys, time, types
 import torch
 import reactor.nodes.learner as L
 
@@ -23,12 +23,15 @@ rank, run_dir = int(sys.argv[1]), sys.argv[2]
 torch.manual_seed(rank)
 net = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
-me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2,
-                           state={"net": net, "opt": opt}, name=f"learner[{rank}]", updates=0,
+algo = types.SimpleNamespace(state_dict=lambda s: {"net": s["net"].state_dict(), "opt": s["opt"].state_dict()},
+                             load_state_dict=lambda s, d: (s["net"].load_state_dict(d["net"]),
+                                                           s["opt"].load_state_dict(d["opt"])))
+me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2, restarts=0,
+                           state={"net": net, "opt": opt}, algo=algo, name=f"learner[{rank}]", updates=0,
                            device="cpu", torch_device=torch.device("cpu"))
-for method in ("_all_reduce", "_bank_left", "_leave_bank"):
+for method in ("_all_reduce", "_bank_left", "_leave_bank", "_share_state"):
     setattr(me, method, types.MethodType(getattr(L._LearnerBase, method), me))
-L._LearnerBase._join_data_parallel(me)
+asyncio.run(L._LearnerBase._join_bank(me))
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
 if rank == 0:
     net(torch.ones(1, 2)).sum().backward()
@@ -163,3 +166,66 @@ def test_a_bank_of_learners_whose_rounds_are_not_wired_fails_at_start_saying_how
                                          r"every replica must hear every replica: connect its `ready` output to its "
                                          r"`bank` input.*; 0 link\(s\) reach this replica's `bank`"):
         run(g)
+
+
+def test_a_banks_replicas_meet_in_one_life_and_every_new_life_of_a_replica_moves_the_bank_to_the_next():
+    """Regression (docs/reliability.md): the rendezvous store outlives the replicas' processes, and
+    every life of the bank used the same keys, so a restarted replica's gloo connect read a killed
+    replica's old address. Now the replicas agree on a life of the bank (its keys its own): a replica
+    started again comes to a newer life than the one it was in, one waiting follows the store's life
+    when it moves on, and each says which life of its process came (``restarts``)."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from reactor.nodes.learner import _meet_bank
+
+    bank = dist.PrefixStore("run/learner", dist.HashStore())
+
+    async def lives() -> list:
+        def come(i: int, process: int) -> asyncio.Task:
+            return asyncio.ensure_future(_meet_bank(bank, i, 3, process, f"learner[{i}]", "a test store"))
+
+        first = await asyncio.gather(*(come(i, 0) for i in range(3)))
+        # Replicas 0 and 1 start again (replica 1 died; 0 ended with it) and come to life 1; replica 1 dies
+        # there, before replica 2 comes: its next process makes life 2, where replica 0 follows it.
+        zero, one = come(0, 1), come(1, 1)
+        await asyncio.sleep(0.3)
+        one.cancel()
+        second = await asyncio.gather(zero, come(1, 2), come(2, 1))
+        return [first, second]
+
+    first, second = asyncio.run(lives())
+    assert first == [(0, {0: 0, 1: 0, 2: 0})] * 3
+    assert second == [(2, {0: 1, 1: 2, 2: 1})] * 3
+
+
+def test_a_replica_ends_when_a_replica_of_its_banks_life_dies_and_lets_an_earlier_death_be():
+    """A data-parallel replica whose peer replica died cannot take the peer's new life into its group or
+    its rounds: it ends (PeerLostError), so that its restart policy starts it again with the bank. It
+    used to wait for the dead one's rounds for good. A death it hears of after it joined, of a process
+    older than the one that came to its bank's life (the death that began this life: the coordinator's
+    word waited while the replica met the others), or of a peer down at its start (life -1), is not its
+    bank's, and is let be."""
+    import pytest
+
+    from reactor import PeerChange, PeerLostError
+    from reactor.nodes.learner import Learner
+
+    learner = Learner("dqn", "CartPole-v1")
+    learner.name, learner.bank_index, learner.bank_size = "learner[1]", 1, 2
+    learner.dp_life, learner.dp_members = 3, {0: 2, 1: 1}  # replica 0's third process came to the bank's life 3
+    for life in (1, -1):
+        learner.peer_change = PeerChange("peer_lost", ("learner[0]",), "worker 'learner-0' was killed by SIGKILL",
+                                         (("bank", 0), ("ready", 0)), life)
+        learner.replica_lost()
+    learner.peer_change = PeerChange("peer_lost", ("learner[0]",), "worker 'learner-0' was killed by SIGKILL",
+                                     (("bank", 0), ("ready", 0)), 2)
+    with pytest.raises(PeerLostError, match=r"^learner\[1\]: data-parallel learner\(s\) \[0\] of the bank's life 3 "
+                                            r"died \(worker 'learner-0' was killed by SIGKILL\); a bank starts again "
+                                            r"whole, so this replica ends too, for its restart policy to start it "
+                                            r"again$"):
+        learner.replica_lost()
+    learner.peer_change = PeerChange("peer_lost", ("replay[0]",), "worker 'replay-0' was killed by SIGKILL",
+                                     (("requests", 0),), 0)
+    learner.replica_lost()  # a shard: not the bank's

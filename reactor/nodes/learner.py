@@ -39,7 +39,10 @@ updates there. A replica whose sample can never come learns so from the shards
 holds the request for good) and says so (``have=False``); the bank then ends before that round,
 every replica at the same update, dropping the batches it holds, and the run ends (once, the
 limiters shared out the last samples unevenly and a replica with one more batch waited in an
-all-reduce nobody joined).
+all-reduce nobody joined). A replica holds at most ``prefetch`` batches for rounds not yet run: one
+that sampled on at every reply ran hundreds of rounds ahead of a slower one, its words used up the
+link's credit while that one waited in an all-reduce, and its own blocking ``heard`` then waited to
+send them.
 A replica that does not join an all-reduce within ``DP_TIMEOUT_S`` (it died or stopped) makes the
 others raise :class:`~reactor.PeerLostError` naming the step, instead of waiting on gloo's default
 of 30 minutes.
@@ -775,7 +778,12 @@ class Learner(_LearnerBase):
         inline = self.bank_size > 1 or not self.deterministic
         # Updates done, to do (this batch, batches waiting on update_due or their round) and samples in flight.
         due = self.updates + 1 + self._due + len(self._held) + self.client.in_flight
-        if (self.max_updates is None or due < self.max_updates) and not self.client.can_sample_one_sided:
+        # A data-parallel replica holds at most `prefetch` batches for rounds the bank has not run (Learner.heard
+        # samples again as they run): one that sampled on at every reply got hundreds of rounds ahead of a slower
+        # replica, and its words to that one outran the link's credit (64 messages) while that one waited in an
+        # all-reduce, so its last word waited there too, and the bank for DP_TIMEOUT_S (over hosts).
+        ahead = self.bank_size > 1 and len(self._held) >= self.prefetch
+        if (self.max_updates is None or due < self.max_updates) and not self.client.can_sample_one_sided and not ahead:
             for m in self.client.request(self.batch_size):  # the next sample overlaps this update
                 self.requests.send(m)
         for m in self.client.check_timeouts():  # a shard that stopped answering is lost

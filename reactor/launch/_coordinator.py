@@ -522,8 +522,9 @@ class _Session:
         ended = _how_ended(*how)
         r.ends.setdefault(name, []).append(ended)
         del r.ends[name][:-16]  # (the latest: a run of weeks ends a few hundred times)
+        life = r.lives.get(name, 0)  # (the life that ended: its number over the run)
         r.count[name] = k + 1
-        r.lives[name] = r.lives.get(name, 0) + 1
+        r.lives[name] = life + 1
         delay = policy.delay_s(k)
         host = self.workers.host_of.get(name, "") if isinstance(self.workers, RemoteWorkers) else ""
         if how[0] is None and isinstance(self.workers, RemoteWorkers) and host in self.workers.silent_hosts:
@@ -542,7 +543,7 @@ class _Session:
                     delay, k + 1, policy.max_restarts)
         if announce:
             self.ep.disconnect(name, linger_s=0)
-            self._broadcast(("lost", name, f"worker {name!r} {ended}", k))  # (k: the life that ended)
+            self._broadcast(("lost", name, f"worker {name!r} {ended}", life))
 
     def _advance_restarts(self) -> None:
         """Start the restarts whose backoff is over (each in a task of its own), and take the

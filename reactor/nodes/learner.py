@@ -304,28 +304,38 @@ class _LearnerBase(Reactor):
         run directory holds ``learner.pt``, and on one host a replica started again may read the file
         before the one replica 0's last life saves at its end replaces it. (Sharing the parameters only,
         as the bank did before, left each replica's optimizer moments, target networks and update count
-        its own after a restart: the replicas drifted apart.)"""
-        import io
+        its own after a restart: the replicas drifted apart.)
 
+        The state travels as reactor's codec frames (msgpack and raw tensor bytes), never pickled: the
+        gloo link between hosts is plain TCP (docs/cluster.md), and what crosses a socket is decoded, with
+        its types and sizes checked, not unpickled."""
         import torch
         import torch.distributed as dist
 
+        from ..transport.codec import decode, encode
+
         # (NCCL moves CUDA tensors only; gloo takes the host's)
         on = self.torch_device if self.dp_backend == "nccl" else torch.device("cpu")
-        size = torch.zeros(1, dtype=torch.int64, device=on)
-        blob = None
+        count = torch.zeros(1, dtype=torch.int64, device=on)
+        sizes = blob = None
         if self.bank_index == 0:
-            buf = io.BytesIO()
-            torch.save({"algo": self.algo.state_dict(self.state), "updates": self.updates}, buf)
-            blob = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8).to(on)
-            size[0] = blob.numel()
-        dist.broadcast(size, src=0)
+            frames = [bytes(f) for f in encode(_on_cpu({"algo": self.algo.state_dict(self.state),
+                                                         "updates": self.updates}))]
+            count[0] = len(frames)
+            sizes = torch.tensor([len(f) for f in frames], dtype=torch.int64, device=on)
+            blob = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8).to(on)
+        dist.broadcast(count, src=0)
+        if sizes is None:
+            sizes = torch.empty(int(count.item()), dtype=torch.int64, device=on)
+        dist.broadcast(sizes, src=0)
+        lengths = sizes.cpu().tolist()
         if blob is None:
-            blob = torch.empty(int(size.item()), dtype=torch.uint8, device=on)
+            blob = torch.empty(sum(lengths), dtype=torch.uint8, device=on)
         dist.broadcast(blob, src=0)
         if self.bank_index != 0:
-            saved = torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), weights_only=True,
-                               map_location=self.torch_device)
+            data = blob.cpu().numpy().tobytes()
+            ends = np.cumsum([0, *lengths])
+            saved = decode([data[ends[i]:ends[i + 1]] for i in range(len(lengths))], max_nbytes=len(data) + 1)
             self.algo.load_state_dict(self.state, saved["algo"])
             self.updates = int(saved["updates"])
             if self.updates:
@@ -526,6 +536,16 @@ def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[
     if i == me and r >= announced:
         return f"a word in this replica's name ({i}) on round {r}, which it has not announced (it announced {announced})"
     return ""
+
+
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` (a state dict: dicts, lists and tuples of tensors and plain values) with its tensors on
+    the CPU, where the codec takes them."""
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj.detach().cpu() if hasattr(obj, "detach") else obj
 
 
 async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: str,

@@ -1,0 +1,126 @@
+"""What the benchmark scripts share: argument types that refuse a bad value in one line, the one-line
+note for a peer that is not installed, and the end of a child process a benchmark started.
+
+A benchmark's figures go to a reader who checks them, so a bad argument (``--reps 0``, a negative size,
+a section or peer name that does not exist) is refused by argparse before anything runs, naming the
+option, the value and what it takes; never a traceback from deep in a measurement, never a silent
+no-op. A child process (a training run, a peer's server) never outlives the benchmark: on a timeout, an
+error or Ctrl-C it is asked to stop (SIGINT), then killed, and reaped before the benchmark's temporary
+directories are removed (a child still stopping would write its files into them after the removal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["names_of", "non_negative_int", "peer_missing", "positive_float", "positive_int", "stop_process"]
+
+
+def _int(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expects an integer >= {least}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (repetitions, calls, sizes)."""
+    return _int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (where 0 means none of something; the option's help says what)."""
+    return _int(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expects a number > 0, got {text!r}")
+    return value
+
+
+def names_of(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """argparse type: comma-separated names, each one of ``choices``, at least one; in the order given."""
+    allowed = list(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            what = f"unknown {', '.join(map(repr, unknown))}" if unknown else f"no name in {text!r}"
+            raise argparse.ArgumentTypeError(f"{what}; choose from {','.join(allowed)} (comma-separated)")
+        return names
+
+    return parse
+
+
+def peer_missing(peer: str, exc: BaseException, fix: str) -> str:
+    """The one line a benchmark prints when a peer does not load: what, why in a few words, and how to
+    get it (``fix``). The other cases still run."""
+    if isinstance(exc, ModuleNotFoundError):
+        why = f"not installed (no module {exc.name!r})"
+    else:
+        why = f"did not load ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+    return f"{peer}: {why}; not compared. {fix}"
+
+
+def stop_process(proc: subprocess.Popen, *, group: bool, grace_s: float = 15.0) -> Any:  # type: ignore[type-arg]
+    """End ``proc`` if it still runs, and reap it: SIGINT (a ``reactor run`` then stops cleanly, its
+    processes reaped and its shared memory removed; a second SIGINT, as after a Ctrl-C that reached it
+    too, stops it at once with the same cleanup), ``grace_s`` to exit, then SIGKILL. A child whose
+    output is a pipe is read meanwhile (a full pipe would hold it up).
+
+    Args:
+        proc: the child.
+        group: the child leads a process group of its own (``start_new_session=True``): signal the
+            whole group, so its own children go too.
+        grace_s: seconds between SIGINT and SIGKILL.
+
+    Returns:
+        What the child still wrote to its ``stdout`` pipe, when it has one and it was read here
+        (``None`` otherwise).
+    """
+    out: list[Any] = [None]
+
+    def wait(timeout_s: float) -> None:
+        if proc.stdout is not None and not proc.stdout.closed:
+            out[0] = proc.communicate(timeout=timeout_s)[0]
+        else:
+            proc.wait(timeout=timeout_s)
+
+    def send(sig: int) -> bool:
+        try:
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except ProcessLookupError:  # (gone already)
+            return False
+        return True
+
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None or not send(sig):
+            break
+        try:
+            wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        wait(10.0)  # (reaped; the pipe read to its end)
+    except (subprocess.TimeoutExpired, ValueError, OSError):  # (a process in uninterruptible sleep)
+        pass
+    return out[0]

@@ -1,0 +1,84 @@
+"""What the benchmark scripts share (``benchmarks/_common.py``): argument types that refuse a bad value in
+one line, and the end of a child process, also one that ignores SIGINT and has children of its own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks._common import names_of, non_negative_int, positive_float, positive_int, stop_process  # noqa: E402
+
+
+def test_counts_and_sizes_below_their_least_are_refused_naming_the_value():
+    assert positive_int("3") == 3 and non_negative_int("0") == 0 and positive_float("0.5") == 0.5
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^expects an integer >= 1, got '0'$"):
+        positive_int("0")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^expects an integer >= 0, got '-1'$"):
+        non_negative_int("-1")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^expects an integer >= 1, got '2.5'$"):
+        positive_int("2.5")
+    for text in ("0", "-1", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"^expects a number > 0, got '{text}'$"):
+            positive_float(text)
+
+
+def test_section_names_are_checked_against_the_choices_in_the_order_given():
+    parse = names_of(["transitions", "episodes", "drift"])
+    assert parse("drift, transitions,") == ["drift", "transitions"]
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=r"^unknown 'lost', 'x'; choose from transitions,episodes,drift \(comma-separated\)$"):
+        parse("drift,lost,x")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^no name in ','; choose from .*$"):
+        parse(",")
+
+
+CHILD = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a child that does not stop when asked
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(grandchild.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (its parent killed, not yet reaped by init) is gone too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_child_group_that_ignores_sigint_is_killed_with_its_own_children_and_reaped():
+    """Regression: bench_training.py's runs lead process groups of their own, which a Ctrl-C at the terminal
+    does not reach; interrupted, the benchmark left its run going on (and writing into its removed
+    temporary directory). The benchmarks end their children with stop_process, SIGINT then SIGKILL."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    t0 = time.monotonic()
+    stop_process(proc, group=True, grace_s=0.5)
+    assert proc.returncode == -9 and time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_a_child_that_stops_on_sigint_is_given_the_time_and_its_last_output_returned():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time\ntry:\n    print('started', flush=True); time.sleep(60)\n"
+                               "except KeyboardInterrupt:\n    print('stopped cleanly')"],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "started\n"
+    assert stop_process(proc, group=False, grace_s=30) == "stopped cleanly\n"
+    assert proc.returncode == 0
+    assert stop_process(proc, group=False) is None  # (already ended: nothing to do)

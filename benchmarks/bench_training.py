@@ -69,7 +69,6 @@ import argparse  # noqa: E402
 import csv  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -81,6 +80,10 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import names_of, positive_float, positive_int, stop_process  # noqa: E402
+
 EVAL_EPISODES = 10
 #: Seconds a run's process may take beyond --budget-s (spawning, imports, building, shutdown).
 PROCESS_GRACE_S = 120.0
@@ -208,29 +211,27 @@ class Result:
 
 
 def _run_process(cmd: list[str], timeout_s: float) -> tuple[int | None, str, float]:
-    """Run ``cmd`` in its own process group; kill the group after ``timeout_s``.
+    """Run ``cmd`` in its own process group; stop the group after ``timeout_s``, or when this process is
+    interrupted (Ctrl-C does not reach a group of its own: without this the run went on, orphaned, and
+    wrote its checkpoints into the benchmark's temporary directory after its removal).
 
     Returns:
-        (exit status or None when it was killed, stdout + stderr tail, seconds).
+        (exit status or None when it was stopped, stdout + stderr tail, seconds).
     """
     t0 = time.perf_counter()
-    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as proc:
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            for sig, wait_s in ((signal.SIGINT, 15.0), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    out, _ = proc.communicate(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    out = ""
-            code = None
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, code = stop_process(proc, group=True), None
+    finally:
+        if proc.poll() is None:  # (interrupted: Ctrl-C, or an error in this process)
+            print(f"stopping the run in progress (pid {proc.pid}) ...", file=sys.stderr, flush=True)
+            stop_process(proc, group=True)
+        if proc.stdout is not None:
+            proc.stdout.close()
     return code, (out or "")[-3000:], time.perf_counter() - t0
 
 
@@ -482,19 +483,19 @@ def _csv_list(text: str) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algos", default="dqn,ppo,sac", help="comma-separated, from: " + ",".join(ALGOS))
+    p.add_argument("--algos", default="dqn,ppo,sac", type=names_of(ALGOS), help="comma-separated, from: " + ",".join(ALGOS))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    p.add_argument("--budget-s", type=float, default=600.0,
+    p.add_argument("--budget-s", type=positive_float, default=600.0,
                    help="training wall clock per run after which it counts as not reached (default 600)")
     p.add_argument("--quick", action="store_true",
                    help="seed 0 only, small env-step and time budgets, short scaling runs: proves the script")
     p.add_argument("--scaling", choices=("acting", "training", "none"), default="acting",
                    help="actor-scaling runs: learner idle (acting, default), learning on (training), or none")
     p.add_argument("--scaling-algo", default="dqn", help="off-policy algorithm whose app the scaling runs use")
-    p.add_argument("--scaling-steps", type=int, default=30_000, help="env steps per actor in a scaling run")
+    p.add_argument("--scaling-steps", type=positive_int, default=30_000, help="env steps per actor in a scaling run")
     p.add_argument("--scaling-runtime", choices=("async", "deterministic"), default="async",
                    help="scaling runs in async mode (default: actors run free) or deterministic mode")
-    p.add_argument("--scaling-reps", type=int, default=3,
+    p.add_argument("--scaling-reps", type=positive_int, default=3,
                    help="scaling repetitions, 1 and 2 actors alternating; medians and the median ratio reported")
     p.add_argument("--no-sb3", action="store_true", help="skip the Stable-Baselines3 runs")
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
@@ -506,10 +507,7 @@ def main() -> None:
         sb3_child(name, int(seed), int(steps), float(budget), int(every))
         return
 
-    names = _csv_list(args.algos)
-    unknown = [n for n in names if n not in ALGOS]
-    if unknown:
-        p.error(f"--algos: unknown {', '.join(unknown)}; choose from {', '.join(ALGOS)}")
+    names = args.algos
     try:
         seeds = [int(s) for s in _csv_list(args.seeds)]
     except ValueError:
@@ -568,7 +566,7 @@ def main() -> None:
             sa = ALGOS[args.scaling_algo]
             print(f"\nactor scaling: {sa.app} --placement actors ({args.scaling_runtime} mode), {scaling_steps} env "
                   f"steps per actor, learner {'idle' if args.scaling == 'acting' else 'learning'}", flush=True)
-            reps = 1 if args.quick else max(1, args.scaling_reps)
+            reps = 1 if args.quick else args.scaling_reps
             runs: dict[int, list[float]] = {1: [], 2: []}
             ratios: list[float] = []
             for rep in range(reps):

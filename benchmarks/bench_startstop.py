@@ -35,6 +35,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import positive_int, stop_process  # noqa: E402
+
 REACTOR = str(Path(sys.executable).with_name("reactor"))
 
 SB3 = """
@@ -62,26 +66,31 @@ def reactor_once(placement: str, tmp: Path) -> dict[str, float]:
     os.close(slave)
     seen = b""
     first_frame = result = None
-    while True:
-        ready, _, _ = select.select([master], [], [], 0.05)
-        if ready:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the child closed the terminal
-                chunk = b""
-            if not chunk:
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.05)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    chunk = b""
+                if not chunk:
+                    break
+                now = time.time() - t0
+                seen += chunk
+                if first_frame is None and b"DQN CartPole-v1" in seen:
+                    first_frame = now
+                if result is None and b"evaluation return" in seen and b"stopped:" in seen:
+                    result = now
+            elif proc.poll() is not None:
                 break
-            now = time.time() - t0
-            seen += chunk
-            if first_frame is None and b"DQN CartPole-v1" in seen:
-                first_frame = now
-            if result is None and b"evaluation return" in seen and b"stopped:" in seen:
-                result = now
-        elif proc.poll() is not None:
-            break
-    proc.wait()
-    exited = time.time() - t0
-    os.close(master)
+        proc.wait()
+        exited = time.time() - t0
+    finally:
+        # On Ctrl-C (or an error here) the run is stopped and reaped before the caller removes its
+        # directory: still stopping, it wrote its checkpoints there after the removal.
+        stop_process(proc, group=False)
+        os.close(master)
     if proc.returncode != 0 or first_frame is None or result is None:
         raise SystemExit(f"reactor run failed (exit {proc.returncode}):\n{seen.decode(errors='replace')[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -104,9 +113,12 @@ def sb3_once(steps: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--placement", default="actors")
-    ap.add_argument("--sb3-steps", type=int, default=20_000)
+    ap.add_argument("--reps", type=positive_int, default=3,
+                    help="repetitions, reactor and SB3 alternating (medians reported; default 3)")
+    ap.add_argument("--placement", default="actors",
+                    help="reactor run's --placement for apps/dqn.py (default actors, the README's main job)")
+    ap.add_argument("--sb3-steps", type=positive_int, default=20_000,
+                    help="env steps of SB3's DQN learn() (default 20000: about as long as reactor's run)")
     args = ap.parse_args()
     try:
         import stable_baselines3  # noqa: F401

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import positive_int
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
@@ -103,6 +104,26 @@ async def published_shard(k: int, capacity: int, rng: np.random.Generator, serve
     return owner, {**owner.descriptor(region), "host": "another-host"}, offer
 
 
+#: Steps a shard holds at least: its inserts are 1024-step calls on top of an open episode of up to 400.
+MIN_SHARD_STEPS = 2048
+
+
+def add_shard_args(ap: argparse.ArgumentParser, calls: int) -> None:
+    """The shards' and the timing's options (also ``bench_onesided_remote.py``'s)."""
+    ap.add_argument("--shards", type=positive_int, default=4, help="shards (tables) sampled together (default 4)")
+    ap.add_argument("--capacity", type=positive_int, default=1 << 18,
+                    help=f"steps over all shards (default 256K; at least {MIN_SHARD_STEPS} a shard)")
+    ap.add_argument("--reps", type=positive_int, default=5, help="repetitions, medians reported (default 5)")
+    ap.add_argument("--calls", type=positive_int, default=calls,
+                    help=f"batches of 256 windows per case per repetition (default {calls})")
+
+
+def check_shard_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.capacity // args.shards < MIN_SHARD_STEPS:
+        ap.error(f"--capacity {args.capacity} over --shards {args.shards} leaves {args.capacity // args.shards} "
+                 f"steps a shard; give at least {MIN_SHARD_STEPS * args.shards}")
+
+
 class Timers:
     """Seconds spent in the client's parts, from wrappers around them (one repetition)."""
 
@@ -134,12 +155,10 @@ class Timers:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--capacity", type=int, default=1 << 18, help="steps over all shards (default 256K)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--ahead", type=int, default=4, help="draws running at once in the drawn-ahead case")
+    add_shard_args(ap, calls=300)
+    ap.add_argument("--ahead", type=positive_int, default=4, help="draws running at once in the drawn-ahead case")
     args = ap.parse_args()
+    check_shard_args(ap, args)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     per = args.capacity // args.shards

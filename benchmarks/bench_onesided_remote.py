@@ -40,6 +40,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMB
 import argparse
 import asyncio
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_onesided import ALPHA, BATCH, SPECS, WINDOW, fill, published_shard
+from benchmarks._common import positive_int
+from benchmarks.bench_onesided import (
+    ALPHA,
+    BATCH,
+    SPECS,
+    WINDOW,
+    add_shard_args,
+    check_shard_args,
+    fill,
+    published_shard,
+)
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import Fifo, MinSize, Prioritized, Storage, Table, WindowRead
@@ -95,15 +106,13 @@ class Update:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--capacity", type=int, default=1 << 18, help="steps over all shards (default 256K)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--ahead", type=int, default=4, help="samples drawn ahead in the sampling-only case")
-    ap.add_argument("--hidden", type=int, default=32, help="the update's MLP width (its cost per step)")
+    add_shard_args(ap, calls=200)
+    ap.add_argument("--ahead", type=positive_int, default=4, help="samples drawn ahead in the sampling-only case")
+    ap.add_argument("--hidden", type=positive_int, default=32, help="the update's MLP width (its cost per step)")
     ap.add_argument("--transport", choices=("ipc", "tcp-curve"), default="ipc",
                     help="the read servers' sockets: ipc, or tcp on 127.0.0.1 with CURVE (as between hosts)")
     args = ap.parse_args()
+    check_shard_args(ap, args)
     torch.set_num_threads(1)
     per = args.capacity // args.shards
     spawn = mp.get_context("spawn")
@@ -115,7 +124,7 @@ async def main() -> None:
         proc.start()
         client = ReplayClient(args.shards, rng=np.random.default_rng(1), remote_reads="zmq", bulk=False, curve=keys)
         try:
-            for k, (desc, offer) in enumerate(ready.get(timeout=300)):
+            for k, (desc, offer) in enumerate(await shards_ready(ready, proc, 300.0)):
                 await client._attach(k, desc)
                 await client._attach_sampling(k, offer)
                 client._figures[k] = ShardMass(k, 0, 0, "", 1.0, 1.0, per, 0.4)  # (as a first reply would say)
@@ -131,6 +140,29 @@ async def main() -> None:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+
+
+async def shards_ready(ready: Any, proc: Any, timeout_s: float) -> list:
+    """The shards' descriptors, once their process has filled and published them. Polled, not one
+    blocking ``get``: a blocking call held the loop, so a Ctrl-C (which asyncio delivers by cancelling
+    this task at its next await, and which ends the shards' process too) hung the benchmark until the
+    timeout; and a shards' process that exits early is reported at once.
+
+    Raises:
+        SystemExit: the shards' process exited first, or nothing came within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ready.get_nowait()
+        except queue.Empty:
+            pass
+        if not proc.is_alive() and ready.empty():
+            raise SystemExit(f"the shards' process exited (code {proc.exitcode}) before its shards were ready; "
+                             f"its output above says why")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the shards' process was not ready within {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
 
 
 async def run_cases(client: ReplayClient, peer: Table, update: Update, args: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import peer_missing, positive_int  # noqa: E402
 from reactor.transport import Endpoint  # noqa: E402
 
 SMALL_N = 50_000
@@ -79,10 +80,16 @@ def run_loop(coro: Any, loop_name: str) -> Any:
     return asyncio.run(coro)
 
 
+#: Where the ipc sockets go: a directory of this run's own, removed at its end (the sockets' files were
+#: left in $TMPDIR, six a run).
+IPC_DIR: str | None = None
+
+
 def addresses(transport: str, tag: str) -> str:
     if transport == "tcp":
         return "tcp://127.0.0.1:*"
-    return f"ipc://{tempfile.gettempdir()}/bench-msg-{os.getpid()}-{tag}.sock"
+    assert IPC_DIR is not None, "main() makes the ipc directory"
+    return f"ipc://{IPC_DIR}/{tag}.sock"
 
 
 def median(xs: list[float]) -> float:
@@ -348,14 +355,15 @@ def section_bulk(args: argparse.Namespace) -> list[Row]:
 
 def section_ray(args: argparse.Namespace) -> list[Row]:
     """Ray 1:1 actor calls (round trip, and pipelined rate) vs Endpoint messages over ipc."""
-    if args.no_ray:
-        return []
     try:
         import ray
-    except ImportError:
-        print("(ray not importable: skipping the Ray section)")
+    except ImportError as e:
+        print(peer_missing("Ray", e, "pip install -e '.[bench]' adds it."))
         return []
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # Ray's session files (logs, sockets) go to this run's directory, removed at its end (Ray's default,
+    # /tmp/ray, keeps every session's).
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             _temp_dir=os.path.join(IPC_DIR or tempfile.gettempdir(), "ray"))
     try:
 
         @ray.remote
@@ -409,18 +417,23 @@ def print_table(rows: list[Row]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (median reported)")
-    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--reps", type=positive_int, default=5, help="repetitions per figure (median reported)")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                        help="the event loop on both sides (default uvloop)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray section")
-    parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
+    parser.add_argument("--only", choices=sorted(SECTIONS), action="append",
+                        help="run only this section (repeat the option for more)")
     args = parser.parse_args()
+    global IPC_DIR
     rows: list[Row] = []
-    for name, section in SECTIONS.items():
-        if args.only and name not in args.only:
-            continue
-        t0 = time.perf_counter()
-        rows += section(args)
-        print(f"(section {name}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="bench-msg-") as tmp:
+        IPC_DIR = tmp
+        for name, section in SECTIONS.items():
+            if (args.only and name not in args.only) or (name == "ray" and args.no_ray):
+                continue
+            t0 = time.perf_counter()
+            rows += section(args)
+            print(f"(section {name}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     print(f"loop={args.loop} reps={args.reps} python={sys.version.split()[0]} pyzmq={zmq.__version__} "
           f"libzmq={zmq.zmq_version()} cpus={os.cpu_count()}")
     print_table(rows)

@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,6 +32,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import positive_int  # noqa: E402
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WriteAheadLog  # noqa: E402
 
 torch.set_num_threads(1)
@@ -108,22 +112,30 @@ def bench(kind: str, directory: Path, reps: int, batches: int) -> dict[str, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default=None, help="directory for the log (default: a temporary one)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--dir", default=None,
+                    help="directory for the log (default: a temporary one, removed at the end; fsync cost is its disk's)")
+    ap.add_argument("--reps", type=positive_int, default=5, help="repetitions, medians reported (default 5)")
+    ap.add_argument("--batches", type=positive_int, default=200,
+                    help=f"inserts of {BATCH} steps per case per repetition (default 200)")
     args = ap.parse_args()
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_wal-"))
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"batch {BATCH} steps; log in {directory}; medians of {args.reps} x {args.batches} batches")
-    print(f"{'steps':<22}{'bytes/batch':>12}{'insert':>12}{'insert+WAL':>12}{'ratio':>8}{'write+fsync':>13}"
-          f"{'WAL - insert':>14}")
-    for kind in KINDS:
-        m = bench(kind, directory, args.reps, args.batches)
-        ratio = m["with"] / m["without"]
-        print(f"{kind:<22}{int(m['nbytes']):>12}{BATCH / m['without']:>10.0f}/s{BATCH / m['with']:>10.0f}/s"
-              f"{ratio:>7.1f}x{m['raw'] * 1e6:>10.0f} us{(m['with'] - m['without']) * 1e6:>11.0f} us")
-    if not args.dir:
-        shutil.rmtree(directory, ignore_errors=True)
+    try:
+        print(f"batch {BATCH} steps; log in {directory}; medians of {args.reps} x {args.batches} batches")
+        print(f"{'steps':<22}{'bytes/batch':>12}{'insert':>12}{'insert+WAL':>12}{'ratio':>8}{'write+fsync':>13}"
+              f"{'WAL - insert':>14}")
+        for kind in KINDS:
+            m = bench(kind, directory, args.reps, args.batches)
+            ratio = m["with"] / m["without"]
+            print(f"{kind:<22}{int(m['nbytes']):>12}{BATCH / m['without']:>10.0f}/s{BATCH / m['with']:>10.0f}/s"
+                  f"{ratio:>7.1f}x{m['raw'] * 1e6:>10.0f} us{(m['with'] - m['without']) * 1e6:>11.0f} us")
+    finally:  # (also on Ctrl-C: a temporary directory goes; in --dir, what this run wrote there)
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            for kind in KINDS:
+                shutil.rmtree(directory / f"wal-{kind}", ignore_errors=True)
+                (directory / f"raw-{kind}.bin").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

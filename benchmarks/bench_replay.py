@@ -29,17 +29,23 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import names_of, peer_missing, positive_int  # noqa: E402
 from reactor.replay.selectors import Prioritized  # noqa: E402
 from reactor.replay.sumtree import SumTree  # noqa: E402
 
 CAPACITY = 1 << 20
+CPPRB_FIX = "pip install -e '.[bench]' adds it."
+TORCHRL_FIX = ("Its compiled part needs the torch it was built for: bash scripts/setup_torchrl_peer.sh makes "
+               ".venv-torchrl; run this benchmark with its python.")
 ALPHA = 0.6
 BETA = 0.4
 OBS_DIM = 8
@@ -265,6 +271,8 @@ def make_torchrl(capacity: int) -> tuple[Any, str]:
             probe.sample(2, return_info=True)
             rb = PrioritizedReplayBuffer(alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(capacity))
         return rb, ""
+    except ModuleNotFoundError as exc:  # (torchrl or tensordict: the peer is not installed here)
+        return None, peer_missing("TorchRL", exc, TORCHRL_FIX)
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         notes = "; ".join(sorted({str(w.message).splitlines()[0][:160] for w in caught}))
         why = f"{type(exc).__name__}: {exc}" + (f" (warnings: {notes})" if notes else "")
@@ -289,10 +297,11 @@ def section_transitions(args: argparse.Namespace) -> None:
     try:
         peers["cpprb"] = make_cpprb(CAPACITY)
     except Exception as exc:  # noqa: BLE001
-        print(f"cpprb: failed to load: {type(exc).__name__}: {exc}")
+        print(peer_missing("cpprb", exc, CPPRB_FIX))
     torchrl_rb, why = make_torchrl(CAPACITY)
     if torchrl_rb is None:
-        print(f"torchrl: PrioritizedReplayBuffer failed to load, not compared: {why}")
+        print(why if why.startswith("TorchRL: not installed") else
+              f"TorchRL: PrioritizedReplayBuffer failed to load, not compared: {why}. {TORCHRL_FIX}")
     else:
         peers["torchrl"] = torchrl_rb
     print(f"ours: {ours.label}")
@@ -405,6 +414,9 @@ def section_transitions(args: argparse.Namespace) -> None:
             f"{med[p] * 1e6:>12.1f}" if p in med else f"{'-':>12}" for p in peers
         )
         target = targets[op.split()[0]]
+        if math.isnan(ratio):  # (no peer loaded: nothing to hold the target against)
+            print(line + f"{'-':>20}{target:>7.1f}x no peer")
+            continue
         ok = "ok" if ratio >= target else "MISS"
         print(line + f"{ratio:>19.2f}x{target:>7.1f}x {ok}")
 
@@ -508,6 +520,12 @@ def section_episodes(args: argparse.Namespace) -> None:
     steps = [{"obs": torch.from_numpy(d.obs[k]), "action": torch.from_numpy(d.action[k]),
               "reward": torch.from_numpy(d.reward[k]), "next_obs": torch.from_numpy(d.obs[k]),
               "done": torch.from_numpy(d.done[k])} for k in range(period)]
+    try:
+        make_cpprb(8)
+        have_cpprb = True
+    except Exception as exc:  # noqa: BLE001 - reported; ours still measured
+        print(peer_missing("cpprb", exc, CPPRB_FIX))
+        have_cpprb = False
     print(f"{'episode':>8} {'ours us':>9} {'cpprb us':>9} {'ours/cpprb':>11}")
     for length in (1, 32, 256, 4096):
         storage = Storage([FieldSpec("obs", (OBS_DIM,), torch.float32), FieldSpec("action", (), torch.int64),
@@ -522,7 +540,7 @@ def section_episodes(args: argparse.Namespace) -> None:
         def ours(k: int, table: Any = table, ends: list[Any] = ends, phases: int = phases) -> None:
             table.insert_nowait(steps[k % period], d.priorities[k % period], episode_end=ends[k % phases])
 
-        rb = make_cpprb(cap)
+        rb = make_cpprb(cap) if have_cpprb else None
 
         def theirs(k: int, rb: Any = rb) -> None:
             k %= period
@@ -532,10 +550,16 @@ def section_episodes(args: argparse.Namespace) -> None:
         fill = cap // 256 + 16  # both full: from here on every insert evicts
         for k in range(fill):
             ours(k)
-            theirs(k)
+            if rb is not None:
+                theirs(k)
         # Later calls continue the episode pattern where the fill left it (a multiple of `phases`).
-        got = interleaved_medians({"ours": lambda i, f=fill: ours(f + i), "cpprb": lambda i, f=fill: theirs(f + i)},
-                                  args.calls, args.reps)
+        fns = {"ours": lambda i, f=fill: ours(f + i)}
+        if rb is not None:
+            fns["cpprb"] = lambda i, f=fill: theirs(f + i)
+        got = interleaved_medians(fns, args.calls, args.reps)
+        if rb is None:
+            print(f"{length:>8} {got['ours'] * 1e6:>9.1f} {'-':>9} {'-':>11}", flush=True)
+            continue
         print(f"{length:>8} {got['ours'] * 1e6:>9.1f} {got['cpprb'] * 1e6:>9.1f} "
               f"{got['cpprb'] / got['ours']:>10.2f}x", flush=True)
 
@@ -551,11 +575,14 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}"
+        "--only", default=",".join(SECTIONS), type=names_of(SECTIONS),
+        help=f"comma-separated sections, from {','.join(SECTIONS)} (default: all)",
     )
-    parser.add_argument("--reps", type=int, default=7, help="repetitions (median taken)")
-    parser.add_argument("--calls", type=int, default=200, help="calls per repetition")
-    parser.add_argument("--drift-updates", type=int, default=100_000_000)
+    parser.add_argument("--reps", type=positive_int, default=7, help="repetitions (median taken; default 7)")
+    parser.add_argument("--calls", type=positive_int, default=200, help="calls per repetition (default 200)")
+    parser.add_argument("--drift-updates", type=positive_int, default=100_000_000,
+                        help="random priority updates of the drift section (default 1e8, ~a minute; 1000000 for a "
+                             "quick check)")
     parser.add_argument(
         "--ours",
         choices=("auto", "table", "selector"),
@@ -567,8 +594,8 @@ def main(argv: list[str] | None = None) -> None:
         f"python {sys.version.split()[0]}, numpy {np.__version__}, torch {torch.__version__} "
         f"(1 thread), {os.cpu_count()} cpus"
     )
-    for name in args.only.split(","):
-        SECTIONS[name.strip()](args)
+    for name in args.only:
+        SECTIONS[name](args)
 
 
 if __name__ == "__main__":

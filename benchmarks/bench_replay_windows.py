@@ -23,12 +23,17 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import peer_missing  # noqa: E402
 from reactor._native import host_huge_zeros  # noqa: E402
 from reactor.replay import (  # noqa: E402
     FieldSpec,
@@ -195,9 +200,9 @@ def bench_torchrl(B: int, T: int, reps: int, inner: int, ours_s: float) -> None:
         from tensordict import TensorDict
         from torchrl.data import LazyTensorStorage, PrioritizedSliceSampler, TensorDictReplayBuffer
     except Exception as e:  # report and go on: the peer is optional
-        print(f"peer TorchRL PrioritizedSliceSampler: did not load: {type(e).__name__}: {str(e)[:300]}")
-        print("  (TorchRL's wheels need the torch they were built for: scripts/setup_torchrl_peer.sh makes "
-              ".venv-torchrl with torch 2.14.1 + torchrl 0.14.1; run this benchmark with its python)")
+        print(peer_missing("peer TorchRL PrioritizedSliceSampler", e,
+                           "TorchRL's wheels need the torch they were built for: bash scripts/setup_torchrl_peer.sh "
+                           "makes .venv-torchrl (torch 2.14.1 + torchrl 0.14.1); run this benchmark with its python."))
         return
     why = torchrl_failure()
     if why:
@@ -265,10 +270,13 @@ def bench_checkpoint(quick: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions and a small checkpoint")
-    ap.add_argument("--skip-checkpoint", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer repetitions (5 x 20 calls, not 11 x 100) and a 0.13 GB checkpoint, not 1.07 GB")
+    ap.add_argument("--skip-checkpoint", action="store_true", help="the windows part only (part 1)")
     args = ap.parse_args()
-    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, numpy {np.__version__}")
+    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, numpy {np.__version__}"
+          + ("; --quick: fewer repetitions and a small checkpoint, not the settings of docs/benchmarks.md"
+             if args.quick else ""))
     bench_windows(args.quick)
     if not args.skip_checkpoint:
         bench_checkpoint(args.quick)

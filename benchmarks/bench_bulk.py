@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import positive_int
 from reactor.transport.bulk import BulkOwner, BulkReader, seqlock_begin, seqlock_end
 
 FIELDS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -200,13 +201,17 @@ async def measure(args: argparse.Namespace, descs: dict[str, Any]) -> list[tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--rows", type=int, default=1 << 20)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--length", type=int, default=32)
+    ap.add_argument("--reps", type=positive_int, default=7, help="repetitions, medians reported (default 7)")
+    ap.add_argument("--calls", type=positive_int, default=20, help="reads per case per repetition (default 20)")
+    ap.add_argument("--rows", type=positive_int, default=1 << 20,
+                    help="rows of the owner's region, 269 B each (default 1M: 269 MB; more than --batch x --length)")
+    ap.add_argument("--batch", type=positive_int, default=256, help="windows per read (default 256)")
+    ap.add_argument("--length", type=positive_int, default=32, help="rows per window (default 32)")
     ap.add_argument("--owner", nargs=2, metavar=("RUN_ID", "IPC_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rows <= args.batch * args.length:
+        ap.error(f"--rows {args.rows} must exceed --batch x --length = {args.batch * args.length} (the memcpy "
+                 f"baseline copies that many rows from a random place of a region of --rows)")
     torch.set_num_threads(1)
     if args.owner:
         asyncio.run(owner_main(args.rows, *args.owner, args.batch * args.length * ROW_NBYTES))

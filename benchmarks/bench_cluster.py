@@ -82,6 +82,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import names_of, positive_float, positive_int
 from reactor import run
 from reactor.launch._app import build_graph
 from reactor.launch._coordinator import WorkerFailedError
@@ -90,6 +91,7 @@ from tests.launch.hosts import in_thread as _in_thread
 from tests.launch.hosts import wait_for as _wait_for
 
 DQN = str(ROOT / "apps" / "dqn.py")
+SECTIONS = ("throughput", "kill", "cut", "restart", "startup")
 DEFAULT_HEARTBEAT_S = 3.0  # reactor.launch._placement's default heartbeat_timeout_s
 
 
@@ -294,20 +296,24 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5000, help="env-step budget of a throughput run (default 5000)")
-    ap.add_argument("--reps", type=int, default=2, help="throughput repetitions, alternating hosts / one host (medians)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settle-s", type=float, default=3.0, help="training before the kill / the cut (default 3 s)")
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=None,
+    ap.add_argument("--steps", type=positive_int, default=5000,
+                    help="env-step budget of a throughput run (default 5000)")
+    ap.add_argument("--reps", type=positive_int, default=2,
+                    help="throughput and startup repetitions, alternating hosts / one host (medians; default 2)")
+    ap.add_argument("--seed", type=int, default=0, help="the runs' seed (default 0)")
+    ap.add_argument("--settle-s", type=positive_float, default=3.0,
+                    help="training before the kill / the cut (default 3 s)")
+    ap.add_argument("--heartbeat-timeout-s", type=positive_float, default=None,
                     help=f"the hosts file's [cluster] heartbeat_timeout_s (default: unset, i.e. {DEFAULT_HEARTBEAT_S})")
     ap.add_argument("--solve", action="store_true", help="also the wall clock to eval return 475 in async mode")
-    ap.add_argument("--solve-budget-s", type=float, default=90.0)
-    ap.add_argument("--backoff-s", type=float, default=0.5, help="restart: the groups' backoff_s (default 0.5)")
-    ap.add_argument("--only", default="throughput,kill,cut,restart,startup",
-                    help="comma-separated, from throughput,kill,cut,restart,startup")
+    ap.add_argument("--solve-budget-s", type=positive_float, default=90.0,
+                    help="--solve: seconds each run may train (default 90)")
+    ap.add_argument("--backoff-s", type=positive_float, default=0.5, help="restart: the groups' backoff_s (default 0.5)")
+    ap.add_argument("--only", default=",".join(SECTIONS), type=names_of(SECTIONS),
+                    help=f"comma-separated, from {','.join(SECTIONS)} (cut: the lost host; default: all)")
     ap.add_argument("--json", default="", help="also write every figure here")
     args = ap.parse_args()
-    only = set(args.only.split(","))
+    only = set(args.only)
     hb = args.heartbeat_timeout_s or DEFAULT_HEARTBEAT_S
     # A SIGTERM ends the benchmark through the finally below (the cluster torn down), like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks._common import names_of  # noqa: E402
 from reactor.replay.device import DeviceReplay  # noqa: E402
 
 OBS = 128
@@ -393,16 +394,30 @@ def part_transformer(dev: torch.device, quick: bool) -> None:
           f"{s_alone * 1e3:.3f} ms (kernels={replay.kernels})")
 
 
+PARTS = ("replay", "torchrl", "replies", "learners", "transformer")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (with --quick: a smoke run)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    ap.add_argument("--parts", default="replay,torchrl,replies,learners,transformer")
+    ap.add_argument("--parts", default=",".join(PARTS), type=names_of(PARTS),
+                    help=f"comma-separated, from {','.join(PARTS)} (default: all)")
     a = ap.parse_args()
-    dev = torch.device(a.device)
+    try:
+        dev = torch.device(a.device)
+    except RuntimeError as e:
+        ap.error(f"--device {a.device!r}: {e}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA device here (torch {torch.__version__}"
+                 f"{', built without CUDA' if torch.version.cuda is None else ''}); run it on a GPU, or "
+                 f"--device cpu --quick for a smoke run of the script")
+    if dev.type not in ("cuda", "cpu"):
+        ap.error(f"--device {a.device}: cuda or cpu")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    print(f"device {dev}: {name}; torch {torch.__version__}")
-    parts = set(a.parts.split(","))
+    print(f"device {dev}: {name}; torch {torch.__version__}"
+          + ("; --quick: small sizes (a smoke run), not the settings of docs/benchmarks.md" if a.quick else ""))
+    parts = set(a.parts)
     batches = [64] if a.quick else [256, 1024]
     t_len = 16 if a.quick else 64
     ours: dict[str, float] = {}

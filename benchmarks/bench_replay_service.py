@@ -66,6 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import non_negative_int, positive_int
 from reactor.launch._app import build_graph
 from reactor.launch._runtime import run
 from reactor.transport._shm import huge_pages_allowed
@@ -269,18 +270,20 @@ def print_reverb(rep: dict, cfg: dict, python: str, quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a 256K-step table and fewer repetitions (well under a minute)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (median reported; default 7, quick 3)")
-    ap.add_argument("--calls", type=int, default=None, help="batches per case per repetition (default 20, quick 10)")
+    ap.add_argument("--reps", type=positive_int, default=None, help="repetitions (median reported; default 7, quick 3)")
+    ap.add_argument("--calls", type=positive_int, default=None,
+                    help="batches per case per repetition (default 20, quick 10)")
     ap.add_argument("--shards", type=int, default=4, help="replay shards, one process each (>= 2; default 4)")
-    ap.add_argument("--flush-steps", type=int, default=1024,
+    ap.add_argument("--flush-steps", type=positive_int, default=1024,
                     help="rows per Steps message of each writer (Writer flush_steps; the in-process peer's too)")
     ap.add_argument("--writers", type=int, default=4, help="writer processes (>= 2; default 4)")
-    ap.add_argument("--capacity", type=int, default=None, help="steps held over all shards (default 1M, quick 256K)")
-    ap.add_argument("--inflight", type=int, default=4,
+    ap.add_argument("--capacity", type=positive_int, default=None,
+                    help="steps held over all shards, a multiple of --shards (default 1M, quick 256K)")
+    ap.add_argument("--inflight", type=positive_int, default=4,
                     help="also measure with this many batches requested at once (a learner's prefetch); 1: only 1")
-    ap.add_argument("--round-rows", type=int, default=None,
+    ap.add_argument("--round-rows", type=non_negative_int, default=None,
                     help="rows per writer per insert repetition (default 64K, quick 16K; 0: no insert repetitions)")
-    ap.add_argument("--notice-every", type=int, default=64,
+    ap.add_argument("--notice-every", type=positive_int, default=64,
                     help="one-sided samples whose notices the clients send together (ReplayClient(notice_every=...))")
     ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
     ap.add_argument("--hosts", action="store_true",
@@ -292,9 +295,15 @@ def main() -> None:
     if args.shards < 2 or args.writers < 2:
         ap.error("--shards and --writers must be >= 2 (the placement names replicas by index)")
     q = args.quick
+    capacity = args.capacity or (1 << 18 if q else 1 << 20)
+    batch_steps = 256 * 32  # a batch: 256 windows of 32 steps
+    if capacity % args.shards or capacity <= batch_steps or capacity // args.shards < 2 * args.flush_steps:
+        ap.error(f"--capacity {capacity}: must be a multiple of --shards ({args.shards}), more than a batch's "
+                 f"{batch_steps} steps (the memcpy baseline copies a batch from a random place of a buffer that "
+                 f"large), and at least 2 x --flush-steps ({2 * args.flush_steps}) a shard")
     cfg = {
         "shards": args.shards, "writers": args.writers, "envs": 64, "window": 32, "batch": 256,
-        "capacity": args.capacity or (1 << 18 if q else 1 << 20),
+        "capacity": capacity,
         "reps": args.reps or (3 if q else 7),
         "calls": args.calls or (10 if q else 20),
         "round_rows": args.round_rows if args.round_rows is not None else (1 << 14 if q else 1 << 16),
@@ -324,7 +333,7 @@ def main() -> None:
     size = [s["size"] for s in rep["shards_after_fill"]]
     steps = [s["num_steps"] for s in rep["shards_after_fill"]]
     lat = {k: med(rep[k]) * 1e3 for k in ("local", "remote", "shm", "msg", "onesided", "inproc", "memcpy")}
-    print(f"replay service: {cfg['shards']} shards x {cfg['capacity'] // cfg['shards']} steps in {cfg['shards']} processes "
+    print(f"replay service{' (--quick settings)' if q else ''}: {cfg['shards']} shards x {cfg['capacity'] // cfg['shards']} steps in {cfg['shards']} processes "
           f"(stored steps {sum(steps)}, items {sum(size)}); batch {cfg['batch']} windows x {cfg['window']} steps "
           f"x 269 B + mask = {rep['out_nbytes'] / 1e6:.2f} MB; "
           f"medians of {cfg['reps']} reps x {cfg['calls']} batches; one-sided notices every {cfg['notice_every']} "

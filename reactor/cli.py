@@ -645,14 +645,16 @@ def _where(group: str, where: dict[str, Any]) -> str:
 
 
 def _print_log(read: Any, follow: bool) -> None:
-    """Print a log chunk by chunk (``read(offset)`` -> data, offset, done); with ``follow``, until done."""
+    """Print a log chunk by chunk (``read(offset)`` -> data, offset, done): to its end as it is now, or
+    with ``follow``, on until the job is done. (One answer carries at most ``LOG_CHUNK_NBYTES``: the log
+    of a job that printed more was cut there, mid-line and without a word, its end never shown.)"""
     offset = 0
     while True:
         got = read(offset)
         sys.stdout.buffer.write(got["data"])
         sys.stdout.flush()
         offset = got["offset"]
-        if not follow or (got["done"] and not got["data"]):
+        if not got["data"] and (got["done"] or not follow):
             break
         if not got["data"]:
             time.sleep(0.2)

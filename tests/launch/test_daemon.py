@@ -499,6 +499,31 @@ def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     assert bad.returncode == 1 and "has no job '0123456789abcdef'" in bad.stderr
 
 
+def test_logs_without_follow_prints_a_log_longer_than_one_answer_whole(tmp_path):
+    """Regression (a soak of a long-lived daemon): ``reactor logs JOB`` printed the daemon's first answer
+    only, 1 MiB, and exited 0: the end of a longer log (the run's result, a failure's traceback) was cut
+    mid-line without a word. It now asks on to the log's end as it is (``-f``: until the job is done)."""
+    from reactor.launch._hosting import LOG_CHUNK_NBYTES
+
+    job = "a" * 16
+    (tmp_path / "state" / "jobs" / job).mkdir(parents=True)
+    (tmp_path / "state" / "jobs" / job / "job.json").write_text(json.dumps(
+        {"id": job, "state": "failed", "app": "a.py", "placement": "single", "pid": 12345, "pid_start": 1,
+         "submitted_at": time.time() - 10, "ended_at": time.time() - 5, "returncode": 1}))
+    text = "".join(f"line {i:07d} {'x' * 50}\n" for i in range(2 * LOG_CHUNK_NBYTES // 63)) + "RuntimeError: the end\n"
+    (tmp_path / "state" / "jobs" / job / "output.log").write_text(text)
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    try:
+        conn = ["--daemon", d.address, "--daemon-key", str(d.keys_dir / "key.pub"), "--keys", str(d.client_dir)]
+        for follow in ((), ("-f",)):
+            p = subprocess.run([sys.executable, "-m", "reactor.cli", "logs", job, *follow, *conn], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0 and len(p.stdout) == len(text) > 2 * LOG_CHUNK_NBYTES, (follow, len(p.stdout))
+            assert p.stdout == text, follow
+    finally:
+        d.stop()
+
+
 def test_a_runs_files_offered_back_are_its_outputs_only_and_no_link_leads_out(tmp_path):
     """What a daemon offers a run's coordinator to copy back: the files its workers wrote, never the
     shipped app, the workers' logs, or what a symbolic link points at."""

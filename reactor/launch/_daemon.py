@@ -601,14 +601,21 @@ class Daemon:
 
     def _save(self, job: _Job) -> bool:
         """Write ``job``'s record; one that cannot be written now is logged (once a minute) and
-        written again at the next watch. Returns whether it was written."""
+        written again at the next watch, but not one whose directory was removed (logged, kept in memory).
+        Returns whether it was written."""
         try:
             job.save()
         except OSError as e:
+            if not job.dir.is_dir():  # (removed by hand: nothing to write into, now or at a later watch)
+                job.unsaved = False
+                log.warning("%s: job %s's directory %s was removed: its record (%s) is kept in memory only, and a "
+                            "restarted daemon will not list it", self.name, job.id, job.dir, job.record["state"])
+                return False
             job.unsaved = True
             self._warn(f"save {job.id}", "%s: cannot write job %s's record (%s); trying again", self.name, job.id, e)
             return False
         job.unsaved = False
+        self._warned.pop(f"save {job.id}", None)
         return True
 
     def _warn(self, what: str, message: str, *args: Any) -> None:

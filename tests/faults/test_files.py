@@ -292,6 +292,33 @@ def test_a_job_record_that_cannot_be_written_is_written_at_a_later_watch_and_the
         proc.wait()
 
 
+def test_a_job_whose_directory_was_removed_is_not_written_again_at_every_watch(tmp_path, caplog):
+    """Regression (a soak of a long-lived daemon): a running job's directory removed by hand (an operator
+    clearing STATE/jobs) made its end's record unwritable for good: the daemon tried again at every watch
+    (5 a second) and warned once a minute, for the rest of its life."""
+    import shutil
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        daemon, job_id = _running_job(tmp_path, proc)
+        shutil.rmtree(daemon.state / "jobs" / job_id)
+        proc.kill()
+        proc.wait()
+        for _ in range(3):
+            daemon._watch_once()
+        job = daemon.jobs[job_id]
+        assert job.record["state"] == "ended" and not job.unsaved
+        said = [r.getMessage() for r in caplog.records if job_id in r.getMessage() and r.levelname == "WARNING"]
+        assert said == [f"h1: job {job_id}'s directory {daemon.state / 'jobs' / job_id} was removed: its record "
+                        f"(ended) is kept in memory only, and a restarted daemon will not list it"], said
+        ok, row = daemon.handle([1, "status", job_id])
+        assert ok and row["state"] == "ended" and row["last_line"] == ""
+        assert not (daemon.state / "jobs" / job_id).exists()  # (not made again)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_link_planted_at_a_records_temporary_name_is_not_written_through(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:

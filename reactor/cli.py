@@ -353,7 +353,26 @@ def _bounded(msg: str) -> str:
 
 def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:
     """The ``reactor`` command; ``started``: when the command began (a cluster command that runs
-    ``run`` itself passes its own start)."""
+    ``run`` itself passes its own start). A daemon's job (``$REACTOR_JOB_EXIT_FILE`` set) writes its
+    exit status there as it ends (``reactor/launch/_daemon.py``: a daemon that is not its parent, one
+    started again after a crash, reads it)."""
+    exit_file = os.environ.pop("REACTOR_JOB_EXIT_FILE", None)  # (the job's own command: not one it starts)
+    if exit_file is None:
+        return _main(argv, started)
+    from .launch._daemon import record_job_exit
+
+    rc = 1  # (an exception that ends the command: Python's exit status)
+    try:
+        rc = _main(argv, started)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    finally:
+        record_job_exit(exit_file, rc)
+    return rc
+
+
+def _main(argv: Sequence[str] | None, started: float | None) -> int:
     args = _parser().parse_args(argv)
     args.started = started if started is not None else time.time()
     try:

@@ -13,7 +13,8 @@ travel in the request, each with its sha256 (checked, and recorded: the job id i
 whole spec). ``stop`` sends SIGTERM to the job's coordinator (it stops its run cleanly and reaps its
 workers), then SIGKILL to the job's whole process group after ``STOP_GRACE_S``. The daemon outlives every job; a
 daemon restarted on its state directory lists its past jobs, and a job it finds running from an
-earlier life it keeps watching; one that died meanwhile is marked ``lost``. SIGTERM (or SIGINT) to
+earlier life it keeps watching (its exit status, not the daemon's child's, is the one the job's command
+writes in ``STATE/jobs/ID/exit.json`` as it ends); one that died meanwhile is marked ``lost``. SIGTERM (or SIGINT) to
 the daemon stops its running jobs first.
 
 A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
@@ -84,6 +85,10 @@ WATCH_PERIOD_S = 0.2
 CONFIG_MAX_NBYTES = 64 * 1024
 #: How often the same trouble of the watch loop (a record it cannot write, say) is logged again.
 WATCH_WARN_EVERY_S = 60.0
+#: Where a job's command writes its exit status as it ends (``STATE/jobs/ID/``): the daemon that watches it
+#: may not be its parent (a daemon started again after a crash adopts its running jobs) and then has no other
+#: way to know it; every such job ended as ``ended``, "its exit status is unknown", however it ended.
+EXIT_FILE = "exit.json"
 
 
 class DaemonSilentError(DaemonError):
@@ -308,7 +313,8 @@ class Daemon:
         for a in settings:
             cmd += ["--set", a]
         # A job over several hosts reaches their daemons with this daemon's key pair.
-        env = {**os.environ, "REACTOR_KEYS": str(self.keys_dir), "REACTOR_JOB_DIR": str(jdir)}
+        env = {**os.environ, "REACTOR_KEYS": str(self.keys_dir), "REACTOR_JOB_DIR": str(jdir),
+               "REACTOR_JOB_EXIT_FILE": str(jdir / EXIT_FILE)}
         (jdir / "output.log").touch(mode=0o600)
         proc: Proc | None = self.forks.spawn("cli", argv=["reactor", *cmd[3:]], cwd=jdir / "app", env=env,
                                              log_path=jdir / "output.log", title="rx-job")
@@ -371,6 +377,8 @@ class Daemon:
             rc = job.proc.returncode if job.proc is not None else None
             if getattr(job.proc, "status_unknown", False):  # (its fork server died before it ended)
                 rc = None
+            if rc is None:  # not our child's (an earlier daemon's), or its parent died: as its command wrote it
+                rc = _recorded_exit(job)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(job.record["pid"]), signal.SIGKILL)  # nothing of the job outlives it
             job.record["returncode"] = rc
@@ -651,6 +659,26 @@ def _number(v: Any) -> float:
     except OverflowError:
         return 0.0
     return f if math.isfinite(f) else 0.0
+
+
+def record_job_exit(path: str | os.PathLike[str], returncode: int) -> None:
+    """A job's command, as it ends: write its exit status and pid at ``path`` (its ``EXIT_FILE``), whole
+    or not at all; a failure to write is no failure of the job (its daemon then says it is unknown)."""
+    with contextlib.suppress(OSError):
+        replace_small(path, json.dumps({"returncode": returncode, "pid": os.getpid()}).encode())
+
+
+def _recorded_exit(job: _Job) -> int | None:
+    """The exit status ``job``'s command wrote as it ended (:func:`record_job_exit`), or None: none
+    written (killed by a signal, a full disk), not its process's, or not an exit status."""
+    try:
+        got = read_small_json(job.dir / EXIT_FILE)
+    except (OSError, ValueError):
+        return None
+    if type(got) is not dict or got.get("pid") != job.record.get("pid"):
+        return None
+    rc = got.get("returncode")
+    return rc if type(rc) is int and -256 < rc < 256 else None
 
 
 def _ended_record(path: Path) -> bool:

@@ -239,22 +239,29 @@ class Daemon:
             loaded.append(job)
         loaded.sort(key=lambda j: _number(j.record.get("submitted_at")))
         self.jobs = {j.id: j for j in loaded}
-        self._forget_ended()
+        if forgot := self._forget_ended(quiet=True):  # (one line: each was said in the life that forgot it)
+            log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' files stay in %s",
+                     self.name, self.keep_ended, forgot, self.state / "jobs")
 
-    def _forget_ended(self) -> None:
+    def _forget_ended(self, quiet: bool = False) -> int:
         """Forget the oldest ended jobs past ``keep_ended`` that ended ``forget_after_s`` ago or more
-        (a client following one sees its end first); their directories stay on disk."""
+        (a client following one sees its end first); their directories stay on disk. Each is logged
+        unless ``quiet``. Returns how many were forgotten."""
         ended = [j for j in self.jobs.values() if j.record.get("state") != "running"]
         if len(ended) <= self.keep_ended:
-            return
+            return 0
         ended.sort(key=lambda j: (_number(j.record.get("ended_at")), _number(j.record.get("submitted_at"))))
         old = time.time() - self.forget_after_s
+        forgot = 0
         for job in ended[:len(ended) - self.keep_ended]:
             if _number(job.record.get("ended_at")) > old:
                 break  # (in order: the rest ended later still)
             del self.jobs[job.id]
-            log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
-                     self.name, job.id, self.keep_ended, job.dir)
+            forgot += 1
+            if not quiet:
+                log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
+                         self.name, job.id, self.keep_ended, job.dir)
+        return forgot
 
     def submit(self, spec: dict[str, Any]) -> str:
         """Start a job from a checked spec; return its id (a hash of the whole spec and the time)."""

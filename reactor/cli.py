@@ -517,8 +517,13 @@ def _jobs(args: argparse.Namespace) -> int:
             raise NotADirectoryError(f"--state-dir {state} is a file, not a directory")
         made = not state.exists()
         state.mkdir(parents=True, exist_ok=True)
+        import logging.handlers
+
+        # Watched: a log rotated under it (logrotate moves it away) is opened again at its path, not written
+        # on in the moved file, nor (once that is deleted) in a file no one sees that still takes the disk.
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                            handlers=[logging.FileHandler(state / "daemon.log"), logging.StreamHandler()])
+                            handlers=[logging.handlers.WatchedFileHandler(state / "daemon.log"),
+                                      logging.StreamHandler()])
         from .launch._forkserver import TRAINING_PRELOAD
 
         if args.die_with_parent:

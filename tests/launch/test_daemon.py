@@ -223,6 +223,19 @@ def test_a_restarted_daemon_says_in_one_line_how_many_old_jobs_it_does_not_list(
         f"h1: lists its newest 2 ended jobs (--keep-ended); the 4 older ones' files stay in {tmp_path / 'state' / 'jobs'}"]
 
 
+def test_a_daemon_log_moved_away_by_a_rotation_is_written_again_at_its_path(daemon):
+    """Regression (a soak of a long-lived daemon): logrotate moves STATE/daemon.log away and expects the
+    daemon to write a new one; it wrote on in the moved file, and once that was deleted, in a file no one
+    could see that still took the disk."""
+    log = daemon.state / "daemon.log"
+    log.rename(daemon.state / "daemon.log.1")
+    with daemon.client() as c, pytest.raises(DaemonError, match=r"^bad request: 'status' field 1: a job id"):
+        c.request("status", "after-the-rotation")
+    _wait_for(log.exists, 10, "a new daemon.log")
+    assert "after-the-rotation" in log.read_text()
+    assert "after-the-rotation" not in (daemon.state / "daemon.log.1").read_text()
+
+
 def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
     stranger = daemon.tmp / "stranger"
     init_keys(stranger)

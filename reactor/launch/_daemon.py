@@ -231,8 +231,14 @@ class Daemon:
             if record.get("state") == "running" and record.get("stop_requested") and job.alive():
                 job.stop_deadline = time.monotonic() + STOP_GRACE_S  # (asked before the restart: a fresh grace)
             if record.get("state") == "running" and not job.alive():
-                record["state"] = "lost"
-                record["detail"] = "it ended while no daemon watched it (the daemon was down)"
+                if (rc := _recorded_exit(job)) is not None:  # (its command said how it ended, and when)
+                    record["returncode"] = rc
+                    record["state"] = "stopped" if record.get("stop_requested") else "finished" if rc == 0 else "failed"
+                    with contextlib.suppress(OSError):
+                        record["ended_at"] = (job.dir / EXIT_FILE).stat().st_mtime
+                else:
+                    record["state"] = "lost"
+                    record["detail"] = "it ended while no daemon watched it (the daemon was down)"
                 if record.get("ended_at") is None:  # (submit writes None)
                     record["ended_at"] = time.time()
                 self._save(job)

@@ -350,22 +350,27 @@ def test_a_restarted_daemon_lists_its_past_jobs_and_watches_one_that_outlived_it
 def test_a_job_that_ends_after_its_daemon_was_killed_and_started_again_ends_with_its_exit_status(tmp_path):
     """Regression (a soak of a long-lived daemon): a daemon killed (kill -9, a crash, the OOM killer) and
     started again adopts its running jobs, but is not their parent: each then ended as ``ended``, "its
-    exit status is unknown", a job that finished well and one that failed alike. A job's command now
-    writes its exit status in its directory as it ends, and the daemon reads it there."""
-    gate, ready = tmp_path / "gate", tmp_path / "ready"
+    exit status is unknown", and one that ended while the daemon was down as ``lost``, a job that
+    finished well and one that failed alike. A job's command now writes its exit status in its
+    directory as it ends, and the daemon reads it there."""
     d = Daemon(tmp_path, extra=("--no-fork-server",))
     try:
         with d.client() as c:
-            job = c.request("submit", job_spec(APPS / "gated.py", config={"gate_file": str(gate),
-                                                                          "ready_file": str(ready)}))
-            _wait_for(ready.exists, 60, "the job to wait at its gate")
-        d.stop(signal.SIGKILL)  # the job runs on in its own session
+            jobs = {when: c.request("submit", job_spec(APPS / "gated.py", config={
+                "gate_file": str(tmp_path / f"gate-{when}"), "ready_file": str(tmp_path / f"ready-{when}")}))
+                for when in ("down", "after")}
+            _wait_for(lambda: all((tmp_path / f"ready-{w}").exists() for w in jobs), 60, "the jobs to wait at their gates")
+            pids = {w: c.request("status", job)["pid"] for w, job in jobs.items()}
+        d.stop(signal.SIGKILL)  # the jobs run on in their own sessions
+        (tmp_path / "gate-down").touch()
+        _wait_for(lambda: not _group_alive(pids["down"]), 60, "a job to end while no daemon watches it")
         d = Daemon(tmp_path, extra=("--no-fork-server",))
         with d.client() as c:
-            assert c.request("status", job)["state"] == "running"
-            gate.touch()
-            done = _state(c, job, ("finished", "failed", "ended"))
-        assert (done["state"], done["returncode"], done["detail"]) == ("finished", 0, ""), done
+            assert c.request("status", jobs["after"])["state"] == "running"
+            (tmp_path / "gate-after").touch()
+            for job in jobs.values():
+                done = _state(c, job, ("finished", "failed", "ended", "lost"))
+                assert (done["state"], done["returncode"], done["detail"]) == ("finished", 0, ""), done
     finally:
         d.stop()
 

@@ -131,6 +131,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--forget-after-s", type=_seconds_arg, default=None, metavar="S",
                    help="an ended job or hosted run past --keep-ended is forgotten no sooner than this long after "
                         "its end (default: 60)")
+    d.add_argument("--remove-forgotten", action="store_true",
+                   help="remove the directory of each ended job and hosted run it forgets (see --keep-ended and "
+                        "--forget-after-s), and those that runs of its earlier lives left, instead of leaving them "
+                        "on disk: the state directory stays bounded, the older jobs' files go")
     d.add_argument("--die-with-parent", action="store_true",
                    help="end (as on SIGTERM) when the process that started it ends: how a supervisor such as a "
                         "Ray actor runs it")
@@ -538,7 +542,8 @@ def _jobs(args: argparse.Namespace) -> int:
             daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
                             preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
                             **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
-                            **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}))
+                            **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}),
+                            remove_forgotten=args.remove_forgotten)
 
             def ready(address: str) -> None:
                 nonlocal served
@@ -658,7 +663,7 @@ def _remove_unserved_state(state: Path) -> None:
         with contextlib.suppress(OSError):
             if (state / name).is_file() and not (state / name).is_symlink():
                 os.unlink(state / name)
-    for name in ("jobs", "runs", ""):
+    for name in ("jobs", "runs", ".removing", ""):
         with contextlib.suppress(OSError):
             os.rmdir(state / name)  # (only if empty)
 

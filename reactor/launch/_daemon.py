@@ -22,7 +22,8 @@ A daemon lives for months and hosts jobs by the thousand: it keeps the records o
 forgets older ones that ended ``forget_after_s`` (``--forget-after-s``, default ``FORGET_AFTER_S``) ago or
 more as others end (a restarted daemon reads
 every record and keeps that many); a forgotten job's directory stays on disk, and asking for it says
-where. Every running job is kept.
+where, unless the daemon removes what it forgets (``--remove-forgotten``: ``_hosting.Remover``), which
+bounds its state directory. Every running job is kept.
 
 A job whose placement names hosts runs its coordinator here and its groups' workers on the daemons
 of those hosts, this one among them: the daemon's side of that (``spawn``, ``workers``, ``end``) is
@@ -62,7 +63,7 @@ from .._floodlog import flood_logged, flood_tally
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
-from ._hosting import END_GRACE_S, FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc, read_chunk
+from ._hosting import END_GRACE_S, FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc, Remover, read_chunk
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
@@ -166,7 +167,7 @@ class Daemon:
 
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
                  advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD,
-                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S):
+                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S, remove_forgotten: bool = False):
         from ._keys import load_keys
 
         if type(keep_ended) is not int or keep_ended < 0:
@@ -200,8 +201,9 @@ class Daemon:
         # The fork server's own environment is what /proc/PID/environ shows of its workers: the
         # host identity they all share.
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
+        self.remover = Remover(self.state) if remove_forgotten else None
         self.hosted = HostedRuns(name, advertise, self.state, self.forks, keep_ended=keep_ended,
-                                 forget_after_s=self.forget_after_s)
+                                 forget_after_s=self.forget_after_s, remover=self.remover)
         sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
@@ -246,8 +248,9 @@ class Daemon:
         loaded.sort(key=lambda j: _number(j.record.get("submitted_at")))
         self.jobs = {j.id: j for j in loaded}
         if forgot := self._forget_ended(quiet=True):  # (one line: each was said in the life that forgot it)
-            log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' files stay in %s",
-                     self.name, self.keep_ended, forgot, self.state / "jobs")
+            log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' %s %s", self.name,
+                     self.keep_ended, forgot, *(("directories are removed from", self.state / "jobs") if self.remover
+                                                else ("files stay in", self.state / "jobs")))
 
     def _forget_ended(self, quiet: bool = False) -> int:
         """Forget the oldest ended jobs past ``keep_ended`` that ended ``forget_after_s`` ago or more
@@ -264,7 +267,11 @@ class Daemon:
                 break  # (in order: the rest ended later still)
             del self.jobs[job.id]
             forgot += 1
-            if not quiet:
+            if self.remover is not None and self.remover.remove(job.dir):
+                if not quiet:
+                    log.info("%s: forgot the ended job %s and removed its directory (past the newest %d ended "
+                             "jobs kept)", self.name, job.id, self.keep_ended)
+            elif not quiet:
                 log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
                          self.name, job.id, self.keep_ended, job.dir)
         return forgot
@@ -559,6 +566,8 @@ class Daemon:
         finally:
             self._held.release()
             self.forks.close()
+            if self.remover is not None:
+                self.remover.close()
             sock.close(linger=0)
             auth.stop()
             ctx.destroy(linger=0)

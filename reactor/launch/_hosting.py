@@ -20,7 +20,10 @@ here: ``end`` (or the lease) sends SIGTERM to the run's live workers, SIGKILL to
 The daemon keeps the records of its newest ``keep_ended`` ended runs (``reactor status``, their
 workers' logs) and forgets older ones that ended ``FORGET_AFTER_S`` ago or more (their coordinators
 have fetched their files by then); their directories stay on disk, marked ``.forgotten``, and such a
-run takes no new workers, after a restart of the daemon too.
+run takes no new workers, after a restart of the daemon too. With a :class:`Remover`
+(``--remove-forgotten``) a forgotten run's directory is removed instead, and so, in turn, are those
+that runs of the daemon's earlier lives left (their workers died with that life; a coordinator that
+starts a group again in one takes it back), oldest first, as if they had ended when it started.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +59,48 @@ KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older o
 FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at least this long after its end
 FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
 
-__all__ = ["HostedRuns"]
+__all__ = ["HostedRuns", "Remover"]
+
+
+class Remover:
+    """Removes a daemon's forgotten directories (``--remove-forgotten``) in a thread of its own: a run's
+    checkpoints may take seconds to unlink, and the daemon's loop answers meanwhile. Each directory is
+    first renamed into ``STATE/.removing/`` (at once, on the loop's thread), so that nothing of it is
+    read or written at its old path again; what an earlier life left there is removed at the start."""
+
+    def __init__(self, state: Path) -> None:
+        self.bin = state / ".removing"
+        self.bin.mkdir(mode=0o700, exist_ok=True)
+        self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
+        for left in sorted(self.bin.iterdir()):
+            self._queue.put(left)
+        self._thread = threading.Thread(target=self._remove_queued, name="remover", daemon=True)
+        self._thread.start()
+
+    def remove(self, path: Path) -> bool:
+        """Take ``path`` away now and remove it soon; False (logged) if it cannot be moved."""
+        moved = self.bin / f"{path.parent.name}-{path.name}-{secrets.token_hex(4)}"
+        try:
+            os.rename(path, moved)
+        except FileNotFoundError:
+            return True  # (removed already, by hand)
+        except OSError as e:
+            log.warning("cannot remove %s (%s): it stays", path, e.strerror or e)
+            return False
+        self._queue.put(moved)
+        return True
+
+    def _remove_queued(self) -> None:
+        while (path := self._queue.get()) is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                log.warning("could not remove all of %s: what is left stays", path)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread once what is queued is removed (waiting up to ``timeout_s``; what is left is
+        removed at the next start)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
 
 def interface_of(address: str) -> str | None:
@@ -116,7 +164,8 @@ class HostedRuns:
     ``advertise`` the interface address its workers bind to; ``state`` its state directory."""
 
     def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None,
-                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S) -> None:
+                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S,
+                 remover: Remover | None = None) -> None:
         self.name = name
         self.keep_ended = keep_ended
         self.forget_after_s = forget_after_s
@@ -125,6 +174,20 @@ class HostedRuns:
         self.root = state / "runs"
         self.root.mkdir(mode=0o700, exist_ok=True)
         self.runs: dict[str, _Run] = {}
+        self.remover = remover
+        self.started_at = time.monotonic()
+        #: (with a remover) the directories that runs of the daemon's earlier lives left, and when each was
+        #: last written: ended runs, forgotten (and removed) first
+        self.earlier: dict[str, float] = {}
+        if remover is not None:
+            for d in self.root.iterdir():
+                if d.is_symlink() or not d.is_dir():
+                    continue  # (none the daemon made)
+                if (d / FORGOTTEN).exists():
+                    remover.remove(d)
+                else:
+                    with contextlib.suppress(OSError):
+                        self.earlier[d.name] = d.stat().st_mtime
 
     def spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         """Start one group's worker of a run (a checked ``spawn`` request); return its pid."""
@@ -138,6 +201,7 @@ class HostedRuns:
         if run is None:
             if (self.root / req["run"] / FORGOTTEN).exists():
                 raise DaemonError(f"run {req['run']} has ended on {self.name!r}; it takes no new workers")
+            self.earlier.pop(req["run"], None)  # (a run of an earlier life that starts a group here again)
             run = self.runs[req["run"]] = _Run(req["run"], self.root / req["run"], float(req["lease_s"]))
             (run.dir / "app").mkdir(mode=0o700, parents=True, exist_ok=True)
         if run.end_deadline is not None or run.why_ended:
@@ -295,19 +359,32 @@ class HostedRuns:
                 log.info("%s: run %s ended here (%s)", self.name, run.id, run.why_ended)
                 run.cleaned_at = now
             cleaned += run.cleaned
-        if cleaned > self.keep_ended:
+        if cleaned + len(self.earlier) > self.keep_ended:
             self._forget_ended(now)
 
     def _forget_ended(self, now: float) -> None:
         """Forget the runs that ended here longest ago, past ``keep_ended`` and ``forget_after_s`` after
-        their end (their directories stay, marked: a forgotten run takes no new workers)."""
+        their end: their directories stay, marked (a forgotten run takes no new workers), or are removed
+        (with a remover; the earlier lives' first, as if they had ended when this one started)."""
         ended = sorted((r for r in self.runs.values() if r.cleaned), key=lambda r: r.cleaned_at)
-        for run in ended[:max(0, len(ended) - self.keep_ended)]:
+        excess = len(self.earlier) + len(ended) - self.keep_ended
+        if self.remover is not None and now - self.started_at >= self.forget_after_s:
+            for run_id in sorted(self.earlier, key=self.earlier.__getitem__)[:max(0, excess)]:
+                del self.earlier[run_id]
+                excess -= 1
+                if self.remover.remove(self.root / run_id):
+                    log.info("%s: removed the directory of run %s, hosted in an earlier life (past the newest %d "
+                             "ended runs kept)", self.name, run_id, self.keep_ended)
+        for run in ended[:max(0, excess)]:
             if now - run.cleaned_at < self.forget_after_s:
                 break  # (in order: the rest ended later still)
+            del self.runs[run.id]
+            if self.remover is not None and self.remover.remove(run.dir):
+                log.info("%s: forgot the ended run %s and removed its directory (past the newest %d ended runs "
+                         "kept)", self.name, run.id, self.keep_ended)
+                continue
             with contextlib.suppress(OSError):
                 (run.dir / FORGOTTEN).touch()
-            del self.runs[run.id]
             log.info("%s: forgot the ended run %s (past the newest %d ended runs kept); its files stay in %s",
                      self.name, run.id, self.keep_ended, run.dir)
 

@@ -236,6 +236,73 @@ def test_a_daemon_log_moved_away_by_a_rotation_is_written_again_at_its_path(daem
     assert "after-the-rotation" not in (daemon.state / "daemon.log.1").read_text()
 
 
+def test_a_daemon_that_removes_what_it_forgets_keeps_its_state_directory_bounded_across_its_lives(tmp_path):
+    """Feature (a soak of a long-lived daemon): every job's and hosted run's directory stayed on disk for
+    good (checkpoints, logs, the copies of a run's files its coordinator fetched), and an operator's own
+    sweep could take a running job's. With --remove-forgotten the daemon removes what it forgets: the
+    ended jobs past --keep-ended (those of earlier lives at its start), runs it marked forgotten, and
+    the oldest of the run directories its earlier lives left, past the newest kept."""
+    state = tmp_path / "state"
+    now = time.time()
+    for i in range(3):
+        job_id = f"{i:016x}"
+        (state / "jobs" / job_id / "app").mkdir(parents=True)
+        (state / "jobs" / job_id / "job.json").write_text(json.dumps(
+            {"id": job_id, "app": "a.py", "placement": "single", "pid": 12345, "pid_start": 1, "state": "finished",
+             "submitted_at": now - 100 + i, "ended_at": now - 90 + i, "returncode": 0}))
+    for run_id, age_s in (("r-forgotten", 0), ("r-old", 300), ("r-new", 200)):
+        (state / "runs" / run_id / "app").mkdir(parents=True)
+        (state / "runs" / run_id / "actor-0.log").write_text("a log")
+        if run_id == "r-forgotten":
+            (state / "runs" / run_id / ".forgotten").touch()
+        os.utime(state / "runs" / run_id, (now - age_s, now - age_s))
+    d = Daemon(tmp_path, extra=("--remove-forgotten", "--keep-ended", "1", "--forget-after-s", "0",
+                                "--no-fork-server"))
+    try:
+        gone = lambda: sorted(p.name for p in (state / "jobs").iterdir()) == ["0000000000000002"] and sorted(  # noqa: E731
+            p.name for p in (state / "runs").iterdir()) == ["r-new"] and not any((state / ".removing").iterdir())
+        _wait_for(gone, 10, "the forgotten directories to go")
+        with d.client() as c:
+            assert [j["id"] for j in c.request("status", None)] == ["0000000000000002"]
+    finally:
+        d.stop()
+    assert "the 2 older ones' directories are removed from" in (state / "daemon.log").read_text()
+
+
+def test_a_run_or_job_forgotten_in_the_daemons_life_has_its_directory_removed_with_remove_forgotten(tmp_path):
+    from reactor.launch._daemon import Daemon as InProcess
+    from reactor.launch._daemon import _Job
+    from reactor.launch._hosting import Remover, _Run
+
+    init_keys(tmp_path / "keys")
+    daemon = InProcess("tcp://127.0.0.1:0", "h1", tmp_path / "state", tmp_path / "keys", preload=None, keep_ended=1,
+                       forget_after_s=0, remove_forgotten=True)
+    assert isinstance(daemon.remover, Remover)
+    try:
+        now = time.time()
+        for i in range(2):
+            job_id = f"{i:016x}"
+            (daemon.state / "jobs" / job_id).mkdir()
+            daemon.jobs[job_id] = _Job({"id": job_id, "state": "finished", "app": "a.py", "placement": "single",
+                                        "pid": 12345, "submitted_at": now - 10 + i, "ended_at": now - 5 + i},
+                                       daemon.state / "jobs" / job_id)
+        hosted = daemon.hosted
+        for rid in ("r1", "r2"):
+            run = hosted.runs[rid] = _Run(rid, hosted.root / rid, 60.0)
+            run.dir.mkdir()
+            dead = subprocess.Popen([sys.executable, "-c", "pass"])
+            dead.wait()
+            run.workers["actor-0"], run.started["actor-0"] = dead, time.time()
+            hosted.end(rid)
+            daemon._watch_once()
+        assert list(daemon.jobs) == ["0000000000000001"] and list(hosted.runs) == ["r2"]
+        _wait_for(lambda: not (daemon.state / "jobs" / "0000000000000000").exists() and not (hosted.root / "r1").exists()
+                  and not any(daemon.remover.bin.iterdir()), 10, "the directories to go")
+        assert (daemon.state / "jobs" / "0000000000000001").is_dir() and (hosted.root / "r2").is_dir()
+    finally:
+        daemon.remover.close()
+
+
 def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
     stranger = daemon.tmp / "stranger"
     init_keys(stranger)

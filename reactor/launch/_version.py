@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import platform
 from pathlib import Path
 
@@ -22,15 +23,17 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 def build_id() -> str:
     """``"<version>+<12 hex digits>"``: the package's version and a digest of every ``.py`` file in it
     (names and contents), so two installs of the same code agree wherever they live, and any edit differs."""
-    from .. import __version__
-
+    try:  # (the installed distribution's; launch may not import the package's top)
+        version = importlib.metadata.version("reactor")
+    except importlib.metadata.PackageNotFoundError:  # (its source on PYTHONPATH, not installed)
+        version = "0+uninstalled"
     digest = hashlib.sha256()
     for path in sorted(_PACKAGE.rglob("*.py")):
         rel = path.relative_to(_PACKAGE).as_posix()
         if "__pycache__" in rel:
             continue
         digest.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
-    return f"{__version__}+{digest.hexdigest()[:12]}"
+    return f"{version}+{digest.hexdigest()[:12]}"
 
 
 def python_version() -> str:

@@ -92,7 +92,7 @@ def test_run_options_are_checked_before_the_app_and_torch_are_imported():
                                     "colocated, dp-learners nor a placement file\n"),
         (["--async", "--restart", "sometimes"], "reactor: restart 'sometimes': use never, on-failure or "
                                                 "on-failure:N (N: the most restarts per group), then ,backoff_s=S "
-                                                "and ,host_wait_s=S if you want them\n"),
+                                                ",host_wait_s=S ,reset_after_s=S if you want them\n"),
         (["--hosts", "no/hosts.toml"], "reactor: no hosts file at 'no/hosts.toml'\n"),
         (["--with", "no/file.py"], "reactor: no --with file at 'no/file.py'\n"),
     ):

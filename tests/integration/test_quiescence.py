@@ -60,7 +60,7 @@ def test_a_busy_worker_or_a_message_in_flight_is_not_quiescent():
 
 def _after_a_restart(lost_quiet_s: float, quiet_probe_s: float = 0.0) -> tuple[_Session, _Probes]:
     s, probes = _session()
-    s.restarts.count["b"] = 1  # b was started again: messages to and from its first life were lost
+    s.restarts.lives["b"] = 1  # b was started again: messages to and from its first life were lost
     s.lost_quiet_s, s.quiet_probe_s = lost_quiet_s, quiet_probe_s
     return s, probes
 

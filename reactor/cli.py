@@ -979,7 +979,8 @@ def _slurm(args: argparse.Namespace) -> int:
     job = submit(app, run_args, out.resolve(), nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                  partition=args.partition, time_limit=args.time_limit, sbatch_args=args.sbatch_args)
     print(job)
-    print(f"slurm job {job}: squeue -j {job}; its output in {out.resolve()}/slurm-{job}.out; scancel {job} stops it",
+    print(f"slurm job {job}: squeue -j {job}; its output in {out.resolve()}/slurm-{job}.out; "
+          f"scancel --batch --signal=TERM {job} stops it cleanly (its files come back here), scancel {job} at once",
           file=sys.stderr)
     return 0
 

@@ -38,6 +38,12 @@ if [ "$(id -u)" != 0 ]; then
     echo "slurm_local.sh: needs root (it installs packages and starts slurmctld, slurmd, munged)" >&2
     exit 2
 fi
+# One at a time: the test session's two xdist workers may each set it up at once (the second found the
+# first's slurm.conf.new gone under it). flock holds the lock and runs this script again; -o keeps the
+# lock's descriptor from the daemons it starts (which would hold it for good).
+if [ -z "${REACTOR_SLURM_LOCAL_LOCKED:-}" ]; then
+    REACTOR_SLURM_LOCAL_LOCKED=1 exec flock -o /run/reactor-slurm-local.lock bash "$0" "$@"
+fi
 refuse() {
     echo "slurm_local.sh: $1: this machine's own Slurm is left alone" >&2
     exit 5

@@ -186,7 +186,12 @@ def test_dqn_through_reactor_slurm_learns_over_three_nodes_and_leaves_nothing(sl
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_path):
+@pytest.mark.parametrize("how", ["scancel", "batch-term"])
+def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_path, how):
+    """Plain ``scancel`` signals every process of the job's steps: the run ends at once, as a failure, its
+    files left on the job's file system. ``scancel --batch --signal=TERM`` (what ``reactor slurm`` prints
+    and docs/cluster.md gives for a clean stop) reaches the batch step alone: the coordinator stops the
+    run cleanly, its files come back, then it ends the daemons' step. Either way nothing is left."""
     job, job_dir = _submit(tmp_path, "--set", "target_return=None", "--set", "max_env_steps=10000000",
                            "--set", "live=False")
     # Running: every daemon's workers started.
@@ -197,9 +202,17 @@ def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_pa
     _wait(lambda: _segments_of(job_dir), 60, "the run's shards' segments")
     time.sleep(3)
     assert _squeue(job) == "RUNNING"
-    subprocess.run(["scancel", job], check=True, timeout=30)
+    subprocess.run(["scancel", job] if how == "scancel" else ["scancel", "--batch", "--signal=TERM", job], check=True,
+                   timeout=30)
     _wait(lambda: _squeue(job) == "", 120, f"slurm job {job} to leave the queue")
     _wait(lambda: not _processes_of(job_dir), 60, "every process of the job to end")
     assert _segments_of(job_dir) == []
     out = (job_dir / f"slurm-{job}.out").read_text()
     assert "3 daemons on 3 nodes" in out, out[-3000:]
+    summaries = list(tmp_path.glob("runs/*/summary.json"))  # (the run's files, back where it was submitted from)
+    if how == "scancel":
+        # (the coordinator's last lines vary: it may be killed after KillWait before it names the hosts' files)
+        assert "run ended (signal)" not in out and not summaries, out[-3000:]
+    else:
+        assert "run ended (signal)" in out and "did not copy" not in out and len(summaries) == 1, out[-3000:]
+        assert json.loads(summaries[0].read_text())["env_steps"] > 0

@@ -364,10 +364,7 @@ def test_a_restarted_actor_goes_on_to_the_runs_budget_and_not_past_it(tmp_path, 
         os.kill(kids["actor-0"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=400)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    err = errfile.read_text()
+        err = _reaped(proc, errfile)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out)
     assert result["restarts"] == {"actor-0": ["was killed by SIGKILL"]}, result
@@ -785,10 +782,7 @@ def test_kill_9_of_one_data_parallel_learner_restarts_the_bank_which_learns_on_w
         os.kill(kids["learner-1"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    err = errfile.read_text()
+        err = _reaped(proc, errfile)
     assert proc.returncode == 0, err[-4000:]
     assert json.loads(out)["restarts"] == {"learner-1": ["was killed by SIGKILL"],
                                            "learner-0": ["exited with status 3 (it lost a peer; its stderr names which)"]}

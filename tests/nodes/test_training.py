@@ -222,7 +222,9 @@ def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run
         [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", placement,
          "--set", f"run_dir='{tmp_path}'", "--set", "live=False",
          "--set", "resume=True", "--set", "hidden=128" if damage == "another_network" else "hidden=256"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        # (a runtime directory of its own: in the shared one, its start swept a coordinator another test
+        # had killed and said so, a second line on stderr; seen in CI)
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=run_env(tmp_path / "rt-dir"))
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"reactor: learner: cannot resume from {tmp_path / 'learner.pt'}: ")

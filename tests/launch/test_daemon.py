@@ -21,6 +21,7 @@ from reactor.launch._daemon import DaemonClient, DaemonError, job_spec
 from reactor.launch._keys import init_keys, load_keys
 from reactor.transport import CurveKeys
 
+from ..runtime_dirs import run_env
 from .hosts import wait_for as _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -860,7 +861,7 @@ def test_a_host_that_does_not_admit_the_coordinators_key_is_named_with_that_key(
                          f'[cluster]\nheartbeat_timeout_s = 1.0\n')
         p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "demo_pipeline.py"),
                             "--placement", "processes", "--hosts", str(hosts), "--keys", str(tmp_path / "stranger")],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=run_env(tmp_path / "rt-dir"))
         public = load_keys(tmp_path / "stranger").public.decode()
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
         assert f"may not hold this coordinator's key.pub, public = {public}, in its authorized/" in p.stderr, p.stderr
@@ -891,7 +892,7 @@ def test_a_host_whose_daemon_runs_other_reactor_code_is_refused_naming_both_buil
         p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "demo_pipeline.py"),
                             "--placement", "processes", "--hosts", str(hosts), "--keys", str(d.client_dir)],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           env=run_env(tmp_path / "rt-dir"))  # (its own: no other test's dead run swept and said)
         with d.client() as c:
             assert c.request("hosted") == []  # nothing was started there
     finally:

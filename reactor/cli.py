@@ -277,10 +277,10 @@ def _daemon_key(path: str) -> bytes:
     """``--daemon-key``: its public key, from a key.pub file or given as its Z85 text (as a hosts file
     takes it; what ``submit``'s hint prints for a key a hosts file gave as text); a file that cannot be
     read (a directory, say) is the user's mistake, named (ValueError: a one-line error)."""
-    from .launch._cluster import _Z85_KEY_RE
+    from .launch._cluster import Z85_KEY_RE
     from .transport import CurveKeys
 
-    if _Z85_KEY_RE.match(path) and not Path(path).exists():
+    if Z85_KEY_RE.match(path) and not Path(path).exists():
         return path.encode()
     try:
         return CurveKeys.load_public(path)

@@ -46,8 +46,8 @@ from .._errors import DaemonError, GraphError
 from ._groups import Group
 from ._version import build_id, python_version
 
-__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Host", "MixedBuildsError", "NoHostAnsweredError", "RemoteWorkers", "assign_hosts",
-           "parse_hosts"]
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Z85_KEY_RE", "Host", "MixedBuildsError", "NoHostAnsweredError",
+           "RemoteWorkers", "assign_hosts", "parse_hosts"]
 
 log = logging.getLogger("reactor.cluster")
 
@@ -55,7 +55,8 @@ HEARTBEAT_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
 FETCH_MAX_NBYTES = 4 << 30  # the most of a run's files copied back from its hosts
 _HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
-_Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
+#: A CURVE public key written as its 40 characters of Z85 (a hosts file's ``key``, ``--daemon-key``).
+Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 
 
 class NoHostAnsweredError(DaemonError):
@@ -118,7 +119,7 @@ def parse_hosts(data: Any, where: str, base: Path, read_keys: bool = True) -> di
 def _read_key(text: Any, where: str, name: str, base: Path) -> bytes:
     if not isinstance(text, str):
         raise GraphError(f"{where}: host {name!r}: key must be a key file's path or a Z85 public key")
-    if _Z85_KEY_RE.match(text) and not (base / text).is_file():
+    if Z85_KEY_RE.match(text) and not (base / text).is_file():
         return text.encode()
     from ..transport import CurveKeys
 

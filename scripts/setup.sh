@@ -11,17 +11,8 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
-# pip, its output shown but for one harmless warning; a failed pip (no network, a full disk) ends the
-# setup there, naming what failed, before the stamp below would mark the venv as set up.
-pip() {
-  local out rc=0
-  out=$(.venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1) || rc=$?
-  printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e "^$" >&2 || true
-  if [ "$rc" -ne 0 ]; then
-    echo "setup failed: pip $* exited with status $rc (its output above says why); fix that and run scripts/setup.sh again" >&2
-    exit "$rc"
-  fi
-}
+VENV=.venv
+. scripts/_pip.sh
 stamp=.venv/.reactor-setup-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   start=$SECONDS

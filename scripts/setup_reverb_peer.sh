@@ -16,16 +16,7 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 V=.venv-reverb
 [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
-# pip, its output shown but for one harmless warning; a failed pip (no network, no such version) ends the
-# setup there, naming what failed (it went on to the next install, then ended in an import traceback).
-pip() {
-  local out rc=0
-  out=$("$V/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1) || rc=$?
-  printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e "^$" >&2 || true
-  if [ "$rc" -ne 0 ]; then
-    echo "setup failed: pip $* exited with status $rc (its output above says why); fix that and run $0 again" >&2
-    exit "$rc"
-  fi
-}
+VENV=$V
+. scripts/_pip.sh
 pip install "dm-reverb==0.14.0" "tensorflow-cpu==2.15.1" "numpy==1.26.4" "dm-tree==0.1.8" "portpicker==1.6.0"
 TF_CPP_MIN_LOG_LEVEL=2 "$V/bin/python" -c "import importlib.metadata as m, reverb, tensorflow, numpy; print('reverb peer ready: dm-reverb', m.version('dm-reverb'), 'tensorflow', tensorflow.__version__, 'numpy', numpy.__version__)"

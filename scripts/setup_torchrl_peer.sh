@@ -16,17 +16,8 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 V=.venv-torchrl
 [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
-# pip, its output shown but for one harmless warning; a failed pip (no network, no such version) ends the
-# setup there, naming what failed (it went on to the next install, then ended in an import traceback).
-pip() {
-  local out rc=0
-  out=$("$V/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1) || rc=$?
-  printf '%s\n' "$out" | grep -v -e "^WARNING: Location" -e "^$" >&2 || true
-  if [ "$rc" -ne 0 ]; then
-    echo "setup failed: pip $* exited with status $rc (its output above says why); fix that and run $0 again" >&2
-    exit "$rc"
-  fi
-}
+VENV=$V
+. scripts/_pip.sh
 pip install "torch==2.14.1" "torchrl==0.14.1" "cpprb>=11"
 pip install numpy numba pyzmq msgpack uvloop gymnasium rich matplotlib tensorboard
 pip install --no-deps -e .

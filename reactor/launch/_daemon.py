@@ -198,6 +198,7 @@ class Daemon:
         (self.state / "jobs").mkdir(mode=0o700, exist_ok=True)
         advertise = advertise or _advertised(listen)
         self.advertise = advertise
+        self.reach: str | None = None  # where other hosts reach it, once it serves (see serve)
         # The fork server's own environment is what /proc/PID/environ shows of its workers: the
         # host identity they all share.
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})

@@ -109,6 +109,10 @@ def _say(line: str) -> None:
 class _LearnerBase(Reactor):
     placement_role = "learner"
     replicas_apart = "data-parallel replicas: each joins the bank's torch.distributed group"
+    #: Data-parallel, once its bank met (``_join_bank``): the bank's life, and each replica's process life
+    #: there (None before: a death heard meanwhile is no bank's it joined).
+    dp_life = 0
+    dp_members: dict[int, int] | None = None
 
     def _setup(self, algo: str, env: str, algo_config: dict[str, Any] | None) -> None:
         import torch
@@ -924,7 +928,7 @@ class Learner(_LearnerBase):
         (The survivor used to wait for the dead replica's rounds for good, while the new life waited
         in the rendezvous for the survivor: no update after the restart.)"""
         change = self.peer_change
-        members = getattr(self, "dp_members", None)
+        members = self.dp_members
         if change is None or members is None:
             return
         lost = [i for i in change.indices("bank") if i != self.bank_index and change.life >= members.get(i, 0)]

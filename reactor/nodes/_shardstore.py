@@ -105,21 +105,20 @@ class ShardStore:
             ckpts = complete_checkpoints(root)
             size = sum(f.stat().st_size for f in ckpts[0].iterdir() if f.is_file()) if ckpts else 0
             raise ValueError(f"{self.name}: restoring the replay checkpoint in {root} ({size / 2**30:.1f} GiB on disk) "
-                             f"ran out of memory: a restore holds about three times a checkpoint's size at once; "
+                             f"ran out of memory (the rows are read into the replay's own memory; its index and sampler state need "
+                             f"memory beside it); "
                              f"give this host more memory, or start the shard empty (Replay(restore=False))") from None
 
     def _restore_into(self, table: Table, root: Path) -> None:
-        loaded, path, refusals = Table.restore(root)
+        try:
+            path, refusals = table.restore_from(root)
+        except ValueError as e:  # (it said what differs, not where, nor what to do)
+            raise ValueError(f"{self.name}: cannot restore into this run's replay: {e} (a resumed run's "
+                             f"settings, its env, capacity and prioritized among them, must be those it was "
+                             f"saved with: config.json beside it has them)") from None
         for why in refusals:
             log.error("%s: %s; trying an older checkpoint", self.name, why)
-        if loaded is not None:
-            try:
-                table.load_state_dict(loaded.state_dict())
-            except ValueError as e:  # (it said what differs, not where, nor what to do)
-                raise ValueError(f"{self.name}: cannot restore {path} into this run's replay: {e} (a resumed run's "
-                                 f"settings, its env, capacity and prioritized among them, must be those it was "
-                                 f"saved with: config.json beside it has them)") from None
-            del loaded
+        if path is not None:
             self.restored_from = str(path)
             self._saved_generation = table.generation
             self._marks.append(table.storage.step_range[1])

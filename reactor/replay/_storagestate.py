@@ -3,7 +3,8 @@ and ``load_state_dict`` (checked before anything changes), as ``_tablestate.py``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +31,39 @@ class StorageState:
     _first_ep: int
     _next_ep: int
     _open: bool
+    _device: torch.device
+    _rewrite_depth: int = 0
+
+    @contextlib.contextmanager
+    def _rewriting(self) -> Iterator[None]:
+        """Rows may be rewritten in place inside: the rewrite count is odd from entry to exit (outermost
+        only), then the row horizon is the stored steps' end, whatever the rewrite left (a reader that
+        copied rows without a lock meanwhile refuses what it copied: reactor.replay.shared)."""
+        if self._rewrite_depth == 0:
+            _nb_rewrite_begin(self._row_horizon)
+        self._rewrite_depth += 1
+        try:
+            yield
+        finally:
+            self._rewrite_depth -= 1
+            if self._rewrite_depth == 0:
+                _nb_rewrite_end(self._row_horizon, self._next_step)
+
+    def _slot_bytes(self, lo: int, hi: int) -> dict[str, list[memoryview]] | None:
+        """Writable byte views, by field, of the ring slots global steps ``[lo, hi)`` take, in step
+        order (one view, or two where the ring wraps): where a checkpoint's rows are read straight into
+        place (``Table``'s restore) instead of into a second copy. None: the rows are not in host memory.
+        The caller writes them inside :meth:`_rewriting`."""
+        if self._device.type != "cpu" or not 0 <= lo <= hi or hi - lo > self._capacity:
+            return None
+        cap, n = self._capacity, hi - lo
+        p0 = lo % cap
+        n1 = min(n, cap - p0)
+        out = {}
+        for name, t in self._fields.items():
+            parts = [t[p0 : p0 + n1], t[: n - n1]]
+            out[name] = [memoryview(p.reshape(-1).view(torch.uint8).numpy()) for p in parts if p.shape[0]]
+        return out
 
     def snapshot_buffers(self) -> dict[str, torch.Tensor]:
         """Host buffers, already paged in, that :meth:`state_dict` can copy the live steps into.
@@ -80,10 +114,12 @@ class StorageState:
             "open": self._open,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, _rows_in_place: bool = False) -> None:
         """Restore what :meth:`state_dict` returned (same specs and a capacity large enough). Rows are
         rewritten in place under the rewrite count, so a reader copying rows without a lock meanwhile
-        refuses what it copied (reactor.replay.shared).
+        refuses what it copied (reactor.replay.shared). (``_rows_in_place``: the caller wrote the rows
+        into :meth:`_slot_bytes` of the state's step range already, inside :meth:`_rewriting`, and
+        ``state`` has no ``fields``.)
 
         Raises:
             ValueError: the state does not fit this storage (fields, shapes, dtypes, capacity), or its
@@ -98,8 +134,8 @@ class StorageState:
                              "each must be a range of numbers >= 0")
         if n > cap or next_ep - first_ep > cap:
             raise ValueError(f"state holds {n} steps, more than this storage's capacity {cap}")
-        fields = state["fields"]
-        if set(fields) != set(self._specs):
+        fields = {} if _rows_in_place else state["fields"]
+        if not _rows_in_place and set(fields) != set(self._specs):
             raise ValueError(f"state fields {sorted(fields)} differ from storage fields {sorted(self._specs)}")
         for name, t in fields.items():
             spec = self._specs[name]
@@ -111,23 +147,22 @@ class StorageState:
         ep_start = np.asarray(state["ep_start"], dtype=np.int64)
         ep_len = np.asarray(state["ep_len"], dtype=np.int64)
         _check_episode_index(lo, hi, first_ep, next_ep, ep_start, ep_len, bool(state["open"]))
-        _nb_rewrite_begin(self._row_horizon)  # (from here on the state changes; readers see the count move)
-        p0 = lo % cap
-        n1 = min(n, cap - p0)
-        for name, t in fields.items():
-            dst = self._fields[name]
-            dst[p0 : p0 + n1].copy_(t[:n1])
-            if n1 < n:
-                dst[: n - n1].copy_(t[n1:])
-        ids = np.arange(first_ep, next_ep, dtype=np.int64)
-        self._ep_start[ids % cap] = ep_start
-        self._ep_len[ids % cap] = ep_len
-        steps = np.arange(lo, hi, dtype=np.int64)
-        self._step_ep[steps % cap] = np.repeat(ids, ep_len)
-        self._first_step, self._next_step = lo, hi
-        self._first_ep, self._next_ep = first_ep, next_ep
-        self._open = bool(state["open"])
-        _nb_rewrite_end(self._row_horizon, hi)
+        with self._rewriting():  # (from here on the state changes; readers see the count move)
+            p0 = lo % cap
+            n1 = min(n, cap - p0)
+            for name, t in fields.items():
+                dst = self._fields[name]
+                dst[p0 : p0 + n1].copy_(t[:n1])
+                if n1 < n:
+                    dst[: n - n1].copy_(t[n1:])
+            ids = np.arange(first_ep, next_ep, dtype=np.int64)
+            self._ep_start[ids % cap] = ep_start
+            self._ep_len[ids % cap] = ep_len
+            steps = np.arange(lo, hi, dtype=np.int64)
+            self._step_ep[steps % cap] = np.repeat(ids, ep_len)
+            self._first_step, self._next_step = lo, hi
+            self._first_ep, self._next_ep = first_ep, next_ep
+            self._open = bool(state["open"])
 
 
 def _check_episode_index(

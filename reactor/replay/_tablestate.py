@@ -6,6 +6,7 @@ atomic, checksummed format)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import inspect
 import math
@@ -88,6 +89,33 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
+class _NotThisTable(ValueError):
+    """A verified checkpoint's state that does not fit the table it was read into."""
+
+
+def _check_format(path: Path, manifest: Mapping[str, Any]) -> None:
+    if manifest.get("format") != "reactor.replay.Table/1":
+        raise ValueError(f"{str(path)!r} holds no reactor.replay.Table checkpoint")
+
+
+def _inconsistent(path: Path, e: BaseException) -> _ckpt.CheckpointCorruptError:
+    return _ckpt.CheckpointCorruptError(
+        f"checkpoint {str(path)!r}: its content is inconsistent ({type(e).__name__}: {e}); the checkpoint is refused")
+
+
+def _shape_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a table's configuration its checkpoint's state depends on: fields, capacity,
+    selectors and the item bounds (not its name, seed, limiter or read)."""
+    return {
+        "specs": [(str(s["name"]), [int(d) for d in s["shape"]], str(s["dtype"])) for s in config["specs"]],
+        "capacity": int(config["capacity"]),
+        "sampler": config["sampler"],
+        "remover": config["remover"],
+        "max_size": int(config["max_size"]),
+        "max_times_sampled": int(config["max_times_sampled"]),
+    }
+
+
 class TableState:
     """The state and checkpoint half of :class:`~reactor.replay.Table` (its base class)."""
 
@@ -168,12 +196,13 @@ class TableState:
         limiter.load_state_dict(dict(state["rate_limiter"]), warn=False)
         np.random.Generator(np.random.PCG64()).bit_generator.state = state["rng"]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, _rows_in_place: bool = False) -> None:
         """Restore :meth:`state_dict` output into a table built with the same configuration.
 
         The state is checked before anything changes (its episode index, items, counters and
         selectors must agree: see ``_check_state``), so a state no table could have reached is
-        refused and the table stays as it was.
+        refused and the table stays as it was. (``_rows_in_place``: the storage's rows are written
+        already, ``Storage.load_state_dict``'s.)
 
         Raises:
             ValueError: the state does not fit (storage fields or capacity) or is inconsistent.
@@ -183,7 +212,7 @@ class TableState:
                 self._check_state(state)
             except (KeyError, TypeError) as e:
                 raise ValueError(f"table {self._name!r}: malformed state ({type(e).__name__}: {e})") from e
-            self._storage.load_state_dict(state["storage"])
+            self._storage.load_state_dict(state["storage"], _rows_in_place=_rows_in_place)
             cap = self._storage.capacity
             keys = np.asarray(state["keys"], dtype=np.int64)
             self._keys.fill(-1)
@@ -273,7 +302,8 @@ class TableState:
         """Rebuild a table from its newest complete checkpoint under ``directory`` (or a ``ckpt-N`` dir).
 
         The restored table continues the identical sample sequence: same items, priorities, times
-        sampled, selector state and generator state.
+        sampled, selector state and generator state. Its rows are read straight into its storage
+        (host memory; a CUDA table's go through one host copy): a load holds the table once, not twice.
 
         Everything is verified before the table is returned: every file's checksum
         (:func:`~reactor.replay.checkpoint.read_checkpoint`), then the arrays' shapes and the state's
@@ -286,17 +316,63 @@ class TableState:
                 content that is inconsistent (the message names the checkpoint directory and what).
             ValueError: a foreign checkpoint (not a table's).
         """
-        manifest, arrays = _ckpt.read_checkpoint(directory)
-        if manifest.get("format") != "reactor.replay.Table/1":
-            raise ValueError(f"{str(directory)!r} holds no reactor.replay.Table checkpoint")
-        where = _ckpt.latest_checkpoint(directory) if not (Path(directory) / _ckpt.MARKER).is_file() else directory
-        try:
-            return cls._from_checkpoint(manifest, arrays, device)
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise _ckpt.CheckpointCorruptError(
-                f"checkpoint {str(where)!r}: its content is inconsistent ({type(e).__name__}: {e}); the checkpoint "
-                "is refused"
-            ) from e
+        built: list[Table] = []
+
+        def build(path: Path, manifest: dict[str, Any]) -> Table:
+            _check_format(path, manifest)
+            try:
+                built.append(cls._from_config(manifest["config"], device))
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise _inconsistent(path, e) from e
+            return built[0]
+
+        return cls._read_checkpoint(directory, build, same_config=True)[0]
+
+    def restore_from(self, root: str | os.PathLike[str]) -> tuple[Path | None, list[str]]:
+        """Fill this empty table from the newest complete checkpoint under ``root`` that verifies,
+        falling back to older ones, as :meth:`restore` does; the rows are read straight into this
+        table's storage (where it is in host memory, shared memory included), so a restore holds the
+        table once, not two or three times.
+
+        A checkpoint of another configuration (fields, capacity, selectors, ``max_size`` or
+        ``max_times_sampled``) that this table cannot take is not the checkpoint's fault: it raises,
+        naming what differs, and is not passed over.
+
+        Returns:
+            ``(its checkpoint directory, refusals)``; ``(None, refusals)`` when none verifies (the
+            table stays empty).
+
+        Raises:
+            ValueError: the table is not empty, or a checkpoint's state does not fit it.
+            MemoryError, OSError: as :meth:`restore`.
+        """
+        lo, hi = self._storage.step_range
+        if len(self) or lo != hi:
+            raise ValueError(f"table {self._name!r}: restore_from fills an empty table; this one holds {hi - lo} steps")
+        mine = _shape_of(self.config())
+        same: list[bool] = []
+
+        def onto(path: Path, manifest: dict[str, Any]) -> Table:
+            _check_format(path, manifest)
+            try:
+                theirs = _shape_of(manifest["config"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise _inconsistent(path, e) from e
+            if theirs["specs"] != mine["specs"]:
+                raise ValueError(f"checkpoint {str(path)!r} holds fields {theirs['specs']}, this table "
+                                 f"{mine['specs']}")
+            same.append(theirs == mine)
+            return self
+
+        def attempt(path: Path) -> Path:
+            try:
+                return self._read_checkpoint(path, onto, same_config=None)[1]
+            except _NotThisTable as e:
+                if same and same[-1]:  # (same configuration: the checkpoint's content is at fault)
+                    raise _inconsistent(path, e.__cause__ or e) from e
+                raise ValueError(f"checkpoint {str(path)!r} does not fit this table: {e}") from None
+
+        return self._restore_loop(root, attempt)
 
     @classmethod
     def restore(
@@ -312,11 +388,24 @@ class TableState:
             ``(table, its checkpoint directory, refusals)``: ``(None, None, refusals)`` when no
             checkpoint verifies (or there is none), so the caller starts empty.
         """
+        tables: list[Table] = []
+
+        def attempt(path: Path) -> Path:
+            tables.append(cls.load(path, device=device))
+            return path
+
+        path, refusals = cls._restore_loop(root, attempt)
+        return (tables[-1] if path is not None else None), path, refusals
+
+    @staticmethod
+    def _restore_loop(root: str | os.PathLike[str], attempt: Any) -> tuple[Path | None, list[str]]:
+        """``attempt(path)`` for each complete checkpoint under ``root``, newest first, until one
+        returns; a refused or damaged one is a refusal (see :meth:`restore`)."""
         refusals = []
         for path in _ckpt.complete_checkpoints(root):
             try:
-                return cls.load(path, device=device), path, refusals
-            except ValueError as e:  # (CheckpointCorruptError is a ValueError)
+                return attempt(path), refusals
+            except _ckpt.CheckpointCorruptError as e:
                 refusals.append(str(e))
             except OSError as e:
                 # A file of it missing is a damaged checkpoint; no memory, or a file that cannot be read
@@ -327,13 +416,80 @@ class TableState:
                 if e.errno not in _DAMAGED:
                     raise
                 refusals.append(str(e))
-        return None, None, refusals
+        return None, refusals
+
+    @staticmethod
+    def _read_checkpoint(
+        directory: str | os.PathLike[str], target: Any, *, same_config: bool | None
+    ) -> tuple[Table, Path]:
+        """Read the checkpoint at ``directory`` into ``target(path, manifest)``'s table (empty), its
+        rows straight into the storage where that is in host memory.
+
+        Raises:
+            CheckpointCorruptError: verification failed, or (``same_config``) the state is inconsistent.
+            _NotThisTable: (``same_config`` None) the state does not fit the table.
+        """
+        got: list[tuple[Table, Path, bool]] = []
+        with contextlib.ExitStack() as rewriting:
+            def into(path: Path, manifest: dict[str, Any]) -> dict[str, list[memoryview]]:
+                table = target(path, manifest)
+                try:
+                    st = manifest["storage"]
+                    lo, hi = int(st["first_step"]), int(st["next_step"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise _inconsistent(path, e) from e
+                views = table._storage._slot_bytes(lo, hi)
+                got.append((table, path, views is not None))
+                if views is None:
+                    return {}
+                rewriting.enter_context(table._storage._rewriting())  # (rows change from here on)
+                return {f"field.{name}": v for name, v in views.items()}
+
+            manifest, arrays = _ckpt.read_checkpoint(directory, into)
+            table, path, in_place = got[0]
+            try:
+                table._fill(manifest, arrays, in_place)
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                if same_config is None:
+                    raise _NotThisTable(str(e)) from e
+                raise _inconsistent(path, e) from e
+        return table, path
+
+    def _fill(self, manifest: dict[str, Any], arrays: dict[str, np.ndarray], rows_in_place: bool) -> None:
+        """Load a verified checkpoint's state (its arrays read; the rows in place, or in ``arrays``)."""
+        st = dict(manifest["storage"])
+        n = int(st["next_step"]) - int(st["first_step"])
+        if not rows_in_place:
+            fields = {}
+            for s in self._storage.specs:
+                raw = arrays[f"field.{s.name}"]
+                want = n * int(math.prod(s.shape)) * s.dtype.itemsize
+                if raw.dtype != np.uint8 or raw.shape != (want,):
+                    raise ValueError(f"array field.{s.name} has {raw.dtype} {raw.shape}, expected uint8 ({want},)")
+                # (an empty table's: numpy gives an empty array stride 0, which torch cannot view as another dtype)
+                fields[s.name] = torch.from_numpy(raw).view(s.dtype).reshape(n, *s.shape) if n else \
+                    torch.empty((0, *s.shape), dtype=s.dtype)
+            st["fields"] = fields
+        st["ep_start"] = arrays["storage.ep_start"]
+        st["ep_len"] = arrays["storage.ep_len"]
+        with self._storage._rewriting():
+            self.load_state_dict(
+                {
+                    "storage": st,
+                    "keys": arrays["table.keys"],
+                    "times_sampled": arrays["table.times_sampled"],
+                    "counts": manifest["counts"],
+                    "sampler": _join_state("sampler", manifest["sampler"], arrays),
+                    "remover": _join_state("remover", manifest["remover"], arrays),
+                    "rate_limiter": manifest["rate_limiter"],
+                    "rng": manifest["rng"],
+                },
+                _rows_in_place=rows_in_place,
+            )
 
     @classmethod
-    def _from_checkpoint(
-        cls, manifest: dict[str, Any], arrays: dict[str, np.ndarray], device: str | torch.device
-    ) -> Table:
-        cfg = manifest["config"]
+    def _from_config(cls, cfg: Mapping[str, Any], device: str | torch.device) -> Table:
+        """An empty table of a checkpoint's configuration."""
         specs = [FieldSpec(s["name"], tuple(s["shape"]), _dtype_from_name(s["dtype"])) for s in cfg["specs"]]
         storage = Storage(specs, int(cfg["capacity"]), device=device)
         rd = dict(cfg["read"])
@@ -342,7 +498,7 @@ class TableState:
             raise ValueError(f"checkpoint names an unknown read kind {cfg['read']!r}")
         if "next_fields" in rd:
             rd["next_fields"] = tuple(rd["next_fields"])
-        table = cls(
+        return cls(
             storage,
             sampler=_selector_from_config(cfg["sampler"]),
             remover=_selector_from_config(cfg["remover"]),
@@ -354,30 +510,3 @@ class TableState:
             seed=int(cfg["seed"]),
             name=str(cfg["name"]),
         )
-        st = dict(manifest["storage"])
-        n = int(st["next_step"]) - int(st["first_step"])
-        fields = {}
-        for s in specs:
-            raw = arrays[f"field.{s.name}"]
-            want = n * int(math.prod(s.shape)) * s.dtype.itemsize
-            if raw.dtype != np.uint8 or raw.shape != (want,):
-                raise ValueError(f"array field.{s.name} has {raw.dtype} {raw.shape}, expected uint8 ({want},)")
-            # (an empty table's: numpy gives an empty array stride 0, which torch cannot view as another dtype)
-            fields[s.name] = torch.from_numpy(raw).view(s.dtype).reshape(n, *s.shape) if n else \
-                torch.empty((0, *s.shape), dtype=s.dtype)
-        st["fields"] = fields
-        st["ep_start"] = arrays["storage.ep_start"]
-        st["ep_len"] = arrays["storage.ep_len"]
-        table.load_state_dict(
-            {
-                "storage": st,
-                "keys": arrays["table.keys"],
-                "times_sampled": arrays["table.times_sampled"],
-                "counts": manifest["counts"],
-                "sampler": _join_state("sampler", manifest["sampler"], arrays),
-                "remover": _join_state("remover", manifest["remover"], arrays),
-                "rate_limiter": manifest["rate_limiter"],
-                "rng": manifest["rng"],
-            }
-        )
-        return table

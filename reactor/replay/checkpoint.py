@@ -38,7 +38,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ MAX_MANIFEST_NBYTES = 64 << 20  # (a manifest names arrays and small settings: k
 FORMAT = "reactor-checkpoint/2"
 _DIGEST = "blake2b-256"
 _CHUNK = 16 << 20  # bytes hashed and written per call: a cancelled save stops within one chunk
+_READ_CHUNK = 1 << 20  # bytes read and then hashed per call by a load (while in the CPU's cache)
 
 
 class CheckpointCorruptError(ValueError):
@@ -238,9 +239,11 @@ def _corrupt(path: Path, fname: str, why: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"checkpoint {str(path)!r}: {fname} {why}; the checkpoint is refused")
 
 
-def _read_npy(path: Path, fname: str, expected: str) -> np.ndarray:
+def _read_npy(path: Path, fname: str, expected: str, into: list[memoryview] | None = None) -> np.ndarray | None:
     """Read and verify one ``.npy`` file: its digest, a plain dtype, and exactly the bytes its header
-    promises (no pickle, no object arrays). The data are read once, straight into the array."""
+    promises (no pickle, no object arrays). The data are read once, straight into the array; or, with
+    ``into`` (writable byte views, in order), straight into those views, and None is returned: the
+    file must then hold a flat ``uint8`` array exactly as long as the views together."""
     file = path / fname
     try:
         f = os.fdopen(open_regular(file), "rb")  # (a FIFO never ends its read, nor /dev/zero)
@@ -266,29 +269,50 @@ def _read_npy(path: Path, fname: str, expected: str) -> np.ndarray:
         size = os.fstat(f.fileno()).st_size
         if count < 0 or size - start != count * dtype.itemsize:
             raise _corrupt(path, fname, f"holds {size - start} data bytes, its header promises {count * dtype.itemsize}")
+        arr = None
+        if into is None:
+            arr = np.empty(count, dtype=dtype)
+            into = [memoryview(arr.reshape(-1).view(np.uint8))] if count else []
+        else:
+            want = sum(len(v) for v in into)
+            if dtype != np.uint8 or tuple(shape) != (want,):
+                raise _corrupt(path, fname, f"holds {dtype} {tuple(shape)}, the manifest's storage needs uint8 ({want},)")
         f.seek(0)
-        header = f.read(start)
-        arr = np.empty(count, dtype=dtype)
-        data = memoryview(arr.reshape(-1).view(np.uint8)) if count else memoryview(bytearray())
-        got_bytes = f.readinto(data) if count else 0
-        if got_bytes != len(data):
-            raise _corrupt(path, fname, f"ended after {got_bytes} of {len(data)} data bytes")
-    h = _hasher()
-    h.update(header)
-    for i in range(0, len(data), _CHUNK):
-        h.update(data[i : i + _CHUNK])
+        h = _hasher()
+        h.update(f.read(start))
+        got_bytes = 0
+        for view in into:
+            for i in range(0, len(view), _READ_CHUNK):  # each chunk hashed as it arrives, still in the cache
+                chunk = view[i : i + _READ_CHUNK]
+                n = f.readinto(chunk)
+                got_bytes += n
+                if n != len(chunk):
+                    raise _corrupt(path, fname, f"ended after {got_bytes} of {count * dtype.itemsize} data bytes")
+                h.update(chunk)
     got = f"{_DIGEST}:{h.hexdigest()}"
     if got != expected:
         raise _corrupt(path, fname, f"has checksum {got}, the manifest says {expected}")
-    return arr.reshape(shape, order="F" if fortran else "C")
+    return None if arr is None else arr.reshape(shape, order="F" if fortran else "C")
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def read_checkpoint(
+    path: str | os.PathLike[str],
+    into: Callable[[Path, dict[str, Any]], Mapping[str, list[memoryview]]] | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read and verify a checkpoint: a complete ``ckpt-N`` directory, or a root (its newest complete one).
 
     Verification (before anything is returned): ``COMPLETE`` names this format and the manifest's
     digest; the manifest matches it, names this directory, and lists a digest for every array file;
     every array file matches its digest and holds exactly what its header says.
+
+    Args:
+        into: called once the manifest verified, with the checkpoint's directory and its manifest,
+            before any array is read: it may return, by array name, writable byte views to read that
+            array into (a flat ``uint8`` array as long as the views together, read once, with no copy
+            of its own); those arrays are then left out of the result. Their views hold the file's
+            bytes only if the call returns: on an error they hold any part of it. It may raise to
+            refuse the checkpoint before anything is read. A name it returns that the manifest does not
+            list refuses the checkpoint.
 
     Returns:
         ``(manifest, arrays)``.
@@ -330,9 +354,15 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
     files = set(listing.values())
     if files != set(checksums) or len(files) != len(listing):
         raise _corrupt(path, MANIFEST, f"lists array files {sorted(files)} but checksums for {sorted(checksums)}")
-    arrays = {}
-    for name, fname in listing.items():
+    for fname in listing.values():
         if not isinstance(fname, str) or "/" in fname or fname.startswith(".") or not fname.endswith(".npy"):
             raise _corrupt(path, MANIFEST, f"lists a bad file name {fname!r}")
-        arrays[name] = _read_npy(path, fname, str(checksums[fname]))
+    sinks = dict(into(path, manifest)) if into is not None else {}
+    for name in sinks.keys() - listing.keys():
+        raise _corrupt(path, MANIFEST, f"lists no array {name!r}")
+    arrays = {}
+    for name, fname in listing.items():
+        got_array = _read_npy(path, fname, str(checksums[fname]), sinks.get(name))
+        if got_array is not None:
+            arrays[name] = got_array
     return manifest, arrays

@@ -223,7 +223,7 @@ CASES = {
     "count": (lambda s: (lambda d: d["counts"].__setitem__("inserted", d["counts"]["inserted"] + 1), None),
               r"state counts say \d+ inserted and \d+ gone, but it holds \d+ items"),
     "field-bytes": (lambda s: (None, {"field.obs": _arr(s, "field.obs")[:-4]}),
-                    r"array field\.obs has uint8 \(\d+,\), expected uint8"),
+                    r"field\.obs\.npy holds uint8 \(\d+,\), the manifest's storage needs uint8 \(\d+,\)"),
     "priority-sum": (lambda s: (None, {"sampler.leaves": np.where(_arr(s, "sampler.present"), 1.7e308, 0.0)}),
                      r"the leaves sum to inf"),
 }

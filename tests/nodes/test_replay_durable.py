@@ -4,6 +4,7 @@ run alive; the final checkpoint is written only if something changed; cancelled 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -134,8 +135,8 @@ def test_a_checkpoint_of_other_settings_is_refused_naming_the_shard_the_checkpoi
     saved.insert_nowait({"obs": torch.zeros(5, 6)}, np.ones(5), episode_end=True)
     saved.save(tmp_path / "replay-0")
     store = ShardStore("replay[0]", tmp_path / "replay-0", keep=2, period_s=None, wal=False)
-    with pytest.raises(ValueError, match=r"^replay\[0\]: cannot restore .*replay-0/ckpt-00000001 into this run's "
-                                         r"replay: .*obs.* its env, capacity and prioritized among them"):
+    with pytest.raises(ValueError, match=r"^replay\[0\]: cannot restore into this run's replay: checkpoint "
+                                         r"'.*replay-0/ckpt-00000001' .*obs.* its env, capacity and prioritized among them"):
         store.open(table(4), restore=True, restarts=0)
 
 
@@ -226,33 +227,48 @@ def table():
                  rate_limiter=MinSize(1))
 
 saved = table()
-saved.insert_nowait({"obs": torch.ones(1 << 16, 256)}, np.ones(1 << 16), episode_end=True)
+saved.insert_nowait({"obs": torch.arange(1 << 16, dtype=torch.float32)[:, None].expand(-1, 256)}, np.ones(1 << 16),
+                    episode_end=True)
 path = saved.save(sys.argv[1])
 del saved
-fresh = table()
+fresh = table()  # (its 64 MiB of rows are in the address space already)
 vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
-resource.setrlimit(resource.RLIMIT_AS, (vm + (80 << 20), resource.RLIM_INFINITY))  # (a 64 MiB checkpoint)
+resource.setrlimit(resource.RLIMIT_AS, (vm + (int(sys.argv[2]) << 20), resource.RLIM_INFINITY))
 try:
     ShardStore("replay[0]", Path(sys.argv[1]), keep=2, period_s=None, wal=False).open(fresh, restore=True, restarts=0)
-    print("restored", len(fresh))
+    rows = fresh.storage.read_windows(np.array([0, 777, 65535]), 1, "tail")["obs"]
+    print("restored", len(fresh), rows[:, 0, 0].tolist(), bool((rows == rows[:, :, :1]).all()))
 except ValueError as e:
     print(e)
 assert complete_checkpoints(sys.argv[1]) == [path]
 """
 
 
-def test_a_restore_that_runs_out_of_memory_is_one_line_and_leaves_the_checkpoint_for_the_next(tmp_path):
-    """A restore holds about three times a checkpoint's size at once. Under a memory limit its ENOMEM was
-    taken for a damaged checkpoint: the shard started empty, and its next saves would prune the good
-    checkpoints (a probe, session 55). Now it is one line saying what it needs, the checkpoint kept."""
+def _restore_under_a_limit(tmp_path: Path, headroom_mib: int) -> str:
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-c", _RESTORE_UNDER_A_LIMIT, str(tmp_path / "replay-0")], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", _RESTORE_UNDER_A_LIMIT, str(tmp_path / "replay-0"), str(headroom_mib)],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.startswith("replay[0]: restoring the replay checkpoint in ") and "ran out of memory" in p.stdout, (
-        p.stdout, p.stderr[-2000:])
+    return p.stdout
+
+
+def test_a_restore_reads_the_rows_into_the_replays_own_memory_so_a_checkpoint_restores_where_it_was_saved(tmp_path):
+    """A shard restored a checkpoint through two more copies of its rows (the verified arrays, a table
+    of the checkpoint's own, then its state_dict), so a replay that fit a host's memory, and saved
+    there, could not be restored there. Now the rows go straight from the files into the shard's
+    storage: 16 MiB of address space past a fresh 64 MiB replay restores all of it, exactly."""
+    out = _restore_under_a_limit(tmp_path, 16)
+    assert out == "restored 65536 [0.0, 777.0, 65535.0] True\n", out
+
+
+def test_a_restore_that_runs_out_of_memory_is_one_line_and_leaves_the_checkpoint_for_the_next(tmp_path):
+    """Under a memory limit a restore's ENOMEM was taken for a damaged checkpoint: the shard started
+    empty, and its next saves would prune the good checkpoints (a probe, session 55). Now it is one
+    line saying what it needs, the checkpoint kept."""
+    out = _restore_under_a_limit(tmp_path, 2)
+    assert out.startswith("replay[0]: restoring the replay checkpoint in ") and "ran out of memory" in out, out
 
 
 class _Deadlocker(Reactor):

@@ -68,6 +68,74 @@ def test_restored_table_continues_the_identical_sample_sequence(tmp_path, sample
     assert t.rate_limiter.statistics() == u.rate_limiter.statistics()
 
 
+def test_restore_from_fills_an_empty_table_in_place_across_the_rings_wrap_and_continues_identically(tmp_path):
+    """``Table.restore_from`` reads the rows straight into the table's own storage: here a ring that
+    wrapped (150 steps through 64 slots: the saved rows sit in two pieces of the ring), into a table of
+    the same configuration; it draws as the saved table and as ``Table.load``'s do."""
+    t = make(Prioritized(0.7), read=WindowRead(4, "tail"), beta=0.6, seed=7)
+    fill(t, 150)
+    draws(t, 2)
+    lo, hi = t.storage.step_range
+    assert lo % 64 + (hi - lo) > 64  # (the live rows wrap)
+    path = t.save(tmp_path)
+    u = make(Prioritized(0.7), read=WindowRead(4, "tail"), beta=0.6, seed=7)
+    assert u.restore_from(tmp_path) == (path, [])
+    v = Table.load(tmp_path)
+    assert u.storage.step_range == (lo, hi)
+    assert draws(t) == draws(u) == draws(v)
+
+
+def test_restore_from_refuses_a_table_that_holds_steps_and_a_checkpoint_of_other_fields_names_them(tmp_path):
+    """A restore into a table that holds data would overwrite it; a checkpoint of other fields is the
+    run's settings, not a damaged checkpoint: it is neither passed over for an older one nor half-read."""
+    t = make()
+    fill(t)
+    t.save(tmp_path / "ok")
+    busy = make()
+    fill(busy, 5)
+    with pytest.raises(ValueError, match=r"restore_from fills an empty table; this one holds 5 steps"):
+        busy.restore_from(tmp_path / "ok")
+    other = Table(Storage([FieldSpec("obs", (4,), torch.float32)], 64), sampler=Prioritized(0.6), remover=Fifo(),
+                  rate_limiter=MinSize(1))
+    with pytest.raises(ValueError, match=r"holds fields \[\('obs', \[3\], 'torch.float32'\), .*this table "
+                                         r"\[\('obs', \[4\], 'torch.float32'\)\]"):
+        other.restore_from(tmp_path / "ok")
+    assert len(other) == 0 and other.storage.step_range == (0, 0)
+    # Another sampler (Uniform's state for Prioritized's): the checkpoint is fine, the table is not its.
+    uniform = make(Uniform())
+    with pytest.raises(ValueError, match=r"^checkpoint '.*ckpt-00000001' does not fit this table: "):
+        uniform.restore_from(tmp_path / "ok")
+    assert len(uniform) == 0
+
+
+_LOAD_UNDER_A_LIMIT = """
+import resource, sys
+import numpy as np, torch
+from reactor.replay import FieldSpec, Fifo, MinSize, Storage, Table, Uniform
+
+t = Table(Storage([FieldSpec("obs", (256,), torch.float32)], 1 << 16), sampler=Uniform(), remover=Fifo(),
+          rate_limiter=MinSize(1))
+t.insert_nowait({"obs": torch.arange(1 << 16, dtype=torch.float32)[:, None].expand(-1, 256)}, np.ones(1 << 16),
+                episode_end=True)
+t.save(sys.argv[1])
+del t
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (80 << 20), resource.RLIM_INFINITY))  # 64 MiB of rows, 16 MiB more
+u = Table.load(sys.argv[1])
+print(len(u), u.storage.read_windows(np.array([3, 65535]), 1, "tail")["obs"][:, 0, 0].tolist())
+"""
+
+
+def test_table_load_holds_the_rows_once(tmp_path):
+    """``Table.load`` read every array (the rows among them) and then copied the rows into a table of its
+    own: twice a checkpoint's rows at once. Now they are read straight into its storage, so 16 MiB past
+    a 64 MiB checkpoint's rows is enough."""
+    p = subprocess.run([sys.executable, "-c", _LOAD_UNDER_A_LIMIT, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout == "65536 [3.0, 65535.0]\n", p.stdout
+
+
 @pytest.mark.parametrize("filled_first", [False, True], ids=["never-filled", "reset"])
 def test_an_empty_tables_checkpoint_loads(tmp_path, filled_first):
     """An empty table's checkpoint (a shard that had no data yet, or one reset) was refused by its own

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -48,7 +49,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,9 @@ __all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_sp
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
 REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
+#: The requests that start a process (a job, a worker): answered once the fork server has forked it, the
+#: daemon answering other requests meanwhile (``Forks.spawn_async``).
+STARTS = ("submit", "spawn")
 STOP_GRACE_S = 20.0
 #: After the grace: the run's second SIGTERM ("stop at once", its cleanups run), then SIGKILL. Its cleanups
 #: wait out the reaping's SIGTERM grace for workers held in a reaction (TERM_GRACE_S here, a host's END_GRACE_S
@@ -208,9 +212,9 @@ class Daemon:
         sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
-        self._starting: Proc | None = None  # (submit: the process started, until its record is written)
         self._warned: dict[str, float] = {}  # watch loop trouble -> when last logged
         self._stop_phase: str | None = None  # (on SIGTERM: "jobs", then "hosted"; see _stop_done)
+        self._starts: set[asyncio.Task[None]] = set()  # (serve: the submits and spawns whose process is starting)
         self._stop_deadline = 0.0
         self.refused = 0
         self._load_jobs()
@@ -277,8 +281,9 @@ class Daemon:
                          self.name, job.id, self.keep_ended, job.dir)
         return forgot
 
-    def submit(self, spec: dict[str, Any]) -> str:
-        """Start a job from a checked spec; return its id (a hash of the whole spec and the time)."""
+    async def submit(self, spec: dict[str, Any]) -> str:
+        """Start a job from a checked spec; return its id (a hash of the whole spec and the time). The
+        fork server's answer is awaited: the daemon answers other requests while it forks the job."""
         for name, data in spec["files"].items():
             if hashlib.sha256(data).hexdigest() != spec["sha256"][name]:
                 raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way; submit again")
@@ -289,16 +294,16 @@ class Daemon:
             # (the job gets them as its command line's --set, and its record must load again after a restart)
             raise DaemonError(f"the job's config is {sum(len(a.encode()) for a in settings):,} bytes as --set values, "
                               f"more than the {CONFIG_MAX_NBYTES:,} a job takes: ship large data as a file (--with)")
-        job_id = hashlib.sha256(f"{digest}:{time.time_ns()}:{len(self.jobs)}".encode()).hexdigest()[:16]
+        job_id = hashlib.sha256(f"{digest}:{time.time_ns()}:{secrets.token_hex(8)}".encode()).hexdigest()[:16]
         jdir = self.state / "jobs" / job_id
         if jdir.exists():  # (never: the id hashes the time in ns; the cleanup below must not take another's)
             raise DaemonError(f"job {job_id} exists already; submit again")
+        started: list[Proc] = []
         try:
-            return self._start_job(spec, job_id, jdir, digest, settings)
+            return await self._start_job(spec, job_id, jdir, digest, settings, started)
         except BaseException:  # (a full disk, say): no job left running unrecorded, no directory without a job.json
-            job = self.jobs.pop(job_id, None)
-            proc = job.proc if job is not None else self._starting
-            if proc is not None:
+            self.jobs.pop(job_id, None)
+            for proc in started:
                 for kill in (os.killpg, os.kill):  # (the group, and the process itself: a forked job may not
                     with contextlib.suppress(ProcessLookupError, PermissionError):  # have made its session yet)
                         kill(proc.pid, signal.SIGKILL)
@@ -306,11 +311,11 @@ class Daemon:
                     proc.wait(timeout=5)  # (reaped: no zombie)
             shutil.rmtree(jdir, ignore_errors=True)
             raise
-        finally:
-            self._starting = None
 
-    def _start_job(self, spec: dict[str, Any], job_id: str, jdir: Path, digest: str, settings: list[str]) -> str:
-        """:meth:`submit`'s work once the spec is checked: the job's files, its process and its record."""
+    async def _start_job(self, spec: dict[str, Any], job_id: str, jdir: Path, digest: str, settings: list[str],
+                         started: list[Proc]) -> str:
+        """:meth:`submit`'s work once the spec is checked: the job's files, its process (put in
+        ``started`` at once, for the caller to kill if what follows fails) and its record."""
         (jdir / "app").mkdir(mode=0o700, parents=True)
         for name, data in spec["files"].items():
             target = jdir / "app" / name
@@ -337,8 +342,8 @@ class Daemon:
         env = {**os.environ, "REACTOR_KEYS": str(self.keys_dir), "REACTOR_JOB_DIR": str(jdir),
                "REACTOR_JOB_EXIT_FILE": str(jdir / EXIT_FILE)}
         (jdir / "output.log").touch(mode=0o600)
-        proc: Proc | None = self.forks.spawn("cli", argv=["reactor", *cmd[3:]], cwd=jdir / "app", env=env,
-                                             log_path=jdir / "output.log", title="rx-job")
+        proc: Proc | None = await self.forks.spawn_async("cli", argv=["reactor", *cmd[3:]], cwd=jdir / "app", env=env,
+                                                         log_path=jdir / "output.log", title="rx-job")
         if proc is None:
             out = open(jdir / "output.log", "wb")  # noqa: SIM115 - the child holds it; closed below
             try:
@@ -346,7 +351,7 @@ class Daemon:
                                         start_new_session=True, env=env)
             finally:
                 out.close()
-        self._starting = proc
+        started.append(proc)
         pid, start = proc.pid, _pid_start_time(proc.pid) or 0
         job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
                     "restart": spec["restart"],
@@ -358,6 +363,8 @@ class Daemon:
         self.jobs[job_id] = job
         log.info("%s: job %s started (pid %d, %s): %s", self.name, job_id, pid,
                  "a new interpreter" if isinstance(proc, subprocess.Popen) else "forked", " ".join(cmd[3:]))
+        if self._stop_phase is not None:  # (the daemon began to stop while the job started: stopped with the rest)
+            self.stop(job_id)
         return job_id
 
     def stop(self, job_id: str) -> dict[str, Any]:
@@ -456,14 +463,11 @@ class Daemon:
     # -------------------------------------------------------------------------- serving
 
     def handle(self, msg: Any) -> tuple[bool, Any]:
+        """Answer a checked request of a kind answered at once (not one of ``STARTS``)."""
         kind = msg[1]
-        if self._stop_phase is not None and kind in ("submit", "spawn"):  # (stop_all has been; none would be stopped)
-            raise DaemonError(f"daemon {self.name!r} is stopping: it takes no new jobs or workers")
         if kind == "ping":
             return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid(), "fork_server": self.forks.state(),
                           "reactor": build_id(), "python": python_version()}
-        if kind == "submit":
-            return True, self.submit(msg[2])
         if kind == "status":
             if msg[2] is None:
                 return True, [self.describe(j) for j in self.jobs.values()]
@@ -474,8 +478,6 @@ class Daemon:
             return True, self.stop(msg[2])
         if kind == "hosted":
             return True, self.hosted.describe()
-        if kind == "spawn":
-            return True, self.hosted.spawn(msg[2])
         if kind == "workers":
             return True, self.hosted.workers(msg[2])
         if kind == "end":
@@ -486,7 +488,16 @@ class Daemon:
             return True, self.hosted.run_files(msg[2])
         if kind == "run_file":
             return True, self.hosted.run_file(msg[2], msg[3], msg[4])
-        raise AssertionError(kind)  # the schema admits no other kind
+        raise AssertionError(kind)  # the schema admits no other kind (and STARTS are answered by start)
+
+    async def start(self, msg: Any) -> tuple[bool, Any]:
+        """Answer a checked request of one of ``STARTS``: a job or a worker started, its process forked
+        while the daemon answers other requests."""
+        if self._stop_phase is not None:  # (stop_all has been; none would be stopped)
+            raise DaemonError(f"daemon {self.name!r} is stopping: it takes no new jobs or workers")
+        if msg[1] == "submit":
+            return True, await self.submit(msg[2])
+        return True, await self.hosted.spawn(msg[2])
 
     async def serve(self, ready: Any = None) -> None:
         """Serve until SIGTERM or SIGINT; then stop the running jobs, answering on meanwhile, and end
@@ -555,13 +566,20 @@ class Daemon:
                                 log.exception("%s: dropped a request that failed its checks%s", self.name,
                                               flood_tally(self.refused))
                             reply = None
-                        if reply is not None:
+                        if asyncio.iscoroutine(reply):  # (a start: answered when its process is)
+                            task = asyncio.ensure_future(self._send_when_done(plain, reply))
+                            self._starts.add(task)
+                            task.add_done_callback(self._starts.discard)
+                        elif reply is not None:
                             with contextlib.suppress(zmq.ZMQError):  # the client left
                                 plain.send_multipart(reply, zmq.NOBLOCK)
             finally:
                 watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                for task in self._starts:  # (none once its stop is done: only on the way out of a failure)
+                    task.cancel()
+                for task in [watcher, *self._starts]:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             self._watch_once()
             log.info("%s: stopped", self.name)
         finally:
@@ -590,7 +608,8 @@ class Daemon:
             except Exception:  # noqa: BLE001 - the runs hosted here are ended all the same
                 log.exception("%s: stop_all failed", self.name)
         if self._stop_phase == "jobs":
-            if any(j.record["state"] == "running" for j in self.jobs.values()) and now < self._stop_deadline:
+            if (any(j.record["state"] == "running" for j in self.jobs.values()) or self._starts) \
+                    and now < self._stop_deadline:  # (a job starting now is stopped as it starts: _start_job)
                 return False
             self._stop_phase, self._stop_deadline = "hosted", now + END_GRACE_S + 5
             try:
@@ -599,8 +618,15 @@ class Daemon:
                 log.exception("%s: ending the runs it hosts failed", self.name)
         return not self.hosted.live() or now >= self._stop_deadline
 
-    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
-        """One request's reply frames, or None for a frame not worth an answer (logged)."""
+    @staticmethod
+    async def _send_when_done(sock: zmq.Socket[bytes], reply: Coroutine[Any, Any, list[bytes]]) -> None:
+        frames = await reply
+        with contextlib.suppress(zmq.ZMQError):  # the client left
+            sock.send_multipart(frames, zmq.NOBLOCK)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes] | Coroutine[Any, Any, list[bytes]] | None:
+        """One request's reply frames; for one of ``STARTS``, a coroutine that returns them once its
+        process has started; or None for a frame not worth an answer (logged)."""
         if len(frames) != 3 or frames[1] != b"":
             return self._refuse(frames[0] if frames else b"?", f"{len(frames)} frames, expected [id, b'', request]")
         ident, _, body = frames
@@ -614,14 +640,29 @@ class Daemon:
                 self._refuse(ident, why)
                 return [ident, b"", msgpack.packb([msg[0], False, f"bad request: {why}"])]
             return self._refuse(ident, why)
+        if msg[1] in STARTS:
+            return self._answer_start(ident, msg)
         try:
             ok, payload = self.handle(msg)
         except DaemonError as exc:
             ok, payload = False, str(exc)
         except Exception as exc:  # noqa: BLE001 - a failing request must not take the daemon down
-            log.exception("%s: request %s failed", self.name, msg[1])
-            ok, payload = False, f"the daemon failed to {msg[1]}: {type(exc).__name__}: {exc}"
+            ok, payload = False, self._failed(msg[1], exc)
         return [ident, b"", msgpack.packb([msg[0], ok, payload], use_bin_type=True)]
+
+    async def _answer_start(self, ident: bytes, msg: Any) -> list[bytes]:
+        try:
+            ok, payload = await self.start(msg)
+        except DaemonError as exc:
+            ok, payload = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a failing request must not take the daemon down
+            ok, payload = False, self._failed(msg[1], exc)
+        return [ident, b"", msgpack.packb([msg[0], ok, payload], use_bin_type=True)]
+
+    def _failed(self, kind: str, exc: Exception) -> str:
+        """Log a request that failed (not refused: a bug, or the host's trouble); the client's answer."""
+        log.exception("%s: request %s failed", self.name, kind)
+        return f"the daemon failed to {kind}: {type(exc).__name__}: {exc}"
 
     def _refuse(self, ident: bytes, why: str) -> None:
         """Count and log a refused request (answered with the reason where it has a usable id)."""

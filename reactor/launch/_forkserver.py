@@ -29,6 +29,7 @@ interface the daemon uses (``pid``, ``poll``, ``returncode``, ``send_signal``, `
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import importlib
@@ -43,6 +44,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,7 @@ TRAINING_PRELOAD = (*DEFAULT_PRELOAD, "torch._dynamo", "torch.utils.tensorboard"
 #: The functions a request may name (nothing else is callable through the pipe).
 ENTRIES = {"worker": "reactor.launch._worker:main", "cli": "reactor.cli:main"}
 START_TIMEOUT_S = 60.0  # the server's imports
-SPAWN_TIMEOUT_S = 2.0  # one fork's answer (the daemon's loop waits for it)
+SPAWN_TIMEOUT_S = 2.0  # one fork's answer, once its request is sent (a daemon awaits it: Forks.spawn_async)
 
 __all__ = ["DEFAULT_PRELOAD", "TRAINING_PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "Forks", "close_early",
            "close_kept", "kept_or_new", "launch_early", "preload_for", "release_kept", "take_early", "workers_here"]
@@ -120,7 +123,8 @@ class ForkServer:
         self.failed: dict[str, str] = {}
         self._exits: dict[int, int] = {}
         self._children: set[int] = set()
-        self._answers: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, Future[dict[str, Any]]] = {}  # spawn requests sent, by id, until answered
+        self._answers: dict[int, dict[str, Any]] = {}  # answers to ids no request of ours sent
         self._next = 0
         self._cond = threading.Condition()
         self._dead = False
@@ -128,7 +132,6 @@ class ForkServer:
         self.ready = False  # it said so (wait_ready)
         self._ready_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._abandoned: set[int] = set()  # spawn requests whose wait timed out
         self.users = 0  # (a kept server) the runs using it now
         self.retired = False  # (a kept server) replaced: stopped when its last run lets it go
 
@@ -182,14 +185,42 @@ class ForkServer:
               stdin: bytes = b"", log_path: str | os.PathLike[str] | None, title: str,
               session: bool = True) -> ForkedProcess:
         """Fork a child running ``ENTRIES[entry]``; its output appended to ``log_path`` (None: to
-        the server's own stdout and stderr); in a process session of its own if ``session``."""
+        the server's own stdout and stderr); in a process session of its own if ``session``. Waits
+        up to ``SPAWN_TIMEOUT_S`` for the server's answer (:meth:`request` waits for none)."""
+        answer = self.request(entry, argv=argv, cwd=cwd, env=env, stdin=stdin, log_path=log_path, title=title,
+                              session=session)
+        try:
+            got = answer.result(timeout=SPAWN_TIMEOUT_S)
+        except FutureTimeoutError:
+            if answer.cancel():  # (a child it forks after all is stopped: _read)
+                raise ForkServerError("the fork server did not answer a spawn request") from None
+            got = answer.result()  # (it came meanwhile)
+        return self.forked(got)
+
+    def request(self, entry: str, *, argv: Sequence[str], cwd: str | os.PathLike[str], env: dict[str, str],
+                stdin: bytes = b"", log_path: str | os.PathLike[str] | None, title: str,
+                session: bool = True) -> Future[dict[str, Any]]:
+        """Send a spawn request (as :meth:`spawn`) without waiting: the future gets the server's answer
+        (``{"pid"}`` or ``{"error"}``: :meth:`forked` makes it a process), or :class:`ForkServerError`
+        when the server dies first. Cancelling the future abandons the request: a child the server
+        forks for it after all is killed. Blocks only while the request's line does not fit in the
+        pipe (the server reads it at once unless it is stuck).
+
+        Raises:
+            ValueError: ``entry`` is not one of :data:`ENTRIES`.
+            ForkServerError: the server is not running.
+        """
         if entry not in ENTRIES:
             raise ValueError(f"no fork-server entry {entry!r}")
         if not self.alive:
             raise ForkServerError("the fork server is not running")
+        answer: Future[dict[str, Any]] = Future()
         with self._cond:
+            if self._dead:  # (checked under the lock _read fails the pending under: none is left unanswered)
+                raise ForkServerError("the fork server is not running")
             self._next += 1
             rid = self._next
+            self._pending[rid] = answer
         line = json.dumps({"id": rid, "entry": entry, "argv": list(argv), "cwd": str(cwd), "env": env,
                            "stdin": stdin.decode(), "log": None if log_path is None else str(log_path),
                            "title": title[:15], "session": session}).encode() + b"\n"
@@ -197,16 +228,17 @@ class ForkServer:
             with self._write_lock:  # (runs in several threads may share a kept server; a line is KBs)
                 self._req.write(line)
         except OSError as e:
+            with self._cond:
+                self._pending.pop(rid, None)
             raise ForkServerError(f"the fork server is gone ({e})") from e
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        with self._cond:
-            while rid not in self._answers:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._dead:
-                    self._abandoned.add(rid)  # a child it forks after all is stopped (_read)
-                    raise ForkServerError("the fork server did not answer a spawn request")
-                self._cond.wait(left)
-            answer = self._answers.pop(rid)
+        return answer
+
+    def forked(self, answer: dict[str, Any]) -> ForkedProcess:
+        """The process a spawn request's answer names.
+
+        Raises:
+            ForkServerError: the answer is the server's error (a fork that failed).
+        """
         if "error" in answer:
             raise ForkServerError(f"the fork server could not start it: {answer['error']}")
         return ForkedProcess(self, int(answer["pid"]))
@@ -228,17 +260,22 @@ class ForkServer:
                         # An earlier child's exit under the same pid that nobody polled is not this one's
                         # (the server answers a spawn before it can report that child's exit).
                         self._exits.pop(int(msg["pid"]), None)
-                    if int(msg["id"]) in self._abandoned:  # its spawn timed out: the run started it otherwise
-                        self._abandoned.discard(int(msg["id"]))
-                        if "pid" in msg:
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(int(msg["pid"]), signal.SIGKILL)
-                    else:
+                    answer = self._pending.pop(int(msg["id"]), None)
+                    if answer is None:
                         self._answers[int(msg["id"])] = msg
+                    elif answer.set_running_or_notify_cancel():
+                        answer.set_result(msg)
+                    elif "pid" in msg:  # abandoned (its wait timed out): its caller started it otherwise
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(msg["pid"]), signal.SIGKILL)
                 self._cond.notify_all()
         with self._cond:
             self._dead = True
+            pending, self._pending = list(self._pending.values()), {}
             self._cond.notify_all()
+        for answer in pending:
+            if answer.set_running_or_notify_cancel():
+                answer.set_exception(ForkServerError("the fork server ended before it answered a spawn request"))
         if self.proc is not None:
             rc = self.proc.wait()
             if not self._closing:
@@ -298,6 +335,7 @@ class Forks:
         self._launched: ForkServer | None = None
         self.starts = 0
         self.closed = False  # (closed by its daemon: a start this cuts short is no trouble worth a warning)
+        self._serial: asyncio.Lock | None = None  # (spawn_async: one request with the server at a time)
 
     def start(self) -> None:
         if self.preload is None:
@@ -331,21 +369,60 @@ class Forks:
         self._ready.set()
 
     def spawn(self, entry: str, **kw: Any) -> ForkedProcess | None:
-        if self.preload is None:
-            return None
-        if not self._ready.is_set():  # still importing: not worth blocking the daemon's loop for
-            return None
-        server = self.server
+        """Fork ``entry`` from the server (``ForkServer.spawn``'s arguments), waiting for its answer;
+        None where there is no server to use (the caller starts a new interpreter)."""
+        server = self._usable()
         if server is None:
             return None
         try:
             return server.spawn(entry, **kw)
         except ForkServerError as e:
-            log.warning("%s; starting this one as a new interpreter, and a new fork server", e)
-            self.server = None
-            server.close()
-            self.start()
+            self._failed(server, e)
             return None
+
+    async def spawn_async(self, entry: str, **kw: Any) -> ForkedProcess | None:
+        """:meth:`spawn` from the daemon's event loop, which answers other requests while the server
+        forks (0.1-0.2 s a fork of an interpreter that has imported torch, on a loaded host: a daemon
+        that waited on its loop for each left its pings unanswered for seconds while it started a
+        burst of workers). One request is with the server at a time (it forks one at a time anyway),
+        so its pipe never holds more than one and a write never blocks the loop; each waits up to
+        ``SPAWN_TIMEOUT_S`` once sent. From the thread that started the server only (its event loop):
+        a failed server is started again here, and dies with the thread that started it."""
+        if self._serial is None:
+            self._serial = asyncio.Lock()
+        async with self._serial:
+            server = self._usable()
+            if server is None:
+                return None
+            try:
+                answer = server.request(entry, **kw)
+                got = asyncio.wrap_future(answer)
+                try:
+                    return server.forked(await asyncio.wait_for(asyncio.shield(got), SPAWN_TIMEOUT_S))
+                except TimeoutError:
+                    if not answer.cancel():  # (answered meanwhile; else a child it forks after all is killed)
+                        return server.forked(await got)
+                    raise ForkServerError("the fork server did not answer a spawn request") from None
+                except asyncio.CancelledError:  # (the daemon stops): nothing it forks for us outlives the wait
+                    if not answer.cancel():
+                        answer.add_done_callback(_kill_answered)
+                    raise
+            except ForkServerError as e:
+                self._failed(server, e)
+            return None
+
+    def _usable(self) -> ForkServer | None:
+        if self.preload is None:
+            return None
+        if not self._ready.is_set():  # still importing: not worth blocking the daemon's loop for
+            return None
+        return self.server
+
+    def _failed(self, server: ForkServer, e: ForkServerError) -> None:
+        log.warning("%s; starting this one as a new interpreter, and a new fork server", e)
+        self.server = None
+        server.close()
+        self.start()
 
     def state(self) -> str:
         """``up (pid N)``, ``starting``, or why there is none (``reactor status`` and ``ping`` say it)."""
@@ -363,6 +440,13 @@ class Forks:
         for server in (self._launched, self.server):
             if server is not None:
                 server.close()
+
+
+def _kill_answered(answer: Future[dict[str, Any]]) -> None:
+    """Kill the child a spawn request's answer names (a request whose caller is gone)."""
+    if not answer.cancelled() and answer.exception() is None and "pid" in answer.result():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(answer.result()["pid"]), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------ the server

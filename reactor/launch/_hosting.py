@@ -157,6 +157,8 @@ class _Run:
         self.cleaned = False
         self.cleaned_at = 0.0  # (monotonic) when its end here was done: the oldest are forgotten first
         self.sockdir: Path | None = None  # its workers' ipc sockets (a short path: ipc's limit is 107 bytes)
+        self.starting: set[str] = set()  # groups whose worker the fork server is forking now (HostedRuns.spawn)
+        self.sockets = 0  # ipc socket paths given to its workers here (w0, w1, ...: each life a new one)
 
 
 class HostedRuns:
@@ -189,8 +191,36 @@ class HostedRuns:
                     with contextlib.suppress(OSError):
                         self.earlier[d.name] = d.stat().st_mtime
 
-    def spawn(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Start one group's worker of a run (a checked ``spawn`` request); return its pid."""
+    async def spawn(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Start one group's worker of a run (a checked ``spawn`` request); return its pid. The fork
+        server's answer is awaited (the daemon answers meanwhile); the group counts as starting
+        then, so a second spawn of it is refused and its run's end here waits for it. A run that
+        ended meanwhile (its lease ran out) gets the worker's end at once, and the caller an error."""
+        run, group, start = self._prepare(req)
+        run.starting.add(group)
+        try:
+            proc: Proc | None = await self.forks.spawn_async("worker", **start) if self.forks is not None else None
+            if proc is None:
+                proc = self._popen(start)
+        finally:
+            run.starting.discard(group)
+        run.workers[group] = proc
+        run.lives[group] = run.lives.get(group, 0) + 1
+        run.started[group] = time.time()
+        run.ended.pop(group, None)
+        run.seen = time.monotonic()
+        if run.end_deadline is not None:  # (ended while it started: ended with the rest)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            raise DaemonError(f"run {run.id} ended on {self.name!r} while its group {group!r} started "
+                              f"({run.why_ended}); it takes no new workers")
+        log.info("%s: run %s: started group %s (pid %d, %s)", self.name, run.id, group, proc.pid,
+                 "forked" if isinstance(proc, ForkedProcess) else "a new interpreter")
+        return {"pid": proc.pid, "host": self.name, "dir": str(run.dir)}  # (dir: where its files stay if lost)
+
+    def _prepare(self, req: dict[str, Any]) -> tuple[_Run, str, dict[str, Any]]:
+        """:meth:`spawn`'s checks and files: the run (made at its first spawn), the group, and the
+        worker's start (``Forks.spawn``'s arguments)."""
         if self.advertise is None:
             raise DaemonError(f"daemon {self.name!r} listens on a wildcard address and so cannot tell its workers "
                               f"where other hosts reach them: restart it with --advertise ADDR")
@@ -208,8 +238,11 @@ class HostedRuns:
             raise DaemonError(f"run {run.id} has ended on {self.name!r}; it takes no new workers")
         group = req["group"]
         old = run.workers.get(group)
+        if group in run.starting:
+            raise DaemonError(f"run {run.id} is starting a worker for group {group!r} here already")
         if old is not None and old.poll() is None:
             raise DaemonError(f"run {run.id} already has a live worker for group {group!r} here (pid {old.pid})")
+        run.seen = time.monotonic()
         for name, data in req["files"].items():
             target = run.dir / "app" / name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -223,35 +256,30 @@ class HostedRuns:
         spec["bind"] = f"tcp://{self.advertise}:*"
         if run.sockdir is None:
             run.sockdir = open_run_dir(run.id)
-        spec["local_bind"] = f"ipc://{run.sockdir}/w{sum(run.lives.values())}"  # a new path for every life
+        spec["local_bind"] = f"ipc://{run.sockdir}/w{run.sockets}"  # a new path for every life
+        run.sockets += 1
         env = {**os.environ, "REACTOR_WORKER_GROUP": group, "REACTOR_RUN_ID": run.id,
                "REACTOR_HOST_ID": f"daemon:{self.name}"}
         if (ifname := interface_of(self.advertise)) is not None:
             # torch.distributed's gloo picks its interface from the host name, which may not be
             # the one other hosts reach this one at: name it.
             env["GLOO_SOCKET_IFNAME"] = ifname
-        data = json.dumps(spec).encode()
-        proc: Proc | None = self.forks.spawn("worker", argv=[sys.executable, "-m", "reactor.launch._worker"],
-                                             cwd=run.dir, env=env, stdin=data, log_path=run.dir / f"{group}.log",
-                                             title=f"rx:{group}") if self.forks is not None else None
-        if proc is None:
-            with open(run.dir / f"{group}.log", "ab") as out:
-                popen = subprocess.Popen([sys.executable, "-m", "reactor.launch._worker"], cwd=run.dir,
-                                         stdin=subprocess.PIPE, stdout=out, stderr=out, env=env, start_new_session=True)
-            assert popen.stdin is not None
-            try:
-                popen.stdin.write(data)
-            finally:
-                popen.stdin.close()
-            proc = popen
-        run.workers[group] = proc
-        run.lives[group] = run.lives.get(group, 0) + 1
-        run.started[group] = time.time()
-        run.ended.pop(group, None)
-        run.seen = time.monotonic()
-        log.info("%s: run %s: started group %s (pid %d, %s)", self.name, run.id, group, proc.pid,
-                 "forked" if isinstance(proc, ForkedProcess) else "a new interpreter")
-        return {"pid": proc.pid, "host": self.name, "dir": str(run.dir)}  # (dir: where its files stay if lost)
+        return run, group, {"argv": [sys.executable, "-m", "reactor.launch._worker"], "cwd": run.dir, "env": env,
+                            "stdin": json.dumps(spec).encode(), "log_path": run.dir / f"{group}.log",
+                            "title": f"rx:{group}"}
+
+    @staticmethod
+    def _popen(start: dict[str, Any]) -> Proc:
+        """A worker started as a new interpreter (no fork server to use), its spec on stdin."""
+        with open(start["log_path"], "ab") as out:
+            popen = subprocess.Popen(start["argv"], cwd=start["cwd"], stdin=subprocess.PIPE, stdout=out, stderr=out,
+                                     env=start["env"], start_new_session=True)
+        assert popen.stdin is not None
+        try:
+            popen.stdin.write(start["stdin"])
+        finally:
+            popen.stdin.close()
+        return popen
 
     def log(self, run_id: str, group: str, offset: int) -> dict[str, Any]:
         """A chunk of a hosted worker's output (``reactor logs JOB GROUP``): its lives all write to
@@ -348,7 +376,7 @@ class HostedRuns:
                 for p in live:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(p.pid, signal.SIGKILL)
-            if run.end_deadline is not None and not live and not run.cleaned:
+            if run.end_deadline is not None and not live and not run.starting and not run.cleaned:
                 run.cleaned = True
                 for p in run.workers.values():  # nothing a worker started outlives it
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -399,7 +427,8 @@ class HostedRuns:
             self.end(run_id, "the daemon stopped")
 
     def live(self) -> bool:
-        return any(p.poll() is None for r in self.runs.values() for p in r.workers.values())
+        """Whether a worker hosted here lives, or is starting."""
+        return any(r.starting or any(p.poll() is None for p in r.workers.values()) for r in self.runs.values())
 
     def describe(self) -> list[dict[str, Any]]:
         """Each hosted run's workers: group, pid, state, uptime of its latest life, and how many

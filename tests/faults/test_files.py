@@ -5,6 +5,7 @@ that names a file. Each is refused naming the file; none hangs, ends a daemon, o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -379,7 +380,7 @@ def test_a_config_too_large_for_a_jobs_command_line_and_record_is_refused_and_le
     spec = job_spec(ROOT / "tests" / "apps" / "gated.py", config={"notes": "n" * CONFIG_MAX_NBYTES})
     with pytest.raises(DaemonError, match=r"config is 65,544 bytes as --set values, more than the 65,536 a job takes: "
                                           r"ship large data as a file \(--with\)"):
-        daemon.submit(spec)
+        asyncio.run(daemon.submit(spec))
     assert not daemon.jobs and not any((daemon.state / "jobs").iterdir())
 
 
@@ -397,7 +398,7 @@ def test_a_submit_whose_record_cannot_be_written_leaves_no_process_and_no_direct
 
     monkeypatch.setattr(_Job, "save", save)
     with pytest.raises(OSError, match="No space left on device"):
-        daemon.submit(job_spec(ROOT / "tests" / "apps" / "gated.py"))
+        asyncio.run(daemon.submit(job_spec(ROOT / "tests" / "apps" / "gated.py")))
     assert len(started) == 1 and not daemon.jobs and not any((daemon.state / "jobs").iterdir())
     assert not Path(f"/proc/{started[0]}").exists()  # (killed and reaped: not even a zombie)
 

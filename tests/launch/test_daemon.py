@@ -3,6 +3,7 @@ hostile frames, SIGTERM and SIGKILL."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -759,7 +760,7 @@ def test_the_daemon_forgets_the_runs_it_hosted_that_ended_longest_ago_past_keep_
              "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0}
     for daemon in (hosted, HostedRuns("h1", "127.0.0.1", tmp_path)):  # and after a restart
         with pytest.raises(DaemonError, match=r"^run r2 has ended on 'h1'; it takes no new workers$"):
-            daemon.spawn(spawn)
+            asyncio.run(daemon.spawn(spawn))
     with pytest.raises(DaemonError, match=r"^daemon 'h1' hosts no run 'r9'$"):
         hosted.workers("r9")
     assert HostedRuns("h1", "127.0.0.1", tmp_path)._no_run("r1") == "daemon 'h1' hosts no run 'r1'"  # not forgotten
@@ -1035,7 +1036,6 @@ def test_a_host_whose_daemon_answers_under_another_name_is_warned_about_once(dae
     """Regression (a newcomer's pass): a hosts file whose line for h3 had h2's address (a copied line, a
     swapped address) ran without a word, h3's groups on daemon h2, and ``status`` said "on h3". The
     coordinator now says so once, when the daemon first answers under another ``--name``."""
-    import asyncio
     import logging
 
     from reactor.launch._cluster import Host, RemoteWorkers
@@ -1070,7 +1070,6 @@ def test_copying_a_runs_files_back_names_each_lost_host_and_where_its_files_stay
     """Regression (a newcomer's pass, session 54): a lost host's files were skipped in silence when a run's
     files came back, though the docstring said each skip was logged. A daemon's spawn now says where
     the run's directory is on its host, and the warning names it."""
-    import asyncio
     import logging
 
     from reactor.launch._cluster import Host, RemoteWorkers
@@ -1101,8 +1100,8 @@ def test_a_daemons_spawn_says_where_the_runs_directory_is_on_its_host(tmp_path):
 
     hosted = HostedRuns("h1", "127.0.0.1", tmp_path)
     data = b"import sys\nsys.exit(0)\n"
-    got = hosted.spawn({"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": data},
-                        "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0})
+    got = asyncio.run(hosted.spawn({"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": data},
+                                    "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0}))
     try:
         assert got["dir"] == str(tmp_path / "runs" / "r1") and got["host"] == "h1"
     finally:
@@ -1135,3 +1134,53 @@ def test_a_job_over_hosts_stopped_at_once_ends_its_cleanups_before_the_daemon_ki
             _wait_for(lambda: not _group_alive(pid), 10, "the job's processes to be gone")
     finally:
         d.stop(signal.SIGTERM)
+
+
+def test_a_daemon_answers_while_its_fork_server_forks_a_worker(tmp_path):
+    """Regression (an operator's soak: 40 jobs at once on 2 cores, 20 over hosts): the daemon waited on its
+    loop for its fork server to fork each spawn's worker (0.1-0.19 s each under that load), pings queued
+    behind a burst of them, and a coordinator's first ping of a host waited out its heartbeat timeout. The
+    fork is now awaited: with the fork server stopped (SIGSTOP: a fork that takes long), a ping and a status
+    sent once the spawn is in the daemon are answered before it, and the spawn is answered, forked, once
+    the server runs again. (A daemon whose fork server preloads only the worker's module: torch's import
+    would take most of the test's time.)"""
+    from .hosts import in_thread
+
+    keys, client = init_keys(tmp_path / "dk"), init_keys(tmp_path / "ck")
+    (tmp_path / "dk" / "authorized" / "c.pub").write_bytes((tmp_path / "ck" / "key.pub").read_bytes())
+    serve = ("import asyncio, json, logging, sys\n"
+             "from reactor.launch._daemon import Daemon\n"
+             "logging.basicConfig(level=logging.INFO)\n"
+             "d = Daemon('tcp://127.0.0.1:*', 'h1', sys.argv[1], sys.argv[2], preload=['reactor.launch._worker'])\n"
+             "asyncio.run(d.serve(lambda a: print(json.dumps({'address': a}), flush=True)))\n")
+    proc = subprocess.Popen([sys.executable, "-c", serve, str(tmp_path / "state"), str(tmp_path / "dk")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    data = b"def build(config):\n    return None\n"
+    req = {"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": data},
+           "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 30.0}
+    try:
+        address = json.loads(proc.stdout.readline())["address"]
+
+        def spawn() -> dict:
+            with DaemonClient(address, keys.public, client, timeout_s=60) as s:
+                return s.request("spawn", req)
+
+        with DaemonClient(address, keys.public, client) as c:
+            state = _wait_for(lambda: (s := c.request("ping")["fork_server"]) != "starting" and s, 60, "its fork server")
+            server = int(state.removeprefix("up (pid ").removesuffix(")"))
+            os.kill(server, signal.SIGSTOP)
+            try:
+                t, box = in_thread(spawn)
+                _wait_for((tmp_path / "state" / "runs" / "r1" / "app" / "a.py").exists, 30, "the spawn to reach it")
+                assert c.request("ping")["name"] == "h1" and c.request("hosted") == []
+                assert t.is_alive() and not box, box  # (answered before the spawn, whose fork waits)
+            finally:
+                os.kill(server, signal.SIGCONT)
+            t.join(60)
+            pid = box["result"]["pid"]
+            c.request("end", "r1")
+            _wait_for(lambda: c.request("hosted")[0]["state"] == "ended", 30, "the worker to end")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert f"run r1: started group g (pid {pid}, forked)" in err, err

@@ -245,7 +245,8 @@ class DaemonLink:
         from ._daemon import DaemonClient
 
         self.host = host
-        self.client = DaemonClient(host.address, host.key or keys.public, keys)
+        self.client = DaemonClient(host.address, host.key or keys.public, keys,
+                                   who=f"host {host.name!r} ({host.address})")
         self.lock = asyncio.Lock()
 
     async def request(self, kind: str, *fields: Any, timeout_s: float) -> Any:
@@ -253,16 +254,16 @@ class DaemonLink:
 
         Raises:
             DaemonError: the daemon refused (its reason, naming the host);
-                DaemonSilentError: it did not answer within ``timeout_s``.
+                DaemonSilentError: it did not answer within ``timeout_s`` (how far the connection got);
+                DaemonKeyError: the CURVE handshake failed (which key, and why).
         """
         from ._daemon import DaemonSilentError
 
         async with self.lock:
             try:
                 return await asyncio.to_thread(self.client.request, kind, *fields, timeout_s=timeout_s)
-            except DaemonSilentError as e:
-                raise DaemonSilentError(f"host {self.host.name!r} ({self.host.address}) did not answer {kind!r} "
-                                        f"within {timeout_s:.1f} s") from e
+            except DaemonSilentError:
+                raise  # (it names the host)
             except DaemonError as e:
                 raise DaemonError(f"host {self.host.name!r} refused {kind!r}: {e}") from e
 
@@ -286,7 +287,6 @@ class RemoteWorkers:
         self.hosts = hosts
         self.timeout_s = heartbeat_timeout_s
         self.links = {name: DaemonLink(h, keys) for name, h in hosts.items()}
-        self.public = keys.public.decode(errors="replace")  # (named when a host does not answer: which key to admit)
         self.misnamed: set[str] = set()  # hosts whose daemon answers under another --name (warned once each)
         self.host_of: dict[str, str] = {}  # group -> host
         self.pid: dict[str, int] = {}
@@ -321,7 +321,7 @@ class RemoteWorkers:
         for h in [h for h in group.hosts if h not in self.lost_hosts] + [h for h in group.hosts if h in self.lost_hosts]:
             was_lost = self.lost_hosts.get(h)
             try:
-                pong = await self.links[h].request("ping", timeout_s=self.timeout_s)
+                pong = await self._ping(h)
             except DaemonError as e:
                 self.lost_hosts[h] = str(e)
                 unresolved = await _unresolved(self.links[h].host.address)  # (a typo, or a name not up yet)
@@ -350,11 +350,32 @@ class RemoteWorkers:
             return h
         if why and all(": its daemon runs reactor " in w for w in why):
             raise MixedBuildsError(f"group {group.name!r}: no candidate host can run it: {'; '.join(why)}")
-        raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)} (a daemon "
-                                  f"that runs but does not answer may not hold this coordinator's key.pub, public = "
-                                  f"{self.public}, in its authorized/ (a submitted job's coordinator has its head "
-                                  f"daemon's key), or the hosts file may give it another key: check REACTOR_KEYS and "
-                                  f"the hosts' keys)")
+        keys = (" (a submitted job's coordinator has its head daemon's key pair)"
+                if any("its authorized/ does not hold our key.pub" in w for w in why) else "")
+        raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}{keys}")
+
+    async def _ping(self, host: str) -> Any:
+        """``ping`` ``host``, waiting ``heartbeat_timeout_s``; a host that took the connection (TCP, or the
+        handshake too) and was slow to answer gets ``2 * heartbeat_timeout_s`` more (a daemon or a
+        coordinator starved of CPU by a burst of jobs took longer than the heartbeat timeout to
+        connect and answer, and a live host was passed over: the run failed to start). One that
+        accepts no connection, or refuses our key, is passed over at once.
+
+        Raises:
+            DaemonError: as ``DaemonLink.request``; a slow host's error says it was asked twice.
+        """
+        from ._daemon import DaemonSilentError
+
+        try:
+            return await self.links[host].request("ping", timeout_s=self.timeout_s)
+        except DaemonSilentError as e:
+            if e.reached not in ("tcp", "handshake"):
+                raise
+            log.warning("host %s is slow: %s; waiting %.1f s more", host, e.why, 2 * self.timeout_s)
+        try:
+            return await self.links[host].request("ping", timeout_s=2 * self.timeout_s)
+        except DaemonSilentError as e:
+            raise type(e)(f"{e} (asked twice, {3 * self.timeout_s:.1f} s in all)", e.reached, e.why) from e
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
         """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and
@@ -410,11 +431,12 @@ class RemoteWorkers:
 
         try:
             got = await self.links[host].request("workers", self.run_id, timeout_s=HEARTBEAT_S * 2)
-        except DaemonSilentError:
+        except DaemonSilentError as e:
             silent = time.monotonic() - self.last_ok[host]
             if silent > self.timeout_s:
                 self.silent_hosts.add(host)
-                self._lose(host, f"its daemon at {self.hosts[host].address} has not answered for {silent:.1f} s")
+                self._lose(host, f"its daemon at {self.hosts[host].address} has not answered for {silent:.1f} s "
+                                 f"({e.why})")
             return
         except DaemonError as e:  # it answers, but no longer knows the run (a restarted daemon)
             self._lose(host, str(e))

@@ -57,6 +57,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 import zmq.auth.asyncio
+import zmq.utils.monitor
 
 from .._errors import DaemonError
 from .._files import open_regular, read_small_json, replace_small
@@ -70,7 +71,7 @@ from ._protocol import check_request
 from ._rundir import sweep_stale
 from ._version import build_id, python_version
 
-__all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonSilentError", "job_spec"]
+__all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonKeyError", "DaemonSilentError", "job_spec"]
 
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
@@ -97,7 +98,22 @@ EXIT_FILE = "exit.json"
 
 
 class DaemonSilentError(DaemonError):
-    """A daemon did not answer in time (it is down, unreachable, or does not admit our key)."""
+    """A daemon did not answer in time. ``reached`` says how far the connection to it got, which the
+    message says too: ``"nothing"`` (no TCP connection: a wrong address, no daemon running, the host
+    unreachable), ``"tcp"`` (a TCP connection, but the CURVE handshake did not complete: a daemon
+    stopped or overloaded, or no reactor daemon there), ``"handshake"`` (the daemon admitted our key,
+    then answered late: overloaded or stopped); ``"refused"`` for :class:`DaemonKeyError`. ``why``
+    is the message's reason alone."""
+
+    def __init__(self, message: str, reached: str = "nothing", why: str = "") -> None:
+        super().__init__(message)
+        self.reached = reached
+        self.why = why or message
+
+
+class DaemonKeyError(DaemonSilentError):
+    """The CURVE handshake with a daemon failed: it does not admit our key (not in its ``authorized/``),
+    or the key we hold for it is not its own. Raised as soon as ZeroMQ reports it, not after a timeout."""
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -904,34 +920,58 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
             "restart": restart}
 
 
+#: What the client's socket monitor reports (``ZMQ_EVENT_*``): how far its connection got.
+_LINK_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
 class DaemonClient:
     """Requests to one daemon: ``DaemonClient(address, daemon_key, keys).request("status", None)``.
+
+    A socket monitor follows the connection, so that a request that fails says how far it got: no
+    TCP connection, a CURVE handshake that did not complete, a daemon that admitted our key and then
+    answered late (:class:`DaemonSilentError`), or a handshake the daemon refused
+    (:class:`DaemonKeyError`, at once: a key a daemon does not admit waits no timeout out).
 
     Args:
         address: the daemon's ``tcp://HOST:PORT``.
         daemon_key: the daemon's public key (its ``key.pub``), Z85.
         keys: this client's key pair; the daemon must list its public half in ``authorized/``.
         timeout_s: how long to wait for each answer.
+        who: how errors name the daemon (default ``the daemon at ADDRESS``).
     """
 
-    def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0,
+                 who: str | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.who = who or f"the daemon at {address}"
+        self.daemon_key = daemon_key
+        self.public = keys.public
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.curve_secretkey = keys.secret
         self.sock.curve_publickey = keys.public
         self.sock.curve_serverkey = daemon_key
+        self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
+        self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
+        self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
         self.sock.connect(address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.next_id = 1
 
     def request(self, kind: str, *fields: Any, timeout_s: float | None = None) -> Any:
         """Send one request and return its payload (waiting ``timeout_s``, default the client's).
 
         Raises:
-            DaemonError: the daemon refused it (its reason), or did not answer in time
-                (``DaemonSilentError``).
+            DaemonKeyError: the CURVE handshake failed (our key is not admitted, or the daemon's key
+                is not the one given), as soon as that is known.
+            DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got.
+            DaemonError: the daemon refused the request (its reason).
         """
         rid = self.next_id
         self.next_id += 1
@@ -939,11 +979,15 @@ class DaemonClient:
         try:
             self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)], flags=zmq.NOBLOCK)
         except zmq.Again as e:
-            raise DaemonSilentError(f"the daemon at {self.address} takes no more requests (not reachable)") from e
+            raise DaemonSilentError(f"{self.who} takes no more requests (not reachable)") from e
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not self.sock.poll(int(left * 1000)):
-                break
+        self._follow_link()
+        while (left := deadline - time.monotonic()) > 0 and self.refused is None:
+            ready = dict(self.poller.poll(int(left * 1000) + 1))
+            if self.monitor in ready:
+                self._follow_link()
+            if self.sock not in ready:
+                continue
             frames = self.sock.recv_multipart()
             try:
                 reply = msgpack.unpackb(frames[-1], raw=False)
@@ -954,12 +998,51 @@ class DaemonClient:
             if not reply[1]:
                 raise DaemonError(reply[2])
             return reply[2]
-        raise DaemonSilentError(
-            f"the daemon at {self.address} did not answer within {timeout_s} s: check the address, that it "
-            f"runs, that you have its key.pub, and that its authorized/ directory holds your key.pub"
-        )
+        if self.refused is not None:
+            raise self._key_error()
+        why = {"nothing": "nothing there accepted a TCP connection (check the address and port, and that the daemon "
+                          "runs there)",
+               "tcp": "it accepted a TCP connection but did not complete the CURVE handshake (a daemon that is stopped "
+                      "or overloaded, or no reactor daemon)",
+               "handshake": "it completed the CURVE handshake (it admits our key) but answered late: it is overloaded "
+                            "or stopped"}[self.link]
+        raise DaemonSilentError(f"{self.who} did not answer {kind!r} within {timeout_s:.1f} s: {why}", self.link, why)
+
+    def _follow_link(self) -> None:
+        """Take the monitor's events so far: how far the connection is (``link``), and a failed handshake."""
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.link = "tcp"
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.link = "nothing"
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.link, self.refused = "handshake", None
+            else:  # a handshake failed (its event and ZeroMQ's code)
+                self.refused = (int(kind), int(event["value"]))
+
+    def _key_error(self) -> DaemonKeyError:
+        assert self.refused is not None
+        kind, code = self.refused
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"it refused our key in the CURVE handshake: its authorized/ does not hold our key.pub, public = "
+                   f"{self.public.decode(errors='replace')} (the daemon's log names the key it rejected)")
+        else:
+            detail = ("the daemon closed the connection" if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                      else f"a protocol error, ZMTP code {code:#x}")
+            why = (f"the CURVE handshake failed ({detail}): the key given for the daemon there, "
+                   f"{self.daemon_key.decode(errors='replace')}, is most likely not its key.pub (check --daemon-key, "
+                   f"the hosts file's key for it, or REACTOR_KEYS for a cluster key), or no reactor daemon listens there")
+        return DaemonKeyError(f"{self.who}: {why}", "refused", why)
 
     def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
         self.ctx.destroy(linger=0)
 

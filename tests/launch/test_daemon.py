@@ -329,7 +329,9 @@ def test_a_daemons_descriptors_and_threads_do_not_grow_with_the_jobs_it_ran(tmp_
 def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
     stranger = daemon.tmp / "stranger"
     init_keys(stranger)
-    with daemon.client(stranger, timeout_s=2) as c, pytest.raises(DaemonError, match=r"did not answer within 2"):
+    with daemon.client(stranger, timeout_s=2) as c, pytest.raises(DaemonError, match=r"it refused our key in the CURVE "
+                                                                                r"handshake: its authorized/ does not "
+                                                                                r"hold our key.pub"):
         c.request("ping")
     (daemon.keys_dir / "authorized" / "stranger.pub").write_bytes((stranger / "key.pub").read_bytes())
     with daemon.client(stranger) as c:  # read at each handshake: no restart
@@ -865,7 +867,10 @@ def test_a_host_that_does_not_admit_the_coordinators_key_is_named_with_that_key(
                            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=run_env(tmp_path / "rt-dir"))
         public = load_keys(tmp_path / "stranger").public.decode()
         assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
-        assert f"may not hold this coordinator's key.pub, public = {public}, in its authorized/" in p.stderr, p.stderr
+        assert p.stderr.endswith(f"no candidate host answered: h1: host 'h1' ({d.address}): it refused our key in "
+                                 f"the CURVE handshake: its authorized/ does not hold our key.pub, public = {public} "
+                                 f"(the daemon's log names the key it rejected) (a submitted job's coordinator has "
+                                 f"its head daemon's key pair)\n"), p.stderr
     finally:
         err = d.stop()
     assert f"rejected a client whose key {public} is not in" in err, err
@@ -1184,3 +1189,105 @@ def test_a_daemon_answers_while_its_fork_server_forks_a_worker(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert f"run r1: started group g (pid {pid}, forked)" in err, err
+
+
+def test_a_client_says_whether_its_key_was_refused_nothing_listened_or_the_daemon_answered_late(tmp_path):
+    """Regression (an operator's soak): a daemon that did not answer in time was "did not answer 'ping' within
+    3.0 s", and the run's error blamed the CURVE keys, whatever happened. The client follows its connection
+    (ZeroMQ's socket monitor) and says which: the handshake refused (our key not authorized, or the key
+    given for the daemon not its own: at once, not after the timeout), no TCP connection at all, a
+    connection whose handshake did not complete, or a daemon that completed it and answered late."""
+    from reactor.launch._daemon import DaemonKeyError, DaemonSilentError
+
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    stranger = init_keys(tmp_path / "stranger")
+    mine = load_keys(d.client_dir)
+    try:
+        for daemon_key, keys, message in [
+            (stranger.public, mine, f"the daemon at {d.address}: the CURVE handshake failed (the daemon closed the "
+                                    f"connection): the key given for the daemon there, {stranger.public.decode()}, is "
+                                    f"most likely not its key.pub"),
+            (d.public, stranger, f"the daemon at {d.address}: it refused our key in the CURVE handshake: its "
+                                 f"authorized/ does not hold our key.pub, public = {stranger.public.decode()} (the "
+                                 f"daemon's log names the key it rejected)"),
+        ]:
+            started = time.monotonic()
+            with DaemonClient(d.address, daemon_key, keys, timeout_s=30) as c, \
+                    pytest.raises(DaemonKeyError) as got:
+                c.request("ping")
+            assert str(got.value).startswith(message) and got.value.reached == "refused", got.value
+            assert time.monotonic() - started < 30  # (said at once: the timeout is not waited out)
+        with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as sock:  # a port that nothing listens on
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+        nowhere = f"tcp://127.0.0.1:{port}"
+        with DaemonClient(nowhere, d.public, mine, timeout_s=1.0) as c, pytest.raises(DaemonSilentError) as got:
+            c.request("ping")
+        assert str(got.value) == (f"the daemon at {nowhere} did not answer 'ping' within 1.0 s: nothing there accepted "
+                                  f"a TCP connection (check the address and port, and that the daemon runs there)")
+        with d.client(timeout_s=1.0) as c:
+            assert c.request("ping")["name"] == "h1"
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DaemonSilentError) as got:
+                    c.request("status", None)
+                assert str(got.value) == (f"the daemon at {d.address} did not answer 'status' within 1.0 s: it "
+                                          f"completed the CURVE handshake (it admits our key) but answered late: it "
+                                          f"is overloaded or stopped") and got.value.reached == "handshake"
+                with d.client(timeout_s=1.0) as late, pytest.raises(DaemonSilentError) as got:
+                    late.request("ping")  # (a client that connects to it now)
+                assert str(got.value) == (f"the daemon at {d.address} did not answer 'ping' within 1.0 s: it accepted "
+                                          f"a TCP connection but did not complete the CURVE handshake (a daemon that "
+                                          f"is stopped or overloaded, or no reactor daemon)"), got.value
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            assert c.request("ping", timeout_s=30)["name"] == "h1"  # (the stopped daemon's late answers skipped)
+    finally:
+        err = d.stop()
+    assert f"rejected a client whose key {stranger.public.decode()} is not in" in err, err
+
+
+def test_a_candidate_host_that_answers_late_is_waited_for_before_it_is_passed_over(tmp_path):
+    """Regression (an operator's soak): a host whose daemon took the connection but answered a coordinator's
+    first ping after its heartbeat timeout (a burst of jobs starving daemon and coordinator alike) was passed
+    over as if it were down, and a run whose only candidate it was failed to start. A host that took the
+    connection now gets twice the timeout more: a daemon stopped (SIGSTOP) past the first wait is chosen once
+    it runs again; one stopped throughout is passed over, the error saying it was asked twice."""
+    import logging
+
+    from reactor.launch._cluster import Host, NoHostAnsweredError, RemoteWorkers
+    from reactor.launch._groups import Group
+
+    class ContinueWhenSlow(logging.Handler):  # (the daemon runs again once the first wait is over)
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("host h1 is slow: "):
+                os.kill(d.proc.pid, signal.SIGCONT)
+
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    group = Group("g", ("x",), hosts=("h1",))
+    handler = ContinueWhenSlow()
+    logging.getLogger("reactor.cluster").addHandler(handler)
+
+    async def choose() -> None:
+        workers = RemoteWorkers("r", {"h1": Host("h1", d.address, d.public)}, load_keys(d.client_dir),
+                                heartbeat_timeout_s=1.0)
+        try:
+            await workers.links["h1"].request("ping", timeout_s=30)  # (connected)
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            assert await workers.choose(group) == "h1"
+            logging.getLogger("reactor.cluster").removeHandler(handler)
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            with pytest.raises(NoHostAnsweredError) as got:
+                await workers.choose(group)
+            assert str(got.value) == (f"group 'g': no candidate host answered: h1: host 'h1' ({d.address}) did not "
+                                      f"answer 'ping' within 2.0 s: it completed the CURVE handshake (it admits our "
+                                      f"key) but answered late: it is overloaded or stopped (asked twice, 3.0 s in "
+                                      f"all)")
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+            await workers.close()
+
+    try:
+        asyncio.run(choose())
+    finally:
+        logging.getLogger("reactor.cluster").removeHandler(handler)
+        d.stop()

@@ -352,14 +352,15 @@ def test_submit_over_hosts_runs_the_coordinator_on_the_head_daemon(cluster, tmp_
 
 
 def test_a_spawn_from_an_unauthorized_key_is_refused_and_garbage_is_dropped(cluster, tmp_path):
-    """The daemon's spawn path: an unknown key never gets an answer; malformed spawn requests from an
-    authorized one are refused naming the field; the daemon serves on."""
+    """The daemon's spawn path: an unknown key never gets an answer (its handshake is refused); malformed
+    spawn requests from an authorized one are refused naming the field; the daemon serves on."""
+    from reactor.launch._daemon import DaemonKeyError
     from reactor.launch._keys import init_keys
 
     stranger = init_keys(tmp_path / "stranger")
     keys = load_keys(cluster.keys)
     with DaemonClient(cluster.addresses["h1"], keys.public, stranger, timeout_s=1.5) as c:
-        with pytest.raises(Exception, match="did not answer"):
+        with pytest.raises(DaemonKeyError, match="it refused our key in the CURVE handshake"):
             c.request("ping")
     good = {"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": b"x"},
             "sha256": {"a.py": "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"},

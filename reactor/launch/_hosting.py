@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DaemonError
-from .._files import open_regular
+from .._files import open_regular, read_small, replace_small
 from ._forkserver import ForkedProcess, Forks
 from ._rundir import open_run_dir, remove_run_dir
 
@@ -58,6 +58,7 @@ RUN_FILES_MAX = 100_000
 KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older ones are forgotten
 FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at least this long after its end
 FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
+OWNER_FILE = ".run-key"  # a hosted run's key (run_key), in its directory: a daemon started again knows it
 
 __all__ = ["HostedRuns", "Remover"]
 
@@ -142,9 +143,26 @@ def read_chunk(path: Path, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
+def run_key(worker: dict[str, Any]) -> str:
+    """The run a spawn's worker belongs to, beyond its id: the public half of the run's CURVE key pair,
+    which its coordinator makes for it (``""`` where a spec has none)."""
+    curve = worker.get("curve")
+    public = curve.get("public") if type(curve) is dict else None
+    return public if type(public) is str else ""
+
+
+def _owner_of(directory: Path) -> str | None:
+    """The run key recorded in a hosted run's directory (``OWNER_FILE``), or None: none there."""
+    try:
+        return read_small(directory / OWNER_FILE, 4096).decode(errors="replace")
+    except OSError:
+        return None
+
+
 class _Run:
     def __init__(self, run_id: str, directory: Path, lease_s: float) -> None:
         self.id = run_id
+        self.owner = ""  # its run key (run_key): a spawn with another is another run's, with the same id
         self.dir = directory
         self.lease_s = lease_s
         self.seen = time.monotonic()
@@ -228,12 +246,19 @@ class HostedRuns:
             if hashlib.sha256(data).hexdigest() != req["sha256"][name]:
                 raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way")
         run = self.runs.get(req["run"])
+        owner = run_key(req["worker"])
         if run is None:
             if (self.root / req["run"] / FORGOTTEN).exists():
                 raise DaemonError(f"run {req['run']} has ended on {self.name!r}; it takes no new workers")
+            if _owner_of(self.root / req["run"]) not in (None, owner):  # (hosted in an earlier life, for another)
+                raise DaemonError(self._collision(req["run"]))
             self.earlier.pop(req["run"], None)  # (a run of an earlier life that starts a group here again)
             run = self.runs[req["run"]] = _Run(req["run"], self.root / req["run"], float(req["lease_s"]))
+            run.owner = owner
             (run.dir / "app").mkdir(mode=0o700, parents=True, exist_ok=True)
+            replace_small(run.dir / OWNER_FILE, owner.encode())
+        elif run.owner != owner:
+            raise DaemonError(self._collision(run.id))
         if run.end_deadline is not None or run.why_ended:
             raise DaemonError(f"run {run.id} has ended on {self.name!r}; it takes no new workers")
         group = req["group"]
@@ -267,6 +292,11 @@ class HostedRuns:
         return run, group, {"argv": [sys.executable, "-m", "reactor.launch._worker"], "cwd": run.dir, "env": env,
                             "stdin": json.dumps(spec).encode(), "log_path": run.dir / f"{group}.log",
                             "title": f"rx:{group}"}
+
+    def _collision(self, run_id: str) -> str:
+        return (f"daemon {self.name!r} hosts a run {run_id} of another coordinator (its workers hold another run "
+                f"key): two runs have one id, and a daemon never mixes two runs' workers or files; start this run "
+                f"again, under another id (REACTOR_RUN_ID, where you set it)")
 
     @staticmethod
     def _popen(start: dict[str, Any]) -> Proc:
@@ -306,7 +336,8 @@ class HostedRuns:
                 dirnames[:] = [d for d in dirnames if d != "app"]
             for name in sorted(filenames):
                 p = here / name
-                if (top and name.endswith(".log")) or name == "run.lock" or p.is_symlink() or not p.is_file():
+                if (top and (name.endswith(".log") or name == OWNER_FILE)) or name == "run.lock" or p.is_symlink() \
+                        or not p.is_file():
                     continue  # (run.lock: a live lock's file, nothing to copy; each host has its own)
                 out.append({"path": str(p.relative_to(run.dir)), "size": p.stat().st_size})
                 if len(out) >= RUN_FILES_MAX:

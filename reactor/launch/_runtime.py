@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,10 +31,17 @@ _CLAIMED: set[str] = set()
 def new_run_id() -> str:
     """Set a fresh id for the next run (``Reactor.run_id``); worker processes inherit it.
 
+    ``YYYYmmdd-HHMMSS-PID-N-RANDOM``: the second it was made (so ids sort by time), this process's
+    pid, a counter of this process's runs, and 32 random bits. Without them two coordinators on two
+    machines (containers, whose pids are small and alike) with the same pid in the same second had
+    the same id, and shared a run on a daemon that hosted both. It names run directories, shared
+    memory segments (``rxb.RUN.REGION.FIELD``, 199 bytes at most with the longest region and field
+    names, within Linux's 255) and daemons' hosted runs: at most 64 of ``[A-Za-z0-9_-]`` (34 with a 7-digit pid).
+
     The CLI calls this before it builds the app's graph, so an app may name its run directory
     after the id (:func:`current_run_id`).
     """
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUN_COUNTER)}"
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUN_COUNTER)}-{secrets.token_hex(4)}"
     os.environ["REACTOR_RUN_ID"] = run_id
     return run_id
 

@@ -1291,3 +1291,74 @@ def test_a_candidate_host_that_answers_late_is_waited_for_before_it_is_passed_ov
     finally:
         logging.getLogger("reactor.cluster").removeHandler(handler)
         d.stop()
+
+
+def test_run_ids_sort_by_time_differ_in_one_process_and_second_and_fit_every_name_they_make():
+    """Regression (an operator's review): a run id was the second, the pid and a counter, so two coordinators on
+    two machines (containers: small, alike pids) with the same pid in the same second had one id, and shared a
+    run on a daemon hosting both. It carries 32 random bits now; it still sorts by time, and passes every check
+    of a run id: a daemon's (a run directory's name), the shared-memory segments' (whose names it starts, within
+    the file-name limit of /dev/shm with the longest region and field names)."""
+    import re
+
+    from reactor.launch._protocol import _run_id
+    from reactor.launch._runtime import new_run_id
+    from reactor.transport._shm import check_name_part, segment_name
+
+    saved = os.environ.get("REACTOR_RUN_ID")
+    try:
+        ids = [new_run_id() for _ in range(3)]
+    finally:
+        if saved is None:
+            os.environ.pop("REACTOR_RUN_ID", None)
+        else:
+            os.environ["REACTOR_RUN_ID"] = saved
+    for rid in ids:  # (the time first, YYYYmmdd-HHMMSS: ids sort by it)
+        assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{os.getpid()}-\d+-[0-9a-f]{{8}}", rid), rid
+        assert _run_id(rid) is None and check_name_part("run id", rid) == rid
+        longest = segment_name(rid, "r" * 64, "f" * 64)
+        assert len(longest) - 1 <= os.pathconf("/dev/shm", "PC_NAME_MAX"), longest
+    assert len(set(ids)) == 3 and len({rid.rsplit("-", 1)[1] for rid in ids}) == 3  # (random bits, not the counter)
+
+
+def test_a_daemon_refuses_the_workers_of_a_second_run_that_has_a_live_runs_id(tmp_path):
+    """Regression (an operator's review): a daemon hosting a run took the spawns of a second run with the same
+    id (two coordinators whose ids collided) into it: one directory, one socket directory, one lease, one end,
+    the second's app file written over the first's. A run is now bound to its run key (the public key its
+    coordinator made for it, in each worker's spec) at its first spawn, and on disk for the daemon's next life:
+    another key's spawns are refused, the run's own are not."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    first, second = init_keys(tmp_path / "run1").public.decode(), init_keys(tmp_path / "run2").public.decode()
+    apps = {first: b"def build(config):\n    return 1\n", second: b"def build(config):\n    return 2\n"}
+
+    def spawn(c: DaemonClient, group: str, key: str) -> dict:
+        return c.request("spawn", {"run": "r1", "group": group, "app": "a.py", "files": {"a.py": apps[key]},
+                                   "sha256": {"a.py": hashlib.sha256(apps[key]).hexdigest()},
+                                   "worker": {"curve": {"public": key, "secret": "-"}}, "lease_s": 30.0})
+
+    refused = (r"^daemon 'h1' hosts a run r1 of another coordinator \(its workers hold another run key\): two runs "
+               r"have one id, and a daemon never mixes two runs' workers or files; start this run again, under "
+               r"another id \(REACTOR_RUN_ID, where you set it\)$")
+    try:
+        with d.client() as c:
+            spawn(c, "g1", first)
+            with pytest.raises(DaemonError, match=refused):
+                spawn(c, "g2", second)
+            assert (d.state / "runs" / "r1" / "app" / "a.py").read_bytes() == apps[first]
+            assert [w["group"] for w in c.request("hosted")] == ["g1"]
+            spawn(c, "g2", first)  # (its own coordinator's next group)
+            assert [f["path"] for f in c.request("run_files", "r1")] == []  # (the key's file is not the run's)
+            c.request("end", "r1")
+            _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the workers to end")
+    finally:
+        d.stop()
+    d = Daemon(tmp_path, extra=("--no-fork-server",))  # (its next life, on the same state directory)
+    try:
+        with d.client() as c:
+            with pytest.raises(DaemonError, match=refused):
+                spawn(c, "g3", second)
+            spawn(c, "g3", first)
+            c.request("end", "r1")
+            _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the worker to end")
+    finally:
+        d.stop()

@@ -225,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     client(su, submit=True)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
     st.add_argument("job", nargs="?", default=None, type=_job_arg,
-                    help="a job id (what submit printed); none: every job of the daemon, and the groups it hosts")
+                    help="a job id (what submit printed): the job and its groups; none: a line for each of the "
+                         "daemon's jobs and each run it hosts workers of")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     client(st)
     lg = sub.add_parser("logs", help="a job's output, or one of its groups' on another host")
@@ -576,23 +577,24 @@ def _jobs(args: argparse.Namespace) -> int:
                 got = c.request("status", args.job)
                 rows = got if isinstance(got, list) else [got]
                 hosted = c.request("hosted") if args.job is None else []
-                if args.json:
+                if args.json:  # (stable: every job, and every worker hosted here; what the lines below sum up)
                     print(json.dumps(got if args.job is not None else {"jobs": got, "hosted": hosted}, indent=2))
+                elif args.job is not None:
+                    print(_job_line(got))
+                    here = {w["group"]: w for w in c.request("hosted") if w["run"] == got.get("run")}
+                    for g, where in sorted((got.get("groups") or {}).items()):
+                        print(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
+                    if got.get("groups"):
+                        print(f"  (run {got['run']}; reactor logs {got['id']} GROUP)")
                 else:
-                    if args.job is None and not rows:  # (it answered: say so, not nothing)
-                        print(f"no jobs on the daemon at {address}" + ("; workers it hosts for runs elsewhere:" if hosted
+                    if not rows:  # (it answered: say so, not nothing)
+                        print(f"no jobs on the daemon at {address}" + ("; runs it hosts workers of:" if hosted
                                                                         else "; it hosts no workers of runs elsewhere"))
                     for j in rows:
-                        rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
-                        print(f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  "
-                              f"pid {j['pid']}  up {j['uptime_s']:.1f}s  on {j['daemon']}  | {j['last_line']}")
-                        if j.get("groups"):
-                            print("  groups: " + ", ".join(_where(g, w) for g, w in sorted(j["groups"].items()))
-                                  + f"  (run {j['run']}; reactor logs {j['id']} GROUP)")
-                    for w in hosted:
-                        rc = "" if w["returncode"] is None else f" exit {w['returncode']}"
-                        print(f"run {w['run']}  group {w['group']}  {w['state']}{rc}  pid {w['pid']}  "
-                              f"up {w['uptime_s']:.1f}s  restarts {w.get('restarts', 0)}  on {w['daemon']}")
+                        print(_job_line(j))
+                    jobs_of = {j["run"]: j["id"] for j in rows if j.get("run")}
+                    for run, workers in _by_run(hosted).items():
+                        print(_run_line(run, workers, jobs_of.get(run)))
             elif args.command == "logs" and args.group is None:
                 _print_log(lambda offset: c.request("logs", args.job, offset), args.follow)
             elif args.command == "logs":
@@ -671,6 +673,44 @@ def _remove_unserved_state(state: Path) -> None:
 def _where(group: str, where: dict[str, Any]) -> str:
     """A job's group in ``reactor status JOB``: its host, and a restart's wait for one."""
     return f"{group} on {where['host']}" + (f" ({where['waiting']})" if where.get("waiting") else "")
+
+
+def _job_line(j: dict[str, Any]) -> str:
+    """One job in ``reactor status``: id, state and exit status, age, app, and where its groups run."""
+    rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
+    groups = j.get("groups") or {}
+    spread = (f"  {len(groups)} group{'s' * (len(groups) != 1)} on {len({w['host'] for w in groups.values()})} "
+              f"host{'s' * (len({w['host'] for w in groups.values()}) != 1)}" if groups else "")
+    return (f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  pid {j['pid']}  "
+            f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line']}")
+
+
+def _worker_line(w: dict[str, Any]) -> str:
+    """One hosted worker in ``reactor status JOB``."""
+    rc = "" if w["returncode"] is None else f" exit {w['returncode']}"
+    return f"{w['state']}{rc}  pid {w['pid']}  up {w['uptime_s']:.1f}s  restarts {w.get('restarts', 0)}"
+
+
+def _by_run(hosted: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The workers a daemon hosts (``hosted``), by run, in its order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for w in hosted:
+        out.setdefault(w["run"], []).append(w)
+    return out
+
+
+def _run_line(run: str, workers: list[dict[str, Any]], job: str | None) -> str:
+    """One run a daemon hosts workers of, in ``reactor status``: one line however many workers (it was a
+    line a worker: 800 lines for the 200 ended runs a daemon keeps): running while one of them runs, its
+    age (its oldest worker's), workers alive of all, restarts, and the exit statuses of the first ended."""
+    alive = sum(w["returncode"] is None for w in workers)
+    ended = [w for w in workers if w["returncode"] is not None]
+    exits = ", ".join(f"{w['group']} {w['returncode']}" for w in ended[:3]) + (f" +{len(ended) - 3}" if len(ended) > 3
+                                                                                else "")
+    return (f"run {run}  {'running' if alive else 'ended'}  up {max(w['uptime_s'] for w in workers):.1f}s  "
+            f"workers {alive}/{len(workers)} alive  restarts {sum(w.get('restarts', 0) for w in workers)}"
+            f"{f'  exits {exits}' if exits else ''}  on {workers[0]['daemon']}"
+            f"{f'  (job {job}; reactor status {job})' if job else ''}")
 
 
 def _print_log(read: Any, follow: bool) -> None:

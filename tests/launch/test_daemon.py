@@ -1362,3 +1362,55 @@ def test_a_daemon_refuses_the_workers_of_a_second_run_that_has_a_live_runs_id(tm
             _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the worker to end")
     finally:
         d.stop()
+
+
+def test_status_of_a_daemon_is_a_line_a_job_and_a_line_a_hosted_run_however_many_workers(tmp_path):
+    """Regression (an operator's soak): ``reactor status`` of a daemon listed every worker of every run it kept
+    (800 lines for its 200 kept runs over hosts). It is one line a job and one line a run hosted there: its
+    state, age, workers alive of all, restarts and the first ended workers' exit statuses (``--json`` still
+    has every worker, as before)."""
+    import re
+
+    from reactor.launch._app import build_graph
+
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    demo = ROOT / "apps" / "demo_pipeline.py"
+    app = demo.read_bytes()
+    waits = {"coordinator": "tcp://127.0.0.1:9", "group": "learner", "app": "", "config": {},
+             "owner_of": {n: "learner" for _, _, n in build_graph(str(demo), {}).instances()},
+             "bind": "tcp://127.0.0.1:*", "max_message_nbytes": 1 << 20, "deterministic": False, "record": False,
+             "replay": None}  # (a worker whose coordinator never answers: it waits until ended)
+
+    def spawn(c: DaemonClient, run: str, group: str, worker: dict) -> None:
+        c.request("spawn", {"run": run, "group": group, "app": demo.name, "files": {demo.name: app},
+                            "sha256": {demo.name: hashlib.sha256(app).hexdigest()}, "worker": worker,
+                            "lease_s": 60.0})
+
+    try:
+        with d.client() as c:
+            for run in ("r1", "r2"):
+                for g in ("actor-0", "actor-1", "actor-2", "actor-3"):
+                    spawn(c, run, g, {})  # (no spec a worker can run: it exits 1)
+            spawn(c, "r3", "learner", waits)
+            _wait_for(lambda: sum(w["returncode"] is not None for w in c.request("hosted")) == 8, 60, "8 ends")
+            cli = [sys.executable, "-m", "reactor.cli", "status", "--daemon", d.address, "--daemon-key",
+                   str(d.keys_dir / "key.pub"), "--keys", str(d.client_dir)]
+            p = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0, p.stderr
+            lines = p.stdout.splitlines()
+            assert lines[0] == f"no jobs on the daemon at {d.address}; runs it hosts workers of:", p.stdout
+            up = r"up \d+\.\ds"
+            assert [re.sub(up, "up T", line) for line in lines[1:]] == [
+                "run r1  ended  up T  workers 0/4 alive  restarts 0  exits actor-0 1, actor-1 1, actor-2 1 +1  on h1",
+                "run r2  ended  up T  workers 0/4 alive  restarts 0  exits actor-0 1, actor-1 1, actor-2 1 +1  on h1",
+                "run r3  running  up T  workers 1/1 alive  restarts 0  on h1"], p.stdout
+            p = subprocess.run([*cli, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            got = json.loads(p.stdout)
+            assert got["jobs"] == [] and len(got["hosted"]) == 9 and {"run", "group", "pid", "returncode", "state",
+                                                                      "uptime_s", "daemon", "restarts"} == set(
+                got["hosted"][0]), got
+            for run in ("r1", "r2", "r3"):
+                c.request("end", run)
+            _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the workers to end")
+    finally:
+        d.stop()

@@ -334,11 +334,14 @@ def test_submit_over_hosts_runs_the_coordinator_on_the_head_daemon(cluster, tmp_
         assert [(w["group"], w["state"]) for w in cluster.hosted(h)] == [(group, "ended")]
     st = subprocess.run([*cli, "status", "--daemon", cluster.addresses["h1"]], env=cluster.env(),
                         capture_output=True, text=True, timeout=60)
-    assert "group producers  ended exit 0  pid" in st.stdout and "restarts 0  on h1" in st.stdout, st
-    # The job's status names where each group ran; a group's output comes from its own host's daemon.
+    assert re.search(r"^run \S+  ended  up [\d.]+s  workers 0/1 alive  restarts 0  exits producers 0  on h1$",
+                     st.stdout, re.M), st
+    # The job's status names where each group ran, with the detail of those its own daemon hosts; a group's
+    # output comes from its own host's daemon.
     st = subprocess.run([*cli, "status", job, "--daemon", cluster.addresses["h2"]], env=cluster.env(),
                         capture_output=True, text=True, timeout=60)
-    assert "groups: head on h2, producers on h1, squarers on h3" in st.stdout, st
+    assert re.search(r"\n  head on h2  ended exit 0  pid \d+  up [\d.]+s  restarts 0\n  producers on h1\n"
+                     r"  squarers on h3\n  \(run \S+; reactor logs [0-9a-f]{16} GROUP\)\n$", st.stdout), st
     logs = subprocess.run([*cli, "logs", job, "head", "--daemon", cluster.addresses["h2"]], env=cluster.env(),
                           capture_output=True, text=True, timeout=60)
     assert logs.returncode == 0 and re.search(r"^collector: \d+ values, sum \d+$", logs.stdout, re.M), logs

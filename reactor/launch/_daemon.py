@@ -676,9 +676,18 @@ class Daemon:
         return [ident, b"", msgpack.packb([msg[0], ok, payload], use_bin_type=True)]
 
     def _failed(self, kind: str, exc: Exception) -> str:
-        """Log a request that failed (not refused: a bug, or the host's trouble); the client's answer."""
-        log.exception("%s: request %s failed", self.name, kind)
-        return f"the daemon failed to {kind}: {type(exc).__name__}: {exc}"
+        """Log a request that failed (not refused): the host's trouble (an ``OSError``: a full disk, no
+        descriptors left) in one line, each time, a bug with its traceback; return the client's answer.
+        (A full disk at submit was a traceback in the daemon's log at every try.)"""
+        if not isinstance(exc, OSError):
+            log.exception("%s: request %s failed", self.name, kind)
+            return f"the daemon failed to {kind}: {type(exc).__name__}: {exc}"
+        why = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # (most likely the state directory's: say where that is)
+            why += (": its disk is full (or a quota there)" if exc.filename else
+                    f": the disk of {self.state} is full (or a quota there)") + ": free space there, then ask again"
+        log.warning("%s: could not %s: %s", self.name, kind, why)
+        return f"daemon {self.name!r} could not {kind}: {why}"
 
     def _refuse(self, ident: bytes, why: str) -> None:
         """Count and log a refused request (answered with the reason where it has a usable id)."""

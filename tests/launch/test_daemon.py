@@ -1414,3 +1414,48 @@ def test_status_of_a_daemon_is_a_line_a_job_and_a_line_a_hosted_run_however_many
             _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the workers to end")
     finally:
         d.stop()
+
+
+def test_a_full_disk_at_submit_is_one_line_for_the_user_and_one_in_the_daemons_log_each_time(tmp_path):
+    """Regression (an operator's soak): a submit on a full state disk was refused in one line ("the daemon failed
+    to submit: OSError: [Errno 28] ..."), and put a traceback in the daemon's log at every try. It is one line in
+    each now, naming the file and what to do; nothing of the job is left, and the daemon serves on. (The state
+    directory is a 1 MiB tmpfs in a mount namespace of the daemon's own: root only.)"""
+    import re
+
+    state = tmp_path / "state"
+    state.mkdir()
+    init_keys(tmp_path / "dk")
+    (tmp_path / "dk" / "authorized" / "self.pub").write_bytes((tmp_path / "dk" / "key.pub").read_bytes())
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=1m",
+                            "tmpfs", str(state)], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here (root only): {probe.stderr.strip()}")
+    d = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=1m tmpfs "$1" && shift && exec "$@"', "sh", str(state),
+         sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", "h1", "--state-dir",
+         str(state), "--keys", str(tmp_path / "dk"), "--no-fork-server"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(2 << 20))  # (more than the disk holds)
+    why = (r"No space left on device: the disk of " + re.escape(str(state)) + r" is full \(or a quota there\): free "
+           r"space there, then ask again")
+    said = f"daemon 'h1' could not submit: {why}"
+    try:
+        address = json.loads(d.stdout.readline())["address"]
+        with DaemonClient(address, load_keys(tmp_path / "dk").public, load_keys(tmp_path / "dk")) as c:
+            with pytest.raises(DaemonError, match=rf"^{said}$"):
+                c.request("submit", job_spec(APPS / "gated.py", files=[big]))
+            p = subprocess.run([sys.executable, "-m", "reactor.cli", "submit", str(APPS / "gated.py"), "--with",
+                                str(big), "--daemon", address, "--keys", str(tmp_path / "dk")], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+            assert p.returncode == 1 and re.fullmatch(rf"reactor: {said}\n", p.stderr), p.stderr
+            assert c.request("status", None) == []  # (nothing of either is left; it serves on)
+            assert os.listdir(f"/proc/{d.pid}/root{state}/jobs") == []
+    finally:
+        d.send_signal(signal.SIGTERM)
+        _, err = d.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if "could not submit" in line]
+    assert len(lines) == 2 and all(re.search(rf" WARNING h1: could not submit: {why}$", line) for line in lines), err
+    assert "Traceback" not in err, err

@@ -52,7 +52,7 @@ from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
 from ._protocol import COORDINATOR, CoordinatorProtocol
 from ._result import RunResult
-from ._rundir import open_run_dir, remove_run_dir, sweep_stale
+from ._rundir import open_run_dir, remove_run_dir, rendezvous_file, sweep_stale
 from ._signals import stop_signals
 
 log = logging.getLogger("reactor.coordinator")
@@ -127,7 +127,10 @@ async def run_processes(
 
         host_keys = load_keys(default_keys_dir())
         here = address_towards(plan.hosts[groups[0].hosts[0]].address)
-    sockdir = open_run_dir(run_id)
+    # A data-parallel bank on this host meets in a file of its run directory: removed at the run's end,
+    # whatever ends it (a kill -9 of this process too: by the next sweep of its socket directory).
+    dist_files = [] if plan.hosts else _rendezvous_files(graph, run_id)
+    sockdir = open_run_dir(run_id, remove=dist_files)
     # Links that may leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
     # with CURVE: one key pair per run, handed to each worker on its stdin, or through its daemon over
     # that daemon's CURVE link (never in the clear); every endpoint of the run bound to tcp, the
@@ -248,9 +251,20 @@ async def run_processes(
                     log.warning("copying the run's files from its hosts failed: %s", e)
             await workers.close()
             await ep.aclose()
+            for f in dist_files:  # (every worker is reaped: no replica meets there again)
+                with contextlib.suppress(OSError):
+                    f.unlink()
             remove_run_dir(sockdir)
             if isinstance(workers, _LocalWorkers) and workers.procs:
                 _cleanup_segments(run_id)
+
+
+def _rendezvous_files(graph: Graph, run_id: str) -> list[Path]:
+    """The rendezvous files of the run's data-parallel learner banks on this host (``rendezvous_file``):
+    a learner with replicas and a run directory (one without fails at its start, naming it)."""
+    return [rendezvous_file(run_dir, run_id) for node in graph.nodes.values()
+            if getattr(node.reactor_type, "placement_role", None) == "learner" and node.replicas > 1
+            and (run_dir := getattr(node.prototype, "run_dir", None))]
 
 
 def _dist_store(graph: Graph, here: str) -> Any:

@@ -403,6 +403,7 @@ class Daemon:
         """Note jobs that ended; SIGKILL the process group of a stopped job past its grace; forget
         the oldest ended ones past ``keep_ended``."""
         ended = 0
+        newly_ended = False
         for job in self.jobs.values():
             if job.record.get("state") != "running":
                 ended += 1
@@ -442,6 +443,9 @@ class Daemon:
             log.info("%s: job %s %s (exit status %s)", self.name, job.id, job.record["state"], rc)
             job.unsaved = True
             ended += 1
+            newly_ended = True
+        if newly_ended:  # what a job's run left if it could not clean up (its coordinator killed: SIGKILL after the grace)
+            sweep_stale()
         for job in self.jobs.values():
             if job.unsaved:  # (written again at each watch until it can be: a full disk, no descriptors left)
                 self._save(job)

@@ -10,18 +10,22 @@ dead owners are removed, with the shared-memory segments whose owners are dead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .._files import read_small_json
 from ..transport._shm import cleanup_stale, owner_alive, process_identity
 
-__all__ = ["open_run_dir", "remove_run_dir", "runtime_base", "sweep_stale"]
+__all__ = ["open_run_dir", "remove_run_dir", "remove_run_files", "rendezvous_file", "runtime_base", "sweep_stale"]
 
 log = logging.getLogger("reactor.launch")
 PREFIX = "reactor-"
@@ -33,8 +37,16 @@ def runtime_base() -> Path:
     return Path(os.environ.get("REACTOR_RUNTIME_DIR") or tempfile.gettempdir())
 
 
-def open_run_dir(run_id: str) -> Path:
-    """Make this run's private directory (mode 0700) and record this process as its owner.
+def rendezvous_file(run_dir: str | os.PathLike[str] | None, run_id: str) -> Path:
+    """Where the data-parallel learners of run ``run_id`` on one host meet (torch's ``FileStore``): a file
+    in their run directory (relative to the working directory their processes share)."""
+    return Path(run_dir or ".").resolve() / f".dist-{run_id}"
+
+
+def open_run_dir(run_id: str, remove: Sequence[Path] = ()) -> Path:
+    """Make this run's private directory (mode 0700) and record this process as its owner, and ``remove``:
+    files the run makes elsewhere that outlive no run (a data-parallel bank's rendezvous file). Its owner
+    removes them at the run's end; a sweep removes them with the directory of an owner that died.
 
     Raises:
         OSError: the base directory cannot be written.
@@ -46,7 +58,8 @@ def open_run_dir(run_id: str) -> Path:
     path.mkdir(mode=0o700)
     pid, start, ns = process_identity()
     tmp = path / f".{OWNER_FILE}.tmp"
-    tmp.write_text(json.dumps({"pid": pid, "start_time": start, "pid_ns": ns, "run_id": run_id}))
+    tmp.write_text(json.dumps({"pid": pid, "start_time": start, "pid_ns": ns, "run_id": run_id,
+                               "remove": [str(f) for f in remove]}))
     tmp.rename(path / OWNER_FILE)
     return path
 
@@ -54,6 +67,16 @@ def open_run_dir(run_id: str) -> Path:
 def remove_run_dir(path: Path) -> None:
     """Remove a run directory and everything in it (its sockets); missing is fine."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_run_files(paths: Any) -> None:
+    """Remove what an owner record lists to remove (``open_run_dir``'s ``remove``): regular files only,
+    never through a link; missing is fine."""
+    for p in paths if type(paths) is list else ():
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.unlink(p)
+                log.warning("removed %s, left by a run whose coordinator died", p)
 
 
 def sweep_stale(base: Path | None = None) -> list[str]:
@@ -83,6 +106,7 @@ def sweep_stale(base: Path | None = None) -> list[str]:
             continue  # not ours, not a run directory, or its owner is still writing it
         if owner_alive(pid, start, ns):
             continue
+        remove_run_files(owner.get("remove"))
         remove_run_dir(Path(entry.path))
         removed.append(entry.path)
         log.warning("removed the run directory %s of a dead coordinator (pid %d)", entry.path, pid)

@@ -68,6 +68,7 @@ from .._errors import PeerLostError
 from .._files import os_error_in, refuse_file_links, replace_small, replacing
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import check_resumable, claim_run_dir, release_run_dir
+from ..launch._rundir import rendezvous_file
 from ._contract import check_learn, check_policy_weights, check_state_dict
 from ._device import LearnStep, check_compile, check_device, resolve_device, takes_device
 from ._registry import check_saved_weights, denormals_flushed, error_line, state_sha256, weights_sha256
@@ -262,7 +263,7 @@ class _LearnerBase(Reactor):
         served = os.environ.get("REACTOR_DIST_STORE")
         # Until every replica has joined, nothing trains and the actors wait for the first weights:
         # say so, and keep saying so, rather than sit silent at 0 env steps.
-        path = Path(self.run_dir or ".").resolve() / f".dist-{self.run_id}"  # (one host's rendezvous file)
+        path = rendezvous_file(self.run_dir, self.run_id)  # (one host's: its coordinator removes it at the run's end)
         where = f"tcp store {served}" if served else f"file {path}"
         waiting = _Waiting(f"{self.name}: waiting for the other {self.bank_size - 1} data-parallel learner(s) to join "
                            f"(rendezvous: {where}; no env steps until they do; a learner that has not joined in "

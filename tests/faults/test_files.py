@@ -81,6 +81,41 @@ def test_a_fifo_among_the_authorized_keys_is_skipped_not_waited_on(tmp_path):
     assert time.monotonic() - t < 5
 
 
+def test_a_data_parallel_banks_rendezvous_file_goes_with_a_run_whose_coordinator_was_killed(tmp_path):
+    """Regression (an operator's soak): the rendezvous file ``.dist-RUN`` of a data-parallel bank on one host
+    (torch's FileStore, in the run directory) stayed after every run, a kill -9 of it too. Its coordinator
+    lists it in its socket directory's owner record: the sweep of a dead coordinator's directory (the next
+    run's start, a daemon's start, or the daemon whose job it was, as the job ends) removes it; a link
+    listed there is not followed. (A coordinator that lives removes it itself: test_training's dp test.)"""
+    from reactor.launch._rundir import sweep_stale
+
+    runtime, run_dir = tmp_path / "rt", tmp_path / "run"
+    run_dir.mkdir()
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    (run_dir / "link").symlink_to(precious)
+    coordinator = ("import sys, time\n"
+                   "from pathlib import Path\n"
+                   "from reactor.launch._rundir import open_run_dir, rendezvous_file\n"
+                   "store = rendezvous_file(sys.argv[1], 'r1')\n"
+                   "open_run_dir('r1', remove=[store, Path(sys.argv[1]) / 'link'])\n"
+                   "store.write_bytes(b'the bank meets here')\n"
+                   "print('up', flush=True)\n"
+                   "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", coordinator, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "REACTOR_RUNTIME_DIR": str(runtime), "PYTHONPATH": str(ROOT)})
+    try:
+        assert p.stdout.readline() == "up\n"
+        sweep_stale(runtime)
+        assert (run_dir / ".dist-r1").exists() and len(list(runtime.glob("reactor-*"))) == 1  # (its owner lives)
+    finally:
+        p.kill()
+        p.communicate(timeout=30)
+    removed = sweep_stale(runtime)
+    assert not (run_dir / ".dist-r1").exists() and not list(runtime.glob("reactor-*")), removed
+    assert (run_dir / "link").is_symlink() and precious.read_text() == "keep me"
+
+
 def test_owner_records_that_are_no_process_leave_the_sweep_and_the_run_alone(tmp_path, monkeypatch):
     """A same-user `reactor-*/owner.json` holding pid 1e400, a 100-digit pid or JSON nested 50,000 deep
     made every later multi-process run (and a daemon's start) fail in the sweep with a traceback."""

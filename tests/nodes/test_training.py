@@ -125,11 +125,13 @@ def test_dp_learners_all_reduce_into_identical_replicas_and_end_together(tmp_pat
     run failed. Now the replicas meet in rounds and the shards answer Exhausted once every actor has
     ended: both stop at the same update. The run directory is relative, as the apps' default
     "runs/..." is: the replicas' rendezvous file must still be found (a file:// URL of a relative
-    path named another place, and both waited 600 s)."""
+    path named another place, and both waited 600 s). The rendezvous file is gone with the run (it stayed
+    in the run directory after every run: its coordinator removes it at the run's end)."""
     cfg = {"max_env_steps": 2500, "target_return": None, "live": False}
     monkeypatch.chdir(tmp_path)
     r = _run(DQN, {**cfg, "learners": 2, "run_dir": "runs/dp"}, placement="dp-learners", seed=1)
     assert {"learner-0", "learner-1"} <= set(r.processes)
+    assert (tmp_path / "runs" / "dp" / "learner.pt").exists() and not list((tmp_path / "runs" / "dp").glob(".dist-*"))
     out = capfd.readouterr().out
     hashes = _hashes(out)
     assert set(hashes) == {"learner[0]", "learner[1]"}

@@ -8,7 +8,11 @@ torch and reactor's nodes already: ``reactor/launch/_forkserver.py``; else
 files in ``STATE/runs/RUN/app/`` (checked against their sha256), its output in
 ``STATE/runs/RUN/GROUP.log``, in a process session of its own. The worker's host identity is the
 daemon's name (``REACTOR_HOST_ID``): workers of two daemons never try shared memory with each other,
-workers of one daemon do. It binds its endpoint on the daemon's advertised interface (CURVE) and,
+workers of one daemon do. A run is bound to its run key (the public key its coordinator made for it, in
+every worker's spec) at its first spawn here, and in ``STATE/runs/RUN/.run-key``: a spawn under its id with
+another key (a second run whose id collides) is refused, never taken into it. The fork server's answer is
+awaited, the daemon answering meanwhile; the group counts as starting until it comes. The worker binds its
+endpoint on the daemon's advertised interface (CURVE) and,
 beside it, a plain ipc socket in the run's private socket directory on this host (mode 0700, under
 ``$REACTOR_RUNTIME_DIR``, removed with the run), which the coordinator gives to the run's other
 workers on this daemon instead: links within a host are not encrypted, as in a run on one host.

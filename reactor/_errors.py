@@ -78,6 +78,9 @@ REFUSALS: tuple[type[Exception], ...] = (
     PermissionError, FileExistsError, ValueError,
 )
 REFUSAL_NAMES: dict[str, type[Exception]] = {c.__name__: c for c in REFUSALS}
+#: The exit status of a process that refused (``reactor run``, a worker that reported a refusal): as
+#: systemd's ``RestartPreventExitStatus``, a worker that ends with it is never started again.
+REFUSAL_EXIT_STATUS = 2
 
 
 def refusal_line(e: BaseException) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import (
+    REFUSAL_EXIT_STATUS,
     REFUSAL_NAMES,
     REFUSALS,
     PeerLostError,
@@ -448,13 +449,17 @@ class _Restarts:
     def can_restart(self, group: str) -> bool:
         return group in self.restartable and self.count.get(group, 0) < self.groups[group].restart.max_restarts
 
-    def why_not(self, group: str) -> str:
-        """Why a group with a restart policy was not started again (empty for "never")."""
+    def why_not(self, group: str, refused: bool = False) -> str:
+        """Why a group with a restart policy was not started again (empty for "never"); ``refused``: it
+        ended with a refusal's exit status."""
         policy = self.groups[group].restart
         if policy.policy != "on-failure":
             return ""
         if group not in self.restartable:
             return f"; group {group!r} was not restarted: restart policies hold in async runs only"
+        if refused:
+            return (f"; group {group!r} was not restarted: exit status {REFUSAL_EXIT_STATUS} is a refusal of what the "
+                    f"run was given, which a new life is given again (its stderr says what)")
         healthy = "" if math.isinf(policy.reset_after_s) else f", each after a life shorter than reset_after_s = {policy.reset_after_s:g} s"
         return (f"; group {group!r} had used its {self.count.get(group, 0)} restarts in a row "
                 f"(max_restarts = {policy.max_restarts}{healthy}): earlier ends: {'; '.join(self.ends.get(group, []))}")
@@ -520,9 +525,12 @@ class _Session:
                 self.results[name] = _ABANDONED
             if not dead:
                 return
-        fatal = {n: how for n, how in dead.items() if self.stopped_by is not None or not r.can_restart(n)}
+        # A refusal's exit status is never restarted (its "refused" message ends the run first; this is for
+        # one whose message did not come).
+        fatal = {n: how for n, how in dead.items()
+                 if self.stopped_by is not None or not r.can_restart(n) or how[0] == REFUSAL_EXIT_STATUS}
         if fatal:
-            notes = "".join(r.why_not(n) for n in sorted(fatal))
+            notes = "".join(r.why_not(n, refused=fatal[n][0] == REFUSAL_EXIT_STATUS) for n in sorted(fatal))
             raise WorkerFailedError(_describe_exits(fatal) + notes)
         for name, how in sorted(dead.items()):
             self._begin_restart(name, how)
@@ -696,12 +704,18 @@ class _Session:
                 # It waits for our "exit" to leave: at once for a restart, else once the others were told.
                 self.failed = peer
                 if self.stopped_by is None and self.restarts.can_restart(peer):
-                    log.warning("worker %r %s (it will be started again):%s", peer,
-                                *(("refused the run", f" {msg[2]}") if msg[0] == "refused" else ("failed", f"\n{msg[1]}")))
-                    self.failed = None
-                    with contextlib.suppress(Exception):
-                        self.ep.send_nowait(peer, ("exit",))
-                    continue
+                    if msg[0] == "refused":
+                        # Not restarted (docs/reliability.md, "Refusals are not restarted"): a new life is given
+                        # the same settings and files, and refuses again (a refusal from data at run time
+                        # after a life past reset_after_s restarted for good, the cause only in this log).
+                        log.warning("worker %r refused the run: not started again (a restart policy covers "
+                                    "failures; a refusal is what the run was given, and comes again)", peer)
+                    else:
+                        log.warning("worker %r failed (it will be started again):\n%s", peer, msg[1])
+                        self.failed = None
+                        with contextlib.suppress(Exception):
+                            self.ep.send_nowait(peer, ("exit",))
+                        continue
                 for other, m in batch:  # (the run's error is this one's: the others' are said)
                     if other != peer and m[0] in ("refused", "error"):
                         self._also_failed(other, m)

@@ -36,7 +36,7 @@ import traceback
 from collections import Counter, deque
 from typing import Any
 
-from .._errors import GraphError, PeerLostError, WouldBlock, refusal_class, refusal_line
+from .._errors import REFUSAL_EXIT_STATUS, GraphError, PeerLostError, WouldBlock, refusal_class, refusal_line
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
@@ -446,7 +446,7 @@ class Worker:
         self.ep.expect_departures()
         self.reported = e  # (its coordinator says it: main() prints no second traceback)
         refused = refusal_class(e)
-        self._leave_by(FAILED_END_S, 2 if refused is not None else 1)
+        self._leave_by(FAILED_END_S, REFUSAL_EXIT_STATUS if refused is not None else 1)
         if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
             log.info("%s refused the run", self.group, exc_info=e)
             line = str(e) if isinstance(e, GraphError) else refusal_line(e)  # (the command indents a graph's)
@@ -883,7 +883,7 @@ def main() -> int:
         return 3
     except BaseException as e:
         if worker.reported is e:  # its coordinator says it (one line, or the traceback)
-            return 2 if refusal_class(e) is not None else 1
+            return REFUSAL_EXIT_STATUS if refusal_class(e) is not None else 1
         traceback.print_exc()
         return 1
     return 0

@@ -1,31 +1,51 @@
 """Test app: a source that raises at its start, whose shutdown reaction then takes ``shutdown_s``
 (a failed worker's shutdown that never ends must not keep its run from ending). ``failing_lives``:
-only its first that many lives fail (restart policies), the later ones send their value and end."""
+only its first that many lives fail (restart policies), the later ones send their value and end.
+``refuse``: instead of failing, the source asks reactor to load a policy from that run directory
+(``reactor.load_policy``: a path that does not exist is a refusal, reactor's one line), at its start,
+or ``refuse_after_s`` into its life (a refusal after a healthy life, from what it met at run time)."""
 
 from __future__ import annotations
 
 import time
 
-from reactor import Graph, Input, Output, Reactor, reaction, shutdown, startup
+from reactor import Graph, Input, Output, Reactor, Timer, load_policy, reaction, shutdown, startup
 
 
 class Source(Reactor):
     out = Output(int)
 
-    def __init__(self, shutdown_s: float, failing_lives: int | None = None) -> None:
+    def __init__(self, shutdown_s: float, failing_lives: int | None = None, refuse: str = "",
+                 refuse_after_s: float = 0.0) -> None:
         self.shutdown_s = shutdown_s
         self.failing_lives = failing_lives
+        self.refuse = refuse
+        self.refuse_after_s = refuse_after_s
 
     @reaction(triggers=[startup], effects=[out])
     def emit(self) -> None:
+        self.began = time.monotonic()
         self.out.send(1)
-        if self.failing_lives is None or self.restarts < self.failing_lives:
+        if self.refuse and self.refuse_after_s <= 0:
+            load_policy(self.refuse)
+        elif not self.refuse and (self.failing_lives is None or self.restarts < self.failing_lives):
             raise ValueError("source broke")
 
     @reaction(triggers=[shutdown])
     def slow(self) -> None:
         if self.stopped_by == "failure":
             time.sleep(self.shutdown_s)
+
+
+class LateSource(Source):
+    """Refuses ``refuse_after_s`` into its life (it ticks until then: the run has no end of its own)."""
+
+    tick = Timer(period_s=0.05)
+
+    @reaction(triggers=[tick])
+    def later(self) -> None:
+        if self.refuse_after_s <= time.monotonic() - self.began:
+            load_policy(self.refuse)
 
 
 class Sink(Reactor):
@@ -39,7 +59,9 @@ class Sink(Reactor):
 def build(config: dict) -> Graph:
     g = Graph()
     lives = config.get("failing_lives")
-    src = g.add(Source(float(config.get("shutdown_s", 0.0)), None if lives is None else int(lives)), name="source")
+    late = config.get("refuse") and float(config.get("refuse_after_s", 0.0)) > 0
+    src = g.add((LateSource if late else Source)(float(config.get("shutdown_s", 0.0)), None if lives is None else int(lives),
+                       str(config.get("refuse", "")), float(config.get("refuse_after_s", 0.0))), name="source")
     sink = g.add(Sink(), name="sink")
     g.connect(src.out, sink.inp)
     return g

@@ -26,7 +26,7 @@ import torch
 from reactor import GraphError, WorkerFailedError
 from reactor.launch._app import build_graph
 from reactor.launch._cluster import NoHostAnsweredError
-from reactor.launch._coordinator import _Restarts, _Session
+from reactor.launch._coordinator import _no_start, _Restarts, _Session
 from reactor.launch._daemon import DaemonClient
 from reactor.launch._groups import Group, Restart, restart_from_text
 from reactor.launch._keys import load_keys
@@ -186,6 +186,9 @@ class _Endpoint:
     def send_nowait(self, peer: str, msg: Any) -> None:
         self.sent.append((peer, msg))
 
+    def disconnect(self, peer: str, linger_s: float = 0) -> None:
+        self.sent.append((peer, "disconnected"))
+
 
 def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_host_use_no_restart():
     """A start whose host does not answer (its ping waits out a timeout) runs in a task of its own:
@@ -229,6 +232,34 @@ def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_h
                 "(5 tries): group 'b': no candidate host answered: h2: host 'h2' did not answer 'ping'")):
             s._advance_restarts()
         assert tries == [1, 1]
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_ended_with_a_refusals_exit_status_is_not_started_again():
+    """A refusal ends the run at once under a restart policy (the "refused" message: the next test); a
+    worker that ended with a refusal's exit status whose message did not reach the coordinator is not
+    started again either (systemd's RestartPreventExitStatus), and the error says why."""
+
+    class _Dead:
+        def __init__(self, dead: dict) -> None:
+            self.now = dead
+
+        def dead(self) -> dict:
+            return self.now
+
+    async def main() -> None:
+        groups = {g: Group(g, (g,), restart=Restart("on-failure", 3, 0.0)) for g in ("a", "b")}
+        r = _Restarts(groups, ["a", "b"], {"a": {}, "b": {}}, _no_start, None)
+        s = _Session(_Endpoint(), _Dead({"a": (1, "")}), ["a", "b"], asyncio.Event(), r)  # type: ignore[arg-type]
+        s._check_children()  # a failure's status: started again
+        assert set(r.due) == {"a"}
+        s.workers = _Dead({"b": (2, "")})  # type: ignore[assignment]
+        with pytest.raises(WorkerFailedError, match=re.escape(
+                "worker 'b' exited with status 2 before the run ended; group 'b' was not restarted: exit status 2 is "
+                "a refusal of what the run was given, which a new life is given again (its stderr says what)")):
+            s._check_children()
+        assert "b" not in r.due
 
     asyncio.run(main())
 
@@ -728,6 +759,27 @@ def test_a_failed_restartable_worker_whose_shutdown_never_ends_leaves_and_its_ne
     assert "worker 'source' exited with status 1; starting it again" in p.stderr, p.stderr[-3000:]
     assert "run ended (quiescence)" in p.stdout
     assert took < FAILED_END_S + 50
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-its-start", "after-a-life-past-reset_after_s"])
+def test_a_refusal_under_a_restart_policy_ends_the_run_at_once_with_its_line(tmp_path, after_s):
+    """Regression: a refusal (reactor refusing what the run was given: here a run directory that does not
+    exist, given to ``reactor.load_policy``) under ``--restart on-failure`` was started again up to
+    max_restarts before its class was raised; one that came after a life past reset_after_s (from what
+    the node met at run time) restarted for good, and the run ended at its stop time with exit 0, the
+    cause only in a warning. A new life is given the same settings and files: a refusal is not restarted,
+    whenever it comes (docs/reliability.md), and the run ends with its class and line (exit 2)."""
+    missing = tmp_path / "no-such-run"
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "tests" / "apps" / "failing_source.py"),
+                        "--placement", "processes", "--async", "--stop-s", "40",
+                        "--restart", "on-failure:3,backoff_s=0.1,reset_after_s=1",
+                        "--set", f"refuse={str(missing)!r}", "--set", f"refuse_after_s={after_s}"],
+                       capture_output=True, text=True, timeout=100, cwd=ROOT, env=_env(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.splitlines()[-1] == f"reactor: no run directory at {str(missing)!r}", p.stderr[-3000:]
+    assert "worker 'source' refused the run: not started again" in p.stderr
+    assert "starting it again" not in p.stderr and "running again" not in p.stderr, p.stderr[-3000:]
 
 
 @pytest.mark.timeout(150)

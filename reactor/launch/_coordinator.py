@@ -51,7 +51,7 @@ from ._forkserver import (
 )
 from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
-from ._protocol import COORDINATOR, CoordinatorProtocol
+from ._protocol import COORDINATOR, STOPPED_FOR_FAILURE_STATUS, CoordinatorProtocol
 from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, rendezvous_file, sweep_stale
 from ._signals import stop_signals
@@ -797,6 +797,7 @@ class _Session:
         dead = self.workers.dead()
         live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down
                 and n != self.failed}
+        told: set[str] = set()  # told "exit": waited for (briefly) before the reaping
         loop = asyncio.get_running_loop()
         end = loop.time() + FAILURE_STOP_S
         while live and loop.time() < end:
@@ -807,6 +808,11 @@ class _Session:
             for peer, msg in batch:
                 if msg[0] == "done":
                     live.discard(peer)
+                    # It ended cleanly: it leaves now, on its own (STOPPED_FOR_FAILURE_STATUS), not at the
+                    # reaping's SIGTERM (143: it read as if it had failed too).
+                    with contextlib.suppress(Exception):
+                        self.ep.send_nowait(peer, ("exit",))
+                    told.add(peer)
                 elif msg[0] in ("refused", "error"):  # another failure (in its shutdown, say): said, let go
                     self._also_failed(peer, msg)
                     live.discard(peer)
@@ -814,11 +820,12 @@ class _Session:
         if self.failed is not None:  # (last: the others have heard why first)
             with contextlib.suppress(Exception):
                 self.ep.send_nowait(self.failed, ("exit",))
-            # Its own shutdown reactions ran meanwhile; it leaves once they end (the reaping's SIGTERM
-            # cut them short).
-            until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
-            while self.failed not in self.workers.dead() and loop.time() < until:
-                await asyncio.sleep(0.02)
+            told.add(self.failed)
+        # The failed worker's own shutdown reactions ran meanwhile; it leaves once they end (the reaping's
+        # SIGTERM cut them short). Those told "exit" are given a moment to be gone before it.
+        until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
+        while told - set(self.workers.dead()) and loop.time() < until:
+            await asyncio.sleep(0.02)
 
     def _also_failed(self, peer: str, msg: Any) -> None:
         """A worker's failure after the one that ends the run: logged (it was lost), and let go."""
@@ -973,6 +980,8 @@ def _how_ended(rc: int | None, where: str) -> str:
             said = f"was killed by signal {-rc}"
     elif rc == 3:
         said = "exited with status 3 (it lost a peer; its stderr names which)"
+    elif rc == STOPPED_FOR_FAILURE_STATUS:
+        said = f"exited with status {rc} (stopped because the run failed)"
     else:
         said = f"exited with status {rc}"
     return f"{said} {where}" if where else said

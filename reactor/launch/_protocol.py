@@ -37,10 +37,27 @@ from .._reactor import show_value as _show
 from .._tag import FOREVER_NS
 from ._groups import restart_from_text
 
-__all__ = ["COORDINATOR", "DAEMON_KINDS", "CoordinatorProtocol", "WorkerProtocol", "check_message", "check_request",
-           "is_plain", "nonfinite_at"]
+__all__ = ["COORDINATOR", "DAEMON_KINDS", "STOPPED_FOR_FAILURE_STATUS", "CoordinatorProtocol", "WorkerProtocol",
+           "check_message", "check_request", "is_plain", "nonfinite_at", "worker_exit_words"]
 
 COORDINATOR = "coordinator"
+
+#: The exit status of a worker that its coordinator stopped because the run failed elsewhere
+#: (``("stop", "failure")``), once its shutdown reactions ran. It exited 143 (the reaping's SIGTERM)
+#: and read as if it had failed too, in ``reactor status`` and in its daemon's records.
+STOPPED_FOR_FAILURE_STATUS = 4
+
+#: What a worker's exit status other than 0 says (``reactor status``): 2 is ``_errors.REFUSAL_EXIT_STATUS``.
+_EXIT_WORDS = {1: "failed: its traceback is in its log",
+               2: "refused the run: its line is in its log", 3: "lost a peer: its log names which",
+               STOPPED_FOR_FAILURE_STATUS: "stopped because the run failed", 143: "ended by SIGTERM"}
+
+
+def worker_exit_words(rc: int) -> str:
+    """What worker exit status ``rc`` says; "" for 0, and for one a reactor worker does not give itself."""
+    return _EXIT_WORDS.get(rc, "")
+
+
 _I64_MAX = 2**63 - 1
 _TEXT_MAX = 1 << 20  # an error report's traceback
 _ADDRESS_MAX = 1024

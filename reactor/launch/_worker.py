@@ -15,7 +15,7 @@ worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle
     ("ending", stop_pending, sent, received) (deterministic: it ended on its own, with its final
     counts; answered with "stop" and the run's reason), ("done", result), ("error", text) (a failure: its
     traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group)
-coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why),
+coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
     ("lost", group, reason, life), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
 
@@ -40,7 +40,7 @@ from .._errors import REFUSAL_EXIT_STATUS, GraphError, PeerLostError, WouldBlock
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
-from ._protocol import COORDINATOR, WorkerProtocol
+from ._protocol import COORDINATOR, STOPPED_FOR_FAILURE_STATUS, WorkerProtocol
 
 log = logging.getLogger("reactor.worker")
 #: A worker's status reports to the coordinator (idle, sent, received: quiescence detection) go
@@ -230,6 +230,7 @@ class Worker:
         self.down_at_start: list[str] = []
         self.retrying: dict[str, asyncio.Task[None]] = {}  # (_retry_link)
         self.started = False  # (async: the startup's peer events are out)
+        self.done_sent = False  # its shutdown reactions ran and its result went (exit_status)
 
     async def main(self) -> None:
         from ..transport import CurveKeys, Endpoint, link_key
@@ -377,6 +378,7 @@ class Worker:
             for p in out_peers:
                 ep.disconnect(p)
             outbox.send(COORDINATOR, ("done", result))
+            self.done_sent = True
             await asyncio.wait_for(outbox.empty.wait(), timeout=30)
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -387,6 +389,15 @@ class Worker:
             for group in list(self.retrying):
                 self._stop_retrying(group)
             await ep.aclose()
+
+    def exit_status(self, otherwise: int) -> int:
+        """Its exit status once it has ended without a failure of its own: ``STOPPED_FOR_FAILURE_STATUS``
+        when the run failed elsewhere (its coordinator's ``stop("failure")``) and its shutdown reactions
+        ran (it ended on the coordinator's ``exit``, or the reaping's SIGTERM came after its result), else
+        ``otherwise``."""
+        host = getattr(self, "host", None)
+        stopped = self.done_sent and host is not None and host.stop_reason == "failure"
+        return STOPPED_FOR_FAILURE_STATUS if stopped else otherwise
 
     def dump_state(self) -> None:
         """SIGUSR1: write this worker's scheduling state and task stacks to stderr (debugging)."""
@@ -877,7 +888,7 @@ def main() -> int:
     try:
         asyncio_run(amain())
     except asyncio.CancelledError:
-        return 143
+        return worker.exit_status(128 + signal.SIGTERM)
     except PeerLostError as e:
         print(f"reactor worker {spec['group']}: {e}", file=sys.stderr)
         return 3
@@ -886,7 +897,7 @@ def main() -> int:
             return REFUSAL_EXIT_STATUS if refusal_class(e) is not None else 1
         traceback.print_exc()
         return 1
-    return 0
+    return worker.exit_status(0)
 
 
 if __name__ == "__main__":

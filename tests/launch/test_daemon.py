@@ -611,6 +611,33 @@ def test_a_daemon_restarted_while_a_job_stops_gives_it_a_fresh_grace_and_never_s
         sleeper.wait()
 
 
+@pytest.mark.timeout(120)
+def test_the_survivors_of_a_failed_run_over_hosts_are_shown_stopped_because_it_failed_not_as_sigtermed(daemon,
+                                                                                                      tmp_path):
+    """Regression: a worker that stopped cleanly because another failed (told ``stop("failure")``, its
+    shutdown reactions ran) waited for an "exit" that never came, and the reaping's SIGTERM ended it: its
+    daemon listed it ``ended exit 143``, as if it had failed too. It is told "exit" once done and exits
+    with ``STOPPED_FOR_FAILURE_STATUS``, which ``reactor status`` says in words; the failed one keeps 1."""
+    from reactor.launch._protocol import STOPPED_FOR_FAILURE_STATUS
+
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "failing_source.py"), "--placement",
+                        "processes", "--async", "--hosts", str(hosts), "--keys", str(daemon.client_dir)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=100,
+                       env={k: v for k, v in os.environ.items() if k != "REACTOR_KEYS"})
+    assert p.returncode == 1 and "ValueError: source broke" in p.stderr, p.stderr[-3000:]
+    with daemon.client() as c:
+        ended = _wait_for(lambda: (w := {w["group"]: w["returncode"] for w in c.request("hosted")}) and None not in
+                          w.values() and w, 30, "the run's workers to end")
+    assert ended == {"source": 1, "sink": STOPPED_FOR_FAILURE_STATUS}, ended
+    status = subprocess.run([sys.executable, "-m", "reactor.cli", "status", "--daemon", daemon.address, "--daemon-key",
+                             str(daemon.keys_dir / "key.pub"), "--keys", str(daemon.client_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert "sink 4 (stopped because the run failed)" in status.stdout, status.stdout
+    assert "source 1 (failed: its traceback is in its log)" in status.stdout, status.stdout
+
+
 @pytest.mark.timeout(300)
 def test_a_training_run_over_hosts_ends_at_the_terminal_with_its_result_as_on_one_host(daemon, tmp_path):
     """Regression (a newcomer's pass over docs/cluster.md, session 52): `reactor run APP --hosts FILE`

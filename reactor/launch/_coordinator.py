@@ -826,6 +826,10 @@ class _Session:
         until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
         while told - set(self.workers.dead()) and loop.time() < until:
             await asyncio.sleep(0.02)
+        ended = self.workers.dead()
+        for name in sorted(self.procs):  # (-v: how each ended, or that the reaping ends it)
+            log.info("worker %r %s", name, _how_ended(*ended[name]) if name in ended else
+                     "has not ended: the reaping stops it")
 
     def _also_failed(self, peer: str, msg: Any) -> None:
         """A worker's failure after the one that ends the run: logged (it was lost), and let go."""
@@ -980,6 +984,8 @@ def _how_ended(rc: int | None, where: str) -> str:
             said = f"was killed by signal {-rc}"
     elif rc == 3:
         said = "exited with status 3 (it lost a peer; its stderr names which)"
+    elif rc == REFUSAL_EXIT_STATUS:
+        said = f"exited with status {rc} (it refused the run)"
     elif rc == STOPPED_FOR_FAILURE_STATUS:
         said = f"exited with status {rc} (stopped because the run failed)"
     else:

@@ -90,6 +90,11 @@ DP_WAIT_REPORT_S = 10.0
 DP_POLL_S = 0.1
 
 
+class _RunStopping(Exception):
+    """The run stopped (a replica refused or failed at its start, a Ctrl-C) while this replica waited for
+    the others to meet its bank (``_meet_bank``)."""
+
+
 class _BankLeft(Exception):
     """Another data-parallel replica left the bank with the run (``left``: index -> its updates)."""
 
@@ -235,13 +240,20 @@ class _LearnerBase(Reactor):
                 for k, (was, now) in changed.items():
                     log.warning("%s: optimizer %d's %s is %r now (the checkpoint's was %r)", self.name, i, k, now, was)
 
-    async def _join_bank(self) -> None:
+    async def _join_bank(self) -> bool:
         """Data-parallel, after :meth:`_setup`: meet the bank's other replicas in this life of the
         bank, make its ``torch.distributed`` group, and take replica 0's state (:meth:`_share_state`).
         The meeting awaits (polls), so this process answers its peers and the coordinator meanwhile: a
         replica started again whose loop a blocking wait held answered no connect of the bank's other
         new lives, which waited out the connect's 10 s timeout, and the coordinator another 10 s for it
         to link to them.
+
+        Returns False when the bank cannot meet: the run is ending (its coordinator's stop, heard in
+        async runs), or, in a deterministic run (whose worker takes no message while a reaction runs, and
+        which restarts nothing), a replica that has not come left (it refused or failed at its start:
+        :meth:`_leave_unmet_bank`). The others used to wait ``DP_JOIN_TIMEOUT_S`` for it, held past the
+        run's end until the reaping's SIGTERM, and then saved a checkpoint of no update over the run's.
+        A replica that never met its bank saves nothing at its shutdown (:meth:`_finish_files`).
 
         The rendezvous store (a file in the run directory, or the TCP store the run's coordinator
         serves over hosts) outlives the replicas' processes, so every life of the bank gets keys of its
@@ -259,30 +271,23 @@ class _LearnerBase(Reactor):
         own_gpu = self.device == "cuda" and torch.cuda.device_count() >= self.bank_size  # (cuda:N: all on one)
         backend = "nccl" if own_gpu and any(p.is_cuda for p in params) else "gloo"
         self.dp_backend = backend
-        join = datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S)
-        served = os.environ.get("REACTOR_DIST_STORE")
+        where = self._bank_where()
         # Until every replica has joined, nothing trains and the actors wait for the first weights:
         # say so, and keep saying so, rather than sit silent at 0 env steps.
-        path = rendezvous_file(self.run_dir, self.run_id)  # (one host's: its coordinator removes it at the run's end)
-        where = f"tcp store {served}" if served else f"file {path}"
         waiting = _Waiting(f"{self.name}: waiting for the other {self.bank_size - 1} data-parallel learner(s) to join "
                            f"(rendezvous: {where}; no env steps until they do; a learner that has not joined in "
                            f"{DP_JOIN_TIMEOUT_S:.0f} s ends the run)")
         try:
-            if served:  # over hosts: the TCP store the run's coordinator serves
-                host, port = served.rsplit(":", 1)
-                store = dist.TCPStore(host, int(port), is_master=False, timeout=join)
-            else:  # one host: a file in the run directory
-                if not self.run_dir:
-                    raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
-                path.parent.mkdir(parents=True, exist_ok=True)
-                # The store itself, not a file:// URL: a relative run_dir ("runs/...", the apps' default)
-                # made "file://runs/..." name "/..." (the URL's host swallowed the first part) and every
-                # replica waited there for the join timeout.
-                store = dist.FileStore(str(path), self.bank_size)
-            bank = dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", store)
-            self.dp_life, self.dp_members = await _meet_bank(bank, self.bank_index, self.bank_size, self.restarts,
-                                                             self.name, where)
+            bank = self._open_bank(self.bank_size)
+            try:
+                self.dp_life, self.dp_members = await _meet_bank(
+                    bank, self.bank_index, self.bank_size, self.restarts, self.name, where,
+                    lambda: self.stopped_by is not None, left_watch=self.deterministic)
+            except _RunStopping as e:
+                why = f"the run is ending ({self.stopped_by})" if self.stopped_by is not None else str(e)
+                _say(f"{self.name}: {why} before all {self.bank_size} data-parallel learners joined: this one leaves "
+                     f"without learning, and saves nothing")
+                return False
             self._dp_store = dist.PrefixStore(f"group/{self.dp_life}", bank)
             # Every replica has come to this life: the group forms at once, unless one died since it came
             # (its new life makes the next: this one then fails after DP_TIMEOUT_S, and joins that one).
@@ -299,6 +304,48 @@ class _LearnerBase(Reactor):
         print(f"{self.name}: data-parallel over {backend}, {self.bank_size} replicas, this one on {self.torch_device}",
               flush=True)
         self._share_state()
+        return True
+
+    def _bank_where(self) -> str:
+        """Where the bank's replicas meet, in words (the run's TCP store over hosts, else its file)."""
+        served = os.environ.get("REACTOR_DIST_STORE")
+        return f"tcp store {served}" if served else f"file {self._bank_file()}"
+
+    def _bank_file(self) -> Path:
+        return rendezvous_file(self.run_dir, self.run_id)  # (one host's: its coordinator removes it at the run's end)
+
+    def _open_bank(self, users: int) -> Any:
+        """The bank's rendezvous store, under its prefix: the TCP store the run's coordinator serves over
+        hosts, else a file in the run directory (``users``: ``FileStore``'s count of the processes that
+        use it, the last of which removes the file; -1: not counted)."""
+        import torch.distributed as dist
+
+        served = os.environ.get("REACTOR_DIST_STORE")
+        if served:  # over hosts: the TCP store the run's coordinator serves
+            host, port = served.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S))
+        else:  # one host: a file in the run directory
+            if not self.run_dir:
+                raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
+            path = self._bank_file()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # The store itself, not a file:// URL: a relative run_dir ("runs/...", the apps' default)
+            # made "file://runs/..." name "/..." (the URL's host swallowed the first part) and every
+            # replica waited there for the join timeout.
+            store = dist.FileStore(str(path), users)
+        return dist.PrefixStore(f"{self.run_id}/{self.name.split('[')[0]}", store)
+
+    def _leave_unmet_bank(self) -> None:
+        """At shutdown (data-parallel), a replica that never met its bank (it refused or failed at its
+        start, or the run ended first) says so in the rendezvous store (``gone/<i>``), where a deterministic
+        run's replicas waiting for it look (:func:`_meet_bank`): their worker hears no stop while they wait."""
+        if not self.deterministic or self.bank_size < 2 or self.dp_members is not None:
+            return
+        try:
+            self._open_bank(-1).set(f"gone/{self.bank_index}", str(self.restarts))  # (-1: not one of its users)
+        except (RuntimeError, OSError, ValueError) as e:  # (no run_dir, the store's host gone: they time out)
+            logging.getLogger("reactor.learner").warning("%s could not tell the bank it left: %s", self.name, e)
 
     def _share_state(self) -> None:
         """Data-parallel, once joined: replica 0's whole state (what ``learner.pt`` holds: networks,
@@ -499,6 +546,12 @@ class _LearnerBase(Reactor):
 
     def _finish_files(self) -> None:
         if not hasattr(self, "state"):
+            self._leave_unmet_bank()
+            return
+        if self.bank_size > 1 and self.dp_members is None:
+            # Data-parallel, its bank never met: nothing learned (its state is fresh, or the checkpoint's it
+            # resumed from); it saved those as a checkpoint of no update over the run's at the reaping.
+            self._leave_unmet_bank()
             return
         self._leave_bank()
         saved = self._maybe_checkpoint(force=True)  # replica 0 only (it hashed the weights: not twice)
@@ -553,8 +606,8 @@ def _on_cpu(obj: Any) -> Any:
     return obj.detach().cpu() if hasattr(obj, "detach") else obj
 
 
-async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: str,
-                     where: str) -> tuple[int, dict[int, int]]:
+async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: str, where: str,
+                     stopping: Any = lambda: False, left_watch: bool = False) -> tuple[int, dict[int, int]]:
     """Agree with the other replicas of a data-parallel bank on the bank's life to join, once all
     ``size`` have come to it; returns it, and each replica's process life (its ``restarts``) there.
 
@@ -568,6 +621,9 @@ async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: 
 
     Raises:
         PeerLostError: not every replica came within ``DP_JOIN_TIMEOUT_S``.
+        _RunStopping: ``stopping()`` became true meanwhile (the run is ending: checked at every poll), or,
+            with ``left_watch``, a replica that has not come left (``gone/<i>``: a deterministic run, which
+            restarts nothing).
     """
     import asyncio
     import time
@@ -583,6 +639,12 @@ async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: 
             now = int(bank.add("life", 0))
             if now > life:
                 break
+            if stopping():
+                raise _RunStopping(name)
+            gone = [i for i, key in enumerate(came) if left_watch and not bank.check([key])
+                    and bank.check([f"gone/{i}"])]
+            if gone:
+                raise _RunStopping(f"data-parallel learner(s) {gone} left (refused or failed at its start)")
             if time.monotonic() > deadline:
                 missing = [i for i, key in enumerate(came) if not bank.check([key])]
                 raise PeerLostError(f"{name}: data-parallel learner(s) {missing} did not join within "
@@ -776,8 +838,8 @@ class Learner(_LearnerBase):
                 f"learner.ready, learner.bank, delay_s=step_s), as off_policy_graph does); {self.links_into('bank')} "
                 f"link(s) reach this replica's `bank`")
         self._setup(self.algo_name, self.env_name, self.algo_config)
-        if self.bank_size > 1:
-            await self._join_bank()
+        if self.bank_size > 1 and not await self._join_bank():
+            return  # (the run stopped before the bank met: nothing to learn, nothing to save)
         self.client = ReplayClient(self.num_shards, requester=self.bank_index, rng=self.rng,
                                    timeout_s=self.sample_timeout_s, remote_reads=self.remote_reads,
                                    curve=self.process_link.curve, one_sided=not self.reproducible)
@@ -1097,8 +1159,8 @@ class RolloutLearner(_LearnerBase):
     @reaction(triggers=[startup], effects=[weights])
     async def start(self) -> None:
         self._setup(self.algo_name, self.env_name, self.algo_config)
-        if self.bank_size > 1:
-            await self._join_bank()
+        if self.bank_size > 1 and not await self._join_bank():
+            return  # (the run stopped before the bank met)
         self.weights.send(self._weights())
 
     @reaction(triggers=[peer_restarted], effects=[weights])

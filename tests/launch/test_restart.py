@@ -256,7 +256,7 @@ def test_a_worker_that_ended_with_a_refusals_exit_status_is_not_started_again():
         assert set(r.due) == {"a"}
         s.workers = _Dead({"b": (2, "")})  # type: ignore[assignment]
         with pytest.raises(WorkerFailedError, match=re.escape(
-                "worker 'b' exited with status 2 before the run ended; group 'b' was not restarted: exit status 2 is "
+                "worker 'b' exited with status 2 (it refused the run) before the run ended; group 'b' was not restarted: exit status 2 is "
                 "a refusal of what the run was given, which a new life is given again (its stderr says what)")):
             s._check_children()
         assert "b" not in r.due

@@ -7,6 +7,7 @@ part, as one that died or stopped does.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,8 @@ algo = types.SimpleNamespace(state_dict=lambda s: {"net": s["net"].state_dict(),
                                                            s["opt"].load_state_dict(d["opt"])))
 me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2, restarts=0,
                            state={"net": net, "opt": opt}, algo=algo, name=f"learner[{rank}]", updates=0,
-                           device="cpu", torch_device=torch.device("cpu"))
-for method in ("_all_reduce", "_bank_left", "_leave_bank", "_share_state"):
+                           device="cpu", torch_device=torch.device("cpu"), stopped_by=None, deterministic=False)
+for method in ("_all_reduce", "_bank_left", "_leave_bank", "_share_state", "_bank_where", "_bank_file", "_open_bank"):
     setattr(me, method, types.MethodType(getattr(L._LearnerBase, method), me))
 asyncio.run(L._LearnerBase._join_bank(me))
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
@@ -198,6 +199,38 @@ def test_a_banks_replicas_meet_in_one_life_and_every_new_life_of_a_replica_moves
     first, second = asyncio.run(lives())
     assert first == [(0, {0: 0, 1: 0, 2: 0})] * 3
     assert second == [(2, {0: 1, 1: 2, 2: 1})] * 3
+
+
+def test_a_replica_waiting_for_its_bank_leaves_when_the_run_stops_or_a_missing_replica_left():
+    """A replica that refused or failed at its start never comes to its bank's meeting, and the others
+    waited ``DP_JOIN_TIMEOUT_S`` (600 s) for it, past the run's end. A waiting replica leaves as soon as
+    the run is ending (its coordinator's stop, heard in async runs), or, watching for it (deterministic
+    runs, whose worker hears nothing while the meeting holds its reaction), once a replica that has not
+    come says it left (``gone/<i>``); a replica that came and left is no reason."""
+    import asyncio
+
+    import pytest
+    import torch.distributed as dist
+
+    from reactor.nodes.learner import _meet_bank, _RunStopping
+
+    async def meet(bank: dist.Store, stopping=lambda: False, left_watch=False):
+        return await asyncio.wait_for(_meet_bank(bank, 0, 3, 0, "learner[0]", "a test store", stopping,
+                                                 left_watch=left_watch), 10)
+
+    bank = dist.PrefixStore("run/learner", dist.HashStore())
+    with pytest.raises(_RunStopping, match=r"^learner\[0\]$"):
+        asyncio.run(meet(bank, stopping=lambda: True))
+    bank = dist.PrefixStore("run/learner", dist.HashStore())
+    bank.set("came/0/2", "0")  # replica 2 came; replica 1 left without coming
+    bank.set("gone/1", "0")
+    with pytest.raises(_RunStopping, match=re.escape("data-parallel learner(s) [1] left (refused or failed at its "
+                                                     "start)")):
+        asyncio.run(meet(bank, left_watch=True))
+    bank = dist.PrefixStore("run/learner", dist.HashStore())
+    for key in ("came/0/1", "came/0/2", "gone/1"):  # (had it come, its word would not stop the meeting)
+        bank.set(key, "0")
+    assert asyncio.run(meet(bank, left_watch=True)) == (0, {0: 0, 1: 0, 2: 0})
 
 
 def test_a_replica_ends_when_a_replica_of_its_banks_life_dies_and_lets_an_earlier_death_be():

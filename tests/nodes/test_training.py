@@ -144,6 +144,30 @@ def test_dp_learners_all_reduce_into_identical_replicas_and_end_together(tmp_pat
     assert (tmp_path / "one" / "weights.sha256").read_text().strip() != hashes["learner[0]"]
 
 
+@pytest.mark.timeout(120)
+def test_a_data_parallel_replica_that_refuses_at_its_start_ends_the_run_at_once_and_the_others_end_cleanly(tmp_path):
+    """Regression: replica 1 of a ``dp-learners`` bank refused at its start (a GPU this host does not
+    have, as a replica on a host without the others' GPUs would). Replica 0 waited for it in the bank's
+    rendezvous (``DP_JOIN_TIMEOUT_S``, 600 s), in a deterministic run's blocking startup reaction, where its
+    worker hears no stop; the reaping's SIGTERM ended it, and its shutdown then saved a checkpoint of no
+    update (``learner.pt``, ``weights.sha256``). The refusing replica now says in the rendezvous store that it
+    left, the waiting one leaves at once without learning or saving, and every other worker ends on its
+    own, stopped because the run failed (exit status 4, said under -v)."""
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "tests" / "apps" / "dp_refusal.py"),
+                        "--placement", "dp-learners", "-v", "--set", "live=False", "--set", f"run_dir={str(run)!r}",
+                        "--set", "actors=1", "--set", "shards=1", "--set", "target_return=None"],
+                       capture_output=True, text=True, timeout=100, cwd=ROOT, env=run_env(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert any(re.fullmatch(r"reactor: learner\[1\]: device='cuda:99' (needs CUDA|names a GPU this host does not have)"
+                            r".*", line) for line in p.stderr.splitlines()), p.stderr[-3000:]
+    assert ("learner[0]: data-parallel learner(s) [1] left (refused or failed at its start) before all 2 data-parallel "
+            "learners joined: this one leaves without learning, and saves nothing") in p.stdout, p.stdout
+    for worker in ("learner-0", "driver", "actor", "replay"):
+        assert f"worker {worker!r} exited with status 4 (stopped because the run failed)" in p.stderr, p.stderr[-3000:]
+    assert "updates; final weights" not in p.stdout and not (run / "learner.pt").exists(), p.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_readmes_dp_learners_run_learns_to_its_target(tmp_path, capfd):

@@ -64,6 +64,7 @@ class ShardStore:
         self._want_wal = wal and directory is not None
         self._wal: WriteAheadLog | None = None
         self._mark: np.ndarray | None = None
+        self._mark_path: Path | None = None
         self._saving: concurrent.futures.Future[Path] | None = None
         self._saving_at = (0, 0)  # (table generation, storage next step) of the save in progress
         self._cancel = threading.Event()
@@ -81,8 +82,14 @@ class ShardStore:
         inserted_before = _read_inserted_mark(d) if restore else None
         if d is not None and restore:
             self._restore(table, d)
+        if self._saved_generation is None and len(table) == 0 and (d is None or not complete_checkpoints(d)):
+            # An empty table over no checkpoint: a final checkpoint only once it changed (every start that
+            # failed, a refused resume among them, left an empty ckpt-00000001 in the run directory).
+            self._saved_generation = table.generation
         now = table.storage.step_range[1]
-        self._mark = _inserted_mark(d, now)
+        # (written at the first insert: a start that another node refuses left a rewritten mark in the
+        # run directory it refused; and until then the earlier life's count is still the one to compare)
+        self._mark_path = _check_mark(d)
         if restarts > 0:
             self.lost_steps = -1 if inserted_before is None else max(0, inserted_before - now)
             log.warning("%s restarted (restart %d): %s", self.name, restarts,
@@ -144,6 +151,8 @@ class ShardStore:
         shard), and counted in the mark."""
         if self._wal is not None:
             self._wal.append(first, fields, priorities, ends, item_mask)
+        if self._mark is None and self._mark_path is not None:
+            self._mark = _inserted_mark(self._mark_path)
         if self._mark is not None:
             self._mark[0] = next_step
 
@@ -245,19 +254,28 @@ class ShardStore:
             self._wal.close()
 
 
-def _inserted_mark(directory: Path | None, now: int) -> np.ndarray | None:
-    """A file-backed counter of the steps this shard has inserted, updated after every insert: it
-    is in the page cache, so it survives the shard's process being killed (not its host's crash),
-    and a restarted shard compares it with what its checkpoint restored (``lost_steps``)."""
+def _check_mark(directory: Path | None) -> Path | None:
+    """Where a shard's inserted mark goes (None: no directory), checked when the shard opens: the mark
+    is written in place, never through a link.
+
+    Raises:
+        ValueError: something other than a regular file is there, naming it.
+    """
     if directory is None:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / _MARK_FILE
     if path.is_symlink() or (path.exists() and not path.is_file()):  # written in place: never through a link
         raise ValueError(f"{path} is not a regular file (a link, a FIFO, a device): remove it")
-    mark = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(1,))
-    mark[0] = now
-    return mark
+    return path
+
+
+def _inserted_mark(path: Path) -> np.ndarray:
+    """A file-backed counter of the steps this shard has inserted, updated after every insert: it
+    is in the page cache, so it survives the shard's process being killed (not its host's crash),
+    and a restarted shard compares it with what its checkpoint restored (``lost_steps``). Made at
+    the shard's first insert (:meth:`ShardStore.inserted`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(1,))
 
 
 def _read_inserted_mark(directory: Path | None) -> int | None:

@@ -133,6 +133,10 @@ class Metrics(Reactor):
 
     @reaction(triggers=[startup], effects=[started])
     def open_logs(self) -> None:
+        """Claim the run directory and read what an earlier life or run left there; write nothing there
+        yet (:meth:`_begin`, at the first report): a start that another node refuses (a resume whose
+        checkpoint does not load) left a new TensorBoard file, a rewritten counts file and a CSV cut
+        back to its counts in the run directory it refused."""
         self.dir = Path(self.run_dir)
         refuse_file_links(self.dir)
         self._run_claim = claim_run_dir(self.dir, self.run_id, resume=self.resume,
@@ -144,33 +148,52 @@ class Metrics(Reactor):
         # wall clock goes on from their last row, and their evaluations count in the summary. So does a
         # resumed run (it started the file anew, and a resume that failed had wiped the run's metrics).
         self.budget_base = 0.0  # the env steps before this run's (a resumed run's budget is on top of them)
+        self._csv_cut: int | None = None  # the length metrics.csv is cut back to when the run begins
         if self.restarts > 0 or self.resume:
             self._take_counts(self.dir / COUNTS_FILE, path)
-        earlier = _earlier_rows(path) if self.restarts > 0 or self.resume else None
-        if earlier is None and (self.restarts > 0 or self.resume) and path.exists():
-            # Not a metrics.csv this node can go on with (a damaged header, a byte that is not UTF-8):
-            # kept beside the new one, never truncated (the run's whole history went, in silence).
+        earlier = _earlier_rows(path, self._csv_cut) if self.restarts > 0 or self.resume else None
+        # Not a metrics.csv this node can go on with (a damaged header, a byte that is not UTF-8): kept
+        # beside the new one when the run begins, never truncated (the run's whole history went, in silence).
+        self._csv_unreadable = earlier is None and (self.restarts > 0 or self.resume) and path.exists()
+        self._earlier = earlier is not None
+        self.wall_offset = 0.0
+        if earlier is not None:
+            self.wall_offset, self.evals, keep = earlier
+            if keep is not None:  # (a row cut short by the earlier life's death: cut off)
+                self._csv_cut = keep
+            returns = [r for _, _, r in self.evals]
+            self.last_eval, self.best_eval = (returns[-1], max(returns)) if returns else (None, None)
+        self._begun = False
+        self.display = _Display(self.title or str(self.dir), enabled=self.live, console=self.console)
+        self.last_shown = self.last_flushed = 0.0
+
+    def _begin(self) -> None:
+        """The run is under way (a report came, or it ended without failing): make this life's changes to
+        the run directory (the CSV cut back to the counts its earlier life saved, or an unreadable one kept
+        aside; the header of a new one; the counts; TensorBoard's file)."""
+        if self._begun:
+            return
+        self._begun = True
+        path = self.dir / "metrics.csv"
+        if self._csv_unreadable:
             kept = path.with_name(f"metrics.unreadable-{int(time.time())}.csv")
             os.replace(path, kept)
             logging.getLogger("reactor.metrics").warning(
                 "%s: %s is not a metrics file this run can go on with (its header or encoding is damaged): kept as "
                 "%s, and a new metrics.csv starts", self.name, path, kept.name)
-        self.csv_file = open(path, "a" if earlier else "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed at shutdown
+        elif self._csv_cut is not None:
+            with open(path, "rb+") as f:  # (a regular file: refuse_file_links)
+                if f.seek(0, os.SEEK_END) > self._csv_cut:
+                    f.truncate(self._csv_cut)
+        self.csv_file = open(path, "a" if self._earlier else "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed at shutdown
         self.csv = csv.writer(self.csv_file)
-        self.wall_offset = 0.0
-        if earlier:
-            self.wall_offset, self.evals = earlier
-            returns = [r for _, _, r in self.evals]
-            self.last_eval, self.best_eval = (returns[-1], max(returns)) if returns else (None, None)
-        else:
+        if not self._earlier:
             self.csv.writerow(CSV_HEADER)
         self.csv_file.flush()
         self._save_counts()  # (this run's, from the start: never an earlier run's in this directory)
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.dir / "tb"))
-        self.display = _Display(self.title or str(self.dir), enabled=self.live, console=self.console)
-        self.last_shown = self.last_flushed = 0.0
 
     @reaction(triggers=[started])
     def start_clock(self) -> None:
@@ -187,6 +210,7 @@ class Metrics(Reactor):
     def record(self, reports: Report) -> None:
         src, values = reports.source, reports.values
         self.recorded = True
+        self._begin()
         before = self.latest.get(src, {})
         for k in COUNTERS:
             if k in values:
@@ -261,8 +285,8 @@ class Metrics(Reactor):
                                                              self.name, COUNTS_FILE, e)
 
     def _take_counts(self, path: Path, csv_path: Path) -> None:
-        """The totals and sources' counters an earlier life saved at ``path``, and ``csv_path`` cut back to
-        the rows they went with: the rows its life wrote after its last save (under a second's, none an
+        """The totals and sources' counters an earlier life saved at ``path``, and ``csv_path``'s length
+        to cut it back to when the run begins (:meth:`_begin`), the rows they went with: the rows its life wrote after its last save (under a second's, none an
         evaluation: each is saved at once) would otherwise hold totals the counters do not, and the new
         life's first rows would go back from them. A resumed run (a first life) takes the earlier run's
         totals as its ``budget_base``. A file that is not of that shape, one a restarted life finds saved
@@ -282,7 +306,7 @@ class Metrics(Reactor):
                 raise ValueError(f"{path}: not a {COUNTS_FILE} of the Metrics node")
             if self.restarts > 0 and data["run_id"] != self.run_id:
                 raise ValueError(f"{path} was saved by run {data['run_id'][:80]!r}, not by this one ({self.run_id})")
-            _cut_back(csv_path, data["csv_nbytes"])
+            self._csv_cut = _cut_back(csv_path, data["csv_nbytes"])  # (made when the run begins: _begin)
         except (OSError, ValueError) as e:
             logging.getLogger("reactor.metrics").warning("%s: env steps and other totals count from the live "
                                                          "sources' counters again: %s", self.name, e)
@@ -302,7 +326,8 @@ class Metrics(Reactor):
         if not hasattr(self, "display") or (self.stopped_by == "failure" and not self.recorded):
             # The run failed before our startup finished, or before anything reached us (a node refused
             # what it was given: another process's startup, as under `single` where ours came after):
-            # nothing to report, and an earlier life's summary and plot stay as they were.
+            # nothing to report, and the run directory's files stay as they were (an earlier life's
+            # summary and plot, an earlier run's metrics and counts: nothing was written, _begin).
             live = getattr(getattr(self, "display", None), "live", None)
             if live is not None:
                 live.stop()  # (the terminal back as it was)
@@ -310,6 +335,7 @@ class Metrics(Reactor):
                 if f is not None:
                     f.close()
             return
+        self._begin()  # (a run that ended well before any report: its files all the same)
         wall = time.monotonic() - self.t0 + self.wall_offset
         steps = self.totals["env_steps"] - self.budget_base
         if not self.stop_reason and self.env_step_budget is not None and steps >= self.env_step_budget:
@@ -405,22 +431,23 @@ def _counts_ok(counts: Any) -> bool:
         k in COUNTERS and type(v) in (int, float) and 0 <= v < MAX_COUNT for k, v in counts.items())
 
 
-def _cut_back(csv_path: Path, nbytes: int) -> None:
-    """Cut ``csv_path`` back to its first ``nbytes`` (the rows a counts file goes with), where that is the
-    end of a row past the header and what goes holds no evaluation; a file no longer than that is left.
+def _cut_back(csv_path: Path, nbytes: int) -> int | None:
+    """Where ``csv_path`` is to be cut back to its first ``nbytes`` (the rows a counts file goes with):
+    ``nbytes``, when that is the end of a row past the header and what would go holds no evaluation;
+    None for a file no longer than that (or none). Reads only: the cut is made when the run begins.
 
     Raises:
         ValueError: ``nbytes`` is not the end of a row past the header, or an evaluation lies past it
             (the counts file is older than the rows: its save failed since, or it is not this file's).
     """
     try:
-        f = open(csv_path, "rb+")  # noqa: SIM115 - (a regular file: refuse_file_links)
+        f = open(csv_path, "rb")  # noqa: SIM115 - (a regular file: refuse_file_links)
     except FileNotFoundError:
-        return
+        return None
     with f:
         size = f.seek(0, os.SEEK_END)
         if size <= nbytes:
-            return
+            return None
         header = len(",".join(CSV_HEADER)) + 1  # (the header line with its end, \r\n or \n)
         f.seek(max(0, nbytes - 2))
         end = f.read(2)
@@ -432,30 +459,35 @@ def _cut_back(csv_path: Path, nbytes: int) -> None:
                 raise ValueError(f"{csv_path} holds an evaluation past the {nbytes} bytes its counts went with")
             if len(chunk) == 1 << 20:
                 f.seek(-len(b"eval_return"), os.SEEK_CUR)
-        f.truncate(nbytes)
+    return nbytes
 
 
-def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] | None:
-    """An earlier life's metrics.csv at ``path``: the last row's ``wall_s`` and its evaluations
-    ``(wall_s, env_steps, eval_return)``; None where there is no such file (or it is not one: its header
-    differs), and the new life starts the file anew. A row cut short by the earlier life's death (a kill
-    mid-write) is cut off the file, so the new life's rows start on a line of their own. Only the
-    evaluation rows and the last rows are parsed as CSV: a long run's file holds millions of rows, and a
-    restart waits for this."""
+def _earlier_rows(path: Path, end: int | None = None) -> tuple[float, list[tuple[float, float, float]], int | None] | None:
+    """An earlier life's metrics.csv at ``path`` (its first ``end`` bytes, where it is to be cut back to
+    them): the last row's ``wall_s``, its evaluations ``(wall_s, env_steps, eval_return)``, and the length
+    to cut it back to when a row was cut short by the earlier life's death (a kill mid-write: the new
+    life's rows then start on a line of their own), else None; None where there is no such file (or it is
+    not one: its header differs), and the new life starts the file anew. Only the evaluation rows and the
+    last rows are parsed as CSV: a long run's file holds millions of rows, and a restart waits for this.
+    Reads only: the cut is made when the run begins."""
     try:
-        with open(path, "rb+") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - 65536))
-            tail = f.read()
-            if tail and not tail.endswith(b"\n"):
-                f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
-                tail = tail[:tail.rfind(b"\n") + 1]
         with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if end is not None:
+                size = min(size, end)
+            f.seek(max(0, size - 65536))
+            tail = f.read(size - max(0, size - 65536))
+            keep = None
+            if tail and not tail.endswith(b"\n"):
+                keep = size - len(tail) + tail.rfind(b"\n") + 1
+                tail = tail[:tail.rfind(b"\n") + 1]
+            limit = keep if keep is not None else size
+            f.seek(0)
             header = f.readline(MAX_LINE_CHARS)
             if next(csv.reader([header.decode()]), None) != CSV_HEADER:
                 return None
             last_wall, evals = 0.0, []
-            for line in _rows_of(f):
+            for line in _rows_of(f, limit):
                 if b"eval_return" in line and (row := _parsed(line)) is not None and row[2] == "eval_return":
                     wall, steps, _, value = row
                     evals.append((wall, steps, value))
@@ -468,15 +500,13 @@ def _earlier_rows(path: Path) -> tuple[float, list[tuple[float, float, float]]] 
                 break
     except (OSError, csv.Error, UnicodeDecodeError):
         return None
-    return last_wall, evals
+    return last_wall, evals, keep
 
 
-
-
-def _rows_of(f: Any) -> Iterator[bytes]:
-    """The lines of binary file ``f`` from where it is, each at most :data:`MAX_LINE_CHARS` long:
-    longer ones are read through in pieces and left out."""
-    while line := f.readline(MAX_LINE_CHARS):
+def _rows_of(f: Any, limit: int | None = None) -> Iterator[bytes]:
+    """The lines of binary file ``f`` from where it is (to byte ``limit``, a line's end), each at most
+    :data:`MAX_LINE_CHARS` long: longer ones are read through in pieces and left out."""
+    while (limit is None or f.tell() < limit) and (line := f.readline(MAX_LINE_CHARS)):
         if len(line) < MAX_LINE_CHARS or line.endswith(b"\n"):
             yield line
             continue

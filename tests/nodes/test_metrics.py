@@ -311,7 +311,7 @@ def test_an_earlier_lifes_rows_are_read_for_their_evaluations_and_last_time_only
     path.write_text(",".join(CSV_HEADER) + "\n" + "1.0,10,evaluator,eval_return,7.0\n"
                     + '2.0,20,actor,"x,eval_return,y",5.0\n' + "3.0,30,eval_return,loss,0.5\n"
                     + "4.0,40,learner,loss,0.25\n" + "garbled row\n")
-    assert _earlier_rows(path) == (4.0, [(1.0, 10.0, 7.0)])
+    assert _earlier_rows(path) == (4.0, [(1.0, 10.0, 7.0)], None)
     path.write_text("wall,steps\n1.0,2\n")  # not a metrics file: the new life starts it anew
     assert _earlier_rows(path) is None
 
@@ -331,7 +331,7 @@ def test_a_line_far_longer_than_any_row_is_passed_over_by_the_restart_never_read
         f.write("3.0,30,evaluator,eval_return,9.0\n" + "4.0,40,learner,loss,0.25\n")
     tracemalloc.start()
     try:
-        assert _earlier_rows(path) == (4.0, [(1.0, 10.0, 7.0), (3.0, 30.0, 9.0)])
+        assert _earlier_rows(path) == (4.0, [(1.0, 10.0, 7.0), (3.0, 30.0, 9.0)], None)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -170,6 +170,37 @@ def test_a_shard_whose_only_checkpoint_was_cut_short_says_it_starts_empty(tmp_pa
     assert len(restored) == 5 and not [r for r in caplog.records if "cut short" in r.getMessage()]
 
 
+def test_a_shard_store_writes_nothing_in_its_directory_until_its_table_changes(tmp_path):
+    """Regression: a shard rewrote its inserted mark when it opened, and wrote an empty final checkpoint at
+    its shutdown over a directory with none: a start that another node refused (a resume whose
+    ``learner.pt`` does not load) changed the run directory it refused. Now the mark is written at the
+    first insert and the final checkpoint only of a table that changed; until the first insert the
+    earlier life's mark is the one a restart compares with (its ``lost_steps``)."""
+    from reactor.nodes._shardstore import ShardStore
+
+    def table() -> Table:
+        return Table(Storage([FieldSpec("obs", (4,), torch.float32)], 64), sampler=Uniform(), remover=Fifo(),
+                     rate_limiter=MinSize(1))
+
+    directory = tmp_path / "replay-0"
+    directory.mkdir()
+    with open(directory / "inserted", "wb") as f:  # an earlier life's mark: 7 steps, and no checkpoint
+        np.save(f, np.array([7], dtype=np.int64))
+    before = {p.name: (p.read_bytes() if p.is_file() else None, p.stat().st_ino) for p in directory.iterdir()}
+    store = ShardStore("replay[0]", directory, keep=2, period_s=None, wal=False)
+    store.open(t := table(), restore=True, restarts=0)
+    store.close(t, final=True)
+    assert {p.name: (p.read_bytes() if p.is_file() else None, p.stat().st_ino) for p in directory.iterdir()} == before
+    store = ShardStore("replay[0]", directory, keep=2, period_s=None, wal=False)
+    store.open(t := table(), restore=True, restarts=1)
+    assert store.lost_steps == 7  # (the earlier life's mark, not one rewritten by a start that did nothing)
+    first = t.storage.step_range[1]
+    t.insert_nowait({"obs": torch.zeros(5, 4)}, np.ones(5), episode_end=True)
+    store.inserted(first, t.storage.step_range[1], {}, None, np.ones(5, dtype=bool), None)
+    store.close(t, final=True)
+    assert int(np.load(directory / "inserted")[0]) == 5 and len(complete_checkpoints(directory)) == 1
+
+
 class _Filler(Reactor):
     """Sends ``n`` chunks of 4 rows, 3 of them items (as an episode's last observation is none)."""
 

@@ -240,10 +240,15 @@ def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run
         (tmp_path / "learner.pt").write_bytes(data[: len(data) // 2])
     (tmp_path / "config.json").write_text('{"format": 1}\n')
     (tmp_path / "weights.sha256").write_text("abc\n")
-    (tmp_path / "metrics.csv").write_text("wall_s,env_steps,source,name,value\n1.000,10,evaluator,eval_return,9.5\n")
+    rows = "wall_s,env_steps,source,name,value\n1.000,10,evaluator,eval_return,9.5\n"
+    (tmp_path / "metrics.csv").write_text(rows + "1.500,12,actor-0,env_steps,12\n")  # (a row past its counts)
+    (tmp_path / "metrics.counters.json").write_text(json.dumps(
+        {"format": 1, "run_id": "earlier", "totals": {"env_steps": 10}, "sources": {}, "csv_nbytes": len(rows),
+         "budget_base": 0}))
     (tmp_path / "summary.json").write_text('{"env_steps": 10}\n')
-    kept = ("learner.pt", "config.json", "weights.sha256", "metrics.csv", "summary.json")
-    before = {name: (tmp_path / name).read_bytes() for name in kept}
+    (tmp_path / "replay-0").mkdir()
+    (tmp_path / "replay-0" / "inserted").write_bytes(b"not read: no checkpoint")  # (the shard's mark)
+    before = _files_in(tmp_path)
     out = subprocess.run(
         [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", placement,
          "--set", f"run_dir='{tmp_path}'", "--set", "live=False",
@@ -256,9 +261,19 @@ def test_a_resume_that_cannot_load_its_checkpoint_is_one_line_and_leaves_the_run
     assert len(lines) == 1 and lines[0].startswith(f"reactor: learner: cannot resume from {tmp_path / 'learner.pt'}: ")
     assert ("size mismatch" in lines[0]) == (damage == "another_network") and "the checkpoint and the run's results were left as they were" in lines[0]
     assert "stopped:" not in out.stdout, out.stdout  # (no result lines of a run that never began)
-    after = {name: (tmp_path / name).read_bytes() for name in kept}
-    assert after["metrics.csv"].startswith(before.pop("metrics.csv"))  # (appended to, as a resumed run's is)
-    assert {k: v for k, v in after.items() if k != "metrics.csv"} == before
+    # Not a file of the run directory changed, and none came, but the claim's (run.json names the run that
+    # holds the directory, for its other processes' claims; run.lock is what they lock): Metrics cut the CSV
+    # back to its counts and rewrote them, TensorBoard made a file, a shard rewrote its mark.
+    after = _files_in(tmp_path)
+    assert {k: v for k, v in after.items() if k not in ("run.json", "run.lock")} == before, sorted(
+        k for k in set(after) | set(before) if after.get(k) != before.get(k))
+
+
+def _files_in(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``directory`` but its tests' runtime-directory note: its bytes and its inode (a file
+    replaced by a rename has another)."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_ino) for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != "rt"}
 
 
 @pytest.mark.parametrize(

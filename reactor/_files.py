@@ -11,6 +11,10 @@ its start then hangs), ``/dev/zero`` never ends, and a JSON document nested a hu
 raises ``RecursionError``. :func:`read_small` and :func:`read_small_json` refuse all three with an
 error that names the file. :func:`replace_small` writes such a file whole or not at all, never
 through a link planted at its name.
+
+Writes in progress (:func:`writing`: :func:`replacing`'s, a replay checkpoint's) are known to the
+process, so that one that must leave mid-write (a failed worker past its bound) can wait for them a
+while, then remove what a cut one leaves (:func:`remove_cut_writes`): the file it replaces is whole.
 """
 
 from __future__ import annotations
@@ -19,13 +23,55 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links", "replace_small",
-           "replacing"]
+__all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links",
+           "remove_cut_writes", "replace_small", "replacing", "writes_in_progress", "writing"]
+
+_writes: dict[int, tuple[Path, Path]] = {}  # (a write's id) -> (what it writes into, what it replaces)
+_writes_lock = threading.Lock()
+_write_ids = iter(range(1 << 62))
+
+
+@contextlib.contextmanager
+def writing(tmp: Path, final: Path) -> Iterator[None]:
+    """A write into ``tmp`` (a temporary file or directory) that will replace ``final``, known to this
+    process for as long as the block runs (:func:`writes_in_progress`)."""
+    with _writes_lock:
+        key = next(_write_ids)
+        _writes[key] = (tmp, final)
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            _writes.pop(key, None)
+
+
+def writes_in_progress() -> list[Path]:
+    """What this process's writes in progress will replace (their ``final``), in the order they began."""
+    with _writes_lock:
+        return [final for _, final in _writes.values()]
+
+
+def remove_cut_writes() -> list[Path]:
+    """This process leaves now, mid-write (``os._exit``: no ``finally`` runs): remove what its writes in
+    progress wrote so far (a cut ``.NAME.tmp`` held as much disk as the file, until the next save), and
+    return what each would have replaced (each is whole: the rename never came). Best effort."""
+    with _writes_lock:
+        cut = list(_writes.values())
+        _writes.clear()
+    for tmp, _ in cut:
+        with contextlib.suppress(OSError):
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink()
+    return [final for _, final in cut]
 
 
 def open_regular(path: str | os.PathLike[str]) -> int:
@@ -104,7 +150,7 @@ def replacing(path: str | os.PathLike[str], sync: bool = False) -> Iterator[Bina
         tmp.unlink()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with writing(tmp, path), os.fdopen(fd, "wb") as f:
             yield f
             if sync:
                 f.flush()

@@ -499,6 +499,7 @@ class _Session:
         self.ending: dict[str, bool] = {}  # deterministic: worker ended on its own -> events left past the stop
         self.stopped_by: str | None = None
         self.failed: str | None = None  # the worker whose error or refusal ends the run (it waits for "exit")
+        self.failed_at = 0.0  # (loop time: when its word came)
 
     @property
     def host_of(self) -> Mapping[str, str]:
@@ -703,6 +704,7 @@ class _Session:
                 self.results.update((p, m[1]) for p, m in batch if m[0] == "done")
                 # It waits for our "exit" to leave: at once for a restart, else once the others were told.
                 self.failed = peer
+                self.failed_at = asyncio.get_running_loop().time()
                 if self.stopped_by is None and self.restarts.can_restart(peer):
                     if msg[0] == "refused":
                         # Not restarted (docs/reliability.md, "Refusals are not restarted"): a new life is given
@@ -821,10 +823,20 @@ class _Session:
             with contextlib.suppress(Exception):
                 self.ep.send_nowait(self.failed, ("exit",))
             told.add(self.failed)
-        # The failed worker's own shutdown reactions ran meanwhile; it leaves once they end (the reaping's
-        # SIGTERM cut them short). Those told "exit" are given a moment to be gone before it.
+        # The failed worker's own shutdown reactions ran meanwhile; it leaves once they end, and by its own
+        # bound at the latest (FAILED_END_S after its failure; while it writes a checkpoint then, FAILED_SAVE_S
+        # more: _worker._leave_after), which it is given: the reaping's SIGKILL came 5 s past FAILURE_STOP_S and
+        # cut a slow final checkpoint (what the failed life learned since its last one). Those told "exit"
+        # are given a moment to be gone before the reaping.
+        from ._worker import FAILED_END_S, FAILED_SAVE_S
+
         until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
-        while told - set(self.workers.dead()) and loop.time() < until:
+        failed_until = until if self.failed is None else max(
+            until, self.failed_at + FAILED_END_S + FAILED_SAVE_S + TERM_GRACE_S)  # (the last: its thread's leeway)
+        while True:
+            left, now = told - set(self.workers.dead()), loop.time()
+            if not left or now >= failed_until or (now >= until and self.failed not in left):
+                break
             await asyncio.sleep(0.02)
         ended = self.workers.dead()
         for name in sorted(self.procs):  # (-v: how each ended, or that the reaping ends it)

@@ -37,6 +37,7 @@ from collections import Counter, deque
 from typing import Any
 
 from .._errors import REFUSAL_EXIT_STATUS, GraphError, PeerLostError, WouldBlock, refusal_class, refusal_line
+from .._files import remove_cut_writes, writes_in_progress
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
@@ -57,6 +58,13 @@ FAILED_EXIT_WAIT_S = 5.0
 #: or C does not hear, and SIGKILL 5 s later); under a restart policy it is told "exit" at once, and
 #: nothing ended it: the group's next life waited for its end for good, and so did the run's end.
 FAILED_END_S = 10.0
+#: ... unless it is writing a checkpoint then (``_files.writing``: a learner's ``learner.pt``, a shard's final
+#: checkpoint): it waits for the write at most this long more. The write is whole or not at all either way
+#: (a temporary file, then a rename: a kill mid-write leaves the earlier file, which a resume loads), but a
+#: cut one threw away what the failed life learned since its last checkpoint, and under a restart policy its
+#: next life resumed from that older one, to start a few seconds sooner; and it left its partial temporary
+#: file (as large as the checkpoint) until the next save. A hung write still ends by this bound.
+FAILED_SAVE_S = 120.0
 #: A worker whose parent (its fork server, or the coordinator) died ends this long after at the latest
 #: (``_leave_when_orphaned``).
 ORPHAN_GRACE_S = 10.0
@@ -85,6 +93,27 @@ def _leave_when_orphaned(parent: int) -> None:
     time.sleep(ORPHAN_GRACE_S)
     _leave_now(f"reactor worker {os.environ.get('REACTOR_WORKER_GROUP', '?')}: its parent (pid {parent}) died and it "
                f"did not stop within {ORPHAN_GRACE_S:g} s: it ends now", 128 + signal.SIGTERM)
+
+
+def _leave_after(group: str, seconds: float, save_s: float, status: int) -> None:
+    """A failed worker's bound (``_leave_by``): ``seconds`` from now it leaves, its shutdown reactions left
+    unfinished, unless it is writing a checkpoint then: it waits for the writes in progress, at most
+    ``save_s`` more, and leaves once they end (or removes what they wrote so far, and says which)."""
+    time.sleep(seconds)
+    said = f"reactor worker {group}: its shutdown reactions did not end within {seconds:g} s of its failure"
+    writes = writes_in_progress()
+    if writes:
+        with contextlib.suppress(OSError):
+            os.write(2, (f"{said}; it is writing {', '.join(map(str, writes))}: it waits for that (at most "
+                         f"{save_s:g} s more)\n").encode())
+        end = time.monotonic() + save_s
+        while writes_in_progress() and time.monotonic() < end:
+            time.sleep(0.05)
+    cut = remove_cut_writes()
+    if cut:
+        said += (f"; its write of {', '.join(map(str, cut))} did not end within {save_s:g} s more: cut, and what it "
+                 f"wrote so far removed (each file holds what it held before)")
+    _leave_now(f"{said}; it leaves without them", status)
 
 
 def _leave_now(message: str, status: int) -> None:
@@ -218,7 +247,7 @@ class Worker:
         self.last_report_t = -float("inf")
         self.early: list[tuple[str, Any]] = []
         self.reported: BaseException | None = None  # the failure told to the coordinator (_report_failure)
-        self._leaving: threading.Timer | None = None  # (_leave_by)
+        self._leaving: threading.Thread | None = None  # (_leave_by)
         # Messages refused after the endpoint's schema check: a tag behind its sender's promise.
         self.refused_behind_promise = 0
         # Deterministic mode: the latest unconditional promise of each peer, as soon as it is taken
@@ -471,14 +500,13 @@ class Worker:
 
     def _leave_by(self, seconds: float, status: int) -> None:
         """This worker failed: end the process with ``status`` (main()'s for its failure) if it is still
-        here ``seconds`` from now. A thread, as the event loop may be held by the reaction that holds it."""
+        here ``seconds`` from now, or once the checkpoints it is writing then are written (at most
+        ``FAILED_SAVE_S`` more: :func:`_leave_after`). A thread, as the event loop may be held by the
+        reaction that holds it."""
         if self._leaving is not None:
             return
-
-        self._leaving = threading.Timer(seconds, _leave_now, (f"reactor worker {self.group}: its shutdown reactions "
-                                                            f"did not end within {seconds:g} s of its failure; it "
-                                                            f"leaves without them", status))
-        self._leaving.daemon = True
+        self._leaving = threading.Thread(target=_leave_after, args=(self.group, seconds, FAILED_SAVE_S, status),
+                                         name="leave-by", daemon=True)
         self._leaving.start()
 
     async def _wait_control(self, what: str, timeout_s: float | None = 120) -> Any:

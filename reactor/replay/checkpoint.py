@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import open_regular, read_small
+from .._files import open_regular, read_small, writing
 
 __all__ = [
     "CheckpointCancelled",
@@ -193,6 +193,12 @@ def write_checkpoint(
     final = root / f"ckpt-{number:08d}"
     tmp = root / f".tmp-ckpt-{number:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    with writing(tmp, final):  # (a worker that must leave mid-save waits for it a while: _worker._leave_by)
+        return _save_into(tmp, final, root, arrays, manifest, keep, number, cancel)
+
+
+def _save_into(tmp: Path, final: Path, root: Path, arrays: dict[str, np.ndarray], manifest: dict[str, Any],
+               keep: int, number: int, cancel: threading.Event | None) -> Path:
     try:
         listing, checksums = {}, {}
         for name, arr in arrays.items():

@@ -761,6 +761,57 @@ def test_a_failed_restartable_worker_whose_shutdown_never_ends_leaves_and_its_ne
     assert took < FAILED_END_S + 50
 
 
+_SLOW_SAVE = r"""
+import sys, threading, time
+import torch
+import reactor.launch._worker as W
+from reactor._files import replacing
+
+ckpt, write_s, save_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+W.FAILED_SAVE_S = save_s
+worker = W.Worker.__new__(W.Worker)
+worker.group, worker._leaving = "learner", None
+worker._leave_by(0.3, 1)  # (failed: its bound starts)
+with replacing(ckpt, sync=True) as f:  # its final checkpoint, slower than the bound
+    torch.save({"updates": 2, "w": torch.zeros(1000)}, f)
+    end = time.monotonic() + write_s
+    while time.monotonic() < end:
+        f.write(b"x" * 4096)
+        time.sleep(0.01)
+print("WRITTEN", flush=True)
+threading.Event().wait()  # its other shutdown reactions hang: the bound ends it
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("save_s", [30.0, 0.5], ids=["written", "cut"])
+def test_a_failed_worker_past_its_bound_waits_for_the_checkpoint_it_writes_and_a_cut_one_leaves_the_earlier(
+        tmp_path, save_s):
+    """Regression: a failed worker leaves ``FAILED_END_S`` after its failure (a shutdown reaction may hang),
+    and that cut its final checkpoint when the write took longer: the earlier ``learner.pt`` stayed (a
+    temporary file and a rename: checked here with the real ``os._exit`` mid-write, the earlier file loads),
+    but what the failed life learned since was lost (under a restart policy, to start the next life a few
+    seconds sooner), and the partial ``.learner.pt.tmp`` stayed. Now a write in progress at the bound is
+    waited for, at most ``FAILED_SAVE_S`` more; one that outlasts that too is cut and its partial file
+    removed, said."""
+    ckpt = tmp_path / "learner.pt"
+    torch.save({"updates": 1, "w": torch.ones(10)}, ckpt)
+    p = subprocess.run([sys.executable, "-c", _SLOW_SAVE, str(ckpt), "1.5", str(save_s)], capture_output=True,
+                       text=True, timeout=50, cwd=ROOT, env=_env(tmp_path))
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert (f"reactor worker learner: its shutdown reactions did not end within 0.3 s of its failure; it is writing "
+            f"{ckpt}: it waits for that (at most {save_s:g} s more)") in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / ".learner.pt.tmp").exists()
+    if save_s > 1.5:  # written whole, then it left
+        assert p.stdout == "WRITTEN\n" and p.stderr.strip().endswith("it leaves without them"), p.stderr[-3000:]
+        assert ckpt.stat().st_size > 1.5 / 0.01 * 4096 * 0.5  # (the new file, with its tail of padding)
+    else:  # cut: the earlier file whole, and the one a resume loads
+        assert p.stdout == "" and (f"; its write of {ckpt} did not end within 0.5 s more: cut, and what it wrote so "
+                                   f"far removed (each file holds what it held before); it leaves without them") \
+            in p.stderr, p.stderr[-3000:]
+        assert torch.load(ckpt, weights_only=True)["updates"] == 1
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-its-start", "after-a-life-past-reset_after_s"])
 def test_a_refusal_under_a_restart_policy_ends_the_run_at_once_with_its_line(tmp_path, after_s):

@@ -1182,6 +1182,13 @@ class RolloutLearner(_LearnerBase):
                 "%s: dropped a rollout of actor %d collected with weights %d (now %d): an actor that was restarted",
                 self.name, rollouts.actor, rollouts.version, self.updates)
             return
+        if rollouts.version > self.updates and self.restarts > 0:
+            # Weights of this learner's last life, past the checkpoint this life resumed from: an actor that
+            # finished a rollout before it heard of the restart. (Raised, it ended the run as a refusal.)
+            logging.getLogger("reactor.learner").warning(
+                "%s: dropped a rollout of actor %d collected with weights %d of this learner's last life (it resumed "
+                "at %d)", self.name, rollouts.actor, rollouts.version, self.updates)
+            return
         if rollouts.version != self.updates:
             raise ValueError(f"{self.name}: rollout from actor {rollouts.actor} was collected with weights "
                              f"{rollouts.version}, expected {self.updates} (synchronous on-policy learning)")

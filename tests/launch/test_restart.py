@@ -174,6 +174,29 @@ def test_a_replay_client_samples_from_the_live_shards_and_takes_a_restarted_one_
         c.shard_lost(3, "x")
 
 
+def test_a_restarted_on_policy_learner_drops_a_rollout_of_its_last_lifes_weights_instead_of_refusing_it(caplog):
+    """A restarted on-policy learner resumes from its checkpoint, older than the weights its last life sent:
+    an actor that finished a rollout with those before it heard of the restart sent it to the new life,
+    whose "collected with weights 7, expected 5" ValueError, reactor's own, ended the run as a refusal
+    (refusals are not restarted). Such a rollout is dropped, said; a learner that never restarted still
+    refuses one from weights it never sent."""
+    import logging
+
+    from reactor.nodes.learner import RolloutLearner
+    from reactor.nodes.train_messages import Rollout
+
+    learner = RolloutLearner("ppo", "CartPole-v1")
+    learner.name, learner.updates = "learner", 5
+    rollout = Rollout(0, 7, {"reward": torch.zeros(4, 1)})
+    with pytest.raises(ValueError, match=r"^learner: rollout from actor 0 was collected with weights 7, expected 5 "):
+        learner.learn(rollout)
+    learner.restarts = 1
+    with caplog.at_level(logging.WARNING, logger="reactor.learner"):
+        learner.learn(rollout)
+    assert learner.pending == {} and [r.getMessage() for r in caplog.records] == [
+        "learner: dropped a rollout of actor 0 collected with weights 7 of this learner's last life (it resumed at 5)"]
+
+
 # ------------------------------------------------------------------------------ the coordinator's side
 
 

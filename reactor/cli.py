@@ -685,12 +685,14 @@ def _job_line(j: dict[str, Any]) -> str:
             f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line']}")
 
 
-def _exit_words(rc: int) -> str:
+def _exit_words(rc: int, short: bool = False) -> str:
     """An exit status with what it says of a reactor worker: "4 (stopped because the run failed)"
-    (143, SIGTERM's, read as a failure of its own)."""
+    (143, SIGTERM's, read as a failure of its own); ``short``: the words before the colon."""
     from .launch._protocol import worker_exit_words
 
     words = worker_exit_words(rc)
+    if short:
+        words = words.split(":")[0]
     return f"{rc} ({words})" if words else str(rc)
 
 
@@ -714,7 +716,7 @@ def _run_line(run: str, workers: list[dict[str, Any]], job: str | None) -> str:
     age (its oldest worker's), workers alive of all, restarts, and the exit statuses of the first ended."""
     alive = sum(w["returncode"] is None for w in workers)
     ended = [w for w in workers if w["returncode"] is not None]
-    exits = ", ".join(f"{w['group']} {_exit_words(w['returncode'])}" for w in ended[:3]) + (f" +{len(ended) - 3}" if len(ended) > 3
+    exits = ", ".join(f"{w['group']} {_exit_words(w['returncode'], short=True)}" for w in ended[:3]) + (f" +{len(ended) - 3}" if len(ended) > 3
                                                                                 else "")
     return (f"run {run}  {'running' if alive else 'ended'}  up {max(w['uptime_s'] for w in workers):.1f}s  "
             f"workers {alive}/{len(workers)} alive  restarts {sum(w.get('restarts', 0) for w in workers)}"

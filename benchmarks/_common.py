@@ -15,10 +15,12 @@ import argparse
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["names_of", "non_negative_int", "peer_missing", "positive_float", "positive_int", "stop_process"]
+__all__ = ["interruptible", "names_of", "non_negative_int", "peer_missing", "positive_float", "positive_int",
+           "stop_process"]
 
 
 def _int(text: str, least: int) -> int:
@@ -124,3 +126,14 @@ def stop_process(proc: subprocess.Popen, *, group: bool, grace_s: float = 15.0) 
     except (subprocess.TimeoutExpired, ValueError, OSError):  # (a process in uninterruptible sleep)
         pass
     return out[0]
+
+
+def interruptible(main: Callable[[], Any], name: str) -> None:
+    """Run a benchmark's ``main``: a Ctrl-C ends it with one line and exit status 130 (its ``finally``
+    blocks ran on the way out: its children stopped, its temporary directories removed), not
+    ``KeyboardInterrupt``'s traceback from wherever the measurement was."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; what it printed above is partial", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import positive_int
+from benchmarks._common import interruptible, positive_int
 from reactor.transport.bulk import BulkOwner, BulkReader, seqlock_begin, seqlock_end
 
 FIELDS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -254,4 +254,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_bulk.py")

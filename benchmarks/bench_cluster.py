@@ -82,7 +82,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import names_of, positive_float, positive_int
+from benchmarks._common import interruptible, names_of, positive_float, positive_int
 from reactor import run
 from reactor.launch._app import build_graph
 from reactor.launch._coordinator import WorkerFailedError
@@ -484,4 +484,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_cluster.py")

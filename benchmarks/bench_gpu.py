@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._common import names_of  # noqa: E402
+from benchmarks._common import interruptible, names_of  # noqa: E402
 from reactor.replay.device import DeviceReplay  # noqa: E402
 
 OBS = 128
@@ -434,4 +434,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_gpu.py")

@@ -37,7 +37,7 @@ import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import peer_missing, positive_int  # noqa: E402
+from benchmarks._common import interruptible, peer_missing, positive_int  # noqa: E402
 from reactor.transport import Endpoint  # noqa: E402
 
 SMALL_N = 50_000
@@ -440,4 +440,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_messaging.py")

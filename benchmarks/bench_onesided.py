@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import positive_int
+from benchmarks._common import interruptible, positive_int
 from reactor.nodes.messages import ShardMass
 from reactor.nodes.replay_client import ReplayClient
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
@@ -237,4 +237,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    interruptible(lambda: asyncio.run(main()), "bench_onesided.py")

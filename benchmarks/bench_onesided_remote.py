@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import positive_int
+from benchmarks._common import interruptible, positive_int
 from benchmarks.bench_onesided import (
     ALPHA,
     BATCH,
@@ -221,4 +221,4 @@ async def run_cases(client: ReplayClient, peer: Table, update: Update, args: arg
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    interruptible(lambda: asyncio.run(main()), "bench_onesided_remote.py")

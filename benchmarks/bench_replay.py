@@ -38,7 +38,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import names_of, peer_missing, positive_int  # noqa: E402
+from benchmarks._common import interruptible, names_of, peer_missing, positive_int  # noqa: E402
 from reactor.replay.selectors import Prioritized  # noqa: E402
 from reactor.replay.sumtree import SumTree  # noqa: E402
 
@@ -599,4 +599,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_replay.py")

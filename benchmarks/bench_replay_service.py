@@ -66,7 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import non_negative_int, positive_int
+from benchmarks._common import interruptible, non_negative_int, positive_int
 from reactor.launch._app import build_graph
 from reactor.launch._runtime import run
 from reactor.transport._shm import huge_pages_allowed
@@ -424,4 +424,4 @@ def print_raw_zmq(rep: dict, cfg: dict, hosts: bool, quick: bool) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_replay_service.py")

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import peer_missing  # noqa: E402
+from benchmarks._common import interruptible, peer_missing  # noqa: E402
 from reactor._native import host_huge_zeros  # noqa: E402
 from reactor.replay import (  # noqa: E402
     FieldSpec,
@@ -283,4 +283,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_replay_windows.py")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import positive_float  # noqa: E402
+from benchmarks._common import interruptible, positive_float  # noqa: E402
 
 ROW = 256  # float32 values a row: 1 KiB
 
@@ -125,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_restore.py")

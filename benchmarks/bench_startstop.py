@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import positive_int, stop_process  # noqa: E402
+from benchmarks._common import interruptible, positive_int, stop_process  # noqa: E402
 
 REACTOR = str(Path(sys.executable).with_name("reactor"))
 
@@ -153,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_startstop.py")

@@ -82,7 +82,7 @@ from typing import Any  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import names_of, positive_float, positive_int, stop_process  # noqa: E402
+from benchmarks._common import interruptible, names_of, positive_float, positive_int, stop_process  # noqa: E402
 
 EVAL_EPISODES = 10
 #: Seconds a run's process may take beyond --budget-s (spawning, imports, building, shutdown).
@@ -629,4 +629,4 @@ def _print_run(side: str, seed: int, r: Result | None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_training.py")

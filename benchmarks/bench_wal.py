@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import positive_int  # noqa: E402
+from benchmarks._common import interruptible, positive_int  # noqa: E402
 from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WriteAheadLog  # noqa: E402
 
 torch.set_num_threads(1)
@@ -139,4 +139,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "bench_wal.py")

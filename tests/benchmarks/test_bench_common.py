@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks._common import names_of, non_negative_int, positive_float, positive_int, stop_process  # noqa: E402
 
@@ -82,3 +85,25 @@ def test_a_child_that_stops_on_sigint_is_given_the_time_and_its_last_output_retu
     assert stop_process(proc, group=False, grace_s=30) == "stopped cleanly\n"
     assert proc.returncode == 0
     assert stop_process(proc, group=False) is None  # (already ended: nothing to do)
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_mid_measurement_is_one_line_and_status_130_and_the_benchmark_cleans_up(tmp_path):
+    """Regression: a Ctrl-C printed KeyboardInterrupt's traceback from wherever the measurement was. It is one
+    line now, exit status 130, and the benchmark's own cleanup still ran (bench_wal: its log and raw files)."""
+    proc = subprocess.Popen([sys.executable, "benchmarks/bench_wal.py", "--dir", str(tmp_path), "--reps", "1000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "log in" in proc.stdout.readline()  # (measuring from here)
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("wal-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(tmp_path.glob("wal-*")), "the benchmark never wrote its log"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err == "bench_wal.py: interrupted; what it printed above is partial\n", err
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

@@ -353,6 +353,51 @@ def test_ctrl_c_stops_a_run_whose_reaction_never_returns(tmp_path):
             p.wait()
 
 
+_SLOW_TICKS = '''
+import os, signal, time
+from pathlib import Path
+from reactor import Graph, Reactor, Timer, reaction, shutdown
+
+class Slow(Reactor):
+    tick = Timer(period_s=0.001)
+
+    def __init__(self, out: str) -> None:
+        self.out, self.ticks = out, 0
+
+    @reaction(triggers=[tick])
+    def work(self) -> None:  # a learner's update: milliseconds each, one after another in logical time
+        self.ticks += 1
+        time.sleep(0.005)
+        if self.ticks == 40:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    @reaction(triggers=[shutdown])
+    def done(self) -> None:
+        Path(self.out).write_text(str(self.ticks))
+
+def build(config):
+    g = Graph()
+    g.add(Slow(config["out"]), name="slow")
+    return g
+'''
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_a_deterministic_run_of_many_short_reactions_after_the_event_under_way(tmp_path):
+    """Regression (a newcomer's pass at the transformer app): Ctrl-C on a deterministic run under
+    `single` took effect only after the batch of 4,096 events the loop was running, 17 s of the
+    transformer's updates (minutes with a long window); and after 2 s of it the first Ctrl-C said
+    the run was held in a reaction that had not returned. The loop now looks up between events
+    every ``RUN_READY_S``: here the run stops a few ticks after the signal, not 4,000."""
+    app, out = tmp_path / "slow.py", tmp_path / "ticks"
+    app.write_text(_SLOW_TICKS)
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(app), "--set", f"out='{out}'"],
+                       capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert p.returncode == 130, p.stderr
+    assert "held in a reaction" not in p.stderr, p.stderr
+    assert 40 <= int(out.read_text()) < 140, out.read_text()
+
+
 @pytest.mark.parametrize("placement", ["single", "processes"])
 def test_a_failed_shutdown_reaction_fails_the_run_once_the_others_ran(tmp_path, placement):
     """A learner whose final checkpoint could not be saved (an algorithm without state_dict) logged the

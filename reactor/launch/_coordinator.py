@@ -105,10 +105,11 @@ async def run_processes(
     began = asyncio.get_running_loop().time()
     plan = resolve_placement(graph, placement, hosts, restart)
     groups = plan.groups
-    # Restart policies hold in async runs (not replays): a deterministic run's schedule cannot
-    # take a process that starts over; there a failure ends the run, as with "never".
+    # Restart policies hold in async runs that record or replay no trace: a deterministic run's schedule
+    # cannot take a process that starts over, nor can a trace (the first life's events die with it);
+    # there a failure ends the run, as with "never".
     restartable = sorted(g.name for g in groups if g.restart.policy == "on-failure") \
-        if not deterministic and replay is None else []
+        if not deterministic and replay is None and record is None else []
     _warn_restart_losses(graph, [g for g in groups if g.name in restartable])
     if deterministic:
         check_lookahead(graph, groups, placement)
@@ -456,7 +457,7 @@ class _Restarts:
         if policy.policy != "on-failure":
             return ""
         if group not in self.restartable:
-            return f"; group {group!r} was not restarted: restart policies hold in async runs only"
+            return f"; group {group!r} was not restarted: restart policies hold in async runs that record or replay no trace"
         if refused:
             return (f"; group {group!r} was not restarted: exit status {REFUSAL_EXIT_STATUS} is a refusal of what the "
                     f"run was given, which a new life is given again (its stderr says what)")

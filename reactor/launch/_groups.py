@@ -22,7 +22,7 @@ class Restart:
 
     Attributes:
         policy: ``"never"`` (the run ends, naming the group) or ``"on-failure"`` (start it again,
-            async runs only: a deterministic run ends with the error either way).
+            async runs that record or replay no trace only: elsewhere the run ends with the error).
         max_restarts: restarts allowed in a row; one more failure ends the run. A life that ran
             ``reset_after_s`` before it ended was healthy: the count (and the backoff) starts again
             after it, so a run of days survives a failure now and then, and a crash loop still ends it.

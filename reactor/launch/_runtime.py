@@ -67,14 +67,17 @@ def payload_digest(value: Any) -> bytes:
     return b"".join(bytes(f) for f in encode(value))
 
 
-def restart_refusal(restart: str | None, deterministic: bool, replay: bool = False) -> str | None:
+def restart_refusal(restart: str | None, deterministic: bool, replay: bool = False, record: bool = False) -> str | None:
     """Why ``restart`` (``run --restart``) contradicts the run's mode, or None: a policy that restarts
-    (``on-failure``) holds in async runs that replay no trace only; ``never`` contradicts nothing."""
-    if restart is None or not (deterministic or replay) or restart_from_text(restart).policy == "never":
+    (``on-failure``) holds in async runs that record or replay no trace only; ``never`` contradicts
+    nothing. (A recording that went through a restart held only the new life's events: the first life's
+    died with its process, and the trace failed its replay as "damaged".)"""
+    if restart is None or not (deterministic or replay or record) or restart_from_text(restart).policy == "never":
         return None
-    return (f"restart {restart!r}: restart policies hold in async runs (--async) that replay no trace: a "
-            f"{'deterministic run' if deterministic else 'replay'}'s schedule cannot take a process that starts "
-            f"over")
+    what = "deterministic run" if deterministic else "replay" if replay else "recording"
+    why = " (the first life's events die with it: the trace would not replay)" if what == "recording" else ""
+    return (f"restart {restart!r}: restart policies hold in async runs (--async) that record or replay no trace: a "
+            f"{what}'s schedule cannot take a process that starts over{why}")
 
 
 def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, record: Any = None, replay: Any = None,
@@ -103,19 +106,21 @@ def check_settings(graph: Graph | None, *, placement: str, deterministic: bool, 
             raise ValueError(f"record {str(record)!r}: its directory {str(target.parent)!r} does not exist")
         if not os.access(target.parent, os.W_OK):
             raise ValueError(f"record {str(record)!r}: its directory {str(target.parent)!r} cannot be written")
-    why = restart_refusal(restart, deterministic, replay is not None)
+    why = restart_refusal(restart, deterministic, replay is not None, record is not None)
     if why is not None:
         raise ValueError(why)
     if placement != "single":
-        if restart is None and (deterministic or replay is not None):  # (--restart replaces the files' policies)
+        # (--restart replaces the files' policies)
+        if restart is None and (deterministic or replay is not None or record is not None):
             from ._placement import restarting_in_files
 
             where = restarting_in_files(placement, hosts)
             if where is not None:  # (left aside in silence until a process died; the same file may serve async runs)
                 logging.getLogger("reactor").warning(
                     "%s sets restart = \"on-failure\", which this %s leaves aside: restart policies hold in async "
-                    "runs (--async) that replay no trace, so a process that dies ends this run (--restart never says "
-                    "so and silences this)", where, "deterministic run" if deterministic else "replay")
+                    "runs (--async) that record or replay no trace, so a process that dies ends this run (--restart "
+                    "never says so and silences this)", where,
+                    "deterministic run" if deterministic else "replay" if replay is not None else "recording")
         return
     if restart is not None:
         raise ValueError("restart applies to the processes of a multi-process placement; placement 'single' has none")

@@ -515,18 +515,23 @@ def test_a_group_out_of_restarts_in_a_row_ends_the_run_naming_it_and_a_healthy_l
 
 
 @pytest.mark.timeout(300)
-def test_a_placement_files_restart_in_a_deterministic_run_is_said_at_the_start_and_left_aside(tmp_path):
+@pytest.mark.parametrize("recording", [False, True], ids=["deterministic", "recording"])
+def test_a_placement_files_restart_in_a_deterministic_run_is_said_at_the_start_and_left_aside(tmp_path, recording):
     """Regression (a newcomer's pass, session 54): a placement file's ``restart = "on-failure"`` was left
     aside in a deterministic run without a word until a process died, while ``--restart on-failure`` is
     refused there (the next test). The file's form is left aside (the same file may serve async runs),
-    and said when the run starts; a failure then ends the run and says why no restart came."""
+    and said when the run starts; a failure then ends the run and says why no restart came. So in an
+    async run that records a trace (a restarted worker's first life's events died with it, and the
+    trace failed its replay as "damaged")."""
     placement = tmp_path / "placement.toml"
     placement.write_text('[restart]\nrestart = "on-failure"\n[groups.ticker-0]\nreactors = ["ticker[0]"]\n'
                          '[groups.ticker-1]\nreactors = ["ticker[1]"]\n[groups.sink]\nreactors = ["sink"]\n')
-    said = (f"placement file {placement}: [restart] sets restart = \"on-failure\", which this deterministic run "
-            f"leaves aside: restart policies hold in async runs (--async) that replay no trace, so a process that dies "
-            f"ends this run (--restart never says so and silences this)")
-    proc, errfile = _forever(tmp_path, "--placement", str(placement))
+    said = (f"placement file {placement}: [restart] sets restart = \"on-failure\", which this "
+            f"{'recording' if recording else 'deterministic run'} leaves aside: restart policies hold in async runs "
+            f"(--async) that record or replay no trace, so a process that dies ends this run (--restart never says so "
+            f"and silences this)")
+    mode = ["--async", "--record", str(tmp_path / "t.trace")] if recording else []
+    proc, errfile = _forever(tmp_path, "--placement", str(placement), *mode)
     try:
         workers = _workers(proc, tmp_path / "ready")
         assert said in Path(errfile).read_text()  # (said at the start, before anything failed)
@@ -537,21 +542,26 @@ def test_a_placement_files_restart_in_a_deterministic_run_is_said_at_the_start_a
     assert proc.returncode != 0
     assert "worker 'ticker-1' was killed by SIGKILL before the run ended" in err, err[-3000:]
     assert "running again" not in err
-    assert "group 'ticker-1' was not restarted: restart policies hold in async runs only" in err
+    assert "group 'ticker-1' was not restarted: restart policies hold in async runs that record or replay no trace" in err
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", [(), ("--async", "--replay", "x.trace")], ids=["deterministic", "replay"])
+@pytest.mark.parametrize("mode", [(), ("--async", "--replay", "x.trace"), ("--async", "--record", "x.trace")],
+                         ids=["deterministic", "replay", "record"])
 def test_restart_in_a_run_that_cannot_restart_is_refused_before_anything_starts(mode, tmp_path):
     """Regression (a newcomer's pass, session 52): ``--restart`` without ``--async`` was taken and did
-    nothing until a process died."""
+    nothing until a process died. And (a newcomer's pass at traces): ``--record`` with ``--restart
+    on-failure`` was taken, a worker killed with kill -9 started again, and the trace held its second
+    life's events alone: its replay failed in that worker with a traceback, "the trace is damaged"."""
     p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", FOREVER, "--placement", "processes", *mode,
                         "--restart", "on-failure"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
                        timeout=100)
-    what = "replay" if mode else "deterministic run"
+    what = {(): "deterministic run", "--replay": "replay", "--record": "recording"}[mode[1] if mode else ()]
+    why = " (the first life's events die with it: the trace would not replay)" if what == "recording" else ""
     assert p.returncode == 2 and p.stderr == (
-        f"reactor: restart 'on-failure': restart policies hold in async runs (--async) that replay no trace: a {what}'s "
-        f"schedule cannot take a process that starts over\n"), p.stderr
+        f"reactor: restart 'on-failure': restart policies hold in async runs (--async) that record or replay no trace: "
+        f"a {what}'s schedule cannot take a process that starts over{why}\n"), p.stderr
+    assert not (tmp_path / "x.trace").exists()
 
 
 @pytest.mark.slow

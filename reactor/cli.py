@@ -1013,6 +1013,8 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
         run_args += ["--with", str(Path(f).resolve())]
     if not Path(args.app).is_file():
         raise FileNotFoundError(f"no app file {args.app}")
+    with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
+        compile(Path(args.app).read_bytes(), args.app, "exec")  # not Python failed there, after the allocation)
     return run_args
 
 

@@ -5,6 +5,7 @@ options. Not run on a live cluster here (docs/cluster.md says so)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,29 +89,95 @@ def pair_text(pair: CurveKeys) -> str:
     return f"public = {pair.public.decode()}\nsecret = {pair.secret.decode()}\n"
 
 
-def test_values_cannot_break_the_documents_structure():
-    """A config value full of YAML syntax stays one argument of the Job's command."""
+def test_values_cannot_break_the_documents_structure(tmp_path):
+    """A config value, or a shipped file, full of YAML syntax stays one argument of the Job's command
+    (one value of the ConfigMap's data)."""
     nasty = 'note="a: b\\n- c: [d]\\n---\\nkind: Pod # ${IMAGE} $(POD_IP)"'
-    text = render(DQN, ["--set", nasty], replicas=2, image='img"\n  evil: 1', name="x")
+    extra = tmp_path / "extra.yaml"
+    extra.write_text('x: "\n---\nkind: Pod\n${IMAGE}')
+    text = render(DQN, ["--set", nasty], replicas=2, image="img", name="x", files=[str(extra)])
     docs = list(yaml.safe_load_all(text))
     assert [d["kind"] for d in docs] == ["Secret", "Service", "StatefulSet", "ConfigMap", "Job"]
     job = docs[-1]
     assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == nasty
-    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == 'img"\n  evil: 1'
+    assert docs[3]["data"]["extra.yaml"] == extra.read_text()
+
+
+def test_a_file_that_is_not_text_travels_byte_for_byte_in_binary_data(tmp_path):
+    """Regression (a newcomer's pass): ``--with weights.bin`` was one line, "'utf-8' codec can't decode
+    byte 0x80 in position 0", naming no file. A ConfigMap holds such a file base64-encoded under
+    binaryData, mounted beside the others."""
+    import base64
+
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)) * 3)
+    docs = _docs(render(DQN, ["--with", str(blob)], replicas=1, image="img", files=[str(blob)]))
+    assert kubernetes_validate.validate(docs["ConfigMap"], K8S_VERSION, strict=True)
+    assert base64.b64decode(docs["ConfigMap"]["binaryData"]["weights.bin"]) == blob.read_bytes()
+    assert "weights.bin" not in docs["ConfigMap"]["data"]
+    assert docs["Job"]["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "/app/weights.bin"
+
+
+def test_two_files_of_one_name_are_refused_not_one_shipped_in_the_others_place(tmp_path):
+    """Regression (a newcomer's pass): ``--with lib/dqn.py`` beside the app ``apps/dqn.py`` took the app's
+    key in the ConfigMap, and the Job would have run the other file as the app; two ``--with`` files of
+    one name kept the later alone."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "dqn.py").write_text("X = 1\n")
+    (tmp_path / "a.py").write_text("A = 1\n")
+    (tmp_path / "lib" / "a.py").write_text("A = 2\n")
+    other = str(tmp_path / "lib" / "dqn.py")
+    with pytest.raises(GraphError, match=rf"^--with {re.escape(other)}: {re.escape(DQN)} has the same file name, and "
+                                         rf"both land in /app/dqn.py: rename one$"):
+        render(DQN, [], replicas=1, image="img", files=[other])
+    with pytest.raises(GraphError, match=r"both land in /app/a.py: rename one$"):
+        render(DQN, [], replicas=1, image="img", files=[str(tmp_path / "a.py"), str(tmp_path / "lib" / "a.py")])
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"name": "Bad_Name"}, "--name 'Bad_Name': lower-case letters"),
+    ({"name": "Bad_Name"}, "--name 'Bad_Name': a lower-case letter, then lower-case letters"),
+    # (Regression, a newcomer's pass: these were taken, and Kubernetes would have refused the Service
+    # 1abc-daemons, whose name must be an RFC 1035 label, after making the Secret.)
+    ({"name": "1abc"}, "--name '1abc': a lower-case letter, then"),
+    ({"name": "abc-"}, "--name 'abc-': a lower-case letter, then"),
+    ({"name": "a" * 41}, f"--name '{'a' * 41}': a lower-case letter, then"),
     ({"namespace": "-x"}, "--namespace '-x'"),
+    ({"namespace": "n" * 64}, f"--namespace '{'n' * 64}': lower-case letters, digits and '-', starting and ending in "
+                              f"a letter or digit, at most 63 in all (an RFC 1123 label)"),
     ({"replicas": 0}, "--replicas must be in [1, 1000], got 0"),
-    ({"files": ["/etc/hostname", "/tmp/a b.py"]}, "cannot be a ConfigMap key"),
+    ({"files": ["/etc/hostname", "/tmp/a b.py"]}, "'a b.py' cannot be a ConfigMap key"),
+    # (Regression, a newcomer's pass: taken, to fail at the pull, or at kubectl apply, on the cluster)
+    ({"image": ""}, "--image '': not an image reference a container runtime pulls"),
+    ({"image": "my image"}, "--image 'my image': not an image reference"),
+    ({"image": "Registry.example/Reactor:1"}, "--image 'Registry.example/Reactor:1': not an image reference"),
+    ({"image": 'img"\n  evil: 1'}, "--image 'img\"\\n  evil: 1': not an image reference"),
+    ({"cpu": "two"}, "--cpu 'two': not a Kubernetes quantity"),
+    ({"cpu": "-1"}, "--cpu '-1': not a Kubernetes quantity"),
+    ({"memory": "lots"}, "--memory 'lots': not a Kubernetes quantity"),
+    ({"shm_size": "1 Gi"}, "--shm-size '1 Gi': not a Kubernetes quantity"),
 ])
 def test_bad_input_is_refused_naming_it(kw, message, tmp_path):
     if "files" in kw:
         (tmp_path / "a b.py").write_text("")
         kw = {"files": [str(tmp_path / "a b.py")]}
-    with pytest.raises(GraphError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+    with pytest.raises(GraphError, match="^" + re.escape(message)):
         render(DQN, [], **{"replicas": 2, "image": "x", **kw})
+
+
+@pytest.mark.parametrize(("kw"), [
+    {"name": "a" * 40, "namespace": "n" * 63},
+    {"image": "registry.example:5000/team/re_actor.x:1.2-rc@sha256:" + "ab" * 32},
+    {"image": "localhost/reactor"},
+    {"cpu": "500m", "memory": "1.5G", "shm_size": "512Mi"},
+    {"cpu": "0.5", "memory": "1e9", "shm_size": "2Gi"},
+])
+def test_what_kubernetes_takes_is_taken_and_validates(kw):
+    docs = _docs(render(DQN, [], **{"replicas": 2, "image": "x", **kw}))
+    for kind, doc in docs.items():
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True), kind
+    daemon = docs["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    assert daemon["image"] == kw.get("image", "x")
+    assert daemon["resources"]["requests"] == {"cpu": kw.get("cpu", "1"), "memory": kw.get("memory", "2Gi")}
 
 
 def test_the_command_line_writes_them_and_refuses_a_placement_file(tmp_path):
@@ -122,6 +189,13 @@ def test_the_command_line_writes_them_and_refuses_a_placement_file(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", DQN, "--placement", "p.toml"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "a k8s job spreads its groups over its daemons" in bad.stderr, bad.stderr
+    # (Regression, a newcomer's pass: a file that is not Python was rendered, to fail in the Job)
+    notes = tmp_path / "notes.py"
+    notes.write_text("first line\nthis is not python\n")
+    bad = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", str(notes)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout
+    assert bad.stderr.endswith(f"reactor: {notes} line 1: SyntaxError: invalid syntax\n"), bad.stderr
 
 
 @pytest.mark.parametrize("command", ["k8s render", "slurm"])

@@ -14,6 +14,7 @@ evaluator plays the greedy policy in the env every eval_every_updates updates.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from reactor import Graph
 from reactor.nodes.apps import OfflineAppConfig, offline_app_graph
@@ -31,7 +32,7 @@ class Config(OfflineAppConfig):
     """Every field of OfflineAppConfig (settable with --set), and the model's size."""
 
     env: str = "CartPoleNoVel-v1"
-    size: str = "small"
+    size: Literal["small", "large"] = "small"
     """"small" (CPU) or "large" (56.8M parameters, window 64: for a GPU); algorithm fields set directly
     (--set d_model=256) go over it."""
 

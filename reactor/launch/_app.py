@@ -157,6 +157,11 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
         kwargs["algo_config"] = algo
     for key, value in list(kwargs.items()):
         want = hints.get(key)
+        if typing.get_origin(want) is typing.Literal:  # (one of the values it names: size="small" | "large")
+            if not any(type(value) is type(a) and value == a for a in typing.get_args(want)):
+                raise AppError(f"config key {_brief(key)} must be one of "
+                               f"{', '.join(map(repr, typing.get_args(want)))}, got {_brief(value)}")
+            continue
         # One type, or a union of types (float | None: target_return='high' got through, and failed the
         # run at its first evaluation with a TypeError traceback).
         union = typing.get_origin(want) in (typing.Union, types.UnionType)

@@ -36,7 +36,8 @@ def load_source_steps(source: str | Path, fields: tuple[str, ...]) -> tuple[dict
 
     Raises:
         FileNotFoundError: no such directory, or no shard checkpoint in it (naming what was looked for).
-        ValueError: a checkpoint without one of ``fields`` (naming the fields it has).
+        ValueError: a checkpoint without one of ``fields`` (naming the fields it has), or a shard whose
+            every checkpoint is refused (damaged: naming the shard and why), whose steps would be left out.
     """
     import torch
 
@@ -55,8 +56,12 @@ def load_source_steps(source: str | Path, fields: tuple[str, ...]) -> tuple[dict
     read = 0
     for shard in shards:
         table, _path, refusals = Table.restore(shard)
+        if table is None and refusals:  # (learning on without it left the shard's steps out, said in a warning)
+            raise ValueError(f"offline source {str(source)!r}: no checkpoint of shard {shard.name} verifies, so its "
+                             f"steps would be left out ({refusals[0]}); restore that directory, or move it out of "
+                             f"{str(source)!r} to learn from the other shards")
         for why in refusals:
-            log.warning("offline source %s: a checkpoint was refused: %s", shard, why)
+            log.warning("offline source %s: a checkpoint was refused (an older one was read): %s", shard, why)
         if table is None:
             continue
         st = table.storage
@@ -146,6 +151,7 @@ class OfflineLearner(_LearnerBase):
         from ..replay import WindowRead
         from ..replay.device import DeviceReplay
 
+        self._check_source_env()
         spec = self.algo.store(self.obs_space, self.act_space, self.config)
         if not isinstance(spec.read, WindowRead):
             raise ValueError(f"{self.name}: offline learning samples windows; algorithm {self.algo_name!r} reads "
@@ -168,6 +174,21 @@ class OfflineLearner(_LearnerBase):
         self.source_steps = n
         print(f"{self.name}: {n} steps of {int(episodes.max()) + 1} episodes from {shards} shard checkpoint(s) of "
               f"{self.source} on {self.torch_device} ({self.replay.kernels} kernels)", flush=True)
+
+    def _check_source_env(self) -> None:
+        """Refuse a source recorded on another env than this learner's (its ``config.json``, where the
+        source's learner wrote one): steps of the same shape were learned in silence (CartPoleNoVel-v1's as
+        MountainCar-v0's)."""
+        from .._files import read_small_json
+
+        path = Path(self.source) / "config.json"
+        if not path.is_file():
+            return  # (replay checkpoints alone: nothing says their env)
+        record = read_small_json(path)
+        env = record.get("env") if isinstance(record, dict) else None
+        if isinstance(env, str) and env != self.env_name:
+            raise ValueError(f"{self.name}: the offline source {self.source!r} holds steps of env {env!r} (its "
+                             f"config.json), and this run's env is {self.env_name!r}: set env={env}")
 
     @reaction(triggers=[tick], effects=[tick, weights, report])
     def learn(self) -> None:

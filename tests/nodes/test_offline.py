@@ -116,7 +116,55 @@ def test_a_bad_source_is_refused_in_one_line_naming_it(source, tmp_path):
     assert not (tmp_path / "b" / "learner.pt").exists() and not (tmp_path / "b" / "weights.sha256").exists()
     with pytest.raises(ValueError, match=r"^no source: set source to an earlier run's run_dir"):
         build_graph(OFFLINE_APP, {"live": False})
-    # Another env's steps (the source's 2-d observations, where CartPole-v1 has 4) are refused naming the field.
+    # Another env's steps (the source's 2-d observations, where CartPole-v1 has 4) are refused naming the field
+    # (a source of replay checkpoints alone: no config.json names its env).
+    import shutil  # noqa: PLC0415
+
+    bare = tmp_path / "bare"
+    shutil.copytree(source / "replay-0", bare / "replay-0")
     with pytest.raises(ValueError, match=r"the source's field 'obs' is \(2,\) torch.float32; transformer_dqn on "
                                          r"CartPole-v1 stores \(4,\) torch.float32"):
-        _run(OFFLINE_APP, {**base, "source": str(source), "env": "CartPole-v1", "run_dir": str(tmp_path / "c")})
+        _run(OFFLINE_APP, {**base, "source": str(bare), "env": "CartPole-v1", "run_dir": str(tmp_path / "c")})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_source_of_another_env_is_refused_though_its_steps_have_this_ones_shape(source, tmp_path):
+    """Regression (a newcomer's pass): CartPoleNoVel-v1's steps (2-d observations, actions 0 and 1) were
+    learned as MountainCar-v0's (2-d observations, 3 actions) in silence. The source's config.json names
+    its env."""
+    r = _cli("--set", f"source='{source}'", "env=MountainCar-v0", "updates=5", "live=False",
+             f"run_dir='{tmp_path / 'a'}'")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"reactor: learner: the offline source '{source}' holds steps of env 'CartPoleNoVel-v1' (its config.json), "
+        f"and this run's env is 'MountainCar-v0': set env=CartPoleNoVel-v1"], r.stderr
+    assert not (tmp_path / "a" / "learner.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_shard_whose_every_checkpoint_is_damaged_is_refused_not_left_out(source, tmp_path):
+    """Regression (a newcomer's pass): one flipped byte in a shard's only checkpoint was a warning, and
+    the run learned from the other shard's steps alone (half the data, exit 0)."""
+    import shutil  # noqa: PLC0415
+
+    d = tmp_path / "src"
+    for part in ("replay-0", "replay-1"):
+        shutil.copytree(source / part, d / part)
+    (obs,) = (d / "replay-1").glob("ckpt-*/field.obs.npy")
+    data = bytearray(obs.read_bytes())
+    data[-1] ^= 0xFF
+    obs.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"^offline source '{re.escape(str(d))}': no checkpoint of shard replay-1 "
+                                         rf"verifies, so its steps would be left out \(checkpoint .*field.obs.npy has "
+                                         rf"checksum .*\); restore that directory, or move it out of "):
+        load_source_steps(d, ("obs",))
+    shutil.move(d / "replay-1", tmp_path / "aside")  # (what the message says to do: the other shard is read)
+    assert load_source_steps(d, ("obs",))[2] == 1
+
+
+def test_a_size_the_app_has_not_is_refused_in_one_line():
+    """Regression (a newcomer's pass): ``--set size=huge`` was refused in the app's build, so it showed as
+    a bug of the app file, with its traceback. The field's type (a Literal) says the choices."""
+    r = _cli("--set", "size=huge", "source=x", "live=False")
+    assert r.returncode == 2 and r.stderr == "reactor: config key 'size' must be one of 'small', 'large', got 'huge'\n"

@@ -216,8 +216,10 @@ def _claim(fd: int, directory: Path, run_dir: Any, run_id: str, resume: bool, re
 def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: str,
                     app_config: dict[str, Any] | None = None) -> None:
     """A resumed run is the same training as the earlier one in its directory: the same algorithm and
-    env (its ``config.json`` names them). Resuming another app's directory wrote this run's rows into
-    that app's metrics and its config over that app's. And the same replay shards (each keeps its own
+    env (its ``config.json`` names them), learned online or offline alike (``app_config``'s ``source``:
+    the offline app's). Resuming another app's directory wrote this run's rows into that app's metrics
+    and its config over that app's (the offline app's into the online transformer's, each sharing its
+    algorithm and env). And the same replay shards (each keeps its own
     checkpoints: with another count, none was restored, and the learner waited on an empty replay); other
     actors are said (each keeps its own exploration schedule: new ones start theirs anew). Nothing to
     check where there is no config.json.
@@ -241,6 +243,11 @@ def check_resumable(run_dir: str | os.PathLike[str], algo: str, env: str, who: s
     before = earlier.get("app_config")
     if app_config is None or type(before) is not dict:
         return
+    if ("source" in before) != ("source" in app_config):  # (transformer_dqn learns online and offline alike)
+        kind = "an offline run (it learned from an earlier run's replay)" if "source" in before else "an online run"
+        raise ValueError(f"{who}: cannot resume run directory {run_dir}: it holds {kind} of {algo!r} on {env!r} (its "
+                         f"config.json), and this run {'learns offline' if 'source' in app_config else 'trains online'}; "
+                         f"name another run_dir")
     if "shards" in app_config and before.get("shards", app_config["shards"]) != app_config["shards"]:
         raise ValueError(f"{who}: cannot resume run directory {run_dir} with shards={app_config['shards']}: its run had "
                          f"shards={before['shards']}, and each shard restores its own checkpoints; resume with "

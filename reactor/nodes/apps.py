@@ -152,7 +152,7 @@ class OfflineAppConfig(AppConfig):
     batch_size: int = 32
     """Windows per update."""
     updates: int = 2000
-    """Learner updates to run."""
+    """Learner updates to run in all: a resumed run counts the earlier run's (raise it to go on from them)."""
     eval_every_updates: int = 500
     """Learner updates between greedy evaluations."""
     eval_episodes: int = 10
@@ -266,7 +266,8 @@ def offline_app_graph(config: OfflineAppConfig, *, algo: str, name: str, title: 
     if here == source or source in here.parents:
         raise ValueError(f"run_dir {run_dir!r} is the offline source {config.source!r} or inside it: the offline run "
                          f"would write over the run it learns from; name another run_dir")
-    check_run_dir(run_dir, current_run_id(), resume=config.resume, algo=algo, env=config.env, layout={})
+    check_run_dir(run_dir, current_run_id(), resume=config.resume, algo=algo, env=config.env,
+                  layout={"source": config.source})
     g = Graph()
     learner = g.add(OfflineLearner(algo, config.env, merged, source=config.source, batch_size=config.batch_size,
                                    max_updates=config.updates, weights_every=config.eval_every_updates,

@@ -163,6 +163,33 @@ def test_a_shard_whose_every_checkpoint_is_damaged_is_refused_not_left_out(sourc
     assert load_source_steps(d, ("obs",))[2] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_online_runs_directory_is_not_resumed_offline_nor_an_offline_one_online(source, tmp_path):
+    """Regression (a newcomer's pass): the offline app with ``resume=True`` of the transformer app's run
+    directory (the same algorithm and env) took the online learner's checkpoint, ran no update (its
+    2,100 were past ``updates``) and wrote its summary and config over that run's; the online app
+    resumed an offline run's directory alike."""
+    import shutil  # noqa: PLC0415
+
+    online = tmp_path / "online"
+    shutil.copytree(source, online)
+    with pytest.raises(ValueError, match=rf"^resume=True: cannot resume run directory {re.escape(str(online))}: it "
+                                         rf"holds an online run of 'transformer_dqn' on 'CartPoleNoVel-v1' \(its "
+                                         rf"config.json\), and this run learns offline; name another run_dir$"):
+        build_graph(OFFLINE_APP, {"source": str(source), "resume": True, "run_dir": str(online), "live": False})
+    offline = tmp_path / "offline"
+    shutil.copytree(source, offline)
+    record = json.loads((offline / "config.json").read_text())
+    record["app_config"] = {**record["app_config"], "source": str(source)}  # (what an offline run's holds)
+    (offline / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"it holds an offline run \(it learned from an earlier run's replay\) of "
+                                         r"'transformer_dqn' on 'CartPoleNoVel-v1' \(its config.json\), and this run "
+                                         r"trains online; name another run_dir$"):
+        build_graph(SOURCE_APP, {"resume": True, "run_dir": str(offline), "live": False})
+    build_graph(OFFLINE_APP, {"source": str(source), "resume": True, "run_dir": str(offline), "live": False})
+
+
 def test_a_size_the_app_has_not_is_refused_in_one_line():
     """Regression (a newcomer's pass): ``--set size=huge`` was refused in the app's build, so it showed as
     a bug of the app file, with its traceback. The field's type (a Literal) says the choices."""

@@ -175,7 +175,7 @@ def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:
 
 
 def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str | Path | None = None) -> np.ndarray:
-    """Returns of ``episodes`` greedy episodes of ``policy`` on its env (side by side in a vector env),
+    """Returns of ``episodes`` greedy episodes of ``policy`` on its env (side by side in a vector env, in rounds of at most ``EVAL_WIDTH``),
     or one after another with each recorded to ``video_dir`` (gymnasium's ``RecordVideo``; needs
     ``moviepy``: the ``video`` extra).
 
@@ -184,12 +184,12 @@ def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str
             render frames (``"rgb_array"`` not among its ``metadata["render_modes"]``).
     """
     from ._registry import make_env, make_vector_env
-    from .evaluator import evaluate
+    from .evaluator import EVAL_WIDTH, evaluate
 
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     if video_dir is None:
-        env = make_vector_env(policy.env, episodes)
+        env = make_vector_env(policy.env, min(episodes, EVAL_WIDTH))
         try:
             return evaluate(policy.module, policy._fresh(), env, episodes, seed)
         finally:

@@ -213,6 +213,47 @@ def test_an_evaluation_episode_that_never_ends_is_cut_and_said(caplog):
     assert any("2 of 2 evaluation episode(s) ran 50 steps without ending" in m for m in caplog.messages)
 
 
+def test_more_episodes_than_envs_run_in_rounds_each_with_its_own_seed():
+    """Regression (a newcomer's pass): ``reactor eval RUN --episodes 100000`` made 100,000 envs side by
+    side (2.8 GB and climbing, no step in minutes, for CartPoleNoVel). An evaluation now steps at most
+    ``EVAL_WIDTH`` envs, in rounds; episode i is reset with seed + i as before."""
+    import gymnasium as gym
+
+    from reactor.algos import dqn
+    from reactor.nodes.evaluator import evaluate
+
+    class SeedReward(gym.Env):  # one step, whose reward is the seed the episode was reset with
+        observation_space = gym.spaces.Box(-1, 1, (4,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            self.seed_given = seed
+            return np.zeros(4, np.float32), {}
+
+        def step(self, action):
+            return np.zeros(4, np.float32), float(self.seed_given), True, False, {}
+
+    env = gym.vector.SyncVectorEnv([SeedReward, SeedReward])
+    policy = dqn.make_policy(env.single_observation_space, env.single_action_space, dqn.Config())
+    assert evaluate(dqn, policy, env, 5, seed=10).tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert evaluate(dqn, policy, env, 2, seed=3).tolist() == [3.0, 4.0]
+
+
+def test_reactor_eval_of_more_episodes_than_one_round_steps_at_most_eval_width_envs(dqn_run, monkeypatch):
+    """The same regression, through load_policy: 70 episodes are two rounds of a 64-env vector env (the
+    real one, its width noted on the way), and their first 64 returns are those of a 64-episode evaluation."""
+    from reactor.nodes import _registry
+    from reactor.nodes._policy import evaluate_policy
+    from reactor.nodes.evaluator import EVAL_WIDTH
+
+    widths, real = [], _registry.make_vector_env
+    monkeypatch.setattr(_registry, "make_vector_env", lambda name, n: widths.append(n) or real(name, n))
+    policy = reactor.load_policy(dqn_run)
+    many = evaluate_policy(policy, EVAL_WIDTH + 6)
+    assert widths == [EVAL_WIDTH] and many.shape == (EVAL_WIDTH + 6,)
+    np.testing.assert_array_equal(many[:EVAL_WIDTH], evaluate_policy(policy, EVAL_WIDTH))
+
+
 def test_a_state_learner_pt_could_not_give_back_is_refused_at_the_learners_start():
     """An algorithm whose state_dict held a Config saved learner.pt without complaint; eval, load_policy
     and a resume then failed in torch's cut-off words (a newcomer's pass, session 55)."""

@@ -86,10 +86,20 @@ def _config_text(v: Any) -> str:
     return f"{text[:200]}...[{len(text)} characters, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}]"
 
 
-def check_config(trace: dict[str, Any], config: Mapping[str, Any] | None, path: str | Path) -> None:
+def check_config(trace: dict[str, Any], config: Mapping[str, Any] | None, path: str | Path,
+                 app: str | None = None) -> None:
     """Say, before a replay starts, which ``--set`` values differ from those ``trace`` was recorded with
     (a replay with another lr ran to its end and only then ended with TraceMismatchError; a newcomer's
-    pass, session 55). Said, not refused: some settings (run_dir, live) do not change the schedule."""
+    pass, session 55), and whether it was recorded from another app (``app``: its file's name or its
+    builder; a DQN trace replayed on the transformer app, whose graph has the same reactors and links,
+    ran to its end before the error). Said, not refused: some settings (run_dir, live) do not change the
+    schedule, and a copy of an app under another name is the same app."""
+    log = logging.getLogger("reactor")
+    recorded_app = trace.get("app")
+    if isinstance(recorded_app, str) and app is not None and recorded_app != app:
+        log.warning("replaying %s, recorded from app %r, on app %r: another app's run goes elsewhere, and the replay "
+                    "then ends with TraceMismatchError (replay a trace on the app it was recorded from)",
+                    path, recorded_app, app)
     recorded = trace.get("config")
     if recorded is None or config is None:
         return
@@ -98,7 +108,7 @@ def check_config(trace: dict[str, Any], config: Mapping[str, Any] | None, path: 
     if differ:
         shown = ", ".join(f"{k}={now.get(k, '(not set)')} (recorded: {recorded.get(k, '(not set)')})"
                           for k in differ[:8])
-        logging.getLogger("reactor").warning(
+        log.warning(
             "replaying %s with other --set values than it was recorded with: %s%s; other settings than where the "
             "run writes usually change its schedule, and the replay then ends with TraceMismatchError",
             path, shown, f" and {len(differ) - 8} more" if len(differ) > 8 else "")
@@ -117,8 +127,8 @@ def _show(x: Any) -> str:
 
 
 def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
-    """Write ``trace`` (keys: seed, placement, events, and graph: :func:`graph_shape`) to ``path``
-    atomically."""
+    """Write ``trace`` (keys: seed, placement, events, and graph: :func:`graph_shape`; config and app if
+    known: :func:`check_config`) to ``path`` atomically."""
     path = Path(path)
     body = {
         "format": FORMAT,
@@ -130,6 +140,8 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
     body["events_sha256"] = _events_digest(body["events"])
     if trace.get("graph") is not None:
         body["graph"] = trace["graph"]
+    if isinstance(trace.get("app"), str):  # the app's file name or builder (check_config)
+        body["app"] = trace["app"][:1000]
     if trace.get("config") is not None:  # the run's --set values, as text (check_config)
         body["config"] = {str(k)[:128]: _config_text(v) for k, v in sorted(trace["config"].items())[:_CONFIG_KEYS]}
     data = msgpack.packb(body, use_bin_type=True)
@@ -188,6 +200,8 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         raise MalformedFrameError(f"{path}: the graph table is damaged")
     if shape is None:
         raise MalformedFrameError(f"{path} does not record its graph (a trace of an older reactor): record the run again")
+    if body.get("app") is not None and not isinstance(body["app"], str):  # (only a replay's warning reads it)
+        body.pop("app")
     config = body.get("config")
     if config is not None and not (isinstance(config, dict) and len(config) <= _CONFIG_KEYS and all(
             isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= 1 << 16 for k, v in config.items())):

@@ -220,6 +220,14 @@ def build_graph(path: str | Path, overrides: Mapping[str, Any]) -> Graph:
 BUILDER_APP = Path(__file__).with_name("_builder_app.py")
 
 
+def app_label(app: str | os.PathLike[str] | None, graph: Graph) -> str | None:
+    """What a trace records of the app a graph came from: the app file's name, or for a graph of a
+    ``graph_builder`` run without one, the builder's ``module:qualname`` (None when neither is known)."""
+    if graph.built_by is not None and (app is None or Path(app) == BUILDER_APP):
+        return graph.built_by[0]
+    return Path(app).name if app is not None else None
+
+
 def builder_app(graph: Graph) -> tuple[str, dict[str, Any]]:
     """The app file and config that rebuild ``graph`` from its ``graph_builder`` in another process.
 

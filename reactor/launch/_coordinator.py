@@ -230,9 +230,10 @@ async def run_processes(
                 traces.append(res["trace"])
             if record is not None:
                 from .._trace import graph_shape, merge_events, write_trace
+                from ._app import app_label
 
                 write_trace(record, {"seed": seed, "placement": placement, "events": merge_events(traces),
-                                     "graph": graph_shape(graph), "config": config})
+                                     "graph": graph_shape(graph), "config": config, "app": app_label(app, graph)})
             await workers.reap(EXIT_TIMEOUT_S)
             return RunResult(
                 digests=digests,

@@ -169,10 +169,13 @@ async def run_async(
     if stop_s is not None and replay is not None:  # (it was ignored in silence)
         raise ValueError("stop_s (--stop-s) does not apply to a replay: it ends where its recording did")
     stop_ns = seconds_to_ns(stop_s, "stop_s") if stop_s is not None else graph.stop_ns
+    from ._app import app_label
+
+    label = app_label(app, graph)
     if replay is not None:
         from .._trace import check_config, read_trace
 
-        check_config(read_trace(replay), config, replay)
+        check_config(read_trace(replay), config, replay, label)
     if placement != "single":
         from ._coordinator import run_processes
 
@@ -229,7 +232,7 @@ async def run_async(
     stopped_by = await drive_single(host, stop_ns)
     if recorder is not None:
         write_trace(record, {"seed": seed, "placement": placement, "events": recorder.events,  # type: ignore[arg-type]
-                             "graph": graph_shape(graph), "config": config})
+                             "graph": graph_shape(graph), "config": config, "app": label})
     return RunResult(
         digests=host.digests() if digest else {},
         events={n: s.events for n, s in host.stats.items()},

@@ -249,3 +249,29 @@ def test_a_replay_with_other_set_values_than_its_recording_says_so_before_it_sta
         run(build_graph(APP, {}), deterministic=False, replay=trace, seed=1, config={"lr": 0.0005, "n": 3, "x": 1})
     said = [m for m in caplog.messages if "other --set values" in m]
     assert len(said) == 1 and "lr=0.0005 (recorded: 0.001), x=1 (recorded: (not set))" in said[0], said
+
+
+def test_a_replay_on_another_app_than_its_recording_says_so_before_it_starts(tmp_path, caplog):
+    """Regression (a newcomer's pass): a DQN trace replayed on the transformer app (the same reactors and
+    links, so the graph check passed) ran its whole length and then ended with TraceMismatchError,
+    leaving a failed run's directory. The trace keeps its app's file name; a replay on another names both
+    at its start. Said, not refused: a copy of the app under another name replays (as here)."""
+    import logging
+    import shutil
+
+    trace = tmp_path / "run.trace"
+    run(build_graph(APP, {}), deterministic=False, record=trace, seed=1, stop_s=0.2, app=APP)
+    assert read_trace(trace)["app"] == "racing.py"
+    with caplog.at_level(logging.WARNING, logger="reactor"):
+        run(build_graph(APP, {}), deterministic=False, replay=trace, seed=1, app=APP)
+    assert not [m for m in caplog.messages if "recorded from app" in m]
+    other = tmp_path / "other_app.py"
+    shutil.copy(APP, other)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="reactor"):
+        rep = run(build_graph(str(other), {}), deterministic=False, replay=trace, seed=1, app=str(other))
+    said = [m for m in caplog.messages if "recorded from app" in m]
+    assert said == [f"replaying {trace}, recorded from app 'racing.py', on app 'other_app.py': another app's run goes "
+                    f"elsewhere, and the replay then ends with TraceMismatchError (replay a trace on the app it was "
+                    f"recorded from)"], said
+    assert rep.stopped_by == "replay"

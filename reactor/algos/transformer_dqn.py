@@ -92,7 +92,7 @@ class Config:
     target_update_every: int = 250
     """Learner updates between copies of the online network into the target network (R2D2: 2500)."""
     max_grad_norm: float = 10.0
-    """Gradient-norm clip (R2D2 uses 40 with larger returns; <= 0 turns it off)."""
+    """Gradient-norm clip (R2D2 uses 40 with larger returns; 0 turns it off)."""
     priority_eta: float = 0.9
     """R2D2's priority mix: eta * max |td| + (1 - eta) * mean |td| over a window's positions."""
     eps_start: float = 1.0

@@ -776,7 +776,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                       namespace=args.namespace, files=args.files, cpu=args.cpu, memory=args.memory,
                       shm_size=args.shm_size)
         if args.out:
-            Path(args.out).write_text(text)
+            try:
+                Path(args.out).write_text(text)
+            except OSError as e:  # (was "[Errno 2] No such file or directory: ...", naming no option)
+                raise ValueError(f"--out {args.out}: cannot write the manifests there ({e.strerror})") from None
             print(f"wrote {args.out}: kubectl apply -f {args.out}", file=sys.stderr)
         else:
             sys.stdout.write(text)

@@ -189,6 +189,11 @@ def test_the_command_line_writes_them_and_refuses_a_placement_file(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", DQN, "--placement", "p.toml"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "a k8s job spreads its groups over its daemons" in bad.stderr, bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "reactor.cli", "k8s", "render", DQN, "--out",
+                          str(tmp_path / "no" / "k.yaml")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr == (f"reactor: --out {tmp_path / 'no' / 'k.yaml'}: cannot write the "
+                                                  f"manifests there (No such file or directory)\n"), bad.stderr
     # (Regression, a newcomer's pass: a file that is not Python was rendered, to fail in the Job)
     notes = tmp_path / "notes.py"
     notes.write_text("first line\nthis is not python\n")

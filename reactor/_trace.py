@@ -156,14 +156,18 @@ def read_trace(path: str | Path) -> dict[str, Any]:
     """Read a trace file.
 
     Raises:
-        FileNotFoundError: no such file.
-        MalformedFrameError: the file is not a reactor trace, or is damaged.
+        FileNotFoundError: no such file (naming it).
+        MalformedFrameError: the file is not a reactor trace (a directory, say), or is damaged.
     """
     path = Path(path)
     try:
         data = read_small(path, MAX_TRACE_NBYTES)  # (a FIFO or a device is refused, not read forever)
     except ValueError as e:
         raise MalformedFrameError(str(e)) from None
+    except FileNotFoundError:  # (was "[Errno 2] No such file or directory: 'x'", naming no trace)
+        raise FileNotFoundError(f"no trace file at {str(path)!r} (reactor run --async --record writes one)") from None
+    except IsADirectoryError:
+        raise MalformedFrameError(f"{path} is a directory, not a trace file") from None
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_TRACE_NBYTES)
     except Exception as e:

@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     tsub = t.add_subparsers(dest="trace_command", required=True)
     ts = tsub.add_parser("show", help="summarize a trace")
     ts.add_argument("trace", help="a trace file (reactor run --async --record)")
-    ts.add_argument("--limit", type=int, default=20, help="events listed per reactor")
+    ts.add_argument("--limit", type=_count_arg, default=20, help="events listed per reactor")
     td = tsub.add_parser("diff", help="first divergence per reactor between two traces",
                          description="Print the first divergence per reactor between two traces; exit status 0 "
                                      "when they are identical, 1 when they differ (as diff's).")
@@ -303,7 +303,7 @@ def _cut(text: str) -> str:
 
 
 def _count_arg(text: str) -> int:
-    """``--keep-ended``: an int >= 0."""
+    """``--keep-ended``, ``trace show --limit`` (-1 listed all but one, and said 231 more of 230): an int >= 0."""
     n = _parsed_arg(text, int, "a whole number")
     if n < 0:
         raise argparse.ArgumentTypeError(f"a number >= 0 expected, got {text!r}")

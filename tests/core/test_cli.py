@@ -349,6 +349,21 @@ def test_trace_show_and_diff(tmp_path):
     assert p.returncode == 2 and p.stderr.startswith(f"reactor: {junk} is not a")
 
 
+def test_a_trace_that_is_not_there_or_a_directory_and_a_negative_limit_are_one_line_naming_them(tmp_path):
+    """Regression (a newcomer's pass): ``--replay`` or ``trace show`` of a missing file said "[Errno 2] No
+    such file or directory: 'x'", of a directory "[Errno 21] Is a directory", neither naming a trace; and
+    ``trace show --limit -1`` listed all events but one and then said "... 231 more" of 230."""
+    missing = tmp_path / "missing.trace"
+    for args in (["trace", "show", str(missing)], ["run", DEMO, "--async", "--replay", str(missing)]):
+        p = reactor(*args)
+        assert p.returncode == 2 and p.stderr == (f"reactor: no trace file at '{missing}' (reactor run --async "
+                                                  f"--record writes one)\n"), p.stderr
+    p = reactor("trace", "show", str(tmp_path))
+    assert p.returncode == 2 and p.stderr == f"reactor: {tmp_path} is a directory, not a trace file\n", p.stderr
+    p = reactor("trace", "show", str(tmp_path), "--limit", "-1")
+    assert p.returncode == 2 and p.stderr.endswith("argument --limit: a number >= 0 expected, got '-1'\n"), p.stderr
+
+
 @pytest.mark.parametrize("app", sorted(p.name for p in (ROOT / "apps").glob("*.py") if "\nALGO = " in p.read_text()))
 def test_every_training_app_takes_target_return_none(app):
     """Regression (issue 19): the transformer app refused `--set target_return=None`, which every

@@ -51,7 +51,13 @@ from ._forkserver import (
 )
 from ._groups import Group, Restart
 from ._placement import check_lookahead, resolve_placement
-from ._protocol import COORDINATOR, STOPPED_FOR_FAILURE_STATUS, CoordinatorProtocol
+from ._protocol import (
+    COORDINATOR,
+    FAILED_END_S,
+    FAILED_SAVE_S,
+    STOPPED_FOR_FAILURE_STATUS,
+    CoordinatorProtocol,
+)
 from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, rendezvous_file, sweep_stale
 from ._signals import stop_signals
@@ -830,7 +836,6 @@ class _Session:
         # more: _worker._leave_after), which it is given: the reaping's SIGKILL came 5 s past FAILURE_STOP_S and
         # cut a slow final checkpoint (what the failed life learned since its last one). Those told "exit"
         # are given a moment to be gone before the reaping.
-        from ._worker import FAILED_END_S, FAILED_SAVE_S
 
         until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
         failed_until = until if self.failed is None else max(

@@ -46,6 +46,20 @@ COORDINATOR = "coordinator"
 #: (``("stop", "failure")``), once its shutdown reactions ran. It exited 143 (the reaping's SIGTERM)
 #: and read as if it had failed too, in ``reactor status`` and in its daemon's records.
 STOPPED_FOR_FAILURE_STATUS = 4
+# (In this module as both the worker and its coordinator use them.)
+#: A failed worker ends at most this long after it told its coordinator: shutdown reactions that hold it
+#: longer (blocked in a sleep, a hung save) are left unfinished (``_leave_by``). Without a restart its
+#: coordinator reaps it about as soon (FAILURE_STOP_S, then SIGTERM, which a reaction blocked in Python
+#: or C does not hear, and SIGKILL 5 s later); under a restart policy it is told "exit" at once, and
+#: nothing ended it: the group's next life waited for its end for good, and so did the run's end.
+FAILED_END_S = 10.0
+#: ... unless it is writing a checkpoint then (``_files.writing``: a learner's ``learner.pt``, a shard's final
+#: checkpoint): it waits for the write at most this long more. The write is whole or not at all either way
+#: (a temporary file, then a rename: a kill mid-write leaves the earlier file, which a resume loads), but a
+#: cut one threw away what the failed life learned since its last checkpoint, and under a restart policy its
+#: next life resumed from that older one, to start a few seconds sooner; and it left its partial temporary
+#: file (as large as the checkpoint) until the next save. A hung write still ends by this bound.
+FAILED_SAVE_S = 120.0
 
 #: What a worker's exit status other than 0 says (``reactor status``): 2 is ``_errors.REFUSAL_EXIT_STATUS``.
 _EXIT_WORDS = {1: "failed: its traceback is in its log",

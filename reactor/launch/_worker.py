@@ -41,7 +41,7 @@ from .._files import remove_cut_writes, writes_in_progress
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
-from ._protocol import COORDINATOR, STOPPED_FOR_FAILURE_STATUS, WorkerProtocol
+from ._protocol import COORDINATOR, FAILED_END_S, FAILED_SAVE_S, STOPPED_FOR_FAILURE_STATUS, WorkerProtocol
 
 log = logging.getLogger("reactor.worker")
 #: A worker's status reports to the coordinator (idle, sent, received: quiescence detection) go
@@ -52,19 +52,6 @@ STATUS_INTERVAL_S = 0.02
 _PROMISE_QUANTUM_DIV = 4
 #: How long a worker whose reaction failed waits for the coordinator's "exit" (its FAILURE_STOP_S and more).
 FAILED_EXIT_WAIT_S = 5.0
-#: A failed worker ends at most this long after it told its coordinator: shutdown reactions that hold it
-#: longer (blocked in a sleep, a hung save) are left unfinished (``_leave_by``). Without a restart its
-#: coordinator reaps it about as soon (FAILURE_STOP_S, then SIGTERM, which a reaction blocked in Python
-#: or C does not hear, and SIGKILL 5 s later); under a restart policy it is told "exit" at once, and
-#: nothing ended it: the group's next life waited for its end for good, and so did the run's end.
-FAILED_END_S = 10.0
-#: ... unless it is writing a checkpoint then (``_files.writing``: a learner's ``learner.pt``, a shard's final
-#: checkpoint): it waits for the write at most this long more. The write is whole or not at all either way
-#: (a temporary file, then a rename: a kill mid-write leaves the earlier file, which a resume loads), but a
-#: cut one threw away what the failed life learned since its last checkpoint, and under a restart policy its
-#: next life resumed from that older one, to start a few seconds sooner; and it left its partial temporary
-#: file (as large as the checkpoint) until the next save. A hung write still ends by this bound.
-FAILED_SAVE_S = 120.0
 #: A worker whose parent (its fork server, or the coordinator) died ends this long after at the latest
 #: (``_leave_when_orphaned``).
 ORPHAN_GRACE_S = 10.0

@@ -90,12 +90,18 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 class _NotThisTable(ValueError):
-    """A verified checkpoint's state that does not fit the table it was read into."""
+    """A verified checkpoint's state (at ``path``) that does not fit the table it was read into."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.path = path
+        self.cause = cause
 
 
 def _check_format(path: Path, manifest: Mapping[str, Any]) -> None:
+    """A foreign checkpoint is refused as a damaged one is (a restore passes over it to an older one)."""
     if manifest.get("format") != "reactor.replay.Table/1":
-        raise ValueError(f"{str(path)!r} holds no reactor.replay.Table checkpoint")
+        raise _ckpt.CheckpointCorruptError(f"{str(path)!r} holds no reactor.replay.Table checkpoint")
 
 
 def _inconsistent(path: Path, e: BaseException) -> _ckpt.CheckpointCorruptError:
@@ -312,21 +318,21 @@ class TableState:
 
         Raises:
             FileNotFoundError: no complete checkpoint.
-            CheckpointCorruptError: a checksum mismatch, a missing, truncated or foreign file, or
-                content that is inconsistent (the message names the checkpoint directory and what).
-            ValueError: a foreign checkpoint (not a table's).
+            CheckpointCorruptError: a checksum mismatch, a missing, truncated or foreign file, content
+                that is inconsistent, or a checkpoint that is not a table's (the message names the
+                checkpoint directory and what).
         """
-        built: list[Table] = []
-
         def build(path: Path, manifest: dict[str, Any]) -> Table:
             _check_format(path, manifest)
             try:
-                built.append(cls._from_config(manifest["config"], device))
+                return cls._from_config(manifest["config"], device)
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise _inconsistent(path, e) from e
-            return built[0]
 
-        return cls._read_checkpoint(directory, build, same_config=True)[0]
+        try:
+            return cls._read_checkpoint(directory, build)[0]
+        except _NotThisTable as e:  # (a table of its own configuration: the content is at fault)
+            raise _inconsistent(e.path, e.cause) from e.cause
 
     def restore_from(self, root: str | os.PathLike[str]) -> tuple[Path | None, list[str]]:
         """Fill this empty table from the newest complete checkpoint under ``root`` that verifies,
@@ -350,7 +356,7 @@ class TableState:
         if len(self) or lo != hi:
             raise ValueError(f"table {self._name!r}: restore_from fills an empty table; this one holds {hi - lo} steps")
         mine = _shape_of(self.config())
-        same: list[bool] = []
+        same: dict[Path, bool] = {}  # checkpoint -> its configuration is this table's
 
         def onto(path: Path, manifest: dict[str, Any]) -> Table:
             _check_format(path, manifest)
@@ -361,16 +367,16 @@ class TableState:
             if theirs["specs"] != mine["specs"]:
                 raise ValueError(f"checkpoint {str(path)!r} holds fields {theirs['specs']}, this table "
                                  f"{mine['specs']}")
-            same.append(theirs == mine)
+            same[path] = theirs == mine
             return self
 
         def attempt(path: Path) -> Path:
             try:
-                return self._read_checkpoint(path, onto, same_config=None)[1]
+                return self._read_checkpoint(path, onto)[1]
             except _NotThisTable as e:
-                if same and same[-1]:  # (same configuration: the checkpoint's content is at fault)
-                    raise _inconsistent(path, e.__cause__ or e) from e
-                raise ValueError(f"checkpoint {str(path)!r} does not fit this table: {e}") from None
+                if same.get(e.path):  # (same configuration: the checkpoint's content is at fault)
+                    raise _inconsistent(e.path, e.cause) from e.cause
+                raise ValueError(f"checkpoint {str(e.path)!r} does not fit this table: {e}") from None
 
         return self._restore_loop(root, attempt)
 
@@ -419,15 +425,13 @@ class TableState:
         return None, refusals
 
     @staticmethod
-    def _read_checkpoint(
-        directory: str | os.PathLike[str], target: Any, *, same_config: bool | None
-    ) -> tuple[Table, Path]:
+    def _read_checkpoint(directory: str | os.PathLike[str], target: Any) -> tuple[Table, Path]:
         """Read the checkpoint at ``directory`` into ``target(path, manifest)``'s table (empty), its
         rows straight into the storage where that is in host memory.
 
         Raises:
-            CheckpointCorruptError: verification failed, or (``same_config``) the state is inconsistent.
-            _NotThisTable: (``same_config`` None) the state does not fit the table.
+            CheckpointCorruptError: verification failed.
+            _NotThisTable: the verified state does not load into the table (the caller says whose fault).
         """
         got: list[tuple[Table, Path, bool]] = []
         with contextlib.ExitStack() as rewriting:
@@ -450,9 +454,7 @@ class TableState:
             try:
                 table._fill(manifest, arrays, in_place)
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
-                if same_config is None:
-                    raise _NotThisTable(str(e)) from e
-                raise _inconsistent(path, e) from e
+                raise _NotThisTable(path, e) from e
         return table, path
 
     def _fill(self, manifest: dict[str, Any], arrays: dict[str, np.ndarray], rows_in_place: bool) -> None:
@@ -472,20 +474,19 @@ class TableState:
             st["fields"] = fields
         st["ep_start"] = arrays["storage.ep_start"]
         st["ep_len"] = arrays["storage.ep_len"]
-        with self._storage._rewriting():
-            self.load_state_dict(
-                {
-                    "storage": st,
-                    "keys": arrays["table.keys"],
-                    "times_sampled": arrays["table.times_sampled"],
-                    "counts": manifest["counts"],
-                    "sampler": _join_state("sampler", manifest["sampler"], arrays),
-                    "remover": _join_state("remover", manifest["remover"], arrays),
-                    "rate_limiter": manifest["rate_limiter"],
-                    "rng": manifest["rng"],
-                },
-                _rows_in_place=rows_in_place,
-            )
+        self.load_state_dict(
+            {
+                "storage": st,
+                "keys": arrays["table.keys"],
+                "times_sampled": arrays["table.times_sampled"],
+                "counts": manifest["counts"],
+                "sampler": _join_state("sampler", manifest["sampler"], arrays),
+                "remover": _join_state("remover", manifest["remover"], arrays),
+                "rate_limiter": manifest["rate_limiter"],
+                "rng": manifest["rng"],
+            },
+            _rows_in_place=rows_in_place,
+        )
 
     @classmethod
     def _from_config(cls, cfg: Mapping[str, Any], device: str | torch.device) -> Table:

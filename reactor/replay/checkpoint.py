@@ -364,8 +364,8 @@ def read_checkpoint(
         if not isinstance(fname, str) or "/" in fname or fname.startswith(".") or not fname.endswith(".npy"):
             raise _corrupt(path, MANIFEST, f"lists a bad file name {fname!r}")
     sinks = dict(into(path, manifest)) if into is not None else {}
-    for name in sinks.keys() - listing.keys():
-        raise _corrupt(path, MANIFEST, f"lists no array {name!r}")
+    if unlisted := sorted(sinks.keys() - listing.keys()):
+        raise _corrupt(path, MANIFEST, f"lists no array {unlisted[0]!r}")
     arrays = {}
     for name, fname in listing.items():
         got_array = _read_npy(path, fname, str(checksums[fname]), sinks.get(name))

@@ -257,3 +257,15 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     first = Table.load(Path(root) / "ckpt-00000001")
     assert len(first) == 100
     assert first.sample_nowait(1)[0]["obs"].eq(1.0).all()
+
+
+def test_a_foreign_checkpoint_newest_under_the_root_is_passed_over_for_the_tables_own(tmp_path):
+    """A complete, verified checkpoint that is not a table's (another owner's format) is refused as a
+    damaged one is, by Table.restore and restore_from alike: the older table checkpoint is taken."""
+    t = make()
+    fill(t)
+    good = t.save(tmp_path)
+    write_checkpoint(tmp_path, {"format": "someone.else/1"}, {"x": np.zeros(3)})
+    for restore in (lambda: Table.restore(tmp_path)[1:], lambda: make().restore_from(tmp_path)):
+        path, refusals = restore()
+        assert path == good and len(refusals) == 1 and "holds no reactor.replay.Table checkpoint" in refusals[0]

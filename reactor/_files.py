@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ __all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "r
 
 _writes: dict[int, tuple[Path, Path]] = {}  # (a write's id) -> (what it writes into, what it replaces)
 _writes_lock = threading.Lock()
-_write_ids = iter(range(1 << 62))
+_write_ids = itertools.count()
 
 
 @contextlib.contextmanager

@@ -265,9 +265,8 @@ class ForkServer:
                         self._answers[int(msg["id"])] = msg
                     elif answer.set_running_or_notify_cancel():
                         answer.set_result(msg)
-                    elif "pid" in msg:  # abandoned (its wait timed out): its caller started it otherwise
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(int(msg["pid"]), signal.SIGKILL)
+                    else:  # abandoned (its wait timed out): its caller started it otherwise
+                        _kill_child(msg)
                 self._cond.notify_all()
         with self._cond:
             self._dead = True
@@ -442,11 +441,17 @@ class Forks:
                 server.close()
 
 
-def _kill_answered(answer: Future[dict[str, Any]]) -> None:
-    """Kill the child a spawn request's answer names (a request whose caller is gone)."""
-    if not answer.cancelled() and answer.exception() is None and "pid" in answer.result():
+def _kill_child(msg: dict[str, Any]) -> None:
+    """Kill the child a spawn answer names, if it names one (a request whose caller is gone)."""
+    if "pid" in msg:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(answer.result()["pid"]), signal.SIGKILL)
+            os.kill(int(msg["pid"]), signal.SIGKILL)
+
+
+def _kill_answered(answer: Future[dict[str, Any]]) -> None:
+    """:func:`_kill_child` of a request's answer, once it comes (its caller gave up waiting)."""
+    if not answer.cancelled() and answer.exception() is None:
+        _kill_child(answer.result())
 
 
 # ------------------------------------------------------------------------------ the server

@@ -641,12 +641,10 @@ async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: 
                 break
             if stopping():
                 raise _RunStopping(name)
-            gone = [i for i, key in enumerate(came) if left_watch and not bank.check([key])
-                    and bank.check([f"gone/{i}"])]
-            if gone:
+            missing = [i for i, key in enumerate(came) if not bank.check([key])]
+            if left_watch and (gone := [i for i in missing if bank.check([f"gone/{i}"])]):
                 raise _RunStopping(f"data-parallel learner(s) {gone} left (refused or failed at its start)")
             if time.monotonic() > deadline:
-                missing = [i for i, key in enumerate(came) if not bank.check([key])]
                 raise PeerLostError(f"{name}: data-parallel learner(s) {missing} did not join within "
                                     f"{DP_JOIN_TIMEOUT_S:.0f} s (rendezvous: {where}, the bank's life {life})")
             await asyncio.sleep(DP_POLL_S)

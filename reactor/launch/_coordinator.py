@@ -807,7 +807,7 @@ class _Session:
         dead = self.workers.dead()
         live = {n for n in self.procs if n not in self.results and n not in dead and n not in self.restarts.down
                 and n != self.failed}
-        told: set[str] = set()  # told "exit": waited for (briefly) before the reaping
+        told: set[str] = set()  # done, then told "exit": waited for (briefly) before the reaping
         loop = asyncio.get_running_loop()
         end = loop.time() + FAILURE_STOP_S
         while live and loop.time() < end:
@@ -818,15 +818,17 @@ class _Session:
             for peer, msg in batch:
                 if msg[0] == "done":
                     live.discard(peer)
-                    # It ended cleanly: it leaves now, on its own (STOPPED_FOR_FAILURE_STATUS), not at the
-                    # reaping's SIGTERM (143: it read as if it had failed too).
-                    with contextlib.suppress(Exception):
-                        self.ep.send_nowait(peer, ("exit",))
                     told.add(peer)
                 elif msg[0] in ("refused", "error"):  # another failure (in its shutdown, say): said, let go
                     self._also_failed(peer, msg)
                     live.discard(peer)
             live -= set(self.workers.dead())
+        # Those that ended cleanly leave now, on their own (STOPPED_FOR_FAILURE_STATUS), not at the reaping's
+        # SIGTERM (143: it read as if they had failed too); all at once, once none is still stopping: one told
+        # as soon as it was done left while a slower one still sent it its last words, which then failed too.
+        for peer in sorted(told):
+            with contextlib.suppress(Exception):
+                self.ep.send_nowait(peer, ("exit",))
         if self.failed is not None:  # (last: the others have heard why first)
             with contextlib.suppress(Exception):
                 self.ep.send_nowait(self.failed, ("exit",))

@@ -5,6 +5,9 @@
 # On a machine without package access, Python packages missing there can come as wheels in .whl/
 # (pyzmq, gymnasium, pytest-asyncio, ...; TorchRL builds in .whl/trl*/, one per torch release: the
 # first whose compiled part loads is used for the TorchRL peer).
+# The H200 image (Python 3.12, torch 2.11) lacks pyzmq, gymnasium (+ farama-notifications) and
+# pytest-asyncio; carry pytest-asyncio >= 1.5 with pytest >= 8.4 (tests/conftest.py uses its
+# pytest_asyncio_loop_factories hook, which 1.3 does not know: the session ends before any test).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}

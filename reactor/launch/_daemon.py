@@ -945,7 +945,9 @@ class DaemonClient:
     A socket monitor follows the connection, so that a request that fails says how far it got: no
     TCP connection, a CURVE handshake that did not complete, a daemon that admitted our key and then
     answered late (:class:`DaemonSilentError`), or a handshake the daemon refused
-    (:class:`DaemonKeyError`, at once: a key a daemon does not admit waits no timeout out).
+    (:class:`DaemonKeyError`, at once: a key a daemon does not admit waits no timeout out). The next
+    request after a refusal connects again, with a new handshake: once the operator has admitted our
+    key (or the right daemon key is in place), the same client goes on.
 
     Args:
         address: the daemon's ``tcp://HOST:PORT``.
@@ -962,33 +964,51 @@ class DaemonClient:
         self.who = who or f"the daemon at {address}"
         self.daemon_key = daemon_key
         self.public = keys.public
+        self._keys = keys
         self.ctx = zmq.Context()
+        self._connect()
+        self.next_id = 1
+
+    def _connect(self) -> None:
+        """A new socket (and its monitor) connecting to the daemon."""
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.curve_secretkey = keys.secret
-        self.sock.curve_publickey = keys.public
-        self.sock.curve_serverkey = daemon_key
+        self.sock.curve_secretkey = self._keys.secret
+        self.sock.curve_publickey = self._keys.public
+        self.sock.curve_serverkey = self.daemon_key
         self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
         self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
         self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
-        self.sock.connect(address)
+        self.sock.connect(self.address)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.next_id = 1
+
+    def _close_socket(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
 
     def request(self, kind: str, *fields: Any, timeout_s: float | None = None) -> Any:
         """Send one request and return its payload (waiting ``timeout_s``, default the client's).
 
         Raises:
             DaemonKeyError: the CURVE handshake failed (our key is not admitted, or the daemon's key
-                is not the one given), as soon as that is known.
+                is not the one given), as soon as that is known; the next request tries a new handshake.
             DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got.
             DaemonError: the daemon refused the request (its reason).
         """
         rid = self.next_id
         self.next_id += 1
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self._follow_link()
+        if self.refused is not None:
+            # ZeroMQ does not connect again after a refused handshake: every later request failed at
+            # once ("takes no more requests"), even after the operator admitted our key, until the
+            # caller made a new client. A new connection, with a new handshake, is what asking again means.
+            self._close_socket()
+            self._connect()
         try:
             self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)], flags=zmq.NOBLOCK)
         except zmq.Again as e:
@@ -1053,10 +1073,7 @@ class DaemonClient:
         return DaemonKeyError(f"{self.who}: {why}", "refused", why)
 
     def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self._close_socket()
         self.ctx.destroy(linger=0)
 
     def __enter__(self) -> DaemonClient:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import REFUSALS, GraphError, ReactorError, raised_by_reactor, refusal_line
-from .launch._app import build_graph, parse_overrides
+from .launch._app import blamed_settings, build_graph, parse_overrides
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -392,7 +392,11 @@ def _main(argv: Sequence[str] | None, started: float | None) -> int:
             traceback.print_exception(e, file=sys.stderr)
             return _failed(args, 1, f"reactor: the run failed: {type(e).__name__}: "
                                     f"{_bounded((str(e).splitlines() or [''])[0])}")
-        return _failed(args, 2, f"reactor: {_bounded(refusal_line(e))}")
+        line = refusal_line(e)
+        if blamed := blamed_settings(e, line, getattr(args, "app", None), getattr(args, "overrides", [])):
+            # (a value of the command line refused where the app uses it: said first, not only the app's line)
+            line = f"--set {' and --set '.join(blamed)}: {line}"
+        return _failed(args, 2, f"reactor: {_bounded(line)}")
     except ReactorError as e:
         return _failed(args, 1, f"reactor: {type(e).__name__}: {_bounded(str(e))}")
     except BrokenPipeError:  # the output's reader left (`reactor graph APP | head`): stop quietly, as cat does

@@ -18,6 +18,7 @@ app.py`` does), so modules beside it (a custom env's) import under every placeme
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -98,6 +99,68 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             value = float(raw) if re.fullmatch(r"\s*[+-]?(nan|inf|infinity)\s*", raw, re.IGNORECASE) else raw
         out[key.strip()] = value
     return out
+
+
+def blamed_settings(e: BaseException, message: str, app: str | os.PathLike[str] | None,
+                    items: Sequence[str]) -> list[str]:
+    """The ``--set`` items (``items``, as given: ``["producers=0"]``) that a refusal of the app's graph
+    comes from, for its message to name: ``replicas must be an int >= 1, got 0 (apps/demo.py:83)`` named
+    the app line alone, and the user had to find which ``--set`` fed it. An item is blamed when its value
+    is shown in ``message`` (beside the app lines it cites) and the refusal is at an app line (cited in
+    ``message``, or where ``e``'s traceback last passed through the app) that reads its key
+    (``config.KEY``, ``config["KEY"]``), or reads none of the items' keys (``build(config)`` handing the
+    whole config to a graph builder). None when ``e`` is not at an app line, or no value is shown.
+    """
+    if app is None or not items:
+        return []
+    try:
+        path = Path(app).resolve()
+        source = path.read_text()
+    except (OSError, RuntimeError, UnicodeDecodeError):
+        return []
+    lines = set()
+    for where, line in re.findall(r"([^\s(),]+\.py):(\d+)", message):
+        with contextlib.suppress(OSError, RuntimeError):
+            if Path(where).resolve() == path:
+                lines.add(int(line))
+    tb = e.__traceback__
+    at = None
+    while tb is not None:
+        with contextlib.suppress(OSError, RuntimeError):
+            if Path(tb.tb_frame.f_code.co_filename).resolve() == path:
+                at = tb.tb_lineno
+        tb = tb.tb_next
+    if at is not None:
+        lines.add(at)
+    if not lines:
+        return []
+    shown = re.sub(r"[^\s(),]+\.py:\d+", " ", message)  # (a line number is no value)
+    given = {}
+    for item in items:
+        key, _, _ = item.partition("=")
+        given[key.strip()] = item
+    values = parse_overrides(list(given.values()))
+    named = [k for k, v in values.items() if re.search(rf"(?<![\w.]){re.escape(repr(v))}(?![\w.])", shown)]
+    if not named:
+        return []
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return [given[k] for k in named]
+    reads: set[str] = set()
+    for line in lines:
+        stmts = [n for n in ast.walk(tree) if isinstance(n, ast.stmt) and n.lineno <= line <= (n.end_lineno or n.lineno)]
+        if not stmts:
+            continue
+        stmt = min(stmts, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)  # (the innermost)
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Attribute) and n.attr in given:
+                reads.add(n.attr)
+            elif isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in given:
+                reads.add(str(n.slice.value))
+    if reads:
+        named = [k for k in named if k in reads]
+    return [given[k] for k in named]
 
 
 #: The options of ``reactor run`` that are not config keys (``--set seed=3`` named neither).

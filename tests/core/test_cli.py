@@ -259,6 +259,19 @@ def test_bad_set_values_are_one_line_errors():
     assert (p.returncode, p.stderr) == (2, "reactor: config key 'workers' expects int, got 'many'\n")
 
 
+def test_a_set_value_the_apps_graph_refuses_is_named_with_its_key_and_value():
+    """Regression: ``--set producers=0`` on the demo was "replicas must be an int >= 1, got 0 (apps/...:83)",
+    the app's line alone: which of the command line's values fed it was the user's to find. The refusal
+    now names the --set item whose value it shows and which that app line reads (not another item's)."""
+    p = reactor("run", DEMO, "--set", "producers=0", "stop_s=0.1")
+    assert (p.returncode, p.stderr) == (2, f"reactor: --set producers=0: replicas must be an int >= 1, got 0 "
+                                           f"({DEMO}:83)\n")
+    p = reactor("graph", DEMO, "--set", "producers=0", "workers=0")
+    assert p.stderr == f"reactor: --set producers=0: replicas must be an int >= 1, got 0 ({DEMO}:83)\n", p.stderr
+    p = reactor("graph", DEMO, "--set", "producers=2", "workers=-1")
+    assert p.stderr == f"reactor: --set workers=-1: replicas must be an int >= 1, got -1 ({DEMO}:84)\n", p.stderr
+
+
 def test_data_parallel_learners_sharing_a_process_are_a_one_line_error_before_anything_starts(tmp_path,
                                                                                                placement="single"):
     """Regression (a newcomer's run, session 52): ``reactor run apps/dqn.py --set learners=2`` (no

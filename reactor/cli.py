@@ -1008,7 +1008,7 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
         why = restart_refusal(args.restart, deterministic=not args.async_)
         if why is not None:
             raise ValueError(why)
-    parse_overrides(args.overrides)
+    overrides = parse_overrides(args.overrides)
     run_args = ["--placement", args.placement, "--seed", str(args.seed)]
     run_args += ["--async"] if args.async_ else []
     run_args += ["--restart", args.restart] if args.restart else []
@@ -1022,7 +1022,30 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
         raise FileNotFoundError(f"no app file {args.app}")
     with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
         compile(Path(args.app).read_bytes(), args.app, "exec")  # not Python failed there, after the allocation)
+    if overrides:
+        _check_config_here(args.app, overrides)
     return run_args
+
+
+def _check_config_here(app: str, overrides: dict[str, Any]) -> None:
+    """A cluster job's ``--set`` keys and values, checked as ``reactor run`` checks them (``make_config``: a key
+    the app's Config and its algorithm lack, a value of the wrong type), before the job is made: an unknown
+    key failed only in the cluster's Job or allocation, after the daemons were up. That needs the app
+    imported here (not its graph built); an app that does not import here (a module only the cluster's image
+    has) is said, and its run checks them there.
+
+    Raises:
+        AppError: a key or value ``reactor run`` refuses.
+    """
+    from .launch._app import load_app, make_config
+
+    try:
+        module = load_app(app)
+    except Exception as e:  # noqa: BLE001 - the app's own import, not a mistake of the command line
+        print(f"reactor: the --set values were not checked here: the app does not import here ({type(e).__name__}: "
+              f"{_bounded((str(e).splitlines() or [''])[0])}); its run checks them when it starts", file=sys.stderr)
+        return
+    make_config(module, overrides)
 
 
 def _slurm(args: argparse.Namespace) -> int:

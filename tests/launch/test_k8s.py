@@ -217,3 +217,28 @@ def test_a_restart_policy_the_runs_mode_cannot_hold_is_refused_before_a_cluster_
             got = subprocess.run([*cli, *ok], capture_output=True, text=True, timeout=60, cwd=ROOT)
             assert got.returncode == 0 and ok[-1] in got.stdout, got.stderr
 
+
+@pytest.mark.parametrize("command", ["k8s render", "slurm"])
+def test_a_set_key_or_value_reactor_run_refuses_is_refused_before_a_cluster_job_is_made(command, tmp_path):
+    """Regression: `reactor k8s render APP --set nosuch=1` rendered the manifests (and `reactor slurm` queued
+    the job): the key was refused only by the run in the cluster's Job, after the daemons were up. The keys
+    and values are checked here as `reactor run` checks them (the app imported, its graph not built); an app
+    that does not import here (a module only the cluster's image has) is said and rendered."""
+    demo = str(ROOT / "apps" / "demo_pipeline.py")
+    cli = [sys.executable, "-m", "reactor.cli", *command.split()]
+    for given, said in ((["nosuch=1"], "reactor: unknown config key 'nosuch'; Config has: producers, stop_s, workers\n"),
+                        (["workers=many"], "reactor: config key 'workers' expects int, got 'many'\n")):
+        bad = subprocess.run([*cli, demo, "--set", *given], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", said)
+    if command == "slurm":
+        return  # (what it takes goes to sbatch)
+    got = subprocess.run([*cli, demo, "--set", "workers=3"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert got.returncode == 0 and "workers=3" in got.stdout and got.stderr == "", got.stderr
+    elsewhere = tmp_path / "cluster_only.py"
+    elsewhere.write_text("import module_of_the_clusters_image\n\ndef build(config):\n    pass\n")
+    got = subprocess.run([*cli, str(elsewhere), "--set", "x=1"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert got.returncode == 0 and "x=1" in got.stdout, got.stderr
+    assert got.stderr == ("reactor: the --set values were not checked here: the app does not import here "
+                          "(ModuleNotFoundError: No module named 'module_of_the_clusters_image'); its run checks them "
+                          "when it starts\n"), got.stderr

@@ -20,8 +20,8 @@ the daemon stops its running jobs first.
 A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
 ``keep_ended`` ended jobs (``--keep-ended``, default ``KEEP_ENDED``) in memory and in ``status``, and
 forgets older ones that ended ``forget_after_s`` (``--forget-after-s``, default ``FORGET_AFTER_S``) ago or
-more as others end (a restarted daemon reads
-every record and keeps that many); a forgotten job's directory stays on disk, and asking for it says
+more as others end (a restarted daemon lists what its last life listed, reading only those records:
+``STATE/jobs.json``); a forgotten job's directory stays on disk, and asking for it says
 where, unless the daemon removes what it forgets (``--remove-forgotten``: ``_hosting.Remover``), which
 bounds its state directory. Every running job is kept.
 
@@ -95,6 +95,9 @@ WATCH_WARN_EVERY_S = 60.0
 #: may not be its parent (a daemon started again after a crash adopts its running jobs) and then has no other
 #: way to know it; every such job ended as ``ended``, "its exit status is unknown", however it ended.
 EXIT_FILE = "exit.json"
+#: The jobs a daemon lists, in ``STATE/`` (``Daemon._read_index``): what its next start reads the records of.
+INDEX = "jobs.json"
+_JOB_DIR_RE = re.compile(r"[0-9a-f]{16}\Z")
 
 
 class DaemonSilentError(DaemonError):
@@ -233,6 +236,8 @@ class Daemon:
         self._starts: set[asyncio.Task[None]] = set()  # (serve: the submits and spawns whose process is starting)
         self._stop_deadline = 0.0
         self.refused = 0
+        self._index_unsaved = False  # the jobs' index changed and could not be written yet (_save_index)
+        self._forgotten_kept = 0  # forgotten jobs whose directories stay (the start's line counts them)
         self._load_jobs()
 
     # -------------------------------------------------------------------------- jobs on disk
@@ -240,9 +245,23 @@ class Daemon:
     def _load_jobs(self) -> None:
         """A restarted daemon: its past jobs, as they ended, in the order they were submitted (as
         ``status`` lists them); a running one is watched again, or marked lost if it died while no
-        daemon watched it."""
+        daemon watched it. It reads the records its last life listed (``INDEX``), not every job's: a
+        start read all of them, and took longer and more memory with each job the daemon ever ran. With
+        no index it can trust (none yet, unreadable, or ``jobs/`` changed after it was written: a
+        directory made by a submit it did not finish writing, or by another program) it reads them all,
+        as before, and writes one."""
+        listed = self._read_index()
+        if listed is None:
+            paths = sorted((self.state / "jobs").glob("*/job.json"))
+        else:
+            paths = [self.state / "jobs" / job_id / "job.json" for job_id in listed["jobs"]]
+            self._forgotten_kept = listed["forgotten"]
         loaded: list[_Job] = []
-        for path in sorted((self.state / "jobs").glob("*/job.json")):
+        changed = listed is None and bool(paths)  # (a new daemon's empty jobs/ has nothing to index)
+        for path in paths:
+            if listed is not None and not path.is_file():
+                changed = True  # (removed by hand: nothing to list)
+                continue
             try:
                 record = read_small_json(path)
                 if (why := _record_problem(record, path.parent.name)) is not None:
@@ -250,6 +269,7 @@ class Daemon:
                 job = _Job(record, path.parent)
             except (OSError, ValueError) as exc:
                 log.warning("%s: ignored the unreadable job record %s: %s", self.name, path, exc)
+                changed = True
                 continue
             if record.get("state") == "running" and record.get("stop_requested") and job.alive():
                 job.stop_deadline = time.monotonic() + STOP_GRACE_S  # (asked before the restart: a fresh grace)
@@ -268,10 +288,58 @@ class Daemon:
             loaded.append(job)
         loaded.sort(key=lambda j: _number(j.record.get("submitted_at")))
         self.jobs = {j.id: j for j in loaded}
-        if forgot := self._forget_ended(quiet=True):  # (one line: each was said in the life that forgot it)
-            log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' %s %s", self.name,
-                     self.keep_ended, forgot, *(("directories are removed from", self.state / "jobs") if self.remover
-                                                else ("files stay in", self.state / "jobs")))
+        forgot = self._forget_ended(quiet=True)  # (one line: each was said in the life that forgot it)
+        if self.remover is not None and listed is not None:
+            # Directories an earlier life left that are not listed: forgotten by a life without
+            # --remove-forgotten. (Removed once: a daemon that removes what it forgets leaves none.)
+            with os.scandir(self.state / "jobs") as entries:
+                for entry in entries:
+                    if entry.name not in self.jobs and _JOB_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+                        forgot += self.remover.remove(Path(entry.path))
+            self._forgotten_kept = 0
+        if forgot or changed:
+            self._save_index()
+        if self.remover is not None and forgot:
+            log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' directories are removed "
+                     "from %s", self.name, self.keep_ended, forgot, self.state / "jobs")
+        elif self.remover is None and self._forgotten_kept:
+            log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' files stay in %s",
+                     self.name, self.keep_ended, self._forgotten_kept, self.state / "jobs")
+
+    def _read_index(self) -> dict[str, Any] | None:
+        """The jobs' index (``INDEX``: the ids the daemon lists, in the order they were submitted, and how
+        many forgotten jobs' directories stay), or None where it cannot be trusted: missing, unreadable, or
+        older than ``jobs/`` (a directory was made or removed there after it was written)."""
+        path = self.state / INDEX
+        try:
+            written = path.stat().st_mtime_ns
+            if (self.state / "jobs").stat().st_mtime_ns > written:
+                log.info("%s: reads every job record: %s changed after %s was written", self.name,
+                         self.state / "jobs", path)
+                return None
+            got = read_small_json(path, max_nbytes=(1 << 20) + 32 * self.keep_ended)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("%s: reads every job record: its index %s is unreadable (%s)", self.name, path, e)
+            return None
+        if type(got) is not dict or type(got.get("jobs")) is not list or type(got.get("forgotten")) is not int \
+                or got["forgotten"] < 0 or not all(type(j) is str and _JOB_DIR_RE.match(j) for j in got["jobs"]):
+            log.warning("%s: reads every job record: its index %s is not what a daemon writes", self.name, path)
+            return None
+        return got
+
+    def _save_index(self) -> None:
+        """Write the jobs' index (``INDEX``); one that cannot be written now is written at a later watch
+        (a start meanwhile finds ``jobs/`` newer than the index it has, and reads every record)."""
+        try:
+            _atomic_json(self.state / INDEX, {"jobs": list(self.jobs), "forgotten": self._forgotten_kept})
+        except OSError as e:
+            self._index_unsaved = True
+            self._warn("index", "%s: cannot write its jobs' index (%s); trying again", self.name, e)
+            return
+        self._index_unsaved = False
+        self._warned.pop("index", None)
 
     def _forget_ended(self, quiet: bool = False) -> int:
         """Forget the oldest ended jobs past ``keep_ended`` that ended ``forget_after_s`` ago or more
@@ -292,9 +360,13 @@ class Daemon:
                 if not quiet:
                     log.info("%s: forgot the ended job %s and removed its directory (past the newest %d ended "
                              "jobs kept)", self.name, job.id, self.keep_ended)
-            elif not quiet:
-                log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
-                         self.name, job.id, self.keep_ended, job.dir)
+            else:
+                self._forgotten_kept += 1
+                if not quiet:
+                    log.info("%s: forgot the ended job %s (past the newest %d ended jobs kept); its files stay in %s",
+                             self.name, job.id, self.keep_ended, job.dir)
+        if forgot and not quiet:
+            self._save_index()
         return forgot
 
     async def submit(self, spec: dict[str, Any]) -> str:
@@ -326,6 +398,7 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     proc.wait(timeout=5)  # (reaped: no zombie)
             shutil.rmtree(jdir, ignore_errors=True)
+            self._save_index()  # (else jobs/ changed after the index, and the next start would read every record)
             raise
 
     async def _start_job(self, spec: dict[str, Any], job_id: str, jdir: Path, digest: str, settings: list[str],
@@ -377,6 +450,7 @@ class Daemon:
         job.proc = proc
         job.save()
         self.jobs[job_id] = job
+        self._save_index()
         log.info("%s: job %s started (pid %d, %s): %s", self.name, job_id, pid,
                  "a new interpreter" if isinstance(proc, subprocess.Popen) else "forked", " ".join(cmd[3:]))
         if self._stop_phase is not None:  # (the daemon began to stop while the job started: stopped with the rest)
@@ -449,6 +523,8 @@ class Daemon:
         for job in self.jobs.values():
             if job.unsaved:  # (written again at each watch until it can be: a full disk, no descriptors left)
                 self._save(job)
+        if self._index_unsaved:
+            self._save_index()
         if ended > self.keep_ended:
             self._forget_ended()
 

@@ -588,6 +588,8 @@ def _jobs(args: argparse.Namespace) -> int:
                     here = {w["group"]: w for w in c.request("hosted") if w["run"] == got.get("run")}
                     for g, where in sorted((got.get("groups") or {}).items()):
                         print(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
+                    for w in got.get("workers") or []:  # (a running job on this host alone)
+                        print(f"  {w['group']}  {w['state']}  pid {w['pid']}  restarts {w['restarts']}")
                     if got.get("groups"):
                         print(f"  (run {got['run']}; reactor logs {got['id']} GROUP)")
                 else:
@@ -685,6 +687,9 @@ def _job_line(j: dict[str, Any]) -> str:
     groups = j.get("groups") or {}
     spread = (f"  {len(groups)} group{'s' * (len(groups) != 1)} on {len({w['host'] for w in groups.values()})} "
               f"host{'s' * (len({w['host'] for w in groups.values()}) != 1)}" if groups else "")
+    if local := j.get("workers"):  # (a running job on its daemon's host alone: its coordinator's workers)
+        spread = (f"  workers {sum(w['state'] == 'running' for w in local)}/{len(local)} alive  restarts "
+                  f"{sum(w['restarts'] for w in local)}")
     return (f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  pid {j['pid']}  "
             f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line']}")
 

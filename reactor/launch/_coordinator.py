@@ -305,6 +305,7 @@ class _LocalWorkers:
 
     def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD) -> None:
         self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
+        self.lives: dict[str, int] = {}  # workers started per group (more than one: restarts)
         self.forks: ForkServer | None = None
         self.owns_forks = True  # else the process's kept server: left running at the run's end
         early = take_early()  # `reactor run` started one before it imported the app
@@ -339,6 +340,7 @@ class _LocalWorkers:
             try:
                 self.procs[group.name] = self.forks.spawn("worker", argv=cmd, cwd=os.getcwd(), env=env, stdin=data,
                                                           log_path=None, title=f"rx:{group.name}", session=False)
+                self._started(group.name)
                 return
             except ForkServerError as e:
                 log.warning("%s: worker %r starts as a new interpreter", e, group.name)
@@ -347,6 +349,29 @@ class _LocalWorkers:
         p.stdin.write(data)
         p.stdin.close()
         self.procs[group.name] = p
+        self._started(group.name)
+
+    def _started(self, group: str) -> None:
+        """A worker started: a daemon's job (``REACTOR_JOB_DIR`` set) writes its workers, each pid with its
+        start time, in ``workers.json`` there, so that ``reactor status`` shows how many are alive (a job's
+        local workers are its coordinator's children, not the daemon's: it showed none); a run started by
+        ``reactor run`` writes nothing."""
+        self.lives[group] = self.lives.get(group, 0) + 1
+        jdir = os.environ.get("REACTOR_JOB_DIR")
+        if not jdir:
+            return
+        from .._files import replace_small
+        from ..transport._shm import _pid_start_time
+
+        workers = {}
+        for name, p in self.procs.items():
+            start = p.start if isinstance(p, ForkedProcess) else _pid_start_time(p.pid)
+            workers[name] = {"pid": p.pid, "start": start or 0, "restarts": self.lives.get(name, 1) - 1}
+        try:
+            replace_small(Path(jdir) / "workers.json",
+                          json.dumps({"run": os.environ.get("REACTOR_RUN_ID"), "workers": workers}).encode())
+        except OSError as e:  # (what status shows; the run goes on)
+            log.warning("cannot write the job's workers.json (%s): reactor status will not show its workers", e)
 
     def dead(self) -> dict[str, tuple[int | None, str]]:
         return {name: (rc, "") for name, p in self.procs.items() if (rc := p.poll()) is not None}

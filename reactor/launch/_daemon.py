@@ -534,7 +534,8 @@ class Daemon:
         return {"id": job.id, "app": r["app"], "placement": r["placement"], "state": r["state"], "pid": r["pid"],
                 "uptime_s": round(ended - r["submitted_at"], 3), "returncode": r.get("returncode"),
                 "detail": r.get("detail", ""), "last_line": _last_line(job.dir / "output.log"),
-                "daemon": r.get("daemon", self.name), **_job_groups(job.dir)}
+                "daemon": r.get("daemon", self.name), **_job_groups(job.dir),
+                **(_local_workers(job.dir) if r["state"] == "running" else {})}
 
     def logs(self, job_id: str, offset: int) -> dict[str, Any]:
         job = self._job(job_id)
@@ -933,6 +934,26 @@ def _job_groups(jdir: Path) -> dict[str, Any]:
             type(g) is str and type(w) is dict and type(w.get("host")) is str for g, w in groups.items()):
         return {}
     return {"run": got.get("run") if type(got.get("run")) is str else None, "groups": groups}
+
+
+def _local_workers(jdir: Path) -> dict[str, Any]:
+    """A running job on this host alone: its workers (``workers.json``, written by its coordinator as it
+    starts each), each group's pid, whether it is alive (its pid with its start time: a reused pid is not
+    it) and its restarts, for ``reactor status``; {} for a job over hosts (its groups say where they run),
+    before its first worker, or for a file that is not what a coordinator writes."""
+    try:
+        got = read_small_json(jdir / "workers.json")
+    except (OSError, ValueError):
+        return {}
+    workers = got.get("workers") if type(got) is dict else None
+    if type(workers) is not dict or not all(
+            type(g) is str and type(w) is dict and type(w.get("pid")) is int and type(w.get("start")) is int
+            and type(w.get("restarts")) is int and 0 < w["pid"] < 2**31 and 0 <= w["start"] < 2**63
+            for g, w in workers.items()):
+        return {}
+    return {"workers": [{"group": g, "pid": w["pid"], "restarts": w["restarts"],
+                         "state": "running" if w["start"] and owner_alive(w["pid"], w["start"], 0) else "ended"}
+                        for g, w in sorted(workers.items())]}
 
 
 def _last_line(path: Path) -> str:

@@ -33,7 +33,7 @@ class Daemon:
     """A daemon process with its key directory, and a client key directory it authorizes."""
 
     def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False, extra: tuple[str, ...] = (),
-                 code: Path = ROOT) -> None:
+                 code: Path = ROOT, env: dict[str, str] | None = None) -> None:
         self.tmp, self.name = tmp, name
         self.keys_dir, self.client_dir, self.state = tmp / "dk", tmp / "ck", tmp / "state"
         if not (self.keys_dir / "key").exists():
@@ -44,7 +44,7 @@ class Daemon:
             [sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", name,
              "--state-dir", str(self.state), "--keys", str(self.keys_dir), *extra],
             cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(code)})  # (code: where its reactor package is)
+            env={**os.environ, "PYTHONPATH": str(code), **(env or {})})  # (code: where its reactor package is)
         self.address = json.loads(self.proc.stdout.readline())["address"]
         self.public = CurveKeys.load_public(self.keys_dir / "key.pub")
         if not wait_fork_server:  # jobs before its fork server is up start as new interpreters
@@ -1490,6 +1490,36 @@ def test_status_of_a_daemon_is_a_line_a_job_and_a_line_a_hosted_run_however_many
             for run in ("r1", "r2", "r3"):
                 c.request("end", run)
             _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the workers to end")
+    finally:
+        d.stop()
+
+
+def test_status_of_a_running_job_on_one_host_says_how_many_of_its_workers_are_alive(tmp_path):
+    """Regression: `reactor status` said workers alive of all for the runs a daemon hosts (a job over hosts
+    among them), and nothing of a job whose workers run on the daemon's host under its own coordinator
+    (placement processes): they are the coordinator's children, not the daemon's. Its coordinator writes
+    its workers (pid and start time) in the job's directory, and the daemon tells which are alive."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",), env={"REACTOR_FORK_SERVER": "0"})  # (no torch to import)
+    ready = tmp_path / "ready"
+    conn = ["--daemon", d.address, "--daemon-key", str(d.keys_dir / "key.pub"), "--keys", str(d.client_dir)]
+    status = lambda *a: subprocess.run([sys.executable, "-m", "reactor.cli", "status", *a, *conn],  # noqa: E731
+                                       capture_output=True, text=True, timeout=60).stdout
+    try:
+        with d.client() as c:
+            job = c.request("submit", job_spec(APPS / "forever.py", placement="processes",
+                                               config={"ready_file": str(ready)}))
+            _wait_for(ready.exists, 60, "the job to run")
+            got = _wait_for(lambda: len((j := c.request("status", job)).get("workers", [])) == 3 and j, 30,
+                            "its three workers")
+            assert [w["state"] for w in got["workers"]] == ["running"] * 3, got["workers"]
+            assert {w["pid"] for w in got["workers"]} <= {int(p.name) for p in Path("/proc").glob("[0-9]*")}
+            lines = status(job).splitlines()  # (its first line is the job's line in `reactor status` too)
+            assert lines[0].startswith(f"{job}  running  forever.py --placement processes  pid {got['pid']}  ") \
+                and "  workers 3/3 alive  restarts 0  | " in lines[0], lines
+            assert lines[1:] == [f"  {w['group']}  running  pid {w['pid']}  restarts 0" for w in got["workers"]], lines
+            c.request("stop", job)
+            done = _state(c, job, ("stopped",))
+            assert "workers" not in done  # (an ended job's workers are not counted)
     finally:
         d.stop()
 

@@ -65,7 +65,17 @@ from .._floodlog import flood_logged, flood_tally
 from ..transport import CurveKeys
 from ..transport._shm import _pid_start_time, owner_alive
 from ._forkserver import TRAINING_PRELOAD, Forks
-from ._hosting import END_GRACE_S, FORGET_AFTER_S, KEEP_ENDED, HostedRuns, Proc, Remover, read_chunk
+from ._hosting import (
+    END_GRACE_S,
+    FORGET_AFTER_S,
+    KEEP_ENDED,
+    HostedRuns,
+    Proc,
+    Remover,
+    check_sha256,
+    put_files,
+    read_chunk,
+)
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
 from ._rundir import sweep_stale
@@ -371,10 +381,12 @@ class Daemon:
 
     async def submit(self, spec: dict[str, Any]) -> str:
         """Start a job from a checked spec; return its id (a hash of the whole spec and the time). The
-        fork server's answer is awaited: the daemon answers other requests while it forks the job."""
-        for name, data in spec["files"].items():
-            if hashlib.sha256(data).hexdigest() != spec["sha256"][name]:
-                raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way; submit again")
+        fork server's answer is awaited, and the job's files are hashed and written in a thread: the daemon
+        answers other requests meanwhile."""
+        try:
+            await asyncio.to_thread(check_sha256, spec["files"], spec["sha256"])
+        except DaemonError as e:
+            raise DaemonError(f"{e}; submit again") from None
         digest = hashlib.sha256(msgpack.packb([spec["app"], sorted(spec["sha256"].items()), spec["config"],
                                                spec["placement"], spec["seed"], spec["async"]])).hexdigest()
         settings = [f"{k}={v!r}" for k, v in spec["config"].items()]
@@ -406,10 +418,7 @@ class Daemon:
         """:meth:`submit`'s work once the spec is checked: the job's files, its process (put in
         ``started`` at once, for the caller to kill if what follows fails) and its record."""
         (jdir / "app").mkdir(mode=0o700, parents=True)
-        for name, data in spec["files"].items():
-            target = jdir / "app" / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        await asyncio.to_thread(put_files, jdir / "app", spec["files"], spec["sha256"])  # (up to 32 MiB)
         placement = spec["placement"]
         if placement in spec["files"]:
             placement = str(jdir / "app" / placement)

@@ -32,6 +32,7 @@ starts a group again in one takes it back), oldest first, as if they had ended w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -41,6 +42,7 @@ import queue
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -64,7 +66,7 @@ FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at l
 FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
 OWNER_FILE = ".run-key"  # a hosted run's key (run_key), in its directory: a daemon started again knows it
 
-__all__ = ["HostedRuns", "Remover"]
+__all__ = ["HostedRuns", "Remover", "check_sha256", "put_files"]
 
 
 class Remover:
@@ -147,6 +149,61 @@ def read_chunk(path: Path, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
+def check_sha256(files: dict[str, bytes], sha256: dict[str, str]) -> None:
+    """Refuse a spawn whose files do not match their hashes (:meth:`HostedRuns.spawn`, in a thread)."""
+    for name, data in files.items():
+        if hashlib.sha256(data).hexdigest() != sha256[name]:
+            raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way")
+
+
+def put_files(app_dir: Path, files: dict[str, bytes], sha256: dict[str, str]) -> None:
+    """Write a spawn's app files into its run's ``app/`` (in a thread: :meth:`HostedRuns.spawn`). A file of
+    the same name from an earlier spawn of the run that holds what its hash says stays; anything else there
+    is replaced whole, never written through or waited on (a FIFO, a link: the run's own code may have put
+    one there), through a new temporary name each (two spawns of one run may write at once)."""
+    for name, data in files.items():
+        target = app_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if _holds(target, sha256[name]):
+            continue
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+
+def _holds(path: Path, sha256: str) -> bool:
+    """Whether ``path`` is a regular file (no link) whose bytes have ``sha256``."""
+    try:
+        if path.is_symlink():
+            return False
+        fd = open_regular(path)
+    except (OSError, ValueError):
+        return False
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest() == sha256
+
+
+def _feed(pipe: Any, data: bytes) -> None:
+    """Write a new worker's spec on its stdin and close it (a thread of its own: :meth:`HostedRuns._popen`)."""
+    try:
+        pipe.write(data)
+    except OSError:  # (the worker died before it read it: its exit says why)
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
 def run_key(worker: dict[str, Any]) -> str:
     """The run a spawn's worker belongs to, beyond its id: the public half of the run's CURVE key pair,
     which its coordinator makes for it (``""`` where a spec has none)."""
@@ -218,9 +275,12 @@ class HostedRuns:
         server's answer is awaited (the daemon answers meanwhile); the group counts as starting
         then, so a second spawn of it is refused and its run's end here waits for it. A run that
         ended meanwhile (its lease ran out) gets the worker's end at once, and the caller an error."""
-        run, group, start = self._prepare(req)
-        run.starting.add(group)
+        # The files' bytes are hashed, read and written in a thread: up to 32 MiB of them held the loop
+        # (and a FIFO planted at an app file's path, by the run's own code, held it for good).
+        await asyncio.to_thread(check_sha256, req["files"], req["sha256"])
+        run, group, start = self._prepare(req)  # (the group counts as starting from here)
         try:
+            await asyncio.to_thread(put_files, run.dir / "app", req["files"], req["sha256"])
             proc: Proc | None = await self.forks.spawn_async("worker", **start) if self.forks is not None else None
             if proc is None:
                 proc = self._popen(start)
@@ -241,14 +301,12 @@ class HostedRuns:
         return {"pid": proc.pid, "host": self.name, "dir": str(run.dir)}  # (dir: where its files stay if lost)
 
     def _prepare(self, req: dict[str, Any]) -> tuple[_Run, str, dict[str, Any]]:
-        """:meth:`spawn`'s checks and files: the run (made at its first spawn), the group, and the
-        worker's start (``Forks.spawn``'s arguments)."""
+        """:meth:`spawn`'s checks: the run (made at its first spawn), the group (counted as starting when
+        this returns), and the worker's start (``Forks.spawn``'s arguments). No file of the app is read or
+        written here (:func:`put_files`, in a thread)."""
         if self.advertise is None:
             raise DaemonError(f"daemon {self.name!r} listens on a wildcard address and so cannot tell its workers "
                               f"where other hosts reach them: restart it with --advertise ADDR")
-        for name, data in req["files"].items():
-            if hashlib.sha256(data).hexdigest() != req["sha256"][name]:
-                raise DaemonError(f"file {name!r} does not match its sha256: it was damaged on the way")
         run = self.runs.get(req["run"])
         owner = run_key(req["worker"])
         if run is None:
@@ -272,14 +330,6 @@ class HostedRuns:
         if old is not None and old.poll() is None:
             raise DaemonError(f"run {run.id} already has a live worker for group {group!r} here (pid {old.pid})")
         run.seen = time.monotonic()
-        for name, data in req["files"].items():
-            target = run.dir / "app" / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # A file of the same name from an earlier spawn of this run holds what its hash says.
-            if not target.exists() or hashlib.sha256(target.read_bytes()).hexdigest() != req["sha256"][name]:
-                tmp = target.with_name(f".{target.name}.tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, target)
         spec = dict(req["worker"])
         spec["app"] = str(run.dir / "app" / req["app"])
         spec["bind"] = f"tcp://{self.advertise}:*"
@@ -293,6 +343,7 @@ class HostedRuns:
             # torch.distributed's gloo picks its interface from the host name, which may not be
             # the one other hosts reach this one at: name it.
             env["GLOO_SOCKET_IFNAME"] = ifname
+        run.starting.add(group)
         return run, group, {"argv": [sys.executable, "-m", "reactor.launch._worker"], "cwd": run.dir, "env": env,
                             "stdin": json.dumps(spec).encode(), "log_path": run.dir / f"{group}.log",
                             "title": f"rx:{group}"}
@@ -304,15 +355,21 @@ class HostedRuns:
 
     @staticmethod
     def _popen(start: dict[str, Any]) -> Proc:
-        """A worker started as a new interpreter (no fork server to use), its spec on stdin."""
-        with open(start["log_path"], "ab") as out:
+        """A worker started as a new interpreter (no fork server to use), its spec on stdin, which a thread
+        writes: the worker reads it once it has started (its imports: seconds), and a spec past the pipe's
+        64 KiB held the daemon's loop until then. Started from the loop's thread itself (the worker's
+        parent-death signal follows the thread that started it), which lives as long as the daemon."""
+        out = os.open(start["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        try:  # (O_NONBLOCK: a FIFO made at the log's path by the run's own code is not waited on)
+            if not stat.S_ISREG(os.fstat(out).st_mode):
+                raise DaemonError(f"{start['log_path']} is not a regular file: the worker's log cannot go there")
+            os.set_blocking(out, True)
             popen = subprocess.Popen(start["argv"], cwd=start["cwd"], stdin=subprocess.PIPE, stdout=out, stderr=out,
                                      env=start["env"], start_new_session=True)
-        assert popen.stdin is not None
-        try:
-            popen.stdin.write(start["stdin"])
         finally:
-            popen.stdin.close()
+            os.close(out)
+        assert popen.stdin is not None
+        threading.Thread(target=_feed, args=(popen.stdin, start["stdin"]), name="spawn-stdin", daemon=True).start()
         return popen
 
     def log(self, run_id: str, group: str, offset: int) -> dict[str, Any]:

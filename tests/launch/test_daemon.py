@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1439,6 +1440,52 @@ def test_a_daemon_refuses_the_workers_of_a_second_run_that_has_a_live_runs_id(tm
             c.request("end", "r1")
             _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the worker to end")
     finally:
+        d.stop()
+
+
+def test_a_daemon_answers_while_a_new_interpreter_takes_its_spec_and_past_what_a_run_put_at_its_files(tmp_path):
+    """Regression: blocking work on the daemon's loop. A worker started as a new interpreter (no fork
+    server) had its spec written on its stdin from the loop, which a spec past the pipe's 64 KiB held until
+    the worker read it, after its imports: no ping, heartbeat or status answered meanwhile. And a spawn read
+    the run's earlier app file on the loop to compare its hash: a FIFO the run's own code put there held the
+    loop for good. The spec is written by a thread, the files hashed, read and written in one, and a FIFO is
+    replaced, never waited on. (The new interpreter here waits at its start until a file exists.)"""
+    gate = tmp_path / "gate"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('REACTOR_WORKER_GROUP'):\n"
+        f"    while not os.path.exists({str(gate)!r}):\n        time.sleep(0.02)\n")
+    d = Daemon(tmp_path, extra=("--no-fork-server",), env={"PYTHONPATH": f"{site}:{ROOT}"})
+    key = init_keys(tmp_path / "run").public.decode()
+    app = b"def build(config):\n    return None\n"
+
+    def spawn(c: DaemonClient, group: str) -> dict:
+        return c.request("spawn", {"run": "r1", "group": group, "app": "a.py", "files": {"a.py": app},
+                                   "sha256": {"a.py": hashlib.sha256(app).hexdigest()},
+                                   "worker": {"curve": {"public": key, "secret": "-"}, "pad": "x" * 256 * 1024},
+                                   "lease_s": 60.0}, timeout_s=60)
+
+    got: list = []
+    try:
+        with d.client() as c, d.client() as other:
+            starting = threading.Thread(target=lambda: got.append(spawn(other, "g1")))
+            starting.start()
+            _wait_for(lambda: (d.state / "runs" / "r1" / "g1.log").exists(), 30, "the worker's start")
+            assert c.request("ping")["name"] == "h1"  # (its spec is not read yet: the gate is shut)
+            gate.touch()
+            starting.join(60)
+            assert got and got[0]["pid"] > 0, got
+            os.mkfifo(d.state / "runs" / "r1" / "app" / "b.py")  # (as the run's own code may)
+            other_app = {"b.py": app}
+            pid = other.request("spawn", {"run": "r1", "group": "g2", "app": "b.py", "files": other_app,
+                                          "sha256": {"b.py": hashlib.sha256(app).hexdigest()},
+                                          "worker": {"curve": {"public": key, "secret": "-"}}, "lease_s": 60.0})["pid"]
+            assert pid > 0 and (d.state / "runs" / "r1" / "app" / "b.py").read_bytes() == app
+            c.request("end", "r1")
+            _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the workers to end")
+    finally:
+        gate.touch()
         d.stop()
 
 

@@ -118,7 +118,7 @@ class ForkServer:
     def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, env: dict[str, str] | None = None) -> None:
         self.preload = list(preload)
         self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | _ForkedServer | None = None
         self.preloaded: list[str] = []
         self.failed: dict[str, str] = {}
         self._exits: dict[int, int] = {}
@@ -152,6 +152,44 @@ class ForkServer:
         finally:
             os.close(req_r)
             os.close(ev_w)
+        self._req = os.fdopen(req_w, "wb", buffering=0)
+        self._events = os.fdopen(ev_r, "rb")
+
+    def launch_forked(self) -> None:
+        """Start the server as a fork of this process, which has imported what it needs already (a daemon's
+        job, itself forked from the daemon's server: :func:`launch_early`), instead of a new interpreter that
+        imports it all again (2.8 s a job that imports torch). The child keeps no descriptor but its
+        standard ones and its two pipes, no logging handler, and Python's path as a new interpreter started
+        here would have it; then it serves as :func:`_serve`. Call it where :meth:`launch` would be called,
+        from a process with no other thread (a fork keeps only the thread that forks; a lock another held
+        would stay held in the child for good).
+
+        Raises:
+            OSError: the pipes or the fork failed.
+        """
+        req_r, req_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (req_r, req_w, ev_r, ev_w):
+                os.close(fd)
+            raise
+        if pid == 0:  # the server
+            code = 1
+            try:
+                _close_fds_but(0, 1, 2, req_r, ev_w)
+                logging.root.handlers.clear()  # (a worker configures its own: basicConfig does nothing over one)
+                logging.root.setLevel(logging.WARNING)
+                if sys.path:
+                    sys.path[0] = os.getcwd()  # (where a new interpreter's `-m` puts it: the run's directory)
+                _serve([m for m in self.preload if m in sys.modules], req_r, ev_w)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(req_r)
+        os.close(ev_w)
+        self.proc = _ForkedServer(pid)
         self._req = os.fdopen(req_w, "wb", buffering=0)
         self._events = os.fdopen(ev_r, "rb")
 
@@ -315,6 +353,53 @@ class ForkServer:
         for f in ("_req", "_events"):
             with contextlib.suppress(AttributeError, OSError):
                 getattr(self, f).close()
+
+
+class _ForkedServer:
+    """A fork server forked from this process (:meth:`ForkServer.launch_forked`): the part of ``Popen`` a
+    :class:`ForkServer` uses of its process (``pid``, ``poll``, ``wait``, ``kill``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # (its reader thread waits for it while close() may)
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # (reaped elsewhere: its status is gone)
+                    self.returncode = -signal.SIGKILL
+                else:
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return rc
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _close_fds_but(*keep: int) -> None:
+    """Close every descriptor of this process but ``keep``."""
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class Forks:
@@ -529,6 +614,9 @@ def _serve(preload: list[str], req_fd: int, ev_fd: int) -> None:
     def say(obj: dict[str, Any]) -> None:
         events.write(json.dumps(obj).encode() + b"\n")
 
+    # What a process this server forks has imported already (the module under its own name: this one runs
+    # as __main__): a daemon's job forks its run's server from itself (launch_early), not a new interpreter.
+    importlib.import_module(__spec__.name if __spec__ is not None else __name__)._served_preload = tuple(ok)
     say({"ready": ok, "failed": failed, "threads": len(os.listdir("/proc/self/task"))})
     buf = b""
 
@@ -599,6 +687,9 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------- a server started early
 
 _early: ForkServer | None = None
+#: What this process imported as a fork server, set in the server (:func:`_serve`) and so in every process
+#: it forks: empty in any other process.
+_served_preload: tuple[str, ...] = ()
 
 
 def launch_early() -> None:
@@ -612,11 +703,28 @@ def launch_early() -> None:
         return
     server = ForkServer(TRAINING_PRELOAD)
     try:
-        server.launch()
+        if _served_preload and _threads() == 1:
+            # This process is a fork of a server that has imported them (a daemon's job: its coordinator):
+            # its run's server is a fork of it, up at once, where a new interpreter took 2.8 s to import
+            # torch again. It is still the run's own (the job's process, session and directory), not the
+            # daemon's server, which forks every job's: what one run's workers do leaves no trace in another's.
+            server.launch_forked()
+            log.info("the run's fork server is a fork of this process (pid %d): %s imported already",
+                     server.proc.pid if server.proc else -1, ", ".join(_served_preload))
+        else:
+            server.launch()
     except OSError as e:
         log.warning("no fork server started early (%s)", e)
         return
     _early = server
+
+
+def _threads() -> int:
+    """This process's threads (Python's and any other), or 0 where /proc cannot say."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def take_early() -> ForkServer | None:

@@ -27,6 +27,7 @@ from reactor.launch._forkserver import (
 )
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,48 @@ def test_a_forked_worker_gets_its_spec_environment_directory_log_name_and_sessio
     assert p.wait(30) == 1
     text = log.read_text()
     assert "no_such_app.py" in text, text
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_bytes()
+        except OSError:
+            continue
+        if int(text[text.rindex(b")") + 2:].split()[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_daemons_job_forks_its_runs_fork_server_from_itself_not_a_new_interpreter(tmp_path):
+    """Regression (a soak of a long-lived daemon): a job under `processes` on its daemon's host, its
+    coordinator forked from the daemon's fork server (torch imported), started its run's fork server as a
+    new interpreter that imported it all again (2.8 s a job). The coordinator forks it from itself: its
+    imports are done, and it is still the job's own (a child of the job's coordinator, in its session), not
+    the daemon's server that forks every job. (Here the daemon's server imports the command alone.)"""
+    ready, out = tmp_path / "ready", tmp_path / "output.log"
+    daemons = ForkServer(["reactor.cli", "reactor.launch._worker"])
+    daemons.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "REACTOR_FORK_SERVER"}
+        job = daemons.spawn("cli", argv=["reactor", "run", str(ROOT / "tests" / "apps" / "forever.py"), "--placement",
+                                         "processes", "--verbose", "--set", f"ready_file={str(ready)!r}"],
+                            cwd=tmp_path, env=env, log_path=out, title="rx-job")
+        assert _wait(lambda: ready.exists() or job.poll() is not None, 60) and job.poll() is None, out.read_text()
+        (server,) = _children(job.pid)  # (the job's coordinator has one child: its run's fork server)
+        assert Path(f"/proc/{server}/cmdline").read_bytes() == Path(f"/proc/{job.pid}/cmdline").read_bytes()
+        workers = sorted(Path(f"/proc/{w}/comm").read_text().strip() for w in _children(server))
+        assert workers == ["rx:sink", "rx:ticker-0", "rx:ticker-1"], workers
+        assert os.getsid(server) == os.getsid(job.pid) == job.pid  # (the job's session: its stop takes them all)
+        assert f"the run's fork server is a fork of this process (pid {server}): reactor.cli, " \
+               f"reactor.launch._worker imported already" in out.read_text()
+        os.kill(job.pid, signal.SIGTERM)
+        assert job.wait(60) == 128 + signal.SIGTERM, out.read_text()[-3000:]
+        assert "run ended (signal)" in out.read_text()
+        assert _wait(lambda: not Path(f"/proc/{server}").exists(), 10), "the run's fork server outlived its run"
+    finally:
+        daemons.close()
 
 
 def test_a_child_runs_in_its_own_session_and_directory_and_its_signal_death_is_reported(server, tmp_path):

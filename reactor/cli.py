@@ -135,6 +135,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="remove the directory of each ended job and hosted run it forgets (see --keep-ended and "
                         "--forget-after-s), and those that runs of its earlier lives left, instead of leaving them "
                         "on disk: the state directory stays bounded, the older jobs' files go")
+    d.add_argument("--stop-after-runs", dest="stop_after_runs_s", type=_seconds_arg, default=None, metavar="S",
+                   help="on SIGTERM, give the coordinators of the runs it hosts up to S seconds to end them (and copy "
+                        "their files back) before it ends what is left and stops, rather than ending them at once: "
+                        "for daemons that a job's own stop signal reaches with its coordinator (reactor slurm's, "
+                        "under scancel)")
     d.add_argument("--die-with-parent", action="store_true",
                    help="end (as on SIGTERM) when the process that started it ends: how a supervisor such as a "
                         "Ray actor runs it")
@@ -548,7 +553,7 @@ def _jobs(args: argparse.Namespace) -> int:
                             preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
                             **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
                             **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}),
-                            remove_forgotten=args.remove_forgotten)
+                            remove_forgotten=args.remove_forgotten, stop_after_runs_s=args.stop_after_runs_s)
 
             def ready(address: str) -> None:
                 nonlocal served

@@ -60,7 +60,7 @@ from ._protocol import (
 )
 from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, rendezvous_file, sweep_stale
-from ._signals import stop_signals
+from ._signals import received, stop_signals
 
 log = logging.getLogger("reactor.coordinator")
 START_TIMEOUT_S = 120.0
@@ -499,7 +499,10 @@ class _Restarts:
 
 
 _ABANDONED = {"replay_incomplete": None, "stats": {"dropped": 0}, "events": {},
-              "digests": {}, "trace": {}}  # a restart the run's end overtook
+              "digests": {}, "trace": {}}  # a restart the run's end overtook; a worker the run's SIGTERM ended
+#: How a worker ends when a SIGTERM reaches it: its own clean exit (128 + 15), killed by it, or of a peer
+#: lost to it (3).
+_ENDED_BY_SIGTERM = (128 + signal.SIGTERM, -signal.SIGTERM, 3)
 
 
 def stopping_report(waiting: list[str], received: list[int]) -> str:
@@ -550,6 +553,19 @@ class _Session:
             r.starting.pop(name, None)
             r.awaiting.pop(name, None)
             r.life_ended(name)
+        if self.stopped_by == "signal" and signal.SIGTERM in received:
+            # The SIGTERM that stops the run reached its workers too (a service manager's stop of the
+            # whole group, `kill -- -PGID`; Slurm's scancel, its hosts' daemons with them): a worker it
+            # ended, or that lost a peer it ended, stopped as asked, and a host lost meanwhile (rc None:
+            # its daemon stopped by it, once its wait for us was over) went as asked: the run ends
+            # stopped, not failed.
+            for name in [n for n in dead if dead[n][0] in _ENDED_BY_SIGTERM or dead[n][0] is None]:
+                log.warning("worker %r %s as the run stopped on SIGTERM, which reached it too (a stop of the whole "
+                            "process group or job): its shutdown reactions may not have run", name,
+                            _how_ended(*dead.pop(name)))
+                self.results[name] = _ABANDONED
+            if not dead:
+                return
         if self.stopped_by is not None:
             # The run is ending: a restartable group that ends now (say, a new life that never got
             # going) is not started again, and does not fail a run that reached its end.
@@ -900,8 +916,6 @@ class _Session:
                 # a long update): say which, rather than sit silent after "stopping the run cleanly".
                 told_at = loop.time()
                 waiting = sorted(n for n in self.procs if n not in self.results)
-                from ._signals import received
-
                 log.warning("%s", stopping_report(waiting, received))
             if deadline is not None and self.stopped_by is None and loop.time() >= deadline:
                 self._stop("stop_time")

@@ -200,7 +200,8 @@ class Daemon:
 
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
                  advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD,
-                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S, remove_forgotten: bool = False):
+                 keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S, remove_forgotten: bool = False,
+                 stop_after_runs_s: float | None = None):
         from ._keys import load_keys
 
         if type(keep_ended) is not int or keep_ended < 0:
@@ -216,6 +217,11 @@ class Daemon:
                         "their workers here until the daemon is started with --advertise ADDR, the address they "
                         "reach this host at (jobs submitted to it run)", listen)
         self.name = name
+        if stop_after_runs_s is not None and (type(stop_after_runs_s) not in (int, float)
+                                              or not 0 <= stop_after_runs_s < math.inf):
+            raise ValueError(f"stop_after_runs_s must be finite seconds >= 0, got {stop_after_runs_s!r}")
+        #: On SIGTERM, its hosted runs get this long to be ended by their coordinators (``_stop_done``); None: none.
+        self.stop_after_runs_s = stop_after_runs_s
         self.keep_ended = keep_ended
         self.forget_after_s = float(forget_after_s)
         self.listen = listen
@@ -702,7 +708,13 @@ class Daemon:
         while it still answers (a job's coordinator heartbeats the daemons of its run, this one among
         them, ends its workers and fetches its files through them as it stops); once they have ended,
         or their grace and escalation are over, it ends the runs it hosts and answers on until their
-        workers are gone (or ``END_GRACE_S`` and a margin have passed)."""
+        workers are gone (or ``END_GRACE_S`` and a margin have passed). With ``stop_after_runs_s`` it
+        first lets their coordinators end them (``HostedRuns.let_go``: a run ended here, by its
+        coordinator or its lease, whose coordinator has then gone quiet), for up to that long: the
+        daemons of a Slurm job get the SIGTERM of ``scancel`` with the job's coordinator, which stops the
+        run cleanly through them and copies its files back (ending the runs at once failed it, its
+        hosts lost under it); bounded, so that the daemon still ends what is left and removes its
+        shared memory before Slurm's SIGKILL (``reactor slurm`` gives its KillWait less a margin)."""
         if not stop.is_set():
             return False
         now = time.monotonic()
@@ -716,6 +728,13 @@ class Daemon:
         if self._stop_phase == "jobs":
             if (any(j.record["state"] == "running" for j in self.jobs.values()) or self._starts) \
                     and now < self._stop_deadline:  # (a job starting now is stopped as it starts: _start_job)
+                return False
+            if self.stop_after_runs_s is not None and not self.hosted.let_go(now):
+                log.info("%s: gives the coordinators of the runs it hosts up to %g s to end them", self.name,
+                         self.stop_after_runs_s)
+            self._stop_phase, self._stop_deadline = "runs", now + (self.stop_after_runs_s or 0.0)
+        if self._stop_phase == "runs":
+            if not self.hosted.let_go(now) and now < self._stop_deadline:
                 return False
             self._stop_phase, self._stop_deadline = "hosted", now + END_GRACE_S + 5
             try:

@@ -65,6 +65,9 @@ KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older o
 FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at least this long after its end
 FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
 OWNER_FILE = ".run-key"  # a hosted run's key (run_key), in its directory: a daemon started again knows it
+#: A coordinator heartbeats its run's daemons every 0.5 s (``_cluster.HEARTBEAT_S``) until it is done with the
+#: run (its files fetched): silent this long after the run ended here, it has let the run go (``let_go``).
+COORDINATOR_QUIET_S = 1.5
 
 __all__ = ["HostedRuns", "Remover", "check_sha256", "put_files"]
 
@@ -416,9 +419,11 @@ class HostedRuns:
         return {"data": data, "offset": offset}
 
     def _run(self, run_id: str) -> _Run:
+        """A run its coordinator asks about (its files): the coordinator is not done with it (``let_go``)."""
         run = self.runs.get(run_id)
         if run is None:
             raise DaemonError(self._no_run(run_id))
+        run.seen = time.monotonic()
         return run
 
     def _no_run(self, run_id: str) -> str:
@@ -517,6 +522,12 @@ class HostedRuns:
     def end_all(self) -> None:
         for run_id in list(self.runs):
             self.end(run_id, "the daemon stopped")
+
+    def let_go(self, now: float) -> bool:
+        """Whether every run hosted here has ended here (its coordinator's ``end``, or its lease ran out)
+        and its coordinator has let it go: no word from it for ``COORDINATOR_QUIET_S`` (it heartbeats,
+        and fetches the run's files, until it is done). ``now``: ``time.monotonic()``."""
+        return all(run.cleaned and now - run.seen >= COORDINATOR_QUIET_S for run in self.runs.values())
 
     def live(self) -> bool:
         """Whether a worker hosted here lives, or is starting."""

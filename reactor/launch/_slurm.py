@@ -22,11 +22,17 @@ Inside the allocation the batch script runs ``reactor slurm --here APP ...`` on 
 4. When the run ends, on every path, it sends SIGTERM to the daemons' step (srun passes it on; each
    daemon ends what it hosts) and waits for it; the job's exit status is the run's.
 
-``scancel`` sends SIGTERM to the batch step and to the daemons at once: the daemons end their workers
-and stop, so the coordinator finds its hosts gone and the run ends as a failure (its files stay in
-``JOB_DIR/daemons/NAME/runs/RUN/``), and after ``KillWait`` Slurm kills whatever is left
-of both steps (its process tracking covers the daemons' fork servers and workers: their
-descendants). Nothing of the job outlives it on any node.
+``scancel`` sends SIGTERM to every process of both steps at once: the coordinator, the daemons and
+their workers. The coordinator stops the run cleanly; a worker the same SIGTERM ended is no failure of
+the run (``_coordinator``: it ended as asked, its shutdown reactions cut short); and the daemons, started
+with ``--stop-after-runs`` (``KillWait`` less ``DAEMON_END_S``), let the coordinator end the run through
+them and copy its files back before they end what is left, remove its shared memory and stop (they ended
+their workers and stopped at once, and the run failed with its hosts lost, its files left in
+``JOB_DIR/daemons/NAME/runs/RUN/``). The run ends stopped by the signal (exit 143), as Slurm's
+CANCELLED says. After ``KillWait`` Slurm kills whatever is left of both steps (its process
+tracking covers the daemons' fork servers and workers: their descendants). Nothing of the job outlives
+it on any node. ``scancel --batch --signal=TERM`` reaches the coordinator alone: every worker's shutdown
+reactions run too (a last checkpoint, the summary).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from .._errors import ReactorError
 DAEMONS_TIMEOUT_S = 120.0  # every daemon of the job up (their nodes may be slow to start Python)
 STOP_TIMEOUT_S = 30.0
 
-__all__ = ["SlurmError", "daemon_task", "here", "node_names", "sbatch_script", "submit"]
+__all__ = ["SlurmError", "daemon_task", "here", "kill_wait_s", "node_names", "sbatch_script", "submit"]
 
 
 class SlurmError(ReactorError):
@@ -114,14 +120,34 @@ def _advertise() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def daemon_task(job_dir: Path, tasks_per_node: int) -> None:
-    """One srun task: become this task's daemon (exec; never returns)."""
+def kill_wait_s() -> float:
+    """Slurm's ``KillWait``: how long after a cancellation's SIGTERM its SIGKILL comes (``scontrol show config``;
+    Slurm's default, 30 s, where it cannot be read)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 30.0
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "KillWait" and value.split() and value.split()[0].isdigit():
+            return float(value.split()[0])
+    return 30.0
+
+
+#: Of KillWait, what a daemon keeps for itself after its wait for the run's coordinator (``--stop-after-runs``):
+#: its end of what is left (SIGTERM, SIGKILL after END_GRACE_S) and removing the run's shared memory.
+DAEMON_END_S = 8.0
+
+
+def daemon_task(job_dir: Path, tasks_per_node: int, stop_after_s: float = 0.0) -> None:
+    """One srun task: become this task's daemon (exec; never returns). On a cancellation's SIGTERM (which
+    reaches the coordinator with it) it gives the coordinator ``stop_after_s`` to end the run through it."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     name = daemon_name(node, int(os.environ.get("SLURM_LOCALID", "0")), tasks_per_node)
     address = _advertise()
     os.execv(sys.executable, [sys.executable, "-m", "reactor.cli", "daemon", "--listen", f"tcp://{address}:*",
                               "--name", name, "--state-dir", str(job_dir / "daemons" / name),
-                              "--keys", str(job_dir / "keys")])
+                              "--keys", str(job_dir / "keys"), "--stop-after-runs", f"{stop_after_s:g}"])
 
 
 def _wait_daemons(job_dir: Path, names: list[str], step: subprocess.Popen[bytes]) -> dict[str, str]:
@@ -163,7 +189,8 @@ def here(app: str, run_args: Sequence[str], job_dir: Path, tasks_per_node: int,
         step = subprocess.Popen(
             ["srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(names)}",
              f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=0", "--job-name=reactor-daemons",
-             sys.executable, "-m", "reactor.launch._slurm", "daemon-task", str(job_dir), str(tasks_per_node)],
+             sys.executable, "-m", "reactor.launch._slurm", "daemon-task", str(job_dir), str(tasks_per_node),
+             f"{max(0.0, kill_wait_s() - DAEMON_END_S):g}"],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     stop = {"signal": 0}
 
@@ -196,6 +223,6 @@ def here(app: str, run_args: Sequence[str], job_dir: Path, tasks_per_node: int,
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "daemon-task":
-        daemon_task(Path(sys.argv[2]), int(sys.argv[3]))
-    sys.exit("usage: python -m reactor.launch._slurm daemon-task JOB_DIR TASKS_PER_NODE")
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "daemon-task":
+        daemon_task(Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) == 5 else 0.0)
+    sys.exit("usage: python -m reactor.launch._slurm daemon-task JOB_DIR TASKS_PER_NODE [STOP_AFTER_S]")

@@ -257,6 +257,34 @@ def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
             p.wait()
 
 
+def test_a_sigterm_to_every_process_of_a_run_stops_it_and_fails_none(tmp_path):
+    """Regression: a SIGTERM that reached every process of a run at once (a service manager stopping the
+    whole group, Slurm's scancel of a job, `kill -- -PGID`) failed it, `WorkerFailedError: worker 'sink' exited
+    with status 143 before the run ended`, exit 1, though each worker had stopped as it was asked. A worker
+    ended by the SIGTERM that stops the run (143, or 3: a peer it ended was lost) is said, not a failure: the
+    run ends stopped by the signal, exit 143. (Workers as new interpreters here: no fork server to start.)"""
+    ready = tmp_path / "ready"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
+         "--set", f"ready_file='{ready}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ready.exists() and p.poll() is None:
+            time.sleep(0.02)
+        workers = _workers(p.pid)
+        assert ready.exists() and len(workers) == 3, workers
+        os.killpg(p.pid, signal.SIGTERM)  # (the coordinator and its workers alike)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM and "run ended (signal)" in out, err[-3000:]
+        assert "WorkerFailedError" not in err and "as the run stopped on SIGTERM, which reached it too" in err, err[-3000:]
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.timeout(120)
 def test_a_workers_failure_stops_the_others_cleanly_and_their_shutdown_reactions_are_told_why(tmp_path):
     """A worker killed mid-run fails the run (no restart policy); the survivors are stopped with the

@@ -691,6 +691,54 @@ def test_the_survivors_of_a_failed_run_over_hosts_are_shown_stopped_because_it_f
 
 
 @pytest.mark.timeout(300)
+def _descendants(pid: int) -> list[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_bytes()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(text[text.rindex(b")") + 2:].split()[1])
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {c for c, p in parent.items() if p in frontier}
+        out += sorted(frontier)
+    return out
+
+
+def test_a_sigterm_to_a_job_and_its_daemons_at_once_stops_its_run_cleanly_over_hosts(tmp_path):
+    """Regression (Slurm's plain `scancel`: SIGTERM to every process of the job's steps at once, the batch
+    step's coordinator and the daemons' step with all its workers): the daemons ended the workers they hosted
+    and stopped at once, and the coordinator, stopping cleanly on the same signal, found its workers ended and
+    its hosts gone: the run failed, its files left on the hosts. A daemon started with --stop-after-runs S (as
+    `reactor slurm` starts them) lets the coordinator end the run and copy its files back (for up to S s),
+    then stops; a worker ended by the same SIGTERM is no failure: the run ends stopped by the signal, 143."""
+    d = Daemon(tmp_path, extra=("--no-fork-server", "--stop-after-runs", "30"))
+    (tmp_path / "hosts.toml").write_text(f'[hosts]\nh1 = {{ address = "{d.address}", key = "{d.keys_dir / "key.pub"}" }}\n')
+    (tmp_path / "one.toml").write_text('[groups.all]\nreactors = ["*"]\n')
+    run = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement",
+                            str(tmp_path / "one.toml"), "--async", "--hosts", str(tmp_path / "hosts.toml"), "--keys",
+                            str(d.client_dir), "--set", "ready_file='ready'"],  # (in the worker's directory on h1)
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "REACTOR_KEYS"})
+    try:
+        _wait_for(lambda: list((d.state / "runs").glob("*/ready")) or run.poll() is not None, 60, "the run's worker")
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        for pid in [run.pid, d.proc.pid, *_descendants(d.proc.pid)]:  # (as Slurm's process tracking signals them)
+            os.kill(pid, signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 128 + signal.SIGTERM and "run ended (signal)" in out, err[-3000:]
+        assert "WorkerFailedError" not in err and "did not copy" not in err and "failed" not in err, err[-3000:]
+        assert (tmp_path / "ready").is_file()  # (the run's files came back from h1)
+        assert d.proc.wait(30) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        log = d.stop()
+    assert "ended here (its coordinator ended it)" in log, log[-3000:]
+
+
 def test_a_training_run_over_hosts_ends_at_the_terminal_with_its_result_as_on_one_host(daemon, tmp_path):
     """Regression (a newcomer's pass over docs/cluster.md, session 52): `reactor run APP --hosts FILE`
     ("follow it here") printed only "run ended (...)": the evaluation return, the stop reason and

@@ -188,10 +188,13 @@ def test_dqn_through_reactor_slurm_learns_over_three_nodes_and_leaves_nothing(sl
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", ["scancel", "batch-term"])
 def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_path, how):
-    """Plain ``scancel`` signals every process of the job's steps: the run ends at once, as a failure, its
-    files left on the job's file system. ``scancel --batch --signal=TERM`` (what ``reactor slurm`` prints
-    and docs/cluster.md gives for a clean stop) reaches the batch step alone: the coordinator stops the
-    run cleanly, its files come back, then it ends the daemons' step. Either way nothing is left."""
+    """Plain ``scancel`` signals every process of the job's steps: the run ends stopped by the signal, as a
+    cancellation (it ended as a failure, its hosts lost, its files left on the job's file system: the daemons
+    ended their workers and stopped at once; they now let the coordinator end the run and copy its files
+    back, within Slurm's KillWait), though its workers' shutdown reactions are cut short (no summary).
+    ``scancel --batch --signal=TERM`` (what ``reactor slurm`` prints and docs/cluster.md gives for a clean
+    stop) reaches the batch step alone: every shutdown runs, its files come back, then it ends the daemons'
+    step. Either way nothing is left."""
     job, job_dir = _submit(tmp_path, "--set", "target_return=None", "--set", "max_env_steps=10000000",
                            "--set", "live=False")
     # Running: every daemon's workers started.
@@ -211,8 +214,13 @@ def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_pa
     assert "3 daemons on 3 nodes" in out, out[-3000:]
     summaries = list(tmp_path.glob("runs/*/summary.json"))  # (the run's files, back where it was submitted from)
     if how == "scancel":
-        # (the coordinator's last lines vary: it may be killed after KillWait before it names the hosts' files)
-        assert "run ended (signal)" not in out and not summaries, out[-3000:]
+        # A cancellation, not a failure: its hosts stay up for its coordinator's clean stop, for KillWait less
+        # what the daemons keep to end what is left (10 - 8 s here). (Whether the stop ends in time depends on the
+        # load: on this 2-core machine at a load of 13 the learner was still saving when Slurm's SIGKILL came.)
+        assert "SIGTERM: stopping the run cleanly" in out, out[-3000:]
+        assert "WorkerFailedError" not in out and "run ended (failure)" not in out, out[-3000:]
+        if "run ended" in out:
+            assert "run ended (signal)" in out, out[-3000:]
     else:
         assert "run ended (signal)" in out and "did not copy" not in out and len(summaries) == 1, out[-3000:]
         assert json.loads(summaries[0].read_text())["env_steps"] > 0

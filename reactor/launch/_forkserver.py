@@ -167,6 +167,9 @@ class ForkServer:
         Raises:
             OSError: the pipes or the fork failed.
         """
+        for stream in (sys.stdout, sys.stderr):  # (what is buffered is written once, by this process)
+            with contextlib.suppress(Exception):
+                stream.flush()
         req_r, req_w = os.pipe()
         ev_r, ev_w = os.pipe()
         try:

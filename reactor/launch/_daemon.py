@@ -108,6 +108,8 @@ EXIT_FILE = "exit.json"
 #: The jobs a daemon lists, in ``STATE/`` (``Daemon._read_index``): what its next start reads the records of.
 INDEX = "jobs.json"
 _JOB_DIR_RE = re.compile(r"[0-9a-f]{16}\Z")
+#: The most workers of a job on one host that ``status`` checks (``workers.json``, a file its job writes).
+LOCAL_WORKERS_MAX = 4096
 
 
 class DaemonSilentError(DaemonError):
@@ -264,8 +266,9 @@ class Daemon:
         daemon watched it. It reads the records its last life listed (``INDEX``), not every job's: a
         start read all of them, and took longer and more memory with each job the daemon ever ran. With
         no index it can trust (none yet, unreadable, or ``jobs/`` changed after it was written: a
-        directory made by a submit it did not finish writing, or by another program) it reads them all,
-        as before, and writes one."""
+        directory made by another program, or by a submit whose index could not be written) it reads
+        them all, as before, and writes one. (A submit lists its job before it makes its directory:
+        one cut short by a crash is listed, and skipped if it never wrote its record.)"""
         listed = self._read_index()
         if listed is None:
             paths = sorted((self.state / "jobs").glob("*/job.json"))
@@ -345,11 +348,14 @@ class Daemon:
             return None
         return got
 
-    def _save_index(self) -> None:
-        """Write the jobs' index (``INDEX``); one that cannot be written now is written at a later watch
-        (a start meanwhile finds ``jobs/`` newer than the index it has, and reads every record)."""
+    def _save_index(self, starting: str | None = None) -> None:
+        """Write the jobs' index (``INDEX``), with the job ``starting`` too: a submit lists its job before it
+        makes its directory, so a daemon killed in between lists it at its next start (it skips an id
+        without a record). One that cannot be written now is written at a later watch (a start meanwhile
+        finds ``jobs/`` newer than the index it has, and reads every record)."""
         try:
-            _atomic_json(self.state / INDEX, {"jobs": list(self.jobs), "forgotten": self._forgotten_kept})
+            _atomic_json(self.state / INDEX, {"jobs": [*self.jobs, *([starting] if starting else [])],
+                                              "forgotten": self._forgotten_kept})
         except OSError as e:
             self._index_unsaved = True
             self._warn("index", "%s: cannot write its jobs' index (%s); trying again", self.name, e)
@@ -406,6 +412,7 @@ class Daemon:
             raise DaemonError(f"job {job_id} exists already; submit again")
         started: list[Proc] = []
         try:
+            self._save_index(starting=job_id)
             return await self._start_job(spec, job_id, jdir, digest, settings, started)
         except BaseException:  # (a full disk, say): no job left running unrecorded, no directory without a job.json
             self.jobs.pop(job_id, None)
@@ -974,7 +981,7 @@ def _local_workers(jdir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     workers = got.get("workers") if type(got) is dict else None
-    if type(workers) is not dict or not all(
+    if type(workers) is not dict or len(workers) > LOCAL_WORKERS_MAX or not all(
             type(g) is str and type(w) is dict and type(w.get("pid")) is int and type(w.get("start")) is int
             and type(w.get("restarts")) is int and 0 < w["pid"] < 2**31 and 0 <= w["start"] < 2**63
             for g, w in workers.items()):

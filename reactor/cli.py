@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import REFUSALS, GraphError, ReactorError, raised_by_reactor, refusal_line
-from .launch._app import blamed_settings, build_graph, parse_overrides
+from .launch._app import blamed_setting, build_graph, parse_overrides
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -398,9 +398,8 @@ def _main(argv: Sequence[str] | None, started: float | None) -> int:
             return _failed(args, 1, f"reactor: the run failed: {type(e).__name__}: "
                                     f"{_bounded((str(e).splitlines() or [''])[0])}")
         line = refusal_line(e)
-        if blamed := blamed_settings(e, line, getattr(args, "app", None), getattr(args, "overrides", [])):
-            # (a value of the command line refused where the app uses it: said first, not only the app's line)
-            line = f"--set {' and --set '.join(blamed)}: {line}"
+        if blamed := blamed_setting(e, line, getattr(args, "app", None), getattr(args, "overrides", [])):
+            line = f"--set {blamed}: {line}"  # (a value of the command line refused where the app uses it)
         return _failed(args, 2, f"reactor: {_bounded(line)}")
     except ReactorError as e:
         return _failed(args, 1, f"reactor: {type(e).__name__}: {_bounded(str(e))}")

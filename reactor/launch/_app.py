@@ -101,23 +101,24 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def blamed_settings(e: BaseException, message: str, app: str | os.PathLike[str] | None,
-                    items: Sequence[str]) -> list[str]:
-    """The ``--set`` items (``items``, as given: ``["producers=0"]``) that a refusal of the app's graph
-    comes from, for its message to name: ``replicas must be an int >= 1, got 0 (apps/demo.py:83)`` named
-    the app line alone, and the user had to find which ``--set`` fed it. An item is blamed when its value
-    is shown in ``message`` (beside the app lines it cites) and the refusal is at an app line (cited in
-    ``message``, or where ``e``'s traceback last passed through the app) that reads its key
-    (``config.KEY``, ``config["KEY"]``), or reads none of the items' keys (``build(config)`` handing the
-    whole config to a graph builder). None when ``e`` is not at an app line, or no value is shown.
+def blamed_setting(e: BaseException, message: str, app: str | os.PathLike[str] | None,
+                   items: Sequence[str]) -> str | None:
+    """The ``--set`` item (of ``items``, as given: ``["producers=0"]``; cut to ~80 characters) that a
+    refusal of the app's graph comes from, for its message to name: ``replicas must be an int >= 1, got 0
+    (apps/demo.py:83)`` named the app line alone, and the user had to find which ``--set`` fed it. An
+    item is the one when the refusal is at an app line (cited in ``message``, or where ``e``'s traceback
+    last passed through the app), shows its value (beside the app lines it cites) and does not name its
+    key already, and that line reads its key (``config.KEY``, ``config["KEY"]``) or reads none of the
+    items' keys (``build(config)`` handing the whole config to a graph builder); and when it is the only
+    such item (two of one value, say, are not told apart: None). None too when ``e`` is at no app line.
     """
     if app is None or not items:
-        return []
+        return None
     try:
         path = Path(app).resolve()
         source = path.read_text()
     except (OSError, RuntimeError, UnicodeDecodeError):
-        return []
+        return None
     lines = set()
     for where, line in re.findall(r"([^\s(),]+\.py):(\d+)", message):
         with contextlib.suppress(OSError, RuntimeError):
@@ -133,20 +134,21 @@ def blamed_settings(e: BaseException, message: str, app: str | os.PathLike[str] 
     if at is not None:
         lines.add(at)
     if not lines:
-        return []
+        return None
     shown = re.sub(r"[^\s(),]+\.py:\d+", " ", message)  # (a line number is no value)
     given = {}
     for item in items:
         key, _, _ = item.partition("=")
         given[key.strip()] = item
     values = parse_overrides(list(given.values()))
-    named = [k for k, v in values.items() if re.search(rf"(?<![\w.]){re.escape(repr(v))}(?![\w.])", shown)]
+    named = [k for k, v in values.items() if re.search(rf"(?<![\w.]){re.escape(repr(v))}(?![\w.])", shown)
+             and not re.search(rf"(?<![\w.-]){re.escape(k)}(?![\w.-])", shown)]  # (a key it names is told already)
     if not named:
-        return []
+        return None
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return [given[k] for k in named]
+        tree = ast.Module(body=[], type_ignores=[])
     reads: set[str] = set()
     for line in lines:
         stmts = [n for n in ast.walk(tree) if isinstance(n, ast.stmt) and n.lineno <= line <= (n.end_lineno or n.lineno)]
@@ -160,7 +162,12 @@ def blamed_settings(e: BaseException, message: str, app: str | os.PathLike[str] 
                 reads.add(str(n.slice.value))
     if reads:
         named = [k for k in named if k in reads]
-    return [given[k] for k in named]
+    return _brief_item(given[named[0]]) if len(named) == 1 else None
+
+
+def _brief_item(item: str) -> str:
+    """A ``--set`` item as an error shows it: cut to ~80 characters (a value may be 100,000)."""
+    return item if len(item) <= 80 else f"{item[:60]}...{item[-16:]}"
 
 
 #: The options of ``reactor run`` that are not config keys (``--set seed=3`` named neither).

@@ -276,12 +276,13 @@ def test_data_parallel_learners_sharing_a_process_are_a_one_line_error_before_an
                                                                                                placement="single"):
     """Regression (a newcomer's run, session 52): ``reactor run apps/dqn.py --set learners=2`` (no
     ``dp-learners``) sat 600 s at 0 env steps, its first replica waiting for a second its process
-    could not start, and two Ctrl-C did not stop it."""
+    could not start, and two Ctrl-C did not stop it. (The refusal names the --set item it comes from.)"""
     p = reactor("run", str(ROOT / "apps" / "dqn.py"), "--placement", placement, "--set", "learners=2",
                 f"run_dir={tmp_path / 'run'}", timeout=300)
     process = "main" if placement == "single" else "learner"
     assert p.returncode == 2 and p.stderr.startswith(
-        f"reactor: learner: its 2 replicas each need a process of their own (data-parallel replicas: each joins the "
+        f"reactor: --set learners=2: learner: its 2 replicas each need a process of their own (data-parallel "
+        f"replicas: each joins the "
         f"bank's torch.distributed group), but placement '{placement}' puts learner[0] and learner[1] in process "
         f"'{process}': use --placement dp-learners"), p.stderr
     assert p.stderr.count("\n") == 1 and not (tmp_path / "run").exists()

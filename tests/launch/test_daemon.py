@@ -223,7 +223,8 @@ def test_a_restarted_daemon_says_in_one_line_how_many_old_jobs_it_does_not_list(
     caplog.set_level("INFO", logger="reactor.daemon")
     daemon = InProcess("tcp://127.0.0.1:0", "h1", tmp_path / "state", keys, preload=None, keep_ended=2)
     assert list(daemon.jobs) == [f"{i:016x}" for i in (4, 5)]
-    assert [r.getMessage() for r in caplog.records] == [
+    # (its own lines: a start's sweep may say what other runs on this machine left)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("h1: ")] == [
         f"h1: lists its newest 2 ended jobs (--keep-ended); the 4 older ones' files stay in {tmp_path / 'state' / 'jobs'}"]
 
 
@@ -259,7 +260,8 @@ def test_a_restarted_daemon_reads_only_the_records_of_the_jobs_its_last_life_lis
     caplog.set_level("INFO", logger="reactor.daemon")
     again = start()
     assert list(again.jobs) == [f"{i:016x}" for i in (38, 39)]
-    assert [r.getMessage() for r in caplog.records] == [
+    # (its own lines: a start's sweep may say what other runs on this machine left)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("h1: ")] == [
         f"h1: lists its newest 2 ended jobs (--keep-ended); the 38 older ones' files stay in {jobs}"]
     with pytest.raises(DaemonError, match=r"no longer tracks job '0000000000000000': it ended"):
         again._job("0000000000000000")  # (read when asked for)

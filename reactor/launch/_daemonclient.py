@@ -1,0 +1,252 @@
+"""The client side of a daemon: ``DaemonClient`` (one request at a time over CURVE, with a socket monitor
+that says how far a failed request's connection got) and ``job_spec`` (what ``reactor submit`` sends).
+
+The daemon itself is ``reactor/launch/_daemon.py``; its protocol is ``_protocol.DAEMON_KINDS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.utils.monitor
+
+from .._errors import DaemonError
+from ..transport import CurveKeys
+
+__all__ = ["DaemonClient", "DaemonKeyError", "DaemonSilentError", "job_spec"]
+
+
+class DaemonSilentError(DaemonError):
+    """A daemon did not answer in time. ``reached`` says how far the connection to it got, which the
+    message says too: ``"nothing"`` (no TCP connection: a wrong address, no daemon running, the host
+    unreachable), ``"tcp"`` (a TCP connection, but the CURVE handshake did not complete: a daemon
+    stopped or overloaded, or no reactor daemon there), ``"handshake"`` (the daemon admitted our key,
+    then answered late: overloaded or stopped); ``"refused"`` for :class:`DaemonKeyError`. ``why``
+    is the message's reason alone."""
+
+    def __init__(self, message: str, reached: str = "nothing", why: str = "") -> None:
+        super().__init__(message)
+        self.reached = reached
+        self.why = why or message
+
+
+class DaemonKeyError(DaemonSilentError):
+    """The CURVE handshake with a daemon failed: it does not admit our key (not in its ``authorized/``),
+    or the key we hold for it is not its own. Raised as soon as ZeroMQ reports it, not after a timeout."""
+
+
+def _key_files_named(path: str | Path) -> list[str]:
+    """The key files a placement or hosts file's ``[hosts]`` names by a relative path (``key =
+    "h2.pub"``, read beside the file): a submitted job ships them with the file, at the same relative
+    paths (they were left behind: the job failed on the daemon, "cannot read its key"). Absolute paths
+    and Z85 keys stay as they are; a file that does not parse names none (its own check says why)."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    base, out = Path(path).parent, []
+    hosts = data.get("hosts")
+    for entry in hosts.values() if isinstance(hosts, dict) else ():
+        text = entry.get("key") if isinstance(entry, dict) else None
+        if not isinstance(text, str) or Path(text).is_absolute() or ".." in Path(text).parts:
+            continue
+        if (base / text).is_file():
+            out.append(Path(text).as_posix())
+    return out
+
+
+def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: dict[str, Any] | None = None,
+             seed: int = 0, async_: bool = False, files: Sequence[str | os.PathLike[str]] = (),
+             hosts: str | os.PathLike[str] | None = None, restart: str | None = None) -> dict[str, Any]:
+    """What ``reactor submit`` sends: the app file and the files it names (``--with``), by content and
+    sha256, and the run's settings. A placement that names a file here travels with it, and so does
+    a hosts file (``--hosts``), each with the key files its ``[hosts]`` names by a relative path. ``restart``: as ``reactor run --restart`` (``on-failure:N``).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        GraphError: ``restart`` is not a policy.
+    """
+    if restart is not None:
+        from ._groups import restart_from_text
+
+        restart_from_text(restart)
+    app = Path(app)
+    names = {app.name: app.read_bytes()}
+    for f in files:
+        names[Path(f).name] = Path(f).read_bytes()
+    shipped = []
+    if Path(placement).is_file():
+        names[Path(placement).name] = Path(placement).read_bytes()
+        shipped.append(Path(placement))
+        placement = Path(placement).name
+    hosts_name = None
+    if hosts is not None:
+        names[Path(hosts).name] = Path(hosts).read_bytes()
+        shipped.append(Path(hosts))
+        hosts_name = Path(hosts).name
+    for path in shipped:  # (the key files their hosts name beside them go along, at the same paths)
+        for rel in _key_files_named(path):
+            names.setdefault(rel, (path.parent / rel).read_bytes())
+    return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
+            "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_,
+            "restart": restart}
+
+
+#: What the client's socket monitor reports (``ZMQ_EVENT_*``): how far its connection got.
+_LINK_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class DaemonClient:
+    """Requests to one daemon: ``DaemonClient(address, daemon_key, keys).request("status", None)``.
+
+    A socket monitor follows the connection, so that a request that fails says how far it got: no
+    TCP connection, a CURVE handshake that did not complete, a daemon that admitted our key and then
+    answered late (:class:`DaemonSilentError`), or a handshake the daemon refused
+    (:class:`DaemonKeyError`, at once: a key a daemon does not admit waits no timeout out). The next
+    request after a refusal connects again, with a new handshake: once the operator has admitted our
+    key (or the right daemon key is in place), the same client goes on.
+
+    Args:
+        address: the daemon's ``tcp://HOST:PORT``.
+        daemon_key: the daemon's public key (its ``key.pub``), Z85.
+        keys: this client's key pair; the daemon must list its public half in ``authorized/``.
+        timeout_s: how long to wait for each answer.
+        who: how errors name the daemon (default ``the daemon at ADDRESS``).
+    """
+
+    def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0,
+                 who: str | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.who = who or f"the daemon at {address}"
+        self.daemon_key = daemon_key
+        self.public = keys.public
+        self._keys = keys
+        self.ctx = zmq.Context()
+        self._connect()
+        self.next_id = 1
+
+    def _connect(self) -> None:
+        """A new socket (and its monitor) connecting to the daemon."""
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.curve_secretkey = self._keys.secret
+        self.sock.curve_publickey = self._keys.public
+        self.sock.curve_serverkey = self.daemon_key
+        self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
+        self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
+        self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
+        self.sock.connect(self.address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def _close_socket(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+    def request(self, kind: str, *fields: Any, timeout_s: float | None = None) -> Any:
+        """Send one request and return its payload (waiting ``timeout_s``, default the client's).
+
+        Raises:
+            DaemonKeyError: the CURVE handshake failed (our key is not admitted, or the daemon's key
+                is not the one given), as soon as that is known; the next request tries a new handshake.
+            DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got.
+            DaemonError: the daemon refused the request (its reason).
+        """
+        rid = self.next_id
+        self.next_id += 1
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self._follow_link()
+        if self.refused is not None:
+            # ZeroMQ does not connect again after a refused handshake: every later request failed at
+            # once ("takes no more requests"), even after the operator admitted our key, until the
+            # caller made a new client. A new connection, with a new handshake, is what asking again means.
+            self._close_socket()
+            self._connect()
+        try:
+            self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)], flags=zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise DaemonSilentError(f"{self.who} takes no more requests (not reachable)") from e
+        deadline = time.monotonic() + timeout_s
+        self._follow_link()
+        while (left := deadline - time.monotonic()) > 0 and self.refused is None:
+            ready = dict(self.poller.poll(int(left * 1000) + 1))
+            if self.monitor in ready:
+                self._follow_link()
+            if self.sock not in ready:
+                continue
+            frames = self.sock.recv_multipart()
+            try:
+                reply = msgpack.unpackb(frames[-1], raw=False)
+            except Exception:  # noqa: BLE001 - junk is no answer
+                continue
+            if type(reply) is not list or len(reply) != 3 or reply[0] != rid:
+                continue  # a late answer to an earlier request
+            if not reply[1]:
+                raise DaemonError(reply[2])
+            return reply[2]
+        if self.refused is not None:
+            raise self._key_error()
+        why = {"nothing": "nothing there accepted a TCP connection (check the address and port, and that the daemon "
+                          "runs there)",
+               "tcp": "it accepted a TCP connection but did not complete the CURVE handshake (a daemon that is stopped "
+                      "or overloaded, or no reactor daemon)",
+               "handshake": "it completed the CURVE handshake (it admits our key) but answered late: it is overloaded "
+                            "or stopped"}[self.link]
+        raise DaemonSilentError(f"{self.who} did not answer {kind!r} within {timeout_s:.1f} s: {why}", self.link, why)
+
+    def _follow_link(self) -> None:
+        """Take the monitor's events so far: how far the connection is (``link``), and a failed handshake."""
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.link = "tcp"
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.link = "nothing"
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.link, self.refused = "handshake", None
+            else:  # a handshake failed (its event and ZeroMQ's code)
+                self.refused = (int(kind), int(event["value"]))
+
+    def _key_error(self) -> DaemonKeyError:
+        assert self.refused is not None
+        kind, code = self.refused
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"it refused our key in the CURVE handshake: its authorized/ does not hold our key.pub, public = "
+                   f"{self.public.decode(errors='replace')} (the daemon's log names the key it rejected)")
+        else:
+            detail = ("the daemon closed the connection" if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                      else f"a protocol error, ZMTP code {code:#x}")
+            why = (f"the CURVE handshake failed ({detail}): the key given for the daemon there, "
+                   f"{self.daemon_key.decode(errors='replace')}, is most likely not its key.pub (check --daemon-key, "
+                   f"the hosts file's key for it, or REACTOR_KEYS for a cluster key), or no reactor daemon listens there")
+        return DaemonKeyError(f"{self.who}: {why}", "refused", why)
+
+    def close(self) -> None:
+        self._close_socket()
+        self.ctx.destroy(linger=0)
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

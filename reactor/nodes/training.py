@@ -88,9 +88,9 @@ def off_policy_graph(
 
     The replay is a prioritized (``alpha``, ``beta``) or uniform table sharded over ``shards``
     processes, with ``capacity`` steps in all. Its rate limiter holds the learners to
-    ``samples_per_insert`` sampled items per inserted step once ``min_size`` steps are stored: that
-    ratio, not the speed of any process, fixes updates per env step (so results do not depend on
-    the placement). Inserts the limiter holds back hold the actors back in turn: each actor stops
+    ``samples_per_insert`` sampled items per inserted step once ``min_size`` steps are stored (each
+    shard lets them run at most ``batch_size`` samples ahead of that ratio): that ratio, not the speed
+    of any process, fixes updates per env step (so results do not depend on the placement). Inserts the limiter holds back hold the actors back in turn: each actor stops
     stepping while ``max_unacked`` of its Steps messages are not yet acknowledged by the shards.
 
     Each learner keeps ``prefetch`` samples in flight (``Learner(prefetch=...)``).
@@ -167,12 +167,18 @@ def off_policy_graph(
             f"over {shards} shard(s)) serves at most {max_sample(capacity // shards):,} items a sample, and the run "
             f"would fail at its first update; lower batch_size (or raise capacity)")
     per_shard_min = max(1, min_size // shards)
-    # The limiter's window must admit the largest message at once, or the first insert past min_size
-    # would wait forever (a fixed flush_steps + 320 rows did: 16 Pendulum envs ending together sent
-    # ~3,200 rows, and the run ended with 0 updates).
-    limiter = {"type": "SampleToInsertRatio", "samples_per_insert": float(samples_per_insert),
-               "min_size": per_shard_min,
-               "error_buffer": float(samples_per_insert * 2 * largest + 2 * batch_size)}
+    # The limiter's window, [min_diff, max_diff] around the ratio's balance (spi * min_size), is one-sided.
+    # Above it, room for inserts: the window must admit the largest message at once, or the first insert
+    # past min_size would wait forever (a fixed flush_steps + 320 rows did: 16 Pendulum envs ending together
+    # sent ~3,200 rows, and the run ended with 0 updates). Below it, how far samples may run ahead of the
+    # ratio: one batch a shard. A symmetric buffer sized for the largest message let the learner run that
+    # far ahead too: with window=600 (a message of ~1,800 rows) it took 1,393 updates of 300 env steps where
+    # ~150 were due. The width (the largest message's samples plus a batch) keeps both sides live: whenever
+    # an insert must wait, a sample of up to a batch may proceed, and the reverse.
+    spi = float(samples_per_insert)
+    balance = spi * per_shard_min
+    limiter = {"type": "SampleToInsertRatio", "samples_per_insert": spi, "min_size": per_shard_min,
+               "error_buffer": [balance - batch_size, balance + spi * 2 * largest + 2 * batch_size]}
     sampler: Any = {"type": "prioritized", "alpha": alpha} if prioritized else "uniform"
 
     g = Graph()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -446,6 +447,55 @@ def test_many_envs_ending_together_still_get_their_inserts_past_the_rate_limiter
                "samples_per_insert": 32.0, "run_dir": str(tmp_path)})  # (an eighth of the updates: the insert is the point)
     s = _summary(tmp_path)
     assert s["env_steps"] == 4000 and s["updates"] > 0, s
+
+
+def test_the_shards_rate_limiter_lets_the_learner_run_at_most_a_batch_ahead_of_samples_per_insert(tmp_path):
+    """Regression (h3): the shards' limiter window was symmetric around the ratio and sized for the largest
+    insert an actor sends, which grows with the window: with window=600 a learner could sample ~57,000
+    items a shard ahead of samples_per_insert (1,393 updates of 300 env steps, where ~150 were due). The
+    window's sample side is now one batch. Real parts: the app's graph, its shards' limiter config, a
+    Table per shard, the actors' Writers with the app's pattern; 300 env steps, then every sample allowed."""
+    from reactor import WouldBlock
+    from reactor.nodes._replayconfig import _make_limiter
+    from reactor.nodes.env_actor import writer_pattern
+    from reactor.nodes.writer import Writer
+    from reactor.replay import Storage, Table, Uniform
+
+    graph = build_graph(str(ROOT / "apps" / "transformer_dqn.py"),
+                        {"window": 600, "min_size": 2, "max_env_steps": 300, "live": False, "run_dir": str(tmp_path)})
+    replay, actor = graph.nodes["replay"], graph.nodes["actor"]
+    shard, act = replay.prototype, actor.prototype
+    spi, batch = 16.0, 32  # (the app's defaults)
+    tables = [Table(Storage(shard.specs, shard.capacity), sampler=Uniform(), remover=Uniform(),
+                    rate_limiter=_make_limiter(shard.limiter_config)) for _ in range(replay.replicas)]
+    rng = np.random.default_rng(0)
+    writers = [Writer(shard.specs, act.num_envs, writer_pattern(shard.read), num_shards=replay.replicas, writer_id=w,
+                      flush_steps=act.flush_steps) for w in range(actor.replicas)]
+    steps = 0
+    while steps < 300:
+        for w in writers:
+            n = w.num_streams
+            step = {"obs": rng.standard_normal((n, 2)).astype(np.float32), "action": rng.integers(0, 2, n),
+                    "reward": np.ones(n, np.float32)}
+            ended = rng.random(n) < 1 / 30  # (CartPole-length episodes)
+            for m in w.append(step, terminated=ended, truncated=np.zeros(n, bool), final={"obs": step["obs"]}):
+                tables[m.shard].insert_nowait(m.fields, episode_end=m.episode_end, item_mask=m.item_mask)
+            steps += n
+    for w in writers:
+        for m in w.flush():
+            tables[m.shard].insert_nowait(m.fields, episode_end=m.episode_end, item_mask=m.item_mask)
+    items = sum(t.rate_limiter.statistics().inserts for t in tables)
+    samples = 0
+    for t in tables:
+        while True:
+            try:
+                samples += len(t.sample_nowait(batch // 2)[1].keys)
+            except WouldBlock:
+                break
+    assert 200 < items <= 300
+    # spi samples an item past min_size (1 a shard), and at most a batch a shard ahead of that
+    assert spi * (items - 2) <= samples <= spi * items + batch * replay.replicas, (items, samples)
+    assert samples / batch < 160
 
 
 @pytest.mark.parametrize(("builder", "kw", "message"), [

@@ -586,15 +586,7 @@ class Replay(Reactor):
         if self._insert(steps):
             self._progress()
             self._checkpoint_if_due()
-        elif not self.table.rate_limiter.can_sample(1, len(self.table)):  # type: ignore[union-attr]
-            # Parked, nothing could ever take it: no sample is allowed now, so none can make room, and
-            # every later insert waits behind this one (a fractional samples_per_insert's rounding left
-            # some so that RateLimiter.never_inserts did not see it: a review, session 55).
-            self._reject(steps, "its rate limiter can never admit it here: no sample is allowed now to make room, "
-                                "and the inserts after it wait behind it; insert fewer items at once, or widen the "
-                                "limiter's error_buffer")
-            self._ack(steps)
-        else:
+        else:  # (one that no sample could ever make room for was refused: RateLimiter.never_inserts, exact)
             self._parked_steps.append(steps)
 
     def _reject(self, steps: Any, why: str) -> None:

@@ -213,16 +213,36 @@ class RateLimiter:
         return (self._inserts + n) * self.samples_per_insert - self._samples <= self.max_diff
 
     def never_inserts(self, n: int, size: int) -> str | None:
-        """Why an insert of ``n`` items into a table of ``size`` items can never proceed, or None: past
-        the free fill, samples can lower the diff to ``min_diff`` at best, and ``n`` items would still
-        take it above ``max_diff``. (Such an insert waited forever; a shard's held every later writer's
-        behind it.) Only deletes that took the table back under ``min_size_to_sample - n`` could admit it."""
-        if size + n <= self.min_size_to_sample or n * self.samples_per_insert <= self.max_diff - self.min_diff:
+        """Why an insert of ``n`` items into a table of ``size`` items can never proceed, or None.
+
+        Exact for the counts now, if no other insert goes first: past the free fill, only samples can
+        make room, and they can take the count no further than the limit a sample checks,
+        ``floor(inserts * samples_per_insert - min_diff)`` (none at all while the table holds fewer than
+        ``min_size_to_sample`` items); an insert that would still take the diff above ``max_diff`` there
+        never proceeds. (Such an insert waited forever, and a shard's held every later writer's behind
+        it. The integer limit is why ``n * samples_per_insert <= max_diff - min_diff`` is not enough
+        with a fractional ``samples_per_insert``: samples can lower the diff to ``min_diff`` plus the
+        fraction of ``inserts * samples_per_insert - min_diff`` at best.) What could still admit it:
+        another, smaller insert first (it moves that fraction, and fills the table to
+        ``min_size_to_sample``), or deletes that take the table back under ``min_size_to_sample - n``.
+        """
+        if size + n <= self.min_size_to_sample:
             return None
-        return (f"an insert of {n} items can never proceed under {self!r}: {n} items x "
-                f"{self.samples_per_insert:g} samples each is more than the window max_diff - min_diff = "
-                f"{self.max_diff - self.min_diff:g} samples allows (at most {self.max_insert()} items an insert); "
-                f"insert fewer items at once, or widen the limiter's error_buffer")
+        most = self._samples
+        if size >= self.min_size_to_sample:
+            most = max(most, self._allowed())
+        if (self._inserts + n) * self.samples_per_insert - most <= self.max_diff:  # (can_insert's test, at most)
+            return None
+        if size < self.min_size_to_sample:
+            why = (f"the table holds {size} items, fewer than min_size_to_sample={self.min_size_to_sample}, so no "
+                   f"sample can make room, and {n} items take it past the free fill")
+        else:
+            why = (f"samples can take the count to {most} at most (inserts={self._inserts}), leaving the diff at "
+                   f"{self._inserts * self.samples_per_insert - most:g}, and {n} items x {self.samples_per_insert:g} "
+                   f"samples each take it above max_diff={self.max_diff:g}")
+        return (f"an insert of {n} items can never proceed under {self!r}: {why} (at most {self.max_insert()} items "
+                f"an insert, fewer where the ratio's fractions leave less room); insert fewer items at once, or widen "
+                f"the limiter's error_buffer")
 
     def max_insert(self) -> int | float:
         """The most items one insert can hold once the free fill is over (inf: no bound)."""

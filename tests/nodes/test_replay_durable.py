@@ -331,9 +331,10 @@ class _Deadlocker(Reactor):
 
 
 def test_an_insert_no_sample_can_ever_make_room_for_is_refused_by_the_shard_not_parked_for_good(caplog):
-    """RateLimiter.never_inserts reasons with the diff's real bound; with a fractional samples_per_insert
+    """RateLimiter.never_inserts reasoned with the diff's real bound; with a fractional samples_per_insert
     the integer rule of samples can leave an insert that nothing admits (the review, session 55): the
-    shard parked it for good, and every later insert behind it. It now refuses it (logged, acked)."""
+    shard parked it for good, and every later insert behind it. It now refuses it (logged, acked): the
+    shard's own check then, the limiter's exact one since (h3)."""
     import logging
 
     g = Graph()
@@ -345,5 +346,5 @@ def test_an_insert_no_sample_can_ever_make_room_for_is_refused_by_the_shard_not_
     g.connect(r.replies, d.replies, key=requester_key, delay_s=1e-6)
     with caplog.at_level(logging.ERROR, logger="reactor.replay"):
         run(g)
-    said = [m for m in caplog.messages if "can never admit it here" in m]
+    said = [m for m in caplog.messages if "an insert of 2 items can never proceed" in m]
     assert len(said) == 1 and "flush 2" in said[0], caplog.messages

@@ -72,6 +72,7 @@ def test_an_insert_no_sample_can_ever_make_room_for_is_refused_not_left_waiting(
     lim = SampleToInsertRatio(samples_per_insert=8.0, min_size=4, error_buffer=8.0)
     assert lim.max_insert() == 2 and MinSize(3).max_insert() == math.inf
     assert lim.never_inserts(4, size=0) is None  # (the free fill)
+    lim.on_insert(4)
     assert lim.never_inserts(2, size=4) is None and lim.never_inserts(3, size=4) is not None
 
     def table() -> Table:
@@ -80,9 +81,10 @@ def test_an_insert_no_sample_can_ever_make_room_for_is_refused_not_left_waiting(
 
     t = table()
     t.insert_nowait({"x": torch.zeros(4)})
-    message = (r"^table 'table': an insert of 3 items can never proceed under SampleToInsertRatio\(.*\): 3 items x 8 "
-               r"samples each is more than the window max_diff - min_diff = 16 samples allows \(at most 2 items an "
-               r"insert\); insert fewer items at once, or widen the limiter's error_buffer$")
+    message = (r"^table 'table': an insert of 3 items can never proceed under SampleToInsertRatio\(.*\): samples can "
+               r"take the count to 8 at most \(inserts=4\), leaving the diff at 24, and 3 items x 8 samples each "
+               r"take it above max_diff=40 \(at most 2 items an insert, fewer where the ratio's fractions leave less "
+               r"room\); insert fewer items at once, or widen the limiter's error_buffer$")
     with pytest.raises(ValueError, match=message):
         t.insert_nowait({"x": torch.zeros(3)})
     with pytest.raises(ValueError, match=message):
@@ -90,6 +92,34 @@ def test_an_insert_no_sample_can_ever_make_room_for_is_refused_not_left_waiting(
     t.sample_nowait(8)
     t.insert_nowait({"x": torch.zeros(2)})
     assert len(t) == 6
+
+
+def test_never_inserts_is_exact_with_a_fractional_samples_per_insert():
+    """Regression (h3): never_inserts checked ``n * spi <= max_diff - min_diff``, but samples move the count
+    by whole items, up to ``floor(inserts * spi - min_diff)``, so with a fractional spi the diff may never
+    come back down to min_diff. Under spi=1.5 in [0, 3], after one insert and its one allowed sample, an
+    insert of 2 (3 samples' worth: "fits") waited forever; Table.insert with no timeout hung. Refused now,
+    while the insert of 1 that can proceed does, and after it the insert of 2 waits for samples again."""
+
+    def limiter() -> SampleToInsertRatio:
+        return SampleToInsertRatio(samples_per_insert=1.5, min_size=1, error_buffer=(0.0, 3.0))
+
+    t = Table(Storage([FieldSpec("x", ())], 64), sampler=Uniform(), remover=Fifo(), rate_limiter=limiter())
+    t.insert_nowait({"x": torch.zeros(1)})
+    t.sample_nowait(1)
+    message = (r"^table 'table': an insert of 2 items can never proceed under SampleToInsertRatio\(.*\): samples can "
+               r"take the count to 1 at most \(inserts=1\), leaving the diff at 0\.5, and 2 items x 1\.5 samples "
+               r"each take it above max_diff=3 ")
+    with pytest.raises(ValueError, match=message):
+        t.insert_nowait({"x": torch.zeros(2)})
+    with pytest.raises(ValueError, match=message):  # (was a TimeoutError: the wait never ended)
+        asyncio.run(t.insert({"x": torch.zeros(2)}, timeout_s=5))
+    t.insert_nowait({"x": torch.zeros(1)})  # (1.5 samples' worth: admitted)
+    with pytest.raises(WouldBlock):  # now 2 more samples make room for it
+        t.insert_nowait({"x": torch.zeros(2)})
+    t.sample_nowait(2)
+    t.insert_nowait({"x": torch.zeros(2)})
+    assert len(t) == 4
 
 
 def test_queue_limiter_allows_size_pending_items_each_sampled_once():

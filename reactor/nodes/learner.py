@@ -1096,11 +1096,12 @@ class Learner(_LearnerBase):
         self._reported = self.updates
         metrics = {k: float(v) for k, v in self._metrics.items()}
         if not self._said_nonfinite and not all(math.isfinite(v) for v in metrics.values()):
-            # (NaN rewards trained a NaN network to the end, exit 0, without a word)
+            # (NaN rewards trained a NaN network to the end, exit 0, without a word; the writers refuse
+            # them now, but a network can still diverge, or an offline source hold them)
             self._said_nonfinite = True
             logging.getLogger("reactor.learner").warning(
-                "%s: update %d's %s: the network is diverging, or the env gave a NaN or infinite reward or "
-                "observation; the run goes on", self.name, self.updates,
+                "%s: update %d's %s: the network is diverging, or its data holds a NaN or an infinity; the run "
+                "goes on", self.name, self.updates,
                 ", ".join(f"{k} is {v}" for k, v in metrics.items() if not math.isfinite(v)))
         self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
                                             "one_sided_batches": float(self.client.one_sided_samples),

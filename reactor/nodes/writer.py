@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .._native import numpy_twin
-from ..replay._tablekernels import _nb_first_bad_priority
+from ..replay._tablekernels import _nb_first_bad_priority, _nb_first_unfit
 from .messages import Steps
 from .replay import parse_fields
 
@@ -115,13 +115,54 @@ def _numpy(name: str, value: Any) -> np.ndarray:
 @functools.cache
 def _cast(src: np.dtype[Any], dst: np.dtype[Any]) -> str:
     """How values of dtype ``src`` go into a ``dst`` step buffer: ``"exact"`` (every value: a safe
-    cast, or a number rounded to a float field's precision), ``"values"`` (only some: each is checked,
-    e.g. a float into an int field) or ``"refused"`` (not real numbers: strings, objects, complex)."""
+    cast, or a number rounded to a float field's precision; whether it stays finite there is
+    :func:`_check_finite`'s), ``"values"`` (only some: each is checked, e.g. a float into an int field)
+    or ``"refused"`` (not real numbers: strings, objects, complex)."""
     if src.kind not in "biufc" or (src.kind == "c" and dst.kind != "c"):
         return "refused"
     if np.can_cast(src, dst, "safe") or dst.kind in "fc":
         return "exact"
     return "values"
+
+
+@functools.cache
+def _unfit_limit(src: np.dtype[Any], dst: np.dtype[Any]) -> float | None:
+    """The least magnitude of a ``src`` value that a float field of dtype ``dst`` cannot hold finite (it
+    rounds to infinity there, or is NaN or infinite already), or None when no ``src`` value can be such
+    (ints and bools into float32 or float64). Round to nearest even: a value at or past the midpoint
+    between the dtype's largest finite and the next power of two becomes inf."""
+    if src.kind not in "iuf" or dst.kind != "f":  # (bools are 0 and 1; what is not a number is refused before)
+        return None
+    if dst.itemsize >= 8 or (src.kind == "f" and src.itemsize <= dst.itemsize):
+        return math.inf if src.kind == "f" else None  # (only a NaN or an infinity already there)
+    big = float(np.finfo(dst).max)
+    limit = big + (big - float(np.nextafter(dst.type(big), dst.type(0)))) / 2
+    return limit if src.kind == "f" or float(np.iinfo(src).max) >= limit else None
+
+
+def _say_unfit(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.ndarray | None) -> None:
+    """Raise naming the first value of ``value`` (``[n, *shape]``, row ``i`` of stream ``streams[i]``;
+    None: stream ``i``) that a float field of dtype ``dst`` would not hold finite: a NaN or an infinity
+    given, or a number too large for ``dst`` (numpy's setitem casts 1e39 into float32 as inf, in silence).
+    Either would be sampled into every update that draws it."""
+    i = int(_nb_first_unfit(value, _unfit_limit(value.dtype, dst)))
+    flat = value.reshape(-1)
+    per_row = max(1, math.prod(value.shape[1:]))
+    stream = i // per_row if streams is None else int(streams[i // per_row])
+    x = flat[i].item()
+    if math.isfinite(x):
+        raise ValueError(f"Writer.append: {what} of stream {stream} is {x!r}, which the field's {dst} cannot hold (it "
+                         f"would be {'-' if x < 0 else ''}inf there); scale it down, or declare the field float64")
+    raise ValueError(f"Writer.append: {what} of stream {stream} is {x!r}; replay keeps finite numbers only (every "
+                     f"update that samples a NaN or an infinity learns from it: its loss goes NaN): fix it in the env, "
+                     f"or wrap the env to clip or replace such values")
+
+
+def _check_finite(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.ndarray | None) -> None:
+    """:func:`_say_unfit` if a value of ``value`` would not be finite in the float field's ``dst``."""
+    limit = _unfit_limit(value.dtype, dst)
+    if limit is not None and _nb_first_unfit(value, limit) >= 0:
+        _say_unfit(what, value, dst, streams)
 
 
 @functools.cache
@@ -256,6 +297,10 @@ class Writer:
                     "cannot hold; declare the field float16 or float32, in the table and in the writer alike"
                 )
         self._np_dtypes: dict[str, np.dtype[Any]] = twins  # type: ignore[assignment]
+        # Per float field, the dtype its values last came in and the magnitude from which they are not
+        # finite in the field (_unfit_limit; None: none can be).
+        self._unfit: dict[str, tuple[np.dtype[Any] | None, float | None]] = dict.fromkeys(
+            (n for n, dt in twins.items() if dt is not None and dt.kind == "f"), (None, None))
         self._shapes = {s.name: s.shape for s in self.specs}
         self._buf = {
             n: np.zeros((num_streams, rows, *self._shapes[n]), dtype=self._np_dtypes[n]) for n in self.step_fields
@@ -311,9 +356,11 @@ class Writer:
         Raises:
             KeyError: a field is missing or unknown.
             ValueError: a wrong shape, ``final`` missing for a stream that ended, a priority that is
-                not finite and >= 0, or a value its field's dtype cannot hold exactly (NaN, inf or a
-                fraction for an int field, one out of its range, other than 0 or 1 for a bool field;
-                a float field takes any number, rounded to its precision).
+                not finite and >= 0, a value its field's dtype cannot hold exactly (NaN, inf or a
+                fraction for an int field, one out of its range, other than 0 or 1 for a bool field),
+                or a value a float field would not hold finite (NaN, an infinity, or a number too large
+                for its dtype: float64's 1e39 for a float32 field; a float field takes any other
+                number, rounded to its precision).
             TypeError: a value or priority that is not a number (a string, an object).
             A bad value or priority names its stream (and field). Nothing is appended when these raise.
         """
@@ -345,7 +392,8 @@ class Writer:
             idx = np.flatnonzero(act)
             ended = (term | trunc) & act
         # What the streams give is written as it is (the step buffers would cast silently): a value
-        # its field cannot hold exactly is refused. Only where the dtypes differ: no cost per step else.
+        # its field cannot hold exactly is refused (only where the dtypes differ), and so is one a float
+        # field would not hold finite (NaN, an infinity, or too large for its dtype: one compiled pass).
         streams = None if active is None else idx
         for name, v in values.items():
             dt = self._np_dtypes[name]
@@ -354,7 +402,15 @@ class Writer:
                     values[name] = v = v[idx]  # (the rows written: inactive streams' are never read)
                 _check_exact(f"field {name!r}", v, dt, streams)
             elif active is not None:
-                values[name] = v[idx]
+                values[name] = v = v[idx]
+            unfit = self._unfit.get(name)  # (a float field; inline, its limit cached: every such field every step)
+            if unfit is not None:
+                src, limit = unfit
+                if src is not v.dtype:
+                    limit = _unfit_limit(v.dtype, dt)
+                    self._unfit[name] = (v.dtype, limit)
+                if limit is not None and _nb_first_unfit(v, limit) >= 0:
+                    _say_unfit(f"field {name!r}", v, dt, streams)
         finals: dict[str, np.ndarray] = {}
         if ended.any():
             if final is None:
@@ -365,9 +421,13 @@ class Writer:
                 v = _numpy(name, final[name])
                 if v.shape != (n, *self._shapes[name]):
                     raise ValueError(f"Writer.append: final {name!r} has shape {v.shape}, expected {(n, *self._shapes[name])}")
-                if v.dtype != self._np_dtypes[name]:
+                dt = self._np_dtypes[name]
+                if v.dtype != dt or dt.kind == "f":
                     done = np.flatnonzero(ended)
-                    _check_exact(f"final {name!r}", v[done], self._np_dtypes[name], done)
+                    if v.dtype != dt:
+                        _check_exact(f"final {name!r}", v[done], dt, done)
+                    if dt.kind == "f":
+                        _check_finite(f"final {name!r}", v[done], dt, done)
                 finals[name] = v
         if priorities is not None:
             raw = _numpy("priorities", priorities)

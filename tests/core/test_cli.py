@@ -461,9 +461,13 @@ def test_an_error_raised_in_an_envs_or_a_librarys_code_keeps_its_traceback(tmp_p
 _NAN_REWARD_ENV = _WRONG_SHAPE_ENV.replace("np.zeros(5, np.float32), 1.0", "np.zeros(4, np.float32), float('nan')")
 
 
-def test_nan_rewards_are_said_and_the_summary_stays_strict_json(tmp_path):
+def test_nan_rewards_are_refused_where_they_enter_replay_in_one_line_naming_the_field(tmp_path):
     """NaN rewards trained a NaN network to the end (exit 0) without a word, and summary.json held a bare
-    NaN, which a strict JSON parser refuses (a newcomer's pass, session 55)."""
+    NaN, which a strict JSON parser refuses (a newcomer's pass, session 55: then said once, at the first NaN
+    loss, and written as null). The actor's writer refuses them now (h3), naming the field, before any
+    reaches replay; a summary still writes what is not a number as null (json_safe)."""
+    from reactor.nodes.metrics import json_safe
+
     (tmp_path / "bad_envs.py").write_text(_NAN_REWARD_ENV)
     run_dir = tmp_path / "run"
     p = subprocess.run(
@@ -471,15 +475,13 @@ def test_nan_rewards_are_said_and_the_summary_stays_strict_json(tmp_path):
          "max_env_steps=600", "min_size=100", "live=False", "target_return=None", "eval_every_updates=50",
          f"run_dir='{run_dir}'"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert p.returncode == 0, p.stderr[-3000:]
-    said = [line for line in p.stderr.splitlines() if "the network is diverging, or the env gave a NaN" in line]
-    assert len(said) == 1 and "loss is nan" in said[0], p.stderr[-3000:]
-
-    def refuse(name: str) -> None:
-        raise AssertionError(f"summary.json holds a bare {name}")
-
-    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=refuse)
-    assert summary["last_eval_return"] is None and summary["updates"] > 0
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.splitlines()[-1] == (
+        "reactor: Writer.append: field 'reward' of stream 0 is nan; replay keeps finite numbers only (every update "
+        "that samples a NaN or an infinity learns from it: its loss goes NaN): fix it in the env, or wrap the env to "
+        "clip or replace such values"), p.stderr[-3000:]
+    assert json.dumps(json_safe({"eval_return": float("nan"), "curve": [1.0, float("inf")]})) == \
+        '{"eval_return": null, "curve": [1.0, null]}'
 
 
 def test_a_failed_json_run_says_its_error_as_json_on_stdout():

@@ -257,6 +257,49 @@ def test_an_inexact_final_observation_or_an_inactive_streams_value_is_checked_wh
     assert w.steps_appended == 1
 
 
+F32_UNFIT = 2.0**128 - 2.0**103  # (the least float64 that rounds to inf in float32: the midpoint past its largest)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"obs": np.array([[0.0, 0, 0], [0, 1e39, 0], [0, 0, 0]])}, "field 'obs' of stream 1 is 1e\\+39, which the field's "
+     "float32 cannot hold \\(it would be inf there\\); scale it down, or declare the field float64$"),
+    ({"reward": np.array([0.0, 0.0, -F32_UNFIT])}, "field 'reward' of stream 2 is -3.4028235677973366e\\+38, which the "
+     "field's float32 cannot hold \\(it would be -inf there\\)"),
+    ({"reward": np.array([np.nan, 0, 0], np.float32)}, "field 'reward' of stream 0 is nan; replay keeps finite numbers "
+     "only \\(every update that samples a NaN or an infinity learns from it: its loss goes NaN\\): fix it in the env, "
+     "or wrap the env to clip or replace such values$"),
+    ({"obs": np.array([[0, 0, 0], [0, 0, 0], [0, 0, np.inf]], np.float32)}, "field 'obs' of stream 2 is inf; replay keeps"),
+    ({"reward": np.array([0.0, np.nan, 0.0])}, "field 'reward' of stream 1 is nan; replay keeps"),
+])
+def test_a_value_a_float_field_would_not_hold_finite_raises_naming_the_stream_and_field(change, why):
+    """Regression (h3): a float field took any number: float64 1e39 went into float32 as inf, in silence,
+    and NaN and infinite values (a NaN reward) were stored as given, then sampled into updates (the run
+    trained a NaN network to its end). Each raises at append now, naming the stream and the field, and
+    nothing is buffered; the largest values that round to finite float32 still go in."""
+    w = Writer(FIELDS, num_streams=3, pattern=TransitionPattern(), flush_steps=1)
+    no = np.zeros(3, bool)
+    with pytest.raises(ValueError, match=rf"^Writer.append: {why}"):
+        w.append(_steps(3, **change), terminated=no, truncated=no)
+    assert w.steps_appended == 0 and int(w._len.sum()) == 0
+    below = np.nextafter(F32_UNFIT, 0)
+    w.append(_steps(3, reward=np.array([below, -below, 3.4e38])), terminated=no, truncated=no)
+    msgs = w.append(_steps(3), terminated=np.ones(3, bool), truncated=no, final={"obs": np.zeros((3, 3))})
+    big = float(np.finfo(np.float32).max)
+    assert msgs[0].fields["reward"][::3].tolist() == [big, -big, float(np.float32(3.4e38))]  # (each stream's first step)
+
+
+def test_a_final_observation_a_float_field_would_not_hold_finite_raises_and_an_inactive_streams_is_not_stored():
+    w = Writer([("obs", (2,), "float32"), ("reward", (), "float32")], num_streams=2, pattern=TransitionPattern())
+    no = np.zeros(2, bool)
+    step = {"obs": np.zeros((2, 2), np.float32), "reward": np.ones(2, np.float32)}
+    with pytest.raises(ValueError, match=r"^Writer.append: final 'obs' of stream 1 is -inf; replay keeps finite"):
+        w.append(step, terminated=np.array([False, True]), truncated=no,
+                 final={"obs": np.array([[np.nan, 0], [0, -np.inf]], np.float32)})  # (stream 0's is not read)
+    assert w.steps_appended == 0
+    w.append({**step, "reward": np.array([np.nan, 1.0])}, terminated=no, truncated=no, active=np.array([False, True]))
+    assert w.steps_appended == 1
+
+
 def test_flushes_go_to_the_least_loaded_shard_so_one_parking_shard_cannot_hold_the_writer():
     """Regression (flow-control stall): with plain round-robin, an actor held at max_unacked by a shard
     that parks its inserts never fed the other shard, whose sample request waited for exactly those

@@ -36,9 +36,13 @@ _OTHERS = object()  # the shared key of the keys past the bound
 class FloodCounts:
     """Occurrences per key (a sender, a kind of drop), for :func:`flood_logged`.
 
-    At most ``max_keys`` keys are kept: a stranger who makes up a new key per message (a new
-    sender name each time) must not grow the table without end, nor log each one in full: new keys
-    past the bound are counted together, under one shared count.
+    At most ``max_keys`` keys get a count of their own, for the table's life: a stranger who makes up
+    a new key per message (a new sender name each time) must not grow the table without end, nor log
+    each one in full: new keys past the bound are counted together, under one shared count. A key is
+    never forgotten, so a sender that goes away and comes back under its name counts on from where it
+    was. (Counts were dropped when their sender's connection had gone: a peer that had used up its lines
+    in full got twenty more each time it reconnected and was forgotten, and the places freed let a
+    stranger's new names each get twenty, without end. Kept, they cost at most ``max_keys`` entries.)
     """
 
     __slots__ = ("counts", "max_keys")
@@ -50,11 +54,7 @@ class FloodCounts:
     def hit(self, key: Hashable) -> int:
         """Count one occurrence under ``key``; returns the count so far."""
         counts = self.counts
-        if key not in counts and len(counts) >= self.max_keys:
+        if key not in counts and len(counts) - (_OTHERS in counts) >= self.max_keys:
             key = _OTHERS
         n = counts[key] = counts.get(key, 0) + 1
         return n
-
-    def forget(self, key: Hashable) -> None:
-        """Drop ``key``'s count (its sender went away)."""
-        self.counts.pop(key, None)

@@ -399,9 +399,8 @@ class _Receiving:
         messages still queued here is kept until they are taken."""
         senders = router.senders
         gone = [ident for ident, s in senders.items() if not s.queued_msgs and not self._connected(router, ident)]
-        for ident in gone:
-            s = senders.pop(ident)
-            self._refusals_logged.forget(s.name)
+        for ident in gone:  # (their flood counts stay: a sender back under its name counts on, _floodlog)
+            senders.pop(ident)
         self._n["senders_forgotten"] += len(gone)
         if gone:
             log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))

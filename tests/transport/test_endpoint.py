@@ -340,9 +340,64 @@ def test_flood_counts_keep_a_bounded_table_and_count_new_keys_past_it_together()
     assert [counts.hit(k) for k in ("a", "b", "a", "c")] == [1, 1, 2, 1]
     assert [counts.hit(f"new-{i}") for i in range(25)] == list(range(1, 26))  # shared past the bound
     assert not flood_logged(21) and flood_logged(20) and flood_logged(3000)
-    counts.forget("a")
-    assert counts.hit("a") == 26  # the table is still full: "a" now counts with the others
     assert len(counts.counts) <= 4
+
+
+def test_flood_counts_never_give_a_place_twice() -> None:
+    counts = FloodCounts(max_keys=2)
+    assert [counts.hit(k) for k in ("peer", "peer", "other")] == [1, 2, 1]
+    lines = sum(flood_logged(counts.hit(f"stranger-{i}")) for i in range(2000) for _ in range(20))
+    assert lines == 20 + 40  # new names all share one count: twenty in full, then one in a thousand (of 40,000)
+    assert counts.hit("peer") == 3 and len(counts.counts) == 3
+
+
+@pytest.mark.asyncio
+async def test_a_peer_back_under_its_name_after_its_sender_was_forgotten_is_not_logged_in_full_again(
+        open_endpoint, caplog):
+    """Regression (h3): when a sender's connection had gone, the endpoint's sweep dropped its flood count
+    (FloodCounts.forget). A peer that had used up its twenty lines in full and reconnected under its name
+    once swept was logged in full twenty times more, each time (and a stranger's new names got twenty each,
+    without end). Its count now goes on: 25 refusals, then 5 more after the sweep, are 20 lines."""
+    server = await open_endpoint("server", accept=lambda sender, obj: None if isinstance(obj, int) else "not an int")
+    ctx = zmq.asyncio.Context()
+    caplog.set_level(logging.WARNING, logger="reactor.transport")
+
+    async def refused(n: int, total: int) -> None:
+        peer = _raw_dealer(ctx, server.address, b"peer")
+        await _say_hello(peer, "peer")
+        for _ in range(n):
+            await peer.send_multipart([msgpack.packb("bad")])
+        deadline = time.monotonic() + WAIT_S
+        while server.statistics().dropped_invalid < total and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert server.statistics().dropped_invalid == total
+        peer.close(linger=0)
+
+    try:
+        await refused(25, 25)
+        router = server._routers[0]
+        deadline = time.monotonic() + WAIT_S
+        i = 0
+        while b"peer" in router.senders and time.monotonic() < deadline:  # others come and go: the table is swept
+            other = _raw_dealer(ctx, server.address, f"other-{i}".encode())
+            await _say_hello(other, f"other-{i}")
+            other.close(linger=0)
+            i += 1
+        assert b"peer" not in router.senders and server.statistics().senders_forgotten > 0
+        await refused(5, 30)
+    finally:
+        ctx.destroy(linger=0)
+    lines = [r.getMessage() for r in caplog.records if "refused a message from peer 'peer'" in r.getMessage()]
+    assert len(lines) == 20, len(lines)
+
+
+async def _say_hello(s: zmq.asyncio.Socket, name: str) -> None:
+    await s.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, name])])
+    while True:  # (a sweep's empty credit grant, its probe of every sender, may come first)
+        reply = await asyncio.wait_for(s.recv_multipart(), WAIT_S)
+        assert reply[0] == b""
+        if msgpack.unpackb(reply[1])[0] == 2:
+            return
 
 
 @pytest.mark.asyncio

@@ -936,6 +936,7 @@ def _check_run_options(args: argparse.Namespace) -> None:
     Raises:
         FileNotFoundError: the app, a hosts file or a --with file is missing.
         GraphError: a placement that is neither a known name nor a file, or a bad restart policy.
+        AppError: two of the files that go to other hosts would go under one name.
     """
     from .launch._groups import restart_from_text
     from .launch._policies import POLICIES
@@ -943,6 +944,10 @@ def _check_run_options(args: argparse.Namespace) -> None:
     for what, path in (("app file", args.app), ("hosts file", args.hosts), *(("--with file", f) for f in args.files)):
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"no {what} at {path!r}")
+    if args.files:  # (they go beside the app on the other hosts, found by name: a --with ppo.py was run as apps/ppo.py)
+        from .launch._app import files_to_ship, shipped_files
+
+        shipped_files(files_to_ship(args.app, args.files, getattr(args, "replay", None)))
     known = ("single", "processes", *sorted(POLICIES))
     if args.placement not in known and not Path(args.placement).is_file():
         if args.placement.endswith(".toml") or os.sep in args.placement:  # (meant as a file)

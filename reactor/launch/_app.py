@@ -79,6 +79,41 @@ def load_app(path: str | Path) -> ModuleType:
     return module
 
 
+def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | None]]) -> dict[str, Path]:
+    """The files a run over hosts or a submitted job ships, by the name each takes beside the app there.
+    ``entries``: ``(what, path, name)``, the app first, then ``--with`` files, a placement or hosts file, a
+    trace, key files; ``name`` None for the path's base name (a key file goes at the relative path its
+    hosts file names, ``keys/h2.pub``). There, the app is loaded and every other file found by that name.
+    The same file named twice goes once.
+
+    Raises:
+        AppError: two different files would take one name (one would replace the other there: a
+            ``--with ppo.py`` from the working directory ran in place of the app ``apps/ppo.py``), naming
+            both and what each is.
+    """
+    out: dict[str, Path] = {}
+    said: dict[str, str] = {}
+    for what, path, name in entries:
+        p = Path(path)
+        name = name if name is not None else p.name
+        have = out.get(name)
+        if have is None:
+            out[name], said[name] = p, what
+        elif have.resolve() != p.resolve():
+            instead = f"; the app is loaded by that name there, so {str(p)!r} would run in its place" \
+                if said[name] == "the app" else ""
+            raise AppError(f"{said[name]} {str(have)!r} and {what} {str(p)!r} would both go as {name!r} beside the "
+                           f"app on the other hosts, where files are found by name{instead}: rename one of them")
+    return out
+
+
+def files_to_ship(app: str | os.PathLike[str], with_files: Sequence[str | os.PathLike[str]] = (),
+                  trace: str | os.PathLike[str] | None = None) -> list[tuple[str, str | os.PathLike[str], str | None]]:
+    """:func:`shipped_files`' entries for a run over hosts: the app, its ``--with`` files, a trace to replay."""
+    return [("the app", app, None), *(("--with file", f, None) for f in with_files),
+            *([("the trace to replay", trace, None)] if trace is not None else [])]
+
+
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """``["lr=0.1", "name=x"]`` -> ``{"lr": 0.1, "name": "x"}`` (Python literals, else strings).
 

@@ -38,11 +38,13 @@ import os
 import re
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .._errors import DaemonError, GraphError
+from ._app import files_to_ship, shipped_files
 from ._groups import Group
 from ._version import build_id, python_version
 
@@ -302,12 +304,17 @@ class RemoteWorkers:
 
     # -- starting
 
-    def ship(self, app: str | Path, extra: list[str | Path]) -> str:
-        """Take the app file and the files it needs along; return the app's name among them."""
-        app = Path(app)
-        for f in [app, *map(Path, extra)]:
-            self.files[f.name] = f.read_bytes()
-        return app.name
+    def ship(self, app: str | Path, extra: Sequence[str | os.PathLike[str]] = (),
+             trace: str | os.PathLike[str] | None = None) -> str:
+        """Take the app file and the files it needs along (``--with``, and a trace to replay); return the
+        app's name among them.
+
+        Raises:
+            AppError: two different files would go under one name there (``shipped_files``).
+        """
+        for name, path in shipped_files(files_to_ship(app, extra, trace)).items():
+            self.files[name] = path.read_bytes()
+        return Path(app).name
 
     async def choose(self, group: Group) -> str:
         """The first of the group's candidate hosts whose daemon answers: those not lost first, in

@@ -154,7 +154,7 @@ async def run_processes(
     workers: _LocalWorkers | RemoteWorkers
     if plan.hosts:
         workers = RemoteWorkers(run_id, plan.hosts, host_keys, plan.settings["heartbeat_timeout_s"])
-        app_name = workers.ship(app, [*with_files, *([replay] if replay is not None else [])])
+        app_name = workers.ship(app, with_files, replay)
         bind = f"tcp://{here}:*"
         dist_store = _dist_store(graph, here)
     else:

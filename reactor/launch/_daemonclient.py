@@ -20,6 +20,7 @@ import zmq.utils.monitor
 
 from .._errors import DaemonError
 from ..transport import CurveKeys
+from ._app import shipped_files
 
 __all__ = ["DaemonClient", "DaemonKeyError", "DaemonSilentError", "job_spec"]
 
@@ -75,28 +76,29 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
     Raises:
         FileNotFoundError: a file is missing.
         GraphError: ``restart`` is not a policy.
+        AppError: two different files would go under one name (:func:`~reactor.launch._app.shipped_files`).
     """
     if restart is not None:
         from ._groups import restart_from_text
 
         restart_from_text(restart)
     app = Path(app)
-    names = {app.name: app.read_bytes()}
-    for f in files:
-        names[Path(f).name] = Path(f).read_bytes()
+    entries: list[tuple[str, str | os.PathLike[str], str | None]] = [("the app", app, None)]
+    entries += [("--with file", f, None) for f in files]
     shipped = []
     if Path(placement).is_file():
-        names[Path(placement).name] = Path(placement).read_bytes()
+        entries.append(("the placement file", placement, None))
         shipped.append(Path(placement))
         placement = Path(placement).name
     hosts_name = None
     if hosts is not None:
-        names[Path(hosts).name] = Path(hosts).read_bytes()
+        entries.append(("the hosts file", hosts, None))
         shipped.append(Path(hosts))
         hosts_name = Path(hosts).name
     for path in shipped:  # (the key files their hosts name beside them go along, at the same paths)
-        for rel in _key_files_named(path):
-            names.setdefault(rel, (path.parent / rel).read_bytes())
+        entries += [("a key file", path.parent / rel, rel) for rel in _key_files_named(path)]
+    # (by name, each once: two files of one name were one, the last given: a --with ppo.py replaced the app)
+    names = {n: p.read_bytes() for n, p in shipped_files(entries).items()}
     return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
             "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_,
             "restart": restart}

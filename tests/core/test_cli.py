@@ -95,6 +95,10 @@ def test_run_options_are_checked_before_the_app_and_torch_are_imported():
                                                 ",host_wait_s=S ,reset_after_s=S if you want them\n"),
         (["--hosts", "no/hosts.toml"], "reactor: no hosts file at 'no/hosts.toml'\n"),
         (["--with", "no/file.py"], "reactor: no --with file at 'no/file.py'\n"),
+        (["--with", "reactor/algos/dqn.py"], f"reactor: the app '{ROOT / 'apps' / 'dqn.py'}' and --with file "
+         "'reactor/algos/dqn.py' would both go as 'dqn.py' beside the app on the other hosts, where files are found by "
+         "name; the app is loaded by that name there, so 'reactor/algos/dqn.py' would run in its place: rename one of "
+         "them\n"),  # (h3: on the hosts, the algorithm ran as the app)
     ):
         p = subprocess.run([sys.executable, "-c", code, "run", str(ROOT / "apps" / "dqn.py"), *args],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -1664,3 +1664,34 @@ def test_a_full_disk_at_submit_is_one_line_for_the_user_and_one_in_the_daemons_l
     lines = [line for line in err.splitlines() if "could not submit" in line]
     assert len(lines) == 2 and all(re.search(rf" WARNING h1: could not submit: {why}$", line) for line in lines), err
     assert "Traceback" not in err, err
+
+
+def test_a_file_that_would_go_under_the_apps_name_is_refused_not_run_in_its_place(tmp_path):
+    """Regression (h3): a job's files, and those a run over hosts ships, go beside the app by their base
+    name, the later one given replacing the earlier: `--with ppo.py` (a script of the working directory)
+    with the app apps/ppo.py ran the script as the app on the daemon's host; two --with files of one name
+    shipped one. Two different files under one name are refused, naming both; one file named twice goes once."""
+    from reactor._errors import AppError
+    from reactor.launch._cluster import RemoteWorkers
+
+    app = ROOT / "apps" / "ppo.py"
+    mine = tmp_path / "ppo.py"
+    mine.write_text("print('my own ppo')\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for f in ("a", "b"):
+        (tmp_path / f / "util.py").write_text(f"X = {f!r}\n")
+    with pytest.raises(AppError, match=rf"^the app '{app}' and --with file '{mine}' would both go as 'ppo.py' beside "
+                                       rf"the app on the other hosts, where files are found by name; the app is loaded "
+                                       rf"by that name there, so '{mine}' would run in its place: rename one of them$"):
+        job_spec(app, files=[mine])
+    with pytest.raises(AppError, match=rf"^--with file '{tmp_path}/a/util.py' and --with file '{tmp_path}/b/util.py' "
+                                       rf"would both go as 'util.py' "):
+        job_spec(app, files=[tmp_path / "a" / "util.py", tmp_path / "b" / "util.py"])
+    with pytest.raises(AppError, match=r"^the app .* and the trace to replay .* would both go as 'ppo.py' "):
+        RemoteWorkers("run", {}, None).ship(app, [], trace=mine)
+    spec = job_spec(app, files=[app, tmp_path / "a" / "util.py", tmp_path / "a" / ".." / "a" / "util.py"])
+    assert sorted(spec["files"]) == ["ppo.py", "util.py"] and spec["files"]["ppo.py"] == app.read_bytes()
+    workers = RemoteWorkers("run", {}, None)
+    assert workers.ship(app, [tmp_path / "a" / "util.py"]) == "ppo.py" and workers.files["ppo.py"] == app.read_bytes()
+

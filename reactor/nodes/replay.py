@@ -72,6 +72,7 @@ import math
 import numbers
 import os
 import re
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -95,6 +96,7 @@ from ..replay import (
     WindowRead,
 )
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
+from ..replay.table import claim_fits
 from ..transport import bulk as _bulk
 from ..transport._shm import HUGE_NBYTES, huge_pages_allowed
 from ._onesided_remote import REMOTE_SAMPLE_OP
@@ -383,6 +385,12 @@ class Replay(Reactor):
                 f"Replay {self.name!r}: memory={self.memory!r} names a GPU this host does not have "
                 f"({torch.cuda.device_count()} visible)"
             )
+        # The host memory it needs once full, claimed among this run's tables on this host before anything is
+        # allocated (a shared-memory ring is reserved when made, and would count twice): the shards of a host
+        # each fitted alone and together did not (the OOM killer, hours later). Given back at shutdown.
+        self._memory_claim = claim_fits(None, self.capacity, ledger=None if self.run_id == "local" else self.run_id,
+                                        step_nbytes=sum(s.step_nbytes for s in self.specs), on_host=not on_gpu)
+        weakref.finalize(self, self._memory_claim.release)
         use_bulk = self.bulk if self.bulk is not None else (not self.reproducible and _bulk.capabilities().shm)
         use_bulk = use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead))
         if use_bulk and self.bulk is None:
@@ -415,6 +423,7 @@ class Replay(Reactor):
                 seed=seed,
                 name=self.name,
                 arrays=self._shared,
+                memory_claim=self._memory_claim,
             )
 
         storage = None
@@ -967,6 +976,9 @@ class Replay(Reactor):
             await self._close()
         finally:
             release_run_dir(self)
+            claim = getattr(self, "_memory_claim", None)
+            if claim is not None:
+                claim.release()
 
     async def _close(self) -> None:
         if self.table is None:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from .._errors import PortClosedError, ReactorInternalError, WouldBlock
+from ._hostmem import MemoryClaim, claim_host_memory
 from ._tablekernels import (
     _nb_check_update,
     _nb_evict_and_key,
@@ -216,10 +218,16 @@ class Table(TableState):
         arrays: where the sampler's state and the times-sampled column live:
             ``arrays(name, shape, dtype) -> ndarray``, e.g. memory readers in other processes map to
             sample one-sidedly (:mod:`reactor.replay.shared`). None: memory of its own.
+        memory_claim: the host memory the table needs once full, claimed by the caller, who gives it
+            back (:func:`claim_fits` with a run's ledger: a replay shard claims before it allocates its
+            storage). None: the table claims it among this process's tables, and gives it back when
+            it goes.
 
     Raises:
         ValueError: a value out of range, the same selector as sampler and remover, a selector or
-            limiter that already belongs to a table, a read kind that names missing fields.
+            limiter that already belongs to a table, a read kind that names missing fields, a table
+            that cannot fit in this host's memory once full, alone or beside the other tables of
+            this process (:func:`claim_fits`).
         TypeError: a component of the wrong type.
 
     Example:
@@ -243,6 +251,7 @@ class Table(TableState):
         seed: int = 0,
         name: str = "table",
         arrays: Any = None,
+        memory_claim: MemoryClaim | None = None,
     ) -> None:
         from .selectors import Selector
 
@@ -281,11 +290,23 @@ class Table(TableState):
             raise ValueError("EpisodeRead adds a 'lengths' output, which clashes with a stored field 'lengths'")
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
-        _check_fits(storage, cap)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        # The host memory it needs once full, claimed beside the other tables of its ledger before the trees
+        # are written (a caller that claimed it in a run's ledger passes the claim: a replay shard).
+        claim = claim_fits(storage, cap) if memory_claim is None else None
         # Claim the components last, so a failed construction leaves them reusable.
-        rate_limiter.bind()
-        sampler.bind(cap, arrays)
-        remover.bind(cap)
+        try:
+            rate_limiter.bind()
+            sampler.bind(cap, arrays)
+            remover.bind(cap)
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        if claim is not None:  # (its own claim goes back when the table goes; a caller's, when the caller says)
+            weakref.finalize(self, claim.release)
+        (claim or memory_claim).filled = _filled_host_nbytes(weakref.ref(self))  # type: ignore[union-attr]
         self._name = name
         self._storage = storage
         self._sampler = sampler
@@ -310,8 +331,6 @@ class Table(TableState):
             and storage.device.type == "cpu"
         )
         self._beta = float(beta)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         self._seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._keys = np.full(cap, -1, dtype=np.int64)  # slot -> key, -1 when empty
@@ -930,21 +949,52 @@ class Table(TableState):
 _SLOT_NBYTES = 80
 
 
-def _check_fits(storage: Storage, capacity: int) -> None:
-    """Refuse a table that cannot fit in this host's memory once full, before its sampling state is
-    allocated (the trees are written at once): a capacity with a zero too many was ended by the OOM
-    killer after ~20 GB, without a word. The rows count too, though they are only touched as they fill:
-    otherwise the end would come hours later. A GPU storage's rows are not host memory."""
-    from .._native import available_host_bytes
+def table_host_nbytes(step_nbytes: int, capacity: int, on_host: bool = True) -> int:
+    """The host memory a table of ``capacity`` steps of ``step_nbytes`` needs once full: its rows (where
+    they are host memory: ``on_host``) and ~``_SLOT_NBYTES`` a slot of sampling state."""
+    return capacity * ((step_nbytes if on_host else 0) + _SLOT_NBYTES)
 
-    rows = storage.step_nbytes if storage.device.type == "cpu" else 0
-    need = capacity * (rows + _SLOT_NBYTES)
-    avail = available_host_bytes()
-    if avail is not None and need > avail:
-        raise ValueError(f"a replay table of capacity {capacity:,} steps needs about {need / 2**30:.1f} GiB once full "
-                         f"({rows} B a step of rows and ~{_SLOT_NBYTES} B a slot of sampling state), and this host has "
-                         f"{avail / 2**30:.1f} GiB available (MemAvailable and free swap, or its memory cgroup's "
-                         f"limit): lower the capacity, or spread it over more shards on more hosts")
+
+def _filled_host_nbytes(table: weakref.ref[Table]) -> Callable[[], int]:
+    """How much of its claim a table holds now: its sampling state (written when made) and the rows
+    written so far (a ring's pages come as it fills, and stay)."""
+
+    def filled() -> int:
+        t = table()
+        if t is None:
+            return 0
+        st = t._storage
+        rows = st.step_nbytes if st.device.type == "cpu" else 0
+        return min(st.step_range[1], st.capacity) * rows + st.capacity * _SLOT_NBYTES
+
+    return filled
+
+
+def claim_fits(storage: Storage | None, capacity: int, *, ledger: str | None = None, step_nbytes: int | None = None,
+               on_host: bool = True) -> MemoryClaim:
+    """Claim the host memory a table needs once full, or refuse a table that cannot fit, before its
+    sampling state is allocated (the trees are written at once): a capacity with a zero too many was
+    ended by the OOM killer after ~20 GB, without a word. The rows count too, though they are only
+    touched as they fill: otherwise the end would come hours later. A GPU storage's rows are not host
+    memory. The claim is counted with the other live tables of ``ledger`` (None: this process's; a run
+    id: that run's on this host, :mod:`reactor.replay._hostmem`): the shards of a run on one host each
+    fitted alone, and together did not.
+
+    Args:
+        storage: the table's storage (its row size and device), or None with ``step_nbytes`` and ``on_host``
+            (a storage about to be made).
+
+    Raises:
+        ValueError: it does not fit (naming the need and what the host has).
+    """
+    if storage is not None:
+        step_nbytes, on_host = storage.step_nbytes, storage.device.type == "cpu"
+    assert step_nbytes is not None
+    rows = step_nbytes if on_host else 0
+    need = table_host_nbytes(step_nbytes, capacity, on_host)
+    what = (f"a replay table of capacity {capacity:,} steps needs about {need / 2**30:.1f} GiB once full ({rows} B a "
+            f"step of rows and ~{_SLOT_NBYTES} B a slot of sampling state)")
+    return claim_host_memory(need, what, ledger=ledger)
 
 
 def max_sample(capacity: int) -> int:

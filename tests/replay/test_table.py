@@ -716,3 +716,74 @@ def test_a_table_that_cannot_fit_in_this_hosts_memory_once_full_is_refused_befor
                                          r"full \(4 B a step of rows and ~80 B a slot of sampling state\), and this "
                                          r"host has [0-9.]+ GiB available .*: lower the capacity"):
         Table(storage, sampler=Prioritized(0.6), remover=Fifo(), rate_limiter=MinSize(1))
+
+
+def _big_table(share: float, name: str) -> Table:
+    """A table whose rows are ``share`` of the host's available memory once full: two steps of one wide
+    field (its ring is mapped, never touched here)."""
+    from reactor._native import available_host_bytes
+
+    width = int(share * available_host_bytes()) // 2
+    return Table(Storage([FieldSpec("x", (width,), torch.uint8)], 2), sampler=Prioritized(0.6), remover=Fifo(),
+                 rate_limiter=MinSize(1), name=name)
+
+
+def test_tables_of_one_process_that_fit_alone_but_not_together_are_refused_at_the_one_that_does_not_fit():
+    """Regression (h3): the check was per table, against the memory available when each was made; a
+    table's rows are filled lazily, so two tables of 60% of it each both passed, to meet the OOM killer
+    once filled. A table must fit beside what the process's other live tables may still fill."""
+    import gc
+
+    first = _big_table(0.6, "first")
+    with pytest.raises(ValueError, match=r"^a replay table of capacity 2 steps needs about [0-9.]+ GiB once full \(\d+ B a "
+                                         r"step of rows and ~80 B a slot of sampling state\), and the \d+ other replay "
+                                         r"table\(s\) of this process may still fill [0-9.]+ GiB of the [0-9.]+ GiB this "
+                                         r"host has available .*: lower the capacity, or drop a table first$"):
+        _big_table(0.6, "second")
+    del first
+    gc.collect()
+    assert len(_big_table(0.6, "third")) == 0  # the first's claim went with it
+
+
+def test_replay_tables_of_one_run_on_a_host_are_counted_together_across_processes(monkeypatch, tmp_path):
+    """Regression (h3): each replay shard of a run checked its own table against the host's available
+    memory, in its own process; every shard of a host fitted alone, and all of them did not. Claims in a
+    run's ledger (a file of the host's, under an exclusive flock) are counted together: a shard's process
+    holds 60% of the memory, and another's 60% is refused; another run's is not; once the first process is
+    gone (SIGKILL: no cleanup) its claim is dropped, and the ledger's file goes with the last claim."""
+    import multiprocessing
+    import os
+    import signal
+
+    from reactor._native import available_host_bytes
+    from reactor.replay._hostmem import ledger_dir
+    from reactor.replay.table import claim_fits
+
+    monkeypatch.setenv("REACTOR_RUNTIME_DIR", str(tmp_path))
+    run = f"h3-test-{os.getpid()}"
+    step = int(0.6 * available_host_bytes()) // 1000
+
+    def hold(ready) -> None:  # (a shard's process: claims, says so, and waits to be killed)
+        claim_fits(None, 1000, ledger=run, step_nbytes=step)
+        ready.send(True)
+        signal.pause()
+
+    here, there = multiprocessing.get_context("fork").Pipe()
+    shard = multiprocessing.get_context("fork").Process(target=hold, args=(there,), daemon=True)
+    shard.start()
+    try:
+        assert here.poll(30) and here.recv()
+        with pytest.raises(ValueError, match=rf"^a replay table of capacity 1,000 steps needs about [0-9.]+ GiB once "
+                                             rf"full .*, and with the 1 other replay table\(s\) of run {run} on this host "
+                                             rf"that is [0-9.]+ GiB in all once they are full, more than the [0-9.]+ GiB "
+                                             rf"this host had available when the first was made .*: lower the capacity, "
+                                             rf"or spread the shards over more hosts$"):
+            claim_fits(None, 1000, ledger=run, step_nbytes=step)
+        claim_fits(None, 1000, ledger=run + "-other", step_nbytes=step).release()
+    finally:
+        os.kill(shard.pid, signal.SIGKILL)
+        shard.join(30)
+    claim = claim_fits(None, 1000, ledger=run, step_nbytes=step)  # (the dead process's claim is dropped)
+    assert (ledger_dir() / f"{run}.json").exists()
+    claim.release()
+    assert not (ledger_dir() / f"{run}.json").exists() and not (ledger_dir() / f"{run}-other.json").exists()

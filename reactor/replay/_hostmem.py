@@ -15,9 +15,11 @@ free swap, or the memory cgroup's limit: ``available_host_bytes``), in a ledger:
   shard must fit alone in what is available now, and with the run's other live claims in what was
   available when the first of them was made (the ledger's *baseline*: the run's shards start together,
   before any has filled anything; a process's fill cannot be read from another). The claims of
-  processes that died are dropped at the next claim (a restarted shard's predecessor), and the file
-  goes with the last claim. A shard claims *before* it allocates anything: its shared memory is
-  reserved when made, and would count twice (in the claim, and gone from what is available).
+  processes that died are dropped at the next claim (a restarted shard's predecessor), the file goes
+  with the last claim, and a claim removes the files of other runs whose processes all died (a worker
+  that ends with ``os._exit``, or is killed, gives nothing back). A shard claims *before* it allocates
+  anything: its shared memory is reserved when made, and would count twice (in the claim, and gone from
+  what is available).
 """
 
 from __future__ import annotations
@@ -141,7 +143,29 @@ def claim_host_memory(nbytes: int, what: str, *, ledger: str | None = None) -> M
                 baseline[0] = avail
             _check_together(what, nbytes, [int(c[2]) for c in claims.values()], baseline[0], f"of run {ledger}")
             claims[key] = [pid, start, nbytes]
+        _sweep(ledger)
         return MemoryClaim(nbytes, ledger, key)
+
+
+def _sweep(keep: str, most: int = 64) -> None:
+    """Remove the ledgers of other runs whose claims all belong to dead processes (a worker that ends with
+    ``os._exit``, or is killed, gives nothing back: its run's file stayed). Best effort: a ledger in use
+    (its lock held) is passed over, and at most ``most`` are looked at."""
+    with contextlib.suppress(OSError):
+        for path in sorted(ledger_dir().glob("*.json"))[:most]:
+            if path.stem == keep:
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, IndexError):
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    with open(fd, closefd=False) as f:
+                        claims = json.loads(f.read() or "{}").get("claims", {})
+                    if not any(_alive(int(v[0]), int(v[1])) for v in claims.values()) and \
+                            os.stat(path).st_ino == os.fstat(fd).st_ino:
+                        os.unlink(path)
+                finally:
+                    os.close(fd)
 
 
 def _check_together(what: str, nbytes: int, others: list[int], baseline: int, whose: str) -> None:

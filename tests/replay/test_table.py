@@ -750,7 +750,8 @@ def test_replay_tables_of_one_run_on_a_host_are_counted_together_across_processe
     memory, in its own process; every shard of a host fitted alone, and all of them did not. Claims in a
     run's ledger (a file of the host's, under an exclusive flock) are counted together: a shard's process
     holds 60% of the memory, and another's 60% is refused; another run's is not; once the first process is
-    gone (SIGKILL: no cleanup) its claim is dropped, and the ledger's file goes with the last claim."""
+    gone (SIGKILL: no cleanup), another run's claim removes its ledger, and a ledger's file goes with its
+    last claim."""
     import multiprocessing
     import os
     import signal
@@ -783,7 +784,10 @@ def test_replay_tables_of_one_run_on_a_host_are_counted_together_across_processe
     finally:
         os.kill(shard.pid, signal.SIGKILL)
         shard.join(30)
-    claim = claim_fits(None, 1000, ledger=run, step_nbytes=step)  # (the dead process's claim is dropped)
+    other = claim_fits(None, 1000, ledger=run + "-other", step_nbytes=step)
+    assert not (ledger_dir() / f"{run}.json").exists()  # another run's claim swept the file: its process died
+    claim = claim_fits(None, 1000, ledger=run, step_nbytes=step)
     assert (ledger_dir() / f"{run}.json").exists()
     claim.release()
-    assert not (ledger_dir() / f"{run}.json").exists() and not (ledger_dir() / f"{run}-other.json").exists()
+    other.release()
+    assert not list(ledger_dir().iterdir())

@@ -55,8 +55,8 @@ from ._protocol import (
     COORDINATOR,
     FAILED_END_S,
     FAILED_SAVE_S,
-    STOPPED_FOR_FAILURE_STATUS,
     CoordinatorProtocol,
+    how_worker_ended,
 )
 from ._result import RunResult
 from ._rundir import open_run_dir, remove_run_dir, rendezvous_file, sweep_stale
@@ -492,7 +492,7 @@ class _Restarts:
             return f"; group {group!r} was not restarted: restart policies hold in async runs that record or replay no trace"
         if refused:
             return (f"; group {group!r} was not restarted: exit status {REFUSAL_EXIT_STATUS} is a refusal of what the "
-                    f"run was given, which a new life is given again (its stderr says what)")
+                    f"run was given, which a new life is given again")
         healthy = "" if math.isinf(policy.reset_after_s) else f", each after a life shorter than reset_after_s = {policy.reset_after_s:g} s"
         return (f"; group {group!r} had used its {self.count.get(group, 0)} restarts in a row "
                 f"(max_restarts = {policy.max_restarts}{healthy}): earlier ends: {'; '.join(self.ends.get(group, []))}")
@@ -571,7 +571,7 @@ class _Session:
             # going) is not started again, and does not fail a run that reached its end.
             for name in [n for n in dead if n in r.restartable]:
                 log.warning("worker %r %s while the run was ending; its last life's results are not in the run's",
-                            name, _how_ended(*dead.pop(name)))
+                            name, how_worker_ended(*dead.pop(name)))
                 self.results[name] = _ABANDONED
             if not dead:
                 return
@@ -591,7 +591,7 @@ class _Session:
         r = self.restarts
         policy = r.groups[name].restart
         k = r.count.get(name, 0)
-        ended = _how_ended(*how)
+        ended = how_worker_ended(*how)
         r.ends.setdefault(name, []).append(ended)
         del r.ends[name][:-16]  # (the latest: a run of weeks ends a few hundred times)
         life = r.lives.get(name, 0)  # (the life that ended: its number over the run)
@@ -890,7 +890,7 @@ class _Session:
             await asyncio.sleep(0.02)
         ended = self.workers.dead()
         for name in sorted(self.procs):  # (-v: how each ended, or that the reaping ends it)
-            log.info("worker %r %s", name, _how_ended(*ended[name]) if name in ended else
+            log.info("worker %r %s", name, how_worker_ended(*ended[name]) if name in ended else
                      "has not ended: the reaping stops it")
 
     def _also_failed(self, peer: str, msg: Any) -> None:
@@ -1033,26 +1033,6 @@ async def _no_start(group: Group, spec: dict[str, Any]) -> None:
     raise ReactorInternalError(f"no way to start group {group.name!r} again")
 
 
-def _how_ended(rc: int | None, where: str) -> str:
-    """How a worker ended: its exit status or signal, and where (a lost one's ``where`` says how)."""
-    if rc is None:
-        return where
-    if rc < 0:
-        try:
-            said = f"was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            said = f"was killed by signal {-rc}"
-    elif rc == 3:
-        said = "exited with status 3 (it lost a peer; its stderr names which)"
-    elif rc == REFUSAL_EXIT_STATUS:
-        said = f"exited with status {rc} (it refused the run)"
-    elif rc == STOPPED_FOR_FAILURE_STATUS:
-        said = f"exited with status {rc} (stopped because the run failed)"
-    else:
-        said = f"exited with status {rc}"
-    return f"{said} {where}" if where else said
-
-
 def _describe_exits(dead: dict[str, tuple[int | None, str]]) -> str:
     """Say which workers ended early and how, the first cause first: a worker lost with its host,
     then one killed by a signal (its peers then exit because they lost it), before one that exited
@@ -1063,9 +1043,9 @@ def _describe_exits(dead: dict[str, tuple[int | None, str]]) -> str:
 
     order = sorted(dead, key=rank)
     first, rest = order[0], order[1:]
-    text = f"worker {first!r} {_how_ended(*dead[first])} before the run ended"
+    text = f"worker {first!r} {how_worker_ended(*dead[first])} before the run ended"
     if rest:
-        text += "; then " + ", ".join(f"worker {n!r} {_how_ended(*dead[n])}" for n in rest)
+        text += "; then " + ", ".join(f"worker {n!r} {how_worker_ended(*dead[n])}" for n in rest)
     return text
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -38,7 +39,8 @@ from .._tag import FOREVER_NS
 from ._groups import restart_from_text
 
 __all__ = ["COORDINATOR", "DAEMON_KINDS", "STOPPED_FOR_FAILURE_STATUS", "CoordinatorProtocol", "WorkerProtocol",
-           "check_message", "check_request", "is_plain", "nonfinite_at", "worker_exit_words"]
+           "check_message", "check_request", "how_worker_ended", "is_plain", "nonfinite_at",
+           "worker_exit_words"]
 
 COORDINATOR = "coordinator"
 
@@ -61,15 +63,35 @@ FAILED_END_S = 10.0
 #: file (as large as the checkpoint) until the next save. A hung write still ends by this bound.
 FAILED_SAVE_S = 120.0
 
-#: What a worker's exit status other than 0 says (``reactor status``): 2 is ``_errors.REFUSAL_EXIT_STATUS``.
-_EXIT_WORDS = {1: "failed: its traceback is in its log",
-               2: "refused the run: its line is in its log", 3: "lost a peer: its log names which",
+#: What a worker's exit status other than 0 says, in the one place that says it: the coordinator's errors and
+#: log (:func:`how_worker_ended`) and ``reactor status`` (:func:`worker_exit_words`). A worker's output is its
+#: stderr: the terminal of ``reactor run``, a daemon's job log (``reactor logs``). 2 is
+#: ``_errors.REFUSAL_EXIT_STATUS``.
+_EXIT_WORDS = {1: "failed: its traceback is in its output",
+               2: "refused the run: its line is in its output", 3: "lost a peer: its output names which",
                STOPPED_FOR_FAILURE_STATUS: "stopped because the run failed", 143: "ended by SIGTERM"}
 
 
 def worker_exit_words(rc: int) -> str:
     """What worker exit status ``rc`` says; "" for 0, and for one a reactor worker does not give itself."""
     return _EXIT_WORDS.get(rc, "")
+
+
+def how_worker_ended(rc: int | None, where: str = "") -> str:
+    """How a worker ended, in words: ``"was killed by SIGKILL"``, ``"exited with status 3 (lost a peer: its
+    output names which)"``; ``rc`` is its exit status (negative: the signal that killed it, as ``Popen`` says),
+    or None for one that was lost (``where`` then says how), and ``where`` follows (a host: ``"on host 'h3'"``)."""
+    if rc is None:
+        return where
+    if rc < 0:
+        try:
+            said = f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            said = f"was killed by signal {-rc}"
+    else:
+        words = worker_exit_words(rc)
+        said = f"exited with status {rc}" + (f" ({words})" if words else "")
+    return f"{said} {where}" if where else said
 
 
 _I64_MAX = 2**63 - 1

@@ -259,6 +259,24 @@ def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_h
     asyncio.run(main())
 
 
+def test_a_workers_exit_status_is_said_in_the_same_words_by_its_coordinator_and_by_reactor_status():
+    """The words for a worker's exit status were written twice: the coordinator's (its errors, its log,
+    a restarted group's ends) and ``reactor status``'s, and they had drifted (status 143 was "ended by
+    SIGTERM" in one and a bare number in the other; 3 named the worker's stderr in one, its log in the
+    other). One table says them now (``_protocol``)."""
+    from reactor.cli import _exit_words
+    from reactor.launch._protocol import how_worker_ended
+
+    for rc, words in ((1, "failed: its traceback is in its output"),
+                      (2, "refused the run: its line is in its output"), (3, "lost a peer: its output names which"),
+                      (4, "stopped because the run failed"), (143, "ended by SIGTERM")):
+        assert how_worker_ended(rc) == f"exited with status {rc} ({words})"
+        assert _exit_words(rc) == f"{rc} ({words})"
+    assert how_worker_ended(7, "on host 'h3'") == "exited with status 7 on host 'h3'" and _exit_words(7) == "7"
+    assert how_worker_ended(-9) == "was killed by SIGKILL"
+    assert how_worker_ended(None, "was lost with host 'h3'") == "was lost with host 'h3'"
+
+
 def test_a_worker_that_ended_with_a_refusals_exit_status_is_not_started_again():
     """A refusal ends the run at once under a restart policy (the "refused" message: the next test); a
     worker that ended with a refusal's exit status whose message did not reach the coordinator is not
@@ -279,8 +297,8 @@ def test_a_worker_that_ended_with_a_refusals_exit_status_is_not_started_again():
         assert set(r.due) == {"a"}
         s.workers = _Dead({"b": (2, "")})  # type: ignore[assignment]
         with pytest.raises(WorkerFailedError, match=re.escape(
-                "worker 'b' exited with status 2 (it refused the run) before the run ended; group 'b' was not restarted: exit status 2 is "
-                "a refusal of what the run was given, which a new life is given again (its stderr says what)")):
+                "worker 'b' exited with status 2 (refused the run: its line is in its output) before the run ended; group 'b' was "
+                "not restarted: exit status 2 is a refusal of what the run was given, which a new life is given again")):
             s._check_children()
         assert "b" not in r.due
 
@@ -789,7 +807,8 @@ def test_a_failed_restartable_worker_whose_shutdown_never_ends_leaves_and_its_ne
     assert "worker 'source' failed (it will be started again)" in p.stderr
     assert (f"reactor worker source: its shutdown reactions did not end within {FAILED_END_S:g} s of its failure; "
             f"it leaves without them") in p.stderr
-    assert "worker 'source' exited with status 1; starting it again" in p.stderr, p.stderr[-3000:]
+    assert "worker 'source' exited with status 1 (failed: its traceback is in its output); starting it again" \
+        in p.stderr, p.stderr[-3000:]
     assert "run ended (quiescence)" in p.stdout
     assert took < FAILED_END_S + 50
 
@@ -921,7 +940,7 @@ def test_kill_9_of_one_data_parallel_learner_restarts_the_bank_which_learns_on_w
         err = _reaped(proc, errfile)
     assert proc.returncode == 0, err[-4000:]
     assert json.loads(out)["restarts"] == {"learner-1": ["was killed by SIGKILL"],
-                                           "learner-0": ["exited with status 3 (it lost a peer; its stderr names which)"]}
+                                           "learner-0": ["exited with status 3 (lost a peer: its output names which)"]}
     # The survivor ended (in the all-reduce the dead one left, or on hearing of its death between
     # updates), and the bank's new lives met in its next life.
     assert re.search(r"^reactor worker learner-0: learner\[0\]: (the other data-parallel learners did not join the "

@@ -954,7 +954,8 @@ class Replayer:
     def stuck_error(self, names: list[str]) -> TraceMismatchError:
         waiting = []
         for n in names:
-            if n in self.done:
+            # (at the end of its schedule but not done: its last event raised, a recorded failure replayed)
+            if n in self.done or self.pos.get(n, 0) >= len(self.events.get(n, ())):
                 continue
             e = self.events[n][self.pos[n]]
             waiting.append(f"{n} waits for {KIND_NAMES[e[0]]} #{e[1]} seq {e[2]} (event {self.pos[n]})")

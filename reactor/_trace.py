@@ -7,6 +7,13 @@ not stored: a replay run regenerates them, because every reactor's behaviour is 
 events it saw and its seeded generators. The file is msgpack (never pickle), written atomically, and
 holds the sha256 of its events table: a schedule cut short or edited by hand replayed to a "successful"
 end (a reactor's list halved, or gone: the run did less, exit 0).
+
+A recorded run that fails writes its trace too, up to the failure, and says so (:func:`write_failed_trace`):
+the event that failed is the last of its reactor's schedule (an event is recorded as it is handed to its
+reactor), so a replay runs the same events again and meets the same failure where it follows from them
+(a bug in a reaction, a value an env returned). The trace keeps the failure's line (``failure``), said by
+``trace show`` and at the replay's start. A failure that comes from outside the events (a process killed)
+leaves no schedule a replay could follow: no trace then, and one line says why (:func:`no_trace_line`).
 """
 
 from __future__ import annotations
@@ -93,8 +100,12 @@ def check_config(trace: dict[str, Any], config: Mapping[str, Any] | None, path: 
     pass, session 55), and whether it was recorded from another app (``app``: its file's name or its
     builder; a DQN trace replayed on the transformer app, whose graph has the same reactors and links,
     ran to its end before the error). Said, not refused: some settings (run_dir, live) do not change the
-    schedule, and a copy of an app under another name is the same app."""
+    schedule, and a copy of an app under another name is the same app. A trace of a run that failed says
+    so too: its replay is meant to fail alike."""
     log = logging.getLogger("reactor")
+    if isinstance(trace.get("failure"), str):
+        log.warning("replaying %s, recorded from a run that failed (%s): the replay runs its events to that failure",
+                    path, trace["failure"])
     recorded_app = trace.get("app")
     if isinstance(recorded_app, str) and app is not None and recorded_app != app:
         log.warning("replaying %s, recorded from app %r, on app %r: another app's run goes elsewhere, and the replay "
@@ -144,12 +155,43 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
         body["app"] = trace["app"][:1000]
     if trace.get("config") is not None:  # the run's --set values, as text (check_config)
         body["config"] = {str(k)[:128]: _config_text(v) for k, v in sorted(trace["config"].items())[:_CONFIG_KEYS]}
+    if isinstance(trace.get("failure"), str):  # the run failed: its line (write_failed_trace)
+        body["failure"] = trace["failure"][:_FAILURE_CHARS]
     data = msgpack.packb(body, use_bin_type=True)
     if len(data) > MAX_TRACE_NBYTES:  # (written whole all the same: the run happened, and the file says what)
         logging.getLogger("reactor").warning(
             "trace %s is %.0f MiB, past the %d MiB a replay reads: it cannot be replayed (record a shorter run)",
             path, len(data) / 2**20, MAX_TRACE_NBYTES // 2**20)
     replace_small(path, data, sync=True)
+
+
+_FAILURE_CHARS = 2000
+
+
+def failure_line(e: BaseException) -> str:
+    """A run's failure as its trace keeps it: its class and first line (``RuntimeError: the env broke``)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")[:_FAILURE_CHARS]
+
+
+def write_failed_trace(path: str | Path, trace: dict[str, Any], failure: str) -> None:
+    """A recorded run failed (``failure``: its line, :func:`failure_line`): write its trace up to the
+    failure and say so, or say why it could not be written. Never raises: the run's own error is the one
+    its caller raises. (A failed recording wrote nothing, in silence: the run a user most needs to replay.)"""
+    log = logging.getLogger("reactor")
+    try:
+        write_trace(path, {**trace, "failure": failure})
+    except (OSError, ValueError) as e:  # (a full disk, a directory gone since the run began)
+        log.warning("the run failed, and its trace could not be written to %s: %s", path, e)
+        return
+    log.warning("the run failed; its trace up to the failure is in %s: --replay %s runs the same events again, to "
+                "the same failure where it follows from them (a reaction's bug, a value an env returned)", path, path)
+
+
+def no_trace_line(path: str | Path, why: str) -> None:
+    """A recorded run ended with no trace to write (``why``: it failed and whose events are missing, or it
+    was stopped at once): one line, where a trace was asked for and none comes."""
+    logging.getLogger("reactor").warning("no trace was written to %s: %s", path, why)
 
 
 def read_trace(path: str | Path) -> dict[str, Any]:
@@ -212,6 +254,8 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         # (only a replay's warning reads it: the schedule stays replayable without)
         logging.getLogger("reactor").warning("%s: its table of --set values is damaged; left aside", path)
         body.pop("config")
+    if body.get("failure") is not None and not isinstance(body["failure"], str):  # (only words for people)
+        body.pop("failure")
     strangers = set(body["events"]) - set(shape["reactors"])
     if strangers:
         raise MalformedFrameError(f"{path}: its events name reactors its graph lacks: {_few(strangers)}")
@@ -232,6 +276,8 @@ def merge_events(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
 def describe(trace: dict[str, Any], *, limit: int = 20) -> str:
     """A human summary: per reactor, the number of events by kind and the first ``limit`` events."""
     lines = [f"trace seed={trace['seed']} placement={trace['placement']} reactors={len(trace['events'])}"]
+    if trace.get("failure"):
+        lines.append(f"recorded from a run that failed: {trace['failure']}")
     for name, evs in trace["events"].items():
         counts: dict[str, int] = {}
         for kind, _, _ in evs:

@@ -219,7 +219,13 @@ async def run_processes(
             log.info("run started: %d workers ready %.2f s after the coordinator began", len(groups),
                      loop.time() - began)
             deadline = None if deterministic or stop_ns is None or replay is not None else loop.time() + stop_ns / 1e9
-            stopped_by, results = await session.supervise(deadline)
+            try:
+                stopped_by, results = await session.supervise(deadline)
+            except Exception as e:
+                if record is not None:  # (the run a user most needs to replay: it wrote nothing, in silence)
+                    _record_failed_run(record, session, e, {"seed": seed, "placement": placement, "config": config,
+                                                            "graph": _graph_shape(graph), "app": _app_label(app, graph)})
+                raise
             for g in groups:
                 with contextlib.suppress(Exception):
                     ep.send_nowait(g.name, ("exit",))
@@ -266,6 +272,35 @@ async def run_processes(
             remove_run_dir(sockdir)
             if isinstance(workers, _LocalWorkers) and workers.procs:
                 _cleanup_segments(run_id)
+
+
+def _graph_shape(graph: Graph) -> dict[str, list[Any]]:
+    from .._trace import graph_shape
+
+    return graph_shape(graph)
+
+
+def _app_label(app: str, graph: Graph) -> str:
+    from ._app import app_label
+
+    return app_label(app, graph)
+
+
+def _record_failed_run(record: Any, session: _Session, error: BaseException, recorded: dict[str, Any]) -> None:
+    """A recorded run failed: write its trace up to the failure from every worker's events (the survivors'
+    results, the failed worker's ``trace`` word), or say whose are missing (a worker killed, or one that
+    failed before it recorded anything): a trace needs every process's events."""
+    from .._trace import failure_line, merge_events, no_trace_line, write_failed_trace
+
+    events = {g: session.results[g]["trace"] if g in session.results else session.traces.get(g) for g in session.procs}
+    missing = sorted(g for g, ev in events.items() if ev is None)
+    line = session.failure or failure_line(error)
+    if missing:
+        no_trace_line(record, f"the run failed ({line}), and worker{'s' * (len(missing) > 1)} "
+                              f"{', '.join(map(repr, missing))} sent no events (killed, or ended before its result "
+                              f"came): a trace needs every process's events")
+        return
+    write_failed_trace(record, {**recorded, "events": merge_events(list(events.values()))}, line)
 
 
 def _rendezvous_files(graph: Graph, run_id: str) -> list[Path]:
@@ -536,6 +571,8 @@ class _Session:
         self.stopped_by: str | None = None
         self.failed: str | None = None  # the worker whose error or refusal ends the run (it waits for "exit")
         self.failed_at = 0.0  # (loop time: when its word came)
+        self.failure: str | None = None  # its line (a recorded run's trace keeps it)
+        self.traces: dict[str, Any] = {}  # a recording's failed workers: their events ("trace", before their error)
 
     @property
     def host_of(self) -> Mapping[str, str]:
@@ -747,6 +784,7 @@ class _Session:
 
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
+        self.traces.update((p, m[1]) for p, m in batch if m[0] == "trace")  # (each before its sender's error)
         for peer, msg in batch:
             if msg[0] in ("refused", "error"):
                 # (a result in the same batch is kept: the others' stop waited FAILURE_STOP_S for it)
@@ -771,8 +809,10 @@ class _Session:
                     if other != peer and m[0] in ("refused", "error"):
                         self._also_failed(other, m)
             if msg[0] == "refused":  # what the run was given: the same class and line as under `single`
+                self.failure = f"{msg[1]}: {msg[2].splitlines()[0] if msg[2] else ''}"
                 raise REFUSAL_NAMES[msg[1]](msg[2])
             if msg[0] == "error":
+                self.failure = msg[1].splitlines()[0] if msg[1] else "an error"
                 if msg[1].startswith("PeerLostError"):
                     # It lost a peer: name the peer's end first when it shows within the time
                     # its death takes to be seen (a remote one's, a heartbeat or two).
@@ -858,8 +898,11 @@ class _Session:
                 break
             for peer, msg in batch:
                 if msg[0] == "done":
+                    self.results[peer] = msg[1]  # (a recorded run's trace up to the failure takes its events)
                     live.discard(peer)
                     told.add(peer)
+                elif msg[0] == "trace":  # (another failed worker's events, before its error)
+                    self.traces[peer] = msg[1]
                 elif msg[0] in ("refused", "error"):  # another failure (in its shutdown, say): said, let go
                     self._also_failed(peer, msg)
                     live.discard(peer)

@@ -18,7 +18,8 @@ worker <- coordinator (only from the coordinator):
 coordinator <- worker (only from the run's worker groups):
     ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
     ("replay_done",), ("ending", stop_pending, sent, received), ("done", result), ("error", text),
-    ("refused", class_name, line) (a refusal: _errors.REFUSALS), ("reconnected", group)  (it links to a restarted group)
+    ("refused", class_name, line) (a refusal: _errors.REFUSALS), ("reconnected", group)  (it links to a restarted group),
+    ("trace", events) (a recording worker that failed: its events, just before its "error" or "refused")
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
 worker, when it delivers (``Worker._take``).
@@ -279,6 +280,7 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "replay_done": (),
     "ending": (_bool, _count, _count),
     "done": (_result,),
+    "trace": (_trace,),
     "error": (_text,),
     "refused": (_refusal_name, _text),
     "reconnected": (_group,),

@@ -209,7 +209,15 @@ async def run_async(
             with_files=with_files,
             restart=restart_from_text(restart) if restart is not None else None,
         )
-    from .._trace import check_graph, graph_shape, read_trace, write_trace
+    from .._trace import (
+        check_graph,
+        failure_line,
+        graph_shape,
+        no_trace_line,
+        read_trace,
+        write_failed_trace,
+        write_trace,
+    )
 
     if app is None and graph.built_by is not None:  # a script's graph: its directory, as its workers would note it
         from ._app import note_script_dir
@@ -233,10 +241,19 @@ async def run_async(
         recorder=recorder,
         replayer=replayer,
     )
-    stopped_by = await drive_single(host, stop_ns)
+    recorded = {"seed": seed, "placement": placement, "graph": graph_shape(graph), "config": config, "app": label}
+    try:
+        stopped_by = await drive_single(host, stop_ns)
+    except Exception as e:
+        if recorder is not None:  # (the run a user most needs to replay: it wrote nothing, in silence)
+            write_failed_trace(record, {**recorded, "events": recorder.events}, failure_line(e))  # type: ignore[arg-type]
+        raise
+    except BaseException:
+        if recorder is not None:
+            no_trace_line(record, "the run was stopped at once (a second Ctrl-C, or its task cancelled)")  # type: ignore[arg-type]
+        raise
     if recorder is not None:
-        write_trace(record, {"seed": seed, "placement": placement, "events": recorder.events,  # type: ignore[arg-type]
-                             "graph": graph_shape(graph), "config": config, "app": label})
+        write_trace(record, {**recorded, "events": recorder.events})  # type: ignore[arg-type]
     return RunResult(
         digests=host.digests() if digest else {},
         events={n: s.events for n, s in host.stats.items()},

@@ -14,7 +14,8 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
 worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle, sent, received), ("stop_request",),
     ("ending", stop_pending, sent, received) (deterministic: it ended on its own, with its final
     counts; answered with "stop" and the run's reason), ("done", result), ("error", text) (a failure: its
-    traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group)
+    traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group),
+    ("trace", events) (a recording worker's events before its "error" or "refused": the run's trace up to its failure)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
     ("lost", group, reason, life), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
@@ -36,7 +37,15 @@ import traceback
 from collections import Counter, deque
 from typing import Any
 
-from .._errors import REFUSAL_EXIT_STATUS, GraphError, PeerLostError, WouldBlock, refusal_class, refusal_line
+from .._errors import (
+    REFUSAL_EXIT_STATUS,
+    FrameTooLargeError,
+    GraphError,
+    PeerLostError,
+    WouldBlock,
+    refusal_class,
+    refusal_line,
+)
 from .._files import remove_cut_writes, writes_in_progress
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
@@ -247,6 +256,7 @@ class Worker:
         self.retrying: dict[str, asyncio.Task[None]] = {}  # (_retry_link)
         self.started = False  # (async: the startup's peer events are out)
         self.done_sent = False  # its shutdown reactions ran and its result went (exit_status)
+        self.trace_sent = False  # (_send_trace)
 
     async def main(self) -> None:
         from ..transport import CurveKeys, Endpoint, link_key
@@ -346,6 +356,8 @@ class Worker:
             finally:
                 if host.stop_reason is None:  # it ended on its own (the coordinator's "stop" names its reason)
                     host.stop_reason = "stop_time" if deterministic and _stop_pending(host) else "quiescence"
+                if host.stop_reason == "failure" and failure is None:
+                    self._send_trace()  # (the run failed elsewhere: its trace, before a shutdown that may outlast it)
                 await host.run_shutdown()
             if host.shutdown_failure is not None:
                 if failure is None:  # (a learner's last checkpoint not saved: the run failed)
@@ -472,6 +484,7 @@ class Worker:
         the traceback)."""
         self.ep.expect_departures()
         self.reported = e  # (its coordinator says it: main() prints no second traceback)
+        self._send_trace()  # (first: the coordinator writes the run's trace up to this failure)
         refused = refusal_class(e)
         self._leave_by(FAILED_END_S, REFUSAL_EXIT_STATUS if refused is not None else 1)
         if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
@@ -484,6 +497,20 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self.outbox.empty.wait()
+
+    def _send_trace(self) -> None:
+        """A recording whose run failed (here, or elsewhere: the coordinator's ``stop("failure")``): this
+        worker's events go to the coordinator now, which writes the run's trace up to the failure; its result,
+        which carries them otherwise, comes only after its shutdown reactions (a final checkpoint may outlast
+        the coordinator's wait), or never (this one failed)."""
+        recorder = getattr(getattr(self, "host", None), "recorder", None)
+        if recorder is None or self.trace_sent:
+            return
+        self.trace_sent = True
+        try:
+            self.outbox.send(COORDINATOR, ("trace", {k: [list(x) for x in v] for k, v in recorder.events.items()}))
+        except FrameTooLargeError as e:  # (the coordinator then says that this one's events are missing)
+            log.warning("%s: its recorded events do not fit in one message (%s)", self.group, e)
 
     def _leave_by(self, seconds: float, status: int) -> None:
         """This worker failed: end the process with ``status`` (main()'s for its failure) if it is still

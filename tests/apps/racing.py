@@ -3,7 +3,8 @@
 Producers emit on timers with different periods; a relay bank forwards with a seeded random
 tweak; the consumer folds everything into an order-dependent hash and forwards it to a sink.
 In async mode the arrival order at the consumer depends on the OS and the placement; in
-deterministic mode it does not.
+deterministic mode it does not. ``fail_at``: the consumer fails at that input, naming its hash so far (a
+failure that follows from the order of the events before it).
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ class Folder(Reactor):
     inp = Input(int, required=True)
     out = Output(str)
 
-    def __init__(self) -> None:
+    def __init__(self, fail_at: int = 0) -> None:
         self.h = hashlib.sha256()
+        self.fail_at = fail_at
+        self.n = 0
 
     @reaction(triggers=[inp], effects=[out])
     def fold(self, inp: int) -> None:
         self.h.update(inp.to_bytes(8, "little"))
+        self.n += 1
+        if self.n == self.fail_at:
+            raise RuntimeError(f"folder broke at input {self.n}, its hash {self.h.hexdigest()[:16]}")
         self.out.send(self.h.hexdigest()[:16])
 
 
@@ -74,7 +80,7 @@ def build(config: dict) -> Graph:
     fast = g.add(FastProducer(count), name="fast", replicas=2)
     slow = g.add(SlowProducer(count), name="slow")
     relay = g.add(Relay(), name="relay", replicas=2)
-    folder = g.add(Folder(), name="folder")
+    folder = g.add(Folder(int(config.get("fail_at", 0))), name="folder")
     sink = g.add(Sink(), name="sink")
     g.connect(fast.out, relay.inp, mode="one_to_one")
     g.connect(slow.out, folder.inp, delay_s=config.get("slow_delay_s", 0.0005))

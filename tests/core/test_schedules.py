@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from reactor import Graph, Input, Output, Reactor, TraceMismatchError, reaction, run, startup
-from reactor._trace import diff, read_trace, write_trace
+from reactor._scheduler import INPUT
+from reactor._trace import describe, diff, read_trace, write_trace
 from reactor.launch._app import build_graph
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "racing.py")
@@ -31,6 +34,32 @@ def test_async_recording_replays_to_the_same_digests(tmp_path):
         rep = run(build_graph(APP, {}), deterministic=False, replay=trace, digest=True, seed=1)
         assert rep.stopped_by == "replay"
         assert rep.digests == rec.digests
+
+
+@pytest.mark.parametrize("placement", ["single", "processes"])
+def test_a_recorded_run_that_fails_writes_its_trace_and_its_replay_fails_alike(tmp_path, placement, caplog):
+    """Regression: a recorded run that failed wrote no trace, and said nothing of it: the run a user most
+    needs to replay. Its trace is now written up to the failure (the event that failed last in its
+    reactor's schedule) and keeps the failure's line, and its replay runs the same events to the same
+    failure: here one that follows from their order (racing producers; the consumer fails at its 70th
+    input, naming its order-dependent hash so far)."""
+    trace = tmp_path / "run.trace"
+    config = {"fail_at": 70}
+    kw = {"deterministic": False, "seed": 1, "placement": placement, "app": APP, "config": config}
+    with caplog.at_level(logging.WARNING, logger="reactor"), pytest.raises(Exception) as rec:
+        run(build_graph(APP, config), record=trace, **kw)
+    failure = re.search(r"RuntimeError: folder broke at input 70, its hash \w{16}", f"{rec.type.__name__}: {rec.value}")
+    assert failure is not None, rec.value
+    assert f"the run failed; its trace up to the failure is in {trace}" in caplog.text
+    recorded = read_trace(trace)
+    assert recorded["failure"] == failure.group(0)
+    assert [e[0] for e in recorded["events"]["folder"]].count(INPUT) == 70 and recorded["events"]["folder"][-1][0] == INPUT
+    assert f"recorded from a run that failed: {failure.group(0)}" in describe(recorded)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="reactor"), pytest.raises(rec.type, match=re.escape(
+            failure.group(0).removeprefix("RuntimeError: "))):  # (under single: the RuntimeError itself)
+        run(build_graph(APP, config), replay=trace, **kw)
+    assert f"replaying {trace}, recorded from a run that failed ({failure.group(0)})" in caplog.text
 
 
 def test_replay_against_a_tampered_schedule_fails_loudly(tmp_path):

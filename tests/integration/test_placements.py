@@ -223,13 +223,13 @@ def test_one_signal_before_the_run_started_is_told_as_one_not_twice():
             p.wait()
 
 
-def _forever_running(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
-    """``reactor run forever.py`` under ``processes``, async, once its sink runs: the command, the
-    sink's ready file and the file its shutdown reaction writes ``stopped_by`` to."""
+def _forever_running(tmp_path: Path, *more: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """``reactor run forever.py`` under ``processes``, async (and ``more`` options), once its sink runs: the
+    command, the sink's ready file and the file its shutdown reaction writes ``stopped_by`` to."""
     ready, stopped = tmp_path / "ready", tmp_path / "stopped"
     p = subprocess.Popen(
         [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
-         "--set", f"ready_file='{ready}'", f"stopped_file='{stopped}'"],
+         *more, "--set", f"ready_file='{ready}'", f"stopped_file='{stopped}'"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
     deadline = time.monotonic() + 60
@@ -289,8 +289,10 @@ def test_a_sigterm_to_every_process_of_a_run_stops_it_and_fails_none(tmp_path):
 def test_a_workers_failure_stops_the_others_cleanly_and_their_shutdown_reactions_are_told_why(tmp_path):
     """A worker killed mid-run fails the run (no restart policy); the survivors are stopped with the
     reason, so their shutdown reactions (a last checkpoint, a summary) run knowing the run failed,
-    before the reaping's SIGTERM."""
-    p, ready, stopped = _forever_running(tmp_path)
+    before the reaping's SIGTERM. Recorded (``--record``), such a run can leave no trace (the killed
+    worker's events died with it): it wrote none in silence; one line says why now."""
+    trace = tmp_path / "run.trace"
+    p, ready, stopped = _forever_running(tmp_path, "--record", str(trace))
     try:
         tickers = [w for w in _workers(p.pid) if Path(f"/proc/{w}/comm").read_text().startswith("rx:ticker-0")]
         assert ready.exists() and len(tickers) == 1, tickers
@@ -299,6 +301,10 @@ def test_a_workers_failure_stops_the_others_cleanly_and_their_shutdown_reactions
         assert p.returncode == 1, err
         assert "worker 'ticker-0' was killed by SIGKILL before the run ended" in err
         assert stopped.read_text() == "failure"
+        assert (f"no trace was written to {trace}: the run failed (WorkerFailedError: worker 'ticker-0' was killed by "
+                f"SIGKILL before the run ended), and worker 'ticker-0' sent no events (killed, or ended before its "
+                f"result came): a trace needs every process's events") in err, err[-3000:]
+        assert not trace.exists()
     finally:
         if p.poll() is None:
             p.kill()

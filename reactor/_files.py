@@ -14,7 +14,9 @@ through a link planted at its name.
 
 Writes in progress (:func:`writing`: :func:`replacing`'s, a replay checkpoint's) are known to the
 process, so that one that must leave mid-write (a failed worker past its bound) can wait for them a
-while, then remove what a cut one leaves (:func:`remove_cut_writes`): the file it replaces is whole.
+while, then remove what a cut one leaves (:func:`remove_cut_writes`): the file it replaces is whole. A
+worker also says when it begins and ends writing (:func:`watch_writes`), so that its coordinator, which
+ends it after a failure, can tell one writing a checkpoint from one held.
 """
 
 from __future__ import annotations
@@ -27,30 +29,63 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = ["check_ipc_bind", "open_regular", "read_small", "read_small_json", "refuse_file_links",
-           "remove_cut_writes", "replace_small", "replacing", "writes_in_progress", "writing"]
+           "remove_cut_writes", "replace_small", "replacing", "watch_writes", "writes_in_progress", "writing"]
 
 _writes: dict[int, tuple[Path, Path]] = {}  # (a write's id) -> (what it writes into, what it replaces)
 _writes_lock = threading.Lock()
 _write_ids = itertools.count()
 
 
+_watch: Callable[[bool], None] | None = None
+
+
+def watch_writes(callback: Callable[[bool], None] | None) -> None:
+    """Call ``callback(True)`` when this process begins writing (no write was in progress) and
+    ``callback(False)`` when its last write in progress ends, in the thread that writes, outside any lock
+    (None: no more). A worker tells its coordinator so (``_worker``: ``("writing", bool)``)."""
+    global _watch
+    _watch = callback
+
+
+_say_lock = threading.Lock()
+
+
+def _said() -> None:
+    """Say whether a write is in progress now: the state read and handed over under one lock, so that the
+    last word said, whichever threads began and ended writes meanwhile, is the state now."""
+    watch = _watch
+    if watch is None:
+        return
+    with _say_lock:
+        with _writes_lock:
+            now = bool(_writes)
+        with contextlib.suppress(Exception):  # (the word is for the coordinator: never the write's failure)
+            watch(now)
+
+
 @contextlib.contextmanager
 def writing(tmp: Path, final: Path) -> Iterator[None]:
     """A write into ``tmp`` (a temporary file or directory) that will replace ``final``, known to this
-    process for as long as the block runs (:func:`writes_in_progress`)."""
+    process for as long as the block runs (:func:`writes_in_progress`, :func:`watch_writes`)."""
     with _writes_lock:
         key = next(_write_ids)
         _writes[key] = (tmp, final)
+        first = len(_writes) == 1
+    if first:
+        _said()
     try:
         yield
     finally:
         with _writes_lock:
-            _writes.pop(key, None)
+            gone = _writes.pop(key, None) is not None
+            last = gone and not _writes
+        if last:
+            _said()
 
 
 def writes_in_progress() -> list[Path]:

@@ -468,6 +468,10 @@ class RemoteWorkers:
     def alive(self) -> list[str]:
         return [g for g in self.host_of if g not in self.ended]
 
+    def kill(self, group: str) -> bool:
+        """A daemon ends a run's workers together (``end``), not one: False, and the run's reaping ends it."""
+        return False
+
     # -- ending
 
     async def reap(self, timeout_s: float) -> None:

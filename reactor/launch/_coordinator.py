@@ -67,6 +67,10 @@ START_TIMEOUT_S = 120.0
 RECONNECT_TIMEOUT_S = 10.0  # a restarted worker starts at the latest this long after it is ready
 EXIT_TIMEOUT_S = 20.0
 FAILURE_STOP_S = 3.0  # after a worker failed, how long the others get to run their shutdown reactions
+#: A failed worker still there this long past its bound (``FAILED_END_S`` after its failure), writing no
+#: checkpoint (its ``("writing", ...)`` words), is held where its bound's thread cannot run (a C call holding
+#: the interpreter): it is killed. (Its thread ends it within milliseconds of the bound otherwise.)
+HELD_GRACE_S = 2.0
 STOPPING_REPORT_S = 5.0  # after a Ctrl-C, how often the workers not yet ended are named
 #: After a restart the sums of messages sent and received need not meet again (messages to and from
 #: the process that died were lost with it), so they cannot show a message in flight. Then the run is
@@ -196,6 +200,7 @@ async def run_processes(
                     "dist_store": f"{here}:{dist_store.port}" if dist_store is not None else None,
                     "restartable": restartable,
                     "restarts": 0,
+                    "failed_end_s": FAILED_END_S,  # (a failed worker's bound: the coordinator ends a held one past it)
                 }
                 specs[g.name] = spec
                 if isinstance(workers, RemoteWorkers) and replay is not None:
@@ -411,6 +416,14 @@ class _LocalWorkers:
     def dead(self) -> dict[str, tuple[int | None, str]]:
         return {name: (rc, "") for name, p in self.procs.items() if (rc := p.poll()) is not None}
 
+    def kill(self, name: str) -> bool:
+        """SIGKILL worker ``name`` now (one held where nothing else ends it); whether it was there to kill."""
+        p = self.procs.get(name)
+        if p is None or p.poll() is not None:
+            return False
+        p.kill()
+        return True
+
     async def reap(self, timeout_s: float) -> None:
         await _reap(self.procs, timeout_s)
 
@@ -533,6 +546,7 @@ class _Restarts:
                 f"(max_restarts = {policy.max_restarts}{healthy}): earlier ends: {'; '.join(self.ends.get(group, []))}")
 
 
+_HELD = "(by the coordinator: held past its bound)"  # how a failed worker _end_held killed ended
 _ABANDONED = {"replay_incomplete": None, "stats": {"dropped": 0}, "events": {},
               "digests": {}, "trace": {}}  # a restart the run's end overtook; a worker the run's SIGTERM ended
 #: How a worker ends when a SIGTERM reaches it: its own clean exit (128 + 15), killed by it, or of a peer
@@ -573,6 +587,11 @@ class _Session:
         self.failed_at = 0.0  # (loop time: when its word came)
         self.failure: str | None = None  # its line (a recorded run's trace keeps it)
         self.traces: dict[str, Any] = {}  # a recording's failed workers: their events ("trace", before their error)
+        # Workers' checkpoint writes ("writing" words): those writing now, and when each last stopped.
+        self.writing: set[str] = set()
+        self.wrote_at: dict[str, float] = {}
+        self.failed_lives: dict[str, float] = {}  # failed workers not yet gone -> when their failure came (_held)
+        self.killed_held: set[str] = set()
 
     @property
     def host_of(self) -> Mapping[str, str]:
@@ -582,10 +601,11 @@ class _Session:
     def _check_children(self) -> None:
         r = self.restarts
         # A restart not started yet is still dead; one started and dead again has ended once more.
-        dead = {name: how for name, how in self.workers.dead().items()
-                if name not in self.results and name not in r.down}
+        dead = {name: (how[0], how[1] or _HELD) if name in self.killed_held else how
+                for name, how in self.workers.dead().items() if name not in self.results and name not in r.down}
         if not dead:
             return
+        self.killed_held -= set(dead)  # (its next life is another process)
         for name in dead:
             r.starting.pop(name, None)
             r.awaiting.pop(name, None)
@@ -782,16 +802,58 @@ class _Session:
             r.began[group] = time.monotonic()
             log.warning("worker %r is running again (restart %d)", group, r.lives[group])
 
+    def _note(self, peer: str, msg: Any) -> None:
+        """What a worker says beside its lifecycle: its events (``trace``, a recording's failed worker or a
+        survivor, before its error or shutdown) and its checkpoint writes (``writing``)."""
+        if msg[0] == "trace":
+            self.traces[peer] = msg[1]
+        elif msg[0] == "writing":
+            if msg[1]:
+                self.writing.add(peer)
+            else:
+                self.writing.discard(peer)
+                self.wrote_at[peer] = asyncio.get_running_loop().time()
+
+    def _end_held(self) -> list[str]:
+        """Failed workers held past their bound: their bound's thread (``FAILED_END_S`` after the failure,
+        ``_worker._leave_after``) ends them within milliseconds, or waits while they write a checkpoint (they
+        say so: ``writing``); one still there ``HELD_GRACE_S`` later, writing nothing (or ``HELD_GRACE_S``
+        after its last write ended), is held where that thread cannot run (a C call holding the interpreter):
+        it is killed, and said, here (it was reaped only ``FAILED_SAVE_S`` and more later, 135 s; under a
+        restart policy its group's next life waited for it). Over hosts, where no single worker is killed, it
+        is named and the run's reaping ends it. Returns those found held now."""
+        now = asyncio.get_running_loop().time()
+        dead = self.workers.dead()
+        held = []
+        for name, at in list(self.failed_lives.items()):
+            if name in dead:
+                del self.failed_lives[name]
+                continue
+            if name in self.writing or now < max(at + FAILED_END_S, self.wrote_at.get(name, 0.0)) + HELD_GRACE_S:
+                continue
+            del self.failed_lives[name]
+            held.append(name)
+            killed = self.workers.kill(name)
+            if killed:
+                self.killed_held.add(name)
+            log.warning("worker %r did not leave by its bound (%g s after its failure, %g s ago) and writes no "
+                        "checkpoint: it is held where its bound cannot end it (a call in C that holds the "
+                        "interpreter); %s", name, FAILED_END_S, now - at - FAILED_END_S,
+                        "killed (SIGKILL)" if killed else "the run's reaping ends it")
+        return held
+
     async def _batch(self) -> list[tuple[str, Any]]:
         batch = await self.ep.recv_batch(timeout_s=0.2)
-        self.traces.update((p, m[1]) for p, m in batch if m[0] == "trace")  # (each before its sender's error)
+        for peer, msg in batch:
+            self._note(peer, msg)
+        self._end_held()
         for peer, msg in batch:
             if msg[0] in ("refused", "error"):
                 # (a result in the same batch is kept: the others' stop waited FAILURE_STOP_S for it)
                 self.results.update((p, m[1]) for p, m in batch if m[0] == "done")
                 # It waits for our "exit" to leave: at once for a restart, else once the others were told.
                 self.failed = peer
-                self.failed_at = asyncio.get_running_loop().time()
+                self.failed_at = self.failed_lives[peer] = asyncio.get_running_loop().time()
                 if self.stopped_by is None and self.restarts.can_restart(peer):
                     if msg[0] == "refused":
                         # Not restarted (docs/reliability.md, "Refusals are not restarted"): a new life is given
@@ -891,18 +953,21 @@ class _Session:
         told: set[str] = set()  # done, then told "exit": waited for (briefly) before the reaping
         loop = asyncio.get_running_loop()
         end = loop.time() + FAILURE_STOP_S
-        while live and loop.time() < end:
+        # A survivor writing a checkpoint (its final one: what the run learned since the last) is waited for, up
+        # to FAILED_SAVE_S more, as a failed worker's is (it got FAILURE_STOP_S, then the reaping's TERM_GRACE_S,
+        # and a slower write was cut); one that writes nothing by FAILURE_STOP_S is reaped as before.
+        save_end = end + FAILED_SAVE_S
+        while live and (loop.time() < end or (live & self.writing and loop.time() < save_end)):
             try:
                 batch = await self.ep.recv_batch(timeout_s=0.1)
             except Exception:  # noqa: BLE001 - a link going down as the run ends changes nothing here
                 break
             for peer, msg in batch:
+                self._note(peer, msg)
                 if msg[0] == "done":
                     self.results[peer] = msg[1]  # (a recorded run's trace up to the failure takes its events)
                     live.discard(peer)
                     told.add(peer)
-                elif msg[0] == "trace":  # (another failed worker's events, before its error)
-                    self.traces[peer] = msg[1]
                 elif msg[0] in ("refused", "error"):  # another failure (in its shutdown, say): said, let go
                     self._also_failed(peer, msg)
                     live.discard(peer)
@@ -923,6 +988,7 @@ class _Session:
         # cut a slow final checkpoint (what the failed life learned since its last one). Those told "exit"
         # are given a moment to be gone before the reaping.
 
+        # One held where its bound's thread cannot run is killed HELD_GRACE_S past its bound (_end_held).
         until = max(end, loop.time() + 1.0)  # (once: a bound re-read each round never came)
         failed_until = until if self.failed is None else max(
             until, self.failed_at + FAILED_END_S + FAILED_SAVE_S + TERM_GRACE_S)  # (the last: its thread's leeway)
@@ -930,11 +996,18 @@ class _Session:
             left, now = told - set(self.workers.dead()), loop.time()
             if not left or now >= failed_until or (now >= until and self.failed not in left):
                 break
-            await asyncio.sleep(0.02)
+            if self.failed in self._end_held() and self.failed not in self.killed_held:
+                break  # (over hosts: the reaping ends it)
+            try:
+                for peer, msg in await self.ep.recv_batch(timeout_s=0.02):
+                    self._note(peer, msg)  # (the failed worker's writes)
+            except Exception:  # noqa: BLE001 - a link going down as the run ends changes nothing here
+                await asyncio.sleep(0.02)
         ended = self.workers.dead()
         for name in sorted(self.procs):  # (-v: how each ended, or that the reaping ends it)
-            log.info("worker %r %s", name, how_worker_ended(*ended[name]) if name in ended else
-                     "has not ended: the reaping stops it")
+            log.info("worker %r %s%s", name, how_worker_ended(*ended[name]) if name in ended else
+                     "has not ended: the reaping stops it",
+                     f" {_HELD}" if name in self.killed_held else "")
 
     def _also_failed(self, peer: str, msg: Any) -> None:
         """A worker's failure after the one that ends the run: logged (it was lost), and let go."""

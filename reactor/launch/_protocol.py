@@ -19,7 +19,8 @@ coordinator <- worker (only from the run's worker groups):
     ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
     ("replay_done",), ("ending", stop_pending, sent, received), ("done", result), ("error", text),
     ("refused", class_name, line) (a refusal: _errors.REFUSALS), ("reconnected", group)  (it links to a restarted group),
-    ("trace", events) (a recording worker that failed: its events, just before its "error" or "refused")
+    ("trace", events) (a recording worker that failed: its events, just before its "error" or "refused"),
+    ("writing", bool) (it began writing a checkpoint, or its last write in progress ended: _files.watch_writes)
 
 Stateful rules (a message behind its sender's promise) are checked where the state lives: in the
 worker, when it delivers (``Worker._take``).
@@ -281,6 +282,7 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "ending": (_bool, _count, _count),
     "done": (_result,),
     "trace": (_trace,),
+    "writing": (_bool,),
     "error": (_text,),
     "refused": (_refusal_name, _text),
     "reconnected": (_group,),

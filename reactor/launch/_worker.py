@@ -15,7 +15,8 @@ worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle
     ("ending", stop_pending, sent, received) (deterministic: it ended on its own, with its final
     counts; answered with "stop" and the run's reason), ("done", result), ("error", text) (a failure: its
     traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group),
-    ("trace", events) (a recording worker's events before its "error" or "refused": the run's trace up to its failure)
+    ("trace", events) (a recording worker's events before its "error" or "refused": the run's trace up to its failure),
+    ("writing", bool) (it began writing a checkpoint, or its last write in progress ended)
 coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
     ("lost", group, reason, life), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
@@ -46,7 +47,7 @@ from .._errors import (
     refusal_class,
     refusal_line,
 )
-from .._files import remove_cut_writes, writes_in_progress
+from .._files import remove_cut_writes, watch_writes, writes_in_progress
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
@@ -291,6 +292,7 @@ class Worker:
             self.peak_inbox = 0
             restartable = frozenset(spec.get("restartable", ())) if not spec["deterministic"] else frozenset()
             self.outbox = outbox = Outbox(ep, self.flow_limit, restartable)
+            self._watch_writes()
             self.keys, self.out_peers = keys, out_peers
             outbox.send(COORDINATOR, ("hello", ep.address, ep.local_address))
             peers = await self._wait_control("peers")
@@ -414,6 +416,7 @@ class Worker:
             # Stay until the coordinator says so: peers may still need our credit grants.
             await self._wait_control("exit", timeout_s=60)
         finally:
+            watch_writes(None)
             for group in list(self.retrying):
                 self._stop_retrying(group)
             await ep.aclose()
@@ -486,7 +489,8 @@ class Worker:
         self.reported = e  # (its coordinator says it: main() prints no second traceback)
         self._send_trace()  # (first: the coordinator writes the run's trace up to this failure)
         refused = refusal_class(e)
-        self._leave_by(FAILED_END_S, REFUSAL_EXIT_STATUS if refused is not None else 1)
+        # (its coordinator's bound, in its spec: the coordinator ends a held one past it)
+        self._leave_by(float(self.spec.get("failed_end_s", FAILED_END_S)), REFUSAL_EXIT_STATUS if refused is not None else 1)
         if refused is not None:  # (what it was given: one line, as under `single`; -v logs the traceback)
             log.info("%s refused the run", self.group, exc_info=e)
             line = str(e) if isinstance(e, GraphError) else refusal_line(e)  # (the command indents a graph's)
@@ -497,6 +501,29 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self.outbox.empty.wait()
+
+    def _watch_writes(self) -> None:
+        """Tell the coordinator when this process begins and ends writing a checkpoint (``("writing", bool)``:
+        :func:`~reactor._files.watch_writes`). After a failure it ends a worker that does not leave: one that
+        writes is waited for (a failed one ``FAILED_SAVE_S`` past its bound, a survivor as long), and one that
+        does not is held, its bound's thread unable to run (a C call holding the interpreter), and is killed
+        (it waited out the whole bound and its save's leeway, 135 s). Said from the writing thread before the
+        write begins: a write on this loop's thread holds the loop until it ends, so the word goes out at once
+        (the endpoint's ``flush``); another thread's goes through the loop."""
+        loop, here = asyncio.get_running_loop(), threading.get_ident()
+
+        def say(now: bool) -> None:
+            with contextlib.suppress(Exception):  # (a link going down as the run ends: nothing to tell)
+                self.outbox.send(COORDINATOR, ("writing", now))
+                self.ep.flush()
+
+        def said(now: bool) -> None:
+            if threading.get_ident() == here:
+                say(now)
+            else:
+                loop.call_soon_threadsafe(say, now)
+
+        watch_writes(said)
 
     def _send_trace(self) -> None:
         """A recording whose run failed (here, or elsewhere: the coordinator's ``stop("failure")``): this

@@ -6,6 +6,7 @@ coordinator reaps its children on every path.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from reactor import run
+from reactor import WorkerFailedError, run
 from reactor.launch import _coordinator, _signals
 from reactor.launch._app import build_graph
 
@@ -309,6 +310,51 @@ def test_a_workers_failure_stops_the_others_cleanly_and_their_shutdown_reactions
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+FAILING = str(APPS / "failing_source.py")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_worker_held_in_c_past_its_bound_is_killed_and_said_not_reaped_after_its_saves_leeway(
+        tmp_path, monkeypatch, caplog):
+    """Regression: a failed worker leaves by its bound (``FAILED_END_S`` after its failure), from a thread,
+    which cannot run while the worker holds the interpreter in a C call: its coordinator then waited out the
+    whole bound and a checkpoint's leeway (135 s) before the reaping. Workers now say when they write a
+    checkpoint, and one still there past its bound (and ``HELD_GRACE_S``) that writes none is killed, and
+    said. (The bound, 0.5 s here, goes to the workers in their spec.)"""
+    monkeypatch.setattr(_coordinator, "FAILED_END_S", 0.5)
+    monkeypatch.setenv("REACTOR_FORK_SERVER", "0")  # (no torch to preload: a quick start)
+    config = {"hold": True}
+    with caplog.at_level(logging.INFO, logger="reactor.coordinator"), \
+            pytest.raises(WorkerFailedError, match=r"^worker 'source' failed:\nValueError: source broke\n"):
+        _run(FAILING, config, placement="processes", deterministic=False)
+    assert ("worker 'source' did not leave by its bound (0.5 s after its failure" in caplog.text
+            and "and writes no checkpoint: it is held where its bound cannot end it (a call in C that holds the "
+                "interpreter); killed (SIGKILL)" in caplog.text), caplog.text
+    assert "worker 'source' was killed by SIGKILL (by the coordinator: held past its bound)" in caplog.text
+    assert "worker 'sink' exited with status 4 (stopped because the run failed)" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_survivor_writing_its_final_checkpoint_past_the_failure_stop_is_waited_for_not_cut(
+        tmp_path, monkeypatch, caplog):
+    """Regression: after a failure the others get ``FAILURE_STOP_S`` for their shutdown reactions, then the
+    reaping's SIGTERM (which a reaction writing on the event loop does not hear) and ``TERM_GRACE_S`` later
+    SIGKILL: a survivor's final checkpoint slower than that (a learner's ``learner.pt`` whose actor failed)
+    was cut, and what the run learned since the last one lost. A survivor that says it is writing is now
+    waited for, ``FAILED_SAVE_S`` at most, as a failed worker is. (0.3 s and 0.3 s here, for a 1.5 s write.)"""
+    monkeypatch.setattr(_coordinator, "FAILURE_STOP_S", 0.3)
+    monkeypatch.setattr(_coordinator, "TERM_GRACE_S", 0.3)
+    monkeypatch.setenv("REACTOR_FORK_SERVER", "0")
+    saved = tmp_path / "sink.ckpt"
+    saved.write_bytes(b"earlier")
+    config = {"save_file": str(saved), "save_s": 1.5}
+    with caplog.at_level(logging.INFO, logger="reactor.coordinator"), \
+            pytest.raises(WorkerFailedError, match=r"^worker 'source' failed:\nValueError: source broke\n"):
+        _run(FAILING, config, placement="processes", deterministic=False)
+    assert saved.read_bytes().endswith(b"saved whole") and not (tmp_path / ".sink.ckpt.tmp").exists()
+    assert "worker 'sink' exited with status 4 (stopped because the run failed)" in caplog.text, caplog.text
 
 
 def test_stopped_by_tells_a_shutdown_reaction_why_the_run_ended_under_single_and_processes(tmp_path):

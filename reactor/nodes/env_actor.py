@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .._files import read_small_json, replace_small
+from .._floodlog import FloodCounts, flood_logged, flood_tally
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import claim_run_dir, release_run_dir
@@ -151,6 +152,7 @@ class EnvActor(Reactor):
         self._resent_version: int | None = None  # ... by this actor's last life (a restart: see take_weights)
         self._progress_failed = False
         self.held = False  # stepping paused by flow control
+        self._bad_acks = FloodCounts()  # (take_ack: malformed ones dropped, logged by the flood rule)
         self.env_steps = 0
         self.episodes = 0
         self.version = -1
@@ -232,7 +234,17 @@ class EnvActor(Reactor):
     def take_ack(self, acks: InsertAck) -> None:
         if not hasattr(self, "writer"):  # on-policy actors have no writer: nothing to count
             return
-        self.writer.acknowledged(acks.shard)
+        shard = acks.shard
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < self.writer.num_shards:
+            # A peer's malformed word: dropped and logged, as a shard does a bad message (Writer.acknowledged's
+            # ValueError ended the run as a refusal of what its user had given it).
+            n = self._bad_acks.hit("shard")
+            if flood_logged(n):
+                logging.getLogger("reactor.actor").warning(
+                    "%s dropped an InsertAck naming shard %r, outside [0, %d)%s", self.name, shard,
+                    self.writer.num_shards, flood_tally(n))
+            return
+        self.writer.acknowledged(shard)
         if self.held and not self._over_limit():
             self.held = False
             self.tick.schedule(delay_s=self.step_s)

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import PeerLostError
+from .._errors import PeerLostError, ReactorInternalError
 from .._files import os_error_in, refuse_file_links, replace_small, replacing
 from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted, reaction, shutdown, startup
 from .._runclaim import check_resumable, claim_run_dir, release_run_dir
@@ -1189,8 +1189,11 @@ class RolloutLearner(_LearnerBase):
                 "at %d)", self.name, rollouts.actor, rollouts.version, self.updates)
             return
         if rollouts.version != self.updates:
-            raise ValueError(f"{self.name}: rollout from actor {rollouts.actor} was collected with weights "
-                             f"{rollouts.version}, expected {self.updates} (synchronous on-policy learning)")
+            # (Weights this life never sent: no setting of its user's makes that, so not a refusal's one line
+            # blaming what the run was given, a ValueError, as it was: reactor's own inconsistency.)
+            raise ReactorInternalError(f"{self.name}: rollout from actor {rollouts.actor} was collected with weights "
+                                       f"{rollouts.version}, which this learner (at update {self.updates}, restart "
+                                       f"{self.restarts}) never sent (synchronous on-policy learning)")
         self.pending[rollouts.actor] = rollouts
         if len(self.pending) < self.num_actors:
             return

@@ -208,7 +208,7 @@ class Metrics(Reactor):
 
     @reaction(triggers=[reports])
     def record(self, reports: Report) -> None:
-        src, values = reports.source, reports.values
+        src, values = reports.source, _numbers(self.name, reports)
         self.recorded = True
         self._begin()
         before = self.latest.get(src, {})
@@ -416,6 +416,35 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def _numbers(me: str, report: Report) -> dict[str, Any]:
+    """``report``'s values, each a number (a one-element tensor, as a learner's metrics may be, as its float).
+
+    Raises:
+        ValueError: a value that is not a number, or a source or name that is not a string, naming the report's
+            source and the value's name: a node's report (one of its user's own nodes: reactor's send numbers).
+            Python's float() said it as "could not convert string to float: 'x'" (a refusal naming nothing), or
+            as a TypeError traceback in this node (read as reactor's bug).
+    """
+    src, values = report.source, report.values
+    if not isinstance(src, str) or not isinstance(values, dict):
+        raise ValueError(f"{me}: a Report's source must be a node's name and its values a dict of numbers by name, got "
+                         f"source {src!r:.80} and values {type(values).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if not isinstance(k, str):
+            raise ValueError(f"{me}: the Report of {src!r:.80} names a value {k!r:.80}: names are strings")
+        if isinstance(v, numbers.Real):
+            out[k] = v
+            continue
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError, RuntimeError):  # (torch: a tensor of more than one element)
+            raise ValueError(f"{me}: the Report of {src!r:.80} holds {k!r:.80} = {v!r:.80}, not a number: a Report's "
+                             f"values are numbers by name (counters such as env_steps, latest values such as loss)"
+                             ) from None
+    return out
 
 
 def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None) -> str:

@@ -178,18 +178,23 @@ def test_a_restarted_on_policy_learner_drops_a_rollout_of_its_last_lifes_weights
     """A restarted on-policy learner resumes from its checkpoint, older than the weights its last life sent:
     an actor that finished a rollout with those before it heard of the restart sent it to the new life,
     whose "collected with weights 7, expected 5" ValueError, reactor's own, ended the run as a refusal
-    (refusals are not restarted). Such a rollout is dropped, said; a learner that never restarted still
-    refuses one from weights it never sent."""
+    (refusals are not restarted). Such a rollout is dropped, said. A learner that never restarted fails on
+    one from weights it never sent: reactor's own inconsistency (``ReactorInternalError``, its traceback), not,
+    as the ValueError was, a refusal's one line blaming what the run was given (the audit of the ValueErrors
+    raised at run time in reactor/nodes)."""
     import logging
 
+    from reactor._errors import ReactorInternalError, refusal_class
     from reactor.nodes.learner import RolloutLearner
     from reactor.nodes.train_messages import Rollout
 
     learner = RolloutLearner("ppo", "CartPole-v1")
     learner.name, learner.updates = "learner", 5
     rollout = Rollout(0, 7, {"reward": torch.zeros(4, 1)})
-    with pytest.raises(ValueError, match=r"^learner: rollout from actor 0 was collected with weights 7, expected 5 "):
+    with pytest.raises(ReactorInternalError, match=r"^learner: rollout from actor 0 was collected with weights 7, "
+                                                   r"which this learner \(at update 5, restart 0\) never sent ") as e:
         learner.learn(rollout)
+    assert refusal_class(e.value) is None
     learner.restarts = 1
     with caplog.at_level(logging.WARNING, logger="reactor.learner"):
         learner.learn(rollout)

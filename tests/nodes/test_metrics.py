@@ -589,3 +589,38 @@ def test_reactor_plot_refuses_a_target_that_is_not_a_finite_number(tmp_path, tar
     p = subprocess.run([sys.executable, "-m", "reactor.cli", "plot", str(tmp_path), "--target", target],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and f"argument --target: a finite number expected, got '{target}'" in p.stderr, p.stderr
+
+
+class OddReporter(Reactor):
+    """Reports a loss as a one-element tensor (as a learner's metrics may be), then a value that is not a number."""
+
+    report = Output(Report)
+    again = Action()
+
+    @reaction(triggers=[startup], effects=[report, again])
+    def first(self) -> None:
+        import torch
+
+        self.report.send(Report(self.name, {"loss": torch.tensor(0.5)}))
+        self.again.schedule(delay_s=0.001)
+
+    @reaction(triggers=[again], effects=[report])
+    def second(self) -> None:
+        self.report.send(Report(self.name, {"note": "warming up"}))
+
+
+def test_a_report_value_that_is_not_a_number_is_refused_naming_its_source_and_name(tmp_path):
+    """Regression (the audit of the ValueErrors raised at run time in reactor/nodes): a Report from a node of
+    the user's own holding a value that is not a number ended the run in Python's words, naming no node and no
+    value ("could not convert string to float: 'warming up'"; None was a TypeError traceback in Metrics, read
+    as reactor's bug), and a one-element tensor was written to metrics.csv as "tensor(0.5000)". The refusal
+    names the source and the value; a tensor counts as its float."""
+    g = Graph()
+    r = g.add(OddReporter(), name="mine")
+    m = g.add(Metrics(str(tmp_path), live=False), name="metrics")
+    g.connect(r.report, m.reports)
+    with pytest.raises(ValueError, match=r"^metrics: the Report of 'mine' holds 'note' = 'warming up', not a number: a "
+                                         r"Report's values are numbers by name \(counters such as env_steps"):
+        run(g)
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert [(r["source"], r["name"], r["value"]) for r in csv.DictReader(f)] == [("mine", "loss", "0.5")]

@@ -347,3 +347,39 @@ def test_end_sends_what_is_ready_then_an_end_marker_to_every_shard_that_is_up_on
     assert [(m.shard, m.last) for m in again] == [(0, True)]
     fresh = Writer(FIELDS, num_streams=2, pattern=TransitionPattern(), num_shards=3)
     assert fresh.shard_restarted(0) == []  # (not ended: nothing to say)
+
+
+def test_an_actor_drops_an_ack_naming_a_shard_it_does_not_have_instead_of_refusing_the_run(caplog):
+    """Regression (the audit of the ValueErrors raised at run time in reactor/nodes): an InsertAck naming a
+    shard outside the actor's (a peer's malformed word: the launch protocol checks a message's class, not its
+    fields) reached ``Writer.acknowledged``'s ValueError, which ended the run as a refusal, one line blaming
+    what the run was given. The actor drops it, logged, and steps on."""
+    import logging
+
+    from reactor import Graph, Input, Output, Reactor, reaction, run, startup
+    from reactor.nodes.env_actor import EnvActor
+    from reactor.nodes.messages import InsertAck, Steps
+
+    class Stray(Reactor):
+        out = Output(InsertAck)
+
+        @reaction(triggers=[startup], effects=[out])
+        def send(self) -> None:
+            self.out.send(InsertAck(0, 7, 0))
+
+    class Sink(Reactor):
+        inp = Input(Steps, required=True)
+
+        @reaction(triggers=[inp])
+        def take(self, inp: Steps) -> None:
+            pass
+
+    g = Graph()
+    actor = g.add(EnvActor("dqn", "CartPole-v1", num_shards=2, max_env_steps=64, flush_steps=16), name="actor")
+    stray, sink = g.add(Stray(), name="stray"), g.add(Sink(), name="sink")
+    g.connect(stray.out, actor.acks, delay_s=1e-6)
+    g.connect(actor.steps, sink.inp, delay_s=1e-6)
+    with caplog.at_level(logging.WARNING, logger="reactor.actor"):
+        result = run(g)
+    assert result.events["sink"] > 2, result.events  # (it stepped on to its budget)
+    assert "actor dropped an InsertAck naming shard 7, outside [0, 2)" in caplog.messages

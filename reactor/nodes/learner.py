@@ -54,11 +54,13 @@ of 30 minutes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
 import os
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,7 @@ class _LearnerBase(Reactor):
             del self.state  # (nothing is saved at shutdown: _finish)
             raise
         self._learn_checked = False  # (what learn returns is checked on its first call)
+        self._watch_steps()
         self.learn_step = LearnStep(self.algo.learn, self.compile, self.torch_device, self.name,
                                     replicas=self.bank_size)
         self.updates = 0
@@ -189,6 +192,37 @@ class _LearnerBase(Reactor):
                 "weights; the replay and the actors' schedules go on from theirs", self.name, self.run_dir)
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
+
+    #: An update under way (:meth:`_learning`): set as ``learn`` begins, cleared once it has returned and
+    #: been counted; left set by one an error cut short.
+    _cut = False
+    _params: list[Any] = []  # (the parameters the state's optimizers step: _watch_steps)
+    _versions = 0
+
+    def _watch_steps(self) -> None:
+        """The parameters the state's optimizers step, whose in-place versions (``Tensor._version``, which
+        every in-place change counts) tell an update cut short before it changed any (an error before its first
+        optimizer step) from one cut after (a critic stepped, an actor not; its counters out of step with
+        them): :meth:`_finish_files`. Read outside ``learn``, which may be compiled: a step hook in it is
+        a side effect the compiler has to break its graph for."""
+        self._params = [p for opt in _optimizers(self.state) for g in opt.param_groups for p in g["params"]]
+
+    def _parameter_versions(self) -> int:
+        return sum(p._version for p in self._params)
+
+    def _stepped(self) -> bool:
+        """Whether the update under way changed a parameter (True when none is known: no optimizer found)."""
+        return not self._params or self._parameter_versions() != self._versions
+
+    @contextlib.contextmanager
+    def _learning(self) -> Iterator[None]:
+        """One update (the algorithm's ``learn``): what :meth:`_finish_files` reads to tell a state that holds
+        whole updates from one an error cut short in the middle of one (left set when ``learn`` raises: an
+        algorithm's bug, a device out of memory, a data-parallel all-reduce that another replica's death
+        failed, a second Ctrl-C between its lines)."""
+        self._cut, self._versions = True, self._parameter_versions()
+        yield
+        self._cut = False
 
     def restart_loses(self) -> str:
         if not self.run_dir:
@@ -554,6 +588,16 @@ class _LearnerBase(Reactor):
             self._leave_unmet_bank()
             return
         self._leave_bank()
+        if self._cut and self._stepped():
+            # An update an error cut short once it had changed a parameter (or where that cannot be told: no
+            # optimizer found in the state): the state may hold part of it, its counters out of step with it.
+            # Saved, it was resumed as is (a restart, resume=True); the last checkpoint stays instead.
+            kept = ("its state is not saved" if self.ckpt is None or self.bank_index != 0 else
+                    f"{self.ckpt} is left as saved at update {self._saved_at}" if self._saved_at is not None else
+                    f"no {self.ckpt.name} is saved (none was in this life)")
+            _say(f"{self.name}: update {self.updates + 1} was cut short by an error once it had changed the networks: "
+                 f"the state may hold part of it, so {kept}; {self.updates} whole updates")
+            return
         saved = self._maybe_checkpoint(force=True)  # replica 0 only (it hashed the weights: not twice)
         self.weights_sha256 = saved or weights_sha256(self.algo.policy_weights(self.state))
         if self.run_dir and self.bank_index == 0:
@@ -1066,14 +1110,14 @@ class Learner(_LearnerBase):
 
         data = dict(batch.data)
         data["weights"] = torch.as_tensor(batch.weights)
-        with denormals_flushed():
+        with denormals_flushed(), self._learning():
             learned = self.learn_step(self.state, self._on_device(data))
+            self.updates += 1  # (counted with it: a check of what it returned that fails leaves no count behind)
+            self.samples += len(batch.keys)
         if not self._learn_checked:
             check_learn(self.algo, learned, len(batch.keys))
             self._learn_checked = True
         metrics, priorities = learned
-        self.updates += 1
-        self.samples += len(batch.keys)
         if priorities is not None:
             for m in self.client.update_priorities(batch.keys, priorities.detach().cpu().numpy()):
                 self.priorities.send(m)
@@ -1201,14 +1245,14 @@ class RolloutLearner(_LearnerBase):
         self.pending = {}
         dims = {k: (0 if k == "last_obs" else 1) for k in parts[0]}
         batch = {k: torch.cat([p[k] for p in parts], dim=dims[k]) for k in parts[0]}
-        with denormals_flushed():
+        with denormals_flushed(), self._learning():
             learned = self.learn_step(self.state, self._on_device(batch))
+            self.updates += 1
+            self.samples += int(batch["reward"].numel())
         if not self._learn_checked:
             check_learn(self.algo, learned, None)
             self._learn_checked = True
         metrics, _ = learned
-        self.updates += 1
-        self.samples += int(batch["reward"].numel())
         if self.max_updates is not None and self.updates > self.max_updates:
             return
         self.weights.send(self._weights())

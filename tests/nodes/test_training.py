@@ -555,3 +555,26 @@ def test_an_env_given_as_a_function_or_an_object_is_refused_saying_how_to_name_o
     with pytest.raises(ValueError, match=r"^env must be a gymnasium id such as 'CartPole-v1', or 'module:Id' for an "
                                          r"env of your own .* got <function .*<lambda>"):
         off_policy_graph(algo="dqn", env=lambda: None, run_dir="unused")
+
+
+def test_a_learner_whose_update_an_error_cut_short_keeps_its_last_checkpoint_not_the_half_update(
+        tmp_path, monkeypatch, capsys):
+    """Regression: a learner whose update failed once its optimizer had stepped (an algorithm's bug, a device
+    out of memory, an all-reduce failed between two optimizers' steps, a second Ctrl-C between learn's
+    lines) saved that state at its shutdown as its final checkpoint: networks and moments one step on, the
+    update and the algorithm's counters not, and a restart or resume=True took it as is. Its last checkpoint
+    stays instead, said."""
+    from reactor.nodes.training import off_policy_graph
+
+    monkeypatch.setenv("REACTOR_CUT_AT", "25")
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"^update 25 broke after its optimizer step$"):
+        run(off_policy_graph(algo="tests.nodes.cut_update", env="CartPole-v1", run_dir=str(run_dir), actors=1,
+                             shards=1, min_size=200, samples_per_insert=8.0, batch_size=32, eval_every_updates=1000,
+                             max_env_steps=2000, capacity=10_000, live=False, checkpoint_every=10))
+    saved = torch.load(run_dir / "learner.pt", weights_only=True)
+    assert saved["updates"] == 20 and saved["algo"]["updates"] == 20, (saved["updates"], saved["algo"]["updates"])
+    assert (f"learner: update 25 was cut short by an error once it had changed the networks: the state may hold part "
+            f"of it, so {run_dir / 'learner.pt'} is left as saved at update 20; 24 whole updates") \
+        in capsys.readouterr().out
+

@@ -927,7 +927,7 @@ def _training_result(graph: Any, started: float) -> dict[str, Any]:
 def _print_training_result(got: dict[str, Any]) -> None:
     """A run over hosts: the lines Metrics printed at its end on its host (into that daemon's log),
     here, from the summary that came back with the run's files."""
-    from .nodes.metrics import result_lines
+    from .nodes.metrics import eval_age, result_lines
 
     summary = got.get("summary")
     if not isinstance(summary, dict):
@@ -935,7 +935,8 @@ def _print_training_result(got: dict[str, Any]) -> None:
     last, why = summary.get("last_eval_return"), summary.get("stop_reason")
     plot = Path(got["run_dir"]) / "curves.png"
     print(result_lines(last if isinstance(last, (int, float)) and not isinstance(last, bool) else None,
-                       why if isinstance(why, str) else "-", got["run_dir"], plot if plot.is_file() else None))
+                       why if isinstance(why, str) else "-", got["run_dir"], plot if plot.is_file() else None,
+                       eval_age(summary, got["run_dir"])))
 
 
 @contextlib.contextmanager

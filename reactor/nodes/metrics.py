@@ -127,6 +127,7 @@ class Metrics(Reactor):
         self.totals: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.best_eval: float | None = None
         self.last_eval: float | None = None
+        self.last_eval_updates: int | None = None  # the learner updates of the weights it evaluated (their version)
         self.evals: list[tuple[float, float, float]] = []  # (wall_s, env_steps, eval_return)
         self.stop_reason = ""
         self.recorded = False  # a report reached this life (a failed one without any leaves no summary)
@@ -226,6 +227,8 @@ class Metrics(Reactor):
         if "eval_return" in values:
             ret = float(values["eval_return"])
             self.last_eval = ret
+            version = values.get("version")  # (the Evaluator's: the learner updates of the weights evaluated)
+            self.last_eval_updates = int(version) if isinstance(version, numbers.Real) and math.isfinite(version) else None
             self.best_eval = ret if self.best_eval is None else max(self.best_eval, ret)
             self.evals.append((wall, steps, ret))
             if self.target_return is not None and ret >= self.target_return and not self.stop_reason:
@@ -358,6 +361,10 @@ class Metrics(Reactor):
             "updates": int(self.totals["updates"]),
             "episodes": int(self.totals["episodes"]),
             "last_eval_return": self.last_eval,
+            # How old that figure is at the end (a run that stops on its budget stops between evaluations):
+            # the updates of the weights it evaluated, and the env steps when it came.
+            "last_eval_updates": self.last_eval_updates,
+            "last_eval_env_steps": int(self.evals[-1][1]) if self.evals else None,
             "best_eval_return": self.best_eval,
             "target_return": self.target_return,
             "reached_target": self.best_eval is not None
@@ -390,7 +397,8 @@ class Metrics(Reactor):
             logging.getLogger("reactor.metrics").warning("%s: %s (reactor plot %s draws it later)", self.name,
                                                          e.strerror or e, self.dir)
         # The result, also without live progress: a run that ends silently leaves its user guessing.
-        print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot), flush=True)
+        print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot, eval_age(summary, self.dir)),
+              flush=True)
 
 
 #: Why a run ended that none of this node's own reasons (a target, a budget) explains: the runtime's.
@@ -447,11 +455,41 @@ def _numbers(me: str, report: Report) -> dict[str, Any]:
     return out
 
 
-def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None) -> str:
-    """The two lines a training run ends with: its last evaluation and why it stopped, then where its
-    files are (Metrics prints them on its host; ``reactor run --hosts`` again at the terminal)."""
+def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None, age: str = "") -> str:
+    """The two lines a training run ends with: its last evaluation (``age``: how old it is, :func:`eval_age`)
+    and why it stopped, then where its files are (Metrics prints them on its host; ``reactor run --hosts``
+    again at the terminal, from the summary)."""
     ev = "-" if last_eval is None else f"{last_eval:.1f}"
-    return f"evaluation return {ev}; stopped: {stop_reason}\nrun directory {run_dir}" + (f"; plot {plot}" if plot else "")
+    return (f"evaluation return {ev}{f' ({age})' if age else ''}; stopped: {stop_reason}\nrun directory {run_dir}"
+            + (f"; plot {plot}" if plot else ""))
+
+
+def eval_age(summary: dict[str, Any], run_dir: Any) -> str:
+    """How old a run's last evaluation is at its end, in words for its result line; "" when it is the end's
+    (no update or env step came after it) or it stopped the run (its target reached), or there is none.
+
+    A run that stops on its budget (or a signal, a stop time) stops between evaluations: its line gave the
+    last periodic figure as the run's, up to ``eval_every_updates`` old, without a word. It says the weights'
+    update and the env steps of that evaluation, the run's at its end, and that ``reactor eval`` evaluates the
+    final weights (an evaluation at every stop would cost each run its episodes, and the on-policy learner
+    does not know its last update)."""
+    if summary.get("last_eval_return") is None or summary.get("reached_target"):
+        return ""
+    updates, steps = summary.get("updates"), summary.get("env_steps")
+    at_updates, at_steps = summary.get("last_eval_updates"), summary.get("last_eval_env_steps")
+    # (by the updates where they are known: the final weights are those evaluated when no update came after,
+    # however many env steps did)
+    if isinstance(at_updates, int) and isinstance(updates, int):
+        if at_updates >= updates:
+            return ""
+    elif not (isinstance(at_steps, int) and isinstance(steps, int) and at_steps < steps):
+        return ""
+    of = f"of the weights at update {at_updates:,}, " if isinstance(at_updates, int) else ""
+    when = f"at {at_steps:,} env steps" if isinstance(at_steps, int) else ""
+    end = " and ".join(x for x in (f"update {updates:,}" if isinstance(updates, int) else "",
+                                   f"{steps:,} env steps" if isinstance(steps, int) else "") if x)
+    return (f"the last evaluation, {of}{when}; the run ended at {end}: reactor eval {run_dir} evaluates its final "
+            f"weights")
 
 
 def _counts_ok(counts: Any) -> bool:

@@ -578,3 +578,28 @@ def test_a_learner_whose_update_an_error_cut_short_keeps_its_last_checkpoint_not
             f"of it, so {run_dir / 'learner.pt'} is left as saved at update 20; 24 whole updates") \
         in capsys.readouterr().out
 
+
+def test_a_run_stopped_by_its_budget_says_how_old_its_last_evaluation_is(tmp_path, capsys):
+    """Regression: a run that stops on its budget stops between evaluations, and its result line gave the
+    last periodic figure as the run's (up to eval_every_updates old) without a word. The line and the summary
+    now say which weights it evaluated and when, against the run's end, and how to evaluate the final
+    weights; a run whose last evaluation is of its final weights (or met the target) says nothing more."""
+    from reactor.nodes.training import off_policy_graph
+
+    run_dir = tmp_path / "run"
+    run(off_policy_graph(algo="tests.nodes.linear_q", env="CartPole-v1", run_dir=str(run_dir), actors=1, shards=1,
+                         min_size=200, samples_per_insert=8.0, batch_size=32, eval_every_updates=100, eval_episodes=2,
+                         max_env_steps=1200, capacity=10_000, live=False))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_eval_updates"] == 400 and summary["updates"] > 400, summary
+    assert 0 < summary["last_eval_env_steps"] <= summary["env_steps"] == 1200, summary
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert line == (f"evaluation return {summary['last_eval_return']:.1f} (the last evaluation, of the weights at update "
+                    f"400, at {summary['last_eval_env_steps']:,} env steps; the run ended at update "
+                    f"{summary['updates']:,} and 1,200 env steps: reactor eval {run_dir} evaluates its final weights); "
+                    f"stopped: the actors' env-step budget reached (1,200 env steps, max_env_steps 1,200), and the "
+                    f"learner took what the replay allowed"), line
+    from reactor.nodes.metrics import eval_age
+
+    assert eval_age({**summary, "last_eval_updates": summary["updates"]}, run_dir) == ""  # (the final weights')
+    assert eval_age({**summary, "reached_target": True}, run_dir) == ""

@@ -193,10 +193,11 @@ class OfflineLearner(_LearnerBase):
     @reaction(triggers=[tick], effects=[tick, weights, report])
     def learn(self) -> None:
         batch = self.replay.sample(self.batch_size, self.generator)
-        metrics, priorities = self.learn_step(self.state, batch)
+        with self._learning():  # (one that an error cuts short is not saved as the final checkpoint: _finish)
+            metrics, priorities = self.learn_step(self.state, batch)
+            self.updates += 1
         if priorities is not None:
             self.replay.update_priorities(batch["keys"], priorities.detach())
-        self.updates += 1
         if self.updates % self.weights_every == 0:
             self.weights.send(self._weights())
         if self.updates % self.report_every == 0 or self.updates == self.max_updates:

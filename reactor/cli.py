@@ -378,13 +378,9 @@ def entry() -> None:
     rc = main()
     if not _NO_TEARDOWN:
         sys.exit(rc)
-    import atexit
+    from .launch._runtime import exit_without_teardown
 
-    atexit._run_exitfuncs()  # (logging's flush, a kept fork server's stop, temporary directories)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(rc)
+    exit_without_teardown(rc)
 
 
 def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:

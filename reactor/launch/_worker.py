@@ -977,5 +977,7 @@ def main() -> int:
     return worker.exit_status(0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # (a new interpreter: REACTOR_FORK_SERVER=0, or no fork server)
+    from ._runtime import exit_without_teardown
+
+    exit_without_teardown(main())  # (as a forked worker leaves: its server's os._exit)

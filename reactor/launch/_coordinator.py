@@ -970,7 +970,13 @@ class _Session:
         # to FAILED_SAVE_S more, as a failed worker's is (it got FAILURE_STOP_S, then the reaping's TERM_GRACE_S,
         # and a slower write was cut); one that writes nothing by FAILURE_STOP_S is reaped as before.
         save_end = end + FAILED_SAVE_S
-        while live and (loop.time() < end or (live & self.writing and loop.time() < save_end)):
+
+        def waited_for(now: float) -> bool:
+            """A survivor still writing is, and one whose write ended: FAILURE_STOP_S more from its end, for the
+            rest of its shutdown (it was cut between its write's end and its result)."""
+            return any(p in self.writing or now < self.wrote_at.get(p, -math.inf) + FAILURE_STOP_S for p in live)
+
+        while live and (loop.time() < end or (waited_for(loop.time()) and loop.time() < save_end)):
             try:
                 batch = await self.ep.recv_batch(timeout_s=0.1)
             except Exception:  # noqa: BLE001 - a link going down as the run ends changes nothing here

@@ -623,7 +623,7 @@ class _Session:
             for name in [n for n in dead if dead[n][0] in _ENDED_BY_SIGTERM or dead[n][0] is None]:
                 log.warning("worker %r %s as the run stopped on SIGTERM, which reached it too (a stop of the whole "
                             "process group or job): its shutdown reactions may not have run", name,
-                            _how_ended(*dead.pop(name)))
+                            how_worker_ended(*dead.pop(name)))
                 self.results[name] = _ABANDONED
             if not dead:
                 return

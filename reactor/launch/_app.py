@@ -143,7 +143,7 @@ def blamed_setting(e: BaseException, message: str, app: str | os.PathLike[str] |
     (apps/demo.py:83)`` named the app line alone, and the user had to find which ``--set`` fed it. An
     item is the one when the refusal is at an app line (cited in ``message``, or where ``e``'s traceback
     last passed through the app), shows its value (beside the app lines it cites) and does not name its
-    key already, and that line reads its key (``config.KEY``, ``config["KEY"]``) or reads none of the
+    key already (nor any other given item's key: that one is told), and that line reads its key (``config.KEY``, ``config["KEY"]``) or reads none of the
     items' keys (``build(config)`` handing the whole config to a graph builder); and when it is the only
     such item (two of one value, say, are not told apart: None). None too when ``e`` is at no app line.
     """
@@ -176,8 +176,9 @@ def blamed_setting(e: BaseException, message: str, app: str | os.PathLike[str] |
         key, _, _ = item.partition("=")
         given[key.strip()] = item
     values = parse_overrides(list(given.values()))
-    named = [k for k, v in values.items() if re.search(rf"(?<![\w.]){re.escape(repr(v))}(?![\w.])", shown)
-             and not re.search(rf"(?<![\w.-]){re.escape(k)}(?![\w.-])", shown)]  # (a key it names is told already)
+    if any(re.search(rf"(?<![\w.-]){re.escape(k)}(?![\w.-])", shown) for k in values):
+        return None  # (it names a setting given already: "config key 'capacity' is 200 over 2 shard(s)" is not shards=2's)
+    named = [k for k, v in values.items() if re.search(rf"(?<![\w.]){re.escape(repr(v))}(?![\w.])", shown)]
     if not named:
         return None
     try:

@@ -591,11 +591,12 @@ def test_a_run_stopped_by_its_budget_says_how_old_its_last_evaluation_is(tmp_pat
                          min_size=200, samples_per_insert=8.0, batch_size=32, eval_every_updates=100, eval_episodes=2,
                          max_env_steps=1200, capacity=10_000, live=False))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["last_eval_updates"] == 400 and summary["updates"] > 400, summary
+    # (250 updates: 8 samples an env step past min_size, 32 a batch; evaluations every 100, the last at 200)
+    assert summary["last_eval_updates"] == 200 and summary["updates"] == 250, summary
     assert 0 < summary["last_eval_env_steps"] <= summary["env_steps"] == 1200, summary
     line = capsys.readouterr().out.splitlines()[-2]
     assert line == (f"evaluation return {summary['last_eval_return']:.1f} (the last evaluation, of the weights at update "
-                    f"400, at {summary['last_eval_env_steps']:,} env steps; the run ended at update "
+                    f"200, at {summary['last_eval_env_steps']:,} env steps; the run ended at update "
                     f"{summary['updates']:,} and 1,200 env steps: reactor eval {run_dir} evaluates its final weights); "
                     f"stopped: the actors' env-step budget reached (1,200 env steps, max_env_steps 1,200), and the "
                     f"learner took what the replay allowed"), line

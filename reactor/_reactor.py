@@ -499,16 +499,6 @@ class Reactor:
         ending (a stop heard mid-run sets it as the last events run)."""
         return getattr(self._host, "stop_reason", None)
 
-    @property
-    def run_begun(self) -> bool:
-        """Whether the run has begun: every reactor of the run (in every process) ran its startup reactions.
-        Until then a start may still be refused elsewhere (a resume whose checkpoint does not load, a shard's
-        restore), and a node that keeps files in a run directory writes nothing there: a refused start leaves
-        the run directory as it was, however late the refusal comes (docs/architecture.md). A run that
-        ends before it began (a refusal, a failure or a signal at its start) writes nothing at its shutdown
-        either. True outside a run (a node's reactions called directly)."""
-        return bool(getattr(self._host, "begun", True))
-
     def restart_loses(self) -> str:
         """What a new life of this reactor (a restart policy, async runs) would start without, in words
         (``"its learning: ..."``), or ``""`` when it resumes whole. Called on the graph's prototype before

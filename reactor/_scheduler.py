@@ -191,11 +191,6 @@ class ReactorHost:
         self.stop_reason: str | None = None
         self.failure: BaseException | None = None
         self.shutdown_failure: Exception | None = None  # the first shutdown reaction that failed (run_shutdown)
-        # Whether the run has begun: every reactor of the run ran its startup reactions (Reactor.run_begun). Here
-        # once this process's have, in one process; across processes its worker hears it from the coordinator
-        # (``on_started`` tells the worker this process's are done).
-        self.begun = False
-        self.on_started: Callable[[], None] | None = None
         links = graph.links()
         self.links = links
         local_set = set(local)
@@ -212,7 +207,6 @@ class ReactorHost:
         if missing:
             raise ReactorInternalError(f"placement names reactors not in the graph: {sorted(missing)}")
         self.stats = {n: ReactorStats() for n in self.reactors}
-        self._startups_left = len(self.reactors)
         # Routing: (src instance, src port) -> routes, one per declared connection.
         by_conn: dict[tuple[str, str, int], list[Link]] = {}
         for lk in links:
@@ -663,12 +657,6 @@ class ReactorHost:
             for spec in self._by_trigger.get((t, "startup"), ()):
                 await self._fire(r, spec)
             self._blocking.discard((name, "startup"))  # (it runs once)
-            self._startups_left -= 1
-            if self._startups_left == 0:  # (every local reactor's startup ran, none failed)
-                if self.on_started is not None:
-                    self.on_started()
-                else:
-                    self.begun = True
         elif kind == PEER:
             trigger, r.peer_change = payload
             try:

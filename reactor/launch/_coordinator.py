@@ -592,10 +592,6 @@ class _Session:
         self.wrote_at: dict[str, float] = {}
         self.failed_lives: dict[str, float] = {}  # failed workers not yet gone -> when their failure came (_held)
         self.killed_held: set[str] = set()
-        # The workers whose reactors ran their startups ("started"), and whether all had: the run has begun
-        # ("begun", told to every worker: a node writes nothing in a run directory before).
-        self.started: set[str] = set()
-        self.begun = False
 
     @property
     def host_of(self) -> Mapping[str, str]:
@@ -808,18 +804,9 @@ class _Session:
 
     def _note(self, peer: str, msg: Any) -> None:
         """What a worker says beside its lifecycle: its events (``trace``, a recording's failed worker or a
-        survivor, before its error or shutdown), that its reactors' startups ran (``started``: once every
-        worker's have, the run has begun, and each hears ``begun``), and its checkpoint writes (``writing``)."""
+        survivor, before its error or shutdown) and its checkpoint writes (``writing``)."""
         if msg[0] == "trace":
             self.traces[peer] = msg[1]
-        elif msg[0] == "started":
-            self.started.add(peer)
-            if self.begun:  # (a restarted life: the run began before it)
-                with contextlib.suppress(Exception):
-                    self.ep.send_nowait(peer, ("begun",))
-            elif self.started >= set(self.procs):
-                self.begun = True
-                self._broadcast(("begun",))
         elif msg[0] == "writing":
             if msg[1]:
                 self.writing.add(peer)

@@ -15,10 +15,8 @@ worker <- worker (only from a process that owns the link's source):
 worker <- coordinator (only from the coordinator):
     ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
     ("lost", group, reason, life), ("restarted", group, address, restarts)   restart policies (async runs)
-    ("begun",)   every worker's reactors ran their startup reactions: nodes may write in run directories
 coordinator <- worker (only from the run's worker groups):
-    ("hello", address, local_address), ("ready",), ("started",) (its reactors' startup reactions ran),
-    ("status", epoch, idle, sent, received), ("stop_request",),
+    ("hello", address, local_address), ("ready",), ("status", epoch, idle, sent, received), ("stop_request",),
     ("replay_done",), ("ending", stop_pending, sent, received), ("done", result), ("error", text),
     ("refused", class_name, line) (a refusal: _errors.REFUSALS), ("reconnected", group)  (it links to a restarted group),
     ("trace", events) (a recording worker that failed: its events, just before its "error" or "refused"),
@@ -274,14 +272,12 @@ COORDINATOR_KINDS: dict[str, tuple[Check, ...]] = {
     "exit": (),
     "lost": (_group, _text, _count),
     "restarted": (_group, _address, _count),
-    "begun": (),
 }
 WORKER_KINDS: dict[str, tuple[Check, ...]] = {
     "hello": (_address, _local_address),
     "ready": (),
     "status": (_epoch, _bool, _count, _count),
     "stop_request": (),
-    "started": (),
     "replay_done": (),
     "ending": (_bool, _count, _count),
     "done": (_result,),

@@ -11,15 +11,13 @@ Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
                                                    the arrival there of any of the receiver's messages
                                                    after the first n (d_ns -1: U alone); see
                                                    ReactorHost.refresh
-worker -> coordinator: ("hello", address, local_address), ("started",) (its reactors' startups ran),
-    ("status", epoch, idle, sent, received), ("stop_request",),
+worker -> coordinator: ("hello", address, local_address), ("status", epoch, idle, sent, received), ("stop_request",),
     ("ending", stop_pending, sent, received) (deterministic: it ended on its own, with its final
     counts; answered with "stop" and the run's reason), ("done", result), ("error", text) (a failure: its
     traceback), ("refused", class_name, line) (a refusal, _errors.REFUSALS: one line), ("reconnected", group),
     ("trace", events) (a recording worker's events before its "error" or "refused": the run's trace up to its failure),
     ("writing", bool) (it began writing a checkpoint, or its last write in progress ended)
-coordinator -> worker: ("peers", {group: address}), ("start",), ("begun",) (every worker's startups ran: the run
-    has begun, Reactor.run_begun), ("probe", epoch), ("stop", why), ("exit",),
+coordinator -> worker: ("peers", {group: address}), ("start",), ("probe", epoch), ("stop", why), ("exit",),
     ("lost", group, reason, life), ("restarted", group, address, restarts)   (restart policies, async runs)
 """
 
@@ -338,8 +336,6 @@ class Worker:
             )
             for p in in_peers:
                 host.horizons[p] = Tag(0, 0)
-            # (its reactors' startups ran: once every worker's have, the coordinator says the run has begun)
-            host.on_started = lambda: outbox.send(COORDINATOR, ("started",))
             outbox.send(COORDINATOR, ("ready",))
             await self._wait_control("start")
             started = _cpu_stats()
@@ -563,16 +559,12 @@ class Worker:
                     if peer == COORDINATOR and msg[0] == what:
                         self.early.extend(batch[i + 1 :])
                         return msg[1] if len(msg) > 1 else None
-                    if peer == COORDINATOR and msg[0] == "begun":  # (at once: a verdict's shutdown reads it)
-                        self._on_control(msg)
-                    elif not (peer == COORDINATOR and msg[0] == "stop" and what == "exit"):
+                    if not (peer == COORDINATOR and msg[0] == "stop" and what == "exit"):
                         self.early.append((peer, msg))
 
     def _on_control(self, msg: Any) -> None:
         kind = msg[0]
-        if kind == "begun":
-            self.host.begun = True
-        elif kind == "stop":
+        if kind == "stop":
             self.ep.expect_departures()
             if self.host.stop_reason is None:
                 self.host.stop_reason = msg[1]

@@ -72,14 +72,6 @@ class ShardStore:
         self._marks: deque[int] = deque(maxlen=keep)  # next steps of the kept checkpoints
         self._period_ns = None if period_s is None else max(1, round(period_s * 1e9))
         self._next_ns = self._period_ns
-        # Until the run has begun (Reactor.run_begun, which the shard sets here before each use: a start refused
-        # elsewhere, however late, must leave the run directory as it was) no checkpoint and no mark is written,
-        # and the log's appends of a run that never began are taken back at close (they are made all the same:
-        # an acknowledged insert is on disk). True for a store used on its own.
-        self.begun = True
-        self._wal_before: tuple[bool, Path, int | None] | None = None
-        self._next_step: int | None = None  # (the storage's next step after the latest insert)
-        self._due_when_begun = False  # (a period came before the run had begun: checkpoint_if_due)
 
     def open(self, table: Table, *, restore: bool, restarts: int) -> None:
         """Bring ``table`` (empty) back to what the directory holds when ``restore`` (the newest
@@ -111,9 +103,6 @@ class ShardStore:
             if not restore and wal_dir.is_dir():  # a fresh table: an old log is not its history
                 for seg in wal_dir.glob("wal-*.log"):
                     seg.unlink()
-            # (what the log held before this life's appends: a run that never begins takes them back, close)
-            segment = wal_dir / f"wal-{now:016d}.log"
-            self._wal_before = (wal_dir.is_dir(), segment, segment.stat().st_size if segment.is_file() else None)
             self._wal = WriteAheadLog(wal_dir, now)
 
     def _restore(self, table: Table, root: Path) -> None:
@@ -162,8 +151,7 @@ class ShardStore:
         shard), and counted in the mark."""
         if self._wal is not None:
             self._wal.append(first, fields, priorities, ends, item_mask)
-        self._next_step = next_step
-        if self._mark is None and self._mark_path is not None and self.begun:
+        if self._mark is None and self._mark_path is not None:
             self._mark = _inserted_mark(self._mark_path)
         if self._mark is not None:
             self._mark[0] = next_step
@@ -176,19 +164,13 @@ class ShardStore:
         still being written (the next change asks again) and when the table has not changed.
         """
         due = self._next_ns
-        if due is None:
-            return
-        if not self.begun:  # (a period that came before the run began is due at its first change after)
-            self._due_when_begun = self._due_when_begun or time_ns >= due
-            return
-        if time_ns < due and not self._due_when_begun:  # (an async run's tags are its writers': not monotonic)
+        if due is None or time_ns < due:
             return
         self.collect()
         if self._saving is not None:
             return
         assert self._period_ns is not None
-        self._next_ns = max(self._next_ns or 0, (time_ns // self._period_ns + 1) * self._period_ns)
-        self._due_when_begun = False
+        self._next_ns = (time_ns // self._period_ns + 1) * self._period_ns
         self.checkpoint(table, only_if_changed=True)
 
     def checkpoint(self, table: Table, *, only_if_changed: bool = False) -> concurrent.futures.Future[Path] | None:
@@ -249,10 +231,7 @@ class ShardStore:
         """The run ended: with ``final``, write a last checkpoint (here, synchronously) if the table
         changed since the newest one. A save in progress that holds the latest state is the final
         one (waited for up to 120 s); a stale one is cancelled first (it stops within a chunk)."""
-        final = final and self.directory is not None and self.begun
-        if self.begun and self._mark is None and self._mark_path is not None and self._next_step is not None:
-            self._mark = _inserted_mark(self._mark_path)  # (inserts came only before the run had begun)
-            self._mark[0] = self._next_step
+        final = final and self.directory is not None
         if self._saving is not None and not self._saving.done():
             if final and self._saving_at[0] != table.generation:
                 self._cancel.set()
@@ -273,25 +252,6 @@ class ShardStore:
             self._saved_generation = table.generation
         if self._wal is not None:
             self._wal.close()
-            if not self.begun:
-                self._take_back_log()
-
-    def _take_back_log(self) -> None:
-        """The run never began: the log's appends of this life go (the segment back to its length before them,
-        or gone with the directory if this life made them), so that a resume redoes none of them."""
-        if self._wal_before is None:
-            return
-        had_dir, segment, size = self._wal_before
-        try:
-            if size is None:
-                segment.unlink(missing_ok=True)
-                if not had_dir:
-                    segment.parent.rmdir()
-            elif segment.is_file() and segment.stat().st_size > size:
-                os.truncate(segment, size)
-        except OSError as e:
-            log.warning("%s: the run never began, and this life's log appends in %s could not be taken back: %s",
-                        self.name, segment, e)
 
 
 def _check_mark(directory: Path | None) -> Path | None:

@@ -151,7 +151,6 @@ class EnvActor(Reactor):
         self._rollout_version: int | None = None  # on-policy: the weights version of the last rollout sent
         self._resent_version: int | None = None  # ... by this actor's last life (a restart: see take_weights)
         self._progress_failed = False
-        self._unsaved = False  # a report's progress not written: the run had not begun (_save_progress)
         self.held = False  # stepping paused by flow control
         self._bad_acks = FloodCounts()  # (take_ack: malformed ones dropped, logged by the flood rule)
         self.env_steps = 0
@@ -344,13 +343,7 @@ class EnvActor(Reactor):
         if self.recent_returns:
             values["episode_return"] = float(np.mean(self.recent_returns))
         self.report.send(Report(self.name, values))
-        self._save_progress()
-
-    def _save_progress(self) -> None:
-        """``RUN_DIR/<name>.progress.json``, once the run has begun (:attr:`run_begun`: a start refused
-        elsewhere, however late, left this attempt's counts there, and a later resume explored from them)."""
-        self._unsaved = not self.run_begun
-        if self.run_dir and not self._unsaved:
+        if self.run_dir:
             try:
                 replace_small(self.progress, json.dumps({
                     "format": 1, "explore_steps": self.explore_base + self.env_steps,
@@ -386,11 +379,7 @@ class EnvActor(Reactor):
 
     @reaction(triggers=[shutdown])
     def give_up_run_dir(self) -> None:
-        try:
-            if self._unsaved and self.run_begun:  # (its last report came before the run had begun)
-                self._save_progress()
-        finally:
-            release_run_dir(self)
+        release_run_dir(self)
 
 def _saved_progress(path: Path) -> dict[str, Any]:
     """What an earlier life saved in ``path`` (:meth:`EnvActor._report`): ``explore_steps`` (the env

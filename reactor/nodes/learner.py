@@ -190,8 +190,9 @@ class _LearnerBase(Reactor):
                 "%s: resume=True, but %s holds no learner.pt (the earlier run was killed before it saved one: a run "
                 "saves it at its end, and every checkpoint_every updates when set): the learner starts from fresh "
                 "weights; the replay and the actors' schedules go on from theirs", self.name, self.run_dir)
+        if self.ckpt is not None and self.bank_index == 0:
+            self._write_config()
 
-    _config_written = False  # (config.json: written once the run has begun, _maybe_checkpoint)
     #: An update under way (:meth:`_learning`): set as ``learn`` begins, cleared once it has returned and
     #: been counted; left set by one an error cut short.
     _cut = False
@@ -528,11 +529,6 @@ class _LearnerBase(Reactor):
 
         if self.ckpt is None or self.bank_index != 0:
             return None
-        if not self.run_begun:  # (a start refused elsewhere, however late, left this attempt's files behind)
-            return None
-        if not self._config_written:  # (written at the start, it was over an earlier run's by a refused resume)
-            self._config_written = True
-            self._write_config()
         if not force and (self.checkpoint_every <= 0 or self.updates % self.checkpoint_every):
             return None
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
@@ -592,12 +588,6 @@ class _LearnerBase(Reactor):
             self._leave_unmet_bank()
             return
         self._leave_bank()
-        if not self.run_begun:
-            # The run never began (a node refused or failed at its start, a signal came first): nothing of this
-            # attempt goes into the run directory, which keeps what it held (a resume refused late by another
-            # node had this learner save its state over the run's learner.pt, config.json and weights.sha256).
-            _say(f"{self.name}: the run ended before every node had started: nothing saved ({self.updates} updates)")
-            return
         if self._cut and self._stepped():
             # An update an error cut short once it had changed a parameter (or where that cannot be told: no
             # optimizer found in the state): the state may hold part of it, its counters out of step with it.

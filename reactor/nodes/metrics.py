@@ -131,7 +131,6 @@ class Metrics(Reactor):
         self.evals: list[tuple[float, float, float]] = []  # (wall_s, env_steps, eval_return)
         self.stop_reason = ""
         self.recorded = False  # a report reached this life (a failed one without any leaves no summary)
-        self._rows_due: list[tuple[float, float, str, str, Any]] = []  # (until the run has begun: _write_rows)
 
     @reaction(triggers=[startup], effects=[started])
     def open_logs(self) -> None:
@@ -212,6 +211,7 @@ class Metrics(Reactor):
     def record(self, reports: Report) -> None:
         src, values = reports.source, _numbers(self.name, reports)
         self.recorded = True
+        self._begin()
         before = self.latest.get(src, {})
         for k in COUNTERS:
             if k in values:
@@ -221,8 +221,9 @@ class Metrics(Reactor):
         self.latest[src] = {**before, **values}
         wall = time.monotonic() - self.t0 + self.wall_offset
         steps = self.totals["env_steps"]
-        self._rows_due.extend((wall, steps, src, name, value) for name, value in values.items())
-        self._write_rows()
+        for name, value in values.items():
+            self.csv.writerow([f"{wall:.3f}", int(steps), src, name, value])
+            self.tb.add_scalar(f"{plain_name(src)}/{name}", float(value), int(steps))
         if "eval_return" in values:
             ret = float(values["eval_return"])
             self.last_eval = ret
@@ -241,26 +242,13 @@ class Metrics(Reactor):
         now = time.monotonic()
         # metrics.csv is current to an evaluation, and to the second otherwise (for whoever tails it: a
         # user, a plot, a test waiting for an evaluation); a write per report would cost a syscall each.
-        if self._begun and ("eval_return" in values or now - self.last_flushed >= FLUSH_PERIOD_S):
+        if "eval_return" in values or now - self.last_flushed >= FLUSH_PERIOD_S:
             self.last_flushed = now
             self.csv_file.flush()
             self._save_counts()
         if now - self.last_shown >= 0.5:
             self.last_shown = now
             self.display.show(self._rows(now - self.t0 + self.wall_offset))
-
-    def _write_rows(self) -> None:
-        """The rows of the reports so far into metrics.csv and TensorBoard, once the run has begun
-        (:attr:`run_begun`); until then they wait here: a start refused elsewhere, however late (a learner's
-        checkpoint that took seconds to fail to load while the actors stepped and reported), left its rows,
-        a rewritten counts file and a TensorBoard file in the run directory it refused."""
-        if not self._rows_due or not self.run_begun:
-            return
-        self._begin()
-        for wall, steps, src, name, value in self._rows_due:
-            self.csv.writerow([f"{wall:.3f}", int(steps), src, name, value])
-            self.tb.add_scalar(f"{plain_name(src)}/{name}", float(value), int(steps))
-        self._rows_due.clear()
 
     def _rows(self, wall: float) -> list[tuple[str, str]]:
         t = self.totals
@@ -338,12 +326,11 @@ class Metrics(Reactor):
             release_run_dir(self)
 
     def _close_logs(self) -> None:
-        if not hasattr(self, "display") or (self.stopped_by == "failure" and not self.recorded) or not self.run_begun:
-            # The run failed before our startup finished, or before anything reached us, or it never began (a
-            # node refused what it was given at its start, however late: another process's startup, as under
-            # `single` where ours came after): nothing to report, and the run directory's files stay as they
-            # were (an earlier life's summary and plot, an earlier run's metrics and counts: nothing was
-            # written, _begin, _write_rows).
+        if not hasattr(self, "display") or (self.stopped_by == "failure" and not self.recorded):
+            # The run failed before our startup finished, or before anything reached us (a node refused
+            # what it was given: another process's startup, as under `single` where ours came after):
+            # nothing to report, and the run directory's files stay as they were (an earlier life's
+            # summary and plot, an earlier run's metrics and counts: nothing was written, _begin).
             live = getattr(getattr(self, "display", None), "live", None)
             if live is not None:
                 live.stop()  # (the terminal back as it was)
@@ -352,7 +339,6 @@ class Metrics(Reactor):
                     f.close()
             return
         self._begin()  # (a run that ended well before any report: its files all the same)
-        self._write_rows()
         wall = time.monotonic() - self.t0 + self.wall_offset
         steps = self.totals["env_steps"] - self.budget_base
         if not self.stop_reason and self.env_step_budget is not None and steps >= self.env_step_budget:

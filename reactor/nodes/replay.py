@@ -654,7 +654,6 @@ class Replay(Reactor):
             self._ended_writers.discard(steps.writer)  # rows after its end marker: its actor was restarted
         if not self._said_full and len(self.table) < self.table.rate_limiter.min_size_to_sample:
             self._say_if_full_below_min_size()
-        self._store.begun = self.run_begun
         self._store.inserted(first, self.table.storage.step_range[1], steps.fields, steps.priorities, ends,
                              steps.item_mask)
         return True
@@ -932,7 +931,6 @@ class Replay(Reactor):
 
     def _checkpoint_if_due(self) -> None:
         assert self.table is not None
-        self._store.begun = self.run_begun
         self._store.checkpoint_if_due(self.table, self.tag.time_ns)
 
     def checkpoint(self, *, only_if_changed: bool = False) -> concurrent.futures.Future[Path] | None:
@@ -988,7 +986,6 @@ class Replay(Reactor):
         owner, self._owner = self._owner, None
         store = getattr(self, "_store", None)  # (none when its start failed: refuse_file_links, an open)
         if store is not None:
-            store.begun = self.run_begun  # (a run that never began: no final checkpoint, the log's appends taken back)
             store.close(self.table, final=self.checkpoint_on_shutdown)
         if self._parked_steps:  # (an end of run: the writers have stopped, the steps were never acknowledged)
             log.info("%s: %d Steps messages (%d steps) the rate limiter still held back when the run ended were "

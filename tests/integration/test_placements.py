@@ -357,22 +357,6 @@ def test_a_survivor_writing_its_final_checkpoint_past_the_failure_stop_is_waited
     assert "worker 'sink' exited with status 4 (stopped because the run failed)" in caplog.text, caplog.text
 
 
-def test_a_start_refused_in_one_process_after_the_others_began_their_work_writes_nothing_in_the_run_directory(
-        tmp_path, monkeypatch):
-    """Regression: across processes a node's start may be refused after the others began their work (here,
-    async, once Metrics' process had taken three reports): Metrics wrote its rows, counts, TensorBoard file,
-    summary and plot in the run directory of a run that never began. The workers say when their reactors'
-    startups ran (``started``) and the coordinator when all have (``begun``); nothing is written before."""
-    monkeypatch.setenv("REACTOR_FORK_SERVER", "0")  # (no torch to preload: a quick start)
-    app = str(APPS / "late_refusal.py")
-    config = {"run_dir": str(tmp_path / "run"), "witness_file": str(tmp_path / "witness"),
-              "missing": str(tmp_path / "no-such-run")}
-    with pytest.raises(FileNotFoundError, match=r"^no run directory at "):
-        _run(app, config, placement="processes", deterministic=False)
-    assert (tmp_path / "witness").exists()  # (the reports had reached the witness's process)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.json", "run.lock"]  # (the claim alone)
-
-
 def test_stopped_by_tells_a_shutdown_reaction_why_the_run_ended_under_single_and_processes(tmp_path):
     """At the stop time, or with nothing left to happen: in a deterministic run over processes each
     worker that ends on its own hears the run's reason (only the union of the workers' ends says

@@ -201,62 +201,6 @@ def test_a_shard_store_writes_nothing_in_its_directory_until_its_table_changes(t
     assert int(np.load(directory / "inserted")[0]) == 5 and len(complete_checkpoints(directory)) == 1
 
 
-@pytest.mark.parametrize("earlier_log", [False, True], ids=["no-log-before", "a-log-before"])
-def test_a_shard_store_of_a_run_that_never_began_takes_back_its_log_and_writes_no_mark_or_checkpoint(
-        tmp_path, earlier_log):
-    """A run that never began (a start refused elsewhere, however late: ``Reactor.run_begun``) leaves its
-    shards' directories as they were: the inserts it acknowledged were logged (before each acknowledgement,
-    as always), and are taken back at close (the segment cut back to its length before them, or removed with
-    the log's directory where this life made them); no mark and no final checkpoint. A resume then redoes
-    none of them."""
-    from reactor.nodes._shardstore import ShardStore
-    from reactor.replay.wal import WriteAheadLog
-
-    def table() -> Table:
-        return Table(Storage([FieldSpec("obs", (4,), torch.float32)], 64), sampler=Uniform(), remover=Fifo(),
-                     rate_limiter=MinSize(1))
-
-    directory = tmp_path / "replay-0"
-    directory.mkdir()
-    if earlier_log:  # (an earlier run's log, from step 0: its segment is the one this life appends to)
-        wal = WriteAheadLog(directory / "wal", 0)
-        wal.append(0, {"obs": torch.ones(2, 4)}, None, np.array([False, True]), None)
-        wal.close()
-    files = lambda: {str(p.relative_to(directory)): (p.read_bytes() if p.is_file() else None, p.stat().st_ino)  # noqa: E731
-                     for p in sorted(directory.rglob("*"))}
-    before = files()
-    store = ShardStore("replay[0]", directory, keep=2, period_s=None, wal=True)
-    store.open(t := table(), restore=True, restarts=0)
-    store.begun = False
-    first = t.storage.step_range[1]
-    t.insert_nowait({"obs": torch.zeros(5, 4)}, np.ones(5), episode_end=True)
-    store.inserted(first, t.storage.step_range[1], {"obs": torch.zeros(5, 4)}, None, np.ones(5, dtype=bool), None)
-    assert any(p.stat().st_size for p in (directory / "wal").iterdir())  # (logged before its acknowledgement)
-    store.close(t, final=True)
-    assert files() == before
-
-
-def test_a_checkpoint_period_that_came_before_the_run_began_is_taken_at_the_first_change_after(tmp_path):
-    """A shard writes no checkpoint before the run has begun; the period that came meanwhile is due at its
-    first change after (an async run's tags are its writers', not monotonic: a restarted actor's start from
-    0 again, and a deferred period waited for a tag past it that did not come: the restart test's shard had
-    no checkpoint 120 s later)."""
-    from reactor.nodes._shardstore import ShardStore
-
-    t = Table(Storage([FieldSpec("obs", (4,), torch.float32)], 64), sampler=Uniform(), remover=Fifo(),
-              rate_limiter=MinSize(1))
-    store = ShardStore("replay[0]", tmp_path, keep=2, period_s=1e-6, wal=False)
-    store.open(t, restore=False, restarts=0)
-    store.begun = False
-    t.insert_nowait({"obs": torch.zeros(5, 4)}, np.ones(5), episode_end=True)
-    store.checkpoint_if_due(t, 5000)  # (past the period: not before the run began)
-    assert store._saving is None and not complete_checkpoints(tmp_path)
-    store.begun = True
-    store.checkpoint_if_due(t, 10)  # (a tag before the period, as a restarted writer's: the period came before)
-    store.close(t, final=False)
-    assert store.checkpoints == 1 and len(complete_checkpoints(tmp_path)) == 1
-
-
 class _Filler(Reactor):
     """Sends ``n`` chunks of 4 rows, 3 of them items (as an episode's last observation is none)."""
 

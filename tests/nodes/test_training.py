@@ -604,35 +604,3 @@ def test_a_run_stopped_by_its_budget_says_how_old_its_last_evaluation_is(tmp_pat
 
     assert eval_age({**summary, "last_eval_updates": summary["updates"]}, run_dir) == ""  # (the final weights')
     assert eval_age({**summary, "reached_target": True}, run_dir) == ""
-
-
-def test_a_start_refused_after_the_others_began_their_work_leaves_the_run_directory_as_it_was(tmp_path):
-    """Regression: a refusal at a node's start that comes after the other nodes began their work (a learner's
-    checkpoint that takes seconds to fail to load, a shard's restore out of memory, while the actors step)
-    changed the run directory it refused: the actors' progress files, Metrics' counts, rows and TensorBoard
-    file (and its summary of the failed start), the shards' inserted marks and final checkpoints, the
-    learner's config.json, learner.pt and weights.sha256. A node now writes nothing there until the run has
-    begun (every node's startup ran: ``Reactor.run_begun``), and a run that never began writes nothing at
-    its end either (here: async, the refusal after the actor's second report)."""
-    from reactor.nodes.training import off_policy_graph
-    from tests.apps.late_refusal import LateRefuser, Witness
-
-    run_dir = tmp_path / "run"
-    kw = {"algo": "tests.nodes.linear_q", "env": "CartPole-v1", "run_dir": str(run_dir), "actors": 1, "shards": 1,
-          "min_size": 100, "samples_per_insert": 8.0, "batch_size": 32, "eval_every_updates": 100,
-          "eval_episodes": 1, "capacity": 10_000, "live": False, "checkpoint_every": 10}
-    run(off_policy_graph(max_env_steps=600, **kw))
-    before = _files_in(run_dir)
-    assert {"learner.pt", "config.json", "metrics.csv", "summary.json", "actor.progress.json",
-            "replay/inserted"} <= set(before), sorted(before)
-    g = off_policy_graph(max_env_steps=5000, resume=True, **kw)
-    witness = g.add(Witness(str(tmp_path / "witness"), 2), name="witness")
-    g.connect(g.nodes["actor"].report, witness.reports)
-    g.add(LateRefuser(str(tmp_path / "witness"), str(tmp_path / "no-such-run")), name="refuser")
-    with pytest.raises(FileNotFoundError, match=r"^no run directory at "):
-        run(g, deterministic=False)
-    assert (tmp_path / "witness").exists()  # (the actor had stepped and reported when the refusal came)
-    after = _files_in(run_dir)
-    assert {k: v for k, v in after.items() if k not in ("run.json", "run.lock")} == \
-        {k: v for k, v in before.items() if k not in ("run.json", "run.lock")}, sorted(
-        k for k in set(after) | set(before) if after.get(k) != before.get(k))

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +115,20 @@ def _squeue(job: str) -> str:
     return out.stdout.strip()
 
 
+def _metrics_rows_past_step_0(job_dir: Path) -> bool:
+    """Whether a run's Metrics (on whichever host) wrote a row past env step 0 in its metrics.csv."""
+    for path in job_dir.glob("daemons/*/runs/*/runs/*/metrics.csv"):
+        try:
+            rows = path.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            parts = row.split(",")
+            if len(parts) > 1 and parts[1].replace(".", "", 1).isdigit() and float(parts[1]) > 0:
+                return True
+    return False
+
+
 def _segments_of(job_dir: Path) -> list[str]:
     """The bulk segments in /dev/shm of the job's run, named by the run id its daemons logged (tests
     beside this one in another xdist worker have segments of their own at any moment)."""
@@ -203,7 +216,10 @@ def test_scancel_mid_run_leaves_no_daemon_worker_or_segment_behind(slurm, tmp_pa
           "the workers' processes")
     # (the check after scancel names the run's segments by the run id its daemons logged: they exist)
     _wait(lambda: _segments_of(job_dir), 60, "the run's shards' segments")
-    time.sleep(3)
+    # The actors' env steps reached Metrics (a row past env step 0 in its metrics.csv on its host): on a loaded
+    # machine a fixed 3 s after the workers came up was sometimes before their first report, and the run's
+    # summary then rightly said 0 env steps.
+    _wait(lambda: _metrics_rows_past_step_0(job_dir), 120, "the actors' first env steps in metrics.csv")
     assert _squeue(job) == "RUNNING"
     subprocess.run(["scancel", job] if how == "scancel" else ["scancel", "--batch", "--signal=TERM", job], check=True,
                    timeout=30)

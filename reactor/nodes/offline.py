@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._reactor import Action, Output, reaction, shutdown, startup
-from .learner import _LearnerBase
+from ._learnerstate import _LearnerBase
 from .train_messages import Report, Weights
 
 __all__ = ["OfflineLearner", "load_source_steps"]

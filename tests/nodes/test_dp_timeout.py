@@ -1,7 +1,7 @@
 """Data-parallel learners: a replica that never joins an all-reduce is reported, not waited on for 30 min.
 
 Two real processes rendezvous through torch.distributed (gloo, file store) exactly as the learners of
-``--placement dp-learners`` do (``_LearnerBase._join_bank``); replica 1 then stops taking
+``--placement dp-learners`` do (``_LearnerBank._join_bank``); replica 1 then stops taking
 part, as one that died or stopped does.
 """
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 REPLICA = r"""
 import asyncio, sys, time, types
 import torch
-import reactor.nodes.learner as L
+import reactor.nodes._learnerbank as L
 
 L.DP_TIMEOUT_S = 3.0
 rank, run_dir = int(sys.argv[1]), sys.argv[2]
@@ -31,8 +31,8 @@ me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank,
                            state={"net": net, "opt": opt}, algo=algo, name=f"learner[{rank}]", updates=0,
                            device="cpu", torch_device=torch.device("cpu"), stopped_by=None, deterministic=False)
 for method in ("_all_reduce", "_bank_left", "_leave_bank", "_share_state", "_bank_where", "_bank_file", "_open_bank"):
-    setattr(me, method, types.MethodType(getattr(L._LearnerBase, method), me))
-asyncio.run(L._LearnerBase._join_bank(me))
+    setattr(me, method, types.MethodType(getattr(L._LearnerBank, method), me))
+asyncio.run(L._LearnerBank._join_bank(me))
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
 if rank == 0:
     net(torch.ones(1, 2)).sum().backward()
@@ -179,7 +179,7 @@ def test_a_banks_replicas_meet_in_one_life_and_every_new_life_of_a_replica_moves
 
     import torch.distributed as dist
 
-    from reactor.nodes.learner import _meet_bank
+    from reactor.nodes._learnerbank import _meet_bank
 
     bank = dist.PrefixStore("run/learner", dist.HashStore())
 
@@ -212,7 +212,7 @@ def test_a_replica_waiting_for_its_bank_leaves_when_the_run_stops_or_a_missing_r
     import pytest
     import torch.distributed as dist
 
-    from reactor.nodes.learner import _meet_bank, _RunStopping
+    from reactor.nodes._learnerbank import _meet_bank, _RunStopping
 
     async def meet(bank: dist.Store, stopping=lambda: False, left_watch=False):
         return await asyncio.wait_for(_meet_bank(bank, 0, 3, 0, "learner[0]", "a test store", stopping,

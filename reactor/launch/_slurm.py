@@ -24,7 +24,7 @@ Inside the allocation the batch script runs ``reactor slurm --here APP ...`` on 
 
 ``scancel`` sends SIGTERM to every process of both steps at once: the coordinator, the daemons and
 their workers. The coordinator stops the run cleanly; a worker the same SIGTERM ended is no failure of
-the run (``_coordinator``: it ended as asked, its shutdown reactions cut short); and the daemons, started
+the run (``_session``: it ended as asked, its shutdown reactions cut short); and the daemons, started
 with ``--stop-after-runs`` (``KillWait`` less ``DAEMON_END_S``), let the coordinator end the run through
 them and copy its files back before they end what is left, remove its shared memory and stop (they ended
 their workers and stopped at once, and the run failed with its hosts lost, its files left in

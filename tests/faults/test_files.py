@@ -444,7 +444,7 @@ def test_a_segment_a_killed_worker_left_half_made_is_removed_when_its_run_is_rea
     reaping every worker of the run used that grace too (found in a CI run: `...-s-replay-0.header`)."""
     import uuid
 
-    from reactor.launch._coordinator import _cleanup_segments
+    from reactor.launch._localworkers import _cleanup_segments
     from reactor.transport._shm import HEADER_NBYTES, list_segments
 
     run_id = f"t-{uuid.uuid4().hex[:12]}"

@@ -390,7 +390,7 @@ def test_workers_that_do_not_hear_sigterm_are_killed_after_one_grace_for_them_al
     after a failure under `processes`, and a daemon's job stopped at once was killed mid-cleanup."""
     import asyncio
 
-    from reactor.launch._coordinator import TERM_GRACE_S, _reap
+    from reactor.launch._localworkers import TERM_GRACE_S, _reap
 
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
     procs = {f"w{i}": subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

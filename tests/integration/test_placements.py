@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from reactor import WorkerFailedError, run
-from reactor.launch import _coordinator, _signals
+from reactor.launch import _coordinator, _localworkers, _session, _signals
 from reactor.launch._app import build_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,7 +323,8 @@ def test_a_failed_worker_held_in_c_past_its_bound_is_killed_and_said_not_reaped_
     whole bound and a checkpoint's leeway (135 s) before the reaping. Workers now say when they write a
     checkpoint, and one still there past its bound (and ``HELD_GRACE_S``) that writes none is killed, and
     said. (The bound, 0.5 s here, goes to the workers in their spec.)"""
-    monkeypatch.setattr(_coordinator, "FAILED_END_S", 0.5)
+    monkeypatch.setattr(_coordinator, "FAILED_END_S", 0.5)  # (the workers' bound, in their spec)
+    monkeypatch.setattr(_session, "FAILED_END_S", 0.5)  # (the coordinator's reading of it)
     monkeypatch.setenv("REACTOR_FORK_SERVER", "0")  # (no torch to preload: a quick start)
     config = {"hold": True}
     with caplog.at_level(logging.INFO, logger="reactor.coordinator"), \
@@ -344,8 +345,9 @@ def test_a_survivor_writing_its_final_checkpoint_past_the_failure_stop_is_waited
     SIGKILL: a survivor's final checkpoint slower than that (a learner's ``learner.pt`` whose actor failed)
     was cut, and what the run learned since the last one lost. A survivor that says it is writing is now
     waited for, ``FAILED_SAVE_S`` at most, as a failed worker is. (0.3 s and 0.3 s here, for a 1.5 s write.)"""
-    monkeypatch.setattr(_coordinator, "FAILURE_STOP_S", 0.3)
-    monkeypatch.setattr(_coordinator, "TERM_GRACE_S", 0.3)
+    monkeypatch.setattr(_session, "FAILURE_STOP_S", 0.3)
+    monkeypatch.setattr(_session, "TERM_GRACE_S", 0.3)
+    monkeypatch.setattr(_localworkers, "TERM_GRACE_S", 0.3)
     monkeypatch.setenv("REACTOR_FORK_SERVER", "0")
     saved = tmp_path / "sink.ckpt"
     saved.write_bytes(b"earlier")
@@ -388,7 +390,7 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, s
         assert ready.exists() and len(_workers(p.pid)) == 3
         everything = _descendants(p.pid)
         p.send_signal(sig)
-        time.sleep(_coordinator.STOPPING_REPORT_S + 2.0)
+        time.sleep(_session.STOPPING_REPORT_S + 2.0)
         assert p.poll() is None  # the clean stop waits for the sink's shutdown
         p.send_signal(sig)
         out, err = p.communicate(timeout=60)  # not the 600 s of the clean stop
@@ -507,9 +509,9 @@ def test_a_failed_worker_whose_shutdown_never_ends_does_not_keep_its_run_from_en
 
 def test_the_report_of_a_stopping_run_names_the_signal_that_stops_it_at_once():
     """(A review, session 52: a daemon's job, stopped by SIGTERM, was told "Ctrl-C again".)"""
-    assert _coordinator.stopping_report(["sink"], [signal.SIGINT]) == (
+    assert _session.stopping_report(["sink"], [signal.SIGINT]) == (
         "still stopping: waiting for worker 'sink' to end cleanly (Ctrl-C again stops at once)")
-    assert _coordinator.stopping_report(["a", "b"], [signal.SIGTERM]) == (
+    assert _session.stopping_report(["a", "b"], [signal.SIGTERM]) == (
         "still stopping: waiting for workers 'a', 'b' to end cleanly (SIGTERM again stops at once)")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from reactor.launch._coordinator import _Session
+from reactor.launch._session import _Session
 
 
 class _Probes:

@@ -26,11 +26,12 @@ import torch
 from reactor import GraphError, WorkerFailedError
 from reactor.launch._app import build_graph
 from reactor.launch._cluster import NoHostAnsweredError
-from reactor.launch._coordinator import _no_start, _Restarts, _Session
 from reactor.launch._daemon import DaemonClient
 from reactor.launch._groups import Group, Restart, restart_from_text
 from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement
+from reactor.launch._restarts import _no_start, _Restarts
+from reactor.launch._session import _Session
 from reactor.nodes.messages import MassRequest
 from reactor.nodes.replay import KEY_SHARD_BITS, ReplayClient
 from reactor.nodes.writer import TransitionPattern, Writer
@@ -774,7 +775,7 @@ def test_a_restart_policy_over_a_learner_or_shard_that_would_start_again_empty_i
     learner that checkpoints and shards that do are not named."""
     import logging
 
-    from reactor.launch._coordinator import _warn_restart_losses
+    from reactor.launch._restarts import _warn_restart_losses
 
     def said(overrides: dict[str, Any]) -> list[str]:
         graph = build_graph(DQN, {"live": False, **overrides})

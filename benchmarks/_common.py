@@ -7,20 +7,24 @@ option, the value and what it takes; never a traceback from deep in a measuremen
 no-op. A child process (a training run, a peer's server) never outlives the benchmark: on a timeout, an
 error or Ctrl-C it is asked to stop (SIGINT), then killed, and reaped before the benchmark's temporary
 directories are removed (a child still stopping would write its files into them after the removal).
+What the runs a benchmark starts log goes to a file (:func:`output_to`), its path printed, so their
+lines do not land among the figures; an error that ends the benchmark still reaches the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-__all__ = ["interruptible", "names_of", "non_negative_int", "peer_missing", "positive_float", "positive_int",
-           "stop_process"]
+__all__ = ["interruptible", "names_of", "non_negative_int", "output_to", "peer_missing", "positive_float",
+           "positive_int", "stop_process"]
 
 
 def _int(text: str, least: int) -> int:
@@ -137,3 +141,45 @@ def interruptible(main: Callable[[], Any], name: str) -> None:
     except KeyboardInterrupt:
         print(f"{name}: interrupted; what it printed above is partial", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+@contextlib.contextmanager
+def output_to(path: str | os.PathLike[str], tail_lines: int = 30) -> Iterator[None]:
+    """Within the block, what the runs log goes to ``path`` (appended) instead of among the figures:
+    records of Python's logging in this process (a handler on the root logger; loggers' levels are left
+    as they are, so are the levels a run passes to its workers) and whatever is written to this
+    process's stderr, fd 2 itself, which child processes (a run's local workers and fork server, a
+    peer) inherit. stdout, where the figures go, is left alone.
+
+    On an exception (Ctrl-C included) fd 2 is the terminal's again before it propagates, and the log's
+    last ``tail_lines`` lines are printed there under its path: the traceback, and what the runs said
+    before it, are seen where the benchmark ran.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        with open(path, "ab") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    except BaseException:
+        _restore_stderr(saved, handler)
+        saved = -1
+        with open(path, "rb") as f:
+            tail = f.read().decode(errors="replace").splitlines()[-tail_lines:]
+        print(f"the runs' log: {os.fspath(path)}; its last {len(tail)} lines:", *tail, sep="\n", file=sys.stderr,
+              flush=True)
+        raise
+    finally:
+        if saved != -1:
+            _restore_stderr(saved, handler)
+
+
+def _restore_stderr(saved: int, handler: logging.Handler) -> None:
+    logging.getLogger().removeHandler(handler)
+    handler.close()
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)

@@ -17,7 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks._common import names_of, non_negative_int, positive_float, positive_int, stop_process  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    names_of,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    stop_process,
+)
 
 
 def test_counts_and_sizes_below_their_least_are_refused_naming_the_value():
@@ -113,3 +119,50 @@ def test_a_ctrl_c_mid_measurement_is_one_line_and_status_130_and_the_benchmark_c
                 pipe.close()
     assert proc.returncode == 130 and err == "bench_wal.py: interrupted; what it printed above is partial\n", err
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+# A benchmark's figures, with a run inside output_to logging from this process and from a child process it
+# started (a local run's workers inherit fd 2); then, with "fail" in argv, an error inside.
+LOGGING = """
+import logging, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks._common import output_to
+print("figure 1", flush=True)
+with output_to(sys.argv[2]):
+    logging.getLogger("reactor.launch").warning("a coordinator's warning")
+    subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('a worker says so on its stderr\\\\n')"],
+                   check=True)
+    print("figure 2", flush=True)
+    if "fail" in sys.argv:
+        raise RuntimeError("the run failed: WorkerFailedError")
+print("figure 3", flush=True)
+logging.getLogger("reactor").warning("after the block")
+"""
+
+
+def test_what_the_runs_log_goes_to_the_file_and_only_the_figures_are_printed(tmp_path):
+    """Regression: bench_cluster.py printed the runs' warnings and the local workers' log lines among its
+    figures. Inside output_to they go to the log file; outside it, stderr is the terminal's again."""
+    log = tmp_path / "runs.log"
+    proc = subprocess.run([sys.executable, "-c", LOGGING, str(ROOT), str(log)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "figure 1\nfigure 2\nfigure 3\n"
+    assert proc.stderr == "after the block\n"  # (logging's last resort: no handler left on the root logger)
+    text = log.read_text()
+    assert "reactor.launch WARNING a coordinator's warning\n" in text
+    assert "a worker says so on its stderr\n" in text
+
+
+def test_an_error_inside_is_printed_on_stderr_with_the_logs_path_and_last_lines(tmp_path):
+    log = tmp_path / "runs.log"
+    proc = subprocess.run([sys.executable, "-c", LOGGING, str(ROOT), str(log), "fail"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 1
+    assert proc.stdout == "figure 1\nfigure 2\n"
+    err = proc.stderr.splitlines()
+    assert err[0] == f"the runs' log: {log}; its last 2 lines:"
+    assert err[1].endswith("reactor.launch WARNING a coordinator's warning")
+    assert err[2] == "a worker says so on its stderr"
+    assert err[-1] == "RuntimeError: the run failed: WorkerFailedError"
+    assert "Traceback" not in log.read_text()

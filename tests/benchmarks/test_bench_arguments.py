@@ -36,6 +36,12 @@ BAD = [
     ("bench_wal.py", ["--batches", "-1"], "argument --batches: expects an integer >= 1, got '-1'"),
     ("bench_cluster.py", ["--only", "lost"],
      "argument --only: unknown 'lost'; choose from throughput,kill,cut,restart,startup (comma-separated)"),
+    ("bench_cluster.py", ["--settle-s", "0"], "argument --settle-s: expects a number > 0, got '0'"),
+    ("peers/ray_peer.py", ["--only", "kill,lost"],
+     "argument --only: unknown 'lost'; choose from kill,restart,startup,cut (comma-separated)"),
+    ("peers/ray_peer.py", ["--only", "cut"], "--only cut needs --nodes and --cut"),
+    ("peers/ray_peer.py", ["--only", "cut", "--nodes", "h1=ns1@198.18.44.1", "--cut", "ns3:p3"],
+     "argument --nodes: expects HOST=NAMESPACE@IP,... (at least two), got 'h1=ns1@198.18.44.1'"),
     ("bench_gpu.py", ["--device", "cpu", "--parts", "replay,x"],
      "argument --parts: unknown 'x'; choose from replay,torchrl,replies,learners,transformer (comma-separated)"),
 ]
@@ -66,7 +72,7 @@ def test_each_benchmark_refuses_a_bad_argument_in_one_line_before_it_starts():
                           timeout=110, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for (script, args, error), (code, last) in zip(BAD, json.loads(proc.stdout.splitlines()[-1]), strict=True):
-        assert (code, last) == (2, [f"{script}: error: {error}"]), (script, args)
+        assert (code, last) == (2, [f"{Path(script).name}: error: {error}"]), (script, args)
 
 
 @pytest.mark.timeout(120)
@@ -84,3 +90,16 @@ def test_the_episode_benchmark_without_cpprb_says_so_in_one_line_and_measures_ou
     rows = [line.split() for line in lines[lines.index(next(x for x in lines if x.split()[:1] == ["episode"])) + 1:]]
     assert [r[0] for r in rows] == ["1", "32", "256", "4096"]
     assert all(float(r[1]) > 0 and r[2:] == ["-", "-"] for r in rows), rows
+
+
+@pytest.mark.timeout(120)
+def test_the_ray_peer_without_ray_says_so_in_one_line_and_gives_no_figures(tmp_path):
+    """bench_cluster.py's Ray peer is optional: without Ray it exits 0 with one line on stderr and
+    {"skipped": why} as its figures, which bench_cluster prints as "Ray peer skipped: why" beside ours."""
+    (tmp_path / "ray.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "benchmarks/peers/ray_peer.py", "--only", "kill"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=110, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "[ray peer] Ray peer skipped: not installed (no module 'ray')\n"
+    assert json.loads(proc.stdout) == {"skipped": "not installed (no module 'ray')"}

@@ -1,0 +1,62 @@
+"""bench_cluster.py's Ray peer (benchmarks/peers/ray_peer.py) leaves no Ray process behind: stopped in the
+middle of a run, as bench_cluster stops it on an error or Ctrl-C, it shuts Ray down and ends anything
+of its own left (found by the mark in its environment)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peers import ray_peer  # noqa: E402
+
+
+def _raylet_of(mark: str) -> bool:
+    for pid in ray_peer.ours(mark):
+        try:
+            if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_ray_peer_stopped_mid_run_shuts_ray_down_and_leaves_no_process(sig):
+    """SIGINT is what bench_cluster's stop_process sends first (exit status 130, one line); SIGTERM meets
+    the handler ray.init installs, which exits with status 15 through the same finally blocks."""
+    pytest.importorskip("ray")
+    mark = secrets.token_hex(8)
+    proc = subprocess.Popen([sys.executable, "benchmarks/peers/ray_peer.py", "--only", "startup"], cwd=ROOT,
+                            env={**os.environ, ray_peer.MARK: mark}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _raylet_of(mark) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _raylet_of(mark), "the peer's Ray never started its raylet"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        left = ray_peer.ours(mark)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+        ray_peer.end_ours(mark)  # (whatever the test leaves, it does not leave running)
+    assert left == []
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, err.decode(errors="replace")[-3000:]
+        assert err.decode().endswith("ray_peer.py: interrupted; what it printed above is partial\n")
+    else:
+        assert proc.returncode == 15, err.decode(errors="replace")[-3000:]

@@ -101,15 +101,36 @@ def _check_int(what: str, v: Any, lo: int) -> None:
         raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
 
 
-def _numpy(name: str, value: Any) -> np.ndarray:
+def _numpy(what: str, value: Any) -> np.ndarray:
+    """``value`` as a numpy array; ``what`` names it in the refusal (``"field 'obs'"``, ``"priorities"``)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     if isinstance(value, np.ndarray):
         return value
     try:
         return np.asarray(value)
-    except Exception as e:  # noqa: BLE001 - reported with the field name
-        raise TypeError(f"Writer: field {name!r} must be an array or tensor, got {type(value).__name__}") from e
+    except Exception as e:  # noqa: BLE001 - reported with what it was (a ragged list: numpy's ValueError)
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"Writer.append: {what} is a {type(value).__name__} numpy cannot make an array of ({why:.200}); "
+                         f"pass an array or tensor [N, *shape]") from None
+
+
+def _flags(what: str, value: Any, n: int) -> np.ndarray:
+    """``terminated``, ``truncated`` or ``active`` as a bool ``[n]`` array: bools, or numbers 0 and 1.
+    (``np.asarray(x, dtype=bool)`` made the string "False" True, and NaN and 0.5 True: an episode cut
+    where none ended.)"""
+    v = _numpy(what, value).reshape(-1)
+    if v.shape != (n,):
+        raise ValueError(f"Writer.append: {what} must be bool [{n}], got shape {v.shape}")
+    if v.dtype == np.bool_:
+        return v
+    if v.dtype.kind not in "iuf":
+        raise ValueError(f"Writer.append: {what} must be bools [{n}], got an array of dtype {v.dtype}")
+    bad = (v != 0) & (v != 1)  # (NaN too)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"Writer.append: {what} of stream {i} is {v[i].item()!r}; it must be a bool (or 0 or 1)")
+    return v.astype(bool)
 
 
 @functools.cache
@@ -183,8 +204,8 @@ def _check_exact(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.n
         i = next((j for j, x in enumerate(items) if not isinstance(x, numbers.Real)), 0)
         stream = i // per_row if streams is None else int(streams[i // per_row])
         x = items[i] if items else None
-        raise TypeError(f"Writer.append: {what} of stream {stream} is {x!r:.40}, in an array of dtype {value.dtype}, "
-                        f"not of numbers; the field is {dst}: pass numbers")
+        raise ValueError(f"Writer.append: {what} of stream {stream} is {x!r:.40}, in an array of dtype {value.dtype}, "
+                         f"not of numbers; the field is {dst}: pass numbers")
     if value.size == 0:
         return
     # A few whole-array reductions when all is well (NaN fails every comparison); where, only when not.
@@ -263,7 +284,7 @@ class Writer:
         _check_int("Writer num_shards", num_shards, 1)
         _check_int("Writer flush_steps", flush_steps, 1)
         if not isinstance(pattern, (TransitionPattern, WindowPattern)):
-            raise TypeError(f"Writer pattern must be a TransitionPattern or WindowPattern, got {pattern!r}")
+            raise ValueError(f"Writer pattern must be a TransitionPattern or WindowPattern, got {pattern!r:.100}")
         if shard is not None and not (isinstance(shard, int) and 0 <= shard < num_shards):
             raise ValueError(f"Writer shard must be None or in [0, {num_shards}), got {shard!r}")
         names = [s.name for s in self.specs]
@@ -354,41 +375,39 @@ class Writer:
             :class:`Steps` messages for the shards (one per flush).
 
         Raises:
-            KeyError: a field is missing or unknown.
-            ValueError: a wrong shape, ``final`` missing for a stream that ended, a priority that is
-                not finite and >= 0, a value its field's dtype cannot hold exactly (NaN, inf or a
-                fraction for an int field, one out of its range, other than 0 or 1 for a bool field),
-                or a value a float field would not hold finite (NaN, an infinity, or a number too large
-                for its dtype: float64's 1e39 for a float32 field; a float field takes any other
-                number, rounded to its precision).
-            TypeError: a value or priority that is not a number (a string, an object).
+            ValueError: every refusal of what it was given (a refusal, as the other nodes' are: one
+                line from ``reactor run``): a field missing or unknown, a wrong shape, ``final``
+                missing for a stream that ended, a value or priority that is not a number (a string,
+                an object, a complex number), a priority that is not finite and >= 0, a value its
+                field's dtype cannot hold exactly (NaN, inf or a fraction for an int field, one out of
+                its range, other than 0 or 1 for a bool field), a value a float field would not hold
+                finite (NaN, an infinity, or a number too large for its dtype: float64's 1e39 for a
+                float32 field; a float field takes any other number, rounded to its precision), or a
+                ``terminated``, ``truncated`` or ``active`` flag that is not a bool, 0 or 1 (the
+                string "False" and NaN were True).
             A bad value or priority names its stream (and field). Nothing is appended when these raise.
         """
         n = self.num_streams
         unknown = sorted(set(step) - set(self.step_fields))
         if unknown:
-            raise KeyError(f"Writer.append: unknown field(s) {unknown}; the table's step fields are {self.step_fields}")
+            raise ValueError(f"Writer.append: unknown field(s) {unknown}; the table's step fields are {self.step_fields}")
         missing = sorted(set(self.step_fields) - set(step))
         if missing:
-            raise KeyError(f"Writer.append: missing field(s) {missing}; every step needs {self.step_fields}")
+            raise ValueError(f"Writer.append: missing field(s) {missing}; every step needs {self.step_fields}")
         values = {}
         for name in self.step_fields:
-            v = _numpy(name, step[name])
+            v = _numpy(f"field {name!r}", step[name])
             want = (n, *self._shapes[name])
             if v.shape != want:
                 raise ValueError(f"Writer.append: field {name!r} has shape {v.shape}, expected {want} ([N, *shape])")
             values[name] = v
-        term = np.asarray(terminated, dtype=bool).reshape(-1)
-        trunc = np.asarray(truncated, dtype=bool).reshape(-1)
-        if term.shape != (n,) or trunc.shape != (n,):
-            raise ValueError(f"Writer.append: terminated and truncated must be bool [{n}], got {term.shape} {trunc.shape}")
+        term = _flags("terminated", terminated, n)
+        trunc = _flags("truncated", truncated, n)
         if active is None:
             idx = self._streams
             ended = term | trunc
         else:
-            act = np.asarray(active, dtype=bool).reshape(-1)
-            if act.shape != (n,):
-                raise ValueError(f"Writer.append: active must be bool [{n}], got {act.shape}")
+            act = _flags("active", active, n)
             idx = np.flatnonzero(act)
             ended = (term | trunc) & act
         # What the streams give is written as it is (the step buffers would cast silently): a value
@@ -417,8 +436,8 @@ class Writer:
                 raise ValueError("Writer.append: an episode ended but final=None; pass the final observations")
             for name in self.obs_fields:
                 if name not in final:
-                    raise KeyError(f"Writer.append: final lacks {name!r} (obs_fields={list(self.obs_fields)})")
-                v = _numpy(name, final[name])
+                    raise ValueError(f"Writer.append: final lacks {name!r} (obs_fields={list(self.obs_fields)})")
+                v = _numpy(f"final {name!r}", final[name])
                 if v.shape != (n, *self._shapes[name]):
                     raise ValueError(f"Writer.append: final {name!r} has shape {v.shape}, expected {(n, *self._shapes[name])}")
                 dt = self._np_dtypes[name]
@@ -432,7 +451,7 @@ class Writer:
         if priorities is not None:
             raw = _numpy("priorities", priorities)
             if raw.dtype.kind not in "biuf":
-                raise TypeError(f"Writer.append: priorities must be numbers, got dtype {raw.dtype}")
+                raise ValueError(f"Writer.append: priorities must be numbers, got dtype {raw.dtype}")
             prio = raw.astype(np.float64, copy=False).reshape(-1)
             if prio.shape != (n,):
                 raise ValueError(f"Writer.append: priorities must have shape ({n},), got {prio.shape}")

@@ -156,10 +156,14 @@ def test_bad_steps_raise_clear_errors_and_append_nothing():
     w = Writer(FIELDS, num_streams=2, pattern=TransitionPattern())
     no = np.zeros(2, bool)
     good = {"id": np.array([1, 2]), "obs": np.zeros((2, 3)), "action": np.zeros(2, np.int64), "reward": np.ones(2)}
-    with pytest.raises(KeyError, match=r"missing field\(s\) \['reward'\]"):
+    with pytest.raises(ValueError, match=r"^Writer\.append: missing field\(s\) \['reward'\]; every step needs "
+                                         r"\['id', 'obs', 'action', 'reward'\]$"):
         w.append({k: v for k, v in good.items() if k != "reward"}, terminated=no, truncated=no)
-    with pytest.raises(KeyError, match=r"unknown field\(s\) \['rew'\]"):
+    with pytest.raises(ValueError, match=r"^Writer\.append: unknown field\(s\) \['rew'\]; the table's step fields are "
+                                         r"\['id', 'obs', 'action', 'reward'\]$"):
         w.append({**good, "rew": np.ones(2)}, terminated=no, truncated=no)
+    with pytest.raises(ValueError, match=r"^Writer\.append: final lacks 'obs' \(obs_fields=\['obs'\]\)$"):
+        w.append(good, terminated=np.array([True, False]), truncated=no, final={})
     with pytest.raises(ValueError, match=r"field 'obs' has shape \(2, 4\), expected \(2, 3\)"):
         w.append({**good, "obs": np.zeros((2, 4))}, terminated=no, truncated=no)
     with pytest.raises(ValueError, match=r"an episode ended but final=None"):
@@ -195,7 +199,7 @@ def test_a_bad_priority_raises_naming_its_stream_before_anything_is_buffered(pri
     with pytest.raises(ValueError, match=rf"^Writer.append: {why}; priorities must be finite and >= 0$"):
         w.append(_steps(4), terminated=no, truncated=no, priorities=np.array(prio))
     assert w.steps_appended == 0 and w.pending_steps == 0 and int(w._len.sum()) == 0
-    with pytest.raises(TypeError, match=r"^Writer.append: priorities must be numbers, got dtype <U3$"):
+    with pytest.raises(ValueError, match=r"^Writer.append: priorities must be numbers, got dtype <U3$"):
         w.append(_steps(4), terminated=no, truncated=no, priorities=np.array(["1.5"] * 4))
     # An inactive stream's priority is never stored: not checked.
     bad = int(np.flatnonzero(~np.isfinite(prio) | (np.array(prio) < 0))[0])
@@ -217,11 +221,11 @@ def test_a_bad_priority_raises_naming_its_stream_before_anything_is_buffered(pri
      "which"),
     ({"action": np.array([1, 2, 2**64 - 1], np.uint64)}, ValueError, "field 'action' of stream 2 is "
      "18446744073709551615, which"),
-    ({"reward": np.array(["1.5", "1.5", "1.5"])}, TypeError, "field 'reward' of stream 0 is '1.5', in an array of "
+    ({"reward": np.array(["1.5", "1.5", "1.5"])}, ValueError, "field 'reward' of stream 0 is '1.5', in an array of "
      "dtype <U3, not of numbers; the field is float32: pass numbers"),
-    ({"reward": np.array([1.0, None, 2.0])}, TypeError, "field 'reward' of stream 1 is None, in an array of dtype "
+    ({"reward": np.array([1.0, None, 2.0])}, ValueError, "field 'reward' of stream 1 is None, in an array of dtype "
      "object, not of numbers"),
-    ({"obs": np.full((3, 3), 1 + 1j)}, TypeError, "field 'obs' of stream 0 is \\(1\\+1j\\), in an array of dtype "
+    ({"obs": np.full((3, 3), 1 + 1j)}, ValueError, "field 'obs' of stream 0 is \\(1\\+1j\\), in an array of dtype "
      "complex128"),
 ])
 def test_a_value_its_field_cannot_hold_exactly_raises_naming_the_stream_and_field(change, error, why):
@@ -239,6 +243,34 @@ def test_a_value_its_field_cannot_hold_exactly_raises_naming_the_stream_and_fiel
              terminated=no, truncated=no)
     msgs = w.append(_steps(3), terminated=np.ones(3, bool), truncated=no, final={"obs": np.zeros((3, 3))})
     assert msgs[0].fields["action"].tolist()[:2] == [1, 0] and msgs[0].fields["id"].tolist()[0] == 4
+
+
+@pytest.mark.parametrize(("kw", "why"), [
+    ({"terminated": np.array(["False", "False", "False"])}, "terminated must be bools \\[3\\], got an array of dtype <U5"),
+    ({"truncated": np.array([0.0, np.nan, 0.0])}, "truncated of stream 1 is nan; it must be a bool \\(or 0 or 1\\)"),
+    ({"active": [1, 1, 2]}, "active of stream 2 is 2; it must be a bool \\(or 0 or 1\\)"),
+    ({"terminated": None}, "terminated must be bool \\[3\\], got shape \\(1,\\)"),
+    ({"step": {"reward": [[1.0], [2.0, 3.0], [4.0]]}}, "field 'reward' is a list numpy cannot make an array of "
+     "\\(setting an array element with a sequence. .*\\); pass an array or tensor \\[N, \\*shape\\]"),
+])
+def test_every_refusal_of_bad_data_is_a_valueerror_and_a_flag_must_be_a_bool(kw, why):
+    """Regression: Writer.append refused a string value or priority with TypeError and NaN with ValueError
+    (only a ValueError is a refusal, one line from `reactor run`; a TypeError was a traceback, read as
+    reactor's bug), a missing field with KeyError (its message printed in quotes), and a ragged list with
+    a TypeError saying "must be an array or tensor, got list". And terminated, truncated and active were
+    cast with np.asarray(x, dtype=bool): the string "False" and NaN were True, an episode cut where none
+    ended. Each is a ValueError naming what was wrong, and nothing is appended; 0 and 1 are taken."""
+    w = Writer(FIELDS, num_streams=3, pattern=TransitionPattern(), flush_steps=1)
+    args = {"step": _steps(3), "terminated": np.zeros(3, bool), "truncated": np.zeros(3, bool)}
+    args["step"] = {**args["step"], **kw.pop("step", {})}
+    with pytest.raises(ValueError, match=rf"^Writer\.append: {why}$"):
+        w.append(**{**args, **kw})
+    assert w.steps_appended == 0 and int(w._len.sum()) == 0
+    w.append(_steps(3), terminated=[0, 0, 0], truncated=np.zeros(3), active=torch.tensor([1, 0, 1]))
+    msgs = w.append(_steps(3), terminated=np.ones(3), truncated=[False] * 3, final={"obs": np.zeros((3, 3))})
+    assert w.steps_appended == 2 + 3 and sum(int(np.asarray(m.item_mask).sum()) for m in msgs) == 2 + 3
+    with pytest.raises(ValueError, match=r"^Writer pattern must be a TransitionPattern or WindowPattern, got 'n3'$"):
+        Writer(FIELDS, num_streams=3, pattern="n3")  # type: ignore[arg-type]
 
 
 def test_an_inexact_final_observation_or_an_inactive_streams_value_is_checked_where_it_is_stored():

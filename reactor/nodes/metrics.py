@@ -386,19 +386,30 @@ class Metrics(Reactor):
             logging.getLogger("reactor.metrics").warning("%s: cannot write %s: %s (the run's figures are in "
                                                          "metrics.csv)", self.name, self.dir / "summary.json",
                                                          e.strerror or e)
-        plot = None
-        try:
-            from .plot import plot_run
-
-            plot = plot_run(self.dir, target=self.target_return)
-        except ValueError:  # nothing to plot yet (a very short run)
-            pass
-        except OSError as e:  # (a full disk failed the run at its very end, for a picture)
-            logging.getLogger("reactor.metrics").warning("%s: %s (reactor plot %s draws it later)", self.name,
-                                                         e.strerror or e, self.dir)
+        plot = self._plot()
         # The result, also without live progress: a run that ends silently leaves its user guessing.
         print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot, eval_age(summary, self.dir)),
               flush=True)
+
+
+    def _plot(self) -> Any:
+        """Draw ``RUN_DIR/curves.png``; the path, or None when it cannot be drawn, said in one line
+        naming the file and why: no return in metrics.csv yet (a very short run), a metrics.csv of
+        another shape, a full disk, matplotlib failing or missing. Never an error: the run's figures
+        are in metrics.csv whatever becomes of a picture of them (a full disk failed the run at its
+        very end; a ValueError was passed over in silence, and the run's user looked for the file)."""
+        out = self.dir / "curves.png"
+        try:
+            from .plot import plot_run
+
+            return plot_run(self.dir, out, target=self.target_return)
+        except (OSError, ValueError) as e:  # (reactor's own one-line reasons, the file named in most)
+            why = e.strerror if isinstance(e, OSError) and e.strerror and not e.filename else str(e)
+        except Exception as e:  # noqa: BLE001 - a picture's library failing ends no run
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]:.300}"
+        logging.getLogger("reactor.metrics").warning("%s: no plot %s: %s (`reactor plot %s` draws it later)", self.name,
+                                                     out, why, self.dir)
+        return None
 
 
 #: Why a run ended that none of this node's own reasons (a target, a budget) explains: the runtime's.

@@ -624,3 +624,39 @@ def test_a_report_value_that_is_not_a_number_is_refused_naming_its_source_and_na
         run(g)
     with open(tmp_path / "metrics.csv", newline="") as f:
         assert [(r["source"], r["name"], r["value"]) for r in csv.DictReader(f)] == [("mine", "loss", "0.5")]
+
+
+class StepsOnly(Reactor):
+    """Reports env steps and nothing to plot (a run too short for an episode's end)."""
+
+    report = Output(Report)
+
+    @reaction(triggers=[startup], effects=[report])
+    def tick(self) -> None:
+        self.report.send(Report(self.name, {"env_steps": 64}))
+
+
+@pytest.mark.parametrize("case", ["no-returns", "out-is-a-directory"])
+def test_a_plot_that_cannot_be_drawn_is_one_line_naming_the_file_and_why_and_the_run_goes_on(tmp_path, caplog, case):
+    """Regression: Metrics passed over every ValueError of its end-of-run plot in silence (no return in
+    metrics.csv yet, a metrics.csv of another shape): no curves.png, and nothing said why. It is one warning
+    naming the image and why, and the run ends as it would (its summary written, no error)."""
+    g = Graph()
+    if case == "no-returns":
+        src = g.add(StepsOnly(), name="actor")
+        why = f"{tmp_path / 'metrics.csv'} holds no eval_return or episode_return values to plot"
+    else:
+        src = g.add(FakeTrainer(rounds=2), name="actor")
+        (tmp_path / "curves.png").mkdir()
+        why = f"{tmp_path / 'curves.png'} is a directory: name the image file to write \\(e.g. .*\\)"
+    m = g.add(Metrics(str(tmp_path), live=False), name="metrics")
+    g.connect(src.report, m.reports)
+    with caplog.at_level(logging.WARNING, logger="reactor.metrics"):
+        res = run(g)
+    assert res.stopped_by == "quiescence"
+    said = [r.getMessage() for r in caplog.records if "plot" in r.getMessage()]
+    assert len(said) == 1 and re.fullmatch(
+        rf"metrics: no plot {re.escape(str(tmp_path / 'curves.png'))}: {why} "
+        rf"\(`reactor plot {re.escape(str(tmp_path))}` draws it later\)", said[0]), said
+    assert json.loads((tmp_path / "summary.json").read_text())["env_steps"] > 0
+    assert not (tmp_path / "curves.png").is_file()

@@ -43,7 +43,8 @@ class ShardStore:
         directory: ``run_dir/<name>``, or None when the shard has no run_dir.
         keep: complete checkpoints kept (the log keeps what the oldest of them lacks).
         period_s: checkpoint at the first change at or after each multiple of this many seconds of
-            logical time; None: only on request and at shutdown.
+            the clock :meth:`checkpoint_if_due` is given (the shard's: logical time in deterministic
+            runs, wall-clock time since it started in async ones); None: only on request and at shutdown.
         wal: log every insert before it is acknowledged (needs ``directory``).
 
     Attributes:
@@ -157,7 +158,8 @@ class ShardStore:
             self._mark[0] = next_step
 
     def checkpoint_if_due(self, table: Table, time_ns: int) -> None:
-        """The periodic checkpoint: at the first change at or after each multiple of the period.
+        """The periodic checkpoint: at the first change at or after each multiple of the period
+        (``time_ns``: the shard's clock, which must not go back; a tag in an async run does).
 
         Called at the end of the reactions that change the table, so nothing is scheduled for it
         (a pending timer would keep a finished run alive). Skipped while the previous save is

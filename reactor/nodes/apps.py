@@ -102,7 +102,8 @@ class OffPolicyAppConfig(AppConfig):
     """Episodes per evaluation."""
     replay_checkpoint_period_s: float | None = 0.1
     """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
-    100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are not rewritten."""
+    100,000 env steps of each actor; in async runs, seconds of wall time; None: only at the end of the run).
+    Unchanged shards are not rewritten, and a shard writes one at a time."""
     replay_memory: str = "host"
     """Where each replay shard keeps its steps: host, pinned (page-locked host memory: faster copies to a GPU) or
     cuda / cuda:N (the shard's storage and its window and transition gathers on the GPU)."""

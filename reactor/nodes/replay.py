@@ -44,13 +44,18 @@ under ``single`` and ``processes`` gives identical samples.
 **Checkpoints.** With ``run_dir``, a shard checkpoints its table into ``run_dir/<name>`` (e.g.
 ``replay-2``), writing in a background thread (``Table.save_in_background``: the lock is held only
 for the memory copy): on a :class:`CheckpointRequest`; periodically, at the first change of the
-table at or after each multiple of ``checkpoint_period_s`` of logical time (checked in the reactions
-that change it, so nothing is scheduled and a period never keeps a run alive; a table that has not
-changed since its last checkpoint, by ``Table.generation``, is not written again); and, with
+table at or after each multiple of ``checkpoint_period_s`` (checked in the reactions that change it,
+so nothing is scheduled and a period never keeps a run alive; a table that has not changed since its
+last checkpoint, by ``Table.generation``, is not written again); and, with
 ``checkpoint_on_shutdown``, once more when the run ends if it changed since. One save at a time: a
 due checkpoint waits while the previous one is written. At shutdown a save in progress that does
 not hold the latest state is cancelled (it stops within one 16 MiB chunk) and the final one is
-written instead. On start (``restore``) the shard loads the newest checkpoint that verifies
+written instead. The period is of logical time in deterministic runs, and of wall-clock time since
+the shard started in async runs, as async timers and ``--stop-s`` are: there a message's tag is its
+sender's, delayed by the link, and nothing makes a shard's tags advance with the run (a learner that
+draws one-sidedly steps by zero-delay actions, and actors held back by flow control resume at the tags
+of the shards' acknowledgements: an async DQN run's shards saw tags under 0.7 ms for its whole minute,
+and wrote no periodic checkpoint). On start (``restore``) the shard loads the newest checkpoint that verifies
 (checksums and invariants, ``Table.restore``), falling back to older ones, or starts empty; every
 refused checkpoint is logged.
 
@@ -72,6 +77,7 @@ import math
 import numbers
 import os
 import re
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -208,8 +214,9 @@ class Replay(Reactor):
         beta: importance-weight exponent reported to clients (finite, >= 0).
         run_dir: directory for checkpoints (``run_dir/<name>``); None disables them.
         checkpoint_period_s: checkpoint at the first table change at or after every multiple of this
-            many seconds of logical time (needs ``run_dir``; unchanged tables are not rewritten;
-            nothing is scheduled, so it never keeps a run alive).
+            many seconds: of logical time in deterministic runs, of wall-clock time since the shard
+            started in async runs (needs ``run_dir``; unchanged tables are not rewritten; nothing is
+            scheduled, so it never keeps a run alive).
         statistics_period_s: publish statistics this often (None: only on request; keeps the run
             alive: use with a stop time).
         keep_checkpoints: complete checkpoints kept per shard (an int >= 1).
@@ -459,6 +466,7 @@ class Replay(Reactor):
                                            who=self.name, required=False)
         store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
                            wal=self.wal)
+        self._started_ns = time.monotonic_ns()  # (async runs count the checkpoint period from here)
         # (A restarted shard starts from its latest checkpoint.) Kept only once open: a store whose open
         # failed (a run directory that cannot be written) is not checkpointed into at shutdown, which
         # failed again and logged a second traceback over the first.
@@ -931,7 +939,16 @@ class Replay(Reactor):
 
     def _checkpoint_if_due(self) -> None:
         assert self.table is not None
-        self._store.checkpoint_if_due(self.table, self.tag.time_ns)
+        self._store.checkpoint_if_due(self.table, self._period_clock_ns())
+
+    def _period_clock_ns(self) -> int:
+        """The clock ``checkpoint_period_s`` counts, in ns: the logical time in deterministic runs; in
+        async runs the wall clock since the shard started (a shard's tag there is its latest sender's,
+        which need not advance: the module docstring, "Checkpoints"). Not the run's schedule either way:
+        a checkpoint changes no state a sample or a reply reads."""
+        if self.deterministic:
+            return self.tag.time_ns
+        return time.monotonic_ns() - self._started_ns
 
     def checkpoint(self, *, only_if_changed: bool = False) -> concurrent.futures.Future[Path] | None:
         """Start a background checkpoint now; None if one is still being written, if there is no

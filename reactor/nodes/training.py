@@ -103,8 +103,8 @@ def off_policy_graph(
 
     Replay survives: each shard checkpoints into ``run_dir/replay-<i>`` in the background every
     ``replay_checkpoint_period_s`` of logical time (an actor's env step is ``step_s``: the default
-    0.1 s is every 100,000 env steps of each actor; None: only at the end; a shard whose table did
-    not change is not rewritten) and once more at the end of the run, and ``resume=True`` restores
+    0.1 s is every 100,000 env steps of each actor), of wall-clock time in async runs (None: only at
+    the end; a shard whose table did not change is not rewritten) and once more at the end of the run, and ``resume=True`` restores
     the shards from them (with the learner). Inserts since a shard's last checkpoint are lost if its
     process dies, unless ``replay_wal`` logs each one (fsynced) before acknowledging it.
 

@@ -73,6 +73,29 @@ def test_periodic_checkpoints_skip_an_unchanged_shard_and_the_final_one_is_not_a
     assert newest.statistics().inserted == (12 if late_ms is None else 16)
 
 
+STALLED = str(Path(__file__).resolve().parents[1] / "apps" / "stalled_clock.py")
+
+
+def test_an_async_shard_checkpoints_every_period_of_wall_time_though_its_tags_stand_still(tmp_path):
+    """Regression: a shard counted checkpoint_period_s in its tag's time, which in an async run is its
+    latest sender's tag: a learner drawing one-sidedly steps by zero-delay actions, and actors held back by
+    flow control resume at the tags of the shards' acks, so an async DQN run's shards saw tags under 0.7 ms
+    for its whole minute and wrote no periodic checkpoint at a 2 ms period (only the final one). In async
+    runs the period is wall-clock time since the shard started. Here a writer in its own process sends 200
+    messages 5 ms of wall time apart, all at logical time 0: over >= 1 s the shard (period 20 ms, no final
+    checkpoint) writes several checkpoints; it wrote none. (A lower bound only: a slower machine takes longer
+    and checkpoints more.)"""
+    from reactor.launch._app import build_graph
+
+    cfg = {"run_dir": str(tmp_path), "messages": 200, "pause_s": 0.005, "period_s": 0.02}
+    res = run(build_graph(STALLED, cfg), app=STALLED, config=cfg, placement="processes", deterministic=False,
+              stop_s=300)
+    assert res.stopped_by == "quiescence"
+    done = complete_checkpoints(tmp_path / "replay")
+    assert len(done) >= 3, [p.name for p in done]
+    assert Table.load(done[0]).statistics().inserted <= 200
+
+
 def test_a_cancelled_background_save_publishes_nothing(tmp_path):
     t = Table(Storage([FieldSpec("x", (8,))], 64), sampler=Uniform(), remover=Fifo(), rate_limiter=MinSize(1))
     t.insert_nowait({"x": torch.ones(10, 8)})

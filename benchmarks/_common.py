@@ -13,13 +13,16 @@ lines do not land among the figures; an error that ends the benchmark still reac
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -135,12 +138,66 @@ def stop_process(proc: subprocess.Popen, *, group: bool, grace_s: float = 15.0) 
 def interruptible(main: Callable[[], Any], name: str) -> None:
     """Run a benchmark's ``main``: a Ctrl-C ends it with one line and exit status 130 (its ``finally``
     blocks ran on the way out: its children stopped, its temporary directories removed), not
-    ``KeyboardInterrupt``'s traceback from wherever the measurement was."""
+    ``KeyboardInterrupt``'s traceback from wherever the measurement was.
+
+    A Ctrl-C whose ``KeyboardInterrupt`` Python raised where it cannot propagate (a ctypes callback:
+    llvmlite's object-cache notice while numba compiles a kernel on its first call; a ``__del__``, a
+    weakref callback) was printed as "Exception ignored" and dropped, and the benchmark measured on
+    (bench_wal, 1 Ctrl-C in 8 beside two busy loops): such a one is raised again in the code the
+    callback returns to (:func:`_redeliver_interrupts`). And a compile it cut short leaves llvmlite
+    objects half made, whose ``__del__`` fails at the exit ("'PipelineTuningOptions' object has no
+    attribute '_as_parameter_'"): after a Ctrl-C, those (llvmlite's and numba's) are not printed."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_interrupts(hook)
     try:
         main()
     except KeyboardInterrupt:
+        sys.unraisablehook = _quiet_compiler_leftovers(hook)
         print(f"{name}: interrupted; what it printed above is partial", file=sys.stderr)
         raise SystemExit(130) from None
+    sys.unraisablehook = hook
+
+
+def _quiet_compiler_leftovers(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """After a Ctrl-C: an ``sys.unraisablehook`` that drops what fails in llvmlite's or numba's own
+    finalizers (objects the interrupt cut mid-construction) and hands anything else to ``hook``."""
+
+    def unraisable(args: Any) -> None:
+        where = getattr(args.object, "__module__", None) or ""
+        if isinstance(where, str) and where.split(".")[0] in ("llvmlite", "numba"):
+            return
+        hook(args)
+
+    return unraisable
+
+
+def _redeliver_interrupts(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A ``sys.unraisablehook`` that has a swallowed ``KeyboardInterrupt`` raised again in the main
+    thread, and hands anything else to ``hook``.
+
+    Not from the hook itself: an interrupt it raised would be handled inside it, and dropped as the
+    hook's own ("Exception ignored in sys.unraisablehook"). The hook's last call hands it to a thread
+    (a C queue), which calls ``_thread.interrupt_main`` once the GIL is free: the main thread handles
+    that at its next check, after the hook (CPython handles pending signals before it lets another
+    thread take the GIL, so one that thread sets meanwhile waits for the next check, and the hook has
+    none left). Raised in a callback again (the compiler calls back many times), it comes back here.
+    """
+    swallowed: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def redeliver() -> None:
+        while True:
+            swallowed.get()
+            _thread.interrupt_main()
+
+    threading.Thread(target=redeliver, name="redeliver-ctrl-c", daemon=True).start()
+
+    def unraisable(args: Any) -> None:
+        if isinstance(args.exc_value, KeyboardInterrupt):
+            swallowed.put(None)
+            return
+        hook(args)
+
+    return unraisable
 
 
 @contextlib.contextmanager

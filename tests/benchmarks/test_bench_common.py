@@ -166,3 +166,33 @@ def test_an_error_inside_is_printed_on_stderr_with_the_logs_path_and_last_lines(
     assert err[2] == "a worker says so on its stderr"
     assert err[-1] == "RuntimeError: the run failed: WorkerFailedError"
     assert "Traceback" not in log.read_text()
+
+
+SWALLOWED = """
+import ctypes, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks._common import interruptible
+
+def land_in_a_callback():
+    signal.raise_signal(signal.SIGINT)  # a Ctrl-C, handled by Python while the callback runs
+    for _ in range(1000):
+        pass
+
+def main():
+    ctypes.CFUNCTYPE(None)(land_in_a_callback)()  # (as llvmlite calls back while numba compiles a kernel)
+    time.sleep(10)  # the measurement
+    print("measured on", flush=True)
+
+interruptible(main, "bench_x.py")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_that_python_swallows_in_a_ctypes_callback_still_ends_the_benchmark():
+    """Regression: a Ctrl-C that came while numba compiled a kernel (bench_wal's first inserts) raised
+    KeyboardInterrupt inside llvmlite's ctypes callback, where Python prints "Exception ignored on calling
+    ctypes callback function" and drops it: the benchmark measured on (the Ctrl-C test above, 1 run in 8
+    beside two busy loops). interruptible sends such an interrupt again; it ends the run as any Ctrl-C."""
+    p = subprocess.run([sys.executable, "-c", SWALLOWED, str(ROOT)], capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (p.returncode, p.stdout, p.stderr) == (130, "", "bench_x.py: interrupted; what it printed above is partial\n")

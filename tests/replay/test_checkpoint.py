@@ -85,6 +85,41 @@ def test_restore_from_fills_an_empty_table_in_place_across_the_rings_wrap_and_co
     assert draws(t) == draws(u) == draws(v)
 
 
+def test_a_checkpoint_restored_under_another_samples_per_insert_starts_balanced_under_the_new_ratio(tmp_path, caplog):
+    """A resumed run with another samples_per_insert (or window) restores a shard's checkpoint whose limiter
+    counts were made under the old ratio: counted under the new one they starved the learner (8 -> 1 here:
+    the 50 inserts allowed 50 samples and 400 were counted, so none until 350 more inserts) or flooded it.
+    Rebased (``RateLimiter.load_state_dict``): the inserts are kept, the samples set so the diff sits at the
+    new window's centre, half the window each way (the same as a fresh table at its balance: the old
+    ratio's debt or credit is the old run's, and says nothing of the new); said in one warning naming both
+    ratios. The same ratio restores the counts as they were. Through the checkpoint files (restore_from)."""
+    t = make(limiter=SampleToInsertRatio(8.0, 10, 80.0))
+    rng = np.random.default_rng(0)
+    for _ in range(10):  # 5 steps an episode, sampled as far as the ratio allows after each
+        t.insert_nowait({"obs": torch.from_numpy(rng.normal(size=(5, 3)).astype(np.float32)),
+                         "done": torch.zeros(5, dtype=torch.bool), "half": torch.zeros(5, 2, dtype=torch.bfloat16)},
+                        np.ones(5), episode_end=True)
+        while t.rate_limiter.can_sample(8, len(t)):
+            t.sample_nowait(8)
+    before = t.rate_limiter.statistics()
+    assert (before.inserts, before.samples) == (50, 400)  # (8 * 50 - samples down to min_diff = 8 * 10 - 80 = 0)
+    t.save(tmp_path)
+    same = make(limiter=SampleToInsertRatio(8.0, 10, 80.0))
+    same.restore_from(tmp_path)
+    assert same.rate_limiter.statistics() == before
+    u = make(limiter=SampleToInsertRatio(1.0, 10, 10.0))  # window [0, 20] around 1 * 10
+    with caplog.at_level("WARNING", logger="reactor.replay"):
+        u.restore_from(tmp_path)
+    assert len(u) == len(t) and u.storage.step_range == t.storage.step_range
+    assert (u.rate_limiter.statistics().inserts, u.rate_limiter.statistics().samples) == (50, 50 - 10)
+    lim = u.rate_limiter
+    assert lim.can_sample(10, len(u)) and not lim.can_sample(11, len(u))  # diff 10: down to 0
+    assert lim.can_insert(10, len(u)) and not lim.can_insert(11, len(u))  # and up to 20
+    said = [r.getMessage() for r in caplog.records if "rate limiter" in r.getMessage()]
+    assert said == ["rate limiter: the checkpoint's counts were made at samples_per_insert 8 (diff in [0, 160]), and "
+                    "this table's is 1 (in [0, 20]): its 50 inserts count as balanced under the new ratio"], said
+
+
 def test_restore_from_refuses_a_table_that_holds_steps_and_a_checkpoint_of_other_fields_names_them(tmp_path):
     """A restore into a table that holds data would overwrite it; a checkpoint of other fields is the
     run's settings, not a damaged checkpoint: it is neither passed over for an older one nor half-read."""

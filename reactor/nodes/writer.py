@@ -125,7 +125,7 @@ def _flags(what: str, value: Any, n: int) -> np.ndarray:
     if v.dtype == np.bool_:
         return v
     if v.dtype.kind not in "iuf":
-        raise ValueError(f"Writer.append: {what} must be bools [{n}], got an array of dtype {v.dtype}")
+        raise ValueError(f"Writer.append: {what} must be bool [{n}] (or 0 and 1), got an array of dtype {v.dtype}")
     bad = (v != 0) & (v != 1)  # (NaN too)
     if bad.any():
         i = int(np.argmax(bad))

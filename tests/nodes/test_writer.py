@@ -246,7 +246,7 @@ def test_a_value_its_field_cannot_hold_exactly_raises_naming_the_stream_and_fiel
 
 
 @pytest.mark.parametrize(("kw", "why"), [
-    ({"terminated": np.array(["False", "False", "False"])}, "terminated must be bools \\[3\\], got an array of dtype <U5"),
+    ({"terminated": np.array(["False", "False", "False"])}, "terminated must be bool \\[3\\] \\(or 0 and 1\\), got an array of dtype <U5"),
     ({"truncated": np.array([0.0, np.nan, 0.0])}, "truncated of stream 1 is nan; it must be a bool \\(or 0 or 1\\)"),
     ({"active": [1, 1, 2]}, "active of stream 2 is 2; it must be a bool \\(or 0 or 1\\)"),
     ({"terminated": None}, "terminated must be bool \\[3\\], got shape \\(1,\\)"),

@@ -391,7 +391,6 @@ class Metrics(Reactor):
         print(result_lines(self.last_eval, summary["stop_reason"], self.dir, plot, eval_age(summary, self.dir)),
               flush=True)
 
-
     def _plot(self) -> Any:
         """Draw ``RUN_DIR/curves.png``; the path, or None when it cannot be drawn, said in one line
         naming the file and why: no return in metrics.csv yet (a very short run), a metrics.csv of

@@ -262,7 +262,7 @@ def restart_run(cluster: Cluster, tmp: Path, settle_s: float, backoff_s: float) 
                          '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n')
     run_dir = tmp / "restart"
     cfg = {"max_env_steps": 10**7, "target_return": None, "live": False, "run_dir": str(run_dir),
-           "replay_checkpoint_period_s": 0.05}  # (wall-clock seconds in an async run)
+           "replay_async_checkpoint_period_s": 0.05}  # (wall-clock seconds: an async run)
     timeline = _Timeline()
     logging.getLogger("reactor").addHandler(timeline)
     stop_s = 2 * settle_s + 90

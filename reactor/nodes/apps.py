@@ -101,9 +101,12 @@ class OffPolicyAppConfig(AppConfig):
     eval_episodes: int = 10
     """Episodes per evaluation."""
     replay_checkpoint_period_s: float | None = 0.1
-    """Logical seconds between background checkpoints of each replay shard (an env step is 1e-6 s: every
-    100,000 env steps of each actor; in async runs, seconds of wall time; None: only at the end of the run).
-    Unchanged shards are not rewritten, and a shard writes one at a time."""
+    """Logical seconds between background checkpoints of each replay shard in deterministic runs (an env step
+    is 1e-6 s: every 100,000 env steps of each actor; None: only at the end of the run). Unchanged shards are
+    not rewritten, and a shard writes one at a time."""
+    replay_async_checkpoint_period_s: float | None = 30.0
+    """Seconds of wall-clock time between background checkpoints of each replay shard in async runs (what a
+    shard that dies loses at most without replay_wal); None: replay_checkpoint_period_s, in wall seconds."""
     replay_memory: str = "host"
     """Where each replay shard keeps its steps: host, pinned (page-locked host memory: faster copies to a GPU) or
     cuda / cuda:N (the shard's storage and its window and transition gathers on the GPU)."""
@@ -217,6 +220,7 @@ def off_policy_app_graph(config: OffPolicyAppConfig, *, algo: str, name: str, ti
         eval_every_updates=config.eval_every_updates, eval_episodes=config.eval_episodes,
         target_return=config.target_return, max_env_steps=config.max_env_steps, checkpoint_every=config.checkpoint_every,
         resume=config.resume, replay_checkpoint_period_s=config.replay_checkpoint_period_s,
+        replay_async_checkpoint_period_s=config.replay_async_checkpoint_period_s,
         replay_wal=config.replay_wal, replay_memory=config.replay_memory,
         replay_remote_reads=config.replay_remote_reads, device=config.device,
         compile=config.compile, live=config.live, title=f"{title} {config.env}",

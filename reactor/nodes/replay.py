@@ -217,6 +217,10 @@ class Replay(Reactor):
             many seconds: of logical time in deterministic runs, of wall-clock time since the shard
             started in async runs (needs ``run_dir``; unchanged tables are not rewritten; nothing is
             scheduled, so it never keeps a run alive).
+        async_checkpoint_period_s: in async runs, the period in seconds of wall-clock time instead of
+            ``checkpoint_period_s`` (a logical period rarely suits as a wall one: the apps' 0.1 s, every
+            100,000 env steps of each actor in a deterministic run, would be several saves a second);
+            None: ``checkpoint_period_s`` in both modes. Needs ``run_dir``.
         statistics_period_s: publish statistics this often (None: only on request; keeps the run
             alive: use with a stop time).
         keep_checkpoints: complete checkpoints kept per shard (an int >= 1).
@@ -291,6 +295,7 @@ class Replay(Reactor):
         beta: float = 0.4,
         run_dir: str | None = None,
         checkpoint_period_s: float | None = None,
+        async_checkpoint_period_s: float | None = None,
         statistics_period_s: float | None = None,
         keep_checkpoints: int = 3,
         restore: bool = True,
@@ -351,11 +356,16 @@ class Replay(Reactor):
         self.max_size = max_size
         self.max_times_sampled = max_times_sampled
         self.beta = float(beta)
-        for what, period in (("checkpoint_period_s", checkpoint_period_s), ("statistics_period_s", statistics_period_s)):
-            if period is not None and not (isinstance(period, (int, float)) and period > 0):
-                raise ValueError(f"Replay {what} must be > 0 or None, got {period!r}")
-        if checkpoint_period_s is not None and run_dir is None:
-            raise ValueError("Replay checkpoint_period_s needs run_dir (where checkpoints go)")
+        for what, period in (("checkpoint_period_s", checkpoint_period_s),
+                             ("async_checkpoint_period_s", async_checkpoint_period_s),
+                             ("statistics_period_s", statistics_period_s)):
+            if period is not None and not (isinstance(period, (int, float)) and not isinstance(period, bool)
+                                           and math.isfinite(period) and period > 0):
+                raise ValueError(f"Replay {what} must be a number > 0 or None, got {period!r}")
+        for what, period in (("checkpoint_period_s", checkpoint_period_s),
+                             ("async_checkpoint_period_s", async_checkpoint_period_s)):
+            if period is not None and run_dir is None:
+                raise ValueError(f"Replay {what} needs run_dir (where checkpoints go)")
         if wal not in (True, False):
             raise ValueError(f"Replay wal must be True or False, got {wal!r}")
         if wal and run_dir is None:
@@ -363,6 +373,7 @@ class Replay(Reactor):
         self.wal = wal
         self.run_dir = run_dir
         self.checkpoint_period_s = checkpoint_period_s
+        self.async_checkpoint_period_s = async_checkpoint_period_s
         self.statistics_period_s = statistics_period_s
         self.keep_checkpoints = keep_checkpoints
         self.restore = restore
@@ -464,7 +475,7 @@ class Replay(Reactor):
             refuse_file_links(directory)
             self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.restore,
                                            who=self.name, required=False)
-        store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self.checkpoint_period_s,
+        store = ShardStore(self.name, directory, keep=self.keep_checkpoints, period_s=self._checkpoint_period(),
                            wal=self.wal)
         self._started_ns = time.monotonic_ns()  # (async runs count the checkpoint period from here)
         # (A restarted shard starts from its latest checkpoint.) Kept only once open: a store whose open
@@ -544,12 +555,18 @@ class Replay(Reactor):
         self._remote_sampling = {"table": self._sampling["table"], "op": REMOTE_SAMPLE_OP,  # type: ignore[index]
                                  "max_items": max_items}
 
+    def _checkpoint_period(self) -> float | None:
+        """The period this run's mode counts (see ``async_checkpoint_period_s``)."""
+        if self.deterministic or self.async_checkpoint_period_s is None:
+            return self.checkpoint_period_s
+        return self.async_checkpoint_period_s
+
     def restart_loses(self) -> str:
         if self.run_dir is None:
             return "its steps: with no run_dir it keeps no checkpoint, and starts again empty"
-        if self.checkpoint_period_s is None and not self.wal:
-            return ("its steps: with no checkpoint_period_s (and no wal) it checkpoints only at the run's end, and "
-                    "starts again empty; set a period (replay_checkpoint_period_s) or wal")
+        if self.checkpoint_period_s is None and self.async_checkpoint_period_s is None and not self.wal:
+            return ("its steps: with no checkpoint period (and no wal) it checkpoints only at the run's end, and "
+                    "starts again empty; set a period (replay_async_checkpoint_period_s) or wal")
         return ""
 
     def _shared_arrays(self, sampler: Selector) -> SharedArrays | None:

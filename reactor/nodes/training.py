@@ -75,6 +75,7 @@ def off_policy_graph(
     checkpoint_every: int = 0,
     resume: bool = False,
     replay_checkpoint_period_s: float | None = 0.1,
+    replay_async_checkpoint_period_s: float | None = 30.0,
     replay_wal: bool = False,
     replay_memory: str = "host",
     replay_remote_reads: str = "auto",
@@ -103,8 +104,9 @@ def off_policy_graph(
 
     Replay survives: each shard checkpoints into ``run_dir/replay-<i>`` in the background every
     ``replay_checkpoint_period_s`` of logical time (an actor's env step is ``step_s``: the default
-    0.1 s is every 100,000 env steps of each actor), of wall-clock time in async runs (None: only at
-    the end; a shard whose table did not change is not rewritten) and once more at the end of the run, and ``resume=True`` restores
+    0.1 s is every 100,000 env steps of each actor; None: only at the end), in async runs every
+    ``replay_async_checkpoint_period_s`` of wall-clock time (default 30 s; None: the first, in wall
+    seconds); a shard whose table did not change is not rewritten; and once more at the end of the run, and ``resume=True`` restores
     the shards from them (with the learner). Inserts since a shard's last checkpoint are lost if its
     process dies, unless ``replay_wal`` logs each one (fsynced) before acknowledging it.
 
@@ -191,6 +193,7 @@ def off_policy_graph(
     replay = g.add(
         Replay(fields, capacity=max(1, capacity // shards), read=spec.read, sampler=sampler, rate_limiter=limiter,
                beta=beta, run_dir=run_dir, checkpoint_period_s=replay_checkpoint_period_s,
+               async_checkpoint_period_s=replay_async_checkpoint_period_s,
                checkpoint_on_shutdown=True, restore=resume, wal=replay_wal, memory=replay_memory, writers=actors,
                remote_reads=replay_remote_reads),
         name="replay", replicas=shards,

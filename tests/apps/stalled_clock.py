@@ -8,7 +8,7 @@ of wall time (slept in its reaction, as an update takes it) it sends one whole e
 and schedules its next step with no delay, ``messages`` times, then the run ends.
 
 config keys: run_dir (required), messages (200), pause_s (0.005), period_s (the shard's
-checkpoint_period_s, 0.02).
+checkpoint_period_s, 0.02), async_period_s (its async_checkpoint_period_s, None).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def build(config: dict) -> Graph:
     g = Graph()
     w = g.add(StalledWriter(int(config.get("messages", 200)), float(config.get("pause_s", 0.005))), name="writer")
     r = g.add(Replay([("x", (), "int64")], 1024, run_dir=str(config["run_dir"]), keep_checkpoints=10_000,
-                     checkpoint_period_s=float(config.get("period_s", 0.02))), name="replay", replicas=1)
+                     checkpoint_period_s=float(config.get("period_s", 0.02)),
+                     async_checkpoint_period_s=config.get("async_period_s")), name="replay", replicas=1)
     g.connect(w.steps, r.steps, key=shard_key)
     return g

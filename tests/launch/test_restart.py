@@ -350,7 +350,7 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
         proc = subprocess.Popen(
             [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "actors", "--async", "--json",
              "--restart", "on-failure:2", "--set", "live=False", "--set", f"run_dir={str(run)!r}",
-             "--set", "replay_checkpoint_period_s=0.05", "--set", "checkpoint_every=100",
+             "--set", "replay_async_checkpoint_period_s=0.05", "--set", "checkpoint_every=100",
              "--set", "max_env_steps=400_000", "--set", "target_return=None"],
             cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=err, text=True)
     try:
@@ -617,7 +617,7 @@ def test_a_dqn_job_over_three_hosts_survives_kill_9_of_an_actor_a_shard_the_lear
                           '[groups.replay-1]\nreactors = ["replay[[]1]"]\nhost = "h2"\n'
                           '[groups.actor-0]\nreactors = ["actor[[]0]"]\nhost = "h2"\n'
                           '[groups.actor-1]\nreactors = ["actor[[]1]"]\nhost = ["h3", "h2"]\n',
-                          "live=False", "replay_checkpoint_period_s=0.05", "checkpoint_every=100",
+                          "live=False", "replay_async_checkpoint_period_s=0.05", "checkpoint_every=100",
                           "target_return=None", "replay_remote_reads=zmq")
         cli = [sys.executable, "-m", "reactor.cli"]
         keys = load_keys(c.keys)
@@ -790,9 +790,10 @@ def test_a_restart_policy_over_a_learner_or_shard_that_would_start_again_empty_i
                    "checkpoint_every = 0 writes learner.pt only at the run's end, so it learns again from fresh "
                    "weights; set checkpoint_every=N to resume from every N updates"], got
     assert said({"checkpoint_every": 100}) == []
-    got = said({"checkpoint_every": 100, "replay_checkpoint_period_s": None})
+    assert said({"checkpoint_every": 100, "replay_checkpoint_period_s": None}) == []  # (the async period stands)
+    got = said({"checkpoint_every": 100, "replay_checkpoint_period_s": None, "replay_async_checkpoint_period_s": None})
     assert [m.split(" would")[0] for m in got] == ["group 'replay-0' restarts on failure, but 'replay'"], got
-    assert "set a period (replay_checkpoint_period_s) or wal" in got[0]
+    assert "set a period (replay_async_checkpoint_period_s) or wal" in got[0]
 
 
 @pytest.mark.timeout(120)

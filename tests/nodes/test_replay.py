@@ -631,6 +631,12 @@ def test_a_malformed_plan_of_rows_is_dropped_and_the_batch_stays_within_what_was
     ({"beta": "0.4"}, "Replay beta must be a finite number >= 0, got '0.4'"),
     ({"restore": "no"}, "Replay restore must be True or False, got 'no'"),
     ({"checkpoint_on_shutdown": "yes"}, "Replay checkpoint_on_shutdown must be True or False, got 'yes'"),
+    ({"checkpoint_period_s": 0}, "Replay checkpoint_period_s must be a number > 0 or None, got 0"),
+    ({"async_checkpoint_period_s": float("inf"), "run_dir": "/tmp"},
+     "Replay async_checkpoint_period_s must be a number > 0 or None, got inf"),
+    ({"async_checkpoint_period_s": True, "run_dir": "/tmp"},
+     "Replay async_checkpoint_period_s must be a number > 0 or None, got True"),
+    ({"async_checkpoint_period_s": 30.0}, "Replay async_checkpoint_period_s needs run_dir (where checkpoints go)"),
     ({"rate_limiter": {"type": "MinSize", "min_size": 100}},
      "Replay rate_limiter {'type': 'MinSize', 'min_size': 100} waits for 100 items before a sample, more than the 16 "
      "this shard holds (max_size, at most the capacity); lower its min_size or raise the capacity"),

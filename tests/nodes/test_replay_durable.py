@@ -76,7 +76,11 @@ def test_periodic_checkpoints_skip_an_unchanged_shard_and_the_final_one_is_not_a
 STALLED = str(Path(__file__).resolve().parents[1] / "apps" / "stalled_clock.py")
 
 
-def test_an_async_shard_checkpoints_every_period_of_wall_time_though_its_tags_stand_still(tmp_path):
+@pytest.mark.parametrize(("period_s", "async_period_s", "periodic"), [(0.02, None, True), (1000.0, 0.02, True),
+                                                                     (0.02, 1000.0, False)],
+                         ids=["period", "async-period", "async-period-longer"])
+def test_an_async_shard_checkpoints_every_period_of_wall_time_though_its_tags_stand_still(tmp_path, period_s,
+                                                                                          async_period_s, periodic):
     """Regression: a shard counted checkpoint_period_s in its tag's time, which in an async run is its
     latest sender's tag: a learner drawing one-sidedly steps by zero-delay actions, and actors held back by
     flow control resume at the tags of the shards' acks, so an async DQN run's shards saw tags under 0.7 ms
@@ -84,16 +88,21 @@ def test_an_async_shard_checkpoints_every_period_of_wall_time_though_its_tags_st
     runs the period is wall-clock time since the shard started. Here a writer in its own process sends 200
     messages 5 ms of wall time apart, all at logical time 0: over >= 1 s the shard (period 20 ms, no final
     checkpoint) writes several checkpoints; it wrote none. (A lower bound only: a slower machine takes longer
-    and checkpoints more.)"""
+    and checkpoints more.) ``async_checkpoint_period_s``, when given, is the period of async runs instead:
+    the apps' logical 0.1 s (100,000 env steps of an actor) would be several saves a second of wall time."""
     from reactor.launch._app import build_graph
 
-    cfg = {"run_dir": str(tmp_path), "messages": 200, "pause_s": 0.005, "period_s": 0.02}
+    cfg = {"run_dir": str(tmp_path), "messages": 200, "pause_s": 0.005, "period_s": period_s,
+           "async_period_s": async_period_s}
     res = run(build_graph(STALLED, cfg), app=STALLED, config=cfg, placement="processes", deterministic=False,
               stop_s=300)
     assert res.stopped_by == "quiescence"
     done = complete_checkpoints(tmp_path / "replay")
-    assert len(done) >= 3, [p.name for p in done]
-    assert Table.load(done[0]).statistics().inserted <= 200
+    if periodic:
+        assert len(done) >= 3, [p.name for p in done]
+        assert Table.load(done[0]).statistics().inserted <= 200
+    else:
+        assert done == [], [p.name for p in done]  # (no final one: checkpoint_on_shutdown is off)
 
 
 def test_a_cancelled_background_save_publishes_nothing(tmp_path):

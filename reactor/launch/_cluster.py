@@ -500,7 +500,11 @@ class RemoteWorkers:
         directory, at the same relative paths: a run over hosts leaves its files where it was
         started from. An absolute ``run_dir`` (a shared file system) is written in place and copied
         by nobody. Lost hosts are skipped, and so is everything past ``max_nbytes``, each logged (a
-        lost host with where its files stay)."""
+        lost host with where its files stay). A host's listing is bounded (``_hosting.list_run_files``): what
+        it leaves out is said, with where it stays; a file that cannot be read there is said and the others
+        still come."""
+        from ._daemonclient import DaemonSilentError
+
         total = files = 0
         for host in sorted(set(self.host_of.values()) & set(self.lost_hosts)):
             log.warning("did not copy the run's files from host %s, which is lost (%s): they stay there, in %s",
@@ -508,12 +512,21 @@ class RemoteWorkers:
                         self.run_dir_of.get(host, f"its daemon's state directory, runs/{self.run_id}/"))
         for host in sorted(set(self.host_of.values()) - set(self.lost_hosts)):
             link = self.links[host]
+            where = self.run_dir_of.get(host, f"its daemon's state directory, runs/{self.run_id}/")
             try:
                 listing = await link.request("run_files", self.run_id, timeout_s=10.0)
             except DaemonError as e:
                 log.warning("did not copy the run's files from host %s: %s", host, e)
                 continue
-            for f in listing:
+            if listing["more"]:  # (the daemon lists RUN_FILES_MAX files at most, and so many bytes of paths)
+                log.warning("host %s holds more of the run's files than one listing carries: the %d listed are copied, "
+                            "the rest stay there, in %s", host, len(listing["files"]), where)
+            if listing["unfetchable"]:
+                log.warning("%d of the run's files on host %s have names that cannot be asked for (%s%s: a part "
+                            "starting with '.', or a character past [A-Za-z0-9_.-]): they stay there, in %s",
+                            listing["unfetchable"], host, ", ".join(listing["unfetchable_shown"]),
+                            ", ..." if listing["unfetchable"] > len(listing["unfetchable_shown"]) else "", where)
+            for f in listing["files"]:
                 target = dest / f["path"]
                 if target.resolve().parent != target.parent.resolve() or dest.resolve() not in target.resolve().parents:
                     log.warning("host %s offered %r, outside the run: skipped", host, f["path"])
@@ -527,13 +540,23 @@ class RemoteWorkers:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 tmp = target.with_name(f".{target.name}.part")
                 offset = 0
-                with open(tmp, "wb") as out:
-                    while offset < f["size"]:
-                        got = await link.request("run_file", self.run_id, f["path"], offset, timeout_s=30.0)
-                        if not got["data"]:
-                            break
-                        out.write(got["data"])
-                        offset = got["offset"]
+                try:
+                    with open(tmp, "wb") as out:
+                        while offset < f["size"]:
+                            got = await link.request("run_file", self.run_id, f["path"], offset, timeout_s=30.0)
+                            if not got["data"]:
+                                break
+                            out.write(got["data"])
+                            offset = got["offset"]
+                except DaemonError as e:  # (one file refused, removed meanwhile, say: the others still come)
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                    log.warning("did not copy %s from host %s: %s", f["path"], host, e)
+                    if isinstance(e, DaemonSilentError):  # (the host went quiet: its other files would wait as long)
+                        log.warning("did not copy the rest of the run's files from host %s: they stay there, in %s",
+                                    host, where)
+                        break
+                    continue
                 os.replace(tmp, target)
                 total += offset
                 files += 1

@@ -72,6 +72,7 @@ from ._hosting import (
     Proc,
     Remover,
     check_sha256,
+    list_run_files,
     put_files,
     read_chunk,
 )
@@ -88,6 +89,9 @@ REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read t
 #: The requests that start a process (a job, a worker): answered once the fork server has forked it, the
 #: daemon answering other requests meanwhile (``Forks.spawn_async``).
 STARTS = ("submit", "spawn")
+#: The requests answered from a thread, the daemon answering others meanwhile: listing a run's directory
+#: (``run_files``) took seconds for 100,000 files, every other client and heartbeat waiting.
+IN_THREAD = ("run_files",)
 STOP_GRACE_S = 20.0
 #: After the grace: the run's second SIGTERM ("stop at once", its cleanups run), then SIGKILL. Its cleanups
 #: wait out the reaping's SIGTERM grace for workers held in a reaction (TERM_GRACE_S here, a host's END_GRACE_S
@@ -231,7 +235,8 @@ class Daemon:
         self.jobs: dict[str, _Job] = {}
         self._warned: dict[str, float] = {}  # watch loop trouble -> when last logged
         self._stop_phase: str | None = None  # (on SIGTERM: "jobs", then "hosted"; see _stop_done)
-        self._starts: set[asyncio.Task[None]] = set()  # (serve: the submits and spawns whose process is starting)
+        self._later: set[asyncio.Task[None]] = set()  # (serve: the requests answered once done: STARTS, IN_THREAD)
+        self._starting = 0  # (the submits and spawns whose process is starting)
         self._stop_deadline = 0.0
         self.refused = 0
         self._index_unsaved = False  # the jobs' index changed and could not be written yet (_save_index)
@@ -583,20 +588,29 @@ class Daemon:
             return True, self.hosted.end(msg[2])
         if kind == "worker_log":
             return True, self.hosted.log(msg[2], msg[3], msg[4])
-        if kind == "run_files":
-            return True, self.hosted.run_files(msg[2])
         if kind == "run_file":
             return True, self.hosted.run_file(msg[2], msg[3], msg[4])
-        raise AssertionError(kind)  # the schema admits no other kind (and STARTS are answered by start)
+        raise AssertionError(kind)  # the schema admits no other kind (STARTS: start; IN_THREAD: in_thread)
 
     async def start(self, msg: Any) -> tuple[bool, Any]:
         """Answer a checked request of one of ``STARTS``: a job or a worker started, its process forked
         while the daemon answers other requests."""
         if self._stop_phase is not None:  # (stop_all has been; none would be stopped)
             raise DaemonError(f"daemon {self.name!r} is stopping: it takes no new jobs or workers")
-        if msg[1] == "submit":
-            return True, await self.submit(msg[2])
-        return True, await self.hosted.spawn(msg[2])
+        self._starting += 1
+        try:
+            if msg[1] == "submit":
+                return True, await self.submit(msg[2])
+            return True, await self.hosted.spawn(msg[2])
+        finally:
+            self._starting -= 1
+
+    async def in_thread(self, msg: Any) -> tuple[bool, Any]:
+        """Answer a checked request of one of ``IN_THREAD`` (``run_files``): the run is looked up (its
+        lease renewed) here, its directory listed in a thread, bounded (``list_run_files``); while stopping
+        too (a run's coordinator copies its files back as it stops)."""
+        directory = self.hosted.run_dir(msg[2])
+        return True, await asyncio.to_thread(list_run_files, directory)
 
     async def serve(self, ready: Any = None) -> None:
         """Serve until SIGTERM or SIGINT; then stop the running jobs, answering on meanwhile, and end
@@ -665,18 +679,18 @@ class Daemon:
                                 log.exception("%s: dropped a request that failed its checks%s", self.name,
                                               flood_tally(self.refused))
                             reply = None
-                        if asyncio.iscoroutine(reply):  # (a start: answered when its process is)
+                        if asyncio.iscoroutine(reply):  # (a start: answered when its process is; IN_THREAD)
                             task = asyncio.ensure_future(self._send_when_done(plain, reply))
-                            self._starts.add(task)
-                            task.add_done_callback(self._starts.discard)
+                            self._later.add(task)
+                            task.add_done_callback(self._later.discard)
                         elif reply is not None:
                             with contextlib.suppress(zmq.ZMQError):  # the client left
                                 plain.send_multipart(reply, zmq.NOBLOCK)
             finally:
                 watcher.cancel()
-                for task in self._starts:  # (none once its stop is done: only on the way out of a failure)
+                for task in self._later:  # (no start once its stop is done: only on the way out of a failure)
                     task.cancel()
-                for task in [watcher, *self._starts]:
+                for task in [watcher, *self._later]:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             self._watch_once()
@@ -713,7 +727,7 @@ class Daemon:
             except Exception:  # noqa: BLE001 - the runs hosted here are ended all the same
                 log.exception("%s: stop_all failed", self.name)
         if self._stop_phase == "jobs":
-            if (any(j.record["state"] == "running" for j in self.jobs.values()) or self._starts) \
+            if (any(j.record["state"] == "running" for j in self.jobs.values()) or self._starting) \
                     and now < self._stop_deadline:  # (a job starting now is stopped as it starts: _start_job)
                 return False
             if self.stop_after_runs_s is not None and not self.hosted.let_go(now):
@@ -738,7 +752,8 @@ class Daemon:
 
     def _answer(self, frames: list[bytes]) -> list[bytes] | Coroutine[Any, Any, list[bytes]] | None:
         """One request's reply frames; for one of ``STARTS``, a coroutine that returns them once its
-        process has started; or None for a frame not worth an answer (logged)."""
+        process has started (for one of ``IN_THREAD``, once its thread is done); or None for a frame not
+        worth an answer (logged)."""
         if len(frames) != 3 or frames[1] != b"":
             return self._refuse(frames[0] if frames else b"?", f"{len(frames)} frames, expected [id, b'', request]")
         ident, _, body = frames
@@ -752,8 +767,8 @@ class Daemon:
                 self._refuse(ident, why)
                 return [ident, b"", msgpack.packb([msg[0], False, f"bad request: {why}"])]
             return self._refuse(ident, why)
-        if msg[1] in STARTS:
-            return self._answer_start(ident, msg)
+        if msg[1] in STARTS or msg[1] in IN_THREAD:
+            return self._answer_later(ident, msg)
         try:
             ok, payload = self.handle(msg)
         except DaemonError as exc:
@@ -762,9 +777,9 @@ class Daemon:
             ok, payload = False, self._failed(msg[1], exc)
         return [ident, b"", msgpack.packb([msg[0], ok, payload], use_bin_type=True)]
 
-    async def _answer_start(self, ident: bytes, msg: Any) -> list[bytes]:
+    async def _answer_later(self, ident: bytes, msg: Any) -> list[bytes]:
         try:
-            ok, payload = await self.start(msg)
+            ok, payload = await (self.start(msg) if msg[1] in STARTS else self.in_thread(msg))
         except DaemonError as exc:
             ok, payload = False, str(exc)
         except Exception as exc:  # noqa: BLE001 - a failing request must not take the daemon down

@@ -60,7 +60,13 @@ Proc = subprocess.Popen[bytes] | ForkedProcess
 log = logging.getLogger("reactor.daemon")
 END_GRACE_S = 5.0
 LOG_CHUNK_NBYTES = 1 << 20  # the most of a log (or a run's file) one answer carries
+#: The most files, and bytes of their paths, one ``run_files`` answer lists (:func:`list_run_files`): a
+#: run's directory past either is cut there, and the answer says so. (Paths run to 4 KiB each: 100,000
+#: of them were an answer of 400 MiB.)
 RUN_FILES_MAX = 100_000
+RUN_FILES_MAX_NBYTES = 16 << 20
+#: How many of the names a coordinator cannot ask for (``_protocol.run_file_path``) a listing shows.
+UNFETCHABLE_SHOWN = 3
 KEEP_ENDED = 200  # ended jobs (and hosted runs) a daemon keeps listing; older ones are forgotten
 FORGET_AFTER_S = 60.0  # an ended job or run is forgotten (past keep_ended) at least this long after its end
 FORGOTTEN = ".forgotten"  # the mark of a forgotten run's directory
@@ -69,7 +75,7 @@ OWNER_FILE = ".run-key"  # a hosted run's key (run_key), in its directory: a dae
 #: run (its files fetched): silent this long after the run ended here, it has let the run go (``let_go``).
 COORDINATOR_QUIET_S = 1.5
 
-__all__ = ["HostedRuns", "Remover", "check_sha256", "put_files"]
+__all__ = ["HostedRuns", "Remover", "check_sha256", "list_run_files", "put_files"]
 
 
 class Remover:
@@ -194,6 +200,51 @@ def _holds(path: Path, sha256: str) -> bool:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest() == sha256
+
+
+def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX,
+                   max_nbytes: int = RUN_FILES_MAX_NBYTES) -> dict[str, Any]:
+    """The files a run's workers wrote in their directory here (their relative run directories:
+    metrics, checkpoints, plots), for its coordinator to copy back (``run_files``): every regular file
+    under ``directory`` (``STATE/runs/RUN/``) but the shipped app (``app/``), the workers' logs and the
+    run's key, no symbolic link followed, in a stable order (each directory's files by name, then its
+    subdirectories by name). The daemon calls it in a thread: a directory of 100,000 files held its loop,
+    every other client and heartbeat with it, for as long as it took to list.
+
+    Returns:
+        ``{"files": [{"path", "size"}, ...], "more": bool, "unfetchable": int, "unfetchable_shown": [...]}``:
+        at most ``max_files`` files and ``max_nbytes`` bytes of their paths (``more``: the directory holds
+        more, not listed: they stay here); names a ``run_file`` request cannot carry (``run_file_path``:
+        a part that starts with ``.``, a character past ``[A-Za-z0-9_.-]``, a path past 4 KiB) are not
+        listed but counted, and the first ``UNFETCHABLE_SHOWN`` shown (``ascii``: a name that is not UTF-8
+        would not pack).
+    """
+    from ._protocol import run_file_path
+
+    files: list[dict[str, Any]] = []
+    nbytes = unfetchable = 0
+    shown: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(directory):  # followlinks=False
+        here = Path(dirpath)
+        top = here == directory
+        dirnames[:] = sorted(d for d in dirnames if not (top and d == "app"))
+        for name in sorted(filenames):
+            p = here / name
+            if (top and (name.endswith(".log") or name == OWNER_FILE)) or name == "run.lock" or p.is_symlink() \
+                    or not p.is_file():
+                continue  # (run.lock: a live lock's file, nothing to copy; each host has its own)
+            rel = str(p.relative_to(directory))
+            if not run_file_path(rel):
+                unfetchable += 1
+                if len(shown) < UNFETCHABLE_SHOWN:
+                    shown.append(ascii(rel)[:200])
+                continue
+            if len(files) >= max_files or nbytes + len(rel) > max_nbytes:
+                return {"files": files, "more": True, "unfetchable": unfetchable, "unfetchable_shown": shown}
+            with contextlib.suppress(FileNotFoundError):  # (removed meanwhile: not listed)
+                files.append({"path": rel, "size": p.stat().st_size})
+                nbytes += len(rel)
+    return {"files": files, "more": False, "unfetchable": unfetchable, "unfetchable_shown": shown}
 
 
 def _feed(pipe: Any, data: bytes) -> None:
@@ -386,31 +437,13 @@ class HostedRuns:
         data, offset = read_chunk(run.dir / f"{group}.log", offset)
         return {"data": data, "offset": offset, "done": run.workers[group].poll() is not None}
 
-    def run_files(self, run_id: str) -> list[dict[str, Any]]:
-        """The files a run's workers wrote in their directory here (their relative run
-        directories: metrics, checkpoints, plots), for its coordinator to copy back: every regular
-        file under ``STATE/runs/RUN/`` but the shipped app (``app/``) and the workers' logs, no
-        symbolic link followed; at most ``RUN_FILES_MAX`` of them."""
-        run = self._run(run_id)
-        out: list[dict[str, Any]] = []
-        for dirpath, dirnames, filenames in os.walk(run.dir):  # followlinks=False
-            here = Path(dirpath)
-            top = here == run.dir
-            if top:
-                dirnames[:] = [d for d in dirnames if d != "app"]
-            for name in sorted(filenames):
-                p = here / name
-                if (top and (name.endswith(".log") or name == OWNER_FILE)) or name == "run.lock" or p.is_symlink() \
-                        or not p.is_file():
-                    continue  # (run.lock: a live lock's file, nothing to copy; each host has its own)
-                out.append({"path": str(p.relative_to(run.dir)), "size": p.stat().st_size})
-                if len(out) >= RUN_FILES_MAX:
-                    log.warning("%s: run %s has more than %d files; listing the first", self.name, run_id, RUN_FILES_MAX)
-                    return out
-        return out
+    def run_dir(self, run_id: str) -> Path:
+        """The directory of a run whose files its coordinator asks for (``run_files``, listed by
+        :func:`list_run_files` in a thread); its lease renewed."""
+        return self._run(run_id).dir
 
     def run_file(self, run_id: str, path: str, offset: int) -> dict[str, Any]:
-        """A chunk of one file of :meth:`run_files` (``path`` relative, checked by the schema)."""
+        """A chunk of one file that :func:`list_run_files` lists (``path`` relative, checked by the schema)."""
         run = self._run(run_id)
         p = run.dir / path
         if path.split("/")[0] == "app" or p.is_symlink() or not p.is_file() or run.dir.resolve() not in p.resolve().parents:

@@ -41,7 +41,7 @@ from .._tag import FOREVER_NS
 from ._groups import restart_from_text
 
 __all__ = ["COORDINATOR", "DAEMON_KINDS", "STOPPED_FOR_FAILURE_STATUS", "CoordinatorProtocol", "WorkerProtocol",
-           "check_message", "check_request", "how_worker_ended", "is_plain", "nonfinite_at",
+           "check_message", "check_request", "how_worker_ended", "is_plain", "nonfinite_at", "run_file_path",
            "worker_exit_words"]
 
 COORDINATOR = "coordinator"
@@ -414,6 +414,12 @@ def _rel_path(v: Any) -> str | None:
     if type(v) is not str or len(v) > 4096 or not _FILE_RE.match(v):
         return f"a relative path of [A-Za-z0-9_.-] parts expected, got {_show(v)}"
     return None
+
+
+def run_file_path(path: str) -> bool:
+    """Whether ``path`` (relative to a hosted run's directory) is one a ``run_file`` request can name: a
+    ``run_files`` listing offers no other (its coordinator's request for it would be refused)."""
+    return _rel_path(path) is None
 
 
 def _spawn(v: Any) -> str | None:

@@ -811,7 +811,7 @@ def test_logs_without_follow_prints_a_log_longer_than_one_answer_whole(tmp_path)
 def test_a_runs_files_offered_back_are_its_outputs_only_and_no_link_leads_out(tmp_path):
     """What a daemon offers a run's coordinator to copy back: the files its workers wrote, never the
     shipped app, the workers' logs, or what a symbolic link points at."""
-    from reactor.launch._hosting import HostedRuns, _Run
+    from reactor.launch._hosting import HostedRuns, _Run, list_run_files
 
     hosted = HostedRuns("h1", "127.0.0.1", tmp_path)
     run = hosted.runs["r1"] = _Run("r1", hosted.root / "r1", 5.0)
@@ -822,14 +822,123 @@ def test_a_runs_files_offered_back_are_its_outputs_only_and_no_link_leads_out(tm
     (run.dir / "runs" / "x" / "metrics.csv").write_text("a,b\n1,2\n")
     (run.dir / "runs" / "x" / "replay-0" / "state.npy").write_bytes(b"\x93NUMPY" + bytes(3 << 20))
     (run.dir / "runs" / "x" / "passwd").symlink_to("/etc/passwd")
-    listing = hosted.run_files("r1")
-    assert listing == [{"path": "runs/x/metrics.csv", "size": 8},
-                       {"path": "runs/x/replay-0/state.npy", "size": 6 + (3 << 20)}]
+    listing = list_run_files(hosted.run_dir("r1"))
+    assert listing == {"files": [{"path": "runs/x/metrics.csv", "size": 8},
+                                 {"path": "runs/x/replay-0/state.npy", "size": 6 + (3 << 20)}],
+                       "more": False, "unfetchable": 0, "unfetchable_shown": []}
     got = hosted.run_file("r1", "runs/x/replay-0/state.npy", 0)
     assert len(got["data"]) == 1 << 20 and got["offset"] == 1 << 20  # in chunks
     for path in ("app/a.py", "runs/x/passwd", "runs/x/nope"):
         with pytest.raises(DaemonError, match=rf"^run 'r1' has no file {path!r} here$"):
             hosted.run_file("r1", path, 0)
+
+
+def test_a_runs_listing_is_cut_at_its_bounds_and_names_no_request_can_carry_are_counted_not_offered(tmp_path):
+    """A listing carries at most so many files and so many bytes of paths (``RUN_FILES_MAX``,
+    ``RUN_FILES_MAX_NBYTES``), and says when it is cut; a name that a ``run_file`` request cannot carry (a
+    cut write's ``.learner.pt.tmp``, a space, bytes that are not UTF-8) is counted and shown, not offered:
+    the coordinator's request for it was refused by the schema, which ended the copy of every file after
+    it, and a name that is not UTF-8 could not be packed (the request went unanswered)."""
+    from reactor.launch._hosting import list_run_files
+
+    d = tmp_path / "r1"
+    (d / "runs" / "x").mkdir(parents=True)
+    for name in ("a.csv", "b.csv", "c.csv", ".learner.pt.tmp", "a b.csv"):
+        (d / "runs" / "x" / name).write_text("1")
+    os.close(os.open(os.fsencode(d / "runs" / "x") + b"/\xff.csv", os.O_CREAT | os.O_WRONLY, 0o600))
+    unfetchable = {"unfetchable": 3, "unfetchable_shown": ["'runs/x/.learner.pt.tmp'", "'runs/x/a b.csv'",
+                                                           "'runs/x/\\udcff.csv'"]}
+    whole = list_run_files(d)
+    assert whole == {"files": [{"path": f"runs/x/{n}", "size": 1} for n in ("a.csv", "b.csv", "c.csv")],
+                     "more": False, **unfetchable}
+    assert msgpack.unpackb(msgpack.packb(whole)) == whole
+    assert list_run_files(d, max_files=3) == whole  # (exactly at the bound: nothing more)
+    cut = {"files": whole["files"][:2], "more": True, "unfetchable": 2,  # (counted as far as it listed)
+           "unfetchable_shown": whole["unfetchable_shown"][:2]}
+    assert list_run_files(d, max_files=2) == cut
+    assert list_run_files(d, max_nbytes=2 * len("runs/x/a.csv")) == cut
+
+
+def test_a_daemon_answers_other_requests_while_it_lists_a_large_runs_files(tmp_path):
+    """Regression: ``run_files`` walked the run's directory on the daemon's loop: a run that left 100,000
+    files held every other client and every heartbeat of every run (their coordinators count a host silent
+    3 s as lost) while it was listed. It is listed in a thread now: a ping sent right after it is answered
+    first."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    key = init_keys(tmp_path / "run").public.decode()
+    app = b"def build(config):\n    return 1\n"
+    n = 20_000
+    ctx = zmq.Context()
+    try:
+        with d.client() as c:
+            c.request("spawn", {"run": "r1", "group": "g1", "app": "a.py", "files": {"a.py": app},
+                                "sha256": {"a.py": hashlib.sha256(app).hexdigest()},
+                                "worker": {"curve": {"public": key, "secret": "-"}}, "lease_s": 60.0})
+        out = d.state / "runs" / "r1" / "out"
+        for i in range(0, n, 1000):
+            (out / str(i)).mkdir(parents=True)
+            for j in range(1000):
+                os.close(os.open(out / str(i) / str(j), os.O_CREAT | os.O_WRONLY, 0o600))
+        keys = load_keys(d.client_dir)
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.curve_secretkey, s.curve_publickey, s.curve_serverkey = keys.secret, keys.public, d.public
+        s.connect(d.address)
+        s.send_multipart([b"", msgpack.packb([1, "run_files", "r1"])])
+        s.send_multipart([b"", msgpack.packb([2, "ping"])])
+        order, replies = [], {}
+        while len(order) < 2:
+            assert s.poll(60_000), f"replies so far: {order}"
+            rid, ok, payload = msgpack.unpackb(s.recv_multipart()[-1])
+            assert ok, payload
+            order.append(rid)
+            replies[rid] = payload
+        assert order == [2, 1]  # (the ping did not wait for the listing)
+        assert len(replies[1]["files"]) == n and not replies[1]["more"]
+        assert replies[2]["name"] == "h1"
+    finally:
+        ctx.destroy(linger=0)
+        d.stop()
+
+
+def test_copying_a_runs_files_back_skips_names_no_request_can_carry_and_says_so(tmp_path, caplog):
+    """Regression: a file the workers left under a name a ``run_file`` request cannot carry (a cut write's
+    ``.learner.pt.tmp``, a name with a space) was offered; the request for it was refused, which ended the
+    copy: the files after it, on that host and on the others, stayed there. They are said now, with where
+    they stay, and the rest come back."""
+    import logging
+
+    from reactor.launch._cluster import Host, RemoteWorkers
+
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    key = init_keys(tmp_path / "run").public.decode()
+    app = b"def build(config):\n    return 1\n"
+    try:
+        with d.client() as c:
+            c.request("spawn", {"run": "r1", "group": "g1", "app": "a.py", "files": {"a.py": app},
+                                "sha256": {"a.py": hashlib.sha256(app).hexdigest()},
+                                "worker": {"curve": {"public": key, "secret": "-"}}, "lease_s": 60.0})
+        x = d.state / "runs" / "r1" / "runs" / "x"
+        x.mkdir(parents=True)
+        for name, text in ((".learner.pt.tmp", "cut"), ("a b.csv", "1"), ("metrics.csv", "a,b\n1,2\n")):
+            (x / name).write_text(text)
+        workers = RemoteWorkers("r1", {"h1": Host("h1", d.address, d.public)},
+                                load_keys(d.client_dir))
+        workers.host_of = {"g1": "h1"}
+        workers.run_dir_of = {"h1": str(d.state / "runs" / "r1")}
+        try:
+            with caplog.at_level(logging.WARNING, logger="reactor"):
+                asyncio.run(workers.fetch_run_files(tmp_path / "dest"))
+        finally:
+            asyncio.run(workers.close())
+    finally:
+        d.stop()
+    assert (tmp_path / "dest" / "runs" / "x" / "metrics.csv").read_text() == "a,b\n1,2\n"
+    assert sorted(p.name for p in (tmp_path / "dest" / "runs" / "x").iterdir()) == ["metrics.csv"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"2 of the run's files on host h1 have names that cannot be asked for ('runs/x/.learner.pt.tmp', "
+        f"'runs/x/a b.csv': a part starting with '.', or a character past [A-Za-z0-9_.-]): they stay there, in "
+        f"{d.state / 'runs' / 'r1'}"]
 
 
 def test_a_hosted_run_whose_workers_died_and_whose_coordinator_went_silent_is_ended_after_its_lease(tmp_path):
@@ -881,7 +990,7 @@ def test_the_daemon_forgets_the_runs_it_hosted_that_ended_longest_ago_past_keep_
     hosted = hosted_with(0.0)
     assert set(hosted.runs) == {"r1", "r3"}  # r2 ended first; r3 has not ended: it is kept whatever the count
     assert [d["run"] for d in hosted.describe()] == ["r1", "r3"]
-    for call in (lambda: hosted.workers("r2"), lambda: hosted.log("r2", "actor-0", 0), lambda: hosted.run_files("r2")):
+    for call in (lambda: hosted.workers("r2"), lambda: hosted.log("r2", "actor-0", 0), lambda: hosted.run_dir("r2")):
         with pytest.raises(DaemonError, match=r"^daemon 'h1' no longer tracks run 'r2': it ended here, and the daemon "
                                               r"keeps its newest 1 ended runs \(--keep-ended\); its files are in "):
             call()
@@ -1476,7 +1585,7 @@ def test_a_daemon_refuses_the_workers_of_a_second_run_that_has_a_live_runs_id(tm
             assert (d.state / "runs" / "r1" / "app" / "a.py").read_bytes() == apps[first]
             assert [w["group"] for w in c.request("hosted")] == ["g1"]
             spawn(c, "g2", first)  # (its own coordinator's next group)
-            assert [f["path"] for f in c.request("run_files", "r1")] == []  # (the key's file is not the run's)
+            assert [f["path"] for f in c.request("run_files", "r1")["files"]] == []  # (the key's file is not the run's)
             c.request("end", "r1")
             _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the workers to end")
     finally:

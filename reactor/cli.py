@@ -226,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="build the app's graph here first, as `reactor run` would (its config's keys and values, the "
                          "graph, the placement): for an app that runs here too. Without it, only what needs nothing of "
                          "the daemon's host is checked (files, placement name or TOML, the app's syntax, the --set syntax, "
-                         "restart)")
+                         "restart) and the --set keys and values, where the app imports here")
     client(su, submit=True)
     st = sub.add_parser("status", help="a daemon's jobs, or one job")
     st.add_argument("job", nargs="?", default=None, type=_job_arg,
@@ -991,9 +991,10 @@ def _check_job(args: argparse.Namespace) -> None:
     """What ``reactor submit`` checks before the job leaves. Always what needs nothing of the daemon's
     host: the files exist, the placement is a policy or a TOML file that parses (the hosts file too),
     the hosts its groups name are in its hosts, the app file compiles, ``--set`` parses, the restart
-    policy and the mode agree, ``--hosts`` and ``--restart`` have a multi-process placement. The app is not
-    imported (it may import modules only the daemon's host has, open files shipped with ``--with``, name
-    keys on the hosts); with ``--check`` its graph is built here as ``reactor run`` would.
+    policy and the mode agree, ``--hosts`` and ``--restart`` have a multi-process placement; and the ``--set``
+    keys and values, as ``reactor k8s render`` and ``reactor slurm`` check them (:func:`_check_config_here`:
+    an app that does not import here, or whose graph does not build here but for a ``--set`` value, is
+    said and goes). With ``--check`` its graph is built here as ``reactor run`` would, whatever fails.
 
     Raises:
         (what ``reactor run`` raises for the same mistakes, before anything starts)
@@ -1016,6 +1017,8 @@ def _check_job(args: argparse.Namespace) -> None:
     with _app_code(args.app):
         compile(Path(args.app).read_bytes(), args.app, "exec")
     if not args.check:
+        if overrides:  # (a bad one refused here, not in the job's log after its daemon started it)
+            _check_config_here(args.app, overrides, args.overrides)
         return
     from .launch._groups import restart_from_text
     from .launch._placement import check_lookahead, resolve_placement
@@ -1062,29 +1065,49 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
     with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
         compile(Path(args.app).read_bytes(), args.app, "exec")  # not Python failed there, after the allocation)
     if overrides:
-        _check_config_here(args.app, overrides)
+        _check_config_here(args.app, overrides, args.overrides)
     return run_args
 
 
-def _check_config_here(app: str, overrides: dict[str, Any]) -> None:
-    """A cluster job's ``--set`` keys and values, checked as ``reactor run`` checks them (``make_config``: a key
-    the app's Config and its algorithm lack, a value of the wrong type), before the job is made: an unknown
-    key failed only in the cluster's Job or allocation, after the daemons were up. That needs the app
-    imported here (not its graph built); an app that does not import here (a module only the cluster's image
-    has) is said, and its run checks them there.
+def _check_config_here(app: str, overrides: dict[str, Any], items: Sequence[str]) -> None:
+    """A job's ``--set`` keys and values (``items``, as given; ``overrides``, parsed), checked as ``reactor
+    run`` checks them, before the job is made (``reactor submit``, ``k8s render``, ``slurm``): a key the app's
+    Config and its algorithm lack, a value of the wrong type (``make_config``), and a value its graph refuses
+    (``--set producers=0``: replicas must be an int >= 1), which failed only in the job, after the daemons
+    were up. That needs the app imported and its graph built here. An app that does not import here (a
+    module only the cluster's image has) is said, and its run checks them there; so is a graph that does
+    not build here for another reason than a ``--set`` value (what the refusal blames, :func:`blamed_setting`,
+    as ``reactor run`` says it): a file or a device only the job's host has, say. A refusal about a file
+    (``OSError``) is never a ``--set`` value's here: the file may be the job's host's.
 
     Raises:
-        AppError: a key or value ``reactor run`` refuses.
+        AppError: a key or value ``make_config`` refuses.
+        GraphError, ValueError: the graph refuses a ``--set`` value (reactor's refusal, blamed on it).
     """
+    from ._errors import refusal_class
+    from ._graph import Graph
     from .launch._app import load_app, make_config
+
+    def first_line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {_bounded((str(e).splitlines() or [''])[0])}"
 
     try:
         module = load_app(app)
     except Exception as e:  # noqa: BLE001 - the app's own import, not a mistake of the command line
-        print(f"reactor: the --set values were not checked here: the app does not import here ({type(e).__name__}: "
-              f"{_bounded((str(e).splitlines() or [''])[0])}); its run checks them when it starts", file=sys.stderr)
+        print(f"reactor: the --set values were not checked here: the app does not import here ({first_line(e)}); its "
+              f"run checks them when it starts", file=sys.stderr)
         return
-    make_config(module, overrides)
+    config = make_config(module, overrides)
+    try:
+        graph = module.build(config)
+        if isinstance(graph, Graph):
+            graph.validate()
+    except Exception as e:  # noqa: BLE001 - refused below only where a --set value is what it refuses
+        if refusal_class(e) is not None and not isinstance(e, OSError) \
+                and blamed_setting(e, refusal_line(e), app, items) is not None:
+            raise  # (main says it as reactor run does: "--set producers=0: replicas must be ...")
+        print(f"reactor: the --set values were checked against the app's config, not its graph: it does not build "
+              f"here ({first_line(e)}); its run builds it when it starts", file=sys.stderr)
 
 
 def _slurm(args: argparse.Namespace) -> int:

@@ -574,6 +574,34 @@ def test_submit_refuses_the_jobs_own_mistakes_before_it_leaves_and_never_what_on
     assert state.startswith(f"{job}  finished exit 0"), state
 
 
+def test_submit_without_check_refuses_a_set_key_or_value_the_run_would_refuse_before_the_job_is_made(daemon, tmp_path):
+    """Regression: ``reactor submit APP --set producers=0`` (without ``--check``) printed a job id and exited 0:
+    the value was refused in the job's log, after its daemon started it (``reactor k8s render`` and ``reactor
+    slurm`` checked the keys and types, not what the graph refuses). The keys and values are refused here as
+    ``reactor run`` refuses them; a graph that does not build here for another reason (a file only the
+    daemon's host has) is said, and the job goes."""
+    base = [sys.executable, "-m", "reactor.cli"]
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    run = lambda *a: subprocess.run([*base, *a, *conn], cwd=tmp_path, capture_output=True, text=True, timeout=120)  # noqa: E731
+    demo = str(ROOT / "apps" / "demo_pipeline.py")
+    for given, said in ((["producers=0"], f"reactor: --set producers=0: replicas must be an int >= 1, got 0 ({demo}:83)\n"),
+                        (["nosuch=1"], "reactor: unknown config key 'nosuch'; Config has: producers, stop_s, workers\n"),
+                        (["workers=many"], "reactor: config key 'workers' expects int, got 'many'\n")):
+        p = run("submit", demo, "--set", *given)
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", said)
+    assert not list((daemon.state / "jobs").glob("*")), "a refused job reached the daemon"
+    there = tmp_path / "reads_there.py"  # (its build opens a file its daemon's host has, this one not)
+    there.write_text("from dataclasses import dataclass\n\nfrom reactor import Graph\n\n\n@dataclass(frozen=True)\n"
+                     "class Config:\n    data: str = ''\n\n\ndef build(config):\n    open(config.data).close()\n"
+                     "    return Graph()\n")
+    p = run("submit", str(there), "--set", "data='/only/on/the/daemons/host'")
+    assert p.returncode == 0 and len(p.stdout.strip()) == 16, p.stderr
+    assert p.stderr == ("reactor: the --set values were checked against the app's config, not its graph: it does not "
+                        "build here (FileNotFoundError: [Errno 2] No such file or directory: "
+                        "'/only/on/the/daemons/host'); its run builds it when it starts\n"), p.stderr
+
+
 def test_a_second_daemon_on_a_state_directory_in_use_or_a_port_in_use_is_refused_and_the_first_serves_on(daemon,
                                                                                                         tmp_path):
     """Regression (a newcomer's pass over docs/cluster.md, session 52): a second daemon on the first's

@@ -227,7 +227,8 @@ def test_a_set_key_or_value_reactor_run_refuses_is_refused_before_a_cluster_job_
     demo = str(ROOT / "apps" / "demo_pipeline.py")
     cli = [sys.executable, "-m", "reactor.cli", *command.split()]
     for given, said in ((["nosuch=1"], "reactor: unknown config key 'nosuch'; Config has: producers, stop_s, workers\n"),
-                        (["workers=many"], "reactor: config key 'workers' expects int, got 'many'\n")):
+                        (["workers=many"], "reactor: config key 'workers' expects int, got 'many'\n"),
+                        (["producers=0"], f"reactor: --set producers=0: replicas must be an int >= 1, got 0 ({demo}:83)\n")):
         bad = subprocess.run([*cli, demo, "--set", *given], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", said)
     if command == "slurm":

@@ -65,6 +65,11 @@ FAILED_EXIT_WAIT_S = 5.0
 #: A worker whose parent (its fork server, or the coordinator) died ends this long after at the latest
 #: (``_leave_when_orphaned``).
 ORPHAN_GRACE_S = 10.0
+#: A worker stopping on SIGTERM ends this long after it at the latest (``Worker.on_sigterm``), its shutdown
+#: reactions left unfinished, a checkpoint it is writing then waited for as a failed worker's is
+#: (``_leave_after``). Within Slurm's ``KillWait`` (30 s by default): ``scancel`` signals every process of a
+#: job at once, and the workers' shutdown reactions (a shard's final checkpoint, Metrics' summary) run in it.
+TERM_END_S = 10.0
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
 # Async inboxes: queued events before this process stops taking messages from its endpoint.
@@ -92,12 +97,13 @@ def _leave_when_orphaned(parent: int) -> None:
                f"did not stop within {ORPHAN_GRACE_S:g} s: it ends now", 128 + signal.SIGTERM)
 
 
-def _leave_after(group: str, seconds: float, save_s: float, status: int) -> None:
-    """A failed worker's bound (``_leave_by``): ``seconds`` from now it leaves, its shutdown reactions left
-    unfinished, unless it is writing a checkpoint then: it waits for the writes in progress, at most
-    ``save_s`` more, and leaves once they end (or removes what they wrote so far, and says which)."""
+def _leave_after(group: str, seconds: float, save_s: float, status: int, since: str = "its failure") -> None:
+    """A failed (or SIGTERM'd: ``since``) worker's bound (``_leave_by``): ``seconds`` from now it leaves, its
+    shutdown reactions left unfinished, unless it is writing a checkpoint then: it waits for the writes in
+    progress, at most ``save_s`` more, and leaves once they end (or removes what they wrote so far, and says
+    which)."""
     time.sleep(seconds)
-    said = f"reactor worker {group}: its shutdown reactions did not end within {seconds:g} s of its failure"
+    said = f"reactor worker {group}: its shutdown reactions did not end within {seconds:g} s of {since}"
     writes = writes_in_progress()
     if writes:
         with contextlib.suppress(OSError):
@@ -245,6 +251,10 @@ class Worker:
         self.early: list[tuple[str, Any]] = []
         self.reported: BaseException | None = None  # the failure told to the coordinator (_report_failure)
         self._leaving: threading.Thread | None = None  # (_leave_by)
+        self.sigterms = 0  # SIGTERMs heard (on_sigterm)
+        self.term_taken = False  # a SIGTERM cancelled the main task: it stops
+        self.term_held = False  # a SIGTERM came while it stopped already, or ran its shutdown reactions
+        self.in_shutdown = False  # its shutdown reactions run (ReactorHost.run_shutdown)
         # Messages refused after the endpoint's schema check: a tag behind its sender's promise.
         self.refused_behind_promise = 0
         # Deterministic mode: the latest unconditional promise of each peer, as soon as it is taken
@@ -360,7 +370,14 @@ class Worker:
                     host.stop_reason = "stop_time" if deterministic and _stop_pending(host) else "quiescence"
                 if host.stop_reason == "failure" and failure is None:
                     self._send_trace()  # (the run failed elsewhere: its trace, before a shutdown that may outlast it)
-                await host.run_shutdown()
+                self.in_shutdown = True  # (a SIGTERM now is held until they end: on_sigterm)
+                try:
+                    await host.run_shutdown()
+                finally:
+                    self.in_shutdown = False
+                if self.term_held and not self.term_taken:  # (stopped by the coordinator, SIGTERM'd meanwhile)
+                    self.term_taken = True
+                    asyncio.current_task().cancel()  # type: ignore[union-attr]
             if host.shutdown_failure is not None:
                 if failure is None:  # (a learner's last checkpoint not saved: the run failed)
                     failure = host.shutdown_failure
@@ -539,14 +556,36 @@ class Worker:
         except FrameTooLargeError as e:  # (the coordinator then says that this one's events are missing)
             log.warning("%s: its recorded events do not fit in one message (%s)", self.group, e)
 
-    def _leave_by(self, seconds: float, status: int) -> None:
-        """This worker failed: end the process with ``status`` (main()'s for its failure) if it is still
-        here ``seconds`` from now, or once the checkpoints it is writing then are written (at most
+    def on_sigterm(self, task: asyncio.Task[Any]) -> None:
+        """SIGTERM: stop now (``task``, the worker's main one, is cancelled; its shutdown reactions run as it
+        stops: ``main``), and leave ``TERM_END_S`` later at the latest (``_leave_by``). A SIGTERM while it
+        stops already, or while its shutdown reactions run, cancels nothing: heard once the shutdown
+        reactions end. Slurm's ``scancel`` signals every process of a job at once, and a worker's parent (its
+        daemon's fork server) that a SIGTERM ends, or its daemon ending the run, sent more: each cut the
+        shutdown reactions where they awaited, and the shard's final checkpoint, Metrics' summary or the
+        learner's last checkpoint after that point were not written. (Under ``single`` the first signal is
+        a clean stop and the second stops at once; a worker's "at once" is its bound, or SIGKILL.)"""
+        self.sigterms += 1
+        if self.sigterms == 1:
+            self._leave_by(TERM_END_S, 128 + signal.SIGTERM, since="the SIGTERM")
+        if self.term_taken or self.in_shutdown:
+            if not self.term_held:
+                log.warning("%s: SIGTERM while it stops: its shutdown reactions (a final checkpoint, a summary) run on; "
+                            "it leaves once they end, or %g s after the first SIGTERM at the latest", self.group,
+                            TERM_END_S)
+            self.term_held = True
+            return
+        self.term_taken = True
+        task.cancel()
+
+    def _leave_by(self, seconds: float, status: int, since: str = "its failure") -> None:
+        """This worker failed (or took a SIGTERM: ``since`` says which): end the process with ``status``
+        (main()'s for its failure) if it is still here ``seconds`` from now, or once the checkpoints it is writing then are written (at most
         ``FAILED_SAVE_S`` more: :func:`_leave_after`). A thread, as the event loop may be held by the
         reaction that holds it."""
         if self._leaving is not None:
             return
-        self._leaving = threading.Thread(target=_leave_after, args=(self.group, seconds, FAILED_SAVE_S, status),
+        self._leaving = threading.Thread(target=_leave_after, args=(self.group, seconds, FAILED_SAVE_S, status, since),
                                          name="leave-by", daemon=True)
         self._leaving.start()
 
@@ -948,7 +987,7 @@ def main() -> int:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        loop.add_signal_handler(signal.SIGTERM, worker.on_sigterm, task)
         loop.add_signal_handler(signal.SIGUSR1, worker.dump_state)
         await worker.main()
 

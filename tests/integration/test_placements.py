@@ -6,6 +6,7 @@ coordinator reaps its children on every path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -280,6 +281,45 @@ def test_a_sigterm_to_every_process_of_a_run_stops_it_and_fails_none(tmp_path):
         assert p.returncode == 128 + signal.SIGTERM and "run ended (signal)" in out, err[-3000:]
         assert "WorkerFailedError" not in err and "as the run stopped on SIGTERM, which reached it too" in err, err[-3000:]
         assert not [w for w in workers if _alive(w)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_sigterm_to_every_process_of_a_run_lets_each_workers_shards_write_their_final_checkpoint(tmp_path):
+    """Regression (Slurm's plain `scancel`: a SIGTERM to every process of the job at once): the SIGTERM that
+    stops a worker cancels its main task, and its shutdown reactions run as it stops; but more SIGTERMs came
+    (its parent, the run's fork server, ended by the same signal; the reaping of a coordinator that then took
+    it for ended) and each cancelled the shutdown where it awaited: here a reaction before the shards' (as a
+    learner's save in a thread), and the shards' final checkpoints were never written. A SIGTERM while a
+    worker stops is held until its shutdown reactions end (bounded: ``TERM_END_S``)."""
+    run_dir, closed = tmp_path / "run", tmp_path / "closed"
+    marks = [run_dir / f"replay-{shard}" / "inserted" for shard in (0, 1)]  # (each shard holds items)
+    (tmp_path / "groups.toml").write_text('[groups.shards]\nreactors = ["closer", "replay*"]\n\n'
+                                          '[groups.feeder]\nreactors = ["feeder"]\n')
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "term_shards.py"), "--placement",
+         str(tmp_path / "groups.toml"), "--async", "--set", f"run_dir='{run_dir}'", f"closed_file='{closed}'"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not all(m.exists() for m in marks) and p.poll() is None:
+            time.sleep(0.05)
+        workers = _workers(p.pid)
+        assert all(m.exists() for m in marks) and len(workers) == 2, (workers, p.poll())
+        for pid in [p.pid, *_descendants(p.pid)]:  # (its fork server and workers too, as Slurm's tracking does)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 128 + signal.SIGTERM and "run ended (signal)" in out, err[-3000:]
+        # (the coordinator may end first: with its fork server gone it cannot tell a forked worker's end)
+        _assert_all_end(workers)
+        # (its await was not cut; "signal" where the coordinator's stop reached it before its own SIGTERM did)
+        assert closed.read_text() in ("terminated", "signal"), err[-3000:]
+        for shard in (0, 1):
+            assert (run_dir / f"replay-{shard}" / "ckpt-00000001" / "COMPLETE").is_file(), err[-3000:]
     finally:
         if p.poll() is None:
             p.kill()

@@ -3,7 +3,8 @@
 Started by the coordinator as ``python -m reactor.launch._worker`` with its spec as JSON on stdin. It
 rebuilds the graph from the app file (the same ``build(config)`` in every process), opens its
 endpoint, reports its address, connects to the processes it sends to, and runs its reactors until
-the run ends. It dies with its parent (``PR_SET_PDEATHSIG``), and stops cleanly on SIGTERM.
+the run ends. It dies with its parent (``_die_with_parent``: held in C too), and stops at once on SIGTERM,
+its shutdown reactions run (``Worker.on_sigterm``).
 
 Wire messages (msgpack through ``reactor.transport``), worker <-> worker:
     ("m", link, seq, time_ns, microstep, value)   a message for a reactor of the receiver
@@ -70,28 +71,47 @@ ORPHAN_GRACE_S = 10.0
 #: (``_leave_after``). Within Slurm's ``KillWait`` (30 s by default): ``scancel`` signals every process of a
 #: job at once, and the workers' shutdown reactions (a shard's final checkpoint, Metrics' summary) run in it.
 TERM_END_S = 10.0
+#: The parent-death signal (``PR_SET_PDEATHSIG``, ``_die_with_parent``). Its handler is libc's ``alarm``
+#: itself, which the kernel calls with the signal's number: SIGALRM, whose default action ends the process,
+#: comes that many seconds (12: ``ORPHAN_GRACE_S`` and a margin) after the parent's death, with no Python run.
+#: A worker held in one C call that keeps the interpreter's lock runs neither its event loop nor the thread
+#: that ends an orphan (``_leave_when_orphaned``): it outlived its killed coordinator for good.
+DEATH_SIGNAL = signal.SIGUSR2
+assert DEATH_SIGNAL > ORPHAN_GRACE_S + 1  # (the alarm after the orphan's own end, which says why)
 FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
 # Outbox: messages queued (out of credit) before this process stops running reactions.
 # Async inboxes: queued events before this process stops taking messages from its endpoint.
 
 
 def _die_with_parent() -> None:
+    """End with the parent: a clean stop (a SIGTERM to itself, from ``_leave_when_orphaned``), bounded by
+    ``ORPHAN_GRACE_S`` (that thread) and, should no Python run at all, by ``DEATH_SIGNAL``'s alarm (a
+    handler of libc's, set with ``signal(2)``: Python's own handlers run only when the interpreter does).
+    Costs two system calls and a thread that wakes twice a second."""
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
+            libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_void_p]
+            # (alarm(unsigned) as a void (*)(int) handler: one int in, a return value the kernel ignores;
+            # alarm is async-signal-safe. SA_RESTART: the signal interrupts no system call of the worker.)
+            libc.signal(DEATH_SIGNAL, ctypes.cast(libc.alarm, ctypes.c_void_p))
+            libc.prctl(1, DEATH_SIGNAL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # (it died before the signal was set: none will come)
             os._exit(1)
-    threading.Thread(target=_leave_when_orphaned, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_leave_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
 
 
 def _leave_when_orphaned(parent: int) -> None:
-    """The parent's death signal is a SIGTERM, a clean stop; but its handler runs on the event loop,
-    which a reaction that never returns holds (an env step that does not end, a spin): such a worker
-    outlived its killed coordinator for good, spinning. Once the parent is gone, the clean stop gets
-    ``ORPHAN_GRACE_S``; then the process ends."""
+    """Once the parent is gone, a clean stop: a SIGTERM to itself, whose handler runs on the event loop (the
+    parent-death signal itself arms ``DEATH_SIGNAL``'s alarm instead). A reaction that never returns (an env
+    step that does not end, a spin) holds that loop: such a worker outlived its killed coordinator for good,
+    spinning. So the clean stop gets ``ORPHAN_GRACE_S``; then the process ends (and if this thread cannot
+    run, the interpreter held in C, the alarm ends it a moment later)."""
     while os.getppid() == parent:
         time.sleep(0.5)
+    with contextlib.suppress(OSError):
+        os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(ORPHAN_GRACE_S)
     _leave_now(f"reactor worker {os.environ.get('REACTOR_WORKER_GROUP', '?')}: its parent (pid {parent}) died and it "
                f"did not stop within {ORPHAN_GRACE_S:g} s: it ends now", 128 + signal.SIGTERM)

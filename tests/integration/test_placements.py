@@ -604,3 +604,35 @@ def test_a_worker_held_in_a_reaction_ends_when_its_killed_coordinator_cannot_sto
         for w in workers:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_held_in_a_c_call_that_keeps_the_interpreter_ends_when_its_killed_coordinator_cannot_stop_it(
+        tmp_path):
+    """Regression: a worker whose coordinator was killed (kill -9) while it was held in one C call that keeps
+    the interpreter's lock (tests/apps/held_in_c.py; a long regex match, a C extension that does not release
+    the GIL) never ended: its parent-death SIGTERM is handled on its event loop, and the thread that ends an
+    orphan after ``ORPHAN_GRACE_S`` cannot run either. The parent-death signal now arms an alarm in the
+    kernel: SIGALRM ends such a worker ``DEATH_SIGNAL`` (12) s after its parent died, with no Python run."""
+    from reactor.launch._worker import ORPHAN_GRACE_S
+
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / "held_in_c.py"), "--placement",
+                          "processes", "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (ready.exists() and (workers := _workers(p.pid))):
+            time.sleep(0.1)
+        assert ready.exists() and len(workers) == 1
+        p.kill()
+        p.wait(timeout=10)
+        _assert_all_end(workers, timeout_s=ORPHAN_GRACE_S + 10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)

@@ -202,8 +202,8 @@ def _holds(path: Path, sha256: str) -> bool:
     return digest.hexdigest() == sha256
 
 
-def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX,
-                   max_nbytes: int = RUN_FILES_MAX_NBYTES) -> dict[str, Any]:
+def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX, max_nbytes: int = RUN_FILES_MAX_NBYTES,
+                   max_visited: int = 4 * RUN_FILES_MAX) -> dict[str, Any]:
     """The files a run's workers wrote in their directory here (their relative run directories:
     metrics, checkpoints, plots), for its coordinator to copy back (``run_files``): every regular file
     under ``directory`` (``STATE/runs/RUN/``) but the shipped app (``app/``), the workers' logs and the
@@ -213,8 +213,9 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX,
 
     Returns:
         ``{"files": [{"path", "size"}, ...], "more": bool, "unfetchable": int, "unfetchable_shown": [...]}``:
-        at most ``max_files`` files and ``max_nbytes`` bytes of their paths (``more``: the directory holds
-        more, not listed: they stay here); names a ``run_file`` request cannot carry (``run_file_path``:
+        at most ``max_files`` files and ``max_nbytes`` bytes of their paths, from at most ``max_visited``
+        names (files and directories, listed or not: a million empty directories or unfetchable names took
+        as long) (``more``: the directory holds more, not listed: they stay here); names a ``run_file`` request cannot carry (``run_file_path``:
         a part that starts with ``.``, a character past ``[A-Za-z0-9_.-]``, a path past 4 KiB) are not
         listed but counted, and the first ``UNFETCHABLE_SHOWN`` shown (``ascii``: a name that is not UTF-8
         would not pack).
@@ -222,12 +223,15 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX,
     from ._protocol import run_file_path
 
     files: list[dict[str, Any]] = []
-    nbytes = unfetchable = 0
+    nbytes = unfetchable = visited = 0
     shown: list[str] = []
     for dirpath, dirnames, filenames in os.walk(directory):  # followlinks=False
         here = Path(dirpath)
         top = here == directory
         dirnames[:] = sorted(d for d in dirnames if not (top and d == "app"))
+        visited += len(dirnames) + len(filenames)
+        if visited > max_visited:
+            return {"files": files, "more": True, "unfetchable": unfetchable, "unfetchable_shown": shown}
         for name in sorted(filenames):
             p = here / name
             if (top and (name.endswith(".log") or name == OWNER_FILE)) or name == "run.lock" or p.is_symlink() \

@@ -885,6 +885,9 @@ def test_a_runs_listing_is_cut_at_its_bounds_and_names_no_request_can_carry_are_
            "unfetchable_shown": whole["unfetchable_shown"][:2]}
     assert list_run_files(d, max_files=2) == cut
     assert list_run_files(d, max_nbytes=2 * len("runs/x/a.csv")) == cut
+    # (names visited, listed or not: "runs", "x", then x's six files are past 7)
+    assert list_run_files(d, max_visited=7) == {"files": [], "more": True, "unfetchable": 0, "unfetchable_shown": []}
+    assert list_run_files(d, max_visited=8) == whole
 
 
 def test_a_daemon_answers_other_requests_while_it_lists_a_large_runs_files(tmp_path):

@@ -106,15 +106,16 @@ def _leave_when_orphaned(parent: int) -> None:
     """Once the parent is gone, a clean stop: a SIGTERM to itself, whose handler runs on the event loop (the
     parent-death signal itself arms ``DEATH_SIGNAL``'s alarm instead). A reaction that never returns (an env
     step that does not end, a spin) holds that loop: such a worker outlived its killed coordinator for good,
-    spinning. So the clean stop gets ``ORPHAN_GRACE_S``; then the process ends (and if this thread cannot
-    run, the interpreter held in C, the alarm ends it a moment later)."""
+    spinning. So the clean stop gets ``ORPHAN_GRACE_S``; then the process ends, a checkpoint it is writing
+    then waited for as a failed worker's is (``_leave_after``: a final checkpoint under Slurm's ``scancel``,
+    which ends the daemon's fork server, its parent, with the rest, was cut at 10 s). If this thread cannot
+    run (the interpreter held in C), the alarm ends it a moment later."""
     while os.getppid() == parent:
         time.sleep(0.5)
     with contextlib.suppress(OSError):
         os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(ORPHAN_GRACE_S)
-    _leave_now(f"reactor worker {os.environ.get('REACTOR_WORKER_GROUP', '?')}: its parent (pid {parent}) died and it "
-               f"did not stop within {ORPHAN_GRACE_S:g} s: it ends now", 128 + signal.SIGTERM)
+    _leave_after(os.environ.get("REACTOR_WORKER_GROUP", "?"), ORPHAN_GRACE_S, FAILED_SAVE_S, 128 + signal.SIGTERM,
+                 since=f"its parent's death (pid {parent})")
 
 
 def _leave_after(group: str, seconds: float, save_s: float, status: int, since: str = "its failure") -> None:
@@ -126,6 +127,8 @@ def _leave_after(group: str, seconds: float, save_s: float, status: int, since: 
     said = f"reactor worker {group}: its shutdown reactions did not end within {seconds:g} s of {since}"
     writes = writes_in_progress()
     if writes:
+        if signal.alarm(0):  # (the parent-death alarm, armed: moved past the wait, or it would end it)
+            signal.alarm(int(save_s) + 2)
         with contextlib.suppress(OSError):
             os.write(2, (f"{said}; it is writing {', '.join(map(str, writes))}: it waits for that (at most "
                          f"{save_s:g} s more)\n").encode())

@@ -871,6 +871,58 @@ def test_a_failed_worker_past_its_bound_waits_for_the_checkpoint_it_writes_and_a
         assert torch.load(ckpt, weights_only=True)["updates"] == 1
 
 
+#: A worker's parent: starts it (its pid last), then waits until killed.
+_ORPHAN_PARENT = ("import os, subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:], "
+                  "str(os.getpid())]); sys.stdin.read()")
+
+
+_ORPHAN_WORKER = r"""
+import os, signal, sys, threading, time
+import reactor.launch._worker as W
+from reactor._files import replacing
+
+ckpt, write_s = sys.argv[1], float(sys.argv[2])
+W.ORPHAN_GRACE_S = 0.3
+signal.signal(signal.SIGTERM, lambda *_: None)  # (a worker's loop takes its SIGTERM: a clean stop it begins)
+W._die_with_parent()
+print("STARTED", flush=True)
+while os.getppid() == int(sys.argv[3]):
+    time.sleep(0.01)
+with replacing(ckpt, sync=True) as f:  # its final checkpoint, slower than its bound and the parent-death alarm
+    f.write(b"new")
+    end = time.monotonic() + write_s
+    while time.monotonic() < end:
+        f.write(b"x" * 4096)
+        time.sleep(0.01)
+print("WRITTEN", flush=True)
+threading.Event().wait()  # its other shutdown reactions hang: the bound ends it
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_orphaned_worker_past_its_bound_waits_for_the_checkpoint_it_writes_past_its_parent_death_alarm(tmp_path):
+    """Regression: a worker whose parent died (its coordinator killed; under Slurm's scancel, its daemon's fork
+    server ended by the same SIGTERM) left ``ORPHAN_GRACE_S`` after, cutting the final checkpoint it was
+    writing then (a failed or SIGTERM'd worker's bound waits for it). It is waited for now, at most
+    ``FAILED_SAVE_S`` more, the parent-death alarm (``DEATH_SIGNAL``: 12 s) moved past the wait: the write
+    here takes 13 s."""
+    from reactor.launch._worker import DEATH_SIGNAL
+
+    ckpt = tmp_path / "learner.pt"
+    ckpt.write_bytes(b"old")
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, _ORPHAN_WORKER, str(ckpt), str(DEATH_SIGNAL + 1)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=_env(tmp_path))
+    assert parent.stdout.readline() == "STARTED\n"
+    parent.kill()  # (kill -9 of its parent: the worker is an orphan, its output still comes here)
+    out, err = parent.communicate(timeout=60)  # (once the worker has ended too: it holds the pipes)
+    assert out == "WRITTEN\n", err[-3000:]
+    assert (f"reactor worker ?: its shutdown reactions did not end within 0.3 s of its parent's death (pid "
+            f"{parent.pid}); it is writing {ckpt}: it waits for that (at most 120 s more)") in err, err[-3000:]
+    assert err.strip().endswith("it leaves without them"), err[-3000:]
+    assert ckpt.read_bytes().startswith(b"new") and not (tmp_path / ".learner.pt.tmp").exists()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["at-its-start", "after-a-life-past-reset_after_s"])
 def test_a_refusal_under_a_restart_policy_ends_the_run_at_once_with_its_line(tmp_path, after_s):

@@ -113,7 +113,11 @@ class _LocalWorkers:
             log.warning("cannot write the job's workers.json (%s): reactor status will not show its workers", e)
 
     def dead(self) -> dict[str, tuple[int | None, str]]:
-        return {name: (rc, "") for name, p in self.procs.items() if (rc := p.poll()) is not None}
+        """The workers that ended: ``(exit status, "")``; ``(None, why)`` for one that ended after its fork
+        server, whose status no one could read (a SIGTERM to the whole group ends both: its shutdown
+        reactions may well have run, and a status of -SIGTERM said they were cut)."""
+        return {name: (None, _UNKNOWN) if getattr(p, "status_unknown", False) else (rc, "")
+                for name, p in self.procs.items() if (rc := p.poll()) is not None}
 
     def kill(self, name: str) -> bool:
         """SIGKILL worker ``name`` now (one held where nothing else ends it); whether it was there to kill."""
@@ -132,6 +136,9 @@ class _LocalWorkers:
                 self.forks.close()
             else:
                 release_kept(self.forks)
+
+
+_UNKNOWN = "ended after its fork server, so its exit status is unknown"
 
 
 def _cleanup_segments(run_id: str) -> None:

@@ -132,7 +132,7 @@ class _Session:
             # its daemon stopped by it, once its wait for us was over) went as asked: the run ends
             # stopped, not failed.
             for name in [n for n in dead if dead[n][0] in _ENDED_BY_SIGTERM or dead[n][0] is None]:
-                log.warning("worker %r %s as the run stopped on SIGTERM, which reached it too (a stop of the whole "
+                log.warning("worker %r %s, as the run stopped on SIGTERM, which reached it too (a stop of the whole "
                             "process group or job): its shutdown reactions may not have run", name,
                             how_worker_ended(*dead.pop(name)))
                 self.results[name] = _ABANDONED

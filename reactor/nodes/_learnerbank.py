@@ -4,10 +4,11 @@ starts alike and averages its gradients.
 :class:`_LearnerBank` (the base of :class:`~reactor.nodes._learnerstate._LearnerBase`) meets the bank's
 other replicas in a life of the bank (:func:`_meet_bank`: the rendezvous store outlives their processes,
 so each life has keys of its own), forms the ``torch.distributed`` group (gloo; NCCL with a GPU per
-replica), gives every replica replica 0's whole state (:meth:`_LearnerBank._share_state`, as codec
-frames: nothing unpickled), averages every optimizer step's gradients over the bank in an all-reduce
-(which a replica missing for ``DP_TIMEOUT_S`` fails, and one gone with the run ends at once), and tells
-the bank when this replica leaves. The rounds in which the replicas update, and why, are the
+replica) and gives every replica replica 0's whole state (:meth:`_LearnerBank._share_state`, as codec
+frames: nothing unpickled), both on a thread of their own that the run's loop awaits (they wait on
+the others in C: :meth:`_LearnerBank._await_bank_thread`), averages every optimizer step's gradients
+over the bank in an all-reduce (which a replica missing for ``DP_TIMEOUT_S`` fails, and one gone with
+the run ends at once), and tells the bank when this replica leaves. The rounds in which the replicas update, and why, are the
 :class:`~reactor.nodes.learner.Learner`'s (its module docstring tells the whole).
 """
 
@@ -74,9 +75,10 @@ class _LearnerBank(Reactor):
         The meeting awaits (polls), so this process answers its peers and the coordinator meanwhile: a
         replica started again whose loop a blocking wait held answered no connect of the bank's other
         new lives, which waited out the connect's 10 s timeout, and the coordinator another 10 s for it
-        to link to them.
+        to link to them. The group's forming and the state's broadcast, which wait in C, run on a thread
+        the loop awaits (:meth:`_await_bank_thread`), so a stop is heard while they wait too.
 
-        Returns False when the bank cannot meet: the run is ending (its coordinator's stop, heard in
+        Returns False when the bank cannot meet or form: the run is ending (its coordinator's stop, heard in
         async runs), or, in a deterministic run (whose worker takes no message while a reaction runs, and
         which restarts nothing), a replica that has not come left (it refused or failed at its start:
         :meth:`_leave_unmet_bank`). The others used to wait ``DP_JOIN_TIMEOUT_S`` for it, held past the
@@ -108,31 +110,127 @@ class _LearnerBank(Reactor):
         try:
             bank = self._open_bank(self.bank_size)
             try:
-                self.dp_life, self.dp_members = await _meet_bank(
+                life, members = await _meet_bank(
                     bank, self.bank_index, self.bank_size, self.restarts, self.name, where,
                     lambda: self.stopped_by is not None, left_watch=self.deterministic)
+                self.dp_life = life
+                self._dp_store = dist.PrefixStore(f"group/{life}", bank)
+                # Every replica has come to this life: the group forms at once, unless one died since it came
+                # (its new life makes the next, which _await_bank_thread sees) or hangs. Its forming and replica
+                # 0's state wait on the others in C, up to DP_TIMEOUT_S: on a thread of their own, so that this
+                # process's loop answers its coordinator and its peers meanwhile, and a stop is heard.
+                await self._await_bank_thread(lambda: self._form_group(backend, waiting), life)
             except _RunStopping as e:
                 why = f"the run is ending ({self.stopped_by})" if self.stopped_by is not None else str(e)
                 _say(f"{self.name}: {why} before all {self.bank_size} data-parallel learners joined: this one leaves "
                      f"without learning, and saves nothing")
                 return False
-            self._dp_store = dist.PrefixStore(f"group/{self.dp_life}", bank)
-            # Every replica has come to this life: the group forms at once, unless one died since it came
-            # (its new life makes the next: this one then fails after DP_TIMEOUT_S, and joins that one).
-            dist.init_process_group(backend, store=self._dp_store, rank=self.bank_index, world_size=self.bank_size,
+            self.dp_members = members  # (only now: a replica whose group never formed saves nothing)
+        finally:
+            waiting.stop.set()
+        return True
+
+    def _form_group(self, backend: str, waiting: _Waiting) -> None:
+        """On the bank's thread (:meth:`_await_bank_thread`): make this life's ``torch.distributed`` group, and
+        take replica 0's state (:meth:`_share_state`). The group's process-wide state is torch's own, so the
+        learner's updates all-reduce in it from the loop's thread (gloo's and NCCL's work runs on threads of
+        their own; NCCL's communicators are keyed by the tensors' device, set here for this thread).
+
+        Raises:
+            PeerLostError: the group did not form (naming the replicas that never began to form it), or the
+                state did not arrive: a replica died or hung (torch's error after ``DP_TIMEOUT_S``, or a
+                closed connection)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.torch_device.type == "cuda":
+            torch.cuda.set_device(self.torch_device)
+        store, life = self._dp_store, self.dp_life
+        store.set(f"forming/{self.bank_index}", "1")
+        try:
+            dist.init_process_group(backend, store=store, rank=self.bank_index, world_size=self.bank_size,
                                     timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
             # The updates' all-reduces get their own group with the short timeout.
             self._dp_group = dist.new_group(timeout=datetime.timedelta(seconds=DP_TIMEOUT_S))
-        finally:
+        except RuntimeError as e:  # (torch's DistError and gloo's timeouts are RuntimeErrors)
+            others = [j for j in range(self.bank_size) if j != self.bank_index]
+            absent = [j for j in others if not store.check([f"forming/{j}"])]
+            who = (f"data-parallel learner(s) {absent} met the bank and never began to form it" if absent else
+                   f"a data-parallel learner of {others} died or hung while it formed")
+            raise PeerLostError(f"{self.name}: the torch.distributed group of the bank's life {life} did not form "
+                                f"({who}): {_first_line(e)}") from e
+        if life:  # (said at once: a bank that started again says so)
             waiting.stop.set()
-        if self.dp_life:  # (said at once: a bank that started again says so)
-            _say(f"{self.name}: all {self.bank_size} data-parallel learners joined the bank's life {self.dp_life}")
+            _say(f"{self.name}: all {self.bank_size} data-parallel learners joined the bank's life {life}")
         else:
             waiting.done(f"{self.name}: all {self.bank_size} data-parallel learners joined")
         print(f"{self.name}: data-parallel over {backend}, {self.bank_size} replicas, this one on {self.torch_device}",
               flush=True)
         self._share_state()
-        return True
+
+    async def _await_bank_thread(self, work: Any, life: int) -> None:
+        """Run ``work`` (the group's forming, which waits on the other replicas in C) on a daemon thread,
+        and await it here, checking every ``DP_POLL_S`` what the loop alone can hear:
+
+        * the run is ending (its coordinator's stop, heard in async runs): :class:`_RunStopping`;
+        * a replica that came to ``life`` started again (it died, and its new life moved the bank's life
+          on: the group waits for it in vain until ``DP_TIMEOUT_S``): :class:`PeerLostError` naming it, at
+          once, so this replica's restart policy starts it again in the bank's new life;
+        * with ``left_watch`` (deterministic runs), a replica said it left without joining (``gone/<i>``):
+          :class:`_RunStopping`.
+
+        A cancellation (the worker's SIGTERM) ends the wait too. The thread cannot be stopped: it is left to
+        end with the process (a daemon, waited for by nothing), and this replica saves nothing
+        (:meth:`_finish_files`: its ``dp_members`` stays None). The checks use a store client of their own:
+        the thread's waits hold theirs (a TCP store's client takes one request at a time).
+
+        Raises:
+            _RunStopping, PeerLostError: as above; and whatever ``work`` raised.
+        """
+        import asyncio
+        import contextlib
+        import threading
+
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not done.done():
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - handed to the loop
+                error = e
+            with contextlib.suppress(RuntimeError):  # (the loop closed: this replica left without it)
+                loop.call_soon_threadsafe(settle, error)
+
+        threading.Thread(target=run, name=f"dp-bank-{self.bank_index}", daemon=True).start()
+        watch = None
+        while True:
+            await asyncio.wait([done], timeout=DP_POLL_S)
+            if done.done():
+                done.result()
+                return
+            if self.stopped_by is not None:
+                raise _RunStopping(self.name)
+            if watch is None:
+                watch = self._open_bank(-1)  # (-1: not one of the file's users)
+            if int(watch.add("life", 0)) > life:
+                again = [j for j in range(self.bank_size) if j != self.bank_index
+                         and watch.check([f"joined/{j}"]) and int(watch.get(f"joined/{j}")) > life]
+                raise PeerLostError(
+                    f"{self.name}: data-parallel learner(s) {again or '?'} of the bank's life {life} started again "
+                    f"while its torch.distributed group formed (its process died); a bank starts again whole, so this "
+                    f"replica ends too, for its restart policy to start it again")
+            if self.deterministic and (gone := [j for j in range(self.bank_size) if j != self.bank_index
+                                                and watch.check([f"gone/{j}"])]):
+                raise _RunStopping(f"data-parallel learner(s) {gone} left before the bank's group formed")
 
     def _bank_where(self) -> str:
         """Where the bank's replicas meet, in words (the run's TCP store over hosts, else its file)."""
@@ -204,14 +302,22 @@ class _LearnerBank(Reactor):
             count[0] = len(frames)
             sizes = torch.tensor([len(f) for f in frames], dtype=torch.int64, device=on)
             blob = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8).to(on)
-        dist.broadcast(count, src=0)
+
+        def broadcast(tensor: Any) -> None:
+            try:
+                dist.broadcast(tensor, src=0)
+            except RuntimeError as e:  # (a replica died or hung: torch's error after DP_TIMEOUT_S, or a closed link)
+                raise PeerLostError(f"{self.name}: replica 0's state did not reach the bank's life {self.dp_life} (a "
+                                    f"replica died or hung): {_first_line(e)}") from e
+
+        broadcast(count)
         if sizes is None:
             sizes = torch.empty(int(count.item()), dtype=torch.int64, device=on)
-        dist.broadcast(sizes, src=0)
+        broadcast(sizes)
         lengths = sizes.cpu().tolist()
         if blob is None:
             blob = torch.empty(sum(lengths), dtype=torch.uint8, device=on)
-        dist.broadcast(blob, src=0)
+        broadcast(blob)
         if self.bank_index != 0:
             data = blob.cpu().numpy().tobytes()
             ends = np.cumsum([0, *lengths])
@@ -298,6 +404,10 @@ class _LearnerBank(Reactor):
                 store.set(f"left/{self.bank_index}", str(self.updates))
             except (RuntimeError, OSError) as e:  # the store's host is gone: the others time out instead
                 logging.getLogger("reactor.learner").warning("%s could not tell the bank it left: %s", self.name, e)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _on_cpu(obj: Any) -> Any:

@@ -30,7 +30,7 @@ algo = types.SimpleNamespace(state_dict=lambda s: {"net": s["net"].state_dict(),
 me = types.SimpleNamespace(run_dir=run_dir, run_id="dptimeout", bank_index=rank, bank_size=2, restarts=0,
                            state={"net": net, "opt": opt}, algo=algo, name=f"learner[{rank}]", updates=0,
                            device="cpu", torch_device=torch.device("cpu"), stopped_by=None, deterministic=False)
-for method in ("_all_reduce", "_bank_left", "_leave_bank", "_share_state", "_bank_where", "_bank_file", "_open_bank"):
+for method in [m for m, f in vars(L._LearnerBank).items() if callable(f) and not m.startswith("__")]:
     setattr(me, method, types.MethodType(getattr(L._LearnerBank, method), me))
 asyncio.run(L._LearnerBank._join_bank(me))
 print("joined", float(net.weight.sum()), flush=True)  # replica 0's weights, broadcast to both
@@ -262,3 +262,104 @@ def test_a_replica_ends_when_a_replica_of_its_banks_life_dies_and_lets_an_earlie
     learner.peer_change = PeerChange("peer_lost", ("replay[0]",), "worker 'replay-0' was killed by SIGKILL",
                                      (("requests", 0),), 0)
     learner.replica_lost()  # a shard: not the bank's
+
+
+FORMING = r"""
+import asyncio, signal, sys, types
+import torch
+import reactor.nodes._learnerbank as L
+
+L.DP_TIMEOUT_S = float(sys.argv[2])
+net = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+algo = types.SimpleNamespace(state_dict=lambda s: {"net": s["net"].state_dict()},
+                             load_state_dict=lambda s, d: s["net"].load_state_dict(d["net"]))
+me = types.SimpleNamespace(run_dir=sys.argv[1], run_id="forming", bank_index=0, bank_size=2, restarts=0,
+                           state={"net": net, "opt": opt}, algo=algo, name="learner[0]", updates=0, device="cpu",
+                           torch_device=torch.device("cpu"), stopped_by=None, deterministic=False)
+for method in [m for m, f in vars(L._LearnerBank).items() if callable(f) and not m.startswith("__")]:
+    setattr(me, method, types.MethodType(getattr(L._LearnerBank, method), me))
+
+
+async def main():
+    # The coordinator's stop, as the worker takes it: on this process's loop.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: setattr(me, "stopped_by", "signal"))
+    try:
+        print("joined" if await L._LearnerBank._join_bank(me) else "left", flush=True)
+    except L.PeerLostError as e:
+        print(f"lost: {e}", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def _forming(tmp_path, timeout_s: float, then) -> str:
+    """Replica 0 of a bank of 2 runs in a process of its own; replica 1 came to the bank's life 0 (its keys
+    in the run's rendezvous file, as one leaves it) and never forms the group: it died, or hangs. Once
+    replica 0 came too, past the meeting and forming the group, ``then(bank, proc)`` runs (``bank``: the
+    store as the replicas see it). Returns replica 0's output, once it ended (within 30 s), reaped."""
+    import time
+
+    import torch.distributed as dist
+
+    from reactor.launch._rundir import rendezvous_file
+
+    bank = dist.PrefixStore("forming/learner", dist.FileStore(str(rendezvous_file(str(tmp_path), "forming")), -1))
+    bank.set("joined/1", "0")
+    bank.set("came/0/1", "0")
+    proc = subprocess.Popen([sys.executable, "-c", FORMING, str(tmp_path), str(timeout_s)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not bank.check(["came/0/0"]):  # (set as it meets the others: replica 1 is there already)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        then(bank, proc)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    return out
+
+
+def test_a_replica_forming_its_banks_group_hears_the_runs_stop_and_leaves(tmp_path):
+    """Regression: the group's forming (``init_process_group``, ``new_group``) and replica 0's state
+    broadcast ran on the run's event loop, so a replica whose peer came to the bank's meeting and then
+    died or hung held its loop in C for up to ``DP_TIMEOUT_S`` (60 s): its coordinator's stop was not
+    heard, nor a SIGTERM, nor anything else its process serves. They run on a thread of their own now,
+    and the loop, free, hears the stop: the replica leaves without learning."""
+    import signal
+
+    out = _forming(tmp_path, 60.0, lambda bank, proc: proc.send_signal(signal.SIGUSR1))
+    assert out.splitlines()[-2:] == [
+        "learner[0]: the run is ending (signal) before all 2 data-parallel learners joined: this one leaves without "
+        "learning, and saves nothing", "left"], out
+
+
+def test_a_replica_forming_its_banks_group_ends_at_once_when_a_peer_started_again_naming_it(tmp_path):
+    """A replica that came to the bank's life and died before the group formed: its new life moves the
+    bank's life on (``_meet_bank``), where the group forming in the old one can never finish. The replica
+    forming it waited ``DP_TIMEOUT_S`` in C and failed with torch's "Wait timeout"; it now sees the bank
+    move on and ends at once, naming the replica, for its restart policy to bring it to the new life."""
+    from reactor.nodes._learnerbank import _raise_life
+
+    def new_life_of_replica_1(bank, proc):
+        bank.set("joined/1", "1")
+        _raise_life(bank, 1)
+        bank.set("came/1/1", "1")
+
+    out = _forming(tmp_path, 60.0, new_life_of_replica_1)
+    assert out.splitlines()[-1] == (
+        "lost: learner[0]: data-parallel learner(s) [1] of the bank's life 0 started again while its "
+        "torch.distributed group formed (its process died); a bank starts again whole, so this replica ends too, for "
+        "its restart policy to start it again"), out
+
+
+def test_a_banks_group_that_does_not_form_names_the_replica_that_never_began_to_form_it(tmp_path):
+    """A replica that came to the meeting and hangs (or died, in a run that restarts nothing): the group
+    does not form within ``DP_TIMEOUT_S``, and the replica forming it says which replica never came to it,
+    not only torch's "Wait timeout"."""
+    out = _forming(tmp_path, 2.0, lambda bank, proc: None)
+    assert re.fullmatch(r"lost: learner\[0\]: the torch\.distributed group of the bank's life 0 did not form "
+                        r"\(data-parallel learner\(s\) \[1\] met the bank and never began to form it\): .+",
+                        out.splitlines()[-1]), out

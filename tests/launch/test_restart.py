@@ -1012,3 +1012,66 @@ def test_kill_9_of_one_data_parallel_learner_restarts_the_bank_which_learns_on_w
     ends = dict(re.findall(r"^(learner\[\d\]): (\d+ updates; final weights sha256 \w+)$", err, re.M))
     assert set(ends) == {"learner[0]", "learner[1]"} and ends["learner[0]"] == ends["learner[1]"], err[-4000:]
     assert int(ends["learner[0]"].split()[0]) > int(resumed) >= 50, (resumed, ends)  # it learned on after the restart
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_9_of_one_data_parallel_learner_over_two_hosts_restarts_the_bank_which_learns_on_to_its_end(tmp_path):
+    """``--placement dp-learners --set learners=2`` over two hosts (network namespaces, a daemon in each:
+    learner-0 on h1, learner-1 on h2), async, restart on-failure. kill -9 of learner-1 once replica 0 has
+    saved a checkpoint: the survivor ends too (its bank's group cannot take the dead one's new life), both
+    start again, meet in the bank's next life through the coordinator's TCP store (the store outlives the
+    replicas: each life's keys are its own), learner-1 takes replica 0's state (resumed from its checkpoint,
+    which only h1's run directory holds) and the run learns on past the kill to its budget, the replicas
+    ending with the same weights, the final ones copied back to where the run started."""
+    c = Cluster(tmp_path, n=2, heartbeat_timeout_s=2.0)
+    errfile = tmp_path / "stderr.log"
+    try:
+        with open(errfile, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", "dp-learners", "--hosts",
+                 str(c.write_hosts()), "--async", "--json", "--restart", "on-failure:1,backoff_s=0.1",
+                 "--set", "learners=2", "--set", "live=False", "--set", "run_dir='dp'", "--set", "checkpoint_every=50",
+                 "--set", "max_env_steps=4000", "--set", "target_return=None"],
+                cwd=tmp_path, env={**c.env(), "REACTOR_RUNTIME_DIR": str(_rt(tmp_path))}, stdout=subprocess.PIPE,
+                stderr=err, text=True)
+        try:
+            # (relative: each host's own run directory; only replica 0's, on h1, holds learner.pt)
+            wait_for(lambda: list(tmp_path.glob("h1/runs/*/dp/learner.pt")) or proc.poll() is not None, 240,
+                     "the bank's first checkpoint on h1")
+            pids = {g: p for p, g in c.worker_pids().items()}
+            assert {"learner-0", "learner-1"} <= set(pids) and proc.poll() is None, errfile.read_text()[-3000:]
+            assert set(c.worker_pids("h2").values()) >= {"learner-1"}, c.worker_pids()
+            os.kill(pids["learner-1"], signal.SIGKILL)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            err = _reaped(proc, errfile)
+        assert proc.returncode == 0, err[-4000:]
+        result = json.loads(out)
+        assert result["restarts"] == {
+            "learner-1": ["was killed by SIGKILL on host 'h2'"],
+            "learner-0": ["exited with status 3 (lost a peer: its output names which) on host 'h1'"]}, result["restarts"]
+        logs = {}
+        for i, host in ((0, "h1"), (1, "h2")):
+            (log,) = [d / f"learner-{i}.log" for d in c.new_runs(host) if (d / f"learner-{i}.log").exists()]
+            logs[i] = log.read_text()
+        # The survivor ended (in the all-reduce the dead one left, or on hearing of its death between updates),
+        # and both new lives met in the bank's next life, over the coordinator's TCP store.
+        assert re.search(r"^reactor worker learner-0: learner\[0\]: (the other data-parallel learners did not join the "
+                         r"gradient all-reduce|data-parallel learner\(s\) \[1\] of the bank's life 0 died)", logs[0],
+                         re.M), logs[0][-4000:]
+        for i in (0, 1):
+            assert f"learner[{i}]: all 2 data-parallel learners joined the bank's life 1" in logs[i], logs[i][-4000:]
+        (resumed,) = re.findall(r"^learner\[0\] resumed from its checkpoint \S+ at update (\d+)$", logs[0], re.M)
+        assert f"learner[1] took learner[0]'s state at update {resumed}" in logs[1], logs[1][-4000:]
+        # (each life that ended says so: learner-0's first, failed, one too, at the checkpoint it saved then)
+        ends = [re.findall(r"^learner\[\d\]: (\d+) updates; final weights sha256 (\w+)$", logs[i], re.M) for i in (0, 1)]
+        assert ends[0] and ends[1] and ends[0][-1] == ends[1][-1], ends
+        updates, sha = int(ends[0][-1][0]), ends[0][-1][1]
+        assert updates > int(resumed) >= 50, (resumed, updates)  # it learned on after the restart
+        summary = result["summary"]
+        assert summary["updates"] == updates and summary["env_steps"] >= 4000, summary
+        assert (tmp_path / "dp" / "weights.sha256").read_text().strip() == sha  # copied back from h1
+        c.wait_no_workers()
+    finally:
+        c.close()

@@ -354,7 +354,7 @@ class _LearnerBank(Reactor):
         Raises:
             _BankLeft: another replica left with the run.
             PeerLostError: another replica did not join within ``DP_TIMEOUT_S`` (it died or hung),
-                or its connection broke.
+                or its connection broke (at once: said so, not as a timeout).
         """
         import time
 
@@ -379,13 +379,15 @@ class _LearnerBank(Reactor):
                 left = self._bank_left()
                 if left:
                     raise _BankLeft(left) from None
-                timed_out = "timed out" in str(e).lower()
-                if not timed_out or time.monotonic() >= deadline:
+                if "timed out" not in str(e).lower():  # (a peer's closed connection: at once, not after a timeout)
+                    raise PeerLostError(
+                        f"{self.name}: the {what} all-reduce of update {self.updates + 1} failed: a data-parallel "
+                        f"learner's link to this one broke (it died): {_first_line(e)}") from e
+                if time.monotonic() >= deadline:
                     raise PeerLostError(
                         f"{self.name}: the other data-parallel learners did not join the {what} all-reduce of "
                         f"update {self.updates + 1} within {DP_TIMEOUT_S:.0f}s (a replica died or hung): "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                    ) from e
+                        f"{_first_line(e)}") from e
 
     def _bank_left(self) -> dict[int, int]:
         """The replicas that left the bank with the run: bank index -> its updates then."""

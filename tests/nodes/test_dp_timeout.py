@@ -49,6 +49,9 @@ else:
         me.updates = 7
         me._leave_bank()
         time.sleep(3)  # (replica 0 is told within DP_POLL_S; its exit waits for this one's)
+    elif sys.argv[3:] == ["die"]:  # joined, then gone without a word: its links close
+        import os
+        os._exit(0)
     else:
         time.sleep(10)  # joined, but takes no further part
 """
@@ -79,6 +82,17 @@ def test_a_replica_that_never_joins_the_all_reduce_raises_peer_lost_within_the_t
     assert 2.5 <= seconds < 30, lost[0]
     assert ("learner[0]: the other data-parallel learners did not join the gradient all-reduce of update 1 "
             "within 3s (a replica died or hung)") in lost[0]
+
+
+def test_a_replica_whose_peer_died_says_its_link_broke_not_that_it_waited_out_the_timeout(tmp_path):
+    """Regression: a replica whose peer died (its connection closed: gloo fails the all-reduce at once)
+    said the others "did not join ... within 60s", as if it had waited the timeout out (a kill -9 of
+    one replica over hosts, tests/launch/test_restart.py): a wrong lead for whoever reads why."""
+    out0 = _two_replicas(tmp_path, REPLICA.replace("L.DP_TIMEOUT_S = 3.0", "L.DP_TIMEOUT_S = 30.0"), "die")
+    lost = [line for line in out0.splitlines() if line.startswith("lost after")]
+    assert lost, out0
+    assert re.fullmatch(r"lost after [\d.]+s: learner\[0\]: the gradient all-reduce of update 1 failed: a data-parallel "
+                        r"learner's link to this one broke \(it died\): .+", lost[0]), lost[0]
 
 
 def test_a_replica_that_left_with_the_run_ends_the_others_wait_at_once_not_after_the_timeout(tmp_path):

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 REPLICA = r"""
@@ -307,21 +309,33 @@ asyncio.run(main())
 """
 
 
-def _forming(tmp_path, timeout_s: float, then) -> str:
+def _forming(tmp_path, store: str, timeout_s: float, then) -> str:
     """Replica 0 of a bank of 2 runs in a process of its own; replica 1 came to the bank's life 0 (its keys
-    in the run's rendezvous file, as one leaves it) and never forms the group: it died, or hangs. Once
+    in the rendezvous store, as one leaves them) and never forms the group: it died, or hangs. Once
     replica 0 came too, past the meeting and forming the group, ``then(bank, proc)`` runs (``bank``: the
-    store as the replicas see it). Returns replica 0's output, once it ended (within 30 s), reaped."""
+    store as the replicas see it). ``store``: ``"file"`` (the run directory's, one host) or ``"tcp"`` (a
+    TCP store served here, as a run's coordinator serves it over hosts: its client takes one request at a
+    time). Returns replica 0's output, once it ended (within 30 s), reaped."""
+    import datetime
+    import os
     import time
 
     import torch.distributed as dist
 
     from reactor.launch._rundir import rendezvous_file
 
-    bank = dist.PrefixStore("forming/learner", dist.FileStore(str(rendezvous_file(str(tmp_path), "forming")), -1))
+    env = dict(os.environ)
+    if store == "tcp":
+        served = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=60))
+        env["REACTOR_DIST_STORE"] = f"127.0.0.1:{served.port}"
+    else:
+        served = dist.FileStore(str(rendezvous_file(str(tmp_path), "forming")), -1)
+        env.pop("REACTOR_DIST_STORE", None)
+    bank = dist.PrefixStore("forming/learner", served)
     bank.set("joined/1", "0")
     bank.set("came/0/1", "0")
-    proc = subprocess.Popen([sys.executable, "-c", FORMING, str(tmp_path), str(timeout_s)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", FORMING, str(tmp_path), str(timeout_s)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -336,7 +350,11 @@ def _forming(tmp_path, timeout_s: float, then) -> str:
     return out
 
 
-def test_a_replica_forming_its_banks_group_hears_the_runs_stop_and_leaves(tmp_path):
+STORES = pytest.mark.parametrize("store", ["file", "tcp"])
+
+
+@STORES
+def test_a_replica_forming_its_banks_group_hears_the_runs_stop_and_leaves(tmp_path, store):
     """Regression: the group's forming (``init_process_group``, ``new_group``) and replica 0's state
     broadcast ran on the run's event loop, so a replica whose peer came to the bank's meeting and then
     died or hung held its loop in C for up to ``DP_TIMEOUT_S`` (60 s): its coordinator's stop was not
@@ -344,13 +362,14 @@ def test_a_replica_forming_its_banks_group_hears_the_runs_stop_and_leaves(tmp_pa
     and the loop, free, hears the stop: the replica leaves without learning."""
     import signal
 
-    out = _forming(tmp_path, 60.0, lambda bank, proc: proc.send_signal(signal.SIGUSR1))
+    out = _forming(tmp_path, store, 60.0, lambda bank, proc: proc.send_signal(signal.SIGUSR1))
     assert out.splitlines()[-2:] == [
         "learner[0]: the run is ending (signal) before all 2 data-parallel learners joined: this one leaves without "
         "learning, and saves nothing", "left"], out
 
 
-def test_a_replica_forming_its_banks_group_ends_at_once_when_a_peer_started_again_naming_it(tmp_path):
+@STORES
+def test_a_replica_forming_its_banks_group_ends_at_once_when_a_peer_started_again_naming_it(tmp_path, store):
     """A replica that came to the bank's life and died before the group formed: its new life moves the
     bank's life on (``_meet_bank``), where the group forming in the old one can never finish. The replica
     forming it waited ``DP_TIMEOUT_S`` in C and failed with torch's "Wait timeout"; it now sees the bank
@@ -362,18 +381,19 @@ def test_a_replica_forming_its_banks_group_ends_at_once_when_a_peer_started_agai
         _raise_life(bank, 1)
         bank.set("came/1/1", "1")
 
-    out = _forming(tmp_path, 60.0, new_life_of_replica_1)
+    out = _forming(tmp_path, store, 60.0, new_life_of_replica_1)
     assert out.splitlines()[-1] == (
         "lost: learner[0]: data-parallel learner(s) [1] of the bank's life 0 started again while its "
         "torch.distributed group formed (its process died); a bank starts again whole, so this replica ends too, for "
         "its restart policy to start it again"), out
 
 
-def test_a_banks_group_that_does_not_form_names_the_replica_that_never_began_to_form_it(tmp_path):
+@STORES
+def test_a_banks_group_that_does_not_form_names_the_replica_that_never_began_to_form_it(tmp_path, store):
     """A replica that came to the meeting and hangs (or died, in a run that restarts nothing): the group
     does not form within ``DP_TIMEOUT_S``, and the replica forming it says which replica never came to it,
     not only torch's "Wait timeout"."""
-    out = _forming(tmp_path, 2.0, lambda bank, proc: None)
+    out = _forming(tmp_path, store, 2.0, lambda bank, proc: None)
     assert re.fullmatch(r"lost: learner\[0\]: the torch\.distributed group of the bank's life 0 did not form "
                         r"\(data-parallel learner\(s\) \[1\] met the bank and never began to form it\): .+",
                         out.splitlines()[-1]), out

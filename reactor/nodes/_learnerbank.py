@@ -176,11 +176,12 @@ class _LearnerBank(Reactor):
         * a replica that came to ``life`` started again (it died, and its new life moved the bank's life
           on: the group waits for it in vain until ``DP_TIMEOUT_S``): :class:`PeerLostError` naming it, at
           once, so this replica's restart policy starts it again in the bank's new life;
-        * with ``left_watch`` (deterministic runs), a replica said it left without joining (``gone/<i>``):
-          :class:`_RunStopping`.
+        * in deterministic runs (whose worker hears no stop while a reaction runs), another replica said it
+          left without joining (``gone/<i>``: :meth:`_leave_unmet_bank`): :class:`_RunStopping`.
 
         A cancellation (the worker's SIGTERM) ends the wait too. The thread cannot be stopped: it is left to
-        end with the process (a daemon, waited for by nothing), and this replica saves nothing
+        end with the process (a daemon, waited for by nothing; what it ends with is dropped), and this
+        replica saves nothing
         (:meth:`_finish_files`: its ``dp_members`` stays None). The checks use a store client of their own:
         the thread's waits hold theirs (a TCP store's client takes one request at a time).
 
@@ -212,25 +213,28 @@ class _LearnerBank(Reactor):
 
         threading.Thread(target=run, name=f"dp-bank-{self.bank_index}", daemon=True).start()
         watch = None
-        while True:
-            await asyncio.wait([done], timeout=DP_POLL_S)
-            if done.done():
-                done.result()
-                return
-            if self.stopped_by is not None:
-                raise _RunStopping(self.name)
-            if watch is None:
-                watch = self._open_bank(-1)  # (-1: not one of the file's users)
-            if int(watch.add("life", 0)) > life:
-                again = [j for j in range(self.bank_size) if j != self.bank_index
-                         and watch.check([f"joined/{j}"]) and int(watch.get(f"joined/{j}")) > life]
-                raise PeerLostError(
-                    f"{self.name}: data-parallel learner(s) {again or '?'} of the bank's life {life} started again "
-                    f"while its torch.distributed group formed (its process died); a bank starts again whole, so this "
-                    f"replica ends too, for its restart policy to start it again")
-            if self.deterministic and (gone := [j for j in range(self.bank_size) if j != self.bank_index
-                                                and watch.check([f"gone/{j}"])]):
-                raise _RunStopping(f"data-parallel learner(s) {gone} left before the bank's group formed")
+        try:
+            while True:
+                await asyncio.wait([done], timeout=DP_POLL_S)
+                if done.done():
+                    done.result()
+                    return
+                if self.stopped_by is not None:
+                    raise _RunStopping(self.name)
+                if watch is None:
+                    watch = self._open_bank(-1)  # (-1: not one of the file's users)
+                if int(watch.add("life", 0)) > life:
+                    again = [j for j in range(self.bank_size) if j != self.bank_index
+                             and watch.check([f"joined/{j}"]) and int(watch.get(f"joined/{j}")) > life]
+                    raise PeerLostError(
+                        f"{self.name}: data-parallel learner(s) {again or '?'} of the bank's life {life} started again "
+                        f"while its torch.distributed group formed (its process died); a bank starts again whole, so "
+                        f"this replica ends too, for its restart policy to start it again")
+                if self.deterministic and (gone := [j for j in range(self.bank_size) if j != self.bank_index
+                                                    and watch.check([f"gone/{j}"])]):
+                    raise _RunStopping(f"data-parallel learner(s) {gone} left while the bank's group formed")
+        finally:
+            done.cancel()  # (left: what the thread ends with is dropped, not an exception nobody retrieved)
 
     def _bank_where(self) -> str:
         """Where the bank's replicas meet, in words (the run's TCP store over hosts, else its file)."""

@@ -292,7 +292,7 @@ algo = types.SimpleNamespace(state_dict=lambda s: {"net": s["net"].state_dict()}
                              load_state_dict=lambda s, d: s["net"].load_state_dict(d["net"]))
 me = types.SimpleNamespace(run_dir=sys.argv[1], run_id="forming", bank_index=0, bank_size=2, restarts=0,
                            state={"net": net, "opt": opt}, algo=algo, name="learner[0]", updates=0, device="cpu",
-                           torch_device=torch.device("cpu"), stopped_by=None, deterministic=False)
+                           torch_device=torch.device("cpu"), stopped_by=None, deterministic=sys.argv[3] == "1")
 for method in [m for m, f in vars(L._LearnerBank).items() if callable(f) and not m.startswith("__")]:
     setattr(me, method, types.MethodType(getattr(L._LearnerBank, method), me))
 
@@ -309,13 +309,14 @@ asyncio.run(main())
 """
 
 
-def _forming(tmp_path, store: str, timeout_s: float, then) -> str:
+def _forming(tmp_path, store: str, timeout_s: float, then, deterministic: bool = False) -> str:
     """Replica 0 of a bank of 2 runs in a process of its own; replica 1 came to the bank's life 0 (its keys
     in the rendezvous store, as one leaves them) and never forms the group: it died, or hangs. Once
     replica 0 came too, past the meeting and forming the group, ``then(bank, proc)`` runs (``bank``: the
     store as the replicas see it). ``store``: ``"file"`` (the run directory's, one host) or ``"tcp"`` (a
     TCP store served here, as a run's coordinator serves it over hosts: its client takes one request at a
-    time). Returns replica 0's output, once it ended (within 30 s), reaped."""
+    time). ``deterministic``: replica 0's run is (its worker hears no stop while a reaction runs). Returns
+    replica 0's output, once it ended (within 30 s), reaped."""
     import datetime
     import os
     import time
@@ -335,8 +336,8 @@ def _forming(tmp_path, store: str, timeout_s: float, then) -> str:
     bank = dist.PrefixStore("forming/learner", served)
     bank.set("joined/1", "0")
     bank.set("came/0/1", "0")
-    proc = subprocess.Popen([sys.executable, "-c", FORMING, str(tmp_path), str(timeout_s)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", FORMING, str(tmp_path), str(timeout_s), str(int(deterministic))],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while not bank.check(["came/0/0"]):  # (set as it meets the others: replica 1 is there already)
@@ -397,3 +398,13 @@ def test_a_banks_group_that_does_not_form_names_the_replica_that_never_began_to_
     assert re.fullmatch(r"lost: learner\[0\]: the torch\.distributed group of the bank's life 0 did not form "
                         r"\(data-parallel learner\(s\) \[1\] met the bank and never began to form it\): .+",
                         out.splitlines()[-1]), out
+
+
+def test_a_deterministic_replica_forming_its_banks_group_leaves_when_a_peer_said_it_left(tmp_path):
+    """In a deterministic run a replica's worker hears no stop while its reaction runs: a peer that came to
+    the meeting and then failed before the group formed (its shutdown writes ``gone/<i>``, as one that
+    never met its bank does) left the others forming it for ``DP_TIMEOUT_S``. They see the word and leave."""
+    out = _forming(tmp_path, "file", 60.0, lambda bank, proc: bank.set("gone/1", "0"), deterministic=True)
+    assert out.splitlines()[-2:] == [
+        "learner[0]: data-parallel learner(s) [1] left while the bank's group formed before all 2 data-parallel "
+        "learners joined: this one leaves without learning, and saves nothing", "left"], out

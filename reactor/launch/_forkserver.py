@@ -581,8 +581,11 @@ def _child(req: dict[str, Any], close_fds: Sequence[int]) -> None:
         os.environ.update(req["env"])
         sys.argv = list(req["argv"])
         sys.stdin = io.TextIOWrapper(io.BytesIO(req["stdin"].encode()))
-        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
-        sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+        # closefd=False: the streams this replaces close nothing as they go, nor do these in a child of
+        # this child (a daemon's job forks its run's server from itself, and that server its workers: with
+        # closefd=True, the job's sys.stdout, dropped here, closed the worker's fd 1 and 2 under it).
+        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0, closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0, closefd=False), write_through=True)
         module, func = ENTRIES[req["entry"]].split(":")
         try:
             code = getattr(importlib.import_module(module), func)()

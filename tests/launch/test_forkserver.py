@@ -103,6 +103,53 @@ def test_a_daemons_job_forks_its_runs_fork_server_from_itself_not_a_new_interpre
         daemons.close()
 
 
+_PRINTING_APP = '''
+from reactor import Graph, Input, Output, Reactor, Timer, reaction
+
+class Producer(Reactor):
+    tick = Timer(period_s=0.01)
+    number = Output(int)
+
+    @reaction(triggers=[tick], effects=[number])
+    def emit(self) -> None:
+        self.number.send(7)
+
+class Printer(Reactor):
+    number = Input(int, required=True)
+
+    @reaction(triggers=[number])
+    def show(self, number: int) -> None:
+        print("printer got", number)
+
+def build(config) -> Graph:
+    g = Graph(stop_s=0.05)
+    g.connect(g.add(Producer(), name="producer").number, g.add(Printer(), name="printer").number)
+    return g
+'''
+
+
+def test_a_daemons_jobs_workers_print_to_the_jobs_log(tmp_path):
+    """Regression (the README's first app, `reactor submit`ted to a daemon under `processes`): the job failed
+    with `OSError: [Errno 22] Invalid argument` at the printer's first print, and its workers died of libuv's
+    `uv__close: Assertion fd > STDERR_FILENO`. A worker forked from its run's server, itself forked from the
+    job's coordinator, dropped the coordinator's sys.stdout, made with closefd=True: that closed the worker's
+    fd 1 and 2, which the worker's sockets then took."""
+    (tmp_path / "printing.py").write_text(_PRINTING_APP)
+    out = tmp_path / "output.log"
+    daemons = ForkServer(["reactor.cli", "reactor.launch._worker"])
+    daemons.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "REACTOR_FORK_SERVER"}
+        job = daemons.spawn("cli", argv=["reactor", "run", "printing.py", "--placement", "processes", "--verbose"],
+                            cwd=tmp_path, env=env, log_path=out, title="rx-job")
+        assert job.wait(90) == 0, out.read_text()[-3000:]
+        text = out.read_text()
+        assert "the run's fork server is a fork of this process" in text  # (the path under test)
+        assert "printer got 7" in text and "run ended (stop_time)" in text, text[-3000:]
+    finally:
+        daemons.close()
+
+
 def test_a_child_runs_in_its_own_session_and_directory_and_its_signal_death_is_reported(server, tmp_path):
     # `reactor daemon` with a state directory it cannot make runs until killed: a long-lived child.
     p = server.spawn("cli", argv=["reactor", "keys", "init", str(tmp_path / "k")], cwd=tmp_path, env=dict(os.environ),

@@ -63,7 +63,12 @@ def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     """
     path = Path(directory) / "key"
     if not path.exists():
-        raise FileNotFoundError(f"no key pair at {path}: make one with `reactor keys init {directory}`")
+        where = ""
+        if not os.environ.get("REACTOR_KEYS") and Path(directory) == Path.home() / ".reactor" / "keys":
+            # (the default: a key directory made elsewhere, the cluster's, was most likely meant, and a new
+            # pair here would be admitted by no daemon)
+            where = " (the default key directory: name the one you made with --keys DIR or REACTOR_KEYS=DIR)"
+        raise FileNotFoundError(f"no key pair at {path}{where}: make one with `reactor keys init {directory}`")
     return CurveKeys.load(path)
 
 

@@ -546,3 +546,18 @@ def test_a_multi_process_run_command_leaves_without_the_interpreters_teardown_bu
     assert p.returncode == 0, err[-3000:]
     assert out == "run ended (quiescence): 1 events in 1 reactors, placement processes\n", out
     assert {m.name for m in marks.iterdir() if m.name.endswith(f"-{p.pid}")} == {f"atexit-{p.pid}"}  # (no teardown-)
+
+
+def test_a_missing_key_pair_in_the_default_key_directory_says_how_to_name_another(tmp_path):
+    """Regression (a newcomer's pass over docs/cluster.md): after `reactor keys init /shared/keys`, a command
+    without REACTOR_KEYS said only "no key pair at ~/.reactor/keys/key: make one with `reactor keys init
+    ~/.reactor/keys`", a second pair that no daemon admits. It now says the directory is the default and
+    how to name the one made."""
+    env = {k: v for k, v in os.environ.items() if k != "REACTOR_KEYS"}
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "status", "--daemon", "tcp://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "HOME": str(tmp_path)})
+    default = tmp_path / ".reactor" / "keys"
+    assert p.returncode == 2 and p.stderr == (
+        f"reactor: no key pair at {default / 'key'} (the default key directory: name the one you made with --keys "
+        f"DIR or REACTOR_KEYS=DIR): make one with `reactor keys init {default}`\n"), p.stderr
+    assert not default.exists()

@@ -48,12 +48,16 @@ from ._app import files_to_ship, shipped_files
 from ._groups import Group
 from ._version import build_id, python_version
 
-__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "Z85_KEY_RE", "Host", "MixedBuildsError", "NoHostAnsweredError",
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "LAST_LINE_SAID", "Z85_KEY_RE", "Host", "MixedBuildsError", "NoHostAnsweredError",
            "RemoteWorkers", "assign_hosts", "parse_hosts"]
 
 log = logging.getLogger("reactor.cluster")
 
 HEARTBEAT_S = 0.5
+#: The most of a failed worker's last line (from its host's log) that its run's error quotes, and the words
+#: before it (``_session._describe_exits`` quotes a line once, for the first worker that wrote it).
+LAST_LINE_MAX = 600
+LAST_LINE_SAID = " (its last line there: "
 HEARTBEAT_TIMEOUT_S = 3.0
 FETCH_MAX_NBYTES = 4 << 30  # the most of a run's files copied back from its hosts
 _HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
@@ -452,7 +456,27 @@ class RemoteWorkers:
         for g, w in got.items():
             if (self.host_of.get(g) == host and g not in self.ended and w["returncode"] is not None
                     and w["pid"] == self.pid.get(g)):  # not a previous life's end
-                self.ended[g] = (int(w["returncode"]), f"on host {host!r}")
+                rc, where = int(w["returncode"]), f"on host {host!r}"
+                if rc in (1, 2):  # its traceback's or refusal's line is in its log there, which no one here sees
+                    last = await self._last_line(host, g)
+                    where += f"{LAST_LINE_SAID}{last})" if last else ""
+                if g not in self.ended:
+                    self.ended[g] = (rc, where)
+
+    async def _last_line(self, host: str, group: str) -> str:
+        """The last line a worker hosted on ``host`` wrote (``STATE/runs/RUN/GROUP.log`` there), cut at
+        ``LAST_LINE_MAX`` characters; "" where its daemon does not give it."""
+        link = self.links[host]
+        try:
+            end = (await link.request("worker_log", self.run_id, group, 2**63 - 1, timeout_s=HEARTBEAT_S * 2))["offset"]
+            got = await link.request("worker_log", self.run_id, group, max(0, int(end) - 4096),
+                                     timeout_s=HEARTBEAT_S * 2)
+            lines = [line.strip() for line in bytes(got["data"]).decode(errors="replace").splitlines() if line.strip()]
+        except (DaemonError, KeyError, TypeError, ValueError):  # (a silent daemon's error is a DaemonError)
+            return ""
+        if not lines:
+            return ""
+        return lines[-1] if len(lines[-1]) <= LAST_LINE_MAX else lines[-1][:LAST_LINE_MAX] + "..."
 
     def _lose(self, host: str, why: str) -> None:
         self.lost_hosts[host] = why

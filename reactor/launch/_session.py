@@ -31,7 +31,7 @@ from .._errors import (
     WouldBlock,
 )
 from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, link_key
-from ._cluster import NoHostAnsweredError, RemoteWorkers
+from ._cluster import LAST_LINE_SAID, NoHostAnsweredError, RemoteWorkers
 from ._localworkers import TERM_GRACE_S, _LocalWorkers
 from ._protocol import FAILED_END_S, FAILED_SAVE_S, how_worker_ended
 from ._restarts import _no_start, _Restarts
@@ -674,9 +674,20 @@ def _describe_exits(dead: dict[str, tuple[int | None, str]]) -> str:
         rc = dead[n][0]
         return (rc is not None, rc is not None and rc >= 0, rc == 3, n)
 
+    quoted: set[str] = set()
+
+    def how(n: str) -> str:  # (a worker's last line on its host, quoted once: every worker of a run may fail alike)
+        rc, where = dead[n]
+        head, said, line = where.partition(LAST_LINE_SAID)
+        if said and line in quoted:
+            where = f"{head} (the same last line)"
+        elif said:
+            quoted.add(line)
+        return how_worker_ended(rc, where)
+
     order = sorted(dead, key=rank)
     first, rest = order[0], order[1:]
-    text = f"worker {first!r} {how_worker_ended(*dead[first])} before the run ended"
+    text = f"worker {first!r} {how(first)} before the run ended"
     if rest:
-        text += "; then " + ", ".join(f"worker {n!r} {how_worker_ended(*dead[n])}" for n in rest)
+        text += "; then " + ", ".join(f"worker {n!r} {how(n)}" for n in rest)
     return text

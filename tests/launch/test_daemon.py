@@ -1059,6 +1059,77 @@ def _head_of_a_job_over_hosts(tmp_path: Path) -> tuple[Daemon, Path, Path]:
     return d, hosts, tmp_path / "ready"
 
 
+_BESIDE_ONLY = """
+from reactor import Graph, Input, Output, Reactor, Timer, reaction
+
+
+class Producer(Reactor):
+    tick = Timer(period_s=0.01)
+    number = Output(int)
+
+    @reaction(triggers=[tick], effects=[number])
+    def emit(self) -> None:
+        self.number.send(7)
+
+
+class Sink(Reactor):
+    number = Input(int, required=True)
+
+    @reaction(triggers=[number])
+    def take(self, number: int) -> None:
+        pass
+
+
+def graph() -> Graph:
+    g = Graph(stop_s=0.05)
+    g.connect(g.add(Producer(), name="producer").number, g.add(Sink(), name="sink").number)
+    return g
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_run_over_hosts_whose_remote_worker_fails_at_its_start_quotes_its_last_line(tmp_path):
+    """Regression (a newcomer's pass over docs/guide.md, section 3): `reactor run my_dqn.py --hosts ...` with
+    the env's module beside the app but not shipped (`--with`) built the graph here, then every worker failed
+    on its host importing it, and the run ended with `worker 'actor-0' exited with status 1 (failed: its
+    traceback is in its output) on host 'h2'`: an output in the host's STATE/runs/RUN/, which `reactor logs`
+    (job ids) cannot show. The error now quotes each such worker's last line, fetched from its daemon."""
+    d, hosts, _ = _head_of_a_job_over_hosts(tmp_path)
+    app_dir, here = tmp_path / "app", tmp_path / "here"
+    app_dir.mkdir()
+    here.mkdir()
+    (app_dir / "beside_only.py").write_text(_BESIDE_ONLY)
+    (app_dir / "remote_fail.py").write_text("def build(config):\n    import beside_only  # (not shipped: no --with)\n"
+                                            "    return beside_only.graph()\n")
+    try:
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(app_dir / "remote_fail.py"), "--placement",
+                            "processes", "--hosts", str(hosts)], cwd=here, capture_output=True, text=True, timeout=150,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "REACTOR_KEYS": str(d.keys_dir)})
+        assert p.returncode == 1, p.stderr[-3000:]
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("reactor: WorkerFailedError: worker "), p.stderr[-3000:]
+        assert " on host 'h1' (its last line there: ModuleNotFoundError: No module named 'beside_only')" in last, last
+    finally:
+        d.stop(signal.SIGTERM)
+
+
+def test_a_last_line_that_several_failed_workers_share_is_quoted_once():
+    """Every worker of a run over hosts may fail alike (the module none of them could import): the error
+    quotes the line for the first and says "the same last line" for the others, not the line each time."""
+    from reactor.launch._cluster import LAST_LINE_SAID
+    from reactor.launch._session import _describe_exits
+
+    line = "ModuleNotFoundError: No module named 'my_envs')"
+    text = _describe_exits({"learner": (1, f"on host 'h1'{LAST_LINE_SAID}{line}"),
+                            "actor-0": (1, f"on host 'h2'{LAST_LINE_SAID}{line}"),
+                            "replay-0": (1, f"on host 'h2'{LAST_LINE_SAID}other: x)"), "actor-1": (-9, "on host 'h3'")})
+    assert text == ("worker 'actor-1' was killed by SIGKILL on host 'h3' before the run ended; then worker 'actor-0' "
+                    "exited with status 1 (failed: its traceback is in its output) on host 'h2' (its last line there: "
+                    "ModuleNotFoundError: No module named 'my_envs'), worker 'learner' exited with status 1 (failed: its "
+                    "traceback is in its output) on host 'h1' (the same last line), worker 'replay-0' exited with status 1 "
+                    "(failed: its traceback is in its output) on host 'h2' (its last line there: other: x)"), text
+
+
 @pytest.mark.timeout(180)
 def test_sigterm_to_the_head_daemon_stops_its_job_over_hosts_cleanly_and_keeps_its_files(tmp_path):
     """Regression (a newcomer's pass, session 54): SIGTERM to the daemon of a job whose run spreads over

@@ -30,7 +30,7 @@ class DaemonSilentError(DaemonError):
     message says too: ``"nothing"`` (no TCP connection: a wrong address, no daemon running, the host
     unreachable), ``"tcp"`` (a TCP connection, but the CURVE handshake did not complete: a daemon
     stopped or overloaded, or no reactor daemon there), ``"handshake"`` (the daemon admitted our key,
-    then answered late: overloaded or stopped); ``"refused"`` for :class:`DaemonKeyError`. ``why``
+    then answered late: overloaded or stopped, or the network to it cut since); ``"refused"`` for :class:`DaemonKeyError`. ``why``
     is the message's reason alone."""
 
     def __init__(self, message: str, reached: str = "nothing", why: str = "") -> None:
@@ -209,7 +209,7 @@ class DaemonClient:
                "tcp": "it accepted a TCP connection but did not complete the CURVE handshake (a daemon that is stopped "
                       "or overloaded, or no reactor daemon)",
                "handshake": "it completed the CURVE handshake (it admits our key) but answered late: it is overloaded "
-                            "or stopped"}[self.link]
+                            "or stopped, or the network to it was cut since"}[self.link]
         raise DaemonSilentError(f"{self.who} did not answer {kind!r} within {timeout_s:.1f} s: {why}", self.link, why)
 
     def _follow_link(self) -> None:

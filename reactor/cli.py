@@ -192,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
                                       "ConfigMap, and a Job that runs it over the daemons.")
     kr.add_argument("app", help="path of an app file defining build(config) -> Graph")
     kr.add_argument("--replicas", type=int, default=3, help="daemons (pods) (default 3)")
-    kr.add_argument("--image", default="reactor:latest", help="an image with reactor installed (deploy/Dockerfile)")
+    kr.add_argument("--image", default="reactor:latest", help="an image with reactor installed (deploy/Dockerfile; default reactor:latest)")
     kr.add_argument("--name", default="reactor", help="the prefix of every object's name (default reactor)")
     kr.add_argument("--namespace", default="default")
     kr.add_argument("--cpu", default="1", help="each daemon pod's CPU request (default 1)")
@@ -290,6 +290,9 @@ def _daemon_key(path: str) -> bytes:
         return path.encode()
     try:
         return CurveKeys.load_public(path)
+    except FileNotFoundError:
+        raise ValueError(f"--daemon-key {path}: no such file, and not a key's 40-character Z85 text either (give the "
+                         f"daemon's key.pub, or the text in it)") from None
     except OSError as e:
         raise ValueError(f"--daemon-key {path}: {e.strerror or e}") from None
 

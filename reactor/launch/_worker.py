@@ -1026,6 +1026,9 @@ def main() -> int:
     except BaseException as e:
         if worker.reported is e:  # its coordinator says it (one line, or the traceback)
             return REFUSAL_EXIT_STATUS if refusal_class(e) is not None else 1
+        if refusal_class(e) is not None:  # (before it could report: its rebuild of the app's graph refused)
+            print(f"reactor worker {spec['group']}: {e}", file=sys.stderr)
+            return REFUSAL_EXIT_STATUS
         traceback.print_exc()
         return 1
     return worker.exit_status(0)

@@ -396,7 +396,7 @@ class Replay(Reactor):
         if self.memory != "host" and not torch.cuda.is_available():  # (a ValueError: reactor run prints it as one line)
             raise ValueError(
                 f"Replay {self.name!r}: memory={self.memory!r} needs CUDA, and torch.cuda.is_available() is False "
-                f"on this host; use memory='host'"
+                f"on this host; use memory='host' (the apps' --set replay_memory=host, or leave it out)"
             )
         if on_gpu and ":" in self.memory and int(self.memory.split(":")[1]) >= torch.cuda.device_count():
             raise ValueError(

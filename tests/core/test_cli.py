@@ -191,6 +191,11 @@ def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
     init_keys(tmp_path / "keys")
     p = reactor("status", "--daemon", "tcp://127.0.0.1:1", "--daemon-key", str(tmp_path), "--keys", str(tmp_path / "keys"))
     assert p.returncode == 2 and p.stderr == f"reactor: --daemon-key {tmp_path}: Is a directory\n", p.stderr
+    missing = tmp_path / "nosuch.pub"
+    p = reactor("status", "--daemon", "tcp://127.0.0.1:1", "--daemon-key", str(missing), "--keys", str(tmp_path / "keys"))
+    assert p.returncode == 2 and p.stderr == (f"reactor: --daemon-key {missing}: no such file, and not a key's "
+                                              f"40-character Z85 text either (give the daemon's key.pub, or the text "
+                                              f"in it)\n"), p.stderr
 
 
 def test_keys_init_inside_a_key_directorys_authorized_folder_is_refused_and_makes_nothing(tmp_path):

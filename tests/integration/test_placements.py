@@ -7,6 +7,7 @@ coordinator reaps its children on every path.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -636,3 +637,22 @@ def test_a_worker_held_in_a_c_call_that_keeps_the_interpreter_ends_when_its_kill
         for w in workers:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def test_a_worker_whose_rebuild_of_the_graph_is_refused_says_it_in_one_line_and_exits_as_a_refusal(tmp_path):
+    """A worker rebuilds the app's graph from its spec before it can report to its coordinator; a refusal there
+    (a host whose environment or files make the app refuse what the coordinator's host took) was a traceback
+    and exit status 1, "failed", where a refusal is one line and status 2 everywhere else. (Found by the
+    documentation audit, over hosts: the coordinator then quotes that one line from the host's log.)"""
+    from reactor._errors import REFUSAL_EXIT_STATUS
+
+    app = tmp_path / "refuses.py"
+    app.write_text("from reactor import Graph\nfrom reactor.nodes import Replay\n\n"
+                   "def build(config):\n    g = Graph()\n    g.add(Replay([('x', (), 'int64')], 0), name='replay')\n"
+                   "    return g\n")
+    spec = {"group": "shards", "app": str(app), "config": {}}
+    p = subprocess.run([sys.executable, "-m", "reactor.launch._worker"], input=json.dumps(spec), capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == REFUSAL_EXIT_STATUS, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reactor worker shards: Replay capacity"), p.stderr[-3000:]

@@ -673,7 +673,8 @@ def test_memory_placement_is_checked_at_build_and_gpu_memory_without_cuda_fails_
         g = Graph()
         g.add(Replay([("id", (), "int64")], 8, memory=memory), name="replay")
         with pytest.raises(ValueError, match=rf"Replay 'replay': memory='{memory}' needs CUDA, and "
-                                               r"torch.cuda.is_available\(\) is False on this host"):
+                                               r"torch.cuda.is_available\(\) is False on this host; use memory='host' "
+                                               r"\(the apps' --set replay_memory=host, or leave it out\)$"):
             run(g)
 
 

@@ -555,8 +555,8 @@ def _set_title(title: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, title.encode()[:15] + b"\0")  # PR_SET_NAME
 
 
-def _child(req: dict[str, Any], close_fds: Sequence[int]) -> None:
-    """In the forked child: become the requested process; never returns."""
+def _child(req: dict[str, Any], close_fds: Sequence[int], parent: int) -> None:
+    """In the forked child of server ``parent``: become the requested process; never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -579,6 +579,7 @@ def _child(req: dict[str, Any], close_fds: Sequence[int]) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        os.environ["REACTOR_PARENT_PID"] = str(parent)  # (this server: a worker watches it, _die_with_parent)
         sys.argv = list(req["argv"])
         sys.stdin = io.TextIOWrapper(io.BytesIO(req["stdin"].encode()))
         # closefd=False: the streams this replaces close nothing as they go, nor do these in a child of
@@ -643,12 +644,13 @@ def _serve(preload: list[str], req_fd: int, ev_fd: int) -> None:
                 say({"id": req.get("id", -1) if isinstance(req, dict) else -1, "error": str(e)})
                 continue
             try:
+                server = os.getpid()
                 pid = os.fork()
             except OSError as e:
                 say({"id": req["id"], "error": f"fork failed: {e}"})
                 continue
             if pid == 0:
-                _child(req, (req_fd, ev_fd, *loop_fds))
+                _child(req, (req_fd, ev_fd, *loop_fds), server)
             say({"id": req["id"], "pid": pid})
         return True
 

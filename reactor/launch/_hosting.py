@@ -396,7 +396,7 @@ class HostedRuns:
         spec["local_bind"] = f"ipc://{run.sockdir}/w{run.sockets}"  # a new path for every life
         run.sockets += 1
         env = {**os.environ, "REACTOR_WORKER_GROUP": group, "REACTOR_RUN_ID": run.id,
-               "REACTOR_HOST_ID": f"daemon:{self.name}"}
+               "REACTOR_HOST_ID": f"daemon:{self.name}", "REACTOR_PARENT_PID": str(os.getpid())}
         if (ifname := interface_of(self.advertise)) is not None:
             # torch.distributed's gloo picks its interface from the host name, which may not be
             # the one other hosts reach this one at: name it.

@@ -72,7 +72,7 @@ class _LocalWorkers:
 
     def start(self, group: Group, spec: dict[str, Any]) -> None:
         # The group in the environment, and as the process's name (rx:GROUP, what `ps -e` shows).
-        env = {**os.environ, "REACTOR_WORKER_GROUP": group.name}
+        env = {**os.environ, "REACTOR_WORKER_GROUP": group.name, "REACTOR_PARENT_PID": str(os.getpid())}
         cmd = [sys.executable, "-m", "reactor.launch._worker"]
         data = json.dumps(spec).encode()
         if self.forks is not None and self.forks.alive:

@@ -87,8 +87,12 @@ def _die_with_parent() -> None:
     """End with the parent: a clean stop (a SIGTERM to itself, from ``_leave_when_orphaned``), bounded by
     ``ORPHAN_GRACE_S`` (that thread) and, should no Python run at all, by ``DEATH_SIGNAL``'s alarm (a
     handler of libc's, set with ``signal(2)``: Python's own handlers run only when the interpreter does).
-    Costs two system calls and a thread that wakes twice a second."""
-    parent = os.getppid()
+    Costs two system calls and a thread that wakes twice a second. The parent is the one its starter named
+    (``REACTOR_PARENT_PID``: the process that started it, or the fork server that forked it), so a parent that
+    died while this one started (an interpreter's imports: seconds) is seen too: ``os.getppid()`` then named
+    its new parent, and the watch waited on that one for good."""
+    named = os.environ.get("REACTOR_PARENT_PID", "")
+    parent = int(named) if named.isdigit() else os.getppid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)

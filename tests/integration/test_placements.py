@@ -656,3 +656,22 @@ def test_a_worker_whose_rebuild_of_the_graph_is_refused_says_it_in_one_line_and_
     assert p.returncode == REFUSAL_EXIT_STATUS, p.stderr[-3000:]
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("reactor worker shards: Replay capacity"), p.stderr[-3000:]
+
+
+def test_a_worker_whose_parent_died_while_it_started_ends_at_once(tmp_path):
+    """Regression (review): a worker watched the parent ``os.getppid()`` named when it began to watch; one
+    whose parent died during its interpreter's start and imports (a worker started as a new interpreter:
+    seconds) watched its new parent instead, init or a subreaper, for good, and ran on unsupervised. The
+    parent its starter names (``REACTOR_PARENT_PID``) is the one watched: gone, the worker ends before it
+    reads its spec. (Here the named parent is a process that already ended; the spec's graph would refuse,
+    status 2, had the worker gone on.)"""
+    app = tmp_path / "refuses.py"
+    app.write_text("from reactor import Graph\nfrom reactor.nodes import Replay\n\n"
+                   "def build(config):\n    g = Graph()\n    g.add(Replay([('x', (), 'int64')], 0), name='replay')\n"
+                   "    return g\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    spec = {"group": "shards", "app": str(app), "config": {}}
+    p = subprocess.run([sys.executable, "-m", "reactor.launch._worker"], input=json.dumps(spec), capture_output=True,
+                       text=True, cwd=ROOT, timeout=120, env={**os.environ, "REACTOR_PARENT_PID": str(gone.pid)})
+    assert p.returncode == 1 and p.stderr == "", (p.returncode, p.stderr[-3000:])

@@ -50,13 +50,13 @@ def test_a_forked_worker_gets_its_spec_environment_directory_log_name_and_sessio
     log = tmp_path / "w.log"
     env = {**os.environ, "REACTOR_WORKER_GROUP": "actor-7", "ONLY_IN_CHILD": "yes"}
     # A worker spec naming an app that is not there: the worker reads it from stdin, says which
-    # app it could not find, and exits 1.
+    # app it could not find, and exits as a refusal (2).
     spec = {"group": "actor-7", "app": str(tmp_path / "no_such_app.py"), "config": {}}
     p = server.spawn("worker", argv=["w"], cwd=tmp_path, env=env, stdin=json.dumps(spec).encode(), log_path=log,
                      title="rx:actor-7")
     assert _wait(lambda: Path(f"/proc/{p.pid}/comm").exists() and "rx:actor-7" in Path(f"/proc/{p.pid}/comm").read_text()
                  or p.poll() is not None)
-    assert p.wait(30) == 1
+    assert p.wait(30) == 2
     text = log.read_text()
     assert "no_such_app.py" in text, text
 

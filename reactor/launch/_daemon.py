@@ -609,8 +609,8 @@ class Daemon:
         """Answer a checked request of one of ``IN_THREAD`` (``run_files``): the run is looked up (its
         lease renewed) here, its directory listed in a thread, bounded (``list_run_files``); while stopping
         too (a run's coordinator copies its files back as it stops)."""
-        directory = self.hosted.run_dir(msg[2])
-        return True, await asyncio.to_thread(list_run_files, directory)
+        with self.hosted.asked(msg[2]) as run:
+            return True, await asyncio.to_thread(list_run_files, run.dir)
 
     async def serve(self, ready: Any = None) -> None:
         """Serve until SIGTERM or SIGINT; then stop the running jobs, answering on meanwhile, and end

@@ -296,6 +296,7 @@ class _Run:
         self.sockdir: Path | None = None  # its workers' ipc sockets (a short path: ipc's limit is 107 bytes)
         self.starting: set[str] = set()  # groups whose worker the fork server is forking now (HostedRuns.spawn)
         self.sockets = 0  # ipc socket paths given to its workers here (w0, w1, ...: each life a new one)
+        self.asking = 0  # its coordinator's requests answered in a thread, not yet answered (let_go waits)
 
 
 class HostedRuns:
@@ -446,6 +447,21 @@ class HostedRuns:
         :func:`list_run_files` in a thread); its lease renewed."""
         return self._run(run_id).dir
 
+    @contextlib.contextmanager
+    def asked(self, run_id: str) -> Any:
+        """Around a request of a run's coordinator answered in a thread (``run_files``): the run is not let
+        go (``let_go``) while it is answered, and its last word from the coordinator is the answer's end.
+        The coordinator asks one request at a time, so its heartbeats wait behind a long listing: a daemon
+        stopping after its runs took it for gone 1.5 s into one, ended, and cancelled the answer (its files
+        then stayed on a host Slurm was taking down)."""
+        run = self._run(run_id)
+        run.asking += 1
+        try:
+            yield run
+        finally:
+            run.asking -= 1
+            run.seen = time.monotonic()
+
     def run_file(self, run_id: str, path: str, offset: int) -> dict[str, Any]:
         """A chunk of one file that :func:`list_run_files` lists (``path`` relative, checked by the schema)."""
         run = self._run(run_id)
@@ -564,7 +580,7 @@ class HostedRuns:
         """Whether every run hosted here has ended here (its coordinator's ``end``, or its lease ran out)
         and its coordinator has let it go: no word from it for ``COORDINATOR_QUIET_S`` (it heartbeats,
         and fetches the run's files, until it is done). ``now``: ``time.monotonic()``."""
-        return all(run.cleaned and now - run.seen >= COORDINATOR_QUIET_S for run in self.runs.values())
+        return all(run.cleaned and not run.asking and now - run.seen >= COORDINATOR_QUIET_S for run in self.runs.values())
 
     def live(self) -> bool:
         """Whether a worker hosted here lives, or is starting."""

@@ -1907,3 +1907,23 @@ def test_a_file_that_would_go_under_the_apps_name_is_refused_not_run_in_its_plac
     workers = RemoteWorkers("run", {}, None)
     assert workers.ship(app, [tmp_path / "a" / "util.py"]) == "ppo.py" and workers.files["ppo.py"] == app.read_bytes()
 
+
+
+def test_a_run_whose_files_are_being_listed_is_not_let_go_and_its_last_word_is_the_listings_end(tmp_path):
+    """Regression (review): ``run_files`` is listed in a thread, and the coordinator asks one request at a time,
+    so its heartbeats wait behind a long listing; the run's last word was stamped when the request came, and a
+    daemon stopping after its runs (``--stop-after-runs``) let it go 1.5 s into the listing, ended, and cancelled
+    the answer: the files stayed on the host. While a request is answered in a thread the run is held, and its
+    quiet counts from the answer."""
+    from reactor.launch._hosting import COORDINATOR_QUIET_S, HostedRuns, _Run
+
+    hosted = HostedRuns("h1", "127.0.0.1", tmp_path)
+    run = hosted.runs["r1"] = _Run("r1", hosted.root / "r1", 5.0)
+    run.cleaned = True
+    run.seen -= 2 * COORDINATOR_QUIET_S
+    assert hosted.let_go(time.monotonic())
+    with hosted.asked("r1") as asked:
+        assert asked is run
+        assert not hosted.let_go(time.monotonic() + 100 * COORDINATOR_QUIET_S)  # (however long the listing takes)
+    assert not hosted.let_go(time.monotonic())  # (quiet again from the answer's end)
+    assert hosted.let_go(time.monotonic() + COORDINATOR_QUIET_S)

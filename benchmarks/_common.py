@@ -13,7 +13,6 @@ lines do not land among the figures; an error that ends the benchmark still reac
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import logging
@@ -155,6 +154,9 @@ def interruptible(main: Callable[[], Any], name: str) -> None:
         sys.unraisablehook = _quiet_compiler_leftovers(hook)
         print(f"{name}: interrupted; what it printed above is partial", file=sys.stderr)
         raise SystemExit(130) from None
+    except BaseException:
+        sys.unraisablehook = hook
+        raise
     sys.unraisablehook = hook
 
 
@@ -177,17 +179,21 @@ def _redeliver_interrupts(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     Not from the hook itself: an interrupt it raised would be handled inside it, and dropped as the
     hook's own ("Exception ignored in sys.unraisablehook"). The hook's last call hands it to a thread
-    (a C queue), which calls ``_thread.interrupt_main`` once the GIL is free: the main thread handles
-    that at its next check, after the hook (CPython handles pending signals before it lets another
+    (a C queue), which sends SIGINT to the main thread once the GIL is free: the main thread handles
+    it at its next check, after the hook (CPython handles pending signals before it lets another
     thread take the GIL, so one that thread sets meanwhile waits for the next check, and the hook has
-    none left). Raised in a callback again (the compiler calls back many times), it comes back here.
+    none left), and a wait it is in ends with it (``_thread.interrupt_main`` only set a flag: a sleep or
+    a wait for a child ran to its end first). Raised in a callback again (the compiler calls back many
+    times), it comes back here.
     """
     swallowed: queue.SimpleQueue[None] = queue.SimpleQueue()
+    main = threading.main_thread().ident
+    assert main is not None
 
     def redeliver() -> None:
         while True:
             swallowed.get()
-            _thread.interrupt_main()
+            signal.pthread_kill(main, signal.SIGINT)
 
     threading.Thread(target=redeliver, name="redeliver-ctrl-c", daemon=True).start()
 

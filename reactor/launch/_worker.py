@@ -402,7 +402,9 @@ class Worker:
                     await host.run_shutdown()
                 finally:
                     self.in_shutdown = False
-                if self.term_held and not self.term_taken:  # (stopped by the coordinator, SIGTERM'd meanwhile)
+                # (stopped by the coordinator, SIGTERM'd meanwhile; not a failed worker's: its failure is still
+                # to be reported below, and it leaves with its own status, its SIGTERM's bound running)
+                if self.term_held and not self.term_taken and failure is None and host.shutdown_failure is None:
                     self.term_taken = True
                     asyncio.current_task().cancel()  # type: ignore[union-attr]
             if host.shutdown_failure is not None:

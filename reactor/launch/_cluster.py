@@ -57,6 +57,7 @@ HEARTBEAT_S = 0.5
 #: The most of a failed worker's last line (from its host's log) that its run's error quotes, and the words
 #: before it (``_session._describe_exits`` quotes a line once, for the first worker that wrote it).
 LAST_LINE_MAX = 600
+LAST_LINE_WAIT_S = 3.0  # each of the two requests for a failed remote worker's last line (_last_line)
 LAST_LINE_SAID = " (its last line there: "
 HEARTBEAT_TIMEOUT_S = 3.0
 FETCH_MAX_NBYTES = 4 << 30  # the most of a run's files copied back from its hosts
@@ -465,12 +466,14 @@ class RemoteWorkers:
 
     async def _last_line(self, host: str, group: str) -> str:
         """The last line a worker hosted on ``host`` wrote (``STATE/runs/RUN/GROUP.log`` there), cut at
-        ``LAST_LINE_MAX`` characters; "" where its daemon does not give it."""
+        ``LAST_LINE_MAX`` characters; "" where its daemon does not give it within ``LAST_LINE_WAIT_S`` a
+        request. (Asked in the heartbeat's round, which it holds meanwhile: once for a worker that failed, as
+        the run ends or restarts it; 1 s lost the line on a loaded host.)"""
         link = self.links[host]
         try:
-            end = (await link.request("worker_log", self.run_id, group, 2**63 - 1, timeout_s=HEARTBEAT_S * 2))["offset"]
+            end = (await link.request("worker_log", self.run_id, group, 2**63 - 1, timeout_s=LAST_LINE_WAIT_S))["offset"]
             got = await link.request("worker_log", self.run_id, group, max(0, int(end) - 4096),
-                                     timeout_s=HEARTBEAT_S * 2)
+                                     timeout_s=LAST_LINE_WAIT_S)
             lines = [line.strip() for line in bytes(got["data"]).decode(errors="replace").splitlines() if line.strip()]
         except (DaemonError, KeyError, TypeError, ValueError):  # (a silent daemon's error is a DaemonError)
             return ""

@@ -411,9 +411,9 @@ def cut_rep(ray: Any, tmp: Path, nodes: list[tuple[str, str, str]], cut: tuple[s
         pending = {"plain": plain.run_for.remote(600.0), "again": again.run_for.remote(600.0)}
         time.sleep(0.2)
         at = time.monotonic()
-        subprocess.run(["ip", "-n", cut[0], "link", "set", cut[1], "down"], check=True, timeout=30)
         out: dict[str, Any] = {"pids": pids}
-        try:
+        try:  # (the link comes up again on every way out, the set-down's own failure or timeout included)
+            subprocess.run(["ip", "-n", cut[0], "link", "set", cut[1], "down"], check=True, timeout=30)
             for name, ref in pending.items():
                 try:
                     ray.get(ref, timeout=max(1.0, at + 180 - time.monotonic()))

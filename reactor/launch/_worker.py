@@ -116,6 +116,8 @@ def _leave_when_orphaned(parent: int) -> None:
     run (the interpreter held in C), the alarm ends it a moment later."""
     while os.getppid() == parent:
         time.sleep(0.5)
+    if signal.alarm(0):  # (the parent-death alarm: this thread runs, so it bounds the end; the alarm stays a
+        signal.alarm(int(ORPHAN_GRACE_S + FAILED_SAVE_S) + 2)  # backstop, not 2 s past a late thread's check)
     with contextlib.suppress(OSError):
         os.kill(os.getpid(), signal.SIGTERM)
     _leave_after(os.environ.get("REACTOR_WORKER_GROUP", "?"), ORPHAN_GRACE_S, FAILED_SAVE_S, 128 + signal.SIGTERM,

@@ -583,28 +583,7 @@ def test_a_worker_held_in_a_reaction_ends_when_its_killed_coordinator_cannot_sto
     """The parent-death signal is a SIGTERM (a clean stop), whose handler runs on the event loop: a worker
     whose reaction never returns (tests/apps/held.py spins) outlived its coordinator's kill -9 for good, at
     100 % of a core. It ends ``ORPHAN_GRACE_S`` after its parent died."""
-    from reactor.launch._worker import ORPHAN_GRACE_S
-
-    ready = tmp_path / "ready"
-    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / "held.py"), "--placement", "processes",
-                          "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, cwd=ROOT)
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (ready.exists() and (workers := _workers(p.pid))):
-            time.sleep(0.1)
-        assert ready.exists() and len(workers) == 1
-        p.kill()
-        p.wait(timeout=10)
-        _assert_all_end(workers, timeout_s=ORPHAN_GRACE_S + 10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for w in workers:
-            if _alive(w):
-                os.kill(w, signal.SIGKILL)
+    _its_worker_ends_after_its_coordinators_kill(tmp_path, "held.py")
 
 
 @pytest.mark.timeout(120)
@@ -615,12 +594,18 @@ def test_a_worker_held_in_a_c_call_that_keeps_the_interpreter_ends_when_its_kill
     the GIL) never ended: its parent-death SIGTERM is handled on its event loop, and the thread that ends an
     orphan after ``ORPHAN_GRACE_S`` cannot run either. The parent-death signal now arms an alarm in the
     kernel: SIGALRM ends such a worker ``DEATH_SIGNAL`` (12) s after its parent died, with no Python run."""
+    _its_worker_ends_after_its_coordinators_kill(tmp_path, "held_in_c.py", REACTOR_FORK_SERVER="0")
+
+
+def _its_worker_ends_after_its_coordinators_kill(tmp_path: Path, app: str, **env: str) -> None:
+    """Run ``app`` (one worker, which writes its ``ready_file`` and then holds) under ``processes``, kill -9
+    its coordinator, and wait for the worker to end, within ``ORPHAN_GRACE_S`` and a margin."""
     from reactor.launch._worker import ORPHAN_GRACE_S
 
     ready = tmp_path / "ready"
-    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / "held_in_c.py"), "--placement",
-                          "processes", "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / app), "--placement", "processes",
+                          "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, **env})
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 60

@@ -233,10 +233,15 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX, max_nbytes: 
         if visited > max_visited:
             return {"files": files, "more": True, "unfetchable": unfetchable, "unfetchable_shown": shown}
         for name in sorted(filenames):
-            p = here / name
-            if (top and (name.endswith(".log") or name == OWNER_FILE)) or name == "run.lock" or p.is_symlink() \
-                    or not p.is_file():
+            if (top and (name.endswith(".log") or name == OWNER_FILE)) or name == "run.lock":
                 continue  # (run.lock: a live lock's file, nothing to copy; each host has its own)
+            p = here / name
+            try:
+                st = os.lstat(p)  # (one call: a link, or anything but a regular file, is not listed)
+            except FileNotFoundError:  # (removed meanwhile: not listed)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
             rel = str(p.relative_to(directory))
             if not run_file_path(rel):
                 unfetchable += 1
@@ -245,9 +250,8 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX, max_nbytes: 
                 continue
             if len(files) >= max_files or nbytes + len(rel) > max_nbytes:
                 return {"files": files, "more": True, "unfetchable": unfetchable, "unfetchable_shown": shown}
-            with contextlib.suppress(FileNotFoundError):  # (removed meanwhile: not listed)
-                files.append({"path": rel, "size": p.stat().st_size})
-                nbytes += len(rel)
+            files.append({"path": rel, "size": st.st_size})
+            nbytes += len(rel)
     return {"files": files, "more": False, "unfetchable": unfetchable, "unfetchable_shown": shown}
 
 

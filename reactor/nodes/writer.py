@@ -101,8 +101,9 @@ def _check_int(what: str, v: Any, lo: int) -> None:
         raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
 
 
-def _numpy(what: str, value: Any) -> np.ndarray:
-    """``value`` as a numpy array; ``what`` names it in the refusal (``"field 'obs'"``, ``"priorities"``)."""
+def _numpy(what: str, value: Any, name: str | None = None) -> np.ndarray:
+    """``value`` as a numpy array; ``what`` (and ``name``) name it in the refusal (``field 'obs'``,
+    ``priorities``: put together only then, as this runs for every field of every step)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     if isinstance(value, np.ndarray):
@@ -111,6 +112,7 @@ def _numpy(what: str, value: Any) -> np.ndarray:
         return np.asarray(value)
     except Exception as e:  # noqa: BLE001 - reported with what it was (a ragged list: numpy's ValueError)
         why = (str(e).splitlines() or [type(e).__name__])[0]
+        what = what if name is None else f"{what} {name!r}"
         raise ValueError(f"Writer.append: {what} is a {type(value).__name__} numpy cannot make an array of ({why:.200}); "
                          f"pass an array or tensor [N, *shape]") from None
 
@@ -396,7 +398,7 @@ class Writer:
             raise ValueError(f"Writer.append: missing field(s) {missing}; every step needs {self.step_fields}")
         values = {}
         for name in self.step_fields:
-            v = _numpy(f"field {name!r}", step[name])
+            v = _numpy("field", step[name], name)
             want = (n, *self._shapes[name])
             if v.shape != want:
                 raise ValueError(f"Writer.append: field {name!r} has shape {v.shape}, expected {want} ([N, *shape])")
@@ -437,7 +439,7 @@ class Writer:
             for name in self.obs_fields:
                 if name not in final:
                     raise ValueError(f"Writer.append: final lacks {name!r} (obs_fields={list(self.obs_fields)})")
-                v = _numpy(f"final {name!r}", final[name])
+                v = _numpy("final", final[name], name)
                 if v.shape != (n, *self._shapes[name]):
                     raise ValueError(f"Writer.append: final {name!r} has shape {v.shape}, expected {(n, *self._shapes[name])}")
                 dt = self._np_dtypes[name]

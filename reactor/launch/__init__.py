@@ -4,7 +4,8 @@
 - ``_groups``, ``_placement``, ``_policies``: which process runs which reactor instance.
 - ``_runtime``: ``run(graph, placement=...)``, the single-process driver, run ids; ``_result``: ``RunResult``.
 - ``_coordinator``, ``_worker``: a multi-process run's lifecycle and its worker processes
-  (``python -m reactor.launch._worker``); ``_session``: the coordinator's supervision of a run to its
+  (``python -m reactor.launch._worker``; ``_outbox``: a worker's queue to its peers, ``_leaving``: how it
+  leaves with its parent or past its bound); ``_session``: the coordinator's supervision of a run to its
   end, ``_restarts``: its restart policies, ``_localworkers``: its workers on this host, started and
   reaped; ``_protocol``: the schemas of their messages;
   ``_rundir``: the run's private directory and the sweep of dead runs' leftovers.

@@ -331,7 +331,7 @@ class _Session:
 
     def _end_held(self) -> list[str]:
         """Failed workers held past their bound: their bound's thread (``FAILED_END_S`` after the failure,
-        ``_worker._leave_after``) ends them within milliseconds, or waits while they write a checkpoint (they
+        ``_leaving._leave_after``) ends them within milliseconds, or waits while they write a checkpoint (they
         say so: ``writing``); one still there ``HELD_GRACE_S`` later, writing nothing (or ``HELD_GRACE_S``
         after its last write ended), is held where that thread cannot run (a C call holding the interpreter):
         it is killed, and said, here (it was reaped only ``FAILED_SAVE_S`` and more later, 135 s; under a
@@ -505,7 +505,7 @@ class _Session:
             told.add(self.failed)
         # The failed worker's own shutdown reactions ran meanwhile; it leaves once they end, and by its own
         # bound at the latest (FAILED_END_S after its failure; while it writes a checkpoint then, FAILED_SAVE_S
-        # more: _worker._leave_after), which it is given: the reaping's SIGKILL came 5 s past FAILURE_STOP_S and
+        # more: _leaving._leave_after), which it is given: the reaping's SIGKILL came 5 s past FAILURE_STOP_S and
         # cut a slow final checkpoint (what the failed life learned since its last one). Those told "exit"
         # are given a moment to be gone before the reaping.
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -36,7 +35,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter, deque
 from typing import Any
 
 from .._errors import (
@@ -44,14 +42,17 @@ from .._errors import (
     FrameTooLargeError,
     GraphError,
     PeerLostError,
-    WouldBlock,
     refusal_class,
     refusal_line,
 )
-from .._files import remove_cut_writes, watch_writes, writes_in_progress
+from .._files import watch_writes
 from .._scheduler import ProcessLink, ReactorHost, Recorder, Replayer
 from .._tag import NEVER, Tag
 from ._app import build_graph
+from ._leaving import DEATH_SIGNAL as DEATH_SIGNAL
+from ._leaving import ORPHAN_GRACE_S as ORPHAN_GRACE_S
+from ._leaving import _die_with_parent, _leave_after
+from ._outbox import FLOW_LIMIT, Outbox
 from ._protocol import COORDINATOR, FAILED_END_S, FAILED_SAVE_S, STOPPED_FOR_FAILURE_STATUS, WorkerProtocol
 
 log = logging.getLogger("reactor.worker")
@@ -63,210 +64,11 @@ STATUS_INTERVAL_S = 0.02
 _PROMISE_QUANTUM_DIV = 4
 #: How long a worker whose reaction failed waits for the coordinator's "exit" (its FAILURE_STOP_S and more).
 FAILED_EXIT_WAIT_S = 5.0
-#: A worker whose parent (its fork server, or the coordinator) died ends this long after at the latest
-#: (``_leave_when_orphaned``).
-ORPHAN_GRACE_S = 10.0
 #: A worker stopping on SIGTERM ends this long after it at the latest (``Worker.on_sigterm``), its shutdown
 #: reactions left unfinished, a checkpoint it is writing then waited for as a failed worker's is
 #: (``_leave_after``). Within Slurm's ``KillWait`` (30 s by default): ``scancel`` signals every process of a
 #: job at once, and the workers' shutdown reactions (a shard's final checkpoint, Metrics' summary) run in it.
 TERM_END_S = 10.0
-#: The parent-death signal (``PR_SET_PDEATHSIG``, ``_die_with_parent``). Its handler is libc's ``alarm``
-#: itself, which the kernel calls with the signal's number: SIGALRM, whose default action ends the process,
-#: comes that many seconds (12: ``ORPHAN_GRACE_S`` and a margin) after the parent's death, with no Python run.
-#: A worker held in one C call that keeps the interpreter's lock runs neither its event loop nor the thread
-#: that ends an orphan (``_leave_when_orphaned``): it outlived its killed coordinator for good.
-DEATH_SIGNAL = signal.SIGUSR2
-assert DEATH_SIGNAL > ORPHAN_GRACE_S + 1  # (the alarm after the orphan's own end, which says why)
-FLOW_LIMIT = 4096  # default for both limits below (run(..., flow_limit=N))
-# Outbox: messages queued (out of credit) before this process stops running reactions.
-# Async inboxes: queued events before this process stops taking messages from its endpoint.
-
-
-def _die_with_parent() -> None:
-    """End with the parent: a clean stop (a SIGTERM to itself, from ``_leave_when_orphaned``), bounded by
-    ``ORPHAN_GRACE_S`` (that thread) and, should no Python run at all, by ``DEATH_SIGNAL``'s alarm (a
-    handler of libc's, set with ``signal(2)``: Python's own handlers run only when the interpreter does).
-    Costs two system calls and a thread that wakes twice a second. The parent is the one its starter named
-    (``REACTOR_PARENT_PID``: the process that started it, or the fork server that forked it), so a parent that
-    died while this one started (an interpreter's imports: seconds) is seen too: ``os.getppid()`` then named
-    its new parent, and the watch waited on that one for good."""
-    named = os.environ.get("REACTOR_PARENT_PID", "")
-    parent = int(named) if named.isdigit() else os.getppid()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_void_p]
-            # (alarm(unsigned) as a void (*)(int) handler: one int in, a return value the kernel ignores;
-            # alarm is async-signal-safe. SA_RESTART: the signal interrupts no system call of the worker.)
-            libc.signal(DEATH_SIGNAL, ctypes.cast(libc.alarm, ctypes.c_void_p))
-            libc.prctl(1, DEATH_SIGNAL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # (it died before the signal was set: none will come)
-            os._exit(1)
-    threading.Thread(target=_leave_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
-
-
-def _leave_when_orphaned(parent: int) -> None:
-    """Once the parent is gone, a clean stop: a SIGTERM to itself, whose handler runs on the event loop (the
-    parent-death signal itself arms ``DEATH_SIGNAL``'s alarm instead). A reaction that never returns (an env
-    step that does not end, a spin) holds that loop: such a worker outlived its killed coordinator for good,
-    spinning. So the clean stop gets ``ORPHAN_GRACE_S``; then the process ends, a checkpoint it is writing
-    then waited for as a failed worker's is (``_leave_after``: a final checkpoint under Slurm's ``scancel``,
-    which ends the daemon's fork server, its parent, with the rest, was cut at 10 s). If this thread cannot
-    run (the interpreter held in C), the alarm ends it a moment later."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    if signal.alarm(0):  # (the parent-death alarm: this thread runs, so it bounds the end; the alarm stays a
-        signal.alarm(int(ORPHAN_GRACE_S + FAILED_SAVE_S) + 2)  # backstop, not 2 s past a late thread's check)
-    with contextlib.suppress(OSError):
-        os.kill(os.getpid(), signal.SIGTERM)
-    _leave_after(os.environ.get("REACTOR_WORKER_GROUP", "?"), ORPHAN_GRACE_S, FAILED_SAVE_S, 128 + signal.SIGTERM,
-                 since=f"its parent's death (pid {parent})")
-
-
-def _leave_after(group: str, seconds: float, save_s: float, status: int, since: str = "its failure") -> None:
-    """A failed (or SIGTERM'd: ``since``) worker's bound (``_leave_by``): ``seconds`` from now it leaves, its
-    shutdown reactions left unfinished, unless it is writing a checkpoint then: it waits for the writes in
-    progress, at most ``save_s`` more, and leaves once they end (or removes what they wrote so far, and says
-    which)."""
-    time.sleep(seconds)
-    said = f"reactor worker {group}: its shutdown reactions did not end within {seconds:g} s of {since}"
-    writes = writes_in_progress()
-    if writes:
-        if signal.alarm(0):  # (the parent-death alarm, armed: moved past the wait, or it would end it)
-            signal.alarm(int(save_s) + 2)
-        with contextlib.suppress(OSError):
-            os.write(2, (f"{said}; it is writing {', '.join(map(str, writes))}: it waits for that (at most "
-                         f"{save_s:g} s more)\n").encode())
-        end = time.monotonic() + save_s
-        while writes_in_progress() and time.monotonic() < end:
-            time.sleep(0.05)
-    cut = remove_cut_writes()
-    if cut:
-        said += (f"; its write of {', '.join(map(str, cut))} did not end within {save_s:g} s more: cut, and what it "
-                 f"wrote so far removed (each file holds what it held before)")
-    _leave_now(f"{said}; it leaves without them", status)
-
-
-def _leave_now(message: str, status: int) -> None:
-    """End this process at once from a thread of its own, its event loop held by a reaction: ``message``
-    on stderr (written to the descriptor: the held thread may hold ``sys.stderr``'s lock), then ``status``."""
-    with contextlib.suppress(OSError):
-        os.write(2, (message + "\n").encode())
-    os._exit(status)
-
-
-class Outbox:
-    """Sends to peers in order; a peer out of credit queues here and the scheduler pauses."""
-
-    def __init__(self, endpoint: Any, limit: int = FLOW_LIMIT, restartable: frozenset[str] = frozenset()) -> None:
-        self.ep = endpoint
-        self.limit = limit
-        # Restart policies (async runs): the peers whose loss does not end this process. While one
-        # is down (lost, not yet back), what is sent to it is dropped and counted.
-        self.restartable = restartable
-        self.down: set[str] = set()
-        self.dropped_to_lost: Counter[str] = Counter()
-        self.peak_backlog = 0
-        self.queues: dict[str, deque[Any]] = {}
-        self.wake = asyncio.Event()
-        self.drained = asyncio.Event()  # the backlog fell to half the limit
-        self.drained.set()
-        self.empty = asyncio.Event()  # nothing is queued at all
-        self.empty.set()
-        self.backlog = 0
-        self.failure: BaseException | None = None
-
-    def send(self, peer: str, msg: Any) -> None:
-        if peer in self.down:
-            self.dropped_to_lost[peer] += 1
-            return
-        q = self.queues.setdefault(peer, deque())
-        if not q:
-            try:
-                self.ep.send_nowait(peer, msg)
-                return
-            except WouldBlock:
-                pass
-            except PeerLostError:
-                if peer not in self.restartable:
-                    raise
-                self.mark_down(peer)
-                self.dropped_to_lost[peer] += 1
-                return
-        q.append(msg)
-        self.backlog += 1
-        self.peak_backlog = max(self.peak_backlog, self.backlog)
-        self.drained.clear()
-        self.empty.clear()
-        self.wake.set()
-
-    def send_message(self, process: str, link: int, seq: int, tag: Tag, value: Any) -> None:
-        self.send(process, ("m", link, seq, tag.time_ns, tag.microstep, value))
-
-    def mark_down(self, peer: str) -> None:
-        """``peer`` died (a restartable one): drop what is queued for it and what is sent to it
-        until :meth:`mark_up`."""
-        self.down.add(peer)
-        q = self.queues.pop(peer, None)
-        if q:
-            self.dropped_to_lost[peer] += len(q)
-            self.backlog -= len(q)
-            if self.backlog <= self.limit // 2:
-                self.drained.set()
-            if self.backlog == 0:
-                self.empty.set()
-
-    def mark_up(self, peer: str) -> None:
-        self.down.discard(peer)
-
-    @property
-    def congested(self) -> bool:
-        return self.backlog >= self.limit
-
-    async def send_all(self) -> None:
-        """Before a blocking reaction (``reaction(blocking=True)``): wait until nothing is queued
-        here, then hand what the endpoint holds for the end of this tick to its sockets."""
-        while self.backlog and self.failure is None:
-            self.wake.set()
-            await self.empty.wait()
-        flush = getattr(self.ep, "flush", None)
-        if flush is not None:
-            flush()
-
-    async def wait_drained(self) -> None:
-        """Wait until the backlog is below half the limit (hysteresis: no flapping)."""
-        while self.backlog > self.limit // 2 and self.failure is None:
-            self.drained.clear()
-            self.wake.set()
-            await self.drained.wait()
-
-    async def flush_forever(self) -> None:
-        try:
-            while True:
-                await self.wake.wait()
-                self.wake.clear()
-                for peer, q in list(self.queues.items()):
-                    while q:
-                        try:
-                            await self.ep.send(peer, q[0])
-                        except PeerLostError:
-                            if peer not in self.restartable:
-                                raise
-                            self.mark_down(peer)  # drops its queue
-                            break
-                        q.popleft()
-                        self.backlog -= 1
-                        if self.backlog <= self.limit // 2:
-                            self.drained.set()
-                if self.backlog == 0:
-                    self.drained.set()
-                    self.empty.set()
-        except BaseException as e:  # noqa: BLE001 - reported to the main loop, which owns the error
-            self.failure = e
-            self.drained.set()
-            self.empty.set()
-            raise
 
 
 class Worker:

@@ -878,7 +878,7 @@ _ORPHAN_PARENT = ("import os, subprocess, sys; subprocess.Popen([sys.executable,
 
 _ORPHAN_WORKER = r"""
 import os, signal, sys, threading, time
-import reactor.launch._worker as W
+import reactor.launch._leaving as W
 from reactor._files import replacing
 
 ckpt, write_s = sys.argv[1], float(sys.argv[2])

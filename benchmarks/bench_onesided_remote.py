@@ -8,7 +8,7 @@ What a learner on another host than its replay shards gets from ``ReplayClient(r
 shards (``--shards`` tables of ``capacity / shards`` steps, filled and published as
 ``benchmarks/bench_onesided.py`` fills them: episodes of 20-400 steps, a step is obs float32[64] + action
 int64 + reward float32 + terminated bool = 269 B) live in another process, each behind its bulk zmq read
-server serving ``replay_sample`` as a Replay shard's does (``reactor/nodes/replay.py``,
+server serving ``replay_sample`` as a Replay shard's does (``reactor/nodes/_shardmemory.py``,
 ``_serve_remote_samples``); this process samples them as a reader on another host would, over ipc (a
 single-host stand-in for tcp: the same server, client and frames, less the network), or with
 ``--transport tcp-curve`` over tcp on 127.0.0.1 with CURVE, as links between hosts are. A batch is 256

@@ -217,21 +217,21 @@ def test_a_segment_being_made_by_a_live_owner_is_not_stale_however_long_it_takes
 
 
 def test_a_shard_with_a_large_ring_says_once_when_it_is_not_on_huge_pages(caplog, monkeypatch):
-    """The shard's log line (reactor/nodes/replay.py): once a process, only for a ring of 64 MB or
+    """The shard's log line (reactor/nodes/_shardmemory.py): once a process, only for a ring of 64 MB or
     more, only where part of it is on 4 KiB pages; with the remount hint where the mount refuses advice."""
-    from reactor.nodes import replay
+    from reactor.nodes import _shardmemory
     from reactor.transport import _shm
 
     big = 300 << 20
     for allowed in (False, True):
-        monkeypatch.setattr(replay, "_PAGES_SAID", False)
-        monkeypatch.setattr(replay, "huge_pages_allowed", lambda a=allowed: (a, "/dev/shm is mounted with huge=X"))
+        monkeypatch.setattr(_shardmemory, "_PAGES_SAID", False)
+        monkeypatch.setattr(_shardmemory, "huge_pages_allowed", lambda a=allowed: (a, "/dev/shm is mounted with huge=X"))
         caplog.clear()
         with caplog.at_level("INFO", logger="reactor"):
-            replay._say_page_size("replay[0]", 0, (64 << 20) - 1)  # small: nothing, and still unsaid
-            replay._say_page_size("replay[0]", big, big)  # all on 2 MiB pages: nothing
-            replay._say_page_size("replay[0]", big - (100 << 20), big)
-            replay._say_page_size("replay[1]", 0, big)  # once a process
+            _shardmemory._say_page_size("replay[0]", 0, (64 << 20) - 1)  # small: nothing, and still unsaid
+            _shardmemory._say_page_size("replay[0]", big, big)  # all on 2 MiB pages: nothing
+            _shardmemory._say_page_size("replay[0]", big - (100 << 20), big)
+            _shardmemory._say_page_size("replay[1]", 0, big)  # once a process
         said = [r.getMessage() for r in caplog.records if "pages" in r.getMessage()]
         hint = "" if allowed else ("; `mount -o remount,huge=advise /dev/shm` (/dev/shm is mounted with huge=X now) "
                                    "lets rings made later fault in 2 MiB pages")

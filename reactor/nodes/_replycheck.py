@@ -1,7 +1,8 @@
-"""Checks of what a replay shard sends a requester: its figures (mass, minimum, size, beta) and its
-drawn items (keys, probabilities, times sampled). Shared by the client's message path
-(:mod:`reactor.nodes.replay_client`) and its one-sided samples of shards on other hosts
-(:mod:`reactor.nodes._onesided_remote`).
+"""Checks of what a replay shard sends a requester: its figures (mass, minimum, size, beta), its
+drawn items (keys, probabilities, times sampled) and, on the client's message path, its reply as a
+whole (``_reply_problem``: its data or its plan of rows, and their layout). The first two are shared
+by the client's message path (:mod:`reactor.nodes.replay_client`) and its one-sided samples of shards
+on other hosts (:mod:`reactor.nodes._onesided_remote`).
 
 Each check returns what is wrong, in words, or None. A reply that fails one is malformed: the client
 drops it and logs why (a peer's message is never fatal), and draws its sample again.
@@ -14,8 +15,10 @@ import numbers
 from typing import Any
 
 import numpy as np
+import torch
 
 from ._shardkeys import KEY_SHARD_BITS
+from .messages import ReplayReply, ShardMass, ShardSample
 
 __all__ = ["figures_problem", "items_problem"]
 
@@ -71,3 +74,73 @@ def items_problem(keys: Any, probabilities: Any, times_sampled: Any, *, asked: i
     if times_sampled.min() < 0:
         return "a times sampled is negative"
     return None
+
+
+#: The numpy dtypes a reply's data may have: those torch.from_numpy takes (in this byte order).
+_NUMPY_TO_TORCH = {np.dtype(n): getattr(torch, n) for n in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64",
+    "complex64", "complex128")}
+
+
+def _what(x: Any) -> str:
+    """An array's dtype and shape, or what else ``x`` is (for a message)."""
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, (np.ndarray, torch.Tensor)) else type(x).__name__
+
+
+def _reply_problem(reply: ReplayReply, asked: int) -> str | None:
+    """What is wrong with a shard's answer to a request for ``asked`` items (0: figures only) that
+    can be told without its region, or None (its plan of rows is checked once its region is
+    attached: :meth:`ReplayClient._plan_layout`)."""
+    if not isinstance(reply, (ShardMass, ShardSample)):
+        return f"a {type(reply).__name__} is no answer to a request"
+    if not isinstance(reply.error, str):
+        return f"its error {reply.error!r:.40} is not a str"
+    sample = isinstance(reply, ShardSample)
+    why = figures_problem(reply.mass, reply.min_mass, reply.size, reply.beta, drew=sample)
+    if why or not sample:
+        return why
+    assert isinstance(reply, ShardSample)
+    if asked < 1:
+        return "it sent items for a request of none"
+    why = items_problem(reply.keys, reply.probabilities, reply.times_sampled, asked=asked, shard=reply.shard)
+    if why:
+        return why
+    if reply.descriptor is not None and not isinstance(reply.descriptor, dict):
+        return f"its descriptor is a {type(reply.descriptor).__name__}, not a dict"
+    if _bulk_part(reply):
+        return None if reply.data is None else "it sent both data and a plan of rows"
+    data, n = reply.data, len(reply.keys)
+    if not isinstance(data, dict) or not data:
+        return f"it sent neither data nor a plan of rows (data: {_what(data)})"
+    # Whole episodes (EpisodeRead): their steps one after another, and their `lengths` [n] (a stored field
+    # of that name is refused there); every other read: a row per item.
+    lengths = data.get("lengths")
+    rows = {n}
+    if isinstance(lengths, (torch.Tensor, np.ndarray)) and tuple(lengths.shape) == (n,) and not (
+            lengths.dtype.is_floating_point if isinstance(lengths, torch.Tensor) else lengths.dtype.kind not in "iu"):
+        if n and int(lengths.min()) < 0:
+            return "its episode lengths are not all >= 0"
+        rows.add(int(lengths.sum()))
+    for name, v in data.items():
+        if not isinstance(name, str):
+            return f"a field name {name!r:.40} is not a str"
+        if not (isinstance(v, torch.Tensor) or (isinstance(v, np.ndarray) and v.dtype in _NUMPY_TO_TORCH)) or (
+                v.ndim < 1 or v.shape[0] not in rows):
+            return (f"its field {name!r:.40} is not a numeric array of length {' or '.join(map(str, sorted(rows)))} "
+                    f"(got {_what(v)})")
+    return None
+
+
+def _data_layout(data: dict[str, Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A data reply's fields: name -> (dtype, shape of an item)."""
+    return {name: (v.dtype if isinstance(v, torch.Tensor) else _NUMPY_TO_TORCH[v.dtype], tuple(v.shape[1:]))
+            for name, v in data.items()}
+
+
+def _describe(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> str:
+    return "{" + ", ".join(f"{k}: {str(d).removeprefix('torch.')} {list(s)}" for k, (d, s) in sorted(layout.items())) + "}"
+
+
+def _bulk_part(p: ShardSample) -> bool:
+    """Whether the reader gathers this part's rows itself (else its data came in the reply)."""
+    return p.rows is not None or p.windows is not None

@@ -3,7 +3,8 @@
 - :mod:`reactor.transport.codec`: the one framing core (msgpack + zero-copy array frames).
 - :class:`Endpoint`: the ZeroMQ control transport (one ROUTER per process, or a tcp and an ipc one
   over hosts; a DEALER per peer), with credit-based flow control, CURVE authentication
-  (``_curve.py``) and peer-failure detection; its receiving half is ``_zmqreceive.py``.
+  (``_curve.py``) and peer-failure detection; its sending half is ``_zmqsend.py``, its receiving half
+  ``_zmqreceive.py``.
 - :mod:`reactor.transport.bulk`: one-sided bulk regions (:class:`BulkOwner` allocates and serves
   them, :class:`BulkReader` gathers rows from them) over shared memory, ZeroMQ or RDMA. Imported
   on first use (it needs torch and numba, which the control transport does not pay for).

@@ -1,6 +1,6 @@
 """Replay engine: storage, selectors, rate limiters and tables. Usable without the runtime.
 
-Layer map (imports point down):  table -> {reads, _tablekernels, _tablestate -> checkpoint,
+Layer map (imports point down):  table -> {reads, _tablekernels, _tablesize -> _hostmem, _tablestate -> checkpoint,
 storage -> {_storagekernels, _storagestate -> _storagekernels}, selectors -> sumtree, rate_limiters};
 wal (the insert log a shard keeps beside its checkpoints) stands apart.
 ``from reactor.replay import Table`` needs nothing of the reactor runtime.

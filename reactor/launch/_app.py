@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -255,7 +256,10 @@ def make_config(module: ModuleType, overrides: Mapping[str, Any]) -> Any:
                 raise AppError(f"{_brief(key)} is not a config key but an option of reactor run: "
                                f"{_RUN_OPTIONS[key]} {_brief(value)} (from Python, reactor.run(..., {key}=...))")
             theirs = f"; the algorithm {module.ALGO!r} has: {', '.join(sorted(algo_fields))}" if algo_fields else ""
-            raise AppError(f"unknown config key {_brief(key)}; {cls.__name__} has: {', '.join(sorted(fields))}{theirs}")
+            close = difflib.get_close_matches(key, [*fields, *algo_fields], n=1)  # (`lrr`: lr)
+            meant = f" (did you mean {close[0]!r}?)" if close else ""
+            raise AppError(f"unknown config key {_brief(key)}{meant}; {cls.__name__} has: {', '.join(sorted(fields))}"
+                           f"{theirs}")
         kwargs[key] = value
     if algo != own or "algo_config" in overrides:
         if "algo_config" not in fields:

@@ -264,6 +264,9 @@ def test_bad_set_values_are_one_line_errors():
     p = reactor("run", DEMO, "--set", "speed=3")
     assert p.returncode == 2
     assert p.stderr.startswith("reactor: unknown config key 'speed'; Config has: producers, stop_s, workers")
+    p = reactor("run", DEMO, "--set", "workerz=3")  # (a close name is suggested)
+    assert p.returncode == 2
+    assert p.stderr.startswith("reactor: unknown config key 'workerz' (did you mean 'workers'?); Config has: ")
     p = reactor("run", DEMO, "--set", "workers=many")
     assert (p.returncode, p.stderr) == (2, "reactor: config key 'workers' expects int, got 'many'\n")
 

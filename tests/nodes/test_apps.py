@@ -49,9 +49,19 @@ def test_algorithm_fields_are_set_directly_over_the_preset_and_algo_config():
 
 
 def test_an_unknown_key_lists_the_apps_and_the_algorithms_fields():
-    with pytest.raises(AppError, match=r"^unknown config key 'lrr'; Config has: actors, algo_config, .*; "
-                                       r"the algorithm 'dqn' has: double, dueling, .*\blr\b.*tau$"):
+    with pytest.raises(AppError, match=r"^unknown config key 'lrr' \(did you mean 'lr'\?\); Config has: actors, "
+                                       r"algo_config, .*; the algorithm 'dqn' has: double, dueling, .*\blr\b.*tau$"):
         make_config(load_app(APPS / "dqn.py"), {"lrr": 1})
+
+
+@pytest.mark.parametrize(("key", "meant"), [("lrr", "lr"), ("gama", "gamma"), ("devise", "device"),
+                                            ("max_env_step", "max_env_steps"), ("nosuch", None)])
+def test_a_misspelt_key_suggests_the_closest_of_the_apps_or_the_algorithms_fields(key, meant):
+    """`--set lrr=1` listed 40 keys and left the user to spot `lr` among them."""
+    with pytest.raises(AppError) as e:
+        make_config(load_app(APPS / "dqn.py"), {key: 1})
+    said = f"unknown config key {key!r} (did you mean {meant!r}?); " if meant else f"unknown config key {key!r}; "
+    assert str(e.value).startswith(said), str(e.value)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -582,6 +582,10 @@ def _jobs(args: argparse.Namespace) -> int:
             def ready(address: str) -> None:
                 nonlocal served
                 served = True
+                if not args.die_with_parent and (why := _volatile_state(state)):  # (a supervised one's goes with it)
+                    logging.getLogger("reactor.daemon").warning(
+                        "--state-dir %s is %s: the records, logs and files of the jobs kept there will not survive a "
+                        "reboot (give a directory on a disk: /var/lib/reactor, say)", state, why)
                 print(json.dumps({"address": address, "advertised": daemon.reach, "name": args.name,
                                   "public_key": daemon.keys.public.decode()}), flush=True)
 
@@ -703,6 +707,27 @@ def _remove_unserved_state(state: Path) -> None:
     for name in ("jobs", "runs", ".removing", ""):
         with contextlib.suppress(OSError):
             os.rmdir(state / name)  # (only if empty)
+
+
+def _volatile_state(state: Path) -> str | None:
+    """Why a daemon's state directory would not outlive a reboot, in words: on a file system kept in
+    memory (tmpfs, ramfs: /dev/shm, a /tmp mounted so), or under /tmp (cleared at boot on many systems,
+    and by systemd-tmpfiles of what is untouched for 10 days); None for any other."""
+    path = state.resolve()
+    mounts: list[tuple[str, str]] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 3:  # (a space in a mount point is written \040)
+                mounts.append((fields[1].replace("\\040", " "), fields[2]))
+    under = [(m, kind) for m, kind in mounts if path == Path(m) or Path(m) in path.parents]
+    if under:
+        mount, kind = max(under, key=lambda u: len(u[0]))
+        if kind in ("tmpfs", "ramfs"):
+            return f"on a {kind} at {mount} (kept in memory)"
+    if path == Path("/tmp") or Path("/tmp") in path.parents:
+        return "under /tmp (cleared at boot on many systems)"
+    return None
 
 
 def _where(group: str, where: dict[str, Any]) -> str:

@@ -1327,6 +1327,40 @@ def test_a_daemon_on_a_wildcard_address_without_advertise_says_at_its_start_what
         assert ("is a wildcard, which other hosts cannot dial: runs over hosts will be refused" in text) == said, text
 
 
+@pytest.mark.parametrize(("under", "said"), [("/tmp", "under /tmp (cleared at boot on many systems)"),
+                                            ("/dev/shm", "on a tmpfs at /dev/shm (kept in memory)"),
+                                            ("/var/tmp", None)])
+def test_a_daemon_whose_state_directory_will_not_survive_a_reboot_says_so_once_at_its_start(under, said, tmp_path):
+    """Regression (a documentation audit): ``reactor daemon --state-dir /tmp/...`` started without a word,
+    and its jobs' records and logs went at the next reboot (or after 10 days untouched). It now warns once,
+    when it serves, on its stderr and in its log; a state directory on a disk gets no word."""
+    import tempfile
+
+    init_keys(tmp_path / "keys")
+    parent = Path(tempfile.mkdtemp(dir=under, prefix="reactor-test-state-"))
+    try:
+        state = parent / "state"
+        with open(tmp_path / "err.log", "w") as err:
+            d = subprocess.Popen([sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "keys"),
+                                  "--no-fork-server", "--name", "h1", "--listen", "tcp://127.0.0.1:*", "--state-dir",
+                                  str(state)], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert json.loads(d.stdout.readline())["name"] == "h1"
+        finally:
+            d.send_signal(signal.SIGTERM)
+            d.communicate(timeout=60)
+        for text in ((tmp_path / "err.log").read_text(), (state / "daemon.log").read_text()):
+            warned = [line for line in text.splitlines() if "will not survive a reboot" in line]
+            if said is None:
+                assert warned == [], text
+            else:
+                assert len(warned) == 1 and warned[0].endswith(
+                    f"WARNING --state-dir {state.resolve()} is {said}: the records, logs and files of the jobs kept "
+                    f"there will not survive a reboot (give a directory on a disk: /var/lib/reactor, say)"), text
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 def test_an_advertise_that_is_no_address_of_this_host_is_refused_when_the_daemon_starts(tmp_path):
     """Regression (a newcomer's pass): ``reactor daemon --listen tcp://*:7000 --advertise tcp://10.0.0.3:7000``
     started; every worker of a run over hosts then died binding ``tcp://tcp://10.0.0.3:7000:*`` and the run

@@ -640,10 +640,9 @@ def _jobs(args: argparse.Namespace) -> int:
                 job = c.request("status", args.job)
                 groups = job.get("groups") or {}
                 if args.group not in groups:
-                    raise DaemonError(
-                        f"job {args.job} has no group {args.group!r} on a host of its own (it has "
-                        f"{', '.join(sorted(groups)) or 'none: it runs on one host, and its groups write to its own log'});"
-                        f" reactor logs {args.job} shows the job's log")
+                    raise DaemonError(f"job {args.job} has no group {args.group!r} on a host of its own (it has "
+                                      f"{', '.join(sorted(groups)) or _no_groups(job)}); reactor logs {args.job} shows "
+                                      f"the job's log")
                 where = groups[args.group]
                 keys = load_keys(keys_dir)
                 host_key = where["key"].encode() if where["key"] else keys.public  # none: the cluster key
@@ -662,6 +661,17 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _no_groups(job: dict[str, Any]) -> str:
+    """Why a job has no group on a host of its own, for ``reactor logs JOB GROUP``: it runs on one host, or
+    it runs over hosts and none of its workers started (yet, or ever: its run failed before)."""
+    if not job.get("over_hosts"):  # (False; None: a daemon that does not say, or a record from before it did)
+        return ("none: it runs on one host, and its groups write to its own log" if job.get("over_hosts") is False
+                else "none: it runs on one host, or none of its workers started")
+    if job["state"] == "running":
+        return "none yet: it runs over hosts, and none of its workers has started"
+    return "none: it ran over hosts, and ended before any of its workers started; its own log says why"
 
 
 def _key_hint(args: argparse.Namespace, daemon_key: bytes, keys_dir: str | os.PathLike[str]) -> str:

@@ -811,6 +811,31 @@ def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     assert bad.returncode == 1 and "has no job '0123456789abcdef'" in bad.stderr
 
 
+def test_logs_of_a_group_of_a_job_that_failed_before_its_workers_started_says_so_not_one_host(daemon, tmp_path):
+    """Regression (a documentation audit): ``reactor logs JOB GROUP`` of a job over hosts whose run failed
+    before any worker started said "it runs on one host", which it did not. It says what happened, and
+    where the reason is; of a job on one host it still says that."""
+    app = tmp_path / "broken.py"
+    app.write_text("def build(config):\n    raise RuntimeError('no graph here')\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    with daemon.client() as c:
+        over = c.request("submit", job_spec(app, placement="actors", hosts=hosts))
+        here = c.request("submit", job_spec(app, placement="actors"))
+        for job in (over, here):
+            assert _state(c, job, ("finished", "failed"))["state"] == "failed"
+        assert b"no graph here" in c.request("logs", over, 0)["data"]
+    for job, said in ((over, "none: it ran over hosts, and ended before any of its workers started; its own log says "
+                             "why"),
+                      (here, "none: it runs on one host, and its groups write to its own log")):
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "logs", job, "learner", *conn], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert (p.returncode, p.stderr) == (1, f"reactor: job {job} has no group 'learner' on a host of its own (it "
+                                               f"has {said}); reactor logs {job} shows the job's log\n"), p.stderr
+
+
 def test_logs_without_follow_prints_a_log_longer_than_one_answer_whole(tmp_path):
     """Regression (a soak of a long-lived daemon): ``reactor logs JOB`` printed the daemon's first answer
     only, 1 MiB, and exited 0: the end of a longer log (the run's result, a failure's traceback) was cut

@@ -41,6 +41,7 @@ import logging
 import math
 import numbers
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -470,8 +471,19 @@ def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: 
     and why it stopped, then where its files are (Metrics prints them on its host; ``reactor run --hosts``
     again at the terminal, from the summary)."""
     ev = "-" if last_eval is None else f"{last_eval:.1f}"
-    return (f"evaluation return {ev}{f' ({age})' if age else ''}; stopped: {stop_reason}\nrun directory {run_dir}"
-            + (f"; plot {plot}" if plot else ""))
+    host = f" (on the daemon's host, {socket.gethostname()})" if os.environ.get("REACTOR_JOB_DIR") else ""
+    return (f"evaluation return {ev}{f' ({age})' if age else ''}; stopped: {stop_reason}\nrun directory "
+            f"{job_path(run_dir)}{host}" + (f"; plot {job_path(plot)}" if plot else ""))
+
+
+def job_path(path: Any) -> str:
+    """A path as a run's last lines name it: as given, or in a job a daemon runs (``REACTOR_JOB_DIR`` set)
+    absolute: the job's working directory is its own, on the daemon's host, and ``runs/...`` meant nothing to
+    whoever submitted it."""
+    if os.environ.get("REACTOR_JOB_DIR"):
+        with contextlib.suppress(OSError, RuntimeError):
+            return str(Path(path).resolve())
+    return str(path)
 
 
 def eval_age(summary: dict[str, Any], run_dir: Any) -> str:
@@ -498,8 +510,8 @@ def eval_age(summary: dict[str, Any], run_dir: Any) -> str:
     when = f"at {at_steps:,} env steps" if isinstance(at_steps, int) else ""
     end = " and ".join(x for x in (f"update {updates:,}" if isinstance(updates, int) else "",
                                    f"{steps:,} env steps" if isinstance(steps, int) else "") if x)
-    return (f"the last evaluation, {of}{when}; the run ended at {end}: reactor eval {run_dir} evaluates its final "
-            f"weights")
+    return (f"the last evaluation, {of}{when}; the run ended at {end}: reactor eval {job_path(run_dir)} evaluates its "
+            f"final weights")
 
 
 def _counts_ok(counts: Any) -> bool:

@@ -790,6 +790,24 @@ def test_a_training_run_over_hosts_ends_at_the_terminal_with_its_result_as_on_on
     assert lines[-1].startswith("run ended (quiescence)")
 
 
+def test_a_submitted_training_jobs_last_lines_name_its_run_directory_on_the_daemons_host(daemon):
+    """Regression (a documentation audit): a training job's log ended with ``run directory run`` (and
+    ``reactor eval run ...``), a path relative to the job's directory on the daemon's host that meant nothing
+    to whoever submitted it. Its last lines name the absolute path, and the host it is on."""
+    import socket
+
+    with daemon.client() as c:
+        job = c.request("submit", job_spec(APPS / "train_linear.py", config={"run_dir": "run", "max_env_steps": 600}))
+        done = _state(c, job, ("finished", "failed"), timeout_s=120)
+        log = c.request("logs", job, 0)["data"].decode()
+    assert done["state"] == "finished", log[-3000:]
+    run = (daemon.state / "jobs" / job / "app" / "run").resolve()
+    lines = [line for line in log.splitlines() if line.startswith("run directory ")]
+    assert lines and lines[-1].startswith(f"run directory {run} (on the daemon's host, {socket.gethostname()})"), log[-3000:]
+    assert (run / "summary.json").is_file()
+    assert "reactor eval run " not in log and "run directory run" not in log, log[-3000:]
+
+
 def test_the_cli_submits_follows_and_stops(daemon, tmp_path):
     base = [sys.executable, "-m", "reactor.cli"]
     conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",

@@ -904,6 +904,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     with _stdout_for_json_only(args.json), _early_fork_server(args):
         with _app_code(args.app):
             graph = build_graph(args.app, overrides)
+        _check_devices_here(graph, args)
         result = run(
             graph,
             placement=args.placement,
@@ -938,6 +939,29 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return 128 + (received[0] if received else signal.SIGINT)
     return 0
+
+
+def _check_devices_here(graph: Any, args: argparse.Namespace) -> None:
+    """A run whose processes are all on this host (no hosts file, no placement file naming hosts): a learner's
+    CUDA device or a replay's GPU memory that this host cannot give is refused before anything starts, naming
+    the ``--set`` item that asked for it. (It was refused in the node's startup, after the workers had started
+    and made the run directory.) Over hosts, the node's own host may have the GPU: its startup says."""
+    from .launch._forkserver import workers_here
+
+    if args.hosts is not None or (args.placement != "single" and not workers_here(args.placement, None)):
+        return
+    if not any(isinstance(v, str) and v.startswith(("cuda", "pinned")) for n in graph.nodes.values()
+               for v in (getattr(n.prototype, "device", None), getattr(n.prototype, "memory", None))):
+        return  # (nothing asks for a GPU: torch is not imported for the check)
+    from .nodes._device import cuda_refusal
+
+    refused = cuda_refusal(graph)
+    if refused is None:
+        return
+    line, value = refused
+    given = [item for item, v in zip(args.overrides, (parse_overrides([o]) for o in args.overrides))
+             if list(v.values()) == [value]]
+    raise ValueError(f"--set {given[-1]}: {line}" if given else line)
 
 
 def _training_result(graph: Any, started: float) -> dict[str, Any]:

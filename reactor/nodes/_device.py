@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPILE_MODES", "LearnStep", "check_compile", "check_device", "resolve_device", "takes_device"]
+__all__ = ["COMPILE_MODES", "LearnStep", "check_compile", "check_device", "check_memory", "cuda_refusal",
+           "resolve_device", "takes_device"]
 
 log = logging.getLogger("reactor.learner")
 
@@ -87,6 +88,42 @@ def resolve_device(device: str, who: str, replica: int = 0) -> torch.device:
     if index >= count:
         raise ValueError(f"{who}: device={device!r} names a GPU this host does not have ({count} visible)")
     return torch.device("cuda", index)
+
+
+def check_memory(memory: str, who: str) -> None:
+    """A replay shard's ``memory`` other than ``"host"`` (``"pinned"``, ``"cuda"``, ``"cuda:N"``) where this
+    host can give it.
+
+    Raises:
+        ValueError: CUDA is not available, or the index names a GPU this host lacks (one line, naming ``who``).
+    """
+    if memory != "host" and not torch.cuda.is_available():
+        raise ValueError(f"{who}: memory={memory!r} needs CUDA, and torch.cuda.is_available() is False on this host; "
+                         f"use memory='host' (the apps' --set replay_memory=host, or leave it out)")
+    if memory.startswith("cuda:") and int(memory.split(":")[1]) >= torch.cuda.device_count():
+        raise ValueError(f"{who}: memory={memory!r} names a GPU this host does not have "
+                         f"({torch.cuda.device_count()} visible)")
+
+
+def cuda_refusal(graph: Any) -> tuple[str, str] | None:
+    """For a run whose processes are all on this host, before it starts: the first learner ``device`` or
+    replay ``memory`` that this host cannot give (what the node's startup would refuse, once the run's
+    workers had started and its run directory was made), as (the refusal's line, the value); None when
+    every one can be given."""
+    from .learner import Learner, RolloutLearner
+    from .offline import OfflineLearner
+    from .replay import Replay
+
+    for name, node in graph.nodes.items():
+        p = node.prototype
+        try:
+            if isinstance(p, (Learner, RolloutLearner, OfflineLearner)):
+                resolve_device(p.device, name)
+            elif isinstance(p, Replay):
+                check_memory(p.memory, f"Replay {name!r}")
+        except ValueError as e:
+            return str(e), p.device if isinstance(p, (Learner, RolloutLearner, OfflineLearner)) else p.memory
+    return None
 
 
 def takes_device(init: Callable[..., Any]) -> bool:

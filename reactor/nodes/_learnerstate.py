@@ -284,6 +284,11 @@ class _LearnerBase(_LearnerBank):
         if self.run_dir and self.bank_index == 0:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
             replace_small(Path(self.run_dir) / "weights.sha256", (self.weights_sha256 + "\n").encode())
+        cut = {"failure": "the run failed", "terminated": "this process was ended"}.get(self.stopped_by or "")
+        if cut:  # (not read as a finished run's result: "0 updates; final weights" followed a failed start)
+            _say(f"{self.name}: {cut} after {self.updates} updates, not a finished run; its weights then sha256 "
+                 f"{self.weights_sha256}")
+            return
         _say(f"{self.name}: {self.updates} updates; final weights sha256 {self.weights_sha256}")
 
     def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:

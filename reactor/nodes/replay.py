@@ -105,6 +105,7 @@ from ..replay.shared import SamplingPublisher, SharedArrays
 from ..replay.table import claim_fits
 from ..transport import bulk as _bulk
 from ..transport._shm import HUGE_NBYTES
+from ._device import check_memory
 from ._onesided_remote import REMOTE_SAMPLE_OP as REMOTE_SAMPLE_OP
 from ._replayconfig import _make_limiter, _make_selector, parse_fields, parse_read
 from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key_shard, make_keys
@@ -392,16 +393,7 @@ class Replay(ShardMemory, Reactor):
         self._publisher: SamplingPublisher | None = None
         self._sampling: dict[str, Any] | None = None
         on_gpu = self.memory.startswith("cuda")
-        if self.memory != "host" and not torch.cuda.is_available():  # (a ValueError: reactor run prints it as one line)
-            raise ValueError(
-                f"Replay {self.name!r}: memory={self.memory!r} needs CUDA, and torch.cuda.is_available() is False "
-                f"on this host; use memory='host' (the apps' --set replay_memory=host, or leave it out)"
-            )
-        if on_gpu and ":" in self.memory and int(self.memory.split(":")[1]) >= torch.cuda.device_count():
-            raise ValueError(
-                f"Replay {self.name!r}: memory={self.memory!r} names a GPU this host does not have "
-                f"({torch.cuda.device_count()} visible)"
-            )
+        check_memory(self.memory, f"Replay {self.name!r}")  # (a ValueError: reactor run prints it as one line)
         # The host memory it needs once full, claimed among this run's tables on this host before anything is
         # allocated (a shared-memory ring is reserved when made, and would count twice): the shards of a host
         # each fitted alone and together did not (the OOM killer, hours later). Given back at shutdown.

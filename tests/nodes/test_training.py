@@ -145,6 +145,37 @@ def test_dp_learners_all_reduce_into_identical_replicas_and_end_together(tmp_pat
     assert (tmp_path / "one" / "weights.sha256").read_text().strip() != hashes["learner[0]"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only on a host without CUDA")
+@pytest.mark.parametrize(("setting", "said"), [
+    ("device=cuda", "learner: device='cuda' needs CUDA, and torch.cuda.is_available() is False on this host; use "
+                    "device='cpu'"),
+    ("replay_memory=pinned", "Replay 'replay': memory='pinned' needs CUDA, and torch.cuda.is_available() is False on "
+                             "this host; use memory='host' (the apps' --set replay_memory=host, or leave it out)")])
+@pytest.mark.parametrize("placement", ["actors", "single"])
+def test_a_cuda_setting_on_a_host_without_cuda_is_refused_before_the_run_starts(placement, setting, said, tmp_path):
+    """Regression (a documentation audit): ``reactor run apps/dqn.py --placement actors --set device=cuda`` on a
+    host without CUDA started the run's workers, made its run directory, and failed in the learner's startup.
+    A run wholly on this host now refuses it before anything starts, in one line naming the ``--set`` item."""
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", DQN, "--placement", placement, "--set", setting],
+                       capture_output=True, text=True, timeout=100, cwd=tmp_path, env=run_env(tmp_path))
+    assert (p.returncode, p.stderr, p.stdout) == (2, f"reactor: --set {setting}: {said}\n", ""), p.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_fails_after_the_learner_learned_does_not_end_with_a_finished_runs_line(tmp_path):
+    """Regression (a documentation audit): a run that failed after its learner had started ended with the
+    learner's "N updates; final weights sha256 ...", a finished run's line, above the failure. It says the run
+    failed, after how many updates, and that it is not a finished run."""
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "tests" / "apps" / "failing_eval.py"),
+                        "--set", "run_dir='run'", "fail_at=100"],
+                       capture_output=True, text=True, timeout=100, cwd=tmp_path, env=run_env(tmp_path))
+    assert p.returncode == 1 and "RuntimeError: the evaluator broke at update 100" in p.stderr, p.stderr[-3000:]
+    assert "final weights" not in p.stdout, p.stdout
+    assert re.search(r"^learner: the run failed after \d+ updates, not a finished run; its weights then sha256 "
+                     r"[0-9a-f]{64}$", p.stdout, re.M), p.stdout
+
+
 @pytest.mark.timeout(120)
 def test_a_data_parallel_replica_that_refuses_at_its_start_ends_the_run_at_once_and_the_others_end_cleanly(tmp_path):
     """Regression: replica 1 of a ``dp-learners`` bank refused at its start (a GPU this host does not

@@ -3,7 +3,7 @@
 Layer map (imports point only downwards; tests/test_layers.py enforces it):
 
     apps/*.py              user app files: build(config) -> Graph, nothing else
-    reactor/cli.py         the `reactor` command (run, graph, trace, plot, eval; keys, daemon, submit, ...)
+    reactor/cli/           the `reactor` command (run, graph, trace, plot, eval; keys, daemon, submit, ...)
     reactor/nodes/         ready-made reactors (Replay, EnvActor, Learner, ...)
     reactor/algos/         RL algorithms as plain functions over tensors
     reactor/launch/        placement, policies, run(), coordinator, workers, their protocol

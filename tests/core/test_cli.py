@@ -247,7 +247,7 @@ def test_an_error_in_the_apps_own_code_shows_the_apps_frames_and_one_line_naming
         assert p.returncode == 2, p.stderr
         assert p.stderr.endswith(f"reactor: {app} {last}\n"), p.stderr
         assert all(line in p.stderr for line in shown), p.stderr
-        assert "reactor/cli.py" not in p.stderr and "reactor/launch" not in p.stderr, p.stderr
+        assert "reactor/cli/" not in p.stderr and "reactor/launch" not in p.stderr, p.stderr
 
 
 def test_reactors_own_errors_raised_for_the_apps_build_stay_one_line(tmp_path):

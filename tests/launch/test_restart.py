@@ -270,7 +270,7 @@ def test_a_workers_exit_status_is_said_in_the_same_words_by_its_coordinator_and_
     a restarted group's ends) and ``reactor status``'s, and they had drifted (status 143 was "ended by
     SIGTERM" in one and a bare number in the other; 3 named the worker's stderr in one, its log in the
     other). One table says them now (``_protocol``)."""
-    from reactor.cli import _exit_words
+    from reactor.cli._jobs import _exit_words
     from reactor.launch._protocol import how_worker_ended
 
     for rc, words in ((1, "failed: its traceback is in its output"),

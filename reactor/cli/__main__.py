@@ -1,0 +1,5 @@
+"""``python -m reactor.cli``: the ``reactor`` command."""
+
+from . import entry
+
+entry()

@@ -1,0 +1,89 @@
+"""Jobs a cluster engine starts (``reactor slurm``, ``ray``, ``k8s render``): their ``reactor run``
+options, and a job's ``--set`` keys and values, checked here before the job is made."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .._errors import refusal_line
+from ..launch._app import blamed_setting, parse_overrides
+from ._appcode import _app_code, _bounded
+
+
+def _cluster_run_args(args: argparse.Namespace) -> list[str]:
+    """The ``reactor run`` options of a job a cluster engine starts (slurm, k8s), checked here."""
+    from ..launch._groups import restart_from_text
+    from ..launch._policies import POLICIES
+
+    if args.placement not in POLICIES:
+        raise ValueError(f"--placement {args.placement!r}: a {args.command} job spreads its groups over its daemons "
+                         f"with a distribution policy ({', '.join(sorted(POLICIES))})")
+    if args.restart:
+        restart_from_text(args.restart)
+        from ..launch._runtime import restart_refusal
+
+        why = restart_refusal(args.restart, deterministic=not args.async_)
+        if why is not None:
+            raise ValueError(why)
+    overrides = parse_overrides(args.overrides)
+    run_args = ["--placement", args.placement, "--seed", str(args.seed)]
+    run_args += ["--async"] if args.async_ else []
+    run_args += ["--restart", args.restart] if args.restart else []
+    for o in args.overrides:
+        run_args += ["--set", o]
+    for f in args.files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--with {f}: no such file")
+        run_args += ["--with", str(Path(f).resolve())]
+    if not Path(args.app).is_file():
+        raise FileNotFoundError(f"no app file {args.app}")
+    with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
+        compile(Path(args.app).read_bytes(), args.app, "exec")  # not Python failed there, after the allocation)
+    if overrides:
+        _check_config_here(args.app, overrides, args.overrides)
+    return run_args
+
+
+def _check_config_here(app: str, overrides: dict[str, Any], items: Sequence[str]) -> None:
+    """A job's ``--set`` keys and values (``items``, as given; ``overrides``, parsed), checked as ``reactor
+    run`` checks them, before the job is made (``reactor submit``, ``k8s render``, ``slurm``): a key the app's
+    Config and its algorithm lack, a value of the wrong type (``make_config``), and a value its graph refuses
+    (``--set producers=0``: replicas must be an int >= 1), which failed only in the job, after the daemons
+    were up. That needs the app imported and its graph built here. An app that does not import here (a
+    module only the cluster's image has) is said, and its run checks them there; so is a graph that does
+    not build here for another reason than a ``--set`` value (what the refusal blames, :func:`blamed_setting`,
+    as ``reactor run`` says it): a file or a device only the job's host has, say. A refusal about a file
+    (``OSError``) is never a ``--set`` value's here: the file may be the job's host's.
+
+    Raises:
+        AppError: a key or value ``make_config`` refuses.
+        GraphError, ValueError: the graph refuses a ``--set`` value (reactor's refusal, blamed on it).
+    """
+    from .._errors import refusal_class
+    from .._graph import Graph
+    from ..launch._app import load_app, make_config
+
+    def first_line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {_bounded((str(e).splitlines() or [''])[0])}"
+
+    try:
+        module = load_app(app)
+    except Exception as e:  # noqa: BLE001 - the app's own import, not a mistake of the command line
+        print(f"reactor: the --set values were not checked here: the app does not import here ({first_line(e)}); its "
+              f"run checks them when it starts", file=sys.stderr)
+        return
+    config = make_config(module, overrides)
+    try:
+        graph = module.build(config)
+        if isinstance(graph, Graph):
+            graph.validate()
+    except Exception as e:  # noqa: BLE001 - refused below only where a --set value is what it refuses
+        if refusal_class(e) is not None and not isinstance(e, OSError) \
+                and blamed_setting(e, refusal_line(e), app, items) is not None:
+            raise  # (main says it as reactor run does: "--set producers=0: replicas must be ...")
+        print(f"reactor: the --set values were checked against the app's config, not its graph: it does not build "
+              f"here ({first_line(e)}); its run builds it when it starts", file=sys.stderr)

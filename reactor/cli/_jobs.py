@@ -1,0 +1,380 @@
+"""Jobs on daemons: ``keys``, ``daemon``, ``submit``, ``status``, ``logs`` and ``stop`` (the daemon found
+in a placement or hosts file, a job checked before it leaves, the lines ``status`` prints)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..launch._app import build_graph, parse_overrides
+from ._appcode import _app_code
+from ._cluster import _check_config_here
+from ._run import _check_run_options
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    """keys, daemon, submit, status, logs, stop."""
+    from ..launch._daemon import Daemon, DaemonClient, DaemonError, job_spec
+    from ..launch._keys import default_keys_dir, init_keys, load_keys
+
+    keys_dir = getattr(args, "keys", None) or default_keys_dir()
+    if args.command == "keys":
+        directory = args.dir or default_keys_dir()
+        keys = init_keys(directory)
+        print(f"made {directory}/key and key.pub ({keys.public.decode()}); add clients' key.pub files to "
+              f"{directory}/authorized/")
+        return 0
+    if args.command == "daemon":
+        from ..launch._runtime import asyncio_run
+
+        state = Path(args.state_dir)
+        if state.exists() and not state.is_dir():
+            raise NotADirectoryError(f"--state-dir {state} is a file, not a directory")
+        made = not state.exists()
+        state.mkdir(parents=True, exist_ok=True)
+        import logging.handlers
+
+        # Watched: a log rotated under it (logrotate moves it away) is opened again at its path, not written
+        # on in the moved file, nor (once that is deleted) in a file no one sees that still takes the disk.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                            handlers=[logging.handlers.WatchedFileHandler(state / "daemon.log"),
+                                      logging.StreamHandler()])
+        from ..launch._forkserver import TRAINING_PRELOAD
+
+        if args.die_with_parent:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() == 1:
+                return 1
+        extra = [m.strip() for m in args.preload.split(",") if m.strip()]
+        served = False
+        try:
+            daemon = Daemon(args.listen, args.name, state, keys_dir, advertise=args.advertise,
+                            preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
+                            **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
+                            **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}),
+                            remove_forgotten=args.remove_forgotten, stop_after_runs_s=args.stop_after_runs_s)
+
+            def ready(address: str) -> None:
+                nonlocal served
+                served = True
+                if not args.die_with_parent and (why := _volatile_state(state)):  # (a supervised one's goes with it)
+                    logging.getLogger("reactor.daemon").warning(
+                        "--state-dir %s is %s: the records, logs and files of the jobs kept there will not survive a "
+                        "reboot (give a directory on a disk: /var/lib/reactor, say)", state, why)
+                print(json.dumps({"address": address, "advertised": daemon.reach, "name": args.name,
+                                  "public_key": daemon.keys.public.decode()}), flush=True)
+
+            asyncio_run(daemon.serve(ready))
+        except BaseException:
+            if made and not served:  # (a port in use, say: no state directory of a daemon that never served)
+                _remove_unserved_state(state)
+            raise
+        return 0
+    if args.command == "submit":
+        _check_job(args)  # (before keys and the daemon: the job's own mistakes first)
+    address, daemon_key = _daemon_of(args, load_keys(keys_dir).public)
+    try:
+        with DaemonClient(address, daemon_key, load_keys(keys_dir),
+                          timeout_s=args.timeout_s) as c:
+            if args.command == "submit":
+                spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
+                                seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts,
+                                restart=args.restart)
+                job = c.request("submit", spec)
+                print(job)
+                if not args.daemon:
+                    print(f"on {address}: reactor status {job} --daemon {address}{_key_hint(args, daemon_key, keys_dir)}",
+                          file=sys.stderr)
+            elif args.command == "status":
+                got = c.request("status", args.job)
+                rows = got if isinstance(got, list) else [got]
+                hosted = c.request("hosted") if args.job is None else []
+                if args.json:  # (stable: every job, and every worker hosted here; what the lines below sum up)
+                    print(json.dumps(got if args.job is not None else {"jobs": got, "hosted": hosted}, indent=2))
+                elif args.job is not None:
+                    print(_job_line(got))
+                    here = {w["group"]: w for w in c.request("hosted") if w["run"] == got.get("run")}
+                    for g, where in sorted((got.get("groups") or {}).items()):
+                        print(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
+                    for w in got.get("workers") or []:  # (a running job on this host alone)
+                        print(f"  {w['group']}  {w['state']}  pid {w['pid']}  restarts {w['restarts']}")
+                    if got.get("groups"):
+                        print(f"  (run {got['run']}; reactor logs {got['id']} GROUP)")
+                else:
+                    if not rows:  # (it answered: say so, not nothing)
+                        print(f"no jobs on the daemon at {address}" + ("; runs it hosts workers of:" if hosted
+                                                                        else "; it hosts no workers of runs elsewhere"))
+                    for j in rows:
+                        print(_job_line(j))
+                    jobs_of = {j["run"]: j["id"] for j in rows if j.get("run")}
+                    for run, workers in _by_run(hosted).items():
+                        print(_run_line(run, workers, jobs_of.get(run)))
+            elif args.command == "logs" and args.group is None:
+                _print_log(lambda offset: c.request("logs", args.job, offset), args.follow)
+            elif args.command == "logs":
+                job = c.request("status", args.job)
+                groups = job.get("groups") or {}
+                if args.group not in groups:
+                    raise DaemonError(f"job {args.job} has no group {args.group!r} on a host of its own (it has "
+                                      f"{', '.join(sorted(groups)) or _no_groups(job)}); reactor logs {args.job} shows "
+                                      f"the job's log")
+                where = groups[args.group]
+                keys = load_keys(keys_dir)
+                host_key = where["key"].encode() if where["key"] else keys.public  # none: the cluster key
+                with DaemonClient(where["address"], host_key, keys, timeout_s=args.timeout_s) as w:
+                    _print_log(lambda offset: w.request("worker_log", job["run"], args.group, offset), args.follow)
+            else:
+                j = c.request("stop", args.job)
+                if j["state"] == "running":  # (asked to stop: its run stops its workers cleanly, then ends)
+                    from ..launch._daemon import STOP_GRACE_S
+
+                    print(f"{j['id']}  stopping (asked to stop cleanly; at once if it has not ended {STOP_GRACE_S:g} s "
+                          f"after the first request)")
+                else:
+                    print(f"{j['id']}  {j['state']}")
+    except DaemonError as e:
+        print(f"reactor: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _no_groups(job: dict[str, Any]) -> str:
+    """Why a job has no group on a host of its own, for ``reactor logs JOB GROUP``: it runs on one host, or
+    it runs over hosts and none of its workers started (yet, or ever: its run failed before)."""
+    if not job.get("over_hosts"):  # (False; None: a daemon that does not say, or a record from before it did)
+        return ("none: it runs on one host, and its groups write to its own log" if job.get("over_hosts") is False
+                else "none: it runs on one host, or none of its workers started")
+    if job["state"] == "running":
+        return "none yet: it runs over hosts, and none of its workers has started"
+    return "none: it ran over hosts, and ended before any of its workers started; its own log says why"
+
+
+def _key_hint(args: argparse.Namespace, daemon_key: bytes, keys_dir: str | os.PathLike[str]) -> str:
+    """The ``--daemon-key`` that ``submit``'s hint needs where the daemon's key is not the client's own
+    (a hosts file gave it: each side its own pair); empty for a cluster key. Without it the hinted
+    ``reactor status`` waited out its timeout and blamed the keys."""
+    import shlex
+
+    from ..launch._keys import load_keys
+
+    if daemon_key == load_keys(keys_dir).public:
+        return ""
+    given = args.daemon_key if args.daemon_key else daemon_key.decode()
+    if args.daemon_key and not Path(given).is_absolute() and Path(given).exists():
+        given = str(Path(given).resolve())
+    return f" --daemon-key {shlex.quote(given)}"
+
+
+def _remove_unserved_state(state: Path) -> None:
+    """Remove the state directory this command made for a daemon that failed before it served: only
+    what such a daemon puts there, and only if no other daemon holds its lock (one started on the same
+    new directory meanwhile); anything else found there keeps the directory."""
+    import fcntl
+
+    try:
+        fd = os.open(state / "daemon.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        pass  # (it failed before it took its lock)
+    except OSError:
+        return
+    else:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(state / "daemon.lock")
+        except OSError:  # (BlockingIOError: another daemon's now: leave it all)
+            return
+        finally:
+            os.close(fd)
+    for name in ("daemon.log", "daemon.json"):
+        with contextlib.suppress(OSError):
+            if (state / name).is_file() and not (state / name).is_symlink():
+                os.unlink(state / name)
+    for name in ("jobs", "runs", ".removing", ""):
+        with contextlib.suppress(OSError):
+            os.rmdir(state / name)  # (only if empty)
+
+
+def _volatile_state(state: Path) -> str | None:
+    """Why a daemon's state directory would not outlive a reboot, in words: on a file system kept in
+    memory (tmpfs, ramfs: /dev/shm, a /tmp mounted so), or under /tmp (cleared at boot on many systems,
+    and by systemd-tmpfiles of what is untouched for 10 days); None for any other."""
+    path = state.resolve()
+    mounts: list[tuple[str, str]] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 3:  # (a space in a mount point is written \040)
+                mounts.append((fields[1].replace("\\040", " "), fields[2]))
+    under = [(m, kind) for m, kind in mounts if path == Path(m) or Path(m) in path.parents]
+    if under:
+        mount, kind = max(under, key=lambda u: len(u[0]))
+        if kind in ("tmpfs", "ramfs"):
+            return f"on a {kind} at {mount} (kept in memory)"
+    if path == Path("/tmp") or Path("/tmp") in path.parents:
+        return "under /tmp (cleared at boot on many systems)"
+    return None
+
+
+def _where(group: str, where: dict[str, Any]) -> str:
+    """A job's group in ``reactor status JOB``: its host, and a restart's wait for one."""
+    return f"{group} on {where['host']}" + (f" ({where['waiting']})" if where.get("waiting") else "")
+
+
+def _job_line(j: dict[str, Any]) -> str:
+    """One job in ``reactor status``: id, state and exit status, age, app, and where its groups run."""
+    rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
+    groups = j.get("groups") or {}
+    spread = (f"  {len(groups)} group{'s' * (len(groups) != 1)} on {len({w['host'] for w in groups.values()})} "
+              f"host{'s' * (len({w['host'] for w in groups.values()}) != 1)}" if groups else "")
+    if local := j.get("workers"):  # (a running job on its daemon's host alone: its coordinator's workers)
+        spread = (f"  workers {sum(w['state'] == 'running' for w in local)}/{len(local)} alive  restarts "
+                  f"{sum(w['restarts'] for w in local)}")
+    return (f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  pid {j['pid']}  "
+            f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line']}")
+
+
+def _exit_words(rc: int, short: bool = False) -> str:
+    """An exit status with what it says of a reactor worker: "4 (stopped because the run failed)"
+    (143, SIGTERM's, read as a failure of its own); ``short``: the words before the colon."""
+    from ..launch._protocol import worker_exit_words
+
+    words = worker_exit_words(rc)
+    if short:
+        words = words.split(":")[0]
+    return f"{rc} ({words})" if words else str(rc)
+
+
+def _worker_line(w: dict[str, Any]) -> str:
+    """One hosted worker in ``reactor status JOB``."""
+    rc = "" if w["returncode"] is None else f" exit {_exit_words(w['returncode'])}"
+    return f"{w['state']}{rc}  pid {w['pid']}  up {w['uptime_s']:.1f}s  restarts {w.get('restarts', 0)}"
+
+
+def _by_run(hosted: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The workers a daemon hosts (``hosted``), by run, in its order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for w in hosted:
+        out.setdefault(w["run"], []).append(w)
+    return out
+
+
+def _run_line(run: str, workers: list[dict[str, Any]], job: str | None) -> str:
+    """One run a daemon hosts workers of, in ``reactor status``: one line however many workers (it was a
+    line a worker: 800 lines for the 200 ended runs a daemon keeps): running while one of them runs, its
+    age (its oldest worker's), workers alive of all, restarts, and the exit statuses of the first ended."""
+    alive = sum(w["returncode"] is None for w in workers)
+    ended = [w for w in workers if w["returncode"] is not None]
+    exits = ", ".join(f"{w['group']} {_exit_words(w['returncode'], short=True)}" for w in ended[:3]) + (f" +{len(ended) - 3}" if len(ended) > 3
+                                                                                else "")
+    return (f"run {run}  {'running' if alive else 'ended'}  up {max(w['uptime_s'] for w in workers):.1f}s  "
+            f"workers {alive}/{len(workers)} alive  restarts {sum(w.get('restarts', 0) for w in workers)}"
+            f"{f'  exits {exits}' if exits else ''}  on {workers[0]['daemon']}"
+            f"{f'  (job {job}; reactor status {job})' if job else ''}")
+
+
+def _print_log(read: Any, follow: bool) -> None:
+    """Print a log chunk by chunk (``read(offset)`` -> data, offset, done): to its end as it is now, or
+    with ``follow``, on until the job is done. (One answer carries at most ``LOG_CHUNK_NBYTES``: the log
+    of a job that printed more was cut there, mid-line and without a word, its end never shown.)"""
+    offset = 0
+    while True:
+        got = read(offset)
+        sys.stdout.buffer.write(got["data"])
+        sys.stdout.flush()
+        offset = got["offset"]
+        if not got["data"] and (got["done"] or not follow):
+            break
+        if not got["data"]:
+            time.sleep(0.2)
+
+
+def _daemon_of(args: argparse.Namespace, own_key: bytes) -> tuple[str, bytes]:
+    """The daemon a job command talks to: ``--daemon``, else the head host of the placement file
+    or hosts file (its first group's first host, else the first host listed); with its key:
+    ``--daemon-key`` if given, else the hosts file's, else ``own_key`` (a cluster key)."""
+    from ..launch._cluster import head_host
+
+    given = _daemon_key(args.daemon_key) if args.daemon_key else None
+    if args.daemon:
+        return args.daemon, given or own_key
+    source = getattr(args, "hosts", None) or getattr(args, "placement", None)
+    if not source or not Path(source).is_file():
+        raise ValueError("which daemon? give --daemon tcp://HOST:PORT (or, to submit, a placement or --hosts file "
+                         "naming [hosts])")
+    host = head_host(source)
+    return host.address, given or host.key or own_key
+
+
+def _daemon_key(path: str) -> bytes:
+    """``--daemon-key``: its public key, from a key.pub file or given as its Z85 text (as a hosts file
+    takes it; what ``submit``'s hint prints for a key a hosts file gave as text); a file that cannot be
+    read (a directory, say) is the user's mistake, named (ValueError: a one-line error)."""
+    from ..launch._cluster import Z85_KEY_RE
+    from ..transport import CurveKeys
+
+    if Z85_KEY_RE.match(path) and not Path(path).exists():
+        return path.encode()
+    try:
+        return CurveKeys.load_public(path)
+    except FileNotFoundError:
+        raise ValueError(f"--daemon-key {path}: no such file, and not a key's 40-character Z85 text either (give the "
+                         f"daemon's key.pub, or the text in it)") from None
+    except OSError as e:
+        raise ValueError(f"--daemon-key {path}: {e.strerror or e}") from None
+
+
+def _check_job(args: argparse.Namespace) -> None:
+    """What ``reactor submit`` checks before the job leaves. Always what needs nothing of the daemon's
+    host: the files exist, the placement is a policy or a TOML file that parses (the hosts file too),
+    the hosts its groups name are in its hosts, the app file compiles, ``--set`` parses, the restart
+    policy and the mode agree, ``--hosts`` and ``--restart`` have a multi-process placement; and the ``--set``
+    keys and values, as ``reactor k8s render`` and ``reactor slurm`` check them (:func:`_check_config_here`:
+    an app that does not import here, or whose graph does not build here but for a ``--set`` value, is
+    said and goes). With ``--check`` its graph is built here as ``reactor run`` would, whatever fails.
+
+    Raises:
+        (what ``reactor run`` raises for the same mistakes, before anything starts)
+    """
+    from ..launch._placement import _read_toml, check_hosts_named
+    from ..launch._runtime import check_settings
+
+    _check_run_options(args)
+    overrides = parse_overrides(args.overrides)
+    for what, path in (("placement file", args.placement if Path(args.placement).is_file() else None),
+                       ("hosts file", args.hosts)):
+        if path is not None:
+            _read_toml(path, what)
+    deterministic = not args.async_
+    # (the settings' checks that need no graph: a restart policy the mode cannot hold, --hosts or --restart
+    # with placement single)
+    check_settings(None, placement=args.placement, deterministic=deterministic, restart=args.restart,
+                   hosts=args.hosts)
+    check_hosts_named(args.placement, args.hosts)
+    with _app_code(args.app):
+        compile(Path(args.app).read_bytes(), args.app, "exec")
+    if not args.check:
+        if overrides:  # (a bad one refused here, not in the job's log after its daemon started it)
+            _check_config_here(args.app, overrides, args.overrides)
+        return
+    from ..launch._groups import restart_from_text
+    from ..launch._placement import check_lookahead, resolve_placement
+
+    with _app_code(args.app):
+        graph = build_graph(args.app, overrides)
+    graph.validate()
+    check_settings(graph, placement=args.placement, deterministic=deterministic, restart=args.restart,
+                   hosts=args.hosts)
+    if args.placement != "single":
+        plan = resolve_placement(graph, args.placement, args.hosts,
+                                 restart_from_text(args.restart) if args.restart is not None else None)
+        if deterministic:
+            check_lookahead(graph, plan.groups, args.placement)

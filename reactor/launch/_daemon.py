@@ -452,10 +452,9 @@ class Daemon:
         # (over hosts: a hosts file, or a placement file naming hosts; `reactor logs JOB GROUP` tells its groups apart)
         over = spec["hosts"] is not None or (placement != spec["placement"] and not workers_here(placement, None))
         job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
-                    "restart": spec["restart"], "over_hosts": over,
-                    "sha256": spec["sha256"], "spec_sha256": digest, "state": "running", "pid": pid,
-                    "pid_start": start, "submitted_at": time.time(), "ended_at": None, "returncode": None,
-                    "daemon": self.name}, jdir)
+                    "restart": spec["restart"], "over_hosts": over, "sha256": spec["sha256"], "spec_sha256": digest,
+                    "state": "running", "pid": pid, "pid_start": start, "submitted_at": time.time(), "ended_at": None,
+                    "returncode": None, "daemon": self.name}, jdir)
         job.proc = proc
         job.save()
         self.jobs[job_id] = job

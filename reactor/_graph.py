@@ -21,6 +21,12 @@ from ._tag import seconds_to_ns
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 MODES = ("broadcast", "round_robin", "one_to_one", "keyed")
+#: The most replicas a bank may have: ``--set actors=100000000000`` (a typo of a few zeros) built a list of
+#: that many names and held the host's memory until the OOM killer came, the run never starting.
+MAX_REPLICAS = 65_536
+#: The most replica-level links a graph may have (a bank of N broadcast or round-robin to a bank of M makes
+#: N * M): every run expands them all (``Graph.links``), a million in ~10 s and ~300 MB.
+MAX_LINKS = 1 << 20
 
 
 def _caller_site() -> str:
@@ -147,6 +153,7 @@ class Graph:
         self.connections: list[Connection] = []
         self.stop_ns: int | None = None if stop_s is None else seconds_to_ns(stop_s, "Graph stop_s")
         self._duplicate_errors: list[str] = []
+        self._nlinks = 0  # (the replica-level links of ``connections``, bounded by MAX_LINKS)
         #: ``("module:qualname", arguments)`` of the :func:`graph_builder` that made this graph (None:
         #: built by hand): what the workers of a multi-process run without an app file rebuild it from.
         self.built_by: tuple[str, dict[str, Any]] | None = None
@@ -158,13 +165,15 @@ class Graph:
 
         Raises:
             GraphError: ``reactor`` is not a Reactor instance, the name is malformed, or
-                ``replicas`` < 1. A duplicate name is reported by ``validate()``.
+                ``replicas`` is not in [1, ``MAX_REPLICAS``]. A duplicate name is reported by ``validate()``.
         """
         site = _caller_site()
         if not isinstance(reactor, Reactor):
             raise GraphError(f"Graph.add expects a Reactor instance, got {type(reactor).__name__} ({site})")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise GraphError(f"replicas must be an int >= 1, got {replicas!r} ({site})")
+        if replicas > MAX_REPLICAS:
+            raise GraphError(f"replicas must be at most {MAX_REPLICAS:,}, got {replicas!r} ({site})")
         name = name or type(reactor).__name__.lower()
         if not isinstance(name, str):
             raise GraphError(f"reactor name must be a str, got {type(name).__name__} {name!r:.100} ({site})")
@@ -201,7 +210,8 @@ class Graph:
 
         Raises:
             GraphError: either side is not a port reference of this graph, the direction is wrong,
-                or the mode is unknown or inconsistent with its arguments.
+                the mode is unknown or inconsistent with its arguments, or the graph would have more
+                than ``MAX_LINKS`` replica-level links.
         """
         site = _caller_site()
         for ref, what in ((src, "source"), (dst, "destination")):
@@ -225,6 +235,13 @@ class Graph:
                 f"one_to_one needs equal bank sizes: {src!r} has {src_n}, {dst!r} has {dst_n} ({site})"
             )
         delay_ns = seconds_to_ns(delay_s, f"delay_s of {src!r} -> {dst!r}")
+        n = src_n if mode == "one_to_one" else src_n * dst_n
+        if self._nlinks + n > MAX_LINKS:
+            raise GraphError(
+                f"{src!r} -> {dst!r} ({mode}) makes {n:,} replica-level links ({src_n:,} x {dst_n:,}), the graph "
+                f"{self._nlinks + n:,} in all, past the {MAX_LINKS:,} a graph may have ({site})"
+            )
+        self._nlinks += n
         self.connections.append(Connection(src, dst, mode, delay_ns, key, site))
 
     # ----------------------------------------------------------------------------------------

@@ -282,6 +282,10 @@ def test_a_set_value_the_apps_graph_refuses_is_named_with_its_key_and_value():
     assert p.stderr == f"reactor: --set producers=0: replicas must be an int >= 1, got 0 ({DEMO}:83)\n", p.stderr
     p = reactor("graph", DEMO, "--set", "producers=2", "workers=-1")
     assert p.stderr == f"reactor: --set workers=-1: replicas must be an int >= 1, got -1 ({DEMO}:84)\n", p.stderr
+    # (a zero or twelve too many: before the bound, a list of 10**23 names filled the host's memory)
+    p = reactor("graph", DEMO, "--set", "producers=100000000000000000000000", timeout=60)
+    assert (p.returncode, p.stderr) == (2, f"reactor: --set producers=100000000000000000000000: replicas must be at "
+                                           f"most 65,536, got 100000000000000000000000 ({DEMO}:83)\n")
 
 
 def test_data_parallel_learners_sharing_a_process_are_a_one_line_error_before_anything_starts(tmp_path,

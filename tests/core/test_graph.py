@@ -7,6 +7,7 @@ import re
 import pytest
 
 from reactor import Graph, GraphError, Input, Output, Reactor, reaction, run, startup
+from reactor._graph import MAX_LINKS, MAX_REPLICAS
 
 GOT: list = []
 
@@ -123,6 +124,25 @@ def test_connect_rejects_wrong_direction_unknown_mode_and_size_mismatch():
         s.nope  # noqa: B018
     with pytest.raises(GraphError, match=r"replicas must be an int >= 1, got 0"):
         g.add(Src(), name="z", replicas=0)
+
+
+def test_a_bank_or_a_graph_too_large_to_expand_is_refused_when_it_is_made():
+    """Regression (a hostile pass): ``--set actors=100000000000`` (zeros too many) was taken by
+    ``Graph.add``, and the run built a list of that many instance names until the OOM killer came; two
+    banks of 60,000 round-robin into each other made 3.6e9 links the same way. Now both are refused as
+    they are made, naming the count, the bound and the app line."""
+    g = Graph()
+    with pytest.raises(GraphError, match=rf"replicas must be at most {MAX_REPLICAS:,}, got 10{'0' * 22} "
+                                         rf"\(.*test_graph\.py:\d+\)"):
+        g.add(Src(), name="s", replicas=10**23)
+    g.add(Src(), name="ok", replicas=MAX_REPLICAS)  # (the bound itself is taken)
+    s = g.add(Src(), name="s", replicas=1024)
+    d = g.add(Dst(), name="d", replicas=1024)
+    g.connect(s.out, d.inp, mode="one_to_one")  # 1,024 links
+    with pytest.raises(GraphError, match=r"s\.out -> d\.inp \(round_robin\) makes 1,048,576 replica-level links "
+                                         r"\(1,024 x 1,024\), the graph 1,049,600 in all, past the 1,048,576"):
+        g.connect(s.out, d.inp, mode="round_robin")
+    assert len(g.connections) == 1 and len(g.links()) == 1024 and MAX_LINKS == 1 << 20
 
 
 def _deliveries(mode: str, src_n: int, dst_n: int, **kw) -> dict[str, list[int]]:

@@ -148,7 +148,7 @@ def load_hosts_file(path: str | Path, read_keys: bool = True) -> tuple[dict[str,
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"hosts file {path}: {e}") from e
     return (parse_hosts(data.get("hosts"), f"hosts file {path}", p.parent, read_keys),
             cluster_settings(data, f"hosts file {path}"))
@@ -167,7 +167,7 @@ def head_host(path: str | Path) -> Host:
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"{path}: {e}") from e
     hosts = parse_hosts(data.get("hosts"), str(path), p.parent)
     groups = data.get("groups")

@@ -19,14 +19,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import PeerLostError, ReactorError, TraceMismatchError, WorkerFailedError
+from .._errors import GraphError, PeerLostError, ReactorError, TraceMismatchError, WorkerFailedError
 from .._graph import Graph
 from ..transport._zmq import link_key
 from ._cluster import RemoteWorkers, address_towards
 from ._forkserver import preload_for
 from ._groups import Group, Restart
 from ._localworkers import _cleanup_segments, _LocalWorkers
-from ._placement import check_lookahead, resolve_placement
+from ._placement import check_lookahead, resolve_placement, tcp_bind_error
 from ._protocol import COORDINATOR, FAILED_END_S, CoordinatorProtocol
 from ._restarts import _Restarts, _warn_restart_losses
 from ._result import RunResult
@@ -66,6 +66,9 @@ async def run_processes(
     began = asyncio.get_running_loop().time()
     plan = resolve_placement(graph, placement, hosts, restart)
     groups = plan.groups
+    for g in groups:  # (their workers bind on this host: an address of another is said before any starts)
+        if g.bind is not None and (why := tcp_bind_error(g.bind, here=True)):
+            raise GraphError(f"placement file {placement}: group {g.name!r} bind {g.bind!r}: {why}")
     # Restart policies hold in async runs that record or replay no trace: a deterministic run's schedule
     # cannot take a process that starts over, nor can a trace (the first life's events die with it);
     # there a failure ends the run, as with "never".

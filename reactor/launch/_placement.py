@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import socket
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -179,7 +180,7 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
         )
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:  # (not UTF-8: the codec's words alone)
         raise GraphError(f"placement file {placement}: {e}") from e
     defaults = _restart_defaults(data, f"placement file {placement}")
     groups_raw = data.get("groups")
@@ -187,6 +188,7 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
         raise GraphError(f"placement file {placement} has no [groups.NAME] tables")
     node_of = {name: node.name for node, _, name in graph.instances()}
     owner: dict[str, str] = {}
+    binds: dict[str, str] = {}
     groups = []
     for gname, spec in groups_raw.items():
         if not _GROUP_RE.match(gname):
@@ -202,6 +204,12 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
                 check_ipc_bind(bind)
             except FileExistsError as e:
                 raise GraphError(f"placement file {placement}: group {gname!r}: {e}") from None
+            if why := tcp_bind_error(bind):
+                raise GraphError(f"placement file {placement}: group {gname!r} bind {bind!r}: {why}")
+            if bind in binds and not bind.endswith(":*"):
+                raise GraphError(f"placement file {placement}: groups {binds[bind]!r} and {gname!r} both bind {bind!r}: "
+                                 f"one process per address (a port of its own each, or tcp://HOST:*)")
+            binds[bind] = gname
         unknown = set(spec) - {"reactors", "bind", "host", *RESTART_FIELDS}
         if unknown:
             raise GraphError(f"placement file {placement}: group {gname!r} has unknown fields {sorted(unknown)} "
@@ -265,8 +273,36 @@ def check_replicas_apart(graph: Graph, owner: dict[str, str], placement: str) ->
 def _read_toml(path: str, what: str) -> dict[str, Any]:
     try:
         return tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"{what} {path}: {e}") from e
+
+
+def tcp_bind_error(bind: str, here: bool = False) -> str | None:
+    """Why a group's ``bind = "tcp://HOST:PORT"`` cannot be bound, or None (an ipc address: None). A port
+    past 65535, or an address of another host, was taken, and the group's worker died at its bind with a
+    traceback, the run failing as "worker 'G' exited with status 1". ``PORT`` is ``*`` or 1..65535; with
+    ``here`` (the run's coordinator, whose host the workers bind on: not ``reactor submit --check``,
+    whose job runs on its daemon's), ``HOST`` is ``*``, an interface's name or an address of this host.
+    (A port another program holds is said by the worker when it binds.)"""
+    if not bind.startswith("tcp://"):
+        return None
+    host, sep, port = bind[len("tcp://"):].rpartition(":")
+    if not sep or not host:
+        return "a tcp://HOST:PORT address expected"
+    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+        return f"port {port!r} is not a port (1..65535, or * for any free one)"
+    if not here or host == "*" or host in {name for _, name in socket.if_nameindex()}:
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(sockaddr[:1] + (0,) + tuple(sockaddr[2:]))
+    except (socket.gaierror, UnicodeError) as e:
+        return f"{host!r} does not resolve here ({getattr(e, 'strerror', None) or e})"
+    except OSError as e:
+        return f"{host!r} is not an address of this host ({e.strerror or e})"
+    return None
 
 
 def _restart_defaults(data: dict[str, Any], where: str) -> Restart:

@@ -132,6 +132,43 @@ def test_every_command_that_takes_a_job_id_says_what_one_is(command):
                                                    "daemon's jobs)\n"), p.stderr
 
 
+def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_line_before_a_worker_starts(tmp_path):
+    """Regression (a hostile pass): a group's ``bind`` with port 99999, an address of another host, or the
+    same address as another group's was taken, and the worker died at its bind: its traceback, then
+    "worker 'a' exited with status 1"; a placement or hosts file that is not UTF-8 was "reactor: 'utf-8'
+    codec can't decode byte 0xff ...", naming no file."""
+    def placement(name: str, *groups: tuple[str, str]) -> str:
+        path = tmp_path / name
+        path.write_text("".join(f'[groups.{g}]\nreactors = {pats}\nbind = "{bind}"\n'
+                                for g, (pats, bind) in zip("ab", groups)))
+        return str(path)
+
+    cases = [
+        (placement("port.toml", ('["*"]', "tcp://127.0.0.1:99999")),
+         "group 'a' bind 'tcp://127.0.0.1:99999': port '99999' is not a port (1..65535, or * for any free one)"),
+        (placement("there.toml", ('["*"]', "tcp://192.0.2.1:5555")),  # (TEST-NET-1: no host's address)
+         "group 'a' bind 'tcp://192.0.2.1:5555': '192.0.2.1' is not an address of this host ("),
+        (placement("twice.toml", ('["producer*"]', "tcp://127.0.0.1:5599"),
+                   ('["squarer*", "collector"]', "tcp://127.0.0.1:5599")),
+         "groups 'a' and 'b' both bind 'tcp://127.0.0.1:5599': one process per address"),
+    ]
+    for path, want in cases:
+        p = reactor("run", DEMO, "--placement", path, "--set", "stop_s=0.05")
+        assert p.returncode == 2 and p.stderr.startswith(f"reactor: placement file {path}: {want}"), p.stderr
+        assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[groups.a]\n")
+    p = reactor("run", DEMO, "--placement", str(binary))
+    assert (p.returncode, p.stderr) == (2, f"reactor: placement file {binary}: 'utf-8' codec can't decode byte 0xff in "
+                                           f"position 0: invalid start byte\n")
+    p = reactor("run", DEMO, "--placement", "actors", "--hosts", str(binary))
+    assert (p.returncode, p.stderr) == (2, f"reactor: hosts file {binary}: 'utf-8' codec can't decode byte 0xff in "
+                                           f"position 0: invalid start byte\n")
+    ok = placement("ok.toml", ('["*"]', "tcp://127.0.0.1:*"))
+    p = reactor("run", DEMO, "--placement", ok, "--set", "stop_s=0.05")
+    assert p.returncode == 0, p.stderr
+
+
 def test_a_placement_file_that_is_not_there_is_named_as_a_missing_file(tmp_path):
     p = reactor("run", DEMO, "--placement", str(tmp_path / "nope.toml"))
     assert (p.returncode, p.stderr) == (2, f"reactor: --placement '{tmp_path / 'nope.toml'}': no placement file there "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import refusal_line
-from ..launch._app import blamed_setting, parse_overrides
+from ..launch._app import blamed_setting, compile_app, parse_overrides
 from ._appcode import _app_code, _bounded
 
 
@@ -42,7 +42,7 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
     if not Path(args.app).is_file():
         raise FileNotFoundError(f"no app file {args.app}")
     with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
-        compile(Path(args.app).read_bytes(), args.app, "exec")  # not Python failed there, after the allocation)
+        compile_app(args.app)  # not Python failed there, after the allocation)
     if overrides:
         _check_config_here(args.app, overrides, args.overrides)
     return run_args

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..launch._app import build_graph, parse_overrides
+from ..launch._app import build_graph, compile_app, parse_overrides
 from ._appcode import _app_code
 from ._cluster import _check_config_here
 from ._run import _check_run_options
@@ -360,7 +360,7 @@ def _check_job(args: argparse.Namespace) -> None:
                    hosts=args.hosts)
     check_hosts_named(args.placement, args.hosts)
     with _app_code(args.app):
-        compile(Path(args.app).read_bytes(), args.app, "exec")
+        compile_app(args.app)
     if not args.check:
         if overrides:  # (a bad one refused here, not in the job's log after its daemon started it)
             _check_config_here(args.app, overrides, args.overrides)

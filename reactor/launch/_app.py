@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib.util
+import inspect
 import os
 import re
 import reprlib
@@ -71,6 +72,7 @@ def load_app(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
+        _refuse_nul(p.read_bytes(), path)
         spec.loader.exec_module(module)
     except Exception:
         del sys.modules[name]
@@ -78,6 +80,25 @@ def load_app(path: str | Path) -> ModuleType:
     if not callable(getattr(module, "build", None)):
         raise AppError(f"{path} defines no build(config) function; an app file must define build(config) -> Graph")
     return module
+
+
+def _refuse_nul(source: bytes, path: str | Path) -> None:
+    """Python's compile of source with a NUL byte names no file: the CLI showed its traceback, naming
+    nothing of the app (a binary file given as one, say)."""
+    if b"\0" in source:
+        raise AppError(f"{path} is not Python source: it holds a NUL byte (a binary file?)")
+
+
+def compile_app(path: str | Path) -> None:
+    """Check that the app file at ``path`` compiles, without importing it (``reactor submit``, ``slurm``,
+    ``k8s render``: its modules may be the cluster's only).
+
+    Raises:
+        AppError: it holds a NUL byte. SyntaxError: its own, naming its line.
+    """
+    source = Path(path).read_bytes()
+    _refuse_nul(source, path)
+    compile(source, str(path), "exec")
 
 
 def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | None]]) -> dict[str, Path]:
@@ -320,7 +341,14 @@ def _algo_fields(module: ModuleType, cls: Any) -> set[str]:
 def build_graph(path: str | Path, overrides: Mapping[str, Any]) -> Graph:
     """Load the app at ``path`` and build its graph with ``overrides`` applied."""
     module = load_app(path)
-    graph = module.build(make_config(module, overrides))
+    config = make_config(module, overrides)
+    try:
+        inspect.signature(module.build).bind(config)
+    except TypeError as e:  # (a build(config, extra): Python's TypeError at reactor's call, its traceback)
+        raise AppError(f"{path}: build must take one argument, the config ({e})") from None
+    except ValueError:  # (no signature to read: a builtin; called as it is)
+        pass
+    graph = module.build(config)
     if not isinstance(graph, Graph):
         raise AppError(f"{path}: build(config) returned {type(graph).__name__}, not a Graph")
     return graph

@@ -257,6 +257,25 @@ def test_app_without_build_is_a_one_line_error(tmp_path):
     assert p.stderr == f"reactor: {app} defines no build(config) function; an app file must define build(config) -> Graph\n"
 
 
+def test_an_app_file_that_is_not_python_source_or_whose_build_takes_other_arguments_is_one_line(tmp_path):
+    """Regression (a hostile pass): a binary file given as the app (a NUL byte in it) was Python's
+    "SyntaxError: source code string cannot contain null bytes" with reactor's whole traceback, naming no
+    file (``run``, ``graph``, ``submit``, ``k8s render``); a ``build(config, extra)`` was "TypeError:
+    build() missing 1 required positional argument" at reactor's call, its traceback and exit 1."""
+    binary = tmp_path / "model.py"
+    binary.write_bytes(b"def build(config):\n    pass\n\0\x01\x02")
+    for args in (("run", str(binary)), ("graph", str(binary)), ("submit", str(binary)), ("k8s", "render", str(binary))):
+        p = reactor(*args)
+        assert (p.returncode, p.stderr) == (2, f"reactor: {binary} is not Python source: it holds a NUL byte (a binary "
+                                               f"file?)\n"), (args, p.stderr)
+    app = tmp_path / "app.py"
+    app.write_text("def build(config, extra):\n    pass\n")
+    for command in ("run", "graph"):
+        p = reactor(command, str(app))
+        assert (p.returncode, p.stderr) == (2, f"reactor: {app}: build must take one argument, the config (missing a "
+                                               f"required argument: 'extra')\n"), p.stderr
+
+
 _BROKEN_APPS = {
     "syntax": ("from reactor import Graph\ndef build(config)\n    return Graph()\n",
                "line 2: SyntaxError: expected ':'", ["    def build(config)"]),

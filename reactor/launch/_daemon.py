@@ -14,7 +14,8 @@ whole spec). ``stop`` sends SIGTERM to the job's coordinator (it stops its run c
 workers), then SIGKILL to the job's whole process group after ``STOP_GRACE_S``. The daemon outlives every job; a
 daemon restarted on its state directory lists its past jobs, and a job it finds running from an
 earlier life it keeps watching (its exit status, not the daemon's child's, is the one the job's command
-writes in ``STATE/jobs/ID/exit.json`` as it ends); one that died meanwhile is marked ``lost``. SIGTERM (or SIGINT) to
+writes in ``STATE/jobs/ID/exit.json`` as it ends); one that died meanwhile is marked ``lost``; one forked but not yet
+recorded when the daemon died is ended (``_end_unrecorded``). SIGTERM (or SIGINT) to
 the daemon stops its running jobs first.
 
 A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
@@ -72,6 +73,7 @@ from ._hosting import (
     Proc,
     Remover,
     check_sha256,
+    end_processes_in,
     list_run_files,
     put_files,
     read_chunk,
@@ -255,8 +257,13 @@ class Daemon:
         them all, as before, and writes one. (A submit lists its job before it makes its directory:
         one cut short by a crash is listed, and skipped if it never wrote its record.)"""
         listed = self._read_index()
-        if listed is None:
+        if listed is None:  # (as after a submit cut short: it made the job's directory after the index)
             paths = sorted((self.state / "jobs").glob("*/job.json"))
+            recorded = {path.parent.name for path in paths}
+            with os.scandir(self.state / "jobs") as entries:
+                for entry in entries:
+                    if entry.name not in recorded and _JOB_DIR_RE.match(entry.name):
+                        self._end_unrecorded(Path(entry.path))
         else:
             paths = [self.state / "jobs" / job_id / "job.json" for job_id in listed["jobs"]]
             self._forgotten_kept = listed["forgotten"]
@@ -264,7 +271,8 @@ class Daemon:
         changed = listed is None and bool(paths)  # (a new daemon's empty jobs/ has nothing to index)
         for path in paths:
             if listed is not None and not path.is_file():
-                changed = True  # (removed by hand: nothing to list)
+                changed = True  # (removed by hand: nothing to list; or its submit cut short: _end_unrecorded)
+                self._end_unrecorded(path.parent)
                 continue
             try:
                 record = read_small_json(path)
@@ -309,6 +317,19 @@ class Daemon:
         elif self.remover is None and self._forgotten_kept:
             log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' files stay in %s",
                      self.name, self.keep_ended, self._forgotten_kept, self.state / "jobs")
+
+    def _end_unrecorded(self, jdir: Path) -> None:
+        """A listed job without a record: its submit was cut short by the daemon's death. Killed after the
+        job was forked, before its record was written, it ran on in its own session, unlisted, never
+        stopped (its client had no id to stop it by): its processes are ended and its directory removed,
+        as the submit would have done had it failed."""
+        if not jdir.is_dir() or jdir.is_symlink():
+            return
+        ended = end_processes_in(jdir)
+        shutil.rmtree(jdir, ignore_errors=True)
+        log.warning("%s: job %s was being submitted when the daemon's last life ended, before its record was written: "
+                    "%s, and its directory removed (its client was not given its id)", self.name, jdir.name,
+                    f"ended its {ended} process(es)" if ended else "none of its processes ran")
 
     def _read_index(self) -> dict[str, Any] | None:
         """The jobs' index (``INDEX``: the ids the daemon lists, in the order they were submitted, and how

@@ -255,6 +255,30 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX, max_nbytes: 
     return {"files": files, "more": False, "unfetchable": unfetchable, "unfetchable_shown": shown}
 
 
+def end_processes_in(directory: Path) -> int:
+    """SIGKILL every process of this user whose working directory is ``directory`` or under it, with its
+    process group where it leads one; return how many there were. For a job a daemon forked but had not
+    recorded when it was killed (``Daemon._load_jobs``): nothing else names its processes (a forked job's
+    command line is its fork server's), but each runs in its job's ``app/``, as the workers it starts do."""
+    found = 0
+    uid = os.getuid()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:  # (gone meanwhile, or not ours to read)
+            continue
+        if cwd != directory and directory not in cwd.parents:
+            continue
+        pid = int(entry.name)
+        found += 1
+        for kill in (os.killpg, os.kill):  # (a job leads its session's group; a worker may lead its own)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+    return found
+
+
 def _feed(pipe: Any, data: bytes) -> None:
     """Write a new worker's spec on its stdin and close it (a thread of its own: :meth:`HostedRuns._popen`)."""
     try:

@@ -4,6 +4,7 @@ hostile frames, SIGTERM and SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -491,6 +492,41 @@ def test_a_restarted_daemon_lists_its_past_jobs_and_watches_one_that_outlived_it
             assert c.request("status", running)["state"] == "stopped"
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("index", ["trusted", "older than jobs/"])
+def test_a_job_forked_before_its_daemon_was_killed_and_recorded_nothing_is_ended_at_the_next_start(tmp_path, index):
+    """Regression (a hostile pass): a daemon killed (kill -9) between forking a submitted job and writing
+    its record left the job running on in its own session, and its next life skipped the id without a
+    record: a job no ``status`` listed and no ``stop`` could reach (its client never got its id), holding
+    its host for good. The state such a kill leaves is made here (the record removed from a job the
+    killed daemon started), with the index trusted or not (the submit makes the job's directory after
+    it lists the job, so a crash in between leaves ``jobs/`` newer than its index)."""
+    ready = tmp_path / "ready"
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    try:
+        with d.client() as c:
+            job = c.request("submit", job_spec(APPS / "gated.py", config={"gate_file": str(tmp_path / "gate"),
+                                                                          "ready_file": str(ready)}))
+            _wait_for(ready.exists, 60, "the job to run")
+            pid = c.request("status", job)["pid"]
+        d.stop(signal.SIGKILL)  # the job runs on in its own session
+        jdir = d.state / "jobs" / job
+        (jdir / "job.json").unlink()
+        if index != "trusted":
+            os.utime(d.state / "jobs", ns=(time.time_ns() + 10**9,) * 2)
+        assert _group_alive(pid)
+        d = Daemon(tmp_path, extra=("--no-fork-server",))
+        _wait_for(lambda: not _group_alive(pid), 10, "the unrecorded job's processes to be ended")
+        assert not jdir.exists()
+        with d.client() as c:
+            assert c.request("status", None) == []
+    finally:
+        err = d.stop()
+        with contextlib.suppress(NameError, ProcessLookupError):  # (reaped, whatever failed above)
+            os.killpg(pid, signal.SIGKILL)
+    assert f"job {job} was being submitted when the daemon's last life ended, before its record was written: ended " \
+           f"its" in err, err
 
 
 def test_a_job_that_ends_after_its_daemon_was_killed_and_started_again_ends_with_its_exit_status(tmp_path):

@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("daemon", help="host jobs on this machine", description="A long-lived daemon hosting jobs.")
     d.add_argument("--listen", required=True, type=_listen_address, help="tcp://ADDR:PORT (PORT * for any)")
-    d.add_argument("--name", required=True, help="this daemon's name (a host name in placements)")
+    d.add_argument("--name", required=True, type=_daemon_name, help="this daemon's name (a host name in placements)")
     d.add_argument("--state-dir", required=True, help="where it keeps its jobs, their logs and its own log")
     d.add_argument("--keys", default=None, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
     d.add_argument("--advertise", default=None,
@@ -246,6 +246,18 @@ def _listen_address(text: str) -> str:
         hint = f" (tcp://{text}?)" if "://" not in text and ":" in text else ""
         raise argparse.ArgumentTypeError(f"{text!r:.200}: a daemon listens on tcp://ADDR:PORT (ADDR or PORT * for "
                                           f"any){hint}")
+    return text
+
+
+def _daemon_name(text: str) -> str:
+    """``daemon --name``: what hosts files and placements call it (their host names' pattern). A name past
+    it (``"node 3"``) was taken, and no hosts file could name the daemon: every run that reached it by
+    address warned that it "answers under another --name"."""
+    from ..launch._cluster import _HOST_RE
+
+    if not _HOST_RE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r:.200}: a daemon's name is what hosts files call it: "
+                                          f"{_HOST_RE.pattern.strip('^').removesuffix(chr(92) + 'Z')}")
     return text
 
 

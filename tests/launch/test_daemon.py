@@ -1382,6 +1382,21 @@ def test_a_malformed_listen_address_is_one_line_at_the_command_line_not_a_traceb
         assert p.returncode == 2 and p.stderr.endswith(message) and "Traceback" not in p.stderr, p.stderr
 
 
+def test_a_daemon_name_no_hosts_file_could_call_it_is_refused_at_the_command_line(tmp_path):
+    """Regression (a hostile pass): ``reactor daemon --name "node 3"`` (or ``a/b``) served, but a hosts file
+    refuses such a host name, so no run could name the daemon: every run that reached it by its address
+    warned that it "answers under another --name"."""
+    init_keys(tmp_path / "keys")
+    for name in ("node 3", "a/b", "_h1", "x" * 64):
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "keys"),
+                            "--no-fork-server", "--listen", "tcp://127.0.0.1:*", "--name", name, "--state-dir",
+                            str(tmp_path / "state")], cwd=ROOT, capture_output=True, text=True, timeout=20)
+        assert p.returncode == 2 and p.stderr.endswith(  # (before: it served, until the timeout killed it)
+            f"reactor daemon: error: argument --name: {name!r}: a daemon's name is what hosts files call it: "
+            "[A-Za-z0-9][A-Za-z0-9_.\\-]{0,62}\n"), p.stderr
+    assert not (tmp_path / "state").exists()
+
+
 @pytest.mark.parametrize("listen", ["tcp://0.0.0.0:0", "tcp://*:*"])
 def test_a_daemon_on_a_wildcard_address_without_advertise_says_at_its_start_what_it_cannot_host(listen, tmp_path):
     """Regression (a newcomer's pass, session 54): ``reactor daemon --listen tcp://0.0.0.0:PORT`` without

@@ -39,9 +39,14 @@ NEVER = Tag(FOREVER_NS, 0)
 
 
 def seconds_to_ns(value_s: float, what: str) -> int:
-    """Convert a duration in seconds to integer nanoseconds, rejecting negative and non-finite values."""
+    """Convert a duration in seconds to integer nanoseconds, rejecting negative and non-finite values and
+    those of ``FOREVER_NS`` or more (``--stop-s 1e300`` was an ``OverflowError`` traceback; a time past it
+    is past every tag)."""
     if isinstance(value_s, bool) or not isinstance(value_s, (int, float)):
         raise TypeError(f"{what} must be a number of seconds, got {type(value_s).__name__} {value_s!r}")
     if value_s != value_s or value_s in (float("inf"), float("-inf")) or value_s < 0:
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value_s!r}")
+    if value_s >= FOREVER_NS / NS_PER_S:
+        raise ValueError(f"{what} must be below {FOREVER_NS / NS_PER_S:.4g} seconds (2**62 ns, about 146 years), "
+                         f"got {value_s!r}")
     return round(value_s * NS_PER_S)

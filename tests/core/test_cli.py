@@ -169,6 +169,18 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
     assert p.returncode == 0, p.stderr
 
 
+def test_a_stop_time_past_every_tag_is_one_line_not_an_overflow_traceback():
+    """Regression (a hostile pass): ``--stop-s 1e300`` (or ``--set stop_s=1e300``, or a timer's period) ended
+    in an ``OverflowError`` traceback from the conversion to nanoseconds; a time of 2**62 ns or more is past
+    every tag (``FOREVER_NS``)."""
+    p = reactor("run", DEMO, "--stop-s", "1e300")
+    assert (p.returncode, p.stderr) == (2, "reactor: stop_s must be below 4.612e+09 seconds (2**62 ns, about 146 "
+                                           "years), got 1e+300\n")
+    p = reactor("run", DEMO, "--set", "stop_s=1e300")
+    assert (p.returncode, p.stderr) == (2, "reactor: Graph stop_s must be below 4.612e+09 seconds (2**62 ns, about "
+                                           "146 years), got 1e+300\n")
+
+
 def test_a_placement_file_that_is_not_there_is_named_as_a_missing_file(tmp_path):
     p = reactor("run", DEMO, "--placement", str(tmp_path / "nope.toml"))
     assert (p.returncode, p.stderr) == (2, f"reactor: --placement '{tmp_path / 'nope.toml'}': no placement file there "

@@ -37,7 +37,7 @@ from typing import Any
 
 from .._errors import AppError as AppError
 from .._graph import Graph, plain_scalars
-from ._protocol import is_plain, nonfinite_at
+from ._protocol import FILES_MAX, FILES_MAX_NBYTES, is_plain, nonfinite_at
 
 #: The directories of the app files this process loaded (on sys.path): the learner records them in
 #: config.json, so ``load_policy`` can import a custom env's or algorithm's module from beside the app.
@@ -126,6 +126,21 @@ def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | Non
                 if said[name] == "the app" else ""
             raise AppError(f"{said[name]} {str(have)!r} and {what} {str(p)!r} would both go as {name!r} beside the "
                            f"app on the other hosts, where files are found by name{instead}: rename one of them")
+    # (Past the daemon's bounds, the daemon refused them: a submit said "bad request: 'submit' field 1: files:
+    # 41945872 bytes in all, more than 33554432", exit 1, after sending them; a run over hosts, at its spawns.)
+    if len(out) > FILES_MAX:
+        raise AppError(f"{len(out)} files would be shipped (the app, --with, placement, hosts, key and trace files), more "
+                       f"than the {FILES_MAX} a job carries: ship fewer (an archive the app unpacks, say)")
+    sizes = {}
+    for name, p in out.items():
+        with contextlib.suppress(OSError):  # (a missing one is said where it is read)
+            sizes[name] = p.stat().st_size
+    if sum(sizes.values()) > FILES_MAX_NBYTES:
+        largest = sorted(sizes, key=sizes.__getitem__, reverse=True)[:2]
+        raise AppError(f"the files that would be shipped come to {sum(sizes.values()) / 2**20:.1f} MiB, more "
+                       f"than the {FILES_MAX_NBYTES // 2**20} MiB a job carries (largest: "
+                       f"{', '.join(f'{str(out[n])!r} {sizes[n] / 2**20:.1f} MiB' for n in largest)}): put large data "
+                       f"where every host reads it (a shared file system), and its path in the config")
     return out
 
 

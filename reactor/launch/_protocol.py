@@ -292,8 +292,11 @@ WORKER_KINDS: dict[str, tuple[Check, ...]] = {
 # ------------------------------------------------------------------------------ daemon requests
 
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*\Z")  # (\Z: no "\n" after)
-_FILES_MAX = 64
-_FILES_MAX_NBYTES = 32 * 2**20
+#: The most files, and bytes in all, a job or a worker spawned over hosts carries (its app, ``--with``
+#: files, placement, hosts and key files, a trace to replay): what ``shipped_files`` refuses before they go.
+FILES_MAX = 64
+FILES_MAX_NBYTES = 32 * 2**20
+_FILES_MAX, _FILES_MAX_NBYTES = FILES_MAX, FILES_MAX_NBYTES
 _JOB_RE = re.compile(r"^[0-9a-f]{16}\Z")
 _CONFIG_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}\Z")  # (what --set KEY=VALUE can carry)
 _POLICY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,63}\Z")  # a policy's name (not a path: those are shipped files)

@@ -585,6 +585,11 @@ def test_submit_refuses_the_jobs_own_mistakes_before_it_leaves_and_never_what_on
     demo = str(ROOT / "apps" / "demo_pipeline.py")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "helper.py").write_text("VALUE = 3\n")
+    with open(tmp_path / "lib" / "weights.bin", "wb") as f:  # (sparse: 33 MiB of nothing)
+        f.truncate(33 * 2**20)
+    many = [str(tmp_path / "lib" / f"m{i}.py") for i in range(64)]
+    for m in many:
+        Path(m).write_text("")
     uses = tmp_path / "uses_helper.py"
     uses.write_text(Path(demo).read_text() + "\nimport helper  # noqa (shipped with --with: not importable here)\n")
     for args, message in [
@@ -595,6 +600,13 @@ def test_submit_refuses_the_jobs_own_mistakes_before_it_leaves_and_never_what_on
         ((demo, "--check", "--set", "speed=3"), "reactor: unknown config key 'speed'; Config has: producers, stop_s"),
         ((str(uses), "--check", "--with", str(tmp_path / "lib" / "helper.py")),
          "in <module>: ModuleNotFoundError: No module named 'helper'"),
+        # (a hostile pass: the daemon refused them once sent, "bad request: ... files: 34603827 bytes in all", exit 1)
+        ((demo, "--with", str(tmp_path / "lib" / "weights.bin")),
+         f"reactor: the files that would be shipped come to 33.0 MiB, more than the 32 MiB a job carries (largest: "
+         f"'{tmp_path / 'lib' / 'weights.bin'}' 33.0 MiB"),
+        ((demo, *(a for m in many for a in ("--with", m))),
+         "reactor: 65 files would be shipped (the app, --with, placement, hosts, key and trace files), more than the "
+         "64 a job carries"),
     ]:
         p = run("submit", *args)
         assert p.returncode == 2 and message in p.stderr and not p.stdout, (args, p.stderr)

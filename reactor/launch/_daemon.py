@@ -15,7 +15,7 @@ workers), then SIGKILL to the job's whole process group after ``STOP_GRACE_S``. 
 daemon restarted on its state directory lists its past jobs, and a job it finds running from an
 earlier life it keeps watching (its exit status, not the daemon's child's, is the one the job's command
 writes in ``STATE/jobs/ID/exit.json`` as it ends); one that died meanwhile is marked ``lost``; one forked but not yet
-recorded when the daemon died is ended (``_end_unrecorded``). SIGTERM (or SIGINT) to
+recorded when the daemon died is ended (``end_unrecorded_job``). SIGTERM (or SIGINT) to
 the daemon stops its running jobs first.
 
 A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
@@ -73,7 +73,7 @@ from ._hosting import (
     Proc,
     Remover,
     check_sha256,
-    end_processes_in,
+    end_unrecorded_job,
     list_run_files,
     put_files,
     read_chunk,
@@ -263,7 +263,7 @@ class Daemon:
             with os.scandir(self.state / "jobs") as entries:
                 for entry in entries:
                     if entry.name not in recorded and _JOB_DIR_RE.match(entry.name):
-                        self._end_unrecorded(Path(entry.path))
+                        end_unrecorded_job(Path(entry.path), self.name)
         else:
             paths = [self.state / "jobs" / job_id / "job.json" for job_id in listed["jobs"]]
             self._forgotten_kept = listed["forgotten"]
@@ -271,8 +271,8 @@ class Daemon:
         changed = listed is None and bool(paths)  # (a new daemon's empty jobs/ has nothing to index)
         for path in paths:
             if listed is not None and not path.is_file():
-                changed = True  # (removed by hand: nothing to list; or its submit cut short: _end_unrecorded)
-                self._end_unrecorded(path.parent)
+                changed = True  # (removed by hand: nothing to list; or its submit cut short: end_unrecorded_job)
+                end_unrecorded_job(path.parent, self.name)
                 continue
             try:
                 record = read_small_json(path)
@@ -317,19 +317,6 @@ class Daemon:
         elif self.remover is None and self._forgotten_kept:
             log.info("%s: lists its newest %d ended jobs (--keep-ended); the %d older ones' files stay in %s",
                      self.name, self.keep_ended, self._forgotten_kept, self.state / "jobs")
-
-    def _end_unrecorded(self, jdir: Path) -> None:
-        """A listed job without a record: its submit was cut short by the daemon's death. Killed after the
-        job was forked, before its record was written, it ran on in its own session, unlisted, never
-        stopped (its client had no id to stop it by): its processes are ended and its directory removed,
-        as the submit would have done had it failed."""
-        if not jdir.is_dir() or jdir.is_symlink():
-            return
-        ended = end_processes_in(jdir)
-        shutil.rmtree(jdir, ignore_errors=True)
-        log.warning("%s: job %s was being submitted when the daemon's last life ended, before its record was written: "
-                    "%s, and its directory removed (its client was not given its id)", self.name, jdir.name,
-                    f"ended its {ended} process(es)" if ended else "none of its processes ran")
 
     def _read_index(self) -> dict[str, Any] | None:
         """The jobs' index (``INDEX``: the ids the daemon lists, in the order they were submitted, and how

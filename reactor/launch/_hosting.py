@@ -279,6 +279,20 @@ def end_processes_in(directory: Path) -> int:
     return found
 
 
+def end_unrecorded_job(jdir: Path, daemon: str) -> None:
+    """A listed job without a record, at a daemon's start: its submit was cut short by the daemon's death.
+    Killed after the job was forked, before its record was written, it ran on in its own session, unlisted,
+    never stopped (its client had no id to stop it by): its processes are ended and its directory removed,
+    as the submit would have done had it failed."""
+    if not jdir.is_dir() or jdir.is_symlink():
+        return
+    ended = end_processes_in(jdir)
+    shutil.rmtree(jdir, ignore_errors=True)
+    log.warning("%s: job %s was being submitted when the daemon's last life ended, before its record was written: "
+                "%s, and its directory removed (its client was not given its id)", daemon, jdir.name,
+                f"ended its {ended} process(es)" if ended else "none of its processes ran")
+
+
 def _feed(pipe: Any, data: bytes) -> None:
     """Write a new worker's spec on its stdin and close it (a thread of its own: :meth:`HostedRuns._popen`)."""
     try:

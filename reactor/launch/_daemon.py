@@ -14,9 +14,8 @@ whole spec). ``stop`` sends SIGTERM to the job's coordinator (it stops its run c
 workers), then SIGKILL to the job's whole process group after ``STOP_GRACE_S``. The daemon outlives every job; a
 daemon restarted on its state directory lists its past jobs, and a job it finds running from an
 earlier life it keeps watching (its exit status, not the daemon's child's, is the one the job's command
-writes in ``STATE/jobs/ID/exit.json`` as it ends); one that died meanwhile is marked ``lost``; one forked but not yet
-recorded when the daemon died is ended (``end_unrecorded_job``). SIGTERM (or SIGINT) to
-the daemon stops its running jobs first.
+writes in ``STATE/jobs/ID/exit.json`` as it ends); one that died meanwhile is marked ``lost``, one not yet recorded
+ended (``end_unrecorded_jobs``). SIGTERM (or SIGINT) to the daemon stops its running jobs first.
 
 A daemon lives for months and hosts jobs by the thousand: it keeps the records of its newest
 ``keep_ended`` ended jobs (``--keep-ended``, default ``KEEP_ENDED``) in memory and in ``status``, and
@@ -73,7 +72,7 @@ from ._hosting import (
     Proc,
     Remover,
     check_sha256,
-    end_unrecorded_job,
+    end_unrecorded_jobs,
     list_run_files,
     put_files,
     read_chunk,
@@ -255,24 +254,19 @@ class Daemon:
         no index it can trust (none yet, unreadable, or ``jobs/`` changed after it was written: a
         directory made by another program, or by a submit whose index could not be written) it reads
         them all, as before, and writes one. (A submit lists its job before it makes its directory:
-        one cut short by a crash is listed, and skipped if it never wrote its record.)"""
+        one cut short by a crash is listed, and ended if it never wrote its record: ``end_unrecorded_jobs``.)"""
         listed = self._read_index()
-        if listed is None:  # (as after a submit cut short: it made the job's directory after the index)
+        if listed is None:
             paths = sorted((self.state / "jobs").glob("*/job.json"))
-            recorded = {path.parent.name for path in paths}
-            with os.scandir(self.state / "jobs") as entries:
-                for entry in entries:
-                    if entry.name not in recorded and _JOB_DIR_RE.match(entry.name):
-                        end_unrecorded_job(Path(entry.path), self.name)
         else:
             paths = [self.state / "jobs" / job_id / "job.json" for job_id in listed["jobs"]]
             self._forgotten_kept = listed["forgotten"]
+        end_unrecorded_jobs(self.state / "jobs", self.name, listed["jobs"] if listed else os.listdir(self.state / "jobs"))
         loaded: list[_Job] = []
         changed = listed is None and bool(paths)  # (a new daemon's empty jobs/ has nothing to index)
         for path in paths:
             if listed is not None and not path.is_file():
-                changed = True  # (removed by hand: nothing to list; or its submit cut short: end_unrecorded_job)
-                end_unrecorded_job(path.parent, self.name)
+                changed = True  # (removed by hand: nothing to list; or its submit cut short: end_unrecorded_jobs)
                 continue
             try:
                 record = read_small_json(path)

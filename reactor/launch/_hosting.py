@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -47,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ OWNER_FILE = ".run-key"  # a hosted run's key (run_key), in its directory: a dae
 #: A coordinator heartbeats its run's daemons every 0.5 s (``_cluster.HEARTBEAT_S``) until it is done with the
 #: run (its files fetched): silent this long after the run ended here, it has let the run go (``let_go``).
 COORDINATOR_QUIET_S = 1.5
+_JOB_ID_RE = re.compile(r"[0-9a-f]{16}\Z")  # (a job's directory: _daemon's own)
 
 __all__ = ["HostedRuns", "Remover", "check_sha256", "list_run_files", "put_files"]
 
@@ -279,18 +282,21 @@ def end_processes_in(directory: Path) -> int:
     return found
 
 
-def end_unrecorded_job(jdir: Path, daemon: str) -> None:
-    """A listed job without a record, at a daemon's start: its submit was cut short by the daemon's death.
-    Killed after the job was forked, before its record was written, it ran on in its own session, unlisted,
-    never stopped (its client had no id to stop it by): its processes are ended and its directory removed,
-    as the submit would have done had it failed."""
-    if not jdir.is_dir() or jdir.is_symlink():
-        return
-    ended = end_processes_in(jdir)
-    shutil.rmtree(jdir, ignore_errors=True)
-    log.warning("%s: job %s was being submitted when the daemon's last life ended, before its record was written: "
-                "%s, and its directory removed (its client was not given its id)", daemon, jdir.name,
-                f"ended its {ended} process(es)" if ended else "none of its processes ran")
+def end_unrecorded_jobs(jobs: Path, daemon: str, ids: Iterable[str]) -> None:
+    """The jobs of ``ids`` (names in ``jobs``, ``STATE/jobs/``) whose directory holds no record, at a daemon's
+    start: their submit was cut short by the daemon's death. Killed after the job was forked, before its
+    record was written, a job ran on in its own session, unlisted, never stopped (its client had no id to
+    stop it by): its processes are ended and its directory removed, as the submit would have done had it
+    failed."""
+    for job_id in ids:
+        jdir = jobs / job_id
+        if not _JOB_ID_RE.match(job_id) or jdir.is_symlink() or not jdir.is_dir() or (jdir / "job.json").exists():
+            continue
+        ended = end_processes_in(jdir)
+        shutil.rmtree(jdir, ignore_errors=True)
+        log.warning("%s: job %s was being submitted when the daemon's last life ended, before its record was "
+                    "written: %s, and its directory removed (its client was not given its id)", daemon, job_id,
+                    f"ended its {ended} process(es)" if ended else "none of its processes ran")
 
 
 def _feed(pipe: Any, data: bytes) -> None:

@@ -280,22 +280,24 @@ def _read_toml(path: str, what: str) -> dict[str, Any]:
 def tcp_bind_error(bind: str, here: bool = False) -> str | None:
     """Why a group's ``bind = "tcp://HOST:PORT"`` cannot be bound, or None (an ipc address: None). A port
     past 65535, or an address of another host, was taken, and the group's worker died at its bind with a
-    traceback, the run failing as "worker 'G' exited with status 1". ``PORT`` is ``*`` or 1..65535; with
-    ``here`` (the run's coordinator, whose host the workers bind on: not ``reactor submit --check``,
-    whose job runs on its daemon's), ``HOST`` is ``*``, an interface's name or an address of this host.
+    traceback, the run failing as "worker 'G' exited with status 1". ``PORT`` is ``*`` or 0..65535 (0: any);
+    ``HOST`` is no IPv6 address (the run's sockets are IPv4 only); with ``here`` (the run's coordinator, whose
+    host the workers bind on: not ``reactor submit --check``, whose job runs on its daemon's), ``HOST`` is
+    ``*``, an interface's name or an IPv4 address of this host.
     (A port another program holds is said by the worker when it binds.)"""
     if not bind.startswith("tcp://"):
         return None
     host, sep, port = bind[len("tcp://"):].rpartition(":")
     if not sep or not host:
         return "a tcp://HOST:PORT address expected"
-    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
-        return f"port {port!r} is not a port (1..65535, or * for any free one)"
+    if port != "*" and not (port.isdigit() and int(port) < 65536):
+        return f"port {port!r} is not a port (1..65535, or * or 0 for any free one)"
+    if host.startswith("["):  # (zmq's sockets here are IPv4 only: it failed at the worker's bind, "No such device")
+        return "an IPv6 address: a run's sockets take an IPv4 one, an interface's name or *"
     if not here or host == "*" or host in {name for _, name in socket.if_nameindex()}:
         return None
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, family=socket.AF_INET, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind(sockaddr[:1] + (0,) + tuple(sockaddr[2:]))
     except (socket.gaierror, UnicodeError) as e:

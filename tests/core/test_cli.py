@@ -145,7 +145,9 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
 
     cases = [
         (placement("port.toml", ('["*"]', "tcp://127.0.0.1:99999")),
-         "group 'a' bind 'tcp://127.0.0.1:99999': port '99999' is not a port (1..65535, or * for any free one)"),
+         "group 'a' bind 'tcp://127.0.0.1:99999': port '99999' is not a port (1..65535, or * or 0 for any free one)"),
+        (placement("v6.toml", ('["*"]', "tcp://[::1]:*")),  # (the worker's bind said "No such device")
+         "group 'a' bind 'tcp://[::1]:*': an IPv6 address: a run's sockets take an IPv4 one, an interface's name or *"),
         (placement("there.toml", ('["*"]', "tcp://192.0.2.1:5555")),  # (TEST-NET-1: no host's address)
          "group 'a' bind 'tcp://192.0.2.1:5555': '192.0.2.1' is not an address of this host ("),
         (placement("twice.toml", ('["producer*"]', "tcp://127.0.0.1:5599"),
@@ -164,9 +166,9 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
     p = reactor("run", DEMO, "--placement", "actors", "--hosts", str(binary))
     assert (p.returncode, p.stderr) == (2, f"reactor: hosts file {binary}: 'utf-8' codec can't decode byte 0xff in "
                                            f"position 0: invalid start byte\n")
-    ok = placement("ok.toml", ('["*"]', "tcp://127.0.0.1:*"))
-    p = reactor("run", DEMO, "--placement", ok, "--set", "stop_s=0.05")
-    assert p.returncode == 0, p.stderr
+    for i, bind in enumerate(("tcp://127.0.0.1:*", "tcp://127.0.0.1:0", "tcp://lo:*")):  # (any free port, an interface)
+        p = reactor("run", DEMO, "--placement", placement(f"ok{i}.toml", ('["*"]', bind)), "--set", "stop_s=0.05")
+        assert p.returncode == 0, (bind, p.stderr)
 
 
 def test_a_stop_time_past_every_tag_is_one_line_not_an_overflow_traceback():

@@ -259,8 +259,8 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX, max_nbytes: 
 
 
 def end_processes_in(directory: Path) -> int:
-    """SIGKILL every process of this user whose working directory is ``directory`` or under it, with its
-    process group where it leads one; return how many there were. For a job a daemon forked but had not
+    """SIGKILL every process of this user running reactor (its command line says so) whose working directory
+    is ``directory`` or under it, with its process group where it leads one; return how many there were. For a job a daemon forked but had not
     recorded when it was killed (``Daemon._load_jobs``): nothing else names its processes (a forked job's
     command line is its fork server's), but each runs in its job's ``app/``, as the workers it starts do."""
     found = 0
@@ -270,9 +270,11 @@ def end_processes_in(directory: Path) -> int:
             if entry.stat().st_uid != uid:
                 continue
             cwd = Path(os.readlink(entry / "cwd"))
+            if cwd != directory and directory not in cwd.parents:
+                continue
+            if b"reactor" not in (entry / "cmdline").read_bytes():
+                continue  # (not the job's: a shell someone opened in its directory, say)
         except OSError:  # (gone meanwhile, or not ours to read)
-            continue
-        if cwd != directory and directory not in cwd.parents:
             continue
         pid = int(entry.name)
         found += 1

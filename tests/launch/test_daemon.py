@@ -516,15 +516,21 @@ def test_a_job_forked_before_its_daemon_was_killed_and_recorded_nothing_is_ended
         if index != "trusted":
             os.utime(d.state / "jobs", ns=(time.time_ns() + 10**9,) * 2)
         assert _group_alive(pid)
+        # A bystander in the job's directory (someone's shell, say) is not the job's: it is left alone.
+        bystander = subprocess.Popen(["sleep", "60"], cwd=jdir, start_new_session=True)
         d = Daemon(tmp_path, extra=("--no-fork-server",))
         _wait_for(lambda: not _group_alive(pid), 10, "the unrecorded job's processes to be ended")
         assert not jdir.exists()
+        assert bystander.poll() is None, "a process that is not reactor's was ended"
         with d.client() as c:
             assert c.request("status", None) == []
     finally:
         err = d.stop()
         with contextlib.suppress(NameError, ProcessLookupError):  # (reaped, whatever failed above)
             os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(NameError):
+            bystander.kill()
+            bystander.wait()
     assert f"job {job} was being submitted when the daemon's last life ended, before its record was written: ended " \
            f"its" in err, err
 

@@ -57,3 +57,16 @@ def test_an_infinite_rate_built_directly_is_refused():
     """from_dict refuses every infinity; a Config built directly took lr=inf (every loss then NaN)."""
     with pytest.raises(ValueError, match=r"^dqn Config\.lr must be > 0 and finite, got inf$"):
         dqn.Config(lr=float("inf"))
+
+
+@pytest.mark.parametrize("dueling", [True, False])
+def test_the_q_network_computes_what_its_layer_modules_compute_to_the_bit(dueling):
+    """QNetwork.forward calls its layers' functions on their parameters (no submodule __call__): the
+    values must be the modules' own, bit for bit, or runs would no longer repeat the runs before it."""
+    net = dqn._network(OBS, ACT, dqn.Config(hidden=32, dueling=dueling))
+    for b in (1, 2, 10, 128):
+        x = torch.randn(b, 4, generator=torch.Generator().manual_seed(b))
+        h = net.torso(x)
+        a = net.advantage(h)
+        want = a if net.value is None else net.value(h) + a - a.mean(dim=-1, keepdim=True)
+        assert torch.equal(net(x), want)

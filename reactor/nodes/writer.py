@@ -324,6 +324,11 @@ class Writer:
         # finite in the field (_unfit_limit; None: none can be).
         self._unfit: dict[str, tuple[np.dtype[Any] | None, float | None]] = dict.fromkeys(
             (n for n, dt in twins.items() if dt is not None and dt.kind == "f"), (None, None))
+        # numba's first kernel in a process sets up its compiler context before it loads the cached code
+        # (~0.5 s: its registries' imports): paid here, as the writer is made (an actor's startup), not at
+        # the first step, inside the run's clock, holding every reaction of the process back. (float64: the
+        # kernel takes no float16.)
+        _nb_first_unfit(np.zeros(1), math.inf)
         self._shapes = {s.name: s.shape for s in self.specs}
         self._buf = {
             n: np.zeros((num_streams, rows, *self._shapes[n]), dtype=self._np_dtypes[n]) for n in self.step_fields

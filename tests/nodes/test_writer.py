@@ -7,6 +7,9 @@ flushed Steps message to a real Table with the read kind the pattern is for, sam
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -415,3 +418,28 @@ def test_an_actor_drops_an_ack_naming_a_shard_it_does_not_have_instead_of_refusi
         result = run(g)
     assert result.events["sink"] > 2, result.events  # (it stepped on to its budget)
     assert "actor dropped an InsertAck naming shard 7, outside [0, 2)" in caplog.messages
+
+
+def test_a_writer_loads_its_numba_kernel_when_made_not_at_its_first_step():
+    """numba's first kernel in a process sets up its compiler context (~0.5 s): an actor's writer pays it
+    as it is made (the actor's startup), not at its first step, inside the run's clock. In a fresh
+    process, where nothing called the kernel before."""
+    code = (
+        "import numpy as np\n"
+        "from reactor.nodes.writer import Writer, TransitionPattern\n"
+        "from reactor.replay._tablekernels import _nb_first_unfit\n"
+        "assert not _nb_first_unfit.signatures, _nb_first_unfit.signatures\n"
+        "Writer([('obs', (4,), 'float32'), ('action', (), 'int64'), ('reward', (), 'float32')], 2,\n"
+        "       TransitionPattern(1))\n"
+        "print(len(_nb_first_unfit.signatures))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) >= 1
+
+
+def test_a_writer_with_a_float16_field_is_made():
+    """The kernel a writer loads as it is made takes float64 values, whatever its fields' dtypes (numba
+    has no float16 for it: a float16 field's writer could not be made)."""
+    w = Writer([("obs", (4,), "float16"), ("action", (), "int64"), ("reward", (), "float32")], 2, TransitionPattern(1))
+    assert w.num_shards == 1

@@ -148,6 +148,14 @@ def _cast(src: np.dtype[Any], dst: np.dtype[Any]) -> str:
     return "values"
 
 
+def _first_unfit(value: np.ndarray, limit: float) -> int:
+    """``_nb_first_unfit`` for any float or int dtype: numba has no float16, so float16 values are looked
+    at as float32 (exact: every float16, inf and NaN included, is a float32)."""
+    if value.dtype == np.float16:
+        value = value.astype(np.float32)
+    return int(_nb_first_unfit(value, limit))
+
+
 @functools.cache
 def _unfit_limit(src: np.dtype[Any], dst: np.dtype[Any]) -> float | None:
     """The least magnitude of a ``src`` value that a float field of dtype ``dst`` cannot hold finite (it
@@ -168,7 +176,7 @@ def _say_unfit(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.nda
     None: stream ``i``) that a float field of dtype ``dst`` would not hold finite: a NaN or an infinity
     given, or a number too large for ``dst`` (numpy's setitem casts 1e39 into float32 as inf, in silence).
     Either would be sampled into every update that draws it."""
-    i = int(_nb_first_unfit(value, _unfit_limit(value.dtype, dst)))
+    i = _first_unfit(value, _unfit_limit(value.dtype, dst))
     flat = value.reshape(-1)
     per_row = max(1, math.prod(value.shape[1:]))
     stream = i // per_row if streams is None else int(streams[i // per_row])
@@ -184,7 +192,7 @@ def _say_unfit(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.nda
 def _check_finite(what: str, value: np.ndarray, dst: np.dtype[Any], streams: np.ndarray | None) -> None:
     """:func:`_say_unfit` if a value of ``value`` would not be finite in the float field's ``dst``."""
     limit = _unfit_limit(value.dtype, dst)
-    if limit is not None and _nb_first_unfit(value, limit) >= 0:
+    if limit is not None and _first_unfit(value, limit) >= 0:
         _say_unfit(what, value, dst, streams)
 
 
@@ -435,7 +443,7 @@ class Writer:
                 if src is not v.dtype:
                     limit = _unfit_limit(v.dtype, dt)
                     self._unfit[name] = (v.dtype, limit)
-                if limit is not None and _nb_first_unfit(v, limit) >= 0:
+                if limit is not None and _first_unfit(v, limit) >= 0:
                     _say_unfit(f"field {name!r}", v, dt, streams)
         finals: dict[str, np.ndarray] = {}
         if ended.any():

@@ -443,3 +443,14 @@ def test_a_writer_with_a_float16_field_is_made():
     has no float16 for it: a float16 field's writer could not be made)."""
     w = Writer([("obs", (4,), "float16"), ("action", (), "int64"), ("reward", (), "float32")], 2, TransitionPattern(1))
     assert w.num_shards == 1
+
+
+def test_float16_values_are_appended_and_a_nan_among_them_is_named():
+    """Regression: float16 values into a float16 field failed inside the finiteness check with numba's
+    ``NotImplementedError: float16`` (its kernel has no float16); they are checked as float32 (exact)."""
+    w = Writer([("obs", (3,), "float16"), ("action", (), "int64"), ("reward", (), "float32")], 2, TransitionPattern(1))
+    step = {"obs": np.ones((2, 3), np.float16), "action": np.zeros(2, np.int64), "reward": np.zeros(2, np.float32)}
+    w.append(step, terminated=np.zeros(2, bool), truncated=np.zeros(2, bool))
+    bad = dict(step, obs=np.array([[1, 2, 3], [4, np.nan, 6]], np.float16))
+    with pytest.raises(ValueError, match=r"field 'obs' of stream 1 is nan"):
+        w.append(bad, terminated=np.zeros(2, bool), truncated=np.zeros(2, bool))

@@ -987,6 +987,51 @@ def test_a_runs_listing_is_cut_at_its_bounds_and_names_no_request_can_carry_are_
     assert list_run_files(d, max_visited=8) == whole
 
 
+def test_a_runs_listing_reads_a_huge_directory_only_up_to_its_bound(tmp_path, monkeypatch):
+    """Regression: the listing walked with ``os.walk``, which reads a directory whole before it yields
+    it: the bound on names visited applied only after a directory of ten million names was read (and held
+    in memory). Each directory is read as far as the bound now: the names read are counted where
+    ``os.scandir`` hands them out (the real directory, read as usual)."""
+    from reactor.launch._hosting import list_run_files
+
+    d = tmp_path / "r1"
+    (d / "out").mkdir(parents=True)
+    for i in range(2000):
+        os.close(os.open(d / "out" / f"{i:04}", os.O_CREAT | os.O_WRONLY, 0o600))
+    read = [0]
+    scandir = os.scandir
+
+    class Counted:
+        def __init__(self, path):
+            self.it = scandir(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.it.close()
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            entry = next(self.it)
+            read[0] += 1
+            return entry
+
+        def close(self):
+            self.it.close()
+
+    monkeypatch.setattr(os, "scandir", Counted)
+    assert list_run_files(d, max_visited=100) == {"files": [], "more": True, "unfetchable": 0,
+                                                  "unfetchable_shown": []}
+    assert read[0] <= 101 + 1  # ("out", then out's names up to the one past the bound)
+    read[0] = 0
+    whole = list_run_files(d, max_visited=2001)
+    assert [f["path"] for f in whole["files"]] == [f"out/{i:04}" for i in range(2000)] and not whole["more"]
+    assert read[0] == 2001
+
+
 def test_a_daemon_answers_other_requests_while_it_lists_a_large_runs_files(tmp_path):
     """Regression: ``run_files`` walked the run's directory on the daemon's loop: a run that left 100,000
     files held every other client and every heartbeat of every run (their coordinators count a host silent

@@ -7,8 +7,8 @@ option, the value and what it takes; never a traceback from deep in a measuremen
 no-op. A child process (a training run, a peer's server) never outlives the benchmark: on a timeout, an
 error or Ctrl-C it is asked to stop (SIGINT), then killed, and reaped before the benchmark's temporary
 directories are removed (a child still stopping would write its files into them after the removal).
-What the runs a benchmark starts log goes to a file (:func:`output_to`), its path printed, so their
-lines do not land among the figures; an error that ends the benchmark still reaches the terminal.
+What the runs a benchmark starts log and print goes to a file (:func:`output_to`), its path printed, so
+their lines do not land among the figures; an error that ends the benchmark still reaches the terminal.
 """
 
 from __future__ import annotations
@@ -211,38 +211,49 @@ def output_to(path: str | os.PathLike[str], tail_lines: int = 30) -> Iterator[No
     """Within the block, what the runs log goes to ``path`` (appended) instead of among the figures:
     records of Python's logging in this process (a handler on the root logger; loggers' levels are left
     as they are, so are the levels a run passes to its workers) and whatever is written to this
-    process's stderr, fd 2 itself, which child processes (a run's local workers and fork server, a
-    peer) inherit. stdout, where the figures go, is left alone.
+    process's stdout and stderr, fds 1 and 2 themselves, which child processes (a run's local workers and
+    fork server, a peer) inherit: a one-host run's Metrics node prints the run's result lines on its
+    stdout. The figures, printed here through ``sys.stdout``, still go where stdout went before the block
+    (``sys.stdout`` writes to a copy of fd 1 meanwhile).
 
-    On an exception (Ctrl-C included) fd 2 is the terminal's again before it propagates, and the log's
-    last ``tail_lines`` lines are printed there under its path: the traceback, and what the runs said
-    before it, are seen where the benchmark ran.
+    On an exception (Ctrl-C included) fds 1 and 2 are the terminal's again before it propagates, and the
+    log's last ``tail_lines`` lines are printed there under its path: the traceback, and what the runs
+    said before it, are seen where the benchmark ran.
     """
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = (os.dup(1), os.dup(2))
+    stdout = sys.stdout
+    sys.stdout = open(saved[0], "w", encoding=stdout.encoding, errors=stdout.errors, buffering=1,
+                      closefd=False)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
+    restored = False
     try:
         with open(path, "ab") as f:
+            os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
         yield
     except BaseException:
-        _restore_stderr(saved, handler)
-        saved = -1
+        _restore(saved, stdout, handler)
+        restored = True
         with open(path, "rb") as f:
             tail = f.read().decode(errors="replace").splitlines()[-tail_lines:]
         print(f"the runs' log: {os.fspath(path)}; its last {len(tail)} lines:", *tail, sep="\n", file=sys.stderr,
               flush=True)
         raise
     finally:
-        if saved != -1:
-            _restore_stderr(saved, handler)
+        if not restored:
+            _restore(saved, stdout, handler)
 
 
-def _restore_stderr(saved: int, handler: logging.Handler) -> None:
+def _restore(saved: tuple[int, int], stdout: Any, handler: logging.Handler) -> None:
     logging.getLogger().removeHandler(handler)
     handler.close()
+    sys.stdout.close()  # (the copy's wrapper, flushed; the copy itself is closed below)
+    sys.stdout = stdout
     sys.stderr.flush()
-    os.dup2(saved, 2)
-    os.close(saved)
+    for fd, copy in zip((1, 2), saved, strict=True):
+        os.dup2(copy, fd)
+        os.close(copy)

@@ -75,8 +75,9 @@ peer and every Ray process it started (each carries a mark in its environment) a
 returns, also on an error or Ctrl-C; any left would be killed and named.
 
 The runs' own log lines (this process's coordinators, the local runs' workers and fork server, the
-Ray peer's progress and Ray's output) go to a log file, ``--log`` or a new one in the temporary
-directory, whose path is printed first; only the figures are printed. If the benchmark fails, the
+one-host runs' result lines, which their Metrics node prints on its stdout, the Ray peer's progress and
+Ray's output) go to a log file, ``--log`` or a new one in the temporary directory, whose path is printed
+first; only the figures are printed. If the benchmark fails, the
 log's last lines and the error are printed on stderr.
 
 Everything is torn down at the end, also on an error or Ctrl-C: daemons stopped, processes left in

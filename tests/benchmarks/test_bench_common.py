@@ -122,7 +122,8 @@ def test_a_ctrl_c_mid_measurement_is_one_line_and_status_130_and_the_benchmark_c
 
 
 # A benchmark's figures, with a run inside output_to logging from this process and from a child process it
-# started (a local run's workers inherit fd 2); then, with "fail" in argv, an error inside.
+# started (a local run's workers inherit fd 2, and fd 1, where the Metrics node prints the run's result
+# lines); then, with "fail" in argv, an error inside.
 LOGGING = """
 import logging, subprocess, sys
 sys.path.insert(0, sys.argv[1])
@@ -132,6 +133,7 @@ with output_to(sys.argv[2]):
     logging.getLogger("reactor.launch").warning("a coordinator's warning")
     subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('a worker says so on its stderr\\\\n')"],
                    check=True)
+    subprocess.run([sys.executable, "-c", "print('a worker prints its result lines')"], check=True)
     print("figure 2", flush=True)
     if "fail" in sys.argv:
         raise RuntimeError("the run failed: WorkerFailedError")
@@ -142,7 +144,9 @@ logging.getLogger("reactor").warning("after the block")
 
 def test_what_the_runs_log_goes_to_the_file_and_only_the_figures_are_printed(tmp_path):
     """Regression: bench_cluster.py printed the runs' warnings and the local workers' log lines among its
-    figures. Inside output_to they go to the log file; outside it, stderr is the terminal's again."""
+    figures, and then its one-host runs' result lines (their workers' stdout). Inside output_to they go to
+    the log file, the figures printed here to stdout still; outside it, stdout and stderr are the
+    terminal's again."""
     log = tmp_path / "runs.log"
     proc = subprocess.run([sys.executable, "-c", LOGGING, str(ROOT), str(log)], capture_output=True, text=True,
                           timeout=60, check=False)
@@ -152,6 +156,7 @@ def test_what_the_runs_log_goes_to_the_file_and_only_the_figures_are_printed(tmp
     text = log.read_text()
     assert "reactor.launch WARNING a coordinator's warning\n" in text
     assert "a worker says so on its stderr\n" in text
+    assert "a worker prints its result lines\n" in text
 
 
 def test_an_error_inside_is_printed_on_stderr_with_the_logs_path_and_last_lines(tmp_path):
@@ -161,9 +166,10 @@ def test_an_error_inside_is_printed_on_stderr_with_the_logs_path_and_last_lines(
     assert proc.returncode == 1
     assert proc.stdout == "figure 1\nfigure 2\n"
     err = proc.stderr.splitlines()
-    assert err[0] == f"the runs' log: {log}; its last 2 lines:"
+    assert err[0] == f"the runs' log: {log}; its last 3 lines:"
     assert err[1].endswith("reactor.launch WARNING a coordinator's warning")
     assert err[2] == "a worker says so on its stderr"
+    assert err[3] == "a worker prints its result lines"
     assert err[-1] == "RuntimeError: the run failed: WorkerFailedError"
     assert "Traceback" not in log.read_text()
 

@@ -5,11 +5,16 @@ starts alike and averages its gradients.
 other replicas in a life of the bank (:func:`_meet_bank`: the rendezvous store outlives their processes,
 so each life has keys of its own), forms the ``torch.distributed`` group (gloo; NCCL with a GPU per
 replica) and gives every replica replica 0's whole state (:meth:`_LearnerBank._share_state`, as codec
-frames: nothing unpickled), both on a thread of their own that the run's loop awaits (they wait on
-the others in C: :meth:`_LearnerBank._await_bank_thread`), averages every optimizer step's gradients
+frames: nothing unpickled), averages every optimizer step's gradients
 over the bank in an all-reduce (which a replica missing for ``DP_TIMEOUT_S`` fails, and one gone with
 the run ends at once), and tells the bank when this replica leaves. The rounds in which the replicas update, and why, are the
 :class:`~reactor.nodes.learner.Learner`'s (its module docstring tells the whole).
+
+Every wait on the rendezvous store and on the other replicas until the bank has met and formed (the
+store's connect, the meeting's polls, the group's forming, the watch on the bank's life) runs on threads of
+its own that the run's loop awaits (:func:`_await_threads`): a store that is slow or gone, or a replica
+that hangs, held the loop in C, and every reaction of the process with it (its coordinator's stop, its
+peers' connects).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +79,13 @@ class _LearnerBank(Reactor):
     async def _join_bank(self) -> bool:
         """Data-parallel, after :meth:`_setup`: meet the bank's other replicas in this life of the
         bank, make its ``torch.distributed`` group, and take replica 0's state (:meth:`_share_state`).
-        The meeting awaits (polls), so this process answers its peers and the coordinator meanwhile: a
-        replica started again whose loop a blocking wait held answered no connect of the bank's other
-        new lives, which waited out the connect's 10 s timeout, and the coordinator another 10 s for it
-        to link to them. The group's forming and the state's broadcast, which wait in C, run on a thread
-        the loop awaits (:meth:`_await_bank_thread`), so a stop is heard while they wait too.
+        The store's connect and the meeting run on a thread the loop awaits (polls), so this process
+        answers its peers and the coordinator meanwhile: a replica started again whose loop a blocking wait
+        held answered no connect of the bank's other new lives, which waited out the connect's 10 s
+        timeout, and the coordinator another 10 s for it to link to them; a store that did not answer held
+        it up to the store's timeout (``DP_JOIN_TIMEOUT_S``). The group's forming and the state's
+        broadcast, which wait in C, run on a thread the loop awaits too (:meth:`_await_bank_thread`), so a
+        stop is heard while any of them waits.
 
         Returns False when the bank cannot meet or form: the run is ending (its coordinator's stop, heard in
         async runs), or, in a deterministic run (whose worker takes no message while a reaction runs, and
@@ -107,12 +116,17 @@ class _LearnerBank(Reactor):
         waiting = _Waiting(f"{self.name}: waiting for the other {self.bank_size - 1} data-parallel learner(s) to join "
                            f"(rendezvous: {where}; no env steps until they do; a learner that has not joined in "
                            f"{DP_JOIN_TIMEOUT_S:.0f} s ends the run)")
+
+        def stopping() -> bool:
+            return self.stopped_by is not None
+
         try:
-            bank = self._open_bank(self.bank_size)
             try:
-                life, members = await _meet_bank(
-                    bank, self.bank_index, self.bank_size, self.restarts, self.name, where,
-                    lambda: self.stopped_by is not None, left_watch=self.deterministic)
+                bank = await _await_threads([lambda over: self._open_bank(self.bank_size)], self.name, stopping,
+                                            DP_TIMEOUT_S, f"{self.name}: the run's rendezvous store ({where}) did "
+                                                          f"not answer within {DP_TIMEOUT_S:.0f} s")
+                life, members = await _meet_bank(bank, self.bank_index, self.bank_size, self.restarts, self.name,
+                                                 where, stopping, left_watch=self.deterministic)
                 self.dp_life = life
                 self._dp_store = dist.PrefixStore(f"group/{life}", bank)
                 # Every replica has come to this life: the group forms at once, unless one died since it came
@@ -170,71 +184,42 @@ class _LearnerBank(Reactor):
 
     async def _await_bank_thread(self, work: Any, life: int) -> None:
         """Run ``work`` (the group's forming, which waits on the other replicas in C) on a daemon thread,
-        and await it here, checking every ``DP_POLL_S`` what the loop alone can hear:
+        and await it here (:func:`_await_threads`), with a second thread watching, every ``DP_POLL_S``,
+        what the forming cannot hear:
 
-        * the run is ending (its coordinator's stop, heard in async runs): :class:`_RunStopping`;
+        * the run is ending (its coordinator's stop, heard in async runs; the loop checks it):
+          :class:`_RunStopping`;
         * a replica that came to ``life`` started again (it died, and its new life moved the bank's life
           on: the group waits for it in vain until ``DP_TIMEOUT_S``): :class:`PeerLostError` naming it, at
           once, so this replica's restart policy starts it again in the bank's new life;
         * in deterministic runs (whose worker hears no stop while a reaction runs), another replica said it
           left without joining (``gone/<i>``: :meth:`_leave_unmet_bank`): :class:`_RunStopping`.
 
-        A cancellation (the worker's SIGTERM) ends the wait too. The thread cannot be stopped: it is left to
-        end with the process (a daemon, waited for by nothing; what it ends with is dropped), and this
-        replica saves nothing
-        (:meth:`_finish_files`: its ``dp_members`` stays None). The checks use a store client of their own:
-        the thread's waits hold theirs (a TCP store's client takes one request at a time).
+        A cancellation (the worker's SIGTERM) ends the wait too. The forming's thread cannot be stopped: it
+        is left to end with the process (a daemon, waited for by nothing; what it ends with is dropped),
+        and this replica saves nothing (:meth:`_finish_files`: its ``dp_members`` stays None). The watch
+        uses a store client of its own (the forming's waits hold theirs: a TCP store's client takes one
+        request at a time), on its thread: its connect and its requests wait on the store too.
 
         Raises:
             _RunStopping, PeerLostError: as above; and whatever ``work`` raised.
         """
-        import asyncio
-        import contextlib
-        import threading
 
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def settle(error: BaseException | None) -> None:
-            if not done.done():
-                if error is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(error)
-
-        def run() -> None:
-            error: BaseException | None = None
-            try:
-                work()
-            except BaseException as e:  # noqa: BLE001 - handed to the loop
-                error = e
-            with contextlib.suppress(RuntimeError):  # (the loop closed: this replica left without it)
-                loop.call_soon_threadsafe(settle, error)
-
-        threading.Thread(target=run, name=f"dp-bank-{self.bank_index}", daemon=True).start()
-        watch = None
-        try:
-            while True:
-                await asyncio.wait([done], timeout=DP_POLL_S)
-                if done.done():
-                    done.result()
-                    return
-                if self.stopped_by is not None:
-                    raise _RunStopping(self.name)
-                if watch is None:
-                    watch = self._open_bank(-1)  # (-1: not one of the file's users)
-                if int(watch.add("life", 0)) > life:
+        def watch(over: threading.Event) -> None:
+            store = self._open_bank(-1)  # (-1: not one of the file's users)
+            while not over.wait(DP_POLL_S):
+                if int(store.add("life", 0)) > life:
                     again = [j for j in range(self.bank_size) if j != self.bank_index
-                             and watch.check([f"joined/{j}"]) and int(watch.get(f"joined/{j}")) > life]
+                             and store.check([f"joined/{j}"]) and int(store.get(f"joined/{j}")) > life]
                     raise PeerLostError(
                         f"{self.name}: data-parallel learner(s) {again or '?'} of the bank's life {life} started again "
                         f"while its torch.distributed group formed (its process died); a bank starts again whole, so "
                         f"this replica ends too, for its restart policy to start it again")
                 if self.deterministic and (gone := [j for j in range(self.bank_size) if j != self.bank_index
-                                                    and watch.check([f"gone/{j}"])]):
+                                                    and store.check([f"gone/{j}"])]):
                     raise _RunStopping(f"data-parallel learner(s) {gone} left while the bank's group formed")
-        finally:
-            done.cancel()  # (left: what the thread ends with is dropped, not an exception nobody retrieved)
+
+        await _await_threads([lambda over: work(), watch], self.name, lambda: self.stopped_by is not None)
 
     def _bank_where(self) -> str:
         """Where the bank's replicas meet, in words (the run's TCP store over hosts, else its file)."""
@@ -247,14 +232,22 @@ class _LearnerBank(Reactor):
     def _open_bank(self, users: int) -> Any:
         """The bank's rendezvous store, under its prefix: the TCP store the run's coordinator serves over
         hosts, else a file in the run directory (``users``: ``FileStore``'s count of the processes that
-        use it, the last of which removes the file; -1: not counted)."""
+        use it, the last of which removes the file; -1: not counted). Blocks while a TCP store does not
+        answer, up to ``DP_JOIN_TIMEOUT_S``: called on a thread (:func:`_await_threads`), but at shutdown.
+
+        Raises:
+            PeerLostError: the TCP store did not answer (naming this replica and the store's address)."""
         import torch.distributed as dist
 
         served = os.environ.get("REACTOR_DIST_STORE")
         if served:  # over hosts: the TCP store the run's coordinator serves
             host, port = served.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), is_master=False,
-                                  timeout=datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S))
+            try:
+                store = dist.TCPStore(host, int(port), is_master=False,
+                                      timeout=datetime.timedelta(seconds=DP_JOIN_TIMEOUT_S))
+            except RuntimeError as e:  # (torch's DistNetworkError and timeouts are RuntimeErrors)
+                raise PeerLostError(f"{self.name}: the run's rendezvous store (tcp store {served}, served by its "
+                                    f"coordinator) did not answer: {_first_line(e)}") from e
         else:  # one host: a file in the run directory
             if not self.run_dir:
                 raise ValueError("data-parallel learners need run_dir (the rendezvous file lives there)")
@@ -427,7 +420,8 @@ def _on_cpu(obj: Any) -> Any:
 
 
 async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: str, where: str,
-                     stopping: Any = lambda: False, left_watch: bool = False) -> tuple[int, dict[int, int]]:
+                     stopping: Callable[[], bool] = lambda: False,
+                     left_watch: bool = False) -> tuple[int, dict[int, int]]:
     """Agree with the other replicas of a data-parallel bank on the bank's life to join, once all
     ``size`` have come to it; returns it, and each replica's process life (its ``restarts``) there.
 
@@ -439,19 +433,42 @@ async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: 
     follow it there. A replica waiting for the others follows the store's life when it moves on (one
     that had come died, and its new life moved it), so the replicas never wait in two lives.
 
+    The store's requests and the polls between them run on a thread (:func:`_await_threads`): a store that
+    is slow to answer holds the meeting, not the caller's loop.
+
     Raises:
-        PeerLostError: not every replica came within ``DP_JOIN_TIMEOUT_S``.
+        PeerLostError: not every replica came within ``DP_JOIN_TIMEOUT_S``, or the store failed (naming
+            ``where``).
         _RunStopping: ``stopping()`` became true meanwhile (the run is ending: checked at every poll), or,
             with ``left_watch``, a replica that has not come left (``gone/<i>``: a deterministic run, which
             restarts nothing).
     """
-    import asyncio
+
+    def meet(over: threading.Event) -> tuple[int, dict[int, int]]:
+        try:
+            return _meet(bank, me, size, life_of_process, name, where, over, left_watch)
+        except RuntimeError as e:  # (torch's store errors and timeouts are RuntimeErrors)
+            raise PeerLostError(f"{name}: the bank's rendezvous store ({where}) failed while the data-parallel "
+                                f"learners met: {_first_line(e)}") from e
+
+    life, members = await _await_threads([meet], name, stopping, DP_JOIN_TIMEOUT_S + DP_TIMEOUT_S,
+                                         f"{name}: the bank's rendezvous store ({where}) did not answer while the "
+                                         f"data-parallel learners met (within {DP_JOIN_TIMEOUT_S + DP_TIMEOUT_S:.0f} s)")
+    return life, members
+
+
+def _meet(bank: Any, me: int, size: int, life_of_process: int, name: str, where: str, over: threading.Event,
+          left_watch: bool) -> tuple[int, dict[int, int]]:
+    """:func:`_meet_bank`'s meeting, on its thread: polls every ``DP_POLL_S`` until ``over`` is set (its
+    awaiter left: the run is ending)."""
     import time
 
     mine = f"joined/{me}"
     life = _raise_life(bank, int(bank.get(mine)) + 1 if bank.check([mine]) else 0)
     deadline = time.monotonic() + DP_JOIN_TIMEOUT_S
     while True:
+        if over.is_set():  # (its awaiter left: no word of this process in a new life)
+            raise _RunStopping(name)
         bank.set(mine, str(life))
         bank.set(f"came/{life}/{me}", str(life_of_process))
         came = [f"came/{life}/{i}" for i in range(size)]
@@ -459,18 +476,73 @@ async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: 
             now = int(bank.add("life", 0))
             if now > life:
                 break
-            if stopping():
-                raise _RunStopping(name)
             missing = [i for i, key in enumerate(came) if not bank.check([key])]
             if left_watch and (gone := [i for i in missing if bank.check([f"gone/{i}"])]):
                 raise _RunStopping(f"data-parallel learner(s) {gone} left (refused or failed at its start)")
             if time.monotonic() > deadline:
                 raise PeerLostError(f"{name}: data-parallel learner(s) {missing} did not join within "
                                     f"{DP_JOIN_TIMEOUT_S:.0f} s (rendezvous: {where}, the bank's life {life})")
-            await asyncio.sleep(DP_POLL_S)
+            if over.wait(DP_POLL_S):
+                raise _RunStopping(name)
         else:
             return life, {i: int(bank.get(key)) for i, key in enumerate(came)}
         life = now
+
+
+async def _await_threads(works: list[Callable[[threading.Event], Any]], name: str,
+                         stopping: Callable[[], bool], timeout_s: float | None = None, late: str = "") -> Any:
+    """Run each of ``works`` on a daemon thread of its own, and await here the first to end: what it
+    returned, or what it raised. Every ``DP_POLL_S`` meanwhile, ``stopping()`` (what the loop alone hears:
+    the run is ending) raises :class:`_RunStopping` naming ``name``, and past ``timeout_s`` (None: no
+    bound) :class:`PeerLostError` says ``late``; a cancellation (the worker's SIGTERM) ends the wait too. However the wait ends, the event each work is given is set (a polling work ends at
+    its next poll); a work that waits in C (a store's request, a group's forming) cannot be stopped: it is
+    left to end with the process (a daemon, waited for by nothing; what it ends with is dropped).
+
+    The store's requests and the other replicas are waited on this way, never on the loop: a store that
+    does not answer held the loop, and every reaction of the process, up to the store's timeout (and a TCP
+    store's connect to a server that takes the connection and never answers, for good: its timeout does
+    not bound that wait, which is why the bound is kept here).
+    """
+    import asyncio
+    import contextlib
+    import time
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    over = threading.Event()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
+
+    def run(work: Callable[[threading.Event], Any]) -> None:
+        result, error = None, None
+        try:
+            result = work(over)
+        except BaseException as e:  # noqa: BLE001 - handed to the loop
+            error = e
+        if not over.is_set():  # (one that ends after the wait did, its work asked to stop: dropped)
+            with contextlib.suppress(RuntimeError):  # (the loop closed: this replica left without it)
+                loop.call_soon_threadsafe(settle, result, error)
+
+    for work in works:
+        threading.Thread(target=run, args=(work,), name=f"dp-bank-{name}", daemon=True).start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            await asyncio.wait([done], timeout=DP_POLL_S)
+            if done.done():
+                return done.result()
+            if stopping():
+                raise _RunStopping(name)
+            if deadline is not None and time.monotonic() > deadline:
+                raise PeerLostError(late)
+    finally:
+        over.set()
+        done.cancel()  # (left: what a thread ends with is dropped, not an exception nobody retrieved)
 
 
 def _raise_life(bank: Any, at_least: int) -> int:

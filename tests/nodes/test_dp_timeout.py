@@ -408,3 +408,90 @@ def test_a_deterministic_replica_forming_its_banks_group_leaves_when_a_peer_said
     assert out.splitlines()[-2:] == [
         "learner[0]: data-parallel learner(s) [1] left while the bank's group formed before all 2 data-parallel "
         "learners joined: this one leaves without learning, and saves nothing", "left"], out
+
+
+def _store_that_never_answers(tmp_path, timeout_s: float, then) -> str:
+    """Replica 0 of a bank of 2 (``FORMING``, ``DP_TIMEOUT_S`` = ``timeout_s``) whose run's rendezvous store
+    takes its connection and never answers (a TCP server whose host hangs: a listening socket here that
+    reads nothing). Once the replica has connected, ``then(proc)`` runs. Returns its output, once it ended
+    (within 30 s), reaped."""
+    import os
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    env = {**os.environ, "REACTOR_DIST_STORE": f"127.0.0.1:{server.getsockname()[1]}"}
+    proc = subprocess.Popen([sys.executable, "-c", FORMING, str(tmp_path), str(timeout_s), "0"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    conn = None
+    try:
+        server.settimeout(60)
+        conn, _ = server.accept()  # (the replica's store client, in its connect: answered never)
+        then(proc)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+        if conn is not None:
+            conn.close()
+        server.close()
+    return out
+
+
+def test_a_replica_whose_rendezvous_store_does_not_answer_hears_the_runs_stop(tmp_path):
+    """Regression: the replica's connect to the run's TCP store (``_open_bank``) and the meeting's store
+    requests ran on the run's event loop: a store that did not answer held the loop (a connect taken and
+    never answered, for good: the store's 600 s timeout does not bound it), and the coordinator's stop, a
+    SIGTERM and every reaction of the process with it. They run on a thread the loop awaits now: the
+    stop is heard, and the replica leaves."""
+    import signal
+
+    out = _store_that_never_answers(tmp_path, 60.0, lambda proc: proc.send_signal(signal.SIGUSR1))
+    assert out.splitlines()[-2:] == [
+        "learner[0]: the run is ending (signal) before all 2 data-parallel learners joined: this one leaves without "
+        "learning, and saves nothing", "left"], out
+
+
+def test_a_replica_whose_rendezvous_store_does_not_answer_ends_naming_the_store(tmp_path):
+    """The wait for the store is bounded (``DP_TIMEOUT_S``) where it is awaited: the replica ends, naming
+    itself and the store's address, rather than wait on the store's connect for good."""
+    out = _store_that_never_answers(tmp_path, 2.0, lambda proc: None)
+    assert re.fullmatch(r"lost: learner\[0\]: the run's rendezvous store \(tcp store 127\.0\.0\.1:\d+\) did not "
+                        r"answer within 2 s", out.splitlines()[-1]), out
+
+
+def test_the_banks_meeting_leaves_the_loop_free_while_a_store_request_waits():
+    """Regression: the meeting's store requests (``_meet_bank``) ran on the caller's loop: a store slow to
+    answer held it, and every reaction of the process with it. Here a store's requests wait until a task
+    on the same loop lets them go; the meeting ends, as the loop was free meanwhile (it blocked for good
+    before, until the requests gave up)."""
+    import asyncio
+    import threading
+
+    import torch.distributed as dist
+
+    from reactor.nodes._learnerbank import _meet_bank
+
+    class Gated:
+        """A real store whose requests wait until ``go`` is set (or fail after 10 s)."""
+
+        def __init__(self) -> None:
+            self.store, self.go = dist.HashStore(), threading.Event()
+
+        def __getattr__(self, op: str):
+            def request(*args):
+                if not self.go.wait(10):
+                    raise RuntimeError(f"the store's {op} was not let go within 10 s")
+                return getattr(self.store, op)(*args)
+
+            return request
+
+    async def meet() -> tuple:
+        bank = Gated()
+        for i in (1, 2):
+            bank.store.set(f"came/0/{i}", "0")
+        meeting = asyncio.ensure_future(_meet_bank(bank, 0, 3, 0, "learner[0]", "a test store"))
+        await asyncio.sleep(0.05)
+        bank.go.set()  # (the loop runs: this task lets the requests go)
+        return await asyncio.wait_for(meeting, 30)
+
+    assert asyncio.run(meet()) == (0, {0: 0, 1: 0, 2: 0})

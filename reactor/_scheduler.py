@@ -25,7 +25,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -255,6 +255,10 @@ class ReactorHost:
         self.busy = 0
         self.sent_count = 0
         self.received_count = 0
+        # ... and by process: a worker forgets what it counted with a peer's earlier lives once it links
+        # to the next (restart policies: launch/_worker.py, Worker._forget), so the run's sums stay exact.
+        self.sent_to: Counter[str] = Counter()
+        self.received_from: Counter[str] = Counter()
         self._in_shutdown = False
         # Conditional promises (deterministic mode across processes, see refresh()): per upstream
         # process its latest promise (U, D, n); messages received from each process; arrival tags of
@@ -518,6 +522,7 @@ class ReactorHost:
                         raise ReactorInternalError(f"{lk.dst} is not local and no remote sink is configured")
                     self.sent_count += 1
                     proc = self.owner_of[lk.dst]
+                    self.sent_to[proc] += 1
                     if self.deterministic:
                         if proc in self._upstream and proc not in self._uncond:
                             fl = self._inflight.get(proc)
@@ -552,8 +557,9 @@ class ReactorHost:
 
     def deliver_remote(self, link: int, seq: int, tag: Tag, value: Any) -> None:
         lk = self.links[link]
+        src = self.owner_of[lk.src]
+        self.received_from[src] += 1
         if self.deterministic:
-            src = self.owner_of[lk.src]
             if tag < self.horizons.get(src, tag):  # promises and messages share one FIFO pipe
                 raise ReactorInternalError(
                     f"process {src!r} sent {lk.src}.{lk.src_port} -> {lk.dst}.{lk.dst_port} at {tag} after promising "

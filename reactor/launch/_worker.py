@@ -96,6 +96,7 @@ class Worker:
         self.reconnects: set[asyncio.Task[None]] = set()
         self.down_at_start: list[str] = []
         self.retrying: dict[str, asyncio.Task[None]] = {}  # (_retry_link)
+        self.forgot = [0, 0]  # messages sent to and received from peers' earlier lives (_forget)
         self.started = False  # (async: the startup's peer events are out)
         self.done_sent = False  # its shutdown reactions ran and its result went (exit_status)
         self.trace_sent = False  # (_send_trace)
@@ -326,7 +327,7 @@ class Worker:
         for p in out_peers:
             self.ep.disconnect(p)
         # (with its final counts: the coordinator's counting leaves it out of its probes from now on)
-        self.outbox.send(COORDINATOR, ("ending", _stop_pending(host), host.sent_count, host.received_count))
+        self.outbox.send(COORDINATOR, ("ending", _stop_pending(host), *self._counts()))
         why = await self._wait_control("stop", timeout_s=None)  # (however long the others run: the run is not over)
         self.ep.expect_departures()
         if host.stop_reason is None:
@@ -473,6 +474,7 @@ class Worker:
                     continue
                 break
             self.retrying.pop(group, None)
+            self._forget(group, received=False)  # (what went to it meanwhile was dropped; it sent on)
             self.outbox.mark_up(group)
             log.warning("%s: restartable peer %r answers now; it is up again here", self.group, group)
             if not self.started:
@@ -520,7 +522,8 @@ class Worker:
         # A live link is to this life already: made at our own start, when its book entry was the
         # new life (past its hello; "lost" drops a link to an old one). Connecting again would offer
         # a second hello under our name while the first is live there: refused, and it stayed down.
-        if group in self.out_peers and not self.ep.linked(group):
+        linked = self.ep.linked(group)
+        if group in self.out_peers and not linked:
             self.ep.disconnect(group, linger_s=0)
             try:
                 await self.ep.connect(group, address, server_public_key=link_key(self.keys, address))
@@ -531,8 +534,30 @@ class Worker:
                 log.exception("%s: connecting to restarted %r at %s failed; it stays down for this process",
                               self.group, group, address)
                 return
+        # (a new life sends nothing before its start, which waits for our "reconnected"; what went to a
+        # life it links to already is its own)
+        self._forget(group, sent=not linked)
         self.outbox.mark_up(group)
         self.host.peer_event("peer_restarted", group, f"restarted ({restarts} so far)", restarts)
+
+    def _forget(self, group: str, sent: bool = True, received: bool = True) -> None:
+        """Leave out of this worker's counts (:meth:`_counts`) the messages it sent to and received from
+        ``group``'s earlier lives, or sent to it while it was down (dropped), as it links to a new life:
+        what they sent and received left the coordinator's sums with them (it drops a dead worker's
+        status), so the sums of the run's live workers meet again once nothing is in flight between
+        them. Left in, they never met after a restart (a dead life's messages received, its count of
+        them gone), and the run ended on a quiet held for ``LOST_QUIET_S``, not on its counts."""
+        h = self.host
+        if sent:
+            self.forgot[0] += h.sent_to.pop(group, 0)
+        if received:
+            self.forgot[1] += h.received_from.pop(group, 0)
+
+    def _counts(self) -> tuple[int, int]:
+        """Messages sent to and received from peers, for the coordinator's quiescence (those of the
+        peers' earlier lives left out: :meth:`_forget`)."""
+        h = self.host
+        return h.sent_count - self.forgot[0], h.received_count - self.forgot[1]
 
     def _idle(self) -> bool:
         h = self.host
@@ -543,8 +568,7 @@ class Worker:
     def _report(self, force: bool = False, min_interval_s: float = 0.0) -> float | None:
         """Send our status to the coordinator if it changed (or ``force``), at most once per
         ``min_interval_s``; returns the seconds until a postponed report is due, else None."""
-        h = self.host
-        status = (self.epoch, self._idle(), h.sent_count, h.received_count)
+        status = (self.epoch, self._idle(), *self._counts())
         if not force and status == self.last_status:
             return None
         now = time.monotonic()

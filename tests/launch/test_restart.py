@@ -1013,6 +1013,9 @@ def test_kill_9_of_one_data_parallel_learner_restarts_the_bank_which_learns_on_w
     ends = dict(re.findall(r"^(learner\[\d\]): (\d+ updates; final weights sha256 \w+)$", err, re.M))
     assert set(ends) == {"learner[0]", "learner[1]"} and ends["learner[0]"] == ends["learner[1]"], err[-4000:]
     assert int(ends["learner[0]"].split()[0]) > int(resumed) >= 50, (resumed, ends)  # it learned on after the restart
+    # The run's counts of messages sent and received met again after the restart (they ended it): the dead
+    # lives' counts left with them (430 more received than sent were said, the run ended on a held quiet).
+    assert "the run went quiet" not in err, err[-4000:]
 
 
 @pytest.mark.slow
@@ -1074,6 +1077,7 @@ def test_kill_9_of_one_data_parallel_learner_over_two_hosts_restarts_the_bank_wh
         summary = result["summary"]
         assert summary["updates"] == updates and summary["env_steps"] >= 4000, summary
         assert (tmp_path / "dp" / "weights.sha256").read_text().strip() == sha  # copied back from h1
+        assert "the run went quiet" not in err, err[-4000:]  # (the counts met again after the restart: as on one host)
         c.wait_no_workers()
     finally:
         c.close()

@@ -83,7 +83,8 @@ class _LearnerBank(Reactor):
         answers its peers and the coordinator meanwhile: a replica started again whose loop a blocking wait
         held answered no connect of the bank's other new lives, which waited out the connect's 10 s
         timeout, and the coordinator another 10 s for it to link to them; a store that did not answer held
-        it up to the store's timeout (``DP_JOIN_TIMEOUT_S``). The group's forming and the state's
+        it up to the store's timeout (a TCP connect taken and never answered: for good; the connect's wait
+        is bounded by ``DP_TIMEOUT_S`` where it is awaited). The group's forming and the state's
         broadcast, which wait in C, run on a thread the loop awaits too (:meth:`_await_bank_thread`), so a
         stop is heard while any of them waits.
 

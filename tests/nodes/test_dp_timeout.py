@@ -105,7 +105,7 @@ def test_a_replica_that_left_with_the_run_ends_the_others_wait_at_once_not_after
     out0 = _two_replicas(tmp_path, REPLICA.replace("L.DP_TIMEOUT_S = 3.0", "L.DP_TIMEOUT_S = 30.0"), "leave")
     left = [line for line in out0.splitlines() if line.startswith("left after")]
     assert left and left[0].endswith(": {1: 7}"), out0
-    assert float(left[0].split()[2].rstrip("s:")) < 5, left[0]  # not the 30 s timeout
+    assert float(left[0].split()[2].rstrip("s:")) < 15, left[0]  # not the 30 s timeout (15: a loaded machine took over 5)
 
 
 def test_a_replica_waiting_for_the_others_to_join_says_so_until_they_do(tmp_path):

@@ -206,7 +206,7 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
                 raise GraphError(f"placement file {placement}: group {gname!r}: {e}") from None
             if why := tcp_bind_error(bind):
                 raise GraphError(f"placement file {placement}: group {gname!r} bind {bind!r}: {why}")
-            if bind in binds and not bind.endswith(":*"):
+            if bind in binds and not _any_port(bind):
                 raise GraphError(f"placement file {placement}: groups {binds[bind]!r} and {gname!r} both bind {bind!r}: "
                                  f"one process per address (a port of its own each, or tcp://HOST:*)")
             binds[bind] = gname
@@ -275,6 +275,12 @@ def _read_toml(path: str, what: str) -> dict[str, Any]:
         return tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"{what} {path}: {e}") from e
+
+
+def _any_port(bind: str) -> bool:
+    """Whether a tcp ``bind`` takes any free port (``*`` or 0): groups may share such an address."""
+    port = bind.rpartition(":")[2]
+    return bind.startswith("tcp://") and (port == "*" or (port.isdigit() and int(port) == 0))
 
 
 def tcp_bind_error(bind: str, here: bool = False) -> str | None:

@@ -166,9 +166,11 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
     p = reactor("run", DEMO, "--placement", "actors", "--hosts", str(binary))
     assert (p.returncode, p.stderr) == (2, f"reactor: hosts file {binary}: 'utf-8' codec can't decode byte 0xff in "
                                            f"position 0: invalid start byte\n")
-    for i, bind in enumerate(("tcp://127.0.0.1:*", "tcp://127.0.0.1:0", "tcp://lo:*")):  # (any free port, an interface)
-        p = reactor("run", DEMO, "--placement", placement(f"ok{i}.toml", ('["*"]', bind)), "--set", "stop_s=0.05")
-        assert p.returncode == 0, (bind, p.stderr)
+    # Any free port (* or 0, which groups may share: each gets its own) and an interface's name are taken.
+    for i, groups in enumerate(((('["*"]', "tcp://127.0.0.1:*"),), (('["*"]', "tcp://lo:*"),),
+                                (('["producer*"]', "tcp://127.0.0.1:0"), ('["squarer*", "collector"]', "tcp://127.0.0.1:0")))):
+        p = reactor("run", DEMO, "--placement", placement(f"ok{i}.toml", *groups), "--set", "stop_s=0.05")
+        assert p.returncode == 0, (groups, p.stderr)
 
 
 def test_a_stop_time_past_every_tag_is_one_line_not_an_overflow_traceback():

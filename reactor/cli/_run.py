@@ -128,8 +128,11 @@ def _check_run_options(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"no {what} at {path!r}")
     if args.files:  # (they go beside the app on the other hosts, found by name: a --with ppo.py was run as apps/ppo.py)
         from ..launch._app import files_to_ship, shipped_files
+        from ..launch._forkserver import workers_here
 
-        shipped_files(files_to_ship(args.app, args.files, getattr(args, "replay", None)))
+        shipped_files(files_to_ship(args.app, args.files, getattr(args, "replay", None)),  # (one host: nothing goes)
+                      bounded=args.command == "submit" or args.hosts is not None
+                      or (args.placement != "single" and not workers_here(args.placement, None)))
     known = ("single", "processes", *sorted(POLICIES))
     if args.placement not in known and not Path(args.placement).is_file():
         if args.placement.endswith(".toml") or os.sep in args.placement:  # (meant as a file)

@@ -101,12 +101,15 @@ def compile_app(path: str | Path) -> None:
     compile(source, str(path), "exec")
 
 
-def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | None]]) -> dict[str, Path]:
+def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | None]],
+                  bounded: bool = True) -> dict[str, Path]:
     """The files a run over hosts or a submitted job ships, by the name each takes beside the app there.
     ``entries``: ``(what, path, name)``, the app first, then ``--with`` files, a placement or hosts file, a
     trace, key files; ``name`` None for the path's base name (a key file goes at the relative path its
     hosts file names, ``keys/h2.pub``). There, the app is loaded and every other file found by that name.
-    The same file named twice goes once.
+    The same file named twice goes once. With ``bounded`` (they go: a submit, a run over hosts), more than a
+    job carries (``FILES_MAX`` files, ``FILES_MAX_NBYTES`` bytes) is refused too; a run on one host ships
+    nothing, and its ``--with`` files may be as large as it likes.
 
     Raises:
         AppError: two different files would take one name (one would replace the other there: a
@@ -128,6 +131,8 @@ def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | Non
                            f"app on the other hosts, where files are found by name{instead}: rename one of them")
     # (Past the daemon's bounds, the daemon refused them: a submit said "bad request: 'submit' field 1: files:
     # 41945872 bytes in all, more than 33554432", exit 1, after sending them; a run over hosts, at its spawns.)
+    if not bounded:
+        return out
     if len(out) > FILES_MAX:
         raise AppError(f"{len(out)} files would be shipped (the app, --with, placement, hosts, key and trace files), more "
                        f"than the {FILES_MAX} a job carries: ship fewer (an archive the app unpacks, say)")

@@ -173,6 +173,22 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
         assert p.returncode == 0, (groups, p.stderr)
 
 
+def test_a_run_on_one_host_takes_with_files_past_a_jobs_bounds_as_it_ships_nothing(tmp_path):
+    """Regression: the bounds of what a job carries (32 MiB, 64 files: a submit's or a run over hosts' shipped
+    files) refused a run on one host, which ships nothing, a 33 MiB ``--with`` file; a placement file with
+    hosts of its own (no --hosts) still has them said before anything goes."""
+    big = tmp_path / "weights.bin"
+    with open(big, "wb") as f:  # (sparse: 33 MiB of nothing)
+        f.truncate(33 * 2**20)
+    for placement in ("single", "processes"):
+        p = reactor("run", DEMO, "--placement", placement, "--with", str(big), "--set", "stop_s=0.05")
+        assert p.returncode == 0, (placement, p.stderr)
+    over = tmp_path / "over.toml"  # (its daemon is never reached: the bound is said first)
+    over.write_text('[hosts]\nh1 = "tcp://127.0.0.1:1"\n[groups.a]\nreactors = ["*"]\nhost = "h1"\n')
+    p = reactor("run", DEMO, "--placement", str(over), "--with", str(big))
+    assert p.returncode == 2 and "more than the 32 MiB a job carries" in p.stderr, p.stderr
+
+
 def test_a_stop_time_past_every_tag_is_one_line_not_an_overflow_traceback():
     """Regression (a hostile pass): ``--stop-s 1e300`` (or ``--set stop_s=1e300``, or a timer's period) ended
     in an ``OverflowError`` traceback from the conversion to nanoseconds; a time of 2**62 ns or more is past

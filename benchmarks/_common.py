@@ -220,14 +220,14 @@ def output_to(path: str | os.PathLike[str], tail_lines: int = 30) -> Iterator[No
     log's last ``tail_lines`` lines are printed there under its path: the traceback, and what the runs
     said before it, are seen where the benchmark ran.
     """
+    handler = logging.FileHandler(path)  # (first: a log that cannot be opened changes nothing)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     sys.stdout.flush()
     sys.stderr.flush()
     saved = (os.dup(1), os.dup(2))
     stdout = sys.stdout
     sys.stdout = open(saved[0], "w", encoding=stdout.encoding, errors=stdout.errors, buffering=1,
                       closefd=False)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
     restored = False
     try:

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from benchmarks._common import (  # noqa: E402
     names_of,
     non_negative_int,
+    output_to,
     positive_float,
     positive_int,
     stop_process,
@@ -203,3 +204,15 @@ def test_a_ctrl_c_that_python_swallows_in_a_ctypes_callback_still_ends_the_bench
     p = subprocess.run([sys.executable, "-c", SWALLOWED, str(ROOT)], capture_output=True, text=True, timeout=60,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (p.returncode, p.stdout, p.stderr) == (130, "", "bench_x.py: interrupted; what it printed above is partial\n")
+
+
+def test_a_log_that_cannot_be_opened_leaves_stdout_and_the_descriptors_as_they_were(tmp_path):
+    """Regression: ``output_to`` moved ``sys.stdout`` to a copy of fd 1 (and made two copies) before it opened
+    its log: a ``--log`` in a missing directory raised there, leaving ``sys.stdout`` on the copy and both
+    copies open for good."""
+    fds = set(os.listdir("/proc/self/fd"))
+    stdout = sys.stdout
+    with pytest.raises(FileNotFoundError), output_to(tmp_path / "missing" / "runs.log"):
+        pass
+    assert sys.stdout is stdout
+    assert set(os.listdir("/proc/self/fd")) == fds

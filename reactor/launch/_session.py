@@ -5,11 +5,12 @@ run's start, supervises the run to its end, restarts groups by their policies (t
 It ends the run when every worker has finished (stop time reached), when one asks to stop, on
 SIGINT/SIGTERM, or on quiescence, detected by counting: when every worker reports idle and the
 messages sent and received add up, it probes all of them once more, and stops only if the
-counts are unchanged (a message in flight would show as a difference). After a restart too: a dead
-worker's counts leave the sums with it, and each live worker leaves out of its own what it sent to and
-received from a peer's earlier lives as it links to the new one (``Worker._forget``). Should the sums
-still not meet after a restart, it stops once every worker has stayed idle with unchanged counts over
-probe rounds for :data:`LOST_QUIET_S`, and says by how many they missed.
+counts are unchanged (a message in flight would show as a difference). After a restart the sums meet
+again (a dead worker's counts leave them with it, and each live worker leaves out of its own what it sent
+to and received from a peer's earlier lives as it links to the new one: ``Worker._forget``), but a dead
+life's message read late can offset one in flight: it stops once every worker has stayed idle with
+unchanged counts over probe rounds for :data:`LOST_QUIET_S`, and says by how many the sums missed if
+they do.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ FAILURE_STOP_S = 3.0  # after a worker failed, how long the others get to run th
 #: the interpreter): it is killed. (Its thread ends it within milliseconds of the bound otherwise.)
 HELD_GRACE_S = 2.0
 STOPPING_REPORT_S = 5.0  # after a Ctrl-C, how often the workers not yet ended are named
-#: After a restart whose sums of messages sent and received do not meet again (they do, once the live
-#: workers left their peers' earlier lives out: ``Worker._forget``), they cannot show a message in flight.
-#: Then the run is quiescent only once every worker has stayed idle, with no count moving, over probe
-#: rounds this long: one round alone once ended a loaded run whose learner was waiting for a reply still
-#: in flight.
+#: After a restart the sums of messages sent and received meet again (the live workers leave their peers'
+#: earlier lives out: ``Worker._forget``), but a dead life's message read late can offset one in flight,
+#: so they prove nothing. Then the run is quiescent only once every worker has stayed idle, with no count
+#: moving, over probe rounds this long: one round alone once ended a loaded run whose learner was waiting
+#: for a reply still in flight.
 LOST_QUIET_S = 2.0
 #: ... with a probe round at most this often meanwhile (a round takes a millisecond: not hundreds of them)
 QUIET_PROBE_S = 0.2
@@ -613,9 +614,10 @@ class _Session:
         sent = sum(s[2] for s in st.values())
         received = sum(s[3] for s in st.values())
         # After a restart the sums meet again (a dead life's counts left with its status, and each
-        # worker leaves its peers' earlier lives out of its own: Worker._forget). Where they do not
-        # (a message of a dead life delivered after its new life linked), every worker idle and the
-        # counts unchanged over probe rounds for lost_quiet_s is quiescence.
+        # worker leaves its peers' earlier lives out of its own: Worker._forget), but they are no proof:
+        # a dead life's message read after its new life linked (a peer's queue deep, its loop held) is
+        # one received that no live count sent, and it can offset one in flight. So after a restart
+        # every worker idle and the counts unchanged over probe rounds for lost_quiet_s is quiescence.
         if sent != received and not self.restarts.lives:
             self.probe_snapshot = None
             return False
@@ -635,9 +637,9 @@ class _Session:
                         return False
             return False
         if self.probe_snapshot == (sent, received):
-            if self.restarts.lives and sent != received:
-                # The sums cannot show a message in flight now: the same quiet over probe rounds for
-                # lost_quiet_s, not one round, ends the run.
+            if self.restarts.lives:
+                # The sums cannot prove that no message is in flight now (above): the same quiet over
+                # probe rounds for lost_quiet_s, not one round, ends the run.
                 now = time.monotonic()
                 if self.quiet_since is None or self.quiet_since[1] != (sent, received):
                     self.quiet_since = (now, (sent, received))
@@ -645,10 +647,10 @@ class _Session:
                     self.probe_snapshot = None  # probe again, in a while
                     self.next_probe_at = now + self.quiet_probe_s
                     return False
-                if sent > received:
+                if sent > received:  # (equal sums, the rule since Worker._forget, say nothing)
                     log.warning("the run went quiet with %d messages sent and never received (after a restart: "
                                 "a peer may wait on one of them)", sent - received)
-                else:
+                elif received > sent:
                     log.warning("the run went quiet; %d more messages were received than counted as sent (after a "
                                 "restart: a dead life's, delivered once its new life was linked)", received - sent)
             return True

@@ -884,6 +884,7 @@ from reactor._files import replacing
 ckpt, write_s = sys.argv[1], float(sys.argv[2])
 W.ORPHAN_GRACE_S = 0.3
 signal.signal(signal.SIGTERM, lambda *_: None)  # (a worker's loop takes its SIGTERM: a clean stop it begins)
+W.DEATH_SIGNAL = signal.SIGTRAP  # (its alarm: 5 s, not SIGUSR2's 12; the mechanism is the same)
 W._die_with_parent()
 print("STARTED", flush=True)
 while os.getppid() == int(sys.argv[3]):
@@ -904,13 +905,11 @@ def test_an_orphaned_worker_past_its_bound_waits_for_the_checkpoint_it_writes_pa
     """Regression: a worker whose parent died (its coordinator killed; under Slurm's scancel, its daemon's fork
     server ended by the same SIGTERM) left ``ORPHAN_GRACE_S`` after, cutting the final checkpoint it was
     writing then (a failed or SIGTERM'd worker's bound waits for it). It is waited for now, at most
-    ``FAILED_SAVE_S`` more, the parent-death alarm (``DEATH_SIGNAL``: 12 s) moved past the wait: the write
-    here takes 13 s."""
-    from reactor.launch._worker import DEATH_SIGNAL
-
+    ``FAILED_SAVE_S`` more, the parent-death alarm (``DEATH_SIGNAL``: 12 s; SIGTRAP's 5 s here) moved past
+    the wait: the write here takes 6 s."""
     ckpt = tmp_path / "learner.pt"
     ckpt.write_bytes(b"old")
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, _ORPHAN_WORKER, str(ckpt), str(DEATH_SIGNAL + 1)],
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, _ORPHAN_WORKER, str(ckpt), str(signal.SIGTRAP + 1)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                               env=_env(tmp_path))
     assert parent.stdout.readline() == "STARTED\n"

@@ -60,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("trace", help="inspect trace files", description="Show or compare recorded schedules.")
     tsub = t.add_subparsers(dest="trace_command", required=True)
-    ts = tsub.add_parser("show", help="summarize a trace")
+    ts = tsub.add_parser("show", help="summarize a trace",
+                         description="Print a recorded schedule's events, reactor by reactor.")
     ts.add_argument("trace", help="a trace file (reactor run --async --record)")
-    ts.add_argument("--limit", type=_count_arg, default=20, help="events listed per reactor")
+    ts.add_argument("--limit", type=_count_arg, default=20, help="events listed per reactor (default 20)")
     td = tsub.add_parser("diff", help="first divergence per reactor between two traces",
                          description="Print the first divergence per reactor between two traces; exit status 0 "
                                      "when they are identical, 1 when they differ (as diff's).")
@@ -88,9 +89,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="record each episode as an MP4 in DIR (gymnasium's RecordVideo; pip install 'reactor[video]')")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    k = sub.add_parser("keys", help="CURVE keys for daemons and clients")
+    k = sub.add_parser("keys", help="CURVE keys for daemons and clients",
+                       description="Make the CURVE keys that daemons and their clients authenticate each other with.")
     ksub = k.add_subparsers(dest="keys_command", required=True)
-    ki = ksub.add_parser("init", help="make a key directory: key, key.pub, authorized/")
+    ki = ksub.add_parser("init", help="make a key directory: key, key.pub, authorized/",
+                         description="Make a key directory: a key pair (key, key.pub) and authorized/, where the "
+                                     "key.pub files of the clients and daemons it accepts go.")
     ki.add_argument("dir", nargs="?", default=None, help="default: $REACTOR_KEYS or ~/.reactor/keys")
 
     d = sub.add_parser("daemon", help="host jobs on this machine", description="A long-lived daemon hosting jobs.")
@@ -135,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                                  "key: a cluster key)" if submit else "the daemon's key.pub, or its Z85 text (default: "
                                  "your own key: a cluster key)")
         parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
-        parser.add_argument("--timeout-s", type=_answer_seconds, default=10.0, help="how long to wait for each answer")
+        parser.add_argument("--timeout-s", type=_answer_seconds, default=10.0, help="how long to wait for each answer (default 10)")
 
     sl = sub.add_parser("slurm", help="run an app on a Slurm allocation: sbatch starts a daemon per node",
                         description="Submit an app to Slurm: one reactor daemon per node (or per task) started by "
@@ -164,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     ry.add_argument("--cpus-per-daemon", type=float, default=1.0, help="CPUs each daemon reserves (default 1)")
     ry.add_argument("--max-restarts", type=int, default=3, help="Ray's restarts of a daemon actor that dies")
 
-    k8 = sub.add_parser("k8s", help="Kubernetes manifests: a StatefulSet of daemons and a Job running the app")
+    k8 = sub.add_parser("k8s", help="Kubernetes manifests: a StatefulSet of daemons and a Job running the app",
+                        description="Kubernetes manifests that run an app over a StatefulSet of reactor daemons.")
     k8sub = k8.add_subparsers(dest="k8s_command", required=True)
     kr = k8sub.add_parser("render", help="print the manifests (kubectl apply -f - takes them)",
                           description="Fill in reactor/launch/kubernetes/: a Secret with a CURVE key pair made now, "
@@ -208,19 +213,26 @@ def _parser() -> argparse.ArgumentParser:
                          "the daemon's host is checked (files, placement name or TOML, the app's syntax, the --set syntax, "
                          "restart) and the --set keys and values, where the app imports here")
     client(su, submit=True)
-    st = sub.add_parser("status", help="a daemon's jobs, or one job")
+    st = sub.add_parser("status", help="a daemon's jobs, or one job",
+                        description="Print a line for each of a daemon's jobs (and each run it hosts workers of), or "
+                                    "one job's line with its groups and workers.")
     st.add_argument("job", nargs="?", default=None, type=_job_arg,
                     help="a job id (what submit printed): the job and its groups; none: a line for each of the "
                          "daemon's jobs and each run it hosts workers of")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     client(st)
-    lg = sub.add_parser("logs", help="a job's output, or one of its groups' on another host")
+    lg = sub.add_parser("logs", help="a job's output, or one of its groups' on another host",
+                        description="Print a job's output (its run's lines), or the output of one of its groups' "
+                                    "workers from the daemon of that group's host.")
     lg.add_argument("job", type=_job_arg, help="a job id (what submit printed)")
     lg.add_argument("group", nargs="?", default=None,
                     help="a group of a job over hosts: its worker's output, from the daemon of its host")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     client(lg)
-    sp = sub.add_parser("stop", help="stop a job (SIGTERM to its run, SIGKILL after a grace period)")
+    sp = sub.add_parser("stop", help="stop a job (SIGTERM to its run, SIGKILL after a grace period)",
+                        description="Ask a daemon to stop a job: its run stops its workers cleanly (their final "
+                                    "checkpoints, the summary); a run that has not ended after a grace period is "
+                                    "ended at once.")
     sp.add_argument("job", type=_job_arg, help="a job id (what submit printed)")
     client(sp)
     return p

@@ -438,6 +438,29 @@ def test_help_for_each_command():
         assert p.returncode == 0 and "usage: reactor" in p.stdout
 
 
+def test_every_command_help_has_a_description():
+    """Regression (a newcomer's walk): `reactor status`, `logs`, `stop` and `keys` --help showed the usage and
+    the options with no line of what the command does, and --timeout-s did not say its default."""
+    import argparse
+
+    from reactor.cli._args import _parser
+
+    def commands(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield [*path, name], sub
+                    yield from commands(sub, [*path, name])
+
+    found = dict((" ".join(path), sub) for path, sub in commands(_parser(), []))
+    assert {"status", "logs", "stop", "keys", "keys init", "trace show"} <= found.keys()
+    assert [name for name, sub in found.items() if not sub.description] == []
+    p = reactor("stop", "--help")  # (the command itself prints it)
+    text = " ".join(p.stdout.split())
+    assert p.returncode == 0 and found["stop"].description in text, text
+    assert "how long to wait for each answer (default 10)" in text
+
+
 def test_the_job_commands_help_finds_the_daemon_only_where_the_command_can():
     """Regression (a newcomer's pass, session 54): the --daemon help of status, logs and stop said "default:
     the head host of --placement/--hosts", options those commands do not have."""

@@ -5,7 +5,8 @@ what the algorithm returns; resumes it from ``run_dir/learner.pt`` (``resume=Tru
 the run's own optimizer settings; writes ``config.json``, what rebuilds the policy; saves ``learner.pt``
 atomically every ``checkpoint_every`` updates (a save that fails mid-run is tried again at the next, one
 at the run's end fails the run); and at shutdown saves the last checkpoint and the final weights' hash,
-unless an error cut an update short once it had changed the networks. The subclasses
+unless an error cut an update short once it had changed the networks, and its final update count for the
+run's summary (``learner.json``: :mod:`reactor.nodes._learnerend`). The subclasses
 (:class:`~reactor.nodes.learner.Learner`, :class:`~reactor.nodes.learner.RolloutLearner`,
 :class:`~reactor.nodes.offline.OfflineLearner`) hold the ports and the reactions; the data-parallel
 bank is :mod:`reactor.nodes._learnerbank`'s.
@@ -26,6 +27,7 @@ from .._runclaim import check_resumable, claim_run_dir, release_run_dir
 from ._contract import check_policy_weights, check_state_dict
 from ._device import LearnStep, resolve_device, takes_device
 from ._learnerbank import _LearnerBank, _optimizers, _say
+from ._learnerend import LearnerEnd
 from ._registry import check_saved_weights, denormals_flushed, error_line, state_sha256, weights_sha256
 from .train_messages import Weights
 
@@ -104,6 +106,9 @@ class _LearnerBase(_LearnerBank):
                 "weights; the replay and the actors' schedules go on from theirs", self.name, self.run_dir)
         if self.ckpt is not None and self.bank_index == 0:
             self._write_config()
+            # Its final count, for the run's summary (_learnerend): held from here, where its start can no
+            # longer be refused (a refused start leaves the run directory as it was).
+            self._end = LearnerEnd(self.ckpt.parent, self.name)
 
     #: An update under way (:meth:`_learning`): set as ``learn`` begins, cleared once it has returned and
     #: been counted; left set by one an error cut short.
@@ -252,11 +257,18 @@ class _LearnerBase(_LearnerBank):
                 "at the next checkpoint", self.name, self.ckpt, self.updates, why, self._failed_saves, kept)
 
     def _finish(self) -> None:
-        """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir); then
-        the run directory's claim goes."""
+        """At shutdown: a last checkpoint, and the final weights' hash (printed, and in run_dir); then the
+        final count for the run's summary (``learner.json``), and the run directory's claim goes."""
         try:
             self._finish_files()
         finally:
+            end: LearnerEnd | None = getattr(self, "_end", None)
+            if end is not None:
+                try:
+                    if hasattr(self, "state"):
+                        end.write(self.run_id, self.name, self.updates)
+                finally:
+                    end.close()
             release_run_dir(self)
 
     def _finish_files(self) -> None:

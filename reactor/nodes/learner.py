@@ -503,7 +503,8 @@ class Learner(_LearnerBase):
     def _report_if_done(self) -> None:
         """The last report once no update can come (the replay answered Exhausted, or the bank ended)
         and none is due: reports go every ``report_every`` updates, and one sent at shutdown would not
-        be delivered, so without it the run's summary would miss up to ``report_every - 1`` updates."""
+        be delivered, so without it the live figures and metrics.csv would miss up to ``report_every - 1`` updates (the
+        summary takes the learner's own count: :mod:`reactor.nodes._learnerend`)."""
         if (self.client.exhausted or self.bank_ended) and not self._due and not self._held:
             self._send_report()
 

@@ -21,7 +21,9 @@ source, sums counters over sources, and
 * shows a live table (rich) when stdout is a terminal, or a progress line every few seconds;
 * asks the run to stop when an evaluation reaches ``target_return`` or the actors' total env steps
   reach ``max_env_steps``;
-* at shutdown writes ``RUN_DIR/summary.json`` and the learning-curve plot ``RUN_DIR/curves.png``.
+* at shutdown writes ``RUN_DIR/summary.json`` and the learning-curve plot ``RUN_DIR/curves.png``; the
+  summary's ``updates`` is the learner's own final count (``RUN_DIR/learner.json``, which it waits for while
+  the learner's shutdown runs in another process: :mod:`reactor.nodes._learnerend`), not its last report's.
 
 Wall-clock figures (``wall_s``, rates) are for people: no other node sees them, so deterministic
 runs stay deterministic. ``wall_s`` counts from the end of this process's startup (every reactor's
@@ -52,6 +54,7 @@ from .._files import read_small_json, refuse_file_links, replace_small
 from .._graph import plain_name
 from .._reactor import Action, Input, Reactor, reaction, shutdown, startup
 from .._runclaim import claim_run_dir, release_run_dir
+from ._learnerend import learner_end
 from .plot import MAX_LINE_CHARS  # (a longer line, of an edited file, is passed over, never read whole)
 from .train_messages import Report
 
@@ -320,11 +323,29 @@ class Metrics(Reactor):
         self.budget_base = float(data.get("budget_base", 0)) if self.restarts > 0 else self.totals["env_steps"]
 
     @reaction(triggers=[shutdown])
-    def close_logs(self) -> None:
+    async def close_logs(self) -> None:
         try:
+            if hasattr(self, "dir"):
+                await self._take_learner_end()
             self._close_logs()
         finally:
             release_run_dir(self)
+
+    async def _take_learner_end(self) -> None:
+        """The learner's final update count, from ``learner.json`` (:mod:`reactor.nodes._learnerend`), in the
+        totals as its last report: its reports come every ``report_every`` updates and one sent at shutdown
+        is not delivered, so the summary counted the last one's (300 of a stopped run's 353). Waited for
+        (while its shutdown runs in another process) unless this run failed or this process was ended from
+        outside: a failed life's survivors have seconds to end (a restart policy's next life of this node
+        waits for them), and a SIGTERM holds a shutdown 10 s at most."""
+        end = await learner_end(self.dir, self.run_id, wait=self.stopped_by not in ("failure", "terminated"),
+                                who=self.name)
+        if end is None:
+            return
+        src, updates = end
+        before = self.latest.get(src, {})
+        self.totals["updates"] += updates - float(before.get("updates", 0.0))  # (FROM_CHECKPOINT: the difference)
+        self.latest[src] = {**before, "updates": float(updates)}
 
     def _close_logs(self) -> None:
         if not hasattr(self, "display") or (self.stopped_by == "failure" and not self.recorded):

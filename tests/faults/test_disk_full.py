@@ -89,8 +89,8 @@ def test_a_learners_checkpoint_on_a_full_disk_is_said_and_tried_again_and_fails_
                        f"next checkpoint")
     assert "at update 12 (No space left on device; 11 failed tries so far)" in said[1]
     assert ckpt.read_bytes() == saved
-    assert sorted(p.name for p in (small_disk / "run").iterdir()) == ["config.json", "learner.pt", "run.json",
-                                                                       "run.lock"]
+    assert sorted(p.name for p in (small_disk / "run").iterdir()) == ["config.json", "learner.json", "learner.pt",
+                                                                       "run.json", "run.lock"]
     with pytest.raises(OSError, match=rf"^Learner: cannot save {ckpt} at the run's end \(No space left on device\); "
                                       r"learner.pt holds the last one saved, at update 1$") as caught:
         learner._maybe_checkpoint(force=True)

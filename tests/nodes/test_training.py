@@ -610,6 +610,30 @@ def test_a_learner_whose_update_an_error_cut_short_keeps_its_last_checkpoint_not
         in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("placement", ["single", pytest.param("processes", marks=pytest.mark.slow)])
+@pytest.mark.timeout(300)  # (processes: ~60 s on a loaded 2-core machine)
+def test_a_stopped_runs_summary_and_result_line_count_every_update_of_the_learner(tmp_path, capfd, placement):
+    """Regression (a newcomer's walk): the summary and the result line counted the updates of the learner's last
+    report, sent every 100 (one sent at shutdown is not delivered): a job stopped with `reactor stop` said "the
+    run ended at update 300" where the learner made 353. They take the learner's own final count
+    (``learner.json``), also where the learner's shutdown runs in a process of its own."""
+    from reactor.nodes.training import off_policy_graph
+
+    run_dir = tmp_path / "run"
+    r = run(off_policy_graph(algo="tests.nodes.linear_q", env="CartPole-v1", run_dir=str(run_dir), actors=1, shards=1,
+                             min_size=200, samples_per_insert=8.0, batch_size=32, eval_every_updates=100,
+                             eval_episodes=2, max_env_steps=100_000, capacity=10_000, live=False),
+            placement=placement, stop_s=0.0009)  # (logical: 750 env steps, 166 updates)
+    assert r.stopped_by == "stop_time"
+    out = capfd.readouterr().out
+    learned = re.findall(r"^learner: (\d+) updates; final weights", out, re.M)
+    assert len(learned) == 1, out
+    updates = int(learned[0])
+    assert updates % 100, updates  # (between two reports: what the summary missed)
+    assert _summary(run_dir)["updates"] == updates == torch.load(run_dir / "learner.pt", weights_only=True)["updates"]
+    assert f"the run ended at update {updates:,} and " in out, out
+
+
 def test_a_run_stopped_by_its_budget_says_how_old_its_last_evaluation_is(tmp_path, capsys):
     """Regression: a run that stops on its budget stops between evaluations, and its result line gave the
     last periodic figure as the run's (up to eval_every_updates old) without a word. The line and the summary

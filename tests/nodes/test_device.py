@@ -169,5 +169,5 @@ def test_reactor_run_with_device_cuda_on_a_host_without_cuda_says_so_in_one_line
                          capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
-        "reactor: learner: device='cuda' needs CUDA, and torch.cuda.is_available() is False on this host; "
+        "reactor: --set device=cuda: learner: device='cuda' needs CUDA, and torch.cuda.is_available() is False on this host; "
         "use device='cpu'"], out.stderr

@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
     ev.add_argument("--seed", type=_seed_arg, default=0, help="the episodes' env seed (default 0)")
     ev.add_argument("--video", default=None, metavar="DIR",
-                    help="record each episode as an MP4 in DIR (gymnasium's RecordVideo; pip install 'reactor[video]')")
+                    help="record each episode as an MP4 in DIR (gymnasium's RecordVideo; pip install -e '.[video]' in "
+                         "reactor's checkout)")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
 
     k = sub.add_parser("keys", help="CURVE keys for daemons and clients",

@@ -202,7 +202,8 @@ def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str
         import moviepy  # noqa: F401  (RecordVideo writes with it)
         import pygame  # noqa: F401  (gymnasium's classic-control envs render with it)
     except ImportError as e:
-        raise ValueError(f"--video needs moviepy and pygame ({e}): pip install 'reactor[video]'") from e
+        raise ValueError(f"--video needs moviepy and pygame ({e}): in reactor's checkout, pip install -e '.[video]' "
+                         f"(or pip install moviepy pygame)") from e
     # An env that renders no frames (the guide's Chain) failed inside gymnasium with some 40 lines of
     # traceback ("Chain() takes no arguments ... render_mode='rgb_array'"): its metadata says so first.
     probe = make_env(policy.env)

@@ -274,6 +274,18 @@ def test_a_state_learner_pt_could_not_give_back_is_refused_at_the_learners_start
     check_state_dict(mine, {"a": [1, 2.0, "x", None, (torch.ones(1),)], 3: True})
 
 
+def test_a_video_without_moviepy_says_how_to_install_it_from_the_checkout(tmp_path, dqn_run, monkeypatch):
+    """Regression (a newcomer's walk): the hint said ``pip install 'reactor[video]'``, which asks PyPI for
+    a project named reactor (not this one, which is installed from its checkout)."""
+    from reactor.nodes._policy import evaluate_policy
+
+    monkeypatch.setitem(sys.modules, "moviepy", None)  # (its import raises ImportError)
+    with pytest.raises(ValueError, match=r"^--video needs moviepy and pygame \(.*\): in reactor's checkout, "
+                                         r"pip install -e '\.\[video\]' \(or pip install moviepy pygame\)$"):
+        evaluate_policy(reactor.load_policy(dqn_run), 1, video_dir=tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+
+
 def test_reactor_eval_video_of_an_env_that_renders_no_frames_is_one_line(tmp_path, monkeypatch):
     """Regression (a newcomer's pass over the guide, section 5): ``reactor eval RUN --video DIR`` on the
     guide's own kind of env (a Chain with no render support) ended in ~40 lines of traceback ending

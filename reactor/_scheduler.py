@@ -257,14 +257,14 @@ class ReactorHost:
         self.received_count = 0
         # ... and by process: a worker forgets what it counted with a peer's earlier lives once it links
         # to the next (restart policies: launch/_worker.py, Worker._forget), so the run's sums stay exact.
+        # received_from is also the n of deterministic promises (refresh()): those runs never restart.
         self.sent_to: Counter[str] = Counter()
         self.received_from: Counter[str] = Counter()
         self._in_shutdown = False
         # Conditional promises (deterministic mode across processes, see refresh()): per upstream
-        # process its latest promise (U, D, n); messages received from each process; arrival tags of
-        # messages sent to each downstream process that it had not yet received when it last promised.
+        # process its latest promise (U, D, n); arrival tags of messages sent to each downstream process
+        # that it had not yet received when it last promised (messages received from each: received_from).
         self._cond: dict[str, tuple[Tag, _Dist | None, int]] = {}
-        self._recv_from: dict[str, int] = {}
         self._recv_min: dict[str, Tag] = {}  # per upstream: earliest tag received since our last promise to it
         self._inflight: dict[str, deque[Tag]] = {}
         self._inflight_base: dict[str, int] = {}
@@ -486,7 +486,7 @@ class ReactorHost:
                     c = _after(hq, d)
                     if c < u:
                         u = c
-            out[p] = (u, entry.get(p, {}).get(p), self._recv_from.get(p, 0))
+            out[p] = (u, entry.get(p, {}).get(p), self.received_from[p])
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -564,7 +564,6 @@ class ReactorHost:
                 raise ReactorInternalError(
                     f"process {src!r} sent {lk.src}.{lk.src_port} -> {lk.dst}.{lk.dst_port} at {tag} after promising "
                     f"nothing before {self.horizons[src]} (a promise computed too high)")
-            self._recv_from[src] = self._recv_from.get(src, 0) + 1  # the n and a of our next promise to it
             m = self._recv_min.get(src)
             if m is None or tag < m:
                 self._recv_min[src] = tag

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -148,12 +148,20 @@ def _cast(src: np.dtype[Any], dst: np.dtype[Any]) -> str:
     return "values"
 
 
+def _first_unfit_f16(value: np.ndarray, limit: float) -> int:
+    """``_nb_first_unfit`` of float16 values, which numba does not take: looked at as float32 (exact:
+    every float16, inf and NaN included, is a float32)."""
+    return int(_nb_first_unfit(value.astype(np.float32), limit))
+
+
 def _first_unfit(value: np.ndarray, limit: float) -> int:
-    """``_nb_first_unfit`` for any float or int dtype: numba has no float16, so float16 values are looked
-    at as float32 (exact: every float16, inf and NaN included, is a float32)."""
-    if value.dtype == np.float16:
-        value = value.astype(np.float32)
-    return int(_nb_first_unfit(value, limit))
+    """``_nb_first_unfit`` for any float or int dtype (:func:`_unfit_check` picks it once per dtype)."""
+    return int(_unfit_check(value.dtype)(value, limit))
+
+
+def _unfit_check(src: np.dtype[Any]) -> Callable[[np.ndarray, float], int]:
+    """The kernel that finds the first unfit value of ``src`` values."""
+    return _first_unfit_f16 if src.char == "e" else _nb_first_unfit
 
 
 @functools.cache
@@ -329,9 +337,9 @@ class Writer:
                 )
         self._np_dtypes: dict[str, np.dtype[Any]] = twins  # type: ignore[assignment]
         # Per float field, the dtype its values last came in and the magnitude from which they are not
-        # finite in the field (_unfit_limit; None: none can be).
-        self._unfit: dict[str, tuple[np.dtype[Any] | None, float | None]] = dict.fromkeys(
-            (n for n, dt in twins.items() if dt is not None and dt.kind == "f"), (None, None))
+        # finite in the field (_unfit_limit; None: none can be), and the kernel that looks (_unfit_check).
+        self._unfit: dict[str, tuple[np.dtype[Any] | None, float | None, Any]] = dict.fromkeys(
+            (n for n, dt in twins.items() if dt is not None and dt.kind == "f"), (None, None, None))
         # numba's first kernel in a process sets up its compiler context before it loads the cached code
         # (~0.5 s: its registries' imports): paid here, as the writer is made (an actor's startup), not at
         # the first step, inside the run's clock, holding every reaction of the process back. (float64: the
@@ -439,11 +447,11 @@ class Writer:
                 values[name] = v = v[idx]
             unfit = self._unfit.get(name)  # (a float field; inline, its limit cached: every such field every step)
             if unfit is not None:
-                src, limit = unfit
+                src, limit, first_unfit = unfit
                 if src is not v.dtype:
-                    limit = _unfit_limit(v.dtype, dt)
-                    self._unfit[name] = (v.dtype, limit)
-                if limit is not None and _first_unfit(v, limit) >= 0:
+                    limit, first_unfit = _unfit_limit(v.dtype, dt), _unfit_check(v.dtype)
+                    self._unfit[name] = (v.dtype, limit, first_unfit)
+                if limit is not None and first_unfit(v, limit) >= 0:
                     _say_unfit(f"field {name!r}", v, dt, streams)
         finals: dict[str, np.ndarray] = {}
         if ended.any():

@@ -84,8 +84,8 @@ class QNetwork(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         # The layers' functions on their parameters, not the submodules' __call__ (hook checks each): the
-        # same kernels on the same tensors, so the same bits, with ~40% less time per forward of the
-        # acting batches (2-10 observations), where Python is most of it. An update runs three.
+        # same kernels on the same tensors, so the same bits, with ~13% less time per act on 2-10
+        # observations, where Python is most of it (docs/benchmarks.md, session 61).
         first, _, second, _ = self.torso
         h = F.relu(F.linear(F.relu(F.linear(obs, first.weight, first.bias)), second.weight, second.bias))
         a = F.linear(h, self.advantage.weight, self.advantage.bias)

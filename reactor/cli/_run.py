@@ -41,9 +41,9 @@ def _check_devices_here(graph: Any, args: argparse.Namespace) -> None:
     CUDA device or a replay's GPU memory that this host cannot give is refused before anything starts, naming
     the ``--set`` item that asked for it. (It was refused in the node's startup, after the workers had started
     and made the run directory.) Over hosts, the node's own host may have the GPU: its startup says."""
-    from ..launch._forkserver import workers_here
+    from ..launch._forkserver import over_hosts
 
-    if args.hosts is not None or (args.placement != "single" and not workers_here(args.placement, None)):
+    if over_hosts(args.placement, args.hosts):
         return
     if not any(isinstance(v, str) and v.startswith(("cuda", "pinned")) for n in graph.nodes.values()
                for v in (getattr(n.prototype, "device", None), getattr(n.prototype, "memory", None))):
@@ -128,11 +128,10 @@ def _check_run_options(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"no {what} at {path!r}")
     if args.files:  # (they go beside the app on the other hosts, found by name: a --with ppo.py was run as apps/ppo.py)
         from ..launch._app import files_to_ship, shipped_files
-        from ..launch._forkserver import workers_here
+        from ..launch._forkserver import over_hosts
 
         shipped_files(files_to_ship(args.app, args.files, getattr(args, "replay", None)),  # (one host: nothing goes)
-                      bounded=args.command == "submit" or args.hosts is not None
-                      or (args.placement != "single" and not workers_here(args.placement, None)))
+                      bounded=args.command == "submit" or over_hosts(args.placement, args.hosts))
     known = ("single", "processes", *sorted(POLICIES))
     if args.placement not in known and not Path(args.placement).is_file():
         if args.placement.endswith(".toml") or os.sep in args.placement:  # (meant as a file)

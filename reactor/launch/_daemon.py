@@ -63,7 +63,7 @@ from .._files import open_regular, read_small_json, replace_small
 from .._floodlog import flood_logged, flood_tally
 from ..transport._shm import _pid_start_time, owner_alive
 from ._daemonclient import DaemonClient, DaemonKeyError, DaemonSilentError, job_spec
-from ._forkserver import TRAINING_PRELOAD, Forks, workers_here
+from ._forkserver import TRAINING_PRELOAD, Forks, over_hosts
 from ._hosting import (
     END_GRACE_S,
     FORGET_AFTER_S,
@@ -452,7 +452,7 @@ class Daemon:
         started.append(proc)
         pid, start = proc.pid, _pid_start_time(proc.pid) or 0
         # (over hosts: a hosts file, or a placement file naming hosts; `reactor logs JOB GROUP` tells its groups apart)
-        over = spec["hosts"] is not None or (placement != spec["placement"] and not workers_here(placement, None))
+        over = over_hosts(placement, spec["hosts"])
         job = _Job({"id": job_id, "app": spec["app"], "placement": spec["placement"], "config": spec["config"],
                     "restart": spec["restart"], "over_hosts": over, "sha256": spec["sha256"], "spec_sha256": digest,
                     "state": "running", "pid": pid, "pid_start": start, "submitted_at": time.time(), "ended_at": None,

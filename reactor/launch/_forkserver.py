@@ -798,6 +798,12 @@ def workers_here(placement: Any, hosts: Any) -> bool:
     return "hosts" not in data  # [hosts], [hosts.NAME] or an inline table alike
 
 
+def over_hosts(placement: Any, hosts: Any) -> bool:
+    """Whether a run goes over hosts: a hosts file, or a placement file naming hosts (its ``[hosts]``
+    table). (Not the same as ``not workers_here``: a ``single`` run starts no workers anywhere.)"""
+    return hosts is not None or (placement != "single" and not workers_here(placement, None))
+
+
 def preload_for(graph: Any) -> Sequence[str]:
     """What a run's server preloads: a graph with a learner also imports what a learner and Metrics
     import at startup."""

@@ -168,10 +168,10 @@ async def run_async(
                    restart=restart, hosts=hosts)
     if placement != "single" and app is not None and (with_files or replay is not None):
         from ._app import files_to_ship, shipped_files
-        from ._forkserver import workers_here
+        from ._forkserver import over_hosts
 
         # (over hosts they go by name: two of one name, refused now; and past a job's bounds, where they go)
-        shipped_files(files_to_ship(app, with_files, replay), bounded=hosts is not None or not workers_here(placement, None))
+        shipped_files(files_to_ship(app, with_files, replay), bounded=over_hosts(placement, hosts))
     if stop_s is not None and replay is not None:  # (it was ignored in silence)
         raise ValueError("stop_s (--stop-s) does not apply to a replay: it ends where its recording did")
     stop_ns = seconds_to_ns(stop_s, "stop_s") if stop_s is not None else graph.stop_ns

@@ -116,13 +116,14 @@ def cuda_refusal(graph: Any) -> tuple[str, str] | None:
 
     for name, node in graph.nodes.items():
         p = node.prototype
+        learner = isinstance(p, (Learner, RolloutLearner, OfflineLearner))
+        if not learner and not isinstance(p, Replay):
+            continue
+        value = p.device if learner else p.memory
         try:
-            if isinstance(p, (Learner, RolloutLearner, OfflineLearner)):
-                resolve_device(p.device, name)
-            elif isinstance(p, Replay):
-                check_memory(p.memory, f"Replay {name!r}")
+            resolve_device(value, name) if learner else check_memory(value, f"Replay {name!r}")
         except ValueError as e:
-            return str(e), p.device if isinstance(p, (Learner, RolloutLearner, OfflineLearner)) else p.memory
+            return str(e), value
     return None
 
 

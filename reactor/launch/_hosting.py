@@ -275,10 +275,11 @@ def list_run_files(directory: Path, max_files: int = RUN_FILES_MAX, max_nbytes: 
 
 
 def end_processes_in(directory: Path) -> int:
-    """SIGKILL every process of this user running reactor (its command line says so) whose working directory
-    is ``directory`` or under it, with its process group where it leads one; return how many there were. For a job a daemon forked but had not
-    recorded when it was killed (``Daemon._load_jobs``): nothing else names its processes (a forked job's
-    command line is its fork server's), but each runs in its job's ``app/``, as the workers it starts do."""
+    """SIGKILL every process of this user running reactor (its command line says so) whose working
+    directory is ``directory`` or under it, with its process group where it leads one; return how many
+    there were. For a job a daemon forked but had not recorded when it was killed (``Daemon._load_jobs``):
+    nothing else names its processes (a forked job's command line is its fork server's), but each runs in
+    its job's ``app/``, as the workers it starts do."""
     found = 0
     uid = os.getuid()
     for entry in Path("/proc").glob("[0-9]*"):

@@ -545,8 +545,9 @@ class Worker:
         ``group``'s earlier lives, or sent to it while it was down (dropped), as it links to a new life:
         what they sent and received left the coordinator's sums with them (it drops a dead worker's
         status), so the sums of the run's live workers meet again once nothing is in flight between
-        them. Left in, they never met after a restart (a dead life's messages received, its count of
-        them gone), and the run ended on a quiet held for ``LOST_QUIET_S``, not on its counts."""
+        them, and a difference after a restart says a message is lost or late (the coordinator's warning
+        as the run goes quiet). Left in, they never met after a restart (a dead life's messages received,
+        its count of them gone), and every such run ended on a warning of hundreds of messages."""
         h = self.host
         if sent:
             self.forgot[0] += h.sent_to.pop(group, 0)

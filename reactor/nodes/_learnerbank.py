@@ -452,10 +452,9 @@ async def _meet_bank(bank: Any, me: int, size: int, life_of_process: int, name: 
             raise PeerLostError(f"{name}: the bank's rendezvous store ({where}) failed while the data-parallel "
                                 f"learners met: {_first_line(e)}") from e
 
-    life, members = await _await_threads([meet], name, stopping, DP_JOIN_TIMEOUT_S + DP_TIMEOUT_S,
-                                         f"{name}: the bank's rendezvous store ({where}) did not answer while the "
-                                         f"data-parallel learners met (within {DP_JOIN_TIMEOUT_S + DP_TIMEOUT_S:.0f} s)")
-    return life, members
+    return await _await_threads([meet], name, stopping, DP_JOIN_TIMEOUT_S + DP_TIMEOUT_S,
+                                f"{name}: the bank's rendezvous store ({where}) did not answer while the "
+                                f"data-parallel learners met (within {DP_JOIN_TIMEOUT_S + DP_TIMEOUT_S:.0f} s)")
 
 
 def _meet(bank: Any, me: int, size: int, life_of_process: int, name: str, where: str, over: threading.Event,
@@ -495,8 +494,9 @@ async def _await_threads(works: list[Callable[[threading.Event], Any]], name: st
     """Run each of ``works`` on a daemon thread of its own, and await here the first to end: what it
     returned, or what it raised. Every ``DP_POLL_S`` meanwhile, ``stopping()`` (what the loop alone hears:
     the run is ending) raises :class:`_RunStopping` naming ``name``, and past ``timeout_s`` (None: no
-    bound) :class:`PeerLostError` says ``late``; a cancellation (the worker's SIGTERM) ends the wait too. However the wait ends, the event each work is given is set (a polling work ends at
-    its next poll); a work that waits in C (a store's request, a group's forming) cannot be stopped: it is
+    bound) :class:`PeerLostError` says ``late``; a cancellation (the worker's SIGTERM) ends the wait too.
+    However the wait ends, the event each work is given is set (a polling work ends at its next poll); a
+    work that waits in C (a store's request, a group's forming) cannot be stopped: it is
     left to end with the process (a daemon, waited for by nothing; what it ends with is dropped).
 
     The store's requests and the other replicas are waited on this way, never on the loop: a store that

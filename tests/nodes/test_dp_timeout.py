@@ -203,13 +203,22 @@ def test_a_banks_replicas_meet_in_one_life_and_every_new_life_of_a_replica_moves
         def come(i: int, process: int) -> asyncio.Task:
             return asyncio.ensure_future(_meet_bank(bank, i, 3, process, f"learner[{i}]", "a test store"))
 
+        async def until(*keys: str, life: int = 0) -> None:  # (the meeting runs on threads: their order is
+            for _ in range(1000):                            # the store's, so the test waits on the store)
+                if bank.check(list(keys)) and int(bank.add("life", 0)) >= life:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"the store never held {keys} at life {life}")
+
         first = await asyncio.gather(*(come(i, 0) for i in range(3)))
         # Replicas 0 and 1 start again (replica 1 died; 0 ended with it) and come to life 1; replica 1 dies
         # there, before replica 2 comes: its next process makes life 2, where replica 0 follows it.
         zero, one = come(0, 1), come(1, 1)
-        await asyncio.sleep(0.3)
+        await until("came/1/0", "came/1/1")
         one.cancel()
-        second = await asyncio.gather(zero, come(1, 2), come(2, 1))
+        again = come(1, 2)
+        await until("came/2/1", life=2)
+        second = await asyncio.gather(zero, again, come(2, 1))
         return [first, second]
 
     first, second = asyncio.run(lives())

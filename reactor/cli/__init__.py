@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     exit_file = os.environ.pop("REACTOR_JOB_EXIT_FILE", None)  # (the job's own command: not one it starts)
     if exit_file is None:
         return _main(argv, started)
-    from ..launch._daemon import record_job_exit
+    from ..launch._jobrecord import record_job_exit
 
     rc = 1  # (an exception that ends the command: Python's exit status)
     try:

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import math
 import os
@@ -45,7 +44,6 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -59,9 +57,9 @@ import zmq.asyncio
 import zmq.auth.asyncio
 
 from .._errors import DaemonError
-from .._files import open_regular, read_small_json, replace_small
+from .._files import read_small_json
 from .._floodlog import flood_logged, flood_tally
-from ..transport._shm import _pid_start_time, owner_alive
+from ..transport._shm import _pid_start_time
 from ._daemonclient import DaemonClient, DaemonKeyError, DaemonSilentError, job_spec
 from ._forkserver import TRAINING_PRELOAD, Forks, over_hosts
 from ._hosting import (
@@ -76,6 +74,19 @@ from ._hosting import (
     list_run_files,
     put_files,
     read_chunk,
+)
+from ._jobrecord import (
+    EXIT_FILE,
+    _atomic_json,
+    _ended_record,
+    _Job,
+    _job_groups,
+    _last_line,
+    _local_workers,
+    _number,
+    _record_problem,
+    _recorded_exit,
+    _StateLock,
 )
 from ._keys import AuthorizedKeys
 from ._protocol import check_request
@@ -105,81 +116,9 @@ WATCH_PERIOD_S = 0.2
 CONFIG_MAX_NBYTES = 64 * 1024
 #: How often the same trouble of the watch loop (a record it cannot write, say) is logged again.
 WATCH_WARN_EVERY_S = 60.0
-#: Where a job's command writes its exit status as it ends (``STATE/jobs/ID/``): the daemon that watches it
-#: may not be its parent (a daemon started again after a crash adopts its running jobs) and then has no other
-#: way to know it; every such job ended as ``ended``, "its exit status is unknown", however it ended.
-EXIT_FILE = "exit.json"
 #: The jobs a daemon lists, in ``STATE/`` (``Daemon._read_index``): what its next start reads the records of.
 INDEX = "jobs.json"
 _JOB_DIR_RE = re.compile(r"[0-9a-f]{16}\Z")
-#: The most workers of a job on one host that ``status`` checks (``workers.json``, a file its job writes).
-LOCAL_WORKERS_MAX = 4096
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    replace_small(path, json.dumps(obj, indent=2).encode())  # (never through a link planted at its temporary name)
-
-
-class _Job:
-    def __init__(self, record: dict[str, Any], directory: Path) -> None:
-        self.record = record
-        self.dir = directory
-        self.proc: Proc | None = None
-        self.stop_deadline: float | None = None
-        self.hurried = False  # (the grace passed: the second SIGTERM was sent, SIGKILL at the new deadline)
-        self.unsaved = False  # its record changed and could not be written yet (Daemon._save)
-
-    @property
-    def id(self) -> str:
-        return str(self.record["id"])
-
-    def save(self) -> None:
-        _atomic_json(self.dir / "job.json", self.record)
-
-    def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        pid, start = self.record.get("pid"), self.record.get("pid_start")
-        # Without its start time a pid may be anyone's now: a record that lacks one (edited, or
-        # /proc unreadable at the job's start) counts as dead, never as a process to signal.
-        return bool(pid) and bool(start) and owner_alive(int(pid), int(start), 0)
-
-
-class _StateLock:
-    """An exclusive ``flock`` on ``STATE/daemon.lock``, held until :meth:`release` (or this object goes:
-    a daemon object dropped without serving, in a test), or the process ends, however it ends."""
-
-    def __init__(self, state: Path) -> None:
-        import fcntl
-
-        path = state / "daemon.lock"
-        odd = ValueError(f"{path} is not a regular file: remove it (the daemon makes its lock there)")
-        try:  # (O_NONBLOCK: a FIFO there is refused, not waited on; O_NOFOLLOW: a link is refused)
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o600)
-        except OSError as e:
-            if e.errno in (errno.ENXIO, errno.ELOOP):  # a FIFO with no reader, a symbolic link
-                raise odd from None
-            raise
-        try:
-            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-                self.release()
-                raise odd
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.release()
-            who = ""
-            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-                held = read_small_json(state / "daemon.json")
-                who = f" ({str(held.get('name'))[:64]!r}, pid {int(held.get('pid'))}, on {str(held.get('address'))[:100]})"
-            raise ValueError(f"--state-dir {state} is in use by another daemon{who}: give each daemon a state "
-                             f"directory of its own") from None
-
-    def release(self) -> None:
-        if getattr(self, "fd", -1) >= 0:  # (not if os.open failed in __init__)
-            os.close(self.fd)
-            self.fd = -1
-
-    __del__ = release
 
 
 class Daemon:
@@ -853,47 +792,6 @@ class Daemon:
             await asyncio.sleep(WATCH_PERIOD_S)
 
 
-def _number(v: Any) -> float:
-    """A record's time for ordering: a job.json edited by hand may hold anything there (what is not
-    a finite number orders first)."""
-    if type(v) not in (int, float):
-        return 0.0
-    try:
-        f = float(v)
-    except OverflowError:
-        return 0.0
-    return f if math.isfinite(f) else 0.0
-
-
-def record_job_exit(path: str | os.PathLike[str], returncode: int) -> None:
-    """A job's command, as it ends: write its exit status and pid at ``path`` (its ``EXIT_FILE``), whole
-    or not at all; a failure to write is no failure of the job (its daemon then says it is unknown)."""
-    with contextlib.suppress(OSError):
-        replace_small(path, json.dumps({"returncode": returncode, "pid": os.getpid()}).encode())
-
-
-def _recorded_exit(job: _Job) -> int | None:
-    """The exit status ``job``'s command wrote as it ended (:func:`record_job_exit`), or None: none
-    written (killed by a signal, a full disk), not its process's, or not an exit status."""
-    try:
-        got = read_small_json(job.dir / EXIT_FILE)
-    except (OSError, ValueError):
-        return None
-    if type(got) is not dict or got.get("pid") != job.record.get("pid"):
-        return None
-    rc = got.get("returncode")
-    return rc if type(rc) is int and -256 < rc < 256 else None
-
-
-def _ended_record(path: Path) -> bool:
-    """Whether ``path`` is a readable record of an ended job (one the daemon forgot)."""
-    try:
-        record = read_small_json(path)  # (a FIFO there would hold the daemon's loop)
-    except (OSError, ValueError):
-        return False
-    return type(record) is dict and record.get("state") not in (None, "running")
-
-
 _ADVERTISE_RE = re.compile(r"(\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-]+)?\]|[A-Za-z0-9_.\-]+)\Z")
 
 
@@ -924,79 +822,3 @@ def _advertised(listen: str) -> str | None:
     (other hosts cannot dial it: a daemon listening on one is refused without ``--advertise``)."""
     host = listen[len("tcp://"):].rsplit(":", 1)[0] if listen.startswith("tcp://") else ""
     return None if host in ("", "*", "0.0.0.0", "[::]", "::") else host
-
-
-_RECORD_TYPES: dict[str, tuple[type, ...]] = {
-    "id": (str,), "state": (str,), "app": (str,), "placement": (str,), "pid": (int,), "submitted_at": (int, float),
-}
-_RECORD_OPTIONAL: dict[str, tuple[type, ...]] = {
-    "pid_start": (int,), "ended_at": (int, float, type(None)), "returncode": (int, type(None)), "detail": (str,),
-}
-
-
-def _record_problem(record: Any, job_id: str) -> str | None:
-    """What is wrong with a job record read from disk (None: nothing): its id must be its directory's
-    name, and the fields ``status`` shows and ``watch`` signals by must have their types and ranges."""
-    if type(record) is not dict:
-        return "it is not a JSON object"
-    if record.get("id") != job_id:
-        return "its id is not its directory's name"
-    for fields, required in ((_RECORD_TYPES, True), (_RECORD_OPTIONAL, False)):
-        for name, types in fields.items():
-            if name not in record and not required:
-                continue
-            v = record.get(name)
-            if type(v) not in types:
-                return f"its {name} is {type(v).__name__}, not {' or '.join(t.__name__ for t in types)}"
-            if type(v) is float and not math.isfinite(v):
-                return f"its {name} is {v}"
-    if not 0 < record["pid"] < 2**31 or not 0 <= record.get("pid_start", 0) < 2**63:
-        return "its pid or start time is out of range"
-    return None
-
-
-def _job_groups(jdir: Path) -> dict[str, Any]:
-    """A job over hosts: its run id and where each group runs (``groups.json``, written by the job's
-    coordinator), for ``reactor status`` and ``reactor logs JOB GROUP``; {} for a job on one host, or
-    for a file that is not what a coordinator writes."""
-    try:
-        got = read_small_json(jdir / "groups.json")
-    except (OSError, ValueError):
-        return {}
-    groups = got.get("groups") if type(got) is dict else None
-    if type(groups) is not dict or not all(
-            type(g) is str and type(w) is dict and type(w.get("host")) is str for g, w in groups.items()):
-        return {}
-    return {"run": got.get("run") if type(got.get("run")) is str else None, "groups": groups}
-
-
-def _local_workers(jdir: Path) -> dict[str, Any]:
-    """A running job on this host alone: its workers (``workers.json``, written by its coordinator as it
-    starts each), each group's pid, whether it is alive (its pid with its start time: a reused pid is not
-    it) and its restarts, for ``reactor status``; {} for a job over hosts (its groups say where they run),
-    before its first worker, or for a file that is not what a coordinator writes."""
-    try:
-        got = read_small_json(jdir / "workers.json")
-    except (OSError, ValueError):
-        return {}
-    workers = got.get("workers") if type(got) is dict else None
-    if type(workers) is not dict or len(workers) > LOCAL_WORKERS_MAX or not all(
-            type(g) is str and type(w) is dict and type(w.get("pid")) is int and type(w.get("start")) is int
-            and type(w.get("restarts")) is int and 0 < w["pid"] < 2**31 and 0 <= w["start"] < 2**63
-            for g, w in workers.items()):
-        return {}
-    return {"workers": [{"group": g, "pid": w["pid"], "restarts": w["restarts"],
-                         "state": "running" if w["start"] and owner_alive(w["pid"], w["start"], 0) else "ended"}
-                        for g, w in sorted(workers.items())]}
-
-
-def _last_line(path: Path) -> str:
-    try:
-        with os.fdopen(open_regular(path), "rb") as f:  # (a FIFO there, made by a job, is not waited on)
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 4096))
-            lines = f.read().decode(errors="replace").strip().splitlines()
-    except (OSError, ValueError):
-        return ""
-    return lines[-1][:300] if lines else ""

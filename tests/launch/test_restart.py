@@ -693,8 +693,9 @@ def test_a_restart_waits_for_its_only_host_to_come_back_without_using_restarts_a
     ended the run at the second; `reactor status JOB` shows the group waiting. h2's daemon comes back
     at its address (as Ray or systemd starts one again) and ticker-1 runs there as restart 1. A second
     SIGKILL, with no daemon coming back, ends the job once host_wait_s (12 s) has passed, naming the
-    host and why it did not answer; nothing is left on h1."""
-    c = Cluster(tmp_path, n=2, heartbeat_timeout_s=2.0)
+    host and why it did not answer; nothing is left on h1. (No fork server: the app's workers import no
+    torch, and each daemon's fork server, h2's new one too, would cost more than the four starts it serves.)"""
+    c = Cluster(tmp_path, n=2, heartbeat_timeout_s=2.0, fork_server=False)
     monkeypatch.setenv("REACTOR_KEYS", str(c.keys))
     try:
         ready = tmp_path / "ready"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,13 +60,35 @@ else:
 """
 
 
+#: The lines in which replica 0 of ``REPLICA`` says how its update ended.
+_VERDICTS = ("stepped", "lost after", "left after")
+
+
+def _replica_0_lines(proc: subprocess.Popen, until: tuple[str, ...], then) -> list[str]:
+    """``proc``'s output lines to its end; ``then()`` runs once a line starts with one of ``until`` (it ends
+    what the test no longer needs: replica 0's exit after a peer left waits for the peer's, asleep for
+    seconds). ``proc`` is killed if it has not ended within 90 s."""
+    watchdog = threading.Timer(90, proc.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(until):
+                then()
+        return lines
+    finally:
+        watchdog.cancel()
+
+
 def _two_replicas(tmp_path, script: str, *extra: str) -> str:
-    """Replicas 0 and 1 of ``script`` in two processes; replica 0's output, both reaped."""
+    """Replicas 0 and 1 of ``script`` in two processes; replica 0's output, both reaped (replica 1 killed
+    once replica 0 said how its update ended)."""
     procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(tmp_path), *extra], cwd=REPO,
                               stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               text=True) for rank in (0, 1)]
     try:
-        out0, _ = procs[0].communicate(timeout=90)
+        out0 = "".join(_replica_0_lines(procs[0], _VERDICTS, procs[1].kill))
     finally:
         for p in procs:
             p.kill()
@@ -123,7 +146,7 @@ def test_a_replica_waiting_for_the_others_to_join_says_so_until_they_do(tmp_path
                 break
         second = subprocess.Popen([sys.executable, "-c", REPLICA, "1", str(tmp_path)], cwd=REPO,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out, _ = first.communicate(timeout=120)
+        out = "".join(_replica_0_lines(first, ("joined",), first.kill))  # (its update is not this test's)
     finally:
         for p in (first, second):
             if p is not None:

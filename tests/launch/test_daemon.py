@@ -68,8 +68,10 @@ class Daemon:
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    d = Daemon(tmp_path)
+def daemon(request, tmp_path):
+    """``@pytest.mark.idle_daemon``: a daemon without a fork server, for a test that starts no process on it
+    (the server's imports, torch among them, would take 4 s of CPU for nothing)."""
+    d = Daemon(tmp_path, extra=("--no-fork-server",) if request.node.get_closest_marker("idle_daemon") else ())
     yield d
     d.stop()
     for job in (d.state / "jobs").glob("*/job.json"):  # nothing of any job outlives the daemon
@@ -276,6 +278,7 @@ def test_a_restarted_daemon_reads_only_the_records_of_the_jobs_its_last_life_lis
     third._held.release()
 
 
+@pytest.mark.idle_daemon
 def test_a_daemon_log_moved_away_by_a_rotation_is_written_again_at_its_path(daemon):
     """Regression (a soak of a long-lived daemon): logrotate moves STATE/daemon.log away and expects the
     daemon to write a new one; it wrote on in the moved file, and once that was deleted, in a file no one
@@ -377,6 +380,7 @@ def test_a_daemons_descriptors_and_threads_do_not_grow_with_the_jobs_it_ran(tmp_
         d.stop()
 
 
+@pytest.mark.idle_daemon
 def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(daemon):
     """Regression: a client whose key the daemon refused failed every later request at once, "takes no more
     requests (not reachable)", even after the key was added (ZeroMQ does not connect again after a refused
@@ -395,6 +399,7 @@ def test_a_client_without_an_authorized_key_is_refused_until_its_key_is_added(da
     assert "rejected a client whose key" in err and str(daemon.keys_dir / "authorized") in err
 
 
+@pytest.mark.idle_daemon
 def test_hostile_requests_are_refused_with_reasons_and_the_daemon_serves_on(daemon):
     ctx = zmq.Context()
     keys = load_keys(daemon.client_dir)
@@ -1534,6 +1539,7 @@ def test_an_advertise_that_is_no_address_of_this_host_is_refused_when_the_daemon
         assert p.stderr.count("\n") == 1 and not p.stdout and not (tmp_path / "state").exists(), p.stderr
 
 
+@pytest.mark.idle_daemon
 def test_a_daemon_that_cannot_listen_starts_no_fork_server_and_leaves_no_state_directory_it_made(daemon, tmp_path):
     """Regression (a newcomer's pass, session 54): every failed daemon start (a port in use, an address
     not of this host) also logged "its fork server did not start ... workers start as new interpreters":
@@ -1567,6 +1573,7 @@ def test_a_daemon_without_a_key_pair_is_one_line_and_leaves_no_state_directory_i
     assert not (tmp_path / "state").exists()
 
 
+@pytest.mark.idle_daemon
 def test_a_host_whose_daemon_answers_under_another_name_is_warned_about_once(daemon, caplog):
     """Regression (a newcomer's pass): a hosts file whose line for h3 had h2's address (a copied line, a
     swapped address) ran without a word, h3's groups on daemon h2, and ``status`` said "on h3". The
@@ -1591,6 +1598,7 @@ def test_a_host_whose_daemon_answers_under_another_name_is_warned_about_once(dae
                     f"the address of another host; its groups run on daemon 'h1'"], said
 
 
+@pytest.mark.idle_daemon
 def test_status_of_a_daemon_without_jobs_says_so(daemon):
     """Regression (a newcomer's pass, session 54): ``reactor status --daemon D`` of a daemon with no jobs
     printed nothing, as if it had not answered."""

@@ -35,15 +35,19 @@ class Daemon:
     """A daemon process with its key directory, and a client key directory it authorizes."""
 
     def __init__(self, tmp: Path, name: str = "h1", wait_fork_server: bool = False, extra: tuple[str, ...] = (),
-                 code: Path = ROOT, env: dict[str, str] | None = None) -> None:
+                 code: Path = ROOT, env: dict[str, str] | None = None, stop_grace_s: float | None = None) -> None:
         self.tmp, self.name = tmp, name
         self.keys_dir, self.client_dir, self.state = tmp / "dk", tmp / "ck", tmp / "state"
         if not (self.keys_dir / "key").exists():
             init_keys(self.keys_dir)
             init_keys(self.client_dir)
             (self.keys_dir / "authorized" / "alice.pub").write_bytes((self.client_dir / "key.pub").read_bytes())
+        # stop_grace_s: the STOP_GRACE_S (a stop's clean part) of its process, set before `reactor daemon` runs
+        command = ["-m", "reactor.cli"] if stop_grace_s is None else [
+            "-c", f"import reactor.launch._daemon as d; d.STOP_GRACE_S = {stop_grace_s!r}; import reactor.cli as c; "
+                  "c.entry()"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", name,
+            [sys.executable, *command, "daemon", "--listen", "tcp://127.0.0.1:*", "--name", name,
              "--state-dir", str(self.state), "--keys", str(self.keys_dir), *extra],
             cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": str(code), **(env or {})})  # (code: where its reactor package is)
@@ -1195,10 +1199,10 @@ def test_a_log_chunk_asked_past_the_end_of_the_file_is_empty_not_an_error(tmp_pa
     assert read_chunk(f, 2**63 - 1) == (b"", LOG_CHUNK_NBYTES + 10)
 
 
-def _head_of_a_job_over_hosts(tmp_path: Path) -> tuple[Daemon, Path, Path]:
+def _head_of_a_job_over_hosts(tmp_path: Path, stop_grace_s: float | None = None) -> tuple[Daemon, Path, Path]:
     """A daemon (no fork server) whose jobs run over hosts, itself the only one: its key admitted by itself (a
     cluster key), a hosts file naming it, and the path of a job's ready file."""
-    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    d = Daemon(tmp_path, extra=("--no-fork-server",), stop_grace_s=stop_grace_s)
     (d.keys_dir / "authorized" / "self.pub").write_bytes((d.keys_dir / "key.pub").read_bytes())
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(f'[hosts]\nh1 = "{d.address}"\n')
@@ -1658,8 +1662,9 @@ def test_a_job_over_hosts_stopped_at_once_ends_its_cleanups_before_the_daemon_ki
     """A stop whose run does not end within STOP_GRACE_S (a shutdown reaction that sleeps) gets the run's
     "stop at once", whose cleanups still run: the reaping's SIGTERM grace for the held worker (END_GRACE_S
     on its host, and a heartbeat to see its end), then copying the run's files back. The SIGKILL came
-    STOP_HURRY_S = 5 s after, first: the job ended with exit status -9, its files left on the host."""
-    d, hosts, ready = _head_of_a_job_over_hosts(tmp_path)
+    STOP_HURRY_S = 5 s after, first: the job ended with exit status -9, its files left on the host. (The
+    grace is 8 s here, not 20: the run's clean stop reaches the sleeping shutdown reaction well within it.)"""
+    d, hosts, ready = _head_of_a_job_over_hosts(tmp_path, stop_grace_s=8.0)
     try:
         with d.client() as c:
             job = c.request("submit", job_spec(APPS / "forever.py", placement="processes", hosts=hosts,

@@ -342,14 +342,16 @@ def test_a_dqn_run_under_actors_under_hostile_frames_on_every_socket_ends_with_t
     control and data messages and takeover attempts. It ends with the same weights, bit for bit, as
     the same run undisturbed, and every process counted what it dropped. (The undisturbed run is the
     one-process placement: a deterministic run's weights do not depend on its placement, as
-    tests/nodes/test_training.py asserts, and one process costs a fraction of five.)"""
-    common = ["apps/dqn.py", "--seed", "3", "--json", "--set", "live=False", "--set", "max_env_steps=4000",
-              "--set", "target_return=None"]
-    args = [*common, "--placement", "actors"]
-    ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", *common, "--placement", "single", "--set",
-                          f"run_dir={str(tmp_path / 'ref')!r}"], cwd=ROOT, env=_env(tmp_path / "r"),
-                         capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    tests/nodes/test_training.py asserts, and one process costs a fraction of five; it runs in this process,
+    through the API: no interpreter of its own to import torch and tear it down.)"""
+    from reactor import run
+    from reactor.launch._app import build_graph
+
+    config = {"live": False, "max_env_steps": 4000, "target_return": None}
+    ref = {**config, "run_dir": str(tmp_path / "ref")}
+    assert run(build_graph(ROOT / "apps" / "dqn.py", ref), seed=3, placement="single").stopped_by == "quiescence"
+    args = ["apps/dqn.py", "--seed", "3", "--json", *(f"--set={k}={v!r}" for k, v in config.items()),
+            "--placement", "actors"]
     proc = _run([*args, "--set", f"run_dir={str(tmp_path / 'hit')!r}"], tmp_path)
     ctx = zmq.Context()
     rng = random.Random(11)

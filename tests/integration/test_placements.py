@@ -536,15 +536,20 @@ def test_a_failed_shutdown_reaction_fails_the_run_once_the_others_ran(tmp_path, 
 
 
 @pytest.mark.timeout(90)
-def test_a_failed_worker_whose_shutdown_never_ends_does_not_keep_its_run_from_ending():
+def test_a_failed_worker_whose_shutdown_never_ends_does_not_keep_its_run_from_ending(monkeypatch):
     """The coordinator waits for the failed worker to end after its "exit": a bound re-read each round
     (max(end, now + 1)) never came, so a shutdown reaction that did not end held the run (the last
-    read of session 55). It waits FAILURE_STOP_S, then reaps it."""
+    read of session 55). It waits FAILURE_STOP_S, then reaps it. (Here the run's bounds are short, for a
+    shutdown reaction of 600 s: FAILURE_STOP_S and TERM_GRACE_S 0.3 s, the failed worker's FAILED_END_S 0.5 s.)"""
+    monkeypatch.setattr(_coordinator, "FAILED_END_S", 0.5)  # (the workers' bound, in their spec)
+    monkeypatch.setattr(_session, "FAILED_END_S", 0.5)  # (the coordinator's reading of it)
+    monkeypatch.setattr(_session, "FAILURE_STOP_S", 0.3)
+    monkeypatch.setattr(_session, "TERM_GRACE_S", 0.3)
+    monkeypatch.setattr(_localworkers, "TERM_GRACE_S", 0.3)
+    monkeypatch.setenv("REACTOR_FORK_SERVER", "0")  # (no torch to preload: a quick start)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "failing_source.py"), "--placement",
-                        "processes", "--async", "--set", "shutdown_s=600"], capture_output=True, text=True,
-                       timeout=80, cwd=ROOT)
-    assert p.returncode == 1 and "ValueError: source broke" in p.stderr, p.stderr[-3000:]
+    with pytest.raises(WorkerFailedError, match=r"^worker 'source' failed:\nValueError: source broke\n"):
+        _run(FAILING, {"shutdown_s": 600}, placement="processes", deterministic=False)
     assert time.monotonic() - t0 < 60
 
 

@@ -38,9 +38,10 @@ def _hello(name: str) -> bytes:
     return msgpack.packb([1, 2, name])
 
 
-def _run(args: list[str], tmp_path: Path, **kw) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", *args], cwd=ROOT, env=_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def _run(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, **kw) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", *args], cwd=ROOT,
+                            env={**_env(tmp_path), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
 
 
 def _wait_for(pred, timeout_s: float, what: str):
@@ -301,12 +302,13 @@ def test_a_worker_killed_at_a_random_moment_ends_the_run_with_its_name_and_leave
 def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_path):
     """SIGKILL of the coordinator runs no cleanup: its workers die with it (PR_SET_PDEATHSIG) but
     its private ipc directory stays. The next multi-process run removes it (its owner is dead) and
-    leaves a live run's directory alone."""
-    ready = tmp_path / "ready"
+    leaves a live run's directory alone. (Workers as new interpreters: a fork server per run would import
+    torch, which these apps do not use, three times.)"""
+    ready, quick = tmp_path / "ready", {"REACTOR_FORK_SERVER": "0"}
     first = _run([str(APPS / "forever.py"), "--placement", "processes", "--set", f"ready_file={str(ready)!r}"],
-                 tmp_path)
+                 tmp_path, quick)
     live = _run([str(APPS / "forever.py"), "--placement", "processes", "--set",
-                 f"ready_file={str(tmp_path / 'ready2')!r}"], tmp_path)
+                 f"ready_file={str(tmp_path / 'ready2')!r}"], tmp_path, quick)
     try:
         _wait_for(lambda: ready.exists() and (tmp_path / "ready2").exists(), 60, "both runs to start")
         dirs = _wait_for(lambda: (d := sorted(_rt(tmp_path).glob("reactor-*"))) and len(d) == 2 and d, 30,
@@ -317,7 +319,7 @@ def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_
         stale = owner[first.pid]
         assert stale.exists()
         done = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"),
-                               "--placement", "processes"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                               "--placement", "processes"], cwd=ROOT, env={**_env(tmp_path), **quick}, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert not stale.exists()

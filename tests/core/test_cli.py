@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "apps" / "demo_pipeline.py")
 
 
-def reactor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reactor.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+def reactor(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reactor.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=None if env is None else {**os.environ, **env})
 
 
 def test_graph_prints_text_and_mermaid():
@@ -136,7 +135,10 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
     """Regression (a hostile pass): a group's ``bind`` with port 99999, an address of another host, or the
     same address as another group's was taken, and the worker died at its bind: its traceback, then
     "worker 'a' exited with status 1"; a placement or hosts file that is not UTF-8 was "reactor: 'utf-8'
-    codec can't decode byte 0xff ...", naming no file."""
+    codec can't decode byte 0xff ...", naming no file. (Workers as new interpreters: a run's fork server
+    imports torch, which the demo does not use.)"""
+    quick = {"REACTOR_FORK_SERVER": "0"}
+
     def placement(name: str, *groups: tuple[str, str]) -> str:
         path = tmp_path / name
         path.write_text("".join(f'[groups.{g}]\nreactors = {pats}\nbind = "{bind}"\n'
@@ -155,22 +157,22 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
          "groups 'a' and 'b' both bind 'tcp://127.0.0.1:5599': one process per address"),
     ]
     for path, want in cases:
-        p = reactor("run", DEMO, "--placement", path, "--set", "stop_s=0.05")
+        p = reactor("run", DEMO, "--placement", path, "--set", "stop_s=0.05", env=quick)
         assert p.returncode == 2 and p.stderr.startswith(f"reactor: placement file {path}: {want}"), p.stderr
         assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe[groups.a]\n")
-    p = reactor("run", DEMO, "--placement", str(binary))
+    p = reactor("run", DEMO, "--placement", str(binary), env=quick)
     assert (p.returncode, p.stderr) == (2, f"reactor: placement file {binary}: 'utf-8' codec can't decode byte 0xff in "
                                            f"position 0: invalid start byte\n")
-    p = reactor("run", DEMO, "--placement", "actors", "--hosts", str(binary))
+    p = reactor("run", DEMO, "--placement", "actors", "--hosts", str(binary), env=quick)
     assert (p.returncode, p.stderr) == (2, f"reactor: hosts file {binary}: 'utf-8' codec can't decode byte 0xff in "
                                            f"position 0: invalid start byte\n")
     # Any free port (* or 0, which groups may share: each gets its own) and an interface's name are taken:
-    # one run, a group each (a run's fork server costs seconds; its workers, milliseconds).
+    # one run, a group each.
     ok = placement("ok.toml", ('["producer*"]', "tcp://127.0.0.1:*"), ('["squarer[0]"]', "tcp://127.0.0.1:0"),
                    ('["squarer[1]"]', "tcp://127.0.0.1:0"), ('["collector"]', "tcp://lo:*"))
-    p = reactor("run", DEMO, "--placement", ok, "--set", "stop_s=0.05", "-v")
+    p = reactor("run", DEMO, "--placement", ok, "--set", "stop_s=0.05", "-v", env=quick)
     assert p.returncode == 0, p.stderr
     assert "run started: 4 workers ready" in p.stderr, p.stderr
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -422,8 +423,11 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, s
     p = subprocess.Popen(
         [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
          "--set", f"ready_file='{ready}'", "--set", "slow_shutdown_s=600"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
+    lines: list[str] = []  # the command's stderr, read as it comes
+    reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not ready.exists():
@@ -431,10 +435,14 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, s
         assert ready.exists() and len(_workers(p.pid)) == 3
         everything = _descendants(p.pid)
         p.send_signal(sig)
-        time.sleep(_session.STOPPING_REPORT_S + 2.0)
+        deadline = time.monotonic() + _session.STOPPING_REPORT_S + 30  # (the first report: STOPPING_REPORT_S on)
+        while time.monotonic() < deadline and not any("still stopping: waiting" in line for line in lines):
+            time.sleep(0.1)
         assert p.poll() is None  # the clean stop waits for the sink's shutdown
         p.send_signal(sig)
-        out, err = p.communicate(timeout=60)  # not the 600 s of the clean stop
+        p.wait(timeout=60)  # not the 600 s of the clean stop
+        reader.join(timeout=30)
+        err = "".join(lines)
         name = signal.Signals(sig).name
         assert p.returncode == 128 + sig, err
         assert f"{name}: stopping the run cleanly (again to stop at once)" in err
@@ -446,6 +454,8 @@ def test_a_second_ctrl_c_stops_at_once_and_still_reaps_every_process(tmp_path, s
         if p.poll() is None:
             p.kill()
             p.wait()
+        reader.join(timeout=30)
+        p.stderr.close()
 
 
 @pytest.mark.timeout(120)

@@ -93,10 +93,15 @@ def _digests(out: str) -> dict[str, str]:
     return json.loads(out)["digests"]
 
 
+#: The environment of a run of a test app that uses no torch: its workers start as new interpreters, without a
+#: fork server that would import torch first (seconds of CPU).
+_NO_TORCH = {"REACTOR_FORK_SERVER": "0"}
+
+
 def _gated_reference(tmp_path: Path) -> dict[str, str]:
     """The digests of the gated app run undisturbed under `processes` (its gate not held)."""
     ref = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"), "--placement",
-                          "processes", "--digest", "--json"], cwd=ROOT, env=_env(tmp_path / "ref"),
+                          "processes", "--digest", "--json"], cwd=ROOT, env={**_env(tmp_path / "ref"), **_NO_TORCH},
                          capture_output=True, text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr
     return _digests(ref.stdout)
@@ -104,13 +109,14 @@ def _gated_reference(tmp_path: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _gated_run(tmp_path: Path, placement: str):
-    """The gated app under ``placement``, held at its gate while the block attacks it: yields a namespace
+    """The gated app under ``placement`` (workers as new interpreters: ``_NO_TORCH``), held at its gate while the
+    block attacks it: yields a namespace
     with ``ctx`` (a zmq context) and ``sockets`` (name -> ipc address in the run directory). On leaving
     the block the gate opens and the run ends: ``out``, ``err`` and ``returncode`` are set; the process
     is killed if it outlives the block by an error."""
     gate, ready = tmp_path / "open", tmp_path / "ready"
     proc = _run([str(APPS / "gated.py"), "--placement", placement, "--digest", "--json",
-                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path)
+                 "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path, _NO_TORCH)
     g = types.SimpleNamespace(ctx=zmq.Context(), sockets={}, out="", err="", returncode=None)
     try:
         _wait_for(ready.exists, 60, "the gate to start waiting")
@@ -302,9 +308,8 @@ def test_a_worker_killed_at_a_random_moment_ends_the_run_with_its_name_and_leave
 def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_path):
     """SIGKILL of the coordinator runs no cleanup: its workers die with it (PR_SET_PDEATHSIG) but
     its private ipc directory stays. The next multi-process run removes it (its owner is dead) and
-    leaves a live run's directory alone. (Workers as new interpreters: a fork server per run would import
-    torch, which these apps do not use, three times.)"""
-    ready, quick = tmp_path / "ready", {"REACTOR_FORK_SERVER": "0"}
+    leaves a live run's directory alone."""
+    ready, quick = tmp_path / "ready", _NO_TORCH
     first = _run([str(APPS / "forever.py"), "--placement", "processes", "--set", f"ready_file={str(ready)!r}"],
                  tmp_path, quick)
     live = _run([str(APPS / "forever.py"), "--placement", "processes", "--set",

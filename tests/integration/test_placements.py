@@ -535,10 +535,12 @@ def test_ctrl_c_stops_a_deterministic_run_of_many_short_reactions_after_the_even
 def test_a_failed_shutdown_reaction_fails_the_run_once_the_others_ran(tmp_path, placement):
     """A learner whose final checkpoint could not be saved (an algorithm without state_dict) logged the
     error and the run ended with exit 0, its weights gone (a newcomer's pass, session 55). Now the run
-    fails with that error, shown once, after every other shutdown reaction ran."""
+    fails with that error, shown once, after every other shutdown reaction ran. (Workers as new interpreters:
+    no fork server to import torch, which the app does not use.)"""
     done = tmp_path / "done"
     p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "bad_shutdown.py"), "--placement",
-                        placement, "--set", f"done_file='{done}'"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                        placement, "--set", f"done_file='{done}'"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "REACTOR_FORK_SERVER": "0"})
     assert p.returncode == 1, p.stderr
     assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
     assert "AttributeError" in p.stderr and "(in shutdown reaction sink.save)" in p.stderr, p.stderr

@@ -598,8 +598,8 @@ def test_killing_the_coordinator_takes_its_workers_down():
 @pytest.mark.timeout(120)
 def test_a_worker_held_in_a_reaction_ends_when_its_killed_coordinator_cannot_stop_it(tmp_path):
     """The parent-death signal is a SIGTERM (a clean stop), whose handler runs on the event loop: a worker
-    whose reaction never returns (tests/apps/held.py spins) outlived its coordinator's kill -9 for good, at
-    100 % of a core. It ends ``ORPHAN_GRACE_S`` after its parent died."""
+    whose reaction never returns (an env step that spins; tests/apps/held.py) outlived its coordinator's kill -9
+    for good, at 100 % of a core. It ends ``ORPHAN_GRACE_S`` after its parent died."""
     _its_worker_ends_after_its_coordinators_kill(tmp_path, "held.py")
 
 

@@ -180,12 +180,14 @@ def test_a_placement_files_binds_and_a_file_that_is_not_text_are_refused_in_one_
 def test_a_run_on_one_host_takes_with_files_past_a_jobs_bounds_as_it_ships_nothing(tmp_path):
     """Regression: the bounds of what a job carries (32 MiB, 64 files: a submit's or a run over hosts' shipped
     files) refused a run on one host, which ships nothing, a 33 MiB ``--with`` file; a placement file with
-    hosts of its own (no --hosts) still has them said before anything goes."""
+    hosts of its own (no --hosts) still has them said before anything goes. (Workers as new interpreters: no
+    fork server to import torch, which the demo does not use.)"""
     big = tmp_path / "weights.bin"
     with open(big, "wb") as f:  # (sparse: 33 MiB of nothing)
         f.truncate(33 * 2**20)
     for placement in ("single", "processes"):
-        p = reactor("run", DEMO, "--placement", placement, "--with", str(big), "--set", "stop_s=0.05")
+        p = reactor("run", DEMO, "--placement", placement, "--with", str(big), "--set", "stop_s=0.05",
+                    env={"REACTOR_FORK_SERVER": "0"})
         assert p.returncode == 0, (placement, p.stderr)
     over = tmp_path / "over.toml"  # (its daemon is never reached: the bound is said first)
     over.write_text('[hosts]\nh1 = "tcp://127.0.0.1:1"\n[groups.a]\nreactors = ["*"]\nhost = "h1"\n')
@@ -237,8 +239,9 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
 
 def test_restart_never_is_taken_in_a_deterministic_run():
     """`never` contradicts nothing (a wrapper may always pass --restart); a policy that restarts is refused
-    there (tests/launch/test_restart.py)."""
-    p = reactor("run", DEMO, "--placement", "processes", "--restart", "never", "--set", "stop_s=0.05")
+    there (tests/launch/test_restart.py). (Workers as new interpreters: no fork server to import torch.)"""
+    p = reactor("run", DEMO, "--placement", "processes", "--restart", "never", "--set", "stop_s=0.05",
+                env={"REACTOR_FORK_SERVER": "0"})
     assert p.returncode == 0 and "run ended (stop_time)" in p.stdout, p.stderr
 
 

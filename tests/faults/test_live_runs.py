@@ -109,11 +109,10 @@ def _gated_reference(tmp_path: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _gated_run(tmp_path: Path, placement: str):
-    """The gated app under ``placement`` (workers as new interpreters: ``_NO_TORCH``), held at its gate while the
-    block attacks it: yields a namespace
-    with ``ctx`` (a zmq context) and ``sockets`` (name -> ipc address in the run directory). On leaving
-    the block the gate opens and the run ends: ``out``, ``err`` and ``returncode`` are set; the process
-    is killed if it outlives the block by an error."""
+    """The gated app under ``placement`` (workers as new interpreters: ``_NO_TORCH``), held at its gate while
+    the block attacks it: yields a namespace with ``ctx`` (a zmq context) and ``sockets`` (name -> ipc address
+    in the run directory). On leaving the block the gate opens and the run ends: ``out``, ``err`` and
+    ``returncode`` are set; the process is killed if it outlives the block by an error."""
     gate, ready = tmp_path / "open", tmp_path / "ready"
     proc = _run([str(APPS / "gated.py"), "--placement", placement, "--digest", "--json",
                  "--set", f"gate_file={str(gate)!r}", "--set", f"ready_file={str(ready)!r}"], tmp_path, _NO_TORCH)
@@ -309,11 +308,11 @@ def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_
     """SIGKILL of the coordinator runs no cleanup: its workers die with it (PR_SET_PDEATHSIG) but
     its private ipc directory stays. The next multi-process run removes it (its owner is dead) and
     leaves a live run's directory alone."""
-    ready, quick = tmp_path / "ready", _NO_TORCH
+    ready = tmp_path / "ready"
     first = _run([str(APPS / "forever.py"), "--placement", "processes", "--set", f"ready_file={str(ready)!r}"],
-                 tmp_path, quick)
+                 tmp_path, _NO_TORCH)
     live = _run([str(APPS / "forever.py"), "--placement", "processes", "--set",
-                 f"ready_file={str(tmp_path / 'ready2')!r}"], tmp_path, quick)
+                 f"ready_file={str(tmp_path / 'ready2')!r}"], tmp_path, _NO_TORCH)
     try:
         _wait_for(lambda: ready.exists() and (tmp_path / "ready2").exists(), 60, "both runs to start")
         dirs = _wait_for(lambda: (d := sorted(_rt(tmp_path).glob("reactor-*"))) and len(d) == 2 and d, 30,
@@ -324,8 +323,8 @@ def test_the_run_directory_of_a_killed_coordinator_is_swept_by_the_next_run(tmp_
         stale = owner[first.pid]
         assert stale.exists()
         done = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(APPS / "gated.py"),
-                               "--placement", "processes"], cwd=ROOT, env={**_env(tmp_path), **quick}, capture_output=True,
-                              text=True, timeout=120)
+                               "--placement", "processes"], cwd=ROOT, env={**_env(tmp_path), **_NO_TORCH},
+                              capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert not stale.exists()
         assert owner[live.pid].exists()  # a live run's directory is left alone

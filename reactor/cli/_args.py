@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="play a trained policy", description="Run a run directory's trained policy on "
                         "its env (greedy) and print the mean and std of its episode returns.")
     ev.add_argument("run_dir", help="a run directory written by a training app (holds config.json and learner.pt)")
-    ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
+    ev.add_argument("--episodes", type=_episodes_arg, default=10, help="episodes to play (default 10, at most 1,000,000)")
     ev.add_argument("--seed", type=_seed_arg, default=0, help="the episodes' env seed (default 0)")
     ev.add_argument("--video", default=None, metavar="DIR",
                     help="record each episode as an MP4 in DIR (gymnasium's RecordVideo; pip install -e '.[video]' in "
@@ -302,6 +302,16 @@ def _count_arg(text: str) -> int:
     n = _parsed_arg(text, int, "a whole number")
     if n < 0:
         raise argparse.ArgumentTypeError(f"a number >= 0 expected, got {text!r}")
+    return n
+
+
+def _episodes_arg(text: str) -> int:
+    """``eval --episodes``: an int in [1, MAX_EVAL_EPISODES] (10**20 was played for good)."""
+    from ..nodes._policy import MAX_EVAL_EPISODES
+
+    n = _parsed_arg(text.strip(), int, "a whole number") if len(text.strip()) <= 19 else None
+    if n is None or not 1 <= n <= MAX_EVAL_EPISODES:
+        raise argparse.ArgumentTypeError(f"a number of episodes in [1, {MAX_EVAL_EPISODES:,}] expected, got {_cut(text)}")
     return n
 
 

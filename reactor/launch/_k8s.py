@@ -46,8 +46,17 @@ _IMAGE_RE = re.compile(
 # A resource quantity (Kubernetes' resource.Quantity), not negative: 500m, 2, 1.5, 2Gi, 512M, 1e3.
 _QUANTITY_RE = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?")
 CONFIGMAP_MAX_NBYTES = 1_000_000  # Kubernetes' limit is 1 MiB for the whole object
+_SUFFIX = {**{f"{p}i": 2 ** (10 * (i + 1)) for i, p in enumerate("KMGTPE")},
+           **{p: 10 ** (3 * (i + 1)) for i, p in enumerate("kMGTPE")}, "n": 1e-9, "u": 1e-6, "m": 1e-3}
 
 __all__ = ["render"]
+
+
+def _quantity(value: str) -> float:
+    """The size of a quantity :data:`_QUANTITY_RE` took (inf past a float's range)."""
+    suffix = next((x for x in sorted(_SUFFIX, key=len, reverse=True) if value.endswith(x)), "")
+    number = value[:len(value) - len(suffix)] if suffix else value
+    return float(number) * _SUFFIX.get(suffix, 1)
 
 
 def _q(value: object) -> str:
@@ -87,6 +96,8 @@ def render(app: str, run_args: Sequence[str], *, replicas: int, image: str, name
         if not _QUANTITY_RE.fullmatch(value):
             raise GraphError(f"{option} {value!r:.80}: not a Kubernetes quantity (a number >= 0 with an optional "
                              f"suffix: 500m or 2 for CPUs, 512Mi, 2Gi or 1G for bytes)")
+        if _quantity(value) >= 2**63:  # (1e999 matched the grammar; the API server refuses past int64)
+            raise GraphError(f"{option} {value!r:.80}: past what Kubernetes holds (2**63 - 1)")
     service, statefulset = f"{name}-daemons", f"{name}-daemon"
     shipped: dict[str, str] = {}
     binary: dict[str, str] = {}  # (a ConfigMap holds bytes that are not UTF-8 under binaryData, base64)

@@ -174,20 +174,25 @@ def load_policy(run_dir: str | Path, *, seed: int = 0) -> Policy:
     return Policy(d, record, seed)
 
 
+#: The most episodes :func:`evaluate_policy` plays (``reactor eval --episodes``): 10**20 was taken and played
+#: for good (a careless user's pass); a million CartPole episodes are hours already.
+MAX_EVAL_EPISODES = 1_000_000
+
+
 def evaluate_policy(policy: Policy, episodes: int, seed: int = 0, video_dir: str | Path | None = None) -> np.ndarray:
     """Returns of ``episodes`` greedy episodes of ``policy`` on its env (side by side in a vector env, in rounds of at most ``EVAL_WIDTH``),
     or one after another with each recorded to ``video_dir`` (gymnasium's ``RecordVideo``; needs
     ``moviepy``: the ``video`` extra).
 
     Raises:
-        ValueError: ``episodes`` < 1; for a video, moviepy or pygame is missing, or the env does not
+        ValueError: ``episodes`` not in [1, ``MAX_EVAL_EPISODES``]; for a video, moviepy or pygame is missing, or the env does not
             render frames (``"rgb_array"`` not among its ``metadata["render_modes"]``).
     """
     from ._registry import make_env, make_vector_env
     from .evaluator import EVAL_WIDTH, evaluate
 
-    if episodes < 1:
-        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    if not 1 <= episodes <= MAX_EVAL_EPISODES:
+        raise ValueError(f"episodes must be in [1, {MAX_EVAL_EPISODES:,}], got {episodes}")
     if video_dir is None:
         env = make_vector_env(policy.env, min(episodes, EVAL_WIDTH))
         try:

@@ -155,6 +155,9 @@ def test_two_files_of_one_name_are_refused_not_one_shipped_in_the_others_place(t
     ({"cpu": "-1"}, "--cpu '-1': not a Kubernetes quantity"),
     ({"memory": "lots"}, "--memory 'lots': not a Kubernetes quantity"),
     ({"shm_size": "1 Gi"}, "--shm-size '1 Gi': not a Kubernetes quantity"),
+    # (a careless user's pass: taken, to fail at kubectl apply)
+    ({"shm_size": "1e999"}, "--shm-size '1e999': past what Kubernetes holds (2**63 - 1)"),
+    ({"memory": "9Ei"}, "--memory '9Ei': past what Kubernetes holds"),
 ])
 def test_bad_input_is_refused_naming_it(kw, message, tmp_path):
     if "files" in kw:
@@ -170,6 +173,7 @@ def test_bad_input_is_refused_naming_it(kw, message, tmp_path):
     {"image": "localhost/reactor"},
     {"cpu": "500m", "memory": "1.5G", "shm_size": "512Mi"},
     {"cpu": "0.5", "memory": "1e9", "shm_size": "2Gi"},
+    {"cpu": "100", "memory": "7Ei", "shm_size": "1e18"},
 ])
 def test_what_kubernetes_takes_is_taken_and_validates(kw):
     docs = _docs(render(DQN, [], **{"replicas": 2, "image": "x", **kw}))

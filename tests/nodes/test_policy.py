@@ -184,6 +184,21 @@ def test_reactor_eval_prints_mean_and_std_and_records_videos(tmp_path, dqn_run):
     assert p.returncode == 2 and p.stderr.startswith(f"reactor: {tmp_path}: no config.json")
 
 
+def test_an_evaluation_of_more_episodes_than_its_bound_is_refused_naming_it(dqn_run):
+    """A careless user's pass: ``reactor eval RUN --episodes 100000000000000000000`` was taken and played
+    for good. The command refuses it in one line, and so does the API (``evaluate_policy``)."""
+    for n in ("100000000000000000000", "1000001", "0", "-3"):
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "eval", str(dqn_run), "--episodes", n],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.splitlines()[-1] == (f"reactor eval: error: argument --episodes: a number of episodes in "
+                                             f"[1, 1,000,000] expected, got {n!r}"), p.stderr
+    from reactor.nodes._policy import evaluate_policy
+
+    with pytest.raises(ValueError, match=r"^episodes must be in \[1, 1,000,000\], got 10000000000$"):
+        evaluate_policy(reactor.load_policy(dqn_run), 10**10)
+
+
 def test_an_evaluation_episode_that_never_ends_is_cut_and_said(caplog):
     """An env with no terminal state and no max_episode_steps held the evaluator for good (a newcomer's
     pass, session 55): an evaluation episode is cut after max_steps, its return so far counted."""

@@ -552,9 +552,14 @@ def test_a_failed_worker_whose_shutdown_never_ends_does_not_keep_its_run_from_en
     """The coordinator waits for the failed worker to end after its "exit": a bound re-read each round
     (max(end, now + 1)) never came, so a shutdown reaction that did not end held the run (the last
     read of session 55). It waits FAILURE_STOP_S, then reaps it. (Here the run's bounds are short, for a
-    shutdown reaction of 600 s: FAILURE_STOP_S and TERM_GRACE_S 0.3 s, the failed worker's FAILED_END_S 0.5 s.)"""
-    monkeypatch.setattr(_coordinator, "FAILED_END_S", 0.5)  # (the workers' bound, in their spec)
-    monkeypatch.setattr(_session, "FAILED_END_S", 0.5)  # (the coordinator's reading of it)
+    shutdown reaction of 600 s: FAILURE_STOP_S and TERM_GRACE_S 0.3 s, the failed worker's FAILED_END_S and
+    FAILED_SAVE_S 0.5 s as the coordinator reads them. The worker's own bound, and the killing of one held past
+    it, are put out of reach: either ended the worker before the coordinator's bound was needed, and the test
+    passed with the bug back.)"""
+    monkeypatch.setattr(_coordinator, "FAILED_END_S", 600.0)  # (the worker's own bound, in its spec: never here)
+    monkeypatch.setattr(_session, "HELD_GRACE_S", 600.0)  # (nor the killing of a worker held past its bound)
+    monkeypatch.setattr(_session, "FAILED_END_S", 0.5)  # (the coordinator's bound for it)
+    monkeypatch.setattr(_session, "FAILED_SAVE_S", 0.5)
     monkeypatch.setattr(_session, "FAILURE_STOP_S", 0.3)
     monkeypatch.setattr(_session, "TERM_GRACE_S", 0.3)
     monkeypatch.setattr(_localworkers, "TERM_GRACE_S", 0.3)

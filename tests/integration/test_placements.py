@@ -604,8 +604,14 @@ def test_killing_the_coordinator_takes_its_workers_down():
 def test_a_worker_held_in_a_reaction_ends_when_its_killed_coordinator_cannot_stop_it(tmp_path):
     """The parent-death signal is a SIGTERM (a clean stop), whose handler runs on the event loop: a worker
     whose reaction never returns (an env step that spins; tests/apps/held.py) outlived its coordinator's kill -9
-    for good, at 100 % of a core. It ends ``ORPHAN_GRACE_S`` after its parent died."""
-    _its_worker_ends_after_its_coordinators_kill(tmp_path, "held.py")
+    for good, at 100 % of a core. It ends ``ORPHAN_GRACE_S`` after its parent died, by its own thread, which
+    says so (the parent-death alarm, 2 s later, ended it too: without that line the test passed with the thread
+    gone)."""
+    from reactor.launch._worker import ORPHAN_GRACE_S
+
+    err = _its_worker_ends_after_its_coordinators_kill(tmp_path, "held.py")
+    assert (f"reactor worker spinner: its shutdown reactions did not end within {ORPHAN_GRACE_S:g} s of its parent's "
+            f"death (pid ") in err, err
 
 
 @pytest.mark.timeout(120)
@@ -619,15 +625,17 @@ def test_a_worker_held_in_a_c_call_that_keeps_the_interpreter_ends_when_its_kill
     _its_worker_ends_after_its_coordinators_kill(tmp_path, "held_in_c.py", REACTOR_FORK_SERVER="0")
 
 
-def _its_worker_ends_after_its_coordinators_kill(tmp_path: Path, app: str, **env: str) -> None:
+def _its_worker_ends_after_its_coordinators_kill(tmp_path: Path, app: str, **env: str) -> str:
     """Run ``app`` (one worker, which writes its ``ready_file`` and then holds) under ``processes``, kill -9
-    its coordinator, and wait for the worker to end, within ``ORPHAN_GRACE_S`` and a margin."""
+    its coordinator, and wait for the worker to end, within ``ORPHAN_GRACE_S`` and a margin. Returns what the
+    command and its worker wrote on stderr (a file: the orphan writes on after the command is gone)."""
     from reactor.launch._worker import ORPHAN_GRACE_S
 
-    ready = tmp_path / "ready"
-    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / app), "--placement", "processes",
-                          "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, **env})
+    ready, errfile = tmp_path / "ready", tmp_path / "stderr.log"
+    with open(errfile, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "run", str(APPS / app), "--placement", "processes",
+                              "--async", "--set", f"ready_file={ready}"], stdout=subprocess.DEVNULL,
+                             stderr=err, cwd=ROOT, env={**os.environ, **env})
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -644,6 +652,7 @@ def _its_worker_ends_after_its_coordinators_kill(tmp_path: Path, app: str, **env
         for w in workers:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+    return errfile.read_text()
 
 
 def test_a_worker_whose_rebuild_of_the_graph_is_refused_says_it_in_one_line_and_exits_as_a_refusal(tmp_path):

@@ -367,6 +367,9 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
             if victim == "replay-0":  # (restored from a checkpoint, asserted below: on a loaded machine, with two
                 # heavy tests at once, the kill once came before the shard's first checkpoint of any step)
                 wait_for(lambda: _checkpointed_steps(run / "replay-0"), 120, "replay-0's first checkpoint of steps")
+            if victim == "learner":  # (resumed from its checkpoint, asserted below: killed before its first one, it
+                # learned again from fresh weights, which the test took)
+                wait_for((run / "learner.pt").exists, 120, "the learner's first checkpoint")
             kids = _children(proc.pid)
             assert victim in kids, f"{victim} was not running when its kill came: {errfile.read_text()[-3000:]}"
             old = kids[victim]
@@ -400,6 +403,8 @@ def test_an_async_dqn_run_survives_kill_9_of_an_actor_a_shard_and_the_learner_an
     restored, before, n_lost = map(int, lost.groups())
     assert restored > 0 and before > 0 and n_lost == before - restored  # from a checkpoint, not from scratch
     assert "worker 'learner' is running again (restart 1)" in err
+    (resumed,) = re.findall(r"learner resumed from its checkpoint \S+ at update (\d+)", err)  # not from scratch
+    assert int(resumed) >= 100, err[-4000:]
     # metrics.csv kept the learner group's first life: its first evaluation, of the untrained weights, and the
     # wall clock going on through the restart (a restarted Metrics used to start the file anew).
     with open(run / "metrics.csv", newline="") as f:

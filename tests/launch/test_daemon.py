@@ -688,7 +688,9 @@ def test_a_second_daemon_on_a_state_directory_in_use_or_a_port_in_use_is_refused
          "reactor: [Errno 19] daemon 'h5' cannot listen on tcp://no-such-host.invalid:7000: No such device (no "
          "interface or host of that name here)\n"),
     ]:
-        p = subprocess.run([*cli, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        # (its own runtime directory: a daemon sweeps the dead runs' directories there as it starts, and a dead
+        # coordinator's under /tmp, another test's, was a warning line before the refusal)
+        p = subprocess.run([*cli, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=run_env(tmp_path))
         assert p.returncode == 2 and p.stderr.startswith(message) and "Traceback" not in p.stderr, p.stderr
     assert json.loads((daemon.state / "daemon.json").read_text())["name"] == "h1"
     with daemon.client() as c:

@@ -121,7 +121,10 @@ def cuda_refusal(graph: Any) -> tuple[str, str] | None:
             continue
         value = p.device if learner else p.memory
         try:
-            resolve_device(value, name) if learner else check_memory(value, f"Replay {name!r}")
+            if learner:
+                resolve_device(value, name)
+            else:
+                check_memory(value, f"Replay {name!r}")
         except ValueError as e:
             return str(e), value
     return None

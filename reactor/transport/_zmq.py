@@ -3,16 +3,21 @@
 Wire protocol (all framing of payloads is :mod:`reactor.transport.codec`'s):
 
 - Each :class:`Endpoint` binds one ROUTER socket (two with ``local_bind``: tcp for other hosts, ipc
-  for its own) and connects one DEALER per peer it sends to. A DEALER's routing id is its endpoint's
-  name, so the receiving ROUTER knows who sent each message; a ROUTER's replies (welcome, credit) go
-  to the senders that connected to it.
+  for its own) and connects one DEALER per peer it sends to. zmq names each connection (its routing
+  id); the connection's hello names its endpoint, so the receiving ROUTER knows who sent each
+  message; a ROUTER's replies (welcome, credit) go to the senders that connected to it.
 - Data flows DEALER -> ROUTER only: ``[codec frame 0 (msgpack, never empty), array frames...]``,
   or a batch of frame-less messages in one frame (``codec.encode_batch``: ``0xc1``, then a msgpack
   array of the messages' frame-0 bytes).
 - Control messages start with an empty frame: ``[b"", msgpack([kind, ...])]``. The DEALER opens
-  with ``HELLO(proto, name)``; the ROUTER answers ``WELCOME(proto, name, window, window_nbytes,
+  with ``HELLO(proto, name, token, seq)``: ``token`` is 8 random bytes drawn once per endpoint and
+  ``seq`` the connection's number there, so that a late hello from an endpoint's earlier try is told
+  from its newer one. The ROUTER answers ``WELCOME(proto, name, window, window_nbytes,
   max_message_nbytes)`` and, as the application consumes that sender's messages, ``CREDIT(n,
-  nbytes)``.
+  nbytes)``. A name is live at one connection at a time, across both ROUTERs: a hello under a name
+  whose connection lives is refused (``hellos_refused``: no one takes over a live peer's messages and
+  credit), one under a name whose connection zmq is still closing (a killed process's, a timed-out
+  try's) waits until it has closed, for at most 2 s (``_Receiving._hello``).
 - Credit: a sender may send while it holds at least one message of credit and a positive byte
   credit; each message costs one message and its size in bytes. The receiver returns credit when its
   application takes messages out of :meth:`Endpoint.recv_batch`, in grants of at least half a window
@@ -40,12 +45,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 import zmq.auth.asyncio
@@ -57,12 +62,13 @@ from reactor._floodlog import FloodCounts
 from ._curve import CurveKeys, _AllowedKeys, _is_local, link_key
 from ._zmqreceive import (
     _CONTROL_MAX_NBYTES,
-    _HELLO,
     PROTOCOL_VERSION,
+    TOKEN_NBYTES,
     _Receiving,
     _Router,
     _Sender,
     _wake,
+    hello_message,
 )
 from ._zmqsend import _Link, _Sending
 
@@ -120,8 +126,8 @@ class EndpointStatistics:
     dropped_invalid: int
     #: Senders forgotten because their connection had gone (they said hello, then closed).
     senders_forgotten: int
-    #: Hellos refused because a peer of that name is connected through the endpoint's other socket
-    #: (``local_bind``): the rule zmq keeps within one socket (no handover), kept across both.
+    #: Hellos refused because a peer of that name is connected (through either socket, with
+    #: ``local_bind``): a name is live at one connection at a time (no handover).
     hellos_refused: int
     #: Sends that found no credit (``send_nowait`` raising WouldBlock, or ``send`` having to wait).
     credit_stalls: int
@@ -294,6 +300,11 @@ class Endpoint(_Sending, _Receiving):
         self._max_queued = 0
         self._max_queued_nbytes = 0
         self._queued_senders: set[_Sender] = set()
+        self._by_name: dict[str, _Sender] = {}  # the connection each sender's name is live at
+        self._held: dict[str, tuple[_Sender, float]] = {}  # hellos waiting for a closing connection
+        self._held_timer: asyncio.TimerHandle | None = None
+        self._token = os.urandom(TOKEN_NBYTES)  # told in each hello, with the connection's number
+        self._link_seq = itertools.count()
         self._recv_waiter: asyncio.Future[None] | None = None
         self._links: dict[str, _Link] = {}
         self._lost: dict[str, str] = {}  # peer -> reason
@@ -358,10 +369,9 @@ class Endpoint(_Sending, _Receiving):
         try:
             self._configure(router, self._max_nbytes)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
-            # No handover: a second connection under a name already connected here is refused by
-            # zmq, so no one can take over a live peer's identity (its messages, its credit). A
-            # restarted peer gets its name back once its old connection is gone (closed at once
-            # when a process dies; within heartbeat_timeout_s when a host vanishes).
+            # zmq names each connection itself (a DEALER sets no routing id), so it never refuses one;
+            # the endpoint keeps each sender's name live at one connection at a time (_Receiving._hello).
+            # No handover of a routing id either, should a raw peer set one that is in use.
             router.setsockopt(zmq.ROUTER_HANDOVER, 0)
             if curve is not None:
                 router.curve_server = True
@@ -402,6 +412,10 @@ class Endpoint(_Sending, _Receiving):
         loop = self._loop
         for r in self._routers:
             loop.remove_reader(r.fd)
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        self._held.clear()
         for link in list(self._links.values()):
             self._flush_before_close(link)
             self._close_link(link)
@@ -551,7 +565,6 @@ class Endpoint(_Sending, _Receiving):
         sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         sock.copy_threshold = _COPY_THRESHOLD_NBYTES
         self._configure(sock, _CONTROL_MAX_NBYTES)  # a DEALER only ever receives control messages
-        sock.setsockopt(zmq.ROUTING_ID, self._name_b)
         if server_public_key is not None:
             assert self._curve is not None
             sock.curve_secretkey = self._curve.secret
@@ -576,7 +589,7 @@ class Endpoint(_Sending, _Receiving):
         self._lost.pop(peer, None)
         self._loop.add_reader(link.fd, self._drain_link, link)
         self._loop.add_reader(link.mon_fd, self._drain_monitor, link)
-        sock.send_multipart([b"", msgpack.packb([_HELLO, PROTOCOL_VERSION, self._name])], zmq.NOBLOCK)
+        sock.send_multipart([b"", hello_message(self._name, self._token, next(self._link_seq))], zmq.NOBLOCK)
         # A zmq FD only signals after a read found the socket empty: read both once to arm them.
         self._drain_link(link)
         self._drain_monitor(link)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +26,22 @@ from .codec import BATCH_MARKER, batch_header, decode, decode_batch, frames_nbyt
 
 log = logging.getLogger("reactor.transport")
 
-PROTOCOL_VERSION = 2  # 2: batches of frame-less messages
+PROTOCOL_VERSION = 3  # 2: batches of frame-less messages; 3: a hello names its endpoint's token and connection
 _HELLO, _WELCOME, _CREDIT = 1, 2, 3
 _CONTROL_MAX_NBYTES = 4096
+#: A hello's endpoint token: random bytes drawn once per endpoint, so that the connections of one endpoint
+#: (a link, the tries of a reconnect) are told from another endpoint's under the same name.
+TOKEN_NBYTES = 8
+_SEQ_MAX = 2**63 - 1
+# A hello under a name whose connection zmq is still closing (its process died, a try timed out: the
+# ROUTER drops a closed connection only once its queued messages are read and the close is acknowledged)
+# is held and looked at again every _HELD_HELLO_RECHECK_S, for at most _HELD_HELLO_MAX_S, then refused.
+_HELD_HELLO_RECHECK_S = 0.02
+_HELD_HELLO_MAX_S = 2.0
+_HELD_HELLOS_MAX = 1024
+_PROBE_FRESH_S = 0.05  # a connection found live this recently is taken as live without another probe
+# What a probe of a sender's connection finds (_probe).
+_LIVE, _CLOSING, _GONE = 0, 1, 2
 _POLLIN = int(zmq.POLLIN)  # a plain int: `events & zmq.POLLIN` goes through enum.Flag, ~0.5 us a test
 _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
 # Senders that said hello and went away: the table is swept (each sender probed through the
@@ -51,14 +65,18 @@ class _Router:
 
 
 class _Sender:
-    """What a ROUTER knows of one peer sending to it."""
+    """What a ROUTER knows of one peer sending to it: one connection (zmq's routing id for it)."""
 
-    __slots__ = ("ident", "name", "queued_msgs", "queued_nbytes", "router", "ungranted_msgs", "ungranted_nbytes")
+    __slots__ = ("ident", "live_at", "name", "queued_msgs", "queued_nbytes", "router", "seq", "token",
+                 "ungranted_msgs", "ungranted_nbytes")
 
-    def __init__(self, ident: bytes, name: str, router: _Router) -> None:
+    def __init__(self, ident: bytes, name: str, router: _Router, token: bytes = b"", seq: int = 0) -> None:
         self.ident = ident
         self.name = name
         self.router = router  # the ROUTER it said hello through: its credit and probes go back there
+        self.token = token  # its endpoint's, and the connection's number there (the hello's)
+        self.seq = seq
+        self.live_at = -1.0  # when a probe last found its connection live (a flood of hellos probes it once)
         self.queued_msgs = 0
         self.queued_nbytes = 0
         self.ungranted_msgs = 0
@@ -68,6 +86,24 @@ class _Sender:
 def _wake(fut: asyncio.Future[Any] | None) -> None:
     if fut is not None and not fut.done():
         fut.set_result(None)
+
+
+def hello_message(name: str, token: bytes, seq: int) -> bytes:
+    """A connection's first message's control frame: ``HELLO(proto, name, token, seq)``."""
+    return msgpack.packb([_HELLO, PROTOCOL_VERSION, name, token, seq])
+
+
+def _hello_fields(msg: list[Any] | None) -> tuple[str, bytes, int] | None:
+    """``(name, token, seq)`` of a well-formed hello, else None."""
+    if (msg is None or msg[0] != _HELLO or len(msg) != 5 or msg[1] != PROTOCOL_VERSION
+            or type(msg[2]) is not str or type(msg[3]) is not bytes or len(msg[3]) != TOKEN_NBYTES
+            or type(msg[4]) is not int or not 0 <= msg[4] <= _SEQ_MAX):
+        return None
+    name = msg[2]
+    name_b = name.encode(errors="replace")
+    if not 0 < len(name_b) <= 255 or name_b[0] == 0:
+        return None
+    return name, msg[3], msg[4]
 
 
 def _parse_control(frames: list[bytes] | None) -> list[Any] | None:
@@ -87,9 +123,12 @@ class _Receiving:
     is the endpoint's (set up in ``Endpoint.open``)."""
 
     _accept: Callable[[str, Any], str | None] | None
+    _by_name: dict[str, _Sender]
     _closed: bool
     _grant_msgs: int
     _grant_nbytes: int
+    _held: dict[str, tuple[_Sender, float]]
+    _held_timer: asyncio.TimerHandle | None
     _loop: asyncio.AbstractEventLoop
     _max_nbytes: int
     _max_queued: int
@@ -398,59 +437,97 @@ class _Receiving:
         is sent an empty credit grant (``CREDIT(0, 0)``, a no-op for a live peer). A sender with
         messages still queued here is kept until they are taken."""
         senders = router.senders
-        gone = [ident for ident, s in senders.items() if not s.queued_msgs and not self._connected(router, ident)]
-        for ident in gone:  # (their flood counts stay: a sender back under its name counts on, _floodlog)
-            senders.pop(ident)
+        gone = [s for s in senders.values() if not s.queued_msgs and self._probe(s) == _GONE]
+        for s in gone:  # (their flood counts stay: a sender back under its name counts on, _floodlog)
+            self._forget_sender(s)
         self._n["senders_forgotten"] += len(gone)
         if gone:
             log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))
         router.sweep_at = max(_SENDER_SWEEP_MIN, 2 * len(senders))
 
+    def _forget_sender(self, s: _Sender) -> None:
+        if s.router.senders.get(s.ident) is s:
+            del s.router.senders[s.ident]
+        if self._by_name.get(s.name) is s:
+            del self._by_name[s.name]
+
     @staticmethod
-    def _connected(router: _Router, ident: bytes) -> bool:
-        """Whether ``router`` has a live connection from ``ident``: an empty credit grant (a no-op for
-        a live peer) is refused at once (``ROUTER_MANDATORY``: ``EHOSTUNREACH``) when it has none."""
+    def _probe(s: _Sender) -> int:
+        """Whether ``s``'s connection is live, closing or gone: an empty credit grant (a no-op for a live
+        peer) is taken on a live connection, refused at once (``ROUTER_MANDATORY``) with ``EHOSTUNREACH``
+        when zmq has dropped the connection, and with ``EAGAIN`` while zmq is still closing it (its queued
+        messages not yet read, or the close not yet acknowledged), as on a full queue."""
         try:
-            router.sock.send_multipart([ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
+            s.router.sock.send_multipart([s.ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            return exc.errno != zmq.EHOSTUNREACH
-        return True
+            return _GONE if exc.errno == zmq.EHOSTUNREACH else _CLOSING
+        return _LIVE
 
     def _on_control(self, router: _Router, ident: bytes, rest: list[Any] | None) -> None:
-        msg = _parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None)
-        if (
-            msg is None
-            or msg[0] != _HELLO
-            or len(msg) != 3
-            or msg[1] != PROTOCOL_VERSION
-            or not isinstance(msg[2], str)
-            or msg[2].encode() != ident
-        ):
+        fields = _hello_fields(_parse_control([b"", rest[0].bytes] if rest is not None and len(rest) == 1 else None))
+        if fields is None or ident in router.senders:  # (one hello per connection)
             self._n["dropped_malformed"] += 1
             self._drop_warning("control", "endpoint %r: dropped a malformed control message from %r", self._name,
                                ident[:64])
             return
-        for other in self._routers:
-            # No handover across the two sockets either: zmq refuses a second connection under a live
-            # name on one ROUTER; a name live on the other one is refused here (a dead one forgotten).
-            if other is not router and ident in other.senders:
-                connected = self._connected(other, ident)
-                self._rearm(other)  # the probe was a send on the other ROUTER, outside its drain
-                if connected:
-                    self._n["hellos_refused"] += 1
-                    log.warning("endpoint %r: refused a hello from %r at %s: a peer of that name is connected at %s",
-                                self._name, msg[2], router.address, other.address)
-                    return
-                del other.senders[ident]
+        self._hello(_Sender(ident, fields[0], router, fields[1], fields[2]), time.monotonic())
+
+    def _hello(self, new: _Sender, since: float) -> None:
+        """Welcome ``new`` (a connection that said hello), unless its name is live at another connection.
+
+        A name is live at most once, across the endpoint's sockets: zmq names each connection itself, and
+        a hello under a name another connection holds is refused (no handover: no one takes over a live
+        peer's messages and credit) while that connection lives, and welcomed once it has gone. One that
+        zmq is still closing (a killed process's, a timed-out try's) is waited for, a little. A hello from
+        an older connection of the endpoint that holds the name (same token, lower number: a try that
+        timed out, delivered late) is dropped.
+        """
+        name = new.name
+        held = self._held.get(name)
+        if held is not None and held[0] is not new:
+            if held[0].token == new.token and held[0].seq > new.seq:
+                log.info("endpoint %r: dropped an earlier connection's hello from %r", self._name, name)
+                return
+            del self._held[name]  # a newer try, or another endpoint's: this hello is looked at instead
+        holder = self._by_name.get(name)
+        if holder is not None:
+            if holder.token == new.token and holder.seq > new.seq:
+                log.info("endpoint %r: dropped an earlier connection's hello from %r", self._name, name)
+                return
+            now = time.monotonic()
+            if now - holder.live_at < _PROBE_FRESH_S:
+                state = _LIVE
+            else:
+                holder.router.sock.get(zmq.EVENTS)  # (zmq takes in the connections' news: closes, acknowledgements)
+                state = self._probe(holder)
+                if state == _LIVE:
+                    holder.live_at = now
+                for r in self._routers:
+                    self._rearm(r)  # (the probe and the look were sends and reads outside that socket's drain)
+            if state == _GONE:
+                self._forget_sender(holder)
                 self._n["senders_forgotten"] += 1
+            elif state == _LIVE or now - since >= _HELD_HELLO_MAX_S or len(self._held) >= _HELD_HELLOS_MAX:
+                self._n["hellos_refused"] += 1
+                self._drop_warning("hello", "endpoint %r: refused a hello from %r at %s: a peer of that name is "
+                                   "connected at %s", self._name, name[:100], new.router.address,
+                                   holder.router.address)
+                return
+            else:
+                self._held[name] = (new, since)
+                if self._held_timer is None:
+                    self._held_timer = self._loop.call_later(_HELD_HELLO_RECHECK_S, self._recheck_held)
+                return
+        router = new.router
         # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
-        router.senders[ident] = _Sender(ident, msg[2], router)
+        router.senders[new.ident] = new
+        self._by_name[name] = new
         if len(router.senders) >= router.sweep_at:
             self._sweep_senders(router)
         try:
             router.sock.send_multipart(
                 [
-                    ident,
+                    new.ident,
                     b"",
                     msgpack.packb(
                         [_WELCOME, PROTOCOL_VERSION, self._name, self._window, self._window_nbytes, self._max_nbytes]
@@ -459,4 +536,18 @@ class _Receiving:
                 zmq.NOBLOCK,
             )
         except zmq.ZMQError as exc:
-            log.info("endpoint %r: could not welcome %r: %s", self._name, msg[2], exc)
+            if exc.errno == zmq.EHOSTUNREACH:  # it has gone since its hello: it holds no name
+                self._forget_sender(new)
+            log.info("endpoint %r: could not welcome %r: %s", self._name, name, exc)
+
+    def _recheck_held(self) -> None:
+        """Look again at the hellos held for a closing connection (the timer's callback)."""
+        self._held_timer = None
+        if self._closed:
+            return
+        for new, since in list(self._held.values()):
+            if self._held.get(new.name, (None,))[0] is new:
+                del self._held[new.name]
+                self._hello(new, since)
+        if self._held and self._held_timer is None:
+            self._held_timer = self._loop.call_later(_HELD_HELLO_RECHECK_S, self._recheck_held)

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reactor._tag import FOREVER_NS
+from reactor.transport._zmqreceive import hello_message
 from reactor.transport.codec import encode
 
 from ..runtime_dirs import run_env as _env
@@ -35,7 +36,7 @@ APPS = ROOT / "tests" / "apps"
 
 
 def _hello(name: str) -> bytes:
-    return msgpack.packb([1, 2, name])
+    return hello_message(name, os.urandom(8), 0)
 
 
 def _run(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, **kw) -> subprocess.Popen[str]:

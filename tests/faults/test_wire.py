@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -34,6 +36,7 @@ from reactor.launch._protocol import (
     check_request,
 )
 from reactor.transport import Endpoint
+from reactor.transport._zmqreceive import hello_message
 from reactor.transport.codec import encode
 
 WAIT_S = 5.0
@@ -252,22 +255,25 @@ async def test_senders_that_say_hello_and_leave_are_forgotten(endpoints):
             s.setsockopt(zmq.ROUTING_ID, f"ghost-{i}".encode())
             s.setsockopt(zmq.LINGER, 1000)
             s.connect(server.address)
-            s.send_multipart([b"", msgpack.packb([1, 2, f"ghost-{i}"])])
+            s.send_multipart([b"", hello_message(f"ghost-{i}", os.urandom(8), 0)])
             await _readable(s)  # welcomed: the server has its entry
             s.recv_multipart()
             s.close()
             await asyncio.sleep(0)
         await asyncio.sleep(0.2)
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.ROUTING_ID, b"last")
-        s.connect(server.address)
-        for _ in range(3):  # a few more hellos: the sweep runs when the table has doubled
-            s.send_multipart([b"", msgpack.packb([1, 2, "last"])])
+        last = []
+        for i in range(3):  # a few more hellos: the sweep runs when the table has doubled
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(server.address)
+            s.send_multipart([b"", hello_message(f"last-{i}", os.urandom(8), 0)])
+            last.append(s)
             await asyncio.sleep(0.05)
         st_ = server.statistics()
-        assert st_.senders <= 2 * 2 + 64, st_
+        assert st_.senders <= 2 * 4 + 64, st_
         assert st_.senders_forgotten >= 300 - 64
-        s.close(linger=0)
+        for s in last:
+            s.close(linger=0)
         await live.send("server", "still here")  # the live sender was kept
         assert await server.recv_batch(timeout_s=WAIT_S) == [("live", "still here")]
     finally:
@@ -275,19 +281,38 @@ async def test_senders_that_say_hello_and_leave_are_forgotten(endpoints):
 
 
 @pytest.mark.asyncio
-async def test_a_second_connection_under_a_live_peers_name_cannot_take_it_over(endpoints):
+async def test_a_second_connection_under_a_live_peers_name_cannot_take_it_over(endpoints, caplog):
+    """Connections under a live peer's name (one with zmq's routing id set to the name, as the name was
+    the routing id before, and 40 more, some with the victim's own token and a later number) get no
+    welcome; their messages are dropped as a stranger's; the refusals are counted, logged under the
+    flood rule, and the victim's link and credit are untouched."""
     server = await endpoints("server")
     victim = await endpoints("victim")
     await victim.connect("server", server.address)
+    caplog.set_level(logging.WARNING, logger="reactor.transport")
     ctx = zmq.Context()
     try:
         thief = ctx.socket(zmq.DEALER)
         thief.setsockopt(zmq.ROUTING_ID, b"victim")
         thief.connect(server.address)
-        thief.send_multipart([b"", msgpack.packb([1, 2, "victim"])])
+        thief.send_multipart([b"", hello_message("victim", os.urandom(8), 0)])
         thief.send_multipart(encode("forged"))
+        thieves = [thief]
+        for i in range(40):
+            t = ctx.socket(zmq.DEALER)
+            t.connect(server.address)
+            token = victim._token if i % 2 else os.urandom(8)
+            t.send_multipart([b"", hello_message("victim", token, 100 + i)])
+            t.send_multipart(encode(("forged", i)))
+            thieves.append(t)
+        deadline = time.monotonic() + WAIT_S
+        while server.statistics().hellos_refused < 41 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)
-        assert not thief.poll(0)  # no welcome for the thief
+        assert not any(t.poll(0) for t in thieves)  # no welcome for a thief
+        assert server.statistics().hellos_refused == 41
+        assert server.statistics().dropped_unknown_peer == 41
+        assert 1 <= sum("refused a hello from 'victim'" in r.getMessage() for r in caplog.records) <= 20
         async def send_all():  # past the window: the victim's credit and link are intact
             for i in range(100):
                 await victim.send("server", i)

@@ -27,6 +27,7 @@ from reactor.launch._daemon import DaemonClient
 from reactor.launch._keys import load_keys
 from reactor.launch._placement import resolve_placement
 from reactor.launch._rundir import OWNER_FILE, PREFIX, runtime_base
+from reactor.transport._zmqreceive import hello_message
 
 from .hosts import Cluster, free_subnet, in_thread, namespaces_available, segments_launched_by, wait_for
 
@@ -476,7 +477,7 @@ def _attack(address: str, rng: random.Random, ctx: zmq.Context) -> None:
         s.setsockopt(zmq.ROUTING_ID, b"learner")  # a real group's name
         s.connect(f"tcp://{address}")
         with contextlib.suppress(zmq.ZMQError):
-            s.send_multipart([b"", msgpack.packb([1, 2, "learner"])], zmq.NOBLOCK)
+            s.send_multipart([b"", hello_message("learner", os.urandom(8), 0)], zmq.NOBLOCK)
             s.send_multipart([bytes(rng.getrandbits(8) for _ in range(64))], zmq.NOBLOCK)
     time.sleep(0.05)
     plain.close()
@@ -539,7 +540,7 @@ def _attack_local(path: str, rng: random.Random, ctx: zmq.Context) -> None:
         d.setsockopt(zmq.ROUTING_ID, name)
         d.connect(f"ipc://{path}")
         with contextlib.suppress(zmq.ZMQError):
-            d.send_multipart([b"", msgpack.packb([1, 2, name.decode()])], zmq.NOBLOCK)
+            d.send_multipart([b"", hello_message(name.decode(), os.urandom(8), 0)], zmq.NOBLOCK)
             time.sleep(0.02)  # (the welcome, or nothing)
             for m in msgs:
                 d.send_multipart(m, zmq.NOBLOCK)

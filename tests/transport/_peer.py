@@ -7,13 +7,18 @@ for roles that finish, one JSON line with its results. Roles:
 - ``slow_sink``: receive ``n`` messages ``{"i": k, ...}``, sleeping ``delay_s`` per message; report
   order, count, peak queue and RSS.
 - ``idle``: open and never read (a peer that does not consume); runs until killed.
+- ``held``: print every message received (``{"from": sender, "msg": msg}``); on ``"hold"``, print
+  ``{"holding": true}`` and hold its loop (a long reaction) until the file ``release`` exists; on
+  ``"stats"``, print its hellos refused and messages dropped. Runs until killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
+import time
 
 from reactor.transport import CurveKeys, Endpoint
 
@@ -70,6 +75,17 @@ async def main(role: str, cfg: dict) -> None:
             )
         elif role == "idle":
             await asyncio.sleep(3600)
+        elif role == "held":
+            while True:
+                for sender, msg in await ep.recv_batch():
+                    emit({"from": sender, "msg": msg})
+                    if msg == "hold":
+                        emit({"holding": True})
+                        while not os.path.exists(cfg["release"]):  # the loop held, as in a long update
+                            time.sleep(0.01)
+                    elif msg == "stats":
+                        st = ep.statistics()
+                        emit({"hellos_refused": st.hellos_refused, "dropped": st.dropped})
     finally:
         await ep.aclose()
 

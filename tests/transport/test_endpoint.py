@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import zmq.asyncio
 from reactor._errors import FrameTooLargeError, LinkStateError, PeerLostError, PortClosedError, WouldBlock
 from reactor._floodlog import FloodCounts, flood_logged
 from reactor.transport import CurveKeys, Endpoint, codec, encode, link_key
-from reactor.transport._zmq import PROTOCOL_VERSION
+from reactor.transport._zmqreceive import hello_message
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30  # bound on every wait for another process
@@ -259,7 +259,7 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
         return _raw_dealer(ctx, server.address, identity)
 
     async def say_hello(s: zmq.asyncio.Socket, name: str) -> None:
-        await s.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, name])])
+        await s.send_multipart([b"", hello_message(name, os.urandom(8), 0)])
         reply = await asyncio.wait_for(s.recv_multipart(), WAIT_S)
         assert reply[0] == b"" and msgpack.unpackb(reply[1])[0] == 2
 
@@ -392,7 +392,7 @@ async def test_a_peer_back_under_its_name_after_its_sender_was_forgotten_is_not_
 
 
 async def _say_hello(s: zmq.asyncio.Socket, name: str) -> None:
-    await s.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, name])])
+    await s.send_multipart([b"", hello_message(name, os.urandom(8), 0)])
     while True:  # (a sweep's empty credit grant, its probe of every sender, may come first)
         reply = await asyncio.wait_for(s.recv_multipart(), WAIT_S)
         assert reply[0] == b""
@@ -421,7 +421,7 @@ async def test_a_garbage_batch_is_dropped_and_logged_with_its_peer_and_the_endpo
     array_ref = b"\xc1\x91" + pack(ext(1, ["uint8", [4], 1]))  # refers to an array frame: a batch has none
     unregistered = b"\xc1\x91" + pack(ext(4, ["builtins.eval", ["1"]]))
     try:
-        await raw.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, "raw"])])
+        await raw.send_multipart([b"", hello_message("raw", os.urandom(8), 0)])
         reply = await asyncio.wait_for(raw.recv_multipart(), WAIT_S)
         assert msgpack.unpackb(reply[1])[0] == 2  # welcome
         for frames in (
@@ -524,7 +524,7 @@ async def test_small_messages_sent_in_one_tick_travel_batched_in_order_around_me
 
     # Credit returns in grants of half a window: what the sender lacks is exactly what the receiver
     # has taken but not granted yet, in messages and in bytes (batches split among their messages).
-    ungranted = rx._routers[0].senders[b"tx"]
+    ungranted = rx._by_name["tx"]
     assert ungranted.queued_msgs == ungranted.queued_nbytes == rx.statistics().queued_nbytes == 0
     expected = (initial[0] - ungranted.ungranted_msgs, initial[1] - ungranted.ungranted_nbytes)
     assert ungranted.ungranted_msgs < n // 2  # (more would have been granted)
@@ -868,6 +868,48 @@ async def test_a_restarted_peer_can_be_connected_again_under_the_same_name(open_
     assert await second.recv_batch(timeout_s=WAIT_S) == [("tx", "again")]
 
 
+async def _line(peer: Peer, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The next line ``peer`` prints that ``pred`` holds for (the lines before it are skipped)."""
+    while not pred(got := await peer.result()):
+        pass
+    return got
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_a_restarted_sender_is_welcomed_by_a_peer_held_while_its_old_connection_closed(
+        open_endpoint, tmp_path, transport):
+    """Regression: a ROUTER knew each sender by zmq's routing id, which was the sender's name, with no
+    handover. A sender's new life whose connect reached a peer held in a long reaction, while the dead
+    life's connection was still attached there, was refused by zmq once the peer ran again, and its hello
+    was lost with that connection: the try waited out its whole timeout after the peer was free (a
+    restarted worker linked to a busy peer up to ~11 s late). So was a try after an earlier try of the
+    same endpoint that timed out. zmq names each connection now: the endpoint keeps each name live at one
+    connection, welcomes the new life's try once the dead one's connection has closed, and drops the late
+    hello of its timed-out try without counting a refusal."""
+    release = tmp_path / "release"
+    async with peer_process("held", name="rx", bind=bind_address(transport, tmp_path, "rx"),
+                            release=str(release)) as rx:
+        ctl = await open_endpoint("ctl")
+        await ctl.connect("rx", rx.address, timeout_s=WAIT_S)
+        async with peer_process("echo", name="tx", parent_name="rx", parent_address=rx.address) as first_life:
+            await ctl.send("rx", "hold")
+            await _line(rx, lambda m: m == {"holding": True})
+            first_life.proc.kill()  # its connection closes while the peer is held
+            await first_life.proc.wait()
+        tx = await open_endpoint("tx")  # the new life
+        with pytest.raises(PeerLostError, match=r"did not answer within 0.5 s"):
+            await tx.connect("rx", rx.address, timeout_s=0.5)  # a try while the peer is held
+        connecting = asyncio.ensure_future(tx.connect("rx", rx.address, timeout_s=WAIT_S))
+        await asyncio.sleep(0.2)
+        release.touch()
+        await connecting  # the next try, welcomed once the peer runs again
+        await tx.send("rx", "hi")
+        await _line(rx, lambda m: m == {"from": "tx", "msg": "hi"})
+        await ctl.send("rx", "stats")
+        assert await _line(rx, lambda m: "hellos_refused" in m) == {"hellos_refused": 0, "dropped": 0}
+
+
 @pytest.mark.asyncio
 async def test_open_rejects_bad_arguments_and_unbindable_addresses(open_endpoint):
     with pytest.raises(ValueError, match=r"^Endpoint name must be a str of 1..255 UTF-8 bytes"):
@@ -938,7 +980,7 @@ async def test_a_hello_refused_at_the_local_socket_leaves_the_other_sockets_wake
     try:
         waiting = asyncio.ensure_future(rx.recv_batch(timeout_s=WAIT_S))
         await asyncio.sleep(0.1)  # rx waits in recv_batch, both sockets armed
-        impostor.send_multipart([b"", msgpack.packb([1, PROTOCOL_VERSION, "far"])])
+        impostor.send_multipart([b"", hello_message("far", os.urandom(8), 0)])
         t0 = time.monotonic()
         assert await waiting == [("far", "to answer")]
         assert time.monotonic() - t0 < 5

@@ -33,15 +33,16 @@ _CONTROL_MAX_NBYTES = 4096
 #: (a link, the tries of a reconnect) are told from another endpoint's under the same name.
 TOKEN_NBYTES = 8
 _SEQ_MAX = 2**63 - 1
-# A hello under a name whose connection zmq is still closing (its process died, a try timed out: the
-# ROUTER drops a closed connection only once its queued messages are read and the close is acknowledged)
-# is held and looked at again every _HELD_HELLO_RECHECK_S, for at most _HELD_HELLO_MAX_S, then refused.
+# A hello under a name whose connection takes no message now (the probe finds the queue to it full: a live
+# peer that reads nothing) is held and looked at again every _HELD_HELLO_RECHECK_S, for at most
+# _HELD_HELLO_MAX_S, then refused. (A closed connection is not held for: zmq says it has gone as soon as it
+# has taken in the close, its last messages read or not; _probe.)
 _HELD_HELLO_RECHECK_S = 0.02
 _HELD_HELLO_MAX_S = 2.0
 _HELD_HELLOS_MAX = 1024
 _PROBE_FRESH_S = 0.05  # a connection found live this recently is taken as live without another probe
 # What a probe of a sender's connection finds (_probe).
-_LIVE, _CLOSING, _GONE = 0, 1, 2
+_LIVE, _FULL, _GONE = 0, 1, 2
 _POLLIN = int(zmq.POLLIN)  # a plain int: `events & zmq.POLLIN` goes through enum.Flag, ~0.5 us a test
 _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
 # Senders that said hello and went away: the table is swept (each sender probed through the
@@ -453,14 +454,15 @@ class _Receiving:
 
     @staticmethod
     def _probe(s: _Sender) -> int:
-        """Whether ``s``'s connection is live, closing or gone: an empty credit grant (a no-op for a live
-        peer) is taken on a live connection, refused at once (``ROUTER_MANDATORY``) with ``EHOSTUNREACH``
-        when zmq has dropped the connection, and with ``EAGAIN`` while zmq is still closing it (its queued
-        messages not yet read, or the close not yet acknowledged), as on a full queue."""
+        """Whether ``s``'s connection is live, full or gone: an empty credit grant (a no-op for a live
+        peer) is taken on a live connection, and refused at once (``ROUTER_MANDATORY``): with
+        ``EHOSTUNREACH`` once zmq has taken in the connection's close (libzmq 4.3: even with its last
+        messages still unread here), with ``EAGAIN`` when the queue to a live peer is full (it reads
+        nothing)."""
         try:
             s.router.sock.send_multipart([s.ident, b"", msgpack.packb([_CREDIT, 0, 0])], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            return _GONE if exc.errno == zmq.EHOSTUNREACH else _CLOSING
+            return _GONE if exc.errno == zmq.EHOSTUNREACH else _FULL
         return _LIVE
 
     def _on_control(self, router: _Router, ident: bytes, rest: list[Any] | None) -> None:
@@ -477,10 +479,11 @@ class _Receiving:
 
         A name is live at most once, across the endpoint's sockets: zmq names each connection itself, and
         a hello under a name another connection holds is refused (no handover: no one takes over a live
-        peer's messages and credit) while that connection lives, and welcomed once it has gone. One that
-        zmq is still closing (a killed process's, a timed-out try's) is waited for, a little. A hello from
-        an older connection of the endpoint that holds the name (same token, lower number: a try that
-        timed out, delivered late) is dropped.
+        peer's messages and credit) while that connection lives, and welcomed once it has gone (a killed
+        process's, a timed-out try's, a disconnected link's: its sender stays known until swept, for the
+        messages it sent that are still unread). One whose queue is full (a live peer that reads nothing)
+        is waited for, a little. A hello from an older connection of the endpoint that holds the name
+        (same token, lower number: a try that timed out, delivered late) is dropped.
         """
         name = new.name
         held = self._held.get(name)
@@ -505,8 +508,11 @@ class _Receiving:
                 for r in self._routers:
                     self._rearm(r)  # (the probe and the look were sends and reads outside that socket's drain)
             if state == _GONE:
-                self._forget_sender(holder)
-                self._n["senders_forgotten"] += 1
+                # Only the name moves: the closed connection's sender stays in its socket's table until
+                # swept, as zmq reports a connection gone with its last messages still unread (a
+                # disconnect's lingering ones, a killed process's): they come out under its name, before
+                # anything the new connection sends (that waits for the welcome).
+                del self._by_name[name]
             elif state == _LIVE or now - since >= _HELD_HELLO_MAX_S or len(self._held) >= _HELD_HELLOS_MAX:
                 self._n["hellos_refused"] += 1
                 self._drop_warning("hello", "endpoint %r: refused a hello from %r at %s: a peer of that name is "
@@ -541,7 +547,7 @@ class _Receiving:
             log.info("endpoint %r: could not welcome %r: %s", self._name, name, exc)
 
     def _recheck_held(self) -> None:
-        """Look again at the hellos held for a closing connection (the timer's callback)."""
+        """Look again at the hellos held for a full connection (the timer's callback)."""
         self._held_timer = None
         if self._closed:
             return

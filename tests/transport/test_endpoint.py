@@ -911,6 +911,39 @@ async def test_a_restarted_sender_is_welcomed_by_a_peer_held_while_its_old_conne
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_a_sender_that_reconnects_after_a_lingering_disconnect_has_its_earlier_messages_delivered_first(
+        open_endpoint, tmp_path, transport):
+    """Regression: the hello of a sender's new connection took its name from the closed one as soon as
+    zmq had taken in that close, and the closed connection's sender was forgotten with it, while the
+    messages it had sent (``disconnect`` lingers to deliver them) were still unread in the ROUTER's queue:
+    they were dropped as a stranger's (``dropped_unknown_peer``). The peer's loop is held while they
+    arrive, so they are all unread when the new connection's hello is read."""
+    release = tmp_path / "release"
+    async with peer_process("held", name="rx", bind=bind_address(transport, tmp_path, "rx"),
+                            release=str(release)) as rx:
+        ctl = await open_endpoint("ctl")
+        await ctl.connect("rx", rx.address, timeout_s=WAIT_S)
+        tx = await open_endpoint("tx")
+        await tx.connect("rx", rx.address, timeout_s=WAIT_S)
+        await ctl.send("rx", "hold")
+        await _line(rx, lambda m: m == {"holding": True})
+        for i in range(20):
+            await tx.send("rx", i)
+            tx.flush()  # (one zmq message each, so that the hello comes between them)
+        tx.disconnect("rx", linger_s=WAIT_S)
+        connecting = asyncio.ensure_future(tx.connect("rx", rx.address, timeout_s=WAIT_S))
+        await asyncio.sleep(0.3)  # the first connection closes, its messages unread
+        release.touch()
+        await connecting
+        await tx.send("rx", "after")
+        got = [(await _line(rx, lambda m: m.get("from") == "tx"))["msg"] for _ in range(21)]
+        assert got == [*range(20), "after"]
+        await ctl.send("rx", "stats")
+        assert await _line(rx, lambda m: "hellos_refused" in m) == {"hellos_refused": 0, "dropped": 0}
+
+
+@pytest.mark.asyncio
 async def test_open_rejects_bad_arguments_and_unbindable_addresses(open_endpoint):
     with pytest.raises(ValueError, match=r"^Endpoint name must be a str of 1..255 UTF-8 bytes"):
         await Endpoint.open("")

@@ -18,8 +18,10 @@ Wire protocol (all framing of payloads is :mod:`reactor.transport.codec`'s):
   whose connection lives is refused (``hellos_refused``: no one takes over a live peer's messages and
   credit), one under a name whose connection has closed (a killed process's, a timed-out try's, a
   disconnected link's) takes the name at once, while the closed connection's messages still unread
-  are delivered under it, before the new connection's (which wait for its welcome); one whose queue
-  to the holder is full (a live peer that reads nothing) waits, for at most 2 s (``_Receiving._hello``).
+  are delivered under it, before the new connection's (which wait for its welcome); one behind a
+  connection the same endpoint has left (same token, lower ``seq``: a lingering ``disconnect``'s), or
+  behind a full queue (a live peer that reads nothing), waits for it to close, for at most 2 s
+  (``_Receiving._hello``).
 - Credit: a sender may send while it holds at least one message of credit and a positive byte
   credit; each message costs one message and its size in bytes. The receiver returns credit when its
   application takes messages out of :meth:`Endpoint.recv_batch`, in grants of at least half a window

@@ -481,9 +481,11 @@ class _Receiving:
         a hello under a name another connection holds is refused (no handover: no one takes over a live
         peer's messages and credit) while that connection lives, and welcomed once it has gone (a killed
         process's, a timed-out try's, a disconnected link's: its sender stays known until swept, for the
-        messages it sent that are still unread). One whose queue is full (a live peer that reads nothing)
-        is waited for, a little. A hello from an older connection of the endpoint that holds the name
-        (same token, lower number: a try that timed out, delivered late) is dropped.
+        messages it sent that are still unread). One whose queue is full (a live peer that reads nothing),
+        or one the same endpoint has left (same token, lower number: a lingering ``disconnect``'s), is
+        waited for, a little; while a hello waits, the name is promised to it (another endpoint's hello is
+        refused; the same endpoint's newer try takes its place). A hello from an older connection of the
+        endpoint that holds the name (a try that timed out, delivered late) is dropped.
         """
         name = new.name
         held = self._held.get(name)
@@ -491,12 +493,18 @@ class _Receiving:
             if held[0].token == new.token and held[0].seq > new.seq:
                 log.info("endpoint %r: dropped an earlier connection's hello from %r", self._name, name)
                 return
-            del self._held[name]  # a newer try, or another endpoint's: this hello is looked at instead
+            if held[0].token != new.token or held[0].seq == new.seq:  # the name is promised to the held one
+                self._refuse(new, held[0].router)
+                return
+            del self._held[name]  # that endpoint's newer try: it is looked at instead
+            self._refuse(held[0], held[0].router)
         holder = self._by_name.get(name)
         if holder is not None:
             if holder.token == new.token and holder.seq > new.seq:
                 log.info("endpoint %r: dropped an earlier connection's hello from %r", self._name, name)
                 return
+            # (an endpoint's newer connection: it has closed the older one, whose last messages may be on the way)
+            superseded = holder.token == new.token and holder.seq < new.seq
             now = time.monotonic()
             if now - holder.live_at < _PROBE_FRESH_S:
                 state = _LIVE
@@ -513,11 +521,9 @@ class _Receiving:
                 # disconnect's lingering ones, a killed process's): they come out under its name, before
                 # anything the new connection sends (that waits for the welcome).
                 del self._by_name[name]
-            elif state == _LIVE or now - since >= _HELD_HELLO_MAX_S or len(self._held) >= _HELD_HELLOS_MAX:
-                self._n["hellos_refused"] += 1
-                self._drop_warning("hello", "endpoint %r: refused a hello from %r at %s: a peer of that name is "
-                                   "connected at %s", self._name, name[:100], new.router.address,
-                                   holder.router.address)
+            elif ((state == _LIVE and not superseded) or now - since >= _HELD_HELLO_MAX_S
+                  or len(self._held) >= _HELD_HELLOS_MAX):
+                self._refuse(new, holder.router)
                 return
             else:
                 self._held[name] = (new, since)
@@ -545,6 +551,11 @@ class _Receiving:
             if exc.errno == zmq.EHOSTUNREACH:  # it has gone since its hello: it holds no name
                 self._forget_sender(new)
             log.info("endpoint %r: could not welcome %r: %s", self._name, name, exc)
+
+    def _refuse(self, new: _Sender, holder_router: _Router) -> None:
+        self._n["hellos_refused"] += 1
+        self._drop_warning("hello", "endpoint %r: refused a hello from %r at %s: a peer of that name is connected at "
+                           "%s", self._name, new.name[:100], new.router.address, holder_router.address)
 
     def _recheck_held(self) -> None:
         """Look again at the hellos held for a full connection (the timer's callback)."""

@@ -944,6 +944,39 @@ async def test_a_sender_that_reconnects_after_a_lingering_disconnect_has_its_ear
 
 
 @pytest.mark.asyncio
+async def test_a_senders_newer_connection_is_welcomed_once_its_older_one_has_closed(open_endpoint):
+    """A hello from an endpoint's newer connection (its token, a later number) while its older one is still
+    open there (``disconnect`` lingers while the last messages go out, and a ``connect`` again follows) is
+    held until that one has closed, then welcomed, and what each sent comes in order. It was refused at
+    once, as a thief's: the new link waited out its whole timeout."""
+    rx = await open_endpoint("rx")
+    ctx = zmq.asyncio.Context()
+    token = os.urandom(8)
+    try:
+        old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (old, new):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(rx.address)
+        await old.send_multipart([b"", hello_message("tx", token, 0)])
+        assert msgpack.unpackb((await asyncio.wait_for(old.recv_multipart(), WAIT_S))[1])[0] == 2  # welcome
+        for i in range(5):
+            await old.send_multipart(encode(i))
+        await new.send_multipart([b"", hello_message("tx", token, 1)])
+        await asyncio.sleep(0.3)
+        assert await new.poll(0) == 0  # held while the older connection is open
+        old.close()
+        assert msgpack.unpackb((await asyncio.wait_for(new.recv_multipart(), WAIT_S))[1])[0] == 2
+        await new.send_multipart(encode("after"))
+        got: list[tuple[str, Any]] = []
+        while len(got) < 6:
+            got += await rx.recv_batch(timeout_s=WAIT_S)
+        assert got == [("tx", i) for i in [*range(5), "after"]]
+        assert rx.statistics().hellos_refused == rx.statistics().dropped == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.asyncio
 async def test_open_rejects_bad_arguments_and_unbindable_addresses(open_endpoint):
     with pytest.raises(ValueError, match=r"^Endpoint name must be a str of 1..255 UTF-8 bytes"):
         await Endpoint.open("")

@@ -491,7 +491,7 @@ class _Receiving:
         held = self._held.get(name)
         if held is not None and held[0] is not new:
             if held[0].token == new.token and held[0].seq > new.seq:
-                log.info("endpoint %r: dropped an earlier connection's hello from %r", self._name, name)
+                self._dropped_earlier(name)
                 return
             if held[0].token != new.token or held[0].seq == new.seq:  # the name is promised to the held one
                 self._refuse(new, held[0].router)
@@ -501,7 +501,7 @@ class _Receiving:
         holder = self._by_name.get(name)
         if holder is not None:
             if holder.token == new.token and holder.seq > new.seq:
-                log.info("endpoint %r: dropped an earlier connection's hello from %r", self._name, name)
+                self._dropped_earlier(name)
                 return
             # (an endpoint's newer connection: it has closed the older one, whose last messages may be on the way)
             superseded = holder.token == new.token and holder.seq < new.seq
@@ -551,6 +551,12 @@ class _Receiving:
             if exc.errno == zmq.EHOSTUNREACH:  # it has gone since its hello: it holds no name
                 self._forget_sender(new)
             log.info("endpoint %r: could not welcome %r: %s", self._name, name, exc)
+
+    def _dropped_earlier(self, name: str) -> None:
+        seen = self._drops_logged.hit("earlier hello")  # (a flood of them is not a flood of lines)
+        if flood_logged(seen):
+            log.info("endpoint %r: dropped an earlier connection's hello from %r%s", self._name, name[:100],
+                     flood_tally(seen))
 
     def _refuse(self, new: _Sender, holder_router: _Router) -> None:
         self._n["hellos_refused"] += 1

@@ -54,13 +54,16 @@ _SENDER_SWEEP_MIN = 64
 class _Router:
     """One ROUTER an endpoint receives on, and the senders that said hello through it."""
 
-    __slots__ = ("address", "drain_scheduled", "fd", "senders", "sock", "sweep_at")
+    __slots__ = ("address", "drain_scheduled", "fd", "gone", "senders", "sock", "sweep_at")
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self.sock = sock
         self.fd: int = sock.FD
         self.address: str = sock.get(zmq.LAST_ENDPOINT).decode()
         self.senders: dict[bytes, _Sender] = {}
+        # The senders the last sweep forgot: zmq says a connection has gone with its last messages still
+        # unread or not (_probe), and those come out under its name.
+        self.gone: dict[bytes, _Sender] = {}
         self.drain_scheduled = False
         self.sweep_at = _SENDER_SWEEP_MIN
 
@@ -285,7 +288,7 @@ class _Receiving:
             if not head:
                 self._on_control(router, ident, rest)
                 continue
-            if sender is None:
+            if sender is None and (sender := router.gone.get(ident)) is None:
                 n["dropped_unknown_peer"] += 1
                 self._drop_warning("unknown", "endpoint %r: dropped a message from %r, which did not say hello first",
                                    self._name, ident[:64])
@@ -436,11 +439,13 @@ class _Receiving:
         """Forget ``router``'s senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
         once (``EHOSTUNREACH``) to route to an identity with no live connection, so each idle sender
         is sent an empty credit grant (``CREDIT(0, 0)``, a no-op for a live peer). A sender with
-        messages still queued here is kept until they are taken."""
+        messages still queued here is kept until they are taken; one forgotten is known until the next
+        sweep (``_Router.gone``), for its messages still unread in zmq's queue."""
         senders = router.senders
         gone = [s for s in senders.values() if not s.queued_msgs and self._probe(s) == _GONE]
         for s in gone:  # (their flood counts stay: a sender back under its name counts on, _floodlog)
             self._forget_sender(s)
+        router.gone = {s.ident: s for s in gone}
         self._n["senders_forgotten"] += len(gone)
         if gone:
             log.info("endpoint %r: forgot %d senders whose connections had closed", self._name, len(gone))

@@ -977,6 +977,56 @@ async def test_a_senders_newer_connection_is_welcomed_once_its_older_one_has_clo
 
 
 @pytest.mark.asyncio
+async def test_a_sender_swept_with_its_last_messages_unread_still_has_them_delivered(open_endpoint):
+    """Regression: a sweep forgot a sender whose connection zmq said had gone (``EHOSTUNREACH``) while its
+    last messages were still unread in the ROUTER's queue: they were dropped as a stranger's. Here a new
+    connection's hello takes the closed one's name and fills the table to its sweep, read (the endpoint's
+    loop held meanwhile) before the closed connection's messages."""
+    rx = await open_endpoint("rx")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        def dealer() -> zmq.Socket:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(rx.address)
+            socks.append(s)
+            return s
+
+        async def welcomed(s: zmq.Socket, name: str) -> None:
+            s.send_multipart([b"", hello_message(name, os.urandom(8), 0)])
+            async with asyncio.timeout(WAIT_S):
+                while not s.poll(0):
+                    await asyncio.sleep(0.002)
+            s.recv_multipart()
+
+        for i in range(62):  # live senders: the table is swept at 64
+            await welcomed(dealer(), f"filler-{i}")
+        old = dealer()
+        await welcomed(old, "tx")
+        new = dealer()
+        # The loop is held from here: all of it waits in zmq's queues, the new hello first.
+        new.send_multipart([b"", hello_message("tx", os.urandom(8), 0)])
+        time.sleep(0.1)
+        for i in range(5):
+            old.send_multipart(encode(i))
+        time.sleep(0.1)
+        old.close()
+        time.sleep(0.2)
+        got: list[tuple[str, Any]] = []
+        async with asyncio.timeout(WAIT_S):
+            while len(got) < 5:
+                got += await rx.recv_batch()
+        assert got == [("tx", i) for i in range(5)]
+        st = rx.statistics()
+        assert st.senders_forgotten >= 1 and st.dropped == 0 and st.hellos_refused == 0
+    finally:
+        for s in socks:
+            s.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.asyncio
 async def test_open_rejects_bad_arguments_and_unbindable_addresses(open_endpoint):
     with pytest.raises(ValueError, match=r"^Endpoint name must be a str of 1..255 UTF-8 bytes"):
         await Endpoint.open("")

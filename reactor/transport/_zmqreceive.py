@@ -536,6 +536,9 @@ class _Receiving:
                     self._held_timer = self._loop.call_later(_HELD_HELLO_RECHECK_S, self._recheck_held)
                 return
         router = new.router
+        if new.ident in router.senders:  # it said hello again while this one waited, and was welcomed
+            self._n["dropped_malformed"] += 1
+            return
         # (Re)start this sender's credit: a hello means a new connection, so nothing is in flight.
         router.senders[new.ident] = new
         self._by_name[name] = new

@@ -367,6 +367,37 @@ async def test_a_flood_of_earlier_hellos_under_a_live_name_is_logged_under_the_f
 
 
 @pytest.mark.asyncio
+async def test_a_connection_that_says_hello_again_while_its_first_waits_keeps_the_name_it_was_welcomed_under(
+        endpoints):
+    """Regression: a hello that waited (behind the same token's older connection) was welcomed once that
+    one closed even if its connection had said hello under another name meanwhile and been welcomed: the
+    connection's messages then came under the first name, and the second stayed taken by no sender."""
+    server = await endpoints("server")
+    ctx = zmq.Context()
+    try:
+        token = os.urandom(8)
+        older, sly = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (older, sly):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(server.address)
+        older.send_multipart([b"", hello_message("x", token, 0)])
+        await _readable(older)
+        sly.send_multipart([b"", hello_message("x", token, 1)])  # waits: the older connection is open
+        await asyncio.sleep(0.1)
+        sly.send_multipart([b"", hello_message("y", os.urandom(8), 0)])
+        await _readable(sly)  # welcomed as y
+        older.close()
+        await asyncio.sleep(0.3)  # the wait for x is over
+        sly.send_multipart(encode("who"))
+        assert await server.recv_batch(timeout_s=WAIT_S) == [("y", "who")]
+        assert not server._held and "x" not in server._by_name
+        assert server._by_name["y"] is server._routers[0].senders[server._by_name["y"].ident]
+        sly.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.asyncio
 async def test_a_peer_killed_while_connected_is_reported_as_gone_not_as_a_security_failure(endpoints, tmp_path):
     """Regression: a killed peer was reported as a CURVE handshake failure on a link without CURVE."""
     bind = f"ipc://{tmp_path}/peer.sock"

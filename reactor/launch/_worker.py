@@ -239,7 +239,7 @@ class Worker:
                     # to its own host's workers go to their plain ipc sockets).
                     "links_curve": sum(ep.link_encrypted(p) for p in ep.peers if p != COORDINATOR),
                     "links_plain": sum(not ep.link_encrypted(p) for p in ep.peers if p != COORDINATOR),
-                    "hellos_refused": ep.statistics().hellos_refused,  # a name live at its other socket
+                    "hellos_refused": ep.statistics().hellos_refused,  # a name live at another connection (its other socket's)
                     "sent": host.sent_count,
                     "received": host.received_count,
                     **self.loop_stats,

@@ -145,7 +145,8 @@ class EndpointStatistics:
     #: Peers this endpoint is connected to (sends to), and those lost since.
     peers: tuple[str, ...]
     lost_peers: tuple[str, ...]
-    #: Senders this endpoint's ROUTER knows now (said hello, not yet found gone).
+    #: Senders this endpoint's ROUTERs know now (said hello, not yet swept: a closed connection's
+    #: sender is kept until a sweep, for its messages still unread).
     senders: int
 
     @property
@@ -622,7 +623,9 @@ class Endpoint(_Sending, _Receiving):
 
         Messages already sent (held ones included) are still delivered for up to ``linger_s``
         seconds. Sending to ``peer`` afterwards raises ``LinkStateError`` until :meth:`connect` is
-        called again.
+        called again; the peer welcomes that new link once this one's connection has closed, after
+        its last messages, waiting for it at most 2 s (a new link refused then waits out its
+        ``timeout_s``).
         """
         link = self._links.pop(peer, None)
         if link is None:

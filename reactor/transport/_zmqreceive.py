@@ -33,10 +33,11 @@ _CONTROL_MAX_NBYTES = 4096
 #: (a link, the tries of a reconnect) are told from another endpoint's under the same name.
 TOKEN_NBYTES = 8
 _SEQ_MAX = 2**63 - 1
-# A hello under a name whose connection takes no message now (the probe finds the queue to it full: a live
-# peer that reads nothing) is held and looked at again every _HELD_HELLO_RECHECK_S, for at most
-# _HELD_HELLO_MAX_S, then refused. (A closed connection is not held for: zmq says it has gone as soon as it
-# has taken in the close, its last messages read or not; _probe.)
+# A hello under a name whose connection its own endpoint has left (same token, a lower number: a lingering
+# disconnect's) or takes no message now (the probe finds the queue to it full: a live peer that reads
+# nothing) is held and looked at again every _HELD_HELLO_RECHECK_S, for at most _HELD_HELLO_MAX_S, then
+# refused. (A closed connection is not held for: zmq says it has gone as soon as it has taken in the close,
+# its last messages read or not; _probe.)
 _HELD_HELLO_RECHECK_S = 0.02
 _HELD_HELLO_MAX_S = 2.0
 _HELD_HELLOS_MAX = 1024
@@ -572,7 +573,7 @@ class _Receiving:
                            "%s", self._name, new.name[:100], new.router.address, holder_router.address)
 
     def _recheck_held(self) -> None:
-        """Look again at the hellos held for a full connection (the timer's callback)."""
+        """Look again at the held hellos (the timer's callback)."""
         self._held_timer = None
         if self._closed:
             return

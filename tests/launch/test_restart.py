@@ -850,7 +850,9 @@ with replacing(ckpt, sync=True) as f:  # its final checkpoint, slower than the b
     while time.monotonic() < end:
         f.write(b"x" * 4096)
         time.sleep(0.01)
-print("WRITTEN", flush=True)
+    # (said within the write: once it ends, the bound's thread, which looks every 0.05 s, may end the process
+    # before a print after it is flushed; 1 run in 5 got "WRITTEN" without its newline so)
+    print("WRITTEN", flush=True)
 threading.Event().wait()  # its other shutdown reactions hang: the bound ends it
 """
 
@@ -908,7 +910,9 @@ with replacing(ckpt, sync=True) as f:  # its final checkpoint, slower than its b
     while time.monotonic() < end:
         f.write(b"x" * 4096)
         time.sleep(0.01)
-print("WRITTEN", flush=True)
+    # (said within the write: once it ends, the bound's thread, which looks every 0.05 s, may end the process
+    # before a print after it is flushed; 1 run in 5 got "WRITTEN" without its newline so)
+    print("WRITTEN", flush=True)
 threading.Event().wait()  # its other shutdown reactions hang: the bound ends it
 """
 

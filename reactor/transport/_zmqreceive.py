@@ -55,7 +55,7 @@ _SENDER_SWEEP_MIN = 64
 class _Router:
     """One ROUTER an endpoint receives on, and the senders that said hello through it."""
 
-    __slots__ = ("address", "drain_scheduled", "fd", "gone", "senders", "sock", "sweep_at")
+    __slots__ = ("address", "drain_scheduled", "fd", "gone", "senders", "sock", "sweep_at", "welcomes")
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self.sock = sock
@@ -67,6 +67,9 @@ class _Router:
         self.gone: dict[bytes, _Sender] = {}
         self.drain_scheduled = False
         self.sweep_at = _SENDER_SWEEP_MIN
+        # Senders that took the name of a closed connection whose messages came in here: welcomed once a
+        # drain has found this socket empty, so that what they send comes after all of those (_hello).
+        self.welcomes: list[_Sender] = []
 
 
 class _Sender:
@@ -342,6 +345,13 @@ class _Receiving:
             if self._queued_nbytes > self._max_queued_nbytes:
                 self._max_queued_nbytes = self._queued_nbytes
             _wake(self._recv_waiter)
+        if budget and router.welcomes:  # empty now: every message of the closed connections is in the queue
+            welcomes, router.welcomes = router.welcomes, []
+            for s in welcomes:
+                if s.router.senders.get(s.ident) is s:
+                    self._welcome(s)
+            for r in {s.router for s in welcomes}:
+                self._rearm(r)  # (the welcomes were sends after that socket's drain)
         if not budget and not router.drain_scheduled:
             router.drain_scheduled = True
             self._loop.call_soon(self._drain_router, router)
@@ -494,6 +504,7 @@ class _Receiving:
         endpoint that holds the name (a try that timed out, delivered late) is dropped.
         """
         name = new.name
+        took_from: _Router | None = None
         held = self._held.get(name)
         if held is not None and held[0] is not new:
             if held[0].token == new.token and held[0].seq > new.seq:
@@ -525,8 +536,11 @@ class _Receiving:
                 # Only the name moves: the closed connection's sender stays in its socket's table until
                 # swept, as zmq reports a connection gone with its last messages still unread (a
                 # disconnect's lingering ones, a killed process's): they come out under its name, before
-                # anything the new connection sends (that waits for the welcome).
+                # anything the new connection sends, which waits for its welcome, and that waits until a
+                # drain of the closed connection's socket has found it empty (zmq took in the close after
+                # its last message, so all of them are in by then).
                 del self._by_name[name]
+                took_from = holder.router
             elif ((state == _LIVE and not superseded) or now - since >= _HELD_HELLO_MAX_S
                   or len(self._held) >= _HELD_HELLOS_MAX):
                 self._refuse(new, holder.router)
@@ -545,6 +559,17 @@ class _Receiving:
         self._by_name[name] = new
         if len(router.senders) >= router.sweep_at:
             self._sweep_senders(router)
+        if took_from is not None:
+            took_from.welcomes.append(new)
+            if not took_from.drain_scheduled:
+                took_from.drain_scheduled = True
+                self._loop.call_soon(self._drain_router, took_from)
+            return
+        self._welcome(new)
+
+    def _welcome(self, new: _Sender) -> None:
+        """Send ``new`` its welcome (its window and this endpoint's limits); forget it if it has gone."""
+        router = new.router
         try:
             router.sock.send_multipart(
                 [
@@ -559,7 +584,7 @@ class _Receiving:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:  # it has gone since its hello: it holds no name
                 self._forget_sender(new)
-            log.info("endpoint %r: could not welcome %r: %s", self._name, name, exc)
+            log.info("endpoint %r: could not welcome %r: %s", self._name, new.name, exc)
 
     def _dropped_earlier(self, name: str) -> None:
         seen = self._drops_logged.hit("earlier hello")  # (a flood of them is not a flood of lines)

@@ -78,7 +78,7 @@ class _Sender:
     __slots__ = ("ident", "live_at", "name", "queued_msgs", "queued_nbytes", "router", "seq", "token",
                  "ungranted_msgs", "ungranted_nbytes")
 
-    def __init__(self, ident: bytes, name: str, router: _Router, token: bytes = b"", seq: int = 0) -> None:
+    def __init__(self, ident: bytes, name: str, router: _Router, token: bytes, seq: int) -> None:
         self.ident = ident
         self.name = name
         self.router = router  # the ROUTER it said hello through: its credit and probes go back there
@@ -107,11 +107,10 @@ def _hello_fields(msg: list[Any] | None) -> tuple[str, bytes, int] | None:
             or type(msg[2]) is not str or type(msg[3]) is not bytes or len(msg[3]) != TOKEN_NBYTES
             or type(msg[4]) is not int or not 0 <= msg[4] <= _SEQ_MAX):
         return None
-    name = msg[2]
-    name_b = name.encode(errors="replace")
+    name_b = msg[2].encode()  # (msgpack decoded it as strict UTF-8)
     if not 0 < len(name_b) <= 255 or name_b[0] == 0:
         return None
-    return name, msg[3], msg[4]
+    return msg[2], msg[3], msg[4]
 
 
 def _parse_control(frames: list[bytes] | None) -> list[Any] | None:
@@ -438,13 +437,13 @@ class _Receiving:
                         str(reason)[:500], flood_tally(seen))
         return False
 
-    def _drop_warning(self, kind: str, message: str, *args: Any) -> None:
+    def _drop_warning(self, kind: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
         """Log a dropped message or frame under :func:`~reactor._floodlog.flood_logged`'s rule, per kind
-        (unknown sender, over credit, malformed, bad control message): a flood from a peer, or from a
-        stranger, is not a flood of lines; the counters count all."""
+        (unknown sender, over credit, malformed, bad control message, a refused or an earlier hello): a
+        flood from a peer, or from a stranger, is not a flood of lines; the counters count all."""
         seen = self._drops_logged.hit(kind)
         if flood_logged(seen):
-            log.warning(message + "%s", *args, flood_tally(seen))
+            log.log(level, message + "%s", *args, flood_tally(seen))
 
     def _sweep_senders(self, router: _Router) -> None:
         """Forget ``router``'s senders whose connection has gone: a ROUTER with ``ROUTER_MANDATORY`` refuses at
@@ -587,10 +586,8 @@ class _Receiving:
             log.info("endpoint %r: could not welcome %r: %s", self._name, new.name, exc)
 
     def _dropped_earlier(self, name: str) -> None:
-        seen = self._drops_logged.hit("earlier hello")  # (a flood of them is not a flood of lines)
-        if flood_logged(seen):
-            log.info("endpoint %r: dropped an earlier connection's hello from %r%s", self._name, name[:100],
-                     flood_tally(seen))
+        self._drop_warning("earlier hello", "endpoint %r: dropped an earlier connection's hello from %r", self._name,
+                           name[:100], level=logging.INFO)
 
     def _refuse(self, new: _Sender, holder_router: _Router) -> None:
         self._n["hellos_refused"] += 1

@@ -259,6 +259,33 @@ def _nb_reserve_rows(horizon: np.ndarray, upto: int) -> None:  # pragma: no cove
 
 
 @numba.njit(cache=True, nogil=True)
+def _nb_append(horizon: np.ndarray, dst: np.ndarray, src: np.ndarray, row_nbytes: np.ndarray, pos0: int, n1: int,
+               length: int, step_ep: np.ndarray, ep_start: np.ndarray, ep_len: np.ndarray, ends: np.ndarray,
+               first: int, eid: int, open_: bool, cap: int) -> int:  # pragma: no cover - jit
+    """A host append in one call: the row horizon reserved (``_nb_reserve_rows``), then field ``f``'s
+    ``length`` contiguous rows copied from address ``src[f]`` to the ring at ``dst[f]`` (base
+    addresses; rows ``pos0 ..`` then, past the ring's end, ``0 ..``: ``n1`` rows before the wrap),
+    fields whose ``src`` is 0 left to the caller, then the episode index (``_nb_index_append``,
+    whose value it returns). Three kernels and a numpy copy a field before: 5-field inserts of 256
+    steps measured ~10 us less here (issue 21). A source inside its own field's ring (a view of the
+    storage) is not copied by ``memcpy``: then nothing is written and it returns -1."""
+    for f in range(dst.shape[0]):
+        s = src[f]
+        if s != 0 and s < dst[f] + cap * row_nbytes[f] and s + length * row_nbytes[f] > dst[f]:
+            return -1
+    _nb_reserve_rows(horizon, first + length)
+    for f in range(dst.shape[0]):
+        s = src[f]
+        if s == 0:
+            continue
+        nb = row_nbytes[f]
+        copy_bytes(dst[f] + pos0 * nb, s, n1 * nb)
+        if n1 < length:
+            copy_bytes(dst[f], s + n1 * nb, (length - n1) * nb)
+    return _nb_index_append(step_ep, ep_start, ep_len, ends, first, eid, open_, cap)
+
+
+@numba.njit(cache=True, nogil=True)
 def _nb_rewrite_begin(horizon: np.ndarray) -> None:  # pragma: no cover - jit
     """Before rows are rewritten in place (a restore): the rewrite count (``horizon[1]``) goes odd,
     then a full fence; a reader that copied any row of the rewrite sees the count changed."""

@@ -299,6 +299,19 @@ class Uniform(Selector):
 # Prioritized
 
 
+@numba.njit(cache=True, nogil=True)
+def _nb_mark(present: np.ndarray, slots: np.ndarray, value: bool) -> int:  # pragma: no cover - jit
+    """Set ``present[slots]`` to ``value``; how many entries changed (a repeated slot counts once). One
+    pass instead of a gather, a count and a scatter (slots in range: the caller checked them)."""
+    changed = 0
+    for i in range(slots.shape[0]):
+        j = slots[i]
+        if present[j] != value:
+            present[j] = value
+            changed += 1
+    return changed
+
+
 class Prioritized(Selector):
     """Proportional prioritization: ``P(i) = p_i^alpha / sum_j p_j^alpha`` (PER, Schaul et al. 2016).
 
@@ -356,18 +369,14 @@ class Prioritized(Selector):
             raise PriorityOverflowError(f"Prioritized: priority at position {i}: {why}", i, why) from None
         return scaled, psum
 
-    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None, *, owned: bool = False) -> None:
-        """As :meth:`Selector.insert`; ``owned``: the caller hands ``slots`` and ``priorities`` over (never
-        writes them again), so the tree's lazy batch keeps them rather than copies. ``prepared``'s
-        ``p**alpha`` is a new array, except with alpha 1, where it is the caller's priorities: copied then."""
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
         if prepared is None:
             self._tree.update(slots, self._scaled(priorities), lazy=True)
         else:
-            self._tree.update_checked(slots, prepared[0], prepared[1], lazy=True, owned=owned and self.alpha != 1.0)
-        self._size += slots.shape[0] - int(np.count_nonzero(self._present[slots]))
-        self._present[slots] = True
+            self._tree.update_checked(slots, prepared[0], prepared[1], lazy=True)
+        self._size += int(_nb_mark(self._present, slots, True))  # (indices checked by the tree above)
 
     def update(self, slots: np.ndarray, priorities: np.ndarray, prepared: Any = None) -> None:
         self._bound()
@@ -380,8 +389,7 @@ class Prioritized(Selector):
         self._bound()
         slots = np.asarray(slots, dtype=np.int64)
         self._tree.update(slots, np.zeros(slots.shape[0]), lazy=True)
-        self._size -= int(np.count_nonzero(self._present[slots]))
-        self._present[slots] = False
+        self._size -= int(_nb_mark(self._present, slots, False))
 
     def select(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         self._check_select(n)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ import torch
 from .._native import host_empty, host_huge_zeros, numpy_twin
 from ._storagekernels import (
     _PREFETCH_WINDOWS,
+    _nb_append,
     _nb_index_append,
     _nb_read_windows,
     _nb_reserve_rows,
@@ -148,9 +149,9 @@ class TransitionPlan:
     valid: np.ndarray
 
 
-@dataclass(frozen=True)
-class AppendResult:
-    """What :meth:`Storage.append` did.
+class AppendResult(NamedTuple):
+    """What :meth:`Storage.append` did (immutable; a named tuple: a frozen dataclass cost ~1 us of
+    an insert's ~60 to build).
 
     Attributes:
         first_step: global step number of the first appended step (the rest follow contiguously).
@@ -245,6 +246,10 @@ class Storage(StorageState):
         self._device = _check_device(device, pin_memory)
         self._pin_memory = bool(pin_memory)
         self._specs = {s.name: s for s in specs}
+        self._on_host = self._device.type == "cpu"  # (torch.device.type costs ~0.5 us an insert)
+        # What validate_steps checks of each field: (name, spec, dtype, dims with the step dimension,
+        # the shape after it or None where a dims check says it all).
+        self._checks = [(s.name, s, s.dtype, 1 + len(s.shape), tuple(s.shape) or None) for s in specs]
         self._capacity = int(capacity)
         if allocator is None:
             # Host rings on transparent huge pages: a window gather touches every field of a few
@@ -298,6 +303,7 @@ class Storage(StorageState):
         self._next_ep = 0
         self._open = False  # episode next_ep - 1 still takes appends
         self._row_views: dict[str, np.ndarray] = {}
+        self._append_plan_cache: tuple[np.ndarray, np.ndarray, list[bool]] | None = None
         self._typed_views: dict[str, np.ndarray | None] = {}
         self._gather_plan: list[tuple[str, np.ndarray, np.dtype[Any] | None, tuple[int, ...], torch.dtype]] | None = (
             None
@@ -397,7 +403,8 @@ class Storage(StorageState):
         out: dict[str, torch.Tensor] = {}
         length: int | None = None
         first_name = ""
-        for name, spec in self._specs.items():
+        # (per insert, per field: a handful of attribute reads, no call that builds an object)
+        for name, spec, dtype, dims, tail in self._checks:
             value = steps[name]
             if type(value) is not torch.Tensor:
                 if isinstance(value, np.ndarray):
@@ -409,18 +416,19 @@ class Storage(StorageState):
                         raise TypeError(f"field {name!r}: numpy dtype {value.dtype} has no torch equivalent") from e
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"field {name!r} must be a torch.Tensor or numpy array, got {type(value).__name__}")
-            if value.dtype != spec.dtype:
+            if value.dtype != dtype:
                 raise TypeError(f"field {name!r} has dtype {value.dtype}, expected {spec.dtype}; cast it first")
-            if value.layout is not torch.strided or value.is_nested or value.device.type == "meta":
+            if value.layout is not torch.strided or value.is_nested or value.is_meta:
                 # (checked before any field is written: the copy failed midway, over the oldest live rows)
-                kind = "nested" if value.is_nested else "meta (data-less)" if value.device.type == "meta" else value.layout
+                kind = "nested" if value.is_nested else "meta (data-less)" if value.is_meta else value.layout
                 raise TypeError(f"field {name!r} is a {kind} tensor: a dense (strided) tensor with data is expected")
-            if value.dim() != 1 + len(spec.shape) or value.shape[1:] != spec.shape:
+            shape = value.shape
+            if len(shape) != dims or (tail is not None and shape[1:] != tail):
                 raise ValueError(
-                    f"field {name!r} has shape {tuple(value.shape)}, expected [L, *{spec.shape}] "
+                    f"field {name!r} has shape {tuple(shape)}, expected [L, *{spec.shape}] "
                     f"(a leading step dimension, then the spec shape)"
                 )
-            n = int(value.shape[0])
+            n = shape[0]
             if length is None:
                 length, first_name = n, name
             elif n != length:
@@ -525,37 +533,74 @@ class Storage(StorageState):
         evicted_steps = (self._first_step, new_first_step)
         evicted_eps = (self._first_ep, new_first_ep)
         first = self._next_step
-        _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
         # Data: at most two contiguous slices of the ring.
         pos0 = first % cap
         n1 = min(length, cap - pos0)
-        if self._device.type == "cpu":
-            # numpy slicing and copyto cost a fraction of torch's per-call overhead on small batches.
-            for name, src in tensors.items():
-                dst_np = self._typed_view(name)
-                if dst_np is None or not src.is_cpu or src.requires_grad:
-                    dst = self._fields[name]
-                    dst[pos0 : pos0 + n1].copy_(src[:n1])
-                    if n1 < length:
-                        dst[: length - n1].copy_(src[n1:])
-                    continue
-                src_np = src.numpy()
-                dst_np[pos0 : pos0 + n1] = src_np[:n1]
-                if n1 < length:
-                    dst_np[: length - n1] = src_np[n1:]
+        if self._on_host:
+            # Contiguous CPU sources are copied by address in the one kernel that also reserves the rows
+            # and writes the episode index; the rest (strided, on a GPU, complex: a conjugate view's
+            # bytes are not its values) first, field by field, after the reservation.
+            dst, row_nbytes, by_bytes = self._append_plan()
+            src = [
+                t.data_ptr() if ok and t.is_cpu and t.is_contiguous() else 0
+                for t, ok in zip(tensors.values(), by_bytes)
+            ]
+            if 0 in src:
+                _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
+                for (name, t), ptr in zip(tensors.items(), src):
+                    if not ptr:
+                        self._copy_rows(name, t, pos0, n1, length)
+            next_ep = int(_nb_append(self._row_horizon, dst, np.array(src, dtype=np.int64), row_nbytes, pos0, n1,
+                                     length, self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
+                                     self._open, cap))
+            if next_ep < 0:  # a source is a view of its own ring: numpy copies overlapping memory right
+                _nb_reserve_rows(self._row_horizon, first + length)
+                for (name, t), ptr in zip(tensors.items(), src):
+                    if ptr:
+                        self._copy_rows(name, t, pos0, n1, length)
+                next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
+                                               self._open, cap))
         else:
-            for name, src in tensors.items():
-                dst = self._fields[name]
-                dst[pos0 : pos0 + n1].copy_(src[:n1])
+            _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
+            for name, src_t in tensors.items():
+                dst_t = self._fields[name]
+                dst_t[pos0 : pos0 + n1].copy_(src_t[:n1])
                 if n1 < length:
-                    dst[: length - n1].copy_(src[n1:])
-        next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
-                                       self._open, cap))
+                    dst_t[: length - n1].copy_(src_t[n1:])
+            next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
+                                           self._open, cap))
         self._next_step = first + length
         self._next_ep = next_ep
         self._open = not bool(ends[-1])
         self._first_step, self._first_ep = new_first_step, new_first_ep
         return AppendResult(first, length, evicted_steps, evicted_eps)
+
+    def _append_plan(self) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+        """Per host field, in field order: the ring's base address, its row bytes, and whether a
+        contiguous source may be copied as bytes (every dtype but complex ones)."""
+        plan = self._append_plan_cache
+        if plan is None:
+            fields = list(self._fields.values())
+            plan = self._append_plan_cache = (
+                np.array([t.data_ptr() for t in fields], dtype=np.int64),
+                np.array([self._row_nbytes[n] for n in self._fields], dtype=np.int64),
+                [not t.dtype.is_complex and self._row_nbytes[n] > 0 for n, t in self._fields.items()],
+            )
+        return plan
+
+    def _copy_rows(self, name: str, src: torch.Tensor, pos0: int, n1: int, length: int) -> None:
+        """One field's rows into the ring by numpy or torch (a source the byte copy does not take)."""
+        dst_np = self._typed_view(name)
+        if dst_np is None or not src.is_cpu or src.requires_grad or src.is_conj() or src.is_neg():
+            dst = self._fields[name]
+            dst[pos0 : pos0 + n1].copy_(src[:n1])
+            if n1 < length:
+                dst[: length - n1].copy_(src[n1:])
+            return
+        src_np = src.numpy()
+        dst_np[pos0 : pos0 + n1] = src_np[:n1]
+        if n1 < length:
+            dst_np[: length - n1] = src_np[n1:]
 
     def reset(self) -> None:
         """Drop every stored step and episode. Global step numbers and episode ids keep counting up."""
@@ -608,7 +653,7 @@ class Storage(StorageState):
         # Host: ndarray.take of byte rows (one memcpy per row, no per-element dtype dispatch; 5-6x
         # faster than torch or numpy fancy indexing of 2-D rows here); CUDA: index_select.
         pos = flat_steps % self._capacity
-        if self._device.type == "cpu":
+        if self._on_host:
             b = len(pos)
             out: dict[str, torch.Tensor] = {}
             wanted = None if names is None else set(names)
@@ -884,7 +929,7 @@ class Storage(StorageState):
             KeyError: a step is not stored.
             ValueError: ``length < 1`` or ``pad`` not "head"/"tail".
         """
-        if self._device.type == "cpu":
+        if self._on_host:
             return self._read_windows_host(self._window_args(steps, length, pad), int(length), pad == "head")
         _, pos, lo, hi = self._window_ranges(steps, length, pad)
         offs = np.arange(length, dtype=np.int64)[None, :]

@@ -292,8 +292,6 @@ class Table(TableState):
         # room first and the remover can never be asked: the table then skips feeding it.
         self._feed_remover = max_size < cap
         self._gone = np.empty(256, dtype=np.int64)  # scratch: the slots an insert's evictions drop
-        # Prioritized's own insert takes owned=; a subclass that overrides insert may not.
-        self._owned_insert = type(sampler).insert is Prioritized.insert
         self._limiter = rate_limiter
         self._max_size = max_size
         self._max_times_sampled = max_times_sampled
@@ -597,9 +595,7 @@ class Table(TableState):
         keys = np.arange(first, first + n, dtype=np.int64)
         p0 = first % cap
         slots = keys - (first - p0) if p0 + n <= cap else keys % cap
-        if n and self._owned_insert:  # both arrays are new here and never written again: the tree keeps them
-            self._sampler.insert(slots, prio, prepared, owned=True)  # type: ignore[call-arg]
-        elif n:
+        if n:
             self._sampler.insert(slots, prio, prepared)
         self._size += n
         self._counts["inserted"] += n

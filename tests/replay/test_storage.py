@@ -222,6 +222,47 @@ def test_a_sparse_or_data_less_field_is_refused_before_any_field_is_written():
     assert s.read_steps(np.array([8]))["obs"][0].tolist() == [11.0, 11.25, 11.5]
 
 
+def test_every_kind_of_source_tensor_lands_the_rows_a_plain_one_does():
+    """Contiguous CPU sources are copied by address, the rest by numpy or torch: offset slices,
+    strided views, tensors that require grad, numpy arrays, conjugate views of a complex field (whose
+    bytes are not their values) and a view of the ring's own memory (overlapping: not a memcpy) all
+    store what a plain copy of the same values stores, across the ring's end."""
+    specs = [FieldSpec("obs", (3,), torch.float32), FieldSpec("z", (), torch.complex64), FieldSpec("n", (), torch.int16)]
+    rings: dict[str, torch.Tensor] = {}
+
+    def alloc(name, shape, dtype):  # noqa: ANN001, ANN202 - keeps the ring's tensors to take views of
+        rings[name] = torch.zeros(shape, dtype=dtype)
+        return rings[name]
+
+    got, ref = Storage(specs, 16, allocator=alloc), Storage(specs, 16)
+    g = torch.Generator().manual_seed(0)
+    for k in range(12):
+        n = 3 + k % 4
+        obs = torch.randn(2 * n, 3, generator=g)
+        z = torch.complex(torch.randn(n, generator=g), torch.randn(n, generator=g))
+        num = torch.arange(100 * k, 100 * k + 2 * n, dtype=torch.int16)
+        kinds = [
+            {"obs": obs[n:], "z": z, "n": num[1 : n + 1]},  # offset slices
+            {"obs": obs[::2], "z": z.conj(), "n": num[::2]},  # strided, a conjugate view
+            {"obs": obs[:n].clone().requires_grad_(), "z": z.conj().resolve_conj(), "n": num[:n].numpy()},
+            {"obs": obs.t().contiguous().t()[:n], "z": torch.view_as_complex(torch.randn(n, 2, generator=g)),
+             "n": num[:n].flip(0)},
+        ]
+        if k >= 2:  # a view of the ring itself, one row before where the rows go: overlapping memory
+            p = got.step_range[1] % 16
+            a = p - 1 if 1 <= p <= 16 - n + 1 else 0
+            kinds.append({"obs": rings["obs"][a : a + n], "z": rings["z"][a : a + n], "n": rings["n"][a : a + n]})
+        b = kinds[k % len(kinds)]
+        plain = {f: torch.as_tensor(v).detach().resolve_conj().clone() for f, v in b.items()}
+        got.append(b, episode_end=k % 3 != 1)
+        ref.append(plain, episode_end=k % 3 != 1)
+        lo, hi = ref.step_range
+        assert got.step_range == (lo, hi)
+        a, r = got.read_steps(np.arange(lo, hi)), ref.read_steps(np.arange(lo, hi))
+        for f in r:
+            assert torch.equal(a[f], r[f]), (k, f)
+
+
 def test_tail_windows_pad_past_the_episode_end_with_zeros_and_mask():
     s = Storage(SPECS, 32)
     s.append(steps(0, 5))

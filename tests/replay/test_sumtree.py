@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from reactor.replay.sumtree import SumTree
+from reactor.replay.sumtree import STAGE, SumTree
 
 BACKENDS = ["numba", "torch"]
 
@@ -82,6 +82,58 @@ def test_lazy_batch_is_copied_so_caller_may_reuse_its_arrays() -> None:
     idx[:] = 3
     prio[:] = 100.0
     assert tree.total == 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lazy_batches_past_the_buffers_bound_give_the_tree_eager_writes_give(backend: str) -> None:
+    """Lazy batches that overfill the bounded buffer (STAGE writes) apply what waits early; one
+    larger than the buffer is applied at once. Neither changes a leaf, a node or the order in
+    which repeated indices win."""
+    rng = np.random.default_rng(11)
+    cap = 3 * STAGE
+    lazy, eager = SumTree(cap, 8, backend=backend), SumTree(cap, 8, backend=backend)
+    sizes = [256] * (STAGE // 256 - 1) + [300, 5, STAGE + 7, 1, 0, 2 * STAGE, 64]
+    for m in sizes:
+        idx = rng.integers(0, cap // 2, m)  # repeats within and across batches: the last write wins
+        prio = rng.random(m)
+        lazy.update(idx, prio, lazy=True)
+        eager.update(idx, prio)
+    np.testing.assert_array_equal(as_np(lazy.get(np.arange(cap))), as_np(eager.get(np.arange(cap))))
+    assert lazy.total == eager.total and lazy.min == eager.min
+    lazy.check_invariants()
+
+
+def test_an_insert_only_tree_holds_a_bounded_buffer() -> None:
+    """A tree nobody reads (a table only inserted into) keeps at most STAGE buffered writes: 2,000
+    lazy batches of 256 add no memory that grows with their number (they kept 8 MB before)."""
+    import tracemalloc
+
+    tree = SumTree(1 << 16, 16)
+    prio = np.ones(256)
+    tree.update(np.arange(256), prio, lazy=True)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(2000):
+            tree.update(np.arange(256) + (k * 256) % (1 << 16), prio * (k % 7 + 1), lazy=True)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, f"{grown} bytes kept by 2,000 lazy batches"
+    assert tree.total == float(sum(k % 7 + 1 for k in range(2000 - 256, 2000)) * 256)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_past_the_float64_total_is_refused_after_the_buffer_applied_early(backend: str) -> None:
+    """The overflow check stays exact when a full buffer is applied in the middle of lazy writes: the
+    bound it keeps still counts every buffered priority."""
+    tree = SumTree(2 * STAGE, 8, backend=backend)
+    tree.update(np.arange(STAGE - 10), np.zeros(STAGE - 10), lazy=True)  # nearly fills the buffer
+    tree.update(np.arange(100) + STAGE, np.full(100, 1e306), lazy=True)  # overfills it: applied early
+    with pytest.raises(ValueError, match="overflow"):
+        tree.update(np.arange(80) + STAGE + 200, np.full(80, 1e306), lazy=True)
+    assert tree.total == pytest.approx(1e308, rel=1e-12)
+    np.testing.assert_array_equal(as_np(tree.get(np.arange(80) + STAGE + 200)), np.zeros(80))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

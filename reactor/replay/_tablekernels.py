@@ -41,20 +41,26 @@ def _nb_first_unfit(x: np.ndarray, limit: float) -> int:  # pragma: no cover - j
 
 
 @numba.njit(cache=True, nogil=True)
-def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, n: int, cap: int,
-                      gone: np.ndarray) -> tuple[int, int]:  # pragma: no cover - jit
+def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, mask: np.ndarray,
+                      cap: int, gone: np.ndarray, new_keys: np.ndarray, new_slots: np.ndarray) -> tuple[int, int]:
+    # pragma: no cover - jit
     """One insert's key columns in one pass: the items of the evicted steps ``[lo, hi)`` dropped
-    (``keys[slot] == step``), then the ``n`` new steps from ``first`` keyed with ``times`` 0.
+    (``keys[slot] == step``), then the new steps' items keyed with ``times`` 0: the ``len(mask)``
+    steps from ``first`` where ``mask`` is set, or ``len(new_keys)`` steps from ``first`` when
+    ``mask`` is empty (every step an item). Each new item's key and slot go to ``new_keys`` and
+    ``new_slots`` (when ``mask`` is set; unmasked callers know them).
 
-    The dropped slots go to ``gone``: first those the new steps do not overwrite (their sampler
-    entries must be deleted), then those they do (a sampler that replaces on insert needs no delete
-    for them). Returns ``(dropped, not overwritten)``."""
-    lo_over = first - cap  # an evicted step whose slot the insert writes again: [first - cap, first + n - cap)
-    hi_over = first + n - cap
+    The dropped slots go to ``gone``: first those no new item overwrites (their sampler entries
+    must be deleted), then those one does (a sampler that replaces on insert needs no delete for
+    them). Returns ``(dropped, not overwritten)``."""
+    every = mask.shape[0] == 0
+    length = new_keys.shape[0] if every else mask.shape[0]
+    lo_over = first - cap  # an evicted step whose slot the insert writes again: [first - cap, first + length - cap)
+    hi_over = first + length - cap
     k = 0
     slot = lo % cap  # then one on per step: no 64-bit division per step
-    for step in range(lo, hi):  # not overwritten: listed from the front
-        if keys[slot] == step and not (lo_over <= step < hi_over):
+    for step in range(lo, hi):  # not overwritten by an item: listed from the front
+        if keys[slot] == step and not (lo_over <= step < hi_over and (every or mask[step - lo_over])):
             keys[slot] = -1
             gone[k] = slot
             k += 1
@@ -64,17 +70,23 @@ def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, fir
     kept = k
     a = max(lo, lo_over)
     slot = a % cap
-    for step in range(a, min(hi, hi_over)):  # overwritten: listed after them
-        if keys[slot] == step:
+    for step in range(a, min(hi, hi_over)):  # overwritten by an item: listed after them
+        if keys[slot] == step and (every or mask[step - lo_over]):
             gone[k] = slot
             k += 1
         slot += 1
         if slot == cap:
             slot = 0
     slot = first % cap
-    for i in range(n):
-        keys[slot] = first + i
-        times[slot] = 0
+    j = 0
+    for i in range(length):
+        if every or mask[i]:
+            keys[slot] = first + i
+            times[slot] = 0
+            if not every:
+                new_keys[j] = first + i
+                new_slots[j] = slot
+                j += 1
         slot += 1
         if slot == cap:
             slot = 0

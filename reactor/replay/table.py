@@ -148,6 +148,7 @@ def _as_int64(name: str, values: Any) -> np.ndarray:
 
 
 _INT64_MAX = 2**63 - 1
+_NO_MASK = np.empty(0, dtype=np.bool_)  # (_nb_evict_and_key: every step an item)
 
 
 def _as_float64(values: Any) -> np.ndarray:
@@ -546,8 +547,8 @@ class Table(TableState):
         cap = st.capacity
         res = st.append({}, _validated=validated, _plan=plan)
         lo, hi = res.evicted_steps
-        if mask is None and not self._feed_remover and self._sampler.replaces_on_insert:
-            return self._apply_insert_fast(res.first_step, lo, hi, prio, n, prepared[0])
+        if not self._feed_remover and self._sampler.replaces_on_insert:
+            return self._apply_insert_fast(res.first_step, lo, hi, prio, n, mask, prepared[0])
         if hi > lo:
             old = np.arange(lo, hi, dtype=np.int64)
             slots = old % cap
@@ -576,25 +577,29 @@ class Table(TableState):
         self._limiter.on_insert(n)
         return torch.from_numpy(keys)
 
-    def _apply_insert_fast(self, first: int, lo: int, hi: int, prio: np.ndarray, n: int,
+    def _apply_insert_fast(self, first: int, lo: int, hi: int, prio: np.ndarray, n: int, mask: np.ndarray | None,
                            prepared: Any) -> torch.Tensor:
-        """:meth:`_apply_insert` for the common case (every step an item, no remover to feed, a
-        sampler that replaces a slot on insert): the evictions and the key columns in one compiled
-        pass, and no sampler delete for the slots the insert overwrites at once. The same state as
-        the general path (tests/replay/test_table.py checks both against each other)."""
+        """:meth:`_apply_insert` for the common case (no remover to feed, a sampler that replaces a
+        slot on insert): the evictions and the key columns in one compiled pass, and no sampler
+        delete for the slots the insert's items overwrite at once. The same state as the general
+        path (tests/replay/test_table.py checks both against each other)."""
         cap = self._storage.capacity
         gone = self._gone
         if gone.shape[0] < max(hi - lo, 0):
             gone = self._gone = np.empty(max(hi - lo, 2 * gone.shape[0]), dtype=np.int64)
-        dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, n, cap, gone)
+        if mask is None:
+            keys = np.arange(first, first + n, dtype=np.int64)
+            dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, _NO_MASK, cap, gone, keys, keys)
+            p0 = first % cap
+            slots = keys - (first - p0) if p0 + n <= cap else keys % cap
+        else:
+            keys, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+            dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, mask, cap, gone, keys, slots)
         if kept:
             self._sampler.delete(gone[:kept])
         if dropped:
             self._size -= dropped
             self._counts["evicted"] += dropped
-        keys = np.arange(first, first + n, dtype=np.int64)
-        p0 = first % cap
-        slots = keys - (first - p0) if p0 + n <= cap else keys % cap
         if n:
             self._sampler.insert(slots, prio, prepared)
         self._size += n

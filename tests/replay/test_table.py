@@ -596,13 +596,16 @@ class _PrioritizedDeleteFirst(Prioritized):
     replaces_on_insert = False
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("max_times_sampled", [0, 3])
-def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times_sampled):
+def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times_sampled, masked):
     """Regression (issue 21): an insert whose evictions drop items and whose steps overwrite their slots
     skips the sampler's delete of those slots (Prioritized replaces on insert) and keys the columns in one
     compiled pass. Inserts of 1-200 steps with episodes of 1 to 700 steps (open ones too) into a small ring,
     samples (expiring items at max_times_sampled) and priority updates between them: both tables hold the
-    same items, priorities, counters and statistics, and draw the same samples."""
+    same items, priorities, counters and statistics, and draw the same samples. ``masked``: items on some
+    steps only (``item_mask``, as a writer's window pattern sends), so an evicted item's slot may take a
+    step that is no item (it must be deleted) and an item's slot may have held none."""
     rng = np.random.default_rng(7)
     tables = [Table(Storage(SPECS, 512), sampler=sel, remover=Fifo(), rate_limiter=MinSize(1), seed=3,
                     max_times_sampled=max_times_sampled, read=StepRead())
@@ -620,7 +623,8 @@ def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times
         if tail > 256:  # an open episode must fit the ring: end it here
             ends[-1], tail = True, 0
         open_len = tail
-        keys = [t.insert_nowait(steps, prio, episode_end=ends) for t in tables]
+        mask = rng.random(n) < 0.6 if masked else None
+        keys = [t.insert_nowait(steps, prio, episode_end=ends, item_mask=mask) for t in tables]
         torch.testing.assert_close(keys[0], keys[1], rtol=0, atol=0)
         step += n
         if len(tables[0]) and rng.random() < 0.5:

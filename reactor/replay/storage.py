@@ -538,11 +538,12 @@ class Storage(StorageState):
         n1 = min(length, cap - pos0)
         if self._on_host:
             # Contiguous CPU sources are copied by address in the one kernel that also reserves the rows
-            # and writes the episode index; the rest (strided, on a GPU, complex: a conjugate view's
-            # bytes are not its values) first, field by field, after the reservation.
+            # and writes the episode index; the rest (strided, on a GPU, complex or with the negative
+            # bit: a conjugate or negative view's bytes are not its values) first, field by field,
+            # after the reservation.
             dst, row_nbytes, by_bytes = self._append_plan()
             src = [
-                t.data_ptr() if ok and t.is_cpu and t.is_contiguous() else 0
+                t.data_ptr() if ok and t.is_cpu and t.is_contiguous() and not t.is_neg() else 0
                 for t, ok in zip(tensors.values(), by_bytes)
             ]
             if 0 in src:

@@ -263,6 +263,20 @@ def test_every_kind_of_source_tensor_lands_the_rows_a_plain_one_does():
             assert torch.equal(a[f], r[f]), (k, f)
 
 
+def test_a_negative_bit_view_stores_its_values_not_its_bytes():
+    """The imaginary part of a conjugate view is a real tensor with torch's negative bit: its memory
+    holds ``-value``. At one step (or of a ``[L, 1]`` field's one row) it is contiguous, yet its bytes
+    are not what it reads as: stored, it reads as its values."""
+    s = Storage([FieldSpec("x", (), torch.float32), FieldSpec("y", (2,), torch.float64)], 4)
+    for k in range(6):  # across the ring's end
+        x = torch.complex(torch.tensor([0.0]), torch.tensor([k + 0.5])).conj().imag
+        y = torch._neg_view(torch.tensor([[k, -k - 0.25]], dtype=torch.float64))
+        assert x.is_neg() and x.is_contiguous() and y.is_neg() and y.is_contiguous()
+        s.append({"x": x, "y": y})
+        got = s.read_steps(np.array([k]))
+        assert got["x"].tolist() == [-(k + 0.5)] and got["y"].tolist() == [[-k, k + 0.25]]
+
+
 def test_tail_windows_pad_past_the_episode_end_with_zeros_and_mask():
     s = Storage(SPECS, 32)
     s.append(steps(0, 5))

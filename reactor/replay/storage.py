@@ -565,6 +565,8 @@ class Storage(StorageState):
             _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
             for name, src_t in tensors.items():
                 dst_t = self._fields[name]
+                if src_t.requires_grad:  # (as in _copy_rows: no graph through the ring)
+                    src_t = src_t.detach()
                 dst_t[pos0 : pos0 + n1].copy_(src_t[:n1])
                 if n1 < length:
                     dst_t[: length - n1].copy_(src_t[n1:])
@@ -590,9 +592,13 @@ class Storage(StorageState):
         return plan
 
     def _copy_rows(self, name: str, src: torch.Tensor, pos0: int, n1: int, length: int) -> None:
-        """One field's rows into the ring by numpy or torch (a source the byte copy does not take)."""
+        """One field's rows into the ring by numpy or torch (a source the byte copy does not take).
+        A source that requires grad is detached: a ``copy_`` of it would make the ring a node of its
+        graph (keeping the graph alive, every snapshot requiring grad)."""
         dst_np = self._typed_view(name)
-        if dst_np is None or not src.is_cpu or src.requires_grad or src.is_conj() or src.is_neg():
+        if src.requires_grad:
+            src = src.detach()
+        if dst_np is None or not src.is_cpu or src.is_conj() or src.is_neg():
             dst = self._fields[name]
             dst[pos0 : pos0 + n1].copy_(src[:n1])
             if n1 < length:

@@ -277,6 +277,31 @@ def test_a_negative_bit_view_stores_its_values_not_its_bytes():
         assert got["x"].tolist() == [-(k + 0.5)] and got["y"].tolist() == [[-k, k + 0.25]]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_source_that_requires_grad_leaves_no_graph_in_the_ring(device):
+    """A source that requires grad and is copied by torch (strided on the host; any on a GPU): into a
+    view of the ring, that would make the ring a node of the caller's graph (holding it alive, and
+    every snapshot requiring grad)."""
+    import gc
+    import weakref
+
+    s = Storage([FieldSpec("obs", (3,), torch.float32)], 4, device=device)
+    w = torch.randn(3, requires_grad=True, device=device)
+    for _ in range(3):
+        x = torch.randn(2 * 3, 3, device=device)
+        out = x * w  # an activation of the caller's graph, which saves x for the backward pass
+        s.append({"obs": out[::2]})
+    saved = weakref.ref(x)
+    expected = out[::2].detach().cpu().clone()
+    del x, out
+    gc.collect()
+    assert saved() is None, "the storage keeps the caller's graph alive"
+    fields = s.state_dict()["fields"]
+    assert not fields["obs"].requires_grad
+    assert torch.equal(fields["obs"][-3:], expected)
+
+
 def test_tail_windows_pad_past_the_episode_end_with_zeros_and_mask():
     s = Storage(SPECS, 32)
     s.append(steps(0, 5))

@@ -542,6 +542,7 @@ class Storage(StorageState):
             # bit: a conjugate or negative view's bytes are not its values) first, field by field,
             # after the reservation.
             dst, row_nbytes, by_bytes = self._append_plan()
+            tensors = {name: tensors[name] for name in self._fields}  # (the plan's order, whatever the caller's)
             src = [
                 t.data_ptr() if ok and t.is_cpu and t.is_contiguous() and not t.is_neg() else 0
                 for t, ok in zip(tensors.values(), by_bytes)

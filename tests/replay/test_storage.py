@@ -192,6 +192,17 @@ def test_any_mapping_of_the_fields_is_accepted_in_any_order():
         assert same(snapshot(ref), snapshot(s))
 
 
+def test_validated_steps_in_another_order_land_in_their_own_fields():
+    """The table hands append its validated tensors (``_validated=``); their dict's order is not the
+    fields': each is still copied into its own field's ring."""
+    ref, s = Storage(SPECS, 8), Storage(SPECS, 8)
+    b = steps(0, 3)
+    ref.append(b)
+    n, tensors = s.validate_steps(b)
+    s.append({}, _validated=(n, dict(reversed(list(tensors.items())))))
+    assert same(snapshot(ref), snapshot(s))
+
+
 def test_append_longer_than_capacity_raises():
     s = Storage(SPECS, 4)
     with pytest.raises(ValueError, match=r"^append of 5 steps exceeds the storage capacity 4$"):

@@ -41,20 +41,18 @@ def _nb_first_unfit(x: np.ndarray, limit: float) -> int:  # pragma: no cover - j
 
 
 @numba.njit(cache=True, nogil=True)
-def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, mask: np.ndarray,
-                      cap: int, gone: np.ndarray, new_keys: np.ndarray, new_slots: np.ndarray) -> tuple[int, int]:
-    # pragma: no cover - jit
+def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, length: int,
+                      mask: np.ndarray, cap: int, gone: np.ndarray, new_keys: np.ndarray,
+                      new_slots: np.ndarray) -> tuple[int, int]:  # pragma: no cover - jit
     """One insert's key columns in one pass: the items of the evicted steps ``[lo, hi)`` dropped
-    (``keys[slot] == step``), then the new steps' items keyed with ``times`` 0: the ``len(mask)``
-    steps from ``first`` where ``mask`` is set, or ``len(new_keys)`` steps from ``first`` when
-    ``mask`` is empty (every step an item). Each new item's key and slot go to ``new_keys`` and
-    ``new_slots`` (when ``mask`` is set; unmasked callers know them).
+    (``keys[slot] == step``), then the new items keyed with ``times`` 0: of the ``length`` steps from
+    ``first``, those where ``mask`` is set (an empty ``mask``: every step an item). Each new item's
+    key and slot go to ``new_keys`` and ``new_slots``.
 
     The dropped slots go to ``gone``: first those no new item overwrites (their sampler entries
     must be deleted), then those one does (a sampler that replaces on insert needs no delete for
     them). Returns ``(dropped, not overwritten)``."""
     every = mask.shape[0] == 0
-    length = new_keys.shape[0] if every else mask.shape[0]
     lo_over = first - cap  # an evicted step whose slot the insert writes again: [first - cap, first + length - cap)
     hi_over = first + length - cap
     k = 0
@@ -83,10 +81,9 @@ def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, fir
         if every or mask[i]:
             keys[slot] = first + i
             times[slot] = 0
-            if not every:
-                new_keys[j] = first + i
-                new_slots[j] = slot
-                j += 1
+            new_keys[j] = first + i
+            new_slots[j] = slot
+            j += 1
         slot += 1
         if slot == cap:
             slot = 0

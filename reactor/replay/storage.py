@@ -303,7 +303,7 @@ class Storage(StorageState):
         self._next_ep = 0
         self._open = False  # episode next_ep - 1 still takes appends
         self._row_views: dict[str, np.ndarray] = {}
-        self._append_plan_cache: tuple[np.ndarray, np.ndarray, list[bool]] | None = None
+        self._append_plan_cache: tuple[np.ndarray, np.ndarray, list[tuple[str, bool]]] | None = None
         self._typed_views: dict[str, np.ndarray | None] = {}
         self._gather_plan: list[tuple[str, np.ndarray, np.dtype[Any] | None, tuple[int, ...], torch.dtype]] | None = (
             None
@@ -542,35 +542,21 @@ class Storage(StorageState):
             # bit: a conjugate or negative view's bytes are not its values) first, field by field,
             # after the reservation.
             dst, row_nbytes, by_bytes = self._append_plan()
-            tensors = {name: tensors[name] for name in self._fields}  # (the plan's order, whatever the caller's)
-            src = [
-                t.data_ptr() if ok and t.is_cpu and t.is_contiguous() and not t.is_neg() else 0
-                for t, ok in zip(tensors.values(), by_bytes)
-            ]
+            src = []  # (by name, in the plan's field order, whatever the order of the caller's mapping)
+            for name, ok in by_bytes:
+                t = tensors[name]
+                src.append(t.data_ptr() if ok and t.is_cpu and t.is_contiguous() and not t.is_neg() else 0)
             if 0 in src:
-                _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
-                for (name, t), ptr in zip(tensors.items(), src):
-                    if not ptr:
-                        self._copy_rows(name, t, pos0, n1, length)
+                self._copy_rows_where(tensors, src, False, first, length)
             next_ep = int(_nb_append(self._row_horizon, dst, np.array(src, dtype=np.int64), row_nbytes, pos0, n1,
                                      length, self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
                                      self._open, cap))
             if next_ep < 0:  # a source is a view of its own ring: numpy copies overlapping memory right
-                _nb_reserve_rows(self._row_horizon, first + length)
-                for (name, t), ptr in zip(tensors.items(), src):
-                    if ptr:
-                        self._copy_rows(name, t, pos0, n1, length)
-                next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
-                                               self._open, cap))
+                self._copy_rows_where(tensors, src, True, first, length)
         else:
-            _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
-            for name, src_t in tensors.items():
-                dst_t = self._fields[name]
-                if src_t.requires_grad:  # (as in _copy_rows: no graph through the ring)
-                    src_t = src_t.detach()
-                dst_t[pos0 : pos0 + n1].copy_(src_t[:n1])
-                if n1 < length:
-                    dst_t[: length - n1].copy_(src_t[n1:])
+            self._copy_rows_where(tensors, None, False, first, length)
+            next_ep = -1
+        if next_ep < 0:
             next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
                                            self._open, cap))
         self._next_step = first + length
@@ -579,18 +565,30 @@ class Storage(StorageState):
         self._first_step, self._first_ep = new_first_step, new_first_ep
         return AppendResult(first, length, evicted_steps, evicted_eps)
 
-    def _append_plan(self) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-        """Per host field, in field order: the ring's base address, its row bytes, and whether a
-        contiguous source may be copied as bytes (every dtype but complex ones)."""
+    def _append_plan(self) -> tuple[np.ndarray, np.ndarray, list[tuple[str, bool]]]:
+        """Per host field, in field order: the ring's base address, its row bytes, and its name with
+        whether a contiguous source may be copied as bytes (every dtype but complex ones)."""
         plan = self._append_plan_cache
         if plan is None:
             fields = list(self._fields.values())
             plan = self._append_plan_cache = (
                 np.array([t.data_ptr() for t in fields], dtype=np.int64),
                 np.array([self._row_nbytes[n] for n in self._fields], dtype=np.int64),
-                [not t.dtype.is_complex and self._row_nbytes[n] > 0 for n, t in self._fields.items()],
+                [(n, not t.dtype.is_complex and self._row_nbytes[n] > 0) for n, t in self._fields.items()],
             )
         return plan
+
+    def _copy_rows_where(self, tensors: Mapping[str, torch.Tensor], src: list[int] | None, by_bytes: bool,
+                         first: int, length: int) -> None:
+        """Reserve the rows of an append of ``length`` steps from global step ``first``, then copy by
+        numpy or torch the fields whose ``src`` entry (in field order) is nonzero (``by_bytes``) or
+        zero; every field when ``src`` is None."""
+        _nb_reserve_rows(self._row_horizon, first + length)  # before any row of the ring changes
+        pos0 = first % self._capacity
+        n1 = min(length, self._capacity - pos0)
+        for i, name in enumerate(self._fields):
+            if src is None or bool(src[i]) == by_bytes:
+                self._copy_rows(name, tensors[name], pos0, n1, length)
 
     def _copy_rows(self, name: str, src: torch.Tensor, pos0: int, n1: int, length: int) -> None:
         """One field's rows into the ring by numpy or torch (a source the byte copy does not take).

@@ -548,7 +548,7 @@ class Table(TableState):
         res = st.append({}, _validated=validated, _plan=plan)
         lo, hi = res.evicted_steps
         if not self._feed_remover and self._sampler.replaces_on_insert:
-            return self._apply_insert_fast(res.first_step, lo, hi, prio, n, mask, prepared[0])
+            return self._apply_insert_fast(res.first_step, res.num_steps, lo, hi, prio, n, mask, prepared[0])
         if hi > lo:
             old = np.arange(lo, hi, dtype=np.int64)
             slots = old % cap
@@ -577,8 +577,8 @@ class Table(TableState):
         self._limiter.on_insert(n)
         return torch.from_numpy(keys)
 
-    def _apply_insert_fast(self, first: int, lo: int, hi: int, prio: np.ndarray, n: int, mask: np.ndarray | None,
-                           prepared: Any) -> torch.Tensor:
+    def _apply_insert_fast(self, first: int, length: int, lo: int, hi: int, prio: np.ndarray, n: int,
+                           mask: np.ndarray | None, prepared: Any) -> torch.Tensor:
         """:meth:`_apply_insert` for the common case (no remover to feed, a sampler that replaces a
         slot on insert): the evictions and the key columns in one compiled pass, and no sampler
         delete for the slots the insert's items overwrite at once. The same state as the general
@@ -587,14 +587,9 @@ class Table(TableState):
         gone = self._gone
         if gone.shape[0] < max(hi - lo, 0):
             gone = self._gone = np.empty(max(hi - lo, 2 * gone.shape[0]), dtype=np.int64)
-        if mask is None:
-            keys = np.arange(first, first + n, dtype=np.int64)
-            dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, _NO_MASK, cap, gone, keys, keys)
-            p0 = first % cap
-            slots = keys - (first - p0) if p0 + n <= cap else keys % cap
-        else:
-            keys, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-            dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, mask, cap, gone, keys, slots)
+        keys, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        dropped, kept = _nb_evict_and_key(self._keys, self._times, lo, hi, first, length,
+                                          _NO_MASK if mask is None else mask, cap, gone, keys, slots)
         if kept:
             self._sampler.delete(gone[:kept])
         if dropped:

@@ -355,8 +355,8 @@ class RemoteWorkers:
                 log.warning("host %s at %s answers as daemon %r (its --name): the hosts file may give %s the address "
                             "of another host; its groups run on daemon %r", h, self.links[h].host.address,
                             name[:100], h, name[:100])
-            if was_lost is not None:
-                del self.lost_hosts[h]
+            # (another group's choice may have heard it answer during our ping, and said so)
+            if was_lost is not None and self.lost_hosts.pop(h, None) is not None:
                 self.silent_hosts.discard(h)
                 log.warning("host %s answers again (it was lost: %s)", h, was_lost)
             return h

@@ -1605,6 +1605,31 @@ def test_a_host_whose_daemon_answers_under_another_name_is_warned_about_once(dae
 
 
 @pytest.mark.idle_daemon
+def test_two_groups_that_find_a_lost_host_answering_at_once_both_start_there(daemon, caplog):
+    """Regression (a newcomer's CI run, session 64): two groups restarted together asked a lost host in
+    turn; both saw it lost before their pings, and the second to hear it answer deleted it from the lost
+    hosts again: a KeyError ended the coordinator (``reactor ray``, a daemon killed and started again).
+    Both now start there, and the host is said back once."""
+    import logging
+
+    from reactor.launch._cluster import Host, RemoteWorkers
+    from reactor.launch._groups import Group
+
+    async def choose_both() -> list[str]:
+        workers = RemoteWorkers("r", {"h1": Host("h1", daemon.address, daemon.public)}, load_keys(daemon.client_dir))
+        workers.lost_hosts = {"h1": "it was killed"}
+        try:
+            return list(await asyncio.gather(*(workers.choose(Group(g, ("x",), hosts=("h1",))) for g in ("a", "b"))))
+        finally:
+            await workers.close()
+
+    with caplog.at_level(logging.WARNING, logger="reactor.cluster"):
+        assert asyncio.run(choose_both()) == ["h1", "h1"]
+    said = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+    assert said == ["host h1 answers again (it was lost: it was killed)"], said
+
+
+@pytest.mark.idle_daemon
 def test_status_of_a_daemon_without_jobs_says_so(daemon):
     """Regression (a newcomer's pass, session 54): ``reactor status --daemon D`` of a daemon with no jobs
     printed nothing, as if it had not answered."""

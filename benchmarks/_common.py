@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import queue
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -134,7 +136,8 @@ def stop_process(proc: subprocess.Popen, *, group: bool, grace_s: float = 15.0) 
     return out[0]
 
 
-def interruptible(main: Callable[[], Any], name: str) -> None:
+def interruptible(main: Callable[[], Any], name: str, *, stop_s: float | None = None,
+                  overdue: Callable[[], None] | None = None) -> None:
     """Run a benchmark's ``main``: a Ctrl-C ends it with one line and exit status 130 (its ``finally``
     blocks ran on the way out: its children stopped, its temporary directories removed), not
     ``KeyboardInterrupt``'s traceback from wherever the measurement was.
@@ -145,7 +148,16 @@ def interruptible(main: Callable[[], Any], name: str) -> None:
     (bench_wal, 1 Ctrl-C in 8 beside two busy loops): such a one is raised again in the code the
     callback returns to (:func:`_redeliver_interrupts`). And a compile it cut short leaves llvmlite
     objects half made, whose ``__del__`` fails at the exit ("'PipelineTuningOptions' object has no
-    attribute '_as_parameter_'"): after a Ctrl-C, those (llvmlite's and numba's) are not printed."""
+    attribute '_as_parameter_'"): after a Ctrl-C, those (llvmlite's and numba's) are not printed.
+
+    With ``stop_s``, a benchmark that has not ended ``stop_s`` seconds after a SIGINT or SIGTERM reached
+    it is ended from a thread of its own (:func:`_end_when_overdue`): where each thread was is printed,
+    ``overdue`` ends what the benchmark's cleanup did not (its peer's processes), then the same line and
+    status. For a peer whose own shutdown can hang (Ray's, one CI run in many), and for a signal that
+    came while the main thread was in a C call that never returned to Python.
+    """
+    if stop_s is not None:
+        _end_when_overdue(name, stop_s, overdue)
     hook = sys.unraisablehook
     sys.unraisablehook = _redeliver_interrupts(hook)
     try:
@@ -158,6 +170,41 @@ def interruptible(main: Callable[[], Any], name: str) -> None:
         sys.unraisablehook = hook
         raise
     sys.unraisablehook = hook
+
+
+def _end_when_overdue(name: str, stop_s: float, overdue: Callable[[], None] | None) -> None:
+    """A thread that ends this process ``stop_s`` seconds after a SIGINT or SIGTERM, unless it ended.
+
+    It hears the signal through Python's wakeup descriptor, which the C-level handler writes as the
+    signal arrives: the clock starts even when the main thread is in a C call and its Python handler
+    (``KeyboardInterrupt``) has not run. The thread is a daemon, so an exit in time ends it with the
+    process; it keeps watching through ``atexit`` (Ray shuts down there too). Overdue: every thread's
+    stack on stderr (faulthandler: no GIL needed beyond its own), ``overdue()``, the one line, and
+    ``os._exit`` with the status the signal gives (130 for SIGINT, the signal's number otherwise, as
+    SIGTERM's handlers here exit). Written to fd 2 directly: the main thread may hold ``sys.stderr``'s
+    lock. A later ``signal.set_wakeup_fd`` in this process (uvloop's, an asyncio loop's) replaces the
+    descriptor: a benchmark that runs an event loop in its main thread cannot use ``stop_s``."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            got = os.read(read, 64)
+            ends = [s for s in got if s in (signal.SIGINT, signal.SIGTERM)]
+            if ends:
+                break
+        time.sleep(stop_s)
+        os.write(2, f"{name}: not ended {stop_s:g} s after signal {ends[0]}; where its threads were:\n".encode())
+        faulthandler.dump_traceback(file=2, all_threads=True)
+        try:
+            if overdue is not None:
+                overdue()
+        finally:
+            os.write(2, f"{name}: interrupted; what it printed above is partial\n".encode())
+            os._exit(130 if ends[0] == signal.SIGINT else ends[0])
+
+    threading.Thread(target=watch, name="end-when-overdue", daemon=True).start()
 
 
 def _quiet_compiler_leftovers(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -14,7 +14,9 @@ actor: Ray's default, this machine's cores, would leave actors pending), its das
 files in this run's temporary directory, and is shut down on every path (an error, Ctrl-C; SIGTERM
 meets the handler ``ray.init`` installs, which exits with status 15 through the same ``finally``). Every
 process Ray starts inherits a mark in its environment (``REACTOR_RAY_PEER``, the caller's or a new one):
-whatever still carries it after ``ray.shutdown()`` is killed and named, and nothing else is touched.
+whatever still carries it after ``ray.shutdown()`` is killed and named, and nothing else is touched. A
+stop that has not ended 45 s after the signal (``ray.shutdown()`` hung: one CI run in many) is ended
+from a thread: every thread's stack printed, the marked processes killed, the same line and status.
 
 - ``kill``: the five actors train ``--settle-s`` seconds; then, with a ``run_for`` call of actor-1
   pending, ``kill -9`` of actor-1's worker process: the seconds until the driver's ``ray.get`` raises
@@ -56,6 +58,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -461,6 +464,22 @@ def _wait_port(ip: str, port: int, proc: subprocess.Popen[bytes], timeout_s: flo
 # ------------------------------------------------------------------------------ main
 
 
+# How long a signalled peer has to shut Ray down and end; past it, _overdue ends what is left. An
+# interrupted run normally ends within 7 s here (2 cores, 3 busy loops beside it).
+STOP_S = 45.0
+_TMP: list[Path] = []  # this run's temporary directory, for _overdue
+
+
+def _overdue() -> None:
+    """Ended from interruptible's thread (the main thread stuck: in ``ray.shutdown()``, or in a C call
+    the signal never left): this run's Ray processes killed and named, its temporary directory removed."""
+    left = end_ours()
+    os.write(2, f"[ray peer] killed {len(left)} Ray processes left after a stop that did not end: {left}\n"
+             .encode())
+    for tmp in _TMP:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -512,6 +531,7 @@ def main() -> None:
         out = {"ray": ray.__version__}
         with tempfile.TemporaryDirectory(prefix="rayp-") as tmp_s:  # (short: Ray's socket paths live under it)
             tmp = Path(tmp_s)
+            _TMP.append(tmp)
             try:
                 for section in args.only:
                     reps: list[dict[str, Any]] = []
@@ -553,4 +573,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    interruptible(main, "ray_peer.py")
+    interruptible(main, "ray_peer.py", stop_s=STOP_S, overdue=_overdue)

@@ -206,6 +206,65 @@ def test_a_ctrl_c_that_python_swallows_in_a_ctypes_callback_still_ends_the_bench
     assert (p.returncode, p.stdout, p.stderr) == (130, "", "bench_x.py: interrupted; what it printed above is partial\n")
 
 
+STUCK = """
+import signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks._common import interruptible
+
+def terminate(signum, frame):  # (as the handler ray.init installs)
+    raise SystemExit(signum)
+
+def overdue():
+    open(sys.argv[2], "w").write("ended what was left")
+
+def main():
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        print("measuring", flush=True)
+        time.sleep(3600)
+    finally:
+        if sys.argv[3] == "stuck":
+            threading.Event().wait()  # a peer's shutdown that never returns
+
+interruptible(main, "bench_x.py", stop_s=2.0, overdue=overdue)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("cleanup", ["stuck", "prompt"])
+def test_a_benchmark_whose_cleanup_hangs_after_a_signal_is_ended_with_its_stacks_and_leftovers(tmp_path, sig,
+                                                                                               cleanup):
+    """Regression: Ray's peer, sent SIGINT mid-run, did not end in 120 s and printed nothing (1 CI run in
+    many; its ``ray.shutdown()``, or a C call the signal never left). With ``stop_s`` a benchmark still
+    signalled after it is ended from a thread: where each thread was, the overdue cleanup, the one line,
+    the signal's status. One whose cleanup ends in time is left alone: the one line, nothing else run."""
+    mark = tmp_path / "overdue"
+    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(ROOT), str(mark), cleanup], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "measuring\n"
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    line = "bench_x.py: interrupted; what it printed above is partial\n"
+    assert proc.returncode == (130 if sig == signal.SIGINT else 15), err
+    if cleanup == "prompt":  # (SIGTERM's handler exits through SystemExit: no line, as Ray's)
+        assert err == (line if sig == signal.SIGINT else "") and not mark.exists(), err
+        return
+    assert err.endswith(line), err
+    assert took >= 2.0
+    assert err.startswith(f"bench_x.py: not ended 2 s after signal {int(sig)}; where its threads were:\n"), err
+    assert 'line 19 in main' in err, err  # (the main thread, in the finally that never returned)
+    assert mark.read_text() == "ended what was left"
+
+
 def test_a_log_that_cannot_be_opened_leaves_stdout_and_the_descriptors_as_they_were(tmp_path):
     """Regression: ``output_to`` moved ``sys.stdout`` to a copy of fd 1 (and made two copies) before it opened
     its log: a ``--log`` in a missing directory raised there, leaving ``sys.stdout`` on the copy and both

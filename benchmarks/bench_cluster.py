@@ -348,7 +348,7 @@ def ray_figures(only: str, reps: int, settle_s: float, netns: str | None = None,
         why = f"the Ray peer gave no result within {RAY_TIMEOUT_S} s"
     finally:
         stop_process(proc, group=True)
-        left = ray_peer.end_ours(mark)
+        left = ray_peer.end_ours(mark, proc.pid)  # (its session: Ray's agents hide their environment)
         if left:
             print(f"  Ray peer: {len(left)} of its processes were left; killed: {left}", flush=True)
     if why is not None:

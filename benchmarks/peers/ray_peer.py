@@ -87,31 +87,46 @@ OBS = 4  # CartPole-v1
 MARK = "REACTOR_RAY_PEER"
 
 
-def ours(mark: str | None = None) -> list[int]:
-    """The pids of live processes whose environment has ``MARK=mark`` (default: this run's), but this one."""
+def ours(mark: str | None = None, session: int | None = None) -> list[int]:
+    """The pids of live processes, but this one, whose environment has ``MARK=mark`` (default: this
+    run's) or whose session is ``session`` (default: this process's, when it leads one).
+
+    The session too, because the mark alone misses some: Ray's agents rename themselves
+    (``ray::DashboardAgent``, by ``setproctitle``), which overwrites the environment ``/proc`` shows,
+    and an agent whose raylet was killed lives on ~80 s. Every process Ray starts on this host stays
+    in the session of the process that called ``ray.init``, which a caller gives the peer
+    (``start_new_session=True``); a peer started from a shell does not lead its session, and then only
+    the mark counts (the shell's other processes are not ours)."""
     want = f"{MARK}={mark or os.environ[MARK]}".encode()
+    if session is None and mark is None and os.getsid(0) == os.getpid():
+        session = os.getpid()
     found = []
     for env in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if want in env.read_bytes().split(b"\0") and int(env.parent.name) != os.getpid():
-                with open(env.parent / "stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        found.append(int(env.parent.name))
+            if int(env.parent.name) == os.getpid():
+                continue
+            with open(env.parent / "stat") as f:
+                state, _, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+            if state != "Z" and (int(sid) == session or want in env.read_bytes().split(b"\0")):
+                found.append(int(env.parent.name))
         except (OSError, ValueError):  # (gone meanwhile, or not ours to read)
             continue
     return found
 
 
-def end_ours(mark: str | None = None, timeout_s: float = 10.0) -> list[int]:
-    """SIGKILL what :func:`ours` finds and wait (up to ``timeout_s``) for it to be gone; the pids killed."""
-    pids = ours(mark)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def end_ours(mark: str | None = None, session: int | None = None, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL what :func:`ours` finds, again until it finds nothing (a process may start between a
+    look and the kills: a raylet's agent) or ``timeout_s`` passes; every pid killed."""
+    killed: list[int] = []
     deadline = time.monotonic() + timeout_s
-    while ours(mark) and time.monotonic() < deadline:
+    while (pids := ours(mark, session)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if pid not in killed:
+                killed.append(pid)
         time.sleep(0.1)
-    return pids
+    return killed
 
 
 def log(msg: str) -> None:

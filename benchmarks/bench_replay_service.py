@@ -285,6 +285,9 @@ def main() -> None:
                     help="rows per writer per insert repetition (default 64K, quick 16K; 0: no insert repetitions)")
     ap.add_argument("--notice-every", type=positive_int, default=64,
                     help="one-sided samples whose notices the clients send together (ReplayClient(notice_every=...))")
+    ap.add_argument("--no-stage", action="store_true",
+                    help="the writers send every row in their Steps messages (default: they stage rows in shared "
+                         "memory for the shards of their host, reactor/nodes/_staging.py)")
     ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
     ap.add_argument("--hosts", action="store_true",
                     help="run over two hosts in network namespaces (as root): bench[1] on h2, the rest on h1, "
@@ -310,6 +313,7 @@ def main() -> None:
         "inflight": args.inflight,
         "notice_every": args.notice_every,
         "flush_steps": args.flush_steps,
+        "stage": 0 if args.no_stage else 1,
         "limit_s": 120.0 if q else 600.0,
     }
     load = os.getloadavg()
@@ -395,7 +399,8 @@ def print_insert_cpu(rep: dict, cfg: dict) -> None:
     print(f"insert CPU per env step (/proc schedstat, medians over {len(ours)} rounds): {parts}; {total:.0f} ns in all "
           f"against the in-process peer's {peer_ns:.0f} ns on one thread: {total / peer_ns:.2f}x, so at most "
           f"{cores * peer_ns / total:.2f}x its rate on {cores} busy cores; {switches:.1f} times a thread was put on a CPU "
-          f"per Steps message")
+          f"per Steps message; rows staged in shared memory: "
+          f"{med([r.get('staged_rows', 0) / max(1, r['rows']) for r in ours]):.0%}")
 
 
 def print_raw_zmq(rep: dict, cfg: dict, hosts: bool, quick: bool) -> None:

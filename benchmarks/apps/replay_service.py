@@ -42,7 +42,8 @@ samples when ``bench[0]`` asks and reports its timings back:
 
 config keys: shards (4), writers (4), capacity (steps held over all shards, 1 << 20), envs (64),
 window (32), batch (256), reps (5), calls (20), round_rows (rows per writer per repetition; 0: none),
-inflight (1), chunk_length (256), flush_steps (1024), notice_every (the clients' ``notice_every``, 64),
+inflight (1), chunk_length (256), flush_steps (1024), notice_every (the clients' ``notice_every``, 64), stage
+(1: the writers stage their rows in shared memory for the shards, which read them there; 0: in messages),
 report (the JSON file bench[0] writes at the end).
 """
 
@@ -67,8 +68,11 @@ from reactor.nodes import (
     Writer,
     requester_key,
     shard_key,
+    writer_key,
 )
+from reactor.nodes._staging import take_ack
 from reactor.nodes.messages import (
+    InsertAck,
     ItemUpdate,
     ReplayControl,
     ReplayReply,
@@ -147,9 +151,15 @@ class SyntheticEnvs:
                              priorities=self.prio[i])
 
 
-def make_writer(envs: int, window: int, num_shards: int, writer_id: int, chunk_length: int, flush_steps: int) -> Writer:
+#: Steps messages a writer keeps unacknowledged per shard before it waits, as an actor of the training apps
+#: does (``off_policy_graph(max_unacked=8)``).
+MAX_UNACKED = 8
+
+
+def make_writer(envs: int, window: int, num_shards: int, writer_id: int, chunk_length: int, flush_steps: int,
+                max_unacked: int | None = None) -> Writer:
     return Writer(FIELDS, envs, WindowPattern(window, chunk_length=chunk_length), num_shards=num_shards,
-                  writer_id=writer_id, flush_steps=flush_steps)
+                  writer_id=writer_id, flush_steps=flush_steps, max_unacked=max_unacked)
 
 
 class FillWriter(Reactor):
@@ -157,11 +167,14 @@ class FillWriter(Reactor):
 
     placement_role = "actor"
     go = Input(dict)
+    acks = Input(InsertAck)
     steps = Output(Steps)
     done = Output(dict)
     burst = Action()
 
-    def __init__(self, num_shards: int, envs: int, window: int, chunk_length: int, flush_steps: int) -> None:
+    def __init__(self, num_shards: int, envs: int, window: int, chunk_length: int, flush_steps: int,
+                 stage: bool = True) -> None:
+        self.stage = stage
         self.num_shards = num_shards
         self.envs = envs
         self.window = window
@@ -174,14 +187,31 @@ class FillWriter(Reactor):
     def begin(self) -> None:
         torch.set_num_threads(1)
         self.writer = make_writer(self.envs, self.window, self.num_shards, self.bank_index, self.chunk_length,
-                                  self.flush_steps)
+                                  self.flush_steps, MAX_UNACKED)
+        self.held = False  # waiting for an ack (every shard holds MAX_UNACKED of its messages)
         self.src = SyntheticEnvs(self.envs, self.rng)
+
+    @reaction(triggers=[acks], effects=[burst])
+    def take_ack(self, acks: InsertAck) -> None:
+        """As an actor takes its shards' acks: counted, a held writer let go on; its rows staged in shared
+        memory for the shards of its host once one says it reads them (``stage``: off, in the messages)."""
+        if self.stage:
+            take_ack(self.writer, acks.shard, acks.host, acks.pid, self.run_id, self.name, MAX_UNACKED)
+        else:
+            self.writer.acknowledged(acks.shard)
+        if self.held and not self.writer.full():
+            self.held = False
+            self.burst.schedule()
+
+    def _staged_rows(self) -> int:
+        return 0 if self.writer.staging is None else self.writer.staging.staged_rows
 
     @reaction(triggers=[go], effects=[burst])
     def start_round(self, go: dict) -> None:
         self.round = int(go["round"])
         self.quota = self.writer.steps_sent + int(go["rows"])
-        self.at_start = (self.writer.steps_appended, self.writer.steps_sent, self.writer.items_sent, self.writer.seq)
+        self.at_start = (self.writer.steps_appended, self.writer.steps_sent, self.writer.items_sent, self.writer.seq,
+                         self._staged_rows())
         self.append_cpu = 0.0  # CPU seconds in Writer.append (and the synthetic envs' step) this round
         self.burst.schedule()
 
@@ -192,16 +222,20 @@ class FillWriter(Reactor):
         c0 = time.thread_time()  # (a CPU clock read is a system call: one pair a burst, not one a call)
         for _ in range(8):  # a few env steps per event: the loop stays responsive to its sockets
             msgs += self.src.step_into(w)
-            if w.steps_sent >= self.quota:
+            if w.steps_sent >= self.quota or w.full():
                 break
         self.append_cpu += time.thread_time() - c0
         for m in msgs:
             send(m)
         if w.steps_sent >= self.quota:
-            a0, s0, i0, q0 = self.at_start
+            a0, s0, i0, q0, g0 = self.at_start
             self.done.send({"writer": self.bank_index, "round": self.round, "appended": w.steps_appended - a0,
                             "rows": w.steps_sent - s0, "items": w.items_sent - i0, "messages": w.seq - q0,
-                            "items_total": w.items_sent, "append_cpu": self.append_cpu})
+                            "items_total": w.items_sent, "append_cpu": self.append_cpu,
+                            "staged_rows": self._staged_rows() - g0})
+            return
+        if w.full():
+            self.held = True  # (take_ack goes on)
             return
         self.burst.schedule()
 
@@ -430,7 +464,7 @@ class Bench(Reactor):
             what, self.stats_what = self.stats_what, None
             self.results[f"shards_{what}"] = [
                 {k: getattr(s, k) for k in ("size", "num_steps", "inserted", "sampled", "rejected_steps",
-                                            "parked_steps", "parked_requests")}
+                                            "parked_steps", "parked_requests", "staged_steps")}
                 for s in (self.stats[i] for i in range(self.shards))]
             self._advance()
             return
@@ -448,6 +482,7 @@ class Bench(Reactor):
         d = self.round_done.values()
         rec = {"s": dt, "appended": sum(x["appended"] for x in d), "rows": sum(x["rows"] for x in d),
                "messages": sum(x["messages"] for x in d), "append_cpu": sum(x["append_cpu"] for x in d),
+               "staged_rows": sum(x["staged_rows"] for x in d),
                "cpu": {k: v - self.round_cpu0.get(k, 0.0) for k, v in cpu1.items()} if self.round_cpu0 else None}
         self._record("insert_cold" if self.round == 0 else "insert", rec)
         self._advance()
@@ -576,7 +611,7 @@ def _coordinator(message: object) -> int:
 def build(config: dict) -> Graph:
     c = {"shards": 4, "writers": 4, "capacity": 1 << 20, "envs": 64, "window": 32, "batch": 256, "reps": 5,
          "calls": 20, "round_rows": 1 << 16, "inflight": 1, "chunk_length": 256, "flush_steps": 1024, "notice_every": 64,
-         "report": ""}
+         "stage": 1, "report": ""}
     c.update(config)
     for k in c:
         if k != "report":
@@ -584,7 +619,8 @@ def build(config: dict) -> Graph:
     if c["capacity"] % c["shards"]:
         raise ValueError(f"capacity {c['capacity']} must be a multiple of shards {c['shards']}")
     g = Graph()
-    writers = g.add(FillWriter(c["shards"], c["envs"], c["window"], c["chunk_length"], c["flush_steps"]),
+    writers = g.add(FillWriter(c["shards"], c["envs"], c["window"], c["chunk_length"], c["flush_steps"],
+                               bool(c["stage"])),
                     name="writer", replicas=c["writers"])
     replay = g.add(Replay(FIELDS, c["capacity"] // c["shards"], read=WindowRead(c["window"], "tail"),
                           sampler={"type": "Prioritized", "alpha": ALPHA}, beta=BETA,
@@ -597,6 +633,7 @@ def build(config: dict) -> Graph:
     # (the benchmark's) delays only set tags, they never hold a message back.
     g.connect(writers.done, bench.done, key=_coordinator, delay_s=0.001)
     g.connect(writers.steps, replay.steps, key=shard_key)
+    g.connect(replay.acks, writers.acks, key=writer_key, delay_s=0.001)
     g.connect(bench.requests, replay.requests, key=shard_key)
     g.connect(bench.updates, replay.updates, key=shard_key)
     g.connect(replay.replies, bench.replies, key=requester_key, delay_s=0.001)

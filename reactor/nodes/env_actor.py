@@ -46,11 +46,14 @@ from .._reactor import Action, Input, Output, Reactor, peer_lost, peer_restarted
 from .._runclaim import claim_run_dir, release_run_dir
 from ._contract import check_act, check_config
 from ._registry import denormals_flushed
+from ._staging import take_ack
 from .messages import InsertAck, Steps
 from .train_messages import Report, Rollout, Weights
 from .writer import TransitionPattern, WindowPattern, Writer
 
 __all__ = ["EnvActor"]
+
+_MAX_HOST_CHARS = 512  # (an InsertAck's host id: a hostname and a boot id, or a daemon's host name)
 
 
 def writer_pattern(read: Any) -> WindowPattern | TransitionPattern:
@@ -244,7 +247,10 @@ class EnvActor(Reactor):
                     "%s dropped an InsertAck naming shard %r, outside [0, %d)%s", self.name, shard,
                     self.writer.num_shards, flood_tally(n))
             return
-        self.writer.acknowledged(shard)
+        host, pid = acks.host, acks.pid
+        if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int:
+            host, pid = "", 0  # (a peer's malformed word: no staging on its say, the ack still counts)
+        take_ack(self.writer, shard, host, pid, self.run_id, self.name, self.max_unacked)
         if self.held and not self._over_limit():
             self.held = False
             self.tick.schedule(delay_s=self.step_s)
@@ -348,13 +354,19 @@ class EnvActor(Reactor):
                 replace_small(self.progress, json.dumps({
                     "format": 1, "explore_steps": self.explore_base + self.env_steps,
                     "run_steps": self.run_base + self.env_steps, "run_id": self.run_id,
-                    "rollout_version": self._rollout_version}).encode())
+                    "rollout_version": self._rollout_version, "staged_rows": self._staged_rows()}).encode())
             except OSError as e:
                 if not self._progress_failed:  # (once: it is tried at every report)
                     self._progress_failed = True
                     logging.getLogger("reactor.actor").warning(
                         "%s: cannot save %s (a restart of this actor will explore from its schedule's start): %s",
                         self.name, self.progress, e)
+
+    def _staged_rows(self) -> int:
+        """Rows this life staged in shared memory for its shards (reactor.nodes._staging); said in its
+        progress file, read by no restart."""
+        staging = getattr(self, "writer", None) and self.writer.staging
+        return 0 if staging is None else int(staging.staged_rows)
 
     def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
                  truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray,
@@ -379,7 +391,12 @@ class EnvActor(Reactor):
 
     @reaction(triggers=[shutdown])
     def give_up_run_dir(self) -> None:
-        release_run_dir(self)
+        try:
+            staging = getattr(self, "writer", None) and self.writer.staging
+            if staging is not None:
+                staging.close()
+        finally:
+            release_run_dir(self)
 
 def _saved_progress(path: Path) -> dict[str, Any]:
     """What an earlier life saved in ``path`` (:meth:`EnvActor._report`): ``explore_steps`` (the env

@@ -98,6 +98,9 @@ class Steps:
             whole step budget). A marker carries no rows (``fields`` empty, ``episode_end`` of
             length 0); a shard that knows its bank's writers (``Replay(writers=...)``) answers a
             request its rate limiter holds with :class:`Exhausted` once every writer has ended.
+        staged: None, or where the rows are instead of ``fields`` (then empty): ``(descriptor,
+            first row, rows)`` of the writer's staging region on the shard's host
+            (:mod:`reactor.nodes._staging`), rows it keeps until the shard's :class:`InsertAck`.
     """
 
     shard: int
@@ -108,6 +111,7 @@ class Steps:
     item_mask: Any = None
     priorities: Any = None
     last: bool = False
+    staged: Any = None
 
 
 @register_message
@@ -121,11 +125,17 @@ class InsertAck:
         writer: the writer's id (its actor's bank index).
         shard: the shard that took it.
         seq: the message's flush counter.
+        host: the shard's host id when it reads rows its writers stage in shared memory on its
+            host (:attr:`Steps.staged`), else "".
+        pid: the shard's process id with ``host`` (a writer in the same process does not stage:
+            its messages are handed over as they are).
     """
 
     writer: int
     shard: int
     seq: int
+    host: str = ""
+    pid: int = 0
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -366,6 +376,8 @@ class ShardStatistics:
         lost_steps: after a restart (restart policies): steps its previous life had inserted that
             the restore did not bring back (inserted after its last checkpoint); -1 when that is
             unknown (no run directory, or the shard moved to another host); 0 otherwise.
+        staged_steps: steps this shard read from its writers' staging regions (rows a writer of its
+            host staged in shared memory, :mod:`reactor.nodes._staging`) since it started.
     """
 
     shard: int
@@ -384,6 +396,7 @@ class ShardStatistics:
     checkpoints: int
     restored_from: str
     lost_steps: int = 0
+    staged_steps: int = 0
 
 
 # ---------------------------------------------------------------------------------- learner side

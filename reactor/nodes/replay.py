@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -87,7 +88,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import WouldBlock
+from .._errors import PeerLostError, WouldBlock
 from .._files import refuse_file_links
 from .._graph import plain_name
 from .._reactor import Action, Input, Output, Reactor, reaction, shutdown, startup
@@ -112,6 +113,7 @@ from ._shardkeys import _LOCAL_MASK, KEY_SHARD_BITS, _int64_keys, key_local, key
 from ._shardmemory import ShardMemory
 from ._shardmemory import sampling_region_name as sampling_region_name
 from ._shardstore import ShardStore
+from ._staging import StagedReader
 from .messages import (
     CheckpointRequest,
     Delete,
@@ -271,6 +273,8 @@ class Replay(ShardMemory, Reactor):
     """
 
     placement_role = "replay"
+    _ack_host = ""  # (set at startup: reactor.nodes._staging)
+    _staged: StagedReader | None = None
 
     steps = Input(Steps)
     requests = Input(ReplayRequest)
@@ -401,6 +405,10 @@ class Replay(ShardMemory, Reactor):
                                         step_nbytes=sum(s.step_nbytes for s in self.specs), on_host=not on_gpu)
         weakref.finalize(self, self._memory_claim.release)
         use_bulk = self.bulk if self.bulk is not None else (not self.reproducible and _bulk.capabilities().shm)
+        # Writers of this host stage their rows in shared memory for a shard that says so in its acks
+        # (reactor.nodes._staging): where the shard's own memory may be shared, by the same rule.
+        self._ack_host = _bulk.host_id() if use_bulk and _bulk.capabilities().shm else ""
+        self._staged = StagedReader()
         use_bulk = use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead))
         if use_bulk and self.bulk is None:
             # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is
@@ -459,7 +467,7 @@ class Replay(ShardMemory, Reactor):
         self._parked_requests: deque[ReplayRequest] = deque()
         self._parked_steps: deque[Steps] = deque()
         self._said_full = False  # (_say_if_full_below_min_size)
-        self._counts = {"rejected_steps": 0}
+        self._counts = {"rejected_steps": 0, "staged_steps": 0}
         self._ended_writers: set[int] = set()  # writers whose end marker this shard took (Steps.last)
         directory = Path(self.run_dir) / plain_name(self.name) if self.run_dir else None
         if directory is not None:
@@ -531,6 +539,11 @@ class Replay(ShardMemory, Reactor):
         if not isinstance(steps, Steps):
             self._reject(steps, f"expected a Steps message, got {type(steps).__name__}")
             return
+        if steps.staged is not None:
+            got = self._unstaged(steps)
+            if got is None:
+                return
+            steps = got
         if self._parked_steps:  # keep writers' order: nothing overtakes a parked insert
             self._parked_steps.append(steps)
             return
@@ -540,12 +553,32 @@ class Replay(ShardMemory, Reactor):
         else:  # (one that no sample could ever make room for was refused: RateLimiter.never_inserts, exact)
             self._parked_steps.append(steps)
 
+    def _unstaged(self, steps: Steps) -> Steps | None:
+        """A staged message with its rows: views of its writer's staging region, which the writer
+        keeps until this shard's ack (parked too). None if they cannot be read: refused (logged) and
+        acknowledged, as any malformed message."""
+        try:
+            if not isinstance(steps.fields, Mapping) or steps.fields:
+                raise ValueError("a staged message carries its rows in its writer's region, not in fields")
+            if self._staged is None:
+                raise ValueError("this shard has not started")
+            rows = self._staged.rows(steps.staged)
+        except (ValueError, TypeError, KeyError, OSError, PeerLostError) as e:
+            self._reject(steps, f"its staged rows cannot be read: {e}")
+            self._ack(steps)
+            return None
+        self._counts["staged_steps"] += len(next(iter(rows.values()))) if rows else 0
+        return dataclasses.replace(steps, fields=rows, staged=None)
+
     def _reject(self, steps: Any, why: str) -> None:
         n = 0
         fields = getattr(steps, "fields", None)
+        staged = getattr(steps, "staged", None)
         if isinstance(fields, Mapping) and fields:
             first = next(iter(fields.values()))
             n = int(getattr(first, "shape", (0,))[0] if getattr(first, "shape", ()) else 0)
+        elif staged is not None and isinstance(getattr(steps, "episode_end", None), np.ndarray):
+            n = len(steps.episode_end) if steps.episode_end.ndim == 1 else 0  # (its rows, staged where they are)
         self._counts["rejected_steps"] += n
         log.error(
             "%s refused steps from writer %s (flush %s): %s; the message was dropped, the shard keeps serving",
@@ -564,7 +597,8 @@ class Replay(ShardMemory, Reactor):
 
     def _ack(self, steps: Steps) -> None:
         if isinstance(steps.writer, int) and not isinstance(steps.writer, bool) and steps.writer >= 0:
-            self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1))
+            self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1,
+                                     self._ack_host, os.getpid() if self._ack_host else 0))
 
     def _try_insert(self, steps: Steps) -> bool:
         assert self.table is not None
@@ -919,6 +953,7 @@ class Replay(ShardMemory, Reactor):
             checkpoints=self._store.checkpoints,
             restored_from=self._store.restored_from,
             lost_steps=self._store.lost_steps,
+            staged_steps=self._counts["staged_steps"],
         )
 
     @reaction(triggers=[shutdown])
@@ -932,6 +967,8 @@ class Replay(ShardMemory, Reactor):
                 claim.release()
 
     async def _close(self) -> None:
+        if self._staged is not None:
+            self._staged.close()
         if self.table is None:
             return
         owner, self._owner = self._owner, None

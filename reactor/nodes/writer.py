@@ -366,6 +366,22 @@ class Writer:
         self.steps_appended = 0
         self.items_sent = 0
         self.steps_sent = 0
+        self._staging: Any = None  # a _staging.Staging: flushes for shards of this host go through it
+        self.staging_refused = False  # no staging region could be had in this process (said once)
+
+    def use_staging(self, staging: Any) -> None:
+        """Stage flushes for the shards of this host in ``staging`` (a
+        :class:`reactor.nodes._staging.Staging` with a ring per shard): their rows go through shared
+        memory, the message says where. At any time: the messages already out hold no staged rows."""
+        if staging.num_shards != self.num_shards:
+            raise ValueError(f"Writer.use_staging: staging for {staging.num_shards} shards, the writer has {self.num_shards}")
+        staging.start(self.unacked)
+        self._staging = staging
+
+    @property
+    def staging(self) -> Any:
+        """The writer's :class:`reactor.nodes._staging.Staging`, or None."""
+        return self._staging
 
     # ---------------------------------------------------------------- appending
 
@@ -553,11 +569,14 @@ class Writer:
         """Rows in segments ready to flush."""
         return self._pending_rows
 
-    def acknowledged(self, shard: int) -> None:
-        """A shard acknowledged one of this writer's messages (an ``InsertAck``)."""
+    def acknowledged(self, shard: int, host: str = "", pid: int = 0) -> None:
+        """A shard acknowledged one of this writer's messages (an ``InsertAck``; ``host`` and
+        ``pid``: its own, the shard's host id and process when it can read rows staged on its host)."""
         if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
+        if self._staging is not None:
+            self._staging.acked(shard, host, pid)
 
     def shard_lost(self, shard: int) -> None:
         """``shard``'s process died (restart policies): send nothing to it until
@@ -566,6 +585,8 @@ class Writer:
         self.n_down = int(self.down.sum())
         self.lost_messages += int(self.unacked[shard])
         self.unacked[shard] = 0
+        if self._staging is not None:
+            self._staging.lost(shard)
 
     def shard_restarted(self, shard: int) -> list[Steps]:
         """``shard`` takes messages again (restored from its checkpoint, if it has one). Returns the
@@ -598,6 +619,8 @@ class Writer:
 
     def _end_marker(self, shard: int) -> Steps:
         self.unacked[shard] += 1  # acknowledged as any message
+        if self._staging is not None:
+            self._staging.sent(shard, 0)
         msg = Steps(shard, self.writer_id, self.seq, {}, np.zeros(0, dtype=bool), last=True)
         self.seq += 1
         return msg
@@ -609,7 +632,6 @@ class Writer:
         segs, self._pending = self._pending, []
         self._pending_rows = 0
         names = list(segs[0][0])
-        fields = {n: np.concatenate([s[0][n] for s in segs]) if len(segs) > 1 else segs[0][0][n] for n in names}
         mask = np.concatenate([s[1] for s in segs])
         ends = np.zeros(len(mask), dtype=bool)
         ends[np.cumsum([len(s[1]) for s in segs]) - 1] = True
@@ -624,7 +646,12 @@ class Writer:
                 shard = int(order[np.argmin(load)])  # skip full and down shards: the least loaded
             self._next_shard = (shard + 1) % self.num_shards
         self.unacked[shard] += 1
-        msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio)
+        staged = None if self._staging is None else self._staging.put(shard, names, [s[0] for s in segs], len(mask))
+        if staged is not None:
+            fields: dict[str, Any] = {}
+        else:
+            fields = {n: np.concatenate([s[0][n] for s in segs]) if len(segs) > 1 else segs[0][0][n] for n in names}
+        msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio, staged=staged)
         self.seq += 1
         self.items_sent += int(mask.sum())
         self.steps_sent += len(mask)

@@ -187,6 +187,36 @@ class BulkOwner:
             RuntimeError: ``rdma`` asked for with no usable device (reason given).
             OSError: the zmq address cannot be bound.
         """
+        return cls._open(run_id, backends=backends, host=host, zmq_bind=zmq_bind, max_request_nbytes=max_request_nbytes,
+                         max_reply_nbytes=max_reply_nbytes, heartbeat_ivl_s=heartbeat_ivl_s,
+                         heartbeat_timeout_s=heartbeat_timeout_s, curve=curve)
+
+    @classmethod
+    def open_shm(cls, run_id: str, *, host: str | None = None) -> BulkOwner:
+        """:meth:`open` with the ``shm`` backend only, called without an event loop (a sync reaction):
+        regions for readers of this host, no read server. An actor's writer stages its rows for the
+        replay shards of its host in one (:mod:`reactor.nodes._staging`).
+
+        Raises:
+            ValueError: a bad run id.
+            RuntimeError: POSIX shared memory is not usable here.
+        """
+        return cls._open(run_id, backends=["shm"], host=host)
+
+    @classmethod
+    def _open(
+        cls,
+        run_id: str,
+        *,
+        backends: Sequence[str] | None = None,
+        host: str | None = None,
+        zmq_bind: str = "tcp://127.0.0.1:*",
+        max_request_nbytes: int = 2**20,
+        max_reply_nbytes: int = 256 * 2**20,
+        heartbeat_ivl_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+        curve: CurveKeys | None = None,
+    ) -> BulkOwner:
         _shm.check_name_part("run id", run_id)
         caps = capabilities()
         if backends is None:

@@ -169,10 +169,22 @@ class BulkReader:
                 f"BulkReader.open: need timeout_s > 0 and 0 < heartbeat_ivl_s <= heartbeat_timeout_s, got "
                 f"{timeout_s!r}, {heartbeat_ivl_s!r}, {heartbeat_timeout_s!r}"
             )
+        return cls._open(host, timeout_s, (heartbeat_ivl_s, heartbeat_timeout_s), curve)
+
+    @classmethod
+    def open_shm(cls, *, host: str | None = None) -> BulkReader:
+        """A reader opened without an event loop (a sync reaction), for :meth:`attach_shm` and
+        :meth:`mapped`: regions of this host only (a replay shard reading the rows its writers
+        staged, :mod:`reactor.nodes._staging`)."""
+        return cls._open(host, 30.0, (1.0, 5.0), None)
+
+    @classmethod
+    def _open(cls, host: str | None, timeout_s: float, heartbeat: tuple[float, float],
+              curve: CurveKeys | None) -> BulkReader:
         self = cls(_token=_OPEN_TOKEN)
         self._host = host if host is not None else host_id()
         self._timeout_s = float(timeout_s)
-        self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
+        self._heartbeat = heartbeat
         self._curve = curve
         self._regions: dict[str, _Attached] = {}
         self._ctx: zmq.asyncio.Context | None = None
@@ -264,6 +276,31 @@ class BulkReader:
         if any("no segment" in e or "generation" in e for e in errors):
             raise PeerLostError(f"bulk region {desc['region']!r}: {'; '.join(errors)}")
         raise ValueError(f"bulk region {desc['region']!r} could not be attached: {'; '.join(errors)}")
+
+    def attach_shm(self, descriptor: Mapping[str, Any]) -> str:
+        """:meth:`attach` over ``shm`` only, without an event loop; return the region's name.
+
+        Raises:
+            ValueError: a malformed descriptor, one of another host or that offers no ``shm``.
+            PeerLostError: the owner closed the region or died (its segments gone or not live).
+            OSError: a segment could not be mapped.
+            PortClosedError: the reader is closed.
+        """
+        self._check_open()
+        desc, fields = _parse_descriptor(descriptor)
+        if not isinstance(desc.get("shm"), Mapping):
+            raise ValueError(f"bulk region {desc['region']!r} is not offered over shm")
+        if desc["host"] != self._host:
+            raise ValueError(f"bulk region {desc['region']!r} is of host {desc['host']!r:.100}, not this one "
+                             f"({self._host!r}): shm needs the owner's host")
+        att = _Attached(desc, fields)
+        self._attach_shm(att, desc["shm"])
+        old = self._regions.pop(att.name, None)
+        if old is not None:
+            self._release(old)
+        att.backend = "shm"
+        self._regions[att.name] = att
+        return att.name
 
     def _attach_shm(self, att: _Attached, spec: Mapping[str, Any]) -> None:
         segs = spec.get("segments")

@@ -13,8 +13,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import multiprocessing
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from reactor import run
 from reactor.launch._app import build_graph
@@ -95,3 +98,37 @@ def test_the_insert_rounds_cpu_is_read_per_role_from_the_runs_sibling_processes(
     assert 0.3 <= cpu["writer"] < 1.0 and 0.1 <= cpu["replay"] < 0.8
     assert set(cpu) <= {"writer", "replay", "writer_io", "replay_io", "switches"}  # "other" is no worker of a run
     assert cpu["switches"] >= 2  # each of the two was put on a CPU at least once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 0])
+def test_writers_in_their_own_processes_stage_their_rows_for_the_shards_of_their_host(tmp_path, stage):
+    """The benchmark's placement (one process per reactor instance, one host): the writers stage their rows
+    in shared memory once a shard's ack says it reads them there (reactor/nodes/_staging.py), and the
+    shards insert every item from the writers' regions after their first acks; with ``stage`` off, every row
+    goes in the messages. Either way every item sent is inserted and none is refused."""
+    sys.path.insert(0, str(Path(APP).parents[2]))
+    from benchmarks.bench_replay_service import placement_file
+
+    report = tmp_path / "report.json"
+    cfg = {"shards": 2, "writers": 2, "capacity": 1 << 15, "envs": 8, "reps": 1, "calls": 2, "round_rows": 4096,
+           "inflight": 1, "stage": stage, "report": str(report)}
+    placement = placement_file(str(tmp_path), 2, 2)
+    res = run(build_graph(APP, cfg), placement=placement, app=APP, config=cfg, deterministic=False, stop_s=240)
+    assert res.stopped_by == "request"
+    rep = json.loads(report.read_text())
+    assert "error" not in rep
+    end = rep["shards_end"]
+    assert all(s["rejected_steps"] == 0 and s["parked_steps"] == 0 for s in end)
+    rounds = rep["insert_cold"] + rep["insert"]
+    rows = sum(r["rows"] for r in rounds)
+    staged = sum(r["staged_rows"] for r in rounds)
+    if stage:
+        # A writer's messages before its first acks carry their rows; from then on every row is staged
+        # (8 messages in flight a shard, as in the training apps, fit in the rings).
+        assert all(s["staged_steps"] > 0 for s in end), end
+        assert sum(s["staged_steps"] for s in end) == staged > 0.5 * rows, (staged, rows)
+        assert [r["staged_rows"] for r in rep["insert"]] == [r["rows"] for r in rep["insert"]]
+    else:
+        assert staged == 0 and all(s["staged_steps"] == 0 for s in end)

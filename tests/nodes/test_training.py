@@ -660,3 +660,26 @@ def test_a_run_stopped_by_its_budget_says_how_old_its_last_evaluation_is(tmp_pat
 
     assert eval_age({**summary, "last_eval_updates": summary["updates"]}, run_dir) == ""  # (the final weights')
     assert eval_age({**summary, "reached_target": True}, run_dir) == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dqn_actors_in_their_own_processes_stage_their_rows_for_the_shards_unless_deterministic(tmp_path,
+                                                                                               deterministic):
+    """``actors`` (2 actor processes, 2 shard processes, one host): an async run's actors stage their rows
+    in shared memory for the shards once their first acks say the shards read them there
+    (reactor/nodes/_staging.py), and the run trains as before; a deterministic run's shards keep every row
+    in the messages (as their own memory stays private)."""
+    run_dir = tmp_path / "run"
+    cfg = {"max_env_steps": 4000, "target_return": None, "live": False, "run_dir": str(run_dir)}
+    res = _run(DQN, cfg, seed=2, placement="actors", deterministic=deterministic, stop_s=240)
+    assert res.stopped_by == "quiescence"
+    s = _summary(run_dir)
+    assert s["env_steps"] == 4000 and s["updates"] > 0
+    staged = [json.loads(p.read_text())["staged_rows"] for p in sorted(run_dir.glob("actor*.progress.json"))]
+    assert len(staged) == 2
+    if deterministic:
+        assert staged == [0, 0]
+    else:
+        assert all(n > 1000 for n in staged), staged  # (of ~2,000 env steps each: all but the first flushes)

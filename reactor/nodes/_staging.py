@@ -1,0 +1,252 @@
+"""Staged inserts: an actor's rows reach the replay shards of its host through shared memory.
+
+A :class:`~reactor.nodes.writer.Writer` sends each flush to a shard as one
+:class:`~reactor.nodes.messages.Steps` message. Between two processes of one host, the rows of that
+message (~1,200 rows, ~320 kB in the replay benchmark) were copied into a zmq frame, twice by the
+kernel's unix socket, handled by both processes' zmq I/O threads, and copied once more into the ring:
+~170 ns of CPU a row besides the insert itself (``docs/benchmarks.md``, session 50).
+
+Here the actor keeps a *staging region* (a bulk region, ``shm`` backend only; one ring of rows per
+shard) and writes a flush for a shard of its host straight into that shard's ring. The Steps message
+then carries no rows, only where they are (:attr:`Steps.staged`: the region's descriptor, the first
+row and the row count), with the episode ends, the item mask and the priorities as before. The shard
+maps the region read-only (once per writer life, :class:`StagedReader`) and inserts from the mapped
+rows; its :class:`~reactor.nodes.messages.InsertAck` frees them. A shard says that it can read this
+way by its host id in ``InsertAck.host``; until one has, and for a flush its ring has no room for,
+the rows travel in the message as before (the fallback is always there, so staging never holds a
+writer back).
+
+What a shard trusts: nothing in a staged message more than in any other. The descriptor is checked
+as any bulk descriptor is (names derived from the run id, the owner alive, segment sizes), the row
+range against the region, the rows' dtypes and shapes by the insert's own checks; the ends, mask and
+priorities travel in the message and are checked there. A writer that wrote its ring again before
+the shard's ack would only spoil its own rows (they are data; the tree and the index never come
+from the ring).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..transport import bulk as _bulk
+
+log = logging.getLogger("reactor.replay")
+
+#: The most bytes a staging region takes (all its shards' rings): a writer of large rows (images)
+#: stages fewer rows, and a flush larger than its ring goes in its message.
+MAX_STAGING_NBYTES = 64 * 2**20
+#: Staging regions a shard keeps mapped at once (one per writer life it has heard from); past it
+#: the one least recently attached is let go.
+MAX_STAGED_REGIONS = 256
+
+
+class Staging:
+    """A writer's staging region: a ring of ``rows_per_shard`` rows per shard, in flush order.
+
+    ``put`` places a flush in a shard's ring (contiguously: a flush that would wrap skips the
+    ring's tail) or says there is no room; every message sent to a shard is recorded (``sent``),
+    staged or not, so that the shard's acks, which come in the order of its messages, free what
+    each one held.
+    """
+
+    def __init__(self, owner: Any, region: str, views: dict[str, np.ndarray], num_shards: int,
+                 rows_per_shard: int) -> None:
+        self.owner = owner
+        self.region = region
+        self.views = views
+        self.descriptor = owner.descriptor(region)
+        self.host: str = self.descriptor["host"]
+        self.num_shards = num_shards
+        self.rows_per_shard = rows_per_shard
+        self.ok = np.zeros(num_shards, dtype=bool)  # the shard said it reads this host's regions
+        self.head = np.zeros(num_shards, dtype=np.int64)  # rows placed, ever (skips included)
+        self.tail = np.zeros(num_shards, dtype=np.int64)  # rows freed by acks, ever
+        self.held: list[deque[int]] = [deque() for _ in range(num_shards)]  # per message sent: rows it holds
+        self.staged_messages = 0
+        self.staged_rows = 0
+
+    @classmethod
+    def open(cls, run_id: str, name: str, specs: Sequence[Any], num_shards: int, rows_per_shard: int,
+             who: str) -> Staging | None:
+        """The region ``name`` of ``run_id`` with a ring of ``rows_per_shard`` rows per shard (fewer
+        if that passes :data:`MAX_STAGING_NBYTES`), or None where shared memory cannot be had
+        (said once, in ``who``'s name: its rows then travel in messages)."""
+        row_nbytes = max(1, sum(int(np.prod(s.shape, dtype=np.int64)) * _itemsize(s.dtype) for s in specs))
+        rows_per_shard = int(min(rows_per_shard, MAX_STAGING_NBYTES // (row_nbytes * num_shards)))
+        if rows_per_shard < 1:
+            return None
+        try:
+            owner = _bulk.BulkOwner.open_shm(run_id)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.warning("%s stages no rows in shared memory (%s); its rows go to the shards in its messages", who, e)
+            return None
+        try:
+            views = {}
+            for s in specs:
+                t = owner.allocate(name, s.name, (rows_per_shard * num_shards, *s.shape), s.dtype)
+                views[s.name] = t.numpy()
+        except (OSError, ValueError, TypeError) as e:  # (a full /dev/shm: ENOSPC, said now)
+            owner._close_now()
+            log.warning("%s stages no rows in shared memory (%s); its rows go to the shards in its messages", who, e)
+            return None
+        return cls(owner, name, views, num_shards, rows_per_shard)
+
+    def put(self, shard: int, names: Sequence[str], parts: Sequence[Mapping[str, np.ndarray]], rows: int) -> Any:
+        """Write a flush of ``rows`` rows (``parts``: its segments' field arrays, in order) into
+        ``shard``'s ring; the :attr:`Steps.staged` word, or None (the shard has not said it can, or
+        there is no room): then nothing was written. Records the message either way (:meth:`sent`)."""
+        cap = self.rows_per_shard
+        if not self.ok[shard] or rows > cap:
+            self.sent(shard, 0)
+            return None
+        pos = int(self.head[shard] % cap)
+        skip = cap - pos if pos + rows > cap else 0
+        if int(self.head[shard] - self.tail[shard]) + skip + rows > cap:
+            self.sent(shard, 0)
+            return None
+        first = shard * cap + (0 if skip else pos)
+        for n in names:
+            dst = self.views[n][first:first + rows]
+            if len(parts) == 1:
+                dst[...] = parts[0][n]
+            else:
+                np.concatenate([p[n] for p in parts], out=dst)
+        self.head[shard] += skip + rows
+        self.sent(shard, skip + rows)
+        self.staged_messages += 1
+        self.staged_rows += rows
+        return (self.descriptor, first, rows)
+
+    def sent(self, shard: int, rows: int) -> None:
+        self.held[shard].append(rows)
+
+    def start(self, unacked: np.ndarray) -> None:
+        """Begin with ``unacked[k]`` messages already sent to shard ``k`` (in messages: none holds rows)."""
+        for k in range(self.num_shards):
+            self.held[k].extend([0] * int(unacked[k]))
+
+    def acked(self, shard: int, host: Any, pid: Any) -> None:
+        """``shard`` acknowledged its oldest message from this writer (``host``: its host id, or "";
+        ``pid``: its process's)."""
+        if self.held[shard]:
+            self.tail[shard] += self.held[shard].popleft()
+        self.ok[shard] = readable(host, pid, self.host)
+
+    def lost(self, shard: int) -> None:
+        """``shard``'s process died: what it held is free (it will never read it), and it is not
+        staged to until its next life says it can."""
+        self.held[shard].clear()
+        self.tail[shard] = self.head[shard]
+        self.ok[shard] = False
+
+    def close(self) -> None:
+        """Unlink the region (a shard that mapped it keeps its mapping while it reads)."""
+        self.owner._close_now()
+
+
+def readable(host: Any, pid: Any, own_host: str) -> bool:
+    """Whether a shard whose ack says ``host``, ``pid`` reads what a writer of ``own_host`` stages:
+    the same host id, another process (in one process a message is handed over as it is)."""
+    return type(host) is str and host == own_host and type(pid) is int and pid != os.getpid()
+
+
+def stage_writer(writer: Any, run_id: str, who: str, max_unacked: int | None) -> Staging | None:
+    """Give ``writer`` (of the reactor named ``who``) a staging region, its rings sized for
+    ``max_unacked`` messages in flight per shard (4 when unbounded) of the largest flush it makes;
+    the staging, or None where it cannot have one (said)."""
+    largest = writer.flush_steps + writer.before + writer.chunk + writer.after + 1
+    staging = Staging.open(run_id, region_name(who), writer.specs, writer.num_shards,
+                           (max(1, max_unacked or 4) + 1) * largest, who)
+    if staging is not None:
+        writer.use_staging(staging)
+    return staging
+
+
+def take_ack(writer: Any, shard: int, host: Any, pid: Any, run_id: str, who: str, max_unacked: int | None) -> None:
+    """An :class:`InsertAck` for ``writer`` (of the reactor ``who``), its shard already checked:
+    counted, and on the first ack of a shard of this host in another process the writer gets its
+    staging region (tried once: a host without shared memory says so once)."""
+    writer.acknowledged(shard, host, pid)
+    if writer.staging is None and not writer.staging_refused and readable(host, pid, _bulk.host_id()):
+        staging = stage_writer(writer, run_id, who, max_unacked)
+        if staging is None:
+            writer.staging_refused = True
+        else:
+            staging.ok[shard] = True
+
+
+def region_name(who: str) -> str:
+    """The staging region's name for the reactor instance ``who``: unique in the run, a bulk name."""
+    from .._graph import plain_name
+
+    name = f"stage-{plain_name(who)}"
+    if len(name) > 64 or not all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
+        name = f"stage-{hashlib.sha256(who.encode()).hexdigest()[:32]}"
+    return name
+
+
+def _itemsize(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class StagedReader:
+    """A shard's side: maps the staging regions its writers name and hands out their rows."""
+
+    def __init__(self) -> None:
+        self._reader: Any = None
+        self._regions: dict[str, tuple[Mapping[str, Any], dict[str, np.ndarray]]] = {}  # region -> descriptor, views
+
+    def rows(self, staged: Any) -> dict[str, np.ndarray]:
+        """The rows a :attr:`Steps.staged` word names: ``{field: [rows, *shape]}`` read-only views
+        of the writer's region (valid while they live: an unlinked region stays mapped for them).
+
+        Raises:
+            ValueError: a malformed word or descriptor, a region of another host, rows outside it.
+            PeerLostError: the region's owner closed it or died before this shard first mapped it.
+            OSError: it could not be mapped.
+        """
+        if not isinstance(staged, (tuple, list)) or len(staged) != 3:
+            raise ValueError(f"staged must be (descriptor, first row, rows), got {type(staged).__name__}")
+        desc, first, rows = staged
+        for what, v in (("first row", first), ("rows", rows)):
+            if type(v) is not int:
+                raise ValueError(f"staged {what} must be an int, got {type(v).__name__}")
+        if not isinstance(desc, Mapping):
+            raise ValueError(f"staged descriptor must be a map, got {type(desc).__name__}")
+        region = desc.get("region")
+        have = self._regions.get(region) if isinstance(region, str) else None
+        if have is None or have[0] != desc:  # (a new life's, or one that says another thing: checked again)
+            if self._reader is None:
+                self._reader = _bulk.BulkReader.open_shm()
+            name = self._reader.attach_shm(desc)
+            self._regions.pop(name, None)
+            if len(self._regions) >= MAX_STAGED_REGIONS:
+                oldest = next(iter(self._regions))
+                del self._regions[oldest]
+                self._reader.detach(oldest)
+            have = self._regions[name] = (desc, self._reader.mapped(name))
+        views = have[1]
+        total = next(iter(views.values())).shape[0] if views else 0
+        if not (rows >= 1 and 0 <= first and first + rows <= total):
+            raise ValueError(f"staged rows [{first}, {first + rows}) are outside region {region!r} of {total} rows")
+        # As tensors: the table would make them so, and torch warns of a read-only array each time (it
+        # cannot mark a tensor read-only; nothing here writes to them).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            return {n: torch.from_numpy(v[first:first + rows]) for n, v in views.items()}
+
+    def close(self) -> None:
+        self._regions.clear()
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            for name in reader.regions:
+                reader.detach(name)

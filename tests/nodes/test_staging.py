@@ -1,0 +1,236 @@
+"""Staged inserts (``reactor/nodes/_staging.py``): a writer's flushes for a shard of its host go through a
+ring in shared memory, the message says where.
+
+The ring's bookkeeping against a writer that sends every row in its messages (the same steps, the same
+messages but for where the rows are), with the region mapped by a shard's own reader; a staged message's
+rows are never written over before its ack; the shard refuses a staged word it cannot read (logged,
+acknowledged, counted) and keeps serving; and in a run of real processes the shards read what the
+writers staged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+
+import numpy as np
+import pytest
+import torch
+
+from reactor.nodes._staging import MAX_STAGING_NBYTES, StagedReader, Staging, region_name
+from reactor.nodes.writer import TransitionPattern, Writer
+from reactor.replay import FieldSpec
+
+FIELDS = [
+    FieldSpec("id", (), torch.int64),
+    FieldSpec("obs", (3,), torch.float32),
+    FieldSpec("action", (), torch.int64),
+    FieldSpec("reward", (), torch.float32),
+    FieldSpec("terminated", (), torch.bool),
+]
+OTHER_PID = os.getpid() + 1  # (a shard "in another process": the real one is the end-to-end test's)
+
+
+def _writer(shards: int) -> Writer:
+    return Writer(FIELDS, num_streams=6, pattern=TransitionPattern(n=2, chunk_length=16), num_shards=shards,
+                  flush_steps=40)
+
+
+def _step(rng: np.random.Generator, k: int, n: int) -> tuple[dict, np.ndarray, np.ndarray, dict]:
+    step = {"id": np.arange(n) * 1_000_000 + k, "obs": rng.normal(size=(n, 3)).astype(np.float32),
+            "action": rng.integers(0, 5, size=n), "reward": rng.normal(size=n).astype(np.float32)}
+    term = rng.random(n) < 0.05
+    trunc = (rng.random(n) < 0.03) & ~term
+    return step, term, trunc, {"obs": rng.normal(size=(n, 3)).astype(np.float32)}
+
+
+@pytest.fixture
+def staging_of():
+    made: list[Staging] = []
+    readers: list[StagedReader] = []
+
+    def make(writer: Writer, rows_per_shard: int) -> tuple[Staging, StagedReader]:
+        st = Staging.open(f"t{secrets.token_hex(6)}", "stage-w", writer.specs, writer.num_shards, rows_per_shard,
+                          "test")
+        assert st is not None
+        writer.use_staging(st)
+        made.append(st)
+        readers.append(StagedReader())
+        return st, readers[-1]
+
+    yield make
+    for r in readers:
+        r.close()
+    for st in made:
+        st.close()
+
+
+def test_staged_flushes_carry_what_messages_carry_through_wraps_and_a_full_ring(staging_of):
+    """Two writers fed the same steps, one staging for its shards, one not: every message matches (rows,
+    ends, mask, priorities), read back through a shard's reader; a ring whose shard holds its acks back
+    fills, and its flushes go in their messages (nothing waits); a staged message's rows are unchanged in
+    the region when its ack comes (nothing wrote over them)."""
+    a, b = _writer(2), _writer(2)
+    st, reader = staging_of(a, 200)  # a flush is 40-60 rows: the ring wraps every few
+    for k in range(2):
+        a.acknowledged(k, st.host, OTHER_PID)  # (as a shard's ack says: it reads this host's regions)
+        a.unacked[k] += 1  # (that ack was for no message of this test)
+    rng = np.random.default_rng(3)
+    pending: list[list[tuple]] = [[], []]  # per shard, unacked: (staged word, the rows as sent)
+    staged = plain = wrapped = 0
+    hold_shard0 = range(40, 130)  # steps during which shard 0 acknowledges nothing
+    for k in range(160):
+        step, term, trunc, final = _step(rng, k, 6)
+        prio = rng.uniform(0.1, 2.0, size=6)
+        got_a = a.append(step, terminated=term, truncated=trunc, final=final, priorities=prio)
+        got_b = b.append(step, terminated=term, truncated=trunc, final=final, priorities=prio)
+        assert len(got_a) == len(got_b)
+        for ma, mb in zip(got_a, got_b):
+            assert (ma.shard, ma.seq) == (mb.shard, mb.seq)
+            np.testing.assert_array_equal(ma.episode_end, mb.episode_end)
+            assert (ma.item_mask is None) == (mb.item_mask is None)
+            if ma.item_mask is not None:
+                np.testing.assert_array_equal(ma.item_mask, mb.item_mask)
+            np.testing.assert_array_equal(ma.priorities, mb.priorities)
+            if ma.staged is None:
+                plain += 1
+                rows = ma.fields
+            else:
+                staged += 1
+                assert ma.fields == {}
+                rows = {n: t.numpy() for n, t in reader.rows(ma.staged).items()}
+                wrapped += ma.staged[1] % 200 == 0 and ma.staged[1] > 0 or ma.staged[1] == 200
+            assert set(rows) == set(mb.fields)
+            for n in mb.fields:
+                np.testing.assert_array_equal(rows[n], mb.fields[n])
+            pending[ma.shard].append((ma.staged, {n: np.array(v) for n, v in rows.items()}))
+        for shard in (0, 1):  # the shards take what came, one ack per message, in order
+            if shard == 0 and k in hold_shard0:
+                continue
+            while pending[shard]:
+                word, sent = pending[shard].pop(0)
+                if word is not None:
+                    now = {n: t.numpy() for n, t in reader.rows(word).items()}
+                    for n in sent:
+                        np.testing.assert_array_equal(now[n], sent[n])
+                a.acknowledged(shard, st.host, OTHER_PID)
+                b.acknowledged(shard)
+    assert staged > 10 and plain > 0, (staged, plain)  # (shard 0's held acks filled its ring)
+    assert st.staged_messages == staged
+    assert (st.head == st.tail).all() and not any(st.held)  # every message acknowledged: the rings are free
+
+
+def test_a_ring_is_used_only_for_a_shard_that_says_it_reads_it_and_a_lost_shards_rows_are_freed(staging_of):
+    w = _writer(2)
+    st, _ = staging_of(w, 500)
+    rng = np.random.default_rng(5)
+
+    def flushes(n: int) -> list:
+        out = []
+        for k in range(n):
+            out += w.append(*_step(rng, k, 6)[:1], terminated=np.zeros(6, bool), truncated=np.ones(6, bool),
+                            final={"obs": np.zeros((6, 3), np.float32)})
+        return out
+
+    assert all(m.staged is None for m in flushes(30))  # no shard said so yet
+    while w.unacked.sum():
+        w.acknowledged(int(np.argmax(w.unacked)), "", 0)  # acks of shards that do not read staged rows
+    assert all(m.staged is None for m in flushes(30))
+    w.acknowledged(0, st.host, os.getpid())  # a shard in this very process: it is handed messages as they are
+    assert not st.ok[0]
+    w.acknowledged(1, st.host + "x", OTHER_PID)  # another host
+    assert not st.ok[1]
+    w.acknowledged(0, st.host, OTHER_PID)
+    msgs = flushes(30)
+    assert any(m.staged is not None for m in msgs if m.shard == 0)
+    assert all(m.staged is None for m in msgs if m.shard == 1)
+    assert st.head[0] > st.tail[0]
+    w.shard_lost(0)  # died: it will read none of them
+    assert st.head[0] == st.tail[0] and not st.held[0] and not st.ok[0]
+    assert all(m.staged is None for m in flushes(30) if m.shard == 0)  # until its next life says so
+
+
+def test_a_staging_region_is_bounded_and_its_name_is_a_bulk_name(staging_of):
+    big = Writer([FieldSpec("frame", (84, 84, 4), torch.uint8)], num_streams=2, pattern=TransitionPattern(),
+                 num_shards=4, flush_steps=512, obs_fields=("frame",))
+    st, _ = staging_of(big, 10_000)
+    assert st.rows_per_shard == MAX_STAGING_NBYTES // (84 * 84 * 4 * 4)
+    assert region_name("actor[3]") == "stage-actor-3"
+    long = region_name("x" * 80)
+    assert long.startswith("stage-") and len(long) <= 64 and long == region_name("x" * 80)
+
+
+def test_a_shard_refuses_a_staged_word_it_cannot_read_keeps_serving_and_counts_the_rows(tmp_path, caplog):
+    """Words a writer (or a hostile peer) could send in ``Steps.staged``: each refused with a line naming
+    what was wrong, acknowledged (the writer's count stays right), its rows counted as rejected; the good
+    one after them is inserted from the region and counted as staged."""
+    from reactor import Graph, Input, Output, Reactor, reaction, run, startup
+    from reactor.nodes import Replay
+    from reactor.nodes.messages import InsertAck, ReplayControl, ShardStatistics, StatisticsRequest, Steps
+
+    fields = [("obs", (3,), "float32"), ("action", (), "int64")]
+    report = tmp_path / "report.json"
+
+    class Stray(Reactor):
+        out = Output(Steps)
+        ask = Output(ReplayControl)
+        acks = Input(InsertAck)
+        stats = Input(ShardStatistics)
+
+        @reaction(triggers=[startup], effects=[out, ask])
+        def send(self) -> None:
+            w = Writer(fields, 1, TransitionPattern(), flush_steps=1)
+            self.st = Staging.open(self.run_id, "stage-stray", w.specs, 1, 64, "stray")
+            w.use_staging(self.st)
+            self.st.ok[0] = True
+            msgs = []
+            for k in range(6):
+                msgs += w.append({"obs": np.full((1, 3), k, np.float32), "action": np.array([k])},
+                                 terminated=np.array([k == 5]), truncated=np.array([False]),
+                                 final={"obs": np.zeros((1, 3), np.float32)})
+            msgs += w.flush()
+            good = msgs[0]
+            assert good.staged is not None
+            desc, first, rows = good.staged
+            self.rows, self.items = rows, int(good.item_mask.sum()) if good.item_mask is not None else rows
+            ends = good.episode_end
+            bad = [[desc, first], (desc, first, 10_000), (desc, -1, rows), (desc, float(first), rows),
+                   ({**desc, "host": "elsewhere/0"}, first, rows), ({**desc, "run_id": "another"}, first, rows),
+                   ("nope", first, rows)]
+            for i, word in enumerate(bad):
+                self.out.send(Steps(0, 1, i, {}, ends, staged=word))
+            self.out.send(Steps(0, 1, 90, {"obs": np.zeros((len(ends), 3), np.float32)}, ends, staged=good.staged))
+            self.out.send(Steps(0, 1, 99, {}, ends, good.item_mask, good.priorities, staged=good.staged))
+            self.acked = 0
+            self.ask.send(StatisticsRequest())
+
+        @reaction(triggers=[acks])
+        def take(self, acks: InsertAck) -> None:
+            self.acked += 1
+
+        @reaction(triggers=[stats])
+        def got(self, stats: ShardStatistics) -> None:
+            report.write_text(json.dumps({"acks": self.acked, "rows": self.rows, "items": self.items, "size": stats.size,
+                                          "rejected": stats.rejected_steps, "staged": stats.staged_steps}))
+            self.st.close()
+
+    g = Graph()
+    stray = g.add(Stray(), name="stray")
+    shard = g.add(Replay(fields, 1000), name="replay")
+    g.connect(stray.out, shard.steps, delay_s=1e-6)
+    g.connect(shard.acks, stray.acks, delay_s=1e-6)
+    g.connect(stray.ask, shard.control, delay_s=1e-3)
+    g.connect(shard.statistics, stray.stats, delay_s=1e-6)
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        run(g)
+    got = json.loads(report.read_text())
+    refused = [m for m in caplog.messages if "its staged rows cannot be read" in m]
+    assert len(refused) == 8, caplog.messages
+    for why in ("staged must be (descriptor, first row, rows)", "outside region", "first row must be an int",
+                "not this one", "expected", "staged descriptor must be a map", "not in fields"):
+        assert any(why in m for m in refused), (why, refused)
+    rows, items = got["rows"], got["items"]
+    assert 0 < items < rows  # (the episode's last observation is a row, not an item)
+    assert got == {"acks": 9, "rows": rows, "items": items, "size": items, "rejected": 8 * rows, "staged": rows}, got

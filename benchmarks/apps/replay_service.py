@@ -196,7 +196,7 @@ class FillWriter(Reactor):
         """As an actor takes its shards' acks: counted, a held writer let go on; its rows staged in shared
         memory for the shards of its host once one says it reads them (``stage``: off, in the messages)."""
         if self.stage:
-            take_ack(self.writer, acks.shard, acks.host, acks.pid, self.run_id, self.name, MAX_UNACKED)
+            take_ack(self.writer, acks.shard, acks.seq, acks.host, acks.pid, self.run_id, self.name, MAX_UNACKED)
         else:
             self.writer.acknowledged(acks.shard)
         if self.held and not self.writer.full():

@@ -54,8 +54,10 @@ class Staging:
 
     ``put`` places a flush in a shard's ring (contiguously: a flush that would wrap skips the
     ring's tail) or says there is no room; every message sent to a shard is recorded (``sent``),
-    staged or not, so that the shard's acks, which come in the order of its messages, free what
-    each one held.
+    staged or not, with its ``seq``, so that the shard's acks, which come in the order of its
+    messages, free what each one held. An ack frees rows only by the ``seq`` it names: a shard
+    acknowledges to a restarted actor the messages of its previous life that it still held (parked),
+    and those acks, counted as the oldest, freed rows the shard had not read yet.
     """
 
     def __init__(self, owner: Any, region: str, views: dict[str, np.ndarray], num_shards: int,
@@ -70,7 +72,8 @@ class Staging:
         self.ok = np.zeros(num_shards, dtype=bool)  # the shard said it reads this host's regions
         self.head = np.zeros(num_shards, dtype=np.int64)  # rows placed, ever (skips included)
         self.tail = np.zeros(num_shards, dtype=np.int64)  # rows freed by acks, ever
-        self.held: list[deque[int]] = [deque() for _ in range(num_shards)]  # per message sent: rows it holds
+        # Per message sent, in order: (its seq, rows it holds); seq None: sent before staging began (no rows).
+        self.held: list[deque[tuple[int | None, int]]] = [deque() for _ in range(num_shards)]
         self.staged_messages = 0
         self.staged_rows = 0
 
@@ -100,18 +103,20 @@ class Staging:
             return None
         return cls(owner, name, views, num_shards, rows_per_shard)
 
-    def put(self, shard: int, names: Sequence[str], parts: Sequence[Mapping[str, np.ndarray]], rows: int) -> Any:
-        """Write a flush of ``rows`` rows (``parts``: its segments' field arrays, in order) into
-        ``shard``'s ring; the :attr:`Steps.staged` word, or None (the shard has not said it can, or
-        there is no room): then nothing was written. Records the message either way (:meth:`sent`)."""
+    def put(self, shard: int, seq: int, names: Sequence[str], parts: Sequence[Mapping[str, np.ndarray]],
+            rows: int) -> Any:
+        """Write a flush of ``rows`` rows (``parts``: its segments' field arrays, in order), the
+        message ``seq``, into ``shard``'s ring; the :attr:`Steps.staged` word, or None (the shard has
+        not said it can, or there is no room): then nothing was written. Records the message either
+        way (:meth:`sent`)."""
         cap = self.rows_per_shard
         if not self.ok[shard] or rows > cap:
-            self.sent(shard, 0)
+            self.sent(shard, seq, 0)
             return None
         pos = int(self.head[shard] % cap)
         skip = cap - pos if pos + rows > cap else 0
         if int(self.head[shard] - self.tail[shard]) + skip + rows > cap:
-            self.sent(shard, 0)
+            self.sent(shard, seq, 0)
             return None
         first = shard * cap + (0 if skip else pos)
         for n in names:
@@ -121,24 +126,31 @@ class Staging:
             else:
                 np.concatenate([p[n] for p in parts], out=dst)
         self.head[shard] += skip + rows
-        self.sent(shard, skip + rows)
+        self.sent(shard, seq, skip + rows)
         self.staged_messages += 1
         self.staged_rows += rows
         return (self.descriptor, first, rows)
 
-    def sent(self, shard: int, rows: int) -> None:
-        self.held[shard].append(rows)
+    def sent(self, shard: int, seq: int, rows: int) -> None:
+        self.held[shard].append((seq, rows))
 
     def start(self, unacked: np.ndarray) -> None:
         """Begin with ``unacked[k]`` messages already sent to shard ``k`` (in messages: none holds rows)."""
         for k in range(self.num_shards):
-            self.held[k].extend([0] * int(unacked[k]))
+            self.held[k].extend([(None, 0)] * int(unacked[k]))
 
-    def acked(self, shard: int, host: Any, pid: Any) -> None:
-        """``shard`` acknowledged its oldest message from this writer (``host``: its host id, or "";
-        ``pid``: its process's)."""
-        if self.held[shard]:
-            self.tail[shard] += self.held[shard].popleft()
+    def acked(self, shard: int, seq: Any, host: Any, pid: Any) -> None:
+        """``shard`` acknowledged this writer's message ``seq`` (``host``: its host id, or "";
+        ``pid``: its process's). Frees what that message held, and what the ones before it held (the
+        shard took them first, in order). An ack of no message in flight frees nothing: of a previous
+        life's (a restarted actor numbers its messages from 0 again), or of one sent before staging
+        began (then one of those, none of which holds rows, counts as acknowledged)."""
+        held = self.held[shard]
+        n = next((i + 1 for i, (s, _) in enumerate(held) if s == seq), 0)  # (the oldest, but for a stray ack)
+        if n == 0 and held and held[0][0] is None:
+            n = 1
+        for _ in range(n):
+            self.tail[shard] += held.popleft()[1]
         self.ok[shard] = readable(host, pid, self.host)
 
     def lost(self, shard: int) -> None:
@@ -171,11 +183,12 @@ def stage_writer(writer: Any, run_id: str, who: str, max_unacked: int | None) ->
     return staging
 
 
-def take_ack(writer: Any, shard: int, host: Any, pid: Any, run_id: str, who: str, max_unacked: int | None) -> None:
-    """An :class:`InsertAck` for ``writer`` (of the reactor ``who``), its shard already checked:
-    counted, and on the first ack of a shard of this host in another process the writer gets its
-    staging region (tried once: a host without shared memory says so once)."""
-    writer.acknowledged(shard, host, pid)
+def take_ack(writer: Any, shard: int, seq: Any, host: Any, pid: Any, run_id: str, who: str,
+             max_unacked: int | None) -> None:
+    """An :class:`InsertAck` of message ``seq`` for ``writer`` (of the reactor ``who``), its shard
+    already checked: counted, and on the first ack of a shard of this host in another process the
+    writer gets its staging region (tried once: a host without shared memory says so once)."""
+    writer.acknowledged(shard, host, pid, seq)
     if writer.staging is None and not writer.staging_refused and readable(host, pid, _bulk.host_id()):
         staging = stage_writer(writer, run_id, who, max_unacked)
         if staging is None:

@@ -250,7 +250,8 @@ class EnvActor(Reactor):
         host, pid = acks.host, acks.pid
         if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int:
             host, pid = "", 0  # (a peer's malformed word: no staging on its say, the ack still counts)
-        take_ack(self.writer, shard, host, pid, self.run_id, self.name, self.max_unacked)
+        seq = acks.seq if type(acks.seq) is int else None  # (None: names none of this writer's messages)
+        take_ack(self.writer, shard, seq, host, pid, self.run_id, self.name, self.max_unacked)
         if self.held and not self._over_limit():
             self.held = False
             self.tick.schedule(delay_s=self.step_s)

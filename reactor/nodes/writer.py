@@ -569,14 +569,16 @@ class Writer:
         """Rows in segments ready to flush."""
         return self._pending_rows
 
-    def acknowledged(self, shard: int, host: str = "", pid: int = 0) -> None:
+    def acknowledged(self, shard: int, host: str = "", pid: int = 0, seq: Any = None) -> None:
         """A shard acknowledged one of this writer's messages (an ``InsertAck``; ``host`` and
-        ``pid``: its own, the shard's host id and process when it can read rows staged on its host)."""
+        ``pid``: its own, the shard's host id and process when it can read rows staged on its host;
+        ``seq``: the message's: with staging, what it staged is freed by it, and an ack without it
+        frees nothing but a message sent before staging began)."""
         if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
         if self._staging is not None:
-            self._staging.acked(shard, host, pid)
+            self._staging.acked(shard, seq, host, pid)
 
     def shard_lost(self, shard: int) -> None:
         """``shard``'s process died (restart policies): send nothing to it until
@@ -620,7 +622,7 @@ class Writer:
     def _end_marker(self, shard: int) -> Steps:
         self.unacked[shard] += 1  # acknowledged as any message
         if self._staging is not None:
-            self._staging.sent(shard, 0)
+            self._staging.sent(shard, self.seq, 0)
         msg = Steps(shard, self.writer_id, self.seq, {}, np.zeros(0, dtype=bool), last=True)
         self.seq += 1
         return msg
@@ -646,7 +648,9 @@ class Writer:
                 shard = int(order[np.argmin(load)])  # skip full and down shards: the least loaded
             self._next_shard = (shard + 1) % self.num_shards
         self.unacked[shard] += 1
-        staged = None if self._staging is None else self._staging.put(shard, names, [s[0] for s in segs], len(mask))
+        staged = None
+        if self._staging is not None:
+            staged = self._staging.put(shard, self.seq, names, [s[0] for s in segs], len(mask))
         if staged is not None:
             fields: dict[str, Any] = {}
         else:

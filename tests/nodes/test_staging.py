@@ -78,7 +78,7 @@ def test_staged_flushes_carry_what_messages_carry_through_wraps_and_a_full_ring(
         a.acknowledged(k, st.host, OTHER_PID)  # (as a shard's ack says: it reads this host's regions)
         a.unacked[k] += 1  # (that ack was for no message of this test)
     rng = np.random.default_rng(3)
-    pending: list[list[tuple]] = [[], []]  # per shard, unacked: (staged word, the rows as sent)
+    pending: list[list[tuple]] = [[], []]  # per shard, unacked: (seq, staged word, the rows as sent)
     staged = plain = wrapped = 0
     hold_shard0 = range(40, 130)  # steps during which shard 0 acknowledges nothing
     for k in range(160):
@@ -105,17 +105,17 @@ def test_staged_flushes_carry_what_messages_carry_through_wraps_and_a_full_ring(
             assert set(rows) == set(mb.fields)
             for n in mb.fields:
                 np.testing.assert_array_equal(rows[n], mb.fields[n])
-            pending[ma.shard].append((ma.staged, {n: np.array(v) for n, v in rows.items()}))
+            pending[ma.shard].append((ma.seq, ma.staged, {n: np.array(v) for n, v in rows.items()}))
         for shard in (0, 1):  # the shards take what came, one ack per message, in order
             if shard == 0 and k in hold_shard0:
                 continue
             while pending[shard]:
-                word, sent = pending[shard].pop(0)
+                seq, word, sent = pending[shard].pop(0)
                 if word is not None:
                     now = {n: t.numpy() for n, t in reader.rows(word).items()}
                     for n in sent:
                         np.testing.assert_array_equal(now[n], sent[n])
-                a.acknowledged(shard, st.host, OTHER_PID)
+                a.acknowledged(shard, st.host, OTHER_PID, seq)
                 b.acknowledged(shard)
     assert staged > 10 and plain > 0, (staged, plain)  # (shard 0's held acks filled its ring)
     assert st.staged_messages == staged
@@ -234,3 +234,79 @@ def test_a_shard_refuses_a_staged_word_it_cannot_read_keeps_serving_and_counts_t
     rows, items = got["rows"], got["items"]
     assert 0 < items < rows  # (the episode's last observation is a row, not an item)
     assert got == {"acks": 9, "rows": rows, "items": items, "size": items, "rejected": 8 * rows, "staged": rows}, got
+
+
+def test_an_ack_of_a_message_this_writer_never_sent_frees_none_of_its_rows(staging_of):
+    """A restarted actor's writer numbers its messages from 0 again, and a shard still holding its previous
+    life's messages (parked by its rate limiter while the learner was down too) acknowledges them to the new
+    life. Such acks, and any whose ``seq`` names no message in flight, free nothing: acks that freed the
+    oldest rows whatever they named let the writer write over staged rows the shard had not read yet, which
+    it then inserted (another flush's rows, silently)."""
+    w = _writer(1)
+    st, reader = staging_of(w, 200)  # ~4 flushes of 40-60 rows
+    w.acknowledged(0, st.host, OTHER_PID, 10_000)  # the first ack: the shard reads staged rows
+    rng = np.random.default_rng(7)
+    in_flight: list[tuple] = []  # (message, its rows as sent)
+    stale = iter(range(10_001, 10_100))  # seqs of the previous life's messages, parked at the shard
+    k = 0
+    while len(in_flight) < 12:
+        step, term, trunc, final = _step(rng, k, 6)
+        k += 1
+        for m in w.append(step, terminated=term, truncated=trunc, final=final):
+            rows = m.fields if m.staged is None else {n: t.numpy() for n, t in reader.rows(m.staged).items()}
+            in_flight.append((m, {n: np.array(v) for n, v in rows.items()}))
+            w.acknowledged(0, st.host, OTHER_PID, next(stale))  # the shard takes an old one meanwhile
+    assert sum(m.staged is not None for m, _ in in_flight) >= 4
+    for m, sent in in_flight:  # the shard reads this life's messages now, in order, and acknowledges each
+        if m.staged is not None:
+            now = reader.rows(m.staged)
+            for n in sent:
+                np.testing.assert_array_equal(now[n].numpy(), sent[n], err_msg=f"seq {m.seq}: {n} written over")
+        w.acknowledged(0, st.host, OTHER_PID, m.seq)
+    assert st.head[0] == st.tail[0] and not st.held[0]
+
+
+def test_a_rings_staged_rows_are_never_placed_over_rows_in_flight_against_a_reference():
+    """Random flush sizes (up to past the ring), end markers, messages in flight when staging begins, acks
+    late, stray acks (of no message in flight), lost shards: every staged flush lies in its shard's ring,
+    over no row of a staged message not yet acknowledged (a reference list of them)."""
+    rng = np.random.default_rng(11)
+    specs = [FieldSpec("a", (), torch.int64)]
+    for _trial in range(60):
+        cap, shards = int(rng.integers(1, 40)), int(rng.integers(1, 4))
+        st = Staging.open(f"t{secrets.token_hex(6)}", "stage-w", specs, shards, cap, "test")
+        assert st is not None
+        try:
+            before = rng.integers(0, 3, size=shards)
+            st.start(before)
+            seq = 0
+            in_flight = [[(None, None)] * int(before[k]) for k in range(shards)]  # per shard: (seq, rows range)
+            st.ok[:] = True
+            for _ in range(300):
+                k, op = int(rng.integers(shards)), rng.random()
+                if op < 0.1:
+                    st.sent(k, seq, 0)  # an end marker
+                    in_flight[k].append((seq, None))
+                elif op < 0.5:
+                    rows = int(rng.integers(1, cap + 3))
+                    word = st.put(k, seq, ["a"], [{"a": np.arange(rows)}], rows)
+                    span = None
+                    if word is not None:
+                        span = (word[1], word[1] + rows)
+                        assert word[2] == rows and k * cap <= span[0] and span[1] <= (k + 1) * cap
+                        for _, other in in_flight[k]:
+                            assert other is None or span[1] <= other[0] or other[1] <= span[0], (span, other)
+                    in_flight[k].append((seq, span))
+                elif op < 0.85:
+                    if in_flight[k]:
+                        s, _ = in_flight[k].pop(0)
+                        st.acked(k, s, st.host, OTHER_PID)
+                elif op < 0.95:
+                    st.acked(k, int(rng.integers(seq + 1, seq + 50)) if rng.random() < 0.5 else -1, st.host, OTHER_PID)
+                else:
+                    st.lost(k)
+                    in_flight[k] = []
+                    st.ok[k] = True
+                seq += 1
+        finally:
+            st.close()

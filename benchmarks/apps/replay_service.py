@@ -203,6 +203,14 @@ class FillWriter(Reactor):
             self.held = False
             self.burst.schedule()
 
+    @reaction(triggers=[shutdown])
+    def close_staging(self) -> None:
+        """Unlink the staging region, as an actor does (the run's end removed its segments instead, with a
+        warning for each)."""
+        staging = getattr(self, "writer", None) and self.writer.staging
+        if staging is not None:
+            staging.close()
+
     def _staged_rows(self) -> int:
         return 0 if self.writer.staging is None else self.writer.staging.staged_rows
 

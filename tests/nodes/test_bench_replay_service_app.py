@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import multiprocessing
 import sys
 import time
@@ -103,11 +104,12 @@ def test_the_insert_rounds_cpu_is_read_per_role_from_the_runs_sibling_processes(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [1, 0])
-def test_writers_in_their_own_processes_stage_their_rows_for_the_shards_of_their_host(tmp_path, stage):
+def test_writers_in_their_own_processes_stage_their_rows_for_the_shards_of_their_host(tmp_path, stage, caplog):
     """The benchmark's placement (one process per reactor instance, one host): the writers stage their rows
     in shared memory once a shard's ack says it reads them there (reactor/nodes/_staging.py), and the
     shards insert every item from the writers' regions after their first acks; with ``stage`` off, every row
-    goes in the messages. Either way every item sent is inserted and none is refused."""
+    goes in the messages. Either way every item sent is inserted and none is refused, and the writers unlink
+    their regions (the run's end found none to remove)."""
     sys.path.insert(0, str(Path(APP).parents[2]))
     from benchmarks.bench_replay_service import placement_file
 
@@ -115,8 +117,10 @@ def test_writers_in_their_own_processes_stage_their_rows_for_the_shards_of_their
     cfg = {"shards": 2, "writers": 2, "capacity": 1 << 15, "envs": 8, "reps": 1, "calls": 2, "round_rows": 4096,
            "inflight": 1, "stage": stage, "report": str(report)}
     placement = placement_file(str(tmp_path), 2, 2)
-    res = run(build_graph(APP, cfg), placement=placement, app=APP, config=cfg, deterministic=False, stop_s=240)
+    with caplog.at_level(logging.WARNING):
+        res = run(build_graph(APP, cfg), placement=placement, app=APP, config=cfg, deterministic=False, stop_s=240)
     assert res.stopped_by == "request"
+    assert not [m for m in caplog.messages if "shared-memory segment" in m], caplog.messages
     rep = json.loads(report.read_text())
     assert "error" not in rep
     end = rep["shards_end"]
@@ -125,10 +129,11 @@ def test_writers_in_their_own_processes_stage_their_rows_for_the_shards_of_their
     rows = sum(r["rows"] for r in rounds)
     staged = sum(r["staged_rows"] for r in rounds)
     if stage:
-        # A writer's messages before its first acks carry their rows; from then on every row is staged
-        # (8 messages in flight a shard, as in the training apps, fit in the rings).
+        # A writer's messages before its first acks carry their rows (how many of the cold round's go out
+        # before them is timing: all of them, on a loaded host); from then on every row is staged (8 messages
+        # in flight a shard, as in the training apps, fit in the rings).
         assert all(s["staged_steps"] > 0 for s in end), end
-        assert sum(s["staged_steps"] for s in end) == staged > 0.5 * rows, (staged, rows)
+        assert sum(s["staged_steps"] for s in end) == staged >= sum(r["rows"] for r in rep["insert"]), (staged, rows)
         assert [r["staged_rows"] for r in rep["insert"]] == [r["rows"] for r in rep["insert"]]
     else:
         assert staged == 0 and all(s["staged_steps"] == 0 for s in end)

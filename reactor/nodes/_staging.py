@@ -79,13 +79,18 @@ class Staging:
 
     @classmethod
     def open(cls, run_id: str, name: str, specs: Sequence[Any], num_shards: int, rows_per_shard: int,
-             who: str) -> Staging | None:
+             who: str, min_rows: int = 1) -> Staging | None:
         """The region ``name`` of ``run_id`` with a ring of ``rows_per_shard`` rows per shard (fewer
-        if that passes :data:`MAX_STAGING_NBYTES`), or None where shared memory cannot be had
-        (said once, in ``who``'s name: its rows then travel in messages)."""
+        if that passes :data:`MAX_STAGING_NBYTES`), or None where shared memory cannot be had, or
+        where a ring so bounded holds fewer than ``min_rows`` (a flush: it would stage nothing, and
+        its memory is reserved when made) (said once, in ``who``'s name: its rows then travel in
+        messages)."""
         row_nbytes = max(1, sum(int(np.prod(s.shape, dtype=np.int64)) * _itemsize(s.dtype) for s in specs))
         rows_per_shard = int(min(rows_per_shard, MAX_STAGING_NBYTES // (row_nbytes * num_shards)))
-        if rows_per_shard < 1:
+        if rows_per_shard < max(1, min_rows):
+            log.info("%s stages no rows in shared memory (a ring of its %d shards holds %d rows of %d bytes in %d MiB, "
+                     "fewer than a flush of %d); its rows go to the shards in its messages", who, num_shards,
+                     rows_per_shard, row_nbytes, MAX_STAGING_NBYTES >> 20, min_rows)
             return None
         try:
             owner = _bulk.BulkOwner.open_shm(run_id)
@@ -173,11 +178,12 @@ def readable(host: Any, pid: Any, own_host: str) -> bool:
 
 def stage_writer(writer: Any, run_id: str, who: str, max_unacked: int | None) -> Staging | None:
     """Give ``writer`` (of the reactor named ``who``) a staging region, its rings sized for
-    ``max_unacked`` messages in flight per shard (4 when unbounded) of the largest flush it makes;
-    the staging, or None where it cannot have one (said)."""
+    ``max_unacked`` messages in flight per shard (4 when unbounded) of the largest flush it makes,
+    and holding one of ``flush_steps`` rows at least; the staging, or None where it cannot have one
+    (said)."""
     largest = writer.flush_steps + writer.before + writer.chunk + writer.after + 1
     staging = Staging.open(run_id, region_name(who), writer.specs, writer.num_shards,
-                           (max(1, max_unacked or 4) + 1) * largest, who)
+                           (max(1, max_unacked or 4) + 1) * largest, who, min_rows=writer.flush_steps)
     if staging is not None:
         writer.use_staging(staging)
     return staging

@@ -310,3 +310,31 @@ def test_a_rings_staged_rows_are_never_placed_over_rows_in_flight_against_a_refe
                 seq += 1
         finally:
             st.close()
+
+
+def test_a_writer_whose_flush_no_bounded_ring_holds_makes_no_region():
+    """Large rows over many shards: a ring of 64 MiB / 8 shards holds 297 frames, fewer than one flush of 512,
+    so nothing would ever be staged; the region is not made (its memory, reserved when made, was 64 MiB of
+    /dev/shm per actor for nothing), and the writer's rows go in its messages."""
+    from reactor.nodes._staging import stage_writer
+    from reactor.transport._shm import list_segments
+
+    run_id = f"t{secrets.token_hex(6)}"
+    w = Writer([FieldSpec("frame", (84, 84, 4), torch.uint8)], num_streams=2, pattern=TransitionPattern(),
+               num_shards=8, flush_steps=512, obs_fields=("frame",))
+    st = stage_writer(w, run_id, "actor[0]", 8)
+    try:
+        assert st is None and w.staging is None
+        assert list_segments(run_id) == []
+    finally:
+        if st is not None:
+            st.close()
+    few = Writer(FIELDS, num_streams=6, pattern=TransitionPattern(n=2, chunk_length=16), num_shards=8, flush_steps=40)
+    st = stage_writer(few, run_id, "actor[1]", 8)  # (small rows: a region, its rings for 9 of its largest flushes)
+    try:
+        assert st is not None and few.staging is st and st.rows_per_shard >= 9 * few.flush_steps
+        assert list_segments(run_id)
+    finally:
+        if st is not None:
+            st.close()
+    assert list_segments(run_id) == []

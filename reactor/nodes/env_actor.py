@@ -198,6 +198,7 @@ class EnvActor(Reactor):
                 shard=self.bank_index % self.num_shards if self.colocated_shard else None,
                 max_unacked=self.max_unacked,
                 flush_steps=self.flush_steps,
+                first_seq=self.restarts << 32,  # (acks of an earlier life's messages then count for nothing)
             )
         if self.run_dir:
             self._run_claim = claim_run_dir(self.run_dir, self.run_id, resume=self.resume,

@@ -269,6 +269,9 @@ class Writer:
         flush_steps: flush when at least this many rows are ready (one message per flush).
         obs_fields: fields that take the final observation on an episode's last row.
         terminated_field: the per-step terminal flag the writer fills (skipped if not a field).
+        first_seq: the first message's ``seq``. A restarted actor's writer starts past its last
+            life's (``restarts << 32``): a shard's ack of one of that life's messages, which it still
+            held (parked), then matches none of this life's and counts for nothing.
 
     Raises:
         ValueError: a bad argument, or ``obs_fields`` not among the fields.
@@ -296,6 +299,7 @@ class Writer:
         flush_steps: int = 1024,
         obs_fields: Sequence[str] = ("obs",),
         terminated_field: str = "terminated",
+        first_seq: int = 0,
     ) -> None:
         self.specs = parse_fields(fields)
         _check_int("Writer num_streams", num_streams, 1)
@@ -361,7 +365,10 @@ class Writer:
         self._streams = np.arange(num_streams)
         self._pending: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, bool]] = []
         self._pending_rows = 0
-        self.seq = 0
+        if isinstance(first_seq, bool) or not isinstance(first_seq, int) or not 0 <= first_seq < 2**62:
+            raise ValueError(f"Writer first_seq must be an int in [0, 2**62), got {first_seq!r}")
+        self.first_seq = first_seq
+        self.seq = first_seq
         self.ended = False  # end() was called: the end markers went out
         self.steps_appended = 0
         self.items_sent = 0
@@ -576,6 +583,8 @@ class Writer:
         frees nothing but a message sent before staging began)."""
         if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
+        if type(seq) is int and seq < self.first_seq:
+            return  # (of an earlier life's message: neither in this life's count nor in its rings)
         self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
         if self._staging is not None:
             self._staging.acked(shard, seq, host, pid)

@@ -338,3 +338,29 @@ def test_a_writer_whose_flush_no_bounded_ring_holds_makes_no_region():
         if st is not None:
             st.close()
     assert list_segments(run_id) == []
+
+
+def test_a_restarted_lifes_writer_counts_no_ack_of_its_last_lifes_messages(staging_of):
+    """A restarted actor's writer numbers its messages past its last life's (``first_seq``, the actor's
+    ``restarts << 32``): a shard that still held that life's messages (parked) acks them to the new life,
+    and those acks free none of its staged rows and leave its count of unacknowledged messages alone (they
+    let it send past ``max_unacked`` before)."""
+    w = Writer(FIELDS, num_streams=6, pattern=TransitionPattern(n=2, chunk_length=16), num_shards=1,
+               flush_steps=40, max_unacked=8, first_seq=1 << 32)
+    st, reader = staging_of(w, 400)
+    w.acknowledged(0, st.host, OTHER_PID, seq=5)  # the last life's message 5: counts for nothing ...
+    assert not st.ok[0] and w.unacked[0] == 0
+    st.ok[0] = True  # (... so the shard's say is taken from this life's first ack, here set)
+    rng = np.random.default_rng(11)
+    msgs = []
+    for k in range(40):
+        msgs += w.append(*_step(rng, k, 6)[:1], terminated=np.zeros(6, bool), truncated=np.ones(6, bool),
+                         final={"obs": np.zeros((6, 3), np.float32)})
+    staged = [m for m in msgs if m.staged is not None]
+    assert staged and msgs[0].seq == 1 << 32
+    held, unacked = [list(h) for h in st.held], w.unacked.copy()
+    for old in range(len(msgs) + 8):  # every seq the last life could have used
+        w.acknowledged(0, st.host, OTHER_PID, seq=old)
+    assert [list(h) for h in st.held] == held and (w.unacked == unacked).all()
+    w.acknowledged(0, st.host, OTHER_PID, seq=msgs[0].seq)  # this life's: frees its first
+    assert len(st.held[0]) == len(held[0]) - 1 and w.unacked[0] == unacked[0] - 1

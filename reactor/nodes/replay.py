@@ -539,11 +539,6 @@ class Replay(ShardMemory, Reactor):
         if not isinstance(steps, Steps):
             self._reject(steps, f"expected a Steps message, got {type(steps).__name__}")
             return
-        if steps.staged is not None:
-            got = self._unstaged(steps)
-            if got is None:
-                return
-            steps = got
         if self._parked_steps:  # keep writers' order: nothing overtakes a parked insert
             self._parked_steps.append(steps)
             return
@@ -555,8 +550,10 @@ class Replay(ShardMemory, Reactor):
 
     def _unstaged(self, steps: Steps) -> Steps | None:
         """A staged message with its rows: views of its writer's staging region, which the writer
-        keeps until this shard's ack (parked too). None if they cannot be read: refused (logged) and
-        acknowledged, as any malformed message."""
+        keeps until this shard's ack. None if they cannot be read: refused (logged), to be acknowledged
+        as any malformed message. Called where the message is inserted, not where it arrives: a refusal
+        acknowledged ahead of that writer's parked messages would free their rows (an ack frees what
+        the messages before it hold)."""
         try:
             if not isinstance(steps.fields, Mapping) or steps.fields:
                 raise ValueError("a staged message carries its rows in its writer's region, not in fields")
@@ -565,9 +562,7 @@ class Replay(ShardMemory, Reactor):
             rows = self._staged.rows(steps.staged)
         except (ValueError, TypeError, KeyError, OSError, PeerLostError) as e:
             self._reject(steps, f"its staged rows cannot be read: {e}")
-            self._ack(steps)
             return None
-        self._counts["staged_steps"] += len(next(iter(rows.values()))) if rows else 0
         return dataclasses.replace(steps, fields=rows, staged=None)
 
     def _reject(self, steps: Any, why: str) -> None:
@@ -611,6 +606,12 @@ class Replay(ShardMemory, Reactor):
         if last is not False:
             self._writer_ended(steps, last)
             return True
+        staged = steps.staged is not None
+        if staged:
+            got = self._unstaged(steps)
+            if got is None:
+                return True
+            steps = got
         try:
             ends = np.asarray(steps.episode_end)
             if ends.dtype != np.bool_ or ends.ndim != 1 or len(ends) == 0 or not bool(ends[-1]):
@@ -632,6 +633,8 @@ class Replay(ShardMemory, Reactor):
             self._say_if_full_below_min_size()
         self._store.inserted(first, self.table.storage.step_range[1], steps.fields, steps.priorities, ends,
                              steps.item_mask)
+        if staged:
+            self._counts["staged_steps"] += len(ends)
         return True
 
     def _say_if_full_below_min_size(self) -> None:

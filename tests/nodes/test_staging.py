@@ -364,3 +364,64 @@ def test_a_restarted_lifes_writer_counts_no_ack_of_its_last_lifes_messages(stagi
     assert [list(h) for h in st.held] == held and (w.unacked == unacked).all()
     w.acknowledged(0, st.host, OTHER_PID, seq=msgs[0].seq)  # this life's: frees its first
     assert len(st.held[0]) == len(held[0]) - 1 and w.unacked[0] == unacked[0] - 1
+
+
+def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_not_ahead(tmp_path):
+    """Regression (the staged path's first version): a staged word the shard could not read was refused and
+    acknowledged as it arrived, ahead of that writer's earlier messages the rate limiter held (parked); an
+    ack frees the rows of the messages before it too, so the writer could write over rows the shard had not
+    inserted yet. It is refused where it is inserted now, in the writer's order."""
+    from reactor import Graph, Input, Output, Reactor, reaction, run, startup
+    from reactor.nodes import Replay
+    from reactor.nodes.messages import InsertAck, ReplayControl, ShardStatistics, StatisticsRequest, Steps
+
+    fields = [("obs", (3,), "float32"), ("action", (), "int64")]
+    report = tmp_path / "report.json"
+
+    class Sender(Reactor):
+        out = Output(Steps)
+        ask = Output(ReplayControl)
+        acks = Input(InsertAck)
+        stats = Input(ShardStatistics)
+
+        @reaction(triggers=[startup], effects=[out, ask])
+        def send(self) -> None:
+            w = Writer(fields, 1, TransitionPattern(), flush_steps=1)
+            self.st = Staging.open(self.run_id, "stage-sender", w.specs, 1, 64, "sender")
+            w.use_staging(self.st)
+            self.st.ok[0] = True
+            msgs = []
+            for k in range(12):
+                msgs += w.append({"obs": np.full((1, 3), k, np.float32), "action": np.array([k])},
+                                 terminated=np.array([k % 6 == 5]), truncated=np.array([False]),
+                                 final={"obs": np.zeros((1, 3), np.float32)})
+            first, held = msgs[0], msgs[1]  # inserted; parked (the limiter wants samples first)
+            assert first.staged is not None and held.staged is not None
+            bad = Steps(0, 0, held.seq + 1, {}, held.episode_end, staged=(held.staged[0], 10_000, 5))
+            for m in (first, held, bad):
+                self.out.send(m)
+            self.acked: list[int] = []
+            self.ask.send(StatisticsRequest())
+
+        @reaction(triggers=[acks])
+        def take(self, acks: InsertAck) -> None:
+            self.acked.append(acks.seq)
+
+        @reaction(triggers=[stats])
+        def got(self, stats: ShardStatistics) -> None:
+            report.write_text(json.dumps({"acks": self.acked, "parked": stats.parked_steps,
+                                          "rejected": stats.rejected_steps, "size": stats.size}))
+            self.st.close()
+
+    g = Graph()
+    sender = g.add(Sender(), name="sender")
+    shard = g.add(Replay(fields, 1000, rate_limiter={"type": "SampleToInsertRatio", "samples_per_insert": 1.0,
+                                                     "min_size": 1, "error_buffer": 8.0}), name="replay")
+    g.connect(sender.out, shard.steps, delay_s=1e-6)
+    g.connect(shard.acks, sender.acks, delay_s=1e-6)
+    g.connect(sender.ask, shard.control, delay_s=1e-3)
+    g.connect(shard.statistics, sender.stats, delay_s=1e-6)
+    run(g)
+    got = json.loads(report.read_text())
+    assert got["size"] > 0 and got["parked"] > 0, got  # (the premise: the second message is parked)
+    assert got["acks"] == [0] and got["rejected"] == 0, got  # the refusal waits behind it, unacknowledged

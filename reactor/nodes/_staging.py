@@ -147,9 +147,9 @@ class Staging:
     def acked(self, shard: int, seq: Any, host: Any, pid: Any) -> None:
         """``shard`` acknowledged this writer's message ``seq`` (``host``: its host id, or "";
         ``pid``: its process's). Frees what that message held, and what the ones before it held (the
-        shard took them first, in order). An ack of no message in flight frees nothing: of a previous
-        life's (a restarted actor numbers its messages from 0 again), or of one sent before staging
-        began (then one of those, none of which holds rows, counts as acknowledged)."""
+        shard took them first, in order). An ack of no message in flight frees nothing: a stray one, or
+        one of a message sent before staging began (then one of those, none of which holds rows,
+        counts as acknowledged). An earlier life's acks do not reach here (``Writer(first_seq=...)``)."""
         held = self.held[shard]
         n = next((i + 1 for i, (s, _) in enumerate(held) if s == seq), 0)  # (the oldest, but for a stray ack)
         if n == 0 and held and held[0][0] is None:

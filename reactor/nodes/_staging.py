@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._graph import plain_name
 from ..transport import bulk as _bulk
+from ..transport._shm import check_name_part
 
 log = logging.getLogger("reactor.replay")
 
@@ -47,6 +49,7 @@ MAX_STAGING_NBYTES = 64 * 2**20
 #: Staging regions a shard keeps mapped at once (one per writer life it has heard from); past it
 #: the one least recently attached is let go.
 MAX_STAGED_REGIONS = 256
+_MAX_HOST_CHARS = 512  # (an InsertAck's host id: a hostname and a boot id, or a daemon's host name)
 
 
 class Staging:
@@ -85,7 +88,7 @@ class Staging:
         where a ring so bounded holds fewer than ``min_rows`` (a flush: it would stage nothing, and
         its memory is reserved when made) (said once, in ``who``'s name: its rows then travel in
         messages)."""
-        row_nbytes = max(1, sum(int(np.prod(s.shape, dtype=np.int64)) * _itemsize(s.dtype) for s in specs))
+        row_nbytes = max(1, sum(s.step_nbytes for s in specs))
         rows_per_shard = int(min(rows_per_shard, MAX_STAGING_NBYTES // (row_nbytes * num_shards)))
         if rows_per_shard < max(1, min_rows):
             log.info("%s stages no rows in shared memory (a ring of its %d shards holds %d rows of %d bytes in %d MiB, "
@@ -193,7 +196,12 @@ def take_ack(writer: Any, shard: int, seq: Any, host: Any, pid: Any, run_id: str
              max_unacked: int | None) -> None:
     """An :class:`InsertAck` of message ``seq`` for ``writer`` (of the reactor ``who``), its shard
     already checked: counted, and on the first ack of a shard of this host in another process the
-    writer gets its staging region (tried once: a host without shared memory says so once)."""
+    writer gets its staging region (tried once: a host without shared memory says so once). ``seq``,
+    ``host`` and ``pid`` come from a peer: a word of another type counts as none (the ack still counts)."""
+    if type(seq) is not int:
+        seq = None
+    if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int:
+        host, pid = "", 0
     writer.acknowledged(shard, host, pid, seq)
     if writer.staging is None and not writer.staging_refused and readable(host, pid, _bulk.host_id()):
         staging = stage_writer(writer, run_id, who, max_unacked)
@@ -204,17 +212,12 @@ def take_ack(writer: Any, shard: int, seq: Any, host: Any, pid: Any, run_id: str
 
 
 def region_name(who: str) -> str:
-    """The staging region's name for the reactor instance ``who``: unique in the run, a bulk name."""
-    from .._graph import plain_name
-
-    name = f"stage-{plain_name(who)}"
-    if len(name) > 64 or not all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
-        name = f"stage-{hashlib.sha256(who.encode()).hexdigest()[:32]}"
-    return name
-
-
-def _itemsize(dtype: Any) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """The staging region's name for the reactor instance ``who``: unique in the run, a bulk name
+    (a hash of ``who`` where its plain name is not one)."""
+    try:
+        return check_name_part("region", f"stage-{plain_name(who)}")
+    except ValueError:
+        return f"stage-{hashlib.sha256(who.encode()).hexdigest()[:32]}"
 
 
 class StagedReader:
@@ -222,11 +225,12 @@ class StagedReader:
 
     def __init__(self) -> None:
         self._reader: Any = None
-        self._regions: dict[str, tuple[Mapping[str, Any], dict[str, np.ndarray]]] = {}  # region -> descriptor, views
+        self._regions: dict[str, tuple[Mapping[str, Any], dict[str, torch.Tensor]]] = {}  # region -> descriptor, fields
 
-    def rows(self, staged: Any) -> dict[str, np.ndarray]:
-        """The rows a :attr:`Steps.staged` word names: ``{field: [rows, *shape]}`` read-only views
-        of the writer's region (valid while they live: an unlinked region stays mapped for them).
+    def rows(self, staged: Any) -> dict[str, torch.Tensor]:
+        """The rows a :attr:`Steps.staged` word names: ``{field: [rows, *shape]}``, views of the
+        writer's read-only mapped region (valid while they live: an unlinked region stays mapped for
+        them; nothing may write to them).
 
         Raises:
             ValueError: a malformed word or descriptor, a region of another host, rows outside it.
@@ -252,16 +256,17 @@ class StagedReader:
                 oldest = next(iter(self._regions))
                 del self._regions[oldest]
                 self._reader.detach(oldest)
-            have = self._regions[name] = (desc, self._reader.mapped(name))
-        views = have[1]
-        total = next(iter(views.values())).shape[0] if views else 0
+            # As tensors, made once a region: the table would make them so at every insert, and torch
+            # warns of a read-only array each time (it cannot mark a tensor read-only).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                fields = {n: torch.from_numpy(v) for n, v in self._reader.mapped(name).items()}
+            have = self._regions[name] = (desc, fields)
+        fields = have[1]
+        total = next(iter(fields.values())).shape[0] if fields else 0
         if not (rows >= 1 and 0 <= first and first + rows <= total):
             raise ValueError(f"staged rows [{first}, {first + rows}) are outside region {region!r} of {total} rows")
-        # As tensors: the table would make them so, and torch warns of a read-only array each time (it
-        # cannot mark a tensor read-only; nothing here writes to them).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-            return {n: torch.from_numpy(v[first:first + rows]) for n, v in views.items()}
+        return {n: t[first:first + rows] for n, t in fields.items()}
 
     def close(self) -> None:
         self._regions.clear()

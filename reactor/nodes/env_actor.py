@@ -53,8 +53,6 @@ from .writer import TransitionPattern, WindowPattern, Writer
 
 __all__ = ["EnvActor"]
 
-_MAX_HOST_CHARS = 512  # (an InsertAck's host id: a hostname and a boot id, or a daemon's host name)
-
 
 def writer_pattern(read: Any) -> WindowPattern | TransitionPattern:
     """How an actor's Writer cuts its streams for a table that reads ``read`` (the algorithm's
@@ -248,11 +246,7 @@ class EnvActor(Reactor):
                     "%s dropped an InsertAck naming shard %r, outside [0, %d)%s", self.name, shard,
                     self.writer.num_shards, flood_tally(n))
             return
-        host, pid = acks.host, acks.pid
-        if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int:
-            host, pid = "", 0  # (a peer's malformed word: no staging on its say, the ack still counts)
-        seq = acks.seq if type(acks.seq) is int else None  # (None: names none of this writer's messages)
-        take_ack(self.writer, shard, seq, host, pid, self.run_id, self.name, self.max_unacked)
+        take_ack(self.writer, shard, acks.seq, acks.host, acks.pid, self.run_id, self.name, self.max_unacked)
         if self.held and not self._over_limit():
             self.held = False
             self.tick.schedule(delay_s=self.step_s)
@@ -364,10 +358,15 @@ class EnvActor(Reactor):
                         "%s: cannot save %s (a restart of this actor will explore from its schedule's start): %s",
                         self.name, self.progress, e)
 
+    def _staging(self) -> Any:
+        """The writer's staging region (reactor.nodes._staging), or None (none yet, or no writer)."""
+        writer = getattr(self, "writer", None)
+        return None if writer is None else writer.staging
+
     def _staged_rows(self) -> int:
-        """Rows this life staged in shared memory for its shards (reactor.nodes._staging); said in its
-        progress file, read by no restart."""
-        staging = getattr(self, "writer", None) and self.writer.staging
+        """Rows this life staged in shared memory for its shards; said in its progress file, read by no
+        restart."""
+        staging = self._staging()
         return 0 if staging is None else int(staging.staged_rows)
 
     def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
@@ -394,7 +393,7 @@ class EnvActor(Reactor):
     @reaction(triggers=[shutdown])
     def give_up_run_dir(self) -> None:
         try:
-            staging = getattr(self, "writer", None) and self.writer.staging
+            staging = self._staging()
             if staging is not None:
                 staging.close()
         finally:

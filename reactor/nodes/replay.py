@@ -557,8 +557,7 @@ class Replay(ShardMemory, Reactor):
         try:
             if not isinstance(steps.fields, Mapping) or steps.fields:
                 raise ValueError("a staged message carries its rows in its writer's region, not in fields")
-            if self._staged is None:
-                raise ValueError("this shard has not started")
+            assert self._staged is not None  # (made at startup, before the table)
             rows = self._staged.rows(steps.staged)
         except (ValueError, TypeError, KeyError, OSError, PeerLostError) as e:
             self._reject(steps, f"its staged rows cannot be read: {e}")

@@ -14,22 +14,20 @@ import json
 import logging
 import os
 import secrets
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from reactor.nodes._staging import MAX_STAGING_NBYTES, StagedReader, Staging, region_name
+from reactor import Graph, Input, Output, Reactor, reaction, run, startup
+from reactor.nodes import Replay
+from reactor.nodes._staging import MAX_STAGING_NBYTES, StagedReader, Staging, region_name, take_ack
+from reactor.nodes.messages import InsertAck, ReplayControl, ShardStatistics, StatisticsRequest, Steps
 from reactor.nodes.writer import TransitionPattern, Writer
 from reactor.replay import FieldSpec
+from tests.nodes.test_writer import FIELDS
 
-FIELDS = [
-    FieldSpec("id", (), torch.int64),
-    FieldSpec("obs", (3,), torch.float32),
-    FieldSpec("action", (), torch.int64),
-    FieldSpec("reward", (), torch.float32),
-    FieldSpec("terminated", (), torch.bool),
-]
 OTHER_PID = os.getpid() + 1  # (a shard "in another process": the real one is the end-to-end test's)
 
 
@@ -101,7 +99,7 @@ def test_staged_flushes_carry_what_messages_carry_through_wraps_and_a_full_ring(
                 staged += 1
                 assert ma.fields == {}
                 rows = {n: t.numpy() for n, t in reader.rows(ma.staged).items()}
-                wrapped += ma.staged[1] % 200 == 0 and ma.staged[1] > 0 or ma.staged[1] == 200
+                wrapped += ma.staged[1] == ma.shard * 200 and st.head[ma.shard] > ma.staged[2]  # (the ring's head again)
             assert set(rows) == set(mb.fields)
             for n in mb.fields:
                 np.testing.assert_array_equal(rows[n], mb.fields[n])
@@ -117,7 +115,7 @@ def test_staged_flushes_carry_what_messages_carry_through_wraps_and_a_full_ring(
                         np.testing.assert_array_equal(now[n], sent[n])
                 a.acknowledged(shard, st.host, OTHER_PID, seq)
                 b.acknowledged(shard)
-    assert staged > 10 and plain > 0, (staged, plain)  # (shard 0's held acks filled its ring)
+    assert staged > 10 and plain > 0 and wrapped > 0, (staged, plain, wrapped)  # (shard 0's held acks filled its ring)
     assert st.staged_messages == staged
     assert (st.head == st.tail).all() and not any(st.held)  # every message acknowledged: the rings are free
 
@@ -162,78 +160,101 @@ def test_a_staging_region_is_bounded_and_its_name_is_a_bulk_name(staging_of):
     assert long.startswith("stage-") and len(long) <= 64 and long == region_name("x" * 80)
 
 
+SHARD_FIELDS = [("obs", (3,), "float32"), ("action", (), "int64")]
+
+
+class _Sender(Reactor):
+    """Sends one shard, in one process, what ``plan(run_id)`` makes: ``(staging, messages)``; then asks
+    for the shard's statistics and writes them to ``report`` with the seqs of the acks it got."""
+
+    out = Output(Steps)
+    ask = Output(ReplayControl)
+    acks = Input(InsertAck)
+    stats = Input(ShardStatistics)
+
+    def __init__(self, plan: Any, report: str) -> None:
+        self.plan, self.report = plan, report
+
+    @reaction(triggers=[startup], effects=[out, ask])
+    def send(self) -> None:
+        self.st, msgs = self.plan(self.run_id)
+        for m in msgs:
+            self.out.send(m)
+        self.acked: list[int] = []
+        self.ask.send(StatisticsRequest())
+
+    @reaction(triggers=[acks])
+    def take(self, acks: InsertAck) -> None:
+        self.acked.append(acks.seq)
+
+    @reaction(triggers=[stats])
+    def got(self, stats: ShardStatistics) -> None:
+        with open(self.report, "w") as f:
+            json.dump({"acks": self.acked, "size": stats.size, "parked": stats.parked_steps,
+                       "rejected": stats.rejected_steps, "staged": stats.staged_steps}, f)
+        self.st.close()
+
+
+def _shard_fed(tmp_path, plan: Any, **replay_kw: Any) -> dict:
+    """Run a Replay shard fed by a :class:`_Sender` with ``plan``; what the sender wrote."""
+    report = tmp_path / "report.json"
+    g = Graph()
+    sender = g.add(_Sender(plan, str(report)), name="sender")
+    shard = g.add(Replay(SHARD_FIELDS, 1000, **replay_kw), name="replay")
+    g.connect(sender.out, shard.steps, delay_s=1e-6)
+    g.connect(shard.acks, sender.acks, delay_s=1e-6)
+    g.connect(sender.ask, shard.control, delay_s=1e-3)
+    g.connect(shard.statistics, sender.stats, delay_s=1e-6)
+    run(g)
+    return json.loads(report.read_text())
+
+
+def _staged_episodes(run_id: str, steps: int, episode: int) -> tuple[Staging, list[Steps]]:
+    """A one-shard writer that stages every flush: ``steps`` steps of one stream in episodes of
+    ``episode``, one message an episode."""
+    w = Writer(SHARD_FIELDS, 1, TransitionPattern(), flush_steps=1)
+    st = Staging.open(run_id, "stage-sender", w.specs, 1, 64, "sender")
+    assert st is not None
+    w.use_staging(st)
+    st.ok[0] = True
+    msgs = []
+    for k in range(steps):
+        msgs += w.append({"obs": np.full((1, 3), k, np.float32), "action": np.array([k])},
+                         terminated=np.array([k % episode == episode - 1]), truncated=np.array([False]),
+                         final={"obs": np.zeros((1, 3), np.float32)})
+    return st, msgs + w.flush()
+
+
 def test_a_shard_refuses_a_staged_word_it_cannot_read_keeps_serving_and_counts_the_rows(tmp_path, caplog):
     """Words a writer (or a hostile peer) could send in ``Steps.staged``: each refused with a line naming
     what was wrong, acknowledged (the writer's count stays right), its rows counted as rejected; the good
     one after them is inserted from the region and counted as staged."""
-    from reactor import Graph, Input, Output, Reactor, reaction, run, startup
-    from reactor.nodes import Replay
-    from reactor.nodes.messages import InsertAck, ReplayControl, ShardStatistics, StatisticsRequest, Steps
+    good: list[Steps] = []
 
-    fields = [("obs", (3,), "float32"), ("action", (), "int64")]
-    report = tmp_path / "report.json"
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        st, msgs = _staged_episodes(run_id, 6, 6)
+        good.append(msgs[0])
+        desc, first, rows = msgs[0].staged
+        ends = msgs[0].episode_end
+        bad = [[desc, first], (desc, first, 10_000), (desc, -1, rows), (desc, float(first), rows),
+               ({**desc, "host": "elsewhere/0"}, first, rows), ({**desc, "run_id": "another"}, first, rows),
+               ("nope", first, rows)]
+        out = [Steps(0, 1, i, {}, ends, staged=word) for i, word in enumerate(bad)]
+        out.append(Steps(0, 1, 90, {"obs": np.zeros((len(ends), 3), np.float32)}, ends, staged=msgs[0].staged))
+        return st, [*out, Steps(0, 1, 99, {}, ends, msgs[0].item_mask, msgs[0].priorities, staged=msgs[0].staged)]
 
-    class Stray(Reactor):
-        out = Output(Steps)
-        ask = Output(ReplayControl)
-        acks = Input(InsertAck)
-        stats = Input(ShardStatistics)
-
-        @reaction(triggers=[startup], effects=[out, ask])
-        def send(self) -> None:
-            w = Writer(fields, 1, TransitionPattern(), flush_steps=1)
-            self.st = Staging.open(self.run_id, "stage-stray", w.specs, 1, 64, "stray")
-            w.use_staging(self.st)
-            self.st.ok[0] = True
-            msgs = []
-            for k in range(6):
-                msgs += w.append({"obs": np.full((1, 3), k, np.float32), "action": np.array([k])},
-                                 terminated=np.array([k == 5]), truncated=np.array([False]),
-                                 final={"obs": np.zeros((1, 3), np.float32)})
-            msgs += w.flush()
-            good = msgs[0]
-            assert good.staged is not None
-            desc, first, rows = good.staged
-            self.rows, self.items = rows, int(good.item_mask.sum()) if good.item_mask is not None else rows
-            ends = good.episode_end
-            bad = [[desc, first], (desc, first, 10_000), (desc, -1, rows), (desc, float(first), rows),
-                   ({**desc, "host": "elsewhere/0"}, first, rows), ({**desc, "run_id": "another"}, first, rows),
-                   ("nope", first, rows)]
-            for i, word in enumerate(bad):
-                self.out.send(Steps(0, 1, i, {}, ends, staged=word))
-            self.out.send(Steps(0, 1, 90, {"obs": np.zeros((len(ends), 3), np.float32)}, ends, staged=good.staged))
-            self.out.send(Steps(0, 1, 99, {}, ends, good.item_mask, good.priorities, staged=good.staged))
-            self.acked = 0
-            self.ask.send(StatisticsRequest())
-
-        @reaction(triggers=[acks])
-        def take(self, acks: InsertAck) -> None:
-            self.acked += 1
-
-        @reaction(triggers=[stats])
-        def got(self, stats: ShardStatistics) -> None:
-            report.write_text(json.dumps({"acks": self.acked, "rows": self.rows, "items": self.items, "size": stats.size,
-                                          "rejected": stats.rejected_steps, "staged": stats.staged_steps}))
-            self.st.close()
-
-    g = Graph()
-    stray = g.add(Stray(), name="stray")
-    shard = g.add(Replay(fields, 1000), name="replay")
-    g.connect(stray.out, shard.steps, delay_s=1e-6)
-    g.connect(shard.acks, stray.acks, delay_s=1e-6)
-    g.connect(stray.ask, shard.control, delay_s=1e-3)
-    g.connect(shard.statistics, stray.stats, delay_s=1e-6)
     with caplog.at_level(logging.ERROR, logger="reactor.replay"):
-        run(g)
-    got = json.loads(report.read_text())
+        got = _shard_fed(tmp_path, plan)
     refused = [m for m in caplog.messages if "its staged rows cannot be read" in m]
     assert len(refused) == 8, caplog.messages
     for why in ("staged must be (descriptor, first row, rows)", "outside region", "first row must be an int",
                 "not this one", "expected", "staged descriptor must be a map", "not in fields"):
         assert any(why in m for m in refused), (why, refused)
-    rows, items = got["rows"], got["items"]
+    rows = len(good[0].episode_end)
+    items = int(good[0].item_mask.sum())
     assert 0 < items < rows  # (the episode's last observation is a row, not an item)
-    assert got == {"acks": 9, "rows": rows, "items": items, "size": items, "rejected": 8 * rows, "staged": rows}, got
+    assert got == {"acks": [0, 1, 2, 3, 4, 5, 6, 90, 99], "size": items, "parked": 0, "rejected": 8 * rows,
+                   "staged": rows}, got
 
 
 def test_an_ack_of_a_message_this_writer_never_sent_frees_none_of_its_rows(staging_of):
@@ -371,57 +392,30 @@ def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_
     acknowledged as it arrived, ahead of that writer's earlier messages the rate limiter held (parked); an
     ack frees the rows of the messages before it too, so the writer could write over rows the shard had not
     inserted yet. It is refused where it is inserted now, in the writer's order."""
-    from reactor import Graph, Input, Output, Reactor, reaction, run, startup
-    from reactor.nodes import Replay
-    from reactor.nodes.messages import InsertAck, ReplayControl, ShardStatistics, StatisticsRequest, Steps
 
-    fields = [("obs", (3,), "float32"), ("action", (), "int64")]
-    report = tmp_path / "report.json"
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        st, msgs = _staged_episodes(run_id, 12, 6)
+        first, held = msgs[0], msgs[1]  # inserted; parked (the limiter wants samples first)
+        bad = Steps(0, 0, held.seq + 1, {}, held.episode_end, staged=(held.staged[0], 10_000, 5))
+        return st, [first, held, bad]
 
-    class Sender(Reactor):
-        out = Output(Steps)
-        ask = Output(ReplayControl)
-        acks = Input(InsertAck)
-        stats = Input(ShardStatistics)
-
-        @reaction(triggers=[startup], effects=[out, ask])
-        def send(self) -> None:
-            w = Writer(fields, 1, TransitionPattern(), flush_steps=1)
-            self.st = Staging.open(self.run_id, "stage-sender", w.specs, 1, 64, "sender")
-            w.use_staging(self.st)
-            self.st.ok[0] = True
-            msgs = []
-            for k in range(12):
-                msgs += w.append({"obs": np.full((1, 3), k, np.float32), "action": np.array([k])},
-                                 terminated=np.array([k % 6 == 5]), truncated=np.array([False]),
-                                 final={"obs": np.zeros((1, 3), np.float32)})
-            first, held = msgs[0], msgs[1]  # inserted; parked (the limiter wants samples first)
-            assert first.staged is not None and held.staged is not None
-            bad = Steps(0, 0, held.seq + 1, {}, held.episode_end, staged=(held.staged[0], 10_000, 5))
-            for m in (first, held, bad):
-                self.out.send(m)
-            self.acked: list[int] = []
-            self.ask.send(StatisticsRequest())
-
-        @reaction(triggers=[acks])
-        def take(self, acks: InsertAck) -> None:
-            self.acked.append(acks.seq)
-
-        @reaction(triggers=[stats])
-        def got(self, stats: ShardStatistics) -> None:
-            report.write_text(json.dumps({"acks": self.acked, "parked": stats.parked_steps,
-                                          "rejected": stats.rejected_steps, "size": stats.size}))
-            self.st.close()
-
-    g = Graph()
-    sender = g.add(Sender(), name="sender")
-    shard = g.add(Replay(fields, 1000, rate_limiter={"type": "SampleToInsertRatio", "samples_per_insert": 1.0,
-                                                     "min_size": 1, "error_buffer": 8.0}), name="replay")
-    g.connect(sender.out, shard.steps, delay_s=1e-6)
-    g.connect(shard.acks, sender.acks, delay_s=1e-6)
-    g.connect(sender.ask, shard.control, delay_s=1e-3)
-    g.connect(shard.statistics, sender.stats, delay_s=1e-6)
-    run(g)
-    got = json.loads(report.read_text())
+    got = _shard_fed(tmp_path, plan, rate_limiter={"type": "SampleToInsertRatio", "samples_per_insert": 1.0,
+                                                   "min_size": 1, "error_buffer": 8.0})
     assert got["size"] > 0 and got["parked"] > 0, got  # (the premise: the second message is parked)
     assert got["acks"] == [0] and got["rejected"] == 0, got  # the refusal waits behind it, unacknowledged
+
+
+def test_an_acks_malformed_words_count_as_none_and_the_ack_still_counts(staging_of):
+    """``take_ack`` takes an ``InsertAck``'s seq, host and pid from a peer: an array for the seq (compared
+    with the held seqs, it raised "truth value of an array is ambiguous" in the actor's reaction), bytes for
+    the host, a string for the pid, a host past 512 characters: each counts as none, the ack still counts
+    as one, frees no staged rows and turns no staging on."""
+    w = _writer(1)
+    st, _ = staging_of(w, 200)
+    for seq in range(4):
+        w.unacked[0] += 1
+        st.sent(0, seq, 0)
+    for seq, host, pid in ((np.array([0, 1]), st.host, OTHER_PID), (None, st.host.encode(), OTHER_PID),
+                           (None, st.host, str(OTHER_PID)), (None, "h" * 600, OTHER_PID)):
+        take_ack(w, 0, seq, host, pid, "unused", "actor[0]", 4)
+    assert w.unacked[0] == 0 and len(st.held[0]) == 4 and not st.ok[0]

@@ -288,6 +288,9 @@ def main() -> None:
     ap.add_argument("--no-stage", action="store_true",
                     help="the writers send every row in their Steps messages (default: they stage rows in shared "
                          "memory for the shards of their host, reactor/nodes/_staging.py)")
+    ap.add_argument("--ack-every", type=non_negative_int, default=0,
+                    help="the writers ask a shard for an ack every this many messages (Writer(ack_every=...); "
+                         "0: the writer's default, max_unacked // 2 = 4; 1: every message)")
     ap.add_argument("--json", default="", help="also write the raw report (every repetition) here")
     ap.add_argument("--hosts", action="store_true",
                     help="run over two hosts in network namespaces (as root): bench[1] on h2, the rest on h1, "
@@ -314,6 +317,7 @@ def main() -> None:
         "notice_every": args.notice_every,
         "flush_steps": args.flush_steps,
         "stage": 0 if args.no_stage else 1,
+        "ack_every": args.ack_every,
         "limit_s": 120.0 if q else 600.0,
     }
     load = os.getloadavg()

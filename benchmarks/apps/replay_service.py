@@ -44,6 +44,7 @@ config keys: shards (4), writers (4), capacity (steps held over all shards, 1 <<
 window (32), batch (256), reps (5), calls (20), round_rows (rows per writer per repetition; 0: none),
 inflight (1), chunk_length (256), flush_steps (1024), notice_every (the clients' ``notice_every``, 64), stage
 (1: the writers stage their rows in shared memory for the shards, which read them there; 0: in messages),
+ack_every (the writers' ``Writer(ack_every=...)``; 0: its default),
 report (the JSON file bench[0] writes at the end).
 """
 
@@ -157,9 +158,9 @@ MAX_UNACKED = 8
 
 
 def make_writer(envs: int, window: int, num_shards: int, writer_id: int, chunk_length: int, flush_steps: int,
-                max_unacked: int | None = None) -> Writer:
+                max_unacked: int | None = None, ack_every: int | None = None) -> Writer:
     return Writer(FIELDS, envs, WindowPattern(window, chunk_length=chunk_length), num_shards=num_shards,
-                  writer_id=writer_id, flush_steps=flush_steps, max_unacked=max_unacked)
+                  writer_id=writer_id, flush_steps=flush_steps, max_unacked=max_unacked, ack_every=ack_every)
 
 
 class FillWriter(Reactor):
@@ -173,8 +174,9 @@ class FillWriter(Reactor):
     burst = Action()
 
     def __init__(self, num_shards: int, envs: int, window: int, chunk_length: int, flush_steps: int,
-                 stage: bool = True) -> None:
+                 stage: bool = True, ack_every: int | None = None) -> None:
         self.stage = stage
+        self.ack_every = ack_every
         self.num_shards = num_shards
         self.envs = envs
         self.window = window
@@ -187,7 +189,7 @@ class FillWriter(Reactor):
     def begin(self) -> None:
         torch.set_num_threads(1)
         self.writer = make_writer(self.envs, self.window, self.num_shards, self.bank_index, self.chunk_length,
-                                  self.flush_steps, MAX_UNACKED)
+                                  self.flush_steps, MAX_UNACKED, self.ack_every)
         self.held = False  # waiting for an ack (every shard holds MAX_UNACKED of its messages)
         self.src = SyntheticEnvs(self.envs, self.rng)
 
@@ -198,7 +200,7 @@ class FillWriter(Reactor):
         if self.stage:
             take_ack(self.writer, acks.shard, acks.seq, acks.host, acks.pid, self.run_id, self.name, MAX_UNACKED)
         else:
-            self.writer.acknowledged(acks.shard)
+            self.writer.acknowledged(acks.shard, seq=acks.seq if type(acks.seq) is int else None)
         if self.held and not self.writer.full():
             self.held = False
             self.burst.schedule()
@@ -619,7 +621,7 @@ def _coordinator(message: object) -> int:
 def build(config: dict) -> Graph:
     c = {"shards": 4, "writers": 4, "capacity": 1 << 20, "envs": 64, "window": 32, "batch": 256, "reps": 5,
          "calls": 20, "round_rows": 1 << 16, "inflight": 1, "chunk_length": 256, "flush_steps": 1024, "notice_every": 64,
-         "stage": 1, "report": ""}
+         "stage": 1, "ack_every": 0, "report": ""}
     c.update(config)
     for k in c:
         if k != "report":
@@ -628,7 +630,7 @@ def build(config: dict) -> Graph:
         raise ValueError(f"capacity {c['capacity']} must be a multiple of shards {c['shards']}")
     g = Graph()
     writers = g.add(FillWriter(c["shards"], c["envs"], c["window"], c["chunk_length"], c["flush_steps"],
-                               bool(c["stage"])),
+                               bool(c["stage"]), c["ack_every"] or None),
                     name="writer", replicas=c["writers"])
     replay = g.add(Replay(FIELDS, c["capacity"] // c["shards"], read=WindowRead(c["window"], "tail"),
                           sampler={"type": "Prioritized", "alpha": ALPHA}, beta=BETA,

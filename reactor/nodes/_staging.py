@@ -31,7 +31,7 @@ import logging
 import os
 import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,10 +142,11 @@ class Staging:
     def sent(self, shard: int, seq: int, rows: int) -> None:
         self.held[shard].append((seq, rows))
 
-    def start(self, unacked: np.ndarray) -> None:
-        """Begin with ``unacked[k]`` messages already sent to shard ``k`` (in messages: none holds rows)."""
+    def start(self, sent: Sequence[Iterable[int | None]]) -> None:
+        """Begin with the messages ``sent[k]`` (their seqs, in order; None: not known) already in flight
+        to shard ``k`` (in messages: none holds rows)."""
         for k in range(self.num_shards):
-            self.held[k].extend([(None, 0)] * int(unacked[k]))
+            self.held[k].extend((seq, 0) for seq in sent[k])
 
     def acked(self, shard: int, seq: Any, host: Any, pid: Any) -> None:
         """``shard`` acknowledged this writer's message ``seq`` (``host``: its host id, or "";

@@ -101,6 +101,11 @@ class Steps:
         staged: None, or where the rows are instead of ``fields`` (then empty): ``(descriptor,
             first row, rows)`` of the writer's staging region on the shard's host
             (:mod:`reactor.nodes._staging`), rows it keeps until the shard's :class:`InsertAck`.
+        ack: whether the writer asks for an :class:`InsertAck` of this message. False: a later
+            message's ack covers it (an ack names the latest message the shard is done with, and the
+            shard takes a writer's messages in order), so a writer asks every few messages instead
+            of every one (:class:`~reactor.nodes.writer.Writer`'s ``ack_every``). Anything but False
+            is acknowledged.
     """
 
     shard: int
@@ -112,19 +117,22 @@ class Steps:
     priorities: Any = None
     last: bool = False
     staged: Any = None
+    ack: bool = True
 
 
 @register_message
 @dataclass(frozen=True)
 class InsertAck:
-    """A shard is done with one :class:`Steps` message of a writer: inserted, or refused as malformed
-    (then logged by the shard). Writers bound their unacknowledged messages with it, so a rate
-    limiter that holds inserts back holds the actors back too, instead of parking their steps.
+    """A shard is done with one :class:`Steps` message of a writer, and with every one that writer
+    sent it before (a shard takes a writer's messages in order): inserted, or refused as malformed
+    (then logged by the shard). Sent for the messages that ask for it (:attr:`Steps.ack`). Writers
+    bound their unacknowledged messages with it, so a rate limiter that holds inserts back holds the
+    actors back too, instead of parking their steps.
 
     Attributes:
         writer: the writer's id (its actor's bank index).
         shard: the shard that took it.
-        seq: the message's flush counter.
+        seq: the message's flush counter (the latest of that writer's messages the shard is done with).
         host: the shard's host id when it reads rows its writers stage in shared memory on its
             host (:attr:`Steps.staged`), else "".
         pid: the shard's process id with ``host`` (a writer in the same process does not stage:

@@ -583,13 +583,15 @@ class Replay(ShardMemory, Reactor):
         """Insert a Steps message; False if the rate limiter holds it back (then nothing changed).
 
         When the message is done with (inserted, or refused as malformed), its writer gets an
-        :class:`InsertAck`."""
+        :class:`InsertAck` if it asked (:attr:`Steps.ack`)."""
         if not self._try_insert(steps):
             return False
         self._ack(steps)
         return True
 
     def _ack(self, steps: Steps) -> None:
+        if getattr(steps, "ack", True) is False:  # (a later message's ack covers it: messages are taken in order)
+            return
         if isinstance(steps.writer, int) and not isinstance(steps.writer, bool) and steps.writer >= 0:
             self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1,
                                      self._ack_host, os.getpid() if self._ack_host else 0))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -266,6 +267,11 @@ class Writer:
             gets no more until it catches up, so a writer held back by flow control is never stuck on
             one shard while another waits for its steps.
         max_unacked: the flow-control limit per shard (None: no limit, plain round-robin).
+        ack_every: ask a shard for an ack (:attr:`Steps.ack`) on every this many messages to it, and
+            on the one that brings it to ``max_unacked`` (and on end markers); an ack counts for every
+            message before it. Each ack costs both processes a wake-up. None: ``max_unacked // 2``
+            (at least 1; 1 without ``max_unacked``), so that the shard still holds half the messages
+            in flight when an ack reaches the writer.
         flush_steps: flush when at least this many rows are ready (one message per flush).
         obs_fields: fields that take the final observation on an episode's last row.
         terminated_field: the per-step terminal flag the writer fills (skipped if not a field).
@@ -300,11 +306,16 @@ class Writer:
         obs_fields: Sequence[str] = ("obs",),
         terminated_field: str = "terminated",
         first_seq: int = 0,
+        ack_every: int | None = None,
     ) -> None:
         self.specs = parse_fields(fields)
         _check_int("Writer num_streams", num_streams, 1)
         _check_int("Writer num_shards", num_shards, 1)
         _check_int("Writer flush_steps", flush_steps, 1)
+        if max_unacked is not None:
+            _check_int("Writer max_unacked", max_unacked, 1)
+        if ack_every is not None:
+            _check_int("Writer ack_every", ack_every, 1)
         if not isinstance(pattern, (TransitionPattern, WindowPattern)):
             raise ValueError(f"Writer pattern must be a TransitionPattern or WindowPattern, got {pattern!r:.100}")
         if shard is not None and not (isinstance(shard, int) and 0 <= shard < num_shards):
@@ -320,6 +331,11 @@ class Writer:
         self.fixed_shard = shard
         self._next_shard = writer_id % num_shards
         self.unacked = np.zeros(num_shards, dtype=np.int64)  # messages sent per shard, not yet acknowledged
+        # Per shard, those messages in order: (seq, whether it asked for an ack); an ack counts for every
+        # one up to the seq it names. And how many were sent since the last one that asked.
+        self._sent: list[deque[tuple[int, bool]]] = [deque() for _ in range(num_shards)]
+        self._unasked = np.zeros(num_shards, dtype=np.int64)
+        self.ack_every = ack_every if ack_every is not None else max(1, (max_unacked or 2) // 2)
         self.down = np.zeros(num_shards, dtype=bool)  # shards whose process died and is being restarted
         self.n_down = 0
         self.lost_messages = 0  # sent to a shard that died before acknowledging them
@@ -382,7 +398,7 @@ class Writer:
         memory, the message says where. At any time: the messages already out hold no staged rows."""
         if staging.num_shards != self.num_shards:
             raise ValueError(f"Writer.use_staging: staging for {staging.num_shards} shards, the writer has {self.num_shards}")
-        staging.start(self.unacked)
+        staging.start([[seq for seq, _ in sent] for sent in self._sent])
         self._staging = staging
 
     @property
@@ -577,15 +593,30 @@ class Writer:
         return self._pending_rows
 
     def acknowledged(self, shard: int, host: str = "", pid: int = 0, seq: Any = None) -> None:
-        """A shard acknowledged one of this writer's messages (an ``InsertAck``; ``host`` and
-        ``pid``: its own, the shard's host id and process when it can read rows staged on its host;
-        ``seq``: the message's: with staging, what it staged is freed by it, and an ack without it
-        frees nothing but a message sent before staging began)."""
+        """A shard acknowledged this writer's messages up to ``seq`` (an ``InsertAck``; ``host`` and
+        ``pid``: its own, the shard's host id and process when it can read rows staged on its host).
+        It counts for every message in flight to that shard up to the one ``seq`` names (the shard
+        takes them in order, and acks only those that ask: :attr:`Steps.ack`); an int ``seq`` of no
+        message in flight counts for none (a stray ack, or one in transit when the shard died); no
+        ``seq`` (None) counts for the oldest message that asked for an ack and those before it. With
+        staging, what those messages staged is freed."""
         if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         if type(seq) is int and seq < self.first_seq:
             return  # (of an earlier life's message: neither in this life's count nor in its rings)
-        self.unacked[shard] = max(0, int(self.unacked[shard]) - 1)
+        sent = self._sent[shard]
+        n = 0
+        if type(seq) is not int:
+            asked = False
+            while sent and not asked:  # (at most ack_every, or max_unacked, messages)
+                asked = sent.popleft()[1]
+                n += 1
+            n = max(n, 1)
+        else:
+            n = next((i + 1 for i, (s, _) in enumerate(sent) if s == seq), 0)  # (at most max_unacked)
+            for _ in range(n):
+                sent.popleft()
+        self.unacked[shard] = max(0, int(self.unacked[shard]) - n)
         if self._staging is not None:
             self._staging.acked(shard, seq, host, pid)
 
@@ -596,6 +627,8 @@ class Writer:
         self.n_down = int(self.down.sum())
         self.lost_messages += int(self.unacked[shard])
         self.unacked[shard] = 0
+        self._sent[shard].clear()
+        self._unasked[shard] = 0
         if self._staging is not None:
             self._staging.lost(shard)
 
@@ -629,7 +662,9 @@ class Writer:
         return [*self.flush(), *(self._end_marker(k) for k in range(self.num_shards) if not self.down[k])]
 
     def _end_marker(self, shard: int) -> Steps:
-        self.unacked[shard] += 1  # acknowledged as any message
+        self.unacked[shard] += 1  # acknowledged as any message (always asked for: nothing may follow it)
+        self._sent[shard].append((self.seq, True))
+        self._unasked[shard] = 0
         if self._staging is not None:
             self._staging.sent(shard, self.seq, 0)
         msg = Steps(shard, self.writer_id, self.seq, {}, np.zeros(0, dtype=bool), last=True)
@@ -657,6 +692,14 @@ class Writer:
                 shard = int(order[np.argmin(load)])  # skip full and down shards: the least loaded
             self._next_shard = (shard + 1) % self.num_shards
         self.unacked[shard] += 1
+        self._unasked[shard] += 1
+        # Ask for an ack every ack_every messages, and on one that fills the shard's flow-control limit
+        # (the writer may send it nothing more until that ack: it must be asked for).
+        ask = bool(self._unasked[shard] >= self.ack_every
+                   or (self.max_unacked is not None and self.unacked[shard] >= self.max_unacked))
+        if ask:
+            self._unasked[shard] = 0
+        self._sent[shard].append((self.seq, ask))
         staged = None
         if self._staging is not None:
             staged = self._staging.put(shard, self.seq, names, [s[0] for s in segs], len(mask))
@@ -664,7 +707,8 @@ class Writer:
             fields: dict[str, Any] = {}
         else:
             fields = {n: np.concatenate([s[0][n] for s in segs]) if len(segs) > 1 else segs[0][0][n] for n in names}
-        msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio, staged=staged)
+        msg = Steps(shard, self.writer_id, self.seq, fields, ends, None if mask.all() else mask, prio, staged=staged,
+                    ack=ask)
         self.seq += 1
         self.items_sent += int(mask.sum())
         self.steps_sent += len(mask)

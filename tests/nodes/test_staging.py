@@ -10,6 +10,7 @@ writers staged.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -299,7 +300,7 @@ def test_a_rings_staged_rows_are_never_placed_over_rows_in_flight_against_a_refe
         assert st is not None
         try:
             before = rng.integers(0, 3, size=shards)
-            st.start(before)
+            st.start([[None] * int(b) for b in before])  # (seqs not known: messages sent before staging began)
             seq = 0
             in_flight = [[(None, None)] * int(before[k]) for k in range(shards)]  # per shard: (seq, rows range)
             st.ok[:] = True
@@ -419,3 +420,30 @@ def test_an_acks_malformed_words_count_as_none_and_the_ack_still_counts(staging_
                            (None, st.host, str(OTHER_PID)), (None, "h" * 600, OTHER_PID)):
         take_ack(w, 0, seq, host, pid, "unused", "actor[0]", 4)
     assert w.unacked[0] == 0 and len(st.held[0]) == 4 and not st.ok[0]
+
+
+def test_a_shard_acknowledges_only_the_messages_that_ask_staged_plain_or_refused(tmp_path):
+    """Coalesced acks, against a real shard: of a writer's messages it inserts or refuses, it acknowledges
+    those whose ``Steps.ack`` is not False, in order, and nothing for the others (a later ack covers them);
+    every message is still inserted (or refused) and counted."""
+
+    made: list[Steps] = []
+
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        st, msgs = _staged_episodes(run_id, 12, 2)  # 6 staged messages of one 2-step episode each
+        assert len(msgs) == 6 and all(m.staged is not None for m in msgs)
+        made.extend(msgs)
+        plain = Steps(0, 0, 50, {"obs": np.ones((2, 3), np.float32), "action": np.zeros(2, np.int64)},
+                      np.array([False, True]), ack=False)
+        bad = Steps(0, 0, 60, {}, msgs[0].episode_end, staged=(msgs[0].staged[0], 10_000, 2), ack=False)
+        bad_asks = dataclasses.replace(bad, seq=61, ack=True)
+        asks = [False, False, True, False, True, False]
+        out = [dataclasses.replace(m, ack=a) for m, a in zip(msgs, asks)]
+        return st, [*out[:3], plain, bad, *out[3:5], bad_asks, out[5]]
+
+    got = _shard_fed(tmp_path, plan)
+    assert got["acks"] == [2, 4, 61], got
+    rows = [len(m.episode_end) for m in made]
+    items = sum(len(m.episode_end) if m.item_mask is None else int(m.item_mask.sum()) for m in made)
+    # Every message taken: the 6 staged ones and the plain one inserted, the 2 unreadable ones refused.
+    assert (got["staged"], got["rejected"], got["size"]) == (sum(rows), 2 * rows[0], items + 2), got

@@ -454,3 +454,92 @@ def test_float16_values_are_appended_and_a_nan_among_them_is_named():
     bad = dict(step, obs=np.array([[1, 2, 3], [4, np.nan, 6]], np.float16))
     with pytest.raises(ValueError, match=r"field 'obs' of stream 1 is nan"):
         w.append(bad, terminated=np.zeros(2, bool), truncated=np.zeros(2, bool))
+
+
+def _one_step_flushes(w: Writer, n: int) -> list:
+    """``n`` messages from a one-stream writer with ``flush_steps=1``: one a terminal step."""
+    out: list = []
+    while len(out) < n:
+        out += w.append({"obs": np.zeros((1, 2), np.float32), "action": np.zeros(1, np.int64),
+                         "reward": np.zeros(1, np.float32)}, terminated=np.array([True]), truncated=np.array([False]),
+                        final={"obs": np.ones((1, 2), np.float32)})
+    return out
+
+
+SMALL = [("obs", (2,), "float32"), ("action", (), "int64"), ("reward", (), "float32")]
+
+
+def test_a_writer_asks_for_an_ack_every_few_messages_and_one_ack_counts_for_every_message_before_it():
+    """Coalesced acks: with ``max_unacked=8`` a writer asks each shard for an ack on every 4th message (and on
+    the one that fills the shard); the shard's ack of that message counts for the 3 before it too. An ack
+    naming no message in flight counts for none, one without a seq for the oldest asking message and those
+    before it; end markers always ask; a lost shard's messages count for nothing after."""
+    w = Writer(SMALL, 1, WindowPattern(2), num_shards=2, max_unacked=8, flush_steps=1)
+    assert w.ack_every == 4
+    msgs = _one_step_flushes(w, 16)
+    assert [m.shard for m in msgs] == [0, 1] * 8  # round-robin while no shard is full
+    asked = {k: [m.seq for m in msgs if m.shard == k and m.ack] for k in (0, 1)}
+    seqs = {k: [m.seq for m in msgs if m.shard == k] for k in (0, 1)}
+    assert asked == {k: [seqs[k][3], seqs[k][7]] for k in (0, 1)}  # the 4th and the 8th (4th again, and full)
+    assert w.unacked.tolist() == [8, 8] and w.full()
+    w.acknowledged(0, seq=10**6)  # a seq this writer never sent: counts for none
+    w.acknowledged(0, seq=seqs[1][3])  # shard 1's message, named by shard 0: not in flight there
+    assert w.unacked.tolist() == [8, 8]
+    w.acknowledged(0, seq=asked[0][0])  # the 4th: it and the 3 before it
+    assert w.unacked.tolist() == [4, 8] and not w.full()
+    w.acknowledged(1)  # no seq: through shard 1's oldest asking message
+    assert w.unacked.tolist() == [4, 4]
+    w.acknowledged(1, seq=seqs[1][5])  # an ack of a message between two asks (a shard may ack any) counts to it
+    assert w.unacked.tolist() == [4, 2]
+    w.shard_lost(0)
+    w.acknowledged(0, seq=asked[0][1])  # in transit when the shard died: its messages are already lost
+    assert w.unacked.tolist() == [0, 2] and w.lost_messages == 4
+    assert all(m.ack for m in w.end()[-2:])  # (markers: nothing may follow them)
+
+    assert Writer(SMALL, 1, WindowPattern(2), max_unacked=5).ack_every == 2
+    assert Writer(SMALL, 1, WindowPattern(2), max_unacked=3).ack_every == 1
+    assert Writer(SMALL, 1, WindowPattern(2)).ack_every == 1  # (no flow control: every message, as staging frees by acks)
+    assert all(m.ack for m in _one_step_flushes(Writer(SMALL, 1, WindowPattern(2), max_unacked=8, ack_every=1,
+                                                       flush_steps=1), 5))
+    for kw, why in (({"ack_every": 0}, "Writer ack_every must be an int >= 1, got 0"),
+                    ({"ack_every": True}, "Writer ack_every must be an int >= 1, got True"),
+                    ({"max_unacked": 0}, "Writer max_unacked must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=f"^{why}$"):
+            Writer(SMALL, 1, WindowPattern(2), **kw)
+
+
+@pytest.mark.parametrize(("max_unacked", "ack_every"), [(1, None), (2, None), (5, None), (8, None), (3, 10)])
+def test_a_writer_held_at_max_unacked_always_has_an_asking_message_in_flight(max_unacked, ack_every):
+    """Against shards that acknowledge only the messages that ask, in order, at random moments: whenever
+    a shard holds ``max_unacked`` of the writer's messages, one of them asked (so its ack will come and the
+    writer is never held for good); the count always equals the messages in flight; every shard gets at
+    most one ack per ``ack_every`` messages, plus one per fill (``ack_every`` past ``max_unacked``: only
+    the fills ask)."""
+    rng = np.random.default_rng(max_unacked)
+    w = Writer(SMALL, 1, WindowPattern(2), num_shards=3, max_unacked=max_unacked, flush_steps=1, ack_every=ack_every)
+    pending: list[list] = [[], [], []]  # per shard, in order: messages it has not acknowledged (covered by no ack)
+    taken = [0, 0, 0]  # how many of those the shard took (its acks of the asking ones not yet delivered)
+    acks = sent = 0
+    for _ in range(3000):
+        if not w.full() and rng.random() < 0.5:
+            for m in _one_step_flushes(w, 1):
+                pending[m.shard].append(m)
+                sent += 1
+        k = int(rng.integers(3))
+        if taken[k] < len(pending[k]) and rng.random() < 0.4:  # the shard takes its next message
+            taken[k] += 1
+        if taken[k] and rng.random() < 0.3:  # the acks of what it took arrive, in order
+            done = pending[k][:taken[k]]
+            for m in done:
+                if m.ack:
+                    w.acknowledged(k, seq=m.seq)
+                    acks += 1
+            last = max((i for i, m in enumerate(done) if m.ack), default=-1)
+            del pending[k][:last + 1]
+            taken[k] -= last + 1
+        for s in range(3):
+            assert int(w.unacked[s]) == len(pending[s])
+            if len(pending[s]) >= max_unacked:
+                assert any(m.ack for m in pending[s]), (s, [(m.seq, m.ack) for m in pending[s]])
+    assert sent > 300
+    assert acks <= sent // w.ack_every + sent // max_unacked + 3

@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                         "your environments' packages, say)")
     d.add_argument("--no-fork-server", action="store_true",
                    help="start every worker as a new interpreter (each imports torch anew: seconds more per start)")
+    d.add_argument("--worker-memory-mb", type=_count_arg, default=None, metavar="MB",
+                   help="start a run's worker only while this host has at least MB MiB of memory available, and "
+                        "refuse a run that puts more workers here than that many MiB each fit in (default: 64, "
+                        "the least a worker takes; raise it to what your workers take; 0: no check)")
     d.add_argument("--keep-ended", type=_count_arg, default=None, metavar="N",
                    help="how many ended jobs (and ended runs hosted for jobs elsewhere) it keeps listing; older "
                         "ones are forgotten, their directories left on disk (default: 200)")

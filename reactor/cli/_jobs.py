@@ -61,7 +61,8 @@ def _jobs(args: argparse.Namespace) -> int:
                             preload=None if args.no_fork_server else [*TRAINING_PRELOAD, *extra],
                             **({} if args.keep_ended is None else {"keep_ended": args.keep_ended}),
                             **({} if args.forget_after_s is None else {"forget_after_s": args.forget_after_s}),
-                            remove_forgotten=args.remove_forgotten, stop_after_runs_s=args.stop_after_runs_s)
+                            remove_forgotten=args.remove_forgotten, stop_after_runs_s=args.stop_after_runs_s,
+                            **({} if args.worker_memory_mb is None else {"worker_memory": args.worker_memory_mb << 20}))
 
             def ready(address: str) -> None:
                 nonlocal served

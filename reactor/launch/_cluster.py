@@ -278,6 +278,11 @@ class DaemonLink:
         self.client.close()
 
 
+#: How long :meth:`RemoteWorkers.check_memory` waits for a host's answer (a silent one is waited for
+#: by ``choose`` as a group starts there, not twice).
+CHECK_PING_S = 2.0
+
+
 class RemoteWorkers:
     """The workers of one run, each started by its group's daemon; watched by heartbeat.
 
@@ -320,6 +325,37 @@ class RemoteWorkers:
         for name, path in shipped_files(files_to_ship(app, extra, trace)).items():
             self.files[name] = path.read_bytes()
         return Path(app).name
+
+    async def check_memory(self, groups: Sequence[Group]) -> None:
+        """Refuse a run that puts more workers on a host than its memory can hold (its first candidate
+        host for each group; each daemon's ``ping`` says what its host has available), before any
+        starts. A host that does not answer within :data:`CHECK_PING_S`, or whose daemon does not say,
+        is not judged here (its daemon refuses each spawn past its memory, and ``choose`` passes over
+        a silent one).
+
+        Raises:
+            GraphError: naming the host, the count and the memory.
+        """
+        from ._localworkers import WORKER_MEMORY_FLOOR, worker_memory_error
+
+        count: dict[str, int] = {}
+        for g in groups:
+            count[g.hosts[0]] = count.get(g.hosts[0], 0) + 1
+
+        async def available(host: str) -> tuple[int | None, int]:
+            """What the host has available, and the least a worker takes there (its daemon's
+            --worker-memory-mb; 0: it checks none)."""
+            try:
+                pong = await self.links[host].request("ping", timeout_s=min(self.timeout_s, CHECK_PING_S))
+            except DaemonError:  # (not judged: choose() waits for it, or passes it over)
+                return None, 0
+            got = [pong.get(k) if isinstance(pong, dict) else None for k in ("memory", "worker_memory")]
+            mem, floor = (v if type(v) is int and v >= 0 else None for v in got)  # (a peer's words)
+            return mem, WORKER_MEMORY_FLOOR if floor is None else floor
+
+        for (host, n), (mem, floor) in zip(count.items(), await asyncio.gather(*(available(h) for h in count))):
+            if floor and (why := worker_memory_error(n, mem, f"host {host}", floor)):
+                raise GraphError(why)
 
     async def choose(self, group: Group) -> str:
         """The first of the group's candidate hosts whose daemon answers: those not lost first, in

@@ -21,11 +21,12 @@ from typing import Any
 
 from .._errors import GraphError, PeerLostError, ReactorError, TraceMismatchError, WorkerFailedError
 from .._graph import Graph
+from .._hostmemory import available_host_bytes
 from ..transport._zmq import link_key
 from ._cluster import RemoteWorkers, address_towards
 from ._forkserver import preload_for
 from ._groups import Group, Restart
-from ._localworkers import _cleanup_segments, _LocalWorkers
+from ._localworkers import _cleanup_segments, _LocalWorkers, worker_memory_error
 from ._placement import check_lookahead, resolve_placement, tcp_bind_error
 from ._protocol import COORDINATOR, FAILED_END_S, CoordinatorProtocol
 from ._restarts import _Restarts, _warn_restart_losses
@@ -66,6 +67,8 @@ async def run_processes(
     began = asyncio.get_running_loop().time()
     plan = resolve_placement(graph, placement, hosts, restart)
     groups = plan.groups
+    if not plan.hosts and (why := worker_memory_error(len(groups), available_host_bytes())):
+        raise GraphError(f"placement {placement!r}: {why}")
     for g in groups:  # (their workers bind on this host: an address of another is said before any starts)
         if g.bind is not None and (why := tcp_bind_error(g.bind, here=True)):
             raise GraphError(f"placement file {placement}: group {g.name!r} bind {g.bind!r}: {why}")
@@ -93,6 +96,12 @@ async def run_processes(
 
         host_keys = load_keys(default_keys_dir())
         here = address_towards(plan.hosts[groups[0].hosts[0]].address)
+        remote = RemoteWorkers(run_id, plan.hosts, host_keys, plan.settings["heartbeat_timeout_s"])
+        try:
+            await remote.check_memory(groups)  # (more workers on a host than its memory holds: refused now)
+        except BaseException:
+            await remote.close()
+            raise
     # A data-parallel bank on this host meets in a file of its run directory: removed at the run's end,
     # whatever ends it (a kill -9 of this process too: by the next sweep of its socket directory).
     dist_files = [] if plan.hosts else _rendezvous_files(graph, run_id)
@@ -111,7 +120,7 @@ async def run_processes(
         curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
     workers: _LocalWorkers | RemoteWorkers
     if plan.hosts:
-        workers = RemoteWorkers(run_id, plan.hosts, host_keys, plan.settings["heartbeat_timeout_s"])
+        workers = remote
         app_name = workers.ship(app, with_files, replay)
         bind = f"tcp://{here}:*"
         dist_store = _dist_store(graph, here)

@@ -59,6 +59,7 @@ import zmq.auth.asyncio
 from .._errors import DaemonError
 from .._files import read_small_json
 from .._floodlog import flood_logged, flood_tally
+from .._hostmemory import available_host_bytes
 from ..transport._shm import _pid_start_time
 from ._daemonclient import DaemonClient, DaemonKeyError, DaemonSilentError, job_spec
 from ._forkserver import TRAINING_PRELOAD, Forks, over_hosts
@@ -89,6 +90,7 @@ from ._jobrecord import (
     _StateLock,
 )
 from ._keys import AuthorizedKeys
+from ._localworkers import WORKER_MEMORY_FLOOR
 from ._protocol import check_request
 from ._rundir import sweep_stale
 from ._version import build_id, python_version
@@ -127,8 +129,11 @@ class Daemon:
     def __init__(self, listen: str, name: str, state_dir: str | os.PathLike[str], keys_dir: str | os.PathLike[str],
                  advertise: str | None = None, preload: Sequence[str] | None = TRAINING_PRELOAD,
                  keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S, remove_forgotten: bool = False,
-                 stop_after_runs_s: float | None = None):
+                 stop_after_runs_s: float | None = None, worker_memory: int = WORKER_MEMORY_FLOOR):
         from ._keys import load_keys
+
+        if type(worker_memory) is not int or worker_memory < 0:
+            raise ValueError(f"worker_memory must be bytes, an int >= 0, got {worker_memory!r}")
 
         if type(keep_ended) is not int or keep_ended < 0:
             raise ValueError(f"keep_ended must be an int >= 0, got {keep_ended!r}")
@@ -169,7 +174,7 @@ class Daemon:
         self.forks = Forks(preload, {**os.environ, "REACTOR_HOST_ID": f"daemon:{name}"})
         self.remover = Remover(self.state) if remove_forgotten else None
         self.hosted = HostedRuns(name, advertise, self.state, self.forks, keep_ended=keep_ended,
-                                 forget_after_s=self.forget_after_s, remover=self.remover)
+                                 forget_after_s=self.forget_after_s, remover=self.remover, worker_memory=worker_memory)
         sweep_stale()  # the socket directories and segments of runs whose daemon or coordinator died
         self.authorized = AuthorizedKeys(Path(keys_dir) / "authorized")
         self.jobs: dict[str, _Job] = {}
@@ -514,7 +519,8 @@ class Daemon:
         kind = msg[1]
         if kind == "ping":
             return True, {"name": self.name, "jobs": len(self.jobs), "pid": os.getpid(), "fork_server": self.forks.state(),
-                          "reactor": build_id(), "python": python_version()}
+                          "reactor": build_id(), "python": python_version(), "memory": available_host_bytes(),
+                          "worker_memory": self.hosted.worker_memory}
         if kind == "status":
             if msg[2] is None:
                 return True, [self.describe(j) for j in self.jobs.values()]

@@ -54,7 +54,9 @@ from typing import Any
 
 from .._errors import DaemonError
 from .._files import open_regular, read_small, replace_small
+from .._hostmemory import available_host_bytes
 from ._forkserver import ForkedProcess, Forks
+from ._localworkers import WORKER_MEMORY_FLOOR, worker_memory_error
 from ._rundir import open_run_dir, remove_run_dir
 
 Proc = subprocess.Popen[bytes] | ForkedProcess
@@ -372,8 +374,9 @@ class HostedRuns:
 
     def __init__(self, name: str, advertise: str | None, state: Path, forks: Forks | None = None,
                  keep_ended: int = KEEP_ENDED, forget_after_s: float = FORGET_AFTER_S,
-                 remover: Remover | None = None) -> None:
+                 remover: Remover | None = None, worker_memory: int = WORKER_MEMORY_FLOOR) -> None:
         self.name = name
+        self.worker_memory = worker_memory  # bytes a worker needs available to start (0: not checked)
         self.keep_ended = keep_ended
         self.forget_after_s = forget_after_s
         self.forks = forks
@@ -404,6 +407,11 @@ class HostedRuns:
         # The files' bytes are hashed, read and written in a thread: up to 32 MiB of them held the loop
         # (and a FIFO planted at an app file's path, by the run's own code, held it for good).
         await asyncio.to_thread(check_sha256, req["files"], req["sha256"])
+        if self.worker_memory and (why := worker_memory_error(1, available_host_bytes(), f"daemon {self.name!r}'s host",
+                                                              self.worker_memory)):
+            # (a coordinator checks a run's count on each host before it starts any; this is the last word,
+            # for runs that fill the host meanwhile: a clear refusal rather than a host its OOM killer works on)
+            raise DaemonError(f"run {req['run']}: group {req['group']!r} not started: {why}")
         run, group, start = self._prepare(req)  # (the group counts as starting from here)
         try:
             await asyncio.to_thread(put_files, run.dir / "app", req["files"], req["sha256"])

@@ -833,8 +833,27 @@ def _digest(value: Any) -> bytes:
     return payload_digest(value)
 
 
+#: A worker's ``oom_score_adj`` (from 0, the default): when a host runs out of memory, the kernel's OOM
+#: killer ends a worker, whose death its run sees and says (or its restart policy takes), rather than the
+#: coordinator or the daemon that watch it and whose death ends every run they hold.
+WORKER_OOM_SCORE_ADJ = 300
+
+
+def _first_to_go_on_oom() -> None:
+    """Raise this process's ``oom_score_adj`` to :data:`WORKER_OOM_SCORE_ADJ` (never lower it: one set
+    higher by its user stays)."""
+    try:
+        with open("/proc/self/oom_score_adj", "r+") as f:
+            if int(f.read().strip() or 0) < WORKER_OOM_SCORE_ADJ:
+                f.seek(0)
+                f.write(str(WORKER_OOM_SCORE_ADJ))
+    except (OSError, ValueError):  # (no procfs: nothing to say)
+        pass
+
+
 def main() -> int:
     _die_with_parent()
+    _first_to_go_on_oom()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator owns Ctrl-C and tells us to stop
     spec = json.loads(sys.stdin.read())
     logging.basicConfig(level=spec.get("log_level", "WARNING"),

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._native import available_host_bytes
+from .._hostmemory import available_host_bytes
 
 __all__ = ["MemoryClaim", "claim_host_memory"]
 

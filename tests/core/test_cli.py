@@ -692,3 +692,53 @@ def test_a_missing_key_pair_in_the_default_key_directory_says_how_to_name_anothe
         f"reactor: no key pair at {default / 'key'} (the default key directory: name the one you made with --keys "
         f"DIR or REACTOR_KEYS=DIR): make one with `reactor keys init {default}`\n"), p.stderr
     assert not default.exists()
+
+
+def test_a_placement_with_more_workers_than_this_hosts_memory_holds_is_refused_before_any_starts(tmp_path):
+    """``--set actors=20000 --placement actors`` was taken: the coordinator began starting 20,003 worker
+    processes (each takes ~120-150 MB here) until the host's OOM killer ended what it picked. It is now
+    one line at the terminal, before any worker starts, naming the count and the memory; no run
+    directory is left."""
+    env = {**os.environ, "REACTOR_RUNTIME_DIR": str(tmp_path / "rt")}
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--placement", "actors",
+                        "--set", "actors=20000"], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("reactor: placement 'actors': 20003 worker processes on this host need at least "
+                               "1250.2 GiB at 64 MiB each, and this host has "), p.stderr
+    assert "available (MemAvailable and free swap, or its memory cgroup's limit): run fewer replicas" in p.stderr
+    assert not list((tmp_path / "rt").glob("reactor-*")), "a run directory was left behind"
+
+
+_OOM_APP = '''
+import os
+from pathlib import Path
+
+from reactor import Graph, Reactor, reaction, startup
+
+
+class Say(Reactor):
+    @reaction(triggers=[startup])
+    def go(self) -> None:
+        Path(os.environ["MARKS"], f"{self.name}-{os.getpid()}").write_text(open("/proc/self/oom_score_adj").read())
+
+
+def build(config: dict) -> Graph:
+    g = Graph()
+    g.add(Say(), name="say", replicas=2)
+    return g
+'''
+
+
+@pytest.mark.parametrize("fork_server", ["0", "1"])
+def test_a_runs_workers_go_first_when_the_host_runs_out_of_memory(tmp_path, fork_server):
+    """Each worker raises its ``oom_score_adj`` to 300: the kernel's OOM killer then ends a worker (its run
+    says which, or restarts it) before the coordinator or a daemon, whose death ends every run they hold."""
+    app, marks = tmp_path / "say.py", tmp_path / "marks"
+    app.write_text(_OOM_APP)
+    marks.mkdir()
+    env = {**os.environ, "MARKS": str(marks), "REACTOR_FORK_SERVER": fork_server}
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(app), "--placement", "processes"],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = {m.name.rsplit("-", 1)[0]: m.read_text().strip() for m in marks.iterdir()}
+    assert said == {"say[0]": "300", "say[1]": "300"}, said

@@ -2157,3 +2157,49 @@ def test_a_run_whose_files_are_being_listed_is_not_let_go_and_its_last_word_is_t
         assert not hosted.let_go(time.monotonic() + 100 * COORDINATOR_QUIET_S)  # (however long the listing takes)
     assert not hosted.let_go(time.monotonic())  # (quiet again from the answer's end)
     assert hosted.let_go(time.monotonic() + COORDINATOR_QUIET_S)
+
+
+@pytest.mark.idle_daemon
+def test_a_run_over_hosts_with_more_workers_than_a_hosts_memory_holds_is_refused_before_any_starts(daemon, tmp_path):
+    """Over hosts the coordinator counts each host's workers against what its daemon's ``ping`` says the host
+    has available, and the least a worker takes there (``--worker-memory-mb``, default 64): a run past it
+    is refused at the terminal naming the host, before any worker starts."""
+    with daemon.client() as c:
+        pong = c.request("ping")
+    assert type(pong["memory"]) is int and pong["memory"] > 0 and pong["worker_memory"] == 64 << 20, pong
+    (daemon.keys_dir / "authorized" / "self.pub").write_bytes((daemon.client_dir / "key.pub").read_bytes())
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--placement",
+                        "actors", "--set", "actors=20000", "--hosts", str(hosts), "--keys", str(daemon.client_dir)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=180, env=run_env(tmp_path / "rt-dir"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("reactor: 20003 worker processes on host h1 need at least 1250.2 GiB at 64 MiB each, "
+                               "and host h1 has "), p.stderr
+    with daemon.client() as c:
+        assert c.request("hosted") == []  # nothing was started there
+
+
+def test_a_daemon_starts_a_worker_only_while_its_host_has_the_memory_one_takes(tmp_path):
+    """``--worker-memory-mb``: a daemon refuses a spawn while its host has less than that available (here
+    more than any host has), naming it; the run's group is not counted as starting, and the daemon serves on
+    (a spawn with the check off starts)."""
+    from reactor.launch._hosting import HostedRuns
+
+    data = b"import sys\nsys.exit(0)\n"
+    req = {"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": data},
+           "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0}
+    hosted = HostedRuns("h1", "127.0.0.1", tmp_path, worker_memory=1 << 60)
+    with pytest.raises(DaemonError, match=r"^run r1: group 'g' not started: 1 worker processes on daemon 'h1''s host "
+                                          r"need at least 1073741824\.0 GiB at 1099511627776 MiB each, and daemon "
+                                          r"'h1''s host has [0-9.]+ GiB available"):
+        asyncio.run(hosted.spawn(req))
+    assert not hosted.runs and not hosted.live()
+    hosted.worker_memory = 0  # (no check)
+    asyncio.run(hosted.spawn(req))
+    try:
+        assert hosted.live()
+    finally:
+        hosted.end("r1")
+        _wait_for(lambda: not hosted.live(), 10, "the worker to end")
+        hosted.watch()

@@ -710,7 +710,7 @@ def test_a_table_that_cannot_fit_in_this_hosts_memory_once_full_is_refused_befor
     with no word (exit 137; the OOM killer picks the largest process, which may not be the run's). The
     capacity is twice what fits in the memory available now; its rows' ring is allocated lazily, so only the
     refusal costs anything."""
-    from reactor._native import available_host_bytes
+    from reactor._hostmemory import available_host_bytes
 
     avail = available_host_bytes()
     assert avail is not None and avail > 0  # (Linux: /proc/meminfo)
@@ -725,7 +725,7 @@ def test_a_table_that_cannot_fit_in_this_hosts_memory_once_full_is_refused_befor
 def _big_table(share: float, name: str) -> Table:
     """A table whose rows are ``share`` of the host's available memory once full: two steps of one wide
     field (its ring is mapped, never touched here)."""
-    from reactor._native import available_host_bytes
+    from reactor._hostmemory import available_host_bytes
 
     width = int(share * available_host_bytes()) // 2
     return Table(Storage([FieldSpec("x", (width,), torch.uint8)], 2), sampler=Prioritized(0.6), remover=Fifo(),
@@ -760,7 +760,7 @@ def test_replay_tables_of_one_run_on_a_host_are_counted_together_across_processe
     import os
     import signal
 
-    from reactor._native import available_host_bytes
+    from reactor._hostmemory import available_host_bytes
     from reactor.replay._hostmem import ledger_dir
     from reactor.replay.table import claim_fits
 

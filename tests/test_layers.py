@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "reactor"
-CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace", "_native", "_files", "_floodlog", "_runclaim"}
+CORE = {"_errors", "_tag", "_reactor", "_graph", "_scheduler", "_trace", "_native", "_files", "_floodlog", "_runclaim", "_hostmemory"}
 
 
 def _layer(module: str) -> str:

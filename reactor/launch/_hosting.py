@@ -56,7 +56,7 @@ from .._errors import DaemonError
 from .._files import open_regular, read_small, replace_small
 from .._hostmemory import available_host_bytes
 from ._forkserver import ForkedProcess, Forks
-from ._localworkers import WORKER_MEMORY_FLOOR, worker_memory_error
+from ._localworkers import WORKER_MEMORY_FLOOR, spawn_memory_error
 from ._rundir import open_run_dir, remove_run_dir
 
 Proc = subprocess.Popen[bytes] | ForkedProcess
@@ -407,8 +407,8 @@ class HostedRuns:
         # The files' bytes are hashed, read and written in a thread: up to 32 MiB of them held the loop
         # (and a FIFO planted at an app file's path, by the run's own code, held it for good).
         await asyncio.to_thread(check_sha256, req["files"], req["sha256"])
-        if self.worker_memory and (why := worker_memory_error(1, available_host_bytes(), f"daemon {self.name!r}'s host",
-                                                              self.worker_memory)):
+        if self.worker_memory and (why := spawn_memory_error(available_host_bytes(), self.worker_memory,
+                                                             f"daemon {self.name!r}'s host")):
             # (a coordinator checks a run's count on each host before it starts any; this is the last word,
             # for runs that fill the host meanwhile: a clear refusal rather than a host its OOM killer works on)
             raise DaemonError(f"run {req['run']}: group {req['group']!r} not started: {why}")

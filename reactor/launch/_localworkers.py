@@ -44,10 +44,30 @@ def worker_memory_error(workers: int, available: int | None, where: str = "this 
     here, before any starts, instead of filling the host until its OOM killer ends what it picks."""
     if available is None or workers * floor <= available:
         return None
-    return (f"{workers} worker processes on {where} need at least {workers * floor / 2**30:.1f} GiB "
-            f"at {floor >> 20} MiB each, and {where} has {available / 2**30:.1f} GiB available "
-            f"(MemAvailable and free swap, or its memory cgroup's limit): run fewer replicas (--set), put fewer "
-            f"groups on it, or spread the run over hosts")
+    return (f"{workers} worker processes on {where} need at least {_size(workers * floor, up=True)} "
+            f"at {_size(floor, up=True)} each, and {where} has {_size(available, up=False)} available "
+            f"({_AVAILABLE}): run fewer replicas (--set), put fewer groups on it, or spread the run over hosts")
+
+
+def spawn_memory_error(available: int | None, floor: int, where: str) -> str | None:
+    """Why a daemon starts no worker now (``floor``: its ``--worker-memory-mb``, in bytes) with ``available``
+    bytes left on its host (None: unknown, never refused), or None."""
+    if available is None or floor <= available:
+        return None
+    return (f"{where} has {_size(available, up=False)} available ({_AVAILABLE}), less than the "
+            f"{_size(floor, up=True)} a worker takes there (its daemon's --worker-memory-mb)")
+
+
+_AVAILABLE = "MemAvailable and free swap, or its memory cgroup's limit"
+
+
+def _size(n: int, up: bool) -> str:
+    """``n`` bytes in whole MiB (from 10 GiB, GiB to a tenth), rounded up (a need) or down (what a host
+    has): said in GiB to a tenth, a need of 64 MiB and 60 MiB available both read "0.1 GiB"."""
+    if n >= 10 * 2**30:
+        tenths = -(-n * 10 // 2**30) if up else n * 10 // 2**30
+        return f"{tenths / 10:.1f} GiB"
+    return f"{-(-n // 2**20) if up else n // 2**20} MiB"
 
 
 class _LocalWorkers:

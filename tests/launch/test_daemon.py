@@ -2190,9 +2190,9 @@ def test_a_daemon_starts_a_worker_only_while_its_host_has_the_memory_one_takes(t
     req = {"run": "r1", "group": "g", "app": "a.py", "files": {"a.py": data},
            "sha256": {"a.py": hashlib.sha256(data).hexdigest()}, "worker": {}, "lease_s": 5.0}
     hosted = HostedRuns("h1", "127.0.0.1", tmp_path, worker_memory=1 << 60)
-    with pytest.raises(DaemonError, match=r"^run r1: group 'g' not started: 1 worker processes on daemon 'h1''s host "
-                                          r"need at least 1073741824\.0 GiB at 1099511627776 MiB each, and daemon "
-                                          r"'h1''s host has [0-9.]+ GiB available"):
+    with pytest.raises(DaemonError, match=r"^run r1: group 'g' not started: daemon 'h1''s host has [0-9.]+ [GM]iB available "
+                                          r"\(MemAvailable and free swap, or its memory cgroup's limit\), less than the "
+                                          r"1073741824\.0 GiB a worker takes there \(its daemon's --worker-memory-mb\)$"):
         asyncio.run(hosted.spawn(req))
     assert not hosted.runs and not hosted.live()
     hosted.worker_memory = 0  # (no check)
@@ -2203,3 +2203,25 @@ def test_a_daemon_starts_a_worker_only_while_its_host_has_the_memory_one_takes(t
         hosted.end("r1")
         _wait_for(lambda: not hosted.live(), 10, "the worker to end")
         hosted.watch()
+
+
+def test_a_memory_refusal_says_sizes_that_differ():
+    """A need and what a host has are said in MiB below 10 GiB (a need rounded up, what is there down):
+    in GiB to a tenth, a worker's 64 MiB against 60 MiB available read "need at least 0.1 GiB ... has
+    0.1 GiB available"."""
+    from reactor.launch import _localworkers
+
+    MiB = 2**20
+    worker_memory_error = _localworkers.worker_memory_error
+    assert worker_memory_error(1, 60 * MiB).startswith(
+        "1 worker processes on this host need at least 64 MiB at 64 MiB each, and this host has 60 MiB available")
+    assert worker_memory_error(3, 64 * MiB * 3 - 1, "host h1", 64 * MiB).startswith(
+        "3 worker processes on host h1 need at least 192 MiB at 64 MiB each, and host h1 has 191 MiB available")
+    assert worker_memory_error(3, 64 * MiB * 3) is None and worker_memory_error(10**6, None) is None
+    assert "need at least 1250.2 GiB at 64 MiB each, and this host has 22.0 GiB" in worker_memory_error(
+        20003, 22 * 2**30 + 2**30 // 11)
+    spawn_memory_error = _localworkers.spawn_memory_error  # (a daemon's refusal of one spawn)
+    assert spawn_memory_error(60 * MiB + 5, 64 * MiB, "daemon 'h1''s host") == (
+        "daemon 'h1''s host has 60 MiB available (MemAvailable and free swap, or its memory cgroup's limit), less "
+        "than the 64 MiB a worker takes there (its daemon's --worker-memory-mb)")
+    assert spawn_memory_error(64 * MiB, 64 * MiB, "h") is None and spawn_memory_error(None, 1, "h") is None

@@ -192,8 +192,9 @@ class Replay(ShardMemory, Reactor):
         updates: :class:`PriorityUpdate` / :class:`Delete` for keys this shard owns.
         control: :class:`CheckpointRequest`, :class:`StatisticsRequest`.
         replies: :class:`ShardMass` / :class:`ShardSample`, routed back by ``requester``.
-        acks: :class:`InsertAck` for every Steps message done with (inserted or refused), routed back
-            to its writer (``key=writer_key``): writers' flow control.
+        acks: :class:`InsertAck` for every Steps message done with (inserted or refused) that asks for
+            one (:attr:`Steps.ack`: it counts for that writer's earlier messages too), routed back to its
+            writer (``key=writer_key``): writers' flow control.
         statistics: :class:`ShardStatistics`, every ``statistics_period_s`` and on request.
 
     Semantics: see the module docstring (parking, two-stage sampling, determinism, checkpoints).

@@ -105,31 +105,44 @@ async def run_processes(
     # A data-parallel bank on this host meets in a file of its run directory: removed at the run's end,
     # whatever ends it (a kill -9 of this process too: by the next sweep of its socket directory).
     dist_files = [] if plan.hosts else _rendezvous_files(graph, run_id)
-    sockdir = open_run_dir(run_id, remove=dist_files)
-    # Links that may leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
-    # with CURVE: one key pair per run, handed to each worker on its stdin, or through its daemon over
-    # that daemon's CURVE link (never in the clear); every endpoint of the run bound to tcp, the
-    # coordinator's too, then admits only peers holding it. An endpoint bound to ipc (in the run's 0700
-    # directory) stays plain, as in a run without tcp (curve_local=False): encrypting a link on the host
-    # cost ~0.3 us of CPU a 269-byte step on each side (libsodium at ~0.8 GB/s, docs/benchmarks.md).
-    curve = keys = None
-    if plan.hosts or any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
-        from ..transport import CurveKeys
-
-        keys = CurveKeys.generate()
-        curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
+    # What is made for the run from here goes again if the run fails before its endpoint is open (a
+    # runtime directory that cannot be written, files that cannot be shipped): the daemon links too.
+    sockdir: Path | None = None
+    local: _LocalWorkers | None = None
     workers: _LocalWorkers | RemoteWorkers
-    if plan.hosts:
-        workers = remote
-        app_name = workers.ship(app, with_files, replay)
-        bind = f"tcp://{here}:*"
-        dist_store = _dist_store(graph, here)
-    else:
-        workers = _LocalWorkers(preload_for(graph))
-        bind = f"ipc://{sockdir}/coordinator"
-        dist_store = None
-    ep = await Endpoint.open(COORDINATOR, bind, curve=keys, curve_local=False,
-                             accept=CoordinatorProtocol(g.name for g in groups))
+    try:
+        sockdir = open_run_dir(run_id, remove=dist_files)
+        # Links that may leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
+        # with CURVE: one key pair per run, handed to each worker on its stdin, or through its daemon over
+        # that daemon's CURVE link (never in the clear); every endpoint of the run bound to tcp, the
+        # coordinator's too, then admits only peers holding it. An endpoint bound to ipc (in the run's 0700
+        # directory) stays plain, as in a run without tcp (curve_local=False): encrypting a link on the host
+        # cost ~0.3 us of CPU a 269-byte step on each side (libsodium at ~0.8 GB/s, docs/benchmarks.md).
+        curve = keys = None
+        if plan.hosts or any(g.bind is not None and g.bind.startswith("tcp://") for g in groups):
+            from ..transport import CurveKeys
+
+            keys = CurveKeys.generate()
+            curve = {"public": keys.public.decode(), "secret": keys.secret.decode()}
+        if plan.hosts:
+            workers = remote
+            app_name = workers.ship(app, with_files, replay)
+            bind = f"tcp://{here}:*"
+            dist_store = _dist_store(graph, here)
+        else:
+            workers = local = _LocalWorkers(preload_for(graph))
+            bind = f"ipc://{sockdir}/coordinator"
+            dist_store = None
+        ep = await Endpoint.open(COORDINATOR, bind, curve=keys, curve_local=False,
+                                 accept=CoordinatorProtocol(g.name for g in groups))
+    except BaseException:
+        if plan.hosts:
+            await remote.close()
+        elif local is not None:
+            await local.close()
+        if sockdir is not None:
+            remove_run_dir(sockdir)
+        raise
     loop = asyncio.get_running_loop()
     specs: dict[str, dict[str, Any]] = {}
 

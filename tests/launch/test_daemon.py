@@ -2225,3 +2225,45 @@ def test_a_memory_refusal_says_sizes_that_differ():
         "daemon 'h1''s host has 60 MiB available (MemAvailable and free swap, or its memory cgroup's limit), less "
         "than the 64 MiB a worker takes there (its daemon's --worker-memory-mb)")
     assert spawn_memory_error(64 * MiB, 64 * MiB, "h") is None and spawn_memory_error(None, 1, "h") is None
+
+
+@pytest.mark.idle_daemon
+def test_a_run_over_hosts_that_fails_before_its_workers_start_leaves_no_daemon_link_open(daemon, tmp_path, monkeypatch):
+    """The coordinator links to each host's daemon before it makes the run's directory (to weigh each host's
+    workers against its memory): a run that fails between the two (here its runtime directory cannot be
+    made) closes those links, as it removes what it made. Left to the garbage collector, a link's zmq
+    context was destroyed with its sockets lingering, and the collection hung (this test, until its timeout)."""
+    import gc
+
+    from reactor.launch._app import load_app
+    from reactor.launch._coordinator import run_processes
+
+    (daemon.keys_dir / "authorized" / "self.pub").write_bytes((daemon.client_dir / "key.pub").read_bytes())
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("REACTOR_KEYS", str(daemon.client_dir))
+    monkeypatch.setenv("REACTOR_RUNTIME_DIR", str(tmp_path / "not-a-dir"))
+    app = APPS / "gated.py"
+    graph = load_app(app).build({})
+
+    def open_contexts() -> list[zmq.Context]:
+        return [o for o in gc.get_objects() if isinstance(o, zmq.Context) and not o.closed]
+
+    before = {id(c) for c in open_contexts()}
+    gc.disable()  # (a collection here would hang on a leaked one: found below instead)
+    try:
+        try:
+            asyncio.run(run_processes(graph, placement="processes", deterministic=False, seed=0, stop_ns=None,
+                                      record=None, replay=None, digest=False, app=str(app), config={},
+                                      hosts=str(hosts)))
+        except OSError as e:
+            assert "not-a-dir" in str(e)
+        else:
+            raise AssertionError("the run started")
+        leaked = [c for c in open_contexts() if id(c) not in before]
+        for c in leaked:
+            c.destroy(linger=0)
+    finally:
+        gc.enable()
+    assert not leaked, "the run's links to its daemons were left open"

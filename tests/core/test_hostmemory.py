@@ -81,3 +81,41 @@ def test_a_containers_page_cache_is_not_counted_as_memory_it_cannot_have(tmp_pat
     assert said["limit"] == 256 * MiB
     assert said["limit"] - said["usage"] < 128 * MiB, said  # the cache was charged to it
     assert said["available"] > 200 * MiB, said  # ... and counts as available
+
+
+NESTED_PROBE = r"""
+import json
+from reactor._hostmemory import available_host_bytes
+print(json.dumps({"available": available_host_bytes()}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_the_limit_of_a_cgroup_below_the_mounts_root_holds(tmp_path):
+    """A process whose memory cgroup is below the controller's mount root (started by systemd with
+    ``MemoryMax=``, or in a cgroup nested in another, no namespace of its own) was judged by the root's
+    files only, which set no limit: a 256 MiB cgroup was said to have the host's ~20 GiB, and a replay
+    capacity or a run's workers past it were taken until its OOM killer acted. Its own limit, and every
+    parent's, now hold."""
+    found = _own_memory_cgroup()
+    if found is None:
+        pytest.skip("no memory cgroup controller here")
+    parent, _mount_at, limit, _usage = found
+    cg = parent / f"reactor-test-{uuid.uuid4().hex[:12]}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    try:
+        try:
+            (cg / limit).write_text(str(256 * MiB))
+        except OSError as e:
+            pytest.skip(f"cannot limit a memory cgroup here: {e}")
+        got = subprocess.run(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
+                              NESTED_PROBE], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert got.returncode == 0, got.stderr
+        said = json.loads(got.stdout)
+    finally:
+        cg.rmdir()
+    assert 0 < said["available"] <= 256 * MiB, said

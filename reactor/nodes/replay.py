@@ -591,7 +591,7 @@ class Replay(ShardMemory, Reactor):
         return True
 
     def _ack(self, steps: Steps) -> None:
-        if getattr(steps, "ack", True) is False:  # (a later message's ack covers it: messages are taken in order)
+        if steps.ack is False:  # (a later message's ack covers it: a shard takes a writer's messages in order)
             return
         if isinstance(steps.writer, int) and not isinstance(steps.writer, bool) and steps.writer >= 0:
             self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1,

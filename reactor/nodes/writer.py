@@ -335,7 +335,9 @@ class Writer:
         # one up to the seq it names. And how many were sent since the last one that asked.
         self._sent: list[deque[tuple[int, bool]]] = [deque() for _ in range(num_shards)]
         self._unasked = np.zeros(num_shards, dtype=np.int64)
-        self.ack_every = ack_every if ack_every is not None else max(1, (max_unacked or 2) // 2)
+        if ack_every is None:
+            ack_every = max(1, max_unacked // 2) if max_unacked is not None else 1
+        self.ack_every = ack_every
         self.down = np.zeros(num_shards, dtype=bool)  # shards whose process died and is being restarted
         self.n_down = 0
         self.lost_messages = 0  # sent to a shard that died before acknowledging them

@@ -9,7 +9,7 @@ import numba
 import numpy as np
 
 from .._native import prefetch
-from ._storagekernels import _nb_read_windows
+from ._storagekernels import _nb_append, _nb_read_windows
 from .sumtree import _nb_descend
 
 # Compiled bookkeeping for the hot paths. Each replaces 4-8 numpy calls of a few microseconds each
@@ -88,6 +88,55 @@ def _nb_evict_and_key(keys: np.ndarray, times: np.ndarray, lo: int, hi: int, fir
         if slot == cap:
             slot = 0
     return k, kept
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_insert_host(
+    horizon: np.ndarray, dst: np.ndarray, src: np.ndarray, row_nbytes: np.ndarray, pos0: int, n1: int, length: int,
+    step_ep: np.ndarray, ep_start: np.ndarray, ep_len: np.ndarray, ends: np.ndarray, eid: int, open_: bool,
+    keys: np.ndarray, times: np.ndarray, lo: int, hi: int, first: int, mask: np.ndarray, cap: int, gone: np.ndarray,
+    new_keys: np.ndarray, new_slots: np.ndarray,
+    stage_idx: np.ndarray, stage_prio: np.ndarray, staged: int, scaled: np.ndarray, present: np.ndarray,
+    out: np.ndarray,
+) -> bool:  # pragma: no cover - jit
+    """A prioritized insert into host storage in one call (``Table._apply_insert_host``): the rows and
+    the episode index (``_nb_append``), the key columns (``_nb_evict_and_key``), then the sampler's
+    writes staged in its tree's buffer as ``Prioritized.delete`` and ``insert`` stage them (the
+    dropped slots that no new item overwrites to 0, then each new slot to its ``p**alpha`` in
+    ``scaled``; the caller made room for them) and its present flags (cleared, then set).
+
+    ``out`` gets the next episode id, the items dropped, those not overwritten, the tree buffer's
+    new fill and the change in present slots. False, with nothing written, when a source lies in
+    its own field's ring (``_nb_append``'s -1): the caller takes the general path."""
+    next_ep = _nb_append(horizon, dst, src, row_nbytes, pos0, n1, length, step_ep, ep_start, ep_len, ends, first,
+                         eid, open_, cap)
+    if next_ep < 0:
+        return False
+    dropped, kept = _nb_evict_and_key(keys, times, lo, hi, first, length, mask, cap, gone, new_keys, new_slots)
+    s = staged
+    change = 0
+    for i in range(kept):
+        j = gone[i]
+        stage_idx[s] = j
+        stage_prio[s] = 0.0
+        s += 1
+        if present[j]:
+            present[j] = False
+            change -= 1
+    for i in range(new_slots.shape[0]):
+        j = new_slots[i]
+        stage_idx[s] = j
+        stage_prio[s] = scaled[i]
+        s += 1
+        if not present[j]:
+            present[j] = True
+            change += 1
+    out[0] = next_ep
+    out[1] = dropped
+    out[2] = kept
+    out[3] = s
+    out[4] = change
+    return True
 
 
 @numba.njit(cache=True, nogil=True)

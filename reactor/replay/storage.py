@@ -311,6 +311,8 @@ class Storage(StorageState):
         self._src_addrs: np.ndarray | None = None  # host field addresses, for the window kernel
         self._row_nbytes_arr = np.zeros(0, dtype=np.int64)
         self._row_nbytes = {s.name: s.step_nbytes for s in specs}
+        # Every field's rows copied as bytes from a contiguous source (no complex field, none of 0 bytes).
+        self._all_by_bytes = all(not t.dtype.is_complex and self._row_nbytes[n] > 0 for n, t in self._fields.items())
         self._np_dtypes: dict[str, np.dtype[Any] | None] = {s.name: numpy_twin(s.dtype) for s in specs}
 
     # ------------------------------------------------------------------ properties
@@ -389,7 +391,14 @@ class Storage(StorageState):
             ValueError: a wrong shape, mismatched lengths L between fields, or L == 0.
             TypeError: a wrong dtype, or a value that is not a tensor/array.
         """
-        if not isinstance(steps, Mapping):
+        length, out, _ = self._validate(steps, False)
+        return length, out
+
+    def _validate(self, steps: Mapping[str, Any], sources: bool) -> tuple[int, dict[str, torch.Tensor], list[int]]:
+        """:meth:`validate_steps`, and with ``sources`` each field's source address in field order where
+        the kernel may copy its bytes (a contiguous CPU tensor without the negative bit), else 0 (for
+        :meth:`_byte_sources`, in the same pass over the fields)."""
+        if type(steps) is not dict and not isinstance(steps, Mapping):  # (an ABC's isinstance: ~0.4 us)
             raise TypeError(f"steps must be a mapping of field name -> tensor, got {type(steps).__name__}")
         if steps.keys() != self._specs.keys():  # (a set comparison for dicts; any other keys() looks here)
             unknown = sorted(set(steps) - set(self._specs))
@@ -401,6 +410,7 @@ class Storage(StorageState):
             if missing:
                 raise KeyError(f"missing field(s) {missing}; every append must carry all of {sorted(self._specs)}")
         out: dict[str, torch.Tensor] = {}
+        src: list[int] = []
         length: int | None = None
         first_name = ""
         # (per insert, per field: a handful of attribute reads, no call that builds an object)
@@ -423,7 +433,7 @@ class Storage(StorageState):
                 kind = "nested" if value.is_nested else "meta (data-less)" if value.is_meta else value.layout
                 raise TypeError(f"field {name!r} is a {kind} tensor: a dense (strided) tensor with data is expected")
             shape = value.shape
-            if len(shape) != dims or (tail is not None and shape[1:] != tail):
+            if len(shape) != dims or (dims > 1 and (shape[1] != tail[0] if dims == 2 else shape[1:] != tail)):
                 raise ValueError(
                     f"field {name!r} has shape {tuple(shape)}, expected [L, *{spec.shape}] "
                     f"(a leading step dimension, then the spec shape)"
@@ -437,12 +447,14 @@ class Storage(StorageState):
                     "all fields of one append need the same number of steps"
                 )
             out[name] = value
+            if sources:  # (the byte copy's source address, or 0: see _byte_sources)
+                src.append(value.data_ptr() if value.is_cpu and value.is_contiguous() and not value.is_neg() else 0)
         assert length is not None
         if length == 0:
             raise ValueError("append of 0 steps: every field has an empty leading dimension")
         if length > self._capacity:
             raise ValueError(f"append of {length} steps exceeds the storage capacity {self._capacity}")
-        return length, out
+        return length, out, src
 
     def _episode_ends(self, length: int, episode_end: bool | np.ndarray | Sequence[bool]) -> np.ndarray:
         if isinstance(episode_end, (bool, np.bool_)):
@@ -506,7 +518,7 @@ class Storage(StorageState):
         steps: Mapping[str, Any],
         episode_end: bool | np.ndarray | Sequence[bool] = True,
         *,
-        _validated: tuple[int, dict[str, torch.Tensor]] | None = None,
+        _validated: tuple[int, dict[str, torch.Tensor], list[int]] | None = None,
         _plan: tuple[int, np.ndarray, int, int] | None = None,
     ) -> AppendResult:
         """Append ``L`` steps, evicting whole oldest episodes if the ring is full.
@@ -525,7 +537,7 @@ class Storage(StorageState):
             KeyError, TypeError, ValueError: as :meth:`validate_steps` and :meth:`plan_append`; the
                 storage is unchanged when they do.
         """
-        length, tensors = _validated if _validated is not None else self.validate_steps(steps)
+        length, tensors = _validated[:2] if _validated is not None else self.validate_steps(steps)
         first_eid, ends, new_first_step, new_first_ep = (
             _plan if _plan is not None else self.plan_append(length, episode_end)
         )
@@ -559,11 +571,35 @@ class Storage(StorageState):
         if next_ep < 0:
             next_ep = int(_nb_index_append(self._step_ep, self._ep_start, self._ep_len, ends, first, first_eid,
                                            self._open, cap))
-        self._next_step = first + length
-        self._next_ep = next_ep
-        self._open = not bool(ends[-1])
-        self._first_step, self._first_ep = new_first_step, new_first_ep
+        self._appended(first + length, next_ep, bool(ends[-1]), new_first_step, new_first_ep)
         return AppendResult(first, length, evicted_steps, evicted_eps)
+
+    def _appended(self, next_step: int, next_ep: int, closed: bool, first_step: int, first_ep: int) -> None:
+        """The bookkeeping of an append whose rows and episode index are written."""
+        self._next_step = next_step
+        self._next_ep = next_ep
+        self._open = not closed
+        self._first_step, self._first_ep = first_step, first_ep
+
+    def _byte_sources(self, src: list[int]) -> np.ndarray | None:
+        """For an append copied by address in one kernel (``_nb_append``, or the Table's
+        ``_nb_insert_host``): the source addresses of :meth:`_validate` (``sources``) as an array, or
+        None when the storage is not on the host or a source's bytes are not its values as the ring
+        stores them (0: strided, on a GPU, with the negative bit; or a complex field)."""
+        if not self._on_host or 0 in src or not self._all_by_bytes:
+            return None
+        return np.array(src, dtype=np.int64)
+
+    def _kernel_append_args(self, length: int, plan: tuple[int, np.ndarray, int, int], src: np.ndarray) -> tuple:
+        """``_nb_append``'s arguments for an append of ``length`` steps planned as ``plan``, from the
+        addresses ``src`` (:meth:`_byte_sources`); after the kernel, :meth:`_appended` with the episode
+        id it returned (as :meth:`append` does)."""
+        dst, row_nbytes, _ = self._append_plan()
+        cap = self._capacity
+        first = self._next_step
+        pos0 = first % cap
+        return (self._row_horizon, dst, src, row_nbytes, pos0, min(length, cap - pos0), length, self._step_ep,
+                self._ep_start, self._ep_len, plan[1], plan[0], self._open)
 
     def _append_plan(self) -> tuple[np.ndarray, np.ndarray, list[tuple[str, bool]]]:
         """Per host field, in field order: the ring's base address, its row bytes, and its name with

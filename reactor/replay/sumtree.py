@@ -611,6 +611,20 @@ class SumTree:
             self._bound = self._headroom(psum, priorities)
             self._buffer(idx, priorities, lazy)
 
+    def _stage_room(self, m: int, psum: float, priorities: np.ndarray) -> int:
+        """For a caller that writes ``m`` lazy writes straight into the buffer (``Table``'s one-kernel
+        insert; numba backend, the lock held), priorities that :meth:`check_total` accepted summing to
+        ``psum``: the bound raised as :meth:`update_checked` raises it (PriorityOverflowError as it), and
+        room made for them (the buffer applied first if they would overfill it). Returns the buffer's
+        fill, where the caller writes from; -1, with nothing changed, for more writes than the buffer
+        holds. The caller sets ``_staged`` to the fill after its writes."""
+        if m > STAGE:
+            return -1
+        self._bound = self._headroom(psum, priorities)
+        if self._staged + m > STAGE:
+            self._write_pending()
+        return self._staged
+
     def check_total(self, priorities: Any) -> float:
         """Raise :class:`PriorityOverflowError` if :meth:`update` with ``priorities`` would be refused
         for a value that is not finite (or negative) or for making the total overflow; otherwise

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -591,32 +592,68 @@ def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
 
 
 class _PrioritizedDeleteFirst(Prioritized):
-    """Prioritized without the fast insert path: the table deletes every evicted slot first."""
+    """Prioritized without the fast insert paths: the table deletes every evicted slot first."""
 
     replaces_on_insert = False
 
 
+def _three_insert_paths(cap: int, max_times_sampled: int = 0) -> list[Table]:
+    """Tables that differ only in their insert path: the one-kernel host insert (``_nb_insert_host``),
+    the storage's append then ``_apply_insert_fast``, and the general path (every evicted slot deleted
+    first)."""
+    tables = [Table(Storage(SPECS, cap), sampler=sel, remover=Fifo(), rate_limiter=MinSize(1), seed=3,
+                    max_times_sampled=max_times_sampled, read=StepRead())
+              for sel in (Prioritized(0.6), Prioritized(0.6), _PrioritizedDeleteFirst(0.6))]
+    assert tables[0]._host_insert and not tables[2]._host_insert
+    tables[1]._host_insert = False
+    return tables
+
+
+def _assert_same_tables(tables: list[Table]) -> None:
+    for t in tables[1:]:
+        assert len(t) == len(tables[0])
+        assert t.statistics() == tables[0].statistics()
+        np.testing.assert_array_equal(t._keys, tables[0]._keys)
+        np.testing.assert_array_equal(t._times, tables[0]._times)
+        _assert_same_state(t.storage.state_dict(), tables[0].storage.state_dict(), "storage")
+        _assert_same_state(t.state_dict()["sampler"], tables[0].state_dict()["sampler"], "sampler")
+
+
+def _assert_same_state(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same_state(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert np.array_equal(np.asarray(a), np.asarray(b)), where
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("max_times_sampled", [0, 3])
-def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times_sampled, masked):
+def test_the_fast_insert_paths_leave_the_state_the_general_path_leaves(max_times_sampled, masked):
     """Regression (issue 21): an insert whose evictions drop items and whose steps overwrite their slots
     skips the sampler's delete of those slots (Prioritized replaces on insert) and keys the columns in one
-    compiled pass. Inserts of 1-200 steps with episodes of 1 to 700 steps (open ones too) into a small ring,
-    samples (expiring items at max_times_sampled) and priority updates between them: both tables hold the
-    same items, priorities, counters and statistics, and draw the same samples. ``masked``: items on some
-    steps only (``item_mask``, as a writer's window pattern sends), so an evicted item's slot may take a
-    step that is no item (it must be deleted) and an item's slot may have held none."""
+    compiled pass; with host storage and contiguous sources, the append and all of that are one kernel
+    (``_nb_insert_host``). Inserts of 1-200 steps with episodes of 1 to 700 steps (open ones too) into a
+    small ring, samples (expiring items at max_times_sampled) and priority updates between them: the three
+    tables hold the same rows, items, priorities, counters and statistics, and draw the same samples.
+    ``masked``: items on some steps only (``item_mask``, as a writer's window pattern sends), so an evicted
+    item's slot may take a step that is no item (it must be deleted) and an item's slot may have held none.
+    Some inserts come from strided sources (a transposed view: the one kernel declines them, the append
+    copies them field by field)."""
     rng = np.random.default_rng(7)
-    tables = [Table(Storage(SPECS, 512), sampler=sel, remover=Fifo(), rate_limiter=MinSize(1), seed=3,
-                    max_times_sampled=max_times_sampled, read=StepRead())
-              for sel in (Prioritized(0.6), _PrioritizedDeleteFirst(0.6))]
+    tables = _three_insert_paths(512, max_times_sampled)
     step = open_len = 0
-    for _ in range(400):
+    for i in range(400):
         n = int(rng.integers(1, 200))  # with at most 256 steps left open: an episode fits the 512-step ring
         ep = int(rng.choice([1, 7, 64, 300, 700]))
         ends = (np.arange(step, step + n) + 1) % ep == 0
-        steps = {"obs": torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32)),
-                 "reward": torch.from_numpy(rng.standard_normal(n).astype(np.float32)),
+        obs = torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32))
+        if i % 5 == 4:
+            obs = torch.from_numpy(rng.standard_normal((2, n)).astype(np.float32)).T
+        steps = {"obs": obs, "reward": torch.from_numpy(rng.standard_normal(n).astype(np.float32)),
                  "step": torch.arange(step, step + n)}
         prio = rng.random(n) + 0.01
         tail = n - 1 - int(np.flatnonzero(ends)[-1]) if ends.any() else n + open_len  # the episode left open
@@ -625,29 +662,52 @@ def test_the_fast_insert_path_leaves_the_state_the_general_path_leaves(max_times
         open_len = tail
         mask = rng.random(n) < 0.6 if masked else None
         keys = [t.insert_nowait(steps, prio, episode_end=ends, item_mask=mask) for t in tables]
-        torch.testing.assert_close(keys[0], keys[1], rtol=0, atol=0)
+        for k in keys[1:]:
+            torch.testing.assert_close(k, keys[0], rtol=0, atol=0)
         step += n
         if len(tables[0]) and rng.random() < 0.5:
             got = [t.sample_nowait(32)[1] for t in tables]
-            np.testing.assert_array_equal(np.asarray(got[0].keys), np.asarray(got[1].keys))
-            np.testing.assert_array_equal(np.asarray(got[0].probabilities), np.asarray(got[1].probabilities))
+            for g in got[1:]:
+                np.testing.assert_array_equal(np.asarray(g.keys), np.asarray(got[0].keys))
+                np.testing.assert_array_equal(np.asarray(g.probabilities), np.asarray(got[0].probabilities))
             sampled = np.asarray(got[0].keys)
             live = np.unique(sampled[np.isin(sampled, tables[0]._keys)])
             if live.size:
                 upd = rng.random(live.size) + 0.01
                 for t in tables:
                     t.update_priorities(live, upd)
-        assert len(tables[0]) == len(tables[1])
-        assert tables[0].statistics() == tables[1].statistics()
-    np.testing.assert_array_equal(tables[0]._keys, tables[1]._keys)
-    np.testing.assert_array_equal(tables[0]._times, tables[1]._times)
-    sa, sb = (t.state_dict()["sampler"] for t in tables)
-    for k in sa:
-        va, vb = sa[k], sb[k]
-        if isinstance(va, torch.Tensor):
-            torch.testing.assert_close(va, vb, rtol=0, atol=0)
-        else:
-            assert np.array_equal(np.asarray(va), np.asarray(vb)), k
+        assert len(tables[0]) == len(tables[1]) == len(tables[2])
+        assert tables[0].statistics() == tables[1].statistics() == tables[2].statistics()
+    _assert_same_tables(tables)
+
+
+def test_the_one_kernel_insert_fills_the_trees_buffer_and_declines_what_it_cannot_take():
+    """The one-kernel insert writes the sampler's lazy writes straight into the sum tree's buffer: many
+    inserts with no sample between fill it past its size (``STAGE``: it must be applied first, not
+    overrun), one insert larger than it goes the general way, and a source that is a view of the table's
+    own ring (overlapping memory: no byte copy) is declined with nothing changed. After each, the same
+    state as the other two paths, and the tree equal to one rebuilt from its leaves."""
+    from reactor.replay.sumtree import STAGE
+
+    tables = _three_insert_paths(1 << 14)
+    step = 0
+    for n in [100] * 200 + [STAGE + 100, 7, 300]:  # 20,000 lazy writes, then one batch over the buffer's size
+        for t in tables:
+            t.insert_nowait(steps(step, n), np.linspace(0.1, 2.0, n), episode_end=True)
+        step += n
+        assert tables[0]._sampler.tree._staged <= STAGE
+    _assert_same_tables(tables)
+    for t in tables:  # from a view of the ring's own rows (the storage's field tensors)
+        ring = t.storage._fields
+        src = {k: ring[k][10:60] for k in ("obs", "reward", "step")}
+        t.insert_nowait(src, np.full(50, 0.5), episode_end=True)
+    _assert_same_tables(tables)
+    for t in tables:
+        t._sampler.tree.flush()
+        t._sampler.tree.check_invariants()
+    got = [t.sample_nowait(64)[1] for t in tables]
+    for g in got[1:]:
+        np.testing.assert_array_equal(np.asarray(g.keys), np.asarray(got[0].keys))
 
 
 def test_a_prioritized_remover_with_no_mass_left_removes_the_oldest_zero_priority_items():

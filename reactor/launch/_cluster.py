@@ -38,7 +38,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -271,8 +271,8 @@ class DaemonLink:
                 return await asyncio.to_thread(self.client.request, kind, *fields, timeout_s=timeout_s)
             except DaemonSilentError:
                 raise  # (it names the host)
-            except DaemonError as e:
-                raise DaemonError(f"host {self.host.name!r} refused {kind!r}: {e}") from e
+            except DaemonError as e:  # (its type kept: a DaemonFullError sends a group to its next host)
+                raise type(e)(f"host {self.host.name!r} refused {kind!r}: {e}") from e
 
     def close(self) -> None:
         self.client.close()
@@ -327,20 +327,20 @@ class RemoteWorkers:
         return Path(app).name
 
     async def check_memory(self, groups: Sequence[Group]) -> None:
-        """Refuse a run that puts more workers on a host than its memory can hold (its first candidate
-        host for each group; each daemon's ``ping`` says what its host has available), before any
-        starts. A host that does not answer within :data:`CHECK_PING_S`, or whose daemon does not say,
-        is not judged here (its daemon refuses each spawn past its memory, and ``choose`` passes over
-        a silent one).
+        """Refuse a run whose workers its hosts' memory cannot hold, before any starts: each group
+        placed, in order, on its first candidate host with room left (as :meth:`start` passes over a
+        host whose daemon refuses a spawn for want of memory), each host holding as many workers as
+        its available memory over the least a worker takes there (each daemon's ``ping`` says both).
+        A host that does not answer within :data:`CHECK_PING_S`, or whose daemon does not say, is not
+        judged here (its daemon refuses each spawn past its memory, and ``choose`` passes over a
+        silent one).
 
         Raises:
             GraphError: naming the host, the count and the memory.
         """
         from ._localworkers import WORKER_MEMORY_FLOOR, worker_memory_error
 
-        count: dict[str, int] = {}
-        for g in groups:
-            count[g.hosts[0]] = count.get(g.hosts[0], 0) + 1
+        candidates = list(dict.fromkeys(h for g in groups for h in g.hosts))
 
         async def available(host: str) -> tuple[int | None, int]:
             """What the host has available, and the least a worker takes there (its daemon's
@@ -353,20 +353,38 @@ class RemoteWorkers:
             mem, floor = (v if type(v) is int and v >= 0 else None for v in got)  # (a peer's words)
             return mem, WORKER_MEMORY_FLOOR if floor is None else floor
 
-        for (host, n), (mem, floor) in zip(count.items(), await asyncio.gather(*(available(h) for h in count))):
-            if floor and (why := worker_memory_error(n, mem, f"host {host}", floor)):
-                raise GraphError(why)
+        said = dict(zip(candidates, await asyncio.gather(*(available(h) for h in candidates))))
+        room = {h: mem // floor if floor and mem is not None else None for h, (mem, floor) in said.items()}
+        placed = dict.fromkeys(candidates, 0)
+        left: list[Group] = []  # the groups no candidate host has room for
+        for g in groups:
+            host = next((h for h in g.hosts if room[h] is None or placed[h] < room[h]), None)
+            if host is None:
+                left.append(g)
+            else:
+                placed[host] += 1
+        if left:  # (said of the first one's first host: what it holds, and those of them it cannot take)
+            h = left[0].hosts[0]
+            mem, floor = said[h]
+            n = placed[h] + sum(g.hosts[0] == h for g in left)
+            others = ", ".join(left[0].hosts[1:])
+            raise GraphError(f"{worker_memory_error(n, mem, f'host {h}', floor)}"
+                             f"{f' (the other candidate hosts of group {left[0].name!r}, {others}, are full as well)' if others else ''}")
 
-    async def choose(self, group: Group) -> str:
+    async def choose(self, group: Group, full: Mapping[str, str] | None = None) -> str:
         """The first of the group's candidate hosts whose daemon answers: those not lost first, in
         order; then the lost ones, asked again (a daemon that a supervisor such as Ray, Kubernetes
-        or systemd started again at its address is a host again).
+        or systemd started again at its address is a host again). Hosts in ``full`` (host -> its
+        daemon's refusal) refused to start the group for want of memory: passed over.
 
         Raises:
             NoHostAnsweredError: none answers, naming each and why.
+            DaemonFullError: every candidate that answered refused for want of memory, naming each.
         """
-        why = []
-        for h in [h for h in group.hosts if h not in self.lost_hosts] + [h for h in group.hosts if h in self.lost_hosts]:
+        full = full or {}
+        why = [f"{h}: {w}" for h, w in full.items()]
+        hosts = [h for h in group.hosts if h not in full]
+        for h in [h for h in hosts if h not in self.lost_hosts] + [h for h in hosts if h in self.lost_hosts]:
             was_lost = self.lost_hosts.get(h)
             try:
                 pong = await self._ping(h)
@@ -398,6 +416,10 @@ class RemoteWorkers:
             return h
         if why and all(": its daemon runs reactor " in w for w in why):
             raise MixedBuildsError(f"group {group.name!r}: no candidate host can run it: {'; '.join(why)}")
+        if full:
+            from ._daemon import DaemonFullError
+
+            raise DaemonFullError(f"group {group.name!r}: no candidate host has the memory to start it: {'; '.join(why)}")
         keys = (" (a submitted job's coordinator has its head daemon's key pair)"
                 if any("its authorized/ does not hold our key.pub" in w for w in why) else "")
         raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}{keys}")
@@ -427,13 +449,28 @@ class RemoteWorkers:
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
         """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and
-        ``bind`` are set by the daemon: its copy of the app, its own interface)."""
-        host = await self.choose(group)
+        ``bind`` are set by the daemon: its copy of the app, its own interface). A host whose daemon
+        refuses it for want of memory (``--worker-memory-mb``) is passed over for the next candidate,
+        at a start as at a restart.
+
+        Raises:
+            NoHostAnsweredError, DaemonFullError: as :meth:`choose`; DaemonError: a daemon refused
+                the spawn otherwise."""
+        from ._daemon import DaemonFullError
+
         files = self.files
         request = {"run": self.run_id, "group": group.name, "app": app_name, "files": files,
                    "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()},
                    "worker": spec, "lease_s": 2 * self.timeout_s}
-        got = await self.links[host].request("spawn", request, timeout_s=max(30.0, self.timeout_s))
+        full: dict[str, str] = {}
+        while True:
+            host = await self.choose(group, full)
+            try:
+                got = await self.links[host].request("spawn", request, timeout_s=max(30.0, self.timeout_s))
+                break
+            except DaemonFullError as e:
+                full[host] = str(e)
+                log.warning("group %s: %s; trying its next candidate host", group.name, e)
         self.host_of[group.name] = host
         self.pid[group.name] = int(got["pid"])
         if type(got.get("dir")) is str:  # (a daemon of an earlier version says none)

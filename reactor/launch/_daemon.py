@@ -61,7 +61,7 @@ from .._files import read_small_json
 from .._floodlog import flood_logged, flood_tally
 from .._hostmemory import available_host_bytes
 from ..transport._shm import _pid_start_time
-from ._daemonclient import DaemonClient, DaemonKeyError, DaemonSilentError, job_spec
+from ._daemonclient import DaemonClient, DaemonFullError, DaemonKeyError, DaemonSilentError, job_spec
 from ._forkserver import TRAINING_PRELOAD, Forks, over_hosts
 from ._hosting import (
     END_GRACE_S,
@@ -95,7 +95,7 @@ from ._protocol import check_request
 from ._rundir import sweep_stale
 from ._version import build_id, python_version
 
-__all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonKeyError", "DaemonSilentError", "job_spec"]
+__all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonFullError", "DaemonKeyError", "DaemonSilentError", "job_spec"]
 
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
@@ -729,6 +729,8 @@ class Daemon:
     async def _answer_later(self, ident: bytes, msg: Any) -> list[bytes]:
         try:
             ok, payload = await (self.start(msg) if msg[1] in STARTS else self.in_thread(msg))
+        except DaemonFullError as exc:  # (its kind after the text: the coordinator tries the group's next host)
+            return [ident, b"", msgpack.packb([msg[0], False, str(exc), "full"], use_bin_type=True)]
         except DaemonError as exc:
             ok, payload = False, str(exc)
         except Exception as exc:  # noqa: BLE001 - a failing request must not take the daemon down

@@ -22,7 +22,7 @@ from .._errors import DaemonError
 from ..transport import CurveKeys
 from ._app import shipped_files
 
-__all__ = ["DaemonClient", "DaemonKeyError", "DaemonSilentError", "job_spec"]
+__all__ = ["DaemonClient", "DaemonFullError", "DaemonKeyError", "DaemonSilentError", "job_spec"]
 
 
 class DaemonSilentError(DaemonError):
@@ -37,6 +37,12 @@ class DaemonSilentError(DaemonError):
         super().__init__(message)
         self.reached = reached
         self.why = why or message
+
+
+class DaemonFullError(DaemonError):
+    """A daemon refused to start a worker because its host has less memory available than a worker
+    takes there (its ``--worker-memory-mb``): another candidate host may take the group. On the wire,
+    a refusal's reply carries the kind ``"full"`` after its text (``[id, False, text, "full"]``)."""
 
 
 class DaemonKeyError(DaemonSilentError):
@@ -197,10 +203,10 @@ class DaemonClient:
                 reply = msgpack.unpackb(frames[-1], raw=False)
             except Exception:  # noqa: BLE001 - junk is no answer
                 continue
-            if type(reply) is not list or len(reply) != 3 or reply[0] != rid:
+            if type(reply) is not list or len(reply) not in (3, 4) or reply[0] != rid:
                 continue  # a late answer to an earlier request
             if not reply[1]:
-                raise DaemonError(reply[2])
+                raise (DaemonFullError if reply[3:] == ["full"] else DaemonError)(str(reply[2]))
             return reply[2]
         if self.refused is not None:
             raise self._key_error()

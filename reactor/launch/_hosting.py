@@ -55,6 +55,7 @@ from typing import Any
 from .._errors import DaemonError
 from .._files import open_regular, read_small, replace_small
 from .._hostmemory import available_host_bytes
+from ._daemonclient import DaemonFullError
 from ._forkserver import ForkedProcess, Forks
 from ._localworkers import WORKER_MEMORY_FLOOR, spawn_memory_error
 from ._rundir import open_run_dir, remove_run_dir
@@ -411,7 +412,7 @@ class HostedRuns:
                                                              f"daemon {self.name!r}'s host")):
             # (a coordinator checks a run's count on each host before it starts any; this is the last word,
             # for runs that fill the host meanwhile: a clear refusal rather than a host its OOM killer works on)
-            raise DaemonError(f"run {req['run']}: group {req['group']!r} not started: {why}")
+            raise DaemonFullError(f"run {req['run']}: group {req['group']!r} not started: {why}")
         run, group, start = self._prepare(req)  # (the group counts as starting from here)
         try:
             await asyncio.to_thread(put_files, run.dir / "app", req["files"], req["sha256"])

@@ -2205,6 +2205,61 @@ def test_a_daemon_starts_a_worker_only_while_its_host_has_the_memory_one_takes(t
         hosted.watch()
 
 
+def test_a_group_a_full_host_refuses_starts_on_its_next_candidate_host_and_the_check_before_counts_on_it(tmp_path):
+    """A daemon whose host lacks the memory a worker takes (``--worker-memory-mb``: here more than any host has)
+    refuses a spawn with the kind ``full``, and the coordinator starts the group on its next candidate host
+    (at a start as at a restart; before, the run failed with the first host's refusal while a second candidate
+    had room). Its check before the start counts the same way: groups that may go to the second host pass,
+    groups whose only host is the full one are refused; a group none of whose hosts has room fails naming
+    each host's refusal. (Real daemons on loopback, no fork server.)"""
+    from reactor._errors import GraphError
+    from reactor.launch._cluster import Host, RemoteWorkers
+    from reactor.launch._daemon import DaemonFullError
+    from reactor.launch._groups import Group
+
+    full = Daemon(tmp_path / "a", name="h1", extra=("--no-fork-server", "--worker-memory-mb", str(1 << 20)))
+    roomy = Daemon(tmp_path / "b", name="h2", extra=("--no-fork-server",))
+    (roomy.keys_dir / "authorized" / "h1-client.pub").write_bytes((full.client_dir / "key.pub").read_bytes())
+    hosts = {"h1": Host("h1", full.address, full.public), "h2": Host("h2", roomy.address, roomy.public)}
+    either, only_full = Group("g", ("x",), hosts=("h1", "h2")), Group("f", ("y",), hosts=("h1",))
+
+    async def go() -> None:
+        workers = RemoteWorkers("r-full", hosts, load_keys(full.client_dir), heartbeat_timeout_s=5.0)
+        workers.files = {"a.py": b"import sys\nsys.exit(0)\n"}
+        try:
+            pong = await workers.links["h2"].request("ping", timeout_s=10.0)
+            roomy_holds = pong["memory"] // pong["worker_memory"]
+            await workers.check_memory([either] * 3)  # (each fits on h2)
+            with pytest.raises(GraphError, match=r"^2 worker processes on host h1 need at least 2048\.0 GiB at 1024\.0 "
+                                                 r"GiB each, and host h1 has [0-9.]+ GiB available .*over hosts$"):
+                await workers.check_memory([either, only_full, only_full])
+            with pytest.raises(GraphError, match=r"^1 worker processes on host h1 need .*over hosts \(the other "
+                                                 r"candidate hosts of group 'g', h2, are full as well\)$"):
+                await workers.check_memory([either] * (roomy_holds + 1))
+            await workers.start(either, {}, "a.py")
+            assert workers.host_of["g"] == "h2" and workers.pid["g"] > 0
+            with pytest.raises(DaemonFullError) as got:
+                await workers.start(only_full, {}, "a.py")
+            assert str(got.value).startswith(
+                "group 'f': no candidate host has the memory to start it: h1: host 'h1' refused 'spawn': run r-full: "
+                "group 'f' not started: daemon 'h1''s host has "), str(got.value)
+            assert "f" not in workers.host_of
+        finally:
+            await workers.reap(10.0)
+            await workers.close()
+
+    try:
+        asyncio.run(go())
+        with roomy.client() as c:
+            assert [(w["run"], w["group"]) for w in c.request("hosted")] == [("r-full", "g")]
+            _wait_for(lambda: all(w["state"] == "ended" for w in c.request("hosted")), 30, "the worker to end on h2")
+        with full.client() as c:
+            assert c.request("hosted") == []  # nothing was started on the full host
+    finally:
+        full.stop()
+        roomy.stop()
+
+
 def test_a_memory_refusal_says_sizes_that_differ():
     """A need and what a host has are said in MiB below 10 GiB (a need rounded up, what is there down):
     in GiB to a tenth, a worker's 64 MiB against 60 MiB available read "need at least 0.1 GiB ... has

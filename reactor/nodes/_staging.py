@@ -31,7 +31,7 @@ import logging
 import os
 import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,10 +57,10 @@ class Staging:
 
     ``put`` places a flush in a shard's ring (contiguously: a flush that would wrap skips the
     ring's tail) or says there is no room; every message sent to a shard is recorded (``sent``),
-    staged or not, with its ``seq``, so that the shard's acks, which come in the order of its
-    messages, free what each one held. An ack frees rows only by the ``seq`` it names: a shard
-    acknowledges to a restarted actor the messages of its previous life that it still held (parked),
-    and those acks, counted as the oldest, freed rows the shard had not read yet.
+    staged or not, with the rows it holds, so that the shard's acks, which come in the order of its
+    messages, free what each one held. Which messages an ack covers is the writer's to say
+    (``Writer.acknowledged``, from the seq it names and the messages it keeps in flight; the two lists
+    hold the same messages in the same order): :meth:`acked` frees the oldest that many.
     """
 
     def __init__(self, owner: Any, region: str, views: dict[str, np.ndarray], num_shards: int,
@@ -75,8 +75,8 @@ class Staging:
         self.ok = np.zeros(num_shards, dtype=bool)  # the shard said it reads this host's regions
         self.head = np.zeros(num_shards, dtype=np.int64)  # rows placed, ever (skips included)
         self.tail = np.zeros(num_shards, dtype=np.int64)  # rows freed by acks, ever
-        # Per message sent, in order: (its seq, rows it holds); seq None: sent before staging began (no rows).
-        self.held: list[deque[tuple[int | None, int]]] = [deque() for _ in range(num_shards)]
+        # Per message in flight, in order: the rows it holds (0: sent in a message, or before staging began).
+        self.held: list[deque[int]] = [deque() for _ in range(num_shards)]
         self.staged_messages = 0
         self.staged_rows = 0
 
@@ -111,20 +111,19 @@ class Staging:
             return None
         return cls(owner, name, views, num_shards, rows_per_shard)
 
-    def put(self, shard: int, seq: int, names: Sequence[str], parts: Sequence[Mapping[str, np.ndarray]],
-            rows: int) -> Any:
-        """Write a flush of ``rows`` rows (``parts``: its segments' field arrays, in order), the
-        message ``seq``, into ``shard``'s ring; the :attr:`Steps.staged` word, or None (the shard has
-        not said it can, or there is no room): then nothing was written. Records the message either
-        way (:meth:`sent`)."""
+    def put(self, shard: int, names: Sequence[str], parts: Sequence[Mapping[str, np.ndarray]], rows: int) -> Any:
+        """Write a flush of ``rows`` rows (``parts``: its segments' field arrays, in order), the writer's
+        next message to ``shard``, into ``shard``'s ring; the :attr:`Steps.staged` word, or None (the
+        shard has not said it can, or there is no room): then nothing was written. Records the message
+        either way (:meth:`sent`)."""
         cap = self.rows_per_shard
         if not self.ok[shard] or rows > cap:
-            self.sent(shard, seq, 0)
+            self.sent(shard, 0)
             return None
         pos = int(self.head[shard] % cap)
         skip = cap - pos if pos + rows > cap else 0
         if int(self.head[shard] - self.tail[shard]) + skip + rows > cap:
-            self.sent(shard, seq, 0)
+            self.sent(shard, 0)
             return None
         first = shard * cap + (0 if skip else pos)
         for n in names:
@@ -134,32 +133,27 @@ class Staging:
             else:
                 np.concatenate([p[n] for p in parts], out=dst)
         self.head[shard] += skip + rows
-        self.sent(shard, seq, skip + rows)
+        self.sent(shard, skip + rows)
         self.staged_messages += 1
         self.staged_rows += rows
         return (self.descriptor, first, rows)
 
-    def sent(self, shard: int, seq: int, rows: int) -> None:
-        self.held[shard].append((seq, rows))
+    def sent(self, shard: int, rows: int) -> None:
+        """The writer sent ``shard`` a message holding ``rows`` rows of its ring (0: none)."""
+        self.held[shard].append(rows)
 
-    def start(self, sent: Sequence[Iterable[int | None]]) -> None:
-        """Begin with the messages ``sent[k]`` (their seqs, in order; None: not known) already in flight
-        to shard ``k`` (in messages: none holds rows)."""
+    def start(self, sent: Sequence[int]) -> None:
+        """Begin with ``sent[k]`` messages already in flight to shard ``k`` (in messages: none holds rows)."""
         for k in range(self.num_shards):
-            self.held[k].extend((seq, 0) for seq in sent[k])
+            self.held[k].extend([0] * sent[k])
 
-    def acked(self, shard: int, seq: Any, host: Any, pid: Any) -> None:
-        """``shard`` acknowledged this writer's message ``seq`` (``host``: its host id, or "";
-        ``pid``: its process's). Frees what that message held, and what the ones before it held (the
-        shard took them first, in order). An ack of no message in flight frees nothing: a stray one, or
-        one of a message sent before staging began (then one of those, none of which holds rows,
-        counts as acknowledged). An earlier life's acks do not reach here (``Writer(first_seq=...)``)."""
+    def acked(self, shard: int, n: int, host: Any, pid: Any) -> None:
+        """``shard`` acknowledged the oldest ``n`` of this writer's messages in flight to it (the writer
+        says how many its ack covers: 0 for a stray one, or one of an earlier life; ``host``: the shard's
+        host id, or ""; ``pid``: its process's): frees what they held."""
         held = self.held[shard]
-        n = next((i + 1 for i, (s, _) in enumerate(held) if s == seq), 0)  # (the oldest, but for a stray ack)
-        if n == 0 and held and held[0][0] is None:
-            n = 1
-        for _ in range(n):
-            self.tail[shard] += held.popleft()[1]
+        for _ in range(min(n, len(held))):
+            self.tail[shard] += held.popleft()
         self.ok[shard] = readable(host, pid, self.host)
 
     def lost(self, shard: int) -> None:

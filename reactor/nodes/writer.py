@@ -400,7 +400,7 @@ class Writer:
         memory, the message says where. At any time: the messages already out hold no staged rows."""
         if staging.num_shards != self.num_shards:
             raise ValueError(f"Writer.use_staging: staging for {staging.num_shards} shards, the writer has {self.num_shards}")
-        staging.start([[seq for seq, _ in sent] for sent in self._sent])
+        staging.start([len(sent) for sent in self._sent])
         self._staging = staging
 
     @property
@@ -613,14 +613,14 @@ class Writer:
             while sent and not asked:  # (at most ack_every, or max_unacked, messages)
                 asked = sent.popleft()[1]
                 n += 1
-            n = max(n, 1)
         else:
             n = next((i + 1 for i, (s, _) in enumerate(sent) if s == seq), 0)  # (at most max_unacked)
             for _ in range(n):
                 sent.popleft()
-        self.unacked[shard] = max(0, int(self.unacked[shard]) - n)
+        # (no seq and none in flight: still one message counted, of those a user's actor counts itself)
+        self.unacked[shard] = max(0, int(self.unacked[shard]) - (n if type(seq) is int else max(n, 1)))
         if self._staging is not None:
-            self._staging.acked(shard, seq, host, pid)
+            self._staging.acked(shard, n, host, pid)
 
     def shard_lost(self, shard: int) -> None:
         """``shard``'s process died (restart policies): send nothing to it until
@@ -668,7 +668,7 @@ class Writer:
         self._sent[shard].append((self.seq, True))
         self._unasked[shard] = 0
         if self._staging is not None:
-            self._staging.sent(shard, self.seq, 0)
+            self._staging.sent(shard, 0)
         msg = Steps(shard, self.writer_id, self.seq, {}, np.zeros(0, dtype=bool), last=True)
         self.seq += 1
         return msg
@@ -704,7 +704,7 @@ class Writer:
         self._sent[shard].append((self.seq, ask))
         staged = None
         if self._staging is not None:
-            staged = self._staging.put(shard, self.seq, names, [s[0] for s in segs], len(mask))
+            staged = self._staging.put(shard, names, [s[0] for s in segs], len(mask))
         if staged is not None:
             fields: dict[str, Any] = {}
         else:

@@ -37,6 +37,7 @@ from ._storagekernels import (
     _PREFETCH_WINDOWS,
     _nb_append,
     _nb_index_append,
+    _nb_plan_append,
     _nb_read_windows,
     _nb_reserve_rows,
     _nb_window_ranges,
@@ -297,6 +298,7 @@ class Storage(StorageState):
         self._row_horizon = np.zeros(2, dtype=np.int64) if index_arrays is None else \
             index_arrays("row_horizon", (2,), np.int64)
         self._row_horizon[:] = 0
+        self._plan_out = np.zeros(2, dtype=np.int64)  # (plan_append's kernel writes its plan here)
         self._first_step = 0
         self._next_step = 0
         self._first_ep = 0
@@ -484,34 +486,25 @@ class Storage(StorageState):
         """
         ends = self._episode_ends(length, episode_end)
         first_eid = self._next_ep - 1 if self._open else self._next_ep
+        out = self._plan_out
+        why = _nb_plan_append(ends, self._next_step, self._next_ep, self._first_step, self._first_ep, self._open,
+                              self._step_ep, self._ep_start, self._ep_len, self._capacity, out)
+        if not why:
+            return first_eid, ends, int(out[0]), int(out[1])
         cap = self._capacity
-        if not ends[-1]:
+        if why == 1:  # (then every later append was refused, and nothing but reset() could go on)
             closed = np.flatnonzero(ends)
             tail = length - 1 - int(closed[-1]) if len(closed) else length + (
                 int(self._ep_len[(self._next_ep - 1) % cap]) if self._open else 0)
-            if tail >= cap:  # (then every later append was refused, and nothing but reset() could go on)
-                raise ValueError(
-                    f"this append would leave an open episode of {tail} steps, the storage's whole capacity {cap}: "
-                    f"no step could end it (it would have to evict the episode's own start); end episodes sooner "
-                    f"(episode_end=True) or raise capacity")
-        needed = self._next_step + length - cap  # lowest global step that may remain
-        new_first_step, new_first_ep = self._first_step, self._first_ep
-        if needed > self._first_step:
-            if needed < self._next_step:
-                e = int(self._step_ep[needed % cap])
-                new_first_ep = e if self._ep_start[e % cap] == needed else e + 1
-            else:
-                new_first_ep = self._next_ep
-            if self._open and new_first_ep > self._next_ep - 1:
-                o = self._next_ep - 1
-                raise ValueError(
-                    f"open episode {o} ({self._ep_len[o % cap]} steps + {length} appended) would no longer fit "
-                    f"in the storage capacity {cap}: end episodes sooner (episode_end=True) or raise capacity"
-                )
-            new_first_step = int(self._ep_start[new_first_ep % cap]) if new_first_ep < self._next_ep else (
-                self._next_step
-            )
-        return first_eid, ends, new_first_step, new_first_ep
+            raise ValueError(
+                f"this append would leave an open episode of {tail} steps, the storage's whole capacity {cap}: "
+                f"no step could end it (it would have to evict the episode's own start); end episodes sooner "
+                f"(episode_end=True) or raise capacity")
+        o = self._next_ep - 1
+        raise ValueError(
+            f"open episode {o} ({self._ep_len[o % cap]} steps + {length} appended) would no longer fit "
+            f"in the storage capacity {cap}: end episodes sooner (episode_end=True) or raise capacity"
+        )
 
     def append(
         self,

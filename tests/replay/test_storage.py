@@ -119,6 +119,9 @@ def test_an_append_that_leaves_an_open_episode_filling_the_whole_ring_is_refused
         s.append(steps(3, 1), episode_end=False)
     s.append(steps(3, 1), episode_end=True)
     assert s.read_episodes(np.array([0]))["lengths"].tolist() == [4]
+    # An end inside the append: the open tail after it is what counts (3 steps: taken).
+    s.append(steps(4, 4), episode_end=np.array([1, 0, 0, 0], dtype=bool))
+    assert s.open_episode is not None and s.num_steps == 4 and s.num_episodes == 2
 
 
 def test_episode_end_array_splits_one_append_into_episodes():

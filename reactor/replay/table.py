@@ -611,12 +611,16 @@ class Table(TableState):
         sampler = self._sampler
         tree, out = sampler._tree, self._host_out
         with tree._lock:
+            bound = tree._bound
             fill = tree._stage_room(span + n, psum, scaled)
             if fill < 0 or not _nb_insert_host(
                 *st._kernel_append_args(length, plan, src), self._keys, self._times, lo, hi, first,
                 _NO_MASK if mask is None else mask, st.capacity, gone, keys, slots, tree._stage_idx, tree._stage_prio,
                 fill, scaled, sampler._present, out,
             ):
+                # (declined: the general path raises the bound by the batch, which must not count twice;
+                # the old bound still bounds the total, the buffer applied or not)
+                tree._bound = bound
                 return None
             tree._staged = int(out[3])
         next_ep, dropped, _, _, change = out.tolist()

@@ -610,6 +610,9 @@ def _three_insert_paths(cap: int, max_times_sampled: int = 0) -> list[Table]:
 
 
 def _assert_same_tables(tables: list[Table]) -> None:
+    # (first, as a read flushes it: the bound of the tree's total, which an insert the one kernel
+    # declined must not raise twice)
+    assert len({t._sampler._tree._bound for t in tables}) == 1
     for t in tables[1:]:
         assert len(t) == len(tables[0])
         assert t.statistics() == tables[0].statistics()

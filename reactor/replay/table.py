@@ -501,7 +501,8 @@ class Table(TableState):
     ) -> torch.Tensor:
         """Like :meth:`insert_nowait`, but wait on the running loop while the rate limiter blocks.
 
-        Input is validated before waiting. Cancelling the wait inserts nothing.
+        Input is validated before waiting, and read (validated again) when it goes in: a tensor the
+        caller changed meanwhile is copied as it is then. Cancelling the wait inserts nothing.
 
         Raises:
             TimeoutError: ``timeout_s`` passed while blocked (nothing inserted).
@@ -516,11 +517,14 @@ class Table(TableState):
         while True:
             await self._limiter.wait(
                 "insert",
-                lambda: self._limiter.can_insert(n, self._size) or self._limiter.never_inserts(n, self._size) is not None,
-                lambda: f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size),
+                lambda k=n: self._limiter.can_insert(k, self._size) or self._limiter.never_inserts(k, self._size) is not None,
+                lambda k=n: f"table {self._name!r}: " + self._limiter.explain("insert", k, self._size),
                 timeout_s,
             )
             with self._lock:  # re-check under the lock: another thread may have acted in between
+                # The inputs as they are now (the copy reads them now: by address in the one kernel, and
+                # a source given new memory or a new shape meanwhile must not be read as it was).
+                validated, prio, mask, n = self._prepare_insert(validated[1], priorities, item_mask)
                 never = None if self._limiter.can_insert(n, self._size) else self._limiter.never_inserts(n, self._size)
                 if never is not None:
                     raise ValueError(f"table {self._name!r}: {never}")

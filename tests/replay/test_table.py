@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from reactor.replay import (
     MinHeap,
     MinSize,
     Prioritized,
+    SampleToInsertRatio,
     StepRead,
     Storage,
     Table,
@@ -711,6 +713,56 @@ def test_the_one_kernel_insert_fills_the_trees_buffer_and_declines_what_it_canno
     got = [t.sample_nowait(64)[1] for t in tables]
     for g in got[1:]:
         np.testing.assert_array_equal(np.asarray(g.keys), np.asarray(got[0].keys))
+
+
+@pytest.mark.parametrize("one_kernel", [True, False])
+def test_an_insert_that_waited_copies_its_sources_as_they_are_when_it_goes_in(one_kernel):
+    """An insert the rate limiter held back copies its tensors' rows when it goes in: a source given
+    new memory meanwhile (``set_``) is read from there, not from the address the first validation took
+    (the one kernel copies by address; the old memory may be freed by then), one whose shape changed
+    meanwhile is refused, nothing changed, and an ``item_mask`` changed meanwhile is read as it is."""
+
+    async def main() -> None:
+        t = Table(Storage(SPECS, 64), sampler=Prioritized(0.6), remover=Fifo(),
+                  rate_limiter=SampleToInsertRatio(2.0, 1, 2.0), read=StepRead())
+        t._host_insert = one_kernel
+        t.insert_nowait(steps(0, 1))
+        t.insert_nowait(steps(1, 1))  # the next insert waits for samples
+        base = torch.full((2, 2), -1.0)  # (kept: the memory the first validation saw stays readable)
+        src = {"obs": base.view(2, 2), "reward": torch.zeros(2), "step": torch.arange(2, 4)}
+        ins = asyncio.ensure_future(t.insert(src, np.ones(2)))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not ins.done()
+        src["obs"].set_(torch.full((2, 2), 7.0))  # new memory, same shape
+        t.sample_nowait(4)
+        assert (await asyncio.wait_for(ins, 10)).tolist() == [2, 3]
+        assert t.storage.read_steps(np.array([2, 3]))["obs"].eq(7.0).all()
+
+        grown = torch.zeros(2, 2)  # (the limiter holds this one back too)
+        ins = asyncio.ensure_future(t.insert({"obs": grown, "reward": torch.zeros(2), "step": torch.arange(4, 6)}))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not ins.done()
+        grown.resize_(3, 2)
+        before = t.storage.step_range
+        t.sample_nowait(4)
+        with pytest.raises(ValueError, match="field 'reward' has 2 steps but field 'obs' has 3"):
+            await asyncio.wait_for(ins, 10)
+        assert t.storage.step_range == before
+
+        t.insert_nowait(steps(4, 2))
+        mask = np.array([True, False])
+        ins = asyncio.ensure_future(t.insert(steps(6, 2), item_mask=mask))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not ins.done()
+        mask[1] = True  # two items now: keyed as two (the kernels write as many as the mask says)
+        t.sample_nowait(4)
+        assert (await asyncio.wait_for(ins, 10)).tolist() == [6, 7]
+        assert len(t) == 8
+
+    asyncio.run(main())
 
 
 def test_a_prioritized_remover_with_no_mass_left_removes_the_oldest_zero_priority_items():

@@ -46,7 +46,9 @@ Two plain-Python helpers sit with them, for the buffers those kernels fill:
 numba's on-disk cache of a kernel notices edits to the kernel's own file only: after changing an
 intrinsic here, delete the ``__pycache__`` folders of ``reactor/replay`` and ``reactor/transport``
 (or their kernels keep the old code). For the same reason the table's one-call window sample, which
-compiles in kernels of two other files, is not cached at all (``reactor/replay/table.py``).
+compiles in kernels of two other files, is not cached at all (``reactor/replay/table.py``), and a
+module whose cached kernels compile in another file's drops its cache at import when that file is
+newer (``drop_stale_cache``: the one-sided reader's, the table's one-kernel insert).
 
 The caller is responsible for every address and length being inside live arrays (the kernels that
 use these compute them from validated ring positions and keep the arrays alive for the call).
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from pathlib import Path
 from typing import Any
 
 import llvmlite.ir as ir
@@ -76,6 +79,7 @@ __all__ = [
     "atomic_add",
     "atomic_cas",
     "copy_bytes",
+    "drop_stale_cache",
     "host_empty",
     "host_huge_zeros",
     "numpy_twin",
@@ -218,6 +222,22 @@ def atomic_cas(typingctx: Any, addr: Any, expected: Any, new: Any) -> Any:
         return builder.extract_value(pair, 0)
 
     return types.int64(addr, expected, new), codegen
+
+
+def drop_stale_cache(module_file: str, *deps: Path) -> None:
+    """Remove the numba disk cache of ``module_file``'s kernels if a file they compile in (``deps``) is
+    newer: numba's cache notices edits to the kernel's own file only, so a cached kernel would keep
+    running the other file's old code. Called at the module's import, before a kernel is looked up.
+    Only numba's default place (``__pycache__`` beside the module) is checked: with ``NUMBA_CACHE_DIR``
+    set, clear that directory after editing such a file."""
+    here = Path(module_file)
+    try:
+        newest = max(p.stat().st_mtime for p in deps)
+        for f in (here.parent / "__pycache__").glob(f"{here.stem}.*.nb[ic]"):
+            if f.stat().st_mtime < newest:
+                f.unlink(missing_ok=True)
+    except OSError:  # a read-only install: its files do not change either
+        pass
 
 
 _NUMPY_TWINS: dict[torch.dtype, Any] = {}

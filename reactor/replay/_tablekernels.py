@@ -3,14 +3,20 @@ info and the one-call window sample, priority updates' slots."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numba
 import numpy as np
 
-from .._native import prefetch
+from .._native import drop_stale_cache, prefetch
 from ._storagekernels import _nb_append, _nb_read_windows
 from .sumtree import _nb_descend
+
+# The one-kernel insert (_nb_insert_host) is cached on disk but compiles in the storage's append
+# (_storagekernels.py): a cached copy kept running an old append after that file changed. So this
+# module's cache goes when it (or _native.py) is newer.
+drop_stale_cache(__file__, Path(__file__).with_name("_storagekernels.py"), Path(__file__).parent.parent / "_native.py")
 
 # Compiled bookkeeping for the hot paths. Each replaces 4-8 numpy calls of a few microseconds each
 # (the Table's own overhead was ~80 us per sample before; see docs/benchmarks.md).

@@ -67,7 +67,7 @@ import numba
 import numpy as np
 import torch
 
-from .._native import acquire_fence, prefetch, release_fence, void_pointer
+from .._native import acquire_fence, drop_stale_cache, prefetch, release_fence, void_pointer
 from ._budget import BUDGET_WORDS, PARKED, take, take_all
 from ._storagekernels import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
 from .storage import n_step_return
@@ -330,29 +330,13 @@ class SamplingPublisher:
 # -------------------------------------------------------------------------------------- reader side
 
 
-def _drop_stale_kernel_cache() -> None:
-    """Remove this module's numba cache if a module its kernels compile in is newer.
-
-    The reader kernels are cached on disk (compiling them costs ~2 s a process, paid at the first
-    one-sided sample of every learner and read server), but numba's cache notices edits to the
-    kernel's own file only, and these kernels compile in the sum tree's descent and the storage's
-    window copy (``_storagekernels.py``): a cached copy would keep running an old descent after ``sumtree.py`` changed (the
-    reason ``Table``'s one-call sample is not cached). So a cache file older than any of those
-    modules is removed here, at import, before a kernel is looked up. Only numba's default place
-    (``__pycache__`` beside this file) is checked: with ``NUMBA_CACHE_DIR`` set, clear that directory
-    after editing those modules."""
-    here = Path(__file__)
-    deps = (here.with_name("sumtree.py"), here.with_name("_storagekernels.py"), here.parent.parent / "_native.py")
-    try:
-        newest = max(p.stat().st_mtime for p in deps)
-        for f in (here.parent / "__pycache__").glob("shared.*.nb[ic]"):
-            if f.stat().st_mtime < newest:
-                f.unlink(missing_ok=True)
-    except OSError:  # a read-only install: its files do not change either
-        pass
-
-
-_drop_stale_kernel_cache()
+# The reader kernels are cached on disk (compiling them costs ~2 s a process, paid at the first one-sided
+# sample of every learner and read server), but they compile in the sum tree's descent and the storage's
+# window copy: a cached copy would keep running an old descent after sumtree.py changed (the reason
+# Table's one-call sample is not cached). So the cache goes when one of those files is newer.
+_HERE = Path(__file__)
+drop_stale_cache(__file__, _HERE.with_name("sumtree.py"), _HERE.with_name("_storagekernels.py"),
+                 _HERE.parent.parent / "_native.py")
 
 
 @numba.njit(cache=True, nogil=True)

@@ -593,6 +593,44 @@ def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
     assert run() == [0, 0]  # both paths run the edited copy kernel
 
 
+_ONE_KERNEL_INSERT_PROBE = """
+import numpy as np, torch
+from reactor.replay import Fifo, FieldSpec, MinSize, Prioritized, StepRead, Storage, Table
+from reactor.replay._tablekernels import _nb_insert_host
+got = []
+for one_kernel in (True, False):
+    t = Table(Storage([FieldSpec("x", (), torch.float32)], 64), sampler=Prioritized(0.6), remover=Fifo(),
+              rate_limiter=MinSize(1), read=StepRead())
+    t._host_insert = one_kernel
+    t.insert_nowait({"x": torch.arange(1, 41, dtype=torch.float32)}, np.ones(40))
+    got.append(int(t.storage.read_steps(np.arange(40))["x"].sum()))
+print(*got, len(_nb_insert_host.signatures))
+"""
+
+
+def test_one_kernel_insert_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
+    """The one-kernel insert (``_nb_insert_host``) compiles in the storage's append (``_nb_append``, in
+    _storagekernels.py), and numba's disk cache only notices edits to the cached function's own file: a
+    cached copy kept running the old append after _storagekernels.py changed (as the one-call sample
+    did, above). Edit a copy of the package, caches along, between two processes: both insert paths
+    copy the rows the edited way."""
+    pkg = tmp_path / "reactor"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg)
+
+    def run() -> list[int]:
+        out = subprocess.run([sys.executable, "-c", _ONE_KERNEL_INSERT_PROBE], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=240, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        return [int(v) for v in out.stdout.split()]
+
+    assert run() == [820, 820, 1]  # (1: the one kernel ran)
+    storage_py = pkg / "replay" / "_storagekernels.py"
+    src = storage_py.read_text()
+    assert "copy_bytes(dst[f] + pos0 * nb, s, n1 * nb)" in src
+    storage_py.write_text(src.replace("copy_bytes(dst[f] + pos0 * nb, s, n1 * nb)", "copy_bytes(dst[f] + pos0 * nb, s, 0)"))
+    assert run() == [0, 0, 1]  # both paths run the edited append: no row copied
+
+
 class _PrioritizedDeleteFirst(Prioritized):
     """Prioritized without the fast insert paths: the table deletes every evicted slot first."""
 

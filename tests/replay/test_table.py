@@ -688,6 +688,7 @@ def test_the_fast_insert_paths_leave_the_state_the_general_path_leaves(max_times
     copies them field by field)."""
     rng = np.random.default_rng(7)
     tables = _three_insert_paths(512, max_times_sampled)
+    took = _count_one_kernel_inserts(tables[0])
     step = open_len = 0
     for i in range(400):
         n = int(rng.integers(1, 200))  # with at most 256 steps left open: an episode fits the 512-step ring
@@ -722,6 +723,20 @@ def test_the_fast_insert_paths_leave_the_state_the_general_path_leaves(max_times
         assert len(tables[0]) == len(tables[1]) == len(tables[2])
         assert tables[0].statistics() == tables[1].statistics() == tables[2].statistics()
     _assert_same_tables(tables)
+    assert took == [320, 80]  # (the one kernel took every insert but the strided ones)
+
+
+def _count_one_kernel_inserts(table: Table) -> list[int]:
+    """How many of ``table``'s inserts the one kernel took, and how many it declined (updated in place)."""
+    took, one = [0, 0], table._apply_insert_host
+
+    def counted(*args: Any) -> Any:
+        keys = one(*args)
+        took[keys is None] += 1
+        return keys
+
+    table._apply_insert_host = counted  # type: ignore[method-assign]
+    return took
 
 
 def test_the_one_kernel_insert_fills_the_trees_buffer_and_declines_what_it_cannot_take():

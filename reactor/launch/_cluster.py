@@ -308,6 +308,7 @@ class RemoteWorkers:
         self.silent_hosts: set[str] = set()  # lost by silence (cut off, or down), not by a daemon's answer
         self.waiting: dict[str, str] = {}  # group -> how long its restart has waited for a host (the coordinator's)
         self.files: dict[str, bytes] = {}
+        self.planned: dict[str, str] = {}  # group -> the host check_memory counted it on (its start asks it first)
         self.run_dir_of: dict[str, str] = {}  # host -> the run's directory there (its daemon's spawn says it)
         self.settle_s = heartbeat_timeout_s + 2 * HEARTBEAT_S  # how long a worker's death may take to show in dead()
         self._beat: asyncio.Task[None] | None = None
@@ -328,9 +329,11 @@ class RemoteWorkers:
 
     async def check_memory(self, groups: Sequence[Group]) -> None:
         """Refuse a run whose workers its hosts' memory cannot hold, before any starts: each group
-        placed, in order, on its first candidate host with room left (as :meth:`start` passes over a
-        host whose daemon refuses a spawn for want of memory), each host holding as many workers as
-        its available memory over the least a worker takes there (each daemon's ``ping`` says both).
+        placed, in order, on its first candidate host with room left, each host holding as many
+        workers as its available memory over the least a worker takes there (each daemon's ``ping``
+        says both). The group's first start asks that host first (:attr:`planned`): a daemon refuses
+        a spawn only once its host's memory is short, which the workers started a moment before have
+        not taken yet (a host with room for one took every group that named it first).
         A host that does not answer within :data:`CHECK_PING_S`, or whose daemon does not say, is not
         judged here (its daemon refuses each spawn past its memory, and ``choose`` passes over a
         silent one).
@@ -363,6 +366,7 @@ class RemoteWorkers:
                 left.append(g)
             else:
                 placed[host] += 1
+                self.planned[g.name] = host
         if left:  # (said of the first one's first host: what it holds, and those of them it cannot take)
             h = left[0].hosts[0]
             mem, floor = said[h]
@@ -371,19 +375,20 @@ class RemoteWorkers:
             raise GraphError(f"{worker_memory_error(n, mem, f'host {h}', floor)}"
                              f"{f' (the other candidate hosts of group {left[0].name!r}, {others}, are full as well)' if others else ''}")
 
-    async def choose(self, group: Group, full: Mapping[str, str] | None = None) -> str:
+    async def choose(self, group: Group, full: Mapping[str, str] | None = None, first: str | None = None) -> str:
         """The first of the group's candidate hosts whose daemon answers: those not lost first, in
-        order; then the lost ones, asked again (a daemon that a supervisor such as Ray, Kubernetes
-        or systemd started again at its address is a host again). Hosts in ``full`` (host -> its
-        daemon's refusal) refused to start the group for want of memory: passed over.
+        order (``first`` before the others); then the lost ones, asked again (a daemon that a
+        supervisor such as Ray, Kubernetes or systemd started again at its address is a host again).
+        Hosts in ``full`` (host -> its daemon's refusal) refused to start the group for want of
+        memory: passed over.
 
         Raises:
             NoHostAnsweredError: none answers, naming each and why.
-            DaemonFullError: every candidate that answered refused for want of memory, naming each.
+            DaemonFullError: none answers but those in ``full``, naming each and why.
         """
         full = full or {}
         why = [f"{h}: {w}" for h, w in full.items()]
-        hosts = [h for h in group.hosts if h not in full]
+        hosts = sorted((h for h in group.hosts if h not in full), key=lambda h: h != first)  # (stable)
         for h in [h for h in hosts if h not in self.lost_hosts] + [h for h in hosts if h in self.lost_hosts]:
             was_lost = self.lost_hosts.get(h)
             try:
@@ -419,7 +424,9 @@ class RemoteWorkers:
         if full:
             from ._daemon import DaemonFullError
 
-            raise DaemonFullError(f"group {group.name!r}: no candidate host has the memory to start it: {'; '.join(why)}")
+            what = ("has the memory to start it" if len(why) == len(full) else  # (others silent, or of another build)
+                    f"can start it ({', '.join(full)} for want of memory)")
+            raise DaemonFullError(f"group {group.name!r}: no candidate host {what}: {'; '.join(why)}")
         keys = (" (a submitted job's coordinator has its head daemon's key pair)"
                 if any("its authorized/ does not hold our key.pub" in w for w in why) else "")
         raise NoHostAnsweredError(f"group {group.name!r}: no candidate host answered: {'; '.join(why)}{keys}")
@@ -449,9 +456,10 @@ class RemoteWorkers:
 
     async def start(self, group: Group, spec: dict[str, Any], app_name: str) -> None:
         """Start ``group``'s worker on its first live candidate host with ``spec`` (its ``app`` and
-        ``bind`` are set by the daemon: its copy of the app, its own interface). A host whose daemon
-        refuses it for want of memory (``--worker-memory-mb``) is passed over for the next candidate,
-        at a start as at a restart.
+        ``bind`` are set by the daemon: its copy of the app, its own interface); at its first start,
+        the host :meth:`check_memory` counted it on is asked first. A host whose daemon refuses it
+        for want of memory (``--worker-memory-mb``) is passed over for the next candidate, at a start
+        as at a restart.
 
         Raises:
             NoHostAnsweredError, DaemonFullError: as :meth:`choose`; DaemonError: a daemon refused
@@ -463,8 +471,9 @@ class RemoteWorkers:
                    "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()},
                    "worker": spec, "lease_s": 2 * self.timeout_s}
         full: dict[str, str] = {}
+        first = self.planned.pop(group.name, None)
         while True:
-            host = await self.choose(group, full)
+            host = await self.choose(group, full, first)
             try:
                 got = await self.links[host].request("spawn", request, timeout_s=max(30.0, self.timeout_s))
                 break

@@ -2260,6 +2260,82 @@ def test_a_group_a_full_host_refuses_starts_on_its_next_candidate_host_and_the_c
         roomy.stop()
 
 
+def test_a_start_puts_each_group_on_the_host_the_memory_check_counted_it_on(tmp_path):
+    """check_memory counts a group on its next candidate host once its first is full by count, and the start
+    asks that host first. A daemon refuses a spawn only once its host's memory is short, and workers started a
+    moment before have not taken theirs yet: before, a host with room for one worker took both groups that named
+    it first, where the check had passed them as one on each host. (Real daemons on loopback, no fork server.)"""
+    from reactor._hostmemory import available_host_bytes
+    from reactor.launch._cluster import Host, RemoteWorkers
+    from reactor.launch._groups import Group
+
+    avail = available_host_bytes()
+    if avail is None:
+        pytest.skip("this host does not say its available memory")
+    # Room for one worker on h1 (its available memory over 1.5 workers: one, while it stays within a third of
+    # what it is now), and every spawn there taken (it has a worker's worth).
+    small = Daemon(tmp_path / "a", name="h1", extra=("--no-fork-server", "--worker-memory-mb", str(int(avail / 1.5) >> 20)))
+    roomy = Daemon(tmp_path / "b", name="h2", extra=("--no-fork-server",))
+    (roomy.keys_dir / "authorized" / "h1-client.pub").write_bytes((small.client_dir / "key.pub").read_bytes())
+    hosts = {"h1": Host("h1", small.address, small.public), "h2": Host("h2", roomy.address, roomy.public)}
+    a, b = Group("a", ("x",), hosts=("h1", "h2")), Group("b", ("y",), hosts=("h1", "h2"))
+
+    async def go() -> None:
+        workers = RemoteWorkers("r-plan", hosts, load_keys(small.client_dir), heartbeat_timeout_s=5.0)
+        workers.files = {"a.py": b"import sys\nsys.exit(0)\n"}
+        try:
+            pong = await workers.links["h1"].request("ping", timeout_s=10.0)
+            assert pong["memory"] // pong["worker_memory"] == 1, pong
+            await workers.check_memory([a, b])
+            assert workers.planned == {"a": "h1", "b": "h2"}
+            await workers.start(a, {}, "a.py")
+            await workers.start(b, {}, "a.py")
+            assert workers.host_of == {"a": "h1", "b": "h2"}
+            assert workers.planned == {}  # (a restart asks the hosts in order again)
+        finally:
+            await workers.reap(10.0)
+            await workers.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        small.stop()
+        roomy.stop()
+
+
+def test_a_group_whose_one_host_is_full_and_other_silent_is_refused_saying_which_is_which(tmp_path):
+    """A group whose first host refuses it for want of memory and whose second does not answer fails naming
+    each and why, and not as "no candidate host has the memory" (the silent one may have it)."""
+    import socket
+
+    from reactor.launch._cluster import Host, RemoteWorkers
+    from reactor.launch._daemon import DaemonFullError
+    from reactor.launch._groups import Group
+
+    full = Daemon(tmp_path / "a", name="h1", extra=("--no-fork-server", "--worker-memory-mb", str(1 << 20)))
+    with socket.socket() as s:  # (a port nothing listens on)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hosts = {"h1": Host("h1", full.address, full.public), "h2": Host("h2", f"tcp://127.0.0.1:{port}", full.public)}
+
+    async def go() -> None:
+        workers = RemoteWorkers("r-half", hosts, load_keys(full.client_dir), heartbeat_timeout_s=1.0)
+        workers.files = {"a.py": b"import sys\nsys.exit(0)\n"}
+        try:
+            with pytest.raises(DaemonFullError) as got:
+                await workers.start(Group("g", ("x",), hosts=("h1", "h2")), {}, "a.py")
+            assert str(got.value).startswith("group 'g': no candidate host can start it (h1 for want of memory): "
+                                             "h1: host 'h1' refused 'spawn': "), str(got.value)
+            assert "; h2: " in str(got.value), str(got.value)
+        finally:
+            await workers.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        full.stop()
+
+
 def test_a_memory_refusal_says_sizes_that_differ():
     """A need and what a host has are said in MiB below 10 GiB (a need rounded up, what is there down):
     in GiB to a tenth, a worker's 64 MiB against 60 MiB available read "need at least 0.1 GiB ... has

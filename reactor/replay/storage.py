@@ -482,8 +482,12 @@ class Storage(StorageState):
             episode after evictions.
 
         Raises:
-            ValueError: ``episode_end`` malformed, or the open episode would have to evict itself.
+            ValueError: ``length`` not in [1, capacity], ``episode_end`` malformed, or the open episode
+                would have to evict itself.
         """
+        if not 0 < length <= self._capacity:  # (the kernel reads the last end flag unchecked: at 0, out of bounds)
+            raise ValueError(f"an append of {length} steps: a storage of capacity {self._capacity} takes 1 to "
+                             f"{self._capacity}")
         ends = self._episode_ends(length, episode_end)
         first_eid = self._next_ep - 1 if self._open else self._next_ep
         out = self._plan_out

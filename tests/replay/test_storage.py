@@ -124,6 +124,19 @@ def test_an_append_that_leaves_an_open_episode_filling_the_whole_ring_is_refused
     assert s.open_episode is not None and s.num_steps == 4 and s.num_episodes == 2
 
 
+def test_a_plan_of_no_steps_or_more_than_the_capacity_is_refused():
+    """plan_append's kernel reads an append's last end flag unchecked: a plan of 0 steps with an array of no
+    flags read the byte before that array's data and answered a plan (its Python, ``ends[-1]``, had raised an
+    IndexError). Both bounds are refused, saying them, and the storage is unchanged."""
+    s = Storage(SPECS, 4)
+    s.append(steps(0, 2), episode_end=False)
+    before = snapshot(s)
+    for n, ends in ((0, np.zeros(0, dtype=bool)), (0, True), (5, np.zeros(5, dtype=bool)), (-1, True)):
+        with pytest.raises(ValueError, match=rf"^an append of {n} steps: a storage of capacity 4 takes 1 to 4$"):
+            s.plan_append(n, ends)
+    assert same(snapshot(s), before)
+
+
 def test_episode_end_array_splits_one_append_into_episodes():
     s = Storage(SPECS, 20)
     s.append(steps(0, 6), episode_end=np.array([0, 1, 0, 0, 1, 0], dtype=bool))

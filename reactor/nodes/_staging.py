@@ -60,7 +60,9 @@ class Staging:
     staged or not, with the rows it holds, so that the shard's acks, which come in the order of its
     messages, free what each one held. Which messages an ack covers is the writer's to say
     (``Writer.acknowledged``, from the seq it names and the messages it keeps in flight; the two lists
-    hold the same messages in the same order): :meth:`acked` frees the oldest that many.
+    hold the same messages in the same order): :meth:`acked` frees the oldest that many. Those an ack
+    naming no seq covers leave the list, their rows kept until an ack names a message in flight (a
+    guess of which messages a shard has read frees nothing it may not have).
     """
 
     def __init__(self, owner: Any, region: str, views: dict[str, np.ndarray], num_shards: int,
@@ -75,6 +77,7 @@ class Staging:
         self.ok = np.zeros(num_shards, dtype=bool)  # the shard said it reads this host's regions
         self.head = np.zeros(num_shards, dtype=np.int64)  # rows placed, ever (skips included)
         self.tail = np.zeros(num_shards, dtype=np.int64)  # rows freed by acks, ever
+        self.kept = np.zeros(num_shards, dtype=np.int64)  # rows of messages acks without a seq counted, not freed
         # Per message in flight, in order: the rows it holds (0: sent in a message, or before staging began).
         self.held: list[deque[int]] = [deque() for _ in range(num_shards)]
         self.staged_messages = 0
@@ -147,13 +150,22 @@ class Staging:
         for k in range(self.num_shards):
             self.held[k].extend([0] * sent[k])
 
-    def acked(self, shard: int, n: int, host: Any, pid: Any) -> None:
+    def acked(self, shard: int, n: int, host: Any, pid: Any, named: bool = True) -> None:
         """``shard`` acknowledged the oldest ``n`` of this writer's messages in flight to it (the writer
         says how many its ack covers: 0 for a stray one, or one of an earlier life; ``host``: the shard's
-        host id, or ""; ``pid``: its process's): frees what they held."""
+        host id, or ""; ``pid``: its process's): frees what they held, and what the messages earlier
+        acks counted held (the shard read those first). An ack that names no message (``named``
+        False: no seq, or one of another type, from a user's actor or a peer) is no proof of what the
+        shard has read: its messages' rows are kept (:attr:`kept`) until one that does."""
         held = self.held[shard]
+        rows = 0
         for _ in range(min(n, len(held))):
-            self.tail[shard] += held.popleft()
+            rows += held.popleft()
+        if named and n:
+            self.tail[shard] += rows + self.kept[shard]
+            self.kept[shard] = 0
+        else:
+            self.kept[shard] += rows
         self.ok[shard] = readable(host, pid, self.host)
 
     def lost(self, shard: int) -> None:
@@ -161,6 +173,7 @@ class Staging:
         staged to until its next life says it can."""
         self.held[shard].clear()
         self.tail[shard] = self.head[shard]
+        self.kept[shard] = 0
         self.ok[shard] = False
 
     def close(self) -> None:

@@ -601,7 +601,8 @@ class Writer:
         takes them in order, and acks only those that ask: :attr:`Steps.ack`); an int ``seq`` of no
         message in flight counts for none (a stray ack, or one in transit when the shard died); no
         ``seq`` (None) counts for the oldest message that asked for an ack and those before it. With
-        staging, what those messages staged is freed."""
+        staging, what those messages staged is freed (counted by an ack without a seq: with the next
+        one that names a message in flight)."""
         if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         if type(seq) is int and seq < self.first_seq:
@@ -620,7 +621,7 @@ class Writer:
         # (no seq and none in flight: still one message counted, of those a user's actor counts itself)
         self.unacked[shard] = max(0, int(self.unacked[shard]) - (n if type(seq) is int else max(n, 1)))
         if self._staging is not None:
-            self._staging.acked(shard, n, host, pid)
+            self._staging.acked(shard, n, host, pid, named=type(seq) is int)
 
     def shard_lost(self, shard: int) -> None:
         """``shard``'s process died (restart policies): send nothing to it until

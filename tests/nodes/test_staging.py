@@ -388,13 +388,8 @@ def test_a_restarted_lifes_writer_counts_no_ack_of_its_last_lifes_messages(stagi
     assert len(st.held[0]) == len(held[0]) - 1 and w.unacked[0] == unacked[0] - 1
 
 
-def test_an_ack_without_a_seq_frees_the_staged_rows_of_the_messages_it_counts(staging_of):
-    """The writer says which messages an ack covers, and its staging frees those (one list of them: the
-    two kept a list each). An ack without a seq (a user's actor that counts acks itself) counts through the
-    oldest message that asked for one; its staged rows were not freed before (the staging matched acks by
-    seq), and the ring filled with rows no shard would read again."""
-    w = Writer(FIELDS, num_streams=6, pattern=TransitionPattern(n=2, chunk_length=16), num_shards=1,
-               flush_steps=40, max_unacked=8)
+def _staged_in_flight(w: Writer, staging_of: Any) -> tuple[Staging, list[Steps]]:
+    """Six staged messages of ``w`` in flight to its one shard, the fourth the first that asks for an ack."""
     st, _ = staging_of(w, 2000)
     st.ok[0] = True
     rng = np.random.default_rng(4)
@@ -405,11 +400,42 @@ def test_an_ack_without_a_seq_frees_the_staged_rows_of_the_messages_it_counts(st
                          final={"obs": np.zeros((6, 3), np.float32)})
         k += 1
     assert all(m.staged is not None for m in msgs) and [m.ack for m in msgs[:4]] == [False, False, False, True]
+    return st, msgs
+
+
+def test_an_ack_without_a_seq_counts_its_messages_and_their_rows_go_with_the_next_ack_naming_one(staging_of):
+    """The writer says which messages an ack covers, and its staging takes those off its list (one list of
+    them: the two kept a list each). An ack without a seq (a user's actor that counts acks itself) counts
+    through the oldest message that asked for one, and is no proof of what the shard has read: their rows are
+    kept, and freed by the next ack that names a message in flight (the shard read them before it)."""
+    w = Writer(FIELDS, num_streams=6, pattern=TransitionPattern(n=2, chunk_length=16), num_shards=1,
+               flush_steps=40, max_unacked=8)
+    st, msgs = _staged_in_flight(w, staging_of)
     w.acknowledged(0, st.host, OTHER_PID)  # counts through the first asking message: the first four
     assert w.unacked[0] == len(msgs) - 4 and len(st.held[0]) == len(msgs) - 4
-    assert st.tail[0] == sum(m.staged[2] for m in msgs[:4])  # their rows are free
+    assert st.tail[0] == 0 and st.kept[0] == sum(m.staged[2] for m in msgs[:4])
     w.acknowledged(0, st.host, OTHER_PID, seq=msgs[-1].seq)
-    assert w.unacked[0] == 0 and not st.held[0] and st.tail[0] == st.head[0]
+    assert w.unacked[0] == 0 and not st.held[0] and st.tail[0] == st.head[0] and st.kept[0] == 0
+
+
+def test_an_ack_whose_seq_is_malformed_frees_no_staged_rows_the_shard_may_not_have_read(staging_of):
+    """An ack whose seq is not an int (a peer's word: ``take_ack`` counts it as none) still counts, but frees
+    no staged rows: one that is stray, or the shard's in transit when it died, counted messages whose rows
+    the shard had not read, and with them freed the writer wrote its next flushes over them (16cc04f). Here
+    as with no message asking in flight, when it cannot be any of theirs."""
+    w = Writer(FIELDS, num_streams=6, pattern=TransitionPattern(n=2, chunk_length=16), num_shards=1,
+               flush_steps=40, max_unacked=8)
+    st, msgs = _staged_in_flight(w, staging_of)
+    w.acknowledged(0, st.host, OTHER_PID, seq=msgs[3].seq)  # the shard read the first four
+    freed = st.tail[0]
+    assert freed == sum(m.staged[2] for m in msgs[:4]) and [m.ack for m in msgs[4:]] == [False, False]
+    take_ack(w, 0, 1.5, st.host, OTHER_PID, "unused", "actor[0]", 8)  # no message asking: it is none of theirs
+    assert st.tail[0] == freed and st.head[0] - st.tail[0] == sum(m.staged[2] for m in msgs[4:])
+    w.acknowledged(0, st.host, OTHER_PID, seq=msgs[-1].seq)  # (a stray one names no message in flight now)
+    assert st.tail[0] == freed
+    later = w.end()  # the end marker asks: its ack frees what the malformed one counted
+    w.acknowledged(0, st.host, OTHER_PID, seq=later[-1].seq)
+    assert st.tail[0] == st.head[0] and st.kept[0] == 0 and not st.held[0]
 
 
 def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_not_ahead(tmp_path):

@@ -3,7 +3,7 @@
 ``reactor daemon --listen tcp://ADDR:PORT --name NAME --state-dir DIR [--keys KEYDIR]`` serves
 clients over ZeroMQ with CURVE: it admits only clients whose public key is in ``KEYDIR/authorized``
 (``reactor/launch/_keys.py``). Requests and replies are msgpack arrays, ``[id, kind, ...]`` and
-``[id, ok, payload]``; every request is checked against its kind's schema
+``[id, ok, payload]`` (a spawn refused for want of memory: ``[id, False, text, "full"]``); every request is checked against its kind's schema
 (``_protocol.DAEMON_KINDS``) and a bad one is answered with an error, or dropped and logged when it
 has no usable id. Nothing a client sends is unpickled, and no request or job takes the daemon down.
 

@@ -172,7 +172,8 @@ def _key_hint(args: argparse.Namespace, daemon_key: bytes, keys_dir: str | os.Pa
     given = args.daemon_key if args.daemon_key else daemon_key.decode()
     if args.daemon_key and not Path(given).is_absolute() and Path(given).exists():
         given = str(Path(given).resolve())
-    return f" --daemon-key {shlex.quote(given)}"
+    # (joined by "=": a Z85 key may begin with "-", which argparse takes for an option of its own)
+    return f" --daemon-key={shlex.quote(given)}"
 
 
 def _remove_unserved_state(state: Path) -> None:

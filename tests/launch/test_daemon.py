@@ -1337,11 +1337,29 @@ def test_the_status_command_submit_hints_at_reaches_a_daemon_with_a_key_of_its_o
     job = p.stdout.strip()
     assert p.returncode == 0 and len(job) == 16, p.stderr
     hint = p.stderr.strip().split(": ", 1)[1]
-    assert hint == (f"reactor status {job} --daemon {daemon.address} --daemon-key "
+    assert hint == (f"reactor status {job} --daemon {daemon.address} --daemon-key="
                     f"{shlex.quote(daemon.public.decode())}"), p.stderr
     p = subprocess.run([sys.executable, "-m", "reactor.cli", *shlex.split(hint)[1:], *mine], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.startswith(f"{job}  "), p.stderr
+
+
+def test_submits_hint_carries_a_daemon_key_that_begins_with_a_dash(tmp_path):
+    """Regression (CI, session 67): a Z85 key may begin with "-" (one key in 85), and the hint's
+    ``--daemon-key KEY`` then failed at argparse ("expected one argument"), which took the key for an
+    option. The hint joins them with "=": the hinted command parses, with the key as given."""
+    import argparse
+    import shlex
+
+    from reactor.cli._args import _parser
+    from reactor.cli._jobs import _key_hint
+
+    init_keys(tmp_path / "ck")
+    key = "-" + CurveKeys.load_public(tmp_path / "ck" / "key.pub").decode()[1:]  # (not the client's own)
+    hint = _key_hint(argparse.Namespace(daemon_key=None), key.encode(), tmp_path / "ck")
+    assert hint == f" --daemon-key={shlex.quote(key)}"
+    args = _parser().parse_args(shlex.split(f"status 0123456789abcdef --daemon tcp://127.0.0.1:1{hint}"))
+    assert args.daemon_key == key
 
 
 def test_a_host_that_does_not_admit_the_coordinators_key_is_named_with_that_key(tmp_path):

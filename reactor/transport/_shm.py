@@ -359,11 +359,12 @@ def _reserve(name: str, fd: int, mm: mmap.mmap, offset: int, size: int) -> bool:
     if not large or lib is None:
         return False
     start = _address(mm) + offset
-    for _attempt in range(2):  # (EAGAIN: a 2 MiB page was busy; once more)
+    for _attempt in range(5):  # (EAGAIN: a page was busy, locked or migrating; again, after a yield)
         if lib.madvise(start, size, _MADV_COLLAPSE) == 0:
             return True
         if ctypes.get_errno() != errno.EAGAIN:
             break
+        os.sched_yield()
     # No collapse (a kernel before 6.1, no free 2 MiB pages): huge all the same where the mount took
     # the advice above, as the page tables say.
     return _pmd_mapped_kb(start) << 10 >= size

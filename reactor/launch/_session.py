@@ -35,6 +35,7 @@ from .._errors import (
 )
 from ..transport._zmq import HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S, link_key
 from ._cluster import LAST_LINE_SAID, NoHostAnsweredError, RemoteWorkers
+from ._daemonclient import DaemonFullError
 from ._localworkers import TERM_GRACE_S, _LocalWorkers
 from ._protocol import FAILED_END_S, FAILED_SAVE_S, how_worker_ended
 from ._restarts import _no_start, _Restarts
@@ -211,7 +212,7 @@ class _Session:
                 continue
             del r.trying[name]
             e = task.exception()
-            if not isinstance(e, NoHostAnsweredError):  # (a wait for a host is over)
+            if not isinstance(e, (NoHostAnsweredError, DaemonFullError)):  # (a wait for a host is over)
                 r.host_wait.pop(name, None)
             if e is None:
                 r.starting[name] = "spawned"  # (a hello kept in r.early is answered by _supervise this round)
@@ -221,9 +222,10 @@ class _Session:
                 raise e
             elif self.stopped_by is not None:  # the run ends: this life is not needed
                 self.results[name] = _ABANDONED
-            elif isinstance(e, NoHostAnsweredError):
+            elif isinstance(e, (NoHostAnsweredError, DaemonFullError)):
                 # Its host's daemon may be coming back (a supervisor such as Ray, Kubernetes or
-                # systemd starts it again): ask again, up to host_wait_s; not a restart used.
+                # systemd starts it again), or a full host's memory be freed (other runs' workers
+                # end): ask again, up to host_wait_s; not a restart used.
                 self._wait_for_host(name, e)
             else:
                 # A host answered but the start failed: a failed life; try again after the next backoff.
@@ -232,9 +234,10 @@ class _Session:
                                             f"ends: {'; '.join(r.ends[name])}") from e
                 self._begin_restart(name, (None, f"could not be started again: {e}"), announce=False)
 
-    def _wait_for_host(self, name: str, e: NoHostAnsweredError) -> None:
-        """A restart of ``name`` found none of its candidate hosts answering: ask them again after
-        its policy's retry wait, or end the run once it has waited ``host_wait_s``."""
+    def _wait_for_host(self, name: str, e: NoHostAnsweredError | DaemonFullError) -> None:
+        """A restart of ``name`` found none of its candidate hosts answering, or none with the memory
+        to start it: ask them again after its policy's retry wait, or end the run once it has waited
+        ``host_wait_s``."""
         r = self.restarts
         policy = r.groups[name].restart
         now = asyncio.get_running_loop().time()
@@ -242,7 +245,8 @@ class _Session:
         waited = now - since
         if waited >= policy.host_wait_s:
             raise WorkerFailedError(
-                f"worker {name!r} could not be started again: no candidate host answered within host_wait_s = "
+                f"worker {name!r} could not be started again: no candidate host "
+                f"{'answered' if isinstance(e, NoHostAnsweredError) else 'could start it'} within host_wait_s = "
                 f"{policy.host_wait_s:g} s ({tries + 1} tries): {e}; its earlier ends: {'; '.join(r.ends[name])}") from e
         delay = min(policy.host_retry_s(tries), policy.host_wait_s - waited)
         r.host_wait[name] = (since, tries + 1)

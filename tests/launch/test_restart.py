@@ -219,11 +219,18 @@ class _Endpoint:
         self.sent.append((peer, "disconnected"))
 
 
-def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_host_use_no_restart():
+@pytest.mark.parametrize("full", [False, True])
+def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_host_use_no_restart(full):
     """A start whose host does not answer (its ping waits out a timeout) runs in a task of its own:
     the coordinator's loop goes on meanwhile, and the group counts as down. A try that found no host
     asks again after the retry wait, its restart count unchanged; past host_wait_s the run ends,
-    naming the wait and the hosts."""
+    naming the wait and the hosts. ``full``: every host answered but refused it for want of memory
+    (``DaemonFullError``, session 67): waited for the same way (other runs' workers may end), where
+    it used a restart at each try."""
+    from reactor.launch._daemonclient import DaemonFullError
+
+    why = ("group 'b': no candidate host has the memory to start it: h2: host 'h2' refused 'spawn': ..." if full
+           else "group 'b': no candidate host answered: h2: host 'h2' did not answer 'ping'")
 
     async def main() -> None:
         gate = asyncio.Event()
@@ -233,7 +240,7 @@ def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_h
             tries.append(spec["restarts"])
             await gate.wait()  # a ping to a host that does not answer
             gate.clear()
-            raise NoHostAnsweredError("group 'b': no candidate host answered: h2: host 'h2' did not answer 'ping'")
+            raise (DaemonFullError if full else NoHostAnsweredError)(why)
 
         groups = {"a": Group("a", ("a",)),
                   "b": Group("b", ("b",), hosts=("h2",), restart=Restart("on-failure", 1, 0.0, 30.0))}
@@ -257,8 +264,8 @@ def test_a_restarts_start_runs_beside_the_runs_messages_and_tries_that_find_no_h
         gate.set()
         await asyncio.sleep(0.01)
         with pytest.raises(WorkerFailedError, match=re.escape(
-                "worker 'b' could not be started again: no candidate host answered within host_wait_s = 30 s "
-                "(5 tries): group 'b': no candidate host answered: h2: host 'h2' did not answer 'ping'")):
+                f"worker 'b' could not be started again: no candidate host {'could start it' if full else 'answered'} "
+                f"within host_wait_s = 30 s (5 tries): {why}")):
             s._advance_restarts()
         assert tries == [1, 1]
 

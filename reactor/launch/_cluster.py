@@ -329,7 +329,8 @@ class RemoteWorkers:
 
     async def check_memory(self, groups: Sequence[Group]) -> None:
         """Refuse a run whose workers its hosts' memory cannot hold, before any starts: each group
-        placed, in order, on its first candidate host with room left, each host holding as many
+        placed on its first candidate host with room left (those with fewer candidates first, so that
+        a group with a choice does not take the room of one without), each host holding as many
         workers as its available memory over the least a worker takes there (each daemon's ``ping``
         says both). The group's first start asks that host first (:attr:`planned`): a daemon refuses
         a spawn only once its host's memory is short, which the workers started a moment before have
@@ -360,7 +361,7 @@ class RemoteWorkers:
         room = {h: mem // floor if floor and mem is not None else None for h, (mem, floor) in said.items()}
         placed = dict.fromkeys(candidates, 0)
         left: list[Group] = []  # the groups no candidate host has room for
-        for g in groups:
+        for g in sorted(groups, key=lambda g: len(g.hosts)):  # (stable: in order among equals)
             host = next((h for h in g.hosts if room[h] is None or placed[h] < room[h]), None)
             if host is None:
                 left.append(g)

@@ -2282,7 +2282,8 @@ def test_a_group_a_full_host_refuses_starts_on_its_next_candidate_host_and_the_c
 
 
 def test_a_start_puts_each_group_on_the_host_the_memory_check_counted_it_on(tmp_path):
-    """check_memory counts a group on its next candidate host once its first is full by count, and the start
+    """check_memory counts a group on its next candidate host once its first is full by count (groups with fewer
+    candidates counted first), and the start
     asks that host first. A daemon refuses a spawn only once its host's memory is short, and workers started a
     moment before have not taken theirs yet: before, a host with room for one worker took both groups that named
     it first, where the check had passed them as one on each host. (Real daemons on loopback, no fork server.)"""
@@ -2307,6 +2308,11 @@ def test_a_start_puts_each_group_on_the_host_the_memory_check_counted_it_on(tmp_
         try:
             pong = await workers.links["h1"].request("ping", timeout_s=10.0)
             assert pong["memory"] // pong["worker_memory"] == 1, pong
+            # Groups with fewer candidate hosts are placed first: b, named first, does not take the room of f,
+            # which h1 alone can take (before, the run was refused).
+            await workers.check_memory([b, Group("f", ("z",), hosts=("h1",))])
+            assert workers.planned == {"f": "h1", "b": "h2"}
+            workers.planned.clear()
             await workers.check_memory([a, b])
             assert workers.planned == {"a": "h1", "b": "h2"}
             await workers.start(a, {}, "a.py")

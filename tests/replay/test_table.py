@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -565,6 +566,22 @@ print(int(a.sum()), int(b.sum()))
 """
 
 
+def _package_copy_probe(tmp_path: Path, probe: str) -> tuple[Path, Callable[[], list[int]]]:
+    """A copy of the package in ``tmp_path`` (its kernels' disk caches along: ``copytree`` keeps the files'
+    times, which numba's index checks), and a function that runs ``probe`` in a fresh process on that copy
+    and returns the ints it prints."""
+    pkg = tmp_path / "reactor"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg)
+
+    def run() -> list[int]:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=240, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        return [int(v) for v in out.stdout.split()]
+
+    return pkg, run
+
+
 def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
     """Regression (issue 3, review): the one-call kernel compiles in the storage's kernels
     (_storagekernels.py) and sumtree.py's, and numba's disk cache only notices edits to the cached
@@ -575,15 +592,7 @@ def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
     checks): the first process then loads every cached kernel, as a user's does, and only the kernels
     the edit touches compile in the second (7 s here, where compiling everything twice took 25-60 s).
     A one-call kernel cached on disk would be loaded stale in the second process, and caught."""
-    pkg = tmp_path / "reactor"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg)
-
-    def run() -> list[int]:
-        out = subprocess.run([sys.executable, "-c", _ONE_CALL_PROBE], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=240, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 0, out.stderr
-        return [int(v) for v in out.stdout.split()]
-
+    pkg, run = _package_copy_probe(tmp_path, _ONE_CALL_PROBE)
     first = run()
     assert first[0] == first[1] > 0  # the mask marks valid window positions
     storage_py = pkg / "replay" / "_storagekernels.py"
@@ -614,15 +623,7 @@ def test_one_kernel_insert_follows_an_edit_of_the_storage_kernels(tmp_path: Path
     cached copy kept running the old append after _storagekernels.py changed (as the one-call sample
     did, above). Edit a copy of the package, caches along, between two processes: both insert paths
     copy the rows the edited way."""
-    pkg = tmp_path / "reactor"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg)
-
-    def run() -> list[int]:
-        out = subprocess.run([sys.executable, "-c", _ONE_KERNEL_INSERT_PROBE], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=240, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 0, out.stderr
-        return [int(v) for v in out.stdout.split()]
-
+    pkg, run = _package_copy_probe(tmp_path, _ONE_KERNEL_INSERT_PROBE)
     assert run() == [820, 820, 1]  # (1: the one kernel ran)
     storage_py = pkg / "replay" / "_storagekernels.py"
     src = storage_py.read_text()

@@ -249,8 +249,11 @@ class Storage(StorageState):
         self._specs = {s.name: s for s in specs}
         self._on_host = self._device.type == "cpu"  # (torch.device.type costs ~0.5 us an insert)
         # What validate_steps checks of each field: (name, spec, dtype, dims with the step dimension,
-        # the shape after it or None where a dims check says it all).
-        self._checks = [(s.name, s, s.dtype, 1 + len(s.shape), tuple(s.shape) or None) for s in specs]
+        # the shape after it or None where a dims check says it all), and whether a contiguous source's
+        # bytes are its rows as the ring stores them (every dtype but complex ones; none for rows of 0
+        # bytes): the append's byte copy.
+        self._checks = [(s.name, s, s.dtype, 1 + len(s.shape), tuple(s.shape) or None,
+                         not s.dtype.is_complex and s.step_nbytes > 0) for s in specs]
         self._capacity = int(capacity)
         if allocator is None:
             # Host rings on transparent huge pages: a window gather touches every field of a few
@@ -305,7 +308,7 @@ class Storage(StorageState):
         self._next_ep = 0
         self._open = False  # episode next_ep - 1 still takes appends
         self._row_views: dict[str, np.ndarray] = {}
-        self._append_plan_cache: tuple[np.ndarray, np.ndarray, list[tuple[str, bool]]] | None = None
+        self._append_plan_cache: tuple[np.ndarray, np.ndarray] | None = None
         self._typed_views: dict[str, np.ndarray | None] = {}
         self._gather_plan: list[tuple[str, np.ndarray, np.dtype[Any] | None, tuple[int, ...], torch.dtype]] | None = (
             None
@@ -313,8 +316,6 @@ class Storage(StorageState):
         self._src_addrs: np.ndarray | None = None  # host field addresses, for the window kernel
         self._row_nbytes_arr = np.zeros(0, dtype=np.int64)
         self._row_nbytes = {s.name: s.step_nbytes for s in specs}
-        # Every field's rows copied as bytes from a contiguous source (no complex field, none of 0 bytes).
-        self._all_by_bytes = all(not t.dtype.is_complex and self._row_nbytes[n] > 0 for n, t in self._fields.items())
         self._np_dtypes: dict[str, np.dtype[Any] | None] = {s.name: numpy_twin(s.dtype) for s in specs}
 
     # ------------------------------------------------------------------ properties
@@ -397,9 +398,10 @@ class Storage(StorageState):
         return length, out
 
     def _validate(self, steps: Mapping[str, Any], sources: bool) -> tuple[int, dict[str, torch.Tensor], list[int]]:
-        """:meth:`validate_steps`, and with ``sources`` each field's source address in field order where
-        the kernel may copy its bytes (a contiguous CPU tensor without the negative bit), else 0 (for
-        :meth:`_byte_sources`, in the same pass over the fields)."""
+        """:meth:`validate_steps`, and with ``sources`` (a host storage) each field's source address in
+        field order where the append's kernel may copy its bytes (a contiguous CPU tensor without the
+        negative bit, of a field whose bytes are its values), else 0: taken in the same pass over the
+        fields, for :meth:`append` and the Table's one-kernel insert."""
         if type(steps) is not dict and not isinstance(steps, Mapping):  # (an ABC's isinstance: ~0.4 us)
             raise TypeError(f"steps must be a mapping of field name -> tensor, got {type(steps).__name__}")
         if steps.keys() != self._specs.keys():  # (a set comparison for dicts; any other keys() looks here)
@@ -416,7 +418,7 @@ class Storage(StorageState):
         length: int | None = None
         first_name = ""
         # (per insert, per field: a handful of attribute reads, no call that builds an object)
-        for name, spec, dtype, dims, tail in self._checks:
+        for name, spec, dtype, dims, tail, by_bytes in self._checks:
             value = steps[name]
             if type(value) is not torch.Tensor:
                 if isinstance(value, np.ndarray):
@@ -449,8 +451,9 @@ class Storage(StorageState):
                     "all fields of one append need the same number of steps"
                 )
             out[name] = value
-            if sources:  # (the byte copy's source address, or 0: see _byte_sources)
-                src.append(value.data_ptr() if value.is_cpu and value.is_contiguous() and not value.is_neg() else 0)
+            if sources:  # (the byte copy's source address, or 0: copied field by field)
+                src.append(value.data_ptr() if by_bytes and value.is_cpu and value.is_contiguous() and not value.is_neg()
+                           else 0)
         assert length is not None
         if length == 0:
             raise ValueError("append of 0 steps: every field has an empty leading dimension")
@@ -515,7 +518,7 @@ class Storage(StorageState):
         steps: Mapping[str, Any],
         episode_end: bool | np.ndarray | Sequence[bool] = True,
         *,
-        _validated: tuple[int, dict[str, torch.Tensor], list[int]] | None = None,
+        _validated: tuple[int, dict[str, torch.Tensor], list[int]] | None = None,  # (_validate's, sources on the host)
         _plan: tuple[int, np.ndarray, int, int] | None = None,
     ) -> AppendResult:
         """Append ``L`` steps, evicting whole oldest episodes if the ring is full.
@@ -534,7 +537,7 @@ class Storage(StorageState):
             KeyError, TypeError, ValueError: as :meth:`validate_steps` and :meth:`plan_append`; the
                 storage is unchanged when they do.
         """
-        length, tensors = _validated[:2] if _validated is not None else self.validate_steps(steps)
+        length, tensors, src = _validated if _validated is not None else self._validate(steps, self._on_host)
         first_eid, ends, new_first_step, new_first_ep = (
             _plan if _plan is not None else self.plan_append(length, episode_end)
         )
@@ -550,11 +553,7 @@ class Storage(StorageState):
             # and writes the episode index; the rest (strided, on a GPU, complex or with the negative
             # bit: a conjugate or negative view's bytes are not its values) first, field by field,
             # after the reservation.
-            dst, row_nbytes, by_bytes = self._append_plan()
-            src = []  # (by name, in the plan's field order, whatever the order of the caller's mapping)
-            for name, ok in by_bytes:
-                t = tensors[name]
-                src.append(t.data_ptr() if ok and t.is_cpu and t.is_contiguous() and not t.is_neg() else 0)
+            dst, row_nbytes = self._append_plan()
             if 0 in src:
                 self._copy_rows_where(tensors, src, False, first, length)
             next_ep = int(_nb_append(self._row_horizon, dst, np.array(src, dtype=np.int64), row_nbytes, pos0, n1,
@@ -578,36 +577,24 @@ class Storage(StorageState):
         self._open = not closed
         self._first_step, self._first_ep = first_step, first_ep
 
-    def _byte_sources(self, src: list[int]) -> np.ndarray | None:
-        """For an append copied by address in one kernel (``_nb_append``, or the Table's
-        ``_nb_insert_host``): the source addresses of :meth:`_validate` (``sources``) as an array, or
-        None when the storage is not on the host or a source's bytes are not its values as the ring
-        stores them (0: strided, on a GPU, with the negative bit; or a complex field)."""
-        if not self._on_host or 0 in src or not self._all_by_bytes:
-            return None
-        return np.array(src, dtype=np.int64)
-
     def _kernel_append_args(self, length: int, plan: tuple[int, np.ndarray, int, int], src: np.ndarray) -> tuple:
         """``_nb_append``'s arguments for an append of ``length`` steps planned as ``plan``, from the
-        addresses ``src`` (:meth:`_byte_sources`); after the kernel, :meth:`_appended` with the episode
-        id it returned (as :meth:`append` does)."""
-        dst, row_nbytes, _ = self._append_plan()
+        addresses ``src`` (:meth:`_validate`'s, none of them 0); after the kernel, :meth:`_appended` with
+        the episode id it returned (as :meth:`append` does)."""
+        dst, row_nbytes = self._append_plan()
         cap = self._capacity
         first = self._next_step
         pos0 = first % cap
         return (self._row_horizon, dst, src, row_nbytes, pos0, min(length, cap - pos0), length, self._step_ep,
                 self._ep_start, self._ep_len, plan[1], plan[0], self._open)
 
-    def _append_plan(self) -> tuple[np.ndarray, np.ndarray, list[tuple[str, bool]]]:
-        """Per host field, in field order: the ring's base address, its row bytes, and its name with
-        whether a contiguous source may be copied as bytes (every dtype but complex ones)."""
+    def _append_plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per host field, in field order: the ring's base address and its row bytes."""
         plan = self._append_plan_cache
         if plan is None:
-            fields = list(self._fields.values())
             plan = self._append_plan_cache = (
-                np.array([t.data_ptr() for t in fields], dtype=np.int64),
+                np.array([t.data_ptr() for t in self._fields.values()], dtype=np.int64),
                 np.array([self._row_nbytes[n] for n in self._fields], dtype=np.int64),
-                [(n, not t.dtype.is_complex and self._row_nbytes[n] > 0) for n, t in self._fields.items()],
             )
         return plan
 

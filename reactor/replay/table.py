@@ -295,7 +295,8 @@ class Table(TableState):
         self._feed_remover = max_size < cap
         self._gone = np.empty(256, dtype=np.int64)  # scratch: the slots an insert's evictions drop
         # A prioritized insert into host storage takes one compiled call (_apply_insert_host).
-        self._host_insert = storage.device.type == "cpu" and type(sampler) is Prioritized and not self._feed_remover
+        self._host_storage = storage.device.type == "cpu"  # (validation then takes the sources' addresses)
+        self._host_insert = self._host_storage and type(sampler) is Prioritized and not self._feed_remover
         self._host_out = np.empty(5, dtype=np.int64)
         self._limiter = rate_limiter
         self._max_size = max_size
@@ -386,7 +387,7 @@ class Table(TableState):
     def _prepare_insert(
         self, steps: Mapping[str, Any], priorities: Any, item_mask: Any
     ) -> tuple[tuple[int, dict[str, torch.Tensor], list[int]], np.ndarray, np.ndarray | None, int]:
-        validated = self._storage._validate(steps, self._host_insert)
+        validated = self._storage._validate(steps, self._host_storage)
         length = validated[0]
         mask = None
         if item_mask is not None:
@@ -595,15 +596,15 @@ class Table(TableState):
                            mask: np.ndarray | None, n: int, prepared: Any) -> torch.Tensor | None:
         """The storage's append and :meth:`_apply_insert_fast` in one compiled call (``_nb_insert_host``),
         for a :class:`Prioritized` sampler over host storage (``_host_insert``) and sources whose bytes
-        the kernel copies (:meth:`Storage._byte_sources`): the same state as the two, ~20 Python calls
-        and four kernel dispatches fewer. None, with nothing changed, where that does not hold (a
-        source that is not a contiguous CPU tensor, or in its own ring; more writes than the tree's
-        buffer holds): the caller takes the general path."""
+        the kernel copies (a nonzero address from :meth:`Storage._validate`): the same state as the two,
+        ~20 Python calls and three kernel dispatches fewer. None, with nothing changed, where that does
+        not hold (a source that is not a contiguous CPU tensor or of a complex field, or in its own ring;
+        more writes than the tree's buffer holds): the caller takes the general path."""
         st = self._storage
-        length = validated[0]
-        src = st._byte_sources(validated[2])
-        if src is None or prepared is None:
+        length, _, addresses = validated
+        if 0 in addresses or prepared is None:
             return None
+        src = np.array(addresses, dtype=np.int64)
         lo, hi = st._first_step, plan[2]  # the steps the append evicts
         span = max(hi - lo, 0)
         gone = self._gone

@@ -209,14 +209,19 @@ def test_any_mapping_of_the_fields_is_accepted_in_any_order():
 
 
 def test_validated_steps_in_another_order_land_in_their_own_fields():
-    """The table hands append its validated tensors (``_validated=``); their dict's order is not the
-    fields': each is still copied into its own field's ring."""
-    ref, s = Storage(SPECS, 8), Storage(SPECS, 8)
-    b = steps(0, 3)
-    ref.append(b)
-    n, tensors = s.validate_steps(b)
-    s.append({}, _validated=(n, dict(reversed(list(tensors.items())))))
-    assert same(snapshot(ref), snapshot(s))
+    """The table hands append its validated tensors and their addresses (``_validated=``); their dict's
+    order is not the fields': each is still copied into its own field's ring, by address and (a strided
+    source) field by field."""
+    for strided in (False, True):
+        ref, s = Storage(SPECS, 8), Storage(SPECS, 8)
+        b = steps(0, 3)
+        if strided:
+            b["obs"] = b["obs"].T.contiguous().T
+        ref.append(b)
+        n, tensors, src = s._validate(b, True)
+        assert (0 in src) == strided
+        s.append({}, _validated=(n, dict(reversed(list(tensors.items()))), src))
+        assert same(snapshot(ref), snapshot(s))
 
 
 def test_append_longer_than_capacity_raises():

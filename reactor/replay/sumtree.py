@@ -625,6 +625,18 @@ class SumTree:
             self._write_pending()
         return self._staged
 
+    def _stage_checked(self, priorities: np.ndarray, m: int) -> int:
+        """:meth:`check_total` and :meth:`_stage_room` in one (numba backend, the lock held): for
+        ``m`` lazy writes of which those of ``priorities`` (float64, C-contiguous) are the nonzero
+        ones. Returns the buffer's fill, or -1 with nothing changed where :meth:`_stage_room` makes
+        no room; raises :class:`PriorityOverflowError` (nothing changed) for a priority that is not
+        finite and >= 0, or a total that would overflow."""
+        bad = int(_nb_check(_NO_INDICES, priorities, self._capacity, self._sum_out))
+        if bad >= 0:
+            why = f"{float(priorities[bad])!r} is not a finite priority >= 0"
+            raise PriorityOverflowError(f"SumTree priority at position {bad}: {why}", bad, why)
+        return self._stage_room(m, float(self._sum_out[0]), priorities)
+
     def check_total(self, priorities: Any) -> float:
         """Raise :class:`PriorityOverflowError` if :meth:`update` with ``priorities`` would be refused
         for a value that is not finite (or negative) or for making the total overflow; otherwise

@@ -165,16 +165,16 @@ def _as_priorities(values: Any, n: int, mask: np.ndarray | None = None) -> np.nd
     arr = values if isinstance(values, np.ndarray) and values.dtype == np.float64 else _as_float64(values)
     if arr.shape != (n,):
         raise ValueError(f"priorities must have shape ({n},), got {arr.shape}")
-    if mask is None:  # one compiled pass instead of four numpy calls (an insert's hot path)
-        i = int(_nb_first_bad_priority(arr))
-    else:
-        bad = (~np.isfinite(arr) | (arr < 0)) & mask
-        i = int(np.argmax(bad)) if bad.any() else -1
+    # One compiled pass instead of four numpy calls (an insert's hot path); with a mask, over the items'.
+    items = arr if mask is None else arr[mask]
+    i = int(_nb_first_bad_priority(items))
     if i >= 0:
+        if mask is not None:
+            i = int(np.flatnonzero(mask)[i])
         raise ValueError(
             f"priority {float(arr[i])!r} at position {i} is invalid: priorities must be finite and >= 0"
         )
-    return arr if mask is None else arr[mask]
+    return items
 
 
 # ---------------------------------------------------------------------------- table
@@ -396,7 +396,7 @@ class Table(TableState):
             mask = np.asarray(item_mask)
             if mask.dtype != np.bool_ or mask.shape != (length,):
                 raise ValueError(f"item_mask must be a bool array of shape ({length},), got {mask.dtype} {mask.shape}")
-        n = length if mask is None else int(mask.sum())
+        n = length if mask is None else int(np.count_nonzero(mask))
         if priorities is None:
             prio = np.ones(n, dtype=np.float64)
         else:
@@ -488,8 +488,7 @@ class Table(TableState):
                 raise ValueError(f"table {self._name!r}: {never}")
             # Before the priorities' pass: a shard retries a parked insert after every change.
             raise WouldBlock(f"table {self._name!r}: " + self._limiter.explain("insert", n, self._size))
-        prepared = self._prepare_priorities(prio, None, mask)
-        return self._apply_insert(validated, plan, prio, mask, n, prepared)
+        return self._apply_insert(validated, plan, prio, mask, n)
 
     async def insert(
         self,
@@ -530,10 +529,10 @@ class Table(TableState):
                 if never is not None:
                     raise ValueError(f"table {self._name!r}: {never}")
                 if self._limiter.can_insert(n, self._size):
-                    # Again: inserts while this one waited may have used the tree's headroom.
-                    prepared = self._prepare_priorities(prio, None, mask)
+                    # (the priorities checked again as it goes in: inserts while this one waited may have
+                    # used the tree's headroom)
                     plan = self._storage.plan_append(validated[0], episode_end)
-                    return self._apply_insert(validated, plan, prio, mask, n, prepared)
+                    return self._apply_insert(validated, plan, prio, mask, n)
 
     def _drop(self, slots: np.ndarray, counter: str) -> None:
         if len(slots) == 0:
@@ -552,12 +551,14 @@ class Table(TableState):
         prio: np.ndarray,
         mask: np.ndarray | None,
         n: int,
-        prepared: tuple[Any, Any] = (None, None),
     ) -> torch.Tensor:
+        """An insert validated, planned and admitted: its priorities checked (a refusal changes nothing),
+        then the rows, keys and selectors written."""
         if self._host_insert:
-            keys = self._apply_insert_host(validated, plan, mask, n, prepared[0])
+            keys = self._apply_insert_host(validated, plan, prio, mask, n)
             if keys is not None:
                 return keys
+        prepared = self._prepare_priorities(prio, None, mask)
         st = self._storage
         cap = st.capacity
         res = st.append({}, _validated=validated, _plan=plan)
@@ -593,17 +594,23 @@ class Table(TableState):
         return torch.from_numpy(keys)
 
     def _apply_insert_host(self, validated: tuple[int, dict[str, torch.Tensor], list[int]], plan: tuple[int, np.ndarray, int, int],
-                           mask: np.ndarray | None, n: int, prepared: Any) -> torch.Tensor | None:
-        """The storage's append and :meth:`_apply_insert_fast` in one compiled call (``_nb_insert_host``),
-        for a :class:`Prioritized` sampler over host storage (``_host_insert``) and sources whose bytes
-        the kernel copies (a nonzero address from :meth:`Storage._validate`): the same state as the two,
-        ~20 Python calls and three kernel dispatches fewer. None, with nothing changed, where that does
-        not hold (a source that is not a contiguous CPU tensor or of a complex field, or in its own ring;
-        more writes than the tree's buffer holds): the caller takes the general path."""
+                           prio: np.ndarray, mask: np.ndarray | None, n: int) -> torch.Tensor | None:
+        """The priorities' checks, the storage's append and :meth:`_apply_insert_fast` with few Python
+        calls around one compiled call (``_nb_insert_host``), for a :class:`Prioritized` sampler over host
+        storage (``_host_insert``) and sources whose bytes the kernel copies (a nonzero address from
+        :meth:`Storage._validate`): the same state as the general path. ``p**alpha`` is checked and
+        summed as it is staged (``SumTree._stage_checked``). None, with nothing changed, where the kernel
+        does not apply (a source that is not a contiguous CPU tensor or of a complex field, or in its own
+        ring; more writes than the tree's buffer holds) or the priorities are refused: the caller takes
+        the general path (which refuses them, naming the key and the value)."""
         st = self._storage
         length, _, addresses = validated
-        if 0 in addresses or prepared is None:
+        if 0 in addresses:
             return None
+        sampler = self._sampler
+        scaled = sampler._scaled(prio)
+        if not scaled.flags.c_contiguous:  # (alpha 1: the caller's own strided priorities)
+            scaled = np.ascontiguousarray(scaled)
         src = np.array(addresses, dtype=np.int64)
         lo, hi = st._first_step, plan[2]  # the steps the append evicts
         span = max(hi - lo, 0)
@@ -612,12 +619,13 @@ class Table(TableState):
             gone = self._gone = np.empty(max(span, 2 * gone.shape[0]), dtype=np.int64)
         keys, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         first = st._next_step
-        scaled, psum = prepared
-        sampler = self._sampler
         tree, out = sampler._tree, self._host_out
         with tree._lock:
             bound = tree._bound
-            fill = tree._stage_room(span + n, psum, scaled)
+            try:
+                fill = tree._stage_checked(scaled, span + n)
+            except PriorityOverflowError:  # (nothing changed: the general path refuses it, naming the key)
+                return None
             if fill < 0 or not _nb_insert_host(
                 *st._kernel_append_args(length, plan, src), self._keys, self._times, lo, hi, first,
                 _NO_MASK if mask is None else mask, st.capacity, gone, keys, slots, tree._stage_idx, tree._stage_prio,

@@ -65,6 +65,16 @@ def test_inserts_whose_priorities_overflow_are_refused_before_any_step_is_stored
     assert t.storage.step_range == (0, 8)
 
 
+def test_an_insert_whose_p_to_the_alpha_overflows_is_refused_before_any_step_is_stored():
+    """(A prioritized table over host memory checks ``p**alpha`` as it stages an insert's writes in its
+    tree, in one pass with the copy; a refusal there still changes nothing.)"""
+    t = make(alpha=2.0)
+    t.insert_nowait(obs(8), np.ones(8))
+    _refused(t, lambda: t.insert_nowait(obs(3), [1.0, 2.0, 1e200]),
+             r"^priority 1e\+200 for key 10 \(position 2\) is refused by table 'table': 1e\+200 \*\* alpha=2\.0 overflows")
+    assert t.storage.step_range == (0, 8)
+
+
 def test_lazily_buffered_inserts_count_before_they_are_applied():
     """Inserts only buffer their priorities (applied at the next read); the buffered ones count."""
     t = make()

@@ -250,7 +250,7 @@ def test_bad_construction_is_named():
 # ---------------------------------------------------------------------------- bad input leaves the table as it was
 
 
-BAD_KINDS = ["unknown-field", "missing-field", "shape", "dtype", "nan-priority", "negative-priority",
+BAD_KINDS = ["unknown-field", "missing-field", "shape", "dtype", "nan-priority", "masked-nan-priority", "negative-priority",
              "inf-priority", "unknown-key-update", "unknown-key-delete", "priorities-length", "sample-zero"]
 
 
@@ -282,6 +282,11 @@ def _bad(kind):
         "dtype": (dtype, TypeError, r"field 'step' has dtype torch.int32, expected torch.int64"),
         "nan-priority": (lambda t: t.insert_nowait(steps(100, 2), [1.0, float("nan")]), ValueError,
                          r"priority nan at position 1 is invalid"),
+        # (with an item mask: priorities of steps that are no item are ignored, NaN or not; a bad one of an
+        # item is named by its position among all the steps)
+        "masked-nan-priority": (lambda t: t.insert_nowait(steps(100, 4), [float("nan"), 1.0, 2.0, -1.0],
+                                                          item_mask=np.array([False, True, False, True])),
+                                ValueError, r"priority -1.0 at position 3 is invalid"),
         "negative-priority": (lambda t: t.update_priorities([3, 4], [1.0, -2.0]), ValueError,
                               r"priority -2.0 at position 1 is invalid"),
         "inf-priority": (lambda t: t.update_priorities([3], [float("inf")]), ValueError,

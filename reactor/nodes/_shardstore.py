@@ -74,6 +74,11 @@ class ShardStore:
         self._period_ns = None if period_s is None else max(1, round(period_s * 1e9))
         self._next_ns = self._period_ns
 
+    @property
+    def logs_inserts(self) -> bool:
+        """Whether inserts go to a write-ahead log (:meth:`inserted` reads their rows again)."""
+        return self._want_wal
+
     def open(self, table: Table, *, restore: bool, restarts: int) -> None:
         """Bring ``table`` (empty) back to what the directory holds when ``restore`` (the newest
         checkpoint that verifies, then the log past it), then open the log and the mark for new

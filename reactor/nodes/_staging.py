@@ -21,7 +21,8 @@ as any bulk descriptor is (names derived from the run id, the owner alive, segme
 range against the region, the rows' dtypes and shapes by the insert's own checks; the ends, mask and
 priorities travel in the message and are checked there. A writer that wrote its ring again before
 the shard's ack would only spoil its own rows (they are data; the tree and the index never come
-from the ring).
+from the ring; a shard with a write-ahead log copies them first, so that its log's record holds,
+under its checksum, what its table took).
 """
 
 from __future__ import annotations

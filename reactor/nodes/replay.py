@@ -554,7 +554,9 @@ class Replay(ShardMemory, Reactor):
         keeps until this shard's ack. None if they cannot be read: refused (logged), to be acknowledged
         as any malformed message. Called where the message is inserted, not where it arrives: a refusal
         acknowledged ahead of that writer's parked messages would free their rows (an ack frees what
-        the messages before it hold)."""
+        the messages before it hold). With a write-ahead log, a copy: the table and the log read them
+        once (a writer writing its ring before the ack made the log's record fail its checksum, and a
+        restore's redo stop there, losing every writer's later inserts)."""
         try:
             if not isinstance(steps.fields, Mapping) or steps.fields:
                 raise ValueError("a staged message carries its rows in its writer's region, not in fields")
@@ -563,6 +565,8 @@ class Replay(ShardMemory, Reactor):
         except (ValueError, TypeError, KeyError, OSError, PeerLostError) as e:
             self._reject(steps, f"its staged rows cannot be read: {e}")
             return None
+        if self._store.logs_inserts:
+            rows = {n: t.clone() for n, t in rows.items()}
         return dataclasses.replace(steps, fields=rows, staged=None)
 
     def _reject(self, steps: Any, why: str) -> None:

@@ -497,3 +497,66 @@ def test_a_shard_acknowledges_only_the_messages_that_ask_staged_plain_or_refused
     items = sum(len(m.episode_end) if m.item_mask is None else int(m.item_mask.sum()) for m in made)
     # Every message taken: the 6 staged ones and the plain one inserted, the 2 unreadable ones refused.
     assert (got["staged"], got["rejected"], got["size"]) == (sum(rows), 2 * rows[0], items + 2), got
+
+
+def test_a_shard_with_a_log_logs_the_staged_rows_it_inserted_whatever_the_writer_writes_meanwhile(tmp_path):
+    """Regression: a shard with a write-ahead log (``wal``) logged a staged message's rows from the writer's
+    region, read again after the table's copy: a writer writing its ring before the ack (a bug, or a hostile
+    peer) made the record's checksum and the bytes written under it differ, and a restore's redo stopped at
+    that record, losing every writer's acknowledged inserts after it (not the one writer's own rows). The
+    rows are copied once now, and the table and the log take that copy: every record is intact while a
+    thread writes the region all along (without the copy, one of 48 records or more failed its checksum)."""
+    import threading
+
+    from reactor.replay.wal import read_wal
+
+    fields = [("obs", (4096,), "float32"), ("action", (), "int64")]
+    MESSAGES = 48  # noqa: N806
+    stop = threading.Event()
+    scribbled = [0]
+    threads: list[threading.Thread] = []
+
+    def scribble(view: np.ndarray) -> None:
+        while not stop.is_set():
+            view[...] = 1.0
+            view[...] = 2.0
+            scribbled[0] += 1
+
+    class Scribbler(_Sender):
+        """A :class:`_Sender` whose region a thread writes (``plan`` starts it) until the shard's statistics."""
+
+        @reaction(triggers=[_Sender.stats])
+        def got(self, stats: ShardStatistics) -> None:
+            stop.set()
+            threads[0].join(10)
+            super().got(stats)
+
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        w = Writer(fields, 1, TransitionPattern(), flush_steps=1)
+        st = Staging.open(run_id, "stage-sender", w.specs, 1, MESSAGES * 33, "sender")
+        assert st is not None
+        w.use_staging(st)
+        st.ok[0] = True
+        msgs = []
+        for k in range(MESSAGES * 32):  # one 32-step episode (33 rows) a message, 540 kB
+            msgs += w.append({"obs": np.full((1, 4096), k, np.float32), "action": np.array([k])},
+                             terminated=np.array([k % 32 == 31]), truncated=np.array([False]),
+                             final={"obs": np.zeros((1, 4096), np.float32)})
+        assert len(msgs) == MESSAGES and all(m.staged is not None for m in msgs)
+        threads.append(threading.Thread(target=scribble, args=(st.views["obs"],), daemon=True))
+        threads[0].start()
+        return st, msgs
+
+    report = tmp_path / "report.json"
+    g = Graph()
+    node = g.add(Scribbler(plan, str(report)), name="sender")
+    shard = g.add(Replay(fields, 2048, run_dir=str(tmp_path / "run"), wal=True), name="replay")
+    g.connect(node.out, shard.steps, delay_s=1e-6)
+    g.connect(shard.acks, node.acks, delay_s=1e-6)
+    g.connect(node.ask, shard.control, delay_s=1e-3)
+    g.connect(shard.statistics, node.stats, delay_s=1e-6)
+    run(g)
+    got = json.loads(report.read_text())
+    assert got["staged"] == MESSAGES * 33 and scribbled[0] > 0, got  # (the premise: all staged, written meanwhile)
+    records = list(read_wal(tmp_path / "run" / "replay" / "wal", 0))
+    assert [r.num_steps for r in records] == [33] * MESSAGES  # every record intact (the redo stops at a damaged one)

@@ -17,9 +17,9 @@ the rows travel in the message as before (the fallback is always there, so stagi
 writer back).
 
 What a shard trusts: nothing in a staged message more than in any other. The descriptor is checked
-as any bulk descriptor is (names derived from the run id, the owner alive, segment sizes), the row
-range against the region, the rows' dtypes and shapes by the insert's own checks; the ends, mask and
-priorities travel in the message and are checked there. A writer that wrote its ring again before
+as any bulk descriptor is (names derived from the run id, which must be the shard's, the owner alive,
+segment sizes), the row range against the region, the rows' dtypes and shapes by the insert's own
+checks; the ends, mask and priorities travel in the message and are checked there. A writer that wrote its ring again before
 the shard's ack would only spoil its own rows (they are data; the tree and the index never come
 from the ring; a shard with a write-ahead log copies them first, so that its log's record holds,
 under its checksum, what its table took).
@@ -230,9 +230,11 @@ def region_name(who: str) -> str:
 
 
 class StagedReader:
-    """A shard's side: maps the staging regions its writers name and hands out their rows."""
+    """A shard's side: maps the staging regions its writers name and hands out their rows (of regions
+    of run ``run_id`` only; None: any run's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None) -> None:
+        self.run_id = run_id
         self._reader: Any = None
         self._regions: dict[str, tuple[Mapping[str, Any], dict[str, torch.Tensor]]] = {}  # region -> descriptor, fields
 
@@ -242,7 +244,7 @@ class StagedReader:
         them; nothing may write to them).
 
         Raises:
-            ValueError: a malformed word or descriptor, a region of another host, rows outside it.
+            ValueError: a malformed word or descriptor, a region of another run or host, rows outside it.
             PeerLostError: the region's owner closed it or died before this shard first mapped it.
             OSError: it could not be mapped.
         """
@@ -255,6 +257,9 @@ class StagedReader:
         if not isinstance(desc, Mapping):
             raise ValueError(f"staged descriptor must be a map, got {type(desc).__name__}")
         region = desc.get("region")
+        if self.run_id is not None and desc.get("run_id") != self.run_id:  # (its segments' names are derived from it)
+            raise ValueError(f"staged region {region!r:.100} is of run {desc.get('run_id')!r:.100}, not this shard's "
+                             f"({self.run_id!r})")
         have = self._regions.get(region) if isinstance(region, str) else None
         if have is None or have[0] != desc:  # (a new life's, or one that says another thing: checked again)
             if self._reader is None:

@@ -409,7 +409,7 @@ class Replay(ShardMemory, Reactor):
         # Writers of this host stage their rows in shared memory for a shard that says so in its acks
         # (reactor.nodes._staging): where the shard's own memory may be shared, by the same rule.
         self._ack_host = _bulk.host_id() if use_bulk and _bulk.capabilities().shm else ""
-        self._staged = StagedReader()
+        self._staged = StagedReader(self.run_id)
         use_bulk = use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead))
         if use_bulk and self.bulk is None:
             # The ring, its versions and the sampling state in /dev/shm: a mapping larger than what is

@@ -249,7 +249,8 @@ def test_a_shard_refuses_a_staged_word_it_cannot_read_keeps_serving_and_counts_t
     refused = [m for m in caplog.messages if "its staged rows cannot be read" in m]
     assert len(refused) == 8, caplog.messages
     for why in ("staged must be (descriptor, first row, rows)", "outside region", "first row must be an int",
-                "not this one", "expected", "staged descriptor must be a map", "not in fields"):
+                "not this one", "is of run 'another', not this shard's", "staged descriptor must be a map",
+                "not in fields"):
         assert any(why in m for m in refused), (why, refused)
     rows = len(good[0].episode_end)
     items = int(good[0].item_mask.sum())
@@ -436,6 +437,31 @@ def test_an_ack_whose_seq_is_malformed_frees_no_staged_rows_the_shard_may_not_ha
     later = w.end()  # the end marker asks: its ack frees what the malformed one counted
     w.acknowledged(0, st.host, OTHER_PID, seq=later[-1].seq)
     assert st.tail[0] == st.head[0] and st.kept[0] == 0 and not st.held[0]
+
+
+def test_a_shard_refuses_the_staged_rows_of_another_runs_region(tmp_path, caplog):
+    """Regression: a staged word naming a region of another run on the host, its descriptor whole (the
+    segment names derived from that run's id, its owner live), was mapped and its rows inserted: the
+    names were checked against the descriptor's run id, not the shard's. Refused now, naming both."""
+    others: list[Staging] = []
+    sent: list[Steps] = []
+
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        st, _ = _staged_episodes(run_id, 6, 6)
+        other, theirs = _staged_episodes(f"other{secrets.token_hex(4)}", 6, 6)
+        others.append(other)
+        sent.append(theirs[0])
+        return st, [dataclasses.replace(theirs[0], writer=1)]
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+            got = _shard_fed(tmp_path, plan)
+    finally:
+        for other in others:
+            other.close()
+    assert got == {"acks": [0], "size": 0, "parked": 0, "rejected": len(sent[0].episode_end), "staged": 0}, got
+    assert any("its staged rows cannot be read" in m and f"is of run {others[0].descriptor['run_id']!r}, not this "
+               "shard's" in m for m in caplog.messages), caplog.messages
 
 
 def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_not_ahead(tmp_path):

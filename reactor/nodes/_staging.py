@@ -206,10 +206,12 @@ def take_ack(writer: Any, shard: int, seq: Any, host: Any, pid: Any, run_id: str
     """An :class:`InsertAck` of message ``seq`` for ``writer`` (of the reactor ``who``), its shard
     already checked: counted, and on the first ack of a shard of this host in another process the
     writer gets its staging region (tried once: a host without shared memory says so once). ``seq``,
-    ``host`` and ``pid`` come from a peer: a word of another type counts as none (the ack still counts)."""
+    ``host`` and ``pid`` come from a peer: a word of another type counts as none (the ack still counts).
+    An ack of a shard that is down (sent by its last life, come after its loss) says nothing of what
+    its next life reads, which may be on another host: that life's own first ack does."""
     if type(seq) is not int:
         seq = None
-    if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int:
+    if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int or writer.down[shard]:
         host, pid = "", 0
     writer.acknowledged(shard, host, pid, seq)
     if writer.staging is None and not writer.staging_refused and readable(host, pid, _bulk.host_id()):

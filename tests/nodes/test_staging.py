@@ -586,3 +586,33 @@ def test_a_shard_with_a_log_logs_the_staged_rows_it_inserted_whatever_the_writer
     assert got["staged"] == MESSAGES * 33 and scribbled[0] > 0, got  # (the premise: all staged, written meanwhile)
     records = list(read_wal(tmp_path / "run" / "replay" / "wal", 0))
     assert [r.num_steps for r in records] == [33] * MESSAGES  # every record intact (the redo stops at a damaged one)
+
+
+def test_an_ack_a_lost_shard_sent_before_it_died_does_not_turn_staging_on_for_its_next_life(staging_of):
+    """Regression: an ack in transit when a shard died, taken after ``shard_lost``, said the dead life's host
+    and pid, and turned the shard's ring on again (``Staging.ok``): the writer staged its first flushes for
+    the next life before that life said it reads this host's regions (on another candidate host it cannot:
+    they were refused, their rows lost). Such an ack counts as one naming no host now, as does one taken
+    while the shard is down; the next life's own ack turns staging on."""
+    w = _writer(2)
+    st, _ = staging_of(w, 500)
+    rng = np.random.default_rng(5)
+
+    def flushes(n: int) -> list[Steps]:
+        out = []
+        for k in range(n):
+            out += w.append(*_step(rng, k, 6)[:1], terminated=np.zeros(6, bool), truncated=np.ones(6, bool),
+                            final={"obs": np.zeros((6, 3), np.float32)})
+        return out
+
+    take_ack(w, 0, None, st.host, OTHER_PID, "unused", "actor[0]", None)
+    sent = [m for m in flushes(10) if m.shard == 0]
+    assert sent and all(m.staged is not None for m in sent)
+    w.shard_lost(0)
+    take_ack(w, 0, sent[-1].seq, st.host, OTHER_PID, "unused", "actor[0]", None)  # the dead life's, late
+    assert not st.ok[0]
+    w.shard_restarted(0)
+    after = [m for m in flushes(10) if m.shard == 0]
+    assert after and all(m.staged is None for m in after)  # until the next life says so
+    take_ack(w, 0, after[0].seq, st.host, OTHER_PID + 1, "unused", "actor[0]", None)
+    assert st.ok[0] and any(m.staged is not None for m in flushes(10) if m.shard == 0)

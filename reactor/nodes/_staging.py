@@ -19,10 +19,10 @@ writer back).
 What a shard trusts: nothing in a staged message more than in any other. The descriptor is checked
 as any bulk descriptor is (names derived from the run id, which must be the shard's, the owner alive,
 segment sizes), the row range against the region, the rows' dtypes and shapes by the insert's own
-checks; the ends, mask and priorities travel in the message and are checked there. A writer that wrote its ring again before
-the shard's ack would only spoil its own rows (they are data; the tree and the index never come
-from the ring; a shard with a write-ahead log copies them first, so that its log's record holds,
-under its checksum, what its table took).
+checks; the ends, mask and priorities travel in the message and are checked there. A writer that
+wrote its ring again before the shard's ack would only spoil its own rows (they are data; the tree
+and the index never come from the ring; a shard with a write-ahead log copies them first, so that
+its log's record holds, under its checksum, what its table took).
 """
 
 from __future__ import annotations

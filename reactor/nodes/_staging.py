@@ -246,7 +246,8 @@ class StagedReader:
         them; nothing may write to them).
 
         Raises:
-            ValueError: a malformed word or descriptor, a region of another run or host, rows outside it.
+            ValueError: a malformed word or descriptor, a region that is not a staging region or is of
+                another run or host, rows outside it.
             PeerLostError: the region's owner closed it or died before this shard first mapped it.
             OSError: it could not be mapped.
         """
@@ -259,6 +260,8 @@ class StagedReader:
         if not isinstance(desc, Mapping):
             raise ValueError(f"staged descriptor must be a map, got {type(desc).__name__}")
         region = desc.get("region")
+        if not (isinstance(region, str) and region.startswith("stage-")):  # (region_name's: not a shard's ring)
+            raise ValueError(f"staged region {region!r:.100} is not a writer's staging region (named stage-...)")
         if self.run_id is not None and desc.get("run_id") != self.run_id:  # (its segments' names are derived from it)
             raise ValueError(f"staged region {region!r:.100} is of run {desc.get('run_id')!r:.100}, not this shard's "
                              f"({self.run_id!r})")
@@ -274,9 +277,13 @@ class StagedReader:
                 self._reader.detach(oldest)
             # As tensors, made once a region: the table would make them so at every insert, and torch
             # warns of a read-only array each time (it cannot mark a tensor read-only).
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-                fields = {n: torch.from_numpy(v) for n, v in self._reader.mapped(name).items()}
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                    fields = {n: torch.from_numpy(v) for n, v in self._reader.mapped(name).items()}
+            except BaseException:  # (a field torch cannot take: not kept mapped outside the bounded cache)
+                self._reader.detach(name)
+                raise
             have = self._regions[name] = (desc, fields)
         fields = have[1]
         total = next(iter(fields.values())).shape[0] if fields else 0

@@ -464,6 +464,33 @@ def test_a_shard_refuses_the_staged_rows_of_another_runs_region(tmp_path, caplog
                "shard's" in m for m in caplog.messages), caplog.messages
 
 
+def test_a_shard_refuses_staged_rows_of_a_region_of_its_run_that_is_no_staging_region(tmp_path, caplog):
+    """A descriptor of another region of the run (a shard's own shared ring, say: mapped again, its memory
+    is not told apart from the ring by address, and the insert would copy it over itself) is refused:
+    a shard reads rows only from regions named as writers' staging regions are."""
+    rings: list[Staging] = []
+    sent: list[Steps] = []
+
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        st, msgs = _staged_episodes(run_id, 6, 6)
+        ring = Staging.open(run_id, "ring-replay", Writer(SHARD_FIELDS, 1, TransitionPattern()).specs, 1, 64, "sender")
+        assert ring is not None
+        rings.append(ring)
+        _, first, rows = msgs[0].staged
+        sent.append(dataclasses.replace(msgs[0], staged=(ring.descriptor, first, rows)))
+        return st, sent
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+            got = _shard_fed(tmp_path, plan)
+    finally:
+        for ring in rings:
+            ring.close()
+    assert got == {"acks": [0], "size": 0, "parked": 0, "rejected": len(sent[0].episode_end), "staged": 0}, got
+    assert any("its staged rows cannot be read" in m and "'ring-replay' is not a writer's staging region" in m
+               for m in caplog.messages), caplog.messages
+
+
 def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_not_ahead(tmp_path):
     """Regression (the staged path's first version): a staged word the shard could not read was refused and
     acknowledged as it arrived, ahead of that writer's earlier messages the rate limiter held (parked); an

@@ -167,7 +167,8 @@ class Staging:
             self.kept[shard] = 0
         else:
             self.kept[shard] += rows
-        self.ok[shard] = readable(host, pid, self.host)
+        if n:  # (one that counts for no message in flight, a stray or a dead life's, says nothing of the shard now)
+            self.ok[shard] = readable(host, pid, self.host)
 
     def lost(self, shard: int) -> None:
         """``shard``'s process died: what it held is free (it will never read it), and it is not
@@ -207,14 +208,15 @@ def take_ack(writer: Any, shard: int, seq: Any, host: Any, pid: Any, run_id: str
     already checked: counted, and on the first ack of a shard of this host in another process the
     writer gets its staging region (tried once: a host without shared memory says so once). ``seq``,
     ``host`` and ``pid`` come from a peer: a word of another type counts as none (the ack still counts).
-    An ack of a shard that is down (sent by its last life, come after its loss) says nothing of what
-    its next life reads, which may be on another host: that life's own first ack does."""
+    An ack of a shard that is down (sent by its last life, come after its loss), or one that counts for no
+    message in flight (a stray one, or the last life's come after the restart), says nothing of what the
+    shard reads now, which may be on another host: the next life's own first ack does."""
     if type(seq) is not int:
         seq = None
     if type(host) is not str or len(host) > _MAX_HOST_CHARS or type(pid) is not int or writer.down[shard]:
         host, pid = "", 0
-    writer.acknowledged(shard, host, pid, seq)
-    if writer.staging is None and not writer.staging_refused and readable(host, pid, _bulk.host_id()):
+    counted = writer.acknowledged(shard, host, pid, seq)
+    if counted and writer.staging is None and not writer.staging_refused and readable(host, pid, _bulk.host_id()):
         staging = stage_writer(writer, run_id, who, max_unacked)
         if staging is None:
             writer.staging_refused = True

@@ -594,7 +594,7 @@ class Writer:
         """Rows in segments ready to flush."""
         return self._pending_rows
 
-    def acknowledged(self, shard: int, host: str = "", pid: int = 0, seq: Any = None) -> None:
+    def acknowledged(self, shard: int, host: str = "", pid: int = 0, seq: Any = None) -> int:
         """A shard acknowledged this writer's messages up to ``seq`` (an ``InsertAck``; ``host`` and
         ``pid``: its own, the shard's host id and process when it can read rows staged on its host).
         It counts for every message in flight to that shard up to the one ``seq`` names (the shard
@@ -602,11 +602,11 @@ class Writer:
         message in flight counts for none (a stray ack, or one in transit when the shard died); no
         ``seq`` (None) counts for the oldest message that asked for an ack and those before it. With
         staging, what those messages staged is freed (counted by an ack without a seq: with the next
-        one that names a message in flight)."""
+        one that names a message in flight). Returns how many messages in flight it counted for."""
         if not (isinstance(shard, int) and 0 <= shard < self.num_shards):
             raise ValueError(f"Writer.acknowledged: shard must be in [0, {self.num_shards}), got {shard!r}")
         if type(seq) is int and seq < self.first_seq:
-            return  # (of an earlier life's message: neither in this life's count nor in its rings)
+            return 0  # (of an earlier life's message: neither in this life's count nor in its rings)
         sent = self._sent[shard]
         n = 0
         if type(seq) is not int:
@@ -622,6 +622,7 @@ class Writer:
         self.unacked[shard] = max(0, int(self.unacked[shard]) - (n if type(seq) is int else max(n, 1)))
         if self._staging is not None:
             self._staging.acked(shard, n, host, pid, named=type(seq) is int)
+        return n
 
     def shard_lost(self, shard: int) -> None:
         """``shard``'s process died (restart policies): send nothing to it until

@@ -267,7 +267,7 @@ def test_an_ack_of_a_message_this_writer_never_sent_frees_none_of_its_rows(stagi
     it then inserted (another flush's rows, silently)."""
     w = _writer(1)
     st, reader = staging_of(w, 200)  # ~4 flushes of 40-60 rows
-    w.acknowledged(0, st.host, OTHER_PID, 10_000)  # the first ack: the shard reads staged rows
+    st.ok[0] = True  # (the shard's first ack said it reads staged rows)
     rng = np.random.default_rng(7)
     in_flight: list[tuple] = []  # (message, its rows as sent)
     stale = iter(range(10_001, 10_100))  # seqs of the previous life's messages, parked at the shard
@@ -620,7 +620,8 @@ def test_an_ack_a_lost_shard_sent_before_it_died_does_not_turn_staging_on_for_it
     and pid, and turned the shard's ring on again (``Staging.ok``): the writer staged its first flushes for
     the next life before that life said it reads this host's regions (on another candidate host it cannot:
     they were refused, their rows lost). Such an ack counts as one naming no host now, as does one taken
-    while the shard is down; the next life's own ack turns staging on."""
+    while the shard is down, and one taken after its restart counts for no message in flight and turns
+    nothing on; the next life's own ack turns staging on."""
     w = _writer(2)
     st, _ = staging_of(w, 500)
     rng = np.random.default_rng(5)
@@ -632,13 +633,17 @@ def test_an_ack_a_lost_shard_sent_before_it_died_does_not_turn_staging_on_for_it
                             final={"obs": np.zeros((6, 3), np.float32)})
         return out
 
-    take_ack(w, 0, None, st.host, OTHER_PID, "unused", "actor[0]", None)
+    plain = [m for m in flushes(10) if m.shard == 0]
+    assert plain and all(m.staged is None for m in plain)  # (until the shard's first ack says it reads them)
+    take_ack(w, 0, plain[-1].seq, st.host, OTHER_PID, "unused", "actor[0]", None)
     sent = [m for m in flushes(10) if m.shard == 0]
     assert sent and all(m.staged is not None for m in sent)
     w.shard_lost(0)
     take_ack(w, 0, sent[-1].seq, st.host, OTHER_PID, "unused", "actor[0]", None)  # the dead life's, late
     assert not st.ok[0]
     w.shard_restarted(0)
+    take_ack(w, 0, sent[0].seq, st.host, OTHER_PID, "unused", "actor[0]", None)  # later still: after the restart
+    assert not st.ok[0]  # (it counts for no message in flight: it says nothing of the next life)
     after = [m for m in flushes(10) if m.shard == 0]
     assert after and all(m.staged is None for m in after)  # until the next life says so
     take_ack(w, 0, after[0].seq, st.host, OTHER_PID + 1, "unused", "actor[0]", None)

@@ -502,7 +502,9 @@ class Table(TableState):
         """Like :meth:`insert_nowait`, but wait on the running loop while the rate limiter blocks.
 
         Input is validated before waiting, and read (validated again) when it goes in: a tensor the
-        caller changed meanwhile is copied as it is then. Cancelling the wait inserts nothing.
+        caller changed meanwhile is copied as it is then (a numpy array with negative strides, which
+        torch cannot view, is copied at the first check, as it was then). Cancelling the wait inserts
+        nothing.
 
         Raises:
             TimeoutError: ``timeout_s`` passed while blocked (nothing inserted).

@@ -6,7 +6,6 @@ import asyncio
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -571,45 +570,8 @@ print(int(a.sum()), int(b.sum()))
 """
 
 
-def _package_copy_probe(tmp_path: Path, probe: str) -> tuple[Path, Callable[[], list[int]]]:
-    """A copy of the package in ``tmp_path`` (its kernels' disk caches along: ``copytree`` keeps the files'
-    times, which numba's index checks), and a function that runs ``probe`` in a fresh process on that copy
-    and returns the ints it prints."""
-    pkg = tmp_path / "reactor"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg)
-
-    def run() -> list[int]:
-        out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=240, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 0, out.stderr
-        return [int(v) for v in out.stdout.split()]
-
-    return pkg, run
-
-
-def test_one_call_sample_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
-    """Regression (issue 3, review): the one-call kernel compiles in the storage's kernels
-    (_storagekernels.py) and sumtree.py's, and numba's disk cache only notices edits to the cached
-    function's own file. A cached one-call kernel kept running the old window copy after the storage's
-    kernels changed. Edit a copy of the package between two processes and check both paths see the edit.
-
-    The copy takes the package's caches along (``copytree`` keeps the files' times, which numba's index
-    checks): the first process then loads every cached kernel, as a user's does, and only the kernels
-    the edit touches compile in the second (7 s here, where compiling everything twice took 25-60 s).
-    A one-call kernel cached on disk would be loaded stale in the second process, and caught."""
-    pkg, run = _package_copy_probe(tmp_path, _ONE_CALL_PROBE)
-    first = run()
-    assert first[0] == first[1] > 0  # the mask marks valid window positions
-    storage_py = pkg / "replay" / "_storagekernels.py"
-    src = storage_py.read_text()
-    assert "mask[j, t] = a <= t < z" in src
-    storage_py.write_text(src.replace("mask[j, t] = a <= t < z", "mask[j, t] = False"))
-    assert run() == [0, 0]  # both paths run the edited copy kernel
-
-
 _ONE_KERNEL_INSERT_PROBE = """
-import numpy as np, torch
-from reactor.replay import Fifo, FieldSpec, MinSize, Prioritized, StepRead, Storage, Table
+from reactor.replay import StepRead
 from reactor.replay._tablekernels import _nb_insert_host
 got = []
 for one_kernel in (True, False):
@@ -622,19 +584,38 @@ print(*got, len(_nb_insert_host.signatures))
 """
 
 
-def test_one_kernel_insert_follows_an_edit_of_the_storage_kernels(tmp_path: Path):
-    """The one-kernel insert (``_nb_insert_host``) compiles in the storage's append (``_nb_append``, in
-    _storagekernels.py), and numba's disk cache only notices edits to the cached function's own file: a
-    cached copy kept running the old append after _storagekernels.py changed (as the one-call sample
-    did, above). Edit a copy of the package, caches along, between two processes: both insert paths
-    copy the rows the edited way."""
-    pkg, run = _package_copy_probe(tmp_path, _ONE_KERNEL_INSERT_PROBE)
-    assert run() == [820, 820, 1]  # (1: the one kernel ran)
+def test_the_kernels_compiled_in_from_the_storage_kernels_follow_an_edit_of_them(tmp_path: Path):
+    """Regression (issue 3, review; then the one-kernel insert): the one-call sample compiles in the storage's
+    kernels (_storagekernels.py) and sumtree.py's, the one-kernel insert (``_nb_insert_host``) the storage's
+    append (``_nb_append``), and numba's disk cache only notices edits to the cached function's own file. A
+    cached one-call kernel kept running the old window copy after the storage's kernels changed, and a
+    cached insert would have kept the old append (``drop_stale_cache``). Edit a copy of the package between
+    two processes and check that every path sees both edits.
+
+    The copy takes the package's caches along (``copytree`` keeps the files' times, which numba's index
+    checks): the first process then loads every cached kernel, as a user's does, and only the kernels
+    the edits touch compile in the second (one process for both kernels: each compile is seconds here).
+    A kernel cached on disk would be loaded stale in the second process, and caught."""
+    pkg = tmp_path / "reactor"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "reactor", pkg)
+
+    def run() -> list[int]:
+        out = subprocess.run([sys.executable, "-c", _ONE_CALL_PROBE + _ONE_KERNEL_INSERT_PROBE], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=240,
+                             env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        return [int(v) for v in out.stdout.split()]
+
+    first = run()
+    assert first[0] == first[1] > 0 and first[2:] == [820, 820, 1]  # valid window positions; rows; the one kernel ran
     storage_py = pkg / "replay" / "_storagekernels.py"
     src = storage_py.read_text()
-    assert "copy_bytes(dst[f] + pos0 * nb, s, n1 * nb)" in src
-    storage_py.write_text(src.replace("copy_bytes(dst[f] + pos0 * nb, s, n1 * nb)", "copy_bytes(dst[f] + pos0 * nb, s, 0)"))
-    assert run() == [0, 0, 1]  # both paths run the edited append: no row copied
+    for old, new in (("mask[j, t] = a <= t < z", "mask[j, t] = False"),
+                     ("copy_bytes(dst[f] + pos0 * nb, s, n1 * nb)", "copy_bytes(dst[f] + pos0 * nb, s, 0)")):
+        assert old in src
+        src = src.replace(old, new)
+    storage_py.write_text(src)
+    assert run() == [0, 0, 0, 0, 1]  # both sample paths mask every window, both insert paths copy no row
 
 
 class _PrioritizedDeleteFirst(Prioritized):

@@ -48,7 +48,7 @@ log = logging.getLogger("reactor.replay")
 #: stages fewer rows, and a flush larger than its ring goes in its message.
 MAX_STAGING_NBYTES = 64 * 2**20
 #: Staging regions a shard keeps mapped at once (one per writer life it has heard from); past it
-#: the one least recently attached is let go.
+#: the one least recently read is let go.
 MAX_STAGED_REGIONS = 256
 _MAX_HOST_CHARS = 512  # (an InsertAck's host id: a hostname and a boot id, or a daemon's host name)
 
@@ -267,7 +267,9 @@ class StagedReader:
         if self.run_id is not None and desc.get("run_id") != self.run_id:  # (its segments' names are derived from it)
             raise ValueError(f"staged region {region!r:.100} is of run {desc.get('run_id')!r:.100}, not this shard's "
                              f"({self.run_id!r})")
-        have = self._regions.get(region) if isinstance(region, str) else None
+        have = self._regions.pop(region, None)
+        if have is not None:  # (kept last: the cache lets go of the region least recently read)
+            self._regions[region] = have
         if have is None or have[0] != desc:  # (a new life's, or one that says another thing: checked again)
             if self._reader is None:
                 self._reader = _bulk.BulkReader.open_shm()

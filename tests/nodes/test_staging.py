@@ -648,3 +648,28 @@ def test_an_ack_a_lost_shard_sent_before_it_died_does_not_turn_staging_on_for_it
     assert after and all(m.staged is None for m in after)  # until the next life says so
     take_ack(w, 0, after[0].seq, st.host, OTHER_PID + 1, "unused", "actor[0]", None)
     assert st.ok[0] and any(m.staged is not None for m in flushes(10) if m.shard == 0)
+
+
+def test_a_shards_cache_of_mapped_regions_lets_go_of_the_one_least_recently_read(monkeypatch):
+    """Past ``MAX_STAGED_REGIONS`` a shard unmaps a region; the one read least recently, not the one
+    attached first: a writer whose region it reads on every message is never remapped (the cache let go
+    by attach order, so past the bound every active writer's region was mapped again and again)."""
+    import reactor.nodes._staging as staging_module
+
+    monkeypatch.setattr(staging_module, "MAX_STAGED_REGIONS", 2)
+    run_id = f"t{secrets.token_hex(6)}"
+    specs = Writer(SHARD_FIELDS, 1, TransitionPattern()).specs
+    rings = [Staging.open(run_id, f"stage-w{k}", specs, 1, 8, "test") for k in range(3)]
+    reader = StagedReader(run_id)
+    try:
+        words = [(st.descriptor, 0, 4) for st in rings if st is not None]
+        assert len(words) == 3
+        for k in (0, 1, 0, 2):  # region 0 read again after region 1 was attached
+            reader.rows(words[k])
+        assert sorted(reader._regions) == ["stage-w0", "stage-w2"]
+        assert sorted(reader._reader.regions) == ["stage-w0", "stage-w2"]  # (unmapped too, not only forgotten)
+    finally:
+        reader.close()
+        for st in rings:
+            if st is not None:
+                st.close()

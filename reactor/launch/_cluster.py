@@ -213,6 +213,50 @@ def assign_hosts(groups: list[Group], hosts: dict[str, Host], where: str, *, spr
     return out
 
 
+def place_on_hosts(groups: Sequence[Group], room: Mapping[str, int | None]) -> tuple[list[tuple[Group, str]], list[Group]]:
+    """Each group on one of its candidate hosts, no host holding more groups than its ``room`` (None: no
+    bound): a placement whenever one exists, as a bipartite matching with capacities (augmenting paths:
+    a group left without room moves placed ones to other hosts of theirs). Groups are first placed on
+    their first candidate host with room, those with fewer candidates first (so that a group with a
+    choice does not take the room of one without), and a group moves only to make room. Returns the
+    ``(group, host)`` pairs and the groups no placement can hold (in their order)."""
+    on: dict[str, list[Group]] = {h: [] for h in room}
+
+    def fits(h: str) -> bool:
+        limit = room[h]
+        return limit is None or len(on[h]) < limit
+
+    def augment(g: Group, seen: set[str]) -> bool:
+        """Place ``g`` (not placed now), moving placed groups off the hosts it needs; False if there is
+        no way through hosts not in ``seen`` (those this search has asked already)."""
+        for h in g.hosts:
+            if h not in seen and fits(h):
+                on[h].append(g)
+                return True
+        for h in g.hosts:
+            if h in seen:
+                continue
+            seen.add(h)
+            for i, o in enumerate(on[h]):
+                del on[h][i]
+                if augment(o, seen):  # (o now on another of its hosts: never back on h, which is seen)
+                    on[h].append(g)
+                    return True
+                on[h].insert(i, o)
+        return False
+
+    order = sorted(range(len(groups)), key=lambda k: len(groups[k].hosts))  # (stable: in order among equals)
+    unplaced: list[int] = []
+    for k in order:
+        host = next((h for h in groups[k].hosts if fits(h)), None)
+        if host is None:
+            unplaced.append(k)
+        else:
+            on[host].append(groups[k])
+    left = sorted(k for k in unplaced if not augment(groups[k], set()))
+    return [(g, h) for h, gs in on.items() for g in gs], [groups[k] for k in left]
+
+
 def _host_port(address: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` (``[v6]`` too) -> ``(HOST, PORT)``, the brackets off."""
     host, port = address[len("tcp://"):].rsplit(":", 1)
@@ -328,11 +372,11 @@ class RemoteWorkers:
         return Path(app).name
 
     async def check_memory(self, groups: Sequence[Group]) -> None:
-        """Refuse a run whose workers its hosts' memory cannot hold, before any starts: each group
-        placed on its first candidate host with room left (those with fewer candidates first, so that
-        a group with a choice does not take the room of one without), each host holding as many
-        workers as its available memory over the least a worker takes there (each daemon's ``ping``
-        says both). The group's first start asks that host first (:attr:`planned`): a daemon refuses
+        """Refuse a run whose workers its hosts' memory cannot hold, before any starts: refused only
+        where no placement of the groups on their candidate hosts fits (:func:`place_on_hosts`), each
+        host holding as many workers as its available memory over the least a worker takes there (each
+        daemon's ``ping`` says both). The group's first start asks the host it was counted on first
+        (:attr:`planned`): a daemon refuses
         a spawn only once its host's memory is short, which the workers started a moment before have
         not taken yet (a host with room for one took every group that named it first).
         A host that does not answer within :data:`CHECK_PING_S`, or whose daemon does not say, is not
@@ -359,19 +403,13 @@ class RemoteWorkers:
 
         said = dict(zip(candidates, await asyncio.gather(*(available(h) for h in candidates))))
         room = {h: mem // floor if floor and mem is not None else None for h, (mem, floor) in said.items()}
-        placed = dict.fromkeys(candidates, 0)
-        left: list[Group] = []  # the groups no candidate host has room for
-        for g in sorted(groups, key=lambda g: len(g.hosts)):  # (stable: in order among equals)
-            host = next((h for h in g.hosts if room[h] is None or placed[h] < room[h]), None)
-            if host is None:
-                left.append(g)
-            else:
-                placed[host] += 1
-                self.planned[g.name] = host
-        if left:  # (said of the first one's first host: what it holds, and those of them it cannot take)
+        placed, left = place_on_hosts(groups, room)  # (left: the groups no placement has room for)
+        if not left:
+            self.planned.update((g.name, h) for g, h in placed)
+        else:  # (said of the first one's first host: what it holds, and those of them it cannot take)
             h = left[0].hosts[0]
             mem, floor = said[h]
-            n = placed[h] + sum(g.hosts[0] == h for g in left)
+            n = sum(on == h for _, on in placed) + sum(g.hosts[0] == h for g in left)
             others = ", ".join(left[0].hosts[1:])
             raise GraphError(f"{worker_memory_error(n, mem, f'host {h}', floor)}"
                              f"{f' (the other candidate hosts of group {left[0].name!r}, {others}, are full as well)' if others else ''}")

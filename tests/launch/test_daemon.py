@@ -2330,6 +2330,39 @@ def test_a_start_puts_each_group_on_the_host_the_memory_check_counted_it_on(tmp_
         roomy.stop()
 
 
+def test_the_memory_check_refuses_a_run_only_where_no_placement_on_its_candidate_hosts_fits():
+    """``place_on_hosts`` (check_memory's count): against every assignment of small random instances, it
+    places every group exactly where some placement fits (before, a greedy count refused runs that fit:
+    g1 and g3 on h1 or h2, g2 on h2 or h3, room for one each, fits as g1 h2, g2 h3, g3 h1), never past a
+    host's room, each group on one of its candidates; and a run that fits greedily stays where the
+    greedy count put it (first candidates with room, groups with fewer candidates first)."""
+    import itertools
+    import random
+
+    from reactor.launch._cluster import place_on_hosts
+    from reactor.launch._groups import Group
+
+    g1, g2, g3 = (Group(n, ("x",), hosts=h) for n, h in (("g1", ("h1", "h2")), ("g2", ("h2", "h3")),
+                                                          ("g3", ("h1", "h2"))))
+    placed, left = place_on_hosts([g1, g2, g3], {"h1": 1, "h2": 1, "h3": 1})
+    assert left == [] and sorted((g.name, h) for g, h in placed) == [("g1", "h2"), ("g2", "h3"), ("g3", "h1")]
+    f, b = Group("f", ("z",), hosts=("h1",)), Group("b", ("y",), hosts=("h1", "h2"))
+    assert place_on_hosts([b, f], {"h1": 1, "h2": None}) == ([(f, "h1"), (b, "h2")], [])
+    rng = random.Random(7)
+    for _ in range(400):
+        hosts = [f"h{k}" for k in range(rng.randint(1, 4))]
+        room = {h: rng.choice([None, 0, 1, 1, 2]) for h in hosts}
+        groups = [Group(f"g{k}", ("x",), hosts=tuple(rng.sample(hosts, rng.randint(1, len(hosts)))))
+                  for k in range(rng.randint(1, 6))]
+        fits = any(all(room[h] is None or sum(x == h for x in pick) <= room[h] for h in hosts)
+                   for pick in itertools.product(*(g.hosts for g in groups)))
+        placed, left = place_on_hosts(groups, room)
+        assert (left == []) == fits, (groups, room, placed, left)
+        assert sorted([g.name for g, _ in placed] + [g.name for g in left]) == sorted(g.name for g in groups)
+        assert all(h in g.hosts for g, h in placed)
+        assert all(room[h] is None or sum(x == h for _, x in placed) <= room[h] for h in hosts)
+
+
 def test_a_group_whose_one_host_is_full_and_other_silent_is_refused_saying_which_is_which(tmp_path):
     """A group whose first host refuses it for want of memory and whose second does not answer fails naming
     each and why, and not as "no candidate host has the memory" (the silent one may have it)."""

@@ -34,6 +34,23 @@ def _run(app: str, config: dict | None = None, **kw):
     return run(build_graph(app, config), app=app, config=config, **kw)
 
 
+def test_a_busy_worker_reports_its_status_a_few_times_a_second_not_every_20_ms():
+    """A worker's status (idle, counts) goes to the coordinator at most every 20 ms, for quiescence
+    detection; while it stays busy, at most every 0.25 s (BUSY_STATUS_INTERVAL_S): the coordinator reads
+    the counts only once every worker says it is idle. (Each report cost the worker a zmq wake-up and the
+    coordinator a message: ~50 a second a busy worker, 500 for ten.) The demo's producers tick every 10 ms
+    for 1.5 s in their own processes; the run still ends, and its messages all arrive."""
+    from reactor.launch._worker import BUSY_STATUS_INTERVAL_S
+
+    res = _run(DEMO, {"stop_s": 1.5}, placement="processes", deterministic=False, stop_s=1.5)
+    busy_s = 1.5
+    for name in ("producer-0", "producer-1", "producer-2"):
+        stats = res.processes[name]
+        # (start, the turns to idle and back at its end, and one every 0.25 s between: before, ~75)
+        assert 1 <= stats["reports"] <= busy_s / BUSY_STATUS_INTERVAL_S + 8, (name, stats["reports"])
+        assert stats["sent"] > 50, stats  # (it was busy: it ticked and sent all along)
+
+
 def test_deterministic_demo_is_bit_identical_under_single_and_processes():
     """Banks, round-robin fan-out, fan-in, timers, actions and delays (issue 2, test 1)."""
     cfg = {"stop_s": 0.3}

@@ -439,56 +439,56 @@ def test_an_ack_whose_seq_is_malformed_frees_no_staged_rows_the_shard_may_not_ha
     assert st.tail[0] == st.head[0] and st.kept[0] == 0 and not st.held[0]
 
 
-def test_a_shard_refuses_the_staged_rows_of_another_runs_region(tmp_path, caplog):
-    """Regression: a staged word naming a region of another run on the host, its descriptor whole (the
-    segment names derived from that run's id, its owner live), was mapped and its rows inserted: the
-    names were checked against the descriptor's run id, not the shard's. Refused now, naming both."""
-    others: list[Staging] = []
-    sent: list[Steps] = []
-
-    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
-        st, _ = _staged_episodes(run_id, 6, 6)
-        other, theirs = _staged_episodes(f"other{secrets.token_hex(4)}", 6, 6)
-        others.append(other)
-        sent.append(theirs[0])
-        return st, [dataclasses.replace(theirs[0], writer=1)]
-
-    try:
-        with caplog.at_level(logging.ERROR, logger="reactor.replay"):
-            got = _shard_fed(tmp_path, plan)
-    finally:
-        for other in others:
-            other.close()
-    assert got == {"acks": [0], "size": 0, "parked": 0, "rejected": len(sent[0].episode_end), "staged": 0}, got
-    assert any("its staged rows cannot be read" in m and f"is of run {others[0].descriptor['run_id']!r}, not this "
-               "shard's" in m for m in caplog.messages), caplog.messages
-
-
-def test_a_shard_refuses_staged_rows_of_a_region_of_its_run_that_is_no_staging_region(tmp_path, caplog):
-    """A descriptor of another region of the run (a shard's own shared ring, say: mapped again, its memory
-    is not told apart from the ring by address, and the insert would copy it over itself) is refused:
-    a shard reads rows only from regions named as writers' staging regions are."""
-    rings: list[Staging] = []
+def _fed_a_word_of_another_region(tmp_path, caplog, other: Any) -> tuple[dict, list[str]]:
+    """A real shard fed one staged message whose word names a region ``other(run_id, msgs)`` makes (it
+    returns the region, closed after the run, and the message); what the sender saw, and the shard's log.
+    Such a message is refused: nothing inserted, its rows counted as rejected, its ack sent."""
+    regions: list[Staging] = []
     sent: list[Steps] = []
 
     def plan(run_id: str) -> tuple[Staging, list[Steps]]:
         st, msgs = _staged_episodes(run_id, 6, 6)
-        ring = Staging.open(run_id, "ring-replay", Writer(SHARD_FIELDS, 1, TransitionPattern()).specs, 1, 64, "sender")
-        assert ring is not None
-        rings.append(ring)
-        _, first, rows = msgs[0].staged
-        sent.append(dataclasses.replace(msgs[0], staged=(ring.descriptor, first, rows)))
+        region, msg = other(run_id, msgs)
+        regions.append(region)
+        sent.append(msg)
         return st, sent
 
     try:
         with caplog.at_level(logging.ERROR, logger="reactor.replay"):
             got = _shard_fed(tmp_path, plan)
     finally:
-        for ring in rings:
-            ring.close()
+        for region in regions:
+            region.close()
     assert got == {"acks": [0], "size": 0, "parked": 0, "rejected": len(sent[0].episode_end), "staged": 0}, got
-    assert any("its staged rows cannot be read" in m and "'ring-replay' is not a writer's staging region" in m
-               for m in caplog.messages), caplog.messages
+    return got, [m for m in caplog.messages if "its staged rows cannot be read" in m]
+
+
+def test_a_shard_refuses_the_staged_rows_of_another_runs_region(tmp_path, caplog):
+    """Regression: a staged word naming a region of another run on the host, its descriptor whole (the
+    segment names derived from that run's id, its owner live), was mapped and its rows inserted: the
+    names were checked against the descriptor's run id, not the shard's. Refused now, naming both."""
+
+    def other_run(run_id: str, msgs: list[Steps]) -> tuple[Staging, Steps]:
+        other, theirs = _staged_episodes(f"other{secrets.token_hex(4)}", 6, 6)
+        return other, dataclasses.replace(theirs[0], writer=1)
+
+    _, refused = _fed_a_word_of_another_region(tmp_path, caplog, other_run)
+    assert any("is of run 'other" in m and "not this shard's" in m for m in refused), refused
+
+
+def test_a_shard_refuses_staged_rows_of_a_region_of_its_run_that_is_no_staging_region(tmp_path, caplog):
+    """A descriptor of another region of the run (a shard's own shared ring, say: mapped again, its memory
+    is not told apart from the ring by address, and the insert would copy it over itself) is refused:
+    a shard reads rows only from regions named as writers' staging regions are."""
+
+    def ring_of_the_run(run_id: str, msgs: list[Steps]) -> tuple[Staging, Steps]:
+        ring = Staging.open(run_id, "ring-replay", Writer(SHARD_FIELDS, 1, TransitionPattern()).specs, 1, 64, "sender")
+        assert ring is not None
+        _, first, rows = msgs[0].staged
+        return ring, dataclasses.replace(msgs[0], staged=(ring.descriptor, first, rows))
+
+    _, refused = _fed_a_word_of_another_region(tmp_path, caplog, ring_of_the_run)
+    assert any("'ring-replay' is not a writer's staging region" in m for m in refused), refused
 
 
 def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_not_ahead(tmp_path):

@@ -18,7 +18,8 @@ writer back).
 
 What a shard trusts: nothing in a staged message more than in any other. The descriptor is checked
 as any bulk descriptor is (names derived from the run id, which must be the shard's, the owner alive,
-segment sizes), the row range against the region, the rows' dtypes and shapes by the insert's own
+segment sizes), its region must be a writer's staging region (``stage-...``, never the shard's own
+ring), the row range against the region, the rows' dtypes and shapes by the insert's own
 checks; the ends, mask and priorities travel in the message and are checked there. A writer that
 wrote its ring again before the shard's ack would only spoil its own rows (they are data; the tree
 and the index never come from the ring; a shard with a write-ahead log copies them first, so that
@@ -239,6 +240,9 @@ class StagedReader:
 
     def __init__(self, run_id: str | None = None) -> None:
         self.run_id = run_id
+        #: The shard's own regions (its ring; set once it has them): never read as a writer's, whatever
+        #: their names (a shard named ``stage-...`` has a ring named as staging regions are).
+        self.own: frozenset[str] = frozenset()
         self._reader: Any = None
         self._regions: dict[str, tuple[Mapping[str, Any], dict[str, torch.Tensor]]] = {}  # region -> descriptor, fields
 
@@ -248,8 +252,8 @@ class StagedReader:
         them; nothing may write to them).
 
         Raises:
-            ValueError: a malformed word or descriptor, a region that is not a staging region or is of
-                another run or host, rows outside it.
+            ValueError: a malformed word or descriptor, a region that is not a staging region (or is the
+                shard's own) or is of another run or host, rows outside it.
             PeerLostError: the region's owner closed it or died before this shard first mapped it.
             OSError: it could not be mapped.
         """
@@ -264,6 +268,8 @@ class StagedReader:
         region = desc.get("region")
         if not (isinstance(region, str) and region.startswith("stage-")):  # (region_name's: not a shard's ring)
             raise ValueError(f"staged region {region!r:.100} is not a writer's staging region (named stage-...)")
+        if region in self.own:  # (mapped again, its memory is not told apart from the ring by address)
+            raise ValueError(f"staged region {region!r} is this shard's own region, not a writer's staging region")
         if self.run_id is not None and desc.get("run_id") != self.run_id:  # (its segments' names are derived from it)
             raise ValueError(f"staged region {region!r:.100} is of run {desc.get('run_id')!r:.100}, not this shard's "
                              f"({self.run_id!r})")

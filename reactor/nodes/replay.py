@@ -448,6 +448,7 @@ class Replay(ShardMemory, Reactor):
         if use_bulk:
             try:
                 storage = await self._open_bulk_storage()
+                self._staged.own = frozenset({self._region})  # (its sampling region's "-s-..." is no stage-...)
                 self.table = make_table(storage)  # (its sampler's shared arrays are reserved here)
             except OSError as e:
                 # /dev/shm filled up since the check above (the shards of a host start at once): the

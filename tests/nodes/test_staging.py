@@ -673,3 +673,62 @@ def test_a_shards_cache_of_mapped_regions_lets_go_of_the_one_least_recently_read
         for st in rings:
             if st is not None:
                 st.close()
+
+
+def test_a_shard_whose_ring_is_named_as_a_staging_region_refuses_staged_rows_of_its_own_ring(tmp_path, caplog):
+    """A shard named ``stage-...`` has a ring whose region is named as writers' staging regions are: the name
+    check let a staged word naming that ring through (its descriptor cut to the row fields, as a peer can
+    make it), and the shard mapped its own ring again and inserted rows of it (the one kernel's own-ring
+    check compares addresses and misses a second mapping). A shard refuses its own regions by name."""
+    own: dict[str, Any] = {}
+
+    class Recorded(Replay):
+        async def _open_bulk_storage(self) -> Any:  # (the sender runs in this process: it takes the descriptor)
+            storage = await super()._open_bulk_storage()
+            own["desc"] = self._descriptor
+            return storage
+
+    class OwnRingSender(Reactor):
+        out = Output(Steps)
+        ask = Output(ReplayControl)
+        acks = Input(InsertAck)
+        stats = Input(ShardStatistics)
+
+        @reaction(triggers=[startup], effects=[ask])
+        def start(self) -> None:
+            self.st, self.msgs = _staged_episodes(self.run_id, 6, 6)
+            self.got_stats = 0
+            self.ask.send(StatisticsRequest())  # (its answer: the shard is up, its ring made)
+
+        @reaction(triggers=[stats], effects=[out, ask])
+        def got(self, stats: ShardStatistics) -> None:
+            self.got_stats += 1
+            if self.got_stats == 1:
+                keep = [n for n, _, _ in SHARD_FIELDS]
+                d = dict(own["desc"])
+                d["fields"] = {n: d["fields"][n] for n in keep}
+                d["shm"] = {**d["shm"], "segments": {n: d["shm"]["segments"][n] for n in keep}}
+                d["version_field"] = None
+                _, first, rows = self.msgs[0].staged
+                self.out.send(dataclasses.replace(self.msgs[0], staged=(d, first, rows)))
+                self.ask.send(StatisticsRequest())
+                return
+            with open(report, "w") as f:
+                json.dump({"size": stats.size, "rejected": stats.rejected_steps, "staged": stats.staged_steps}, f)
+            self.st.close()
+
+    report = tmp_path / "report.json"
+    g = Graph()
+    sender = g.add(OwnRingSender(), name="sender")
+    shard = g.add(Recorded(SHARD_FIELDS, 1000, bulk=True), name="stage-replay")
+    g.connect(sender.out, shard.steps, delay_s=1e-6)
+    g.connect(shard.acks, sender.acks, delay_s=1e-6)
+    g.connect(sender.ask, shard.control, delay_s=1e-3)
+    g.connect(shard.statistics, sender.stats, delay_s=1e-6)
+    with caplog.at_level(logging.ERROR, logger="reactor.replay"):
+        run(g)
+    got = json.loads(report.read_text())
+    assert own["desc"]["region"] == "stage-replay"  # (the premise: its ring passes the name check)
+    assert got == {"size": 0, "rejected": 7, "staged": 0}, got
+    assert any("its staged rows cannot be read" in m and "'stage-replay' is this shard's own region" in m
+               for m in caplog.messages), caplog.messages

@@ -732,3 +732,35 @@ def test_a_shard_whose_ring_is_named_as_a_staging_region_refuses_staged_rows_of_
     assert got == {"size": 0, "rejected": 7, "staged": 0}, got
     assert any("its staged rows cannot be read" in m and "'stage-replay' is this shard's own region" in m
                for m in caplog.messages), caplog.messages
+
+
+def test_a_writer_makes_no_staging_region_on_an_ack_that_counts_for_no_message_in_flight():
+    """``take_ack`` makes a writer's staging region on the first ack of a shard of its host only when that ack
+    counts for a message in flight: a restarted shard's last life's ack, taken after the restart, said the
+    dead life's host and pid, and the new region's ring for that shard was turned on for a next life that
+    may be on another host (as ``Staging.acked`` no longer does for a writer that has its region)."""
+    from reactor.transport import bulk
+
+    w = _writer(2)
+    run_id = f"t{secrets.token_hex(6)}"
+    rng = np.random.default_rng(3)
+    sent: list[Steps] = []
+    for k in range(10):
+        sent += w.append(*_step(rng, k, 6)[:1], terminated=np.zeros(6, bool), truncated=np.ones(6, bool),
+                         final={"obs": np.zeros((6, 3), np.float32)})
+    old = [m for m in sent if m.shard == 0]
+    assert old and all(m.staged is None for m in old)
+    w.shard_lost(0)
+    w.shard_restarted(0)
+    try:
+        take_ack(w, 0, old[-1].seq, bulk.host_id(), OTHER_PID, run_id, "actor[0]", None)  # the last life's, late
+        assert w.staging is None and not w.staging_refused
+        new = [m for m in w.append(*_step(rng, 10, 6)[:1], terminated=np.zeros(6, bool), truncated=np.ones(6, bool),
+                                   final={"obs": np.zeros((6, 3), np.float32)}) if m.shard == 0]
+        new += [m for m in w.flush() if m.shard == 0]
+        assert new
+        take_ack(w, 0, new[-1].seq, bulk.host_id(), OTHER_PID + 1, run_id, "actor[0]", None)  # the next life's
+        assert w.staging is not None and w.staging.ok[0] and not w.staging.ok[1]
+    finally:
+        if w.staging is not None:
+            w.staging.close()

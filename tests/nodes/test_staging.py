@@ -510,19 +510,34 @@ def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_
 
 
 def test_an_acks_malformed_words_count_as_none_and_the_ack_still_counts(staging_of):
-    """``take_ack`` takes an ``InsertAck``'s seq, host and pid from a peer: an array for the seq (compared
-    with the held seqs, it raised "truth value of an array is ambiguous" in the actor's reaction), bytes for
-    the host, a string for the pid, a host past 512 characters: each counts as none, the ack still counts
-    as one, frees no staged rows and turns no staging on."""
-    w = _writer(1)
+    """``take_ack`` takes an ``InsertAck``'s seq, host and pid from a peer: bytes for the host, a string for the
+    pid, a host past 512 characters each count as none (the ack still counts for its message, and turns no
+    ring on); an array for the seq (compared with the held seqs, it raised "truth value of an array is
+    ambiguous" in the actor's reaction) counts as none: as an ack naming no message, it frees no staged rows.
+    (The messages are in flight, as a shard's acks find them: an ack that counts for none turns no ring on
+    whatever its words say, and would check nothing of them.)"""
+    w = _writer(1)  # (every message asks for an ack)
     st, _ = staging_of(w, 200)
-    for _ in range(4):
-        w.unacked[0] += 1
-        st.sent(0, 0)
-    for seq, host, pid in ((np.array([0, 1]), st.host, OTHER_PID), (None, st.host.encode(), OTHER_PID),
-                           (None, st.host, str(OTHER_PID)), (None, "h" * 600, OTHER_PID)):
-        take_ack(w, 0, seq, host, pid, "unused", "actor[0]", 4)
-    assert w.unacked[0] == 0 and len(st.held[0]) == 4 and not st.ok[0]
+    rng = np.random.default_rng(13)
+
+    def flushes(n: int) -> list[Steps]:
+        out: list[Steps] = []
+        while len(out) < n:
+            out += w.append(*_step(rng, len(out), 6)[:1], terminated=np.zeros(6, bool), truncated=np.ones(6, bool),
+                            final={"obs": np.zeros((6, 3), np.float32)})
+        return out
+
+    plain = flushes(4)
+    assert all(m.staged is None and m.ack for m in plain)
+    for m, host, pid in ((plain[0], st.host.encode(), OTHER_PID), (plain[1], st.host, str(OTHER_PID)),
+                         (plain[2], "h" * 600, OTHER_PID)):
+        take_ack(w, 0, m.seq, host, pid, "unused", "actor[0]", None)
+        assert not st.ok[0] and w.unacked[0] == len(plain) - 1 - plain.index(m)
+    take_ack(w, 0, plain[3].seq, st.host, OTHER_PID, "unused", "actor[0]", None)  # (well formed: the ring on)
+    staged = flushes(2)
+    assert st.ok[0] and all(m.staged is not None for m in staged) and w.unacked[0] == len(staged)
+    take_ack(w, 0, np.array([m.seq for m in staged]), st.host, OTHER_PID, "unused", "actor[0]", None)
+    assert w.unacked[0] == len(staged) - 1 and st.tail[0] == 0 and st.kept[0] == staged[0].staged[2]
 
 
 def test_a_shard_acknowledges_only_the_messages_that_ask_staged_plain_or_refused(tmp_path):

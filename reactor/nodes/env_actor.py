@@ -350,7 +350,7 @@ class EnvActor(Reactor):
                 replace_small(self.progress, json.dumps({
                     "format": 1, "explore_steps": self.explore_base + self.env_steps,
                     "run_steps": self.run_base + self.env_steps, "run_id": self.run_id,
-                    "rollout_version": self._rollout_version, "staged_rows": self._staged_rows()}).encode())
+                    "rollout_version": self._rollout_version, **self._sent()}).encode())
             except OSError as e:
                 if not self._progress_failed:  # (once: it is tried at every report)
                     self._progress_failed = True
@@ -368,6 +368,15 @@ class EnvActor(Reactor):
         restart."""
         staging = self._staging()
         return 0 if staging is None else int(staging.staged_rows)
+
+    def _sent(self) -> dict[str, int]:
+        """What this life sent its shards, for its progress file (read by no restart): ``Steps`` messages
+        and rows, and those of them it staged in shared memory (reactor/nodes/_staging.py)."""
+        writer, staging = getattr(self, "writer", None), self._staging()
+        return {"sent_messages": 0 if writer is None else writer.seq - writer.first_seq,
+                "sent_rows": 0 if writer is None else writer.steps_sent,
+                "staged_messages": 0 if staging is None else int(staging.staged_messages),
+                "staged_rows": self._staged_rows()}
 
     def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
                  truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray,

@@ -85,6 +85,16 @@ def status_interval(last: tuple[Any, ...] | None, status: tuple[Any, ...], min_i
         return max(min_interval_s, BUSY_STATUS_INTERVAL_S)
     return min_interval_s
 
+
+def status_wait_s(due: float | None) -> float:
+    """How long the async loop waits before it looks at its status again, ``due`` the seconds until a
+    postponed report may go (:meth:`Worker._report`), or None: while one is postponed nothing but its
+    ``urgent`` event wakes the loop, so at most :data:`STATUS_INTERVAL_S`, which a turn to idle must go
+    out within (a busy report postponed for :data:`BUSY_STATUS_INTERVAL_S` left it asleep up to 0.1 s
+    after its reactors went idle); else 0.1 s (a change of status wakes it sooner)."""
+    return 0.1 if due is None else min(STATUS_INTERVAL_S, due)
+
+
 class Worker:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
@@ -757,7 +767,8 @@ class Worker:
         # The loop below wakes on `changed` (a reactor went idle, a batch came in: the status may
         # have changed) to report it, but at most once per STATUS_INTERVAL_S; while a report is
         # postponed it waits only for `urgent` (a stop, a task's end, the replay done), so a busy
-        # worker does not wake it per event for nothing.
+        # worker does not wake it per event for nothing, and at most STATUS_INTERVAL_S (status_wait_s):
+        # a turn to idle then wakes nothing else.
         self.changed = changed = asyncio.Event()
         self.urgent = urgent = asyncio.Event()
         room = asyncio.Event()
@@ -799,7 +810,7 @@ class Worker:
                 event = changed if due is None else urgent
                 event.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.1 if due is None else min(0.1, due)):
+                    async with asyncio.timeout(status_wait_s(due)):
                         await event.wait()
         finally:
             h.stop_requested = True

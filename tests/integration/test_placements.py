@@ -51,6 +51,23 @@ def test_a_busy_worker_reports_its_status_a_few_times_a_second_not_every_20_ms()
         assert stats["sent"] > 50, stats  # (it was busy: it ticked and sent all along)
 
 
+def test_a_busy_worker_that_turns_idle_looks_at_its_status_within_the_status_interval():
+    """A busy worker's report postponed for BUSY_STATUS_INTERVAL_S leaves its async loop waiting only for
+    `urgent`, which a reactor going idle does not set: the loop must still look at its status within
+    STATUS_INTERVAL_S, which a turn to idle goes out within. (It slept up to 0.1 s: two processes playing
+    ping-pong, 1 ms a message, stopped on quiescence 34 ms after the last reaction at the median of 10 runs,
+    up to 97; 18 and 25 as before BUSY_STATUS_INTERVAL_S, and with this wait.)"""
+    from reactor.launch import _worker as w
+
+    busy = (3, False, 10, 9)  # (epoch, idle, sent, received): the last report
+    due = w.status_interval(busy, (3, False, 11, 10), w.STATUS_INTERVAL_S)
+    assert due == w.BUSY_STATUS_INTERVAL_S > w.STATUS_INTERVAL_S  # (the next busy one waits)
+    assert w.status_interval(busy, (3, True, 11, 11), w.STATUS_INTERVAL_S) == w.STATUS_INTERVAL_S  # (a turn to idle not)
+    for left in (due, due - w.STATUS_INTERVAL_S / 2, w.STATUS_INTERVAL_S, w.STATUS_INTERVAL_S / 2):
+        assert 0 < w.status_wait_s(left) <= min(left, w.STATUS_INTERVAL_S), left
+    assert w.status_wait_s(None) == 0.1  # (nothing postponed: a change of status wakes the loop)
+
+
 def test_deterministic_demo_is_bit_identical_under_single_and_processes():
     """Banks, round-robin fan-out, fan-in, timers, actions and delays (issue 2, test 1)."""
     cfg = {"stop_s": 0.3}

@@ -659,9 +659,10 @@ class _Session:
                                 "restart: a dead life's, delivered once its new life was linked)", received - sent)
             return True
         # Messages moved between the probe and its answers (sums equal again, but not the ones
-        # probed): probe again. Keeping the stale snapshot here hung the run forever.
+        # probed): probe again. Keeping the stale snapshot here hung the run forever; and at once: every
+        # worker said it is idle, so none may say more, and the next look waited out a batch's 0.2 s.
         self.probe_snapshot = None
-        return False
+        return self._quiescent()
 
     def _broadcast(self, msg: Any, skip: str | None = None, starting: bool = False) -> None:
         """Send ``msg`` to every live worker but ``skip``; with ``starting``, also to restarting

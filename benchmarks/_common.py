@@ -172,39 +172,95 @@ def interruptible(main: Callable[[], Any], name: str, *, stop_s: float | None = 
     sys.unraisablehook = hook
 
 
-def _end_when_overdue(name: str, stop_s: float, overdue: Callable[[], None] | None) -> None:
-    """A thread that ends this process ``stop_s`` seconds after a SIGINT or SIGTERM, unless it ended.
+#: How long after the watching thread's turn the guard process ends a benchmark whose interpreter is held.
+_GUARD_GRACE_S = 3.0
 
-    It hears the signal through Python's wakeup descriptor, which the C-level handler writes as the
+
+def _end_when_overdue(name: str, stop_s: float, overdue: Callable[[], None] | None) -> None:
+    """A thread that ends this process ``stop_s`` seconds after a SIGINT or SIGTERM, unless it ended;
+    and, should that thread not get to run, a guard process that ends it a few seconds later.
+
+    The signal is heard through Python's wakeup descriptor, which the C-level handler writes as the
     signal arrives: the clock starts even when the main thread is in a C call and its Python handler
-    (``KeyboardInterrupt``) has not run. The thread is a daemon, so an exit in time ends it with the
-    process; it keeps watching through ``atexit`` (Ray shuts down there too). Overdue: every thread's
+    (``KeyboardInterrupt``) has not run. The guard (forked here, before the benchmark starts anything)
+    reads that descriptor and tells the thread. The thread is a daemon, so an exit in time ends it with
+    the process; it keeps watching through ``atexit`` (Ray shuts down there too). Overdue: every thread's
     stack on stderr (faulthandler: no GIL needed beyond its own), ``overdue()``, the one line, and
     ``os._exit`` with the status the signal gives (130 for SIGINT, the signal's number otherwise, as
     SIGTERM's handlers here exit). Written to fd 2 directly: the main thread may hold ``sys.stderr``'s
-    lock. A later ``signal.set_wakeup_fd`` in this process (uvloop's, an asyncio loop's) replaces the
+    lock. The thread needs the GIL after its sleep: a main thread that holds it in a C call (Ray's peer,
+    1 CI run in ~27 after this thread was added, printed nothing in 120 s) keeps it from running. So the
+    guard, ``_GUARD_GRACE_S`` later, has the process dump its threads' stacks (faulthandler's SIGUSR2
+    handler, which needs no GIL), runs ``overdue()`` itself, says so and SIGKILLs it. The guard ignores
+    SIGINT and SIGTERM (a Ctrl-C reaches the whole process group) and leaves when the process has ended.
+    A later ``signal.set_wakeup_fd`` in this process (uvloop's, an asyncio loop's) replaces the
     descriptor: a benchmark that runs an event loop in its main thread cannot use ``stop_s``."""
-    read, write = os.pipe()
-    os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    wake_r, wake_w = os.pipe()  # (the signal handler -> the guard)
+    told_r, told_w = os.pipe()  # (the guard -> the thread: which signal)
+    parent = os.getpid()
+    faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+    guard = os.fork()
+    if guard == 0:  # the guard process: only system calls, /proc, and overdue()
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.close(wake_w)
+            os.close(told_r)
+            _guard(name, parent, stop_s + _GUARD_GRACE_S, wake_r, told_w, overdue)
+        finally:
+            os._exit(0)
+    os.close(wake_r)
+    os.close(told_w)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
 
     def watch() -> None:
-        while True:
-            got = os.read(read, 64)
-            ends = [s for s in got if s in (signal.SIGINT, signal.SIGTERM)]
-            if ends:
-                break
+        got = os.read(told_r, 1)
+        if not got:
+            return  # (the guard ended: no signal will be told)
+        sig = got[0]
         time.sleep(stop_s)
-        os.write(2, f"{name}: not ended {stop_s:g} s after signal {ends[0]}; where its threads were:\n".encode())
+        os.write(2, f"{name}: not ended {stop_s:g} s after signal {sig}; where its threads were:\n".encode())
         faulthandler.dump_traceback(file=2, all_threads=True)
         try:
             if overdue is not None:
                 overdue()
         finally:
             os.write(2, f"{name}: interrupted; what it printed above is partial\n".encode())
-            os._exit(130 if ends[0] == signal.SIGINT else ends[0])
+            os._exit(130 if sig == signal.SIGINT else sig)
 
     threading.Thread(target=watch, name="end-when-overdue", daemon=True).start()
+
+
+def _guard(name: str, parent: int, after_s: float, wake_r: int, told_w: int,
+           overdue: Callable[[], None] | None) -> None:
+    """The guard process of :func:`_end_when_overdue`: waits for SIGINT or SIGTERM to reach ``parent``
+    (its wakeup descriptor), tells its thread, and ends ``parent`` if it still runs ``after_s`` later."""
+    import select
+
+    sig = 0
+    while not sig:
+        got = os.read(wake_r, 64)
+        if not got:
+            return  # (the process ended: the descriptor's last holder closed it)
+        sig = next((s for s in got if s in (signal.SIGINT, signal.SIGTERM)), 0)
+    os.write(told_w, bytes([sig]))
+    deadline = time.monotonic() + after_s
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([wake_r], [], [], left)[0] and not os.read(wake_r, 64):
+            return  # (it ended in time)
+    if os.getppid() != parent:
+        return
+    os.write(2, f"{name}: not ended {after_s:g} s after signal {sig}, its interpreter held (no thread of its "
+                f"own could run); where its threads were:\n".encode())
+    os.kill(parent, signal.SIGUSR2)
+    time.sleep(1.0)  # (its stacks written by its faulthandler)
+    try:
+        if overdue is not None:
+            overdue()
+    finally:
+        os.write(2, f"{name}: interrupted; what it printed above is partial\n".encode())
+        os.kill(parent, signal.SIGKILL)
 
 
 def _quiet_compiler_leftovers(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:

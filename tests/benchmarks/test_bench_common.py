@@ -265,6 +265,53 @@ def test_a_benchmark_whose_cleanup_hangs_after_a_signal_is_ended_with_its_stacks
     assert mark.read_text() == "ended what was left"
 
 
+HELD = """
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks._common import interruptible
+
+def overdue():
+    open(sys.argv[2], "w").write("ended what was left")
+
+def main():
+    print("measuring", flush=True)
+    libc, mutex = ctypes.PyDLL(None), ctypes.create_string_buffer(64)  # (zeros: an unlocked default mutex)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # a C call that keeps the GIL and no signal ends: no handler, no thread runs
+
+interruptible(main, "bench_x.py", stop_s=1.0, overdue=overdue)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_benchmark_whose_interpreter_is_held_after_a_signal_is_ended_by_its_guard(tmp_path):
+    """Regression: Ray's peer, sent SIGINT as its raylet came up, printed nothing and did not end in 120 s
+    although its overdue thread had been added for that (1 CI run in ~27 since): a main thread holding the
+    GIL in a C call keeps that thread from running after its sleep. The guard process ends it: where its
+    threads were (faulthandler, no GIL needed), the overdue cleanup, the one line, then SIGKILL."""
+    mark = tmp_path / "overdue"
+    proc = subprocess.Popen([sys.executable, "-c", HELD, str(ROOT), str(mark)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "measuring\n"
+        wchan = Path(f"/proc/{proc.pid}/wchan")
+        deadline = time.monotonic() + 30
+        while "futex" not in wchan.read_text() and time.monotonic() < deadline:  # (in the lock: no bytecode left)
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err
+    assert err.startswith("bench_x.py: not ended 4 s after signal 2, its interpreter held"), err
+    assert 'line 13 in main' in err, err  # (the main thread, in its C call)
+    assert err.endswith("bench_x.py: interrupted; what it printed above is partial\n"), err
+    assert mark.read_text() == "ended what was left"
+
+
 def test_a_log_that_cannot_be_opened_leaves_stdout_and_the_descriptors_as_they_were(tmp_path):
     """Regression: ``output_to`` moved ``sys.stdout`` to a copy of fd 1 (and made two copies) before it opened
     its log: a ``--log`` in a missing directory raised there, leaving ``sys.stdout`` on the copy and both

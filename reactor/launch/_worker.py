@@ -76,7 +76,6 @@ FAILED_EXIT_WAIT_S = 5.0
 TERM_END_S = 10.0
 
 
-
 def status_interval(last: tuple[Any, ...] | None, status: tuple[Any, ...], min_interval_s: float) -> float:
     """How long after the last status report (``last``: ``(epoch, idle, sent, received)``, or None) the
     next, ``status``, may go: :data:`BUSY_STATUS_INTERVAL_S` while the worker was and is busy in the

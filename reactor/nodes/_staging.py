@@ -51,6 +51,8 @@ MAX_STAGING_NBYTES = 64 * 2**20
 #: Staging regions a shard keeps mapped at once (one per writer life it has heard from); past it
 #: the one least recently read is let go.
 MAX_STAGED_REGIONS = 256
+#: How every staging region's name begins (:func:`region_name`); a shard reads staged rows from no other.
+STAGE_PREFIX = "stage-"
 _MAX_HOST_CHARS = 512  # (an InsertAck's host id: a hostname and a boot id, or a daemon's host name)
 
 
@@ -229,9 +231,9 @@ def region_name(who: str) -> str:
     """The staging region's name for the reactor instance ``who``: unique in the run, a bulk name
     (a hash of ``who`` where its plain name is not one)."""
     try:
-        return check_name_part("region", f"stage-{plain_name(who)}")
+        return check_name_part("region", f"{STAGE_PREFIX}{plain_name(who)}")
     except ValueError:
-        return f"stage-{hashlib.sha256(who.encode()).hexdigest()[:32]}"
+        return f"{STAGE_PREFIX}{hashlib.sha256(who.encode()).hexdigest()[:32]}"
 
 
 class StagedReader:
@@ -266,7 +268,7 @@ class StagedReader:
         if not isinstance(desc, Mapping):
             raise ValueError(f"staged descriptor must be a map, got {type(desc).__name__}")
         region = desc.get("region")
-        if not (isinstance(region, str) and region.startswith("stage-")):  # (region_name's: not a shard's ring)
+        if not (isinstance(region, str) and region.startswith(STAGE_PREFIX)):  # (region_name's: not a shard's ring)
             raise ValueError(f"staged region {region!r:.100} is not a writer's staging region (named stage-...)")
         if region in self.own:  # (mapped again, its memory is not told apart from the ring by address)
             raise ValueError(f"staged region {region!r} is this shard's own region, not a writer's staging region")

@@ -363,12 +363,6 @@ class EnvActor(Reactor):
         writer = getattr(self, "writer", None)
         return None if writer is None else writer.staging
 
-    def _staged_rows(self) -> int:
-        """Rows this life staged in shared memory for its shards; said in its progress file, read by no
-        restart."""
-        staging = self._staging()
-        return 0 if staging is None else int(staging.staged_rows)
-
     def _sent(self) -> dict[str, int]:
         """What this life sent its shards, for its progress file (read by no restart): ``Steps`` messages
         and rows, and those of them it staged in shared memory (reactor/nodes/_staging.py)."""
@@ -376,7 +370,7 @@ class EnvActor(Reactor):
         return {"sent_messages": 0 if writer is None else writer.seq - writer.first_seq,
                 "sent_rows": 0 if writer is None else writer.steps_sent,
                 "staged_messages": 0 if staging is None else int(staging.staged_messages),
-                "staged_rows": self._staged_rows()}
+                "staged_rows": 0 if staging is None else int(staging.staged_rows)}
 
     def _collect(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
                  truncated: np.ndarray, extras: dict[str, Any], next_obs: np.ndarray,

@@ -347,6 +347,12 @@ def _nb_descend(
 Backend = Literal["numba", "torch"]
 
 
+
+def _not_finite(priorities: Any, bad: int) -> PriorityOverflowError:
+    """The refusal of ``priorities[bad]``, not a finite priority >= 0 (check_total's and _stage_checked's)."""
+    why = f"{float(priorities[bad])!r} is not a finite priority >= 0"
+    return PriorityOverflowError(f"SumTree priority at position {bad}: {why}", bad, why)
+
 class SumTree:
     """A K-ary sum tree over ``capacity`` leaves with batched writes, stratified sampling and a min.
 
@@ -633,8 +639,7 @@ class SumTree:
         finite and >= 0, or a total that would overflow."""
         bad = int(_nb_check(_NO_INDICES, priorities, self._capacity, self._sum_out))
         if bad >= 0:
-            why = f"{float(priorities[bad])!r} is not a finite priority >= 0"
-            raise PriorityOverflowError(f"SumTree priority at position {bad}: {why}", bad, why)
+            raise _not_finite(priorities, bad)
         return self._stage_room(m, float(self._sum_out[0]), priorities)
 
     def check_total(self, priorities: Any) -> float:
@@ -659,8 +664,7 @@ class SumTree:
                 bad = -1 if bool(finite.all()) else int(torch.nonzero(~finite)[0, 0])
                 psum = self._torch_sum(prio)
             if bad >= 0:
-                why = f"{float(prio[bad])!r} is not a finite priority >= 0"
-                raise PriorityOverflowError(f"SumTree priority at position {bad}: {why}", bad, why)
+                raise _not_finite(prio, bad)
             self._headroom(psum, prio)
             return psum
 

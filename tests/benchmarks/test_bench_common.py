@@ -25,6 +25,7 @@ from benchmarks._common import (  # noqa: E402
     positive_int,
     stop_process,
 )
+from tests.launch.hosts import wait_for  # noqa: E402
 
 
 def test_counts_and_sizes_below_their_least_are_refused_naming_the_value():
@@ -295,10 +296,8 @@ def test_a_benchmark_whose_interpreter_is_held_after_a_signal_is_ended_by_its_gu
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "measuring\n"
-        wchan = Path(f"/proc/{proc.pid}/wchan")
-        deadline = time.monotonic() + 30
-        while "futex" not in wchan.read_text() and time.monotonic() < deadline:  # (in the lock: no bytecode left)
-            time.sleep(0.01)
+        wchan = Path(f"/proc/{proc.pid}/wchan")  # (in the lock: no bytecode left to run a handler)
+        wait_for(lambda: "futex" in wchan.read_text(), 30, "the benchmark to block in its C call", 0.01)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:

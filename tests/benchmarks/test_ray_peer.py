@@ -60,8 +60,14 @@ def test_the_ray_peer_stopped_mid_run_shuts_ray_down_and_leaves_no_process(sig):
             proc.communicate(timeout=30)
         ray_peer.end_ours(mark, proc.pid)  # (whatever the test leaves, it does not leave running)
     assert left == []
-    if sig == signal.SIGINT:
-        assert proc.returncode == 130, err.decode(errors="replace")[-3000:]
-        assert err.decode().endswith("ray_peer.py: interrupted; what it printed above is partial\n")
+    text = err.decode(errors="replace")
+    if proc.returncode == -signal.SIGKILL:
+        # Ray's GCS connect (a C call in ray.init that keeps the GIL while it retries, 48 s in 1 CI run
+        # in ~30) held the interpreter past the grace: the guard process ended it, after its cleanup
+        assert "its interpreter held (no thread of its own could run)" in text, text[-3000:]
+        assert text.endswith("ray_peer.py: interrupted; what it printed above is partial\n"), text[-3000:]
+    elif sig == signal.SIGINT:
+        assert proc.returncode == 130, text[-3000:]
+        assert text.endswith("ray_peer.py: interrupted; what it printed above is partial\n"), text[-3000:]
     else:
-        assert proc.returncode == 15, err.decode(errors="replace")[-3000:]
+        assert proc.returncode == 15, text[-3000:]

@@ -38,6 +38,7 @@ import os
 import re
 import socket
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -228,21 +229,40 @@ def place_on_hosts(groups: Sequence[Group], room: Mapping[str, int | None]) -> t
 
     def augment(g: Group, seen: set[str]) -> bool:
         """Place ``g`` (not placed now), moving placed groups off the hosts it needs; False if there is
-        no way through hosts not in ``seen`` (those this search has asked already)."""
-        for h in g.hosts:
-            if h not in seen and fits(h):
-                on[h].append(g)
-                return True
+        no way through hosts not in ``seen`` (those this search has asked already). A breadth-first
+        search over hosts, kept in a queue (a recursive one went a level deeper per host on the path:
+        past ~1,000 hosts, Python's recursion limit); the path found moves each group on it one host on,
+        the last onto the host with room, and ``g`` onto the first."""
+        came: dict[str, tuple[str, Group] | None] = {}  # host -> (host before it, the group moved from there)
+        todo: deque[str] = deque()
         for h in g.hosts:
             if h in seen:
                 continue
+            if fits(h):
+                on[h].append(g)
+                return True
             seen.add(h)
-            for i, o in enumerate(on[h]):
-                del on[h][i]
-                if augment(o, seen):  # (o now on another of its hosts: never back on h, which is seen)
-                    on[h].append(g)
+            came[h] = None
+            todo.append(h)
+        while todo:
+            h = todo.popleft()
+            for o in on[h]:
+                for h2 in o.hosts:
+                    if h2 in seen:
+                        continue
+                    seen.add(h2)
+                    came[h2] = (h, o)
+                    if not fits(h2):
+                        todo.append(h2)
+                        continue
+                    at = h2
+                    while (step := came[at]) is not None:
+                        before, moved = step
+                        del on[before][next(i for i, x in enumerate(on[before]) if x is moved)]
+                        on[at].append(moved)
+                        at = before
+                    on[at].append(g)
                     return True
-                on[h].insert(i, o)
         return False
 
     order = sorted(range(len(groups)), key=lambda k: len(groups[k].hosts))  # (stable: in order among equals)

@@ -2333,7 +2333,7 @@ def test_a_start_puts_each_group_on_the_host_the_memory_check_counted_it_on(tmp_
 def test_the_memory_check_refuses_a_run_only_where_no_placement_on_its_candidate_hosts_fits():
     """``place_on_hosts`` (check_memory's count): against every assignment of small random instances, it
     places every group exactly where some placement fits (before, a greedy count refused runs that fit:
-    g1 and g3 on h1 or h2, g2 on h2 or h3, room for one each, fits as g1 h2, g2 h3, g3 h1), never past a
+    g1 and g3 on h1 or h2, g2 on h2 or h3, room for one each, fits with g2 on h3), never past a
     host's room, each group on one of its candidates; and a run that fits greedily stays where the
     greedy count put it (first candidates with room, groups with fewer candidates first)."""
     import itertools
@@ -2345,7 +2345,8 @@ def test_the_memory_check_refuses_a_run_only_where_no_placement_on_its_candidate
     g1, g2, g3 = (Group(n, ("x",), hosts=h) for n, h in (("g1", ("h1", "h2")), ("g2", ("h2", "h3")),
                                                           ("g3", ("h1", "h2"))))
     placed, left = place_on_hosts([g1, g2, g3], {"h1": 1, "h2": 1, "h3": 1})
-    assert left == [] and sorted((g.name, h) for g, h in placed) == [("g1", "h2"), ("g2", "h3"), ("g3", "h1")]
+    assert left == [] and sorted(h for _, h in placed) == ["h1", "h2", "h3"]
+    assert all(h in g.hosts for g, h in placed) and [g.name for g, h in placed if h == "h3"] == ["g2"]
     f, b = Group("f", ("z",), hosts=("h1",)), Group("b", ("y",), hosts=("h1", "h2"))
     assert place_on_hosts([b, f], {"h1": 1, "h2": None}) == ([(f, "h1"), (b, "h2")], [])
     rng = random.Random(7)
@@ -2386,6 +2387,25 @@ def test_the_memory_check_counts_a_run_far_past_its_hosts_room_without_searching
     taken = {g.name for g, _ in placed}
     assert [g.name for g in left] == [g.name for g in groups if g.name not in taken]
     assert Hosts.walks < 10 * len(groups), Hosts.walks
+
+
+def test_the_memory_check_moves_groups_along_a_chain_of_thousands_of_hosts_to_make_room():
+    """``place_on_hosts``: room for a group may take moving a placed group on each of thousands of hosts
+    in turn (a cluster's worth); the search for that path recursed a level per host, and past ~1,000 hosts
+    ended in RecursionError (the run refused with a traceback). Group k sits on host k and may go to
+    k + 1; the last group's hosts are 0 (full) and a host with no room; only host 3,000 is free."""
+    from reactor.launch._cluster import place_on_hosts
+    from reactor.launch._groups import Group
+
+    n = 3000
+    room: dict[str, int | None] = {f"h{k}": 1 for k in range(n + 1)}
+    room["none"] = 0
+    chain = [Group(f"g{k}", ("x",), hosts=(f"h{k}", f"h{k + 1}")) for k in range(n)]
+    last = Group("last", ("x",), hosts=("h0", "none"))
+    placed, left = place_on_hosts([*chain, last], room)
+    assert left == []
+    where = {g.name: h for g, h in placed}
+    assert where == {"last": "h0", **{f"g{k}": f"h{k + 1}" for k in range(n)}}
 
 
 def test_a_group_whose_one_host_is_full_and_other_silent_is_refused_saying_which_is_which(tmp_path):

@@ -52,8 +52,9 @@ completed change, plus one. (The rate limiter's count is not late: it was taken 
 
 Safety against the memory itself. A reader maps the arrays read-only and trusts nothing it reads:
 every index taken from shared memory is range-checked in the kernels before it is used (a slot, an
-episode's start and length, a window's valid range), so a torn or corrupt state gives ``MOVED``,
-never an out-of-bounds access.
+episode's start and length, a window's valid range), and so is every item's probability (in (0, 1])
+and times-sampled count, so a torn or corrupt state gives ``MOVED``, never an out-of-bounds access
+nor a NaN or negative probability (whose importance weight would be NaN).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ OK, MOVED, EMPTY = 0, 1, 2
 #: shard holds fewer items than its min size; every mass is 0 (figures); a shard's draw did not return
 #: OK (draw).
 BUSY, BELOW, ZERO, MOVED_AT = 3, 4, 5, 6
+#: A times-sampled count read from the region at or above this is garbage (no item is drawn 2**62 times).
+_TIMES_MAX = 1 << 62
 
 ArrayAllocator = Callable[[str, tuple[int, ...], np.dtype[Any]], np.ndarray]
 
@@ -416,8 +419,8 @@ def _nb_draw(
         if not sums[0] > 0.0:
             return 2
         _nb_descend(sums, offsets, arity, uniforms, True, slots, probs)
-        for j in range(n):
-            if slots[j] < 0 or slots[j] >= cap:
+        for j in range(n):  # (a probability outside (0, 1], NaN too: an inf, NaN or negative sum)
+            if slots[j] < 0 or slots[j] >= cap or not 0.0 < probs[j] <= 1.0:
                 return 1
     f0 = first_step % cap
     off = first_step - f0
@@ -427,7 +430,10 @@ def _nb_draw(
         if k < first_step or k >= next_step:
             return 1
         keys[j] = k
-        out_times[j] = times[s] + 1
+        t = times[s]
+        if t < 0 or t >= _TIMES_MAX:  # (a count below 0, or one that would overflow: checked before the + 1,
+            return 1  # whose overflow the compiler may assume away)
+        out_times[j] = t + 1
         prefetch(step_ep.ctypes.data + s * 8)
     if length == 0:
         for j in range(n):
@@ -662,6 +668,10 @@ def _nb_sample_part(header: np.ndarray, seq: int, uniform: bool, sums: np.ndarra
     if status != 0:
         return status
     plain = beta == 0.0 or not (0.0 < min_p < np.inf)
+    for j in range(uniforms.shape[0]):
+        p = probs[j] * share
+        if not 0.0 < p <= 1.0:  # (a share of a mass read as inf or NaN)
+            return 1
     for j in range(uniforms.shape[0]):
         keys[j] = keys[j] | tag
         p = probs[j] * share

@@ -405,7 +405,10 @@ def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access(sampler
     list) makes draws answer MOVED or EMPTY, or OK with every index inside the arrays; the reader
     never reads outside them (a capacity of 600 leaves padding in every level of an 8-ary tree,
     where a corrupt descent could wander; numba checks no bounds, so a wild read would fault or
-    return nonsense positions, which the asserts catch), and the copy into the batch stays in it."""
+    return nonsense positions, which the asserts catch), and the copy into the batch stays in it. An
+    OK draw's probabilities are in (0, 1] and its times sampled >= 1: a NaN, negative or inf sum gave
+    NaN and negative probabilities (then NaN importance weights, which poison a learner's loss) and
+    garbage times a negative count, where the message path refuses such replies (hostile review)."""
     cap = 600
     arrays = _plain_arrays()
     table = _table(sampler, WindowRead(8, "head"), arrays, cap=cap)
@@ -433,6 +436,9 @@ def test_garbage_in_the_shared_memory_gives_refusals_never_a_wild_access(sampler
         if status == OK:
             assert ((plan["pos"] >= 0) & (plan["pos"] < cap)).all()
             assert ((plan["lo"] >= 0) & (plan["lo"] < plan["hi"]) & (plan["hi"] <= 8)).all()
+            p = plan["probabilities"]
+            assert ((p > 0) & (p <= 1)).all(), p  # (NaN fails: a batch's weights would be NaN)
+            assert (plan["times_sampled"] >= 1).all(), plan["times_sampled"]
             ss.copy_windows(plan, np.array([ring.data_ptr()], np.int64),
                             np.array([8], np.int64), np.array([out.data_ptr()], np.int64), np.empty((32, 8), bool))
     assert MOVED in outcomes
@@ -442,8 +448,9 @@ def test_garbage_in_one_shard_of_a_group_gives_refusals_never_a_wild_access():
     """Two shards drawn as one batch (SharedShards: figures and counts, then every draw), the second's
     published state overwritten with random words, NaN, negative and huge sums before each try: the
     figures answer OK, BUSY, BELOW or ZERO; the draws OK or MOVED_AT at a shard and an item offset in
-    range; an OK batch's keys carry the shards' tags and its windows stay inside the batch (guard
-    bytes after it are untouched); nothing reads outside the arrays (a wild read faults)."""
+    range; an OK batch's keys carry the shards' tags, its probabilities are in (0, 1], its weights
+    finite and its times sampled >= 1, and its windows stay inside the batch (guard bytes after it
+    are untouched); nothing reads outside the arrays (a wild read faults)."""
     from reactor.replay.shared import BELOW, BUSY, MOVED_AT, ZERO, SharedShards
 
     cap, n, w = 600, 48, 8
@@ -494,7 +501,78 @@ def test_garbage_in_one_shard_of_a_group_gives_refusals_never_a_wild_access():
             assert where[0] in (0, 1) and 0 <= where[1] <= n
         else:
             assert set((keys[: counts[0]] >> 48).tolist()) <= {0} and set((keys[counts[0] :] >> 48).tolist()) <= {1}
+            assert ((probs > 0) & (probs <= 1)).all() and np.isfinite(weights).all(), (probs, weights)
+            assert (times >= 1).all(), times
     assert OK in figures_seen and len(figures_seen) >= 2 and MOVED_AT in draws_seen
+
+
+def _leaves(arrays: SharedArrays, cap: int, arity: int) -> np.ndarray:
+    """The leaf level of a published sum tree (padding included)."""
+    from reactor.replay.sumtree import _layout
+
+    offsets, _ = _layout(cap, arity)
+    return arrays.get("sums")[int(offsets[-2]):int(offsets[-1])]
+
+
+@pytest.mark.parametrize("spoil", ["root inf", "leaves NaN", "leaves negative", "times negative", "times at the top"])
+def test_masses_and_counts_out_of_range_in_a_settled_state_are_refused_not_drawn(spoil):
+    """A published state whose index is sound but whose sums or times are not (another process wrote
+    them; the sequence count says settled): every draw answers MOVED, never OK with a probability
+    outside (0, 1] (an inf root gave 0, NaN leaves NaN, negative leaves negative ones: then NaN
+    importance weights, which poison a learner's loss) or a times sampled below 1 (a negative count
+    or one that overflows). The message path refuses such replies (``items_problem``); this was the
+    one path that passed them on (hostile review)."""
+    arrays = _plain_arrays()
+    table = _table(Prioritized(0.6), WindowRead(4), arrays)
+    pub = SamplingPublisher(table, arrays)
+    _fill(table, pub, np.random.default_rng(1), 20)
+    if spoil == "root inf":
+        arrays.get("sums")[0] = np.inf
+    elif spoil.startswith("leaves"):
+        leaves = _leaves(arrays, CAP, table._sampler.arity)
+        leaves[leaves > 0] = np.nan if spoil.endswith("NaN") else -leaves[leaves > 0]
+    else:
+        arrays.get("times")[:] = -3 if spoil.endswith("negative") else np.iinfo(np.int64).max
+    ss = _reader(pub, arrays)
+    seq = ss.figures()[0]
+    assert seq >= 0
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        status, plan = ss.draw(seq, rng.random(16))
+        assert status == MOVED, (status, plan["probabilities"], plan["times_sampled"])
+
+
+def test_a_group_whose_one_mass_is_inf_refuses_the_other_shards_items_of_probability_0():
+    """Two shards drawn as one batch, shard 0's root sum inf (its figures' mass): the total is inf, so
+    shard 1's share is 0 and every item falls to it; its items would report probability 0 (weight
+    1). The draw answers MOVED_AT at shard 1 instead: a probability outside (0, 1] is never
+    returned (hostile review)."""
+    from reactor.replay.shared import MOVED_AT, SharedShards
+
+    cap, n, w = CAP, 16, 4
+    parts = []
+    for k in range(2):
+        arrays = _plain_arrays()
+        table = _table(Prioritized(0.6), WindowRead(w), arrays, cap=cap)
+        pub = SamplingPublisher(table, arrays)
+        _fill(table, pub, np.random.default_rng(20 + k), 20)
+        if k == 0:
+            arrays.get("sums")[0] = np.inf
+        parts.append((_reader(pub, arrays), np.array([table.storage._fields["id"].data_ptr()], np.int64),
+                      np.array([8], np.int64)))
+    group = SharedShards(parts)
+    seqs, sizes, counts = (np.zeros(2, np.int64) for _ in range(3))
+    masses, lows, shares, least, where = np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(1), np.zeros(3, np.int64)
+    rng = np.random.default_rng(3)
+    assert group.figures(rng.random(n), seqs, sizes, masses, lows, counts, shares, least) == OK
+    assert counts.tolist() == [0, n] and shares[1] == 0.0
+    ids = np.empty(n * w, np.int64)
+    keys, probs, times = np.empty(n, np.int64), np.empty(n), np.empty(n, np.int64)
+    valid, weights, mask = np.empty(n, bool), np.empty(n, np.float32), np.empty((n, w), bool)
+    status = group.draw(rng.random(n), np.array([ids.ctypes.data], np.int64), np.array([8 * w], np.int64),
+                        np.array([0, 1 << 48], np.int64), 0.4, mask, keys, probs, times, valid, weights, seqs, counts,
+                        shares, least, where)
+    assert status == MOVED_AT and where.tolist() == [1, 0, MOVED], (status, probs)
 
 
 def test_windows_as_long_as_the_ring_are_sampled_and_longer_ones_are_refused():

@@ -358,6 +358,10 @@ class OneSidedSampling(RemoteSampling):
         Raises:
             ValueError: ``n < 1``.
             PeerLostError: a shard's process died (its memory says so); the batch is dropped.
+            MalformedFrameError: a shard's published state refused a draw without changing (corrupt
+                memory: an index or a probability out of range under a settled sequence count); the
+                batch is dropped. Its ``shard`` names the shard, its ``notices`` tell the shards drawn
+                from before it.
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"sample size n must be an int >= 1, got {n!r}")
@@ -432,6 +436,7 @@ class OneSidedSampling(RemoteSampling):
             uniforms = every_uniform[a:b]
             share = float(shares[i])
             f = used[i]
+            tries = 0
             while True:  # a shard that changed since its figures: its own draw again, on its new state
                 # (keys, probabilities and weights of the batch: `local` and `q` come back tagged and scaled)
                 status = sh.table.sample_part(f[0], uniforms, sh.src_addrs, sh.row_nbytes,
@@ -441,10 +446,24 @@ class OneSidedSampling(RemoteSampling):
                     break
                 self._tally(retries=1)
                 retried = True
+                tries += 1
                 g = self._stable_figures(sh, deadline) if status != _EMPTY else None
-                if g is None or not g[1] > 0:  # no mass left there, or it kept changing: messages
-                    # (the draws made count: their notices go now; so do the counts taken and not
-                    # drawn, at the limiters: reactor.replay._budget)
+                if g is not None and g[0] == f[0]:
+                    # Refused on a state that did not change (the count moves at every change, and the
+                    # draw checks it last): the published memory is inconsistent, and a draw again
+                    # would be refused the same way (it looped here for good: hostile review).
+                    bad = MalformedFrameError(
+                        f"replay shard {k}: its published sampling state (region {sh.region!r}) is inconsistent "
+                        f"under a settled sequence count {f[0]} (an index or a probability out of range): "
+                        f"corrupt shared memory; sample through messages")
+                    bad.shard = k  # type: ignore[attr-defined]
+                    bad.notices = self._notices(drawn, local)  # type: ignore[attr-defined]  # (as asample_now's)
+                    raise bad
+                if g is None or not g[1] > 0 or (tries > 1 and time.perf_counter() > deadline):
+                    # No mass left there, or it kept changing (one draw on its new figures at least:
+                    # the first call of a process loads the compiled draw, ms): messages (the draws
+                    # made count: their notices go now; so do the counts taken and not drawn, at the
+                    # limiters: reactor.replay._budget)
                     return None, self.take_notices(self._notices(drawn, local))
                 f = g
             used[i] = f

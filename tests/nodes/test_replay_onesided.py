@@ -420,6 +420,75 @@ async def test_a_sample_whose_shard_was_mid_change_draws_shard_by_shard_what_the
         await _close(clients, shards)
 
 
+#: A hostile process on the host: writes ``value`` ("neg": the words negated) over words [a, b) of a
+#: segment's data, viewed as ``dtype``, through its own writable mapping.
+_SPOIL = """
+import sys
+import numpy as np
+from reactor.transport import _shm
+name, dtype, a, b, value = sys.argv[1:]
+seg = _shm.Segment.attach(name, writable=True)
+words = seg.data.view(np.dtype(dtype))[int(a):int(b)]
+words[:] = -words if value == "neg" else np.dtype(dtype).type(value)
+seg.close_reader()
+"""
+
+
+def _spoil(run_id: str, region: str, field: str, dtype: str, a: int, b: int, value: str) -> None:
+    import subprocess
+    import sys
+
+    from reactor.transport import _shm
+
+    subprocess.run([sys.executable, "-c", _SPOIL, _shm.segment_name(run_id, region, field), dtype, str(a), str(b),
+                    value], check=True, timeout=60)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spoil", ["first step below 0", "leaves negative"])
+async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_the_shard_never_loops(tmp_path,
+                                                                                                         spoil):
+    """Another process writes into shard 1's published sampling state (its count left settled): a
+    first stored step below 0 (every draw's index check refuses), or every leaf of its sum tree
+    negated (every draw's probability check refuses). sample_now, and a draw ahead taken with
+    next_drawn, raise MalformedFrameError naming shard 1 (``shard`` 1; ``notices``: shard 0's draws
+    made before it): a draw on a state that did not change is refused the same way every time, and
+    the redraw loop ran for good (hostile review: the call never returned). The state put back, the
+    next sample draws."""
+    from reactor._errors import MalformedFrameError
+    from reactor.replay.sumtree import _layout
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards)
+        assert client.sample_now(8)[0] is not None
+        table, pub = _OWNED[shards[1][0]]
+        run_id, saved = f"mixed{os.getpid()}x1", {n: pub.arrays.get(n).copy() for n in ("header", "sums")}
+        if spoil == "first step below 0":
+            _spoil(run_id, "-s-r1", "header", "int64", 1, 2, "-1")
+        else:
+            offsets, _ = _layout(table.storage.capacity, table._sampler.arity)
+            _spoil(run_id, "-s-r1", "sums", "float64", int(offsets[-2]), int(offsets[-1]), "neg")
+        assert pub.header[0] % 2 == 0  # (settled)
+        for _ in range(3):
+            with pytest.raises(MalformedFrameError, match=r"^replay shard 1: its published sampling state \(region "
+                               r"'-s-r1'\) is inconsistent under a settled sequence count \d+ \(an index or a "
+                               r"probability out of range\): corrupt shared memory; sample through messages$") as e:
+                client.sample_now(64)
+            assert e.value.shard == 1 and {m.shard for m in e.value.notices} <= {0}
+        assert client.draw_ahead(64, 2) == 2
+        for _ in range(2):
+            with pytest.raises(MalformedFrameError, match=r"^replay shard 1: "):
+                await client.next_drawn()
+        for n, a in saved.items():
+            pub.arrays.get(n)[:] = a
+        assert client.sample_now(8)[0] is not None
+    finally:
+        await _close([client], shards)
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_shard_attached_again_samples_one_sidedly_only_after_an_offer_that_maps_again(tmp_path):

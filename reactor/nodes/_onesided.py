@@ -357,7 +357,8 @@ class OneSidedSampling(RemoteSampling):
 
         Raises:
             ValueError: ``n < 1``.
-            PeerLostError: a shard's process died (its memory says so); the batch is dropped.
+            PeerLostError: a shard's process died (its memory says so, or it died in the middle of a
+                change, which a sample waits ~5 ms for); the batch is dropped.
             MalformedFrameError: a shard's published state refused a draw without changing (corrupt
                 memory: an index or a probability out of range under a settled sequence count); the
                 batch is dropped. Its ``shard`` names the shard, its ``notices`` tell the shards drawn
@@ -408,8 +409,9 @@ class OneSidedSampling(RemoteSampling):
         deadline = time.perf_counter() + ONE_SIDED_PATIENCE_S
         if status == _BUSY:  # a shard was mid-change: its figures waited for here, then the draws
             figs = [self._stable_figures(sh, deadline) for sh in shards]
-            if any(f is None for f in figs):
-                return None, self.take_notices()  # a shard kept changing: sample through messages
+            if any(f is None for f in figs):  # a shard kept changing: sample through messages, unless
+                self._check_alive(plan)  # it died mid-change (its count stays odd for good: say so)
+                return None, self.take_notices()
             if any(f[3] < sh.table.min_size for f, sh in zip(figs, shards)):  # type: ignore[index]
                 return None, self.take_notices()
             masses = np.array([f[1] for f in figs], dtype=np.float64)  # type: ignore[index]
@@ -459,6 +461,12 @@ class OneSidedSampling(RemoteSampling):
                     bad.shard = k  # type: ignore[attr-defined]
                     bad.notices = self._notices(drawn, local)  # type: ignore[attr-defined]  # (as asample_now's)
                     raise bad
+                if g is None and status != _EMPTY:  # (it died mid-change? as above; its notices go too)
+                    try:
+                        self._check_alive(plan)
+                    except PeerLostError as e:
+                        e.notices = self._notices(drawn, local)  # type: ignore[attr-defined]
+                        raise
                 if g is None or not g[1] > 0 or (tries > 1 and time.perf_counter() > deadline):
                     # No mass left there, or it kept changing (one draw on its new figures at least:
                     # the first call of a process loads the compiled draw, ms): messages (the draws
@@ -742,14 +750,11 @@ class OneSidedSampling(RemoteSampling):
         batch's (the draws leave them tagged with their shard)."""
         return [SampledKeys(k, keys[a:b]) for k, a, b in drawn]
 
-    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]], table_size: int, plan: _Plan,
-                          out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
-                          weights: np.ndarray, times: np.ndarray, valid: np.ndarray, hurry: bool = False,
-                          ) -> tuple[SampledBatch, list[SampledKeys]]:
-        """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
-        and its notices."""
+    def _check_alive(self, plan: _Plan) -> None:
+        """Raise PeerLostError naming the first shard of ``plan`` whose memory says its owner is gone
+        (its ``shard`` attribute; the process of each checked at most once a millisecond)."""
         assert self._reader is not None
-        try:  # data of a shard found dead is never returned (its process checked each ms)
+        try:
             self._reader.check_alive_all(plan.regions, _ALIVE_WITHIN_S)
         except PeerLostError:
             for k, region in zip(plan.live, plan.regions):  # which one
@@ -760,6 +765,14 @@ class OneSidedSampling(RemoteSampling):
                     lost.shard = k  # type: ignore[attr-defined]
                     raise lost from e
             raise
+
+    def _finish_one_sided(self, n: int, drawn: list[tuple[int, int, int]], table_size: int, plan: _Plan,
+                          out: dict[str, torch.Tensor], mask: np.ndarray, keys: np.ndarray, probs: np.ndarray,
+                          weights: np.ndarray, times: np.ndarray, valid: np.ndarray, hurry: bool = False,
+                          ) -> tuple[SampledBatch, list[SampledKeys]]:
+        """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
+        and its notices."""
+        self._check_alive(plan)  # data of a shard found dead is never returned (its process checked each ms)
         told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
         notices = [(k, told[a:b]) for k, a, b in drawn]
         data: dict[str, torch.Tensor] = out

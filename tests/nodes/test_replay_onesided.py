@@ -489,6 +489,96 @@ async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_
         await _close([client], shards)
 
 
+#: A shard's owner in its own process (as _served_shard's, 100 steps): publishes, writes its data
+#: descriptor and sampling offer (msgpack) to argv[3], then, once argv[4] exists, begins a change
+#: (its count odd), writes argv[5] and waits to be killed.
+_MID_CHANGE_SHARD = """
+import asyncio, os, sys, time
+import msgpack, numpy as np, torch
+from reactor.nodes.replay import REMOTE_SAMPLE_OP
+from reactor.replay import FieldSpec, Fifo, MinSize, Prioritized, Storage, Table, WindowRead
+from reactor.replay.shared import SamplingPublisher, SharedArrays
+from reactor.transport.bulk import BulkOwner
+
+async def main(run_id, sock, out, go, begun):
+    owner = await BulkOwner.open(run_id, backends=["shm", "zmq"], zmq_bind=f"ipc://{sock}")
+    arrays = SharedArrays(lambda name, nb: owner.allocate("-s-r1", name, (1, nb), torch.uint8).numpy()[0])
+    st = Storage([FieldSpec("id", (), torch.int64)], 256, allocator=owner.allocator("r1"), index_arrays=arrays)
+    table = Table(st, sampler=Prioritized(), remover=Fifo(), rate_limiter=MinSize(1), arrays=arrays)
+    pub = SamplingPublisher(table, arrays, read=WindowRead(4))
+    pub.begin()
+    table.insert_nowait({"id": torch.arange(100)}, 1.0 + np.arange(100) % 3, episode_end=np.arange(100) % 10 == 9)
+    pub.end()
+    offer = {"table": pub.descriptor(), "op": REMOTE_SAMPLE_OP, "max_items": 1000,
+             "region": owner.descriptor("-s-r1")}
+    with open(out + ".part", "wb") as f:
+        f.write(msgpack.packb([owner.descriptor("r1"), offer]))
+    os.rename(out + ".part", out)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    pub.begin()
+    open(begun, "w").close()
+    time.sleep(600)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample_raise_peer_lost_naming_it(tmp_path):
+    """Shard 1's owner in its own process begins a change (its sequence count odd) and is killed with
+    SIGKILL there: its count stays odd for good. sample_now, after its ~5 ms of patience, raises
+    PeerLostError naming shard 1 (``shard`` 1), as a sample that copied from a dead shard does, and
+    so does a draw ahead taken with next_drawn: the learner goes back to messages with the reason.
+    Before, every sample waited its patience and returned no batch, and its check of the shards'
+    processes was never reached (hostile review)."""
+    import signal
+    import subprocess
+    import sys
+
+    import msgpack
+
+    from reactor._errors import PeerLostError
+    from reactor.transport import _shm
+
+    run_id = f"dead{os.getpid()}"
+    out, go, begun = tmp_path / "offer", tmp_path / "go", tmp_path / "begun"
+    child = subprocess.Popen([sys.executable, "-c", _MID_CHANGE_SHARD, run_id, str(tmp_path / "s1.sock"), str(out),
+                              str(go), str(begun)])
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, 0, shm=True)]
+        while not out.exists():
+            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
+            await asyncio.sleep(0.01)
+        desc, offer = msgpack.unpackb(out.read_bytes())
+        client = await _client_of([*shards, (None, desc, offer)])
+        assert client.sample_now(32)[0] is not None
+        go.touch()
+        while not begun.exists():
+            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
+            await asyncio.sleep(0.01)
+        assert client._shared[1].table.figures()[0] == -1  # (mid-change)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        for _ in range(3):
+            with pytest.raises(PeerLostError, match=r"^replay shard 1: its shared memory is gone \(bulk region "
+                                                    r"'r1': its owner \(pid \d+\) died\)$") as e:
+                client.sample_now(32)
+            assert e.value.shard == 1
+        assert client.draw_ahead(32, 2) == 2
+        for _ in range(2):
+            with pytest.raises(PeerLostError, match=r"^replay shard 1: "):
+                await client.next_drawn()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=60)
+        await _close([client], shards)
+        _shm.cleanup_stale(run_id)
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_shard_attached_again_samples_one_sidedly_only_after_an_offer_that_maps_again(tmp_path):

@@ -525,6 +525,8 @@ class SharedSampling:
             raise ValueError(f"one-sided sampling descriptor: arity {d['arity']} < 2")
         if d["window"] > d["capacity"]:
             raise ValueError(f"one-sided sampling descriptor: window {d['window']} > capacity {d['capacity']}")
+        if not 0.0 <= d["beta"] < math.inf:  # (NaN too: every importance weight would be NaN)
+            raise ValueError(f"one-sided sampling descriptor: beta {d['beta']!r} is not a finite number >= 0")
         self.uniform = d["sampler"] == "uniform"
         self.capacity = cap = d["capacity"]
         self.window = d["window"]

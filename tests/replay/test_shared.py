@@ -603,6 +603,9 @@ def test_windows_as_long_as_the_ring_are_sampled_and_longer_ones_are_refused():
 
 
 def test_a_corrupt_or_mismatched_descriptor_is_refused_by_name():
+    """A descriptor of the wrong kind, a field of the wrong type, arrays that do not fit it, or a beta
+    that is not a finite number >= 0 (NaN made every importance weight NaN; the message path's
+    figures check refuses it: hostile review) is refused, naming what is wrong."""
     arrays = _plain_arrays()
     table = _table(Prioritized(0.6), WindowRead(8), arrays)
     pub = SamplingPublisher(table, arrays)
@@ -612,6 +615,9 @@ def test_a_corrupt_or_mismatched_descriptor_is_refused_by_name():
         SharedSampling({**desc, "kind": "x"}, mapped)
     with pytest.raises(ValueError, match=r"^one-sided sampling descriptor: 'capacity' must be of type int, got '512'$"):
         SharedSampling({**desc, "capacity": "512"}, mapped)
+    for beta in (float("nan"), -0.5, float("inf")):  # (the weights of every draw NaN, or above 1: hostile review)
+        with pytest.raises(ValueError, match=rf"^one-sided sampling descriptor: beta {beta!r} is not a finite number >= 0$"):
+            SharedSampling({**desc, "beta": beta}, mapped)
     with pytest.raises(ValueError, match=r"^one-sided sampling: array 'sums' is float64\(592,\), expected float64\(1184,\)$"):
         SharedSampling({**desc, "capacity": 2 * CAP}, {**mapped, "step_ep": np.zeros(2 * CAP, np.int64),
                                                         "ep_start": np.zeros(2 * CAP, np.int64),

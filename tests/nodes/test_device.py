@@ -126,7 +126,9 @@ def test_the_auto_trial_keeps_the_fastest_candidate_and_never_lets_a_candidate_t
     assert all(torch.equal(x, y) for x, y in zip(_weights(state), _weights(ref)))
     assert set(step.errors) == {"broken"} and "cannot lower this op" in step.errors["broken"]
     assert step.choice == "fast" and set(step.timings) == {"eager", "fast", "slower"}
-    assert step.timings["fast"] < step.timings["eager"] < step.timings["slower"]
+    # (fast does nothing, the others sleep 2 and 10 ms an update: how eager and slower compare is the
+    # scheduler's on a loaded machine: eager, 2 ms of sleep and an update, took 41 ms an update in CI)
+    assert step.timings["fast"] < min(step.timings["eager"], step.timings["slower"])
     step(state, _batch(n))  # from now on the chosen one runs on the real state
     assert all(bool((p == 7.0).all()) for p in state.q.parameters())
 

@@ -319,6 +319,18 @@ class OneSidedSampling(RemoteSampling):
         if sh is not None and self._reader is not None and sh.region in self._reader.regions:
             self._reader.detach(sh.region)
 
+    def drop_one_sided(self, shard: int) -> None:
+        """Sample ``shard`` through messages for the rest of its life: what it offers for one-sided
+        draws proved malformed (a :class:`~reactor.MalformedFrameError` naming it, its ``shard``:
+        corrupt shared memory, or a read server's garbage), and a draw from it again would fail again,
+        each time after the other shards drew (a warning and a wasted draw a batch, alternating with
+        a message sample, for the rest of the run). The offer is not taken again from this life of the
+        shard (it comes once per generation); its next life offers anew. Call on the event loop."""
+        if shard in self._shared or shard in self._remote_shared:
+            log.warning("replay client %s: shard %d is sampled through messages from now on (its one-sided offer "
+                        "proved malformed); its next life may offer again", self.requester, shard)
+        self._forget_sampling(shard)
+
     def sample_now(self, n: int) -> tuple[SampledBatch | None, list[SampledKeys]]:
         """Draw ``n`` items now from the shards' shared memory, with no message to any shard (GEAR's
         one-sided sampling); or ``(None, [])`` when that is not possible now: then sample with

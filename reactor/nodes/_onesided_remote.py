@@ -145,6 +145,8 @@ class RemoteSampling:
                     raise rep
                 part = self._check_remote_part(k, c, rep)
             except Exception as e:  # the other servers drew theirs: those draws still count (below)
+                if isinstance(e, MalformedFrameError) and not hasattr(e, "shard"):
+                    e.shard = k  # type: ignore[attr-defined]  # (drop_one_sided: that server's offer goes)
                 failed = failed or e
                 continue
             if part is not None:

@@ -64,7 +64,7 @@ import math
 from collections import deque
 from typing import Any
 
-from .._errors import PeerLostError, ReactorInternalError
+from .._errors import MalformedFrameError, PeerLostError, ReactorInternalError
 from .._reactor import Action, Input, Output, peer_lost, peer_restarted, reaction, shutdown, startup
 from ._contract import check_learn
 from ._device import check_compile, check_device
@@ -337,6 +337,9 @@ class Learner(_LearnerBase):
             # told (their notices ride on the error; peer_lost follows a death).
             logging.getLogger("reactor.learner").warning(
                 "%s: a one-sided sample failed (%s); sampling through messages", self.name, result)
+            shard = getattr(result, "shard", None)
+            if isinstance(result, MalformedFrameError) and type(shard) is int:
+                self.client.drop_one_sided(shard)  # (it would fail the same way at every draw)
             for m in getattr(result, "notices", []):
                 self.priorities.send(m)
             return False

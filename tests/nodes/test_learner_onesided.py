@@ -147,3 +147,42 @@ def test_a_declined_draw_ahead_hands_the_draws_queued_behind_it_to_the_learner(m
     sampled = [r["sampled"] for r in _OUT if "sampled" in r]
     # every batch counted at the shard, once (the last batch's notices may still be on their way)
     assert sampled and 39 * 16 <= sampled[-1] <= 40 * 16
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_whose_one_sided_offer_proves_malformed_is_sampled_through_messages_for_the_rest_of_its_life(
+        monkeypatch, caplog):
+    """The 12th one-sided draw raises MalformedFrameError naming shard 0 (as sample_now does for a
+    published state that refuses every draw under a settled count: tests/nodes/test_replay_onesided.py),
+    and the learner samples that shard through messages from then on (ReplayClient.drop_one_sided), to
+    its 40 updates: no draw after the draws already ahead. Before, the offer stayed: the learner went
+    back to one-sided draws at once, and on a corrupt state every other batch was a failed draw and a
+    warning, to the run's end (a hostile review). (Mutation-checked: without the drop, 40 draws in all.)"""
+    import logging
+
+    from reactor._errors import MalformedFrameError
+    from reactor.nodes._onesided import OneSidedSampling
+
+    real = OneSidedSampling.sample_now
+    calls = []
+
+    def malformed_once(self, n):
+        calls.append(n)
+        if len(calls) == 12:
+            bad = MalformedFrameError("replay shard 0: its published sampling state is inconsistent (the test's)")
+            bad.shard = 0
+            bad.notices = self.take_notices()
+            raise bad
+        return real(self, n)
+
+    monkeypatch.setattr(OneSidedSampling, "sample_now", malformed_once)
+    _OUT.clear()
+    with caplog.at_level(logging.WARNING):
+        run(_graph(), deterministic=False)
+    reports = [r for r in _OUT if "updates" in r]
+    assert reports[-1]["updates"] == 40
+    assert 12 <= len(calls) <= 14, len(calls)  # (the draws already ahead of the 12th, prefetch 1: at most 2)
+    assert reports[-1]["one_sided_batches"] <= 13, reports[-1]
+    assert sum("is sampled through messages from now on" in r.getMessage() for r in caplog.records) == 1
+    sampled = [r["sampled"] for r in _OUT if "sampled" in r]
+    assert sampled and 39 * 16 <= sampled[-1] <= 40 * 16  # every batch counted at the shard, once

@@ -485,6 +485,9 @@ async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_
         for n, a in saved.items():
             pub.arrays.get(n)[:] = a
         assert client.sample_now(8)[0] is not None
+        client.drop_one_sided(1)  # (what a learner does on that error: shard 1 through messages from now on)
+        assert not client.can_sample_now and client.sample_now(8)[0] is None
+        assert client.draw_ahead(8, 2) == 0
     finally:
         await _close([client], shards)
 

@@ -147,6 +147,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("reactor.replay")
+#: Writers a shard remembers it cannot read the staged rows of (Replay._cannot_stage): ids come from
+#: peers, so the oldest is forgotten past it (that writer then stages again, and is refused again).
+_MAX_UNSTAGEABLE = 4096
 
 
 def _to_pinned_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -276,6 +279,9 @@ class Replay(ShardMemory, Reactor):
     placement_role = "replay"
     _ack_host = ""  # (set at startup: reactor.nodes._staging)
     _staged: StagedReader | None = None
+    #: Writer -> the life (its seq's high word) whose staged rows this shard could not read: its acks
+    #: then say no host, which turns that writer's ring for this shard off (set at startup).
+    _unstageable: dict[int, int] = {}
 
     steps = Input(Steps)
     requests = Input(ReplayRequest)
@@ -409,6 +415,7 @@ class Replay(ShardMemory, Reactor):
         # Writers of this host stage their rows in shared memory for a shard that says so in its acks
         # (reactor.nodes._staging): where the shard's own memory may be shared, by the same rule.
         self._ack_host = _bulk.host_id() if use_bulk and _bulk.capabilities().shm else ""
+        self._unstageable = {}
         self._staged = StagedReader(self.run_id)
         use_bulk = use_bulk and not on_gpu and isinstance(self.read, (WindowRead, StepRead, TransitionRead))
         if use_bulk and self.bulk is None:
@@ -565,10 +572,30 @@ class Replay(ShardMemory, Reactor):
             rows = self._staged.rows(steps.staged)
         except (ValueError, TypeError, KeyError, OSError, PeerLostError) as e:
             self._reject(steps, f"its staged rows cannot be read: {e}")
+            self._cannot_stage(steps)
             return None
         if self._store.logs_inserts:
             rows = {n: t.clone() for n, t in rows.items()}
         return dataclasses.replace(steps, fields=rows, staged=None)
+
+    def _cannot_stage(self, steps: Steps) -> None:
+        """The staged rows of ``steps`` could not be read: its writer's acks from this shard say no host
+        from now on (for that writer's life), which turns its ring for this shard off, and its next
+        flushes bring their rows in their messages. A writer whose region this shard cannot map while
+        the two count as one host (another PID namespace sharing /dev/shm: its owner looks dead from
+        here; a region denied to this shard's user) would otherwise stage every flush, each refused: all
+        its rows to this shard lost. At most the flushes in flight before that ack are."""
+        writer, seq = steps.writer, steps.seq
+        if type(writer) is not int or type(seq) is not int or not self._ack_host:
+            return
+        life = seq >> 32
+        if self._unstageable.get(writer) == life:
+            return
+        if len(self._unstageable) >= _MAX_UNSTAGEABLE:  # (writer ids come from peers: bounded)
+            del self._unstageable[next(iter(self._unstageable))]
+        self._unstageable[writer] = life
+        log.warning("%s: writer %d's staged rows cannot be read here; its acks from this shard tell it to send its "
+                    "rows in its messages from now on", self.name, writer)
 
     def _reject(self, steps: Any, why: str) -> None:
         n = 0
@@ -599,8 +626,11 @@ class Replay(ShardMemory, Reactor):
         if steps.ack is False:  # (a later message's ack covers it: a shard takes a writer's messages in order)
             return
         if isinstance(steps.writer, int) and not isinstance(steps.writer, bool) and steps.writer >= 0:
+            host = self._ack_host
+            if host and type(steps.seq) is int and self._unstageable.get(steps.writer) == steps.seq >> 32:
+                host = ""  # (this shard cannot read its staged rows: _cannot_stage)
             self.acks.send(InsertAck(steps.writer, self.bank_index, steps.seq if isinstance(steps.seq, int) else -1,
-                                     self._ack_host, os.getpid() if self._ack_host else 0))
+                                     host, os.getpid() if host else 0))
 
     def _try_insert(self, steps: Steps) -> bool:
         assert self.table is not None

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 from typing import Any
 
 import numpy as np
@@ -182,22 +183,25 @@ class _Sender(Reactor):
         for m in msgs:
             self.out.send(m)
         self.acked: list[int] = []
+        self.hosts: list[bool] = []  # (per ack: whether it says a host, which keeps staging on)
         self.ask.send(StatisticsRequest())
 
     @reaction(triggers=[acks])
     def take(self, acks: InsertAck) -> None:
         self.acked.append(acks.seq)
+        self.hosts.append(bool(acks.host))
 
     @reaction(triggers=[stats])
     def got(self, stats: ShardStatistics) -> None:
         with open(self.report, "w") as f:
-            json.dump({"acks": self.acked, "size": stats.size, "parked": stats.parked_steps,
+            json.dump({"acks": self.acked, "hosts": self.hosts, "size": stats.size, "parked": stats.parked_steps,
                        "rejected": stats.rejected_steps, "staged": stats.staged_steps}, f)
         self.st.close()
 
 
-def _shard_fed(tmp_path, plan: Any, **replay_kw: Any) -> dict:
-    """Run a Replay shard fed by a :class:`_Sender` with ``plan``; what the sender wrote."""
+def _shard_fed(tmp_path, plan: Any, with_hosts: bool = False, **replay_kw: Any) -> dict:
+    """Run a Replay shard fed by a :class:`_Sender` with ``plan``; what the sender wrote (``hosts``:
+    with ``with_hosts``)."""
     report = tmp_path / "report.json"
     g = Graph()
     sender = g.add(_Sender(plan, str(report)), name="sender")
@@ -207,7 +211,10 @@ def _shard_fed(tmp_path, plan: Any, **replay_kw: Any) -> dict:
     g.connect(sender.ask, shard.control, delay_s=1e-3)
     g.connect(shard.statistics, sender.stats, delay_s=1e-6)
     run(g)
-    return json.loads(report.read_text())
+    got = json.loads(report.read_text())
+    if not with_hosts:
+        del got["hosts"]
+    return got
 
 
 def _staged_episodes(run_id: str, steps: int, episode: int) -> tuple[Staging, list[Steps]]:
@@ -779,3 +786,59 @@ def test_a_writer_makes_no_staging_region_on_an_ack_that_counts_for_no_message_i
     finally:
         if w.staging is not None:
             w.staging.close()
+
+
+#: A writer's staging region (argv: run id), made by a process with a /dev/shm of its own: prints its
+#: descriptor as JSON and holds the region until its stdin closes.
+_OWN_SHM_REGION = """
+import json, sys
+import numpy as np
+from reactor.nodes._staging import Staging
+from reactor.nodes.writer import TransitionPattern, Writer
+w = Writer([("obs", (3,), "float32"), ("action", (), "int64")], 1, TransitionPattern(), flush_steps=1)
+st = Staging.open(sys.argv[1], "stage-other", w.specs, 1, 64, "other")
+st.views["obs"][:] = 1.0
+print(json.dumps(st.descriptor), flush=True)
+sys.stdin.read()
+st.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_a_shard_that_cannot_read_a_writers_staged_rows_tells_it_to_send_them_in_its_messages(tmp_path, caplog):
+    """A writer with a /dev/shm of its own (a container's: two containers of a Kubernetes pod share a
+    hostname and the kernel's boot id, so the same host id, and each has its own /dev/shm unless a
+    memory volume is mounted there): the shard cannot find its region, so its staged flush is refused,
+    and every ack of that writer's life from then on says no host, which turns the writer's ring for
+    this shard off (its flushes then carry their rows). Before, the acks kept saying the host: the
+    writer staged every flush, each one refused, all its rows to this shard lost. The writer's next
+    life (seq's high word) is trusted again."""
+    import subprocess
+    import sys
+
+    procs = []
+
+    def plan(run_id: str) -> tuple[Staging, list[Steps]]:
+        st, msgs = _staged_episodes(run_id, 12, 3)  # 4 staged messages, seqs 0-3, of this process's region
+        p = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                              'mount -t tmpfs tmpfs /dev/shm && exec "$0" -c "$1" "$2"', sys.executable,
+                              _OWN_SHM_REGION, run_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        theirs = json.loads(p.stdout.readline())
+        assert theirs["host"] == st.host  # (the premise: the same host id, another /dev/shm)
+        ends = np.array([False, False, True])
+        namespaced = Steps(0, 0, 0, {}, ends, staged=(theirs, 0, 3))
+        plain = Steps(0, 0, 1, {"obs": np.zeros((3, 3), np.float32), "action": np.zeros(3, np.int64)}, ends)
+        later = [dataclasses.replace(m, seq=(1 << 32) + m.seq) for m in msgs[2:]]  # (the next life's)
+        return st, [namespaced, plain, *later]
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="reactor.replay"):
+            got = _shard_fed(tmp_path, plan, with_hosts=True, bulk=True)
+    finally:
+        for p in procs:
+            p.communicate(timeout=30)
+    assert got["acks"] == [0, 1, (1 << 32) + 2, (1 << 32) + 3], got
+    assert got["hosts"] == [False, False, True, True], got
+    assert got["rejected"] == 3 and got["staged"] == 8, got  # (the plain one and the next life's two inserted)
+    assert sum("writer 0's staged rows cannot be read here" in m for m in caplog.messages) == 1, caplog.messages

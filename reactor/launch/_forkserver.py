@@ -16,7 +16,8 @@ starts no thread pool, so forking it is sound; it dies with the daemon (``PR_SET
 its children die with it in turn (the workers' own death signal).
 
 A forked child runs ``entry`` (``module:function``, one of :data:`ENTRIES`) in a session of its
-own, in ``cwd``, with ``env`` as its environment (``os.environ`` and libc's; ``/proc/PID/environ``
+own, in ``cwd`` (first on its ``sys.path``, as a new interpreter's ``-m`` there would have it, not the
+directory the server started in), with ``env`` as its environment (``os.environ`` and libc's; ``/proc/PID/environ``
 still shows the server's, which carries the daemon's ``REACTOR_HOST_ID``), ``stdin`` as
 ``sys.stdin``, stdout and stderr appended to ``log``, and ``title`` as its process name
 (``/proc/PID/comm``: ``ps -e`` shows ``rx:GROUP``). A module read at import time from the
@@ -577,6 +578,12 @@ def _child(req: dict[str, Any], close_fds: Sequence[int], parent: int) -> None:
             os.dup2(out, 2)
             os.close(out)
         os.chdir(req["cwd"])
+        # Python's path as a new interpreter's `-m` in that directory would have it: the server's first
+        # entry was the directory it started in (a daemon's: wherever `reactor daemon` was typed), which
+        # came first on every worker's path, so a stale module there shadowed the one shipped beside the
+        # app (--with) and any installed one, and a worker found modules no new interpreter would.
+        if sys.path:
+            sys.path[0] = os.getcwd()
         os.environ.clear()
         os.environ.update(req["env"])
         os.environ["REACTOR_PARENT_PID"] = str(parent)  # (this server: a worker watches it, _die_with_parent)

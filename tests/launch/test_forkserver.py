@@ -166,6 +166,34 @@ def test_a_child_runs_in_its_own_session_and_directory_and_its_signal_death_is_r
     assert q.wait(10) == -signal.SIGKILL
 
 
+def test_a_childs_path_starts_at_its_own_directory_not_where_the_server_started(tmp_path, monkeypatch):
+    """Regression: a daemon's workers had the daemon's starting directory first on their path (the
+    server's sys.path[0]), so a stale module there shadowed the one shipped beside the app with
+    --with (found as a newcomer ran the guide's custom env over localhost daemons started from the
+    checkout). A child's path starts at its own directory, as a new interpreter's `-m` there would."""
+    started_in = tmp_path / "typed-reactor-daemon-here"
+    started_in.mkdir()
+    (started_in / "h25_probe_env.py").write_text('WHERE = "where the daemon was started"\n')
+    run_dir = tmp_path / "run"
+    (run_dir / "app").mkdir(parents=True)
+    (run_dir / "app" / "h25_probe_env.py").write_text('WHERE = "beside the app"\n')
+    (run_dir / "app" / "app.py").write_text(
+        "import sys\nimport h25_probe_env\nfrom reactor import Graph, Reactor\n"
+        "print('probe:', h25_probe_env.WHERE, file=sys.stderr)\n\n"
+        "class Idle(Reactor):\n    pass\n\n"
+        "def build(config):\n    g = Graph()\n    g.add(Idle(), name='idle')\n    return g\n")
+    monkeypatch.chdir(started_in)
+    s = ForkServer(["json"])
+    s.start()
+    try:
+        p = s.spawn("cli", argv=["reactor", "graph", str(run_dir / "app" / "app.py")], cwd=run_dir,
+                    env=dict(os.environ), log_path=tmp_path / "g.log", title="rx-job")
+        assert p.wait(60) == 0, (tmp_path / "g.log").read_text()
+    finally:
+        s.close()
+    assert "probe: beside the app" in (tmp_path / "g.log").read_text()
+
+
 def test_a_bad_request_is_answered_with_an_error_and_the_server_serves_on(server, tmp_path):
     with pytest.raises(ValueError, match="no fork-server entry 'os:system'"):
         server.spawn("os:system", argv=[], cwd=tmp_path, env={}, log_path=tmp_path / "x", title="x")

@@ -30,8 +30,10 @@ def _eval(args: argparse.Namespace) -> int:
                                     "updates": policy.updates, "episodes": len(returns), "mean": float(returns.mean()),
                                     "std": float(returns.std()), "returns": [float(r) for r in returns]})))
     else:
-        print(f"{policy.algo} on {policy.env} ({policy.updates} updates): return {returns.mean():.1f} "
-              f"± {returns.std():.1f} over {len(returns)} episodes (min {returns.min():.1f}, max {returns.max():.1f})"
+        from ..nodes.metrics import format_return as r
+
+        print(f"{policy.algo} on {policy.env} ({policy.updates} updates): return {r(returns.mean())} "
+              f"± {r(returns.std())} over {len(returns)} episodes (min {r(returns.min())}, max {r(returns.max())})"
               + (f"; videos in {args.video}" if args.video else ""))
     return 0
 

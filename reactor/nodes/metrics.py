@@ -236,7 +236,7 @@ class Metrics(Reactor):
             self.best_eval = ret if self.best_eval is None else max(self.best_eval, ret)
             self.evals.append((wall, steps, ret))
             if self.target_return is not None and ret >= self.target_return and not self.stop_reason:
-                self.stop_reason = f"evaluation return {ret:.1f} >= target {self.target_return:g}"
+                self.stop_reason = f"evaluation return {format_return(ret)} >= target {self.target_return:g}"
                 self.request_stop()
         if self.max_env_steps is not None and steps - self.budget_base >= self.max_env_steps and not self.stop_reason:
             self.stop_reason = f"{int(steps - self.budget_base)} env steps >= max_env_steps {self.max_env_steps}"
@@ -266,9 +266,9 @@ class Metrics(Reactor):
             ("samples", f"{int(t['samples']):,} ({rate('samples')})"),
         ]
         if ep_returns:
-            rows.append(("train return", f"{sum(ep_returns) / len(ep_returns):.1f}"))
+            rows.append(("train return", format_return(sum(ep_returns) / len(ep_returns))))
         if self.last_eval is not None:
-            rows.append(("eval return", f"{self.last_eval:.1f} (best {self.best_eval:.1f})"))
+            rows.append(("eval return", f"{format_return(self.last_eval)} (best {format_return(self.best_eval)})"))
         return rows
 
     def _save_counts(self) -> None:
@@ -487,11 +487,22 @@ def _numbers(me: str, report: Report) -> dict[str, Any]:
     return out
 
 
+def format_return(value: float) -> str:
+    """An episode return as a run's lines and ``reactor eval`` show it: one decimal (``500.0``,
+    ``-182.4``), or three significant digits where one decimal would round a small return to another
+    (``0.92``, not ``0.9``: the guide's Chain, run to ``target_return=0.92``, ended "evaluation return
+    0.9 >= target 0.92")."""
+    one = f"{value:.1f}"
+    if abs(value) >= 10 or not math.isfinite(value) or float(one) == value:
+        return one
+    return f"{value:.3g}"
+
+
 def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: Any = None, age: str = "") -> str:
     """The two lines a training run ends with: its last evaluation (``age``: how old it is, :func:`eval_age`)
     and why it stopped, then where its files are (Metrics prints them on its host; ``reactor run --hosts``
     again at the terminal, from the summary)."""
-    ev = "-" if last_eval is None else f"{last_eval:.1f}"
+    ev = "-" if last_eval is None else format_return(last_eval)
     host = f" (on the daemon's host, {socket.gethostname()})" if os.environ.get("REACTOR_JOB_DIR") else ""
     return (f"evaluation return {ev}{f' ({age})' if age else ''}; stopped: {stop_reason}\nrun directory "
             f"{job_path(run_dir)}{host}" + (f"; plot {job_path(plot)}" if plot else ""))

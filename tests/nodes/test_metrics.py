@@ -520,6 +520,57 @@ def test_the_live_display_draws_a_table_of_the_runs_progress(tmp_path):
     assert "train return" in final and "200.0" in final
 
 
+class SmallReturns(Reactor):
+    """Reports the evaluations of an env whose returns are below 1 (docs/guide.md's Chain: its best
+    return is 0.92), one a round."""
+
+    report = Output(Report)
+    again = Action()
+
+    def __init__(self, evals: list[float]) -> None:
+        self.evals = evals
+        self.k = 0
+
+    @reaction(triggers=[startup, again], effects=[report, again])
+    def tick(self) -> None:
+        self.k += 1
+        self.report.send(Report(self.name, {"env_steps": 1000 * self.k, "episodes": 10 * self.k,
+                                            "episode_return": -0.137}))
+        self.report.send(Report("evaluator", {"eval_return": self.evals[self.k - 1]}))
+        if self.k < len(self.evals):
+            self.again.schedule(delay_s=0.001)
+
+
+def test_a_small_return_is_shown_with_the_digits_that_tell_it_from_its_target(tmp_path, capsys):
+    """Regression (a newcomer's pass over the guide, section 3): the Chain run to target_return=0.92 ended
+    "evaluation return 0.9; stopped: evaluation return 0.9 >= target 0.92", the live table showed 0.9 for
+    0.874 and 0.92 alike, and `reactor eval` "return 0.9 ± 0.0": every return was cut to one decimal. A
+    return keeps one decimal where that is the value (500.0, 34.4), and three significant digits where one
+    decimal would show another."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from reactor.nodes.metrics import format_return
+
+    screen = StringIO()
+    console = Console(file=screen, force_terminal=True, width=100, color_system=None)
+    g = Graph()
+    t = g.add(SmallReturns([0.35, 0.874, 0.92]), name="actor")
+    m = g.add(Metrics(str(tmp_path), target_return=0.92, live=True, title="Chain", console=console), name="metrics")
+    g.connect(t.report, m.reports, delay_s=1e-6)
+    run(g)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"] == "evaluation return 0.92 >= target 0.92"
+    out = capsys.readouterr().out
+    assert "evaluation return 0.92; stopped: evaluation return 0.92 >= target 0.92\n" in out, out
+    final = screen.getvalue()
+    final = final[final.rindex("Chain"):]
+    assert "0.92 (best 0.92)" in final and "-0.137" in final, final
+    assert [format_return(v) for v in (500.0, -182.4, 34.4, 0.9, 0.874, -0.01, 1.2345, 12.345, 0.0)] == [
+        "500.0", "-182.4", "34.4", "0.9", "0.874", "-0.01", "1.23", "12.3", "0.0"]
+
+
 HEADER = "wall_s,env_steps,source,name,value\n"
 
 

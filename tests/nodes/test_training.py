@@ -651,13 +651,13 @@ def test_a_run_stopped_by_its_budget_says_how_old_its_last_evaluation_is(tmp_pat
     assert summary["last_eval_updates"] == 200 and summary["updates"] == 250, summary
     assert 0 < summary["last_eval_env_steps"] <= summary["env_steps"] == 1200, summary
     line = capsys.readouterr().out.splitlines()[-2]
-    assert line == (f"evaluation return {summary['last_eval_return']:.1f} (the last evaluation, of the weights at update "
+    from reactor.nodes.metrics import eval_age, format_return
+
+    assert line == (f"evaluation return {format_return(summary['last_eval_return'])} (the last evaluation, of the weights at update "
                     f"200, at {summary['last_eval_env_steps']:,} env steps; the run ended at update "
                     f"{summary['updates']:,} and 1,200 env steps: reactor eval {run_dir} evaluates its final weights); "
                     f"stopped: the actors' env-step budget reached (1,200 env steps, max_env_steps 1,200), and the "
                     f"learner took what the replay allowed"), line
-    from reactor.nodes.metrics import eval_age
-
     assert eval_age({**summary, "last_eval_updates": summary["updates"]}, run_dir) == ""  # (the final weights')
     assert eval_age({**summary, "reached_target": True}, run_dir) == ""
 

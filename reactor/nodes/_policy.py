@@ -43,16 +43,27 @@ class Policy:
 
         # A custom env's or algorithm's module beside the app that trained it (run directory on this
         # machine): importable here too. Appended, so an installed package still wins.
+        missing: list[str] = []
         for where in record.get("app_dirs") or []:
-            if isinstance(where, str) and Path(where).is_dir() and where not in sys.path:
+            if isinstance(where, str) and not Path(where).is_dir():
+                missing.append(where)
+            elif isinstance(where, str) and where not in sys.path:
                 sys.path.append(where)
         self.run_dir = run_dir
         self.algo = str(record["algo"])
         self.env = str(record["env"])
         self.app_config = record.get("app_config")
-        self.module = load_algorithm(self.algo)
-        self.config = self.module.Config.from_dict(dict(record["algo_config"]))
-        probe = make_env(self.env)
+        try:
+            self.module = load_algorithm(self.algo)
+            self.config = self.module.Config.from_dict(dict(record["algo_config"]))
+            probe = make_env(self.env)
+        except ValueError as e:
+            if not missing:
+                raise
+            # (a run directory copied to another machine: "beside the app file" alone named no place)
+            raise ValueError(f"{e}; the directory of the app that trained it, {', '.join(missing)} (config.json's "
+                             f"app_dirs), is not on this machine: copy its modules there, install them, or put them "
+                             f"on PYTHONPATH") from None
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
         probe.close()
         weights_file = run_dir / str(record.get("weights", "learner.pt"))

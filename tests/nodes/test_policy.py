@@ -165,6 +165,27 @@ def test_load_policy_names_what_is_missing_or_wrong(tmp_path, dqn_run):
         reactor.load_policy(bad)
 
 
+def test_a_custom_module_from_an_app_directory_not_on_this_machine_is_named_where_it_was(tmp_path, dqn_run):
+    """Regression (a newcomer's pass over the guide, section 5): a run of a custom algorithm or env,
+    loaded where the directory of the app that trained it is not (the run directory copied to another
+    machine), was refused "no module of that name imports here (beside the app file, installed, or on
+    PYTHONPATH)", naming no place; config.json records the directory, and the refusal now names it."""
+    gone = tmp_path / "my-project"
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copy(dqn_run / "learner.pt", moved / "learner.pt")
+    config = json.loads((dqn_run / "config.json").read_text())
+    for algo, env, first in (("h25_my_a2c", config["env"], "unknown algorithm 'h25_my_a2c'"),
+                             (config["algo"], "h25_my_envs:MyChain-v0", "env 'h25_my_envs:MyChain-v0'")):
+        (moved / "config.json").write_text(json.dumps({**config, "algo": algo, "env": env, "app_dirs": [str(gone)]}))
+        with pytest.raises(ValueError) as e:
+            reactor.load_policy(moved)
+        message = str(e.value)
+        assert message.startswith(first) and message.endswith(
+            f"; the directory of the app that trained it, {gone} (config.json's app_dirs), is not on this machine: "
+            f"copy its modules there, install them, or put them on PYTHONPATH"), message
+
+
 def test_reactor_eval_prints_mean_and_std_and_records_videos(tmp_path, dqn_run):
     cmd = [sys.executable, "-m", "reactor.cli", "eval", str(dqn_run), "--episodes", "2", "--video", str(tmp_path / "v"),
            "--json"]

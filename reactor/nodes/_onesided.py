@@ -325,7 +325,9 @@ class OneSidedSampling(RemoteSampling):
         corrupt shared memory, or a read server's garbage), and a draw from it again would fail again,
         each time after the other shards drew (a warning and a wasted draw a batch, alternating with
         a message sample, for the rest of the run). The offer is not taken again from this life of the
-        shard (it comes once per generation); its next life offers anew. Call on the event loop."""
+        shard (it comes once per generation); its next life offers anew. The draws already ahead finish
+        on the offer they began with (those on threads first, waited for here; those out to read
+        servers as they are taken). Call on the event loop."""
         if shard in self._shared or shard in self._remote_shared:
             log.warning("replay client %s: shard %d is sampled through messages from now on (its one-sided offer "
                         "proved malformed); its next life may offer again", self.requester, shard)

@@ -59,6 +59,9 @@ class _RemoteDraw:
     remote: list[tuple[int, int]]  # (shard of another host, its count)
     sent: list[Any]  # per remote shard: the request sent (BulkReader.send_call), or the error sending it raised
     dropped: set[int]
+    # The offers of the shards of other hosts as the draw began: their replies are read by these, an
+    # offer dropped meanwhile (drop_one_sided) too (the shard is alive: its part and its notices stand)
+    servers: dict[int, _RemoteShard]
     task: asyncio.Task[Any] | None = None  # its finish, once a take awaits it (a cancelled take leaves it running)
 
 
@@ -107,7 +110,8 @@ class RemoteSampling:
                                                    {"n": c, "seed": sd}))
             except Exception as e:  # (a lost connection: that part fails, the others are waited for)
                 sent.append(e)
-        return _RemoteDraw(n, live, share, local, [(k, c) for k, c, _sd in remote], sent, set())
+        return _RemoteDraw(n, live, share, local, [(k, c) for k, c, _sd in remote], sent, set(),
+                           {k: self._remote_shared[k] for k, _c, _sd in remote})
 
     async def _finish_remote(self, draw: _RemoteDraw) -> tuple[SampledBatch | None, list[SampledKeys]]:
         """:meth:`asample_now`'s second half: the read servers' replies awaited and checked, the parts of
@@ -143,7 +147,7 @@ class RemoteSampling:
                     raise lost from rep
                 if isinstance(rep, BaseException):
                     raise rep
-                part = self._check_remote_part(k, c, rep)
+                part = self._check_remote_part(k, c, rep, draw.servers[k])
             except Exception as e:  # the other servers drew theirs: those draws still count (below)
                 if isinstance(e, MalformedFrameError) and not hasattr(e, "shard"):
                     e.shard = k  # type: ignore[attr-defined]  # (drop_one_sided: that server's offer goes)
@@ -177,9 +181,9 @@ class RemoteSampling:
         return (self._assemble_remote(n, live, share, parts),
                 self._hold_keys([(m.shard, m.keys) for m in notices], hurry))
 
-    def _check_remote_part(self, shard: int, count: int, rep: Any) -> dict[str, Any] | None:
-        """A read server's sample reply, checked (it comes from the network); its figures cached."""
-        rs = self._remote_shared[shard]
+    def _check_remote_part(self, shard: int, count: int, rep: Any, rs: _RemoteShard) -> dict[str, Any] | None:
+        """A read server's sample reply, checked (it comes from the network) against the offer ``rs``
+        it was asked under; its figures cached."""
         bad = MalformedFrameError(f"replay shard {shard}'s read server sent a malformed sample reply")
 
         def malformed(why: str) -> MalformedFrameError:
@@ -223,16 +227,7 @@ class RemoteSampling:
             out[name] = d  # the frame's bytes: copied once, into the batch (_assemble_remote)
         return {"n": count, "keys": rep["keys"], "q": rep["probabilities"], "times": rep["times_sampled"],
                 "valid": rep["valid"], "mask": mask, "data": out, "window": rs.window,
-                "parked": rep.get("parked") is True}
-
-    def _transition_of(self, shard: int) -> Any:
-        """The TransitionRead shard ``shard``'s windows are turned into, or None (its offer says)."""
-        rs = self._remote_shared.get(shard)
-        return rs.transition if rs is not None else self._shared[shard].table.transition
-
-    def _remote_data_region(self, shard: int) -> str:
-        rs = self._remote_shared.get(shard)
-        return rs.data_region if rs is not None else self._shared[shard].data_region
+                "parked": rep.get("parked") is True, "region": rs.data_region, "transition": rs.transition}
 
     def _draw_local_part(self, shard: int, count: int) -> dict[str, Any] | None:
         """One shard's part of a mixed sample, drawn from its mapped memory (its figures refreshed)."""
@@ -260,7 +255,8 @@ class RemoteSampling:
             if status == _OK:
                 self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
                 return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
-                        "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window}
+                        "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window,
+                        "region": sh.data_region, "transition": sh.table.transition}
             self._tally(retries=1)
             if time.perf_counter() > deadline:
                 return None
@@ -282,7 +278,7 @@ class RemoteSampling:
         w = max(first["window"], 1)
         data: dict[str, torch.Tensor] = {}
         for name in first["data"]:
-            dtype, shape = self._layouts[self._remote_data_region(order[0])][name]
+            dtype, shape = self._layouts[first["region"]][name]
             t = host_empty((n, w, *shape) if first["window"] else (n, *shape), dtype)
             flat = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
             a = 0
@@ -300,7 +296,7 @@ class RemoteSampling:
             idx = np.flatnonzero(valid)
             data = {k: v.index_select(0, torch.from_numpy(idx)) for k, v in data.items()}
             keys, times, probs, weights = keys[idx], times[idx], probs[idx], weights[idx]
-        transition = self._transition_of(order[0])
+        transition = first["transition"]  # (the TransitionRead its windows are turned into, or None: its offer's)
         if transition is not None:
             data = transitions_from_windows(data, transition)
         return SampledBatch(data=data, keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),

@@ -264,6 +264,36 @@ async def test_a_shard_lost_with_no_count_in_draws_from_other_hosts_still_ends_t
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+async def test_draws_from_other_hosts_out_when_a_shards_offer_is_dropped_finish_with_its_part_and_notices(tmp_path):
+    """Three draws out over two shards of another host when shard 1's offer is dropped
+    (drop_one_sided, as on a malformed reply of its server): shard 1 is alive and its server has drawn
+    or draws their parts, so the three take whole batches of both shards, and their notices hold
+    every key of them, shard 1's too (as the draws on threads already queued finish on the offer
+    they began with); no draw starts after. Before, each take raised KeyError (the offer, looked up
+    at the finish, was gone): no batch, and what shard 1's server drew was told to no one (h26)."""
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k) for k in range(2)]
+        client = await _client_of(shards, notice_every=1000)
+        assert client.draw_ahead(40, 3) == 3
+        client.drop_one_sided(1)
+        keys, told = [], []
+        for _ in range(3):
+            batch, notices = await client.next_drawn()
+            assert batch is not None and len(batch.keys) == 40
+            keys.append(batch.keys.numpy().copy())
+            told += notices
+        told += client.take_notices()
+        assert {int(k) for k in np.unique(np.concatenate(keys) >> 48)} == {0, 1}
+        np.testing.assert_array_equal(np.sort(np.concatenate([np.asarray(m.keys) for m in told])),
+                                      np.sort(np.concatenate(keys)))
+        assert not client.can_sample_one_sided and client.draw_ahead(40, 3) == 0
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("waiting", [False, True], ids=["before-the-take", "while-the-take-waits"])
 async def test_a_draw_from_other_hosts_does_not_wait_for_the_reply_of_a_shard_lost_meanwhile(tmp_path, waiting):
     """Shard 1's read server hangs (its host went silent) with a draw out; shard 1 is lost before the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -467,12 +468,21 @@ class OneSidedSampling(RemoteSampling):
                 if g is not None and g[0] == f[0]:
                     # Refused on a state that did not change (the count moves at every change, and the
                     # draw checks it last): the published memory is inconsistent, and a draw again
-                    # would be refused the same way (it looped here for good: hostile review).
-                    bad = MalformedFrameError(
-                        f"replay shard {k}: its published sampling state (region {sh.region!r}) is inconsistent "
-                        f"under a settled sequence count {f[0]} (an index or a probability out of range): "
-                        f"corrupt shared memory; sample through messages")
-                    bad.shard = k  # type: ignore[attr-defined]
+                    # would be refused the same way (it looped here for good: hostile review). Its
+                    # own, or the mass of another shard, read as inf or below 0, that made this
+                    # shard's share 0 or above 1: that shard is named (its offer is the one to drop).
+                    j = next((j for j, u in enumerate(used) if not 0.0 <= u[1] < math.inf), i)
+                    if j == i:
+                        bad = MalformedFrameError(
+                            f"replay shard {k}: its published sampling state (region {sh.region!r}) is inconsistent "
+                            f"under a settled sequence count {f[0]} (an index or a probability out of range): "
+                            f"corrupt shared memory; sample through messages")
+                    else:
+                        bad = MalformedFrameError(
+                            f"replay shard {live[j]}: its published sampling state (region {shards[j].region!r}) "
+                            f"is inconsistent: its mass {used[j][1]!r} is not a finite number >= 0 (shard {k}'s "
+                            f"draws on its share were refused): corrupt shared memory; sample through messages")
+                    bad.shard = live[j]  # type: ignore[attr-defined]
                     bad.notices = self._notices(drawn, local)  # type: ignore[attr-defined]  # (as asample_now's)
                     raise bad
                 if g is None and status != _EMPTY:  # (it died mid-change? as above; its notices go too)

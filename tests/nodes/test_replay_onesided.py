@@ -492,6 +492,38 @@ async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_
         await _close([client], shards)
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mass", ["inf", "most of shard 1's, negated"])
+async def test_a_corrupt_mass_that_spoils_another_shards_draws_is_blamed_on_its_own_shard(tmp_path, mass):
+    """Another process writes an inf or a negative root sum into shard 0's published tree (its count
+    left settled): the batch's total is inf or below shard 1's mass, so every item falls to shard 1
+    with a share of 0 or above 1, and shard 1's sound state refuses each draw (a probability outside
+    (0, 1]) under its settled count. The MalformedFrameError names shard 0, whose mass is the corrupt
+    word: a learner drops the offer it names (drop_one_sided), so that shard 0's next life, with a
+    sound state, brings one-sided draws back. Before, it named shard 1: the sound shard's offer was
+    dropped, and one-sided sampling stayed off until shard 1 was restarted (h26)."""
+    from reactor._errors import MalformedFrameError
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards)
+        assert client.sample_now(8)[0] is not None
+        if mass != "inf":  # (the total then a thousandth of shard 1's mass, its share 1,000: a q above 0.001)
+            mass = repr(-0.999 * client._shared[1].table.figures()[1])
+        _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, mass)
+        for _ in range(3):
+            with pytest.raises(MalformedFrameError, match=r"^replay shard 0: its published sampling state \(region "
+                               r"'-s-r0'\) is inconsistent: its mass (inf|-[0-9.e+-]+) is not a finite number >= 0 "
+                               r"\(shard 1's draws on its share were refused\): corrupt shared memory; sample "
+                               r"through messages$") as e:
+                client.sample_now(64)
+            assert e.value.shard == 0
+    finally:
+        await _close([client], shards)
+
+
 #: A shard's owner in its own process (as _served_shard's, 100 steps): publishes, writes its data
 #: descriptor and sampling offer (msgpack) to argv[3], then, once argv[4] exists, begins a change
 #: (its count odd), writes argv[5] and waits to be killed.

@@ -373,7 +373,8 @@ class OneSidedSampling(RemoteSampling):
         Raises:
             ValueError: ``n < 1``.
             PeerLostError: a shard's process died (its memory says so, or it died in the middle of a
-                change, which a sample waits ~5 ms for); the batch is dropped.
+                change, which a sample waits ~5 ms for); the batch is dropped. Its ``shard`` names the
+                shard, its ``notices`` (where any were made) tell the draws made.
             MalformedFrameError: a shard's published state refused a draw without changing (corrupt
                 memory: an index or a probability out of range under a settled sequence count); the
                 batch is dropped. Its ``shard`` names the shard, its ``notices`` tell the shards drawn
@@ -796,8 +797,12 @@ class OneSidedSampling(RemoteSampling):
                           ) -> tuple[SampledBatch, list[SampledKeys]]:
         """The batch of the drawn items (their keys, probabilities and weights as the draws left them),
         and its notices."""
-        self._check_alive(plan)  # data of a shard found dead is never returned (its process checked each ms)
         told = keys.copy()  # the notices' keys (held: the batch's may be changed in place by its taker)
+        try:  # data of a shard found dead is never returned (its process checked each ms)
+            self._check_alive(plan)
+        except PeerLostError as e:  # (the batch goes; the draws made still count: their notices ride on it)
+            e.notices = [SampledKeys(k, told[a:b]) for k, a, b in drawn]  # type: ignore[attr-defined]
+            raise
         notices = [(k, told[a:b]) for k, a, b in drawn]
         data: dict[str, torch.Tensor] = out
         if plan.window:

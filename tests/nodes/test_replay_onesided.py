@@ -615,6 +615,56 @@ async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_sample_that_drew_from_a_shard_found_dead_after_raises_with_the_notices_of_its_draws(tmp_path):
+    """Shard 1's owner in its own process is killed between changes (its state settled): the sample's
+    draws all succeed, and the check of the shards' processes after them raises PeerLostError naming
+    shard 1; the error carries the notices of the draws made (every item of the dropped batch, shard
+    0's among them), as the other errors of a sample do and as the learner sends them: the shards count
+    what was drawn from them (times sampled; a shard whose inserts wait for samples hears of them).
+    Before, that error carried none: shard 0 was never told of those draws (h26)."""
+    import signal
+    import subprocess
+    import sys
+
+    import msgpack
+
+    from reactor._errors import PeerLostError
+    from reactor.transport import _shm
+
+    run_id = f"dead{os.getpid()}"
+    out, go, begun = tmp_path / "offer", tmp_path / "go", tmp_path / "begun"
+    child = subprocess.Popen([sys.executable, "-c", _MID_CHANGE_SHARD, run_id, str(tmp_path / "s1.sock"), str(out),
+                              str(go), str(begun)])
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, 0, shm=True)]
+        while not out.exists():
+            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
+            await asyncio.sleep(0.01)
+        desc, offer = msgpack.unpackb(out.read_bytes())
+        client = await _client_of([*shards, (None, desc, offer)], notice_every=1000)
+        assert client.sample_now(32)[0] is not None
+        client.take_notices()  # (that sample's, held)
+        child.send_signal(signal.SIGKILL)  # (waiting for go: between changes)
+        child.wait(timeout=60)
+        assert client._shared[1].table.figures()[0] >= 0  # (settled)
+        with pytest.raises(PeerLostError, match=r"^replay shard 1: its shared memory is gone") as e:
+            client.sample_now(32)
+        told = getattr(e.value, "notices", [])
+        assert sum(len(m.keys) for m in told) == 32 and 0 in {m.shard for m in told}, told
+        for m in told:
+            assert (np.asarray(m.keys) >> 48 == m.shard).all()
+        assert client.take_notices() == []  # (none left held: each draw told once)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=60)
+        await _close([client], shards)
+        _shm.cleanup_stale(run_id)
+
+
+@pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_shard_attached_again_samples_one_sidedly_only_after_an_offer_that_maps_again(tmp_path):
     """A second reply with the data region's descriptor remaps it (as replies to a prefetch of several

@@ -646,7 +646,14 @@ class OneSidedSampling(RemoteSampling):
         # cancelled at the end of a run while its shards closed: seen on a loaded machine).
         waiting = asyncio.wrap_future(fut)
         waiting.add_done_callback(mark_seen)
-        await asyncio.shield(waiting)
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: S110
+            # (the draw's own error: raised below, once the draw is off the queue; raised from here, it
+            # left the draw at the head, to be raised again, its notices with it, at the next take)
+            pass
         if not (self._ahead and self._ahead[0] is fut):
             return None, []  # dropped meanwhile (its shard lost or restarted: _drop_drawn_of), or drained
         self._ahead.popleft()

@@ -524,6 +524,48 @@ async def test_a_corrupt_mass_that_spoils_another_shards_draws_is_blamed_on_its_
         await _close([client], shards)
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_draw_ahead_that_fails_while_its_taker_waits_is_raised_once_and_leaves_the_queue(tmp_path):
+    """A draw ahead still running when next_drawn takes it (the taker awaits it) and then failing
+    (MalformedFrameError: shard 1's spoiled state): the error is raised once and the draw leaves the
+    queue. Before, the error went up from the wait before the draw was taken off the queue, so the next
+    take raised it again, and a learner sent its notices (times sampled, the rate limiter's counts) a
+    second time (found by CI: a draw_ahead after it found the failed draw still queued)."""
+    import threading
+
+    from reactor._errors import MalformedFrameError
+    from reactor.nodes._onesided import OneSidedSampling
+
+    shards, client = [], None
+    release, started = threading.Event(), threading.Event()
+    real = OneSidedSampling.sample_now
+
+    def held(self, n):  # (the draw is running, and fails, only once the taker waits for it)
+        started.set()
+        release.wait(30)
+        return real(self, n)
+
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards)
+        _spoil(f"mixed{os.getpid()}x1", "-s-r1", "header", "int64", 1, 2, "-1")
+        OneSidedSampling.sample_now = held
+        assert client.draw_ahead(64, 1) == 1
+        assert started.wait(30)
+        asyncio.get_running_loop().call_later(0.2, release.set)
+        with pytest.raises(MalformedFrameError, match=r"^replay shard 1: ") as e:
+            await client.next_drawn()  # (awaited: it is running, none is done, none is left to draw here)
+        assert e.value.shard == 1
+        assert client.drawn_ahead == 0
+        with pytest.raises(LookupError):
+            await client.next_drawn()
+    finally:
+        OneSidedSampling.sample_now = real
+        release.set()
+        await _close([client], shards)
+
+
 #: A shard's owner in its own process (as _served_shard's, 100 steps): publishes, writes its data
 #: descriptor and sampling offer (msgpack) to argv[3], then, once argv[4] exists, begins a change
 #: (its count odd), writes argv[5] and waits to be killed.

@@ -420,7 +420,18 @@ class OneSidedSampling(RemoteSampling):
             if status == _OK:  # (the common case: every shard drew on the state of its figures)
                 return self._finish_one_sided(n, _ranges(live, counts.tolist(), m), sum(sizes.tolist()), plan, out,
                                               mask, local, q, weights, times, valid, hurry)
-        if status in (_BELOW, _ZERO):  # below a shard's min size (its request parks until ready), or all 0
+        if status == _ZERO:  # every mass 0 (the message path says so), or one is NaN, or the total below 0
+            bad = next((j for j, u in enumerate(masses.tolist()) if not 0.0 <= u < math.inf), None)
+            if bad is not None:  # (read under a settled count: corrupt memory, the same at every draw)
+                err = MalformedFrameError(
+                    f"replay shard {live[bad]}: its published sampling state (region {shards[bad].region!r}) is "
+                    f"inconsistent: its mass {float(masses[bad])!r} is not a finite number >= 0: corrupt shared "
+                    f"memory; sample through messages")
+                err.shard = live[bad]  # type: ignore[attr-defined]
+                err.notices = self.take_notices()  # type: ignore[attr-defined]
+                raise err
+            return None, self.take_notices()
+        if status == _BELOW:  # below a shard's min size (its request parks until ready)
             return None, self.take_notices()
         deadline = time.perf_counter() + ONE_SIDED_PATIENCE_S
         if status == _BUSY:  # a shard was mid-change: its figures waited for here, then the draws

@@ -526,6 +526,39 @@ async def test_a_corrupt_mass_that_spoils_another_shards_draws_is_blamed_on_its_
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mass", ["nan", "twice shard 1's, negated"])
+async def test_a_mass_that_leaves_no_total_to_draw_from_is_named_not_taken_for_all_priorities_0(tmp_path, mass):
+    """Another process writes a NaN, or a negative root sum larger than the other shard's mass, into
+    shard 0's published tree (its count left settled): the shards' total is not above 0, which a sound
+    state gives only when every priority is 0 (then the message path says so). sample_now raises
+    MalformedFrameError naming shard 0, whose offer a learner then drops; before, every sample returned
+    no batch without a word, each ~5 ms of a learner's loop, one-sided draws and messages alternating
+    for the rest of the run (h26). All priorities 0 still returns no batch and raises nothing."""
+    from reactor._errors import MalformedFrameError
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
+        client = await _client_of(shards)
+        assert client.sample_now(8)[0] is not None
+        if mass != "nan":
+            mass = repr(-2.0 * client._shared[1].table.figures()[1])
+        _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, mass)
+        for _ in range(2):
+            with pytest.raises(MalformedFrameError, match=r"^replay shard 0: its published sampling state \(region "
+                               r"'-s-r0'\) is inconsistent: its mass (nan|-[0-9.e+-]+) is not a finite number >= 0: "
+                               r"corrupt shared memory; sample through messages$") as e:
+                client.sample_now(64)
+            assert e.value.shard == 0
+        _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, "0")
+        _spoil(f"mixed{os.getpid()}x1", "-s-r1", "sums", "float64", 0, 1, "0")
+        assert client.sample_now(8) == (None, [])  # (every mass 0: no batch, no error)
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_a_draw_ahead_that_fails_while_its_taker_waits_is_raised_once_and_leaves_the_queue(tmp_path):
     """A draw ahead still running when next_drawn takes it (the taker awaits it) and then failing
     (MalformedFrameError: shard 1's spoiled state): the error is raised once and the draw leaves the

@@ -320,7 +320,7 @@ class OneSidedSampling(RemoteSampling):
         if sh is not None and self._reader is not None and sh.region in self._reader.regions:
             self._reader.detach(sh.region)
 
-    def drop_one_sided(self, shard: int) -> None:
+    def drop_one_sided(self, shard: int, offer: Any = None) -> None:
         """Sample ``shard`` through messages for the rest of its life: what it offers for one-sided
         draws proved malformed (a :class:`~reactor.MalformedFrameError` naming it, its ``shard``:
         corrupt shared memory, or a read server's garbage), and a draw from it again would fail again,
@@ -328,7 +328,11 @@ class OneSidedSampling(RemoteSampling):
         a message sample, for the rest of the run). The offer is not taken again from this life of the
         shard (it comes once per generation); its next life offers anew. The draws already ahead finish
         on the offer they began with (those on threads first, waited for here; those out to read
-        servers as they are taken). Call on the event loop."""
+        servers as they are taken). ``offer``: the error's (``MalformedFrameError.offer``, the offer the
+        failed draw used): nothing is dropped when the shard's offer now is another (an error of its
+        last life taken after its next life offered). Call on the event loop."""
+        if offer is not None and self._shared.get(shard) is not offer and self._remote_shared.get(shard) is not offer:
+            return
         if shard in self._shared or shard in self._remote_shared:
             log.warning("replay client %s: shard %d is sampled through messages from now on (its one-sided offer "
                         "proved malformed); its next life may offer again", self.requester, shard)
@@ -428,6 +432,7 @@ class OneSidedSampling(RemoteSampling):
                     f"inconsistent: its mass {float(masses[bad])!r} is not a finite number >= 0: corrupt shared "
                     f"memory; sample through messages")
                 err.shard = live[bad]  # type: ignore[attr-defined]
+                err.offer = shards[bad]  # type: ignore[attr-defined]
                 err.notices = self.take_notices()  # type: ignore[attr-defined]
                 raise err
             return None, self.take_notices()
@@ -495,6 +500,7 @@ class OneSidedSampling(RemoteSampling):
                             f"is inconsistent: its mass {used[j][1]!r} is not a finite number >= 0 (shard {k}'s "
                             f"draws on its share were refused): corrupt shared memory; sample through messages")
                     bad.shard = live[j]  # type: ignore[attr-defined]
+                    bad.offer = shards[j]  # type: ignore[attr-defined]  # (drop_one_sided: this life's offer)
                     bad.notices = self._notices(drawn, local)  # type: ignore[attr-defined]  # (as asample_now's)
                     raise bad
                 if g is None and status != _EMPTY:  # (it died mid-change? as above; its notices go too)

@@ -151,6 +151,7 @@ class RemoteSampling:
             except Exception as e:  # the other servers drew theirs: those draws still count (below)
                 if isinstance(e, MalformedFrameError) and not hasattr(e, "shard"):
                     e.shard = k  # type: ignore[attr-defined]  # (drop_one_sided: that server's offer goes)
+                    e.offer = draw.servers[k]  # type: ignore[attr-defined]  # (that offer, not a later life's)
                 failed = failed or e
                 continue
             if part is not None:

@@ -339,7 +339,7 @@ class Learner(_LearnerBase):
                 "%s: a one-sided sample failed (%s); sampling through messages", self.name, result)
             shard = getattr(result, "shard", None)
             if isinstance(result, MalformedFrameError) and type(shard) is int:
-                self.client.drop_one_sided(shard)  # (it would fail the same way at every draw)
+                self.client.drop_one_sided(shard, getattr(result, "offer", None))  # (it fails so at every draw)
             for m in getattr(result, "notices", []):
                 self.priorities.send(m)
             return False

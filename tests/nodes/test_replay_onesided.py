@@ -478,6 +478,7 @@ async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_
                                r"probability out of range\): corrupt shared memory; sample through messages$") as e:
                 client.sample_now(64)
             assert e.value.shard == 1 and {m.shard for m in e.value.notices} <= {0}
+            assert e.value.offer is client._shared[1]  # (the offer it drew under: drop_one_sided's check)
         assert client.draw_ahead(64, 2) == 2
         for _ in range(2):
             with pytest.raises(MalformedFrameError, match=r"^replay shard 1: "):
@@ -485,7 +486,15 @@ async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_
         for n, a in saved.items():
             pub.arrays.get(n)[:] = a
         assert client.sample_now(8)[0] is not None
-        client.drop_one_sided(1)  # (what a learner does on that error: shard 1 through messages from now on)
+        # An error of an offer that is no longer the shard's (its last life's, taken after the next life
+        # offered: here the offer attached again) drops nothing; the error of the offer now drops it.
+        stale = e.value.offer
+        client._forget_sampling(1)
+        await client._attach_sampling(1, shards[1][2])
+        assert client._shared[1] is not stale
+        client.drop_one_sided(1, stale)
+        assert client.can_sample_now and client.sample_now(8)[0] is not None
+        client.drop_one_sided(1, client._shared[1])  # (what a learner does on that error: messages from now on)
         assert not client.can_sample_now and client.sample_now(8)[0] is None
         assert client.draw_ahead(8, 2) == 0
     finally:

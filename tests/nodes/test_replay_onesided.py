@@ -9,6 +9,7 @@ that writes known episodes, a prober that samples (``tests/apps/onesided_app.py`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 from pathlib import Path
@@ -643,22 +644,16 @@ asyncio.run(main(*sys.argv[1:]))
 """
 
 
-@pytest.mark.asyncio
-@pytest.mark.timeout(120)
-async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample_raise_peer_lost_naming_it(tmp_path):
-    """Shard 1's owner in its own process begins a change (its sequence count odd) and is killed with
-    SIGKILL there: its count stays odd for good. sample_now, after its ~5 ms of patience, raises
-    PeerLostError naming shard 1 (``shard`` 1), as a sample that copied from a dead shard does, and
-    so does a draw ahead taken with next_drawn: the learner goes back to messages with the reason.
-    Before, every sample waited its patience and returned no batch, and its check of the shards'
-    processes was never reached (hostile review)."""
-    import signal
+@contextlib.asynccontextmanager
+async def _with_shard_in_a_process(tmp_path: Path, **client_kw):
+    """Shard 0 served here and shard 1's owner in a process of its own (``_MID_CHANGE_SHARD``), a client
+    of both that has drawn one sample of 32: yields ``(client, child, go, begun)`` (touch ``go`` and the
+    child begins a change, then writes ``begun``); the child killed and its segments cleaned at the end."""
     import subprocess
     import sys
 
     import msgpack
 
-    from reactor._errors import PeerLostError
     from reactor.transport import _shm
 
     run_id = f"dead{os.getpid()}"
@@ -672,8 +667,31 @@ async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample
             assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
             await asyncio.sleep(0.01)
         desc, offer = msgpack.unpackb(out.read_bytes())
-        client = await _client_of([*shards, (None, desc, offer)])
+        client = await _client_of([*shards, (None, desc, offer)], **client_kw)
         assert client.sample_now(32)[0] is not None
+        yield client, child, go, begun
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=60)
+        await _close([client], shards)
+        _shm.cleanup_stale(run_id)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample_raise_peer_lost_naming_it(tmp_path):
+    """Shard 1's owner in its own process begins a change (its sequence count odd) and is killed with
+    SIGKILL there: its count stays odd for good. sample_now, after its ~5 ms of patience, raises
+    PeerLostError naming shard 1 (``shard`` 1), as a sample that copied from a dead shard does, and
+    so does a draw ahead taken with next_drawn: the learner goes back to messages with the reason.
+    Before, every sample waited its patience and returned no batch, and its check of the shards'
+    processes was never reached (hostile review)."""
+    import signal
+
+    from reactor._errors import PeerLostError
+
+    async with _with_shard_in_a_process(tmp_path) as (client, child, go, begun):
         go.touch()
         while not begun.exists():
             assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
@@ -690,12 +708,6 @@ async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample
         for _ in range(2):
             with pytest.raises(PeerLostError, match=r"^replay shard 1: "):
                 await client.next_drawn()
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=60)
-        await _close([client], shards)
-        _shm.cleanup_stale(run_id)
 
 
 @pytest.mark.asyncio
@@ -708,27 +720,10 @@ async def test_a_sample_that_drew_from_a_shard_found_dead_after_raises_with_the_
     what was drawn from them (times sampled; a shard whose inserts wait for samples hears of them).
     Before, that error carried none: shard 0 was never told of those draws (h26)."""
     import signal
-    import subprocess
-    import sys
-
-    import msgpack
 
     from reactor._errors import PeerLostError
-    from reactor.transport import _shm
 
-    run_id = f"dead{os.getpid()}"
-    out, go, begun = tmp_path / "offer", tmp_path / "go", tmp_path / "begun"
-    child = subprocess.Popen([sys.executable, "-c", _MID_CHANGE_SHARD, run_id, str(tmp_path / "s1.sock"), str(out),
-                              str(go), str(begun)])
-    shards, client = [], None
-    try:
-        shards = [await _served_shard(tmp_path, 0, shm=True)]
-        while not out.exists():
-            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
-            await asyncio.sleep(0.01)
-        desc, offer = msgpack.unpackb(out.read_bytes())
-        client = await _client_of([*shards, (None, desc, offer)], notice_every=1000)
-        assert client.sample_now(32)[0] is not None
+    async with _with_shard_in_a_process(tmp_path, notice_every=1000) as (client, child, _go, _begun):
         client.take_notices()  # (that sample's, held)
         child.send_signal(signal.SIGKILL)  # (waiting for go: between changes)
         child.wait(timeout=60)
@@ -740,12 +735,6 @@ async def test_a_sample_that_drew_from_a_shard_found_dead_after_raises_with_the_
         for m in told:
             assert (np.asarray(m.keys) >> 48 == m.shard).all()
         assert client.take_notices() == []  # (none left held: each draw told once)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=60)
-        await _close([client], shards)
-        _shm.cleanup_stale(run_id)
 
 
 @pytest.mark.asyncio

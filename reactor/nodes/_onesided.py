@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
@@ -80,6 +81,22 @@ def _check_transition_fields(read: Any, fields: Any) -> None:
     missing = sorted({read.reward_field, *read.next_fields} - set(fields))
     if missing:
         raise ValueError(f"its transitions read fields {missing} that its data region lacks")
+
+
+def _first_bad_mass(masses: list[float]) -> int | None:
+    """The index of the first mass that is not a finite number >= 0 (NaN, inf, below 0: read from corrupt
+    memory; a sound sum tree's root never is), or None."""
+    return next((j for j, u in enumerate(masses) if not 0.0 <= u < math.inf), None)
+
+
+def _corrupt(shard: int, sh: Any, why: str, notices: list[SampledKeys]) -> MalformedFrameError:
+    """The error of a draw refused by shard ``shard``'s corrupt published state (``why`` follows "is
+    inconsistent"): its ``shard``, its ``offer`` (``sh``: what :meth:`OneSidedSampling.drop_one_sided`
+    drops, and only while it is the shard's offer) and the ``notices`` of the draws made."""
+    err = MalformedFrameError(f"replay shard {shard}: its published sampling state (region {sh.region!r}) is "
+                              f"inconsistent{why}: corrupt shared memory; sample through messages")
+    err.shard, err.offer, err.notices = shard, sh, notices  # type: ignore[attr-defined]
+    return err
 
 
 @dataclass
@@ -425,16 +442,10 @@ class OneSidedSampling(RemoteSampling):
                 return self._finish_one_sided(n, _ranges(live, counts.tolist(), m), sum(sizes.tolist()), plan, out,
                                               mask, local, q, weights, times, valid, hurry)
         if status == _ZERO:  # every mass 0 (the message path says so), or one is NaN, or the total below 0
-            bad = next((j for j, u in enumerate(masses.tolist()) if not 0.0 <= u < math.inf), None)
+            bad = _first_bad_mass(masses.tolist())
             if bad is not None:  # (read under a settled count: corrupt memory, the same at every draw)
-                err = MalformedFrameError(
-                    f"replay shard {live[bad]}: its published sampling state (region {shards[bad].region!r}) is "
-                    f"inconsistent: its mass {float(masses[bad])!r} is not a finite number >= 0: corrupt shared "
-                    f"memory; sample through messages")
-                err.shard = live[bad]  # type: ignore[attr-defined]
-                err.offer = shards[bad]  # type: ignore[attr-defined]
-                err.notices = self.take_notices()  # type: ignore[attr-defined]
-                raise err
+                raise _corrupt(live[bad], shards[bad], f": its mass {float(masses[bad])!r} is not a finite number >= 0",
+                               self.take_notices())
             return None, self.take_notices()
         if status == _BELOW:  # below a shard's min size (its request parks until ready)
             return None, self.take_notices()
@@ -488,21 +499,14 @@ class OneSidedSampling(RemoteSampling):
                     # would be refused the same way (it looped here for good: hostile review). Its
                     # own, or the mass of another shard, read as inf or below 0, that made this
                     # shard's share 0 or above 1: that shard is named (its offer is the one to drop).
-                    j = next((j for j, u in enumerate(used) if not 0.0 <= u[1] < math.inf), i)
-                    if j == i:
-                        bad = MalformedFrameError(
-                            f"replay shard {k}: its published sampling state (region {sh.region!r}) is inconsistent "
-                            f"under a settled sequence count {f[0]} (an index or a probability out of range): "
-                            f"corrupt shared memory; sample through messages")
+                    j = _first_bad_mass([u[1] for u in used])
+                    if j is None:
+                        why = f" under a settled sequence count {f[0]} (an index or a probability out of range)"
+                        j = i
                     else:
-                        bad = MalformedFrameError(
-                            f"replay shard {live[j]}: its published sampling state (region {shards[j].region!r}) "
-                            f"is inconsistent: its mass {used[j][1]!r} is not a finite number >= 0 (shard {k}'s "
-                            f"draws on its share were refused): corrupt shared memory; sample through messages")
-                    bad.shard = live[j]  # type: ignore[attr-defined]
-                    bad.offer = shards[j]  # type: ignore[attr-defined]  # (drop_one_sided: this life's offer)
-                    bad.notices = self._notices(drawn, local)  # type: ignore[attr-defined]  # (as asample_now's)
-                    raise bad
+                        why = (f": its mass {used[j][1]!r} is not a finite number >= 0 (shard {k}'s draws on its "
+                               f"share were refused)")
+                    raise _corrupt(live[j], shards[j], why, self._notices(drawn, local))  # (notices: as asample_now's)
                 if g is None and status != _EMPTY:  # (it died mid-change? as above; its notices go too)
                     try:
                         self._check_alive(plan)
@@ -663,14 +667,10 @@ class OneSidedSampling(RemoteSampling):
         # cancelled at the end of a run while its shards closed: seen on a loaded machine).
         waiting = asyncio.wrap_future(fut)
         waiting.add_done_callback(mark_seen)
-        try:
+        # (the draw's own error is raised below, once the draw is off the queue: raised from the wait, it
+        # left the draw at the head, to be raised again, its notices with it, at the next take)
+        with contextlib.suppress(Exception):
             await asyncio.shield(waiting)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: S110
-            # (the draw's own error: raised below, once the draw is off the queue; raised from here, it
-            # left the draw at the head, to be raised again, its notices with it, at the next take)
-            pass
         if not (self._ahead and self._ahead[0] is fut):
             return None, []  # dropped meanwhile (its shard lost or restarted: _drop_drawn_of), or drained
         self._ahead.popleft()

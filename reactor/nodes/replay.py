@@ -281,7 +281,7 @@ class Replay(ShardMemory, Reactor):
     _staged: StagedReader | None = None
     #: Writer -> the life (its seq's high word) whose staged rows this shard could not read: its acks
     #: then say no host, which turns that writer's ring for this shard off (set at startup).
-    _unstageable: dict[int, int] = {}
+    _unstageable: dict[int, int]
 
     steps = Input(Steps)
     requests = Input(ReplayRequest)

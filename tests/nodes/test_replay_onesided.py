@@ -502,67 +502,46 @@ async def test_a_corrupt_settled_state_written_by_another_process_raises_naming_
         await _close([client], shards)
 
 
+#: A corrupt root sum of shard 0 (a word, or a multiple of shard 1's mass), how the error shows it, and
+#: whether the total stays above 0 with shard 1's share spoiled (0, or 1,000: every draw of the sound
+#: shard refused) or no total is above 0 (taken for "every priority is 0" before).
+_CORRUPT_MASSES = {"inf": ("inf", "inf", True), "most of shard 1's, negated": (-0.999, "-[0-9.e+-]+", True),
+                   "nan": ("nan", "nan", False), "twice shard 1's, negated": (-2.0, "-[0-9.e+-]+", False)}
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mass", ["inf", "most of shard 1's, negated"])
-async def test_a_corrupt_mass_that_spoils_another_shards_draws_is_blamed_on_its_own_shard(tmp_path, mass):
-    """Another process writes an inf or a negative root sum into shard 0's published tree (its count
-    left settled): the batch's total is inf or below shard 1's mass, so every item falls to shard 1
-    with a share of 0 or above 1, and shard 1's sound state refuses each draw (a probability outside
-    (0, 1]) under its settled count. The MalformedFrameError names shard 0, whose mass is the corrupt
-    word: a learner drops the offer it names (drop_one_sided), so that shard 0's next life, with a
-    sound state, brings one-sided draws back. Before, it named shard 1: the sound shard's offer was
-    dropped, and one-sided sampling stayed off until shard 1 was restarted (h26)."""
+@pytest.mark.parametrize("mass", list(_CORRUPT_MASSES))
+async def test_a_corrupt_mass_is_blamed_on_its_own_shard_not_on_the_one_whose_draws_it_spoiled(tmp_path, mass):
+    """Another process writes shard 0's published root sum (its count left settled): inf, or minus most of
+    shard 1's mass (the total a thousandth of shard 1's: its share 1,000), so every item falls to shard
+    1 with a share of 0 or above 1 and its sound state refuses each draw; or NaN, or minus twice shard 1's
+    mass, so that no total is above 0. The MalformedFrameError names shard 0, whose mass is the corrupt
+    word: a learner drops the offer it names (drop_one_sided), so shard 0's next life brings one-sided
+    draws back. Before, the first two named shard 1 (the sound shard's offer dropped, h26), and the last
+    two were taken for "every priority is 0": no batch, no word, every sample (h26). Every mass 0 still
+    returns no batch and raises nothing."""
     from reactor._errors import MalformedFrameError
 
+    word, shown, spoils_share = _CORRUPT_MASSES[mass]
+    refused = r" \(shard 1's draws on its share were refused\)" if spoils_share else ""
     shards, client = [], None
     try:
         shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
         client = await _client_of(shards)
         assert client.sample_now(8)[0] is not None
-        if mass != "inf":  # (the total then a thousandth of shard 1's mass, its share 1,000: a q above 0.001)
-            mass = repr(-0.999 * client._shared[1].table.figures()[1])
-        _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, mass)
-        for _ in range(3):
-            with pytest.raises(MalformedFrameError, match=r"^replay shard 0: its published sampling state \(region "
-                               r"'-s-r0'\) is inconsistent: its mass (inf|-[0-9.e+-]+) is not a finite number >= 0 "
-                               r"\(shard 1's draws on its share were refused\): corrupt shared memory; sample "
-                               r"through messages$") as e:
-                client.sample_now(64)
-            assert e.value.shard == 0
-    finally:
-        await _close([client], shards)
-
-
-@pytest.mark.asyncio
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mass", ["nan", "twice shard 1's, negated"])
-async def test_a_mass_that_leaves_no_total_to_draw_from_is_named_not_taken_for_all_priorities_0(tmp_path, mass):
-    """Another process writes a NaN, or a negative root sum larger than the other shard's mass, into
-    shard 0's published tree (its count left settled): the shards' total is not above 0, which a sound
-    state gives only when every priority is 0 (then the message path says so). sample_now raises
-    MalformedFrameError naming shard 0, whose offer a learner then drops; before, every sample returned
-    no batch without a word, each ~5 ms of a learner's loop, one-sided draws and messages alternating
-    for the rest of the run (h26). All priorities 0 still returns no batch and raises nothing."""
-    from reactor._errors import MalformedFrameError
-
-    shards, client = [], None
-    try:
-        shards = [await _served_shard(tmp_path, k, shm=True) for k in range(2)]
-        client = await _client_of(shards)
-        assert client.sample_now(8)[0] is not None
-        if mass != "nan":
-            mass = repr(-2.0 * client._shared[1].table.figures()[1])
-        _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, mass)
+        if not isinstance(word, str):
+            word = repr(word * client._shared[1].table.figures()[1])
+        _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, word)
         for _ in range(2):
             with pytest.raises(MalformedFrameError, match=r"^replay shard 0: its published sampling state \(region "
-                               r"'-s-r0'\) is inconsistent: its mass (nan|-[0-9.e+-]+) is not a finite number >= 0: "
+                               rf"'-s-r0'\) is inconsistent: its mass {shown} is not a finite number >= 0{refused}: "
                                r"corrupt shared memory; sample through messages$") as e:
                 client.sample_now(64)
-            assert e.value.shard == 0
+            assert e.value.shard == 0 and e.value.offer is client._shared[0]
         _spoil(f"mixed{os.getpid()}x0", "-s-r0", "sums", "float64", 0, 1, "0")
         _spoil(f"mixed{os.getpid()}x1", "-s-r1", "sums", "float64", 0, 1, "0")
-        assert client.sample_now(8) == (None, [])  # (every mass 0: no batch, no error)
+        assert client.sample_now(8)[0] is None  # (every mass 0: no batch, no error; held notices handed over)
     finally:
         await _close([client], shards)
 

@@ -276,6 +276,16 @@ class Graph:
         never let logical time advance, and make the order of events ill-defined).
         """
         problems = list(self._duplicate_errors)
+        # Two instances with one plain name (``w[1]`` of a bank and a reactor named ``w-1``) would share
+        # a process group, their files in the run directory, shared-memory regions and metric tags.
+        plain: dict[str, str] = {}
+        for node in self.nodes.values():
+            for inst in node.instance_names():
+                other = plain.setdefault(plain_name(inst), inst)
+                if other != inst:
+                    problems.append(f"reactors {other!r} and {inst!r} have one plain name {plain_name(inst)!r} (the "
+                                    f"name of their process, run-directory files and metric tags); rename "
+                                    f"{node.name!r} ({node.site})")
         if not self.nodes:
             problems.append("the graph has no reactors; add some with graph.add(...)")
         connected: set[tuple[str, str]] = set()

@@ -101,6 +101,18 @@ def test_duplicate_names_are_reported_with_both_sites():
         g.validate()
 
 
+def test_a_reactor_named_like_another_banks_replica_is_refused_naming_both():
+    g = Graph()
+    g.add(Src(), name="w", replicas=2)
+    g.add(Src(), name="w-1")
+    with pytest.raises(GraphError, match=r"reactors 'w\[1\]' and 'w-1' have one plain name 'w-1'.*rename 'w-1'"):
+        g.validate()
+    ok = Graph()
+    ok.add(Src(), name="w", replicas=2)
+    ok.add(Src(), name="w-2")  # (w has replicas 0 and 1 only)
+    ok.validate()
+
+
 def test_every_problem_is_listed_at_once():
     g = Graph()
     g.add(Dst(), name="d1")

@@ -110,6 +110,10 @@ async def run_processes(
     sockdir: Path | None = None
     local: _LocalWorkers | None = None
     workers: _LocalWorkers | RemoteWorkers
+    # The data-parallel learners' store (over hosts): its server (a listening socket, a thread) lives as long
+    # as the object, and torch gives it no close. Dropped on every way out: left in this frame, a failed run's
+    # exception kept it serving for as long as the caller kept the exception (a notebook's last error).
+    dist_store: Any = None
     try:
         sockdir = open_run_dir(run_id, remove=dist_files)
         # Links that may leave the host (any tcp bind, any run over hosts) are encrypted and authenticated
@@ -136,6 +140,7 @@ async def run_processes(
         ep = await Endpoint.open(COORDINATOR, bind, curve=keys, curve_local=False,
                                  accept=CoordinatorProtocol(g.name for g in groups))
     except BaseException:
+        dist_store = None
         if plan.hosts:
             await remote.close()
         elif local is not None:
@@ -247,6 +252,7 @@ async def run_processes(
                     log.warning("copying the run's files from its hosts failed: %s", e)
             await workers.close()
             await ep.aclose()
+            dist_store = None  # (every worker is reaped: none meets there again)
             for f in dist_files:  # (every worker is reaped: no replica meets there again)
                 with contextlib.suppress(OSError):
                     f.unlink()

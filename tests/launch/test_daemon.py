@@ -24,7 +24,7 @@ from reactor.launch._daemon import DaemonClient, DaemonError, job_spec
 from reactor.launch._keys import init_keys, load_keys
 from reactor.transport import CurveKeys
 
-from ..runtime_dirs import run_env
+from ..runtime_dirs import run_env, runtime_dir
 from .hosts import wait_for as _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -2508,3 +2508,75 @@ def test_a_run_over_hosts_that_fails_before_its_workers_start_leaves_no_daemon_l
     finally:
         gc.enable()
     assert not leaked, "the run's links to its daemons were left open"
+
+
+_TWO_LEARNERS = '''
+import importlib
+
+from reactor import Graph, Input, Output, Reactor, Timer, reaction
+
+
+class Learnerish(Reactor):
+    placement_role = "learner"  # (two instances: over hosts, the coordinator serves them a torch.distributed store)
+    tick = Timer(period_s=0.01)
+    out = Output(int)
+
+    @reaction(triggers=[tick], effects=[out])
+    def emit(self) -> None:
+        self.out.send(1)
+
+
+class Sink(Reactor):
+    inp = Input(int, required=True)
+
+    @reaction(triggers=[inp])
+    def take(self, inp: int) -> None:
+        pass
+
+
+def build(config):
+    importlib.import_module("store_beside_only")  # (beside the app here, not shipped: its workers fail there)
+    g = Graph()
+    g.connect(g.add(Learnerish(), name="learner", replicas=2).out, g.add(Sink(), name="sink").inp)
+    return g
+'''
+
+
+@pytest.mark.idle_daemon
+def test_a_run_over_hosts_that_fails_at_its_start_closes_its_torch_distributed_store(daemon, tmp_path, monkeypatch):
+    """Regression (a review of the coordinator's failure paths): the ``TCPStore`` the coordinator serves for
+    the data-parallel learners of a run over hosts was never closed: a run that failed (here every worker, at
+    its start, importing a module only this host has) raised with the store alive in its frame, and the
+    caller that kept the exception (a notebook's last error, pytest's ``raises``) kept its listening socket
+    and server thread for good. It is dropped on every way out of the run."""
+    from reactor.launch import _app
+    from reactor.launch._coordinator import run_processes
+
+    from .test_hosts import _listening_ports
+
+    (daemon.keys_dir / "authorized" / "self.pub").write_bytes((daemon.client_dir / "key.pub").read_bytes())
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    monkeypatch.setenv("REACTOR_KEYS", str(daemon.client_dir))
+    monkeypatch.setenv("REACTOR_RUNTIME_DIR", str(runtime_dir(tmp_path)))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (load_app puts the app's folder there: not for later tests)
+    monkeypatch.setattr(_app, "APP_DIRS", list(_app.APP_DIRS))
+    app = tmp_path / "two_learners.py"
+    app.write_text(_TWO_LEARNERS)
+    (tmp_path / "store_beside_only.py").write_text("")
+    graph = _app.load_app(app).build({})
+    before = set(_listening_ports(os.getpid()))
+    with pytest.raises(Exception, match="No module named 'store_beside_only'") as failed:
+        asyncio.run(run_processes(graph, placement="processes", deterministic=False, seed=0, stop_ns=None,
+                                  record=None, replay=None, digest=False, app=str(app), config={}, hosts=str(hosts)))
+    frames = []  # (the run's frame, as the kept exception holds it: the store was one of its locals)
+    tb = failed.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert any(f.f_code.co_name == "run_processes" for f in frames)
+    for name in [n for n, m in sys.modules.items() if str(getattr(m, "__file__", "")).startswith(str(tmp_path))]:
+        monkeypatch.delitem(sys.modules, name)  # (the app and its module: this test's only)
+    # (the coordinator's zmq sockets close in their io thread: waited for; the store, alive, never closed)
+    _wait_for(lambda: not set(_listening_ports(os.getpid())) - before, 10,
+              "the failed run's listening sockets (its TCPStore's among them) to close")

@@ -141,7 +141,7 @@ def _jobs(args: argparse.Namespace) -> int:
                     print(f"{j['id']}  stopping (asked to stop cleanly; at once if it has not ended {STOP_GRACE_S:g} s "
                           f"after the first request)")
                 else:
-                    print(f"{j['id']}  {j['state']}")
+                    print(f"{j['id']}  {_job_state(j)}")
     except DaemonError as e:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
@@ -231,16 +231,36 @@ def _where(group: str, where: dict[str, Any]) -> str:
     return f"{group} on {where['host']}" + (f" ({where['waiting']})" if where.get("waiting") else "")
 
 
+def _job_state(j: dict[str, Any]) -> str:
+    """A job's state and exit status in words: ``finished exit 0``, ``failed exit 143 (ended by SIGTERM)``, and a
+    job asked to stop ``stopped (by request)``: its run ends on that SIGTERM with 143, which read as a signal
+    from elsewhere (``stopped exit 143``); an exit other than that clean stop's is said beside it."""
+    rc = j["returncode"]
+    if rc is None:
+        exit_ = ""
+    elif rc < 0 or rc > 128:  # (killed by a signal, as Popen says; or ended by one, as the run exits after it)
+        try:
+            name = signal.Signals(-rc if rc < 0 else rc - 128).name
+        except ValueError:
+            name = ""
+        exit_ = f"exit {rc}" + (f" ({'killed' if rc < 0 else 'ended'} by {name})" if name else "")
+    else:
+        exit_ = f"exit {rc}"
+    if j["state"] == "stopped":
+        why = "its daemon stopped" if j.get("stopped_by") == "daemon" else "by request"
+        return f"stopped ({why})" + ("" if rc in (None, 128 + signal.SIGTERM) else f", {exit_}")
+    return f"{j['state']}{' ' + exit_ if exit_ else ''}"
+
+
 def _job_line(j: dict[str, Any]) -> str:
     """One job in ``reactor status``: id, state and exit status, age, app, and where its groups run."""
-    rc = "" if j["returncode"] is None else f" exit {j['returncode']}"
     groups = j.get("groups") or {}
     spread = (f"  {len(groups)} group{'s' * (len(groups) != 1)} on {len({w['host'] for w in groups.values()})} "
               f"host{'s' * (len({w['host'] for w in groups.values()}) != 1)}" if groups else "")
     if local := j.get("workers"):  # (a running job on its daemon's host alone: its coordinator's workers)
         spread = (f"  workers {sum(w['state'] == 'running' for w in local)}/{len(local)} alive  restarts "
                   f"{sum(w['restarts'] for w in local)}")
-    return (f"{j['id']}  {j['state']}{rc}  {j['app']} --placement {j['placement']}  pid {j['pid']}  "
+    return (f"{j['id']}  {_job_state(j)}  {j['app']} --placement {j['placement']}  pid {j['pid']}  "
             f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line']}")
 
 

@@ -408,10 +408,13 @@ class Daemon:
         log.info("%s: job %s started (pid %d, %s): %s", self.name, job_id, pid,
                  "a new interpreter" if isinstance(proc, subprocess.Popen) else "forked", " ".join(cmd[3:]))
         if self._stop_phase is not None:  # (the daemon began to stop while the job started: stopped with the rest)
-            self.stop(job_id)
+            self.stop(job_id, by="daemon")
         return job_id
 
-    def stop(self, job_id: str) -> dict[str, Any]:
+    def stop(self, job_id: str, by: str = "request") -> dict[str, Any]:
+        """Stop a running job cleanly (``by``: who asked, for ``status``: "request", a client's ``stop``; "daemon",
+        this daemon stopping). Its run ends on the SIGTERM as a stopped run does (exit 143), which ``status``
+        shows as stopped, not as an exit by a signal: that reads as a failure (a SIGTERM from elsewhere)."""
         job = self._job(job_id)
         self.watch()  # a job that has just ended is not signalled (its pid may be reused)
         if job.record["state"] != "running":
@@ -419,6 +422,7 @@ class Daemon:
         if job.stop_deadline is not None:  # asked already: stopping (a repeat never escalates to the run's
             return self.describe(job)      # "second signal: at once"; the SIGKILL after the grace still comes)
         job.record["stop_requested"] = True
+        job.record["stopped_by"] = by
         self._save(job)  # (the stop goes on if it cannot be written now: it is written at a later watch)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             # The run's coordinator only: it stops its workers cleanly and reaps them (SIGTERM to
@@ -488,6 +492,9 @@ class Daemon:
         return {"id": job.id, "app": r["app"], "placement": r["placement"], "state": r["state"], "pid": r["pid"],
                 "uptime_s": round(ended - r["submitted_at"], 3), "returncode": r.get("returncode"),
                 "detail": r.get("detail", ""), "last_line": _last_line(job.dir / "output.log"),
+                # (who asked a stopped job to stop: a record from before this was kept says nothing; a client's stop)
+                "stopped_by": (r.get("stopped_by") if r.get("stopped_by") in ("request", "daemon") else "request")
+                if r["state"] == "stopped" else None,
                 "over_hosts": r.get("over_hosts") if type(r.get("over_hosts")) is bool else None,
                 "daemon": r.get("daemon", self.name), **_job_groups(job.dir),
                 **(_local_workers(job.dir) if r["state"] == "running" else {})}
@@ -510,7 +517,7 @@ class Daemon:
     def stop_all(self) -> None:
         for job in self.jobs.values():
             if job.record["state"] == "running":
-                self.stop(job.id)
+                self.stop(job.id, by="daemon")
 
     # -------------------------------------------------------------------------- serving
 

@@ -573,6 +573,7 @@ def test_a_job_that_ends_after_its_daemon_was_killed_and_started_again_ends_with
 
 
 def test_sigterm_to_the_daemon_stops_its_running_jobs(tmp_path):
+    """... and its next life lists each as stopped because its daemon stopped (not ``stopped exit 143``)."""
     ready = tmp_path / "ready"
     d = Daemon(tmp_path)
     with d.client() as c:
@@ -582,7 +583,43 @@ def test_sigterm_to_the_daemon_stops_its_running_jobs(tmp_path):
         pid = c.request("status", job)["pid"]
     d.stop(signal.SIGTERM)
     assert not _group_alive(pid)
-    assert json.loads((d.state / "jobs" / job / "job.json").read_text())["state"] == "stopped"
+    record = json.loads((d.state / "jobs" / job / "job.json").read_text())
+    assert (record["state"], record["stopped_by"]) == ("stopped", "daemon"), record
+    d = Daemon(tmp_path, extra=("--no-fork-server",))
+    try:
+        p = subprocess.run([sys.executable, "-m", "reactor.cli", "status", job, "--daemon", d.address, "--daemon-key",
+                            str(d.keys_dir / "key.pub"), "--keys", str(d.client_dir)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.stdout.startswith(f"{job}  stopped (its daemon stopped)  forever.py"), p.stdout + p.stderr
+    finally:
+        d.stop()
+
+
+def test_a_job_stopped_on_request_is_listed_stopped_and_one_a_sigterm_from_elsewhere_ended_names_it(daemon, tmp_path):
+    """Regression (a user's report): ``reactor stop JOB`` ends the job's run on a SIGTERM, cleanly, with
+    its exit status 143 (128 + 15), and ``reactor status`` listed it ``stopped exit 143``, which reads as a
+    signal from elsewhere. A job asked to stop is listed ``stopped (by request)``; one whose run a SIGTERM
+    from elsewhere ended (no stop asked) still says so: ``failed exit 143 (ended by SIGTERM)``."""
+    cli = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "reactor.cli", *a, "--daemon", daemon.address, "--daemon-key",
+         str(daemon.keys_dir / "key.pub"), "--keys", str(daemon.client_dir)], capture_output=True, text=True, timeout=60)
+    jobs = {}
+    with daemon.client() as c:
+        for how in ("stop", "kill"):
+            jobs[how] = c.request("submit", job_spec(APPS / "forever.py", config={"ready_file": str(tmp_path / how)}))
+            _wait_for((tmp_path / how).exists, 60, f"job {jobs[how]} to run")
+        assert cli("stop", jobs["stop"]).returncode == 0
+        os.kill(c.request("status", jobs["kill"])["pid"], signal.SIGTERM)  # (no stop asked of its daemon)
+        stopped = _state(c, jobs["stop"], ("stopped", "failed", "finished"))
+        killed = _state(c, jobs["kill"], ("stopped", "failed", "finished"))
+    assert (stopped["state"], stopped["returncode"], stopped["stopped_by"]) == ("stopped", 143, "request"), stopped
+    assert (killed["state"], killed["returncode"], killed["stopped_by"]) == ("failed", 143, None), killed
+    assert "run ended (signal)" in stopped["last_line"] and "run ended (signal)" in killed["last_line"]
+    lines = cli("status").stdout.splitlines()
+    assert [line.split("  forever.py")[0] for line in lines] == [f"{jobs['stop']}  stopped (by request)",
+                                                                f"{jobs['kill']}  failed exit 143 (ended by SIGTERM)"], lines
+    assert cli("status", jobs["stop"]).stdout.startswith(f"{jobs['stop']}  stopped (by request)  forever.py")
+    assert cli("stop", jobs["stop"]).stdout == f"{jobs['stop']}  stopped (by request)\n"  # (asked again: as it ended)
 
 
 def test_submit_refuses_the_jobs_own_mistakes_before_it_leaves_and_never_what_only_the_daemon_has(daemon, tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import refusal_line
-from ..launch._app import blamed_setting, compile_app, parse_overrides
+from ..launch._app import blamed_setting, check_imports_shipped, compile_app, parse_overrides
 from ._appcode import _app_code, _bounded
 
 
@@ -36,6 +36,8 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
     for o in args.overrides:
         run_args += ["--set", o]
     for f in args.files:
+        if Path(f).is_dir():
+            raise IsADirectoryError(f"--with {f} is a directory: --with ships single files (give each its own --with)")
         if not Path(f).is_file():
             raise FileNotFoundError(f"--with {f}: no such file")
         run_args += ["--with", str(Path(f).resolve())]
@@ -43,6 +45,9 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
         raise FileNotFoundError(f"no app file {args.app}")
     with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
         compile_app(args.app)  # not Python failed there, after the allocation)
+    # (a module beside the app that does not go with it: its workers failed to import it, after the allocation)
+    if note := check_imports_shipped(args.app, args.files, f"a {args.command} job"):
+        print(f"reactor: {note}", file=sys.stderr)
     if overrides:
         _check_config_here(args.app, overrides, args.overrides)
     return run_args

@@ -119,21 +119,26 @@ def _check_run_options(args: argparse.Namespace) -> None:
 
     Raises:
         FileNotFoundError: the app, a hosts file or a --with file is missing.
+        IsADirectoryError: one of them is a directory.
         GraphError: a placement that is neither a known name nor a file, or a bad restart policy.
-        AppError: two of the files that go to other hosts would go under one name.
+        AppError: two of the files that go to other hosts would go under one name, or the app imports a module
+            from its folder that would not go with it (:func:`~reactor.launch._app.check_imports_shipped`).
     """
     from ..launch._groups import restart_from_text
     from ..launch._policies import POLICIES
 
     for what, path in (("app file", args.app), ("hosts file", args.hosts), *(("--with file", f) for f in args.files)):
+        if path is not None and Path(path).is_dir():  # (it said "no --with file at 'lib'" of a folder that is there)
+            raise IsADirectoryError(f"{what} {path!r} is a directory: --with ships single files (give each its own "
+                                    f"--with)" if what == "--with file" else f"{what} {path!r} is a directory")
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"no {what} at {path!r}")
-    if args.files:  # (they go beside the app on the other hosts, found by name: a --with ppo.py was run as apps/ppo.py)
-        from ..launch._app import files_to_ship, shipped_files
-        from ..launch._forkserver import over_hosts
+    from ..launch._app import check_imports_shipped, files_to_ship, shipped_files
+    from ..launch._forkserver import over_hosts
 
-        shipped_files(files_to_ship(args.app, args.files, getattr(args, "replay", None)),  # (one host: nothing goes)
-                      bounded=args.command == "submit" or over_hosts(args.placement, args.hosts))
+    ships = args.command == "submit" or over_hosts(args.placement, args.hosts)  # (one host: nothing goes)
+    if args.files:  # (they go beside the app on the other hosts, found by name: a --with ppo.py was run as apps/ppo.py)
+        shipped_files(files_to_ship(args.app, args.files, getattr(args, "replay", None)), bounded=ships)
     known = ("single", "processes", *sorted(POLICIES))
     if args.placement not in known and not Path(args.placement).is_file():
         if args.placement.endswith(".toml") or os.sep in args.placement:  # (meant as a file)
@@ -146,6 +151,9 @@ def _check_run_options(args: argparse.Namespace) -> None:
         from ..launch._cluster import load_hosts_file
 
         load_hosts_file(args.hosts, read_keys=args.command == "run")  # (a submitted job's keys may be the daemon's)
+    if ships and (note := check_imports_shipped(  # (a module beside the app that does not go with it: its workers
+            args.app, args.files, "a submitted job" if args.command == "submit" else "a run over hosts")):  # failed)
+        print(f"reactor: {note}", file=sys.stderr)
 
 
 @contextlib.contextmanager

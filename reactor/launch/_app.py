@@ -149,6 +149,161 @@ def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | Non
     return out
 
 
+def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str | os.PathLike[str]] = (),
+                          what: str = "a submitted job") -> str | None:
+    """Refuse an app that imports a module from its own folder that would not go with it: a job or a run over
+    hosts ships the app and its ``--with`` files, not the app's folder, so its workers there failed with
+    ``No module named 'X'`` (``reactor submit`` took the job; it failed in its daemon's log). Read, not run:
+    the imports of the app file, of its ``--with`` modules and of the modules found missing (one submit names
+    them all), by ``ast``. A module counts as missing when its name is a ``.py`` file or a package folder
+    beside the file that imports it (or beside the app, where every shipped file goes), no ``--with`` file
+    (nor the app) goes under that name, and it is not found here elsewhere than in those folders (an
+    installed package, the standard library: the same there). Left aside: relative imports (the app is not
+    loaded as a package: they fail alike here), imports under ``try`` that catch ``ImportError``, under ``if
+    TYPE_CHECKING`` or ``if __name__ == "__main__"`` (they never run in a worker), and a file that does not
+    parse (its syntax error is said where it compiles).
+
+    Returns:
+        What to say of packages in the app's folder that it imports and that are not installed here (None:
+        none): ``--with`` cannot ship them, and where the job runs they may be installed, so they are said,
+        not refused.
+
+    Raises:
+        AppError: a module would be missing, naming each, the line importing it, and the ``--with`` to add.
+    """
+    app = Path(app)
+    shipped = {app.stem} | {Path(f).stem for f in with_files if Path(f).suffix == ".py"}
+    todo = [app, *(Path(f) for f in with_files if Path(f).suffix == ".py")]
+    seen: set[Path] = set()
+    missing: dict[str, tuple[Path, bool, Path, int]] = {}  # name: (its path, a package, the importing file, line)
+    while todo:
+        source = todo.pop(0)
+        with contextlib.suppress(OSError, RuntimeError):
+            if source.resolve() in seen:
+                continue
+            seen.add(source.resolve())
+        try:
+            tree = ast.parse(source.read_bytes(), str(source))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        folders = [app.parent] + ([source.parent] if source.parent != app.parent else [])
+        for name, line in _imports_run(tree):
+            if name in shipped or name in missing:
+                continue
+            beside = next(((p, p.is_dir()) for folder in folders for p in (folder / name, folder / f"{name}.py")
+                           if _module_file(p)), None)
+            if beside is None or _found_elsewhere(name, folders):
+                continue
+            missing[name] = (beside[0], beside[1], source, line)
+            if not beside[1]:
+                todo.append(beside[0])
+    said = {name: f"{name} ({'the package ' if package else ''}{str(path)}{'/' if package else ''}, imported at "
+                  f"{source} line {line})" for name, (path, package, source, line) in missing.items()}
+    packages = [name for name, (_, package, _, _) in missing.items() if package]
+    one = len(packages) == 1
+    note = (f"{'; '.join(said[n] for n in packages)} {'is a package' if one else 'are packages'} of the app's folder, "
+            f"which --with cannot ship (it ships single files): its workers fail to import "
+            f"{'it' if one else 'them'} unless {'it is' if one else 'they are'} installed where the job runs") \
+        if packages else None
+    modules = {name: path for name, (path, package, _, _) in missing.items() if not package}
+    if not modules:
+        return note
+    raise AppError(f"{what} carries the app and its --with files, not the app's folder: its workers would fail with "
+                   f"ModuleNotFoundError on {'this module' if len(modules) == 1 else 'these modules'} from there: "
+                   f"{'; '.join(said[n] for n in modules)}. Add {' '.join(f'--with {p}' for p in modules.values())}"
+                   f"{f'. Also, {note}' if note else ''}")
+
+
+def _module_file(p: Path) -> bool:
+    """Whether ``p`` is what an import finds in its folder: a ``.py`` file, or a package folder (an
+    ``__init__.py``, or ``.py`` files of a namespace package)."""
+    try:
+        if p.suffix == ".py":
+            return p.is_file()
+        return p.is_dir() and ((p / "__init__.py").is_file() or any(p.glob("*.py")))
+    except OSError:
+        return False
+
+
+def _imports_run(tree: ast.AST) -> list[tuple[str, int]]:
+    """The top-level names a module's absolute imports bring in, with their lines, but those that never run
+    in a worker, or whose absence the code expects (see :func:`check_imports_shipped`)."""
+    caught = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+    def catches(handler: ast.ExceptHandler) -> bool:
+        kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        return any(k is None or (isinstance(k, ast.Name) and k.id in caught)
+                   or (isinstance(k, ast.Attribute) and k.attr in caught) for k in kinds)
+
+    def never_runs(test: ast.expr) -> bool:
+        if isinstance(test, (ast.Name, ast.Attribute)):  # (if TYPE_CHECKING:, if typing.TYPE_CHECKING:)
+            return (test.id if isinstance(test, ast.Name) else test.attr) == "TYPE_CHECKING"
+        return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
+                and test.comparators[0].value == "__main__")  # (a worker loads it under another name)
+
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.Try, ast.TryStar)):
+            body = [] if any(catches(h) for h in node.handlers) else node.body
+            for n in [*body, *node.handlers, *node.orelse, *node.finalbody]:
+                visit(n)
+            return
+        if isinstance(node, ast.If) and never_runs(node.test):
+            for n in node.orelse:
+                visit(n)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((a.name.partition(".")[0], node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module.partition(".")[0], node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _found_elsewhere(name: str, folders: Sequence[Path]) -> bool:
+    """Whether ``import name`` finds a module here other than through ``folders`` (the standard library, an
+    installed package, an editable install's finder), which the job's host is taken to have alike; True when
+    unsure (a finder that fails), so that a check never refuses what may import."""
+    import importlib.machinery
+
+    if name in sys.builtin_module_names or name in sys.stdlib_module_names or name == "reactor":
+        return True  # (reactor: every daemon runs it; a checkout beside the app is not the app's module)
+    mine = set()
+    for folder in folders:
+        with contextlib.suppress(OSError, RuntimeError):
+            mine.add(folder.resolve())
+
+    def in_mine(entry: str) -> bool:
+        try:
+            return Path(entry or ".").resolve() in mine
+        except (OSError, RuntimeError):
+            return False
+
+    loaded = sys.modules.get(name)
+    if loaded is not None:  # (imported already: where from)
+        spec = getattr(loaded, "__spec__", None)
+        if spec is None or not spec.has_location or not spec.origin:
+            return True
+        return not any(p in mine for p in Path(spec.origin).resolve().parents)
+    path = [p for p in sys.path if isinstance(p, str) and not in_mine(p)]
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(name, path) if finder is importlib.machinery.PathFinder else find(name, None)
+        except Exception:  # noqa: BLE001 - a finder of some package's that fails: unsure, not refused
+            return True
+        if spec is not None:
+            return True
+    return False
+
+
 def files_to_ship(app: str | os.PathLike[str], with_files: Sequence[str | os.PathLike[str]] = (),
                   trace: str | os.PathLike[str] | None = None) -> list[tuple[str, str | os.PathLike[str], str | None]]:
     """:func:`shipped_files`' entries for a run over hosts: the app, its ``--with`` files, a trace to replay."""

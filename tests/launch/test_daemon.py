@@ -673,6 +673,92 @@ def test_submit_refuses_the_jobs_own_mistakes_before_it_leaves_and_never_what_on
     assert state.startswith(f"{job}  finished exit 0"), state
 
 
+_IMPORTS_BESIDE = """
+from typing import TYPE_CHECKING
+
+import mysib  # (beside the app, and shipped only with --with)
+import numpy  # (numpy.py beside it too: the installed one is found first, here and there)
+import random  # (random.py beside it too: the standard library's, here and there)
+
+try:
+    import optional_beside
+except ImportError:  # (its absence is expected)
+    optional_beside = None
+if TYPE_CHECKING:
+    import typing_beside
+if __name__ == "__main__":  # (never in a worker: it loads the app under another name)
+    import main_beside
+
+
+def _never_called():
+    from . import relative_beside  # (the app is no package: fails here and there alike, not this check's)
+"""
+
+
+def test_submit_refuses_an_app_importing_a_module_of_its_folder_that_would_not_go_with_it(daemon, tmp_path):
+    """Regression (a user's report): ``reactor submit APP`` of an app that imports a module beside it, not
+    shipped with ``--with``, printed a job id; the job failed in its daemon's log, ``No module named 'mysib'``.
+    It is refused at the terminal, naming each module (those the missing ones import too), the line that
+    imports it and the ``--with`` that ships it; the standard library, installed packages, relative imports
+    and imports that never run in a worker or whose absence is caught are not. Once shipped, the job runs. A
+    package beside the app (``--with`` ships single files; its host may have it installed) is said, and the
+    job goes. ``reactor run --hosts`` and the cluster commands refuse alike; a ``--with`` that is missing
+    or a directory is one line."""
+    base = [sys.executable, "-m", "reactor.cli"]
+    conn = ["--daemon", daemon.address, "--daemon-key", str(daemon.keys_dir / "key.pub"), "--keys",
+            str(daemon.client_dir)]
+    run = lambda *a: subprocess.run([*base, *a], cwd=ROOT, capture_output=True, text=True, timeout=120)  # noqa: E731
+    here = tmp_path / "app"
+    here.mkdir()
+    app = here / "uses_mysib.py"
+    app.write_text((ROOT / "apps" / "demo_pipeline.py").read_text() + _IMPORTS_BESIDE)
+    line = app.read_text().splitlines().index("import mysib  # (beside the app, and shipped only with --with)") + 1
+    (here / "mysib.py").write_text("from helper import VALUE\n")
+    (here / "helper.py").write_text("VALUE = 3\n")
+    for name in ("numpy", "random", "optional_beside", "typing_beside", "main_beside", "relative_beside"):
+        (here / f"{name}.py").write_text("raise ImportError('this one never loads')\n")
+    said = ("carries the app and its --with files, not the app's folder: its workers would fail with "
+            "ModuleNotFoundError on ")
+    p = run("submit", str(app), *conn)
+    assert (p.returncode, p.stdout, p.stderr) == (2, "", (
+        f"reactor: a submitted job {said}these modules from there: mysib ({here}/mysib.py, imported at {app} line "
+        f"{line}); helper ({here}/helper.py, imported at {here}/mysib.py line 1). Add --with {here}/mysib.py --with "
+        f"{here}/helper.py\n")), p.stderr
+    p = run("submit", str(app), "--with", str(here / "mysib.py"), *conn)
+    assert (p.returncode, p.stderr) == (2, f"reactor: a submitted job {said}this module from there: helper ({here}/"
+                                           f"helper.py, imported at {here}/mysib.py line 1). Add --with {here}/helper.py\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "{daemon.address}", key = "{daemon.keys_dir / "key.pub"}" }}\n')
+    for args, what in (
+        (("run", str(app), "--placement", "processes", "--hosts", str(hosts), "--keys", str(daemon.client_dir)),
+         "a run over hosts"),
+        (("k8s", "render", str(app), "--image", "img", "--with", str(here / "helper.py")), "a k8s job"),
+    ):
+        p = run(*args)
+        assert p.returncode == 2 and p.stderr.startswith(f"reactor: {what} {said}"), p.stderr
+    (tmp_path / "lib").mkdir()
+    for given, message in ((str(tmp_path / "nope.py"), f"no --with file at '{tmp_path / 'nope.py'}'"),
+                           (str(tmp_path / "lib"), f"--with file '{tmp_path / 'lib'}' is a directory: --with ships "
+                                                   f"single files (give each its own --with)")):
+        p = run("submit", str(app), "--with", given, *conn)
+        assert (p.returncode, p.stderr) == (2, f"reactor: {message}\n")
+    assert not list((daemon.state / "jobs").glob("*")), "a refused job reached the daemon"
+    p = run("submit", str(app), "--with", str(here / "mysib.py"), "--with", str(here / "helper.py"), *conn)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    with daemon.client() as c:
+        done = _state(c, p.stdout.strip(), ("finished", "failed"))
+        assert done["state"] == "finished", c.request("logs", done["id"], 0)["data"].decode()[-3000:]
+    (here / "pkg_beside").mkdir()
+    (here / "pkg_beside" / "__init__.py").write_text("")
+    uses_pkg = here / "uses_pkg.py"
+    uses_pkg.write_text((ROOT / "apps" / "demo_pipeline.py").read_text() + "\nimport pkg_beside\n")
+    p = run("submit", str(uses_pkg), *conn)
+    assert p.returncode == 0 and p.stderr.startswith(
+        f"reactor: pkg_beside (the package {here}/pkg_beside/, imported at {uses_pkg} line "), p.stderr
+    assert ("is a package of the app's folder, which --with cannot ship (it ships single files): its workers fail to "
+            "import it unless it is installed where the job runs\n") in p.stderr, p.stderr
+
+
 def test_submit_without_check_refuses_a_set_key_or_value_the_run_would_refuse_before_the_job_is_made(daemon, tmp_path):
     """Regression: ``reactor submit APP --set producers=0`` (without ``--check``) printed a job id and exited 0:
     the value was refused in the job's log, after its daemon started it (``reactor k8s render`` and ``reactor
@@ -1291,7 +1377,10 @@ def test_a_run_over_hosts_whose_remote_worker_fails_at_its_start_quotes_its_last
     app_dir.mkdir()
     here.mkdir()
     (app_dir / "beside_only.py").write_text(_BESIDE_ONLY)
-    (app_dir / "remote_fail.py").write_text("def build(config):\n    import beside_only  # (not shipped: no --with)\n"
+    # (imported by name at run time: an import statement of a module beside the app, not shipped, is refused
+    # before the run starts, check_imports_shipped; one the app makes by name is found only there)
+    (app_dir / "remote_fail.py").write_text("import importlib\n\n\ndef build(config):\n"
+                                            "    beside_only = importlib.import_module('beside_only')  # (not shipped)\n"
                                             "    return beside_only.graph()\n")
     try:
         p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(app_dir / "remote_fail.py"), "--placement",

@@ -184,7 +184,7 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
             seen.add(source.resolve())
         try:
             tree = ast.parse(source.read_bytes(), str(source))
-        except (OSError, SyntaxError, ValueError):
+        except (OSError, SyntaxError, ValueError, MemoryError, RecursionError):  # (too deep a nesting: the last two)
             continue
         folders = [app.parent] + ([source.parent] if source.parent != app.parent else [])
         for name, line in _imports_run(tree):
@@ -243,25 +243,21 @@ def _imports_run(tree: ast.AST) -> list[tuple[str, int]]:
                 and test.comparators[0].value == "__main__")  # (a worker loads it under another name)
 
     out: list[tuple[str, int]] = []
-
-    def visit(node: ast.AST) -> None:
+    todo: list[ast.AST] = [tree]  # (a stack, not recursion: a file may nest deeper than Python's recursion limit)
+    while todo:
+        node = todo.pop()
         if isinstance(node, (ast.Try, ast.TryStar)):
             body = [] if any(catches(h) for h in node.handlers) else node.body
-            for n in [*body, *node.handlers, *node.orelse, *node.finalbody]:
-                visit(n)
-            return
+            todo.extend(reversed([*body, *node.handlers, *node.orelse, *node.finalbody]))
+            continue
         if isinstance(node, ast.If) and never_runs(node.test):
-            for n in node.orelse:
-                visit(n)
-            return
+            todo.extend(reversed(node.orelse))
+            continue
         if isinstance(node, ast.Import):
             out.extend((a.name.partition(".")[0], node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.module.partition(".")[0], node.lineno))
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
+        todo.extend(reversed(list(ast.iter_child_nodes(node))))
     return out
 
 

@@ -460,3 +460,22 @@ def test_a_segment_a_killed_worker_left_half_made_is_removed_when_its_run_is_rea
         assert not list_segments(run_id) and not path.exists()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_the_submit_import_check_reads_an_app_nested_past_pythons_limits_without_failing(tmp_path):
+    """The check of an app's unshipped imports (launch/_app.py) read the file's tree by recursion, so an
+    app with an expression nested ~2,000 deep ended `reactor submit` in a RecursionError traceback, and one
+    the parser itself cannot take (MemoryError) too. Now the first is checked (its unshipped import
+    refused), the second left to the compile that says what is wrong with it."""
+    from reactor._errors import AppError
+    from reactor.launch._app import check_imports_shipped
+
+    (tmp_path / "mysib.py").write_text("X = 1\n")
+    deep = tmp_path / "deep.py"
+    deep.write_text("import mysib\nx = " + "-" * 2000 + "1\n")
+    with pytest.raises(AppError, match=r"mysib \(.*mysib\.py, imported at .*deep\.py line 1\).*--with"):
+        check_imports_shipped(deep)
+    assert check_imports_shipped(deep, [tmp_path / "mysib.py"]) is None
+    unparsable = tmp_path / "unparsable.py"
+    unparsable.write_text("import mysib\nx = " + "-" * 100_000 + "1\n")
+    assert check_imports_shipped(unparsable) is None

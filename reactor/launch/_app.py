@@ -72,8 +72,7 @@ def load_app(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        _refuse_nul(p.read_bytes(), path)
-        spec.loader.exec_module(module)
+        exec(_compiled(p.read_bytes(), path), module.__dict__)  # (what the loader's exec_module does, less the pyc)
     except Exception:
         del sys.modules[name]
         raise
@@ -96,9 +95,22 @@ def compile_app(path: str | Path) -> None:
     Raises:
         AppError: it holds a NUL byte. SyntaxError: its own, naming its line.
     """
-    source = Path(path).read_bytes()
+    _compiled(Path(path).read_bytes(), path)
+
+
+def _compiled(source: bytes, path: str | Path) -> Any:
+    """``source`` compiled. Python's parser fails on nesting too deep for it with a bare ``MemoryError`` or
+    ``RecursionError`` naming no file: the CLI showed its traceback.
+
+    Raises:
+        AppError: a NUL byte, or nesting too deep. SyntaxError: its own, naming its line.
+    """
     _refuse_nul(source, path)
-    compile(source, str(path), "exec")
+    try:
+        return compile(source, str(path), "exec")
+    except (MemoryError, RecursionError) as e:
+        raise AppError(f"{path} does not compile: it nests deeper than Python's parser takes "
+                       f"({type(e).__name__})") from None
 
 
 def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | None]],

@@ -479,3 +479,9 @@ def test_the_submit_import_check_reads_an_app_nested_past_pythons_limits_without
     unparsable = tmp_path / "unparsable.py"
     unparsable.write_text("import mysib\nx = " + "-" * 100_000 + "1\n")
     assert check_imports_shipped(unparsable) is None
+    # ... and the compile says it in one line naming the file (it was a bare MemoryError's traceback)
+    from reactor.launch._app import compile_app, load_app
+
+    for load in (compile_app, load_app):
+        with pytest.raises(AppError, match=r"unparsable\.py does not compile: it nests deeper than Python's parser"):
+            load(unparsable)

@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -48,6 +47,8 @@ from ._onesided_remote import (
     ONE_SIDED_PATIENCE_S,
     REMOTE_SAMPLE_OP,
     RemoteSampling,
+    _corrupt,
+    _first_bad_mass,
     _RemoteDraw,
     _RemoteShard,
 )
@@ -81,22 +82,6 @@ def _check_transition_fields(read: Any, fields: Any) -> None:
     missing = sorted({read.reward_field, *read.next_fields} - set(fields))
     if missing:
         raise ValueError(f"its transitions read fields {missing} that its data region lacks")
-
-
-def _first_bad_mass(masses: list[float]) -> int | None:
-    """The index of the first mass that is not a finite number >= 0 (NaN, inf, below 0: read from corrupt
-    memory; a sound sum tree's root never is), or None."""
-    return next((j for j, u in enumerate(masses) if not 0.0 <= u < math.inf), None)
-
-
-def _corrupt(shard: int, sh: Any, why: str, notices: list[SampledKeys]) -> MalformedFrameError:
-    """The error of a draw refused by shard ``shard``'s corrupt published state (``why`` follows "is
-    inconsistent"): its ``shard``, its ``offer`` (``sh``: what :meth:`OneSidedSampling.drop_one_sided`
-    drops, and only while it is the shard's offer) and the ``notices`` of the draws made."""
-    err = MalformedFrameError(f"replay shard {shard}: its published sampling state (region {sh.region!r}) is "
-                              f"inconsistent{why}: corrupt shared memory; sample through messages")
-    err.shard, err.offer, err.notices = shard, sh, notices  # type: ignore[attr-defined]
-    return err
 
 
 @dataclass

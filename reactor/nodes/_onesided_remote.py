@@ -21,6 +21,7 @@ import torch
 
 from .._errors import MalformedFrameError, PeerLostError
 from .._native import host_empty
+from ..replay.shared import EMPTY as _EMPTY
 from ..replay.shared import OK as _OK
 from ..replay.shared import importance_weights, least_probability, take_counts, transitions_from_windows
 from ..transport._bulkzmq import mark_seen
@@ -34,6 +35,22 @@ __all__ = ["ONE_SIDED_PATIENCE_S", "REMOTE_SAMPLE_OP", "RemoteSampling"]
 REMOTE_SAMPLE_OP = "replay_sample"
 #: How long a one-sided draw waits out a shard's changes before it leaves the sample to messages.
 ONE_SIDED_PATIENCE_S = 0.005
+
+
+def _first_bad_mass(masses: list[float]) -> int | None:
+    """The index of the first mass that is not a finite number >= 0 (NaN, inf, below 0: read from corrupt
+    memory; a sound sum tree's root never is), or None."""
+    return next((j for j, u in enumerate(masses) if not 0.0 <= u < math.inf), None)
+
+
+def _corrupt(shard: int, sh: Any, why: str, notices: list[SampledKeys]) -> MalformedFrameError:
+    """The error of a draw refused by shard ``shard``'s corrupt published state (``why`` follows "is
+    inconsistent"): its ``shard``, its ``offer`` (``sh``: what :meth:`OneSidedSampling.drop_one_sided`
+    drops, and only while it is the shard's offer) and the ``notices`` of the draws made."""
+    err = MalformedFrameError(f"replay shard {shard}: its published sampling state (region {sh.region!r}) is "
+                              f"inconsistent{why}: corrupt shared memory; sample through messages")
+    err.shard, err.offer, err.notices = shard, sh, notices  # type: ignore[attr-defined]
+    return err
 
 
 @dataclass
@@ -171,7 +188,13 @@ class RemoteSampling:
             if took < 0:
                 hurry = hurry or took == -2
                 for k, c in local:
-                    part = self._draw_local_part(k, c)
+                    try:
+                        part = self._draw_local_part(k, c)
+                    except MalformedFrameError as e:  # (its published state is corrupt: ``shard``, ``offer`` set)
+                        # The batch goes; the parts drawn still count, as when a server fails (above).
+                        e.notices = self.take_notices(  # type: ignore[attr-defined]
+                            [SampledKeys(j, make_keys(j, p["keys"])) for j, p in parts.items()])
+                        raise
                     if part is not None:
                         parts[k] = part
         notices = [SampledKeys(k, make_keys(k, p["keys"])) for k, p in parts.items()]
@@ -231,7 +254,14 @@ class RemoteSampling:
                 "parked": rep.get("parked") is True, "region": rs.data_region, "transition": rs.transition}
 
     def _draw_local_part(self, shard: int, count: int) -> dict[str, Any] | None:
-        """One shard's part of a mixed sample, drawn from its mapped memory (its figures refreshed)."""
+        """One shard's part of a mixed sample, drawn from its mapped memory (its figures refreshed); None
+        when it draws nothing (below its min size, no mass, changing for too long).
+
+        Raises:
+            MalformedFrameError: its published state is corrupt under a settled count (a mass that is not
+                a finite number >= 0, a draw refused on a state that did not change), as the host path
+                finds it (``shard``, ``offer``; the caller adds the notices).
+            PeerLostError: its owner died."""
         sh = self._shared[shard]
         deadline = time.perf_counter() + ONE_SIDED_PATIENCE_S
         w = max(sh.table.window, 1)
@@ -247,6 +277,8 @@ class RemoteSampling:
             if f is None:
                 return None
             seq, mass, low, size = f
+            if _first_bad_mass([mass]) is not None:  # (read under a settled count: the same at every draw)
+                raise _corrupt(shard, sh, f": its mass {mass!r} is not a finite number >= 0", [])
             self._figures[shard] = ShardMass(shard, 0, 0, "", mass, low, size, sh.table.beta)
             if size < sh.table.min_size or not mass > 0:
                 return None
@@ -259,6 +291,12 @@ class RemoteSampling:
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window,
                         "region": sh.data_region, "transition": sh.table.transition}
             self._tally(retries=1)
+            if status != _EMPTY and sh.table.figures()[0] == seq:
+                # Refused on a state that did not change (the count moves at every change): corrupt
+                # memory, which a draw again meets again (the host path's rule, OneSidedSampling._sample_on;
+                # this returned no batch, without a word, at every sample).
+                raise _corrupt(shard, sh, f" under a settled sequence count {seq} (an index or a probability out of "
+                                          f"range)", [])
             if time.perf_counter() > deadline:
                 return None
 

@@ -449,3 +449,80 @@ async def test_a_mixed_sample_whose_remote_part_is_refused_by_its_limiter_takes_
         assert batch is not None and int(local[0]) > before
     finally:
         await _close([client], shards)
+
+
+#: Words another process writes into a shard's published sampling state, its count left settled (as the
+#: host path's tests do: tests/nodes/test_replay_onesided.py): the array, its dtype, the words (None: the
+#: sum tree's leaves), the value ("neg": negated), and how the error says it.
+_SETTLED_SPOILS = {
+    "first step below 0": ("header", "int64", (1, 2), "-1", "settled"),
+    "leaves negative": ("sums", "float64", None, "neg", "settled"),
+    "mass inf": ("sums", "float64", (0, 1), "inf", "inf"),
+    "mass nan": ("sums", "float64", (0, 1), "nan", "nan"),
+    "mass negative": ("sums", "float64", (0, 1), "-5.0", "-5.0"),
+}
+
+
+def _spoil_settled(shard, k: int, spoil: str) -> tuple[str, dict]:
+    """Spoil served shard ``k``'s published state (``_served_shard(..., shm=True)``'s) from another
+    process as ``_SETTLED_SPOILS[spoil]`` says; returns what the error says after "is inconsistent" and
+    the arrays as they were (to put back)."""
+    import os
+    import re
+
+    from reactor.replay.sumtree import _layout
+    from tests.nodes.test_replay_onesided import _spoil
+
+    table, pub = _OWNED[shard[0]]
+    field, dtype, words, value, shown = _SETTLED_SPOILS[spoil]
+    saved = {n: pub.arrays.get(n).copy() for n in ("header", "sums")}
+    if words is None:
+        offsets, _ = _layout(table.storage.capacity, table._sampler.arity)
+        words = (int(offsets[-2]), int(offsets[-1]))
+    _spoil(f"mixed{os.getpid()}x{k}", f"-s-r{k}", field, dtype, *words, value)
+    assert pub.header[0] % 2 == 0  # (settled)
+    why = (r" under a settled sequence count \d+ \(an index or a probability out of range\)" if shown == "settled"
+           else rf": its mass {re.escape(shown)} is not a finite number >= 0")
+    return why, saved
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spoil", list(_SETTLED_SPOILS))
+async def test_a_corrupt_settled_state_of_a_mixed_samples_shard_of_this_host_raises_naming_it(tmp_path, spoil):
+    """A sample over shard 0 of this host (drawn from its memory) and shard 1 of another (drawn by its
+    read server), when another process has spoiled shard 0's published state, its count left settled:
+    asample_now, and a draw ahead taken with next_drawn, raise MalformedFrameError naming shard 0, as the
+    host path does (``shard`` 0, ``offer`` its offer: what drop_one_sided drops; ``notices``: shard 1's
+    part, which its server drew). Before, the local part's draw gave up after its patience or took the
+    mass for "nothing to draw": no batch, without a word, at every sample (h26's open item). The state
+    put back, the next sample draws."""
+    from reactor._errors import MalformedFrameError
+
+    shards, client = [], None
+    try:
+        shards = [await _served_shard(tmp_path, 0, shm=True), await _served_shard(tmp_path, 1)]
+        client = await _client_of(shards, notice_every=1000)
+        assert client.can_sample_one_sided and not client.can_sample_now
+        assert (await client.asample_now(64))[0] is not None
+        client.take_notices()
+        why, saved = _spoil_settled(shards[0], 0, spoil)
+        for _ in range(2):
+            with pytest.raises(MalformedFrameError, match=rf"^replay shard 0: its published sampling state \(region "
+                               rf"'-s-r0'\) is inconsistent{why}: corrupt shared memory; sample through messages$") as e:
+                await client.asample_now(64)
+            assert e.value.shard == 0 and e.value.offer is client._shared[0]
+            (told,) = e.value.notices  # shard 1's part, drawn by its server before shard 0's
+            assert told.shard == 1 and 0 < len(told.keys) < 64 and (np.asarray(told.keys) >> 48 == 1).all()
+        assert client.draw_ahead(64, 2) == 2
+        for _ in range(2):
+            with pytest.raises(MalformedFrameError, match=r"^replay shard 0: ") as e:
+                await client.next_drawn()
+            assert e.value.shard == 0
+        assert client.drawn_ahead == 0
+        for n, a in saved.items():
+            _OWNED[shards[0][0]][1].arrays.get(n)[:] = a
+        assert (await client.asample_now(64))[0] is not None
+    finally:
+        await _close([client], shards)
+

@@ -265,7 +265,10 @@ class OneSidedSampling(RemoteSampling):
         Raises:
             ValueError: ``n < 1``.
             PeerLostError: a shard's memory or read server is gone; the batch is dropped.
-            MalformedFrameError: a read server's reply was malformed; the batch is dropped.
+            MalformedFrameError: a read server's reply was malformed, or a shard's published state is
+                corrupt (a shard of this host's, as :meth:`sample_now` finds it, or a read server's, which
+                it answers so); the batch is dropped. Its ``shard`` and ``offer`` name the shard and the
+                offer to drop (:meth:`drop_one_sided`).
             (and any error class a read server answered with: :data:`ONE_SIDED_ERRORS` lists them all)
             (An error from a read server carries ``notices``: the :class:`SampledKeys` of the shards
             that did draw their part, to send as a sample's notices.)

@@ -162,6 +162,9 @@ class RemoteSampling:
                     lost = PeerLostError(f"replay shard {k}: its read server is gone ({rep})")
                     lost.shard = k  # type: ignore[attr-defined]
                     raise lost from rep
+                if isinstance(rep, MalformedFrameError):  # (its server's answer: its published state is corrupt;
+                    # or a reply the reader could not decode)
+                    raise MalformedFrameError(f"replay shard {k}'s read server: {rep}") from rep
                 if isinstance(rep, BaseException):
                     raise rep
                 part = self._check_remote_part(k, c, rep, draw.servers[k])

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._errors import MalformedFrameError
+from .._floodlog import flood_logged, flood_tally
 from .._graph import plain_name
 from ..replay import EpisodeRead, FieldSpec, Selector, StepRead, Storage, TransitionRead, WindowRead
 from ..replay.shared import SamplingPublisher, SharedArrays, SharedSampling, serve_sample, why_not_shared
@@ -119,8 +121,9 @@ class ShardMemory:
         # Per item: its rows and mask, keys, probabilities, times, valid flag.
         item_nbytes = (max(1, sum(s.step_nbytes for s in self.specs)) + 1) * max(1, ss.window) + 32
         max_items = max(1, min(64 * self.capacity, _REMOTE_SAMPLE_NBYTES // item_nbytes))
-        data_region = self._region
+        data_region, name = self._region, self.name
         fields: list[tuple[str, int, int]] = []
+        corrupt = [0]  # samples refused for a corrupt published state (counted on the server's thread)
 
         def sample(request: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
             if request.get("region") != data_region:  # (the server looked up whichever region it names)
@@ -129,7 +132,15 @@ class ShardMemory:
             if not fields:
                 fields.extend((n, t[0].numel() * t.element_size(), t.data_ptr()) for n, t in tensors.items()
                               if n != _bulk.VERSION_FIELD)
-            reply = serve_sample(ss, request, fields, max_items)
+            try:
+                reply = serve_sample(ss, request, fields, max_items)
+            except MalformedFrameError as e:  # (answered to the requester as that error: the server serves on)
+                # Its own memory is corrupt, not the request: said here too, where the shard runs.
+                corrupt[0] += 1
+                if flood_logged(corrupt[0]):
+                    log.warning("%s: refused a one-sided sample of a requester on another host: %s%s", name, e,
+                                flood_tally(corrupt[0]))
+                raise
             reply["fields"] = [f[0] for f in fields]
             return reply
 

@@ -68,6 +68,7 @@ import numba
 import numpy as np
 import torch
 
+from .._errors import MalformedFrameError
 from .._native import acquire_fence, drop_stale_cache, prefetch, release_fence, void_pointer
 from ._budget import BUDGET_WORDS, PARKED, take, take_all
 from ._storagekernels import _PREFETCH_WINDOWS, _nb_copy_windows, _ring_slot
@@ -897,6 +898,12 @@ def _nb_shards_draw(table: np.ndarray, scalars: np.ndarray, length: int, head: b
     return OK
 
 
+def _corrupt(why: str) -> MalformedFrameError:
+    """:func:`serve_sample`'s answer to a corrupt published state (``why`` follows "is inconsistent")."""
+    return MalformedFrameError(f"its published sampling state is inconsistent{why}: corrupt shared memory; sample "
+                               f"through messages")
+
+
 def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, int]],
                  max_items: int, patience_s: float = 0.005) -> dict[str, Any]:
     """A one-sided sample drawn where the memory is, for a reader on another host (a replay shard's
@@ -914,6 +921,11 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
 
     Raises:
         ValueError, TypeError: a malformed request, or ``n`` above ``max_items``.
+        MalformedFrameError: the published state is corrupt under a settled sequence count (a mass
+            that is not a finite number >= 0, or a draw refused on a state that did not change: an
+            index or a probability out of range), as a reader on this host finds it
+            (``ReplayClient.sample_now``): every draw would meet it again, and an answer of "nothing
+            drawn" would be taken for an empty table at every sample. The count taken stays taken.
     """
     import time
 
@@ -931,6 +943,8 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
     while True:
         seq, mass, low, size = ss.figures()
         if seq >= 0:
+            if not 0.0 <= mass < math.inf:  # (a sound tree's root never is: read under a settled count)
+                raise _corrupt(f": its mass {mass!r} is not a finite number >= 0")
             reply: dict[str, Any] = {"mass": mass, "min": low, "size": size, "beta": ss.beta, "n": 0}
             if n == 0 or size < ss.min_size or not mass > 0:
                 return reply
@@ -953,6 +967,8 @@ def serve_sample(ss: SharedSampling, request: Any, fields: list[tuple[str, int, 
                 return reply
             if status == EMPTY:
                 return reply
+            if ss.figures()[0] == seq:  # refused on a state that did not change (the count moves at every change)
+                raise _corrupt(f" under a settled sequence count {seq} (an index or a probability out of range)")
         if time.perf_counter() > deadline:  # (no figures: the reader keeps what it knew)
             return {"n": 0, "moved": True}
         time.sleep(0)

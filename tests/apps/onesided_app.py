@@ -9,7 +9,10 @@ config keys (all optional):
     remote (False: the prober maps the shards' memory; True: it acts as a learner on another host, and
     the shards' bulk read servers sample for it), kill_shard (None; a shard: after one one-sided batch
     the prober SIGKILLs that shard's process, waits until it is gone, samples one-sidedly once more at
-    once, records what that raised as ``killed`` and stops the run).
+    once, records what that raised as ``killed`` and stops the run), spoil_shard (None; a shard: after one
+    one-sided batch the prober, from this host, writes -1 over that shard's first stored step in its
+    published sampling state (its count left settled: corrupt memory), samples one-sidedly once more,
+    records what that raised as ``spoiled`` and stops the run).
 
 Each shard gets ``episodes`` episodes of 1..20 steps from one message; a step's ``id`` is
 ``shard * 1_000_000 + its global step in the shard`` and ``end`` the id one past its episode's last
@@ -131,6 +134,9 @@ class Prober(Reactor):
         if self.cfg.get("kill_shard") is not None:
             self._kill_and_sample(int(self.cfg["kill_shard"]))
             return
+        if self.cfg.get("spoil_shard") is not None:
+            await self._spoil_and_sample(int(self.cfg["spoil_shard"]))
+            return
         for _ in range(self.cfg.get("batches", 30)):
             b, notices = await self.client.asample_now(self.cfg.get("batch_size", 64))
             self._tell(notices)
@@ -168,6 +174,29 @@ class Prober(Reactor):
             killed = f"{type(e).__name__}|{getattr(e, 'shard', None)}|{e}"
         np.savez(self.cfg["out"], before=before is not None and len(before.keys) == bs, killed=killed,
                  reaped=not os.path.exists(f"/proc/{pid}"))
+        self.request_stop()
+
+    async def _spoil_and_sample(self, shard: int) -> None:
+        """A one-sided batch; -1 written over ``shard``'s first stored step in its published state, as a
+        hostile process of its host would (no notice is sent meanwhile: the shard's next change would
+        publish its header again); one more batch."""
+        from reactor import MalformedFrameError
+        from reactor.transport import _shm
+
+        bs = self.cfg.get("batch_size", 64)
+        before, _ = await self.client.asample_now(bs)
+        seg = _shm.Segment.attach(_shm.segment_name(self.run_id, f"-s-replay-{shard}", "header"), writable=True)
+        try:
+            seg.data.view(np.int64)[1] = -1
+        finally:
+            seg.close_reader()
+        try:
+            after = (await self.client.asample_now(bs))[0]
+            spoiled = f"returned {'a batch' if after is not None else 'no batch'}"
+        except MalformedFrameError as e:
+            spoiled = f"{type(e).__name__}|{getattr(e, 'shard', None)}|{e}"
+        np.savez(self.cfg["out"], before=before is not None and len(before.keys) == bs, spoiled=spoiled)
+        self.client.close()  # (its read connections: a run in the test's process would leave them to the collector)
         self.request_stop()
 
     def _tell(self, notices: list) -> None:

@@ -526,3 +526,76 @@ async def test_a_corrupt_settled_state_of_a_mixed_samples_shard_of_this_host_rai
     finally:
         await _close([client], shards)
 
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spoil", list(_SETTLED_SPOILS))
+async def test_a_read_server_drawing_from_a_corrupt_settled_state_of_its_shard_answers_an_error_naming_it(
+        tmp_path, spoil):
+    """Shard 1 of another host, its published state spoiled by another process of its host (its count
+    left settled): its read server answers the sample with a MalformedFrameError naming the corruption,
+    and asample_now (and a draw ahead) raises it naming shard 1 (``shard`` 1, ``offer`` its offer:
+    what drop_one_sided drops; ``notices``: shard 0's part, which its server drew). The server keeps
+    serving: the state put back, the next sample draws. Before, the server's draw gave up after its
+    patience and answered "nothing drawn" (n=0), which the client took for nothing to draw: no batch,
+    without a word, at every sample (an inf mass the same; a NaN or negative mass was refused only by
+    the client's check of the reply's figures)."""
+    from reactor._errors import MalformedFrameError
+
+    shards, client = [], None
+    try:
+        owner, desc, offer = await _served_shard(tmp_path, 1, shm=True)  # (its state in shared memory: spoilable)
+        shards = [await _served_shard(tmp_path, 0),
+                  (owner, {**desc, "host": "another-host"}, {n: v for n, v in offer.items() if n != "region"})]
+        client = await _client_of(shards, notice_every=1000)
+        assert set(client._remote_shared) == {0, 1} and not client._shared
+        assert (await client.asample_now(64))[0] is not None
+        client.take_notices()
+        why, saved = _spoil_settled(shards[1], 1, spoil)
+        served = owner._server.served
+        for _ in range(2):
+            with pytest.raises(MalformedFrameError, match=rf"^replay shard 1's read server: its published sampling "
+                               rf"state is inconsistent{why}: corrupt shared memory; sample through messages$") as e:
+                await client.asample_now(64)
+            assert e.value.shard == 1 and e.value.offer is client._remote_shared[1]
+            (told,) = e.value.notices
+            assert told.shard == 0 and 0 < len(told.keys) < 64 and (np.asarray(told.keys) >> 48 == 0).all()
+        assert client.draw_ahead(64, 2) == 2
+        for _ in range(2):
+            with pytest.raises(MalformedFrameError, match=r"^replay shard 1's read server: ") as e:
+                await client.next_drawn()
+            assert e.value.shard == 1
+        assert owner._server.refused >= 4 and owner._server.served == served  # (answered, each an error)
+        for n, a in saved.items():
+            _OWNED[owner][1].arrays.get(n)[:] = a
+        assert (await client.asample_now(64))[0] is not None
+    finally:
+        await _close([client], shards)
+
+
+@pytest.mark.timeout(120)
+def test_a_replay_shards_read_server_answers_a_sample_from_its_corrupt_state_with_an_error_and_says_so(tmp_path,
+                                                                                                       caplog):
+    """Real Replay shards with read servers, a prober sampling them as from another host: after one batch
+    the prober writes -1 over shard 1's first stored step in its published state (its count left
+    settled). Its next sample raises MalformedFrameError naming shard 1 (``shard`` 1: a learner drops
+    that offer), from the shard's read server's answer, and the shard logs what it refused. Before, the
+    server answered "nothing drawn" and the sample returned no batch, without a word."""
+    import logging
+
+    from reactor import run
+    from reactor.launch._app import build_graph
+    from tests.nodes.test_replay_onesided import APP
+
+    out = tmp_path / "probe.npz"
+    cfg = {"out": str(out), "remote": True, "spoil_shard": 1, "batch_size": 64}
+    with caplog.at_level(logging.WARNING):
+        run(build_graph(APP, cfg), app=APP, config=cfg, placement="single", deterministic=False)
+    with np.load(out) as f:
+        assert bool(f["before"])
+        spoiled = str(f["spoiled"])
+    assert spoiled.startswith("MalformedFrameError|1|replay shard 1's read server: its published sampling state is "
+                              "inconsistent under a settled sequence count "), spoiled
+    said = [r.getMessage() for r in caplog.records if "refused a one-sided sample" in r.getMessage()]
+    assert said and said[0].startswith("replay[1]: refused a one-sided sample of a requester on another host: its "
+                                       "published sampling state is inconsistent under a settled sequence count "), said

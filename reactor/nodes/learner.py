@@ -83,6 +83,11 @@ __all__ = ["DP_JOIN_TIMEOUT_S", "DP_TIMEOUT_S", "Learner", "RolloutLearner"]
 _MAX_ROUNDS_AHEAD = 1 << 16
 
 
+def _items(batch: SampledBatch | None) -> int:
+    """The items in a sampled batch (0 for none)."""
+    return 0 if batch is None else len(batch.keys)
+
+
 def _bad_word(word: Any, bank_size: int, next_round: int, heard: dict[int, dict[int, bool]], me: int,
               announced: int) -> str:
     """Why a :class:`BankReady` cannot be taken ("" if it can): a malformed word, or one a replica
@@ -117,8 +122,9 @@ class Learner(_LearnerBase):
         updates: priority updates to the shards owning the keys (``key=shard_key``).
         weights: :class:`Weights` every ``weights_every`` updates (and at start).
         report: :class:`Report` (``updates``, ``samples``, ``one_sided_batches``: batches drawn one-sidedly,
-            ``drawn_ahead_batches``: those of them drawn on the client's thread during an update, the
-            algorithm's metrics).
+            ``drawn_ahead_batches``: those of them drawn on the client's thread during an update,
+            ``empty_batches``: batches sampled with no item left (every one overwritten while it was
+            read), which are not learned on, the algorithm's metrics).
 
     Args:
         algo, env, algo_config: the algorithm, the environment (for its spaces) and Config overrides.
@@ -198,6 +204,7 @@ class Learner(_LearnerBase):
         self.batch_size = batch_size
         self.prefetch = prefetch
         self.drawn_ahead_batches = 0  # one-sided batches drawn while the update before them ran
+        self.empty_batches = 0  # batches that held no item (every one dropped as overwritten): not learned on
         self.weights_every = weights_every
         self.report_every = report_every
         self.max_updates = max_updates
@@ -253,9 +260,10 @@ class Learner(_LearnerBase):
                 self._announce(None)  # no sample can come: the bank ends before this replica's next round
             self._report_if_done()
             return
+        empty = self._empty(batch)
         inline = self.bank_size > 1 or not self.deterministic
         # Updates done, to do (this batch, batches waiting on update_due or their round) and samples in flight.
-        due = self.updates + 1 + self._due + len(self._held) + self.client.in_flight
+        due = self.updates + (not empty) + self._due + len(self._held) + self.client.in_flight
         # A data-parallel replica holds at most `prefetch` batches for rounds the bank has not run (Learner.heard
         # samples again as they run): one that sampled on at every reply got hundreds of rounds ahead of a slower
         # replica, and its words to that one outran the link's credit (64 messages) while that one waited in an
@@ -266,6 +274,10 @@ class Learner(_LearnerBase):
                 self.requests.send(m)
         for m in self.client.check_timeouts():  # a shard that stopped answering is lost
             self.requests.send(m)
+        if empty:  # nothing to learn on: the sample requested above stands in for it (or a one-sided draw)
+            await self._sample_one_sided()
+            self._report_if_done()
+            return
         if self.bank_size > 1:
             self._announce(batch)  # updated on when the whole bank has a batch for the round (heard)
         elif inline:
@@ -312,9 +324,9 @@ class Learner(_LearnerBase):
                 except ONE_SIDED_ERRORS as e:
                     results.append(e)
                 else:  # (one the learner drew itself, none being done, did not run during the update)
-                    self.drawn_ahead_batches += (ahead and results[0][0] is not None
+                    self.drawn_ahead_batches += (ahead and _items(results[0][0]) > 0
                                                  and client.taker_samples == by_taker)
-            if not results or isinstance(results[0], BaseException) or results[0][0] is None:
+            if not results or isinstance(results[0], BaseException) or not _items(results[0][0]):
                 results += await client.adrain_drawn()  # the draws ahead are the shards' state of now, too
             for r in results:
                 if self._take_drawn(r):
@@ -344,12 +356,29 @@ class Learner(_LearnerBase):
                 self.priorities.send(m)
             return False
         batch, notices = result
-        for m in notices:
+        for m in notices:  # (those of a batch with no item left too: its items were drawn)
             self.priorities.send(m)
-        if batch is None:
+        if batch is None or self._empty(batch):
             return False
         self._due += 1
         self.drawn_due.schedule(batch)
+        return True
+
+    def _empty(self, batch: SampledBatch) -> bool:
+        """Whether ``batch`` holds no item: every one was dropped, its rows overwritten in the ring while
+        they were read (a gather's version check, a one-sided copy's row horizon). Such a batch is not
+        learned on: no update, no priority update (there is nothing to give one to; the draws' notices go
+        as any draw's), counted in ``empty_batches``. Handed to ``learn``, it was an update on nothing
+        (its mean loss NaN, the report's metrics with it), counted as one, and a data-parallel round on
+        it all-reduced the gradients of no item."""
+        if len(batch.keys):
+            return False
+        self.empty_batches += 1
+        if self.empty_batches == 1:
+            logging.getLogger("reactor.learner").warning(
+                "%s: a sampled batch held no item (every item's rows were overwritten in the replay's ring while "
+                "they were read: the writers lap the ring faster than the learner reads it; a larger capacity "
+                "keeps items longer); not learned on (counted in its reports' empty_batches)", self.name)
         return True
 
     @reaction(triggers=[peer_lost, peer_restarted], effects=[requests])
@@ -501,7 +530,8 @@ class Learner(_LearnerBase):
                 ", ".join(f"{k} is {v}" for k, v in metrics.items() if not math.isfinite(v)))
         self.report.send(Report(self.name, {"updates": float(self.updates), "samples": float(self.samples),
                                             "one_sided_batches": float(self.client.one_sided_samples),
-                                            "drawn_ahead_batches": float(self.drawn_ahead_batches), **metrics}))
+                                            "drawn_ahead_batches": float(self.drawn_ahead_batches),
+                                            "empty_batches": float(self.empty_batches), **metrics}))
 
     def _report_if_done(self) -> None:
         """The last report once no update can come (the replay answered Exhausted, or the bank ended)

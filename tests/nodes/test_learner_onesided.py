@@ -186,3 +186,56 @@ def test_a_shard_whose_one_sided_offer_proves_malformed_is_sampled_through_messa
     assert sum("is sampled through messages from now on" in r.getMessage() for r in caplog.records) == 1
     sampled = [r["sampled"] for r in _OUT if "sampled" in r]
     assert sampled and 39 * 16 <= sampled[-1] <= 40 * 16  # every batch counted at the shard, once
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["drawn", "gathered"])
+def test_a_batch_whose_every_item_was_dropped_is_not_learned_on_and_is_counted_as_empty(monkeypatch, path):
+    """One batch has every window dropped as overwritten while it was read (forced: the row horizon's
+    check of the 12th one-sided draw, or the version check of the first batch's gather through messages,
+    says so for each), so it holds no item. The learner does not hand it to the algorithm's learn: each of
+    its 40 updates learns on 16 items, ``samples`` counts 640 and ``empty_batches`` 1; the draws of the
+    empty batch still reach the shard (its times sampled: the shard counts them). Before, learn ran on 0
+    items as an update (``updates`` 40 with 39 batches of items, its loss NaN)."""
+    from reactor.nodes._device import LearnStep
+    from reactor.nodes._onesided import OneSidedSampling
+    from reactor.nodes.replay_client import ReplayClient
+
+    calls, learned = [], []
+    if path == "drawn":
+        real_finish = OneSidedSampling._finish_one_sided
+
+        def finish(self, n, drawn, table_size, plan, out, mask, keys, probs, weights, times, valid, hurry=False):
+            calls.append(n)
+            if len(calls) == 12:
+                valid[:] = False  # every window's rows overwritten during the copy
+            return real_finish(self, n, drawn, table_size, plan, out, mask, keys, probs, weights, times, valid, hurry)
+
+        monkeypatch.setattr(OneSidedSampling, "_finish_one_sided", finish)
+    else:
+        real_gather = ReplayClient._gather
+
+        async def gather(self, parts):
+            data, keep = await real_gather(self, parts)
+            calls.append(len(parts))
+            if len(calls) == 1:
+                keep = np.zeros(sum(len(p.keys) for p in parts), bool)  # every item's rows overwritten
+            return data, keep
+
+        monkeypatch.setattr(ReplayClient, "_gather", gather)
+    real_learn = LearnStep.__call__
+
+    def learn(self, state, batch):
+        learned.append(len(batch["weights"]))
+        return real_learn(self, state, batch)
+
+    monkeypatch.setattr(LearnStep, "__call__", learn)
+    _OUT.clear()
+    run(_graph(), deterministic=False)
+    reports = [r for r in _OUT if "updates" in r]
+    assert len(calls) >= (12 if path == "drawn" else 1)
+    assert learned == [16] * 40, learned
+    assert reports[-1]["updates"] == 40 and reports[-1]["samples"] == 640 and reports[-1]["empty_batches"] == 1
+    assert all(np.isfinite(v) for v in reports[-1].values()), reports[-1]
+    sampled = [r["sampled"] for r in _OUT if "sampled" in r]
+    assert sampled and 40 * 16 <= sampled[-1] <= 41 * 16  # the empty batch's draws counted too (the last's may be on their way)

@@ -193,7 +193,7 @@ class RemoteSampling:
                 for k, c in local:
                     try:
                         part = self._draw_local_part(k, c)
-                    except MalformedFrameError as e:  # (its published state is corrupt: ``shard``, ``offer`` set)
+                    except (MalformedFrameError, PeerLostError) as e:  # (corrupt, or its owner died: ``shard`` set)
                         # The batch goes; the parts drawn still count, as when a server fails (above).
                         e.notices = self.take_notices(  # type: ignore[attr-defined]
                             [SampledKeys(j, make_keys(j, p["keys"])) for j, p in parts.items()])
@@ -264,7 +264,7 @@ class RemoteSampling:
             MalformedFrameError: its published state is corrupt under a settled count (a mass that is not
                 a finite number >= 0, a draw refused on a state that did not change), as the host path
                 finds it (``shard``, ``offer``; the caller adds the notices).
-            PeerLostError: its owner died."""
+            PeerLostError: its owner died (``shard``; the caller adds the notices)."""
         sh = self._shared[shard]
         deadline = time.perf_counter() + ONE_SIDED_PATIENCE_S
         w = max(sh.table.window, 1)
@@ -289,7 +289,12 @@ class RemoteSampling:
                                           np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
                                           times, valid)
             if status == _OK:
-                self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
+                try:  # (a dead shard's data is never returned)
+                    self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
+                except PeerLostError as e:
+                    lost = PeerLostError(f"replay shard {shard}: its shared memory is gone ({e})")
+                    lost.shard = shard  # type: ignore[attr-defined]
+                    raise lost from e
                 return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window,
                         "region": sh.data_region, "transition": sh.table.transition}

@@ -624,10 +624,11 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 @contextlib.asynccontextmanager
-async def _with_shard_in_a_process(tmp_path: Path, **client_kw):
+async def _with_shard_in_a_process(tmp_path: Path, *, first_elsewhere: bool = False, **client_kw):
     """Shard 0 served here and shard 1's owner in a process of its own (``_MID_CHANGE_SHARD``), a client
     of both that has drawn one sample of 32: yields ``(client, child, go, begun)`` (touch ``go`` and the
-    child begins a change, then writes ``begun``); the child killed and its segments cleaned at the end."""
+    child begins a change, then writes ``begun``); the child killed and its segments cleaned at the end.
+    ``first_elsewhere``: shard 0 is of another host to the client (sampled by its read server)."""
     import subprocess
     import sys
 
@@ -641,13 +642,13 @@ async def _with_shard_in_a_process(tmp_path: Path, **client_kw):
                               str(go), str(begun)])
     shards, client = [], None
     try:
-        shards = [await _served_shard(tmp_path, 0, shm=True)]
+        shards = [await _served_shard(tmp_path, 0, shm=not first_elsewhere)]
         while not out.exists():
             assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
             await asyncio.sleep(0.01)
         desc, offer = msgpack.unpackb(out.read_bytes())
         client = await _client_of([*shards, (None, desc, offer)], **client_kw)
-        assert client.sample_now(32)[0] is not None
+        assert (await client.asample_now(32))[0] is not None
         yield client, child, go, begun
     finally:
         if child.poll() is None:
@@ -687,6 +688,35 @@ async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample
         for _ in range(2):
             with pytest.raises(PeerLostError, match=r"^replay shard 1: "):
                 await client.next_drawn()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_mixed_sample_whose_shard_of_this_host_is_found_dead_raises_naming_it_with_the_servers_notices(
+        tmp_path):
+    """Shard 1 of this host (its owner in a process of its own, killed between changes) and shard 0 of
+    another (drawn by its read server), in one sample: shard 1's part is drawn, and the check of its
+    owner after the draw raises PeerLostError naming shard 1 (``shard`` 1), carrying the notice of shard
+    0's part, which its server drew, as the host path's error carries the notices of its draws. Before,
+    that error named no shard and carried no notice: shard 0 never heard of those draws (its times
+    sampled; whether its inserts wait for samples)."""
+    import signal
+
+    from reactor._errors import PeerLostError
+
+    async with _with_shard_in_a_process(tmp_path, first_elsewhere=True, notice_every=1000) as (client, child, _go,
+                                                                                               _begun):
+        assert client.can_sample_one_sided and not client.can_sample_now
+        client.take_notices()  # (that sample's, held)
+        child.send_signal(signal.SIGKILL)  # (waiting for go: between changes)
+        child.wait(timeout=60)
+        with pytest.raises(PeerLostError, match=r"^replay shard 1: its shared memory is gone \(bulk region 'r1': its "
+                                                r"owner \(pid \d+\) died\)$") as e:
+            await client.asample_now(32)
+        assert e.value.shard == 1
+        (told,) = e.value.notices
+        assert told.shard == 0 and 0 < len(told.keys) < 32 and (np.asarray(told.keys) >> 48 == 0).all()
+        assert client.take_notices() == []  # (none left held: each draw told once)
 
 
 @pytest.mark.asyncio

@@ -72,7 +72,11 @@ def load_app(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        exec(_compiled(p.read_bytes(), path), module.__dict__)  # (what the loader's exec_module does, less the pyc)
+        # What the loader's exec_module does, less the pyc: compiled under the module's own file name (its
+        # spec's absolute path: tracebacks, inspect.getsource and graph errors name it wherever the process
+        # is) and with none of this module's __future__ flags (`annotations` made every annotation of the
+        # app a string: a dataclass field's type 'int', not int).
+        exec(_compiled(p.read_bytes(), path, spec.origin), module.__dict__)
     except Exception:
         del sys.modules[name]
         raise
@@ -98,16 +102,18 @@ def compile_app(path: str | Path) -> None:
     _compiled(Path(path).read_bytes(), path)
 
 
-def _compiled(source: bytes, path: str | Path) -> Any:
-    """``source`` compiled. Python's parser fails on nesting too deep for it with a bare ``MemoryError`` or
-    ``RecursionError`` naming no file: the CLI showed its traceback.
+def _compiled(source: bytes, path: str | Path, filename: str | None = None) -> Any:
+    """``source`` compiled, as the import system compiles a module: ``dont_inherit``, so that the app gets
+    no ``__future__`` flag of this module's (``annotations``), under ``filename`` (default ``path``). Python's
+    parser fails on nesting too deep for it with a bare ``MemoryError`` or ``RecursionError`` naming no
+    file: the CLI showed its traceback.
 
     Raises:
         AppError: a NUL byte, or nesting too deep. SyntaxError: its own, naming its line.
     """
     _refuse_nul(source, path)
     try:
-        return compile(source, str(path), "exec")
+        return compile(source, str(path) if filename is None else filename, "exec", dont_inherit=True)
     except (MemoryError, RecursionError) as e:
         raise AppError(f"{path} does not compile: it nests deeper than Python's parser takes "
                        f"({type(e).__name__})") from None

@@ -354,6 +354,23 @@ def test_reactors_own_errors_raised_for_the_apps_build_stay_one_line(tmp_path):
     assert (p.returncode, p.stderr) == (2, f"reactor: Graph.add expects a Reactor instance, got int ({app}:4)\n")
 
 
+def test_an_app_is_compiled_as_an_import_compiles_it_whatever_reactors_own_future_flags(tmp_path):
+    """Regression (a review of load_app's own compile, session 70): the app was compiled by a ``compile``
+    in reactor/launch/_app.py, which inherits that module's ``from __future__ import annotations``, and
+    under the path as given: every annotation of the app became a string (a ``Config`` field's type
+    ``'int'``, not ``int``), and a graph error named ``app.py:13``, relative to a directory a process may
+    not be in. The import system compiles with ``dont_inherit`` under the file's absolute path; so again."""
+    (tmp_path / "app.py").write_text(
+        "import dataclasses\n\nfrom reactor import Graph\n\n\n@dataclasses.dataclass(frozen=True)\nclass Config:\n"
+        "    n: int = 1\n\n\ndef build(config):\n    if dataclasses.fields(Config)[0].type is not int:\n"
+        "        raise ValueError(f'its type is {dataclasses.fields(Config)[0].type!r}')\n    g = Graph()\n"
+        "    g.add(3)\n    return g\n")
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "graph", "app.py"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert (p.returncode, p.stderr) == (2, f"reactor: Graph.add expects a Reactor instance, got int "
+                                           f"({tmp_path / 'app.py'}:15)\n"), p.stderr
+
+
 def test_bad_set_values_are_one_line_errors():
     p = reactor("run", DEMO, "--set", "nokey")
     assert (p.returncode, p.stderr) == (2, "reactor: --set expects key=value, got 'nokey'\n")

@@ -176,10 +176,12 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
     them all), by ``ast``. A module counts as missing when its name is a ``.py`` file or a package folder
     beside the file that imports it (or beside the app, where every shipped file goes), no ``--with`` file
     (nor the app) goes under that name, and it is not found here elsewhere than in those folders (an
-    installed package, the standard library: the same there). Left aside: relative imports (the app is not
-    loaded as a package: they fail alike here), imports under ``try`` that catch ``ImportError``, under ``if
-    TYPE_CHECKING`` or ``if __name__ == "__main__"`` (they never run in a worker), and a file that does not
-    parse (its syntax error is said where it compiles).
+    installed package, the standard library: the same there). An app that is a symbolic link has two
+    folders: the link's, and its file's, which is the one on ``sys.path`` where it runs here. Left aside:
+    relative imports (the app is not loaded as a package: they fail alike here), imports under ``try`` that
+    catch ``ImportError`` or ``with contextlib.suppress(ImportError)``, under ``if TYPE_CHECKING`` or ``if
+    __name__ == "__main__"`` (they never run in a worker), and a file that does not parse (its syntax error
+    is said where it compiles).
 
     Returns:
         What to say of packages in the app's folder that it imports and that are not installed here (None:
@@ -190,6 +192,10 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
         AppError: a module would be missing, naming each, the line importing it, and the ``--with`` to add.
     """
     app = Path(app)
+    homes = [app.parent]  # the app's folder, and (an app that is a link) its file's, which load_app puts on sys.path
+    with contextlib.suppress(OSError, RuntimeError):
+        if app.resolve().parent.resolve() != app.parent.resolve():
+            homes.append(app.resolve().parent)
     shipped = {app.stem} | {Path(f).stem for f in with_files if Path(f).suffix == ".py"}
     todo = [app, *(Path(f) for f in with_files if Path(f).suffix == ".py")]
     seen: set[Path] = set()
@@ -204,7 +210,7 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
             tree = ast.parse(source.read_bytes(), str(source))
         except (OSError, SyntaxError, ValueError, MemoryError, RecursionError):  # (too deep a nesting: the last two)
             continue
-        folders = [app.parent] + ([source.parent] if source.parent != app.parent else [])
+        folders = homes + ([source.parent] if source.parent not in homes else [])
         for name, line in _imports_run(tree):
             if name in shipped or name in missing:
                 continue
@@ -248,17 +254,28 @@ def _imports_run(tree: ast.AST) -> list[tuple[str, int]]:
     in a worker, or whose absence the code expects (see :func:`check_imports_shipped`)."""
     caught = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
+    def named(k: ast.expr | None, names: set[str]) -> bool:
+        return (isinstance(k, ast.Name) and k.id in names) or (isinstance(k, ast.Attribute) and k.attr in names)
+
     def catches(handler: ast.ExceptHandler) -> bool:
         kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-        return any(k is None or (isinstance(k, ast.Name) and k.id in caught)
-                   or (isinstance(k, ast.Attribute) and k.attr in caught) for k in kinds)
+        return any(k is None or named(k, caught) for k in kinds)
+
+    def suppresses(item: ast.withitem) -> bool:
+        """``with contextlib.suppress(ImportError):``, the try/except's other spelling."""
+        call = item.context_expr
+        return (isinstance(call, ast.Call) and named(call.func, {"suppress"})
+                and any(named(a, caught) for a in call.args))
 
     def never_runs(test: ast.expr) -> bool:
         if isinstance(test, (ast.Name, ast.Attribute)):  # (if TYPE_CHECKING:, if typing.TYPE_CHECKING:)
             return (test.id if isinstance(test, ast.Name) else test.attr) == "TYPE_CHECKING"
-        return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-                and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
-                and test.comparators[0].value == "__main__")  # (a worker loads it under another name)
+        if not (isinstance(test, ast.Compare) and len(test.comparators) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = {test.left, test.comparators[0]}  # (either way round: "__main__" == __name__ too)
+        # (a worker loads it under another name)
+        return (any(isinstance(e, ast.Name) and e.id == "__name__" for e in sides)
+                and any(isinstance(e, ast.Constant) and e.value == "__main__" for e in sides))
 
     out: list[tuple[str, int]] = []
     todo: list[ast.AST] = [tree]  # (a stack, not recursion: a file may nest deeper than Python's recursion limit)
@@ -271,6 +288,8 @@ def _imports_run(tree: ast.AST) -> list[tuple[str, int]]:
         if isinstance(node, ast.If) and never_runs(node.test):
             todo.extend(reversed(node.orelse))
             continue
+        if isinstance(node, (ast.With, ast.AsyncWith)) and any(suppresses(i) for i in node.items):
+            continue  # (its imports may fail: the code expects it)
         if isinstance(node, ast.Import):
             out.extend((a.name.partition(".")[0], node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

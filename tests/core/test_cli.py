@@ -371,6 +371,30 @@ def test_an_app_is_compiled_as_an_import_compiles_it_whatever_reactors_own_futur
                                            f"({tmp_path / 'app.py'}:15)\n"), p.stderr
 
 
+def test_the_unshipped_import_check_takes_suppressed_and_main_only_imports_and_an_app_that_is_a_link(tmp_path):
+    """Regression (a review of check_imports_shipped, session 70): ``with contextlib.suppress(ImportError):
+    import x``, the spelling of a guarded import that try/except has, and ``if "__main__" == __name__:`` were
+    refused as unshipped imports (a false refusal: their absence is expected, or they never run in a
+    worker); and an app that is a symbolic link was checked against the link's folder only, so a module
+    beside its file, on sys.path where it runs here, was not refused and failed on the job's host."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").mkdir()
+    for name in ("fast_beside", "main_beside", "mysib"):
+        (tmp_path / "real" / f"{name}.py").write_text("")
+    demo = (ROOT / "apps" / "demo_pipeline.py").read_text()
+    app = tmp_path / "real" / "guarded.py"
+    app.write_text(demo + "\nimport contextlib\n\nwith contextlib.suppress(ModuleNotFoundError):\n    import fast_beside\n"
+                   "if '__main__' == __name__:\n    import main_beside\n")
+    p = reactor("k8s", "render", str(app), "--image", "img")
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    (tmp_path / "real" / "uses_mysib.py").write_text(demo + "\nimport mysib\n")
+    (tmp_path / "link" / "uses_mysib.py").symlink_to(tmp_path / "real" / "uses_mysib.py")
+    p = reactor("k8s", "render", str(tmp_path / "link" / "uses_mysib.py"), "--image", "img")
+    assert p.returncode == 2 and p.stderr.startswith(
+        f"reactor: a k8s job carries the app and its --with files, not the app's folder: its workers would fail "
+        f"with ModuleNotFoundError on this module from there: mysib ({tmp_path / 'real' / 'mysib.py'}, "), p.stderr
+
+
 def test_bad_set_values_are_one_line_errors():
     p = reactor("run", DEMO, "--set", "nokey")
     assert (p.returncode, p.stderr) == (2, "reactor: --set expects key=value, got 'nokey'\n")

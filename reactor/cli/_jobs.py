@@ -96,14 +96,14 @@ def _jobs(args: argparse.Namespace) -> int:
                     print(f"on {address}: reactor status {job} --daemon {address}{_key_hint(args, daemon_key, keys_dir)}",
                           file=sys.stderr)
             elif args.command == "status":
-                got = c.request("status", args.job)
+                got = _asked(c, "status", args.job)
                 rows = got if isinstance(got, list) else [got]
-                hosted = c.request("hosted") if args.job is None else []
+                hosted = _asked(c, "hosted") if args.job is None else []
                 if args.json:  # (stable: every job, and every worker hosted here; what the lines below sum up)
                     print(json.dumps(got if args.job is not None else {"jobs": got, "hosted": hosted}, indent=2))
                 elif args.job is not None:
                     print(_job_line(got))
-                    here = {w["group"]: w for w in c.request("hosted") if w["run"] == got.get("run")}
+                    here = {w["group"]: w for w in _asked(c, "hosted") if w["run"] == got.get("run")}
                     for g, where in sorted((got.get("groups") or {}).items()):
                         print(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
                     for w in got.get("workers") or []:  # (a running job on this host alone)
@@ -120,9 +120,9 @@ def _jobs(args: argparse.Namespace) -> int:
                     for run, workers in _by_run(hosted).items():
                         print(_run_line(run, workers, jobs_of.get(run)))
             elif args.command == "logs" and args.group is None:
-                _print_log(lambda offset: c.request("logs", args.job, offset), args.follow)
+                _print_log(lambda offset: _asked(c, "logs", args.job, offset), args.follow)
             elif args.command == "logs":
-                job = c.request("status", args.job)
+                job = _asked(c, "status", args.job)
                 groups = job.get("groups") or {}
                 if args.group not in groups:
                     raise DaemonError(f"job {args.job} has no group {args.group!r} on a host of its own (it has "
@@ -132,9 +132,9 @@ def _jobs(args: argparse.Namespace) -> int:
                 keys = load_keys(keys_dir)
                 host_key = where["key"].encode() if where["key"] else keys.public  # none: the cluster key
                 with DaemonClient(where["address"], host_key, keys, timeout_s=args.timeout_s) as w:
-                    _print_log(lambda offset: w.request("worker_log", job["run"], args.group, offset), args.follow)
+                    _print_log(lambda offset: _asked(w, "worker_log", job["run"], args.group, offset), args.follow)
             else:
-                j = c.request("stop", args.job)
+                j = _asked(c, "stop", args.job)
                 if j["state"] == "running":  # (asked to stop: its run stops its workers cleanly, then ends)
                     from ..launch._daemon import STOP_GRACE_S
 
@@ -146,6 +146,94 @@ def _jobs(args: argparse.Namespace) -> int:
         print(f"reactor: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _asked(client: Any, kind: str, *fields: Any) -> Any:
+    """``client.request(kind, *fields)``, its answer checked before anything of it is printed: a reply is
+    a peer's message, and one of another shape (a daemon of another version, or not reactor's) ended the
+    command in a traceback (``TypeError`` of a ``returncode`` that was no number) or printed nonsense.
+
+    Raises:
+        DaemonError: the answer does not have its kind's shape and types (:func:`_reply_problem`), naming
+            the field; or the daemon's refusal, as ``request`` raises it.
+    """
+    from ..launch._daemon import DaemonError
+
+    got = client.request(kind, *fields)
+    if (why := _reply_problem(kind, got, fields[0] if kind == "status" else "")) is not None:
+        raise DaemonError(f"{client.who} sent a malformed answer to {kind!r}: {why} (a daemon of another reactor "
+                          f"version?)")
+    return got
+
+
+def _fields_problem(what: str, d: Any, fields: dict[str, tuple[type, ...]],
+                    optional: dict[str, tuple[type, ...]]) -> str | None:
+    """What is wrong with ``d``, a dict that must hold ``fields`` (and may hold ``optional``) of those types
+    (``type(v) in types``: a bool is no int), numbers finite; None if nothing."""
+    import math
+
+    if type(d) is not dict:
+        return f"{what} is {type(d).__name__}, not a dict"
+    for table, required in ((fields, True), (optional, False)):
+        for name, types in table.items():
+            if name not in d:
+                if required:
+                    return f"{what} has no {name}"
+                continue
+            if type(d[name]) not in types:
+                return f"{what}'s {name} is {type(d[name]).__name__}, not {' or '.join(t.__name__ for t in types)}"
+            if type(d[name]) is float and not math.isfinite(d[name]):
+                return f"{what}'s {name} is {d[name]}"
+    return None
+
+
+_NUMBER = (int, float)
+_JOB = {"id": (str,), "app": (str,), "placement": (str,), "state": (str,), "pid": (int,), "uptime_s": _NUMBER,
+        "returncode": (int, type(None)), "daemon": (str,), "last_line": (str,)}
+#: (a daemon of an earlier version says none of stopped_by, over_hosts; only a job over hosts has run and groups)
+_JOB_OPTIONAL = {"detail": (str,), "stopped_by": (str, type(None)), "over_hosts": (bool, type(None)),
+                 "run": (str, type(None)), "groups": (dict,), "workers": (list,)}
+_GROUP = {"host": (str,), "address": (str,), "key": (str, type(None))}
+_LOCAL_WORKER = {"group": (str,), "state": (str,), "pid": (int,), "restarts": (int,)}
+_HOSTED = {"run": (str,), "group": (str,), "state": (str,), "pid": (int,), "uptime_s": _NUMBER,
+           "returncode": (int, type(None)), "daemon": (str,)}
+_LOG = {"data": (bytes,), "offset": (int,), "done": (bool,)}
+
+
+def _job_problem(what: str, j: Any) -> str | None:
+    """What is wrong with a job as ``status`` and ``stop`` answer it (``Daemon.describe``), or None."""
+    if (why := _fields_problem(what, j, _JOB, _JOB_OPTIONAL)) is not None:
+        return why
+    if j.get("stopped_by") not in (None, "request", "daemon"):
+        return f"{what}'s stopped_by is {j['stopped_by'][:40]!r}, not 'request', 'daemon' or None"
+    for g, where in (j.get("groups") or {}).items():
+        if type(g) is not str or (why := _fields_problem(f"{what}'s group {g!r:.40}", where, _GROUP,
+                                                          {"waiting": (str, type(None))})) is not None:
+            return why or f"{what} has a group named by a {type(g).__name__}"
+    for i, w in enumerate(j.get("workers") or []):
+        if (why := _fields_problem(f"{what}'s worker {i}", w, _LOCAL_WORKER, {})) is not None:
+            return why
+    return None
+
+
+def _reply_problem(kind: str, got: Any, job: Any = None) -> str | None:
+    """What is wrong with a daemon's answer ``got`` to a request of ``kind`` that this command prints (one
+    schema per kind: ``status`` of one job, or of all when ``job`` is None, a list; ``stop``; ``hosted``,
+    a list of workers; ``logs`` and ``worker_log``, a chunk), or None."""
+    if kind in ("status", "hosted") and (kind == "hosted" or job is None):
+        if type(got) is not list:
+            return f"it is {type(got).__name__}, not a list"
+        for i, item in enumerate(got):
+            why = (_job_problem(f"job {i}", item) if kind == "status"
+                   else _fields_problem(f"worker {i}", item, _HOSTED, {"restarts": (int,)}))
+            if why is not None:
+                return why
+        return None
+    if kind in ("status", "stop"):
+        return _job_problem("the job", got)
+    if kind in ("logs", "worker_log"):
+        return _fields_problem("the chunk", got, _LOG, {})
+    return None
 
 
 def _no_groups(job: dict[str, Any]) -> str:

@@ -2706,3 +2706,67 @@ def test_a_run_over_hosts_that_fails_at_its_start_closes_its_torch_distributed_s
     # (the coordinator's zmq sockets close in their io thread: waited for; the store, alive, never closed)
     _wait_for(lambda: not set(_listening_ports(os.getpid())) - before, 10,
               "the failed run's listening sockets (its TCPStore's among them) to close")
+
+
+def _answering(answers: dict[str, list[object]], keys: CurveKeys, stop: threading.Event, bound: list[str]) -> None:
+    """A stand-in daemon on loopback, speaking the daemon's wire (CURVE, ``[id, ok, payload]``): it answers
+    each request of a kind with that kind's next payload in ``answers``."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_server = True
+    sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+    sock.bind("tcp://127.0.0.1:*")
+    bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            ident, _, body = sock.recv_multipart()
+            rid, kind, *_ = msgpack.unpackb(body, raw=False)
+            sock.send_multipart([ident, b"", msgpack.packb([rid, True, answers[kind].pop(0)], use_bin_type=True)])
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_status_and_stop_refuse_a_malformed_answer_in_one_line_naming_the_field(tmp_path):
+    """Regression (a review of session 70's ``stopped_by``): the command line printed a daemon's answers
+    to ``status`` and ``stop`` unchecked. A ``returncode`` that is no number (a daemon of another
+    version, or not reactor's) ended ``reactor status`` in a ``TypeError`` traceback in ``_job_state``;
+    a missing field in a ``KeyError``. Each answer is checked against its kind's schema: a malformed
+    one is one line naming the field, exit 1. An answer without ``stopped_by`` and ``over_hosts`` (a
+    daemon of an earlier version) is taken."""
+    daemon_keys, client_keys = init_keys(tmp_path / "dk"), tmp_path / "ck"
+    init_keys(client_keys)
+    job = {"id": "0123456789abcdef", "app": "forever.py", "placement": "single", "state": "stopped", "pid": 42,
+           "uptime_s": 1.5, "returncode": 143, "detail": "", "last_line": "run ended (signal)", "daemon": "h1"}
+    answers: dict[str, list[object]] = {"status": [[{**job, "returncode": "143"}], [{**job, "pid": True}], [job],
+                                                   [job]],
+                                        "stop": [{k: v for k, v in job.items() if k != "state"},
+                                                 {**job, "stopped_by": "someone"}],
+                                        "hosted": [[{"run": "r", "group": "g"}], []]}
+    stop, bound = threading.Event(), []
+    server = threading.Thread(target=_answering, args=(answers, daemon_keys, stop, bound), daemon=True)
+    server.start()
+    try:
+        _wait_for(lambda: bound, 10, "the stand-in daemon to bind")
+        cli = lambda *a: subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "reactor.cli", *a, "--daemon", bound[0], "--daemon-key",
+             str(tmp_path / "dk" / "key.pub"), "--keys", str(client_keys)], capture_output=True, text=True, timeout=60)
+        said = f"reactor: the daemon at {bound[0]} sent a malformed answer to "
+        tail = " (a daemon of another reactor version?)\n"
+        for args, why in ((("status",), "'status': job 0's returncode is str, not int or NoneType"),
+                          (("status",), "'status': job 0's pid is bool, not int"),
+                          (("status",), "'hosted': worker 0 has no state"),
+                          (("stop", job["id"]), "'stop': the job has no state"),
+                          (("stop", job["id"]), "'stop': the job's stopped_by is 'someone', not 'request', 'daemon' "
+                                                "or None")):
+            p = cli(*args)
+            assert (p.returncode, p.stdout, p.stderr) == (1, "", said + why + tail), p.stderr
+        p = cli("status")  # (no stopped_by, no over_hosts: a daemon of an earlier version)
+        assert (p.returncode, p.stderr) == (0, ""), p.stderr
+        assert p.stdout.startswith(f"{job['id']}  stopped (by request)  forever.py"), p.stdout
+    finally:
+        stop.set()
+        server.join(10)

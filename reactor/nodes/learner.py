@@ -374,11 +374,15 @@ class Learner(_LearnerBase):
         if len(batch.keys):
             return False
         self.empty_batches += 1
-        if self.empty_batches == 1:
+        n = self.empty_batches
+        # Said again at the 10th, the 100th, ...: reports go with updates, so a learner whose every batch
+        # is empty (it samples on, and no update comes) said it once and then nothing, for good.
+        if str(n).rstrip("0") == "1":
             logging.getLogger("reactor.learner").warning(
-                "%s: a sampled batch held no item (every item's rows were overwritten in the replay's ring while "
-                "they were read: the writers lap the ring faster than the learner reads it; a larger capacity "
-                "keeps items longer); not learned on (counted in its reports' empty_batches)", self.name)
+                "%s: %s held no item (every item's rows were overwritten in the replay's ring while they were "
+                "read: the writers lap the ring faster than the learner reads it; a larger capacity keeps items "
+                "longer); not learned on (counted in its reports' empty_batches; updates so far: %d)", self.name,
+                "a sampled batch" if n == 1 else f"{n} sampled batches", self.updates)
         return True
 
     @reaction(triggers=[peer_lost, peer_restarted], effects=[requests])

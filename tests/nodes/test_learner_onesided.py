@@ -239,3 +239,34 @@ def test_a_batch_whose_every_item_was_dropped_is_not_learned_on_and_is_counted_a
     assert all(np.isfinite(v) for v in reports[-1].values()), reports[-1]
     sampled = [r["sampled"] for r in _OUT if "sampled" in r]
     assert sampled and 40 * 16 <= sampled[-1] <= 41 * 16  # the empty batch's draws counted too (the last's may be on their way)
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_whose_batches_keep_coming_empty_says_so_again_at_the_10th(monkeypatch, caplog):
+    """Ten one-sided draws in a row have every window dropped as overwritten (forced, as above), then the
+    draws are whole again. The learner says it at the first empty batch and again at the 10th (then the
+    100th, ...), with the updates made. Before, it said it once: reports go with updates, so a learner
+    whose every batch came empty sampled on with no update and no word after the first (a review of the
+    empty-batch change, session 70)."""
+    import logging
+
+    from reactor.nodes._onesided import OneSidedSampling
+
+    real_finish = OneSidedSampling._finish_one_sided
+    calls = []
+
+    def finish(self, n, drawn, table_size, plan, out, mask, keys, probs, weights, times, valid, hurry=False):
+        calls.append(n)
+        if 2 <= len(calls) <= 11:
+            valid[:] = False  # every window's rows overwritten during the copy
+        return real_finish(self, n, drawn, table_size, plan, out, mask, keys, probs, weights, times, valid, hurry)
+
+    monkeypatch.setattr(OneSidedSampling, "_finish_one_sided", finish)
+    _OUT.clear()
+    with caplog.at_level(logging.WARNING, logger="reactor.learner"):
+        run(_graph(), deterministic=False)
+    reports = [r for r in _OUT if "updates" in r]
+    assert reports[-1]["updates"] == 40 and reports[-1]["empty_batches"] == 10, reports[-1]
+    said = [r.getMessage() for r in caplog.records if "held no item" in r.getMessage()]
+    assert [m.split(" held no item")[0] for m in said] == ["learner: a sampled batch", "learner: 10 sampled batches"]
+    assert all(m.endswith(")") and "empty_batches; updates so far: " in m for m in said), said

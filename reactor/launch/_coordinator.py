@@ -244,15 +244,22 @@ async def run_processes(
                 restarts={g: list(ends) for g, ends in session.restarts.ends.items()},
             )
         finally:
-            await workers.reap(0.0)
-            if isinstance(workers, RemoteWorkers):  # the run's files come to where it was started
+            # The links, the endpoint and the store go even if the reaping or the copy is cancelled (a second
+            # Ctrl-C during a long copy, a caller's timeout): this frame then goes with the error, and what it
+            # held open stayed open for as long as the caller kept that.
+            try:
+                await workers.reap(0.0)
+                if isinstance(workers, RemoteWorkers):  # the run's files come to where it was started
+                    try:
+                        await workers.fetch_run_files(Path.cwd())
+                    except (OSError, ReactorError) as e:
+                        log.warning("copying the run's files from its hosts failed: %s", e)
+            finally:
                 try:
-                    await workers.fetch_run_files(Path.cwd())
-                except (OSError, ReactorError) as e:
-                    log.warning("copying the run's files from its hosts failed: %s", e)
-            await workers.close()
-            await ep.aclose()
-            dist_store = None  # (every worker is reaped: none meets there again)
+                    await workers.close()
+                    await ep.aclose()
+                finally:
+                    dist_store = None  # (every worker is reaped: none meets there again)
             for f in dist_files:  # (every worker is reaped: no replica meets there again)
                 with contextlib.suppress(OSError):
                     f.unlink()

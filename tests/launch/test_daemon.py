@@ -2669,14 +2669,25 @@ def build(config):
 
 
 @pytest.mark.idle_daemon
-def test_a_run_over_hosts_that_fails_at_its_start_closes_its_torch_distributed_store(daemon, tmp_path, monkeypatch):
+@pytest.mark.parametrize("teardown", ["whole", "cancelled"])
+def test_a_run_over_hosts_that_fails_at_its_start_closes_its_torch_distributed_store(daemon, tmp_path, monkeypatch,
+                                                                                     teardown):
     """Regression (a review of the coordinator's failure paths): the ``TCPStore`` the coordinator serves for
     the data-parallel learners of a run over hosts was never closed: a run that failed (here every worker, at
     its start, importing a module only this host has) raised with the store alive in its frame, and the
     caller that kept the exception (a notebook's last error, pytest's ``raises``) kept its listening socket
-    and server thread for good. It is dropped on every way out of the run."""
+    and server thread for good. It is dropped on every way out of the run: also when the teardown's copy of
+    the run's files is cancelled (``cancelled``: a second Ctrl-C, a caller's timeout), which skipped the
+    drop, and the closing of the daemon links and the coordinator's endpoint with it (session 70's review)."""
     from reactor.launch import _app
+    from reactor.launch._cluster import RemoteWorkers
     from reactor.launch._coordinator import run_processes
+
+    if teardown == "cancelled":
+        async def fetch_cancelled(self, where):
+            raise asyncio.CancelledError  # (as a cancellation arriving during the copy)
+
+        monkeypatch.setattr(RemoteWorkers, "fetch_run_files", fetch_cancelled)
 
     from .test_hosts import _listening_ports
 
@@ -2692,7 +2703,8 @@ def test_a_run_over_hosts_that_fails_at_its_start_closes_its_torch_distributed_s
     (tmp_path / "store_beside_only.py").write_text("")
     graph = _app.load_app(app).build({})
     before = set(_listening_ports(os.getpid()))
-    with pytest.raises(Exception, match="No module named 'store_beside_only'") as failed:
+    with pytest.raises(Exception if teardown == "whole" else asyncio.CancelledError,
+                       match="No module named 'store_beside_only'" if teardown == "whole" else None) as failed:
         asyncio.run(run_processes(graph, placement="processes", deterministic=False, seed=0, stop_ns=None,
                                   record=None, replay=None, digest=False, app=str(app), config={}, hosts=str(hosts)))
     frames = []  # (the run's frame, as the kept exception holds it: the store was one of its locals)

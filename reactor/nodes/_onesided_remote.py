@@ -264,7 +264,8 @@ class RemoteSampling:
             MalformedFrameError: its published state is corrupt under a settled count (a mass that is not
                 a finite number >= 0, a draw refused on a state that did not change), as the host path
                 finds it (``shard``, ``offer``; the caller adds the notices).
-            PeerLostError: its owner died (``shard``; the caller adds the notices)."""
+            PeerLostError: its owner died, found after the draw or in the middle of a change, its
+                count odd for good (``shard``; the caller adds the notices)."""
         sh = self._shared[shard]
         deadline = time.perf_counter() + ONE_SIDED_PATIENCE_S
         w = max(sh.table.window, 1)
@@ -277,7 +278,8 @@ class RemoteSampling:
         uniforms = self.rng.random(count)
         while True:  # (its count was taken from its rate limiter: asample_now)
             f = self._stable_figures(sh, deadline)
-            if f is None:
+            if f is None:  # it kept changing: or its owner died mid-change, its count odd for good (say so)
+                self._check_local_owner(shard, sh)
                 return None
             seq, mass, low, size = f
             if _first_bad_mass([mass]) is not None:  # (read under a settled count: the same at every draw)
@@ -289,12 +291,7 @@ class RemoteSampling:
                                           np.array([out[f].data_ptr() for f in sh.names], np.int64), mask, keys, q,
                                           times, valid)
             if status == _OK:
-                try:  # (a dead shard's data is never returned)
-                    self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
-                except PeerLostError as e:
-                    lost = PeerLostError(f"replay shard {shard}: its shared memory is gone ({e})")
-                    lost.shard = shard  # type: ignore[attr-defined]
-                    raise lost from e
+                self._check_local_owner(shard, sh)  # (a dead shard's data is never returned)
                 return {"n": count, "keys": keys, "q": q, "times": times, "valid": valid,
                         "mask": mask if sh.table.window else None, "data": out, "window": sh.table.window,
                         "region": sh.data_region, "transition": sh.table.transition}
@@ -307,6 +304,15 @@ class RemoteSampling:
                                           f"range)", [])
             if time.perf_counter() > deadline:
                 return None
+
+    def _check_local_owner(self, shard: int, sh: Any) -> None:
+        """Raise PeerLostError naming shard ``shard`` of this host (``shard``) if its owner is gone."""
+        try:
+            self._reader.check_alive(sh.data_region)  # type: ignore[union-attr]
+        except PeerLostError as e:
+            lost = PeerLostError(f"replay shard {shard}: its shared memory is gone ({e})")
+            lost.shard = shard  # type: ignore[attr-defined]
+            raise lost from e
 
     def _assemble_remote(self, n: int, live: list[int], share: np.ndarray,
                          parts: dict[int, dict[str, Any]]) -> SampledBatch:

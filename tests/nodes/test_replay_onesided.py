@@ -721,6 +721,36 @@ async def test_a_mixed_sample_whose_shard_of_this_host_is_found_dead_raises_nami
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
+async def test_a_mixed_sample_whose_shard_of_this_host_died_in_the_middle_of_a_change_raises_naming_it(tmp_path):
+    """As above, shard 1's owner killed in the middle of a change (its count odd for good) instead: its
+    part waits its ~5 ms of patience, then its owner is checked and PeerLostError names shard 1, with the
+    notice of shard 0's part. Before, the part gave up without a word: no batch and no error at every
+    sample until the shard's loss reached the client by other means (the host path checks there since
+    the hostile review; a review of the mixed path's dead-shard fix, session 70)."""
+    import signal
+
+    from reactor._errors import PeerLostError
+
+    async with _with_shard_in_a_process(tmp_path, first_elsewhere=True, notice_every=1000) as (client, child, go,
+                                                                                               begun):
+        client.take_notices()  # (that sample's, held)
+        go.touch()
+        while not begun.exists():
+            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
+            await asyncio.sleep(0.01)
+        assert client._shared[1].table.figures()[0] == -1  # (mid-change)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        with pytest.raises(PeerLostError, match=r"^replay shard 1: its shared memory is gone \(bulk region 'r1': its "
+                                                r"owner \(pid \d+\) died\)$") as e:
+            await client.asample_now(32)
+        assert e.value.shard == 1
+        (told,) = e.value.notices
+        assert told.shard == 0 and 0 < len(told.keys) < 32
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
 async def test_a_sample_that_drew_from_a_shard_found_dead_after_raises_with_the_notices_of_its_draws(tmp_path):
     """Shard 1's owner in its own process is killed between changes (its state settled): the sample's
     draws all succeed, and the check of the shards' processes after them raises PeerLostError naming

@@ -72,6 +72,12 @@ _ABANDONED = {"replay_incomplete": None, "stats": {"dropped": 0}, "events": {},
 #: How a worker ends when a SIGTERM reaches it: its own clean exit (128 + 15), killed by it, or of a peer
 #: lost to it (3).
 _ENDED_BY_SIGTERM = (128 + signal.SIGTERM, -signal.SIGTERM, 3)
+#: How long a worker's end by a SIGTERM (:data:`_ENDED_BY_SIGTERM`) waits before it fails the run, for the
+#: coordinator's own SIGTERM: a stop of the whole process group or of a Slurm job (``scancel`` signals every
+#: process of the job's steps, each node's in its own order) may reach a worker, and the coordinator see its
+#: end, before the signal reaches the coordinator. Within this, that worker stopped as asked; past it, alone,
+#: it failed.
+SIGTERM_GRACE_S = 2.0
 
 
 def stopping_report(waiting: list[str], received: list[int]) -> str:
@@ -112,6 +118,7 @@ class _Session:
         self.wrote_at: dict[str, float] = {}
         self.failed_lives: dict[str, float] = {}  # failed workers not yet gone -> when their failure came (_held)
         self.killed_held: set[str] = set()
+        self.sigterm_ends: dict[str, float] = {}  # workers ended by a SIGTERM, held for SIGTERM_GRACE_S -> since
 
     @property
     def host_of(self) -> Mapping[str, str]:
@@ -156,6 +163,11 @@ class _Session:
         # one whose message did not come).
         fatal = {n: how for n, how in dead.items()
                  if self.stopped_by is not None or not r.can_restart(n) or how[0] == REFUSAL_EXIT_STATUS}
+        if fatal and self.stopped_by is None and all(how[0] in _ENDED_BY_SIGTERM for how in fatal.values()):
+            # Ended by a SIGTERM that may be on its way here too (SIGTERM_GRACE_S): not a failure yet.
+            now = time.monotonic()
+            if any(now - self.sigterm_ends.setdefault(n, now) < SIGTERM_GRACE_S for n in fatal):
+                return
         if fatal:
             notes = "".join(r.why_not(n, refused=fatal[n][0] == REFUSAL_EXIT_STATUS) for n in sorted(fatal))
             raise WorkerFailedError(_describe_exits(fatal) + notes)

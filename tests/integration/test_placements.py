@@ -323,6 +323,45 @@ def test_a_sigterm_to_every_process_of_a_run_stops_it_and_fails_none(tmp_path):
             p.wait()
 
 
+@pytest.mark.parametrize("then_coordinator", [True, False], ids=["then-the-coordinator", "alone"])
+def test_a_sigterm_that_reaches_the_workers_before_the_coordinator_stops_the_run_and_one_alone_fails_it(
+        tmp_path, then_coordinator):
+    """Regression (CI, Slurm's plain ``scancel``: each node's slurmstepd signals its processes in its own order):
+    a worker ended by the SIGTERM that stops a run, whose end the coordinator saw before the same signal reached
+    the coordinator (0.24 s later there), failed the run, ``WorkerFailedError: worker 'actor-1' exited with
+    status 143``. Such an end now waits ``SIGTERM_GRACE_S`` for the coordinator's SIGTERM: the run ends
+    stopped by the signal. A SIGTERM to the workers alone still fails the run, once that wait is over."""
+    ready = tmp_path / "ready"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
+         "--set", f"ready_file='{ready}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ready.exists() and p.poll() is None:
+            time.sleep(0.02)
+        workers = _workers(p.pid)
+        assert ready.exists() and len(workers) == 3, workers
+        for w in workers:
+            os.kill(w, signal.SIGTERM)
+        # (the workers' ends are seen within ~0.1 s; the coordinator's SIGTERM comes well inside the grace, 2 s)
+        time.sleep(0.5)
+        if then_coordinator:
+            os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        if then_coordinator:
+            assert p.returncode == 128 + signal.SIGTERM and "run ended (signal)" in out, err[-3000:]
+            assert "WorkerFailedError" not in err and "as the run stopped on SIGTERM, which reached it too" in err, \
+                err[-3000:]
+        else:
+            assert p.returncode == 1 and "WorkerFailedError" in err and "status 143" in err, err[-3000:]
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.timeout(180)
 def test_a_sigterm_to_every_process_of_a_run_lets_each_workers_shards_write_their_final_checkpoint(tmp_path):
     """Regression (Slurm's plain `scancel`: a SIGTERM to every process of the job at once): the SIGTERM that

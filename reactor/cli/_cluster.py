@@ -46,7 +46,7 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
     with _app_code(args.app):  # (as submit: not imported, its modules may be the cluster's only; a file that is
         compile_app(args.app)  # not Python failed there, after the allocation)
     # (a module beside the app that does not go with it: its workers failed to import it, after the allocation)
-    if note := check_imports_shipped(args.app, args.files, f"a {args.command} job"):
+    if note := check_imports_shipped(args.app, args.files, f"a {args.command} job", overrides):
         print(f"reactor: {note}", file=sys.stderr)
     if overrides:
         _check_config_here(args.app, overrides, args.overrides)

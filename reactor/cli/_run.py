@@ -152,7 +152,8 @@ def _check_run_options(args: argparse.Namespace) -> None:
 
         load_hosts_file(args.hosts, read_keys=args.command == "run")  # (a submitted job's keys may be the daemon's)
     if ships and (note := check_imports_shipped(  # (a module beside the app that does not go with it: its workers
-            args.app, args.files, "a submitted job" if args.command == "submit" else "a run over hosts")):  # failed)
+            args.app, args.files, "a submitted job" if args.command == "submit" else "a run over hosts",  # failed)
+            parse_overrides(args.overrides))):
         print(f"reactor: {note}", file=sys.stderr)
 
 

@@ -168,7 +168,7 @@ def shipped_files(entries: Sequence[tuple[str, str | os.PathLike[str], str | Non
 
 
 def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str | os.PathLike[str]] = (),
-                          what: str = "a submitted job") -> str | None:
+                          what: str = "a submitted job", overrides: Mapping[str, Any] | None = None) -> str | None:
     """Refuse an app that imports a module from its own folder that would not go with it: a job or a run over
     hosts ships the app and its ``--with`` files, not the app's folder, so its workers there failed with
     ``No module named 'X'`` (``reactor submit`` took the job; it failed in its daemon's log). Read, not run:
@@ -181,7 +181,11 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
     relative imports (the app is not loaded as a package: they fail alike here), imports under ``try`` that
     catch ``ImportError`` or ``with contextlib.suppress(ImportError)``, under ``if TYPE_CHECKING`` or ``if
     __name__ == "__main__"`` (they never run in a worker), and a file that does not parse (its syntax error
-    is said where it compiles).
+    is said where it compiles). Besides the import statements, the env module that ``overrides`` (the
+    ``--set`` values) name: ``--set env=my_envs:MyChain-v0`` has gymnasium import ``my_envs`` in every process
+    that makes the env (guide, section 3), with no import statement in the app (a copy of ``apps/dqn.py``),
+    so that job was taken and failed in its daemon's log. (An ``env`` the app's ``Config`` names by default
+    is not read here: that needs the app imported.)
 
     Returns:
         What to say of packages in the app's folder that it imports and that are not installed here (None:
@@ -199,7 +203,15 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
     shipped = {app.stem} | {Path(f).stem for f in with_files if Path(f).suffix == ".py"}
     todo = [app, *(Path(f) for f in with_files if Path(f).suffix == ".py")]
     seen: set[Path] = set()
-    missing: dict[str, tuple[Path, bool, Path, int]] = {}  # name: (its path, a package, the importing file, line)
+    missing: dict[str, tuple[Path, bool, str]] = {}  # name: (its path, a package, where it is imported)
+    for name, where in env_modules(overrides or {}):
+        beside = next(((p, p.is_dir()) for folder in homes for p in (folder / name, folder / f"{name}.py")
+                       if _module_file(p)), None)
+        if name in shipped or beside is None or _found_elsewhere(name, homes):
+            continue
+        missing[name] = (beside[0], beside[1], f"imported by gymnasium for {where}")
+        if not beside[1]:
+            todo.append(beside[0])
     while todo:
         source = todo.pop(0)
         with contextlib.suppress(OSError, RuntimeError):
@@ -218,24 +230,37 @@ def check_imports_shipped(app: str | os.PathLike[str], with_files: Sequence[str 
                            if _module_file(p)), None)
             if beside is None or _found_elsewhere(name, folders):
                 continue
-            missing[name] = (beside[0], beside[1], source, line)
+            missing[name] = (beside[0], beside[1], f"imported at {source} line {line}")
             if not beside[1]:
                 todo.append(beside[0])
-    said = {name: f"{name} ({'the package ' if package else ''}{str(path)}{'/' if package else ''}, imported at "
-                  f"{source} line {line})" for name, (path, package, source, line) in missing.items()}
-    packages = [name for name, (_, package, _, _) in missing.items() if package]
+    said = {name: f"{name} ({'the package ' if package else ''}{str(path)}{'/' if package else ''}, {where})"
+            for name, (path, package, where) in missing.items()}
+    packages = [name for name, (_, package, _) in missing.items() if package]
     one = len(packages) == 1
     note = (f"{'; '.join(said[n] for n in packages)} {'is a package' if one else 'are packages'} of the app's folder, "
             f"which --with cannot ship (it ships single files): its workers fail to import "
             f"{'it' if one else 'them'} unless {'it is' if one else 'they are'} installed where the job runs") \
         if packages else None
-    modules = {name: path for name, (path, package, _, _) in missing.items() if not package}
+    modules = {name: path for name, (path, package, _) in missing.items() if not package}
     if not modules:
         return note
     raise AppError(f"{what} carries the app and its --with files, not the app's folder: its workers would fail with "
                    f"ModuleNotFoundError on {'this module' if len(modules) == 1 else 'these modules'} from there: "
                    f"{'; '.join(said[n] for n in modules)}. Add {' '.join(f'--with {p}' for p in modules.values())}"
                    f"{f'. Also, {note}' if note else ''}")
+
+
+def env_modules(overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The module a ``--set env=MODULE:ID`` names (gymnasium's spelling of an env whose registering module it
+    imports first, in every process that makes the env), as ``(top-level name, "--set env=...")``; none for
+    an env id without a module, or a value that is not one."""
+    env = overrides.get("env")
+    if not isinstance(env, str) or ":" not in env:
+        return []
+    module = env.partition(":")[0].strip()
+    if not module or not all(part.isidentifier() for part in module.split(".")):
+        return []
+    return [(module.partition(".")[0], f"--set env={env}")]
 
 
 def _module_file(p: Path) -> bool:

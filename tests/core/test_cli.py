@@ -395,6 +395,32 @@ def test_the_unshipped_import_check_takes_suppressed_and_main_only_imports_and_a
         f"with ModuleNotFoundError on this module from there: mysib ({tmp_path / 'real' / 'mysib.py'}, "), p.stderr
 
 
+def test_an_env_module_beside_the_app_that_a_set_env_names_and_no_with_ships_is_refused_before_the_job_leaves(tmp_path):
+    """Regression (a newcomer's pass over docs/guide.md, section 3, h30): ``reactor submit my_dqn.py --set
+    env=my_envs:MyChain-v0``, with ``my_envs.py`` beside a copy of ``apps/dqn.py`` (which has no import of
+    it: gymnasium imports the module the env id names), was taken: the job failed at once in its daemon's
+    log, "its module does not import here", though the guide says submit refuses it naming the ``--with``
+    to add. It is refused at the terminal as an unshipped import statement is; ``--with`` ships it."""
+    demo = (ROOT / "apps" / "demo_pipeline.py").read_text()
+    app = tmp_path / "envs_app.py"  # (the demo with an env field: the graph builds without making the env)
+    app.write_text(demo + "\n\n@dataclass(frozen=True)\nclass Config(Config):\n    env: str = 'CartPole-v1'\n")
+    module = tmp_path / "beside_envs.py"  # (a name no folder on the test's sys.path has)
+    module.write_text("")
+    refused = (f"reactor: a submitted job carries the app and its --with files, not the app's folder: its workers "
+               f"would fail with ModuleNotFoundError on this module from there: beside_envs ({module}, imported by "
+               f"gymnasium for --set env=beside_envs.sub:MyChain-v0). Add --with {module}\n")
+    p = reactor("submit", str(app), "--set", "env=beside_envs.sub:MyChain-v0", "--daemon", "tcp://127.0.0.1:9")
+    assert (p.returncode, p.stderr) == (2, refused), p.stderr
+    p = reactor("k8s", "render", str(app), "--image", "img", "--set", "env=beside_envs:MyChain-v0")
+    assert (p.returncode, p.stderr.replace("k8s job", "submitted job").replace("beside_envs:", "beside_envs.sub:")) \
+        == (2, refused), p.stderr
+    p = reactor("k8s", "render", str(app), "--image", "img", "--set", "env=beside_envs:MyChain-v0", "--with",
+                str(module))
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    p = reactor("k8s", "render", str(app), "--image", "img", "--set", "env=CartPole-v1")  # (no module named)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+
+
 def test_bad_set_values_are_one_line_errors():
     p = reactor("run", DEMO, "--set", "nokey")
     assert (p.returncode, p.stderr) == (2, "reactor: --set expects key=value, got 'nokey'\n")

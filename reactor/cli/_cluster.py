@@ -49,11 +49,12 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
     if note := check_imports_shipped(args.app, args.files, f"a {args.command} job", overrides):
         print(f"reactor: {note}", file=sys.stderr)
     if overrides:
-        _check_config_here(args.app, overrides, args.overrides)
+        _check_config_here(args.app, overrides, args.overrides, args.placement)
     return run_args
 
 
-def _check_config_here(app: str, overrides: dict[str, Any], items: Sequence[str]) -> None:
+def _check_config_here(app: str, overrides: dict[str, Any], items: Sequence[str], placement: str | None = None,
+                       hosts: str | None = None) -> None:
     """A job's ``--set`` keys and values (``items``, as given; ``overrides``, parsed), checked as ``reactor
     run`` checks them, before the job is made (``reactor submit``, ``k8s render``, ``slurm``): a key the app's
     Config and its algorithm lack, a value of the wrong type (``make_config``), and a value its graph refuses
@@ -62,7 +63,10 @@ def _check_config_here(app: str, overrides: dict[str, Any], items: Sequence[str]
     module only the cluster's image has) is said, and its run checks them there; so is a graph that does
     not build here for another reason than a ``--set`` value (what the refusal blames, :func:`blamed_setting`,
     as ``reactor run`` says it): a file or a device only the job's host has, say. A refusal about a file
-    (``OSError``) is never a ``--set`` value's here: the file may be the job's host's.
+    (``OSError``) is never a ``--set`` value's here: the file may be the job's host's. With ``placement``
+    (and ``hosts``), a graph that builds is placed as the run would place it, and a placement refusal blamed
+    on a ``--set`` value is refused too: ``--set learners=2`` under placement ``single`` or ``actors`` (both
+    replicas in one process) was taken, and the job failed in its daemon's log at once.
 
     Raises:
         AppError: a key or value ``make_config`` refuses.
@@ -92,3 +96,18 @@ def _check_config_here(app: str, overrides: dict[str, Any], items: Sequence[str]
             raise  # (main says it as reactor run does: "--set producers=0: replicas must be ...")
         print(f"reactor: the --set values were checked against the app's config, not its graph: it does not build "
               f"here ({first_line(e)}); its run builds it when it starts", file=sys.stderr)
+        return
+    if placement is None or not isinstance(graph, Graph):
+        return
+    from ..launch._placement import check_replicas_apart, resolve_placement
+    from ..launch._policies import POLICIES
+
+    try:
+        if placement == "single":
+            check_replicas_apart(graph, {n: "main" for _, _, n in graph.instances()}, placement)
+        else:  # (a policy's groups are the same over any hosts; a hosts file's keys may be the job's host's)
+            resolve_placement(graph, placement, None if placement in POLICIES else hosts)
+    except Exception as e:  # noqa: BLE001 - refused here only where a --set value is what it refuses
+        if refusal_class(e) is not None and not isinstance(e, OSError) \
+                and blamed_setting(e, refusal_line(e), app, items) is not None:
+            raise  # (its run refuses it alike, at once, in the job's log)

@@ -473,7 +473,7 @@ def _check_job(args: argparse.Namespace) -> None:
         compile_app(args.app)
     if not args.check:
         if overrides:  # (a bad one refused here, not in the job's log after its daemon started it)
-            _check_config_here(args.app, overrides, args.overrides)
+            _check_config_here(args.app, overrides, args.overrides, args.placement, args.hosts)
         return
     from ..launch._groups import restart_from_text
     from ..launch._placement import check_lookahead, resolve_placement

@@ -467,6 +467,26 @@ def test_data_parallel_learners_sharing_a_process_are_a_one_line_error_before_an
     assert p.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
+def test_data_parallel_learners_sharing_a_process_are_refused_before_a_job_leaves(tmp_path):
+    """Regression (a newcomer's pass, h30): ``reactor submit apps/dqn.py --set learners=2`` (placement
+    ``single``, or ``actors``) was taken, though submit checks the --set values against the app's graph:
+    the job failed at once in its daemon's log with the refusal ``reactor run`` says at the terminal. The
+    graph built for that check is now placed too, and a placement refusal a --set value feeds is refused
+    (``k8s render``, ``slurm`` and ``ray`` alike); under ``dp-learners`` it goes."""
+    dqn = str(ROOT / "apps" / "dqn.py")
+    said = ("reactor: --set learners=2: learner: its 2 replicas each need a process of their own (data-parallel "
+            "replicas: each joins the bank's torch.distributed group), but placement '{}' puts learner[0] and "
+            "learner[1] in process '{}': use --placement dp-learners")
+    p = reactor("submit", dqn, "--set", "learners=2", "--daemon", "tcp://127.0.0.1:9", timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith(said.format("single", "main")), p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+    p = reactor("k8s", "render", dqn, "--image", "img", "--placement", "actors", "--set", "learners=2", timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith(said.format("actors", "learner")), p.stderr
+    p = reactor("k8s", "render", dqn, "--image", "img", "--placement", "dp-learners", "--set", "learners=2",
+                timeout=300)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+
+
 def test_an_app_path_too_long_for_the_file_system_is_a_one_line_error():
     """Regression: a name of 300 characters was an OSError (ENAMETOOLONG) traceback from Path.is_file."""
     p = reactor("run", "a" * 300 + ".py")

@@ -415,15 +415,23 @@ class Metrics(Reactor):
 
     def _plot(self) -> Any:
         """Draw ``RUN_DIR/curves.png``; the path, or None when it cannot be drawn, said in one line
-        naming the file and why: no return in metrics.csv yet (a very short run), a metrics.csv of
+        naming the file and why: no return in metrics.csv (a run stopped before its first episode ended;
+        ``reactor plot`` is not offered, as it has no more to draw), a metrics.csv of
         another shape, a full disk, matplotlib failing or missing. Never an error: the run's figures
         are in metrics.csv whatever becomes of a picture of them (a full disk failed the run at its
         very end; a ValueError was passed over in silence, and the run's user looked for the file)."""
         out = self.dir / "curves.png"
+        from .plot import NoReturnsError
+
         try:
             from .plot import plot_run
 
             return plot_run(self.dir, out, target=self.target_return)
+        except NoReturnsError:  # (an early Ctrl-C: `reactor plot` later has no more to draw, so it is not offered)
+            logging.getLogger("reactor.metrics").warning("%s: no plot %s: the run ended before any episode or "
+                                                         "evaluation ended (metrics.csv holds no return)", self.name,
+                                                         out)
+            return None
         except (OSError, ValueError) as e:  # (reactor's own one-line reasons, the file named in most)
             why = e.strerror if isinstance(e, OSError) and e.strerror and not e.filename else str(e)
         except Exception as e:  # noqa: BLE001 - a picture's library failing ends no run

@@ -11,7 +11,12 @@ from typing import Any
 
 from .._files import open_regular, read_small_json, replacing
 
-__all__ = ["curves", "plot_run"]
+__all__ = ["NoReturnsError", "curves", "plot_run"]
+
+
+class NoReturnsError(ValueError):
+    """metrics.csv holds no return to plot: its run ended (or is) before any episode or evaluation ended.
+    Metrics says so at a run's end without pointing at ``reactor plot``, which cannot draw it either."""
 
 
 #: What the x axis can show: the column of metrics.csv and its label.
@@ -108,7 +113,7 @@ def curves(run_dir: str | Path, *, x: str = "env_steps", target: Any = "summary"
         except csv.Error as e:
             raise ValueError(f"{path}: not a CSV file ({e})") from None
     if not series:
-        raise ValueError(f"{path} holds no eval_return or episode_return values to plot")
+        raise NoReturnsError(f"{path} holds no eval_return or episode_return values to plot")
     return _figure(series, xlabel, run_dir.name, target)
 
 

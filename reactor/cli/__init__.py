@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import errno
 import json
 import logging
@@ -82,8 +83,25 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     return rc
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, parsed. An option the command does not take (``reactor run app.py --sett lr=1``) is
+    its command's error, with its usage and the option it is close to: argparse left it to the top parser,
+    whose usage lists the commands, not the option that was meant."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = parser
+        while chosen := next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None):
+            sub = chosen.choices[getattr(args, chosen.dest)]  # (reactor trace show: its own parser's)
+        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        near = next((difflib.get_close_matches(x.partition("=")[0], options, n=1) for x in extra
+                     if x.startswith("--")), [])
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{f' (did you mean {near[0]}?)' if near else ''}")
+    return args
+
+
 def _main(argv: Sequence[str] | None, started: float | None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     args.started = started if started is not None else time.time()
     try:
         return _dispatch(args)

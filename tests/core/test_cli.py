@@ -421,6 +421,19 @@ def test_an_env_module_beside_the_app_that_a_set_env_names_and_no_with_ships_is_
     assert (p.returncode, p.stderr) == (0, ""), p.stderr
 
 
+def test_an_option_the_command_does_not_take_is_that_commands_error_naming_the_option_it_is_close_to():
+    """Regression (a newcomer's typo, h30): ``reactor run app.py --sett lr=1`` was the top parser's error
+    under its usage, which lists the commands (``{run,graph,trace,...}``), not the options of ``run``; the
+    option meant was the user's to find. It is now the command's own error, with its usage, naming the
+    option it is close to (and nothing of the app is loaded)."""
+    p = reactor("run", DEMO, "--sett", "stop_s=0.1")
+    assert p.returncode == 2 and p.stderr.startswith("usage: reactor run "), p.stderr
+    assert p.stderr.endswith("reactor run: error: unrecognized arguments: --sett stop_s=0.1 (did you mean --set?)\n")
+    p = reactor("trace", "show", "x.trace", "--bogus")  # (a command of a command: its own parser)
+    assert p.returncode == 2 and p.stderr.startswith("usage: reactor trace show "), p.stderr
+    assert p.stderr.endswith("reactor trace show: error: unrecognized arguments: --bogus\n"), p.stderr
+
+
 def test_bad_set_values_are_one_line_errors():
     p = reactor("run", DEMO, "--set", "nokey")
     assert (p.returncode, p.stderr) == (2, "reactor: --set expects key=value, got 'nokey'\n")

@@ -295,23 +295,34 @@ def test_signal_stops_every_process_and_leaves_no_orphans(sig, tmp_path):
             p.wait()
 
 
+def _forever_in_processes(tmp_path: Path) -> subprocess.Popen:
+    """``forever.py`` under ``processes --async`` in a session of its own (its workers new interpreters: no fork
+    server to start), once its workers are up (its ready file written)."""
+    ready = tmp_path / "ready"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
+         "--set", f"ready_file='{ready}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ready.exists() and p.poll() is None:
+        time.sleep(0.02)
+    if not ready.exists():
+        p.kill()
+        _out, err = p.communicate(timeout=60)
+        raise AssertionError(f"forever.py's workers were not up within 60 s (exit {p.returncode}): {err[-3000:]}")
+    return p
+
+
 def test_a_sigterm_to_every_process_of_a_run_stops_it_and_fails_none(tmp_path):
     """Regression: a SIGTERM that reached every process of a run at once (a service manager stopping the
     whole group, Slurm's scancel of a job, `kill -- -PGID`) failed it, `WorkerFailedError: worker 'sink' exited
     with status 143 before the run ended`, exit 1, though each worker had stopped as it was asked. A worker
     ended by the SIGTERM that stops the run (143, or 3: a peer it ended was lost) is said, not a failure: the
     run ends stopped by the signal, exit 143. (Workers as new interpreters here: no fork server to start.)"""
-    ready = tmp_path / "ready"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
-         "--set", f"ready_file='{ready}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        start_new_session=True, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    p = _forever_in_processes(tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not ready.exists() and p.poll() is None:
-            time.sleep(0.02)
         workers = _workers(p.pid)
-        assert ready.exists() and len(workers) == 3, workers
+        assert len(workers) == 3, workers
         os.killpg(p.pid, signal.SIGTERM)  # (the coordinator and its workers alike)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 128 + signal.SIGTERM and "run ended (signal)" in out, err[-3000:]
@@ -331,17 +342,10 @@ def test_a_sigterm_that_reaches_the_workers_before_the_coordinator_stops_the_run
     the coordinator (0.24 s later there), failed the run, ``WorkerFailedError: worker 'actor-1' exited with
     status 143``. Such an end now waits ``SIGTERM_GRACE_S`` for the coordinator's SIGTERM: the run ends
     stopped by the signal. A SIGTERM to the workers alone still fails the run, once that wait is over."""
-    ready = tmp_path / "ready"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "reactor.cli", "run", str(APPS / "forever.py"), "--placement", "processes", "--async",
-         "--set", f"ready_file='{ready}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        start_new_session=True, env={**os.environ, "REACTOR_FORK_SERVER": "0"})
+    p = _forever_in_processes(tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not ready.exists() and p.poll() is None:
-            time.sleep(0.02)
         workers = _workers(p.pid)
-        assert ready.exists() and len(workers) == 3, workers
+        assert len(workers) == 3, workers
         for w in workers:
             os.kill(w, signal.SIGTERM)
         # (the workers' ends are seen within ~0.1 s; the coordinator's SIGTERM comes well inside the grace, 2 s)

@@ -658,6 +658,20 @@ async def _with_shard_in_a_process(tmp_path: Path, *, first_elsewhere: bool = Fa
         _shm.cleanup_stale(run_id)
 
 
+async def _killed_in_the_middle_of_a_change(client, child, go, begun) -> None:
+    """Let shard 1's process (:func:`_with_shard_in_a_process`) begin a change, then SIGKILL it there: its
+    sequence count stays odd for good."""
+    import signal
+
+    go.touch()
+    while not begun.exists():
+        assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
+        await asyncio.sleep(0.01)
+    assert client._shared[1].table.figures()[0] == -1  # (mid-change)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample_raise_peer_lost_naming_it(tmp_path):
@@ -667,18 +681,11 @@ async def test_a_shard_killed_in_the_middle_of_a_change_makes_a_one_sided_sample
     so does a draw ahead taken with next_drawn: the learner goes back to messages with the reason.
     Before, every sample waited its patience and returned no batch, and its check of the shards'
     processes was never reached (hostile review)."""
-    import signal
 
     from reactor._errors import PeerLostError
 
     async with _with_shard_in_a_process(tmp_path) as (client, child, go, begun):
-        go.touch()
-        while not begun.exists():
-            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
-            await asyncio.sleep(0.01)
-        assert client._shared[1].table.figures()[0] == -1  # (mid-change)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
+        await _killed_in_the_middle_of_a_change(client, child, go, begun)
         for _ in range(3):
             with pytest.raises(PeerLostError, match=r"^replay shard 1: its shared memory is gone \(bulk region "
                                                     r"'r1': its owner \(pid \d+\) died\)$") as e:
@@ -727,20 +734,13 @@ async def test_a_mixed_sample_whose_shard_of_this_host_died_in_the_middle_of_a_c
     notice of shard 0's part. Before, the part gave up without a word: no batch and no error at every
     sample until the shard's loss reached the client by other means (the host path checks there since
     the hostile review; a review of the mixed path's dead-shard fix, session 70)."""
-    import signal
 
     from reactor._errors import PeerLostError
 
     async with _with_shard_in_a_process(tmp_path, first_elsewhere=True, notice_every=1000) as (client, child, go,
                                                                                                begun):
         client.take_notices()  # (that sample's, held)
-        go.touch()
-        while not begun.exists():
-            assert child.poll() is None, f"the shard's process ended with status {child.returncode}"
-            await asyncio.sleep(0.01)
-        assert client._shared[1].table.figures()[0] == -1  # (mid-change)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
+        await _killed_in_the_middle_of_a_change(client, child, go, begun)
         with pytest.raises(PeerLostError, match=r"^replay shard 1: its shared memory is gone \(bulk region 'r1': its "
                                                 r"owner \(pid \d+\) died\)$") as e:
             await client.asample_now(32)

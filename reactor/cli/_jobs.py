@@ -335,8 +335,9 @@ def _job_state(j: dict[str, Any]) -> str:
     else:
         exit_ = f"exit {rc}"
     if j["state"] == "stopped":
-        why = "its daemon stopped" if j.get("stopped_by") == "daemon" else "by request"
-        return f"stopped ({why})" + ("" if rc in (None, 128 + signal.SIGTERM) else f", {exit_}")
+        why = {"daemon": " (its daemon stopped)", "request": " (by request)"}.get(j.get("stopped_by"), "")  # (""
+        # for a record that does not say: kept from a daemon before it did, or an earlier daemon's answer)
+        return f"stopped{why}" + ("" if rc in (None, 128 + signal.SIGTERM) else f", {exit_}")
     return f"{j['state']}{' ' + exit_ if exit_ else ''}"
 
 

@@ -492,9 +492,8 @@ class Daemon:
         return {"id": job.id, "app": r["app"], "placement": r["placement"], "state": r["state"], "pid": r["pid"],
                 "uptime_s": round(ended - r["submitted_at"], 3), "returncode": r.get("returncode"),
                 "detail": r.get("detail", ""), "last_line": _last_line(job.dir / "output.log"),
-                # (who asked a stopped job to stop: a record from before this was kept says nothing; a client's stop)
-                "stopped_by": (r.get("stopped_by") if r.get("stopped_by") in ("request", "daemon") else "request")
-                if r["state"] == "stopped" else None,
+                # (who asked a stopped job to stop; None: its record does not say, as one kept from before it did)
+                "stopped_by": r.get("stopped_by") if r.get("stopped_by") in ("request", "daemon") else None,
                 "over_hosts": r.get("over_hosts") if type(r.get("over_hosts")) is bool else None,
                 "daemon": r.get("daemon", self.name), **_job_groups(job.dir),
                 **(_local_workers(job.dir) if r["state"] == "running" else {})}

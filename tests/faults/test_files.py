@@ -193,6 +193,22 @@ def test_job_records_of_the_wrong_shape_are_skipped_and_the_daemon_serves_the_re
     assert time.monotonic() - t < 5
 
 
+def test_a_stopped_jobs_record_that_does_not_say_who_stopped_it_is_listed_plainly_stopped(tmp_path):
+    """A record kept from a daemon before records said who asked a job to stop (``stopped_by``) was listed
+    ``stopped (by request)``, a guess: its daemon may have stopped it. Now plainly ``stopped``; a record
+    that says is listed as it says, and one that says something else is taken as saying nothing."""
+    from reactor.cli._jobs import _job_state
+
+    daemon = _daemon_with(tmp_path, {"a" * 16: _record("a" * 16, state="stopped", returncode=143),
+                                     "b" * 16: _record("b" * 16, state="stopped", returncode=143, stopped_by="daemon"),
+                                     "c" * 16: _record("c" * 16, state="stopped", returncode=-9, stopped_by=7)})
+    ok, rows = daemon.handle([1, "status", None])
+    assert ok
+    lines = {r["id"]: _job_state(r) for r in rows}
+    assert lines == {"a" * 16: "stopped", "b" * 16: "stopped (its daemon stopped)",
+                     "c" * 16: "stopped, exit -9 (killed by SIGKILL)"}, lines
+
+
 @pytest.mark.parametrize("groups", [[1, 2], {"run": 5, "groups": [1]}, {"run": "r", "groups": {"g": 5}}])
 def test_a_groups_file_of_the_wrong_shape_reads_as_a_job_on_one_host(tmp_path, groups):
     """One such file made `status` fail for every job (AttributeError in the daemon; the client's

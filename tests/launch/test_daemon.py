@@ -2776,9 +2776,9 @@ def test_status_and_stop_refuse_a_malformed_answer_in_one_line_naming_the_field(
                                                 "or None")):
             p = cli(*args)
             assert (p.returncode, p.stdout, p.stderr) == (1, "", said + why + tail), p.stderr
-        p = cli("status")  # (no stopped_by, no over_hosts: a daemon of an earlier version)
+        p = cli("status")  # (no stopped_by, no over_hosts: a daemon of an earlier version; it does not say who asked)
         assert (p.returncode, p.stderr) == (0, ""), p.stderr
-        assert p.stdout.startswith(f"{job['id']}  stopped (by request)  forever.py"), p.stdout
+        assert p.stdout.startswith(f"{job['id']}  stopped  forever.py"), p.stdout
     finally:
         stop.set()
         server.join(10)

@@ -168,23 +168,14 @@ def _asked(client: Any, kind: str, *fields: Any) -> Any:
 
 def _fields_problem(what: str, d: Any, fields: dict[str, tuple[type, ...]],
                     optional: dict[str, tuple[type, ...]]) -> str | None:
-    """What is wrong with ``d``, a dict that must hold ``fields`` (and may hold ``optional``) of those types
-    (``type(v) in types``: a bool is no int), numbers finite; None if nothing."""
-    import math
+    """What is wrong with ``d``, a dict that must hold ``fields`` (and may hold ``optional``) of those types,
+    numbers finite (:func:`~reactor.launch._jobrecord.fields_problem`, as a job record is checked); None if
+    nothing."""
+    from ..launch._jobrecord import fields_problem
 
     if type(d) is not dict:
         return f"{what} is {type(d).__name__}, not a dict"
-    for table, required in ((fields, True), (optional, False)):
-        for name, types in table.items():
-            if name not in d:
-                if required:
-                    return f"{what} has no {name}"
-                continue
-            if type(d[name]) not in types:
-                return f"{what}'s {name} is {type(d[name]).__name__}, not {' or '.join(t.__name__ for t in types)}"
-            if type(d[name]) is float and not math.isfinite(d[name]):
-                return f"{what}'s {name} is {d[name]}"
-    return None
+    return fields_problem(d, fields, optional, what)
 
 
 _NUMBER = (int, float)

@@ -142,6 +142,27 @@ _RECORD_OPTIONAL: dict[str, tuple[type, ...]] = {
 }
 
 
+def fields_problem(d: dict[str, Any], required: dict[str, tuple[type, ...]], optional: dict[str, tuple[type, ...]],
+                   what: str = "it") -> str | None:
+    """What is wrong with ``d`` (None: nothing), a dict that must hold the fields of ``required`` and may hold
+    those of ``optional``, each of one of its types (``type(v) in types``: a bool is no int), a float finite:
+    a job record read from disk here, a daemon's answer in the command line (``cli._jobs``). ``what`` names
+    ``d`` in the reason ("it": "its pid is str, not int")."""
+    whose = "its" if what == "it" else f"{what}'s"
+    for table, needed in ((required, True), (optional, False)):
+        for name, types in table.items():
+            if name not in d:
+                if needed:
+                    return f"{what} has no {name}"
+                continue
+            v = d[name]
+            if type(v) not in types:
+                return f"{whose} {name} is {type(v).__name__}, not {' or '.join(t.__name__ for t in types)}"
+            if type(v) is float and not math.isfinite(v):
+                return f"{whose} {name} is {v}"
+    return None
+
+
 def _record_problem(record: Any, job_id: str) -> str | None:
     """What is wrong with a job record read from disk (None: nothing): its id must be its directory's
     name, and the fields ``status`` shows and ``watch`` signals by must have their types and ranges."""
@@ -149,15 +170,8 @@ def _record_problem(record: Any, job_id: str) -> str | None:
         return "it is not a JSON object"
     if record.get("id") != job_id:
         return "its id is not its directory's name"
-    for fields, required in ((_RECORD_TYPES, True), (_RECORD_OPTIONAL, False)):
-        for name, types in fields.items():
-            if name not in record and not required:
-                continue
-            v = record.get(name)
-            if type(v) not in types:
-                return f"its {name} is {type(v).__name__}, not {' or '.join(t.__name__ for t in types)}"
-            if type(v) is float and not math.isfinite(v):
-                return f"its {name} is {v}"
+    if (why := fields_problem(record, _RECORD_TYPES, _RECORD_OPTIONAL)) is not None:
+        return why
     if not 0 < record["pid"] < 2**31 or not 0 <= record.get("pid_start", 0) < 2**63:
         return "its pid or start time is out of range"
     return None

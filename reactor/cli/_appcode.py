@@ -71,3 +71,18 @@ def _app_error(e: BaseException, app: str | None) -> str | None:
     message = (str(e).splitlines() or [""])[0]
     return (f"Traceback (the app's frames):\n{shown.rstrip()}\nreactor: {app} line {at.lineno}, in {at.name}: "
             f"{type(e).__name__}{': ' + _bounded(message) if message else ''}")
+
+
+def check_given_file(what: str, path: str | Path) -> None:
+    """A file named on the command line (``what``: "app file", "hosts file", "--with file") is one.
+
+    Raises:
+        IsADirectoryError: it is a directory (of a --with, said as such: it said "no --with file at 'lib'" of a
+            folder that is there).
+        FileNotFoundError: there is nothing there.
+    """
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{what} {str(path)!r} is a directory" + (
+            ": --with ships single files (give each its own --with)" if what == "--with file" else ""))
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no {what} at {str(path)!r}")

@@ -11,7 +11,7 @@ from typing import Any
 
 from .._errors import refusal_line
 from ..launch._app import blamed_setting, check_imports_shipped, compile_app, parse_overrides
-from ._appcode import _app_code, _bounded
+from ._appcode import _app_code, _bounded, check_given_file
 
 
 def _cluster_run_args(args: argparse.Namespace) -> list[str]:
@@ -36,10 +36,7 @@ def _cluster_run_args(args: argparse.Namespace) -> list[str]:
     for o in args.overrides:
         run_args += ["--set", o]
     for f in args.files:
-        if Path(f).is_dir():
-            raise IsADirectoryError(f"--with {f} is a directory: --with ships single files (give each its own --with)")
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"--with {f}: no such file")
+        check_given_file("--with file", f)
         run_args += ["--with", str(Path(f).resolve())]
     if not Path(args.app).is_file():
         raise FileNotFoundError(f"no app file {args.app}")

@@ -126,13 +126,11 @@ def _check_run_options(args: argparse.Namespace) -> None:
     """
     from ..launch._groups import restart_from_text
     from ..launch._policies import POLICIES
+    from ._appcode import check_given_file
 
     for what, path in (("app file", args.app), ("hosts file", args.hosts), *(("--with file", f) for f in args.files)):
-        if path is not None and Path(path).is_dir():  # (it said "no --with file at 'lib'" of a folder that is there)
-            raise IsADirectoryError(f"{what} {path!r} is a directory: --with ships single files (give each its own "
-                                    f"--with)" if what == "--with file" else f"{what} {path!r} is a directory")
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"no {what} at {path!r}")
+        if path is not None:
+            check_given_file(what, path)
     from ..launch._app import check_imports_shipped, files_to_ship, shipped_files
     from ..launch._forkserver import over_hosts
 

@@ -18,6 +18,10 @@ from ._appcode import _app_code
 from ._cluster import _check_config_here
 from ._run import _check_run_options
 
+#: How long the commands that ask a daemon (submit, status, logs, stop) wait on an address whose every TCP
+#: connect is refused before they say nothing listens there (the whole --timeout-s was waited out).
+REFUSED_AFTER_S = 1.0
+
 
 def _jobs(args: argparse.Namespace) -> int:
     """keys, daemon, submit, status, logs, stop."""
@@ -84,8 +88,8 @@ def _jobs(args: argparse.Namespace) -> int:
         _check_job(args)  # (before keys and the daemon: the job's own mistakes first)
     address, daemon_key = _daemon_of(args, load_keys(keys_dir).public)
     try:
-        with DaemonClient(address, daemon_key, load_keys(keys_dir),
-                          timeout_s=args.timeout_s) as c:
+        with DaemonClient(address, daemon_key, load_keys(keys_dir), timeout_s=args.timeout_s,
+                          refused_after_s=REFUSED_AFTER_S) as c:
             if args.command == "submit":
                 spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
                                 seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts,
@@ -131,7 +135,8 @@ def _jobs(args: argparse.Namespace) -> int:
                 where = groups[args.group]
                 keys = load_keys(keys_dir)
                 host_key = where["key"].encode() if where["key"] else keys.public  # none: the cluster key
-                with DaemonClient(where["address"], host_key, keys, timeout_s=args.timeout_s) as w:
+                with DaemonClient(where["address"], host_key, keys, timeout_s=args.timeout_s,
+                                  refused_after_s=REFUSED_AFTER_S) as w:
                     _print_log(lambda offset: _asked(w, "worker_log", job["run"], args.group, offset), args.follow)
             else:
                 j = _asked(c, "stop", args.job)

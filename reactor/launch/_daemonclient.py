@@ -110,10 +110,14 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
             "restart": restart}
 
 
-#: What the client's socket monitor reports (``ZMQ_EVENT_*``): how far its connection got.
+#: What the client's socket monitor reports (``ZMQ_EVENT_*``): how far its connection got, and each
+#: connect that failed (refused: ZeroMQ tries again in ``RECONNECT_IVL``).
 _LINK_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                 | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CONNECT_RETRIED)
+#: Why a request found nothing listening (``refused_after_s``), after the address.
+REFUSED_WHY = ("the connection was refused: nothing listens on that port (check the address and port, and that the "
+               "daemon runs there)")
 
 
 class DaemonClient:
@@ -132,12 +136,17 @@ class DaemonClient:
         keys: this client's key pair; the daemon must list its public half in ``authorized/``.
         timeout_s: how long to wait for each answer.
         who: how errors name the daemon (default ``the daemon at ADDRESS``).
+        refused_after_s: give a request up (:class:`DaemonSilentError`, ``reached == "nothing"``) once every
+            TCP connect for this long has been refused, before ``timeout_s``: the command line's, where a
+            wrong port waited the whole timeout out to say nothing listened there. None (the runtime's
+            clients): wait ``timeout_s`` out (a daemon restarting listens again within it).
     """
 
     def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0,
-                 who: str | None = None) -> None:
+                 who: str | None = None, refused_after_s: float | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.refused_after_s = refused_after_s
         self.who = who or f"the daemon at {address}"
         self.daemon_key = daemon_key
         self.public = keys.public
@@ -155,6 +164,7 @@ class DaemonClient:
         self.sock.curve_serverkey = self.daemon_key
         self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
         self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
+        self.refused_since: float | None = None  # when connects began to be refused (none since then got through)
         self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
         self.sock.connect(self.address)
         self.poller = zmq.Poller()
@@ -173,7 +183,8 @@ class DaemonClient:
         Raises:
             DaemonKeyError: the CURVE handshake failed (our key is not admitted, or the daemon's key
                 is not the one given), as soon as that is known; the next request tries a new handshake.
-            DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got.
+            DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got; or
+                (``refused_after_s``) every connect refused for that long.
             DaemonError: the daemon refused the request (its reason).
         """
         rid = self.next_id
@@ -193,6 +204,15 @@ class DaemonClient:
         deadline = time.monotonic() + timeout_s
         self._follow_link()
         while (left := deadline - time.monotonic()) > 0 and self.refused is None:
+            if (gone := self._refused_for()) is not None:  # (refused all along: no answer can come)
+                assert self.refused_after_s is not None
+                if gone < self.refused_after_s:
+                    left = min(left, self.refused_after_s - gone)
+                else:
+                    self._follow_link()  # (a connect that got through just now counts)
+                    if self._refused_for() is not None:
+                        raise DaemonSilentError(f"{self.who} did not answer {kind!r}: {REFUSED_WHY}", "nothing",
+                                                REFUSED_WHY)
             ready = dict(self.poller.poll(int(left * 1000) + 1))
             if self.monitor in ready:
                 self._follow_link()
@@ -226,14 +246,23 @@ class DaemonClient:
             except zmq.Again:
                 return
             kind = event["event"]
-            if kind == zmq.EVENT_CONNECTED:
-                self.link = "tcp"
+            if kind == zmq.EVENT_CONNECT_RETRIED:  # (a connect failed: refused, or its host unreachable)
+                if self.link == "nothing" and self.refused_since is None:
+                    self.refused_since = time.monotonic()
+            elif kind == zmq.EVENT_CONNECTED:
+                self.link, self.refused_since = "tcp", None
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.link = "nothing"
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.link, self.refused = "handshake", None
             else:  # a handshake failed (its event and ZeroMQ's code)
                 self.refused = (int(kind), int(event["value"]))
+
+    def _refused_for(self) -> float | None:
+        """Seconds since connects began to be refused with none through since (``refused_after_s`` set), or None."""
+        if self.refused_after_s is None or self.link != "nothing" or self.refused_since is None:
+            return None
+        return time.monotonic() - self.refused_since
 
     def _key_error(self) -> DaemonKeyError:
         assert self.refused is not None

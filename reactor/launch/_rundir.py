@@ -83,7 +83,7 @@ def sweep_stale(base: Path | None = None) -> list[str]:
     """Remove the run directories under ``base`` whose owner process is dead, and every shared-memory
     segment of this package whose owner is dead. Directories of live runs, of other users, and
     without a readable owner record are left alone. Returns what was removed (paths and segment
-    names), each also logged."""
+    names), logged: a line per directory, one for all the segments."""
     base = runtime_base() if base is None else base
     removed: list[str] = []
     uid = os.getuid()
@@ -110,7 +110,9 @@ def sweep_stale(base: Path | None = None) -> list[str]:
         remove_run_dir(Path(entry.path))
         removed.append(entry.path)
         log.warning("removed the run directory %s of a dead coordinator (pid %d)", entry.path, pid)
-    for name in cleanup_stale():
-        removed.append(name)
-        log.warning("removed the shared-memory segment %s of a dead owner", name)
+    segments = cleanup_stale()
+    if segments:  # (one line: a dead shard's ten segments were ten warnings at an unrelated run's start)
+        removed += segments
+        log.warning("removed %d shared-memory segment%s of dead owners: %s%s", len(segments),
+                    "s" if len(segments) > 1 else "", ", ".join(segments[:3]), ", ..." if len(segments) > 3 else "")
     return removed

@@ -510,7 +510,9 @@ def result_lines(last_eval: float | None, stop_reason: str, run_dir: Any, plot: 
     """The two lines a training run ends with: its last evaluation (``age``: how old it is, :func:`eval_age`)
     and why it stopped, then where its files are (Metrics prints them on its host; ``reactor run --hosts``
     again at the terminal, from the summary)."""
-    ev = "-" if last_eval is None else format_return(last_eval)
+    # (none: the run stopped before its first evaluation, e.g. at an early Ctrl-C; a bare "-" read as a
+    # return that had gone missing)
+    ev = "none (the run stopped before its first evaluation)" if last_eval is None else format_return(last_eval)
     host = f" (on the daemon's host, {socket.gethostname()})" if os.environ.get("REACTOR_JOB_DIR") else ""
     return (f"evaluation return {ev}{f' ({age})' if age else ''}; stopped: {stop_reason}\nrun directory "
             f"{job_path(run_dir)}{host}" + (f"; plot {job_path(plot)}" if plot else ""))

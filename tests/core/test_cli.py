@@ -275,6 +275,41 @@ def test_a_daemon_key_that_is_a_directory_is_a_one_line_error(tmp_path):
                                               f"in it)\n"), p.stderr
 
 
+def test_a_daemon_address_where_nothing_listens_is_said_at_once_not_after_the_timeout(tmp_path):
+    """Regression (left alone in sessions 70-72): `reactor status --daemon tcp://HOST:WRONGPORT` waited its
+    whole --timeout-s out (10 s by default) to say that nothing had accepted a TCP connection. A connect
+    refused again and again for a second is that answer; an address that accepts the connection and does
+    not answer still waits the timeout out (a busy daemon answers late, not never)."""
+    import socket
+    import time
+
+    import zmq
+
+    from reactor.launch._keys import init_keys
+
+    keys = init_keys(tmp_path / "keys")
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as sock:  # a port that nothing listens on (freed)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+    for command in (["status"], ["stop", "0123456789abcdef"], ["logs", "0123456789abcdef"]):
+        started = time.monotonic()
+        p = reactor(*command, "--daemon", f"tcp://127.0.0.1:{port}", "--daemon-key", keys.public.decode(), "--keys",
+                    str(tmp_path / "keys"), "--timeout-s", "60")
+        took = time.monotonic() - started
+        assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+        assert (f"the daemon at tcp://127.0.0.1:{port} did not answer '{command[0]}': the connection was refused: "
+                f"nothing listens on that port (check the address and port, and that the daemon runs there)"
+                ) in p.stderr, p.stderr
+        assert took < 45, took  # (not the 60 s timeout waited out)
+    with socket.socket() as mute:  # a TCP listener that never speaks ZMTP: the timeout is waited out
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        started = time.monotonic()
+        p = reactor("status", "--daemon", f"tcp://127.0.0.1:{mute.getsockname()[1]}", "--daemon-key",
+                    keys.public.decode(), "--keys", str(tmp_path / "keys"), "--timeout-s", "3")
+    assert p.returncode != 0 and "did not answer 'status' within 3.0 s: it accepted a TCP connection" in p.stderr, p.stderr
+    assert time.monotonic() - started >= 3
+
+
 def test_keys_init_inside_a_key_directorys_authorized_folder_is_refused_and_makes_nothing(tmp_path):
     """``reactor keys init KEYS/authorized/alice`` put a secret key among the public keys a daemon admits."""
     from reactor.launch._keys import init_keys

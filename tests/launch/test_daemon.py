@@ -2320,8 +2320,11 @@ def test_a_run_over_hosts_with_more_workers_than_a_hosts_memory_holds_is_refused
     p = subprocess.run([sys.executable, "-m", "reactor.cli", "run", str(ROOT / "apps" / "dqn.py"), "--placement",
                         "actors", "--set", "actors=20000", "--hosts", str(hosts), "--keys", str(daemon.client_dir)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=run_env(tmp_path / "rt-dir"))
-    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
-    assert p.stderr.startswith("reactor: 20003 worker processes on host h1 need at least 1250.2 GiB at 64 MiB each, "
+    # (the run's start may sweep the segments of another test's killed shard: CI at f5323f5 on the Intel VM)
+    err = "".join(line for line in p.stderr.splitlines(keepends=True)
+                  if "shared-memory segment" not in line or "of dead owners" not in line)
+    assert p.returncode == 2 and err.count("\n") == 1, p.stderr
+    assert err.startswith("reactor: 20003 worker processes on host h1 need at least 1250.2 GiB at 64 MiB each, "
                                "and host h1 has "), p.stderr
     with daemon.client() as c:
         assert c.request("hosted") == []  # nothing was started there

@@ -24,8 +24,9 @@ class FakeTrainer(Reactor):
     report = Output(Report)
     again = Action()
 
-    def __init__(self, rounds: int = 10) -> None:
+    def __init__(self, rounds: int = 10, evaluates: bool = True) -> None:
         self.rounds = rounds
+        self.evaluates = evaluates
         self.k = 0
 
     @reaction(triggers=[startup, again], effects=[report, again])
@@ -33,7 +34,8 @@ class FakeTrainer(Reactor):
         self.k += 1
         self.report.send(Report(self.name, {"env_steps": 1000 * self.k, "episodes": 10 * self.k,
                                             "episode_return": 20.0 * self.k}))
-        self.report.send(Report("evaluator", {"eval_return": 100.0 * self.k}))
+        if self.evaluates:
+            self.report.send(Report("evaluator", {"eval_return": 100.0 * self.k}))
         if self.k < self.rounds:
             self.again.schedule(delay_s=0.001)
 
@@ -336,6 +338,21 @@ def test_a_line_far_longer_than_any_row_is_passed_over_by_the_restart_never_read
     finally:
         tracemalloc.stop()
     assert peak < 4 * 2**20, peak  # (read whole, the line alone was 64 MB)
+
+
+def test_a_run_that_stops_before_its_first_evaluation_says_so_in_its_last_lines(tmp_path, capsys):
+    """Regression (left alone in sessions 70-72): a run stopped before any evaluation (an early Ctrl-C, a
+    small max_env_steps) ended "evaluation return -; stopped: ...", a dash that read as a return gone
+    missing."""
+    g = Graph()
+    t = g.add(FakeTrainer(evaluates=False), name="actor")
+    m = g.add(Metrics(str(tmp_path), max_env_steps=3000, live=False), name="metrics")
+    g.connect(t.report, m.reports)
+    run(g)
+    out = capsys.readouterr().out
+    assert ("evaluation return none (the run stopped before its first evaluation); stopped: 3000 env steps >= "
+            "max_env_steps 3000\n") in out, out
+    assert json.loads((tmp_path / "summary.json").read_text())["last_eval_return"] is None
 
 
 def test_metrics_stops_at_max_env_steps_without_a_target(tmp_path, capsys):

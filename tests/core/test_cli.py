@@ -290,7 +290,7 @@ def test_a_daemon_address_where_nothing_listens_is_said_at_once_not_after_the_ti
     keys = init_keys(tmp_path / "keys")
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as sock:  # a port that nothing listens on (freed)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
-    for command in (["status"], ["stop", "0123456789abcdef"], ["logs", "0123456789abcdef"]):
+    for command in (["status"], ["stop", "0123456789abcdef"]):  # (logs and submit: the same client, the same check)
         started = time.monotonic()
         p = reactor(*command, "--daemon", f"tcp://127.0.0.1:{port}", "--daemon-key", keys.public.decode(), "--keys",
                     str(tmp_path / "keys"), "--timeout-s", "60")
@@ -305,9 +305,9 @@ def test_a_daemon_address_where_nothing_listens_is_said_at_once_not_after_the_ti
         mute.listen()
         started = time.monotonic()
         p = reactor("status", "--daemon", f"tcp://127.0.0.1:{mute.getsockname()[1]}", "--daemon-key",
-                    keys.public.decode(), "--keys", str(tmp_path / "keys"), "--timeout-s", "3")
-    assert p.returncode != 0 and "did not answer 'status' within 3.0 s: it accepted a TCP connection" in p.stderr, p.stderr
-    assert time.monotonic() - started >= 3
+                    keys.public.decode(), "--keys", str(tmp_path / "keys"), "--timeout-s", "2")
+    assert p.returncode != 0 and "did not answer 'status' within 2.0 s: it accepted a TCP connection" in p.stderr, p.stderr
+    assert time.monotonic() - started >= 2
 
 
 def test_keys_init_inside_a_key_directorys_authorized_folder_is_refused_and_makes_nothing(tmp_path):

@@ -19,8 +19,9 @@ from ._cluster import _check_config_here
 from ._run import _check_run_options
 
 #: How long the commands that ask a daemon (submit, status, logs, stop) wait on an address whose every TCP
-#: connect is refused before they say nothing listens there (the whole --timeout-s was waited out).
-REFUSED_AFTER_S = 1.0
+#: connect fails at once (refused) before they say nothing listens there (the whole --timeout-s was waited
+#: out); a daemon started just before them binds within it (its imports take ~1 s on a 2-core machine).
+REFUSED_AFTER_S = 2.0
 
 
 def _jobs(args: argparse.Namespace) -> int:

@@ -88,9 +88,10 @@ def _print_training_result(got: dict[str, Any]) -> None:
     if not isinstance(summary, dict):
         return
     last, why = summary.get("last_eval_return"), summary.get("stop_reason")
+    if last is not None and (not isinstance(last, (int, float)) or isinstance(last, bool)):
+        return  # (not a summary Metrics wrote: no line says a return it does not hold, or that none was made)
     plot = Path(got["run_dir"]) / "curves.png"
-    print(result_lines(last if isinstance(last, (int, float)) and not isinstance(last, bool) else None,
-                       why if isinstance(why, str) else "-", got["run_dir"], plot if plot.is_file() else None,
+    print(result_lines(last, why if isinstance(why, str) else "-", got["run_dir"], plot if plot.is_file() else None,
                        eval_age(summary, got["run_dir"])))
 
 

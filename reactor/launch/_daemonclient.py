@@ -116,8 +116,11 @@ _LINK_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHA
                 | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CONNECT_RETRIED)
 #: Why a request found nothing listening (``refused_after_s``), after the address.
-REFUSED_WHY = ("the connection was refused: nothing listens on that port (check the address and port, and that the "
-               "daemon runs there)")
+REFUSED_WHY = ("every TCP connect failed at once (refused: nothing listens on that port; or the host is unknown or "
+               "unreachable): check the address and port, and that the daemon runs there")
+#: A connect failure older than this leaves ``refused_after_s`` out of it: a connect now under way (a lost
+#: SYN waits a second for its retransmit) is not a refused one. ZeroMQ retries every 0.1 s.
+_RETRIED_FRESH_S = 0.5
 
 
 class DaemonClient:
@@ -137,9 +140,11 @@ class DaemonClient:
         timeout_s: how long to wait for each answer.
         who: how errors name the daemon (default ``the daemon at ADDRESS``).
         refused_after_s: give a request up (:class:`DaemonSilentError`, ``reached == "nothing"``) once every
-            TCP connect for this long has been refused, before ``timeout_s``: the command line's, where a
-            wrong port waited the whole timeout out to say nothing listened there. None (the runtime's
-            clients): wait ``timeout_s`` out (a daemon restarting listens again within it).
+            TCP connect during this long of it failed at once (refused, or the host unknown), before
+            ``timeout_s``: the command line's, where a wrong port waited the whole timeout out to say
+            nothing listened there. Only while this client has never connected: one that has (a daemon
+            restarting, ``logs -f`` over an outage) waits ``timeout_s`` out. None (the runtime's
+            clients): always wait ``timeout_s`` out.
     """
 
     def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0,
@@ -147,6 +152,7 @@ class DaemonClient:
         self.address = address
         self.timeout_s = timeout_s
         self.refused_after_s = refused_after_s
+        self.ever_connected = False  # some connection of this client got through (refused_after_s is then off)
         self.who = who or f"the daemon at {address}"
         self.daemon_key = daemon_key
         self.public = keys.public
@@ -164,7 +170,7 @@ class DaemonClient:
         self.sock.curve_serverkey = self.daemon_key
         self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
         self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
-        self.refused_since: float | None = None  # when connects began to be refused (none since then got through)
+        self.retried_at: float | None = None  # the last connect that failed, while none got through since
         self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
         self.sock.connect(self.address)
         self.poller = zmq.Poller()
@@ -184,7 +190,7 @@ class DaemonClient:
             DaemonKeyError: the CURVE handshake failed (our key is not admitted, or the daemon's key
                 is not the one given), as soon as that is known; the next request tries a new handshake.
             DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got; or
-                (``refused_after_s``) every connect refused for that long.
+                (``refused_after_s``) every connect failing at once for that long.
             DaemonError: the daemon refused the request (its reason).
         """
         rid = self.next_id
@@ -201,16 +207,17 @@ class DaemonClient:
             self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)], flags=zmq.NOBLOCK)
         except zmq.Again as e:
             raise DaemonSilentError(f"{self.who} takes no more requests (not reachable)") from e
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         self._follow_link()
         while (left := deadline - time.monotonic()) > 0 and self.refused is None:
-            if (gone := self._refused_for()) is not None:  # (refused all along: no answer can come)
+            if self._refusing():  # (every connect failing at once: no answer can come)
                 assert self.refused_after_s is not None
-                if gone < self.refused_after_s:
-                    left = min(left, self.refused_after_s - gone)
+                if (wait := started + self.refused_after_s - time.monotonic()) > 0:
+                    left = min(left, wait)
                 else:
                     self._follow_link()  # (a connect that got through just now counts)
-                    if self._refused_for() is not None:
+                    if self._refusing():
                         raise DaemonSilentError(f"{self.who} did not answer {kind!r}: {REFUSED_WHY}", "nothing",
                                                 REFUSED_WHY)
             ready = dict(self.poller.poll(int(left * 1000) + 1))
@@ -246,11 +253,11 @@ class DaemonClient:
             except zmq.Again:
                 return
             kind = event["event"]
-            if kind == zmq.EVENT_CONNECT_RETRIED:  # (a connect failed: refused, or its host unreachable)
-                if self.link == "nothing" and self.refused_since is None:
-                    self.refused_since = time.monotonic()
+            if kind == zmq.EVENT_CONNECT_RETRIED:  # (a connect failed: refused, or its host unknown or unreachable)
+                if self.link == "nothing":
+                    self.retried_at = time.monotonic()
             elif kind == zmq.EVENT_CONNECTED:
-                self.link, self.refused_since = "tcp", None
+                self.link, self.retried_at, self.ever_connected = "tcp", None, True
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.link = "nothing"
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -258,11 +265,11 @@ class DaemonClient:
             else:  # a handshake failed (its event and ZeroMQ's code)
                 self.refused = (int(kind), int(event["value"]))
 
-    def _refused_for(self) -> float | None:
-        """Seconds since connects began to be refused with none through since (``refused_after_s`` set), or None."""
-        if self.refused_after_s is None or self.link != "nothing" or self.refused_since is None:
-            return None
-        return time.monotonic() - self.refused_since
+    def _refusing(self) -> bool:
+        """Whether connects are failing at once now (the last one failed lately, none got through since),
+        and this client gives up on that (``refused_after_s``, never connected)."""
+        return (self.refused_after_s is not None and not self.ever_connected and self.link == "nothing"
+                and self.retried_at is not None and time.monotonic() - self.retried_at < _RETRIED_FRESH_S)
 
     def _key_error(self) -> DaemonKeyError:
         assert self.refused is not None

@@ -83,7 +83,7 @@ def sweep_stale(base: Path | None = None) -> list[str]:
     """Remove the run directories under ``base`` whose owner process is dead, and every shared-memory
     segment of this package whose owner is dead. Directories of live runs, of other users, and
     without a readable owner record are left alone. Returns what was removed (paths and segment
-    names), logged: a line per directory, one for all the segments."""
+    names), logged: a line per directory, one for all the segments (each named at debug level)."""
     base = runtime_base() if base is None else base
     removed: list[str] = []
     uid = os.getuid()
@@ -115,4 +115,5 @@ def sweep_stale(base: Path | None = None) -> list[str]:
         removed += segments
         log.warning("removed %d shared-memory segment%s of dead owners: %s%s", len(segments),
                     "s" if len(segments) > 1 else "", ", ".join(segments[:3]), ", ..." if len(segments) > 3 else "")
+        log.debug("the segments removed: %s", ", ".join(segments))
     return removed

@@ -730,3 +730,17 @@ def test_a_plot_that_cannot_be_drawn_is_one_line_naming_the_file_and_why_and_the
         rf"metrics: no plot {re.escape(str(tmp_path / 'curves.png'))}: {why}{later}", said[0]), said
     assert json.loads((tmp_path / "summary.json").read_text())["env_steps"] > 0
     assert not (tmp_path / "curves.png").is_file()
+
+
+def test_a_run_over_hosts_prints_its_last_lines_only_from_a_summary_that_holds_a_return_or_none(tmp_path, capsys):
+    """The result lines of a run over hosts come from the summary that came back with its files: a
+    ``last_eval_return`` that is not a number (not a summary Metrics wrote) prints no line, where it was
+    printed as if the run had stopped before its first evaluation."""
+    from reactor.cli._run import _print_training_result
+
+    for last, expected in ((12.5, "evaluation return 12.5; stopped: y\n"),
+                           (None, "evaluation return none (the run stopped before its first evaluation); stopped: y\n"),
+                           ("12.5", None), (True, None), ([1], None)):
+        _print_training_result({"summary": {"last_eval_return": last, "stop_reason": "y"}, "run_dir": str(tmp_path)})
+        out = capsys.readouterr().out
+        assert out.startswith(expected) if expected else out == "", (last, out)

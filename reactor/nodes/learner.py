@@ -124,7 +124,9 @@ class Learner(_LearnerBase):
         report: :class:`Report` (``updates``, ``samples``, ``one_sided_batches``: batches drawn one-sidedly,
             ``drawn_ahead_batches``: those of them drawn on the client's thread during an update,
             ``empty_batches``: batches sampled with no item left (every one overwritten while it was
-            read), which are not learned on, the algorithm's metrics).
+            read), which are not learned on, the algorithm's metrics). In a data-parallel bank only
+            replica 0 reports, and these counts are its own (``updates`` is every replica's; the
+            others' samples and empty batches are not in them).
 
     Args:
         algo, env, algo_config: the algorithm, the environment (for its spaces) and Config overrides.

@@ -211,15 +211,11 @@ class DaemonClient:
         deadline = started + timeout_s
         self._follow_link()
         while (left := deadline - time.monotonic()) > 0 and self.refused is None:
-            if self._refusing():  # (every connect failing at once: no answer can come)
+            if self._refusing():  # (every connect failing at once: no answer can come; events read after each poll)
                 assert self.refused_after_s is not None
-                if (wait := started + self.refused_after_s - time.monotonic()) > 0:
-                    left = min(left, wait)
-                else:
-                    self._follow_link()  # (a connect that got through just now counts)
-                    if self._refusing():
-                        raise DaemonSilentError(f"{self.who} did not answer {kind!r}: {REFUSED_WHY}", "nothing",
-                                                REFUSED_WHY)
+                if (wait := started + self.refused_after_s - time.monotonic()) <= 0:
+                    raise DaemonSilentError(f"{self.who} did not answer {kind!r}: {REFUSED_WHY}", "nothing", REFUSED_WHY)
+                left = min(left, wait)
             ready = dict(self.poller.poll(int(left * 1000) + 1))
             if self.monitor in ready:
                 self._follow_link()

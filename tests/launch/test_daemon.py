@@ -2370,7 +2370,7 @@ def test_a_run_over_hosts_with_more_workers_than_a_hosts_memory_holds_is_refused
     err = _without_sweep(p.stderr)
     assert p.returncode == 2 and err.count("\n") == 1, p.stderr
     assert err.startswith("reactor: 20003 worker processes on host h1 need at least 1250.2 GiB at 64 MiB each, "
-                               "and host h1 has "), p.stderr
+                          "and host h1 has "), p.stderr
     with daemon.client() as c:
         assert c.request("hosted") == []  # nothing was started there
 

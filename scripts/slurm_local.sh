@@ -76,7 +76,15 @@ stop_all() {  # and wait until they are gone: a stopping slurmctld still saves i
 if [ "${1:-}" = stop ]; then
     stop_all
     if grep -q "^munge " "$MARK" 2>/dev/null; then  # (a munged it found running is not its to stop)
+        # and wait until it is gone: a start right after this one that still saw it running would not
+        # start its own, and its Slurm would then find no munge socket (every sinfo fails: seen, a
+        # second pytest run skipping the Slurm tests after 7 minutes of waiting for idle nodes)
         pkill -x munged || true
+        for _ in $(seq 1 30); do
+            pgrep -x munged >/dev/null || break
+            sleep 0.5
+        done
+        pkill -9 -x munged || true
     fi
     if grep -qx packages "$MARK" 2>/dev/null; then  # (the packages stay installed, and still its own)
         echo packages > "$MARK"
@@ -153,9 +161,16 @@ else
     changed=0
 fi
 
-if ! pgrep -x munged >/dev/null; then
-    runuser -u munge -- /usr/sbin/munged
-    echo "munge $TOKEN" >> "$MARK"
+if ! pgrep -x munged >/dev/null || [ ! -S /run/munge/munge.socket.2 ]; then
+    # (a munged that runs with no socket is one on its way out: wait for it, then start ours)
+    for _ in $(seq 1 30); do
+        pgrep -x munged >/dev/null || break
+        sleep 0.5
+    done
+    if ! pgrep -x munged >/dev/null; then
+        runuser -u munge -- /usr/sbin/munged
+        echo "munge $TOKEN" >> "$MARK"
+    fi
 fi
 if [ "$changed" = 1 ]; then
     stop_all

@@ -105,7 +105,6 @@ def _early_fork_server(args: argparse.Namespace) -> Iterator[None]:
 
     local = workers_here(args.placement, args.hosts)
     if local:
-
         launch_early()
     try:
         yield

@@ -35,6 +35,7 @@ from ._bulkzmq import (
     ZmqClient,
     check_runs,
     expand_runs,
+    read_nbytes,
     seqlock_mask,
 )
 from ._zmq import CurveKeys
@@ -842,7 +843,7 @@ class BulkReader:
             raise PeerLostError(f"bulk region {att.name!r}: its zmq connection is closed")
         max_req, max_rep = att.zmq_limits
         k = flat.shape[0]
-        nbytes = k * (sum(att.fields[n].row_nbytes for n in names) + check)  # (+ the valid mask)
+        nbytes = read_nbytes(k, sum(att.fields[n].row_nbytes for n in names), check)
         if nbytes + REPLY_OVERHEAD_NBYTES > max_rep:
             raise FrameTooLargeError(
                 f"{what}: {k} rows ({nbytes} bytes) from bulk region {att.name!r} exceed the owner's "

@@ -22,12 +22,18 @@ Wire protocol (every message is :mod:`reactor.transport.codec` frames, nothing p
 Sizes are bounded both ways: zmq's ``MAXMSGSIZE`` on the server refuses requests over
 ``max_request_nbytes`` before they reach Python, and a read whose reply would exceed
 ``max_reply_nbytes`` is refused with ``FrameTooLargeError`` (readers check first, without a round
-trip).
+trip); a checked read counts the server's per-row version arrays too (:func:`read_nbytes`: a request
+of runs without fields made it build 6.9 GB for a 253 MiB reply). The replies zmq still holds for
+one reader, unsent, are bounded by ``max_reply_nbytes`` as well: a request that comes while more is
+queued for its reader is refused (``ValueError``) until zmq has sent it. A reader that asks and
+never reads (a stopped process, a socket that takes nothing) held every reply in the server's memory
+until it disconnected, up to zmq's 1,000 queued messages: 145 MB a remote sample.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import struct
 import threading
@@ -48,15 +54,28 @@ from . import _gather
 from ._zmq import CurveKeys, _AllowedKeys
 from .codec import decode, encode
 
-__all__ = ["ZmqClient", "ZmqServer", "mark_seen"]
+__all__ = ["ZmqClient", "ZmqServer", "mark_seen", "read_nbytes"]
 
 log = logging.getLogger("reactor.transport.bulk")
 
 PROTOCOL = 1
 #: Bytes of a reply beyond its data (msgpack header, valid mask): the reply bound allows for it.
 REPLY_OVERHEAD_NBYTES = 64 * 1024
+#: Replies of at least this many bytes are tracked until zmq has sent them (the unsent bound, above);
+#: smaller ones (errors, hellos, small reads) cost the server little even when queued by the thousand.
+_TRACKED_REPLY_NBYTES = 64 * 1024
 #: Bytes of a request besides its runs and expected versions.
 REQUEST_OVERHEAD_NBYTES = 4096
+#: Bytes a checked read's server builds a row besides the reply: the row's index and its versions
+#: read before and after the gather (int64 each).
+CHECK_WORK_NBYTES = 24
+
+
+def read_nbytes(rows: int, row_nbytes: int, check: bool) -> int:
+    """What a read of ``rows`` rows of ``row_nbytes`` bytes (all its fields) costs the owner's server, the
+    figure ``max_reply_nbytes`` bounds: its reply's data, and for a checked read the valid mask and the
+    version check's per-row arrays (:data:`CHECK_WORK_NBYTES`)."""
+    return rows * (row_nbytes + (1 + CHECK_WORK_NBYTES if check else 0))
 
 _ERRORS: dict[str, type[Exception]] = {
     "KeyError": KeyError,
@@ -186,6 +205,10 @@ class ZmqServer:
         self._stop_tx.connect(self._stop_addr)
         self.served = 0
         self.refused = 0
+        self._handled = 0
+        #: Replies zmq may still hold unsent, per reader (its routing id): their trackers and sizes, oldest
+        #: first, and their total; ``_unsent_nbytes`` forgets the sent ones.
+        self._unsent: dict[bytes, tuple[collections.deque[tuple[zmq.MessageTracker, int]], list[int]]] = {}
         #: further ops (e.g. the rdma key exchange): name -> handler(request, region) -> reply fields
         self.extra_ops: dict[str, Callable[[dict[str, Any], ServedRegion], dict[str, Any]]] = {}
         self._thread = threading.Thread(target=self._run, name=f"bulk-server-{name}", daemon=True)
@@ -241,6 +264,11 @@ class ZmqServer:
             if type(req) is not dict:
                 raise MalformedFrameError(f"a bulk request must be a dict, got {type(req).__name__}")
             req_id = req.get("id")
+            unsent = self._unsent_nbytes(ident)
+            if unsent > self._max_reply:
+                raise ValueError(f"bulk server: {unsent} bytes of earlier replies to this reader are still unsent, "
+                                 f"over the owner's max_reply_nbytes of {self._max_reply}: the reader does not take "
+                                 f"them; read the replies before asking for more")
             reply = self._serve(req)
             self.served += 1
         except Exception as exc:  # noqa: BLE001 - no request, however it fails, ends the server's thread
@@ -253,7 +281,7 @@ class ZmqServer:
                             flood_tally(self.refused), exc_info=True)
             if req_id is None:
                 if flood_logged(self.refused):
-                    log.warning("bulk server: dropped a request without an id from %r: %s%s",
+                    log.warning("bulk server: dropped a request without an id from %r: %.300s%s",
                                 ident[:32], msg, flood_tally(self.refused))
                 return
             reply = {"id": req_id, "ok": False, "error": type(exc).__name__, "message": str(msg)[:300]}
@@ -262,10 +290,34 @@ class ZmqServer:
         except (TypeError, ValueError) as exc:  # an id of a type we cannot echo
             log.warning("bulk server: could not encode a reply to %r: %s", ident[:32], exc)
             return
+        nbytes = sum(memoryview(f).nbytes for f in out)
         try:
-            self._router.send_multipart([ident, *out], zmq.NOBLOCK, copy=False)
+            if nbytes < _TRACKED_REPLY_NBYTES:
+                self._router.send_multipart([ident, *out], zmq.NOBLOCK, copy=False)
+            else:
+                tracker = self._router.send_multipart([ident, *out], zmq.NOBLOCK, copy=False, track=True)
+                queue, total = self._unsent.setdefault(ident, (collections.deque(), [0]))
+                queue.append((tracker, nbytes))
+                total[0] += nbytes
         except zmq.ZMQError as exc:  # the reader is gone or flooded: it will time out or see the loss
             log.info("bulk server: could not reply to %r: %s", ident[:32], exc)
+        self._handled += 1
+        if self._handled % 1024 == 0:
+            for who in list(self._unsent):  # (readers gone: zmq dropped their queues, so their replies count as sent)
+                self._unsent_nbytes(who)
+
+    def _unsent_nbytes(self, ident: bytes) -> int:
+        """Bytes of replies to reader ``ident`` that zmq still holds (a reader's replies leave in order)."""
+        got = self._unsent.get(ident)
+        if got is None:
+            return 0
+        queue, total = got
+        while queue and queue[0][0].done:
+            total[0] -= queue.popleft()[1]
+        if not queue:
+            del self._unsent[ident]
+            return 0
+        return total[0]
 
     def _serve(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
@@ -309,7 +361,7 @@ class ZmqServer:
         check = req.get("check", False)
         if type(check) is not bool:
             raise ValueError(f"bulk read: 'check' must be a bool, got {type(check).__name__}")
-        nbytes = total * (sum(fields[n][0] for n in names) + check)  # (+ the valid mask)
+        nbytes = read_nbytes(total, sum(fields[n][0] for n in names), check)
         if nbytes + REPLY_OVERHEAD_NBYTES > self._max_reply:
             raise FrameTooLargeError(
                 f"bulk read of {total} rows ({nbytes} bytes) from region {region.name!r} exceeds the owner's "

@@ -46,6 +46,7 @@ _PROBE_FRESH_S = 0.05  # a connection found live this recently is taken as live 
 _LIVE, _FULL, _GONE = 0, 1, 2
 _POLLIN = int(zmq.POLLIN)  # a plain int: `events & zmq.POLLIN` goes through enum.Flag, ~0.5 us a test
 _DRAIN_BUDGET = 4096  # messages per wake-up before yielding to the loop (a flood must not starve it)
+_MAX_REASON_CHARS = 500  # of a dropped message's reason in the log (it may quote what the peer sent)
 # Senders that said hello and went away: the table is swept (each sender probed through the
 # ROUTER, which refuses to route to a closed connection) once it has doubled since the last sweep,
 # so it stays within twice the live connections at O(1) amortized cost per hello.
@@ -442,7 +443,8 @@ class _Receiving:
         (unknown sender, over credit, malformed, bad control message, a refused or an earlier hello): a
         flood from a peer, or from a stranger, is not a flood of lines; the counters count all."""
         seen = self._drops_logged.hit(kind)
-        if flood_logged(seen):
+        if flood_logged(seen):  # (a reason quoting what a peer sent is cut: one line, not megabytes)
+            args = tuple(str(a)[:_MAX_REASON_CHARS] if isinstance(a, (str, BaseException)) else a for a in args)
             log.log(level, message + "%s", *args, flood_tally(seen))
 
     def _sweep_senders(self, router: _Router) -> None:

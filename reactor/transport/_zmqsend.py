@@ -297,7 +297,8 @@ class _Sending:
                 link.welcomed.set_result(None)
                 woke = True
             else:
-                log.warning("endpoint %r: dropped an unexpected control message %r from peer %r", self._name, msg, link.name)
+                log.warning("endpoint %r: dropped an unexpected control message %.200r from peer %r", self._name, msg,
+                            link.name)
                 self._n["dropped_malformed"] += 1
         if woke and link.waiters:
             for w in link.waiters:

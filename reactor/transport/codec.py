@@ -421,10 +421,10 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 
 def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
     if type(shape) is not list or len(shape) > MAX_NDIM:
-        raise MalformedFrameError(f"{where}: shape must be a list of at most {MAX_NDIM} ints, got {shape!r}")
+        raise MalformedFrameError(f"{where}: shape must be a list of at most {MAX_NDIM} ints, got {shape!r:.200}")
     for d in shape:
         if type(d) is not int or d < 0:
-            raise MalformedFrameError(f"{where}: shape entries must be ints >= 0, got {shape!r}")
+            raise MalformedFrameError(f"{where}: shape entries must be ints >= 0, got {shape!r:.200}")
     return tuple(shape)
 
 

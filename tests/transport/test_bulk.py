@@ -579,6 +579,61 @@ async def test_a_read_over_the_reply_bound_is_refused_by_the_reader_and_by_the_o
         assert await owner.exit_code() == 0
 
 
+@pytest.mark.asyncio
+async def test_a_reader_that_asks_and_never_reads_holds_at_most_one_replys_bound_in_the_owner(run_id, reader):
+    """Hostile probe (session 74): a peer that sends requests for large replies and takes none (a stopped process,
+    a socket whose queue holds one message) held every reply in the owner's server, zero-copy, until it
+    disconnected: 12 remote samples of 145 MB took a shard from 338 MB to 2 GB. Once more than
+    ``max_reply_nbytes`` of replies to a reader wait unsent, its next requests are refused in a line; once it
+    reads them, it is served again. A checked read counts the server's per-row version arrays in its bound too:
+    runs without fields asked for a 253 MiB valid mask and made the server build 6.9 GB."""
+    limit = 256 * 1024
+    async with owner_process("serve", run_id=run_id, backends=["zmq"], rows=20000, max_reply_nbytes=limit) as owner:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(owner.descriptor["zmq"]["address"])
+        gen = owner.descriptor["generation"]
+        try:
+            def read(i: int, rows: int, **more: Any) -> dict[str, Any]:
+                return {"op": "read", "id": i, "region": "shard0", "generation": gen, "fields": ["obs"],
+                        "starts": np.array([0]), "lengths": np.array([rows]), "check": False, "expected": None, **more}
+
+            async def answer() -> Any:
+                return decode(await asyncio.wait_for(sock.recv_multipart(), WAIT_S), max_nbytes=2**30)
+
+            # 6,000 rows of obs: 192 kB a reply, under the bound alone; 40 asked for, none read yet.
+            for i in range(40):
+                await sock.send_multipart(encode(read(i, 6000)))
+            await asyncio.sleep(1.0)  # (the owner answers them all meanwhile)
+            replies = [await answer() for _ in range(40)]
+            assert [r["id"] for r in replies] == list(range(40))
+            served = [r for r in replies if r["ok"]]
+            refused = [r for r in replies if not r["ok"]]
+            assert refused and all(r["error"] == "ValueError" and "of earlier replies to this reader are still unsent, "
+                                   "over the owner's max_reply_nbytes of 262144" in r["message"] for r in refused), \
+                refused[:1]
+            # (what the sockets' buffers took off the owner's hands is served; never all 40, 7.7 MB)
+            assert 2 <= len(served) < 30, len(served)
+            assert all(r["data"][0].nbytes == 6000 * 32 for r in served)
+            # Read: served again.
+            await sock.send_multipart(encode(read(100, 6000)))
+            got = await answer()
+            assert got["ok"] and got["id"] == 100 and got["data"][0].nbytes == 6000 * 32
+            # A checked read counts the valid mask and the version arrays (25 bytes a row): runs without fields.
+            await sock.send_multipart(encode({**read(101, 20000, check=True), "fields": []}))
+            got = await answer()
+            assert got["error"] == "FrameTooLargeError" and "(500000 bytes)" in got["message"], got
+        finally:
+            ctx.destroy(linger=0)
+        await reader.attach(owner.descriptor)
+        assert_rows(await reader.read("shard0", np.arange(100)), np.arange(100))
+        await owner.command("close")
+        assert await owner.exit_code() == 0
+
+
 # ------------------------------------------------------------------------------------ consistency
 
 

@@ -278,6 +278,16 @@ def test_malformed_frames_are_rejected_with_a_message_naming_the_fault(frames, m
         decode(frames, max_nbytes=MAX)
 
 
+@pytest.mark.parametrize("shape", [[1] * 1_000_000, [-1] * 1_000_000, [1, 2, -1] + ["x" * 1_000_000]])
+def test_a_refused_shape_is_quoted_in_a_bounded_line_however_long_the_shape_sent(shape):
+    """Hostile probe (session 74): a header whose shape list had a million entries (a 1 MB request) made a
+    5 MB error message, logged whole by the bulk server (and by an endpoint that logs why it dropped a
+    message) up to 20 times before the flood rule thins them."""
+    with pytest.raises(MalformedFrameError, match=r"^ndarray header: shape ") as err:
+        decode([pack(ext(1, ["float32", shape, b""]))], max_nbytes=2**24)
+    assert len(str(err.value)) < 400
+
+
 def test_a_message_over_the_size_limit_is_rejected_before_parsing():
     frames = encode(np.zeros(1000))
     with pytest.raises(FrameTooLargeError, match=r"^message of \d+ bytes in 2 frames exceeds the limit of 100 bytes$"):

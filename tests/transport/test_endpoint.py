@@ -20,7 +20,14 @@ import torch
 import zmq
 import zmq.asyncio
 
-from reactor._errors import FrameTooLargeError, LinkStateError, PeerLostError, PortClosedError, WouldBlock
+from reactor._errors import (
+    FrameTooLargeError,
+    LinkStateError,
+    MalformedFrameError,
+    PeerLostError,
+    PortClosedError,
+    WouldBlock,
+)
 from reactor._floodlog import FloodCounts, flood_logged
 from reactor.transport import CurveKeys, Endpoint, codec, encode, link_key
 from reactor.transport._zmqreceive import hello_message
@@ -209,6 +216,13 @@ async def test_garbage_truncated_and_oversized_frames_are_dropped_and_the_endpoi
     messages = [r.getMessage() for r in caplog.records]
     assert any("'raw'" in m and "not valid msgpack" in m for m in messages)
     assert any("b'stranger'" in m and "did not say hello" in m for m in messages)
+    # A drop's reason may quote what the peer sent (a codec error, a message's own check): the line is cut
+    # (session 74: a 1 MB header made a 5 MB line), the counters and the flood rule as before.
+    caplog.clear()
+    server._drop_warning("malformed", "endpoint %r: dropped a message from peer %r: %s", "server", "raw",
+                         MalformedFrameError("x" * 1_000_000))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("endpoint 'server': dropped a message from peer 'raw': xxx") and len(line) < 600, len(line)
 
 
 @pytest.mark.asyncio

@@ -1484,7 +1484,10 @@ def test_submits_hint_carries_a_daemon_key_that_begins_with_a_dash(tmp_path):
     from reactor.cli._jobs import _key_hint
 
     init_keys(tmp_path / "ck")
-    key = "-" + CurveKeys.load_public(tmp_path / "ck" / "key.pub").decode()[1:]  # (not the client's own)
+    own = CurveKeys.load_public(tmp_path / "ck" / "key.pub").decode()
+    key = "-" + own[1:]  # (not the client's own: that one gets no hint)
+    if key == own:  # (the client's own key began with "-" already, one in 85: CI, session 74, hinted nothing)
+        key = "-" + ("0" if own[1] != "0" else "1") + own[2:]
     hint = _key_hint(argparse.Namespace(daemon_key=None), key.encode(), tmp_path / "ck")
     assert hint == f" --daemon-key={shlex.quote(key)}"
     args = _parser().parse_args(shlex.split(f"status 0123456789abcdef --daemon tcp://127.0.0.1:1{hint}"))

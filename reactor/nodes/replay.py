@@ -607,8 +607,8 @@ class Replay(ShardMemory, Reactor):
         elif staged is not None and isinstance(getattr(steps, "episode_end", None), np.ndarray):
             n = len(steps.episode_end) if steps.episode_end.ndim == 1 else 0  # (its rows, staged where they are)
         self._counts["rejected_steps"] += n
-        log.error(
-            "%s refused steps from writer %s (flush %s): %s; the message was dropped, the shard keeps serving",
+        log.error(  # (the reason may quote what the writer sent: cut, and the writer's id and flush too)
+            "%s refused steps from writer %.40r (flush %.40r): %.500s; the message was dropped, the shard keeps serving",
             self.name, getattr(steps, "writer", "?"), getattr(steps, "seq", "?"), why,
         )
 

@@ -91,7 +91,7 @@ def _parse_descriptor(desc: Any) -> tuple[dict[str, Any], dict[str, _FieldInfo]]
     if not isinstance(desc, Mapping) or desc.get("kind") != _DESCRIPTOR_KIND:
         raise ValueError(f"not a bulk region descriptor (from BulkOwner.descriptor): {desc!r:.200}")
     if desc.get("version") != _DESCRIPTOR_VERSION:
-        raise ValueError(f"bulk descriptor version {desc.get('version')!r} is not {_DESCRIPTOR_VERSION} (mixed releases?)")
+        raise ValueError(f"bulk descriptor version {desc.get('version')!r:.40} is not {_DESCRIPTOR_VERSION} (mixed releases?)")
     for key, typ in (("region", str), ("run_id", str), ("rows", int), ("generation", int), ("host", str), ("fields", Mapping)):
         if not isinstance(desc.get(key), typ) or isinstance(desc.get(key), bool):
             raise ValueError(f"bulk descriptor: {key!r} must be a {typ.__name__}, got {desc.get(key)!r:.100}")
@@ -106,12 +106,12 @@ def _parse_descriptor(desc: Any) -> tuple[dict[str, Any], dict[str, _FieldInfo]]
         dtype = _TORCH_DTYPES.get(spec.get("dtype"))  # type: ignore[arg-type]
         shape = spec.get("shape")
         if dtype is None:
-            raise ValueError(f"bulk descriptor: field {name!r} has unknown dtype {spec.get('dtype')!r:.40}")
+            raise ValueError(f"bulk descriptor: field {name!r:.100} has unknown dtype {spec.get('dtype')!r:.40}")
         if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"bulk descriptor: field {name!r} has a bad shape {shape!r:.60}")
+            raise ValueError(f"bulk descriptor: field {name!r:.100} has a bad shape {shape!r:.60}")
         row_nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if spec.get("row_nbytes") != row_nbytes:
-            raise ValueError(f"bulk descriptor: field {name!r} row_nbytes {spec.get('row_nbytes')!r} != {row_nbytes}")
+            raise ValueError(f"bulk descriptor: field {name!r:.100} row_nbytes {spec.get('row_nbytes')!r:.40} != {row_nbytes}")
         fields[name] = _FieldInfo(dtype, tuple(shape), row_nbytes)
     vf = desc.get("version_field")
     if vf is not None and (vf not in fields or fields[vf].dtype != torch.int64 or fields[vf].shape != ()):
@@ -311,7 +311,7 @@ class BulkReader:
             for name, seg_name in segs.items():
                 expect = _shm.segment_name(att.run_id, att.name, name)
                 if seg_name != expect:
-                    raise ValueError(f"bulk descriptor: shm segment of field {name!r} is {seg_name!r}, expected {expect!r}")
+                    raise ValueError(f"bulk descriptor: shm segment of field {name!r:.100} is {seg_name!r:.200}, expected {expect!r}")
                 try:
                     seg = _shm.Segment.attach(seg_name)
                 except FileNotFoundError:

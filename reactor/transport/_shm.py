@@ -53,6 +53,7 @@ import errno
 import mmap
 import os
 import re
+import stat
 import struct
 import sys
 import time
@@ -106,7 +107,7 @@ def check_name_part(kind: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME_PART.match(value):
         raise ValueError(
             f"bulk {kind} must be 1..64 characters of letters, digits, '_' or '-' (it names shared "
-            f"memory segments), got {value!r}"
+            f"memory segments), got {value!r:.100}"
         )
     return value
 
@@ -475,11 +476,22 @@ class Segment:
 
         Raises:
             FileNotFoundError: no segment of that name.
-            ValueError: not a bulk segment (bad magic or size).
+            ValueError: not a bulk segment (bad magic or size), not a regular file, or not this user's.
         """
-        fd = _shm_open(name, os.O_RDWR if writable else os.O_RDONLY)
+        # O_NONBLOCK: a FIFO planted at a segment's name (its name is known from the run id, and /dev/shm
+        # is anyone's to write) held the opening process in open() until someone wrote to it: a shard's whole
+        # loop, from a staged insert naming it. Then only this user's regular files are mapped (another
+        # user's file under the name of a region, with a header naming a live owner, was mapped and read).
+        fd = _shm_open(name, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NONBLOCK)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"shared memory segment {name!r} is not a regular file (something else was put "
+                                 f"at its name)")
+            if st.st_uid != os.geteuid():
+                raise ValueError(f"shared memory segment {name!r} belongs to uid {st.st_uid}, not to this process's "
+                                 f"user ({os.geteuid()}): not a segment of this run")
+            size = st.st_size
             if size < HEADER_NBYTES:
                 raise ValueError(f"shared memory segment {name!r} is {size} bytes, smaller than a header")
             mm, offset = _map(fd, size, writable)

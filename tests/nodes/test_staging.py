@@ -498,6 +498,35 @@ def test_a_shard_refuses_staged_rows_of_a_region_of_its_run_that_is_no_staging_r
     assert any("'ring-replay' is not a writer's staging region" in m for m in refused), refused
 
 
+@pytest.mark.parametrize("planted", ["fifo", "another user's file"])
+def test_a_shard_refuses_staged_rows_whose_segment_is_a_planted_fifo_or_another_users_file(tmp_path, caplog, planted):
+    """Hostile probe (session 74): a segment's name follows from the run id, and /dev/shm is anyone's to
+    write. A FIFO put at the name of a staged region's segment held the shard in open() until someone wrote
+    to it: its whole loop, every writer's inserts with it. Another user's copy of a live writer's segments
+    (its header naming that writer as owner) was mapped and its rows inserted. Both are refused in a line."""
+    if planted != "fifo" and os.geteuid() != 0:
+        pytest.skip("making a file of another user needs root")
+
+    def planted_region(run_id: str, msgs: list[Steps]) -> tuple[Staging, Steps]:
+        region = Staging.open(run_id, "stage-planted", Writer(SHARD_FIELDS, 1, TransitionPattern()).specs, 1, 64,
+                              "sender")
+        assert region is not None
+        desc = region.descriptor
+        path = "/dev/shm" + desc["shm"]["segments"]["obs"]
+        if planted == "fifo":
+            os.unlink(path)
+            os.mkfifo(path, 0o666)
+        else:
+            os.chown(path, 65534, 65534)
+        _, first, rows = msgs[0].staged
+        return region, dataclasses.replace(msgs[0], staged=(desc, first, rows))
+
+    _, refused = _fed_a_word_of_another_region(tmp_path, caplog, planted_region)
+    words = "is not a regular file" if planted == "fifo" else "belongs to uid 65534, not to this process's user"
+    assert any(words in m for m in refused), refused
+    assert all(len(m) < 700 for m in caplog.messages)
+
+
 def test_a_refused_staged_message_is_acknowledged_after_the_writers_parked_ones_not_ahead(tmp_path):
     """Regression (the staged path's first version): a staged word the shard could not read was refused and
     acknowledged as it arrived, ahead of that writer's earlier messages the rate limiter held (parked); an

@@ -416,6 +416,10 @@ class Segment:
             try:
                 fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR)
             except FileExistsError:
+                foreign = _foreign(name)
+                if foreign is not None:
+                    raise FileExistsError(f"shared memory segment {name!r} cannot be made: {foreign} is at its name "
+                                          f"(left alone); remove it, or run under another run id") from None
                 holder = _stale_reason(name, grace_s=0.0)
                 if holder is None:
                     info = read_header(name)
@@ -534,11 +538,30 @@ class Segment:
         return int(h[3]), int(h[4]), int(h[5])
 
 
-def read_header(name: str) -> dict[str, Any] | None:
-    """The header of segment ``name`` as a dict, or None if absent, unfinished or not ours."""
+def _open_own(name: str, flags: int) -> int | None:
+    """An open descriptor of segment ``name`` if it is a regular file of this process's user, else None
+    (absent, or something else at its name: see :meth:`Segment.attach`; a FIFO named like a segment held
+    every run's start in the sweep of dead runs' segments)."""
     try:
-        fd = _shm_open(name, os.O_RDONLY)
+        fd = _shm_open(name, flags | os.O_NONBLOCK)
     except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:  # pragma: no cover
+        os.close(fd)
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def read_header(name: str) -> dict[str, Any] | None:
+    """The header of segment ``name`` as a dict, or None if absent, unfinished or not ours (another
+    user's file, or no regular file)."""
+    fd = _open_own(name, os.O_RDONLY)
+    if fd is None:
         return None
     try:
         raw = os.pread(fd, _HEADER.size, 0)
@@ -563,8 +586,25 @@ def read_header(name: str) -> dict[str, Any] | None:
     }
 
 
+def _foreign(name: str) -> str | None:
+    """What is at segment ``name`` if it is not a regular file of this process's user (without opening
+    it), else None (ours, or nothing there)."""
+    try:
+        st = os.lstat(_SHM_DIR + name)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return "something other than a regular file"
+    if st.st_uid != os.geteuid():
+        return f"a file of uid {st.st_uid}"
+    return None
+
+
 def _stale_reason(name: str, grace_s: float) -> str | None:
-    """Why segment ``name`` is stale (dead owner, unfinished, closed), or None if a live owner holds it."""
+    """Why segment ``name`` is stale (dead owner, unfinished, closed), or None if a live owner holds it
+    or it is not this user's to remove (:func:`_foreign`)."""
+    if _foreign(name) is not None:
+        return None
     info = read_header(name)
     if info is None:
         return "gone"
@@ -583,10 +623,10 @@ def _stale_reason(name: str, grace_s: float) -> str | None:
 
 
 def _mark_lost_and_unlink(name: str) -> None:
-    """Tell readers still mapping ``name`` that its owner is gone (state 3), then unlink it."""
-    try:
-        fd = _shm_open(name, os.O_RDWR)
-    except OSError:
+    """Tell readers still mapping ``name`` that its owner is gone (state 3), then unlink it (only a
+    regular file of this user: another user's, or something else at its name, is left alone)."""
+    fd = _open_own(name, os.O_RDWR)
+    if fd is None:
         return
     try:
         if os.fstat(fd).st_size >= HEADER_NBYTES:

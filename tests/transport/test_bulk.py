@@ -444,6 +444,43 @@ async def test_cleanup_stale_segments_removes_a_dead_owners_segments_only(run_id
     assert _shm.list_segments(run_id + "-live") == []
 
 
+def test_a_fifo_or_another_users_file_at_a_segments_name_is_left_alone_and_refused_never_waited_on(run_id):
+    """Hostile probe (session 74): a segment's name follows from the run id, and /dev/shm is anyone's to
+    write. A FIFO named like a segment held the sweep of dead owners' segments in open() (every run's and
+    daemon's start sweeps them), and a reader's attach too; as root the sweep would have removed another
+    user's file. Now they are left alone, and a reader or an owner of that name is refused, naming what is
+    there."""
+    import threading
+
+    fifo, theirs = _shm.segment_name(run_id, "r", "fifo"), _shm.segment_name(run_id, "r", "theirs")
+    os.mkfifo("/dev/shm" + fifo, 0o666)
+    Path("/dev/shm" + theirs).write_bytes(b"\0" * 8192)
+    if os.geteuid() == 0:
+        os.chown("/dev/shm" + theirs, 65534, 65534)
+    else:  # (a file of another user cannot be made: a file of ours that is no segment stands in for it)
+        theirs = None
+    try:
+        swept: list[list[str]] = []
+        sweep = threading.Thread(target=lambda: swept.append(cleanup_stale_segments(run_id)), daemon=True)
+        sweep.start()
+        sweep.join(10)
+        assert swept and fifo not in swept[0] and theirs not in swept[0], swept
+        assert fifo in _shm.list_segments(run_id)
+        with pytest.raises(ValueError, match=r"is not a regular file \(something else was put at its name\)$"):
+            _shm.Segment.attach(fifo)
+        with pytest.raises(FileExistsError, match=r"cannot be made: something other than a regular file is at its name"):
+            _shm.Segment.create(fifo, 4, 8, 1)
+        if theirs is not None:
+            assert theirs in _shm.list_segments(run_id)
+            with pytest.raises(ValueError, match=r"belongs to uid 65534, not to this process's user \(0\)"):
+                _shm.Segment.attach(theirs)
+            with pytest.raises(FileExistsError, match=r"cannot be made: a file of uid 65534 is at its name \(left alone\)"):
+                _shm.Segment.create(theirs, 4, 8, 1)
+    finally:
+        for name in _shm.list_segments(run_id):
+            os.unlink("/dev/shm" + name)
+
+
 @pytest.mark.asyncio
 async def test_an_owner_exiting_without_aclose_unlinks_its_segments_at_exit(run_id):
     async with owner_process("serve", run_id=run_id, backends=["shm", "zmq"]) as owner:

@@ -63,15 +63,24 @@ else
     fi
 fi
 
+gone() {  # wait up to 15 s until no process of these names runs; 1 if one still does
+    for _ in $(seq 1 30); do
+        local left=0
+        for n in "$@"; do
+            if pgrep -x "$n" >/dev/null; then left=1; fi
+        done
+        if [ "$left" = 0 ]; then return 0; fi
+        sleep 0.5
+    done
+    return 1
+}
 stop_all() {  # and wait until they are gone: a stopping slurmctld still saves its state
     pkill -x slurmd || true
     pkill -x slurmctld || true
-    for _ in $(seq 1 30); do
-        pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || return 0
-        sleep 0.5
-    done
-    pkill -9 -x slurmd || true
-    pkill -9 -x slurmctld || true
+    if ! gone slurmd slurmctld; then
+        pkill -9 -x slurmd || true
+        pkill -9 -x slurmctld || true
+    fi
 }
 if [ "${1:-}" = stop ]; then
     stop_all
@@ -80,11 +89,7 @@ if [ "${1:-}" = stop ]; then
         # start its own, and its Slurm would then find no munge socket (every sinfo fails: seen, a
         # second pytest run skipping the Slurm tests after 7 minutes of waiting for idle nodes)
         pkill -x munged || true
-        for _ in $(seq 1 30); do
-            pgrep -x munged >/dev/null || break
-            sleep 0.5
-        done
-        pkill -9 -x munged || true
+        gone munged || pkill -9 -x munged || true
     fi
     if grep -qx packages "$MARK" 2>/dev/null; then  # (the packages stay installed, and still its own)
         echo packages > "$MARK"
@@ -163,10 +168,7 @@ fi
 
 if ! pgrep -x munged >/dev/null || [ ! -S /run/munge/munge.socket.2 ]; then
     # (a munged that runs with no socket is one on its way out: wait for it, then start ours)
-    for _ in $(seq 1 30); do
-        pgrep -x munged >/dev/null || break
-        sleep 0.5
-    done
+    gone munged || true
     if ! pgrep -x munged >/dev/null; then
         runuser -u munge -- /usr/sbin/munged
         echo "munge $TOKEN" >> "$MARK"

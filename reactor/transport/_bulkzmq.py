@@ -33,11 +33,12 @@ until it disconnected, up to zmq's 1,000 queued messages: 145 MB a remote sample
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import struct
 import threading
+from collections import deque
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ from reactor._floodlog import flood_logged, flood_tally
 
 from . import _gather
 from ._zmq import CurveKeys, _AllowedKeys
-from .codec import decode, encode
+from .codec import decode, encode, frames_nbytes
 
 __all__ = ["ZmqClient", "ZmqServer", "mark_seen", "read_nbytes"]
 
@@ -76,6 +77,16 @@ def read_nbytes(rows: int, row_nbytes: int, check: bool) -> int:
     figure ``max_reply_nbytes`` bounds: its reply's data, and for a checked read the valid mask and the
     version check's per-row arrays (:data:`CHECK_WORK_NBYTES`)."""
     return rows * (row_nbytes + (1 + CHECK_WORK_NBYTES if check else 0))
+
+
+
+@dataclass
+class _Unsent:
+    """Replies to one reader that zmq may still hold unsent: their trackers and sizes, oldest first."""
+
+    queue: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
+    nbytes: int = 0
+
 
 _ERRORS: dict[str, type[Exception]] = {
     "KeyError": KeyError,
@@ -205,10 +216,8 @@ class ZmqServer:
         self._stop_tx.connect(self._stop_addr)
         self.served = 0
         self.refused = 0
-        self._handled = 0
-        #: Replies zmq may still hold unsent, per reader (its routing id): their trackers and sizes, oldest
-        #: first, and their total; ``_unsent_nbytes`` forgets the sent ones.
-        self._unsent: dict[bytes, tuple[collections.deque[tuple[zmq.MessageTracker, int]], list[int]]] = {}
+        #: Replies zmq may still hold unsent, per reader (its routing id); ``_unsent_nbytes`` forgets the sent.
+        self._unsent: dict[bytes, _Unsent] = {}
         #: further ops (e.g. the rdma key exchange): name -> handler(request, region) -> reply fields
         self.extra_ops: dict[str, Callable[[dict[str, Any], ServedRegion], dict[str, Any]]] = {}
         self._thread = threading.Thread(target=self._run, name=f"bulk-server-{name}", daemon=True)
@@ -290,34 +299,33 @@ class ZmqServer:
         except (TypeError, ValueError) as exc:  # an id of a type we cannot echo
             log.warning("bulk server: could not encode a reply to %r: %s", ident[:32], exc)
             return
-        nbytes = sum(memoryview(f).nbytes for f in out)
+        nbytes = frames_nbytes(out)
         try:
             if nbytes < _TRACKED_REPLY_NBYTES:
                 self._router.send_multipart([ident, *out], zmq.NOBLOCK, copy=False)
             else:
                 tracker = self._router.send_multipart([ident, *out], zmq.NOBLOCK, copy=False, track=True)
-                queue, total = self._unsent.setdefault(ident, (collections.deque(), [0]))
-                queue.append((tracker, nbytes))
-                total[0] += nbytes
+                unsent = self._unsent.setdefault(ident, _Unsent())
+                unsent.queue.append((tracker, nbytes))
+                unsent.nbytes += nbytes
         except zmq.ZMQError as exc:  # the reader is gone or flooded: it will time out or see the loss
             log.info("bulk server: could not reply to %r: %s", ident[:32], exc)
-        self._handled += 1
-        if self._handled % 1024 == 0:
+        if (self.served + self.refused) % 1024 == 0:
             for who in list(self._unsent):  # (readers gone: zmq dropped their queues, so their replies count as sent)
                 self._unsent_nbytes(who)
 
     def _unsent_nbytes(self, ident: bytes) -> int:
         """Bytes of replies to reader ``ident`` that zmq still holds (a reader's replies leave in order)."""
-        got = self._unsent.get(ident)
-        if got is None:
+        unsent = self._unsent.get(ident)
+        if unsent is None:
             return 0
-        queue, total = got
+        queue = unsent.queue
         while queue and queue[0][0].done:
-            total[0] -= queue.popleft()[1]
+            unsent.nbytes -= queue.popleft()[1]
         if not queue:
             del self._unsent[ident]
             return 0
-        return total[0]
+        return unsent.nbytes
 
     def _serve(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")

@@ -418,8 +418,8 @@ class Segment:
             except FileExistsError:
                 foreign = _foreign(name)
                 if foreign is not None:
-                    raise FileExistsError(f"shared memory segment {name!r} cannot be made: {foreign} is at its name "
-                                          f"(left alone); remove it, or run under another run id") from None
+                    raise FileExistsError(f"shared memory segment {name!r} cannot be made: what is at its name is "
+                                          f"{foreign} (left alone); remove it, or run under another run id") from None
                 holder = _stale_reason(name, grace_s=0.0)
                 if holder is None:
                     info = read_header(name)
@@ -489,12 +489,9 @@ class Segment:
         fd = _shm_open(name, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"shared memory segment {name!r} is not a regular file (something else was put "
-                                 f"at its name)")
-            if st.st_uid != os.geteuid():
-                raise ValueError(f"shared memory segment {name!r} belongs to uid {st.st_uid}, not to this process's "
-                                 f"user ({os.geteuid()}): not a segment of this run")
+            foreign = _not_ours(st)
+            if foreign is not None:
+                raise ValueError(f"shared memory segment {name!r} is {foreign}, not a segment of this user's runs")
             size = st.st_size
             if size < HEADER_NBYTES:
                 raise ValueError(f"shared memory segment {name!r} is {size} bytes, smaller than a header")
@@ -538,6 +535,16 @@ class Segment:
         return int(h[3]), int(h[4]), int(h[5])
 
 
+def _not_ours(st: os.stat_result) -> str | None:
+    """What a file is when it is not a regular file of this process's user (so no segment of its runs),
+    else None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (something else was put at its name)"
+    if st.st_uid != os.geteuid():
+        return f"a file of uid {st.st_uid}, not of this process's user ({os.geteuid()})"
+    return None
+
+
 def _open_own(name: str, flags: int) -> int | None:
     """An open descriptor of segment ``name`` if it is a regular file of this process's user, else None
     (absent, or something else at its name: see :meth:`Segment.attach`; a FIFO named like a segment held
@@ -551,7 +558,7 @@ def _open_own(name: str, flags: int) -> int | None:
     except OSError:  # pragma: no cover
         os.close(fd)
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    if _not_ours(st) is not None:
         os.close(fd)
         return None
     return fd
@@ -590,14 +597,9 @@ def _foreign(name: str) -> str | None:
     """What is at segment ``name`` if it is not a regular file of this process's user (without opening
     it), else None (ours, or nothing there)."""
     try:
-        st = os.lstat(_SHM_DIR + name)
+        return _not_ours(os.lstat(_SHM_DIR + name))
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode):
-        return "something other than a regular file"
-    if st.st_uid != os.geteuid():
-        return f"a file of uid {st.st_uid}"
-    return None
 
 
 def _stale_reason(name: str, grace_s: float) -> str | None:

@@ -522,7 +522,7 @@ def test_a_shard_refuses_staged_rows_whose_segment_is_a_planted_fifo_or_another_
         return region, dataclasses.replace(msgs[0], staged=(desc, first, rows))
 
     _, refused = _fed_a_word_of_another_region(tmp_path, caplog, planted_region)
-    words = "is not a regular file" if planted == "fifo" else "belongs to uid 65534, not to this process's user"
+    words = "is not a regular file" if planted == "fifo" else "a file of uid 65534, not of this process's user"
     assert any(words in m for m in refused), refused
     assert all(len(m) < 700 for m in caplog.messages)
 

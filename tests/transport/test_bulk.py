@@ -466,15 +466,15 @@ def test_a_fifo_or_another_users_file_at_a_segments_name_is_left_alone_and_refus
         sweep.join(10)
         assert swept and fifo not in swept[0] and theirs not in swept[0], swept
         assert fifo in _shm.list_segments(run_id)
-        with pytest.raises(ValueError, match=r"is not a regular file \(something else was put at its name\)$"):
+        with pytest.raises(ValueError, match=r"is not a regular file \(something else was put at its name\), not a segment of this user's runs$"):
             _shm.Segment.attach(fifo)
-        with pytest.raises(FileExistsError, match=r"cannot be made: something other than a regular file is at its name"):
+        with pytest.raises(FileExistsError, match=r"cannot be made: what is at its name is not a regular file"):
             _shm.Segment.create(fifo, 4, 8, 1)
         if theirs is not None:
             assert theirs in _shm.list_segments(run_id)
-            with pytest.raises(ValueError, match=r"belongs to uid 65534, not to this process's user \(0\)"):
+            with pytest.raises(ValueError, match=r"is a file of uid 65534, not of this process's user \(0\), not a segment"):
                 _shm.Segment.attach(theirs)
-            with pytest.raises(FileExistsError, match=r"cannot be made: a file of uid 65534 is at its name \(left alone\)"):
+            with pytest.raises(FileExistsError, match=r"what is at its name is a file of uid 65534, not of this process's user \(0\) \(left alone\)"):
                 _shm.Segment.create(theirs, 4, 8, 1)
     finally:
         for name in _shm.list_segments(run_id):
@@ -641,19 +641,19 @@ async def test_a_reader_that_asks_and_never_reads_holds_at_most_one_replys_bound
             async def answer() -> Any:
                 return decode(await asyncio.wait_for(sock.recv_multipart(), WAIT_S), max_nbytes=2**30)
 
-            # 6,000 rows of obs: 192 kB a reply, under the bound alone; 40 asked for, none read yet.
-            for i in range(40):
+            # 6,000 rows of obs: 192 kB a reply, under the bound alone; 100 asked for (19 MB, past what the
+            # sockets' buffers take off the owner's hands), none read yet.
+            for i in range(100):
                 await sock.send_multipart(encode(read(i, 6000)))
             await asyncio.sleep(1.0)  # (the owner answers them all meanwhile)
-            replies = [await answer() for _ in range(40)]
-            assert [r["id"] for r in replies] == list(range(40))
+            replies = [await answer() for _ in range(100)]
+            assert [r["id"] for r in replies] == list(range(100))
             served = [r for r in replies if r["ok"]]
             refused = [r for r in replies if not r["ok"]]
             assert refused and all(r["error"] == "ValueError" and "of earlier replies to this reader are still unsent, "
                                    "over the owner's max_reply_nbytes of 262144" in r["message"] for r in refused), \
                 refused[:1]
-            # (what the sockets' buffers took off the owner's hands is served; never all 40, 7.7 MB)
-            assert 2 <= len(served) < 30, len(served)
+            assert len(served) >= 2  # (the first two: 192 kB unsent is under the bound)
             assert all(r["data"][0].nbytes == 6000 * 32 for r in served)
             # Read: served again.
             await sock.send_multipart(encode(read(100, 6000)))

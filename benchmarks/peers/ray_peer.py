@@ -87,9 +87,9 @@ OBS = 4  # CartPole-v1
 MARK = "REACTOR_RAY_PEER"
 
 
-def ours(mark: str | None = None, session: int | None = None) -> list[int]:
-    """The pids of live processes, but this one, whose environment has ``MARK=mark`` (default: this
-    run's) or whose session is ``session`` (default: this process's, when it leads one).
+def ours(mark: str | None = None, session: int | None = None, spare: int | None = None) -> list[int]:
+    """The pids of live processes, but this one and ``spare``, whose environment has ``MARK=mark``
+    (default: this run's) or whose session is ``session`` (default: this process's, when it leads one).
 
     The session too, because the mark alone misses some: Ray's agents rename themselves
     (``ray::DashboardAgent``, by ``setproctitle``), which overwrites the environment ``/proc`` shows,
@@ -103,7 +103,7 @@ def ours(mark: str | None = None, session: int | None = None) -> list[int]:
     found = []
     for env in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if int(env.parent.name) == os.getpid():
+            if int(env.parent.name) in (os.getpid(), spare):
                 continue
             with open(env.parent / "stat") as f:
                 state, _, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
@@ -114,12 +114,13 @@ def ours(mark: str | None = None, session: int | None = None) -> list[int]:
     return found
 
 
-def end_ours(mark: str | None = None, session: int | None = None, timeout_s: float = 10.0) -> list[int]:
+def end_ours(mark: str | None = None, session: int | None = None, timeout_s: float = 10.0,
+             spare: int | None = None) -> list[int]:
     """SIGKILL what :func:`ours` finds, again until it finds nothing (a process may start between a
     look and the kills: a raylet's agent) or ``timeout_s`` passes; every pid killed."""
     killed: list[int] = []
     deadline = time.monotonic() + timeout_s
-    while (pids := ours(mark, session)) and time.monotonic() < deadline:
+    while (pids := ours(mark, session, spare)) and time.monotonic() < deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -483,12 +484,18 @@ def _wait_port(ip: str, port: int, proc: subprocess.Popen[bytes], timeout_s: flo
 # interrupted run normally ends within 7 s here (2 cores, 3 busy loops beside it).
 STOP_S = 45.0
 _TMP: list[Path] = []  # this run's temporary directory, for _overdue
+# The peer's pid, taken at import: before interruptible forks its guard process, which runs _overdue too.
+_PEER = os.getpid()
 
 
 def _overdue() -> None:
     """Ended from interruptible's thread (the main thread stuck: in ``ray.shutdown()``, or in a C call
-    the signal never left): this run's Ray processes killed and named, its temporary directory removed."""
-    left = end_ours()
+    the signal never left) or from its guard process (the interpreter held): this run's Ray processes
+    killed and named, its temporary directory removed. By the peer's session as well as the mark, in
+    the guard too, which does not lead that session (an agent's new name hides its mark: by the mark
+    alone, 1 CI run in many left DashboardAgent and RuntimeEnvAgent running); the guard spares the peer,
+    which it ends itself after this."""
+    left = end_ours(session=_PEER if os.getsid(0) == _PEER else None, spare=_PEER)
     os.write(2, f"[ray peer] killed {len(left)} Ray processes left after a stop that did not end: {left}\n"
              .encode())
     for tmp in _TMP:
@@ -531,7 +538,6 @@ def main() -> None:
         ap.error("--only cut needs --nodes and --cut")
     signal.signal(signal.SIGTERM, _terminate)  # through the finally blocks: Ray shut down
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault(MARK, secrets.token_hex(8))
     if "cut" in args.only:  # every node and the driver given the cluster's token, as Ray's token-auth docs say
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
@@ -588,4 +594,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault(MARK, secrets.token_hex(8))  # (here: the guard interruptible forks needs it too)
     interruptible(main, "ray_peer.py", stop_s=STOP_S, overdue=_overdue)

@@ -71,3 +71,41 @@ def test_the_ray_peer_stopped_mid_run_shuts_ray_down_and_leaves_no_process(sig):
         assert text.endswith("ray_peer.py: interrupted; what it printed above is partial\n"), text[-3000:]
     else:
         assert proc.returncode == 15, text[-3000:]
+
+
+_GUARDED = """
+import os, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks.peers import ray_peer
+agent = subprocess.Popen([sys.executable, "-c", "import ray._raylet, sys, time; "
+                          "ray._raylet.setproctitle('ray::DashboardAgent'); print(flush=True); time.sleep(120)"],
+                         stdout=subprocess.PIPE)
+agent.stdout.readline()  # (renamed: its environment, the mark, no longer seen in /proc)
+guard = os.fork()
+if guard == 0:  # as interruptible's guard process, forked from the peer, runs overdue()
+    try:
+        ray_peer._overdue()
+    finally:
+        os._exit(0)
+os.waitpid(guard, 0)
+try:
+    print(agent.wait(timeout=10))
+except subprocess.TimeoutExpired:
+    agent.kill()
+    print("alive")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_guard_process_ends_the_peers_renamed_agents_by_its_session():
+    """When the peer's interpreter is held, interruptible's guard process (forked from it, so not its
+    session's leader) runs ``_overdue``: it ends the peer's Ray processes by the peer's session too, not
+    only by the mark, which an agent's new name hides (1 CI run in many left DashboardAgent and
+    RuntimeEnvAgent so). A renamed child stands for the agent, in a peer that leads its session."""
+    pytest.importorskip("ray")
+    mark = secrets.token_hex(8)
+    out = subprocess.run([sys.executable, "-c", _GUARDED, str(ROOT)], env={**os.environ, ray_peer.MARK: mark},
+                         capture_output=True, text=True, timeout=100, start_new_session=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(-signal.SIGKILL)], out.stderr[-3000:]
+    assert "[ray peer] killed 1 Ray processes left after a stop that did not end" in out.stderr, out.stderr

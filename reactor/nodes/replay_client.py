@@ -568,7 +568,7 @@ class ReplayClient(OneSidedSampling):
         backend = "shm" if same_host else self._remote or "shm"
         try:
             region = await self._reader.attach(descriptor, backend=backend)
-        except (ValueError, RuntimeError, OSError, ImportError, PeerLostError) as e:
+        except (RuntimeError, OSError, ImportError, *ONE_SIDED_ERRORS) as e:
             # (a malformed descriptor too: the sample is drawn again, with the data in the replies)
             raise _RemoteUnusable(shard, f"shard {shard}'s region cannot be read over {backend} from here: {e}") from e
         self._regions[shard] = (region, int(descriptor["generation"]))
@@ -703,6 +703,9 @@ class ReplayClient(OneSidedSampling):
                     lost = PeerLostError(f"replay shard {p.shard}: its {via} region is gone ({e})")
                     lost.shard = p.shard  # type: ignore[attr-defined]
                     raise lost from e
+                except ONE_SIDED_ERRORS as e:  # (a read server's refusal or a reply that is not one, its error
+                    # classes: the sample is drawn again, as for a malformed reply, and counts towards the shard's loss)
+                    raise _Malformed(f"the read of its region failed: {type(e).__name__}: {str(e)[:300]}") from None
 
         by_region: dict[str, list[int]] = {}
         for i, job in enumerate(bulk):

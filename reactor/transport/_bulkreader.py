@@ -45,6 +45,9 @@ from ._zmq import CurveKeys
 #: here) runs on its I/O thread; two let two replies decrypt at once (measured: one-sided samples
 #: over four servers +10-15% batches/s on a 2-core machine, docs/benchmarks.md).
 READER_IO_THREADS = 2
+#: Bounds on what a descriptor (it may have crossed the network) may say of a zmq read server.
+_ADDRESS_MAX = 1024
+_LIMIT_MAX = 1 << 40  # (a size limit past it is a lie: zmq's MAXMSGSIZE is an int64)
 
 # ------------------------------------------------------------------------------------------ reader
 
@@ -344,6 +347,12 @@ class BulkReader:
         max_req, max_rep = spec.get("max_request_nbytes"), spec.get("max_reply_nbytes")
         if not isinstance(address, str) or not isinstance(max_req, int) or not isinstance(max_rep, int):
             raise ValueError("bulk descriptor: zmq entry needs address, max_request_nbytes, max_reply_nbytes")
+        if not address.startswith(("tcp://", "ipc://")) or len(address) > _ADDRESS_MAX:
+            raise ValueError(f"bulk descriptor: zmq address must be tcp:// or ipc:// (at most {_ADDRESS_MAX} "
+                             f"characters), got {address!r:.200}")
+        for what, v in (("max_request_nbytes", max_req), ("max_reply_nbytes", max_rep)):
+            if type(v) is not int or not 0 < v <= _LIMIT_MAX:
+                raise ValueError(f"bulk descriptor: zmq {what} must be an int in 1..{_LIMIT_MAX}, got {v!r:.40}")
         server_key = spec.get("server_key")
         if server_key is not None and (not isinstance(server_key, str) or len(server_key) != 40):
             raise ValueError("bulk descriptor: zmq server_key must be a 40-character Z85 public key")
@@ -357,6 +366,9 @@ class BulkReader:
                     heartbeat_ivl_s=self._heartbeat[0], heartbeat_timeout_s=self._heartbeat[1],
                     curve=self._curve, server_key=None if server_key is None else server_key.encode(),
                 )
+            except zmq.ZMQError as e:  # (an address or a key zmq refuses: the descriptor's fault)
+                self._release(att)
+                raise ValueError(f"bulk descriptor: zmq refused address {address!r:.200} or its server key: {e}") from None
             except BaseException:
                 self._release(att)
                 raise
@@ -371,6 +383,10 @@ class BulkReader:
             reply = await client.call(
                 {"op": "hello", "region": att.name, "generation": att.generation}, timeout_s=self._timeout_s, what="attach"
             )
+        except (MalformedFrameError, FrameTooLargeError, KeyError, IndexError, TypeError) as e:
+            # (the owner's refusal, "no region" after it closed one, or a reply that is not an answer)
+            self._release(att)
+            raise ValueError(f"the owner's answer to attach: {type(e).__name__}: {str(e)[:300]}") from None
         except BaseException:
             self._release(att)
             raise
@@ -868,7 +884,7 @@ class BulkReader:
                 what=what,
             )
             data = reply.get("data")  # type: ignore[assignment]
-            valid = reply.get("valid")
+            valid = reply.get("valid") if check else None  # (unchecked: whatever the owner put there is not read)
             if (
                 not isinstance(data, list)
                 or len(data) != len(names)

@@ -594,8 +594,12 @@ class ZmqClient:
             self._waiting.pop(req_id, None)
         if reply.get("ok") is True:
             return reply
-        cls = _ERRORS.get(str(reply.get("error")), MalformedFrameError)
-        raise cls(str(reply.get("message")))
+        error, message = reply.get("error"), reply.get("message")
+        if reply.get("ok") is not False or type(error) is not str or type(message) is not str:
+            raise MalformedFrameError(f"bulk owner at {self.address} sent a reply that is neither a result nor an "
+                                      f"error (ok={reply.get('ok')!r:.40}, error={error!r:.60})")
+        cls = _ERRORS.get(error, MalformedFrameError)
+        raise cls(message[:300])  # (a server cuts its own at 300: a longer one is not a server's)
 
     def forget(self, req_id: int) -> None:
         """Give up on request ``req_id`` (:meth:`send`): its reply is dropped if it comes, and a wait

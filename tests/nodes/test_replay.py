@@ -701,6 +701,114 @@ def _windows_part(r, descriptor):
                        descriptor=descriptor)
 
 
+class _LyingReadServer:
+    """A read server of another host (a real pyzmq ROUTER on tcp, in a thread) that answers ``mode``'s lie."""
+
+    def __init__(self, mode):
+        import threading
+
+        import zmq
+
+        from reactor.transport.codec import decode, encode
+
+        self.mode, self.ctx = mode, zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.stop = threading.Event()
+
+        def serve():
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            while not self.stop.is_set():
+                if not poller.poll(50):
+                    continue
+                frames = self.sock.recv_multipart()
+                req = decode(frames[1:], max_nbytes=1 << 24)
+                if req.get("op") == "hello" and mode.startswith("read_"):
+                    answer = encode({"id": req["id"], "ok": True, "rows": 1000, "fields": ["ver", "x"]})
+                elif mode in ("hello_junk", "read_junk"):
+                    answer = [b"\xc1 not msgpack"]
+                elif mode == "read_short":  # one byte short of the rows asked
+                    k = int(np.sum(req["lengths"]))
+                    answer = encode({"id": req["id"], "ok": True, "data": [np.zeros(4 * k - 1, np.uint8)],
+                                     "valid": np.ones(k, bool)})
+                elif mode == "read_neither":  # neither a result nor an error, a 1 MB message
+                    answer = encode({"id": req["id"], "ok": 1, "error": None, "message": "x" * 1_000_000})
+                else:  # an error of the allow-list: a region the server does not have (or no longer)
+                    answer = encode({"id": req["id"], "ok": False, "error": "KeyError", "message": "no region"})
+                self.sock.send_multipart([frames[0], *answer])
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def descriptor(self, region):
+        d = {"kind": "reactor.bulk.region", "version": 1, "run_id": "lying", "region": region, "rows": 1000,
+             "generation": 1, "host": "elsewhere", "version_field": "ver",
+             "fields": {"x": {"dtype": "float32", "shape": [], "row_nbytes": 4, "device": "cpu"},
+                        "ver": {"dtype": "int64", "shape": [], "row_nbytes": 8, "device": "cpu"}},
+             "zmq": {"address": f"tcp://127.0.0.1:{self.port}", "max_request_nbytes": 1 << 20,
+                     "max_reply_nbytes": 1 << 20}}
+        if self.mode == "desc_huge_limit":
+            d["zmq"]["max_reply_nbytes"] = 2**63
+        elif self.mode == "desc_negative_limit":
+            d["zmq"]["max_reply_nbytes"] = -5
+        elif self.mode == "desc_bad_address":
+            d["zmq"]["address"] = "bogus://x"
+        elif self.mode == "desc_bad_key":
+            d["zmq"]["server_key"] = "\u00e9" * 40  # (40 characters, not Z85: zmq refuses it)
+        return d
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["hello_error", "hello_junk", "desc_huge_limit", "desc_negative_limit",
+                                  "desc_bad_address", "desc_bad_key", "read_junk", "read_short", "read_neither"])
+def test_a_read_server_of_another_host_that_lies_never_fails_the_learner(mode, caplog):
+    """A hostile probe (session 75): a remote shard's read server that refused the attach, answered it
+    with junk, or a descriptor with a size limit past int64, a negative one, an address or a key zmq
+    refuses, raised KeyError, MalformedFrameError, OverflowError or ZMQError out of ``areceive``: the
+    learner's reaction failed and the run with it. Now a region that cannot be attached makes that shard
+    send data in its replies (the sample drawn again), and a read answered with junk, short rows or a
+    reply that is neither result nor error drops the sample, which is drawn again, counted as malformed."""
+    import asyncio
+
+    server = _LyingReadServer(mode)
+
+    async def main():
+        client = ReplayClient(2, rng=np.random.default_rng(0), timeout_s=None, bulk=False, remote_reads="zmq")
+        try:
+            first = client.request(100)
+            await client.areceive(_mass(0, first[0].request, 1.0, 50))
+            reqs, _ = await client.areceive(_mass(1, first[1].request, 1.0, 50))
+            by = {r.shard: r for r in reqs}
+            with caplog.at_level(logging.WARNING, logger="reactor.replay"):
+                again, batch = await client.areceive(_windows_part(by[0], server.descriptor("r0")))
+                if mode.startswith("read_"):  # attached: the reads happen once both parts are in
+                    assert again == [] and batch is None
+                    again, batch = await client.areceive(_windows_part(by[1], server.descriptor("r1")))
+            assert batch is None
+            if mode.startswith("read_"):
+                assert client.malformed_replies == 1 and {r.shard for r in again} == {0, 1}
+                assert any("the read of its region failed" in r.getMessage() for r in caplog.records)
+                assert max(len(r.getMessage()) for r in caplog.records) < 2000
+            else:
+                assert {r.shard: r.remote for r in again} == {0: "", 1: "zmq"}  # shard 0 sends data from now on
+                assert any("shard 0's region cannot be read over zmq from here" in r.getMessage()
+                           for r in caplog.records)
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.close()
+
+
 def test_a_failed_attach_drops_the_whole_sample_and_the_shard_falls_back_to_data(caplog):
     """A region that cannot be attached (a bad descriptor) never fails the learner: the sample is
     dropped whole (another shard's late part must not complete it with half the items) and drawn

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._reactor import show_value
 from ..launch._app import build_graph, compile_app, parse_overrides
-from ._appcode import _app_code
+from ._appcode import _app_code, _bounded
 from ._cluster import _check_config_here
 from ._run import _check_run_options
 
@@ -95,7 +96,7 @@ def _jobs(args: argparse.Namespace) -> int:
                 spec = job_spec(args.app, placement=args.placement, config=parse_overrides(args.overrides),
                                 seed=args.seed, async_=args.async_, files=args.files, hosts=args.hosts,
                                 restart=args.restart)
-                job = c.request("submit", spec)
+                job = _asked(c, "submit", spec)
                 print(job)
                 if not args.daemon:
                     print(f"on {address}: reactor status {job} --daemon {address}{_key_hint(args, daemon_key, keys_dir)}",
@@ -105,27 +106,31 @@ def _jobs(args: argparse.Namespace) -> int:
                 rows = got if isinstance(got, list) else [got]
                 hosted = _asked(c, "hosted") if args.job is None else []
                 if args.json:  # (stable: every job, and every worker hosted here; what the lines below sum up)
-                    print(json.dumps(got if args.job is not None else {"jobs": got, "hosted": hosted}, indent=2))
+                    # (their known fields alone: a field of another daemon's, bytes or NaN, was no JSON)
+                    print(json.dumps(_known_job(got) if args.job is not None else
+                                     {"jobs": [_known_job(j) for j in rows],
+                                      "hosted": [_known(w, _HOSTED, _HOSTED_OPTIONAL) for w in hosted]},
+                                     indent=2, allow_nan=False))
                 elif args.job is not None:
-                    print(_job_line(got))
+                    _say(_job_line(got))
                     here = {w["group"]: w for w in _asked(c, "hosted") if w["run"] == got.get("run")}
                     for g, where in sorted((got.get("groups") or {}).items()):
-                        print(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
+                        _say(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
                     for w in got.get("workers") or []:  # (a running job on this host alone)
-                        print(f"  {w['group']}  {w['state']}  pid {w['pid']}  restarts {w['restarts']}")
+                        _say(f"  {w['group']}  {w['state']}  pid {w['pid']}  restarts {w['restarts']}")
                     if got.get("groups"):
-                        print(f"  (run {got['run']}; reactor logs {got['id']} GROUP)")
+                        _say(f"  (run {got['run']}; reactor logs {got['id']} GROUP)")
                 else:
                     if not rows:  # (it answered: say so, not nothing)
                         print(f"no jobs on the daemon at {address}" + ("; runs it hosts workers of:" if hosted
                                                                         else "; it hosts no workers of runs elsewhere"))
                     for j in rows:
-                        print(_job_line(j))
+                        _say(_job_line(j))
                     jobs_of = {j["run"]: j["id"] for j in rows if j.get("run")}
                     for run, workers in _by_run(hosted).items():
-                        print(_run_line(run, workers, jobs_of.get(run)))
+                        _say(_run_line(run, workers, jobs_of.get(run)))
             elif args.command == "logs" and args.group is None:
-                _print_log(lambda offset: _asked(c, "logs", args.job, offset), args.follow)
+                _print_log(lambda offset: _asked(c, "logs", args.job, offset), args.follow, c.who, "logs")
             elif args.command == "logs":
                 job = _asked(c, "status", args.job)
                 groups = job.get("groups") or {}
@@ -138,7 +143,8 @@ def _jobs(args: argparse.Namespace) -> int:
                 host_key = where["key"].encode() if where["key"] else keys.public  # none: the cluster key
                 with DaemonClient(where["address"], host_key, keys, timeout_s=args.timeout_s,
                                   refused_after_s=REFUSED_AFTER_S) as w:
-                    _print_log(lambda offset: _asked(w, "worker_log", job["run"], args.group, offset), args.follow)
+                    _print_log(lambda offset: _asked(w, "worker_log", job["run"], args.group, offset), args.follow,
+                               w.who, "worker_log")
             else:
                 j = _asked(c, "stop", args.job)
                 if j["state"] == "running":  # (asked to stop: its run stops its workers cleanly, then ends)
@@ -147,9 +153,9 @@ def _jobs(args: argparse.Namespace) -> int:
                     print(f"{j['id']}  stopping (asked to stop cleanly; at once if it has not ended {STOP_GRACE_S:g} s "
                           f"after the first request)")
                 else:
-                    print(f"{j['id']}  {_job_state(j)}")
-    except DaemonError as e:
-        print(f"reactor: {e}", file=sys.stderr)
+                    _say(f"{j['id']}  {_job_state(j)}")
+    except DaemonError as e:  # (a refusal's text is the daemon's: its escapes reached the terminal, 50 MB of it whole)
+        print(f"reactor: {_shown(str(e), lines=True)}", file=sys.stderr)
         return 1
     return 0
 
@@ -184,6 +190,25 @@ def _fields_problem(what: str, d: Any, fields: dict[str, tuple[type, ...]],
     return fields_problem(d, fields, optional, what)
 
 
+#: Control characters (C0, DEL, C1) in text a daemon sent, escaped before it reaches a terminal: a job's
+#: last line or a refusal holding ``ESC ]0;...BEL ESC [2J`` set the terminal's title and cleared it.
+_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPED_BUT_LINES = {c: e for c, e in _ESCAPED.items() if chr(c) not in "\n\t"}
+
+
+def _shown(text: str, lines: bool = False) -> str:
+    """Text a daemon sent, as it may reach a terminal: cut to ~2,000 characters (:func:`_bounded`: a
+    refusal of 50 MB was printed whole) and its control characters escaped as ``\\x1b``; ``lines``: but
+    newlines and tabs (an error's text of several lines), which a line of ``status`` escapes too.
+    (Not a log's data: ``reactor logs`` writes the job's own bytes as they are, as its terminal would.)"""
+    return _bounded(text).translate(_ESCAPED_BUT_LINES if lines else _ESCAPED)
+
+
+def _say(line: str) -> None:
+    """Print one line made of what a daemon answered (:func:`_shown`)."""
+    print(_shown(line))
+
+
 _NUMBER = (int, float)
 _JOB = {"id": (str,), "app": (str,), "placement": (str,), "state": (str,), "pid": (int,), "uptime_s": _NUMBER,
         "returncode": (int, type(None)), "daemon": (str,), "last_line": (str,)}
@@ -191,26 +216,72 @@ _JOB = {"id": (str,), "app": (str,), "placement": (str,), "state": (str,), "pid"
 _JOB_OPTIONAL = {"detail": (str,), "stopped_by": (str, type(None)), "over_hosts": (bool, type(None)),
                  "run": (str, type(None)), "groups": (dict,), "workers": (list,)}
 _GROUP = {"host": (str,), "address": (str,), "key": (str, type(None))}
+_GROUP_OPTIONAL = {"waiting": (str, type(None))}
 _LOCAL_WORKER = {"group": (str,), "state": (str,), "pid": (int,), "restarts": (int,)}
 _HOSTED = {"run": (str,), "group": (str,), "state": (str,), "pid": (int,), "uptime_s": _NUMBER,
            "returncode": (int, type(None)), "daemon": (str,)}
+_HOSTED_OPTIONAL = {"restarts": (int,)}
 _LOG = {"data": (bytes,), "offset": (int,), "done": (bool,)}
+#: The ranges of the numbers a daemon's answers hold, as its own records hold them (``_jobrecord``: a pid
+#: in (0, 2**31), an exit status in (-256, 256)): a pid of 2**64 - 1 was printed as it came.
+_RANGES = {"pid": (1, 2**31 - 1), "returncode": (-255, 255), "restarts": (0, 2**31 - 1)}
+
+
+def _range_problem(what: str, d: dict[str, Any]) -> str | None:
+    """What number of ``d`` (its fields' types checked) is out of :data:`_RANGES`, or None."""
+    for name, (low, high) in _RANGES.items():
+        if type(v := d.get(name)) is int and not low <= v <= high:
+            return f"{what}'s {name} is {v}, out of its range ({low} to {high})"
+    return None
 
 
 def _job_problem(what: str, j: Any) -> str | None:
-    """What is wrong with a job as ``status`` and ``stop`` answer it (``Daemon.describe``), or None."""
-    if (why := _fields_problem(what, j, _JOB, _JOB_OPTIONAL)) is not None:
+    """What is wrong with a job as ``status`` and ``stop`` answer it (``Daemon.describe``), or None: its
+    fields' types and ranges; and where its groups run, as ``reactor logs JOB GROUP`` connects there and
+    asks for its run's log (a group's address ``bogus://x``, or a key ``"short"``, ended that command in a
+    ``ZMQError`` traceback, and groups without a run in a ``KeyError``)."""
+    from ..launch._cluster import Z85_KEY_RE
+    from ..launch._protocol import _JOB_RE, tcp_address_error
+
+    if (why := _fields_problem(what, j, _JOB, _JOB_OPTIONAL) or _range_problem(what, j)) is not None:
         return why
+    if not _JOB_RE.match(j["id"]):
+        return f"{what}'s id is {show_value(j['id'])}, not a job id (16 hex digits)"
     if j.get("stopped_by") not in (None, "request", "daemon"):
         return f"{what}'s stopped_by is {j['stopped_by'][:40]!r}, not 'request', 'daemon' or None"
+    if j.get("groups") and type(j.get("run")) is not str:
+        return f"{what} has groups but no run (what their logs are asked for by)"
     for g, where in (j.get("groups") or {}).items():
-        if type(g) is not str or (why := _fields_problem(f"{what}'s group {g!r:.40}", where, _GROUP,
-                                                          {"waiting": (str, type(None))})) is not None:
+        whose = f"{what}'s group {g!r:.40}"
+        if type(g) is not str or (why := _fields_problem(whose, where, _GROUP, _GROUP_OPTIONAL)) is not None:
             return why or f"{what} has a group named by a {type(g).__name__}"
+        if (why := tcp_address_error(where["address"])) is not None:
+            return f"{whose} has a bad address ({why})"
+        if where["key"] is not None and not Z85_KEY_RE.match(where["key"]):
+            return f"{whose} has a bad key ({show_value(where['key'])}, not a CURVE public key: 40 characters of Z85)"
     for i, w in enumerate(j.get("workers") or []):
-        if (why := _fields_problem(f"{what}'s worker {i}", w, _LOCAL_WORKER, {})) is not None:
+        if (why := _fields_problem(f"{what}'s worker {i}", w, _LOCAL_WORKER, {})
+                or _range_problem(f"{what}'s worker {i}", w)) is not None:
             return why
     return None
+
+
+def _known(d: dict[str, Any], *tables: dict[str, tuple[type, ...]]) -> dict[str, Any]:
+    """``d`` (checked) with only the fields ``tables`` name: what ``status --json`` prints of it."""
+    return {k: v for k, v in d.items() if any(k in t for t in tables)}
+
+
+def _known_job(j: dict[str, Any]) -> dict[str, Any]:
+    """A job (checked: :func:`_job_problem`) as ``status --json`` prints it: its known fields, and its
+    groups' and workers'. A field of a daemon's own (of another version, or not reactor's) was printed
+    as it came: bytes or a msgpack ext type ended the command in a ``TypeError`` traceback, a NaN was
+    printed as ``NaN``, which is no JSON."""
+    out = _known(j, _JOB, _JOB_OPTIONAL)
+    if "groups" in out:
+        out["groups"] = {g: _known(w, _GROUP, _GROUP_OPTIONAL) for g, w in out["groups"].items()}
+    if "workers" in out:
+        out["workers"] = [_known(w, _LOCAL_WORKER) for w in out["workers"]]
+    return out
 
 
 def _reply_problem(kind: str, got: Any, job: Any = None) -> str | None:
@@ -222,7 +293,8 @@ def _reply_problem(kind: str, got: Any, job: Any = None) -> str | None:
             return f"it is {type(got).__name__}, not a list"
         for i, item in enumerate(got):
             why = (_job_problem(f"job {i}", item) if kind == "status"
-                   else _fields_problem(f"worker {i}", item, _HOSTED, {"restarts": (int,)}))
+                   else _fields_problem(f"worker {i}", item, _HOSTED, _HOSTED_OPTIONAL)
+                   or _range_problem(f"worker {i}", item))
             if why is not None:
                 return why
         return None
@@ -230,6 +302,11 @@ def _reply_problem(kind: str, got: Any, job: Any = None) -> str | None:
         return _job_problem("the job", got)
     if kind in ("logs", "worker_log"):
         return _fields_problem("the chunk", got, _LOG, {})
+    if kind == "submit":  # (printed, and hinted at as `reactor status JOB`: whatever came, 100 MB of it, exit 0)
+        from ..launch._protocol import _JOB_RE
+
+        if type(got) is not str or not _JOB_RE.match(got):
+            return f"it is {show_value(got)}, not a job id (16 hex digits)"
     return None
 
 
@@ -389,13 +466,30 @@ def _run_line(run: str, workers: list[dict[str, Any]], job: str | None) -> str:
             f"{f'  (job {job}; reactor status {job})' if job else ''}")
 
 
-def _print_log(read: Any, follow: bool) -> None:
+def _print_log(read: Any, follow: bool, who: str, kind: str) -> None:
     """Print a log chunk by chunk (``read(offset)`` -> data, offset, done): to its end as it is now, or
     with ``follow``, on until the job is done. (One answer carries at most ``LOG_CHUNK_NBYTES``: the log
-    of a job that printed more was cut there, mid-line and without a word, its end never shown.)"""
+    of a job that printed more was cut there, mid-line and without a word, its end never shown.) Each
+    chunk must carry at most that, and end where its data does: an offset that did not move on (or went
+    back) asked for the same chunk for ever, printing it each time.
+
+    Raises:
+        DaemonError: a chunk that is not so (``who`` sent it, in answer to ``kind``).
+    """
+    from ..launch._daemon import DaemonError
+    from ..launch._hosting import LOG_CHUNK_NBYTES
+
     offset = 0
     while True:
         got = read(offset)
+        why = (f"the chunk holds {len(got['data']):,} bytes, more than a daemon sends ({LOG_CHUNK_NBYTES:,})"
+               if len(got["data"]) > LOG_CHUNK_NBYTES else
+               f"the chunk of {len(got['data']):,} bytes from offset {offset:,} ends at offset {got['offset']:,}, not "
+               f"{offset + len(got['data']):,}" if got["offset"] != offset + len(got["data"]) else None)
+        if why is not None:
+            sys.stdout.flush()
+            raise DaemonError(f"{who} sent a malformed answer to {kind!r}: {why} (a daemon of another reactor "
+                              f"version?)")
         sys.stdout.buffer.write(got["data"])
         sys.stdout.flush()
         offset = got["offset"]

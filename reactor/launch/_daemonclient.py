@@ -19,6 +19,7 @@ import zmq
 import zmq.utils.monitor
 
 from .._errors import DaemonError
+from .._reactor import show_value as _show
 from ..transport import CurveKeys
 from ._app import shipped_files
 
@@ -121,6 +122,25 @@ REFUSED_WHY = ("every TCP connect failed at once (refused: nothing listens on th
 #: A connect failure older than this leaves ``refused_after_s`` out of it: a connect now under way (a lost
 #: SYN waits a second for its retransmit) is not a refused one. ZeroMQ retries every 0.1 s.
 _RETRIED_FRESH_S = 0.5
+#: The largest answer a client takes (``MAXMSGSIZE``: ZeroMQ ends the connection on a larger frame before
+#: any of it reaches Python; a frame of 300 MB of junk took 660 MB of memory). A daemon's largest answer
+#: with a bound is ``run_files``'s (``_hosting.RUN_FILES_MAX_NBYTES`` of paths, 16 MiB, and ~2.3 MiB of the
+#: rest), a log chunk 1 MiB (``LOG_CHUNK_NBYTES``); ``status`` of all its jobs has none but their number
+#: (~1-3 KiB a job: the 200 ended ones kept and hundreds running are a few MiB). 64 MiB, the daemon's own
+#: bound on a request (``_daemon.MAX_REQUEST_NBYTES``), holds each of them several times over.
+MAX_ANSWER_NBYTES = 64 << 20
+#: Why a request ends when ZeroMQ ended the connection after the handshake and does not connect again
+#: (what it does for a frame over ``MAXMSGSIZE``, or one that breaks its protocol; a daemon that stopped
+#: or restarted is connected to again, at once, and waited for).
+DROPPED_WHY = (f"it completed the CURVE handshake, then sent a frame ZeroMQ refused and ended the connection for: "
+               f"an answer over {MAX_ANSWER_NBYTES >> 20} MiB (more than a daemon ever answers), or one that is not "
+               f"ZeroMQ's framing (no reactor daemon of this version there?)")
+#: How long after such an end a request waits for ZeroMQ to connect again (at once, as a daemon that
+#: stopped is connected to again) before it takes the end for one after a refused frame.
+_DROPPED_AFTER_S = 1.0
+#: How many requests that ended without their answer a client keeps the ids of (an answer that comes
+#: later is dropped without a word; one to any other id it sent is a reply that is no answer).
+_UNANSWERED_KEPT = 1024
 
 
 class DaemonClient:
@@ -132,6 +152,11 @@ class DaemonClient:
     (:class:`DaemonKeyError`, at once: a key a daemon does not admit waits no timeout out). The next
     request after a refusal connects again, with a new handshake: once the operator has admitted our
     key (or the right daemon key is in place), the same client goes on.
+
+    What comes back is a peer's message, taken no further than it holds: a frame over
+    :data:`MAX_ANSWER_NBYTES` ends the connection in ZeroMQ (a request then fails at once, and the next
+    one connects again), and a reply that is no answer (junk, a request id never sent) is dropped and
+    counted, the error that ends the request naming it. Its payload's shape is the caller's to check.
 
     Args:
         address: the daemon's ``tcp://HOST:PORT``.
@@ -148,31 +173,63 @@ class DaemonClient:
     """
 
     def __init__(self, address: str, daemon_key: bytes, keys: CurveKeys, timeout_s: float = 10.0,
-                 who: str | None = None, refused_after_s: float | None = None) -> None:
+                 who: str | None = None, refused_after_s: float | None = None, ctx: zmq.Context | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.refused_after_s = refused_after_s
         self.ever_connected = False  # some connection of this client got through (refused_after_s is then off)
+        self.unanswered: set[int] = set()  # requests that ended without their answer (it may come late)
         self.who = who or f"the daemon at {address}"
         self.daemon_key = daemon_key
         self.public = keys.public
         self._keys = keys
-        self.ctx = zmq.Context()
-        self._connect()
+        # (given: a coordinator's links to its hosts share one, whose threads and descriptors each of a few
+        # hundred hosts' clients took for its own: EMFILE at 150 hosts under the common 1,024 descriptors)
+        self._own_ctx = ctx is None
+        self.ctx = zmq.Context() if ctx is None else ctx
+        try:
+            self._connect()
+        except DaemonError:
+            if self._own_ctx:
+                self.ctx.destroy(linger=0)
+            raise
         self.next_id = 1
 
     def _connect(self) -> None:
-        """A new socket (and its monitor) connecting to the daemon."""
+        """A new socket (and its monitor) connecting to the daemon.
+
+        Raises:
+            DaemonError: ZeroMQ refused the daemon's key (not a CURVE public key's 40 characters of Z85) or
+                its address (not one it connects to: ``bogus://x``); both can come in a daemon's answer
+                (a job's groups, for ``reactor logs JOB GROUP``), where ``zmq.ZMQError`` ended the command
+                in a traceback.
+        """
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.curve_secretkey = self._keys.secret
-        self.sock.curve_publickey = self._keys.public
-        self.sock.curve_serverkey = self.daemon_key
-        self.monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_NBYTES)
         self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
         self.retried_at: float | None = None  # the last connect that failed, while none got through since
         self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
-        self.sock.connect(self.address)
+        self.closed_in_handshake = 0  # connections in a row the peer closed in their handshake (_follow_link)
+        self.connected_since_retry = False  # (whether a connect got through since ZeroMQ last retried)
+        self.dropped_at: float | None = None  # ZeroMQ ended a connection after its handshake, to connect no more
+        key = self.daemon_key[:60].decode(errors="replace")
+        step, monitor = f"its key {key!r} is not a CURVE public key (40 characters of Z85)", None
+        try:
+            self.sock.curve_secretkey = self._keys.secret
+            self.sock.curve_publickey = self._keys.public
+            self.sock.curve_serverkey = self.daemon_key
+            monitor = self.sock.get_monitor_socket(_LINK_EVENTS)  # (before connect: its first events count)
+            step = f"its address {self.address[:200]!r} is not one ZeroMQ connects to"
+            self.sock.connect(self.address)
+        except zmq.ZMQError as e:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.disable_monitor()
+                monitor.close(linger=0)
+            self.sock.close(linger=0)
+            raise DaemonError(f"{self.who} cannot be asked: {step} ({zmq.strerror(e.errno)})") from None
+        self.monitor = monitor
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -189,50 +246,74 @@ class DaemonClient:
         Raises:
             DaemonKeyError: the CURVE handshake failed (our key is not admitted, or the daemon's key
                 is not the one given), as soon as that is known; the next request tries a new handshake.
-            DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got; or
-                (``refused_after_s``) every connect failing at once for that long.
+            DaemonSilentError: no answer within ``timeout_s``, saying how far the connection got, and how
+                many replies came that were no answer (:func:`_answer_of`: junk, a request id we never
+                sent), the first one's flaw; or (``refused_after_s``) every connect failing at once for that
+                long; or ZeroMQ ended the connection on a frame over ``MAX_ANSWER_NBYTES`` (:data:`DROPPED_WHY`).
             DaemonError: the daemon refused the request (its reason).
         """
         rid = self.next_id
         self.next_id += 1
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self._follow_link()
-        if self.refused is not None:
+        if self.refused is not None or self.dropped_at is not None:
             # ZeroMQ does not connect again after a refused handshake: every later request failed at
             # once ("takes no more requests"), even after the operator admitted our key, until the
             # caller made a new client. A new connection, with a new handshake, is what asking again means.
+            # (Nor after it ended one on a frame it refused: every later request waited its timeout out.)
             self._close_socket()
             self._connect()
         try:
             self.sock.send_multipart([b"", msgpack.packb([rid, kind, *fields], use_bin_type=True)], flags=zmq.NOBLOCK)
         except zmq.Again as e:
             raise DaemonSilentError(f"{self.who} takes no more requests (not reachable)") from e
+        try:
+            return self._answer(rid, kind, timeout_s)
+        except DaemonSilentError:  # (its answer may come yet, late: the next request drops it, not as junk)
+            self.unanswered.add(rid)
+            if len(self.unanswered) > _UNANSWERED_KEPT:
+                self.unanswered.discard(min(self.unanswered))
+            raise
+
+    def _answer(self, rid: int, kind: str, timeout_s: float) -> Any:
+        """The answer to request ``rid`` (sent), as :meth:`request` returns it and raises."""
         started = time.monotonic()
         deadline = started + timeout_s
         self._follow_link()
+        junk, first_flaw = 0, ""  # replies that were no answer (dropped, and said if no answer comes)
         while (left := deadline - time.monotonic()) > 0 and self.refused is None:
             if self._refusing():  # (every connect failing at once: no answer can come; events read after each poll)
                 assert self.refused_after_s is not None
                 if (wait := started + self.refused_after_s - time.monotonic()) <= 0:
                     raise DaemonSilentError(f"{self.who} did not answer {kind!r}: {REFUSED_WHY}", "nothing", REFUSED_WHY)
                 left = min(left, wait)
+            if self.dropped_at is not None:  # (ended on a frame ZeroMQ refused: no answer can come on this socket)
+                if (wait := self.dropped_at + _DROPPED_AFTER_S - time.monotonic()) <= 0:
+                    raise DaemonSilentError(f"{self.who} did not answer {kind!r}: {DROPPED_WHY}", "handshake",
+                                            DROPPED_WHY)
+                left = min(left, wait)
             ready = dict(self.poller.poll(int(left * 1000) + 1))
             if self.monitor in ready:
                 self._follow_link()
             if self.sock not in ready:
                 continue
-            frames = self.sock.recv_multipart()
-            try:
-                reply = msgpack.unpackb(frames[-1], raw=False)
-            except Exception:  # noqa: BLE001 - junk is no answer
+            reply, flaw = _answer_of(self.sock.recv_multipart(), rid, self.unanswered)
+            if flaw is not None:
+                junk, first_flaw = junk + 1, first_flaw or flaw
                 continue
-            if type(reply) is not list or len(reply) not in (3, 4) or reply[0] != rid:
+            if reply is None:
                 continue  # a late answer to an earlier request
             if not reply[1]:
                 raise (DaemonFullError if reply[3:] == ["full"] else DaemonError)(str(reply[2]))
             return reply[2]
         if self.refused is not None:
             raise self._key_error()
+        if junk:  # (what came is said, not "answered late": a daemon of another version, or no reactor daemon)
+            said = "once with a reply that is not an answer: it" if junk == 1 else \
+                f"{junk} times with replies that are not answers: the first"
+            why = f"it answered {said} {first_flaw} (no reactor daemon of this version there?)"
+            raise DaemonSilentError(f"{self.who} did not answer {kind!r} within {timeout_s:.1f} s: {why}", self.link,
+                                    why)
         why = {"nothing": "nothing there accepted a TCP connection (check the address and port, and that the daemon "
                           "runs there)",
                "tcp": "it accepted a TCP connection but did not complete the CURVE handshake (a daemon that is stopped "
@@ -250,14 +331,29 @@ class DaemonClient:
                 return
             kind = event["event"]
             if kind == zmq.EVENT_CONNECT_RETRIED:  # (a connect failed: refused, or its host unknown or unreachable)
+                self.dropped_at = None  # (ZeroMQ connects again: the end was no refused frame)
+                if not self.connected_since_retry:  # (a connect refused: the listener is gone, it refused no key)
+                    self.closed_in_handshake = 0
+                self.connected_since_retry = False
                 if self.link == "nothing":
                     self.retried_at = time.monotonic()
             elif kind == zmq.EVENT_CONNECTED:
                 self.link, self.retried_at, self.ever_connected = "tcp", None, True
+                self.connected_since_retry = True
             elif kind == zmq.EVENT_DISCONNECTED:
+                # (after the handshake: a daemon that stopped, which ZeroMQ connects to again at once, a
+                # CONNECT_RETRIED; or a frame it refused, over MAXMSGSIZE, after which it never does)
+                self.dropped_at = time.monotonic() if self.link == "handshake" else None
                 self.link = "nothing"
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.link, self.refused = "handshake", None
+                self.link, self.refused, self.closed_in_handshake = "handshake", None, 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.closed_in_handshake == 0:
+                # The peer closed the connection in its handshake: a daemon that does not hold the key we gave
+                # for it does, at every connect (ZeroMQ's next one 0.1 s on), and so does a listener that went
+                # away meanwhile (a daemon that stopped or restarted), whose next connect is refused. So it is
+                # a key error at the second in a row (a stopped listener's, taken for one at the first, waited
+                # out no timeout: 1 test run in 2 on a quiet machine).
+                self.closed_in_handshake = 1
             else:  # a handshake failed (its event and ZeroMQ's code)
                 self.refused = (int(kind), int(event["value"]))
 
@@ -283,10 +379,38 @@ class DaemonClient:
 
     def close(self) -> None:
         self._close_socket()
-        self.ctx.destroy(linger=0)
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
 
     def __enter__(self) -> DaemonClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _answer_of(frames: list[bytes], rid: int, unanswered: set[int]) -> tuple[list[Any] | None, str | None]:
+    """A reply's ``[id, ok, payload]`` (or ``[id, False, text, "full"]``) if it answers request ``rid``;
+    ``(None, None)`` for the late answer of a request in ``unanswered`` (it ended without it: taken out);
+    ``(None, flaw)`` for a reply that is no answer (not two frames, not msgpack, not that list, the id of
+    no request, or of one answered already), the flaw in words. Such replies were dropped without a word:
+    a daemon that sent only those was said to have "answered late: it is overloaded or stopped"."""
+    if len(frames) != 2 or frames[0] != b"":
+        return None, (f"came in {len(frames)} frames, not 2" if len(frames) != 2 else "has a first frame that is not "
+                      "empty")
+    try:
+        reply = msgpack.unpackb(frames[1], raw=False)
+    except Exception as e:  # noqa: BLE001 - junk is no answer, whatever its flaw
+        return None, f"is not msgpack ({type(e).__name__}{': ' + str(e)[:80] if str(e) else ''})"
+    if type(reply) is not list or len(reply) not in (3, 4):
+        return None, f"is {_show(reply)}, not [request id, ok, payload]"
+    if type(reply[0]) is not int or (reply[0] != rid and reply[0] not in unanswered):
+        return None, f"has the request id {_show(reply[0])}, " + (
+            "whose answer came already" if type(reply[0]) is int and 0 < reply[0] < rid else
+            "which this client never sent")
+    if type(reply[1]) is not bool:
+        return None, f"has an ok of {_show(reply[1])}, not a bool"
+    if reply[0] != rid:
+        unanswered.discard(reply[0])
+        return None, None
+    return reply, None

@@ -15,7 +15,8 @@ policy over a hosts file that names those pods). The templates are ``reactor/lau
   ``reactor run /app/APP --hosts /app/hosts.toml`` with the run options given.
 
 Every value is written as a JSON scalar or flow collection (JSON is YAML), so no value can break
-the document's structure; a placeholder left unfilled is an error. The schemas check no names, image
+the document's structure, and one a YAML reader would refuse or alter (DEL, a C1 control, U+2028)
+is escaped (:func:`_q`); a placeholder left unfilled is an error. The schemas check no names, image
 references or quantities, so :func:`render` does, as Kubernetes would on the cluster. The output was validated against
 Kubernetes' OpenAPI schemas in the tests (``kubernetes-validate``); it has not run on a live
 cluster here.
@@ -59,8 +60,17 @@ def _quantity(value: str) -> float:
     return float(number) * _SUFFIX.get(suffix, 1)
 
 
+# What a YAML reader would not give back as written: DEL and every other character of the Basic
+# Multilingual Plane past ASCII. YAML refuses a raw DEL, C1 control or U+FFFE, and folds a raw NEL,
+# U+2028 or U+2029 in a quoted string; the rest is escaped too, as json's ensure_ascii does.
+_YAML_ESCAPED = re.compile(r"[\x7f-\uffff]")
+
+
 def _q(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    """``value`` as JSON that every YAML reader takes back exactly: DEL and a character past ASCII become
+    a ``\\uXXXX`` escape, but one past U+FFFF stays as it is (UTF-8), since json would write it as a
+    surrogate pair, which PyYAML reads as two lone surrogates and go-yaml (Kubernetes') refuses."""
+    return _YAML_ESCAPED.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
 
 
 def render(app: str, run_args: Sequence[str], *, replicas: int, image: str, name: str = "reactor",

@@ -38,8 +38,10 @@ reactions run too (a last checkpoint, the summary).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -49,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .._errors import ReactorError
+from .._errors import GraphError, ReactorError
 
 DAEMONS_TIMEOUT_S = 120.0  # every daemon of the job up (their nodes may be slow to start Python)
 STOP_TIMEOUT_S = 30.0
@@ -61,27 +63,116 @@ class SlurmError(ReactorError):
     """Slurm refused the job, or its daemons did not come up."""
 
 
+# A node's name as a hosts file takes it (_cluster's host names): each daemon is named after its node.
+_NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}")
+
+
 def node_names(nodelist: str | None = None) -> list[str]:
-    """The allocation's nodes, in Slurm's order (``scontrol show hostnames`` of the node list)."""
+    """The allocation's nodes, in Slurm's order (``scontrol show hostnames`` of the node list:
+    ``nodelist``, else the allocation's ``SLURM_JOB_NODELIST``).
+
+    scontrol exits 0 on a node list it cannot expand (``node[1-3,x]``, ``node[3-1]``, ``node[]``): it
+    says "Invalid hostlist" on stderr and prints no name, so its stderr and its names are checked, not
+    its exit status alone (a line without "invalid", "error" or "fatal", a site's warning, is no refusal).
+
+    Raises:
+        SlurmError: not inside an allocation; scontrol said it was invalid or an error on stderr, failed or gave no name;
+            it gave a name no host has (``node[1-3`` gives ``node]``) or one name twice; or, for the
+            allocation's list, another count of nodes than ``SLURM_JOB_NUM_NODES``. Each names the list.
+    """
+    from_env = not nodelist
+    where = "node list"
+    if from_env:
+        where = "SLURM_JOB_NODELIST" if os.environ.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
     nodelist = nodelist or os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if not nodelist:
         raise SlurmError("not inside a Slurm allocation (no SLURM_JOB_NODELIST): use `reactor slurm APP` to submit "
                          "a job, or run --here from sbatch or salloc")
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise SlurmError(f"scontrol show hostnames {nodelist} failed: {out.stderr.strip()}")
-    return out.stdout.split()
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as e:
+        raise SlurmError(f"{where} {nodelist!r:.200}: scontrol, which expands it, is not on PATH") from e
+    names = out.stdout.split()
+    said = "; ".join(line.strip() for line in out.stderr.splitlines() if line.strip())
+    if out.returncode != 0 or any(w in said.lower() for w in ("invalid", "error", "fatal")) or not names:
+        raise SlurmError(f"{where} {nodelist!r:.200}: scontrol show hostnames cannot expand it "
+                         f"({said[:300] or f'exit status {out.returncode}, no node named'})")
+    if bad := next((n for n in names if not _NODE_RE.fullmatch(n)), None):
+        raise SlurmError(f"{where} {nodelist!r:.200}: scontrol expanded it to {bad!r:.80}, not a node's name "
+                         f"(letters, digits, '_', '.' and '-'): is a bracket unclosed?")
+    if twice := next((n for i, n in enumerate(names) if n in names[:i]), None):
+        raise SlurmError(f"{where} {nodelist!r:.200}: names node {twice} twice")
+    count = os.environ.get("SLURM_JOB_NUM_NODES") if from_env else None
+    if count is not None and count.strip() != str(len(names)):
+        raise SlurmError(f"{where} {nodelist!r:.200} names {len(names)} nodes, but SLURM_JOB_NUM_NODES is "
+                         f"{count!r:.40}")
+    return names
 
 
 def daemon_name(node: str, local_id: int, tasks_per_node: int) -> str:
     return node if tasks_per_node == 1 else f"{node}-{local_id}"
 
 
+# What sbatch reads in an #SBATCH line as more than the value's characters: it splits the line into
+# arguments at whitespace, takes the rest of the line after a '#' as a comment, and strips quotes and
+# backslashes (src/sbatch/opt.c, _get_argument).
+_SBATCH_SPECIAL = "#'\"\\"
+
+
+def _refuse_in_script(label: str, value: str, *, directive: bool = False, output: bool = False,
+                      hint: str = "") -> None:
+    """Refuse a value that would change what the batch script says.
+
+    No control character anywhere (the script's values are the user's: a newline in an #SBATCH line
+    starts a shell command of the script, and sbatch reads no directive after a command); in an
+    #SBATCH line (``directive``), no whitespace and none of :data:`_SBATCH_SPECIAL`; in the job's
+    output path (``output``), no '%': sbatch expands it (``%j``, ``%N``, ...) in ``--output``.
+
+    Raises:
+        ValueError: one line naming ``label``, the value and the character (and ``hint``, for an #SBATCH
+            line's).
+    """
+    for c in value:
+        if ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0:
+            why = "is a control character, which cannot go into the batch script (a newline starts a shell command)"
+        elif directive and (c.isspace() or c in _SBATCH_SPECIAL):
+            why = ("cannot go into an #SBATCH line (sbatch splits it at whitespace, ends it at '#', strips quotes "
+                   f"and backslashes){hint}")
+        elif output and c == "%":
+            why = "cannot go into the job's output path (sbatch expands '%' there: %j is the job id)"
+        else:
+            continue
+        raise ValueError(f"{label} {value!r:.120}: {c!r} {why}")
+
+
 def sbatch_script(app: str, run_args: Sequence[str], job_dir: Path, *, nodes: int, tasks_per_node: int,
                   partition: str | None = None, time_limit: str | None = None,
                   sbatch_args: Sequence[str] = ()) -> str:
-    """The batch script of a job: Slurm's directives, then ``reactor slurm --here`` on the first node."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name=reactor-{Path(app).stem}", f"#SBATCH --nodes={nodes}",
+    """The batch script of a job: Slurm's directives, then ``reactor slurm --here`` on the first node.
+
+    The values go into the script as they are: the ``exec`` line quotes them for the shell, but sbatch
+    reads an #SBATCH line its own way, so what would change either is refused (:func:`_refuse_in_script`).
+
+    Raises:
+        ValueError: a control character in any value (the app's path, the job directory, the directory
+            submitted from, a run option); whitespace, '#', a quote or a backslash in a value of an
+            #SBATCH line (``--out``, ``--partition``, ``--time``, ``--sbatch-arg``); '%' in ``--out``; or an
+            ``--sbatch-arg`` that is not an option. Each names the option and the character. (The app's
+            file name names the job, any character but letters, digits, '_', '.' and '-' as '_'.)
+    """
+    _refuse_in_script("app file", app)
+    _refuse_in_script("--out", str(job_dir), directive=True, output=True)
+    _refuse_in_script("the directory submitted from", os.getcwd())
+    for option, value in (("--partition", partition), ("--time", time_limit)):
+        _refuse_in_script(option, value or "", directive=True)
+    for a in sbatch_args:
+        _refuse_in_script("--sbatch-arg", a, directive=True, hint=": give one option each, as --sbatch-arg=--mem=8G")
+        if not a.startswith("-"):
+            raise ValueError(f"--sbatch-arg {a!r:.120}: not an sbatch option (one option each: --sbatch-arg=--mem=8G)")
+    for i, a in enumerate(run_args):
+        _refuse_in_script(run_args[i - 1] if i and run_args[i - 1].startswith("-") else "run option", a)
+    job_name = "reactor-" + re.sub(r"[^A-Za-z0-9_.\-]", "_", Path(app).stem)[:100]  # (a label: any other character '_')
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={tasks_per_node}", f"#SBATCH --output={job_dir}/slurm-%j.out"]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
@@ -95,12 +186,18 @@ def sbatch_script(app: str, run_args: Sequence[str], job_dir: Path, *, nodes: in
 
 
 def submit(app: str, run_args: Sequence[str], job_dir: Path, **kw: object) -> str:
-    """Write ``job.sbatch`` in ``job_dir`` and submit it; Slurm's job id."""
+    """Write ``job.sbatch`` in ``job_dir`` and submit it; Slurm's job id.
+
+    Raises:
+        ValueError: a value the batch script cannot hold (:func:`sbatch_script`), before anything is written.
+        SlurmError: sbatch is not on PATH, or refused the job.
+    """
     if not Path(app).is_file():
         raise FileNotFoundError(f"no app file {app}")
-    job_dir.mkdir(parents=True, exist_ok=True)
+    text = sbatch_script(str(Path(app).resolve()), run_args, job_dir, **kw)  # type: ignore[arg-type]
+    job_dir.mkdir(parents=True, exist_ok=True)  # (after the script's values were checked: nothing made for a refusal)
     script = job_dir / "job.sbatch"
-    script.write_text(sbatch_script(str(Path(app).resolve()), run_args, job_dir, **kw))  # type: ignore[arg-type]
+    script.write_text(text)
     try:
         out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     except FileNotFoundError as e:
@@ -111,13 +208,32 @@ def submit(app: str, run_args: Sequence[str], job_dir: Path, **kw: object) -> st
 
 
 def _advertise() -> str:
-    """The address this node reaches the batch node at (where the coordinator runs)."""
+    """The address this node reaches the batch node at (where the coordinator runs).
+
+    Raises:
+        SlurmError: ``SLURM_LAUNCH_NODE_IPADDR`` is not an IP address (Slurm sets it to the address of
+            the node srun ran on), or this node has no route to it; without it, this node's own name
+            does not resolve.
+    """
     from ._cluster import address_towards
 
     launcher = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
     if launcher:
-        return address_towards(f"tcp://{launcher}:9")
-    return socket.gethostbyname(socket.gethostname())
+        try:
+            ip = ipaddress.ip_address(launcher)
+        except ValueError:
+            raise SlurmError(f"SLURM_LAUNCH_NODE_IPADDR {launcher!r:.80}: not an IP address (Slurm sets it to the "
+                             f"address of the node srun ran on)") from None
+        try:  # (a name, which address_towards would resolve and blame a hosts file for, is refused above)
+            return address_towards(f"tcp://[{ip}]:9" if ip.version == 6 else f"tcp://{ip}:9")
+        except (GraphError, OSError) as e:
+            raise SlurmError(f"SLURM_LAUNCH_NODE_IPADDR {launcher}: this node has no route to it "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        raise SlurmError(f"this node's name {socket.gethostname()!r} does not resolve ({e.strerror}) and "
+                         f"SLURM_LAUNCH_NODE_IPADDR is not set") from None
 
 
 def kill_wait_s() -> float:
@@ -141,9 +257,18 @@ DAEMON_END_S = 8.0
 
 def daemon_task(job_dir: Path, tasks_per_node: int, stop_after_s: float = 0.0) -> None:
     """One srun task: become this task's daemon (exec; never returns). On a cancellation's SIGTERM (which
-    reaches the coordinator with it) it gives the coordinator ``stop_after_s`` to end the run through it."""
+    reaches the coordinator with it) it gives the coordinator ``stop_after_s`` to end the run through it.
+
+    Raises:
+        SlurmError: ``SLURM_LOCALID`` is not this node's task index, or ``SLURM_LAUNCH_NODE_IPADDR`` is
+            not an address this node reaches (:func:`_advertise`); each names the variable.
+    """
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    name = daemon_name(node, int(os.environ.get("SLURM_LOCALID", "0")), tasks_per_node)
+    local_id = os.environ.get("SLURM_LOCALID", "0")
+    if not (local_id.isascii() and local_id.isdigit() and int(local_id) < tasks_per_node):
+        raise SlurmError(f"SLURM_LOCALID {local_id!r:.40}: not the index of a task on this node (0 to "
+                         f"{tasks_per_node - 1} for {tasks_per_node} per node; Slurm sets it for each task)")
+    name = daemon_name(node, int(local_id), tasks_per_node)
     address = _advertise()
     os.execv(sys.executable, [sys.executable, "-m", "reactor.cli", "daemon", "--listen", f"tcp://{address}:*",
                               "--name", name, "--state-dir", str(job_dir / "daemons" / name),
@@ -224,5 +349,8 @@ def here(app: str, run_args: Sequence[str], job_dir: Path, tasks_per_node: int,
 
 if __name__ == "__main__":
     if len(sys.argv) in (4, 5) and sys.argv[1] == "daemon-task":
-        daemon_task(Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) == 5 else 0.0)
+        try:
+            daemon_task(Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) == 5 else 0.0)
+        except SlurmError as e:  # (one line in daemons.log, which the batch step's error names)
+            sys.exit(f"reactor slurm daemon-task: {e}")
     sys.exit("usage: python -m reactor.launch._slurm daemon-task JOB_DIR TASKS_PER_NODE [STOP_AFTER_S]")

@@ -47,6 +47,7 @@ from typing import Any
 from .._errors import DaemonError, GraphError
 from ._app import files_to_ship, shipped_files
 from ._groups import Group
+from ._hosting import LOG_CHUNK_NBYTES
 from ._version import build_id, python_version
 
 __all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "LAST_LINE_SAID", "Z85_KEY_RE", "Host", "MixedBuildsError", "NoHostAnsweredError",
@@ -113,6 +114,12 @@ def parse_hosts(data: Any, where: str, base: Path, read_keys: bool = True) -> di
             address, key_text = entry.get("address"), entry.get("key")
             if key_text is not None and read_keys:
                 key = _read_key(key_text, where, name, base)
+            elif isinstance(key_text, str) and (base / key_text).is_file():
+                from ..transport import CurveKeys
+
+                if CurveKeys.holds_secret(base / key_text):  # (unread here, it would still travel with a submit)
+                    raise GraphError(f"{where}: host {name!r}: its key {base / key_text} holds a secret key (it is a "
+                                     f"key pair): name its public half, the key.pub beside it")
         else:
             address = entry
         if not isinstance(address, str) or not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", address):
@@ -138,6 +145,27 @@ def _read_key(text: Any, where: str, name: str, base: Path) -> bytes:
         raise GraphError(f"{where}: host {name!r}: cannot read its key {path}: {e}") from e
 
 
+#: The tables a file may have at its top level: a misspelt or misplaced one (``[grups.b]``, a hosts
+#: file's ``[groups.x]``) was ignored, and the run went on without what it said.
+TOP_TABLES = {"hosts file": ("hosts", "cluster", "restart"), "placement file": ("groups", "hosts", "cluster", "restart")}
+
+
+def check_top_tables(data: dict[str, Any], what: str, where: str) -> None:
+    """Refuse a table (or key) at the top of a ``what`` (:data:`TOP_TABLES`) that it does not take.
+
+    Raises:
+        GraphError: naming it, the closest table it takes, and every table it takes.
+    """
+    import difflib
+
+    allowed = TOP_TABLES[what]
+    for name in data:
+        if name not in allowed:
+            near = difflib.get_close_matches(name, allowed, n=1)
+            raise GraphError(f"{where}: a {what} has no [{name[:100]}]{f' (did you mean [{near[0]}]?)' if near else ''}: "
+                             f"it takes {', '.join(f'[{t}]' for t in allowed)}")
+
+
 def load_hosts_file(path: str | Path, read_keys: bool = True) -> tuple[dict[str, Host], dict[str, Any]]:
     """A ``--hosts`` file: its hosts and its ``[cluster]`` settings.
 
@@ -151,6 +179,7 @@ def load_hosts_file(path: str | Path, read_keys: bool = True) -> tuple[dict[str,
         data = tomllib.loads(p.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"hosts file {path}: {e}") from e
+    check_top_tables(data, "hosts file", f"hosts file {path}")
     return (parse_hosts(data.get("hosts"), f"hosts file {path}", p.parent, read_keys),
             cluster_settings(data, f"hosts file {path}"))
 
@@ -319,23 +348,80 @@ def address_towards(address: str) -> str:
     return f"[{local}]" if ":" in local else local
 
 
+_PID_MAX = 2**31 - 1
+
+
+def _chunk_problem(got: Any) -> str | None:
+    if type(got) is not dict or type(got.get("data")) is not bytes or type(got.get("offset")) is not int:
+        return f"it is {_show(got)}, not a chunk {{data: bytes, offset: int}}"
+    if len(got["data"]) > LOG_CHUNK_NBYTES or not 0 <= got["offset"] < 2**63:
+        return f"a chunk of {len(got['data'])} bytes (at most {LOG_CHUNK_NBYTES}) at offset {got['offset']}"
+    return None
+
+
+def _workers_problem(got: Any) -> str | None:
+    if type(got) is not dict:
+        return f"it is {_show(got)}, not a map of groups to their workers"
+    for g, w in got.items():
+        if type(g) is not str or type(w) is not dict or type(w.get("pid")) is not int or not 0 < w["pid"] <= _PID_MAX:
+            return f"group {_show(g)}: {_show(w)} is not {{pid: int, returncode: int or None}}"
+        rc = w.get("returncode")
+        if rc is not None and (type(rc) is not int or not -256 < rc < 256):
+            return f"group {g!r:.100}: returncode {_show(rc)} is not an exit status"
+    return None
+
+
+def _files_problem(got: Any) -> str | None:
+    if type(got) is not dict or type(got.get("files")) is not list or type(got.get("more")) is not bool \
+            or type(got.get("unfetchable")) is not int or got["unfetchable"] < 0 \
+            or type(got.get("unfetchable_shown")) is not list:
+        return f"it is {_show(got)}, not a listing {{files, more, unfetchable, unfetchable_shown}}"
+    for f in got["files"]:
+        if type(f) is not dict or type(f.get("path")) is not str or type(f.get("size")) is not int or f["size"] < 0:
+            return f"file {_show(f)} is not {{path: str, size: int >= 0}}"
+    if not all(type(x) is str for x in got["unfetchable_shown"]):
+        return "unfetchable_shown holds what is not a path"
+    return None
+
+
+#: What the coordinator reads of a daemon's answer, by kind: a daemon (another host: a peer, maybe
+#: broken or hostile) whose answer is not one is a ``DaemonError`` naming it, never a KeyError or a
+#: TypeError in the coordinator. (``ping`` is read field by field where it is used.)
+_ANSWERS = {
+    "spawn": lambda g: None if type(g) is dict and type(g.get("pid")) is int and 0 < g["pid"] <= _PID_MAX else
+    f"it is {_show(g)}, not {{pid: int, dir: str}}",
+    "workers": _workers_problem,
+    "end": _workers_problem,
+    "worker_log": _chunk_problem,
+    "run_file": _chunk_problem,
+    "run_files": _files_problem,
+}
+
+
+def _show(v: Any) -> str:
+    from .._reactor import show_value
+
+    return show_value(v)[:200]
+
+
 class DaemonLink:
     """Requests to one daemon from the event loop: the command line's blocking ``DaemonClient``,
     driven in a worker thread, one request at a time (a request never ties up the loop)."""
 
-    def __init__(self, host: Host, keys: Any) -> None:
+    def __init__(self, host: Host, keys: Any, ctx: Any = None) -> None:
         from ._daemon import DaemonClient
 
         self.host = host
         self.client = DaemonClient(host.address, host.key or keys.public, keys,
-                                   who=f"host {host.name!r} ({host.address})")
+                                   who=f"host {host.name!r} ({host.address})", ctx=ctx)
         self.lock = asyncio.Lock()
 
     async def request(self, kind: str, *fields: Any, timeout_s: float) -> Any:
-        """The answer's payload.
+        """The answer's payload, of the shape its kind's answer has (:data:`_ANSWERS`).
 
         Raises:
-            DaemonError: the daemon refused (its reason, naming the host);
+            DaemonError: the daemon refused (its reason, naming the host), or answered with what is not
+                an answer of that kind (naming what);
                 DaemonSilentError: it did not answer within ``timeout_s`` (how far the connection got);
                 DaemonKeyError: the CURVE handshake failed (which key, and why).
         """
@@ -343,14 +429,46 @@ class DaemonLink:
 
         async with self.lock:
             try:
-                return await asyncio.to_thread(self.client.request, kind, *fields, timeout_s=timeout_s)
+                got = await asyncio.to_thread(self.client.request, kind, *fields, timeout_s=timeout_s)
             except DaemonSilentError:
                 raise  # (it names the host)
             except DaemonError as e:  # (its type kept: a DaemonFullError sends a group to its next host)
                 raise type(e)(f"host {self.host.name!r} refused {kind!r}: {e}") from e
+        check = _ANSWERS.get(kind)
+        why = check(got) if check is not None else None
+        if why is not None:
+            raise DaemonError(f"host {self.host.name!r} answered {kind!r} with what is not an answer: {why}")
+        return got
 
     def close(self) -> None:
         self.client.close()
+
+
+class _Links(dict[str, DaemonLink]):
+    """A run's links to its hosts' daemons, each made when first asked for (``links[host]``): a hosts file of
+    a cluster (``reactor slurm``'s, every node) names many hosts the run's groups may never use."""
+
+    def __init__(self, hosts: dict[str, Host], keys: Any, ctx: Any) -> None:
+        super().__init__()
+        self._hosts, self._keys, self._ctx = hosts, keys, ctx
+
+    def __missing__(self, name: str) -> DaemonLink:
+        link = self[name] = DaemonLink(self._hosts[name], self._keys, self._ctx)  # (KeyError: no such host)
+        return link
+
+
+def _open_files_for(hosts: int) -> None:
+    """Raise this process's soft limit of open descriptors to its hard one when a run over ``hosts`` hosts
+    may need more than the soft one (each link a TCP connection and its monitor; each worker's links
+    beside): as a server does, and as Ray does for its raylet. Past the hard limit it stays as it is."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 256 + 8 * hosts
+    if soft != resource.RLIM_INFINITY and soft < want:
+        top = hard if hard != resource.RLIM_INFINITY else max(want, soft)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(top, 1 << 20)), hard))
 
 
 #: How long :meth:`RemoteWorkers.check_memory` waits for a host's answer (a silent one is waited for
@@ -373,7 +491,11 @@ class RemoteWorkers:
         self.run_id = run_id
         self.hosts = hosts
         self.timeout_s = heartbeat_timeout_s
-        self.links = {name: DaemonLink(h, keys) for name, h in hosts.items()}
+        import zmq
+
+        _open_files_for(len(hosts))
+        self.ctx = zmq.Context()  # (one for every link: a context's threads and descriptors each were EMFILE)
+        self.links = _Links(hosts, keys, self.ctx)  # (made as a host is first asked: a hosts file names many)
         self.misnamed: set[str] = set()  # hosts whose daemon answers under another --name (warned once each)
         self.host_of: dict[str, str] = {}  # group -> host
         self.pid: dict[str, int] = {}
@@ -725,6 +847,10 @@ class RemoteWorkers:
                             got = await link.request("run_file", self.run_id, f["path"], offset, timeout_s=30.0)
                             if not got["data"]:
                                 break
+                            if got["offset"] != offset + len(got["data"]):  # (a daemon that repeats a chunk
+                                # would have this write it for ever: the disk filled)
+                                raise DaemonError(f"host {host!r} answered a chunk of {len(got['data'])} bytes at "
+                                                  f"{offset} with the next offset {got['offset']}")
                             out.write(got["data"])
                             offset = got["offset"]
                 except DaemonError as e:  # (one file refused, removed meanwhile, say: the others still come)
@@ -749,3 +875,4 @@ class RemoteWorkers:
                 await self._beat
         for link in self.links.values():
             link.close()
+        self.ctx.destroy(linger=0)

@@ -160,6 +160,8 @@ class Daemon:
         # when it failed, and the command then left the state directory it had made for it.
         self.keys_dir = Path(keys_dir).resolve()
         self.keys = load_keys(keys_dir)
+        if (Path(keys_dir) / "authorized").exists():  # (refused here in one line; later, it admits no one, logged)
+            AuthorizedKeys(Path(keys_dir) / "authorized").check()
         self.state = Path(state_dir).resolve()  # (a relative one: jobs run in their own directories)
         if self.state.exists() and not self.state.is_dir():
             raise NotADirectoryError(f"--state-dir {self.state} is a file, not a directory")

@@ -10,17 +10,24 @@
 A daemon admits a client only if the client's public key is in its ``authorized/`` directory, read
 at each handshake (adding or removing a file takes effect for the next connection, no restart). A
 client needs the daemon's ``key.pub`` to connect (as ssh's known hosts).
+
+Modes are checked as ssh's ``StrictModes`` does: a key directory, ``authorized/`` or an authorized key
+that another user could write, or a secret another user could read, is refused, naming the ``chmod``
+(a 0777 ``authorized/`` let any local user add a key and run jobs as the daemon's user). Each must
+belong to this user or root. A key directory with the sticky bit (a Kubernetes secret's mount) may be
+writable by all: no one else can replace what is in it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 
 from ..transport import CurveKeys
 
-__all__ = ["AuthorizedKeys", "default_keys_dir", "init_keys", "load_keys"]
+__all__ = ["AuthorizedKeys", "check_mode", "default_keys_dir", "init_keys", "load_keys"]
 
 log = logging.getLogger("reactor.keys")
 
@@ -45,6 +52,14 @@ def init_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     if (d / "key").exists():
         raise FileExistsError(f"{d / 'key'} exists: this directory already has a key pair")
+    for name in ("key.pub", "authorized/self.pub"):  # (written through a link: the file it points at replaced)
+        if (d / name).is_symlink():
+            raise FileExistsError(f"{d / name} is a symbolic link: remove it (a new key pair's files are not written "
+                                  f"through links)")
+    strangers = sorted(p.name for p in (d / "authorized").glob("*.pub") if p.name != "self.pub")
+    if strangers:  # (a new pair in an old directory: the keys it admits were put there before, by someone)
+        log.warning("%s already admits %d keys: %s; remove those you do not know", d / "authorized", len(strangers),
+                    ", ".join(strangers[:10]) + (", ..." if len(strangers) > 10 else ""))
     keys = CurveKeys.generate()
     keys.save(d / "key")
     keys.save_public(d / "key.pub")
@@ -69,7 +84,29 @@ def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
             # pair here would be admitted by no daemon)
             where = " (the default key directory: name the one you made with --keys DIR or REACTOR_KEYS=DIR)"
         raise FileNotFoundError(f"no key pair at {path}{where}: make one with `reactor keys init {directory}`")
+    check_mode(Path(directory), "the key directory", sticky_ok=True)
+    check_mode(path, "the key pair", secret=True)
     return CurveKeys.load(path)
+
+
+def check_mode(path: Path, what: str, *, secret: bool = False, sticky_ok: bool = False) -> None:
+    """Refuse ``path`` (a key directory, ``authorized/``, a key file) if it belongs to another user than
+    this one or root, or if others could write it, or read it when it holds a ``secret``; ``sticky_ok``:
+    a directory with the sticky bit may be writable by all. Links are followed (a Kubernetes secret's
+    files are links into its data directory).
+
+    Raises:
+        PermissionError: naming the path, its mode or owner, and the fix.
+    """
+    st = os.stat(path)
+    if st.st_uid not in (0, os.geteuid()):
+        raise PermissionError(f"{what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}) or root: "
+                              f"another user could change it")
+    loose = st.st_mode & (0o077 if secret else 0o022)
+    if loose and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        how = "readable or writable by other users" if secret else "writable by other users"
+        raise PermissionError(f"{what} {path} is {how} (mode {stat.S_IMODE(st.st_mode):04o}): "
+                              f"chmod {'600' if secret else 'go-w'} {path}")
 
 
 class AuthorizedKeys:
@@ -81,10 +118,30 @@ class AuthorizedKeys:
         self._logged: set[bytes] = set()
         self._bad_files: dict[str, str] = {}  # a file that would not load -> why, logged once until that changes
 
+    def check(self) -> None:
+        """Refuse an ``authorized/`` that another user could write (:func:`check_mode`).
+
+        Raises:
+            PermissionError: naming the directory and the fix.
+            FileNotFoundError: there is none.
+        """
+        check_mode(self.directory, "the authorized keys' directory")
+
     def keys(self) -> set[bytes]:
+        """The keys admitted now: none while ``authorized/`` could be written by another user (said
+        once until that changes), and no key file another user could write."""
+        try:
+            self.check()
+        except OSError as exc:
+            if self._bad_files.get("") != str(exc):
+                self._bad_files[""] = str(exc)
+                log.error("admitting no client: %s", exc)
+            return set()
+        self._bad_files.pop("", None)
         out = set()
         for path in sorted(self.directory.glob("*.pub")):
             try:
+                check_mode(path, "the authorized key")
                 out.add(CurveKeys.load_public(path))
             except (OSError, ValueError) as exc:
                 # Once per file and reason, not at every handshake (a stranger's too).

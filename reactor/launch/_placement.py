@@ -38,11 +38,11 @@ from typing import Any
 from .._errors import GraphError
 from .._files import check_ipc_bind
 from .._graph import Graph
-from ._cluster import Host, assign_hosts, cluster_settings, load_hosts_file, parse_hosts
+from ._cluster import Host, assign_hosts, check_top_tables, cluster_settings, load_hosts_file, parse_hosts
 from ._groups import NEVER_RESTART, RESTART_FIELDS, Group, Restart, group_name, parse_restart
 from ._policies import POLICIES
 
-_GROUP_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]+$")
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_\-\[\]]{1,64}\Z")  # (its socket's path: at most 107 bytes)
 
 
 @dataclass
@@ -182,6 +182,7 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
         data = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:  # (not UTF-8: the codec's words alone)
         raise GraphError(f"placement file {placement}: {e}") from e
+    check_top_tables(data, "placement file", f"placement file {placement}")
     defaults = _restart_defaults(data, f"placement file {placement}")
     groups_raw = data.get("groups")
     if not isinstance(groups_raw, dict) or not groups_raw:
@@ -192,7 +193,8 @@ def _groups(graph: Graph, placement: str) -> list[Group]:
     groups = []
     for gname, spec in groups_raw.items():
         if not _GROUP_RE.match(gname):
-            raise GraphError(f"placement file {placement}: group name {gname!r} must match {_GROUP_RE.pattern}")
+            raise GraphError(f"placement file {placement}: group name {gname!r:.100} must be 1 to 64 letters, digits, "
+                             f"'_', '-', '[' or ']'")
         pats = spec.get("reactors") if isinstance(spec, dict) else None
         if not isinstance(pats, list) or not all(isinstance(p, str) for p in pats):
             raise GraphError(f"placement file {placement}: group {gname!r} needs reactors = [\"name\", ...]")
@@ -271,10 +273,13 @@ def check_replicas_apart(graph: Graph, owner: dict[str, str], placement: str) ->
 
 
 def _read_toml(path: str, what: str) -> dict[str, Any]:
+    """A hosts or placement file (``what``), parsed, its top-level tables checked."""
     try:
-        return tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GraphError(f"{what} {path}: {e}") from e
+    check_top_tables(data, what, f"{what} {path}")
+    return data
 
 
 def _any_port(bind: str) -> bool:

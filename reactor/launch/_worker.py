@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -56,6 +57,13 @@ from ._outbox import FLOW_LIMIT, Outbox
 from ._protocol import COORDINATOR, FAILED_END_S, FAILED_SAVE_S, STOPPED_FOR_FAILURE_STATUS, WorkerProtocol
 
 log = logging.getLogger("reactor.worker")
+#: A bind's failures that are its address's (the placement's), by errno, with what to do about it.
+_BIND_REFUSED = {
+    errno.EADDRINUSE: "another program, or another group of this run, holds it: give the group another address",
+    errno.EADDRNOTAVAIL: "no interface of this host has that address",
+    errno.ENAMETOOLONG: "a socket's path holds at most 107 bytes: a shorter group name, or a shorter "
+                        "REACTOR_RUNTIME_DIR",
+}
 #: A worker's status reports to the coordinator (idle, sent, received: quiescence detection) go
 #: out at most this often. Reporting after every message cost a coordinator wake-up
 #: per message on every worker; the delay only postpones the end of a quiet run by as much.
@@ -148,9 +156,17 @@ class Worker:
                     for lk in links if lk.dst in local and owner_of[lk.src] != self.group}
         # Over hosts the endpoint binds tcp for other hosts and, beside it, a plain ipc socket its
         # daemon's other workers are given instead (``local_bind``): links on a host skip CURVE.
-        self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"],
-                                           curve=keys, curve_local=False, local_bind=spec.get("local_bind"),
-                                           accept=WorkerProtocol(in_links))
+        try:
+            self.ep = ep = await Endpoint.open(self.group, spec["bind"], max_message_nbytes=spec["max_message_nbytes"],
+                                               curve=keys, curve_local=False, local_bind=spec.get("local_bind"),
+                                               accept=WorkerProtocol(in_links))
+        except OSError as e:
+            if e.errno not in _BIND_REFUSED:
+                raise
+            # The placement's address (a port another program or group holds, a path too long for a
+            # socket): the user's to change, said in one line and never restarted, not a worker's traceback.
+            why = _BIND_REFUSED[e.errno]
+            raise GraphError(f"group {self.group!r} cannot bind {spec['bind']!r}: {os.strerror(e.errno)} ({why})") from None
         try:
             await ep.connect(COORDINATOR, spec["coordinator"], server_public_key=link_key(keys, spec["coordinator"]))
             self.flow_limit = int(spec.get("flow_limit", FLOW_LIMIT))

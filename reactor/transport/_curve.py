@@ -85,15 +85,29 @@ class CurveKeys:
 
     @staticmethod
     def load_public(path: str | os.PathLike[str]) -> bytes:
-        """Read the public key from a file written by :meth:`save_public` or :meth:`save`.
+        """Read the public key from a file written by :meth:`save_public`.
 
         Raises:
-            ValueError: the file lacks a valid ``public = ...`` line.
+            ValueError: the file lacks a valid ``public = ...`` line, or it holds a secret too (a key
+                pair is not a peer's key: named as one, it was shipped with a submitted job).
         """
-        key = _read_key_file(path).get("public")
+        fields = _read_key_file(path)
+        if "secret" in fields:  # (named as a peer's key, it would travel: a submitted job ships such files)
+            raise ValueError(f"{os.fspath(path)} holds a secret key (it is a key pair): give its public half, the "
+                             f"key.pub beside it, which is what peers are given")
+        key = fields.get("public")
         if key is None or len(key) != 40:
             raise ValueError(f"{path}: expected a line 'public = <40 characters of Z85>'")
         return key
+
+    @staticmethod
+    def holds_secret(path: str | os.PathLike[str]) -> bool:
+        """Whether the key file at ``path`` has a ``secret = ...`` line (False if it cannot be read:
+        its reader says why)."""
+        try:
+            return "secret" in _read_key_file(path)
+        except (OSError, ValueError):
+            return False
 
 
 def _read_key_file(path: str | os.PathLike[str]) -> dict[str, bytes]:

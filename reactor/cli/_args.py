@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a hosts file ([hosts]: daemon addresses) to spread a distribution policy's groups over")
     r.add_argument("--with", dest="files", action="append", default=[], metavar="FILE",
                    help="runs over hosts: a file the app needs beside it, shipped to every host (repeatable)")
-    r.add_argument("--keys", default=None, metavar="DIR",
+    r.add_argument("--keys", default=None, metavar="DIR", type=_path_arg,
                    help="runs over hosts: your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
     r.add_argument("--restart", default=None, metavar="POLICY",
                    help="async multi-process runs: never | on-failure | on-failure:N (at most N restarts per "
@@ -96,13 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     ki = ksub.add_parser("init", help="make a key directory: key, key.pub, authorized/",
                          description="Make a key directory: a key pair (key, key.pub) and authorized/, where the "
                                      "key.pub files of the clients and daemons it accepts go.")
-    ki.add_argument("dir", nargs="?", default=None, help="default: $REACTOR_KEYS or ~/.reactor/keys")
+    ki.add_argument("dir", nargs="?", default=None, type=_path_arg, help="default: $REACTOR_KEYS or ~/.reactor/keys")
 
     d = sub.add_parser("daemon", help="host jobs on this machine", description="A long-lived daemon hosting jobs.")
     d.add_argument("--listen", required=True, type=_listen_address, help="tcp://ADDR:PORT (PORT * for any)")
     d.add_argument("--name", required=True, type=_daemon_name, help="this daemon's name (a host name in placements)")
-    d.add_argument("--state-dir", required=True, help="where it keeps its jobs, their logs and its own log")
-    d.add_argument("--keys", default=None, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
+    d.add_argument("--state-dir", required=True, type=_path_arg, help="where it keeps its jobs, their logs and its own log")
+    d.add_argument("--keys", default=None, type=_path_arg, help="its key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
     d.add_argument("--advertise", default=None,
                    help="the address other hosts reach this one at (needed when --listen is a wildcard)")
     d.add_argument("--preload", default="",
@@ -143,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
                             help="the daemon's key.pub, or its Z85 text (default: as the hosts file says, else your own "
                                  "key: a cluster key)" if submit else "the daemon's key.pub, or its Z85 text (default: "
                                  "your own key: a cluster key)")
-        parser.add_argument("--keys", default=None, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
+        parser.add_argument("--keys", default=None, type=_path_arg, help="your key directory (default: $REACTOR_KEYS or ~/.reactor/keys)")
         parser.add_argument("--timeout-s", type=_answer_seconds, default=10.0, help="how long to wait for each answer (default 10)")
 
     sl = sub.add_parser("slurm", help="run an app on a Slurm allocation: sbatch starts a daemon per node",
@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--time", dest="time_limit", default=None, help="Slurm's time limit (e.g. 1:00:00)")
     sl.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="ARG",
                     help="another #SBATCH line, e.g. --sbatch-arg=--mem=8G (repeatable)")
-    sl.add_argument("--out", default=None, metavar="DIR",
+    sl.add_argument("--out", default=None, metavar="DIR", type=_path_arg,
                     help="the job's directory, on a file system every node sees (default ./reactor-slurm/APP-TIME)")
     sl.add_argument("--here", action="store_true",
                     help="inside an allocation (sbatch, salloc): start the daemons and run now")
@@ -299,6 +299,14 @@ def _parsed_arg(text: str, convert: Callable[[str], Any], what: str) -> Any:
 def _cut(text: str) -> str:
     """An argument as its error shows it: its repr, cut in the middle past ~80 characters."""
     return repr(text) if len(text) <= 80 else f"{text[:40]!r}...{text[-30:]!r} ({len(text)} characters)"
+
+
+def _path_arg(text: str) -> str:
+    """A directory's path: not empty (``--state-dir ""`` was the current directory, ``keys init ""`` and
+    ``--keys ""`` the default key directory, each without a word) and without a NUL."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"a path expected, got {text!r:.60}")
+    return text
 
 
 def _count_arg(text: str) -> int:

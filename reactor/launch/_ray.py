@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -162,12 +164,39 @@ def stop_daemons(pg: Any, actors: Sequence[Any]) -> None:
         ray.util.remove_placement_group(pg)
 
 
+def _check_address(address: str | None) -> None:
+    """Refuse an ``--address`` that is not ``auto``, ``local`` (None here), ``ray://HOST:PORT`` or a cluster's
+    ``HOST:PORT``, or where nothing accepts a TCP connection within 5 s: Ray's own ``init`` raised
+    ``ValueError: Invalid address format`` in a traceback for the first, and retried its connect for
+    minutes, printing only its warnings, for the second.
+
+    Raises:
+        RayError: naming the address and what is wrong with it.
+    """
+    if address in (None, "auto"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+        raise RayError(f"--address {address!r:.200}: not a Ray cluster's address (auto, local, ray://HOST:PORT, or "
+                       f"HOST:PORT)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
+    except OSError as e:
+        raise RayError(f"--address {address}: nothing accepts a connection there ({e.strerror or e}); start Ray there "
+                       f"(ray start --head) or give the address it printed") from None
+
+
 def here(app: str, run_args: Sequence[str], *, address: str | None, nodes: int | None, cpus_per_daemon: float,
          max_restarts: int, run_app: Callable[[list[str]], int]) -> int:
     """Start the daemons on the Ray cluster at ``address``, run the app over them, stop them."""
     from ..transport import CurveKeys  # noqa: F401 - the keys' module, loaded before Ray forks anything
     from ._keys import init_keys, load_keys
 
+    _check_address(address)
+    if not 0 < cpus_per_daemon < math.inf:
+        raise RayError(f"--cpus-per-daemon {cpus_per_daemon}: a positive number of CPUs expected")
+    if max_restarts < 0:
+        raise RayError(f"--max-restarts {max_restarts}: a count >= 0 expected")
     ray = _ray()
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)

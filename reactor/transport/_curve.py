@@ -81,7 +81,10 @@ class CurveKeys:
         fields = _read_key_file(path)
         if "public" not in fields or "secret" not in fields:
             raise ValueError(f"{path}: a key pair file needs 'public = ...' and 'secret = ...' lines")
-        return cls(public=fields["public"], secret=fields["secret"])
+        try:
+            return cls(public=fields["public"], secret=fields["secret"])
+        except ValueError as e:  # (which file: a truncated or mismatched pair was the keys' words alone)
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
 
     @staticmethod
     def load_public(path: str | os.PathLike[str]) -> bytes:

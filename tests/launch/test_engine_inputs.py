@@ -271,3 +271,29 @@ def test_every_character_of_the_manifests_comes_back_from_yaml_as_written(tmp_pa
     assert docs["Job"]["spec"]["template"]["spec"]["containers"][0]["command"][-1] == note
     assert "\\ud83d" not in text and "\U0001f600" in text  # (no surrogate-pair escape: go-yaml refuses one)
     assert not re.search("[\x7f-\x9f\u2028\u2029\ufffe\uffff]", text)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--address", "garbage"], "reactor: RayError: --address 'garbage': not a Ray cluster's address (auto, local, "
+                               "ray://HOST:PORT, or HOST:PORT)"),
+    (["--address", "ray://h:99999"], "reactor: RayError: --address 'ray://h:99999': not a Ray cluster's address"),
+    (["--address", "127.0.0.1:{port}"], "reactor: RayError: --address 127.0.0.1:{port}: nothing accepts a connection "
+                                        "there (Connection refused)"),
+    (["--cpus-per-daemon", "nan"], "reactor: RayError: --cpus-per-daemon nan: a positive number of CPUs expected"),
+    (["--cpus-per-daemon", "-1"], "reactor: RayError: --cpus-per-daemon -1.0: a positive number of CPUs expected"),
+    (["--max-restarts", "-7"], "reactor: RayError: --max-restarts -7: a count >= 0 expected"),
+])
+def test_reactor_ray_refuses_an_address_or_a_number_it_cannot_use_in_one_line_before_ray_starts(args, said, tmp_path):
+    """``--address garbage`` was Ray's ``ValueError`` in a traceback; ``--address 127.0.0.1:1`` left Ray
+    retrying its connect for minutes with only its warnings; NaN or negative CPUs and restarts went to Ray."""
+    import socket
+
+    with socket.socket() as s:  # (a port nothing listens on: bound, then freed)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [a.format(port=port) for a in args]
+    app = Path(__file__).resolve().parents[1] / "apps" / "gated.py"
+    p = subprocess.run([sys.executable, "-m", "reactor.cli", "ray", str(app), *args], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.startswith(said.format(port=port)) and len(p.stderr.splitlines()) == 1, \
+        p.stderr

@@ -172,3 +172,37 @@ def test_a_table_a_hosts_or_placement_file_does_not_take_is_refused_naming_the_c
     flag = ["--hosts", name, "--placement", "processes"] if name == "hosts.toml" else ["--placement", name]
     p = _reactor("run", str(ROOT / "tests" / "apps" / "gated.py"), *flag, cwd=tmp_path)
     assert p.returncode == 2 and p.stderr == f"reactor: {said}\n", p.stderr
+
+
+@pytest.mark.parametrize("args", [["keys", "init", ""], ["daemon", "--state-dir", "", "--listen", "tcp://127.0.0.1:0",
+                                                          "--name", "h1"], ["status", "--keys", ""]])
+def test_an_empty_path_is_refused_not_taken_for_the_default(args, tmp_path):
+    """``keys init ""`` made keys in ~/.reactor/keys, ``--state-dir ""`` took the current directory, ``--keys ""``
+    the default key directory, each without a word."""
+    p = _reactor(*args, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1].endswith("a path expected, got ''"), p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_truncated_key_pair_is_refused_naming_its_file(tmp_path):
+    init_keys(tmp_path / "keys")
+    text = (tmp_path / "keys" / "key").read_text()
+    (tmp_path / "keys" / "key").write_text(text[:-10] + "\n")
+    p = _reactor("status", "--keys", str(tmp_path / "keys"), "--daemon", "tcp://127.0.0.1:9")
+    assert p.returncode == 2 and p.stderr.startswith(f"reactor: {tmp_path / 'keys' / 'key'}: CurveKeys.secret"), p.stderr
+
+
+def test_a_daemon_listening_on_an_interface_by_name_advertises_its_address(tmp_path):
+    """``--listen tcp://lo:0`` printed ``"advertised": "tcp://lo:PORT"``, what a hosts file takes and no other
+    host resolves: the interface's IPv4 address is advertised."""
+    init_keys(tmp_path / "keys")
+    p = subprocess.Popen([sys.executable, "-m", "reactor.cli", "daemon", "--keys", str(tmp_path / "keys"),
+                          "--no-fork-server", "--name", "h1", "--listen", "tcp://lo:0", "--state-dir",
+                          str(tmp_path / "state")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = json.loads(p.stdout.readline())
+        assert line["advertised"].startswith("tcp://127.0.0.1:") and line["advertised"].rsplit(":", 1)[1].isdigit(), line
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)

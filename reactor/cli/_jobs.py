@@ -15,6 +15,7 @@ from typing import Any
 
 from .._reactor import show_value
 from ..launch._app import build_graph, compile_app, parse_overrides
+from ..launch._jobrecord import PID_MAX, RC_RANGE
 from ._appcode import _app_code, _bounded
 from ._cluster import _check_config_here
 from ._run import _check_run_options
@@ -224,7 +225,7 @@ _HOSTED_OPTIONAL = {"restarts": (int,)}
 _LOG = {"data": (bytes,), "offset": (int,), "done": (bool,)}
 #: The ranges of the numbers a daemon's answers hold, as its own records hold them (``_jobrecord``: a pid
 #: in (0, 2**31), an exit status in (-256, 256)): a pid of 2**64 - 1 was printed as it came.
-_RANGES = {"pid": (1, 2**31 - 1), "returncode": (-255, 255), "restarts": (0, 2**31 - 1)}
+_RANGES = {"pid": (1, PID_MAX), "returncode": RC_RANGE, "restarts": (0, PID_MAX)}
 
 
 def _range_problem(what: str, d: dict[str, Any]) -> str | None:
@@ -471,7 +472,8 @@ def _print_log(read: Any, follow: bool, who: str, kind: str) -> None:
     with ``follow``, on until the job is done. (One answer carries at most ``LOG_CHUNK_NBYTES``: the log
     of a job that printed more was cut there, mid-line and without a word, its end never shown.) Each
     chunk must carry at most that, and end where its data does: an offset that did not move on (or went
-    back) asked for the same chunk for ever, printing it each time.
+    back) asked for the same chunk for ever, printing it each time. An empty one at an earlier offset is a
+    log cut shorter (the daemon reads from its end): said, and read on from there.
 
     Raises:
         DaemonError: a chunk that is not so (``who`` sent it, in answer to ``kind``).
@@ -482,6 +484,10 @@ def _print_log(read: Any, follow: bool, who: str, kind: str) -> None:
     offset = 0
     while True:
         got = read(offset)
+        if not got["data"] and 0 <= got["offset"] < offset:  # (the daemon reads from the end of a log cut shorter)
+            print(f"reactor: the log was cut to {got['offset']:,} bytes; going on from there", file=sys.stderr)
+            offset = got["offset"]
+            continue
         why = (f"the chunk holds {len(got['data']):,} bytes, more than a daemon sends ({LOG_CHUNK_NBYTES:,})"
                if len(got["data"]) > LOG_CHUNK_NBYTES else
                f"the chunk of {len(got['data']):,} bytes from offset {offset:,} ends at offset {got['offset']:,}, not "

@@ -48,6 +48,7 @@ from .._errors import DaemonError, GraphError
 from ._app import files_to_ship, shipped_files
 from ._groups import Group
 from ._hosting import LOG_CHUNK_NBYTES
+from ._jobrecord import PID_MAX, RC_RANGE
 from ._version import build_id, python_version
 
 __all__ = ["HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S", "LAST_LINE_SAID", "Z85_KEY_RE", "Host", "MixedBuildsError", "NoHostAnsweredError",
@@ -348,7 +349,6 @@ def address_towards(address: str) -> str:
     return f"[{local}]" if ":" in local else local
 
 
-_PID_MAX = 2**31 - 1
 
 
 def _chunk_problem(got: Any) -> str | None:
@@ -363,10 +363,10 @@ def _workers_problem(got: Any) -> str | None:
     if type(got) is not dict:
         return f"it is {_show(got)}, not a map of groups to their workers"
     for g, w in got.items():
-        if type(g) is not str or type(w) is not dict or type(w.get("pid")) is not int or not 0 < w["pid"] <= _PID_MAX:
+        if type(g) is not str or type(w) is not dict or type(w.get("pid")) is not int or not 0 < w["pid"] <= PID_MAX:
             return f"group {_show(g)}: {_show(w)} is not {{pid: int, returncode: int or None}}"
         rc = w.get("returncode")
-        if rc is not None and (type(rc) is not int or not -256 < rc < 256):
+        if rc is not None and (type(rc) is not int or not RC_RANGE[0] <= rc <= RC_RANGE[1]):
             return f"group {g!r:.100}: returncode {_show(rc)} is not an exit status"
     return None
 
@@ -388,7 +388,7 @@ def _files_problem(got: Any) -> str | None:
 #: broken or hostile) whose answer is not one is a ``DaemonError`` naming it, never a KeyError or a
 #: TypeError in the coordinator. (``ping`` is read field by field where it is used.)
 _ANSWERS = {
-    "spawn": lambda g: None if type(g) is dict and type(g.get("pid")) is int and 0 < g["pid"] <= _PID_MAX else
+    "spawn": lambda g: None if type(g) is dict and type(g.get("pid")) is int and 0 < g["pid"] <= PID_MAX else
     f"it is {_show(g)}, not {{pid: int, dir: str}}",
     "workers": _workers_problem,
     "end": _workers_problem,
@@ -587,7 +587,7 @@ class RemoteWorkers:
                 pong = await self._ping(h)
             except DaemonError as e:
                 self.lost_hosts[h] = str(e)
-                unresolved = await _unresolved(self.links[h].host.address)  # (a typo, or a name not up yet)
+                unresolved = await _unresolved(self.hosts[h].address)  # (a typo, or a name not up yet)
                 why.append(f"{h}: {unresolved or e}" + (f" (lost earlier: {was_lost})" if was_lost else ""))
                 continue
             self.last_ok[h] = time.monotonic()
@@ -604,7 +604,7 @@ class RemoteWorkers:
             if isinstance(name, str) and name != h and h not in self.misnamed:  # (a copied line, a swapped address)
                 self.misnamed.add(h)
                 log.warning("host %s at %s answers as daemon %r (its --name): the hosts file may give %s the address "
-                            "of another host; its groups run on daemon %r", h, self.links[h].host.address,
+                            "of another host; its groups run on daemon %r", h, self.hosts[h].address,
                             name[:100], h, name[:100])
             # (another group's choice may have heard it answer during our ping, and said so)
             if was_lost is not None and self.lost_hosts.pop(h, None) is not None:

@@ -846,13 +846,8 @@ def _interface_address(name: str) -> str | None:
     """The IPv4 address of the interface ``name`` (``--listen tcp://eth0:0``), or None if it is no interface
     of this host or has none: the daemon printed ``tcp://eth0:PORT`` as where other hosts reach it, which
     a hosts file takes and no other host resolves."""
-    import fcntl
-    import struct
+    from ._hosting import ipv4_of
 
     if name not in {n for _, n in socket.if_nameindex()}:
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:  # (SIOCGIFADDR)
-            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24])
-        except OSError:
-            return None
+    return ipv4_of(name)

@@ -204,7 +204,10 @@ class DaemonClient:
                 (a job's groups, for ``reactor logs JOB GROUP``), where ``zmq.ZMQError`` ended the command
                 in a traceback.
         """
-        self.sock = self.ctx.socket(zmq.DEALER)
+        try:  # (no descriptor left, or a context closed meanwhile: a DaemonError too, not ZeroMQ's own)
+            self.sock = self.ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as e:
+            raise DaemonError(f"{self.who} cannot be asked: no socket to it ({zmq.strerror(e.errno)})") from None
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_NBYTES)
         self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"

@@ -125,25 +125,30 @@ class Remover:
         self._thread.join(timeout_s)
 
 
-def interface_of(address: str) -> str | None:
-    """The name of the network interface holding IPv4 ``address`` (None if none, or not IPv4)."""
+def ipv4_of(name: str) -> str | None:
+    """The IPv4 address of the network interface ``name`` (None if none, or no such interface)."""
     import fcntl
     import socket
     import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(got[20:24])
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface holding IPv4 ``address`` (None if none, or not IPv4)."""
+    import socket
 
     try:
         packed = socket.inet_aton(address)
     except OSError:
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-            if got[20:24] == packed:
-                return name
-    return None
+    return next((name for _, name in socket.if_nameindex()
+                 if (ip := ipv4_of(name)) is not None and socket.inet_aton(ip) == packed), None)
 
 
 def read_chunk(path: Path, offset: int) -> tuple[bytes, int]:

@@ -27,6 +27,10 @@ EXIT_FILE = "exit.json"
 LOCAL_WORKERS_MAX = 4096
 
 
+#: The ranges of a pid and an exit status as records and answers hold them (a pid of 2**64 - 1 was shown as it came).
+PID_MAX = 2**31 - 1
+RC_RANGE = (-255, 255)
+
 def _atomic_json(path: Path, obj: Any) -> None:
     replace_small(path, json.dumps(obj, indent=2).encode())  # (never through a link planted at its temporary name)
 
@@ -122,7 +126,7 @@ def _recorded_exit(job: _Job) -> int | None:
     if type(got) is not dict or got.get("pid") != job.record.get("pid"):
         return None
     rc = got.get("returncode")
-    return rc if type(rc) is int and -256 < rc < 256 else None
+    return rc if type(rc) is int and RC_RANGE[0] <= rc <= RC_RANGE[1] else None
 
 
 def _ended_record(path: Path) -> bool:
@@ -172,7 +176,7 @@ def _record_problem(record: Any, job_id: str) -> str | None:
         return "its id is not its directory's name"
     if (why := fields_problem(record, _RECORD_TYPES, _RECORD_OPTIONAL)) is not None:
         return why
-    if not 0 < record["pid"] < 2**31 or not 0 <= record.get("pid_start", 0) < 2**63:
+    if not 0 < record["pid"] <= PID_MAX or not 0 <= record.get("pid_start", 0) < 2**63:
         return "its pid or start time is out of range"
     return None
 
@@ -204,7 +208,7 @@ def _local_workers(jdir: Path) -> dict[str, Any]:
     workers = got.get("workers") if type(got) is dict else None
     if type(workers) is not dict or len(workers) > LOCAL_WORKERS_MAX or not all(
             type(g) is str and type(w) is dict and type(w.get("pid")) is int and type(w.get("start")) is int
-            and type(w.get("restarts")) is int and 0 < w["pid"] < 2**31 and 0 <= w["start"] < 2**63
+            and type(w.get("restarts")) is int and 0 < w["pid"] <= PID_MAX and 0 <= w["start"] < 2**63
             for g, w in workers.items()):
         return {}
     return {"workers": [{"group": g, "pid": w["pid"], "restarts": w["restarts"],

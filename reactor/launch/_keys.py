@@ -50,6 +50,11 @@ def init_keys(directory: str | os.PathLike[str]) -> CurveKeys:
             raise ValueError(f"{d} is inside {up}, the authorized keys of key directory {up.parent}: make the key "
                              f"pair elsewhere, and copy its key.pub there")
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (d / "authorized").mkdir(mode=0o700, exist_ok=True)
+    for made in (d, d / "authorized"):  # (made under a umask of 0002, or before: no other user may write them)
+        st = made.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o022:
+            made.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
     if (d / "key").exists():
         raise FileExistsError(f"{d / 'key'} exists: this directory already has a key pair")
     for name in ("key.pub", "authorized/self.pub"):  # (written through a link: the file it points at replaced)
@@ -63,7 +68,6 @@ def init_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     keys = CurveKeys.generate()
     keys.save(d / "key")
     keys.save_public(d / "key.pub")
-    (d / "authorized").mkdir(mode=0o700, exist_ok=True)
     # The pair admits itself: daemons and clients sharing one key directory (a cluster key) trust
     # each other, and a job's coordinator on a daemon reaches the daemons of its hosts with it.
     keys.save_public(d / "authorized" / "self.pub")
@@ -91,9 +95,11 @@ def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
 
 def check_mode(path: Path, what: str, *, secret: bool = False, sticky_ok: bool = False) -> None:
     """Refuse ``path`` (a key directory, ``authorized/``, a key file) if it belongs to another user than
-    this one or root, or if others could write it, or read it when it holds a ``secret``; ``sticky_ok``:
-    a directory with the sticky bit may be writable by all. Links are followed (a Kubernetes secret's
-    files are links into its data directory).
+    this one or root, or if others could write it, or read it when it holds a ``secret`` of this user's;
+    ``sticky_ok``: a directory with the sticky bit may be writable by all. As OpenSSH: a group of the
+    owner's alone (a user-private group, the default under a umask of 0002) may write, and a secret
+    owned by root (a Kubernetes secret mounted for a pod's fsGroup, 0440) may be read by its group. Links
+    are followed (a Kubernetes secret's files are links into its data directory).
 
     Raises:
         PermissionError: naming the path, its mode or owner, and the fix.
@@ -102,11 +108,26 @@ def check_mode(path: Path, what: str, *, secret: bool = False, sticky_ok: bool =
     if st.st_uid not in (0, os.geteuid()):
         raise PermissionError(f"{what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}) or root: "
                               f"another user could change it")
-    loose = st.st_mode & (0o077 if secret else 0o022)
-    if loose and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-        how = "readable or writable by other users" if secret else "writable by other users"
+    strict = secret and st.st_uid == os.geteuid()
+    loose = st.st_mode & (0o077 if strict else 0o022)
+    if loose == 0o020 and not strict and _private_group(st):  # (group-writable only, the owner's own group)
+        loose = 0
+    if loose and not (sticky_ok and st.st_mode & stat.S_ISVTX and not strict):
+        how = "readable or writable by other users" if strict else "writable by other users"
         raise PermissionError(f"{what} {path} is {how} (mode {stat.S_IMODE(st.st_mode):04o}): "
-                              f"chmod {'600' if secret else 'go-w'} {path}")
+                              f"chmod {'600' if strict else 'go-w'} {path}")
+
+
+def _private_group(st: os.stat_result) -> bool:
+    """Whether the file's group is its owner's alone: named after the owner, with no other member."""
+    import grp
+    import pwd
+
+    try:
+        owner, group = pwd.getpwuid(st.st_uid).pw_name, grp.getgrgid(st.st_gid)
+    except KeyError:
+        return False
+    return group.gr_name == owner and set(group.gr_mem) <= {owner}
 
 
 class AuthorizedKeys:

@@ -67,6 +67,7 @@ class ReactorDaemon:
         import ray
 
         from ..transport import CurveKeys
+        from ..transport._curve import write_public
         from ._keys import init_keys
 
         self.name = name
@@ -76,7 +77,7 @@ class ReactorDaemon:
         keys = root / "keys"
         if not (keys / "key").exists():
             init_keys(keys)
-        (keys / "authorized" / "driver.pub").write_text(f"public = {client_public}\n")
+        write_public(keys / "authorized" / "driver.pub", client_public.encode())
         self.public = CurveKeys.load(keys / "key").public.decode()
         port = "*"
         with contextlib.suppress(OSError, ValueError, KeyError):  # a new life of this actor: same port

@@ -161,10 +161,10 @@ class Worker:
                                                curve=keys, curve_local=False, local_bind=spec.get("local_bind"),
                                                accept=WorkerProtocol(in_links))
         except OSError as e:
-            if e.errno not in _BIND_REFUSED:
-                raise
-            # The placement's address (a port another program or group holds, a path too long for a
-            # socket): the user's to change, said in one line and never restarted, not a worker's traceback.
+            if e.errno not in _BIND_REFUSED or spec.get("restarts"):
+                raise  # (a new life's: its last life's children, or a life on a lost host, may hold it yet)
+            # The placement's address at a group's first start (a port another program or group holds, a
+            # path too long for a socket): the user's to change, said in one line and never restarted.
             why = _BIND_REFUSED[e.errno]
             raise GraphError(f"group {self.group!r} cannot bind {spec['bind']!r}: {os.strerror(e.errno)} ({why})") from None
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
@@ -69,7 +68,7 @@ class CurveKeys:
 
     def save_public(self, path: str | os.PathLike[str]) -> None:
         """Write only the public key to ``path`` (``public = ...``); this is what peers are given."""
-        Path(path).write_text(f"public = {self.public.decode()}\n")
+        write_public(path, self.public)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CurveKeys:
@@ -111,6 +110,16 @@ class CurveKeys:
             return "secret" in _read_key_file(path)
         except (OSError, ValueError):
             return False
+
+
+def write_public(path: str | os.PathLike[str], public: bytes) -> None:
+    """Write a public key to ``path`` as :meth:`CurveKeys.save_public` does: mode 0644 whatever the umask
+    (a daemon ignores an authorized key others could write: a umask of 0002 made it 0664), never
+    through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o644)
+        f.write(f"public = {public.decode()}\n")
 
 
 def _read_key_file(path: str | os.PathLike[str]) -> dict[str, bytes]:

@@ -189,6 +189,17 @@ def test_logs_refuses_a_chunk_whose_offset_does_not_follow_its_data(daemon, offs
     assert one_line_error(daemon.cli("logs", JOB_ID)) == malformed(daemon, "logs", why)
 
 
+def test_logs_of_a_log_cut_shorter_goes_on_from_its_new_end(daemon):
+    """The daemon reads a log from its end when asked past it (``read_chunk``): an empty chunk at an
+    earlier offset is a log cut shorter (truncated, rotated), said and read on from there, not taken
+    for a malformed answer (a review of D5's check)."""
+    chunks = {0: (b"abcdef", 6, False), 6: (b"", 2, False), 2: (b"xy", 4, False), 4: (b"", 4, True)}
+    daemon.reply = lambda rid, kind, fields: ok(rid, dict(zip(("data", "offset", "done"), chunks[fields[1]])))
+    p = daemon.cli("logs", JOB_ID)
+    assert p.returncode == 0 and p.stdout == "abcdefxy", (p.stdout, p.stderr)
+    assert p.stderr == "reactor: the log was cut to 2 bytes; going on from there\n", p.stderr
+
+
 def test_logs_refuses_a_chunk_larger_than_a_daemon_sends(daemon):
     """Regression (session 75, D5): a chunk of any size was printed; a daemon sends at most
     ``LOG_CHUNK_NBYTES`` (1 MiB) in one."""

@@ -64,6 +64,10 @@ def test_a_daemon_refuses_keys_that_other_users_could_read_or_change_in_one_line
     init_keys(keys)
     path = keys / what if what else keys
     os.chmod(path, mode)
+    if mode == 0o775:  # (group-writable by a group of others: the owner's private group may write, as OpenSSH has it)
+        import grp
+
+        os.chown(path, -1, grp.getgrnam("daemon").gr_gid)
     rc, err = _daemon_start(keys, tmp_path / "state")
     assert rc == 2 and err == f"reactor: {said.format(p=path.resolve() if what != 'key' else path)}\n", err
     assert not (tmp_path / "state").exists()
@@ -206,3 +210,55 @@ def test_a_daemon_listening_on_an_interface_by_name_advertises_its_address(tmp_p
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
+
+
+def test_keys_made_under_a_umask_of_0002_are_admitted(tmp_path):
+    """A umask of 0002 (a user-private group's default) made ``authorized/self.pub`` 0664, which the mode
+    check then ignored: the daemon admitted no one. Public keys are written 0644 whatever the umask,
+    and ``keys init`` takes group write off the directories it makes or finds."""
+    old = os.umask(0o002)
+    try:
+        (tmp_path / "keys").mkdir(mode=0o775)
+        init_keys(tmp_path / "keys")
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "keys").rglob("*")} == {
+        "key": 0o600, "key.pub": 0o644, "authorized": 0o700, "self.pub": 0o644}
+    assert (tmp_path / "keys").stat().st_mode & 0o777 == 0o755
+    assert len(AuthorizedKeys(tmp_path / "keys" / "authorized").keys()) == 1
+
+
+def test_a_secret_owned_by_root_may_be_read_by_its_group_as_a_kubernetes_fsgroup_mount_has_it():
+    """A pod that runs as another user than root reads its Secret's files, owned by root and 0440 under an
+    fsGroup: refused by the strict rule, which holds for a secret of this user's own."""
+    import pwd
+    import shutil
+    import tempfile
+
+    from reactor.launch._keys import check_mode
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a file of root's, read by another user")
+    where = Path(tempfile.mkdtemp(prefix="rx-keys-"))  # (under /tmp: a path another user can walk)
+    try:
+        os.chmod(where, 0o755)
+        init_keys(where / "keys")
+        os.chmod(where / "keys", 0o755)
+        key = where / "keys" / "key"
+        os.chmod(key, 0o440)
+        with pytest.raises(PermissionError, match="readable or writable by other users"):
+            check_mode(key, "the key pair", secret=True)  # (root's own secret: the strict rule)
+        pid = os.fork()
+        if pid == 0:  # (as another user, reading root's file)
+            try:
+                os.setuid(pwd.getpwnam("nobody").pw_uid)
+                check_mode(key, "the key pair", secret=True)
+                os._exit(0)
+            except BaseException:  # noqa: BLE001 - told by the status
+                os._exit(1)
+        assert os.waitpid(pid, 0)[1] == 0
+        os.chmod(key, 0o462)  # (writable by others: refused whoever owns it)
+        with pytest.raises(PermissionError, match="writable by other users"):
+            check_mode(key, "the key pair", secret=True)
+    finally:
+        shutil.rmtree(where)

@@ -448,13 +448,28 @@ class _Links(dict[str, DaemonLink]):
     """A run's links to its hosts' daemons, each made when first asked for (``links[host]``): a hosts file of
     a cluster (``reactor slurm``'s, every node) names many hosts the run's groups may never use."""
 
-    def __init__(self, hosts: dict[str, Host], keys: Any, ctx: Any) -> None:
+    def __init__(self, hosts: dict[str, Host], keys: Any) -> None:
         super().__init__()
-        self._hosts, self._keys, self._ctx = hosts, keys, ctx
+        self._hosts, self._keys = hosts, keys
+        self._ctx: Any = None  # (one for every link, made with the first: a context's threads and descriptors
+        # each were EMFILE; none for a run that asks no host, which may never be closed)
 
     def __missing__(self, name: str) -> DaemonLink:
-        link = self[name] = DaemonLink(self._hosts[name], self._keys, self._ctx)  # (KeyError: no such host)
+        import zmq
+
+        host = self._hosts[name]  # (KeyError: no such host)
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        link = self[name] = DaemonLink(host, self._keys, self._ctx)
         return link
+
+    def close(self) -> None:
+        """Close every link, then their context."""
+        for link in self.values():
+            link.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
 
 
 def _open_files_for(hosts: int) -> None:
@@ -491,11 +506,8 @@ class RemoteWorkers:
         self.run_id = run_id
         self.hosts = hosts
         self.timeout_s = heartbeat_timeout_s
-        import zmq
-
         _open_files_for(len(hosts))
-        self.ctx = zmq.Context()  # (one for every link: a context's threads and descriptors each were EMFILE)
-        self.links = _Links(hosts, keys, self.ctx)  # (made as a host is first asked: a hosts file names many)
+        self.links = _Links(hosts, keys)  # (made as a host is first asked: a hosts file names many)
         self.misnamed: set[str] = set()  # hosts whose daemon answers under another --name (warned once each)
         self.host_of: dict[str, str] = {}  # group -> host
         self.pid: dict[str, int] = {}
@@ -873,6 +885,4 @@ class RemoteWorkers:
             self._beat.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._beat
-        for link in self.links.values():
-            link.close()
-        self.ctx.destroy(linger=0)
+        self.links.close()

@@ -18,7 +18,7 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
-from .._errors import DaemonError
+from .._errors import AppError, DaemonError
 from .._reactor import show_value as _show
 from ..transport import CurveKeys
 from ._app import shipped_files
@@ -83,7 +83,8 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
     Raises:
         FileNotFoundError: a file is missing.
         GraphError: ``restart`` is not a policy.
-        AppError: two different files would go under one name (:func:`~reactor.launch._app.shipped_files`).
+        AppError: two different files would go under one name (:func:`~reactor.launch._app.shipped_files`),
+            or the files are what a daemon refuses (a name past ``[A-Za-z0-9_.-]``, too many, too large).
     """
     if restart is not None:
         from ._groups import restart_from_text
@@ -106,7 +107,12 @@ def job_spec(app: str | os.PathLike[str], *, placement: str = "single", config: 
         entries += [("a key file", path.parent / rel, rel) for rel in _key_files_named(path)]
     # (by name, each once: two files of one name were one, the last given: a --with ppo.py replaced the app)
     names = {n: p.read_bytes() for n, p in shipped_files(entries).items()}
-    return {"app": app.name, "files": names, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in names.items()},
+    sums = {n: hashlib.sha256(d).hexdigest() for n, d in names.items()}
+    from ._protocol import _files
+
+    if (why := _files(names, sums, app.name)) is not None:  # (what the daemon would refuse, said before it is sent)
+        raise AppError(f"the job's files cannot be sent as they are: {why}")
+    return {"app": app.name, "files": names, "sha256": sums,
             "config": dict(config or {}), "placement": placement, "hosts": hosts_name, "seed": seed, "async": async_,
             "restart": restart}
 

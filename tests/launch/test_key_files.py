@@ -262,3 +262,14 @@ def test_a_secret_owned_by_root_may_be_read_by_its_group_as_a_kubernetes_fsgroup
             check_mode(key, "the key pair", secret=True)
     finally:
         shutil.rmtree(where)
+
+
+def test_a_job_whose_files_a_daemon_would_refuse_is_refused_before_it_is_sent(tmp_path):
+    """An app file named ``my app.py`` was sent, and the daemon's refusal came back ("bad request: 'submit'
+    field 1: files: ..."), after a connection: the same check runs before anything is sent."""
+    app = tmp_path / "my app.py"
+    app.write_text((ROOT / "tests" / "apps" / "gated.py").read_text())
+    init_keys(tmp_path / "keys")
+    p = _reactor("submit", str(app), "--keys", str(tmp_path / "keys"), "--daemon", "tcp://127.0.0.1:9")
+    assert p.returncode == 2 and p.stderr == ("reactor: the job's files cannot be sent as they are: files: str 'my "
+                                              "app.py' is not a relative path of [A-Za-z0-9_.-] parts\n"), p.stderr

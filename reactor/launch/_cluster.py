@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import DaemonError, GraphError
+from .._reactor import show_value as _show
 from ._app import files_to_ship, shipped_files
 from ._groups import Group
 from ._hosting import LOG_CHUNK_NBYTES
@@ -349,8 +350,6 @@ def address_towards(address: str) -> str:
     return f"[{local}]" if ":" in local else local
 
 
-
-
 def _chunk_problem(got: Any) -> str | None:
     if type(got) is not dict or type(got.get("data")) is not bytes or type(got.get("offset")) is not int:
         return f"it is {_show(got)}, not a chunk {{data: bytes, offset: int}}"
@@ -396,12 +395,6 @@ _ANSWERS = {
     "run_file": _chunk_problem,
     "run_files": _files_problem,
 }
-
-
-def _show(v: Any) -> str:
-    from .._reactor import show_value
-
-    return show_value(v)[:200]
 
 
 class DaemonLink:

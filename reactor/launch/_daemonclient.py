@@ -219,7 +219,7 @@ class DaemonClient:
         self.link = "nothing"  # how far the connection is now: "nothing", "tcp", "handshake"
         self.retried_at: float | None = None  # the last connect that failed, while none got through since
         self.refused: tuple[int, int] | None = None  # the last handshake failure since the last success
-        self.closed_in_handshake = 0  # connections in a row the peer closed in their handshake (_follow_link)
+        self.closed_in_handshake = False  # the peer closed the last connection in its handshake (_follow_link)
         self.connected_since_retry = False  # (whether a connect got through since ZeroMQ last retried)
         self.dropped_at: float | None = None  # ZeroMQ ended a connection after its handshake, to connect no more
         key = self.daemon_key[:60].decode(errors="replace")
@@ -342,7 +342,7 @@ class DaemonClient:
             if kind == zmq.EVENT_CONNECT_RETRIED:  # (a connect failed: refused, or its host unknown or unreachable)
                 self.dropped_at = None  # (ZeroMQ connects again: the end was no refused frame)
                 if not self.connected_since_retry:  # (a connect refused: the listener is gone, it refused no key)
-                    self.closed_in_handshake = 0
+                    self.closed_in_handshake = False
                 self.connected_since_retry = False
                 if self.link == "nothing":
                     self.retried_at = time.monotonic()
@@ -355,14 +355,14 @@ class DaemonClient:
                 self.dropped_at = time.monotonic() if self.link == "handshake" else None
                 self.link = "nothing"
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.link, self.refused, self.closed_in_handshake = "handshake", None, 0
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.closed_in_handshake == 0:
+                self.link, self.refused, self.closed_in_handshake = "handshake", None, False
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.closed_in_handshake:
                 # The peer closed the connection in its handshake: a daemon that does not hold the key we gave
                 # for it does, at every connect (ZeroMQ's next one 0.1 s on), and so does a listener that went
                 # away meanwhile (a daemon that stopped or restarted), whose next connect is refused. So it is
                 # a key error at the second in a row (a stopped listener's, taken for one at the first, waited
                 # out no timeout: 1 test run in 2 on a quiet machine).
-                self.closed_in_handshake = 1
+                self.closed_in_handshake = True
             else:  # a handshake failed (its event and ZeroMQ's code)
                 self.refused = (int(kind), int(event["value"]))
 

@@ -11,11 +11,11 @@ A daemon admits a client only if the client's public key is in its ``authorized/
 at each handshake (adding or removing a file takes effect for the next connection, no restart). A
 client needs the daemon's ``key.pub`` to connect (as ssh's known hosts).
 
-Modes are checked as ssh's ``StrictModes`` does: a key directory, ``authorized/`` or an authorized key
-that another user could write, or a secret another user could read, is refused, naming the ``chmod``
-(a 0777 ``authorized/`` let any local user add a key and run jobs as the daemon's user). Each must
-belong to this user or root. A key directory with the sticky bit (a Kubernetes secret's mount) may be
-writable by all: no one else can replace what is in it.
+Modes are checked as OpenSSH's ``StrictModes`` does (:func:`check_mode`): a key directory,
+``authorized/`` or an authorized key that another user could write, or a secret of this user's another
+user could read, is refused, naming the ``chmod`` (a 0777 ``authorized/`` let any local user add a key
+and run jobs as the daemon's user). Each must belong to this user or root; the exceptions are
+OpenSSH's and Kubernetes' (the owner's private group, a root-owned secret, a sticky key directory).
 """
 
 from __future__ import annotations

@@ -6,54 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+import re
 
-import msgpack
 import pytest
-import zmq
 
 from reactor._errors import DaemonError
 from reactor.launch._cluster import DaemonLink, Host, RemoteWorkers
-from reactor.launch._keys import init_keys
 
-
-class _FakeDaemon:
-    """Answers each request with ``answer(kind, fields)`` (a payload, sent as a success)."""
-
-    def __init__(self, keys, answer):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.curve_server = True
-        self.sock.curve_secretkey, self.sock.curve_publickey = keys.secret, keys.public
-        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.asked: list[str] = []
-        self.stop = threading.Event()
-
-        def serve():
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
-            while not self.stop.is_set():
-                if not poller.poll(50):
-                    continue
-                frames = self.sock.recv_multipart()
-                rid, kind, *fields = msgpack.unpackb(frames[-1], raw=False)
-                self.asked.append(kind)
-                self.sock.send_multipart([frames[0], b"", msgpack.packb([rid, True, answer(kind, fields)])])
-
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
+from .test_daemon_replies import StandIn, ok
 
 
 @pytest.fixture
-def keys(tmp_path):
-    return init_keys(tmp_path / "keys")
+def stand_in(tmp_path):
+    """A stand-in daemon (test_daemon_replies.py's): a pyzmq ROUTER with CURVE that answers as told."""
+    d = StandIn(tmp_path)
+    yield d
+    d.stop.set()
+    d.thread.join(10)
 
 
 @pytest.mark.parametrize(("kind", "answer", "said"), [
@@ -67,39 +36,41 @@ def keys(tmp_path):
     ("run_files", {"files": [{"path": 5, "size": 1}], "more": False, "unfetchable": 0, "unfetchable_shown": []},
      "is not {path: str, size: int >= 0}"),
 ])
-def test_a_daemons_answer_of_the_wrong_shape_is_a_daemon_error_naming_it(keys, kind, answer, said):
+def test_a_daemons_answer_of_the_wrong_shape_is_a_daemon_error_naming_it(stand_in, kind, answer, said):
     """The coordinator read ``got["pid"]``, ``w["returncode"]``, ``got["data"]`` of whatever came: a
     KeyError or TypeError in the coordinator (a spawn's ended the run with a traceback; the heartbeat's
     ended its task). Each kind's answer is checked where it comes in, and a wrong one is a DaemonError
     naming the host, the kind and what came, which the callers handle (the heartbeat loses the host)."""
-    daemon = _FakeDaemon(keys, lambda k, f: answer)
-    link = DaemonLink(Host("h9", daemon.address, keys.public), keys)
+    stand_in.reply = lambda rid, k, fields: ok(rid, answer)
+    link = DaemonLink(Host("h9", stand_in.address, stand_in.keys.public), stand_in.keys)
     try:
         with pytest.raises(DaemonError, match=f"host 'h9' answered '{kind}' with what is not an answer: .*"
-                                              f"{__import__('re').escape(said)}"):
+                                              f"{re.escape(said)}"):
             asyncio.run(link.request(kind, "r", timeout_s=10))
     finally:
         link.close()
-        daemon.close()
 
 
-def test_a_daemon_that_repeats_a_run_files_chunk_does_not_fill_the_disk(keys, tmp_path, caplog):
+def test_a_daemon_that_repeats_a_run_files_chunk_does_not_fill_the_disk(stand_in, tmp_path, caplog):
     """Copying a run's files back, the coordinator wrote each chunk and asked from the offset the daemon
     gave: one that answered the same chunk at offset 0 every time had it write for ever (the disk filled).
     A chunk whose next offset is not where it ends is refused: that file is not copied, said; the
     others are."""
     chunk = b"x" * 4096
 
-    def answer(kind, fields):
-        if kind == "run_files":
-            return {"files": [{"path": "loop.bin", "size": 1 << 30}, {"path": "ok.txt", "size": 3}], "more": False,
-                    "unfetchable": 0, "unfetchable_shown": []}
-        if kind == "run_file" and fields[1] == "ok.txt":
-            return {"data": b"abc", "offset": 3}
-        return {"data": chunk, "offset": 0}  # (always the first chunk, "from 0")
+    asked: list[str] = []
 
-    daemon = _FakeDaemon(keys, answer)
-    workers = RemoteWorkers("r", {"h9": Host("h9", daemon.address, keys.public)}, keys)
+    def answer(rid, kind, fields):
+        asked.append(kind)
+        if kind == "run_files":
+            return ok(rid, {"files": [{"path": "loop.bin", "size": 1 << 30}, {"path": "ok.txt", "size": 3}],
+                            "more": False, "unfetchable": 0, "unfetchable_shown": []})
+        if kind == "run_file" and fields[1] == "ok.txt":
+            return ok(rid, {"data": b"abc", "offset": 3})
+        return ok(rid, {"data": chunk, "offset": 0})  # (always the first chunk, "from 0")
+
+    stand_in.reply = answer
+    workers = RemoteWorkers("r", {"h9": Host("h9", stand_in.address, stand_in.keys.public)}, stand_in.keys)
     workers.host_of["g"] = "h9"
     dest = tmp_path / "out"
     dest.mkdir()
@@ -108,10 +79,9 @@ def test_a_daemon_that_repeats_a_run_files_chunk_does_not_fill_the_disk(keys, tm
             asyncio.run(asyncio.wait_for(workers.fetch_run_files(dest), 60))
     finally:
         asyncio.run(workers.close())
-        daemon.close()
     assert (dest / "ok.txt").read_bytes() == b"abc"
     assert not (dest / "loop.bin").exists() and not list(dest.glob(".*.part"))
-    assert daemon.asked.count("run_file") == 2  # (loop.bin's first chunk, refused; ok.txt's)
+    assert asked.count("run_file") == 2  # (loop.bin's first chunk, refused; ok.txt's)
     assert any("did not copy loop.bin from host h9: host 'h9' answered a chunk of 4096 bytes at 0 with the next "
                "offset 0" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 

@@ -114,6 +114,8 @@ def _jobs(args: argparse.Namespace) -> int:
                                      indent=2, allow_nan=False))
                 elif args.job is not None:
                     _say(_job_line(got))
+                    if got.get("detail"):  # (why it ended as it did, where the daemon knows: a full disk, an
+                        _say(f"  {got['detail']}")  # exit status it cannot know)
                     here = {w["group"]: w for w in _asked(c, "hosted") if w["run"] == got.get("run")}
                     for g, where in sorted((got.get("groups") or {}).items()):
                         _say(f"  {_where(g, where)}" + (f"  {_worker_line(here[g])}" if g in here else ""))
@@ -417,7 +419,8 @@ def _job_state(j: dict[str, Any]) -> str:
 
 
 def _job_line(j: dict[str, Any]) -> str:
-    """One job in ``reactor status``: id, state and exit status, age, app, and where its groups run."""
+    """One job in ``reactor status``: id, state and exit status, age, app, where its groups run, and the last
+    line of its output (without one, what its daemon says of how it ended: a full disk, say)."""
     groups = j.get("groups") or {}
     spread = (f"  {len(groups)} group{'s' * (len(groups) != 1)} on {len({w['host'] for w in groups.values()})} "
               f"host{'s' * (len({w['host'] for w in groups.values()}) != 1)}" if groups else "")
@@ -425,7 +428,7 @@ def _job_line(j: dict[str, Any]) -> str:
         spread = (f"  workers {sum(w['state'] == 'running' for w in local)}/{len(local)} alive  restarts "
                   f"{sum(w['restarts'] for w in local)}")
     return (f"{j['id']}  {_job_state(j)}  {j['app']} --placement {j['placement']}  pid {j['pid']}  "
-            f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line']}")
+            f"up {j['uptime_s']:.1f}s  on {j['daemon']}{spread}  | {j['last_line'] or j.get('detail', '')}")
 
 
 def _exit_words(rc: int, short: bool = False) -> str:
@@ -479,7 +482,7 @@ def _print_log(read: Any, follow: bool, who: str, kind: str) -> None:
         DaemonError: a chunk that is not so (``who`` sent it, in answer to ``kind``).
     """
     from ..launch._daemon import DaemonError
-    from ..launch._hosting import LOG_CHUNK_NBYTES
+    from ..launch._hosting import chunk_problem
 
     offset = 0
     while True:
@@ -488,11 +491,7 @@ def _print_log(read: Any, follow: bool, who: str, kind: str) -> None:
             print(f"reactor: the log was cut to {got['offset']:,} bytes; going on from there", file=sys.stderr)
             offset = got["offset"]
             continue
-        why = (f"the chunk holds {len(got['data']):,} bytes, more than a daemon sends ({LOG_CHUNK_NBYTES:,})"
-               if len(got["data"]) > LOG_CHUNK_NBYTES else
-               f"the chunk of {len(got['data']):,} bytes from offset {offset:,} ends at offset {got['offset']:,}, not "
-               f"{offset + len(got['data']):,}" if got["offset"] != offset + len(got["data"]) else None)
-        if why is not None:
+        if (why := chunk_problem(offset, got["data"], got["offset"])) is not None:
             sys.stdout.flush()
             raise DaemonError(f"{who} sent a malformed answer to {kind!r}: {why} (a daemon of another reactor "
                               f"version?)")

@@ -48,7 +48,7 @@ from .._errors import DaemonError, GraphError
 from .._reactor import show_value as _show
 from ._app import files_to_ship, shipped_files
 from ._groups import Group
-from ._hosting import LOG_CHUNK_NBYTES
+from ._hosting import LOG_CHUNK_NBYTES, chunk_problem, raise_open_files
 from ._jobrecord import PID_MAX, RC_RANGE
 from ._version import build_id, python_version
 
@@ -465,20 +465,6 @@ class _Links(dict[str, DaemonLink]):
             self._ctx = None
 
 
-def _open_files_for(hosts: int) -> None:
-    """Raise this process's soft limit of open descriptors to its hard one when a run over ``hosts`` hosts
-    may need more than the soft one (each link a TCP connection and its monitor; each worker's links
-    beside): as a server does, and as Ray does for its raylet. Past the hard limit it stays as it is."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 256 + 8 * hosts
-    if soft != resource.RLIM_INFINITY and soft < want:
-        top = hard if hard != resource.RLIM_INFINITY else max(want, soft)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(top, 1 << 20)), hard))
-
-
 #: How long :meth:`RemoteWorkers.check_memory` waits for a host's answer (a silent one is waited for
 #: by ``choose`` as a group starts there, not twice).
 CHECK_PING_S = 2.0
@@ -499,7 +485,7 @@ class RemoteWorkers:
         self.run_id = run_id
         self.hosts = hosts
         self.timeout_s = heartbeat_timeout_s
-        _open_files_for(len(hosts))
+        raise_open_files(256 + 8 * len(hosts))  # (each link a TCP connection and its monitor; the workers' beside)
         self.links = _Links(hosts, keys)  # (made as a host is first asked: a hosts file names many)
         self.misnamed: set[str] = set()  # hosts whose daemon answers under another --name (warned once each)
         self.host_of: dict[str, str] = {}  # group -> host
@@ -852,10 +838,8 @@ class RemoteWorkers:
                             got = await link.request("run_file", self.run_id, f["path"], offset, timeout_s=30.0)
                             if not got["data"]:
                                 break
-                            if got["offset"] != offset + len(got["data"]):  # (a daemon that repeats a chunk
-                                # would have this write it for ever: the disk filled)
-                                raise DaemonError(f"host {host!r} answered a chunk of {len(got['data'])} bytes at "
-                                                  f"{offset} with the next offset {got['offset']}")
+                            if (why := chunk_problem(offset, got["data"], got["offset"])) is not None:
+                                raise DaemonError(f"host {host!r} answered run_file: {why}")
                             out.write(got["data"])
                             offset = got["offset"]
                 except DaemonError as e:  # (one file refused, removed meanwhile, say: the others still come)

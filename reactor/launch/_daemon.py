@@ -74,6 +74,7 @@ from ._hosting import (
     end_unrecorded_jobs,
     list_run_files,
     put_files,
+    raise_open_files,
     read_chunk,
 )
 from ._jobrecord import (
@@ -88,6 +89,7 @@ from ._jobrecord import (
     _record_problem,
     _recorded_exit,
     _StateLock,
+    full_disk_note,
 )
 from ._keys import AuthorizedKeys
 from ._localworkers import WORKER_MEMORY_FLOOR
@@ -100,6 +102,8 @@ __all__ = ["Daemon", "DaemonClient", "DaemonError", "DaemonFullError", "DaemonKe
 log = logging.getLogger("reactor.daemon")
 MAX_REQUEST_NBYTES = 64 * 2**20
 REPLIES_QUEUED_MAX = 32  # replies zmq holds for one client that does not read them
+#: The soft limit of open descriptors a daemon raises its own to, up to its hard one (raise_open_files).
+DAEMON_OPEN_FILES = 65536
 #: The requests that start a process (a job, a worker): answered once the fork server has forked it, the
 #: daemon answering other requests meanwhile (``Forks.spawn_async``).
 STARTS = ("submit", "spawn")
@@ -468,6 +472,9 @@ class Daemon:
                 job.record["state"] = "finished"
             elif rc is not None:
                 job.record["state"] = "failed"
+                if note := full_disk_note(job.dir):
+                    job.record["detail"] = note
+                    log.warning("%s: job %s failed; %s", self.name, job.id, note)
             elif job.proc is not None:  # forked by a fork server that died before the job ended
                 job.record["state"] = "ended"
                 job.record["detail"] = "the fork server that started it died before it ended: its exit status is unknown"
@@ -599,7 +606,11 @@ class Daemon:
                 raise OSError(e.errno, f"daemon {self.name!r} cannot listen on {self.listen}: "
                                        f"{zmq.strerror(e.errno)}{hint}") from None
             # Its fork server once the address is its own: a daemon that cannot listen starts none (it
-            # would be closed at once, and its cut-short start read as a failure worth a warning).
+            # would be closed at once, and its cut-short start read as a failure worth a warning). Its
+            # descriptors first, which the server, the jobs and the workers it starts inherit: it serves
+            # many clients, and a large run's workers each link to their peers (the common soft limit,
+            # 1,024, is a tenth of what a 150-host run's links take).
+            raise_open_files(DAEMON_OPEN_FILES)
             self.forks.start()
             address = sock.get(zmq.LAST_ENDPOINT).decode()
             # Where other hosts reach it: a wildcard's port at --advertise (what a hosts file takes);

@@ -125,6 +125,19 @@ class Remover:
         self._thread.join(timeout_s)
 
 
+def raise_open_files(want: int) -> None:
+    """Raise this process's soft limit of open descriptors to its hard one (at most 2**20) where the soft
+    one is below ``want``, as a server does (and Ray for its raylet): the processes it starts after
+    inherit it. Past the hard limit it stays as it is; an unprivileged process cannot go further."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        top = hard if hard != resource.RLIM_INFINITY else max(want, soft)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(top, 1 << 20)), hard))
+
+
 def ipv4_of(name: str) -> str | None:
     """The IPv4 address of the network interface ``name`` (None if none, or no such interface)."""
     import fcntl
@@ -167,6 +180,20 @@ def read_chunk(path: Path, offset: int) -> tuple[bytes, int]:
     except (OSError, ValueError) as e:
         raise DaemonError(f"cannot read {path.name}: {e}") from None
     return data, offset + len(data)
+
+
+def chunk_problem(offset: int, data: bytes, next_offset: int) -> str | None:
+    """What is wrong with a chunk a daemon answered a read from ``offset`` with (``logs``, ``worker_log``,
+    ``run_file``: :func:`read_chunk`'s ``data`` and the offset after it), or None. It holds at most
+    ``LOG_CHUNK_NBYTES`` and ends where its data does: a reader that went on from an offset that did not
+    move (or went back) asked for the same chunk for ever, printing it (the CLI) or writing it until the
+    disk filled (the coordinator). The one reading rule of the CLI and the coordinator."""
+    if len(data) > LOG_CHUNK_NBYTES:
+        return f"the chunk holds {len(data):,} bytes, more than a daemon sends ({LOG_CHUNK_NBYTES:,})"
+    if next_offset != offset + len(data):
+        return (f"the chunk of {len(data):,} bytes from offset {offset:,} ends at offset {next_offset:,}, not "
+                f"{offset + len(data):,}")
+    return None
 
 
 def check_sha256(files: dict[str, bytes], sha256: dict[str, str]) -> None:

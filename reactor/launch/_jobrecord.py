@@ -216,6 +216,27 @@ def _local_workers(jdir: Path) -> dict[str, Any]:
                         for g, w in sorted(workers.items())]}
 
 
+#: Free bytes under which the disk of a failed job's directory counts as full (``full_disk_note``).
+FULL_DISK_BYTES = 1 << 20
+
+
+def full_disk_note(directory: Path) -> str:
+    """What ``status`` says of a job that failed while the disk of its directory was full, or "": such a
+    job's error could not be written to its ``output.log`` (found empty by a hostile probe, its failure
+    said nowhere). Free bytes under :data:`FULL_DISK_BYTES`, or no free inode, count as full; a disk
+    that cannot be asked is not said to be full."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= FULL_DISK_BYTES and not (st.f_files and st.f_favail == 0):
+        return ""
+    what = f"{free} bytes free" if free < FULL_DISK_BYTES else "no inode free"
+    return (f"the disk of its directory {directory} was full as it ended ({what}): its output and the files it "
+            f"wrote last may be cut short or missing, its error with them; free space there")
+
+
 def _last_line(path: Path) -> str:
     try:
         with os.fdopen(open_regular(path), "rb") as f:  # (a FIFO there, made by a job, is not waited on)

@@ -2305,6 +2305,100 @@ def test_a_full_disk_at_submit_is_one_line_for_the_user_and_one_in_the_daemons_l
     assert "Traceback" not in err, err
 
 
+def test_a_job_that_failed_on_a_full_disk_says_so_in_status_where_its_output_could_not(tmp_path):
+    """Regression (a hostile probe): a job whose run filled the disk of its directory failed with an empty
+    output.log (its traceback could not be written) and `status` said only "failed exit 1". The daemon
+    now says the disk was full, in the job's record and at `reactor status`; a job that failed with room
+    left says nothing of the disk. (A 2 MiB tmpfs in a mount namespace of the daemon's own: root only.)"""
+    state = tmp_path / "state"
+    state.mkdir()
+    init_keys(tmp_path / "dk")
+    (tmp_path / "dk" / "authorized" / "self.pub").write_bytes((tmp_path / "dk" / "key.pub").read_bytes())
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=2m",
+                            "tmpfs", str(state)], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here (root only): {probe.stderr.strip()}")
+    plain = tmp_path / "plain_failure.py"
+    plain.write_text("raise RuntimeError('an error with room to say it')\n")
+    filler = tmp_path / "fills_the_disk.py"
+    filler.write_text("from pathlib import Path\n"
+                      "with open(Path.cwd() / 'fill.bin', 'wb') as f:\n"
+                      "    try:\n"
+                      "        while True:\n"
+                      "            f.write(b'x' * 65536)\n"
+                      "            f.flush()\n"
+                      "    except OSError:\n"
+                      "        pass\n"
+                      "raise RuntimeError('an error no one will read: ' + 'x' * 8192)\n")
+    d = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=2m tmpfs "$1" && shift && exec "$@"', "sh", str(state),
+         sys.executable, "-m", "reactor.cli", "daemon", "--listen", "tcp://127.0.0.1:*", "--name", "h1", "--state-dir",
+         str(state), "--keys", str(tmp_path / "dk"), "--no-fork-server"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = json.loads(d.stdout.readline())["address"]
+        with DaemonClient(address, load_keys(tmp_path / "dk").public, load_keys(tmp_path / "dk")) as c:
+            roomy = c.request("submit", job_spec(plain))
+            done = _state(c, roomy, ("failed", "finished"))
+            assert done["state"] == "failed" and "an error with room to say it" in done["last_line"], done
+            assert done["detail"] == "", done
+            full = c.request("submit", job_spec(filler))
+            done = _state(c, full, ("failed", "finished"))
+            assert done["state"] == "failed" and done["returncode"] != 0, done
+            assert "an error no one will read" not in c.request("logs", full, 0)["data"].decode(errors="replace")
+            jdir = f"{state}/jobs/{full}"
+            assert done["detail"].startswith(f"the disk of its directory {jdir} was full as it ended ("), done
+            assert done["detail"].endswith("free space there"), done
+            shown = subprocess.run([sys.executable, "-m", "reactor.cli", "status", full, "--daemon", address, "--keys",
+                                    str(tmp_path / "dk")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert shown.returncode == 0, shown.stderr
+            assert f"  the disk of its directory {jdir} was full as it ended (" in shown.stdout, shown.stdout
+            listed = subprocess.run([sys.executable, "-m", "reactor.cli", "status", "--daemon", address, "--keys",
+                                     str(tmp_path / "dk")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            line = next(x for x in listed.stdout.splitlines() if x.startswith(full))
+            assert "| the disk of its directory" in line, listed.stdout  # (its log has no last line to show)
+    finally:
+        d.send_signal(signal.SIGTERM)
+        _, err = d.communicate(timeout=60)
+    assert f"h1: job {full} failed; the disk of its directory" in err, err
+
+
+def _soft_nofile(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if x.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_a_daemon_started_under_a_low_descriptor_limit_raises_it_for_itself_its_jobs_and_their_workers(tmp_path):
+    """Regression (noticed in session 75): only a coordinator over many hosts raised its soft limit of open
+    descriptors; a daemon started under the common 1,024 (here 256) kept it, and so did every job and worker
+    it started, each linked to its peers. It now raises its own to the hard limit as it starts, before its
+    fork server, and what it starts inherits that."""
+    init_keys(tmp_path / "dk")
+    init_keys(tmp_path / "ck")
+    (tmp_path / "dk" / "authorized" / "c.pub").write_bytes((tmp_path / "ck" / "key.pub").read_bytes())
+    app = tmp_path / "says_its_limit.py"
+    app.write_text("import resource\nfrom pathlib import Path\n"
+                   "Path('nofile.txt').write_text(str(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))\n"
+                   "raise SystemExit(0)\n")
+    d = subprocess.Popen(["prlimit", "--nofile=256:4096", sys.executable, "-m", "reactor.cli", "daemon", "--listen",
+                          "tcp://127.0.0.1:*", "--name", "h1", "--state-dir", str(tmp_path / "state"), "--keys",
+                          str(tmp_path / "dk")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = json.loads(d.stdout.readline())["address"]
+        assert _soft_nofile(d.pid) == 4096
+        with DaemonClient(address, load_keys(tmp_path / "dk").public, load_keys(tmp_path / "ck")) as c:
+            state = _wait_for(lambda: (s := c.request("ping")["fork_server"]) != "starting" and s, 90,
+                              "the daemon's fork server")
+            assert state.startswith("up"), state
+            job = c.request("submit", job_spec(app))
+            assert _state(c, job, ("finished", "failed"))["state"] == "finished"
+        assert (tmp_path / "state" / "jobs" / job / "app" / "nofile.txt").read_text() == "4096"
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.communicate(timeout=60)
+
+
 def test_a_file_that_would_go_under_the_apps_name_is_refused_not_run_in_its_place(tmp_path):
     """Regression (h3): a job's files, and those a run over hosts ships, go beside the app by their base
     name, the later one given replacing the earlier: `--with ppo.py` (a script of the working directory)

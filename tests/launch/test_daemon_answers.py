@@ -82,8 +82,8 @@ def test_a_daemon_that_repeats_a_run_files_chunk_does_not_fill_the_disk(stand_in
     assert (dest / "ok.txt").read_bytes() == b"abc"
     assert not (dest / "loop.bin").exists() and not list(dest.glob(".*.part"))
     assert asked.count("run_file") == 2  # (loop.bin's first chunk, refused; ok.txt's)
-    assert any("did not copy loop.bin from host h9: host 'h9' answered a chunk of 4096 bytes at 0 with the next "
-               "offset 0" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any("did not copy loop.bin from host h9: host 'h9' answered run_file: the chunk of 4,096 bytes from offset "
+               "0 ends at offset 0, not 4,096" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 _MANY_HOSTS = """

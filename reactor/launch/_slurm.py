@@ -113,33 +113,57 @@ def daemon_name(node: str, local_id: int, tasks_per_node: int) -> str:
     return node if tasks_per_node == 1 else f"{node}-{local_id}"
 
 
-# What sbatch reads in an #SBATCH line as more than the value's characters: it splits the line into
-# arguments at whitespace, takes the rest of the line after a '#' as a comment, and strips quotes and
-# backslashes (src/sbatch/opt.c, _get_argument).
+# What sbatch reads in an #SBATCH line as more than the value's characters (Slurm 22.05, src/sbatch/opt.c,
+# get_argument): it splits the line into arguments at unquoted whitespace, takes the rest of the line after an
+# unquoted, unescaped '#' as a comment, strips the single or double quotes around a part of an argument, and a
+# backslash escapes the next character (inside quotes too), but not whitespace: the split comes first.
 _SBATCH_SPECIAL = "#'\"\\"
 
 
-def _refuse_in_script(label: str, value: str, *, directive: bool = False, output: bool = False,
-                      hint: str = "") -> None:
-    """Refuse a value that would change what the batch script says.
+def _sbatch_quote(arg: str) -> str:
+    """``arg`` as one argument of an #SBATCH line that sbatch reads back as exactly ``arg``.
+
+    An argument with no whitespace and none of :data:`_SBATCH_SPECIAL` is written as it is (so a script
+    of such values renders as it always did). Any other is double-quoted, its backslashes and double
+    quotes escaped with a backslash: inside double quotes sbatch keeps whitespace, '#' and single quotes
+    and drops the backslash before the character it escapes. A backslash cannot escape whitespace instead
+    (sbatch ends the argument at the whitespace before it reads the backslash). Only the value of an
+    ``--option=value`` is quoted, so the line still reads as the option it is. (Python's whitespace,
+    wider than sbatch's ASCII ``isspace``, is quoted too: harmless, and no locale's reading matters.)
+    """
+    def special(text: str) -> bool:
+        return any(c.isspace() or c in _SBATCH_SPECIAL for c in text)
+
+    if not special(arg):
+        return arg
+    name, eq, value = arg.partition("=")
+    if not eq or special(name):
+        name, eq, value = "", "", arg
+    return name + eq + '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _refuse_in_script(label: str, value: str, *, output: bool = False) -> None:
+    """Refuse a value that would change what the batch script says, or where the job's output goes.
 
     No control character anywhere (the script's values are the user's: a newline in an #SBATCH line
-    starts a shell command of the script, and sbatch reads no directive after a command); in an
-    #SBATCH line (``directive``), no whitespace and none of :data:`_SBATCH_SPECIAL`; in the job's
-    output path (``output``), no '%': sbatch expands it (``%j``, ``%N``, ...) in ``--output``.
+    starts a shell command of the script, and sbatch reads no directive after a command; quoting cannot
+    help, sbatch ends an argument at a newline even inside quotes). In the job's output path
+    (``output``), no '%': sbatch expands it (``%j``, ``%N``, ...) in ``--output``; and no backslash: Slurm
+    reads one there as an escape (slurmstepd drops it, then expands no '%'), so the output went to
+    another file than the one named. Whitespace, '#', quotes and other backslashes are carried, quoted
+    (:func:`_sbatch_quote`).
 
     Raises:
-        ValueError: one line naming ``label``, the value and the character (and ``hint``, for an #SBATCH
-            line's).
+        ValueError: one line naming ``label``, the value and the character.
     """
     for c in value:
         if ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0:
             why = "is a control character, which cannot go into the batch script (a newline starts a shell command)"
-        elif directive and (c.isspace() or c in _SBATCH_SPECIAL):
-            why = ("cannot go into an #SBATCH line (sbatch splits it at whitespace, ends it at '#', strips quotes "
-                   f"and backslashes){hint}")
         elif output and c == "%":
             why = "cannot go into the job's output path (sbatch expands '%' there: %j is the job id)"
+        elif output and c == "\\":
+            why = ("cannot go into the job's output path (Slurm drops a backslash there and then expands no '%': "
+                   "the output went to another file)")
         else:
             continue
         raise ValueError(f"{label} {value!r:.120}: {c!r} {why}")
@@ -150,35 +174,40 @@ def sbatch_script(app: str, run_args: Sequence[str], job_dir: Path, *, nodes: in
                   sbatch_args: Sequence[str] = ()) -> str:
     """The batch script of a job: Slurm's directives, then ``reactor slurm --here`` on the first node.
 
-    The values go into the script as they are: the ``exec`` line quotes them for the shell, but sbatch
-    reads an #SBATCH line its own way, so what would change either is refused (:func:`_refuse_in_script`).
+    The values go into the script as they are: the ``exec`` line quotes them for the shell, and each
+    #SBATCH line's value is quoted the way sbatch reads it (:func:`_sbatch_quote`), where it needs to be:
+    a job directory with a space, ``--sbatch-arg='--comment=my experiment #3'``. What quoting cannot
+    carry is refused (:func:`_refuse_in_script`).
 
     Raises:
         ValueError: a control character in any value (the app's path, the job directory, the directory
-            submitted from, a run option); whitespace, '#', a quote or a backslash in a value of an
-            #SBATCH line (``--out``, ``--partition``, ``--time``, ``--sbatch-arg``); '%' in ``--out``; or an
-            ``--sbatch-arg`` that is not an option. Each names the option and the character. (The app's
-            file name names the job, any character but letters, digits, '_', '.' and '-' as '_'.)
+            submitted from, a run option); '%' or a backslash in ``--out``; an ``--sbatch-arg`` that is
+            not an option, or whose option's name (before its '=') holds whitespace: two arguments in
+            one. Each names the option and the character. (The app's file name names the job, any
+            character but letters, digits, '_', '.' and '-' as '_'.)
     """
     _refuse_in_script("app file", app)
-    _refuse_in_script("--out", str(job_dir), directive=True, output=True)
+    _refuse_in_script("--out", str(job_dir), output=True)
     _refuse_in_script("the directory submitted from", os.getcwd())
     for option, value in (("--partition", partition), ("--time", time_limit)):
-        _refuse_in_script(option, value or "", directive=True)
+        _refuse_in_script(option, value or "")
     for a in sbatch_args:
-        _refuse_in_script("--sbatch-arg", a, directive=True, hint=": give one option each, as --sbatch-arg=--mem=8G")
+        _refuse_in_script("--sbatch-arg", a)
         if not a.startswith("-"):
             raise ValueError(f"--sbatch-arg {a!r:.120}: not an sbatch option (one option each: --sbatch-arg=--mem=8G)")
+        if a.startswith("--") and (c := next((c for c in a.partition("=")[0] if c.isspace()), None)):
+            raise ValueError(f"--sbatch-arg {a!r:.120}: {c!r} in the option's name: give one option each, its value "
+                             f"after '=', as --sbatch-arg=--mem=8G")
     for i, a in enumerate(run_args):
         _refuse_in_script(run_args[i - 1] if i and run_args[i - 1].startswith("-") else "run option", a)
     job_name = "reactor-" + re.sub(r"[^A-Za-z0-9_.\-]", "_", Path(app).stem)[:100]  # (a label: any other character '_')
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks-per-node={tasks_per_node}", f"#SBATCH --output={job_dir}/slurm-%j.out"]
+    directives = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
+                  f"--output={job_dir}/slurm-%j.out"]
     if partition:
-        lines.append(f"#SBATCH --partition={partition}")
+        directives.append(f"--partition={partition}")
     if time_limit:
-        lines.append(f"#SBATCH --time={time_limit}")
-    lines += [f"#SBATCH {a}" for a in sbatch_args]
+        directives.append(f"--time={time_limit}")
+    lines = ["#!/bin/bash", *(f"#SBATCH {_sbatch_quote(d)}" for d in [*directives, *sbatch_args])]
     cmd = [sys.executable, "-m", "reactor.cli", "slurm", "--here", app, "--out", str(job_dir),
            "--tasks-per-node", str(tasks_per_node), *run_args]
     lines += [f"cd {shlex.quote(os.getcwd())}", "exec " + " ".join(shlex.quote(c) for c in cmd), ""]

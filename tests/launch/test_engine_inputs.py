@@ -1,9 +1,10 @@
 """What ``reactor slurm`` and ``reactor k8s render`` take from a careless user (session 75): a value that
-would change the batch script is refused naming it, a node list scontrol cannot expand is refused
-naming it, a daemon task's bad Slurm variable is one line naming it, and every character of the
-manifests comes back from a YAML reader as written. No Slurm is needed: a fake ``scontrol``, ``srun``
-or ``sbatch`` on PATH stands in where one is run, and the test of the real ``scontrol`` skips where
-there is none."""
+would change the batch script is refused naming it, one an #SBATCH line can carry quoted is read back by
+sbatch as given, a node list scontrol cannot expand is refused naming it, a daemon task's bad Slurm
+variable is one line naming it, and every character of the manifests comes back from a YAML reader as
+written. No Slurm is needed: a fake ``scontrol``, ``srun`` or ``sbatch`` on PATH stands in where one is
+run, the tests of the real ``scontrol`` skip where there is none, and those of the real ``sbatch`` use the
+local Slurm cluster (scripts/slurm_local.sh, as root), skipping where it cannot be set up."""
 
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from reactor.launch._slurm import SlurmError, node_names, sbatch_script, submit
+from reactor.launch._slurm import SlurmError, _sbatch_quote, node_names, sbatch_script, submit
 
 ROOT = Path(__file__).resolve().parents[2]
 DQN = str(ROOT / "apps" / "dqn.py")
-_SBATCH_LINE = ("cannot go into an #SBATCH line (sbatch splits it at whitespace, ends it at '#', strips quotes and "
-                "backslashes)")
 _CONTROL = "is a control character, which cannot go into the batch script (a newline starts a shell command)"
 
 
@@ -67,24 +66,24 @@ def test_a_legitimate_batch_script_renders_as_before(tmp_path, monkeypatch):
     ("/a/app.py", "/j\n/x", {}, f"--out '/j\\n/x': '\\n' {_CONTROL}"),
     ("/a/app.py", "/j", {"run_args": ["--set", "note=a\x85b"]}, f"--set 'note=a\\x85b': '\\x85' {_CONTROL}"),
     ("/a/app.py", "/j", {"run_args": ["x\x7f", "--async"]}, f"run option 'x\\x7f': '\\x7f' {_CONTROL}"),
-    # Whitespace, '#', a quote or a backslash: sbatch reads the #SBATCH line as other arguments.
-    ("/a/app.py", "/out dir", {}, f"--out '/out dir': ' ' {_SBATCH_LINE}"),
-    ("/a/app.py", "/out#1", {}, f"--out '/out#1': '#' {_SBATCH_LINE}"),
-    ("/a/app.py", "/j", {"partition": "gpu #2"}, f"--partition 'gpu #2': ' ' {_SBATCH_LINE}"),
-    ("/a/app.py", "/j", {"partition": '"gpu"'}, f"--partition '\"gpu\"': '\"' {_SBATCH_LINE}"),
-    ("/a/app.py", "/j", {"time_limit": "1:00\\"}, f"--time '1:00\\\\': '\\\\' {_SBATCH_LINE}"),
+    # An --sbatch-arg that is not one option (whitespace, '#', quotes and backslashes elsewhere are carried,
+    # quoted: test_sbatch_reads_back_each_value_as_given).
     ("/a/app.py", "/j", {"sbatch_args": ["--mem 8G"]},
-     f"--sbatch-arg '--mem 8G': ' ' {_SBATCH_LINE}: give one option each, as --sbatch-arg=--mem=8G"),
+     "--sbatch-arg '--mem 8G': ' ' in the option's name: give one option each, its value after '=', as "
+     "--sbatch-arg=--mem=8G"),
     ("/a/app.py", "/j", {"sbatch_args": ["mem=8G"]},
      "--sbatch-arg 'mem=8G': not an sbatch option (one option each: --sbatch-arg=--mem=8G)"),
-    # '%' in the output path: sbatch expands it (%j, %x, %%), so the output went elsewhere.
+    # '%' in the output path: sbatch expands it (%j, %x, %%), so the output went elsewhere; a backslash there
+    # Slurm drops, and then expands no '%' (seen: an output path /d/b\sl/slurm-%j.out wrote /d/bsl/slurm-%j.out).
     ("/a/app.py", "/runs/100%x", {}, "--out '/runs/100%x': '%' cannot go into the job's output path (sbatch "
                                      "expands '%' there: %j is the job id)"),
+    ("/a/app.py", "/runs/a\\b", {}, "--out '/runs/a\\\\b': '\\\\' cannot go into the job's output path (Slurm drops "
+                                    "a backslash there and then expands no '%': the output went to another file)"),
 ])
 def test_a_value_that_would_change_the_batch_script_is_refused_naming_it(app, out, kw, message):
     """Regression (session 75, a careless user's probe): the #SBATCH lines were written unquoted, so a
     newline in the app's file name, ``--partition``, ``--time`` or an ``--sbatch-arg`` ran a shell command
-    in the job (and silently dropped the directives after it); whitespace or '%' in ``--out`` sent the
+    in the job (and silently dropped the directives after it); '%' or a backslash in ``--out`` sent the
     job's output elsewhere. Each is refused in one line naming the option and the character."""
     kw = {"nodes": 2, "tasks_per_node": 1, **kw}
     run_args = kw.pop("run_args", [])
@@ -106,6 +105,132 @@ def test_a_refused_value_writes_and_submits_nothing(tmp_path, monkeypatch):
         submit(DQN, [], tmp_path / "job", nodes=2, tasks_per_node=1, partition="cpu\ntouch PWNED_PART")
     assert not (tmp_path / "job").exists() and not (tmp_path / "sbatch.calls").exists()
     assert not list(tmp_path.glob("PWNED*"))
+
+
+_C_SPACE = " \t\n\v\f\r"  # C's isspace in the C locale
+
+
+def _sbatch_reads(line: str) -> list[str]:
+    """The arguments sbatch 22.05 reads in what follows ``#SBATCH``: its get_argument (src/sbatch/opt.c),
+    step for step. The whitespace test comes before the backslash's, so a backslash escapes no whitespace;
+    an unquoted, unescaped '#' ends the line; an argument of nothing (``""``) ends it too."""
+    args, i = [], 0
+    while True:
+        while i < len(line) and line[i] in _C_SPACE:
+            i += 1
+        arg, escape, quote = None, False, ""
+        while i < len(line) and (quote or line[i] not in _C_SPACE) and line[i] != "\n":
+            c = line[i]
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape, i = True, i + 1
+                continue
+            elif quote:
+                if c == quote:
+                    quote, i = "", i + 1
+                    continue
+            elif c in "'\"":
+                quote, i = c, i + 1
+                continue
+            elif c == "#":
+                break
+            arg, i = (arg or "") + c, i + 1
+        assert not quote, f"sbatch: Unmatched `{quote}` in [{line}]"
+        if arg is None:
+            return args
+        args.append(arg)
+
+
+_AWKWARD = ["my experiment #3", "it's", 'say "hi"', "C:\\dir\\", "a\\'b", "  lead 'x' \"y\" \\z #w # \\",
+            "#", "'", '"', "\\", "a\xa0b\u3000c"]
+
+
+def test_an_sbatch_lines_value_is_quoted_only_where_sbatch_would_read_it_otherwise():
+    """A value with whitespace, '#', a quote or a backslash is double-quoted (its value alone, after the
+    option's '='), its backslashes and double quotes escaped; any other is written as it is. sbatch's
+    reading (its get_argument, as :func:`_sbatch_reads` steps through it) gives back the value exactly:
+    one argument, nothing dropped as a comment. (The real sbatch reads them alike:
+    test_sbatch_reads_back_each_value_as_given.)"""
+    assert _sbatch_quote("--mem=8G") == "--mem=8G"
+    assert _sbatch_quote("--comment=my experiment #3") == '--comment="my experiment #3"'
+    assert _sbatch_quote("--comment=say \"hi\" C:\\x") == '--comment="say \\"hi\\" C:\\\\x"'
+    assert _sbatch_quote("--comment=it's") == '--comment="it\'s"'
+    assert _sbatch_quote("-Jmy job") == '"-Jmy job"'  # (no '=': the whole argument)
+    assert _sbatch_quote("--com'ment=x y") == '"--com\'ment=x y"'  # (the name itself needs it: the whole)
+    for value in _AWKWARD:
+        for arg in (f"--comment={value}", f"-J{value}", f"--output=/jobs/{value}/slurm-%j.out"):
+            assert _sbatch_reads(_sbatch_quote(arg)) == [arg], arg
+    text = sbatch_script("/a/app.py", [], Path("/jobs/my run #3"), nodes=1, tasks_per_node=1, partition="gpu #2",
+                         time_limit="1:00 '\\", sbatch_args=["--comment=it's \"x\"", "--exclusive"])
+    directives = [line.removeprefix("#SBATCH") for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives == [' --job-name=reactor-app', ' --nodes=1', ' --ntasks-per-node=1',
+                          ' --output="/jobs/my run #3/slurm-%j.out"', ' --partition="gpu #2"',
+                          ' --time="1:00 \'\\\\"', ' --comment="it\'s \\"x\\""', ' --exclusive']
+    assert [a for d in directives for a in _sbatch_reads(d)] == [
+        "--job-name=reactor-app", "--nodes=1", "--ntasks-per-node=1", "--output=/jobs/my run #3/slurm-%j.out",
+        "--partition=gpu #2", "--time=1:00 '\\", "--comment=it's \"x\"", "--exclusive"]
+
+
+@pytest.fixture(scope="module")
+def local_slurm() -> None:
+    """The local Slurm cluster of tests/launch/test_slurm.py (scripts/slurm_local.sh, as root; the test
+    session stops it at its end if it started it: tests/conftest.py), or a skip saying why there is none."""
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm needs root")
+    got = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_local.sh")], capture_output=True, text=True,
+                         timeout=600)
+    if got.returncode != 0:
+        pytest.skip(f"no local Slurm here: {got.stderr.strip()[-500:]}")
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        pytest.skip("the local Slurm has no sbatch or scontrol on PATH")
+
+
+def _sbatch(script: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``sbatch --parsable -v OPTIONS SCRIPT`` from the script's directory: its answer, and the job's id ("" if
+    it made none)."""
+    got = subprocess.run(["sbatch", "--parsable", "-v", *options, str(script)], capture_output=True, text=True,
+                         cwd=script.parent, timeout=60)
+    job = got.stdout.strip().split(";")[0]
+    return got, job if got.returncode == 0 and job.isdigit() else ""
+
+
+@pytest.mark.parametrize("value", _AWKWARD)
+def test_sbatch_reads_back_each_value_as_given(local_slurm, value, tmp_path, monkeypatch):
+    """What the user needs an #SBATCH line to hold (``--sbatch-arg='--comment=my experiment #3'``, a job
+    directory with a space, a quote or a '#') was refused: it is now quoted, and the real sbatch reads it
+    back exactly. The job is submitted held and cancelled at once: Slurm's record of it says the comment
+    (``squeue %k``) and the job directory (``scontrol show job``'s StdOut, the output path with %j
+    expanded) as given. (A backslash cannot go into the job directory: Slurm reads it in an output path.)"""
+    monkeypatch.chdir(tmp_path)
+    job_dir = tmp_path / f"job{value.replace(chr(92), '')}"
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(DQN, [], job_dir, nodes=1, tasks_per_node=1, time_limit="5",
+                                    sbatch_args=[f"--comment={value}"]))
+    got, job = _sbatch(script, "--hold")
+    try:
+        assert job, f"sbatch refused it: {got.stderr.strip()[-2000:]}\n{script.read_text()}"
+        comment = subprocess.run(["squeue", "-h", "-j", job, "-o", "%k"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    finally:
+        if job:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    assert comment == f"{value}\n"
+    assert f"\n   StdOut={job_dir}/slurm-{job}.out\n" in shown, shown
+
+
+def test_sbatch_reads_back_a_partition_as_given(local_slurm, tmp_path, monkeypatch):
+    """``--partition`` is quoted alike: sbatch reads the name as given (its ``-v`` list of the options it
+    read) and Slurm refuses it as no partition of the cluster, as it would any other."""
+    monkeypatch.chdir(tmp_path)
+    value = "gpu #2 'a' \"b\" \\c"
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(DQN, [], tmp_path / "job", nodes=1, tasks_per_node=1, partition=value))
+    got, job = _sbatch(script, "--hold")
+    if job:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    assert got.returncode != 0 and f"sbatch: {'partition':<20}: {value}" in got.stderr.splitlines(), got.stderr
 
 
 # ------------------------------------------------------------------------------ the node list
